@@ -1,0 +1,191 @@
+"""The `gradsync` command: serve, worker, demo.
+
+Configuration flows one way: flags (with env-var defaults read here, at run
+time) -> a frozen config object -> constructors.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+from gradsync import __version__
+from gradsync.config import ENV_COORDINATOR, ENV_JOB_ID, ENV_RANK, ENV_WORLD_SIZE, MIB
+
+
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
+
+def _port(text: str) -> int:
+    value = int(text)
+    if not 0 <= value <= 65535:
+        raise argparse.ArgumentTypeError(f"must be in 0..65535, got {value}")
+    return value
+
+
+def _positive_float(text: str) -> float:
+    value = float(text)
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"must be > 0, got {text}")
+    return value
+
+
+def _env_int(name: str) -> int | None:
+    raw = os.environ.get(name)
+    return int(raw) if raw and raw.isdigit() else None
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The argument parser (exposed for tests and docs)."""
+    parser = argparse.ArgumentParser(
+        prog="gradsync", description="Data-parallel gradient synchronization over gRPC."
+    )
+    parser.add_argument("--version", action="version", version=f"gradsync {__version__}")
+    parser.add_argument("--log-level", default="INFO",
+                        choices=["DEBUG", "INFO", "WARNING", "ERROR"])
+    commands = parser.add_subparsers(dest="command", required=True)
+
+    serve = commands.add_parser("serve", help="run the coordinator")
+    serve.add_argument("--world-size", type=_positive_int, required=True,
+                       help="ranks per job")
+    serve.add_argument("--host", default="0.0.0.0", help="interface to bind (default all)")
+    serve.add_argument("--port", type=_port, default=50051,
+                       help="TCP port; 0 picks a free one and prints it (default 50051)")
+    serve.add_argument("--chunk-mb", type=_positive_float, default=1.0,
+                       help="wire chunk size in MiB (default 1)")
+    serve.add_argument("--max-buffered-mb", type=_positive_float, default=2048.0,
+                       help="cap on gradient bytes held in partial reductions (default 2048)")
+    serve.add_argument("--max-jobs", type=_positive_int, default=64,
+                       help="concurrent jobs accepted (default 64)")
+    serve.add_argument("--shutdown-grace-s", type=float, default=10.0,
+                       help="how long SIGTERM lets running streams finish (default 10)")
+
+    worker = commands.add_parser("worker", help="run the example training job as one rank")
+    worker.add_argument("--coordinator", default=os.environ.get(ENV_COORDINATOR),
+                        help=f"coordinator host:port (default ${ENV_COORDINATOR})")
+    worker.add_argument("--rank", type=int, default=_env_int(ENV_RANK),
+                        help=f"this worker's rank (default ${ENV_RANK})")
+    worker.add_argument("--world-size", type=_positive_int, default=_env_int(ENV_WORLD_SIZE),
+                        help=f"number of ranks (default ${ENV_WORLD_SIZE})")
+    worker.add_argument("--job-id", default=os.environ.get(ENV_JOB_ID),
+                        help=f"job id shared by all ranks (default ${ENV_JOB_ID} or 'default')")
+    _add_training_flags(worker)
+    worker.add_argument("--init-seed", type=int, default=None,
+                        help="seed of this rank's initial weights (default 1000 + rank; rank 0's "
+                             "weights are broadcast to all)")
+    worker.add_argument("--save", type=Path, default=None,
+                        help="write the final parameters to this .npz file")
+    worker.add_argument("--no-progress", action="store_true",
+                        help="no progress bar on rank 0")
+
+    demo = commands.add_parser(
+        "demo", help="start a coordinator and local workers, train, check against one process"
+    )
+    demo.add_argument("--workers", type=_positive_int, default=3,
+                      help="number of worker processes (default 3)")
+    _add_training_flags(demo)
+    return parser
+
+
+def _add_training_flags(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--epochs", type=_positive_int, default=3, help="epochs (default 3)")
+    parser.add_argument("--batch-size", type=_positive_int, default=32,
+                        help="samples per rank per step (default 32)")
+    parser.add_argument("--lr", type=_positive_float, default=0.1,
+                        help="SGD learning rate (default 0.1)")
+    parser.add_argument("--timeout-s", type=_positive_float, default=120.0,
+                        help="bound on every wait for other ranks (default 120)")
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of the `gradsync` console script; returns the exit code."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.command == "serve":
+        return _serve(parser, args)
+    if args.command == "worker":
+        return _worker(parser, args)
+    return _demo(args)
+
+
+def _serve(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
+    from gradsync.server.app import run
+    from gradsync.server.config import ServerConfig
+
+    _configure_logging(args.log_level, "coordinator")
+    try:
+        config = ServerConfig(
+            world_size=args.world_size,
+            host=args.host,
+            port=args.port,
+            chunk_bytes=int(args.chunk_mb * MIB),
+            max_buffered_bytes=int(args.max_buffered_mb * MIB),
+            max_jobs=args.max_jobs,
+            shutdown_grace_s=args.shutdown_grace_s,
+        )
+    except ValueError as exc:
+        parser.error(str(exc))
+    try:
+        return run(config)
+    except OSError as exc:
+        print(f"gradsync serve: {exc}", file=sys.stderr)
+        return 1
+
+
+def _worker(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
+    if not args.coordinator:
+        parser.error(f"worker needs --coordinator HOST:PORT (or ${ENV_COORDINATOR})")
+    if args.rank is None or args.world_size is None:
+        parser.error(f"worker needs --rank and --world-size (or ${ENV_RANK} / ${ENV_WORLD_SIZE})")
+    if not 0 <= args.rank < args.world_size:
+        parser.error(f"--rank {args.rank} is out of range for --world-size {args.world_size}")
+    _configure_logging(args.log_level, f"rank {args.rank}")
+    from gradsync.errors import GradSyncError
+    from gradsync.example import TrainSettings, train_worker
+
+    settings = TrainSettings(
+        world_size=args.world_size, epochs=args.epochs, batch_size=args.batch_size, lr=args.lr
+    )
+    init_seed = args.init_seed if args.init_seed is not None else 1000 + args.rank
+    try:
+        test_accuracy = train_worker(
+            args.coordinator, args.rank, settings, init_seed=init_seed, job_id=args.job_id,
+            timeout_s=args.timeout_s, progress=args.rank == 0 and not args.no_progress,
+            save_path=args.save,
+        )
+    except GradSyncError as exc:
+        print(f"gradsync worker rank {args.rank}: {exc}", file=sys.stderr)
+        return 1
+    print(f"rank {args.rank}: test accuracy {test_accuracy:.4f}", flush=True)
+    return 0
+
+
+def _demo(args: argparse.Namespace) -> int:
+    from gradsync.demo import run_demo
+    from gradsync.example import TrainSettings
+
+    _configure_logging("WARNING", "demo")
+    settings = TrainSettings(
+        world_size=args.workers, epochs=args.epochs, batch_size=args.batch_size, lr=args.lr
+    )
+    return run_demo(settings, timeout_s=args.timeout_s)
+
+
+def _configure_logging(level: str, who: str) -> None:
+    logging.basicConfig(
+        level=level,
+        format=f"%(asctime)s [{who}] %(levelname)s %(name)s: %(message)s",
+        stream=sys.stderr,
+    )
+
+
+if __name__ == "__main__":
+    sys.exit(main())

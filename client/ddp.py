@@ -1,0 +1,343 @@
+"""`gradsync.DistributedDataParallel`: DDP-style gradient averaging via a coordinator.
+
+How one synchronized backward pass flows:
+
+1. Each parameter has a post-accumulate-grad hook. The first hook of a
+   backward pass queues an end-of-backward callback with the autograd engine.
+2. When the last gradient of a bucket lands, the hook copies the bucket's
+   gradients into one flat buffer and hands it to the transport thread, which
+   uploads it in chunks while autograd keeps computing earlier layers.
+3. The end-of-backward callback uploads any bucket still missing gradients
+   (parameters unused in this pass contribute zeros), waits (bounded) for
+   every averaged bucket and writes the averages into `param.grad`. So
+   `loss.backward()` returns with averaged gradients; user code is unchanged.
+
+Hooks never block on the network and never raise: failures are recorded and
+raised from the callback, i.e. from `backward()`, as `GradSyncError`s.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import enum
+import logging
+import uuid
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+from torch import nn
+
+from gradsync import __version__, wire
+from gradsync.bucketing import BucketPlan, assign_buckets
+from gradsync.config import ClientConfig
+from gradsync.errors import ClosedError, GradSyncError
+from gradsync.transport import Transport
+from gradsync.v1 import gradsync_pb2 as pb
+
+log = logging.getLogger("gradsync.client")
+
+#: torch dtype -> wire dtype. Integer types only ever occur in buffers.
+WIRE_DTYPES: dict[torch.dtype, int] = {
+    torch.float32: pb.DTYPE_FLOAT32,
+    torch.float64: pb.DTYPE_FLOAT64,
+    torch.float16: pb.DTYPE_FLOAT16,
+    torch.bfloat16: pb.DTYPE_BFLOAT16,
+    torch.int64: pb.DTYPE_INT64,
+    torch.int32: pb.DTYPE_INT32,
+    torch.int16: pb.DTYPE_INT16,
+    torch.int8: pb.DTYPE_INT8,
+    torch.uint8: pb.DTYPE_UINT8,
+    torch.bool: pb.DTYPE_BOOL,
+}
+
+
+class _State(enum.Enum):
+    OPEN = "open"
+    CLOSED = "closed"
+
+
+def _wire_dtype(name: str, tensor: torch.Tensor) -> int:
+    try:
+        return WIRE_DTYPES[tensor.dtype]
+    except KeyError:
+        raise ValueError(f"'{name}' has unsupported dtype {tensor.dtype}") from None
+
+
+def _spec(name: str, tensor: torch.Tensor) -> pb.TensorSpec:
+    return pb.TensorSpec(name=name, shape=list(tensor.shape), dtype=_wire_dtype(name, tensor))  # type: ignore[arg-type]
+
+
+class DistributedDataParallel(nn.Module):
+    """Wrap `module` so that `backward()` leaves averaged gradients in `param.grad`.
+
+    Args:
+        module: the model; its `forward` is used unchanged (`.module` returns it).
+        coordinator: "host:port" of the coordinator; default $GRADSYNC_COORDINATOR.
+        rank: this worker's rank; default $RANK (torchrun sets it).
+        world_size: number of workers; default $WORLD_SIZE.
+        job_id: name shared by the job's ranks; default $GRADSYNC_JOB_ID or "default".
+        bucket_cap_mb: cap of each gradient bucket (MiB), as in torch DDP.
+        first_bucket_mb: cap of the first bucket (MiB), small so uploads start early.
+        timeout_s: bound on the wait for each step's averaged gradients.
+        join_timeout_s: bound on the wait for every rank to join and for rank 0's state.
+
+    Construction blocks until all ranks have joined, then copies rank 0's
+    parameters and buffers to every rank. Only dense gradients are supported.
+    A parameter that gets no gradient in a step contributes zeros to the
+    average; afterwards its `.grad` holds the average on every rank (zeros if
+    no rank used it), so all ranks stay identical.
+
+    Raises:
+        ValueError: invalid or missing settings.
+        GradSyncError: joining failed (coordinator unreachable, join refused, ...).
+    """
+
+    def __init__(
+        self,
+        module: nn.Module,
+        coordinator: str | None = None,
+        rank: int | None = None,
+        world_size: int | None = None,
+        *,
+        job_id: str | None = None,
+        bucket_cap_mb: float = 25.0,
+        first_bucket_mb: float = 1.0,
+        timeout_s: float = 300.0,
+        join_timeout_s: float = 300.0,
+    ) -> None:
+        super().__init__()
+        self.module = module
+        self.config = ClientConfig.resolve(
+            coordinator, rank, world_size, job_id, bucket_cap_mb, first_bucket_mb,
+            timeout_s, join_timeout_s,
+        )
+        named = list(module.named_parameters())
+        if not any(p.requires_grad for _, p in named):
+            raise ValueError("the module has no parameters that require gradients")
+        self._named_parameters = named
+        self._named_buffers = list(module.named_buffers())
+        self._buckets = self._plan_buckets()
+        self._bucket_of = [-1] * len(named)
+        for bucket_index, plan in enumerate(self._buckets):
+            for index in plan.parameter_indices:
+                self._bucket_of[index] = bucket_index
+        self._state = _State.OPEN
+        self._require_sync = True
+        self._backward_active = False
+        self._ready = [0] * len(self._buckets)
+        self._launched = [False] * len(self._buckets)
+        self._errors: list[Exception] = []
+        self._hooks: list[Any] = []
+        self.last_contributors = 0
+        self._transport = Transport(self.config.coordinator, self.config.rank)
+        try:
+            self._step = self._join_and_broadcast()
+        except BaseException:
+            self._transport.close(timeout_s=5.0)
+            raise
+        for index, (_, param) in enumerate(named):
+            if self._bucket_of[index] >= 0:
+                self._hooks.append(
+                    param.register_post_accumulate_grad_hook(self._make_hook(index))
+                )
+
+    # ---------------------------------------------------------------- public
+    @property
+    def rank(self) -> int:
+        """This worker's rank."""
+        return self.config.rank
+
+    @property
+    def world_size(self) -> int:
+        """Number of ranks in the job."""
+        return self.config.world_size
+
+    @property
+    def step(self) -> int:
+        """Index of the next synchronized step (synced backward passes so far)."""
+        return self._step
+
+    @property
+    def bucket_plans(self) -> list[BucketPlan]:
+        """The bucket layout (indices into `module.named_parameters()`)."""
+        return list(self._buckets)
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        """Run the wrapped module's forward."""
+        if self._state is _State.CLOSED:
+            raise ClosedError("DistributedDataParallel used after close()", rank=self.rank)
+        return self.module(*args, **kwargs)
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Skip synchronization inside the block; gradients accumulate locally.
+
+        The next backward pass outside the block averages the accumulated
+        gradients, as with torch DDP.
+        """
+        previous = self._require_sync
+        self._require_sync = False
+        try:
+            yield
+        finally:
+            self._require_sync = previous
+
+    def close(self) -> None:
+        """Remove the hooks and leave the job cleanly. Idempotent."""
+        if self._state is _State.CLOSED:
+            return
+        self._state = _State.CLOSED
+        for handle in self._hooks:
+            handle.remove()
+        self._hooks.clear()
+        self._transport.close()
+
+    def __enter__(self) -> DistributedDataParallel:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    # ------------------------------------------------------------ joining
+    def _plan_buckets(self) -> list[BucketPlan]:
+        sizes, dtypes = [], []
+        for name, param in self._named_parameters:
+            _wire_dtype(name, param)
+            trainable = param.requires_grad and param.numel() > 0
+            sizes.append(param.numel() * param.element_size() if trainable else 0)
+            dtypes.append(param.dtype)
+        return assign_buckets(
+            sizes, dtypes, self.config.bucket_cap_bytes, self.config.first_bucket_cap_bytes
+        )
+
+    def _signature(self) -> pb.ModelSignature:
+        return pb.ModelSignature(
+            parameters=[_spec(name, p) for name, p in self._named_parameters],
+            buffers=[_spec(name, b) for name, b in self._named_buffers],
+            buckets=[
+                pb.BucketSpec(
+                    parameter_indices=list(plan.parameter_indices),
+                    dtype=WIRE_DTYPES[plan.dtype],  # type: ignore[index,arg-type]
+                    num_elements=plan.num_bytes // wire.itemsize(WIRE_DTYPES[plan.dtype]),  # type: ignore[index]
+                )
+                for plan in self._buckets
+            ],
+        )
+
+    def _join_and_broadcast(self) -> int:
+        """Join the job, then make every rank start from rank 0's state."""
+        config = self.config
+        self._transport.configure_buckets([plan.num_bytes for plan in self._buckets])
+        join = pb.Join(
+            job_id=config.job_id,
+            rank=config.rank,
+            world_size=config.world_size,
+            signature=self._signature(),
+            incarnation=uuid.uuid4().hex,
+            client_version=__version__,
+        )
+        log.info("rank %d: joining job '%s' at %s (world size %d, %d buckets)",
+                 config.rank, config.job_id, config.coordinator, config.world_size,
+                 len(self._buckets))
+        self._transport.open(join)
+        welcome = self._transport.wait_welcome(config.join_timeout_s)
+        tensors = [p for _, p in self._named_parameters] + [b for _, b in self._named_buffers]
+        with torch.no_grad():
+            if config.rank == 0:
+                flat = [t.detach().reshape(-1).view(torch.uint8).cpu() for t in tensors if t.numel()]
+                blob = torch.cat(flat) if flat else torch.empty(0, dtype=torch.uint8)
+                self._transport.send_state(blob.numpy())
+            elif welcome.state_bytes:
+                raw = self._transport.receive_state(welcome.state_bytes, config.join_timeout_s)
+                offset = 0
+                for tensor in tensors:
+                    if tensor.numel() == 0:
+                        continue
+                    size = tensor.numel() * tensor.element_size()
+                    source = torch.frombuffer(raw, dtype=tensor.dtype, count=tensor.numel(),
+                                              offset=offset)
+                    tensor.copy_(source.view_as(tensor))
+                    offset += size
+        log.info("rank %d: job '%s' assembled; starting at step %d",
+                 config.rank, config.job_id, welcome.start_step)
+        return int(welcome.start_step)
+
+    # -------------------------------------------------------------- hooks
+    def _make_hook(self, index: int) -> Any:
+        def hook(_: torch.Tensor) -> None:
+            self._on_gradient_ready(index)
+
+        return hook
+
+    def _on_gradient_ready(self, index: int) -> None:
+        """Autograd hook body: count readiness, launch full buckets. Never raises."""
+        if not self._require_sync or self._state is _State.CLOSED:
+            return
+        try:
+            if not self._backward_active:
+                self._backward_active = True
+                self._ready = [0] * len(self._buckets)
+                self._launched = [False] * len(self._buckets)
+                torch.autograd.Variable._execution_engine.queue_callback(self._finish_backward)
+            bucket_index = self._bucket_of[index]
+            self._ready[bucket_index] += 1
+            if self._ready[bucket_index] == len(self._buckets[bucket_index].parameter_indices):
+                self._launch(bucket_index)
+        except Exception as exc:  # raised at the end of backward, with context
+            self._errors.append(exc)
+
+    def _launch(self, bucket_index: int) -> None:
+        """Copy a bucket's gradients into one flat buffer and queue its upload."""
+        plan = self._buckets[bucket_index]
+        pieces = []
+        for index in plan.parameter_indices:
+            param = self._named_parameters[index][1]
+            grad = param.grad
+            if grad is None:
+                pieces.append(torch.zeros(param.numel(), dtype=param.dtype))
+            else:
+                if grad.is_sparse:
+                    raise ValueError(f"'{self._named_parameters[index][0]}' has a sparse "
+                                     "gradient; gradsync averages dense gradients only")
+                pieces.append(grad.detach().reshape(-1).cpu())
+        flat = torch.cat(pieces)
+        self._launched[bucket_index] = True
+        self._transport.submit_bucket(
+            self._step, bucket_index, flat.view(torch.uint8).numpy(), WIRE_DTYPES[flat.dtype]
+        )
+
+    def _finish_backward(self) -> None:
+        """End-of-backward callback: flush, wait for averages, write them to .grad."""
+        step = self._step
+        try:
+            if self._errors:
+                error = self._errors[0]
+                self._errors.clear()
+                raise GradSyncError(
+                    f"preparing gradients for upload failed: {error}", rank=self.rank, step=step
+                ) from error
+            for bucket_index, launched in enumerate(self._launched):
+                if not launched:  # some parameter got no gradient this pass
+                    self._launch(bucket_index)
+            buffers, self.last_contributors = self._transport.wait_step(
+                step, self.config.timeout_s
+            )
+            self._write_averages(buffers)
+        finally:
+            self._backward_active = False
+            self._step = step + 1
+
+    def _write_averages(self, buffers: list[bytearray]) -> None:
+        with torch.no_grad():
+            for plan, raw in zip(self._buckets, buffers, strict=True):
+                flat = torch.frombuffer(raw, dtype=plan.dtype)  # type: ignore[arg-type]
+                start = 0
+                for index in plan.parameter_indices:
+                    param = self._named_parameters[index][1]
+                    averaged = flat[start:start + param.numel()].view_as(param)
+                    start += param.numel()
+                    if param.grad is None:
+                        param.grad = averaged.to(param.device, copy=True)
+                    else:
+                        param.grad.copy_(averaged)

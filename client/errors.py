@@ -1,0 +1,159 @@
+"""The exceptions gradsync raises, and the one place that maps status codes to them.
+
+Hierarchy::
+
+    GradSyncError                  base: carries rank, step, bucket_index, code
+    ├── CoordinatorUnavailableError  cannot reach / lost the coordinator
+    ├── SyncTimeoutError             a bounded wait ran out
+    ├── JoinRefusedError             the coordinator refused this worker's join
+    ├── StepAbortedError             a step was abandoned (nothing was averaged)
+    │   ├── MessageRejectedError     ...because this worker sent a bad message
+    │   └── PeerLostError            ...because another rank left or died
+    └── ClosedError                  the object was used after close()
+
+Errors raised inside the background transport are recorded with their context
+and re-raised at the next synchronization point (end of backward), so autograd
+hooks never raise.
+
+`Code` mirrors google.rpc.Code so that the pure coordinator logic can speak in
+status codes without importing grpc.
+"""
+
+from __future__ import annotations
+
+import enum
+
+
+class Code(enum.IntEnum):
+    """google.rpc.Code values used by gradsync (same numbers as grpc.StatusCode)."""
+
+    OK = 0
+    CANCELLED = 1
+    UNKNOWN = 2
+    INVALID_ARGUMENT = 3
+    DEADLINE_EXCEEDED = 4
+    NOT_FOUND = 5
+    ALREADY_EXISTS = 6
+    PERMISSION_DENIED = 7
+    RESOURCE_EXHAUSTED = 8
+    FAILED_PRECONDITION = 9
+    ABORTED = 10
+    INTERNAL = 13
+    UNAVAILABLE = 14
+    UNAUTHENTICATED = 16
+
+
+class GradSyncError(RuntimeError):
+    """Base class of every gradsync error.
+
+    Attributes:
+        rank: the rank that observed the error (None if unknown).
+        step: the synchronized step concerned (None if not step-specific).
+        bucket_index: the bucket concerned (None if not bucket-specific).
+        code: the status code behind the error, when there is one.
+    """
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        rank: int | None = None,
+        step: int | None = None,
+        bucket_index: int | None = None,
+        code: Code | None = None,
+    ) -> None:
+        context = []
+        if rank is not None:
+            context.append(f"rank {rank}")
+        if step is not None:
+            context.append(f"step {step}")
+        if bucket_index is not None and bucket_index >= 0:
+            context.append(f"bucket {bucket_index}")
+        prefix = f"[{', '.join(context)}] " if context else ""
+        super().__init__(prefix + message)
+        self.rank = rank
+        self.step = step
+        self.bucket_index = bucket_index
+        self.code = code
+
+
+class CoordinatorUnavailableError(GradSyncError):
+    """The coordinator could not be reached, or the connection to it was lost."""
+
+
+class SyncTimeoutError(GradSyncError):
+    """A bounded wait (join, broadcast, step results) ran out of time."""
+
+
+class JoinRefusedError(GradSyncError):
+    """The coordinator refused to admit this worker (rank taken, signature mismatch, ...)."""
+
+
+class StepAbortedError(GradSyncError):
+    """A step was abandoned by the coordinator; no averaged gradients were applied."""
+
+
+class MessageRejectedError(StepAbortedError):
+    """This worker sent a message the coordinator rejected (the step was abandoned)."""
+
+
+class PeerLostError(StepAbortedError):
+    """Another rank left or disconnected, so the step cannot complete."""
+
+
+class ClosedError(GradSyncError):
+    """The object was used after `close()`."""
+
+
+class RejectedMessage(Exception):
+    """Raised by coordinator logic when a message must be refused.
+
+    Internal to the coordinator: the servicer turns it into a gRPC status or an
+    in-band StepAborted message. `message` names the rank, step, bucket and the
+    values involved.
+    """
+
+    def __init__(
+        self, code: Code, message: str, *, step: int | None = None, bucket_index: int = -1
+    ) -> None:
+        super().__init__(message)
+        self.code = code
+        self.message = message
+        self.step = step
+        self.bucket_index = bucket_index
+
+
+_TERMINAL_CODE_TO_ERROR: dict[Code, type[GradSyncError]] = {
+    Code.ALREADY_EXISTS: JoinRefusedError,
+    Code.INVALID_ARGUMENT: JoinRefusedError,
+    Code.FAILED_PRECONDITION: JoinRefusedError,
+    Code.PERMISSION_DENIED: JoinRefusedError,
+    Code.UNAUTHENTICATED: JoinRefusedError,
+    Code.RESOURCE_EXHAUSTED: JoinRefusedError,
+    Code.ABORTED: PeerLostError,
+    Code.DEADLINE_EXCEEDED: SyncTimeoutError,
+    Code.UNAVAILABLE: CoordinatorUnavailableError,
+    Code.CANCELLED: CoordinatorUnavailableError,
+}
+
+
+def error_from_status(
+    code: int,
+    details: str,
+    *,
+    rank: int | None = None,
+    step: int | None = None,
+    bucket_index: int | None = None,
+) -> GradSyncError:
+    """Translate a stream-ending gRPC status into the matching GradSyncError.
+
+    This is the single error boundary between the transport and user code.
+    """
+    try:
+        status = Code(code)
+    except ValueError:
+        status = Code.UNKNOWN
+    cls = _TERMINAL_CODE_TO_ERROR.get(status, GradSyncError)
+    return cls(
+        f"{status.name}: {details}", rank=rank, step=step, bucket_index=bucket_index, code=status
+    )

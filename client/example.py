@@ -1,0 +1,161 @@
+"""The example training job behind `gradsync worker` and `gradsync demo`.
+
+A small MLP learns scikit-learn's bundled handwritten digits (8x8 images, no
+download). Every rank walks the same shuffled order of global batches and
+trains on its own slice of each, so the distributed run is mathematically the
+same as one process training on whole global batches — which is exactly what
+`train_reference` does, to check the result.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+from torch import nn
+
+log = logging.getLogger("gradsync.example")
+
+
+@dataclass(frozen=True)
+class TrainSettings:
+    """Hyper-parameters shared by every rank and by the reference run."""
+
+    world_size: int
+    epochs: int = 3
+    batch_size: int = 32  # per rank
+    lr: float = 0.1
+    data_seed: int = 0
+
+
+@dataclass(frozen=True)
+class Digits:
+    """Train / test tensors of the digits data set."""
+
+    train_x: torch.Tensor
+    train_y: torch.Tensor
+    test_x: torch.Tensor
+    test_y: torch.Tensor
+
+
+def load_digits(data_seed: int = 0) -> Digits:
+    """Load the digits, scale pixels to [0, 1], hold out 20 % for testing."""
+    from sklearn.datasets import load_digits as sklearn_digits
+
+    images, labels = sklearn_digits(return_X_y=True)
+    order = np.random.default_rng(data_seed).permutation(len(labels))
+    x = torch.tensor(images[order] / 16.0, dtype=torch.float32)
+    y = torch.tensor(labels[order], dtype=torch.int64)
+    cut = int(0.8 * len(y))
+    return Digits(x[:cut], y[:cut], x[cut:], y[cut:])
+
+
+def build_model(seed: int) -> nn.Module:
+    """The MLP; `seed` picks its initial weights."""
+    generator_state = torch.random.get_rng_state()
+    torch.manual_seed(seed)
+    model = nn.Sequential(nn.Linear(64, 128), nn.ReLU(), nn.Linear(128, 10))
+    torch.random.set_rng_state(generator_state)
+    return model
+
+
+def global_batches(num_samples: int, settings: TrainSettings) -> list[torch.Tensor]:
+    """Index tensors of every global batch, identical on all ranks (drop last)."""
+    global_batch = settings.batch_size * settings.world_size
+    generator = torch.Generator().manual_seed(settings.data_seed + 1)
+    batches = []
+    for _ in range(settings.epochs):
+        order = torch.randperm(num_samples, generator=generator)
+        for start in range(0, num_samples - global_batch + 1, global_batch):
+            batches.append(order[start:start + global_batch])
+    return batches
+
+
+def accuracy(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> float:
+    """Fraction of `x` classified correctly."""
+    with torch.no_grad():
+        return float((model(x).argmax(dim=1) == y).float().mean())
+
+
+def train_worker(
+    coordinator: str,
+    rank: int,
+    settings: TrainSettings,
+    *,
+    init_seed: int,
+    job_id: str | None = None,
+    timeout_s: float = 120.0,
+    progress: bool = False,
+    save_path: Path | None = None,
+) -> float:
+    """Train one rank of the example job; return the final test accuracy."""
+    import gradsync
+
+    data = load_digits(settings.data_seed)
+    model = gradsync.DistributedDataParallel(
+        build_model(init_seed), coordinator=coordinator, rank=rank,
+        world_size=settings.world_size, job_id=job_id, timeout_s=timeout_s,
+        join_timeout_s=timeout_s,
+    )
+    optimizer = torch.optim.SGD(model.parameters(), lr=settings.lr)
+    loss_fn = nn.CrossEntropyLoss()
+    batches = global_batches(len(data.train_y), settings)
+    steps = _progress(batches, enabled=progress)
+    with model:
+        for indices in steps:
+            mine = indices[rank * settings.batch_size:(rank + 1) * settings.batch_size]
+            optimizer.zero_grad(set_to_none=True)
+            loss = loss_fn(model(data.train_x[mine]), data.train_y[mine])
+            loss.backward()
+            optimizer.step()
+            if progress and hasattr(steps, "set_postfix"):
+                steps.set_postfix(loss=f"{loss.item():.3f}")
+    test_accuracy = accuracy(model.module, data.test_x, data.test_y)
+    if save_path is not None:
+        save_parameters(model.module, save_path, test_accuracy)
+    return test_accuracy
+
+
+def train_reference(settings: TrainSettings, init_seed: int) -> tuple[nn.Module, float]:
+    """Single-process training on whole global batches: what the workers must equal."""
+    data = load_digits(settings.data_seed)
+    model = build_model(init_seed)
+    optimizer = torch.optim.SGD(model.parameters(), lr=settings.lr)
+    loss_fn = nn.CrossEntropyLoss()
+    for indices in global_batches(len(data.train_y), settings):
+        # The mean over the global batch equals the mean of the ranks' means,
+        # because every rank's slice has the same size.
+        optimizer.zero_grad(set_to_none=True)
+        loss_fn(model(data.train_x[indices]), data.train_y[indices]).backward()
+        optimizer.step()
+    return model, accuracy(model, data.test_x, data.test_y)
+
+
+def save_parameters(model: nn.Module, path: Path, test_accuracy: float) -> None:
+    """Write parameters (and the accuracy) to an .npz file."""
+    arrays = {name: p.detach().cpu().numpy() for name, p in model.named_parameters()}
+    np.savez(path, __accuracy__=np.array(test_accuracy), **arrays)
+
+
+def max_relative_difference(model: nn.Module, saved: dict[str, np.ndarray]) -> float:
+    """Largest ||a - b|| / ||b|| over parameters (b from the reference `model`)."""
+    worst = 0.0
+    for name, param in model.named_parameters():
+        reference = param.detach().cpu().numpy().astype(np.float64)
+        got = saved[name].astype(np.float64)
+        worst = max(worst, float(np.linalg.norm(got - reference) / np.linalg.norm(reference)))
+    return worst
+
+
+def _progress(batches: list[torch.Tensor], enabled: bool) -> list[torch.Tensor]:
+    if not enabled:
+        return batches
+    try:
+        from tqdm import tqdm
+    except ImportError:
+        return batches
+    return tqdm(batches, desc="rank 0 training", unit="step", file=sys.stderr)  # type: ignore[return-value]

@@ -1,0 +1,415 @@
+"""The worker's side of the Sync stream: gRPC on a background event loop.
+
+`Transport` is a thread-safe, blocking facade over a `grpc.aio` stream that
+lives on its own asyncio loop in a daemon thread. The training thread and the
+autograd hooks only call non-blocking methods (`submit_bucket` enqueues) or
+bounded waits (`wait_step`, `wait_welcome`, `receive_state`). Everything the
+background side learns (averaged chunks, aborted steps, a dead stream) is
+recorded under one condition variable; failures are stored and raised at the
+next wait, translated into `GradSyncError`s in one place.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import grpc
+import numpy as np
+import numpy.typing as npt
+
+from gradsync import wire
+from gradsync.errors import (
+    ClosedError,
+    Code,
+    CoordinatorUnavailableError,
+    GradSyncError,
+    MessageRejectedError,
+    PeerLostError,
+    StepAbortedError,
+    SyncTimeoutError,
+    error_from_status,
+)
+from gradsync.v1 import gradsync_pb2 as pb
+from gradsync.v1 import gradsync_pb2_grpc as pb_grpc
+
+#: Largest message the client accepts or sends; the coordinator's own limit
+#: (announced in Welcome) is the binding one for uploads.
+CLIENT_MAX_MESSAGE_BYTES = 64 * (1 << 20) + wire.HEADER_SLACK_BYTES
+
+
+@dataclass
+class _BucketUpload:
+    step: int
+    bucket_index: int
+    data: npt.NDArray[np.uint8]
+    dtype: int
+
+
+@dataclass
+class _StateUpload:
+    blob: npt.NDArray[np.uint8]
+
+
+@dataclass
+class _StepResult:
+    """Averaged buckets of one step, allocated as their first chunk arrives."""
+
+    buffers: dict[int, bytearray] = field(default_factory=dict)
+    received: dict[int, int] = field(default_factory=dict)
+    contributors: int = 0
+    complete_buckets: int = 0
+    aborted: pb.StepAborted | None = None
+
+
+@dataclass
+class _Shared:
+    """State written by the loop thread and read by waiters (under `cond`)."""
+
+    welcome: pb.Welcome | None = None
+    state: bytearray | None = None
+    state_received: int = 0
+    results: dict[int, _StepResult] = field(default_factory=dict)
+    fatal: GradSyncError | None = None
+    stream_done: bool = False
+
+
+_CLOSE = object()
+
+
+class Transport:
+    """One worker's connection to one coordinator.
+
+    Args:
+        target: "host:port" of the coordinator.
+        rank: this worker's rank (for error messages).
+    """
+
+    def __init__(self, target: str, rank: int) -> None:
+        self.target = target
+        self.rank = rank
+        self._cond = threading.Condition()
+        self._shared = _Shared()
+        self._bucket_bytes: list[int] = []
+        self._closed = False
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(
+            target=self._loop.run_forever, name=f"gradsync-transport-r{rank}", daemon=True
+        )
+        self._thread.start()
+        self._outgoing: asyncio.Queue[Any] = asyncio.Queue()
+        self._channel: grpc.aio.Channel | None = None
+        self._call: Any = None
+        self._receiver: asyncio.Task[None] | None = None
+
+    # ------------------------------------------------------------ public API
+    def open(self, join: pb.Join) -> None:
+        """Open the stream and send Join (returns at once; see `wait_welcome`)."""
+        self._run(self._open(join), timeout_s=30.0)
+
+    def wait_welcome(self, timeout_s: float) -> pb.Welcome:
+        """Block until the job is assembled.
+
+        Raises:
+            CoordinatorUnavailableError: the coordinator was not reachable in time.
+            SyncTimeoutError: reachable, but the job did not assemble in time.
+            JoinRefusedError: the coordinator refused this worker.
+        """
+        try:
+            self._wait(lambda s: s.welcome is not None, timeout_s, "the job to assemble")
+        except SyncTimeoutError:
+            if not self._is_connected():
+                raise CoordinatorUnavailableError(
+                    f"could not reach the coordinator at {self.target} within {timeout_s:g}s",
+                    rank=self.rank,
+                ) from None
+            raise SyncTimeoutError(
+                f"connected to {self.target}, but the job did not assemble within "
+                f"{timeout_s:g}s (are all ranks started with the same world size and job id?)",
+                rank=self.rank,
+            ) from None
+        welcome = self._shared.welcome
+        assert welcome is not None
+        return welcome
+
+    def configure_buckets(self, bucket_bytes: list[int]) -> None:
+        """Tell the transport the size of each bucket (to assemble results)."""
+        self._bucket_bytes = list(bucket_bytes)
+
+    def send_state(self, blob: npt.NDArray[np.uint8]) -> None:
+        """Queue rank 0's state blob for broadcast (non-blocking)."""
+        self._put(_StateUpload(blob))
+
+    def receive_state(self, num_bytes: int, timeout_s: float) -> bytearray:
+        """Block until rank 0's whole state blob has arrived; return it."""
+        with self._cond:
+            if self._shared.state is None:
+                self._shared.state = bytearray(num_bytes)
+        self._wait(lambda s: s.state_received >= num_bytes, timeout_s, "rank 0's state")
+        state = self._shared.state
+        assert state is not None
+        return state
+
+    def submit_bucket(
+        self, step: int, bucket_index: int, data: npt.NDArray[np.uint8], dtype: int
+    ) -> None:
+        """Queue one bucket's local gradients for upload. Never blocks; safe from any thread."""
+        self._put(_BucketUpload(step, bucket_index, data, dtype))
+
+    def wait_step(self, step: int, timeout_s: float) -> tuple[list[bytearray], int]:
+        """Block until every averaged bucket of `step` arrived.
+
+        Returns:
+            (one buffer per bucket, number of ranks averaged over).
+
+        Raises:
+            StepAbortedError (or a subclass): the coordinator abandoned the step.
+            SyncTimeoutError: the results did not arrive within `timeout_s`.
+            CoordinatorUnavailableError / other GradSyncError: the stream failed.
+        """
+        self._ensure_step(step)
+
+        num_buckets = len(self._bucket_bytes)
+
+        def ready(shared: _Shared) -> bool:
+            result = shared.results[step]
+            return result.aborted is not None or result.complete_buckets == num_buckets
+
+        try:
+            self._wait(ready, timeout_s, f"the averaged gradients of step {step}")
+        except SyncTimeoutError as exc:
+            raise SyncTimeoutError(
+                f"{exc.args[0]}; {self._describe_missing(step)}", rank=self.rank, step=step
+            ) from None
+        with self._cond:
+            result = self._shared.results.pop(step)
+            for old in [s for s in self._shared.results if s < step]:
+                del self._shared.results[old]
+        if result.aborted is not None:
+            raise _abort_error(result.aborted, self.rank)
+        return [result.buffers[index] for index in range(num_buckets)], result.contributors
+
+    def close(self, timeout_s: float = 10.0) -> None:
+        """Say goodbye, wait (bounded) for the stream to end, stop the loop thread."""
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            if self._call is not None:
+                self._put(pb.WorkerMessage(leave=pb.Leave(reason="closed by the worker")))
+                self._put(_CLOSE)
+                try:
+                    self._wait(lambda s: s.stream_done, timeout_s, "the coordinator's goodbye")
+                except GradSyncError:
+                    pass  # leaving anyway: the stream is torn down below
+            self._run(self._shutdown(), timeout_s=timeout_s)
+        finally:
+            self._loop.call_soon_threadsafe(self._loop.stop)
+            self._thread.join(timeout=timeout_s)
+            if not self._thread.is_alive():
+                self._loop.close()
+
+    # ------------------------------------------------------ loop-thread side
+    async def _open(self, join: pb.Join) -> None:
+        options = [
+            ("grpc.max_receive_message_length", CLIENT_MAX_MESSAGE_BYTES),
+            ("grpc.max_send_message_length", CLIENT_MAX_MESSAGE_BYTES),
+            ("grpc.keepalive_time_ms", 10_000),
+            ("grpc.keepalive_timeout_ms", 10_000),
+            ("grpc.keepalive_permit_without_calls", 1),
+        ]
+        self._channel = grpc.aio.insecure_channel(self.target, options=options)
+        stub = pb_grpc.CoordinatorStub(self._channel)
+        self._outgoing.put_nowait(pb.WorkerMessage(join=join))
+        # wait_for_ready: a worker may start before its coordinator; the join
+        # timeout bounds how long it waits.
+        self._call = stub.Sync(self._requests(), wait_for_ready=True)
+        self._receiver = asyncio.create_task(self._receive())
+
+    async def _requests(self) -> AsyncIterator[pb.WorkerMessage]:
+        chunk_bytes = wire.DEFAULT_CHUNK_BYTES
+        epoch = 0
+        while True:
+            item = await self._outgoing.get()
+            if item is _CLOSE:
+                return
+            welcome = self._shared.welcome
+            if welcome is not None:
+                chunk_bytes, epoch = welcome.chunk_bytes, welcome.membership_epoch
+            if isinstance(item, _StateUpload):
+                view = memoryview(item.blob)
+                for offset, length in wire.chunk_spans(len(view), chunk_bytes):
+                    chunk = pb.StateChunk(offset=offset, payload=view[offset:offset + length].tobytes())
+                    yield pb.WorkerMessage(state=chunk)
+            elif isinstance(item, _BucketUpload):
+                view = memoryview(item.data)
+                for offset, length in wire.chunk_spans(len(view), chunk_bytes):
+                    yield pb.WorkerMessage(
+                        gradient=pb.GradientChunk(
+                            step=item.step,
+                            membership_epoch=epoch,
+                            bucket_index=item.bucket_index,
+                            offset=offset,
+                            dtype=item.dtype,  # type: ignore[arg-type]
+                            payload=view[offset:offset + length].tobytes(),
+                        )
+                    )
+            else:
+                yield item
+
+    async def _receive(self) -> None:
+        assert self._call is not None
+        failure: GradSyncError | None = None
+        try:
+            async for message in self._call:
+                self._on_message(message)
+            if not self._closed:
+                failure = CoordinatorUnavailableError(
+                    f"the coordinator at {self.target} ended the stream", rank=self.rank
+                )
+        except grpc.aio.AioRpcError as exc:
+            code = exc.code().value[0]
+            if not (self._closed and code == Code.CANCELLED):
+                failure = error_from_status(code, exc.details() or "", rank=self.rank)
+        except asyncio.CancelledError:
+            failure = ClosedError("the transport was closed", rank=self.rank)
+        except Exception as exc:  # a bug in message handling: surface it, don't hang
+            failure = GradSyncError(f"unexpected error in the transport: {exc!r}", rank=self.rank)
+        with self._cond:
+            self._shared.stream_done = True
+            if failure is not None and self._shared.fatal is None:
+                self._shared.fatal = failure
+            self._cond.notify_all()
+
+    def _on_message(self, message: pb.CoordinatorMessage) -> None:
+        kind = message.WhichOneof("kind")
+        with self._cond:
+            shared = self._shared
+            if kind == "welcome":
+                shared.welcome = message.welcome
+            elif kind == "state":
+                self._on_state(message.state)
+            elif kind == "gradient":
+                self._on_gradient(message.gradient)
+            elif kind == "step_aborted":
+                aborted = message.step_aborted
+                self._ensure_step_locked(aborted.step).aborted = aborted
+            self._cond.notify_all()
+
+    def _on_state(self, chunk: pb.StateChunk) -> None:
+        state = self._shared.state
+        if state is None or chunk.offset + len(chunk.payload) > len(state):
+            self._protocol_fault(f"state chunk at offset {chunk.offset} is out of range")
+            return
+        state[chunk.offset:chunk.offset + len(chunk.payload)] = chunk.payload
+        self._shared.state_received += len(chunk.payload)
+
+    def _on_gradient(self, chunk: pb.GradientChunk) -> None:
+        result = self._ensure_step_locked(chunk.step)
+        bucket = chunk.bucket_index
+        if bucket >= len(self._bucket_bytes):
+            self._protocol_fault(f"averaged bucket {bucket} of step {chunk.step} does not exist")
+            return
+        buffer = result.buffers.get(bucket)
+        if buffer is None:
+            buffer = result.buffers[bucket] = bytearray(self._bucket_bytes[bucket])
+            result.received[bucket] = 0
+        end = chunk.offset + len(chunk.payload)
+        if end > len(buffer):
+            self._protocol_fault(
+                f"averaged chunk of bucket {bucket} ends at byte {end}, "
+                f"past the bucket's {len(buffer)} bytes"
+            )
+            return
+        buffer[chunk.offset:end] = chunk.payload
+        result.received[bucket] += len(chunk.payload)
+        result.contributors = chunk.contributors
+        if result.received[bucket] == len(buffer):
+            result.complete_buckets += 1
+
+    def _protocol_fault(self, what: str) -> None:
+        if self._shared.fatal is None:
+            self._shared.fatal = GradSyncError(
+                f"the coordinator sent an invalid message: {what}", rank=self.rank
+            )
+
+    async def _shutdown(self) -> None:
+        if self._receiver is not None and not self._receiver.done():
+            self._receiver.cancel()
+        if self._channel is not None:
+            await self._channel.close()
+
+    # --------------------------------------------------------------- helpers
+    def _ensure_step(self, step: int) -> None:
+        with self._cond:
+            self._ensure_step_locked(step)
+
+    def _ensure_step_locked(self, step: int) -> _StepResult:
+        result = self._shared.results.get(step)
+        if result is None:
+            result = self._shared.results[step] = _StepResult()
+        return result
+
+    def _describe_missing(self, step: int) -> str:
+        with self._cond:
+            result = self._shared.results.get(step)
+            if result is None:
+                return "no results arrived"
+            missing = [
+                f"bucket {index} ({result.received.get(index, 0)}/{size} bytes)"
+                for index, size in enumerate(self._bucket_bytes)
+                if result.received.get(index, 0) < size
+            ]
+        return "still waiting for " + ", ".join(missing)
+
+    def _put(self, item: object) -> None:
+        if self._loop.is_closed():
+            raise ClosedError("the transport is closed", rank=self.rank)
+        self._loop.call_soon_threadsafe(self._outgoing.put_nowait, item)
+
+    def _run(self, coroutine: Any, timeout_s: float) -> Any:
+        future = asyncio.run_coroutine_threadsafe(coroutine, self._loop)
+        return future.result(timeout=timeout_s)
+
+    def _is_connected(self) -> bool:
+        if self._channel is None:
+            return False
+        return bool(self._channel.get_state() == grpc.ChannelConnectivity.READY)
+
+    def _wait(self, predicate: Callable[[_Shared], bool], timeout_s: float, what: str) -> None:
+        deadline = time.monotonic() + timeout_s
+        with self._cond:
+            while not predicate(self._shared):
+                if self._shared.fatal is not None:
+                    raise self._shared.fatal
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    raise SyncTimeoutError(
+                        f"timed out after {timeout_s:g}s waiting for {what}", rank=self.rank
+                    )
+                self._cond.wait(remaining)
+
+
+def _abort_error(aborted: pb.StepAborted, rank: int) -> StepAbortedError:
+    """The exception for a StepAborted message, by its reason."""
+    classes: dict[int, type[StepAbortedError]] = {
+        pb.ABORT_REASON_MESSAGE_REJECTED: MessageRejectedError,
+        pb.ABORT_REASON_PEER_LOST: PeerLostError,
+    }
+    cls = classes.get(aborted.reason, StepAbortedError)
+    try:
+        code: Code | None = Code(aborted.code)
+    except ValueError:
+        code = None
+    return cls(
+        f"step {aborted.step} was aborted by the coordinator "
+        f"({code.name if code else aborted.code}): {aborted.message}",
+        rank=rank,
+        step=aborted.step,
+        bucket_index=aborted.bucket_index,
+        code=code,
+    )

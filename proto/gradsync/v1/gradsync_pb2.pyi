@@ -1,0 +1,187 @@
+from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class DType(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    DTYPE_UNSPECIFIED: _ClassVar[DType]
+    DTYPE_FLOAT32: _ClassVar[DType]
+    DTYPE_FLOAT64: _ClassVar[DType]
+    DTYPE_FLOAT16: _ClassVar[DType]
+    DTYPE_BFLOAT16: _ClassVar[DType]
+    DTYPE_INT64: _ClassVar[DType]
+    DTYPE_INT32: _ClassVar[DType]
+    DTYPE_INT16: _ClassVar[DType]
+    DTYPE_INT8: _ClassVar[DType]
+    DTYPE_UINT8: _ClassVar[DType]
+    DTYPE_BOOL: _ClassVar[DType]
+
+class Encoding(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    ENCODING_RAW: _ClassVar[Encoding]
+
+class AbortReason(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    ABORT_REASON_UNSPECIFIED: _ClassVar[AbortReason]
+    ABORT_REASON_MESSAGE_REJECTED: _ClassVar[AbortReason]
+    ABORT_REASON_PEER_MESSAGE_REJECTED: _ClassVar[AbortReason]
+    ABORT_REASON_PEER_LOST: _ClassVar[AbortReason]
+DTYPE_UNSPECIFIED: DType
+DTYPE_FLOAT32: DType
+DTYPE_FLOAT64: DType
+DTYPE_FLOAT16: DType
+DTYPE_BFLOAT16: DType
+DTYPE_INT64: DType
+DTYPE_INT32: DType
+DTYPE_INT16: DType
+DTYPE_INT8: DType
+DTYPE_UINT8: DType
+DTYPE_BOOL: DType
+ENCODING_RAW: Encoding
+ABORT_REASON_UNSPECIFIED: AbortReason
+ABORT_REASON_MESSAGE_REJECTED: AbortReason
+ABORT_REASON_PEER_MESSAGE_REJECTED: AbortReason
+ABORT_REASON_PEER_LOST: AbortReason
+
+class TensorSpec(_message.Message):
+    __slots__ = ("name", "shape", "dtype")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    SHAPE_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    shape: _containers.RepeatedScalarFieldContainer[int]
+    dtype: DType
+    def __init__(self, name: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., dtype: _Optional[_Union[DType, str]] = ...) -> None: ...
+
+class BucketSpec(_message.Message):
+    __slots__ = ("parameter_indices", "dtype", "num_elements")
+    PARAMETER_INDICES_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    NUM_ELEMENTS_FIELD_NUMBER: _ClassVar[int]
+    parameter_indices: _containers.RepeatedScalarFieldContainer[int]
+    dtype: DType
+    num_elements: int
+    def __init__(self, parameter_indices: _Optional[_Iterable[int]] = ..., dtype: _Optional[_Union[DType, str]] = ..., num_elements: _Optional[int] = ...) -> None: ...
+
+class ModelSignature(_message.Message):
+    __slots__ = ("parameters", "buffers", "buckets")
+    PARAMETERS_FIELD_NUMBER: _ClassVar[int]
+    BUFFERS_FIELD_NUMBER: _ClassVar[int]
+    BUCKETS_FIELD_NUMBER: _ClassVar[int]
+    parameters: _containers.RepeatedCompositeFieldContainer[TensorSpec]
+    buffers: _containers.RepeatedCompositeFieldContainer[TensorSpec]
+    buckets: _containers.RepeatedCompositeFieldContainer[BucketSpec]
+    def __init__(self, parameters: _Optional[_Iterable[_Union[TensorSpec, _Mapping]]] = ..., buffers: _Optional[_Iterable[_Union[TensorSpec, _Mapping]]] = ..., buckets: _Optional[_Iterable[_Union[BucketSpec, _Mapping]]] = ...) -> None: ...
+
+class Join(_message.Message):
+    __slots__ = ("job_id", "rank", "world_size", "signature", "incarnation", "client_version")
+    JOB_ID_FIELD_NUMBER: _ClassVar[int]
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
+    SIGNATURE_FIELD_NUMBER: _ClassVar[int]
+    INCARNATION_FIELD_NUMBER: _ClassVar[int]
+    CLIENT_VERSION_FIELD_NUMBER: _ClassVar[int]
+    job_id: str
+    rank: int
+    world_size: int
+    signature: ModelSignature
+    incarnation: str
+    client_version: str
+    def __init__(self, job_id: _Optional[str] = ..., rank: _Optional[int] = ..., world_size: _Optional[int] = ..., signature: _Optional[_Union[ModelSignature, _Mapping]] = ..., incarnation: _Optional[str] = ..., client_version: _Optional[str] = ...) -> None: ...
+
+class GradientChunk(_message.Message):
+    __slots__ = ("step", "membership_epoch", "bucket_index", "offset", "dtype", "encoding", "payload", "contributors")
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    MEMBERSHIP_EPOCH_FIELD_NUMBER: _ClassVar[int]
+    BUCKET_INDEX_FIELD_NUMBER: _ClassVar[int]
+    OFFSET_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    ENCODING_FIELD_NUMBER: _ClassVar[int]
+    PAYLOAD_FIELD_NUMBER: _ClassVar[int]
+    CONTRIBUTORS_FIELD_NUMBER: _ClassVar[int]
+    step: int
+    membership_epoch: int
+    bucket_index: int
+    offset: int
+    dtype: DType
+    encoding: Encoding
+    payload: bytes
+    contributors: int
+    def __init__(self, step: _Optional[int] = ..., membership_epoch: _Optional[int] = ..., bucket_index: _Optional[int] = ..., offset: _Optional[int] = ..., dtype: _Optional[_Union[DType, str]] = ..., encoding: _Optional[_Union[Encoding, str]] = ..., payload: _Optional[bytes] = ..., contributors: _Optional[int] = ...) -> None: ...
+
+class StateChunk(_message.Message):
+    __slots__ = ("offset", "payload")
+    OFFSET_FIELD_NUMBER: _ClassVar[int]
+    PAYLOAD_FIELD_NUMBER: _ClassVar[int]
+    offset: int
+    payload: bytes
+    def __init__(self, offset: _Optional[int] = ..., payload: _Optional[bytes] = ...) -> None: ...
+
+class Leave(_message.Message):
+    __slots__ = ("reason",)
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    reason: str
+    def __init__(self, reason: _Optional[str] = ...) -> None: ...
+
+class WorkerMessage(_message.Message):
+    __slots__ = ("join", "gradient", "state", "leave")
+    JOIN_FIELD_NUMBER: _ClassVar[int]
+    GRADIENT_FIELD_NUMBER: _ClassVar[int]
+    STATE_FIELD_NUMBER: _ClassVar[int]
+    LEAVE_FIELD_NUMBER: _ClassVar[int]
+    join: Join
+    gradient: GradientChunk
+    state: StateChunk
+    leave: Leave
+    def __init__(self, join: _Optional[_Union[Join, _Mapping]] = ..., gradient: _Optional[_Union[GradientChunk, _Mapping]] = ..., state: _Optional[_Union[StateChunk, _Mapping]] = ..., leave: _Optional[_Union[Leave, _Mapping]] = ...) -> None: ...
+
+class Welcome(_message.Message):
+    __slots__ = ("job_id", "world_size", "membership_epoch", "start_step", "chunk_bytes", "max_message_bytes", "state_bytes")
+    JOB_ID_FIELD_NUMBER: _ClassVar[int]
+    WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
+    MEMBERSHIP_EPOCH_FIELD_NUMBER: _ClassVar[int]
+    START_STEP_FIELD_NUMBER: _ClassVar[int]
+    CHUNK_BYTES_FIELD_NUMBER: _ClassVar[int]
+    MAX_MESSAGE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    STATE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    job_id: str
+    world_size: int
+    membership_epoch: int
+    start_step: int
+    chunk_bytes: int
+    max_message_bytes: int
+    state_bytes: int
+    def __init__(self, job_id: _Optional[str] = ..., world_size: _Optional[int] = ..., membership_epoch: _Optional[int] = ..., start_step: _Optional[int] = ..., chunk_bytes: _Optional[int] = ..., max_message_bytes: _Optional[int] = ..., state_bytes: _Optional[int] = ...) -> None: ...
+
+class StepAborted(_message.Message):
+    __slots__ = ("step", "code", "message", "culprit_rank", "bucket_index", "reason")
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    CODE_FIELD_NUMBER: _ClassVar[int]
+    MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    CULPRIT_RANK_FIELD_NUMBER: _ClassVar[int]
+    BUCKET_INDEX_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    step: int
+    code: int
+    message: str
+    culprit_rank: int
+    bucket_index: int
+    reason: AbortReason
+    def __init__(self, step: _Optional[int] = ..., code: _Optional[int] = ..., message: _Optional[str] = ..., culprit_rank: _Optional[int] = ..., bucket_index: _Optional[int] = ..., reason: _Optional[_Union[AbortReason, str]] = ...) -> None: ...
+
+class CoordinatorMessage(_message.Message):
+    __slots__ = ("welcome", "gradient", "state", "step_aborted")
+    WELCOME_FIELD_NUMBER: _ClassVar[int]
+    GRADIENT_FIELD_NUMBER: _ClassVar[int]
+    STATE_FIELD_NUMBER: _ClassVar[int]
+    STEP_ABORTED_FIELD_NUMBER: _ClassVar[int]
+    welcome: Welcome
+    gradient: GradientChunk
+    state: StateChunk
+    step_aborted: StepAborted
+    def __init__(self, welcome: _Optional[_Union[Welcome, _Mapping]] = ..., gradient: _Optional[_Union[GradientChunk, _Mapping]] = ..., state: _Optional[_Union[StateChunk, _Mapping]] = ..., step_aborted: _Optional[_Union[StepAborted, _Mapping]] = ...) -> None: ...

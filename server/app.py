@@ -1,0 +1,100 @@
+"""Process-level wiring of the coordinator: server, health, banner, signals.
+
+`start_server` is the injectable seam (binds port 0 in tests and reports the
+port); `run` is what `gradsync serve` calls: it serves until SIGTERM/SIGINT,
+then drains running streams for the configured grace period and returns 0.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+import sys
+from dataclasses import dataclass
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+
+from gradsync.server.config import MIB, ServerConfig
+from gradsync.server.servicer import SERVICE_NAME, CoordinatorServicer
+
+log = logging.getLogger("gradsync.server")
+
+
+@dataclass
+class RunningServer:
+    """A started coordinator: the gRPC server, its bound port and its state."""
+
+    server: grpc.aio.Server
+    port: int
+    servicer: CoordinatorServicer
+    health: health.aio.HealthServicer
+
+    async def stop(self, grace_s: float | None = None) -> None:
+        """Stop accepting joins, let streams finish for `grace_s`, then close."""
+        self.servicer.draining = True
+        for service in ("", SERVICE_NAME):
+            await self.health.set(service, health_pb2.HealthCheckResponse.NOT_SERVING)
+        grace = self.servicer.config.shutdown_grace_s if grace_s is None else grace_s
+        await self.server.stop(grace)
+
+
+def grpc_options(config: ServerConfig) -> list[tuple[str, int]]:
+    """Channel options: explicit message limits and a keepalive policy clients match."""
+    return [
+        ("grpc.max_receive_message_length", config.max_message_bytes),
+        ("grpc.max_send_message_length", config.max_message_bytes),
+        # Workers ping every 10 s to spot dead connections; allow it.
+        ("grpc.keepalive_permit_without_calls", 1),
+        ("grpc.http2.min_recv_ping_interval_without_data_ms", 5000),
+        ("grpc.http2.max_ping_strikes", 0),
+    ]
+
+
+async def start_server(config: ServerConfig) -> RunningServer:
+    """Create, bind and start a coordinator; the returned port is the bound one."""
+    servicer = CoordinatorServicer(config)
+    server = grpc.aio.server(options=grpc_options(config))
+    server.add_generic_rpc_handlers((servicer.generic_handler(),))
+    health_servicer = health.aio.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    address = f"{config.host}:{config.port}"
+    port = server.add_insecure_port(address)
+    if port == 0:
+        raise OSError(f"could not bind the coordinator to {address}")
+    await server.start()
+    for service in ("", SERVICE_NAME):
+        await health_servicer.set(service, health_pb2.HealthCheckResponse.SERVING)
+    return RunningServer(server, port, servicer, health_servicer)
+
+
+def banner(config: ServerConfig, port: int) -> str:
+    """The startup line; `gradsync demo` and tests parse 'listening on HOST:PORT'."""
+    return (
+        f"gradsync coordinator listening on {config.host}:{port} "
+        f"(world size {config.world_size}, chunk {config.chunk_bytes / MIB:g} MiB, "
+        f"max message {config.max_message_bytes} bytes, "
+        f"max buffered {config.max_buffered_bytes / MIB:g} MiB, max jobs {config.max_jobs})"
+    )
+
+
+async def serve(config: ServerConfig) -> int:
+    """Serve until SIGTERM or SIGINT, then drain and return the exit code 0."""
+    running = await start_server(config)
+    print(banner(config, running.port), file=sys.stderr, flush=True)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(signum, stop.set)
+    await stop.wait()
+    jobs = len(running.servicer.jobs)
+    log.info("shutting down: draining %d job(s) for up to %gs", jobs, config.shutdown_grace_s)
+    await running.stop()
+    log.info("coordinator stopped")
+    return 0
+
+
+def run(config: ServerConfig) -> int:
+    """Blocking entry point for `gradsync serve`."""
+    return asyncio.run(serve(config))

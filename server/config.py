@@ -1,0 +1,58 @@
+"""The coordinator's configuration: flags -> this frozen object -> constructors."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from gradsync import wire
+
+MIB = 1 << 20
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    """Everything the coordinator needs to start.
+
+    Attributes:
+        world_size: ranks per job.
+        host: interface to bind ("0.0.0.0" for all).
+        port: TCP port; 0 picks a free one (reported in the banner).
+        chunk_bytes: wire chunk size every worker must use.
+        max_buffered_bytes: cap on gradient bytes held in partial reductions,
+            across all jobs; beyond it uploads get RESOURCE_EXHAUSTED.
+        max_outbox_bytes: cap on averaged bytes queued for one worker that is
+            not reading them; beyond it that worker's stream is ended.
+        max_jobs: concurrent jobs the coordinator accepts.
+        shutdown_grace_s: how long SIGTERM lets running streams finish.
+    """
+
+    world_size: int
+    host: str = "0.0.0.0"
+    port: int = 50051
+    chunk_bytes: int = wire.DEFAULT_CHUNK_BYTES
+    max_buffered_bytes: int = 2048 * MIB
+    max_outbox_bytes: int = 1024 * MIB
+    max_jobs: int = 64
+    shutdown_grace_s: float = 10.0
+
+    def __post_init__(self) -> None:
+        if self.world_size < 1:
+            raise ValueError(f"world size must be at least 1, got {self.world_size}")
+        if not 0 <= self.port <= 65535:
+            raise ValueError(f"port must be in 0..65535, got {self.port}")
+        if not 4096 <= self.chunk_bytes <= 64 * MIB:
+            raise ValueError(f"chunk size must be 4 KiB..64 MiB, got {self.chunk_bytes} bytes")
+        if self.max_buffered_bytes < self.chunk_bytes:
+            raise ValueError(
+                f"max buffered bytes ({self.max_buffered_bytes}) must be at least one chunk "
+                f"({self.chunk_bytes})"
+            )
+        if self.max_jobs < 1:
+            raise ValueError(f"max jobs must be at least 1, got {self.max_jobs}")
+        if self.shutdown_grace_s < 0:
+            raise ValueError(f"shutdown grace must be >= 0 s, got {self.shutdown_grace_s}")
+
+    @property
+    def max_message_bytes(self) -> int:
+        """gRPC message size limit: one chunk plus room for the header fields."""
+        return self.chunk_bytes + wire.HEADER_SLACK_BYTES

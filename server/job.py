@@ -1,0 +1,482 @@
+"""One training job's membership and step state machine (pure logic, no gRPC).
+
+The servicer hands every parsed message to a `Job` and carries out the
+actions it returns: `Send` a message to some ranks, or `Terminate` their
+streams with a status code. Keeping this free of gRPC and asyncio lets the
+whole protocol be unit-tested by calling methods.
+
+Lifecycle::
+
+    ASSEMBLING --(all ranks joined, signatures match)--> RUNNING
+    ASSEMBLING / RUNNING --(signature mismatch, bad state broadcast)--> REFUSED
+    RUNNING --(a rank leaves or disconnects)--> BROKEN
+
+Steps are lock-step: ranks can only start step s + 1 after receiving every
+averaged bucket of step s, so exactly one step (`open_step`) is in flight per
+job. A message that breaks the rules aborts the open step (nothing is
+averaged), every rank is told why in-band, and the job carries on at the next
+step.
+"""
+
+from __future__ import annotations
+
+import enum
+import time
+from collections import deque
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from gradsync import wire
+from gradsync.errors import Code, RejectedMessage
+from gradsync.server import signature as signatures
+from gradsync.server.aggregation import BucketReduction, DuplicateContributionError
+from gradsync.server.budget import ByteBudget
+from gradsync.v1 import gradsync_pb2 as pb
+
+#: Aborted step numbers remembered so that late chunks for them are dropped
+#: quietly instead of being reported as stale.
+_ABORTED_STEPS_REMEMBERED = 64
+
+
+class JobState(enum.Enum):
+    """Where a job is in its lifecycle."""
+
+    ASSEMBLING = "assembling"
+    RUNNING = "running"
+    REFUSED = "refused"
+    BROKEN = "broken"
+
+
+@dataclass(frozen=True)
+class Send:
+    """Deliver `message` to each of `ranks`."""
+
+    ranks: tuple[int, ...]
+    message: pb.CoordinatorMessage
+
+
+@dataclass(frozen=True)
+class Terminate:
+    """End the streams of `ranks` with status `code` and `details`."""
+
+    ranks: tuple[int, ...]
+    code: Code
+    details: str
+
+
+Action = Send | Terminate
+
+
+@dataclass
+class _Member:
+    rank: int
+    incarnation: str
+    signature: pb.ModelSignature
+    joined_at: float
+
+
+class Job:
+    """Membership, validation and aggregation for one job id.
+
+    Args:
+        job_id: the job's name.
+        world_size: ranks the job needs.
+        chunk_bytes: chunk size every rank must use.
+        max_message_bytes: gRPC message limit (advertised in Welcome).
+        budget: coordinator-wide cap on buffered gradient bytes.
+        clock: monotonic time source (injectable for tests).
+    """
+
+    def __init__(
+        self,
+        job_id: str,
+        world_size: int,
+        chunk_bytes: int,
+        max_message_bytes: int,
+        budget: ByteBudget,
+        clock: type[time.monotonic] | None = None,
+    ) -> None:
+        self.job_id = job_id
+        self.world_size = world_size
+        self.chunk_bytes = chunk_bytes
+        self.max_message_bytes = max_message_bytes
+        self._budget = budget
+        self._clock = clock or time.monotonic
+        self.state = JobState.ASSEMBLING
+        self.membership_epoch = 0
+        self.open_step = 0
+        self.members: dict[int, _Member] = {}
+        self._reference_rank: int | None = None
+        self._signature: pb.ModelSignature | None = None
+        self._bucket_bytes: list[int] = []
+        self._state_bytes = 0
+        self._state_offsets_seen: set[int] = set()
+        self._reductions: dict[int, BucketReduction] = {}
+        self._buckets_done = 0
+        self._aborted_steps: deque[int] = deque(maxlen=_ABORTED_STEPS_REMEMBERED)
+        self._broken_reason = ""
+        self.steps_completed = 0
+
+    # ------------------------------------------------------------------ join
+    def join(self, rank: int, join: pb.Join) -> list[Action]:
+        """Admit `rank`; return the Welcome broadcast once all ranks are in.
+
+        Raises:
+            RejectedMessage: this worker alone is refused (its stream ends).
+        """
+        if join.world_size != self.world_size:
+            raise RejectedMessage(
+                Code.INVALID_ARGUMENT,
+                f"rank {rank} joined job '{self.job_id}' with world size {join.world_size}, "
+                f"but the coordinator runs world size {self.world_size}",
+            )
+        if rank in self.members:
+            member = self.members[rank]
+            raise RejectedMessage(
+                Code.ALREADY_EXISTS,
+                f"rank {rank} of job '{self.job_id}' is already connected (incarnation "
+                f"{member.incarnation}, joined {self._clock() - member.joined_at:.1f}s ago); "
+                f"incarnation {join.incarnation} cannot claim it too",
+            )
+        if self.state is not JobState.ASSEMBLING:
+            raise RejectedMessage(
+                Code.FAILED_PRECONDITION,
+                f"job '{self.job_id}' is {self.state.value} at step {self.open_step}; "
+                f"rank {rank} cannot join it now (rejoining a running job is not supported "
+                "yet: restart all ranks, or use another job id)",
+            )
+        signatures.validate(rank, join.signature)
+        self.members[rank] = _Member(rank, join.incarnation, join.signature, self._clock())
+        if self._signature is None:
+            self._signature = join.signature
+            self._reference_rank = rank
+        else:
+            assert self._reference_rank is not None
+            difference = signatures.first_difference(
+                self._reference_rank, self._signature, rank, join.signature
+            )
+            if difference is not None:
+                return self._refuse(
+                    Code.INVALID_ARGUMENT,
+                    f"job '{self.job_id}' refused: model signatures differ: {difference}",
+                )
+        if len(self.members) < self.world_size:
+            return []
+        return self._start()
+
+    def _start(self) -> list[Action]:
+        assert self._signature is not None
+        self.state = JobState.RUNNING
+        self._bucket_bytes = [signatures.bucket_bytes(b) for b in self._signature.buckets]
+        self._state_bytes = signatures.state_bytes(self._signature)
+        welcome = pb.CoordinatorMessage(
+            welcome=pb.Welcome(
+                job_id=self.job_id,
+                world_size=self.world_size,
+                membership_epoch=self.membership_epoch,
+                start_step=self.open_step,
+                chunk_bytes=self.chunk_bytes,
+                max_message_bytes=self.max_message_bytes,
+                state_bytes=self._state_bytes,
+            )
+        )
+        return [Send(self._ranks(), welcome)]
+
+    # ------------------------------------------------------- state broadcast
+    def on_state_chunk(self, rank: int, chunk: pb.StateChunk) -> list[Action]:
+        """Relay a chunk of rank 0's parameters and buffers to the other ranks."""
+        problem = None
+        if self.state is not JobState.RUNNING:
+            problem = (
+                Code.FAILED_PRECONDITION,
+                f"rank {rank} sent state before job '{self.job_id}' was assembled "
+                f"({len(self.members)}/{self.world_size} joined)",
+            )
+        elif rank != 0:
+            problem = (Code.INVALID_ARGUMENT, f"rank {rank} sent state; only rank 0 broadcasts")
+        else:
+            problem = self._check_chunk(
+                "state", chunk.offset, len(chunk.payload), self._state_bytes, "the state blob"
+            )
+            if problem is None and chunk.offset in self._state_offsets_seen:
+                problem = (
+                    Code.INVALID_ARGUMENT,
+                    f"rank 0 sent the state chunk at offset {chunk.offset} twice",
+                )
+        if problem is not None:
+            code, details = problem
+            if self.state is JobState.RUNNING:
+                return self._refuse(code, f"state broadcast failed: {details}")
+            raise RejectedMessage(code, details)
+        self._state_offsets_seen.add(chunk.offset)
+        others = tuple(r for r in self._ranks() if r != 0)
+        return [Send(others, pb.CoordinatorMessage(state=chunk))] if others else []
+
+    # -------------------------------------------------------------- gradients
+    def on_gradient(self, rank: int, chunk: pb.GradientChunk) -> list[Action]:
+        """Fold one gradient chunk in; return averaged chunks or a step abort."""
+        if self.state is JobState.BROKEN:
+            if chunk.step in self._aborted_steps:
+                return []  # this rank was already told the step cannot finish
+            self._aborted_steps.append(chunk.step)
+            return [
+                self._abort_message(
+                    self._ranks(), chunk.step, Code.ABORTED, self._broken_reason, -1,
+                    pb.ABORT_REASON_PEER_LOST,
+                )
+            ]
+        if self.state is not JobState.RUNNING:
+            raise RejectedMessage(
+                Code.FAILED_PRECONDITION,
+                f"rank {rank} sent gradients for step {chunk.step} before job "
+                f"'{self.job_id}' was assembled ({len(self.members)}/{self.world_size} joined)",
+            )
+        if chunk.step < self.open_step and chunk.step in self._aborted_steps:
+            return []  # late upload for a step everyone was already told is aborted
+        try:
+            averaged = self._accept(rank, chunk)
+        except RejectedMessage as rejection:
+            return self._abort_open_step(rank, rejection)
+        if averaged is None:
+            return []
+        reply = pb.CoordinatorMessage(
+            gradient=pb.GradientChunk(
+                step=chunk.step,
+                membership_epoch=self.membership_epoch,
+                bucket_index=chunk.bucket_index,
+                offset=chunk.offset,
+                dtype=chunk.dtype,
+                payload=averaged,
+                contributors=self.world_size,
+            )
+        )
+        actions: list[Action] = [Send(self._ranks(), reply)]
+        reduction = self._reductions[chunk.bucket_index]
+        if reduction.complete:
+            self._buckets_done += 1
+            if self._buckets_done == len(self._bucket_bytes):
+                self._advance_step()
+                self.steps_completed += 1
+        return actions
+
+    def _accept(self, rank: int, chunk: pb.GradientChunk) -> bytes | None:
+        """Validate `chunk` against the job, then fold it into its reduction."""
+        step = chunk.step
+        if chunk.membership_epoch != self.membership_epoch:
+            raise RejectedMessage(
+                Code.FAILED_PRECONDITION,
+                f"rank {rank} sent step {step} for membership epoch {chunk.membership_epoch}, "
+                f"expected epoch {self.membership_epoch}",
+                step=step,
+            )
+        if step != self.open_step:
+            kind = "stale" if step < self.open_step else "future"
+            raise RejectedMessage(
+                Code.FAILED_PRECONDITION,
+                f"rank {rank} sent {kind} step {step} (bucket {chunk.bucket_index}), "
+                f"expected step {self.open_step}",
+                step=step,
+                bucket_index=chunk.bucket_index,
+            )
+        bucket = chunk.bucket_index
+        if bucket >= len(self._bucket_bytes):
+            raise RejectedMessage(
+                Code.INVALID_ARGUMENT,
+                f"rank {rank} sent bucket {bucket} for step {step}, but the model has "
+                f"{len(self._bucket_bytes)} buckets (0..{len(self._bucket_bytes) - 1})",
+                step=step,
+            )
+        assert self._signature is not None
+        expected_dtype = self._signature.buckets[bucket].dtype
+        if chunk.dtype != expected_dtype:
+            raise RejectedMessage(
+                Code.INVALID_ARGUMENT,
+                f"rank {rank} sent bucket {bucket} of step {step} as "
+                f"{wire.dtype_name(chunk.dtype)}, expected {wire.dtype_name(expected_dtype)}",
+                step=step,
+                bucket_index=bucket,
+            )
+        if chunk.encoding != pb.ENCODING_RAW:
+            raise RejectedMessage(
+                Code.INVALID_ARGUMENT,
+                f"rank {rank} sent bucket {bucket} of step {step} with encoding "
+                f"{chunk.encoding}, this coordinator only accepts raw (0)",
+                step=step,
+                bucket_index=bucket,
+            )
+        problem = self._check_chunk(
+            f"bucket {bucket} of step {step}",
+            chunk.offset,
+            len(chunk.payload),
+            self._bucket_bytes[bucket],
+            f"bucket {bucket}",
+            rank=rank,
+        )
+        if problem is not None:
+            raise RejectedMessage(problem[0], problem[1], step=step, bucket_index=bucket)
+        if not self._budget.fits(len(chunk.payload)):
+            raise RejectedMessage(
+                Code.RESOURCE_EXHAUSTED,
+                f"rank {rank} sent {len(chunk.payload)} bytes for bucket {bucket} of step "
+                f"{step}, but the coordinator already buffers {self._budget.used} bytes "
+                f"(limit {self._budget.limit} bytes, --max-buffered-mb)",
+                step=step,
+                bucket_index=bucket,
+            )
+        reduction = self._reductions.get(bucket)
+        if reduction is None:
+            reduction = self._reductions[bucket] = BucketReduction(
+                self._ranks(), expected_dtype, self._bucket_bytes[bucket], self.chunk_bytes
+            )
+        before = reduction.buffered_bytes
+        try:
+            averaged = reduction.add(rank, chunk.offset, chunk.payload)
+        except DuplicateContributionError:
+            raise RejectedMessage(
+                Code.INVALID_ARGUMENT,
+                f"rank {rank} sent the chunk at offset {chunk.offset} of bucket {bucket} "
+                f"twice for step {step}",
+                step=step,
+                bucket_index=bucket,
+            ) from None
+        self._budget.adjust(reduction.buffered_bytes - before)
+        return averaged
+
+    def _check_chunk(
+        self,
+        what: str,
+        offset: int,
+        length: int,
+        total: int,
+        container: str,
+        rank: int = 0,
+    ) -> tuple[Code, str] | None:
+        if length > self.chunk_bytes:
+            return (
+                Code.RESOURCE_EXHAUSTED,
+                f"rank {rank} sent {length} bytes in one chunk of {what}; "
+                f"the chunk limit is {self.chunk_bytes} bytes",
+            )
+        if offset % self.chunk_bytes or offset >= total:
+            return (
+                Code.INVALID_ARGUMENT,
+                f"rank {rank} sent {what} at offset {offset}; offsets must be multiples of "
+                f"{self.chunk_bytes} below {total} ({container} has {total} bytes)",
+            )
+        expected = wire.expected_chunk_length(total, self.chunk_bytes, offset)
+        if length != expected:
+            return (
+                Code.INVALID_ARGUMENT,
+                f"rank {rank} sent {length} bytes for {what} at offset {offset}, "
+                f"expected {expected} ({container} has {total} bytes)",
+            )
+        return None
+
+    def _advance_step(self) -> None:
+        self._reductions.clear()
+        self._buckets_done = 0
+        self.open_step += 1
+
+    def reject(self, culprit: int, rejection: RejectedMessage) -> list[Action]:
+        """Abort the open step because `culprit` sent an unusable message."""
+        if self.state is not JobState.RUNNING:
+            return [Terminate((culprit,), rejection.code, rejection.message)]
+        return self._abort_open_step(culprit, rejection)
+
+    def _abort_open_step(self, culprit: int, rejection: RejectedMessage) -> list[Action]:
+        """Abandon the open step: free its buffers and tell every rank why."""
+        step = self.open_step
+        for reduction in self._reductions.values():
+            self._budget.adjust(-reduction.buffered_bytes)
+        self._aborted_steps.append(step)
+        self._advance_step()
+        others = tuple(r for r in self._ranks() if r != culprit)
+        actions: list[Action] = [
+            self._abort_message(
+                (culprit,), step, rejection.code, rejection.message,
+                rejection.bucket_index, pb.ABORT_REASON_MESSAGE_REJECTED, culprit,
+            )
+        ]
+        if others:
+            actions.append(
+                self._abort_message(
+                    others, step, Code.ABORTED,
+                    f"step {step} aborted because rank {culprit}'s message was rejected: "
+                    f"{rejection.message}",
+                    rejection.bucket_index, pb.ABORT_REASON_PEER_MESSAGE_REJECTED, culprit,
+                )
+            )
+        return actions
+
+    @staticmethod
+    def _abort_message(
+        ranks: tuple[int, ...],
+        step: int,
+        code: Code,
+        details: str,
+        bucket_index: int,
+        reason: int,
+        culprit: int = -1,
+    ) -> Send:
+        return Send(
+            ranks,
+            pb.CoordinatorMessage(
+                step_aborted=pb.StepAborted(
+                    step=step,
+                    code=int(code),
+                    message=details,
+                    culprit_rank=culprit,
+                    bucket_index=bucket_index,
+                    reason=reason,  # type: ignore[arg-type]
+                )
+            ),
+        )
+
+    # ---------------------------------------------------------------- leaving
+    def detach(self, rank: int, orderly: bool) -> list[Action]:
+        """Forget `rank`'s connection; abort the open step for the others if running."""
+        if self.members.pop(rank, None) is None:
+            return []
+        if self.state is JobState.ASSEMBLING and not self.members:
+            self._signature = None
+            self._reference_rank = None
+        elif self.state is JobState.ASSEMBLING and rank == self._reference_rank:
+            first = min(self.members)
+            self._signature = self.members[first].signature
+            self._reference_rank = first
+        if self.state is not JobState.RUNNING:
+            return []
+        how = "left" if orderly else "disconnected"
+        self._broken_reason = (
+            f"rank {rank} {how} job '{self.job_id}' at step {self.open_step}; "
+            "the remaining ranks cannot complete further steps"
+        )
+        self.state = JobState.BROKEN
+        step = self.open_step
+        for reduction in self._reductions.values():
+            self._budget.adjust(-reduction.buffered_bytes)
+        self._reductions.clear()
+        self._aborted_steps.append(step)
+        if not self.members:
+            return []
+        return [
+            self._abort_message(
+                self._ranks(), step, Code.ABORTED, self._broken_reason, -1,
+                pb.ABORT_REASON_PEER_LOST, rank,
+            )
+        ]
+
+    def _refuse(self, code: Code, details: str) -> list[Action]:
+        """Refuse the whole job: every connected rank's stream ends with `code`."""
+        self.state = JobState.REFUSED
+        for reduction in self._reductions.values():
+            self._budget.adjust(-reduction.buffered_bytes)
+        self._reductions.clear()
+        return [Terminate(self._ranks(), code, details)]
+
+    def _ranks(self) -> tuple[int, ...]:
+        return tuple(sorted(self.members))
+
+    def joined_ranks(self) -> Sequence[int]:
+        """Ranks currently connected, ascending."""
+        return self._ranks()

@@ -1,0 +1,281 @@
+"""The gRPC face of the coordinator: parse, validate, forward, deliver.
+
+Each worker holds one bidirectional `Sync` stream. For every stream the
+servicer runs a reader (parse bytes -> hand to the job's state machine) and a
+writer (drain the connection's outbox). All job logic lives in
+`gradsync.server.job`; this module only translates between bytes on the wire
+and the job's actions. Everything runs on one asyncio loop, so job state needs
+no locks.
+
+Requests and responses are registered as raw bytes (no automatic
+(de)serialization): that lets garbage bytes become a clear INVALID_ARGUMENT
+for the sender instead of an opaque INTERNAL, and lets one averaged chunk be
+serialized once and written to every rank.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+import grpc
+from google.protobuf.message import DecodeError
+
+from gradsync.errors import Code, RejectedMessage
+from gradsync.server.budget import ByteBudget
+from gradsync.server.config import ServerConfig
+from gradsync.server.job import Action, Job, Send, Terminate
+from gradsync.v1 import gradsync_pb2 as pb
+
+log = logging.getLogger("gradsync.server")
+
+SERVICE_NAME = "gradsync.v1.Coordinator"
+_STATUS_BY_CODE = {status.value[0]: status for status in grpc.StatusCode}
+_MAX_JOB_ID_CHARS = 128
+
+
+@dataclass(frozen=True)
+class _End:
+    """Outbox sentinel: end the stream with this status after prior writes."""
+
+    code: Code
+    details: str
+
+
+class _Connection:
+    """One worker's stream: identity once joined, and its bounded outbox."""
+
+    def __init__(self, peer: str, max_outbox_bytes: int) -> None:
+        self.peer = peer
+        self.job: Job | None = None
+        self.rank = -1
+        self.left = False
+        self.outbox: asyncio.Queue[bytes | _End] = asyncio.Queue()
+        self.outbox_bytes = 0
+        self.max_outbox_bytes = max_outbox_bytes
+        self.ended = False
+
+    def send(self, raw: bytes) -> None:
+        if self.ended:
+            return
+        if self.outbox_bytes + len(raw) > self.max_outbox_bytes:
+            self.end(
+                Code.RESOURCE_EXHAUSTED,
+                f"rank {self.rank} is not reading its results: {self.outbox_bytes} bytes are "
+                f"queued for it (limit {self.max_outbox_bytes} bytes)",
+            )
+            return
+        self.outbox_bytes += len(raw)
+        self.outbox.put_nowait(raw)
+
+    def end(self, code: Code, details: str) -> None:
+        if not self.ended:
+            self.ended = True
+            self.outbox.put_nowait(_End(code, details))
+
+
+class CoordinatorServicer:
+    """Owns the jobs and the worker streams of one coordinator process."""
+
+    def __init__(self, config: ServerConfig) -> None:
+        self.config = config
+        self.jobs: dict[str, Job] = {}
+        self._connections: dict[tuple[str, int], _Connection] = {}
+        self._budget = ByteBudget(config.max_buffered_bytes)
+        self.draining = False
+
+    @property
+    def buffered_bytes(self) -> int:
+        """Gradient bytes currently held in partial reductions."""
+        return self._budget.used
+
+    def generic_handler(self) -> grpc.GenericRpcHandler:
+        """The handler to register on a `grpc.aio.server` (raw-bytes Sync method)."""
+        return grpc.method_handlers_generic_handler(
+            SERVICE_NAME, {"Sync": grpc.stream_stream_rpc_method_handler(self.sync)}
+        )
+
+    async def sync(
+        self, request_iterator: AsyncIterator[bytes], context: grpc.aio.ServicerContext
+    ) -> None:
+        """Serve one worker stream until it leaves, fails, or is ended."""
+        conn = _Connection(context.peer(), self.config.max_outbox_bytes)
+        ended: asyncio.Future[_End] = asyncio.get_running_loop().create_future()
+        reader = asyncio.create_task(self._read_loop(conn, request_iterator))
+        writer = asyncio.create_task(self._write_loop(conn, context, ended))
+        try:
+            await asyncio.wait({reader, ended}, return_when=asyncio.FIRST_COMPLETED)
+            if not ended.done() and conn.ended:
+                # The stream is to end (goodbye or refusal): flush what is queued first.
+                await asyncio.wait({ended}, timeout=self.config.shutdown_grace_s)
+        finally:
+            reader.cancel()
+            writer.cancel()
+            self._detach(conn)
+        if ended.done() and not ended.cancelled() and ended.result().code is not Code.OK:
+            end = ended.result()
+            await context.abort(_STATUS_BY_CODE[int(end.code)], end.details)
+
+    async def _read_loop(self, conn: _Connection, request_iterator: AsyncIterator[bytes]) -> None:
+        try:
+            async for raw in request_iterator:
+                self._dispatch(conn, raw)
+                if conn.ended:
+                    return
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:  # the transport failed under us: treat as a disconnect
+            log.info("stream from %s (rank %s) failed: %s", conn.peer, conn.rank, exc)
+
+    async def _write_loop(
+        self,
+        conn: _Connection,
+        context: grpc.aio.ServicerContext,
+        ended: asyncio.Future[_End],
+    ) -> None:
+        try:
+            while True:
+                item = await conn.outbox.get()
+                if isinstance(item, _End):
+                    ended.set_result(item)
+                    return
+                await context.write(item)
+                conn.outbox_bytes -= len(item)
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:  # the worker went away while we wrote
+            log.info("writing to %s (rank %s) failed: %s", conn.peer, conn.rank, exc)
+            if not ended.done():
+                ended.set_result(_End(Code.UNAVAILABLE, f"write failed: {exc}"))
+
+    # ----------------------------------------------------------- dispatching
+    def _dispatch(self, conn: _Connection, raw: bytes) -> None:
+        try:
+            message = pb.WorkerMessage.FromString(raw)
+        except DecodeError as exc:
+            self._reject(conn, RejectedMessage(
+                Code.INVALID_ARGUMENT,
+                f"rank {conn.rank} sent {len(raw)} bytes that do not parse as a "
+                f"gradsync.v1.WorkerMessage: {exc}",
+            ))
+            return
+        kind = message.WhichOneof("kind")
+        job = conn.job
+        if job is None:
+            if kind != "join":
+                conn.end(
+                    Code.FAILED_PRECONDITION,
+                    f"the first message on a stream must be a Join, got {kind or 'an empty message'}",
+                )
+                return
+            self._join(conn, message.join)
+            return
+        try:
+            if kind == "gradient":
+                self._execute(job, job.on_gradient(conn.rank, message.gradient))
+            elif kind == "state":
+                self._execute(job, job.on_state_chunk(conn.rank, message.state))
+            elif kind == "leave":
+                conn.left = True
+                log.info("job '%s': rank %d left (%s)", job.job_id, conn.rank,
+                         message.leave.reason or "no reason given")
+                self._detach(conn)
+                conn.end(Code.OK, "goodbye")
+            elif kind == "join":
+                conn.end(Code.FAILED_PRECONDITION, f"rank {conn.rank} sent Join twice")
+            else:
+                self._reject(conn, RejectedMessage(
+                    Code.INVALID_ARGUMENT, f"rank {conn.rank} sent an empty WorkerMessage"
+                ))
+        except RejectedMessage as rejection:
+            conn.end(rejection.code, rejection.message)
+
+    def _reject(self, conn: _Connection, rejection: RejectedMessage) -> None:
+        """A malformed message: abort the sender's open step, or end its stream."""
+        log.warning("rejected message from %s: %s", conn.peer, rejection.message)
+        if conn.job is None:
+            conn.end(rejection.code, rejection.message)
+        else:
+            self._execute(conn.job, conn.job.reject(conn.rank, rejection))
+
+    def _join(self, conn: _Connection, join: pb.Join) -> None:
+        job_id = join.job_id
+        config = self.config
+        problem: tuple[Code, str] | None = None
+        if self.draining:
+            problem = (Code.UNAVAILABLE, "the coordinator is shutting down")
+        elif not job_id or len(job_id) > _MAX_JOB_ID_CHARS or not job_id.isprintable():
+            problem = (Code.INVALID_ARGUMENT,
+                       f"job id {job_id!r} must be 1..{_MAX_JOB_ID_CHARS} printable characters")
+        elif join.rank >= config.world_size:
+            problem = (Code.INVALID_ARGUMENT,
+                       f"rank {join.rank} is out of range for world size {config.world_size} "
+                       f"(valid ranks 0..{config.world_size - 1})")
+        elif job_id not in self.jobs and len(self.jobs) >= config.max_jobs:
+            problem = (Code.RESOURCE_EXHAUSTED,
+                       f"the coordinator already runs {len(self.jobs)} jobs (limit {config.max_jobs})")
+        if problem is not None:
+            log.warning("refused join from %s: %s", conn.peer, problem[1])
+            conn.end(*problem)
+            return
+        job = self.jobs.get(job_id)
+        if job is None:
+            job = self.jobs[job_id] = Job(
+                job_id, config.world_size, config.chunk_bytes, config.max_message_bytes,
+                self._budget,
+            )
+        try:
+            actions = job.join(join.rank, join)
+        except RejectedMessage as rejection:
+            log.warning("refused join of rank %d to job '%s': %s",
+                        join.rank, job_id, rejection.message)
+            conn.end(rejection.code, rejection.message)
+            if not job.members:
+                del self.jobs[job_id]
+            return
+        conn.job, conn.rank = job, join.rank
+        self._connections[(job_id, join.rank)] = conn
+        joined = len(job.members)
+        if joined < config.world_size:
+            log.info("job '%s': rank %d joined from %s; waiting for %d/%d workers",
+                     job_id, join.rank, conn.peer, joined, config.world_size)
+        else:
+            log.info("job '%s': rank %d joined from %s; all %d workers present",
+                     job_id, join.rank, conn.peer, config.world_size)
+        self._execute(job, actions)
+
+    def _execute(self, job: Job, actions: list[Action]) -> None:
+        for action in actions:
+            if isinstance(action, Send):
+                raw = action.message.SerializeToString()
+                if action.message.WhichOneof("kind") == "step_aborted":
+                    log.warning("job '%s': %s", job.job_id, action.message.step_aborted.message)
+                for rank in action.ranks:
+                    target = self._connections.get((job.job_id, rank))
+                    if target is not None:
+                        target.send(raw)
+            elif isinstance(action, Terminate):
+                log.warning("job '%s': ending ranks %s: %s", job.job_id,
+                            list(action.ranks), action.details)
+                for rank in action.ranks:
+                    target = self._connections.get((job.job_id, rank))
+                    if target is not None:
+                        target.end(action.code, action.details)
+
+    def _detach(self, conn: _Connection) -> None:
+        job = conn.job
+        if job is None:
+            return
+        conn.job = None
+        key = (job.job_id, conn.rank)
+        if self._connections.get(key) is conn:
+            del self._connections[key]
+        if not conn.left:
+            log.warning("job '%s': rank %d disconnected at step %d",
+                        job.job_id, conn.rank, job.open_step)
+        self._execute(job, job.detach(conn.rank, orderly=conn.left))
+        if not job.members and self.jobs.get(job.job_id) is job:
+            del self.jobs[job.job_id]
+            log.info("job '%s' finished after %d steps", job.job_id, job.steps_completed)
