@@ -96,11 +96,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _add_training_flags(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--epochs", type=_positive_int, default=3, help="epochs (default 3)")
+    parser.add_argument("--epochs", type=_positive_int, default=5, help="epochs (default 5)")
     parser.add_argument("--batch-size", type=_positive_int, default=32,
                         help="samples per rank per step (default 32)")
-    parser.add_argument("--lr", type=_positive_float, default=0.1,
-                        help="SGD learning rate (default 0.1)")
+    parser.add_argument("--lr", type=_positive_float, default=0.5,
+                        help="SGD learning rate (default 0.5)")
     parser.add_argument("--timeout-s", type=_positive_float, default=120.0,
                         help="bound on every wait for other ranks (default 120)")
 

@@ -26,9 +26,9 @@ class TrainSettings:
     """Hyper-parameters shared by every rank and by the reference run."""
 
     world_size: int
-    epochs: int = 3
+    epochs: int = 5
     batch_size: int = 32  # per rank
-    lr: float = 0.1
+    lr: float = 0.5
     data_seed: int = 0
 
 

@@ -1,0 +1,100 @@
+"""Shared fixtures: real coordinator processes on free ports, worker launchers."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+BANNER = re.compile(r"listening on (\S+):(\d+)")
+WORKER_SCRIPT = Path(__file__).parent / "workers" / "train_worker.py"
+
+
+class CoordinatorProcess:
+    """A `gradsync serve` subprocess bound to a free loopback port."""
+
+    def __init__(self, world_size: int, *extra: str) -> None:
+        self.process = subprocess.Popen(
+            [sys.executable, "-m", "gradsync.cli", "serve", "--world-size", str(world_size),
+             "--host", "127.0.0.1", "--port", "0", *extra],
+            stderr=subprocess.PIPE, text=True,
+        )
+        assert self.process.stderr is not None
+        self.startup_lines: list[str] = []
+        for line in self.process.stderr:
+            self.startup_lines.append(line)
+            match = BANNER.search(line)
+            if match:
+                self.port = int(match.group(2))
+                break
+        else:
+            raise RuntimeError(f"coordinator exited early: {''.join(self.startup_lines)}")
+        self.address = f"127.0.0.1:{self.port}"
+
+    def stop(self) -> tuple[int, str]:
+        """SIGTERM, wait, and return (exit code, rest of stderr)."""
+        if self.process.poll() is None:
+            self.process.send_signal(signal.SIGTERM)
+        try:
+            _, rest = self.process.communicate(timeout=30)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            _, rest = self.process.communicate()
+        return self.process.returncode, rest
+
+
+@pytest.fixture
+def coordinator_factory() -> Iterator[type[CoordinatorProcess]]:
+    """Start coordinators on demand; every one is stopped after the test."""
+    started: list[CoordinatorProcess] = []
+
+    def start(world_size: int, *extra: str) -> CoordinatorProcess:
+        coordinator = CoordinatorProcess(world_size, *extra)
+        started.append(coordinator)
+        return coordinator
+
+    yield start  # type: ignore[misc]
+    for coordinator in started:
+        coordinator.stop()
+
+
+def run_workers(
+    address: str,
+    world_size: int,
+    scenario: str,
+    out_dir: Path,
+    *extra: str,
+    timeout_s: float = 90.0,
+) -> list[dict[str, np.ndarray]]:
+    """Run `world_size` worker processes of tests/workers/train_worker.py; return their outputs."""
+    env = dict(os.environ, PYTHONWARNINGS="error")
+    processes = [
+        subprocess.Popen(
+            [sys.executable, str(WORKER_SCRIPT), "--coordinator", address,
+             "--rank", str(rank), "--world-size", str(world_size), "--scenario", scenario,
+             "--out", str(out_dir / f"rank{rank}.npz"), *extra],
+            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
+        )
+        for rank in range(world_size)
+    ]
+    outputs = []
+    try:
+        for rank, process in enumerate(processes):
+            output, _ = process.communicate(timeout=timeout_s)
+            assert process.returncode == 0, f"rank {rank} failed:\n{output}"
+    finally:
+        for process in processes:
+            if process.poll() is None:
+                process.kill()
+                process.wait()
+    for rank in range(world_size):
+        with np.load(out_dir / f"rank{rank}.npz") as data:
+            outputs.append(dict(data))
+    return outputs
