@@ -116,7 +116,8 @@ class CoordinatorServicer:
             self._detach(conn)
         if ended.done() and not ended.cancelled() and ended.result().code is not Code.OK:
             end = ended.result()
-            await context.abort(_STATUS_BY_CODE[int(end.code)], end.details)
+            context.set_code(_STATUS_BY_CODE[int(end.code)])
+            context.set_details(end.details)
 
     async def _read_loop(self, conn: _Connection, request_iterator: AsyncIterator[bytes]) -> None:
         try:
