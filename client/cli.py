@@ -49,60 +49,102 @@ def build_parser() -> argparse.ArgumentParser:
         prog="gradsync", description="Data-parallel gradient synchronization over gRPC."
     )
     parser.add_argument("--version", action="version", version=f"gradsync {__version__}")
-    parser.add_argument("--log-level", default="INFO",
-                        choices=["DEBUG", "INFO", "WARNING", "ERROR"])
+    parser.add_argument(
+        "--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"]
+    )
     commands = parser.add_subparsers(dest="command", required=True)
 
     serve = commands.add_parser("serve", help="run the coordinator")
-    serve.add_argument("--world-size", type=_positive_int, required=True,
-                       help="ranks per job")
+    serve.add_argument("--world-size", type=_positive_int, required=True, help="ranks per job")
     serve.add_argument("--host", default="0.0.0.0", help="interface to bind (default all)")
-    serve.add_argument("--port", type=_port, default=50051,
-                       help="TCP port; 0 picks a free one and prints it (default 50051)")
-    serve.add_argument("--chunk-mb", type=_positive_float, default=1.0,
-                       help="wire chunk size in MiB (default 1)")
-    serve.add_argument("--max-buffered-mb", type=_positive_float, default=2048.0,
-                       help="cap on gradient bytes held in partial reductions (default 2048)")
-    serve.add_argument("--max-jobs", type=_positive_int, default=64,
-                       help="concurrent jobs accepted (default 64)")
-    serve.add_argument("--shutdown-grace-s", type=float, default=10.0,
-                       help="how long SIGTERM lets running streams finish (default 10)")
+    serve.add_argument(
+        "--port",
+        type=_port,
+        default=50051,
+        help="TCP port; 0 picks a free one and prints it (default 50051)",
+    )
+    serve.add_argument(
+        "--chunk-mb", type=_positive_float, default=1.0, help="wire chunk size in MiB (default 1)"
+    )
+    serve.add_argument(
+        "--max-buffered-mb",
+        type=_positive_float,
+        default=2048.0,
+        help="cap on gradient bytes held in partial reductions (default 2048)",
+    )
+    serve.add_argument(
+        "--max-jobs", type=_positive_int, default=64, help="concurrent jobs accepted (default 64)"
+    )
+    serve.add_argument(
+        "--shutdown-grace-s",
+        type=float,
+        default=10.0,
+        help="how long SIGTERM lets running streams finish (default 10)",
+    )
 
     worker = commands.add_parser("worker", help="run the example training job as one rank")
-    worker.add_argument("--coordinator", default=os.environ.get(ENV_COORDINATOR),
-                        help=f"coordinator host:port (default ${ENV_COORDINATOR})")
-    worker.add_argument("--rank", type=int, default=_env_int(ENV_RANK),
-                        help=f"this worker's rank (default ${ENV_RANK})")
-    worker.add_argument("--world-size", type=_positive_int, default=_env_int(ENV_WORLD_SIZE),
-                        help=f"number of ranks (default ${ENV_WORLD_SIZE})")
-    worker.add_argument("--job-id", default=os.environ.get(ENV_JOB_ID),
-                        help=f"job id shared by all ranks (default ${ENV_JOB_ID} or 'default')")
+    worker.add_argument(
+        "--coordinator",
+        default=os.environ.get(ENV_COORDINATOR),
+        help=f"coordinator host:port (default ${ENV_COORDINATOR})",
+    )
+    worker.add_argument(
+        "--rank",
+        type=int,
+        default=_env_int(ENV_RANK),
+        help=f"this worker's rank (default ${ENV_RANK})",
+    )
+    worker.add_argument(
+        "--world-size",
+        type=_positive_int,
+        default=_env_int(ENV_WORLD_SIZE),
+        help=f"number of ranks (default ${ENV_WORLD_SIZE})",
+    )
+    worker.add_argument(
+        "--job-id",
+        default=os.environ.get(ENV_JOB_ID),
+        help=f"job id shared by all ranks (default ${ENV_JOB_ID} or 'default')",
+    )
     _add_training_flags(worker)
-    worker.add_argument("--init-seed", type=int, default=None,
-                        help="seed of this rank's initial weights (default 1000 + rank; rank 0's "
-                             "weights are broadcast to all)")
-    worker.add_argument("--save", type=Path, default=None,
-                        help="write the final parameters to this .npz file")
-    worker.add_argument("--no-progress", action="store_true",
-                        help="no progress bar on rank 0")
+    worker.add_argument(
+        "--init-seed",
+        type=int,
+        default=None,
+        help="seed of this rank's initial weights (default 1000 + rank; rank 0's "
+        "weights are broadcast to all)",
+    )
+    worker.add_argument(
+        "--save", type=Path, default=None, help="write the final parameters to this .npz file"
+    )
+    worker.add_argument("--no-progress", action="store_true", help="no progress bar on rank 0")
 
     demo = commands.add_parser(
         "demo", help="start a coordinator and local workers, train, check against one process"
     )
-    demo.add_argument("--workers", type=_positive_int, default=3,
-                      help="number of worker processes (default 3)")
+    demo.add_argument(
+        "--workers", type=_positive_int, default=3, help="number of worker processes (default 3)"
+    )
     _add_training_flags(demo)
     return parser
 
 
 def _add_training_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--epochs", type=_positive_int, default=5, help="epochs (default 5)")
-    parser.add_argument("--batch-size", type=_positive_int, default=32,
-                        help="samples per rank per step (default 32)")
-    parser.add_argument("--lr", type=_positive_float, default=0.5,
-                        help="SGD learning rate (default 0.5)")
-    parser.add_argument("--timeout-s", type=_positive_float, default=120.0,
-                        help="bound on every wait for other ranks (default 120)")
+    parser.add_argument(
+        "--batch-size",
+        type=_positive_int,
+        default=32,
+        help="samples per rank per step (default 32)",
+    )
+    parser.add_argument(
+        "--lr", type=_positive_float, default=0.5, help="SGD learning rate (default 0.5)"
+    )
+    parser.add_argument(
+        "--timeout-s",
+        type=_positive_float,
+        default=120.0,
+        help="bound on every wait for other ranks (default 120)",
+    )
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -157,8 +199,13 @@ def _worker(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     init_seed = args.init_seed if args.init_seed is not None else 1000 + args.rank
     try:
         test_accuracy = train_worker(
-            args.coordinator, args.rank, settings, init_seed=init_seed, job_id=args.job_id,
-            timeout_s=args.timeout_s, progress=args.rank == 0 and not args.no_progress,
+            args.coordinator,
+            args.rank,
+            settings,
+            init_seed=init_seed,
+            job_id=args.job_id,
+            timeout_s=args.timeout_s,
+            progress=args.rank == 0 and not args.no_progress,
             save_path=args.save,
         )
     except GradSyncError as exc:

@@ -26,14 +26,13 @@ from collections.abc import Iterator
 from typing import Any
 
 import torch
-from torch import nn
-
 from gradsync import __version__, wire
 from gradsync.bucketing import BucketPlan, assign_buckets
 from gradsync.config import ClientConfig
 from gradsync.errors import ClosedError, GradSyncError
 from gradsync.transport import Transport
 from gradsync.v1 import gradsync_pb2 as pb
+from torch import nn
 
 log = logging.getLogger("gradsync.client")
 
@@ -109,8 +108,14 @@ class DistributedDataParallel(nn.Module):
         super().__init__()
         self.module = module
         self.config = ClientConfig.resolve(
-            coordinator, rank, world_size, job_id, bucket_cap_mb, first_bucket_mb,
-            timeout_s, join_timeout_s,
+            coordinator,
+            rank,
+            world_size,
+            job_id,
+            bucket_cap_mb,
+            first_bucket_mb,
+            timeout_s,
+            join_timeout_s,
         )
         named = list(module.named_parameters())
         if not any(p.requires_grad for _, p in named):
@@ -138,9 +143,8 @@ class DistributedDataParallel(nn.Module):
             raise
         for index, (_, param) in enumerate(named):
             if self._bucket_of[index] >= 0:
-                self._hooks.append(
-                    param.register_post_accumulate_grad_hook(self._make_hook(index))
-                )
+                hook = self._make_hook(index)
+                self._hooks.append(param.register_post_accumulate_grad_hook(hook))  # type: ignore[no-untyped-call]
 
     # ---------------------------------------------------------------- public
     @property
@@ -237,15 +241,22 @@ class DistributedDataParallel(nn.Module):
             incarnation=uuid.uuid4().hex,
             client_version=__version__,
         )
-        log.info("rank %d: joining job '%s' at %s (world size %d, %d buckets)",
-                 config.rank, config.job_id, config.coordinator, config.world_size,
-                 len(self._buckets))
+        log.info(
+            "rank %d: joining job '%s' at %s (world size %d, %d buckets)",
+            config.rank,
+            config.job_id,
+            config.coordinator,
+            config.world_size,
+            len(self._buckets),
+        )
         self._transport.open(join)
         welcome = self._transport.wait_welcome(config.join_timeout_s)
         tensors = [p for _, p in self._named_parameters] + [b for _, b in self._named_buffers]
         with torch.no_grad():
             if config.rank == 0:
-                flat = [t.detach().reshape(-1).view(torch.uint8).cpu() for t in tensors if t.numel()]
+                flat = [
+                    t.detach().reshape(-1).view(torch.uint8).cpu() for t in tensors if t.numel()
+                ]
                 blob = torch.cat(flat) if flat else torch.empty(0, dtype=torch.uint8)
                 self._transport.send_state(blob.numpy())
             elif welcome.state_bytes:
@@ -255,12 +266,17 @@ class DistributedDataParallel(nn.Module):
                     if tensor.numel() == 0:
                         continue
                     size = tensor.numel() * tensor.element_size()
-                    source = torch.frombuffer(raw, dtype=tensor.dtype, count=tensor.numel(),
-                                              offset=offset)
+                    source = torch.frombuffer(
+                        raw, dtype=tensor.dtype, count=tensor.numel(), offset=offset
+                    )
                     tensor.copy_(source.view_as(tensor))
                     offset += size
-        log.info("rank %d: job '%s' assembled; starting at step %d",
-                 config.rank, config.job_id, welcome.start_step)
+        log.info(
+            "rank %d: job '%s' assembled; starting at step %d",
+            config.rank,
+            config.job_id,
+            welcome.start_step,
+        )
         return int(welcome.start_step)
 
     # -------------------------------------------------------------- hooks
@@ -298,8 +314,10 @@ class DistributedDataParallel(nn.Module):
                 pieces.append(torch.zeros(param.numel(), dtype=param.dtype))
             else:
                 if grad.is_sparse:
-                    raise ValueError(f"'{self._named_parameters[index][0]}' has a sparse "
-                                     "gradient; gradsync averages dense gradients only")
+                    raise ValueError(
+                        f"'{self._named_parameters[index][0]}' has a sparse "
+                        "gradient; gradsync averages dense gradients only"
+                    )
                 pieces.append(grad.detach().reshape(-1).cpu())
         flat = torch.cat(pieces)
         self._launched[bucket_index] = True
@@ -320,9 +338,7 @@ class DistributedDataParallel(nn.Module):
             for bucket_index, launched in enumerate(self._launched):
                 if not launched:  # some parameter got no gradient this pass
                     self._launch(bucket_index)
-            buffers, self.last_contributors = self._transport.wait_step(
-                step, self.config.timeout_s
-            )
+            buffers, self.last_contributors = self._transport.wait_step(step, self.config.timeout_s)
             self._write_averages(buffers)
         finally:
             self._backward_active = False
@@ -335,7 +351,7 @@ class DistributedDataParallel(nn.Module):
                 start = 0
                 for index in plan.parameter_indices:
                     param = self._named_parameters[index][1]
-                    averaged = flat[start:start + param.numel()].view_as(param)
+                    averaged = flat[start : start + param.numel()].view_as(param)
                     start += param.numel()
                     if param.grad is None:
                         param.grad = averaged.to(param.device, copy=True)

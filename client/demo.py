@@ -16,7 +16,6 @@ import time
 from pathlib import Path
 
 import numpy as np
-
 from gradsync.example import TrainSettings, max_relative_difference, train_reference
 
 #: Parity bound between the distributed and the single-process result.
@@ -27,10 +26,24 @@ _BANNER = re.compile(r"listening on (\S+):(\d+)")
 def start_coordinator(world_size: int, timeout_s: float) -> tuple[subprocess.Popen[str], int]:
     """Start `gradsync serve` on a free loopback port; return it and the port."""
     process = subprocess.Popen(
-        [sys.executable, "-m", "gradsync.cli", "--log-level", "WARNING", "serve",
-         "--world-size", str(world_size), "--host", "127.0.0.1", "--port", "0",
-         "--shutdown-grace-s", "2"],
-        stderr=subprocess.PIPE, text=True,
+        [
+            sys.executable,
+            "-m",
+            "gradsync.cli",
+            "--log-level",
+            "WARNING",
+            "serve",
+            "--world-size",
+            str(world_size),
+            "--host",
+            "127.0.0.1",
+            "--port",
+            "0",
+            "--shutdown-grace-s",
+            "2",
+        ],
+        stderr=subprocess.PIPE,
+        text=True,
     )
     assert process.stderr is not None
     deadline = time.monotonic() + timeout_s
@@ -48,19 +61,40 @@ def start_coordinator(world_size: int, timeout_s: float) -> tuple[subprocess.Pop
 def run_demo(settings: TrainSettings, timeout_s: float = 120.0) -> int:
     """Run the demo; return 0 when the distributed result matches one process."""
     workers = settings.world_size
-    print(f"gradsync demo: 1 coordinator + {workers} workers on the digits data set "
-          f"({settings.epochs} epochs, {settings.batch_size} samples per rank per step)")
+    print(
+        f"gradsync demo: 1 coordinator + {workers} workers on the digits data set "
+        f"({settings.epochs} epochs, {settings.batch_size} samples per rank per step)"
+    )
     coordinator, port = start_coordinator(workers, timeout_s=30.0)
     print(f"coordinator listening on 127.0.0.1:{port}")
     with tempfile.TemporaryDirectory(prefix="gradsync-demo-") as scratch:
         outputs = [Path(scratch) / f"rank{rank}.npz" for rank in range(workers)]
         processes = [
             subprocess.Popen(
-                [sys.executable, "-m", "gradsync.cli", "--log-level", "WARNING", "worker",
-                 "--coordinator", f"127.0.0.1:{port}", "--rank", str(rank),
-                 "--world-size", str(workers), "--epochs", str(settings.epochs),
-                 "--batch-size", str(settings.batch_size), "--lr", str(settings.lr),
-                 "--timeout-s", str(timeout_s), "--save", str(outputs[rank])],
+                [
+                    sys.executable,
+                    "-m",
+                    "gradsync.cli",
+                    "--log-level",
+                    "WARNING",
+                    "worker",
+                    "--coordinator",
+                    f"127.0.0.1:{port}",
+                    "--rank",
+                    str(rank),
+                    "--world-size",
+                    str(workers),
+                    "--epochs",
+                    str(settings.epochs),
+                    "--batch-size",
+                    str(settings.batch_size),
+                    "--lr",
+                    str(settings.lr),
+                    "--timeout-s",
+                    str(timeout_s),
+                    "--save",
+                    str(outputs[rank]),
+                ],
             )
             for rank in range(workers)
         ]
@@ -82,10 +116,11 @@ def run_demo(settings: TrainSettings, timeout_s: float = 120.0) -> int:
     reference, reference_accuracy = train_reference(settings, init_seed=1000)
     differences = [max_relative_difference(reference, params) for params in saved]
     accuracy = float(saved[0]["__accuracy__"])
-    print(f"distributed test accuracy: {accuracy:.4f} "
-          f"(single process: {reference_accuracy:.4f})")
-    print("max relative parameter difference vs single-process training: "
-          + ", ".join(f"rank {r} {d:.2e}" for r, d in enumerate(differences)))
+    print(f"distributed test accuracy: {accuracy:.4f} (single process: {reference_accuracy:.4f})")
+    print(
+        "max relative parameter difference vs single-process training: "
+        + ", ".join(f"rank {r} {d:.2e}" for r, d in enumerate(differences))
+    )
     if max(differences) > PARITY_TOLERANCE:
         print(f"gradsync demo: FAILED, difference above {PARITY_TOLERANCE:g}", file=sys.stderr)
         return 1

@@ -71,7 +71,7 @@ def global_batches(num_samples: int, settings: TrainSettings) -> list[torch.Tens
     for _ in range(settings.epochs):
         order = torch.randperm(num_samples, generator=generator)
         for start in range(0, num_samples - global_batch + 1, global_batch):
-            batches.append(order[start:start + global_batch])
+            batches.append(order[start : start + global_batch])
     return batches
 
 
@@ -97,8 +97,12 @@ def train_worker(
 
     data = load_digits(settings.data_seed)
     model = gradsync.DistributedDataParallel(
-        build_model(init_seed), coordinator=coordinator, rank=rank,
-        world_size=settings.world_size, job_id=job_id, timeout_s=timeout_s,
+        build_model(init_seed),
+        coordinator=coordinator,
+        rank=rank,
+        world_size=settings.world_size,
+        job_id=job_id,
+        timeout_s=timeout_s,
         join_timeout_s=timeout_s,
     )
     optimizer = torch.optim.SGD(model.parameters(), lr=settings.lr)
@@ -107,7 +111,7 @@ def train_worker(
     steps = _progress(batches, enabled=progress)
     with model:
         for indices in steps:
-            mine = indices[rank * settings.batch_size:(rank + 1) * settings.batch_size]
+            mine = indices[rank * settings.batch_size : (rank + 1) * settings.batch_size]
             optimizer.zero_grad(set_to_none=True)
             loss = loss_fn(model(data.train_x[mine]), data.train_y[mine])
             loss.backward()
@@ -138,7 +142,8 @@ def train_reference(settings: TrainSettings, init_seed: int) -> tuple[nn.Module,
 def save_parameters(model: nn.Module, path: Path, test_accuracy: float) -> None:
     """Write parameters (and the accuracy) to an .npz file."""
     arrays = {name: p.detach().cpu().numpy() for name, p in model.named_parameters()}
-    np.savez(path, __accuracy__=np.array(test_accuracy), **arrays)
+    arrays["__accuracy__"] = np.array(test_accuracy)
+    np.savez(path, **arrays)  # type: ignore[arg-type]
 
 
 def max_relative_difference(model: nn.Module, saved: dict[str, np.ndarray]) -> float:
@@ -158,4 +163,5 @@ def _progress(batches: list[torch.Tensor], enabled: bool) -> list[torch.Tensor]:
         from tqdm import tqdm
     except ImportError:
         return batches
-    return tqdm(batches, desc="rank 0 training", unit="step", file=sys.stderr)  # type: ignore[return-value]
+    bar: list[torch.Tensor] = tqdm(batches, desc="rank 0 training", unit="step", file=sys.stderr)
+    return bar

@@ -12,6 +12,7 @@ next wait, translated into `GradSyncError`s in one place.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import threading
 import time
 from collections.abc import AsyncIterator, Callable
@@ -21,7 +22,6 @@ from typing import Any
 import grpc
 import numpy as np
 import numpy.typing as npt
-
 from gradsync import wire
 from gradsync.errors import (
     ClosedError,
@@ -202,10 +202,9 @@ class Transport:
             if self._call is not None:
                 self._put(pb.WorkerMessage(leave=pb.Leave(reason="closed by the worker")))
                 self._put(_CLOSE)
-                try:
+                # Leaving anyway if the goodbye fails: the stream is torn down below.
+                with contextlib.suppress(GradSyncError):
                     self._wait(lambda s: s.stream_done, timeout_s, "the coordinator's goodbye")
-                except GradSyncError:
-                    pass  # leaving anyway: the stream is torn down below
             self._run(self._shutdown(), timeout_s=timeout_s)
         finally:
             self._loop.call_soon_threadsafe(self._loop.stop)
@@ -223,7 +222,7 @@ class Transport:
             ("grpc.keepalive_permit_without_calls", 1),
         ]
         self._channel = grpc.aio.insecure_channel(self.target, options=options)
-        stub = pb_grpc.CoordinatorStub(self._channel)
+        stub = pb_grpc.CoordinatorStub(self._channel)  # type: ignore[no-untyped-call]
         self._outgoing.put_nowait(pb.WorkerMessage(join=join))
         # wait_for_ready: a worker may start before its coordinator; the join
         # timeout bounds how long it waits.
@@ -241,12 +240,14 @@ class Transport:
             if welcome is not None:
                 chunk_bytes, epoch = welcome.chunk_bytes, welcome.membership_epoch
             if isinstance(item, _StateUpload):
-                view = memoryview(item.blob)
+                view = memoryview(item.blob.data)
                 for offset, length in wire.chunk_spans(len(view), chunk_bytes):
-                    chunk = pb.StateChunk(offset=offset, payload=view[offset:offset + length].tobytes())
+                    chunk = pb.StateChunk(
+                        offset=offset, payload=view[offset : offset + length].tobytes()
+                    )
                     yield pb.WorkerMessage(state=chunk)
             elif isinstance(item, _BucketUpload):
-                view = memoryview(item.data)
+                view = memoryview(item.data.data)
                 for offset, length in wire.chunk_spans(len(view), chunk_bytes):
                     yield pb.WorkerMessage(
                         gradient=pb.GradientChunk(
@@ -255,7 +256,7 @@ class Transport:
                             bucket_index=item.bucket_index,
                             offset=offset,
                             dtype=item.dtype,  # type: ignore[arg-type]
-                            payload=view[offset:offset + length].tobytes(),
+                            payload=view[offset : offset + length].tobytes(),
                         )
                     )
             else:
@@ -305,7 +306,7 @@ class Transport:
         if state is None or chunk.offset + len(chunk.payload) > len(state):
             self._protocol_fault(f"state chunk at offset {chunk.offset} is out of range")
             return
-        state[chunk.offset:chunk.offset + len(chunk.payload)] = chunk.payload
+        state[chunk.offset : chunk.offset + len(chunk.payload)] = chunk.payload
         self._shared.state_received += len(chunk.payload)
 
     def _on_gradient(self, chunk: pb.GradientChunk) -> None:
@@ -325,7 +326,7 @@ class Transport:
                 f"past the bucket's {len(buffer)} bytes"
             )
             return
-        buffer[chunk.offset:end] = chunk.payload
+        buffer[chunk.offset : end] = chunk.payload
         result.received[bucket] += len(chunk.payload)
         result.contributors = chunk.contributors
         if result.received[bucket] == len(buffer):

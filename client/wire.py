@@ -15,10 +15,9 @@ from collections.abc import Iterator
 
 import numpy as np
 import numpy.typing as npt
-
 from gradsync.v1 import gradsync_pb2 as pb
 
-#: Default chunk size: 1–4 MiB messages move fastest through Python gRPC.
+#: Default chunk size: 1-4 MiB messages move fastest through Python gRPC.
 DEFAULT_CHUNK_BYTES = 1 << 20
 
 #: Room for the non-payload fields of a message, added to the chunk size when
@@ -47,7 +46,8 @@ _ITEMSIZE: dict[int, int] = {
 def dtype_name(dtype: int) -> str:
     """Short human name of a wire dtype ("float32"), for error messages."""
     if dtype in _ITEMSIZE:
-        return pb.DType.Name(dtype).removeprefix("DTYPE_").lower()  # type: ignore[arg-type]
+        name: str = pb.DType.Name(dtype)
+        return name.removeprefix("DTYPE_").lower()
     return f"<unknown dtype {dtype}>"
 
 

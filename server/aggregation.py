@@ -20,7 +20,6 @@ from dataclasses import dataclass, field
 
 import numpy as np
 import numpy.typing as npt
-
 from gradsync import wire
 
 

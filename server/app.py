@@ -14,10 +14,9 @@ import sys
 from dataclasses import dataclass
 
 import grpc
-from grpc_health.v1 import health, health_pb2, health_pb2_grpc
-
 from gradsync.server.config import MIB, ServerConfig
 from gradsync.server.servicer import SERVICE_NAME, CoordinatorServicer
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 log = logging.getLogger("gradsync.server")
 

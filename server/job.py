@@ -23,7 +23,7 @@ from __future__ import annotations
 import enum
 import time
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from gradsync import wire
@@ -94,14 +94,14 @@ class Job:
         chunk_bytes: int,
         max_message_bytes: int,
         budget: ByteBudget,
-        clock: type[time.monotonic] | None = None,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.job_id = job_id
         self.world_size = world_size
         self.chunk_bytes = chunk_bytes
         self.max_message_bytes = max_message_bytes
         self._budget = budget
-        self._clock = clock or time.monotonic
+        self._clock = clock
         self.state = JobState.ASSEMBLING
         self.membership_epoch = 0
         self.open_step = 0
@@ -221,7 +221,11 @@ class Job:
             self._aborted_steps.append(chunk.step)
             return [
                 self._abort_message(
-                    self._ranks(), chunk.step, Code.ABORTED, self._broken_reason, -1,
+                    self._ranks(),
+                    chunk.step,
+                    Code.ABORTED,
+                    self._broken_reason,
+                    -1,
                     pb.ABORT_REASON_PEER_LOST,
                 )
             ]
@@ -393,17 +397,26 @@ class Job:
         others = tuple(r for r in self._ranks() if r != culprit)
         actions: list[Action] = [
             self._abort_message(
-                (culprit,), step, rejection.code, rejection.message,
-                rejection.bucket_index, pb.ABORT_REASON_MESSAGE_REJECTED, culprit,
+                (culprit,),
+                step,
+                rejection.code,
+                rejection.message,
+                rejection.bucket_index,
+                pb.ABORT_REASON_MESSAGE_REJECTED,
+                culprit,
             )
         ]
         if others:
             actions.append(
                 self._abort_message(
-                    others, step, Code.ABORTED,
+                    others,
+                    step,
+                    Code.ABORTED,
                     f"step {step} aborted because rank {culprit}'s message was rejected: "
                     f"{rejection.message}",
-                    rejection.bucket_index, pb.ABORT_REASON_PEER_MESSAGE_REJECTED, culprit,
+                    rejection.bucket_index,
+                    pb.ABORT_REASON_PEER_MESSAGE_REJECTED,
+                    culprit,
                 )
             )
         return actions
@@ -461,8 +474,13 @@ class Job:
             return []
         return [
             self._abort_message(
-                self._ranks(), step, Code.ABORTED, self._broken_reason, -1,
-                pb.ABORT_REASON_PEER_LOST, rank,
+                self._ranks(),
+                step,
+                Code.ABORTED,
+                self._broken_reason,
+                -1,
+                pb.ABORT_REASON_PEER_LOST,
+                rank,
             )
         ]
 

@@ -19,10 +19,10 @@ import asyncio
 import logging
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
+from typing import Any
 
 import grpc
 from google.protobuf.message import DecodeError
-
 from gradsync.errors import Code, RejectedMessage
 from gradsync.server.budget import ByteBudget
 from gradsync.server.config import ServerConfig
@@ -106,7 +106,8 @@ class CoordinatorServicer:
         reader = asyncio.create_task(self._read_loop(conn, request_iterator))
         writer = asyncio.create_task(self._write_loop(conn, context, ended))
         try:
-            await asyncio.wait({reader, ended}, return_when=asyncio.FIRST_COMPLETED)
+            pending: list[asyncio.Future[Any]] = [reader, ended]
+            await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
             if not ended.done() and conn.ended:
                 # The stream is to end (goodbye or refusal): flush what is queued first.
                 await asyncio.wait({ended}, timeout=self.config.shutdown_grace_s)
@@ -156,19 +157,23 @@ class CoordinatorServicer:
         try:
             message = pb.WorkerMessage.FromString(raw)
         except DecodeError as exc:
-            self._reject(conn, RejectedMessage(
-                Code.INVALID_ARGUMENT,
-                f"rank {conn.rank} sent {len(raw)} bytes that do not parse as a "
-                f"gradsync.v1.WorkerMessage: {exc}",
-            ))
+            self._reject(
+                conn,
+                RejectedMessage(
+                    Code.INVALID_ARGUMENT,
+                    f"rank {conn.rank} sent {len(raw)} bytes that do not parse as a "
+                    f"gradsync.v1.WorkerMessage: {exc}",
+                ),
+            )
             return
         kind = message.WhichOneof("kind")
         job = conn.job
         if job is None:
             if kind != "join":
+                got = kind or "an empty message"
                 conn.end(
                     Code.FAILED_PRECONDITION,
-                    f"the first message on a stream must be a Join, got {kind or 'an empty message'}",
+                    f"the first message on a stream must be a Join, got {got}",
                 )
                 return
             self._join(conn, message.join)
@@ -180,16 +185,23 @@ class CoordinatorServicer:
                 self._execute(job, job.on_state_chunk(conn.rank, message.state))
             elif kind == "leave":
                 conn.left = True
-                log.info("job '%s': rank %d left (%s)", job.job_id, conn.rank,
-                         message.leave.reason or "no reason given")
+                log.info(
+                    "job '%s': rank %d left (%s)",
+                    job.job_id,
+                    conn.rank,
+                    message.leave.reason or "no reason given",
+                )
                 self._detach(conn)
                 conn.end(Code.OK, "goodbye")
             elif kind == "join":
                 conn.end(Code.FAILED_PRECONDITION, f"rank {conn.rank} sent Join twice")
             else:
-                self._reject(conn, RejectedMessage(
-                    Code.INVALID_ARGUMENT, f"rank {conn.rank} sent an empty WorkerMessage"
-                ))
+                self._reject(
+                    conn,
+                    RejectedMessage(
+                        Code.INVALID_ARGUMENT, f"rank {conn.rank} sent an empty WorkerMessage"
+                    ),
+                )
         except RejectedMessage as rejection:
             conn.end(rejection.code, rejection.message)
 
@@ -208,15 +220,21 @@ class CoordinatorServicer:
         if self.draining:
             problem = (Code.UNAVAILABLE, "the coordinator is shutting down")
         elif not job_id or len(job_id) > _MAX_JOB_ID_CHARS or not job_id.isprintable():
-            problem = (Code.INVALID_ARGUMENT,
-                       f"job id {job_id!r} must be 1..{_MAX_JOB_ID_CHARS} printable characters")
+            problem = (
+                Code.INVALID_ARGUMENT,
+                f"job id {job_id!r} must be 1..{_MAX_JOB_ID_CHARS} printable characters",
+            )
         elif join.rank >= config.world_size:
-            problem = (Code.INVALID_ARGUMENT,
-                       f"rank {join.rank} is out of range for world size {config.world_size} "
-                       f"(valid ranks 0..{config.world_size - 1})")
+            problem = (
+                Code.INVALID_ARGUMENT,
+                f"rank {join.rank} is out of range for world size {config.world_size} "
+                f"(valid ranks 0..{config.world_size - 1})",
+            )
         elif job_id not in self.jobs and len(self.jobs) >= config.max_jobs:
-            problem = (Code.RESOURCE_EXHAUSTED,
-                       f"the coordinator already runs {len(self.jobs)} jobs (limit {config.max_jobs})")
+            problem = (
+                Code.RESOURCE_EXHAUSTED,
+                f"the coordinator already runs {len(self.jobs)} jobs (limit {config.max_jobs})",
+            )
         if problem is not None:
             log.warning("refused join from %s: %s", conn.peer, problem[1])
             conn.end(*problem)
@@ -224,14 +242,18 @@ class CoordinatorServicer:
         job = self.jobs.get(job_id)
         if job is None:
             job = self.jobs[job_id] = Job(
-                job_id, config.world_size, config.chunk_bytes, config.max_message_bytes,
+                job_id,
+                config.world_size,
+                config.chunk_bytes,
+                config.max_message_bytes,
                 self._budget,
             )
         try:
             actions = job.join(join.rank, join)
         except RejectedMessage as rejection:
-            log.warning("refused join of rank %d to job '%s': %s",
-                        join.rank, job_id, rejection.message)
+            log.warning(
+                "refused join of rank %d to job '%s': %s", join.rank, job_id, rejection.message
+            )
             conn.end(rejection.code, rejection.message)
             if not job.members:
                 del self.jobs[job_id]
@@ -240,11 +262,22 @@ class CoordinatorServicer:
         self._connections[(job_id, join.rank)] = conn
         joined = len(job.members)
         if joined < config.world_size:
-            log.info("job '%s': rank %d joined from %s; waiting for %d/%d workers",
-                     job_id, join.rank, conn.peer, joined, config.world_size)
+            log.info(
+                "job '%s': rank %d joined from %s; waiting for %d/%d workers",
+                job_id,
+                join.rank,
+                conn.peer,
+                joined,
+                config.world_size,
+            )
         else:
-            log.info("job '%s': rank %d joined from %s; all %d workers present",
-                     job_id, join.rank, conn.peer, config.world_size)
+            log.info(
+                "job '%s': rank %d joined from %s; all %d workers present",
+                job_id,
+                join.rank,
+                conn.peer,
+                config.world_size,
+            )
         self._execute(job, actions)
 
     def _execute(self, job: Job, actions: list[Action]) -> None:
@@ -258,8 +291,9 @@ class CoordinatorServicer:
                     if target is not None:
                         target.send(raw)
             elif isinstance(action, Terminate):
-                log.warning("job '%s': ending ranks %s: %s", job.job_id,
-                            list(action.ranks), action.details)
+                log.warning(
+                    "job '%s': ending ranks %s: %s", job.job_id, list(action.ranks), action.details
+                )
                 for rank in action.ranks:
                     target = self._connections.get((job.job_id, rank))
                     if target is not None:
@@ -274,8 +308,9 @@ class CoordinatorServicer:
         if self._connections.get(key) is conn:
             del self._connections[key]
         if not conn.left:
-            log.warning("job '%s': rank %d disconnected at step %d",
-                        job.job_id, conn.rank, job.open_step)
+            log.warning(
+                "job '%s': rank %d disconnected at step %d", job.job_id, conn.rank, job.open_step
+            )
         self._execute(job, job.detach(conn.rank, orderly=conn.left))
         if not job.members and self.jobs.get(job.job_id) is job:
             del self.jobs[job.job_id]

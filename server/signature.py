@@ -106,9 +106,7 @@ def first_difference(
         ("buffers", reference.buffers, candidate.buffers),
     ):
         if len(ours) != len(theirs):
-            return (
-                f"rank {rank} has {len(theirs)} {kind}, rank {reference_rank} has {len(ours)}"
-            )
+            return f"rank {rank} has {len(theirs)} {kind}, rank {reference_rank} has {len(ours)}"
         for position, (expected, got) in enumerate(zip(ours, theirs, strict=True)):
             if expected.name != got.name:
                 return (

@@ -22,9 +22,21 @@ class CoordinatorProcess:
 
     def __init__(self, world_size: int, *extra: str) -> None:
         self.process = subprocess.Popen(
-            [sys.executable, "-m", "gradsync.cli", "serve", "--world-size", str(world_size),
-             "--host", "127.0.0.1", "--port", "0", *extra],
-            stderr=subprocess.PIPE, text=True,
+            [
+                sys.executable,
+                "-m",
+                "gradsync.cli",
+                "serve",
+                "--world-size",
+                str(world_size),
+                "--host",
+                "127.0.0.1",
+                "--port",
+                "0",
+                *extra,
+            ],
+            stderr=subprocess.PIPE,
+            text=True,
         )
         assert self.process.stderr is not None
         self.startup_lines: list[str] = []
@@ -77,10 +89,25 @@ def run_workers(
     env = dict(os.environ, PYTHONWARNINGS="error")
     processes = [
         subprocess.Popen(
-            [sys.executable, str(WORKER_SCRIPT), "--coordinator", address,
-             "--rank", str(rank), "--world-size", str(world_size), "--scenario", scenario,
-             "--out", str(out_dir / f"rank{rank}.npz"), *extra],
-            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
+            [
+                sys.executable,
+                str(WORKER_SCRIPT),
+                "--coordinator",
+                address,
+                "--rank",
+                str(rank),
+                "--world-size",
+                str(world_size),
+                "--scenario",
+                scenario,
+                "--out",
+                str(out_dir / f"rank{rank}.npz"),
+                *extra,
+            ],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            env=env,
         )
         for rank in range(world_size)
     ]

@@ -12,7 +12,6 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 
 import grpc
 import numpy as np
-
 from gradsync.server.app import RunningServer, start_server
 from gradsync.server.config import ServerConfig
 from gradsync.v1 import gradsync_pb2 as pb
@@ -33,21 +32,43 @@ def signature(weight_shape: tuple[int, ...] = WEIGHT_SHAPE) -> pb.ModelSignature
             pb.TensorSpec(name="fc.bias", shape=list(BIAS_SHAPE), dtype=pb.DTYPE_FLOAT32),
         ],
         buffers=[pb.TensorSpec(name="steps", shape=[], dtype=pb.DTYPE_INT64)],
-        buckets=[pb.BucketSpec(parameter_indices=[1, 0], dtype=pb.DTYPE_FLOAT32,
-                               num_elements=weight_elements + BIAS_SHAPE[0])],
+        buckets=[
+            pb.BucketSpec(
+                parameter_indices=[1, 0],
+                dtype=pb.DTYPE_FLOAT32,
+                num_elements=weight_elements + BIAS_SHAPE[0],
+            )
+        ],
     )
 
 
-def gradient(step: int, offset: int, payload: bytes, *, bucket: int = 0,
-             epoch: int = 0, dtype: int = pb.DTYPE_FLOAT32) -> pb.WorkerMessage:
-    return pb.WorkerMessage(gradient=pb.GradientChunk(
-        step=step, membership_epoch=epoch, bucket_index=bucket, offset=offset,
-        dtype=dtype, payload=payload))  # type: ignore[arg-type]
+def gradient(
+    step: int,
+    offset: int,
+    payload: bytes,
+    *,
+    bucket: int = 0,
+    epoch: int = 0,
+    dtype: int = pb.DTYPE_FLOAT32,
+) -> pb.WorkerMessage:
+    return pb.WorkerMessage(
+        gradient=pb.GradientChunk(
+            step=step,
+            membership_epoch=epoch,
+            bucket_index=bucket,
+            offset=offset,
+            dtype=dtype,
+            payload=payload,
+        )
+    )  # type: ignore[arg-type]
 
 
 def bucket_values(rank: int, step: int) -> np.ndarray:
-    return np.random.default_rng(100 * rank + step).standard_normal(BUCKET_BYTES // 4).astype(
-        np.float32)
+    return (
+        np.random.default_rng(100 * rank + step)
+        .standard_normal(BUCKET_BYTES // 4)
+        .astype(np.float32)
+    )
 
 
 class RawWorker:
@@ -55,7 +76,8 @@ class RawWorker:
 
     def __init__(self, channel: grpc.aio.Channel) -> None:
         self.call = channel.stream_stream(
-            METHOD, request_serializer=lambda raw: raw,
+            METHOD,
+            request_serializer=lambda raw: raw,
             response_deserializer=pb.CoordinatorMessage.FromString,
         )()
 
@@ -68,11 +90,25 @@ class RawWorker:
         assert message is not grpc.aio.EOF, "stream ended without a status"
         return message  # type: ignore[no-any-return]
 
-    async def join(self, rank: int, *, world_size: int = 2, job_id: str = "job",
-                   sig: pb.ModelSignature | None = None) -> None:
-        await self.send(pb.WorkerMessage(join=pb.Join(
-            job_id=job_id, rank=rank, world_size=world_size,
-            signature=sig or signature(), incarnation=f"test-{rank}")))
+    async def join(
+        self,
+        rank: int,
+        *,
+        world_size: int = 2,
+        job_id: str = "job",
+        sig: pb.ModelSignature | None = None,
+    ) -> None:
+        await self.send(
+            pb.WorkerMessage(
+                join=pb.Join(
+                    job_id=job_id,
+                    rank=rank,
+                    world_size=world_size,
+                    signature=sig or signature(),
+                    incarnation=f"test-{rank}",
+                )
+            )
+        )
 
     async def expect_kind(self, kind: str) -> pb.CoordinatorMessage:
         message = await self.recv()
@@ -93,7 +129,7 @@ class RawWorker:
     async def upload_bucket(self, step: int, values: np.ndarray, **fields: int) -> None:
         raw = values.tobytes()
         for offset in range(0, len(raw), CHUNK):
-            await self.send(gradient(step, offset, raw[offset:offset + CHUNK], **fields))
+            await self.send(gradient(step, offset, raw[offset : offset + CHUNK], **fields))
 
     async def receive_bucket(self, step: int) -> np.ndarray:
         """Collect the averaged chunks of bucket 0 of `step`."""
@@ -103,7 +139,7 @@ class RawWorker:
             message = await self.expect_kind("gradient")
             chunk = message.gradient
             assert chunk.step == step
-            result[chunk.offset:chunk.offset + len(chunk.payload)] = chunk.payload
+            result[chunk.offset : chunk.offset + len(chunk.payload)] = chunk.payload
             received += len(chunk.payload)
         return np.frombuffer(bytes(result), dtype=np.float32)
 
@@ -116,8 +152,13 @@ class RawWorker:
 @contextlib.asynccontextmanager
 async def coordinator(**overrides: object) -> AsyncIterator[tuple[RunningServer, grpc.aio.Channel]]:
     """An in-process coordinator on a free loopback port, and a channel to it."""
-    settings: dict[str, object] = {"world_size": 2, "host": "127.0.0.1", "port": 0,
-                                   "chunk_bytes": CHUNK, "shutdown_grace_s": 0.5}
+    settings: dict[str, object] = {
+        "world_size": 2,
+        "host": "127.0.0.1",
+        "port": 0,
+        "chunk_bytes": CHUNK,
+        "shutdown_grace_s": 0.5,
+    }
     settings.update(overrides)
     running = await start_server(ServerConfig(**settings))  # type: ignore[arg-type]
     channel = grpc.aio.insecure_channel(
@@ -131,8 +172,9 @@ async def coordinator(**overrides: object) -> AsyncIterator[tuple[RunningServer,
         await running.stop(0)
 
 
-async def assembled_job(channel: grpc.aio.Channel, job_id: str = "job",
-                        world_size: int = 2) -> list[RawWorker]:
+async def assembled_job(
+    channel: grpc.aio.Channel, job_id: str = "job", world_size: int = 2
+) -> list[RawWorker]:
     """Workers of a job that has received Welcome (and rank 0's state)."""
     workers = [RawWorker(channel) for _ in range(world_size)]
     for rank, worker in enumerate(workers):
@@ -141,10 +183,12 @@ async def assembled_job(channel: grpc.aio.Channel, job_id: str = "job",
         await worker.expect_kind("welcome")
     state = bytes(BUCKET_BYTES + 8)
     await workers[0].send(pb.WorkerMessage(state=pb.StateChunk(offset=0, payload=state[:CHUNK])))
-    await workers[0].send(pb.WorkerMessage(state=pb.StateChunk(offset=CHUNK,
-                                                               payload=state[CHUNK:2 * CHUNK])))
-    await workers[0].send(pb.WorkerMessage(state=pb.StateChunk(offset=2 * CHUNK,
-                                                               payload=state[2 * CHUNK:])))
+    await workers[0].send(
+        pb.WorkerMessage(state=pb.StateChunk(offset=CHUNK, payload=state[CHUNK : 2 * CHUNK]))
+    )
+    await workers[0].send(
+        pb.WorkerMessage(state=pb.StateChunk(offset=2 * CHUNK, payload=state[2 * CHUNK :]))
+    )
     for worker in workers[1:]:
         for _ in range(3):
             await worker.expect_kind("state")

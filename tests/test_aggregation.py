@@ -7,7 +7,6 @@ import random
 import numpy as np
 import pytest
 import torch
-
 from gradsync import wire
 from gradsync.server.aggregation import BucketReduction, DuplicateContributionError
 from gradsync.v1 import gradsync_pb2 as pb
@@ -24,18 +23,16 @@ def contributions(world_size: int, elements: int, seed: int) -> list[np.ndarray]
     ]
 
 
-def reduce_in_order(
-    arrays: list[bytes], dtype: int, order: list[tuple[int, int]]
-) -> bytes:
+def reduce_in_order(arrays: list[bytes], dtype: int, order: list[tuple[int, int]]) -> bytes:
     """Feed (rank, offset) pairs in `order`; return the assembled average."""
     total = len(arrays[0])
     reduction = BucketReduction(range(len(arrays)), dtype, total, CHUNK)
     result = bytearray(total)
     for rank, offset in order:
         length = wire.expected_chunk_length(total, CHUNK, offset)
-        averaged = reduction.add(rank, offset, arrays[rank][offset:offset + length])
+        averaged = reduction.add(rank, offset, arrays[rank][offset : offset + length])
         if averaged is not None:
-            result[offset:offset + len(averaged)] = averaged
+            result[offset : offset + len(averaged)] = averaged
     assert reduction.complete
     assert reduction.buffered_bytes == 0
     return bytes(result)
@@ -79,13 +76,20 @@ def test_float32_sum_would_differ_by_order_without_rank_ordering() -> None:
 
 @pytest.mark.parametrize(
     ("dtype", "torch_dtype"),
-    [(pb.DTYPE_FLOAT16, torch.float16), (pb.DTYPE_BFLOAT16, torch.bfloat16),
-     (pb.DTYPE_FLOAT64, torch.float64)],
+    [
+        (pb.DTYPE_FLOAT16, torch.float16),
+        (pb.DTYPE_BFLOAT16, torch.bfloat16),
+        (pb.DTYPE_FLOAT64, torch.float64),
+    ],
 )
-def test_other_dtypes_accumulate_wide_and_round_like_torch(dtype: int, torch_dtype: torch.dtype) -> None:
+def test_other_dtypes_accumulate_wide_and_round_like_torch(
+    dtype: int, torch_dtype: torch.dtype
+) -> None:
     world_size = 4
-    values = [torch.randn(3000, generator=torch.Generator().manual_seed(r)).to(torch_dtype)
-              for r in range(world_size)]
+    values = [
+        torch.randn(3000, generator=torch.Generator().manual_seed(r)).to(torch_dtype)
+        for r in range(world_size)
+    ]
     raw = [v.view(torch.uint8).numpy().tobytes() for v in values]
     pieces = all_pieces(world_size, len(raw[0]))
     random.Random(7).shuffle(pieces)

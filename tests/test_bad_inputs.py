@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import grpc
 import numpy as np
+from gradsync.v1 import gradsync_pb2 as pb
 from rawclient import (
     BUCKET_BYTES,
     CHUNK,
@@ -23,8 +24,6 @@ from rawclient import (
     wait_until_joined,
 )
 
-from gradsync.v1 import gradsync_pb2 as pb
-
 CODE = grpc.StatusCode
 
 
@@ -36,6 +35,7 @@ def test_rank_out_of_range() -> None:
             details = await worker.expect_status(CODE.INVALID_ARGUMENT)
             assert "rank 5" in details and "world size 2" in details
             await healthy_step(channel)
+
     run(scenario)
 
 
@@ -47,6 +47,7 @@ def test_world_size_mismatch_names_both_values() -> None:
             details = await worker.expect_status(CODE.INVALID_ARGUMENT)
             assert "world size 3" in details and "world size 2" in details
             await healthy_step(channel)
+
     run(scenario)
 
 
@@ -64,6 +65,7 @@ def test_live_rank_claimed_twice() -> None:
             await third.join(1)
             await first.expect_kind("welcome")
             await third.expect_kind("welcome")
+
     run(scenario)
 
 
@@ -79,6 +81,7 @@ def test_signature_mismatch_refuses_every_rank() -> None:
                 assert "rank 1" in details and "fc.weight" in details
                 assert "[64, 31] float32" in details and "[64, 32] float32" in details
             await healthy_step(channel, job_id="job")  # the same job id is usable again
+
     run(scenario)
 
 
@@ -91,6 +94,7 @@ def test_inconsistent_signature_is_refused() -> None:
             await worker.join(0, sig=sig)
             details = await worker.expect_status(CODE.INVALID_ARGUMENT)
             assert "bucket 0 declares 2081 elements" in details and "2080" in details
+
     run(scenario)
 
 
@@ -101,6 +105,7 @@ def test_first_message_must_be_join() -> None:
             await worker.send(gradient(0, 0, bytes(CHUNK)))
             details = await worker.expect_status(CODE.FAILED_PRECONDITION)
             assert "must be a Join" in details and "gradient" in details
+
     run(scenario)
 
 
@@ -112,6 +117,7 @@ def test_garbage_bytes_before_join() -> None:
             details = await worker.expect_status(CODE.INVALID_ARGUMENT)
             assert "do not parse" in details
             await healthy_step(channel)
+
     run(scenario)
 
 
@@ -132,8 +138,9 @@ async def expect_aborted(workers: list[RawWorker], culprit: int, code: int, *nee
             assert needle in aborted.message, (needle, aborted.message)
 
 
-def in_band_case(bad: pb.WorkerMessage | bytes, code: grpc.StatusCode, *needles: str,
-                 partial_upload: bool = True) -> None:
+def in_band_case(
+    bad: pb.WorkerMessage | bytes, code: grpc.StatusCode, *needles: str, partial_upload: bool = True
+) -> None:
     """Rank 1 sends `bad` during step 0; the step is aborted; step 1 then works."""
 
     async def scenario() -> None:
@@ -153,38 +160,59 @@ def in_band_case(bad: pb.WorkerMessage | bytes, code: grpc.StatusCode, *needles:
 
 
 def test_future_step() -> None:
-    in_band_case(gradient(7, 0, bytes(CHUNK)), CODE.FAILED_PRECONDITION,
-                 "future step 7", "expected step 0")
+    in_band_case(
+        gradient(7, 0, bytes(CHUNK)), CODE.FAILED_PRECONDITION, "future step 7", "expected step 0"
+    )
 
 
 def test_wrong_membership_epoch() -> None:
-    in_band_case(gradient(0, 0, bytes(CHUNK), epoch=3), CODE.FAILED_PRECONDITION,
-                 "epoch 3", "expected epoch 0")
+    in_band_case(
+        gradient(0, 0, bytes(CHUNK), epoch=3),
+        CODE.FAILED_PRECONDITION,
+        "epoch 3",
+        "expected epoch 0",
+    )
 
 
 def test_bucket_index_out_of_range() -> None:
-    in_band_case(gradient(0, 0, bytes(CHUNK), bucket=4), CODE.INVALID_ARGUMENT,
-                 "bucket 4", "1 buckets")
+    in_band_case(
+        gradient(0, 0, bytes(CHUNK), bucket=4), CODE.INVALID_ARGUMENT, "bucket 4", "1 buckets"
+    )
 
 
 def test_dtype_mismatch() -> None:
-    in_band_case(gradient(0, 0, bytes(CHUNK), dtype=pb.DTYPE_FLOAT16), CODE.INVALID_ARGUMENT,
-                 "bucket 0", "float16", "expected float32")
+    in_band_case(
+        gradient(0, 0, bytes(CHUNK), dtype=pb.DTYPE_FLOAT16),
+        CODE.INVALID_ARGUMENT,
+        "bucket 0",
+        "float16",
+        "expected float32",
+    )
 
 
 def test_misaligned_offset() -> None:
-    in_band_case(gradient(0, 100, bytes(CHUNK)), CODE.INVALID_ARGUMENT,
-                 "offset 100", f"multiples of {CHUNK}")
+    in_band_case(
+        gradient(0, 100, bytes(CHUNK)), CODE.INVALID_ARGUMENT, "offset 100", f"multiples of {CHUNK}"
+    )
 
 
 def test_wrong_chunk_length() -> None:
-    in_band_case(gradient(0, 2 * CHUNK, bytes(100)), CODE.INVALID_ARGUMENT,
-                 "100 bytes", "expected 128", f"{BUCKET_BYTES} bytes")
+    in_band_case(
+        gradient(0, 2 * CHUNK, bytes(100)),
+        CODE.INVALID_ARGUMENT,
+        "100 bytes",
+        "expected 128",
+        f"{BUCKET_BYTES} bytes",
+    )
 
 
 def test_oversize_chunk_names_the_limit() -> None:
-    in_band_case(gradient(0, 0, bytes(CHUNK + 1)), CODE.RESOURCE_EXHAUSTED,
-                 f"{CHUNK + 1} bytes", f"limit is {CHUNK} bytes")
+    in_band_case(
+        gradient(0, 0, bytes(CHUNK + 1)),
+        CODE.RESOURCE_EXHAUSTED,
+        f"{CHUNK + 1} bytes",
+        f"limit is {CHUNK} bytes",
+    )
 
 
 def test_garbage_bytes_after_join() -> None:
@@ -203,6 +231,7 @@ def test_duplicate_chunk() -> None:
             await workers[1].send(gradient(0, 0, bytes(CHUNK)))
             await expect_aborted(workers, 1, CODE.INVALID_ARGUMENT.value[0], "offset 0", "twice")
             await run_step(workers, 1)
+
     run(scenario)
 
 
@@ -212,9 +241,11 @@ def test_stale_step_after_completion() -> None:
             workers = await assembled_job(channel)
             await run_step(workers, 0)
             await workers[0].send(gradient(0, 0, bytes(CHUNK)))
-            await expect_aborted(workers, 0, CODE.FAILED_PRECONDITION.value[0],
-                                 "stale step 0", "expected step 1")
+            await expect_aborted(
+                workers, 0, CODE.FAILED_PRECONDITION.value[0], "stale step 0", "expected step 1"
+            )
             await run_step(workers, 2)
+
     run(scenario)
 
 
@@ -229,6 +260,7 @@ def test_message_above_grpc_limit_is_refused_and_peers_are_told() -> None:
             aborted = (await workers[0].expect_kind("step_aborted")).step_aborted
             assert aborted.reason == pb.ABORT_REASON_PEER_LOST and "rank 1" in aborted.message
             await healthy_step(channel)
+
     run(scenario)
 
 
@@ -239,11 +271,13 @@ def test_buffer_budget_exhausted() -> None:
             raw = bucket_values(1, 0).tobytes()
             # Rank 1 runs ahead of rank 0: its chunks are parked until rank 0's arrive.
             await workers[1].send(gradient(0, 0, raw[:CHUNK]))
-            await workers[1].send(gradient(0, CHUNK, raw[CHUNK:2 * CHUNK]))
-            await workers[1].send(gradient(0, 2 * CHUNK, raw[2 * CHUNK:]))
-            await expect_aborted(workers, 1, CODE.RESOURCE_EXHAUSTED.value[0],
-                                 f"limit {2 * CHUNK} bytes")
+            await workers[1].send(gradient(0, CHUNK, raw[CHUNK : 2 * CHUNK]))
+            await workers[1].send(gradient(0, 2 * CHUNK, raw[2 * CHUNK :]))
+            await expect_aborted(
+                workers, 1, CODE.RESOURCE_EXHAUSTED.value[0], f"limit {2 * CHUNK} bytes"
+            )
             assert running.servicer.buffered_bytes == 0, "aborted step's buffers were not freed"
+
     run(scenario)
 
 
@@ -258,6 +292,7 @@ def test_disconnected_peer_aborts_the_step_for_the_others() -> None:
             assert "rank 1 disconnected" in aborted.message and "step 0" in aborted.message
             assert running.servicer.buffered_bytes == 0
             await healthy_step(channel)
+
     run(scenario)
 
 
@@ -269,12 +304,14 @@ def test_state_from_a_rank_other_than_zero_refuses_the_job() -> None:
                 await worker.join(rank)
             for worker in workers:
                 await worker.expect_kind("welcome")
-            await workers[1].send(pb.WorkerMessage(state=pb.StateChunk(offset=0,
-                                                                       payload=bytes(CHUNK))))
+            await workers[1].send(
+                pb.WorkerMessage(state=pb.StateChunk(offset=0, payload=bytes(CHUNK)))
+            )
             for worker in workers:
                 details = await worker.expect_status(CODE.INVALID_ARGUMENT)
                 assert "only rank 0 broadcasts" in details
             await healthy_step(channel)
+
     run(scenario)
 
 
@@ -292,4 +329,5 @@ def test_averages_are_independent_of_upload_order() -> None:
             flat = [r.tobytes() for per_job in results for r in per_job]
             assert len(set(flat)) == 1
             assert np.isfinite(results[0][0]).all()
+
     run(scenario)

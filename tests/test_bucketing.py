@@ -4,17 +4,17 @@ from __future__ import annotations
 
 import pytest
 import torch
-from torch import nn
-
 from gradsync.bucketing import assign_buckets
+from torch import nn
 
 KIB = 1024
 
 
 def test_reverse_order_and_small_first_bucket() -> None:
     sizes = [400 * KIB] * 6  # parameters 0..5
-    plans = assign_buckets(sizes, ["f32"] * 6, bucket_cap_bytes=1000 * KIB,
-                           first_bucket_cap_bytes=300 * KIB)
+    plans = assign_buckets(
+        sizes, ["f32"] * 6, bucket_cap_bytes=1000 * KIB, first_bucket_cap_bytes=300 * KIB
+    )
     # The last-registered parameter alone fills the first bucket (cap 300 KiB).
     assert [p.parameter_indices for p in plans] == [(5,), (4, 3, 2), (1, 0)]
     assert [p.num_bytes for p in plans] == [400 * KIB, 1200 * KIB, 800 * KIB]
@@ -63,8 +63,10 @@ def test_torch_ddp_like_layout_for_a_real_model() -> None:
     model = nn.Sequential(nn.Linear(512, 512), nn.Linear(512, 512), nn.Linear(512, 10))
     params = list(model.parameters())
     plans = assign_buckets(
-        [p.numel() * p.element_size() for p in params], [p.dtype for p in params],
-        bucket_cap_bytes=1 << 20, first_bucket_cap_bytes=4096,
+        [p.numel() * p.element_size() for p in params],
+        [p.dtype for p in params],
+        bucket_cap_bytes=1 << 20,
+        first_bucket_cap_bytes=4096,
     )
     # Bucket 0 holds the output layer's gradients, which autograd produces first.
     assert plans[0].parameter_indices[0] == len(params) - 1

@@ -25,8 +25,9 @@ def test_training_matches_single_process(
 ) -> None:
     coordinator = coordinator_factory(world_size, *SMALL_CHUNKS)
     steps = 4
-    outputs = run_workers(coordinator.address, world_size, "parity", tmp_path,
-                          "--steps", str(steps))
+    outputs = run_workers(
+        coordinator.address, world_size, "parity", tmp_path, "--steps", str(steps)
+    )
     rank0_init = scenarios.MixedModel(seed=0)
     reference = scenarios.reference_training(world_size, steps, init_seed=0)
     assert int(outputs[0]["num_buckets"]) >= 3, "the test model should span several buckets"
@@ -51,8 +52,9 @@ def test_no_sync_accumulation_equals_big_batch_gradient(
 ) -> None:
     world_size, micro_batches = 2, 3
     coordinator = coordinator_factory(world_size, *SMALL_CHUNKS)
-    outputs = run_workers(coordinator.address, world_size, "no_sync", tmp_path,
-                          "--micro-batches", str(micro_batches))
+    outputs = run_workers(
+        coordinator.address, world_size, "no_sync", tmp_path, "--micro-batches", str(micro_batches)
+    )
     expected = scenarios.reference_accumulated_gradients(world_size, micro_batches)
     for output in outputs:
         assert int(output["step"]) == 1, "only the last backward may synchronize"
@@ -75,5 +77,7 @@ def test_unused_parameter_does_not_hang(coordinator_factory, tmp_path: Path) -> 
         assert int(output["contributors"]) == world_size
         assert relative_error(output["grad/extra.weight"], expected_extra) <= 1e-6
         np.testing.assert_array_equal(output["grad/extra.weight"], outputs[0]["grad/extra.weight"])
-        np.testing.assert_array_equal(output["grad/hidden.weight"], outputs[0]["grad/hidden.weight"])
+        np.testing.assert_array_equal(
+            output["grad/hidden.weight"], outputs[0]["grad/hidden.weight"]
+        )
         assert np.any(output["grad/hidden.weight"] != 0)

@@ -16,9 +16,8 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-import scenarios  # noqa: E402
-
-import gradsync  # noqa: E402
+import gradsync
+import scenarios
 
 
 def main() -> int:
@@ -39,9 +38,15 @@ def main() -> int:
     # Every rank starts from different weights; construction must equalise them.
     module = scenarios.MixedModel(seed=rank)
     model = gradsync.DistributedDataParallel(
-        module, coordinator=args.coordinator, rank=rank, world_size=world,
-        job_id=args.job_id, bucket_cap_mb=args.bucket_cap_mb,
-        first_bucket_mb=args.first_bucket_mb, timeout_s=60, join_timeout_s=60,
+        module,
+        coordinator=args.coordinator,
+        rank=rank,
+        world_size=world,
+        job_id=args.job_id,
+        bucket_cap_mb=args.bucket_cap_mb,
+        first_bucket_mb=args.first_bucket_mb,
+        timeout_s=60,
+        join_timeout_s=60,
     )
     saved: dict[str, np.ndarray] = {
         f"initial/{name}": p.detach().numpy().copy() for name, p in module.named_parameters()
@@ -73,7 +78,9 @@ def main() -> int:
             x, y = scenarios.rank_batch(0, world, rank)
             scenarios.loss_fn(model(x, use_extra=rank == 0), y).backward()
             for name, p in module.named_parameters():
-                saved[f"grad/{name}"] = p.grad.numpy().copy() if p.grad is not None else np.array([])
+                saved[f"grad/{name}"] = (
+                    p.grad.numpy().copy() if p.grad is not None else np.array([])
+                )
             saved["contributors"] = np.array(model.last_contributors)
     np.savez(args.out, **saved)
     return 0

@@ -1,0 +1,14 @@
+#!/usr/bin/env bash
+# Set up .venv (CPU build of torch, pinned) and run the whole test suite,
+# after the lint and type checks. Extra arguments go to pytest.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+if [ ! -x .venv/bin/python ]; then
+  "${PYTHON:-python3}" -m venv .venv
+fi
+# torch is pinned here (not in the package) so that pip takes the CPU build.
+.venv/bin/pip install --quiet torch==2.13.0 -e ".[test]"
+.venv/bin/ruff check .
+.venv/bin/ruff format --check .
+PYTHON=.venv/bin/python scripts/typecheck.sh
+.venv/bin/python -m pytest "$@"
