@@ -10,5 +10,5 @@ fi
 .venv/bin/pip install --quiet torch==2.13.0 -e ".[test]"
 .venv/bin/ruff check .
 .venv/bin/ruff format --check .
-PYTHON=.venv/bin/python scripts/typecheck.sh
+PYTHON="$PWD/.venv/bin/python" scripts/typecheck.sh
 .venv/bin/python -m pytest "$@"
