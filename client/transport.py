@@ -34,12 +34,13 @@ from gradsync.errors import (
     SyncTimeoutError,
     error_from_status,
 )
+from gradsync.fastwire import ChunkHeader, decode_gradient, encode_gradient, header_of
 from gradsync.v1 import gradsync_pb2 as pb
-from gradsync.v1 import gradsync_pb2_grpc as pb_grpc
 
 #: Largest message the client accepts or sends; the coordinator's own limit
 #: (announced in Welcome) is the binding one for uploads.
 CLIENT_MAX_MESSAGE_BYTES = 64 * (1 << 20) + wire.HEADER_SLACK_BYTES
+SYNC_METHOD = "/gradsync.v1.Coordinator/Sync"
 
 
 @dataclass
@@ -222,14 +223,16 @@ class Transport:
             ("grpc.keepalive_permit_without_calls", 1),
         ]
         self._channel = grpc.aio.insecure_channel(self.target, options=options)
-        stub = pb_grpc.CoordinatorStub(self._channel)  # type: ignore[no-untyped-call]
+        # Raw bytes both ways: gradient chunks are encoded and decoded by
+        # gradsync.fastwire without copying payloads through protobuf objects.
+        sync = self._channel.stream_stream(SYNC_METHOD)
         self._outgoing.put_nowait(pb.WorkerMessage(join=join))
         # wait_for_ready: a worker may start before its coordinator; the join
         # timeout bounds how long it waits.
-        self._call = stub.Sync(self._requests(), wait_for_ready=True)
+        self._call = sync(self._requests(), wait_for_ready=True)
         self._receiver = asyncio.create_task(self._receive())
 
-    async def _requests(self) -> AsyncIterator[pb.WorkerMessage]:
+    async def _requests(self) -> AsyncIterator[bytes]:
         chunk_bytes = wire.DEFAULT_CHUNK_BYTES
         epoch = 0
         while True:
@@ -242,32 +245,29 @@ class Transport:
             if isinstance(item, _StateUpload):
                 view = memoryview(item.blob.data)
                 for offset, length in wire.chunk_spans(len(view), chunk_bytes):
-                    chunk = pb.StateChunk(
-                        offset=offset, payload=view[offset : offset + length].tobytes()
-                    )
-                    yield pb.WorkerMessage(state=chunk)
+                    payload = view[offset : offset + length].tobytes()
+                    chunk = pb.StateChunk(offset=offset, payload=payload)
+                    yield pb.WorkerMessage(state=chunk).SerializeToString()
             elif isinstance(item, _BucketUpload):
                 view = memoryview(item.data.data)
                 for offset, length in wire.chunk_spans(len(view), chunk_bytes):
-                    yield pb.WorkerMessage(
-                        gradient=pb.GradientChunk(
-                            step=item.step,
-                            membership_epoch=epoch,
-                            bucket_index=item.bucket_index,
-                            offset=offset,
-                            dtype=item.dtype,  # type: ignore[arg-type]
-                            payload=view[offset : offset + length].tobytes(),
-                        )
+                    header = ChunkHeader(
+                        step=item.step,
+                        membership_epoch=epoch,
+                        bucket_index=item.bucket_index,
+                        offset=offset,
+                        dtype=item.dtype,
                     )
+                    yield encode_gradient(header, view[offset : offset + length])
             else:
-                yield item
+                yield item.SerializeToString()
 
     async def _receive(self) -> None:
         assert self._call is not None
         failure: GradSyncError | None = None
         try:
-            async for message in self._call:
-                self._on_message(message)
+            async for raw in self._call:
+                self._on_message(raw)
             if not self._closed:
                 failure = CoordinatorUnavailableError(
                     f"the coordinator at {self.target} ended the stream", rank=self.rank
@@ -286,7 +286,14 @@ class Transport:
                 self._shared.fatal = failure
             self._cond.notify_all()
 
-    def _on_message(self, message: pb.CoordinatorMessage) -> None:
+    def _on_message(self, raw: bytes) -> None:
+        fast = decode_gradient(raw)
+        if fast is not None:
+            with self._cond:
+                self._on_gradient(*fast)
+                self._cond.notify_all()
+            return
+        message = pb.CoordinatorMessage.FromString(raw)
         kind = message.WhichOneof("kind")
         with self._cond:
             shared = self._shared
@@ -295,7 +302,8 @@ class Transport:
             elif kind == "state":
                 self._on_state(message.state)
             elif kind == "gradient":
-                self._on_gradient(message.gradient)
+                chunk = message.gradient
+                self._on_gradient(header_of(chunk), memoryview(chunk.payload))
             elif kind == "step_aborted":
                 aborted = message.step_aborted
                 self._ensure_step_locked(aborted.step).aborted = aborted
@@ -309,7 +317,7 @@ class Transport:
         state[chunk.offset : chunk.offset + len(chunk.payload)] = chunk.payload
         self._shared.state_received += len(chunk.payload)
 
-    def _on_gradient(self, chunk: pb.GradientChunk) -> None:
+    def _on_gradient(self, chunk: ChunkHeader, payload: memoryview) -> None:
         result = self._ensure_step_locked(chunk.step)
         bucket = chunk.bucket_index
         if bucket >= len(self._bucket_bytes):
@@ -319,15 +327,15 @@ class Transport:
         if buffer is None:
             buffer = result.buffers[bucket] = bytearray(self._bucket_bytes[bucket])
             result.received[bucket] = 0
-        end = chunk.offset + len(chunk.payload)
+        end = chunk.offset + len(payload)
         if end > len(buffer):
             self._protocol_fault(
                 f"averaged chunk of bucket {bucket} ends at byte {end}, "
                 f"past the bucket's {len(buffer)} bytes"
             )
             return
-        buffer[chunk.offset : end] = chunk.payload
-        result.received[bucket] += len(chunk.payload)
+        buffer[chunk.offset : end] = payload
+        result.received[bucket] += len(payload)
         result.contributors = chunk.contributors
         if result.received[bucket] == len(buffer):
             result.complete_buckets += 1

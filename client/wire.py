@@ -84,7 +84,7 @@ def expected_chunk_length(total_bytes: int, chunk_bytes: int, offset: int) -> in
     return min(chunk_bytes, total_bytes - offset)
 
 
-def to_accumulator(payload: bytes, dtype: int) -> npt.NDArray[np.floating]:
+def to_accumulator(payload: bytes | memoryview, dtype: int) -> npt.NDArray[np.floating]:
     """Decode raw bytes into a fresh, writable accumulation array (fp32 or fp64)."""
     if dtype == pb.DTYPE_FLOAT64:
         return np.frombuffer(payload, dtype="<f8").copy()
@@ -99,7 +99,9 @@ def to_accumulator(payload: bytes, dtype: int) -> npt.NDArray[np.floating]:
     raise ValueError(f"unsupported dtype {dtype_name(dtype)}")
 
 
-def add_into(accumulator: npt.NDArray[np.floating], payload: bytes, dtype: int) -> None:
+def add_into(
+    accumulator: npt.NDArray[np.floating], payload: bytes | memoryview, dtype: int
+) -> None:
     """accumulator += decode(payload), without an extra copy for fp32/fp64."""
     if dtype == pb.DTYPE_FLOAT64:
         accumulator += np.frombuffer(payload, dtype="<f8")

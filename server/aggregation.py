@@ -29,7 +29,7 @@ class _ChunkState:
 
     accumulator: npt.NDArray[np.floating] | None = None
     next_position: int = 0
-    parked: dict[int, bytes] = field(default_factory=dict)
+    parked: dict[int, bytes | memoryview] = field(default_factory=dict)
     contributed: set[int] = field(default_factory=set)
 
 
@@ -74,7 +74,7 @@ class BucketReduction:
         """True once every chunk's average has been produced."""
         return self._chunks_done == self._chunks_total
 
-    def add(self, rank: int, offset: int, payload: bytes) -> bytes | None:
+    def add(self, rank: int, offset: int, payload: bytes | memoryview) -> bytes | None:
         """Fold one rank's chunk in; return the chunk's average if now complete.
 
         Raises:
@@ -109,7 +109,7 @@ class BucketReduction:
         self._chunks_done += 1
         return averaged
 
-    def _fold(self, state: _ChunkState, payload: bytes) -> None:
+    def _fold(self, state: _ChunkState, payload: bytes | memoryview) -> None:
         if state.accumulator is None:
             state.accumulator = wire.to_accumulator(payload, self.dtype)
         else:

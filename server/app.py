@@ -96,4 +96,8 @@ async def serve(config: ServerConfig) -> int:
 
 def run(config: ServerConfig) -> int:
     """Blocking entry point for `gradsync serve`."""
-    return asyncio.run(serve(config))
+    code = asyncio.run(serve(config))
+    # The loop restored the default handlers on close; a repeated SIGTERM from
+    # an impatient supervisor must not turn a clean drain into exit code -15.
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    return code

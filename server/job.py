@@ -28,6 +28,7 @@ from dataclasses import dataclass
 
 from gradsync import wire
 from gradsync.errors import Code, RejectedMessage
+from gradsync.fastwire import ChunkHeader, encode_gradient
 from gradsync.server import signature as signatures
 from gradsync.server.aggregation import BucketReduction, DuplicateContributionError
 from gradsync.server.budget import ByteBudget
@@ -49,10 +50,10 @@ class JobState(enum.Enum):
 
 @dataclass(frozen=True)
 class Send:
-    """Deliver `message` to each of `ranks`."""
+    """Deliver `message` (a CoordinatorMessage, or its serialized bytes) to each of `ranks`."""
 
     ranks: tuple[int, ...]
-    message: pb.CoordinatorMessage
+    message: pb.CoordinatorMessage | bytes
 
 
 @dataclass(frozen=True)
@@ -213,7 +214,7 @@ class Job:
         return [Send(others, pb.CoordinatorMessage(state=chunk))] if others else []
 
     # -------------------------------------------------------------- gradients
-    def on_gradient(self, rank: int, chunk: pb.GradientChunk) -> list[Action]:
+    def on_gradient(self, rank: int, chunk: ChunkHeader, payload: memoryview) -> list[Action]:
         """Fold one gradient chunk in; return averaged chunks or a step abort."""
         if self.state is JobState.BROKEN:
             if chunk.step in self._aborted_steps:
@@ -238,21 +239,21 @@ class Job:
         if chunk.step < self.open_step and chunk.step in self._aborted_steps:
             return []  # late upload for a step everyone was already told is aborted
         try:
-            averaged = self._accept(rank, chunk)
+            averaged = self._accept(rank, chunk, payload)
         except RejectedMessage as rejection:
             return self._abort_open_step(rank, rejection)
         if averaged is None:
             return []
-        reply = pb.CoordinatorMessage(
-            gradient=pb.GradientChunk(
+        reply = encode_gradient(
+            ChunkHeader(
                 step=chunk.step,
                 membership_epoch=self.membership_epoch,
                 bucket_index=chunk.bucket_index,
                 offset=chunk.offset,
                 dtype=chunk.dtype,
-                payload=averaged,
                 contributors=self.world_size,
-            )
+            ),
+            averaged,
         )
         actions: list[Action] = [Send(self._ranks(), reply)]
         reduction = self._reductions[chunk.bucket_index]
@@ -263,7 +264,7 @@ class Job:
                 self.steps_completed += 1
         return actions
 
-    def _accept(self, rank: int, chunk: pb.GradientChunk) -> bytes | None:
+    def _accept(self, rank: int, chunk: ChunkHeader, payload: memoryview) -> bytes | None:
         """Validate `chunk` against the job, then fold it into its reduction."""
         step = chunk.step
         if chunk.membership_epoch != self.membership_epoch:
@@ -311,17 +312,17 @@ class Job:
         problem = self._check_chunk(
             f"bucket {bucket} of step {step}",
             chunk.offset,
-            len(chunk.payload),
+            len(payload),
             self._bucket_bytes[bucket],
             f"bucket {bucket}",
             rank=rank,
         )
         if problem is not None:
             raise RejectedMessage(problem[0], problem[1], step=step, bucket_index=bucket)
-        if not self._budget.fits(len(chunk.payload)):
+        if not self._budget.fits(len(payload)):
             raise RejectedMessage(
                 Code.RESOURCE_EXHAUSTED,
-                f"rank {rank} sent {len(chunk.payload)} bytes for bucket {bucket} of step "
+                f"rank {rank} sent {len(payload)} bytes for bucket {bucket} of step "
                 f"{step}, but the coordinator already buffers {self._budget.used} bytes "
                 f"(limit {self._budget.limit} bytes, --max-buffered-mb)",
                 step=step,
@@ -334,7 +335,7 @@ class Job:
             )
         before = reduction.buffered_bytes
         try:
-            averaged = reduction.add(rank, chunk.offset, chunk.payload)
+            averaged = reduction.add(rank, chunk.offset, payload)
         except DuplicateContributionError:
             raise RejectedMessage(
                 Code.INVALID_ARGUMENT,

@@ -24,6 +24,7 @@ from typing import Any
 import grpc
 from google.protobuf.message import DecodeError
 from gradsync.errors import Code, RejectedMessage
+from gradsync.fastwire import decode_gradient, header_of
 from gradsync.server.budget import ByteBudget
 from gradsync.server.config import ServerConfig
 from gradsync.server.job import Action, Job, Send, Terminate
@@ -154,9 +155,15 @@ class CoordinatorServicer:
 
     # ----------------------------------------------------------- dispatching
     def _dispatch(self, conn: _Connection, raw: bytes) -> None:
+        job = conn.job
         try:
+            fast = decode_gradient(raw)
+            if fast is not None and job is not None:
+                # The hot path: a gradient chunk, parsed without copying its payload.
+                self._execute(job, job.on_gradient(conn.rank, *fast))
+                return
             message = pb.WorkerMessage.FromString(raw)
-        except DecodeError as exc:
+        except (DecodeError, ValueError) as exc:
             self._reject(
                 conn,
                 RejectedMessage(
@@ -167,7 +174,6 @@ class CoordinatorServicer:
             )
             return
         kind = message.WhichOneof("kind")
-        job = conn.job
         if job is None:
             if kind != "join":
                 got = kind or "an empty message"
@@ -180,7 +186,10 @@ class CoordinatorServicer:
             return
         try:
             if kind == "gradient":
-                self._execute(job, job.on_gradient(conn.rank, message.gradient))
+                chunk = message.gradient
+                self._execute(
+                    job, job.on_gradient(conn.rank, header_of(chunk), memoryview(chunk.payload))
+                )
             elif kind == "state":
                 self._execute(job, job.on_state_chunk(conn.rank, message.state))
             elif kind == "leave":
@@ -283,9 +292,13 @@ class CoordinatorServicer:
     def _execute(self, job: Job, actions: list[Action]) -> None:
         for action in actions:
             if isinstance(action, Send):
-                raw = action.message.SerializeToString()
-                if action.message.WhichOneof("kind") == "step_aborted":
-                    log.warning("job '%s': %s", job.job_id, action.message.step_aborted.message)
+                message = action.message
+                if isinstance(message, bytes):
+                    raw = message  # pre-encoded averaged chunk, serialized once for all ranks
+                else:
+                    raw = message.SerializeToString()
+                    if message.WhichOneof("kind") == "step_aborted":
+                        log.warning("job '%s': %s", job.job_id, message.step_aborted.message)
                 for rank in action.ranks:
                     target = self._connections.get((job.job_id, rank))
                     if target is not None:

@@ -50,9 +50,9 @@ class CoordinatorProcess:
             raise RuntimeError(f"coordinator exited early: {''.join(self.startup_lines)}")
         self.address = f"127.0.0.1:{self.port}"
 
-    def stop(self) -> tuple[int, str]:
-        """SIGTERM, wait, and return (exit code, rest of stderr)."""
-        if self.process.poll() is None:
+    def stop(self, signal_first: bool = True) -> tuple[int, str]:
+        """SIGTERM (unless already sent), wait, and return (exit code, rest of stderr)."""
+        if signal_first and self.process.poll() is None:
             self.process.send_signal(signal.SIGTERM)
         try:
             _, rest = self.process.communicate(timeout=30)

@@ -48,7 +48,7 @@ def test_serve_reports_health_and_drains_on_sigterm(coordinator_factory) -> None
             assert reply.status == health_pb2.HealthCheckResponse.SERVING
     started = time.monotonic()
     coordinator.process.send_signal(signal.SIGTERM)
-    code, log = coordinator.stop()
+    code, log = coordinator.stop(signal_first=False)
     assert code == 0, log
     assert "shutting down" in log
     assert time.monotonic() - started < 20
