@@ -125,6 +125,24 @@ def build_parser() -> argparse.ArgumentParser:
         "--workers", type=_positive_int, default=3, help="number of worker processes (default 3)"
     )
     _add_training_flags(demo)
+
+    bench = commands.add_parser(
+        "bench", help="benchmark against gloo / torchrun + DDP and the network's bound"
+    )
+    bench.add_argument("--quick", action="store_true", help="a run of under two minutes")
+    bench.add_argument("--out", type=Path, default=Path("bench/results"),
+                       help="where latest.json / .md / .png go (default bench/results)")
+    bench.add_argument("--suites", default="loopback,train,netns",
+                       help="comma-separated subset of loopback,train,netns")
+    bench.add_argument("--sizes-mb", default=None, help="override: sync sizes, e.g. 1,25")
+    bench.add_argument("--worlds", default=None, help="override: world sizes, e.g. 2,4")
+    bench.add_argument("--reps", type=_positive_int, default=None, help="override: repetitions")
+    bench.add_argument("--train-model-mb", type=_positive_float, default=None,
+                       help="override: model size of the training suite")
+    bench.add_argument("--train-steps", type=_positive_int, default=None,
+                       help="override: timed steps of the training suite")
+    bench.add_argument("--netns-rate-mbit", type=_positive_float, default=None,
+                       help="override: emulated link bandwidth (default 1000)")
     return parser
 
 
@@ -155,6 +173,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return _serve(parser, args)
     if args.command == "worker":
         return _worker(parser, args)
+    if args.command == "bench":
+        return _bench(parser, args)
     return _demo(args)
 
 
@@ -224,6 +244,43 @@ def _demo(args: argparse.Namespace) -> int:
         world_size=args.workers, epochs=args.epochs, batch_size=args.batch_size, lr=args.lr
     )
     return run_demo(settings, timeout_s=args.timeout_s)
+
+
+def _bench(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
+    import dataclasses
+
+    from gradsync.bench import runner
+
+    plan = runner.BenchPlan.quick() if args.quick else runner.BenchPlan()
+    suites = tuple(s.strip() for s in args.suites.split(",") if s.strip())
+    unknown = set(suites) - {"loopback", "train", "netns"}
+    if unknown:
+        parser.error(f"--suites: unknown suite(s) {sorted(unknown)}")
+    try:
+        overrides: dict[str, object] = {"suites": suites}
+        if args.sizes_mb:
+            overrides["sizes_mb"] = [float(x) for x in args.sizes_mb.split(",")]
+            overrides["netns_sizes_mb"] = overrides["sizes_mb"]
+        if args.worlds:
+            worlds = [int(x) for x in args.worlds.split(",")]
+            overrides.update(worlds=worlds, train_worlds=worlds, netns_worlds=worlds)
+    except ValueError as exc:
+        parser.error(f"--sizes-mb / --worlds must be comma-separated numbers: {exc}")
+    if args.reps:
+        overrides.update(reps=args.reps, netns_reps=args.reps)
+    if args.train_model_mb:
+        overrides["train_model_mb"] = args.train_model_mb
+    if args.train_steps:
+        overrides["train_steps"] = args.train_steps
+    if args.netns_rate_mbit:
+        overrides["netns_rate_mbit"] = args.netns_rate_mbit
+    plan = dataclasses.replace(plan, **overrides)  # type: ignore[arg-type]
+    _configure_logging("WARNING", "bench")
+    document = runner.run(plan)
+    runner.write(document, args.out)
+    print(runner.markdown(document))
+    print(f"wrote {args.out / 'latest.json'}, latest.md, latest.png")
+    return 0
 
 
 def _configure_logging(level: str, who: str) -> None:

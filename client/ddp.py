@@ -80,6 +80,9 @@ class DistributedDataParallel(nn.Module):
         first_bucket_mb: cap of the first bucket (MiB), small so uploads start early.
         timeout_s: bound on the wait for each step's averaged gradients.
         join_timeout_s: bound on the wait for every rank to join and for rank 0's state.
+        overlap: upload each bucket as soon as its gradients are ready (default).
+            False uploads everything after backward: slower, kept to measure the
+            gain of overlapping communication with the backward pass.
 
     Construction blocks until all ranks have joined, then copies rank 0's
     parameters and buffers to every rank. Only dense gradients are supported.
@@ -104,6 +107,7 @@ class DistributedDataParallel(nn.Module):
         first_bucket_mb: float = 1.0,
         timeout_s: float = 300.0,
         join_timeout_s: float = 300.0,
+        overlap: bool = True,
     ) -> None:
         super().__init__()
         self.module = module
@@ -129,6 +133,7 @@ class DistributedDataParallel(nn.Module):
                 self._bucket_of[index] = bucket_index
         self._state = _State.OPEN
         self._require_sync = True
+        self._overlap = overlap
         self._backward_active = False
         self._ready = [0] * len(self._buckets)
         self._launched = [False] * len(self._buckets)
@@ -298,7 +303,8 @@ class DistributedDataParallel(nn.Module):
                 torch.autograd.Variable._execution_engine.queue_callback(self._finish_backward)
             bucket_index = self._bucket_of[index]
             self._ready[bucket_index] += 1
-            if self._ready[bucket_index] == len(self._buckets[bucket_index].parameter_indices):
+            bucket_size = len(self._buckets[bucket_index].parameter_indices)
+            if self._overlap and self._ready[bucket_index] == bucket_size:
                 self._launch(bucket_index)
         except Exception as exc:  # raised at the end of backward, with context
             self._errors.append(exc)

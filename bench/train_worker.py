@@ -1,0 +1,83 @@
+"""One rank of the end-to-end training benchmark, launched by torchrun.
+
+Modes (same model, same per-rank batch, one CPU thread per rank):
+  local       no communication at all: the ceiling.
+  gradsync    gradsync.DistributedDataParallel, uploads overlapped with backward.
+  sequential  gradsync with overlap off: every bucket uploaded after backward.
+  ddp         torch.nn.parallel.DistributedDataParallel over gloo.
+Rank 0 writes {"mode", "steps", "seconds", "samples_per_s"} as JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+
+def build_model(megabytes: float) -> nn.Module:
+    """An MLP of roughly `megabytes` of fp32 parameters (three square-ish layers)."""
+    width = max(64, int(((megabytes * (1 << 20) / 4) / 3) ** 0.5))
+    torch.manual_seed(0)
+    return nn.Sequential(
+        nn.Linear(width, width), nn.ReLU(), nn.Linear(width, width), nn.ReLU(),
+        nn.Linear(width, width),
+    )
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--mode", choices=["local", "gradsync", "sequential", "ddp"], required=True)
+    parser.add_argument("--model-mb", type=float, default=32.0)
+    parser.add_argument("--batch", type=int, default=32)
+    parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--out", type=Path, required=True)
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+
+    module = build_model(args.model_mb)
+    width = module[0].in_features  # type: ignore[index]
+    model: nn.Module = module
+    if args.mode == "ddp":
+        dist.init_process_group("gloo")
+        model = nn.parallel.DistributedDataParallel(module)
+    elif args.mode in ("gradsync", "sequential"):
+        import gradsync
+
+        model = gradsync.DistributedDataParallel(
+            module, overlap=args.mode == "gradsync", timeout_s=600, join_timeout_s=120,
+            job_id=f"bench-{args.mode}",
+        )
+    optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
+    generator = torch.Generator().manual_seed(rank)
+    x = torch.randn(args.batch, width, generator=generator)
+    y = torch.randn(args.batch, width, generator=generator)
+    started = 0.0
+    for step in range(args.warmup + args.steps):
+        if step == args.warmup:
+            started = time.perf_counter()
+        optimizer.zero_grad()
+        nn.functional.mse_loss(model(x), y).backward()
+        optimizer.step()
+    seconds = time.perf_counter() - started
+    if hasattr(model, "close"):
+        model.close()
+    if args.mode == "ddp":
+        dist.destroy_process_group()
+    if rank == 0:
+        args.out.write_text(json.dumps({
+            "mode": args.mode, "steps": args.steps, "seconds": seconds,
+            "samples_per_s": world * args.batch * args.steps / seconds,
+        }))
+
+
+if __name__ == "__main__":
+    main()

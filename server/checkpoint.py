@@ -1,0 +1,775 @@
+"""The coordinator's durable checkpoint store: one blob format, a file backend and a Redis backend.
+
+A restarted coordinator resumes from the last acknowledged checkpoint (architecture invariant 7),
+so `save` returns only once a checkpoint is durable and complete, and `load_latest` never hands
+back a torn or bit-flipped one: every blob carries checksums, is written in full before a
+`latest` pointer is flipped to it, and a blob that fails verification is skipped with a loud
+warning in favour of the previous complete one. The module knows nothing of gRPC; the
+coordinator calls it (from a worker thread, the calls block) and owns what goes in the payload.
+
+What "durable" means, per backend
+---------------------------------
+File (`FileCheckpointStore`, `file:///path`): the blob is written to a temp file in the job's
+directory, flushed, fsync'd, renamed over its final name, and the directory is fsync'd; only
+then is the `latest` pointer replaced the same way. So when `save` returns:
+
+- a crash of the coordinator process (even SIGKILL in the middle of a save) loses nothing that
+  was acknowledged; an interrupted save leaves at most a stray temp file or a complete blob
+  that no pointer names yet, and `load_latest` returns the last acknowledged checkpoint;
+- a power loss or kernel crash loses nothing acknowledged either, because blob, pointer and
+  both directory entries reached stable storage -- provided the storage honours fsync (a local
+  POSIX filesystem such as ext4, xfs, btrfs or zfs; disks that acknowledge cached writes
+  without power-loss protection, `cache=unsafe` virtual disks and tmpfs break this promise);
+- the loss of the disk or host loses everything: there is a single copy.
+
+Redis (`RedisCheckpointStore`, `redis://host:port/db`): the blob (and its entry in the job's
+step index) is written atomically by one script, proven to be in the server's append-only file
+on disk, and only then is the pointer set and proven on disk the same way. The proof depends on
+the server version, which is checked at first use:
+
+- Redis >= 7.2: `WAITAOF 1 0 <timeout>` on the same connection right after the writes must
+  report that the local AOF was fsync'd past them (works with any `appendfsync` policy);
+- Redis < 7.2 (Debian bookworm ships 7.0) has no WAITAOF, so the server must run with
+  `appendonly yes` and `appendfsync always`: it then fsyncs the AOF before it replies to a
+  write (and exits if that fsync fails). Both settings are read with CONFIG GET at first use
+  and again in the same batch as every write, so a runtime CONFIG SET cannot slip past.
+
+So when `save` returns, a crash of the coordinator, a crash of redis-server (SIGKILL) or a power
+loss on the Redis host loses nothing acknowledged: Redis replays its AOF on restart. Not
+covered: replicas are not waited for, so a failover to a replica that lagged can lose recent
+checkpoints; the loss of the Redis host's disk loses everything; a `maxmemory-policy` of
+`allkeys-*` can evict checkpoints (they then read as missing). Every network wait is bounded by
+`socket_timeout_s` and nothing is retried, so an unreachable or hung server surfaces as a
+`CheckpointError` instead of a hang.
+
+Blob format (`encode` / `decode`, shared by both backends), all integers big-endian::
+
+    8 bytes   magic b"GSCKPT\\r\\n" (the CR LF catches text-mode mangling)
+    2 bytes   format version (1)
+    4 bytes   length H of the JSON header
+    H bytes   JSON header: job_id, step, membership_epoch, metadata, payload_length,
+              payload_sha256 (hex)
+    N bytes   payload
+    32 bytes  SHA-256 of the fixed header and the JSON header
+
+The trailing checksum covers the header directly and the payload through the payload's
+SHA-256 and length recorded in the header, so the payload is hashed once and a truncated or
+bit-flipped blob is detected wherever the damage is.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import logging
+import os
+import re
+import struct
+import tempfile
+import threading
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import MappingProxyType, TracebackType
+from typing import TYPE_CHECKING, Any, Protocol, Self
+from urllib.parse import unquote, urlsplit
+
+if TYPE_CHECKING:
+    import redis
+
+log = logging.getLogger(__name__)
+
+MAGIC = b"GSCKPT\r\n"
+FORMAT_VERSION = 1
+_FIXED_HEADER = struct.Struct(">8sHI")
+_CHECKSUM_BYTES = 32
+# Step numbers appear zero-padded to 20 digits in file names, enough for any unsigned 64-bit step.
+MAX_STEP = 10**20 - 1
+# Metadata is meant to be small; a header length beyond this means a corrupt or foreign blob.
+MAX_HEADER_BYTES = 1 << 20
+
+
+@dataclass(frozen=True)
+class Checkpoint:
+    """One saved state of a job, restored as a whole.
+
+    Attributes:
+        job_id: the job this state belongs to (any non-empty string; stores make it safe).
+        step: the next step to run after restoring: training resumes at this step.
+        membership_epoch: the membership epoch the state was taken under.
+        payload: opaque blob produced by the client (model, optimizer state, ...).
+        metadata: small string metadata, e.g. world size or a bucket layout digest.
+    """
+
+    job_id: str
+    step: int
+    membership_epoch: int
+    payload: bytes = field(repr=False)
+    metadata: Mapping[str, str]
+
+    def __post_init__(self) -> None:
+        _check_job_id(self.job_id)
+        if isinstance(self.step, bool) or not isinstance(self.step, int):
+            raise TypeError(f"checkpoint step must be an int, got {type(self.step).__name__}")
+        if not 0 <= self.step <= MAX_STEP:
+            raise ValueError(f"checkpoint step must be in 0..{MAX_STEP}, got {self.step}")
+        epoch = self.membership_epoch
+        if isinstance(epoch, bool) or not isinstance(epoch, int) or epoch < 0:
+            raise ValueError(f"membership epoch must be an int >= 0, got {epoch!r}")
+        if not isinstance(self.payload, bytes):
+            raise TypeError(f"checkpoint payload must be bytes, got {type(self.payload).__name__}")
+        if not isinstance(self.metadata, Mapping):
+            raise TypeError(f"checkpoint metadata must be a mapping, got {self.metadata!r}")
+        for key, value in self.metadata.items():
+            if not isinstance(key, str) or not isinstance(value, str):
+                raise TypeError(f"checkpoint metadata must map str to str, got {key!r}: {value!r}")
+        # A read-only copy: the dataclass is frozen, its metadata should be too.
+        object.__setattr__(self, "metadata", MappingProxyType(dict(self.metadata)))
+
+
+class CheckpointError(Exception):
+    """A checkpoint could not be saved or loaded; the message names backend, job, step and cause."""
+
+
+class CheckpointCorruptError(CheckpointError):
+    """A blob failed verification in `decode`: truncated, bit-flipped or not a checkpoint."""
+
+
+class CheckpointStore(Protocol):
+    """Where the coordinator keeps checkpoints; see the module docstring for durability."""
+
+    description: str  # where the checkpoints live, for logs, e.g. "file:///var/lib/gradsync"
+
+    def save(self, checkpoint: Checkpoint) -> None:
+        """Store `checkpoint`; return only once it is durable and complete.
+
+        Raises:
+            CheckpointError: it could not be made durable; it must be treated as not saved.
+        """
+
+    def load_latest(self, job_id: str) -> Checkpoint | None:
+        """The last acknowledged checkpoint of `job_id`, or the newest older one that verifies.
+
+        Returns None when the job has no checkpoint at all.
+
+        Raises:
+            CheckpointError: the backend failed, or checkpoints exist but none verifies
+                (starting from scratch would silently lose the job's progress).
+        """
+
+    def steps(self, job_id: str) -> list[int]:
+        """Steps that have a stored blob (verified or not), ascending."""
+
+    def close(self) -> None:
+        """Release connections; later calls raise CheckpointError."""
+
+
+def encode(checkpoint: Checkpoint) -> bytes:
+    """The blob for `checkpoint` (see the module docstring for the layout)."""
+    return b"".join(_encode_parts(checkpoint))
+
+
+def _encode_parts(checkpoint: Checkpoint) -> tuple[bytes, bytes, bytes]:
+    """(headers, payload, checksum): the file backend writes them without joining a copy."""
+    header = {
+        "job_id": checkpoint.job_id,
+        "step": checkpoint.step,
+        "membership_epoch": checkpoint.membership_epoch,
+        "metadata": dict(checkpoint.metadata),
+        "payload_length": len(checkpoint.payload),
+        "payload_sha256": hashlib.sha256(checkpoint.payload).hexdigest(),
+    }
+    header_bytes = json.dumps(header, sort_keys=True, separators=(",", ":")).encode()
+    headers = _FIXED_HEADER.pack(MAGIC, FORMAT_VERSION, len(header_bytes)) + header_bytes
+    return headers, checkpoint.payload, hashlib.sha256(headers).digest()
+
+
+def decode(blob: bytes) -> Checkpoint:
+    """Verify and parse a blob written by `encode`.
+
+    Raises:
+        CheckpointCorruptError: on any mismatch (length, magic, version, checksums, fields).
+    """
+    view = memoryview(blob)
+    minimum = _FIXED_HEADER.size + _CHECKSUM_BYTES
+    if len(view) < minimum:
+        raise CheckpointCorruptError(
+            f"blob is {len(view)} bytes, shorter than the {minimum}-byte minimum "
+            f"(fixed header + checksum): truncated"
+        )
+    magic, version, header_length = _FIXED_HEADER.unpack_from(view)
+    if magic != MAGIC:
+        raise CheckpointCorruptError(f"bad magic {magic!r}, expected {MAGIC!r}: not a checkpoint")
+    if version != FORMAT_VERSION:
+        raise CheckpointCorruptError(
+            f"format version {version} is not supported (this build reads {FORMAT_VERSION})"
+        )
+    headers_end = _FIXED_HEADER.size + header_length
+    if header_length > MAX_HEADER_BYTES or headers_end + _CHECKSUM_BYTES > len(view):
+        raise CheckpointCorruptError(
+            f"header length {header_length} does not fit in the {len(view)}-byte blob: "
+            f"truncated or corrupt"
+        )
+    stored = bytes(view[-_CHECKSUM_BYTES:])
+    computed = hashlib.sha256(view[:headers_end]).digest()
+    if stored != computed:
+        raise CheckpointCorruptError(
+            f"header checksum mismatch (stored {stored.hex()[:16]}..., computed "
+            f"{computed.hex()[:16]}...) in a {len(view)}-byte blob: truncated or corrupt"
+        )
+    try:
+        header = json.loads(bytes(view[_FIXED_HEADER.size : headers_end]))
+        payload_length = header["payload_length"]
+        payload_sha256 = header["payload_sha256"]
+        fields = (header["job_id"], header["step"], header["membership_epoch"], header["metadata"])
+    except (ValueError, KeyError, TypeError) as exc:
+        raise CheckpointCorruptError(f"unreadable JSON header: {exc!r}") from exc
+    payload = view[headers_end:-_CHECKSUM_BYTES]
+    if len(payload) != payload_length:
+        raise CheckpointCorruptError(
+            f"payload is {len(payload)} bytes, the header says {payload_length}: truncated"
+        )
+    actual_sha256 = hashlib.sha256(payload).hexdigest()
+    if actual_sha256 != payload_sha256:
+        raise CheckpointCorruptError(
+            f"payload SHA-256 mismatch (header {str(payload_sha256)[:16]}..., computed "
+            f"{actual_sha256[:16]}...): the payload is corrupt"
+        )
+    job_id, step, membership_epoch, metadata = fields
+    try:
+        return Checkpoint(job_id, step, membership_epoch, bytes(payload), metadata)
+    except (ValueError, TypeError, AttributeError) as exc:
+        raise CheckpointCorruptError(f"invalid header fields: {exc}") from exc
+
+
+def open_store(url: str, *, keep: int = 3) -> CheckpointStore:
+    """Open the store named by `url`, keeping the newest `keep` checkpoints per job.
+
+    Args:
+        url: "file:///abs/path", "file:relative/path" or a plain filesystem path for the file
+            backend; "redis://host:port/db" (or "rediss://" for TLS) for the Redis backend.
+        keep: checkpoints kept per job, at least 1.
+
+    Raises:
+        ValueError: the URL names no supported backend, or `keep` < 1.
+    """
+    parts = urlsplit(url)
+    scheme = parts.scheme.lower()
+    if scheme in ("redis", "rediss"):
+        return RedisCheckpointStore(url, keep=keep)
+    if scheme == "file":
+        if parts.netloc not in ("", "localhost"):
+            raise ValueError(
+                f"checkpoint URL {url!r} names host {parts.netloc!r}; use a local path"
+            )
+        if not parts.path:
+            raise ValueError(f"checkpoint URL {url!r} has no path")
+        return FileCheckpointStore(unquote(parts.path), keep=keep)
+    if url and not scheme:
+        return FileCheckpointStore(url, keep=keep)
+    raise ValueError(
+        f"unsupported checkpoint store URL {url!r}: expected file:///abs/path, file:relative/path, "
+        f"a plain filesystem path, or redis://host:port/db"
+    )
+
+
+class _StoreLifecycle:
+    """Closed-state bookkeeping shared by both backends."""
+
+    description: str
+    _closed: bool = False
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise CheckpointError(f"{self.description}: the checkpoint store is closed")
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(
+        self, kind: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self.close()
+
+    def close(self) -> None:
+        self._closed = True
+
+
+class FileCheckpointStore(_StoreLifecycle):
+    """Checkpoints as files: `<directory>/<encoded job id>/step-<20 digits>.ckpt` plus `latest`.
+
+    One process writes a given job at a time (the coordinator that owns it); saves within this
+    object are serialized by a lock.
+    """
+
+    def __init__(
+        self,
+        directory: str | os.PathLike[str],
+        keep: int = 3,
+        *,
+        fsync: Callable[[int], None] = os.fsync,
+    ) -> None:
+        """Args:
+        directory: root folder; created (with its parents) at the first save.
+        keep: checkpoints kept per job, at least 1.
+        fsync: flushes a file descriptor to stable storage; a seam for tests that check
+            the order of writes and syncs.
+        """
+        self.keep = _check_keep(keep)
+        self.directory = Path(directory).absolute()
+        self.description = self.directory.as_uri()
+        self._fsync = fsync
+        self._lock = threading.Lock()
+
+    def job_directory(self, job_id: str) -> Path:
+        """The folder holding `job_id`'s checkpoints (its name is injective and traversal-free)."""
+        return self.directory / _job_directory_name(job_id)
+
+    def save(self, checkpoint: Checkpoint) -> None:
+        """See `CheckpointStore.save`."""
+        self._check_open()
+        job_dir = self.job_directory(checkpoint.job_id)
+        with self._lock:
+            try:
+                self._make_directory(job_dir)
+                parts = _encode_parts(checkpoint)
+                self._write_atomically(job_dir, _blob_name(checkpoint.step), parts)
+                self._write_atomically(job_dir, "latest", (f"{checkpoint.step}\n".encode(),))
+            except OSError as exc:
+                raise CheckpointError(
+                    _failure(self.description, "saving", checkpoint.job_id, checkpoint.step, exc)
+                ) from exc
+            self._prune(job_dir, checkpoint.job_id, checkpoint.step)
+
+    def load_latest(self, job_id: str) -> Checkpoint | None:
+        """See `CheckpointStore.load_latest`."""
+        stored = self.steps(job_id)
+        job_dir = self.job_directory(job_id)
+        try:
+            pointer_text: str | None = (job_dir / "latest").read_text(errors="replace")
+        except FileNotFoundError:
+            pointer_text = None
+        except OSError as exc:
+            raise CheckpointError(_failure(self.description, "loading", job_id, None, exc)) from exc
+
+        def read_blob(step: int) -> bytes | None:
+            try:
+                return (job_dir / _blob_name(step)).read_bytes()
+            except FileNotFoundError:
+                return None
+            except OSError as exc:
+                raise CheckpointError(
+                    _failure(self.description, "loading", job_id, step, exc)
+                ) from exc
+
+        pointer = _parse_pointer(self.description, job_id, pointer_text)
+        return _load_newest(self.description, job_id, pointer, stored, read_blob)
+
+    def steps(self, job_id: str) -> list[int]:
+        """See `CheckpointStore.steps`."""
+        self._check_open()
+        try:
+            names = os.listdir(self.job_directory(job_id))
+        except FileNotFoundError:
+            return []
+        except OSError as exc:
+            raise CheckpointError(_failure(self.description, "listing", job_id, None, exc)) from exc
+        return sorted(int(match[1]) for name in names if (match := _BLOB_NAME.fullmatch(name)))
+
+    def _write_atomically(self, directory: Path, name: str, parts: Iterable[bytes]) -> None:
+        """temp file -> write -> flush -> fsync -> rename -> fsync(directory)."""
+        descriptor, temp_name = tempfile.mkstemp(prefix=f".{name}.", suffix=".tmp", dir=directory)
+        try:
+            with os.fdopen(descriptor, "wb") as file:
+                for part in parts:
+                    file.write(part)
+                file.flush()
+                self._fsync(file.fileno())
+            os.replace(temp_name, directory / name)
+        except BaseException:
+            with contextlib.suppress(OSError):
+                os.unlink(temp_name)
+            raise
+        self._sync_directory(directory)
+
+    def _make_directory(self, path: Path) -> None:
+        """mkdir -p, fsyncing each parent whose entries changed so the new folders persist."""
+        if path.is_dir():
+            return
+        self._make_directory(path.parent)
+        with contextlib.suppress(FileExistsError):
+            path.mkdir()
+        self._sync_directory(path.parent)
+
+    def _sync_directory(self, path: Path) -> None:
+        descriptor = os.open(path, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
+        try:
+            self._fsync(descriptor)
+        finally:
+            os.close(descriptor)
+
+    def _prune(self, job_dir: Path, job_id: str, saved_step: int) -> None:
+        """Delete superseded blobs and stray temp files; failures only warn (the save is done)."""
+        try:
+            doomed_steps = _doomed_steps(self.steps(job_id), saved_step, self.keep)
+            # Leftovers of saves that crashed before their rename; one writer per job, so no
+            # temp file here belongs to a save in progress.
+            stray = [path for path in job_dir.glob(".*.tmp") if path.is_file()]
+        except (CheckpointError, OSError) as exc:
+            log.warning("%s: could not list old files of job %r: %s", self.description, job_id, exc)
+            return
+        doomed = [job_dir / _blob_name(step) for step in doomed_steps] + stray
+        for path in doomed:
+            try:
+                path.unlink()
+            except FileNotFoundError:
+                pass
+            except OSError as exc:
+                log.warning("%s: could not delete old file %s: %s", self.description, path, exc)
+
+
+class RedisCheckpointStore(_StoreLifecycle):
+    """Checkpoints in Redis: blobs at `gradsync:ckpt:<job_id>:<step>`, the step number of the
+    last acknowledged one at `gradsync:ckpt:<job_id>:latest`, and a sorted set of stored steps
+    at `gradsync:ckpt:<job_id>:steps`.
+
+    Job ids go into keys verbatim: every suffix (a step number, "latest", "steps") is free of
+    colons, so two different jobs can never produce the same key. Keys carry no TTL.
+    """
+
+    def __init__(
+        self,
+        url: str,
+        keep: int = 3,
+        client: redis.Redis | None = None,
+        socket_timeout_s: float = 5.0,
+    ) -> None:
+        """Args:
+        url: "redis://[user:password@]host:port/db"; shown with the password hidden.
+        keep: checkpoints kept per job, at least 1.
+        client: a redis-py client to use instead of one built from `url`; `close` leaves it
+            open, and it must bring its own socket timeouts (and should not retry).
+        socket_timeout_s: bound on connecting and on every reply; WAITAOF waits half of it
+            so that the server answers before the socket gives up.
+        """
+        self.keep = _check_keep(keep)
+        if not socket_timeout_s > 0:
+            raise ValueError(f"socket timeout must be positive, got {socket_timeout_s} s")
+        self.socket_timeout_s = socket_timeout_s
+        self.description = re.sub(r"(//[^/@]*?:)[^/@]*@", r"\1***@", url)
+        try:
+            import redis as redis_module
+            from redis.backoff import NoBackoff
+            from redis.retry import Retry
+        except ModuleNotFoundError as exc:
+            raise ImportError(
+                f"the Redis checkpoint store ({self.description}) needs the redis package: "
+                f"pip install 'gradsync[redis]'"
+            ) from exc
+        self._errors: tuple[type[Exception], ...] = (redis_module.RedisError, OSError)
+        self._response_error = redis_module.ResponseError
+        self._owns_client = client is None
+        # No retries: a failure is reported at once, and the worst-case wait stays one timeout.
+        self._client: redis.Redis = client or redis_module.Redis.from_url(
+            url,
+            socket_timeout=socket_timeout_s,
+            socket_connect_timeout=socket_timeout_s,
+            retry=Retry(NoBackoff(), 0),
+        )
+        self._waitaof_timeout_ms = max(1, int(socket_timeout_s * 500))
+        self._server_version = ""
+        self._uses_waitaof: bool | None = None  # decided from the server version at first save
+
+    def save(self, checkpoint: Checkpoint) -> None:
+        """See `CheckpointStore.save`."""
+        self._check_open()
+        job_id, step = checkpoint.job_id, checkpoint.step
+        try:
+            self._check_durability_support(job_id, step)
+            blob_batch = self._client.pipeline(transaction=False)
+            blob_keys = (_key(job_id, step), _key(job_id, "steps"))
+            blob_batch.eval(_WRITE_BLOB_SCRIPT, 2, *blob_keys, encode(checkpoint), step)
+            self._execute_durably(blob_batch, job_id, step)
+            pointer_batch = self._client.pipeline(transaction=False)
+            pointer_batch.set(_key(job_id, "latest"), step)
+            self._execute_durably(pointer_batch, job_id, step)
+        except self._errors as exc:
+            raise CheckpointError(_failure(self.description, "saving", job_id, step, exc)) from exc
+        self._prune(job_id, step)
+
+    def load_latest(self, job_id: str) -> Checkpoint | None:
+        """See `CheckpointStore.load_latest`."""
+        self._check_open()
+        _check_job_id(job_id)
+        try:
+            batch = self._client.pipeline(transaction=False)
+            batch.get(_key(job_id, "latest"))
+            batch.zrange(_key(job_id, "steps"), 0, -1)
+            pointer_value, members = batch.execute()
+        except self._errors as exc:
+            raise CheckpointError(_failure(self.description, "loading", job_id, None, exc)) from exc
+
+        def read_blob(step: int) -> bytes | None:
+            try:
+                value = self._client.get(_key(job_id, step))
+            except self._errors as exc:
+                raise CheckpointError(
+                    _failure(self.description, "loading", job_id, step, exc)
+                ) from exc
+            if value is None:
+                return None
+            return value.encode() if isinstance(value, str) else bytes(value)
+
+        pointer_text = None if pointer_value is None else _text(pointer_value)
+        pointer = _parse_pointer(self.description, job_id, pointer_text)
+        return _load_newest(self.description, job_id, pointer, _parse_steps(members), read_blob)
+
+    def steps(self, job_id: str) -> list[int]:
+        """See `CheckpointStore.steps`."""
+        self._check_open()
+        _check_job_id(job_id)
+        try:
+            return _parse_steps(self._client.zrange(_key(job_id, "steps"), 0, -1))
+        except self._errors as exc:
+            raise CheckpointError(_failure(self.description, "listing", job_id, None, exc)) from exc
+
+    def close(self) -> None:
+        """See `CheckpointStore.close`; an injected client stays open."""
+        if not self._closed and self._owns_client:
+            self._client.close()
+        super().close()
+
+    def _check_durability_support(self, job_id: str, step: int) -> None:
+        """At first use, pick the durability proof the server supports, or refuse to save."""
+        if self._uses_waitaof is not None:
+            return
+        info = self._client.info("server")
+        self._server_version = _text(info.get("redis_version", "unknown"))
+        version = tuple(int(part) for part in re.findall(r"\d+", self._server_version)[:2])
+        if version >= (7, 2):
+            self._uses_waitaof = True
+            return
+        try:
+            settings = self._client.config_get("append*")
+        except self._response_error as exc:
+            raise CheckpointError(
+                f"{self.description}: saving job {job_id!r} step {step} failed: Redis "
+                f"{self._server_version} has no WAITAOF, so durability requires appendonly yes "
+                f"and appendfsync always, and CONFIG GET to check them was refused: {exc}"
+            ) from exc
+        self._require_fsync_always(settings, job_id, step)
+        self._uses_waitaof = False
+
+    def _execute_durably(self, batch: redis.client.Pipeline, job_id: str, step: int) -> None:
+        """Run `batch` and, on its connection, prove that its writes reached the disk."""
+        if self._uses_waitaof:
+            # The raw command works with every redis>=5 (the `waitaof` method came later).
+            waitaof = ("WAITAOF", 1, 0, self._waitaof_timeout_ms)
+            batch.execute_command(*waitaof)  # type: ignore[no-untyped-call]  # unannotated upstream
+        else:
+            # Read back in the same batch: a CONFIG SET since the first check is caught.
+            batch.config_get("append*")
+        try:
+            results = batch.execute()
+        except self._response_error as exc:
+            if "appendonly" not in str(exc):
+                raise
+            raise CheckpointError(
+                f"{self.description}: saving job {job_id!r} step {step} failed: WAITAOF needs "
+                f"the append-only file; appendonly yes is required: start the server with "
+                f"`redis-server --appendonly yes` (or CONFIG SET appendonly yes) ({exc})"
+            ) from exc
+        if not self._uses_waitaof:
+            self._require_fsync_always(results[-1], job_id, step)
+            return
+        local_fsyncs = int(results[-1][0])
+        if local_fsyncs < 1:
+            raise CheckpointError(
+                f"{self.description}: saving job {job_id!r} step {step} failed: the write was "
+                f"not fsync'd to the append-only file within {self._waitaof_timeout_ms} ms "
+                f"(WAITAOF reported {local_fsyncs} local fsyncs); is the Redis disk stalled?"
+            )
+
+    def _require_fsync_always(self, settings: Mapping[Any, Any], job_id: str, step: int) -> None:
+        values = {_text(name): _text(value) for name, value in settings.items()}
+        problems = [
+            f"{name} is {values.get(name, 'unset')!r}"
+            for name, wanted in (("appendonly", "yes"), ("appendfsync", "always"))
+            if values.get(name) != wanted
+        ]
+        if problems:
+            raise CheckpointError(
+                f"{self.description}: saving job {job_id!r} step {step} failed: Redis "
+                f"{self._server_version} cannot make checkpoints durable: "
+                f"{' and '.join(problems)}. Without WAITAOF (Redis < 7.2), appendonly yes and "
+                f"appendfsync always are required so that each acknowledged write is fsync'd "
+                f"to the append-only file; start the server with `redis-server --appendonly yes "
+                f"--appendfsync always` (or set both in redis.conf), or use Redis >= 7.2"
+            )
+
+    def _prune(self, job_id: str, saved_step: int) -> None:
+        """Delete superseded blobs; failures only warn (the save is already durable)."""
+        try:
+            stored = _parse_steps(self._client.zrange(_key(job_id, "steps"), 0, -1))
+            doomed = _doomed_steps(stored, saved_step, self.keep)
+            if doomed:
+                batch = self._client.pipeline(transaction=False)
+                # Index first: a crash in between leaves an unindexed blob, never a dangling entry.
+                batch.zrem(_key(job_id, "steps"), *(str(step) for step in doomed))
+                batch.delete(*(_key(job_id, step) for step in doomed))
+                batch.execute()
+        except self._errors as exc:
+            log.warning(
+                "%s: could not delete old checkpoints of job %r: %s", self.description, job_id, exc
+            )
+
+
+# Blob and index entry in one atomic step (a script reaches the AOF as one MULTI/EXEC), so
+# the index never names a blob that was not written.
+_WRITE_BLOB_SCRIPT = """
+redis.call('SET', KEYS[1], ARGV[1])
+redis.call('ZADD', KEYS[2], ARGV[2], ARGV[2])
+return 1
+"""
+
+_BLOB_NAME = re.compile(r"step-(\d{20})\.ckpt")
+# Letters are case-folded away so that names stay distinct on case-insensitive filesystems.
+_SAFE_NAME_CHARACTERS = frozenset("abcdefghijklmnopqrstuvwxyz0123456789_-")
+_MAX_NAME_BYTES = 255
+
+
+def _blob_name(step: int) -> str:
+    return f"step-{step:020d}.ckpt"
+
+
+def _job_directory_name(job_id: str) -> str:
+    """Percent-encode everything but [a-z0-9_-]: no "/", no leading ".", one name per job."""
+    _check_job_id(job_id)
+    name = "".join(
+        character
+        if character in _SAFE_NAME_CHARACTERS
+        else "".join(f"%{byte:02X}" for byte in character.encode())
+        for character in job_id
+    )
+    if len(name) > _MAX_NAME_BYTES:
+        raise ValueError(
+            f"job id {job_id[:40]!r}... encodes to a {len(name)}-character directory name, "
+            f"over the {_MAX_NAME_BYTES}-byte filesystem limit; use a shorter job id"
+        )
+    return name
+
+
+def _key(job_id: str, suffix: int | str) -> str:
+    return f"gradsync:ckpt:{job_id}:{suffix}"
+
+
+def _check_job_id(job_id: str) -> None:
+    if not isinstance(job_id, str) or not job_id:
+        raise ValueError(f"job id must be a non-empty string, got {job_id!r}")
+    try:
+        job_id.encode()
+    except UnicodeEncodeError as exc:
+        raise ValueError(f"job id {job_id!r} is not valid Unicode text: {exc}") from exc
+
+
+def _check_keep(keep: int) -> int:
+    if keep < 1:
+        raise ValueError(f"keep must be at least 1 checkpoint per job, got {keep}")
+    return keep
+
+
+def _text(value: Any) -> str:
+    return value.decode(errors="replace") if isinstance(value, bytes) else str(value)
+
+
+def _parse_steps(members: Iterable[Any]) -> list[int]:
+    texts = (_text(member) for member in members)
+    return sorted(int(text) for text in texts if text.isdigit())
+
+
+def _failure(description: str, action: str, job_id: str, step: int | None, exc: Exception) -> str:
+    at_step = "" if step is None else f" step {step}"
+    return f"{description}: {action} job {job_id!r}{at_step} failed: {type(exc).__name__}: {exc}"
+
+
+def _doomed_steps(stored: Iterable[int], saved_step: int, keep: int) -> list[int]:
+    """Steps to delete once `saved_step` is acknowledged: all but the `keep` newest up to it,
+    and any newer ones (a save that never completed, or a timeline abandoned by a restore from
+    an older checkpoint); `load_latest` never returns those once the pointer is older."""
+    stored = sorted(stored)
+    kept_or_older = [step for step in stored if step <= saved_step]
+    return kept_or_older[:-keep] + [step for step in stored if step > saved_step]
+
+
+def _parse_pointer(description: str, job_id: str, text: str | None) -> int | None:
+    if text is None:
+        return None
+    if re.fullmatch(r"\d{1,20}", text.strip()):
+        return int(text)
+    log.warning(
+        "%s: the latest pointer of job %r holds %r, not a step number; ignoring it",
+        description,
+        job_id,
+        text[:40],
+    )
+    return None
+
+
+def _load_newest(
+    description: str,
+    job_id: str,
+    pointer: int | None,
+    stored: list[int],
+    read_blob: Callable[[int], bytes | None],
+) -> Checkpoint | None:
+    """The pointed checkpoint, else the newest older one that verifies (both backends)."""
+    if pointer is None:
+        if not stored:
+            return None
+        log.warning(
+            "%s: job %r has checkpoints for steps %s but no readable latest pointer (a save "
+            "crashed before its first pointer flip?); trying the newest that verifies",
+            description,
+            job_id,
+            stored,
+        )
+        candidates = sorted(stored, reverse=True)
+    else:
+        unacknowledged = [step for step in stored if step > pointer]
+        if unacknowledged:
+            log.warning(
+                "%s: job %r: ignoring steps %s, newer than the latest pointer (step %d): their "
+                "saves never completed",
+                description,
+                job_id,
+                unacknowledged,
+                pointer,
+            )
+        candidates = [pointer, *sorted((step for step in stored if step < pointer), reverse=True)]
+    for step in candidates:
+        blob = read_blob(step)
+        if blob is None:
+            reason = "its blob is missing"
+        else:
+            try:
+                checkpoint = decode(blob)
+            except CheckpointCorruptError as exc:
+                reason = f"it is corrupt: {exc}"
+            else:
+                if (checkpoint.job_id, checkpoint.step) == (job_id, step):
+                    return checkpoint
+                reason = f"its blob holds job {checkpoint.job_id!r} step {checkpoint.step}"
+        log.warning(
+            "%s: skipping the checkpoint of job %r at step %d because %s; falling back to an "
+            "older one",
+            description,
+            job_id,
+            step,
+            reason,
+        )
+    raise CheckpointError(
+        f"{description}: loading job {job_id!r} failed: no checkpoint verifies (tried steps "
+        f"{candidates}, see the warnings above); refusing to start the job from scratch: "
+        f"delete its checkpoints to do that deliberately"
+    )
