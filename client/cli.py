@@ -130,19 +130,38 @@ def build_parser() -> argparse.ArgumentParser:
         "bench", help="benchmark against gloo / torchrun + DDP and the network's bound"
     )
     bench.add_argument("--quick", action="store_true", help="a run of under two minutes")
-    bench.add_argument("--out", type=Path, default=Path("bench/results"),
-                       help="where latest.json / .md / .png go (default bench/results)")
-    bench.add_argument("--suites", default="loopback,train,netns",
-                       help="comma-separated subset of loopback,train,netns")
+    bench.add_argument(
+        "--out",
+        type=Path,
+        default=Path("bench/results"),
+        help="where latest.json / .md / .png go (default bench/results)",
+    )
+    bench.add_argument(
+        "--suites",
+        default="loopback,train,netns",
+        help="comma-separated subset of loopback,train,netns",
+    )
     bench.add_argument("--sizes-mb", default=None, help="override: sync sizes, e.g. 1,25")
     bench.add_argument("--worlds", default=None, help="override: world sizes, e.g. 2,4")
     bench.add_argument("--reps", type=_positive_int, default=None, help="override: repetitions")
-    bench.add_argument("--train-model-mb", type=_positive_float, default=None,
-                       help="override: model size of the training suite")
-    bench.add_argument("--train-steps", type=_positive_int, default=None,
-                       help="override: timed steps of the training suite")
-    bench.add_argument("--netns-rate-mbit", type=_positive_float, default=None,
-                       help="override: emulated link bandwidth (default 1000)")
+    bench.add_argument(
+        "--train-model-mb",
+        type=_positive_float,
+        default=None,
+        help="override: model size of the training suite",
+    )
+    bench.add_argument(
+        "--train-steps",
+        type=_positive_int,
+        default=None,
+        help="override: timed steps of the training suite",
+    )
+    bench.add_argument(
+        "--netns-rate-mbit",
+        type=_positive_float,
+        default=None,
+        help="override: emulated link bandwidth (default 1000)",
+    )
     return parser
 
 
@@ -274,7 +293,7 @@ def _bench(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
         overrides["train_steps"] = args.train_steps
     if args.netns_rate_mbit:
         overrides["netns_rate_mbit"] = args.netns_rate_mbit
-    plan = dataclasses.replace(plan, **overrides)  # type: ignore[arg-type]
+    plan = dataclasses.replace(plan, **overrides)
     _configure_logging("WARNING", "bench")
     document = runner.run(plan)
     runner.write(document, args.out)

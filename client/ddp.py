@@ -28,6 +28,7 @@ from typing import Any
 import torch
 from gradsync import __version__, wire
 from gradsync.bucketing import BucketPlan, assign_buckets
+from gradsync.buffers import BucketBuffer
 from gradsync.config import ClientConfig
 from gradsync.errors import ClosedError, GradSyncError
 from gradsync.transport import Transport
@@ -138,6 +139,8 @@ class DistributedDataParallel(nn.Module):
         self._ready = [0] * len(self._buckets)
         self._launched = [False] * len(self._buckets)
         self._errors: list[Exception] = []
+        # Host copies of gradients that are not contiguous CPU tensors, to copy back.
+        self._staged: list[tuple[torch.Tensor, nn.Parameter]] = []
         self._hooks: list[Any] = []
         self.last_contributors = 0
         self._transport = Transport(self.config.coordinator, self.config.rank)
@@ -310,25 +313,34 @@ class DistributedDataParallel(nn.Module):
             self._errors.append(exc)
 
     def _launch(self, bucket_index: int) -> None:
-        """Copy a bucket's gradients into one flat buffer and queue its upload."""
+        """Queue a bucket's gradients for upload, straight from `param.grad` (no copy).
+
+        Gradients that are not contiguous CPU tensors are staged through a host
+        copy and copied back after averaging. A parameter without a gradient
+        gets a zero gradient here, so its average has somewhere to land.
+        """
         plan = self._buckets[bucket_index]
-        pieces = []
+        segments = []
         for index in plan.parameter_indices:
-            param = self._named_parameters[index][1]
+            name, param = self._named_parameters[index]
             grad = param.grad
             if grad is None:
-                pieces.append(torch.zeros(param.numel(), dtype=param.dtype))
-            else:
-                if grad.is_sparse:
-                    raise ValueError(
-                        f"'{self._named_parameters[index][0]}' has a sparse "
-                        "gradient; gradsync averages dense gradients only"
-                    )
-                pieces.append(grad.detach().reshape(-1).cpu())
-        flat = torch.cat(pieces)
+                grad = param.grad = torch.zeros_like(param, memory_format=torch.contiguous_format)
+            elif grad.is_sparse:
+                raise ValueError(
+                    f"'{name}' has a sparse gradient; gradsync averages dense gradients only"
+                )
+            host = grad.detach()
+            if host.device.type != "cpu" or not host.is_contiguous():
+                host = host.to("cpu", memory_format=torch.contiguous_format)
+                self._staged.append((host, param))
+            segments.append(host.reshape(-1).view(torch.uint8).numpy())
         self._launched[bucket_index] = True
         self._transport.submit_bucket(
-            self._step, bucket_index, flat.view(torch.uint8).numpy(), WIRE_DTYPES[flat.dtype]
+            self._step,
+            bucket_index,
+            BucketBuffer(segments),
+            WIRE_DTYPES[plan.dtype],  # type: ignore[index]
         )
 
     def _finish_backward(self) -> None:
@@ -344,22 +356,12 @@ class DistributedDataParallel(nn.Module):
             for bucket_index, launched in enumerate(self._launched):
                 if not launched:  # some parameter got no gradient this pass
                     self._launch(bucket_index)
-            buffers, self.last_contributors = self._transport.wait_step(step, self.config.timeout_s)
-            self._write_averages(buffers)
+            self.last_contributors = self._transport.wait_step(step, self.config.timeout_s)
+            with torch.no_grad():
+                for host, param in self._staged:
+                    assert param.grad is not None
+                    param.grad.copy_(host.view_as(param.grad))
         finally:
+            self._staged.clear()
             self._backward_active = False
             self._step = step + 1
-
-    def _write_averages(self, buffers: list[bytearray]) -> None:
-        with torch.no_grad():
-            for plan, raw in zip(self._buckets, buffers, strict=True):
-                flat = torch.frombuffer(raw, dtype=plan.dtype)  # type: ignore[arg-type]
-                start = 0
-                for index in plan.parameter_indices:
-                    param = self._named_parameters[index][1]
-                    averaged = flat[start : start + param.numel()].view_as(param)
-                    start += param.numel()
-                    if param.grad is None:
-                        param.grad = averaged.to(param.device, copy=True)
-                    else:
-                        param.grad.copy_(averaged)

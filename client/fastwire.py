@@ -13,6 +13,7 @@ protobuf too, so the contract stays `proto/gradsync/v1/gradsync.proto`.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from gradsync.v1 import gradsync_pb2 as pb
@@ -61,8 +62,15 @@ def _varint(value: int) -> bytes:
             return bytes(out)
 
 
-def encode_gradient(header: ChunkHeader, payload: bytes | memoryview) -> bytes:
-    """Serialize a gradient chunk message (worker or coordinator side) in one copy."""
+def encode_gradient(
+    header: ChunkHeader, payload: bytes | memoryview | Sequence[bytes | memoryview]
+) -> bytes:
+    """Serialize a gradient chunk message (worker or coordinator side) in one copy.
+
+    `payload` is the chunk's bytes, or a sequence of byte pieces that
+    concatenate to them (a chunk may span several parameters' gradients).
+    """
+    parts = [payload] if isinstance(payload, bytes | memoryview) else list(payload)
     fields = pb.GradientChunk(
         step=header.step,
         membership_epoch=header.membership_epoch,
@@ -72,10 +80,10 @@ def encode_gradient(header: ChunkHeader, payload: bytes | memoryview) -> bytes:
         encoding=header.encoding,  # type: ignore[arg-type]
         contributors=header.contributors,
     ).SerializeToString()
-    length = len(payload)
+    length = sum(memoryview(part).nbytes for part in parts)
     inner = fields + _PAYLOAD_TAG + _varint(length)
     outer = _GRADIENT_TAG + _varint(len(inner) + length)
-    return b"".join((outer, inner, payload))
+    return b"".join((outer, inner, *parts))
 
 
 def _read_varint(view: memoryview, position: int, end: int) -> tuple[int, int]:

@@ -23,6 +23,7 @@ import grpc
 import numpy as np
 import numpy.typing as npt
 from gradsync import wire
+from gradsync.buffers import BucketBuffer
 from gradsync.errors import (
     ClosedError,
     Code,
@@ -47,7 +48,7 @@ SYNC_METHOD = "/gradsync.v1.Coordinator/Sync"
 class _BucketUpload:
     step: int
     bucket_index: int
-    data: npt.NDArray[np.uint8]
+    buffer: BucketBuffer
     dtype: int
 
 
@@ -58,9 +59,9 @@ class _StateUpload:
 
 @dataclass
 class _StepResult:
-    """Averaged buckets of one step, allocated as their first chunk arrives."""
+    """Progress of one step: averaged bytes written back into each uploaded bucket."""
 
-    buffers: dict[int, bytearray] = field(default_factory=dict)
+    buffers: dict[int, BucketBuffer] = field(default_factory=dict)
     received: dict[int, int] = field(default_factory=dict)
     contributors: int = 0
     complete_buckets: int = 0
@@ -155,17 +156,20 @@ class Transport:
         assert state is not None
         return state
 
-    def submit_bucket(
-        self, step: int, bucket_index: int, data: npt.NDArray[np.uint8], dtype: int
-    ) -> None:
-        """Queue one bucket's local gradients for upload. Never blocks; safe from any thread."""
-        self._put(_BucketUpload(step, bucket_index, data, dtype))
+    def submit_bucket(self, step: int, bucket_index: int, buffer: BucketBuffer, dtype: int) -> None:
+        """Queue one bucket for upload; its averages will be written back into `buffer`.
 
-    def wait_step(self, step: int, timeout_s: float) -> tuple[list[bytearray], int]:
-        """Block until every averaged bucket of `step` arrived.
+        Never blocks on the network; safe from any thread (autograd hooks call it).
+        """
+        with self._cond:
+            self._ensure_step_locked(step).buffers[bucket_index] = buffer
+        self._put(_BucketUpload(step, bucket_index, buffer, dtype))
+
+    def wait_step(self, step: int, timeout_s: float) -> int:
+        """Block until every averaged bucket of `step` was written back into its buffer.
 
         Returns:
-            (one buffer per bucket, number of ranks averaged over).
+            The number of ranks averaged over.
 
         Raises:
             StepAbortedError (or a subclass): the coordinator abandoned the step.
@@ -192,7 +196,7 @@ class Transport:
                 del self._shared.results[old]
         if result.aborted is not None:
             raise _abort_error(result.aborted, self.rank)
-        return [result.buffers[index] for index in range(num_buckets)], result.contributors
+        return result.contributors
 
     def close(self, timeout_s: float = 10.0) -> None:
         """Say goodbye, wait (bounded) for the stream to end, stop the loop thread."""
@@ -249,8 +253,7 @@ class Transport:
                     chunk = pb.StateChunk(offset=offset, payload=payload)
                     yield pb.WorkerMessage(state=chunk).SerializeToString()
             elif isinstance(item, _BucketUpload):
-                view = memoryview(item.data.data)
-                for offset, length in wire.chunk_spans(len(view), chunk_bytes):
+                for offset, pieces in item.buffer.chunks(chunk_bytes):
                     header = ChunkHeader(
                         step=item.step,
                         membership_epoch=epoch,
@@ -258,7 +261,7 @@ class Transport:
                         offset=offset,
                         dtype=item.dtype,
                     )
-                    yield encode_gradient(header, view[offset : offset + length])
+                    yield encode_gradient(header, pieces)
             else:
                 yield item.SerializeToString()
 
@@ -320,24 +323,22 @@ class Transport:
     def _on_gradient(self, chunk: ChunkHeader, payload: memoryview) -> None:
         result = self._ensure_step_locked(chunk.step)
         bucket = chunk.bucket_index
-        if bucket >= len(self._bucket_bytes):
-            self._protocol_fault(f"averaged bucket {bucket} of step {chunk.step} does not exist")
-            return
         buffer = result.buffers.get(bucket)
         if buffer is None:
-            buffer = result.buffers[bucket] = bytearray(self._bucket_bytes[bucket])
-            result.received[bucket] = 0
-        end = chunk.offset + len(payload)
-        if end > len(buffer):
             self._protocol_fault(
-                f"averaged chunk of bucket {bucket} ends at byte {end}, "
-                f"past the bucket's {len(buffer)} bytes"
+                f"averaged bucket {bucket} of step {chunk.step} arrived before this rank "
+                "uploaded it"
             )
             return
-        buffer[chunk.offset : end] = payload
-        result.received[bucket] += len(payload)
+        try:
+            buffer.write(chunk.offset, payload)
+        except ValueError as exc:
+            self._protocol_fault(f"averaged chunk of bucket {bucket}: {exc}")
+            return
+        received = result.received.get(bucket, 0) + len(payload)
+        result.received[bucket] = received
         result.contributors = chunk.contributors
-        if result.received[bucket] == len(buffer):
+        if received == buffer.size:
             result.complete_buckets += 1
 
     def _protocol_fault(self, what: str) -> None:

@@ -111,17 +111,17 @@ def add_into(
         accumulator += to_accumulator(payload, dtype)
 
 
-def from_accumulator(values: npt.NDArray[np.floating], dtype: int) -> bytes:
-    """Encode an accumulation array back to raw bytes of the wire dtype."""
+def from_accumulator(values: npt.NDArray[np.floating], dtype: int) -> memoryview:
+    """Raw bytes of the wire dtype for an accumulation array (a view when no cast is needed)."""
     if dtype == pb.DTYPE_FLOAT64:
-        return values.astype("<f8", copy=False).tobytes()
+        return values.astype("<f8", copy=False).data.cast("B")
     if dtype == pb.DTYPE_FLOAT32:
-        return values.astype("<f4", copy=False).tobytes()
+        return values.astype("<f4", copy=False).data.cast("B")
     if dtype == pb.DTYPE_FLOAT16:
-        return values.astype("<f2").tobytes()
+        return values.astype("<f2").data.cast("B")
     if dtype == pb.DTYPE_BFLOAT16:
         bits = values.astype(np.float32, copy=False).view(np.uint32)
         # Round to nearest, ties to even, as torch does when narrowing to bf16.
         rounding = ((bits >> 16) & 1) + np.uint32(0x7FFF)
-        return ((bits + rounding) >> 16).astype("<u2").tobytes()
+        return ((bits + rounding) >> 16).astype("<u2").data.cast("B")
     raise ValueError(f"unsupported dtype {dtype_name(dtype)}")

@@ -74,7 +74,7 @@ class BucketReduction:
         """True once every chunk's average has been produced."""
         return self._chunks_done == self._chunks_total
 
-    def add(self, rank: int, offset: int, payload: bytes | memoryview) -> bytes | None:
+    def add(self, rank: int, offset: int, payload: bytes | memoryview) -> memoryview | None:
         """Fold one rank's chunk in; return the chunk's average if now complete.
 
         Raises:

@@ -7,6 +7,11 @@ back a torn or bit-flipped one: every blob carries checksums, is written in full
 warning in favour of the previous complete one. The module knows nothing of gRPC; the
 coordinator calls it (from a worker thread, the calls block) and owns what goes in the payload.
 
+The `latest` pointer names the last acknowledged save, which is what `load_latest` starts from;
+blobs of higher steps are leftovers of saves that never completed (or of a timeline abandoned
+when a corrupt checkpoint forced a restore from an older one) and are never loaded. Only once a
+save is durable does it delete older checkpoints beyond the newest `keep`, and those leftovers.
+
 What "durable" means, per backend
 ---------------------------------
 File (`FileCheckpointStore`, `file:///path`): the blob is written to a temp file in the job's
@@ -310,11 +315,13 @@ class FileCheckpointStore(_StoreLifecycle):
         *,
         fsync: Callable[[int], None] = os.fsync,
     ) -> None:
-        """Args:
-        directory: root folder; created (with its parents) at the first save.
-        keep: checkpoints kept per job, at least 1.
-        fsync: flushes a file descriptor to stable storage; a seam for tests that check
-            the order of writes and syncs.
+        """Set up the store; nothing is created on disk before the first save.
+
+        Args:
+            directory: root folder; created (with its parents) at the first save.
+            keep: checkpoints kept per job, at least 1.
+            fsync: flushes a file descriptor to stable storage; a seam for tests that check
+                the order of writes and syncs.
         """
         self.keep = _check_keep(keep)
         self.directory = Path(directory).absolute()
@@ -347,7 +354,7 @@ class FileCheckpointStore(_StoreLifecycle):
         stored = self.steps(job_id)
         job_dir = self.job_directory(job_id)
         try:
-            pointer_text: str | None = (job_dir / "latest").read_text(errors="replace")
+            pointer_text: str | None = (job_dir / "latest").read_text("utf-8", "replace")
         except FileNotFoundError:
             pointer_text = None
         except OSError as exc:
@@ -445,13 +452,18 @@ class RedisCheckpointStore(_StoreLifecycle):
         client: redis.Redis | None = None,
         socket_timeout_s: float = 5.0,
     ) -> None:
-        """Args:
-        url: "redis://[user:password@]host:port/db"; shown with the password hidden.
-        keep: checkpoints kept per job, at least 1.
-        client: a redis-py client to use instead of one built from `url`; `close` leaves it
-            open, and it must bring its own socket timeouts (and should not retry).
-        socket_timeout_s: bound on connecting and on every reply; WAITAOF waits half of it
-            so that the server answers before the socket gives up.
+        """Set up the store; nothing is sent to the server before the first call.
+
+        Args:
+            url: "redis://[user:password@]host:port/db"; shown with the password hidden.
+            keep: checkpoints kept per job, at least 1.
+            client: a redis-py client to use instead of one built from `url` (a test seam);
+                `close` leaves it open, and it must bring its own socket timeouts.
+            socket_timeout_s: bound on connecting and on every reply; WAITAOF is given half
+                of it, so that the server answers before the socket gives up.
+
+        Raises:
+            ImportError: the redis package is missing (install gradsync[redis]).
         """
         self.keep = _check_keep(keep)
         if not socket_timeout_s > 0:
@@ -470,12 +482,17 @@ class RedisCheckpointStore(_StoreLifecycle):
         self._errors: tuple[type[Exception], ...] = (redis_module.RedisError, OSError)
         self._response_error = redis_module.ResponseError
         self._owns_client = client is None
-        # No retries: a failure is reported at once, and the worst-case wait stays one timeout.
-        self._client: redis.Redis = client or redis_module.Redis.from_url(
-            url,
-            socket_timeout=socket_timeout_s,
-            socket_connect_timeout=socket_timeout_s,
-            retry=Retry(NoBackoff(), 0),
+        # No retries (redis-py retries 3 to 10 times by default): a failure is reported at
+        # once, so each network wait costs at most one timeout.
+        self._client: redis.Redis = (
+            client
+            if client is not None
+            else redis_module.Redis.from_url(
+                url,
+                socket_timeout=socket_timeout_s,
+                socket_connect_timeout=socket_timeout_s,
+                retry=Retry(NoBackoff(), 0),
+            )
         )
         self._waitaof_timeout_ms = max(1, int(socket_timeout_s * 500))
         self._server_version = ""

@@ -264,7 +264,7 @@ class Job:
                 self.steps_completed += 1
         return actions
 
-    def _accept(self, rank: int, chunk: ChunkHeader, payload: memoryview) -> bytes | None:
+    def _accept(self, rank: int, chunk: ChunkHeader, payload: memoryview) -> memoryview | None:
         """Validate `chunk` against the job, then fold it into its reduction."""
         step = chunk.step
         if chunk.membership_epoch != self.membership_epoch:
