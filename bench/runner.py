@@ -37,8 +37,16 @@ class BenchPlan:
     @classmethod
     def quick(cls) -> BenchPlan:
         """Under two minutes here: one world size, small sizes, few repetitions."""
-        return cls(sizes_mb=[1.0, 25.0], worlds=[2], reps=3, train_worlds=[2], train_steps=5,
-                   netns_worlds=[2], netns_sizes_mb=[25.0], netns_reps=2)
+        return cls(
+            sizes_mb=[1.0, 25.0],
+            worlds=[2],
+            reps=3,
+            train_worlds=[2],
+            train_steps=5,
+            netns_worlds=[2],
+            netns_sizes_mb=[25.0],
+            netns_reps=2,
+        )
 
 
 def machine() -> dict[str, Any]:
@@ -55,9 +63,13 @@ def machine() -> dict[str, Any]:
                 model = line.split(":", 1)[1].strip()
                 break
     return {
-        "cores": os.cpu_count(), "cpu_model": model, "platform": platform.platform(),
-        "python": platform.python_version(), "torch": torch.__version__,
-        "grpcio": grpc.__version__, "numpy": numpy.__version__,
+        "cores": os.cpu_count(),
+        "cpu_model": model,
+        "platform": platform.platform(),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "grpcio": grpc.__version__,
+        "numpy": numpy.__version__,
     }
 
 
@@ -65,21 +77,28 @@ def run(plan: BenchPlan) -> dict[str, Any]:
     """Run the planned suites; return the full result document."""
     started = datetime.datetime.now(datetime.UTC)
     document: dict[str, Any] = {
-        "schema_version": 1, "started_at": started.isoformat(timespec="seconds"),
-        "machine": machine(), "plan": asdict(plan), "suites": {}, "skipped": {},
+        "schema_version": 1,
+        "started_at": started.isoformat(timespec="seconds"),
+        "machine": machine(),
+        "plan": asdict(plan),
+        "suites": {},
+        "skipped": {},
     }
     if "loopback" in plan.suites:
         print("loopback sync: gradsync vs gloo ...", file=sys.stderr, flush=True)
         document["suites"]["loopback"] = suites.loopback_suite(
-            plan.sizes_mb, plan.worlds, plan.reps)
+            plan.sizes_mb, plan.worlds, plan.reps
+        )
     if "train" in plan.suites:
         print("end-to-end training: gradsync vs torchrun + DDP ...", file=sys.stderr, flush=True)
         document["suites"]["train"] = suites.train_suite(
-            plan.train_worlds, plan.train_model_mb, plan.train_steps)
+            plan.train_worlds, plan.train_model_mb, plan.train_steps
+        )
     if "netns" in plan.suites:
         print("emulated cluster (network namespaces) ...", file=sys.stderr, flush=True)
         rows, reason = suites.netns_suite(
-            plan.netns_worlds, plan.netns_sizes_mb, plan.netns_reps, plan.netns_rate_mbit)
+            plan.netns_worlds, plan.netns_sizes_mb, plan.netns_reps, plan.netns_rate_mbit
+        )
         document["suites"]["netns"] = rows
         if reason:
             document["skipped"]["netns"] = reason
@@ -99,7 +118,8 @@ def markdown(document: dict[str, Any]) -> str:
     loopback = document["suites"].get("loopback", [])
     if loopback:
         lines += [
-            "**Sync micro-benchmark, loopback** (one sync of N MB; median of A B A B reps)", "",
+            "**Sync micro-benchmark, loopback** (one sync of N MB; median of A B A B reps)",
+            "",
             "| W | N MB | gradsync ms | gloo ms | gradsync MB/s | gloo MB/s | ratio | "
             "gradsync CPU-s/GB | gloo CPU-s/GB |",
             "|---|---|---|---|---|---|---|---|---|",
@@ -109,12 +129,14 @@ def markdown(document: dict[str, Any]) -> str:
             lines.append(
                 f"| {r['world_size']} | {r['megabytes']:g} | {g['median_ms']:.1f} | "
                 f"{o['median_ms']:.1f} | {g['algbw_mb_s']:.0f} | {o['algbw_mb_s']:.0f} | "
-                f"{r['bandwidth_ratio']:.2f} | {g['cpu_s_per_gb']:.2f} | {o['cpu_s_per_gb']:.2f} |")
+                f"{r['bandwidth_ratio']:.2f} | {g['cpu_s_per_gb']:.2f} | {o['cpu_s_per_gb']:.2f} |"
+            )
         lines.append("")
     train = document["suites"].get("train", [])
     if train:
         lines += [
-            "**End-to-end training, loopback** (samples/s; MLP, fp32)", "",
+            "**End-to-end training, loopback** (samples/s; MLP, fp32)",
+            "",
             "| W | model MB | local | gradsync | gradsync, no overlap | torchrun DDP | "
             "ratio to DDP | exposed comm ms (gradsync / DDP) | overlap gain |",
             "|---|---|---|---|---|---|---|---|---|",
@@ -125,13 +147,15 @@ def markdown(document: dict[str, Any]) -> str:
                 f"| {r['world_size']} | {r['model_mb']:g} | {s['local']:.0f} | "
                 f"{s['gradsync']:.0f} | {s['sequential']:.0f} | {s['ddp']:.0f} | "
                 f"{r['ratio_to_ddp']:.2f} | {r['exposed_comm_ms']:.0f} / "
-                f"{r['ddp_exposed_comm_ms']:.0f} | {r['overlap_gain']:.2f}x |")
+                f"{r['ddp_exposed_comm_ms']:.0f} | {r['overlap_gain']:.2f}x |"
+            )
         lines.append("")
     netns = document["suites"].get("netns", [])
     if netns:
         lines += [
             "**Emulated cluster** (network namespaces, every host link shaped to B; "
-            "time against the analytic bound)", "",
+            "time against the analytic bound)",
+            "",
             "| W | N MB | B Mbit/s | gloo ms (bound) | gloo of bound | gradsync ms (bound) | "
             "gradsync of bound | CPU use gloo / gradsync |",
             "|---|---|---|---|---|---|---|---|",
@@ -142,7 +166,8 @@ def markdown(document: dict[str, Any]) -> str:
                 f"{r['gloo']['median_ms']:.0f} ({r['gloo_bound_ms']:.0f}) | "
                 f"{r['gloo_of_bound']:.0%} | {r['gradsync']['median_ms']:.0f} "
                 f"({r['gradsync_bound_ms']:.0f}) | {r['gradsync_of_bound']:.0%} | "
-                f"{r['gloo']['cpu_utilisation']:.0%} / {r['gradsync']['cpu_utilisation']:.0%} |")
+                f"{r['gloo']['cpu_utilisation']:.0%} / {r['gradsync']['cpu_utilisation']:.0%} |"
+            )
         lines.append("")
     for suite, reason in document.get("skipped", {}).items():
         lines.append(f"Suite {suite} skipped: {reason}")
@@ -161,10 +186,18 @@ def plot(document: dict[str, Any], path: Path) -> None:
     figure, axes = plt.subplots(1, 2, figsize=(12, 4.5))
     labels = [f"W={r['world_size']}\n{r['megabytes']:g} MB" for r in loopback]
     positions = range(len(loopback))
-    axes[0].bar([p - 0.2 for p in positions], [r["gradsync"]["algbw_mb_s"] for r in loopback],
-                0.4, label="gradsync")
-    axes[0].bar([p + 0.2 for p in positions], [r["gloo"]["algbw_mb_s"] for r in loopback],
-                0.4, label="gloo all_reduce")
+    axes[0].bar(
+        [p - 0.2 for p in positions],
+        [r["gradsync"]["algbw_mb_s"] for r in loopback],
+        0.4,
+        label="gradsync",
+    )
+    axes[0].bar(
+        [p + 0.2 for p in positions],
+        [r["gloo"]["algbw_mb_s"] for r in loopback],
+        0.4,
+        label="gloo all_reduce",
+    )
     axes[0].set_xticks(list(positions), labels)
     axes[0].set_ylabel("algorithm bandwidth, MB/s")
     axes[0].set_title("one sync on loopback")
@@ -173,10 +206,15 @@ def plot(document: dict[str, Any], path: Path) -> None:
     names = ["local (no comm)", "gradsync", "gradsync, no overlap", "torchrun DDP"]
     width = 0.8 / len(modes)
     for index, (mode, name) in enumerate(zip(modes, names, strict=True)):
-        axes[1].bar([w + index * width for w in range(len(train))],
-                    [r["samples_per_s"][mode] for r in train], width, label=name)
-    axes[1].set_xticks([w + 0.3 for w in range(len(train))],
-                       [f"W={r['world_size']}" for r in train])
+        axes[1].bar(
+            [w + index * width for w in range(len(train))],
+            [r["samples_per_s"][mode] for r in train],
+            width,
+            label=name,
+        )
+    axes[1].set_xticks(
+        [w + 0.3 for w in range(len(train))], [f"W={r['world_size']}" for r in train]
+    )
     axes[1].set_ylabel("samples/s")
     axes[1].set_title("end-to-end training")
     axes[1].legend()

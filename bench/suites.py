@@ -39,12 +39,28 @@ def free_port() -> int:
         return int(probe.getsockname()[1])
 
 
-def start_coordinator(world_size: int, launch: Launcher, host: str = "127.0.0.1",
-                      port: int = 0) -> tuple[subprocess.Popen[str], int]:
+def start_coordinator(
+    world_size: int, launch: Launcher, host: str = "127.0.0.1", port: int = 0
+) -> tuple[subprocess.Popen[str], int]:
     """Start `gradsync serve`; return the process and its port (parsed from the banner)."""
-    process = launch([sys.executable, "-m", "gradsync.cli", "--log-level", "WARNING", "serve",
-                      "--world-size", str(world_size), "--host", host, "--port", str(port),
-                      "--shutdown-grace-s", "1"])
+    process = launch(
+        [
+            sys.executable,
+            "-m",
+            "gradsync.cli",
+            "--log-level",
+            "WARNING",
+            "serve",
+            "--world-size",
+            str(world_size),
+            "--host",
+            host,
+            "--port",
+            str(port),
+            "--shutdown-grace-s",
+            "1",
+        ]
+    )
     assert process.stderr is not None
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline:
@@ -87,8 +103,9 @@ def _stop(process: subprocess.Popen[str]) -> None:
             process.wait()
 
 
-def _summarize_sync(records: list[dict[str, list[dict[str, float]]]], megabytes: float,
-                    cores: int) -> dict[str, dict[str, float]]:
+def _summarize_sync(
+    records: list[dict[str, list[dict[str, float]]]], megabytes: float, cores: int
+) -> dict[str, dict[str, float]]:
     """Median wall time, algorithm bandwidth and CPU-s per GB for each method."""
     summary = {}
     gigabytes = megabytes / 1024
@@ -106,26 +123,51 @@ def _summarize_sync(records: list[dict[str, list[dict[str, float]]]], megabytes:
     return summary
 
 
-def run_sync_pair(world_size: int, megabytes: float, reps: int, *, workdir: Path,
-                  launch: Launcher = _local_launch, coordinator_host: str = "127.0.0.1",
-                  worker_launchers: Sequence[Launcher] | None = None,
-                  coordinator_address: str | None = None, gloo_address: str = "127.0.0.1",
-                  coordinator_bind: str = "127.0.0.1") -> dict[str, dict[str, float]]:
+def run_sync_pair(
+    world_size: int,
+    megabytes: float,
+    reps: int,
+    *,
+    workdir: Path,
+    launch: Launcher = _local_launch,
+    coordinator_host: str = "127.0.0.1",
+    worker_launchers: Sequence[Launcher] | None = None,
+    coordinator_address: str | None = None,
+    gloo_address: str = "127.0.0.1",
+    coordinator_bind: str = "127.0.0.1",
+) -> dict[str, dict[str, float]]:
     """One (W, N) point of the sync micro-benchmark; hosts are given by launchers."""
-    coordinator, port = start_coordinator(world_size, launch, host=coordinator_bind,
-                                          port=0 if coordinator_address is None else 50051)
+    coordinator, port = start_coordinator(
+        world_size, launch, host=coordinator_bind, port=0 if coordinator_address is None else 50051
+    )
     try:
         address = f"{coordinator_address or coordinator_host}:{port}"
         gloo = f"{gloo_address}:{free_port() if gloo_address == '127.0.0.1' else 29500}"
         launchers = worker_launchers or [_local_launch] * world_size
         processes = [
-            launchers[rank]([
-                sys.executable, "-m", "gradsync.bench.sync_worker", "--coordinator", address,
-                "--gloo-master", gloo, "--rank", str(rank), "--world-size", str(world_size),
-                "--megabytes", str(megabytes), "--reps", str(reps),
-                "--coordinator-pid", str(coordinator.pid if rank == 0 else 0),
-                "--out", str(workdir / f"sync-{rank}.json"),
-            ])
+            launchers[rank](
+                [
+                    sys.executable,
+                    "-m",
+                    "gradsync.bench.sync_worker",
+                    "--coordinator",
+                    address,
+                    "--gloo-master",
+                    gloo,
+                    "--rank",
+                    str(rank),
+                    "--world-size",
+                    str(world_size),
+                    "--megabytes",
+                    str(megabytes),
+                    "--reps",
+                    str(reps),
+                    "--coordinator-pid",
+                    str(coordinator.pid if rank == 0 else 0),
+                    "--out",
+                    str(workdir / f"sync-{rank}.json"),
+                ]
+            )
             for rank in range(world_size)
         ]
         _wait_all(processes, timeout_s=120 + reps * megabytes, what="sync benchmark worker")
@@ -142,20 +184,42 @@ def loopback_suite(sizes_mb: Sequence[float], worlds: Sequence[int], reps: int) 
         for megabytes in sizes_mb:
             with tempfile.TemporaryDirectory() as scratch:
                 result = run_sync_pair(world_size, megabytes, reps, workdir=Path(scratch))
-            rows.append({
-                "world_size": world_size, "megabytes": megabytes, "reps": reps, **result,
-                "bandwidth_ratio": result["gradsync"]["algbw_mb_s"] / result["gloo"]["algbw_mb_s"],
-            })
+            rows.append(
+                {
+                    "world_size": world_size,
+                    "megabytes": megabytes,
+                    "reps": reps,
+                    **result,
+                    "bandwidth_ratio": result["gradsync"]["algbw_mb_s"]
+                    / result["gloo"]["algbw_mb_s"],
+                }
+            )
     return rows
 
 
-def _torchrun(world_size: int, mode: str, out: Path, model_mb: float, steps: int,
-              env: dict[str, str]) -> dict[str, Any]:
-    argv = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(world_size),
-            "--master-port", str(free_port()), "-m", "gradsync.bench.train_worker",
-            "--mode", mode, "--model-mb", str(model_mb), "--steps", str(steps), "--out", str(out)]
-    result = subprocess.run(argv, capture_output=True, text=True, env=env,
-                            timeout=300 + 10 * steps)
+def _torchrun(
+    world_size: int, mode: str, out: Path, model_mb: float, steps: int, env: dict[str, str]
+) -> dict[str, Any]:
+    argv = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc-per-node",
+        str(world_size),
+        "--master-port",
+        str(free_port()),
+        "-m",
+        "gradsync.bench.train_worker",
+        "--mode",
+        mode,
+        "--model-mb",
+        str(model_mb),
+        "--steps",
+        str(steps),
+        "--out",
+        str(out),
+    ]
+    result = subprocess.run(argv, capture_output=True, text=True, env=env, timeout=300 + 10 * steps)
     if result.returncode != 0:
         raise RuntimeError(f"torchrun {mode} failed: {result.stderr[-2000:]}")
     return dict(json.loads(out.read_text()))
@@ -170,27 +234,34 @@ def train_suite(worlds: Sequence[int], model_mb: float, steps: int) -> list[Row]
         try:
             with tempfile.TemporaryDirectory() as scratch:
                 results = {
-                    mode: _torchrun(world_size, mode, Path(scratch) / f"{mode}.json", model_mb,
-                                    steps, env)
+                    mode: _torchrun(
+                        world_size, mode, Path(scratch) / f"{mode}.json", model_mb, steps, env
+                    )
                     for mode in ("local", "gradsync", "sequential", "ddp")
                 }
         finally:
             _stop(coordinator)
         step_ms = {m: r["seconds"] / r["steps"] * 1e3 for m, r in results.items()}
-        rows.append({
-            "world_size": world_size, "model_mb": model_mb, "steps": steps,
-            "samples_per_s": {m: r["samples_per_s"] for m, r in results.items()},
-            "step_ms": step_ms,
-            "ratio_to_ddp": results["gradsync"]["samples_per_s"] / results["ddp"]["samples_per_s"],
-            "exposed_comm_ms": step_ms["gradsync"] - step_ms["local"],
-            "ddp_exposed_comm_ms": step_ms["ddp"] - step_ms["local"],
-            "overlap_gain": step_ms["sequential"] / step_ms["gradsync"],
-        })
+        rows.append(
+            {
+                "world_size": world_size,
+                "model_mb": model_mb,
+                "steps": steps,
+                "samples_per_s": {m: r["samples_per_s"] for m, r in results.items()},
+                "step_ms": step_ms,
+                "ratio_to_ddp": results["gradsync"]["samples_per_s"]
+                / results["ddp"]["samples_per_s"],
+                "exposed_comm_ms": step_ms["gradsync"] - step_ms["local"],
+                "ddp_exposed_comm_ms": step_ms["ddp"] - step_ms["local"],
+                "overlap_gain": step_ms["sequential"] / step_ms["gradsync"],
+            }
+        )
     return rows
 
 
-def netns_suite(worlds: Sequence[int], sizes_mb: Sequence[float], reps: int,
-                rate_mbit: float) -> tuple[list[Row], str]:
+def netns_suite(
+    worlds: Sequence[int], sizes_mb: Sequence[float], reps: int, rate_mbit: float
+) -> tuple[list[Row], str]:
     """Suite (c): sync on an emulated cluster, each result against its analytic bound.
 
     Returns (rows, reason); rows are empty and reason says why when namespaces
@@ -204,7 +275,6 @@ def netns_suite(worlds: Sequence[int], sizes_mb: Sequence[float], reps: int,
     for world_size in worlds:
         hosts = ["coord"] + [f"w{rank}" for rank in range(world_size)]
         with Cluster(hosts, LinkShape(rate_mbit=rate_mbit)) as cluster:
-
             # gloo finds its own address through the hostname, which names the
             # machine's real interface; inside a namespace only eth0 exists.
             env = dict(os.environ, GLOO_SOCKET_IFNAME="eth0")
@@ -217,20 +287,30 @@ def netns_suite(worlds: Sequence[int], sizes_mb: Sequence[float], reps: int,
             for megabytes in sizes_mb:
                 with tempfile.TemporaryDirectory() as scratch:
                     result = run_sync_pair(
-                        world_size, megabytes, reps, workdir=Path(scratch), launch=on("coord"),
+                        world_size,
+                        megabytes,
+                        reps,
+                        workdir=Path(scratch),
+                        launch=on("coord"),
                         worker_launchers=[on(f"w{r}") for r in range(world_size)],
                         coordinator_address=cluster.address("coord"),
-                        gloo_address=cluster.address("w0"), coordinator_bind="0.0.0.0",
+                        gloo_address=cluster.address("w0"),
+                        coordinator_bind="0.0.0.0",
                     )
                 size = megabytes * MIB
                 ring_bound_ms = 2 * (world_size - 1) / world_size * size / bytes_per_s * 1e3
                 coordinator_bound_ms = world_size * size / bytes_per_s * 1e3
-                rows.append({
-                    "world_size": world_size, "megabytes": megabytes, "reps": reps,
-                    "rate_mbit": rate_mbit, **result,
-                    "gloo_bound_ms": ring_bound_ms,
-                    "gradsync_bound_ms": coordinator_bound_ms,
-                    "gloo_of_bound": ring_bound_ms / result["gloo"]["median_ms"],
-                    "gradsync_of_bound": coordinator_bound_ms / result["gradsync"]["median_ms"],
-                })
+                rows.append(
+                    {
+                        "world_size": world_size,
+                        "megabytes": megabytes,
+                        "reps": reps,
+                        "rate_mbit": rate_mbit,
+                        **result,
+                        "gloo_bound_ms": ring_bound_ms,
+                        "gradsync_bound_ms": coordinator_bound_ms,
+                        "gloo_of_bound": ring_bound_ms / result["gloo"]["median_ms"],
+                        "gradsync_of_bound": coordinator_bound_ms / result["gradsync"]["median_ms"],
+                    }
+                )
     return rows, ""

@@ -16,10 +16,9 @@ import os
 import time
 from pathlib import Path
 
+import gradsync
 import torch
 import torch.distributed as dist
-
-import gradsync
 
 MIB = 1 << 20
 
@@ -49,11 +48,18 @@ def main() -> None:
     pieces = [elements // 4] * 3 + [elements - 3 * (elements // 4)]
     params = [torch.nn.Parameter(torch.zeros(n)) for n in pieces]
     model = gradsync.DistributedDataParallel(
-        torch.nn.ParameterList(params), coordinator=args.coordinator, rank=args.rank,
-        world_size=args.world_size, job_id=args.job_id, timeout_s=600, join_timeout_s=120,
+        torch.nn.ParameterList(params),
+        coordinator=args.coordinator,
+        rank=args.rank,
+        world_size=args.world_size,
+        job_id=args.job_id,
+        timeout_s=600,
+        join_timeout_s=120,
     )
     dist.init_process_group(
-        "gloo", init_method=f"tcp://{args.gloo_master}", rank=args.rank,
+        "gloo",
+        init_method=f"tcp://{args.gloo_master}",
+        rank=args.rank,
         world_size=args.world_size,
     )
     tensor = torch.ones(elements)
@@ -70,7 +76,8 @@ def main() -> None:
         dist.barrier()
         coordinator = (
             process_cpu_s(args.coordinator_pid) - coordinator_before
-            if args.coordinator_pid and name == "gradsync" else 0.0
+            if args.coordinator_pid and name == "gradsync"
+            else 0.0
         )
         records[name].append({"wall_s": wall, "cpu_s": cpu, "coordinator_cpu_s": coordinator})
 

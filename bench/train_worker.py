@@ -26,7 +26,10 @@ def build_model(megabytes: float) -> nn.Module:
     width = max(64, int(((megabytes * (1 << 20) / 4) / 3) ** 0.5))
     torch.manual_seed(0)
     return nn.Sequential(
-        nn.Linear(width, width), nn.ReLU(), nn.Linear(width, width), nn.ReLU(),
+        nn.Linear(width, width),
+        nn.ReLU(),
+        nn.Linear(width, width),
+        nn.ReLU(),
         nn.Linear(width, width),
     )
 
@@ -53,7 +56,10 @@ def main() -> None:
         import gradsync
 
         model = gradsync.DistributedDataParallel(
-            module, overlap=args.mode == "gradsync", timeout_s=600, join_timeout_s=120,
+            module,
+            overlap=args.mode == "gradsync",
+            timeout_s=600,
+            join_timeout_s=120,
             job_id=f"bench-{args.mode}",
         )
     optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
@@ -73,10 +79,16 @@ def main() -> None:
     if args.mode == "ddp":
         dist.destroy_process_group()
     if rank == 0:
-        args.out.write_text(json.dumps({
-            "mode": args.mode, "steps": args.steps, "seconds": seconds,
-            "samples_per_s": world * args.batch * args.steps / seconds,
-        }))
+        args.out.write_text(
+            json.dumps(
+                {
+                    "mode": args.mode,
+                    "steps": args.steps,
+                    "seconds": seconds,
+                    "samples_per_s": world * args.batch * args.steps / seconds,
+                }
+            )
+        )
 
 
 if __name__ == "__main__":
