@@ -259,6 +259,14 @@ def train_suite(worlds: Sequence[int], model_mb: float, steps: int) -> list[Row]
     return rows
 
 
+def _on(cluster: Cluster, host: str) -> Launcher:
+    """A launcher that runs a command on one emulated host."""
+    # gloo finds its own address through the hostname, which names the
+    # machine's real interface; inside a namespace only eth0 exists.
+    env = dict(os.environ, GLOO_SOCKET_IFNAME="eth0")
+    return lambda argv: cluster.popen(host, argv, stderr=subprocess.PIPE, text=True, env=env)
+
+
 def netns_suite(
     worlds: Sequence[int], sizes_mb: Sequence[float], reps: int, rate_mbit: float
 ) -> tuple[list[Row], str]:
@@ -275,15 +283,6 @@ def netns_suite(
     for world_size in worlds:
         hosts = ["coord"] + [f"w{rank}" for rank in range(world_size)]
         with Cluster(hosts, LinkShape(rate_mbit=rate_mbit)) as cluster:
-            # gloo finds its own address through the hostname, which names the
-            # machine's real interface; inside a namespace only eth0 exists.
-            env = dict(os.environ, GLOO_SOCKET_IFNAME="eth0")
-
-            def on(host: str) -> Launcher:
-                return lambda argv: cluster.popen(
-                    host, argv, stderr=subprocess.PIPE, text=True, env=env
-                )
-
             for megabytes in sizes_mb:
                 with tempfile.TemporaryDirectory() as scratch:
                     result = run_sync_pair(
@@ -291,8 +290,8 @@ def netns_suite(
                         megabytes,
                         reps,
                         workdir=Path(scratch),
-                        launch=on("coord"),
-                        worker_launchers=[on(f"w{r}") for r in range(world_size)],
+                        launch=_on(cluster, "coord"),
+                        worker_launchers=[_on(cluster, f"w{r}") for r in range(world_size)],
                         coordinator_address=cluster.address("coord"),
                         gloo_address=cluster.address("w0"),
                         coordinator_bind="0.0.0.0",
