@@ -81,6 +81,56 @@ def build_parser() -> argparse.ArgumentParser:
         default=10.0,
         help="how long SIGTERM lets running streams finish (default 10)",
     )
+    serve.add_argument(
+        "--heartbeat-interval",
+        type=_positive_float,
+        default=0.5,
+        help="seconds between worker heartbeats (default 0.5)",
+    )
+    serve.add_argument(
+        "--heartbeat-timeout",
+        type=_positive_float,
+        default=5.0,
+        help="seconds of silence before a worker is declared dead (default 5)",
+    )
+    serve.add_argument(
+        "--stall-warning",
+        type=_positive_float,
+        default=10.0,
+        help="log who a step waits for once it is this many seconds old (default 10)",
+    )
+    serve.add_argument(
+        "--checkpoint-store",
+        default=None,
+        help="where checkpoints go: a directory, file:///dir or "
+        "redis://host:port/db (default: none)",
+    )
+    serve.add_argument(
+        "--checkpoint-every",
+        type=int,
+        default=0,
+        help="rank 0 uploads a checkpoint every K steps (default 0: on request)",
+    )
+    serve.add_argument(
+        "--require-checkpoint",
+        action="store_true",
+        help="fail the job when a checkpoint cannot be saved, instead of training on and retrying",
+    )
+    serve.add_argument(
+        "--resume", action="store_true", help="refuse to start a job that has no stored checkpoint"
+    )
+
+    status = commands.add_parser("status", help="show jobs, membership, progress and late ranks")
+    status.add_argument(
+        "--coordinator",
+        default=os.environ.get(ENV_COORDINATOR),
+        help=f"coordinator host:port (default ${ENV_COORDINATOR})",
+    )
+    status.add_argument("--job-id", default="", help="only this job")
+    status.add_argument("--json", action="store_true", help="machine-readable output")
+    status.add_argument(
+        "--timeout-s", type=_positive_float, default=5.0, help="bound on the query (default 5)"
+    )
 
     worker = commands.add_parser("worker", help="run the example training job as one rank")
     worker.add_argument(
@@ -194,6 +244,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return _worker(parser, args)
     if args.command == "bench":
         return _bench(parser, args)
+    if args.command == "status":
+        return _status(parser, args)
     return _demo(args)
 
 
@@ -211,6 +263,13 @@ def _serve(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
             max_buffered_bytes=int(args.max_buffered_mb * MIB),
             max_jobs=args.max_jobs,
             shutdown_grace_s=args.shutdown_grace_s,
+            heartbeat_interval_s=args.heartbeat_interval,
+            heartbeat_timeout_s=args.heartbeat_timeout,
+            stall_warning_s=args.stall_warning,
+            checkpoint_store=args.checkpoint_store,
+            checkpoint_every=args.checkpoint_every,
+            require_checkpoint=args.require_checkpoint,
+            resume=args.resume,
         )
     except ValueError as exc:
         parser.error(str(exc))
@@ -299,6 +358,25 @@ def _bench(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     runner.write(document, args.out)
     print(runner.markdown(document))
     print(f"wrote {args.out / 'latest.json'}, latest.md, latest.png")
+    return 0
+
+
+def _status(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
+    if not args.coordinator:
+        parser.error(f"status needs --coordinator HOST:PORT (or ${ENV_COORDINATOR})")
+    from gradsync.status import format_status, query_status
+
+    try:
+        reply = query_status(args.coordinator, args.job_id, args.timeout_s)
+    except ConnectionError as exc:
+        print(f"gradsync status: {exc}", file=sys.stderr)
+        return 1
+    if args.json:
+        from google.protobuf.json_format import MessageToJson
+
+        print(MessageToJson(reply, always_print_fields_with_no_presence=True))
+    else:
+        print(format_status(reply))
     return 0
 
 

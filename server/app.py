@@ -14,6 +14,7 @@ import sys
 from dataclasses import dataclass
 
 import grpc
+from gradsync.server.checkpoint import open_store
 from gradsync.server.config import MIB, ServerConfig
 from gradsync.server.servicer import SERVICE_NAME, CoordinatorServicer
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -29,6 +30,7 @@ class RunningServer:
     port: int
     servicer: CoordinatorServicer
     health: health.aio.HealthServicer
+    watchdog: asyncio.Task[None]
 
     async def stop(self, grace_s: float | None = None) -> None:
         """Stop accepting joins, let streams finish for `grace_s`, then close."""
@@ -37,6 +39,9 @@ class RunningServer:
             await self.health.set(service, health_pb2.HealthCheckResponse.NOT_SERVING)
         grace = self.servicer.config.shutdown_grace_s if grace_s is None else grace_s
         await self.server.stop(grace)
+        self.watchdog.cancel()
+        if self.servicer.store is not None:
+            self.servicer.store.close()
 
 
 def grpc_options(config: ServerConfig) -> list[tuple[str, int]]:
@@ -53,7 +58,8 @@ def grpc_options(config: ServerConfig) -> list[tuple[str, int]]:
 
 async def start_server(config: ServerConfig) -> RunningServer:
     """Create, bind and start a coordinator; the returned port is the bound one."""
-    servicer = CoordinatorServicer(config)
+    store = open_store(config.checkpoint_store) if config.checkpoint_store else None
+    servicer = CoordinatorServicer(config, store)
     server = grpc.aio.server(options=grpc_options(config))
     server.add_generic_rpc_handlers((servicer.generic_handler(),))
     health_servicer = health.aio.HealthServicer()
@@ -65,7 +71,8 @@ async def start_server(config: ServerConfig) -> RunningServer:
     await server.start()
     for service in ("", SERVICE_NAME):
         await health_servicer.set(service, health_pb2.HealthCheckResponse.SERVING)
-    return RunningServer(server, port, servicer, health_servicer)
+    watchdog = asyncio.create_task(servicer.watch())
+    return RunningServer(server, port, servicer, health_servicer, watchdog)
 
 
 def banner(config: ServerConfig, port: int) -> str:
@@ -74,7 +81,9 @@ def banner(config: ServerConfig, port: int) -> str:
         f"gradsync coordinator listening on {config.host}:{port} "
         f"(world size {config.world_size}, chunk {config.chunk_bytes / MIB:g} MiB, "
         f"max message {config.max_message_bytes} bytes, "
-        f"max buffered {config.max_buffered_bytes / MIB:g} MiB, max jobs {config.max_jobs})"
+        f"max buffered {config.max_buffered_bytes / MIB:g} MiB, max jobs {config.max_jobs}, "
+        f"heartbeat timeout {config.heartbeat_timeout_s:g}s, "
+        f"checkpoints {config.checkpoint_store or 'off'})"
     )
 
 

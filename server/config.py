@@ -24,6 +24,13 @@ class ServerConfig:
             not reading them; beyond it that worker's stream is ended.
         max_jobs: concurrent jobs the coordinator accepts.
         shutdown_grace_s: how long SIGTERM lets running streams finish.
+        heartbeat_interval_s: how often workers send a sign of life.
+        heartbeat_timeout_s: silence after which a worker is declared dead.
+        stall_warning_s: a step older than this logs who it waits for.
+        checkpoint_store: store URL (file path, file://, redis://), or None.
+        checkpoint_every: rank 0 uploads a checkpoint every this many steps (0 = on request).
+        require_checkpoint: fail the job instead of training on when saving fails.
+        resume: refuse to start a job from scratch: it must have a stored checkpoint.
     """
 
     world_size: int
@@ -34,6 +41,13 @@ class ServerConfig:
     max_outbox_bytes: int = 1024 * MIB
     max_jobs: int = 64
     shutdown_grace_s: float = 10.0
+    heartbeat_interval_s: float = 0.5
+    heartbeat_timeout_s: float = 5.0
+    stall_warning_s: float = 10.0
+    checkpoint_store: str | None = None
+    checkpoint_every: int = 0
+    require_checkpoint: bool = False
+    resume: bool = False
 
     def __post_init__(self) -> None:
         if self.world_size < 1:
@@ -51,6 +65,21 @@ class ServerConfig:
             raise ValueError(f"max jobs must be at least 1, got {self.max_jobs}")
         if self.shutdown_grace_s < 0:
             raise ValueError(f"shutdown grace must be >= 0 s, got {self.shutdown_grace_s}")
+        if not 0 < self.heartbeat_interval_s < self.heartbeat_timeout_s:
+            raise ValueError(
+                f"heartbeat interval ({self.heartbeat_interval_s} s) must be positive and "
+                f"below the heartbeat timeout ({self.heartbeat_timeout_s} s)"
+            )
+        if self.stall_warning_s <= 0:
+            raise ValueError(f"stall warning must be > 0 s, got {self.stall_warning_s}")
+        if self.checkpoint_every < 0:
+            raise ValueError(f"checkpoint every must be >= 0 steps, got {self.checkpoint_every}")
+        if (self.require_checkpoint or self.resume or self.checkpoint_every) and not (
+            self.checkpoint_store
+        ):
+            raise ValueError(
+                "--checkpoint-every, --require-checkpoint and --resume need --checkpoint-store"
+            )
 
     @property
     def max_message_bytes(self) -> int:

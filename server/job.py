@@ -32,6 +32,9 @@ from gradsync.fastwire import ChunkHeader, encode_gradient
 from gradsync.server import signature as signatures
 from gradsync.server.aggregation import BucketReduction, DuplicateContributionError
 from gradsync.server.budget import ByteBudget
+from gradsync.server.checkpoint import Checkpoint
+from gradsync.server.progress import StepProgress
+from gradsync.server.uploads import BlobAssembler
 from gradsync.v1 import gradsync_pb2 as pb
 
 #: Aborted step numbers remembered so that late chunks for them are dropped
@@ -65,7 +68,6 @@ class Terminate:
     details: str
 
 
-Action = Send | Terminate
 
 
 @dataclass
@@ -74,6 +76,20 @@ class _Member:
     incarnation: str
     signature: pb.ModelSignature
     joined_at: float
+    peer: str = ""
+    last_seen: float = 0.0
+    reported_step: int = 0
+
+
+@dataclass(frozen=True)
+class Persist:
+    """Store `blob` as the checkpoint of `step`, then acknowledge to rank 0."""
+
+    step: int
+    blob: bytes
+
+
+Action = Send | Terminate | Persist
 
 
 class Job:
@@ -96,6 +112,9 @@ class Job:
         max_message_bytes: int,
         budget: ByteBudget,
         clock: Callable[[], float] = time.monotonic,
+        heartbeat_interval_s: float = 0.5,
+        checkpoint_every: int = 0,
+        lag_observer: Callable[[int, float], None] | None = None,
     ) -> None:
         self.job_id = job_id
         self.world_size = world_size
@@ -103,6 +122,14 @@ class Job:
         self.max_message_bytes = max_message_bytes
         self._budget = budget
         self._clock = clock
+        self.heartbeat_interval_s = heartbeat_interval_s
+        self.checkpoint_every = checkpoint_every
+        self._lag_observer = lag_observer
+        self.progress: StepProgress | None = None
+        #: Checkpoint this job resumes from (set by the servicer before assembly).
+        self.resume: Checkpoint | None = None
+        self.last_checkpoint_step = -1
+        self._checkpoint_upload: tuple[int, BlobAssembler] | None = None
         self.state = JobState.ASSEMBLING
         self.membership_epoch = 0
         self.open_step = 0
@@ -147,7 +174,8 @@ class Job:
                 "yet: restart all ranks, or use another job id)",
             )
         signatures.validate(rank, join.signature)
-        self.members[rank] = _Member(rank, join.incarnation, join.signature, self._clock())
+        now = self._clock()
+        self.members[rank] = _Member(rank, join.incarnation, join.signature, now, last_seen=now)
         if self._signature is None:
             self._signature = join.signature
             self._reference_rank = rank
@@ -170,6 +198,14 @@ class Job:
         self.state = JobState.RUNNING
         self._bucket_bytes = [signatures.bucket_bytes(b) for b in self._signature.buckets]
         self._state_bytes = signatures.state_bytes(self._signature)
+        self.progress = StepProgress(
+            [wire.num_chunks(size, self.chunk_bytes) for size in self._bucket_bytes], self._clock
+        )
+        resume = self.resume
+        if resume is not None:
+            self.open_step = resume.step
+            self.membership_epoch = resume.membership_epoch
+            self.last_checkpoint_step = resume.step
         welcome = pb.CoordinatorMessage(
             welcome=pb.Welcome(
                 job_id=self.job_id,
@@ -179,9 +215,103 @@ class Job:
                 chunk_bytes=self.chunk_bytes,
                 max_message_bytes=self.max_message_bytes,
                 state_bytes=self._state_bytes,
+                resume_bytes=len(resume.payload) if resume is not None else 0,
+                heartbeat_interval_s=self.heartbeat_interval_s,
+                checkpoint_every_steps=self.checkpoint_every,
             )
         )
-        return [Send(self._ranks(), welcome)]
+        actions: list[Action] = [Send(self._ranks(), welcome)]
+        if resume is not None:
+            view = memoryview(resume.payload)
+            for offset, length in wire.chunk_spans(len(view), self.chunk_bytes):
+                chunk = pb.CheckpointChunk(
+                    step=resume.step,
+                    offset=offset,
+                    total_bytes=len(view),
+                    payload=bytes(view[offset : offset + length]),
+                )
+                actions.append(Send(self._ranks(), pb.CoordinatorMessage(resume=chunk)))
+        return actions
+
+    # ------------------------------------------------------------- liveness
+    def touch(self, rank: int, reported_step: int | None = None) -> None:
+        """Record a sign of life from `rank` (any message counts)."""
+        member = self.members.get(rank)
+        if member is not None:
+            member.last_seen = self._clock()
+            if reported_step is not None:
+                member.reported_step = reported_step
+
+    def silent_ranks(self, timeout_s: float) -> list[int]:
+        """Ranks not heard from for longer than `timeout_s`."""
+        now = self._clock()
+        return [r for r, m in sorted(self.members.items()) if now - m.last_seen > timeout_s]
+
+    def late_ranks(self) -> dict[int, list[int]]:
+        """Ranks the open step waits for, with the buckets others already delivered."""
+        if self.progress is None or self.state is not JobState.RUNNING:
+            return {}
+        return self.progress.late_ranks(self._ranks())
+
+    # ---------------------------------------------------------- checkpoints
+    def on_checkpoint_chunk(self, rank: int, chunk: pb.CheckpointChunk) -> list[Action]:
+        """Collect rank 0's checkpoint upload; once complete, ask for it to be persisted.
+
+        Raises:
+            RejectedMessage: the upload is malformed (this worker's stream ends).
+        """
+        if self.state is not JobState.RUNNING or rank != 0:
+            raise RejectedMessage(
+                Code.FAILED_PRECONDITION if rank == 0 else Code.INVALID_ARGUMENT,
+                f"rank {rank} sent a checkpoint chunk for step {chunk.step}; only rank 0 of a "
+                f"running job uploads checkpoints (job is {self.state.value})",
+            )
+        if chunk.total_bytes == 0:
+            raise RejectedMessage(Code.INVALID_ARGUMENT, "rank 0 sent an empty checkpoint")
+        if self._checkpoint_upload is None or self._checkpoint_upload[0] != chunk.step:
+            what = f"checkpoint of step {chunk.step} from rank 0"
+            limit = self._budget.limit
+            self._checkpoint_upload = (
+                chunk.step,
+                BlobAssembler(what, chunk.total_bytes, self.chunk_bytes, limit),
+            )
+        step, assembler = self._checkpoint_upload
+        if chunk.total_bytes != assembler.total_bytes:
+            raise RejectedMessage(
+                Code.INVALID_ARGUMENT,
+                f"rank 0 changed the size of the checkpoint of step {step} from "
+                f"{assembler.total_bytes} to {chunk.total_bytes} bytes mid-upload",
+            )
+        if not assembler.add(chunk.offset, chunk.payload):
+            return []
+        self._checkpoint_upload = None
+        return [Persist(step, assembler.blob())]
+
+    def status(self, heartbeat_ages: bool = True) -> pb.JobStatus:
+        """A snapshot for `gradsync status`."""
+        now = self._clock()
+        late = self.late_ranks()
+        return pb.JobStatus(
+            job_id=self.job_id,
+            state=self.state.value,
+            world_size=self.world_size,
+            membership_epoch=self.membership_epoch,
+            open_step=self.open_step,
+            steps_completed=self.steps_completed,
+            members=[
+                pb.MemberStatus(
+                    rank=m.rank,
+                    incarnation=m.incarnation,
+                    peer=m.peer,
+                    last_seen_s=now - m.last_seen if heartbeat_ages else 0.0,
+                    reported_step=m.reported_step,
+                )
+                for _, m in sorted(self.members.items())
+            ],
+            late=[pb.LateRank(rank=r, bucket_indices=b) for r, b in sorted(late.items())],
+            step_age_s=self.progress.age() if self.progress is not None else 0.0,
+            last_checkpoint_step=self.last_checkpoint_step,
+        )
 
     # ------------------------------------------------------- state broadcast
     def on_state_chunk(self, rank: int, chunk: pb.StateChunk) -> list[Action]:
@@ -345,6 +475,10 @@ class Job:
                 bucket_index=bucket,
             ) from None
         self._budget.adjust(reduction.buffered_bytes - before)
+        assert self.progress is not None
+        lag = self.progress.record(rank, bucket)
+        if lag is not None and self._lag_observer is not None:
+            self._lag_observer(rank, lag)
         return averaged
 
     def _check_chunk(
@@ -381,6 +515,8 @@ class Job:
         self._reductions.clear()
         self._buckets_done = 0
         self.open_step += 1
+        if self.progress is not None:
+            self.progress.reset()
 
     def reject(self, culprit: int, rejection: RejectedMessage) -> list[Action]:
         """Abort the open step because `culprit` sent an unusable message."""
@@ -447,8 +583,15 @@ class Job:
         )
 
     # ---------------------------------------------------------------- leaving
-    def detach(self, rank: int, orderly: bool) -> list[Action]:
-        """Forget `rank`'s connection; abort the open step for the others if running."""
+    def detach(self, rank: int, orderly: bool, reason: str | None = None) -> list[Action]:
+        """Forget `rank`'s connection; abort the open step for the others if running.
+
+        Args:
+            rank: the departing rank.
+            orderly: it said goodbye (Leave) rather than vanishing.
+            reason: how it was lost, for the survivors' error (default: left /
+                disconnected).
+        """
         if self.members.pop(rank, None) is None:
             return []
         if self.state is JobState.ASSEMBLING and not self.members:
@@ -460,11 +603,14 @@ class Job:
             self._reference_rank = first
         if self.state is not JobState.RUNNING:
             return []
-        how = "left" if orderly else "disconnected"
+        how = reason or ("left" if orderly else "disconnected from")
         self._broken_reason = (
             f"rank {rank} {how} job '{self.job_id}' at step {self.open_step}; "
-            "the remaining ranks cannot complete further steps"
+            "no partial average is applied and the remaining ranks cannot complete "
+            "further steps"
         )
+        if self.progress is not None:
+            self.progress.reset()
         self.state = JobState.BROKEN
         step = self.open_step
         for reduction in self._reductions.values():

@@ -17,7 +17,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncIterator
+import time
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -26,8 +27,9 @@ from google.protobuf.message import DecodeError
 from gradsync.errors import Code, RejectedMessage
 from gradsync.fastwire import decode_gradient, header_of
 from gradsync.server.budget import ByteBudget
+from gradsync.server.checkpoint import Checkpoint, CheckpointError, CheckpointStore
 from gradsync.server.config import ServerConfig
-from gradsync.server.job import Action, Job, Send, Terminate
+from gradsync.server.job import Action, Job, Persist, Send, Terminate
 from gradsync.v1 import gradsync_pb2 as pb
 
 log = logging.getLogger("gradsync.server")
@@ -80,12 +82,21 @@ class _Connection:
 class CoordinatorServicer:
     """Owns the jobs and the worker streams of one coordinator process."""
 
-    def __init__(self, config: ServerConfig) -> None:
+    def __init__(
+        self,
+        config: ServerConfig,
+        store: CheckpointStore | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         self.config = config
+        self.store = store
+        self.clock = clock
         self.jobs: dict[str, Job] = {}
         self._connections: dict[tuple[str, int], _Connection] = {}
         self._budget = ByteBudget(config.max_buffered_bytes)
         self.draining = False
+        self.checkpoint_failures = 0
+        self._background: set[asyncio.Task[None]] = set()
 
     @property
     def buffered_bytes(self) -> int:
@@ -95,8 +106,78 @@ class CoordinatorServicer:
     def generic_handler(self) -> grpc.GenericRpcHandler:
         """The handler to register on a `grpc.aio.server` (raw-bytes Sync method)."""
         return grpc.method_handlers_generic_handler(
-            SERVICE_NAME, {"Sync": grpc.stream_stream_rpc_method_handler(self.sync)}
+            SERVICE_NAME,
+            {
+                "Sync": grpc.stream_stream_rpc_method_handler(self.sync),
+                "Status": grpc.unary_unary_rpc_method_handler(
+                    self.status,
+                    request_deserializer=pb.StatusRequest.FromString,
+                    response_serializer=pb.StatusReply.SerializeToString,
+                ),
+            },
         )
+
+    async def status(
+        self, request: pb.StatusRequest, context: grpc.aio.ServicerContext
+    ) -> pb.StatusReply:
+        """Membership, progress and late ranks of every job (or one)."""
+        jobs = [
+            job.status()
+            for job_id, job in sorted(self.jobs.items())
+            if not request.job_id or job_id == request.job_id
+        ]
+        return pb.StatusReply(jobs=jobs, heartbeat_timeout_s=self.config.heartbeat_timeout_s)
+
+    async def watch(self) -> None:
+        """Background task: declare silent workers dead and warn about stalled steps."""
+        config = self.config
+        period = min(0.25, config.heartbeat_timeout_s / 4)
+        while True:
+            await asyncio.sleep(period)
+            try:
+                self.check_liveness()
+            except Exception:  # the watchdog must outlive any bug in one check
+                log.exception("liveness check failed")
+
+    def check_liveness(self) -> None:
+        """One watchdog pass (also called directly by tests with a fake clock)."""
+        timeout = self.config.heartbeat_timeout_s
+        for job in list(self.jobs.values()):
+            for rank in job.silent_ranks(timeout):
+                reason = (
+                    f"was declared dead after {timeout:g}s without a heartbeat "
+                    f"(heartbeat timeout) in"
+                )
+                log.warning(
+                    "job '%s': rank %d %s step %d",
+                    job.job_id,
+                    rank,
+                    reason.removesuffix(" in"),
+                    job.open_step,
+                )
+                conn = self._connections.get((job.job_id, rank))
+                if conn is not None:
+                    conn.end(Code.UNAVAILABLE, f"rank {rank} {reason.removesuffix(' in')}")
+                    conn.job = None
+                    del self._connections[(job.job_id, rank)]
+                self._execute(job, job.detach(rank, orderly=False, reason=reason))
+                self._forget_if_empty(job)
+            progress = job.progress
+            if (
+                progress is not None
+                and not progress.stall_warned
+                and progress.age() > self.config.stall_warning_s
+            ):
+                progress.stall_warned = True
+                late = job.late_ranks()
+                waiting = "; ".join(f"rank {r} (buckets {b})" for r, b in sorted(late.items()))
+                log.warning(
+                    "job '%s': step %d has been waiting %.1fs for %s",
+                    job.job_id,
+                    job.open_step,
+                    progress.age(),
+                    waiting or "every rank (no bucket is complete yet)",
+                )
 
     async def sync(
         self, request_iterator: AsyncIterator[bytes], context: grpc.aio.ServicerContext
@@ -160,6 +241,7 @@ class CoordinatorServicer:
             fast = decode_gradient(raw)
             if fast is not None and job is not None:
                 # The hot path: a gradient chunk, parsed without copying its payload.
+                job.touch(conn.rank)
                 self._execute(job, job.on_gradient(conn.rank, *fast))
                 return
             message = pb.WorkerMessage.FromString(raw)
@@ -184,8 +266,13 @@ class CoordinatorServicer:
                 return
             self._join(conn, message.join)
             return
+        job.touch(conn.rank)
         try:
-            if kind == "gradient":
+            if kind == "heartbeat":
+                job.touch(conn.rank, message.heartbeat.step)
+            elif kind == "checkpoint":
+                self._execute(job, job.on_checkpoint_chunk(conn.rank, message.checkpoint))
+            elif kind == "gradient":
                 chunk = message.gradient
                 self._execute(
                     job, job.on_gradient(conn.rank, header_of(chunk), memoryview(chunk.payload))
@@ -250,13 +337,22 @@ class CoordinatorServicer:
             return
         job = self.jobs.get(job_id)
         if job is None:
+            resume, problem = self._load_resume(job_id)
+            if problem is not None:
+                log.error("refused join of rank %d to job '%s': %s", join.rank, job_id, problem[1])
+                conn.end(*problem)
+                return
             job = self.jobs[job_id] = Job(
                 job_id,
                 config.world_size,
                 config.chunk_bytes,
                 config.max_message_bytes,
                 self._budget,
+                clock=self.clock,
+                heartbeat_interval_s=config.heartbeat_interval_s,
+                checkpoint_every=config.checkpoint_every,
             )
+            job.resume = resume
         try:
             actions = job.join(join.rank, join)
         except RejectedMessage as rejection:
@@ -268,6 +364,7 @@ class CoordinatorServicer:
                 del self.jobs[job_id]
             return
         conn.job, conn.rank = job, join.rank
+        job.members[join.rank].peer = conn.peer
         self._connections[(job_id, join.rank)] = conn
         joined = len(job.members)
         if joined < config.world_size:
@@ -303,6 +400,10 @@ class CoordinatorServicer:
                     target = self._connections.get((job.job_id, rank))
                     if target is not None:
                         target.send(raw)
+            elif isinstance(action, Persist):
+                task = asyncio.create_task(self._persist(job, action))
+                self._background.add(task)
+                task.add_done_callback(self._background.discard)
             elif isinstance(action, Terminate):
                 log.warning(
                     "job '%s': ending ranks %s: %s", job.job_id, list(action.ranks), action.details
@@ -325,6 +426,93 @@ class CoordinatorServicer:
                 "job '%s': rank %d disconnected at step %d", job.job_id, conn.rank, job.open_step
             )
         self._execute(job, job.detach(conn.rank, orderly=conn.left))
+        self._forget_if_empty(job)
+
+    def _forget_if_empty(self, job: Job) -> None:
         if not job.members and self.jobs.get(job.job_id) is job:
             del self.jobs[job.job_id]
             log.info("job '%s' finished after %d steps", job.job_id, job.steps_completed)
+
+    # ---------------------------------------------------------- checkpoints
+    def _load_resume(self, job_id: str) -> tuple[Checkpoint | None, tuple[Code, str] | None]:
+        """The checkpoint a new job resumes from, or why the job must be refused."""
+        if self.store is None:
+            return None, None
+        try:
+            # Blocking, but only once per job, when its first rank joins.
+            checkpoint = self.store.load_latest(job_id)
+        except CheckpointError as exc:
+            if self.config.require_checkpoint or self.config.resume:
+                return None, (Code.UNAVAILABLE, f"cannot read checkpoints of job '{job_id}': {exc}")
+            log.warning("job '%s': cannot read checkpoints, starting fresh: %s", job_id, exc)
+            return None, None
+        if checkpoint is None:
+            if self.config.resume:
+                return None, (
+                    Code.FAILED_PRECONDITION,
+                    f"--resume is set but {self.store.description} holds no checkpoint of job "
+                    f"'{job_id}' (was the store emptied, e.g. Redis restarted without its "
+                    "append-only file?); refusing to start it from scratch",
+                )
+            return None, None
+        log.warning(
+            "job '%s' RESUMES from the checkpoint of step %d in %s (%d bytes)",
+            job_id,
+            checkpoint.step,
+            self.store.description,
+            len(checkpoint.payload),
+        )
+        return checkpoint, None
+
+    async def _persist(self, job: Job, action: Persist) -> None:
+        """Save a checkpoint off the event loop, then acknowledge to rank 0."""
+        if self.store is None:
+            durable, message = (
+                False,
+                "no checkpoint store configured (gradsync serve --checkpoint-store)",
+            )
+        else:
+            checkpoint = Checkpoint(
+                job_id=job.job_id,
+                step=action.step,
+                membership_epoch=job.membership_epoch,
+                payload=action.blob,
+                metadata={"world_size": str(job.world_size)},
+            )
+            try:
+                await asyncio.to_thread(self.store.save, checkpoint)
+                durable, message = True, self.store.description
+                job.last_checkpoint_step = max(job.last_checkpoint_step, action.step)
+                log.info(
+                    "job '%s': checkpoint of step %d is durable in %s (%d bytes)",
+                    job.job_id,
+                    action.step,
+                    message,
+                    len(action.blob),
+                )
+            except CheckpointError as exc:
+                self.checkpoint_failures += 1
+                durable, message = False, str(exc)
+                log.error(
+                    "job '%s': checkpoint of step %d FAILED (%d failures so far): %s",
+                    job.job_id,
+                    action.step,
+                    self.checkpoint_failures,
+                    exc,
+                )
+        reply = pb.CoordinatorMessage(
+            checkpoint_saved=pb.CheckpointSaved(step=action.step, durable=durable, message=message)
+        )
+        self._execute(job, [Send((0,), reply)])
+        if not durable and self.config.require_checkpoint:
+            self._execute(
+                job,
+                [
+                    Terminate(
+                        tuple(job.joined_ranks()),
+                        Code.UNAVAILABLE,
+                        f"checkpoint of step {action.step} failed and --require-checkpoint is set: "
+                        f"{message}",
+                    )
+                ],
+            )

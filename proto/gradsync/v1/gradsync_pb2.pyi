@@ -122,6 +122,34 @@ class StateChunk(_message.Message):
     payload: bytes
     def __init__(self, offset: _Optional[int] = ..., payload: _Optional[bytes] = ...) -> None: ...
 
+class Heartbeat(_message.Message):
+    __slots__ = ("step",)
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    step: int
+    def __init__(self, step: _Optional[int] = ...) -> None: ...
+
+class CheckpointChunk(_message.Message):
+    __slots__ = ("step", "offset", "total_bytes", "payload")
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    OFFSET_FIELD_NUMBER: _ClassVar[int]
+    TOTAL_BYTES_FIELD_NUMBER: _ClassVar[int]
+    PAYLOAD_FIELD_NUMBER: _ClassVar[int]
+    step: int
+    offset: int
+    total_bytes: int
+    payload: bytes
+    def __init__(self, step: _Optional[int] = ..., offset: _Optional[int] = ..., total_bytes: _Optional[int] = ..., payload: _Optional[bytes] = ...) -> None: ...
+
+class CheckpointSaved(_message.Message):
+    __slots__ = ("step", "durable", "message")
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    DURABLE_FIELD_NUMBER: _ClassVar[int]
+    MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    step: int
+    durable: bool
+    message: str
+    def __init__(self, step: _Optional[int] = ..., durable: _Optional[bool] = ..., message: _Optional[str] = ...) -> None: ...
+
 class Leave(_message.Message):
     __slots__ = ("reason",)
     REASON_FIELD_NUMBER: _ClassVar[int]
@@ -129,19 +157,23 @@ class Leave(_message.Message):
     def __init__(self, reason: _Optional[str] = ...) -> None: ...
 
 class WorkerMessage(_message.Message):
-    __slots__ = ("join", "gradient", "state", "leave")
+    __slots__ = ("join", "gradient", "state", "leave", "heartbeat", "checkpoint")
     JOIN_FIELD_NUMBER: _ClassVar[int]
     GRADIENT_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELD_NUMBER: _ClassVar[int]
     LEAVE_FIELD_NUMBER: _ClassVar[int]
+    HEARTBEAT_FIELD_NUMBER: _ClassVar[int]
+    CHECKPOINT_FIELD_NUMBER: _ClassVar[int]
     join: Join
     gradient: GradientChunk
     state: StateChunk
     leave: Leave
-    def __init__(self, join: _Optional[_Union[Join, _Mapping]] = ..., gradient: _Optional[_Union[GradientChunk, _Mapping]] = ..., state: _Optional[_Union[StateChunk, _Mapping]] = ..., leave: _Optional[_Union[Leave, _Mapping]] = ...) -> None: ...
+    heartbeat: Heartbeat
+    checkpoint: CheckpointChunk
+    def __init__(self, join: _Optional[_Union[Join, _Mapping]] = ..., gradient: _Optional[_Union[GradientChunk, _Mapping]] = ..., state: _Optional[_Union[StateChunk, _Mapping]] = ..., leave: _Optional[_Union[Leave, _Mapping]] = ..., heartbeat: _Optional[_Union[Heartbeat, _Mapping]] = ..., checkpoint: _Optional[_Union[CheckpointChunk, _Mapping]] = ...) -> None: ...
 
 class Welcome(_message.Message):
-    __slots__ = ("job_id", "world_size", "membership_epoch", "start_step", "chunk_bytes", "max_message_bytes", "state_bytes")
+    __slots__ = ("job_id", "world_size", "membership_epoch", "start_step", "chunk_bytes", "max_message_bytes", "state_bytes", "resume_bytes", "heartbeat_interval_s", "checkpoint_every_steps")
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
     WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
     MEMBERSHIP_EPOCH_FIELD_NUMBER: _ClassVar[int]
@@ -149,6 +181,9 @@ class Welcome(_message.Message):
     CHUNK_BYTES_FIELD_NUMBER: _ClassVar[int]
     MAX_MESSAGE_BYTES_FIELD_NUMBER: _ClassVar[int]
     STATE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    RESUME_BYTES_FIELD_NUMBER: _ClassVar[int]
+    HEARTBEAT_INTERVAL_S_FIELD_NUMBER: _ClassVar[int]
+    CHECKPOINT_EVERY_STEPS_FIELD_NUMBER: _ClassVar[int]
     job_id: str
     world_size: int
     membership_epoch: int
@@ -156,7 +191,10 @@ class Welcome(_message.Message):
     chunk_bytes: int
     max_message_bytes: int
     state_bytes: int
-    def __init__(self, job_id: _Optional[str] = ..., world_size: _Optional[int] = ..., membership_epoch: _Optional[int] = ..., start_step: _Optional[int] = ..., chunk_bytes: _Optional[int] = ..., max_message_bytes: _Optional[int] = ..., state_bytes: _Optional[int] = ...) -> None: ...
+    resume_bytes: int
+    heartbeat_interval_s: float
+    checkpoint_every_steps: int
+    def __init__(self, job_id: _Optional[str] = ..., world_size: _Optional[int] = ..., membership_epoch: _Optional[int] = ..., start_step: _Optional[int] = ..., chunk_bytes: _Optional[int] = ..., max_message_bytes: _Optional[int] = ..., state_bytes: _Optional[int] = ..., resume_bytes: _Optional[int] = ..., heartbeat_interval_s: _Optional[float] = ..., checkpoint_every_steps: _Optional[int] = ...) -> None: ...
 
 class StepAborted(_message.Message):
     __slots__ = ("step", "code", "message", "culprit_rank", "bucket_index", "reason")
@@ -175,13 +213,79 @@ class StepAborted(_message.Message):
     def __init__(self, step: _Optional[int] = ..., code: _Optional[int] = ..., message: _Optional[str] = ..., culprit_rank: _Optional[int] = ..., bucket_index: _Optional[int] = ..., reason: _Optional[_Union[AbortReason, str]] = ...) -> None: ...
 
 class CoordinatorMessage(_message.Message):
-    __slots__ = ("welcome", "gradient", "state", "step_aborted")
+    __slots__ = ("welcome", "gradient", "state", "step_aborted", "checkpoint_saved", "resume")
     WELCOME_FIELD_NUMBER: _ClassVar[int]
     GRADIENT_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELD_NUMBER: _ClassVar[int]
     STEP_ABORTED_FIELD_NUMBER: _ClassVar[int]
+    CHECKPOINT_SAVED_FIELD_NUMBER: _ClassVar[int]
+    RESUME_FIELD_NUMBER: _ClassVar[int]
     welcome: Welcome
     gradient: GradientChunk
     state: StateChunk
     step_aborted: StepAborted
-    def __init__(self, welcome: _Optional[_Union[Welcome, _Mapping]] = ..., gradient: _Optional[_Union[GradientChunk, _Mapping]] = ..., state: _Optional[_Union[StateChunk, _Mapping]] = ..., step_aborted: _Optional[_Union[StepAborted, _Mapping]] = ...) -> None: ...
+    checkpoint_saved: CheckpointSaved
+    resume: CheckpointChunk
+    def __init__(self, welcome: _Optional[_Union[Welcome, _Mapping]] = ..., gradient: _Optional[_Union[GradientChunk, _Mapping]] = ..., state: _Optional[_Union[StateChunk, _Mapping]] = ..., step_aborted: _Optional[_Union[StepAborted, _Mapping]] = ..., checkpoint_saved: _Optional[_Union[CheckpointSaved, _Mapping]] = ..., resume: _Optional[_Union[CheckpointChunk, _Mapping]] = ...) -> None: ...
+
+class StatusRequest(_message.Message):
+    __slots__ = ("job_id",)
+    JOB_ID_FIELD_NUMBER: _ClassVar[int]
+    job_id: str
+    def __init__(self, job_id: _Optional[str] = ...) -> None: ...
+
+class MemberStatus(_message.Message):
+    __slots__ = ("rank", "incarnation", "peer", "last_seen_s", "reported_step", "mean_lag_s")
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    INCARNATION_FIELD_NUMBER: _ClassVar[int]
+    PEER_FIELD_NUMBER: _ClassVar[int]
+    LAST_SEEN_S_FIELD_NUMBER: _ClassVar[int]
+    REPORTED_STEP_FIELD_NUMBER: _ClassVar[int]
+    MEAN_LAG_S_FIELD_NUMBER: _ClassVar[int]
+    rank: int
+    incarnation: str
+    peer: str
+    last_seen_s: float
+    reported_step: int
+    mean_lag_s: float
+    def __init__(self, rank: _Optional[int] = ..., incarnation: _Optional[str] = ..., peer: _Optional[str] = ..., last_seen_s: _Optional[float] = ..., reported_step: _Optional[int] = ..., mean_lag_s: _Optional[float] = ...) -> None: ...
+
+class LateRank(_message.Message):
+    __slots__ = ("rank", "bucket_indices")
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    BUCKET_INDICES_FIELD_NUMBER: _ClassVar[int]
+    rank: int
+    bucket_indices: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, rank: _Optional[int] = ..., bucket_indices: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class JobStatus(_message.Message):
+    __slots__ = ("job_id", "state", "world_size", "membership_epoch", "open_step", "steps_completed", "members", "late", "step_age_s", "last_checkpoint_step")
+    JOB_ID_FIELD_NUMBER: _ClassVar[int]
+    STATE_FIELD_NUMBER: _ClassVar[int]
+    WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
+    MEMBERSHIP_EPOCH_FIELD_NUMBER: _ClassVar[int]
+    OPEN_STEP_FIELD_NUMBER: _ClassVar[int]
+    STEPS_COMPLETED_FIELD_NUMBER: _ClassVar[int]
+    MEMBERS_FIELD_NUMBER: _ClassVar[int]
+    LATE_FIELD_NUMBER: _ClassVar[int]
+    STEP_AGE_S_FIELD_NUMBER: _ClassVar[int]
+    LAST_CHECKPOINT_STEP_FIELD_NUMBER: _ClassVar[int]
+    job_id: str
+    state: str
+    world_size: int
+    membership_epoch: int
+    open_step: int
+    steps_completed: int
+    members: _containers.RepeatedCompositeFieldContainer[MemberStatus]
+    late: _containers.RepeatedCompositeFieldContainer[LateRank]
+    step_age_s: float
+    last_checkpoint_step: int
+    def __init__(self, job_id: _Optional[str] = ..., state: _Optional[str] = ..., world_size: _Optional[int] = ..., membership_epoch: _Optional[int] = ..., open_step: _Optional[int] = ..., steps_completed: _Optional[int] = ..., members: _Optional[_Iterable[_Union[MemberStatus, _Mapping]]] = ..., late: _Optional[_Iterable[_Union[LateRank, _Mapping]]] = ..., step_age_s: _Optional[float] = ..., last_checkpoint_step: _Optional[int] = ...) -> None: ...
+
+class StatusReply(_message.Message):
+    __slots__ = ("jobs", "heartbeat_timeout_s")
+    JOBS_FIELD_NUMBER: _ClassVar[int]
+    HEARTBEAT_TIMEOUT_S_FIELD_NUMBER: _ClassVar[int]
+    jobs: _containers.RepeatedCompositeFieldContainer[JobStatus]
+    heartbeat_timeout_s: float
+    def __init__(self, jobs: _Optional[_Iterable[_Union[JobStatus, _Mapping]]] = ..., heartbeat_timeout_s: _Optional[float] = ...) -> None: ...

@@ -40,6 +40,11 @@ class CoordinatorStub:
                 request_serializer=gradsync_dot_v1_dot_gradsync__pb2.WorkerMessage.SerializeToString,
                 response_deserializer=gradsync_dot_v1_dot_gradsync__pb2.CoordinatorMessage.FromString,
                 _registered_method=True)
+        self.Status = channel.unary_unary(
+                '/gradsync.v1.Coordinator/Status',
+                request_serializer=gradsync_dot_v1_dot_gradsync__pb2.StatusRequest.SerializeToString,
+                response_deserializer=gradsync_dot_v1_dot_gradsync__pb2.StatusReply.FromString,
+                _registered_method=True)
 
 
 class CoordinatorServicer:
@@ -53,6 +58,13 @@ class CoordinatorServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Status(self, request, context):
+        """Membership, progress and late ranks, for `gradsync status`.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_CoordinatorServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -60,6 +72,11 @@ def add_CoordinatorServicer_to_server(servicer, server):
                     servicer.Sync,
                     request_deserializer=gradsync_dot_v1_dot_gradsync__pb2.WorkerMessage.FromString,
                     response_serializer=gradsync_dot_v1_dot_gradsync__pb2.CoordinatorMessage.SerializeToString,
+            ),
+            'Status': grpc.unary_unary_rpc_method_handler(
+                    servicer.Status,
+                    request_deserializer=gradsync_dot_v1_dot_gradsync__pb2.StatusRequest.FromString,
+                    response_serializer=gradsync_dot_v1_dot_gradsync__pb2.StatusReply.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -90,6 +107,33 @@ class Coordinator:
             '/gradsync.v1.Coordinator/Sync',
             gradsync_dot_v1_dot_gradsync__pb2.WorkerMessage.SerializeToString,
             gradsync_dot_v1_dot_gradsync__pb2.CoordinatorMessage.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Status(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/gradsync.v1.Coordinator/Status',
+            gradsync_dot_v1_dot_gradsync__pb2.StatusRequest.SerializeToString,
+            gradsync_dot_v1_dot_gradsync__pb2.StatusReply.FromString,
             options,
             channel_credentials,
             insecure,

@@ -1,0 +1,285 @@
+"""Prometheus metrics of a worker, and the HTTP endpoint both sides serve them on.
+
+A worker's question is "how much of my step is spent waiting for the network?":
+`gradsync_worker_exposed_comm_seconds` is the part of backward that did not
+overlap with computation (the wait for averages once the last gradient is
+ready), next to the bytes moved and each bucket's latency from hand-off to
+average. Every metric carries the worker's `rank` as a label so that one
+dashboard query splits by rank however the workers are scraped (one container
+each, or several processes of one host behind one address).
+
+Metrics live in a registry owned by the `WorkerMetrics` object (prometheus
+client_python's `registry=` seam), never in the process-global one, so tests
+and several wrappers in one process stay independent.
+
+Metrics ports when several workers share a host: the base port comes from
+`--metrics-port` or `$GRADSYNC_METRICS_PORT`, and each worker serves on
+base + `$LOCAL_RANK` (torchrun sets LOCAL_RANK; a lone worker, e.g. one per
+container, has none and uses the base itself). Base 0 asks the OS for a free
+port per worker; the chosen port is logged. Neither set: metrics are off.
+See `resolve_metrics_port`.
+
+`serve_metrics` / `start_metrics_server` are the HTTP side, shared with the
+coordinator (`gradsync.server.metrics` re-exports them).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Mapping
+from types import TracebackType
+from wsgiref.simple_server import WSGIServer
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_server
+
+log = logging.getLogger("gradsync.metrics")
+
+#: Base port of the workers' metrics endpoints; each worker adds its LOCAL_RANK.
+ENV_METRICS_PORT = "GRADSYNC_METRICS_PORT"
+#: torchrun's index of a worker among those of its host.
+ENV_LOCAL_RANK = "LOCAL_RANK"
+
+#: Histogram buckets (seconds) for synchronization latencies: 1 ms (a small
+#: bucket on loopback) up to 60 s (a large model over a slow link, or a rank
+#: that stalls until the step's deadline).
+LATENCY_BUCKETS_S: tuple[float, ...] = (
+    0.001,
+    0.0025,
+    0.005,
+    0.01,
+    0.025,
+    0.05,
+    0.1,
+    0.25,
+    0.5,
+    1.0,
+    2.5,
+    5.0,
+    10.0,
+    30.0,
+    60.0,
+)
+
+_MAX_PORT = 65535
+
+
+class WorkerMetrics:
+    """The metrics one worker (one rank) exports.
+
+    Args:
+        registry: where the metrics are registered; a fresh private registry
+            when None (never prometheus_client's global one).
+        rank: this worker's rank, attached to every metric as the `rank` label.
+
+    Raises:
+        ValueError: `rank` is negative.
+    """
+
+    def __init__(self, registry: CollectorRegistry | None = None, rank: int = 0) -> None:
+        if rank < 0:
+            raise ValueError(f"rank must be >= 0, got {rank}")
+        self.registry = CollectorRegistry() if registry is None else registry
+        self.rank = rank
+        label = str(rank)
+        # Children are bound once here: `.labels()` takes a lock and formats
+        # strings, which the per-chunk paths below should not pay each time.
+        self._exposed_comm = Histogram(
+            "gradsync_worker_exposed_comm_seconds",
+            "Time backward spends at its end waiting for averaged gradients "
+            "(communication not hidden behind computation).",
+            ["rank"],
+            buckets=LATENCY_BUCKETS_S,
+            registry=self.registry,
+        ).labels(rank=label)
+        self._sent_bytes = Counter(
+            "gradsync_worker_sent_bytes_total",
+            "Gradient payload bytes this worker uploaded.",
+            ["rank"],
+            registry=self.registry,
+        ).labels(rank=label)
+        self._received_bytes = Counter(
+            "gradsync_worker_received_bytes_total",
+            "Averaged gradient payload bytes this worker received.",
+            ["rank"],
+            registry=self.registry,
+        ).labels(rank=label)
+        self._bucket_latency = Histogram(
+            "gradsync_worker_bucket_latency_seconds",
+            "From a bucket handed to the transport to its average complete on this worker.",
+            ["rank"],
+            buckets=LATENCY_BUCKETS_S,
+            registry=self.registry,
+        ).labels(rank=label)
+        self._steps = Counter(
+            "gradsync_worker_steps_total",
+            "Synchronized steps this worker completed.",
+            ["rank"],
+            registry=self.registry,
+        ).labels(rank=label)
+        self._step_aborts = Counter(
+            "gradsync_worker_step_aborts_total",
+            "Steps this worker saw aborted, by reason (a gRPC status code name).",
+            ["rank", "reason"],
+            registry=self.registry,
+        )
+
+    def observe_exposed_comm(self, seconds: float) -> None:
+        """Record how long the end of one backward waited for its averages."""
+        self._exposed_comm.observe(seconds)
+
+    def observe_sent(self, nbytes: int) -> None:
+        """Count gradient payload bytes handed to the wire."""
+        self._sent_bytes.inc(nbytes)
+
+    def observe_received(self, nbytes: int) -> None:
+        """Count averaged payload bytes received."""
+        self._received_bytes.inc(nbytes)
+
+    def observe_bucket_latency(self, seconds: float) -> None:
+        """Record one bucket's time from hand-off to transport to its average complete."""
+        self._bucket_latency.observe(seconds)
+
+    def observe_step_done(self) -> None:
+        """Count one completed synchronized step."""
+        self._steps.inc()
+
+    def observe_abort(self, reason: str) -> None:
+        """Count one aborted step.
+
+        Args:
+            reason: a bounded name, e.g. the gRPC status code ("ABORTED",
+                "DEADLINE_EXCEEDED"); never free text, which would make a new
+                series per message.
+        """
+        self._step_aborts.labels(rank=str(self.rank), reason=reason).inc()
+
+
+def resolve_metrics_port(explicit: int | None, environ: Mapping[str, str]) -> int | None:
+    """The port a worker serves its metrics on, or None when metrics are off.
+
+    The base port is `explicit` (the `--metrics-port` flag) if given, else
+    `$GRADSYNC_METRICS_PORT`. Workers of one host are started with the same
+    flags and environment (torchrun), so each adds its `$LOCAL_RANK` (0 when
+    unset) to the base to get a port of its own. A base of 0 stays 0: every
+    worker asks the OS for a free port, which `start_metrics_server` logs.
+
+    Args:
+        explicit: the flag's value, None when the flag was not given.
+        environ: the environment to read (`os.environ` in production).
+
+    Returns:
+        The TCP port (0 = any free port), or None when neither is set.
+
+    Raises:
+        ValueError: a value is not an integer, is negative, or the sum is past 65535.
+    """
+    if explicit is not None:
+        base, source = explicit, "--metrics-port"
+    else:
+        raw = environ.get(ENV_METRICS_PORT, "").strip()
+        if not raw:
+            return None
+        base, source = _parse_int(ENV_METRICS_PORT, raw), f"${ENV_METRICS_PORT}"
+    if not 0 <= base <= _MAX_PORT:
+        raise ValueError(f"{source} must be in 0..{_MAX_PORT}, got {base}")
+    if base == 0:
+        return 0
+    raw_local_rank = environ.get(ENV_LOCAL_RANK, "").strip()
+    local_rank = _parse_int(ENV_LOCAL_RANK, raw_local_rank) if raw_local_rank else 0
+    if local_rank < 0:
+        raise ValueError(f"${ENV_LOCAL_RANK} must be >= 0, got {local_rank}")
+    port = base + local_rank
+    if port > _MAX_PORT:
+        raise ValueError(
+            f"metrics port {source}={base} + ${ENV_LOCAL_RANK}={local_rank} = {port} "
+            f"is past {_MAX_PORT}; choose a lower base port"
+        )
+    return port
+
+
+def _parse_int(name: str, raw: str) -> int:
+    try:
+        return int(raw)
+    except ValueError:
+        raise ValueError(f"${name}={raw!r} is not an integer") from None
+
+
+class MetricsServer:
+    """An HTTP server answering Prometheus scrapes of one registry, on a daemon thread.
+
+    Use it as a context manager or call `close()`; `port` is the bound port
+    (the real one when 0 was asked for).
+    """
+
+    def __init__(self, httpd: WSGIServer, thread: threading.Thread, host: str) -> None:
+        self._httpd = httpd
+        self._thread = thread
+        self.host = host
+        self.port: int = httpd.server_port
+        self._closed = False
+
+    @property
+    def url(self) -> str:
+        """The scrape URL, e.g. "http://127.0.0.1:9100/metrics"."""
+        host = f"[{self.host}]" if ":" in self.host else self.host
+        return f"http://{host}:{self.port}/metrics"
+
+    def close(self) -> None:
+        """Stop serving and release the port; idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        self._httpd.shutdown()
+        self._httpd.server_close()
+        self._thread.join(timeout=5)
+
+    def __enter__(self) -> MetricsServer:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        traceback: TracebackType | None,
+    ) -> None:
+        self.close()
+
+
+def serve_metrics(port: int, registry: CollectorRegistry, host: str = "0.0.0.0") -> MetricsServer:
+    """Serve `registry` at http://host:port/metrics until the server is closed.
+
+    Args:
+        port: TCP port; 0 picks a free one (read it from `.port`).
+        registry: the registry to expose (a `CoordinatorMetrics` or
+            `WorkerMetrics` object's `.registry`).
+        host: interface to bind; the default is every interface, as the
+            scraper (Prometheus) normally runs on another host or container.
+
+    Raises:
+        OSError: the port cannot be bound (in use, or privileged).
+    """
+    if not 0 <= port <= _MAX_PORT:
+        raise ValueError(f"metrics port must be in 0..{_MAX_PORT}, got {port}")
+    try:
+        httpd, thread = start_http_server(port, addr=host, registry=registry)
+    except OSError as exc:
+        raise OSError(
+            exc.errno, f"could not serve metrics on {host}:{port}: {exc.strerror or exc}"
+        ) from exc
+    server = MetricsServer(httpd, thread, host)
+    log.info("serving Prometheus metrics on %s", server.url)
+    return server
+
+
+def start_metrics_server(port: int, registry: CollectorRegistry, host: str = "0.0.0.0") -> int:
+    """Serve `registry` for the rest of the process's life; return the bound port.
+
+    For processes that expose metrics until they exit (`gradsync serve`,
+    `gradsync worker`): the serving thread is a daemon and never keeps the
+    process alive. Where the server must be stopped (in-process servers in
+    tests), use `serve_metrics` and close it.
+
+    Args / Raises: as `serve_metrics`.
+    """
+    return serve_metrics(port, registry, host).port

@@ -1,0 +1,295 @@
+"""Prometheus metrics of the coordinator, and straggler attribution.
+
+The coordinator sees every byte of every rank, so it is where throughput,
+per-bucket and per-step latency, and *which rank is late* can be measured.
+`CoordinatorMetrics` owns the metric objects in a registry of its own (never
+prometheus_client's global one, so tests and several coordinators in one
+process stay independent) and offers one method per event the servicer
+observes. Those methods run per chunk or per bucket, so labelled children are
+bound once and each call is a counter increment or a histogram observation.
+
+Label sets are bounded: `rank` by the world size, `reason` by the gRPC status
+code names, `kind` by the error kinds the caller chooses. A step number is
+never a label (each step would be a new series); the latest one is the
+`gradsync_current_step` gauge.
+
+`LagTracker` is pure logic with no Prometheus in it: a windowed mean of each
+rank's lag behind the first arrival of every bucket, to name the ranks that
+are persistently behind (a histogram shows the distribution, not who).
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+
+from gradsync.metrics import (
+    LATENCY_BUCKETS_S,
+    MetricsServer,
+    serve_metrics,
+    start_metrics_server,
+)
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+__all__ = [
+    "LATENCY_BUCKETS_S",
+    "CoordinatorMetrics",
+    "LagTracker",
+    "MetricsServer",
+    "serve_metrics",
+    "start_metrics_server",
+]
+
+
+class LagTracker:
+    """Per rank, the mean lag over its last `window` buckets.
+
+    A lag is how long after the first rank's arrival a rank's contribution to
+    a bucket arrived (0 for the first). A windowed mean rather than a
+    lifetime one, so a rank that recovers (or a host that was busy for a
+    while) stops being named once `window` good buckets have passed.
+
+    Args:
+        window: how many of each rank's latest samples the mean covers.
+
+    Raises:
+        ValueError: `window` < 1.
+    """
+
+    def __init__(self, window: int = 50) -> None:
+        if window < 1:
+            raise ValueError(f"window must be >= 1, got {window}")
+        self.window = window
+        self._samples: dict[int, deque[float]] = {}
+
+    def record(self, rank: int, lag_s: float) -> None:
+        """Add one bucket's lag of `rank`.
+
+        Raises:
+            ValueError: `lag_s` is negative or not finite (a clock bug upstream,
+                which would otherwise poison the mean).
+        """
+        if not (math.isfinite(lag_s) and lag_s >= 0):
+            raise ValueError(f"rank {rank}: lag must be a finite number >= 0 seconds, got {lag_s}")
+        samples = self._samples.get(rank)
+        if samples is None:
+            samples = self._samples[rank] = deque(maxlen=self.window)
+        samples.append(lag_s)
+
+    def forget(self, rank: int) -> None:
+        """Drop `rank`'s samples (it left; a new member with its rank starts clean)."""
+        self._samples.pop(rank, None)
+
+    def samples(self, rank: int) -> int:
+        """How many samples (at most `window`) the mean of `rank` covers."""
+        samples = self._samples.get(rank)
+        return 0 if samples is None else len(samples)
+
+    def mean_lag(self, rank: int) -> float | None:
+        """The mean lag of `rank` in seconds, None before its first sample."""
+        samples = self._samples.get(rank)
+        if not samples:
+            return None
+        # Summed afresh (at most `window` floats) instead of a running sum,
+        # which would drift with every add/subtract pair.
+        return math.fsum(samples) / len(samples)
+
+    def _means(self) -> list[tuple[int, float]]:
+        return [(rank, math.fsum(s) / len(s)) for rank, s in self._samples.items() if s]
+
+    def slowest(self, k: int) -> list[tuple[int, float]]:
+        """The `k` ranks with the largest mean lag, as (rank, mean_lag_s), slowest first.
+
+        Ties go to the lower rank, so the answer does not depend on the order
+        in which ranks were first seen.
+        """
+        if k < 0:
+            raise ValueError(f"k must be >= 0, got {k}")
+        return sorted(self._means(), key=lambda item: (-item[1], item[0]))[:k]
+
+    def persistently_behind(self, threshold_s: float, min_samples: int) -> list[int]:
+        """Ranks whose mean lag exceeds `threshold_s` over at least `min_samples` samples.
+
+        `min_samples` keeps one slow bucket (a GC pause, a first step that
+        compiles) from naming a rank. Returned in rank order.
+
+        Raises:
+            ValueError: `min_samples` < 1 or past the window (never reachable).
+        """
+        if not 1 <= min_samples <= self.window:
+            raise ValueError(
+                f"min_samples must be in 1..{self.window} (the window), got {min_samples}"
+            )
+        return sorted(
+            rank
+            for rank, mean in self._means()
+            if len(self._samples[rank]) >= min_samples and mean > threshold_s
+        )
+
+
+class CoordinatorMetrics:
+    """The metrics the coordinator exports, and the straggler tracker fed with them.
+
+    Args:
+        registry: where the metrics are registered; a fresh private registry
+            when None (never prometheus_client's global one).
+        lag_window: window of the `lag_tracker`'s per-rank means.
+
+    Attributes:
+        registry: serve it with `start_metrics_server(port, metrics.registry)`.
+        lag_tracker: per-rank windowed mean lag, fed by `observe_bucket_arrival`.
+    """
+
+    def __init__(self, registry: CollectorRegistry | None = None, lag_window: int = 50) -> None:
+        self.registry = CollectorRegistry() if registry is None else registry
+        self.lag_tracker = LagTracker(lag_window)
+        r = self.registry
+        self._received_bytes = Counter(
+            "gradsync_received_bytes_total",
+            "Gradient payload bytes received from workers.",
+            registry=r,
+        )
+        self._sent_bytes = Counter(
+            "gradsync_sent_bytes_total",
+            "Averaged gradient payload bytes sent to workers (counted once per receiving rank).",
+            registry=r,
+        )
+        self._chunks_received = Counter(
+            "gradsync_chunks_received_total", "Gradient chunks received.", registry=r
+        )
+        self._buckets_completed = Counter(
+            "gradsync_buckets_completed_total",
+            "Buckets whose average was sent to every rank.",
+            registry=r,
+        )
+        self._steps_completed = Counter(
+            "gradsync_steps_completed_total",
+            "Steps whose every bucket was averaged.",
+            registry=r,
+        )
+        self._bucket_round_trip = Histogram(
+            "gradsync_bucket_round_trip_seconds",
+            "From the first chunk of a bucket arriving to its last averaged chunk sent.",
+            buckets=LATENCY_BUCKETS_S,
+            registry=r,
+        )
+        self._step_sync = Histogram(
+            "gradsync_step_sync_seconds",
+            "From the first chunk of a step arriving to the step complete.",
+            buckets=LATENCY_BUCKETS_S,
+            registry=r,
+        )
+        self._workers_alive = Gauge(
+            "gradsync_workers_alive", "Workers currently joined, over all jobs.", registry=r
+        )
+        self._membership_epoch = Gauge(
+            "gradsync_membership_epoch",
+            "Membership epoch after the latest membership change.",
+            registry=r,
+        )
+        self._current_step = Gauge(
+            "gradsync_current_step", "Step number of the latest completed step.", registry=r
+        )
+        self._jobs = Gauge("gradsync_jobs", "Jobs the coordinator currently holds.", registry=r)
+        self._rank_lag_family = Histogram(
+            "gradsync_rank_lag_seconds",
+            "Per bucket, how long after the first rank's arrival this rank's arrival "
+            "came (the first rank observes 0).",
+            ["rank"],
+            buckets=LATENCY_BUCKETS_S,
+            registry=r,
+        )
+        self._rejected_family = Counter(
+            "gradsync_rejected_messages_total",
+            "Worker messages refused, by reason (a gRPC status code name).",
+            ["reason"],
+            registry=r,
+        )
+        self._aborts_family = Counter(
+            "gradsync_step_aborts_total",
+            "Steps aborted, by reason (a gRPC status code name).",
+            ["reason"],
+            registry=r,
+        )
+        self._errors_family = Counter(
+            "gradsync_errors_total",
+            "Unexpected errors inside the coordinator, by kind.",
+            ["kind"],
+            registry=r,
+        )
+        # Bound children by label value: `.labels()` takes a lock and builds a
+        # tuple key on every call, too much for the per-bucket path.
+        self._rank_lag: dict[int, Histogram] = {}
+        self._rejected: dict[str, Counter] = {}
+        self._aborts: dict[str, Counter] = {}
+        self._errors: dict[str, Counter] = {}
+
+    # Per chunk.
+    def observe_chunk(self, nbytes: int) -> None:
+        """One gradient chunk with `nbytes` of payload arrived from a worker."""
+        self._chunks_received.inc()
+        self._received_bytes.inc(nbytes)
+
+    # Per bucket.
+    def observe_bucket_arrival(self, rank: int, lag_s: float) -> None:
+        """`rank`'s contribution to a bucket began `lag_s` after the first rank's (0 if first).
+
+        Feeds both the per-rank histogram and `lag_tracker`.
+        """
+        self.lag_tracker.record(rank, lag_s)
+        child = self._rank_lag.get(rank)
+        if child is None:
+            child = self._rank_lag[rank] = self._rank_lag_family.labels(rank=str(rank))
+        child.observe(lag_s)
+
+    def observe_bucket_done(self, round_trip_s: float, sent_bytes: int) -> None:
+        """A bucket's average went out to every rank.
+
+        Args:
+            round_trip_s: from its first chunk arriving to its last averaged chunk sent.
+            sent_bytes: averaged payload bytes sent, summed over the receiving ranks.
+        """
+        self._buckets_completed.inc()
+        self._bucket_round_trip.observe(round_trip_s)
+        self._sent_bytes.inc(sent_bytes)
+
+    # Per step.
+    def observe_step_done(self, sync_s: float, step: int) -> None:
+        """Step `step` completed `sync_s` after its first chunk arrived."""
+        self._steps_completed.inc()
+        self._step_sync.observe(sync_s)
+        self._current_step.set(step)
+
+    # Rare events.
+    def observe_rejection(self, reason: str) -> None:
+        """A worker message was refused; `reason` is a status code name, e.g. INVALID_ARGUMENT."""
+        _child(self._rejected, self._rejected_family, "reason", reason).inc()
+
+    def observe_abort(self, reason: str) -> None:
+        """A step was aborted; `reason` is a status code name, e.g. ABORTED."""
+        _child(self._aborts, self._aborts_family, "reason", reason).inc()
+
+    def observe_error(self, kind: str) -> None:
+        """An unexpected error; `kind` is a bounded name (the exception class), not a message."""
+        _child(self._errors, self._errors_family, "kind", kind).inc()
+
+    def set_membership(self, workers_alive: int, epoch: int, jobs: int) -> None:
+        """After a join, leave or loss: the live workers, the new epoch, the jobs held."""
+        self._workers_alive.set(workers_alive)
+        self._membership_epoch.set(epoch)
+        self._jobs.set(jobs)
+
+    def forget_rank(self, rank: int) -> None:
+        """`rank` left for good: its straggler statistics restart when the rank rejoins.
+
+        Its histogram series stays (Prometheus series are cumulative; a
+        rejoining rank keeps adding to it).
+        """
+        self.lag_tracker.forget(rank)
+
+
+def _child(cache: dict[str, Counter], family: Counter, label: str, value: str) -> Counter:
+    child = cache.get(value)
+    if child is None:
+        child = cache[value] = family.labels(**{label: value})
+    return child

@@ -1,0 +1,68 @@
+"""Who has delivered what in the open step, and since when (pure logic).
+
+The coordinator sees every chunk, so it can say which rank a step is waiting
+for and for which buckets, and how late each rank's buckets arrive relative
+to the first rank's. `gradsync status`, the stall warning and the per-rank
+lag metric all read this.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+
+
+class StepProgress:
+    """Delivery bookkeeping of one job's open step.
+
+    Args:
+        chunks_per_bucket: how many chunks make up each bucket.
+        clock: monotonic time source (injectable for tests).
+    """
+
+    def __init__(self, chunks_per_bucket: list[int], clock: Callable[[], float]) -> None:
+        self._chunks_per_bucket = chunks_per_bucket
+        self._clock = clock
+        self._delivered: dict[tuple[int, int], int] = {}
+        self._first_done: dict[int, float] = {}
+        self.started_at: float | None = None
+        self.stall_warned = False
+
+    def record(self, rank: int, bucket_index: int) -> float | None:
+        """Count one accepted chunk.
+
+        Returns:
+            When this chunk completes `rank`'s delivery of the bucket: how many
+            seconds after the first rank completed it (0.0 for the first rank).
+            Otherwise None.
+        """
+        now = self._clock()
+        if self.started_at is None:
+            self.started_at = now
+        key = (bucket_index, rank)
+        count = self._delivered.get(key, 0) + 1
+        self._delivered[key] = count
+        if count != self._chunks_per_bucket[bucket_index]:
+            return None
+        first = self._first_done.setdefault(bucket_index, now)
+        return now - first
+
+    def reset(self) -> None:
+        """Forget the step (it completed or was abandoned)."""
+        self._delivered.clear()
+        self._first_done.clear()
+        self.started_at = None
+        self.stall_warned = False
+
+    def age(self) -> float:
+        """Seconds since the open step's first chunk (0 when nothing arrived yet)."""
+        return 0.0 if self.started_at is None else self._clock() - self.started_at
+
+    def late_ranks(self, ranks: Iterable[int]) -> dict[int, list[int]]:
+        """Ranks missing buckets that at least one other rank has fully delivered."""
+        late: dict[int, list[int]] = {}
+        for bucket_index in sorted(self._first_done):
+            needed = self._chunks_per_bucket[bucket_index]
+            for rank in ranks:
+                if self._delivered.get((bucket_index, rank), 0) < needed:
+                    late.setdefault(rank, []).append(bucket_index)
+        return late
