@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any
 __version__ = "0.1.0"
 
 from gradsync.errors import (
+    CheckpointFailedError,
     ClosedError,
     CoordinatorUnavailableError,
     GradSyncError,
@@ -42,6 +43,7 @@ def __getattr__(name: str) -> Any:
 
 
 __all__ = [
+    "CheckpointFailedError",
     "ClosedError",
     "CoordinatorUnavailableError",
     "DistributedDataParallel",

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import enum
+import io
 import logging
 import uuid
 from collections.abc import Iterator
@@ -30,7 +31,7 @@ from gradsync import __version__, wire
 from gradsync.bucketing import BucketPlan, assign_buckets
 from gradsync.buffers import BucketBuffer
 from gradsync.config import ClientConfig
-from gradsync.errors import ClosedError, GradSyncError
+from gradsync.errors import CheckpointFailedError, ClosedError, GradSyncError
 from gradsync.transport import Transport
 from gradsync.v1 import gradsync_pb2 as pb
 from torch import nn
@@ -134,6 +135,10 @@ class DistributedDataParallel(nn.Module):
                 self._bucket_of[index] = bucket_index
         self._state = _State.OPEN
         self._require_sync = True
+        self._optimizer: torch.optim.Optimizer | None = None
+        self._pending_optimizer_state: dict[str, Any] | None = None
+        self._checkpoint_every = 0
+        self._last_checkpoint_step = -1
         self._overlap = overlap
         self._backward_active = False
         self._ready = [0] * len(self._buckets)
@@ -146,6 +151,7 @@ class DistributedDataParallel(nn.Module):
         self._transport = Transport(self.config.coordinator, self.config.rank)
         try:
             self._step = self._join_and_broadcast()
+            self._transport.current_step = self._step
         except BaseException:
             self._transport.close(timeout_s=5.0)
             raise
@@ -176,10 +182,83 @@ class DistributedDataParallel(nn.Module):
         return list(self._buckets)
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        """Run the wrapped module's forward."""
+        """Run the wrapped module's forward (after a due periodic checkpoint, on rank 0)."""
         if self._state is _State.CLOSED:
             raise ClosedError("DistributedDataParallel used after close()", rank=self.rank)
+        every = self._checkpoint_every
+        if (
+            every
+            and self.rank == 0
+            and self._step % every == 0
+            and self._step > self._last_checkpoint_step
+        ):
+            # Here, before the next step's forward, the optimizer has applied
+            # the previous step: parameters and optimizer state are consistent.
+            self.save_checkpoint(wait=False)
         return self.module(*args, **kwargs)
+
+    def register_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
+        """Include `optimizer`'s state in checkpoints (and restore it when resuming).
+
+        Call it once, right after creating the optimizer.
+        """
+        self._optimizer = optimizer
+        if self._pending_optimizer_state is not None:
+            optimizer.load_state_dict(self._pending_optimizer_state)
+            self._pending_optimizer_state = None
+
+    def save_checkpoint(self, wait: bool = True, timeout_s: float | None = None) -> int:
+        """Upload a checkpoint of rank 0's state through the coordinator (rank 0 only).
+
+        The checkpoint holds the module's state dict, the registered optimizer's
+        state dict and the step training resumes at. Other ranks return at once.
+
+        Args:
+            wait: block until the coordinator reports the checkpoint durable.
+            timeout_s: bound on that wait (default: the sync timeout).
+
+        Returns:
+            The checkpoint's step.
+
+        Raises:
+            CheckpointFailedError: with wait=True, the store could not save it.
+            SyncTimeoutError: no answer within the timeout.
+        """
+        step = self._step
+        if self.rank != 0:
+            return step
+        state = {
+            "module": self.module.state_dict(),
+            "optimizer": self._optimizer.state_dict() if self._optimizer is not None else None,
+            "step": step,
+            "world_size": self.world_size,
+        }
+        buffer = io.BytesIO()
+        torch.save(state, buffer)
+        self._last_checkpoint_step = step
+        self._transport.send_checkpoint(step, buffer.getvalue())
+        if wait:
+            saved = self._transport.wait_checkpoint(step, timeout_s or self.config.timeout_s)
+            if not saved.durable:
+                raise CheckpointFailedError(
+                    f"checkpoint of step {step} was not saved: {saved.message}",
+                    rank=self.rank,
+                    step=step,
+                )
+        return step
+
+    def _restore(self, blob: bytes, start_step: int) -> None:
+        """Load the checkpoint the job resumes from (optimizer state waits for its optimizer)."""
+        state = torch.load(io.BytesIO(blob), weights_only=True)
+        self.module.load_state_dict(state["module"])
+        self._pending_optimizer_state = state.get("optimizer")
+        self._last_checkpoint_step = start_step
+        log.warning(
+            "rank %d: job '%s' resumed from the checkpoint of step %d",
+            self.rank,
+            self.config.job_id,
+            start_step,
+        )
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
@@ -259,6 +338,13 @@ class DistributedDataParallel(nn.Module):
         )
         self._transport.open(join)
         welcome = self._transport.wait_welcome(config.join_timeout_s)
+        self._checkpoint_every = int(welcome.checkpoint_every_steps)
+        if welcome.resume_bytes:
+            self._restore(
+                self._transport.receive_resume(welcome.resume_bytes, config.join_timeout_s),
+                int(welcome.start_step),
+            )
+            return int(welcome.start_step)
         tensors = [p for _, p in self._named_parameters] + [b for _, b in self._named_buffers]
         with torch.no_grad():
             if config.rank == 0:
@@ -365,3 +451,4 @@ class DistributedDataParallel(nn.Module):
             self._staged.clear()
             self._backward_active = False
             self._step = step + 1
+            self._transport.current_step = self._step

@@ -9,6 +9,7 @@ Hierarchy::
     ├── StepAbortedError             a step was abandoned (nothing was averaged)
     │   ├── MessageRejectedError     ...because this worker sent a bad message
     │   └── PeerLostError            ...because another rank left or died
+    ├── CheckpointFailedError        a checkpoint could not be made durable
     └── ClosedError                  the object was used after close()
 
 Errors raised inside the background transport are recorded with their context
@@ -99,6 +100,10 @@ class MessageRejectedError(StepAbortedError):
 
 class PeerLostError(StepAbortedError):
     """Another rank left or disconnected, so the step cannot complete."""
+
+
+class CheckpointFailedError(GradSyncError):
+    """The coordinator could not make a checkpoint durable (store down, misconfigured)."""
 
 
 class ClosedError(GradSyncError):

@@ -106,9 +106,11 @@ def train_worker(
         join_timeout_s=timeout_s,
     )
     optimizer = torch.optim.SGD(model.parameters(), lr=settings.lr)
+    model.register_optimizer(optimizer)  # checkpoints carry its state
     loss_fn = nn.CrossEntropyLoss()
     batches = global_batches(len(data.train_y), settings)
-    steps = _progress(batches, enabled=progress)
+    # A job resumed from a checkpoint starts at model.step, on the same batch order.
+    steps = _progress(batches[model.step :], enabled=progress)
     with model:
         for indices in steps:
             mine = indices[rank * settings.batch_size : (rank + 1) * settings.batch_size]

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import threading
 import time
 from collections.abc import AsyncIterator, Callable
@@ -37,6 +38,8 @@ from gradsync.errors import (
 )
 from gradsync.fastwire import ChunkHeader, decode_gradient, encode_gradient, header_of
 from gradsync.v1 import gradsync_pb2 as pb
+
+log = logging.getLogger("gradsync.client")
 
 #: Largest message the client accepts or sends; the coordinator's own limit
 #: (announced in Welcome) is the binding one for uploads.
@@ -78,6 +81,15 @@ class _Shared:
     results: dict[int, _StepResult] = field(default_factory=dict)
     fatal: GradSyncError | None = None
     stream_done: bool = False
+    resume: bytearray | None = None
+    resume_received: int = 0
+    checkpoint_acks: dict[int, pb.CheckpointSaved] = field(default_factory=dict)
+
+
+@dataclass
+class _CheckpointUpload:
+    step: int
+    blob: bytes
 
 
 _CLOSE = object()
@@ -107,6 +119,9 @@ class Transport:
         self._channel: grpc.aio.Channel | None = None
         self._call: Any = None
         self._receiver: asyncio.Task[None] | None = None
+        self._heartbeat: asyncio.Task[None] | None = None
+        #: The step heartbeats report (set by the model wrapper).
+        self.current_step = 0
 
     # ------------------------------------------------------------ public API
     def open(self, join: pb.Join) -> None:
@@ -155,6 +170,24 @@ class Transport:
         state = self._shared.state
         assert state is not None
         return state
+
+    def receive_resume(self, num_bytes: int, timeout_s: float) -> bytes:
+        """Block until the checkpoint this job resumes from has arrived; return it."""
+        self._wait(
+            lambda s: s.resume_received >= num_bytes, timeout_s, "the checkpoint to resume from"
+        )
+        assert self._shared.resume is not None
+        return bytes(self._shared.resume)
+
+    def send_checkpoint(self, step: int, blob: bytes) -> None:
+        """Queue a checkpoint upload (rank 0). Never blocks."""
+        self._put(_CheckpointUpload(step, blob))
+
+    def wait_checkpoint(self, step: int, timeout_s: float) -> pb.CheckpointSaved:
+        """Block until the coordinator answered the checkpoint upload of `step`."""
+        self._wait(lambda s: step in s.checkpoint_acks, timeout_s, f"the checkpoint of step {step}")
+        with self._cond:
+            return self._shared.checkpoint_acks.pop(step)
 
     def submit_bucket(self, step: int, bucket_index: int, buffer: BucketBuffer, dtype: int) -> None:
         """Queue one bucket for upload; its averages will be written back into `buffer`.
@@ -235,6 +268,16 @@ class Transport:
         # timeout bounds how long it waits.
         self._call = sync(self._requests(), wait_for_ready=True)
         self._receiver = asyncio.create_task(self._receive())
+        self._heartbeat = asyncio.create_task(self._send_heartbeats())
+
+    async def _send_heartbeats(self) -> None:
+        """Queue a Heartbeat every interval, so a busy but healthy worker is not declared dead."""
+        while True:
+            welcome = self._shared.welcome
+            await asyncio.sleep(welcome.heartbeat_interval_s if welcome else 0.5)
+            if welcome is not None:
+                beat = pb.WorkerMessage(heartbeat=pb.Heartbeat(step=self.current_step))
+                self._outgoing.put_nowait(beat)
 
     async def _requests(self) -> AsyncIterator[bytes]:
         chunk_bytes = wire.DEFAULT_CHUNK_BYTES
@@ -246,7 +289,17 @@ class Transport:
             welcome = self._shared.welcome
             if welcome is not None:
                 chunk_bytes, epoch = welcome.chunk_bytes, welcome.membership_epoch
-            if isinstance(item, _StateUpload):
+            if isinstance(item, _CheckpointUpload):
+                view = memoryview(item.blob)
+                for offset, length in wire.chunk_spans(len(view), chunk_bytes):
+                    piece = pb.CheckpointChunk(
+                        step=item.step,
+                        offset=offset,
+                        total_bytes=len(view),
+                        payload=bytes(view[offset : offset + length]),
+                    )
+                    yield pb.WorkerMessage(checkpoint=piece).SerializeToString()
+            elif isinstance(item, _StateUpload):
                 view = memoryview(item.blob.data)
                 for offset, length in wire.chunk_spans(len(view), chunk_bytes):
                     payload = view[offset : offset + length].tobytes()
@@ -310,7 +363,30 @@ class Transport:
             elif kind == "step_aborted":
                 aborted = message.step_aborted
                 self._ensure_step_locked(aborted.step).aborted = aborted
+            elif kind == "resume":
+                self._on_resume(message.resume)
+            elif kind == "checkpoint_saved":
+                saved = message.checkpoint_saved
+                shared.checkpoint_acks[saved.step] = saved
+                if not saved.durable:
+                    log.warning(
+                        "rank %d: checkpoint of step %d was NOT saved: %s",
+                        self.rank,
+                        saved.step,
+                        saved.message,
+                    )
             self._cond.notify_all()
+
+    def _on_resume(self, chunk: pb.CheckpointChunk) -> None:
+        shared = self._shared
+        if shared.resume is None:
+            shared.resume = bytearray(chunk.total_bytes)
+        end = chunk.offset + len(chunk.payload)
+        if chunk.total_bytes != len(shared.resume) or end > len(shared.resume):
+            self._protocol_fault(f"resume chunk [{chunk.offset}, {end}) is out of range")
+            return
+        shared.resume[chunk.offset : end] = chunk.payload
+        shared.resume_received += len(chunk.payload)
 
     def _on_state(self, chunk: pb.StateChunk) -> None:
         state = self._shared.state
@@ -348,6 +424,8 @@ class Transport:
             )
 
     async def _shutdown(self) -> None:
+        if self._heartbeat is not None:
+            self._heartbeat.cancel()
         if self._receiver is not None and not self._receiver.done():
             self._receiver.cancel()
         if self._channel is not None:

@@ -68,8 +68,6 @@ class Terminate:
     details: str
 
 
-
-
 @dataclass
 class _Member:
     rank: int

@@ -443,7 +443,11 @@ class CoordinatorServicer:
             checkpoint = self.store.load_latest(job_id)
         except CheckpointError as exc:
             if self.config.require_checkpoint or self.config.resume:
-                return None, (Code.UNAVAILABLE, f"cannot read checkpoints of job '{job_id}': {exc}")
+                flag = "--require-checkpoint" if self.config.require_checkpoint else "--resume"
+                return None, (
+                    Code.FAILED_PRECONDITION,
+                    f"cannot read checkpoints of job '{job_id}' and {flag} is set: {exc}",
+                )
             log.warning("job '%s': cannot read checkpoints, starting fresh: %s", job_id, exc)
             return None, None
         if checkpoint is None:

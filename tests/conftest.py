@@ -7,11 +7,12 @@ import re
 import signal
 import subprocess
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import numpy as np
 import pytest
+from redisserver import NO_REDIS_SERVER, REDIS_SERVER, RedisServer
 
 BANNER = re.compile(r"listening on (\S+):(\d+)")
 WORKER_SCRIPT = Path(__file__).parent / "workers" / "train_worker.py"
@@ -125,3 +126,29 @@ def run_workers(
         with np.load(out_dir / f"rank{rank}.npz") as data:
             outputs.append(dict(data))
     return outputs
+
+
+@pytest.fixture
+def redis_server_factory(tmp_path: Path) -> Iterator[Callable[..., RedisServer]]:
+    """Start real redis-servers on demand; every one is stopped after the test."""
+    if REDIS_SERVER is None:
+        pytest.skip(NO_REDIS_SERVER)
+    pytest.importorskip("redis", reason="the redis package is not installed: gradsync[redis]")
+    started: list[RedisServer] = []
+
+    def start(name: str = "redis", *durability_args: str) -> RedisServer:
+        server = RedisServer(tmp_path / name, *durability_args)
+        started.append(server)
+        return server
+
+    yield start
+    for server in started:
+        if server.process is not None and server.process.poll() is None:
+            server.process.send_signal(signal.SIGCONT)  # in case a test left it stopped
+        server.stop()
+
+
+@pytest.fixture
+def redis_server(redis_server_factory: Callable[..., RedisServer]) -> RedisServer:
+    """A redis-server with the append-only file fsync'd on every write."""
+    return redis_server_factory()

@@ -13,7 +13,6 @@ import sys
 from pathlib import Path
 
 import pytest
-
 from gradsync.bench.netns import available
 
 SYNC_FIELDS = {"median_ms", "algbw_mb_s", "cpu_s_per_gb", "cpu_utilisation"}

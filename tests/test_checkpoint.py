@@ -8,12 +8,9 @@ import hashlib
 import json
 import logging
 import os
-import shutil
 import signal
-import socket
 import stat
 import struct
-import subprocess
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -33,9 +30,8 @@ from gradsync.server.checkpoint import (
     encode,
     open_store,
 )
+from redisserver import RedisServer
 
-REDIS_SERVER = shutil.which("redis-server")
-NO_REDIS_SERVER = "redis-server not installed (CI installs Debian's redis-server)"
 LOGGER = "gradsync.server.checkpoint"
 ODD_JOB_IDS = ["a/b", "../x", "..", ".", "a", "A", "a%2Fb", "a:1", "x y", "über", "-rf"]
 
@@ -44,98 +40,6 @@ def make_checkpoint(step: int, job_id: str = "job", payload: bytes | None = None
     if payload is None:
         payload = f"{job_id} state before step {step};".encode() * 20
     return Checkpoint(job_id, step, 3, payload, {"world_size": "2", "layout": "abc123"})
-
-
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port: int = probe.getsockname()[1]
-        return port
-
-
-class RedisServer:
-    """A real redis-server child on a free loopback port, keeping its files in `directory`."""
-
-    def __init__(self, directory: Path, *durability_args: str) -> None:
-        self.directory = directory
-        self.directory.mkdir(parents=True, exist_ok=True)
-        self.durability_args = durability_args or ("--appendonly", "yes", "--appendfsync", "always")
-        self.process: subprocess.Popen[bytes] | None = None
-        self.port = 0
-        self.start()
-
-    @property
-    def url(self) -> str:
-        return f"redis://127.0.0.1:{self.port}/0"
-
-    def start(self) -> None:
-        """Start on a fresh free port (a few tries: another process may grab the port first)."""
-        assert REDIS_SERVER is not None
-        log_path = self.directory / "redis.log"
-        for _ in range(3):
-            self.port = free_port()
-            arguments = [REDIS_SERVER, "--port", str(self.port), "--bind", "127.0.0.1"]
-            arguments += ["--dir", str(self.directory), "--save", "", "--daemonize", "no"]
-            arguments += self.durability_args
-            with open(log_path, "ab") as log:
-                self.process = subprocess.Popen(
-                    arguments,
-                    stdout=log,
-                    stderr=subprocess.STDOUT,
-                )
-            deadline = time.monotonic() + 10
-            while self.process.poll() is None and time.monotonic() < deadline:
-                if self.answers_ping():
-                    return
-                time.sleep(0.02)
-            self.stop()
-        raise RuntimeError(f"redis-server did not answer PING: {log_path.read_text()[-2000:]}")
-
-    def answers_ping(self) -> bool:
-        try:
-            with socket.create_connection(("127.0.0.1", self.port), timeout=1) as connection:
-                connection.sendall(b"PING\r\n")
-                return connection.recv(64).startswith(b"+PONG")
-        except OSError:
-            return False
-
-    def stop(self, how: signal.Signals = signal.SIGTERM) -> None:
-        if self.process is None:
-            return
-        if self.process.poll() is None:
-            self.process.send_signal(how)
-            try:
-                self.process.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
-                self.process.wait()
-        self.process = None
-
-
-@pytest.fixture
-def redis_server_factory(tmp_path: Path) -> Iterator[Callable[..., RedisServer]]:
-    """Start real redis-servers on demand; every one is stopped after the test."""
-    if REDIS_SERVER is None:
-        pytest.skip(NO_REDIS_SERVER)
-    pytest.importorskip("redis", reason="the redis package is not installed: gradsync[redis]")
-    started: list[RedisServer] = []
-
-    def start(name: str = "redis", *durability_args: str) -> RedisServer:
-        server = RedisServer(tmp_path / name, *durability_args)
-        started.append(server)
-        return server
-
-    yield start
-    for server in started:
-        if server.process is not None and server.process.poll() is None:
-            server.process.send_signal(signal.SIGCONT)  # in case a test left it stopped
-        server.stop()
-
-
-@pytest.fixture
-def redis_server(redis_server_factory: Callable[..., RedisServer]) -> RedisServer:
-    """A redis-server with the append-only file fsync'd on every write."""
-    return redis_server_factory()
 
 
 @dataclass

@@ -1,0 +1,48 @@
+# syntax=docker/dockerfile:1
+# gradsync image: one image for the coordinator (the default command) and the workers
+# (`docker run IMAGE worker --coordinator HOST:PORT --rank R --world-size N`).
+#
+# Two stages: the builder turns the source into a wheel and installs it with its
+# dependencies into a venv; the runtime stage copies only that venv, so no compiler,
+# pip cache or source tree ships.
+
+FROM python:3.11-slim AS builder
+ENV PIP_NO_CACHE_DIR=1 \
+    PIP_DISABLE_PIP_VERSION_CHECK=1
+RUN python -m venv /opt/venv
+ENV PATH=/opt/venv/bin:$PATH
+# torch first, from the CPU-only index: the package's `torch>=2.4` is then already met,
+# so pip never pulls the CUDA build (gigabytes the coordinator and CPU workers never use).
+RUN pip install --index-url https://download.pytorch.org/whl/cpu torch==2.13.0
+WORKDIR /src
+# Only what the wheel is built from (client/, server/, proto/, bench/ are the package).
+COPY pyproject.toml README.md ./
+COPY client client
+COPY server server
+COPY proto proto
+COPY bench bench
+# Extras: `demo` (scikit-learn's bundled digits for `gradsync worker`), `redis` (the
+# Redis checkpoint store behind --checkpoint-store redis://...).
+RUN pip wheel --no-deps --wheel-dir /dist . \
+    && pip install "$(ls /dist/gradsync-*.whl)[demo,redis]"
+
+FROM python:3.11-slim
+# The same base image as the builder, so the venv's interpreter links stay valid.
+COPY --from=builder /opt/venv /opt/venv
+# PYTHONUNBUFFERED: logs reach `docker logs` as they are written, not when a buffer fills.
+# PROMETHEUS_DISABLE_CREATED_SERIES: no `*_created` series beside every counter/histogram.
+ENV PATH=/opt/venv/bin:$PATH \
+    PYTHONUNBUFFERED=1 \
+    PROMETHEUS_DISABLE_CREATED_SERIES=True
+RUN useradd --create-home --uid 10001 --user-group gradsync
+USER gradsync
+WORKDIR /home/gradsync
+# 50051: the coordinator's gRPC port; 9100: Prometheus metrics (coordinator and workers).
+EXPOSE 50051 9100
+# Our own probe (grpc.health.v1 through grpcio-health-checking, a dependency already): exits 0
+# only while the coordinator reports SERVING, so a draining coordinator turns unhealthy.
+# Worker containers have no coordinator inside: they must disable this check.
+HEALTHCHECK --interval=10s --timeout=5s --start-period=30s --retries=3 \
+    CMD ["python", "-m", "gradsync.healthcheck", "127.0.0.1:50051"]
+ENTRYPOINT ["gradsync"]
+CMD ["serve", "--world-size", "3", "--port", "50051", "--metrics-port", "9100"]

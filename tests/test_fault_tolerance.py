@@ -1,0 +1,371 @@
+"""Fault tolerance with real processes, real signals and a real Redis.
+
+Each scenario asserts where the ranks end up (parameters, errors, timing
+bounds), not just that nothing crashed.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+import pytest
+import scenarios
+from gradsync.bench.netns import Cluster, available
+from gradsync.status import query_status
+from redisserver import RedisServer
+
+FAULT_WORKER = Path(__file__).parent / "workers" / "fault_worker.py"
+HEARTBEAT = ("--heartbeat-interval", "0.25", "--heartbeat-timeout", "2")
+
+
+def start_workers(
+    address: str,
+    world_size: int,
+    out: Path,
+    steps: int,
+    per_rank: dict[int, list[str]] | None = None,
+    *extra: str,
+    launch: Callable[[int, list[str]], subprocess.Popen[bytes]] | None = None,
+) -> list[subprocess.Popen[bytes]]:
+    processes = []
+    for rank in range(world_size):
+        argv = [
+            sys.executable,
+            str(FAULT_WORKER),
+            "--coordinator",
+            address,
+            "--rank",
+            str(rank),
+            "--world-size",
+            str(world_size),
+            "--steps",
+            str(steps),
+            "--out",
+            str(out / f"rank{rank}.json"),
+            *extra,
+            *(per_rank or {}).get(rank, []),
+        ]
+        if launch is not None:
+            processes.append(launch(rank, argv))
+        else:
+            processes.append(
+                subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+            )
+    return processes
+
+
+def finish(
+    processes: list[subprocess.Popen[bytes]], out: Path, timeout_s: float = 90
+) -> list[dict | None]:
+    deadline = time.monotonic() + timeout_s
+    reports: list[dict | None] = []
+    try:
+        for rank, process in enumerate(processes):
+            process.wait(timeout=max(1.0, deadline - time.monotonic()))
+            path = out / f"rank{rank}.json"
+            reports.append(json.loads(path.read_text()) if path.exists() else None)
+    finally:
+        for process in processes:
+            if process.poll() is None:
+                process.kill()
+                process.wait()
+    return reports
+
+
+def params_of(report: dict) -> dict[str, np.ndarray]:
+    return {name: np.array(values) for name, values in report["params"].items()}
+
+
+def assert_matches_reference(report: dict, world_size: int, steps: int) -> None:
+    reference = scenarios.reference_training(world_size, steps, init_seed=0)
+    got = params_of(report)
+    for name, param in reference.named_parameters():
+        expected = param.detach().double().numpy()
+        error = np.linalg.norm(got[name] - expected) / np.linalg.norm(expected)
+        assert error <= 1e-6, (name, error)
+
+
+def wait_for(predicate: Callable[[], bool], timeout_s: float, what: str) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if predicate():
+            return
+        time.sleep(0.05)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+def job_status(address: str) -> object | None:
+    try:
+        reply = query_status(address, "default", timeout_s=2)
+    except ConnectionError:
+        return None
+    return reply.jobs[0] if reply.jobs else None
+
+
+@pytest.mark.timeout(120)
+def test_killed_worker_aborts_the_step_for_survivors(coordinator_factory, tmp_path: Path) -> None:
+    coordinator = coordinator_factory(3, *HEARTBEAT)
+    processes = start_workers(
+        coordinator.address, 3, tmp_path, steps=6, per_rank={2: ["--kill-at", "2"]}
+    )
+    wait_for(lambda: processes[2].poll() is not None, 60, "rank 2 to kill itself")
+    died_at = time.monotonic()
+    reports = finish(processes, tmp_path)
+    assert processes[2].returncode == -9 and reports[2] is None
+    for rank in (0, 1):
+        report = reports[rank]
+        assert report is not None
+        assert report["status"] == "PeerLostError", report["message"]
+        assert "rank 2" in report["message"] and report["step"] == 2
+        # Survivors applied steps 0 and 1 only: no partial average of step 2.
+        assert_matches_reference(report, 3, 2)
+    # Both survivors were told within heartbeat timeout + 1 s (plus process exit time).
+    assert max(p.returncode is not None for p in processes[:2])
+    assert time.monotonic() - died_at < 2 + 1 + 5
+
+
+@pytest.mark.timeout(120)
+def test_straggler_is_named_in_the_log_and_in_status(coordinator_factory, tmp_path: Path) -> None:
+    coordinator = coordinator_factory(2, *HEARTBEAT, "--stall-warning", "1")
+    processes = start_workers(
+        coordinator.address, 2, tmp_path, steps=4, per_rank={1: ["--sleep-at", "2:4"]}
+    )
+
+    def rank_1_reported_late() -> bool:
+        job = job_status(coordinator.address)
+        return bool(
+            job
+            and [late.rank for late in job.late] == [1]  # type: ignore[attr-defined]
+            and job.step_age_s > 1
+        )  # type: ignore[attr-defined]
+
+    wait_for(rank_1_reported_late, 60, "status to show rank 1 late")
+    job = job_status(coordinator.address)
+    assert job is not None and job.open_step == 2  # type: ignore[attr-defined]
+    assert list(job.late[0].bucket_indices)  # type: ignore[attr-defined]
+    reports = finish(processes, tmp_path)
+    assert [r["status"] for r in reports if r] == ["ok", "ok"]
+    cli = subprocess.run(
+        [sys.executable, "-m", "gradsync.cli", "status", "--coordinator", coordinator.address],
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
+    assert cli.returncode == 0
+    _, log = coordinator.stop()
+    assert "step 2 has been waiting" in log and "rank 1 (buckets [" in log
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.skipif(not available()[0], reason=available()[1])
+def test_partitioned_worker_is_declared_dead(tmp_path: Path) -> None:
+    with Cluster(["coord", "w0", "w1"]) as cluster:
+        coordinator = cluster.popen(
+            "coord",
+            [
+                sys.executable,
+                "-m",
+                "gradsync.cli",
+                "serve",
+                "--world-size",
+                "2",
+                "--host",
+                "0.0.0.0",
+                "--port",
+                "50051",
+                *HEARTBEAT,
+            ],
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        address = f"{cluster.address('coord')}:50051"
+        processes = start_workers(
+            address,
+            2,
+            tmp_path,
+            200,
+            None,
+            "--step-delay-s",
+            "0.2",
+            "--timeout-s",
+            "60",
+            launch=lambda rank, argv: cluster.popen(
+                f"w{rank}", argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+            ),
+        )
+        status_address = address
+
+        def past_step_2() -> bool:
+            result = subprocess.run(
+                cluster.command(
+                    "w0",
+                    [
+                        sys.executable,
+                        "-m",
+                        "gradsync.cli",
+                        "status",
+                        "--coordinator",
+                        status_address,
+                        "--json",
+                    ],
+                ),
+                capture_output=True,
+                text=True,
+                timeout=20,
+            )
+            return result.returncode == 0 and '"openStep": "3"' in result.stdout
+
+        wait_for(past_step_2, 60, "training to pass step 2")
+        cluster.set_link("w1", False)
+        cut_at = time.monotonic()
+        processes[0].wait(timeout=30)
+        detected_after = time.monotonic() - cut_at
+        report = json.loads((tmp_path / "rank0.json").read_text())
+        assert report["status"] == "PeerLostError"
+        assert "rank 1" in report["message"] and "heartbeat" in report["message"]
+        assert detected_after < 2 + 1 + 3, detected_after
+        coordinator.terminate()
+        _, log = coordinator.communicate(timeout=30)
+        assert "declared dead" in log
+
+
+def run_to_completion(address: str, out: Path, steps: int, *extra: str) -> list[dict]:
+    reports = finish(start_workers(address, 2, out, steps, None, *extra), out)
+    assert all(r is not None for r in reports)
+    return [r for r in reports if r is not None]
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("backend", ["file", "redis"])
+def test_coordinator_killed_and_restarted_resumes_from_the_checkpoint(
+    backend: str,
+    tmp_path: Path,
+    redis_server_factory: Callable[..., RedisServer],
+    coordinator_factory,
+) -> None:
+    store = str(tmp_path / "checkpoints") if backend == "file" else redis_server_factory().url
+    flags = (*HEARTBEAT, "--checkpoint-store", store, "--checkpoint-every", "2")
+    first = coordinator_factory(2, *flags)
+    run1 = tmp_path / "run1"
+    run1.mkdir()
+    processes = start_workers(first.address, 2, run1, 10, None, "--step-delay-s", "0.3")
+
+    def checkpoint_at_least_4() -> bool:
+        job = job_status(first.address)
+        return bool(job and job.last_checkpoint_step >= 4)  # type: ignore[attr-defined]
+
+    wait_for(checkpoint_at_least_4, 90, "a durable checkpoint of step >= 4")
+    first.process.kill()  # SIGKILL: no drain, no goodbye
+    first.process.wait()
+    interrupted = finish(processes, run1)
+    assert all(r is not None and r["status"] != "ok" for r in interrupted), interrupted
+    # Restart on the same store; brand-new worker processes resume from it.
+    second = coordinator_factory(2, *flags, "--resume")
+    run2 = tmp_path / "run2"
+    run2.mkdir()
+    reports = run_to_completion(second.address, run2, 10)
+    for report in reports:
+        assert report["status"] == "ok", report["message"]
+        assert_matches_reference(report, 2, 10)
+    _, log = second.stop()
+    assert "RESUMES from the checkpoint of step" in log
+
+
+@pytest.mark.timeout(60)
+def test_resume_without_a_checkpoint_is_refused(coordinator_factory, tmp_path: Path) -> None:
+    coordinator = coordinator_factory(2, "--checkpoint-store", str(tmp_path / "empty"), "--resume")
+    reports = finish(start_workers(coordinator.address, 2, tmp_path, 2), tmp_path)
+    for report in reports:
+        assert report is not None and report["status"] == "JoinRefusedError"
+        assert "--resume is set" in report["message"] and "from scratch" in report["message"]
+
+
+@pytest.mark.timeout(180)
+def test_redis_outage_does_not_stop_training(
+    tmp_path: Path,
+    redis_server_factory: Callable[..., RedisServer],
+    coordinator_factory,
+) -> None:
+    redis = redis_server_factory()
+    coordinator = coordinator_factory(
+        2, *HEARTBEAT, "--checkpoint-store", redis.url, "--checkpoint-every", "1"
+    )
+    processes = start_workers(coordinator.address, 2, tmp_path, 30, None, "--step-delay-s", "0.2")
+    wait_for(
+        lambda: bool((j := job_status(coordinator.address)) and j.last_checkpoint_step >= 2),  # type: ignore[attr-defined]
+        60,
+        "a first checkpoint",
+    )
+    redis.stop()  # Redis goes away mid-run
+    time.sleep(2)
+    before_restart = job_status(coordinator.address)
+    assert before_restart is not None
+    redis.start(same_port=True)  # and comes back with its append-only file
+    wait_for(
+        lambda: bool(
+            (j := job_status(coordinator.address))
+            and j.last_checkpoint_step > before_restart.last_checkpoint_step + 1
+        ),  # type: ignore[attr-defined]
+        60,
+        "checkpoints to succeed again after Redis restarted",
+    )
+    reports = finish(processes, tmp_path)
+    assert [r["status"] for r in reports if r] == ["ok", "ok"]
+    for report in reports:
+        assert report is not None
+        assert_matches_reference(report, 2, 30)
+    _, log = coordinator.stop()
+    assert "FAILED" in log and "failures so far" in log
+
+
+@pytest.mark.timeout(90)
+def test_require_checkpoint_fails_fast_when_the_store_is_down_at_start(
+    tmp_path: Path, redis_server_factory: Callable[..., RedisServer], coordinator_factory
+) -> None:
+    redis = redis_server_factory()
+    url = redis.url
+    redis.stop()
+    coordinator = coordinator_factory(
+        2, *HEARTBEAT, "--checkpoint-store", url, "--checkpoint-every", "2", "--require-checkpoint"
+    )
+    reports = finish(start_workers(coordinator.address, 2, tmp_path, 20), tmp_path)
+    for report in reports:
+        assert report is not None and report["status"] == "JoinRefusedError"
+        assert "--require-checkpoint is set" in report["message"], report["message"]
+        assert "Connection refused" in report["message"]
+
+
+@pytest.mark.timeout(120)
+def test_require_checkpoint_fails_fast_when_the_store_dies_mid_run(
+    tmp_path: Path, redis_server_factory: Callable[..., RedisServer], coordinator_factory
+) -> None:
+    redis = redis_server_factory()
+    coordinator = coordinator_factory(
+        2,
+        *HEARTBEAT,
+        "--checkpoint-store",
+        redis.url,
+        "--checkpoint-every",
+        "1",
+        "--require-checkpoint",
+    )
+    processes = start_workers(coordinator.address, 2, tmp_path, 200, None, "--step-delay-s", "0.1")
+    wait_for(
+        lambda: bool((j := job_status(coordinator.address)) and j.last_checkpoint_step >= 1),  # type: ignore[attr-defined]
+        60,
+        "a first checkpoint",
+    )
+    redis.stop()
+    stopped_at = time.monotonic()
+    reports = finish(processes, tmp_path, timeout_s=60)
+    assert time.monotonic() - stopped_at < 30
+    for report in reports:
+        assert report is not None and report["status"] != "ok"
+        assert report["step"] is None or report["step"] < 200
+        assert "--require-checkpoint is set" in report["message"], report["message"]

@@ -1,0 +1,96 @@
+"""One rank of a fault-tolerance test job; reports how it ended as JSON.
+
+It trains `scenarios.MixedModel` on the step-indexed batches of
+`scenarios.rank_batch`, resuming at `model.step`, so a run that is killed and
+resumed from a checkpoint must end with exactly the parameters of an
+uninterrupted run. Fault injection (one per run, chosen by flags):
+  --sleep-at STEP:SECONDS   stall before the backward of STEP (a straggler)
+  --kill-at STEP            SIGKILL itself during the backward of STEP, after
+                            the first bucket was uploaded and before the rest
+Output: {"status": "ok" | error class name, "message", "step", "elapsed_s",
+         "params": {name: list}} in --out; exit code 0, or 3 on a GradSyncError.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import gradsync
+import scenarios
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--coordinator", required=True)
+    parser.add_argument("--rank", type=int, required=True)
+    parser.add_argument("--world-size", type=int, required=True)
+    parser.add_argument("--steps", type=int, default=6)
+    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--sleep-at", default=None)
+    parser.add_argument("--kill-at", type=int, default=None)
+    parser.add_argument("--step-delay-s", type=float, default=0.0)
+    parser.add_argument("--timeout-s", type=float, default=30.0)
+    args = parser.parse_args()
+    rank, world = args.rank, args.world_size
+    module = scenarios.MixedModel(seed=rank)
+    report: dict[str, object] = {"status": "ok", "message": "", "step": 0}
+    started = time.monotonic()
+    try:
+        model = gradsync.DistributedDataParallel(
+            module,
+            coordinator=args.coordinator,
+            rank=rank,
+            world_size=world,
+            bucket_cap_mb=0.01,
+            first_bucket_mb=0.002,
+            timeout_s=args.timeout_s,
+            join_timeout_s=args.timeout_s,
+        )
+        optimizer = scenarios.make_optimizer(model)
+        model.register_optimizer(optimizer)
+        sleep_step, sleep_s = (
+            (int(args.sleep_at.split(":")[0]), float(args.sleep_at.split(":")[1]))
+            if args.sleep_at
+            else (-1, 0.0)
+        )
+        if args.kill_at is not None:
+            # The second bucket's last gradient: by then bucket 0 is on its way.
+            victim = model.bucket_plans[1].parameter_indices[-1]
+            target = list(module.parameters())[victim]
+
+            def kill_hook(_: object) -> None:
+                if model.step == args.kill_at:
+                    time.sleep(0.3)  # let bucket 0's chunks leave
+                    os.kill(os.getpid(), signal.SIGKILL)
+
+            target.register_post_accumulate_grad_hook(kill_hook)
+        with model:
+            while model.step < args.steps:
+                step = model.step
+                optimizer.zero_grad()
+                x, y = scenarios.rank_batch(step, world, rank)
+                loss = scenarios.loss_fn(model(x), y)
+                if step == sleep_step:
+                    time.sleep(sleep_s)
+                loss.backward()
+                optimizer.step()
+                report["step"] = model.step
+                time.sleep(args.step_delay_s)
+    except gradsync.GradSyncError as exc:
+        report.update(status=type(exc).__name__, message=str(exc), step=exc.step)
+    report["elapsed_s"] = time.monotonic() - started
+    report["params"] = {n: p.detach().tolist() for n, p in module.named_parameters()}
+    args.out.write_text(json.dumps(report))
+    return 0 if report["status"] == "ok" else 3
+
+
+if __name__ == "__main__":
+    sys.exit(main())
