@@ -119,6 +119,12 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument(
         "--resume", action="store_true", help="refuse to start a job that has no stored checkpoint"
     )
+    serve.add_argument(
+        "--metrics-port",
+        type=int,
+        default=None,
+        help="serve Prometheus metrics on this port (0 = a free one; default: off)",
+    )
 
     status = commands.add_parser("status", help="show jobs, membership, progress and late ranks")
     status.add_argument(
@@ -167,6 +173,19 @@ def build_parser() -> argparse.ArgumentParser:
         "--save", type=Path, default=None, help="write the final parameters to this .npz file"
     )
     worker.add_argument("--no-progress", action="store_true", help="no progress bar on rank 0")
+    worker.add_argument(
+        "--metrics-port",
+        type=int,
+        default=None,
+        help="serve this worker's Prometheus metrics on PORT + $LOCAL_RANK "
+        "(default $GRADSYNC_METRICS_PORT; 0 = a free port; unset = off)",
+    )
+    worker.add_argument(
+        "--trace",
+        type=Path,
+        default=None,
+        help="write a Chrome trace (Perfetto) of every step to this file",
+    )
 
     demo = commands.add_parser(
         "demo", help="start a coordinator and local workers, train, check against one process"
@@ -270,6 +289,7 @@ def _serve(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
             checkpoint_every=args.checkpoint_every,
             require_checkpoint=args.require_checkpoint,
             resume=args.resume,
+            metrics_port=args.metrics_port,
         )
     except ValueError as exc:
         parser.error(str(exc))
@@ -305,6 +325,8 @@ def _worker(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
             timeout_s=args.timeout_s,
             progress=args.rank == 0 and not args.no_progress,
             save_path=args.save,
+            metrics_port=args.metrics_port,
+            trace_path=args.trace,
         )
     except GradSyncError as exc:
         print(f"gradsync worker rank {args.rank}: {exc}", file=sys.stderr)

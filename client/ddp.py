@@ -22,8 +22,10 @@ import contextlib
 import enum
 import io
 import logging
+import os
 import uuid
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -31,7 +33,9 @@ from gradsync import __version__, wire
 from gradsync.bucketing import BucketPlan, assign_buckets
 from gradsync.buffers import BucketBuffer
 from gradsync.config import ClientConfig
-from gradsync.errors import CheckpointFailedError, ClosedError, GradSyncError
+from gradsync.errors import CheckpointFailedError, ClosedError, GradSyncError, StepAbortedError
+from gradsync.instruments import Instruments
+from gradsync.metrics import resolve_metrics_port
 from gradsync.transport import Transport
 from gradsync.v1 import gradsync_pb2 as pb
 from torch import nn
@@ -82,6 +86,9 @@ class DistributedDataParallel(nn.Module):
         first_bucket_mb: cap of the first bucket (MiB), small so uploads start early.
         timeout_s: bound on the wait for each step's averaged gradients.
         join_timeout_s: bound on the wait for every rank to join and for rank 0's state.
+        metrics_port: serve this worker's Prometheus metrics on this port plus
+            $LOCAL_RANK (default $GRADSYNC_METRICS_PORT; 0 = a free port; unset = off).
+        trace_path: write a Chrome trace-event file of every step there.
         overlap: upload each bucket as soon as its gradients are ready (default).
             False uploads everything after backward: slower, kept to measure the
             gain of overlapping communication with the backward pass.
@@ -110,6 +117,8 @@ class DistributedDataParallel(nn.Module):
         timeout_s: float = 300.0,
         join_timeout_s: float = 300.0,
         overlap: bool = True,
+        metrics_port: int | None = None,
+        trace_path: str | Path | None = None,
     ) -> None:
         super().__init__()
         self.module = module
@@ -149,6 +158,13 @@ class DistributedDataParallel(nn.Module):
         self._hooks: list[Any] = []
         self.last_contributors = 0
         self._transport = Transport(self.config.coordinator, self.config.rank)
+        self._instruments = Instruments(
+            self.config.rank,
+            resolve_metrics_port(metrics_port, os.environ),
+            Path(trace_path) if trace_path is not None else None,
+            [plan.num_bytes for plan in self._buckets],
+        )
+        self._transport.on_bucket_event = self._instruments.on_bucket_event
         try:
             self._step = self._join_and_broadcast()
             self._transport.current_step = self._step
@@ -283,6 +299,7 @@ class DistributedDataParallel(nn.Module):
             handle.remove()
         self._hooks.clear()
         self._transport.close()
+        self._instruments.close()
 
     def __enter__(self) -> DistributedDataParallel:
         return self
@@ -387,6 +404,7 @@ class DistributedDataParallel(nn.Module):
         try:
             if not self._backward_active:
                 self._backward_active = True
+                self._instruments.backward_started(self._step)
                 self._ready = [0] * len(self._buckets)
                 self._launched = [False] * len(self._buckets)
                 torch.autograd.Variable._execution_engine.queue_callback(self._finish_backward)
@@ -422,6 +440,7 @@ class DistributedDataParallel(nn.Module):
                 self._staged.append((host, param))
             segments.append(host.reshape(-1).view(torch.uint8).numpy())
         self._launched[bucket_index] = True
+        self._instruments.bucket_ready(self._step, bucket_index)
         self._transport.submit_bucket(
             self._step,
             bucket_index,
@@ -442,7 +461,13 @@ class DistributedDataParallel(nn.Module):
             for bucket_index, launched in enumerate(self._launched):
                 if not launched:  # some parameter got no gradient this pass
                     self._launch(bucket_index)
-            self.last_contributors = self._transport.wait_step(step, self.config.timeout_s)
+            wait_started = self._instruments.now()
+            try:
+                self.last_contributors = self._transport.wait_step(step, self.config.timeout_s)
+            except StepAbortedError as exc:
+                self._instruments.step_aborted(exc)
+                raise
+            self._instruments.step_done(step, wait_started)
             with torch.no_grad():
                 for host, param in self._staged:
                     assert param.grad is not None

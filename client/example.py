@@ -91,6 +91,8 @@ def train_worker(
     timeout_s: float = 120.0,
     progress: bool = False,
     save_path: Path | None = None,
+    metrics_port: int | None = None,
+    trace_path: Path | None = None,
 ) -> float:
     """Train one rank of the example job; return the final test accuracy."""
     import gradsync
@@ -104,6 +106,8 @@ def train_worker(
         job_id=job_id,
         timeout_s=timeout_s,
         join_timeout_s=timeout_s,
+        metrics_port=metrics_port,
+        trace_path=trace_path,
     )
     optimizer = torch.optim.SGD(model.parameters(), lr=settings.lr)
     model.register_optimizer(optimizer)  # checkpoints carry its state

@@ -122,6 +122,9 @@ class Transport:
         self._heartbeat: asyncio.Task[None] | None = None
         #: The step heartbeats report (set by the model wrapper).
         self.current_step = 0
+        #: Called on the transport thread as (event, step, bucket_index) for
+        #: "upload_start", "upload_end" and "averaged"; must be quick, must not raise.
+        self.on_bucket_event: Callable[[str, int, int], None] | None = None
 
     # ------------------------------------------------------------ public API
     def open(self, join: pb.Join) -> None:
@@ -163,9 +166,6 @@ class Transport:
 
     def receive_state(self, num_bytes: int, timeout_s: float) -> bytearray:
         """Block until rank 0's whole state blob has arrived; return it."""
-        with self._cond:
-            if self._shared.state is None:
-                self._shared.state = bytearray(num_bytes)
         self._wait(lambda s: s.state_received >= num_bytes, timeout_s, "rank 0's state")
         state = self._shared.state
         assert state is not None
@@ -306,6 +306,7 @@ class Transport:
                     chunk = pb.StateChunk(offset=offset, payload=payload)
                     yield pb.WorkerMessage(state=chunk).SerializeToString()
             elif isinstance(item, _BucketUpload):
+                self._bucket_event("upload_start", item.step, item.bucket_index)
                 for offset, pieces in item.buffer.chunks(chunk_bytes):
                     header = ChunkHeader(
                         step=item.step,
@@ -315,6 +316,7 @@ class Transport:
                         dtype=item.dtype,
                     )
                     yield encode_gradient(header, pieces)
+                self._bucket_event("upload_end", item.step, item.bucket_index)
             else:
                 yield item.SerializeToString()
 
@@ -355,6 +357,8 @@ class Transport:
             shared = self._shared
             if kind == "welcome":
                 shared.welcome = message.welcome
+                # Rank 0's state may arrive before anyone waits for it: have room ready.
+                shared.state = bytearray(message.welcome.state_bytes)
             elif kind == "state":
                 self._on_state(message.state)
             elif kind == "gradient":
@@ -416,6 +420,14 @@ class Transport:
         result.contributors = chunk.contributors
         if received == buffer.size:
             result.complete_buckets += 1
+            self._bucket_event("averaged", chunk.step, bucket)
+
+    def _bucket_event(self, event: str, step: int, bucket_index: int) -> None:
+        if self.on_bucket_event is not None:
+            try:
+                self.on_bucket_event(event, step, bucket_index)
+            except Exception:  # instrumentation must never break the data path
+                log.exception("bucket event handler failed")
 
     def _protocol_fault(self, what: str) -> None:
         if self._shared.fatal is None:

@@ -14,8 +14,10 @@ import sys
 from dataclasses import dataclass
 
 import grpc
+from gradsync.metrics import MetricsServer, serve_metrics
 from gradsync.server.checkpoint import open_store
 from gradsync.server.config import MIB, ServerConfig
+from gradsync.server.metrics import CoordinatorMetrics
 from gradsync.server.servicer import SERVICE_NAME, CoordinatorServicer
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
@@ -31,6 +33,7 @@ class RunningServer:
     servicer: CoordinatorServicer
     health: health.aio.HealthServicer
     watchdog: asyncio.Task[None]
+    metrics_server: MetricsServer | None = None
 
     async def stop(self, grace_s: float | None = None) -> None:
         """Stop accepting joins, let streams finish for `grace_s`, then close."""
@@ -40,6 +43,8 @@ class RunningServer:
         grace = self.servicer.config.shutdown_grace_s if grace_s is None else grace_s
         await self.server.stop(grace)
         self.watchdog.cancel()
+        if self.metrics_server is not None:
+            self.metrics_server.close()
         if self.servicer.store is not None:
             self.servicer.store.close()
 
@@ -59,7 +64,13 @@ def grpc_options(config: ServerConfig) -> list[tuple[str, int]]:
 async def start_server(config: ServerConfig) -> RunningServer:
     """Create, bind and start a coordinator; the returned port is the bound one."""
     store = open_store(config.checkpoint_store) if config.checkpoint_store else None
-    servicer = CoordinatorServicer(config, store)
+    metrics = CoordinatorMetrics()
+    servicer = CoordinatorServicer(config, store, metrics=metrics)
+    metrics_server = (
+        serve_metrics(config.metrics_port, metrics.registry, host=config.host)
+        if config.metrics_port is not None
+        else None
+    )
     server = grpc.aio.server(options=grpc_options(config))
     server.add_generic_rpc_handlers((servicer.generic_handler(),))
     health_servicer = health.aio.HealthServicer()
@@ -72,10 +83,10 @@ async def start_server(config: ServerConfig) -> RunningServer:
     for service in ("", SERVICE_NAME):
         await health_servicer.set(service, health_pb2.HealthCheckResponse.SERVING)
     watchdog = asyncio.create_task(servicer.watch())
-    return RunningServer(server, port, servicer, health_servicer, watchdog)
+    return RunningServer(server, port, servicer, health_servicer, watchdog, metrics_server)
 
 
-def banner(config: ServerConfig, port: int) -> str:
+def banner(config: ServerConfig, port: int, metrics_url: str | None = None) -> str:
     """The startup line; `gradsync demo` and tests parse 'listening on HOST:PORT'."""
     return (
         f"gradsync coordinator listening on {config.host}:{port} "
@@ -83,14 +94,15 @@ def banner(config: ServerConfig, port: int) -> str:
         f"max message {config.max_message_bytes} bytes, "
         f"max buffered {config.max_buffered_bytes / MIB:g} MiB, max jobs {config.max_jobs}, "
         f"heartbeat timeout {config.heartbeat_timeout_s:g}s, "
-        f"checkpoints {config.checkpoint_store or 'off'})"
+        f"checkpoints {config.checkpoint_store or 'off'}, metrics {metrics_url or 'off'})"
     )
 
 
 async def serve(config: ServerConfig) -> int:
     """Serve until SIGTERM or SIGINT, then drain and return the exit code 0."""
     running = await start_server(config)
-    print(banner(config, running.port), file=sys.stderr, flush=True)
+    metrics_url = running.metrics_server.url if running.metrics_server else None
+    print(banner(config, running.port, metrics_url), file=sys.stderr, flush=True)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for signum in (signal.SIGTERM, signal.SIGINT):

@@ -31,6 +31,7 @@ class ServerConfig:
         checkpoint_every: rank 0 uploads a checkpoint every this many steps (0 = on request).
         require_checkpoint: fail the job instead of training on when saving fails.
         resume: refuse to start a job from scratch: it must have a stored checkpoint.
+        metrics_port: serve Prometheus metrics on this port (0 = a free one, None = off).
     """
 
     world_size: int
@@ -48,6 +49,7 @@ class ServerConfig:
     checkpoint_every: int = 0
     require_checkpoint: bool = False
     resume: bool = False
+    metrics_port: int | None = None
 
     def __post_init__(self) -> None:
         if self.world_size < 1:

@@ -33,6 +33,7 @@ from gradsync.server import signature as signatures
 from gradsync.server.aggregation import BucketReduction, DuplicateContributionError
 from gradsync.server.budget import ByteBudget
 from gradsync.server.checkpoint import Checkpoint
+from gradsync.server.metrics import CoordinatorMetrics
 from gradsync.server.progress import StepProgress
 from gradsync.server.uploads import BlobAssembler
 from gradsync.v1 import gradsync_pb2 as pb
@@ -112,7 +113,7 @@ class Job:
         clock: Callable[[], float] = time.monotonic,
         heartbeat_interval_s: float = 0.5,
         checkpoint_every: int = 0,
-        lag_observer: Callable[[int, float], None] | None = None,
+        metrics: CoordinatorMetrics | None = None,
     ) -> None:
         self.job_id = job_id
         self.world_size = world_size
@@ -122,7 +123,7 @@ class Job:
         self._clock = clock
         self.heartbeat_interval_s = heartbeat_interval_s
         self.checkpoint_every = checkpoint_every
-        self._lag_observer = lag_observer
+        self._metrics = metrics
         self.progress: StepProgress | None = None
         #: Checkpoint this job resumes from (set by the servicer before assembly).
         self.resume: Checkpoint | None = None
@@ -387,7 +388,14 @@ class Job:
         reduction = self._reductions[chunk.bucket_index]
         if reduction.complete:
             self._buckets_done += 1
+            if self._metrics is not None and self.progress is not None:
+                sent = self._bucket_bytes[chunk.bucket_index] * len(self.members)
+                self._metrics.observe_bucket_done(
+                    self.progress.bucket_age(chunk.bucket_index), sent
+                )
             if self._buckets_done == len(self._bucket_bytes):
+                if self._metrics is not None and self.progress is not None:
+                    self._metrics.observe_step_done(self.progress.age(), self.open_step)
                 self._advance_step()
                 self.steps_completed += 1
         return actions
@@ -475,8 +483,8 @@ class Job:
         self._budget.adjust(reduction.buffered_bytes - before)
         assert self.progress is not None
         lag = self.progress.record(rank, bucket)
-        if lag is not None and self._lag_observer is not None:
-            self._lag_observer(rank, lag)
+        if lag is not None and self._metrics is not None:
+            self._metrics.observe_bucket_arrival(rank, lag)
         return averaged
 
     def _check_chunk(

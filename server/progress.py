@@ -24,6 +24,7 @@ class StepProgress:
         self._clock = clock
         self._delivered: dict[tuple[int, int], int] = {}
         self._first_done: dict[int, float] = {}
+        self._bucket_started: dict[int, float] = {}
         self.started_at: float | None = None
         self.stall_warned = False
 
@@ -38,6 +39,7 @@ class StepProgress:
         now = self._clock()
         if self.started_at is None:
             self.started_at = now
+        self._bucket_started.setdefault(bucket_index, now)
         key = (bucket_index, rank)
         count = self._delivered.get(key, 0) + 1
         self._delivered[key] = count
@@ -50,8 +52,14 @@ class StepProgress:
         """Forget the step (it completed or was abandoned)."""
         self._delivered.clear()
         self._first_done.clear()
+        self._bucket_started.clear()
         self.started_at = None
         self.stall_warned = False
+
+    def bucket_age(self, bucket_index: int) -> float:
+        """Seconds since the bucket's first chunk arrived (its round trip once averaged)."""
+        started = self._bucket_started.get(bucket_index)
+        return 0.0 if started is None else self._clock() - started
 
     def age(self) -> float:
         """Seconds since the open step's first chunk (0 when nothing arrived yet)."""

@@ -30,6 +30,7 @@ from gradsync.server.budget import ByteBudget
 from gradsync.server.checkpoint import Checkpoint, CheckpointError, CheckpointStore
 from gradsync.server.config import ServerConfig
 from gradsync.server.job import Action, Job, Persist, Send, Terminate
+from gradsync.server.metrics import CoordinatorMetrics
 from gradsync.v1 import gradsync_pb2 as pb
 
 log = logging.getLogger("gradsync.server")
@@ -87,8 +88,11 @@ class CoordinatorServicer:
         config: ServerConfig,
         store: CheckpointStore | None = None,
         clock: Callable[[], float] = time.monotonic,
+        metrics: CoordinatorMetrics | None = None,
     ) -> None:
         self.config = config
+        self.metrics = metrics or CoordinatorMetrics()
+        self._next_straggler_report = 0.0
         self.store = store
         self.clock = clock
         self.jobs: dict[str, Job] = {}
@@ -126,6 +130,9 @@ class CoordinatorServicer:
             for job_id, job in sorted(self.jobs.items())
             if not request.job_id or job_id == request.job_id
         ]
+        for job_status in jobs:
+            for member in job_status.members:
+                member.mean_lag_s = self.metrics.lag_tracker.mean_lag(member.rank) or 0.0
         return pb.StatusReply(jobs=jobs, heartbeat_timeout_s=self.config.heartbeat_timeout_s)
 
     async def watch(self) -> None:
@@ -139,8 +146,39 @@ class CoordinatorServicer:
             except Exception:  # the watchdog must outlive any bug in one check
                 log.exception("liveness check failed")
 
+    def _count_abort(self, aborted: pb.StepAborted) -> None:
+        reason = pb.AbortReason.Name(aborted.reason).removeprefix("ABORT_REASON_")
+        if aborted.reason == pb.ABORT_REASON_PEER_MESSAGE_REJECTED:
+            return  # the culprit's own message counts this abort once
+        if aborted.reason == pb.ABORT_REASON_MESSAGE_REJECTED:
+            self.metrics.observe_rejection(Code(aborted.code).name)
+        self.metrics.observe_abort(reason)
+
+    def _report_stragglers(self) -> None:
+        """Every few seconds, name ranks whose buckets persistently arrive late."""
+        now = self.clock()
+        if now < self._next_straggler_report:
+            return
+        self._next_straggler_report = now + 10.0
+        tracker = self.metrics.lag_tracker
+        for rank in tracker.persistently_behind(threshold_s=0.05, min_samples=10):
+            slowest = ", ".join(f"rank {r} {lag * 1e3:.0f} ms" for r, lag in tracker.slowest(3))
+            log.warning(
+                "rank %d is persistently behind: its buckets arrive %.0f ms after the first "
+                "rank's on average (slowest: %s)",
+                rank,
+                (tracker.mean_lag(rank) or 0.0) * 1e3,
+                slowest,
+            )
+
     def check_liveness(self) -> None:
         """One watchdog pass (also called directly by tests with a fake clock)."""
+        self.metrics.set_membership(
+            len(self._connections),
+            max((job.membership_epoch for job in self.jobs.values()), default=0),
+            len(self.jobs),
+        )
+        self._report_stragglers()
         timeout = self.config.heartbeat_timeout_s
         for job in list(self.jobs.values()):
             for rank in job.silent_ranks(timeout):
@@ -241,6 +279,7 @@ class CoordinatorServicer:
             fast = decode_gradient(raw)
             if fast is not None and job is not None:
                 # The hot path: a gradient chunk, parsed without copying its payload.
+                self.metrics.observe_chunk(len(fast[1]))
                 job.touch(conn.rank)
                 self._execute(job, job.on_gradient(conn.rank, *fast))
                 return
@@ -351,6 +390,7 @@ class CoordinatorServicer:
                 clock=self.clock,
                 heartbeat_interval_s=config.heartbeat_interval_s,
                 checkpoint_every=config.checkpoint_every,
+                metrics=self.metrics,
             )
             job.resume = resume
         try:
@@ -395,6 +435,7 @@ class CoordinatorServicer:
                 else:
                     raw = message.SerializeToString()
                     if message.WhichOneof("kind") == "step_aborted":
+                        self._count_abort(message.step_aborted)
                         log.warning("job '%s': %s", job.job_id, message.step_aborted.message)
                 for rank in action.ranks:
                     target = self._connections.get((job.job_id, rank))
@@ -405,6 +446,7 @@ class CoordinatorServicer:
                 self._background.add(task)
                 task.add_done_callback(self._background.discard)
             elif isinstance(action, Terminate):
+                self.metrics.observe_error(action.code.name)
                 log.warning(
                     "job '%s': ending ranks %s: %s", job.job_id, list(action.ranks), action.details
                 )

@@ -114,9 +114,9 @@ def run_workers(
     ]
     outputs = []
     try:
-        for rank, process in enumerate(processes):
-            output, _ = process.communicate(timeout=timeout_s)
-            assert process.returncode == 0, f"rank {rank} failed:\n{output}"
+        texts = [process.communicate(timeout=timeout_s)[0] for process in processes]
+        failed = [rank for rank, process in enumerate(processes) if process.returncode != 0]
+        assert not failed, "\n".join(f"rank {rank} failed:\n{texts[rank]}" for rank in failed)
     finally:
         for process in processes:
             if process.poll() is None:

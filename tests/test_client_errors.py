@@ -94,6 +94,7 @@ def test_peer_leaving_mid_job_raises_peer_lost_not_a_hang(coordinator_factory) -
 def test_missing_peer_gives_a_timeout_naming_the_buckets(coordinator_factory) -> None:
     coordinator = coordinator_factory(2)
     models = build_in_threads(coordinator.address, [small_model(), small_model()])
+    assert all(isinstance(m, gradsync.DistributedDataParallel) for m in models), models
     model = models[0]
     model.config = dataclasses.replace(model.config, timeout_s=1.0)  # type: ignore[attr-defined]
     with pytest.raises(gradsync.SyncTimeoutError, match=r"step 0.*bucket 0 \(0/60 bytes\)"):
