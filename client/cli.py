@@ -170,7 +170,10 @@ def build_parser() -> argparse.ArgumentParser:
         "weights are broadcast to all)",
     )
     worker.add_argument(
-        "--save", type=Path, default=None, help="write the final parameters to this .npz file"
+        "--save",
+        type=Path,
+        default=None,
+        help="write the final parameters to this .npz file ({rank} is replaced by the rank)",
     )
     worker.add_argument("--no-progress", action="store_true", help="no progress bar on rank 0")
     worker.add_argument(
@@ -324,7 +327,7 @@ def _worker(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
             job_id=args.job_id,
             timeout_s=args.timeout_s,
             progress=args.rank == 0 and not args.no_progress,
-            save_path=args.save,
+            save_path=Path(str(args.save).format(rank=args.rank)) if args.save else None,
             metrics_port=args.metrics_port,
             trace_path=args.trace,
         )

@@ -307,6 +307,7 @@ class Transport:
                     yield pb.WorkerMessage(state=chunk).SerializeToString()
             elif isinstance(item, _BucketUpload):
                 self._bucket_event("upload_start", item.step, item.bucket_index)
+                last_offset = (wire.num_chunks(item.buffer.size, chunk_bytes) - 1) * chunk_bytes
                 for offset, pieces in item.buffer.chunks(chunk_bytes):
                     header = ChunkHeader(
                         step=item.step,
@@ -315,8 +316,10 @@ class Transport:
                         offset=offset,
                         dtype=item.dtype,
                     )
-                    yield encode_gradient(header, pieces)
-                self._bucket_event("upload_end", item.step, item.bucket_index)
+                    message = encode_gradient(header, pieces)
+                    if offset == last_offset:  # handed to gRPC: the upload's end
+                        self._bucket_event("upload_end", item.step, item.bucket_index)
+                    yield message
             else:
                 yield item.SerializeToString()
 

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import pytest
-
 from gradsync.errors import SyncTimeoutError
 from gradsync.transport import Transport
 from gradsync.v1 import gradsync_pb2 as pb

@@ -38,6 +38,8 @@ def main() -> int:
     parser.add_argument("--kill-at", type=int, default=None)
     parser.add_argument("--step-delay-s", type=float, default=0.0)
     parser.add_argument("--timeout-s", type=float, default=30.0)
+    parser.add_argument("--metrics-port", type=int, default=None)
+    parser.add_argument("--trace", type=Path, default=None)
     args = parser.parse_args()
     rank, world = args.rank, args.world_size
     module = scenarios.MixedModel(seed=rank)
@@ -53,6 +55,8 @@ def main() -> int:
             first_bucket_mb=0.002,
             timeout_s=args.timeout_s,
             join_timeout_s=args.timeout_s,
+            metrics_port=args.metrics_port,
+            trace_path=args.trace,
         )
         optimizer = scenarios.make_optimizer(model)
         model.register_optimizer(optimizer)
