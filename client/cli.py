@@ -125,6 +125,19 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="serve Prometheus metrics on this port (0 = a free one; default: off)",
     )
+    serve.add_argument(
+        "--on-failure",
+        choices=["abort", "elastic"],
+        default="abort",
+        help="when a worker is lost: abort the step for everyone (default) or "
+        "go on with the live ranks and let restarted ranks rejoin",
+    )
+    serve.add_argument(
+        "--min-workers",
+        type=_positive_int,
+        default=1,
+        help="elastic: the fewest live workers to go on with (default 1)",
+    )
 
     status = commands.add_parser("status", help="show jobs, membership, progress and late ranks")
     status.add_argument(
@@ -293,6 +306,8 @@ def _serve(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
             require_checkpoint=args.require_checkpoint,
             resume=args.resume,
             metrics_port=args.metrics_port,
+            on_failure=args.on_failure,
+            min_workers=args.min_workers,
         )
     except ValueError as exc:
         parser.error(str(exc))

@@ -201,6 +201,9 @@ class DistributedDataParallel(nn.Module):
         """Run the wrapped module's forward (after a due periodic checkpoint, on rank 0)."""
         if self._state is _State.CLOSED:
             raise ClosedError("DistributedDataParallel used after close()", rank=self.rank)
+        if self._transport.take_heal_request():
+            # A step boundary: parameters and optimizer state are consistent.
+            self._transport.send_heal(self._step, self._state_blob())
         every = self._checkpoint_every
         if (
             every
@@ -243,16 +246,8 @@ class DistributedDataParallel(nn.Module):
         step = self._step
         if self.rank != 0:
             return step
-        state = {
-            "module": self.module.state_dict(),
-            "optimizer": self._optimizer.state_dict() if self._optimizer is not None else None,
-            "step": step,
-            "world_size": self.world_size,
-        }
-        buffer = io.BytesIO()
-        torch.save(state, buffer)
         self._last_checkpoint_step = step
-        self._transport.send_checkpoint(step, buffer.getvalue())
+        self._transport.send_checkpoint(step, self._state_blob())
         if wait:
             saved = self._transport.wait_checkpoint(step, timeout_s or self.config.timeout_s)
             if not saved.durable:
@@ -262,6 +257,18 @@ class DistributedDataParallel(nn.Module):
                     step=step,
                 )
         return step
+
+    def _state_blob(self) -> bytes:
+        """Module state, optimizer state and step, serialized for checkpoints and healing."""
+        state = {
+            "module": self.module.state_dict(),
+            "optimizer": self._optimizer.state_dict() if self._optimizer is not None else None,
+            "step": self._step,
+            "world_size": self.world_size,
+        }
+        buffer = io.BytesIO()
+        torch.save(state, buffer)
+        return buffer.getvalue()
 
     def _restore(self, blob: bytes, start_step: int) -> None:
         """Load the checkpoint the job resumes from (optimizer state waits for its optimizer)."""

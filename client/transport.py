@@ -84,12 +84,16 @@ class _Shared:
     resume: bytearray | None = None
     resume_received: int = 0
     checkpoint_acks: dict[int, pb.CheckpointSaved] = field(default_factory=dict)
+    membership_epoch: int = 0
+    #: A live rank asked to donate its state to a rejoining rank (elastic).
+    heal_requested: bool = False
 
 
 @dataclass
 class _CheckpointUpload:
     step: int
     blob: bytes
+    heal: bool = False
 
 
 _CLOSE = object()
@@ -182,6 +186,16 @@ class Transport:
     def send_checkpoint(self, step: int, blob: bytes) -> None:
         """Queue a checkpoint upload (rank 0). Never blocks."""
         self._put(_CheckpointUpload(step, blob))
+
+    def take_heal_request(self) -> bool:
+        """True (once) when a rejoining rank needs this rank's state."""
+        with self._cond:
+            requested, self._shared.heal_requested = self._shared.heal_requested, False
+            return requested
+
+    def send_heal(self, step: int, blob: bytes) -> None:
+        """Queue this rank's state for a rejoining rank. Never blocks."""
+        self._put(_CheckpointUpload(step, blob, heal=True))
 
     def wait_checkpoint(self, step: int, timeout_s: float) -> pb.CheckpointSaved:
         """Block until the coordinator answered the checkpoint upload of `step`."""
@@ -288,7 +302,7 @@ class Transport:
                 return
             welcome = self._shared.welcome
             if welcome is not None:
-                chunk_bytes, epoch = welcome.chunk_bytes, welcome.membership_epoch
+                chunk_bytes, epoch = welcome.chunk_bytes, self._shared.membership_epoch
             if isinstance(item, _CheckpointUpload):
                 view = memoryview(item.blob)
                 for offset, length in wire.chunk_spans(len(view), chunk_bytes):
@@ -297,6 +311,7 @@ class Transport:
                         offset=offset,
                         total_bytes=len(view),
                         payload=bytes(view[offset : offset + length]),
+                        heal=item.heal,
                     )
                     yield pb.WorkerMessage(checkpoint=piece).SerializeToString()
             elif isinstance(item, _StateUpload):
@@ -360,6 +375,7 @@ class Transport:
             shared = self._shared
             if kind == "welcome":
                 shared.welcome = message.welcome
+                shared.membership_epoch = message.welcome.membership_epoch
                 # Rank 0's state may arrive before anyone waits for it: have room ready.
                 shared.state = bytearray(message.welcome.state_bytes)
             elif kind == "state":
@@ -370,6 +386,17 @@ class Transport:
             elif kind == "step_aborted":
                 aborted = message.step_aborted
                 self._ensure_step_locked(aborted.step).aborted = aborted
+            elif kind == "membership":
+                change = message.membership
+                shared.membership_epoch = change.membership_epoch
+                log.warning("rank %d: membership changed: %s", self.rank, change.reason)
+            elif kind == "state_request":
+                shared.heal_requested = True
+                log.warning(
+                    "rank %d: asked for its state to heal rejoining rank %d",
+                    self.rank,
+                    message.state_request.for_rank,
+                )
             elif kind == "resume":
                 self._on_resume(message.resume)
             elif kind == "checkpoint_saved":
@@ -420,7 +447,11 @@ class Transport:
             return
         received = result.received.get(bucket, 0) + len(payload)
         result.received[bucket] = received
-        result.contributors = chunk.contributors
+        result.contributors = (
+            min(result.contributors, chunk.contributors)
+            if result.contributors
+            else chunk.contributors
+        )
         if received == buffer.size:
             result.complete_buckets += 1
             self._bucket_event("averaged", chunk.step, bucket)

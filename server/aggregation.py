@@ -6,15 +6,21 @@ chunk's average the moment the last expected rank has contributed to it.
 
 Bitwise reproducibility: floating-point addition is not associative, so the
 sum is always formed in ascending rank order (r0 + r1 + r2 ...), whatever the
-arrival order. A contribution that arrives "early" (its predecessor in rank
-order is still missing) is parked until the prefix before it is complete;
-in-order arrivals are folded straight into the accumulator. The result is the
-same bytes for every interleaving, and memory holds at most one accumulator
-plus the parked payloads per chunk.
+arrival order. A contribution that arrives "early" (a lower rank is still
+missing) is parked until the prefix before it is complete; in-order arrivals
+are folded straight into the accumulator. The result is the same bytes for
+every interleaving, and memory holds at most one accumulator plus the parked
+payloads per chunk.
+
+Membership may change mid-step (elastic policy): `drop_rank` removes a lost
+rank from every pending chunk that it has not contributed to (a contribution
+already received stays, and counts in the divisor: the average is always over
+the contributions it contains), and `add_rank` adds a rejoining rank.
 """
 
 from __future__ import annotations
 
+import bisect
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -25,8 +31,9 @@ from gradsync import wire
 
 @dataclass
 class _ChunkState:
-    """Partial sum of one chunk: ranks[:next_position] are folded in."""
+    """Partial sum of one chunk: expected[:next_position] are folded in."""
 
+    expected: list[int]
     accumulator: npt.NDArray[np.floating] | None = None
     next_position: int = 0
     parked: dict[int, bytes | memoryview] = field(default_factory=dict)
@@ -38,7 +45,7 @@ class DuplicateContributionError(ValueError):
 
 
 class BucketReduction:
-    """Averages one bucket of one step across a fixed set of ranks.
+    """Averages one bucket of one step across a set of ranks.
 
     Args:
         ranks: the ranks whose contributions make up the average; the sum is
@@ -54,8 +61,7 @@ class BucketReduction:
     def __init__(self, ranks: Sequence[int], dtype: int, num_bytes: int, chunk_bytes: int) -> None:
         if not ranks:
             raise ValueError("a reduction needs at least one rank")
-        self._order = sorted(ranks)
-        self._position = {rank: position for position, rank in enumerate(self._order)}
+        self._ranks = sorted(ranks)
         self.dtype = dtype
         self.num_bytes = num_bytes
         self.chunk_bytes = chunk_bytes
@@ -63,11 +69,12 @@ class BucketReduction:
         self._chunks_done = 0
         self._chunks_total = wire.num_chunks(num_bytes, chunk_bytes)
         self.buffered_bytes = 0
+        self.last_contributors = len(self._ranks)
 
     @property
     def contributors(self) -> int:
-        """Number of ranks averaged over (the divisor)."""
-        return len(self._order)
+        """Number of ranks a chunk starting now would be averaged over."""
+        return len(self._ranks)
 
     @property
     def complete(self) -> bool:
@@ -78,43 +85,76 @@ class BucketReduction:
         """Fold one rank's chunk in; return the chunk's average if now complete.
 
         Raises:
-            KeyError: `rank` is not one of the reduction's ranks.
+            KeyError: `rank` is not expected in this chunk.
             DuplicateContributionError: `rank` already sent this chunk.
         """
-        position = self._position[rank]
         state = self._chunks.get(offset)
         if state is None:
-            state = self._chunks[offset] = _ChunkState()
+            state = self._chunks[offset] = _ChunkState(list(self._ranks))
         if rank in state.contributed:
             raise DuplicateContributionError(
                 f"rank {rank} already contributed the chunk at offset {offset}"
             )
+        if rank not in state.expected:
+            raise KeyError(rank)
         state.contributed.add(rank)
         before = self._state_bytes(state)
-        if position == state.next_position:
-            self._fold(state, payload)
-            while state.next_position in state.parked:
-                self._fold(state, state.parked.pop(state.next_position))
-        else:
-            state.parked[position] = payload
-        if state.next_position < len(self._order):
+        state.parked[rank] = payload
+        return self._advance(offset, state, before)
+
+    def drop_rank(self, rank: int) -> list[tuple[int, memoryview]]:
+        """Stop waiting for `rank`; return (offset, average) of chunks that completed."""
+        if rank in self._ranks:
+            self._ranks.remove(rank)
+        completed = []
+        for offset, state in list(self._chunks.items()):
+            if rank in state.expected and rank not in state.contributed:
+                before = self._state_bytes(state)
+                state.expected.remove(rank)
+                averaged = self._advance(offset, state, before)
+                if averaged is not None:
+                    completed.append((offset, averaged))
+        return completed
+
+    def add_rank(self, rank: int) -> None:
+        """Also wait for `rank` in every chunk not yet complete.
+
+        Only valid while no pending chunk has folded a rank above `rank`
+        (the coordinator adds ranks before the lowest live rank contributes).
+        """
+        if rank not in self._ranks:
+            bisect.insort(self._ranks, rank)
+        for state in self._chunks.values():
+            if rank not in state.expected:
+                position = bisect.bisect_left(state.expected, rank)
+                if position < state.next_position:
+                    raise ValueError(f"rank {rank} would be summed out of rank order")
+                state.expected.insert(position, rank)
+
+    def _advance(self, offset: int, state: _ChunkState, before: int) -> memoryview | None:
+        """Fold the parked prefix in rank order; finish the chunk when nothing is missing."""
+        while (
+            state.next_position < len(state.expected)
+            and state.expected[state.next_position] in state.parked
+        ):
+            payload = state.parked.pop(state.expected[state.next_position])
+            if state.accumulator is None:
+                state.accumulator = wire.to_accumulator(payload, self.dtype)
+            else:
+                wire.add_into(state.accumulator, payload, self.dtype)
+            state.next_position += 1
+        if state.next_position < len(state.expected):
             self.buffered_bytes += self._state_bytes(state) - before
             return None
-        # Complete: every rank is folded in, in rank order.
-        assert state.accumulator is not None  # set by the first _fold
-        state.accumulator /= len(self._order)
+        # Complete: every expected rank is folded in, in rank order.
+        assert state.accumulator is not None  # at least one contribution was folded
+        state.accumulator /= state.next_position
+        self.last_contributors = state.next_position
         averaged = wire.from_accumulator(state.accumulator, self.dtype)
         self.buffered_bytes -= before
         del self._chunks[offset]
         self._chunks_done += 1
         return averaged
-
-    def _fold(self, state: _ChunkState, payload: bytes | memoryview) -> None:
-        if state.accumulator is None:
-            state.accumulator = wire.to_accumulator(payload, self.dtype)
-        else:
-            wire.add_into(state.accumulator, payload, self.dtype)
-        state.next_position += 1
 
     @staticmethod
     def _state_bytes(state: _ChunkState) -> int:

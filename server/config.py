@@ -32,6 +32,9 @@ class ServerConfig:
         require_checkpoint: fail the job instead of training on when saving fails.
         resume: refuse to start a job from scratch: it must have a stored checkpoint.
         metrics_port: serve Prometheus metrics on this port (0 = a free one, None = off).
+        on_failure: "abort" (survivors get PeerLostError) or "elastic" (go on without
+            the lost rank; restarted ranks rejoin).
+        min_workers: under the elastic policy, the fewest live ranks to go on with.
     """
 
     world_size: int
@@ -50,6 +53,8 @@ class ServerConfig:
     require_checkpoint: bool = False
     resume: bool = False
     metrics_port: int | None = None
+    on_failure: str = "abort"
+    min_workers: int = 1
 
     def __post_init__(self) -> None:
         if self.world_size < 1:
@@ -71,6 +76,13 @@ class ServerConfig:
             raise ValueError(
                 f"heartbeat interval ({self.heartbeat_interval_s} s) must be positive and "
                 f"below the heartbeat timeout ({self.heartbeat_timeout_s} s)"
+            )
+        if self.on_failure not in ("abort", "elastic"):
+            raise ValueError(f"on failure must be 'abort' or 'elastic', got {self.on_failure!r}")
+        if not 1 <= self.min_workers <= self.world_size:
+            raise ValueError(
+                f"min workers must be in 1..{self.world_size} (the world size), "
+                f"got {self.min_workers}"
             )
         if self.stall_warning_s <= 0:
             raise ValueError(f"stall warning must be > 0 s, got {self.stall_warning_s}")

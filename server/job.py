@@ -114,6 +114,8 @@ class Job:
         heartbeat_interval_s: float = 0.5,
         checkpoint_every: int = 0,
         metrics: CoordinatorMetrics | None = None,
+        on_failure: str = "abort",
+        min_workers: int = 1,
     ) -> None:
         self.job_id = job_id
         self.world_size = world_size
@@ -124,6 +126,13 @@ class Job:
         self.heartbeat_interval_s = heartbeat_interval_s
         self.checkpoint_every = checkpoint_every
         self._metrics = metrics
+        self.on_failure = on_failure
+        self.min_workers = min_workers
+        #: Restarted ranks waiting to be healed with a live rank's state (elastic).
+        self._newcomers: dict[int, _Member] = {}
+        #: (donor rank, its state upload in progress) while healing newcomers.
+        self._heal: tuple[int, BlobAssembler | None] | None = None
+        self._step_start_epoch = 0
         self.progress: StepProgress | None = None
         #: Checkpoint this job resumes from (set by the servicer before assembly).
         self.resume: Checkpoint | None = None
@@ -157,14 +166,16 @@ class Job:
                 f"rank {rank} joined job '{self.job_id}' with world size {join.world_size}, "
                 f"but the coordinator runs world size {self.world_size}",
             )
-        if rank in self.members:
-            member = self.members[rank]
+        if rank in self.members or rank in self._newcomers:
+            member = self.members.get(rank) or self._newcomers[rank]
             raise RejectedMessage(
                 Code.ALREADY_EXISTS,
                 f"rank {rank} of job '{self.job_id}' is already connected (incarnation "
                 f"{member.incarnation}, joined {self._clock() - member.joined_at:.1f}s ago); "
                 f"incarnation {join.incarnation} cannot claim it too",
             )
+        if self.state is JobState.RUNNING and self.on_failure == "elastic":
+            return self._admit_newcomer(rank, join)
         if self.state is not JobState.ASSEMBLING:
             raise RejectedMessage(
                 Code.FAILED_PRECONDITION,
@@ -259,6 +270,8 @@ class Job:
         Raises:
             RejectedMessage: the upload is malformed (this worker's stream ends).
         """
+        if chunk.heal and self.state is JobState.RUNNING:
+            return self._on_heal_chunk(rank, chunk)
         if self.state is not JobState.RUNNING or rank != 0:
             raise RejectedMessage(
                 Code.FAILED_PRECONDITION if rank == 0 else Code.INVALID_ARGUMENT,
@@ -373,26 +386,29 @@ class Job:
             return self._abort_open_step(rank, rejection)
         if averaged is None:
             return []
+        return self._completed_chunk(chunk.bucket_index, chunk.offset, averaged)
+
+    def _completed_chunk(self, bucket: int, offset: int, averaged: memoryview) -> list[Action]:
+        """Send an averaged chunk to every live rank; close the bucket / step when done."""
+        reduction = self._reductions[bucket]
+        assert self._signature is not None
         reply = encode_gradient(
             ChunkHeader(
-                step=chunk.step,
+                step=self.open_step,
                 membership_epoch=self.membership_epoch,
-                bucket_index=chunk.bucket_index,
-                offset=chunk.offset,
-                dtype=chunk.dtype,
-                contributors=self.world_size,
+                bucket_index=bucket,
+                offset=offset,
+                dtype=self._signature.buckets[bucket].dtype,
+                contributors=reduction.last_contributors,
             ),
             averaged,
         )
         actions: list[Action] = [Send(self._ranks(), reply)]
-        reduction = self._reductions[chunk.bucket_index]
         if reduction.complete:
             self._buckets_done += 1
             if self._metrics is not None and self.progress is not None:
-                sent = self._bucket_bytes[chunk.bucket_index] * len(self.members)
-                self._metrics.observe_bucket_done(
-                    self.progress.bucket_age(chunk.bucket_index), sent
-                )
+                sent = self._bucket_bytes[bucket] * len(self.members)
+                self._metrics.observe_bucket_done(self.progress.bucket_age(bucket), sent)
             if self._buckets_done == len(self._bucket_bytes):
                 if self._metrics is not None and self.progress is not None:
                     self._metrics.observe_step_done(self.progress.age(), self.open_step)
@@ -403,11 +419,19 @@ class Job:
     def _accept(self, rank: int, chunk: ChunkHeader, payload: memoryview) -> memoryview | None:
         """Validate `chunk` against the job, then fold it into its reduction."""
         step = chunk.step
-        if chunk.membership_epoch != self.membership_epoch:
+        # A step begun before a membership change may finish in the old epoch.
+        if not self._step_start_epoch <= chunk.membership_epoch <= self.membership_epoch:
             raise RejectedMessage(
                 Code.FAILED_PRECONDITION,
                 f"rank {rank} sent step {step} for membership epoch {chunk.membership_epoch}, "
                 f"expected epoch {self.membership_epoch}",
+                step=step,
+            )
+        if rank not in self.members:
+            raise RejectedMessage(
+                Code.FAILED_PRECONDITION,
+                f"rank {rank} sent step {step} but is not a member of job '{self.job_id}' "
+                f"(epoch {self.membership_epoch}); it must rejoin first",
                 step=step,
             )
         if step != self.open_step:
@@ -521,6 +545,7 @@ class Job:
         self._reductions.clear()
         self._buckets_done = 0
         self.open_step += 1
+        self._step_start_epoch = self.membership_epoch
         if self.progress is not None:
             self.progress.reset()
 
@@ -598,6 +623,8 @@ class Job:
             reason: how it was lost, for the survivors' error (default: left /
                 disconnected).
         """
+        if self._newcomers.pop(rank, None) is not None:
+            return []
         if self.members.pop(rank, None) is None:
             return []
         if self.state is JobState.ASSEMBLING and not self.members:
@@ -610,6 +637,10 @@ class Job:
         if self.state is not JobState.RUNNING:
             return []
         how = reason or ("left" if orderly else "disconnected from")
+        if self.on_failure == "elastic" and len(self.members) >= self.min_workers:
+            return self._shrink(rank, f"rank {rank} {how} job '{self.job_id}'")
+        if self.on_failure == "elastic":
+            how += f" leaving {len(self.members)} ranks (--min-workers {self.min_workers}) in"
         self._broken_reason = (
             f"rank {rank} {how} job '{self.job_id}' at step {self.open_step}; "
             "no partial average is applied and the remaining ranks cannot complete "
@@ -636,6 +667,128 @@ class Job:
                 rank,
             )
         ]
+
+    # ------------------------------------------------- elastic membership
+    def set_peer(self, rank: int, peer: str) -> None:
+        """Remember the network address of `rank` (member or newcomer), for status."""
+        member = self.members.get(rank) or self._newcomers.get(rank)
+        if member is not None:
+            member.peer = peer
+
+    def _membership_message(self, reason: str) -> pb.CoordinatorMessage:
+        return pb.CoordinatorMessage(
+            membership=pb.MembershipChanged(
+                membership_epoch=self.membership_epoch,
+                ranks=list(self._ranks()),
+                step=self.open_step,
+                reason=reason,
+            )
+        )
+
+    def _shrink(self, lost: int, reason: str) -> list[Action]:
+        """Elastic: go on without `lost`; finish the open step over the live ranks."""
+        self.membership_epoch += 1
+        reason = (
+            f"{reason} at step {self.open_step}; continuing with ranks {list(self._ranks())} "
+            f"(membership epoch {self.membership_epoch})"
+        )
+        actions: list[Action] = [Send(self._ranks(), self._membership_message(reason))]
+        if self._heal is not None and self._heal[0] == lost:
+            self._heal = None  # the donor is gone: ask another live rank
+            actions += self._request_heal()
+        step = self.open_step
+        for bucket, reduction in list(self._reductions.items()):
+            before = reduction.buffered_bytes
+            completed = reduction.drop_rank(lost)
+            self._budget.adjust(reduction.buffered_bytes - before)
+            for offset, averaged in completed:
+                actions += self._completed_chunk(bucket, offset, averaged)
+            if self.open_step != step:
+                break  # the step completed over the live ranks
+        return actions
+
+    def _admit_newcomer(self, rank: int, join: pb.Join) -> list[Action]:
+        """A restarted rank joins a running elastic job: heal it at a step boundary."""
+        assert self._reference_rank is not None and self._signature is not None
+        difference = signatures.first_difference(
+            self._reference_rank, self._signature, rank, join.signature
+        )
+        if difference is not None:
+            raise RejectedMessage(
+                Code.INVALID_ARGUMENT,
+                f"rank {rank} cannot rejoin: model signatures differ: {difference}",
+            )
+        now = self._clock()
+        self._newcomers[rank] = _Member(rank, join.incarnation, join.signature, now, last_seen=now)
+        return self._request_heal() if self._heal is None else []
+
+    def _request_heal(self) -> list[Action]:
+        if not self._newcomers or not self.members:
+            return []
+        # The lowest live rank donates: until its own chunks of the open step
+        # arrive, no chunk of that step can have folded anyone in, so the
+        # newcomers can still be added to the step's reductions.
+        donor = min(self.members)
+        self._heal = (donor, None)
+        request = pb.StateRequest(for_rank=min(self._newcomers))
+        return [Send((donor,), pb.CoordinatorMessage(state_request=request))]
+
+    def _on_heal_chunk(self, rank: int, chunk: pb.CheckpointChunk) -> list[Action]:
+        """Collect the donor's state; when complete, admit the newcomers with it."""
+        if self._heal is None or self._heal[0] != rank:
+            raise RejectedMessage(
+                Code.FAILED_PRECONDITION,
+                f"rank {rank} sent healing state for step {chunk.step} that nobody asked for",
+            )
+        donor, assembler = self._heal
+        if assembler is None:
+            what = f"healing state of step {chunk.step} from rank {donor}"
+            assembler = BlobAssembler(what, chunk.total_bytes, self.chunk_bytes, self._budget.limit)
+            self._heal = (donor, assembler)
+        if not assembler.add(chunk.offset, chunk.payload):
+            return []
+        self._heal = None
+        if chunk.step != self.open_step:
+            return self._request_heal()  # not at the boundary we can use: ask again
+        newcomers = sorted(self._newcomers)
+        for rank_joining in newcomers:
+            self.members[rank_joining] = self._newcomers.pop(rank_joining)
+            for reduction in self._reductions.values():
+                reduction.add_rank(rank_joining)
+        self.membership_epoch += 1
+        blob = assembler.blob()
+        reason = (
+            f"rank(s) {newcomers} rejoined job '{self.job_id}' at step {self.open_step} with "
+            f"rank {donor}'s state (membership epoch {self.membership_epoch})"
+        )
+        old = tuple(r for r in self._ranks() if r not in newcomers)
+        actions: list[Action] = [Send(old, self._membership_message(reason))]
+        assert self._signature is not None
+        welcome = pb.CoordinatorMessage(
+            welcome=pb.Welcome(
+                job_id=self.job_id,
+                world_size=self.world_size,
+                membership_epoch=self.membership_epoch,
+                start_step=self.open_step,
+                chunk_bytes=self.chunk_bytes,
+                max_message_bytes=self.max_message_bytes,
+                state_bytes=self._state_bytes,
+                resume_bytes=len(blob),
+                heartbeat_interval_s=self.heartbeat_interval_s,
+                checkpoint_every_steps=self.checkpoint_every,
+            )
+        )
+        targets = tuple(newcomers)
+        actions.append(Send(targets, welcome))
+        for offset, length in wire.chunk_spans(len(blob), self.chunk_bytes):
+            piece = pb.CheckpointChunk(
+                step=self.open_step,
+                offset=offset,
+                total_bytes=len(blob),
+                payload=blob[offset : offset + length],
+            )
+            actions.append(Send(targets, pb.CoordinatorMessage(resume=piece)))
+        return actions
 
     def _refuse(self, code: Code, details: str) -> list[Action]:
         """Refuse the whole job: every connected rank's stream ends with `code`."""

@@ -391,6 +391,8 @@ class CoordinatorServicer:
                 heartbeat_interval_s=config.heartbeat_interval_s,
                 checkpoint_every=config.checkpoint_every,
                 metrics=self.metrics,
+                on_failure=config.on_failure,
+                min_workers=config.min_workers,
             )
             job.resume = resume
         try:
@@ -404,7 +406,7 @@ class CoordinatorServicer:
                 del self.jobs[job_id]
             return
         conn.job, conn.rank = job, join.rank
-        job.members[join.rank].peer = conn.peer
+        job.set_peer(join.rank, conn.peer)
         self._connections[(job_id, join.rank)] = conn
         joined = len(job.members)
         if joined < config.world_size:

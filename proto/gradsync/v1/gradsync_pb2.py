@@ -24,19 +24,19 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1agradsync/v1/gradsync.proto\x12\x0bgradsync.v1\"L\n\nTensorSpec\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\r\n\x05shape\x18\x02 \x03(\x03\x12!\n\x05\x64type\x18\x03 \x01(\x0e\x32\x12.gradsync.v1.DType\"`\n\nBucketSpec\x12\x19\n\x11parameter_indices\x18\x01 \x03(\r\x12!\n\x05\x64type\x18\x02 \x01(\x0e\x32\x12.gradsync.v1.DType\x12\x14\n\x0cnum_elements\x18\x03 \x01(\x03\"\x91\x01\n\x0eModelSignature\x12+\n\nparameters\x18\x01 \x03(\x0b\x32\x17.gradsync.v1.TensorSpec\x12(\n\x07\x62uffers\x18\x02 \x03(\x0b\x32\x17.gradsync.v1.TensorSpec\x12(\n\x07\x62uckets\x18\x03 \x03(\x0b\x32\x17.gradsync.v1.BucketSpec\"\x95\x01\n\x04Join\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x0c\n\x04rank\x18\x02 \x01(\r\x12\x12\n\nworld_size\x18\x03 \x01(\r\x12.\n\tsignature\x18\x04 \x01(\x0b\x32\x1b.gradsync.v1.ModelSignature\x12\x13\n\x0bincarnation\x18\x05 \x01(\t\x12\x16\n\x0e\x63lient_version\x18\x06 \x01(\t\"\xd0\x01\n\rGradientChunk\x12\x0c\n\x04step\x18\x01 \x01(\x04\x12\x18\n\x10membership_epoch\x18\x02 \x01(\x04\x12\x14\n\x0c\x62ucket_index\x18\x03 \x01(\r\x12\x0e\n\x06offset\x18\x04 \x01(\x04\x12!\n\x05\x64type\x18\x05 \x01(\x0e\x32\x12.gradsync.v1.DType\x12\'\n\x08\x65ncoding\x18\x06 \x01(\x0e\x32\x15.gradsync.v1.Encoding\x12\x0f\n\x07payload\x18\x07 \x01(\x0c\x12\x14\n\x0c\x63ontributors\x18\x08 \x01(\r\"-\n\nStateChunk\x12\x0e\n\x06offset\x18\x01 \x01(\x04\x12\x0f\n\x07payload\x18\x02 \x01(\x0c\"\x19\n\tHeartbeat\x12\x0c\n\x04step\x18\x01 \x01(\x04\"U\n\x0f\x43heckpointChunk\x12\x0c\n\x04step\x18\x01 \x01(\x04\x12\x0e\n\x06offset\x18\x02 \x01(\x04\x12\x13\n\x0btotal_bytes\x18\x03 \x01(\x04\x12\x0f\n\x07payload\x18\x04 \x01(\x0c\"A\n\x0f\x43heckpointSaved\x12\x0c\n\x04step\x18\x01 \x01(\x04\x12\x0f\n\x07\x64urable\x18\x02 \x01(\x08\x12\x0f\n\x07message\x18\x03 \x01(\t\"\x17\n\x05Leave\x12\x0e\n\x06reason\x18\x01 \x01(\t\"\x9a\x02\n\rWorkerMessage\x12!\n\x04join\x18\x01 \x01(\x0b\x32\x11.gradsync.v1.JoinH\x00\x12.\n\x08gradient\x18\x02 \x01(\x0b\x32\x1a.gradsync.v1.GradientChunkH\x00\x12(\n\x05state\x18\x03 \x01(\x0b\x32\x17.gradsync.v1.StateChunkH\x00\x12#\n\x05leave\x18\x04 \x01(\x0b\x32\x12.gradsync.v1.LeaveH\x00\x12+\n\theartbeat\x18\x14 \x01(\x0b\x32\x16.gradsync.v1.HeartbeatH\x00\x12\x32\n\ncheckpoint\x18\x15 \x01(\x0b\x32\x1c.gradsync.v1.CheckpointChunkH\x00\x42\x06\n\x04kind\"\xf4\x01\n\x07Welcome\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x12\n\nworld_size\x18\x02 \x01(\r\x12\x18\n\x10membership_epoch\x18\x03 \x01(\x04\x12\x12\n\nstart_step\x18\x04 \x01(\x04\x12\x13\n\x0b\x63hunk_bytes\x18\x05 \x01(\x04\x12\x19\n\x11max_message_bytes\x18\x06 \x01(\x04\x12\x13\n\x0bstate_bytes\x18\x07 \x01(\x04\x12\x14\n\x0cresume_bytes\x18\x08 \x01(\x04\x12\x1c\n\x14heartbeat_interval_s\x18\t \x01(\x01\x12\x1e\n\x16\x63heckpoint_every_steps\x18\n \x01(\x04\"\x90\x01\n\x0bStepAborted\x12\x0c\n\x04step\x18\x01 \x01(\x04\x12\x0c\n\x04\x63ode\x18\x02 \x01(\r\x12\x0f\n\x07message\x18\x03 \x01(\t\x12\x14\n\x0c\x63ulprit_rank\x18\x04 \x01(\x05\x12\x14\n\x0c\x62ucket_index\x18\x05 \x01(\x05\x12(\n\x06reason\x18\x06 \x01(\x0e\x32\x18.gradsync.v1.AbortReason\"\xbb\x02\n\x12\x43oordinatorMessage\x12\'\n\x07welcome\x18\x01 \x01(\x0b\x32\x14.gradsync.v1.WelcomeH\x00\x12.\n\x08gradient\x18\x02 \x01(\x0b\x32\x1a.gradsync.v1.GradientChunkH\x00\x12(\n\x05state\x18\x03 \x01(\x0b\x32\x17.gradsync.v1.StateChunkH\x00\x12\x30\n\x0cstep_aborted\x18\x04 \x01(\x0b\x32\x18.gradsync.v1.StepAbortedH\x00\x12\x38\n\x10\x63heckpoint_saved\x18\x14 \x01(\x0b\x32\x1c.gradsync.v1.CheckpointSavedH\x00\x12.\n\x06resume\x18\x15 \x01(\x0b\x32\x1c.gradsync.v1.CheckpointChunkH\x00\x42\x06\n\x04kind\"\x1f\n\rStatusRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\"\x7f\n\x0cMemberStatus\x12\x0c\n\x04rank\x18\x01 \x01(\r\x12\x13\n\x0bincarnation\x18\x02 \x01(\t\x12\x0c\n\x04peer\x18\x03 \x01(\t\x12\x13\n\x0blast_seen_s\x18\x04 \x01(\x01\x12\x15\n\rreported_step\x18\x05 \x01(\x04\x12\x12\n\nmean_lag_s\x18\x06 \x01(\x01\"0\n\x08LateRank\x12\x0c\n\x04rank\x18\x01 \x01(\r\x12\x16\n\x0e\x62ucket_indices\x18\x02 \x03(\r\"\x87\x02\n\tJobStatus\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\r\n\x05state\x18\x02 \x01(\t\x12\x12\n\nworld_size\x18\x03 \x01(\r\x12\x18\n\x10membership_epoch\x18\x04 \x01(\x04\x12\x11\n\topen_step\x18\x05 \x01(\x04\x12\x17\n\x0fsteps_completed\x18\x06 \x01(\x04\x12*\n\x07members\x18\x07 \x03(\x0b\x32\x19.gradsync.v1.MemberStatus\x12#\n\x04late\x18\x08 \x03(\x0b\x32\x15.gradsync.v1.LateRank\x12\x12\n\nstep_age_s\x18\t \x01(\x01\x12\x1c\n\x14last_checkpoint_step\x18\n \x01(\x03\"P\n\x0bStatusReply\x12$\n\x04jobs\x18\x01 \x03(\x0b\x32\x16.gradsync.v1.JobStatus\x12\x1b\n\x13heartbeat_timeout_s\x18\x02 \x01(\x01*\xcf\x01\n\x05\x44Type\x12\x15\n\x11\x44TYPE_UNSPECIFIED\x10\x00\x12\x11\n\rDTYPE_FLOAT32\x10\x01\x12\x11\n\rDTYPE_FLOAT64\x10\x02\x12\x11\n\rDTYPE_FLOAT16\x10\x03\x12\x12\n\x0e\x44TYPE_BFLOAT16\x10\x04\x12\x0f\n\x0b\x44TYPE_INT64\x10\x05\x12\x0f\n\x0b\x44TYPE_INT32\x10\x06\x12\x0f\n\x0b\x44TYPE_INT16\x10\x07\x12\x0e\n\nDTYPE_INT8\x10\x08\x12\x0f\n\x0b\x44TYPE_UINT8\x10\t\x12\x0e\n\nDTYPE_BOOL\x10\n*\x1c\n\x08\x45ncoding\x12\x10\n\x0c\x45NCODING_RAW\x10\x00*\x92\x01\n\x0b\x41\x62ortReason\x12\x1c\n\x18\x41\x42ORT_REASON_UNSPECIFIED\x10\x00\x12!\n\x1d\x41\x42ORT_REASON_MESSAGE_REJECTED\x10\x01\x12&\n\"ABORT_REASON_PEER_MESSAGE_REJECTED\x10\x02\x12\x1a\n\x16\x41\x42ORT_REASON_PEER_LOST\x10\x03\x32\x96\x01\n\x0b\x43oordinator\x12G\n\x04Sync\x12\x1a.gradsync.v1.WorkerMessage\x1a\x1f.gradsync.v1.CoordinatorMessage(\x01\x30\x01\x12>\n\x06Status\x12\x1a.gradsync.v1.StatusRequest\x1a\x18.gradsync.v1.StatusReplyb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1agradsync/v1/gradsync.proto\x12\x0bgradsync.v1\"L\n\nTensorSpec\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\r\n\x05shape\x18\x02 \x03(\x03\x12!\n\x05\x64type\x18\x03 \x01(\x0e\x32\x12.gradsync.v1.DType\"`\n\nBucketSpec\x12\x19\n\x11parameter_indices\x18\x01 \x03(\r\x12!\n\x05\x64type\x18\x02 \x01(\x0e\x32\x12.gradsync.v1.DType\x12\x14\n\x0cnum_elements\x18\x03 \x01(\x03\"\x91\x01\n\x0eModelSignature\x12+\n\nparameters\x18\x01 \x03(\x0b\x32\x17.gradsync.v1.TensorSpec\x12(\n\x07\x62uffers\x18\x02 \x03(\x0b\x32\x17.gradsync.v1.TensorSpec\x12(\n\x07\x62uckets\x18\x03 \x03(\x0b\x32\x17.gradsync.v1.BucketSpec\"\x95\x01\n\x04Join\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x0c\n\x04rank\x18\x02 \x01(\r\x12\x12\n\nworld_size\x18\x03 \x01(\r\x12.\n\tsignature\x18\x04 \x01(\x0b\x32\x1b.gradsync.v1.ModelSignature\x12\x13\n\x0bincarnation\x18\x05 \x01(\t\x12\x16\n\x0e\x63lient_version\x18\x06 \x01(\t\"\xd0\x01\n\rGradientChunk\x12\x0c\n\x04step\x18\x01 \x01(\x04\x12\x18\n\x10membership_epoch\x18\x02 \x01(\x04\x12\x14\n\x0c\x62ucket_index\x18\x03 \x01(\r\x12\x0e\n\x06offset\x18\x04 \x01(\x04\x12!\n\x05\x64type\x18\x05 \x01(\x0e\x32\x12.gradsync.v1.DType\x12\'\n\x08\x65ncoding\x18\x06 \x01(\x0e\x32\x15.gradsync.v1.Encoding\x12\x0f\n\x07payload\x18\x07 \x01(\x0c\x12\x14\n\x0c\x63ontributors\x18\x08 \x01(\r\"-\n\nStateChunk\x12\x0e\n\x06offset\x18\x01 \x01(\x04\x12\x0f\n\x07payload\x18\x02 \x01(\x0c\"\x19\n\tHeartbeat\x12\x0c\n\x04step\x18\x01 \x01(\x04\"c\n\x0f\x43heckpointChunk\x12\x0c\n\x04step\x18\x01 \x01(\x04\x12\x0e\n\x06offset\x18\x02 \x01(\x04\x12\x13\n\x0btotal_bytes\x18\x03 \x01(\x04\x12\x0f\n\x07payload\x18\x04 \x01(\x0c\x12\x0c\n\x04heal\x18\x05 \x01(\x08\"Z\n\x11MembershipChanged\x12\x18\n\x10membership_epoch\x18\x01 \x01(\x04\x12\r\n\x05ranks\x18\x02 \x03(\r\x12\x0c\n\x04step\x18\x03 \x01(\x04\x12\x0e\n\x06reason\x18\x04 \x01(\t\" \n\x0cStateRequest\x12\x10\n\x08\x66or_rank\x18\x01 \x01(\r\"A\n\x0f\x43heckpointSaved\x12\x0c\n\x04step\x18\x01 \x01(\x04\x12\x0f\n\x07\x64urable\x18\x02 \x01(\x08\x12\x0f\n\x07message\x18\x03 \x01(\t\"\x17\n\x05Leave\x12\x0e\n\x06reason\x18\x01 \x01(\t\"\x9a\x02\n\rWorkerMessage\x12!\n\x04join\x18\x01 \x01(\x0b\x32\x11.gradsync.v1.JoinH\x00\x12.\n\x08gradient\x18\x02 \x01(\x0b\x32\x1a.gradsync.v1.GradientChunkH\x00\x12(\n\x05state\x18\x03 \x01(\x0b\x32\x17.gradsync.v1.StateChunkH\x00\x12#\n\x05leave\x18\x04 \x01(\x0b\x32\x12.gradsync.v1.LeaveH\x00\x12+\n\theartbeat\x18\x14 \x01(\x0b\x32\x16.gradsync.v1.HeartbeatH\x00\x12\x32\n\ncheckpoint\x18\x15 \x01(\x0b\x32\x1c.gradsync.v1.CheckpointChunkH\x00\x42\x06\n\x04kind\"\xf4\x01\n\x07Welcome\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x12\n\nworld_size\x18\x02 \x01(\r\x12\x18\n\x10membership_epoch\x18\x03 \x01(\x04\x12\x12\n\nstart_step\x18\x04 \x01(\x04\x12\x13\n\x0b\x63hunk_bytes\x18\x05 \x01(\x04\x12\x19\n\x11max_message_bytes\x18\x06 \x01(\x04\x12\x13\n\x0bstate_bytes\x18\x07 \x01(\x04\x12\x14\n\x0cresume_bytes\x18\x08 \x01(\x04\x12\x1c\n\x14heartbeat_interval_s\x18\t \x01(\x01\x12\x1e\n\x16\x63heckpoint_every_steps\x18\n \x01(\x04\"\x90\x01\n\x0bStepAborted\x12\x0c\n\x04step\x18\x01 \x01(\x04\x12\x0c\n\x04\x63ode\x18\x02 \x01(\r\x12\x0f\n\x07message\x18\x03 \x01(\t\x12\x14\n\x0c\x63ulprit_rank\x18\x04 \x01(\x05\x12\x14\n\x0c\x62ucket_index\x18\x05 \x01(\x05\x12(\n\x06reason\x18\x06 \x01(\x0e\x32\x18.gradsync.v1.AbortReason\"\xa5\x03\n\x12\x43oordinatorMessage\x12\'\n\x07welcome\x18\x01 \x01(\x0b\x32\x14.gradsync.v1.WelcomeH\x00\x12.\n\x08gradient\x18\x02 \x01(\x0b\x32\x1a.gradsync.v1.GradientChunkH\x00\x12(\n\x05state\x18\x03 \x01(\x0b\x32\x17.gradsync.v1.StateChunkH\x00\x12\x30\n\x0cstep_aborted\x18\x04 \x01(\x0b\x32\x18.gradsync.v1.StepAbortedH\x00\x12\x38\n\x10\x63heckpoint_saved\x18\x14 \x01(\x0b\x32\x1c.gradsync.v1.CheckpointSavedH\x00\x12.\n\x06resume\x18\x15 \x01(\x0b\x32\x1c.gradsync.v1.CheckpointChunkH\x00\x12\x34\n\nmembership\x18\x16 \x01(\x0b\x32\x1e.gradsync.v1.MembershipChangedH\x00\x12\x32\n\rstate_request\x18\x17 \x01(\x0b\x32\x19.gradsync.v1.StateRequestH\x00\x42\x06\n\x04kind\"\x1f\n\rStatusRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\"\x7f\n\x0cMemberStatus\x12\x0c\n\x04rank\x18\x01 \x01(\r\x12\x13\n\x0bincarnation\x18\x02 \x01(\t\x12\x0c\n\x04peer\x18\x03 \x01(\t\x12\x13\n\x0blast_seen_s\x18\x04 \x01(\x01\x12\x15\n\rreported_step\x18\x05 \x01(\x04\x12\x12\n\nmean_lag_s\x18\x06 \x01(\x01\"0\n\x08LateRank\x12\x0c\n\x04rank\x18\x01 \x01(\r\x12\x16\n\x0e\x62ucket_indices\x18\x02 \x03(\r\"\x87\x02\n\tJobStatus\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\r\n\x05state\x18\x02 \x01(\t\x12\x12\n\nworld_size\x18\x03 \x01(\r\x12\x18\n\x10membership_epoch\x18\x04 \x01(\x04\x12\x11\n\topen_step\x18\x05 \x01(\x04\x12\x17\n\x0fsteps_completed\x18\x06 \x01(\x04\x12*\n\x07members\x18\x07 \x03(\x0b\x32\x19.gradsync.v1.MemberStatus\x12#\n\x04late\x18\x08 \x03(\x0b\x32\x15.gradsync.v1.LateRank\x12\x12\n\nstep_age_s\x18\t \x01(\x01\x12\x1c\n\x14last_checkpoint_step\x18\n \x01(\x03\"P\n\x0bStatusReply\x12$\n\x04jobs\x18\x01 \x03(\x0b\x32\x16.gradsync.v1.JobStatus\x12\x1b\n\x13heartbeat_timeout_s\x18\x02 \x01(\x01*\xcf\x01\n\x05\x44Type\x12\x15\n\x11\x44TYPE_UNSPECIFIED\x10\x00\x12\x11\n\rDTYPE_FLOAT32\x10\x01\x12\x11\n\rDTYPE_FLOAT64\x10\x02\x12\x11\n\rDTYPE_FLOAT16\x10\x03\x12\x12\n\x0e\x44TYPE_BFLOAT16\x10\x04\x12\x0f\n\x0b\x44TYPE_INT64\x10\x05\x12\x0f\n\x0b\x44TYPE_INT32\x10\x06\x12\x0f\n\x0b\x44TYPE_INT16\x10\x07\x12\x0e\n\nDTYPE_INT8\x10\x08\x12\x0f\n\x0b\x44TYPE_UINT8\x10\t\x12\x0e\n\nDTYPE_BOOL\x10\n*\x1c\n\x08\x45ncoding\x12\x10\n\x0c\x45NCODING_RAW\x10\x00*\x92\x01\n\x0b\x41\x62ortReason\x12\x1c\n\x18\x41\x42ORT_REASON_UNSPECIFIED\x10\x00\x12!\n\x1d\x41\x42ORT_REASON_MESSAGE_REJECTED\x10\x01\x12&\n\"ABORT_REASON_PEER_MESSAGE_REJECTED\x10\x02\x12\x1a\n\x16\x41\x42ORT_REASON_PEER_LOST\x10\x03\x32\x96\x01\n\x0b\x43oordinator\x12G\n\x04Sync\x12\x1a.gradsync.v1.WorkerMessage\x1a\x1f.gradsync.v1.CoordinatorMessage(\x01\x30\x01\x12>\n\x06Status\x12\x1a.gradsync.v1.StatusRequest\x1a\x18.gradsync.v1.StatusReplyb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'gradsync.v1.gradsync_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_DTYPE']._serialized_start=2541
-  _globals['_DTYPE']._serialized_end=2748
-  _globals['_ENCODING']._serialized_start=2750
-  _globals['_ENCODING']._serialized_end=2778
-  _globals['_ABORTREASON']._serialized_start=2781
-  _globals['_ABORTREASON']._serialized_end=2927
+  _globals['_DTYPE']._serialized_start=2787
+  _globals['_DTYPE']._serialized_end=2994
+  _globals['_ENCODING']._serialized_start=2996
+  _globals['_ENCODING']._serialized_end=3024
+  _globals['_ABORTREASON']._serialized_start=3027
+  _globals['_ABORTREASON']._serialized_end=3173
   _globals['_TENSORSPEC']._serialized_start=43
   _globals['_TENSORSPEC']._serialized_end=119
   _globals['_BUCKETSPEC']._serialized_start=121
@@ -52,29 +52,33 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_HEARTBEAT']._serialized_start=777
   _globals['_HEARTBEAT']._serialized_end=802
   _globals['_CHECKPOINTCHUNK']._serialized_start=804
-  _globals['_CHECKPOINTCHUNK']._serialized_end=889
-  _globals['_CHECKPOINTSAVED']._serialized_start=891
-  _globals['_CHECKPOINTSAVED']._serialized_end=956
-  _globals['_LEAVE']._serialized_start=958
-  _globals['_LEAVE']._serialized_end=981
-  _globals['_WORKERMESSAGE']._serialized_start=984
-  _globals['_WORKERMESSAGE']._serialized_end=1266
-  _globals['_WELCOME']._serialized_start=1269
-  _globals['_WELCOME']._serialized_end=1513
-  _globals['_STEPABORTED']._serialized_start=1516
-  _globals['_STEPABORTED']._serialized_end=1660
-  _globals['_COORDINATORMESSAGE']._serialized_start=1663
-  _globals['_COORDINATORMESSAGE']._serialized_end=1978
-  _globals['_STATUSREQUEST']._serialized_start=1980
-  _globals['_STATUSREQUEST']._serialized_end=2011
-  _globals['_MEMBERSTATUS']._serialized_start=2013
-  _globals['_MEMBERSTATUS']._serialized_end=2140
-  _globals['_LATERANK']._serialized_start=2142
-  _globals['_LATERANK']._serialized_end=2190
-  _globals['_JOBSTATUS']._serialized_start=2193
-  _globals['_JOBSTATUS']._serialized_end=2456
-  _globals['_STATUSREPLY']._serialized_start=2458
-  _globals['_STATUSREPLY']._serialized_end=2538
-  _globals['_COORDINATOR']._serialized_start=2930
-  _globals['_COORDINATOR']._serialized_end=3080
+  _globals['_CHECKPOINTCHUNK']._serialized_end=903
+  _globals['_MEMBERSHIPCHANGED']._serialized_start=905
+  _globals['_MEMBERSHIPCHANGED']._serialized_end=995
+  _globals['_STATEREQUEST']._serialized_start=997
+  _globals['_STATEREQUEST']._serialized_end=1029
+  _globals['_CHECKPOINTSAVED']._serialized_start=1031
+  _globals['_CHECKPOINTSAVED']._serialized_end=1096
+  _globals['_LEAVE']._serialized_start=1098
+  _globals['_LEAVE']._serialized_end=1121
+  _globals['_WORKERMESSAGE']._serialized_start=1124
+  _globals['_WORKERMESSAGE']._serialized_end=1406
+  _globals['_WELCOME']._serialized_start=1409
+  _globals['_WELCOME']._serialized_end=1653
+  _globals['_STEPABORTED']._serialized_start=1656
+  _globals['_STEPABORTED']._serialized_end=1800
+  _globals['_COORDINATORMESSAGE']._serialized_start=1803
+  _globals['_COORDINATORMESSAGE']._serialized_end=2224
+  _globals['_STATUSREQUEST']._serialized_start=2226
+  _globals['_STATUSREQUEST']._serialized_end=2257
+  _globals['_MEMBERSTATUS']._serialized_start=2259
+  _globals['_MEMBERSTATUS']._serialized_end=2386
+  _globals['_LATERANK']._serialized_start=2388
+  _globals['_LATERANK']._serialized_end=2436
+  _globals['_JOBSTATUS']._serialized_start=2439
+  _globals['_JOBSTATUS']._serialized_end=2702
+  _globals['_STATUSREPLY']._serialized_start=2704
+  _globals['_STATUSREPLY']._serialized_end=2784
+  _globals['_COORDINATOR']._serialized_start=3176
+  _globals['_COORDINATOR']._serialized_end=3326
 # @@protoc_insertion_point(module_scope)

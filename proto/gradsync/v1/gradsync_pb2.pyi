@@ -129,16 +129,36 @@ class Heartbeat(_message.Message):
     def __init__(self, step: _Optional[int] = ...) -> None: ...
 
 class CheckpointChunk(_message.Message):
-    __slots__ = ("step", "offset", "total_bytes", "payload")
+    __slots__ = ("step", "offset", "total_bytes", "payload", "heal")
     STEP_FIELD_NUMBER: _ClassVar[int]
     OFFSET_FIELD_NUMBER: _ClassVar[int]
     TOTAL_BYTES_FIELD_NUMBER: _ClassVar[int]
     PAYLOAD_FIELD_NUMBER: _ClassVar[int]
+    HEAL_FIELD_NUMBER: _ClassVar[int]
     step: int
     offset: int
     total_bytes: int
     payload: bytes
-    def __init__(self, step: _Optional[int] = ..., offset: _Optional[int] = ..., total_bytes: _Optional[int] = ..., payload: _Optional[bytes] = ...) -> None: ...
+    heal: bool
+    def __init__(self, step: _Optional[int] = ..., offset: _Optional[int] = ..., total_bytes: _Optional[int] = ..., payload: _Optional[bytes] = ..., heal: _Optional[bool] = ...) -> None: ...
+
+class MembershipChanged(_message.Message):
+    __slots__ = ("membership_epoch", "ranks", "step", "reason")
+    MEMBERSHIP_EPOCH_FIELD_NUMBER: _ClassVar[int]
+    RANKS_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    membership_epoch: int
+    ranks: _containers.RepeatedScalarFieldContainer[int]
+    step: int
+    reason: str
+    def __init__(self, membership_epoch: _Optional[int] = ..., ranks: _Optional[_Iterable[int]] = ..., step: _Optional[int] = ..., reason: _Optional[str] = ...) -> None: ...
+
+class StateRequest(_message.Message):
+    __slots__ = ("for_rank",)
+    FOR_RANK_FIELD_NUMBER: _ClassVar[int]
+    for_rank: int
+    def __init__(self, for_rank: _Optional[int] = ...) -> None: ...
 
 class CheckpointSaved(_message.Message):
     __slots__ = ("step", "durable", "message")
@@ -213,20 +233,24 @@ class StepAborted(_message.Message):
     def __init__(self, step: _Optional[int] = ..., code: _Optional[int] = ..., message: _Optional[str] = ..., culprit_rank: _Optional[int] = ..., bucket_index: _Optional[int] = ..., reason: _Optional[_Union[AbortReason, str]] = ...) -> None: ...
 
 class CoordinatorMessage(_message.Message):
-    __slots__ = ("welcome", "gradient", "state", "step_aborted", "checkpoint_saved", "resume")
+    __slots__ = ("welcome", "gradient", "state", "step_aborted", "checkpoint_saved", "resume", "membership", "state_request")
     WELCOME_FIELD_NUMBER: _ClassVar[int]
     GRADIENT_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELD_NUMBER: _ClassVar[int]
     STEP_ABORTED_FIELD_NUMBER: _ClassVar[int]
     CHECKPOINT_SAVED_FIELD_NUMBER: _ClassVar[int]
     RESUME_FIELD_NUMBER: _ClassVar[int]
+    MEMBERSHIP_FIELD_NUMBER: _ClassVar[int]
+    STATE_REQUEST_FIELD_NUMBER: _ClassVar[int]
     welcome: Welcome
     gradient: GradientChunk
     state: StateChunk
     step_aborted: StepAborted
     checkpoint_saved: CheckpointSaved
     resume: CheckpointChunk
-    def __init__(self, welcome: _Optional[_Union[Welcome, _Mapping]] = ..., gradient: _Optional[_Union[GradientChunk, _Mapping]] = ..., state: _Optional[_Union[StateChunk, _Mapping]] = ..., step_aborted: _Optional[_Union[StepAborted, _Mapping]] = ..., checkpoint_saved: _Optional[_Union[CheckpointSaved, _Mapping]] = ..., resume: _Optional[_Union[CheckpointChunk, _Mapping]] = ...) -> None: ...
+    membership: MembershipChanged
+    state_request: StateRequest
+    def __init__(self, welcome: _Optional[_Union[Welcome, _Mapping]] = ..., gradient: _Optional[_Union[GradientChunk, _Mapping]] = ..., state: _Optional[_Union[StateChunk, _Mapping]] = ..., step_aborted: _Optional[_Union[StepAborted, _Mapping]] = ..., checkpoint_saved: _Optional[_Union[CheckpointSaved, _Mapping]] = ..., resume: _Optional[_Union[CheckpointChunk, _Mapping]] = ..., membership: _Optional[_Union[MembershipChanged, _Mapping]] = ..., state_request: _Optional[_Union[StateRequest, _Mapping]] = ...) -> None: ...
 
 class StatusRequest(_message.Message):
     __slots__ = ("job_id",)
