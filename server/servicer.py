@@ -436,9 +436,12 @@ class CoordinatorServicer:
                     raw = message  # pre-encoded averaged chunk, serialized once for all ranks
                 else:
                     raw = message.SerializeToString()
-                    if message.WhichOneof("kind") == "step_aborted":
+                    kind = message.WhichOneof("kind")
+                    if kind == "step_aborted":
                         self._count_abort(message.step_aborted)
                         log.warning("job '%s': %s", job.job_id, message.step_aborted.message)
+                    elif kind == "membership":
+                        log.warning("job '%s': %s", job.job_id, message.membership.reason)
                 for rank in action.ranks:
                     target = self._connections.get((job.job_id, rank))
                     if target is not None:

@@ -143,6 +143,12 @@ class RawWorker:
             received += len(chunk.payload)
         return np.frombuffer(bytes(result), dtype=np.float32)
 
+    async def settle(self, running: RunningServer) -> None:
+        """Wait until the coordinator has processed everything this worker sent."""
+        for _ in range(100):
+            await asyncio.sleep(0.01)
+        assert running.servicer.jobs, "the job vanished"
+
     async def leave(self) -> None:
         await self.send(pb.WorkerMessage(leave=pb.Leave(reason="test done")))
         await self.call.done_writing()

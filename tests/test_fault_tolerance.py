@@ -32,9 +32,10 @@ def start_workers(
     per_rank: dict[int, list[str]] | None = None,
     *extra: str,
     launch: Callable[[int, list[str]], subprocess.Popen[bytes]] | None = None,
+    ranks: list[int] | None = None,
 ) -> list[subprocess.Popen[bytes]]:
     processes = []
-    for rank in range(world_size):
+    for rank in range(world_size) if ranks is None else ranks:
         argv = [
             sys.executable,
             str(FAULT_WORKER),
@@ -369,3 +370,119 @@ def test_require_checkpoint_fails_fast_when_the_store_dies_mid_run(
         assert report is not None and report["status"] != "ok"
         assert report["step"] is None or report["step"] < 200
         assert "--require-checkpoint is set" in report["message"], report["message"]
+
+
+ELASTIC = (*HEARTBEAT, "--on-failure", "elastic", "--min-workers", "2")
+
+
+def reference_with_members(
+    steps: int, members: Callable[[int], list[int]]
+) -> dict[str, np.ndarray]:
+    """Single-process training where step s averages over the ranks in members(s)."""
+    import torch
+
+    model = scenarios.MixedModel(0)
+    optimizer = scenarios.make_optimizer(model)
+    for step in range(steps):
+        optimizer.zero_grad()
+        ranks = members(step)
+        rows = [scenarios.rank_batch(step, 3, rank) for rank in ranks]
+        x = torch.cat([r[0] for r in rows])
+        y = torch.cat([r[1] for r in rows])
+        scenarios.loss_fn(model(x), y).backward()
+        optimizer.step()
+    return {name: p.detach().double().numpy() for name, p in model.named_parameters()}
+
+
+def kill_when_late(address: str, process: subprocess.Popen[bytes], rank: int, step: int) -> None:
+    """SIGKILL `rank` once the others delivered `step` and it has not (a clean cut)."""
+
+    def late() -> bool:
+        job = job_status(address)
+        return bool(
+            job
+            and job.open_step == step  # type: ignore[attr-defined]
+            and [late.rank for late in job.late] == [rank]
+        )  # type: ignore[attr-defined]
+
+    wait_for(late, 60, f"rank {rank} to be the only one late at step {step}")
+    process.kill()
+
+
+@pytest.mark.timeout(120)
+def test_elastic_goes_on_with_the_live_ranks_after_a_kill_mid_step(
+    coordinator_factory, tmp_path: Path
+) -> None:
+    coordinator = coordinator_factory(3, *ELASTIC)
+    reports = finish(
+        start_workers(coordinator.address, 3, tmp_path, steps=6, per_rank={2: ["--kill-at", "2"]}),
+        tmp_path,
+    )
+    assert reports[2] is None
+    survivors = [r for r in reports[:2] if r is not None]
+    assert [r["status"] for r in survivors] == ["ok", "ok"], survivors
+    for report in survivors:
+        assert report["step"] == 6
+        contributors = report["contributors"]
+        assert contributors[:2] == [3, 3] and contributors[3:] == [2, 2, 2], contributors
+        assert contributors[2] in (2, 3)
+    for name, value in params_of(survivors[0]).items():
+        np.testing.assert_array_equal(value, params_of(survivors[1])[name])
+    _, log = coordinator.stop()
+    assert "continuing with ranks [0, 1]" in log
+
+
+@pytest.mark.timeout(120)
+def test_elastic_divisor_is_the_number_of_live_ranks(coordinator_factory, tmp_path: Path) -> None:
+    coordinator = coordinator_factory(3, *ELASTIC)
+    processes = start_workers(coordinator.address, 3, tmp_path, 6, {2: ["--sleep-at", "2:60"]})
+    kill_when_late(coordinator.address, processes[2], 2, 2)
+    reports = finish(processes, tmp_path)
+    expected = reference_with_members(6, lambda step: [0, 1, 2] if step < 2 else [0, 1])
+    for report in reports[:2]:
+        assert report is not None and report["status"] == "ok", report
+        assert report["contributors"] == [3, 3, 2, 2, 2, 2]
+        for name, value in params_of(report).items():
+            error = np.linalg.norm(value - expected[name]) / np.linalg.norm(expected[name])
+            assert error <= 1e-6, (name, error)
+
+
+@pytest.mark.timeout(180)
+def test_restarted_rank_rejoins_and_is_healed(coordinator_factory, tmp_path: Path) -> None:
+    coordinator = coordinator_factory(3, *ELASTIC)
+    steps = 14
+    processes = start_workers(
+        coordinator.address,
+        3,
+        tmp_path,
+        steps,
+        {2: ["--sleep-at", "2:60"]},
+        "--step-delay-s",
+        "0.3",
+    )
+    kill_when_late(coordinator.address, processes[2], 2, 2)
+    processes[2].wait()
+    # A new incarnation of rank 2 (different initial weights) rejoins the running job.
+    restarted = tmp_path / "restarted"
+    restarted.mkdir()
+    (again,) = start_workers(
+        coordinator.address, 3, restarted, steps, None, "--step-delay-s", "0.3", ranks=[2]
+    )
+    reports = finish(processes[:2], tmp_path)
+    try:
+        again.wait(timeout=60)
+    finally:
+        if again.poll() is None:
+            again.kill()
+            again.wait()
+    healed = json.loads((restarted / "rank2.json").read_text())
+    assert healed is not None and healed["status"] == "ok", healed
+    assert healed["step"] == steps
+    assert 0 < len(healed["contributors"]) < steps  # it joined mid-run
+    assert healed["contributors"][-1] == 3
+    for report in reports:
+        assert report is not None and report["status"] == "ok", report
+        for name, value in params_of(report).items():
+            np.testing.assert_array_equal(value, params_of(healed)[name])
+    _, log = coordinator.stop()
+    assert "rejoined job 'default'" in log

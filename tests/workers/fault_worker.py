@@ -43,7 +43,13 @@ def main() -> int:
     args = parser.parse_args()
     rank, world = args.rank, args.world_size
     module = scenarios.MixedModel(seed=rank)
-    report: dict[str, object] = {"status": "ok", "message": "", "step": 0}
+    contributors: list[int] = []
+    report: dict[str, object] = {
+        "status": "ok",
+        "message": "",
+        "step": 0,
+        "contributors": contributors,
+    }
     started = time.monotonic()
     try:
         model = gradsync.DistributedDataParallel(
@@ -87,6 +93,7 @@ def main() -> int:
                 loss.backward()
                 optimizer.step()
                 report["step"] = model.step
+                contributors.append(model.last_contributors)
                 time.sleep(args.step_delay_s)
     except gradsync.GradSyncError as exc:
         report.update(status=type(exc).__name__, message=str(exc), step=exc.step)
