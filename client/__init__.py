@@ -19,6 +19,7 @@ __version__ = "0.1.0"
 from gradsync.errors import (
     CheckpointFailedError,
     ClosedError,
+    CoordinatorRestartedError,
     CoordinatorUnavailableError,
     GradSyncError,
     JoinRefusedError,
@@ -45,6 +46,7 @@ def __getattr__(name: str) -> Any:
 __all__ = [
     "CheckpointFailedError",
     "ClosedError",
+    "CoordinatorRestartedError",
     "CoordinatorUnavailableError",
     "DistributedDataParallel",
     "GradSyncError",

@@ -23,6 +23,7 @@ import enum
 import io
 import logging
 import os
+import time
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -33,7 +34,15 @@ from gradsync import __version__, wire
 from gradsync.bucketing import BucketPlan, assign_buckets
 from gradsync.buffers import BucketBuffer
 from gradsync.config import ClientConfig
-from gradsync.errors import CheckpointFailedError, ClosedError, GradSyncError, StepAbortedError
+from gradsync.errors import (
+    CheckpointFailedError,
+    ClosedError,
+    CoordinatorRestartedError,
+    CoordinatorUnavailableError,
+    GradSyncError,
+    StepAbortedError,
+    SyncTimeoutError,
+)
 from gradsync.instruments import Instruments
 from gradsync.metrics import resolve_metrics_port
 from gradsync.transport import Transport
@@ -89,6 +98,10 @@ class DistributedDataParallel(nn.Module):
         metrics_port: serve this worker's Prometheus metrics on this port plus
             $LOCAL_RANK (default $GRADSYNC_METRICS_PORT; 0 = a free port; unset = off).
         trace_path: write a Chrome trace-event file of every step there.
+        reconnect_timeout_s: when the coordinator is lost, keep reconnecting (with
+            backoff) this long; a restarted coordinator resumes the job from its
+            latest checkpoint and backward raises CoordinatorRestartedError.
+            0 disables reconnecting.
         overlap: upload each bucket as soon as its gradients are ready (default).
             False uploads everything after backward: slower, kept to measure the
             gain of overlapping communication with the backward pass.
@@ -119,6 +132,7 @@ class DistributedDataParallel(nn.Module):
         overlap: bool = True,
         metrics_port: int | None = None,
         trace_path: str | Path | None = None,
+        reconnect_timeout_s: float = 60.0,
     ) -> None:
         super().__init__()
         self.module = module
@@ -148,6 +162,8 @@ class DistributedDataParallel(nn.Module):
         self._pending_optimizer_state: dict[str, Any] | None = None
         self._checkpoint_every = 0
         self._last_checkpoint_step = -1
+        self._reconnect_timeout_s = reconnect_timeout_s
+        self._resumed_from_checkpoint = False
         self._overlap = overlap
         self._backward_active = False
         self._ready = [0] * len(self._buckets)
@@ -270,11 +286,60 @@ class DistributedDataParallel(nn.Module):
         torch.save(state, buffer)
         return buffer.getvalue()
 
+    def _reconnect(self, cause: GradSyncError) -> int:
+        """Reconnect to a restarted coordinator (bounded backoff); return the resumed step.
+
+        Raises:
+            CoordinatorUnavailableError: no coordinator within the reconnect timeout, or
+                one that cannot resume this job from a checkpoint.
+        """
+        deadline = time.monotonic() + self._reconnect_timeout_s
+        delay = 0.25
+        log.warning(
+            "rank %d: lost the coordinator (%s); reconnecting for up to %gs",
+            self.rank,
+            cause,
+            self._reconnect_timeout_s,
+        )
+        self._resumed_from_checkpoint = False
+        while True:
+            self._transport.close(timeout_s=2.0)
+            self._transport = Transport(self.config.coordinator, self.config.rank)
+            self._transport.on_bucket_event = self._instruments.on_bucket_event
+            remaining = deadline - time.monotonic()
+            try:
+                start = self._join_and_broadcast(join_timeout_s=max(1.0, remaining))
+                break
+            except (CoordinatorUnavailableError, SyncTimeoutError) as exc:
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    raise CoordinatorUnavailableError(
+                        f"gave up reconnecting to {self.config.coordinator} after "
+                        f"{self._reconnect_timeout_s:g}s: {exc}",
+                        rank=self.rank,
+                    ) from cause
+                time.sleep(min(delay, remaining))
+                delay = min(delay * 2, 5.0)
+        if not self._resumed_from_checkpoint:
+            raise CoordinatorUnavailableError(
+                f"the restarted coordinator has no checkpoint of job '{self.config.job_id}' "
+                f"(it would restart at step {start}, this rank is at step {self._step}); "
+                "start it with the same --checkpoint-store to resume",
+                rank=self.rank,
+            ) from cause
+        self._transport.current_step = start
+        return start
+
     def _restore(self, blob: bytes, start_step: int) -> None:
         """Load the checkpoint the job resumes from (optimizer state waits for its optimizer)."""
         state = torch.load(io.BytesIO(blob), weights_only=True)
         self.module.load_state_dict(state["module"])
         self._pending_optimizer_state = state.get("optimizer")
+        self._resumed_from_checkpoint = True
+        if self._optimizer is not None and self._pending_optimizer_state is not None:
+            # Reconnecting mid-run: the optimizer already exists.
+            self._optimizer.load_state_dict(self._pending_optimizer_state)
+            self._pending_optimizer_state = None
         self._last_checkpoint_step = start_step
         log.warning(
             "rank %d: job '%s' resumed from the checkpoint of step %d",
@@ -340,8 +405,8 @@ class DistributedDataParallel(nn.Module):
             ],
         )
 
-    def _join_and_broadcast(self) -> int:
-        """Join the job, then make every rank start from rank 0's state."""
+    def _join_and_broadcast(self, join_timeout_s: float | None = None) -> int:
+        """Join the job, then make every rank start from rank 0's state (or a checkpoint)."""
         config = self.config
         self._transport.configure_buckets([plan.num_bytes for plan in self._buckets])
         join = pb.Join(
@@ -361,11 +426,13 @@ class DistributedDataParallel(nn.Module):
             len(self._buckets),
         )
         self._transport.open(join)
-        welcome = self._transport.wait_welcome(config.join_timeout_s)
+        welcome = self._transport.wait_welcome(join_timeout_s or config.join_timeout_s)
         self._checkpoint_every = int(welcome.checkpoint_every_steps)
         if welcome.resume_bytes:
             self._restore(
-                self._transport.receive_resume(welcome.resume_bytes, config.join_timeout_s),
+                self._transport.receive_resume(
+                    welcome.resume_bytes, (join_timeout_s or config.join_timeout_s)
+                ),
                 int(welcome.start_step),
             )
             return int(welcome.start_step)
@@ -378,7 +445,9 @@ class DistributedDataParallel(nn.Module):
                 blob = torch.cat(flat) if flat else torch.empty(0, dtype=torch.uint8)
                 self._transport.send_state(blob.numpy())
             elif welcome.state_bytes:
-                raw = self._transport.receive_state(welcome.state_bytes, config.join_timeout_s)
+                raw = self._transport.receive_state(
+                    welcome.state_bytes, (join_timeout_s or config.join_timeout_s)
+                )
                 offset = 0
                 for tensor in tensors:
                     if tensor.numel() == 0:
@@ -474,6 +543,18 @@ class DistributedDataParallel(nn.Module):
             except StepAbortedError as exc:
                 self._instruments.step_aborted(exc)
                 raise
+            except CoordinatorUnavailableError as exc:
+                if self._reconnect_timeout_s <= 0:
+                    raise
+                resumed_at = self._reconnect(exc)
+                step = resumed_at - 1  # `finally` moves on to the resumed step
+                raise CoordinatorRestartedError(
+                    f"lost the coordinator and reconnected; state restored from the checkpoint "
+                    f"of step {resumed_at}. Nothing was applied for this backward pass: skip "
+                    "optimizer.step() and continue at model.step",
+                    rank=self.rank,
+                    step=resumed_at,
+                ) from exc
             self._instruments.step_done(step, wait_started)
             with torch.no_grad():
                 for host, param in self._staged:

@@ -8,7 +8,8 @@ Hierarchy::
     ├── JoinRefusedError             the coordinator refused this worker's join
     ├── StepAbortedError             a step was abandoned (nothing was averaged)
     │   ├── MessageRejectedError     ...because this worker sent a bad message
-    │   └── PeerLostError            ...because another rank left or died
+    │   ├── PeerLostError            ...because another rank left or died
+    │   └── CoordinatorRestartedError ...because the coordinator restarted (resumed)
     ├── CheckpointFailedError        a checkpoint could not be made durable
     └── ClosedError                  the object was used after close()
 
@@ -104,6 +105,14 @@ class PeerLostError(StepAbortedError):
 
 class CheckpointFailedError(GradSyncError):
     """The coordinator could not make a checkpoint durable (store down, misconfigured)."""
+
+
+class CoordinatorRestartedError(StepAbortedError):
+    """The coordinator was lost and restarted; this rank reconnected and was restored.
+
+    `step` is where training resumes (the restored checkpoint's step): skip
+    `optimizer.step()` for the failed backward pass and continue at `model.step`.
+    """
 
 
 class ClosedError(GradSyncError):

@@ -18,7 +18,7 @@ import pytest
 import scenarios
 from gradsync.bench.netns import Cluster, available
 from gradsync.status import query_status
-from redisserver import RedisServer
+from redisserver import RedisServer, free_port
 
 FAULT_WORKER = Path(__file__).parent / "workers" / "fault_worker.py"
 HEARTBEAT = ("--heartbeat-interval", "0.25", "--heartbeat-timeout", "2")
@@ -255,7 +255,9 @@ def test_coordinator_killed_and_restarted_resumes_from_the_checkpoint(
     first = coordinator_factory(2, *flags)
     run1 = tmp_path / "run1"
     run1.mkdir()
-    processes = start_workers(first.address, 2, run1, 10, None, "--step-delay-s", "0.3")
+    processes = start_workers(
+        first.address, 2, run1, 10, None, "--step-delay-s", "0.3", "--reconnect-timeout-s", "0"
+    )
 
     def checkpoint_at_least_4() -> bool:
         job = job_status(first.address)
@@ -486,3 +488,36 @@ def test_restarted_rank_rejoins_and_is_healed(coordinator_factory, tmp_path: Pat
             np.testing.assert_array_equal(value, params_of(healed)[name])
     _, log = coordinator.stop()
     assert "rejoined job 'default'" in log
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("backend", ["file", "redis"])
+def test_workers_reconnect_to_a_restarted_coordinator_and_resume(
+    backend: str,
+    tmp_path: Path,
+    redis_server_factory: Callable[..., RedisServer],
+    coordinator_factory,
+) -> None:
+    store = str(tmp_path / "checkpoints") if backend == "file" else redis_server_factory().url
+    port = str(free_port())
+    flags = (*HEARTBEAT, "--checkpoint-store", store, "--checkpoint-every", "3", "--port", port)
+    first = coordinator_factory(2, *flags)
+    processes = start_workers(first.address, 2, tmp_path, 12, None, "--step-delay-s", "0.3")
+
+    def checkpoint_at_least_3() -> bool:
+        job = job_status(first.address)
+        return bool(job and job.last_checkpoint_step >= 3 and job.open_step >= 5)  # type: ignore[attr-defined]
+
+    wait_for(checkpoint_at_least_3, 90, "a durable checkpoint and two more steps")
+    first.process.kill()
+    first.process.wait()
+    time.sleep(1.0)  # the workers notice and start reconnecting
+    second = coordinator_factory(2, *flags)
+    reports = finish(processes, tmp_path, timeout_s=120)
+    for report in reports:
+        assert report is not None and report["status"] == "ok", report
+        assert len(report["restarts"]) == 1 and report["restarts"][0] >= 3
+        # No step applied twice, none skipped: exactly the uninterrupted result.
+        assert_matches_reference(report, 2, 12)
+    _, log = second.stop()
+    assert "RESUMES from the checkpoint of step" in log

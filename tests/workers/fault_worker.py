@@ -40,15 +40,18 @@ def main() -> int:
     parser.add_argument("--timeout-s", type=float, default=30.0)
     parser.add_argument("--metrics-port", type=int, default=None)
     parser.add_argument("--trace", type=Path, default=None)
+    parser.add_argument("--reconnect-timeout-s", type=float, default=60.0)
     args = parser.parse_args()
     rank, world = args.rank, args.world_size
     module = scenarios.MixedModel(seed=rank)
     contributors: list[int] = []
+    restarts: list[int] = []
     report: dict[str, object] = {
         "status": "ok",
         "message": "",
         "step": 0,
         "contributors": contributors,
+        "restarts": restarts,
     }
     started = time.monotonic()
     try:
@@ -63,6 +66,7 @@ def main() -> int:
             join_timeout_s=args.timeout_s,
             metrics_port=args.metrics_port,
             trace_path=args.trace,
+            reconnect_timeout_s=args.reconnect_timeout_s,
         )
         optimizer = scenarios.make_optimizer(model)
         model.register_optimizer(optimizer)
@@ -90,7 +94,11 @@ def main() -> int:
                 loss = scenarios.loss_fn(model(x), y)
                 if step == sleep_step:
                     time.sleep(sleep_s)
-                loss.backward()
+                try:
+                    loss.backward()
+                except gradsync.CoordinatorRestartedError:
+                    restarts.append(model.step)
+                    continue  # nothing was applied: redo from the restored step
                 optimizer.step()
                 report["step"] = model.step
                 contributors.append(model.last_contributors)
