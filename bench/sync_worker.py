@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import sys
 import time
 from pathlib import Path
 
@@ -95,9 +96,14 @@ def main() -> None:
         timed("gradsync", gradsync_sync)
         timed("gloo", gloo_sync)
     model.close()
+    dist.barrier()  # see train_worker: gloo aborts a rank whose peer tore down first
     dist.destroy_process_group()
     args.out.write_text(json.dumps(records))
 
 
 if __name__ == "__main__":
     main()
+    # See train_worker: skip torch/gloo's exit-time thread teardown, which can abort.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
