@@ -51,6 +51,12 @@ def format_status(reply: pb.StatusReply) -> str:
                 f"  rank {member.rank}: {member.peer or '?'}, last heard {member.last_seen_s:.1f}s "
                 f"ago, at step {member.reported_step}, mean lag {member.mean_lag_s * 1e3:.1f} ms"
             )
+        lagging = sorted(job.members, key=lambda m: m.mean_lag_s, reverse=True)
+        if lagging and lagging[0].mean_lag_s > 0:
+            lines.append(
+                "  slowest ranks (mean bucket lag): "
+                + ", ".join(f"rank {m.rank} {m.mean_lag_s * 1e3:.1f} ms" for m in lagging[:3])
+            )
         if job.late:
             waiting = ", ".join(
                 f"rank {late.rank} (buckets {list(late.bucket_indices)})" for late in job.late

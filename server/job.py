@@ -24,15 +24,16 @@ import enum
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 
 from gradsync import wire
 from gradsync.errors import Code, RejectedMessage
 from gradsync.fastwire import ChunkHeader, encode_gradient
 from gradsync.server import signature as signatures
+from gradsync.server.actions import Action, Member, Persist, Send, Terminate
 from gradsync.server.aggregation import BucketReduction, DuplicateContributionError
 from gradsync.server.budget import ByteBudget
 from gradsync.server.checkpoint import Checkpoint
+from gradsync.server.elastic import ElasticMembership
 from gradsync.server.metrics import CoordinatorMetrics
 from gradsync.server.progress import StepProgress
 from gradsync.server.uploads import BlobAssembler
@@ -52,46 +53,7 @@ class JobState(enum.Enum):
     BROKEN = "broken"
 
 
-@dataclass(frozen=True)
-class Send:
-    """Deliver `message` (a CoordinatorMessage, or its serialized bytes) to each of `ranks`."""
-
-    ranks: tuple[int, ...]
-    message: pb.CoordinatorMessage | bytes
-
-
-@dataclass(frozen=True)
-class Terminate:
-    """End the streams of `ranks` with status `code` and `details`."""
-
-    ranks: tuple[int, ...]
-    code: Code
-    details: str
-
-
-@dataclass
-class _Member:
-    rank: int
-    incarnation: str
-    signature: pb.ModelSignature
-    joined_at: float
-    peer: str = ""
-    last_seen: float = 0.0
-    reported_step: int = 0
-
-
-@dataclass(frozen=True)
-class Persist:
-    """Store `blob` as the checkpoint of `step`, then acknowledge to rank 0."""
-
-    step: int
-    blob: bytes
-
-
-Action = Send | Terminate | Persist
-
-
-class Job:
+class Job(ElasticMembership):
     """Membership, validation and aggregation for one job id.
 
     Args:
@@ -129,7 +91,7 @@ class Job:
         self.on_failure = on_failure
         self.min_workers = min_workers
         #: Restarted ranks waiting to be healed with a live rank's state (elastic).
-        self._newcomers: dict[int, _Member] = {}
+        self._newcomers: dict[int, Member] = {}
         #: (donor rank, its state upload in progress) while healing newcomers.
         self._heal: tuple[int, BlobAssembler | None] | None = None
         self._step_start_epoch = 0
@@ -141,7 +103,7 @@ class Job:
         self.state = JobState.ASSEMBLING
         self.membership_epoch = 0
         self.open_step = 0
-        self.members: dict[int, _Member] = {}
+        self.members: dict[int, Member] = {}
         self._reference_rank: int | None = None
         self._signature: pb.ModelSignature | None = None
         self._bucket_bytes: list[int] = []
@@ -185,7 +147,7 @@ class Job:
             )
         signatures.validate(rank, join.signature)
         now = self._clock()
-        self.members[rank] = _Member(rank, join.incarnation, join.signature, now, last_seen=now)
+        self.members[rank] = Member(rank, join.incarnation, join.signature, now, last_seen=now)
         if self._signature is None:
             self._signature = join.signature
             self._reference_rank = rank
@@ -216,31 +178,10 @@ class Job:
             self.open_step = resume.step
             self.membership_epoch = resume.membership_epoch
             self.last_checkpoint_step = resume.step
-        welcome = pb.CoordinatorMessage(
-            welcome=pb.Welcome(
-                job_id=self.job_id,
-                world_size=self.world_size,
-                membership_epoch=self.membership_epoch,
-                start_step=self.open_step,
-                chunk_bytes=self.chunk_bytes,
-                max_message_bytes=self.max_message_bytes,
-                state_bytes=self._state_bytes,
-                resume_bytes=len(resume.payload) if resume is not None else 0,
-                heartbeat_interval_s=self.heartbeat_interval_s,
-                checkpoint_every_steps=self.checkpoint_every,
-            )
-        )
-        actions: list[Action] = [Send(self._ranks(), welcome)]
+        resume_bytes = len(resume.payload) if resume is not None else 0
+        actions: list[Action] = [Send(self._ranks(), self._welcome_message(resume_bytes))]
         if resume is not None:
-            view = memoryview(resume.payload)
-            for offset, length in wire.chunk_spans(len(view), self.chunk_bytes):
-                chunk = pb.CheckpointChunk(
-                    step=resume.step,
-                    offset=offset,
-                    total_bytes=len(view),
-                    payload=bytes(view[offset : offset + length]),
-                )
-                actions.append(Send(self._ranks(), pb.CoordinatorMessage(resume=chunk)))
+            actions += self._resume_messages(self._ranks(), resume.step, resume.payload)
         return actions
 
     # ------------------------------------------------------------- liveness
@@ -667,128 +608,6 @@ class Job:
                 rank,
             )
         ]
-
-    # ------------------------------------------------- elastic membership
-    def set_peer(self, rank: int, peer: str) -> None:
-        """Remember the network address of `rank` (member or newcomer), for status."""
-        member = self.members.get(rank) or self._newcomers.get(rank)
-        if member is not None:
-            member.peer = peer
-
-    def _membership_message(self, reason: str) -> pb.CoordinatorMessage:
-        return pb.CoordinatorMessage(
-            membership=pb.MembershipChanged(
-                membership_epoch=self.membership_epoch,
-                ranks=list(self._ranks()),
-                step=self.open_step,
-                reason=reason,
-            )
-        )
-
-    def _shrink(self, lost: int, reason: str) -> list[Action]:
-        """Elastic: go on without `lost`; finish the open step over the live ranks."""
-        self.membership_epoch += 1
-        reason = (
-            f"{reason} at step {self.open_step}; continuing with ranks {list(self._ranks())} "
-            f"(membership epoch {self.membership_epoch})"
-        )
-        actions: list[Action] = [Send(self._ranks(), self._membership_message(reason))]
-        if self._heal is not None and self._heal[0] == lost:
-            self._heal = None  # the donor is gone: ask another live rank
-            actions += self._request_heal()
-        step = self.open_step
-        for bucket, reduction in list(self._reductions.items()):
-            before = reduction.buffered_bytes
-            completed = reduction.drop_rank(lost)
-            self._budget.adjust(reduction.buffered_bytes - before)
-            for offset, averaged in completed:
-                actions += self._completed_chunk(bucket, offset, averaged)
-            if self.open_step != step:
-                break  # the step completed over the live ranks
-        return actions
-
-    def _admit_newcomer(self, rank: int, join: pb.Join) -> list[Action]:
-        """A restarted rank joins a running elastic job: heal it at a step boundary."""
-        assert self._reference_rank is not None and self._signature is not None
-        difference = signatures.first_difference(
-            self._reference_rank, self._signature, rank, join.signature
-        )
-        if difference is not None:
-            raise RejectedMessage(
-                Code.INVALID_ARGUMENT,
-                f"rank {rank} cannot rejoin: model signatures differ: {difference}",
-            )
-        now = self._clock()
-        self._newcomers[rank] = _Member(rank, join.incarnation, join.signature, now, last_seen=now)
-        return self._request_heal() if self._heal is None else []
-
-    def _request_heal(self) -> list[Action]:
-        if not self._newcomers or not self.members:
-            return []
-        # The lowest live rank donates: until its own chunks of the open step
-        # arrive, no chunk of that step can have folded anyone in, so the
-        # newcomers can still be added to the step's reductions.
-        donor = min(self.members)
-        self._heal = (donor, None)
-        request = pb.StateRequest(for_rank=min(self._newcomers))
-        return [Send((donor,), pb.CoordinatorMessage(state_request=request))]
-
-    def _on_heal_chunk(self, rank: int, chunk: pb.CheckpointChunk) -> list[Action]:
-        """Collect the donor's state; when complete, admit the newcomers with it."""
-        if self._heal is None or self._heal[0] != rank:
-            raise RejectedMessage(
-                Code.FAILED_PRECONDITION,
-                f"rank {rank} sent healing state for step {chunk.step} that nobody asked for",
-            )
-        donor, assembler = self._heal
-        if assembler is None:
-            what = f"healing state of step {chunk.step} from rank {donor}"
-            assembler = BlobAssembler(what, chunk.total_bytes, self.chunk_bytes, self._budget.limit)
-            self._heal = (donor, assembler)
-        if not assembler.add(chunk.offset, chunk.payload):
-            return []
-        self._heal = None
-        if chunk.step != self.open_step:
-            return self._request_heal()  # not at the boundary we can use: ask again
-        newcomers = sorted(self._newcomers)
-        for rank_joining in newcomers:
-            self.members[rank_joining] = self._newcomers.pop(rank_joining)
-            for reduction in self._reductions.values():
-                reduction.add_rank(rank_joining)
-        self.membership_epoch += 1
-        blob = assembler.blob()
-        reason = (
-            f"rank(s) {newcomers} rejoined job '{self.job_id}' at step {self.open_step} with "
-            f"rank {donor}'s state (membership epoch {self.membership_epoch})"
-        )
-        old = tuple(r for r in self._ranks() if r not in newcomers)
-        actions: list[Action] = [Send(old, self._membership_message(reason))]
-        assert self._signature is not None
-        welcome = pb.CoordinatorMessage(
-            welcome=pb.Welcome(
-                job_id=self.job_id,
-                world_size=self.world_size,
-                membership_epoch=self.membership_epoch,
-                start_step=self.open_step,
-                chunk_bytes=self.chunk_bytes,
-                max_message_bytes=self.max_message_bytes,
-                state_bytes=self._state_bytes,
-                resume_bytes=len(blob),
-                heartbeat_interval_s=self.heartbeat_interval_s,
-                checkpoint_every_steps=self.checkpoint_every,
-            )
-        )
-        targets = tuple(newcomers)
-        actions.append(Send(targets, welcome))
-        for offset, length in wire.chunk_spans(len(blob), self.chunk_bytes):
-            piece = pb.CheckpointChunk(
-                step=self.open_step,
-                offset=offset,
-                total_bytes=len(blob),
-                payload=blob[offset : offset + length],
-            )
-            actions.append(Send(targets, pb.CoordinatorMessage(resume=piece)))
-        return actions
 
     def _refuse(self, code: Code, details: str) -> list[Action]:
         """Refuse the whole job: every connected rank's stream ends with `code`."""

@@ -26,10 +26,11 @@ import grpc
 from google.protobuf.message import DecodeError
 from gradsync.errors import Code, RejectedMessage
 from gradsync.fastwire import decode_gradient, header_of
+from gradsync.server.actions import Action, Persist, Send, Terminate
 from gradsync.server.budget import ByteBudget
 from gradsync.server.checkpoint import Checkpoint, CheckpointError, CheckpointStore
 from gradsync.server.config import ServerConfig
-from gradsync.server.job import Action, Job, Persist, Send, Terminate
+from gradsync.server.job import Job
 from gradsync.server.metrics import CoordinatorMetrics
 from gradsync.v1 import gradsync_pb2 as pb
 
