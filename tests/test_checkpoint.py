@@ -24,12 +24,12 @@ from gradsync.server.checkpoint import (
     CheckpointCorruptError,
     CheckpointError,
     CheckpointStore,
-    FileCheckpointStore,
-    RedisCheckpointStore,
     decode,
     encode,
     open_store,
 )
+from gradsync.server.checkpoint_file import FileCheckpointStore
+from gradsync.server.checkpoint_redis import RedisCheckpointStore
 from redisserver import RedisServer
 
 LOGGER = "gradsync.server.checkpoint"
