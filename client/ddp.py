@@ -217,6 +217,8 @@ class DistributedDataParallel(nn.Module):
         """Run the wrapped module's forward (after a due periodic checkpoint, on rank 0)."""
         if self._state is _State.CLOSED:
             raise ClosedError("DistributedDataParallel used after close()", rank=self.rank)
+        if self._backward_active:
+            self.abandon_step("its backward pass was interrupted by an exception")
         if self._transport.take_heal_request():
             # A step boundary: parameters and optimizer state are consistent.
             self._transport.send_heal(self._step, self._state_blob())
@@ -231,6 +233,27 @@ class DistributedDataParallel(nn.Module):
             # the previous step: parameters and optimizer state are consistent.
             self.save_checkpoint(wait=False)
         return self.module(*args, **kwargs)
+
+    def abandon_step(self, reason: str = "abandoned by the training loop") -> None:
+        """Give up on a synchronized step whose backward pass did not finish.
+
+        An exception inside `backward()` (an out-of-memory error, say) skips the
+        end-of-backward callback, leaving the step half uploaded. The coordinator
+        is told to abort the step for every rank (they get StepAbortedError and
+        skip it), and this rank moves on to the next step. The next `forward()`
+        does this automatically; call it yourself right after catching the
+        exception if your loop reads `model.step`.
+        """
+        if not self._backward_active:
+            return
+        step = self._step
+        log.warning("rank %d: abandoning step %d: %s", self.rank, step, reason)
+        self._transport.abandon_step(step, reason)
+        self._backward_active = False
+        self._staged.clear()
+        self._errors.clear()
+        self._step = step + 1
+        self._transport.current_step = self._step
 
     def register_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
         """Include `optimizer`'s state in checkpoints (and restore it when resuming).

@@ -187,6 +187,10 @@ class Transport:
         """Queue a checkpoint upload (rank 0). Never blocks."""
         self._put(_CheckpointUpload(step, blob))
 
+    def abandon_step(self, step: int, reason: str) -> None:
+        """Tell the coordinator this rank gives up on `step`. Never blocks."""
+        self._put(pb.WorkerMessage(abandon=pb.AbandonStep(step=step, reason=reason)))
+
     def take_heal_request(self) -> bool:
         """True (once) when a rejoining rank needs this rank's state."""
         with self._cond:

@@ -490,6 +490,18 @@ class Job(ElasticMembership):
         if self.progress is not None:
             self.progress.reset()
 
+    def on_abandon(self, rank: int, abandon: pb.AbandonStep) -> list[Action]:
+        """A rank gave up on a step it started: abort it for everyone (if still open)."""
+        if self.state is not JobState.RUNNING or abandon.step != self.open_step:
+            return []  # already complete or aborted: nothing to undo
+        reason = abandon.reason or "no reason given"
+        rejection = RejectedMessage(
+            Code.ABORTED,
+            f"rank {rank} abandoned step {abandon.step}: {reason}",
+            step=abandon.step,
+        )
+        return self._abort_open_step(rank, rejection)
+
     def reject(self, culprit: int, rejection: RejectedMessage) -> list[Action]:
         """Abort the open step because `culprit` sent an unusable message."""
         if self.state is not JobState.RUNNING:

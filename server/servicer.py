@@ -310,6 +310,8 @@ class CoordinatorServicer:
         try:
             if kind == "heartbeat":
                 job.touch(conn.rank, message.heartbeat.step)
+            elif kind == "abandon":
+                self._execute(job, job.on_abandon(conn.rank, message.abandon))
             elif kind == "checkpoint":
                 self._execute(job, job.on_checkpoint_chunk(conn.rank, message.checkpoint))
             elif kind == "gradient":

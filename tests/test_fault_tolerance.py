@@ -521,3 +521,35 @@ def test_workers_reconnect_to_a_restarted_coordinator_and_resume(
         assert_matches_reference(report, 2, 12)
     _, log = second.stop()
     assert "RESUMES from the checkpoint of step" in log
+
+
+@pytest.mark.timeout(90)
+def test_exception_inside_backward_abandons_the_step_for_every_rank(
+    coordinator_factory, tmp_path: Path
+) -> None:
+    coordinator = coordinator_factory(2, *HEARTBEAT)
+    reports = finish(
+        start_workers(
+            coordinator.address, 2, tmp_path, 5, {1: ["--raise-at", "2"]}, "--skip-aborted"
+        ),
+        tmp_path,
+    )
+    for report in reports:
+        assert report is not None and report["status"] == "ok", report
+        assert report["skipped"] == [2] and report["step"] == 5
+    # Step 2 was skipped by both ranks: the same as training on steps 0, 1, 3, 4.
+    model = scenarios.MixedModel(0)
+    optimizer = scenarios.make_optimizer(model)
+    for step in (0, 1, 3, 4):
+        optimizer.zero_grad()
+        x, y = scenarios.global_batch(step, 2)
+        scenarios.loss_fn(model(x), y).backward()
+        optimizer.step()
+    for report in reports:
+        assert report is not None
+        for name, param in model.named_parameters():
+            expected = param.detach().double().numpy()
+            got = params_of(report)[name]
+            assert np.linalg.norm(got - expected) / np.linalg.norm(expected) <= 1e-6, name
+    _, log = coordinator.stop()
+    assert "rank 1 abandoned step 2: simulated out of memory" in log

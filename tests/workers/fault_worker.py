@@ -41,17 +41,21 @@ def main() -> int:
     parser.add_argument("--metrics-port", type=int, default=None)
     parser.add_argument("--trace", type=Path, default=None)
     parser.add_argument("--reconnect-timeout-s", type=float, default=60.0)
+    parser.add_argument("--raise-at", type=int, default=None)
+    parser.add_argument("--skip-aborted", action="store_true")
     args = parser.parse_args()
     rank, world = args.rank, args.world_size
     module = scenarios.MixedModel(seed=rank)
     contributors: list[int] = []
     restarts: list[int] = []
+    skipped: list[int] = []
     report: dict[str, object] = {
         "status": "ok",
         "message": "",
         "step": 0,
         "contributors": contributors,
         "restarts": restarts,
+        "skipped": skipped,
     }
     started = time.monotonic()
     try:
@@ -86,6 +90,17 @@ def main() -> int:
                     os.kill(os.getpid(), signal.SIGKILL)
 
             target.register_post_accumulate_grad_hook(kill_hook)
+        if args.raise_at is not None:
+            # An exception in the middle of backward, after bucket 0 was uploaded
+            # (like an out-of-memory error on a GPU).
+            victim = model.bucket_plans[1].parameter_indices[-1]
+
+            def failing_hook(grad: object) -> object:
+                if model.step == args.raise_at:
+                    raise RuntimeError("simulated out of memory")
+                return grad
+
+            list(module.parameters())[victim].register_hook(failing_hook)
         with model:
             while model.step < args.steps:
                 step = model.step
@@ -99,6 +114,17 @@ def main() -> int:
                 except gradsync.CoordinatorRestartedError:
                     restarts.append(model.step)
                     continue  # nothing was applied: redo from the restored step
+                except gradsync.StepAbortedError:
+                    if not args.skip_aborted:
+                        raise
+                    skipped.append(step)
+                    continue  # the step was abandoned everywhere: skip its update
+                except RuntimeError as exc:
+                    if "simulated out of memory" not in str(exc):
+                        raise
+                    model.abandon_step("simulated out of memory")
+                    skipped.append(step)
+                    continue
                 optimizer.step()
                 report["step"] = model.step
                 contributors.append(model.last_contributors)

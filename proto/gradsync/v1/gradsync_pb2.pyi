@@ -170,6 +170,14 @@ class CheckpointSaved(_message.Message):
     message: str
     def __init__(self, step: _Optional[int] = ..., durable: _Optional[bool] = ..., message: _Optional[str] = ...) -> None: ...
 
+class AbandonStep(_message.Message):
+    __slots__ = ("step", "reason")
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    step: int
+    reason: str
+    def __init__(self, step: _Optional[int] = ..., reason: _Optional[str] = ...) -> None: ...
+
 class Leave(_message.Message):
     __slots__ = ("reason",)
     REASON_FIELD_NUMBER: _ClassVar[int]
@@ -177,20 +185,22 @@ class Leave(_message.Message):
     def __init__(self, reason: _Optional[str] = ...) -> None: ...
 
 class WorkerMessage(_message.Message):
-    __slots__ = ("join", "gradient", "state", "leave", "heartbeat", "checkpoint")
+    __slots__ = ("join", "gradient", "state", "leave", "heartbeat", "checkpoint", "abandon")
     JOIN_FIELD_NUMBER: _ClassVar[int]
     GRADIENT_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELD_NUMBER: _ClassVar[int]
     LEAVE_FIELD_NUMBER: _ClassVar[int]
     HEARTBEAT_FIELD_NUMBER: _ClassVar[int]
     CHECKPOINT_FIELD_NUMBER: _ClassVar[int]
+    ABANDON_FIELD_NUMBER: _ClassVar[int]
     join: Join
     gradient: GradientChunk
     state: StateChunk
     leave: Leave
     heartbeat: Heartbeat
     checkpoint: CheckpointChunk
-    def __init__(self, join: _Optional[_Union[Join, _Mapping]] = ..., gradient: _Optional[_Union[GradientChunk, _Mapping]] = ..., state: _Optional[_Union[StateChunk, _Mapping]] = ..., leave: _Optional[_Union[Leave, _Mapping]] = ..., heartbeat: _Optional[_Union[Heartbeat, _Mapping]] = ..., checkpoint: _Optional[_Union[CheckpointChunk, _Mapping]] = ...) -> None: ...
+    abandon: AbandonStep
+    def __init__(self, join: _Optional[_Union[Join, _Mapping]] = ..., gradient: _Optional[_Union[GradientChunk, _Mapping]] = ..., state: _Optional[_Union[StateChunk, _Mapping]] = ..., leave: _Optional[_Union[Leave, _Mapping]] = ..., heartbeat: _Optional[_Union[Heartbeat, _Mapping]] = ..., checkpoint: _Optional[_Union[CheckpointChunk, _Mapping]] = ..., abandon: _Optional[_Union[AbandonStep, _Mapping]] = ...) -> None: ...
 
 class Welcome(_message.Message):
     __slots__ = ("job_id", "world_size", "membership_epoch", "start_step", "chunk_bytes", "max_message_bytes", "state_bytes", "resume_bytes", "heartbeat_interval_s", "checkpoint_every_steps")
