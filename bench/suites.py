@@ -13,23 +13,21 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import socket
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 from gradsync.bench.netns import Cluster, LinkShape, available
+from gradsync.launch import Launcher, start_coordinator
 
 MIB = 1 << 20
-_BANNER = re.compile(r"listening on (\S+):(\d+)")
 Row = dict[str, Any]
-Launcher = Callable[[list[str]], "subprocess.Popen[str]"]
 
 
 def free_port() -> int:
@@ -37,41 +35,6 @@ def free_port() -> int:
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         return int(probe.getsockname()[1])
-
-
-def start_coordinator(
-    world_size: int, launch: Launcher, host: str = "127.0.0.1", port: int = 0
-) -> tuple[subprocess.Popen[str], int]:
-    """Start `gradsync serve`; return the process and its port (parsed from the banner)."""
-    process = launch(
-        [
-            sys.executable,
-            "-m",
-            "gradsync.cli",
-            "--log-level",
-            "WARNING",
-            "serve",
-            "--world-size",
-            str(world_size),
-            "--host",
-            host,
-            "--port",
-            str(port),
-            "--shutdown-grace-s",
-            "1",
-        ]
-    )
-    assert process.stderr is not None
-    deadline = time.monotonic() + 60
-    while time.monotonic() < deadline:
-        line = process.stderr.readline()
-        if not line:
-            break
-        match = _BANNER.search(line)
-        if match:
-            return process, int(match.group(2))
-    process.kill()
-    raise RuntimeError("the coordinator did not print its banner")
 
 
 def _local_launch(argv: list[str]) -> subprocess.Popen[str]:
@@ -138,7 +101,10 @@ def run_sync_pair(
 ) -> dict[str, dict[str, float]]:
     """One (W, N) point of the sync micro-benchmark; hosts are given by launchers."""
     coordinator, port = start_coordinator(
-        world_size, launch, host=coordinator_bind, port=0 if coordinator_address is None else 50051
+        world_size,
+        launch=launch,
+        host=coordinator_bind,
+        port=0 if coordinator_address is None else 50051,
     )
     try:
         address = f"{coordinator_address or coordinator_host}:{port}"
@@ -229,7 +195,7 @@ def train_suite(worlds: Sequence[int], model_mb: float, steps: int) -> list[Row]
     """Suite (b): samples/s of gradsync vs torchrun + DDP, local and no-overlap baselines."""
     rows = []
     for world_size in worlds:
-        coordinator, port = start_coordinator(world_size, _local_launch)
+        coordinator, port = start_coordinator(world_size, launch=_local_launch)
         env = dict(os.environ, GRADSYNC_COORDINATOR=f"127.0.0.1:{port}", OMP_NUM_THREADS="1")
         try:
             with tempfile.TemporaryDirectory() as scratch:

@@ -8,54 +8,17 @@ compares the parameters.
 
 from __future__ import annotations
 
-import re
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 import numpy as np
 from gradsync.example import TrainSettings, max_relative_difference, train_reference
+from gradsync.launch import start_coordinator
 
 #: Parity bound between the distributed and the single-process result.
 PARITY_TOLERANCE = 1e-5
-_BANNER = re.compile(r"listening on (\S+):(\d+)")
-
-
-def start_coordinator(world_size: int, timeout_s: float) -> tuple[subprocess.Popen[str], int]:
-    """Start `gradsync serve` on a free loopback port; return it and the port."""
-    process = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "gradsync.cli",
-            "--log-level",
-            "WARNING",
-            "serve",
-            "--world-size",
-            str(world_size),
-            "--host",
-            "127.0.0.1",
-            "--port",
-            "0",
-            "--shutdown-grace-s",
-            "2",
-        ],
-        stderr=subprocess.PIPE,
-        text=True,
-    )
-    assert process.stderr is not None
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        line = process.stderr.readline()
-        if not line:
-            break
-        match = _BANNER.search(line)
-        if match:
-            return process, int(match.group(2))
-    process.kill()
-    raise RuntimeError("the coordinator did not start (no banner on its stderr)")
 
 
 def run_demo(settings: TrainSettings, timeout_s: float = 120.0) -> int:

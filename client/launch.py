@@ -1,0 +1,65 @@
+"""Start a coordinator process and learn its port (for `gradsync demo` and `gradsync bench`)."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Sequence
+
+#: The banner line `gradsync serve` prints once it listens.
+BANNER = re.compile(r"listening on (\S+):(\d+)")
+
+Launcher = Callable[[list[str]], "subprocess.Popen[str]"]
+
+
+def _local(argv: list[str]) -> subprocess.Popen[str]:
+    return subprocess.Popen(argv, stderr=subprocess.PIPE, text=True)
+
+
+def start_coordinator(
+    world_size: int,
+    *extra: str,
+    launch: Launcher = _local,
+    host: str = "127.0.0.1",
+    port: int = 0,
+    timeout_s: float = 60.0,
+) -> tuple[subprocess.Popen[str], int]:
+    """Start `gradsync serve` (on this host, or through `launch`); return it and its port.
+
+    The port is read from the banner, so port 0 (a free port) works.
+
+    Raises:
+        RuntimeError: the coordinator exited or printed no banner within `timeout_s`.
+    """
+    argv: Sequence[str] = (
+        sys.executable,
+        "-m",
+        "gradsync.cli",
+        "--log-level",
+        "WARNING",
+        "serve",
+        "--world-size",
+        str(world_size),
+        "--host",
+        host,
+        "--port",
+        str(port),
+        "--shutdown-grace-s",
+        "1",
+        *extra,
+    )
+    process = launch(list(argv))
+    assert process.stderr is not None
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        line = process.stderr.readline()
+        if not line:
+            break
+        match = BANNER.search(line)
+        if match:
+            return process, int(match.group(2))
+    process.kill()
+    process.wait()
+    raise RuntimeError("the coordinator did not start (no banner on its stderr)")
