@@ -240,7 +240,7 @@ class Job(ElasticMembership):
         self._checkpoint_upload = None
         return [Persist(step, assembler.blob())]
 
-    def status(self, heartbeat_ages: bool = True) -> pb.JobStatus:
+    def status(self) -> pb.JobStatus:
         """A snapshot for `gradsync status`."""
         now = self._clock()
         late = self.late_ranks()
@@ -256,7 +256,7 @@ class Job(ElasticMembership):
                     rank=m.rank,
                     incarnation=m.incarnation,
                     peer=m.peer,
-                    last_seen_s=now - m.last_seen if heartbeat_ages else 0.0,
+                    last_seen_s=now - m.last_seen,
                     reported_step=m.reported_step,
                 )
                 for _, m in sorted(self.members.items())

@@ -11,7 +11,6 @@ from __future__ import annotations
 import json
 import shutil
 import signal
-import socket
 import subprocess
 import time
 import urllib.error
@@ -20,16 +19,11 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
+from redisserver import free_port
+
 PROMETHEUS = shutil.which("prometheus")
 PROMTOOL = shutil.which("promtool")
 NO_PROMETHEUS = "prometheus not installed (CI installs Debian's prometheus)"
-
-
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port: int = probe.getsockname()[1]
-        return port
 
 
 class PrometheusServer:

@@ -16,49 +16,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 import scenarios
+from faultworkers import start_workers
 from gradsync.bench.netns import Cluster, available
 from gradsync.status import query_status
 from redisserver import RedisServer, free_port
 
-FAULT_WORKER = Path(__file__).parent / "workers" / "fault_worker.py"
 HEARTBEAT = ("--heartbeat-interval", "0.25", "--heartbeat-timeout", "2")
-
-
-def start_workers(
-    address: str,
-    world_size: int,
-    out: Path,
-    steps: int,
-    per_rank: dict[int, list[str]] | None = None,
-    *extra: str,
-    launch: Callable[[int, list[str]], subprocess.Popen[bytes]] | None = None,
-    ranks: list[int] | None = None,
-) -> list[subprocess.Popen[bytes]]:
-    processes = []
-    for rank in range(world_size) if ranks is None else ranks:
-        argv = [
-            sys.executable,
-            str(FAULT_WORKER),
-            "--coordinator",
-            address,
-            "--rank",
-            str(rank),
-            "--world-size",
-            str(world_size),
-            "--steps",
-            str(steps),
-            "--out",
-            str(out / f"rank{rank}.json"),
-            *extra,
-            *(per_rank or {}).get(rank, []),
-        ]
-        if launch is not None:
-            processes.append(launch(rank, argv))
-        else:
-            processes.append(
-                subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-            )
-    return processes
 
 
 def finish(

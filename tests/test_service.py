@@ -6,7 +6,6 @@ from __future__ import annotations
 import json
 import os
 import shlex
-import socket
 import subprocess
 import sys
 import threading
@@ -16,49 +15,13 @@ from pathlib import Path
 import numpy as np
 import pytest
 import yaml
+from faultworkers import start_workers
 from gradsync.bench.netns import Cluster, available
 from gradsync.example import TrainSettings, max_relative_difference, train_reference
 from promserver import NO_PROMETHEUS, PROMETHEUS, PrometheusServer
-from redisserver import NO_REDIS_SERVER, REDIS_SERVER
+from redisserver import NO_REDIS_SERVER, REDIS_SERVER, free_port
 
 ROOT = Path(__file__).resolve().parent.parent
-FAULT_WORKER = Path(__file__).parent / "workers" / "fault_worker.py"
-
-
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return int(probe.getsockname()[1])
-
-
-def fault_workers(
-    address: str,
-    world_size: int,
-    out: Path,
-    *extra: str,
-    per_rank: dict[int, list[str]] | None = None,
-) -> list[subprocess.Popen[bytes]]:
-    return [
-        subprocess.Popen(
-            [
-                sys.executable,
-                str(FAULT_WORKER),
-                "--coordinator",
-                address,
-                "--rank",
-                str(rank),
-                "--world-size",
-                str(world_size),
-                "--out",
-                str(out / f"rank{rank}.json"),
-                *extra,
-                *(per_rank or {}).get(rank, []),
-            ],
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.DEVNULL,
-        )
-        for rank in range(world_size)
-    ]
 
 
 def wait_all(processes: list[subprocess.Popen[bytes]], timeout_s: float = 90) -> None:
@@ -89,15 +52,14 @@ def test_prometheus_scrapes_a_running_coordinator_and_workers(
     )
     processes: list[subprocess.Popen[bytes]] = []
     try:
-        processes = fault_workers(
+        processes = start_workers(
             coordinator.address,
             2,
             tmp_path,
-            "--steps",
-            "40",
+            40,
+            {r: ["--metrics-port", str(p)] for r, p in enumerate(worker_ports)},
             "--step-delay-s",
             "0.15",
-            per_rank={r: ["--metrics-port", str(p)] for r, p in enumerate(worker_ports)},
         )
 
         def series(expression: str) -> list[tuple[dict[str, str], float]]:
@@ -144,11 +106,7 @@ def test_prometheus_scrapes_a_running_coordinator_and_workers(
 def test_step_trace_shows_overlapped_buckets_in_order(coordinator_factory, tmp_path: Path) -> None:
     coordinator = coordinator_factory(2)
     trace = tmp_path / "trace.json"
-    wait_all(
-        fault_workers(
-            coordinator.address, 2, tmp_path, "--steps", "3", per_rank={0: ["--trace", str(trace)]}
-        )
-    )
+    wait_all(start_workers(coordinator.address, 2, tmp_path, 3, {0: ["--trace", str(trace)]}))
     events = json.loads(trace.read_text())
     names = {e["args"]["name"] for e in events if e["ph"] == "M"}
     assert {"autograd", "transport", "rank 0"} <= names
