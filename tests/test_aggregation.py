@@ -7,7 +7,7 @@ import random
 import numpy as np
 import pytest
 import torch
-from gradsync import wire
+from gradsync.protocol import chunking
 from gradsync.server.aggregation import BucketReduction, DuplicateContributionError
 from gradsync.v1 import gradsync_pb2 as pb
 
@@ -29,7 +29,7 @@ def reduce_in_order(arrays: list[bytes], dtype: int, order: list[tuple[int, int]
     reduction = BucketReduction(range(len(arrays)), dtype, total, CHUNK)
     result = bytearray(total)
     for rank, offset in order:
-        length = wire.expected_chunk_length(total, CHUNK, offset)
+        length = chunking.expected_chunk_length(total, CHUNK, offset)
         averaged = reduction.add(rank, offset, arrays[rank][offset : offset + length])
         if averaged is not None:
             result[offset : offset + len(averaged)] = averaged
@@ -39,7 +39,7 @@ def reduce_in_order(arrays: list[bytes], dtype: int, order: list[tuple[int, int]
 
 
 def all_pieces(world_size: int, total: int) -> list[tuple[int, int]]:
-    return [(r, off) for r in range(world_size) for off, _ in wire.chunk_spans(total, CHUNK)]
+    return [(r, off) for r in range(world_size) for off, _ in chunking.chunk_spans(total, CHUNK)]
 
 
 @pytest.mark.parametrize("world_size", range(2, 9))

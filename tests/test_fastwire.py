@@ -6,7 +6,7 @@ import random
 
 import pytest
 from google.protobuf.message import DecodeError
-from gradsync.fastwire import ChunkHeader, decode_gradient, encode_gradient, header_of
+from gradsync.protocol.codec import ChunkHeader, decode_gradient, encode_gradient, header_of
 from gradsync.v1 import gradsync_pb2 as pb
 
 

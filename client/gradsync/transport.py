@@ -23,11 +23,10 @@ from typing import Any
 import grpc
 import numpy as np
 import numpy.typing as npt
-from gradsync import wire
+
 from gradsync.buffers import BucketBuffer
 from gradsync.errors import (
     ClosedError,
-    Code,
     CoordinatorUnavailableError,
     GradSyncError,
     MessageRejectedError,
@@ -36,14 +35,16 @@ from gradsync.errors import (
     SyncTimeoutError,
     error_from_status,
 )
-from gradsync.fastwire import ChunkHeader, decode_gradient, encode_gradient, header_of
+from gradsync.protocol import chunking
+from gradsync.protocol.codec import ChunkHeader, decode_gradient, encode_gradient, header_of
+from gradsync.protocol.codes import Code
 from gradsync.v1 import gradsync_pb2 as pb
 
 log = logging.getLogger("gradsync.client")
 
 #: Largest message the client accepts or sends; the coordinator's own limit
 #: (announced in Welcome) is the binding one for uploads.
-CLIENT_MAX_MESSAGE_BYTES = 64 * (1 << 20) + wire.HEADER_SLACK_BYTES
+CLIENT_MAX_MESSAGE_BYTES = 64 * (1 << 20) + chunking.HEADER_SLACK_BYTES
 SYNC_METHOD = "/gradsync.v1.Coordinator/Sync"
 
 
@@ -279,7 +280,7 @@ class Transport:
         ]
         self._channel = grpc.aio.insecure_channel(self.target, options=options)
         # Raw bytes both ways: gradient chunks are encoded and decoded by
-        # gradsync.fastwire without copying payloads through protobuf objects.
+        # gradsync.protocol.codec without copying payloads through protobuf objects.
         sync = self._channel.stream_stream(SYNC_METHOD)
         self._outgoing.put_nowait(pb.WorkerMessage(join=join))
         # wait_for_ready: a worker may start before its coordinator; the join
@@ -298,7 +299,7 @@ class Transport:
                 self._outgoing.put_nowait(beat)
 
     async def _requests(self) -> AsyncIterator[bytes]:
-        chunk_bytes = wire.DEFAULT_CHUNK_BYTES
+        chunk_bytes = chunking.DEFAULT_CHUNK_BYTES
         epoch = 0
         while True:
             item = await self._outgoing.get()
@@ -309,7 +310,7 @@ class Transport:
                 chunk_bytes, epoch = welcome.chunk_bytes, self._shared.membership_epoch
             if isinstance(item, _CheckpointUpload):
                 view = memoryview(item.blob)
-                for offset, length in wire.chunk_spans(len(view), chunk_bytes):
+                for offset, length in chunking.chunk_spans(len(view), chunk_bytes):
                     piece = pb.CheckpointChunk(
                         step=item.step,
                         offset=offset,
@@ -320,13 +321,13 @@ class Transport:
                     yield pb.WorkerMessage(checkpoint=piece).SerializeToString()
             elif isinstance(item, _StateUpload):
                 view = memoryview(item.blob.data)
-                for offset, length in wire.chunk_spans(len(view), chunk_bytes):
+                for offset, length in chunking.chunk_spans(len(view), chunk_bytes):
                     payload = view[offset : offset + length].tobytes()
                     chunk = pb.StateChunk(offset=offset, payload=payload)
                     yield pb.WorkerMessage(state=chunk).SerializeToString()
             elif isinstance(item, _BucketUpload):
                 self._bucket_event("upload_start", item.step, item.bucket_index)
-                last_offset = (wire.num_chunks(item.buffer.size, chunk_bytes) - 1) * chunk_bytes
+                last_offset = (chunking.num_chunks(item.buffer.size, chunk_bytes) - 1) * chunk_bytes
                 for offset, pieces in item.buffer.chunks(chunk_bytes):
                     header = ChunkHeader(
                         step=item.step,

@@ -8,8 +8,9 @@ first difference is reported naming both ranks, the tensor and both values.
 
 from __future__ import annotations
 
-from gradsync import wire
-from gradsync.errors import Code, RejectedMessage
+from gradsync.protocol import dtypes
+from gradsync.protocol.codes import Code
+from gradsync.server.errors import RejectedMessage
 from gradsync.v1 import gradsync_pb2 as pb
 
 #: Refuse absurd sizes before allocating anything (1 TiB).
@@ -18,7 +19,7 @@ MAX_BUCKET_BYTES = 1 << 40
 
 def describe(spec: pb.TensorSpec) -> str:
     """'[10, 4] float32' for error messages."""
-    return f"{list(spec.shape)} {wire.dtype_name(spec.dtype)}"
+    return f"{list(spec.shape)} {dtypes.dtype_name(spec.dtype)}"
 
 
 def tensor_bytes(spec: pb.TensorSpec) -> int:
@@ -26,12 +27,12 @@ def tensor_bytes(spec: pb.TensorSpec) -> int:
     elements = 1
     for dim in spec.shape:
         elements *= dim
-    return elements * wire.itemsize(spec.dtype)
+    return elements * dtypes.itemsize(spec.dtype)
 
 
 def bucket_bytes(bucket: pb.BucketSpec) -> int:
     """Size in bytes of a bucket (validated beforehand)."""
-    return bucket.num_elements * wire.itemsize(bucket.dtype)
+    return bucket.num_elements * dtypes.itemsize(bucket.dtype)
 
 
 def state_bytes(signature: pb.ModelSignature) -> int:
@@ -55,15 +56,15 @@ def validate(rank: int, signature: pb.ModelSignature) -> None:
         raise refuse("the model signature lists no trainable parameters")
     for kind, specs in (("parameter", signature.parameters), ("buffer", signature.buffers)):
         for spec in specs:
-            if not wire.is_supported_dtype(spec.dtype):
+            if not dtypes.is_supported_dtype(spec.dtype):
                 raise refuse(f"{kind} '{spec.name}' has unsupported dtype {spec.dtype}")
             if any(dim < 0 for dim in spec.shape):
                 raise refuse(f"{kind} '{spec.name}' has a negative dimension {list(spec.shape)}")
     owner: dict[int, int] = {}
     for bucket_index, bucket in enumerate(signature.buckets):
-        if bucket.dtype not in wire.REDUCIBLE_DTYPES:
+        if bucket.dtype not in dtypes.REDUCIBLE_DTYPES:
             raise refuse(
-                f"bucket {bucket_index} has dtype {wire.dtype_name(bucket.dtype)}; "
+                f"bucket {bucket_index} has dtype {dtypes.dtype_name(bucket.dtype)}; "
                 "gradients must be float32, float64, float16 or bfloat16"
             )
         elements = 0
@@ -81,10 +82,10 @@ def validate(rank: int, signature: pb.ModelSignature) -> None:
             spec = signature.parameters[index]
             if spec.dtype != bucket.dtype:
                 raise refuse(
-                    f"bucket {bucket_index} is {wire.dtype_name(bucket.dtype)} but its "
+                    f"bucket {bucket_index} is {dtypes.dtype_name(bucket.dtype)} but its "
                     f"parameter '{spec.name}' is {describe(spec)}"
                 )
-            elements += tensor_bytes(spec) // wire.itemsize(spec.dtype)
+            elements += tensor_bytes(spec) // dtypes.itemsize(spec.dtype)
         if elements != bucket.num_elements or elements == 0:
             raise refuse(
                 f"bucket {bucket_index} declares {bucket.num_elements} elements, "

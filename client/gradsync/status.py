@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import grpc
+
 from gradsync.v1 import gradsync_pb2 as pb
 
 STATUS_METHOD = "/gradsync.v1.Coordinator/Status"

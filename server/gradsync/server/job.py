@@ -25,15 +25,16 @@ import time
 from collections import deque
 from collections.abc import Callable, Sequence
 
-from gradsync import wire
-from gradsync.errors import Code, RejectedMessage
-from gradsync.fastwire import ChunkHeader, encode_gradient
+from gradsync.protocol import chunking, dtypes
+from gradsync.protocol.codec import ChunkHeader, encode_gradient
+from gradsync.protocol.codes import Code
 from gradsync.server import signature as signatures
 from gradsync.server.actions import Action, Member, Persist, Send, Terminate
 from gradsync.server.aggregation import BucketReduction, DuplicateContributionError
 from gradsync.server.budget import ByteBudget
 from gradsync.server.checkpoint import Checkpoint
 from gradsync.server.elastic import ElasticMembership
+from gradsync.server.errors import RejectedMessage
 from gradsync.server.metrics import CoordinatorMetrics
 from gradsync.server.progress import StepProgress
 from gradsync.server.uploads import BlobAssembler
@@ -171,7 +172,8 @@ class Job(ElasticMembership):
         self._bucket_bytes = [signatures.bucket_bytes(b) for b in self._signature.buckets]
         self._state_bytes = signatures.state_bytes(self._signature)
         self.progress = StepProgress(
-            [wire.num_chunks(size, self.chunk_bytes) for size in self._bucket_bytes], self._clock
+            [chunking.num_chunks(size, self.chunk_bytes) for size in self._bucket_bytes],
+            self._clock,
         )
         resume = self.resume
         if resume is not None:
@@ -398,7 +400,7 @@ class Job(ElasticMembership):
             raise RejectedMessage(
                 Code.INVALID_ARGUMENT,
                 f"rank {rank} sent bucket {bucket} of step {step} as "
-                f"{wire.dtype_name(chunk.dtype)}, expected {wire.dtype_name(expected_dtype)}",
+                f"{dtypes.dtype_name(chunk.dtype)}, expected {dtypes.dtype_name(expected_dtype)}",
                 step=step,
                 bucket_index=bucket,
             )
@@ -473,7 +475,7 @@ class Job(ElasticMembership):
                 f"rank {rank} sent {what} at offset {offset}; offsets must be multiples of "
                 f"{self.chunk_bytes} below {total} ({container} has {total} bytes)",
             )
-        expected = wire.expected_chunk_length(total, self.chunk_bytes, offset)
+        expected = chunking.expected_chunk_length(total, self.chunk_bytes, offset)
         if length != expected:
             return (
                 Code.INVALID_ARGUMENT,

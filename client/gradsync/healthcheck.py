@@ -20,8 +20,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import grpc
-from gradsync.v1 import gradsync_pb2
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from gradsync.v1 import gradsync_pb2
 
 #: The service the coordinator registers, as named by the contract itself.
 COORDINATOR_SERVICE: str = gradsync_pb2.DESCRIPTOR.services_by_name["Coordinator"].full_name

@@ -17,32 +17,12 @@ Errors raised inside the background transport are recorded with their context
 and re-raised at the next synchronization point (end of backward), so autograd
 hooks never raise.
 
-`Code` mirrors google.rpc.Code so that the pure coordinator logic can speak in
-status codes without importing grpc.
+Status codes come from `gradsync.protocol.codes`, shared with the coordinator.
 """
 
 from __future__ import annotations
 
-import enum
-
-
-class Code(enum.IntEnum):
-    """google.rpc.Code values used by gradsync (same numbers as grpc.StatusCode)."""
-
-    OK = 0
-    CANCELLED = 1
-    UNKNOWN = 2
-    INVALID_ARGUMENT = 3
-    DEADLINE_EXCEEDED = 4
-    NOT_FOUND = 5
-    ALREADY_EXISTS = 6
-    PERMISSION_DENIED = 7
-    RESOURCE_EXHAUSTED = 8
-    FAILED_PRECONDITION = 9
-    ABORTED = 10
-    INTERNAL = 13
-    UNAVAILABLE = 14
-    UNAUTHENTICATED = 16
+from gradsync.protocol.codes import Code
 
 
 class GradSyncError(RuntimeError):
@@ -117,24 +97,6 @@ class CoordinatorRestartedError(StepAbortedError):
 
 class ClosedError(GradSyncError):
     """The object was used after `close()`."""
-
-
-class RejectedMessage(Exception):
-    """Raised by coordinator logic when a message must be refused.
-
-    Internal to the coordinator: the servicer turns it into a gRPC status or an
-    in-band StepAborted message. `message` names the rank, step, bucket and the
-    values involved.
-    """
-
-    def __init__(
-        self, code: Code, message: str, *, step: int | None = None, bucket_index: int = -1
-    ) -> None:
-        super().__init__(message)
-        self.code = code
-        self.message = message
-        self.step = step
-        self.bucket_index = bucket_index
 
 
 _TERMINAL_CODE_TO_ERROR: dict[Code, type[GradSyncError]] = {

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from gradsync import wire
+from gradsync.protocol import chunking
 
 MIB = 1 << 20
 
@@ -40,7 +40,7 @@ class ServerConfig:
     world_size: int
     host: str = "0.0.0.0"
     port: int = 50051
-    chunk_bytes: int = wire.DEFAULT_CHUNK_BYTES
+    chunk_bytes: int = chunking.DEFAULT_CHUNK_BYTES
     max_buffered_bytes: int = 2048 * MIB
     max_outbox_bytes: int = 1024 * MIB
     max_jobs: int = 64
@@ -98,4 +98,4 @@ class ServerConfig:
     @property
     def max_message_bytes(self) -> int:
         """gRPC message size limit: one chunk plus room for the header fields."""
-        return self.chunk_bytes + wire.HEADER_SLACK_BYTES
+        return self.chunk_bytes + chunking.HEADER_SLACK_BYTES

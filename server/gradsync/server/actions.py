@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from gradsync.errors import Code
+from gradsync.protocol.codes import Code
 from gradsync.v1 import gradsync_pb2 as pb
 
 

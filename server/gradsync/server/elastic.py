@@ -15,12 +15,13 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from gradsync import wire
-from gradsync.errors import Code, RejectedMessage
+from gradsync.protocol import chunking
+from gradsync.protocol.codes import Code
 from gradsync.server import signature as signatures
 from gradsync.server.actions import Action, Member, Send
 from gradsync.server.aggregation import BucketReduction
 from gradsync.server.budget import ByteBudget
+from gradsync.server.errors import RejectedMessage
 from gradsync.server.uploads import BlobAssembler
 from gradsync.v1 import gradsync_pb2 as pb
 
@@ -73,7 +74,7 @@ class ElasticMembership:
     def _resume_messages(self, ranks: tuple[int, ...], step: int, blob: bytes) -> list[Action]:
         """A state blob (checkpoint or a donor's state) cut into resume chunks for `ranks`."""
         actions: list[Action] = []
-        for offset, length in wire.chunk_spans(len(blob), self.chunk_bytes):
+        for offset, length in chunking.chunk_spans(len(blob), self.chunk_bytes):
             piece = pb.CheckpointChunk(
                 step=step,
                 offset=offset,

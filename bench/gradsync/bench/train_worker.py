@@ -64,6 +64,7 @@ def main() -> None:
             job_id=f"bench-{args.mode}",
         )
     optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
+    loss_fn = nn.MSELoss()
     generator = torch.Generator().manual_seed(rank)
     x = torch.randn(args.batch, width, generator=generator)
     y = torch.randn(args.batch, width, generator=generator)
@@ -72,11 +73,13 @@ def main() -> None:
         if step == args.warmup:
             started = time.perf_counter()
         optimizer.zero_grad()
-        nn.functional.mse_loss(model(x), y).backward()
+        loss = loss_fn(model(x), y)
+        loss.backward()
         optimizer.step()
     seconds = time.perf_counter() - started
-    if hasattr(model, "close"):
-        model.close()
+    close = getattr(model, "close", None)
+    if close is not None:
+        close()
     if args.mode == "ddp":
         # Without a final barrier a fast rank tears gloo down while a slow one still
         # talks to it, and gloo aborts the slow process (seen under load).

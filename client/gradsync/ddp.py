@@ -30,7 +30,9 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from gradsync import __version__, wire
+from torch import nn
+
+from gradsync import __version__
 from gradsync.bucketing import BucketPlan, assign_buckets
 from gradsync.buffers import BucketBuffer
 from gradsync.config import ClientConfig
@@ -45,9 +47,9 @@ from gradsync.errors import (
 )
 from gradsync.instruments import Instruments
 from gradsync.metrics import resolve_metrics_port
+from gradsync.protocol import dtypes
 from gradsync.transport import Transport
 from gradsync.v1 import gradsync_pb2 as pb
-from torch import nn
 
 log = logging.getLogger("gradsync.client")
 
@@ -422,7 +424,7 @@ class DistributedDataParallel(nn.Module):
                 pb.BucketSpec(
                     parameter_indices=list(plan.parameter_indices),
                     dtype=WIRE_DTYPES[plan.dtype],  # type: ignore[index,arg-type]
-                    num_elements=plan.num_bytes // wire.itemsize(WIRE_DTYPES[plan.dtype]),  # type: ignore[index]
+                    num_elements=plan.num_bytes // dtypes.itemsize(WIRE_DTYPES[plan.dtype]),  # type: ignore[index]
                 )
                 for plan in self._buckets
             ],

@@ -24,12 +24,13 @@ from typing import Any
 
 import grpc
 from google.protobuf.message import DecodeError
-from gradsync.errors import Code, RejectedMessage
-from gradsync.fastwire import decode_gradient, header_of
+from gradsync.protocol.codec import decode_gradient, header_of
+from gradsync.protocol.codes import Code
 from gradsync.server.actions import Action, Persist, Send, Terminate
 from gradsync.server.budget import ByteBudget
 from gradsync.server.checkpoint import Checkpoint, CheckpointError, CheckpointStore
 from gradsync.server.config import ServerConfig
+from gradsync.server.errors import RejectedMessage
 from gradsync.server.job import Job
 from gradsync.server.metrics import CoordinatorMetrics
 from gradsync.v1 import gradsync_pb2 as pb

@@ -14,6 +14,7 @@ import tempfile
 from pathlib import Path
 
 import numpy as np
+
 from gradsync.example import TrainSettings, max_relative_difference, train_reference
 from gradsync.launch import start_coordinator
 

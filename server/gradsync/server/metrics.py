@@ -23,22 +23,10 @@ from __future__ import annotations
 import math
 from collections import deque
 
-from gradsync.metrics import (
-    LATENCY_BUCKETS_S,
-    MetricsServer,
-    serve_metrics,
-    start_metrics_server,
-)
+from gradsync.protocol.exposition import LATENCY_BUCKETS_S
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
-__all__ = [
-    "LATENCY_BUCKETS_S",
-    "CoordinatorMetrics",
-    "LagTracker",
-    "MetricsServer",
-    "serve_metrics",
-    "start_metrics_server",
-]
+__all__ = ["CoordinatorMetrics", "LagTracker"]
 
 
 class LagTracker:
@@ -136,7 +124,7 @@ class CoordinatorMetrics:
         lag_window: window of the `lag_tracker`'s per-rank means.
 
     Attributes:
-        registry: serve it with `start_metrics_server(port, metrics.registry)`.
+        registry: serve it with `gradsync.protocol.exposition.serve_metrics`.
         lag_tracker: per-rank windowed mean lag, fed by `observe_bucket_arrival`.
     """
 

@@ -12,6 +12,7 @@ import os
 import sys
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 from gradsync import __version__
 from gradsync.config import ENV_COORDINATOR, ENV_JOB_ID, ENV_RANK, ENV_WORLD_SIZE, MIB
@@ -375,7 +376,7 @@ def _bench(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     if unknown:
         parser.error(f"--suites: unknown suite(s) {sorted(unknown)}")
     try:
-        overrides: dict[str, object] = {"suites": suites}
+        overrides: dict[str, Any] = {"suites": suites}
         if args.sizes_mb:
             overrides["sizes_mb"] = [float(x) for x in args.sizes_mb.split(",")]
             overrides["netns_sizes_mb"] = overrides["sizes_mb"]

@@ -19,19 +19,18 @@ container, has none and uses the base itself). Base 0 asks the OS for a free
 port per worker; the chosen port is logged. Neither set: metrics are off.
 See `resolve_metrics_port`.
 
-`serve_metrics` / `start_metrics_server` are the HTTP side, shared with the
-coordinator (`gradsync.server.metrics` re-exports them).
+The HTTP side (`serve_metrics`) is shared with the coordinator and lives in
+`gradsync.protocol.exposition`.
 """
 
 from __future__ import annotations
 
 import logging
-import threading
 from collections.abc import Mapping
-from types import TracebackType
-from wsgiref.simple_server import WSGIServer
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_server
+from prometheus_client import CollectorRegistry, Counter, Histogram
+
+from gradsync.protocol.exposition import LATENCY_BUCKETS_S, MAX_PORT
 
 log = logging.getLogger("gradsync.metrics")
 
@@ -39,29 +38,6 @@ log = logging.getLogger("gradsync.metrics")
 ENV_METRICS_PORT = "GRADSYNC_METRICS_PORT"
 #: torchrun's index of a worker among those of its host.
 ENV_LOCAL_RANK = "LOCAL_RANK"
-
-#: Histogram buckets (seconds) for synchronization latencies: 1 ms (a small
-#: bucket on loopback) up to 60 s (a large model over a slow link, or a rank
-#: that stalls until the step's deadline).
-LATENCY_BUCKETS_S: tuple[float, ...] = (
-    0.001,
-    0.0025,
-    0.005,
-    0.01,
-    0.025,
-    0.05,
-    0.1,
-    0.25,
-    0.5,
-    1.0,
-    2.5,
-    5.0,
-    10.0,
-    30.0,
-    60.0,
-)
-
-_MAX_PORT = 65535
 
 
 class WorkerMetrics:
@@ -162,7 +138,7 @@ def resolve_metrics_port(explicit: int | None, environ: Mapping[str, str]) -> in
     `$GRADSYNC_METRICS_PORT`. Workers of one host are started with the same
     flags and environment (torchrun), so each adds its `$LOCAL_RANK` (0 when
     unset) to the base to get a port of its own. A base of 0 stays 0: every
-    worker asks the OS for a free port, which `start_metrics_server` logs.
+    worker asks the OS for a free port, which `serve_metrics` logs.
 
     Args:
         explicit: the flag's value, None when the flag was not given.
@@ -181,8 +157,8 @@ def resolve_metrics_port(explicit: int | None, environ: Mapping[str, str]) -> in
         if not raw:
             return None
         base, source = _parse_int(ENV_METRICS_PORT, raw), f"${ENV_METRICS_PORT}"
-    if not 0 <= base <= _MAX_PORT:
-        raise ValueError(f"{source} must be in 0..{_MAX_PORT}, got {base}")
+    if not 0 <= base <= MAX_PORT:
+        raise ValueError(f"{source} must be in 0..{MAX_PORT}, got {base}")
     if base == 0:
         return 0
     raw_local_rank = environ.get(ENV_LOCAL_RANK, "").strip()
@@ -190,10 +166,10 @@ def resolve_metrics_port(explicit: int | None, environ: Mapping[str, str]) -> in
     if local_rank < 0:
         raise ValueError(f"${ENV_LOCAL_RANK} must be >= 0, got {local_rank}")
     port = base + local_rank
-    if port > _MAX_PORT:
+    if port > MAX_PORT:
         raise ValueError(
             f"metrics port {source}={base} + ${ENV_LOCAL_RANK}={local_rank} = {port} "
-            f"is past {_MAX_PORT}; choose a lower base port"
+            f"is past {MAX_PORT}; choose a lower base port"
         )
     return port
 
@@ -203,83 +179,3 @@ def _parse_int(name: str, raw: str) -> int:
         return int(raw)
     except ValueError:
         raise ValueError(f"${name}={raw!r} is not an integer") from None
-
-
-class MetricsServer:
-    """An HTTP server answering Prometheus scrapes of one registry, on a daemon thread.
-
-    Use it as a context manager or call `close()`; `port` is the bound port
-    (the real one when 0 was asked for).
-    """
-
-    def __init__(self, httpd: WSGIServer, thread: threading.Thread, host: str) -> None:
-        self._httpd = httpd
-        self._thread = thread
-        self.host = host
-        self.port: int = httpd.server_port
-        self._closed = False
-
-    @property
-    def url(self) -> str:
-        """The scrape URL, e.g. "http://127.0.0.1:9100/metrics"."""
-        host = f"[{self.host}]" if ":" in self.host else self.host
-        return f"http://{host}:{self.port}/metrics"
-
-    def close(self) -> None:
-        """Stop serving and release the port; idempotent."""
-        if self._closed:
-            return
-        self._closed = True
-        self._httpd.shutdown()
-        self._httpd.server_close()
-        self._thread.join(timeout=5)
-
-    def __enter__(self) -> MetricsServer:
-        return self
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        traceback: TracebackType | None,
-    ) -> None:
-        self.close()
-
-
-def serve_metrics(port: int, registry: CollectorRegistry, host: str = "0.0.0.0") -> MetricsServer:
-    """Serve `registry` at http://host:port/metrics until the server is closed.
-
-    Args:
-        port: TCP port; 0 picks a free one (read it from `.port`).
-        registry: the registry to expose (a `CoordinatorMetrics` or
-            `WorkerMetrics` object's `.registry`).
-        host: interface to bind; the default is every interface, as the
-            scraper (Prometheus) normally runs on another host or container.
-
-    Raises:
-        OSError: the port cannot be bound (in use, or privileged).
-    """
-    if not 0 <= port <= _MAX_PORT:
-        raise ValueError(f"metrics port must be in 0..{_MAX_PORT}, got {port}")
-    try:
-        httpd, thread = start_http_server(port, addr=host, registry=registry)
-    except OSError as exc:
-        raise OSError(
-            exc.errno, f"could not serve metrics on {host}:{port}: {exc.strerror or exc}"
-        ) from exc
-    server = MetricsServer(httpd, thread, host)
-    log.info("serving Prometheus metrics on %s", server.url)
-    return server
-
-
-def start_metrics_server(port: int, registry: CollectorRegistry, host: str = "0.0.0.0") -> int:
-    """Serve `registry` for the rest of the process's life; return the bound port.
-
-    For processes that expose metrics until they exit (`gradsync serve`,
-    `gradsync worker`): the serving thread is a daemon and never keeps the
-    process alive. Where the server must be stopped (in-process servers in
-    tests), use `serve_metrics` and close it.
-
-    Args / Raises: as `serve_metrics`.
-    """
-    return serve_metrics(port, registry, host).port

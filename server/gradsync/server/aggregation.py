@@ -26,7 +26,52 @@ from dataclasses import dataclass, field
 
 import numpy as np
 import numpy.typing as npt
-from gradsync import wire
+from gradsync.protocol import chunking
+from gradsync.protocol.dtypes import dtype_name
+from gradsync.v1 import gradsync_pb2 as pb
+
+
+def to_accumulator(payload: bytes | memoryview, dtype: int) -> npt.NDArray[np.floating]:
+    """Decode raw bytes into a fresh, writable accumulation array (fp32 or fp64)."""
+    if dtype == pb.DTYPE_FLOAT64:
+        return np.frombuffer(payload, dtype="<f8").copy()
+    if dtype == pb.DTYPE_FLOAT32:
+        return np.frombuffer(payload, dtype="<f4").copy()
+    if dtype == pb.DTYPE_FLOAT16:
+        return np.frombuffer(payload, dtype="<f2").astype(np.float32)
+    if dtype == pb.DTYPE_BFLOAT16:
+        # bfloat16 is the upper half of a float32: shift the bits into place.
+        widened = np.frombuffer(payload, dtype="<u2").astype(np.uint32) << 16
+        return widened.view(np.float32)
+    raise ValueError(f"unsupported dtype {dtype_name(dtype)}")
+
+
+def add_into(
+    accumulator: npt.NDArray[np.floating], payload: bytes | memoryview, dtype: int
+) -> None:
+    """accumulator += decode(payload), without an extra copy for fp32/fp64."""
+    if dtype == pb.DTYPE_FLOAT64:
+        accumulator += np.frombuffer(payload, dtype="<f8")
+    elif dtype == pb.DTYPE_FLOAT32:
+        accumulator += np.frombuffer(payload, dtype="<f4")
+    else:
+        accumulator += to_accumulator(payload, dtype)
+
+
+def from_accumulator(values: npt.NDArray[np.floating], dtype: int) -> memoryview:
+    """Raw bytes of the wire dtype for an accumulation array (a view when no cast is needed)."""
+    if dtype == pb.DTYPE_FLOAT64:
+        return values.astype("<f8", copy=False).data.cast("B")
+    if dtype == pb.DTYPE_FLOAT32:
+        return values.astype("<f4", copy=False).data.cast("B")
+    if dtype == pb.DTYPE_FLOAT16:
+        return values.astype("<f2").data.cast("B")
+    if dtype == pb.DTYPE_BFLOAT16:
+        bits = values.astype(np.float32, copy=False).view(np.uint32)
+        # Round to nearest, ties to even, as torch does when narrowing to bf16.
+        rounding = ((bits >> 16) & 1) + np.uint32(0x7FFF)
+        return ((bits + rounding) >> 16).astype("<u2").data.cast("B")
+    raise ValueError(f"unsupported dtype {dtype_name(dtype)}")
 
 
 @dataclass
@@ -67,7 +112,7 @@ class BucketReduction:
         self.chunk_bytes = chunk_bytes
         self._chunks: dict[int, _ChunkState] = {}
         self._chunks_done = 0
-        self._chunks_total = wire.num_chunks(num_bytes, chunk_bytes)
+        self._chunks_total = chunking.num_chunks(num_bytes, chunk_bytes)
         self.buffered_bytes = 0
         self.last_contributors = len(self._ranks)
 
@@ -139,9 +184,9 @@ class BucketReduction:
         ):
             payload = state.parked.pop(state.expected[state.next_position])
             if state.accumulator is None:
-                state.accumulator = wire.to_accumulator(payload, self.dtype)
+                state.accumulator = to_accumulator(payload, self.dtype)
             else:
-                wire.add_into(state.accumulator, payload, self.dtype)
+                add_into(state.accumulator, payload, self.dtype)
             state.next_position += 1
         if state.next_position < len(state.expected):
             self.buffered_bytes += self._state_bytes(state) - before
@@ -150,7 +195,7 @@ class BucketReduction:
         assert state.accumulator is not None  # at least one contribution was folded
         state.accumulator /= state.next_position
         self.last_contributors = state.next_position
-        averaged = wire.from_accumulator(state.accumulator, self.dtype)
+        averaged = from_accumulator(state.accumulator, self.dtype)
         self.buffered_bytes -= before
         del self._chunks[offset]
         self._chunks_done += 1

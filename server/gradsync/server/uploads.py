@@ -7,8 +7,9 @@ known without trusting the sender.
 
 from __future__ import annotations
 
-from gradsync import wire
-from gradsync.errors import Code, RejectedMessage
+from gradsync.protocol import chunking
+from gradsync.protocol.codes import Code
+from gradsync.server.errors import RejectedMessage
 
 
 class BlobAssembler:
@@ -43,7 +44,7 @@ class BlobAssembler:
                 f"{self.what}: chunk at offset {offset}; offsets must be multiples of "
                 f"{self.chunk_bytes} below {self.total_bytes}",
             )
-        expected = wire.expected_chunk_length(self.total_bytes, self.chunk_bytes, offset)
+        expected = chunking.expected_chunk_length(self.total_bytes, self.chunk_bytes, offset)
         if len(payload) != expected:
             raise RejectedMessage(
                 Code.INVALID_ARGUMENT,

@@ -13,7 +13,8 @@ import time
 from pathlib import Path
 
 from gradsync.errors import StepAbortedError
-from gradsync.metrics import MetricsServer, WorkerMetrics, serve_metrics
+from gradsync.metrics import WorkerMetrics
+from gradsync.protocol.exposition import MetricsServer, serve_metrics
 from gradsync.trace import TRANSPORT_TRACK, StepTracer
 
 log = logging.getLogger("gradsync.client")

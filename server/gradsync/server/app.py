@@ -14,7 +14,7 @@ import sys
 from dataclasses import dataclass
 
 import grpc
-from gradsync.metrics import MetricsServer, serve_metrics
+from gradsync.protocol.exposition import MetricsServer, serve_metrics
 from gradsync.server.checkpoint import open_store
 from gradsync.server.config import MIB, ServerConfig
 from gradsync.server.metrics import CoordinatorMetrics
