@@ -1,66 +1,23 @@
-"""Shared fixtures: real coordinator processes on free ports, worker launchers."""
+"""Shared fixtures (real coordinator processes, real Redis servers) and the test tiers.
+
+Tests live in one folder per tier, and each folder is also a marker, so a
+tier runs alone with either `pytest tests/unit` or `pytest -m unit`:
+
+- unit: pure logic, no sockets or processes.
+- protocol: an in-process `grpc.aio` coordinator on a free port, real gRPC.
+- multiprocess: real `gradsync serve` and worker processes, real signals.
+- system: real Redis, Prometheus, network namespaces, the benchmarks.
+"""
 
 from __future__ import annotations
 
-import os
-import re
 import signal
-import subprocess
-import sys
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
-import numpy as np
 import pytest
-from redisserver import NO_REDIS_SERVER, REDIS_SERVER, RedisServer
-
-BANNER = re.compile(r"listening on (\S+):(\d+)")
-WORKER_SCRIPT = Path(__file__).parent / "workers" / "train_worker.py"
-
-
-class CoordinatorProcess:
-    """A `gradsync serve` subprocess bound to a free loopback port."""
-
-    def __init__(self, world_size: int, *extra: str) -> None:
-        self.process = subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "gradsync.cli",
-                "serve",
-                "--world-size",
-                str(world_size),
-                "--host",
-                "127.0.0.1",
-                "--port",
-                "0",
-                *extra,
-            ],
-            stderr=subprocess.PIPE,
-            text=True,
-        )
-        assert self.process.stderr is not None
-        self.startup_lines: list[str] = []
-        for line in self.process.stderr:
-            self.startup_lines.append(line)
-            match = BANNER.search(line)
-            if match:
-                self.port = int(match.group(2))
-                break
-        else:
-            raise RuntimeError(f"coordinator exited early: {''.join(self.startup_lines)}")
-        self.address = f"127.0.0.1:{self.port}"
-
-    def stop(self, signal_first: bool = True) -> tuple[int, str]:
-        """SIGTERM (unless already sent), wait, and return (exit code, rest of stderr)."""
-        if signal_first and self.process.poll() is None:
-            self.process.send_signal(signal.SIGTERM)
-        try:
-            _, rest = self.process.communicate(timeout=30)
-        except subprocess.TimeoutExpired:
-            self.process.kill()
-            _, rest = self.process.communicate()
-        return self.process.returncode, rest
+from support.processes import CoordinatorProcess
+from support.redisserver import NO_REDIS_SERVER, REDIS_SERVER, RedisServer
 
 
 @pytest.fixture
@@ -76,56 +33,6 @@ def coordinator_factory() -> Iterator[type[CoordinatorProcess]]:
     yield start  # type: ignore[misc]
     for coordinator in started:
         coordinator.stop()
-
-
-def run_workers(
-    address: str,
-    world_size: int,
-    scenario: str,
-    out_dir: Path,
-    *extra: str,
-    timeout_s: float = 90.0,
-) -> list[dict[str, np.ndarray]]:
-    """Run `world_size` worker processes of tests/workers/train_worker.py; return their outputs."""
-    env = dict(os.environ, PYTHONWARNINGS="error")
-    processes = [
-        subprocess.Popen(
-            [
-                sys.executable,
-                str(WORKER_SCRIPT),
-                "--coordinator",
-                address,
-                "--rank",
-                str(rank),
-                "--world-size",
-                str(world_size),
-                "--scenario",
-                scenario,
-                "--out",
-                str(out_dir / f"rank{rank}.npz"),
-                *extra,
-            ],
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-            env=env,
-        )
-        for rank in range(world_size)
-    ]
-    outputs = []
-    try:
-        texts = [process.communicate(timeout=timeout_s)[0] for process in processes]
-        failed = [rank for rank, process in enumerate(processes) if process.returncode != 0]
-        assert not failed, "\n".join(f"rank {rank} failed:\n{texts[rank]}" for rank in failed)
-    finally:
-        for process in processes:
-            if process.poll() is None:
-                process.kill()
-                process.wait()
-    for rank in range(world_size):
-        with np.load(out_dir / f"rank{rank}.npz") as data:
-            outputs.append(dict(data))
-    return outputs
 
 
 @pytest.fixture
@@ -152,3 +59,17 @@ def redis_server_factory(tmp_path: Path) -> Iterator[Callable[..., RedisServer]]
 def redis_server(redis_server_factory: Callable[..., RedisServer]) -> RedisServer:
     """A redis-server with the append-only file fsync'd on every write."""
     return redis_server_factory()
+
+
+TIERS = ("unit", "protocol", "multiprocess", "system")
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Mark every test with its tier, taken from the folder it lives in."""
+    for item in items:
+        tier = item.path.parent.name
+        if tier not in TIERS:
+            raise pytest.UsageError(
+                f"{item.nodeid}: tests belong in one of the tier folders {TIERS}"
+            )
+        item.add_marker(getattr(pytest.mark, tier))

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+import socket
 import subprocess
 import sys
 import time
@@ -12,6 +13,21 @@ from collections.abc import Callable, Sequence
 BANNER = re.compile(r"listening on (\S+):(\d+)")
 
 Launcher = Callable[[list[str]], "subprocess.Popen[str]"]
+
+
+def parse_banner(line: str) -> tuple[str, int] | None:
+    """(host, port) from a `gradsync serve` banner line, or None for any other line."""
+    match = BANNER.search(line)
+    if match is None:
+        return None
+    return match.group(1), int(match.group(2))
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port that was free on `host` a moment ago (for servers that cannot bind 0)."""
+    with socket.socket() as probe:
+        probe.bind((host, 0))
+        return int(probe.getsockname()[1])
 
 
 def _local(argv: list[str]) -> subprocess.Popen[str]:
@@ -57,9 +73,9 @@ def start_coordinator(
         line = process.stderr.readline()
         if not line:
             break
-        match = BANNER.search(line)
-        if match:
-            return process, int(match.group(2))
+        banner = parse_banner(line)
+        if banner is not None:
+            return process, banner[1]
     process.kill()
     process.wait()
     raise RuntimeError("the coordinator did not start (no banner on its stderr)")

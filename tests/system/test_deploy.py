@@ -25,11 +25,11 @@ from gradsync.metrics import WorkerMetrics
 from gradsync.server.metrics import CoordinatorMetrics
 from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
-from promserver import NO_PROMETHEUS, PROMETHEUS, PROMTOOL, PrometheusServer
+from support.promserver import NO_PROMETHEUS, PROMETHEUS, PROMTOOL, PrometheusServer
 
 pytestmark = pytest.mark.timeout(60)
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 COMPOSE_PATH = ROOT / "docker-compose.yml"
 DOCKERFILE_PATH = ROOT / "Dockerfile"
 PROMETHEUS_CONFIG = ROOT / "deploy" / "prometheus" / "prometheus.yml"

@@ -15,11 +15,11 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-import scenarios
-from faultworkers import start_workers
 from gradsync.bench.netns import Cluster, available
 from gradsync.status import query_status
-from redisserver import RedisServer, free_port
+from support import scenarios
+from support.faultworkers import start_workers
+from support.redisserver import RedisServer, free_port
 
 HEARTBEAT = ("--heartbeat-interval", "0.25", "--heartbeat-timeout", "2")
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 import grpc
 import numpy as np
 from gradsync.v1 import gradsync_pb2 as pb
-from rawclient import (
+from support.rawclient import (
     BUCKET_BYTES,
     CHUNK,
     RawWorker,

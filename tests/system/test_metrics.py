@@ -22,7 +22,7 @@ from gradsync.protocol.exposition import LATENCY_BUCKETS_S, serve_metrics
 from gradsync.server.metrics import CoordinatorMetrics, LagTracker
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
-from promserver import NO_PROMETHEUS, PROMETHEUS, PrometheusServer
+from support.promserver import NO_PROMETHEUS, PROMETHEUS, PrometheusServer
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -7,7 +7,7 @@ from gradsync.server.budget import ByteBudget
 from gradsync.server.job import Job
 from gradsync.server.progress import StepProgress
 from gradsync.v1 import gradsync_pb2 as pb
-from rawclient import CHUNK, assembled_job, coordinator, gradient, run, signature
+from support.rawclient import CHUNK, assembled_job, coordinator, gradient, run, signature
 
 
 class FakeClock:

@@ -21,10 +21,10 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 import gradsync
-import scenarios
+from support import scenarios
 
 
 def main() -> int:

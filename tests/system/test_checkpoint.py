@@ -30,7 +30,7 @@ from gradsync.server.checkpoint import (
 )
 from gradsync.server.checkpoint_file import FileCheckpointStore
 from gradsync.server.checkpoint_redis import RedisCheckpointStore
-from redisserver import RedisServer
+from support.redisserver import RedisServer
 
 LOGGER = "gradsync.server.checkpoint"
 ODD_JOB_IDS = ["a/b", "../x", "..", ".", "a", "A", "a%2Fb", "a:1", "x y", "über", "-rf"]

@@ -14,10 +14,10 @@ from pathlib import Path
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 import gradsync
-import scenarios
+from support import scenarios
 
 
 def main() -> int:

@@ -15,13 +15,13 @@ from pathlib import Path
 import numpy as np
 import pytest
 import yaml
-from faultworkers import start_workers
 from gradsync.bench.netns import Cluster, available
 from gradsync.example import TrainSettings, max_relative_difference, train_reference
-from promserver import NO_PROMETHEUS, PROMETHEUS, PrometheusServer
-from redisserver import NO_REDIS_SERVER, REDIS_SERVER, free_port
+from support.faultworkers import start_workers
+from support.promserver import NO_PROMETHEUS, PROMETHEUS, PrometheusServer
+from support.redisserver import NO_REDIS_SERVER, REDIS_SERVER, free_port
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def wait_all(processes: list[subprocess.Popen[bytes]], timeout_s: float = 90) -> None:

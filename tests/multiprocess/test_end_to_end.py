@@ -6,8 +6,8 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-import scenarios
-from conftest import run_workers
+from support import scenarios
+from support.processes import run_workers
 
 # Small chunks (16 KiB) so that buckets span several chunks on the wire.
 SMALL_CHUNKS = ("--chunk-mb", "0.015625")
