@@ -10,12 +10,16 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 
-#: Default chunk size: 1-4 MiB messages move fastest through Python gRPC.
-DEFAULT_CHUNK_BYTES = 1 << 20
+from gradsync.protocol.defaults import CHUNK_BYTES as DEFAULT_CHUNK_BYTES
+from gradsync.protocol.defaults import HEADER_SLACK_BYTES
 
-#: Room for the non-payload fields of a message, added to the chunk size when
-#: setting gRPC message size limits.
-HEADER_SLACK_BYTES = 64 << 10
+__all__ = [
+    "DEFAULT_CHUNK_BYTES",
+    "HEADER_SLACK_BYTES",
+    "chunk_spans",
+    "expected_chunk_length",
+    "num_chunks",
+]
 
 
 def chunk_spans(total_bytes: int, chunk_bytes: int) -> Iterator[tuple[int, int]]:

@@ -31,6 +31,16 @@ class AbortReason(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     ABORT_REASON_MESSAGE_REJECTED: _ClassVar[AbortReason]
     ABORT_REASON_PEER_MESSAGE_REJECTED: _ClassVar[AbortReason]
     ABORT_REASON_PEER_LOST: _ClassVar[AbortReason]
+
+class EndReason(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    END_REASON_UNSPECIFIED: _ClassVar[EndReason]
+    END_REASON_DECLARED_DEAD: _ClassVar[EndReason]
+    END_REASON_CHECKPOINT_FAILED: _ClassVar[EndReason]
+    END_REASON_SHUTTING_DOWN: _ClassVar[EndReason]
+    END_REASON_JOB_REFUSED: _ClassVar[EndReason]
+    END_REASON_PEER_LOST: _ClassVar[EndReason]
+    END_REASON_RESOURCE_EXHAUSTED: _ClassVar[EndReason]
 DTYPE_UNSPECIFIED: DType
 DTYPE_FLOAT32: DType
 DTYPE_FLOAT64: DType
@@ -47,6 +57,13 @@ ABORT_REASON_UNSPECIFIED: AbortReason
 ABORT_REASON_MESSAGE_REJECTED: AbortReason
 ABORT_REASON_PEER_MESSAGE_REJECTED: AbortReason
 ABORT_REASON_PEER_LOST: AbortReason
+END_REASON_UNSPECIFIED: EndReason
+END_REASON_DECLARED_DEAD: EndReason
+END_REASON_CHECKPOINT_FAILED: EndReason
+END_REASON_SHUTTING_DOWN: EndReason
+END_REASON_JOB_REFUSED: EndReason
+END_REASON_PEER_LOST: EndReason
+END_REASON_RESOURCE_EXHAUSTED: EndReason
 
 class TensorSpec(_message.Message):
     __slots__ = ("name", "shape", "dtype")
@@ -242,8 +259,18 @@ class StepAborted(_message.Message):
     reason: AbortReason
     def __init__(self, step: _Optional[int] = ..., code: _Optional[int] = ..., message: _Optional[str] = ..., culprit_rank: _Optional[int] = ..., bucket_index: _Optional[int] = ..., reason: _Optional[_Union[AbortReason, str]] = ...) -> None: ...
 
+class StreamEnd(_message.Message):
+    __slots__ = ("reason", "code", "message")
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    CODE_FIELD_NUMBER: _ClassVar[int]
+    MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    reason: EndReason
+    code: int
+    message: str
+    def __init__(self, reason: _Optional[_Union[EndReason, str]] = ..., code: _Optional[int] = ..., message: _Optional[str] = ...) -> None: ...
+
 class CoordinatorMessage(_message.Message):
-    __slots__ = ("welcome", "gradient", "state", "step_aborted", "checkpoint_saved", "resume", "membership", "state_request")
+    __slots__ = ("welcome", "gradient", "state", "step_aborted", "checkpoint_saved", "resume", "membership", "state_request", "stream_end")
     WELCOME_FIELD_NUMBER: _ClassVar[int]
     GRADIENT_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELD_NUMBER: _ClassVar[int]
@@ -252,6 +279,7 @@ class CoordinatorMessage(_message.Message):
     RESUME_FIELD_NUMBER: _ClassVar[int]
     MEMBERSHIP_FIELD_NUMBER: _ClassVar[int]
     STATE_REQUEST_FIELD_NUMBER: _ClassVar[int]
+    STREAM_END_FIELD_NUMBER: _ClassVar[int]
     welcome: Welcome
     gradient: GradientChunk
     state: StateChunk
@@ -260,7 +288,8 @@ class CoordinatorMessage(_message.Message):
     resume: CheckpointChunk
     membership: MembershipChanged
     state_request: StateRequest
-    def __init__(self, welcome: _Optional[_Union[Welcome, _Mapping]] = ..., gradient: _Optional[_Union[GradientChunk, _Mapping]] = ..., state: _Optional[_Union[StateChunk, _Mapping]] = ..., step_aborted: _Optional[_Union[StepAborted, _Mapping]] = ..., checkpoint_saved: _Optional[_Union[CheckpointSaved, _Mapping]] = ..., resume: _Optional[_Union[CheckpointChunk, _Mapping]] = ..., membership: _Optional[_Union[MembershipChanged, _Mapping]] = ..., state_request: _Optional[_Union[StateRequest, _Mapping]] = ...) -> None: ...
+    stream_end: StreamEnd
+    def __init__(self, welcome: _Optional[_Union[Welcome, _Mapping]] = ..., gradient: _Optional[_Union[GradientChunk, _Mapping]] = ..., state: _Optional[_Union[StateChunk, _Mapping]] = ..., step_aborted: _Optional[_Union[StepAborted, _Mapping]] = ..., checkpoint_saved: _Optional[_Union[CheckpointSaved, _Mapping]] = ..., resume: _Optional[_Union[CheckpointChunk, _Mapping]] = ..., membership: _Optional[_Union[MembershipChanged, _Mapping]] = ..., state_request: _Optional[_Union[StateRequest, _Mapping]] = ..., stream_end: _Optional[_Union[StreamEnd, _Mapping]] = ...) -> None: ...
 
 class StatusRequest(_message.Message):
     __slots__ = ("job_id",)
