@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# Set up .venv (CPU build of torch, pinned) and run the whole test suite,
-# after the lint and type checks. Extra arguments go to pytest.
+# Set up .venv (CPU build of torch, pinned), install the system packages the real-component
+# tests need when it can (root + apt-get: scripts/install-system-deps.sh), and run the whole
+# test suite after the lint and type checks. Extra arguments go to pytest.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 if [ ! -x .venv/bin/python ]; then
@@ -8,6 +9,8 @@ if [ ! -x .venv/bin/python ]; then
 fi
 # torch is pinned here (not in the package) so that pip takes the CPU build.
 .venv/bin/pip install --quiet torch==2.13.0 -e ".[test]"
+# Not root: it says what is missing, the suite skips those tests and ends by counting them.
+bash scripts/install-system-deps.sh || true
 .venv/bin/ruff check .
 .venv/bin/ruff format --check .
 PYTHON="$PWD/.venv/bin/python" scripts/typecheck.sh

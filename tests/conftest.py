@@ -7,6 +7,11 @@ tier runs alone with either `pytest tests/unit` or `pytest -m unit`:
 - protocol: an in-process `grpc.aio` coordinator on a free port, real gRPC.
 - multiprocess: real `gradsync serve` and worker processes, real signals.
 - system: real Redis, Prometheus, network namespaces, the benchmarks.
+
+Two guards run around every session: it fails if a test created or modified a
+file in the repository (tests write under `tmp_path`), and its last words say how
+many tests skipped because a real component (redis-server, Prometheus, iproute2)
+is missing, with the command that installs them. Helpers live in tests/support.
 """
 
 from __future__ import annotations
@@ -16,8 +21,10 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
+from support import repoguard
+from support.components import INSTALL_COMMAND, MISSING_COMPONENT, NO_REDIS_SERVER, REDIS_SERVER
 from support.processes import CoordinatorProcess
-from support.redisserver import NO_REDIS_SERVER, REDIS_SERVER, RedisServer
+from support.redisserver import RedisServer
 
 
 @pytest.fixture
@@ -73,3 +80,76 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
                 f"{item.nodeid}: tests belong in one of the tier folders {TIERS}"
             )
         item.add_marker(getattr(pytest.mark, tier))
+
+
+_REPOSITORY = pytest.StashKey[tuple[Path, repoguard.Snapshot] | None]()
+_WRITTEN = pytest.StashKey[list[str]]()
+
+
+def pytest_sessionstart(session: pytest.Session) -> None:
+    """Note what git sees as changed before any test runs (nothing outside a checkout)."""
+    root = repoguard.repository_root(Path(__file__).parent)
+    session.stash[_REPOSITORY] = None if root is None else (root, repoguard.snapshot(root))
+
+
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    """Fail the session if tests created or modified files in the repository."""
+    repository = session.stash.get(_REPOSITORY, None)
+    if repository is None:
+        return
+    root, before = repository
+    written = repoguard.changes(before, repoguard.snapshot(root))
+    if written:
+        session.config.stash[_WRITTEN] = written
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED
+
+
+def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
+    """Name the files tests wrote into the repository, if any (the session has failed)."""
+    written = terminalreporter.config.stash.get(_WRITTEN, [])
+    if written:
+        terminalreporter.section("TESTS WROTE INTO THE REPOSITORY", sep="!", red=True, bold=True)
+        terminalreporter.line(
+            f"{len(written)} path(s) outside .gitignore were created or modified during this "
+            "session (tests must write under tmp_path):",
+            red=True,
+        )
+        for path in written:
+            terminalreporter.line(f"  {path}", red=True)
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    """The run's last words: how many tests skipped for a missing real component, and the
+    command that installs them (after pytest's own summary, so that nobody misses it)."""
+    terminalreporter = config.pluginmanager.get_plugin("terminalreporter")
+    if terminalreporter is None:
+        return
+    missing = [
+        report
+        for report in terminalreporter.stats.get("skipped", [])
+        if MISSING_COMPONENT in _skip_reason(report)
+    ]
+    if not missing:
+        return
+    reasons = sorted(
+        {_skip_reason(report).split(f"{MISSING_COMPONENT}: ")[1] for report in missing}
+    )
+    terminalreporter.write_sep("!", "REAL COMPONENTS MISSING", yellow=True, bold=True)
+    terminalreporter.write_line(
+        f"{len(missing)} test(s) SKIPPED because a real component is missing: "
+        + "; ".join(reasons),
+        yellow=True,
+        bold=True,
+    )
+    terminalreporter.write_line(
+        f"Install them and run again:  {INSTALL_COMMAND}", yellow=True, bold=True
+    )
+    terminalreporter.write_sep("!", yellow=True, bold=True)
+
+
+def _skip_reason(report: pytest.TestReport) -> str:
+    """The reason of a skip report (pytest keeps it as (path, line, "Skipped: reason"))."""
+    longrepr = report.longrepr
+    if isinstance(longrepr, tuple) and len(longrepr) == 3:
+        return str(longrepr[2])
+    return str(longrepr)

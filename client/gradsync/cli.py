@@ -1,7 +1,9 @@
-"""The `gradsync` command: serve, worker, demo.
+"""The `gradsync` command: serve, worker, demo, bench, status.
 
 Configuration flows one way: flags (with env-var defaults read here, at run
-time) -> a frozen config object -> constructors.
+time) -> a frozen config object -> constructors. Default values come from
+`gradsync.protocol.defaults` and help texts show them with `%(default)s`, so
+no number is written twice.
 """
 
 from __future__ import annotations
@@ -15,7 +17,9 @@ from pathlib import Path
 from typing import Any
 
 from gradsync import __version__
-from gradsync.config import ENV_COORDINATOR, ENV_JOB_ID, ENV_RANK, ENV_WORLD_SIZE, MIB
+from gradsync.config import ENV_COORDINATOR, ENV_JOB_ID, ENV_RANK, ENV_WORLD_SIZE
+from gradsync.protocol import defaults
+from gradsync.protocol.defaults import MIB
 
 
 def _positive_int(text: str) -> int:
@@ -61,56 +65,62 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument(
         "--port",
         type=_port,
-        default=50051,
-        help="TCP port; 0 picks a free one and prints it (default 50051)",
+        default=defaults.PORT,
+        help="TCP port; 0 picks a free one and prints it (default %(default)s)",
     )
     serve.add_argument(
-        "--chunk-mb", type=_positive_float, default=1.0, help="wire chunk size in MiB (default 1)"
+        "--chunk-mb",
+        type=_positive_float,
+        default=defaults.CHUNK_BYTES / MIB,
+        help="wire chunk size in MiB (default %(default)g)",
     )
     serve.add_argument(
         "--max-buffered-mb",
         type=_positive_float,
-        default=2048.0,
-        help="cap on gradient bytes held in partial reductions (default 2048)",
+        default=defaults.MAX_BUFFERED_BYTES / MIB,
+        help="cap on gradient bytes held in partial reductions (default %(default)g)",
     )
     serve.add_argument(
-        "--max-jobs", type=_positive_int, default=64, help="concurrent jobs accepted (default 64)"
+        "--max-jobs",
+        type=_positive_int,
+        default=defaults.MAX_JOBS,
+        help="concurrent jobs accepted (default %(default)s)",
     )
     serve.add_argument(
         "--shutdown-grace-s",
         type=float,
-        default=10.0,
-        help="how long SIGTERM lets running streams finish (default 10)",
+        default=defaults.SHUTDOWN_GRACE_S,
+        help="how long SIGTERM lets running streams finish (default %(default)g)",
     )
     serve.add_argument(
         "--heartbeat-interval",
         type=_positive_float,
-        default=0.5,
-        help="seconds between worker heartbeats (default 0.5)",
+        default=defaults.HEARTBEAT_INTERVAL_S,
+        help="seconds between worker heartbeats (default %(default)g)",
     )
     serve.add_argument(
         "--heartbeat-timeout",
         type=_positive_float,
-        default=5.0,
-        help="seconds of silence before a worker is declared dead (default 5)",
+        default=defaults.HEARTBEAT_TIMEOUT_S,
+        help="seconds of silence before a worker is declared dead (default %(default)g)",
     )
     serve.add_argument(
         "--stall-warning",
         type=_positive_float,
-        default=10.0,
-        help="log who a step waits for once it is this many seconds old (default 10)",
+        default=defaults.STALL_WARNING_S,
+        help="log who a step waits for once it is this many seconds old (default %(default)g)",
     )
     serve.add_argument(
         "--checkpoint-store",
         default=None,
-        help="where checkpoints go: a directory, file:///dir or "
-        "redis://host:port/db (default: none)",
+        help="where checkpoints go: redis://host:port/db, rediss://..., file:///dir or a "
+        "directory that does not look like host:port (default: none)",
     )
     serve.add_argument(
         "--checkpoint-every",
         type=int,
-        default=0,
-        help="rank 0 uploads a checkpoint every K steps (default 0: on request)",
+        default=defaults.CHECKPOINT_EVERY_STEPS,
+        help="rank 0 uploads a checkpoint every K steps (default %(default)s; 0: on request)",
     )
     serve.add_argument(
         "--require-checkpoint",
@@ -129,15 +139,15 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument(
         "--on-failure",
         choices=["abort", "elastic"],
-        default="abort",
-        help="when a worker is lost: abort the step for everyone (default) or "
-        "go on with the live ranks and let restarted ranks rejoin",
+        default=defaults.ON_FAILURE,
+        help="when a worker is lost: abort the step for everyone, or go on with the live "
+        "ranks and let restarted ranks rejoin (default %(default)s)",
     )
     serve.add_argument(
         "--min-workers",
         type=_positive_int,
-        default=1,
-        help="elastic: the fewest live workers to go on with (default 1)",
+        default=defaults.MIN_WORKERS,
+        help="elastic: the fewest live workers to go on with (default %(default)s)",
     )
 
     status = commands.add_parser("status", help="show jobs, membership, progress and late ranks")
@@ -149,7 +159,10 @@ def build_parser() -> argparse.ArgumentParser:
     status.add_argument("--job-id", default="", help="only this job")
     status.add_argument("--json", action="store_true", help="machine-readable output")
     status.add_argument(
-        "--timeout-s", type=_positive_float, default=5.0, help="bound on the query (default 5)"
+        "--timeout-s",
+        type=_positive_float,
+        default=defaults.STATUS_TIMEOUT_S,
+        help="bound on the query (default %(default)g)",
     )
 
     worker = commands.add_parser("worker", help="run the example training job as one rank")
@@ -173,7 +186,7 @@ def build_parser() -> argparse.ArgumentParser:
     worker.add_argument(
         "--job-id",
         default=os.environ.get(ENV_JOB_ID),
-        help=f"job id shared by all ranks (default ${ENV_JOB_ID} or 'default')",
+        help=f"job id shared by all ranks (default ${ENV_JOB_ID} or {defaults.JOB_ID!r})",
     )
     _add_training_flags(worker)
     worker.add_argument(
@@ -208,7 +221,10 @@ def build_parser() -> argparse.ArgumentParser:
         "demo", help="start a coordinator and local workers, train, check against one process"
     )
     demo.add_argument(
-        "--workers", type=_positive_int, default=3, help="number of worker processes (default 3)"
+        "--workers",
+        type=_positive_int,
+        default=3,
+        help="number of worker processes (default %(default)s)",
     )
     _add_training_flags(demo)
 
@@ -252,21 +268,23 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _add_training_flags(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--epochs", type=_positive_int, default=5, help="epochs (default 5)")
+    parser.add_argument(
+        "--epochs", type=_positive_int, default=5, help="epochs (default %(default)s)"
+    )
     parser.add_argument(
         "--batch-size",
         type=_positive_int,
         default=32,
-        help="samples per rank per step (default 32)",
+        help="samples per rank per step (default %(default)s)",
     )
     parser.add_argument(
-        "--lr", type=_positive_float, default=0.5, help="SGD learning rate (default 0.5)"
+        "--lr", type=_positive_float, default=0.5, help="SGD learning rate (default %(default)s)"
     )
     parser.add_argument(
         "--timeout-s",
         type=_positive_float,
-        default=120.0,
-        help="bound on every wait for other ranks (default 120)",
+        default=defaults.EXAMPLE_TIMEOUT_S,
+        help="bound on every wait for other ranks (default %(default)g)",
     )
 
 
@@ -289,6 +307,13 @@ def _serve(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     from gradsync.server.app import run
     from gradsync.server.config import ServerConfig
 
+    if args.checkpoint_store is not None:
+        from gradsync.server.stores import parse_store_url
+
+        try:
+            parse_store_url(args.checkpoint_store)
+        except ValueError as exc:
+            parser.error(f"--checkpoint-store: {exc}")
     _configure_logging(args.log_level, "coordinator")
     try:
         config = ServerConfig(

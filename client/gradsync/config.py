@@ -1,7 +1,8 @@
 """Worker-side configuration: arguments and env vars -> one frozen object.
 
 Environment variables are read when a `ClientConfig` is resolved (at
-construction of the model wrapper), never at import time.
+construction of the model wrapper), never at import time. Default values come
+from `gradsync.protocol.defaults`, the one place every default is written.
 """
 
 from __future__ import annotations
@@ -9,6 +10,9 @@ from __future__ import annotations
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass
+
+from gradsync.protocol import defaults
+from gradsync.protocol.defaults import MIB
 
 #: Coordinator address ("host:port"), used when `coordinator=` is not given.
 ENV_COORDINATOR = "GRADSYNC_COORDINATOR"
@@ -18,8 +22,7 @@ ENV_JOB_ID = "GRADSYNC_JOB_ID"
 ENV_RANK = "RANK"
 ENV_WORLD_SIZE = "WORLD_SIZE"
 
-DEFAULT_JOB_ID = "default"
-MIB = 1 << 20
+__all__ = ["ENV_COORDINATOR", "ENV_JOB_ID", "ENV_RANK", "ENV_WORLD_SIZE", "MIB", "ClientConfig"]
 
 
 @dataclass(frozen=True)
@@ -40,11 +43,11 @@ class ClientConfig:
     coordinator: str
     rank: int
     world_size: int
-    job_id: str = DEFAULT_JOB_ID
-    bucket_cap_bytes: int = 25 * MIB
-    first_bucket_cap_bytes: int = 1 * MIB
-    timeout_s: float = 300.0
-    join_timeout_s: float = 300.0
+    job_id: str = defaults.JOB_ID
+    bucket_cap_bytes: int = int(defaults.BUCKET_CAP_MB * MIB)
+    first_bucket_cap_bytes: int = int(defaults.FIRST_BUCKET_MB * MIB)
+    timeout_s: float = defaults.TIMEOUT_S
+    join_timeout_s: float = defaults.JOIN_TIMEOUT_S
 
     def __post_init__(self) -> None:
         if self.world_size < 1:
@@ -70,10 +73,10 @@ class ClientConfig:
         rank: int | None,
         world_size: int | None,
         job_id: str | None = None,
-        bucket_cap_mb: float = 25.0,
-        first_bucket_mb: float = 1.0,
-        timeout_s: float = 300.0,
-        join_timeout_s: float = 300.0,
+        bucket_cap_mb: float = defaults.BUCKET_CAP_MB,
+        first_bucket_mb: float = defaults.FIRST_BUCKET_MB,
+        timeout_s: float = defaults.TIMEOUT_S,
+        join_timeout_s: float = defaults.JOIN_TIMEOUT_S,
         environ: Mapping[str, str] | None = None,
     ) -> ClientConfig:
         """Fill unset arguments from the environment (torchrun's RANK / WORLD_SIZE).
@@ -91,7 +94,7 @@ class ClientConfig:
             coordinator=address,
             rank=_int_setting("rank", rank, env, ENV_RANK),
             world_size=_int_setting("world_size", world_size, env, ENV_WORLD_SIZE),
-            job_id=job_id or env.get(ENV_JOB_ID) or DEFAULT_JOB_ID,
+            job_id=job_id or env.get(ENV_JOB_ID) or defaults.JOB_ID,
             bucket_cap_bytes=int(bucket_cap_mb * MIB),
             first_bucket_cap_bytes=int(first_bucket_mb * MIB),
             timeout_s=timeout_s,

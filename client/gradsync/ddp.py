@@ -14,17 +14,20 @@ How one synchronized backward pass flows:
 
 Hooks never block on the network and never raise: failures are recorded and
 raised from the callback, i.e. from `backward()`, as `GradSyncError`s.
+
+This module is the nn.Module wrapper and that per-step path only. What happens
+between steps (joining, rank 0's broadcast, checkpoints, healing, reconnecting
+to a restarted coordinator) lives in `gradsync.session`; the network sits
+behind the `gradsync.link.CoordinatorLink` protocol, so the step logic runs
+unchanged over gRPC (`gradsync.transport`) or over a test's fake.
 """
 
 from __future__ import annotations
 
 import contextlib
 import enum
-import io
 import logging
 import os
-import time
-import uuid
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -32,56 +35,30 @@ from typing import Any
 import torch
 from torch import nn
 
-from gradsync import __version__
 from gradsync.bucketing import BucketPlan, assign_buckets
 from gradsync.buffers import BucketBuffer
 from gradsync.config import ClientConfig
 from gradsync.errors import (
-    CheckpointFailedError,
     ClosedError,
     CoordinatorRestartedError,
     CoordinatorUnavailableError,
     GradSyncError,
     StepAbortedError,
-    SyncTimeoutError,
 )
 from gradsync.instruments import Instruments
+from gradsync.link import CoordinatorLink, LinkFactory
 from gradsync.metrics import resolve_metrics_port
-from gradsync.protocol import dtypes
+from gradsync.protocol import defaults
+from gradsync.session import Session
+from gradsync.signature import bucket_wire_dtype, model_signature, wire_dtype
 from gradsync.transport import Transport
-from gradsync.v1 import gradsync_pb2 as pb
 
 log = logging.getLogger("gradsync.client")
-
-#: torch dtype -> wire dtype. Integer types only ever occur in buffers.
-WIRE_DTYPES: dict[torch.dtype, int] = {
-    torch.float32: pb.DTYPE_FLOAT32,
-    torch.float64: pb.DTYPE_FLOAT64,
-    torch.float16: pb.DTYPE_FLOAT16,
-    torch.bfloat16: pb.DTYPE_BFLOAT16,
-    torch.int64: pb.DTYPE_INT64,
-    torch.int32: pb.DTYPE_INT32,
-    torch.int16: pb.DTYPE_INT16,
-    torch.int8: pb.DTYPE_INT8,
-    torch.uint8: pb.DTYPE_UINT8,
-    torch.bool: pb.DTYPE_BOOL,
-}
 
 
 class _State(enum.Enum):
     OPEN = "open"
     CLOSED = "closed"
-
-
-def _wire_dtype(name: str, tensor: torch.Tensor) -> int:
-    try:
-        return WIRE_DTYPES[tensor.dtype]
-    except KeyError:
-        raise ValueError(f"'{name}' has unsupported dtype {tensor.dtype}") from None
-
-
-def _spec(name: str, tensor: torch.Tensor) -> pb.TensorSpec:
-    return pb.TensorSpec(name=name, shape=list(tensor.shape), dtype=_wire_dtype(name, tensor))  # type: ignore[arg-type]
 
 
 class DistributedDataParallel(nn.Module):
@@ -107,6 +84,9 @@ class DistributedDataParallel(nn.Module):
         overlap: upload each bucket as soon as its gradients are ready (default).
             False uploads everything after backward: slower, kept to measure the
             gain of overlapping communication with the backward pass.
+        link_factory: builds the link to the coordinator from (address, rank);
+            default: `gradsync.transport.Transport` (gRPC). Tests pass a fake
+            to exercise the step logic without sockets (see `gradsync.link`).
 
     Construction blocks until all ranks have joined, then copies rank 0's
     parameters and buffers to every rank. Only dense gradients are supported.
@@ -127,14 +107,15 @@ class DistributedDataParallel(nn.Module):
         world_size: int | None = None,
         *,
         job_id: str | None = None,
-        bucket_cap_mb: float = 25.0,
-        first_bucket_mb: float = 1.0,
-        timeout_s: float = 300.0,
-        join_timeout_s: float = 300.0,
+        bucket_cap_mb: float = defaults.BUCKET_CAP_MB,
+        first_bucket_mb: float = defaults.FIRST_BUCKET_MB,
+        timeout_s: float = defaults.TIMEOUT_S,
+        join_timeout_s: float = defaults.JOIN_TIMEOUT_S,
         overlap: bool = True,
         metrics_port: int | None = None,
         trace_path: str | Path | None = None,
-        reconnect_timeout_s: float = 60.0,
+        reconnect_timeout_s: float = defaults.RECONNECT_TIMEOUT_S,
+        link_factory: LinkFactory | None = None,
     ) -> None:
         super().__init__()
         self.module = module
@@ -160,12 +141,6 @@ class DistributedDataParallel(nn.Module):
                 self._bucket_of[index] = bucket_index
         self._state = _State.OPEN
         self._require_sync = True
-        self._optimizer: torch.optim.Optimizer | None = None
-        self._pending_optimizer_state: dict[str, Any] | None = None
-        self._checkpoint_every = 0
-        self._last_checkpoint_step = -1
-        self._reconnect_timeout_s = reconnect_timeout_s
-        self._resumed_from_checkpoint = False
         self._overlap = overlap
         self._backward_active = False
         self._ready = [0] * len(self._buckets)
@@ -175,19 +150,27 @@ class DistributedDataParallel(nn.Module):
         self._staged: list[tuple[torch.Tensor, nn.Parameter]] = []
         self._hooks: list[Any] = []
         self.last_contributors = 0
-        self._transport = Transport(self.config.coordinator, self.config.rank)
+        bucket_bytes = [plan.num_bytes for plan in self._buckets]
         self._instruments = Instruments(
             self.config.rank,
             resolve_metrics_port(metrics_port, os.environ),
             Path(trace_path) if trace_path is not None else None,
-            [plan.num_bytes for plan in self._buckets],
+            bucket_bytes,
         )
-        self._transport.on_bucket_event = self._instruments.on_bucket_event
         try:
-            self._step = self._join_and_broadcast()
-            self._transport.current_step = self._step
+            self._session = Session(
+                self.config,
+                module,
+                [p for _, p in named] + [b for _, b in self._named_buffers],
+                model_signature(named, self._named_buffers, self._buckets),
+                bucket_bytes,
+                link_factory or Transport,
+                self._instruments.on_bucket_event,
+                reconnect_timeout_s,
+            )
+            self._step = self._session.start()
         except BaseException:
-            self._transport.close(timeout_s=5.0)
+            self._instruments.close()
             raise
         for index, (_, param) in enumerate(named):
             if self._bucket_of[index] >= 0:
@@ -221,19 +204,9 @@ class DistributedDataParallel(nn.Module):
             raise ClosedError("DistributedDataParallel used after close()", rank=self.rank)
         if self._backward_active:
             self.abandon_step("its backward pass was interrupted by an exception")
-        if self._transport.take_heal_request():
-            # A step boundary: parameters and optimizer state are consistent.
-            self._transport.send_heal(self._step, self._state_blob())
-        every = self._checkpoint_every
-        if (
-            every
-            and self.rank == 0
-            and self._step % every == 0
-            and self._step > self._last_checkpoint_step
-        ):
-            # Here, before the next step's forward, the optimizer has applied
-            # the previous step: parameters and optimizer state are consistent.
-            self.save_checkpoint(wait=False)
+        # Before the next step's forward the optimizer has applied the previous
+        # step: parameters and optimizer state are consistent.
+        self._session.at_step_boundary(self._step)
         return self.module(*args, **kwargs)
 
     def abandon_step(self, reason: str = "abandoned by the training loop") -> None:
@@ -250,22 +223,19 @@ class DistributedDataParallel(nn.Module):
             return
         step = self._step
         log.warning("rank %d: abandoning step %d: %s", self.rank, step, reason)
-        self._transport.abandon_step(step, reason)
+        self._link.abandon_step(step, reason)
         self._backward_active = False
         self._staged.clear()
         self._errors.clear()
         self._step = step + 1
-        self._transport.current_step = self._step
+        self._link.current_step = self._step
 
     def register_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
         """Include `optimizer`'s state in checkpoints (and restore it when resuming).
 
         Call it once, right after creating the optimizer.
         """
-        self._optimizer = optimizer
-        if self._pending_optimizer_state is not None:
-            optimizer.load_state_dict(self._pending_optimizer_state)
-            self._pending_optimizer_state = None
+        self._session.register_optimizer(optimizer)
 
     def save_checkpoint(self, wait: bool = True, timeout_s: float | None = None) -> int:
         """Upload a checkpoint of rank 0's state through the coordinator (rank 0 only).
@@ -284,94 +254,7 @@ class DistributedDataParallel(nn.Module):
             CheckpointFailedError: with wait=True, the store could not save it.
             SyncTimeoutError: no answer within the timeout.
         """
-        step = self._step
-        if self.rank != 0:
-            return step
-        self._last_checkpoint_step = step
-        self._transport.send_checkpoint(step, self._state_blob())
-        if wait:
-            saved = self._transport.wait_checkpoint(step, timeout_s or self.config.timeout_s)
-            if not saved.durable:
-                raise CheckpointFailedError(
-                    f"checkpoint of step {step} was not saved: {saved.message}",
-                    rank=self.rank,
-                    step=step,
-                )
-        return step
-
-    def _state_blob(self) -> bytes:
-        """Module state, optimizer state and step, serialized for checkpoints and healing."""
-        state = {
-            "module": self.module.state_dict(),
-            "optimizer": self._optimizer.state_dict() if self._optimizer is not None else None,
-            "step": self._step,
-            "world_size": self.world_size,
-        }
-        buffer = io.BytesIO()
-        torch.save(state, buffer)
-        return buffer.getvalue()
-
-    def _reconnect(self, cause: GradSyncError) -> int:
-        """Reconnect to a restarted coordinator (bounded backoff); return the resumed step.
-
-        Raises:
-            CoordinatorUnavailableError: no coordinator within the reconnect timeout, or
-                one that cannot resume this job from a checkpoint.
-        """
-        deadline = time.monotonic() + self._reconnect_timeout_s
-        delay = 0.25
-        log.warning(
-            "rank %d: lost the coordinator (%s); reconnecting for up to %gs",
-            self.rank,
-            cause,
-            self._reconnect_timeout_s,
-        )
-        self._resumed_from_checkpoint = False
-        while True:
-            self._transport.close(timeout_s=2.0)
-            self._transport = Transport(self.config.coordinator, self.config.rank)
-            self._transport.on_bucket_event = self._instruments.on_bucket_event
-            remaining = deadline - time.monotonic()
-            try:
-                start = self._join_and_broadcast(join_timeout_s=max(1.0, remaining))
-                break
-            except (CoordinatorUnavailableError, SyncTimeoutError) as exc:
-                remaining = deadline - time.monotonic()
-                if remaining <= 0:
-                    raise CoordinatorUnavailableError(
-                        f"gave up reconnecting to {self.config.coordinator} after "
-                        f"{self._reconnect_timeout_s:g}s: {exc}",
-                        rank=self.rank,
-                    ) from cause
-                time.sleep(min(delay, remaining))
-                delay = min(delay * 2, 5.0)
-        if not self._resumed_from_checkpoint:
-            raise CoordinatorUnavailableError(
-                f"the restarted coordinator has no checkpoint of job '{self.config.job_id}' "
-                f"(it would restart at step {start}, this rank is at step {self._step}); "
-                "start it with the same --checkpoint-store to resume",
-                rank=self.rank,
-            ) from cause
-        self._transport.current_step = start
-        return start
-
-    def _restore(self, blob: bytes, start_step: int) -> None:
-        """Load the checkpoint the job resumes from (optimizer state waits for its optimizer)."""
-        state = torch.load(io.BytesIO(blob), weights_only=True)
-        self.module.load_state_dict(state["module"])
-        self._pending_optimizer_state = state.get("optimizer")
-        self._resumed_from_checkpoint = True
-        if self._optimizer is not None and self._pending_optimizer_state is not None:
-            # Reconnecting mid-run: the optimizer already exists.
-            self._optimizer.load_state_dict(self._pending_optimizer_state)
-            self._pending_optimizer_state = None
-        self._last_checkpoint_step = start_step
-        log.warning(
-            "rank %d: job '%s' resumed from the checkpoint of step %d",
-            self.rank,
-            self.config.job_id,
-            start_step,
-        )
+        return self._session.save_checkpoint(self._step, wait, timeout_s or self.config.timeout_s)
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
@@ -395,7 +278,7 @@ class DistributedDataParallel(nn.Module):
         for handle in self._hooks:
             handle.remove()
         self._hooks.clear()
-        self._transport.close()
+        self._session.close()
         self._instruments.close()
 
     def __enter__(self) -> DistributedDataParallel:
@@ -404,92 +287,22 @@ class DistributedDataParallel(nn.Module):
     def __exit__(self, *exc_info: object) -> None:
         self.close()
 
-    # ------------------------------------------------------------ joining
+    # ------------------------------------------------------------- layout
+    @property
+    def _link(self) -> CoordinatorLink:
+        """The current link to the coordinator (a reconnect replaces it)."""
+        return self._session.link
+
     def _plan_buckets(self) -> list[BucketPlan]:
         sizes, dtypes = [], []
         for name, param in self._named_parameters:
-            _wire_dtype(name, param)
+            wire_dtype(name, param)  # refuse an unsupported dtype before joining
             trainable = param.requires_grad and param.numel() > 0
             sizes.append(param.numel() * param.element_size() if trainable else 0)
             dtypes.append(param.dtype)
         return assign_buckets(
             sizes, dtypes, self.config.bucket_cap_bytes, self.config.first_bucket_cap_bytes
         )
-
-    def _signature(self) -> pb.ModelSignature:
-        return pb.ModelSignature(
-            parameters=[_spec(name, p) for name, p in self._named_parameters],
-            buffers=[_spec(name, b) for name, b in self._named_buffers],
-            buckets=[
-                pb.BucketSpec(
-                    parameter_indices=list(plan.parameter_indices),
-                    dtype=WIRE_DTYPES[plan.dtype],  # type: ignore[index,arg-type]
-                    num_elements=plan.num_bytes // dtypes.itemsize(WIRE_DTYPES[plan.dtype]),  # type: ignore[index]
-                )
-                for plan in self._buckets
-            ],
-        )
-
-    def _join_and_broadcast(self, join_timeout_s: float | None = None) -> int:
-        """Join the job, then make every rank start from rank 0's state (or a checkpoint)."""
-        config = self.config
-        self._transport.configure_buckets([plan.num_bytes for plan in self._buckets])
-        join = pb.Join(
-            job_id=config.job_id,
-            rank=config.rank,
-            world_size=config.world_size,
-            signature=self._signature(),
-            incarnation=uuid.uuid4().hex,
-            client_version=__version__,
-        )
-        log.info(
-            "rank %d: joining job '%s' at %s (world size %d, %d buckets)",
-            config.rank,
-            config.job_id,
-            config.coordinator,
-            config.world_size,
-            len(self._buckets),
-        )
-        self._transport.open(join)
-        welcome = self._transport.wait_welcome(join_timeout_s or config.join_timeout_s)
-        self._checkpoint_every = int(welcome.checkpoint_every_steps)
-        if welcome.resume_bytes:
-            self._restore(
-                self._transport.receive_resume(
-                    welcome.resume_bytes, (join_timeout_s or config.join_timeout_s)
-                ),
-                int(welcome.start_step),
-            )
-            return int(welcome.start_step)
-        tensors = [p for _, p in self._named_parameters] + [b for _, b in self._named_buffers]
-        with torch.no_grad():
-            if config.rank == 0:
-                flat = [
-                    t.detach().reshape(-1).view(torch.uint8).cpu() for t in tensors if t.numel()
-                ]
-                blob = torch.cat(flat) if flat else torch.empty(0, dtype=torch.uint8)
-                self._transport.send_state(blob.numpy())
-            elif welcome.state_bytes:
-                raw = self._transport.receive_state(
-                    welcome.state_bytes, (join_timeout_s or config.join_timeout_s)
-                )
-                offset = 0
-                for tensor in tensors:
-                    if tensor.numel() == 0:
-                        continue
-                    size = tensor.numel() * tensor.element_size()
-                    source = torch.frombuffer(
-                        raw, dtype=tensor.dtype, count=tensor.numel(), offset=offset
-                    )
-                    tensor.copy_(source.view_as(tensor))
-                    offset += size
-        log.info(
-            "rank %d: job '%s' assembled; starting at step %d",
-            config.rank,
-            config.job_id,
-            welcome.start_step,
-        )
-        return int(welcome.start_step)
 
     # -------------------------------------------------------------- hooks
     def _make_hook(self, index: int) -> Any:
@@ -542,11 +355,8 @@ class DistributedDataParallel(nn.Module):
             segments.append(host.reshape(-1).view(torch.uint8).numpy())
         self._launched[bucket_index] = True
         self._instruments.bucket_ready(self._step, bucket_index)
-        self._transport.submit_bucket(
-            self._step,
-            bucket_index,
-            BucketBuffer(segments),
-            WIRE_DTYPES[plan.dtype],  # type: ignore[index]
+        self._link.submit_bucket(
+            self._step, bucket_index, BucketBuffer(segments), bucket_wire_dtype(plan)
         )
 
     def _finish_backward(self) -> None:
@@ -564,14 +374,16 @@ class DistributedDataParallel(nn.Module):
                     self._launch(bucket_index)
             wait_started = self._instruments.now()
             try:
-                self.last_contributors = self._transport.wait_step(step, self.config.timeout_s)
+                self.last_contributors = self._link.wait_step(step, self.config.timeout_s)
             except StepAbortedError as exc:
                 self._instruments.step_aborted(exc)
                 raise
             except CoordinatorUnavailableError as exc:
-                if self._reconnect_timeout_s <= 0:
+                # Only a lost coordinator is worth reconnecting to; every other
+                # error (declared dead, refused, checkpoint failed) propagates.
+                if self._session.reconnect_timeout_s <= 0:
                     raise
-                resumed_at = self._reconnect(exc)
+                resumed_at = self._session.reconnect(exc, step)
                 step = resumed_at - 1  # `finally` moves on to the resumed step
                 raise CoordinatorRestartedError(
                     f"lost the coordinator and reconnected; state restored from the checkpoint "
@@ -589,4 +401,4 @@ class DistributedDataParallel(nn.Module):
             self._staged.clear()
             self._backward_active = False
             self._step = step + 1
-            self._transport.current_step = self._step
+            self._link.current_step = self._step

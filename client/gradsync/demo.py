@@ -17,12 +17,13 @@ import numpy as np
 
 from gradsync.example import TrainSettings, max_relative_difference, train_reference
 from gradsync.launch import start_coordinator
+from gradsync.protocol import defaults
 
 #: Parity bound between the distributed and the single-process result.
 PARITY_TOLERANCE = 1e-5
 
 
-def run_demo(settings: TrainSettings, timeout_s: float = 120.0) -> int:
+def run_demo(settings: TrainSettings, timeout_s: float = defaults.EXAMPLE_TIMEOUT_S) -> int:
     """Run the demo; return 0 when the distributed result matches one process."""
     workers = settings.world_size
     print(

@@ -3,9 +3,11 @@
 Hierarchy::
 
     GradSyncError                  base: carries rank, step, bucket_index, code
-    ├── CoordinatorUnavailableError  cannot reach / lost the coordinator
+    ├── CoordinatorUnavailableError  cannot reach / lost the coordinator (reconnects)
     ├── SyncTimeoutError             a bounded wait ran out
     ├── JoinRefusedError             the coordinator refused this worker's join
+    ├── DeclaredDeadError            the coordinator dropped this rank (no heartbeat)
+    ├── ResourceExhaustedError       this worker exceeded a coordinator limit
     ├── StepAbortedError             a step was abandoned (nothing was averaged)
     │   ├── MessageRejectedError     ...because this worker sent a bad message
     │   ├── PeerLostError            ...because another rank left or died
@@ -17,12 +19,24 @@ Errors raised inside the background transport are recorded with their context
 and re-raised at the next synchronization point (end of backward), so autograd
 hooks never raise.
 
+Why a stream's end is classified by reason first and status code second:
+several different situations end a stream with the same status code (a rank
+declared dead, a required checkpoint that failed and a coordinator shutting
+down are all UNAVAILABLE), but only the last one is worth reconnecting for.
+The coordinator therefore sends a `StreamEnd` with an `EndReason` just before
+the status; `error_from_status` picks the class by that reason and falls back
+to the status code when there is none (an older coordinator, or a connection
+that broke without a goodbye). Only `CoordinatorUnavailableError` starts the
+model wrapper's reconnect path, so nothing but transport trouble or a
+coordinator going away may map to it.
+
 Status codes come from `gradsync.protocol.codes`, shared with the coordinator.
 """
 
 from __future__ import annotations
 
 from gradsync.protocol.codes import Code
+from gradsync.v1 import gradsync_pb2 as pb
 
 
 class GradSyncError(RuntimeError):
@@ -71,6 +85,19 @@ class JoinRefusedError(GradSyncError):
     """The coordinator refused to admit this worker (rank taken, signature mismatch, ...)."""
 
 
+class DeclaredDeadError(GradSyncError):
+    """The coordinator dropped this rank from the job: it sent no heartbeat in time.
+
+    Not a `CoordinatorUnavailableError`: the coordinator is alive and has moved
+    on without this rank, so reconnecting and resuming would be wrong. Under an
+    elastic policy, restart the worker to rejoin.
+    """
+
+
+class ResourceExhaustedError(GradSyncError):
+    """This worker exceeded a coordinator limit (queued averages, buffered bytes)."""
+
+
 class StepAbortedError(GradSyncError):
     """A step was abandoned by the coordinator; no averaged gradients were applied."""
 
@@ -113,10 +140,22 @@ _TERMINAL_CODE_TO_ERROR: dict[Code, type[GradSyncError]] = {
 }
 
 
+#: Takes precedence over the status code: the reason says why, the code only how.
+_END_REASON_TO_ERROR: dict[int, type[GradSyncError]] = {
+    pb.END_REASON_DECLARED_DEAD: DeclaredDeadError,
+    pb.END_REASON_CHECKPOINT_FAILED: CheckpointFailedError,
+    pb.END_REASON_SHUTTING_DOWN: CoordinatorUnavailableError,
+    pb.END_REASON_JOB_REFUSED: JoinRefusedError,
+    pb.END_REASON_PEER_LOST: PeerLostError,
+    pb.END_REASON_RESOURCE_EXHAUSTED: ResourceExhaustedError,
+}
+
+
 def error_from_status(
     code: int,
     details: str,
     *,
+    reason: int | None = None,
     rank: int | None = None,
     step: int | None = None,
     bucket_index: int | None = None,
@@ -124,12 +163,25 @@ def error_from_status(
     """Translate a stream-ending gRPC status into the matching GradSyncError.
 
     This is the single error boundary between the transport and user code.
+
+    Args:
+        code: the status code (a google.rpc.Code value).
+        details: the status message.
+        reason: the `EndReason` of the coordinator's `StreamEnd`, when one
+            arrived; it decides the class. None or END_REASON_UNSPECIFIED (or
+            a value this client does not know) falls back to the code.
+        rank, step, bucket_index: context named in the message.
+
+    Returns:
+        The exception to raise (the caller raises it `from` the gRPC error).
     """
     try:
         status = Code(code)
     except ValueError:
         status = Code.UNKNOWN
-    cls = _TERMINAL_CODE_TO_ERROR.get(status, GradSyncError)
+    cls = _END_REASON_TO_ERROR.get(reason or pb.END_REASON_UNSPECIFIED)
+    if cls is None:
+        cls = _TERMINAL_CODE_TO_ERROR.get(status, GradSyncError)
     return cls(
         f"{status.name}: {details}", rank=rank, step=step, bucket_index=bucket_index, code=status
     )

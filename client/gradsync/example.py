@@ -18,6 +18,8 @@ import numpy as np
 import torch
 from torch import nn
 
+from gradsync.protocol import defaults
+
 log = logging.getLogger("gradsync.example")
 
 
@@ -88,7 +90,7 @@ def train_worker(
     *,
     init_seed: int,
     job_id: str | None = None,
-    timeout_s: float = 120.0,
+    timeout_s: float = defaults.EXAMPLE_TIMEOUT_S,
     progress: bool = False,
     save_path: Path | None = None,
     metrics_port: int | None = None,

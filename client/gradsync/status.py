@@ -4,12 +4,15 @@ from __future__ import annotations
 
 import grpc
 
+from gradsync.protocol import defaults
 from gradsync.v1 import gradsync_pb2 as pb
 
 STATUS_METHOD = "/gradsync.v1.Coordinator/Status"
 
 
-def query_status(address: str, job_id: str = "", timeout_s: float = 5.0) -> pb.StatusReply:
+def query_status(
+    address: str, job_id: str = "", timeout_s: float = defaults.STATUS_TIMEOUT_S
+) -> pb.StatusReply:
     """Call Coordinator.Status.
 
     Raises:

@@ -59,12 +59,20 @@ def test_watchdog_declares_a_silent_rank_dead_and_tells_the_others() -> None:
             await workers[0].settle(running)
             running.servicer.check_liveness()
             assert running.servicer.jobs["job"].members.keys() == {0, 1}, "4 s is not 5 s"
+            running.servicer.metrics.observe_bucket_arrival(1, 0.25)
             clock.now += 1.5  # rank 1 silent for 5.5 s, rank 0 for 1.5 s
             running.servicer.check_liveness()
             aborted = (await workers[0].expect_kind("step_aborted")).step_aborted
             assert aborted.reason == pb.ABORT_REASON_PEER_LOST and aborted.culprit_rank == 1
             assert "rank 1 was declared dead after 5s without a heartbeat" in aborted.message
-            details = await workers[1].expect_status(grpc.StatusCode.UNAVAILABLE)
-            assert "declared dead" in details
+            # The dead rank hears why before its stream ends: not UNAVAILABLE, which
+            # would send it down the reconnect path as if the coordinator were gone.
+            end = (await workers[1].expect_kind("stream_end")).stream_end
+            assert end.reason == pb.END_REASON_DECLARED_DEAD
+            assert end.code == grpc.StatusCode.ABORTED.value[0]
+            details = await workers[1].expect_status(grpc.StatusCode.ABORTED)
+            assert "declared dead" in details and details == end.message
+            # It left for good: its straggler statistics do not follow a later rank 1.
+            assert running.servicer.metrics.lag_tracker.samples(1) == 0
 
     run(scenario)

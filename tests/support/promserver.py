@@ -9,9 +9,6 @@ parsing, histogram series, query syntax).
 from __future__ import annotations
 
 import json
-import shutil
-import signal
-import subprocess
 import time
 import urllib.error
 import urllib.parse
@@ -19,23 +16,23 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
-from support.redisserver import free_port
+from support.components import NO_PROMETHEUS, PROMETHEUS, PROMTOOL
+from support.servers import ServerProcess
 
-PROMETHEUS = shutil.which("prometheus")
-PROMTOOL = shutil.which("promtool")
-NO_PROMETHEUS = "prometheus not installed (CI installs Debian's prometheus)"
+__all__ = ["NO_PROMETHEUS", "PROMETHEUS", "PROMTOOL", "PrometheusServer"]
 
 
-class PrometheusServer:
+class PrometheusServer(ServerProcess):
     """`prometheus` scraping `targets` ("host:port") every `scrape_interval_s` seconds."""
+
+    ready_timeout_s = 20.0
+    poll_interval_s = 0.1
 
     def __init__(self, directory: Path, targets: list[str], scrape_interval_s: int = 1) -> None:
         if PROMETHEUS is None:
             raise RuntimeError(NO_PROMETHEUS)
-        self.directory = directory
-        self.directory.mkdir(parents=True, exist_ok=True)
+        super().__init__(directory, "prometheus.log")
         self.config_path = directory / "prometheus.yml"
-        self.log_path = directory / "prometheus.log"
         interval = f"{scrape_interval_s}s"
         scrape_configs = (
             [{"job_name": "gradsync", "static_configs": [{"targets": targets}]}] if targets else []
@@ -49,47 +46,27 @@ class PrometheusServer:
                 }
             )
         )
-        self.process: subprocess.Popen[bytes] | None = None
-        self.port = 0
         self.start()
 
     @property
     def base_url(self) -> str:
         return f"http://127.0.0.1:{self.port}"
 
-    def start(self) -> None:
-        """Start on a free port and wait (bounded) for /-/ready; a few tries for port races."""
+    def command(self, port: int) -> list[str]:
         assert PROMETHEUS is not None
-        for _ in range(3):
-            self.port = free_port()
-            with open(self.log_path, "ab") as log:
-                self.process = subprocess.Popen(
-                    [
-                        PROMETHEUS,
-                        f"--config.file={self.config_path}",
-                        f"--storage.tsdb.path={self.directory / 'data'}",
-                        f"--web.listen-address=127.0.0.1:{self.port}",
-                    ],
-                    stdout=log,
-                    stderr=subprocess.STDOUT,
-                )
-            deadline = time.monotonic() + 20
-            while self.process.poll() is None and time.monotonic() < deadline:
-                if self._ready():
-                    return
-                time.sleep(0.1)
-            self.stop()
-        raise RuntimeError(f"prometheus did not become ready:\n{self.log_tail()}")
+        return [
+            PROMETHEUS,
+            f"--config.file={self.config_path}",
+            f"--storage.tsdb.path={self.directory / 'data'}",
+            f"--web.listen-address=127.0.0.1:{port}",
+        ]
 
-    def _ready(self) -> bool:
+    def ready(self) -> bool:
         try:
             with urllib.request.urlopen(f"{self.base_url}/-/ready", timeout=1) as reply:
                 return bool(reply.status == 200)
         except OSError:
             return False
-
-    def log_tail(self, chars: int = 3000) -> str:
-        return self.log_path.read_text(errors="replace")[-chars:]
 
     def query(self, expression: str) -> dict[str, Any]:
         """The API's answer to an instant query, whatever its HTTP status (errors are JSON too)."""
@@ -126,16 +103,3 @@ class PrometheusServer:
     def targets(self) -> Any:
         with urllib.request.urlopen(f"{self.base_url}/api/v1/targets", timeout=5) as reply:
             return json.load(reply)["data"]["activeTargets"]
-
-    def stop(self) -> None:
-        """SIGTERM, then SIGKILL if it has not exited within 10 s."""
-        if self.process is None:
-            return
-        if self.process.poll() is None:
-            self.process.send_signal(signal.SIGTERM)
-            try:
-                self.process.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
-                self.process.wait()
-        self.process = None

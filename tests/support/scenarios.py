@@ -1,11 +1,14 @@
-"""Models, data and single-process references shared by the worker script and the tests.
+"""Models, data and single-process references shared by the worker scripts and the tests.
 
-The worker processes (tests/workers/train_worker.py) and the test that checks
+The worker processes (tests/support/workers/*.py) and the tests that check
 them import the same definitions, so "the same model on the same data" is
 true by construction.
 """
 
 from __future__ import annotations
+
+import argparse
+from pathlib import Path
 
 import torch
 from torch import nn
@@ -15,6 +18,16 @@ OUT_FEATURES = 5
 BATCH_PER_RANK = 8
 LR = 0.05
 MOMENTUM = 0.9
+
+
+def worker_parser(description: str | None) -> argparse.ArgumentParser:
+    """The flags every worker script takes, as `support.processes.launch_ranks` passes them."""
+    parser = argparse.ArgumentParser(description=description)
+    parser.add_argument("--coordinator", required=True)
+    parser.add_argument("--rank", type=int, required=True)
+    parser.add_argument("--world-size", type=int, required=True)
+    parser.add_argument("--out", type=Path, required=True)
+    return parser
 
 
 class MixedModel(nn.Module):

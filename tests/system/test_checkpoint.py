@@ -26,10 +26,10 @@ from gradsync.server.checkpoint import (
     CheckpointStore,
     decode,
     encode,
-    open_store,
 )
 from gradsync.server.checkpoint_file import FileCheckpointStore
 from gradsync.server.checkpoint_redis import RedisCheckpointStore
+from gradsync.server.stores import open_store
 from support.redisserver import RedisServer
 
 LOGGER = "gradsync.server.checkpoint"
@@ -179,6 +179,11 @@ def test_open_store_urls(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Non
     for bad in ["s3://bucket/x", "", "file://otherhost/x", "http://example/x"]:
         with pytest.raises(ValueError, match="checkpoint"):
             open_store(bad)
+    # A Redis address without its scheme was once a relative directory: now it is refused.
+    for address in ["10.213.0.3:6379/0", "redis:6379/0", "localhost:6379", "[::1]:6379/2"]:
+        with pytest.raises(ValueError, match=r"looks like a network address.*redis://"):
+            open_store(address)
+    assert not list(tmp_path.glob("*:*")), "a refused URL still created a directory"
     with pytest.raises(ValueError, match="keep must be at least 1"):
         open_store(str(tmp_path), keep=0)
 

@@ -25,7 +25,8 @@ from gradsync.metrics import WorkerMetrics
 from gradsync.server.metrics import CoordinatorMetrics
 from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
-from support.promserver import NO_PROMETHEUS, PROMETHEUS, PROMTOOL, PrometheusServer
+from support.components import NO_PROMETHEUS, PROMETHEUS, PROMTOOL
+from support.promserver import PrometheusServer
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -107,7 +108,6 @@ def test_dockerfile_builds_a_slim_non_root_image_with_our_health_probe() -> None
     stages = [arguments for name, arguments in instructions if name == "FROM"]
     assert len(stages) >= 2, "multi-stage: a builder and a runtime stage"
     assert stages[-1].split()[0] == "python:3.11-slim"
-    runtime = instructions[[name for name, _ in instructions].index("FROM", 1) :]
     runtime = instructions[
         len(instructions) - 1 - [n for n, _ in instructions[::-1]].index("FROM") :
     ]

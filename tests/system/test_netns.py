@@ -1,7 +1,8 @@
 """gradsync.bench.netns: emulated hosts reach each other, are rate-limited, cut off, leave no trace.
 
 These tests build real network namespaces, so they need root; without it (or on a kernel that
-lacks bridges, veths or tbf) they skip with the reason `available()` gives.
+lacks bridges, veths or tbf, or without iproute2) they skip with the reason
+`support.components.netns_available()` gives.
 """
 
 from __future__ import annotations
@@ -16,10 +17,10 @@ from gradsync.bench.netns import (
     Cluster,
     LinkShape,
     NetnsError,
-    available,
     delay_available,
     measure_throughput,
 )
+from support.components import netns_available
 
 PORT = 7000
 
@@ -58,7 +59,7 @@ while True:
 
 @pytest.fixture(autouse=True)
 def _require_netns() -> None:
-    ok, reason = available()
+    ok, reason = netns_available()
     if not ok:
         pytest.skip(reason)
 
@@ -158,7 +159,8 @@ def test_teardown_leaves_nothing_behind(body_raises: bool) -> None:
             raise Boom
     assert sleeper.poll() is not None, "popen'ed process survived teardown"
     assert not names & present_names()
-    cluster.close()  # idempotent
+    cluster.close()  # idempotent: a second close neither fails nor recreates anything
+    assert not names & present_names()
 
 
 @pytest.mark.timeout(60)

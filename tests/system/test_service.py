@@ -5,34 +5,38 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shlex
 import subprocess
 import sys
 import threading
 import time
 from pathlib import Path
+from urllib.parse import urlsplit
 
 import numpy as np
 import pytest
 import yaml
-from gradsync.bench.netns import Cluster, available
-from gradsync.example import TrainSettings, max_relative_difference, train_reference
-from support.faultworkers import start_workers
-from support.promserver import NO_PROMETHEUS, PROMETHEUS, PrometheusServer
-from support.redisserver import NO_REDIS_SERVER, REDIS_SERVER, free_port
+from gradsync.bench.netns import Cluster
+from gradsync.example import (
+    TrainSettings,
+    global_batches,
+    load_digits,
+    max_relative_difference,
+    train_reference,
+)
+from gradsync.launch import free_port, parse_banner
+from support.components import (
+    NO_PROMETHEUS,
+    NO_REDIS_SERVER,
+    PROMETHEUS,
+    REDIS_SERVER,
+    netns_available,
+)
+from support.processes import reap, start_workers, wait_all
+from support.promserver import PrometheusServer
 
 ROOT = Path(__file__).resolve().parents[2]
-
-
-def wait_all(processes: list[subprocess.Popen[bytes]], timeout_s: float = 90) -> None:
-    try:
-        for process in processes:
-            assert process.wait(timeout=timeout_s) == 0
-    finally:
-        for process in processes:
-            if process.poll() is None:
-                process.kill()
-                process.wait()
 
 
 @pytest.mark.timeout(120)
@@ -95,10 +99,7 @@ def test_prometheus_scrapes_a_running_coordinator_and_workers(
         assert p95 and 0 < p95[0][1] < 10, p95
         wait_all(processes)
     finally:
-        for process in processes:
-            if process.poll() is None:
-                process.kill()
-                process.wait()
+        reap(processes)
         prometheus.stop()
 
 
@@ -175,27 +176,73 @@ def compose_command(service: dict[str, object]) -> list[str]:
     return shlex.split(command) if isinstance(command, str) else list(command)  # type: ignore[arg-type]
 
 
+def resolve_service_names(argv: list[str], addresses: dict[str, str]) -> list[str]:
+    """Replace compose service names by their hosts' addresses, as compose's DNS would.
+
+    Only a URL's host (`redis://redis:6379/0`) or a whole `host:port` argument is
+    replaced; a URL's scheme that happens to be a service name stays as it is.
+    """
+    resolved = []
+    for arg in argv:
+        if "://" in arg:
+            parts = urlsplit(arg)
+            if parts.hostname in addresses:
+                userinfo, at, hostport = parts.netloc.rpartition("@")
+                port = hostport[len(parts.hostname) :]
+                netloc = f"{userinfo}{at}{addresses[parts.hostname]}{port}"
+                arg = parts._replace(netloc=netloc).geturl()
+        elif (match := re.fullmatch(r"([\w.-]+)(:\d+)", arg)) and match[1] in addresses:
+            arg = addresses[match[1]] + match[2]
+        resolved.append(arg)
+    return resolved
+
+
+def test_service_names_resolve_to_addresses_and_keep_url_schemes() -> None:
+    addresses = {"redis": "10.0.0.3", "coordinator": "10.0.0.2"}
+    argv = ["--checkpoint-store", "redis://redis:6379/0", "--coordinator", "coordinator:50051"]
+    assert resolve_service_names(argv, addresses) == [
+        "--checkpoint-store",
+        "redis://10.0.0.3:6379/0",
+        "--coordinator",
+        "10.0.0.2:50051",
+    ]
+    assert resolve_service_names(["redis://user:pw@redis:6379/1"], addresses) == [
+        "redis://user:pw@10.0.0.3:6379/1"
+    ]
+    untouched = ["--name", "redis", "worker-redis:1", "file:///redis:6379"]
+    assert resolve_service_names(untouched, addresses) == untouched
+
+
+#: Reads what the coordinator left in Redis (run on an emulated host, which alone can reach
+#: the Redis host): the job's checkpoint keys, its `latest` pointer and each blob's size.
+REDIS_KEYS = """
+import json, sys
+import redis
+client = redis.Redis.from_url(sys.argv[1], socket_timeout=10)
+prefix = f"gradsync:ckpt:{sys.argv[2]}:"
+keys = sorted(key.decode() for key in client.scan_iter(match=prefix + "*"))
+latest = client.get(prefix + "latest")
+print(json.dumps({
+    "keys": keys,
+    "latest": latest.decode() if latest is not None else None,
+    "steps": [int(step) for step in client.zrange(prefix + "steps", 0, -1)],
+    "sizes": {key: client.strlen(key) for key in keys if key[len(prefix):].isdigit()},
+}))
+"""
+
+
 @pytest.mark.timeout(240)
-@pytest.mark.skipif(not available()[0], reason=available()[1])
+@pytest.mark.skipif(not netns_available()[0], reason=netns_available()[1])
 @pytest.mark.skipif(REDIS_SERVER is None, reason=NO_REDIS_SERVER)
 def test_compose_topology_on_emulated_hosts(tmp_path: Path) -> None:
-    """The compose file's services, each on its own host, running the compose commands."""
+    """The compose file's services, each on its own host, running the compose commands;
+    the coordinator's checkpoints land in the Redis host."""
+    pytest.importorskip("redis", reason="the redis package is not installed: gradsync[redis]")
     compose = yaml.safe_load((ROOT / "docker-compose.yml").read_text())["services"]
     workers = sorted(name for name in compose if name.startswith("worker-"))
     hosts = ["coordinator", "redis", *workers]
     with Cluster(hosts) as cluster:
-
-        def resolve(argv: list[str]) -> list[str]:
-            # Compose resolves service names through its DNS; here, by address.
-            out = []
-            for arg in argv:
-                for host in hosts:
-                    arg = arg.replace(f"//{host}:", f"//{cluster.address(host)}:")
-                    if arg.startswith(f"{host}:"):
-                        arg = arg.replace(f"{host}:", f"{cluster.address(host)}:", 1)
-                out.append(arg)
-            return out
-
+        addresses = {host: cluster.address(host) for host in hosts}
         redis_args = compose_command(compose["redis"])[1:]
         redis = cluster.popen(
             "redis",
@@ -214,14 +261,13 @@ def test_compose_topology_on_emulated_hosts(tmp_path: Path) -> None:
             stdout=subprocess.DEVNULL,
             stderr=subprocess.DEVNULL,
         )
+        coordinator_argv = resolve_service_names(compose_command(compose["coordinator"]), addresses)
+        store_url = coordinator_argv[coordinator_argv.index("--checkpoint-store") + 1]
+        assert store_url == f"redis://{addresses['redis']}:6379/0", store_url
+        every = int(coordinator_argv[coordinator_argv.index("--checkpoint-every") + 1])
         coordinator = cluster.popen(
             "coordinator",
-            [
-                sys.executable,
-                "-m",
-                "gradsync.cli",
-                *resolve(compose_command(compose["coordinator"])),
-            ],
+            [sys.executable, "-m", "gradsync.cli", *coordinator_argv],
             stderr=subprocess.PIPE,
             text=True,
         )
@@ -231,7 +277,7 @@ def test_compose_topology_on_emulated_hosts(tmp_path: Path) -> None:
         reader = threading.Thread(target=lambda: log_lines.extend(coordinator.stderr), daemon=True)  # type: ignore[arg-type]
         reader.start()
         deadline = time.monotonic() + 60
-        while not any("listening on" in line for line in log_lines):
+        while not any(parse_banner(line) for line in log_lines):
             assert time.monotonic() < deadline and coordinator.poll() is None, log_lines
             time.sleep(0.05)
         probe = subprocess.run(
@@ -249,6 +295,10 @@ def test_compose_topology_on_emulated_hosts(tmp_path: Path) -> None:
             timeout=30,
         )
         assert probe.returncode == 0, probe.stdout + probe.stderr
+        # Enough epochs for the coordinator to checkpoint at least once (every `every` steps).
+        one_epoch = TrainSettings(world_size=len(workers), epochs=1)
+        steps_per_epoch = len(global_batches(len(load_digits().train_x), one_epoch))
+        epochs = -(-every // steps_per_epoch)
         processes = [
             cluster.popen(
                 name,
@@ -258,9 +308,9 @@ def test_compose_topology_on_emulated_hosts(tmp_path: Path) -> None:
                     "gradsync.cli",
                     "--log-level",
                     "WARNING",
-                    *resolve(compose_command(compose[name])),
+                    *resolve_service_names(compose_command(compose[name]), addresses),
                     "--epochs",
-                    "1",
+                    str(epochs),
                     "--no-progress",
                     "--save",
                     str(tmp_path / f"{name}.npz"),
@@ -271,14 +321,37 @@ def test_compose_topology_on_emulated_hosts(tmp_path: Path) -> None:
             )
             for name in workers
         ]
-        for process in processes:
-            output, _ = process.communicate(timeout=180)
-            assert process.returncode == 0, output[-3000:]
+        try:
+            for process in processes:
+                output, _ = process.communicate(timeout=180)
+                assert process.returncode == 0, output[-3000:]
+        finally:
+            reap(processes)
         saved = [dict(np.load(tmp_path / f"{name}.npz")) for name in workers]
         for params in saved[1:]:
             for name, value in params.items():
                 np.testing.assert_array_equal(value, saved[0][name])
         coordinator.terminate()
-        assert coordinator.wait(timeout=30) == 0
+        assert coordinator.wait(timeout=30) == 0, "".join(log_lines)[-3000:]
+        stored = subprocess.run(
+            cluster.command(
+                "coordinator", [sys.executable, "-c", REDIS_KEYS, store_url, "default"]
+            ),
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        assert stored.returncode == 0, stored.stderr
+        found = json.loads(stored.stdout)
         redis.terminate()
         redis.wait(timeout=30)
+    # The checkpoints are in Redis, under the job's keys: a pointer, the set of steps and
+    # one non-empty blob per kept step, the pointer naming the newest.
+    steps = found["steps"]
+    assert steps and all(step % every == 0 for step in steps), found
+    assert found["latest"] == str(max(steps)), found
+    prefix = "gradsync:ckpt:default:"
+    assert set(found["keys"]) == {f"{prefix}latest", f"{prefix}steps"} | {
+        f"{prefix}{step}" for step in steps
+    }, found
+    assert all(size > 0 for size in found["sizes"].values()), found

@@ -36,6 +36,7 @@ import os
 import re
 import secrets
 import shlex
+import shutil
 import signal
 import subprocess
 import sys
@@ -527,6 +528,8 @@ def _probe() -> _Probe:
         return _Probe(False, f"network namespaces need Linux, this is {sys.platform}", False)
     if os.geteuid() != 0:
         return _Probe(False, "network namespaces need root (CAP_NET_ADMIN)", False)
+    if shutil.which("ip") is None or shutil.which("tc") is None:
+        return _Probe(False, "iproute2 is not installed (no `ip` or `tc` command)", False)
     tag = "gp" + secrets.token_hex(3)
     ns, bridge, port = f"{tag}-probe", f"{tag}br", f"{tag}v0"
     created: list[list[str]] = []

@@ -11,6 +11,7 @@ import json
 import os
 import platform
 import sys
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -107,6 +108,23 @@ def run(plan: BenchPlan) -> dict[str, Any]:
     return document
 
 
+def _table(title: str, header: str, rows: Sequence[Sequence[str]]) -> list[str]:
+    """A titled Markdown table (and the blank lines around it) as lines.
+
+    `header` is the column titles joined by " | "; each row has one cell per column.
+    """
+    columns = len(header.split(" | "))
+    assert all(len(row) == columns for row in rows), "a row's cells do not match the header"
+    return [
+        title,
+        "",
+        f"| {header} |",
+        "|" + "---|" * columns,
+        *("| " + " | ".join(row) + " |" for row in rows),
+        "",
+    ]
+
+
 def markdown(document: dict[str, Any]) -> str:
     """The human-readable table of a result document."""
     m = document["machine"]
@@ -117,58 +135,64 @@ def markdown(document: dict[str, Any]) -> str:
     ]
     loopback = document["suites"].get("loopback", [])
     if loopback:
-        lines += [
+        lines += _table(
             "**Sync micro-benchmark, loopback** (one sync of N MB; median of A B A B reps)",
-            "",
-            "| W | N MB | gradsync ms | gloo ms | gradsync MB/s | gloo MB/s | ratio | "
-            "gradsync CPU-s/GB | gloo CPU-s/GB |",
-            "|---|---|---|---|---|---|---|---|---|",
-        ]
-        for r in loopback:
-            g, o = r["gradsync"], r["gloo"]
-            lines.append(
-                f"| {r['world_size']} | {r['megabytes']:g} | {g['median_ms']:.1f} | "
-                f"{o['median_ms']:.1f} | {g['algbw_mb_s']:.0f} | {o['algbw_mb_s']:.0f} | "
-                f"{r['bandwidth_ratio']:.2f} | {g['cpu_s_per_gb']:.2f} | {o['cpu_s_per_gb']:.2f} |"
-            )
-        lines.append("")
+            "W | N MB | gradsync ms | gloo ms | gradsync MB/s | gloo MB/s | ratio | "
+            "gradsync CPU-s/GB | gloo CPU-s/GB",
+            [
+                [
+                    f"{r['world_size']}",
+                    f"{r['megabytes']:g}",
+                    f"{r['gradsync']['median_ms']:.1f}",
+                    f"{r['gloo']['median_ms']:.1f}",
+                    f"{r['gradsync']['algbw_mb_s']:.0f}",
+                    f"{r['gloo']['algbw_mb_s']:.0f}",
+                    f"{r['bandwidth_ratio']:.2f}",
+                    f"{r['gradsync']['cpu_s_per_gb']:.2f}",
+                    f"{r['gloo']['cpu_s_per_gb']:.2f}",
+                ]
+                for r in loopback
+            ],
+        )
     train = document["suites"].get("train", [])
     if train:
-        lines += [
+        lines += _table(
             "**End-to-end training, loopback** (samples/s; MLP, fp32)",
-            "",
-            "| W | model MB | local | gradsync | gradsync, no overlap | torchrun DDP | "
-            "ratio to DDP | exposed comm ms (gradsync / DDP) | overlap gain |",
-            "|---|---|---|---|---|---|---|---|---|",
-        ]
-        for r in train:
-            s = r["samples_per_s"]
-            lines.append(
-                f"| {r['world_size']} | {r['model_mb']:g} | {s['local']:.0f} | "
-                f"{s['gradsync']:.0f} | {s['sequential']:.0f} | {s['ddp']:.0f} | "
-                f"{r['ratio_to_ddp']:.2f} | {r['exposed_comm_ms']:.0f} / "
-                f"{r['ddp_exposed_comm_ms']:.0f} | {r['overlap_gain']:.2f}x |"
-            )
-        lines.append("")
+            "W | model MB | local | gradsync | gradsync, no overlap | torchrun DDP | "
+            "ratio to DDP | exposed comm ms (gradsync / DDP) | overlap gain",
+            [
+                [
+                    f"{r['world_size']}",
+                    f"{r['model_mb']:g}",
+                    *(f"{r['samples_per_s'][mode]:.0f}" for mode in suites.TRAIN_MODES),
+                    f"{r['ratio_to_ddp']:.2f}",
+                    f"{r['exposed_comm_ms']:.0f} / {r['ddp_exposed_comm_ms']:.0f}",
+                    f"{r['overlap_gain']:.2f}x",
+                ]
+                for r in train
+            ],
+        )
     netns = document["suites"].get("netns", [])
     if netns:
-        lines += [
+        lines += _table(
             "**Emulated cluster** (network namespaces, every host link shaped to B; "
             "time against the analytic bound)",
-            "",
-            "| W | N MB | B Mbit/s | gloo ms (bound) | gloo of bound | gradsync ms (bound) | "
-            "gradsync of bound | CPU use gloo / gradsync |",
-            "|---|---|---|---|---|---|---|---|",
-        ]
-        for r in netns:
-            lines.append(
-                f"| {r['world_size']} | {r['megabytes']:g} | {r['rate_mbit']:g} | "
-                f"{r['gloo']['median_ms']:.0f} ({r['gloo_bound_ms']:.0f}) | "
-                f"{r['gloo_of_bound']:.0%} | {r['gradsync']['median_ms']:.0f} "
-                f"({r['gradsync_bound_ms']:.0f}) | {r['gradsync_of_bound']:.0%} | "
-                f"{r['gloo']['cpu_utilisation']:.0%} / {r['gradsync']['cpu_utilisation']:.0%} |"
-            )
-        lines.append("")
+            "W | N MB | B Mbit/s | gloo ms (bound) | gloo of bound | gradsync ms (bound) | "
+            "gradsync of bound | CPU use gloo / gradsync",
+            [
+                [
+                    f"{r['world_size']}",
+                    f"{r['megabytes']:g}",
+                    f"{r['rate_mbit']:g}",
+                    f"{r['gloo']['median_ms']:.0f} ({r['gloo_bound_ms']:.0f})",
+                    f"{r['gloo_of_bound']:.0%}",
+                    f"{r['gradsync']['median_ms']:.0f} ({r['gradsync_bound_ms']:.0f})",
+                    f"{r['gradsync_of_bound']:.0%}",
+                    f"{r['gloo']['cpu_utilisation']:.0%} / {r['gradsync']['cpu_utilisation']:.0%}",
+                ]
+                for r in netns
+            ],
+        )
     for suite, reason in document.get("skipped", {}).items():
         lines.append(f"Suite {suite} skipped: {reason}")
     return "\n".join(lines) + "\n"

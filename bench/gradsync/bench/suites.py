@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import statistics
 import subprocess
 import sys
@@ -24,17 +23,12 @@ from pathlib import Path
 from typing import Any
 
 from gradsync.bench.netns import Cluster, LinkShape, available
-from gradsync.launch import Launcher, start_coordinator
+from gradsync.launch import Launcher, free_port, start_coordinator
 
 MIB = 1 << 20
 Row = dict[str, Any]
-
-
-def free_port() -> int:
-    """A TCP port that was free a moment ago (for gloo's store and torchrun)."""
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return int(probe.getsockname()[1])
+#: The train suite's runs: no communication, gradsync, gradsync without overlap, torch DDP.
+TRAIN_MODES = ("local", "gradsync", "sequential", "ddp")
 
 
 def _local_launch(argv: list[str]) -> subprocess.Popen[str]:
@@ -203,7 +197,7 @@ def train_suite(worlds: Sequence[int], model_mb: float, steps: int) -> list[Row]
                     mode: _torchrun(
                         world_size, mode, Path(scratch) / f"{mode}.json", model_mb, steps, env
                     )
-                    for mode in ("local", "gradsync", "sequential", "ddp")
+                    for mode in TRAIN_MODES
                 }
         finally:
             _stop(coordinator)

@@ -33,6 +33,12 @@ HEARTBEAT_INTERVAL_S = 0.5
 HEARTBEAT_TIMEOUT_S = 5.0
 #: A step older than this logs which ranks and buckets it waits for.
 STALL_WARNING_S = 10.0
+#: Rank 0 uploads a checkpoint every this many steps; 0: only when the training loop asks.
+CHECKPOINT_EVERY_STEPS = 0
+#: What losing a worker does: "abort" the job, or go on ("elastic").
+ON_FAILURE = "abort"
+#: Under the elastic policy, the fewest live workers a job goes on with.
+MIN_WORKERS = 1
 
 # --- the workers ------------------------------------------------------------------------------
 #: The job id when none is given (all ranks of one job share it).
@@ -47,3 +53,10 @@ TIMEOUT_S = 300.0
 JOIN_TIMEOUT_S = 300.0
 #: How long a worker tries to reach a restarted coordinator before giving up.
 RECONNECT_TIMEOUT_S = 60.0
+
+# --- the command line -------------------------------------------------------------------------
+#: Bound on a `gradsync status` query.
+STATUS_TIMEOUT_S = 5.0
+#: Bound on every wait of the example training job (`gradsync worker`, `gradsync demo`):
+#: shorter than TIMEOUT_S, so a demo that cannot finish says so within minutes.
+EXAMPLE_TIMEOUT_S = 120.0

@@ -25,6 +25,17 @@ class Encoding(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
     ENCODING_RAW: _ClassVar[Encoding]
 
+class CollectiveOp(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    COLLECTIVE_OP_UNSPECIFIED: _ClassVar[CollectiveOp]
+    COLLECTIVE_OP_SUM: _ClassVar[CollectiveOp]
+    COLLECTIVE_OP_AVG: _ClassVar[CollectiveOp]
+    COLLECTIVE_OP_MIN: _ClassVar[CollectiveOp]
+    COLLECTIVE_OP_MAX: _ClassVar[CollectiveOp]
+    COLLECTIVE_OP_BROADCAST: _ClassVar[CollectiveOp]
+    COLLECTIVE_OP_ALL_GATHER: _ClassVar[CollectiveOp]
+    COLLECTIVE_OP_BARRIER: _ClassVar[CollectiveOp]
+
 class AbortReason(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
     ABORT_REASON_UNSPECIFIED: _ClassVar[AbortReason]
@@ -53,6 +64,14 @@ DTYPE_INT8: DType
 DTYPE_UINT8: DType
 DTYPE_BOOL: DType
 ENCODING_RAW: Encoding
+COLLECTIVE_OP_UNSPECIFIED: CollectiveOp
+COLLECTIVE_OP_SUM: CollectiveOp
+COLLECTIVE_OP_AVG: CollectiveOp
+COLLECTIVE_OP_MIN: CollectiveOp
+COLLECTIVE_OP_MAX: CollectiveOp
+COLLECTIVE_OP_BROADCAST: CollectiveOp
+COLLECTIVE_OP_ALL_GATHER: CollectiveOp
+COLLECTIVE_OP_BARRIER: CollectiveOp
 ABORT_REASON_UNSPECIFIED: AbortReason
 ABORT_REASON_MESSAGE_REJECTED: AbortReason
 ABORT_REASON_PEER_MESSAGE_REJECTED: AbortReason
@@ -201,8 +220,62 @@ class Leave(_message.Message):
     reason: str
     def __init__(self, reason: _Optional[str] = ...) -> None: ...
 
+class CollectiveChunk(_message.Message):
+    __slots__ = ("sequence", "op", "dtype", "total_bytes", "offset", "payload", "root", "contributors")
+    SEQUENCE_FIELD_NUMBER: _ClassVar[int]
+    OP_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    TOTAL_BYTES_FIELD_NUMBER: _ClassVar[int]
+    OFFSET_FIELD_NUMBER: _ClassVar[int]
+    PAYLOAD_FIELD_NUMBER: _ClassVar[int]
+    ROOT_FIELD_NUMBER: _ClassVar[int]
+    CONTRIBUTORS_FIELD_NUMBER: _ClassVar[int]
+    sequence: int
+    op: CollectiveOp
+    dtype: DType
+    total_bytes: int
+    offset: int
+    payload: bytes
+    root: int
+    contributors: int
+    def __init__(self, sequence: _Optional[int] = ..., op: _Optional[_Union[CollectiveOp, str]] = ..., dtype: _Optional[_Union[DType, str]] = ..., total_bytes: _Optional[int] = ..., offset: _Optional[int] = ..., payload: _Optional[bytes] = ..., root: _Optional[int] = ..., contributors: _Optional[int] = ...) -> None: ...
+
+class AssemblyProgress(_message.Message):
+    __slots__ = ("joined_ranks", "missing_ranks", "waited_s", "heartbeat_interval_s", "refused")
+    JOINED_RANKS_FIELD_NUMBER: _ClassVar[int]
+    MISSING_RANKS_FIELD_NUMBER: _ClassVar[int]
+    WAITED_S_FIELD_NUMBER: _ClassVar[int]
+    HEARTBEAT_INTERVAL_S_FIELD_NUMBER: _ClassVar[int]
+    REFUSED_FIELD_NUMBER: _ClassVar[int]
+    joined_ranks: _containers.RepeatedScalarFieldContainer[int]
+    missing_ranks: _containers.RepeatedScalarFieldContainer[int]
+    waited_s: float
+    heartbeat_interval_s: float
+    refused: str
+    def __init__(self, joined_ranks: _Optional[_Iterable[int]] = ..., missing_ranks: _Optional[_Iterable[int]] = ..., waited_s: _Optional[float] = ..., heartbeat_interval_s: _Optional[float] = ..., refused: _Optional[str] = ...) -> None: ...
+
+class OutOfInputs(_message.Message):
+    __slots__ = ("step",)
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    step: int
+    def __init__(self, step: _Optional[int] = ...) -> None: ...
+
+class JoinProgress(_message.Message):
+    __slots__ = ("joined_ranks", "all_joined", "last_joiner", "next_step", "next_collective")
+    JOINED_RANKS_FIELD_NUMBER: _ClassVar[int]
+    ALL_JOINED_FIELD_NUMBER: _ClassVar[int]
+    LAST_JOINER_FIELD_NUMBER: _ClassVar[int]
+    NEXT_STEP_FIELD_NUMBER: _ClassVar[int]
+    NEXT_COLLECTIVE_FIELD_NUMBER: _ClassVar[int]
+    joined_ranks: _containers.RepeatedScalarFieldContainer[int]
+    all_joined: bool
+    last_joiner: int
+    next_step: int
+    next_collective: int
+    def __init__(self, joined_ranks: _Optional[_Iterable[int]] = ..., all_joined: _Optional[bool] = ..., last_joiner: _Optional[int] = ..., next_step: _Optional[int] = ..., next_collective: _Optional[int] = ...) -> None: ...
+
 class WorkerMessage(_message.Message):
-    __slots__ = ("join", "gradient", "state", "leave", "heartbeat", "checkpoint", "abandon")
+    __slots__ = ("join", "gradient", "state", "leave", "heartbeat", "checkpoint", "abandon", "collective", "out_of_inputs")
     JOIN_FIELD_NUMBER: _ClassVar[int]
     GRADIENT_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELD_NUMBER: _ClassVar[int]
@@ -210,6 +283,8 @@ class WorkerMessage(_message.Message):
     HEARTBEAT_FIELD_NUMBER: _ClassVar[int]
     CHECKPOINT_FIELD_NUMBER: _ClassVar[int]
     ABANDON_FIELD_NUMBER: _ClassVar[int]
+    COLLECTIVE_FIELD_NUMBER: _ClassVar[int]
+    OUT_OF_INPUTS_FIELD_NUMBER: _ClassVar[int]
     join: Join
     gradient: GradientChunk
     state: StateChunk
@@ -217,7 +292,9 @@ class WorkerMessage(_message.Message):
     heartbeat: Heartbeat
     checkpoint: CheckpointChunk
     abandon: AbandonStep
-    def __init__(self, join: _Optional[_Union[Join, _Mapping]] = ..., gradient: _Optional[_Union[GradientChunk, _Mapping]] = ..., state: _Optional[_Union[StateChunk, _Mapping]] = ..., leave: _Optional[_Union[Leave, _Mapping]] = ..., heartbeat: _Optional[_Union[Heartbeat, _Mapping]] = ..., checkpoint: _Optional[_Union[CheckpointChunk, _Mapping]] = ..., abandon: _Optional[_Union[AbandonStep, _Mapping]] = ...) -> None: ...
+    collective: CollectiveChunk
+    out_of_inputs: OutOfInputs
+    def __init__(self, join: _Optional[_Union[Join, _Mapping]] = ..., gradient: _Optional[_Union[GradientChunk, _Mapping]] = ..., state: _Optional[_Union[StateChunk, _Mapping]] = ..., leave: _Optional[_Union[Leave, _Mapping]] = ..., heartbeat: _Optional[_Union[Heartbeat, _Mapping]] = ..., checkpoint: _Optional[_Union[CheckpointChunk, _Mapping]] = ..., abandon: _Optional[_Union[AbandonStep, _Mapping]] = ..., collective: _Optional[_Union[CollectiveChunk, _Mapping]] = ..., out_of_inputs: _Optional[_Union[OutOfInputs, _Mapping]] = ...) -> None: ...
 
 class Welcome(_message.Message):
     __slots__ = ("job_id", "world_size", "membership_epoch", "start_step", "chunk_bytes", "max_message_bytes", "state_bytes", "resume_bytes", "heartbeat_interval_s", "checkpoint_every_steps")
@@ -270,7 +347,7 @@ class StreamEnd(_message.Message):
     def __init__(self, reason: _Optional[_Union[EndReason, str]] = ..., code: _Optional[int] = ..., message: _Optional[str] = ...) -> None: ...
 
 class CoordinatorMessage(_message.Message):
-    __slots__ = ("welcome", "gradient", "state", "step_aborted", "checkpoint_saved", "resume", "membership", "state_request", "stream_end")
+    __slots__ = ("welcome", "gradient", "state", "step_aborted", "checkpoint_saved", "resume", "membership", "state_request", "stream_end", "collective", "assembly", "join_progress")
     WELCOME_FIELD_NUMBER: _ClassVar[int]
     GRADIENT_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELD_NUMBER: _ClassVar[int]
@@ -280,6 +357,9 @@ class CoordinatorMessage(_message.Message):
     MEMBERSHIP_FIELD_NUMBER: _ClassVar[int]
     STATE_REQUEST_FIELD_NUMBER: _ClassVar[int]
     STREAM_END_FIELD_NUMBER: _ClassVar[int]
+    COLLECTIVE_FIELD_NUMBER: _ClassVar[int]
+    ASSEMBLY_FIELD_NUMBER: _ClassVar[int]
+    JOIN_PROGRESS_FIELD_NUMBER: _ClassVar[int]
     welcome: Welcome
     gradient: GradientChunk
     state: StateChunk
@@ -289,7 +369,10 @@ class CoordinatorMessage(_message.Message):
     membership: MembershipChanged
     state_request: StateRequest
     stream_end: StreamEnd
-    def __init__(self, welcome: _Optional[_Union[Welcome, _Mapping]] = ..., gradient: _Optional[_Union[GradientChunk, _Mapping]] = ..., state: _Optional[_Union[StateChunk, _Mapping]] = ..., step_aborted: _Optional[_Union[StepAborted, _Mapping]] = ..., checkpoint_saved: _Optional[_Union[CheckpointSaved, _Mapping]] = ..., resume: _Optional[_Union[CheckpointChunk, _Mapping]] = ..., membership: _Optional[_Union[MembershipChanged, _Mapping]] = ..., state_request: _Optional[_Union[StateRequest, _Mapping]] = ..., stream_end: _Optional[_Union[StreamEnd, _Mapping]] = ...) -> None: ...
+    collective: CollectiveChunk
+    assembly: AssemblyProgress
+    join_progress: JoinProgress
+    def __init__(self, welcome: _Optional[_Union[Welcome, _Mapping]] = ..., gradient: _Optional[_Union[GradientChunk, _Mapping]] = ..., state: _Optional[_Union[StateChunk, _Mapping]] = ..., step_aborted: _Optional[_Union[StepAborted, _Mapping]] = ..., checkpoint_saved: _Optional[_Union[CheckpointSaved, _Mapping]] = ..., resume: _Optional[_Union[CheckpointChunk, _Mapping]] = ..., membership: _Optional[_Union[MembershipChanged, _Mapping]] = ..., state_request: _Optional[_Union[StateRequest, _Mapping]] = ..., stream_end: _Optional[_Union[StreamEnd, _Mapping]] = ..., collective: _Optional[_Union[CollectiveChunk, _Mapping]] = ..., assembly: _Optional[_Union[AssemblyProgress, _Mapping]] = ..., join_progress: _Optional[_Union[JoinProgress, _Mapping]] = ...) -> None: ...
 
 class StatusRequest(_message.Message):
     __slots__ = ("job_id",)

@@ -2,7 +2,7 @@
 
 `Job` methods return lists of actions instead of touching sockets, so the
 protocol logic stays testable without gRPC: `Send` a message to ranks,
-`Terminate` their streams with a status, or `Persist` a checkpoint.
+`Terminate` their streams with a status (and the reason why), or `Persist` a checkpoint.
 """
 
 from __future__ import annotations
@@ -23,22 +23,27 @@ class Send:
 
 @dataclass(frozen=True)
 class Terminate:
-    """End the streams of `ranks` with status `code` and `details`."""
+    """End the streams of `ranks` with status `code` and `details`.
+
+    `reason` travels in the StreamEnd sent just before the status, so the
+    worker can tell causes apart that share a status code.
+    """
 
     ranks: tuple[int, ...]
     code: Code
     details: str
+    reason: pb.EndReason = pb.END_REASON_UNSPECIFIED
 
 
 @dataclass
 class Member:
+    """One admitted rank: who it is and where it connects from (liveness is kept apart)."""
+
     rank: int
     incarnation: str
     signature: pb.ModelSignature
     joined_at: float
     peer: str = ""
-    last_seen: float = 0.0
-    reported_step: int = 0
 
 
 @dataclass(frozen=True)

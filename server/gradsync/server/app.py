@@ -15,10 +15,10 @@ from dataclasses import dataclass
 
 import grpc
 from gradsync.protocol.exposition import MetricsServer, serve_metrics
-from gradsync.server.checkpoint import open_store
 from gradsync.server.config import MIB, ServerConfig
 from gradsync.server.metrics import CoordinatorMetrics
-from gradsync.server.servicer import SERVICE_NAME, CoordinatorServicer
+from gradsync.server.servicer import SERVICE_NAME, SHUTDOWN_FLUSH_S, CoordinatorServicer
+from gradsync.server.stores import open_store
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 log = logging.getLogger("gradsync.server")
@@ -36,12 +36,21 @@ class RunningServer:
     metrics_server: MetricsServer | None = None
 
     async def stop(self, grace_s: float | None = None) -> None:
-        """Stop accepting joins, let streams finish for `grace_s`, then close."""
+        """Stop accepting joins, let streams finish for `grace_s`, then close.
+
+        Streams still open after the grace are ended by the servicer with a
+        SHUTTING_DOWN StreamEnd (so workers know to reconnect) before the
+        server cancels whatever has not flushed by then.
+        """
         self.servicer.draining = True
         for service in ("", SERVICE_NAME):
             await self.health.set(service, health_pb2.HealthCheckResponse.NOT_SERVING)
         grace = self.servicer.config.shutdown_grace_s if grace_s is None else grace_s
-        await self.server.stop(grace)
+        # grpc refuses new calls at once and cancels the rest at its deadline;
+        # the servicer's own drain ends them in-band just before that.
+        stopping = asyncio.create_task(self.server.stop(grace + SHUTDOWN_FLUSH_S))
+        await self.servicer.drain(grace)
+        await stopping
         self.watchdog.cancel()
         if self.metrics_server is not None:
             self.metrics_server.close()
@@ -82,7 +91,7 @@ async def start_server(config: ServerConfig) -> RunningServer:
     await server.start()
     for service in ("", SERVICE_NAME):
         await health_servicer.set(service, health_pb2.HealthCheckResponse.SERVING)
-    watchdog = asyncio.create_task(servicer.watch())
+    watchdog = asyncio.create_task(servicer.watchdog.run())
     return RunningServer(server, port, servicer, health_servicer, watchdog, metrics_server)
 
 

@@ -7,6 +7,10 @@ back a torn or bit-flipped one: every blob carries checksums, is written in full
 warning in favour of the previous complete one. The module knows nothing of gRPC; the
 coordinator calls it (from a worker thread, the calls block) and owns what goes in the payload.
 
+This module is the format and the store protocol only: the backends
+(`checkpoint_file`, `checkpoint_redis`) import it, and `gradsync.server.stores`
+picks a backend from a URL, so no module imports one that imports it back.
+
 The `latest` pointer names the last acknowledged save, which is what `load_latest` starts from;
 blobs of higher steps are leftovers of saves that never completed (or of a timeline abandoned
 when a corrupt checkpoint forced a restore from an older one) and are never loaded. Only once a
@@ -72,11 +76,7 @@ import struct
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType, TracebackType
-from typing import TYPE_CHECKING, Any, Protocol, Self
-from urllib.parse import unquote, urlsplit
-
-if TYPE_CHECKING:
-    pass
+from typing import Any, Protocol, Self
 
 log = logging.getLogger(__name__)
 
@@ -241,41 +241,6 @@ def decode(blob: bytes) -> Checkpoint:
         return Checkpoint(job_id, step, membership_epoch, bytes(payload), metadata)
     except (ValueError, TypeError, AttributeError) as exc:
         raise CheckpointCorruptError(f"invalid header fields: {exc}") from exc
-
-
-def open_store(url: str, *, keep: int = 3) -> CheckpointStore:
-    """Open the store named by `url`, keeping the newest `keep` checkpoints per job.
-
-    Args:
-        url: "file:///abs/path", "file:relative/path" or a plain filesystem path for the file
-            backend; "redis://host:port/db" (or "rediss://" for TLS) for the Redis backend.
-        keep: checkpoints kept per job, at least 1.
-
-    Raises:
-        ValueError: the URL names no supported backend, or `keep` < 1.
-    """
-    # The backends import this module's format and helpers: import them here.
-    from gradsync.server.checkpoint_file import FileCheckpointStore
-    from gradsync.server.checkpoint_redis import RedisCheckpointStore
-
-    parts = urlsplit(url)
-    scheme = parts.scheme.lower()
-    if scheme in ("redis", "rediss"):
-        return RedisCheckpointStore(url, keep=keep)
-    if scheme == "file":
-        if parts.netloc not in ("", "localhost"):
-            raise ValueError(
-                f"checkpoint URL {url!r} names host {parts.netloc!r}; use a local path"
-            )
-        if not parts.path:
-            raise ValueError(f"checkpoint URL {url!r} has no path")
-        return FileCheckpointStore(unquote(parts.path), keep=keep)
-    if url and not scheme:
-        return FileCheckpointStore(url, keep=keep)
-    raise ValueError(
-        f"unsupported checkpoint store URL {url!r}: expected file:///abs/path, file:relative/path, "
-        f"a plain filesystem path, or redis://host:port/db"
-    )
 
 
 class _StoreLifecycle:

@@ -13,7 +13,6 @@ import tempfile
 import threading
 from collections.abc import Callable, Iterable
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 from gradsync.server.checkpoint import (
     Checkpoint,
@@ -27,9 +26,6 @@ from gradsync.server.checkpoint import (
     _parse_pointer,
     _StoreLifecycle,
 )
-
-if TYPE_CHECKING:
-    pass
 
 log = logging.getLogger("gradsync.server.checkpoint")  # one logger for the whole store
 

@@ -4,9 +4,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from gradsync.protocol import chunking
+from gradsync.protocol import chunking, defaults
+from gradsync.protocol.defaults import MIB
+from gradsync.server.stores import parse_store_url
 
-MIB = 1 << 20
+__all__ = ["MIB", "ServerConfig"]
 
 
 @dataclass(frozen=True)
@@ -27,7 +29,8 @@ class ServerConfig:
         heartbeat_interval_s: how often workers send a sign of life.
         heartbeat_timeout_s: silence after which a worker is declared dead.
         stall_warning_s: a step older than this logs who it waits for.
-        checkpoint_store: store URL (file path, file://, redis://), or None.
+        checkpoint_store: store URL (redis://, rediss://, file:// or a path that cannot be
+            mistaken for host:port; see `gradsync.server.stores`), or None.
         checkpoint_every: rank 0 uploads a checkpoint every this many steps (0 = on request).
         require_checkpoint: fail the job instead of training on when saving fails.
         resume: refuse to start a job from scratch: it must have a stored checkpoint.
@@ -39,22 +42,22 @@ class ServerConfig:
 
     world_size: int
     host: str = "0.0.0.0"
-    port: int = 50051
-    chunk_bytes: int = chunking.DEFAULT_CHUNK_BYTES
-    max_buffered_bytes: int = 2048 * MIB
-    max_outbox_bytes: int = 1024 * MIB
-    max_jobs: int = 64
-    shutdown_grace_s: float = 10.0
-    heartbeat_interval_s: float = 0.5
-    heartbeat_timeout_s: float = 5.0
-    stall_warning_s: float = 10.0
+    port: int = defaults.PORT
+    chunk_bytes: int = defaults.CHUNK_BYTES
+    max_buffered_bytes: int = defaults.MAX_BUFFERED_BYTES
+    max_outbox_bytes: int = defaults.MAX_OUTBOX_BYTES
+    max_jobs: int = defaults.MAX_JOBS
+    shutdown_grace_s: float = defaults.SHUTDOWN_GRACE_S
+    heartbeat_interval_s: float = defaults.HEARTBEAT_INTERVAL_S
+    heartbeat_timeout_s: float = defaults.HEARTBEAT_TIMEOUT_S
+    stall_warning_s: float = defaults.STALL_WARNING_S
     checkpoint_store: str | None = None
-    checkpoint_every: int = 0
+    checkpoint_every: int = defaults.CHECKPOINT_EVERY_STEPS
     require_checkpoint: bool = False
     resume: bool = False
     metrics_port: int | None = None
-    on_failure: str = "abort"
-    min_workers: int = 1
+    on_failure: str = defaults.ON_FAILURE
+    min_workers: int = defaults.MIN_WORKERS
 
     def __post_init__(self) -> None:
         if self.world_size < 1:
@@ -88,6 +91,8 @@ class ServerConfig:
             raise ValueError(f"stall warning must be > 0 s, got {self.stall_warning_s}")
         if self.checkpoint_every < 0:
             raise ValueError(f"checkpoint every must be >= 0 steps, got {self.checkpoint_every}")
+        if self.checkpoint_store is not None:
+            parse_store_url(self.checkpoint_store)  # refuse an ambiguous URL at start-up
         if (self.require_checkpoint or self.resume or self.checkpoint_every) and not (
             self.checkpoint_store
         ):

@@ -1,48 +1,55 @@
-"""One training job's membership and step state machine (pure logic, no gRPC).
+"""One training job's lifecycle: the state machine over its owned components (pure logic).
 
 The servicer hands every parsed message to a `Job` and carries out the
-actions it returns: `Send` a message to some ranks, or `Terminate` their
-streams with a status code. Keeping this free of gRPC and asyncio lets the
-whole protocol be unit-tested by calling methods.
+actions it returns: `Send` a message to some ranks, `Terminate` their
+streams with a status code, or `Persist` a checkpoint. Keeping this free of
+gRPC and asyncio lets the whole protocol be unit-tested by calling methods.
 
-Lifecycle::
+A job is a small composition, each part owning its own state:
+
+- `Membership` (`membership.py`): members, rejoining newcomers, signature, epoch;
+- `OpenStep` (`open_step.py`): the step in flight, its reductions and aborts;
+- `Liveness` (`liveness.py`): when each rank was last heard from;
+- `Persistence` (`persistence.py`): checkpoint uploads and the resume point.
+
+This module holds only what spans them: the lifecycle below, the state
+broadcast at start, and the elastic policy (lose a rank and go on, heal a
+rejoining one)::
 
     ASSEMBLING --(all ranks joined, signatures match)--> RUNNING
     ASSEMBLING / RUNNING --(signature mismatch, bad state broadcast)--> REFUSED
-    RUNNING --(a rank leaves or disconnects)--> BROKEN
+    RUNNING --(a rank leaves or disconnects; abort policy)--> BROKEN
 
-Steps are lock-step: ranks can only start step s + 1 after receiving every
-averaged bucket of step s, so exactly one step (`open_step`) is in flight per
-job. A message that breaks the rules aborts the open step (nothing is
-averaged), every rank is told why in-band, and the job carries on at the next
-step.
+A message that breaks the rules aborts the open step (nothing is averaged),
+every rank is told why in-band, and the job carries on at the next step.
+Under `--on-failure elastic` a lost rank is dropped from the open step (the
+chunks it never contributed to complete over the live ranks) and the epoch
+moves on; a restarted rank waits until the lowest live rank uploads its state
+at a step boundary, which the coordinator relays to it before adding it to
+the open step.
 """
 
 from __future__ import annotations
 
 import enum
 import time
-from collections import deque
 from collections.abc import Callable, Sequence
 
-from gradsync.protocol import chunking, dtypes
-from gradsync.protocol.codec import ChunkHeader, encode_gradient
+from gradsync.protocol import defaults
+from gradsync.protocol.codec import ChunkHeader
 from gradsync.protocol.codes import Code
 from gradsync.server import signature as signatures
-from gradsync.server.actions import Action, Member, Persist, Send, Terminate
-from gradsync.server.aggregation import BucketReduction, DuplicateContributionError
+from gradsync.server.actions import Action, Member, Send, Terminate
 from gradsync.server.budget import ByteBudget
-from gradsync.server.checkpoint import Checkpoint
-from gradsync.server.elastic import ElasticMembership
 from gradsync.server.errors import RejectedMessage
+from gradsync.server.liveness import Liveness
+from gradsync.server.membership import Membership
 from gradsync.server.metrics import CoordinatorMetrics
+from gradsync.server.open_step import OpenStep, abort_message, check_chunk
+from gradsync.server.persistence import Persistence, resume_messages
 from gradsync.server.progress import StepProgress
 from gradsync.server.uploads import BlobAssembler
 from gradsync.v1 import gradsync_pb2 as pb
-
-#: Aborted step numbers remembered so that late chunks for them are dropped
-#: quietly instead of being reported as stale.
-_ABORTED_STEPS_REMEMBERED = 64
 
 
 class JobState(enum.Enum):
@@ -54,7 +61,7 @@ class JobState(enum.Enum):
     BROKEN = "broken"
 
 
-class Job(ElasticMembership):
+class Job:
     """Membership, validation and aggregation for one job id.
 
     Args:
@@ -64,6 +71,11 @@ class Job(ElasticMembership):
         max_message_bytes: gRPC message limit (advertised in Welcome).
         budget: coordinator-wide cap on buffered gradient bytes.
         clock: monotonic time source (injectable for tests).
+        heartbeat_interval_s: how often workers send a sign of life (advertised in Welcome).
+        checkpoint_every: rank 0 uploads a checkpoint every this many steps (0 = on request).
+        metrics: where latencies go, if anywhere.
+        on_failure: "abort" or "elastic" (see the module docstring).
+        min_workers: under the elastic policy, the fewest live ranks to go on with.
     """
 
     def __init__(
@@ -74,71 +86,78 @@ class Job(ElasticMembership):
         max_message_bytes: int,
         budget: ByteBudget,
         clock: Callable[[], float] = time.monotonic,
-        heartbeat_interval_s: float = 0.5,
-        checkpoint_every: int = 0,
+        heartbeat_interval_s: float = defaults.HEARTBEAT_INTERVAL_S,
+        checkpoint_every: int = defaults.CHECKPOINT_EVERY_STEPS,
         metrics: CoordinatorMetrics | None = None,
-        on_failure: str = "abort",
-        min_workers: int = 1,
+        on_failure: str = defaults.ON_FAILURE,
+        min_workers: int = defaults.MIN_WORKERS,
     ) -> None:
         self.job_id = job_id
         self.world_size = world_size
         self.chunk_bytes = chunk_bytes
         self.max_message_bytes = max_message_bytes
-        self._budget = budget
-        self._clock = clock
         self.heartbeat_interval_s = heartbeat_interval_s
         self.checkpoint_every = checkpoint_every
-        self._metrics = metrics
         self.on_failure = on_failure
         self.min_workers = min_workers
-        #: Restarted ranks waiting to be healed with a live rank's state (elastic).
-        self._newcomers: dict[int, Member] = {}
-        #: (donor rank, its state upload in progress) while healing newcomers.
-        self._heal: tuple[int, BlobAssembler | None] | None = None
-        self._step_start_epoch = 0
-        self.progress: StepProgress | None = None
-        #: Checkpoint this job resumes from (set by the servicer before assembly).
-        self.resume: Checkpoint | None = None
-        self.last_checkpoint_step = -1
-        self._checkpoint_upload: tuple[int, BlobAssembler] | None = None
+        self._budget_limit = budget.limit
+        self.membership = Membership(job_id, world_size, clock)
+        self.in_flight = OpenStep(self.membership, chunk_bytes, budget, clock, metrics)
+        self.liveness = Liveness(clock)
+        self.persistence = Persistence(chunk_bytes, budget.limit)
         self.state = JobState.ASSEMBLING
-        self.membership_epoch = 0
-        self.open_step = 0
-        self.members: dict[int, Member] = {}
-        self._reference_rank: int | None = None
-        self._signature: pb.ModelSignature | None = None
-        self._bucket_bytes: list[int] = []
         self._state_bytes = 0
         self._state_offsets_seen: set[int] = set()
-        self._reductions: dict[int, BucketReduction] = {}
-        self._buckets_done = 0
-        self._aborted_steps: deque[int] = deque(maxlen=_ABORTED_STEPS_REMEMBERED)
+        #: (donor rank, its state upload in progress) while healing newcomers.
+        self._heal: tuple[int, BlobAssembler | None] | None = None
         self._broken_reason = ""
-        self.steps_completed = 0
 
-    # ------------------------------------------------------------------ join
+    # ------------------------------------------------------------ read-only views
+    @property
+    def members(self) -> dict[int, Member]:
+        """Members of the current epoch by rank."""
+        return self.membership.members
+
+    @property
+    def membership_epoch(self) -> int:
+        """The current membership epoch."""
+        return self.membership.epoch
+
+    @property
+    def open_step(self) -> int:
+        """The step in flight."""
+        return self.in_flight.step
+
+    @property
+    def steps_completed(self) -> int:
+        """Steps whose every bucket was averaged."""
+        return self.in_flight.steps_completed
+
+    @property
+    def progress(self) -> StepProgress | None:
+        """Delivery bookkeeping of the open step (None before assembly)."""
+        return self.in_flight.progress
+
+    def joined_ranks(self) -> Sequence[int]:
+        """Ranks currently connected, ascending."""
+        return self.membership.ranks()
+
+    def set_peer(self, rank: int, peer: str) -> None:
+        """Remember the network address of `rank`, for status."""
+        self.membership.set_peer(rank, peer)
+
+    # ---------------------------------------------------------------------- join
     def join(self, rank: int, join: pb.Join) -> list[Action]:
         """Admit `rank`; return the Welcome broadcast once all ranks are in.
 
         Raises:
             RejectedMessage: this worker alone is refused (its stream ends).
         """
-        if join.world_size != self.world_size:
-            raise RejectedMessage(
-                Code.INVALID_ARGUMENT,
-                f"rank {rank} joined job '{self.job_id}' with world size {join.world_size}, "
-                f"but the coordinator runs world size {self.world_size}",
-            )
-        if rank in self.members or rank in self._newcomers:
-            member = self.members.get(rank) or self._newcomers[rank]
-            raise RejectedMessage(
-                Code.ALREADY_EXISTS,
-                f"rank {rank} of job '{self.job_id}' is already connected (incarnation "
-                f"{member.incarnation}, joined {self._clock() - member.joined_at:.1f}s ago); "
-                f"incarnation {join.incarnation} cannot claim it too",
-            )
+        self.membership.check_join(rank, join)
         if self.state is JobState.RUNNING and self.on_failure == "elastic":
-            return self._admit_newcomer(rank, join)
+            self.membership.admit_newcomer(rank, join)
+            self.liveness.start(rank)
+            return self._request_heal() if self._heal is None else []
         if self.state is not JobState.ASSEMBLING:
             raise RejectedMessage(
                 Code.FAILED_PRECONDITION,
@@ -146,69 +165,70 @@ class Job(ElasticMembership):
                 f"rank {rank} cannot join it now (rejoining a running job is not supported "
                 "yet: restart all ranks, or use another job id)",
             )
-        signatures.validate(rank, join.signature)
-        now = self._clock()
-        self.members[rank] = Member(rank, join.incarnation, join.signature, now, last_seen=now)
-        if self._signature is None:
-            self._signature = join.signature
-            self._reference_rank = rank
-        else:
-            assert self._reference_rank is not None
-            difference = signatures.first_difference(
-                self._reference_rank, self._signature, rank, join.signature
+        difference = self.membership.admit(rank, join)
+        self.liveness.start(rank)
+        if difference is not None:
+            return self._refuse(
+                Code.INVALID_ARGUMENT,
+                f"job '{self.job_id}' refused: model signatures differ: {difference}",
             )
-            if difference is not None:
-                return self._refuse(
-                    Code.INVALID_ARGUMENT,
-                    f"job '{self.job_id}' refused: model signatures differ: {difference}",
-                )
-        if len(self.members) < self.world_size:
+        if not self.membership.complete():
             return []
         return self._start()
 
     def _start(self) -> list[Action]:
-        assert self._signature is not None
+        signature = self.membership.signature
+        if signature is None:
+            raise RuntimeError("an assembled job always has a signature")
         self.state = JobState.RUNNING
-        self._bucket_bytes = [signatures.bucket_bytes(b) for b in self._signature.buckets]
-        self._state_bytes = signatures.state_bytes(self._signature)
-        self.progress = StepProgress(
-            [chunking.num_chunks(size, self.chunk_bytes) for size in self._bucket_bytes],
-            self._clock,
-        )
-        resume = self.resume
+        self._state_bytes = signatures.state_bytes(signature)
+        resume = self.persistence.resume
         if resume is not None:
-            self.open_step = resume.step
-            self.membership_epoch = resume.membership_epoch
-            self.last_checkpoint_step = resume.step
+            self.membership.epoch = resume.membership_epoch
+            self.persistence.saved(resume.step)
+        self.in_flight.configure(signature, resume.step if resume else 0)
+        ranks = self.membership.ranks()
         resume_bytes = len(resume.payload) if resume is not None else 0
-        actions: list[Action] = [Send(self._ranks(), self._welcome_message(resume_bytes))]
+        actions: list[Action] = [Send(ranks, self._welcome_message(resume_bytes))]
         if resume is not None:
-            actions += self._resume_messages(self._ranks(), resume.step, resume.payload)
+            actions += resume_messages(ranks, resume.step, resume.payload, self.chunk_bytes)
         return actions
 
-    # ------------------------------------------------------------- liveness
+    def _welcome_message(self, resume_bytes: int = 0) -> pb.CoordinatorMessage:
+        """The Welcome of this job as it stands (for assembly and for newcomers)."""
+        return pb.CoordinatorMessage(
+            welcome=pb.Welcome(
+                job_id=self.job_id,
+                world_size=self.world_size,
+                membership_epoch=self.membership_epoch,
+                start_step=self.open_step,
+                chunk_bytes=self.chunk_bytes,
+                max_message_bytes=self.max_message_bytes,
+                state_bytes=self._state_bytes,
+                resume_bytes=resume_bytes,
+                heartbeat_interval_s=self.heartbeat_interval_s,
+                checkpoint_every_steps=self.checkpoint_every,
+            )
+        )
+
+    # ------------------------------------------------------------------ liveness
     def touch(self, rank: int, reported_step: int | None = None) -> None:
         """Record a sign of life from `rank` (any message counts)."""
-        member = self.members.get(rank)
-        if member is not None:
-            member.last_seen = self._clock()
-            if reported_step is not None:
-                member.reported_step = reported_step
+        self.liveness.touch(rank, reported_step)
 
     def silent_ranks(self, timeout_s: float) -> list[int]:
-        """Ranks not heard from for longer than `timeout_s`."""
-        now = self._clock()
-        return [r for r, m in sorted(self.members.items()) if now - m.last_seen > timeout_s]
+        """Members not heard from for longer than `timeout_s`."""
+        return self.liveness.silent_ranks(self.membership.ranks(), timeout_s)
 
     def late_ranks(self) -> dict[int, list[int]]:
         """Ranks the open step waits for, with the buckets others already delivered."""
-        if self.progress is None or self.state is not JobState.RUNNING:
+        if self.state is not JobState.RUNNING:
             return {}
-        return self.progress.late_ranks(self._ranks())
+        return self.in_flight.late_ranks()
 
-    # ---------------------------------------------------------- checkpoints
+    # --------------------------------------------------------------- checkpoints
     def on_checkpoint_chunk(self, rank: int, chunk: pb.CheckpointChunk) -> list[Action]:
-        """Collect rank 0's checkpoint upload; once complete, ask for it to be persisted.
+        """Collect rank 0's checkpoint upload (or a donor's healing state).
 
         Raises:
             RejectedMessage: the upload is malformed (this worker's stream ends).
@@ -221,54 +241,10 @@ class Job(ElasticMembership):
                 f"rank {rank} sent a checkpoint chunk for step {chunk.step}; only rank 0 of a "
                 f"running job uploads checkpoints (job is {self.state.value})",
             )
-        if chunk.total_bytes == 0:
-            raise RejectedMessage(Code.INVALID_ARGUMENT, "rank 0 sent an empty checkpoint")
-        if self._checkpoint_upload is None or self._checkpoint_upload[0] != chunk.step:
-            what = f"checkpoint of step {chunk.step} from rank 0"
-            limit = self._budget.limit
-            self._checkpoint_upload = (
-                chunk.step,
-                BlobAssembler(what, chunk.total_bytes, self.chunk_bytes, limit),
-            )
-        step, assembler = self._checkpoint_upload
-        if chunk.total_bytes != assembler.total_bytes:
-            raise RejectedMessage(
-                Code.INVALID_ARGUMENT,
-                f"rank 0 changed the size of the checkpoint of step {step} from "
-                f"{assembler.total_bytes} to {chunk.total_bytes} bytes mid-upload",
-            )
-        if not assembler.add(chunk.offset, chunk.payload):
-            return []
-        self._checkpoint_upload = None
-        return [Persist(step, assembler.blob())]
+        persist = self.persistence.on_upload_chunk(chunk)
+        return [] if persist is None else [persist]
 
-    def status(self) -> pb.JobStatus:
-        """A snapshot for `gradsync status`."""
-        now = self._clock()
-        late = self.late_ranks()
-        return pb.JobStatus(
-            job_id=self.job_id,
-            state=self.state.value,
-            world_size=self.world_size,
-            membership_epoch=self.membership_epoch,
-            open_step=self.open_step,
-            steps_completed=self.steps_completed,
-            members=[
-                pb.MemberStatus(
-                    rank=m.rank,
-                    incarnation=m.incarnation,
-                    peer=m.peer,
-                    last_seen_s=now - m.last_seen,
-                    reported_step=m.reported_step,
-                )
-                for _, m in sorted(self.members.items())
-            ],
-            late=[pb.LateRank(rank=r, bucket_indices=b) for r, b in sorted(late.items())],
-            step_age_s=self.progress.age() if self.progress is not None else 0.0,
-            last_checkpoint_step=self.last_checkpoint_step,
-        )
-
-    # ------------------------------------------------------- state broadcast
+    # ----------------------------------------------------------- state broadcast
     def on_state_chunk(self, rank: int, chunk: pb.StateChunk) -> list[Action]:
         """Relay a chunk of rank 0's parameters and buffers to the other ranks."""
         problem = None
@@ -281,8 +257,14 @@ class Job(ElasticMembership):
         elif rank != 0:
             problem = (Code.INVALID_ARGUMENT, f"rank {rank} sent state; only rank 0 broadcasts")
         else:
-            problem = self._check_chunk(
-                "state", chunk.offset, len(chunk.payload), self._state_bytes, "the state blob"
+            problem = check_chunk(
+                "state",
+                chunk.offset,
+                len(chunk.payload),
+                self._state_bytes,
+                "the state blob",
+                self.chunk_bytes,
+                rank=0,
             )
             if problem is None and chunk.offset in self._state_offsets_seen:
                 problem = (
@@ -295,19 +277,19 @@ class Job(ElasticMembership):
                 return self._refuse(code, f"state broadcast failed: {details}")
             raise RejectedMessage(code, details)
         self._state_offsets_seen.add(chunk.offset)
-        others = tuple(r for r in self._ranks() if r != 0)
+        others = tuple(r for r in self.membership.ranks() if r != 0)
         return [Send(others, pb.CoordinatorMessage(state=chunk))] if others else []
 
-    # -------------------------------------------------------------- gradients
+    # ----------------------------------------------------------------- gradients
     def on_gradient(self, rank: int, chunk: ChunkHeader, payload: memoryview) -> list[Action]:
         """Fold one gradient chunk in; return averaged chunks or a step abort."""
         if self.state is JobState.BROKEN:
-            if chunk.step in self._aborted_steps:
+            if self.in_flight.was_aborted(chunk.step):
                 return []  # this rank was already told the step cannot finish
-            self._aborted_steps.append(chunk.step)
+            self.in_flight.remember_aborted(chunk.step)
             return [
-                self._abort_message(
-                    self._ranks(),
+                abort_message(
+                    self.membership.ranks(),
                     chunk.step,
                     Code.ABORTED,
                     self._broken_reason,
@@ -321,176 +303,12 @@ class Job(ElasticMembership):
                 f"rank {rank} sent gradients for step {chunk.step} before job "
                 f"'{self.job_id}' was assembled ({len(self.members)}/{self.world_size} joined)",
             )
-        if chunk.step < self.open_step and chunk.step in self._aborted_steps:
+        if chunk.step < self.open_step and self.in_flight.was_aborted(chunk.step):
             return []  # late upload for a step everyone was already told is aborted
         try:
-            averaged = self._accept(rank, chunk, payload)
+            return self.in_flight.accept(rank, chunk, payload)
         except RejectedMessage as rejection:
-            return self._abort_open_step(rank, rejection)
-        if averaged is None:
-            return []
-        return self._completed_chunk(chunk.bucket_index, chunk.offset, averaged)
-
-    def _completed_chunk(self, bucket: int, offset: int, averaged: memoryview) -> list[Action]:
-        """Send an averaged chunk to every live rank; close the bucket / step when done."""
-        reduction = self._reductions[bucket]
-        assert self._signature is not None
-        reply = encode_gradient(
-            ChunkHeader(
-                step=self.open_step,
-                membership_epoch=self.membership_epoch,
-                bucket_index=bucket,
-                offset=offset,
-                dtype=self._signature.buckets[bucket].dtype,
-                contributors=reduction.last_contributors,
-            ),
-            averaged,
-        )
-        actions: list[Action] = [Send(self._ranks(), reply)]
-        if reduction.complete:
-            self._buckets_done += 1
-            if self._metrics is not None and self.progress is not None:
-                sent = self._bucket_bytes[bucket] * len(self.members)
-                self._metrics.observe_bucket_done(self.progress.bucket_age(bucket), sent)
-            if self._buckets_done == len(self._bucket_bytes):
-                if self._metrics is not None and self.progress is not None:
-                    self._metrics.observe_step_done(self.progress.age(), self.open_step)
-                self._advance_step()
-                self.steps_completed += 1
-        return actions
-
-    def _accept(self, rank: int, chunk: ChunkHeader, payload: memoryview) -> memoryview | None:
-        """Validate `chunk` against the job, then fold it into its reduction."""
-        step = chunk.step
-        # A step begun before a membership change may finish in the old epoch.
-        if not self._step_start_epoch <= chunk.membership_epoch <= self.membership_epoch:
-            raise RejectedMessage(
-                Code.FAILED_PRECONDITION,
-                f"rank {rank} sent step {step} for membership epoch {chunk.membership_epoch}, "
-                f"expected epoch {self.membership_epoch}",
-                step=step,
-            )
-        if rank not in self.members:
-            raise RejectedMessage(
-                Code.FAILED_PRECONDITION,
-                f"rank {rank} sent step {step} but is not a member of job '{self.job_id}' "
-                f"(epoch {self.membership_epoch}); it must rejoin first",
-                step=step,
-            )
-        if step != self.open_step:
-            kind = "stale" if step < self.open_step else "future"
-            raise RejectedMessage(
-                Code.FAILED_PRECONDITION,
-                f"rank {rank} sent {kind} step {step} (bucket {chunk.bucket_index}), "
-                f"expected step {self.open_step}",
-                step=step,
-                bucket_index=chunk.bucket_index,
-            )
-        bucket = chunk.bucket_index
-        if bucket >= len(self._bucket_bytes):
-            raise RejectedMessage(
-                Code.INVALID_ARGUMENT,
-                f"rank {rank} sent bucket {bucket} for step {step}, but the model has "
-                f"{len(self._bucket_bytes)} buckets (0..{len(self._bucket_bytes) - 1})",
-                step=step,
-            )
-        assert self._signature is not None
-        expected_dtype = self._signature.buckets[bucket].dtype
-        if chunk.dtype != expected_dtype:
-            raise RejectedMessage(
-                Code.INVALID_ARGUMENT,
-                f"rank {rank} sent bucket {bucket} of step {step} as "
-                f"{dtypes.dtype_name(chunk.dtype)}, expected {dtypes.dtype_name(expected_dtype)}",
-                step=step,
-                bucket_index=bucket,
-            )
-        if chunk.encoding != pb.ENCODING_RAW:
-            raise RejectedMessage(
-                Code.INVALID_ARGUMENT,
-                f"rank {rank} sent bucket {bucket} of step {step} with encoding "
-                f"{chunk.encoding}, this coordinator only accepts raw (0)",
-                step=step,
-                bucket_index=bucket,
-            )
-        problem = self._check_chunk(
-            f"bucket {bucket} of step {step}",
-            chunk.offset,
-            len(payload),
-            self._bucket_bytes[bucket],
-            f"bucket {bucket}",
-            rank=rank,
-        )
-        if problem is not None:
-            raise RejectedMessage(problem[0], problem[1], step=step, bucket_index=bucket)
-        if not self._budget.fits(len(payload)):
-            raise RejectedMessage(
-                Code.RESOURCE_EXHAUSTED,
-                f"rank {rank} sent {len(payload)} bytes for bucket {bucket} of step "
-                f"{step}, but the coordinator already buffers {self._budget.used} bytes "
-                f"(limit {self._budget.limit} bytes, --max-buffered-mb)",
-                step=step,
-                bucket_index=bucket,
-            )
-        reduction = self._reductions.get(bucket)
-        if reduction is None:
-            reduction = self._reductions[bucket] = BucketReduction(
-                self._ranks(), expected_dtype, self._bucket_bytes[bucket], self.chunk_bytes
-            )
-        before = reduction.buffered_bytes
-        try:
-            averaged = reduction.add(rank, chunk.offset, payload)
-        except DuplicateContributionError:
-            raise RejectedMessage(
-                Code.INVALID_ARGUMENT,
-                f"rank {rank} sent the chunk at offset {chunk.offset} of bucket {bucket} "
-                f"twice for step {step}",
-                step=step,
-                bucket_index=bucket,
-            ) from None
-        self._budget.adjust(reduction.buffered_bytes - before)
-        assert self.progress is not None
-        lag = self.progress.record(rank, bucket)
-        if lag is not None and self._metrics is not None:
-            self._metrics.observe_bucket_arrival(rank, lag)
-        return averaged
-
-    def _check_chunk(
-        self,
-        what: str,
-        offset: int,
-        length: int,
-        total: int,
-        container: str,
-        rank: int = 0,
-    ) -> tuple[Code, str] | None:
-        if length > self.chunk_bytes:
-            return (
-                Code.RESOURCE_EXHAUSTED,
-                f"rank {rank} sent {length} bytes in one chunk of {what}; "
-                f"the chunk limit is {self.chunk_bytes} bytes",
-            )
-        if offset % self.chunk_bytes or offset >= total:
-            return (
-                Code.INVALID_ARGUMENT,
-                f"rank {rank} sent {what} at offset {offset}; offsets must be multiples of "
-                f"{self.chunk_bytes} below {total} ({container} has {total} bytes)",
-            )
-        expected = chunking.expected_chunk_length(total, self.chunk_bytes, offset)
-        if length != expected:
-            return (
-                Code.INVALID_ARGUMENT,
-                f"rank {rank} sent {length} bytes for {what} at offset {offset}, "
-                f"expected {expected} ({container} has {total} bytes)",
-            )
-        return None
-
-    def _advance_step(self) -> None:
-        self._reductions.clear()
-        self._buckets_done = 0
-        self.open_step += 1
-        self._step_start_epoch = self.membership_epoch
-        if self.progress is not None:
-            self.progress.reset()
+            return self.in_flight.abort(rank, rejection)
 
     def on_abandon(self, rank: int, abandon: pb.AbandonStep) -> list[Action]:
         """A rank gave up on a step it started: abort it for everyone (if still open)."""
@@ -502,73 +320,15 @@ class Job(ElasticMembership):
             f"rank {rank} abandoned step {abandon.step}: {reason}",
             step=abandon.step,
         )
-        return self._abort_open_step(rank, rejection)
+        return self.in_flight.abort(rank, rejection)
 
     def reject(self, culprit: int, rejection: RejectedMessage) -> list[Action]:
         """Abort the open step because `culprit` sent an unusable message."""
         if self.state is not JobState.RUNNING:
             return [Terminate((culprit,), rejection.code, rejection.message)]
-        return self._abort_open_step(culprit, rejection)
+        return self.in_flight.abort(culprit, rejection)
 
-    def _abort_open_step(self, culprit: int, rejection: RejectedMessage) -> list[Action]:
-        """Abandon the open step: free its buffers and tell every rank why."""
-        step = self.open_step
-        for reduction in self._reductions.values():
-            self._budget.adjust(-reduction.buffered_bytes)
-        self._aborted_steps.append(step)
-        self._advance_step()
-        others = tuple(r for r in self._ranks() if r != culprit)
-        actions: list[Action] = [
-            self._abort_message(
-                (culprit,),
-                step,
-                rejection.code,
-                rejection.message,
-                rejection.bucket_index,
-                pb.ABORT_REASON_MESSAGE_REJECTED,
-                culprit,
-            )
-        ]
-        if others:
-            actions.append(
-                self._abort_message(
-                    others,
-                    step,
-                    Code.ABORTED,
-                    f"step {step} aborted because rank {culprit}'s message was rejected: "
-                    f"{rejection.message}",
-                    rejection.bucket_index,
-                    pb.ABORT_REASON_PEER_MESSAGE_REJECTED,
-                    culprit,
-                )
-            )
-        return actions
-
-    @staticmethod
-    def _abort_message(
-        ranks: tuple[int, ...],
-        step: int,
-        code: Code,
-        details: str,
-        bucket_index: int,
-        reason: int,
-        culprit: int = -1,
-    ) -> Send:
-        return Send(
-            ranks,
-            pb.CoordinatorMessage(
-                step_aborted=pb.StepAborted(
-                    step=step,
-                    code=int(code),
-                    message=details,
-                    culprit_rank=culprit,
-                    bucket_index=bucket_index,
-                    reason=reason,  # type: ignore[arg-type]
-                )
-            ),
-        )
-
-    # ---------------------------------------------------------------- leaving
+    # ------------------------------------------------------------------- leaving
     def detach(self, rank: int, orderly: bool, reason: str | None = None) -> list[Action]:
         """Forget `rank`'s connection; abort the open step for the others if running.
 
@@ -578,17 +338,9 @@ class Job(ElasticMembership):
             reason: how it was lost, for the survivors' error (default: left /
                 disconnected).
         """
-        if self._newcomers.pop(rank, None) is not None:
+        self.liveness.forget(rank)
+        if not self.membership.remove(rank, assembling=self.state is JobState.ASSEMBLING):
             return []
-        if self.members.pop(rank, None) is None:
-            return []
-        if self.state is JobState.ASSEMBLING and not self.members:
-            self._signature = None
-            self._reference_rank = None
-        elif self.state is JobState.ASSEMBLING and rank == self._reference_rank:
-            first = min(self.members)
-            self._signature = self.members[first].signature
-            self._reference_rank = first
         if self.state is not JobState.RUNNING:
             return []
         how = reason or ("left" if orderly else "disconnected from")
@@ -596,24 +348,20 @@ class Job(ElasticMembership):
             return self._shrink(rank, f"rank {rank} {how} job '{self.job_id}'")
         if self.on_failure == "elastic":
             how += f" leaving {len(self.members)} ranks (--min-workers {self.min_workers}) in"
+        step = self.open_step
         self._broken_reason = (
-            f"rank {rank} {how} job '{self.job_id}' at step {self.open_step}; "
+            f"rank {rank} {how} job '{self.job_id}' at step {step}; "
             "no partial average is applied and the remaining ranks cannot complete "
             "further steps"
         )
-        if self.progress is not None:
-            self.progress.reset()
         self.state = JobState.BROKEN
-        step = self.open_step
-        for reduction in self._reductions.values():
-            self._budget.adjust(-reduction.buffered_bytes)
-        self._reductions.clear()
-        self._aborted_steps.append(step)
+        self.in_flight.release()
+        self.in_flight.remember_aborted(step)
         if not self.members:
             return []
         return [
-            self._abort_message(
-                self._ranks(),
+            abort_message(
+                self.membership.ranks(),
                 step,
                 Code.ABORTED,
                 self._broken_reason,
@@ -626,14 +374,63 @@ class Job(ElasticMembership):
     def _refuse(self, code: Code, details: str) -> list[Action]:
         """Refuse the whole job: every connected rank's stream ends with `code`."""
         self.state = JobState.REFUSED
-        for reduction in self._reductions.values():
-            self._budget.adjust(-reduction.buffered_bytes)
-        self._reductions.clear()
-        return [Terminate(self._ranks(), code, details)]
+        self.in_flight.release()
+        return [Terminate(self.membership.ranks(), code, details, pb.END_REASON_JOB_REFUSED)]
 
-    def _ranks(self) -> tuple[int, ...]:
-        return tuple(sorted(self.members))
+    # ------------------------------------------------------------------- elastic
+    def _shrink(self, lost: int, reason: str) -> list[Action]:
+        """Elastic: go on without `lost`; finish the open step over the live ranks."""
+        self.membership.epoch += 1
+        reason = (
+            f"{reason} at step {self.open_step}; continuing with ranks "
+            f"{list(self.membership.ranks())} (membership epoch {self.membership_epoch})"
+        )
+        message = self.membership.changed_message(self.open_step, reason)
+        actions: list[Action] = [Send(self.membership.ranks(), message)]
+        if self._heal is not None and self._heal[0] == lost:
+            self._heal = None  # the donor is gone: ask another live rank
+            actions += self._request_heal()
+        return actions + self.in_flight.drop_rank(lost)
 
-    def joined_ranks(self) -> Sequence[int]:
-        """Ranks currently connected, ascending."""
-        return self._ranks()
+    def _request_heal(self) -> list[Action]:
+        if not self.membership.newcomers or not self.members:
+            return []
+        # The lowest live rank donates: until its own chunks of the open step
+        # arrive, no chunk of that step can have folded anyone in, so the
+        # newcomers can still be added to the step's reductions.
+        donor = min(self.members)
+        self._heal = (donor, None)
+        request = pb.StateRequest(for_rank=min(self.membership.newcomers))
+        return [Send((donor,), pb.CoordinatorMessage(state_request=request))]
+
+    def _on_heal_chunk(self, rank: int, chunk: pb.CheckpointChunk) -> list[Action]:
+        """Collect the donor's state; when complete, admit the newcomers with it."""
+        if self._heal is None or self._heal[0] != rank:
+            raise RejectedMessage(
+                Code.FAILED_PRECONDITION,
+                f"rank {rank} sent healing state for step {chunk.step} that nobody asked for",
+            )
+        donor, assembler = self._heal
+        if assembler is None:
+            what = f"healing state of step {chunk.step} from rank {donor}"
+            assembler = BlobAssembler(what, chunk.total_bytes, self.chunk_bytes, self._budget_limit)
+            self._heal = (donor, assembler)
+        if not assembler.add(chunk.offset, chunk.payload):
+            return []
+        self._heal = None
+        if chunk.step != self.open_step:
+            return self._request_heal()  # not at the boundary we can use: ask again
+        newcomers = self.membership.promote_newcomers()
+        for rank_joining in newcomers:
+            self.in_flight.add_rank(rank_joining)
+        blob = assembler.blob()
+        reason = (
+            f"rank(s) {newcomers} rejoined job '{self.job_id}' at step {self.open_step} with "
+            f"rank {donor}'s state (membership epoch {self.membership_epoch})"
+        )
+        old = tuple(r for r in self.membership.ranks() if r not in newcomers)
+        actions: list[Action] = [Send(old, self.membership.changed_message(self.open_step, reason))]
+        targets = tuple(newcomers)
+        actions.append(Send(targets, self._welcome_message(resume_bytes=len(blob))))
+        actions += resume_messages(targets, self.open_step, blob, self.chunk_bytes)
+        return actions

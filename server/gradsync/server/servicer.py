@@ -2,10 +2,17 @@
 
 Each worker holds one bidirectional `Sync` stream. For every stream the
 servicer runs a reader (parse bytes -> hand to the job's state machine) and a
-writer (drain the connection's outbox). All job logic lives in
-`gradsync.server.job`; this module only translates between bytes on the wire
-and the job's actions. Everything runs on one asyncio loop, so job state needs
+writer (drain the connection's outbox). This module is glue: job logic lives
+in `gradsync.server.job` and its components, liveness checks in
+`watchdog`, checkpoint store I/O in `checkpointer`, the status reply in
+`status`; the servicer only translates between bytes on the wire and the
+actions those return. Everything runs on one asyncio loop, so job state needs
 no locks.
+
+Every stream the coordinator ends with an error status first gets a
+`StreamEnd` message carrying the same code and message plus an `EndReason`,
+because the status code alone cannot tell "declared dead" from "coordinator
+going away"; UNAVAILABLE is used only for the latter.
 
 Requests and responses are registered as raw bytes (no automatic
 (de)serialization): that lets garbage bytes become a clear INVALID_ARGUMENT
@@ -28,11 +35,14 @@ from gradsync.protocol.codec import decode_gradient, header_of
 from gradsync.protocol.codes import Code
 from gradsync.server.actions import Action, Persist, Send, Terminate
 from gradsync.server.budget import ByteBudget
-from gradsync.server.checkpoint import Checkpoint, CheckpointError, CheckpointStore
+from gradsync.server.checkpoint import CheckpointStore
+from gradsync.server.checkpointer import Checkpointer
 from gradsync.server.config import ServerConfig
 from gradsync.server.errors import RejectedMessage
 from gradsync.server.job import Job
 from gradsync.server.metrics import CoordinatorMetrics
+from gradsync.server.status import status_reply
+from gradsync.server.watchdog import Watchdog
 from gradsync.v1 import gradsync_pb2 as pb
 
 log = logging.getLogger("gradsync.server")
@@ -40,6 +50,16 @@ log = logging.getLogger("gradsync.server")
 SERVICE_NAME = "gradsync.v1.Coordinator"
 _STATUS_BY_CODE = {status.value[0]: status for status in grpc.StatusCode}
 _MAX_JOB_ID_CHARS = 128
+#: After the drain grace, how long streams ended for shutdown get to flush their last messages.
+SHUTDOWN_FLUSH_S = 1.0
+_SHUTTING_DOWN = "the coordinator is shutting down"
+
+
+def _default_reason(code: Code) -> pb.EndReason:
+    """The EndReason of an end whose cause is its status code alone."""
+    if code is Code.RESOURCE_EXHAUSTED:
+        return pb.END_REASON_RESOURCE_EXHAUSTED
+    return pb.END_REASON_UNSPECIFIED
 
 
 @dataclass(frozen=True)
@@ -71,15 +91,31 @@ class _Connection:
                 Code.RESOURCE_EXHAUSTED,
                 f"rank {self.rank} is not reading its results: {self.outbox_bytes} bytes are "
                 f"queued for it (limit {self.max_outbox_bytes} bytes)",
+                pb.END_REASON_RESOURCE_EXHAUSTED,
             )
             return
         self.outbox_bytes += len(raw)
         self.outbox.put_nowait(raw)
 
-    def end(self, code: Code, details: str) -> None:
-        if not self.ended:
-            self.ended = True
-            self.outbox.put_nowait(_End(code, details))
+    def end(self, code: Code, details: str, reason: pb.EndReason | None = None) -> None:
+        """End the stream after what is queued; an error is announced by a StreamEnd first.
+
+        `reason` defaults to the one the code implies (see `_default_reason`).
+        The StreamEnd bypasses the outbox limit: it is small and must arrive.
+        """
+        if self.ended:
+            return
+        self.ended = True
+        if code is not Code.OK:
+            stream_end = pb.StreamEnd(
+                reason=_default_reason(code) if reason is None else reason,
+                code=int(code),
+                message=details,
+            )
+            raw = pb.CoordinatorMessage(stream_end=stream_end).SerializeToString()
+            self.outbox_bytes += len(raw)
+            self.outbox.put_nowait(raw)
+        self.outbox.put_nowait(_End(code, details))
 
 
 class CoordinatorServicer:
@@ -94,20 +130,29 @@ class CoordinatorServicer:
     ) -> None:
         self.config = config
         self.metrics = metrics or CoordinatorMetrics()
-        self._next_straggler_report = 0.0
-        self.store = store
         self.clock = clock
         self.jobs: dict[str, Job] = {}
+        self.checkpointer = Checkpointer(config, store)
+        self.watchdog = Watchdog(self)
         self._connections: dict[tuple[str, int], _Connection] = {}
+        self._streams: set[_Connection] = set()
         self._budget = ByteBudget(config.max_buffered_bytes)
         self.draining = False
-        self.checkpoint_failures = 0
         self._background: set[asyncio.Task[None]] = set()
+
+    @property
+    def store(self) -> CheckpointStore | None:
+        """The checkpoint store, if one is configured."""
+        return self.checkpointer.store
 
     @property
     def buffered_bytes(self) -> int:
         """Gradient bytes currently held in partial reductions."""
         return self._budget.used
+
+    def connection_count(self) -> int:
+        """Worker streams currently joined to a job."""
+        return len(self._connections)
 
     def generic_handler(self) -> grpc.GenericRpcHandler:
         """The handler to register on a `grpc.aio.server` (raw-bytes Sync method)."""
@@ -127,26 +172,12 @@ class CoordinatorServicer:
         self, request: pb.StatusRequest, context: grpc.aio.ServicerContext
     ) -> pb.StatusReply:
         """Membership, progress and late ranks of every job (or one)."""
-        jobs = [
-            job.status()
-            for job_id, job in sorted(self.jobs.items())
-            if not request.job_id or job_id == request.job_id
-        ]
-        for job_status in jobs:
-            for member in job_status.members:
-                member.mean_lag_s = self.metrics.lag_tracker.mean_lag(member.rank) or 0.0
-        return pb.StatusReply(jobs=jobs, heartbeat_timeout_s=self.config.heartbeat_timeout_s)
-
-    async def watch(self) -> None:
-        """Background task: declare silent workers dead and warn about stalled steps."""
-        config = self.config
-        period = min(0.25, config.heartbeat_timeout_s / 4)
-        while True:
-            await asyncio.sleep(period)
-            try:
-                self.check_liveness()
-            except Exception:  # the watchdog must outlive any bug in one check
-                log.exception("liveness check failed")
+        return status_reply(
+            self.jobs.values(),
+            request.job_id,
+            self.config.heartbeat_timeout_s,
+            self.metrics.lag_tracker,
+        )
 
     def _count_abort(self, aborted: pb.StepAborted) -> None:
         reason = pb.AbortReason.Name(aborted.reason).removeprefix("ABORT_REASON_")
@@ -156,74 +187,42 @@ class CoordinatorServicer:
             self.metrics.observe_rejection(Code(aborted.code).name)
         self.metrics.observe_abort(reason)
 
-    def _report_stragglers(self) -> None:
-        """Every few seconds, name ranks whose buckets persistently arrive late."""
-        now = self.clock()
-        if now < self._next_straggler_report:
-            return
-        self._next_straggler_report = now + 10.0
-        tracker = self.metrics.lag_tracker
-        for rank in tracker.persistently_behind(threshold_s=0.05, min_samples=10):
-            slowest = ", ".join(f"rank {r} {lag * 1e3:.0f} ms" for r, lag in tracker.slowest(3))
-            log.warning(
-                "rank %d is persistently behind: its buckets arrive %.0f ms after the first "
-                "rank's on average (slowest: %s)",
-                rank,
-                (tracker.mean_lag(rank) or 0.0) * 1e3,
-                slowest,
-            )
-
     def check_liveness(self) -> None:
         """One watchdog pass (also called directly by tests with a fake clock)."""
-        self.metrics.set_membership(
-            len(self._connections),
-            max((job.membership_epoch for job in self.jobs.values()), default=0),
-            len(self.jobs),
-        )
-        self._report_stragglers()
-        timeout = self.config.heartbeat_timeout_s
-        for job in list(self.jobs.values()):
-            for rank in job.silent_ranks(timeout):
-                reason = (
-                    f"was declared dead after {timeout:g}s without a heartbeat "
-                    f"(heartbeat timeout) in"
-                )
-                log.warning(
-                    "job '%s': rank %d %s step %d",
-                    job.job_id,
-                    rank,
-                    reason.removesuffix(" in"),
-                    job.open_step,
-                )
-                conn = self._connections.get((job.job_id, rank))
-                if conn is not None:
-                    conn.end(Code.UNAVAILABLE, f"rank {rank} {reason.removesuffix(' in')}")
-                    conn.job = None
-                    del self._connections[(job.job_id, rank)]
-                self._execute(job, job.detach(rank, orderly=False, reason=reason))
-                self._forget_if_empty(job)
-            progress = job.progress
-            if (
-                progress is not None
-                and not progress.stall_warned
-                and progress.age() > self.config.stall_warning_s
-            ):
-                progress.stall_warned = True
-                late = job.late_ranks()
-                waiting = "; ".join(f"rank {r} (buckets {b})" for r, b in sorted(late.items()))
-                log.warning(
-                    "job '%s': step %d has been waiting %.1fs for %s",
-                    job.job_id,
-                    job.open_step,
-                    progress.age(),
-                    waiting or "every rank (no bucket is complete yet)",
-                )
+        self.watchdog.check()
+
+    def declare_dead(self, job: Job, rank: int, details: str) -> None:
+        """End a silent rank's stream (ABORTED, reason DECLARED_DEAD) and drop it from `job`."""
+        conn = self._connections.pop((job.job_id, rank), None)
+        if conn is not None:
+            conn.end(Code.ABORTED, f"rank {rank} {details}", pb.END_REASON_DECLARED_DEAD)
+            conn.job = None
+        self._leave_job(job, rank, orderly=False, reason=f"{details} in")
+
+    async def drain(self, grace_s: float) -> None:
+        """Shutdown: let streams finish for `grace_s`, then end the rest as shutting down.
+
+        Those get UNAVAILABLE with reason SHUTTING_DOWN (the one case
+        UNAVAILABLE is for: a restarted coordinator may be reached again) and
+        a moment to flush it before the server cancels what is left.
+        """
+        self.draining = True
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + grace_s
+        while self._streams and loop.time() < deadline:
+            await asyncio.sleep(0.05)
+        for conn in list(self._streams):
+            conn.end(Code.UNAVAILABLE, _SHUTTING_DOWN, pb.END_REASON_SHUTTING_DOWN)
+        deadline = loop.time() + SHUTDOWN_FLUSH_S
+        while self._streams and loop.time() < deadline:
+            await asyncio.sleep(0.01)
 
     async def sync(
         self, request_iterator: AsyncIterator[bytes], context: grpc.aio.ServicerContext
     ) -> None:
         """Serve one worker stream until it leaves, fails, or is ended."""
         conn = _Connection(context.peer(), self.config.max_outbox_bytes)
+        self._streams.add(conn)
         ended: asyncio.Future[_End] = asyncio.get_running_loop().create_future()
         reader = asyncio.create_task(self._read_loop(conn, request_iterator))
         writer = asyncio.create_task(self._write_loop(conn, context, ended))
@@ -237,6 +236,7 @@ class CoordinatorServicer:
             reader.cancel()
             writer.cancel()
             self._detach(conn)
+            self._streams.discard(conn)
         if ended.done() and not ended.cancelled() and ended.result().code is not Code.OK:
             end = ended.result()
             context.set_code(_STATUS_BY_CODE[int(end.code)])
@@ -357,7 +357,7 @@ class CoordinatorServicer:
         config = self.config
         problem: tuple[Code, str] | None = None
         if self.draining:
-            problem = (Code.UNAVAILABLE, "the coordinator is shutting down")
+            problem = (Code.UNAVAILABLE, _SHUTTING_DOWN)
         elif not job_id or len(job_id) > _MAX_JOB_ID_CHARS or not job_id.isprintable():
             problem = (
                 Code.INVALID_ARGUMENT,
@@ -376,14 +376,15 @@ class CoordinatorServicer:
             )
         if problem is not None:
             log.warning("refused join from %s: %s", conn.peer, problem[1])
-            conn.end(*problem)
+            reason = pb.END_REASON_SHUTTING_DOWN if self.draining else None
+            conn.end(*problem, reason)
             return
         job = self.jobs.get(job_id)
         if job is None:
-            resume, problem = self._load_resume(job_id)
+            resume, problem = self.checkpointer.load_resume(job_id)
             if problem is not None:
                 log.error("refused join of rank %d to job '%s': %s", join.rank, job_id, problem[1])
-                conn.end(*problem)
+                conn.end(*problem, pb.END_REASON_JOB_REFUSED)
                 return
             job = self.jobs[job_id] = Job(
                 job_id,
@@ -398,7 +399,7 @@ class CoordinatorServicer:
                 on_failure=config.on_failure,
                 min_workers=config.min_workers,
             )
-            job.resume = resume
+            job.persistence.resume = resume
         try:
             actions = job.join(join.rank, join)
         except RejectedMessage as rejection:
@@ -459,10 +460,11 @@ class CoordinatorServicer:
                 log.warning(
                     "job '%s': ending ranks %s: %s", job.job_id, list(action.ranks), action.details
                 )
+                reason = action.reason or None  # UNSPECIFIED: let the code decide
                 for rank in action.ranks:
                     target = self._connections.get((job.job_id, rank))
                     if target is not None:
-                        target.end(action.code, action.details)
+                        target.end(action.code, action.details, reason)
 
     def _detach(self, conn: _Connection) -> None:
         job = conn.job
@@ -476,7 +478,13 @@ class CoordinatorServicer:
             log.warning(
                 "job '%s': rank %d disconnected at step %d", job.job_id, conn.rank, job.open_step
             )
-        self._execute(job, job.detach(conn.rank, orderly=conn.left))
+        self._leave_job(job, conn.rank, orderly=conn.left)
+
+    def _leave_job(self, job: Job, rank: int, orderly: bool, reason: str | None = None) -> None:
+        """Drop `rank` from `job` for good and carry out what that means for the others."""
+        self._execute(job, job.detach(rank, orderly=orderly, reason=reason))
+        # Its straggler statistics must not follow a later member with its rank.
+        self.metrics.forget_rank(rank)
         self._forget_if_empty(job)
 
     def _forget_if_empty(self, job: Job) -> None:
@@ -484,90 +492,6 @@ class CoordinatorServicer:
             del self.jobs[job.job_id]
             log.info("job '%s' finished after %d steps", job.job_id, job.steps_completed)
 
-    # ---------------------------------------------------------- checkpoints
-    def _load_resume(self, job_id: str) -> tuple[Checkpoint | None, tuple[Code, str] | None]:
-        """The checkpoint a new job resumes from, or why the job must be refused."""
-        if self.store is None:
-            return None, None
-        try:
-            # Blocking, but only once per job, when its first rank joins.
-            checkpoint = self.store.load_latest(job_id)
-        except CheckpointError as exc:
-            if self.config.require_checkpoint or self.config.resume:
-                flag = "--require-checkpoint" if self.config.require_checkpoint else "--resume"
-                return None, (
-                    Code.FAILED_PRECONDITION,
-                    f"cannot read checkpoints of job '{job_id}' and {flag} is set: {exc}",
-                )
-            log.warning("job '%s': cannot read checkpoints, starting fresh: %s", job_id, exc)
-            return None, None
-        if checkpoint is None:
-            if self.config.resume:
-                return None, (
-                    Code.FAILED_PRECONDITION,
-                    f"--resume is set but {self.store.description} holds no checkpoint of job "
-                    f"'{job_id}' (was the store emptied, e.g. Redis restarted without its "
-                    "append-only file?); refusing to start it from scratch",
-                )
-            return None, None
-        log.warning(
-            "job '%s' RESUMES from the checkpoint of step %d in %s (%d bytes)",
-            job_id,
-            checkpoint.step,
-            self.store.description,
-            len(checkpoint.payload),
-        )
-        return checkpoint, None
-
     async def _persist(self, job: Job, action: Persist) -> None:
-        """Save a checkpoint off the event loop, then acknowledge to rank 0."""
-        if self.store is None:
-            durable, message = (
-                False,
-                "no checkpoint store configured (gradsync serve --checkpoint-store)",
-            )
-        else:
-            checkpoint = Checkpoint(
-                job_id=job.job_id,
-                step=action.step,
-                membership_epoch=job.membership_epoch,
-                payload=action.blob,
-                metadata={"world_size": str(job.world_size)},
-            )
-            try:
-                await asyncio.to_thread(self.store.save, checkpoint)
-                durable, message = True, self.store.description
-                job.last_checkpoint_step = max(job.last_checkpoint_step, action.step)
-                log.info(
-                    "job '%s': checkpoint of step %d is durable in %s (%d bytes)",
-                    job.job_id,
-                    action.step,
-                    message,
-                    len(action.blob),
-                )
-            except CheckpointError as exc:
-                self.checkpoint_failures += 1
-                durable, message = False, str(exc)
-                log.error(
-                    "job '%s': checkpoint of step %d FAILED (%d failures so far): %s",
-                    job.job_id,
-                    action.step,
-                    self.checkpoint_failures,
-                    exc,
-                )
-        reply = pb.CoordinatorMessage(
-            checkpoint_saved=pb.CheckpointSaved(step=action.step, durable=durable, message=message)
-        )
-        self._execute(job, [Send((0,), reply)])
-        if not durable and self.config.require_checkpoint:
-            self._execute(
-                job,
-                [
-                    Terminate(
-                        tuple(job.joined_ranks()),
-                        Code.UNAVAILABLE,
-                        f"checkpoint of step {action.step} failed and --require-checkpoint is set: "
-                        f"{message}",
-                    )
-                ],
-            )
+        """Carry out a Persist in the background, then deliver its acknowledgement."""
+        self._execute(job, await self.checkpointer.persist(job, action))

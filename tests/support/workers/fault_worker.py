@@ -13,7 +13,6 @@ Output: {"status": "ok" | error class name, "message", "step", "elapsed_s",
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import signal
@@ -28,12 +27,8 @@ from support import scenarios
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--coordinator", required=True)
-    parser.add_argument("--rank", type=int, required=True)
-    parser.add_argument("--world-size", type=int, required=True)
+    parser = scenarios.worker_parser(__doc__)
     parser.add_argument("--steps", type=int, default=6)
-    parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--sleep-at", default=None)
     parser.add_argument("--kill-at", type=int, default=None)
     parser.add_argument("--step-delay-s", type=float, default=0.0)

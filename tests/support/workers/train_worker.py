@@ -8,7 +8,6 @@ Scenarios:
 
 from __future__ import annotations
 
-import argparse
 import sys
 from pathlib import Path
 
@@ -21,12 +20,8 @@ from support import scenarios
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--coordinator", required=True)
-    parser.add_argument("--rank", type=int, required=True)
-    parser.add_argument("--world-size", type=int, required=True)
+    parser = scenarios.worker_parser(__doc__)
     parser.add_argument("--scenario", choices=["parity", "no_sync", "unused"], required=True)
-    parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--steps", type=int, default=4)
     parser.add_argument("--micro-batches", type=int, default=3)
     parser.add_argument("--bucket-cap-mb", type=float, default=0.01)

@@ -1,0 +1,382 @@
+"""What the coordinator has told one worker: the receive side of the Sync stream.
+
+`Inbox` turns the coordinator's messages into state that the training thread
+waits on: the Welcome, rank 0's state and the checkpoint to resume from as
+they arrive in chunks, averaged gradients scattered straight into the buckets
+that were uploaded, aborted steps, checkpoint acknowledgements, heal requests
+and, last, why the stream ended. One condition variable guards it all, and
+every wait is bounded; a failure is stored and raised at the next wait.
+
+It imports neither grpc nor asyncio: `gradsync.transport` feeds it raw bytes
+from its I/O thread, and tests feed it messages in any order they like.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from gradsync.buffers import BucketBuffer
+from gradsync.errors import (
+    CoordinatorUnavailableError,
+    GradSyncError,
+    MessageRejectedError,
+    PeerLostError,
+    StepAbortedError,
+    SyncTimeoutError,
+    error_from_status,
+)
+from gradsync.protocol.codec import ChunkHeader, decode_gradient, header_of
+from gradsync.protocol.codes import Code
+from gradsync.v1 import gradsync_pb2 as pb
+
+log = logging.getLogger("gradsync.client")
+
+
+@dataclass
+class _StepResult:
+    """Progress of one step: averaged bytes written back into each uploaded bucket."""
+
+    buffers: dict[int, BucketBuffer] = field(default_factory=dict)
+    received: dict[int, int] = field(default_factory=dict)
+    contributors: int = 0
+    complete_buckets: int = 0
+    aborted: pb.StepAborted | None = None
+
+
+@dataclass
+class _Shared:
+    """State written by the I/O thread and read by waiters (under the condition)."""
+
+    welcome: pb.Welcome | None = None
+    state: bytearray | None = None
+    state_received: int = 0
+    results: dict[int, _StepResult] = field(default_factory=dict)
+    fatal: GradSyncError | None = None
+    stream_done: bool = False
+    resume: bytearray | None = None
+    resume_received: int = 0
+    checkpoint_acks: dict[int, pb.CheckpointSaved] = field(default_factory=dict)
+    membership_epoch: int = 0
+    #: A live rank asked to donate its state to a rejoining rank (elastic).
+    heal_requested: bool = False
+    #: The coordinator's announcement of why it is about to end the stream.
+    stream_end: pb.StreamEnd | None = None
+
+
+class Inbox:
+    """The coordinator's messages to one worker, and bounded waits on them.
+
+    Args:
+        target: "host:port" of the coordinator (for error messages).
+        rank: this worker's rank (for error messages).
+        on_averaged: called as (step, bucket_index) when a bucket's averages are
+            complete, under the lock; must be quick and must not raise.
+    """
+
+    def __init__(
+        self, target: str, rank: int, on_averaged: Callable[[int, int], None] | None = None
+    ) -> None:
+        self.target = target
+        self.rank = rank
+        self._on_averaged = on_averaged
+        self._cond = threading.Condition()
+        self._shared = _Shared()
+        self._bucket_bytes: list[int] = []
+
+    # ------------------------------------------------------------ training-thread side
+    def configure_buckets(self, bucket_bytes: list[int]) -> None:
+        """Set the size of each bucket (a step is complete when all are averaged)."""
+        self._bucket_bytes = list(bucket_bytes)
+
+    @property
+    def welcome(self) -> pb.Welcome | None:
+        """The Welcome, once the job is assembled."""
+        return self._shared.welcome
+
+    @property
+    def membership_epoch(self) -> int:
+        """The latest membership epoch the coordinator announced."""
+        return self._shared.membership_epoch
+
+    def wait(self, predicate: Callable[[_Shared], bool], timeout_s: float, what: str) -> None:
+        """Block until `predicate` holds; raise a recorded failure, or time out naming `what`."""
+        deadline = time.monotonic() + timeout_s
+        with self._cond:
+            while not predicate(self._shared):
+                if self._shared.fatal is not None:
+                    raise self._shared.fatal
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    raise SyncTimeoutError(
+                        f"timed out after {timeout_s:g}s waiting for {what}", rank=self.rank
+                    )
+                self._cond.wait(remaining)
+
+    def wait_welcome(self, timeout_s: float) -> pb.Welcome:
+        """Block until the job is assembled (see `Transport.wait_welcome`)."""
+        self.wait(lambda s: s.welcome is not None, timeout_s, "the job to assemble")
+        welcome = self._shared.welcome
+        assert welcome is not None
+        return welcome
+
+    def receive_state(self, num_bytes: int, timeout_s: float) -> bytearray:
+        """Block until rank 0's whole state blob has arrived; return it."""
+        self.wait(lambda s: s.state_received >= num_bytes, timeout_s, "rank 0's state")
+        state = self._shared.state
+        assert state is not None
+        return state
+
+    def receive_resume(self, num_bytes: int, timeout_s: float) -> bytes:
+        """Block until the checkpoint this job resumes from has arrived; return it."""
+        self.wait(
+            lambda s: s.resume_received >= num_bytes, timeout_s, "the checkpoint to resume from"
+        )
+        assert self._shared.resume is not None
+        return bytes(self._shared.resume)
+
+    def take_heal_request(self) -> bool:
+        """True (once) when a rejoining rank needs this rank's state."""
+        with self._cond:
+            requested, self._shared.heal_requested = self._shared.heal_requested, False
+            return requested
+
+    def wait_checkpoint(self, step: int, timeout_s: float) -> pb.CheckpointSaved:
+        """Block until the coordinator answered the checkpoint upload of `step`."""
+        self.wait(lambda s: step in s.checkpoint_acks, timeout_s, f"the checkpoint of step {step}")
+        with self._cond:
+            return self._shared.checkpoint_acks.pop(step)
+
+    def expect_bucket(self, step: int, bucket_index: int, buffer: BucketBuffer) -> None:
+        """Register where the averages of an uploaded bucket are to be written."""
+        with self._cond:
+            self._ensure_step_locked(step).buffers[bucket_index] = buffer
+
+    def wait_step(self, step: int, timeout_s: float) -> int:
+        """Block until every averaged bucket of `step` was written back into its buffer.
+
+        Returns:
+            The number of ranks averaged over.
+
+        Raises:
+            StepAbortedError (or a subclass): the coordinator abandoned the step.
+            SyncTimeoutError: the results did not arrive within `timeout_s`.
+            CoordinatorUnavailableError / other GradSyncError: the stream failed.
+        """
+        with self._cond:
+            self._ensure_step_locked(step)
+        num_buckets = len(self._bucket_bytes)
+
+        def ready(shared: _Shared) -> bool:
+            result = shared.results[step]
+            return result.aborted is not None or result.complete_buckets == num_buckets
+
+        try:
+            self.wait(ready, timeout_s, f"the averaged gradients of step {step}")
+        except SyncTimeoutError as exc:
+            raise SyncTimeoutError(
+                f"{exc.args[0]}; {self._describe_missing(step)}", rank=self.rank, step=step
+            ) from None
+        with self._cond:
+            result = self._shared.results.pop(step)
+            for old in [s for s in self._shared.results if s < step]:
+                del self._shared.results[old]
+        if result.aborted is not None:
+            raise _abort_error(result.aborted, self.rank)
+        return result.contributors
+
+    def wait_stream_done(self, timeout_s: float) -> None:
+        """Block until the stream has ended (a recorded failure is raised)."""
+        self.wait(lambda s: s.stream_done, timeout_s, "the coordinator's goodbye")
+
+    # ------------------------------------------------------------ I/O-thread side
+    def on_message(self, raw: bytes) -> None:
+        """Take in one serialized CoordinatorMessage and wake the waiters."""
+        fast = decode_gradient(raw)
+        if fast is not None:
+            with self._cond:
+                self._on_gradient(*fast)
+                self._cond.notify_all()
+            return
+        message = pb.CoordinatorMessage.FromString(raw)
+        kind = message.WhichOneof("kind")
+        with self._cond:
+            shared = self._shared
+            if kind == "welcome":
+                shared.welcome = message.welcome
+                shared.membership_epoch = message.welcome.membership_epoch
+                # Rank 0's state may arrive before anyone waits for it: have room ready.
+                shared.state = bytearray(message.welcome.state_bytes)
+            elif kind == "state":
+                self._on_state(message.state)
+            elif kind == "gradient":
+                chunk = message.gradient
+                self._on_gradient(header_of(chunk), memoryview(chunk.payload))
+            elif kind == "step_aborted":
+                aborted = message.step_aborted
+                self._ensure_step_locked(aborted.step).aborted = aborted
+            elif kind == "membership":
+                change = message.membership
+                shared.membership_epoch = change.membership_epoch
+                log.warning("rank %d: membership changed: %s", self.rank, change.reason)
+            elif kind == "state_request":
+                shared.heal_requested = True
+                log.warning(
+                    "rank %d: asked for its state to heal rejoining rank %d",
+                    self.rank,
+                    message.state_request.for_rank,
+                )
+            elif kind == "resume":
+                self._on_resume(message.resume)
+            elif kind == "stream_end":
+                # Kept until the status arrives: the two together make the error.
+                shared.stream_end = message.stream_end
+                log.warning(
+                    "rank %d: the coordinator is ending the stream (%s): %s",
+                    self.rank,
+                    _end_reason_name(message.stream_end.reason),
+                    message.stream_end.message,
+                )
+            elif kind == "checkpoint_saved":
+                saved = message.checkpoint_saved
+                shared.checkpoint_acks[saved.step] = saved
+                if not saved.durable:
+                    log.warning(
+                        "rank %d: checkpoint of step %d was NOT saved: %s",
+                        self.rank,
+                        saved.step,
+                        saved.message,
+                    )
+            self._cond.notify_all()
+
+    def stream_failure(self, code: int | None, details: str) -> GradSyncError:
+        """The error for a stream that ended with status `code` (None: ended without one).
+
+        A `StreamEnd` received before the status says why the stream ended, and
+        decides the exception; without one, a status code is translated as is,
+        and an end without any status means the coordinator went away.
+        """
+        with self._cond:
+            end = self._shared.stream_end
+        if end is not None:
+            return error_from_status(
+                end.code if code is None else code,
+                details or end.message,
+                reason=end.reason,
+                rank=self.rank,
+            )
+        if code is None:
+            return CoordinatorUnavailableError(
+                f"the coordinator at {self.target} ended the stream", rank=self.rank
+            )
+        return error_from_status(code, details, rank=self.rank)
+
+    def stream_ended(self, failure: GradSyncError | None) -> None:
+        """Record the end of the stream (and its failure, unless one is already recorded)."""
+        with self._cond:
+            self._shared.stream_done = True
+            if failure is not None and self._shared.fatal is None:
+                self._shared.fatal = failure
+            self._cond.notify_all()
+
+    def _on_resume(self, chunk: pb.CheckpointChunk) -> None:
+        shared = self._shared
+        if shared.resume is None:
+            shared.resume = bytearray(chunk.total_bytes)
+        end = chunk.offset + len(chunk.payload)
+        if chunk.total_bytes != len(shared.resume) or end > len(shared.resume):
+            self._protocol_fault(f"resume chunk [{chunk.offset}, {end}) is out of range")
+            return
+        shared.resume[chunk.offset : end] = chunk.payload
+        shared.resume_received += len(chunk.payload)
+
+    def _on_state(self, chunk: pb.StateChunk) -> None:
+        state = self._shared.state
+        if state is None or chunk.offset + len(chunk.payload) > len(state):
+            self._protocol_fault(f"state chunk at offset {chunk.offset} is out of range")
+            return
+        state[chunk.offset : chunk.offset + len(chunk.payload)] = chunk.payload
+        self._shared.state_received += len(chunk.payload)
+
+    def _on_gradient(self, chunk: ChunkHeader, payload: memoryview) -> None:
+        result = self._ensure_step_locked(chunk.step)
+        bucket = chunk.bucket_index
+        buffer = result.buffers.get(bucket)
+        if buffer is None:
+            self._protocol_fault(
+                f"averaged bucket {bucket} of step {chunk.step} arrived before this rank "
+                "uploaded it"
+            )
+            return
+        try:
+            buffer.write(chunk.offset, payload)
+        except ValueError as exc:
+            self._protocol_fault(f"averaged chunk of bucket {bucket}: {exc}")
+            return
+        received = result.received.get(bucket, 0) + len(payload)
+        result.received[bucket] = received
+        result.contributors = (
+            min(result.contributors, chunk.contributors)
+            if result.contributors
+            else chunk.contributors
+        )
+        if received == buffer.size:
+            result.complete_buckets += 1
+            if self._on_averaged is not None:
+                self._on_averaged(chunk.step, bucket)
+
+    def _protocol_fault(self, what: str) -> None:
+        if self._shared.fatal is None:
+            self._shared.fatal = GradSyncError(
+                f"the coordinator sent an invalid message: {what}", rank=self.rank
+            )
+
+    def _ensure_step_locked(self, step: int) -> _StepResult:
+        result = self._shared.results.get(step)
+        if result is None:
+            result = self._shared.results[step] = _StepResult()
+        return result
+
+    def _describe_missing(self, step: int) -> str:
+        with self._cond:
+            result = self._shared.results.get(step)
+            if result is None:
+                return "no results arrived"
+            missing = [
+                f"bucket {index} ({result.received.get(index, 0)}/{size} bytes)"
+                for index, size in enumerate(self._bucket_bytes)
+                if result.received.get(index, 0) < size
+            ]
+        return "still waiting for " + ", ".join(missing)
+
+
+def _abort_error(aborted: pb.StepAborted, rank: int) -> StepAbortedError:
+    """The exception for a StepAborted message, by its reason."""
+    classes: dict[int, type[StepAbortedError]] = {
+        pb.ABORT_REASON_MESSAGE_REJECTED: MessageRejectedError,
+        pb.ABORT_REASON_PEER_LOST: PeerLostError,
+    }
+    cls = classes.get(aborted.reason, StepAbortedError)
+    try:
+        code: Code | None = Code(aborted.code)
+    except ValueError:
+        code = None
+    return cls(
+        f"step {aborted.step} was aborted by the coordinator "
+        f"({code.name if code else aborted.code}): {aborted.message}",
+        rank=rank,
+        step=aborted.step,
+        bucket_index=aborted.bucket_index,
+        code=code,
+    )
+
+
+def _end_reason_name(reason: int) -> str:
+    """The EndReason's name, or its number if this client predates it."""
+    try:
+        return str(pb.EndReason.Name(reason))
+    except ValueError:
+        return str(reason)

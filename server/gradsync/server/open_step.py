@@ -1,0 +1,374 @@
+"""The one step a job has in flight: its reductions, its progress and how it ends.
+
+Steps are lock-step: ranks start step s + 1 only after receiving every
+averaged bucket of step s, so exactly one step per job is open. This module
+owns it: it validates each gradient chunk against the step (number, epoch,
+bucket, dtype, offset, length, the byte budget), folds it into the bucket's
+`BucketReduction`, hands back the averaged chunks the moment they complete
+(architecture invariant 4), and frees the step's memory whether it completes,
+is aborted for everyone, or loses a rank under the elastic policy. Every byte
+it buffers is held through a `Reservation` of the coordinator's `ByteBudget`.
+Pure logic, no gRPC, no asyncio.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from gradsync.protocol import chunking, dtypes
+from gradsync.protocol.codec import ChunkHeader, encode_gradient
+from gradsync.protocol.codes import Code
+from gradsync.server import signature as signatures
+from gradsync.server.actions import Action, Send
+from gradsync.server.aggregation import BucketReduction, DuplicateContributionError
+from gradsync.server.budget import ByteBudget, Reservation
+from gradsync.server.errors import RejectedMessage
+from gradsync.server.membership import Membership
+from gradsync.server.metrics import CoordinatorMetrics
+from gradsync.server.progress import StepProgress
+from gradsync.v1 import gradsync_pb2 as pb
+
+#: Aborted step numbers remembered so that late chunks for them are dropped
+#: quietly instead of being reported as stale.
+_ABORTED_STEPS_REMEMBERED = 64
+
+
+def check_chunk(
+    what: str, offset: int, length: int, total: int, container: str, chunk_bytes: int, rank: int
+) -> tuple[Code, str] | None:
+    """Why a chunk of `length` bytes at `offset` of a `total`-byte blob is malformed, or None."""
+    if length > chunk_bytes:
+        return (
+            Code.RESOURCE_EXHAUSTED,
+            f"rank {rank} sent {length} bytes in one chunk of {what}; "
+            f"the chunk limit is {chunk_bytes} bytes",
+        )
+    if offset % chunk_bytes or offset >= total:
+        return (
+            Code.INVALID_ARGUMENT,
+            f"rank {rank} sent {what} at offset {offset}; offsets must be multiples of "
+            f"{chunk_bytes} below {total} ({container} has {total} bytes)",
+        )
+    expected = chunking.expected_chunk_length(total, chunk_bytes, offset)
+    if length != expected:
+        return (
+            Code.INVALID_ARGUMENT,
+            f"rank {rank} sent {length} bytes for {what} at offset {offset}, "
+            f"expected {expected} ({container} has {total} bytes)",
+        )
+    return None
+
+
+def abort_message(
+    ranks: tuple[int, ...],
+    step: int,
+    code: Code,
+    details: str,
+    bucket_index: int,
+    reason: pb.AbortReason,
+    culprit: int = -1,
+) -> Send:
+    """A StepAborted for `ranks`."""
+    aborted = pb.StepAborted(
+        step=step,
+        code=int(code),
+        message=details,
+        culprit_rank=culprit,
+        bucket_index=bucket_index,
+        reason=reason,
+    )
+    return Send(ranks, pb.CoordinatorMessage(step_aborted=aborted))
+
+
+@dataclass
+class _Bucket:
+    """One bucket's reduction and the budget it holds."""
+
+    reduction: BucketReduction
+    reservation: Reservation
+
+    def account(self) -> None:
+        self.reservation.hold(self.reduction.buffered_bytes)
+
+
+class OpenStep:
+    """The open step of one job.
+
+    Args:
+        membership: the job's membership (ranks and epoch the step runs over).
+        chunk_bytes: chunk size every rank must use.
+        budget: coordinator-wide cap on buffered gradient bytes.
+        clock: monotonic time source (injectable for tests).
+        metrics: where bucket and step latencies go, if anywhere.
+    """
+
+    def __init__(
+        self,
+        membership: Membership,
+        chunk_bytes: int,
+        budget: ByteBudget,
+        clock: Callable[[], float],
+        metrics: CoordinatorMetrics | None,
+    ) -> None:
+        self._membership = membership
+        self._chunk_bytes = chunk_bytes
+        self._budget = budget
+        self._clock = clock
+        self._metrics = metrics
+        #: The step number in flight.
+        self.step = 0
+        #: Steps whose every bucket was averaged.
+        self.steps_completed = 0
+        #: None until the job is assembled (the bucket layout is known).
+        self.progress: StepProgress | None = None
+        self._start_epoch = 0
+        self._bucket_bytes: list[int] = []
+        self._bucket_dtypes: list[int] = []
+        self._buckets: dict[int, _Bucket] = {}
+        self._buckets_done = 0
+        self._aborted: deque[int] = deque(maxlen=_ABORTED_STEPS_REMEMBERED)
+
+    def configure(self, signature: pb.ModelSignature, step: int) -> None:
+        """The job is assembled: learn the bucket layout and start at `step`.
+
+        The first step accepts any epoch up to the current one (a resumed job
+        starts in its checkpoint's epoch); later steps only the epoch they began in.
+        """
+        self._bucket_bytes = [signatures.bucket_bytes(b) for b in signature.buckets]
+        self._bucket_dtypes = [b.dtype for b in signature.buckets]
+        self.progress = StepProgress(
+            [chunking.num_chunks(size, self._chunk_bytes) for size in self._bucket_bytes],
+            self._clock,
+        )
+        self.step = step
+
+    def was_aborted(self, step: int) -> bool:
+        """True if `step` is a recently aborted one (late chunks for it are dropped)."""
+        return step in self._aborted
+
+    def remember_aborted(self, step: int) -> None:
+        """Note that every rank was told `step` cannot complete."""
+        self._aborted.append(step)
+
+    # -------------------------------------------------------------- gradients
+    def accept(self, rank: int, chunk: ChunkHeader, payload: memoryview) -> list[Action]:
+        """Validate `chunk`, fold it in, and return the averaged chunk once complete.
+
+        Raises:
+            RejectedMessage: the chunk does not belong to this step or is malformed.
+        """
+        averaged = self._fold(rank, chunk, payload)
+        if averaged is None:
+            return []
+        bucket = chunk.bucket_index
+        send = self._averaged(bucket, chunk.offset, averaged)
+        self._close_bucket_if_complete(bucket)
+        return [send]
+
+    def _fold(self, rank: int, chunk: ChunkHeader, payload: memoryview) -> memoryview | None:
+        step, bucket, epoch = chunk.step, chunk.bucket_index, self._membership.epoch
+        # A step begun before a membership change may finish in the old epoch.
+        if not self._start_epoch <= chunk.membership_epoch <= epoch:
+            raise RejectedMessage(
+                Code.FAILED_PRECONDITION,
+                f"rank {rank} sent step {step} for membership epoch {chunk.membership_epoch}, "
+                f"expected epoch {epoch}",
+                step=step,
+            )
+        if rank not in self._membership.members:
+            raise RejectedMessage(
+                Code.FAILED_PRECONDITION,
+                f"rank {rank} sent step {step} but is not a member of job "
+                f"'{self._membership.job_id}' (epoch {epoch}); it must rejoin first",
+                step=step,
+            )
+        if step != self.step:
+            kind = "stale" if step < self.step else "future"
+            raise RejectedMessage(
+                Code.FAILED_PRECONDITION,
+                f"rank {rank} sent {kind} step {step} (bucket {bucket}), expected step {self.step}",
+                step=step,
+                bucket_index=bucket,
+            )
+        if bucket >= len(self._bucket_bytes):
+            raise RejectedMessage(
+                Code.INVALID_ARGUMENT,
+                f"rank {rank} sent bucket {bucket} for step {step}, but the model has "
+                f"{len(self._bucket_bytes)} buckets (0..{len(self._bucket_bytes) - 1})",
+                step=step,
+            )
+        expected_dtype = self._bucket_dtypes[bucket]
+        if chunk.dtype != expected_dtype:
+            raise RejectedMessage(
+                Code.INVALID_ARGUMENT,
+                f"rank {rank} sent bucket {bucket} of step {step} as "
+                f"{dtypes.dtype_name(chunk.dtype)}, expected {dtypes.dtype_name(expected_dtype)}",
+                step=step,
+                bucket_index=bucket,
+            )
+        if chunk.encoding != pb.ENCODING_RAW:
+            raise RejectedMessage(
+                Code.INVALID_ARGUMENT,
+                f"rank {rank} sent bucket {bucket} of step {step} with encoding "
+                f"{chunk.encoding}, this coordinator only accepts raw (0)",
+                step=step,
+                bucket_index=bucket,
+            )
+        problem = check_chunk(
+            f"bucket {bucket} of step {step}",
+            chunk.offset,
+            len(payload),
+            self._bucket_bytes[bucket],
+            f"bucket {bucket}",
+            self._chunk_bytes,
+            rank,
+        )
+        if problem is not None:
+            raise RejectedMessage(problem[0], problem[1], step=step, bucket_index=bucket)
+        if not self._budget.fits(len(payload)):
+            raise RejectedMessage(
+                Code.RESOURCE_EXHAUSTED,
+                f"rank {rank} sent {len(payload)} bytes for bucket {bucket} of step "
+                f"{step}, but the coordinator already buffers {self._budget.used} bytes "
+                f"(limit {self._budget.limit} bytes, --max-buffered-mb)",
+                step=step,
+                bucket_index=bucket,
+            )
+        held = self._buckets.get(bucket)
+        if held is None:
+            reduction = BucketReduction(
+                self._membership.ranks(),
+                expected_dtype,
+                self._bucket_bytes[bucket],
+                self._chunk_bytes,
+            )
+            held = self._buckets[bucket] = _Bucket(
+                reduction, self._budget.reserve(self._membership.job_id)
+            )
+        try:
+            averaged = held.reduction.add(rank, chunk.offset, payload)
+        except DuplicateContributionError:
+            raise RejectedMessage(
+                Code.INVALID_ARGUMENT,
+                f"rank {rank} sent the chunk at offset {chunk.offset} of bucket {bucket} "
+                f"twice for step {step}",
+                step=step,
+                bucket_index=bucket,
+            ) from None
+        held.account()
+        if self.progress is None:
+            raise RuntimeError("a step accepts gradients only once the job is assembled")
+        lag = self.progress.record(rank, bucket)
+        if lag is not None and self._metrics is not None:
+            self._metrics.observe_bucket_arrival(rank, lag)
+        return averaged
+
+    def _averaged(self, bucket: int, offset: int, averaged: memoryview) -> Send:
+        """An averaged chunk for every live rank, encoded once."""
+        reduction = self._buckets[bucket].reduction
+        reply = encode_gradient(
+            ChunkHeader(
+                step=self.step,
+                membership_epoch=self._membership.epoch,
+                bucket_index=bucket,
+                offset=offset,
+                dtype=self._bucket_dtypes[bucket],
+                contributors=reduction.last_contributors,
+            ),
+            averaged,
+        )
+        return Send(self._membership.ranks(), reply)
+
+    def _close_bucket_if_complete(self, bucket: int) -> None:
+        """Once every chunk of `bucket` went out: count it, and close the step after the last.
+
+        Called after the bucket's final averaged chunks were queued (never between
+        two of them: a rank dropped under the elastic policy can complete several
+        chunks at once, and closing the step frees the reductions they come from).
+        """
+        if not self._buckets[bucket].reduction.complete:
+            return
+        self._buckets_done += 1
+        if self._metrics is not None and self.progress is not None:
+            sent = self._bucket_bytes[bucket] * len(self._membership.members)
+            self._metrics.observe_bucket_done(self.progress.bucket_age(bucket), sent)
+        if self._buckets_done == len(self._bucket_bytes):
+            if self._metrics is not None and self.progress is not None:
+                self._metrics.observe_step_done(self.progress.age(), self.step)
+            self._advance()
+            self.steps_completed += 1
+
+    # ------------------------------------------------------ membership changes
+    def drop_rank(self, lost: int) -> list[Action]:
+        """Elastic: finish what `lost` never contributed to over the live ranks."""
+        actions: list[Action] = []
+        step = self.step
+        for bucket, held in list(self._buckets.items()):
+            completed = held.reduction.drop_rank(lost)
+            held.account()
+            actions += [self._averaged(bucket, offset, averaged) for offset, averaged in completed]
+            if completed:
+                self._close_bucket_if_complete(bucket)
+            if self.step != step:
+                break  # the step completed over the live ranks
+        return actions
+
+    def add_rank(self, rank: int) -> None:
+        """Elastic: a healed newcomer contributes to the open step from now on."""
+        for held in self._buckets.values():
+            held.reduction.add_rank(rank)
+
+    # ------------------------------------------------------------------ ending
+    def abort(self, culprit: int, rejection: RejectedMessage) -> list[Action]:
+        """Abandon the open step: free its buffers and tell every rank why."""
+        step = self.step
+        self.remember_aborted(step)
+        self._advance()
+        others = tuple(r for r in self._membership.ranks() if r != culprit)
+        actions: list[Action] = [
+            abort_message(
+                (culprit,),
+                step,
+                rejection.code,
+                rejection.message,
+                rejection.bucket_index,
+                pb.ABORT_REASON_MESSAGE_REJECTED,
+                culprit,
+            )
+        ]
+        if others:
+            actions.append(
+                abort_message(
+                    others,
+                    step,
+                    Code.ABORTED,
+                    f"step {step} aborted because rank {culprit}'s message was rejected: "
+                    f"{rejection.message}",
+                    rejection.bucket_index,
+                    pb.ABORT_REASON_PEER_MESSAGE_REJECTED,
+                    culprit,
+                )
+            )
+        return actions
+
+    def release(self) -> None:
+        """Free every buffer of the open step; it will never complete (job broken or refused)."""
+        for held in self._buckets.values():
+            held.reservation.release()
+        self._buckets.clear()
+        if self.progress is not None:
+            self.progress.reset()
+
+    def _advance(self) -> None:
+        self.release()
+        self._buckets_done = 0
+        self.step += 1
+        self._start_epoch = self._membership.epoch
+
+    def late_ranks(self) -> dict[int, list[int]]:
+        """Ranks the open step waits for, with the buckets others already delivered."""
+        if self.progress is None:
+            return {}
+        return self.progress.late_ranks(self._membership.ranks())

@@ -1,0 +1,83 @@
+"""A job's checkpoint bookkeeping: the upload in progress, the resume point, the last durable step.
+
+Architecture invariant 7 (durability) spans two worlds: collecting rank 0's
+checkpoint upload chunk by chunk and deciding when it is complete is protocol
+logic, while writing it to a store is blocking I/O. This module is the first
+half, pure and testable without a store: it turns a complete upload into a
+`Persist` action (carried out by `gradsync.server.checkpointer`), remembers
+the checkpoint a job resumes from, and cuts a state blob into the resume
+chunks that restore ranks (after a coordinator restart, or when healing a
+rejoining rank). No gRPC, no asyncio, no store calls.
+"""
+
+from __future__ import annotations
+
+from gradsync.protocol import chunking
+from gradsync.protocol.codes import Code
+from gradsync.server.actions import Action, Persist, Send
+from gradsync.server.checkpoint import Checkpoint
+from gradsync.server.errors import RejectedMessage
+from gradsync.server.uploads import BlobAssembler
+from gradsync.v1 import gradsync_pb2 as pb
+
+
+def resume_messages(
+    ranks: tuple[int, ...], step: int, blob: bytes, chunk_bytes: int
+) -> list[Action]:
+    """A state blob (checkpoint or a donor's state) cut into resume chunks for `ranks`."""
+    actions: list[Action] = []
+    for offset, length in chunking.chunk_spans(len(blob), chunk_bytes):
+        piece = pb.CheckpointChunk(
+            step=step,
+            offset=offset,
+            total_bytes=len(blob),
+            payload=blob[offset : offset + length],
+        )
+        actions.append(Send(ranks, pb.CoordinatorMessage(resume=piece)))
+    return actions
+
+
+class Persistence:
+    """Checkpoint state of one job.
+
+    Args:
+        chunk_bytes: chunk size every rank must use.
+        limit_bytes: the largest checkpoint accepted (the coordinator's byte budget).
+    """
+
+    def __init__(self, chunk_bytes: int, limit_bytes: int) -> None:
+        self._chunk_bytes = chunk_bytes
+        self._limit_bytes = limit_bytes
+        #: Checkpoint this job resumes from (set by the servicer before assembly).
+        self.resume: Checkpoint | None = None
+        #: Step of the newest checkpoint acknowledged as durable (-1: none).
+        self.last_checkpoint_step = -1
+        self._upload: tuple[int, BlobAssembler] | None = None
+
+    def on_upload_chunk(self, chunk: pb.CheckpointChunk) -> Persist | None:
+        """Collect one chunk of rank 0's upload; return the Persist once it is complete.
+
+        Raises:
+            RejectedMessage: the upload is malformed (rank 0's stream ends).
+        """
+        if chunk.total_bytes == 0:
+            raise RejectedMessage(Code.INVALID_ARGUMENT, "rank 0 sent an empty checkpoint")
+        if self._upload is None or self._upload[0] != chunk.step:
+            what = f"checkpoint of step {chunk.step} from rank 0"
+            assembler = BlobAssembler(what, chunk.total_bytes, self._chunk_bytes, self._limit_bytes)
+            self._upload = (chunk.step, assembler)
+        step, assembler = self._upload
+        if chunk.total_bytes != assembler.total_bytes:
+            raise RejectedMessage(
+                Code.INVALID_ARGUMENT,
+                f"rank 0 changed the size of the checkpoint of step {step} from "
+                f"{assembler.total_bytes} to {chunk.total_bytes} bytes mid-upload",
+            )
+        if not assembler.add(chunk.offset, chunk.payload):
+            return None
+        self._upload = None
+        return Persist(step, assembler.blob())
+
+    def saved(self, step: int) -> None:
+        """The checkpoint of `step` is durable."""
+        self.last_checkpoint_step = max(self.last_checkpoint_step, step)

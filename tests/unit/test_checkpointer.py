@@ -1,0 +1,62 @@
+"""What a checkpoint save turns into: an acknowledgement, and under --require-checkpoint an end."""
+
+from __future__ import annotations
+
+import asyncio
+
+from gradsync.protocol.codes import Code
+from gradsync.server.actions import Persist, Send, Terminate
+from gradsync.server.budget import ByteBudget
+from gradsync.server.checkpoint import Checkpoint, CheckpointError
+from gradsync.server.checkpointer import Checkpointer
+from gradsync.server.config import ServerConfig
+from gradsync.server.job import Job
+from gradsync.v1 import gradsync_pb2 as pb
+
+
+class BrokenStore:
+    """A store whose every save fails, as Redis does once it is gone."""
+
+    description = "redis://gone:6379/0"
+
+    def save(self, checkpoint: Checkpoint) -> None:
+        raise CheckpointError(f"{self.description}: connection refused")
+
+    def load_latest(self, job_id: str) -> Checkpoint | None:
+        return None
+
+    def steps(self, job_id: str) -> list[int]:
+        return []
+
+    def close(self) -> None:
+        pass
+
+
+def persist(require_checkpoint: bool) -> list[object]:
+    config = ServerConfig(
+        world_size=2,
+        checkpoint_store="redis://gone:6379/0",
+        require_checkpoint=require_checkpoint,
+    )
+    checkpointer = Checkpointer(config, BrokenStore())
+    job = Job("job", 2, 4096, 8192, ByteBudget(1 << 20))
+    actions = asyncio.run(checkpointer.persist(job, Persist(4, b"state")))
+    assert checkpointer.failures == 1 and job.persistence.last_checkpoint_step == -1
+    return list(actions)
+
+
+def test_a_failed_save_is_acknowledged_as_not_durable() -> None:
+    (ack,) = persist(require_checkpoint=False)
+    assert isinstance(ack, Send) and ack.ranks == (0,)
+    assert isinstance(ack.message, pb.CoordinatorMessage)
+    saved = ack.message.checkpoint_saved
+    assert (saved.step, saved.durable) == (4, False) and "connection refused" in saved.message
+
+
+def test_a_required_checkpoint_that_fails_ends_the_job_by_cause() -> None:
+    _, end = persist(require_checkpoint=True)
+    assert isinstance(end, Terminate)
+    # Not UNAVAILABLE: the coordinator is not going away, so workers must not reconnect.
+    assert end.code is Code.FAILED_PRECONDITION
+    assert end.reason == pb.END_REASON_CHECKPOINT_FAILED
+    assert "--require-checkpoint is set" in end.details

@@ -1,0 +1,171 @@
+"""The coordinator's job as a composition of pure components, driven by method calls.
+
+No sockets: a `Job` is fed joins and chunks and its actions are inspected,
+with an injected clock and a real `ByteBudget` whose books must balance
+whichever way a step ends.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from gradsync.protocol.codec import ChunkHeader
+from gradsync.protocol.codes import Code
+from gradsync.server.actions import Action, Send, Terminate
+from gradsync.server.budget import ByteBudget
+from gradsync.server.checkpoint import Checkpoint
+from gradsync.server.job import Job, JobState
+from gradsync.server.status import job_status, status_reply
+from gradsync.v1 import gradsync_pb2 as pb
+
+CHUNK = 4096
+BUCKET_BYTES = (64 * 32 + 32) * 4  # two float32 parameters: chunks of 4096, 4096, 128
+
+
+class FakeClock:
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def signature(weight_rows: int = 64) -> pb.ModelSignature:
+    return pb.ModelSignature(
+        parameters=[
+            pb.TensorSpec(name="fc.weight", shape=[weight_rows, 32], dtype=pb.DTYPE_FLOAT32),
+            pb.TensorSpec(name="fc.bias", shape=[32], dtype=pb.DTYPE_FLOAT32),
+        ],
+        buckets=[
+            pb.BucketSpec(
+                parameter_indices=[1, 0], dtype=pb.DTYPE_FLOAT32, num_elements=weight_rows * 32 + 32
+            )
+        ],
+    )
+
+
+def join(rank: int, world_size: int = 3, weight_rows: int = 64) -> pb.Join:
+    return pb.Join(
+        job_id="job",
+        rank=rank,
+        world_size=world_size,
+        signature=signature(weight_rows),
+        incarnation=f"i{rank}",
+    )
+
+
+def make_job(budget: ByteBudget, world_size: int = 3, **options: object) -> tuple[Job, FakeClock]:
+    clock = FakeClock()
+    job = Job("job", world_size, CHUNK, 2 * CHUNK, budget, clock=clock, **options)  # type: ignore[arg-type]
+    for rank in range(world_size):
+        job.join(rank, join(rank, world_size))
+    assert job.state is JobState.RUNNING
+    return job, clock
+
+
+def chunk(
+    rank: int, step: int = 0, offset: int = 0, epoch: int = 0
+) -> tuple[ChunkHeader, memoryview]:
+    length = min(CHUNK, BUCKET_BYTES - offset)
+    values = np.full(length // 4, float(rank + 1), dtype=np.float32)
+    header = ChunkHeader(step=step, membership_epoch=epoch, offset=offset, dtype=pb.DTYPE_FLOAT32)
+    return header, memoryview(values.tobytes())
+
+
+def messages(actions: list[Action], kind: str) -> list[pb.CoordinatorMessage]:
+    return [
+        action.message
+        for action in actions
+        if isinstance(action, Send)
+        and not isinstance(action.message, bytes)
+        and action.message.WhichOneof("kind") == kind
+    ]
+
+
+def test_an_aborted_step_gives_back_every_buffered_byte() -> None:
+    budget = ByteBudget(1 << 20)
+    job, _ = make_job(budget)
+    job.on_gradient(1, *chunk(1))  # parked until rank 0's arrives: order-independent sums
+    job.on_gradient(2, *chunk(2, offset=CHUNK))
+    assert budget.held_by("job") == budget.used > 0
+    actions = job.on_gradient(0, *chunk(0, offset=3))  # misaligned: the step is aborted
+    aborted = messages(actions, "step_aborted")
+    assert [m.step_aborted.reason for m in aborted] == [
+        pb.ABORT_REASON_MESSAGE_REJECTED,
+        pb.ABORT_REASON_PEER_MESSAGE_REJECTED,
+    ]
+    assert (budget.used, job.open_step) == (0, 1)
+
+
+def test_a_broken_job_gives_back_every_buffered_byte() -> None:
+    budget = ByteBudget(1 << 20)
+    job, _ = make_job(budget)
+    job.on_gradient(1, *chunk(1))
+    assert budget.used > 0
+    actions = job.detach(2, orderly=False)
+    assert job.state is JobState.BROKEN and budget.used == 0
+    (lost,) = messages(actions, "step_aborted")
+    assert lost.step_aborted.reason == pb.ABORT_REASON_PEER_LOST
+    assert lost.step_aborted.culprit_rank == 2
+
+
+def test_a_refused_job_ends_every_stream_as_refused() -> None:
+    job = Job("job", 2, CHUNK, 2 * CHUNK, ByteBudget(1 << 20), clock=FakeClock())
+    assert job.join(0, join(0, 2)) == []
+    (refusal,) = job.join(1, join(1, 2, weight_rows=63))
+    assert isinstance(refusal, Terminate)
+    assert refusal.code is Code.INVALID_ARGUMENT and refusal.reason == pb.END_REASON_JOB_REFUSED
+    assert refusal.ranks == (0, 1) and "fc.weight" in refusal.details
+
+
+def test_elastic_loss_completes_the_step_over_the_live_ranks() -> None:
+    budget = ByteBudget(1 << 20)
+    job, _ = make_job(budget, on_failure="elastic", min_workers=2)
+    for offset in range(0, BUCKET_BYTES, CHUNK):
+        job.on_gradient(0, *chunk(0, offset=offset))
+        job.on_gradient(1, *chunk(1, offset=offset))
+    actions = job.detach(2, orderly=False)
+    (change,) = messages(actions, "membership")
+    assert change.membership.membership_epoch == 1 and list(change.membership.ranks) == [0, 1]
+    averaged = [a for a in actions if isinstance(a, Send) and isinstance(a.message, bytes)]
+    assert len(averaged) == 3  # every chunk completed over ranks 0 and 1
+    assert (job.open_step, job.steps_completed, budget.used) == (1, 1, 0)
+
+
+def test_liveness_ignores_departed_ranks_and_status_reports_it() -> None:
+    job, clock = make_job(ByteBudget(1 << 20))
+    clock.now += 3.0
+    job.touch(0, reported_step=7)
+    clock.now += 2.5
+    assert job.silent_ranks(timeout_s=5.0) == [1, 2]
+    job.detach(2, orderly=True)
+    assert job.silent_ranks(timeout_s=5.0) == [1]
+    status = job_status(job)
+    assert [(m.rank, m.reported_step, m.last_seen_s) for m in status.members] == [
+        (0, 7, 2.5),
+        (1, 0, 5.5),
+    ]
+    assert status.state == "broken" and status.last_checkpoint_step == -1
+    reply = status_reply([job], "other", heartbeat_timeout_s=5.0)
+    assert list(reply.jobs) == [] and reply.heartbeat_timeout_s == 5.0
+
+
+def test_a_resumed_job_starts_at_the_checkpoint() -> None:
+    job = Job("job", 2, CHUNK, 2 * CHUNK, ByteBudget(1 << 20), clock=FakeClock())
+    job.persistence.resume = Checkpoint("job", 12, 3, b"x" * (CHUNK + 1), {})
+    job.join(0, join(0, 2))
+    actions = job.join(1, join(1, 2))
+    (welcome,) = messages(actions, "welcome")
+    assert (welcome.welcome.start_step, welcome.welcome.membership_epoch) == (12, 3)
+    assert welcome.welcome.resume_bytes == CHUNK + 1
+    assert len(messages(actions, "resume")) == 2
+    assert (job.open_step, job.persistence.last_checkpoint_step) == (12, 12)
+
+
+def test_a_checkpoint_upload_becomes_one_persist() -> None:
+    job, _ = make_job(ByteBudget(1 << 20), world_size=2)
+    blob = bytes(range(256)) * 20  # 5120 bytes: two chunks
+    first = pb.CheckpointChunk(step=4, offset=0, total_bytes=len(blob), payload=blob[:CHUNK])
+    assert job.on_checkpoint_chunk(0, first) == []
+    last = pb.CheckpointChunk(step=4, offset=CHUNK, total_bytes=len(blob), payload=blob[CHUNK:])
+    (persist,) = job.on_checkpoint_chunk(0, last)
+    assert (persist.step, persist.blob) == (4, blob)  # type: ignore[union-attr]
