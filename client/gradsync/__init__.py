@@ -32,7 +32,9 @@ from gradsync.errors import (
 )
 
 if TYPE_CHECKING:
+    from gradsync import collectives, hooks
     from gradsync.ddp import DistributedDataParallel
+    from gradsync.syncbn import convert_sync_batchnorm
 
 
 def __getattr__(name: str) -> Any:
@@ -42,6 +44,18 @@ def __getattr__(name: str) -> Any:
         from gradsync.ddp import DistributedDataParallel
 
         return DistributedDataParallel
+    if name == "convert_sync_batchnorm":
+        from gradsync.syncbn import convert_sync_batchnorm
+
+        return convert_sync_batchnorm
+    if name == "collectives":
+        import gradsync.collectives
+
+        return gradsync.collectives
+    if name == "hooks":  # comm hooks: fp16_compress_hook, bf16_compress_hook, ...
+        import gradsync.hooks
+
+        return gradsync.hooks
     raise AttributeError(f"module 'gradsync' has no attribute {name!r}")
 
 
@@ -60,4 +74,7 @@ __all__ = [
     "StepAbortedError",
     "SyncTimeoutError",
     "__version__",
+    "collectives",
+    "convert_sync_batchnorm",
+    "hooks",
 ]

@@ -7,10 +7,12 @@ from `gradsync.protocol.defaults`, the one place every default is written.
 
 from __future__ import annotations
 
+import math
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass
 
+from gradsync.address import parse_address
 from gradsync.protocol import defaults
 from gradsync.protocol.defaults import MIB
 
@@ -30,7 +32,8 @@ class ClientConfig:
     """Resolved settings of one worker.
 
     Attributes:
-        coordinator: "host:port" of the coordinator.
+        coordinator: "host:port" (or "[ipv6]:port") of the coordinator, checked at
+            construction by `gradsync.address.parse_address`.
         rank: this worker's rank, 0 <= rank < world_size.
         world_size: number of ranks in the job.
         job_id: name shared by all ranks of one training job.
@@ -57,12 +60,23 @@ class ClientConfig:
                 f"rank {self.rank} is out of range for world_size {self.world_size} "
                 f"(valid ranks 0..{self.world_size - 1})"
             )
-        if ":" not in self.coordinator:
-            raise ValueError(f"coordinator address {self.coordinator!r} must be host:port")
-        if self.bucket_cap_bytes <= 0 or self.first_bucket_cap_bytes <= 0:
-            raise ValueError("bucket_cap_mb and first_bucket_mb must be positive")
-        if self.timeout_s <= 0 or self.join_timeout_s <= 0:
-            raise ValueError("timeout_s and join_timeout_s must be positive")
+        try:
+            parse_address(self.coordinator)
+        except ValueError as exc:
+            raise ValueError(f"coordinator: {exc}") from None
+        for name, size in (
+            ("bucket_cap_mb", self.bucket_cap_bytes),
+            ("first_bucket_mb", self.first_bucket_cap_bytes),
+        ):
+            if size <= 0:
+                raise ValueError(f"{name} must be positive, got {size / MIB:g} MiB")
+        for name, seconds in (
+            ("timeout_s", self.timeout_s),
+            ("join_timeout_s", self.join_timeout_s),
+        ):
+            # NaN fails `> 0` too; infinity would make a wait unbounded.
+            if not 0 < seconds < math.inf:
+                raise ValueError(f"{name} must be a positive number of seconds, got {seconds}")
         if not self.job_id:
             raise ValueError("job_id must not be empty")
 
@@ -90,6 +104,11 @@ class ClientConfig:
             raise ValueError(
                 f"no coordinator address: pass coordinator='host:port' or set {ENV_COORDINATOR}"
             )
+        if not coordinator:
+            try:
+                parse_address(address)
+            except ValueError as exc:
+                raise ValueError(f"${ENV_COORDINATOR}: {exc}") from None
         return cls(
             coordinator=address,
             rank=_int_setting("rank", rank, env, ENV_RANK),

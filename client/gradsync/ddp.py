@@ -1,25 +1,22 @@
-"""`gradsync.DistributedDataParallel`: DDP-style gradient averaging via a coordinator.
+"""`gradsync.DistributedDataParallel`: torch DDP's semantics, averaged through a coordinator.
 
-How one synchronized backward pass flows:
+One synchronized backward pass: each parameter's post-accumulate-grad hook
+marks it used on this rank (also under `no_sync`); when a bucket's last
+gradient lands, the bucket is staged (`gradsync.staging`), passed through the
+comm hook if any (`gradsync.hooks`) and handed to the link, which uploads it
+while autograd computes earlier layers. The end-of-backward callback uploads
+the remaining buckets and then the "presence" bucket (which parameters this
+rank used), waits (bounded) for every average, and moves the averages into
+`.grad` by DDP's rules: a parameter no rank used keeps its `.grad` untouched
+(None stays None), so optimizers skip it exactly as under DDP.
 
-1. Each parameter has a post-accumulate-grad hook. The first hook of a
-   backward pass queues an end-of-backward callback with the autograd engine.
-2. When the last gradient of a bucket lands, the hook copies the bucket's
-   gradients into one flat buffer and hands it to the transport thread, which
-   uploads it in chunks while autograd keeps computing earlier layers.
-3. The end-of-backward callback uploads any bucket still missing gradients
-   (parameters unused in this pass contribute zeros), waits (bounded) for
-   every averaged bucket and writes the averages into `param.grad`. So
-   `loss.backward()` returns with averaged gradients; user code is unchanged.
-
-Hooks never block on the network and never raise: failures are recorded and
-raised from the callback, i.e. from `backward()`, as `GradSyncError`s.
-
-This module is the nn.Module wrapper and that per-step path only. What happens
-between steps (joining, rank 0's broadcast, checkpoints, healing, reconnecting
-to a restarted coordinator) lives in `gradsync.session`; the network sits
-behind the `gradsync.link.CoordinatorLink` protocol, so the step logic runs
-unchanged over gRPC (`gradsync.transport`) or over a test's fake.
+Before a forward pass rank 0's buffers are broadcast (`broadcast_buffers`,
+as DDP) through the coordinator's collectives (`gradsync.collectives`), which
+the wrapper also offers to user code and which `join()` (`gradsync.uneven`)
+and synchronized BatchNorm (`gradsync.syncbn`) use. Hooks never block on the
+network and never raise: failures surface from `backward()` as
+`GradSyncError`s. Joining, the initial broadcast, checkpoints and reconnecting
+live in `gradsync.session`; the network sits behind `gradsync.link`.
 """
 
 from __future__ import annotations
@@ -28,15 +25,16 @@ import contextlib
 import enum
 import logging
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
 import torch
 from torch import nn
 
-from gradsync.bucketing import BucketPlan, assign_buckets
-from gradsync.buffers import BucketBuffer
+from gradsync import compat, syncbn, uneven
+from gradsync.bucketing import BucketPlan
+from gradsync.collectives import Collectives
 from gradsync.config import ClientConfig
 from gradsync.errors import (
     ClosedError,
@@ -45,12 +43,14 @@ from gradsync.errors import (
     GradSyncError,
     StepAbortedError,
 )
+from gradsync.hooks import CommHook
 from gradsync.instruments import Instruments
 from gradsync.link import CoordinatorLink, LinkFactory
 from gradsync.metrics import resolve_metrics_port
 from gradsync.protocol import defaults
+from gradsync.reducer import Reducer, plan_buckets
 from gradsync.session import Session
-from gradsync.signature import bucket_wire_dtype, model_signature, wire_dtype
+from gradsync.signature import PRESENCE_NAME, model_signature
 from gradsync.transport import Transport
 
 log = logging.getLogger("gradsync.client")
@@ -64,50 +64,69 @@ class _State(enum.Enum):
 class DistributedDataParallel(nn.Module):
     """Wrap `module` so that `backward()` leaves averaged gradients in `param.grad`.
 
-    Args:
-        module: the model; its `forward` is used unchanged (`.module` returns it).
-        coordinator: "host:port" of the coordinator; default $GRADSYNC_COORDINATOR.
-        rank: this worker's rank; default $RANK (torchrun sets it).
-        world_size: number of workers; default $WORLD_SIZE.
-        job_id: name shared by the job's ranks; default $GRADSYNC_JOB_ID or "default".
-        bucket_cap_mb: cap of each gradient bucket (MiB), as in torch DDP.
-        first_bucket_mb: cap of the first bucket (MiB), small so uploads start early.
-        timeout_s: bound on the wait for each step's averaged gradients.
-        join_timeout_s: bound on the wait for every rank to join and for rank 0's state.
-        metrics_port: serve this worker's Prometheus metrics on this port plus
-            $LOCAL_RANK (default $GRADSYNC_METRICS_PORT; 0 = a free port; unset = off).
-        trace_path: write a Chrome trace-event file of every step there.
-        reconnect_timeout_s: when the coordinator is lost, keep reconnecting (with
-            backoff) this long; a restarted coordinator resumes the job from its
-            latest checkpoint and backward raises CoordinatorRestartedError.
-            0 disables reconnecting.
-        overlap: upload each bucket as soon as its gradients are ready (default).
-            False uploads everything after backward: slower, kept to measure the
-            gain of overlapping communication with the backward pass.
-        link_factory: builds the link to the coordinator from (address, rank);
-            default: `gradsync.transport.Transport` (gRPC). Tests pass a fake
-            to exercise the step logic without sockets (see `gradsync.link`).
+    A drop-in for `torch.nn.parallel.DistributedDataParallel`: every DDP argument
+    is accepted, in DDP's order, so migrating is a one-line change (rank, world
+    size and coordinator come from torchrun's $RANK / $WORLD_SIZE and
+    $GRADSYNC_COORDINATOR). Honoured: `bucket_cap_mb`, `broadcast_buffers` /
+    `forward_sync_buffers`, `init_sync=True`, `device_ids=[i]` and
+    `output_device` (single-GPU module), and `find_unused_parameters`,
+    `static_graph`, `check_reduction` (unused parameters are always handled).
+    The others (`dim`, `process_group`, `gradient_as_bucket_view`,
+    `mixed_precision`, `device_mesh`, ...) draw one warning listing them; see
+    `gradsync.compat` for the table.
 
-    Construction blocks until all ranks have joined, then copies rank 0's
-    parameters and buffers to every rank. Only dense gradients are supported.
-    A parameter that gets no gradient in a step contributes zeros to the
-    average; afterwards its `.grad` holds the average on every rank (zeros if
-    no rank used it), so all ranks stay identical.
+    Keyword-only, gradsync's own:
+        coordinator, rank, world_size: default $GRADSYNC_COORDINATOR, $RANK, $WORLD_SIZE.
+        job_id: name shared by the job's ranks; default $GRADSYNC_JOB_ID or "default".
+        first_bucket_mb: cap of the first bucket (MiB), small so uploads start early.
+        timeout_s: bound on every wait for the other ranks (averages, collectives).
+        join_timeout_s: bound on the wait for every rank to join and for rank 0's state.
+        metrics_port: Prometheus metrics on this port plus $LOCAL_RANK
+            (default $GRADSYNC_METRICS_PORT; 0 = a free port; unset = off).
+        trace_path: write a Chrome trace-event file of every step there.
+        reconnect_timeout_s: keep reconnecting to a lost coordinator this long (0 = never).
+        overlap: upload each bucket as soon as its gradients are ready (default).
+        log_every_steps: with INFO logging, rank 0 logs step time, exposed sync time
+            and bytes every this many steps (0 = never).
+        link_factory: builds the link from (address, rank); default gRPC. Tests pass a fake.
+
+    Devices: parameters and buffers share one device, the CPU or a CUDA device
+    (gradients are staged through pinned host memory and copied back); any
+    other module is refused before joining. Construction blocks until all
+    ranks have joined, then copies rank 0's parameters and buffers to every rank.
 
     Raises:
-        ValueError: invalid or missing settings.
+        ValueError: invalid or missing settings, or a module gradsync cannot serve.
         GradSyncError: joining failed (coordinator unreachable, join refused, ...).
     """
 
     def __init__(
         self,
         module: nn.Module,
+        device_ids: Sequence[int | torch.device] | None = None,
+        output_device: int | torch.device | None = None,
+        dim: int = 0,
+        broadcast_buffers: bool | None = None,
+        init_sync: bool = True,
+        process_group: object = None,
+        bucket_cap_mb: float | None = None,
+        find_unused_parameters: bool = False,
+        check_reduction: bool = False,
+        gradient_as_bucket_view: bool = False,
+        static_graph: bool = False,
+        delay_all_reduce_named_params: object = None,
+        param_to_hook_all_reduce: object = None,
+        mixed_precision: object = None,
+        device_mesh: object = None,
+        skip_all_reduce_unused_params: bool = False,
+        bucket_cap_mb_list: object = None,
+        batched_grad_copy: bool = False,
+        forward_sync_buffers: bool | None = None,
+        *,
         coordinator: str | None = None,
         rank: int | None = None,
         world_size: int | None = None,
-        *,
         job_id: str | None = None,
-        bucket_cap_mb: float = defaults.BUCKET_CAP_MB,
         first_bucket_mb: float = defaults.FIRST_BUCKET_MB,
         timeout_s: float = defaults.TIMEOUT_S,
         join_timeout_s: float = defaults.JOIN_TIMEOUT_S,
@@ -115,6 +134,7 @@ class DistributedDataParallel(nn.Module):
         metrics_port: int | None = None,
         trace_path: str | Path | None = None,
         reconnect_timeout_s: float = defaults.RECONNECT_TIMEOUT_S,
+        log_every_steps: int = defaults.STEP_LOG_EVERY_STEPS,
         link_factory: LinkFactory | None = None,
     ) -> None:
         super().__init__()
@@ -124,45 +144,55 @@ class DistributedDataParallel(nn.Module):
             rank,
             world_size,
             job_id,
-            bucket_cap_mb,
+            defaults.BUCKET_CAP_MB if bucket_cap_mb is None else bucket_cap_mb,
             first_bucket_mb,
             timeout_s,
             join_timeout_s,
         )
+        compat.warn_ignored(compat.ignored_arguments(locals()))
         named = list(module.named_parameters())
         if not any(p.requires_grad for _, p in named):
             raise ValueError("the module has no parameters that require gradients")
         self._named_parameters = named
-        self._named_buffers = list(module.named_buffers())
-        self._buckets = self._plan_buckets()
-        self._bucket_of = [-1] * len(named)
-        for bucket_index, plan in enumerate(self._buckets):
-            for index in plan.parameter_indices:
-                self._bucket_of[index] = bucket_index
+        named_buffers = list(module.named_buffers())
+        self.device = compat.module_device(named + named_buffers)
+        self._input_device = compat.input_device(device_ids, self.device)
+        self.broadcast_buffers = (
+            forward_sync_buffers
+            if forward_sync_buffers is not None
+            else (broadcast_buffers if broadcast_buffers is not None else True)
+        )
+        buckets, presence_bucket = plan_buckets(
+            named, self.config.bucket_cap_bytes, self.config.first_bucket_cap_bytes
+        )
+        plans = [*buckets, presence_bucket]
         self._state = _State.OPEN
         self._require_sync = True
+        # As DDP: buffers are broadcast before a forward pass that follows a
+        # synchronized one (or the first), not after a no_sync or no-grad pass.
+        self._require_forward_param_sync = True
         self._overlap = overlap
         self._backward_active = False
-        self._ready = [0] * len(self._buckets)
-        self._launched = [False] * len(self._buckets)
         self._errors: list[Exception] = []
-        # Host copies of gradients that are not contiguous CPU tensors, to copy back.
-        self._staged: list[tuple[torch.Tensor, nn.Parameter]] = []
+        self._synced_steps = 0
+        self._in_join = False
         self._hooks: list[Any] = []
         self.last_contributors = 0
-        bucket_bytes = [plan.num_bytes for plan in self._buckets]
+        presence = torch.zeros(len(named), dtype=torch.float32)
+        bucket_bytes = [plan.num_bytes for plan in plans]
         self._instruments = Instruments(
             self.config.rank,
             resolve_metrics_port(metrics_port, os.environ),
             Path(trace_path) if trace_path is not None else None,
             bucket_bytes,
+            log_every_steps,
         )
         try:
             self._session = Session(
                 self.config,
                 module,
-                [p for _, p in named] + [b for _, b in self._named_buffers],
-                model_signature(named, self._named_buffers, self._buckets),
+                [p for _, p in named] + [presence] + [b for _, b in named_buffers],
+                model_signature([*named, (PRESENCE_NAME, presence)], named_buffers, plans),
                 bucket_bytes,
                 link_factory or Transport,
                 self._instruments.on_bucket_event,
@@ -172,8 +202,16 @@ class DistributedDataParallel(nn.Module):
         except BaseException:
             self._instruments.close()
             raise
+        self._reducer = Reducer(
+            named, buckets, self.rank, self.world_size, self._instruments, lambda: self._link
+        )
+        #: The coordinator's collectives for this job (`gradsync.collectives`).
+        self.collectives = Collectives(
+            lambda: self._session.link, self.rank, self.world_size, self.config.timeout_s
+        )
+        syncbn.attach(module, self.collectives)
         for index, (_, param) in enumerate(named):
-            if self._bucket_of[index] >= 0:
+            if param.requires_grad:
                 hook = self._make_hook(index)
                 self._hooks.append(param.register_post_accumulate_grad_hook(hook))  # type: ignore[no-untyped-call]
 
@@ -193,13 +231,34 @@ class DistributedDataParallel(nn.Module):
         """Index of the next synchronized step (synced backward passes so far)."""
         return self._step
 
+    @step.setter
+    def step(self, value: int) -> None:
+        # `join()` moves every rank to the job's next step when uneven inputs end.
+        self._step = int(value)
+        self._link.current_step = self._step
+
     @property
     def bucket_plans(self) -> list[BucketPlan]:
-        """The bucket layout (indices into `module.named_parameters()`)."""
-        return list(self._buckets)
+        """The gradient bucket layout (indices into `module.named_parameters()`)."""
+        return list(self._reducer.buckets)
+
+    @property
+    def bytes_sent(self) -> int:
+        """Gradient bytes uploaded so far, as sent (a 16-bit comm hook halves them)."""
+        return self._instruments.bytes_sent
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        """Run the wrapped module's forward (after a due periodic checkpoint, on rank 0)."""
+        """Broadcast rank 0's buffers when due, then run the wrapped module's forward."""
+        self._pre_forward()
+        if self._input_device is not None:
+            args = compat.to_device(args, self._input_device)
+            kwargs = compat.to_device(kwargs, self._input_device)
+        output = self.module(*args, **kwargs)
+        self._require_forward_param_sync = torch.is_grad_enabled() and self._require_sync
+        return output
+
+    @torch.compiler.disable  # type: ignore[untyped-decorator]  # network I/O: never traced
+    def _pre_forward(self) -> None:
         if self._state is _State.CLOSED:
             raise ClosedError("DistributedDataParallel used after close()", rank=self.rank)
         if self._backward_active:
@@ -207,45 +266,128 @@ class DistributedDataParallel(nn.Module):
         # Before the next step's forward the optimizer has applied the previous
         # step: parameters and optimizer state are consistent.
         self._session.at_step_boundary(self._step)
-        return self.module(*args, **kwargs)
+        buffers = [b for b in self.module.buffers() if b.numel()]
+        if self.broadcast_buffers and self._require_forward_param_sync and buffers:
+            try:
+                self._broadcast_buffers(buffers)
+            except CoordinatorUnavailableError as exc:
+                self._reconnect_or_raise(exc, "forward pass")
+
+    def _broadcast_buffers(self, buffers: list[torch.Tensor]) -> None:
+        src = 0
+        if self._in_join:  # DDP's choice: the highest rank that still has inputs
+            src = int(self.collectives.all_reduce(torch.tensor([self.rank]), "max").item())
+        # All buffers travel packed in one blob: one round trip per forward pass.
+        # Every rank sends its own, so the broadcast completes if rank `src` is lost.
+        self.collectives.broadcast_tensors(buffers, src, every_rank_sends=True)
+
+    def _reconnect_or_raise(self, exc: CoordinatorUnavailableError, during: str) -> None:
+        """Reconnect to a restarted coordinator and raise CoordinatorRestartedError.
+
+        Only a lost coordinator is worth reconnecting to; every other error
+        (declared dead, refused, checkpoint failed) propagates as it is.
+        """
+        if self._session.reconnect_timeout_s <= 0:
+            raise exc
+        resumed_at = self._session.reconnect(exc, self._step)
+        self._step = resumed_at
+        self._link.current_step = resumed_at
+        raise CoordinatorRestartedError(
+            f"lost the coordinator during a {during} and reconnected; state restored from the "
+            f"checkpoint of step {resumed_at}. Nothing was applied: skip optimizer.step() and "
+            "continue at model.step",
+            rank=self.rank,
+            step=resumed_at,
+        ) from exc
+
+    def register_comm_hook(self, state: Any, hook: CommHook) -> None:
+        """Have `hook` see every gradient bucket before upload and after the average.
+
+        As DDP's: `state` is passed to every call; register before the first
+        backward, once, and on every rank alike (the coordinator refuses ranks
+        that send one bucket in different dtypes). See `gradsync.hooks` for the
+        protocol and the built-ins (`fp16_compress_hook`, `bf16_compress_hook`).
+
+        Raises:
+            RuntimeError: a hook is already registered, or a step already ran.
+            TypeError: `hook` lacks `before_upload` / `after_average`.
+        """
+        if self._synced_steps or self._backward_active:
+            raise RuntimeError("register_comm_hook must be called before the first backward")
+        self._reducer.register_comm_hook(state, hook)
+
+    def join(
+        self,
+        divide_by_initial_world_size: bool = True,
+        enable: bool = True,
+        throw_on_early_termination: bool = False,
+    ) -> contextlib.AbstractContextManager[None]:
+        """Uneven inputs, as DDP's `join()`: `with model.join(): for batch in loader: ...`.
+
+        A rank that runs out of data tells the coordinator and waits (bounded)
+        while the others finish their steps, gradients still divided by the
+        world size; then every rank adopts the last rank's parameters and
+        buffers. See `gradsync.uneven` (which raises ValueError for the
+        options it does not support).
+        """
+        return self._join(divide_by_initial_world_size, enable, throw_on_early_termination)
+
+    @contextlib.contextmanager
+    def _join(self, divide: bool, enable: bool, throw: bool) -> Iterator[None]:
+        # Inside join() the buffers' source is the highest rank still training
+        # (rank 0 may have run out of inputs), as DDP decides it.
+        self._in_join = enable
+        try:
+            with uneven.join_context(
+                self,
+                enable=enable,
+                divide_by_initial_world_size=divide,
+                throw_on_early_termination=throw,
+            ):
+                yield
+        finally:
+            self._in_join = False
+
+    def all_reduce(self, tensor: torch.Tensor, op: str = "sum") -> torch.Tensor:
+        """Reduce `tensor` in place over the ranks (op: sum, avg, min, max); return it."""
+        result: torch.Tensor = self.collectives.all_reduce(tensor, op)
+        return result
+
+    def broadcast(self, tensor: torch.Tensor, src: int = 0) -> torch.Tensor:
+        """Overwrite `tensor` in place with rank `src`'s; return it."""
+        result: torch.Tensor = self.collectives.broadcast(tensor, src)
+        return result
+
+    def all_gather(self, tensor: torch.Tensor) -> list[torch.Tensor]:
+        """Every rank's `tensor` (equal shapes), in rank order."""
+        result: list[torch.Tensor] = self.collectives.all_gather(tensor)
+        return result
+
+    def barrier(self) -> None:
+        """Return once every rank has reached its barrier (bounded by timeout_s)."""
+        self.collectives.barrier()
 
     def abandon_step(self, reason: str = "abandoned by the training loop") -> None:
         """Give up on a synchronized step whose backward pass did not finish.
 
-        An exception inside `backward()` (an out-of-memory error, say) skips the
-        end-of-backward callback, leaving the step half uploaded. The coordinator
-        is told to abort the step for every rank (they get StepAbortedError and
-        skip it), and this rank moves on to the next step. The next `forward()`
-        does this automatically; call it yourself right after catching the
-        exception if your loop reads `model.step`.
+        An exception inside `backward()` skips the end-of-backward callback and
+        leaves the step half uploaded. The coordinator is told to abort the step
+        for every rank (they get StepAbortedError and skip it), and this rank
+        moves on. The next `forward()` does this automatically.
         """
         if not self._backward_active:
             return
         step = self._step
         log.warning("rank %d: abandoning step %d: %s", self.rank, step, reason)
         self._link.abandon_step(step, reason)
-        self._backward_active = False
-        self._staged.clear()
-        self._errors.clear()
-        self._step = step + 1
-        self._link.current_step = self._step
+        self._end_step(step)
 
     def register_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
-        """Include `optimizer`'s state in checkpoints (and restore it when resuming).
-
-        Call it once, right after creating the optimizer.
-        """
+        """Include `optimizer`'s state in checkpoints (and restore it when resuming)."""
         self._session.register_optimizer(optimizer)
 
     def save_checkpoint(self, wait: bool = True, timeout_s: float | None = None) -> int:
         """Upload a checkpoint of rank 0's state through the coordinator (rank 0 only).
-
-        The checkpoint holds the module's state dict, the registered optimizer's
-        state dict and the step training resumes at. Other ranks return at once.
-
-        Args:
-            wait: block until the coordinator reports the checkpoint durable.
-            timeout_s: bound on that wait (default: the sync timeout).
 
         Returns:
             The checkpoint's step.
@@ -258,11 +400,7 @@ class DistributedDataParallel(nn.Module):
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
-        """Skip synchronization inside the block; gradients accumulate locally.
-
-        The next backward pass outside the block averages the accumulated
-        gradients, as with torch DDP.
-        """
+        """Skip synchronization inside the block; gradients accumulate locally (as DDP)."""
         previous = self._require_sync
         self._require_sync = False
         try:
@@ -278,6 +416,7 @@ class DistributedDataParallel(nn.Module):
         for handle in self._hooks:
             handle.remove()
         self._hooks.clear()
+        syncbn.attach(self.module, None)
         self._session.close()
         self._instruments.close()
 
@@ -287,77 +426,33 @@ class DistributedDataParallel(nn.Module):
     def __exit__(self, *exc_info: object) -> None:
         self.close()
 
-    # ------------------------------------------------------------- layout
+    # ------------------------------------------------------------- step path
     @property
     def _link(self) -> CoordinatorLink:
         """The current link to the coordinator (a reconnect replaces it)."""
         return self._session.link
 
-    def _plan_buckets(self) -> list[BucketPlan]:
-        sizes, dtypes = [], []
-        for name, param in self._named_parameters:
-            wire_dtype(name, param)  # refuse an unsupported dtype before joining
-            trainable = param.requires_grad and param.numel() > 0
-            sizes.append(param.numel() * param.element_size() if trainable else 0)
-            dtypes.append(param.dtype)
-        return assign_buckets(
-            sizes, dtypes, self.config.bucket_cap_bytes, self.config.first_bucket_cap_bytes
-        )
-
-    # -------------------------------------------------------------- hooks
-    def _make_hook(self, index: int) -> Any:
+    def _make_hook(self, index: int) -> Callable[[torch.Tensor], None]:
         def hook(_: torch.Tensor) -> None:
             self._on_gradient_ready(index)
 
         return hook
 
     def _on_gradient_ready(self, index: int) -> None:
-        """Autograd hook body: count readiness, launch full buckets. Never raises."""
-        if not self._require_sync or self._state is _State.CLOSED:
+        """Autograd hook body: mark the parameter used, launch full buckets. Never raises."""
+        if self._state is _State.CLOSED:
+            return
+        self._reducer.mark_used(index)
+        if not self._require_sync or self._reducer.bucket_of[index] < 0:
             return
         try:
             if not self._backward_active:
                 self._backward_active = True
                 self._instruments.backward_started(self._step)
-                self._ready = [0] * len(self._buckets)
-                self._launched = [False] * len(self._buckets)
                 torch.autograd.Variable._execution_engine.queue_callback(self._finish_backward)
-            bucket_index = self._bucket_of[index]
-            self._ready[bucket_index] += 1
-            bucket_size = len(self._buckets[bucket_index].parameter_indices)
-            if self._overlap and self._ready[bucket_index] == bucket_size:
-                self._launch(bucket_index)
+            self._reducer.gradient_ready(index, self._step, self._overlap)
         except Exception as exc:  # raised at the end of backward, with context
             self._errors.append(exc)
-
-    def _launch(self, bucket_index: int) -> None:
-        """Queue a bucket's gradients for upload, straight from `param.grad` (no copy).
-
-        Gradients that are not contiguous CPU tensors are staged through a host
-        copy and copied back after averaging. A parameter without a gradient
-        gets a zero gradient here, so its average has somewhere to land.
-        """
-        plan = self._buckets[bucket_index]
-        segments = []
-        for index in plan.parameter_indices:
-            name, param = self._named_parameters[index]
-            grad = param.grad
-            if grad is None:
-                grad = param.grad = torch.zeros_like(param, memory_format=torch.contiguous_format)
-            elif grad.is_sparse:
-                raise ValueError(
-                    f"'{name}' has a sparse gradient; gradsync averages dense gradients only"
-                )
-            host = grad.detach()
-            if host.device.type != "cpu" or not host.is_contiguous():
-                host = host.to("cpu", memory_format=torch.contiguous_format)
-                self._staged.append((host, param))
-            segments.append(host.reshape(-1).view(torch.uint8).numpy())
-        self._launched[bucket_index] = True
-        self._instruments.bucket_ready(self._step, bucket_index)
-        self._link.submit_bucket(
-            self._step, bucket_index, BucketBuffer(segments), bucket_wire_dtype(plan)
-        )
 
     def _finish_backward(self) -> None:
         """End-of-backward callback: flush, wait for averages, write them to .grad."""
@@ -365,40 +460,45 @@ class DistributedDataParallel(nn.Module):
         try:
             if self._errors:
                 error = self._errors[0]
-                self._errors.clear()
                 raise GradSyncError(
                     f"preparing gradients for upload failed: {error}", rank=self.rank, step=step
                 ) from error
-            for bucket_index, launched in enumerate(self._launched):
-                if not launched:  # some parameter got no gradient this pass
-                    self._launch(bucket_index)
-            wait_started = self._instruments.now()
-            try:
-                self.last_contributors = self._link.wait_step(step, self.config.timeout_s)
-            except StepAbortedError as exc:
-                self._instruments.step_aborted(exc)
-                raise
-            except CoordinatorUnavailableError as exc:
-                # Only a lost coordinator is worth reconnecting to; every other
-                # error (declared dead, refused, checkpoint failed) propagates.
-                if self._session.reconnect_timeout_s <= 0:
-                    raise
-                resumed_at = self._session.reconnect(exc, step)
-                step = resumed_at - 1  # `finally` moves on to the resumed step
-                raise CoordinatorRestartedError(
-                    f"lost the coordinator and reconnected; state restored from the checkpoint "
-                    f"of step {resumed_at}. Nothing was applied for this backward pass: skip "
-                    "optimizer.step() and continue at model.step",
-                    rank=self.rank,
-                    step=resumed_at,
-                ) from exc
-            self._instruments.step_done(step, wait_started)
-            with torch.no_grad():
-                for host, param in self._staged:
-                    assert param.grad is not None
-                    param.grad.copy_(host.view_as(param.grad))
+            self.last_contributors = self._reducer.finish(step, self._wait_step)
+            self._synced_steps += 1
         finally:
-            self._staged.clear()
-            self._backward_active = False
-            self._step = step + 1
-            self._link.current_step = self._step
+            self._end_step(step)
+
+    def _wait_step(self, step: int) -> int:
+        """Wait for the averages of `step`; reconnect to a restarted coordinator if lost."""
+        wait_started = self._instruments.now()
+        try:
+            contributors = self._link.wait_step(step, self.config.timeout_s)
+        except StepAbortedError as exc:
+            self._instruments.step_aborted(exc)
+            raise
+        except CoordinatorUnavailableError as exc:
+            # Only a lost coordinator is worth reconnecting to; every other
+            # error (declared dead, refused, checkpoint failed) propagates.
+            if self._session.reconnect_timeout_s <= 0:
+                raise
+            resumed_at = self._session.reconnect(exc, step)
+            self._step = resumed_at - 1  # `_end_step` moves on to the resumed step
+            raise CoordinatorRestartedError(
+                f"lost the coordinator and reconnected; state restored from the checkpoint "
+                f"of step {resumed_at}. Nothing was applied for this backward pass: skip "
+                "optimizer.step() and continue at model.step",
+                rank=self.rank,
+                step=resumed_at,
+            ) from exc
+        self._instruments.step_done(step, wait_started)
+        return contributors
+
+    def _end_step(self, step: int) -> None:
+        """Forget this step's staging and usage marks and move on to the next step."""
+        if self._step != step:  # a reconnect moved the step
+            step = self._step
+        self._reducer.reset()
+        self._errors.clear()
+        self._backward_active = False
+        self._step = step + 1
+        self._link.current_step = self._step

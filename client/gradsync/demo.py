@@ -32,52 +32,31 @@ def run_demo(settings: TrainSettings, timeout_s: float = defaults.EXAMPLE_TIMEOU
     )
     coordinator, port = start_coordinator(workers, timeout_s=30.0)
     print(f"coordinator listening on 127.0.0.1:{port}")
-    with tempfile.TemporaryDirectory(prefix="gradsync-demo-") as scratch:
-        outputs = [Path(scratch) / f"rank{rank}.npz" for rank in range(workers)]
-        processes = [
-            subprocess.Popen(
-                [
-                    sys.executable,
-                    "-m",
-                    "gradsync.cli",
-                    "--log-level",
-                    "WARNING",
-                    "worker",
-                    "--coordinator",
-                    f"127.0.0.1:{port}",
-                    "--rank",
-                    str(rank),
-                    "--world-size",
-                    str(workers),
-                    "--epochs",
-                    str(settings.epochs),
-                    "--batch-size",
-                    str(settings.batch_size),
-                    "--lr",
-                    str(settings.lr),
-                    "--timeout-s",
-                    str(timeout_s),
-                    "--save",
-                    str(outputs[rank]),
-                ],
-            )
-            for rank in range(workers)
-        ]
-        try:
-            codes = [p.wait(timeout=timeout_s * 3) for p in processes]
-        except subprocess.TimeoutExpired:
-            print("gradsync demo: workers did not finish in time", file=sys.stderr)
-            codes = [1]
-        finally:
-            for process in processes:
-                if process.poll() is None:
-                    process.kill()
-            coordinator.terminate()
-            coordinator.wait(timeout=30)
-        if any(codes):
-            print(f"gradsync demo: FAILED, worker exit codes {codes}", file=sys.stderr)
-            return 1
-        saved = [dict(np.load(path)) for path in outputs]
+    processes: list[subprocess.Popen[bytes]] = []
+    # Whatever ends the run (a failure, SIGINT, SIGTERM), no process outlives the demo.
+    try:
+        with tempfile.TemporaryDirectory(prefix="gradsync-demo-") as scratch:
+            outputs = [Path(scratch) / f"rank{rank}.npz" for rank in range(workers)]
+            for rank in range(workers):
+                processes.append(
+                    subprocess.Popen(_worker_argv(settings, port, rank, timeout_s, outputs[rank]))
+                )
+            try:
+                codes = [p.wait(timeout=timeout_s * 3) for p in processes]
+            except subprocess.TimeoutExpired:
+                print("gradsync demo: workers did not finish in time", file=sys.stderr)
+                codes = [1]
+            if any(codes):
+                print(f"gradsync demo: FAILED, worker exit codes {codes}", file=sys.stderr)
+                return 1
+            saved = [dict(np.load(path)) for path in outputs]
+    finally:
+        for process in processes:
+            if process.poll() is None:
+                process.kill()
+                process.wait()
+        coordinator.terminate()
+        coordinator.wait(timeout=30)
     reference, reference_accuracy = train_reference(settings, init_seed=1000)
     differences = [max_relative_difference(reference, params) for params in saved]
     accuracy = float(saved[0]["__accuracy__"])
@@ -91,3 +70,32 @@ def run_demo(settings: TrainSettings, timeout_s: float = defaults.EXAMPLE_TIMEOU
         return 1
     print(f"OK: {workers} workers trained the same model as a single process")
     return 0
+
+
+def _worker_argv(
+    settings: TrainSettings, port: int, rank: int, timeout_s: float, save: Path
+) -> list[str]:
+    return [
+        sys.executable,
+        "-m",
+        "gradsync.cli",
+        "--log-level",
+        "WARNING",
+        "worker",
+        "--coordinator",
+        f"127.0.0.1:{port}",
+        "--rank",
+        str(rank),
+        "--world-size",
+        str(settings.world_size),
+        "--epochs",
+        str(settings.epochs),
+        "--batch-size",
+        str(settings.batch_size),
+        "--lr",
+        str(settings.lr),
+        "--timeout-s",
+        str(timeout_s),
+        "--save",
+        str(save),
+    ]

@@ -13,6 +13,7 @@ Hierarchy::
     │   ├── PeerLostError            ...because another rank left or died
     │   └── CoordinatorRestartedError ...because the coordinator restarted (resumed)
     ├── CheckpointFailedError        a checkpoint could not be made durable
+    ├── CollectiveError              a collective's result was invalid (names its sequence)
     └── ClosedError                  the object was used after close()
 
 Errors raised inside the background transport are recorded with their context
@@ -124,6 +125,20 @@ class CoordinatorRestartedError(StepAbortedError):
 
 class ClosedError(GradSyncError):
     """The object was used after `close()`."""
+
+
+class CollectiveError(GradSyncError):
+    """A collective on user tensors failed: its result was malformed or not what was asked.
+
+    Attributes:
+        sequence: the collective's job-wide sequence number (the n-th collective).
+    """
+
+    def __init__(
+        self, message: str, *, rank: int | None = None, sequence: int, code: Code | None = None
+    ) -> None:
+        super().__init__(f"collective {sequence}: {message}", rank=rank, code=code)
+        self.sequence = sequence
 
 
 _TERMINAL_CODE_TO_ERROR: dict[Code, type[GradSyncError]] = {

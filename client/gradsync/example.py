@@ -22,6 +22,10 @@ from gradsync.protocol import defaults
 
 log = logging.getLogger("gradsync.example")
 
+#: Size of scikit-learn's digits data set, and the share `load_digits` trains on.
+DIGITS_SAMPLES = 1797
+TRAIN_FRACTION = 0.8
+
 
 @dataclass(frozen=True)
 class TrainSettings:
@@ -52,8 +56,16 @@ def load_digits(data_seed: int = 0) -> Digits:
     order = np.random.default_rng(data_seed).permutation(len(labels))
     x = torch.tensor(images[order] / 16.0, dtype=torch.float32)
     y = torch.tensor(labels[order], dtype=torch.int64)
-    cut = int(0.8 * len(y))
+    cut = int(TRAIN_FRACTION * len(y))
     return Digits(x[:cut], y[:cut], x[cut:], y[cut:])
+
+
+def train_samples() -> int:
+    """Training samples of the digits split, known without loading scikit-learn.
+
+    The CLI checks with it that a global batch fits the data set at all.
+    """
+    return int(TRAIN_FRACTION * DIGITS_SAMPLES)
 
 
 def build_model(seed: int) -> nn.Module:
@@ -95,6 +107,7 @@ def train_worker(
     save_path: Path | None = None,
     metrics_port: int | None = None,
     trace_path: Path | None = None,
+    log_every_steps: int = defaults.STEP_LOG_EVERY_STEPS,
 ) -> float:
     """Train one rank of the example job; return the final test accuracy."""
     import gradsync
@@ -110,6 +123,7 @@ def train_worker(
         join_timeout_s=timeout_s,
         metrics_port=metrics_port,
         trace_path=trace_path,
+        log_every_steps=log_every_steps,
     )
     optimizer = torch.optim.SGD(model.parameters(), lr=settings.lr)
     model.register_optimizer(optimizer)  # checkpoints carry its state

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from gradsync import flags
 from gradsync.v1 import gradsync_pb2
 
 #: The service the coordinator registers, as named by the contract itself.
@@ -88,7 +89,11 @@ def build_parser() -> argparse.ArgumentParser:
         prog="python -m gradsync.healthcheck",
         description="Exit 0 when the gradsync coordinator at ADDRESS reports SERVING, else 1.",
     )
-    parser.add_argument("address", help="coordinator host:port, e.g. 127.0.0.1:50051")
+    parser.add_argument(
+        "address",
+        type=flags.coordinator,
+        help="coordinator host:port, e.g. 127.0.0.1:50051 or [::1]:50051",
+    )
     parser.add_argument(
         "--service",
         default=COORDINATOR_SERVICE,
@@ -96,7 +101,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument(
         "--timeout-s",
-        type=float,
+        type=flags.seconds,
         default=DEFAULT_TIMEOUT_S,
         help=f"deadline of the check in seconds (default {DEFAULT_TIMEOUT_S:g})",
     )
@@ -107,11 +112,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Run the probe; returns the exit code (0 healthy, 1 not, 2 bad arguments)."""
     parser = build_parser()
     args = parser.parse_args(argv)
-    host, _, port = args.address.rpartition(":")
-    if not host or not port.isdigit():
-        parser.error(f"address must be host:port, got {args.address!r}")
-    if not args.timeout_s > 0:
-        parser.error(f"--timeout-s must be > 0, got {args.timeout_s}")
     result = check(args.address, args.service, args.timeout_s)
     if result.healthy:
         print(f"healthy: {result.message}")

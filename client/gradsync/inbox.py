@@ -1,11 +1,13 @@
 """What the coordinator has told one worker: the receive side of the Sync stream.
 
 `Inbox` turns the coordinator's messages into state that the training thread
-waits on: the Welcome, rank 0's state and the checkpoint to resume from as
-they arrive in chunks, averaged gradients scattered straight into the buckets
-that were uploaded, aborted steps, checkpoint acknowledgements, heal requests
-and, last, why the stream ended. One condition variable guards it all, and
-every wait is bounded; a failure is stored and raised at the next wait.
+waits on: how the job's assembly is going, the Welcome, rank 0's state and the
+checkpoint to resume from as they arrive in chunks, averaged gradients
+scattered straight into the buckets that were uploaded, collective results
+(checked by `gradsync.collective_results`), join() progress, aborted steps,
+checkpoint acknowledgements, heal requests and, last, why the stream ended.
+One condition variable guards it all, and every wait is bounded; a failure is
+stored and raised at the next wait.
 
 It imports neither grpc nor asyncio: `gradsync.transport` feeds it raw bytes
 from its I/O thread, and tests feed it messages in any order they like.
@@ -13,6 +15,8 @@ from its I/O thread, and tests feed it messages in any order they like.
 
 from __future__ import annotations
 
+import collections
+import contextlib
 import logging
 import threading
 import time
@@ -20,31 +24,24 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from gradsync.buffers import BucketBuffer
+from gradsync.collective_results import CollectiveResults
 from gradsync.errors import (
+    CollectiveError,
     CoordinatorUnavailableError,
     GradSyncError,
-    MessageRejectedError,
-    PeerLostError,
-    StepAbortedError,
     SyncTimeoutError,
     error_from_status,
 )
+from gradsync.protocol import chunking
 from gradsync.protocol.codec import ChunkHeader, decode_gradient, header_of
-from gradsync.protocol.codes import Code
+from gradsync.step_results import StepResults
 from gradsync.v1 import gradsync_pb2 as pb
 
 log = logging.getLogger("gradsync.client")
 
-
-@dataclass
-class _StepResult:
-    """Progress of one step: averaged bytes written back into each uploaded bucket."""
-
-    buffers: dict[int, BucketBuffer] = field(default_factory=dict)
-    received: dict[int, int] = field(default_factory=dict)
-    contributors: int = 0
-    complete_buckets: int = 0
-    aborted: pb.StepAborted | None = None
+#: JoinProgress messages kept for `wait_join_progress`: one arrives per step
+#: while this rank waits, so a short queue only ever drops stale ones.
+_JOIN_PROGRESS_KEPT = 64
 
 
 @dataclass
@@ -54,7 +51,6 @@ class _Shared:
     welcome: pb.Welcome | None = None
     state: bytearray | None = None
     state_received: int = 0
-    results: dict[int, _StepResult] = field(default_factory=dict)
     fatal: GradSyncError | None = None
     stream_done: bool = False
     resume: bytearray | None = None
@@ -65,6 +61,15 @@ class _Shared:
     heal_requested: bool = False
     #: The coordinator's announcement of why it is about to end the stream.
     stream_end: pb.StreamEnd | None = None
+    #: The latest AssemblyProgress, and how many have arrived (waiters compare counts).
+    assembly: pb.AssemblyProgress | None = None
+    assembly_count: int = 0
+    #: The heartbeat interval the coordinator asked for (AssemblyProgress or Welcome).
+    heartbeat_interval_s: float | None = None
+    #: JoinProgress messages not yet taken by `wait_join_progress`, oldest first.
+    join_progress: collections.deque[pb.JoinProgress] = field(
+        default_factory=lambda: collections.deque(maxlen=_JOIN_PROGRESS_KEPT)
+    )
 
 
 class Inbox:
@@ -82,15 +87,15 @@ class Inbox:
     ) -> None:
         self.target = target
         self.rank = rank
-        self._on_averaged = on_averaged
         self._cond = threading.Condition()
         self._shared = _Shared()
-        self._bucket_bytes: list[int] = []
+        self._steps = StepResults(rank, on_averaged)
+        self._collectives = CollectiveResults(rank)
 
     # ------------------------------------------------------------ training-thread side
     def configure_buckets(self, bucket_bytes: list[int]) -> None:
         """Set the size of each bucket (a step is complete when all are averaged)."""
-        self._bucket_bytes = list(bucket_bytes)
+        self._steps.bucket_bytes = list(bucket_bytes)
 
     @property
     def welcome(self) -> pb.Welcome | None:
@@ -101,6 +106,11 @@ class Inbox:
     def membership_epoch(self) -> int:
         """The latest membership epoch the coordinator announced."""
         return self._shared.membership_epoch
+
+    @property
+    def heartbeat_interval_s(self) -> float | None:
+        """The heartbeat interval the coordinator asked for, once it said (else None)."""
+        return self._shared.heartbeat_interval_s
 
     def wait(self, predicate: Callable[[_Shared], bool], timeout_s: float, what: str) -> None:
         """Block until `predicate` holds; raise a recorded failure, or time out naming `what`."""
@@ -122,6 +132,98 @@ class Inbox:
         welcome = self._shared.welcome
         assert welcome is not None
         return welcome
+
+    def wait_assembly(
+        self, timeout_s: float, seen_count: int
+    ) -> tuple[pb.Welcome | None, pb.AssemblyProgress | None, int]:
+        """Block until the Welcome or an AssemblyProgress newer than `seen_count` arrives.
+
+        Returns at the timeout without raising, so that the caller can report
+        progress every few seconds and decide itself when to give up.
+
+        Returns:
+            (the Welcome or None, the latest AssemblyProgress or None, its count).
+
+        Raises:
+            GradSyncError: a recorded failure (the join was refused, the stream failed).
+        """
+        with contextlib.suppress(SyncTimeoutError):  # the caller decides when to give up
+            self.wait(
+                lambda s: s.welcome is not None or s.assembly_count > seen_count,
+                timeout_s,
+                "the job to assemble",
+            )
+        with self._cond:
+            shared = self._shared
+            return shared.welcome, shared.assembly, shared.assembly_count
+
+    def expect_collective(
+        self,
+        sequence: int,
+        op: int,
+        dtype: int,
+        input_bytes: int,
+        result_bytes: int | None,
+    ) -> None:
+        """Register an issued collective before its input is sent (see `CollectiveResults`).
+
+        Raises:
+            CollectiveError: the job has not assembled yet (no chunk size, no world size).
+        """
+        with self._cond:
+            welcome = self._shared.welcome
+            if welcome is None:
+                raise CollectiveError(
+                    "collectives need an assembled job (after the Welcome)",
+                    rank=self.rank,
+                    sequence=sequence,
+                )
+            self._collectives.expect(
+                sequence,
+                op,
+                dtype,
+                input_bytes,
+                world_size=welcome.world_size,
+                chunk_bytes=welcome.chunk_bytes or chunking.DEFAULT_CHUNK_BYTES,
+                result_bytes=result_bytes,
+            )
+
+    def wait_collective(self, sequence: int, timeout_s: float) -> tuple[bytearray, int]:
+        """Block until the result of collective `sequence` is complete.
+
+        Returns:
+            (the result's bytes, how many ranks contributed).
+
+        Raises:
+            CollectiveError: the result was malformed or not what was asked.
+            SyncTimeoutError: it did not complete in time (names what is missing).
+            GradSyncError: the stream failed.
+        """
+        try:
+            self.wait(
+                lambda _: self._collectives.is_ready(sequence),
+                timeout_s,
+                f"the result of collective {sequence}",
+            )
+        except SyncTimeoutError as exc:
+            with self._cond:
+                missing = self._collectives.describe(sequence)
+                self._collectives.forget(sequence)
+            raise SyncTimeoutError(f"{exc.args[0]} ({missing})", rank=self.rank) from None
+        except GradSyncError:
+            with self._cond:
+                self._collectives.forget(sequence)
+            raise
+        with self._cond:
+            return self._collectives.take(sequence)
+
+    def wait_join_progress(self, timeout_s: float) -> pb.JoinProgress:
+        """Block until a JoinProgress not yet taken is there; take and return the oldest."""
+        self.wait(
+            lambda s: bool(s.join_progress), timeout_s, "join() progress from the coordinator"
+        )
+        with self._cond:
+            return self._shared.join_progress.popleft()
 
     def receive_state(self, num_bytes: int, timeout_s: float) -> bytearray:
         """Block until rank 0's whole state blob has arrived; return it."""
@@ -153,7 +255,7 @@ class Inbox:
     def expect_bucket(self, step: int, bucket_index: int, buffer: BucketBuffer) -> None:
         """Register where the averages of an uploaded bucket are to be written."""
         with self._cond:
-            self._ensure_step_locked(step).buffers[bucket_index] = buffer
+            self._steps.expect(step, bucket_index, buffer)
 
     def wait_step(self, step: int, timeout_s: float) -> int:
         """Block until every averaged bucket of `step` was written back into its buffer.
@@ -167,26 +269,19 @@ class Inbox:
             CoordinatorUnavailableError / other GradSyncError: the stream failed.
         """
         with self._cond:
-            self._ensure_step_locked(step)
-        num_buckets = len(self._bucket_bytes)
-
-        def ready(shared: _Shared) -> bool:
-            result = shared.results[step]
-            return result.aborted is not None or result.complete_buckets == num_buckets
-
+            self._steps.watch(step)
         try:
-            self.wait(ready, timeout_s, f"the averaged gradients of step {step}")
+            self.wait(
+                lambda _: self._steps.is_ready(step),
+                timeout_s,
+                f"the averaged gradients of step {step}",
+            )
         except SyncTimeoutError as exc:
-            raise SyncTimeoutError(
-                f"{exc.args[0]}; {self._describe_missing(step)}", rank=self.rank, step=step
-            ) from None
+            with self._cond:
+                missing = self._steps.describe_missing(step)
+            raise SyncTimeoutError(f"{exc.args[0]}; {missing}", rank=self.rank, step=step) from None
         with self._cond:
-            result = self._shared.results.pop(step)
-            for old in [s for s in self._shared.results if s < step]:
-                del self._shared.results[old]
-        if result.aborted is not None:
-            raise _abort_error(result.aborted, self.rank)
-        return result.contributors
+            return self._steps.take(step)
 
     def wait_stream_done(self, timeout_s: float) -> None:
         """Block until the stream has ended (a recorded failure is raised)."""
@@ -208,6 +303,8 @@ class Inbox:
             if kind == "welcome":
                 shared.welcome = message.welcome
                 shared.membership_epoch = message.welcome.membership_epoch
+                if message.welcome.heartbeat_interval_s > 0:
+                    shared.heartbeat_interval_s = message.welcome.heartbeat_interval_s
                 # Rank 0's state may arrive before anyone waits for it: have room ready.
                 shared.state = bytearray(message.welcome.state_bytes)
             elif kind == "state":
@@ -215,9 +312,16 @@ class Inbox:
             elif kind == "gradient":
                 chunk = message.gradient
                 self._on_gradient(header_of(chunk), memoryview(chunk.payload))
+            elif kind == "collective":
+                problem = self._collectives.on_chunk(message.collective)
+                if problem is not None:
+                    self._protocol_fault(problem)
+            elif kind == "assembly":
+                self._on_assembly(message.assembly)
+            elif kind == "join_progress":
+                shared.join_progress.append(message.join_progress)
             elif kind == "step_aborted":
-                aborted = message.step_aborted
-                self._ensure_step_locked(aborted.step).aborted = aborted
+                self._steps.on_aborted(message.step_aborted)
             elif kind == "membership":
                 change = message.membership
                 shared.membership_epoch = change.membership_epoch
@@ -256,18 +360,16 @@ class Inbox:
         """The error for a stream that ended with status `code` (None: ended without one).
 
         A `StreamEnd` received before the status says why the stream ended, and
-        decides the exception; without one, a status code is translated as is,
+        decides the exception and its message; without one, a status code is translated as is,
         and an end without any status means the coordinator went away.
         """
         with self._cond:
             end = self._shared.stream_end
         if end is not None:
-            return error_from_status(
-                end.code if code is None else code,
-                details or end.message,
-                reason=end.reason,
-                rank=self.rank,
-            )
+            # The coordinator's own words win over the status that follows: the
+            # transport can replace that status (gRPC has reported "INTERNAL:
+            # Internal error from Core" for a stream the coordinator ended cleanly).
+            return error_from_status(end.code, end.message, reason=end.reason, rank=self.rank)
         if code is None:
             return CoordinatorUnavailableError(
                 f"the coordinator at {self.target} ended the stream", rank=self.rank
@@ -281,6 +383,19 @@ class Inbox:
             if failure is not None and self._shared.fatal is None:
                 self._shared.fatal = failure
             self._cond.notify_all()
+
+    def _on_assembly(self, progress: pb.AssemblyProgress) -> None:
+        shared = self._shared
+        shared.assembly = progress
+        shared.assembly_count += 1
+        if shared.heartbeat_interval_s is None and progress.heartbeat_interval_s > 0:
+            shared.heartbeat_interval_s = progress.heartbeat_interval_s
+        if progress.refused:
+            log.warning(
+                "rank %d: the coordinator refused a rank of this job: %s",
+                self.rank,
+                progress.refused,
+            )
 
     def _on_resume(self, chunk: pb.CheckpointChunk) -> None:
         shared = self._shared
@@ -302,76 +417,15 @@ class Inbox:
         self._shared.state_received += len(chunk.payload)
 
     def _on_gradient(self, chunk: ChunkHeader, payload: memoryview) -> None:
-        result = self._ensure_step_locked(chunk.step)
-        bucket = chunk.bucket_index
-        buffer = result.buffers.get(bucket)
-        if buffer is None:
-            self._protocol_fault(
-                f"averaged bucket {bucket} of step {chunk.step} arrived before this rank "
-                "uploaded it"
-            )
-            return
-        try:
-            buffer.write(chunk.offset, payload)
-        except ValueError as exc:
-            self._protocol_fault(f"averaged chunk of bucket {bucket}: {exc}")
-            return
-        received = result.received.get(bucket, 0) + len(payload)
-        result.received[bucket] = received
-        result.contributors = (
-            min(result.contributors, chunk.contributors)
-            if result.contributors
-            else chunk.contributors
-        )
-        if received == buffer.size:
-            result.complete_buckets += 1
-            if self._on_averaged is not None:
-                self._on_averaged(chunk.step, bucket)
+        problem = self._steps.on_gradient(chunk, payload)
+        if problem is not None:
+            self._protocol_fault(problem)
 
     def _protocol_fault(self, what: str) -> None:
         if self._shared.fatal is None:
             self._shared.fatal = GradSyncError(
                 f"the coordinator sent an invalid message: {what}", rank=self.rank
             )
-
-    def _ensure_step_locked(self, step: int) -> _StepResult:
-        result = self._shared.results.get(step)
-        if result is None:
-            result = self._shared.results[step] = _StepResult()
-        return result
-
-    def _describe_missing(self, step: int) -> str:
-        with self._cond:
-            result = self._shared.results.get(step)
-            if result is None:
-                return "no results arrived"
-            missing = [
-                f"bucket {index} ({result.received.get(index, 0)}/{size} bytes)"
-                for index, size in enumerate(self._bucket_bytes)
-                if result.received.get(index, 0) < size
-            ]
-        return "still waiting for " + ", ".join(missing)
-
-
-def _abort_error(aborted: pb.StepAborted, rank: int) -> StepAbortedError:
-    """The exception for a StepAborted message, by its reason."""
-    classes: dict[int, type[StepAbortedError]] = {
-        pb.ABORT_REASON_MESSAGE_REJECTED: MessageRejectedError,
-        pb.ABORT_REASON_PEER_LOST: PeerLostError,
-    }
-    cls = classes.get(aborted.reason, StepAbortedError)
-    try:
-        code: Code | None = Code(aborted.code)
-    except ValueError:
-        code = None
-    return cls(
-        f"step {aborted.step} was aborted by the coordinator "
-        f"({code.name if code else aborted.code}): {aborted.message}",
-        rank=rank,
-        step=aborted.step,
-        bucket_index=aborted.bucket_index,
-        code=code,
-    )
 
 
 def _end_reason_name(reason: int) -> str:

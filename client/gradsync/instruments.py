@@ -2,7 +2,10 @@
 
 One object fans each event out to the Prometheus metrics (when a metrics port
 is set) and the Chrome trace (when a trace path is set); with neither it does
-nothing, so the hot path pays one attribute lookup.
+nothing, so the hot path pays one attribute lookup. It also keeps the running
+totals behind rank 0's periodic step log ("steps 100-199: 41.2 ms/step, exposed
+sync 3.1 ms/step, 2.4 MB up/step"), the numbers a user checks first when
+training is slower than expected, without a metrics stack.
 """
 
 from __future__ import annotations
@@ -28,15 +31,29 @@ class Instruments:
         metrics_port: port for /metrics (0 = a free one), or None for no metrics.
         trace_path: Chrome trace file, or None for no trace.
         bucket_bytes: size of each bucket (for byte counters).
+        log_every_steps: rank 0 logs step timing every this many steps (0 = never).
     """
 
     def __init__(
-        self, rank: int, metrics_port: int | None, trace_path: Path | None, bucket_bytes: list[int]
+        self,
+        rank: int,
+        metrics_port: int | None,
+        trace_path: Path | None,
+        bucket_bytes: list[int],
+        log_every_steps: int = 0,
     ) -> None:
+        if log_every_steps < 0:
+            raise ValueError(f"log_every_steps must be >= 0, got {log_every_steps}")
+        self._rank = rank
         self._bucket_bytes = bucket_bytes
         self._lock = threading.Lock()
-        self._submitted: dict[tuple[int, int], float] = {}
+        self._submitted: dict[tuple[int, int], tuple[float, int]] = {}
         self._backward_started = 0.0
+        #: Gradient bytes handed to the link since construction (as sent: a comm
+        #: hook that compresses to 16 bits halves them).
+        self.bytes_sent = 0
+        self._log_every_steps = log_every_steps if rank == 0 else 0
+        self._window: _Window | None = None
         self.metrics: WorkerMetrics | None = None
         self.server: MetricsServer | None = None
         if metrics_port is not None:
@@ -54,12 +71,13 @@ class Instruments:
         """The first gradient of a synchronized backward pass landed."""
         self._backward_started = self.now()
 
-    def bucket_ready(self, step: int, bucket_index: int) -> None:
-        """A bucket's gradients are complete and handed to the transport."""
+    def bucket_ready(self, step: int, bucket_index: int, num_bytes: int) -> None:
+        """A bucket's gradients (`num_bytes` on the wire) are handed to the transport."""
         with self._lock:
-            self._submitted[(step, bucket_index)] = self.now()
+            self._submitted[(step, bucket_index)] = (self.now(), num_bytes)
+            self.bytes_sent += num_bytes
         if self.metrics is not None:
-            self.metrics.observe_sent(self._bucket_bytes[bucket_index])
+            self.metrics.observe_sent(num_bytes)
         if self.tracer is not None:
             self.tracer.instant("ready", step, bucket_index)
 
@@ -74,12 +92,13 @@ class Instruments:
             return
         finished = self.now()
         with self._lock:
-            submitted = self._submitted.pop((step, bucket_index), None)
-        if submitted is None:
+            entry = self._submitted.pop((step, bucket_index), None)
+        if entry is None:
             return
+        submitted, num_bytes = entry
         if self.metrics is not None:
             self.metrics.observe_bucket_latency(finished - submitted)
-            self.metrics.observe_received(self._bucket_bytes[bucket_index])
+            self.metrics.observe_received(num_bytes)
         if self.tracer is not None:
             self.tracer.span(
                 "until averaged", step, submitted, finished, bucket_index, TRANSPORT_TRACK
@@ -91,6 +110,8 @@ class Instruments:
         if self.metrics is not None:
             self.metrics.observe_exposed_comm(finished - wait_started)
             self.metrics.observe_step_done()
+        if self._log_every_steps:
+            self._log_step(step, finished, finished - wait_started)
         if self.tracer is not None:
             self.tracer.span("wait for averages", step, wait_started, finished)
             self.tracer.span("backward", step, self._backward_started, finished)
@@ -103,9 +124,43 @@ class Instruments:
         with self._lock:
             self._submitted.clear()
 
+    def _log_step(self, step: int, finished: float, exposed_s: float) -> None:
+        """Rank 0's periodic step log: means over the last `log_every_steps` steps."""
+        window = self._window
+        if window is None:
+            # The first step has no predecessor to time it from: it opens the window.
+            self._window = _Window(step + 1, finished, self.bytes_sent)
+            return
+        window.exposed_s += exposed_s
+        window.steps += 1
+        if window.steps < self._log_every_steps:
+            return
+        steps = window.steps
+        log.info(
+            "rank %d: steps %d-%d: %.1f ms/step, exposed sync %.1f ms/step, %.2f MB up/step",
+            self._rank,
+            window.first_step,
+            step,
+            1e3 * (finished - window.started) / steps,
+            1e3 * window.exposed_s / steps,
+            (self.bytes_sent - window.bytes_sent) / steps / 1e6,
+        )
+        self._window = _Window(step + 1, finished, self.bytes_sent)
+
     def close(self) -> None:
         """Stop the metrics server and finish the trace file."""
         if self.tracer is not None:
             self.tracer.close()
         if self.server is not None:
             self.server.close()
+
+
+class _Window:
+    """Totals since rank 0's last step log."""
+
+    def __init__(self, first_step: int, started: float, bytes_sent: int) -> None:
+        self.first_step = first_step
+        self.started = started
+        self.bytes_sent = bytes_sent
+        self.exposed_s = 0.0
+        self.steps = 0

@@ -16,6 +16,11 @@ The contract every implementation keeps (the wrapper relies on it):
   `receive_*`) as `GradSyncError`s naming the rank (and step, bucket).
 - `wait_step` returns only once every submitted bucket's averages were written
   back into the very `BucketBuffer` that was submitted.
+- Heartbeats start as soon as the stream is open (a rank waiting for its peers
+  is alive), and `wait_welcome` reports what it waits for while it waits.
+- Collectives (`run_collective`) are numbered by the link: every rank of a job
+  issues them in the same order, so the n-th collective of every rank is the
+  same one. `set_collective_sequence` moves the numbering when a join() ends.
 """
 
 from __future__ import annotations
@@ -41,6 +46,11 @@ class CoordinatorLink(Protocol):
     current_step: int
     #: Observer of bucket uploads and averages (metrics, trace), or None.
     on_bucket_event: BucketEventHandler | None
+
+    @property
+    def collective_sequence(self) -> int:
+        """The sequence number the next collective gets (read-only here)."""
+        ...
 
     def configure_buckets(self, bucket_bytes: list[int]) -> None:
         """Tell the link the size of each bucket (to know when a step is complete)."""
@@ -88,6 +98,61 @@ class CoordinatorLink(Protocol):
 
         Returns:
             The number of ranks averaged over.
+        """
+        ...
+
+    def run_collective(
+        self,
+        op: int,
+        dtype: int,
+        payload: npt.NDArray[np.uint8],
+        root: int,
+        timeout_s: float,
+        *,
+        result_bytes: int | None = None,
+    ) -> tuple[bytearray, int]:
+        """Run the job's next collective on raw bytes; block (bounded) for its result.
+
+        Assigns the next sequence number, sends `payload` in chunks of the
+        Welcome's chunk size (an empty payload as one empty chunk) and waits for
+        the coordinator's result, checked against what was asked.
+
+        Args:
+            op: a `CollectiveOp` value.
+            dtype: the `DType` of the payload's elements (reductions work on them).
+            payload: this rank's input as a 1-D uint8 array; empty for BARRIER and
+                for a BROADCAST on any rank but the root. Must not change until
+                this returns.
+            root: BROADCAST only: the rank whose bytes everyone receives.
+            timeout_s: bound on the wait for the result.
+            result_bytes: the exact result size when the op does not imply it
+                (BROADCAST on a non-root rank); otherwise derived from the input.
+
+        Returns:
+            (the result's bytes, how many ranks contributed).
+
+        Raises:
+            ValueError: an unknown op, or a payload that is not a 1-D uint8 array.
+            CollectiveError: the result was malformed or not what was asked (names
+                the sequence number), or the job has not assembled.
+            SyncTimeoutError: no complete result within `timeout_s`.
+            GradSyncError: the stream failed (e.g. the coordinator refused the
+                input as mismatched across ranks: INVALID_ARGUMENT).
+        """
+        ...
+
+    def set_collective_sequence(self, sequence: int) -> None:
+        """Number the next collective `sequence` (JoinProgress.next_collective)."""
+
+    def send_out_of_inputs(self, step: int) -> None:
+        """Tell the coordinator this rank ran out of inputs; `step` is the first it
+        will not run (join()). Never blocks."""
+
+    def wait_join_progress(self, timeout_s: float) -> pb.JoinProgress:
+        """Block (bounded) until the next JoinProgress not yet returned; return it.
+
+        JoinProgress messages are kept in arrival order until taken, so one
+        that arrived before the call is returned at once.
         """
         ...
 

@@ -115,6 +115,9 @@ class Session:
         rejoining rank, and (rank 0) to take a due periodic checkpoint.
         """
         if self._link.take_heal_request():
+            # Sent before this rank's buffer broadcast of the step, so the
+            # coordinator admits the newcomer while that collective is still
+            # in flight and has it take part (its Welcome says from which number).
             self._link.send_heal(step, self.state_blob(step))
         every = self.checkpoint_every
         if (
@@ -150,7 +153,7 @@ class Session:
 
     def state_blob(self, step: int) -> bytes:
         """Module state, optimizer state and step, serialized for checkpoints and healing."""
-        state = {
+        state: dict[str, Any] = {
             "module": self.module.state_dict(),
             "optimizer": self._optimizer.state_dict() if self._optimizer is not None else None,
             "step": step,
@@ -241,6 +244,9 @@ class Session:
         )
         link.open(join)
         welcome = link.wait_welcome(timeout_s)
+        # The coordinator numbers collectives: 0 for a new job (or a restarted
+        # coordinator), where the live ranks stand for a healed newcomer.
+        link.set_collective_sequence(int(welcome.next_collective))
         self.checkpoint_every = int(welcome.checkpoint_every_steps)
         start = int(welcome.start_step)
         if welcome.resume_bytes:

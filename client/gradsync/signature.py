@@ -72,3 +72,17 @@ def model_signature(
             for plan in buckets
         ],
     )
+
+
+#: Name of the presence vector in the signature: one float32 per parameter, 1.0
+#: where this rank produced a gradient since the last synchronized step. It
+#: travels as the last bucket of every step; its average says which parameters
+#: some rank used (> 0) and which none did (0, their `.grad` is left alone).
+#: Listed among the parameters (after the module's), so the coordinator checks
+#: and averages it like any bucket and needs no notion of it.
+PRESENCE_NAME = "gradsync.presence"
+
+
+def presence_plan(num_parameters: int) -> BucketPlan:
+    """The presence bucket: the presence vector, which follows the module's parameters."""
+    return BucketPlan((num_parameters,), torch.float32, 4 * num_parameters)

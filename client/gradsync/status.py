@@ -1,8 +1,21 @@
-"""`gradsync status`: ask a coordinator who is in which job, where, and who is late."""
+"""`gradsync status`: ask a coordinator who is in which job, where, and who is late.
+
+Also how recently ended jobs ended (the coordinator keeps their outcome for a
+while), so "did my job finish?" has an answer after the workers are gone.
+`--json` prints the reply with protobuf's JSON names, but every integer as a
+JSON number: protobuf's JSON mapping writes 64-bit integers as strings
+("openStep": "12"), which makes `jq '.jobs[0].openStep > 10'` compare a
+string, so `status_dict` converts them back.
+"""
 
 from __future__ import annotations
 
+import json
+from typing import Any
+
 import grpc
+from google.protobuf.descriptor import Descriptor, FieldDescriptor
+from google.protobuf.json_format import MessageToDict
 
 from gradsync.protocol import defaults
 from gradsync.v1 import gradsync_pb2 as pb
@@ -34,38 +47,89 @@ def query_status(
     return reply
 
 
+#: Field types protobuf's JSON mapping writes as strings; they are integers.
+_INT64_TYPES = frozenset(
+    {
+        FieldDescriptor.TYPE_INT64,
+        FieldDescriptor.TYPE_UINT64,
+        FieldDescriptor.TYPE_SINT64,
+        FieldDescriptor.TYPE_FIXED64,
+        FieldDescriptor.TYPE_SFIXED64,
+    }
+)
+
+
+def status_dict(reply: pb.StatusReply) -> dict[str, Any]:
+    """The reply as JSON-ready data: every field present, integers as numbers."""
+    data: dict[str, Any] = MessageToDict(reply, always_print_fields_with_no_presence=True)
+    _integers_as_numbers(data, reply.DESCRIPTOR)
+    return data
+
+
+def status_json(reply: pb.StatusReply) -> str:
+    """What `gradsync status --json` prints."""
+    return json.dumps(status_dict(reply), indent=2, sort_keys=True)
+
+
+def _integers_as_numbers(data: dict[str, Any], descriptor: Descriptor) -> None:
+    for field in descriptor.fields:
+        if field.json_name not in data:
+            continue
+        value = data[field.json_name]
+        repeated = isinstance(value, list)  # the JSON form tells; no descriptor API needed
+        if field.message_type is not None:
+            for item in value if repeated else [value]:
+                _integers_as_numbers(item, field.message_type)
+        elif field.type in _INT64_TYPES:
+            data[field.json_name] = [int(v) for v in value] if repeated else int(value)
+
+
 def format_status(reply: pb.StatusReply) -> str:
-    """A human-readable report of a StatusReply."""
+    """A human-readable report of a StatusReply: running jobs first, then ended ones."""
     if not reply.jobs:
         return "no jobs"
     lines = []
     for job in reply.jobs:
-        checkpoint = (
-            f"last checkpoint step {job.last_checkpoint_step}"
-            if job.last_checkpoint_step >= 0
-            else "no checkpoint"
-        )
-        lines.append(
-            f"job '{job.job_id}': {job.state}, {len(job.members)}/{job.world_size} workers, "
-            f"epoch {job.membership_epoch}, step {job.open_step} "
-            f"({job.steps_completed} completed), {checkpoint}"
-        )
-        for member in job.members:
+        if not job.ended:
+            lines.extend(_running_job(job))
+    for job in reply.jobs:
+        if job.ended:
+            outcome = job.outcome or f"{job.state} after {job.steps_completed} steps"
             lines.append(
-                f"  rank {member.rank}: {member.peer or '?'}, last heard {member.last_seen_s:.1f}s "
-                f"ago, at step {member.reported_step}, mean lag {member.mean_lag_s * 1e3:.1f} ms"
-            )
-        lagging = sorted(job.members, key=lambda m: m.mean_lag_s, reverse=True)
-        if lagging and lagging[0].mean_lag_s > 0:
-            lines.append(
-                "  slowest ranks (mean bucket lag): "
-                + ", ".join(f"rank {m.rank} {m.mean_lag_s * 1e3:.1f} ms" for m in lagging[:3])
-            )
-        if job.late:
-            waiting = ", ".join(
-                f"rank {late.rank} (buckets {list(late.bucket_indices)})" for late in job.late
-            )
-            lines.append(
-                f"  step {job.open_step} is {job.step_age_s:.1f}s old, waiting for {waiting}"
+                f"job '{job.job_id}': ended {job.ended_s_ago:.0f}s ago ({job.state}): {outcome}"
             )
     return "\n".join(lines)
+
+
+def _running_job(job: pb.JobStatus) -> list[str]:
+    """Lines of a job that still runs (or assembles): members, laggards, who is missing."""
+    checkpoint = (
+        f"last checkpoint step {job.last_checkpoint_step}"
+        if job.last_checkpoint_step >= 0
+        else "no checkpoint"
+    )
+    lines = [
+        f"job '{job.job_id}': {job.state}, {len(job.members)}/{job.world_size} workers, "
+        f"epoch {job.membership_epoch}, step {job.open_step} "
+        f"({job.steps_completed} completed), {checkpoint}"
+    ]
+    for member in job.members:
+        lines.append(
+            f"  rank {member.rank}: {member.peer or '?'}, last heard {member.last_seen_s:.1f}s "
+            f"ago, at step {member.reported_step}, mean lag {member.mean_lag_s * 1e3:.1f} ms"
+        )
+    missing = sorted(set(range(job.world_size)) - {member.rank for member in job.members})
+    if missing:
+        lines.append(f"  waiting for ranks {missing} of {job.world_size}")
+    lagging = sorted(job.members, key=lambda m: m.mean_lag_s, reverse=True)
+    if lagging and lagging[0].mean_lag_s > 0:
+        lines.append(
+            "  slowest ranks (mean bucket lag): "
+            + ", ".join(f"rank {m.rank} {m.mean_lag_s * 1e3:.1f} ms" for m in lagging[:3])
+        )
+    if job.late:
+        waiting = ", ".join(
+            f"rank {late.rank} (buckets {list(late.bucket_indices)})" for late in job.late
+        )
+        lines.append(f"  step {job.open_step} is {job.step_age_s:.1f}s old, waiting for {waiting}")
+    return lines

@@ -10,6 +10,16 @@ the sending side and the gRPC plumbing; everything the coordinator sends back
 raises stored failures at the next wait, translated into `GradSyncError`s in
 one place.
 
+A worker may start long before its peers, or before its coordinator: it
+sends heartbeats from the moment its stream is open (the coordinator counts a
+waiting rank as alive), and while it waits for the job to assemble it logs
+every ~10 s who is still missing, or why the coordinator cannot be reached
+(`gradsync.joining`), and how long it will keep trying.
+
+Collectives on user tensors travel on the same stream: `run_collective`
+numbers them (every rank issues them in the same order), uploads the input in
+chunks and waits (bounded) for the checked result.
+
 A stream's end is classified by cause, not only by status code: the
 coordinator's last message is a `StreamEnd` naming the reason (declared dead,
 checkpoint failed, shutting down, ...), which is recorded and combined with
@@ -36,13 +46,13 @@ import numpy as np
 import numpy.typing as npt
 
 from gradsync.buffers import BucketBuffer
+from gradsync.collective_results import op_name
 from gradsync.errors import (
     ClosedError,
-    CoordinatorUnavailableError,
     GradSyncError,
-    SyncTimeoutError,
 )
 from gradsync.inbox import Inbox
+from gradsync.joining import wait_for_welcome
 from gradsync.link import BucketEventHandler
 from gradsync.protocol import chunking, defaults
 from gradsync.protocol.codec import ChunkHeader, encode_gradient
@@ -56,6 +66,14 @@ log = logging.getLogger("gradsync.client")
 #: own limit (announced in Welcome) is the binding one for uploads.
 CLIENT_MAX_MESSAGE_BYTES = 64 * defaults.MIB + chunking.HEADER_SLACK_BYTES
 SYNC_METHOD = "/gradsync.v1.Coordinator/Sync"
+#: gRPC's reconnect backoff grows to 120 s by default: a worker started long
+#: before its coordinator would notice it minutes late. Keep retrying briskly.
+_RECONNECT_OPTIONS = [
+    ("grpc.initial_reconnect_backoff_ms", 500),
+    ("grpc.min_reconnect_backoff_ms", 500),
+    ("grpc.max_reconnect_backoff_ms", 2000),
+    ("grpc.dns_min_time_between_resolutions_ms", 1000),
+]
 
 
 @dataclass
@@ -78,7 +96,19 @@ class _CheckpointUpload:
     heal: bool = False
 
 
+@dataclass
+class _CollectiveUpload:
+    sequence: int
+    op: int
+    dtype: int
+    root: int
+    payload: npt.NDArray[np.uint8]
+
+
 _CLOSE = object()
+#: Placeholder for a heartbeat in the outgoing queue: the step it reports is
+#: read when it is sent, not when it was queued.
+_HEARTBEAT = object()
 
 
 class Transport:
@@ -106,6 +136,11 @@ class Transport:
         self._call: Any = None
         self._receiver: asyncio.Task[None] | None = None
         self._heartbeat: asyncio.Task[None] | None = None
+        #: A heartbeat is queued and not yet handed to gRPC (loop thread only):
+        #: while the coordinator is unreachable, beats must not pile up.
+        self._heartbeat_queued = False
+        self._sequence_lock = threading.Lock()
+        self._next_collective = 0
         #: The step heartbeats report (set by the model wrapper).
         self.current_step = 0
         #: Called on the transport thread as (event, step, bucket_index) for
@@ -118,26 +153,69 @@ class Transport:
         self._run(self._open(join), timeout_s=30.0)
 
     def wait_welcome(self, timeout_s: float) -> pb.Welcome:
-        """Block until the job is assembled.
+        """Block until the job is assembled, logging every ~10 s what it waits for.
+
+        See `gradsync.joining.wait_for_welcome`.
 
         Raises:
             CoordinatorUnavailableError: the coordinator was not reachable in time.
             SyncTimeoutError: reachable, but the job did not assemble in time.
             JoinRefusedError: the coordinator refused this worker.
         """
-        try:
-            return self._inbox.wait_welcome(timeout_s)
-        except SyncTimeoutError:
-            if not self._is_connected():
-                raise CoordinatorUnavailableError(
-                    f"could not reach the coordinator at {self.target} within {timeout_s:g}s",
-                    rank=self.rank,
-                ) from None
-            raise SyncTimeoutError(
-                f"connected to {self.target}, but the job did not assemble within "
-                f"{timeout_s:g}s (are all ranks started with the same world size and job id?)",
-                rank=self.rank,
-            ) from None
+        return wait_for_welcome(self._inbox, self.target, self.rank, timeout_s, self._is_connected)
+
+    # ------------------------------------------------------------ collectives, join()
+    def run_collective(
+        self,
+        op: int,
+        dtype: int,
+        payload: npt.NDArray[np.uint8],
+        root: int,
+        timeout_s: float,
+        *,
+        result_bytes: int | None = None,
+    ) -> tuple[bytearray, int]:
+        """Run the next collective of the job; see `CoordinatorLink.run_collective`."""
+        if op not in pb.CollectiveOp.values() or op == pb.COLLECTIVE_OP_UNSPECIFIED:
+            raise ValueError(f"unknown collective op {op}")
+        if payload.dtype != np.uint8 or payload.ndim != 1:
+            raise ValueError(
+                f"a collective's payload must be a 1-D uint8 array, got {payload.dtype} "
+                f"with shape {payload.shape}"
+            )
+        with self._sequence_lock:
+            sequence = self._next_collective
+            self._inbox.expect_collective(sequence, op, dtype, payload.nbytes, result_bytes)
+            self._next_collective = sequence + 1
+        log.debug(
+            "rank %d: collective %d: %s of %d bytes",
+            self.rank,
+            sequence,
+            op_name(op),
+            payload.nbytes,
+        )
+        self._put(_CollectiveUpload(sequence, op, dtype, root, payload))
+        return self._inbox.wait_collective(sequence, timeout_s)
+
+    @property
+    def collective_sequence(self) -> int:
+        """The sequence number the next collective gets."""
+        return self._next_collective
+
+    def set_collective_sequence(self, sequence: int) -> None:
+        """Continue numbering collectives at `sequence` (after a join(), from JoinProgress)."""
+        if sequence < 0:
+            raise ValueError(f"a collective sequence number cannot be negative, got {sequence}")
+        with self._sequence_lock:
+            self._next_collective = sequence
+
+    def send_out_of_inputs(self, step: int) -> None:
+        """Tell the coordinator this rank ran out of inputs at `step`. Never blocks."""
+        self._put(pb.WorkerMessage(out_of_inputs=pb.OutOfInputs(step=step)))
+
+    def wait_join_progress(self, timeout_s: float) -> pb.JoinProgress:
+        """Block (bounded) until the next JoinProgress arrives; return it."""
+        return self._inbox.wait_join_progress(timeout_s)
 
     def configure_buckets(self, bucket_bytes: list[int]) -> None:
         """Tell the transport the size of each bucket (to assemble results)."""
@@ -202,7 +280,8 @@ class Transport:
             return
         self._closed = True
         try:
-            if self._call is not None:
+            # A goodbye needs a connection: never connected, there is nobody to wait for.
+            if self._call is not None and self._is_connected():
                 self._put(pb.WorkerMessage(leave=pb.Leave(reason="closed by the worker")))
                 self._put(_CLOSE)
                 # Leaving anyway if the goodbye fails: the stream is torn down below.
@@ -223,6 +302,7 @@ class Transport:
             ("grpc.keepalive_time_ms", 10_000),
             ("grpc.keepalive_timeout_ms", 10_000),
             ("grpc.keepalive_permit_without_calls", 1),
+            *_RECONNECT_OPTIONS,
         ]
         self._channel = grpc.aio.insecure_channel(self.target, options=options)
         # Raw bytes both ways: gradient chunks are encoded and decoded by
@@ -236,15 +316,19 @@ class Transport:
         self._heartbeat = asyncio.create_task(self._send_heartbeats())
 
     async def _send_heartbeats(self) -> None:
-        """Queue a Heartbeat every interval, so a busy but healthy worker is not declared dead."""
+        """Queue a Heartbeat every interval from the moment the stream is open.
+
+        Also while the job assembles: the coordinator counts a waiting rank as
+        alive only if it hears from it. The interval is the coordinator's (from
+        its first AssemblyProgress or the Welcome), else the default. A beat
+        is queued only once the previous one has left, so that nothing piles
+        up while the coordinator is unreachable.
+        """
         while True:
-            welcome = self._inbox.welcome
-            await asyncio.sleep(
-                welcome.heartbeat_interval_s if welcome else defaults.HEARTBEAT_INTERVAL_S
-            )
-            if welcome is not None:
-                beat = pb.WorkerMessage(heartbeat=pb.Heartbeat(step=self.current_step))
-                self._outgoing.put_nowait(beat)
+            await asyncio.sleep(self._inbox.heartbeat_interval_s or defaults.HEARTBEAT_INTERVAL_S)
+            if not self._heartbeat_queued:
+                self._heartbeat_queued = True
+                self._outgoing.put_nowait(_HEARTBEAT)
 
     async def _requests(self) -> AsyncIterator[bytes]:
         chunk_bytes = chunking.DEFAULT_CHUNK_BYTES
@@ -253,6 +337,11 @@ class Transport:
             item = await self._outgoing.get()
             if item is _CLOSE:
                 return
+            if item is _HEARTBEAT:
+                self._heartbeat_queued = False
+                beat = pb.WorkerMessage(heartbeat=pb.Heartbeat(step=self.current_step))
+                yield beat.SerializeToString()
+                continue
             welcome = self._inbox.welcome
             if welcome is not None:
                 chunk_bytes, epoch = welcome.chunk_bytes, self._inbox.membership_epoch
@@ -273,6 +362,9 @@ class Transport:
                     payload = view[offset : offset + length].tobytes()
                     chunk = pb.StateChunk(offset=offset, payload=payload)
                     yield pb.WorkerMessage(state=chunk).SerializeToString()
+            elif isinstance(item, _CollectiveUpload):
+                for message in _collective_chunks(item, chunk_bytes):
+                    yield message
             elif isinstance(item, _BucketUpload):
                 self._bucket_event("upload_start", item.step, item.bucket_index)
                 last_offset = (chunking.num_chunks(item.buffer.size, chunk_bytes) - 1) * chunk_bytes
@@ -318,12 +410,28 @@ class Transport:
                 log.exception("bucket event handler failed")
 
     async def _shutdown(self) -> None:
+        """Cancel the call and every task of the loop, and wait for them (no asyncio noise).
+
+        A task still pending when the loop stops prints "Task was destroyed but
+        it is pending!", and a failed future nobody awaited prints "Future
+        exception was never retrieved": everything is cancelled and awaited here.
+        """
+        if self._call is not None:
+            self._call.cancel()
         if self._heartbeat is not None:
             self._heartbeat.cancel()
         if self._receiver is not None and not self._receiver.done():
             self._receiver.cancel()
         if self._channel is not None:
             await self._channel.close()
+        current = asyncio.current_task()
+        for _ in range(3):  # closing the channel can start gRPC's own last tasks
+            others = [task for task in asyncio.all_tasks() if task is not current]
+            if not others:
+                break
+            for task in others:
+                task.cancel()
+            await asyncio.gather(*others, return_exceptions=True)
 
     # --------------------------------------------------------------- helpers
     def _put(self, item: object) -> None:
@@ -339,3 +447,24 @@ class Transport:
         if self._channel is None:
             return False
         return bool(self._channel.get_state() == grpc.ChannelConnectivity.READY)
+
+
+def _collective_chunks(upload: _CollectiveUpload, chunk_bytes: int) -> list[bytes]:
+    """A collective's input as serialized WorkerMessages; an empty input is one empty chunk."""
+    view = memoryview(upload.payload.data)
+    total = len(view)
+    spans = list(chunking.chunk_spans(total, chunk_bytes)) or [(0, 0)]
+    return [
+        pb.WorkerMessage(
+            collective=pb.CollectiveChunk(
+                sequence=upload.sequence,
+                op=upload.op,  # type: ignore[arg-type]  # an int checked against CollectiveOp
+                dtype=upload.dtype,  # type: ignore[arg-type]  # a DType value
+                total_bytes=total,
+                offset=offset,
+                payload=view[offset : offset + length].tobytes(),
+                root=upload.root,
+            )
+        ).SerializeToString()
+        for offset, length in spans
+    ]

@@ -182,10 +182,10 @@ def test_bucket_index_out_of_range() -> None:
 
 def test_dtype_mismatch() -> None:
     in_band_case(
-        gradient(0, 0, bytes(CHUNK), dtype=pb.DTYPE_FLOAT16),
+        gradient(0, 0, bytes(CHUNK), dtype=pb.DTYPE_FLOAT64),
         CODE.INVALID_ARGUMENT,
         "bucket 0",
-        "float16",
+        "float64",
         "expected float32",
     )
 

@@ -162,9 +162,9 @@ def test_hung_peer_fails_within_the_deadline() -> None:
 @pytest.mark.parametrize(
     ("args", "needle"),
     [
-        (["localhost"], "address must be host:port"),
-        ([":50051"], "address must be host:port"),
-        (["127.0.0.1:50051", "--timeout-s", "0"], "--timeout-s must be > 0"),
+        (["localhost"], "address 'localhost' has no port"),
+        ([":50051"], "address ':50051' has an empty host"),
+        (["127.0.0.1:50051", "--timeout-s", "0"], "argument --timeout-s: must be > 0"),
         ([], "the following arguments are required: address"),
     ],
 )

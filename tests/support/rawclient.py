@@ -80,15 +80,21 @@ class RawWorker:
             request_serializer=lambda raw: raw,
             response_deserializer=pb.CoordinatorMessage.FromString,
         )()
+        #: AssemblyProgress messages received while waiting for something else.
+        self.assembly: list[pb.AssemblyProgress] = []
 
     async def send(self, message: pb.WorkerMessage | bytes) -> None:
         raw = message if isinstance(message, bytes) else message.SerializeToString()
         await asyncio.wait_for(self.call.write(raw), timeout=5)
 
-    async def recv(self, timeout: float = 5.0) -> pb.CoordinatorMessage:
-        message = await asyncio.wait_for(self.call.read(), timeout=timeout)
-        assert message is not grpc.aio.EOF, "stream ended without a status"
-        return message  # type: ignore[no-any-return]
+    async def recv(self, timeout: float = 5.0, assembly: bool = False) -> pb.CoordinatorMessage:
+        """The next message; AssemblyProgress is set aside in `self.assembly` unless asked for."""
+        while True:
+            message = await asyncio.wait_for(self.call.read(), timeout=timeout)
+            assert message is not grpc.aio.EOF, "stream ended without a status"
+            if assembly or message.WhichOneof("kind") != "assembly":
+                return message  # type: ignore[no-any-return]
+            self.assembly.append(message.assembly)
 
     async def join(
         self,
@@ -111,7 +117,7 @@ class RawWorker:
         )
 
     async def expect_kind(self, kind: str) -> pb.CoordinatorMessage:
-        message = await self.recv()
+        message = await self.recv(assembly=kind == "assembly")
         assert message.WhichOneof("kind") == kind, message
         return message
 

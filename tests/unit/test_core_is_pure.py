@@ -21,11 +21,15 @@ CORE = (
     "__init__",
     "actions",
     "aggregation",
+    "assembly",
+    "broadcast",
     "budget",
     "checkpoint",
     "checkpoint_file",
     "checkpoint_redis",
+    "collectives",
     "config",
+    "elastic",
     "errors",
     "job",
     "liveness",
@@ -37,10 +41,11 @@ CORE = (
     "signature",
     "status",
     "stores",
+    "uneven",
     "uploads",
 )
 #: Glue that may use gRPC and asyncio: streams, process wiring, background tasks.
-GLUE = ("app", "checkpointer", "servicer", "watchdog")
+GLUE = ("app", "checkpointer", "connection", "servicer", "watchdog")
 
 
 def imported_roots(path: Path) -> set[str]:

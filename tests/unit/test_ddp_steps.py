@@ -12,138 +12,21 @@ from __future__ import annotations
 
 import copy
 import io
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from typing import Any
 
 import gradsync
-import numpy as np
-import numpy.typing as npt
 import pytest
 import torch
-from gradsync.buffers import BucketBuffer
-from gradsync.link import BucketEventHandler, CoordinatorLink
+from gradsync.link import CoordinatorLink
 from gradsync.v1 import gradsync_pb2 as pb
+from support.fakelink import FakeLink, LinkFactory
 from torch import nn
 
 pytestmark = pytest.mark.unit
 
 #: Caps so small that every parameter gets a bucket of its own.
 ONE_PARAMETER_PER_BUCKET: dict[str, Any] = {"bucket_cap_mb": 1e-6, "first_bucket_mb": 1e-6}
-
-
-class FakeLink:
-    """A coordinator in a box: records submissions, averages with a silent peer.
-
-    The averages it writes back are `scale` times this rank's gradients (0.5:
-    a second rank contributed zeros), so a test can tell an averaged `.grad`
-    from a local one.
-    """
-
-    def __init__(self, target: str, rank: int, welcome: pb.Welcome | None = None) -> None:
-        self.target = target
-        self.rank = rank
-        self.current_step = 0
-        self.on_bucket_event: BucketEventHandler | None = None
-        self.welcome = welcome if welcome is not None else pb.Welcome(start_step=0)
-        self.bucket_bytes: list[int] = []
-        self.joins: list[pb.Join] = []
-        self.sent_state: list[bytes] = []
-        self.state_for_us = b""
-        self.resume_blob = b""
-        #: (step, bucket_index, buffer) of every hand-off, in order.
-        self.submitted: list[tuple[int, int, BucketBuffer]] = []
-        self.checkpoints: list[int] = []
-        self.checkpoint_durable = True
-        self.heals: list[int] = []
-        self.heal_requested = False
-        self.abandoned: list[tuple[int, str]] = []
-        self.waited_steps: list[int] = []
-        #: Raised by the next wait_step instead of answering (a recorded failure).
-        self.fail_with: gradsync.GradSyncError | None = None
-        self.scale = 0.5
-        self.contributors = 2
-        self.closed = False
-        #: Called at every hand-off, while autograd is still running.
-        self.on_submit: Callable[[int], None] | None = None
-
-    def configure_buckets(self, bucket_bytes: list[int]) -> None:
-        self.bucket_bytes = list(bucket_bytes)
-
-    def open(self, join: pb.Join) -> None:
-        self.joins.append(join)
-
-    def wait_welcome(self, timeout_s: float) -> pb.Welcome:
-        return self.welcome
-
-    def send_state(self, blob: npt.NDArray[np.uint8]) -> None:
-        self.sent_state.append(blob.tobytes())
-
-    def receive_state(self, num_bytes: int, timeout_s: float) -> bytearray:
-        assert len(self.state_for_us) == num_bytes
-        return bytearray(self.state_for_us)
-
-    def receive_resume(self, num_bytes: int, timeout_s: float) -> bytes:
-        assert len(self.resume_blob) == num_bytes
-        return self.resume_blob
-
-    def send_checkpoint(self, step: int, blob: bytes) -> None:
-        self.checkpoints.append(step)
-
-    def wait_checkpoint(self, step: int, timeout_s: float) -> pb.CheckpointSaved:
-        message = "" if self.checkpoint_durable else "the store is read-only"
-        return pb.CheckpointSaved(step=step, durable=self.checkpoint_durable, message=message)
-
-    def take_heal_request(self) -> bool:
-        requested, self.heal_requested = self.heal_requested, False
-        return requested
-
-    def send_heal(self, step: int, blob: bytes) -> None:
-        self.heals.append(step)
-
-    def abandon_step(self, step: int, reason: str) -> None:
-        self.abandoned.append((step, reason))
-
-    def submit_bucket(self, step: int, bucket_index: int, buffer: BucketBuffer, dtype: int) -> None:
-        assert dtype == pb.DTYPE_FLOAT32
-        self.submitted.append((step, bucket_index, buffer))
-        if self.on_submit is not None:
-            self.on_submit(bucket_index)
-
-    def wait_step(self, step: int, timeout_s: float) -> int:
-        self.waited_steps.append(step)
-        if self.fail_with is not None:
-            error, self.fail_with = self.fail_with, None
-            raise error
-        for submitted_step, _, buffer in self.submitted:
-            if submitted_step == step:
-                local = np.concatenate(buffer.segments).view(np.float32)
-                averaged = (local * np.float32(self.scale)).astype(np.float32)
-                buffer.write(0, averaged.view(np.uint8).tobytes())
-        return self.contributors
-
-    def close(self, timeout_s: float = 10.0) -> None:
-        self.closed = True
-
-
-class LinkFactory:
-    """Hands the wrapper FakeLinks; keeps every one it made (one per (re)connect)."""
-
-    def __init__(self, *welcomes: pb.Welcome) -> None:
-        self._welcomes = list(welcomes)
-        self.links: list[FakeLink] = []
-        self.prepare: Callable[[FakeLink], None] | None = None
-
-    def __call__(self, target: str, rank: int) -> CoordinatorLink:
-        welcome = self._welcomes.pop(0) if self._welcomes else None
-        link = FakeLink(target, rank, welcome)
-        if self.prepare is not None:
-            self.prepare(link)
-        self.links.append(link)
-        return link
-
-    @property
-    def link(self) -> FakeLink:
-        return self.links[-1]
 
 
 def chain() -> nn.Sequential:
@@ -252,27 +135,86 @@ def test_averages_are_in_param_grad_when_backward_returns(factory: LinkFactory) 
     assert factory.link.current_step == 1
 
 
-def test_a_parameter_without_gradient_contributes_zeros_and_gets_the_average(
+class TwoHeads(nn.Module):
+    """A used head and a head that this rank never runs."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.used = nn.Linear(4, 2)
+        self.unused = nn.Linear(4, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        output: torch.Tensor = self.used(x)
+        return output
+
+
+def test_a_parameter_no_rank_used_keeps_grad_none_and_the_presence_says_so(
     factory: LinkFactory,
 ) -> None:
-    class TwoHeads(nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            self.used = nn.Linear(4, 2)
-            self.unused = nn.Linear(4, 2)
-
-        def forward(self, x: torch.Tensor) -> torch.Tensor:
-            output: torch.Tensor = self.used(x)
-            return output
-
     module = TwoHeads()
     model = wrap(module, factory, **ONE_PARAMETER_PER_BUCKET)
 
     backward(model)
 
+    # Every bucket still travels (the coordinator expects each one), zeros for the unused.
     assert len(factory.link.submitted) == len(model.bucket_plans) == 4
+    assert factory.link.presence == [[1.0, 1.0, 0.0, 0.0]]
+    assert module.unused.weight.grad is None and module.unused.bias.grad is None
+    assert module.used.weight.grad is not None
+
+
+def test_a_grad_accumulated_under_no_sync_is_left_untouched_when_no_rank_used_it(
+    factory: LinkFactory,
+) -> None:
+    module = TwoHeads()
+    model = wrap(module, factory, **ONE_PARAMETER_PER_BUCKET)
+    module.unused.weight.grad = torch.full_like(module.unused.weight, 3.0)
+    before = module.unused.weight.grad.clone()
+    stored = module.unused.weight.grad
+
+    backward(model)
+
+    # Uploaded (the peer might have used it) from a copy, then not written back.
+    assert module.unused.weight.grad is stored
+    assert torch.equal(module.unused.weight.grad, before)
+    assert factory.link.presence == [[1.0, 1.0, 0.0, 0.0]]
+
+
+def test_a_parameter_only_a_peer_used_gets_the_average_of_zeros_and_its_gradient(
+    factory: LinkFactory,
+) -> None:
+    module = TwoHeads()
+    model = wrap(module, factory, **ONE_PARAMETER_PER_BUCKET)
+    factory.link.peer_presence = [1.0, 1.0, 1.0, 1.0]
+    factory.link.peer_value = 0.25  # the peer's gradient, halved
+
+    backward(model)
+
+    grad = module.unused.weight.grad
+    assert grad is not None and grad.shape == module.unused.weight.shape
+    assert torch.equal(grad, torch.full_like(grad, 0.25))  # our zeros + the peer's share
+    assert module.unused.bias.grad is not None
+
+
+def test_a_parameter_used_only_under_no_sync_counts_as_used(factory: LinkFactory) -> None:
+    module = TwoHeads()
+    model = wrap(module, factory, **ONE_PARAMETER_PER_BUCKET)
+    x, y = batch()
+    with model.no_sync():
+        nn.functional.mse_loss(module.unused(x), y).backward()  # type: ignore[no-untyped-call]
+    accumulated = module.unused.weight.grad
+    assert accumulated is not None
+    expected = accumulated.clone()
+
+    backward(model)
+
+    assert factory.link.presence == [[1.0, 1.0, 1.0, 1.0]]
     assert module.unused.weight.grad is not None
-    assert torch.count_nonzero(module.unused.weight.grad) == 0
+    torch.testing.assert_close(module.unused.weight.grad, expected * 0.5)
+    # The marks are per synchronized step: the next step starts from nothing used.
+    backward(model)
+    assert factory.link.presence[1] == [1.0, 1.0, 0.0, 0.0]
 
 
 def test_no_sync_uploads_nothing_and_the_next_step_averages_the_accumulated_gradients(
@@ -408,7 +350,15 @@ def test_rank_0_broadcasts_its_state_and_other_ranks_start_from_it() -> None:
         torch.testing.assert_close(mine, theirs)
     (join,) = receiver_factory.link.joins
     assert (join.rank, join.world_size, join.job_id) == (1, 2, "default")
-    assert [spec.name for spec in join.signature.parameters] == ["0.weight", "2.weight", "4.weight"]
+    # The presence vector travels as the last "parameter" (and bucket) of the signature.
+    assert [spec.name for spec in join.signature.parameters] == [
+        "0.weight",
+        "2.weight",
+        "4.weight",
+        "gradsync.presence",
+    ]
+    assert list(join.signature.buckets[-1].parameter_indices) == [3]
+    assert join.signature.buckets[-1].num_elements == 3
 
 
 def test_rank_0_checkpoints_at_step_boundaries_and_reports_a_failed_one() -> None:

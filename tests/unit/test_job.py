@@ -59,7 +59,16 @@ def make_job(budget: ByteBudget, world_size: int = 3, **options: object) -> tupl
     for rank in range(world_size):
         job.join(rank, join(rank, world_size))
     assert job.state is JobState.RUNNING
+    broadcast_state(job)
     return job, clock
+
+
+def broadcast_state(job: Job) -> None:
+    """Rank 0's initial state broadcast (parameters only: the signature has no buffers)."""
+    for offset in range(0, BUCKET_BYTES, CHUNK):
+        payload = bytes(min(CHUNK, BUCKET_BYTES - offset))
+        job.on_state_chunk(0, pb.StateChunk(offset=offset, payload=payload))
+    assert job.broadcast.complete
 
 
 def chunk(
@@ -110,8 +119,12 @@ def test_a_broken_job_gives_back_every_buffered_byte() -> None:
 
 def test_a_refused_job_ends_every_stream_as_refused() -> None:
     job = Job("job", 2, CHUNK, 2 * CHUNK, ByteBudget(1 << 20), clock=FakeClock())
-    assert job.join(0, join(0, 2)) == []
-    (refusal,) = job.join(1, join(1, 2, weight_rows=63))
+    (waiting,) = messages(job.join(0, join(0, 2)), "assembly")
+    assert list(waiting.assembly.missing_ranks) == [1]
+    actions = job.join(1, join(1, 2, weight_rows=63))
+    (told,) = messages(actions, "assembly")
+    assert told.assembly.refused.startswith("rank 1: ") and "fc.weight" in told.assembly.refused
+    refusal = actions[-1]
     assert isinstance(refusal, Terminate)
     assert refusal.code is Code.INVALID_ARGUMENT and refusal.reason == pb.END_REASON_JOB_REFUSED
     assert refusal.ranks == (0, 1) and "fc.weight" in refusal.details
@@ -144,7 +157,8 @@ def test_liveness_ignores_departed_ranks_and_status_reports_it() -> None:
         (0, 7, 2.5),
         (1, 0, 5.5),
     ]
-    assert status.state == "broken" and status.last_checkpoint_step == -1
+    # Rank 2 left orderly with nothing in flight: a normal finish, not a failure.
+    assert status.state == "finishing" and status.last_checkpoint_step == -1
     reply = status_reply([job], "other", heartbeat_timeout_s=5.0)
     assert list(reply.jobs) == [] and reply.heartbeat_timeout_s == 5.0
 

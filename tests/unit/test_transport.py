@@ -58,6 +58,10 @@ class ScriptedCall:
     def __aiter__(self) -> AsyncIterator[bytes]:
         return self._replay()
 
+    def cancel(self) -> bool:
+        """As grpc.aio's call: the transport cancels its call when it closes."""
+        return False
+
     async def _replay(self) -> AsyncIterator[bytes]:
         for raw in self._messages:
             yield raw
@@ -104,8 +108,18 @@ def test_a_stream_end_decides_the_error_of_the_status_that_follows(
     error = end_stream([stream_end(reason, status, "why")], status)
     assert type(error) is expected
     assert error.rank == 2 and error.code is status
-    assert f"{status.name} details" in str(error)
+    assert f"{status.name}: why" in str(error)
     assert isinstance(error.__cause__, grpc.aio.AioRpcError)
+
+
+def test_the_stream_ends_words_win_over_a_status_the_transport_replaced() -> None:
+    # Seen in CI: the coordinator ended the stream cleanly after its StreamEnd, but
+    # the client's gRPC reported INTERNAL "Internal error from Core" instead.
+    message = "checkpoint of step 40 failed and --require-checkpoint is set: store down"
+    end = stream_end(pb.END_REASON_CHECKPOINT_FAILED, Code.FAILED_PRECONDITION, message)
+    error = end_stream([end], Code.INTERNAL)
+    assert type(error) is CheckpointFailedError
+    assert error.code is Code.FAILED_PRECONDITION and message in str(error)
 
 
 def test_unavailable_without_a_stream_end_is_a_lost_coordinator() -> None:

@@ -39,6 +39,14 @@ CHECKPOINT_EVERY_STEPS = 0
 ON_FAILURE = "abort"
 #: Under the elastic policy, the fewest live workers a job goes on with.
 MIN_WORKERS = 1
+#: Cap on one rank's input to a collective (all_reduce, broadcast, ...), and on an
+#: all_gather's whole result; a claim checked before any byte is buffered.
+MAX_COLLECTIVE_BYTES = 256 * MIB
+#: How often a job that assembles logs (and tells its waiting ranks) who is missing.
+ASSEMBLY_REPORT_PERIOD_S = 10.0
+#: How many ended jobs `gradsync status` still shows, and for how long.
+ENDED_JOBS_KEPT = 32
+ENDED_JOBS_KEPT_S = 600.0
 
 # --- the workers ------------------------------------------------------------------------------
 #: The job id when none is given (all ranks of one job share it).
@@ -53,6 +61,8 @@ TIMEOUT_S = 300.0
 JOIN_TIMEOUT_S = 300.0
 #: How long a worker tries to reach a restarted coordinator before giving up.
 RECONNECT_TIMEOUT_S = 60.0
+#: Rank 0 logs step time, exposed sync time and bytes every this many steps (INFO; 0 = never).
+STEP_LOG_EVERY_STEPS = 100
 
 # --- the command line -------------------------------------------------------------------------
 #: Bound on a `gradsync status` query.

@@ -297,7 +297,7 @@ class WorkerMessage(_message.Message):
     def __init__(self, join: _Optional[_Union[Join, _Mapping]] = ..., gradient: _Optional[_Union[GradientChunk, _Mapping]] = ..., state: _Optional[_Union[StateChunk, _Mapping]] = ..., leave: _Optional[_Union[Leave, _Mapping]] = ..., heartbeat: _Optional[_Union[Heartbeat, _Mapping]] = ..., checkpoint: _Optional[_Union[CheckpointChunk, _Mapping]] = ..., abandon: _Optional[_Union[AbandonStep, _Mapping]] = ..., collective: _Optional[_Union[CollectiveChunk, _Mapping]] = ..., out_of_inputs: _Optional[_Union[OutOfInputs, _Mapping]] = ...) -> None: ...
 
 class Welcome(_message.Message):
-    __slots__ = ("job_id", "world_size", "membership_epoch", "start_step", "chunk_bytes", "max_message_bytes", "state_bytes", "resume_bytes", "heartbeat_interval_s", "checkpoint_every_steps")
+    __slots__ = ("job_id", "world_size", "membership_epoch", "start_step", "chunk_bytes", "max_message_bytes", "state_bytes", "resume_bytes", "heartbeat_interval_s", "checkpoint_every_steps", "next_collective")
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
     WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
     MEMBERSHIP_EPOCH_FIELD_NUMBER: _ClassVar[int]
@@ -308,6 +308,7 @@ class Welcome(_message.Message):
     RESUME_BYTES_FIELD_NUMBER: _ClassVar[int]
     HEARTBEAT_INTERVAL_S_FIELD_NUMBER: _ClassVar[int]
     CHECKPOINT_EVERY_STEPS_FIELD_NUMBER: _ClassVar[int]
+    NEXT_COLLECTIVE_FIELD_NUMBER: _ClassVar[int]
     job_id: str
     world_size: int
     membership_epoch: int
@@ -318,7 +319,8 @@ class Welcome(_message.Message):
     resume_bytes: int
     heartbeat_interval_s: float
     checkpoint_every_steps: int
-    def __init__(self, job_id: _Optional[str] = ..., world_size: _Optional[int] = ..., membership_epoch: _Optional[int] = ..., start_step: _Optional[int] = ..., chunk_bytes: _Optional[int] = ..., max_message_bytes: _Optional[int] = ..., state_bytes: _Optional[int] = ..., resume_bytes: _Optional[int] = ..., heartbeat_interval_s: _Optional[float] = ..., checkpoint_every_steps: _Optional[int] = ...) -> None: ...
+    next_collective: int
+    def __init__(self, job_id: _Optional[str] = ..., world_size: _Optional[int] = ..., membership_epoch: _Optional[int] = ..., start_step: _Optional[int] = ..., chunk_bytes: _Optional[int] = ..., max_message_bytes: _Optional[int] = ..., state_bytes: _Optional[int] = ..., resume_bytes: _Optional[int] = ..., heartbeat_interval_s: _Optional[float] = ..., checkpoint_every_steps: _Optional[int] = ..., next_collective: _Optional[int] = ...) -> None: ...
 
 class StepAborted(_message.Message):
     __slots__ = ("step", "code", "message", "culprit_rank", "bucket_index", "reason")
@@ -405,7 +407,7 @@ class LateRank(_message.Message):
     def __init__(self, rank: _Optional[int] = ..., bucket_indices: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class JobStatus(_message.Message):
-    __slots__ = ("job_id", "state", "world_size", "membership_epoch", "open_step", "steps_completed", "members", "late", "step_age_s", "last_checkpoint_step")
+    __slots__ = ("job_id", "state", "world_size", "membership_epoch", "open_step", "steps_completed", "members", "late", "step_age_s", "last_checkpoint_step", "ended", "ended_s_ago", "outcome")
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELD_NUMBER: _ClassVar[int]
     WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -416,6 +418,9 @@ class JobStatus(_message.Message):
     LATE_FIELD_NUMBER: _ClassVar[int]
     STEP_AGE_S_FIELD_NUMBER: _ClassVar[int]
     LAST_CHECKPOINT_STEP_FIELD_NUMBER: _ClassVar[int]
+    ENDED_FIELD_NUMBER: _ClassVar[int]
+    ENDED_S_AGO_FIELD_NUMBER: _ClassVar[int]
+    OUTCOME_FIELD_NUMBER: _ClassVar[int]
     job_id: str
     state: str
     world_size: int
@@ -426,7 +431,10 @@ class JobStatus(_message.Message):
     late: _containers.RepeatedCompositeFieldContainer[LateRank]
     step_age_s: float
     last_checkpoint_step: int
-    def __init__(self, job_id: _Optional[str] = ..., state: _Optional[str] = ..., world_size: _Optional[int] = ..., membership_epoch: _Optional[int] = ..., open_step: _Optional[int] = ..., steps_completed: _Optional[int] = ..., members: _Optional[_Iterable[_Union[MemberStatus, _Mapping]]] = ..., late: _Optional[_Iterable[_Union[LateRank, _Mapping]]] = ..., step_age_s: _Optional[float] = ..., last_checkpoint_step: _Optional[int] = ...) -> None: ...
+    ended: bool
+    ended_s_ago: float
+    outcome: str
+    def __init__(self, job_id: _Optional[str] = ..., state: _Optional[str] = ..., world_size: _Optional[int] = ..., membership_epoch: _Optional[int] = ..., open_step: _Optional[int] = ..., steps_completed: _Optional[int] = ..., members: _Optional[_Iterable[_Union[MemberStatus, _Mapping]]] = ..., late: _Optional[_Iterable[_Union[LateRank, _Mapping]]] = ..., step_age_s: _Optional[float] = ..., last_checkpoint_step: _Optional[int] = ..., ended: _Optional[bool] = ..., ended_s_ago: _Optional[float] = ..., outcome: _Optional[str] = ...) -> None: ...
 
 class StatusReply(_message.Message):
     __slots__ = ("jobs", "heartbeat_timeout_s")

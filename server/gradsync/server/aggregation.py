@@ -16,6 +16,11 @@ Membership may change mid-step (elastic policy): `drop_rank` removes a lost
 rank from every pending chunk that it has not contributed to (a contribution
 already received stays, and counts in the divisor: the average is always over
 the contributions it contains), and `add_rank` adds a rejoining rank.
+
+Uneven inputs (DDP's `join()`) are the one exception to "divide by the
+contributions": a rank that ran out of inputs contributes nothing, yet the
+average keeps dividing by the world size, as DDP's default
+`divide_by_initial_world_size=True` does. `divisor` overrides the count for that.
 """
 
 from __future__ import annotations
@@ -98,14 +103,26 @@ class BucketReduction:
         dtype: wire dtype of the bucket (a `gradsync.v1.DType` value).
         num_bytes: size of the bucket in bytes.
         chunk_bytes: chunk size; offsets are multiples of it.
+        divisor: divide every chunk's sum by this instead of by the number of
+            contributions (uneven inputs); None = the contributions.
 
     The caller validates offsets and lengths (it knows the rank and step to put
     in error messages); this class trusts them and only refuses duplicates.
     """
 
-    def __init__(self, ranks: Sequence[int], dtype: int, num_bytes: int, chunk_bytes: int) -> None:
+    def __init__(
+        self,
+        ranks: Sequence[int],
+        dtype: int,
+        num_bytes: int,
+        chunk_bytes: int,
+        divisor: int | None = None,
+    ) -> None:
         if not ranks:
             raise ValueError("a reduction needs at least one rank")
+        if divisor is not None and divisor < len(ranks):
+            raise ValueError(f"divisor {divisor} is below the {len(ranks)} contributing ranks")
+        self.divisor = divisor
         self._ranks = sorted(ranks)
         self.dtype = dtype
         self.num_bytes = num_bytes
@@ -193,7 +210,7 @@ class BucketReduction:
             return None
         # Complete: every expected rank is folded in, in rank order.
         assert state.accumulator is not None  # at least one contribution was folded
-        state.accumulator /= state.next_position
+        state.accumulator /= self.divisor or state.next_position
         self.last_contributors = state.next_position
         averaged = from_accumulator(state.accumulator, self.dtype)
         self.buffered_bytes -= before

@@ -38,6 +38,8 @@ class ServerConfig:
         on_failure: "abort" (survivors get PeerLostError) or "elastic" (go on without
             the lost rank; restarted ranks rejoin).
         min_workers: under the elastic policy, the fewest live ranks to go on with.
+        max_collective_bytes: cap on one rank's input to a collective on user tensors
+            (and on an all_gather's whole result); larger claims get RESOURCE_EXHAUSTED.
     """
 
     world_size: int
@@ -58,6 +60,7 @@ class ServerConfig:
     metrics_port: int | None = None
     on_failure: str = defaults.ON_FAILURE
     min_workers: int = defaults.MIN_WORKERS
+    max_collective_bytes: int = defaults.MAX_COLLECTIVE_BYTES
 
     def __post_init__(self) -> None:
         if self.world_size < 1:
@@ -86,6 +89,10 @@ class ServerConfig:
             raise ValueError(
                 f"min workers must be in 1..{self.world_size} (the world size), "
                 f"got {self.min_workers}"
+            )
+        if self.max_collective_bytes < 1:
+            raise ValueError(
+                f"max collective bytes must be at least 1, got {self.max_collective_bytes}"
             )
         if self.stall_warning_s <= 0:
             raise ValueError(f"stall warning must be > 0 s, got {self.stall_warning_s}")

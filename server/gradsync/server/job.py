@@ -10,23 +10,24 @@ A job is a small composition, each part owning its own state:
 - `Membership` (`membership.py`): members, rejoining newcomers, signature, epoch;
 - `OpenStep` (`open_step.py`): the step in flight, its reductions and aborts;
 - `Liveness` (`liveness.py`): when each rank was last heard from;
-- `Persistence` (`persistence.py`): checkpoint uploads and the resume point.
+- `Persistence` (`persistence.py`): checkpoint uploads and the resume point;
+- `Assembly` (`assembly.py`): who is missing while the job assembles;
+- `StateBroadcast` (`broadcast.py`): rank 0's initial state broadcast;
+- `Collectives` (`collectives.py`): collectives on user tensors;
+- `UnevenInputs` (`uneven.py`) and `Elastic` (`elastic.py`): DDP's join(), lost ranks.
 
-This module holds only what spans them: the lifecycle below, the state
-broadcast at start, and the elastic policy (lose a rank and go on, heal a
-rejoining one)::
+This module holds the lifecycle that spans them::
 
     ASSEMBLING --(all ranks joined, signatures match)--> RUNNING
     ASSEMBLING / RUNNING --(signature mismatch, bad state broadcast)--> REFUSED
-    RUNNING --(a rank leaves or disconnects; abort policy)--> BROKEN
+    RUNNING --(a rank leaves with nothing in flight)--> FINISHING (the others leave too)
+    RUNNING --(a rank disconnects, or leaves mid-step; abort policy)--> BROKEN
 
-A message that breaks the rules aborts the open step (nothing is averaged),
+While the job assembles, a waiting rank that goes silent or whose stream
+closes is dropped (not a job failure; it may join again). Once assembled, a
+rank lost before the state broadcast completes fails the others at once. A
+message that breaks the rules aborts the open step (nothing is averaged),
 every rank is told why in-band, and the job carries on at the next step.
-Under `--on-failure elastic` a lost rank is dropped from the open step (the
-chunks it never contributed to complete over the live ranks) and the epoch
-moves on; a restarted rank waits until the lowest live rank uploads its state
-at a step boundary, which the coordinator relays to it before adding it to
-the open step.
 """
 
 from __future__ import annotations
@@ -40,15 +41,19 @@ from gradsync.protocol.codec import ChunkHeader
 from gradsync.protocol.codes import Code
 from gradsync.server import signature as signatures
 from gradsync.server.actions import Action, Member, Send, Terminate
+from gradsync.server.assembly import Assembly
+from gradsync.server.broadcast import StateBroadcast
 from gradsync.server.budget import ByteBudget
+from gradsync.server.collectives import Collectives
+from gradsync.server.elastic import Elastic
 from gradsync.server.errors import RejectedMessage
 from gradsync.server.liveness import Liveness
 from gradsync.server.membership import Membership
 from gradsync.server.metrics import CoordinatorMetrics
-from gradsync.server.open_step import OpenStep, abort_message, check_chunk
+from gradsync.server.open_step import OpenStep, abort_message
 from gradsync.server.persistence import Persistence, resume_messages
 from gradsync.server.progress import StepProgress
-from gradsync.server.uploads import BlobAssembler
+from gradsync.server.uneven import UnevenInputs
 from gradsync.v1 import gradsync_pb2 as pb
 
 
@@ -57,6 +62,7 @@ class JobState(enum.Enum):
 
     ASSEMBLING = "assembling"
     RUNNING = "running"
+    FINISHING = "finishing"
     REFUSED = "refused"
     BROKEN = "broken"
 
@@ -76,6 +82,7 @@ class Job:
         metrics: where latencies go, if anywhere.
         on_failure: "abort" or "elastic" (see the module docstring).
         min_workers: under the elastic policy, the fewest live ranks to go on with.
+        max_collective_bytes: cap on one rank's input to a collective.
     """
 
     def __init__(
@@ -91,6 +98,7 @@ class Job:
         metrics: CoordinatorMetrics | None = None,
         on_failure: str = defaults.ON_FAILURE,
         min_workers: int = defaults.MIN_WORKERS,
+        max_collective_bytes: int = defaults.MAX_COLLECTIVE_BYTES,
     ) -> None:
         self.job_id = job_id
         self.world_size = world_size
@@ -100,16 +108,26 @@ class Job:
         self.checkpoint_every = checkpoint_every
         self.on_failure = on_failure
         self.min_workers = min_workers
-        self._budget_limit = budget.limit
         self.membership = Membership(job_id, world_size, clock)
         self.in_flight = OpenStep(self.membership, chunk_bytes, budget, clock, metrics)
         self.liveness = Liveness(clock)
         self.persistence = Persistence(chunk_bytes, budget.limit)
+        self.assembly = Assembly(job_id, world_size, clock, heartbeat_interval_s)
+        self.broadcast = StateBroadcast(chunk_bytes)
+        self.collectives = Collectives(
+            job_id, world_size, chunk_bytes, max_collective_bytes, budget
+        )
+        self.uneven = UnevenInputs(self.membership, self.in_flight, self.collectives)
+        self.elastic = Elastic(
+            job_id,
+            self.membership,
+            self.in_flight,
+            self.collectives,
+            chunk_bytes,
+            budget.limit,
+            self._welcome_message,
+        )
         self.state = JobState.ASSEMBLING
-        self._state_bytes = 0
-        self._state_offsets_seen: set[int] = set()
-        #: (donor rank, its state upload in progress) while healing newcomers.
-        self._heal: tuple[int, BlobAssembler | None] | None = None
         self._broken_reason = ""
 
     # ------------------------------------------------------------ read-only views
@@ -142,6 +160,14 @@ class Job:
         """Ranks currently connected, ascending."""
         return self.membership.ranks()
 
+    def outcome(self) -> tuple[str, str]:
+        """How the job ended (once its last rank is gone): a state word and a sentence."""
+        if self.state is JobState.ASSEMBLING:
+            return "abandoned", "abandoned: every waiting rank left before the job assembled"
+        if self.state in (JobState.BROKEN, JobState.REFUSED):
+            return self.state.value, self._broken_reason
+        return "finished", f"finished after {self.steps_completed} steps"
+
     def set_peer(self, rank: int, peer: str) -> None:
         """Remember the network address of `rank`, for status."""
         self.membership.set_peer(rank, peer)
@@ -157,7 +183,7 @@ class Job:
         if self.state is JobState.RUNNING and self.on_failure == "elastic":
             self.membership.admit_newcomer(rank, join)
             self.liveness.start(rank)
-            return self._request_heal() if self._heal is None else []
+            return [] if self.elastic.healing else self.elastic.request_heal()
         if self.state is not JobState.ASSEMBLING:
             raise RejectedMessage(
                 Code.FAILED_PRECONDITION,
@@ -168,21 +194,42 @@ class Job:
         difference = self.membership.admit(rank, join)
         self.liveness.start(rank)
         if difference is not None:
-            return self._refuse(
-                Code.INVALID_ARGUMENT,
-                f"job '{self.job_id}' refused: model signatures differ: {difference}",
-            )
+            details = f"job '{self.job_id}' refused: model signatures differ: {difference}"
+            refused = self._progress(refused=f"rank {rank}: {details}")
+            return [refused, *self._refuse(Code.INVALID_ARGUMENT, details)]
         if not self.membership.complete():
-            return []
+            return [self._progress()]
         return self._start()
+
+    def _progress(self, refused: str = "") -> Send:
+        """An AssemblyProgress for every waiting rank."""
+        ranks = self.membership.ranks()
+        return Send(ranks, self.assembly.progress(ranks, refused))
+
+    def refused_join(self, rank: int, reason: str) -> list[Action]:
+        """Tell the waiting ranks that `rank` was refused at join, and why."""
+        if self.state is not JobState.ASSEMBLING or not self.members:
+            return []
+        return [self._progress(refused=f"rank {rank}: {reason}")]
+
+    def assembly_report(self) -> tuple[list[Action], str] | None:
+        """Every ~10 s while assembling: progress for the waiting ranks and a log line."""
+        if self.state is not JobState.ASSEMBLING or not self.members:
+            return None
+        if not self.assembly.report_due():
+            return None
+        line = self.assembly.describe(self.membership.ranks())
+        return [self._progress()], line
 
     def _start(self) -> list[Action]:
         signature = self.membership.signature
         if signature is None:
             raise RuntimeError("an assembled job always has a signature")
         self.state = JobState.RUNNING
-        self._state_bytes = signatures.state_bytes(signature)
         resume = self.persistence.resume
+        self.broadcast.start(
+            signatures.state_bytes(signature), needed=resume is None and self.world_size > 1
+        )
         if resume is not None:
             self.membership.epoch = resume.membership_epoch
             self.persistence.saved(resume.step)
@@ -204,10 +251,11 @@ class Job:
                 start_step=self.open_step,
                 chunk_bytes=self.chunk_bytes,
                 max_message_bytes=self.max_message_bytes,
-                state_bytes=self._state_bytes,
+                state_bytes=self.broadcast.state_bytes,
                 resume_bytes=resume_bytes,
                 heartbeat_interval_s=self.heartbeat_interval_s,
                 checkpoint_every_steps=self.checkpoint_every,
+                next_collective=self.collectives.next_sequence,
             )
         )
 
@@ -234,7 +282,7 @@ class Job:
             RejectedMessage: the upload is malformed (this worker's stream ends).
         """
         if chunk.heal and self.state is JobState.RUNNING:
-            return self._on_heal_chunk(rank, chunk)
+            return self.elastic.on_heal_chunk(rank, chunk)
         if self.state is not JobState.RUNNING or rank != 0:
             raise RejectedMessage(
                 Code.FAILED_PRECONDITION if rank == 0 else Code.INVALID_ARGUMENT,
@@ -247,43 +295,24 @@ class Job:
     # ----------------------------------------------------------- state broadcast
     def on_state_chunk(self, rank: int, chunk: pb.StateChunk) -> list[Action]:
         """Relay a chunk of rank 0's parameters and buffers to the other ranks."""
-        problem = None
         if self.state is not JobState.RUNNING:
-            problem = (
+            raise RejectedMessage(
                 Code.FAILED_PRECONDITION,
-                f"rank {rank} sent state before job '{self.job_id}' was assembled "
+                f"rank {rank} sent state while job '{self.job_id}' is {self.state.value} "
                 f"({len(self.members)}/{self.world_size} joined)",
             )
-        elif rank != 0:
-            problem = (Code.INVALID_ARGUMENT, f"rank {rank} sent state; only rank 0 broadcasts")
-        else:
-            problem = check_chunk(
-                "state",
-                chunk.offset,
-                len(chunk.payload),
-                self._state_bytes,
-                "the state blob",
-                self.chunk_bytes,
-                rank=0,
-            )
-            if problem is None and chunk.offset in self._state_offsets_seen:
-                problem = (
-                    Code.INVALID_ARGUMENT,
-                    f"rank 0 sent the state chunk at offset {chunk.offset} twice",
-                )
+        problem = self.broadcast.problem(rank, chunk)
         if problem is not None:
             code, details = problem
-            if self.state is JobState.RUNNING:
-                return self._refuse(code, f"state broadcast failed: {details}")
-            raise RejectedMessage(code, details)
-        self._state_offsets_seen.add(chunk.offset)
+            return self._refuse(code, f"state broadcast failed: {details}")
+        self.broadcast.record(chunk.offset)
         others = tuple(r for r in self.membership.ranks() if r != 0)
         return [Send(others, pb.CoordinatorMessage(state=chunk))] if others else []
 
     # ----------------------------------------------------------------- gradients
     def on_gradient(self, rank: int, chunk: ChunkHeader, payload: memoryview) -> list[Action]:
         """Fold one gradient chunk in; return averaged chunks or a step abort."""
-        if self.state is JobState.BROKEN:
+        if self.state in (JobState.BROKEN, JobState.FINISHING):
             if self.in_flight.was_aborted(chunk.step):
                 return []  # this rank was already told the step cannot finish
             self.in_flight.remember_aborted(chunk.step)
@@ -305,10 +334,43 @@ class Job:
             )
         if chunk.step < self.open_step and self.in_flight.was_aborted(chunk.step):
             return []  # late upload for a step everyone was already told is aborted
+        completed = self.steps_completed
         try:
-            return self.in_flight.accept(rank, chunk, payload)
+            actions = self.in_flight.accept(rank, chunk, payload)
         except RejectedMessage as rejection:
             return self.in_flight.abort(rank, rejection)
+        return actions + self.uneven.progress(completed)
+
+    # ------------------------------------------------------ collectives, join()
+    def on_collective(self, rank: int, chunk: pb.CollectiveChunk) -> list[Action]:
+        """Take one chunk of a collective's input; return the result once all are in.
+
+        Raises:
+            RejectedMessage: the chunk is malformed or disagrees (this worker's stream ends).
+        """
+        if self.state in (JobState.BROKEN, JobState.FINISHING):
+            return [Terminate((rank,), Code.ABORTED, self._broken_reason, pb.END_REASON_PEER_LOST)]
+        if self.state is not JobState.RUNNING:
+            raise RejectedMessage(
+                Code.FAILED_PRECONDITION,
+                f"rank {rank} sent collective {chunk.sequence} while job '{self.job_id}' is "
+                f"{self.state.value}",
+            )
+        return self.collectives.accept(rank, chunk, self.in_flight.participants())
+
+    def on_out_of_inputs(self, rank: int, message: pb.OutOfInputs) -> list[Action]:
+        """`rank` ran out of inputs (join()); see `gradsync.server.uneven`.
+
+        Raises:
+            RejectedMessage: not at the job's open step, or twice (this worker's stream ends).
+        """
+        if self.state is not JobState.RUNNING:
+            raise RejectedMessage(
+                Code.FAILED_PRECONDITION,
+                f"rank {rank} ran out of inputs (join()) while job '{self.job_id}' is "
+                f"{self.state.value}",
+            )
+        return self.uneven.run_out(rank, message)
 
     def on_abandon(self, rank: int, abandon: pb.AbandonStep) -> list[Action]:
         """A rank gave up on a step it started: abort it for everyone (if still open)."""
@@ -339,98 +401,79 @@ class Job:
                 disconnected).
         """
         self.liveness.forget(rank)
-        if not self.membership.remove(rank, assembling=self.state is JobState.ASSEMBLING):
+        assembling = self.state is JobState.ASSEMBLING
+        if not self.membership.remove(rank, assembling=assembling):
             return []
+        if assembling and not self.members:
+            self.assembly.started_at = None  # whoever joins next starts a new wait
+        if assembling:
+            return [self._progress()] if self.members else []
         if self.state is not JobState.RUNNING:
             return []
         how = reason or ("left" if orderly else "disconnected from")
-        if self.on_failure == "elastic" and len(self.members) >= self.min_workers:
-            return self._shrink(rank, f"rank {rank} {how} job '{self.job_id}'")
+        if not self.broadcast.complete:
+            # The others wait for rank 0's state, not for a step: end them now.
+            return self._break(
+                f"rank {rank} {how} job '{self.job_id}' before rank 0's initial state "
+                "broadcast completed; the job cannot start (restart every rank)",
+                rank,
+                abort_step=False,
+            )
+        quiet = not self.in_flight.has_contributions() and not self.collectives.open_sequences()
+        elastic = self.on_failure == "elastic" and len(self.members) >= self.min_workers
+        if orderly and quiet and not elastic:
+            # A normal finish: nobody is told anything now; a rank that still
+            # sends a step or a collective gets this reason then.
+            self.state = JobState.FINISHING
+            self._broken_reason = (
+                f"rank {rank} left job '{self.job_id}' after step {self.open_step - 1}; "
+                "the remaining ranks cannot complete further steps"
+            )
+            self.in_flight.release()
+            self.collectives.release()
+            return []
+        if elastic:
+            actions = self.elastic.shrink(rank, f"rank {rank} {how} job '{self.job_id}'")
+            return actions + self.uneven.lost(rank)
         if self.on_failure == "elastic":
             how += f" leaving {len(self.members)} ranks (--min-workers {self.min_workers}) in"
-        step = self.open_step
-        self._broken_reason = (
-            f"rank {rank} {how} job '{self.job_id}' at step {step}; "
-            "no partial average is applied and the remaining ranks cannot complete "
-            "further steps"
+        return self._break(
+            f"rank {rank} {how} job '{self.job_id}' at step {self.open_step}; no partial "
+            "average is applied and the remaining ranks cannot complete further steps",
+            rank,
+            abort_step=True,
         )
+
+    def _break(self, reason: str, lost: int, abort_step: bool) -> list[Action]:
+        """The job cannot go on: abort the open step in-band, end ranks that cannot hear it.
+
+        Ranks waiting in a collective (or, without `abort_step`, for the state
+        broadcast) have no step to abort: their streams end with PEER_LOST.
+        """
+        step = self.open_step
+        self._broken_reason = reason
         self.state = JobState.BROKEN
         self.in_flight.release()
         self.in_flight.remember_aborted(step)
-        if not self.members:
-            return []
-        return [
-            abort_message(
-                self.membership.ranks(),
-                step,
-                Code.ABORTED,
-                self._broken_reason,
-                -1,
-                pb.ABORT_REASON_PEER_LOST,
-                rank,
+        ranks = self.membership.ranks()
+        waiting = self.collectives.waiting_ranks() if abort_step else ranks
+        self.collectives.release()
+        actions: list[Action] = []
+        if abort_step and ranks:
+            actions.append(
+                abort_message(
+                    ranks, step, Code.ABORTED, reason, -1, pb.ABORT_REASON_PEER_LOST, lost
+                )
             )
-        ]
+        waiting = tuple(r for r in waiting if r in self.members)
+        if waiting:
+            actions.append(Terminate(waiting, Code.ABORTED, reason, pb.END_REASON_PEER_LOST))
+        return actions
 
     def _refuse(self, code: Code, details: str) -> list[Action]:
         """Refuse the whole job: every connected rank's stream ends with `code`."""
         self.state = JobState.REFUSED
+        self._broken_reason = details
         self.in_flight.release()
+        self.collectives.release()
         return [Terminate(self.membership.ranks(), code, details, pb.END_REASON_JOB_REFUSED)]
-
-    # ------------------------------------------------------------------- elastic
-    def _shrink(self, lost: int, reason: str) -> list[Action]:
-        """Elastic: go on without `lost`; finish the open step over the live ranks."""
-        self.membership.epoch += 1
-        reason = (
-            f"{reason} at step {self.open_step}; continuing with ranks "
-            f"{list(self.membership.ranks())} (membership epoch {self.membership_epoch})"
-        )
-        message = self.membership.changed_message(self.open_step, reason)
-        actions: list[Action] = [Send(self.membership.ranks(), message)]
-        if self._heal is not None and self._heal[0] == lost:
-            self._heal = None  # the donor is gone: ask another live rank
-            actions += self._request_heal()
-        return actions + self.in_flight.drop_rank(lost)
-
-    def _request_heal(self) -> list[Action]:
-        if not self.membership.newcomers or not self.members:
-            return []
-        # The lowest live rank donates: until its own chunks of the open step
-        # arrive, no chunk of that step can have folded anyone in, so the
-        # newcomers can still be added to the step's reductions.
-        donor = min(self.members)
-        self._heal = (donor, None)
-        request = pb.StateRequest(for_rank=min(self.membership.newcomers))
-        return [Send((donor,), pb.CoordinatorMessage(state_request=request))]
-
-    def _on_heal_chunk(self, rank: int, chunk: pb.CheckpointChunk) -> list[Action]:
-        """Collect the donor's state; when complete, admit the newcomers with it."""
-        if self._heal is None or self._heal[0] != rank:
-            raise RejectedMessage(
-                Code.FAILED_PRECONDITION,
-                f"rank {rank} sent healing state for step {chunk.step} that nobody asked for",
-            )
-        donor, assembler = self._heal
-        if assembler is None:
-            what = f"healing state of step {chunk.step} from rank {donor}"
-            assembler = BlobAssembler(what, chunk.total_bytes, self.chunk_bytes, self._budget_limit)
-            self._heal = (donor, assembler)
-        if not assembler.add(chunk.offset, chunk.payload):
-            return []
-        self._heal = None
-        if chunk.step != self.open_step:
-            return self._request_heal()  # not at the boundary we can use: ask again
-        newcomers = self.membership.promote_newcomers()
-        for rank_joining in newcomers:
-            self.in_flight.add_rank(rank_joining)
-        blob = assembler.blob()
-        reason = (
-            f"rank(s) {newcomers} rejoined job '{self.job_id}' at step {self.open_step} with "
-            f"rank {donor}'s state (membership epoch {self.membership_epoch})"
-        )
-        old = tuple(r for r in self.membership.ranks() if r not in newcomers)
-        actions: list[Action] = [Send(old, self.membership.changed_message(self.open_step, reason))]
-        targets = tuple(newcomers)
-        actions.append(Send(targets, self._welcome_message(resume_bytes=len(blob))))
-        actions += resume_messages(targets, self.open_step, blob, self.chunk_bytes)
-        return actions

@@ -8,7 +8,13 @@ bucket, dtype, offset, length, the byte budget), folds it into the bucket's
 (architecture invariant 4), and frees the step's memory whether it completes,
 is aborted for everyone, or loses a rank under the elastic policy. Every byte
 it buffers is held through a `Reservation` of the coordinator's `ByteBudget`.
-Pure logic, no gRPC, no asyncio.
+
+Two refinements of "every member contributes, divide by the contributions":
+a rank that ran out of inputs (DDP's `join()`, `out_of_inputs`) is not
+expected, yet averages keep dividing by the membership's size; and a comm
+hook may send a float32/float64 bucket as float16/bfloat16 (every rank the
+same per step and bucket), which is accumulated in float32 and answered in
+the same 16-bit type. Pure logic, no gRPC, no asyncio.
 """
 
 from __future__ import annotations
@@ -82,12 +88,18 @@ def abort_message(
     return Send(ranks, pb.CoordinatorMessage(step_aborted=aborted))
 
 
+#: 16-bit wire dtypes a comm hook may compress a float32/float64 bucket to.
+_COMPRESSED_WIRE = (pb.DTYPE_FLOAT16, pb.DTYPE_BFLOAT16)
+_COMPRESSIBLE = (pb.DTYPE_FLOAT32, pb.DTYPE_FLOAT64)
+
+
 @dataclass
 class _Bucket:
-    """One bucket's reduction and the budget it holds."""
+    """One bucket's reduction, the budget it holds, and who set its wire dtype."""
 
     reduction: BucketReduction
     reservation: Reservation
+    first_rank: int
 
     def account(self) -> None:
         self.reservation.hold(self.reduction.buffered_bytes)
@@ -129,6 +141,22 @@ class OpenStep:
         self._buckets: dict[int, _Bucket] = {}
         self._buckets_done = 0
         self._aborted: deque[int] = deque(maxlen=_ABORTED_STEPS_REMEMBERED)
+        #: Ranks that ran out of inputs (join()): not expected in reductions.
+        self.out_of_inputs: set[int] = set()
+
+    def participants(self) -> tuple[int, ...]:
+        """Members expected in the open step's reductions, ascending."""
+        return tuple(r for r in self._membership.ranks() if r not in self.out_of_inputs)
+
+    def _divisor(self) -> int | None:
+        """While some ranks ran out of inputs, averages divide by the membership's size."""
+        return len(self._membership.members) if self.out_of_inputs else None
+
+    def has_contributions(self) -> bool:
+        """True once any chunk of the open step has arrived."""
+        return bool(self._buckets) or (
+            self.progress is not None and self.progress.started_at is not None
+        )
 
     def configure(self, signature: pb.ModelSignature, step: int) -> None:
         """The job is assembled: learn the bucket layout and start at `step`.
@@ -199,15 +227,20 @@ class OpenStep:
                 f"{len(self._bucket_bytes)} buckets (0..{len(self._bucket_bytes) - 1})",
                 step=step,
             )
-        expected_dtype = self._bucket_dtypes[bucket]
-        if chunk.dtype != expected_dtype:
+        if rank in self.out_of_inputs:
             raise RejectedMessage(
-                Code.INVALID_ARGUMENT,
-                f"rank {rank} sent bucket {bucket} of step {step} as "
-                f"{dtypes.dtype_name(chunk.dtype)}, expected {dtypes.dtype_name(expected_dtype)}",
+                Code.FAILED_PRECONDITION,
+                f"rank {rank} sent bucket {bucket} of step {step} after running out of inputs "
+                "(join()); it contributes nothing until every rank has joined",
                 step=step,
                 bucket_index=bucket,
             )
+        held = self._buckets.get(bucket)
+        wire_dtype = self._check_wire_dtype(rank, chunk, held)
+        native = self._bucket_dtypes[bucket]
+        wire_bytes = (
+            self._bucket_bytes[bucket] // dtypes.itemsize(native) * dtypes.itemsize(wire_dtype)
+        )
         if chunk.encoding != pb.ENCODING_RAW:
             raise RejectedMessage(
                 Code.INVALID_ARGUMENT,
@@ -220,8 +253,8 @@ class OpenStep:
             f"bucket {bucket} of step {step}",
             chunk.offset,
             len(payload),
-            self._bucket_bytes[bucket],
-            f"bucket {bucket}",
+            wire_bytes,
+            f"bucket {bucket} as {dtypes.dtype_name(wire_dtype)}",
             self._chunk_bytes,
             rank,
         )
@@ -236,16 +269,12 @@ class OpenStep:
                 step=step,
                 bucket_index=bucket,
             )
-        held = self._buckets.get(bucket)
         if held is None:
             reduction = BucketReduction(
-                self._membership.ranks(),
-                expected_dtype,
-                self._bucket_bytes[bucket],
-                self._chunk_bytes,
+                self.participants(), wire_dtype, wire_bytes, self._chunk_bytes, self._divisor()
             )
             held = self._buckets[bucket] = _Bucket(
-                reduction, self._budget.reserve(self._membership.job_id)
+                reduction, self._budget.reserve(self._membership.job_id), rank
             )
         try:
             averaged = held.reduction.add(rank, chunk.offset, payload)
@@ -260,10 +289,40 @@ class OpenStep:
         held.account()
         if self.progress is None:
             raise RuntimeError("a step accepts gradients only once the job is assembled")
-        lag = self.progress.record(rank, bucket)
+        chunks = chunking.num_chunks(wire_bytes, self._chunk_bytes)
+        lag = self.progress.record(rank, bucket, chunks if wire_dtype != native else None)
         if lag is not None and self._metrics is not None:
             self._metrics.observe_bucket_arrival(rank, lag)
         return averaged
+
+    def _check_wire_dtype(self, rank: int, chunk: ChunkHeader, held: _Bucket | None) -> int:
+        """The chunk's wire dtype, if allowed: the bucket's, or 16-bit for a wider float."""
+        step, bucket = chunk.step, chunk.bucket_index
+        native = self._bucket_dtypes[bucket]
+        if chunk.dtype != native and not (
+            chunk.dtype in _COMPRESSED_WIRE and native in _COMPRESSIBLE
+        ):
+            allowed = dtypes.dtype_name(native)
+            if native in _COMPRESSIBLE:
+                allowed += " (or float16/bfloat16 from a comm hook)"
+            raise RejectedMessage(
+                Code.INVALID_ARGUMENT,
+                f"rank {rank} sent bucket {bucket} of step {step} as "
+                f"{dtypes.dtype_name(chunk.dtype)}, expected {allowed}",
+                step=step,
+                bucket_index=bucket,
+            )
+        if held is not None and chunk.dtype != held.reduction.dtype:
+            raise RejectedMessage(
+                Code.INVALID_ARGUMENT,
+                f"rank {rank} sent bucket {bucket} of step {step} as "
+                f"{dtypes.dtype_name(chunk.dtype)}, but rank {held.first_rank} sent it as "
+                f"{dtypes.dtype_name(held.reduction.dtype)} (every rank must use the same "
+                "comm hook)",
+                step=step,
+                bucket_index=bucket,
+            )
+        return chunk.dtype
 
     def _averaged(self, bucket: int, offset: int, averaged: memoryview) -> Send:
         """An averaged chunk for every live rank, encoded once."""
@@ -274,12 +333,12 @@ class OpenStep:
                 membership_epoch=self._membership.epoch,
                 bucket_index=bucket,
                 offset=offset,
-                dtype=self._bucket_dtypes[bucket],
+                dtype=reduction.dtype,
                 contributors=reduction.last_contributors,
             ),
             averaged,
         )
-        return Send(self._membership.ranks(), reply)
+        return Send(self.participants(), reply)
 
     def _close_bucket_if_complete(self, bucket: int) -> None:
         """Once every chunk of `bucket` went out: count it, and close the step after the last.
@@ -292,7 +351,7 @@ class OpenStep:
             return
         self._buckets_done += 1
         if self._metrics is not None and self.progress is not None:
-            sent = self._bucket_bytes[bucket] * len(self._membership.members)
+            sent = self._buckets[bucket].reduction.num_bytes * len(self.participants())
             self._metrics.observe_bucket_done(self.progress.bucket_age(bucket), sent)
         if self._buckets_done == len(self._bucket_bytes):
             if self._metrics is not None and self.progress is not None:
@@ -314,6 +373,14 @@ class OpenStep:
             if self.step != step:
                 break  # the step completed over the live ranks
         return actions
+
+    def run_out_of_inputs(self, rank: int) -> list[Action]:
+        """`rank` ran out of inputs: finish what waits only for it, dividing by the membership."""
+        self.out_of_inputs.add(rank)
+        divisor = self._divisor()
+        for held in self._buckets.values():
+            held.reduction.divisor = divisor
+        return self.drop_rank(rank)
 
     def add_rank(self, rank: int) -> None:
         """Elastic: a healed newcomer contributes to the open step from now on."""
@@ -371,4 +438,4 @@ class OpenStep:
         """Ranks the open step waits for, with the buckets others already delivered."""
         if self.progress is None:
             return {}
-        return self.progress.late_ranks(self._membership.ranks())
+        return self.progress.late_ranks(self.participants())

@@ -25,11 +25,16 @@ class StepProgress:
         self._delivered: dict[tuple[int, int], int] = {}
         self._first_done: dict[int, float] = {}
         self._bucket_started: dict[int, float] = {}
+        #: Chunks per bucket in this step where a 16-bit wire dtype shrank them.
+        self._needed: dict[int, int] = {}
         self.started_at: float | None = None
         self.stall_warned = False
 
-    def record(self, rank: int, bucket_index: int) -> float | None:
+    def record(self, rank: int, bucket_index: int, chunks: int | None = None) -> float | None:
         """Count one accepted chunk.
+
+        `chunks` is how many chunks the bucket has in this step when that
+        differs from the layout's (a comm hook sends it in a 16-bit wire dtype).
 
         Returns:
             When this chunk completes `rank`'s delivery of the bucket: how many
@@ -43,7 +48,9 @@ class StepProgress:
         key = (bucket_index, rank)
         count = self._delivered.get(key, 0) + 1
         self._delivered[key] = count
-        if count != self._chunks_per_bucket[bucket_index]:
+        if chunks is not None:
+            self._needed[bucket_index] = chunks
+        if count != self._chunks_needed(bucket_index):
             return None
         first = self._first_done.setdefault(bucket_index, now)
         return now - first
@@ -53,8 +60,16 @@ class StepProgress:
         self._delivered.clear()
         self._first_done.clear()
         self._bucket_started.clear()
+        self._needed.clear()
         self.started_at = None
         self.stall_warned = False
+
+    def _chunks_needed(self, bucket_index: int) -> int:
+        return self._needed.get(bucket_index, self._chunks_per_bucket[bucket_index])
+
+    def delivered_any(self, rank: int) -> bool:
+        """True if `rank` has delivered any chunk of the open step."""
+        return any(r == rank for _, r in self._delivered)
 
     def bucket_age(self, bucket_index: int) -> float:
         """Seconds since the bucket's first chunk arrived (its round trip once averaged)."""
@@ -69,7 +84,7 @@ class StepProgress:
         """Ranks missing buckets that at least one other rank has fully delivered."""
         late: dict[int, list[int]] = {}
         for bucket_index in sorted(self._first_done):
-            needed = self._chunks_per_bucket[bucket_index]
+            needed = self._chunks_needed(bucket_index)
             for rank in ranks:
                 if self._delivered.get((bucket_index, rank), 0) < needed:
                     late.setdefault(rank, []).append(bucket_index)

@@ -26,7 +26,6 @@ import asyncio
 import logging
 import time
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass
 from typing import Any
 
 import grpc
@@ -38,10 +37,11 @@ from gradsync.server.budget import ByteBudget
 from gradsync.server.checkpoint import CheckpointStore
 from gradsync.server.checkpointer import Checkpointer
 from gradsync.server.config import ServerConfig
+from gradsync.server.connection import Connection, End
 from gradsync.server.errors import RejectedMessage
-from gradsync.server.job import Job
+from gradsync.server.job import Job, JobState
 from gradsync.server.metrics import CoordinatorMetrics
-from gradsync.server.status import status_reply
+from gradsync.server.status import EndedJobs, status_reply
 from gradsync.server.watchdog import Watchdog
 from gradsync.v1 import gradsync_pb2 as pb
 
@@ -53,69 +53,6 @@ _MAX_JOB_ID_CHARS = 128
 #: After the drain grace, how long streams ended for shutdown get to flush their last messages.
 SHUTDOWN_FLUSH_S = 1.0
 _SHUTTING_DOWN = "the coordinator is shutting down"
-
-
-def _default_reason(code: Code) -> pb.EndReason:
-    """The EndReason of an end whose cause is its status code alone."""
-    if code is Code.RESOURCE_EXHAUSTED:
-        return pb.END_REASON_RESOURCE_EXHAUSTED
-    return pb.END_REASON_UNSPECIFIED
-
-
-@dataclass(frozen=True)
-class _End:
-    """Outbox sentinel: end the stream with this status after prior writes."""
-
-    code: Code
-    details: str
-
-
-class _Connection:
-    """One worker's stream: identity once joined, and its bounded outbox."""
-
-    def __init__(self, peer: str, max_outbox_bytes: int) -> None:
-        self.peer = peer
-        self.job: Job | None = None
-        self.rank = -1
-        self.left = False
-        self.outbox: asyncio.Queue[bytes | _End] = asyncio.Queue()
-        self.outbox_bytes = 0
-        self.max_outbox_bytes = max_outbox_bytes
-        self.ended = False
-
-    def send(self, raw: bytes) -> None:
-        if self.ended:
-            return
-        if self.outbox_bytes + len(raw) > self.max_outbox_bytes:
-            self.end(
-                Code.RESOURCE_EXHAUSTED,
-                f"rank {self.rank} is not reading its results: {self.outbox_bytes} bytes are "
-                f"queued for it (limit {self.max_outbox_bytes} bytes)",
-                pb.END_REASON_RESOURCE_EXHAUSTED,
-            )
-            return
-        self.outbox_bytes += len(raw)
-        self.outbox.put_nowait(raw)
-
-    def end(self, code: Code, details: str, reason: pb.EndReason | None = None) -> None:
-        """End the stream after what is queued; an error is announced by a StreamEnd first.
-
-        `reason` defaults to the one the code implies (see `_default_reason`).
-        The StreamEnd bypasses the outbox limit: it is small and must arrive.
-        """
-        if self.ended:
-            return
-        self.ended = True
-        if code is not Code.OK:
-            stream_end = pb.StreamEnd(
-                reason=_default_reason(code) if reason is None else reason,
-                code=int(code),
-                message=details,
-            )
-            raw = pb.CoordinatorMessage(stream_end=stream_end).SerializeToString()
-            self.outbox_bytes += len(raw)
-            self.outbox.put_nowait(raw)
-        self.outbox.put_nowait(_End(code, details))
 
 
 class CoordinatorServicer:
@@ -134,11 +71,12 @@ class CoordinatorServicer:
         self.jobs: dict[str, Job] = {}
         self.checkpointer = Checkpointer(config, store)
         self.watchdog = Watchdog(self)
-        self._connections: dict[tuple[str, int], _Connection] = {}
-        self._streams: set[_Connection] = set()
+        self._connections: dict[tuple[str, int], Connection] = {}
+        self._streams: set[Connection] = set()
         self._budget = ByteBudget(config.max_buffered_bytes)
         self.draining = False
         self._background: set[asyncio.Task[None]] = set()
+        self.ended_jobs = EndedJobs(lambda: self.clock())
 
     @property
     def store(self) -> CheckpointStore | None:
@@ -177,6 +115,7 @@ class CoordinatorServicer:
             request.job_id,
             self.config.heartbeat_timeout_s,
             self.metrics.lag_tracker,
+            self.ended_jobs.snapshots(),
         )
 
     def _count_abort(self, aborted: pb.StepAborted) -> None:
@@ -221,9 +160,9 @@ class CoordinatorServicer:
         self, request_iterator: AsyncIterator[bytes], context: grpc.aio.ServicerContext
     ) -> None:
         """Serve one worker stream until it leaves, fails, or is ended."""
-        conn = _Connection(context.peer(), self.config.max_outbox_bytes)
+        conn = Connection(context.peer(), self.config.max_outbox_bytes)
         self._streams.add(conn)
-        ended: asyncio.Future[_End] = asyncio.get_running_loop().create_future()
+        ended: asyncio.Future[End] = asyncio.get_running_loop().create_future()
         reader = asyncio.create_task(self._read_loop(conn, request_iterator))
         writer = asyncio.create_task(self._write_loop(conn, context, ended))
         try:
@@ -237,12 +176,14 @@ class CoordinatorServicer:
             writer.cancel()
             self._detach(conn)
             self._streams.discard(conn)
+            # Reap both tasks, so that none is reported pending or unretrieved at exit.
+            await asyncio.gather(reader, writer, return_exceptions=True)
         if ended.done() and not ended.cancelled() and ended.result().code is not Code.OK:
             end = ended.result()
             context.set_code(_STATUS_BY_CODE[int(end.code)])
             context.set_details(end.details)
 
-    async def _read_loop(self, conn: _Connection, request_iterator: AsyncIterator[bytes]) -> None:
+    async def _read_loop(self, conn: Connection, request_iterator: AsyncIterator[bytes]) -> None:
         try:
             async for raw in request_iterator:
                 self._dispatch(conn, raw)
@@ -255,14 +196,14 @@ class CoordinatorServicer:
 
     async def _write_loop(
         self,
-        conn: _Connection,
+        conn: Connection,
         context: grpc.aio.ServicerContext,
-        ended: asyncio.Future[_End],
+        ended: asyncio.Future[End],
     ) -> None:
         try:
             while True:
                 item = await conn.outbox.get()
-                if isinstance(item, _End):
+                if isinstance(item, End):
                     ended.set_result(item)
                     return
                 await context.write(item)
@@ -272,10 +213,10 @@ class CoordinatorServicer:
         except Exception as exc:  # the worker went away while we wrote
             log.info("writing to %s (rank %s) failed: %s", conn.peer, conn.rank, exc)
             if not ended.done():
-                ended.set_result(_End(Code.UNAVAILABLE, f"write failed: {exc}"))
+                ended.set_result(End(Code.UNAVAILABLE, f"write failed: {exc}"))
 
     # ----------------------------------------------------------- dispatching
-    def _dispatch(self, conn: _Connection, raw: bytes) -> None:
+    def _dispatch(self, conn: Connection, raw: bytes) -> None:
         job = conn.job
         try:
             fast = decode_gradient(raw)
@@ -320,6 +261,10 @@ class CoordinatorServicer:
                 self._execute(
                     job, job.on_gradient(conn.rank, header_of(chunk), memoryview(chunk.payload))
                 )
+            elif kind == "collective":
+                self._execute(job, job.on_collective(conn.rank, message.collective))
+            elif kind == "out_of_inputs":
+                self._execute(job, job.on_out_of_inputs(conn.rank, message.out_of_inputs))
             elif kind == "state":
                 self._execute(job, job.on_state_chunk(conn.rank, message.state))
             elif kind == "leave":
@@ -342,9 +287,10 @@ class CoordinatorServicer:
                     ),
                 )
         except RejectedMessage as rejection:
+            log.warning("job '%s': ending rank %d: %s", job.job_id, conn.rank, rejection.message)
             conn.end(rejection.code, rejection.message)
 
-    def _reject(self, conn: _Connection, rejection: RejectedMessage) -> None:
+    def _reject(self, conn: Connection, rejection: RejectedMessage) -> None:
         """A malformed message: abort the sender's open step, or end its stream."""
         log.warning("rejected message from %s: %s", conn.peer, rejection.message)
         if conn.job is None:
@@ -352,7 +298,7 @@ class CoordinatorServicer:
         else:
             self._execute(conn.job, conn.job.reject(conn.rank, rejection))
 
-    def _join(self, conn: _Connection, join: pb.Join) -> None:
+    def _join(self, conn: Connection, join: pb.Join) -> None:
         job_id = join.job_id
         config = self.config
         problem: tuple[Code, str] | None = None
@@ -376,6 +322,9 @@ class CoordinatorServicer:
             )
         if problem is not None:
             log.warning("refused join from %s: %s", conn.peer, problem[1])
+            waiting = self.jobs.get(job_id)
+            if waiting is not None and not self.draining:
+                self._execute(waiting, waiting.refused_join(join.rank, problem[1]))
             reason = pb.END_REASON_SHUTTING_DOWN if self.draining else None
             conn.end(*problem, reason)
             return
@@ -398,6 +347,7 @@ class CoordinatorServicer:
                 metrics=self.metrics,
                 on_failure=config.on_failure,
                 min_workers=config.min_workers,
+                max_collective_bytes=config.max_collective_bytes,
             )
             job.persistence.resume = resume
         try:
@@ -409,28 +359,15 @@ class CoordinatorServicer:
             conn.end(rejection.code, rejection.message)
             if not job.members:
                 del self.jobs[job_id]
+            else:  # the ranks that wait hear who was refused and why
+                self._execute(job, job.refused_join(join.rank, rejection.message))
             return
         conn.job, conn.rank = job, join.rank
         job.set_peer(join.rank, conn.peer)
         self._connections[(job_id, join.rank)] = conn
-        joined = len(job.members)
-        if joined < config.world_size:
-            log.info(
-                "job '%s': rank %d joined from %s; waiting for %d/%d workers",
-                job_id,
-                join.rank,
-                conn.peer,
-                joined,
-                config.world_size,
-            )
-        else:
-            log.info(
-                "job '%s': rank %d joined from %s; all %d workers present",
-                job_id,
-                join.rank,
-                conn.peer,
-                config.world_size,
-            )
+        missing = job.assembly.missing(job.membership.ranks())
+        wait = f"waiting for ranks {missing} of {config.world_size}" if missing else "all present"
+        log.info("job '%s': rank %d joined from %s; %s", job_id, join.rank, conn.peer, wait)
         self._execute(job, actions)
 
     def _execute(self, job: Job, actions: list[Action]) -> None:
@@ -466,7 +403,7 @@ class CoordinatorServicer:
                     if target is not None:
                         target.end(action.code, action.details, reason)
 
-    def _detach(self, conn: _Connection) -> None:
+    def _detach(self, conn: Connection) -> None:
         job = conn.job
         if job is None:
             return
@@ -474,7 +411,14 @@ class CoordinatorServicer:
         key = (job.job_id, conn.rank)
         if self._connections.get(key) is conn:
             del self._connections[key]
-        if not conn.left:
+        if not conn.left and job.state is JobState.ASSEMBLING:
+            log.warning(
+                "job '%s': rank %d disconnected while waiting for the others; dropped from the "
+                "assembling job (it may join again)",
+                job.job_id,
+                conn.rank,
+            )
+        elif not conn.left:
             log.warning(
                 "job '%s': rank %d disconnected at step %d", job.job_id, conn.rank, job.open_step
             )
@@ -488,9 +432,18 @@ class CoordinatorServicer:
         self._forget_if_empty(job)
 
     def _forget_if_empty(self, job: Job) -> None:
-        if not job.members and self.jobs.get(job.job_id) is job:
-            del self.jobs[job.job_id]
-            log.info("job '%s' finished after %d steps", job.job_id, job.steps_completed)
+        if job.members or self.jobs.get(job.job_id) is not job:
+            return
+        del self.jobs[job.job_id]
+        ended = self.ended_jobs.record(job, self.metrics.lag_tracker)
+        if ended.state in ("finished", "abandoned"):
+            log.info("job '%s' %s", job.job_id, ended.outcome)
+        else:
+            log.warning("job '%s' ended %s: %s", job.job_id, ended.state, ended.outcome)
+
+    def execute(self, job: Job, actions: list[Action]) -> None:
+        """Carry out `actions` of `job` (for the watchdog's periodic reports)."""
+        self._execute(job, actions)
 
     async def _persist(self, job: Job, action: Persist) -> None:
         """Carry out a Persist in the background, then deliver its acknowledgement."""

@@ -5,7 +5,10 @@ worker whose host froze sends nothing, and no message handler runs to notice.
 This background task wakes a few times per heartbeat timeout, asks each job
 which ranks have been silent too long (`Liveness`), and has the servicer end
 them; it also names steps that wait too long and ranks whose buckets are
-persistently late, and refreshes the membership gauges. It reads the
+persistently late, and refreshes the membership gauges. While a job
+assembles it also tells the waiting ranks, and the log, every ~10 s who is
+still missing; a waiting rank that went silent is dropped from the
+assembling job (it may join again) rather than failing it. It reads the
 coordinator through the small `Watched` protocol, so it depends on no stream
 machinery, and `check` is one synchronous pass that tests drive with a fake
 clock.
@@ -18,8 +21,9 @@ import logging
 from collections.abc import Callable
 from typing import Protocol
 
+from gradsync.server.actions import Action
 from gradsync.server.config import ServerConfig
-from gradsync.server.job import Job
+from gradsync.server.job import Job, JobState
 from gradsync.server.metrics import CoordinatorMetrics
 
 log = logging.getLogger("gradsync.server")
@@ -48,6 +52,10 @@ class Watched(Protocol):
 
     def declare_dead(self, job: Job, rank: int, details: str) -> None:
         """End `rank`'s stream and drop it from `job` (`details` says why)."""
+        ...
+
+    def execute(self, job: Job, actions: list[Action]) -> None:
+        """Carry out `actions` of `job`."""
         ...
 
 
@@ -83,14 +91,24 @@ class Watchdog:
                 details = (
                     f"was declared dead after {timeout:g}s without a heartbeat (heartbeat timeout)"
                 )
-                log.warning(
-                    "job '%s': rank %d %s at step %d",
-                    job.job_id,
-                    rank,
-                    details,
-                    job.open_step,
-                )
+                if job.state is JobState.ASSEMBLING:
+                    log.warning(
+                        "job '%s': rank %d %s while waiting for the others; dropped from the "
+                        "assembling job (it may join again)",
+                        job.job_id,
+                        rank,
+                        details,
+                    )
+                else:
+                    log.warning(
+                        "job '%s': rank %d %s at step %d", job.job_id, rank, details, job.open_step
+                    )
                 coordinator.declare_dead(job, rank, details)
+            report = job.assembly_report()
+            if report is not None:
+                actions, line = report
+                log.info("%s", line)
+                coordinator.execute(job, actions)
             self._warn_if_stalled(job)
 
     def _warn_if_stalled(self, job: Job) -> None:

@@ -101,10 +101,11 @@ def main() -> int:
                 step = model.step
                 optimizer.zero_grad()
                 x, y = scenarios.rank_batch(step, world, rank)
-                loss = scenarios.loss_fn(model(x), y)
-                if step == sleep_step:
-                    time.sleep(sleep_s)
                 try:
+                    # forward() broadcasts rank 0's buffers: it can lose the coordinator too.
+                    loss = scenarios.loss_fn(model(x), y)
+                    if step == sleep_step:
+                        time.sleep(sleep_s)
                     loss.backward()
                 except gradsync.CoordinatorRestartedError:
                     restarts.append(model.step)

@@ -1,0 +1,303 @@
+"""The flags of the `gradsync` command, one subparser per subcommand.
+
+Kept apart from `gradsync.cli` (which runs the subcommands) because the flag
+list is long and is read on its own: by `--help`, by the README and by the
+tests that go through every flag. Each flag's type (`gradsync.flags`) checks
+its whole range, so a bad value exits 2 naming the flag before anything
+starts. Env-var defaults are read when the parser is built (at run time,
+never at import); argparse checks a string default with the flag's type, so
+a bad $RANK is reported like a bad --rank.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+
+from gradsync import __version__, flags
+from gradsync.config import ENV_COORDINATOR, ENV_JOB_ID, ENV_RANK, ENV_WORLD_SIZE
+from gradsync.protocol import defaults
+from gradsync.protocol.defaults import MIB
+
+#: The benchmark suites `gradsync bench --suites` chooses from.
+BENCH_SUITES = ("loopback", "train", "netns")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The argument parser (exposed for tests and docs)."""
+    parser = argparse.ArgumentParser(
+        prog="gradsync", description="Data-parallel gradient synchronization over gRPC."
+    )
+    parser.add_argument("--version", action="version", version=f"gradsync {__version__}")
+    parser.add_argument(
+        "--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"]
+    )
+    commands = parser.add_subparsers(dest="command", required=True)
+
+    serve = commands.add_parser("serve", help="run the coordinator")
+    serve.set_defaults(command_parser=serve)
+    serve.add_argument("--world-size", type=flags.positive_int, required=True, help="ranks per job")
+    serve.add_argument(
+        "--host", type=flags.non_empty, default="0.0.0.0", help="interface to bind (default all)"
+    )
+    serve.add_argument(
+        "--port",
+        type=flags.port,
+        default=defaults.PORT,
+        help="TCP port; 0 picks a free one and prints it (default %(default)s)",
+    )
+    serve.add_argument(
+        "--chunk-mb",
+        type=flags.chunk_mb,
+        default=defaults.CHUNK_BYTES / MIB,
+        help="wire chunk size in MiB (default %(default)g)",
+    )
+    serve.add_argument(
+        "--max-buffered-mb",
+        type=flags.positive_number,
+        default=defaults.MAX_BUFFERED_BYTES / MIB,
+        help="cap on gradient bytes held in partial reductions (default %(default)g)",
+    )
+    serve.add_argument(
+        "--max-jobs",
+        type=flags.positive_int,
+        default=defaults.MAX_JOBS,
+        help="concurrent jobs accepted (default %(default)s)",
+    )
+    serve.add_argument(
+        "--shutdown-grace-s",
+        type=flags.seconds_or_zero,
+        default=defaults.SHUTDOWN_GRACE_S,
+        help="how long SIGTERM lets running streams finish (default %(default)g)",
+    )
+    serve.add_argument(
+        "--heartbeat-interval",
+        type=flags.seconds,
+        default=defaults.HEARTBEAT_INTERVAL_S,
+        help="seconds between worker heartbeats (default %(default)g)",
+    )
+    serve.add_argument(
+        "--heartbeat-timeout",
+        type=flags.seconds,
+        default=defaults.HEARTBEAT_TIMEOUT_S,
+        help="seconds of silence before a worker is declared dead (default %(default)g)",
+    )
+    serve.add_argument(
+        "--stall-warning",
+        type=flags.seconds,
+        default=defaults.STALL_WARNING_S,
+        help="log who a step waits for once it is this many seconds old (default %(default)g)",
+    )
+    serve.add_argument(
+        "--checkpoint-store",
+        default=None,
+        help="where checkpoints go: redis://host:port/db, rediss://..., file:///dir or a "
+        "directory that does not look like host:port (default: none)",
+    )
+    serve.add_argument(
+        "--checkpoint-every",
+        type=flags.integer(0),
+        default=defaults.CHECKPOINT_EVERY_STEPS,
+        help="rank 0 uploads a checkpoint every K steps (default %(default)s; 0: on request)",
+    )
+    serve.add_argument(
+        "--require-checkpoint",
+        action="store_true",
+        help="fail the job when a checkpoint cannot be saved, instead of training on and retrying",
+    )
+    serve.add_argument(
+        "--resume", action="store_true", help="refuse to start a job that has no stored checkpoint"
+    )
+    serve.add_argument(
+        "--metrics-port",
+        type=flags.port,
+        default=None,
+        help="serve Prometheus metrics on this port (0 = a free one; default: off)",
+    )
+    serve.add_argument(
+        "--on-failure",
+        choices=["abort", "elastic"],
+        default=defaults.ON_FAILURE,
+        help="when a worker is lost: abort the step for everyone, or go on with the live "
+        "ranks and let restarted ranks rejoin (default %(default)s)",
+    )
+    serve.add_argument(
+        "--min-workers",
+        type=flags.positive_int,
+        default=defaults.MIN_WORKERS,
+        help="elastic: the fewest live workers to go on with (default %(default)s)",
+    )
+    serve.add_argument(
+        "--max-collective-mb",
+        type=flags.positive_number,
+        default=defaults.MAX_COLLECTIVE_BYTES / MIB,
+        help="cap on one rank's input to a collective (all_reduce, broadcast, ...) and on an "
+        "all_gather's result, in MiB (default %(default)g)",
+    )
+
+    status = commands.add_parser("status", help="show jobs, membership, progress and late ranks")
+    status.set_defaults(command_parser=status)
+    status.add_argument(
+        "--coordinator",
+        type=flags.coordinator,
+        default=os.environ.get(ENV_COORDINATOR),
+        help=f"coordinator host:port (default ${ENV_COORDINATOR})",
+    )
+    status.add_argument("--job-id", default="", help="only this job")
+    status.add_argument("--json", action="store_true", help="machine-readable output")
+    status.add_argument(
+        "--timeout-s",
+        type=flags.seconds,
+        default=defaults.STATUS_TIMEOUT_S,
+        help="bound on the query (default %(default)g)",
+    )
+
+    worker = commands.add_parser("worker", help="run the example training job as one rank")
+    worker.set_defaults(command_parser=worker)
+    worker.add_argument(
+        "--coordinator",
+        type=flags.coordinator,
+        default=os.environ.get(ENV_COORDINATOR),
+        help=f"coordinator host:port (default ${ENV_COORDINATOR})",
+    )
+    worker.add_argument(
+        "--rank",
+        type=flags.integer(0),
+        default=os.environ.get(ENV_RANK),
+        help=f"this worker's rank (default ${ENV_RANK})",
+    )
+    worker.add_argument(
+        "--world-size",
+        type=flags.positive_int,
+        default=os.environ.get(ENV_WORLD_SIZE),
+        help=f"number of ranks (default ${ENV_WORLD_SIZE})",
+    )
+    worker.add_argument(
+        "--job-id",
+        type=flags.non_empty,
+        default=os.environ.get(ENV_JOB_ID),
+        help=f"job id shared by all ranks (default ${ENV_JOB_ID} or {defaults.JOB_ID!r})",
+    )
+    _add_training_flags(worker)
+    worker.add_argument(
+        "--init-seed",
+        type=flags.integer(0, 2**63 - 1),
+        default=None,
+        help="seed of this rank's initial weights (default 1000 + rank; rank 0's "
+        "weights are broadcast to all)",
+    )
+    worker.add_argument(
+        "--save",
+        type=flags.non_empty,
+        default=None,
+        help="write the final parameters to this .npz file ({rank} is replaced by the rank)",
+    )
+    worker.add_argument("--no-progress", action="store_true", help="no progress bar on rank 0")
+    worker.add_argument(
+        "--log-every-steps",
+        type=flags.integer(0),
+        default=defaults.STEP_LOG_EVERY_STEPS,
+        help="rank 0 logs step time, exposed sync time and bytes every N steps at INFO "
+        "(default %(default)s; 0 = never)",
+    )
+    worker.add_argument(
+        "--metrics-port",
+        type=flags.port,
+        default=None,
+        help="serve this worker's Prometheus metrics on PORT + $LOCAL_RANK "
+        "(default $GRADSYNC_METRICS_PORT; 0 = a free port; unset = off)",
+    )
+    worker.add_argument(
+        "--trace",
+        type=flags.output_file,
+        default=None,
+        help="write a Chrome trace (Perfetto) of every step to this file",
+    )
+
+    demo = commands.add_parser(
+        "demo", help="start a coordinator and local workers, train, check against one process"
+    )
+    demo.set_defaults(command_parser=demo)
+    demo.add_argument(
+        "--workers",
+        type=flags.positive_int,
+        default=3,
+        help="number of worker processes (default %(default)s)",
+    )
+    _add_training_flags(demo)
+
+    bench = commands.add_parser(
+        "bench", help="benchmark against gloo / torchrun + DDP and the network's bound"
+    )
+    bench.set_defaults(command_parser=bench)
+    bench.add_argument("--quick", action="store_true", help="a run of under two minutes")
+    bench.add_argument(
+        "--out",
+        type=flags.output_folder,
+        default="bench/results",
+        help="where latest.json / .md / .png go (default bench/results)",
+    )
+    bench.add_argument(
+        "--suites",
+        type=flags.choice_list(BENCH_SUITES),
+        default=",".join(BENCH_SUITES),
+        help="comma-separated subset of %(default)s",
+    )
+    bench.add_argument(
+        "--sizes-mb",
+        type=flags.number_list(flags.positive_number),
+        default=None,
+        help="override: sync sizes, e.g. 1,25",
+    )
+    bench.add_argument(
+        "--worlds",
+        type=flags.number_list(flags.positive_int),
+        default=None,
+        help="override: world sizes, e.g. 2,4",
+    )
+    bench.add_argument(
+        "--reps", type=flags.positive_int, default=None, help="override: repetitions"
+    )
+    bench.add_argument(
+        "--train-model-mb",
+        type=flags.positive_number,
+        default=None,
+        help="override: model size of the training suite",
+    )
+    bench.add_argument(
+        "--train-steps",
+        type=flags.positive_int,
+        default=None,
+        help="override: timed steps of the training suite",
+    )
+    bench.add_argument(
+        "--netns-rate-mbit",
+        type=flags.positive_number,
+        default=None,
+        help="override: emulated link bandwidth (default 1000)",
+    )
+    return parser
+
+
+def _add_training_flags(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--epochs", type=flags.positive_int, default=5, help="epochs (default %(default)s)"
+    )
+    parser.add_argument(
+        "--batch-size",
+        type=flags.positive_int,
+        default=32,
+        help="samples per rank per step (default %(default)s)",
+    )
+    parser.add_argument(
+        "--lr",
+        type=flags.positive_number,
+        default=0.5,
+        help="SGD learning rate (default %(default)s)",
+    )
+    parser.add_argument(
+        "--timeout-s",
+        type=flags.seconds,
+        default=defaults.EXAMPLE_TIMEOUT_S,
+        help="bound on every wait for other ranks (default %(default)g)",
+    )

@@ -1,0 +1,172 @@
+"""Communication hooks: see (and reshape) every gradient bucket on its way to the coordinator.
+
+In the spirit of torch DDP's `register_comm_hook(state, hook)`: a hook is a
+small object whose two methods run for every bucket of every synchronized
+step, on every rank alike. `before_upload(state, bucket)` runs when the
+bucket's gradients are complete and returns the 1-D tensor that goes on the
+wire: the bucket as is, scaled, or cast to a 16-bit float type the
+coordinator accepts for a float32/float64 bucket (it accumulates in float32
+and answers in the same 16-bit type). `after_average(state, bucket, averaged)`
+runs once the average is back and writes the bucket's final gradients into
+`bucket.buffer`, undoing what `before_upload` did (cast back, scale back).
+
+Why two methods and not DDP's single `hook(state, bucket) -> Future`: the
+upload and the wait for the average run on different threads here (the
+network runs on the transport's event loop, the average is awaited at the end
+of backward), and a future-returning hook would have to block or chain on
+that loop. Splitting the hook at the network keeps it pure and synchronous:
+it never sees a socket, and it is unit-tested as two plain functions.
+
+The 16-bit wire formats are simply the built-in hooks `fp16_compress_hook`
+and `bf16_compress_hook`; other compressions (e.g. issue 10's wire formats)
+plug in the same way. `GradientScaling` is a tiny pure-Python example that
+scales before upload and back after, counting the buckets it has seen.
+
+Registering a hook costs one copy per bucket (the bucket is flattened into a
+contiguous tensor for the hook to see); without a hook, buckets are uploaded
+straight from `param.grad` (see `gradsync.buffers`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import torch
+
+#: The dtypes a floating bucket may travel in besides its own.
+COMPRESSED_WIRE_DTYPES = (torch.float16, torch.bfloat16)
+
+
+@dataclass
+class GradBucket:
+    """One bucket of one rank's gradients, as a communication hook sees it.
+
+    Attributes:
+        index: the bucket's index in the job's bucket layout.
+        step: the synchronized step.
+        buffer: the bucket's gradients, flattened (1-D, contiguous, on the
+            host, in the bucket's dtype). `after_average` must leave the
+            final averaged gradients here.
+        parameter_names: the names of the bucket's parameters, in buffer order.
+        world_size: the number of ranks in the job.
+    """
+
+    index: int
+    step: int
+    buffer: torch.Tensor
+    parameter_names: list[str]
+    world_size: int
+
+    def is_last(self, num_buckets: int) -> bool:
+        """True for the last gradient bucket of a step (as DDP's `GradBucket.is_last`)."""
+        return self.index == num_buckets - 1
+
+
+class CommHook(Protocol):
+    """What `DistributedDataParallel.register_comm_hook` accepts."""
+
+    def before_upload(self, state: Any, bucket: GradBucket) -> torch.Tensor:
+        """Return the 1-D tensor to upload for `bucket`.
+
+        Its dtype must be the bucket's, or float16/bfloat16 for a float32 or
+        float64 bucket; its length must be the bucket's. It runs on the thread
+        running backward (inside an autograd hook): it must be quick and must
+        not block.
+        """
+        ...
+
+    def after_average(self, state: Any, bucket: GradBucket, averaged: torch.Tensor) -> None:
+        """Write the final gradients of `bucket` into `bucket.buffer`.
+
+        `averaged` is the average over the ranks of what `before_upload`
+        returned, in the same dtype.
+        """
+
+
+class _CastCompression:
+    """Upload a floating bucket in a 16-bit float type; cast the average back."""
+
+    def __init__(self, wire_dtype: torch.dtype) -> None:
+        self.wire_dtype = wire_dtype
+
+    def before_upload(self, state: Any, bucket: GradBucket) -> torch.Tensor:
+        if not bucket.buffer.is_floating_point():
+            return bucket.buffer
+        return bucket.buffer.to(self.wire_dtype)
+
+    def after_average(self, state: Any, bucket: GradBucket, averaged: torch.Tensor) -> None:
+        bucket.buffer.copy_(averaged)
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.wire_dtype})"
+
+
+#: Payloads in float16 on the wire (half the bytes); the coordinator sums in
+#: float32 and answers in float16. As torch DDP's `default_hooks.fp16_compress_hook`
+#: (which sums in float16 and so rounds more at W > 2). Values beyond float16's
+#: range (65504) overflow to inf: scale the loss (GradScaler) or use bf16.
+fp16_compress_hook: CommHook = _CastCompression(torch.float16)
+
+#: Payloads in bfloat16 (float32's range, 8 bits of mantissa), summed in float32.
+bf16_compress_hook: CommHook = _CastCompression(torch.bfloat16)
+
+
+@dataclass
+class GradientScaling:
+    """Example hook: multiply each bucket by `factor` before upload, divide after.
+
+    With a power-of-two factor both multiplications are exact, so training is
+    unchanged: it shows the hook mechanics (and counts buckets, a place to log).
+    `state` is ignored; a real hook might keep its settings there, as DDP's do.
+    """
+
+    factor: float = 1.0
+    buckets_seen: int = field(default=0)
+
+    def before_upload(self, state: Any, bucket: GradBucket) -> torch.Tensor:
+        self.buckets_seen += 1
+        return bucket.buffer * self.factor
+
+    def after_average(self, state: Any, bucket: GradBucket, averaged: torch.Tensor) -> None:
+        bucket.buffer.copy_(averaged / self.factor)
+
+
+def check_comm_hook(hook: object) -> None:
+    """Raise TypeError unless `hook` has `before_upload` and `after_average` methods."""
+    for method in ("before_upload", "after_average"):
+        if not callable(getattr(hook, method, None)):
+            raise TypeError(
+                f"{hook!r} is not a comm hook: it has no {method}() method (a hook needs "
+                "before_upload(state, bucket) and after_average(state, bucket, averaged))"
+            )
+
+
+def check_wire_tensor(bucket: GradBucket, wire: object, rank: int) -> torch.Tensor:
+    """Check what a hook returned for `bucket`; return it as a contiguous host tensor.
+
+    Raises:
+        TypeError: not a tensor.
+        ValueError: wrong length or a dtype the coordinator does not accept for
+            the bucket, naming rank, step, bucket and both values.
+    """
+    where = f"rank {rank}, step {bucket.step}, bucket {bucket.index}"
+    if not isinstance(wire, torch.Tensor):
+        raise TypeError(
+            f"[{where}] the comm hook returned {type(wire).__name__}, expected a torch.Tensor"
+        )
+    own = bucket.buffer.dtype
+    allowed = own == wire.dtype or (
+        own in (torch.float32, torch.float64) and wire.dtype in COMPRESSED_WIRE_DTYPES
+    )
+    if not allowed:
+        raise ValueError(
+            f"[{where}] the comm hook returned {wire.dtype} for a {own} bucket; "
+            f"allowed: {own}" + (", torch.float16, torch.bfloat16" if own.is_floating_point else "")
+        )
+    if wire.numel() != bucket.buffer.numel():
+        raise ValueError(
+            f"[{where}] the comm hook returned {wire.numel()} elements, "
+            f"the bucket holds {bucket.buffer.numel()}"
+        )
+    return wire.detach().reshape(-1).to("cpu").contiguous()

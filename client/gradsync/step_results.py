@@ -1,0 +1,150 @@
+"""Averaged gradients of each step as they arrive, written into the uploaded buckets (pure logic).
+
+The coordinator answers every uploaded bucket with averaged chunks, possibly
+while later buckets of the same step are still uploading. `StepResults`
+scatters each chunk straight into the `BucketBuffer` that was submitted (the
+gradients' own memory), counts complete buckets per step, keeps a
+`StepAborted` against its step, and says what is still missing when a wait
+runs out. It holds no lock: `gradsync.inbox` calls it under its condition
+variable, which is also what waiters sleep on.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from gradsync.buffers import BucketBuffer
+from gradsync.errors import MessageRejectedError, PeerLostError, StepAbortedError
+from gradsync.protocol.codec import ChunkHeader
+from gradsync.protocol.codes import Code
+from gradsync.v1 import gradsync_pb2 as pb
+
+
+@dataclass
+class _StepResult:
+    """Progress of one step: averaged bytes written back into each uploaded bucket."""
+
+    buffers: dict[int, BucketBuffer] = field(default_factory=dict)
+    received: dict[int, int] = field(default_factory=dict)
+    contributors: int = 0
+    complete_buckets: int = 0
+    aborted: pb.StepAborted | None = None
+
+
+class StepResults:
+    """Where each step's averages go, and how far each step has come.
+
+    Args:
+        rank: this worker's rank (for error messages).
+        on_averaged: called as (step, bucket_index) when a bucket's averages are
+            complete; must be quick and must not raise.
+    """
+
+    def __init__(self, rank: int, on_averaged: Callable[[int, int], None] | None) -> None:
+        self.rank = rank
+        self._on_averaged = on_averaged
+        self._results: dict[int, _StepResult] = {}
+        self.bucket_bytes: list[int] = []
+
+    def expect(self, step: int, bucket_index: int, buffer: BucketBuffer) -> None:
+        """Register where the averages of an uploaded bucket are to be written."""
+        self._ensure(step).buffers[bucket_index] = buffer
+
+    def watch(self, step: int) -> None:
+        """Start tracking `step` (a wait on it may begin before any bucket was uploaded)."""
+        self._ensure(step)
+
+    def is_ready(self, step: int) -> bool:
+        """True once every bucket of `step` is averaged, or the step was aborted."""
+        result = self._results.get(step)
+        if result is None:
+            return False
+        return result.aborted is not None or result.complete_buckets == len(self.bucket_bytes)
+
+    def take(self, step: int) -> int:
+        """Forget `step` (and older steps); return how many ranks were averaged over.
+
+        Raises:
+            StepAbortedError (or a subclass): the coordinator abandoned the step.
+        """
+        result = self._results.pop(step)
+        for old in [s for s in self._results if s < step]:
+            del self._results[old]
+        if result.aborted is not None:
+            raise abort_error(result.aborted, self.rank)
+        return result.contributors
+
+    def on_aborted(self, aborted: pb.StepAborted) -> None:
+        """Record that the coordinator abandoned a step."""
+        self._ensure(aborted.step).aborted = aborted
+
+    def on_gradient(self, chunk: ChunkHeader, payload: memoryview) -> str | None:
+        """Write one averaged chunk into its bucket.
+
+        Returns:
+            None, or what is wrong with the chunk (the stream is then not to be trusted).
+        """
+        result = self._ensure(chunk.step)
+        bucket = chunk.bucket_index
+        buffer = result.buffers.get(bucket)
+        if buffer is None:
+            return (
+                f"averaged bucket {bucket} of step {chunk.step} arrived before this rank "
+                "uploaded it"
+            )
+        try:
+            buffer.write(chunk.offset, payload)
+        except ValueError as exc:
+            return f"averaged chunk of bucket {bucket}: {exc}"
+        received = result.received.get(bucket, 0) + len(payload)
+        result.received[bucket] = received
+        result.contributors = (
+            min(result.contributors, chunk.contributors)
+            if result.contributors
+            else chunk.contributors
+        )
+        if received == buffer.size:
+            result.complete_buckets += 1
+            if self._on_averaged is not None:
+                self._on_averaged(chunk.step, bucket)
+        return None
+
+    def describe_missing(self, step: int) -> str:
+        """Which buckets of `step` are incomplete, for a timeout's message."""
+        result = self._results.get(step)
+        if result is None:
+            return "no results arrived"
+        missing = [
+            f"bucket {index} ({result.received.get(index, 0)}/{size} bytes)"
+            for index, size in enumerate(self.bucket_bytes)
+            if result.received.get(index, 0) < size
+        ]
+        return "still waiting for " + ", ".join(missing)
+
+    def _ensure(self, step: int) -> _StepResult:
+        result = self._results.get(step)
+        if result is None:
+            result = self._results[step] = _StepResult()
+        return result
+
+
+def abort_error(aborted: pb.StepAborted, rank: int) -> StepAbortedError:
+    """The exception for a StepAborted message, by its reason."""
+    classes: dict[int, type[StepAbortedError]] = {
+        pb.ABORT_REASON_MESSAGE_REJECTED: MessageRejectedError,
+        pb.ABORT_REASON_PEER_LOST: PeerLostError,
+    }
+    cls = classes.get(aborted.reason, StepAbortedError)
+    try:
+        code: Code | None = Code(aborted.code)
+    except ValueError:
+        code = None
+    return cls(
+        f"step {aborted.step} was aborted by the coordinator "
+        f"({code.name if code else aborted.code}): {aborted.message}",
+        rank=rank,
+        step=aborted.step,
+        bucket_index=aborted.bucket_index,
+        code=code,
+    )

@@ -1,0 +1,81 @@
+"""One worker's stream as the servicer sees it: its identity and its bounded outbox.
+
+The servicer's reader hands messages to the job; what the job wants sent is
+queued here and drained by the stream's writer. The queue is bounded in
+bytes (architecture invariant 5): a worker that stops reading is ended with
+RESOURCE_EXHAUSTED instead of growing the coordinator's memory. Ending a
+stream is queued too, so it happens after what was queued before, and an
+error end is announced by a `StreamEnd` carrying the reason.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass
+
+from gradsync.protocol.codes import Code
+from gradsync.server.job import Job
+from gradsync.v1 import gradsync_pb2 as pb
+
+
+def _default_reason(code: Code) -> pb.EndReason:
+    """The EndReason of an end whose cause is its status code alone."""
+    if code is Code.RESOURCE_EXHAUSTED:
+        return pb.END_REASON_RESOURCE_EXHAUSTED
+    return pb.END_REASON_UNSPECIFIED
+
+
+@dataclass(frozen=True)
+class End:
+    """Outbox sentinel: end the stream with this status after prior writes."""
+
+    code: Code
+    details: str
+
+
+class Connection:
+    """One worker's stream: identity once joined, and its bounded outbox."""
+
+    def __init__(self, peer: str, max_outbox_bytes: int) -> None:
+        self.peer = peer
+        self.job: Job | None = None
+        self.rank = -1
+        self.left = False
+        self.outbox: asyncio.Queue[bytes | End] = asyncio.Queue()
+        self.outbox_bytes = 0
+        self.max_outbox_bytes = max_outbox_bytes
+        self.ended = False
+
+    def send(self, raw: bytes) -> None:
+        if self.ended:
+            return
+        if self.outbox_bytes + len(raw) > self.max_outbox_bytes:
+            self.end(
+                Code.RESOURCE_EXHAUSTED,
+                f"rank {self.rank} is not reading its results: {self.outbox_bytes} bytes are "
+                f"queued for it (limit {self.max_outbox_bytes} bytes)",
+                pb.END_REASON_RESOURCE_EXHAUSTED,
+            )
+            return
+        self.outbox_bytes += len(raw)
+        self.outbox.put_nowait(raw)
+
+    def end(self, code: Code, details: str, reason: pb.EndReason | None = None) -> None:
+        """End the stream after what is queued; an error is announced by a StreamEnd first.
+
+        `reason` defaults to the one the code implies (see `_default_reason`).
+        The StreamEnd bypasses the outbox limit: it is small and must arrive.
+        """
+        if self.ended:
+            return
+        self.ended = True
+        if code is not Code.OK:
+            stream_end = pb.StreamEnd(
+                reason=_default_reason(code) if reason is None else reason,
+                code=int(code),
+                message=details,
+            )
+            raw = pb.CoordinatorMessage(stream_end=stream_end).SerializeToString()
+            self.outbox_bytes += len(raw)
+            self.outbox.put_nowait(raw)
+        self.outbox.put_nowait(End(code, details))

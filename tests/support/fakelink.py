@@ -1,0 +1,199 @@
+"""A coordinator in a box for unit tests of the model wrapper: no sockets, no threads.
+
+`FakeLink` implements `gradsync.link.CoordinatorLink`: it records what the
+wrapper submits and answers as a coordinator would (averages with a silent
+peer, aborts, a lost stream, collectives with scripted peers, join progress).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import gradsync
+import numpy as np
+import numpy.typing as npt
+import torch
+from gradsync.buffers import BucketBuffer
+from gradsync.link import BucketEventHandler, CoordinatorLink
+from gradsync.v1 import gradsync_pb2 as pb
+
+#: Wire dtypes a FakeLink accepts, as torch dtypes.
+WIRE_NUMPY = {
+    pb.DTYPE_FLOAT32: torch.float32,
+    pb.DTYPE_FLOAT16: torch.float16,
+    pb.DTYPE_BFLOAT16: torch.bfloat16,
+}
+
+
+class FakeLink:
+    """A coordinator in a box: records submissions, averages with a silent peer.
+
+    The averages it writes back are `scale` times this rank's gradients (0.5:
+    a second rank contributed zeros), so a test can tell an averaged `.grad`
+    from a local one.
+    """
+
+    def __init__(self, target: str, rank: int, welcome: pb.Welcome | None = None) -> None:
+        self.target = target
+        self.rank = rank
+        self.current_step = 0
+        self.on_bucket_event: BucketEventHandler | None = None
+        self.welcome = welcome if welcome is not None else pb.Welcome(start_step=0)
+        self.bucket_bytes: list[int] = []
+        self.joins: list[pb.Join] = []
+        self.sent_state: list[bytes] = []
+        self.state_for_us = b""
+        self.resume_blob = b""
+        #: (step, bucket_index, buffer) of every gradient bucket hand-off, in order
+        #: (the presence bucket, always last in a step, is in `presence`).
+        self.submitted: list[tuple[int, int, BucketBuffer]] = []
+        #: Every hand-off, the presence bucket included, with its wire dtype.
+        self.uploads: list[tuple[int, int, BucketBuffer, int]] = []
+        #: This rank's presence vector of each step (1.0: it used the parameter).
+        self.presence: list[list[float]] = []
+        #: Presence of the other ranks: added to ours before averaging (1.0 = used there).
+        self.peer_presence: list[float] | None = None
+        self.checkpoints: list[int] = []
+        self.checkpoint_durable = True
+        self.heals: list[int] = []
+        self.heal_requested = False
+        self.abandoned: list[tuple[int, str]] = []
+        self.waited_steps: list[int] = []
+        #: Raised by the next wait_step instead of answering (a recorded failure).
+        self.fail_with: gradsync.GradSyncError | None = None
+        self.scale = 0.5
+        #: Added to every averaged gradient element: what a peer's gradient contributed.
+        self.peer_value = 0.0
+        self.contributors = 2
+        self.closed = False
+        #: Called at every hand-off, while autograd is still running.
+        self.on_submit: Callable[[int], None] | None = None
+        #: (op, dtype, payload bytes, root) of every collective, in order.
+        self.collectives: list[tuple[int, int, bytes, int]] = []
+        #: What a BROADCAST from another rank delivers (None: this rank's own bytes).
+        self.broadcast_result: bytes | None = None
+        self.collective_sequence = 0
+        self.out_of_inputs: list[int] = []
+        #: JoinProgress messages wait_join_progress hands out, in order.
+        self.join_progress: list[pb.JoinProgress] = []
+
+    def configure_buckets(self, bucket_bytes: list[int]) -> None:
+        self.bucket_bytes = list(bucket_bytes)
+
+    def open(self, join: pb.Join) -> None:
+        self.joins.append(join)
+
+    def wait_welcome(self, timeout_s: float) -> pb.Welcome:
+        return self.welcome
+
+    def send_state(self, blob: npt.NDArray[np.uint8]) -> None:
+        self.sent_state.append(blob.tobytes())
+
+    def receive_state(self, num_bytes: int, timeout_s: float) -> bytearray:
+        assert len(self.state_for_us) == num_bytes
+        return bytearray(self.state_for_us)
+
+    def receive_resume(self, num_bytes: int, timeout_s: float) -> bytes:
+        assert len(self.resume_blob) == num_bytes
+        return self.resume_blob
+
+    def send_checkpoint(self, step: int, blob: bytes) -> None:
+        self.checkpoints.append(step)
+
+    def wait_checkpoint(self, step: int, timeout_s: float) -> pb.CheckpointSaved:
+        message = "" if self.checkpoint_durable else "the store is read-only"
+        return pb.CheckpointSaved(step=step, durable=self.checkpoint_durable, message=message)
+
+    def take_heal_request(self) -> bool:
+        requested, self.heal_requested = self.heal_requested, False
+        return requested
+
+    def send_heal(self, step: int, blob: bytes) -> None:
+        self.heals.append(step)
+
+    def abandon_step(self, step: int, reason: str) -> None:
+        self.abandoned.append((step, reason))
+
+    def submit_bucket(self, step: int, bucket_index: int, buffer: BucketBuffer, dtype: int) -> None:
+        assert dtype in WIRE_NUMPY, dtype
+        self.uploads.append((step, bucket_index, buffer, dtype))
+        if bucket_index == len(self.bucket_bytes) - 1:
+            self.presence.append(np.concatenate(buffer.segments).view(np.float32).tolist())
+            return
+        self.submitted.append((step, bucket_index, buffer))
+        if self.on_submit is not None:
+            self.on_submit(bucket_index)
+
+    def wait_step(self, step: int, timeout_s: float) -> int:
+        self.waited_steps.append(step)
+        if self.fail_with is not None:
+            error, self.fail_with = self.fail_with, None
+            raise error
+        presence_index = len(self.bucket_bytes) - 1
+        for submitted_step, bucket_index, buffer, dtype in self.uploads:
+            if submitted_step != step:
+                continue
+            if bucket_index == presence_index:
+                local = np.concatenate(buffer.segments).view(np.float32)
+                peers = np.asarray(self.peer_presence or np.zeros_like(local), dtype=np.float32)
+                averaged = (local + peers) / np.float32(2)
+            else:
+                wire = torch.from_numpy(np.concatenate(buffer.segments)).view(WIRE_NUMPY[dtype])
+                averaged = wire.float() * self.scale + self.peer_value
+                averaged = averaged.to(WIRE_NUMPY[dtype]).view(torch.uint8)
+            buffer.write(0, np.asarray(averaged).view(np.uint8).tobytes())
+        return self.contributors
+
+    def run_collective(
+        self,
+        op: int,
+        dtype: int,
+        payload: npt.NDArray[np.uint8],
+        root: int,
+        timeout_s: float,
+        *,
+        result_bytes: int | None = None,
+    ) -> tuple[bytearray, int]:
+        self.collectives.append((op, dtype, payload.tobytes(), root))
+        self.collective_sequence += 1
+        if op == pb.COLLECTIVE_OP_BROADCAST and root != self.rank:
+            assert self.broadcast_result is not None, "no scripted broadcast result"
+            assert result_bytes == len(self.broadcast_result)
+            return bytearray(self.broadcast_result), self.contributors
+        # A reduction with peers that sent what this rank sent (sum: scaled).
+        return bytearray(payload.tobytes()), self.contributors
+
+    def set_collective_sequence(self, sequence: int) -> None:
+        self.collective_sequence = sequence
+
+    def send_out_of_inputs(self, step: int) -> None:
+        self.out_of_inputs.append(step)
+
+    def wait_join_progress(self, timeout_s: float) -> pb.JoinProgress:
+        if not self.join_progress:
+            raise gradsync.SyncTimeoutError("no join progress scripted", rank=self.rank)
+        return self.join_progress.pop(0)
+
+    def close(self, timeout_s: float = 10.0) -> None:
+        self.closed = True
+
+
+class LinkFactory:
+    """Hands the wrapper FakeLinks; keeps every one it made (one per (re)connect)."""
+
+    def __init__(self, *welcomes: pb.Welcome) -> None:
+        self._welcomes = list(welcomes)
+        self.links: list[FakeLink] = []
+        self.prepare: Callable[[FakeLink], None] | None = None
+
+    def __call__(self, target: str, rank: int) -> CoordinatorLink:
+        welcome = self._welcomes.pop(0) if self._welcomes else None
+        link = FakeLink(target, rank, welcome)
+        if self.prepare is not None:
+            self.prepare(link)
+        self.links.append(link)
+        return link
+
+    @property
+    def link(self) -> FakeLink:
+        return self.links[-1]

@@ -1,0 +1,231 @@
+"""Collectives on user tensors, as pure logic: the maths, agreement checks and limits.
+
+Inputs arrive chunk by chunk in random interleavings; results must be the
+same bytes whatever the order (sums in ascending rank order), and equal a
+reference computed with numpy in rank order.
+"""
+
+from __future__ import annotations
+
+import random
+
+import numpy as np
+import pytest
+from gradsync.protocol.codes import Code
+from gradsync.server.actions import Action, Send
+from gradsync.server.budget import ByteBudget
+from gradsync.server.collectives import Collectives, reduce_inputs
+from gradsync.server.errors import RejectedMessage
+from gradsync.v1 import gradsync_pb2 as pb
+
+CHUNK = 4096
+RANKS = (0, 1, 2)
+
+
+def engine(budget: ByteBudget | None = None, max_bytes: int = 1 << 20) -> Collectives:
+    return Collectives("job", 3, CHUNK, max_bytes, budget or ByteBudget(1 << 24))
+
+
+def pieces(
+    rank: int, raw: bytes, op: int, dtype: int, sequence: int = 0, root: int = 0
+) -> list[tuple[int, pb.CollectiveChunk]]:
+    spans = [(o, raw[o : o + CHUNK]) for o in range(0, len(raw), CHUNK)] or [(0, b"")]
+    return [
+        (
+            rank,
+            pb.CollectiveChunk(
+                sequence=sequence,
+                op=op,  # type: ignore[arg-type]
+                dtype=dtype,  # type: ignore[arg-type]
+                total_bytes=len(raw),
+                offset=offset,
+                payload=payload,
+                root=root,
+            ),
+        )
+        for offset, payload in spans
+    ]
+
+
+def result_of(actions: list[Action]) -> tuple[bytes, tuple[int, ...], int]:
+    """(result bytes, recipients, contributors) from the result chunks."""
+    sends = [a for a in actions if isinstance(a, Send)]
+    assert sends, "no result"
+    chunks = [s.message.collective for s in sends if not isinstance(s.message, bytes)]
+    total = chunks[0].total_bytes
+    out = bytearray(total)
+    for chunk in chunks:
+        out[chunk.offset : chunk.offset + len(chunk.payload)] = chunk.payload
+        assert chunk.total_bytes == total
+    return bytes(out), sends[0].ranks, chunks[0].contributors
+
+
+def run_all(
+    collectives: Collectives, messages: list[tuple[int, pb.CollectiveChunk]], ranks=RANKS
+) -> list[Action]:
+    actions: list[Action] = []
+    for rank, chunk in messages:
+        actions += collectives.accept(rank, chunk, ranks)
+    return actions
+
+
+@pytest.mark.parametrize("seed", range(8))
+@pytest.mark.parametrize(
+    "op", [pb.COLLECTIVE_OP_SUM, pb.COLLECTIVE_OP_AVG, pb.COLLECTIVE_OP_MIN, pb.COLLECTIVE_OP_MAX]
+)
+def test_reductions_are_bitwise_independent_of_arrival_order(op: int, seed: int) -> None:
+    rng = np.random.default_rng(seed)
+    inputs = [
+        (rng.standard_normal(2500) * 10.0 ** rng.integers(-3, 4)).astype(np.float32) for _ in RANKS
+    ]
+    expected = inputs[0].copy()
+    for other in inputs[1:]:
+        if op in (pb.COLLECTIVE_OP_SUM, pb.COLLECTIVE_OP_AVG):
+            expected += other
+        elif op == pb.COLLECTIVE_OP_MIN:
+            expected = np.minimum(expected, other)
+        else:
+            expected = np.maximum(expected, other)
+    if op == pb.COLLECTIVE_OP_AVG:
+        expected /= np.float32(3)
+    messages = [m for r in RANKS for m in pieces(r, inputs[r].tobytes(), op, pb.DTYPE_FLOAT32)]
+    random.Random(seed).shuffle(messages)
+    result, ranks, contributors = result_of(run_all(engine(), messages))
+    assert result == expected.tobytes()
+    assert ranks == RANKS and contributors == 3
+
+
+def test_integer_sum_accumulates_in_int64_and_wraps_back() -> None:
+    inputs = [np.array([100, -100, 7], dtype=np.int8) for _ in RANKS]
+    assert reduce_inputs(pb.COLLECTIVE_OP_SUM, pb.DTYPE_INT8, [a.tobytes() for a in inputs]) == (
+        np.array([300 - 256, -300 + 256, 21], dtype=np.int8).tobytes()
+    )
+    big = [np.array([2**40 + r], dtype=np.int64).tobytes() for r in RANKS]
+    summed = reduce_inputs(pb.COLLECTIVE_OP_SUM, pb.DTYPE_INT64, big)
+    assert np.frombuffer(summed, dtype=np.int64)[0] == 3 * 2**40 + 3
+
+
+def test_float16_average_accumulates_in_float32() -> None:
+    inputs = [np.full(4, 60000, dtype=np.float16) for _ in RANKS]  # the fp16 sum overflows
+    raw = reduce_inputs(pb.COLLECTIVE_OP_AVG, pb.DTYPE_FLOAT16, [a.tobytes() for a in inputs])
+    assert np.frombuffer(raw, dtype=np.float16).tolist() == [60000.0] * 4
+
+
+def test_broadcast_all_gather_and_barrier() -> None:
+    collectives = engine()
+    payload = np.arange(3000, dtype=np.float32).tobytes()
+    messages = pieces(1, payload, pb.COLLECTIVE_OP_BROADCAST, pb.DTYPE_FLOAT32, root=1)
+    for rank in (0, 2):
+        messages += pieces(rank, b"", pb.COLLECTIVE_OP_BROADCAST, pb.DTYPE_FLOAT32, root=1)
+    assert result_of(run_all(collectives, messages))[0] == payload
+    gathered = [bytes([r]) * 10 for r in RANKS]
+    messages = [
+        m
+        for r in (2, 0, 1)
+        for m in pieces(r, gathered[r], pb.COLLECTIVE_OP_ALL_GATHER, pb.DTYPE_UINT8, sequence=1)
+    ]
+    assert result_of(run_all(collectives, messages))[0] == b"".join(gathered)
+    messages = [
+        m for r in RANKS for m in pieces(r, b"", pb.COLLECTIVE_OP_BARRIER, pb.DTYPE_UINT8, 2)
+    ]
+    assert run_all(collectives, messages[:2]) == []
+    result, ranks, _ = result_of(run_all(collectives, messages[2:]))
+    assert result == b"" and ranks == RANKS
+    assert collectives.next_sequence == 3 and collectives.open_sequences() == []
+
+
+@pytest.mark.parametrize(
+    ("second", "needles"),
+    [
+        (
+            {"op": pb.COLLECTIVE_OP_MAX},
+            ["rank 1 sent collective 0", "all_reduce max", "rank 0 sent all_reduce sum"],
+        ),
+        (
+            {"dtype": pb.DTYPE_FLOAT64},
+            ["rank 1 sent collective 0", "float64", "rank 0 sent float32"],
+        ),
+        ({"total_bytes": 8}, ["rank 1 sent collective 0", "8 bytes", "rank 0 sent 16 bytes"]),
+    ],
+)
+def test_disagreeing_ranks_are_named_with_both_values(
+    second: dict[str, int], needles: list[str]
+) -> None:
+    collectives = engine()
+    first = pb.CollectiveChunk(
+        sequence=0,
+        op=pb.COLLECTIVE_OP_SUM,
+        dtype=pb.DTYPE_FLOAT32,
+        total_bytes=16,
+        payload=bytes(16),
+    )
+    collectives.accept(0, first, RANKS)
+    other = pb.CollectiveChunk()
+    other.CopyFrom(first)
+    for name, value in second.items():
+        setattr(other, name, value)
+    other.payload = bytes(other.total_bytes)
+    with pytest.raises(RejectedMessage) as caught:
+        collectives.accept(1, other, RANKS)
+    assert caught.value.code is Code.INVALID_ARGUMENT
+    for needle in needles:
+        assert needle in caught.value.message, caught.value.message
+
+
+def test_limits_sequence_window_and_bad_chunks() -> None:
+    budget = ByteBudget(1 << 20)
+    collectives = engine(budget, max_bytes=8192)
+
+    def refused(rank: int, chunk: pb.CollectiveChunk) -> RejectedMessage:
+        with pytest.raises(RejectedMessage) as caught:
+            collectives.accept(rank, chunk, RANKS)
+        return caught.value
+
+    big = pb.CollectiveChunk(op=pb.COLLECTIVE_OP_SUM, dtype=pb.DTYPE_FLOAT32, total_bytes=8196)
+    assert refused(0, big).code is Code.RESOURCE_EXHAUSTED and "8192" in refused(0, big).message
+    gather = pb.CollectiveChunk(
+        op=pb.COLLECTIVE_OP_ALL_GATHER, dtype=pb.DTYPE_UINT8, total_bytes=4000
+    )
+    assert refused(0, gather).code is Code.RESOURCE_EXHAUSTED  # 3 x 4000 > 8192
+    avg_int = pb.CollectiveChunk(op=pb.COLLECTIVE_OP_AVG, dtype=pb.DTYPE_INT32, total_bytes=4)
+    assert "floating" in refused(0, avg_int).message
+    odd = pb.CollectiveChunk(op=pb.COLLECTIVE_OP_SUM, dtype=pb.DTYPE_FLOAT32, total_bytes=6)
+    assert "whole number" in refused(0, odd).message
+    far = pb.CollectiveChunk(sequence=99, op=pb.COLLECTIVE_OP_BARRIER, dtype=pb.DTYPE_UINT8)
+    assert refused(0, far).code is Code.FAILED_PRECONDITION
+    ok = pb.CollectiveChunk(
+        sequence=1, op=pb.COLLECTIVE_OP_SUM, dtype=pb.DTYPE_FLOAT32, total_bytes=8, payload=bytes(8)
+    )
+    collectives.accept(0, ok, RANKS)
+    assert budget.used == 8
+    assert "twice" in refused(0, ok).message
+    short = pb.CollectiveChunk(
+        sequence=1, op=pb.COLLECTIVE_OP_SUM, dtype=pb.DTYPE_FLOAT32, total_bytes=8, payload=bytes(4)
+    )
+    assert "expected 8" in refused(1, short).message
+    collectives.release()
+    assert budget.used == 0
+
+
+def test_a_rank_out_of_inputs_is_dropped_and_the_broadcast_root_falls_back() -> None:
+    budget = ByteBudget(1 << 20)
+    collectives = engine(budget)
+    payload = b"x" * 12
+    # Root 0 has run out of inputs: ranks 1 and 2 take part; rank 1 sends its data.
+    messages = pieces(1, payload, pb.COLLECTIVE_OP_BROADCAST, pb.DTYPE_UINT8, root=0)
+    messages += pieces(2, b"", pb.COLLECTIVE_OP_BROADCAST, pb.DTYPE_UINT8, root=0)
+    result, ranks, contributors = result_of(run_all(collectives, messages, ranks=(1, 2)))
+    assert (result, ranks, contributors) == (payload, (1, 2), 2)
+    # A sum that waits only for rank 2 completes when rank 2 runs out of inputs.
+    values = [np.full(4, r + 1, dtype=np.float32).tobytes() for r in RANKS]
+    messages = [
+        m for r in (0, 1) for m in pieces(r, values[r], pb.COLLECTIVE_OP_AVG, pb.DTYPE_FLOAT32, 1)
+    ]
+    assert run_all(collectives, messages) == []
+    result, ranks, contributors = result_of(collectives.drop_participant(2))
+    assert np.frombuffer(result, dtype=np.float32).tolist() == [1.5] * 4
+    assert ranks == (0, 1) and contributors == 2 and budget.used == 0
+    with pytest.raises(RejectedMessage, match="does not take part"):
+        collectives.accept(
+            2, pieces(2, b"", pb.COLLECTIVE_OP_BARRIER, pb.DTYPE_UINT8, 2)[0][1], (0, 1)
+        )
