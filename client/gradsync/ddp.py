@@ -32,7 +32,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from gradsync import compat, syncbn, uneven
+from gradsync import compat, hooks, syncbn, uneven
 from gradsync.bucketing import BucketPlan
 from gradsync.collectives import Collectives
 from gradsync.config import ClientConfig
@@ -86,6 +86,9 @@ class DistributedDataParallel(nn.Module):
         trace_path: write a Chrome trace-event file of every step there.
         reconnect_timeout_s: keep reconnecting to a lost coordinator this long (0 = never).
         overlap: upload each bucket as soon as its gradients are ready (default).
+        wire_dtype: torch.bfloat16 or torch.float16 to send gradients and receive the
+            average in 16 bits (half the bytes; the coordinator still sums in fp32; the
+            roundings are listed in `gradsync.hooks`); None (default) = full precision.
         log_every_steps: with INFO logging, rank 0 logs step time, exposed sync time
             and bytes every this many steps (0 = never).
         link_factory: builds the link from (address, rank); default gRPC. Tests pass a fake.
@@ -96,7 +99,8 @@ class DistributedDataParallel(nn.Module):
     ranks have joined, then copies rank 0's parameters and buffers to every rank.
 
     Raises:
-        ValueError: invalid or missing settings, or a module gradsync cannot serve.
+        ValueError: invalid or missing settings (an unsupported `wire_dtype`), or a
+            module gradsync cannot serve.
         GradSyncError: joining failed (coordinator unreachable, join refused, ...).
     """
 
@@ -136,6 +140,7 @@ class DistributedDataParallel(nn.Module):
         reconnect_timeout_s: float = defaults.RECONNECT_TIMEOUT_S,
         log_every_steps: int = defaults.STEP_LOG_EVERY_STEPS,
         link_factory: LinkFactory | None = None,
+        wire_dtype: torch.dtype | None = None,
     ) -> None:
         super().__init__()
         self.module = module
@@ -150,6 +155,7 @@ class DistributedDataParallel(nn.Module):
             join_timeout_s,
         )
         compat.warn_ignored(compat.ignored_arguments(locals()))
+        wire_hook = hooks.hook_for_wire_dtype(wire_dtype)  # refused before joining
         named = list(module.named_parameters())
         if not any(p.requires_grad for _, p in named):
             raise ValueError("the module has no parameters that require gradients")
@@ -203,7 +209,13 @@ class DistributedDataParallel(nn.Module):
             self._instruments.close()
             raise
         self._reducer = Reducer(
-            named, buckets, self.rank, self.world_size, self._instruments, lambda: self._link
+            named,
+            buckets,
+            self.rank,
+            self.world_size,
+            self._instruments,
+            lambda: self._link,
+            wire_hook,
         )
         #: The coordinator's collectives for this job (`gradsync.collectives`).
         self.collectives = Collectives(
@@ -309,7 +321,8 @@ class DistributedDataParallel(nn.Module):
         protocol and the built-ins (`fp16_compress_hook`, `bf16_compress_hook`).
 
         Raises:
-            RuntimeError: a hook is already registered, or a step already ran.
+            RuntimeError: a hook is already registered (also by `wire_dtype`), or a
+                step already ran.
             TypeError: `hook` lacks `before_upload` / `after_average`.
         """
         if self._synced_steps or self._backward_active:

@@ -17,10 +17,34 @@ of backward), and a future-returning hook would have to block or chain on
 that loop. Splitting the hook at the network keeps it pure and synchronous:
 it never sees a socket, and it is unit-tested as two plain functions.
 
-The 16-bit wire formats are simply the built-in hooks `fp16_compress_hook`
-and `bf16_compress_hook`; other compressions (e.g. issue 10's wire formats)
-plug in the same way. `GradientScaling` is a tiny pure-Python example that
-scales before upload and back after, counting the buckets it has seen.
+The 16-bit wire formats are the built-in hooks `fp16_compress_hook` and
+`bf16_compress_hook`, which `DistributedDataParallel(wire_dtype=...)`
+registers (`hook_for_wire_dtype`); other compressions plug in the same way.
+`GradientScaling` is a tiny pure-Python example that scales before upload and
+back after, counting the buckets it has seen.
+
+Roundings on the 16-bit wire, in order (a float32 bucket; a float64 one is the
+same with float64 at both ends), and nowhere else:
+
+1. client: each fp32 gradient is rounded to the 16-bit type, to nearest, ties
+   to even (torch's `Tensor.to`); values beyond float16's range become inf,
+   values below its normal range lose bits as subnormals (bf16 has float32's
+   range, so only its 8-bit mantissa rounds);
+2. coordinator: each 16-bit value is widened to fp32 (exact), the ranks'
+   values are summed in fp32 in ascending rank order whatever the arrival
+   order (each addition rounds in fp32), the sum is divided by the divisor
+   (the number of contributions, or the world size under `join()`) in fp32
+   (one rounding), and the average is rounded to the 16-bit type, to nearest,
+   ties to even (`gradsync.server.aggregation.from_accumulator`);
+3. client: the 16-bit average is widened into the fp32 `.grad` (exact).
+
+So the result is the correctly rounded 16-bit value of a (nearly exact) fp32
+average of the 16-bit inputs: two 16-bit roundings per element, one on each
+side. torch DDP's `default_hooks.bf16_compress_hook` / `fp16_compress_hook`
+instead divide each rank's 16-bit gradient by the world size in 16 bits
+(rounding again, and underflowing small fp16 values) and let the all-reduce
+sum in 16 bits (rounding after every addition), so at W > 2 it rounds more:
+`tests/multiprocess/test_wire_fidelity.py` measures both on the same gradients.
 
 Registering a hook costs one copy per bucket (the bucket is flattened into a
 contiguous tensor for the hook to see); without a hook, buckets are uploaded
@@ -85,13 +109,18 @@ class CommHook(Protocol):
 
 
 class _CastCompression:
-    """Upload a floating bucket in a 16-bit float type; cast the average back."""
+    """Upload a float32/float64 bucket in a 16-bit float type; cast the average back.
+
+    Other buckets (integers, or already 16-bit parameters) travel as they are:
+    the coordinator accepts a 16-bit wire only for float32/float64 buckets, and
+    a mixed-precision model should not fail because one bucket is already small.
+    """
 
     def __init__(self, wire_dtype: torch.dtype) -> None:
         self.wire_dtype = wire_dtype
 
     def before_upload(self, state: Any, bucket: GradBucket) -> torch.Tensor:
-        if not bucket.buffer.is_floating_point():
+        if bucket.buffer.dtype not in (torch.float32, torch.float64):
             return bucket.buffer
         return bucket.buffer.to(self.wire_dtype)
 
@@ -110,6 +139,38 @@ fp16_compress_hook: CommHook = _CastCompression(torch.float16)
 
 #: Payloads in bfloat16 (float32's range, 8 bits of mantissa), summed in float32.
 bf16_compress_hook: CommHook = _CastCompression(torch.bfloat16)
+
+
+#: `DistributedDataParallel(wire_dtype=...)`: the built-in hook for each 16-bit wire.
+WIRE_DTYPE_HOOKS: dict[torch.dtype, CommHook] = {
+    torch.float16: fp16_compress_hook,
+    torch.bfloat16: bf16_compress_hook,
+}
+
+
+def hook_for_wire_dtype(wire_dtype: object) -> CommHook | None:
+    """The built-in hook that puts gradients on the wire in `wire_dtype`.
+
+    Args:
+        wire_dtype: torch.bfloat16, torch.float16, or None (full precision: no hook).
+
+    Returns:
+        `bf16_compress_hook`, `fp16_compress_hook`, or None.
+
+    Raises:
+        ValueError: any other value, naming it and the accepted ones. float32 is
+            refused rather than read as "no compression" so that a typo for a
+            16-bit type cannot silently double the bytes on the wire.
+    """
+    if wire_dtype is None:
+        return None
+    hook = WIRE_DTYPE_HOOKS.get(wire_dtype) if isinstance(wire_dtype, torch.dtype) else None
+    if hook is None:
+        raise ValueError(
+            f"wire_dtype={wire_dtype!r} is not supported: use torch.bfloat16, torch.float16, "
+            "or None for full precision"
+        )
+    return hook
 
 
 @dataclass

@@ -71,6 +71,8 @@ class Reducer:
         world_size: the job's size (for comm hooks).
         instruments: metrics and trace.
         link: returns the current link to the coordinator.
+        wire_hook: the built-in hook chosen by `wire_dtype` (`hooks.hook_for_wire_dtype`),
+            registered now; None when the gradients travel in their own dtype.
     """
 
     def __init__(
@@ -81,6 +83,7 @@ class Reducer:
         world_size: int,
         instruments: Instruments,
         link: Callable[[], CoordinatorLink],
+        wire_hook: CommHook | None = None,
     ) -> None:
         self._named = list(named_parameters)
         self.buckets = list(buckets)
@@ -91,8 +94,9 @@ class Reducer:
         for bucket_index, plan in enumerate(self.buckets):
             for index in plan.parameter_indices:
                 self.bucket_of[index] = bucket_index
-        self.comm_hook: CommHook | None = None
+        self.comm_hook: CommHook | None = wire_hook
         self._comm_hook_state: Any = None
+        self._hook_from_wire_dtype = wire_hook is not None
         self.reset()
 
     def reset(self) -> None:
@@ -104,6 +108,14 @@ class Reducer:
     def register_comm_hook(self, state: Any, hook: CommHook) -> None:
         """See `DistributedDataParallel.register_comm_hook`."""
         check_comm_hook(hook)
+        if self._hook_from_wire_dtype:
+            # One hook per bucket: a user hook would replace the 16-bit cast (or be
+            # stacked on it in some order), so the combination is refused outright.
+            raise RuntimeError(
+                f"register_comm_hook({hook!r}) cannot be combined with wire_dtype, which "
+                f"already registered {self.comm_hook!r}: pass wire_dtype=None and register "
+                "your hook (casting to 16 bits in its before_upload if you want both)"
+            )
         if self.comm_hook is not None:
             raise RuntimeError(f"register_comm_hook can only be called once ({self.comm_hook!r})")
         self.comm_hook, self._comm_hook_state = hook, state
