@@ -503,7 +503,7 @@ class DistributedDataParallel(nn.Module):
                 rank=self.rank,
                 step=resumed_at,
             ) from exc
-        self._instruments.step_done(step, wait_started)
+        self._instruments.step_done(step, wait_started, self._link.step_report())
         return contributors
 
     def _end_step(self, step: int) -> None:

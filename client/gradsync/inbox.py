@@ -61,6 +61,8 @@ class _Shared:
     heal_requested: bool = False
     #: The coordinator's announcement of why it is about to end the stream.
     stream_end: pb.StreamEnd | None = None
+    #: The coordinator's latest StepReport (only the lowest rank gets them).
+    step_report: pb.StepReport | None = None
     #: The latest AssemblyProgress, and how many have arrived (waiters compare counts).
     assembly: pb.AssemblyProgress | None = None
     assembly_count: int = 0
@@ -240,6 +242,11 @@ class Inbox:
         assert self._shared.resume is not None
         return bytes(self._shared.resume)
 
+    def step_report(self) -> pb.StepReport | None:
+        """The coordinator's latest StepReport (None until one arrived; lowest rank only)."""
+        with self._cond:
+            return self._shared.step_report
+
     def take_heal_request(self) -> bool:
         """True (once) when a rejoining rank needs this rank's state."""
         with self._cond:
@@ -320,6 +327,8 @@ class Inbox:
                 self._on_assembly(message.assembly)
             elif kind == "join_progress":
                 shared.join_progress.append(message.join_progress)
+            elif kind == "step_report":
+                shared.step_report = message.step_report
             elif kind == "step_aborted":
                 self._steps.on_aborted(message.step_aborted)
             elif kind == "membership":

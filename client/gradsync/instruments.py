@@ -19,6 +19,7 @@ from gradsync.errors import StepAbortedError
 from gradsync.metrics import WorkerMetrics
 from gradsync.protocol.exposition import MetricsServer, serve_metrics
 from gradsync.trace import TRANSPORT_TRACK, StepTracer
+from gradsync.v1 import gradsync_pb2 as pb
 
 log = logging.getLogger("gradsync.client")
 
@@ -104,14 +105,19 @@ class Instruments:
                 "until averaged", step, submitted, finished, bucket_index, TRANSPORT_TRACK
             )
 
-    def step_done(self, step: int, wait_started: float) -> None:
-        """The averages of `step` are in place; backward is about to return."""
+    def step_done(
+        self, step: int, wait_started: float, report: pb.StepReport | None = None
+    ) -> None:
+        """The averages of `step` are in place; backward is about to return.
+
+        `report` is the coordinator's latest StepReport (who was slowest), if any.
+        """
         finished = self.now()
         if self.metrics is not None:
             self.metrics.observe_exposed_comm(finished - wait_started)
             self.metrics.observe_step_done()
         if self._log_every_steps:
-            self._log_step(step, finished, finished - wait_started)
+            self._log_step(step, finished, finished - wait_started, report)
         if self.tracer is not None:
             self.tracer.span("wait for averages", step, wait_started, finished)
             self.tracer.span("backward", step, self._backward_started, finished)
@@ -124,7 +130,9 @@ class Instruments:
         with self._lock:
             self._submitted.clear()
 
-    def _log_step(self, step: int, finished: float, exposed_s: float) -> None:
+    def _log_step(
+        self, step: int, finished: float, exposed_s: float, report: pb.StepReport | None
+    ) -> None:
         """Rank 0's periodic step log: means over the last `log_every_steps` steps."""
         window = self._window
         if window is None:
@@ -136,14 +144,24 @@ class Instruments:
         if window.steps < self._log_every_steps:
             return
         steps = window.steps
+        # The coordinator sees every rank's buckets arrive: it names the laggard.
+        slowest = "slowest rank unknown"
+        if report is not None:
+            slowest = (
+                "no rank lagging"
+                if report.slowest_rank < 0
+                else f"slowest rank {report.slowest_rank} "
+                f"(+{1e3 * report.slowest_lag_s:.1f} ms per bucket)"
+            )
         log.info(
-            "rank %d: steps %d-%d: %.1f ms/step, exposed sync %.1f ms/step, %.2f MB up/step",
+            "rank %d: steps %d-%d: %.1f ms/step, exposed sync %.1f ms/step, %.2f MB up/step, %s",
             self._rank,
             window.first_step,
             step,
             1e3 * (finished - window.started) / steps,
             1e3 * window.exposed_s / steps,
             (self.bytes_sent - window.bytes_sent) / steps / 1e6,
+            slowest,
         )
         self._window = _Window(step + 1, finished, self.bytes_sent)
 

@@ -84,6 +84,13 @@ class CoordinatorLink(Protocol):
         """True, once, when a rejoining rank asked for this rank's state."""
         ...
 
+    def step_report(self) -> pb.StepReport | None:
+        """The coordinator's latest StepReport (who was slowest), or None.
+
+        Only the lowest participating rank receives them, for its step log.
+        """
+        ...
+
     def send_heal(self, step: int, blob: bytes) -> None:
         """Queue this rank's state for a rejoining rank. Never blocks."""
 

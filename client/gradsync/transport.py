@@ -245,6 +245,10 @@ class Transport:
         """True (once) when a rejoining rank needs this rank's state."""
         return self._inbox.take_heal_request()
 
+    def step_report(self) -> pb.StepReport | None:
+        """The coordinator's latest StepReport; see `CoordinatorLink.step_report`."""
+        return self._inbox.step_report()
+
     def send_heal(self, step: int, blob: bytes) -> None:
         """Queue this rank's state for a rejoining rank. Never blocks."""
         self._put(_CheckpointUpload(step, blob, heal=True))

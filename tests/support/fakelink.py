@@ -57,6 +57,8 @@ class FakeLink:
         self.checkpoint_durable = True
         self.heals: list[int] = []
         self.heal_requested = False
+        #: What `step_report()` returns (a test sets it to play the coordinator).
+        self.report: pb.StepReport | None = None
         self.abandoned: list[tuple[int, str]] = []
         self.waited_steps: list[int] = []
         #: Raised by the next wait_step instead of answering (a recorded failure).
@@ -107,6 +109,9 @@ class FakeLink:
     def take_heal_request(self) -> bool:
         requested, self.heal_requested = self.heal_requested, False
         return requested
+
+    def step_report(self) -> pb.StepReport | None:
+        return self.report
 
     def send_heal(self, step: int, blob: bytes) -> None:
         self.heals.append(step)

@@ -82,19 +82,27 @@ class RawWorker:
         )()
         #: AssemblyProgress messages received while waiting for something else.
         self.assembly: list[pb.AssemblyProgress] = []
+        #: StepReports (sent to the lowest rank after each step), likewise set aside.
+        self.step_reports: list[pb.StepReport] = []
 
     async def send(self, message: pb.WorkerMessage | bytes) -> None:
         raw = message if isinstance(message, bytes) else message.SerializeToString()
         await asyncio.wait_for(self.call.write(raw), timeout=5)
 
-    async def recv(self, timeout: float = 5.0, assembly: bool = False) -> pb.CoordinatorMessage:
-        """The next message; AssemblyProgress is set aside in `self.assembly` unless asked for."""
+    async def recv(
+        self, timeout: float = 5.0, assembly: bool = False, step_report: bool = False
+    ) -> pb.CoordinatorMessage:
+        """The next message; AssemblyProgress and StepReport are set aside unless asked for."""
         while True:
             message = await asyncio.wait_for(self.call.read(), timeout=timeout)
             assert message is not grpc.aio.EOF, "stream ended without a status"
-            if assembly or message.WhichOneof("kind") != "assembly":
+            kind = message.WhichOneof("kind")
+            if kind == "assembly" and not assembly:
+                self.assembly.append(message.assembly)
+            elif kind == "step_report" and not step_report:
+                self.step_reports.append(message.step_report)
+            else:
                 return message  # type: ignore[no-any-return]
-            self.assembly.append(message.assembly)
 
     async def join(
         self,
@@ -117,7 +125,7 @@ class RawWorker:
         )
 
     async def expect_kind(self, kind: str) -> pb.CoordinatorMessage:
-        message = await self.recv(assembly=kind == "assembly")
+        message = await self.recv(assembly=kind == "assembly", step_report=kind == "step_report")
         assert message.WhichOneof("kind") == kind, message
         return message
 

@@ -279,6 +279,23 @@ def test_rank_0_logs_step_timing_every_n_steps(caplog: pytest.LogCaptureFixture)
     assert len(lines) == 2
     assert lines[0].startswith("rank 0: steps 1-2: ")
     assert "exposed sync" in lines[0] and "MB up/step" in lines[0]
+    assert lines[0].endswith("slowest rank unknown")  # no StepReport from the coordinator
+
+
+def test_the_step_log_names_the_slowest_rank_the_coordinator_reports(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    factory = LinkFactory()
+    model = wrap(mlp(), factory, log_every_steps=1)
+    with caplog.at_level(logging.INFO, logger="gradsync.client"):
+        step(model)
+        factory.link.report = pb.StepReport(step=0, slowest_rank=2, slowest_lag_s=0.0125)
+        step(model)
+        factory.link.report = pb.StepReport(step=1, slowest_rank=-1)
+        step(model)
+    lines = [r.getMessage() for r in caplog.records if "ms/step" in r.getMessage()]
+    assert lines[0].endswith("slowest rank 2 (+12.5 ms per bucket)")
+    assert lines[1].endswith("no rank lagging")
 
 
 def test_other_ranks_do_not_log_step_timing(caplog: pytest.LogCaptureFixture) -> None:

@@ -14,6 +14,7 @@ from gradsync.server.actions import Action, Send, Terminate
 from gradsync.server.budget import ByteBudget
 from gradsync.server.checkpoint import Checkpoint
 from gradsync.server.job import Job, JobState
+from gradsync.server.metrics import CoordinatorMetrics
 from gradsync.server.status import job_status, status_reply
 from gradsync.v1 import gradsync_pb2 as pb
 
@@ -183,3 +184,25 @@ def test_a_checkpoint_upload_becomes_one_persist() -> None:
     last = pb.CheckpointChunk(step=4, offset=CHUNK, total_bytes=len(blob), payload=blob[CHUNK:])
     (persist,) = job.on_checkpoint_chunk(0, last)
     assert (persist.step, persist.blob) == (4, blob)  # type: ignore[union-attr]
+
+
+def test_a_completed_step_tells_the_lowest_rank_who_was_slowest() -> None:
+    job, clock = make_job(ByteBudget(1 << 30), metrics=CoordinatorMetrics())
+    actions: list[Action] = []
+    for rank in (0, 2, 1):  # rank 1 is 50 ms behind the others on every chunk
+        if rank == 1:
+            clock.now += 0.05
+        for offset in range(0, BUCKET_BYTES, CHUNK):
+            actions += job.on_gradient(rank, *chunk(rank, offset=offset))
+    reports = [
+        (action.ranks, action.message.step_report)
+        for action in actions
+        if isinstance(action, Send)
+        and not isinstance(action.message, bytes)
+        and action.message.WhichOneof("kind") == "step_report"
+    ]
+    assert len(reports) == 1
+    ranks, report = reports[0]
+    assert tuple(ranks) == (0,)
+    assert (report.step, report.slowest_rank) == (0, 1)
+    assert abs(report.slowest_lag_s - 0.05) < 1e-9

@@ -348,8 +348,18 @@ class StreamEnd(_message.Message):
     message: str
     def __init__(self, reason: _Optional[_Union[EndReason, str]] = ..., code: _Optional[int] = ..., message: _Optional[str] = ...) -> None: ...
 
+class StepReport(_message.Message):
+    __slots__ = ("step", "slowest_rank", "slowest_lag_s")
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    SLOWEST_RANK_FIELD_NUMBER: _ClassVar[int]
+    SLOWEST_LAG_S_FIELD_NUMBER: _ClassVar[int]
+    step: int
+    slowest_rank: int
+    slowest_lag_s: float
+    def __init__(self, step: _Optional[int] = ..., slowest_rank: _Optional[int] = ..., slowest_lag_s: _Optional[float] = ...) -> None: ...
+
 class CoordinatorMessage(_message.Message):
-    __slots__ = ("welcome", "gradient", "state", "step_aborted", "checkpoint_saved", "resume", "membership", "state_request", "stream_end", "collective", "assembly", "join_progress")
+    __slots__ = ("welcome", "gradient", "state", "step_aborted", "checkpoint_saved", "resume", "membership", "state_request", "stream_end", "collective", "assembly", "join_progress", "step_report")
     WELCOME_FIELD_NUMBER: _ClassVar[int]
     GRADIENT_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELD_NUMBER: _ClassVar[int]
@@ -362,6 +372,7 @@ class CoordinatorMessage(_message.Message):
     COLLECTIVE_FIELD_NUMBER: _ClassVar[int]
     ASSEMBLY_FIELD_NUMBER: _ClassVar[int]
     JOIN_PROGRESS_FIELD_NUMBER: _ClassVar[int]
+    STEP_REPORT_FIELD_NUMBER: _ClassVar[int]
     welcome: Welcome
     gradient: GradientChunk
     state: StateChunk
@@ -374,7 +385,8 @@ class CoordinatorMessage(_message.Message):
     collective: CollectiveChunk
     assembly: AssemblyProgress
     join_progress: JoinProgress
-    def __init__(self, welcome: _Optional[_Union[Welcome, _Mapping]] = ..., gradient: _Optional[_Union[GradientChunk, _Mapping]] = ..., state: _Optional[_Union[StateChunk, _Mapping]] = ..., step_aborted: _Optional[_Union[StepAborted, _Mapping]] = ..., checkpoint_saved: _Optional[_Union[CheckpointSaved, _Mapping]] = ..., resume: _Optional[_Union[CheckpointChunk, _Mapping]] = ..., membership: _Optional[_Union[MembershipChanged, _Mapping]] = ..., state_request: _Optional[_Union[StateRequest, _Mapping]] = ..., stream_end: _Optional[_Union[StreamEnd, _Mapping]] = ..., collective: _Optional[_Union[CollectiveChunk, _Mapping]] = ..., assembly: _Optional[_Union[AssemblyProgress, _Mapping]] = ..., join_progress: _Optional[_Union[JoinProgress, _Mapping]] = ...) -> None: ...
+    step_report: StepReport
+    def __init__(self, welcome: _Optional[_Union[Welcome, _Mapping]] = ..., gradient: _Optional[_Union[GradientChunk, _Mapping]] = ..., state: _Optional[_Union[StateChunk, _Mapping]] = ..., step_aborted: _Optional[_Union[StepAborted, _Mapping]] = ..., checkpoint_saved: _Optional[_Union[CheckpointSaved, _Mapping]] = ..., resume: _Optional[_Union[CheckpointChunk, _Mapping]] = ..., membership: _Optional[_Union[MembershipChanged, _Mapping]] = ..., state_request: _Optional[_Union[StateRequest, _Mapping]] = ..., stream_end: _Optional[_Union[StreamEnd, _Mapping]] = ..., collective: _Optional[_Union[CollectiveChunk, _Mapping]] = ..., assembly: _Optional[_Union[AssemblyProgress, _Mapping]] = ..., join_progress: _Optional[_Union[JoinProgress, _Mapping]] = ..., step_report: _Optional[_Union[StepReport, _Mapping]] = ...) -> None: ...
 
 class StatusRequest(_message.Message):
     __slots__ = ("job_id",)

@@ -192,8 +192,7 @@ class OpenStep:
             return []
         bucket = chunk.bucket_index
         send = self._averaged(bucket, chunk.offset, averaged)
-        self._close_bucket_if_complete(bucket)
-        return [send]
+        return [send, *self._close_bucket_if_complete(bucket)]
 
     def _fold(self, rank: int, chunk: ChunkHeader, payload: memoryview) -> memoryview | None:
         step, bucket, epoch = chunk.step, chunk.bucket_index, self._membership.epoch
@@ -340,7 +339,7 @@ class OpenStep:
         )
         return Send(self.participants(), reply)
 
-    def _close_bucket_if_complete(self, bucket: int) -> None:
+    def _close_bucket_if_complete(self, bucket: int) -> list[Action]:
         """Once every chunk of `bucket` went out: count it, and close the step after the last.
 
         Called after the bucket's final averaged chunks were queued (never between
@@ -348,16 +347,29 @@ class OpenStep:
         chunks at once, and closing the step frees the reductions they come from).
         """
         if not self._buckets[bucket].reduction.complete:
-            return
+            return []
         self._buckets_done += 1
         if self._metrics is not None and self.progress is not None:
             sent = self._buckets[bucket].reduction.num_bytes * len(self.participants())
             self._metrics.observe_bucket_done(self.progress.bucket_age(bucket), sent)
-        if self._buckets_done == len(self._bucket_bytes):
-            if self._metrics is not None and self.progress is not None:
-                self._metrics.observe_step_done(self.progress.age(), self.step)
-            self._advance()
-            self.steps_completed += 1
+        if self._buckets_done != len(self._bucket_bytes):
+            return []
+        report = self._step_report()
+        if self._metrics is not None and self.progress is not None:
+            self._metrics.observe_step_done(self.progress.age(), self.step)
+        self._advance()
+        self.steps_completed += 1
+        return report
+
+    def _step_report(self) -> list[Action]:
+        """The completed step's StepReport for the lowest participant (its step log)."""
+        participants = self.participants()
+        if not participants:
+            return []
+        slowest = self._metrics.lag_tracker.slowest(1) if self._metrics is not None else []
+        rank, lag_s = slowest[0] if slowest and slowest[0][1] > 0 else (-1, 0.0)
+        report = pb.StepReport(step=self.step, slowest_rank=rank, slowest_lag_s=lag_s)
+        return [Send((min(participants),), pb.CoordinatorMessage(step_report=report))]
 
     # ------------------------------------------------------ membership changes
     def drop_rank(self, lost: int) -> list[Action]:
@@ -369,7 +381,7 @@ class OpenStep:
             held.account()
             actions += [self._averaged(bucket, offset, averaged) for offset, averaged in completed]
             if completed:
-                self._close_bucket_if_complete(bucket)
+                actions += self._close_bucket_if_complete(bucket)
             if self.step != step:
                 break  # the step completed over the live ranks
         return actions
