@@ -428,7 +428,7 @@ def test_elastic_divisor_is_the_number_of_live_ranks(coordinator_factory, tmp_pa
 @pytest.mark.timeout(180)
 def test_restarted_rank_rejoins_and_is_healed(coordinator_factory, tmp_path: Path) -> None:
     coordinator = coordinator_factory(3, *ELASTIC)
-    steps = 14
+    steps = 30  # long enough for a restarted process to import torch and rejoin under load
     processes = start_workers(
         coordinator.address,
         3,

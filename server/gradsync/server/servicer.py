@@ -50,6 +50,8 @@ log = logging.getLogger("gradsync.server")
 SERVICE_NAME = "gradsync.v1.Coordinator"
 _STATUS_BY_CODE = {status.value[0]: status for status in grpc.StatusCode}
 _MAX_JOB_ID_CHARS = 128
+#: How long a closing stream waits for a write in flight before cancelling it.
+_WRITER_STOP_S = 1.0
 #: After the drain grace, how long streams ended for shutdown get to flush their last messages.
 SHUTDOWN_FLUSH_S = 1.0
 _SHUTTING_DOWN = "the coordinator is shutting down"
@@ -173,6 +175,13 @@ class CoordinatorServicer:
                 await asyncio.wait({ended}, timeout=self.config.shutdown_grace_s)
         finally:
             reader.cancel()
+            if not writer.done():
+                # Let a write in flight finish rather than cancel it half-way: that
+                # leaves an operation pending in gRPC's core, which then logs an
+                # ExecuteBatchError ("too many operations") when the handler returns.
+                # A peer that is gone makes the write fail at once.
+                conn.outbox.put_nowait(End(Code.OK, ""))
+                await asyncio.wait({writer}, timeout=_WRITER_STOP_S)
             writer.cancel()
             self._detach(conn)
             self._streams.discard(conn)
