@@ -278,12 +278,16 @@ class DistributedDataParallel(nn.Module):
         # Before the next step's forward the optimizer has applied the previous
         # step: parameters and optimizer state are consistent.
         self._session.at_step_boundary(self._step)
+        if not (self.broadcast_buffers and self._require_forward_param_sync):
+            return
         buffers = [b for b in self.module.buffers() if b.numel()]
-        if self.broadcast_buffers and self._require_forward_param_sync and buffers:
+        if buffers:
             try:
                 self._broadcast_buffers(buffers)
             except CoordinatorUnavailableError as exc:
-                self._reconnect_or_raise(exc, "forward pass")
+                resumed_at, restarted = self._reconnect(exc, "a forward pass")
+                self._step = resumed_at
+                raise restarted from exc
 
     def _broadcast_buffers(self, buffers: list[torch.Tensor]) -> None:
         src = 0
@@ -293,24 +297,27 @@ class DistributedDataParallel(nn.Module):
         # Every rank sends its own, so the broadcast completes if rank `src` is lost.
         self.collectives.broadcast_tensors(buffers, src, every_rank_sends=True)
 
-    def _reconnect_or_raise(self, exc: CoordinatorUnavailableError, during: str) -> None:
-        """Reconnect to a restarted coordinator and raise CoordinatorRestartedError.
+    def _reconnect(
+        self, exc: CoordinatorUnavailableError, during: str
+    ) -> tuple[int, CoordinatorRestartedError]:
+        """Reconnect to a restarted coordinator; return the resumed step and the error to raise.
 
         Only a lost coordinator is worth reconnecting to; every other error
-        (declared dead, refused, checkpoint failed) propagates as it is.
+        (declared dead, refused, checkpoint failed) propagates as it is, and so
+        does `exc` when reconnecting is off. The caller moves `self._step`.
         """
         if self._session.reconnect_timeout_s <= 0:
             raise exc
         resumed_at = self._session.reconnect(exc, self._step)
-        self._step = resumed_at
         self._link.current_step = resumed_at
-        raise CoordinatorRestartedError(
-            f"lost the coordinator during a {during} and reconnected; state restored from the "
+        restarted = CoordinatorRestartedError(
+            f"lost the coordinator during {during} and reconnected; state restored from the "
             f"checkpoint of step {resumed_at}. Nothing was applied: skip optimizer.step() and "
             "continue at model.step",
             rank=self.rank,
             step=resumed_at,
-        ) from exc
+        )
+        return resumed_at, restarted
 
     def register_comm_hook(self, state: Any, hook: CommHook) -> None:
         """Have `hook` see every gradient bucket before upload and after the average.
@@ -490,19 +497,9 @@ class DistributedDataParallel(nn.Module):
             self._instruments.step_aborted(exc)
             raise
         except CoordinatorUnavailableError as exc:
-            # Only a lost coordinator is worth reconnecting to; every other
-            # error (declared dead, refused, checkpoint failed) propagates.
-            if self._session.reconnect_timeout_s <= 0:
-                raise
-            resumed_at = self._session.reconnect(exc, step)
+            resumed_at, restarted = self._reconnect(exc, "a backward pass")
             self._step = resumed_at - 1  # `_end_step` moves on to the resumed step
-            raise CoordinatorRestartedError(
-                f"lost the coordinator and reconnected; state restored from the checkpoint "
-                f"of step {resumed_at}. Nothing was applied for this backward pass: skip "
-                "optimizer.step() and continue at model.step",
-                rank=self.rank,
-                step=resumed_at,
-            ) from exc
+            raise restarted from exc
         self._instruments.step_done(step, wait_started, self._link.step_report())
         return contributors
 

@@ -30,14 +30,15 @@ def free_port(host: str = "127.0.0.1") -> int:
         return int(probe.getsockname()[1])
 
 
-def _local(argv: list[str]) -> subprocess.Popen[str]:
+def local_launch(argv: list[str]) -> subprocess.Popen[str]:
+    """Start `argv` on this host with its stderr piped (where the banner is read)."""
     return subprocess.Popen(argv, stderr=subprocess.PIPE, text=True)
 
 
 def start_coordinator(
     world_size: int,
     *extra: str,
-    launch: Launcher = _local,
+    launch: Launcher = local_launch,
     host: str = "127.0.0.1",
     port: int = 0,
     timeout_s: float = 60.0,

@@ -23,16 +23,12 @@ from pathlib import Path
 from typing import Any
 
 from gradsync.bench.netns import Cluster, LinkShape, available
-from gradsync.launch import Launcher, free_port, start_coordinator
+from gradsync.launch import Launcher, free_port, local_launch, start_coordinator
 
 MIB = 1 << 20
 Row = dict[str, Any]
 #: The train suite's runs: no communication, gradsync, gradsync without overlap, torch DDP.
 TRAIN_MODES = ("local", "gradsync", "sequential", "ddp")
-
-
-def _local_launch(argv: list[str]) -> subprocess.Popen[str]:
-    return subprocess.Popen(argv, stderr=subprocess.PIPE, text=True)
 
 
 def _wait_all(processes: Sequence[subprocess.Popen[str]], timeout_s: float, what: str) -> None:
@@ -86,7 +82,7 @@ def run_sync_pair(
     reps: int,
     *,
     workdir: Path,
-    launch: Launcher = _local_launch,
+    launch: Launcher = local_launch,
     coordinator_host: str = "127.0.0.1",
     worker_launchers: Sequence[Launcher] | None = None,
     coordinator_address: str | None = None,
@@ -103,7 +99,7 @@ def run_sync_pair(
     try:
         address = f"{coordinator_address or coordinator_host}:{port}"
         gloo = f"{gloo_address}:{free_port() if gloo_address == '127.0.0.1' else 29500}"
-        launchers = worker_launchers or [_local_launch] * world_size
+        launchers = worker_launchers or [local_launch] * world_size
         processes = [
             launchers[rank](
                 [
@@ -189,7 +185,7 @@ def train_suite(worlds: Sequence[int], model_mb: float, steps: int) -> list[Row]
     """Suite (b): samples/s of gradsync vs torchrun + DDP, local and no-overlap baselines."""
     rows = []
     for world_size in worlds:
-        coordinator, port = start_coordinator(world_size, launch=_local_launch)
+        coordinator, port = start_coordinator(world_size, launch=local_launch)
         env = dict(os.environ, GRADSYNC_COORDINATOR=f"127.0.0.1:{port}", OMP_NUM_THREADS="1")
         try:
             with tempfile.TemporaryDirectory() as scratch:

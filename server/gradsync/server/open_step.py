@@ -288,8 +288,11 @@ class OpenStep:
         held.account()
         if self.progress is None:
             raise RuntimeError("a step accepts gradients only once the job is assembled")
-        chunks = chunking.num_chunks(wire_bytes, self._chunk_bytes)
-        lag = self.progress.record(rank, bucket, chunks if wire_dtype != native else None)
+        # A 16-bit bucket is cut into fewer chunks than its native size says.
+        chunks = (
+            chunking.num_chunks(wire_bytes, self._chunk_bytes) if wire_dtype != native else None
+        )
+        lag = self.progress.record(rank, bucket, chunks)
         if lag is not None and self._metrics is not None:
             self._metrics.observe_bucket_arrival(rank, lag)
         return averaged
