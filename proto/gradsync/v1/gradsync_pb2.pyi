@@ -52,6 +52,7 @@ class EndReason(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     END_REASON_JOB_REFUSED: _ClassVar[EndReason]
     END_REASON_PEER_LOST: _ClassVar[EndReason]
     END_REASON_RESOURCE_EXHAUSTED: _ClassVar[EndReason]
+    END_REASON_SHARD_LOST: _ClassVar[EndReason]
 DTYPE_UNSPECIFIED: DType
 DTYPE_FLOAT32: DType
 DTYPE_FLOAT64: DType
@@ -83,6 +84,7 @@ END_REASON_SHUTTING_DOWN: EndReason
 END_REASON_JOB_REFUSED: EndReason
 END_REASON_PEER_LOST: EndReason
 END_REASON_RESOURCE_EXHAUSTED: EndReason
+END_REASON_SHARD_LOST: EndReason
 
 class TensorSpec(_message.Message):
     __slots__ = ("name", "shape", "dtype")
@@ -275,7 +277,7 @@ class JoinProgress(_message.Message):
     def __init__(self, joined_ranks: _Optional[_Iterable[int]] = ..., all_joined: _Optional[bool] = ..., last_joiner: _Optional[int] = ..., next_step: _Optional[int] = ..., next_collective: _Optional[int] = ...) -> None: ...
 
 class WorkerMessage(_message.Message):
-    __slots__ = ("join", "gradient", "state", "leave", "heartbeat", "checkpoint", "abandon", "collective", "out_of_inputs")
+    __slots__ = ("join", "gradient", "state", "leave", "heartbeat", "checkpoint", "abandon", "collective", "out_of_inputs", "shard_hello")
     JOIN_FIELD_NUMBER: _ClassVar[int]
     GRADIENT_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELD_NUMBER: _ClassVar[int]
@@ -285,6 +287,7 @@ class WorkerMessage(_message.Message):
     ABANDON_FIELD_NUMBER: _ClassVar[int]
     COLLECTIVE_FIELD_NUMBER: _ClassVar[int]
     OUT_OF_INPUTS_FIELD_NUMBER: _ClassVar[int]
+    SHARD_HELLO_FIELD_NUMBER: _ClassVar[int]
     join: Join
     gradient: GradientChunk
     state: StateChunk
@@ -294,10 +297,23 @@ class WorkerMessage(_message.Message):
     abandon: AbandonStep
     collective: CollectiveChunk
     out_of_inputs: OutOfInputs
-    def __init__(self, join: _Optional[_Union[Join, _Mapping]] = ..., gradient: _Optional[_Union[GradientChunk, _Mapping]] = ..., state: _Optional[_Union[StateChunk, _Mapping]] = ..., leave: _Optional[_Union[Leave, _Mapping]] = ..., heartbeat: _Optional[_Union[Heartbeat, _Mapping]] = ..., checkpoint: _Optional[_Union[CheckpointChunk, _Mapping]] = ..., abandon: _Optional[_Union[AbandonStep, _Mapping]] = ..., collective: _Optional[_Union[CollectiveChunk, _Mapping]] = ..., out_of_inputs: _Optional[_Union[OutOfInputs, _Mapping]] = ...) -> None: ...
+    shard_hello: ShardHello
+    def __init__(self, join: _Optional[_Union[Join, _Mapping]] = ..., gradient: _Optional[_Union[GradientChunk, _Mapping]] = ..., state: _Optional[_Union[StateChunk, _Mapping]] = ..., leave: _Optional[_Union[Leave, _Mapping]] = ..., heartbeat: _Optional[_Union[Heartbeat, _Mapping]] = ..., checkpoint: _Optional[_Union[CheckpointChunk, _Mapping]] = ..., abandon: _Optional[_Union[AbandonStep, _Mapping]] = ..., collective: _Optional[_Union[CollectiveChunk, _Mapping]] = ..., out_of_inputs: _Optional[_Union[OutOfInputs, _Mapping]] = ..., shard_hello: _Optional[_Union[ShardHello, _Mapping]] = ...) -> None: ...
+
+class ShardHello(_message.Message):
+    __slots__ = ("job_id", "rank", "incarnation", "shard_index")
+    JOB_ID_FIELD_NUMBER: _ClassVar[int]
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    INCARNATION_FIELD_NUMBER: _ClassVar[int]
+    SHARD_INDEX_FIELD_NUMBER: _ClassVar[int]
+    job_id: str
+    rank: int
+    incarnation: str
+    shard_index: int
+    def __init__(self, job_id: _Optional[str] = ..., rank: _Optional[int] = ..., incarnation: _Optional[str] = ..., shard_index: _Optional[int] = ...) -> None: ...
 
 class Welcome(_message.Message):
-    __slots__ = ("job_id", "world_size", "membership_epoch", "start_step", "chunk_bytes", "max_message_bytes", "state_bytes", "resume_bytes", "heartbeat_interval_s", "checkpoint_every_steps", "next_collective")
+    __slots__ = ("job_id", "world_size", "membership_epoch", "start_step", "chunk_bytes", "max_message_bytes", "state_bytes", "resume_bytes", "heartbeat_interval_s", "checkpoint_every_steps", "next_collective", "shards")
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
     WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
     MEMBERSHIP_EPOCH_FIELD_NUMBER: _ClassVar[int]
@@ -309,6 +325,7 @@ class Welcome(_message.Message):
     HEARTBEAT_INTERVAL_S_FIELD_NUMBER: _ClassVar[int]
     CHECKPOINT_EVERY_STEPS_FIELD_NUMBER: _ClassVar[int]
     NEXT_COLLECTIVE_FIELD_NUMBER: _ClassVar[int]
+    SHARDS_FIELD_NUMBER: _ClassVar[int]
     job_id: str
     world_size: int
     membership_epoch: int
@@ -320,7 +337,16 @@ class Welcome(_message.Message):
     heartbeat_interval_s: float
     checkpoint_every_steps: int
     next_collective: int
-    def __init__(self, job_id: _Optional[str] = ..., world_size: _Optional[int] = ..., membership_epoch: _Optional[int] = ..., start_step: _Optional[int] = ..., chunk_bytes: _Optional[int] = ..., max_message_bytes: _Optional[int] = ..., state_bytes: _Optional[int] = ..., resume_bytes: _Optional[int] = ..., heartbeat_interval_s: _Optional[float] = ..., checkpoint_every_steps: _Optional[int] = ..., next_collective: _Optional[int] = ...) -> None: ...
+    shards: _containers.RepeatedCompositeFieldContainer[ShardAddress]
+    def __init__(self, job_id: _Optional[str] = ..., world_size: _Optional[int] = ..., membership_epoch: _Optional[int] = ..., start_step: _Optional[int] = ..., chunk_bytes: _Optional[int] = ..., max_message_bytes: _Optional[int] = ..., state_bytes: _Optional[int] = ..., resume_bytes: _Optional[int] = ..., heartbeat_interval_s: _Optional[float] = ..., checkpoint_every_steps: _Optional[int] = ..., next_collective: _Optional[int] = ..., shards: _Optional[_Iterable[_Union[ShardAddress, _Mapping]]] = ...) -> None: ...
+
+class ShardAddress(_message.Message):
+    __slots__ = ("index", "address")
+    INDEX_FIELD_NUMBER: _ClassVar[int]
+    ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    index: int
+    address: str
+    def __init__(self, index: _Optional[int] = ..., address: _Optional[str] = ...) -> None: ...
 
 class StepAborted(_message.Message):
     __slots__ = ("step", "code", "message", "culprit_rank", "bucket_index", "reason")
@@ -449,9 +475,167 @@ class JobStatus(_message.Message):
     def __init__(self, job_id: _Optional[str] = ..., state: _Optional[str] = ..., world_size: _Optional[int] = ..., membership_epoch: _Optional[int] = ..., open_step: _Optional[int] = ..., steps_completed: _Optional[int] = ..., members: _Optional[_Iterable[_Union[MemberStatus, _Mapping]]] = ..., late: _Optional[_Iterable[_Union[LateRank, _Mapping]]] = ..., step_age_s: _Optional[float] = ..., last_checkpoint_step: _Optional[int] = ..., ended: _Optional[bool] = ..., ended_s_ago: _Optional[float] = ..., outcome: _Optional[str] = ...) -> None: ...
 
 class StatusReply(_message.Message):
-    __slots__ = ("jobs", "heartbeat_timeout_s")
+    __slots__ = ("jobs", "heartbeat_timeout_s", "shards")
     JOBS_FIELD_NUMBER: _ClassVar[int]
     HEARTBEAT_TIMEOUT_S_FIELD_NUMBER: _ClassVar[int]
+    SHARDS_FIELD_NUMBER: _ClassVar[int]
     jobs: _containers.RepeatedCompositeFieldContainer[JobStatus]
     heartbeat_timeout_s: float
-    def __init__(self, jobs: _Optional[_Iterable[_Union[JobStatus, _Mapping]]] = ..., heartbeat_timeout_s: _Optional[float] = ...) -> None: ...
+    shards: _containers.RepeatedCompositeFieldContainer[ShardStatus]
+    def __init__(self, jobs: _Optional[_Iterable[_Union[JobStatus, _Mapping]]] = ..., heartbeat_timeout_s: _Optional[float] = ..., shards: _Optional[_Iterable[_Union[ShardStatus, _Mapping]]] = ...) -> None: ...
+
+class ShardStatus(_message.Message):
+    __slots__ = ("index", "address", "alive", "last_seen_s", "bytes_received", "bytes_sent", "buckets_completed", "mean_bucket_s", "buffered_bytes", "connections", "version")
+    INDEX_FIELD_NUMBER: _ClassVar[int]
+    ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    ALIVE_FIELD_NUMBER: _ClassVar[int]
+    LAST_SEEN_S_FIELD_NUMBER: _ClassVar[int]
+    BYTES_RECEIVED_FIELD_NUMBER: _ClassVar[int]
+    BYTES_SENT_FIELD_NUMBER: _ClassVar[int]
+    BUCKETS_COMPLETED_FIELD_NUMBER: _ClassVar[int]
+    MEAN_BUCKET_S_FIELD_NUMBER: _ClassVar[int]
+    BUFFERED_BYTES_FIELD_NUMBER: _ClassVar[int]
+    CONNECTIONS_FIELD_NUMBER: _ClassVar[int]
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    index: int
+    address: str
+    alive: bool
+    last_seen_s: float
+    bytes_received: int
+    bytes_sent: int
+    buckets_completed: int
+    mean_bucket_s: float
+    buffered_bytes: int
+    connections: int
+    version: str
+    def __init__(self, index: _Optional[int] = ..., address: _Optional[str] = ..., alive: _Optional[bool] = ..., last_seen_s: _Optional[float] = ..., bytes_received: _Optional[int] = ..., bytes_sent: _Optional[int] = ..., buckets_completed: _Optional[int] = ..., mean_bucket_s: _Optional[float] = ..., buffered_bytes: _Optional[int] = ..., connections: _Optional[int] = ..., version: _Optional[str] = ...) -> None: ...
+
+class ShardRegister(_message.Message):
+    __slots__ = ("version", "advertise", "chunk_bytes", "max_message_bytes")
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    ADVERTISE_FIELD_NUMBER: _ClassVar[int]
+    CHUNK_BYTES_FIELD_NUMBER: _ClassVar[int]
+    MAX_MESSAGE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    version: str
+    advertise: str
+    chunk_bytes: int
+    max_message_bytes: int
+    def __init__(self, version: _Optional[str] = ..., advertise: _Optional[str] = ..., chunk_bytes: _Optional[int] = ..., max_message_bytes: _Optional[int] = ...) -> None: ...
+
+class ShardAccepted(_message.Message):
+    __slots__ = ("shard_index", "shard_count", "heartbeat_interval_s", "heartbeat_timeout_s")
+    SHARD_INDEX_FIELD_NUMBER: _ClassVar[int]
+    SHARD_COUNT_FIELD_NUMBER: _ClassVar[int]
+    HEARTBEAT_INTERVAL_S_FIELD_NUMBER: _ClassVar[int]
+    HEARTBEAT_TIMEOUT_S_FIELD_NUMBER: _ClassVar[int]
+    shard_index: int
+    shard_count: int
+    heartbeat_interval_s: float
+    heartbeat_timeout_s: float
+    def __init__(self, shard_index: _Optional[int] = ..., shard_count: _Optional[int] = ..., heartbeat_interval_s: _Optional[float] = ..., heartbeat_timeout_s: _Optional[float] = ...) -> None: ...
+
+class ShardMember(_message.Message):
+    __slots__ = ("rank", "incarnation")
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    INCARNATION_FIELD_NUMBER: _ClassVar[int]
+    rank: int
+    incarnation: str
+    def __init__(self, rank: _Optional[int] = ..., incarnation: _Optional[str] = ...) -> None: ...
+
+class ShardJobView(_message.Message):
+    __slots__ = ("job_id", "world_size", "membership_epoch", "members", "out_of_inputs", "start_step", "buckets", "chunk_bytes", "shard_count")
+    JOB_ID_FIELD_NUMBER: _ClassVar[int]
+    WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
+    MEMBERSHIP_EPOCH_FIELD_NUMBER: _ClassVar[int]
+    MEMBERS_FIELD_NUMBER: _ClassVar[int]
+    OUT_OF_INPUTS_FIELD_NUMBER: _ClassVar[int]
+    START_STEP_FIELD_NUMBER: _ClassVar[int]
+    BUCKETS_FIELD_NUMBER: _ClassVar[int]
+    CHUNK_BYTES_FIELD_NUMBER: _ClassVar[int]
+    SHARD_COUNT_FIELD_NUMBER: _ClassVar[int]
+    job_id: str
+    world_size: int
+    membership_epoch: int
+    members: _containers.RepeatedCompositeFieldContainer[ShardMember]
+    out_of_inputs: _containers.RepeatedScalarFieldContainer[int]
+    start_step: int
+    buckets: _containers.RepeatedCompositeFieldContainer[BucketSpec]
+    chunk_bytes: int
+    shard_count: int
+    def __init__(self, job_id: _Optional[str] = ..., world_size: _Optional[int] = ..., membership_epoch: _Optional[int] = ..., members: _Optional[_Iterable[_Union[ShardMember, _Mapping]]] = ..., out_of_inputs: _Optional[_Iterable[int]] = ..., start_step: _Optional[int] = ..., buckets: _Optional[_Iterable[_Union[BucketSpec, _Mapping]]] = ..., chunk_bytes: _Optional[int] = ..., shard_count: _Optional[int] = ...) -> None: ...
+
+class ShardAbort(_message.Message):
+    __slots__ = ("job_id", "step")
+    JOB_ID_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    job_id: str
+    step: int
+    def __init__(self, job_id: _Optional[str] = ..., step: _Optional[int] = ...) -> None: ...
+
+class ShardJobEnd(_message.Message):
+    __slots__ = ("job_id", "code", "message")
+    JOB_ID_FIELD_NUMBER: _ClassVar[int]
+    CODE_FIELD_NUMBER: _ClassVar[int]
+    MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    job_id: str
+    code: int
+    message: str
+    def __init__(self, job_id: _Optional[str] = ..., code: _Optional[int] = ..., message: _Optional[str] = ...) -> None: ...
+
+class LeaderMessage(_message.Message):
+    __slots__ = ("accepted", "job", "abort", "job_end", "heartbeat", "stream_end")
+    ACCEPTED_FIELD_NUMBER: _ClassVar[int]
+    JOB_FIELD_NUMBER: _ClassVar[int]
+    ABORT_FIELD_NUMBER: _ClassVar[int]
+    JOB_END_FIELD_NUMBER: _ClassVar[int]
+    HEARTBEAT_FIELD_NUMBER: _ClassVar[int]
+    STREAM_END_FIELD_NUMBER: _ClassVar[int]
+    accepted: ShardAccepted
+    job: ShardJobView
+    abort: ShardAbort
+    job_end: ShardJobEnd
+    heartbeat: Heartbeat
+    stream_end: StreamEnd
+    def __init__(self, accepted: _Optional[_Union[ShardAccepted, _Mapping]] = ..., job: _Optional[_Union[ShardJobView, _Mapping]] = ..., abort: _Optional[_Union[ShardAbort, _Mapping]] = ..., job_end: _Optional[_Union[ShardJobEnd, _Mapping]] = ..., heartbeat: _Optional[_Union[Heartbeat, _Mapping]] = ..., stream_end: _Optional[_Union[StreamEnd, _Mapping]] = ...) -> None: ...
+
+class ShardRejected(_message.Message):
+    __slots__ = ("job_id", "rank", "step", "bucket_index", "code", "message")
+    JOB_ID_FIELD_NUMBER: _ClassVar[int]
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    BUCKET_INDEX_FIELD_NUMBER: _ClassVar[int]
+    CODE_FIELD_NUMBER: _ClassVar[int]
+    MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    job_id: str
+    rank: int
+    step: int
+    bucket_index: int
+    code: int
+    message: str
+    def __init__(self, job_id: _Optional[str] = ..., rank: _Optional[int] = ..., step: _Optional[int] = ..., bucket_index: _Optional[int] = ..., code: _Optional[int] = ..., message: _Optional[str] = ...) -> None: ...
+
+class ShardStats(_message.Message):
+    __slots__ = ("bytes_received", "bytes_sent", "buckets_completed", "mean_bucket_s", "buffered_bytes", "connections")
+    BYTES_RECEIVED_FIELD_NUMBER: _ClassVar[int]
+    BYTES_SENT_FIELD_NUMBER: _ClassVar[int]
+    BUCKETS_COMPLETED_FIELD_NUMBER: _ClassVar[int]
+    MEAN_BUCKET_S_FIELD_NUMBER: _ClassVar[int]
+    BUFFERED_BYTES_FIELD_NUMBER: _ClassVar[int]
+    CONNECTIONS_FIELD_NUMBER: _ClassVar[int]
+    bytes_received: int
+    bytes_sent: int
+    buckets_completed: int
+    mean_bucket_s: float
+    buffered_bytes: int
+    connections: int
+    def __init__(self, bytes_received: _Optional[int] = ..., bytes_sent: _Optional[int] = ..., buckets_completed: _Optional[int] = ..., mean_bucket_s: _Optional[float] = ..., buffered_bytes: _Optional[int] = ..., connections: _Optional[int] = ...) -> None: ...
+
+class ShardMessage(_message.Message):
+    __slots__ = ("register", "rejected", "stats")
+    REGISTER_FIELD_NUMBER: _ClassVar[int]
+    REJECTED_FIELD_NUMBER: _ClassVar[int]
+    STATS_FIELD_NUMBER: _ClassVar[int]
+    register: ShardRegister
+    rejected: ShardRejected
+    stats: ShardStats
+    def __init__(self, register: _Optional[_Union[ShardRegister, _Mapping]] = ..., rejected: _Optional[_Union[ShardRejected, _Mapping]] = ..., stats: _Optional[_Union[ShardStats, _Mapping]] = ...) -> None: ...

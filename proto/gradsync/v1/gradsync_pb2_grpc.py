@@ -45,6 +45,11 @@ class CoordinatorStub:
                 request_serializer=gradsync_dot_v1_dot_gradsync__pb2.StatusRequest.SerializeToString,
                 response_deserializer=gradsync_dot_v1_dot_gradsync__pb2.StatusReply.FromString,
                 _registered_method=True)
+        self.ShardLink = channel.stream_stream(
+                '/gradsync.v1.Coordinator/ShardLink',
+                request_serializer=gradsync_dot_v1_dot_gradsync__pb2.ShardMessage.SerializeToString,
+                response_deserializer=gradsync_dot_v1_dot_gradsync__pb2.LeaderMessage.FromString,
+                _registered_method=True)
 
 
 class CoordinatorServicer:
@@ -65,6 +70,14 @@ class CoordinatorServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ShardLink(self, request_iterator, context):
+        """A coordinator shard's control stream to its leader (register, then
+        follow the leader's job views, aborts and job ends).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_CoordinatorServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -77,6 +90,11 @@ def add_CoordinatorServicer_to_server(servicer, server):
                     servicer.Status,
                     request_deserializer=gradsync_dot_v1_dot_gradsync__pb2.StatusRequest.FromString,
                     response_serializer=gradsync_dot_v1_dot_gradsync__pb2.StatusReply.SerializeToString,
+            ),
+            'ShardLink': grpc.stream_stream_rpc_method_handler(
+                    servicer.ShardLink,
+                    request_deserializer=gradsync_dot_v1_dot_gradsync__pb2.ShardMessage.FromString,
+                    response_serializer=gradsync_dot_v1_dot_gradsync__pb2.LeaderMessage.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -134,6 +152,110 @@ class Coordinator:
             '/gradsync.v1.Coordinator/Status',
             gradsync_dot_v1_dot_gradsync__pb2.StatusRequest.SerializeToString,
             gradsync_dot_v1_dot_gradsync__pb2.StatusReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ShardLink(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/gradsync.v1.Coordinator/ShardLink',
+            gradsync_dot_v1_dot_gradsync__pb2.ShardMessage.SerializeToString,
+            gradsync_dot_v1_dot_gradsync__pb2.LeaderMessage.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+
+class ShardStub:
+    """A coordinator shard: aggregates its byte range of every bucket.
+    """
+
+    def __init__(self, channel):
+        """Constructor.
+
+        Args:
+            channel: A grpc.Channel.
+        """
+        self.Data = channel.stream_stream(
+                '/gradsync.v1.Shard/Data',
+                request_serializer=gradsync_dot_v1_dot_gradsync__pb2.WorkerMessage.SerializeToString,
+                response_deserializer=gradsync_dot_v1_dot_gradsync__pb2.CoordinatorMessage.FromString,
+                _registered_method=True)
+
+
+class ShardServicer:
+    """A coordinator shard: aggregates its byte range of every bucket.
+    """
+
+    def Data(self, request_iterator, context):
+        """One data stream per worker: ShardHello, then GradientChunks of the
+        shard's ranges; averaged GradientChunks flow back.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+
+def add_ShardServicer_to_server(servicer, server):
+    rpc_method_handlers = {
+            'Data': grpc.stream_stream_rpc_method_handler(
+                    servicer.Data,
+                    request_deserializer=gradsync_dot_v1_dot_gradsync__pb2.WorkerMessage.FromString,
+                    response_serializer=gradsync_dot_v1_dot_gradsync__pb2.CoordinatorMessage.SerializeToString,
+            ),
+    }
+    generic_handler = grpc.method_handlers_generic_handler(
+            'gradsync.v1.Shard', rpc_method_handlers)
+    server.add_generic_rpc_handlers((generic_handler,))
+    server.add_registered_method_handlers('gradsync.v1.Shard', rpc_method_handlers)
+
+
+ # This class is part of an EXPERIMENTAL API.
+class Shard:
+    """A coordinator shard: aggregates its byte range of every bucket.
+    """
+
+    @staticmethod
+    def Data(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/gradsync.v1.Shard/Data',
+            gradsync_dot_v1_dot_gradsync__pb2.WorkerMessage.SerializeToString,
+            gradsync_dot_v1_dot_gradsync__pb2.CoordinatorMessage.FromString,
             options,
             channel_credentials,
             insecure,
