@@ -1,6 +1,7 @@
 # syntax=docker/dockerfile:1
-# gradsync image: one image for the coordinator (the default command) and the workers
-# (`docker run IMAGE worker --coordinator HOST:PORT --rank R --world-size N`).
+# gradsync image: one image for the coordinator (the default command), the workers
+# (`docker run IMAGE worker --coordinator HOST:PORT --rank R --world-size N`) and the
+# coordinator shards (`docker run IMAGE shard --leader HOST:PORT --advertise ME:50051`).
 #
 # Two stages: the builder turns the source into a wheel and installs it with its
 # dependencies into a venv; the runtime stage copies only that venv, so no compiler,
@@ -37,7 +38,7 @@ ENV PATH=/opt/venv/bin:$PATH \
 RUN useradd --create-home --uid 10001 --user-group gradsync
 USER gradsync
 WORKDIR /home/gradsync
-# 50051: the coordinator's gRPC port; 9100: Prometheus metrics (coordinator and workers).
+# 50051: the coordinator's (or a shard's) gRPC port; 9100: Prometheus metrics (all roles).
 EXPOSE 50051 9100
 # Our own probe (grpc.health.v1 through grpcio-health-checking, a dependency already): exits 0
 # only while the coordinator reports SERVING, so a draining coordinator turns unhealthy.

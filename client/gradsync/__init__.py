@@ -27,6 +27,7 @@ from gradsync.errors import (
     MessageRejectedError,
     PeerLostError,
     ResourceExhaustedError,
+    ShardUnavailableError,
     StepAbortedError,
     SyncTimeoutError,
 )
@@ -71,6 +72,7 @@ __all__ = [
     "MessageRejectedError",
     "PeerLostError",
     "ResourceExhaustedError",
+    "ShardUnavailableError",
     "StepAbortedError",
     "SyncTimeoutError",
     "__version__",

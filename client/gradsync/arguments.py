@@ -21,6 +21,8 @@ from gradsync.protocol.defaults import MIB
 
 #: The benchmark suites `gradsync bench --suites` chooses from.
 BENCH_SUITES = ("loopback", "train", "netns")
+#: The coordinator layouts of the netns suite (`gradsync bench --layouts`).
+BENCH_LAYOUTS = ("single", "dedicated", "colocated")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -133,6 +135,78 @@ def build_parser() -> argparse.ArgumentParser:
         default=defaults.MAX_COLLECTIVE_BYTES / MIB,
         help="cap on one rank's input to a collective (all_reduce, broadcast, ...) and on an "
         "all_gather's result, in MiB (default %(default)g)",
+    )
+    serve.add_argument(
+        "--shards",
+        type=flags.positive_int,
+        default=None,
+        help="coordinator shards on this host, this leader included: it starts S-1 "
+        "`gradsync shard` processes on ports PORT+1.. and restarts any that dies (default 1)",
+    )
+    serve.add_argument(
+        "--wait-for-shards",
+        type=flags.integer(0),
+        default=None,
+        help="K shards run elsewhere (`gradsync shard --leader HOST:PORT`): jobs start once "
+        "all K have registered (default 0)",
+    )
+    serve.add_argument(
+        "--shard-wait-timeout",
+        type=flags.seconds,
+        default=defaults.SHARD_WAIT_TIMEOUT_S,
+        help="seconds to wait at start-up for every shard to register before exiting 1 "
+        "(default %(default)g)",
+    )
+
+    shard = commands.add_parser(
+        "shard", help="run a coordinator shard that registers with a leader (`serve`)"
+    )
+    shard.set_defaults(command_parser=shard)
+    shard.add_argument(
+        "--leader", type=flags.coordinator, required=True, help="the leader's host:port"
+    )
+    shard.add_argument(
+        "--host",
+        type=flags.non_empty,
+        default="127.0.0.1",
+        help="interface to bind (default %(default)s; 0.0.0.0 for all)",
+    )
+    shard.add_argument(
+        "--port",
+        type=flags.port,
+        default=defaults.PORT,
+        help="TCP port workers reach the shard at; 0 picks a free one (default %(default)s)",
+    )
+    shard.add_argument(
+        "--advertise",
+        type=flags.non_empty,
+        default=None,
+        help="host:port workers reach the shard at (default HOST:PORT, or ':PORT' = the "
+        "host they reach the leader at when --host is 0.0.0.0)",
+    )
+    shard.add_argument(
+        "--chunk-mb",
+        type=flags.chunk_mb,
+        default=defaults.CHUNK_BYTES / MIB,
+        help="wire chunk size in MiB; must equal the leader's (default %(default)g)",
+    )
+    shard.add_argument(
+        "--max-buffered-mb",
+        type=flags.positive_number,
+        default=defaults.MAX_BUFFERED_BYTES / MIB,
+        help="cap on gradient bytes held in partial reductions (default %(default)g)",
+    )
+    shard.add_argument(
+        "--metrics-port",
+        type=flags.port,
+        default=None,
+        help="serve Prometheus metrics on this port (0 = a free one; default: off)",
+    )
+    shard.add_argument(
+        "--log-level",
+        choices=["DEBUG", "INFO", "WARNING", "ERROR"],
+        default=argparse.SUPPRESS,  # keeps `gradsync --log-level X shard` working too
+        help="as `gradsync --log-level` (default INFO)",
     )
 
     status = commands.add_parser("status", help="show jobs, membership, progress and late ranks")
@@ -274,7 +348,21 @@ def build_parser() -> argparse.ArgumentParser:
         "--netns-rate-mbit",
         type=flags.positive_number,
         default=None,
-        help="override: emulated link bandwidth (default 1000)",
+        help="override: emulated link bandwidth (default 200)",
+    )
+    bench.add_argument(
+        "--layouts",
+        type=flags.choice_list(BENCH_LAYOUTS),
+        default=None,
+        help="netns suite: coordinator layouts, a subset of "
+        f"{','.join(BENCH_LAYOUTS)} (default: all; single with --quick)",
+    )
+    bench.add_argument(
+        "--shards",
+        type=flags.number_list(flags.positive_int),
+        default=None,
+        help="shard counts S: the netns dedicated and colocated layouts (default S = W), "
+        "and loopback rows with `serve --shards S` beside the unsharded ones",
     )
     return parser
 

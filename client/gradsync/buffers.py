@@ -20,6 +20,8 @@ from collections.abc import Iterator, Sequence
 import numpy as np
 import numpy.typing as npt
 
+from gradsync.protocol import chunking
+
 
 class BucketBuffer:
     """One bucket's bytes, held by `segments` (1-D uint8 arrays, writable).
@@ -35,8 +37,24 @@ class BucketBuffer:
 
     def chunks(self, chunk_bytes: int) -> Iterator[tuple[int, list[memoryview]]]:
         """Yield (offset, pieces) per wire chunk; the pieces concatenate to the chunk."""
-        for offset in range(0, self.size, chunk_bytes):
-            yield offset, self.pieces(offset, min(chunk_bytes, self.size - offset))
+        return self.range_chunks(0, self.size, chunk_bytes)
+
+    def range_chunks(
+        self, lo: int, hi: int, chunk_bytes: int
+    ) -> Iterator[tuple[int, list[memoryview]]]:
+        """Yield (absolute offset, pieces) per wire chunk of bytes [lo, hi).
+
+        A sharded coordinator chunks each shard's range on its own grid
+        (`gradsync.protocol.chunking.range_chunk_spans`); [0, size) is the
+        unsharded grid.
+
+        Raises:
+            ValueError: the range falls outside the bucket.
+        """
+        if not 0 <= lo <= hi <= self.size:
+            raise ValueError(f"bytes [{lo}, {hi}) are outside the bucket's {self.size}")
+        for offset, length in chunking.range_chunk_spans(lo, hi, chunk_bytes):
+            yield offset, self.pieces(offset, length)
 
     def pieces(self, offset: int, length: int) -> list[memoryview]:
         """Memoryviews covering bytes [offset, offset + length)."""

@@ -51,6 +51,8 @@ def _run(args: argparse.Namespace) -> int:
     parser: argparse.ArgumentParser = args.command_parser
     if args.command == "serve":
         return _serve(parser, args)
+    if args.command == "shard":
+        return _shard(parser, args)
     if args.command == "worker":
         return _worker(parser, args)
     if args.command == "bench":
@@ -118,6 +120,16 @@ def _serve(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
         )
     if int(args.max_collective_mb * MIB) < 1:
         parser.error(f"--max-collective-mb {args.max_collective_mb:g} is below one byte")
+    if args.shards is not None and args.wait_for_shards is not None:
+        parser.error(
+            f"--shards {args.shards} and --wait-for-shards {args.wait_for_shards} cannot be "
+            "combined: --shards starts the shards on this host, --wait-for-shards waits for "
+            "shards started elsewhere"
+        )
+    if args.wait_for_shards is not None:
+        shard_count, local_shards = args.wait_for_shards + 1, False
+    else:
+        shard_count, local_shards = args.shards or 1, True
     try:
         config = ServerConfig(
             world_size=args.world_size,
@@ -138,6 +150,9 @@ def _serve(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
             on_failure=args.on_failure,
             min_workers=args.min_workers,
             max_collective_bytes=int(args.max_collective_mb * MIB),
+            shard_count=shard_count,
+            local_shards=local_shards,
+            shard_wait_timeout_s=args.shard_wait_timeout,
         )
     except ValueError as exc:
         parser.error(str(exc))
@@ -149,6 +164,47 @@ def _serve(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
         # well-formed, the host refused them (status 1, not 2).
         print(
             f"gradsync serve: cannot listen on --host {args.host} --port {args.port}: {exc}",
+            file=sys.stderr,
+        )
+        return 1
+
+
+def _shard(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
+    from gradsync.server.shard_app import run
+    from gradsync.server.shard_config import ShardConfig
+
+    chunk_bytes = int(args.chunk_mb * MIB)
+    if args.max_buffered_mb * MIB < chunk_bytes:
+        parser.error(
+            f"--max-buffered-mb {args.max_buffered_mb:g} must hold at least one chunk "
+            f"(--chunk-mb {args.chunk_mb:g})"
+        )
+    if args.advertise is not None:
+        try:
+            # ":PORT" means the leader's host; anything else must be a full host:port.
+            flags.coordinator(
+                f"localhost{args.advertise}" if args.advertise.startswith(":") else args.advertise
+            )
+        except argparse.ArgumentTypeError as exc:
+            parser.error(f"--advertise {args.advertise}: {exc}")
+    try:
+        config = ShardConfig(
+            leader=args.leader,
+            host=args.host,
+            port=args.port,
+            advertise=args.advertise,
+            chunk_bytes=chunk_bytes,
+            max_buffered_bytes=int(args.max_buffered_mb * MIB),
+            metrics_port=args.metrics_port,
+        )
+    except ValueError as exc:
+        parser.error(str(exc))
+    _configure_logging(args.log_level, "shard")
+    try:
+        return run(config)
+    except (OSError, RuntimeError) as exc:
+        print(
+            f"gradsync shard: cannot listen on --host {args.host} --port {args.port}: {exc}",
             file=sys.stderr,
         )
         return 1
@@ -243,6 +299,10 @@ def _bench(args: argparse.Namespace) -> int:
         overrides["train_steps"] = args.train_steps
     if args.netns_rate_mbit:
         overrides["netns_rate_mbit"] = args.netns_rate_mbit
+    if args.layouts:
+        overrides["netns_layouts"] = args.layouts
+    if args.shards:
+        overrides.update(netns_shards=args.shards, loopback_shards=sorted({1, *args.shards}))
     plan = dataclasses.replace(plan, **overrides)
     _configure_logging("WARNING", "bench")
     document = runner.run(plan)

@@ -310,9 +310,10 @@ class DistributedDataParallel(nn.Module):
             raise exc
         resumed_at = self._session.reconnect(exc, self._step)
         self._link.current_step = resumed_at
+        # The cause is named: a lost shard says which one and where.
         restarted = CoordinatorRestartedError(
-            f"lost the coordinator during {during} and reconnected; state restored from the "
-            f"checkpoint of step {resumed_at}. Nothing was applied: skip optimizer.step() and "
+            f"lost the coordinator during {during} ({exc}) and reconnected; state restored from "
+            f"the checkpoint of step {resumed_at}. Nothing was applied: skip optimizer.step() and "
             "continue at model.step",
             rank=self.rank,
             step=resumed_at,

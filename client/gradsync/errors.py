@@ -4,6 +4,7 @@ Hierarchy::
 
     GradSyncError                  base: carries rank, step, bucket_index, code
     ├── CoordinatorUnavailableError  cannot reach / lost the coordinator (reconnects)
+    │   └── ShardUnavailableError    ...or one of its shards (names the shard and address)
     ├── SyncTimeoutError             a bounded wait ran out
     ├── JoinRefusedError             the coordinator refused this worker's join
     ├── DeclaredDeadError            the coordinator dropped this rank (no heartbeat)
@@ -76,6 +77,35 @@ class GradSyncError(RuntimeError):
 
 class CoordinatorUnavailableError(GradSyncError):
     """The coordinator could not be reached, or the connection to it was lost."""
+
+
+class ShardUnavailableError(CoordinatorUnavailableError):
+    """A coordinator shard was lost: its data stream failed, or the leader said so.
+
+    A `CoordinatorUnavailableError` because the remedy is the same: reconnect
+    to the leader, rejoin, and resume from the last checkpoint once every shard
+    is registered again (the leader refuses to start the job before).
+
+    Attributes:
+        shard_index: the lost shard's index, when this worker saw it fail itself
+            (None when only the leader's message names it).
+        shard_address: the "host:port" this worker reached the shard at (or None).
+    """
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        rank: int | None = None,
+        step: int | None = None,
+        bucket_index: int | None = None,
+        code: Code | None = None,
+        shard_index: int | None = None,
+        shard_address: str | None = None,
+    ) -> None:
+        super().__init__(message, rank=rank, step=step, bucket_index=bucket_index, code=code)
+        self.shard_index = shard_index
+        self.shard_address = shard_address
 
 
 class SyncTimeoutError(GradSyncError):
@@ -163,6 +193,7 @@ _END_REASON_TO_ERROR: dict[int, type[GradSyncError]] = {
     pb.END_REASON_JOB_REFUSED: JoinRefusedError,
     pb.END_REASON_PEER_LOST: PeerLostError,
     pb.END_REASON_RESOURCE_EXHAUSTED: ResourceExhaustedError,
+    pb.END_REASON_SHARD_LOST: ShardUnavailableError,
 }
 
 

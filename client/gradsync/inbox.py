@@ -9,6 +9,10 @@ checkpoint acknowledgements, heal requests and, last, why the stream ended.
 One condition variable guards it all, and every wait is bounded; a failure is
 stored and raised at the next wait.
 
+With a sharded coordinator the averages of shard i arrive on this worker's
+data stream to shard i and land here too (offsets are absolute); a failed
+shard stream waits for the leader's verdict (`gradsync.shard_faults`).
+
 It imports neither grpc nor asyncio: `gradsync.transport` feeds it raw bytes
 from its I/O thread, and tests feed it messages in any order they like.
 """
@@ -29,11 +33,13 @@ from gradsync.errors import (
     CollectiveError,
     CoordinatorUnavailableError,
     GradSyncError,
+    ShardUnavailableError,
     SyncTimeoutError,
     error_from_status,
 )
 from gradsync.protocol import chunking
 from gradsync.protocol.codec import ChunkHeader, decode_gradient, header_of
+from gradsync.shard_faults import SHARD_GRACE_MARGIN_S, ShardFault, shard_grace_s
 from gradsync.step_results import StepResults
 from gradsync.v1 import gradsync_pb2 as pb
 
@@ -72,6 +78,8 @@ class _Shared:
     join_progress: collections.deque[pb.JoinProgress] = field(
         default_factory=lambda: collections.deque(maxlen=_JOIN_PROGRESS_KEPT)
     )
+    #: The first shard stream that failed, raised by waits after its grace.
+    shard_fault: ShardFault = field(default_factory=ShardFault)
 
 
 class Inbox:
@@ -82,13 +90,21 @@ class Inbox:
         rank: this worker's rank (for error messages).
         on_averaged: called as (step, bucket_index) when a bucket's averages are
             complete, under the lock; must be quick and must not raise.
+        shard_grace_margin_s: a failed shard stream is raised this long plus 3
+            heartbeat intervals after it failed, unless the leader spoke first.
     """
 
     def __init__(
-        self, target: str, rank: int, on_averaged: Callable[[int, int], None] | None = None
+        self,
+        target: str,
+        rank: int,
+        on_averaged: Callable[[int, int], None] | None = None,
+        *,
+        shard_grace_margin_s: float = SHARD_GRACE_MARGIN_S,
     ) -> None:
         self.target = target
         self.rank = rank
+        self.shard_grace_margin_s = shard_grace_margin_s
         self._cond = threading.Condition()
         self._shared = _Shared()
         self._steps = StepResults(rank, on_averaged)
@@ -118,15 +134,23 @@ class Inbox:
         """Block until `predicate` holds; raise a recorded failure, or time out naming `what`."""
         deadline = time.monotonic() + timeout_s
         with self._cond:
-            while not predicate(self._shared):
-                if self._shared.fatal is not None:
-                    raise self._shared.fatal
-                remaining = deadline - time.monotonic()
+            shared = self._shared
+            while not predicate(shared):
+                if shared.fatal is not None:
+                    raise shared.fatal
+                now = time.monotonic()
+                shard_error = shared.shard_fault.due(now)
+                if shard_error is not None:  # the leader said nothing within the grace
+                    shared.fatal = shard_error
+                    raise shard_error
+                remaining = deadline - now
                 if remaining <= 0:
                     raise SyncTimeoutError(
-                        f"timed out after {timeout_s:g}s waiting for {what}", rank=self.rank
+                        f"timed out after {timeout_s:g}s waiting for {what}"
+                        + shared.shard_fault.pending_note(),
+                        rank=self.rank,
                     )
-                self._cond.wait(remaining)
+                self._cond.wait(shared.shard_fault.bound(now, remaining))
 
     def wait_welcome(self, timeout_s: float) -> pb.Welcome:
         """Block until the job is assembled (see `Transport.wait_welcome`)."""
@@ -259,10 +283,10 @@ class Inbox:
         with self._cond:
             return self._shared.checkpoint_acks.pop(step)
 
-    def expect_bucket(self, step: int, bucket_index: int, buffer: BucketBuffer) -> None:
-        """Register where the averages of an uploaded bucket are to be written."""
+    def expect_bucket(self, step: int, bucket_index: int, buffer: BucketBuffer, dtype: int) -> None:
+        """Register where the averages of an uploaded bucket (of wire `dtype`) are to be written."""
         with self._cond:
-            self._steps.expect(step, bucket_index, buffer)
+            self._steps.expect(step, bucket_index, buffer, dtype)
 
     def wait_step(self, step: int, timeout_s: float) -> int:
         """Block until every averaged bucket of `step` was written back into its buffer.
@@ -310,6 +334,11 @@ class Inbox:
             if kind == "welcome":
                 shared.welcome = message.welcome
                 shared.membership_epoch = message.welcome.membership_epoch
+                # The grid every bucket's averages come back on.
+                self._steps.chunk_bytes = (
+                    message.welcome.chunk_bytes or chunking.DEFAULT_CHUNK_BYTES
+                )
+                self._steps.shard_count = max(1, len(message.welcome.shards))
                 if message.welcome.heartbeat_interval_s > 0:
                     shared.heartbeat_interval_s = message.welcome.heartbeat_interval_s
                 # Rank 0's state may arrive before anyone waits for it: have room ready.
@@ -322,7 +351,7 @@ class Inbox:
             elif kind == "collective":
                 problem = self._collectives.on_chunk(message.collective)
                 if problem is not None:
-                    self._protocol_fault(problem)
+                    self.protocol_fault(problem)
             elif kind == "assembly":
                 self._on_assembly(message.assembly)
             elif kind == "join_progress":
@@ -363,6 +392,46 @@ class Inbox:
                         saved.step,
                         saved.message,
                     )
+            self._cond.notify_all()
+
+    def on_averaged_chunk(self, chunk: ChunkHeader, payload: memoryview, source: str) -> None:
+        """Take in an averaged chunk that came from a shard's data stream (`source` names it)."""
+        with self._cond:
+            problem = self._steps.on_gradient(chunk, payload)
+            if problem is not None:
+                self.protocol_fault(problem, source)
+            self._cond.notify_all()
+
+    def protocol_fault(self, what: str, source: str | None = None) -> None:
+        """Record that `source` (default: the coordinator) sent something invalid.
+
+        The stream is then not to be trusted: the next wait raises.
+        """
+        with self._cond:
+            if self._shared.fatal is None:
+                self._shared.fatal = GradSyncError(
+                    f"{source or f'the coordinator at {self.target}'} sent an invalid "
+                    f"message: {what}",
+                    rank=self.rank,
+                )
+            self._cond.notify_all()
+
+    def shard_failed(self, error: ShardUnavailableError) -> None:
+        """Record a failed shard data stream, raised by waits after the grace.
+
+        The grace (3 heartbeat intervals plus a margin, from now) leaves the
+        leader time to end the job with SHARD_LOST, which every rank then sees
+        alike. Only the first failure is kept.
+        """
+        with self._cond:
+            grace = shard_grace_s(self._shared.heartbeat_interval_s, self.shard_grace_margin_s)
+            if self._shared.shard_fault.record(error, time.monotonic(), grace):
+                log.warning(
+                    "rank %d: %s; waiting up to %gs for the leader to end the job",
+                    self.rank,
+                    error,
+                    grace,
+                )
             self._cond.notify_all()
 
     def stream_failure(self, code: int | None, details: str) -> GradSyncError:
@@ -412,7 +481,7 @@ class Inbox:
             shared.resume = bytearray(chunk.total_bytes)
         end = chunk.offset + len(chunk.payload)
         if chunk.total_bytes != len(shared.resume) or end > len(shared.resume):
-            self._protocol_fault(f"resume chunk [{chunk.offset}, {end}) is out of range")
+            self.protocol_fault(f"resume chunk [{chunk.offset}, {end}) is out of range")
             return
         shared.resume[chunk.offset : end] = chunk.payload
         shared.resume_received += len(chunk.payload)
@@ -420,7 +489,7 @@ class Inbox:
     def _on_state(self, chunk: pb.StateChunk) -> None:
         state = self._shared.state
         if state is None or chunk.offset + len(chunk.payload) > len(state):
-            self._protocol_fault(f"state chunk at offset {chunk.offset} is out of range")
+            self.protocol_fault(f"state chunk at offset {chunk.offset} is out of range")
             return
         state[chunk.offset : chunk.offset + len(chunk.payload)] = chunk.payload
         self._shared.state_received += len(chunk.payload)
@@ -428,13 +497,7 @@ class Inbox:
     def _on_gradient(self, chunk: ChunkHeader, payload: memoryview) -> None:
         problem = self._steps.on_gradient(chunk, payload)
         if problem is not None:
-            self._protocol_fault(problem)
-
-    def _protocol_fault(self, what: str) -> None:
-        if self._shared.fatal is None:
-            self._shared.fatal = GradSyncError(
-                f"the coordinator sent an invalid message: {what}", rank=self.rank
-            )
+            self.protocol_fault(problem)
 
 
 def _end_reason_name(reason: int) -> str:

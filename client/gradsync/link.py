@@ -4,9 +4,10 @@
 protocol only, never through gRPC, so the step logic (which bucket is handed
 off when, where averages land, which error surfaces from `backward()`) can be
 unit-tested with a pure-Python fake, and a different transport (shared memory
-for hierarchical aggregation, sharded coordinators) can be plugged in later.
+for hierarchical aggregation) can be plugged in later.
 `gradsync.transport.Transport`, gRPC on its own event loop, is the one used in
-production and the default.
+production and the default; it also speaks to sharded coordinators, invisibly
+to the wrapper.
 
 The contract every implementation keeps (the wrapper relies on it):
 
@@ -16,6 +17,8 @@ The contract every implementation keeps (the wrapper relies on it):
   `receive_*`) as `GradSyncError`s naming the rank (and step, bucket).
 - `wait_step` returns only once every submitted bucket's averages were written
   back into the very `BucketBuffer` that was submitted.
+- A lost coordinator, or a lost shard of it (`ShardUnavailableError`, naming the
+  shard), is a `CoordinatorUnavailableError`: the wrapper replaces the link.
 - Heartbeats start as soon as the stream is open (a rank waiting for its peers
   is alive), and `wait_welcome` reports what it waits for while it waits.
 - Collectives (`run_collective`) are numbered by the link: every rank of a job

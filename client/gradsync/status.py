@@ -1,7 +1,9 @@
 """`gradsync status`: ask a coordinator who is in which job, where, and who is late.
 
 Also how recently ended jobs ended (the coordinator keeps their outcome for a
-while), so "did my job finish?" has an answer after the workers are gone.
+while), so "did my job finish?" has an answer after the workers are gone, and,
+for a sharded coordinator, a table of its shards (liveness, bytes, lag), so a
+dead or slow shard is spotted from the one address users know.
 `--json` prints the reply with protobuf's JSON names, but every integer as a
 JSON number: protobuf's JSON mapping writes 64-bit integers as strings
 ("openStep": "12"), which makes `jq '.jobs[0].openStep > 10'` compare a
@@ -11,6 +13,7 @@ string, so `status_dict` converts them back.
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from typing import Any
 
 import grpc
@@ -85,9 +88,10 @@ def _integers_as_numbers(data: dict[str, Any], descriptor: Descriptor) -> None:
 
 
 def format_status(reply: pb.StatusReply) -> str:
-    """A human-readable report of a StatusReply: running jobs first, then ended ones."""
+    """A readable report of a StatusReply: running jobs, then ended ones, then the shards."""
+    shards = format_shards(reply.shards)
     if not reply.jobs:
-        return "no jobs"
+        return "no jobs" + (f"\n{shards}" if shards else "")
     lines = []
     for job in reply.jobs:
         if not job.ended:
@@ -98,7 +102,66 @@ def format_status(reply: pb.StatusReply) -> str:
             lines.append(
                 f"job '{job.job_id}': ended {job.ended_s_ago:.0f}s ago ({job.state}): {outcome}"
             )
+    if shards:
+        lines.append(shards)
     return "\n".join(lines)
+
+
+def format_shards(shards: Sequence[pb.ShardStatus]) -> str:
+    """The shard table of a sharded coordinator ("" when it is not sharded)."""
+    if not shards:
+        return ""
+    alive = sum(1 for shard in shards if shard.alive)
+    header = (
+        "shard",
+        "address",
+        "state",
+        "last heard",
+        "received",
+        "sent",
+        "buckets",
+        "mean bucket",
+        "buffered",
+        "streams",
+        "version",
+    )
+    rows = [header]
+    for shard in shards:
+        rows.append(
+            (
+                str(shard.index),
+                shard.address or ("(leader)" if shard.index == 0 else "?"),
+                _shard_state(shard),
+                f"{shard.last_seen_s:.1f}s ago" if shard.index and shard.version else "-",
+                _mib(shard.bytes_received),
+                _mib(shard.bytes_sent),
+                str(shard.buckets_completed),
+                f"{shard.mean_bucket_s * 1e3:.1f} ms",
+                _mib(shard.buffered_bytes),
+                str(shard.connections),
+                shard.version or "-",
+            )
+        )
+    widths = [max(len(row[column]) for row in rows) for column in range(len(header))]
+    lines = [f"shards: {alive}/{len(shards)} up"]
+    lines += [
+        "  " + "  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)).rstrip()
+        for row in rows
+    ]
+    return "\n".join(lines)
+
+
+def _shard_state(shard: pb.ShardStatus) -> str:
+    """up; silent (registered, not heard within the timeout); lost (was there); missing."""
+    if shard.alive:
+        return "up"
+    if shard.version:
+        return "silent"
+    return "lost" if shard.address else "missing"
+
+
+def _mib(nbytes: int) -> str:
+    return f"{nbytes / (1 << 20):.1f} MiB"
 
 
 def _running_job(job: pb.JobStatus) -> list[str]:

@@ -7,6 +7,14 @@ gradients' own memory), counts complete buckets per step, keeps a
 `StepAborted` against its step, and says what is still missing when a wait
 runs out. It holds no lock: `gradsync.inbox` calls it under its condition
 variable, which is also what waiters sleep on.
+
+The coordinator's byte counts are not trusted: every bucket's chunk grid is
+known in advance (each shard's range chunked on its own grid, see
+`gradsync.bucket_uploads.expected_chunks`), and a bucket completes only when
+every expected chunk arrived, once. A chunk off the grid, of the wrong length
+or arriving twice is a protocol fault: counting bytes alone let a duplicate
+chunk stand in for a missing one, and the step "completed" with stale bytes in
+the gradients.
 """
 
 from __future__ import annotations
@@ -14,8 +22,10 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from gradsync.bucket_uploads import expected_chunks
 from gradsync.buffers import BucketBuffer
 from gradsync.errors import MessageRejectedError, PeerLostError, StepAbortedError
+from gradsync.protocol import chunking
 from gradsync.protocol.codec import ChunkHeader
 from gradsync.protocol.codes import Code
 from gradsync.v1 import gradsync_pb2 as pb
@@ -26,6 +36,10 @@ class _StepResult:
     """Progress of one step: averaged bytes written back into each uploaded bucket."""
 
     buffers: dict[int, BucketBuffer] = field(default_factory=dict)
+    #: Per bucket: {offset: length} of every chunk its averages come in.
+    expected: dict[int, dict[int, int]] = field(default_factory=dict)
+    #: Per bucket: the offsets of the averaged chunks written back so far.
+    arrived: dict[int, set[int]] = field(default_factory=dict)
     received: dict[int, int] = field(default_factory=dict)
     contributors: int = 0
     complete_buckets: int = 0
@@ -46,10 +60,23 @@ class StepResults:
         self._on_averaged = on_averaged
         self._results: dict[int, _StepResult] = {}
         self.bucket_bytes: list[int] = []
+        #: The chunk grid averages come on (the Welcome's chunk size and shard count).
+        self.chunk_bytes = chunking.DEFAULT_CHUNK_BYTES
+        self.shard_count = 1
 
-    def expect(self, step: int, bucket_index: int, buffer: BucketBuffer) -> None:
-        """Register where the averages of an uploaded bucket are to be written."""
-        self._ensure(step).buffers[bucket_index] = buffer
+    def expect(self, step: int, bucket_index: int, buffer: BucketBuffer, dtype: int) -> None:
+        """Register where the averages of an uploaded bucket are to be written.
+
+        Args:
+            dtype: the wire dtype the bucket travels in (where the shards' ranges
+                are cut depends on its element size).
+        """
+        result = self._ensure(step)
+        result.buffers[bucket_index] = buffer
+        result.expected[bucket_index] = expected_chunks(
+            buffer.size, dtype, self.shard_count, self.chunk_bytes
+        )
+        result.arrived[bucket_index] = set()
 
     def watch(self, step: int) -> None:
         """Start tracking `step` (a wait on it may begin before any bucket was uploaded)."""
@@ -93,18 +120,19 @@ class StepResults:
                 f"averaged bucket {bucket} of step {chunk.step} arrived before this rank "
                 "uploaded it"
             )
-        try:
-            buffer.write(chunk.offset, payload)
-        except ValueError as exc:
-            return f"averaged chunk of bucket {bucket}: {exc}"
-        received = result.received.get(bucket, 0) + len(payload)
-        result.received[bucket] = received
+        problem = _check_chunk(chunk, len(payload), result.expected[bucket], result.arrived[bucket])
+        if problem is not None:
+            return problem
+        buffer.write(chunk.offset, payload)
+        arrived = result.arrived[bucket]
+        arrived.add(chunk.offset)
+        result.received[bucket] = result.received.get(bucket, 0) + len(payload)
         result.contributors = (
             min(result.contributors, chunk.contributors)
             if result.contributors
             else chunk.contributors
         )
-        if received == buffer.size:
+        if len(arrived) == len(result.expected[bucket]):
             result.complete_buckets += 1
             if self._on_averaged is not None:
                 self._on_averaged(chunk.step, bucket)
@@ -127,6 +155,28 @@ class StepResults:
         if result is None:
             result = self._results[step] = _StepResult()
         return result
+
+
+def _check_chunk(
+    chunk: ChunkHeader, length: int, expected: dict[int, int], arrived: set[int]
+) -> str | None:
+    """What is wrong with an averaged chunk's place in its bucket's grid, or None."""
+    where = f"averaged chunk of bucket {chunk.bucket_index} of step {chunk.step}"
+    wanted = expected.get(chunk.offset)
+    if wanted is None:
+        nearest = max((o for o in expected if o < chunk.offset), default=min(expected, default=0))
+        return (
+            f"{where} at offset {chunk.offset} is not on the bucket's chunk grid "
+            f"(expected a chunk at offset {nearest}, {len(expected)} chunks in all)"
+        )
+    if length != wanted:
+        return f"{where} at offset {chunk.offset} has {length} bytes, expected {wanted}"
+    if chunk.offset in arrived:
+        return (
+            f"{where} at offset {chunk.offset} arrived twice "
+            f"({length} bytes, {len(arrived)} of {len(expected)} chunks received)"
+        )
+    return None
 
 
 def abort_error(aborted: pb.StepAborted, rank: int) -> StepAbortedError:

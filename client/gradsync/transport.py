@@ -27,6 +27,12 @@ the status that follows in `gradsync.errors.error_from_status`. Only a stream
 that broke without one, or a coordinator going away, becomes a
 `CoordinatorUnavailableError`, the one error the model wrapper reconnects on.
 
+With a sharded coordinator (a Welcome listing shards), the transport also
+opens one data stream per other shard (`gradsync.shard_streams`) and cuts
+every bucket into one byte range per shard (`gradsync.bucket_uploads`):
+range 0 goes on the Sync stream, range i on shard i's stream, all in
+parallel, and the averages of every stream land in the same `Inbox`.
+
 It implements `gradsync.link.CoordinatorLink`, the seam the model wrapper
 uses, so the wrapper can be tested without it.
 """
@@ -37,7 +43,7 @@ import asyncio
 import contextlib
 import logging
 import threading
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -45,6 +51,7 @@ import grpc
 import numpy as np
 import numpy.typing as npt
 
+from gradsync.bucket_uploads import BucketUpload, RangeUpload, range_messages, split_upload
 from gradsync.buffers import BucketBuffer
 from gradsync.collective_results import op_name
 from gradsync.errors import (
@@ -55,33 +62,16 @@ from gradsync.inbox import Inbox
 from gradsync.joining import wait_for_welcome
 from gradsync.link import BucketEventHandler
 from gradsync.protocol import chunking, defaults
-from gradsync.protocol.codec import ChunkHeader, encode_gradient
 from gradsync.protocol.codes import Code
+from gradsync.shard_faults import SHARD_GRACE_MARGIN_S
+from gradsync.shard_streams import CLIENT_MAX_MESSAGE_BYTES, ShardStreams, channel_options
 from gradsync.v1 import gradsync_pb2 as pb
 
 log = logging.getLogger("gradsync.client")
 
-#: Largest message the client accepts or sends: a chunk of the largest size a
-#: coordinator may be configured with (64 MiB) plus its header. The coordinator's
-#: own limit (announced in Welcome) is the binding one for uploads.
-CLIENT_MAX_MESSAGE_BYTES = 64 * defaults.MIB + chunking.HEADER_SLACK_BYTES
+__all__ = ["CLIENT_MAX_MESSAGE_BYTES", "SYNC_METHOD", "Transport"]
+
 SYNC_METHOD = "/gradsync.v1.Coordinator/Sync"
-#: gRPC's reconnect backoff grows to 120 s by default: a worker started long
-#: before its coordinator would notice it minutes late. Keep retrying briskly.
-_RECONNECT_OPTIONS = [
-    ("grpc.initial_reconnect_backoff_ms", 500),
-    ("grpc.min_reconnect_backoff_ms", 500),
-    ("grpc.max_reconnect_backoff_ms", 2000),
-    ("grpc.dns_min_time_between_resolutions_ms", 1000),
-]
-
-
-@dataclass
-class _BucketUpload:
-    step: int
-    bucket_index: int
-    buffer: BucketBuffer
-    dtype: int
 
 
 @dataclass
@@ -115,15 +105,22 @@ class Transport:
     """One worker's connection to one coordinator.
 
     Args:
-        target: "host:port" of the coordinator.
+        target: "host:port" of the coordinator (the leader, when sharded).
         rank: this worker's rank (for error messages).
+        shard_grace_margin_s: a failed shard stream is raised this long plus 3
+            heartbeat intervals after it failed, unless the leader spoke first.
     """
 
-    def __init__(self, target: str, rank: int) -> None:
+    def __init__(
+        self, target: str, rank: int, *, shard_grace_margin_s: float = SHARD_GRACE_MARGIN_S
+    ) -> None:
         self.target = target
         self.rank = rank
         self._inbox = Inbox(
-            target, rank, lambda step, bucket: self._bucket_event("averaged", step, bucket)
+            target,
+            rank,
+            lambda step, bucket: self._bucket_event("averaged", step, bucket),
+            shard_grace_margin_s=shard_grace_margin_s,
         )
         self._closed = False
         self._loop = asyncio.new_event_loop()
@@ -139,6 +136,9 @@ class Transport:
         #: A heartbeat is queued and not yet handed to gRPC (loop thread only):
         #: while the coordinator is unreachable, beats must not pile up.
         self._heartbeat_queued = False
+        self._join: pb.Join | None = None
+        #: Data streams to shards 1..S-1 (loop thread), opened at the Welcome.
+        self._shards: ShardStreams | None = None
         self._sequence_lock = threading.Lock()
         self._next_collective = 0
         #: The step heartbeats report (set by the model wrapper).
@@ -261,9 +261,18 @@ class Transport:
         """Queue one bucket for upload; its averages will be written back into `buffer`.
 
         Never blocks on the network; safe from any thread (autograd hooks call it).
+        With a sharded coordinator, range i of the bucket goes to shard i.
+
+        Raises:
+            ValueError: `buffer` is not a whole number of `dtype` elements (sharded only).
         """
-        self._inbox.expect_bucket(step, bucket_index, buffer)
-        self._put(_BucketUpload(step, bucket_index, buffer, dtype))
+        welcome = self._inbox.welcome
+        shard_count = max(1, len(welcome.shards)) if welcome is not None else 1
+        parts = split_upload(BucketUpload(step, bucket_index, buffer, dtype), shard_count)
+        self._inbox.expect_bucket(step, bucket_index, buffer, dtype)
+        if self._loop.is_closed():
+            raise ClosedError("the transport is closed", rank=self.rank)
+        self._loop.call_soon_threadsafe(self._dispatch, parts)
 
     def wait_step(self, step: int, timeout_s: float) -> int:
         """Block until every averaged bucket of `step` was written back into its buffer.
@@ -279,11 +288,17 @@ class Transport:
         return self._inbox.wait_step(step, timeout_s)
 
     def close(self, timeout_s: float = 10.0) -> None:
-        """Say goodbye, wait (bounded) for the stream to end, stop the loop thread."""
+        """Say goodbye, wait (bounded) for the streams to end, stop the loop thread.
+
+        Every shard stream gets a Leave too, closed in parallel with the leader's.
+        """
         if self._closed:
             return
         self._closed = True
         try:
+            shards_closed = asyncio.run_coroutine_threadsafe(
+                self._close_shards(timeout_s), self._loop
+            )
             # A goodbye needs a connection: never connected, there is nobody to wait for.
             if self._call is not None and self._is_connected():
                 self._put(pb.WorkerMessage(leave=pb.Leave(reason="closed by the worker")))
@@ -291,6 +306,9 @@ class Transport:
                 # Leaving anyway if the goodbye fails: the stream is torn down below.
                 with contextlib.suppress(GradSyncError):
                     self._inbox.wait_stream_done(timeout_s)
+            # Bounded by each stream's own Leave timeout; torn down below regardless.
+            with contextlib.suppress(Exception):
+                shards_closed.result(timeout=timeout_s)
             self._run(self._shutdown(), timeout_s=timeout_s)
         finally:
             self._loop.call_soon_threadsafe(self._loop.stop)
@@ -300,15 +318,8 @@ class Transport:
 
     # ------------------------------------------------------ loop-thread side
     async def _open(self, join: pb.Join) -> None:
-        options = [
-            ("grpc.max_receive_message_length", CLIENT_MAX_MESSAGE_BYTES),
-            ("grpc.max_send_message_length", CLIENT_MAX_MESSAGE_BYTES),
-            ("grpc.keepalive_time_ms", 10_000),
-            ("grpc.keepalive_timeout_ms", 10_000),
-            ("grpc.keepalive_permit_without_calls", 1),
-            *_RECONNECT_OPTIONS,
-        ]
-        self._channel = grpc.aio.insecure_channel(self.target, options=options)
+        self._join = join
+        self._channel = grpc.aio.insecure_channel(self.target, options=channel_options())
         # Raw bytes both ways: gradient chunks are encoded and decoded by
         # gradsync.protocol.codec without copying payloads through protobuf objects.
         sync = self._channel.stream_stream(SYNC_METHOD)
@@ -333,6 +344,27 @@ class Transport:
             if not self._heartbeat_queued:
                 self._heartbeat_queued = True
                 self._outgoing.put_nowait(_HEARTBEAT)
+
+    def _dispatch(self, parts: list[RangeUpload | None]) -> None:
+        """Queue range 0 of a bucket here, every other range on its shard's stream (loop)."""
+        self._outgoing.put_nowait(parts[0])
+        if self._shards is not None:
+            self._shards.dispatch(parts)
+
+    def _range_messages(self, part: RangeUpload) -> Iterator[bytes]:
+        """A range's chunks with the Welcome's chunk size and the current epoch."""
+        welcome = self._inbox.welcome
+        chunk_bytes = welcome.chunk_bytes if welcome is not None else 0
+        return range_messages(
+            part,
+            chunk_bytes or chunking.DEFAULT_CHUNK_BYTES,
+            self._inbox.membership_epoch,
+            self._bucket_event,
+        )
+
+    async def _close_shards(self, timeout_s: float) -> None:
+        if self._shards is not None:
+            await self._shards.close(timeout_s)
 
     async def _requests(self) -> AsyncIterator[bytes]:
         chunk_bytes = chunking.DEFAULT_CHUNK_BYTES
@@ -369,20 +401,8 @@ class Transport:
             elif isinstance(item, _CollectiveUpload):
                 for message in _collective_chunks(item, chunk_bytes):
                     yield message
-            elif isinstance(item, _BucketUpload):
-                self._bucket_event("upload_start", item.step, item.bucket_index)
-                last_offset = (chunking.num_chunks(item.buffer.size, chunk_bytes) - 1) * chunk_bytes
-                for offset, pieces in item.buffer.chunks(chunk_bytes):
-                    header = ChunkHeader(
-                        step=item.step,
-                        membership_epoch=epoch,
-                        bucket_index=item.bucket_index,
-                        offset=offset,
-                        dtype=item.dtype,
-                    )
-                    message = encode_gradient(header, pieces)
-                    if offset == last_offset:  # handed to gRPC: the upload's end
-                        self._bucket_event("upload_end", item.step, item.bucket_index)
+            elif isinstance(item, RangeUpload):
+                for message in range_messages(item, chunk_bytes, epoch, self._bucket_event):
                     yield message
             else:
                 yield item.SerializeToString()
@@ -393,6 +413,11 @@ class Transport:
         try:
             async for raw in self._call:
                 self._inbox.on_message(raw)
+                if self._shards is None and (welcome := self._inbox.welcome) is not None:
+                    self._shards = ShardStreams(
+                        self.target, self._inbox, self._range_messages, lambda: self._closed
+                    )
+                    self._shards.open(welcome, self._join or pb.Join())
             if not self._closed:
                 failure = self._inbox.stream_failure(None, "")
         except grpc.aio.AioRpcError as exc:
@@ -428,6 +453,8 @@ class Transport:
             self._receiver.cancel()
         if self._channel is not None:
             await self._channel.close()
+        if self._shards is not None:  # no-op for streams already closed by `close`
+            await self._shards.close(0.0)
         current = asyncio.current_task()
         for _ in range(3):  # closing the channel can start gRPC's own last tasks
             others = [task for task in asyncio.all_tasks() if task is not current]

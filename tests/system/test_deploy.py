@@ -1,5 +1,5 @@
-"""The deployment files: docker-compose.yml, the Dockerfile, the Prometheus config and the Grafana
-dashboard agree with each other and with the code.
+"""The deployment files: docker-compose.yml (and its sharded override), the Dockerfile, the
+Prometheus configs and the Grafana dashboard agree with each other and with the code.
 
 No container runs here; what can drift is checked statically against the real code: every
 `gradsync` command is parsed by the real CLI parser, every metric the dashboard queries is one
@@ -22,16 +22,17 @@ import yaml
 from gradsync.cli import build_parser
 from gradsync.healthcheck import build_parser as build_probe_parser
 from gradsync.metrics import WorkerMetrics
-from gradsync.server.metrics import CoordinatorMetrics
+from gradsync.server.metrics import CoordinatorMetrics, ShardSample
 from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
+from support import compose
 from support.components import NO_PROMETHEUS, PROMETHEUS, PROMTOOL
 from support.promserver import PrometheusServer
 
 pytestmark = pytest.mark.timeout(60)
 
 ROOT = Path(__file__).resolve().parents[2]
-COMPOSE_PATH = ROOT / "docker-compose.yml"
+COMPOSE_PATH = compose.BASE
 DOCKERFILE_PATH = ROOT / "Dockerfile"
 PROMETHEUS_CONFIG = ROOT / "deploy" / "prometheus" / "prometheus.yml"
 DASHBOARD_PATH = ROOT / "deploy" / "grafana" / "dashboards" / "gradsync.json"
@@ -39,13 +40,17 @@ GRAFANA_PROVISIONING = ROOT / "deploy" / "grafana" / "provisioning"
 PROBE_MODULE = ["python", "-m", "gradsync.healthcheck"]
 
 
-def load_compose() -> dict[str, Any]:
-    document: dict[str, Any] = yaml.safe_load(COMPOSE_PATH.read_text())
-    return document
+#: Tests marked with this run on docker-compose.yml alone and with the sharded override.
+each_variant = pytest.mark.parametrize("variant", list(compose.VARIANTS))
 
 
-def services() -> dict[str, dict[str, Any]]:
-    found: dict[str, dict[str, Any]] = load_compose()["services"]
+def load_compose(variant: str = "base") -> dict[str, Any]:
+    """The compose document `docker compose` sees for `variant` (see support.compose)."""
+    return compose.load_compose(*compose.VARIANTS[variant])
+
+
+def services(variant: str = "base") -> dict[str, dict[str, Any]]:
+    found: dict[str, dict[str, Any]] = load_compose(variant)["services"]
     return found
 
 
@@ -58,9 +63,7 @@ def runs_our_image(service: dict[str, Any]) -> bool:
     return (ROOT / context).resolve() == ROOT
 
 
-def command_argv(service: dict[str, Any]) -> list[str]:
-    command = service.get("command", [])
-    return shlex.split(command) if isinstance(command, str) else list(command)
+command_argv = compose.command_argv
 
 
 def dependencies(service: dict[str, Any]) -> dict[str, str]:
@@ -156,9 +159,10 @@ def test_dockerignore_keeps_what_the_build_copies() -> None:
 # --- docker-compose.yml: structure ----------------------------------------------------------------
 
 
-def test_compose_services_are_complete_and_consistent() -> None:
-    compose = load_compose()
-    found = compose["services"]
+@each_variant
+def test_compose_services_are_complete_and_consistent(variant: str) -> None:
+    document = load_compose(variant)
+    found = document["services"]
     assert {
         "coordinator",
         "worker-0",
@@ -168,7 +172,7 @@ def test_compose_services_are_complete_and_consistent() -> None:
         "prometheus",
         "grafana",
     } <= (set(found))
-    declared_volumes = set(compose.get("volumes") or {})
+    declared_volumes = set(document.get("volumes") or {})
     host_ports: list[int] = []
     for name, service in found.items():
         assert "image" in service or "build" in service, f"{name}: neither image nor build"
@@ -200,8 +204,9 @@ def test_compose_services_are_complete_and_consistent() -> None:
     assert len(host_ports) == len(set(host_ports)), f"a host port is published twice: {host_ports}"
 
 
-def test_service_healthy_dependencies_have_a_healthcheck() -> None:
-    found = services()
+@each_variant
+def test_service_healthy_dependencies_have_a_healthcheck(variant: str) -> None:
+    found = services(variant)
     image_has_healthcheck = any(name == "HEALTHCHECK" for name, _ in dockerfile_instructions())
     waited_on = {
         target
@@ -221,10 +226,11 @@ def test_service_healthy_dependencies_have_a_healthcheck() -> None:
             assert healthcheck.get("test"), f"{target}'s healthcheck has no test"
 
 
-def test_only_the_coordinator_keeps_the_images_coordinator_probe() -> None:
-    # The image's HEALTHCHECK asks for a coordinator on 127.0.0.1:50051: a worker container
-    # would be marked unhealthy forever unless it turns the check off.
-    for name, service in services().items():
+@each_variant
+def test_only_the_coordinator_keeps_the_images_coordinator_probe(variant: str) -> None:
+    # The image's HEALTHCHECK asks for a coordinator on 127.0.0.1:50051: a worker (or shard)
+    # container would be marked unhealthy forever unless it turns the check off.
+    for name, service in services(variant).items():
         if not runs_our_image(service):
             continue
         argv = command_argv(service)
@@ -240,8 +246,9 @@ def test_only_the_coordinator_keeps_the_images_coordinator_probe() -> None:
             assert healthcheck.get("disable") is True, f"{name} ({argv[0]}) must disable the probe"
 
 
-def test_workers_form_one_job_against_the_coordinator() -> None:
-    found = services()
+@each_variant
+def test_workers_form_one_job_against_the_coordinator(variant: str) -> None:
+    found = services(variant)
     coordinator = command_argv(found["coordinator"])
     world_size = int(flag(coordinator, "--world-size") or 0)
     workers = {
@@ -268,9 +275,13 @@ def test_workers_form_one_job_against_the_coordinator() -> None:
 
 def gradsync_commands() -> Iterator[Any]:
     yield pytest.param(dockerfile_json("CMD"), id="Dockerfile-CMD")
-    for name, service in services().items():
-        if runs_our_image(service):
-            yield pytest.param(command_argv(service), id=f"compose-{name}")
+    seen: list[list[str]] = []
+    for variant in compose.VARIANTS:
+        for name, service in services(variant).items():
+            argv = command_argv(service)
+            if runs_our_image(service) and argv not in seen:
+                seen.append(argv)
+                yield pytest.param(argv, id=f"compose-{variant}-{name}")
 
 
 @pytest.mark.parametrize("argv", list(gradsync_commands()))
@@ -284,8 +295,17 @@ def test_gradsync_command_parses_with_the_real_cli(argv: list[str]) -> None:
 # --- Prometheus and Grafana ----------------------------------------------------------------------
 
 
-def scrape_targets() -> list[str]:
-    config = yaml.safe_load(PROMETHEUS_CONFIG.read_text())
+def prometheus_config(variant: str) -> Path:
+    """The config file the variant's prometheus service mounts (host side)."""
+    for volume in services(variant)["prometheus"]["volumes"]:
+        host, container, *_ = str(volume).split(":")
+        if container == "/etc/prometheus/prometheus.yml":
+            return ROOT / host
+    raise AssertionError(f"{variant}: prometheus mounts no /etc/prometheus/prometheus.yml")
+
+
+def scrape_targets(config_path: Path = PROMETHEUS_CONFIG) -> list[str]:
+    config = yaml.safe_load(config_path.read_text())
     return [
         target
         for job in config["scrape_configs"]
@@ -294,9 +314,11 @@ def scrape_targets() -> list[str]:
     ]
 
 
-def test_prometheus_scrapes_every_gradsync_service_on_its_metrics_port() -> None:
-    found = services()
-    targets = scrape_targets()
+@each_variant
+def test_prometheus_scrapes_every_gradsync_service_on_its_metrics_port(variant: str) -> None:
+    found = services(variant)
+    config_path = prometheus_config(variant)
+    targets = scrape_targets(config_path)
     for target in targets:
         host, _, port = target.rpartition(":")
         assert host in found, f"scrape target {target}: no compose service {host!r}"
@@ -306,14 +328,17 @@ def test_prometheus_scrapes_every_gradsync_service_on_its_metrics_port() -> None
     }
     assert {target.rpartition(":")[0] for target in targets} == exporters
     mounts = [str(volume).split(":") for volume in found["prometheus"]["volumes"]]
-    assert ["./deploy/prometheus/prometheus.yml", "/etc/prometheus/prometheus.yml", "ro"] in mounts
+    host_path = "./" + str(config_path.relative_to(ROOT))
+    assert [host_path, "/etc/prometheus/prometheus.yml", "ro"] in mounts
+    assert variant != "base" or config_path == PROMETHEUS_CONFIG
 
 
-def test_prometheus_config_passes_promtool() -> None:
+@each_variant
+def test_prometheus_config_passes_promtool(variant: str) -> None:
     if PROMTOOL is None:
         pytest.skip(NO_PROMETHEUS)
     result = subprocess.run(
-        [PROMTOOL, "check", "config", str(PROMETHEUS_CONFIG)],
+        [PROMTOOL, "check", "config", str(prometheus_config(variant))],
         capture_output=True,
         text=True,
         timeout=30,
@@ -372,6 +397,14 @@ def exported_series_names() -> dict[str, str]:
     coordinator.observe_rejection("INVALID_ARGUMENT")
     coordinator.observe_abort("ABORTED")
     coordinator.observe_error("RuntimeError")
+    # The leader's view of its shards (index 0 is the leader itself), as a sharded leader
+    # exports it.
+    coordinator.watch_shards(
+        lambda: [
+            ShardSample(0, "", True, 1, 1, 0.0),
+            ShardSample(1, "10.0.0.2:50051", True, 1, 1, 0.5),
+        ]
+    )
     worker = WorkerMetrics(rank=0)
     worker.observe_abort("ABORTED")
     names: dict[str, str] = {}
@@ -416,3 +449,64 @@ def test_dashboard_queries_are_valid_promql(tmp_path: Path) -> None:
             assert answer["status"] == "success", f"{expression}: {answer.get('error')}"
     finally:
         prometheus.stop()
+
+
+# --- The sharded variant ------------------------------------------------------------------------
+
+
+def test_sharded_variant_adds_shards_that_register_with_the_leader() -> None:
+    base, found = services("base"), services("sharded")
+    leader = command_argv(found["coordinator"])
+    port = flag(leader, "--port")
+    shards = {
+        name: command_argv(s) for name, s in found.items() if command_argv(s)[:1] == ["shard"]
+    }
+    assert shards and set(shards).isdisjoint(base), "the override adds the shard services"
+    assert int(flag(leader, "--wait-for-shards") or 0) == len(shards)
+    # Apart from the wait, the leader runs what the unsharded coordinator runs.
+    unsharded = command_argv(base["coordinator"])
+    assert [a for a in leader if a not in ("--wait-for-shards", str(len(shards)))] == unsharded
+    for name, argv in shards.items():
+        assert flag(argv, "--leader") == f"coordinator:{port}", name
+        # Workers reach a shard at the address it advertises: its service name, its port.
+        assert flag(argv, "--advertise") == f"{name}:{flag(argv, '--port')}", name
+        assert flag(argv, "--host") == "0.0.0.0", f"{name} must listen beyond loopback"
+        assert runs_our_image(found[name]), name
+        assert "coordinator" in dependencies(found[name]), name
+        assert found[name].get("restart") == "unless-stopped", f"{name}: restarted at its address"
+    # The workers are unchanged: they know only the leader's address.
+    for name, service in base.items():
+        if name.startswith("worker-"):
+            assert command_argv(found[name]) == command_argv(service), name
+
+
+def row_panels(dashboard: dict[str, Any], title: str) -> list[dict[str, Any]]:
+    """The panels under the row titled `title` (up to the next row)."""
+    panels, inside = [], False
+    for panel in dashboard["panels"]:
+        if panel.get("type") == "row":
+            inside = panel["title"] == title
+            panels += panel.get("panels", []) if inside else []
+        elif inside:
+            panels.append(panel)
+    return panels
+
+
+def test_dashboard_has_per_shard_panels_on_what_the_leader_exports() -> None:
+    dashboard = json.loads(DASHBOARD_PATH.read_text())
+    panels = row_panels(dashboard, "Shards")
+    assert panels, "the dashboard has no Shards row"
+    expressions = [t["expr"] for panel in panels for t in panel.get("targets", [])]
+    used = {name for expr in expressions for name in re.findall(r"\bgradsync_\w+", expr)}
+    assert {
+        "gradsync_shard_bytes_received_total",
+        "gradsync_shard_bytes_sent_total",
+        "gradsync_shard_up",
+        "gradsync_shard_last_seen_seconds",
+        "gradsync_shards_registered",
+    } <= used
+    exported = exported_series_names()
+    assert used <= set(exported), f"not exported by the leader: {used - set(exported)}"
+    # Throughput per shard: the byte counters as rates, one line per shard.
+    throughput = [e for e in expressions if "bytes_" in e]
+    assert throughput and all("rate(" in e and "by (shard)" in e for e in throughput)

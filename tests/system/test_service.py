@@ -26,6 +26,7 @@ from gradsync.example import (
     train_reference,
 )
 from gradsync.launch import free_port, parse_banner
+from prometheus_client.parser import text_string_to_metric_families
 from support.components import (
     NO_PROMETHEUS,
     NO_REDIS_SERVER,
@@ -33,6 +34,7 @@ from support.components import (
     REDIS_SERVER,
     netns_available,
 )
+from support.compose import VARIANTS, command_argv, load_compose
 from support.processes import reap, start_workers, wait_all
 from support.promserver import PrometheusServer
 
@@ -355,3 +357,168 @@ def test_compose_topology_on_emulated_hosts(tmp_path: Path) -> None:
         f"{prefix}{step}" for step in steps
     }, found
     assert all(size > 0 for size in found["sizes"].values()), found
+
+
+#: Run on an emulated host: the leader's Prometheus text (which carries every shard's counters).
+SCRAPE = """
+import sys, urllib.request
+print(urllib.request.urlopen(sys.argv[1], timeout=10).read().decode())
+"""
+
+
+def start_logged(
+    cluster: Cluster, host: str, argv: list[str]
+) -> tuple[subprocess.Popen[str], list[str]]:
+    """Start a gradsync command on `host`; its log lines are drained into the returned list."""
+    process = cluster.popen(
+        host,
+        [sys.executable, "-m", "gradsync.cli", *argv],
+        stderr=subprocess.STDOUT,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    lines: list[str] = []
+    assert process.stdout is not None
+    threading.Thread(target=lambda: lines.extend(process.stdout), daemon=True).start()  # type: ignore[arg-type]
+    return process, lines
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.skipif(not netns_available()[0], reason=netns_available()[1])
+@pytest.mark.skipif(REDIS_SERVER is None, reason=NO_REDIS_SERVER)
+def test_sharded_compose_topology_on_emulated_hosts(tmp_path: Path) -> None:
+    """docker-compose.yml + docker-compose.sharded.yml, each service on its own host running
+    its compose command: the workers, which know only the leader, train through every shard
+    (each received and sent gradient bytes), and match single-process training."""
+    pytest.importorskip("redis", reason="the redis package is not installed: gradsync[redis]")
+    compose = load_compose(*VARIANTS["sharded"])["services"]
+    workers = sorted(name for name in compose if name.startswith("worker-"))
+    shards = sorted(name for name in compose if command_argv(compose[name])[:1] == ["shard"])
+    assert len(shards) == 2, shards
+    hosts = ["coordinator", "redis", *shards, *workers]
+    logs: dict[str, list[str]] = {}
+    with Cluster(hosts) as cluster:
+        addresses = {host: cluster.address(host) for host in hosts}
+        cluster.popen(
+            "redis",
+            [
+                str(REDIS_SERVER),
+                *command_argv(compose["redis"])[1:],
+                "--bind",
+                "0.0.0.0",
+                "--port",
+                "6379",
+                "--dir",
+                str(tmp_path),
+                "--protected-mode",
+                "no",
+            ],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
+        leader_argv = resolve_service_names(command_argv(compose["coordinator"]), addresses)
+        assert "--wait-for-shards" in leader_argv
+        leader, logs["coordinator"] = start_logged(cluster, "coordinator", leader_argv)
+        for name in shards:
+            argv = resolve_service_names(command_argv(compose[name]), addresses)
+            # The shard advertises its own host (compose: its service name) to the workers.
+            assert f"{addresses[name]}:50051" in argv, argv
+            _, logs[name] = start_logged(cluster, name, argv)
+
+        def diagnostics() -> str:
+            return "\n".join(f"--- {h}\n" + "".join(lines[-40:]) for h, lines in logs.items())
+
+        deadline = time.monotonic() + 60
+        while not any(parse_banner(line) for line in logs["coordinator"]):
+            assert time.monotonic() < deadline and leader.poll() is None, diagnostics()
+            time.sleep(0.05)
+        processes = [
+            cluster.popen(
+                name,
+                [
+                    sys.executable,
+                    "-m",
+                    "gradsync.cli",
+                    "--log-level",
+                    "WARNING",
+                    *resolve_service_names(command_argv(compose[name]), addresses),
+                    "--epochs",
+                    "1",
+                    "--no-progress",
+                    "--save",
+                    str(tmp_path / f"{name}.npz"),
+                ],
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                text=True,
+            )
+            for name in workers
+        ]
+        try:
+            for process in processes:
+                output, _ = process.communicate(timeout=180)
+                assert process.returncode == 0, output[-3000:] + diagnostics()
+        finally:
+            reap(processes)
+        leader_address = f"{addresses['coordinator']}:50051"
+        status = subprocess.run(
+            cluster.command(
+                workers[0],
+                [
+                    sys.executable,
+                    "-m",
+                    "gradsync.cli",
+                    "status",
+                    "--coordinator",
+                    leader_address,
+                    "--json",
+                ],
+            ),
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        assert status.returncode == 0, status.stderr + diagnostics()
+        metrics_port = leader_argv[leader_argv.index("--metrics-port") + 1]
+        scraped = subprocess.run(
+            cluster.command(
+                workers[0],
+                [
+                    sys.executable,
+                    "-c",
+                    SCRAPE,
+                    f"http://{addresses['coordinator']}:{metrics_port}/metrics",
+                ],
+            ),
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        assert scraped.returncode == 0, scraped.stderr
+    reported = {shard.get("index", 0): shard for shard in json.loads(status.stdout)["shards"]}
+    assert set(reported) == {0, 1, 2}, reported
+    advertised = {f"{addresses[name]}:50051" for name in shards}
+    assert {reported[1]["address"], reported[2]["address"]} == advertised, reported
+    for index, shard in reported.items():
+        # Every shard holds part of every bucket, so each one carried gradients both ways.
+        assert shard["alive"] and shard["bytesReceived"] > 0 and shard["bytesSent"] > 0, (
+            index,
+            shard,
+        )
+    counters = {
+        (family.name, sample.labels.get("shard")): sample.value
+        for family in text_string_to_metric_families(scraped.stdout)
+        for sample in family.samples
+        if sample.name.startswith("gradsync_shard")
+    }
+    for index in ("0", "1", "2"):
+        assert counters[("gradsync_shard_bytes_received", index)] > 0, counters
+        assert counters[("gradsync_shard_up", index)] == 1, counters
+    # The shards change where bytes are averaged, not the result: single-process training.
+    reference, _ = train_reference(TrainSettings(world_size=len(workers), epochs=1), init_seed=1000)
+    saved = [dict(np.load(tmp_path / f"{name}.npz")) for name in workers]
+    for params in saved:
+        assert max_relative_difference(reference, params) <= 1e-5
+    for params in saved[1:]:
+        for name, value in params.items():
+            np.testing.assert_array_equal(value, saved[0][name])

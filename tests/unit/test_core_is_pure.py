@@ -27,6 +27,7 @@ CORE = (
     "checkpoint",
     "checkpoint_file",
     "checkpoint_redis",
+    "chunk_checks",
     "collectives",
     "config",
     "elastic",
@@ -38,6 +39,11 @@ CORE = (
     "open_step",
     "persistence",
     "progress",
+    "shard_config",
+    "shard_jobs",
+    "shard_metrics",
+    "shard_registry",
+    "shard_view",
     "signature",
     "status",
     "stores",
@@ -45,7 +51,18 @@ CORE = (
     "uploads",
 )
 #: Glue that may use gRPC and asyncio: streams, process wiring, background tasks.
-GLUE = ("app", "checkpointer", "connection", "servicer", "watchdog")
+GLUE = (
+    "app",
+    "checkpointer",
+    "connection",
+    "local_shards",
+    "servicer",
+    "shard_app",
+    "shard_control",
+    "shard_link",
+    "shard_servicer",
+    "watchdog",
+)
 
 
 def imported_roots(path: Path) -> set[str]:

@@ -321,6 +321,26 @@ def test_a_lost_coordinator_is_reconnected_and_the_job_resumes_from_its_checkpoi
     assert factory.link.waited_steps == [7]
 
 
+def test_a_lost_shard_reconnects_to_the_leader_and_names_the_shard() -> None:
+    # A shard's loss is a lost coordinator: the same reconnect path, which closes
+    # the old link (and with it every shard stream) and opens a new one.
+    blob = resume_blob(chain(), step=4)
+    factory = LinkFactory(
+        pb.Welcome(start_step=0), pb.Welcome(start_step=4, resume_bytes=len(blob))
+    )
+    factory.prepare = lambda link: setattr(link, "resume_blob", blob)
+    model = wrap(chain(), factory, reconnect_timeout_s=30)
+    factory.link.fail_with = gradsync.ShardUnavailableError(
+        "shard 2 at 10.9.0.5:50051 was lost", rank=0, shard_index=2, shard_address="10.9.0.5:50051"
+    )
+
+    with pytest.raises(gradsync.CoordinatorRestartedError, match=r"shard 2 at 10\.9\.0\.5:50051"):
+        backward(model)
+
+    assert len(factory.links) == 2 and factory.links[0].closed
+    assert model.step == 4
+
+
 def test_a_lost_coordinator_is_not_reconnected_when_reconnecting_is_off(
     factory: LinkFactory,
 ) -> None:

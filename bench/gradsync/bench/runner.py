@@ -16,7 +16,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from gradsync.bench import suites
+from gradsync.bench import sharded, suites
 
 
 @dataclass(frozen=True)
@@ -26,13 +26,20 @@ class BenchPlan:
     sizes_mb: list[float] = field(default_factory=lambda: [1.0, 25.0, 100.0])
     worlds: list[int] = field(default_factory=lambda: [2, 4])
     reps: int = 5
+    #: Loopback rows per coordinator: 1 = one process, S > 1 = `serve --shards S`.
+    loopback_shards: list[int] = field(default_factory=lambda: [1])
     train_worlds: list[int] = field(default_factory=lambda: [2, 4])
     train_model_mb: float = 32.0
     train_steps: int = 20
-    netns_worlds: list[int] = field(default_factory=lambda: [2, 3])
-    netns_sizes_mb: list[float] = field(default_factory=lambda: [25.0])
+    netns_worlds: list[int] = field(default_factory=lambda: [2, 3, 4, 8])
+    netns_sizes_mb: list[float] = field(default_factory=lambda: [16.0, 64.0])
     netns_reps: int = 3
-    netns_rate_mbit: float = 1000.0
+    #: Low enough that two cores keep up with every process of the largest layout, so the
+    #: links, not the CPU, bound the times (gloo within 10 % of its ring bound).
+    netns_rate_mbit: float = 200.0
+    netns_layouts: tuple[str, ...] = sharded.LAYOUTS
+    #: Shard counts of the dedicated and colocated layouts; empty = S = W.
+    netns_shards: list[int] = field(default_factory=list)
     suites: tuple[str, ...] = ("loopback", "train", "netns")
 
     @classmethod
@@ -45,8 +52,9 @@ class BenchPlan:
             train_worlds=[2],
             train_steps=5,
             netns_worlds=[2],
-            netns_sizes_mb=[25.0],
+            netns_sizes_mb=[16.0],
             netns_reps=2,
+            netns_layouts=("single",),
         )
 
 
@@ -88,7 +96,7 @@ def run(plan: BenchPlan) -> dict[str, Any]:
     if "loopback" in plan.suites:
         print("loopback sync: gradsync vs gloo ...", file=sys.stderr, flush=True)
         document["suites"]["loopback"] = suites.loopback_suite(
-            plan.sizes_mb, plan.worlds, plan.reps
+            plan.sizes_mb, plan.worlds, plan.reps, plan.loopback_shards
         )
     if "train" in plan.suites:
         print("end-to-end training: gradsync vs torchrun + DDP ...", file=sys.stderr, flush=True)
@@ -97,8 +105,13 @@ def run(plan: BenchPlan) -> dict[str, Any]:
         )
     if "netns" in plan.suites:
         print("emulated cluster (network namespaces) ...", file=sys.stderr, flush=True)
-        rows, reason = suites.netns_suite(
-            plan.netns_worlds, plan.netns_sizes_mb, plan.netns_reps, plan.netns_rate_mbit
+        rows, reason = sharded.netns_suite(
+            plan.netns_worlds,
+            plan.netns_sizes_mb,
+            plan.netns_reps,
+            plan.netns_rate_mbit,
+            plan.netns_layouts,
+            plan.netns_shards,
         )
         document["suites"]["netns"] = rows
         if reason:
@@ -125,6 +138,18 @@ def _table(title: str, header: str, rows: Sequence[Sequence[str]]) -> list[str]:
     ]
 
 
+def _cpu_s(stats: dict[str, float]) -> str:
+    """CPU-seconds per sync of all processes; "-" for documents older than that field."""
+    return f"{stats['cpu_s_per_sync']:.2f}" if "cpu_s_per_sync" in stats else "-"
+
+
+def _server_cores(stats: dict[str, float]) -> str:
+    """The coordinator processes' cores in use, e.g. "1.31 (0.72)"; "-" for old documents."""
+    if "server_cores" not in stats:
+        return "-"
+    return f"{stats['server_cores']:.2f} ({stats['busiest_server_cores']:.2f})"
+
+
 def markdown(document: dict[str, Any]) -> str:
     """The human-readable table of a result document."""
     m = document["machine"]
@@ -137,11 +162,12 @@ def markdown(document: dict[str, Any]) -> str:
     if loopback:
         lines += _table(
             "**Sync micro-benchmark, loopback** (one sync of N MB; median of A B A B reps)",
-            "W | N MB | gradsync ms | gloo ms | gradsync MB/s | gloo MB/s | ratio | "
-            "gradsync CPU-s/GB | gloo CPU-s/GB",
+            "W | S | N MB | gradsync ms | gloo ms | gradsync MB/s | gloo MB/s | ratio | "
+            "gradsync CPU-s/GB | gloo CPU-s/GB | coordinator cores (busiest process)",
             [
                 [
                     f"{r['world_size']}",
+                    f"{r.get('shards', 1)}",
                     f"{r['megabytes']:g}",
                     f"{r['gradsync']['median_ms']:.1f}",
                     f"{r['gloo']['median_ms']:.1f}",
@@ -150,6 +176,7 @@ def markdown(document: dict[str, Any]) -> str:
                     f"{r['bandwidth_ratio']:.2f}",
                     f"{r['gradsync']['cpu_s_per_gb']:.2f}",
                     f"{r['gloo']['cpu_s_per_gb']:.2f}",
+                    _server_cores(r["gradsync"]),
                 ]
                 for r in loopback
             ],
@@ -175,20 +202,27 @@ def markdown(document: dict[str, Any]) -> str:
     netns = document["suites"].get("netns", [])
     if netns:
         lines += _table(
-            "**Emulated cluster** (network namespaces, every host link shaped to B; "
-            "time against the analytic bound)",
-            "W | N MB | B Mbit/s | gloo ms (bound) | gloo of bound | gradsync ms (bound) | "
-            "gradsync of bound | CPU use gloo / gradsync",
+            "**Emulated cluster** (network namespaces, every host link shaped to B; each time "
+            "against its analytic bound: gloo 2(W-1)/W·N/B, single W·N/B, dedicated "
+            "max(1, W/S)·N/B, colocated max(1, (W+S-2)/S)·N/B; of bound = bound / time)",
+            "layout | W | S | N MB | B Mbit/s | gradsync ms (bound) | of bound | "
+            "gloo ms (bound) | of bound | gradsync / gloo | CPU-s per sync gradsync / gloo | "
+            "CPU use gradsync / gloo | coordinator cores (busiest process)",
             [
                 [
+                    r.get("layout", "single"),
                     f"{r['world_size']}",
+                    f"{r.get('shards', 1)}",
                     f"{r['megabytes']:g}",
                     f"{r['rate_mbit']:g}",
-                    f"{r['gloo']['median_ms']:.0f} ({r['gloo_bound_ms']:.0f})",
-                    f"{r['gloo_of_bound']:.0%}",
                     f"{r['gradsync']['median_ms']:.0f} ({r['gradsync_bound_ms']:.0f})",
                     f"{r['gradsync_of_bound']:.0%}",
-                    f"{r['gloo']['cpu_utilisation']:.0%} / {r['gradsync']['cpu_utilisation']:.0%}",
+                    f"{r['gloo']['median_ms']:.0f} ({r['gloo_bound_ms']:.0f})",
+                    f"{r['gloo_of_bound']:.0%}",
+                    f"{r['gradsync']['median_ms'] / r['gloo']['median_ms']:.2f}",
+                    f"{_cpu_s(r['gradsync'])} / {_cpu_s(r['gloo'])}",
+                    f"{r['gradsync']['cpu_utilisation']:.0%} / {r['gloo']['cpu_utilisation']:.0%}",
+                    _server_cores(r["gradsync"]),
                 ]
                 for r in netns
             ],
@@ -199,7 +233,9 @@ def markdown(document: dict[str, Any]) -> str:
 
 
 def plot(document: dict[str, Any], path: Path) -> None:
-    """Bar charts: sync bandwidth per (W, N) and training samples/s per mode."""
+    """Bar charts: sync bandwidth per (W, N) and training samples/s per mode on top and,
+    when the netns suite ran, one row per N with each emulated-cluster time against its
+    bound; a suite that did not run gets no panel."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -207,44 +243,108 @@ def plot(document: dict[str, Any], path: Path) -> None:
 
     loopback = document["suites"].get("loopback", [])
     train = document["suites"].get("train", [])
-    figure, axes = plt.subplots(1, 2, figsize=(12, 4.5))
-    labels = [f"W={r['world_size']}\n{r['megabytes']:g} MB" for r in loopback]
+    netns = document["suites"].get("netns", [])
+    sizes = sorted({r["megabytes"] for r in netns})
+    top = 1 if loopback or train or not netns else 0
+    width = max([12.0, *(0.9 * sum(r["megabytes"] == mb for r in netns) for mb in sizes)])
+    figure = plt.figure(figsize=(width, 4.5 * (top + len(sizes))))
+    grid = figure.add_gridspec(top + len(sizes), 2)
+    if top:
+        _plot_loopback(figure.add_subplot(grid[0, 0]), loopback)
+        _plot_train(figure.add_subplot(grid[0, 1]), train)
+    for index, megabytes in enumerate(sizes):
+        axis = figure.add_subplot(grid[top + index, :])
+        _plot_netns(axis, [r for r in netns if r["megabytes"] == megabytes])
+    figure.tight_layout()
+    figure.savefig(path, dpi=100)
+    plt.close(figure)
+
+
+def _plot_loopback(axis: Any, loopback: list[dict[str, Any]]) -> None:
+    """Algorithm bandwidth of one sync per (W, S, N), gradsync beside gloo."""
+    labels = [
+        f"W={r['world_size']}"
+        + (f" S={r['shards']}" if r.get("shards", 1) > 1 else "")
+        + f"\n{r['megabytes']:g} MB"
+        for r in loopback
+    ]
     positions = range(len(loopback))
-    axes[0].bar(
+    axis.bar(
         [p - 0.2 for p in positions],
         [r["gradsync"]["algbw_mb_s"] for r in loopback],
         0.4,
         label="gradsync",
     )
-    axes[0].bar(
+    axis.bar(
         [p + 0.2 for p in positions],
         [r["gloo"]["algbw_mb_s"] for r in loopback],
         0.4,
         label="gloo all_reduce",
     )
-    axes[0].set_xticks(list(positions), labels)
-    axes[0].set_ylabel("algorithm bandwidth, MB/s")
-    axes[0].set_title("one sync on loopback")
-    axes[0].legend()
+    axis.set_xticks(list(positions), labels)
+    axis.set_ylabel("algorithm bandwidth, MB/s")
+    axis.set_title("one sync on loopback")
+    axis.legend()
+
+
+def _plot_train(axis: Any, train: list[dict[str, Any]]) -> None:
+    """Training samples/s per W, one bar per mode."""
     modes = ["local", "gradsync", "sequential", "ddp"]
     names = ["local (no comm)", "gradsync", "gradsync, no overlap", "torchrun DDP"]
     width = 0.8 / len(modes)
     for index, (mode, name) in enumerate(zip(modes, names, strict=True)):
-        axes[1].bar(
+        axis.bar(
             [w + index * width for w in range(len(train))],
             [r["samples_per_s"][mode] for r in train],
             width,
             label=name,
         )
-    axes[1].set_xticks(
-        [w + 0.3 for w in range(len(train))], [f"W={r['world_size']}" for r in train]
+    axis.set_xticks([w + 0.3 for w in range(len(train))], [f"W={r['world_size']}" for r in train])
+    axis.set_ylabel("samples/s")
+    axis.set_title("end-to-end training")
+    axis.legend()
+
+
+def _plot_netns(axis: Any, rows: list[dict[str, Any]]) -> None:
+    """One N: gradsync and gloo time per (layout, W, S) in units of N/B, each bar with its
+    analytic bound (a black line) and the CPU use of all processes (text above it)."""
+    positions = list(range(len(rows)))
+    for offset, method, name in ((-0.2, "gradsync", "gradsync"), (0.2, "gloo", "gloo ring")):
+        xs = [p + offset for p in positions]
+        measured = [r[method]["median_ms"] / _link_ms(r) for r in rows]
+        bounds = [r[f"{method}_bound_ms"] / _link_ms(r) for r in rows]
+        axis.bar(xs, measured, 0.4, label=name)
+        axis.hlines(
+            bounds,
+            [x - 0.2 for x in xs],
+            [x + 0.2 for x in xs],
+            colors="black",
+            label="analytic bound" if method == "gloo" else None,
+            zorder=3,
+        )
+        for x, height, row in zip(xs, measured, rows, strict=True):
+            cpu = row[method]["cpu_utilisation"]
+            axis.annotate(f"{cpu:.0%}", (x, height), ha="center", va="bottom", fontsize=7)
+    axis.set_xticks(
+        positions,
+        [f"{r.get('layout', 'single')}\nW={r['world_size']} S={r.get('shards', 1)}" for r in rows],
+        fontsize=8,
     )
-    axes[1].set_ylabel("samples/s")
-    axes[1].set_title("end-to-end training")
-    axes[1].legend()
-    figure.tight_layout()
-    figure.savefig(path, dpi=100)
-    plt.close(figure)
+    first = rows[0]
+    axis.set_ylabel("time per sync / (N/B)")
+    axis.set_title(
+        f"emulated cluster: N = {first['megabytes']:g} MB, B = {first['rate_mbit']:g} Mbit/s "
+        "(median per sync; black: analytic bound; text: CPU use of all processes)"
+    )
+    axis.legend(fontsize=8)
+
+
+def _link_ms(row: dict[str, Any]) -> float:
+    """N/B of a netns row in ms (older documents lack `link_ms`: from the ring bound)."""
+    if "link_ms" in row:
+        return float(row["link_ms"])
+    w = int(row["world_size"])
+    return float(row["gloo_bound_ms"]) * w / (2 * (w - 1))
 
 
 def write(document: dict[str, Any], out_dir: Path) -> None:

@@ -3,8 +3,9 @@
 - loopback: one sync of N MB, gradsync vs gloo `all_reduce`, alternating A B A B.
 - train: end-to-end training samples/s, gradsync vs torchrun + torch DDP (gloo),
   against a no-communication baseline and gradsync with overlap switched off.
-- netns: the loopback suite on an emulated cluster (network namespaces, every
-  host link shaped to B Mbit/s), each time set against its analytic bound.
+- netns (in `gradsync.bench.sharded`): the loopback measurement on an emulated
+  cluster (network namespaces, every host link shaped to B Mbit/s), per
+  coordinator layout, each time set against its analytic bound.
 
 Every figure that is compared is measured in the same run, side by side.
 """
@@ -22,7 +23,6 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from gradsync.bench.netns import Cluster, LinkShape, available
 from gradsync.launch import Launcher, free_port, local_launch, start_coordinator
 
 MIB = 1 << 20
@@ -57,23 +57,89 @@ def _stop(process: subprocess.Popen[str]) -> None:
 
 
 def _summarize_sync(
-    records: list[dict[str, list[dict[str, float]]]], megabytes: float, cores: int
+    records: list[dict[str, list[dict[str, Any]]]], megabytes: float, cores: int
 ) -> dict[str, dict[str, float]]:
-    """Median wall time, algorithm bandwidth and CPU-s per GB for each method."""
+    """Median wall time, algorithm bandwidth and CPU use for each method.
+
+    CPU counts every process: the workers and (for gradsync) the coordinator's processes,
+    which rank 0 samples. `server_cores` is the coordinator processes' CPU time over the wall
+    time (1.0 = one core busy throughout); `busiest_server_cores` the same for the busiest one
+    of them, so `server_cores` well above `busiest_server_cores` means the shards spread the
+    work over several cores.
+    """
     summary = {}
     gigabytes = megabytes / 1024
     for method in ("gradsync", "gloo"):
         reps = len(records[0][method])
         walls = [max(r[method][i]["wall_s"] for r in records) for i in range(reps)]
         cpu = sum(x["cpu_s"] + x["coordinator_cpu_s"] for r in records for x in r[method])
+        server = sum(x["coordinator_cpu_s"] for r in records for x in r[method])
+        by_process: dict[str, float] = {}
+        for rep in (x for r in records for x in r[method]):
+            for pid, seconds in rep.get("server_cpu_s", {}).items():
+                by_process[pid] = by_process.get(pid, 0.0) + seconds
         median = statistics.median(walls)
         summary[method] = {
             "median_ms": median * 1e3,
             "algbw_mb_s": megabytes / median,
             "cpu_s_per_gb": cpu / (reps * gigabytes),
+            "cpu_s_per_sync": cpu / reps,
             "cpu_utilisation": cpu / (sum(walls) * cores),
+            "server_cores": server / sum(walls),
+            "busiest_server_cores": max(by_process.values(), default=0.0) / sum(walls),
         }
     return summary
+
+
+def run_sync_workers(
+    world_size: int,
+    megabytes: float,
+    reps: int,
+    *,
+    workdir: Path,
+    address: str,
+    gloo: str,
+    launchers: Sequence[Launcher],
+    server_pids: Sequence[int],
+    timeout_s: float | None = None,
+) -> dict[str, dict[str, float]]:
+    """Run the W sync workers against a running coordinator at `address`; summarize.
+
+    `server_pids` are the coordinator's processes (leader first, then its shards), whose CPU
+    time rank 0 samples around every gradsync sync. `timeout_s` bounds the whole run
+    (default: 120 s plus one second per MB and repetition).
+    """
+    processes = [
+        launchers[rank](
+            [
+                sys.executable,
+                "-m",
+                "gradsync.bench.sync_worker",
+                "--coordinator",
+                address,
+                "--gloo-master",
+                gloo,
+                "--rank",
+                str(rank),
+                "--world-size",
+                str(world_size),
+                "--megabytes",
+                str(megabytes),
+                "--reps",
+                str(reps),
+                "--server-pids",
+                ",".join(str(pid) for pid in server_pids) if rank == 0 else "",
+                "--out",
+                str(workdir / f"sync-{rank}.json"),
+            ]
+        )
+        for rank in range(world_size)
+    ]
+    if timeout_s is None:
+        timeout_s = 120 + reps * megabytes
+    _wait_all(processes, timeout_s=timeout_s, what="sync benchmark worker")
+    records = [json.loads((workdir / f"sync-{r}.json").read_text()) for r in range(world_size)]
+    return _summarize_sync(records, megabytes, os.cpu_count() or 1)
 
 
 def run_sync_pair(
@@ -88,10 +154,15 @@ def run_sync_pair(
     coordinator_address: str | None = None,
     gloo_address: str = "127.0.0.1",
     coordinator_bind: str = "127.0.0.1",
+    serve_flags: Sequence[str] = (),
 ) -> dict[str, dict[str, float]]:
-    """One (W, N) point of the sync micro-benchmark; hosts are given by launchers."""
+    """One (W, N) point of the sync micro-benchmark; hosts are given by launchers.
+
+    `serve_flags` go to `gradsync serve` (e.g. `--shards 2`: local shard processes).
+    """
     coordinator, port = start_coordinator(
         world_size,
+        *serve_flags,
         launch=launch,
         host=coordinator_bind,
         port=0 if coordinator_address is None else 50051,
@@ -99,57 +170,48 @@ def run_sync_pair(
     try:
         address = f"{coordinator_address or coordinator_host}:{port}"
         gloo = f"{gloo_address}:{free_port() if gloo_address == '127.0.0.1' else 29500}"
-        launchers = worker_launchers or [local_launch] * world_size
-        processes = [
-            launchers[rank](
-                [
-                    sys.executable,
-                    "-m",
-                    "gradsync.bench.sync_worker",
-                    "--coordinator",
-                    address,
-                    "--gloo-master",
-                    gloo,
-                    "--rank",
-                    str(rank),
-                    "--world-size",
-                    str(world_size),
-                    "--megabytes",
-                    str(megabytes),
-                    "--reps",
-                    str(reps),
-                    "--coordinator-pid",
-                    str(coordinator.pid if rank == 0 else 0),
-                    "--out",
-                    str(workdir / f"sync-{rank}.json"),
-                ]
-            )
-            for rank in range(world_size)
-        ]
-        _wait_all(processes, timeout_s=120 + reps * megabytes, what="sync benchmark worker")
+        return run_sync_workers(
+            world_size,
+            megabytes,
+            reps,
+            workdir=workdir,
+            address=address,
+            gloo=gloo,
+            launchers=worker_launchers or [local_launch] * world_size,
+            server_pids=[coordinator.pid],
+        )
     finally:
         _stop(coordinator)
-    records = [json.loads((workdir / f"sync-{r}.json").read_text()) for r in range(world_size)]
-    return _summarize_sync(records, megabytes, os.cpu_count() or 1)
 
 
-def loopback_suite(sizes_mb: Sequence[float], worlds: Sequence[int], reps: int) -> list[Row]:
-    """Suite (a): loopback sync, gradsync vs gloo."""
+def loopback_suite(
+    sizes_mb: Sequence[float], worlds: Sequence[int], reps: int, shards: Sequence[int] = (1,)
+) -> list[Row]:
+    """Suite (a): loopback sync, gradsync vs gloo; with S > 1, `serve --shards S`."""
     rows = []
-    for world_size in worlds:
-        for megabytes in sizes_mb:
-            with tempfile.TemporaryDirectory() as scratch:
-                result = run_sync_pair(world_size, megabytes, reps, workdir=Path(scratch))
-            rows.append(
-                {
-                    "world_size": world_size,
-                    "megabytes": megabytes,
-                    "reps": reps,
-                    **result,
-                    "bandwidth_ratio": result["gradsync"]["algbw_mb_s"]
-                    / result["gloo"]["algbw_mb_s"],
-                }
-            )
+    for shard_count in shards:
+        serve_flags = ("--shards", str(shard_count)) if shard_count > 1 else ()
+        for world_size in worlds:
+            for megabytes in sizes_mb:
+                with tempfile.TemporaryDirectory() as scratch:
+                    result = run_sync_pair(
+                        world_size,
+                        megabytes,
+                        reps,
+                        workdir=Path(scratch),
+                        serve_flags=serve_flags,
+                    )
+                rows.append(
+                    {
+                        "world_size": world_size,
+                        "shards": shard_count,
+                        "megabytes": megabytes,
+                        "reps": reps,
+                        **result,
+                        "bandwidth_ratio": result["gradsync"]["algbw_mb_s"]
+                        / result["gloo"]["algbw_mb_s"],
+                    }
+                )
     return rows
 
 
@@ -213,59 +275,3 @@ def train_suite(worlds: Sequence[int], model_mb: float, steps: int) -> list[Row]
             }
         )
     return rows
-
-
-def _on(cluster: Cluster, host: str) -> Launcher:
-    """A launcher that runs a command on one emulated host."""
-    # gloo finds its own address through the hostname, which names the
-    # machine's real interface; inside a namespace only eth0 exists.
-    env = dict(os.environ, GLOO_SOCKET_IFNAME="eth0")
-    return lambda argv: cluster.popen(host, argv, stderr=subprocess.PIPE, text=True, env=env)
-
-
-def netns_suite(
-    worlds: Sequence[int], sizes_mb: Sequence[float], reps: int, rate_mbit: float
-) -> tuple[list[Row], str]:
-    """Suite (c): sync on an emulated cluster, each result against its analytic bound.
-
-    Returns (rows, reason); rows are empty and reason says why when namespaces
-    cannot be built here.
-    """
-    ok, reason = available()
-    if not ok:
-        return [], reason
-    bytes_per_s = rate_mbit * 1e6 / 8
-    rows = []
-    for world_size in worlds:
-        hosts = ["coord"] + [f"w{rank}" for rank in range(world_size)]
-        with Cluster(hosts, LinkShape(rate_mbit=rate_mbit)) as cluster:
-            for megabytes in sizes_mb:
-                with tempfile.TemporaryDirectory() as scratch:
-                    result = run_sync_pair(
-                        world_size,
-                        megabytes,
-                        reps,
-                        workdir=Path(scratch),
-                        launch=_on(cluster, "coord"),
-                        worker_launchers=[_on(cluster, f"w{r}") for r in range(world_size)],
-                        coordinator_address=cluster.address("coord"),
-                        gloo_address=cluster.address("w0"),
-                        coordinator_bind="0.0.0.0",
-                    )
-                size = megabytes * MIB
-                ring_bound_ms = 2 * (world_size - 1) / world_size * size / bytes_per_s * 1e3
-                coordinator_bound_ms = world_size * size / bytes_per_s * 1e3
-                rows.append(
-                    {
-                        "world_size": world_size,
-                        "megabytes": megabytes,
-                        "reps": reps,
-                        "rate_mbit": rate_mbit,
-                        **result,
-                        "gloo_bound_ms": ring_bound_ms,
-                        "gradsync_bound_ms": coordinator_bound_ms,
-                        "gloo_of_bound": ring_bound_ms / result["gloo"]["median_ms"],
-                        "gradsync_of_bound": coordinator_bound_ms / result["gradsync"]["median_ms"],
-                    }
-                )
-    return rows, ""

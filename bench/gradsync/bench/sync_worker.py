@@ -5,7 +5,9 @@ repetition times one gradsync synchronization of N bytes of gradients (a
 backward pass through a trivially cheap graph, so the time is the sync) and
 one gloo `all_reduce` of a tensor of the same size, A B A B, so machine drift
 hits both alike. CPU time is process-wide (all threads); rank 0 also samples
-the coordinator's CPU time from /proc, so the coordinator's work is counted.
+the CPU time of the coordinator's processes (the leader, its shards, and their
+children, all on this machine: network namespaces share one process table)
+from /proc, so the coordinator's work is counted, process by process.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ import os
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import gradsync
 import torch
@@ -25,9 +28,34 @@ MIB = 1 << 20
 
 
 def process_cpu_s(pid: int) -> float:
-    """user + system CPU seconds of another process, from /proc."""
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    """user + system CPU seconds of another process, from /proc (0 once it is gone)."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except (FileNotFoundError, ProcessLookupError):
+        return 0.0
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def with_descendants(pids: list[int]) -> list[int]:
+    """`pids` and every process below them (`serve --shards S` starts its shards as children)."""
+    found: list[int] = []
+    pending = list(pids)
+    while pending:
+        pid = pending.pop()
+        if pid in found:
+            continue
+        found.append(pid)
+        for children in Path(f"/proc/{pid}/task").glob("*/children"):
+            try:
+                pending.extend(int(child) for child in children.read_text().split())
+            except (FileNotFoundError, ProcessLookupError):
+                continue
+    return found
+
+
+def server_cpu_s(pids: list[int]) -> dict[str, float]:
+    """CPU seconds so far of each server process (and its descendants), by pid."""
+    return {str(pid): process_cpu_s(pid) for pid in with_descendants(pids)}
 
 
 def main() -> None:
@@ -39,6 +67,9 @@ def main() -> None:
     parser.add_argument("--megabytes", type=float, required=True)
     parser.add_argument("--reps", type=int, default=5)
     parser.add_argument("--coordinator-pid", type=int, default=0)
+    parser.add_argument(
+        "--server-pids", default="", help="comma-separated pids of the shards (rank 0 samples them)"
+    )
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--job-id", default="bench")
     args = parser.parse_args()
@@ -65,22 +96,31 @@ def main() -> None:
     )
     tensor = torch.ones(elements)
     ones = torch.ones(1)
-    records: dict[str, list[dict[str, float]]] = {"gradsync": [], "gloo": []}
+    servers = [args.coordinator_pid] if args.coordinator_pid else []
+    servers += [int(pid) for pid in args.server_pids.split(",") if pid]
+    records: dict[str, list[dict[str, Any]]] = {"gradsync": [], "gloo": []}
 
     def timed(name: str, operation: object) -> None:
         dist.barrier()
-        coordinator_before = process_cpu_s(args.coordinator_pid) if args.coordinator_pid else 0.0
+        sample = servers if name == "gradsync" else []
+        servers_before = server_cpu_s(sample)
         cpu_before, wall_before = time.process_time(), time.perf_counter()
         operation()  # type: ignore[operator]
         wall = time.perf_counter() - wall_before
         cpu = time.process_time() - cpu_before
         dist.barrier()
-        coordinator = (
-            process_cpu_s(args.coordinator_pid) - coordinator_before
-            if args.coordinator_pid and name == "gradsync"
-            else 0.0
+        # Per server process, so a report can tell whether the shards spread over the cores.
+        by_process = {
+            pid: after - servers_before.get(pid, 0.0) for pid, after in server_cpu_s(sample).items()
+        }
+        records[name].append(
+            {
+                "wall_s": wall,
+                "cpu_s": cpu,
+                "coordinator_cpu_s": sum(by_process.values()),
+                "server_cpu_s": by_process,
+            }
         )
-        records[name].append({"wall_s": wall, "cpu_s": cpu, "coordinator_cpu_s": coordinator})
 
     def gradsync_sync() -> None:
         loss = sum((p * ones).sum() for p in params)

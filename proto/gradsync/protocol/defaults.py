@@ -44,6 +44,14 @@ MIN_WORKERS = 1
 MAX_COLLECTIVE_BYTES = 256 * MIB
 #: How often a job that assembles logs (and tells its waiting ranks) who is missing.
 ASSEMBLY_REPORT_PERIOD_S = 10.0
+#: Coordinator shards, the leader included (1 = not sharded).
+SHARDS = 1
+#: How long a sharded leader waits at start-up for every shard to register before it exits 1.
+SHARD_WAIT_TIMEOUT_S = 300.0
+#: How often a leader that waits for shards logs which are missing.
+SHARD_WAIT_REPORT_PERIOD_S = 10.0
+#: How long the leader waits between restarts of a local shard child that keeps dying.
+LOCAL_SHARD_RESTART_DELAY_S = 1.0
 #: How many ended jobs `gradsync status` still shows, and for how long.
 ENDED_JOBS_KEPT = 32
 ENDED_JOBS_KEPT_S = 600.0

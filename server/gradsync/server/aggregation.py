@@ -105,6 +105,9 @@ class BucketReduction:
         chunk_bytes: chunk size; offsets are multiples of it.
         divisor: divide every chunk's sum by this instead of by the number of
             contributions (uneven inputs); None = the contributions.
+        byte_range: the bytes [lo, hi) of the bucket this reduction averages (a
+            coordinator shard's range); None = the whole bucket. Offsets stay
+            absolute in the bucket; completion counts the range's chunks.
 
     The caller validates offsets and lengths (it knows the rank and step to put
     in error messages); this class trusts them and only refuses duplicates.
@@ -117,6 +120,7 @@ class BucketReduction:
         num_bytes: int,
         chunk_bytes: int,
         divisor: int | None = None,
+        byte_range: tuple[int, int] | None = None,
     ) -> None:
         if not ranks:
             raise ValueError("a reduction needs at least one rank")
@@ -129,7 +133,13 @@ class BucketReduction:
         self.chunk_bytes = chunk_bytes
         self._chunks: dict[int, _ChunkState] = {}
         self._chunks_done = 0
-        self._chunks_total = chunking.num_chunks(num_bytes, chunk_bytes)
+        lo, hi = (0, num_bytes) if byte_range is None else byte_range
+        if not 0 <= lo <= hi <= num_bytes:
+            raise ValueError(f"byte range [{lo}, {hi}) is not inside a {num_bytes}-byte bucket")
+        #: Bytes this reduction averages (the whole bucket unless sharded).
+        self.range_bytes = hi - lo
+        #: Chunks this reduction averages before it is complete.
+        self.chunks_total = chunking.num_chunks(hi - lo, chunk_bytes)
         self.buffered_bytes = 0
         self.last_contributors = len(self._ranks)
 
@@ -141,7 +151,7 @@ class BucketReduction:
     @property
     def complete(self) -> bool:
         """True once every chunk's average has been produced."""
-        return self._chunks_done == self._chunks_total
+        return self._chunks_done == self.chunks_total
 
     def add(self, rank: int, offset: int, payload: bytes | memoryview) -> memoryview | None:
         """Fold one rank's chunk in; return the chunk's average if now complete.

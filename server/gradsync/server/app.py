@@ -3,6 +3,10 @@
 `start_server` is the injectable seam (binds port 0 in tests and reports the
 port); `run` is what `gradsync serve` calls: it serves until SIGTERM/SIGINT,
 then drains running streams for the configured grace period and returns 0.
+A sharded leader (`--shards`, `--wait-for-shards`) also waits, bounded by
+`--shard-wait-timeout`, for every shard to register, and returns 1 naming the
+missing ones when they do not; with `--shards` it starts (and stops) the
+shards itself (`local_shards`).
 """
 
 from __future__ import annotations
@@ -16,6 +20,7 @@ from dataclasses import dataclass
 import grpc
 from gradsync.protocol.exposition import MetricsServer, serve_metrics
 from gradsync.server.config import MIB, ServerConfig
+from gradsync.server.local_shards import LocalShards
 from gradsync.server.metrics import CoordinatorMetrics
 from gradsync.server.servicer import SERVICE_NAME, SHUTDOWN_FLUSH_S, CoordinatorServicer
 from gradsync.server.stores import open_store
@@ -34,6 +39,7 @@ class RunningServer:
     health: health.aio.HealthServicer
     watchdog: asyncio.Task[None]
     metrics_server: MetricsServer | None = None
+    local_shards: LocalShards | None = None
 
     async def stop(self, grace_s: float | None = None) -> None:
         """Stop accepting joins, let streams finish for `grace_s`, then close.
@@ -50,6 +56,10 @@ class RunningServer:
         # the servicer's own drain ends them in-band just before that.
         stopping = asyncio.create_task(self.server.stop(grace + SHUTDOWN_FLUSH_S))
         await self.servicer.drain(grace)
+        # The workers are gone: the shards' control streams would hold the stop.
+        self.servicer.shard_control.close_links()
+        if self.local_shards is not None:
+            await self.local_shards.stop()
         await stopping
         self.watchdog.cancel()
         if self.metrics_server is not None:
@@ -92,7 +102,26 @@ async def start_server(config: ServerConfig) -> RunningServer:
     for service in ("", SERVICE_NAME):
         await health_servicer.set(service, health_pb2.HealthCheckResponse.SERVING)
     watchdog = asyncio.create_task(servicer.watchdog.run())
-    return RunningServer(server, port, servicer, health_servicer, watchdog, metrics_server)
+    running = RunningServer(server, port, servicer, health_servicer, watchdog, metrics_server)
+    if config.local_shards and config.shard_count > 1:
+        running.local_shards = LocalShards(config, port)
+        await running.local_shards.start()
+    return running
+
+
+async def wait_for_shards(running: RunningServer, timeout_s: float) -> bool:
+    """Wait until every shard has registered; False (logged, naming them) after `timeout_s`."""
+    control = running.servicer.shard_control
+    try:
+        await asyncio.wait_for(control.complete.wait(), timeout=timeout_s)
+    except TimeoutError:
+        log.error(
+            "gave up after --shard-wait-timeout %gs: %s",
+            timeout_s,
+            control.registry.describe_missing(),
+        )
+        return False
+    return True
 
 
 def banner(config: ServerConfig, port: int, metrics_url: str | None = None) -> str:
@@ -103,12 +132,22 @@ def banner(config: ServerConfig, port: int, metrics_url: str | None = None) -> s
         f"max message {config.max_message_bytes} bytes, "
         f"max buffered {config.max_buffered_bytes / MIB:g} MiB, max jobs {config.max_jobs}, "
         f"heartbeat timeout {config.heartbeat_timeout_s:g}s, "
-        f"checkpoints {config.checkpoint_store or 'off'}, metrics {metrics_url or 'off'})"
+        f"checkpoints {config.checkpoint_store or 'off'}, metrics {metrics_url or 'off'}"
+        + (
+            f", shards {config.shard_count} ({config.shards_flag})"
+            if config.shard_count > 1
+            else ""
+        )
+        + ")"
     )
 
 
 async def serve(config: ServerConfig) -> int:
-    """Serve until SIGTERM or SIGINT, then drain and return the exit code 0."""
+    """Serve until SIGTERM or SIGINT, then drain and return the exit code 0.
+
+    A sharded leader returns 1 instead when its shards have not all registered
+    within `shard_wait_timeout_s`.
+    """
     running = await start_server(config)
     metrics_url = running.metrics_server.url if running.metrics_server else None
     print(banner(config, running.port, metrics_url), file=sys.stderr, flush=True)
@@ -116,6 +155,15 @@ async def serve(config: ServerConfig) -> int:
     loop = asyncio.get_running_loop()
     for signum in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(signum, stop.set)
+    if config.shard_count > 1:
+        waiting = asyncio.create_task(wait_for_shards(running, config.shard_wait_timeout_s))
+        stopped = asyncio.create_task(stop.wait())
+        await asyncio.wait({waiting, stopped}, return_when=asyncio.FIRST_COMPLETED)
+        stopped.cancel()
+        if waiting.done() and not waiting.result():
+            await running.stop(0)
+            return 1
+        waiting.cancel()
     await stop.wait()
     jobs = len(running.servicer.jobs)
     log.info("shutting down: draining %d job(s) for up to %gs", jobs, config.shutdown_grace_s)

@@ -40,6 +40,13 @@ class ServerConfig:
         min_workers: under the elastic policy, the fewest live ranks to go on with.
         max_collective_bytes: cap on one rank's input to a collective on user tensors
             (and on an all_gather's whole result); larger claims get RESOURCE_EXHAUSTED.
+        shard_count: coordinator shards, the leader (shard 0) included; 1 = not sharded.
+            Jobs start only once the other `shard_count - 1` have registered.
+        local_shards: the leader starts (and restarts) the other shards itself, as child
+            processes on this host (`--shards`); False: they register from elsewhere
+            (`--wait-for-shards`).
+        shard_wait_timeout_s: how long `gradsync serve` waits at start-up for every shard
+            to register before it exits 1 naming the missing ones.
     """
 
     world_size: int
@@ -61,6 +68,9 @@ class ServerConfig:
     on_failure: str = defaults.ON_FAILURE
     min_workers: int = defaults.MIN_WORKERS
     max_collective_bytes: int = defaults.MAX_COLLECTIVE_BYTES
+    shard_count: int = defaults.SHARDS
+    local_shards: bool = False
+    shard_wait_timeout_s: float = defaults.SHARD_WAIT_TIMEOUT_S
 
     def __post_init__(self) -> None:
         if self.world_size < 1:
@@ -98,6 +108,10 @@ class ServerConfig:
             raise ValueError(f"stall warning must be > 0 s, got {self.stall_warning_s}")
         if self.checkpoint_every < 0:
             raise ValueError(f"checkpoint every must be >= 0 steps, got {self.checkpoint_every}")
+        if self.shard_count < 1:
+            raise ValueError(f"shard count must be at least 1, got {self.shard_count}")
+        if self.shard_wait_timeout_s <= 0:
+            raise ValueError(f"shard wait timeout must be > 0 s, got {self.shard_wait_timeout_s}")
         if self.checkpoint_store is not None:
             parse_store_url(self.checkpoint_store)  # refuse an ambiguous URL at start-up
         if (self.require_checkpoint or self.resume or self.checkpoint_every) and not (
@@ -106,6 +120,13 @@ class ServerConfig:
             raise ValueError(
                 "--checkpoint-every, --require-checkpoint and --resume need --checkpoint-store"
             )
+
+    @property
+    def shards_flag(self) -> str:
+        """How the operator asked for the shards, for messages ("--shards 3")."""
+        if self.local_shards:
+            return f"--shards {self.shard_count}"
+        return f"--wait-for-shards {self.shard_count - 1}"
 
     @property
     def max_message_bytes(self) -> int:

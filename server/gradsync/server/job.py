@@ -22,6 +22,11 @@ This module holds the lifecycle that spans them::
     ASSEMBLING / RUNNING --(signature mismatch, bad state broadcast)--> REFUSED
     RUNNING --(a rank leaves with nothing in flight)--> FINISHING (the others leave too)
     RUNNING --(a rank disconnects, or leaves mid-step; abort policy)--> BROKEN
+    ASSEMBLING / RUNNING --(a coordinator shard was lost)--> BROKEN (every stream ends)
+
+A sharded job also waits, complete, until every coordinator shard is
+registered (`shard_map` is None until then): no worker may upload a range
+that no shard aggregates.
 
 While the job assembles, a waiting rank that goes silent or whose stream
 closes is dropped (not a job failure; it may join again). Once assembled, a
@@ -83,6 +88,9 @@ class Job:
         on_failure: "abort" or "elastic" (see the module docstring).
         min_workers: under the elastic policy, the fewest live ranks to go on with.
         max_collective_bytes: cap on one rank's input to a collective.
+        shard_map: the coordinator's shards for Welcome ([] unsharded), None while
+            some shard is missing (the job then waits, assembled, for it).
+        shard_count: coordinator shards, this leader included: it aggregates range 0.
     """
 
     def __init__(
@@ -99,6 +107,8 @@ class Job:
         on_failure: str = defaults.ON_FAILURE,
         min_workers: int = defaults.MIN_WORKERS,
         max_collective_bytes: int = defaults.MAX_COLLECTIVE_BYTES,
+        shard_map: Callable[[], list[pb.ShardAddress] | None] = list,
+        shard_count: int = 1,
     ) -> None:
         self.job_id = job_id
         self.world_size = world_size
@@ -109,7 +119,9 @@ class Job:
         self.on_failure = on_failure
         self.min_workers = min_workers
         self.membership = Membership(job_id, world_size, clock)
-        self.in_flight = OpenStep(self.membership, chunk_bytes, budget, clock, metrics)
+        self.in_flight = OpenStep(
+            self.membership, chunk_bytes, budget, clock, metrics, shard_count=shard_count
+        )
         self.liveness = Liveness(clock)
         self.persistence = Persistence(chunk_bytes, budget.limit)
         self.assembly = Assembly(job_id, world_size, clock, heartbeat_interval_s)
@@ -129,6 +141,9 @@ class Job:
         )
         self.state = JobState.ASSEMBLING
         self._broken_reason = ""
+        self._shard_map = shard_map
+        #: The shards this job runs over (from `shard_map` when it starts; [] unsharded).
+        self.shards: list[pb.ShardAddress] = []
 
     # ------------------------------------------------------------ read-only views
     @property
@@ -199,6 +214,16 @@ class Job:
             return [refused, *self._refuse(Code.INVALID_ARGUMENT, details)]
         if not self.membership.complete():
             return [self._progress()]
+        return self.start_if_ready()
+
+    def start_if_ready(self) -> list[Action]:
+        """Start an assembled job once every coordinator shard is registered."""
+        if self.state is not JobState.ASSEMBLING or not self.membership.complete():
+            return []
+        shards = self._shard_map()
+        if shards is None:
+            return [self._progress()]  # complete, but a shard is missing: keep waiting
+        self.shards = shards
         return self._start()
 
     def _progress(self, refused: str = "") -> Send:
@@ -256,6 +281,7 @@ class Job:
                 heartbeat_interval_s=self.heartbeat_interval_s,
                 checkpoint_every_steps=self.checkpoint_every,
                 next_collective=self.collectives.next_sequence,
+                shards=self.shards,
             )
         )
 
@@ -470,10 +496,18 @@ class Job:
             actions.append(Terminate(waiting, Code.ABORTED, reason, pb.END_REASON_PEER_LOST))
         return actions
 
-    def _refuse(self, code: Code, details: str) -> list[Action]:
-        """Refuse the whole job: every connected rank's stream ends with `code`."""
-        self.state = JobState.REFUSED
+    def end(
+        self, code: Code, details: str, reason: pb.EndReason, state: JobState = JobState.BROKEN
+    ) -> list[Action]:
+        """End the job (refused, or from outside: a coordinator shard was lost); streams end now."""
+        self.state = state
         self._broken_reason = details
         self.in_flight.release()
+        self.in_flight.remember_aborted(self.open_step)
         self.collectives.release()
-        return [Terminate(self.membership.ranks(), code, details, pb.END_REASON_JOB_REFUSED)]
+        ranks = sorted({*self.membership.ranks(), *self.membership.newcomers})
+        return [Terminate(tuple(ranks), code, details, reason)]
+
+    def _refuse(self, code: Code, details: str) -> list[Action]:
+        """Refuse the whole job: every connected rank's stream ends with `code`."""
+        return self.end(code, details, pb.END_REASON_JOB_REFUSED, JobState.REFUSED)

@@ -22,11 +22,16 @@ from __future__ import annotations
 
 import math
 from collections import deque
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass
 
 from gradsync.protocol.exposition import LATENCY_BUCKETS_S
+from gradsync.v1 import gradsync_pb2 as pb
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
 
-__all__ = ["CoordinatorMetrics", "LagTracker"]
+__all__ = ["CoordinatorMetrics", "LagTracker", "ShardSample"]
 
 
 class LagTracker:
@@ -211,12 +216,16 @@ class CoordinatorMetrics:
         self._rejected: dict[str, Counter] = {}
         self._aborts: dict[str, Counter] = {}
         self._errors: dict[str, Counter] = {}
+        # Plain copies of the gradient counters: a sharded coordinator reports them
+        # (ShardStats, ShardStatus) without reading prometheus_client's internals.
+        self._totals = _Totals()
 
     # Per chunk.
     def observe_chunk(self, nbytes: int) -> None:
         """One gradient chunk with `nbytes` of payload arrived from a worker."""
         self._chunks_received.inc()
         self._received_bytes.inc(nbytes)
+        self._totals.received += nbytes
 
     # Per bucket.
     def observe_bucket_arrival(self, rank: int, lag_s: float) -> None:
@@ -240,6 +249,10 @@ class CoordinatorMetrics:
         self._buckets_completed.inc()
         self._bucket_round_trip.observe(round_trip_s)
         self._sent_bytes.inc(sent_bytes)
+        totals = self._totals
+        totals.sent += sent_bytes
+        totals.buckets += 1
+        totals.bucket_seconds += round_trip_s
 
     # Per step.
     def observe_step_done(self, sync_s: float, step: int) -> None:
@@ -274,6 +287,96 @@ class CoordinatorMetrics:
         rejoining rank keeps adding to it).
         """
         self.lag_tracker.forget(rank)
+
+    def stats(self, buffered_bytes: int, connections: int) -> pb.ShardStats:
+        """This process's gradient counters as a ShardStats (a shard's sign of life).
+
+        Args:
+            buffered_bytes: gradient bytes held right now (the caller's budget knows).
+            connections: worker streams open right now.
+        """
+        totals = self._totals
+        mean = totals.bucket_seconds / totals.buckets if totals.buckets else 0.0
+        return pb.ShardStats(
+            bytes_received=totals.received,
+            bytes_sent=totals.sent,
+            buckets_completed=totals.buckets,
+            mean_bucket_s=mean,
+            buffered_bytes=buffered_bytes,
+            connections=connections,
+        )
+
+    def watch_shards(self, source: Callable[[], Iterable[ShardSample]]) -> None:
+        """Export the leader's view of its shards, read from `source` at every scrape.
+
+        A collector rather than labelled gauges: shards come and go and change
+        address, and a scrape must show exactly the current ones.
+        """
+        self.registry.register(_ShardCollector(source))
+
+
+@dataclass
+class _Totals:
+    """Lifetime gradient totals kept beside the Prometheus counters (read for ShardStats)."""
+
+    received: int = 0
+    sent: int = 0
+    buckets: int = 0
+    bucket_seconds: float = 0.0
+
+
+@dataclass(frozen=True)
+class ShardSample:
+    """One shard as the leader's metrics show it (index 0 = the leader itself)."""
+
+    index: int
+    address: str
+    up: bool
+    bytes_received_total: int
+    bytes_sent_total: int
+    last_seen_s: float
+
+
+class _ShardCollector(Collector):
+    """gradsync_shards_registered and the per-shard series, built at scrape time."""
+
+    def __init__(self, source: Callable[[], Iterable[ShardSample]]) -> None:
+        self._source = source
+
+    def collect(self) -> Iterator[Metric]:
+        samples = list(self._source())
+        registered = GaugeMetricFamily(
+            "gradsync_shards_registered",
+            "Shards registered with the leader and alive (the leader, shard 0, not counted).",
+        )
+        registered.add_metric([], sum(1 for s in samples if s.up and s.index != 0))
+        up = GaugeMetricFamily(
+            "gradsync_shard_up",
+            "1 while the shard is registered and heard from within the heartbeat timeout.",
+            labels=["shard", "address"],
+        )
+        received = CounterMetricFamily(
+            "gradsync_shard_bytes_received",
+            "Gradient bytes the shard received from workers.",
+            labels=["shard"],
+        )
+        sent = CounterMetricFamily(
+            "gradsync_shard_bytes_sent",
+            "Averaged gradient bytes the shard sent to workers.",
+            labels=["shard"],
+        )
+        last_seen = GaugeMetricFamily(
+            "gradsync_shard_last_seen_seconds",
+            "Seconds since the leader last heard from the shard.",
+            labels=["shard"],
+        )
+        for sample in samples:
+            shard = str(sample.index)
+            up.add_metric([shard, sample.address], 1.0 if sample.up else 0.0)
+            received.add_metric([shard], sample.bytes_received_total)
+            sent.add_metric([shard], sample.bytes_sent_total)
+            last_seen.add_metric([shard], sample.last_seen_s)
+        yield from (registered, up, received, sent, last_seen)
 
 
 def _child(cache: dict[str, Counter], family: Counter, label: str, value: str) -> Counter:

@@ -15,13 +15,21 @@ expected, yet averages keep dividing by the membership's size; and a comm
 hook may send a float32/float64 bucket as float16/bfloat16 (every rank the
 same per step and bucket), which is accumulated in float32 and answered in
 the same 16-bit type. Pure logic, no gRPC, no asyncio.
+
+A sharded coordinator runs one `OpenStep` per shard over the same membership
+rules: shard i of S holds byte range i of every bucket (in wire bytes,
+`chunking.shard_byte_range`) and expects exactly that range's chunks
+(`chunking.range_chunk_spans`). A bucket whose range is empty at this shard
+(fewer elements than shards) counts as complete from the step's start. With
+one shard the range is the whole bucket and everything is as unsharded.
 """
 
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from typing import Protocol
 
 from gradsync.protocol import chunking, dtypes
 from gradsync.protocol.codec import ChunkHeader, encode_gradient
@@ -30,41 +38,38 @@ from gradsync.server import signature as signatures
 from gradsync.server.actions import Action, Send
 from gradsync.server.aggregation import BucketReduction, DuplicateContributionError
 from gradsync.server.budget import ByteBudget, Reservation
+from gradsync.server.chunk_checks import check_chunk, check_range_chunk
 from gradsync.server.errors import RejectedMessage
-from gradsync.server.membership import Membership
 from gradsync.server.metrics import CoordinatorMetrics
 from gradsync.server.progress import StepProgress
 from gradsync.v1 import gradsync_pb2 as pb
+
+__all__ = ["OpenStep", "StepMembership", "abort_message", "check_chunk", "check_range_chunk"]
 
 #: Aborted step numbers remembered so that late chunks for them are dropped
 #: quietly instead of being reported as stale.
 _ABORTED_STEPS_REMEMBERED = 64
 
 
-def check_chunk(
-    what: str, offset: int, length: int, total: int, container: str, chunk_bytes: int, rank: int
-) -> tuple[Code, str] | None:
-    """Why a chunk of `length` bytes at `offset` of a `total`-byte blob is malformed, or None."""
-    if length > chunk_bytes:
-        return (
-            Code.RESOURCE_EXHAUSTED,
-            f"rank {rank} sent {length} bytes in one chunk of {what}; "
-            f"the chunk limit is {chunk_bytes} bytes",
-        )
-    if offset % chunk_bytes or offset >= total:
-        return (
-            Code.INVALID_ARGUMENT,
-            f"rank {rank} sent {what} at offset {offset}; offsets must be multiples of "
-            f"{chunk_bytes} below {total} ({container} has {total} bytes)",
-        )
-    expected = chunking.expected_chunk_length(total, chunk_bytes, offset)
-    if length != expected:
-        return (
-            Code.INVALID_ARGUMENT,
-            f"rank {rank} sent {length} bytes for {what} at offset {offset}, "
-            f"expected {expected} ({container} has {total} bytes)",
-        )
-    return None
+class StepMembership(Protocol):
+    """What an open step reads of its job's membership.
+
+    `Membership` at the leader; a replica of the leader's view at a shard
+    (`gradsync.server.shard_view`), which knows only ranks and incarnations.
+    """
+
+    @property
+    def job_id(self) -> str: ...
+
+    @property
+    def epoch(self) -> int: ...
+
+    @property
+    def members(self) -> Mapping[int, object]: ...
+
+    def ranks(self) -> tuple[int, ...]:
+        """Members of the current epoch, ascending."""
+        ...
 
 
 def abort_message(
@@ -114,16 +119,29 @@ class OpenStep:
         budget: coordinator-wide cap on buffered gradient bytes.
         clock: monotonic time source (injectable for tests).
         metrics: where bucket and step latencies go, if anywhere.
+        shard_index: which byte range of every bucket this step aggregates.
+        shard_count: how many shards the buckets are cut into (1 = unsharded).
+
+    Raises:
+        ValueError: `shard_index` is not in 0..shard_count - 1.
     """
 
     def __init__(
         self,
-        membership: Membership,
+        membership: StepMembership,
         chunk_bytes: int,
         budget: ByteBudget,
         clock: Callable[[], float],
         metrics: CoordinatorMetrics | None,
+        shard_index: int = 0,
+        shard_count: int = 1,
     ) -> None:
+        if not 0 <= shard_index < shard_count:
+            raise ValueError(f"shard index {shard_index} is not in 0..{shard_count - 1}")
+        self.shard_index = shard_index
+        self.shard_count = shard_count
+        #: How errors name this shard (set by a shard process to add its address).
+        self.shard_name = f"shard {shard_index}"
         self._membership = membership
         self._chunk_bytes = chunk_bytes
         self._budget = budget
@@ -138,6 +156,9 @@ class OpenStep:
         self._start_epoch = 0
         self._bucket_bytes: list[int] = []
         self._bucket_dtypes: list[int] = []
+        self._bucket_elements: list[int] = []
+        #: Buckets of which this shard holds no byte: complete from the start.
+        self._empty_buckets = 0
         self._buckets: dict[int, _Bucket] = {}
         self._buckets_done = 0
         self._aborted: deque[int] = deque(maxlen=_ABORTED_STEPS_REMEMBERED)
@@ -166,11 +187,23 @@ class OpenStep:
         """
         self._bucket_bytes = [signatures.bucket_bytes(b) for b in signature.buckets]
         self._bucket_dtypes = [b.dtype for b in signature.buckets]
+        self._bucket_elements = [b.num_elements for b in signature.buckets]
+        spans = [self.byte_range(b, dtype) for b, dtype in enumerate(self._bucket_dtypes)]
         self.progress = StepProgress(
-            [chunking.num_chunks(size, self._chunk_bytes) for size in self._bucket_bytes],
-            self._clock,
+            [chunking.num_chunks(hi - lo, self._chunk_bytes) for lo, hi in spans], self._clock
         )
+        self._empty_buckets = sum(1 for lo, hi in spans if lo == hi)
+        self._buckets_done = self._empty_buckets
         self.step = step
+
+    def byte_range(self, bucket: int, wire_dtype: int) -> tuple[int, int]:
+        """Bytes [lo, hi) of `bucket`, sent as `wire_dtype`, that this shard aggregates."""
+        return chunking.shard_byte_range(
+            self._bucket_elements[bucket],
+            dtypes.itemsize(wire_dtype),
+            self.shard_count,
+            self.shard_index,
+        )
 
     def was_aborted(self, step: int) -> bool:
         """True if `step` is a recently aborted one (late chunks for it are dropped)."""
@@ -248,15 +281,8 @@ class OpenStep:
                 step=step,
                 bucket_index=bucket,
             )
-        problem = check_chunk(
-            f"bucket {bucket} of step {step}",
-            chunk.offset,
-            len(payload),
-            wire_bytes,
-            f"bucket {bucket} as {dtypes.dtype_name(wire_dtype)}",
-            self._chunk_bytes,
-            rank,
-        )
+        byte_range = self.byte_range(bucket, wire_dtype)
+        problem = self._check_offset(rank, chunk, len(payload), wire_bytes, wire_dtype, byte_range)
         if problem is not None:
             raise RejectedMessage(problem[0], problem[1], step=step, bucket_index=bucket)
         if not self._budget.fits(len(payload)):
@@ -270,7 +296,12 @@ class OpenStep:
             )
         if held is None:
             reduction = BucketReduction(
-                self.participants(), wire_dtype, wire_bytes, self._chunk_bytes, self._divisor()
+                self.participants(),
+                wire_dtype,
+                wire_bytes,
+                self._chunk_bytes,
+                self._divisor(),
+                byte_range=byte_range,
             )
             held = self._buckets[bucket] = _Bucket(
                 reduction, self._budget.reserve(self._membership.job_id), rank
@@ -288,14 +319,46 @@ class OpenStep:
         held.account()
         if self.progress is None:
             raise RuntimeError("a step accepts gradients only once the job is assembled")
-        # A 16-bit bucket is cut into fewer chunks than its native size says.
-        chunks = (
-            chunking.num_chunks(wire_bytes, self._chunk_bytes) if wire_dtype != native else None
-        )
+        # A 16-bit bucket (and its range) is cut into fewer chunks than its native size says.
+        chunks = held.reduction.chunks_total if wire_dtype != native else None
         lag = self.progress.record(rank, bucket, chunks)
         if lag is not None and self._metrics is not None:
             self._metrics.observe_bucket_arrival(rank, lag)
         return averaged
+
+    def _check_offset(
+        self,
+        rank: int,
+        chunk: ChunkHeader,
+        length: int,
+        wire_bytes: int,
+        wire_dtype: int,
+        byte_range: tuple[int, int],
+    ) -> tuple[Code, str] | None:
+        """Why the chunk's offset or length is not one this shard expects, or None."""
+        what = f"bucket {chunk.bucket_index} of step {chunk.step}"
+        container = f"bucket {chunk.bucket_index} as {dtypes.dtype_name(wire_dtype)}"
+        if self.shard_count == 1:
+            return check_chunk(
+                what, chunk.offset, length, wire_bytes, container, self._chunk_bytes, rank
+            )
+        if byte_range[0] == byte_range[1]:
+            return (
+                Code.INVALID_ARGUMENT,
+                f"rank {rank} sent {what} at offset {chunk.offset} to {self.shard_name}, which "
+                f"holds no byte of it ({self._bucket_elements[chunk.bucket_index]} elements "
+                f"cut into {self.shard_count} shards)",
+            )
+        return check_range_chunk(
+            what,
+            chunk.offset,
+            length,
+            byte_range,
+            f"{container} ({wire_bytes} bytes)",
+            self._chunk_bytes,
+            rank,
+            self.shard_name,
+        )
 
     def _check_wire_dtype(self, rank: int, chunk: ChunkHeader, held: _Bucket | None) -> int:
         """The chunk's wire dtype, if allowed: the bucket's, or 16-bit for a wider float."""
@@ -353,7 +416,7 @@ class OpenStep:
             return []
         self._buckets_done += 1
         if self._metrics is not None and self.progress is not None:
-            sent = self._buckets[bucket].reduction.num_bytes * len(self.participants())
+            sent = self._buckets[bucket].reduction.range_bytes * len(self.participants())
             self._metrics.observe_bucket_done(self.progress.bucket_age(bucket), sent)
         if self._buckets_done != len(self._bucket_bytes):
             return []
@@ -435,6 +498,14 @@ class OpenStep:
             )
         return actions
 
+    def drop_step(self) -> None:
+        """Abandon the open step without telling anyone and start the next one.
+
+        A coordinator shard follows its leader's abort this way: the leader
+        already told every rank why (`abort` is the leader's version).
+        """
+        self._advance()
+
     def release(self) -> None:
         """Free every buffer of the open step; it will never complete (job broken or refused)."""
         for held in self._buckets.values():
@@ -445,7 +516,7 @@ class OpenStep:
 
     def _advance(self) -> None:
         self.release()
-        self._buckets_done = 0
+        self._buckets_done = self._empty_buckets
         self.step += 1
         self._start_epoch = self._membership.epoch
 

@@ -15,7 +15,9 @@ class StepProgress:
     """Delivery bookkeeping of one job's open step.
 
     Args:
-        chunks_per_bucket: how many chunks make up each bucket.
+        chunks_per_bucket: how many chunks make up each bucket (at a coordinator
+            shard: the chunks of its byte range; 0 for a bucket of which it holds
+            nothing, which then never counts as delivered or late).
         clock: monotonic time source (injectable for tests).
     """
 

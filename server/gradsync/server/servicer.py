@@ -5,9 +5,12 @@ servicer runs a reader (parse bytes -> hand to the job's state machine) and a
 writer (drain the connection's outbox). This module is glue: job logic lives
 in `gradsync.server.job` and its components, liveness checks in
 `watchdog`, checkpoint store I/O in `checkpointer`, the status reply in
-`status`; the servicer only translates between bytes on the wire and the
-actions those return. Everything runs on one asyncio loop, so job state needs
-no locks.
+`status`, the control streams of coordinator shards (`Coordinator.ShardLink`)
+in `shard_control`; the servicer only translates between bytes on the wire and
+the actions those return. A job's actions reach only the streams joined to that
+very job object: after a shard loss (or a Join to a failed job) a new job with
+the same id may run while the old one's streams end. Everything runs on one
+asyncio loop, so job state needs no locks.
 
 Every stream the coordinator ends with an error status first gets a
 `StreamEnd` message carrying the same code and message plus an `EndReason`,
@@ -41,6 +44,7 @@ from gradsync.server.connection import Connection, End
 from gradsync.server.errors import RejectedMessage
 from gradsync.server.job import Job, JobState
 from gradsync.server.metrics import CoordinatorMetrics
+from gradsync.server.shard_control import ShardControl
 from gradsync.server.status import EndedJobs, status_reply
 from gradsync.server.watchdog import Watchdog
 from gradsync.v1 import gradsync_pb2 as pb
@@ -72,7 +76,8 @@ class CoordinatorServicer:
         self.clock = clock
         self.jobs: dict[str, Job] = {}
         self.checkpointer = Checkpointer(config, store)
-        self.watchdog = Watchdog(self)
+        self.shard_control = ShardControl(self, config, clock, self.metrics)
+        self.watchdog = Watchdog(self, extra_checks=(self.shard_control.check,))
         self._connections: dict[tuple[str, int], Connection] = {}
         self._streams: set[Connection] = set()
         self._budget = ByteBudget(config.max_buffered_bytes)
@@ -105,20 +110,33 @@ class CoordinatorServicer:
                     request_deserializer=pb.StatusRequest.FromString,
                     response_serializer=pb.StatusReply.SerializeToString,
                 ),
+                "ShardLink": grpc.stream_stream_rpc_method_handler(
+                    self.shard_control.link,
+                    request_deserializer=pb.ShardMessage.FromString,
+                    response_serializer=pb.LeaderMessage.SerializeToString,
+                ),
             },
         )
 
     async def status(
         self, request: pb.StatusRequest, context: grpc.aio.ServicerContext
     ) -> pb.StatusReply:
-        """Membership, progress and late ranks of every job (or one)."""
-        return status_reply(
+        """Membership, progress and late ranks of every job (or one), and the shards."""
+        reply = status_reply(
             self.jobs.values(),
             request.job_id,
             self.config.heartbeat_timeout_s,
             self.metrics.lag_tracker,
             self.ended_jobs.snapshots(),
         )
+        reply.shards.extend(
+            self.shard_control.statuses(self.buffered_bytes, self.connection_count())
+        )
+        return reply
+
+    def own_stats(self) -> pb.ShardStats:
+        """This coordinator's gradient counters (shard 0 of a sharded coordinator)."""
+        return self.metrics.stats(self.buffered_bytes, self.connection_count())
 
     def _count_abort(self, aborted: pb.StepAborted) -> None:
         reason = pb.AbortReason.Name(aborted.reason).removeprefix("ABORT_REASON_")
@@ -338,6 +356,12 @@ class CoordinatorServicer:
             conn.end(*problem, reason)
             return
         job = self.jobs.get(job_id)
+        if job is not None and job.state in (JobState.BROKEN, JobState.REFUSED):
+            # A rank restarted after the job failed: the failed job is over (its
+            # survivors were told), and the restarted ranks start a new one.
+            log.info("job '%s' is %s; rank %d starts it anew", job_id, job.state.value, join.rank)
+            self.retire_job(job)
+            job = None
         if job is None:
             resume, problem = self.checkpointer.load_resume(job_id)
             if problem is not None:
@@ -357,6 +381,8 @@ class CoordinatorServicer:
                 on_failure=config.on_failure,
                 min_workers=config.min_workers,
                 max_collective_bytes=config.max_collective_bytes,
+                shard_map=self.shard_control.registry.shard_map,
+                shard_count=config.shard_count,
             )
             job.persistence.resume = resume
         try:
@@ -380,6 +406,8 @@ class CoordinatorServicer:
         self._execute(job, actions)
 
     def _execute(self, job: Job, actions: list[Action]) -> None:
+        # Shards hear of a job's start, membership changes and aborts before workers do.
+        self.shard_control.before_delivery(job, actions)
         for action in actions:
             if isinstance(action, Send):
                 message = action.message
@@ -395,7 +423,7 @@ class CoordinatorServicer:
                         log.warning("job '%s': %s", job.job_id, message.membership.reason)
                 for rank in action.ranks:
                     target = self._connections.get((job.job_id, rank))
-                    if target is not None:
+                    if target is not None and target.job is job:
                         target.send(raw)
             elif isinstance(action, Persist):
                 task = asyncio.create_task(self._persist(job, action))
@@ -409,7 +437,7 @@ class CoordinatorServicer:
                 reason = action.reason or None  # UNSPECIFIED: let the code decide
                 for rank in action.ranks:
                     target = self._connections.get((job.job_id, rank))
-                    if target is not None:
+                    if target is not None and target.job is job:
                         target.end(action.code, action.details, reason)
 
     def _detach(self, conn: Connection) -> None:
@@ -444,11 +472,25 @@ class CoordinatorServicer:
         if job.members or self.jobs.get(job.job_id) is not job:
             return
         del self.jobs[job.job_id]
+        self.shard_control.job_ended(job)
         ended = self.ended_jobs.record(job, self.metrics.lag_tracker)
         if ended.state in ("finished", "abandoned"):
             log.info("job '%s' %s", job.job_id, ended.outcome)
         else:
             log.warning("job '%s' ended %s: %s", job.job_id, ended.state, ended.outcome)
+
+    def retire_job(self, job: Job) -> None:
+        """Remove `job` from the active jobs now, though ranks may still be connected to it.
+
+        Its connections keep pointing at it (and only they get its actions), so
+        a Join with the same id creates a new job while the old streams end.
+        """
+        if self.jobs.get(job.job_id) is not job:
+            return
+        del self.jobs[job.job_id]
+        self.shard_control.job_ended(job)
+        ended = self.ended_jobs.record(job, self.metrics.lag_tracker)
+        log.warning("job '%s' ended %s: %s", job.job_id, ended.state, ended.outcome)
 
     def execute(self, job: Job, actions: list[Action]) -> None:
         """Carry out `actions` of `job` (for the watchdog's periodic reports)."""

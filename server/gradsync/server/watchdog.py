@@ -11,14 +11,15 @@ still missing; a waiting rank that went silent is dropped from the
 assembling job (it may join again) rather than failing it. It reads the
 coordinator through the small `Watched` protocol, so it depends on no stream
 machinery, and `check` is one synchronous pass that tests drive with a fake
-clock.
+clock. Checks of other parts of the coordinator (the shards' liveness) ride
+along as `extra_checks`, so one task watches everything.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Protocol
 
 from gradsync.server.actions import Action
@@ -60,10 +61,18 @@ class Watched(Protocol):
 
 
 class Watchdog:
-    """Periodic liveness and stall checks over every job of one coordinator."""
+    """Periodic liveness and stall checks over every job of one coordinator.
 
-    def __init__(self, coordinator: Watched) -> None:
+    Args:
+        coordinator: what is watched.
+        extra_checks: further checks run at the end of every pass.
+    """
+
+    def __init__(
+        self, coordinator: Watched, extra_checks: Sequence[Callable[[], None]] = ()
+    ) -> None:
         self._coordinator = coordinator
+        self._extra_checks = tuple(extra_checks)
         self._next_straggler_report = 0.0
 
     async def run(self) -> None:
@@ -110,6 +119,8 @@ class Watchdog:
                 log.info("%s", line)
                 coordinator.execute(job, actions)
             self._warn_if_stalled(job)
+        for extra_check in self._extra_checks:
+            extra_check()
 
     def _warn_if_stalled(self, job: Job) -> None:
         progress = job.progress

@@ -43,6 +43,7 @@ def main() -> int:
     module = scenarios.MixedModel(seed=rank)
     contributors: list[int] = []
     restarts: list[int] = []
+    restart_causes: list[str] = []
     skipped: list[int] = []
     report: dict[str, object] = {
         "status": "ok",
@@ -50,6 +51,7 @@ def main() -> int:
         "step": 0,
         "contributors": contributors,
         "restarts": restarts,
+        "restart_causes": restart_causes,
         "skipped": skipped,
     }
     started = time.monotonic()
@@ -107,8 +109,9 @@ def main() -> int:
                     if step == sleep_step:
                         time.sleep(sleep_s)
                     loss.backward()
-                except gradsync.CoordinatorRestartedError:
+                except gradsync.CoordinatorRestartedError as exc:
                     restarts.append(model.step)
+                    restart_causes.append(f"{exc.__cause__}")
                     continue  # nothing was applied: redo from the restored step
                 except gradsync.StepAbortedError:
                     if not args.skip_aborted:

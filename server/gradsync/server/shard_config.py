@@ -1,0 +1,88 @@
+"""A coordinator shard's configuration: `gradsync shard` flags -> this frozen object.
+
+A shard takes almost nothing from its own flags: membership, heartbeats and
+the shard count come from its leader (`ShardAccepted`, `ShardJobView`). What
+it does own is where it listens, what it advertises to workers, the chunk
+size (checked against the leader's at registration, so a mismatch is refused
+with both values instead of every chunk failing later) and its memory caps.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from gradsync.protocol import chunking, defaults
+from gradsync.protocol.defaults import MIB
+
+#: Bound on the wait for the leader's answer to ShardRegister.
+REGISTER_TIMEOUT_S = 10.0
+#: Longest pause between two attempts to reach the leader.
+RECONNECT_BACKOFF_MAX_S = 5.0
+#: Hosts that bind every interface: a shard bound so advertises ":port".
+_ALL_INTERFACES = frozenset({"0.0.0.0", "::", "[::]", ""})
+#: How often a shard that cannot reach its leader says so.
+UNREACHABLE_REPORT_PERIOD_S = 10.0
+
+
+@dataclass(frozen=True)
+class ShardConfig:
+    """Everything a coordinator shard needs to start.
+
+    Attributes:
+        leader: the leader's "host:port".
+        host: interface to bind.
+        port: TCP port; 0 picks a free one (reported in the banner).
+        advertise: "host:port" workers reach the shard at; None = "<host>:<bound port>"
+            when bound to one interface (workers can reach it only there), and
+            ":<bound port>" (the host workers reached the leader at) when bound to all.
+        chunk_bytes: wire chunk size; must equal the leader's.
+        max_buffered_bytes: cap on gradient bytes held in partial reductions.
+        max_outbox_bytes: cap on averaged bytes queued for one worker that is not reading.
+        metrics_port: serve Prometheus metrics on this port (0 = a free one, None = off).
+        register_timeout_s: bound on the wait for the leader's answer to ShardRegister.
+        reconnect_backoff_max_s: longest pause between two attempts to reach the leader.
+        hello_wait_s: until the leader says its heartbeat timeout, how long a data
+            stream's first message waits for the leader's view of its job.
+    """
+
+    leader: str
+    host: str = "127.0.0.1"
+    port: int = defaults.PORT
+    advertise: str | None = None
+    chunk_bytes: int = defaults.CHUNK_BYTES
+    max_buffered_bytes: int = defaults.MAX_BUFFERED_BYTES
+    max_outbox_bytes: int = defaults.MAX_OUTBOX_BYTES
+    metrics_port: int | None = None
+    register_timeout_s: float = REGISTER_TIMEOUT_S
+    reconnect_backoff_max_s: float = RECONNECT_BACKOFF_MAX_S
+    hello_wait_s: float = defaults.HEARTBEAT_TIMEOUT_S
+
+    def __post_init__(self) -> None:
+        if not self.leader:
+            raise ValueError("a shard needs its leader's address (--leader HOST:PORT)")
+        if not 0 <= self.port <= 65535:
+            raise ValueError(f"port must be in 0..65535, got {self.port}")
+        if not 4096 <= self.chunk_bytes <= 64 * MIB:
+            raise ValueError(f"chunk size must be 4 KiB..64 MiB, got {self.chunk_bytes} bytes")
+        if self.max_buffered_bytes < self.chunk_bytes:
+            raise ValueError(
+                f"max buffered bytes ({self.max_buffered_bytes}) must be at least one chunk "
+                f"({self.chunk_bytes})"
+            )
+        for name in ("register_timeout_s", "reconnect_backoff_max_s", "hello_wait_s"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
+
+    @property
+    def max_message_bytes(self) -> int:
+        """gRPC message size limit: one chunk plus room for the header fields."""
+        return self.chunk_bytes + chunking.HEADER_SLACK_BYTES
+
+    def advertised(self, bound_port: int) -> str:
+        """The address the shard registers with (see `advertise`)."""
+        if self.advertise:
+            return self.advertise
+        if self.host in _ALL_INTERFACES:
+            return f":{bound_port}"
+        host = f"[{self.host}]" if ":" in self.host else self.host
+        return f"{host}:{bound_port}"
