@@ -30,7 +30,7 @@ from pathlib import Path
 from typing import IO, Any
 
 from gradsync.bench.netns import Cluster, LinkShape, available
-from gradsync.bench.suites import MIB, Row, run_sync_workers
+from gradsync.bench.suites import MIB, Row, run_sync_workers, stop_process
 from gradsync.launch import Launcher, start_coordinator
 
 #: The coordinator layouts the netns suite knows, in table order.
@@ -196,19 +196,9 @@ def running_coordinator(
         raise
     finally:
         for process in [*shards, *([leader] if leader is not None else [])]:
-            _stop(process)
+            stop_process(process)
         for log in logs:
             log.close()
-
-
-def _stop(process: subprocess.Popen[str]) -> None:
-    if process.poll() is None:
-        process.terminate()
-        try:
-            process.wait(timeout=15)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait()
 
 
 def measure(

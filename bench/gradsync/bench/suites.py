@@ -46,7 +46,8 @@ def _wait_all(processes: Sequence[subprocess.Popen[str]], timeout_s: float, what
                 process.wait()
 
 
-def _stop(process: subprocess.Popen[str]) -> None:
+def stop_process(process: subprocess.Popen[str]) -> None:
+    """SIGTERM `process` if it still runs; SIGKILL it if it has not exited 15 s later."""
     if process.poll() is None:
         process.terminate()
         try:
@@ -181,7 +182,7 @@ def run_sync_pair(
             server_pids=[coordinator.pid],
         )
     finally:
-        _stop(coordinator)
+        stop_process(coordinator)
 
 
 def loopback_suite(
@@ -258,7 +259,7 @@ def train_suite(worlds: Sequence[int], model_mb: float, steps: int) -> list[Row]
                     for mode in TRAIN_MODES
                 }
         finally:
-            _stop(coordinator)
+            stop_process(coordinator)
         step_ms = {m: r["seconds"] / r["steps"] * 1e3 for m, r in results.items()}
         rows.append(
             {

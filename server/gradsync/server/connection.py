@@ -11,11 +11,15 @@ error end is announced by a `StreamEnd` carrying the reason.
 from __future__ import annotations
 
 import asyncio
+import logging
 from dataclasses import dataclass
+from typing import Any
 
 from gradsync.protocol.codes import Code
 from gradsync.server.job import Job
 from gradsync.v1 import gradsync_pb2 as pb
+
+log = logging.getLogger("gradsync.server")
 
 
 def _default_reason(code: Code) -> pb.EndReason:
@@ -79,3 +83,25 @@ class Connection:
             self.outbox_bytes += len(raw)
             self.outbox.put_nowait(raw)
         self.outbox.put_nowait(End(code, details))
+
+    async def drain(self, context: Any, ended: asyncio.Future[End]) -> None:
+        """Write the outbox to the stream until an `End` comes out; resolve `ended` with it.
+
+        `context` is the call's `grpc.aio.ServicerContext` (typed loosely so this
+        module stays free of gRPC). A write that fails means the worker went away:
+        `ended` then resolves to UNAVAILABLE.
+        """
+        try:
+            while True:
+                item = await self.outbox.get()
+                if isinstance(item, End):
+                    ended.set_result(item)
+                    return
+                await context.write(item)
+                self.outbox_bytes -= len(item)
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:  # the worker went away while we wrote
+            log.info("writing to %s (rank %s) failed: %s", self.peer, self.rank, exc)
+            if not ended.done():
+                ended.set_result(End(Code.UNAVAILABLE, f"write failed: {exc}"))

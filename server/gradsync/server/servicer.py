@@ -184,7 +184,7 @@ class CoordinatorServicer:
         self._streams.add(conn)
         ended: asyncio.Future[End] = asyncio.get_running_loop().create_future()
         reader = asyncio.create_task(self._read_loop(conn, request_iterator))
-        writer = asyncio.create_task(self._write_loop(conn, context, ended))
+        writer = asyncio.create_task(conn.drain(context, ended))
         try:
             pending: list[asyncio.Future[Any]] = [reader, ended]
             await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
@@ -220,27 +220,6 @@ class CoordinatorServicer:
             raise
         except Exception as exc:  # the transport failed under us: treat as a disconnect
             log.info("stream from %s (rank %s) failed: %s", conn.peer, conn.rank, exc)
-
-    async def _write_loop(
-        self,
-        conn: Connection,
-        context: grpc.aio.ServicerContext,
-        ended: asyncio.Future[End],
-    ) -> None:
-        try:
-            while True:
-                item = await conn.outbox.get()
-                if isinstance(item, End):
-                    ended.set_result(item)
-                    return
-                await context.write(item)
-                conn.outbox_bytes -= len(item)
-        except asyncio.CancelledError:
-            raise
-        except Exception as exc:  # the worker went away while we wrote
-            log.info("writing to %s (rank %s) failed: %s", conn.peer, conn.rank, exc)
-            if not ended.done():
-                ended.set_result(End(Code.UNAVAILABLE, f"write failed: {exc}"))
 
     # ----------------------------------------------------------- dispatching
     def _dispatch(self, conn: Connection, raw: bytes) -> None:

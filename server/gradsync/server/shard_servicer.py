@@ -235,7 +235,7 @@ class ShardServicer:
         self._streams.add(conn)
         ended: asyncio.Future[End] = asyncio.get_running_loop().create_future()
         reader = asyncio.create_task(self._read_loop(conn, request_iterator))
-        writer = asyncio.create_task(self._write_loop(conn, context, ended))
+        writer = asyncio.create_task(conn.drain(context, ended))
         try:
             pending: list[asyncio.Future[Any]] = [reader, ended]
             await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
@@ -267,24 +267,6 @@ class ShardServicer:
             raise
         except Exception as exc:  # the transport failed under us: a disconnect
             log.info("data stream from %s (rank %s) failed: %s", conn.peer, conn.rank, exc)
-
-    async def _write_loop(
-        self, conn: DataStream, context: grpc.aio.ServicerContext, ended: asyncio.Future[End]
-    ) -> None:
-        try:
-            while True:
-                item = await conn.outbox.get()
-                if isinstance(item, End):
-                    ended.set_result(item)
-                    return
-                await context.write(item)
-                conn.outbox_bytes -= len(item)
-        except asyncio.CancelledError:
-            raise
-        except Exception as exc:  # the worker went away while we wrote
-            log.info("writing to %s (rank %s) failed: %s", conn.peer, conn.rank, exc)
-            if not ended.done():
-                ended.set_result(End(Code.UNAVAILABLE, f"write failed: {exc}"))
 
     async def _dispatch(self, conn: DataStream, raw: bytes) -> None:
         if conn.job_id is None:
