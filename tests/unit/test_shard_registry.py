@@ -191,3 +191,14 @@ def test_a_port_only_address_is_shown_with_the_host_it_registered_from() -> None
     reg.remove(local)
     assert reg.last_address(1) == "10.0.0.5:50052"
     assert "missing shard(s) 1 (was 10.0.0.5:50052)" in reg.describe_missing()
+
+
+def test_a_loopback_address_from_another_host_is_refused_with_the_fix() -> None:
+    reg, _ = registry()
+    with pytest.raises(RegistrationRefused) as refused:
+        reg.register(register("127.0.0.1:50051"), peer_host="10.0.0.5")
+    assert refused.value.code is Code.FAILED_PRECONDITION
+    assert "10.0.0.5" in refused.value.message and "--host" in refused.value.message
+    # The same address from this host is fine (a shard next to its leader).
+    record, _ = reg.register(register("127.0.0.1:50051"), peer_host="127.0.0.1")
+    assert record.index == 1

@@ -309,7 +309,8 @@ def test_chunks_ahead_of_the_view_wait_for_the_leader() -> None:
 # ------------------------------------------------------------ configuration
 def test_the_advertised_address_follows_the_bound_interface() -> None:
     assert ShardConfig("a:1", host="10.0.0.5").advertised(7) == "10.0.0.5:7"
-    assert ShardConfig("a:1", host="0.0.0.0").advertised(7) == ":7"
+    # Bound to every interface: the address this host reaches its leader from.
+    assert ShardConfig("127.0.0.1:1", host="0.0.0.0").advertised(7) == "127.0.0.1:7"
     assert ShardConfig("a:1", host="::1").advertised(7) == "[::1]:7"
     assert ShardConfig("a:1", advertise="b:9").advertised(7) == "b:9"
     with pytest.raises(ValueError, match="leader"):

@@ -9,6 +9,8 @@ with both values instead of every chunk failing later) and its memory caps.
 
 from __future__ import annotations
 
+import contextlib
+import socket
 from dataclasses import dataclass
 
 from gradsync.protocol import chunking, defaults
@@ -82,7 +84,28 @@ class ShardConfig:
         """The address the shard registers with (see `advertise`)."""
         if self.advertise:
             return self.advertise
-        if self.host in _ALL_INTERFACES:
+        host = self.host
+        if host in _ALL_INTERFACES:
+            # Bound to every interface: the one this host reaches its leader through is
+            # the best guess of where workers reach it (":port", the leader's own host,
+            # is right only for a shard that runs next to its leader).
+            host = route_source(self.leader) or ""
+        if not host:
             return f":{bound_port}"
-        host = f"[{self.host}]" if ":" in self.host else self.host
+        host = f"[{host}]" if ":" in host else host
         return f"{host}:{bound_port}"
+
+
+def route_source(target: str) -> str | None:
+    """The local address this host sends from to reach `target` ("host:port"), or None.
+
+    Connecting a UDP socket sends nothing: it only asks the kernel for a route.
+    """
+    host, _, port = target.rpartition(":")
+    host = host.strip("[]")
+    with contextlib.suppress(OSError, ValueError):
+        family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        with socket.socket(family, socket.SOCK_DGRAM) as probe:
+            probe.connect((host, int(port)))
+            return str(probe.getsockname()[0])
+    return None

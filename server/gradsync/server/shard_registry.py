@@ -18,6 +18,7 @@ address replaces the old registration (that process is gone, or about to be).
 
 from __future__ import annotations
 
+import ipaddress
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -257,6 +258,14 @@ class ShardRegistry:
                 f"leader's chunks need {needed} (--chunk-mb {self.chunk_bytes / MIB:g} plus "
                 f"{chunking.HEADER_SLACK_BYTES} bytes of header)",
             )
+        advertised_host = address.rpartition(":")[0].strip("[]")
+        if _is_loopback(advertised_host) and peer_host and not _is_loopback(peer_host):
+            raise RegistrationRefused(
+                Code.FAILED_PRECONDITION,
+                f"{who} advertises a loopback address but connects from {peer_host}: workers "
+                "on other hosts could not reach it; start it with --host set to an address "
+                "they reach (or --host 0.0.0.0), or give --advertise HOST:PORT",
+            )
         replaced = next((r for r in self._shards.values() if r.address == address), None)
         index = replaced.index if replaced is not None else self._free_index(address)
         if index is None:
@@ -307,3 +316,13 @@ class ShardRegistry:
             self._waiting_since = self._clock()
         del self._shards[record.index]
         return True
+
+
+def _is_loopback(host: str) -> bool:
+    """True for "localhost" and loopback IP addresses (127.0.0.0/8, ::1)."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
