@@ -185,3 +185,46 @@ def test_a_local_shard_that_dies_is_restarted_by_the_leader(
         assert_matches_reference(report, 2, 10)
     _, log = leader.stop()
     assert "restart" in log.lower() and f":{shard_port}" in log
+
+
+@pytest.mark.timeout(240)
+def test_killed_leader_is_restarted_and_workers_and_shard_rejoin_it(
+    coordinator_factory, tmp_path: Path
+) -> None:
+    """The leader dies (SIGKILL): workers reconnect to its successor, the shard re-registers."""
+    port = str(free_port())
+    flags = (
+        *HEARTBEAT,
+        "--port",
+        port,
+        "--wait-for-shards",
+        "1",
+        "--checkpoint-store",
+        str(tmp_path / "checkpoints"),
+        "--checkpoint-every",
+        "3",
+    )
+    first = coordinator_factory(2, *flags)
+    shard = ShardProcess(first.address, free_port(), tmp_path / "shard.log")
+    processes: list[subprocess.Popen[bytes]] = []
+    try:
+        wait_for_shards(first.address, 2, 60)
+        processes = start_workers(first.address, 2, tmp_path, 12, None, "--step-delay-s", "0.3")
+        wait_for(lambda: _checkpoint_at_least(first.address, 3), 90, "a checkpoint of step 3")
+        first.process.kill()
+        first.process.wait()
+        time.sleep(1.0)  # workers and shard notice the loss
+        second = coordinator_factory(2, *flags)
+        wait_for_shards(second.address, 2, 60)  # the same shard process registered again
+        reports = finish(processes, tmp_path, timeout_s=150)
+    finally:
+        reap(processes)
+        shard.stop()
+    for report in reports:
+        assert report is not None and report["status"] == "ok", report
+        assert len(report["restarts"]) == 1 and report["restarts"][0] >= 3, report
+        assert_matches_reference(report, 2, 12)
+    # One shard process all along: it lost the first leader and registered with the second.
+    assert f"lost the leader {first.address}" in shard.log()
+    _, log = second.stop()
+    assert "RESUMES from the checkpoint of step" in log
