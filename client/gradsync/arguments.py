@@ -51,8 +51,9 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument(
         "--chunk-mb",
         type=flags.chunk_mb,
-        default=defaults.CHUNK_BYTES / MIB,
-        help="wire chunk size in MiB (default %(default)g)",
+        default=None,
+        help=f"wire chunk size in MiB (default {defaults.CHUNK_BYTES / MIB:g}; "
+        f"{defaults.SHARDED_CHUNK_BYTES / MIB:g} with --shards or --wait-for-shards)",
     )
     serve.add_argument(
         "--max-buffered-mb",
@@ -187,8 +188,8 @@ def build_parser() -> argparse.ArgumentParser:
     shard.add_argument(
         "--chunk-mb",
         type=flags.chunk_mb,
-        default=defaults.CHUNK_BYTES / MIB,
-        help="wire chunk size in MiB; must equal the leader's (default %(default)g)",
+        default=None,
+        help="wire chunk size in MiB; if given, must equal the leader's (default: the leader's)",
     )
     shard.add_argument(
         "--max-buffered-mb",

@@ -21,6 +21,7 @@ from typing import Any
 from gradsync import flags
 from gradsync.arguments import build_parser
 from gradsync.config import ENV_COORDINATOR, ENV_RANK, ENV_WORLD_SIZE
+from gradsync.protocol import defaults
 from gradsync.protocol.defaults import MIB
 
 __all__ = ["build_parser", "main"]
@@ -103,12 +104,6 @@ def _serve(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
             parse_store_url(args.checkpoint_store)
         except ValueError as exc:
             parser.error(f"--checkpoint-store: {exc}")
-    chunk_bytes = int(args.chunk_mb * MIB)
-    if args.max_buffered_mb * MIB < chunk_bytes:
-        parser.error(
-            f"--max-buffered-mb {args.max_buffered_mb:g} must hold at least one chunk "
-            f"(--chunk-mb {args.chunk_mb:g})"
-        )
     if args.heartbeat_interval >= args.heartbeat_timeout:
         parser.error(
             f"--heartbeat-interval {args.heartbeat_interval:g} must be below "
@@ -130,6 +125,15 @@ def _serve(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
         shard_count, local_shards = args.wait_for_shards + 1, False
     else:
         shard_count, local_shards = args.shards or 1, True
+    if args.chunk_mb is not None:
+        chunk_bytes = int(args.chunk_mb * MIB)
+    else:
+        chunk_bytes = defaults.SHARDED_CHUNK_BYTES if shard_count > 1 else defaults.CHUNK_BYTES
+    if args.max_buffered_mb * MIB < chunk_bytes:
+        parser.error(
+            f"--max-buffered-mb {args.max_buffered_mb:g} must hold at least one chunk "
+            f"(--chunk-mb {chunk_bytes / MIB:g})"
+        )
     try:
         config = ServerConfig(
             world_size=args.world_size,
@@ -173,8 +177,8 @@ def _shard(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     from gradsync.server.shard_app import run
     from gradsync.server.shard_config import ShardConfig
 
-    chunk_bytes = int(args.chunk_mb * MIB)
-    if args.max_buffered_mb * MIB < chunk_bytes:
+    chunk_bytes = None if args.chunk_mb is None else int(args.chunk_mb * MIB)
+    if chunk_bytes is not None and args.max_buffered_mb * MIB < chunk_bytes:
         parser.error(
             f"--max-buffered-mb {args.max_buffered_mb:g} must hold at least one chunk "
             f"(--chunk-mb {args.chunk_mb:g})"

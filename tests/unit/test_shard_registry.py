@@ -202,3 +202,9 @@ def test_a_loopback_address_from_another_host_is_refused_with_the_fix() -> None:
     # The same address from this host is fine (a shard next to its leader).
     record, _ = reg.register(register("127.0.0.1:50051"), peer_host="127.0.0.1")
     assert record.index == 1
+
+
+def test_a_shard_without_its_own_chunk_size_follows_the_leaders() -> None:
+    reg, _ = registry()
+    record, _ = reg.register(register("b:50051", chunk_bytes=0))
+    assert record.index == 1  # 0 = "whatever the leader uses": nothing to disagree with

@@ -58,8 +58,6 @@ def shard_command(
         str(port),
         "--advertise",
         f":{port}",
-        "--chunk-mb",
-        f"{config.chunk_bytes / MIB:g}",
         "--max-buffered-mb",
         f"{config.max_buffered_bytes / MIB:g}",
     ]

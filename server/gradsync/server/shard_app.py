@@ -138,9 +138,10 @@ async def start_shard(config: ShardConfig, metrics: ShardMetrics | None = None) 
 
 def banner(config: ShardConfig, port: int, advertise: str, metrics_url: str | None) -> str:
     """The startup line; `gradsync.launch.parse_banner` reads 'listening on HOST:PORT'."""
+    chunk = f"{config.chunk_bytes / MIB:g} MiB" if config.chunk_bytes else "the leader's"
     return (
         f"gradsync shard listening on {config.host}:{port} (advertised as {advertise}, "
-        f"leader {config.leader}, chunk {config.chunk_bytes / MIB:g} MiB, "
+        f"leader {config.leader}, chunk {chunk}, "
         f"max message {config.max_message_bytes} bytes, "
         f"max buffered {config.max_buffered_bytes / MIB:g} MiB, metrics {metrics_url or 'off'})"
     )

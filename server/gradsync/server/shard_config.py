@@ -14,7 +14,6 @@ import socket
 from dataclasses import dataclass
 
 from gradsync.protocol import chunking, defaults
-from gradsync.protocol.defaults import MIB
 
 #: Bound on the wait for the leader's answer to ShardRegister.
 REGISTER_TIMEOUT_S = 10.0
@@ -37,7 +36,8 @@ class ShardConfig:
         advertise: "host:port" workers reach the shard at; None = "<host>:<bound port>"
             when bound to one interface (workers can reach it only there), and
             ":<bound port>" (the host workers reached the leader at) when bound to all.
-        chunk_bytes: wire chunk size; must equal the leader's.
+        chunk_bytes: wire chunk size, checked against the leader's at registration;
+            None = whatever the leader uses (every job's view carries it).
         max_buffered_bytes: cap on gradient bytes held in partial reductions.
         max_outbox_bytes: cap on averaged bytes queued for one worker that is not reading.
         metrics_port: serve Prometheus metrics on this port (0 = a free one, None = off).
@@ -51,7 +51,7 @@ class ShardConfig:
     host: str = "127.0.0.1"
     port: int = defaults.PORT
     advertise: str | None = None
-    chunk_bytes: int = defaults.CHUNK_BYTES
+    chunk_bytes: int | None = None
     max_buffered_bytes: int = defaults.MAX_BUFFERED_BYTES
     max_outbox_bytes: int = defaults.MAX_OUTBOX_BYTES
     metrics_port: int | None = None
@@ -64,9 +64,11 @@ class ShardConfig:
             raise ValueError("a shard needs its leader's address (--leader HOST:PORT)")
         if not 0 <= self.port <= 65535:
             raise ValueError(f"port must be in 0..65535, got {self.port}")
-        if not 4096 <= self.chunk_bytes <= 64 * MIB:
+        if self.chunk_bytes is None:
+            pass
+        elif not 4096 <= self.chunk_bytes <= defaults.MAX_CHUNK_BYTES:
             raise ValueError(f"chunk size must be 4 KiB..64 MiB, got {self.chunk_bytes} bytes")
-        if self.max_buffered_bytes < self.chunk_bytes:
+        elif self.max_buffered_bytes < self.chunk_bytes:
             raise ValueError(
                 f"max buffered bytes ({self.max_buffered_bytes}) must be at least one chunk "
                 f"({self.chunk_bytes})"
@@ -77,8 +79,9 @@ class ShardConfig:
 
     @property
     def max_message_bytes(self) -> int:
-        """gRPC message size limit: one chunk plus room for the header fields."""
-        return self.chunk_bytes + chunking.HEADER_SLACK_BYTES
+        """gRPC message size limit: one chunk (the largest allowed, following the leader)
+        plus room for the header fields."""
+        return (self.chunk_bytes or defaults.MAX_CHUNK_BYTES) + chunking.HEADER_SLACK_BYTES
 
     def advertised(self, bound_port: int) -> str:
         """The address the shard registers with (see `advertise`)."""

@@ -79,7 +79,7 @@ class LeaderLink:
             register=pb.ShardRegister(
                 version=__version__,
                 advertise=self._servicer.advertise,
-                chunk_bytes=config.chunk_bytes,
+                chunk_bytes=config.chunk_bytes or 0,  # 0: the leader's, whatever it is
                 max_message_bytes=config.max_message_bytes,
             )
         )

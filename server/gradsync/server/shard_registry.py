@@ -243,7 +243,7 @@ class ShardRegistry:
                 f"{who} has version {message.version or '?'}, the leader {self.version}: "
                 "run the same gradsync version on the leader and every shard",
             )
-        if message.chunk_bytes != self.chunk_bytes:
+        if message.chunk_bytes and message.chunk_bytes != self.chunk_bytes:
             raise RegistrationRefused(
                 Code.FAILED_PRECONDITION,
                 f"{who} has --chunk-mb {message.chunk_bytes / MIB:g} ({message.chunk_bytes} "
