@@ -36,6 +36,8 @@ class BucketUpload:
     bucket_index: int
     buffer: BucketBuffer
     dtype: int
+    #: The DType the averages are to come back in (every chunk says so); 0 = `dtype`.
+    reply_dtype: int = 0
 
 
 @dataclass
@@ -129,6 +131,7 @@ def range_messages(
             bucket_index=upload.bucket_index,
             offset=offset,
             dtype=upload.dtype,
+            reply_dtype=upload.reply_dtype,
         )
         message = encode_gradient(header, pieces)
         if offset == last_offset:  # handed to gRPC next: this range's end

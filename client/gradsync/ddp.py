@@ -89,6 +89,9 @@ class DistributedDataParallel(nn.Module):
         wire_dtype: torch.bfloat16 or torch.float16 to send gradients and receive the
             average in 16 bits (half the bytes; the coordinator still sums in fp32; the
             roundings are listed in `gradsync.hooks`); None (default) = full precision.
+        wire_answer_dtype: torch.float32 to receive the average of float32 buckets in
+            float32 (the coordinator's fp32 average, not rounded back to 16 bits; twice
+            the bytes down) with a 16-bit `wire_dtype`; None (default) = in `wire_dtype`.
         log_every_steps: with INFO logging, rank 0 logs step time, exposed sync time
             and bytes every this many steps (0 = never).
         link_factory: builds the link from (address, rank); default gRPC. Tests pass a fake.
@@ -99,8 +102,8 @@ class DistributedDataParallel(nn.Module):
     ranks have joined, then copies rank 0's parameters and buffers to every rank.
 
     Raises:
-        ValueError: invalid or missing settings (an unsupported `wire_dtype`), or a
-            module gradsync cannot serve.
+        ValueError: invalid or missing settings (an unsupported `wire_dtype` or
+            `wire_answer_dtype`), or a module gradsync cannot serve.
         GradSyncError: joining failed (coordinator unreachable, join refused, ...).
     """
 
@@ -141,6 +144,7 @@ class DistributedDataParallel(nn.Module):
         log_every_steps: int = defaults.STEP_LOG_EVERY_STEPS,
         link_factory: LinkFactory | None = None,
         wire_dtype: torch.dtype | None = None,
+        wire_answer_dtype: torch.dtype | None = None,
     ) -> None:
         super().__init__()
         self.module = module
@@ -156,6 +160,7 @@ class DistributedDataParallel(nn.Module):
         )
         compat.warn_ignored(compat.ignored_arguments(locals()))
         wire_hook = hooks.hook_for_wire_dtype(wire_dtype)  # refused before joining
+        answer_in_fp32 = hooks.answers_in_fp32(wire_dtype, wire_answer_dtype)
         named = list(module.named_parameters())
         if not any(p.requires_grad for _, p in named):
             raise ValueError("the module has no parameters that require gradients")
@@ -216,6 +221,7 @@ class DistributedDataParallel(nn.Module):
             self._instruments,
             lambda: self._link,
             wire_hook,
+            answer_in_fp32,
         )
         #: The coordinator's collectives for this job (`gradsync.collectives`).
         self.collectives = Collectives(

@@ -6,7 +6,8 @@ step, on every rank alike. `before_upload(state, bucket)` runs when the
 bucket's gradients are complete and returns the 1-D tensor that goes on the
 wire: the bucket as is, scaled, or cast to a 16-bit float type the
 coordinator accepts for a float32/float64 bucket (it accumulates in float32
-and answers in the same 16-bit type). `after_average(state, bucket, averaged)`
+and answers in the same 16-bit type, or in float32: see below).
+`after_average(state, bucket, averaged)`
 runs once the average is back and writes the bucket's final gradients into
 `bucket.buffer`, undoing what `before_upload` did (cast back, scale back).
 
@@ -44,7 +45,20 @@ side. torch DDP's `default_hooks.bf16_compress_hook` / `fp16_compress_hook`
 instead divide each rank's 16-bit gradient by the world size in 16 bits
 (rounding again, and underflowing small fp16 values) and let the all-reduce
 sum in 16 bits (rounding after every addition), so at W > 2 it rounds more:
-`tests/multiprocess/test_wire_fidelity.py` measures both on the same gradients.
+`tests/multiprocess/test_wire_fidelity.py` measures both (and the float32
+answer below) on the same gradients.
+
+With `DistributedDataParallel(wire_answer_dtype=torch.float32)` (float32
+buckets only; every chunk asks for it in `reply_dtype`) the last rounding of
+step 2 is skipped: the coordinator sends the fp32 average, divided and not
+rounded, and the client writes it straight into the bucket's fp32 buffer (the
+one the hook compressed from), so `after_average` is not called: there is
+nothing to cast, and copying the 16-bit upload back would destroy the answer.
+One 16-bit rounding per element remains, of the inputs. The answer is twice
+the upload's bytes (3/4 of a float32 wire's traffic in all) and comes back on
+the chunk grid of a float32 bucket. A float64 bucket is answered in 16 bits
+either way: the float32 answer is offered only where it lands in the bucket's
+buffer as is, with no cast left on the client.
 
 Registering a hook costs one copy per bucket (the bucket is flattened into a
 contiguous tensor for the hook to see); without a hook, buckets are uploaded
@@ -146,6 +160,28 @@ WIRE_DTYPE_HOOKS: dict[torch.dtype, CommHook] = {
     torch.float16: fp16_compress_hook,
     torch.bfloat16: bf16_compress_hook,
 }
+
+
+def answers_in_fp32(wire_dtype: object, wire_answer_dtype: object) -> bool:
+    """Whether `DistributedDataParallel(wire_answer_dtype=...)` asks for float32 averages.
+
+    Args:
+        wire_dtype: as given to the wrapper (checked by `hook_for_wire_dtype`).
+        wire_answer_dtype: None (the average comes back in `wire_dtype`) or torch.float32.
+
+    Raises:
+        ValueError: any other value, or float32 without a 16-bit `wire_dtype`
+            (a full-precision wire answers in full precision already), naming both.
+    """
+    if wire_answer_dtype is None:
+        return False
+    if wire_answer_dtype is not torch.float32 or wire_dtype not in WIRE_DTYPE_HOOKS:
+        raise ValueError(
+            f"wire_answer_dtype={wire_answer_dtype!r} with wire_dtype={wire_dtype!r} is not "
+            "supported: wire_answer_dtype=torch.float32 needs wire_dtype=torch.bfloat16 or "
+            "torch.float16; None answers in the wire dtype"
+        )
+    return True
 
 
 def hook_for_wire_dtype(wire_dtype: object) -> CommHook | None:

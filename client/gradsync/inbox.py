@@ -284,7 +284,7 @@ class Inbox:
             return self._shared.checkpoint_acks.pop(step)
 
     def expect_bucket(self, step: int, bucket_index: int, buffer: BucketBuffer, dtype: int) -> None:
-        """Register where the averages of an uploaded bucket (of wire `dtype`) are to be written."""
+        """Register where the averages of an uploaded bucket (in `dtype`) are to be written."""
         with self._cond:
             self._steps.expect(step, bucket_index, buffer, dtype)
 

@@ -100,8 +100,25 @@ class CoordinatorLink(Protocol):
     def abandon_step(self, step: int, reason: str) -> None:
         """Tell the coordinator this rank gives up on `step`. Never blocks."""
 
-    def submit_bucket(self, step: int, bucket_index: int, buffer: BucketBuffer, dtype: int) -> None:
-        """Queue a bucket for upload; its averages are written back into `buffer`."""
+    def submit_bucket(
+        self,
+        step: int,
+        bucket_index: int,
+        buffer: BucketBuffer,
+        dtype: int,
+        *,
+        result: BucketBuffer | None = None,
+        result_dtype: int = 0,
+    ) -> None:
+        """Queue a bucket for upload; its averages are written back into `buffer`.
+
+        Args:
+            buffer: the bytes to upload, `dtype` elements.
+            result: where the averages go instead of `buffer`, when they come
+                back in another dtype (`result_dtype`, asked of the coordinator
+                in every chunk's `reply_dtype`); None = into `buffer`.
+            result_dtype: the `DType` of `result`'s elements; 0 = `dtype`.
+        """
 
     def wait_step(self, step: int, timeout_s: float) -> int:
         """Block (bounded) until every averaged bucket of `step` is in place.

@@ -27,7 +27,13 @@ from torch import nn
 
 from gradsync.bucketing import BucketPlan, assign_buckets
 from gradsync.buffers import BucketBuffer
-from gradsync.hooks import CommHook, GradBucket, check_comm_hook, check_wire_tensor
+from gradsync.hooks import (
+    COMPRESSED_WIRE_DTYPES,
+    CommHook,
+    GradBucket,
+    check_comm_hook,
+    check_wire_tensor,
+)
 from gradsync.instruments import Instruments
 from gradsync.link import CoordinatorLink
 from gradsync.signature import WIRE_DTYPES, bucket_wire_dtype, presence_plan, wire_dtype
@@ -55,10 +61,23 @@ def plan_buckets(
 
 
 class _Launched:
-    """A bucket handed to the link: its stage, and the comm hook's view of it."""
+    """A bucket handed to the link: its stage, and the comm hook's view of it.
 
-    def __init__(self, stage: BucketStage, bucket: GradBucket | None, wire: torch.Tensor) -> None:
+    `answered_in_place`: the averages come back in float32 straight into the
+    bucket's flat buffer (`wire_answer_dtype`), so there is nothing to cast back
+    and the hook's `after_average` must not run: it would overwrite them with
+    the 16-bit upload.
+    """
+
+    def __init__(
+        self,
+        stage: BucketStage,
+        bucket: GradBucket | None,
+        wire: torch.Tensor,
+        answered_in_place: bool = False,
+    ) -> None:
         self.stage, self.bucket, self.wire = stage, bucket, wire
+        self.answered_in_place = answered_in_place
 
 
 class Reducer:
@@ -73,6 +92,10 @@ class Reducer:
         link: returns the current link to the coordinator.
         wire_hook: the built-in hook chosen by `wire_dtype` (`hooks.hook_for_wire_dtype`),
             registered now; None when the gradients travel in their own dtype.
+        answer_in_fp32: with `wire_hook`, ask for the averages of float32 buckets
+            in float32 (`wire_answer_dtype`), written straight into the buckets'
+            float32 buffers; float64 buckets (which the coordinator answers only in
+            the wire dtype) and the presence bucket are unaffected.
     """
 
     def __init__(
@@ -84,6 +107,7 @@ class Reducer:
         instruments: Instruments,
         link: Callable[[], CoordinatorLink],
         wire_hook: CommHook | None = None,
+        answer_in_fp32: bool = False,
     ) -> None:
         self._named = list(named_parameters)
         self.buckets = list(buckets)
@@ -97,6 +121,7 @@ class Reducer:
         self.comm_hook: CommHook | None = wire_hook
         self._comm_hook_state: Any = None
         self._hook_from_wire_dtype = wire_hook is not None
+        self._answer_in_fp32 = answer_in_fp32 and wire_hook is not None
         self.reset()
 
     def reset(self) -> None:
@@ -155,7 +180,11 @@ class Reducer:
         for launched in self._launched:
             if launched is None:
                 continue  # (cannot happen: every bucket was launched above)
-            if launched.bucket is not None and self.comm_hook is not None:
+            if (
+                launched.bucket is not None
+                and self.comm_hook is not None
+                and not launched.answered_in_place
+            ):
                 self.comm_hook.after_average(self._comm_hook_state, launched.bucket, launched.wire)
             launched.stage.finish(used_anywhere)
         return contributors
@@ -171,6 +200,7 @@ class Reducer:
             flatten=hook is not None,
         )
         bucket = None
+        result: BucketBuffer | None = None
         if hook is not None and stage.flat is not None:
             bucket = GradBucket(bucket_index, step, stage.flat, stage.names, self._world_size)
             wire = check_wire_tensor(
@@ -178,11 +208,28 @@ class Reducer:
             )
             segments = [wire.view(torch.uint8).numpy()]
             dtype = WIRE_DTYPES[wire.dtype]
+            if (
+                self._answer_in_fp32
+                and stage.flat.dtype == torch.float32
+                and wire.dtype in COMPRESSED_WIRE_DTYPES
+            ):
+                # The fp32 averages land in the flat buffer the hook compressed from.
+                result = BucketBuffer([stage.flat.view(torch.uint8).numpy()])
         else:
             wire = torch.empty(0)
             segments = stage.segments()
             dtype = bucket_wire_dtype(plan)
-        self._launched[bucket_index] = _Launched(stage, bucket, wire)
+        self._launched[bucket_index] = _Launched(stage, bucket, wire, result is not None)
         buffer = BucketBuffer(segments)
         self._instruments.bucket_ready(step, bucket_index, buffer.size)
-        self._link().submit_bucket(step, bucket_index, buffer, dtype)
+        if result is None:
+            self._link().submit_bucket(step, bucket_index, buffer, dtype)
+        else:
+            self._link().submit_bucket(
+                step,
+                bucket_index,
+                buffer,
+                dtype,
+                result=result,
+                result_dtype=WIRE_DTYPES[torch.float32],
+            )

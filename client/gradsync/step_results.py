@@ -3,7 +3,8 @@
 The coordinator answers every uploaded bucket with averaged chunks, possibly
 while later buckets of the same step are still uploading. `StepResults`
 scatters each chunk straight into the `BucketBuffer` that was submitted (the
-gradients' own memory), counts complete buckets per step, keeps a
+gradients' own memory; for a 16-bit upload answered in float32, the bucket's
+float32 buffer, submitted beside it), counts complete buckets per step, keeps a
 `StepAborted` against its step, and says what is still missing when a wait
 runs out. It holds no lock: `gradsync.inbox` calls it under its condition
 variable, which is also what waiters sleep on.
@@ -68,7 +69,10 @@ class StepResults:
         """Register where the averages of an uploaded bucket are to be written.
 
         Args:
-            dtype: the wire dtype the bucket travels in (where the shards' ranges
+            buffer: the uploaded buffer, or where averages that come back in
+                another dtype than the upload's go (a float32 answer to a 16-bit
+                upload: twice the bytes, on the grid of its own ranges).
+            dtype: the dtype the averages come back in (where the shards' ranges
                 are cut depends on its element size).
         """
         result = self._ensure(step)

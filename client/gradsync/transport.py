@@ -257,19 +257,35 @@ class Transport:
         """Block until the coordinator answered the checkpoint upload of `step`."""
         return self._inbox.wait_checkpoint(step, timeout_s)
 
-    def submit_bucket(self, step: int, bucket_index: int, buffer: BucketBuffer, dtype: int) -> None:
+    def submit_bucket(
+        self,
+        step: int,
+        bucket_index: int,
+        buffer: BucketBuffer,
+        dtype: int,
+        *,
+        result: BucketBuffer | None = None,
+        result_dtype: int = 0,
+    ) -> None:
         """Queue one bucket for upload; its averages will be written back into `buffer`.
 
         Never blocks on the network; safe from any thread (autograd hooks call it).
-        With a sharded coordinator, range i of the bucket goes to shard i.
+        With a sharded coordinator, range i of the bucket goes to shard i. With
+        `result`, every chunk asks for the average in `result_dtype` and it is
+        written there, on the grid of `result`'s own ranges (see
+        `CoordinatorLink.submit_bucket`).
 
         Raises:
             ValueError: `buffer` is not a whole number of `dtype` elements (sharded only).
         """
         welcome = self._inbox.welcome
         shard_count = max(1, len(welcome.shards)) if welcome is not None else 1
-        parts = split_upload(BucketUpload(step, bucket_index, buffer, dtype), shard_count)
-        self._inbox.expect_bucket(step, bucket_index, buffer, dtype)
+        reply_dtype = 0 if result is None else result_dtype
+        upload = BucketUpload(step, bucket_index, buffer, dtype, reply_dtype)
+        parts = split_upload(upload, shard_count)
+        self._inbox.expect_bucket(
+            step, bucket_index, buffer if result is None else result, reply_dtype or dtype
+        )
         if self._loop.is_closed():
             raise ClosedError("the transport is closed", rank=self.rank)
         self._loop.call_soon_threadsafe(self._dispatch, parts)

@@ -49,6 +49,8 @@ class FakeLink:
         self.submitted: list[tuple[int, int, BucketBuffer]] = []
         #: Every hand-off, the presence bucket included, with its wire dtype.
         self.uploads: list[tuple[int, int, BucketBuffer, int]] = []
+        #: By (step, bucket_index): where averages asked for in another dtype go.
+        self.results: dict[tuple[int, int], tuple[BucketBuffer, int]] = {}
         #: This rank's presence vector of each step (1.0: it used the parameter).
         self.presence: list[list[float]] = []
         #: Presence of the other ranks: added to ours before averaging (1.0 = used there).
@@ -119,9 +121,21 @@ class FakeLink:
     def abandon_step(self, step: int, reason: str) -> None:
         self.abandoned.append((step, reason))
 
-    def submit_bucket(self, step: int, bucket_index: int, buffer: BucketBuffer, dtype: int) -> None:
+    def submit_bucket(
+        self,
+        step: int,
+        bucket_index: int,
+        buffer: BucketBuffer,
+        dtype: int,
+        *,
+        result: BucketBuffer | None = None,
+        result_dtype: int = 0,
+    ) -> None:
         assert dtype in WIRE_NUMPY, dtype
         self.uploads.append((step, bucket_index, buffer, dtype))
+        if result is not None:
+            assert result_dtype in WIRE_NUMPY, result_dtype
+            self.results[(step, bucket_index)] = (result, result_dtype)
         if bucket_index == len(self.bucket_bytes) - 1:
             self.presence.append(np.concatenate(buffer.segments).view(np.float32).tolist())
             return
@@ -145,6 +159,7 @@ class FakeLink:
             else:
                 wire = torch.from_numpy(np.concatenate(buffer.segments)).view(WIRE_NUMPY[dtype])
                 averaged = wire.float() * self.scale + self.peer_value
+                buffer, dtype = self.results.get((step, bucket_index), (buffer, dtype))
                 averaged = averaged.to(WIRE_NUMPY[dtype]).view(torch.uint8)
             buffer.write(0, np.asarray(averaged).view(np.uint8).tobytes())
         return self.contributors

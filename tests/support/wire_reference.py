@@ -3,8 +3,9 @@
 `gradsync_average` spells out, one torch operation per rounding, what the
 16-bit wire does (see `gradsync.hooks`): round each rank's fp32 gradient to the
 16-bit type, widen to fp32, sum in fp32 in rank order, divide by the world size
-in fp32, round to the 16-bit type, widen into fp32. The distributed result must
-equal it bitwise. `ddp_compress_hook_average` emulates torch DDP's
+in fp32, round to the 16-bit type (not with a float32 answer,
+`wire_answer_dtype`), widen into fp32. The distributed result must equal it
+bitwise. `ddp_compress_hook_average` emulates torch DDP's
 `default_hooks._compress_hook` (behind `bf16_compress_hook` and
 `fp16_compress_hook`) on the same gradients without gloo: round to 16 bits,
 divide by the world size in 16 bits, all-reduce SUM in 16 bits (every addition
@@ -35,13 +36,21 @@ def spread_gradients(rank: int) -> list[torch.Tensor]:
     return gradients
 
 
-def gradsync_average(per_rank: Sequence[torch.Tensor], wire_dtype: torch.dtype) -> torch.Tensor:
-    """The fp32 gradient a 16-bit wire leaves in `.grad`, rounding by rounding."""
+def gradsync_average(
+    per_rank: Sequence[torch.Tensor], wire_dtype: torch.dtype, answer_in_fp32: bool = False
+) -> torch.Tensor:
+    """The fp32 gradient a 16-bit wire leaves in `.grad`, rounding by rounding.
+
+    `answer_in_fp32`: the average comes back as the coordinator's fp32 value
+    (`wire_answer_dtype=torch.float32`), without the last rounding to 16 bits.
+    """
     widened = [gradient.to(wire_dtype).to(torch.float32) for gradient in per_rank]
     total = widened[0].clone()
     for value in widened[1:]:  # ascending rank order, fp32 additions
         total = total + value
     average = total / len(per_rank)  # fp32 division (one rounding)
+    if answer_in_fp32:
+        return average
     return average.to(wire_dtype).to(torch.float32)
 
 

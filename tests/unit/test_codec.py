@@ -19,6 +19,7 @@ def random_header(rng: random.Random) -> ChunkHeader:
         dtype=rng.choice([1, 2, 3, 4]),
         encoding=0,
         contributors=rng.choice([0, 2, 64]),
+        reply_dtype=rng.choice([0, 0, 1, 4]),
     )
 
 
@@ -37,6 +38,22 @@ def test_roundtrip_against_protobuf(seed: int) -> None:
         decoded = decode_gradient(parsed.SerializeToString())
         assert decoded is not None
         assert decoded[0] == header and bytes(decoded[1]) == payload
+
+
+def test_reply_dtype_travels_as_field_9_both_ways() -> None:
+    """The fp32-answer request must survive the fast encoder and the fast decoder."""
+    header = ChunkHeader(step=3, bucket_index=1, offset=64, dtype=4, reply_dtype=1)
+    encoded = encode_gradient(header, b"\x00\x01")
+    parsed = pb.WorkerMessage.FromString(encoded).gradient
+    assert parsed.reply_dtype == pb.DTYPE_FLOAT32
+    assert pb.GradientChunk.DESCRIPTOR.fields_by_name["reply_dtype"].number == 9
+    from_protobuf = pb.WorkerMessage(
+        gradient=pb.GradientChunk(step=3, dtype=pb.DTYPE_BFLOAT16, reply_dtype=pb.DTYPE_FLOAT32)
+    ).SerializeToString()
+    assert b"\x48\x01" in from_protobuf  # key (9 << 3) | varint, value FLOAT32
+    decoded = decode_gradient(from_protobuf)
+    assert decoded is not None and decoded[0].reply_dtype == pb.DTYPE_FLOAT32
+    assert decode_gradient(encoded) == (header, memoryview(b"\x00\x01"))
 
 
 def test_other_messages_fall_back_to_protobuf() -> None:

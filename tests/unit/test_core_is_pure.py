@@ -49,6 +49,7 @@ CORE = (
     "stores",
     "uneven",
     "uploads",
+    "wire_replies",
 )
 #: Glue that may use gRPC and asyncio: streams, process wiring, background tasks.
 GLUE = (

@@ -59,6 +59,44 @@ def test_wire_dtype_uploads_gradients_in_16_bits(wire_dtype: torch.dtype) -> Non
         assert param.grad is not None and param.grad.dtype == torch.float32
 
 
+@pytest.mark.parametrize("answer", [None, torch.float32], ids=str)
+def test_wire_answer_dtype_float32_leaves_the_unrounded_average_in_grad(
+    answer: torch.dtype | None,
+) -> None:
+    factory = LinkFactory()
+    model = wrap(factory, wire_dtype=torch.bfloat16, wire_answer_dtype=answer)
+    # An offset bf16 cannot hold: a 16-bit answer would round it, a float32 one must not.
+    factory.link.peer_value = 1e-3
+    torch.manual_seed(0)
+    local = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 2))
+    step(local)
+    step(model)
+    gradient_uploads = factory.link.uploads[:-1]
+    assert {upload[3] for upload in gradient_uploads} == {WIRE_DTYPES[torch.bfloat16]}
+    asked = {result_dtype for _, result_dtype in factory.link.results.values()}
+    assert asked == (set() if answer is None else {WIRE_DTYPES[torch.float32]})
+    for mine, theirs in zip(model.module.parameters(), local.parameters(), strict=True):
+        assert theirs.grad is not None and mine.grad is not None
+        average = theirs.grad.to(torch.bfloat16).float() * 0.5 + 1e-3
+        expected = average if answer is not None else average.to(torch.bfloat16).float()
+        assert torch.equal(mine.grad, expected)
+
+
+@pytest.mark.parametrize(
+    ("wire_dtype", "answer"),
+    [(None, torch.float32), (torch.bfloat16, torch.float16), (torch.float16, torch.float64)],
+    ids=str,
+)
+def test_other_wire_answer_dtypes_are_refused_before_joining(
+    wire_dtype: torch.dtype | None, answer: torch.dtype
+) -> None:
+    factory = LinkFactory()
+    with pytest.raises(ValueError, match=r"wire_answer_dtype=.* with wire_dtype=") as refused:
+        wrap(factory, wire_dtype=wire_dtype, wire_answer_dtype=answer)
+    assert str(answer) in str(refused.value) and str(wire_dtype) in str(refused.value)
+    assert factory.links == [], "refused before joining"
+
+
 def test_no_wire_dtype_uploads_full_precision() -> None:
     factory = LinkFactory()
     model = wrap(factory)

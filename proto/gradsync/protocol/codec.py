@@ -34,6 +34,7 @@ _INT_FIELDS = {
     5: "dtype",
     6: "encoding",
     8: "contributors",
+    9: "reply_dtype",
 }
 
 
@@ -48,6 +49,8 @@ class ChunkHeader:
     dtype: int = 0
     encoding: int = 0
     contributors: int = 0
+    #: Worker -> coordinator: the DType the average is to come back in (0 = the payload's).
+    reply_dtype: int = 0
 
 
 def _varint(value: int) -> bytes:
@@ -79,6 +82,7 @@ def encode_gradient(
         dtype=header.dtype,  # type: ignore[arg-type]
         encoding=header.encoding,  # type: ignore[arg-type]
         contributors=header.contributors,
+        reply_dtype=header.reply_dtype,  # type: ignore[arg-type]
     ).SerializeToString()
     length = sum(memoryview(part).nbytes for part in parts)
     inner = fields + _PAYLOAD_TAG + _varint(length)
@@ -158,4 +162,5 @@ def header_of(chunk: pb.GradientChunk) -> ChunkHeader:
         dtype=chunk.dtype,
         encoding=chunk.encoding,
         contributors=chunk.contributors,
+        reply_dtype=chunk.reply_dtype,
     )

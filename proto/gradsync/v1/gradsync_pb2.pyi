@@ -133,7 +133,7 @@ class Join(_message.Message):
     def __init__(self, job_id: _Optional[str] = ..., rank: _Optional[int] = ..., world_size: _Optional[int] = ..., signature: _Optional[_Union[ModelSignature, _Mapping]] = ..., incarnation: _Optional[str] = ..., client_version: _Optional[str] = ...) -> None: ...
 
 class GradientChunk(_message.Message):
-    __slots__ = ("step", "membership_epoch", "bucket_index", "offset", "dtype", "encoding", "payload", "contributors")
+    __slots__ = ("step", "membership_epoch", "bucket_index", "offset", "dtype", "encoding", "payload", "contributors", "reply_dtype")
     STEP_FIELD_NUMBER: _ClassVar[int]
     MEMBERSHIP_EPOCH_FIELD_NUMBER: _ClassVar[int]
     BUCKET_INDEX_FIELD_NUMBER: _ClassVar[int]
@@ -142,6 +142,7 @@ class GradientChunk(_message.Message):
     ENCODING_FIELD_NUMBER: _ClassVar[int]
     PAYLOAD_FIELD_NUMBER: _ClassVar[int]
     CONTRIBUTORS_FIELD_NUMBER: _ClassVar[int]
+    REPLY_DTYPE_FIELD_NUMBER: _ClassVar[int]
     step: int
     membership_epoch: int
     bucket_index: int
@@ -150,7 +151,8 @@ class GradientChunk(_message.Message):
     encoding: Encoding
     payload: bytes
     contributors: int
-    def __init__(self, step: _Optional[int] = ..., membership_epoch: _Optional[int] = ..., bucket_index: _Optional[int] = ..., offset: _Optional[int] = ..., dtype: _Optional[_Union[DType, str]] = ..., encoding: _Optional[_Union[Encoding, str]] = ..., payload: _Optional[bytes] = ..., contributors: _Optional[int] = ...) -> None: ...
+    reply_dtype: DType
+    def __init__(self, step: _Optional[int] = ..., membership_epoch: _Optional[int] = ..., bucket_index: _Optional[int] = ..., offset: _Optional[int] = ..., dtype: _Optional[_Union[DType, str]] = ..., encoding: _Optional[_Union[Encoding, str]] = ..., payload: _Optional[bytes] = ..., contributors: _Optional[int] = ..., reply_dtype: _Optional[_Union[DType, str]] = ...) -> None: ...
 
 class StateChunk(_message.Message):
     __slots__ = ("offset", "payload")

@@ -108,6 +108,9 @@ class BucketReduction:
         byte_range: the bytes [lo, hi) of the bucket this reduction averages (a
             coordinator shard's range); None = the whole bucket. Offsets stay
             absolute in the bucket; completion counts the range's chunks.
+        reply_dtype: the dtype averages are returned in; None = `dtype`. float32
+            for a 16-bit `dtype` hands out the fp32 accumulator's bytes (twice
+            the chunk's length) instead of rounding it back to 16 bits.
 
     The caller validates offsets and lengths (it knows the rank and step to put
     in error messages); this class trusts them and only refuses duplicates.
@@ -121,6 +124,7 @@ class BucketReduction:
         chunk_bytes: int,
         divisor: int | None = None,
         byte_range: tuple[int, int] | None = None,
+        reply_dtype: int | None = None,
     ) -> None:
         if not ranks:
             raise ValueError("a reduction needs at least one rank")
@@ -129,6 +133,7 @@ class BucketReduction:
         self.divisor = divisor
         self._ranks = sorted(ranks)
         self.dtype = dtype
+        self.reply_dtype = dtype if reply_dtype is None else reply_dtype
         self.num_bytes = num_bytes
         self.chunk_bytes = chunk_bytes
         self._chunks: dict[int, _ChunkState] = {}
@@ -154,7 +159,7 @@ class BucketReduction:
         return self._chunks_done == self.chunks_total
 
     def add(self, rank: int, offset: int, payload: bytes | memoryview) -> memoryview | None:
-        """Fold one rank's chunk in; return the chunk's average if now complete.
+        """Fold one rank's chunk in; return the chunk's average (in `reply_dtype`) if complete.
 
         Raises:
             KeyError: `rank` is not expected in this chunk.
@@ -222,7 +227,7 @@ class BucketReduction:
         assert state.accumulator is not None  # at least one contribution was folded
         state.accumulator /= self.divisor or state.next_position
         self.last_contributors = state.next_position
-        averaged = from_accumulator(state.accumulator, self.dtype)
+        averaged = from_accumulator(state.accumulator, self.reply_dtype)
         self.buffered_bytes -= before
         del self._chunks[offset]
         self._chunks_done += 1

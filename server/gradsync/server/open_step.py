@@ -42,6 +42,12 @@ from gradsync.server.chunk_checks import check_chunk, check_range_chunk
 from gradsync.server.errors import RejectedMessage
 from gradsync.server.metrics import CoordinatorMetrics
 from gradsync.server.progress import StepProgress
+from gradsync.server.wire_replies import (
+    COMPRESSED_WIRE,
+    reply_dtype_of,
+    reply_dtype_problem,
+    reply_pieces,
+)
 from gradsync.v1 import gradsync_pb2 as pb
 
 __all__ = ["OpenStep", "StepMembership", "abort_message", "check_chunk", "check_range_chunk"]
@@ -93,14 +99,12 @@ def abort_message(
     return Send(ranks, pb.CoordinatorMessage(step_aborted=aborted))
 
 
-#: 16-bit wire dtypes a comm hook may compress a float32/float64 bucket to.
-_COMPRESSED_WIRE = (pb.DTYPE_FLOAT16, pb.DTYPE_BFLOAT16)
 _COMPRESSIBLE = (pb.DTYPE_FLOAT32, pb.DTYPE_FLOAT64)
 
 
 @dataclass
 class _Bucket:
-    """One bucket's reduction, the budget it holds, and who set its wire dtype."""
+    """One bucket's reduction, the budget it holds, and who set its wire and reply dtypes."""
 
     reduction: BucketReduction
     reservation: Reservation
@@ -224,8 +228,8 @@ class OpenStep:
         if averaged is None:
             return []
         bucket = chunk.bucket_index
-        send = self._averaged(bucket, chunk.offset, averaged)
-        return [send, *self._close_bucket_if_complete(bucket)]
+        sends = self._averaged(bucket, chunk.offset, averaged)
+        return [*sends, *self._close_bucket_if_complete(bucket)]
 
     def _fold(self, rank: int, chunk: ChunkHeader, payload: memoryview) -> memoryview | None:
         step, bucket, epoch = chunk.step, chunk.bucket_index, self._membership.epoch
@@ -269,6 +273,7 @@ class OpenStep:
             )
         held = self._buckets.get(bucket)
         wire_dtype = self._check_wire_dtype(rank, chunk, held)
+        reply_dtype = self._check_reply_dtype(rank, chunk, held, wire_dtype)
         native = self._bucket_dtypes[bucket]
         wire_bytes = (
             self._bucket_bytes[bucket] // dtypes.itemsize(native) * dtypes.itemsize(wire_dtype)
@@ -302,6 +307,7 @@ class OpenStep:
                 self._chunk_bytes,
                 self._divisor(),
                 byte_range=byte_range,
+                reply_dtype=reply_dtype,
             )
             held = self._buckets[bucket] = _Bucket(
                 reduction, self._budget.reserve(self._membership.job_id), rank
@@ -365,7 +371,7 @@ class OpenStep:
         step, bucket = chunk.step, chunk.bucket_index
         native = self._bucket_dtypes[bucket]
         if chunk.dtype != native and not (
-            chunk.dtype in _COMPRESSED_WIRE and native in _COMPRESSIBLE
+            chunk.dtype in COMPRESSED_WIRE and native in _COMPRESSIBLE
         ):
             allowed = dtypes.dtype_name(native)
             if native in _COMPRESSIBLE:
@@ -389,21 +395,56 @@ class OpenStep:
             )
         return chunk.dtype
 
-    def _averaged(self, bucket: int, offset: int, averaged: memoryview) -> Send:
-        """An averaged chunk for every live rank, encoded once."""
-        reduction = self._buckets[bucket].reduction
-        reply = encode_gradient(
-            ChunkHeader(
-                step=self.step,
-                membership_epoch=self._membership.epoch,
+    def _check_reply_dtype(
+        self, rank: int, chunk: ChunkHeader, held: _Bucket | None, wire_dtype: int
+    ) -> int:
+        """The dtype the chunk asks its average back in, if allowed and the same as the others'."""
+        step, bucket = chunk.step, chunk.bucket_index
+        reply_dtype = reply_dtype_of(chunk.reply_dtype, wire_dtype)
+        problem = reply_dtype_problem(reply_dtype, wire_dtype, self._bucket_dtypes[bucket])
+        if problem is not None:
+            raise RejectedMessage(
+                Code.INVALID_ARGUMENT,
+                f"rank {rank} sent bucket {bucket} of step {step} and {problem}",
+                step=step,
                 bucket_index=bucket,
-                offset=offset,
-                dtype=reduction.dtype,
-                contributors=reduction.last_contributors,
-            ),
-            averaged,
-        )
-        return Send(self.participants(), reply)
+            )
+        # One reply serves every rank, so the first chunk's choice binds the others.
+        if held is not None and reply_dtype != held.reduction.reply_dtype:
+            raise RejectedMessage(
+                Code.INVALID_ARGUMENT,
+                f"rank {rank} asked for the average of bucket {bucket} of step {step} as "
+                f"{dtypes.dtype_name(reply_dtype)}, but rank {held.first_rank} asked for "
+                f"{dtypes.dtype_name(held.reduction.reply_dtype)} (every rank must use the "
+                "same wire_answer_dtype)",
+                step=step,
+                bucket_index=bucket,
+            )
+        return reply_dtype
+
+    def _averaged(self, bucket: int, offset: int, averaged: memoryview) -> list[Send]:
+        """The averaged chunk for every live rank, encoded once (as pieces for a float32 reply)."""
+        reduction = self._buckets[bucket].reduction
+        participants = self.participants()
+        return [
+            Send(
+                participants,
+                encode_gradient(
+                    ChunkHeader(
+                        step=self.step,
+                        membership_epoch=self._membership.epoch,
+                        bucket_index=bucket,
+                        offset=piece_offset,
+                        dtype=reduction.reply_dtype,
+                        contributors=reduction.last_contributors,
+                    ),
+                    piece,
+                ),
+            )
+            for piece_offset, piece in reply_pieces(
+                offset, averaged, reduction.dtype, reduction.reply_dtype, self._chunk_bytes
+            )
+        ]
 
     def _close_bucket_if_complete(self, bucket: int) -> list[Action]:
         """Once every chunk of `bucket` went out: count it, and close the step after the last.
@@ -416,7 +457,9 @@ class OpenStep:
             return []
         self._buckets_done += 1
         if self._metrics is not None and self.progress is not None:
-            sent = self._buckets[bucket].reduction.range_bytes * len(self.participants())
+            reduction = self._buckets[bucket].reduction
+            widening = dtypes.itemsize(reduction.reply_dtype) // dtypes.itemsize(reduction.dtype)
+            sent = reduction.range_bytes * widening * len(self.participants())
             self._metrics.observe_bucket_done(self.progress.bucket_age(bucket), sent)
         if self._buckets_done != len(self._bucket_bytes):
             return []
@@ -445,7 +488,8 @@ class OpenStep:
         for bucket, held in list(self._buckets.items()):
             completed = held.reduction.drop_rank(lost)
             held.account()
-            actions += [self._averaged(bucket, offset, averaged) for offset, averaged in completed]
+            for offset, averaged in completed:
+                actions += self._averaged(bucket, offset, averaged)
             if completed:
                 actions += self._close_bucket_if_complete(bucket)
             if self.step != step:

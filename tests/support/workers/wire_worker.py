@@ -1,9 +1,10 @@
-"""One rank of the 16-bit wire fidelity test: one backward pass per wire dtype.
+"""One rank of the 16-bit wire fidelity test: one backward pass per wire configuration.
 
 The model's parameters p_i enter the loss as sum(p_i * g_i), so the local
 gradient of p_i is exactly g_i, this rank's `wire_reference.spread_gradients`.
-For each wire dtype the rank writes the gradients the wrapper left in `.grad`
-("<dtype>/<i>") and the local ones it started from ("local/<i>"), so the test
+For each wire configuration (a 16-bit dtype, answered in it or, "-fp32", in
+float32: `wire_answer_dtype`) the rank writes the gradients the wrapper left in
+`.grad` ("<configuration>/<i>") and the local ones it started from ("local/<i>"), so the test
 recomputes the references from what the ranks really had.
 """
 
@@ -23,7 +24,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from support import wire_reference
 
-WIRE_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16}
+#: name: (wire_dtype, wire_answer_dtype), one job each.
+CONFIGURATIONS = {
+    "bfloat16": (torch.bfloat16, None),
+    "float16": (torch.float16, None),
+    "bfloat16-fp32": (torch.bfloat16, torch.float32),
+    "float16-fp32": (torch.float16, torch.float32),
+}
 
 
 def main() -> int:
@@ -39,7 +46,7 @@ def main() -> int:
 
     local = wire_reference.spread_gradients(args.rank)
     saved = {f"local/{i}": gradient.numpy() for i, gradient in enumerate(local)}
-    for name, wire_dtype in WIRE_DTYPES.items():
+    for name, (wire_dtype, answer_dtype) in CONFIGURATIONS.items():
         parameters = nn.ParameterList(nn.Parameter(torch.zeros_like(g)) for g in local)
         model = gradsync.DistributedDataParallel(
             parameters,
@@ -52,6 +59,7 @@ def main() -> int:
             timeout_s=60,
             join_timeout_s=60,
             wire_dtype=wire_dtype,
+            wire_answer_dtype=answer_dtype,
         )
         loss = sum((p * g).sum() for p, g in zip(parameters, local, strict=True))
         loss.backward()
