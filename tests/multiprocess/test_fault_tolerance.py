@@ -277,6 +277,7 @@ def test_require_checkpoint_fails_fast_when_the_store_is_down_at_start(
         assert report is not None and report["status"] == "JoinRefusedError"
         assert "--require-checkpoint is set" in report["message"], report["message"]
         assert "Connection refused" in report["message"]
+        assert "from scratch" in report["message"]
 
 
 @pytest.mark.timeout(120)

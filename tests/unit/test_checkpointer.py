@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import asyncio
+from pathlib import Path
 
 from gradsync.protocol.codes import Code
 from gradsync.server.actions import Persist, Send, Terminate
 from gradsync.server.budget import ByteBudget
 from gradsync.server.checkpoint import Checkpoint, CheckpointError
+from gradsync.server.checkpoint_file import FileCheckpointStore
 from gradsync.server.checkpointer import Checkpointer
 from gradsync.server.config import ServerConfig
 from gradsync.server.job import Job
@@ -60,3 +62,25 @@ def test_a_required_checkpoint_that_fails_ends_the_job_by_cause() -> None:
     assert end.code is Code.FAILED_PRECONDITION
     assert end.reason == pb.END_REASON_CHECKPOINT_FAILED
     assert "--require-checkpoint is set" in end.details
+
+
+def test_an_unreadable_store_refuses_the_job_instead_of_starting_it_from_scratch(
+    tmp_path: Path,
+) -> None:
+    """A real file store whose only checkpoint is damaged: starting at step 0 would save
+    over it (and prune it), so the job is refused and the blob stays where it is."""
+    store = FileCheckpointStore(tmp_path / "checkpoints")
+    store.save(
+        Checkpoint(job_id="job", step=50, membership_epoch=0, payload=b"state" * 100, metadata={})
+    )
+    (blob,) = [p for p in store.job_directory("job").iterdir() if "50" in p.name]
+    damaged = bytearray(blob.read_bytes())
+    damaged[-10:] = bytes(10)
+    blob.write_bytes(bytes(damaged))
+    config = ServerConfig(world_size=2, checkpoint_store=str(tmp_path / "checkpoints"))
+    resume, problem = Checkpointer(config, store).load_resume("job")
+    assert resume is None and problem is not None
+    code, message = problem
+    assert code is Code.FAILED_PRECONDITION
+    assert "job 'job'" in message and "from scratch" in message and "--job-id" in message
+    assert blob.read_bytes() == bytes(damaged)  # nothing was deleted or overwritten

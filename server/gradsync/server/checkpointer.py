@@ -53,14 +53,26 @@ class Checkpointer:
             # Blocking, but only once per job, when its first rank joins.
             checkpoint = self.store.load_latest(job_id)
         except CheckpointError as exc:
-            if self.config.require_checkpoint or self.config.resume:
-                flag = "--require-checkpoint" if self.config.require_checkpoint else "--resume"
-                return None, (
-                    Code.FAILED_PRECONDITION,
-                    f"cannot read checkpoints of job '{job_id}' and {flag} is set: {exc}",
+            # Never "start fresh" here: the job's first save would be step 0's and the
+            # store's pruning would then delete the newer, acknowledged checkpoints
+            # that could not be read just now (a Redis outage, a damaged file).
+            flags = [
+                flag
+                for flag, on in (
+                    ("--require-checkpoint", self.config.require_checkpoint),
+                    ("--resume", self.config.resume),
                 )
-            log.warning("job '%s': cannot read checkpoints, starting fresh: %s", job_id, exc)
-            return None, None
+                if on
+            ]
+            also = f" ({' and '.join(flags)} is set)" if flags else ""
+            return None, (
+                Code.FAILED_PRECONDITION,
+                f"cannot read the checkpoints of job '{job_id}' from "
+                f"{self.store.description}{also}: {exc}; refusing to start it from scratch, "
+                "which would replace newer checkpoints with step 0's. Bring the store back "
+                "(or repair it), then start the workers again; to start over on purpose, "
+                "use another --job-id or --checkpoint-store",
+            )
         if checkpoint is None:
             if self.config.resume:
                 return None, (
