@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -20,6 +21,9 @@ from gradsync.server.job import Job
 from gradsync.v1 import gradsync_pb2 as pb
 
 log = logging.getLogger("gradsync.server")
+
+#: How long a stream that ends waits for a write in flight before cancelling it.
+WRITER_STOP_S = 1.0
 
 
 def _default_reason(code: Code) -> pb.EndReason:
@@ -105,3 +109,40 @@ class Connection:
             log.info("writing to %s (rank %s) failed: %s", self.peer, self.rank, exc)
             if not ended.done():
                 ended.set_result(End(Code.UNAVAILABLE, f"write failed: {exc}"))
+
+    async def serve(
+        self,
+        reading: Awaitable[None],
+        context: Any,
+        flush_s: float,
+        detach: Callable[[], None],
+    ) -> End | None:
+        """Run one stream: `reading` consumes the requests while the outbox is written.
+
+        Returns once the reader finishes or the stream is ended (after flushing what
+        was queued, for at most `flush_s`), with the `End` it ended with (None when
+        the reader finished first). `detach` forgets the connection, before both
+        tasks are reaped so that none is reported pending at exit.
+        """
+        ended: asyncio.Future[End] = asyncio.get_running_loop().create_future()
+        reader = asyncio.ensure_future(reading)
+        writer = asyncio.create_task(self.drain(context, ended))
+        try:
+            pending: list[asyncio.Future[Any]] = [reader, ended]
+            await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+            if not ended.done() and self.ended:
+                # The stream is to end (goodbye or refusal): flush what is queued first.
+                await asyncio.wait({ended}, timeout=flush_s)
+        finally:
+            reader.cancel()
+            if not writer.done():
+                # Let a write in flight finish rather than cancel it half-way: that
+                # leaves an operation pending in gRPC's core, which then logs an
+                # ExecuteBatchError ("too many operations") when the handler returns.
+                # A peer that is gone makes the write fail at once.
+                self.outbox.put_nowait(End(Code.OK, ""))
+                await asyncio.wait({writer}, timeout=WRITER_STOP_S)
+            writer.cancel()
+            detach()
+            await asyncio.gather(reader, writer, return_exceptions=True)
+        return ended.result() if ended.done() and not ended.cancelled() else None

@@ -29,7 +29,6 @@ import asyncio
 import logging
 import time
 from collections.abc import AsyncIterator, Callable
-from typing import Any
 
 import grpc
 from google.protobuf.message import DecodeError
@@ -40,7 +39,7 @@ from gradsync.server.budget import ByteBudget
 from gradsync.server.checkpoint import CheckpointStore
 from gradsync.server.checkpointer import Checkpointer
 from gradsync.server.config import ServerConfig
-from gradsync.server.connection import Connection, End
+from gradsync.server.connection import Connection
 from gradsync.server.errors import RejectedMessage
 from gradsync.server.job import Job, JobState
 from gradsync.server.metrics import CoordinatorMetrics
@@ -54,8 +53,6 @@ log = logging.getLogger("gradsync.server")
 SERVICE_NAME = "gradsync.v1.Coordinator"
 _STATUS_BY_CODE = {status.value[0]: status for status in grpc.StatusCode}
 _MAX_JOB_ID_CHARS = 128
-#: How long a closing stream waits for a write in flight before cancelling it.
-_WRITER_STOP_S = 1.0
 #: After the drain grace, how long streams ended for shutdown get to flush their last messages.
 SHUTDOWN_FLUSH_S = 1.0
 _SHUTTING_DOWN = "the coordinator is shutting down"
@@ -182,31 +179,15 @@ class CoordinatorServicer:
         """Serve one worker stream until it leaves, fails, or is ended."""
         conn = Connection(context.peer(), self.config.max_outbox_bytes)
         self._streams.add(conn)
-        ended: asyncio.Future[End] = asyncio.get_running_loop().create_future()
-        reader = asyncio.create_task(self._read_loop(conn, request_iterator))
-        writer = asyncio.create_task(conn.drain(context, ended))
-        try:
-            pending: list[asyncio.Future[Any]] = [reader, ended]
-            await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
-            if not ended.done() and conn.ended:
-                # The stream is to end (goodbye or refusal): flush what is queued first.
-                await asyncio.wait({ended}, timeout=self.config.shutdown_grace_s)
-        finally:
-            reader.cancel()
-            if not writer.done():
-                # Let a write in flight finish rather than cancel it half-way: that
-                # leaves an operation pending in gRPC's core, which then logs an
-                # ExecuteBatchError ("too many operations") when the handler returns.
-                # A peer that is gone makes the write fail at once.
-                conn.outbox.put_nowait(End(Code.OK, ""))
-                await asyncio.wait({writer}, timeout=_WRITER_STOP_S)
-            writer.cancel()
+
+        def detach() -> None:
             self._detach(conn)
             self._streams.discard(conn)
-            # Reap both tasks, so that none is reported pending or unretrieved at exit.
-            await asyncio.gather(reader, writer, return_exceptions=True)
-        if ended.done() and not ended.cancelled() and ended.result().code is not Code.OK:
-            end = ended.result()
+
+        end = await conn.serve(
+            self._read_loop(conn, request_iterator), context, self.config.shutdown_grace_s, detach
+        )
+        if end is not None and end.code is not Code.OK:
             context.set_code(_STATUS_BY_CODE[int(end.code)])
             context.set_details(end.details)
 

@@ -21,14 +21,13 @@ import asyncio
 import logging
 import time
 from collections.abc import AsyncIterator, Callable
-from typing import Any
 
 import grpc
 from google.protobuf.message import DecodeError
 from gradsync.protocol.codec import ChunkHeader, decode_gradient, header_of
 from gradsync.protocol.codes import Code
 from gradsync.server.budget import ByteBudget
-from gradsync.server.connection import Connection, End
+from gradsync.server.connection import Connection
 from gradsync.server.errors import RejectedMessage
 from gradsync.server.shard_config import ShardConfig
 from gradsync.server.shard_metrics import ShardMetrics
@@ -39,8 +38,6 @@ log = logging.getLogger("gradsync.shard")
 
 SERVICE_NAME = "gradsync.v1.Shard"
 _STATUS_BY_CODE = {status.value[0]: status for status in grpc.StatusCode}
-#: How long a closing stream waits for a write in flight before cancelling it.
-_WRITER_STOP_S = 1.0
 #: How long a stream that is to end gets to flush what is queued for it.
 _FLUSH_S = 1.0
 
@@ -233,27 +230,14 @@ class ShardServicer:
         """Serve one worker's data stream until it leaves, fails, or is ended."""
         conn = DataStream(context.peer(), self.config.max_outbox_bytes)
         self._streams.add(conn)
-        ended: asyncio.Future[End] = asyncio.get_running_loop().create_future()
-        reader = asyncio.create_task(self._read_loop(conn, request_iterator))
-        writer = asyncio.create_task(conn.drain(context, ended))
-        try:
-            pending: list[asyncio.Future[Any]] = [reader, ended]
-            await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
-            if not ended.done() and conn.ended:
-                await asyncio.wait({ended}, timeout=_FLUSH_S)
-        finally:
-            reader.cancel()
-            if not writer.done():
-                # Let a write in flight finish (see CoordinatorServicer.sync for why).
-                conn.outbox.put_nowait(End(Code.OK, ""))
-                await asyncio.wait({writer}, timeout=_WRITER_STOP_S)
-            writer.cancel()
+
+        def detach() -> None:
             if conn.job_id is not None and self._connections.get((conn.job_id, conn.rank)) is conn:
                 del self._connections[(conn.job_id, conn.rank)]
             self._streams.discard(conn)
-            await asyncio.gather(reader, writer, return_exceptions=True)
-        if ended.done() and not ended.cancelled() and ended.result().code is not Code.OK:
-            end = ended.result()
+
+        end = await conn.serve(self._read_loop(conn, request_iterator), context, _FLUSH_S, detach)
+        if end is not None and end.code is not Code.OK:
             context.set_code(_STATUS_BY_CODE[int(end.code)])
             context.set_details(end.details)
 
