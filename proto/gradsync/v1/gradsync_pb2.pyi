@@ -42,6 +42,7 @@ class AbortReason(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     ABORT_REASON_MESSAGE_REJECTED: _ClassVar[AbortReason]
     ABORT_REASON_PEER_MESSAGE_REJECTED: _ClassVar[AbortReason]
     ABORT_REASON_PEER_LOST: _ClassVar[AbortReason]
+    ABORT_REASON_NONFINITE: _ClassVar[AbortReason]
 
 class EndReason(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
@@ -77,6 +78,7 @@ ABORT_REASON_UNSPECIFIED: AbortReason
 ABORT_REASON_MESSAGE_REJECTED: AbortReason
 ABORT_REASON_PEER_MESSAGE_REJECTED: AbortReason
 ABORT_REASON_PEER_LOST: AbortReason
+ABORT_REASON_NONFINITE: AbortReason
 END_REASON_UNSPECIFIED: EndReason
 END_REASON_DECLARED_DEAD: EndReason
 END_REASON_CHECKPOINT_FAILED: EndReason
@@ -303,19 +305,21 @@ class WorkerMessage(_message.Message):
     def __init__(self, join: _Optional[_Union[Join, _Mapping]] = ..., gradient: _Optional[_Union[GradientChunk, _Mapping]] = ..., state: _Optional[_Union[StateChunk, _Mapping]] = ..., leave: _Optional[_Union[Leave, _Mapping]] = ..., heartbeat: _Optional[_Union[Heartbeat, _Mapping]] = ..., checkpoint: _Optional[_Union[CheckpointChunk, _Mapping]] = ..., abandon: _Optional[_Union[AbandonStep, _Mapping]] = ..., collective: _Optional[_Union[CollectiveChunk, _Mapping]] = ..., out_of_inputs: _Optional[_Union[OutOfInputs, _Mapping]] = ..., shard_hello: _Optional[_Union[ShardHello, _Mapping]] = ...) -> None: ...
 
 class ShardHello(_message.Message):
-    __slots__ = ("job_id", "rank", "incarnation", "shard_index")
+    __slots__ = ("job_id", "rank", "incarnation", "shard_index", "session")
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
     RANK_FIELD_NUMBER: _ClassVar[int]
     INCARNATION_FIELD_NUMBER: _ClassVar[int]
     SHARD_INDEX_FIELD_NUMBER: _ClassVar[int]
+    SESSION_FIELD_NUMBER: _ClassVar[int]
     job_id: str
     rank: int
     incarnation: str
     shard_index: int
-    def __init__(self, job_id: _Optional[str] = ..., rank: _Optional[int] = ..., incarnation: _Optional[str] = ..., shard_index: _Optional[int] = ...) -> None: ...
+    session: bytes
+    def __init__(self, job_id: _Optional[str] = ..., rank: _Optional[int] = ..., incarnation: _Optional[str] = ..., shard_index: _Optional[int] = ..., session: _Optional[bytes] = ...) -> None: ...
 
 class Welcome(_message.Message):
-    __slots__ = ("job_id", "world_size", "membership_epoch", "start_step", "chunk_bytes", "max_message_bytes", "state_bytes", "resume_bytes", "heartbeat_interval_s", "checkpoint_every_steps", "next_collective", "shards")
+    __slots__ = ("job_id", "world_size", "membership_epoch", "start_step", "chunk_bytes", "max_message_bytes", "state_bytes", "resume_bytes", "heartbeat_interval_s", "checkpoint_every_steps", "next_collective", "shards", "session")
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
     WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
     MEMBERSHIP_EPOCH_FIELD_NUMBER: _ClassVar[int]
@@ -328,6 +332,7 @@ class Welcome(_message.Message):
     CHECKPOINT_EVERY_STEPS_FIELD_NUMBER: _ClassVar[int]
     NEXT_COLLECTIVE_FIELD_NUMBER: _ClassVar[int]
     SHARDS_FIELD_NUMBER: _ClassVar[int]
+    SESSION_FIELD_NUMBER: _ClassVar[int]
     job_id: str
     world_size: int
     membership_epoch: int
@@ -340,7 +345,8 @@ class Welcome(_message.Message):
     checkpoint_every_steps: int
     next_collective: int
     shards: _containers.RepeatedCompositeFieldContainer[ShardAddress]
-    def __init__(self, job_id: _Optional[str] = ..., world_size: _Optional[int] = ..., membership_epoch: _Optional[int] = ..., start_step: _Optional[int] = ..., chunk_bytes: _Optional[int] = ..., max_message_bytes: _Optional[int] = ..., state_bytes: _Optional[int] = ..., resume_bytes: _Optional[int] = ..., heartbeat_interval_s: _Optional[float] = ..., checkpoint_every_steps: _Optional[int] = ..., next_collective: _Optional[int] = ..., shards: _Optional[_Iterable[_Union[ShardAddress, _Mapping]]] = ...) -> None: ...
+    session: bytes
+    def __init__(self, job_id: _Optional[str] = ..., world_size: _Optional[int] = ..., membership_epoch: _Optional[int] = ..., start_step: _Optional[int] = ..., chunk_bytes: _Optional[int] = ..., max_message_bytes: _Optional[int] = ..., state_bytes: _Optional[int] = ..., resume_bytes: _Optional[int] = ..., heartbeat_interval_s: _Optional[float] = ..., checkpoint_every_steps: _Optional[int] = ..., next_collective: _Optional[int] = ..., shards: _Optional[_Iterable[_Union[ShardAddress, _Mapping]]] = ..., session: _Optional[bytes] = ...) -> None: ...
 
 class ShardAddress(_message.Message):
     __slots__ = ("index", "address")
@@ -447,7 +453,7 @@ class LateRank(_message.Message):
     def __init__(self, rank: _Optional[int] = ..., bucket_indices: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class JobStatus(_message.Message):
-    __slots__ = ("job_id", "state", "world_size", "membership_epoch", "open_step", "steps_completed", "members", "late", "step_age_s", "last_checkpoint_step", "ended", "ended_s_ago", "outcome")
+    __slots__ = ("job_id", "state", "world_size", "membership_epoch", "open_step", "steps_completed", "members", "late", "step_age_s", "last_checkpoint_step", "ended", "ended_s_ago", "outcome", "nonfinite_contributions", "last_nonfinite")
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELD_NUMBER: _ClassVar[int]
     WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -461,6 +467,8 @@ class JobStatus(_message.Message):
     ENDED_FIELD_NUMBER: _ClassVar[int]
     ENDED_S_AGO_FIELD_NUMBER: _ClassVar[int]
     OUTCOME_FIELD_NUMBER: _ClassVar[int]
+    NONFINITE_CONTRIBUTIONS_FIELD_NUMBER: _ClassVar[int]
+    LAST_NONFINITE_FIELD_NUMBER: _ClassVar[int]
     job_id: str
     state: str
     world_size: int
@@ -474,7 +482,9 @@ class JobStatus(_message.Message):
     ended: bool
     ended_s_ago: float
     outcome: str
-    def __init__(self, job_id: _Optional[str] = ..., state: _Optional[str] = ..., world_size: _Optional[int] = ..., membership_epoch: _Optional[int] = ..., open_step: _Optional[int] = ..., steps_completed: _Optional[int] = ..., members: _Optional[_Iterable[_Union[MemberStatus, _Mapping]]] = ..., late: _Optional[_Iterable[_Union[LateRank, _Mapping]]] = ..., step_age_s: _Optional[float] = ..., last_checkpoint_step: _Optional[int] = ..., ended: _Optional[bool] = ..., ended_s_ago: _Optional[float] = ..., outcome: _Optional[str] = ...) -> None: ...
+    nonfinite_contributions: int
+    last_nonfinite: str
+    def __init__(self, job_id: _Optional[str] = ..., state: _Optional[str] = ..., world_size: _Optional[int] = ..., membership_epoch: _Optional[int] = ..., open_step: _Optional[int] = ..., steps_completed: _Optional[int] = ..., members: _Optional[_Iterable[_Union[MemberStatus, _Mapping]]] = ..., late: _Optional[_Iterable[_Union[LateRank, _Mapping]]] = ..., step_age_s: _Optional[float] = ..., last_checkpoint_step: _Optional[int] = ..., ended: _Optional[bool] = ..., ended_s_ago: _Optional[float] = ..., outcome: _Optional[str] = ..., nonfinite_contributions: _Optional[int] = ..., last_nonfinite: _Optional[str] = ...) -> None: ...
 
 class StatusReply(_message.Message):
     __slots__ = ("jobs", "heartbeat_timeout_s", "shards")
@@ -537,12 +547,14 @@ class ShardAccepted(_message.Message):
     def __init__(self, shard_index: _Optional[int] = ..., shard_count: _Optional[int] = ..., heartbeat_interval_s: _Optional[float] = ..., heartbeat_timeout_s: _Optional[float] = ...) -> None: ...
 
 class ShardMember(_message.Message):
-    __slots__ = ("rank", "incarnation")
+    __slots__ = ("rank", "incarnation", "session")
     RANK_FIELD_NUMBER: _ClassVar[int]
     INCARNATION_FIELD_NUMBER: _ClassVar[int]
+    SESSION_FIELD_NUMBER: _ClassVar[int]
     rank: int
     incarnation: str
-    def __init__(self, rank: _Optional[int] = ..., incarnation: _Optional[str] = ...) -> None: ...
+    session: bytes
+    def __init__(self, rank: _Optional[int] = ..., incarnation: _Optional[str] = ..., session: _Optional[bytes] = ...) -> None: ...
 
 class ShardJobView(_message.Message):
     __slots__ = ("job_id", "world_size", "membership_epoch", "members", "out_of_inputs", "start_step", "buckets", "chunk_bytes", "shard_count")
@@ -601,20 +613,36 @@ class LeaderMessage(_message.Message):
     def __init__(self, accepted: _Optional[_Union[ShardAccepted, _Mapping]] = ..., job: _Optional[_Union[ShardJobView, _Mapping]] = ..., abort: _Optional[_Union[ShardAbort, _Mapping]] = ..., job_end: _Optional[_Union[ShardJobEnd, _Mapping]] = ..., heartbeat: _Optional[_Union[Heartbeat, _Mapping]] = ..., stream_end: _Optional[_Union[StreamEnd, _Mapping]] = ...) -> None: ...
 
 class ShardRejected(_message.Message):
-    __slots__ = ("job_id", "rank", "step", "bucket_index", "code", "message")
+    __slots__ = ("job_id", "rank", "step", "bucket_index", "code", "message", "reason")
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
     RANK_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
     BUCKET_INDEX_FIELD_NUMBER: _ClassVar[int]
     CODE_FIELD_NUMBER: _ClassVar[int]
     MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
     job_id: str
     rank: int
     step: int
     bucket_index: int
     code: int
     message: str
-    def __init__(self, job_id: _Optional[str] = ..., rank: _Optional[int] = ..., step: _Optional[int] = ..., bucket_index: _Optional[int] = ..., code: _Optional[int] = ..., message: _Optional[str] = ...) -> None: ...
+    reason: AbortReason
+    def __init__(self, job_id: _Optional[str] = ..., rank: _Optional[int] = ..., step: _Optional[int] = ..., bucket_index: _Optional[int] = ..., code: _Optional[int] = ..., message: _Optional[str] = ..., reason: _Optional[_Union[AbortReason, str]] = ...) -> None: ...
+
+class ShardNonFinite(_message.Message):
+    __slots__ = ("job_id", "rank", "step", "bucket_index", "message")
+    JOB_ID_FIELD_NUMBER: _ClassVar[int]
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    BUCKET_INDEX_FIELD_NUMBER: _ClassVar[int]
+    MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    job_id: str
+    rank: int
+    step: int
+    bucket_index: int
+    message: str
+    def __init__(self, job_id: _Optional[str] = ..., rank: _Optional[int] = ..., step: _Optional[int] = ..., bucket_index: _Optional[int] = ..., message: _Optional[str] = ...) -> None: ...
 
 class ShardStats(_message.Message):
     __slots__ = ("bytes_received", "bytes_sent", "buckets_completed", "mean_bucket_s", "buffered_bytes", "connections")
@@ -633,11 +661,13 @@ class ShardStats(_message.Message):
     def __init__(self, bytes_received: _Optional[int] = ..., bytes_sent: _Optional[int] = ..., buckets_completed: _Optional[int] = ..., mean_bucket_s: _Optional[float] = ..., buffered_bytes: _Optional[int] = ..., connections: _Optional[int] = ...) -> None: ...
 
 class ShardMessage(_message.Message):
-    __slots__ = ("register", "rejected", "stats")
+    __slots__ = ("register", "rejected", "stats", "nonfinite")
     REGISTER_FIELD_NUMBER: _ClassVar[int]
     REJECTED_FIELD_NUMBER: _ClassVar[int]
     STATS_FIELD_NUMBER: _ClassVar[int]
+    NONFINITE_FIELD_NUMBER: _ClassVar[int]
     register: ShardRegister
     rejected: ShardRejected
     stats: ShardStats
-    def __init__(self, register: _Optional[_Union[ShardRegister, _Mapping]] = ..., rejected: _Optional[_Union[ShardRejected, _Mapping]] = ..., stats: _Optional[_Union[ShardStats, _Mapping]] = ...) -> None: ...
+    nonfinite: ShardNonFinite
+    def __init__(self, register: _Optional[_Union[ShardRegister, _Mapping]] = ..., rejected: _Optional[_Union[ShardRejected, _Mapping]] = ..., stats: _Optional[_Union[ShardStats, _Mapping]] = ..., nonfinite: _Optional[_Union[ShardNonFinite, _Mapping]] = ...) -> None: ...
