@@ -1,0 +1,91 @@
+"""The shared secret both ends of gradsync authenticate with.
+
+A token is read from a file (`--token-file`) or the `GRADSYNC_TOKEN`
+environment variable, never taken from the command line (where every user of
+the host could read it in the process list). Workers, shards and `gradsync
+status` send it as gRPC metadata on every call; the coordinator and shards
+compare it in constant time before any handler runs. The same token keys the
+coordinator's checkpoint MACs (`derive_key`), so a checkpoint planted in the
+store by someone without the token is refused at load.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+from collections.abc import Iterable
+from pathlib import Path
+
+#: Environment variable holding the token itself.
+ENV_TOKEN = "GRADSYNC_TOKEN"
+#: Environment variable naming a file that holds the token.
+ENV_TOKEN_FILE = "GRADSYNC_TOKEN_FILE"
+#: gRPC metadata key the token travels in (lower case, as HTTP/2 requires).
+METADATA_KEY = "authorization"
+#: Scheme prefix of the metadata value.
+SCHEME = "Bearer "
+#: Shorter tokens are refused: a guessable secret protects nothing.
+MIN_TOKEN_CHARS = 16
+#: Longer tokens are refused (a token is a secret, not a document).
+MAX_TOKEN_CHARS = 4096
+
+
+class TokenError(ValueError):
+    """A token file or value is unusable; the message says which and why."""
+
+
+def check_token(token: str, source: str) -> str:
+    """The token with surrounding whitespace removed, or TokenError naming `source`."""
+    cleaned = token.strip()
+    if len(cleaned) < MIN_TOKEN_CHARS:
+        raise TokenError(
+            f"the token from {source} has {len(cleaned)} characters, fewer than "
+            f"{MIN_TOKEN_CHARS}: make one with `python -c 'import secrets; "
+            f"print(secrets.token_urlsafe(32))'`"
+        )
+    if len(cleaned) > MAX_TOKEN_CHARS:
+        raise TokenError(f"the token from {source} is longer than {MAX_TOKEN_CHARS} characters")
+    if not cleaned.isprintable() or any(ch.isspace() for ch in cleaned):
+        raise TokenError(f"the token from {source} contains whitespace or control characters")
+    return cleaned
+
+
+def read_token_file(path: str | Path) -> str:
+    """The token stored in `path` (one line), or TokenError naming the file."""
+    try:
+        text = Path(path).read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        raise TokenError(f"cannot read the token file {str(path)!r}: {exc}") from exc
+    return check_token(text, f"the file {str(path)!r}")
+
+
+def metadata(token: str | None) -> tuple[tuple[str, str], ...]:
+    """gRPC call metadata carrying `token` (empty without one)."""
+    return () if token is None else ((METADATA_KEY, SCHEME + token),)
+
+
+def presented_token(invocation_metadata: Iterable[tuple[str, str | bytes]] | None) -> str | None:
+    """The token a caller sent in its metadata, or None."""
+    for key, value in invocation_metadata or ():
+        if key == METADATA_KEY:
+            text = value.decode("utf-8", "replace") if isinstance(value, bytes) else value
+            return text[len(SCHEME) :] if text.startswith(SCHEME) else text
+    return None
+
+
+def token_matches(expected: str, presented: str | None) -> bool:
+    """True when `presented` equals `expected`, compared in constant time."""
+    if presented is None:
+        return False
+    return hmac.compare_digest(expected.encode("utf-8"), presented.encode("utf-8"))
+
+
+def derive_key(token: str, purpose: str) -> bytes:
+    """A 32-byte key for `purpose` (e.g. "checkpoint"), derived from the token.
+
+    Keys for different purposes are independent, so a MAC made for one can never
+    be replayed as another, and the token itself is never used as a key.
+    """
+    return hmac.new(
+        token.encode("utf-8"), b"gradsync/" + purpose.encode("utf-8"), hashlib.sha256
+    ).digest()
