@@ -3,6 +3,15 @@
 # (`docker run IMAGE worker --coordinator HOST:PORT --rank R --world-size N`) and the
 # coordinator shards (`docker run IMAGE shard --leader HOST:PORT --advertise ME:50051`).
 #
+# The default command listens on every interface, so it needs a token (protected mode: it
+# exits 2 without one). Give it as a file, never on the command line:
+#   docker run -v gradsync-token:/var/lib/gradsync \
+#       IMAGE token /var/lib/gradsync/token --keep          # once: writes a random token
+#   docker run -v gradsync-token:/var/lib/gradsync:ro \
+#       -e GRADSYNC_TOKEN_FILE=/var/lib/gradsync/token -p 50051:50051 IMAGE
+# Workers and shards read the same variable; add --tls-cert/--tls-key (serve) and
+# $GRADSYNC_TLS_CA (workers) across hosts. See SECURITY.md.
+#
 # Two stages: the builder turns the source into a wheel and installs it with its
 # dependencies into a venv; the runtime stage copies only that venv, so no compiler,
 # pip cache or source tree ships.
@@ -35,15 +44,17 @@ COPY --from=builder /opt/venv /opt/venv
 ENV PATH=/opt/venv/bin:$PATH \
     PYTHONUNBUFFERED=1 \
     PROMETHEUS_DISABLE_CREATED_SERIES=True
-RUN useradd --create-home --uid 10001 --user-group gradsync
+RUN useradd --create-home --uid 10001 --user-group gradsync \
+    && mkdir -p /var/lib/gradsync && chown gradsync:gradsync /var/lib/gradsync && chmod 700 /var/lib/gradsync
 USER gradsync
 WORKDIR /home/gradsync
 # 50051: the coordinator's (or a shard's) gRPC port; 9100: Prometheus metrics (all roles).
 EXPOSE 50051 9100
 # Our own probe (grpc.health.v1 through grpcio-health-checking, a dependency already): exits 0
 # only while the coordinator reports SERVING, so a draining coordinator turns unhealthy.
-# Worker containers have no coordinator inside: they must disable this check.
+# Worker containers have no coordinator inside: they must disable this check. The probe sends
+# the token of $GRADSYNC_TOKEN_FILE / $GRADSYNC_TOKEN, like every call to a coordinator.
 HEALTHCHECK --interval=10s --timeout=5s --start-period=30s --retries=3 \
     CMD ["python", "-m", "gradsync.healthcheck", "127.0.0.1:50051"]
 ENTRYPOINT ["gradsync"]
-CMD ["serve", "--world-size", "3", "--port", "50051", "--metrics-port", "9100"]
+CMD ["serve", "--world-size", "3", "--host", "0.0.0.0", "--port", "50051", "--metrics-port", "9100"]

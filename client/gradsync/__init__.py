@@ -17,7 +17,9 @@ from typing import TYPE_CHECKING, Any
 __version__ = "0.1.0"
 
 from gradsync.errors import (
+    AuthenticationError,
     CheckpointFailedError,
+    CheckpointMismatchError,
     ClosedError,
     CoordinatorRestartedError,
     CoordinatorUnavailableError,
@@ -25,11 +27,13 @@ from gradsync.errors import (
     GradSyncError,
     JoinRefusedError,
     MessageRejectedError,
+    NonFiniteGradientError,
     PeerLostError,
     ResourceExhaustedError,
     ShardUnavailableError,
     StepAbortedError,
     SyncTimeoutError,
+    TransportSecurityError,
 )
 
 if TYPE_CHECKING:
@@ -61,7 +65,9 @@ def __getattr__(name: str) -> Any:
 
 
 __all__ = [
+    "AuthenticationError",
     "CheckpointFailedError",
+    "CheckpointMismatchError",
     "ClosedError",
     "CoordinatorRestartedError",
     "CoordinatorUnavailableError",
@@ -70,11 +76,13 @@ __all__ = [
     "GradSyncError",
     "JoinRefusedError",
     "MessageRejectedError",
+    "NonFiniteGradientError",
     "PeerLostError",
     "ResourceExhaustedError",
     "ShardUnavailableError",
     "StepAbortedError",
     "SyncTimeoutError",
+    "TransportSecurityError",
     "__version__",
     "collectives",
     "convert_sync_batchnorm",

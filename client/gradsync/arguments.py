@@ -16,7 +16,7 @@ import os
 
 from gradsync import __version__, flags
 from gradsync.config import ENV_COORDINATOR, ENV_JOB_ID, ENV_RANK, ENV_WORLD_SIZE
-from gradsync.protocol import defaults
+from gradsync.protocol import auth, defaults
 from gradsync.protocol.defaults import MIB
 
 #: The benchmark suites `gradsync bench --suites` chooses from.
@@ -40,7 +40,11 @@ def build_parser() -> argparse.ArgumentParser:
     serve.set_defaults(command_parser=serve)
     serve.add_argument("--world-size", type=flags.positive_int, required=True, help="ranks per job")
     serve.add_argument(
-        "--host", type=flags.non_empty, default="0.0.0.0", help="interface to bind (default all)"
+        "--host",
+        type=flags.non_empty,
+        default=defaults.HOST,
+        help="interface to bind (default %(default)s; 0.0.0.0 for all, which needs a token, "
+        "client certificates or --insecure)",
     )
     serve.add_argument(
         "--port",
@@ -60,6 +64,46 @@ def build_parser() -> argparse.ArgumentParser:
         type=flags.positive_number,
         default=defaults.MAX_BUFFERED_BYTES / MIB,
         help="cap on gradient bytes held in partial reductions (default %(default)g)",
+    )
+    serve.add_argument(
+        "--max-job-buffered-mb",
+        type=flags.positive_number,
+        default=None,
+        help="the most of --max-buffered-mb one job may hold, so that one job cannot starve "
+        "the others (default: half of --max-buffered-mb)",
+    )
+    serve.add_argument(
+        "--max-outbox-mb",
+        type=flags.positive_number,
+        default=defaults.MAX_OUTBOX_BYTES / MIB,
+        help="cap on results queued for one worker that does not read them; beyond it the "
+        "worker is dropped with RESOURCE_EXHAUSTED (default %(default)g)",
+    )
+    serve.add_argument(
+        "--max-checkpoint-mb",
+        type=flags.positive_number,
+        default=defaults.MAX_CHECKPOINT_BYTES / MIB,
+        help="largest checkpoint (or rejoining rank's state) accepted (default %(default)g)",
+    )
+    serve.add_argument(
+        "--max-connections",
+        type=flags.positive_int,
+        default=defaults.MAX_CONNECTIONS,
+        help="concurrent streams of all kinds; beyond it RESOURCE_EXHAUSTED (default %(default)s)",
+    )
+    serve.add_argument(
+        "--first-message-timeout-s",
+        type=flags.positive_number,
+        default=defaults.FIRST_MESSAGE_TIMEOUT_S,
+        help="a stream that sends no Join (or shard hello) within this many seconds is "
+        "ended with DEADLINE_EXCEEDED (default %(default)g)",
+    )
+    serve.add_argument(
+        "--assembly-timeout-s",
+        type=flags.positive_number,
+        default=defaults.ASSEMBLY_TIMEOUT_S,
+        help="a job whose ranks have not all joined within this many seconds is refused, "
+        "freeing its slot (default %(default)g)",
     )
     serve.add_argument(
         "--max-jobs",
@@ -112,6 +156,25 @@ def build_parser() -> argparse.ArgumentParser:
         "--resume", action="store_true", help="refuse to start a job that has no stored checkpoint"
     )
     serve.add_argument(
+        "--fresh-start",
+        action="store_true",
+        help="start every job at step 0 without reading its checkpoints (which are kept); "
+        "without it a store that cannot be read refuses the job",
+    )
+    serve.add_argument(
+        "--store-timeout",
+        type=flags.seconds,
+        default=defaults.STORE_TIMEOUT_S,
+        help="deadline of each checkpoint store call; a hung store fails it, other jobs "
+        "train on (default %(default)gs)",
+    )
+    serve.add_argument(
+        "--redis-password-file",
+        default=None,
+        help=f"file holding the password of a redis:// --checkpoint-store (or set "
+        f"${defaults.ENV_REDIS_PASSWORD}); keeps it out of the URL and the process list",
+    )
+    serve.add_argument(
         "--metrics-port",
         type=flags.port,
         default=None,
@@ -129,6 +192,14 @@ def build_parser() -> argparse.ArgumentParser:
         type=flags.positive_int,
         default=defaults.MIN_WORKERS,
         help="elastic: the fewest live workers to go on with (default %(default)s)",
+    )
+    serve.add_argument(
+        "--nonfinite",
+        choices=defaults.NONFINITE_POLICIES,
+        default=defaults.NONFINITE,
+        help="a rank's NaN/Inf gradient: report it (log, metric, status; the step goes on "
+        "as under DDP), abort the step for every rank (NonFiniteGradientError), or allow it "
+        "unchecked, e.g. for GradScaler users (default %(default)s)",
     )
     serve.add_argument(
         "--max-collective-mb",
@@ -157,6 +228,13 @@ def build_parser() -> argparse.ArgumentParser:
         default=defaults.SHARD_WAIT_TIMEOUT_S,
         help="seconds to wait at start-up for every shard to register before exiting 1 "
         "(default %(default)g)",
+    )
+    _add_server_security_flags(serve, "the coordinator")
+    serve.add_argument(
+        "--tls-ca",
+        default=None,
+        help="PEM CA that issued --tls-cert, given to the local shards of --shards to "
+        "verify this leader (default: --tls-cert itself)",
     )
 
     shard = commands.add_parser(
@@ -203,6 +281,13 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="serve Prometheus metrics on this port (0 = a free one; default: off)",
     )
+    _add_server_security_flags(shard, "the shard")
+    shard.add_argument(
+        "--tls-ca",
+        default=None,
+        help="PEM CA that issued the leader's certificate: reach the leader over TLS, "
+        "presenting --tls-cert if it asks for a client certificate (default: plaintext)",
+    )
     shard.add_argument(
         "--log-level",
         choices=["DEBUG", "INFO", "WARNING", "ERROR"],
@@ -226,6 +311,7 @@ def build_parser() -> argparse.ArgumentParser:
         default=defaults.STATUS_TIMEOUT_S,
         help="bound on the query (default %(default)g)",
     )
+    add_client_security_flags(status)
 
     worker = commands.add_parser("worker", help="run the example training job as one rank")
     worker.set_defaults(command_parser=worker)
@@ -283,10 +369,29 @@ def build_parser() -> argparse.ArgumentParser:
         "(default $GRADSYNC_METRICS_PORT; 0 = a free port; unset = off)",
     )
     worker.add_argument(
+        "--metrics-host",
+        type=flags.non_empty,
+        default=None,
+        help="interface the metrics endpoint binds (default $GRADSYNC_METRICS_HOST or "
+        f"{defaults.WORKER_METRICS_HOST}; 0.0.0.0 for a scraper on another host)",
+    )
+    add_client_security_flags(worker)
+    worker.add_argument(
         "--trace",
         type=flags.output_file,
         default=None,
         help="write a Chrome trace (Perfetto) of every step to this file",
+    )
+
+    token = commands.add_parser(
+        "token", help="write a new random token to a file (mode 0600) for --token-file"
+    )
+    token.set_defaults(command_parser=token)
+    token.add_argument("file", help="where to write it")
+    token.add_argument(
+        "--keep",
+        action="store_true",
+        help="leave a file that already holds a usable token as it is (compose's init step)",
     )
 
     demo = commands.add_parser(
@@ -366,6 +471,68 @@ def build_parser() -> argparse.ArgumentParser:
         "and loopback rows with `serve --shards S` beside the unsharded ones",
     )
     return parser
+
+
+def add_client_security_flags(parser: argparse.ArgumentParser) -> None:
+    """--tls-ca, --tls-cert, --tls-key and --token-file (defaults from the environment).
+
+    Shared by every command that calls a coordinator or shard (worker, status,
+    shard, this probe). There is no flag for the token itself: a value on the
+    command line is visible to every user of the host in the process list.
+    """
+    parser.add_argument(
+        "--tls-ca",
+        default=None,
+        help="PEM CA that issued the server's certificate: connect over TLS "
+        "(default $GRADSYNC_TLS_CA; unset = plaintext)",
+    )
+    parser.add_argument(
+        "--tls-cert",
+        default=None,
+        help="PEM client certificate, for servers that require one (mTLS) "
+        "(default $GRADSYNC_TLS_CERT)",
+    )
+    parser.add_argument(
+        "--tls-key", default=None, help="PEM key of --tls-cert (default $GRADSYNC_TLS_KEY)"
+    )
+    parser.add_argument(
+        "--token-file",
+        default=None,
+        help=f"file holding the shared token (default ${auth.ENV_TOKEN_FILE}, or the token "
+        f"itself in ${auth.ENV_TOKEN})",
+    )
+
+
+def _add_server_security_flags(parser: argparse.ArgumentParser, who: str) -> None:
+    """TLS, token, protected-mode and metrics-interface flags of `serve` and `shard`."""
+    parser.add_argument(
+        "--tls-cert", default=None, help=f"PEM certificate of {who}: serve over TLS"
+    )
+    parser.add_argument("--tls-key", default=None, help="PEM private key of --tls-cert")
+    parser.add_argument(
+        "--tls-client-ca",
+        default=None,
+        help="PEM CA of the client certificates: every caller must present one (mTLS)",
+    )
+    parser.add_argument(
+        "--token-file",
+        default=None,
+        help=f"file holding the shared token every call must present (default "
+        f"${auth.ENV_TOKEN_FILE}, or the token itself in ${auth.ENV_TOKEN}; "
+        "make one with `gradsync token FILE`)",
+    )
+    parser.add_argument(
+        "--insecure",
+        action="store_true",
+        help="listen beyond loopback with neither a token nor client certificates "
+        "(trusted networks only)",
+    )
+    parser.add_argument(
+        "--metrics-host",
+        type=flags.non_empty,
+        default=None,
+        help="interface the metrics server binds (default: --host)",
+    )
 
 
 def _add_training_flags(parser: argparse.ArgumentParser) -> None:

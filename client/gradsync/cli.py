@@ -1,4 +1,4 @@
-"""The `gradsync` command: serve, worker, demo, bench, status.
+"""The `gradsync` command: serve, shard, worker, demo, bench, status, token.
 
 Configuration flows one way: flags (`gradsync.arguments`, with env-var
 defaults read there, at run time) -> a frozen config object -> constructors.
@@ -13,6 +13,8 @@ from __future__ import annotations
 import argparse
 import contextlib
 import logging
+import os
+import secrets
 import signal
 import sys
 from collections.abc import Iterator, Sequence
@@ -21,7 +23,7 @@ from typing import Any
 from gradsync import flags
 from gradsync.arguments import build_parser
 from gradsync.config import ENV_COORDINATOR, ENV_RANK, ENV_WORLD_SIZE
-from gradsync.protocol import defaults
+from gradsync.protocol import auth, defaults
 from gradsync.protocol.defaults import MIB
 
 __all__ = ["build_parser", "main"]
@@ -60,7 +62,66 @@ def _run(args: argparse.Namespace) -> int:
         return _bench(args)
     if args.command == "status":
         return _status(parser, args)
+    if args.command == "token":
+        return _token(args)
     return _demo(parser, args)
+
+
+#: Exit status of a server refused by protected mode (a flag must change, as for a bad flag).
+EXIT_EXPOSED = 2
+
+
+def _server_security(
+    parser: argparse.ArgumentParser, args: argparse.Namespace, command: str
+) -> str | None:
+    """The token of `serve` / `shard` after checking every security flag; None = no token.
+
+    Bad files exit 2 naming the flag (via the parser); protected mode exits 2 with
+    the message of `gradsync.server.auth_check.exposure_refusal`.
+    """
+    from gradsync.server.auth_check import exposure_refusal, server_credentials
+
+    try:
+        token = auth.resolve_token(args.token_file, os.environ)
+        server_credentials(args.tls_cert, args.tls_key, args.tls_client_ca)
+        if args.tls_ca is not None:
+            auth.read_pem_file(args.tls_ca, "--tls-ca")
+    except auth.TokenError as exc:
+        parser.error(str(exc))
+    refusal = exposure_refusal(
+        command,
+        args.host,
+        token=token is not None,
+        client_ca=args.tls_client_ca is not None,
+        insecure=args.insecure,
+    )
+    if refusal is not None:
+        print(refusal, file=sys.stderr)
+        raise SystemExit(EXIT_EXPOSED)
+    return token
+
+
+def _token(args: argparse.Namespace) -> int:
+    """Write a fresh token to a new file only its owner can read (or keep a usable one)."""
+    path = args.file
+    if args.keep and os.path.exists(path):
+        try:
+            auth.read_token_file(path)
+        except auth.TokenError as exc:
+            print(f"gradsync token: {exc}", file=sys.stderr)
+            return 1
+        print(f"gradsync token: kept the token in {path}", file=sys.stderr)
+        return 0
+    try:
+        # O_EXCL: never overwrite (a running server may use it); 0600: the owner only.
+        descriptor = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    except OSError as exc:
+        print(f"gradsync token: cannot create {path}: {exc.strerror or exc}", file=sys.stderr)
+        return 1
+    with os.fdopen(descriptor, "w", encoding="utf-8") as handle:
+        handle.write(secrets.token_urlsafe(32) + "\n")
+    print(f"gradsync token: wrote a new token to {path}", file=sys.stderr)
+    return 0
 
 
 class _Stopped(BaseException):
@@ -121,6 +182,7 @@ def _serve(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
             "combined: --shards starts the shards on this host, --wait-for-shards waits for "
             "shards started elsewhere"
         )
+    token = _server_security(parser, args, "serve")
     if args.wait_for_shards is not None:
         shard_count, local_shards = args.wait_for_shards + 1, False
     else:
@@ -141,6 +203,14 @@ def _serve(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
             port=args.port,
             chunk_bytes=chunk_bytes,
             max_buffered_bytes=int(args.max_buffered_mb * MIB),
+            max_job_buffered_bytes=(
+                None if args.max_job_buffered_mb is None else int(args.max_job_buffered_mb * MIB)
+            ),
+            max_outbox_bytes=int(args.max_outbox_mb * MIB),
+            max_checkpoint_bytes=int(args.max_checkpoint_mb * MIB),
+            max_connections=args.max_connections,
+            first_message_timeout_s=args.first_message_timeout_s,
+            assembly_timeout_s=args.assembly_timeout_s,
             max_jobs=args.max_jobs,
             shutdown_grace_s=args.shutdown_grace_s,
             heartbeat_interval_s=args.heartbeat_interval,
@@ -152,11 +222,22 @@ def _serve(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
             resume=args.resume,
             metrics_port=args.metrics_port,
             on_failure=args.on_failure,
+            nonfinite=args.nonfinite,
             min_workers=args.min_workers,
             max_collective_bytes=int(args.max_collective_mb * MIB),
             shard_count=shard_count,
             local_shards=local_shards,
             shard_wait_timeout_s=args.shard_wait_timeout,
+            tls_cert=args.tls_cert,
+            tls_key=args.tls_key,
+            tls_client_ca=args.tls_client_ca,
+            tls_ca=args.tls_ca,
+            token=token,
+            insecure=args.insecure,
+            metrics_host=args.metrics_host,
+            fresh_start=args.fresh_start,
+            store_timeout_s=args.store_timeout,
+            redis_password=_redis_password(parser, args),
         )
     except ValueError as exc:
         parser.error(str(exc))
@@ -171,6 +252,24 @@ def _serve(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
         return 1
+
+
+def _redis_password(parser: argparse.ArgumentParser, args: argparse.Namespace) -> str | None:
+    """The Redis password from --redis-password-file, else $GRADSYNC_REDIS_PASSWORD.
+
+    Never from a flag's value or the URL alone: both show in the process list.
+    """
+    path = args.redis_password_file
+    if path is None:
+        return os.environ.get(defaults.ENV_REDIS_PASSWORD) or None
+    try:
+        with open(path, encoding="utf-8") as handle:
+            password = handle.read(4097).rstrip("\r\n")
+    except (OSError, UnicodeDecodeError) as exc:
+        parser.error(f"--redis-password-file: cannot read {path!r}: {exc}")
+    if not password or len(password) > 4096 or "\n" in password:
+        parser.error(f"--redis-password-file: {path!r} must hold one line of 1..4096 characters")
+    return password
 
 
 def _shard(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
@@ -191,6 +290,7 @@ def _shard(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
             )
         except argparse.ArgumentTypeError as exc:
             parser.error(f"--advertise {args.advertise}: {exc}")
+    token = _server_security(parser, args, "shard")
     try:
         config = ShardConfig(
             leader=args.leader,
@@ -200,6 +300,13 @@ def _shard(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
             chunk_bytes=chunk_bytes,
             max_buffered_bytes=int(args.max_buffered_mb * MIB),
             metrics_port=args.metrics_port,
+            tls_cert=args.tls_cert,
+            tls_key=args.tls_key,
+            tls_client_ca=args.tls_client_ca,
+            tls_ca=args.tls_ca,
+            token=token,
+            insecure=args.insecure,
+            metrics_host=args.metrics_host,
         )
     except ValueError as exc:
         parser.error(str(exc))
@@ -232,6 +339,12 @@ def _worker(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
             parser.error(f"--save {args.save!r}: unknown field {exc} (only {{rank}} is replaced)")
         except (ValueError, argparse.ArgumentTypeError) as exc:
             parser.error(f"--save {args.save!r}: {exc}")
+    from gradsync.channels import security_from_args
+
+    try:
+        security = security_from_args(args)
+    except ValueError as exc:
+        parser.error(str(exc))
     _configure_logging(args.log_level, f"rank {args.rank}")
     from gradsync.errors import GradSyncError
     from gradsync.example import train_worker
@@ -253,6 +366,11 @@ def _worker(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
             metrics_port=args.metrics_port,
             trace_path=args.trace,
             log_every_steps=args.log_every_steps,
+            metrics_host=args.metrics_host,
+            tls_ca=security.ca_path,
+            tls_cert=security.cert_path,
+            tls_key=security.key_path,
+            token=security.token,
         )
     except GradSyncError as exc:
         print(f"gradsync worker rank {args.rank}: {exc}", file=sys.stderr)
@@ -319,10 +437,15 @@ def _bench(args: argparse.Namespace) -> int:
 def _status(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     if not args.coordinator:
         parser.error(f"status needs --coordinator HOST:PORT (or ${ENV_COORDINATOR})")
+    from gradsync.channels import security_from_args
     from gradsync.status import format_status, query_status, status_json
 
     try:
-        reply = query_status(args.coordinator, args.job_id, args.timeout_s)
+        security = security_from_args(args)
+    except ValueError as exc:
+        parser.error(str(exc))
+    try:
+        reply = query_status(args.coordinator, args.job_id, args.timeout_s, security)
     except ConnectionError as exc:
         print(f"gradsync status: {exc}", file=sys.stderr)
         return 1

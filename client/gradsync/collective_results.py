@@ -189,8 +189,9 @@ class CollectiveResults:
             problem = self._check_size(pending, chunk.total_bytes, chunk.contributors)
             if problem is not None:
                 return problem
-            # Allocated only now that the claimed size is known to be what was asked.
-            pending.buffer = bytearray(chunk.total_bytes)
+            # The claim is checked against what this rank asked for (above); still the
+            # buffer grows as chunks arrive, never allocated by a claimed size (issue 11).
+            pending.buffer = bytearray()
             pending.total_bytes = chunk.total_bytes
             pending.contributors = chunk.contributors
             pending.expected_chunks = max(
@@ -264,6 +265,9 @@ class CollectiveResults:
                 )
         if offset in pending.received:
             return f"the result chunk at offset {offset} arrived twice"
-        pending.buffer[offset : offset + len(payload)] = payload
+        end = offset + len(payload)
+        if end > len(pending.buffer):  # grows to the furthest byte received, within the total
+            pending.buffer.extend(bytes(end - len(pending.buffer)))
+        pending.buffer[offset:end] = payload
         pending.received.add(offset)
         return None

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import contextlib
 import enum
+import functools
 import logging
 import os
 from collections.abc import Callable, Iterator, Sequence
@@ -34,6 +35,7 @@ from torch import nn
 
 from gradsync import compat, hooks, syncbn, uneven
 from gradsync.bucketing import BucketPlan
+from gradsync.channels import ChannelSecurity
 from gradsync.collectives import Collectives
 from gradsync.config import ClientConfig
 from gradsync.errors import (
@@ -46,7 +48,7 @@ from gradsync.errors import (
 from gradsync.hooks import CommHook
 from gradsync.instruments import Instruments
 from gradsync.link import CoordinatorLink, LinkFactory
-from gradsync.metrics import resolve_metrics_port
+from gradsync.metrics import ENV_METRICS_HOST, resolve_metrics_port
 from gradsync.protocol import defaults
 from gradsync.reducer import Reducer, plan_buckets
 from gradsync.session import Session
@@ -83,6 +85,17 @@ class DistributedDataParallel(nn.Module):
         join_timeout_s: bound on the wait for every rank to join and for rank 0's state.
         metrics_port: Prometheus metrics on this port plus $LOCAL_RANK
             (default $GRADSYNC_METRICS_PORT; 0 = a free port; unset = off).
+        metrics_host: interface the metrics endpoint binds (default
+            $GRADSYNC_METRICS_HOST, else 127.0.0.1: a scraper on another host needs
+            "0.0.0.0" or this host's address).
+        tls_ca: PEM file of the CA that issued the coordinator's (and its shards')
+            certificate: connect over TLS (default $GRADSYNC_TLS_CA; unset = plaintext).
+        tls_cert, tls_key: this worker's certificate and key, for a coordinator that
+            requires client certificates (mTLS) (default $GRADSYNC_TLS_CERT / _KEY).
+        token: the shared secret the coordinator was started with (default
+            $GRADSYNC_TOKEN, or the file named by $GRADSYNC_TOKEN_FILE). A wrong or
+            missing token raises AuthenticationError; a failed TLS handshake raises
+            TransportSecurityError (neither is retried).
         trace_path: write a Chrome trace-event file of every step there.
         reconnect_timeout_s: keep reconnecting to a lost coordinator this long (0 = never).
         overlap: upload each bucket as soon as its gradients are ready (default).
@@ -94,7 +107,8 @@ class DistributedDataParallel(nn.Module):
             the bytes down) with a 16-bit `wire_dtype`; None (default) = in `wire_dtype`.
         log_every_steps: with INFO logging, rank 0 logs step time, exposed sync time
             and bytes every this many steps (0 = never).
-        link_factory: builds the link from (address, rank); default gRPC. Tests pass a fake.
+        link_factory: builds the link from (address, rank); default gRPC (with the TLS and
+            token settings above). Tests pass a fake.
 
     Devices: parameters and buffers share one device, the CPU or a CUDA device
     (gradients are staged through pinned host memory and copied back); any
@@ -145,6 +159,11 @@ class DistributedDataParallel(nn.Module):
         link_factory: LinkFactory | None = None,
         wire_dtype: torch.dtype | None = None,
         wire_answer_dtype: torch.dtype | None = None,
+        metrics_host: str | None = None,
+        tls_ca: str | None = None,
+        tls_cert: str | None = None,
+        tls_key: str | None = None,
+        token: str | None = None,
     ) -> None:
         super().__init__()
         self.module = module
@@ -158,6 +177,8 @@ class DistributedDataParallel(nn.Module):
             timeout_s,
             join_timeout_s,
         )
+        # Files and env read now (not at import), so a bad path fails before joining.
+        security = ChannelSecurity.resolve(tls_ca, tls_cert, tls_key, token)
         compat.warn_ignored(compat.ignored_arguments(locals()))
         wire_hook = hooks.hook_for_wire_dtype(wire_dtype)  # refused before joining
         answer_in_fp32 = hooks.answers_in_fp32(wire_dtype, wire_answer_dtype)
@@ -197,6 +218,7 @@ class DistributedDataParallel(nn.Module):
             Path(trace_path) if trace_path is not None else None,
             bucket_bytes,
             log_every_steps,
+            metrics_host=metrics_host or os.environ.get(ENV_METRICS_HOST) or None,
         )
         try:
             self._session = Session(
@@ -205,7 +227,7 @@ class DistributedDataParallel(nn.Module):
                 [p for _, p in named] + [presence] + [b for _, b in named_buffers],
                 model_signature([*named, (PRESENCE_NAME, presence)], named_buffers, plans),
                 bucket_bytes,
-                link_factory or Transport,
+                link_factory or functools.partial(Transport, security=security),
                 self._instruments.on_bucket_event,
                 reconnect_timeout_s,
             )

@@ -7,13 +7,17 @@ Hierarchy::
     │   └── ShardUnavailableError    ...or one of its shards (names the shard and address)
     ├── SyncTimeoutError             a bounded wait ran out
     ├── JoinRefusedError             the coordinator refused this worker's join
+    │   └── AuthenticationError      ...because the token was missing or wrong
+    ├── TransportSecurityError       the TLS handshake failed (CA, certificate, mTLS)
     ├── DeclaredDeadError            the coordinator dropped this rank (no heartbeat)
     ├── ResourceExhaustedError       this worker exceeded a coordinator limit
     ├── StepAbortedError             a step was abandoned (nothing was averaged)
     │   ├── MessageRejectedError     ...because this worker sent a bad message
     │   ├── PeerLostError            ...because another rank left or died
+    │   ├── NonFiniteGradientError   ...because a rank sent NaN/Inf (`--nonfinite abort`)
     │   └── CoordinatorRestartedError ...because the coordinator restarted (resumed)
     ├── CheckpointFailedError        a checkpoint could not be made durable
+    ├── CheckpointMismatchError      the resume checkpoint is not this model's (or not one)
     ├── CollectiveError              a collective's result was invalid (names its sequence)
     └── ClosedError                  the object was used after close()
 
@@ -116,6 +120,22 @@ class JoinRefusedError(GradSyncError):
     """The coordinator refused to admit this worker (rank taken, signature mismatch, ...)."""
 
 
+class AuthenticationError(JoinRefusedError):
+    """The coordinator (or a shard) refused the call: the token was missing or wrong.
+
+    Not retried: the same token would be refused again. Check `token=`,
+    $GRADSYNC_TOKEN or $GRADSYNC_TOKEN_FILE against the coordinator's.
+    """
+
+
+class TransportSecurityError(GradSyncError):
+    """The TLS handshake with the coordinator failed (untrusted or expired certificate,
+    a client certificate missing or refused under mTLS, TLS on one end only).
+
+    Not a `CoordinatorUnavailableError`: reconnecting cannot fix a certificate.
+    """
+
+
 class DeclaredDeadError(GradSyncError):
     """The coordinator dropped this rank from the job: it sent no heartbeat in time.
 
@@ -141,8 +161,54 @@ class PeerLostError(StepAbortedError):
     """Another rank left or disconnected, so the step cannot complete."""
 
 
+class NonFiniteGradientError(StepAbortedError):
+    """A rank sent NaN or Inf gradients and the coordinator runs with `--nonfinite abort`.
+
+    Every rank of the job raises it for the same step (nothing was averaged).
+    Skip `optimizer.step()` for that step (as `torch.cuda.amp.GradScaler` skips
+    a step with Inf/NaN gradients) and train on; a rank that keeps sending
+    NaN needs a lower learning rate, loss scaling, or its data checked.
+
+    Attributes:
+        culprit_rank: the rank whose gradients held NaN/Inf (`rank` is the rank
+            that raised this error; they are equal on the culprit itself).
+    """
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        rank: int | None = None,
+        step: int | None = None,
+        bucket_index: int | None = None,
+        code: Code | None = None,
+        culprit_rank: int | None = None,
+    ) -> None:
+        super().__init__(message, rank=rank, step=step, bucket_index=bucket_index, code=code)
+        self.culprit_rank = culprit_rank
+
+
 class CheckpointFailedError(GradSyncError):
     """The coordinator could not make a checkpoint durable (store down, misconfigured)."""
+
+
+class CheckpointMismatchError(GradSyncError):
+    """The checkpoint a job resumes from cannot be loaded into this model.
+
+    It is not a gradsync checkpoint at all, or it was saved by another model
+    under the same job id (a missing or unexpected parameter, another shape).
+    The coordinator refuses most such checkpoints itself by the model signature
+    they carry; this is the worker's own check. Not retried: the same checkpoint
+    would fail again. Use another job id, or start the coordinator with
+    `--fresh-start`.
+
+    Attributes:
+        job_id: the job whose checkpoint it is.
+    """
+
+    def __init__(self, message: str, *, job_id: str, rank: int | None, step: int) -> None:
+        super().__init__(message, rank=rank, step=step)
+        self.job_id = job_id
 
 
 class CoordinatorRestartedError(StepAbortedError):
@@ -176,7 +242,7 @@ _TERMINAL_CODE_TO_ERROR: dict[Code, type[GradSyncError]] = {
     Code.INVALID_ARGUMENT: JoinRefusedError,
     Code.FAILED_PRECONDITION: JoinRefusedError,
     Code.PERMISSION_DENIED: JoinRefusedError,
-    Code.UNAUTHENTICATED: JoinRefusedError,
+    Code.UNAUTHENTICATED: AuthenticationError,
     Code.RESOURCE_EXHAUSTED: JoinRefusedError,
     Code.ABORTED: PeerLostError,
     Code.DEADLINE_EXCEEDED: SyncTimeoutError,

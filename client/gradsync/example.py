@@ -108,8 +108,17 @@ def train_worker(
     metrics_port: int | None = None,
     trace_path: Path | None = None,
     log_every_steps: int = defaults.STEP_LOG_EVERY_STEPS,
+    metrics_host: str | None = None,
+    tls_ca: str | None = None,
+    tls_cert: str | None = None,
+    tls_key: str | None = None,
+    token: str | None = None,
 ) -> float:
-    """Train one rank of the example job; return the final test accuracy."""
+    """Train one rank of the example job; return the final test accuracy.
+
+    `metrics_host`, `tls_*` and `token` go to `DistributedDataParallel` as they are
+    (None: its defaults, from the environment).
+    """
     import gradsync
 
     data = load_digits(settings.data_seed)
@@ -124,6 +133,11 @@ def train_worker(
         metrics_port=metrics_port,
         trace_path=trace_path,
         log_every_steps=log_every_steps,
+        metrics_host=metrics_host,
+        tls_ca=tls_ca,
+        tls_cert=tls_cert,
+        tls_key=tls_key,
+        token=token,
     )
     optimizer = torch.optim.SGD(model.parameters(), lr=settings.lr)
     model.register_optimizer(optimizer)  # checkpoints carry its state

@@ -23,6 +23,8 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from gradsync import flags
+from gradsync.arguments import add_client_security_flags
+from gradsync.channels import ChannelSecurity, security_from_args
 from gradsync.v1 import gradsync_pb2
 
 #: The service the coordinator registers, as named by the contract itself.
@@ -39,7 +41,10 @@ class HealthResult:
 
 
 def check(
-    address: str, service: str = COORDINATOR_SERVICE, timeout_s: float = DEFAULT_TIMEOUT_S
+    address: str,
+    service: str = COORDINATOR_SERVICE,
+    timeout_s: float = DEFAULT_TIMEOUT_S,
+    security: ChannelSecurity | None = None,
 ) -> HealthResult:
     """Ask the health service at `address` about `service`, waiting at most `timeout_s`.
 
@@ -47,14 +52,20 @@ def check(
         address: "host:port" of the coordinator.
         service: the service to ask about; "" asks about the server as a whole.
         timeout_s: deadline of the whole check, connection included.
+        security: TLS and token (the health service needs the token like every call).
 
     Returns:
         healthy=True only for SERVING; otherwise the status or the gRPC error.
     """
-    with grpc.insecure_channel(address) as channel:
+    security = security or ChannelSecurity()
+    with security.channel(address) as channel:
         stub = health_pb2_grpc.HealthStub(channel)
         try:
-            reply = stub.Check(health_pb2.HealthCheckRequest(service=service), timeout=timeout_s)
+            reply = stub.Check(
+                health_pb2.HealthCheckRequest(service=service),
+                timeout=timeout_s,
+                metadata=security.metadata,
+            )
         except grpc.RpcError as exc:
             return HealthResult(False, _describe_error(address, service, timeout_s, exc))
     status = health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)
@@ -77,6 +88,8 @@ def _describe_error(address: str, service: str, timeout_s: float, exc: grpc.RpcE
         return (
             f"{address} does not know {_shown(service)} (NOT_FOUND): is it a gradsync coordinator?"
         )
+    if code == grpc.StatusCode.UNAUTHENTICATED:
+        return f"{address} refused the probe (UNAUTHENTICATED): {details}"
     if code == grpc.StatusCode.UNIMPLEMENTED:
         return f"{address} has no gRPC health service (UNIMPLEMENTED)"
     name = code.name if code is not None else "error"
@@ -105,6 +118,7 @@ def build_parser() -> argparse.ArgumentParser:
         default=DEFAULT_TIMEOUT_S,
         help=f"deadline of the check in seconds (default {DEFAULT_TIMEOUT_S:g})",
     )
+    add_client_security_flags(parser)
     return parser
 
 
@@ -112,7 +126,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Run the probe; returns the exit code (0 healthy, 1 not, 2 bad arguments)."""
     parser = build_parser()
     args = parser.parse_args(argv)
-    result = check(args.address, args.service, args.timeout_s)
+    try:
+        security = security_from_args(args)
+    except ValueError as exc:
+        parser.error(str(exc))
+    result = check(args.address, args.service, args.timeout_s, security)
     if result.healthy:
         print(f"healthy: {result.message}")
         return 0

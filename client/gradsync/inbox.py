@@ -6,7 +6,8 @@ checkpoint to resume from as they arrive in chunks, averaged gradients
 scattered straight into the buckets that were uploaded, collective results
 (checked by `gradsync.collective_results`), join() progress, aborted steps,
 checkpoint acknowledgements, heal requests and, last, why the stream ended.
-One condition variable guards it all, and every wait is bounded; a failure is
+One condition variable guards it all (the state itself is an
+`gradsync.inbox_state.InboxState`), and every wait is bounded; a failure is
 stored and raised at the next wait.
 
 With a sharded coordinator the averages of shard i arrive on this worker's
@@ -19,13 +20,11 @@ from its I/O thread, and tests feed it messages in any order they like.
 
 from __future__ import annotations
 
-import collections
 import contextlib
 import logging
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
 
 from gradsync.buffers import BucketBuffer
 from gradsync.collective_results import CollectiveResults
@@ -37,49 +36,15 @@ from gradsync.errors import (
     SyncTimeoutError,
     error_from_status,
 )
+from gradsync.inbox_state import InboxState, end_reason_name
 from gradsync.protocol import chunking
 from gradsync.protocol.codec import ChunkHeader, decode_gradient, header_of
-from gradsync.shard_faults import SHARD_GRACE_MARGIN_S, ShardFault, shard_grace_s
+from gradsync.shard_faults import SHARD_GRACE_MARGIN_S, shard_grace_s
 from gradsync.step_results import StepResults
 from gradsync.v1 import gradsync_pb2 as pb
+from gradsync.welcome_checks import Expected, welcome_problem
 
 log = logging.getLogger("gradsync.client")
-
-#: JoinProgress messages kept for `wait_join_progress`: one arrives per step
-#: while this rank waits, so a short queue only ever drops stale ones.
-_JOIN_PROGRESS_KEPT = 64
-
-
-@dataclass
-class _Shared:
-    """State written by the I/O thread and read by waiters (under the condition)."""
-
-    welcome: pb.Welcome | None = None
-    state: bytearray | None = None
-    state_received: int = 0
-    fatal: GradSyncError | None = None
-    stream_done: bool = False
-    resume: bytearray | None = None
-    resume_received: int = 0
-    checkpoint_acks: dict[int, pb.CheckpointSaved] = field(default_factory=dict)
-    membership_epoch: int = 0
-    #: A live rank asked to donate its state to a rejoining rank (elastic).
-    heal_requested: bool = False
-    #: The coordinator's announcement of why it is about to end the stream.
-    stream_end: pb.StreamEnd | None = None
-    #: The coordinator's latest StepReport (only the lowest rank gets them).
-    step_report: pb.StepReport | None = None
-    #: The latest AssemblyProgress, and how many have arrived (waiters compare counts).
-    assembly: pb.AssemblyProgress | None = None
-    assembly_count: int = 0
-    #: The heartbeat interval the coordinator asked for (AssemblyProgress or Welcome).
-    heartbeat_interval_s: float | None = None
-    #: JoinProgress messages not yet taken by `wait_join_progress`, oldest first.
-    join_progress: collections.deque[pb.JoinProgress] = field(
-        default_factory=lambda: collections.deque(maxlen=_JOIN_PROGRESS_KEPT)
-    )
-    #: The first shard stream that failed, raised by waits after its grace.
-    shard_fault: ShardFault = field(default_factory=ShardFault)
 
 
 class Inbox:
@@ -106,9 +71,15 @@ class Inbox:
         self.rank = rank
         self.shard_grace_margin_s = shard_grace_margin_s
         self._cond = threading.Condition()
-        self._shared = _Shared()
+        self._shared = InboxState()
         self._steps = StepResults(rank, on_averaged)
         self._collectives = CollectiveResults(rank)
+        #: What the Welcome must say, from this worker's own Join (None: not checked).
+        self._expected: Expected | None = None
+
+    def expect(self, join: pb.Join) -> None:
+        """Check the Welcome (and size the state and resume buffers) against `join`."""
+        self._expected = Expected.of(join)
 
     # ------------------------------------------------------------ training-thread side
     def configure_buckets(self, bucket_bytes: list[int]) -> None:
@@ -130,7 +101,7 @@ class Inbox:
         """The heartbeat interval the coordinator asked for, once it said (else None)."""
         return self._shared.heartbeat_interval_s
 
-    def wait(self, predicate: Callable[[_Shared], bool], timeout_s: float, what: str) -> None:
+    def wait(self, predicate: Callable[[InboxState], bool], timeout_s: float, what: str) -> None:
         """Block until `predicate` holds; raise a recorded failure, or time out naming `what`."""
         deadline = time.monotonic() + timeout_s
         with self._cond:
@@ -332,6 +303,12 @@ class Inbox:
         with self._cond:
             shared = self._shared
             if kind == "welcome":
+                expected = self._expected
+                problem = None if expected is None else welcome_problem(message.welcome, expected)
+                if problem is not None:
+                    self.protocol_fault(problem)
+                    self._cond.notify_all()
+                    return
                 shared.welcome = message.welcome
                 shared.membership_epoch = message.welcome.membership_epoch
                 # The grid every bucket's averages come back on.
@@ -341,10 +318,14 @@ class Inbox:
                 self._steps.shard_count = max(1, len(message.welcome.shards))
                 if message.welcome.heartbeat_interval_s > 0:
                     shared.heartbeat_interval_s = message.welcome.heartbeat_interval_s
-                # Rank 0's state may arrive before anyone waits for it: have room ready.
-                shared.state = bytearray(message.welcome.state_bytes)
+                # Rank 0's state may arrive before anyone waits for it. The buffer
+                # grows as its chunks arrive (never by the size announced: issue 11).
+                shared.state = bytearray()
+                shared.state_received = 0
             elif kind == "state":
-                self._on_state(message.state)
+                problem = shared.append_state(message.state)
+                if problem is not None:
+                    self.protocol_fault(problem)
             elif kind == "gradient":
                 chunk = message.gradient
                 self._on_gradient(header_of(chunk), memoryview(chunk.payload))
@@ -353,7 +334,7 @@ class Inbox:
                 if problem is not None:
                     self.protocol_fault(problem)
             elif kind == "assembly":
-                self._on_assembly(message.assembly)
+                shared.record_assembly(message.assembly, self.rank)
             elif kind == "join_progress":
                 shared.join_progress.append(message.join_progress)
             elif kind == "step_report":
@@ -372,14 +353,16 @@ class Inbox:
                     message.state_request.for_rank,
                 )
             elif kind == "resume":
-                self._on_resume(message.resume)
+                problem = shared.append_resume(message.resume)
+                if problem is not None:
+                    self.protocol_fault(problem)
             elif kind == "stream_end":
                 # Kept until the status arrives: the two together make the error.
                 shared.stream_end = message.stream_end
                 log.warning(
                     "rank %d: the coordinator is ending the stream (%s): %s",
                     self.rank,
-                    _end_reason_name(message.stream_end.reason),
+                    end_reason_name(message.stream_end.reason),
                     message.stream_end.message,
                 )
             elif kind == "checkpoint_saved":
@@ -462,47 +445,7 @@ class Inbox:
                 self._shared.fatal = failure
             self._cond.notify_all()
 
-    def _on_assembly(self, progress: pb.AssemblyProgress) -> None:
-        shared = self._shared
-        shared.assembly = progress
-        shared.assembly_count += 1
-        if shared.heartbeat_interval_s is None and progress.heartbeat_interval_s > 0:
-            shared.heartbeat_interval_s = progress.heartbeat_interval_s
-        if progress.refused:
-            log.warning(
-                "rank %d: the coordinator refused a rank of this job: %s",
-                self.rank,
-                progress.refused,
-            )
-
-    def _on_resume(self, chunk: pb.CheckpointChunk) -> None:
-        shared = self._shared
-        if shared.resume is None:
-            shared.resume = bytearray(chunk.total_bytes)
-        end = chunk.offset + len(chunk.payload)
-        if chunk.total_bytes != len(shared.resume) or end > len(shared.resume):
-            self.protocol_fault(f"resume chunk [{chunk.offset}, {end}) is out of range")
-            return
-        shared.resume[chunk.offset : end] = chunk.payload
-        shared.resume_received += len(chunk.payload)
-
-    def _on_state(self, chunk: pb.StateChunk) -> None:
-        state = self._shared.state
-        if state is None or chunk.offset + len(chunk.payload) > len(state):
-            self.protocol_fault(f"state chunk at offset {chunk.offset} is out of range")
-            return
-        state[chunk.offset : chunk.offset + len(chunk.payload)] = chunk.payload
-        self._shared.state_received += len(chunk.payload)
-
     def _on_gradient(self, chunk: ChunkHeader, payload: memoryview) -> None:
         problem = self._steps.on_gradient(chunk, payload)
         if problem is not None:
             self.protocol_fault(problem)
-
-
-def _end_reason_name(reason: int) -> str:
-    """The EndReason's name, or its number if this client predates it."""
-    try:
-        return str(pb.EndReason.Name(reason))
-    except ValueError:
-        return str(reason)

@@ -17,6 +17,7 @@ from pathlib import Path
 
 from gradsync.errors import StepAbortedError
 from gradsync.metrics import WorkerMetrics
+from gradsync.protocol import defaults
 from gradsync.protocol.exposition import MetricsServer, serve_metrics
 from gradsync.trace import TRANSPORT_TRACK, StepTracer
 from gradsync.v1 import gradsync_pb2 as pb
@@ -33,6 +34,8 @@ class Instruments:
         trace_path: Chrome trace file, or None for no trace.
         bucket_bytes: size of each bucket (for byte counters).
         log_every_steps: rank 0 logs step timing every this many steps (0 = never).
+        metrics_host: interface /metrics binds; None = loopback (a worker's metrics are
+            exposed beyond its host only when asked).
     """
 
     def __init__(
@@ -42,6 +45,8 @@ class Instruments:
         trace_path: Path | None,
         bucket_bytes: list[int],
         log_every_steps: int = 0,
+        *,
+        metrics_host: str | None = None,
     ) -> None:
         if log_every_steps < 0:
             raise ValueError(f"log_every_steps must be >= 0, got {log_every_steps}")
@@ -59,7 +64,11 @@ class Instruments:
         self.server: MetricsServer | None = None
         if metrics_port is not None:
             self.metrics = WorkerMetrics(rank=rank)
-            self.server = serve_metrics(metrics_port, self.metrics.registry)
+            self.server = serve_metrics(
+                metrics_port,
+                self.metrics.registry,
+                host=metrics_host or defaults.WORKER_METRICS_HOST,
+            )
             log.info("rank %d: metrics at %s", rank, self.server.url)
         self.tracer = StepTracer(trace_path, rank) if trace_path is not None else None
 

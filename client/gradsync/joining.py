@@ -18,7 +18,8 @@ import time
 from collections.abc import Callable
 
 from gradsync.address import parse_address
-from gradsync.errors import CoordinatorUnavailableError, SyncTimeoutError
+from gradsync.channels import ChannelSecurity, handshake_failure
+from gradsync.errors import CoordinatorUnavailableError, SyncTimeoutError, TransportSecurityError
 from gradsync.inbox import Inbox
 from gradsync.reachability import diagnose
 from gradsync.v1 import gradsync_pb2 as pb
@@ -41,6 +42,7 @@ def wait_for_welcome(
     *,
     first_report_s: float = FIRST_REPORT_S,
     report_every_s: float = REPORT_EVERY_S,
+    security: ChannelSecurity | None = None,
 ) -> pb.Welcome:
     """Block until the job is assembled, reporting progress every ~10 s.
 
@@ -51,6 +53,9 @@ def wait_for_welcome(
         timeout_s: the join timeout.
         is_connected: whether the gRPC connection is up now.
         first_report_s, report_every_s: when to report while nothing changes.
+        security: the link's TLS settings: while not connected, a TLS handshake
+            that fails (wrong CA, expired or missing certificate) is raised at the
+            first report instead of being retried until the timeout.
 
     Raises:
         CoordinatorUnavailableError: the coordinator was not reachable in time
@@ -58,6 +63,7 @@ def wait_for_welcome(
         SyncTimeoutError: reachable, but the job did not assemble in time
             (names the missing ranks).
         JoinRefusedError: the coordinator refused this worker.
+        TransportSecurityError: the TLS handshake with the coordinator fails.
     """
     started = time.monotonic()
     deadline = started + timeout_s
@@ -96,6 +102,7 @@ def wait_for_welcome(
                     timeout_s,
                 )
             else:
+                _raise_on_handshake_failure(target, rank, security)
                 reason = unreachable_reason(target, min(PROBE_TIMEOUT_S, deadline - now))
                 log.warning(
                     "rank %d: cannot reach the coordinator at %s (%s); still trying for "
@@ -124,6 +131,15 @@ def wait_for_welcome(
         "(are all ranks started with the same world size and job id?)",
         rank=rank,
     )
+
+
+def _raise_on_handshake_failure(target: str, rank: int, security: ChannelSecurity | None) -> None:
+    """Raise TransportSecurityError when TLS, not the network, keeps the link down."""
+    failure = handshake_failure(target, security or ChannelSecurity(), PROBE_TIMEOUT_S)
+    if failure is not None:
+        raise TransportSecurityError(
+            f"cannot connect to the coordinator at {target}: {failure}", rank=rank
+        )
 
 
 def unreachable_reason(target: str, timeout_s: float) -> str:

@@ -36,6 +36,8 @@ log = logging.getLogger("gradsync.metrics")
 
 #: Base port of the workers' metrics endpoints; each worker adds its LOCAL_RANK.
 ENV_METRICS_PORT = "GRADSYNC_METRICS_PORT"
+#: Interface of the workers' metrics endpoints (default loopback: nothing exposed by accident).
+ENV_METRICS_HOST = "GRADSYNC_METRICS_HOST"
 #: torchrun's index of a worker among those of its host.
 ENV_LOCAL_RANK = "LOCAL_RANK"
 

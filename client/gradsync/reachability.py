@@ -37,7 +37,8 @@ def describe_connect_error(exc: BaseException) -> str:
     if isinstance(exc, socket.gaierror):
         return f"name not resolved ({exc.strerror or exc})"
     if isinstance(exc, ssl.SSLError):
-        return f"TLS handshake failed ({exc.reason or exc})"
+        detail = getattr(exc, "reason", None) or (exc.args[0] if exc.args else exc)
+        return f"TLS handshake failed ({detail})"
     if isinstance(exc, TimeoutError):
         return "connection timed out"
     if isinstance(exc, OSError) and exc.errno in _ERRNO_WORDS:
@@ -73,12 +74,39 @@ def diagnose(
                 sock.settimeout(timeout_s)
                 sock.connect(sockaddr)
                 if tls is not None:
-                    with tls.wrap_socket(sock, server_hostname=host):
-                        pass
+                    with tls.wrap_socket(sock, server_hostname=host) as secure:
+                        _await_verdict(secure, timeout_s)
             return None
         except OSError as exc:  # ssl.SSLError and socket.timeout are OSErrors too
             reason = describe_connect_error(exc)
     return reason
+
+
+#: Why a TLS server that hangs up at once did so: it refused (or got no) client certificate.
+CLOSED_AFTER_HANDSHAKE = (
+    "the server closed the connection right after the handshake: it requires a client "
+    "certificate and got none, or refused the one presented (expired, or from another CA)"
+)
+#: How long a finished TLS handshake waits for the server's first bytes (or its alert).
+_VERDICT_WAIT_S = 0.5
+
+
+def _await_verdict(secure: ssl.SSLSocket, timeout_s: float) -> None:
+    """Wait briefly for the server's first bytes after a TLS handshake.
+
+    Under TLS 1.3 the client's side of the handshake ends before the server has
+    checked the client's certificate: a server that refuses it (missing,
+    expired, from another CA) says so in an alert that arrives as the first
+    read, raised here as `ssl.SSLError`. A gRPC server sends its HTTP/2
+    settings at once, so an accepted client returns quickly.
+    """
+    secure.settimeout(min(_VERDICT_WAIT_S, timeout_s))
+    try:
+        first = secure.recv(1)
+    except TimeoutError:
+        return
+    if not first:
+        raise ssl.SSLError(CLOSED_AFTER_HANDSHAKE)
 
 
 _AddressInfo = tuple[socket.AddressFamily, socket.SocketKind, int, str, tuple[Any, ...]]

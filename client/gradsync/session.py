@@ -28,6 +28,7 @@ from gradsync import __version__
 from gradsync.config import ClientConfig
 from gradsync.errors import (
     CheckpointFailedError,
+    CheckpointMismatchError,
     CoordinatorUnavailableError,
     GradSyncError,
     SyncTimeoutError,
@@ -132,8 +133,29 @@ class Session:
         """Include `optimizer`'s state in checkpoints; restore a pending one into it."""
         self._optimizer = optimizer
         if self._pending_optimizer_state is not None:
-            optimizer.load_state_dict(self._pending_optimizer_state)
+            self._load_optimizer_state(optimizer, self._pending_optimizer_state)
             self._pending_optimizer_state = None
+
+    def _load_optimizer_state(self, optimizer: torch.optim.Optimizer, state: Any) -> None:
+        """Restore the checkpoint's optimizer state; a mismatch names job and step."""
+        try:
+            optimizer.load_state_dict(state)
+        except (RuntimeError, ValueError, TypeError, KeyError) as exc:
+            raise self._mismatch(
+                self._last_checkpoint_step,
+                f"its optimizer state does not fit this optimizer: {_brief(exc)}",
+            ) from exc
+
+    def _mismatch(self, step: int, why: str) -> CheckpointMismatchError:
+        job_id = self.config.job_id
+        return CheckpointMismatchError(
+            f"cannot resume job '{job_id}' from the checkpoint of step {step}: {why}. Was "
+            "another model trained under the same job id? Use another job id, or start the "
+            "coordinator with --fresh-start",
+            job_id=job_id,
+            rank=self.config.rank,
+            step=step,
+        )
 
     def save_checkpoint(self, step: int, wait: bool, timeout_s: float) -> int:
         """Upload rank 0's state as the checkpoint of `step`; see the wrapper's method."""
@@ -286,19 +308,48 @@ class Session:
                     offset += tensor.numel() * tensor.element_size()
 
     def _restore(self, blob: bytes, start_step: int) -> None:
-        """Load the checkpoint the job resumes from (optimizer state waits for its optimizer)."""
-        state = torch.load(io.BytesIO(blob), weights_only=True)
-        self.module.load_state_dict(state["module"])
+        """Load the checkpoint the job resumes from (optimizer state waits for its optimizer).
+
+        Raises:
+            CheckpointMismatchError: the blob is not a gradsync checkpoint, or not this
+                model's (torch's own errors would name neither the job nor the step, and
+                would suggest `weights_only=False`, which gradsync never uses).
+        """
+        try:
+            # weights_only: tensors and plain containers, never arbitrary objects.
+            state = torch.load(io.BytesIO(blob), weights_only=True)
+        except Exception as exc:  # UnpicklingError, RuntimeError (not a zip), EOFError, ...
+            raise self._mismatch(
+                start_step,
+                f"it is not a gradsync checkpoint ({len(blob)} bytes that "
+                f"torch.load(weights_only=True) cannot read: {type(exc).__name__})",
+            ) from exc
+        if not isinstance(state, dict) or not isinstance(state.get("module"), dict):
+            raise self._mismatch(
+                start_step,
+                f"it is not a gradsync checkpoint (a {type(state).__name__} without the "
+                "'module' state dict that gradsync saves)",
+            )
+        try:
+            self.module.load_state_dict(state["module"])
+        except (RuntimeError, ValueError, TypeError, KeyError) as exc:
+            raise self._mismatch(start_step, f"it does not fit this model: {_brief(exc)}") from exc
         self._pending_optimizer_state = state.get("optimizer")
         self._resumed_from_checkpoint = True
+        self._last_checkpoint_step = start_step
         if self._optimizer is not None and self._pending_optimizer_state is not None:
             # Reconnecting mid-run: the optimizer already exists.
-            self._optimizer.load_state_dict(self._pending_optimizer_state)
+            self._load_optimizer_state(self._optimizer, self._pending_optimizer_state)
             self._pending_optimizer_state = None
-        self._last_checkpoint_step = start_step
         log.warning(
             "rank %d: job '%s' resumed from the checkpoint of step %d",
             self.config.rank,
             self.config.job_id,
             start_step,
         )
+
+
+def _brief(exc: BaseException, limit: int = 300) -> str:
+    """torch's multi-line error text on one line, bounded."""
+    text = " ".join(str(exc).split())
+    return text if len(text) <= limit else text[: limit - 3] + "..."

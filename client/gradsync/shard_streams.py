@@ -4,7 +4,8 @@ With a sharded coordinator the Welcome lists every shard; shard i aggregates
 byte range i of every bucket. The worker keeps its Sync stream to the leader
 (shard 0, range 0 and everything else) and opens one `Shard.Data` stream per
 other shard, introduced by a `ShardHello` naming the job, rank, incarnation
-and shard index, so that a shard admits only members the leader announced.
+and shard index and presenting the session secret of this rank's Welcome, so
+that a shard admits only members the leader announced, on their own session.
 Each stream has its own outgoing queue, so every range of a bucket is sent in
 parallel, and the averages it returns land in the transport's `Inbox` like
 the leader's (offsets are absolute).
@@ -28,6 +29,7 @@ import grpc
 
 from gradsync.address import Address, parse_address
 from gradsync.bucket_uploads import RangeUpload
+from gradsync.channels import ChannelSecurity, handshake_failure
 from gradsync.errors import ShardUnavailableError
 from gradsync.inbox import Inbox
 from gradsync.protocol import chunking, defaults
@@ -117,6 +119,7 @@ class ShardStream:
             both kinds of stream stamp the same chunk size and epoch).
         closing: true once the transport is closing (an end is then no failure).
         connect_timeout_s: how long the shard gets to accept the connection.
+        security: TLS and token, as to the leader (shards share its CA and token).
     """
 
     def __init__(
@@ -128,7 +131,9 @@ class ShardStream:
         encode: Callable[[RangeUpload], Iterator[bytes]],
         closing: Callable[[], bool],
         connect_timeout_s: float,
+        security: ChannelSecurity | None = None,
     ) -> None:
+        self._security = security or ChannelSecurity()
         self.index = index
         self.target = target
         self._hello = hello
@@ -147,10 +152,10 @@ class ShardStream:
 
     def start(self) -> None:
         """Open the channel and the stream (returns at once; must run on the loop)."""
-        self._channel = grpc.aio.insecure_channel(self.target, options=channel_options())
+        self._channel = self._security.aio_channel(self.target, channel_options())
         data = self._channel.stream_stream(SHARD_DATA_METHOD)
         # wait_for_ready: the shard may still be starting; `_watch_connect` bounds it.
-        self._call = data(self._requests(), wait_for_ready=True)
+        self._call = data(self._requests(), wait_for_ready=True, metadata=self._security.metadata)
         self._tasks = [
             asyncio.create_task(self._receive(), name=f"gradsync-shard-{self.index}-receive"),
             asyncio.create_task(self._watch_connect(), name=f"gradsync-shard-{self.index}-connect"),
@@ -230,9 +235,12 @@ class ShardStream:
             await asyncio.wait_for(self._channel.channel_ready(), self._connect_timeout_s)
         except TimeoutError:
             if not self._closing():
+                # Say so when TLS (not the network) kept it out: a certificate to fix.
+                tls = await asyncio.to_thread(handshake_failure, self.target, self._security)
                 self._fail(
                     Code.UNAVAILABLE.value,
-                    f"could not connect within {self._connect_timeout_s:g}s",
+                    f"could not connect within {self._connect_timeout_s:g}s"
+                    + (f": {tls}" if tls else ""),
                 )
                 if self._call is not None:
                     self._call.cancel()
@@ -267,6 +275,7 @@ class ShardStreams:
         inbox: where averages and failures go.
         encode: the serialized chunks of a range upload.
         closing: true once the transport is closing.
+        security: TLS and token of every shard stream (the leader's).
     """
 
     def __init__(
@@ -275,7 +284,9 @@ class ShardStreams:
         inbox: Inbox,
         encode: Callable[[RangeUpload], Iterator[bytes]],
         closing: Callable[[], bool],
+        security: ChannelSecurity | None = None,
     ) -> None:
+        self._security = security
         self._leader_target = leader_target
         self._inbox = inbox
         self._encode = encode
@@ -301,7 +312,13 @@ class ShardStreams:
         )
         for index, target in sorted(targets.items()):
             hello = pb.ShardHello(
-                job_id=join.job_id, rank=join.rank, incarnation=join.incarnation, shard_index=index
+                job_id=join.job_id,
+                rank=join.rank,
+                incarnation=join.incarnation,
+                shard_index=index,
+                # The shard admits the stream only with the secret the leader issued to
+                # this rank at its Join (the incarnation alone is public: Status shows it).
+                session=welcome.session,
             )
             stream = ShardStream(
                 index,
@@ -311,6 +328,7 @@ class ShardStreams:
                 self._encode,
                 self._closing,
                 connect_timeout_s,
+                self._security,
             )
             stream.start()
             self.streams[index] = stream

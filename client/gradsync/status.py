@@ -20,6 +20,7 @@ import grpc
 from google.protobuf.descriptor import Descriptor, FieldDescriptor
 from google.protobuf.json_format import MessageToDict
 
+from gradsync.channels import ChannelSecurity, handshake_failure, looks_like_tls
 from gradsync.protocol import defaults
 from gradsync.v1 import gradsync_pb2 as pb
 
@@ -27,27 +28,47 @@ STATUS_METHOD = "/gradsync.v1.Coordinator/Status"
 
 
 def query_status(
-    address: str, job_id: str = "", timeout_s: float = defaults.STATUS_TIMEOUT_S
+    address: str,
+    job_id: str = "",
+    timeout_s: float = defaults.STATUS_TIMEOUT_S,
+    security: ChannelSecurity | None = None,
 ) -> pb.StatusReply:
-    """Call Coordinator.Status.
+    """Call Coordinator.Status (it needs the token, like every call).
 
     Raises:
-        ConnectionError: the coordinator could not be reached in time (with the cause).
+        ConnectionError: the coordinator could not be reached in time, refused the
+            token, or the TLS handshake failed (the message says which).
     """
-    with grpc.insecure_channel(address) as channel:
+    security = security or ChannelSecurity()
+    with security.channel(address) as channel:
         call = channel.unary_unary(
             STATUS_METHOD,
             request_serializer=pb.StatusRequest.SerializeToString,
             response_deserializer=pb.StatusReply.FromString,
         )
         try:
-            reply: pb.StatusReply = call(pb.StatusRequest(job_id=job_id), timeout=timeout_s)
+            reply: pb.StatusReply = call(
+                pb.StatusRequest(job_id=job_id), timeout=timeout_s, metadata=security.metadata
+            )
         except grpc.RpcError as exc:
-            raise ConnectionError(
-                f"no status from {address} within {timeout_s:g}s: {exc.code().name}: "
-                f"{exc.details()}"
-            ) from exc
+            raise ConnectionError(describe_call_error(address, timeout_s, exc, security)) from exc
     return reply
+
+
+def describe_call_error(
+    address: str, timeout_s: float, exc: grpc.RpcError, security: ChannelSecurity
+) -> str:
+    """Why a call to `address` failed, naming the token or TLS when they are the cause."""
+    code = exc.code() if isinstance(exc, grpc.Call) else None
+    details = (exc.details() if isinstance(exc, grpc.Call) else str(exc)) or ""
+    name = code.name if code is not None else "error"
+    if code == grpc.StatusCode.UNAUTHENTICATED:
+        return f"{address} refused the call (UNAUTHENTICATED): {details}"
+    if code == grpc.StatusCode.UNAVAILABLE:
+        failure = handshake_failure(address, security, min(2.0, timeout_s))
+        if failure is not None or (security.tls and looks_like_tls(details)):
+            return f"no TLS connection to {address}: {failure or details}"
+    return f"no status from {address} within {timeout_s:g}s: {name}: {details}"
 
 
 #: Field types protobuf's JSON mapping writes as strings; they are integers.
@@ -102,6 +123,11 @@ def format_status(reply: pb.StatusReply) -> str:
             lines.append(
                 f"job '{job.job_id}': ended {job.ended_s_ago:.0f}s ago ({job.state}): {outcome}"
             )
+            if job.nonfinite_contributions:
+                lines.append(
+                    f"  non-finite gradients (NaN/Inf): {job.nonfinite_contributions} "
+                    f"contributions, latest: {job.last_nonfinite}"
+                )
     if shards:
         lines.append(shards)
     return "\n".join(lines)
@@ -195,4 +221,9 @@ def _running_job(job: pb.JobStatus) -> list[str]:
             f"rank {late.rank} (buckets {list(late.bucket_indices)})" for late in job.late
         )
         lines.append(f"  step {job.open_step} is {job.step_age_s:.1f}s old, waiting for {waiting}")
+    if job.nonfinite_contributions:
+        lines.append(
+            f"  non-finite gradients (NaN/Inf): {job.nonfinite_contributions} contributions, "
+            f"latest: {job.last_nonfinite}"
+        )
     return lines

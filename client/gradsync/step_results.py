@@ -25,7 +25,12 @@ from dataclasses import dataclass, field
 
 from gradsync.bucket_uploads import expected_chunks
 from gradsync.buffers import BucketBuffer
-from gradsync.errors import MessageRejectedError, PeerLostError, StepAbortedError
+from gradsync.errors import (
+    MessageRejectedError,
+    NonFiniteGradientError,
+    PeerLostError,
+    StepAbortedError,
+)
 from gradsync.protocol import chunking
 from gradsync.protocol.codec import ChunkHeader
 from gradsync.protocol.codes import Code
@@ -194,6 +199,17 @@ def abort_error(aborted: pb.StepAborted, rank: int) -> StepAbortedError:
         code: Code | None = Code(aborted.code)
     except ValueError:
         code = None
+    if aborted.reason == pb.ABORT_REASON_NONFINITE:
+        return NonFiniteGradientError(
+            f"step {aborted.step} was aborted by the coordinator "
+            f"({code.name if code else aborted.code}) because rank {aborted.culprit_rank} "
+            f"sent non-finite gradients: {aborted.message}",
+            rank=rank,
+            step=aborted.step,
+            bucket_index=aborted.bucket_index,
+            code=code,
+            culprit_rank=aborted.culprit_rank,
+        )
     return cls(
         f"step {aborted.step} was aborted by the coordinator "
         f"({code.name if code else aborted.code}): {aborted.message}",

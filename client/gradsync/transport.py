@@ -33,6 +33,12 @@ every bucket into one byte range per shard (`gradsync.bucket_uploads`):
 range 0 goes on the Sync stream, range i on shard i's stream, all in
 parallel, and the averages of every stream land in the same `Inbox`.
 
+Channels (TLS or plaintext) and the token sent with every call come from one
+`gradsync.channels.ChannelSecurity`, shared with the shard streams. A wrong or
+missing token ends the stream UNAUTHENTICATED (`AuthenticationError`); a TLS
+handshake that keeps failing is raised as `TransportSecurityError` at the first
+progress report of the join wait, not retried until the join timeout.
+
 It implements `gradsync.link.CoordinatorLink`, the seam the model wrapper
 uses, so the wrapper can be tested without it.
 """
@@ -53,6 +59,7 @@ import numpy.typing as npt
 
 from gradsync.bucket_uploads import BucketUpload, RangeUpload, range_messages, split_upload
 from gradsync.buffers import BucketBuffer
+from gradsync.channels import ChannelSecurity
 from gradsync.collective_results import op_name
 from gradsync.errors import (
     ClosedError,
@@ -109,13 +116,20 @@ class Transport:
         rank: this worker's rank (for error messages).
         shard_grace_margin_s: a failed shard stream is raised this long plus 3
             heartbeat intervals after it failed, unless the leader spoke first.
+        security: TLS and token for every stream (default: plaintext, no token).
     """
 
     def __init__(
-        self, target: str, rank: int, *, shard_grace_margin_s: float = SHARD_GRACE_MARGIN_S
+        self,
+        target: str,
+        rank: int,
+        *,
+        shard_grace_margin_s: float = SHARD_GRACE_MARGIN_S,
+        security: ChannelSecurity | None = None,
     ) -> None:
         self.target = target
         self.rank = rank
+        self._security = security or ChannelSecurity()
         self._inbox = Inbox(
             target,
             rank,
@@ -150,6 +164,7 @@ class Transport:
     # ------------------------------------------------------------ public API
     def open(self, join: pb.Join) -> None:
         """Open the stream and send Join (returns at once; see `wait_welcome`)."""
+        self._inbox.expect(join)  # the Welcome is checked against what this worker joined with
         self._run(self._open(join), timeout_s=30.0)
 
     def wait_welcome(self, timeout_s: float) -> pb.Welcome:
@@ -160,9 +175,18 @@ class Transport:
         Raises:
             CoordinatorUnavailableError: the coordinator was not reachable in time.
             SyncTimeoutError: reachable, but the job did not assemble in time.
-            JoinRefusedError: the coordinator refused this worker.
+            JoinRefusedError: the coordinator refused this worker (AuthenticationError:
+                the token was missing or wrong).
+            TransportSecurityError: the TLS handshake failed (said within seconds).
         """
-        return wait_for_welcome(self._inbox, self.target, self.rank, timeout_s, self._is_connected)
+        return wait_for_welcome(
+            self._inbox,
+            self.target,
+            self.rank,
+            timeout_s,
+            self._is_connected,
+            security=self._security,
+        )
 
     # ------------------------------------------------------------ collectives, join()
     def run_collective(
@@ -335,14 +359,14 @@ class Transport:
     # ------------------------------------------------------ loop-thread side
     async def _open(self, join: pb.Join) -> None:
         self._join = join
-        self._channel = grpc.aio.insecure_channel(self.target, options=channel_options())
+        self._channel = self._security.aio_channel(self.target, channel_options())
         # Raw bytes both ways: gradient chunks are encoded and decoded by
         # gradsync.protocol.codec without copying payloads through protobuf objects.
         sync = self._channel.stream_stream(SYNC_METHOD)
         self._outgoing.put_nowait(pb.WorkerMessage(join=join))
         # wait_for_ready: a worker may start before its coordinator; the join
         # timeout bounds how long it waits.
-        self._call = sync(self._requests(), wait_for_ready=True)
+        self._call = sync(self._requests(), wait_for_ready=True, metadata=self._security.metadata)
         self._receiver = asyncio.create_task(self._receive())
         self._heartbeat = asyncio.create_task(self._send_heartbeats())
 
@@ -431,7 +455,11 @@ class Transport:
                 self._inbox.on_message(raw)
                 if self._shards is None and (welcome := self._inbox.welcome) is not None:
                     self._shards = ShardStreams(
-                        self.target, self._inbox, self._range_messages, lambda: self._closed
+                        self.target,
+                        self._inbox,
+                        self._range_messages,
+                        lambda: self._closed,
+                        self._security,
                     )
                     self._shards.open(welcome, self._join or pb.Join())
             if not self._closed:

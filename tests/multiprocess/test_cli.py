@@ -74,6 +74,13 @@ FLAG_ERRORS = [
     ([*SERVE, "--on-failure", "retry"], "--on-failure", "invalid choice"),
     ([*SERVE, "--min-workers", "3"], "--min-workers", "--world-size 2"),
     ([*SERVE, "--max-collective-mb", "0"], "--max-collective-mb", "must be > 0"),
+    (
+        [*SERVE, "--checkpoint-store", "ckpt", "--fresh-start", "--resume"],
+        "--fresh-start",
+        "contradict",
+    ),
+    ([*SERVE, "--store-timeout", "0"], "--store-timeout", "must be > 0"),
+    ([*SERVE, "--redis-password-file", "/nonexistent/pw"], "--redis-password-file", "cannot read"),
     # worker
     (["worker", "--rank", "0", "--world-size", "2"], "--coordinator", "HOST:PORT"),
     ([*WORKER, "--coordinator", "http://h:50051"], "--coordinator", "has a scheme"),
@@ -154,7 +161,8 @@ def test_bad_env_var_defaults_are_flag_errors(
 
 
 def test_serve_that_cannot_bind_says_where_without_a_traceback() -> None:
-    result = run_cli(*SERVE, "--host", "nosuchhost.invalid", "--port", "0")
+    # --insecure: without it, protected mode refuses a non-loopback host first (exit 2).
+    result = run_cli(*SERVE, "--host", "nosuchhost.invalid", "--port", "0", "--insecure")
     assert result.returncode == 1, result.stderr
     assert "cannot listen on --host nosuchhost.invalid --port 0" in result.stderr
     assert_quiet(result.stderr, "serve")

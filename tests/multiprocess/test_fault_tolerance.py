@@ -88,7 +88,13 @@ def test_straggler_is_named_in_the_log_and_in_status(coordinator_factory, tmp_pa
 
 @pytest.mark.timeout(120)
 @pytest.mark.skipif(not netns_available()[0], reason=netns_available()[1])
-def test_partitioned_worker_is_declared_dead(tmp_path: Path) -> None:
+def test_partitioned_worker_is_declared_dead(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Beyond loopback a coordinator needs a token (protected mode): every process started
+    # here (coordinator, workers, status) inherits it from the environment.
+    monkeypatch.delenv("GRADSYNC_TOKEN_FILE", raising=False)
+    monkeypatch.setenv("GRADSYNC_TOKEN", "fault-tolerance-test-token")
     with Cluster(["coord", "w0", "w1"]) as cluster:
         coordinator = cluster.popen(
             "coord",
@@ -485,4 +491,5 @@ def test_exception_inside_backward_abandons_the_step_for_every_rank(
             got = params_of(report)[name]
             assert np.linalg.norm(got - expected) / np.linalg.norm(expected) <= 1e-6, name
     _, log = coordinator.stop()
-    assert "rank 1 abandoned step 2: simulated out of memory" in log
+    # The worker's free-text reason is relayed and logged quoted (a newline cannot forge a line).
+    assert "rank 1 abandoned step 2: 'simulated out of memory'" in log

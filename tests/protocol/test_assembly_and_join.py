@@ -154,7 +154,8 @@ def test_float16_wire_over_grpc_and_the_finished_job_in_status() -> None:
             for worker in workers:
                 await worker.leave()
             await asyncio.sleep(0.05)
-            reply = await running.servicer.status(pb.StatusRequest(job_id="job"), None)  # type: ignore[arg-type]
+            request = pb.StatusRequest(job_id="job").SerializeToString()
+            reply = await running.servicer.status(request, None)  # type: ignore[arg-type]
             (ended,) = reply.jobs
             assert (ended.state, ended.ended, ended.outcome) == (
                 "finished",

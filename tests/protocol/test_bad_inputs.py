@@ -266,7 +266,10 @@ def test_message_above_grpc_limit_is_refused_and_peers_are_told() -> None:
 
 def test_buffer_budget_exhausted() -> None:
     async def scenario() -> None:
-        async with coordinator(max_buffered_bytes=2 * CHUNK) as (running, channel):
+        async with coordinator(max_buffered_bytes=2 * CHUNK, max_job_buffered_bytes=2 * CHUNK) as (
+            running,
+            channel,
+        ):
             workers = await assembled_job(channel, world_size=2)
             raw = bucket_values(1, 0).tobytes()
             # Rank 1 runs ahead of rank 0: its chunks are parked until rank 0's arrive.

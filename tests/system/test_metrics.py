@@ -43,6 +43,7 @@ COORDINATOR_METRICS = {
     "gradsync_rejected_messages_total": ("counter", {"reason"}),
     "gradsync_step_aborts_total": ("counter", {"reason"}),
     "gradsync_errors_total": ("counter", {"kind"}),
+    "gradsync_nonfinite_contributions_total": ("counter", {"rank"}),
 }
 WORKER_METRICS = {
     "gradsync_worker_exposed_comm_seconds": ("histogram", {"rank"}),
@@ -90,6 +91,7 @@ def exercised_coordinator() -> CoordinatorMetrics:
     metrics.observe_rejection("INVALID_ARGUMENT")
     metrics.observe_abort("ABORTED")
     metrics.observe_error("RuntimeError")
+    metrics.observe_nonfinite(1)
     return metrics
 
 
@@ -117,6 +119,7 @@ def test_coordinator_exports_every_metric_with_its_type_labels_and_values() -> N
     assert values['gradsync_rejected_messages_total{reason="INVALID_ARGUMENT"}'] == 1
     assert values['gradsync_step_aborts_total{reason="ABORTED"}'] == 1
     assert values['gradsync_errors_total{kind="RuntimeError"}'] == 1
+    assert values['gradsync_nonfinite_contributions_total{rank="1"}'] == 1
 
 
 def test_worker_exports_every_metric_with_its_rank_label() -> None:

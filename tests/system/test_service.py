@@ -178,6 +178,24 @@ def compose_command(service: dict[str, object]) -> list[str]:
     return shlex.split(command) if isinstance(command, str) else list(command)  # type: ignore[arg-type]
 
 
+def use_compose_token(
+    services: dict[str, dict[str, object]], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Do what compose's `token-init` does, here: run its command to write the token, and
+    give every process the path the gradsync services get in $GRADSYNC_TOKEN_FILE."""
+    init = compose_command(services["token-init"])
+    in_container = init[1]
+    token_file = tmp_path / "token"
+    argv = [str(token_file) if arg == in_container else arg for arg in init]
+    subprocess.run([sys.executable, "-m", "gradsync.cli", *argv], check=True, timeout=60)
+    for name, service in services.items():
+        if "build" in service and name != "token-init":
+            environment = service.get("environment") or {}
+            assert environment.get("GRADSYNC_TOKEN_FILE") == in_container, name  # type: ignore[union-attr]
+    monkeypatch.delenv("GRADSYNC_TOKEN", raising=False)
+    monkeypatch.setenv("GRADSYNC_TOKEN_FILE", str(token_file))
+
+
 def resolve_service_names(argv: list[str], addresses: dict[str, str]) -> list[str]:
     """Replace compose service names by their hosts' addresses, as compose's DNS would.
 
@@ -236,11 +254,14 @@ print(json.dumps({
 @pytest.mark.timeout(240)
 @pytest.mark.skipif(not netns_available()[0], reason=netns_available()[1])
 @pytest.mark.skipif(REDIS_SERVER is None, reason=NO_REDIS_SERVER)
-def test_compose_topology_on_emulated_hosts(tmp_path: Path) -> None:
+def test_compose_topology_on_emulated_hosts(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """The compose file's services, each on its own host, running the compose commands;
     the coordinator's checkpoints land in the Redis host."""
     pytest.importorskip("redis", reason="the redis package is not installed: gradsync[redis]")
     compose = yaml.safe_load((ROOT / "docker-compose.yml").read_text())["services"]
+    use_compose_token(compose, tmp_path, monkeypatch)
     workers = sorted(name for name in compose if name.startswith("worker-"))
     hosts = ["coordinator", "redis", *workers]
     with Cluster(hosts) as cluster:
@@ -386,12 +407,15 @@ def start_logged(
 @pytest.mark.timeout(240)
 @pytest.mark.skipif(not netns_available()[0], reason=netns_available()[1])
 @pytest.mark.skipif(REDIS_SERVER is None, reason=NO_REDIS_SERVER)
-def test_sharded_compose_topology_on_emulated_hosts(tmp_path: Path) -> None:
+def test_sharded_compose_topology_on_emulated_hosts(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """docker-compose.yml + docker-compose.sharded.yml, each service on its own host running
     its compose command: the workers, which know only the leader, train through every shard
     (each received and sent gradient bytes), and match single-process training."""
     pytest.importorskip("redis", reason="the redis package is not installed: gradsync[redis]")
     compose = load_compose(*VARIANTS["sharded"])["services"]
+    use_compose_token(compose, tmp_path, monkeypatch)
     workers = sorted(name for name in compose if name.startswith("worker-"))
     shards = sorted(name for name in compose if command_argv(compose[name])[:1] == ["shard"])
     assert len(shards) == 2, shards

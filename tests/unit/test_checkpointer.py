@@ -8,12 +8,13 @@ from pathlib import Path
 from gradsync.protocol.codes import Code
 from gradsync.server.actions import Persist, Send, Terminate
 from gradsync.server.budget import ByteBudget
-from gradsync.server.checkpoint import Checkpoint, CheckpointError
+from gradsync.server.checkpoint import Checkpoint, CheckpointError, PruneGuard
 from gradsync.server.checkpoint_file import FileCheckpointStore
 from gradsync.server.checkpointer import Checkpointer
 from gradsync.server.config import ServerConfig
 from gradsync.server.job import Job
 from gradsync.v1 import gradsync_pb2 as pb
+from support.rawclient import signature
 
 
 class BrokenStore:
@@ -21,7 +22,7 @@ class BrokenStore:
 
     description = "redis://gone:6379/0"
 
-    def save(self, checkpoint: Checkpoint) -> None:
+    def save(self, checkpoint: Checkpoint, guard: PruneGuard | None = None) -> None:
         raise CheckpointError(f"{self.description}: connection refused")
 
     def load_latest(self, job_id: str) -> Checkpoint | None:
@@ -78,9 +79,10 @@ def test_an_unreadable_store_refuses_the_job_instead_of_starting_it_from_scratch
     damaged[-10:] = bytes(10)
     blob.write_bytes(bytes(damaged))
     config = ServerConfig(world_size=2, checkpoint_store=str(tmp_path / "checkpoints"))
-    resume, problem = Checkpointer(config, store).load_resume("job")
+    resume, problem = asyncio.run(Checkpointer(config, store).load_resume("job", signature()))
     assert resume is None and problem is not None
     code, message = problem
     assert code is Code.FAILED_PRECONDITION
     assert "job 'job'" in message and "from scratch" in message and "--job-id" in message
+    assert "--fresh-start" in message
     assert blob.read_bytes() == bytes(damaged)  # nothing was deleted or overwritten

@@ -20,6 +20,7 @@ FORBIDDEN = ("grpc", "grpc_health", "asyncio")
 CORE = (
     "__init__",
     "actions",
+    "admission",
     "aggregation",
     "assembly",
     "broadcast",
@@ -27,15 +28,18 @@ CORE = (
     "checkpoint",
     "checkpoint_file",
     "checkpoint_redis",
+    "checkpoint_seal",
     "chunk_checks",
     "collectives",
     "config",
     "elastic",
     "errors",
     "job",
+    "job_ending",
     "liveness",
     "membership",
     "metrics",
+    "nonfinite",
     "open_step",
     "persistence",
     "progress",
@@ -46,7 +50,10 @@ CORE = (
     "shard_view",
     "signature",
     "status",
+    "step_aborts",
+    "step_checks",
     "stores",
+    "text",
     "uneven",
     "uploads",
     "wire_replies",
@@ -54,6 +61,7 @@ CORE = (
 #: Glue that may use gRPC and asyncio: streams, process wiring, background tasks.
 GLUE = (
     "app",
+    "auth_check",
     "checkpointer",
     "connection",
     "local_shards",
@@ -62,6 +70,7 @@ GLUE = (
     "shard_control",
     "shard_link",
     "shard_servicer",
+    "stream_guard",
     "watchdog",
 )
 

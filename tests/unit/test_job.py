@@ -169,7 +169,8 @@ def test_a_resumed_job_starts_at_the_checkpoint() -> None:
     job.persistence.resume = Checkpoint("job", 12, 3, b"x" * (CHUNK + 1), {})
     job.join(0, join(0, 2))
     actions = job.join(1, join(1, 2))
-    (welcome,) = messages(actions, "welcome")
+    welcome, other = messages(actions, "welcome")  # one per rank, each with its session
+    assert welcome.welcome.session != other.welcome.session
     assert (welcome.welcome.start_step, welcome.welcome.membership_epoch) == (12, 3)
     assert welcome.welcome.resume_bytes == CHUNK + 1
     assert len(messages(actions, "resume")) == 2
@@ -179,11 +180,11 @@ def test_a_resumed_job_starts_at_the_checkpoint() -> None:
 def test_a_checkpoint_upload_becomes_one_persist() -> None:
     job, _ = make_job(ByteBudget(1 << 20), world_size=2)
     blob = bytes(range(256)) * 20  # 5120 bytes: two chunks
-    first = pb.CheckpointChunk(step=4, offset=0, total_bytes=len(blob), payload=blob[:CHUNK])
+    first = pb.CheckpointChunk(step=0, offset=0, total_bytes=len(blob), payload=blob[:CHUNK])
     assert job.on_checkpoint_chunk(0, first) == []
-    last = pb.CheckpointChunk(step=4, offset=CHUNK, total_bytes=len(blob), payload=blob[CHUNK:])
+    last = pb.CheckpointChunk(step=0, offset=CHUNK, total_bytes=len(blob), payload=blob[CHUNK:])
     (persist,) = job.on_checkpoint_chunk(0, last)
-    assert (persist.step, persist.blob) == (4, blob)  # type: ignore[union-attr]
+    assert (persist.step, persist.blob) == (0, blob)  # type: ignore[union-attr]
 
 
 def test_a_completed_step_tells_the_lowest_rank_who_was_slowest() -> None:

@@ -114,7 +114,8 @@ def test_an_assembled_job_waits_for_its_shards_before_the_welcome() -> None:
     assert kinds(job.start_if_ready()) == ["assembly"]  # still waiting
     shard_map.shards = SHARDS
     started = job.start_if_ready()
-    assert kinds(started) == ["welcome"] and job.state is JobState.RUNNING
+    # One Welcome per rank: each carries that rank's own session secret.
+    assert kinds(started) == ["welcome", "welcome"] and job.state is JobState.RUNNING
     welcome = started[0].message.welcome  # type: ignore[union-attr]
     assert list(welcome.shards) == SHARDS
     assert job.start_if_ready() == []  # already running
@@ -126,7 +127,7 @@ def test_an_incomplete_job_does_not_start_when_the_shards_arrive() -> None:
     job.join(0, join(0, 2))
     shard_map.shards = SHARDS
     assert job.start_if_ready() == [] and job.state is JobState.ASSEMBLING
-    assert kinds(job.join(1, join(1, 2))) == ["welcome"]
+    assert kinds(job.join(1, join(1, 2))) == ["welcome", "welcome"]
 
 
 def test_an_unsharded_job_starts_with_an_empty_shard_list() -> None:
@@ -143,7 +144,9 @@ def test_the_view_carries_members_epoch_layout_and_start_step() -> None:
     assert [(b.dtype, b.num_elements) for b in view.buckets] == [(pb.DTYPE_FLOAT32, 64 * 32 + 32)]
     assert (view.start_step, view.chunk_bytes, view.shard_count) == (0, CHUNK, 2)
     assert list(view.out_of_inputs) == []
-    assert view_key(job) == (0, ((0, "i0"), (1, "i1")), ())
+    sessions = [job.members[rank].session for rank in (0, 1)]
+    assert [m.session for m in view.members] == sessions and sessions[0] != sessions[1]
+    assert view_key(job) == (0, ((0, "i0", sessions[0]), (1, "i1", sessions[1])), ())
 
 
 def test_the_view_key_changes_with_members_epoch_and_out_of_inputs() -> None:
@@ -154,7 +157,7 @@ def test_the_view_key_changes_with_members_epoch_and_out_of_inputs() -> None:
     assert after_join is not None and after_join != before and after_join[2] == (1,)
     job.detach(1, orderly=False)
     shrunk = view_key(job)
-    assert shrunk is not None and shrunk[0] == 1 and shrunk[1] == ((0, "i0"),)
+    assert shrunk is not None and shrunk[0] == 1 and [m[:2] for m in shrunk[1]] == [(0, "i0")]
 
 
 def test_only_a_running_job_needs_a_view() -> None:

@@ -292,10 +292,10 @@ def test_one_rejection_per_step_is_reported() -> None:
 
 def test_hello_needs_the_announced_incarnation() -> None:
     job = shard_job(view([32], [0, 1]))
-    assert job.hello_problem(0, "inc-0") is None
-    wrong = job.hello_problem(0, "other")
+    assert job.hello_problem(0, "inc-0", b"") is None
+    wrong = job.hello_problem(0, "other", b"")
     assert wrong is not None and "'other'" in wrong and "'inc-0'" in wrong
-    stranger = job.hello_problem(3, "inc-3")
+    stranger = job.hello_problem(3, "inc-3", b"")
     assert stranger is not None and "not a member" in stranger
 
 

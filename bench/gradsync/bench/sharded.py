@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import secrets
 import subprocess
 import sys
 import tempfile
@@ -32,6 +33,7 @@ from typing import IO, Any
 from gradsync.bench.netns import Cluster, LinkShape, available
 from gradsync.bench.suites import MIB, Row, run_sync_workers, stop_process
 from gradsync.launch import Launcher, start_coordinator
+from gradsync.protocol.auth import ENV_TOKEN, ENV_TOKEN_FILE
 
 #: The coordinator layouts the netns suite knows, in table order.
 LAYOUTS = ("single", "dedicated", "colocated")
@@ -114,11 +116,19 @@ def topologies(
     return found
 
 
+#: The token of this benchmark run's emulated hosts (see `on_host`).
+_BENCH_TOKEN = secrets.token_urlsafe(32)
+
+
 def on_host(cluster: Cluster, host: str, **kwargs: Any) -> Launcher:
     """A launcher that runs a command on one emulated host."""
     # gloo finds its own address through the hostname, which names the
-    # machine's real interface; inside a namespace only eth0 exists.
+    # machine's real interface; inside a namespace only eth0 exists. The leader, its
+    # shards and the workers listen beyond loopback, so they share a token (protected
+    # mode refuses to listen there without one); it travels in the environment only.
     env = dict(os.environ, GLOO_SOCKET_IFNAME="eth0")
+    env.pop(ENV_TOKEN_FILE, None)
+    env.setdefault(ENV_TOKEN, _BENCH_TOKEN)
     kwargs.setdefault("stderr", subprocess.PIPE)
     return lambda argv: cluster.popen(host, argv, text=True, env=env, **kwargs)
 

@@ -13,7 +13,8 @@ from __future__ import annotations
 
 import hashlib
 import hmac
-from collections.abc import Iterable
+import ipaddress
+from collections.abc import Iterable, Mapping
 from pathlib import Path
 
 #: Environment variable holding the token itself.
@@ -28,6 +29,8 @@ SCHEME = "Bearer "
 MIN_TOKEN_CHARS = 16
 #: Longer tokens are refused (a token is a secret, not a document).
 MAX_TOKEN_CHARS = 4096
+#: Largest certificate, key or CA bundle file read (a PEM file, not a data set).
+MAX_PEM_BYTES = 1 << 20
 
 
 class TokenError(ValueError):
@@ -57,6 +60,71 @@ def read_token_file(path: str | Path) -> str:
     except (OSError, UnicodeDecodeError) as exc:
         raise TokenError(f"cannot read the token file {str(path)!r}: {exc}") from exc
     return check_token(text, f"the file {str(path)!r}")
+
+
+def token_from_environment(environ: Mapping[str, str]) -> str | None:
+    """The token named by `GRADSYNC_TOKEN` or `GRADSYNC_TOKEN_FILE`, or None when neither is set.
+
+    Both set is refused rather than one silently winning: the two could hold
+    different tokens, and the wrong one fails only later, on the other host.
+
+    Raises:
+        TokenError: both are set, the file cannot be read, or the token is unusable.
+    """
+    value, path = environ.get(ENV_TOKEN), environ.get(ENV_TOKEN_FILE)
+    if value and path:
+        raise TokenError(f"both ${ENV_TOKEN} and ${ENV_TOKEN_FILE} are set: set only one")
+    if path:
+        return read_token_file(path)
+    if value:
+        return check_token(value, f"${ENV_TOKEN}")
+    return None
+
+
+def resolve_token(token_file: str | None, environ: Mapping[str, str]) -> str | None:
+    """The token from `--token-file` when given, else from the environment (see above).
+
+    Raises:
+        TokenError: the file or variable is unusable (the message names which).
+    """
+    if token_file is not None:
+        return read_token_file(token_file)
+    return token_from_environment(environ)
+
+
+def read_pem_file(path: str | Path, what: str) -> bytes:
+    """The bytes of a PEM file (`what`: "--tls-cert", ...), checked to look like PEM.
+
+    Read once at start-up, so a missing or wrong file is reported naming the
+    flag before anything listens or connects, not as a handshake failure later.
+
+    Raises:
+        TokenError: the file cannot be read, is too large, or holds no PEM block.
+    """
+    try:
+        with open(path, "rb") as handle:
+            data = handle.read(MAX_PEM_BYTES + 1)
+    except OSError as exc:
+        raise TokenError(f"{what}: cannot read {str(path)!r}: {exc.strerror or exc}") from exc
+    if len(data) > MAX_PEM_BYTES:
+        raise TokenError(f"{what}: {str(path)!r} is larger than {MAX_PEM_BYTES} bytes")
+    if b"-----BEGIN " not in data:
+        raise TokenError(f"{what}: {str(path)!r} is not a PEM file (no '-----BEGIN' line)")
+    return data
+
+
+def is_loopback(host: str) -> bool:
+    """True when binding `host` reaches only this machine (127.0.0.0/8, ::1, localhost).
+
+    Any other name counts as exposed: what a host name resolves to can change.
+    """
+    name = host.strip("[]").lower()
+    if name == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(name).is_loopback
+    except ValueError:
+        return False
 
 
 def metadata(token: str | None) -> tuple[tuple[str, str], ...]:

@@ -36,6 +36,23 @@ _INT_FIELDS = {
     8: "contributors",
     9: "reply_dtype",
 }
+_UINT64_MAX = (1 << 64) - 1
+_UINT32_MAX = (1 << 32) - 1
+_ENUM_MAX = (1 << 31) - 1  # enums are int32: larger varints read back negative
+# The largest value each field holds as itself. Protobuf truncates a larger varint
+# (to 64 bits, to 32 for uint32, and sign-extends enums), so such a value is handed
+# to protobuf rather than reaching the job as a number protobuf would never produce.
+_INT_FIELD_MAX = {
+    1: _UINT64_MAX,
+    2: _UINT64_MAX,
+    3: _UINT32_MAX,
+    4: _UINT64_MAX,
+    5: _ENUM_MAX,
+    6: _ENUM_MAX,
+    8: _UINT32_MAX,
+    9: _ENUM_MAX,
+}
+_MAX_FIELD_NUMBER = (1 << 29) - 1
 
 
 @dataclass(slots=True)
@@ -110,7 +127,9 @@ def decode_gradient(raw: bytes) -> tuple[ChunkHeader, memoryview] | None:
 
     Returns:
         (header, payload view), or None when `raw` is some other message (or
-        anything unusual): the caller then parses it with protobuf.
+        anything unusual: field number 0 or past 2**29 - 1, groups, unknown wire
+        types, a value out of its field's range): the caller then parses it
+        with protobuf, so whatever this returns is exactly protobuf's reading.
 
     Raises:
         ValueError: the bytes are not valid protobuf.
@@ -127,10 +146,14 @@ def decode_gradient(raw: bytes) -> tuple[ChunkHeader, memoryview] | None:
     while position < end:
         key, position = _read_varint(view, position, end)
         field, wire_type = key >> 3, key & 7
+        if not 0 < field <= _MAX_FIELD_NUMBER:
+            return None  # invalid in protobuf: let it say so
         if wire_type == _WIRE_VARINT:
             value, position = _read_varint(view, position, end)
             name = _INT_FIELDS.get(field)
             if name is not None:
+                if value > _INT_FIELD_MAX[field]:
+                    return None  # protobuf truncates it: take protobuf's reading
                 setattr(header, name, value)
         elif wire_type == _WIRE_LENGTH:
             size, position = _read_varint(view, position, end)
@@ -146,7 +169,7 @@ def decode_gradient(raw: bytes) -> tuple[ChunkHeader, memoryview] | None:
         elif wire_type == _WIRE_FIXED32:
             position += 4
         else:
-            raise ValueError(f"unsupported wire type {wire_type}")
+            return None  # groups (3, 4) or invalid wire types: protobuf decides
     if position != end:
         raise ValueError("truncated message")
     return header, payload

@@ -27,10 +27,25 @@ HEADER_SLACK_BYTES = 64 << 10
 # --- the coordinator --------------------------------------------------------------------------
 #: The coordinator's gRPC port.
 PORT = 50051
+#: The interface `gradsync serve` and `gradsync shard` bind: loopback, so that nothing
+#: is exposed by accident (beyond it a token or client certificates are required).
+HOST = "127.0.0.1"
+#: The interface a worker's /metrics binds (a scraper elsewhere needs --metrics-host).
+WORKER_METRICS_HOST = "127.0.0.1"
 #: Cap on gradient bytes held in partial reductions, across all jobs.
 MAX_BUFFERED_BYTES = 2048 * MIB
-#: Cap on averaged bytes queued for one worker that is not reading them.
-MAX_OUTBOX_BYTES = 1024 * MIB
+#: Cap on averaged bytes queued for one worker that is not reading them: a few default
+#: buckets (BUCKET_CAP_MB), so a slow reader cannot hold much; beyond it the worker is dropped.
+MAX_OUTBOX_BYTES = 128 * MIB
+#: The largest checkpoint (or healing state) a coordinator accepts; its bytes count in the
+#: job's share of the buffer budget while they arrive.
+MAX_CHECKPOINT_BYTES = 1024 * MIB
+#: Concurrent streams (worker, shard data and shard control) a coordinator serves.
+MAX_CONNECTIONS = 1024
+#: How long a new stream may take to send its first message (Join, ShardHello, ShardRegister).
+FIRST_MESSAGE_TIMEOUT_S = 10.0
+#: How long a job may assemble (its first rank waiting for the last) before it is refused.
+ASSEMBLY_TIMEOUT_S = 600.0
 #: Concurrent jobs the coordinator accepts.
 MAX_JOBS = 64
 #: How long SIGTERM lets running streams finish.
@@ -43,6 +58,21 @@ HEARTBEAT_TIMEOUT_S = 5.0
 STALL_WARNING_S = 10.0
 #: Rank 0 uploads a checkpoint every this many steps; 0: only when the training loop asks.
 CHECKPOINT_EVERY_STEPS = 0
+#: Deadline of one checkpoint store call (a load at Join, a save). A hung store fails the
+#: call (and refuses or warns, per policy) after this, while other jobs train on.
+STORE_TIMEOUT_S = 30.0
+#: Environment variable holding the password of a redis:// checkpoint store.
+ENV_REDIS_PASSWORD = "GRADSYNC_REDIS_PASSWORD"
+#: What a NaN/Inf gradient contribution does: "report" it (log, metric, status; the step
+#: goes on with NaN/Inf in its average, as DDP would), "abort" the step for every rank,
+#: or "allow" it silently (no check).
+NONFINITE = "report"
+#: The `--nonfinite` policies, in the order `--help` lists them.
+NONFINITE_POLICIES = ("report", "abort", "allow")
+#: Per job, at most this many non-finite contributions are logged per window (the rest
+#: are counted, and the next line logged says how many were not).
+NONFINITE_LOG_LINES = 5
+NONFINITE_LOG_WINDOW_S = 10.0
 #: What losing a worker does: "abort" the job, or go on ("elastic").
 ON_FAILURE = "abort"
 #: Under the elastic policy, the fewest live workers a job goes on with.

@@ -4,21 +4,35 @@ Both ends expose their own registry (never prometheus_client's global one)
 over plain HTTP at `/metrics`; the histogram buckets for latencies are shared
 so that a dashboard can put a worker's and the coordinator's view of the same
 bucket side by side.
+
+The HTTP server is prometheus_client's WSGI app on a server of our own with a
+bounded number of handler threads (prometheus_client's starts one thread per
+connection, without limit) and a per-connection timeout, so that a port
+reachable by strangers cannot be made to hold unbounded threads or sockets:
+beyond `MAX_SCRAPE_THREADS` concurrent scrapes a connection is closed at once
+(Prometheus retries at its next interval).
 """
 
 from __future__ import annotations
 
 import logging
+import socket
 import threading
 from types import TracebackType
-from wsgiref.simple_server import WSGIServer
+from typing import Any
+from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 
-from prometheus_client import CollectorRegistry, start_http_server
+from prometheus_client import CollectorRegistry, make_wsgi_app
 
 log = logging.getLogger("gradsync.metrics")
 
 #: Highest TCP port number.
 MAX_PORT = 65535
+
+#: Scrapes answered at once; a connection beyond them is closed at once.
+MAX_SCRAPE_THREADS = 4
+#: A scrape connection silent this long is dropped (it would hold a thread).
+SCRAPE_TIMEOUT_S = 10.0
 
 #: Histogram buckets (seconds) for synchronization latencies: 1 ms (a small
 #: bucket on loopback) up to 60 s (a large model over a slow link, or a rank
@@ -40,6 +54,46 @@ LATENCY_BUCKETS_S: tuple[float, ...] = (
     30.0,
     60.0,
 )
+
+
+class _QuietHandler(WSGIRequestHandler):
+    """Request handler with a socket timeout and no per-request log line on stderr."""
+
+    timeout = SCRAPE_TIMEOUT_S
+
+    def log_message(self, format: str, *args: Any) -> None:
+        pass
+
+
+class _BoundedServer(WSGIServer):
+    """A WSGI server with at most MAX_SCRAPE_THREADS handler threads at a time."""
+
+    daemon_threads = True
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        self._slots = threading.BoundedSemaphore(MAX_SCRAPE_THREADS)
+        super().__init__(*args, **kwargs)
+
+    def process_request(self, request: Any, client_address: Any) -> None:
+        if not self._slots.acquire(blocking=False):
+            self.shutdown_request(request)  # every slot busy: refuse rather than grow
+            return
+        threading.Thread(
+            target=self._serve_one, args=(request, client_address), daemon=True
+        ).start()
+
+    def _serve_one(self, request: Any, client_address: Any) -> None:
+        try:
+            self.finish_request(request, client_address)
+        except Exception:  # a broken scrape must not end the server
+            self.handle_error(request, client_address)
+        finally:
+            self.shutdown_request(request)
+            self._slots.release()
+
+
+class _BoundedServer6(_BoundedServer):
+    address_family = socket.AF_INET6
 
 
 class MetricsServer:
@@ -99,11 +153,23 @@ def serve_metrics(port: int, registry: CollectorRegistry, host: str = "0.0.0.0")
     if not 0 <= port <= MAX_PORT:
         raise ValueError(f"metrics port must be in 0..{MAX_PORT}, got {port}")
     try:
-        httpd, thread = start_http_server(port, addr=host, registry=registry)
+        httpd = _make_server(host, port, registry)
     except OSError as exc:
         raise OSError(
             exc.errno, f"could not serve metrics on {host}:{port}: {exc.strerror or exc}"
         ) from exc
+    thread = threading.Thread(target=httpd.serve_forever, name="gradsync-metrics", daemon=True)
+    thread.start()
     server = MetricsServer(httpd, thread, host)
     log.info("serving Prometheus metrics on %s", server.url)
     return server
+
+
+def _make_server(host: str, port: int, registry: CollectorRegistry) -> WSGIServer:
+    """Bind the bounded server on host:port (IPv4 or IPv6, as the host resolves)."""
+    infos = socket.getaddrinfo(host or None, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    family = infos[0][0] if infos else socket.AF_INET
+    server_class = _BoundedServer6 if family == socket.AF_INET6 else _BoundedServer
+    return make_server(
+        host, port, make_wsgi_app(registry), server_class=server_class, handler_class=_QuietHandler
+    )

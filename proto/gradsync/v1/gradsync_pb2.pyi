@@ -535,16 +535,18 @@ class ShardRegister(_message.Message):
     def __init__(self, version: _Optional[str] = ..., advertise: _Optional[str] = ..., chunk_bytes: _Optional[int] = ..., max_message_bytes: _Optional[int] = ...) -> None: ...
 
 class ShardAccepted(_message.Message):
-    __slots__ = ("shard_index", "shard_count", "heartbeat_interval_s", "heartbeat_timeout_s")
+    __slots__ = ("shard_index", "shard_count", "heartbeat_interval_s", "heartbeat_timeout_s", "nonfinite")
     SHARD_INDEX_FIELD_NUMBER: _ClassVar[int]
     SHARD_COUNT_FIELD_NUMBER: _ClassVar[int]
     HEARTBEAT_INTERVAL_S_FIELD_NUMBER: _ClassVar[int]
     HEARTBEAT_TIMEOUT_S_FIELD_NUMBER: _ClassVar[int]
+    NONFINITE_FIELD_NUMBER: _ClassVar[int]
     shard_index: int
     shard_count: int
     heartbeat_interval_s: float
     heartbeat_timeout_s: float
-    def __init__(self, shard_index: _Optional[int] = ..., shard_count: _Optional[int] = ..., heartbeat_interval_s: _Optional[float] = ..., heartbeat_timeout_s: _Optional[float] = ...) -> None: ...
+    nonfinite: str
+    def __init__(self, shard_index: _Optional[int] = ..., shard_count: _Optional[int] = ..., heartbeat_interval_s: _Optional[float] = ..., heartbeat_timeout_s: _Optional[float] = ..., nonfinite: _Optional[str] = ...) -> None: ...
 
 class ShardMember(_message.Message):
     __slots__ = ("rank", "incarnation", "session")

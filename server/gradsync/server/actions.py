@@ -7,7 +7,7 @@ protocol logic stays testable without gRPC: `Send` a message to ranks,
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from gradsync.protocol.codes import Code
 from gradsync.v1 import gradsync_pb2 as pb
@@ -37,13 +37,19 @@ class Terminate:
 
 @dataclass
 class Member:
-    """One admitted rank: who it is and where it connects from (liveness is kept apart)."""
+    """One admitted rank: who it is and where it connects from (liveness is kept apart).
+
+    `session` is the secret issued to this admission (Welcome.session): the
+    incarnation is public (Status shows it), so only the session admits the
+    rank's data streams to coordinator shards. Never logged or shown.
+    """
 
     rank: int
     incarnation: str
     signature: pb.ModelSignature
     joined_at: float
     peer: str = ""
+    session: bytes = field(default=b"", repr=False)
 
 
 @dataclass(frozen=True)

@@ -19,11 +19,12 @@ from dataclasses import dataclass
 
 import grpc
 from gradsync.protocol.exposition import MetricsServer, serve_metrics
+from gradsync.server.auth_check import bind, interceptors, server_credentials
 from gradsync.server.config import MIB, ServerConfig
 from gradsync.server.local_shards import LocalShards
 from gradsync.server.metrics import CoordinatorMetrics
 from gradsync.server.servicer import SERVICE_NAME, SHUTDOWN_FLUSH_S, CoordinatorServicer
-from gradsync.server.stores import open_store
+from gradsync.server.stores import open_store, redacted_store_url
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 log = logging.getLogger("gradsync.server")
@@ -64,6 +65,7 @@ class RunningServer:
         self.watchdog.cancel()
         if self.metrics_server is not None:
             self.metrics_server.close()
+        self.servicer.checkpointer.close()  # its store threads (a hung call finishes alone)
         if self.servicer.store is not None:
             self.servicer.store.close()
 
@@ -82,20 +84,32 @@ def grpc_options(config: ServerConfig) -> list[tuple[str, int]]:
 
 async def start_server(config: ServerConfig) -> RunningServer:
     """Create, bind and start a coordinator; the returned port is the bound one."""
-    store = open_store(config.checkpoint_store) if config.checkpoint_store else None
+    store = (
+        open_store(
+            config.checkpoint_store,
+            password=config.redis_password,
+            timeout_s=config.store_timeout_s,
+        )
+        if config.checkpoint_store
+        else None
+    )
     metrics = CoordinatorMetrics()
     servicer = CoordinatorServicer(config, store, metrics=metrics)
+    credentials = server_credentials(config.tls_cert, config.tls_key, config.tls_client_ca)
     metrics_server = (
-        serve_metrics(config.metrics_port, metrics.registry, host=config.host)
+        serve_metrics(
+            config.metrics_port, metrics.registry, host=config.metrics_host or config.host
+        )
         if config.metrics_port is not None
         else None
     )
-    server = grpc.aio.server(options=grpc_options(config))
+    # The token check runs before every handler, the health service's included.
+    server = grpc.aio.server(options=grpc_options(config), interceptors=interceptors(config.token))
     server.add_generic_rpc_handlers((servicer.generic_handler(),))
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     address = f"{config.host}:{config.port}"
-    port = server.add_insecure_port(address)
+    port = bind(server, address, credentials)
     if port == 0:
         raise OSError(f"could not bind the coordinator to {address}")
     await server.start()
@@ -124,21 +138,35 @@ async def wait_for_shards(running: RunningServer, timeout_s: float) -> bool:
     return True
 
 
+def security_words(tls: bool, client_ca: bool, token: bool) -> str:
+    """How callers are checked, for banners ("TLS + client certificates + token")."""
+    parts = (["TLS"] if tls else []) + (["client certificates"] if client_ca else [])
+    parts += ["token"] if token else []
+    return " + ".join(parts) if parts else "plaintext, no authentication"
+
+
 def banner(config: ServerConfig, port: int, metrics_url: str | None = None) -> str:
-    """The startup line; `gradsync demo` and tests parse 'listening on HOST:PORT'."""
+    """The startup line; `gradsync demo` and tests parse 'listening on HOST:PORT'.
+
+    It says how callers are checked, never the token itself.
+    """
+    security = security_words(
+        config.tls_cert is not None, config.tls_client_ca is not None, config.token is not None
+    )
     return (
         f"gradsync coordinator listening on {config.host}:{port} "
         f"(world size {config.world_size}, chunk {config.chunk_bytes / MIB:g} MiB, "
         f"max message {config.max_message_bytes} bytes, "
         f"max buffered {config.max_buffered_bytes / MIB:g} MiB, max jobs {config.max_jobs}, "
         f"heartbeat timeout {config.heartbeat_timeout_s:g}s, "
-        f"checkpoints {config.checkpoint_store or 'off'}, metrics {metrics_url or 'off'}"
+        f"checkpoints {redacted_store_url(config.checkpoint_store or 'off')}, "
+        f"metrics {metrics_url or 'off'}"
         + (
             f", shards {config.shard_count} ({config.shards_flag})"
             if config.shard_count > 1
             else ""
         )
-        + ")"
+        + f", security: {security})"
     )
 
 
@@ -150,11 +178,12 @@ async def serve(config: ServerConfig) -> int:
     """
     running = await start_server(config)
     metrics_url = running.metrics_server.url if running.metrics_server else None
-    print(banner(config, running.port, metrics_url), file=sys.stderr, flush=True)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for signum in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(signum, stop.set)
+    # The banner says the server is up: signals must be handled from then on.
+    print(banner(config, running.port, metrics_url), file=sys.stderr, flush=True)
     if config.shard_count > 1:
         waiting = asyncio.create_task(wait_for_shards(running, config.shard_wait_timeout_s))
         stopped = asyncio.create_task(stop.wait())

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from gradsync.protocol import chunking
 from gradsync.protocol.codes import Code
-from gradsync.server.open_step import check_chunk
+from gradsync.server.chunk_checks import check_chunk
 from gradsync.v1 import gradsync_pb2 as pb
 
 

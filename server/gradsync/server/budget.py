@@ -11,6 +11,14 @@ delta, so a missed or doubled adjustment cannot drift the total. `release`
 returns exactly what the reservation holds and is idempotent, so every path
 that frees a step (completion, abort, a broken or refused job) can release
 without knowing whether another path already did.
+
+Per-job shares (issue 11): one job must not be able to hold the whole
+budget and so make every other job's uploads fail. Each owner (a job id)
+may hold at most `owner_limit` bytes (default: half the limit; flag
+`--max-job-buffered-mb`), so whatever one job does, at least
+`limit - owner_limit` bytes remain for the others. Jobs see the budget
+through an `OwnerBudget` view whose `fits` checks both caps; its `used` and
+`limit` report whichever cap binds, for messages.
 """
 
 from __future__ import annotations
@@ -23,15 +31,22 @@ class ByteBudget:
 
     Args:
         limit: the most bytes all reservations may hold together.
+        owner_limit: the most bytes the reservations of one owner may hold
+            together (None: half of `limit`, at least 1 byte).
 
     Raises:
-        ValueError: `limit` is not positive.
+        ValueError: `limit` is not positive, or `owner_limit` is not in 1..limit.
     """
 
-    def __init__(self, limit: int) -> None:
+    def __init__(self, limit: int, owner_limit: int | None = None) -> None:
         if limit <= 0:
             raise ValueError(f"byte budget limit must be positive, got {limit}")
+        if owner_limit is None:
+            owner_limit = max(1, limit // 2)
+        if not 1 <= owner_limit <= limit:
+            raise ValueError(f"per-owner limit must be in 1..{limit}, got {owner_limit}")
         self.limit = limit
+        self.owner_limit = owner_limit
         self._used = 0
         self._by_owner: dict[Hashable, int] = {}
 
@@ -43,6 +58,14 @@ class ByteBudget:
     def fits(self, extra: int) -> bool:
         """True if `extra` more bytes stay within the limit."""
         return self._used + extra <= self.limit
+
+    def fits_for(self, owner: Hashable, extra: int) -> bool:
+        """True if `owner` may take `extra` more bytes: within the limit and its share."""
+        return self.fits(extra) and self.held_by(owner) + extra <= self.owner_limit
+
+    def for_owner(self, owner: Hashable) -> OwnerBudget:
+        """The view of this budget that one owner (a job) checks against."""
+        return OwnerBudget(self, owner)
 
     def held_by(self, owner: Hashable) -> int:
         """Bytes held by the open reservations of `owner` (e.g. a job id)."""
@@ -59,6 +82,46 @@ class ByteBudget:
             self._by_owner[owner] = total
         else:
             self._by_owner.pop(owner, None)
+
+
+class OwnerBudget:
+    """One owner's view of a `ByteBudget`: `fits` also checks the owner's share.
+
+    It offers what the job's parts use of a budget (`fits`, `reserve`,
+    `used`, `limit`), so they need not know about shares. `used` and `limit`
+    report the cap with the least headroom, so a refusal names the one that bit.
+    """
+
+    def __init__(self, budget: ByteBudget, owner: Hashable) -> None:
+        self.budget = budget
+        self.owner = owner
+
+    def _owner_binds(self) -> bool:
+        budget = self.budget
+        own_room = budget.owner_limit - budget.held_by(self.owner)
+        return own_room < budget.limit - budget.used
+
+    @property
+    def used(self) -> int:
+        """Bytes held under the binding cap (the owner's, or everyone's)."""
+        if self._owner_binds():
+            return self.budget.held_by(self.owner)
+        return self.budget.used
+
+    @property
+    def limit(self) -> int:
+        """The binding cap (the owner's share, or the whole budget)."""
+        return self.budget.owner_limit if self._owner_binds() else self.budget.limit
+
+    def fits(self, extra: int) -> bool:
+        """True if the owner may take `extra` more bytes."""
+        return self.budget.fits_for(self.owner, extra)
+
+    def reserve(self, owner: Hashable | None = None) -> Reservation:
+        """A new, empty reservation of this view's owner (`owner` must be it, if given)."""
+        if owner is not None and owner != self.owner:
+            raise ValueError(f"budget view of {self.owner!r} asked to reserve for {owner!r}")
+        return self.budget.reserve(self.owner)
 
 
 class Reservation:

@@ -14,7 +14,9 @@ picks a backend from a URL, so no module imports one that imports it back.
 The `latest` pointer names the last acknowledged save, which is what `load_latest` starts from;
 blobs of higher steps are leftovers of saves that never completed (or of a timeline abandoned
 when a corrupt checkpoint forced a restore from an older one) and are never loaded. Only once a
-save is durable does it delete older checkpoints beyond the newest `keep`, and those leftovers.
+save is durable does it delete older checkpoints beyond the newest `keep`, and those leftovers;
+and the coordinator passes a `PruneGuard` so that no save deletes a checkpoint newer than the
+one its job resumed from unless that job wrote it (a job started fresh keeps the old timeline).
 
 What "durable" means, per backend
 ---------------------------------
@@ -128,6 +130,29 @@ class Checkpoint:
         object.__setattr__(self, "metadata", MappingProxyType(dict(self.metadata)))
 
 
+@dataclass(frozen=True)
+class PruneGuard:
+    """Which stored steps a job's save may prune: what it resumed from, and what it saved.
+
+    A job that started from an older checkpoint than the newest stored one (a fresh start
+    asked for with `--fresh-start`, or a fall-back past a damaged blob) must not have its
+    first saves delete the newer checkpoints it did not write: they may be the only copy of
+    the real progress (a store that was briefly unreadable). So a save deletes a step only if
+    it is at or before `resumed_from`, or the job itself saved it (`written`).
+
+    Attributes:
+        resumed_from: step of the checkpoint the job resumed from (-1: none).
+        written: steps this job has saved itself (acknowledged or attempted).
+    """
+
+    resumed_from: int = -1
+    written: frozenset[int] = frozenset()
+
+    def may_delete(self, step: int) -> bool:
+        """True if pruning may delete the stored checkpoint of `step`."""
+        return step <= self.resumed_from or step in self.written
+
+
 class CheckpointError(Exception):
     """A checkpoint could not be saved or loaded; the message names backend, job, step and cause."""
 
@@ -141,8 +166,10 @@ class CheckpointStore(Protocol):
 
     description: str  # where the checkpoints live, for logs, e.g. "file:///var/lib/gradsync"
 
-    def save(self, checkpoint: Checkpoint) -> None:
+    def save(self, checkpoint: Checkpoint, guard: PruneGuard | None = None) -> None:
         """Store `checkpoint`; return only once it is durable and complete.
+
+        Then prune older checkpoints beyond `keep` (only those `guard` allows, if given).
 
         Raises:
             CheckpointError: it could not be made durable; it must be treated as not saved.
@@ -294,13 +321,21 @@ def _failure(description: str, action: str, job_id: str, step: int | None, exc: 
     return f"{description}: {action} job {job_id!r}{at_step} failed: {type(exc).__name__}: {exc}"
 
 
-def _doomed_steps(stored: Iterable[int], saved_step: int, keep: int) -> list[int]:
+def _doomed_steps(
+    stored: Iterable[int], saved_step: int, keep: int, guard: PruneGuard | None = None
+) -> list[int]:
     """Steps to delete once `saved_step` is acknowledged: all but the `keep` newest up to it,
     and any newer ones (a save that never completed, or a timeline abandoned by a restore from
-    an older checkpoint); `load_latest` never returns those once the pointer is older."""
+    an older checkpoint); `load_latest` never returns those once the pointer is older.
+
+    With a `guard`, only steps it allows are deleted: never one newer than the checkpoint the
+    job resumed from unless the job saved it itself (see `PruneGuard`)."""
     stored = sorted(stored)
     kept_or_older = [step for step in stored if step <= saved_step]
-    return kept_or_older[:-keep] + [step for step in stored if step > saved_step]
+    doomed = kept_or_older[:-keep] + [step for step in stored if step > saved_step]
+    if guard is None:
+        return doomed
+    return [step for step in doomed if guard.may_delete(step)]
 
 
 def _parse_pointer(description: str, job_id: str, text: str | None) -> int | None:

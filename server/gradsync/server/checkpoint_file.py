@@ -17,6 +17,7 @@ from pathlib import Path
 from gradsync.server.checkpoint import (
     Checkpoint,
     CheckpointError,
+    PruneGuard,
     _check_job_id,
     _check_keep,
     _doomed_steps,
@@ -88,7 +89,7 @@ class FileCheckpointStore(_StoreLifecycle):
         """The folder holding `job_id`'s checkpoints (its name is injective and traversal-free)."""
         return self.directory / _job_directory_name(job_id)
 
-    def save(self, checkpoint: Checkpoint) -> None:
+    def save(self, checkpoint: Checkpoint, guard: PruneGuard | None = None) -> None:
         """See `CheckpointStore.save`."""
         self._check_open()
         job_dir = self.job_directory(checkpoint.job_id)
@@ -102,7 +103,7 @@ class FileCheckpointStore(_StoreLifecycle):
                 raise CheckpointError(
                     _failure(self.description, "saving", checkpoint.job_id, checkpoint.step, exc)
                 ) from exc
-            self._prune(job_dir, checkpoint.job_id, checkpoint.step)
+            self._prune(job_dir, checkpoint.job_id, checkpoint.step, guard)
 
     def load_latest(self, job_id: str) -> Checkpoint | None:
         """See `CheckpointStore.load_latest`."""
@@ -171,10 +172,10 @@ class FileCheckpointStore(_StoreLifecycle):
         finally:
             os.close(descriptor)
 
-    def _prune(self, job_dir: Path, job_id: str, saved_step: int) -> None:
+    def _prune(self, job_dir: Path, job_id: str, saved_step: int, guard: PruneGuard | None) -> None:
         """Delete superseded blobs and stray temp files; failures only warn (the save is done)."""
         try:
-            doomed_steps = _doomed_steps(self.steps(job_id), saved_step, self.keep)
+            doomed_steps = _doomed_steps(self.steps(job_id), saved_step, self.keep, guard)
             # Leftovers of saves that crashed before their rename; one writer per job, so no
             # temp file here belongs to a save in progress.
             stray = [path for path in job_dir.glob(".*.tmp") if path.is_file()]

@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any
 from gradsync.server.checkpoint import (
     Checkpoint,
     CheckpointError,
+    PruneGuard,
     _check_job_id,
     _check_keep,
     _doomed_steps,
@@ -56,6 +57,7 @@ class RedisCheckpointStore(_StoreLifecycle):
         keep: int = 3,
         client: redis.Redis | None = None,
         socket_timeout_s: float = 5.0,
+        password: str | None = None,
     ) -> None:
         """Set up the store; nothing is sent to the server before the first call.
 
@@ -66,6 +68,8 @@ class RedisCheckpointStore(_StoreLifecycle):
                 `close` leaves it open, and it must bring its own socket timeouts.
             socket_timeout_s: bound on connecting and on every reply; WAITAOF is given half
                 of it, so that the server answers before the socket gives up.
+            password: the server's password, given apart from the URL (which shows in the
+                process list); overrides one in the URL. Never logged.
 
         Raises:
             ImportError: the redis package is missing (install gradsync[redis]).
@@ -93,7 +97,9 @@ class RedisCheckpointStore(_StoreLifecycle):
             client
             if client is not None
             else redis_module.Redis.from_url(
-                url,
+                # redis-py lets a password in the URL win over the keyword: drop it.
+                url if password is None else re.sub(r"(//[^/@:]*):[^/@]*@", r"\1@", url),
+                **({"password": password} if password is not None else {}),
                 socket_timeout=socket_timeout_s,
                 socket_connect_timeout=socket_timeout_s,
                 retry=Retry(NoBackoff(), 0),
@@ -103,7 +109,7 @@ class RedisCheckpointStore(_StoreLifecycle):
         self._server_version = ""
         self._uses_waitaof: bool | None = None  # decided from the server version at first save
 
-    def save(self, checkpoint: Checkpoint) -> None:
+    def save(self, checkpoint: Checkpoint, guard: PruneGuard | None = None) -> None:
         """See `CheckpointStore.save`."""
         self._check_open()
         job_id, step = checkpoint.job_id, checkpoint.step
@@ -118,7 +124,7 @@ class RedisCheckpointStore(_StoreLifecycle):
             self._execute_durably(pointer_batch, job_id, step)
         except self._errors as exc:
             raise CheckpointError(_failure(self.description, "saving", job_id, step, exc)) from exc
-        self._prune(job_id, step)
+        self._prune(job_id, step, guard)
 
     def load_latest(self, job_id: str) -> Checkpoint | None:
         """See `CheckpointStore.load_latest`."""
@@ -230,11 +236,11 @@ class RedisCheckpointStore(_StoreLifecycle):
                 f"--appendfsync always` (or set both in redis.conf), or use Redis >= 7.2"
             )
 
-    def _prune(self, job_id: str, saved_step: int) -> None:
+    def _prune(self, job_id: str, saved_step: int, guard: PruneGuard | None) -> None:
         """Delete superseded blobs; failures only warn (the save is already durable)."""
         try:
             stored = _parse_steps(self._client.zrange(_key(job_id, "steps"), 0, -1))
-            doomed = _doomed_steps(stored, saved_step, self.keep)
+            doomed = _doomed_steps(stored, saved_step, self.keep, guard)
             if doomed:
                 batch = self._client.pipeline(transaction=False)
                 # Index first: a crash in between leaves an unindexed blob, never a dangling entry.

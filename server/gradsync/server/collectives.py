@@ -32,9 +32,9 @@ from gradsync.protocol import chunking, dtypes
 from gradsync.protocol.codes import Code
 from gradsync.server.actions import Action, Send
 from gradsync.server.aggregation import from_accumulator, to_accumulator
-from gradsync.server.budget import ByteBudget, Reservation
+from gradsync.server.budget import ByteBudget, OwnerBudget, Reservation
+from gradsync.server.chunk_checks import check_chunk
 from gradsync.server.errors import RejectedMessage
-from gradsync.server.open_step import check_chunk
 from gradsync.v1 import gradsync_pb2 as pb
 
 #: How far ahead of the oldest unfinished collective a rank may run (pipelined calls).
@@ -157,7 +157,12 @@ class Collectives:
     """
 
     def __init__(
-        self, job_id: str, world_size: int, chunk_bytes: int, max_bytes: int, budget: ByteBudget
+        self,
+        job_id: str,
+        world_size: int,
+        chunk_bytes: int,
+        max_bytes: int,
+        budget: ByteBudget | OwnerBudget,
     ) -> None:
         self._job_id = job_id
         self._world_size = world_size

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from gradsync.protocol import chunking, defaults
 from gradsync.protocol.defaults import MIB
@@ -17,13 +17,25 @@ class ServerConfig:
 
     Attributes:
         world_size: ranks per job.
-        host: interface to bind ("0.0.0.0" for all).
+        host: interface to bind ("0.0.0.0" for all); loopback by default, since without
+            a token or client certificates anything beyond loopback is refused
+            unless `insecure` (protected mode, see `gradsync.server.auth_check`).
         port: TCP port; 0 picks a free one (reported in the banner).
         chunk_bytes: wire chunk size every worker must use.
         max_buffered_bytes: cap on gradient bytes held in partial reductions,
             across all jobs; beyond it uploads get RESOURCE_EXHAUSTED.
         max_outbox_bytes: cap on averaged bytes queued for one worker that is
-            not reading them; beyond it that worker's stream is ended.
+            not reading them; beyond it that worker's stream is ended. All outboxes
+            together are also capped by `max_buffered_bytes`.
+        max_job_buffered_bytes: the most of `max_buffered_bytes` one job may hold
+            (None: half), so one job cannot starve the others.
+        max_checkpoint_bytes: the largest checkpoint or healing state accepted; its
+            bytes count in the job's share as they arrive.
+        max_connections: concurrent streams of all kinds; beyond it RESOURCE_EXHAUSTED.
+        first_message_timeout_s: a stream that sends no first message (Join,
+            ShardHello, ShardRegister) within this is ended with DEADLINE_EXCEEDED.
+        assembly_timeout_s: a job still assembling after this is refused
+            (DEADLINE_EXCEEDED), so quick Joins cannot hold job slots forever.
         max_jobs: concurrent jobs the coordinator accepts.
         shutdown_grace_s: how long SIGTERM lets running streams finish.
         heartbeat_interval_s: how often workers send a sign of life.
@@ -47,14 +59,40 @@ class ServerConfig:
             (`--wait-for-shards`).
         shard_wait_timeout_s: how long `gradsync serve` waits at start-up for every shard
             to register before it exits 1 naming the missing ones.
+        tls_cert, tls_key: PEM files of the server's certificate and key (TLS); None =
+            plaintext.
+        tls_client_ca: PEM file of the CA that issued the clients' certificates: clients
+            must present one (mTLS). None = no client certificates asked for.
+        tls_ca: PEM file of the CA that issued `tls_cert`, handed to the local shard
+            children (`--shards`) to verify the leader; None = `tls_cert` itself.
+        token: the shared secret every call must present (loaded by the CLI from
+            --token-file / $GRADSYNC_TOKEN / $GRADSYNC_TOKEN_FILE; never printed).
+        insecure: listen beyond loopback with neither a token nor client certificates.
+        metrics_host: interface the metrics server binds; None = `host`.
+        fresh_start: start new jobs at step 0 without reading their checkpoints (which are
+            kept: saves never delete a checkpoint newer than the one a job resumed from).
+            Without it a store that cannot be read refuses the job.
+        store_timeout_s: deadline of every checkpoint store call (load at the first Join,
+            save); the call runs in a worker thread, so a hung store stalls no other job.
+        redis_password: password for a redis:// store (from --redis-password-file or
+            $GRADSYNC_REDIS_PASSWORD, so it is not in the process list); never printed.
+        nonfinite: what a NaN/Inf gradient contribution does: "report" (log, metric,
+            status; the step goes on, as under DDP), "abort" (the step is aborted for
+            every rank, which raise NonFiniteGradientError) or "allow" (no check).
+            Shards learn it from the leader (`ShardAccepted.nonfinite`).
     """
 
     world_size: int
-    host: str = "0.0.0.0"
+    host: str = defaults.HOST
     port: int = defaults.PORT
     chunk_bytes: int = defaults.CHUNK_BYTES
     max_buffered_bytes: int = defaults.MAX_BUFFERED_BYTES
     max_outbox_bytes: int = defaults.MAX_OUTBOX_BYTES
+    max_job_buffered_bytes: int | None = None
+    max_checkpoint_bytes: int = defaults.MAX_CHECKPOINT_BYTES
+    max_connections: int = defaults.MAX_CONNECTIONS
+    first_message_timeout_s: float = defaults.FIRST_MESSAGE_TIMEOUT_S
+    assembly_timeout_s: float = defaults.ASSEMBLY_TIMEOUT_S
     max_jobs: int = defaults.MAX_JOBS
     shutdown_grace_s: float = defaults.SHUTDOWN_GRACE_S
     heartbeat_interval_s: float = defaults.HEARTBEAT_INTERVAL_S
@@ -71,6 +109,17 @@ class ServerConfig:
     shard_count: int = defaults.SHARDS
     local_shards: bool = False
     shard_wait_timeout_s: float = defaults.SHARD_WAIT_TIMEOUT_S
+    tls_cert: str | None = None
+    tls_key: str | None = None
+    tls_client_ca: str | None = None
+    tls_ca: str | None = None
+    token: str | None = field(default=None, repr=False)
+    insecure: bool = False
+    metrics_host: str | None = None
+    fresh_start: bool = False
+    store_timeout_s: float = defaults.STORE_TIMEOUT_S
+    redis_password: str | None = field(default=None, repr=False)
+    nonfinite: str = defaults.NONFINITE
 
     def __post_init__(self) -> None:
         if self.world_size < 1:
@@ -84,6 +133,27 @@ class ServerConfig:
                 f"max buffered bytes ({self.max_buffered_bytes}) must be at least one chunk "
                 f"({self.chunk_bytes})"
             )
+        if self.max_job_buffered_bytes is not None and not (
+            self.chunk_bytes <= self.max_job_buffered_bytes <= self.max_buffered_bytes
+        ):
+            raise ValueError(
+                f"max job buffered bytes ({self.max_job_buffered_bytes}) must be between one "
+                f"chunk ({self.chunk_bytes}) and max buffered bytes ({self.max_buffered_bytes})"
+            )
+        if self.max_outbox_bytes < self.max_message_bytes:
+            raise ValueError(
+                f"max outbox bytes ({self.max_outbox_bytes}) must hold at least one message "
+                f"({self.max_message_bytes})"
+            )
+        if self.max_checkpoint_bytes < 1:
+            raise ValueError(f"max checkpoint bytes must be >= 1, got {self.max_checkpoint_bytes}")
+        if self.max_connections < 1:
+            raise ValueError(f"max connections must be at least 1, got {self.max_connections}")
+        if self.first_message_timeout_s <= 0 or self.assembly_timeout_s <= 0:
+            raise ValueError(
+                f"first message timeout ({self.first_message_timeout_s} s) and assembly "
+                f"timeout ({self.assembly_timeout_s} s) must be > 0"
+            )
         if self.max_jobs < 1:
             raise ValueError(f"max jobs must be at least 1, got {self.max_jobs}")
         if self.shutdown_grace_s < 0:
@@ -92,6 +162,11 @@ class ServerConfig:
             raise ValueError(
                 f"heartbeat interval ({self.heartbeat_interval_s} s) must be positive and "
                 f"below the heartbeat timeout ({self.heartbeat_timeout_s} s)"
+            )
+        if self.nonfinite not in defaults.NONFINITE_POLICIES:
+            raise ValueError(
+                f"nonfinite must be one of {', '.join(defaults.NONFINITE_POLICIES)}, "
+                f"got {self.nonfinite!r}"
             )
         if self.on_failure not in ("abort", "elastic"):
             raise ValueError(f"on failure must be 'abort' or 'elastic', got {self.on_failure!r}")
@@ -114,6 +189,13 @@ class ServerConfig:
             raise ValueError(f"shard wait timeout must be > 0 s, got {self.shard_wait_timeout_s}")
         if self.checkpoint_store is not None:
             parse_store_url(self.checkpoint_store)  # refuse an ambiguous URL at start-up
+        if not self.store_timeout_s > 0:
+            raise ValueError(f"store timeout must be > 0 s, got {self.store_timeout_s}")
+        if self.fresh_start and self.resume:
+            raise ValueError(
+                "--fresh-start and --resume contradict each other: --resume refuses to start "
+                "a job without a checkpoint, --fresh-start starts every job without one"
+            )
         if (self.require_checkpoint or self.resume or self.checkpoint_every) and not (
             self.checkpoint_store
         ):

@@ -15,6 +15,7 @@ from collections.abc import Callable
 
 from gradsync.protocol.codes import Code
 from gradsync.server.actions import Action, Send
+from gradsync.server.budget import OwnerBudget
 from gradsync.server.collectives import Collectives
 from gradsync.server.errors import RejectedMessage
 from gradsync.server.membership import Membership
@@ -35,6 +36,7 @@ class Elastic:
         chunk_bytes: chunk size every rank must use.
         max_blob_bytes: the largest healing state accepted.
         welcome: builds the Welcome of the job as it stands, given the resume size.
+        budget: where the healing state's bytes are counted while they arrive.
     """
 
     def __init__(
@@ -46,7 +48,9 @@ class Elastic:
         chunk_bytes: int,
         max_blob_bytes: int,
         welcome: Callable[[int], pb.CoordinatorMessage],
+        budget: OwnerBudget | None = None,
     ) -> None:
+        self._budget = budget
         self._job_id = job_id
         self._membership = membership
         self._in_flight = in_flight
@@ -72,10 +76,16 @@ class Elastic:
         )
         actions: list[Action] = [Send(membership.ranks(), membership.changed_message(step, reason))]
         if self._heal is not None and self._heal[0] == lost:
-            self._heal = None  # the donor is gone: ask another live rank
+            self.release()  # the donor is gone: ask another live rank
             actions += self.request_heal()
         actions += self._in_flight.drop_rank(lost)
         return actions + self._collectives.drop_participant(lost)
+
+    def release(self) -> None:
+        """Forget a healing upload in progress and give its bytes back (idempotent)."""
+        if self._heal is not None and self._heal[1] is not None:
+            self._heal[1].release()
+        self._heal = None
 
     def request_heal(self) -> list[Action]:
         """Ask the lowest live rank for its state, if newcomers wait."""
@@ -104,13 +114,32 @@ class Elastic:
         donor, assembler = self._heal
         if assembler is None:
             what = f"healing state of step {chunk.step} from rank {donor}"
+            budget = self._budget
             assembler = BlobAssembler(
-                what, chunk.total_bytes, self._chunk_bytes, self._max_blob_bytes
+                what,
+                chunk.total_bytes,
+                self._chunk_bytes,
+                self._max_blob_bytes,
+                budget.reserve() if budget is not None else None,
+                budget.fits if budget is not None else None,
             )
             self._heal = (donor, assembler)
-        if not assembler.add(chunk.offset, chunk.payload):
+        elif chunk.total_bytes != assembler.total_bytes:
+            self.release()
+            raise RejectedMessage(
+                Code.INVALID_ARGUMENT,
+                f"rank {rank} changed the size of its healing state from "
+                f"{assembler.total_bytes} to {chunk.total_bytes} bytes mid-upload",
+            )
+        try:
+            complete = assembler.add(chunk.offset, chunk.payload)
+        except RejectedMessage:
+            self.release()
+            raise
+        if not complete:
             return []
         self._heal = None
+        blob = assembler.blob()  # gives its bytes back to the budget
         step = self._in_flight.step
         if chunk.step != step:
             return self.request_heal()  # not at the boundary we can use: ask again
@@ -119,7 +148,6 @@ class Elastic:
         for rank_joining in newcomers:
             self._in_flight.add_rank(rank_joining)
         next_collective = self._collectives.add_participants(newcomers)
-        blob = assembler.blob()
         reason = (
             f"rank(s) {newcomers} rejoined job '{self._job_id}' at step {step} with "
             f"rank {donor}'s state (membership epoch {membership.epoch})"
@@ -127,8 +155,10 @@ class Elastic:
         old = tuple(r for r in membership.ranks() if r not in newcomers)
         actions: list[Action] = [Send(old, membership.changed_message(step, reason))]
         targets = tuple(newcomers)
-        welcome = self._welcome(len(blob))
-        welcome.welcome.next_collective = next_collective
-        actions.append(Send(targets, welcome))
+        for rank_joining in targets:  # each with its own session secret
+            welcome = self._welcome(len(blob))
+            welcome.welcome.next_collective = next_collective
+            welcome.welcome.session = membership.session_of(rank_joining)
+            actions.append(Send((rank_joining,), welcome))
         actions += resume_messages(targets, step, blob, self._chunk_bytes)
         return actions

@@ -16,7 +16,8 @@ A job is a small composition, each part owning its own state:
 - `Collectives` (`collectives.py`): collectives on user tensors;
 - `UnevenInputs` (`uneven.py`) and `Elastic` (`elastic.py`): DDP's join(), lost ranks.
 
-This module holds the lifecycle that spans them::
+This module holds the lifecycle that spans them (its departures and endings
+are in `job_ending.py`, which `Job` inherits)::
 
     ASSEMBLING --(all ranks joined, signatures match)--> RUNNING
     ASSEMBLING / RUNNING --(signature mismatch, bad state broadcast)--> REFUSED
@@ -37,7 +38,6 @@ every rank is told why in-band, and the job carries on at the next step.
 
 from __future__ import annotations
 
-import enum
 import time
 from collections.abc import Callable, Sequence
 
@@ -52,27 +52,23 @@ from gradsync.server.budget import ByteBudget
 from gradsync.server.collectives import Collectives
 from gradsync.server.elastic import Elastic
 from gradsync.server.errors import RejectedMessage
+from gradsync.server.job_ending import JobEnding, JobState
 from gradsync.server.liveness import Liveness
 from gradsync.server.membership import Membership
 from gradsync.server.metrics import CoordinatorMetrics
-from gradsync.server.open_step import OpenStep, abort_message
+from gradsync.server.open_step import OpenStep
 from gradsync.server.persistence import Persistence, resume_messages
 from gradsync.server.progress import StepProgress
+from gradsync.server.step_aborts import abort_message
+from gradsync.server.text import quoted
 from gradsync.server.uneven import UnevenInputs
 from gradsync.v1 import gradsync_pb2 as pb
 
-
-class JobState(enum.Enum):
-    """Where a job is in its lifecycle."""
-
-    ASSEMBLING = "assembling"
-    RUNNING = "running"
-    FINISHING = "finishing"
-    REFUSED = "refused"
-    BROKEN = "broken"
+#: `JobState` is defined with the endings that set most of them, and is part of `Job`.
+__all__ = ["Job", "JobState"]
 
 
-class Job:
+class Job(JobEnding):
     """Membership, validation and aggregation for one job id.
 
     Args:
@@ -91,6 +87,10 @@ class Job:
         shard_map: the coordinator's shards for Welcome ([] unsharded), None while
             some shard is missing (the job then waits, assembled, for it).
         shard_count: coordinator shards, this leader included: it aggregates range 0.
+        nonfinite: the `--nonfinite` policy ("report", "abort", "allow"; see
+            `gradsync.server.nonfinite`).
+        max_checkpoint_bytes: the largest checkpoint or healing state accepted (None: the
+            budget's limit). Its bytes count in `budget` as they arrive.
     """
 
     def __init__(
@@ -109,8 +109,13 @@ class Job:
         max_collective_bytes: int = defaults.MAX_COLLECTIVE_BYTES,
         shard_map: Callable[[], list[pb.ShardAddress] | None] = list,
         shard_count: int = 1,
+        nonfinite: str = defaults.NONFINITE,
+        max_checkpoint_bytes: int | None = None,
     ) -> None:
         self.job_id = job_id
+        # Every part of the job counts its bytes under this job's share of the budget.
+        job_budget = budget.for_owner(job_id)
+        blob_limit = budget.limit if max_checkpoint_bytes is None else max_checkpoint_bytes
         self.world_size = world_size
         self.chunk_bytes = chunk_bytes
         self.max_message_bytes = max_message_bytes
@@ -120,14 +125,20 @@ class Job:
         self.min_workers = min_workers
         self.membership = Membership(job_id, world_size, clock)
         self.in_flight = OpenStep(
-            self.membership, chunk_bytes, budget, clock, metrics, shard_count=shard_count
+            self.membership,
+            chunk_bytes,
+            job_budget,
+            clock,
+            metrics,
+            shard_count=shard_count,
+            nonfinite=nonfinite,
         )
         self.liveness = Liveness(clock)
-        self.persistence = Persistence(chunk_bytes, budget.limit)
+        self.persistence = Persistence(chunk_bytes, blob_limit, job_budget)
         self.assembly = Assembly(job_id, world_size, clock, heartbeat_interval_s)
         self.broadcast = StateBroadcast(chunk_bytes)
         self.collectives = Collectives(
-            job_id, world_size, chunk_bytes, max_collective_bytes, budget
+            job_id, world_size, chunk_bytes, max_collective_bytes, job_budget
         )
         self.uneven = UnevenInputs(self.membership, self.in_flight, self.collectives)
         self.elastic = Elastic(
@@ -136,8 +147,9 @@ class Job:
             self.in_flight,
             self.collectives,
             chunk_bytes,
-            budget.limit,
+            blob_limit,
             self._welcome_message,
+            job_budget,
         )
         self.state = JobState.ASSEMBLING
         self._broken_reason = ""
@@ -226,11 +238,6 @@ class Job:
         self.shards = shards
         return self._start()
 
-    def _progress(self, refused: str = "") -> Send:
-        """An AssemblyProgress for every waiting rank."""
-        ranks = self.membership.ranks()
-        return Send(ranks, self.assembly.progress(ranks, refused))
-
     def refused_join(self, rank: int, reason: str) -> list[Action]:
         """Tell the waiting ranks that `rank` was refused at join, and why."""
         if self.state is not JobState.ASSEMBLING or not self.members:
@@ -261,10 +268,16 @@ class Job:
         self.in_flight.configure(signature, resume.step if resume else 0)
         ranks = self.membership.ranks()
         resume_bytes = len(resume.payload) if resume is not None else 0
-        actions: list[Action] = [Send(ranks, self._welcome_message(resume_bytes))]
+        actions: list[Action] = [self.welcome_for(rank, resume_bytes) for rank in ranks]
         if resume is not None:
             actions += resume_messages(ranks, resume.step, resume.payload, self.chunk_bytes)
         return actions
+
+    def welcome_for(self, rank: int, resume_bytes: int = 0) -> Send:
+        """`rank`'s own Welcome: the job's, plus the session secret issued to that rank."""
+        message = self._welcome_message(resume_bytes)
+        message.welcome.session = self.membership.session_of(rank)
+        return Send((rank,), message)
 
     def _welcome_message(self, resume_bytes: int = 0) -> pb.CoordinatorMessage:
         """The Welcome of this job as it stands (for assembly and for newcomers)."""
@@ -314,6 +327,14 @@ class Job:
                 Code.FAILED_PRECONDITION if rank == 0 else Code.INVALID_ARGUMENT,
                 f"rank {rank} sent a checkpoint chunk for step {chunk.step}; only rank 0 of a "
                 f"running job uploads checkpoints (job is {self.state.value})",
+            )
+        if chunk.step > self.open_step:
+            # A checkpoint names the next step to run; one ahead of what the job reached
+            # would make every rank of the next start skip steps nobody trained.
+            raise RejectedMessage(
+                Code.INVALID_ARGUMENT,
+                f"rank 0 of job '{self.job_id}' sent a checkpoint of step {chunk.step}, ahead "
+                f"of step {self.open_step}, the newest step the coordinator has seen",
             )
         persist = self.persistence.on_upload_chunk(chunk)
         return [] if persist is None else [persist]
@@ -402,7 +423,7 @@ class Job:
         """A rank gave up on a step it started: abort it for everyone (if still open)."""
         if self.state is not JobState.RUNNING or abandon.step != self.open_step:
             return []  # already complete or aborted: nothing to undo
-        reason = abandon.reason or "no reason given"
+        reason = quoted(abandon.reason) or "no reason given"  # capped: relayed to every rank
         rejection = RejectedMessage(
             Code.ABORTED,
             f"rank {rank} abandoned step {abandon.step}: {reason}",
@@ -415,99 +436,3 @@ class Job:
         if self.state is not JobState.RUNNING:
             return [Terminate((culprit,), rejection.code, rejection.message)]
         return self.in_flight.abort(culprit, rejection)
-
-    # ------------------------------------------------------------------- leaving
-    def detach(self, rank: int, orderly: bool, reason: str | None = None) -> list[Action]:
-        """Forget `rank`'s connection; abort the open step for the others if running.
-
-        Args:
-            rank: the departing rank.
-            orderly: it said goodbye (Leave) rather than vanishing.
-            reason: how it was lost, for the survivors' error (default: left /
-                disconnected).
-        """
-        self.liveness.forget(rank)
-        assembling = self.state is JobState.ASSEMBLING
-        if not self.membership.remove(rank, assembling=assembling):
-            return []
-        if assembling and not self.members:
-            self.assembly.started_at = None  # whoever joins next starts a new wait
-        if assembling:
-            return [self._progress()] if self.members else []
-        if self.state is not JobState.RUNNING:
-            return []
-        how = reason or ("left" if orderly else "disconnected from")
-        if not self.broadcast.complete:
-            # The others wait for rank 0's state, not for a step: end them now.
-            return self._break(
-                f"rank {rank} {how} job '{self.job_id}' before rank 0's initial state "
-                "broadcast completed; the job cannot start (restart every rank)",
-                rank,
-                abort_step=False,
-            )
-        quiet = not self.in_flight.has_contributions() and not self.collectives.open_sequences()
-        elastic = self.on_failure == "elastic" and len(self.members) >= self.min_workers
-        if orderly and quiet and not elastic:
-            # A normal finish: nobody is told anything now; a rank that still
-            # sends a step or a collective gets this reason then.
-            self.state = JobState.FINISHING
-            self._broken_reason = (
-                f"rank {rank} left job '{self.job_id}' after step {self.open_step - 1}; "
-                "the remaining ranks cannot complete further steps"
-            )
-            self.in_flight.release()
-            self.collectives.release()
-            return []
-        if elastic:
-            actions = self.elastic.shrink(rank, f"rank {rank} {how} job '{self.job_id}'")
-            return actions + self.uneven.lost(rank)
-        if self.on_failure == "elastic":
-            how += f" leaving {len(self.members)} ranks (--min-workers {self.min_workers}) in"
-        return self._break(
-            f"rank {rank} {how} job '{self.job_id}' at step {self.open_step}; no partial "
-            "average is applied and the remaining ranks cannot complete further steps",
-            rank,
-            abort_step=True,
-        )
-
-    def _break(self, reason: str, lost: int, abort_step: bool) -> list[Action]:
-        """The job cannot go on: abort the open step in-band, end ranks that cannot hear it.
-
-        Ranks waiting in a collective (or, without `abort_step`, for the state
-        broadcast) have no step to abort: their streams end with PEER_LOST.
-        """
-        step = self.open_step
-        self._broken_reason = reason
-        self.state = JobState.BROKEN
-        self.in_flight.release()
-        self.in_flight.remember_aborted(step)
-        ranks = self.membership.ranks()
-        waiting = self.collectives.waiting_ranks() if abort_step else ranks
-        self.collectives.release()
-        actions: list[Action] = []
-        if abort_step and ranks:
-            actions.append(
-                abort_message(
-                    ranks, step, Code.ABORTED, reason, -1, pb.ABORT_REASON_PEER_LOST, lost
-                )
-            )
-        waiting = tuple(r for r in waiting if r in self.members)
-        if waiting:
-            actions.append(Terminate(waiting, Code.ABORTED, reason, pb.END_REASON_PEER_LOST))
-        return actions
-
-    def end(
-        self, code: Code, details: str, reason: pb.EndReason, state: JobState = JobState.BROKEN
-    ) -> list[Action]:
-        """End the job (refused, or from outside: a coordinator shard was lost); streams end now."""
-        self.state = state
-        self._broken_reason = details
-        self.in_flight.release()
-        self.in_flight.remember_aborted(self.open_step)
-        self.collectives.release()
-        ranks = sorted({*self.membership.ranks(), *self.membership.newcomers})
-        return [Terminate(tuple(ranks), code, details, reason)]
-
-    def _refuse(self, code: Code, details: str) -> list[Action]:
-        """Refuse the whole job: every connected rank's stream ends with `code`."""
-        return self.end(code, details, pb.END_REASON_JOB_REFUSED, JobState.REFUSED)

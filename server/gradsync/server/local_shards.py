@@ -15,11 +15,12 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
 import sys
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 from gradsync.launch import free_port
-from gradsync.protocol import defaults
+from gradsync.protocol import auth, defaults
 from gradsync.protocol.defaults import MIB
 from gradsync.server.config import ServerConfig
 
@@ -63,7 +64,34 @@ def shard_command(
     ]
     if config.metrics_port:
         argv += ["--metrics-port", str(config.metrics_port + index)]
+    if config.metrics_host:
+        argv += ["--metrics-host", config.metrics_host]
+    if config.tls_cert and config.tls_key:
+        # The children serve workers with the leader's certificate, ask for the same
+        # client certificates, and verify the leader with its CA (or the certificate).
+        argv += ["--tls-cert", config.tls_cert, "--tls-key", config.tls_key]
+        argv += ["--tls-ca", config.tls_ca or config.tls_cert]
+        if config.tls_client_ca:
+            argv += ["--tls-client-ca", config.tls_client_ca]
+    if config.insecure:
+        argv.append("--insecure")
     return argv
+
+
+def shard_environment(config: ServerConfig, environ: Mapping[str, str]) -> dict[str, str]:
+    """The children's environment: the leader's, with the token in $GRADSYNC_TOKEN.
+
+    The token goes by environment, never argv: the process list shows every
+    argument to every user of the host, a process's environment only to its owner.
+    """
+    env = {
+        key: value
+        for key, value in environ.items()
+        if key not in (auth.ENV_TOKEN, auth.ENV_TOKEN_FILE)
+    }
+    if config.token is not None:
+        env[auth.ENV_TOKEN] = config.token
+    return env
 
 
 class LocalShards:
@@ -116,7 +144,9 @@ class LocalShards:
 
     async def _supervise(self, index: int, argv: list[str]) -> None:
         while not self._stopping:
-            process = await asyncio.create_subprocess_exec(*argv)
+            process = await asyncio.create_subprocess_exec(
+                *argv, env=shard_environment(self._config, os.environ)
+            )
             self._processes[index] = process
             code = await process.wait()
             if self._stopping:

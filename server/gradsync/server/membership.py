@@ -7,10 +7,15 @@ rules of admission (world size, one live incarnation per rank, identical
 signatures) and raises `RejectedMessage` with both values when a rank breaks
 them; the job decides what a refusal means for everyone else. Pure logic, no
 gRPC, no asyncio.
+
+Each admission gets a fresh session secret (`SESSION_BYTES` random bytes), sent
+to that rank alone in its Welcome and to the coordinator shards in the job view:
+a rank's rejoin gets a new one, so the streams of the old session are refused.
 """
 
 from __future__ import annotations
 
+import secrets
 from collections.abc import Callable
 
 from gradsync.protocol.codes import Code
@@ -18,6 +23,9 @@ from gradsync.server import signature as signatures
 from gradsync.server.actions import Member
 from gradsync.server.errors import RejectedMessage
 from gradsync.v1 import gradsync_pb2 as pb
+
+#: Length of a session secret (Welcome.session).
+SESSION_BYTES = 32
 
 
 class Membership:
@@ -110,7 +118,19 @@ class Membership:
         return promoted
 
     def _member(self, rank: int, join: pb.Join) -> Member:
-        return Member(rank, join.incarnation, join.signature, self._clock())
+        session = secrets.token_bytes(SESSION_BYTES)
+        # One shared copy per job: a member whose signature equals the reference keeps
+        # the reference, not its own (a 1 MB Join cost 13.6 MiB per member as parsed
+        # protobuf objects; issue 11).
+        signature = join.signature
+        if self.signature is not None and signature == self.signature:
+            signature = self.signature
+        return Member(rank, join.incarnation, signature, self._clock(), session=session)
+
+    def session_of(self, rank: int) -> bytes:
+        """The session secret issued to `rank` (member or newcomer); b"" if unknown."""
+        member = self.members.get(rank) or self.newcomers.get(rank)
+        return member.session if member is not None else b""
 
     # --------------------------------------------------------------- leaving
     def remove(self, rank: int, assembling: bool) -> bool:

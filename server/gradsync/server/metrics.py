@@ -8,8 +8,9 @@ process stay independent) and offers one method per event the servicer
 observes. Those methods run per chunk or per bucket, so labelled children are
 bound once and each call is a counter increment or a histogram observation.
 
-Label sets are bounded: `rank` by the world size, `reason` by the gRPC status
-code names, `kind` by the error kinds the caller chooses. A step number is
+Label sets are bounded: `rank` by the world size (no `job` label: job ids
+are chosen by users, unbounded over a coordinator's life), `reason` by the
+gRPC status code names, `kind` by the error kinds the caller chooses. A step number is
 never a label (each step would be a new series); the latest one is the
 `gradsync_current_step` gauge.
 
@@ -25,6 +26,7 @@ from collections import deque
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 
+from gradsync.protocol.codes import Code
 from gradsync.protocol.exposition import LATENCY_BUCKETS_S
 from gradsync.v1 import gradsync_pb2 as pb
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
@@ -204,6 +206,13 @@ class CoordinatorMetrics:
             ["reason"],
             registry=r,
         )
+        self._nonfinite_family = Counter(
+            "gradsync_nonfinite_contributions_total",
+            "Contributions (one rank's bucket of one step) that held NaN or Inf, by rank "
+            "(counted under --nonfinite report and abort; allow checks nothing).",
+            ["rank"],
+            registry=r,
+        )
         self._errors_family = Counter(
             "gradsync_errors_total",
             "Unexpected errors inside the coordinator, by kind.",
@@ -216,6 +225,7 @@ class CoordinatorMetrics:
         self._rejected: dict[str, Counter] = {}
         self._aborts: dict[str, Counter] = {}
         self._errors: dict[str, Counter] = {}
+        self._nonfinite: dict[str, Counter] = {}
         # Plain copies of the gradient counters: a sharded coordinator reports them
         # (ShardStats, ShardStatus) without reading prometheus_client's internals.
         self._totals = _Totals()
@@ -266,9 +276,22 @@ class CoordinatorMetrics:
         """A worker message was refused; `reason` is a status code name, e.g. INVALID_ARGUMENT."""
         _child(self._rejected, self._rejected_family, "reason", reason).inc()
 
+    def observe_step_aborted(self, aborted: pb.StepAborted) -> None:
+        """Count a StepAborted sent to workers: by reason, and a rejection by its code."""
+        reason = pb.AbortReason.Name(aborted.reason).removeprefix("ABORT_REASON_")
+        if aborted.reason == pb.ABORT_REASON_PEER_MESSAGE_REJECTED:
+            return  # the culprit's own message counts this abort once
+        if aborted.reason == pb.ABORT_REASON_MESSAGE_REJECTED:
+            self.observe_rejection(Code(aborted.code).name)
+        self.observe_abort(reason)
+
     def observe_abort(self, reason: str) -> None:
         """A step was aborted; `reason` is a status code name, e.g. ABORTED."""
         _child(self._aborts, self._aborts_family, "reason", reason).inc()
+
+    def observe_nonfinite(self, rank: int) -> None:
+        """`rank` sent NaN or Inf in a bucket (counted once per rank, step and bucket)."""
+        _child(self._nonfinite, self._nonfinite_family, "rank", str(rank)).inc()
 
     def observe_error(self, kind: str) -> None:
         """An unexpected error; `kind` is a bounded name (the exception class), not a message."""

@@ -3,18 +3,25 @@
 Steps are lock-step: ranks start step s + 1 only after receiving every
 averaged bucket of step s, so exactly one step per job is open. This module
 owns it: it validates each gradient chunk against the step (number, epoch,
-bucket, dtype, offset, length, the byte budget), folds it into the bucket's
-`BucketReduction`, hands back the averaged chunks the moment they complete
-(architecture invariant 4), and frees the step's memory whether it completes,
-is aborted for everyone, or loses a rank under the elastic policy. Every byte
-it buffers is held through a `Reservation` of the coordinator's `ByteBudget`.
+bucket, dtype, offset, length, the byte budget; the rules are in
+`step_checks`), folds it into the bucket's `BucketReduction`, hands back the
+averaged chunks the moment they complete (architecture invariant 4), and
+frees the step's memory whether it completes, is aborted for everyone, or
+loses a rank under the elastic policy. Every byte it buffers is held through
+a `Reservation` of the coordinator's `ByteBudget`.
 
 Two refinements of "every member contributes, divide by the contributions":
 a rank that ran out of inputs (DDP's `join()`, `out_of_inputs`) is not
 expected, yet averages keep dividing by the membership's size; and a comm
 hook may send a float32/float64 bucket as float16/bfloat16 (every rank the
 same per step and bucket), which is accumulated in float32 and answered in
-the same 16-bit type. Pure logic, no gRPC, no asyncio.
+the same 16-bit type.
+
+Every contribution is classified as it arrives (`aggregation.examine`): one
+holding NaN or Inf is handled by the coordinator's `--nonfinite` policy
+(`gradsync.server.nonfinite`: reported and summed, or the step aborted for
+every rank, or allowed silently), and one large enough to overflow a float32
+sum is summed with a float64 shadow. Pure logic, no gRPC, no asyncio.
 
 A sharded coordinator runs one `OpenStep` per shard over the same membership
 rules: shard i of S holds byte range i of every bucket (in wire bytes,
@@ -26,31 +33,49 @@ one shard the range is the whole bucket and everything is as unsharded.
 
 from __future__ import annotations
 
+import logging
 from collections import deque
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Protocol
 
-from gradsync.protocol import chunking, dtypes
+from gradsync.protocol import chunking, defaults, dtypes
 from gradsync.protocol.codec import ChunkHeader, encode_gradient
 from gradsync.protocol.codes import Code
 from gradsync.server import signature as signatures
 from gradsync.server.actions import Action, Send
-from gradsync.server.aggregation import BucketReduction, DuplicateContributionError
-from gradsync.server.budget import ByteBudget, Reservation
-from gradsync.server.chunk_checks import check_chunk, check_range_chunk
+from gradsync.server.aggregation import (
+    BucketReduction,
+    DuplicateContributionError,
+    Magnitude,
+    count_nonfinite,
+    examine,
+)
+from gradsync.server.budget import ByteBudget, OwnerBudget, Reservation
 from gradsync.server.errors import RejectedMessage
 from gradsync.server.metrics import CoordinatorMetrics
-from gradsync.server.progress import StepProgress
-from gradsync.server.wire_replies import (
-    COMPRESSED_WIRE,
-    reply_dtype_of,
-    reply_dtype_problem,
-    reply_pieces,
+from gradsync.server.nonfinite import (
+    ABORT,
+    ALLOW,
+    NonFiniteContribution,
+    NonFiniteLog,
+    NonFiniteRejection,
+    check_policy,
 )
+from gradsync.server.progress import StepProgress
+from gradsync.server.step_aborts import abort_actions
+from gradsync.server.step_checks import (
+    check_budget,
+    check_encoding,
+    check_reply_dtype,
+    check_sender,
+    check_wire_dtype,
+    offset_problem,
+)
+from gradsync.server.wire_replies import reply_pieces
 from gradsync.v1 import gradsync_pb2 as pb
 
-__all__ = ["OpenStep", "StepMembership", "abort_message", "check_chunk", "check_range_chunk"]
+__all__ = ["OpenStep", "StepMembership"]
 
 #: Aborted step numbers remembered so that late chunks for them are dropped
 #: quietly instead of being reported as stale.
@@ -78,30 +103,6 @@ class StepMembership(Protocol):
         ...
 
 
-def abort_message(
-    ranks: tuple[int, ...],
-    step: int,
-    code: Code,
-    details: str,
-    bucket_index: int,
-    reason: pb.AbortReason,
-    culprit: int = -1,
-) -> Send:
-    """A StepAborted for `ranks`."""
-    aborted = pb.StepAborted(
-        step=step,
-        code=int(code),
-        message=details,
-        culprit_rank=culprit,
-        bucket_index=bucket_index,
-        reason=reason,
-    )
-    return Send(ranks, pb.CoordinatorMessage(step_aborted=aborted))
-
-
-_COMPRESSIBLE = (pb.DTYPE_FLOAT32, pb.DTYPE_FLOAT64)
-
-
 @dataclass
 class _Bucket:
     """One bucket's reduction, the budget it holds, and who set its wire and reply dtypes."""
@@ -125,23 +126,33 @@ class OpenStep:
         metrics: where bucket and step latencies go, if anywhere.
         shard_index: which byte range of every bucket this step aggregates.
         shard_count: how many shards the buckets are cut into (1 = unsharded).
+        nonfinite: the `--nonfinite` policy: "report", "abort" or "allow".
+
+    Attributes:
+        nonfinite: the job's non-finite contributions (count, last, rate-limited log).
+        on_nonfinite: called with each newly counted non-finite contribution (a
+            shard forwards them to its leader); None = nobody.
 
     Raises:
-        ValueError: `shard_index` is not in 0..shard_count - 1.
+        ValueError: `shard_index` is not in 0..shard_count - 1, or an unknown policy.
     """
 
     def __init__(
         self,
         membership: StepMembership,
         chunk_bytes: int,
-        budget: ByteBudget,
+        budget: ByteBudget | OwnerBudget,
         clock: Callable[[], float],
         metrics: CoordinatorMetrics | None,
         shard_index: int = 0,
         shard_count: int = 1,
+        nonfinite: str = defaults.NONFINITE,
     ) -> None:
         if not 0 <= shard_index < shard_count:
             raise ValueError(f"shard index {shard_index} is not in 0..{shard_count - 1}")
+        self.nonfinite_policy = check_policy(nonfinite)
+        self.nonfinite = NonFiniteLog(clock, logging.getLogger("gradsync.server"))
+        self.on_nonfinite: Callable[[NonFiniteContribution], None] | None = None
         self.shard_index = shard_index
         self.shard_count = shard_count
         #: How errors name this shard (set by a shard process to add its address).
@@ -232,73 +243,45 @@ class OpenStep:
         return [*sends, *self._close_bucket_if_complete(bucket)]
 
     def _fold(self, rank: int, chunk: ChunkHeader, payload: memoryview) -> memoryview | None:
-        step, bucket, epoch = chunk.step, chunk.bucket_index, self._membership.epoch
-        # A step begun before a membership change may finish in the old epoch.
-        if not self._start_epoch <= chunk.membership_epoch <= epoch:
-            raise RejectedMessage(
-                Code.FAILED_PRECONDITION,
-                f"rank {rank} sent step {step} for membership epoch {chunk.membership_epoch}, "
-                f"expected epoch {epoch}",
-                step=step,
-            )
-        if rank not in self._membership.members:
-            raise RejectedMessage(
-                Code.FAILED_PRECONDITION,
-                f"rank {rank} sent step {step} but is not a member of job "
-                f"'{self._membership.job_id}' (epoch {epoch}); it must rejoin first",
-                step=step,
-            )
-        if step != self.step:
-            kind = "stale" if step < self.step else "future"
-            raise RejectedMessage(
-                Code.FAILED_PRECONDITION,
-                f"rank {rank} sent {kind} step {step} (bucket {bucket}), expected step {self.step}",
-                step=step,
-                bucket_index=bucket,
-            )
-        if bucket >= len(self._bucket_bytes):
-            raise RejectedMessage(
-                Code.INVALID_ARGUMENT,
-                f"rank {rank} sent bucket {bucket} for step {step}, but the model has "
-                f"{len(self._bucket_bytes)} buckets (0..{len(self._bucket_bytes) - 1})",
-                step=step,
-            )
-        if rank in self.out_of_inputs:
-            raise RejectedMessage(
-                Code.FAILED_PRECONDITION,
-                f"rank {rank} sent bucket {bucket} of step {step} after running out of inputs "
-                "(join()); it contributes nothing until every rank has joined",
-                step=step,
-                bucket_index=bucket,
-            )
+        step, bucket = chunk.step, chunk.bucket_index
+        check_sender(
+            rank,
+            chunk,
+            job_id=self._membership.job_id,
+            members=self._membership.members,
+            epochs=(self._start_epoch, self._membership.epoch),
+            open_step=self.step,
+            bucket_count=len(self._bucket_bytes),
+            out_of_inputs=self.out_of_inputs,
+        )
         held = self._buckets.get(bucket)
-        wire_dtype = self._check_wire_dtype(rank, chunk, held)
-        reply_dtype = self._check_reply_dtype(rank, chunk, held, wire_dtype)
         native = self._bucket_dtypes[bucket]
+        reduction = None if held is None else held.reduction
+        first_rank = -1 if held is None else held.first_rank
+        wire_dtype = check_wire_dtype(rank, chunk, native, reduction, first_rank)
+        reply_dtype = check_reply_dtype(rank, chunk, native, reduction, first_rank, wire_dtype)
         wire_bytes = (
             self._bucket_bytes[bucket] // dtypes.itemsize(native) * dtypes.itemsize(wire_dtype)
         )
-        if chunk.encoding != pb.ENCODING_RAW:
-            raise RejectedMessage(
-                Code.INVALID_ARGUMENT,
-                f"rank {rank} sent bucket {bucket} of step {step} with encoding "
-                f"{chunk.encoding}, this coordinator only accepts raw (0)",
-                step=step,
-                bucket_index=bucket,
-            )
+        check_encoding(rank, chunk)
         byte_range = self.byte_range(bucket, wire_dtype)
-        problem = self._check_offset(rank, chunk, len(payload), wire_bytes, wire_dtype, byte_range)
+        problem = offset_problem(
+            rank,
+            chunk,
+            len(payload),
+            wire_dtype,
+            wire_bytes=wire_bytes,
+            byte_range=byte_range,
+            chunk_bytes=self._chunk_bytes,
+            shard=(self.shard_count, self.shard_name),
+            elements=self._bucket_elements[bucket],
+        )
         if problem is not None:
             raise RejectedMessage(problem[0], problem[1], step=step, bucket_index=bucket)
-        if not self._budget.fits(len(payload)):
-            raise RejectedMessage(
-                Code.RESOURCE_EXHAUSTED,
-                f"rank {rank} sent {len(payload)} bytes for bucket {bucket} of step "
-                f"{step}, but the coordinator already buffers {self._budget.used} bytes "
-                f"(limit {self._budget.limit} bytes, --max-buffered-mb)",
-                step=step,
-                bucket_index=bucket,
-            )
+        check_budget(rank, chunk, len(payload), self._budget)
+        contribution, magnitude = examine(payload, wire_dtype)
+        if magnitude is Magnitude.NONFINITE and self.nonfinite_policy != ALLOW:
+            self._nonfinite(rank, chunk, contribution, wire_dtype)  # raises under "abort"
         if held is None:
             reduction = BucketReduction(
                 self.participants(),
@@ -313,7 +296,7 @@ class OpenStep:
                 reduction, self._budget.reserve(self._membership.job_id), rank
             )
         try:
-            averaged = held.reduction.add(rank, chunk.offset, payload)
+            averaged = held.reduction.add(rank, chunk.offset, contribution, magnitude)
         except DuplicateContributionError:
             raise RejectedMessage(
                 Code.INVALID_ARGUMENT,
@@ -332,95 +315,46 @@ class OpenStep:
             self._metrics.observe_bucket_arrival(rank, lag)
         return averaged
 
-    def _check_offset(
-        self,
-        rank: int,
-        chunk: ChunkHeader,
-        length: int,
-        wire_bytes: int,
-        wire_dtype: int,
-        byte_range: tuple[int, int],
-    ) -> tuple[Code, str] | None:
-        """Why the chunk's offset or length is not one this shard expects, or None."""
-        what = f"bucket {chunk.bucket_index} of step {chunk.step}"
-        container = f"bucket {chunk.bucket_index} as {dtypes.dtype_name(wire_dtype)}"
-        if self.shard_count == 1:
-            return check_chunk(
-                what, chunk.offset, length, wire_bytes, container, self._chunk_bytes, rank
-            )
-        if byte_range[0] == byte_range[1]:
-            return (
-                Code.INVALID_ARGUMENT,
-                f"rank {rank} sent {what} at offset {chunk.offset} to {self.shard_name}, which "
-                f"holds no byte of it ({self._bucket_elements[chunk.bucket_index]} elements "
-                f"cut into {self.shard_count} shards)",
-            )
-        return check_range_chunk(
-            what,
-            chunk.offset,
-            length,
-            byte_range,
-            f"{container} ({wire_bytes} bytes)",
-            self._chunk_bytes,
-            rank,
-            self.shard_name,
+    def _nonfinite(
+        self, rank: int, chunk: ChunkHeader, payload: memoryview | bytes, wire_dtype: int
+    ) -> None:
+        """A contribution holds NaN or Inf: report it, or (policy "abort") refuse the step.
+
+        Raises:
+            NonFiniteRejection: the policy is "abort".
+        """
+        contribution = NonFiniteContribution(
+            job_id=self._membership.job_id,
+            rank=rank,
+            step=chunk.step,
+            bucket_index=chunk.bucket_index,
+            offset=chunk.offset,
+            nonfinite=count_nonfinite(payload, wire_dtype),
+            elements=len(payload) // dtypes.itemsize(wire_dtype),
+            where=self.shard_name if self.shard_index else "",
         )
+        if self.nonfinite_policy == ABORT:
+            # Counted here too; a shard's leader counts it from the ShardRejected.
+            self.note_nonfinite(contribution, forward=False)
+            raise NonFiniteRejection.of(contribution)
+        self.note_nonfinite(contribution)
 
-    def _check_wire_dtype(self, rank: int, chunk: ChunkHeader, held: _Bucket | None) -> int:
-        """The chunk's wire dtype, if allowed: the bucket's, or 16-bit for a wider float."""
-        step, bucket = chunk.step, chunk.bucket_index
-        native = self._bucket_dtypes[bucket]
-        if chunk.dtype != native and not (
-            chunk.dtype in COMPRESSED_WIRE and native in _COMPRESSIBLE
-        ):
-            allowed = dtypes.dtype_name(native)
-            if native in _COMPRESSIBLE:
-                allowed += " (or float16/bfloat16 from a comm hook)"
-            raise RejectedMessage(
-                Code.INVALID_ARGUMENT,
-                f"rank {rank} sent bucket {bucket} of step {step} as "
-                f"{dtypes.dtype_name(chunk.dtype)}, expected {allowed}",
-                step=step,
-                bucket_index=bucket,
-            )
-        if held is not None and chunk.dtype != held.reduction.dtype:
-            raise RejectedMessage(
-                Code.INVALID_ARGUMENT,
-                f"rank {rank} sent bucket {bucket} of step {step} as "
-                f"{dtypes.dtype_name(chunk.dtype)}, but rank {held.first_rank} sent it as "
-                f"{dtypes.dtype_name(held.reduction.dtype)} (every rank must use the same "
-                "comm hook)",
-                step=step,
-                bucket_index=bucket,
-            )
-        return chunk.dtype
+    def note_nonfinite(self, contribution: NonFiniteContribution, forward: bool = True) -> bool:
+        """Count, log and export a non-finite contribution (once per rank, step and bucket).
 
-    def _check_reply_dtype(
-        self, rank: int, chunk: ChunkHeader, held: _Bucket | None, wire_dtype: int
-    ) -> int:
-        """The dtype the chunk asks its average back in, if allowed and the same as the others'."""
-        step, bucket = chunk.step, chunk.bucket_index
-        reply_dtype = reply_dtype_of(chunk.reply_dtype, wire_dtype)
-        problem = reply_dtype_problem(reply_dtype, wire_dtype, self._bucket_dtypes[bucket])
-        if problem is not None:
-            raise RejectedMessage(
-                Code.INVALID_ARGUMENT,
-                f"rank {rank} sent bucket {bucket} of step {step} and {problem}",
-                step=step,
-                bucket_index=bucket,
-            )
-        # One reply serves every rank, so the first chunk's choice binds the others.
-        if held is not None and reply_dtype != held.reduction.reply_dtype:
-            raise RejectedMessage(
-                Code.INVALID_ARGUMENT,
-                f"rank {rank} asked for the average of bucket {bucket} of step {step} as "
-                f"{dtypes.dtype_name(reply_dtype)}, but rank {held.first_rank} asked for "
-                f"{dtypes.dtype_name(held.reduction.reply_dtype)} (every rank must use the "
-                "same wire_answer_dtype)",
-                step=step,
-                bucket_index=bucket,
-            )
-        return reply_dtype
+        Args:
+            forward: also hand it to `on_nonfinite` (a shard's report to its leader).
+
+        Returns:
+            True if it was new.
+        """
+        if not self.nonfinite.record(contribution):
+            return False
+        if self._metrics is not None:
+            self._metrics.observe_nonfinite(contribution.rank)
+        if forward and self.on_nonfinite is not None:
+            self.on_nonfinite(contribution)
+        return True
 
     def _averaged(self, bucket: int, offset: int, averaged: memoryview) -> list[Send]:
         """The averaged chunk for every live rank, encoded once (as pieces for a float32 reply)."""
@@ -515,32 +449,10 @@ class OpenStep:
         step = self.step
         self.remember_aborted(step)
         self._advance()
-        others = tuple(r for r in self._membership.ranks() if r != culprit)
-        actions: list[Action] = [
-            abort_message(
-                (culprit,),
-                step,
-                rejection.code,
-                rejection.message,
-                rejection.bucket_index,
-                pb.ABORT_REASON_MESSAGE_REJECTED,
-                culprit,
-            )
-        ]
-        if others:
-            actions.append(
-                abort_message(
-                    others,
-                    step,
-                    Code.ABORTED,
-                    f"step {step} aborted because rank {culprit}'s message was rejected: "
-                    f"{rejection.message}",
-                    rejection.bucket_index,
-                    pb.ABORT_REASON_PEER_MESSAGE_REJECTED,
-                    culprit,
-                )
-            )
-        return actions
+        ranks = self._membership.ranks()
+        if culprit not in ranks:
+            ranks = tuple(sorted((*ranks, culprit)))
+        return abort_actions(ranks, culprit, step, rejection)
 
     def drop_step(self) -> None:
         """Abandon the open step without telling anyone and start the next one.

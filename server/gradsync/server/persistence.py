@@ -15,7 +15,8 @@ from __future__ import annotations
 from gradsync.protocol import chunking
 from gradsync.protocol.codes import Code
 from gradsync.server.actions import Action, Persist, Send
-from gradsync.server.checkpoint import Checkpoint
+from gradsync.server.budget import OwnerBudget
+from gradsync.server.checkpoint import Checkpoint, PruneGuard
 from gradsync.server.errors import RejectedMessage
 from gradsync.server.uploads import BlobAssembler
 from gradsync.v1 import gradsync_pb2 as pb
@@ -42,16 +43,22 @@ class Persistence:
 
     Args:
         chunk_bytes: chunk size every rank must use.
-        limit_bytes: the largest checkpoint accepted (the coordinator's byte budget).
+        limit_bytes: the largest checkpoint accepted (`--max-checkpoint-mb`).
+        budget: where an upload's bytes are counted while it arrives (None: nowhere).
     """
 
-    def __init__(self, chunk_bytes: int, limit_bytes: int) -> None:
+    def __init__(
+        self, chunk_bytes: int, limit_bytes: int, budget: OwnerBudget | None = None
+    ) -> None:
         self._chunk_bytes = chunk_bytes
         self._limit_bytes = limit_bytes
+        self._budget = budget
         #: Checkpoint this job resumes from (set by the servicer before assembly).
         self.resume: Checkpoint | None = None
         #: Step of the newest checkpoint acknowledged as durable (-1: none).
         self.last_checkpoint_step = -1
+        #: Steps this job asked the store to save (what its pruning may delete).
+        self.written: set[int] = set()
         self._upload: tuple[int, BlobAssembler] | None = None
 
     def on_upload_chunk(self, chunk: pb.CheckpointChunk) -> Persist | None:
@@ -63,8 +70,17 @@ class Persistence:
         if chunk.total_bytes == 0:
             raise RejectedMessage(Code.INVALID_ARGUMENT, "rank 0 sent an empty checkpoint")
         if self._upload is None or self._upload[0] != chunk.step:
+            self.abandon_upload()  # an unfinished older upload gives its bytes back
             what = f"checkpoint of step {chunk.step} from rank 0"
-            assembler = BlobAssembler(what, chunk.total_bytes, self._chunk_bytes, self._limit_bytes)
+            budget = self._budget
+            assembler = BlobAssembler(
+                what,
+                chunk.total_bytes,
+                self._chunk_bytes,
+                self._limit_bytes,
+                budget.reserve() if budget is not None else None,
+                budget.fits if budget is not None else None,
+            )
             self._upload = (chunk.step, assembler)
         step, assembler = self._upload
         if chunk.total_bytes != assembler.total_bytes:
@@ -73,10 +89,26 @@ class Persistence:
                 f"rank 0 changed the size of the checkpoint of step {step} from "
                 f"{assembler.total_bytes} to {chunk.total_bytes} bytes mid-upload",
             )
-        if not assembler.add(chunk.offset, chunk.payload):
+        try:
+            complete = assembler.add(chunk.offset, chunk.payload)
+        except RejectedMessage:
+            self.abandon_upload()
+            raise
+        if not complete:
             return None
         self._upload = None
         return Persist(step, assembler.blob())
+
+    def abandon_upload(self) -> None:
+        """Drop an unfinished upload and give its bytes back (idempotent)."""
+        if self._upload is not None:
+            self._upload[1].release()
+            self._upload = None
+
+    def prune_guard(self) -> PruneGuard:
+        """What this job's saves may prune: never a newer checkpoint it did not write."""
+        resumed_from = self.resume.step if self.resume is not None else -1
+        return PruneGuard(resumed_from, frozenset(self.written))
 
     def saved(self, step: int) -> None:
         """The checkpoint of `step` is durable."""

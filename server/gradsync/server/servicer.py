@@ -3,14 +3,15 @@
 Each worker holds one bidirectional `Sync` stream. For every stream the
 servicer runs a reader (parse bytes -> hand to the job's state machine) and a
 writer (drain the connection's outbox). This module is glue: job logic lives
-in `gradsync.server.job` and its components, liveness checks in
-`watchdog`, checkpoint store I/O in `checkpointer`, the status reply in
-`status`, the control streams of coordinator shards (`Coordinator.ShardLink`)
-in `shard_control`; the servicer only translates between bytes on the wire and
-the actions those return. A job's actions reach only the streams joined to that
-very job object: after a shard loss (or a Join to a failed job) a new job with
-the same id may run while the old one's streams end. Everything runs on one
-asyncio loop, so job state needs no locks.
+in `gradsync.server.job` and its components, the checks on a Join in
+`admission`, liveness checks in `watchdog`, checkpoint store I/O in
+`checkpointer`, the status reply in `status`, the control streams of
+coordinator shards (`Coordinator.ShardLink`) in `shard_control`; the servicer
+only translates between bytes on the wire and the actions those return. A
+job's actions reach only the streams joined to that very job object: after a
+shard loss (or a Join to a failed job) a new job with the same id may run
+while the old one's streams end. Everything runs on one asyncio loop, so job
+state needs no locks.
 
 Every stream the coordinator ends with an error status first gets a
 `StreamEnd` message carrying the same code and message plus an `EndReason`,
@@ -28,13 +29,21 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Coroutine
+from typing import Any
 
 import grpc
 from google.protobuf.message import DecodeError
 from gradsync.protocol.codec import decode_gradient, header_of
 from gradsync.protocol.codes import Code
 from gradsync.server.actions import Action, Persist, Send, Terminate
+from gradsync.server.admission import (
+    SHUTTING_DOWN,
+    first_message_problem,
+    join_problem,
+    new_job,
+    too_many_jobs,
+)
 from gradsync.server.budget import ByteBudget
 from gradsync.server.checkpoint import CheckpointStore
 from gradsync.server.checkpointer import Checkpointer
@@ -45,6 +54,8 @@ from gradsync.server.job import Job, JobState
 from gradsync.server.metrics import CoordinatorMetrics
 from gradsync.server.shard_control import ShardControl
 from gradsync.server.status import EndedJobs, status_reply
+from gradsync.server.stream_guard import StreamCount, guarded
+from gradsync.server.text import MAX_REASON_CHARS, quoted
 from gradsync.server.watchdog import Watchdog
 from gradsync.v1 import gradsync_pb2 as pb
 
@@ -52,10 +63,8 @@ log = logging.getLogger("gradsync.server")
 
 SERVICE_NAME = "gradsync.v1.Coordinator"
 _STATUS_BY_CODE = {status.value[0]: status for status in grpc.StatusCode}
-_MAX_JOB_ID_CHARS = 128
 #: After the drain grace, how long streams ended for shutdown get to flush their last messages.
 SHUTDOWN_FLUSH_S = 1.0
-_SHUTTING_DOWN = "the coordinator is shutting down"
 
 
 class CoordinatorServicer:
@@ -77,7 +86,11 @@ class CoordinatorServicer:
         self.watchdog = Watchdog(self, extra_checks=(self.shard_control.check,))
         self._connections: dict[tuple[str, int], Connection] = {}
         self._streams: set[Connection] = set()
-        self._budget = ByteBudget(config.max_buffered_bytes)
+        self._budget = ByteBudget(config.max_buffered_bytes, config.max_job_buffered_bytes)
+        #: What all outboxes queue together, against the same figure (see `connection`).
+        self._outbox_budget = ByteBudget(config.max_buffered_bytes)
+        #: Streams of every kind, against --max-connections (see `stream_guard`).
+        self.stream_count = StreamCount(config.max_connections)
         self.draining = False
         self._background: set[asyncio.Task[None]] = set()
         self.ended_jobs = EndedJobs(lambda: self.clock())
@@ -101,24 +114,34 @@ class CoordinatorServicer:
         return grpc.method_handlers_generic_handler(
             SERVICE_NAME,
             {
-                "Sync": grpc.stream_stream_rpc_method_handler(self.sync),
+                "Sync": grpc.stream_stream_rpc_method_handler(
+                    guarded("Sync", self.sync, self.stream_count)
+                ),
+                # Raw request bytes: a request that does not parse is the caller's
+                # fault (INVALID_ARGUMENT), which gRPC's own deserializer would
+                # report as UNKNOWN with a traceback (found by the fuzzer).
                 "Status": grpc.unary_unary_rpc_method_handler(
-                    self.status,
-                    request_deserializer=pb.StatusRequest.FromString,
+                    guarded("Status", self.status),
                     response_serializer=pb.StatusReply.SerializeToString,
                 ),
                 "ShardLink": grpc.stream_stream_rpc_method_handler(
-                    self.shard_control.link,
+                    guarded("ShardLink", self.shard_control.link, self.stream_count),
                     request_deserializer=pb.ShardMessage.FromString,
                     response_serializer=pb.LeaderMessage.SerializeToString,
                 ),
             },
         )
 
-    async def status(
-        self, request: pb.StatusRequest, context: grpc.aio.ServicerContext
-    ) -> pb.StatusReply:
+    async def status(self, raw: bytes, context: grpc.aio.ServicerContext) -> pb.StatusReply:
         """Membership, progress and late ranks of every job (or one), and the shards."""
+        try:
+            request = pb.StatusRequest.FromString(raw)
+        except DecodeError as exc:
+            await context.abort(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"a Status request of {len(raw)} bytes does not parse as "
+                f"gradsync.v1.StatusRequest: {exc}",
+            )
         reply = status_reply(
             self.jobs.values(),
             request.job_id,
@@ -134,14 +157,6 @@ class CoordinatorServicer:
     def own_stats(self) -> pb.ShardStats:
         """This coordinator's gradient counters (shard 0 of a sharded coordinator)."""
         return self.metrics.stats(self.buffered_bytes, self.connection_count())
-
-    def _count_abort(self, aborted: pb.StepAborted) -> None:
-        reason = pb.AbortReason.Name(aborted.reason).removeprefix("ABORT_REASON_")
-        if aborted.reason == pb.ABORT_REASON_PEER_MESSAGE_REJECTED:
-            return  # the culprit's own message counts this abort once
-        if aborted.reason == pb.ABORT_REASON_MESSAGE_REJECTED:
-            self.metrics.observe_rejection(Code(aborted.code).name)
-        self.metrics.observe_abort(reason)
 
     def check_liveness(self) -> None:
         """One watchdog pass (also called directly by tests with a fake clock)."""
@@ -168,7 +183,7 @@ class CoordinatorServicer:
         while self._streams and loop.time() < deadline:
             await asyncio.sleep(0.05)
         for conn in list(self._streams):
-            conn.end(Code.UNAVAILABLE, _SHUTTING_DOWN, pb.END_REASON_SHUTTING_DOWN)
+            conn.end(Code.UNAVAILABLE, SHUTTING_DOWN, pb.END_REASON_SHUTTING_DOWN)
         deadline = loop.time() + SHUTDOWN_FLUSH_S
         while self._streams and loop.time() < deadline:
             await asyncio.sleep(0.01)
@@ -177,15 +192,21 @@ class CoordinatorServicer:
         self, request_iterator: AsyncIterator[bytes], context: grpc.aio.ServicerContext
     ) -> None:
         """Serve one worker stream until it leaves, fails, or is ended."""
-        conn = Connection(context.peer(), self.config.max_outbox_bytes)
+        conn = Connection(context.peer(), self.config.max_outbox_bytes, self._outbox_budget)
         self._streams.add(conn)
 
         def detach() -> None:
-            self._detach(conn)
             self._streams.discard(conn)
+            self._detach(conn)
 
         end = await conn.serve(
-            self._read_loop(conn, request_iterator), context, self.config.shutdown_grace_s, detach
+            self._read_loop(conn, request_iterator),
+            context,
+            self.config.shutdown_grace_s,
+            detach,
+            handler="Sync",
+            first_message_s=self.config.first_message_timeout_s,
+            identified=lambda: conn.greeted,
         )
         if end is not None and end.code is not Code.OK:
             context.set_code(_STATUS_BY_CODE[int(end.code)])
@@ -194,7 +215,16 @@ class CoordinatorServicer:
     async def _read_loop(self, conn: Connection, request_iterator: AsyncIterator[bytes]) -> None:
         try:
             async for raw in request_iterator:
-                self._dispatch(conn, raw)
+                conn.greeted = True
+                try:
+                    joining = self._dispatch(conn, raw)
+                    if joining is not None:
+                        await joining  # a Join may wait for the checkpoint store (off the loop)
+                except RejectedMessage as rejection:  # e.g. a gradient for a refused job
+                    log.warning("ending %s (rank %d): %s", conn.peer, conn.rank, rejection.message)
+                    conn.end(rejection.code, rejection.message)
+                except Exception as exc:  # a bug, not the peer's doing: INTERNAL
+                    conn.fail_internal("Sync", exc)
                 if conn.ended:
                     return
         except asyncio.CancelledError:
@@ -203,7 +233,8 @@ class CoordinatorServicer:
             log.info("stream from %s (rank %s) failed: %s", conn.peer, conn.rank, exc)
 
     # ----------------------------------------------------------- dispatching
-    def _dispatch(self, conn: Connection, raw: bytes) -> None:
+    def _dispatch(self, conn: Connection, raw: bytes) -> Coroutine[Any, Any, None] | None:
+        """Handle one message; a Join is returned as a coroutine for the reader to await."""
         job = conn.job
         try:
             fast = decode_gradient(raw)
@@ -212,7 +243,7 @@ class CoordinatorServicer:
                 self.metrics.observe_chunk(len(fast[1]))
                 job.touch(conn.rank)
                 self._execute(job, job.on_gradient(conn.rank, *fast))
-                return
+                return None
             message = pb.WorkerMessage.FromString(raw)
         except (DecodeError, ValueError) as exc:
             self._reject(
@@ -223,18 +254,14 @@ class CoordinatorServicer:
                     f"gradsync.v1.WorkerMessage: {exc}",
                 ),
             )
-            return
+            return None
         kind = message.WhichOneof("kind")
         if job is None:
-            if kind != "join":
-                got = kind or "an empty message"
-                conn.end(
-                    Code.FAILED_PRECONDITION,
-                    f"the first message on a stream must be a Join, got {got}",
-                )
-                return
-            self._join(conn, message.join)
-            return
+            problem = first_message_problem(kind, len(raw))
+            if problem is not None:
+                conn.end(*problem)
+                return None
+            return self._join(conn, message.join)
         job.touch(conn.rank)
         try:
             if kind == "heartbeat":
@@ -260,7 +287,7 @@ class CoordinatorServicer:
                     "job '%s': rank %d left (%s)",
                     job.job_id,
                     conn.rank,
-                    message.leave.reason or "no reason given",
+                    quoted(message.leave.reason, MAX_REASON_CHARS) or "no reason given",
                 )
                 self._detach(conn)
                 conn.end(Code.OK, "goodbye")
@@ -276,6 +303,7 @@ class CoordinatorServicer:
         except RejectedMessage as rejection:
             log.warning("job '%s': ending rank %d: %s", job.job_id, conn.rank, rejection.message)
             conn.end(rejection.code, rejection.message)
+        return None
 
     def _reject(self, conn: Connection, rejection: RejectedMessage) -> None:
         """A malformed message: abort the sender's open step, or end its stream."""
@@ -285,28 +313,12 @@ class CoordinatorServicer:
         else:
             self._execute(conn.job, conn.job.reject(conn.rank, rejection))
 
-    def _join(self, conn: Connection, join: pb.Join) -> None:
+    async def _join(self, conn: Connection, join: pb.Join) -> None:
         job_id = join.job_id
         config = self.config
-        problem: tuple[Code, str] | None = None
-        if self.draining:
-            problem = (Code.UNAVAILABLE, _SHUTTING_DOWN)
-        elif not job_id or len(job_id) > _MAX_JOB_ID_CHARS or not job_id.isprintable():
-            problem = (
-                Code.INVALID_ARGUMENT,
-                f"job id {job_id!r} must be 1..{_MAX_JOB_ID_CHARS} printable characters",
-            )
-        elif join.rank >= config.world_size:
-            problem = (
-                Code.INVALID_ARGUMENT,
-                f"rank {join.rank} is out of range for world size {config.world_size} "
-                f"(valid ranks 0..{config.world_size - 1})",
-            )
-        elif job_id not in self.jobs and len(self.jobs) >= config.max_jobs:
-            problem = (
-                Code.RESOURCE_EXHAUSTED,
-                f"the coordinator already runs {len(self.jobs)} jobs (limit {config.max_jobs})",
-            )
+        problem = join_problem(
+            join, config, self.draining, job_id in self.jobs, running_jobs=len(self.jobs)
+        )
         if problem is not None:
             log.warning("refused join from %s: %s", conn.peer, problem[1])
             waiting = self.jobs.get(job_id)
@@ -323,26 +335,28 @@ class CoordinatorServicer:
             self.retire_job(job)
             job = None
         if job is None:
-            resume, problem = self.checkpointer.load_resume(job_id)
-            if problem is not None:
-                log.error("refused join of rank %d to job '%s': %s", join.rank, job_id, problem[1])
-                conn.end(*problem, pb.END_REASON_JOB_REFUSED)
-                return
-            job = self.jobs[job_id] = Job(
+            # In a store thread with a deadline: a hung store must not freeze other jobs.
+            resume, problem = await self.checkpointer.load_resume(job_id, join.signature)
+            job = self.jobs.get(job_id)  # another rank's Join may have created it meanwhile
+            if job is not None and job.state in (JobState.BROKEN, JobState.REFUSED):
+                job = None  # ... and it failed already: this rank starts it anew below
+            if job is None and problem is None and len(self.jobs) >= config.max_jobs:
+                problem = too_many_jobs(len(self.jobs), config.max_jobs)
+        if job is None and problem is not None:
+            log.error("refused join of rank %d to job '%s': %s", join.rank, job_id, problem[1])
+            conn.end(*problem, pb.END_REASON_JOB_REFUSED)
+            return
+        if job is None:
+            stale = self.jobs.get(job_id)
+            if stale is not None:
+                self.retire_job(stale)
+            job = self.jobs[job_id] = new_job(
                 job_id,
-                config.world_size,
-                config.chunk_bytes,
-                config.max_message_bytes,
+                config,
                 self._budget,
-                clock=self.clock,
-                heartbeat_interval_s=config.heartbeat_interval_s,
-                checkpoint_every=config.checkpoint_every,
-                metrics=self.metrics,
-                on_failure=config.on_failure,
-                min_workers=config.min_workers,
-                max_collective_bytes=config.max_collective_bytes,
-                shard_map=self.shard_control.registry.shard_map,
-                shard_count=config.shard_count,
+                self.clock,
+                self.metrics,
+                self.shard_control.registry.shard_map,
             )
             job.persistence.resume = resume
         try:
@@ -362,7 +376,15 @@ class CoordinatorServicer:
         self._connections[(job_id, join.rank)] = conn
         missing = job.assembly.missing(job.membership.ranks())
         wait = f"waiting for ranks {missing} of {config.world_size}" if missing else "all present"
-        log.info("job '%s': rank %d joined from %s; %s", job_id, join.rank, conn.peer, wait)
+        log.info(
+            "job '%s': rank %d joined from %s (incarnation %r, client %r); %s",
+            job_id,
+            join.rank,
+            conn.peer,
+            join.incarnation,
+            join.client_version,
+            wait,
+        )
         self._execute(job, actions)
 
     def _execute(self, job: Job, actions: list[Action]) -> None:
@@ -377,7 +399,7 @@ class CoordinatorServicer:
                     raw = message.SerializeToString()
                     kind = message.WhichOneof("kind")
                     if kind == "step_aborted":
-                        self._count_abort(message.step_aborted)
+                        self.metrics.observe_step_aborted(message.step_aborted)
                         log.warning("job '%s': %s", job.job_id, message.step_aborted.message)
                     elif kind == "membership":
                         log.warning("job '%s': %s", job.job_id, message.membership.reason)
@@ -385,6 +407,10 @@ class CoordinatorServicer:
                     target = self._connections.get((job.job_id, rank))
                     if target is not None and target.job is job:
                         target.send(raw)
+                        if target.ended:
+                            # Dropped as a slow reader: the others must not wait for it
+                            # while its end flushes (soon: not inside this job's actions).
+                            asyncio.get_running_loop().call_soon(self._detach, target)
             elif isinstance(action, Persist):
                 task = asyncio.create_task(self._persist(job, action))
                 self._background.add(task)
@@ -451,6 +477,14 @@ class CoordinatorServicer:
         self.shard_control.job_ended(job)
         ended = self.ended_jobs.record(job, self.metrics.lag_tracker)
         log.warning("job '%s' ended %s: %s", job.job_id, ended.state, ended.outcome)
+
+    def expire_assembly(self, job: Job, details: str) -> None:
+        """Refuse a job that assembled too long: its waiting ranks end, its slot is free."""
+        self._execute(
+            job,
+            job.end(Code.DEADLINE_EXCEEDED, details, pb.END_REASON_JOB_REFUSED, JobState.REFUSED),
+        )
+        self.retire_job(job)
 
     def execute(self, job: Job, actions: list[Action]) -> None:
         """Carry out `actions` of `job` (for the watchdog's periodic reports)."""

@@ -18,6 +18,8 @@ import grpc
 from gradsync.protocol.codes import Code
 from gradsync.protocol.defaults import MIB
 from gradsync.protocol.exposition import MetricsServer, serve_metrics
+from gradsync.server.app import security_words
+from gradsync.server.auth_check import bind, interceptors, server_credentials
 from gradsync.server.shard_config import ShardConfig
 from gradsync.server.shard_link import LeaderLink
 from gradsync.server.shard_metrics import ShardMetrics
@@ -111,9 +113,11 @@ async def start_shard(config: ShardConfig, metrics: ShardMetrics | None = None) 
         OSError: the address cannot be bound.
     """
     metrics = metrics or ShardMetrics()
-    server = grpc.aio.server(options=_grpc_options(config))
+    credentials = server_credentials(config.tls_cert, config.tls_key, config.tls_client_ca)
+    # Workers' data streams present the same token as their Sync stream to the leader.
+    server = grpc.aio.server(options=_grpc_options(config), interceptors=interceptors(config.token))
     address = f"{config.host}:{config.port}"
-    port = server.add_insecure_port(address)
+    port = bind(server, address, credentials)
     if port == 0:
         raise OSError(f"could not bind the shard to {address}")
     advertise = config.advertised(port)
@@ -122,7 +126,9 @@ async def start_shard(config: ShardConfig, metrics: ShardMetrics | None = None) 
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     metrics_server = (
-        serve_metrics(config.metrics_port, metrics.registry, host=config.host)
+        serve_metrics(
+            config.metrics_port, metrics.registry, host=config.metrics_host or config.host
+        )
         if config.metrics_port is not None
         else None
     )
@@ -139,11 +145,15 @@ async def start_shard(config: ShardConfig, metrics: ShardMetrics | None = None) 
 def banner(config: ShardConfig, port: int, advertise: str, metrics_url: str | None) -> str:
     """The startup line; `gradsync.launch.parse_banner` reads 'listening on HOST:PORT'."""
     chunk = f"{config.chunk_bytes / MIB:g} MiB" if config.chunk_bytes else "the leader's"
+    security = security_words(
+        config.tls_cert is not None, config.tls_client_ca is not None, config.token is not None
+    )
     return (
         f"gradsync shard listening on {config.host}:{port} (advertised as {advertise}, "
-        f"leader {config.leader}, chunk {chunk}, "
+        f"leader {config.leader}{' over TLS' if config.tls_ca else ''}, chunk {chunk}, "
         f"max message {config.max_message_bytes} bytes, "
-        f"max buffered {config.max_buffered_bytes / MIB:g} MiB, metrics {metrics_url or 'off'})"
+        f"max buffered {config.max_buffered_bytes / MIB:g} MiB, metrics {metrics_url or 'off'}, "
+        f"security: {security})"
     )
 
 
@@ -151,11 +161,12 @@ async def serve(config: ShardConfig) -> int:
     """Serve until SIGTERM/SIGINT (0) or until the leader refuses the shard (2)."""
     running = await start_shard(config)
     metrics_url = running.metrics_server.url if running.metrics_server else None
-    print(banner(config, running.port, running.advertise, metrics_url), file=sys.stderr, flush=True)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for signum in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(signum, stop.set)
+    # The banner says the server is up: signals must be handled from then on.
+    print(banner(config, running.port, running.advertise, metrics_url), file=sys.stderr, flush=True)
     stopping = asyncio.create_task(stop.wait())
     await asyncio.wait({stopping, running.link_task}, return_when=asyncio.FIRST_COMPLETED)
     stopping.cancel()

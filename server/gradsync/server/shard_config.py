@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import socket
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from gradsync.protocol import chunking, defaults
 
@@ -39,25 +39,46 @@ class ShardConfig:
         chunk_bytes: wire chunk size, checked against the leader's at registration;
             None = whatever the leader uses (every job's view carries it).
         max_buffered_bytes: cap on gradient bytes held in partial reductions.
-        max_outbox_bytes: cap on averaged bytes queued for one worker that is not reading.
+        max_outbox_bytes: cap on averaged bytes queued for one worker that is not reading
+            (all outboxes together: `max_buffered_bytes`).
+        max_connections: concurrent data streams; beyond it RESOURCE_EXHAUSTED.
+        first_message_timeout_s: a data stream that sends no ShardHello within this is
+            ended with DEADLINE_EXCEEDED.
         metrics_port: serve Prometheus metrics on this port (0 = a free one, None = off).
         register_timeout_s: bound on the wait for the leader's answer to ShardRegister.
         reconnect_backoff_max_s: longest pause between two attempts to reach the leader.
         hello_wait_s: until the leader says its heartbeat timeout, how long a data
             stream's first message waits for the leader's view of its job.
+        tls_cert, tls_key: PEM certificate and key: served to workers (TLS) and presented
+            to the leader as this shard's client certificate when the leader asks (mTLS).
+        tls_client_ca: PEM CA whose certificates workers must present (mTLS); None = none.
+        tls_ca: PEM CA that issued the leader's certificate; set = reach the leader over
+            TLS. None = plaintext to the leader.
+        token: the shared secret: presented to the leader, and required of workers.
+        insecure: listen beyond loopback with neither a token nor client certificates.
+        metrics_host: interface the metrics server binds; None = `host`.
     """
 
     leader: str
-    host: str = "127.0.0.1"
+    host: str = defaults.HOST
     port: int = defaults.PORT
     advertise: str | None = None
     chunk_bytes: int | None = None
     max_buffered_bytes: int = defaults.MAX_BUFFERED_BYTES
     max_outbox_bytes: int = defaults.MAX_OUTBOX_BYTES
+    max_connections: int = defaults.MAX_CONNECTIONS
+    first_message_timeout_s: float = defaults.FIRST_MESSAGE_TIMEOUT_S
     metrics_port: int | None = None
     register_timeout_s: float = REGISTER_TIMEOUT_S
     reconnect_backoff_max_s: float = RECONNECT_BACKOFF_MAX_S
     hello_wait_s: float = defaults.HEARTBEAT_TIMEOUT_S
+    tls_cert: str | None = None
+    tls_key: str | None = None
+    tls_client_ca: str | None = None
+    tls_ca: str | None = None
+    token: str | None = field(default=None, repr=False)
+    insecure: bool = False
+    metrics_host: str | None = None
 
     def __post_init__(self) -> None:
         if not self.leader:

@@ -38,6 +38,7 @@ from gradsync.server.config import ServerConfig
 from gradsync.server.errors import RejectedMessage
 from gradsync.server.job import Job, JobState
 from gradsync.server.metrics import CoordinatorMetrics, ShardSample
+from gradsync.server.nonfinite import NonFiniteContribution, NonFiniteRejection
 from gradsync.server.shard_jobs import (
     ViewKey,
     aborted_steps,
@@ -330,6 +331,7 @@ class ShardControl:
             shard_count=self.registry.shard_count,
             heartbeat_interval_s=config.heartbeat_interval_s,
             heartbeat_timeout_s=config.heartbeat_timeout_s,
+            nonfinite=config.nonfinite,
         )
         link.outbox.put_nowait(pb.LeaderMessage(accepted=accepted))
         self._links[record.index] = link
@@ -380,6 +382,11 @@ class ShardControl:
                     return  # replaced or lost meanwhile
                 if kind == "rejected":
                     self._on_rejected(record, message.rejected)
+                elif kind == "nonfinite":
+                    report = message.nonfinite
+                    self._count_nonfinite(
+                        record, report.job_id, report.rank, report.step, report.bucket_index
+                    )
         except asyncio.CancelledError:
             raise
         except Exception as exc:  # the transport failed under us: the shard is lost
@@ -415,9 +422,18 @@ class ShardControl:
             code = Code(rejected.code)
         except ValueError:
             code = Code.INVALID_ARGUMENT
-        rejection = RejectedMessage(
-            code, rejected.message, step=rejected.step, bucket_index=rejected.bucket_index
-        )
+        rejection: RejectedMessage
+        if rejected.reason == pb.ABORT_REASON_NONFINITE:  # --nonfinite abort, at the shard
+            rejection = NonFiniteRejection(
+                rejected.rank, rejected.step, rejected.bucket_index, rejected.message
+            )
+            self._count_nonfinite(
+                record, rejected.job_id, rejected.rank, rejected.step, rejected.bucket_index
+            )
+        else:
+            rejection = RejectedMessage(
+                code, rejected.message, step=rejected.step, bucket_index=rejected.bucket_index
+            )
         actions = None
         if job is not None and job in self._views:
             actions = reject_for_shard(job, rejected.rank, rejection)
@@ -434,6 +450,30 @@ class ShardControl:
             )
             return
         self._leader.execute(job, actions)
+
+    def _count_nonfinite(
+        self, record: ShardRecord, job_id: str, rank: int, step: int, bucket_index: int
+    ) -> None:
+        """A shard saw NaN/Inf (ShardNonFinite, or a NONFINITE ShardRejected): count and log it.
+
+        Described from the fields, not the shard's text (the shard logs its own,
+        with the counts), so that nothing a peer wrote reaches the log or status.
+        """
+        job = self._leader.jobs.get(job_id)
+        if job is None:
+            return  # the job ended meanwhile
+        job.in_flight.note_nonfinite(
+            NonFiniteContribution(
+                job_id=job.job_id,
+                rank=rank,
+                step=step,
+                bucket_index=bucket_index,
+                offset=-1,
+                nonfinite=0,
+                elements=0,
+                where=f"shard {record.index}",
+            )
+        )
 
     async def _refuse(self, context: grpc.aio.ServicerContext, code: Code, details: str) -> None:
         """End a stream that never registered: a StreamEnd, then the same status."""

@@ -18,18 +18,18 @@ from gradsync.protocol.codes import Code
 from gradsync.server.actions import Action, Send
 from gradsync.server.errors import RejectedMessage
 from gradsync.server.job import Job, JobState
-from gradsync.server.open_step import abort_message
+from gradsync.server.step_aborts import abort_actions
 from gradsync.v1 import gradsync_pb2 as pb
 
-#: What identifies a view: epoch, members (rank, incarnation), ranks out of inputs.
-ViewKey = tuple[int, tuple[tuple[int, str], ...], tuple[int, ...]]
+#: What identifies a view: epoch, members (rank, incarnation, session), ranks out of inputs.
+ViewKey = tuple[int, tuple[tuple[int, str, bytes], ...], tuple[int, ...]]
 
 
 def view_key(job: Job) -> ViewKey | None:
     """The part of `job` its shards replicate, or None when they need no view (not running)."""
     if job.state is not JobState.RUNNING:
         return None
-    members = tuple((rank, m.incarnation) for rank, m in sorted(job.members.items()))
+    members = tuple((rank, m.incarnation, m.session) for rank, m in sorted(job.members.items()))
     return job.membership_epoch, members, tuple(sorted(job.in_flight.out_of_inputs))
 
 
@@ -42,7 +42,7 @@ def job_view(job: Job, shard_count: int) -> pb.ShardJobView:
         world_size=job.world_size,
         membership_epoch=job.membership_epoch,
         members=[
-            pb.ShardMember(rank=rank, incarnation=member.incarnation)
+            pb.ShardMember(rank=rank, incarnation=member.incarnation, session=member.session)
             for rank, member in sorted(job.members.items())
         ],
         out_of_inputs=sorted(job.in_flight.out_of_inputs),
@@ -83,24 +83,7 @@ def reject_for_shard(job: Job, rank: int, rejection: RejectedMessage) -> list[Ac
     if step + 1 != job.open_step or job.in_flight.was_aborted(step):
         return None
     job.in_flight.remember_aborted(step)
-    others = tuple(r for r in job.membership.ranks() if r != rank)
-    bucket = rejection.bucket_index
-    actions: list[Action] = [
-        abort_message(
-            (rank,),
-            step,
-            rejection.code,
-            rejection.message,
-            bucket,
-            pb.ABORT_REASON_MESSAGE_REJECTED,
-            rank,
-        )
-    ]
-    if others:
-        why = f"step {step} aborted because rank {rank}'s message was rejected: {rejection.message}"
-        reason = pb.ABORT_REASON_PEER_MESSAGE_REJECTED
-        actions.append(abort_message(others, step, Code.ABORTED, why, bucket, reason, rank))
-    return actions
+    return abort_actions(job.membership.ranks(), rank, step, rejection)
 
 
 def job_end_code(job: Job) -> tuple[Code, str]:

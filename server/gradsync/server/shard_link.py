@@ -22,6 +22,7 @@ import logging
 
 import grpc
 from gradsync import __version__
+from gradsync.channels import ChannelSecurity, handshake_failure
 from gradsync.server.shard_config import UNREACHABLE_REPORT_PERIOD_S
 from gradsync.server.shard_servicer import ShardServicer
 from gradsync.v1 import gradsync_pb2 as pb
@@ -70,6 +71,15 @@ class LeaderLink:
     def __init__(self, servicer: ShardServicer) -> None:
         self._servicer = servicer
         self._config = servicer.config
+        config = self._config
+        # The shard's own certificate doubles as its client certificate (mTLS leaders).
+        self._security = ChannelSecurity.resolve(
+            config.tls_ca,
+            config.tls_cert if config.tls_ca else None,
+            config.tls_key if config.tls_ca else None,
+            config.token,
+            environ={},
+        )
         #: Set while the leader has accepted this shard.
         self.registered = asyncio.Event()
 
@@ -117,7 +127,7 @@ class LeaderLink:
             Refused: the leader refused the registration.
         """
         config = self._config
-        channel = grpc.aio.insecure_channel(
+        channel = self._security.aio_channel(
             config.leader,
             options=[
                 ("grpc.max_receive_message_length", config.max_message_bytes),
@@ -130,7 +140,7 @@ class LeaderLink:
                 METHOD,
                 request_serializer=pb.ShardMessage.SerializeToString,
                 response_deserializer=pb.LeaderMessage.FromString,
-            )()
+            )(metadata=self._security.metadata)
             try:
                 answer = await self._first_answer(call)
                 self._servicer.on_accepted(answer)
@@ -140,6 +150,8 @@ class LeaderLink:
             except grpc.aio.AioRpcError as exc:
                 if not accepted and exc.code() in REFUSAL_CODES:
                     raise Refused(exc.details() or exc.code().name) from None
+                if not accepted and exc.code() == grpc.StatusCode.UNAVAILABLE:
+                    await self._refuse_on_handshake_failure()
                 return f"{exc.code().name}: {exc.details()}", accepted
             except TimeoutError:
                 return f"no answer within {config.register_timeout_s:g}s", accepted
@@ -150,6 +162,20 @@ class LeaderLink:
         finally:
             self.registered.clear()
             await channel.close()
+
+    async def _refuse_on_handshake_failure(self) -> None:
+        """Raise Refused when TLS, not the network, keeps the leader out of reach.
+
+        A leader that is away is waited for; a certificate that does not fit
+        would be retried for ever, so it stops the shard (exit 2) naming the cause.
+        """
+        failure = await asyncio.to_thread(handshake_failure, self._config.leader, self._security)
+        if failure is not None:
+            raise Refused(
+                f"no TLS connection to the leader {self._config.leader}: {failure} "
+                "(a shard's flags: --tls-ca, and --tls-cert / --tls-key as its client "
+                "certificate)"
+            )
 
     async def _first_answer(self, call: grpc.aio.StreamStreamCall) -> pb.ShardAccepted:
         """Register and read the leader's answer (bounded).

@@ -24,14 +24,17 @@ from collections.abc import AsyncIterator, Callable
 
 import grpc
 from google.protobuf.message import DecodeError
+from gradsync.protocol import defaults
 from gradsync.protocol.codec import ChunkHeader, decode_gradient, header_of
 from gradsync.protocol.codes import Code
+from gradsync.server import nonfinite
 from gradsync.server.budget import ByteBudget
 from gradsync.server.connection import Connection
 from gradsync.server.errors import RejectedMessage
 from gradsync.server.shard_config import ShardConfig
 from gradsync.server.shard_metrics import ShardMetrics
 from gradsync.server.shard_view import ShardJob, ShardOutcome
+from gradsync.server.stream_guard import StreamCount, guarded
 from gradsync.v1 import gradsync_pb2 as pb
 
 log = logging.getLogger("gradsync.shard")
@@ -45,10 +48,14 @@ _FLUSH_S = 1.0
 class DataStream(Connection):
     """One worker's data stream: the bounded outbox, plus who sent the hello."""
 
-    def __init__(self, peer: str, max_outbox_bytes: int) -> None:
-        super().__init__(peer, max_outbox_bytes)
+    def __init__(
+        self, peer: str, max_outbox_bytes: int, outbox_budget: ByteBudget | None = None
+    ) -> None:
+        super().__init__(peer, max_outbox_bytes, outbox_budget)
         self.job_id: str | None = None
         self.incarnation = ""
+        #: The session secret of the hello that admitted the stream (never logged).
+        self.session = b""
 
 
 class ShardServicer:
@@ -73,13 +80,19 @@ class ShardServicer:
         self.clock = clock
         self.metrics = metrics or ShardMetrics()
         self.budget = ByteBudget(config.max_buffered_bytes)
+        #: What all outboxes queue together (see `gradsync.server.connection`).
+        self.outbox_budget = ByteBudget(config.max_buffered_bytes)
+        #: Data streams, against --max-connections (see `gradsync.server.stream_guard`).
+        self.stream_count = StreamCount(config.max_connections)
         #: None until the leader accepts the shard (and again once it is lost).
         self.index: int | None = None
+        #: The leader's --nonfinite policy (from ShardAccepted).
+        self.nonfinite = defaults.NONFINITE
         self.heartbeat_timeout_s = config.hello_wait_s
         self.jobs: dict[str, ShardJob] = {}
         self._connections: dict[tuple[str, int], DataStream] = {}
         self._streams: set[DataStream] = set()
-        #: Messages for the leader (rejections), drained by the control link.
+        #: Messages for the leader (rejections, non-finite reports), drained by the control link.
         self.to_leader: asyncio.Queue[pb.ShardMessage] = asyncio.Queue()
         self._changed = asyncio.Event()
         self.draining = False
@@ -101,7 +114,12 @@ class ShardServicer:
     def generic_handler(self) -> grpc.GenericRpcHandler:
         """The handler to register on a `grpc.aio.server` (raw-bytes Data method)."""
         return grpc.method_handlers_generic_handler(
-            SERVICE_NAME, {"Data": grpc.stream_stream_rpc_method_handler(self.data)}
+            SERVICE_NAME,
+            {
+                "Data": grpc.stream_stream_rpc_method_handler(
+                    guarded("Data", self.data, self.stream_count)
+                )
+            },
         )
 
     # ------------------------------------------------------------ the leader
@@ -128,6 +146,15 @@ class ShardServicer:
         """The leader accepted this shard: learn its index and the heartbeat bounds."""
         self.index = accepted.shard_index
         self.heartbeat_timeout_s = accepted.heartbeat_timeout_s or self.config.hello_wait_s
+        self.nonfinite = accepted.nonfinite or defaults.NONFINITE
+        if self.nonfinite not in defaults.NONFINITE_POLICIES:
+            # Leader and shard run the same version, so this is a bug; checking stays safe.
+            log.error(
+                "the leader's --nonfinite policy %r is unknown here; using %r",
+                self.nonfinite,
+                nonfinite.ABORT,
+            )
+            self.nonfinite = nonfinite.ABORT
         self.metrics.set_shard_index(accepted.shard_index)
         log.info(
             "registered with leader %s as shard %d of %d",
@@ -144,7 +171,15 @@ class ShardServicer:
             if self.index is None:
                 return
             try:
-                job = ShardJob(view, self.index, self.name, self.budget, self.clock, self.metrics)
+                job = ShardJob(
+                    view,
+                    self.index,
+                    self.name,
+                    self.budget,
+                    self.clock,
+                    self.metrics,
+                    nonfinite=self.nonfinite,
+                )
             except ValueError as exc:
                 log.error("cannot follow job '%s': %s", view.job_id, exc)
                 return
@@ -160,7 +195,7 @@ class ShardServicer:
         else:
             outcome = job.apply(view)
         for (job_id, rank), conn in list(self._connections.items()):
-            if job_id == view.job_id and not job.is_current(rank, conn.incarnation):
+            if job_id == view.job_id and not job.is_current(rank, conn.incarnation, conn.session):
                 self._drop(conn, Code.OK, f"rank {rank} is no longer a member of job '{job_id}'")
         self._deliver(job, outcome)
         self._notify()
@@ -222,13 +257,15 @@ class ShardServicer:
             log.warning("job '%s': %s", job.job_id, outcome.rejected.message)
             self.metrics.observe_rejection(Code(outcome.rejected.code).name)
             self.to_leader.put_nowait(pb.ShardMessage(rejected=outcome.rejected))
+        for report in outcome.nonfinite:
+            self.to_leader.put_nowait(pb.ShardMessage(nonfinite=report))
 
     # --------------------------------------------------------------- streams
     async def data(
         self, request_iterator: AsyncIterator[bytes], context: grpc.aio.ServicerContext
     ) -> None:
         """Serve one worker's data stream until it leaves, fails, or is ended."""
-        conn = DataStream(context.peer(), self.config.max_outbox_bytes)
+        conn = DataStream(context.peer(), self.config.max_outbox_bytes, self.outbox_budget)
         self._streams.add(conn)
 
         def detach() -> None:
@@ -236,7 +273,15 @@ class ShardServicer:
                 del self._connections[(conn.job_id, conn.rank)]
             self._streams.discard(conn)
 
-        end = await conn.serve(self._read_loop(conn, request_iterator), context, _FLUSH_S, detach)
+        end = await conn.serve(
+            self._read_loop(conn, request_iterator),
+            context,
+            _FLUSH_S,
+            detach,
+            handler="Data",
+            first_message_s=self.config.first_message_timeout_s,
+            identified=lambda: conn.greeted,
+        )
         if end is not None and end.code is not Code.OK:
             context.set_code(_STATUS_BY_CODE[int(end.code)])
             context.set_details(end.details)
@@ -244,7 +289,13 @@ class ShardServicer:
     async def _read_loop(self, conn: DataStream, request_iterator: AsyncIterator[bytes]) -> None:
         try:
             async for raw in request_iterator:
-                await self._dispatch(conn, raw)
+                conn.greeted = True
+                try:
+                    await self._dispatch(conn, raw)
+                except asyncio.CancelledError:
+                    raise
+                except Exception as exc:  # a bug, not the peer's doing: INTERNAL
+                    conn.fail_internal("Data", exc)
                 if conn.ended:
                     return
         except asyncio.CancelledError:
@@ -303,7 +354,7 @@ class ShardServicer:
             job = self.jobs.get(job_id)
         if job is None or conn.ended:
             return  # the job ended (its streams are being ended)
-        if not job.is_current(conn.rank, conn.incarnation):
+        if not job.is_current(conn.rank, conn.incarnation, conn.session):
             self._drop(conn, Code.OK, f"rank {conn.rank} is no longer a member of job '{job_id}'")
             return
         self._deliver(job, job.on_gradient(conn.rank, chunk, payload))
@@ -350,7 +401,12 @@ class ShardServicer:
             if hello.shard_index != self.index:
                 return True  # wrong whatever the leader says next
             job = self.jobs.get(hello.job_id)
-            return job is not None and job.is_current(hello.rank, hello.incarnation)
+            if job is None:
+                return False
+            # A wrong session for the announced incarnation is final: judge it at once.
+            return job.hello_problem(hello.rank, hello.incarnation, hello.session) is None or (
+                job.session_refused(hello.rank, hello.incarnation, hello.session) is not None
+            )
 
         await self._wait_until(judgeable, wait_s)
         if conn.ended:
@@ -377,13 +433,18 @@ class ShardServicer:
             f"did not announce it within {wait_s:g}s (rank {hello.rank}, incarnation "
             f"{hello.incarnation!r})"
             if job is None
-            else job.hello_problem(hello.rank, hello.incarnation)
+            else job.hello_problem(hello.rank, hello.incarnation, hello.session)
         )
         if problem is not None:
             log.warning("refused data stream from %s: %s", conn.peer, problem)
-            self._drop(conn, Code.FAILED_PRECONDITION, problem)
+            refused = job is not None and job.session_refused(
+                hello.rank, hello.incarnation, hello.session
+            )
+            code = Code.PERMISSION_DENIED if refused else Code.FAILED_PRECONDITION
+            self._drop(conn, code, problem)
             return
         conn.job_id, conn.rank, conn.incarnation = hello.job_id, hello.rank, hello.incarnation
+        conn.session = hello.session
         previous = self._connections.get((hello.job_id, hello.rank))
         if previous is not None:
             self._drop(previous, Code.OK, f"replaced by a newer data stream from {conn.peer}")

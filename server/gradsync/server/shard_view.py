@@ -13,21 +13,29 @@ a shard returns are those the leader alone would have returned.
 
 A shard never aborts a step itself: a chunk it refuses becomes a
 `ShardRejected` for the leader, which aborts the step for everyone and tells
-the shard (`ShardAbort`). Pure logic, no gRPC, no asyncio.
+the shard (`ShardAbort`). A NaN/Inf contribution is checked here as at the
+leader, under the leader's `--nonfinite` policy: "abort" makes it a
+`ShardRejected` with reason NONFINITE (the culprit's chunk is never summed,
+so no average with it goes out), "report" a `ShardNonFinite` for the leader's
+count and status, once per rank, step and bucket. Pure logic, no gRPC, no asyncio.
 """
 
 from __future__ import annotations
 
+import hmac
+import logging
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from gradsync.protocol import defaults
 from gradsync.protocol.codec import ChunkHeader
 from gradsync.protocol.codes import Code
 from gradsync.server.actions import Action, Send
 from gradsync.server.budget import ByteBudget
 from gradsync.server.errors import RejectedMessage
 from gradsync.server.metrics import CoordinatorMetrics
+from gradsync.server.nonfinite import NonFiniteContribution, NonFiniteLog, NonFiniteRejection
 from gradsync.server.open_step import OpenStep
 from gradsync.v1 import gradsync_pb2 as pb
 
@@ -38,10 +46,12 @@ _REPORTED_STEPS_REMEMBERED = 64
 
 @dataclass(frozen=True)
 class ShardMember:
-    """A member as a shard knows it: its rank and the incarnation that admits its stream."""
+    """A member as a shard knows it: its rank, incarnation, and the session that admits
+    its data stream (the incarnation is public: Status shows it; the session is not)."""
 
     rank: int
     incarnation: str
+    session: bytes = field(default=b"", repr=False)
 
 
 @dataclass
@@ -59,10 +69,12 @@ class MembershipView:
 
 @dataclass(frozen=True)
 class ShardOutcome:
-    """What a shard does after an event: averaged chunks to send, a rejection to report."""
+    """What a shard does after an event: averaged chunks to send, a rejection to report,
+    non-finite contributions to report (--nonfinite report)."""
 
     sends: list[Send] = field(default_factory=list)
     rejected: pb.ShardRejected | None = None
+    nonfinite: list[pb.ShardNonFinite] = field(default_factory=list)
 
 
 def _averages_only(actions: list[Action]) -> list[Send]:
@@ -103,6 +115,7 @@ class ShardJob:
         budget: the shard's cap on buffered gradient bytes.
         clock: monotonic time source (injectable for tests).
         metrics: where bucket and step latencies go, if anywhere.
+        nonfinite: the leader's `--nonfinite` policy (`ShardAccepted.nonfinite`).
 
     Raises:
         ValueError: the view cannot configure a job at this shard.
@@ -116,6 +129,7 @@ class ShardJob:
         budget: ByteBudget,
         clock: Callable[[], float],
         metrics: CoordinatorMetrics | None = None,
+        nonfinite: str = defaults.NONFINITE,
     ) -> None:
         problem = check_view(view, shard_index)
         if problem is not None:
@@ -131,8 +145,13 @@ class ShardJob:
             metrics,
             shard_index=shard_index,
             shard_count=view.shard_count,
+            nonfinite=nonfinite,
         )
         self.open_step.shard_name = shard_name
+        # Logged here with the counts; the leader counts them for status and metrics.
+        self.open_step.nonfinite = NonFiniteLog(clock, logging.getLogger("gradsync.shard"))
+        self._nonfinite: list[pb.ShardNonFinite] = []
+        self.open_step.on_nonfinite = self._forward_nonfinite
         self.open_step.configure(pb.ModelSignature(buckets=view.buckets), view.start_step)
         self._reported: deque[int] = deque(maxlen=_REPORTED_STEPS_REMEMBERED)
         self.apply(view)
@@ -146,7 +165,7 @@ class ShardJob:
         in rank order (the leader then aborts the step, which is retried).
         """
         membership, step = self.membership, self.open_step
-        new = {m.rank: ShardMember(m.rank, m.incarnation) for m in view.members}
+        new = {m.rank: ShardMember(m.rank, m.incarnation, m.session) for m in view.members}
         old = membership.members
         removed = [r for r in sorted(old) if r not in new or new[r] != old[r]]
         added = [r for r in sorted(new) if r not in old or new[r] != old[r]]
@@ -205,8 +224,11 @@ class ShardJob:
         self.open_step.release()
 
     # --------------------------------------------------------------- workers
-    def hello_problem(self, rank: int, incarnation: str) -> str | None:
-        """Why a data stream from (`rank`, `incarnation`) is not admitted, or None."""
+    def hello_problem(self, rank: int, incarnation: str, session: bytes) -> str | None:
+        """Why a data stream from (`rank`, `incarnation`, `session`) is not admitted, or None.
+
+        See `session_refused` for a wrong session (told apart: it is final).
+        """
         member = self.membership.members.get(rank)
         if member is None:
             return (
@@ -219,11 +241,30 @@ class ShardJob:
                 f"rank {rank} of job '{self.job_id}' says incarnation {incarnation!r}, but the "
                 f"leader announced incarnation {member.incarnation!r} to {self.shard_name}"
             )
-        return None
+        return self.session_refused(rank, incarnation, session)
 
-    def is_current(self, rank: int, incarnation: str) -> bool:
-        """True while (`rank`, `incarnation`) is a member (its chunks are judged)."""
-        return self.hello_problem(rank, incarnation) is None
+    def session_refused(self, rank: int, incarnation: str, session: bytes) -> str | None:
+        """Why (`rank`, `incarnation`) as announced is refused for presenting `session`.
+
+        None when the rank and incarnation are not (yet) the announced ones (that
+        may change with the leader's next view) or the session matches. The
+        comparison takes constant time, and the message never shows a secret.
+        """
+        member = self.membership.members.get(rank)
+        if member is None or member.incarnation != incarnation:
+            return None
+        if hmac.compare_digest(member.session, session):
+            return None
+        presented = "no session" if not session else "a session that is not the one"
+        return (
+            f"rank {rank} of job '{self.job_id}' presented {presented} the leader issued to "
+            f"that rank at its Join ({self.shard_name}); a data stream acts for a rank only on "
+            "its own session"
+        )
+
+    def is_current(self, rank: int, incarnation: str, session: bytes) -> bool:
+        """True while (`rank`, `incarnation`, `session`) is a member (its chunks are judged)."""
+        return self.hello_problem(rank, incarnation, session) is None
 
     def awaits_leader(self, chunk: ChunkHeader) -> bool:
         """True if `chunk` may become valid once the leader's next view or abort arrives.
@@ -245,7 +286,20 @@ class ShardJob:
             failed = chunk.step if rejection.step is None else rejection.step
             return ShardOutcome([], self._report(rank, failed, rejection.bucket_index, rejection))
         self._skip_aborted()
-        return ShardOutcome(_averages_only(actions))
+        nonfinite, self._nonfinite = self._nonfinite, []
+        return ShardOutcome(_averages_only(actions), nonfinite=nonfinite)
+
+    def _forward_nonfinite(self, contribution: NonFiniteContribution) -> None:
+        """A newly seen non-finite contribution, for the leader (--nonfinite report)."""
+        self._nonfinite.append(
+            pb.ShardNonFinite(
+                job_id=self.job_id,
+                rank=contribution.rank,
+                step=contribution.step,
+                bucket_index=contribution.bucket_index,
+                message=contribution.describe(),
+            )
+        )
 
     def report(self, rank: int, rejection: RejectedMessage) -> pb.ShardRejected | None:
         """The ShardRejected for a message refused outside a chunk (garbage bytes), or None."""
@@ -268,4 +322,9 @@ class ShardJob:
             bucket_index=bucket_index,
             code=int(rejection.code),
             message=message,
+            reason=(
+                pb.ABORT_REASON_NONFINITE
+                if isinstance(rejection, NonFiniteRejection)
+                else pb.ABORT_REASON_MESSAGE_REJECTED
+            ),
         )

@@ -15,6 +15,12 @@ from gradsync.v1 import gradsync_pb2 as pb
 
 #: Refuse absurd sizes before allocating anything (1 TiB).
 MAX_BUCKET_BYTES = 1 << 40
+#: Most tensors (parameters plus buffers) a signature may list.
+MAX_TENSORS = 100_000
+#: Longest tensor name accepted (names are echoed in messages and logs).
+MAX_NAME_CHARS = 1024
+#: Most dimensions a tensor may have.
+MAX_DIMS = 32
 
 
 def describe(spec: pb.TensorSpec) -> str:
@@ -54,8 +60,25 @@ def validate(rank: int, signature: pb.ModelSignature) -> None:
 
     if not signature.parameters:
         raise refuse("the model signature lists no trainable parameters")
+    tensors = len(signature.parameters) + len(signature.buffers)
+    if tensors > MAX_TENSORS:
+        raise refuse(f"the model signature lists {tensors} tensors; at most {MAX_TENSORS}")
+    if len(signature.buckets) > len(signature.parameters):
+        raise refuse(
+            f"the model signature lists {len(signature.buckets)} buckets for "
+            f"{len(signature.parameters)} parameters"
+        )
     for kind, specs in (("parameter", signature.parameters), ("buffer", signature.buffers)):
         for spec in specs:
+            if len(spec.name) > MAX_NAME_CHARS or not spec.name.isprintable():
+                raise refuse(
+                    f"{kind} name {spec.name[:64]!r} ({len(spec.name)} characters) must be "
+                    f"printable and at most {MAX_NAME_CHARS} characters"
+                )
+            if len(spec.shape) > MAX_DIMS:
+                raise refuse(
+                    f"{kind} '{spec.name}' has {len(spec.shape)} dimensions; at most {MAX_DIMS}"
+                )
             if not dtypes.is_supported_dtype(spec.dtype):
                 raise refuse(f"{kind} '{spec.name}' has unsupported dtype {spec.dtype}")
             if any(dim < 0 for dim in spec.shape):

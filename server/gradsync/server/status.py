@@ -20,7 +20,7 @@ from gradsync.v1 import gradsync_pb2 as pb
 
 
 def job_status(job: Job, lag_tracker: LagTracker | None = None) -> pb.JobStatus:
-    """A snapshot of `job`: state, members, late ranks, progress and checkpoints."""
+    """A snapshot of `job`: state, members, late ranks, progress, checkpoints, NaN/Inf seen."""
     late = job.late_ranks()
     progress = job.progress
     return pb.JobStatus(
@@ -44,6 +44,8 @@ def job_status(job: Job, lag_tracker: LagTracker | None = None) -> pb.JobStatus:
         late=[pb.LateRank(rank=r, bucket_indices=b) for r, b in sorted(late.items())],
         step_age_s=progress.age() if progress is not None else 0.0,
         last_checkpoint_step=job.persistence.last_checkpoint_step,
+        nonfinite_contributions=job.in_flight.nonfinite.count,
+        last_nonfinite=job.in_flight.nonfinite.last,
     )
 
 

@@ -73,17 +73,31 @@ def parse_store_url(url: str) -> StoreLocation:
     raise ValueError(f"unsupported checkpoint store URL {url!r}: {_EXPECTED}")
 
 
-def open_store(url: str, *, keep: int = 3) -> CheckpointStore:
+def open_store(
+    url: str, *, keep: int = 3, password: str | None = None, timeout_s: float | None = None
+) -> CheckpointStore:
     """Open the store named by `url`, keeping the newest `keep` checkpoints per job.
 
     Args:
         url: see `parse_store_url` and the module docstring.
         keep: checkpoints kept per job, at least 1.
+        password: the Redis password (from a file or the environment, so that it is not
+            in the URL, which the process list shows); overrides one in the URL.
+        timeout_s: bound on every Redis network wait (the Redis default when None).
 
     Raises:
         ValueError: the URL names no supported backend unambiguously, or `keep` < 1.
     """
     location = parse_store_url(url)
     if location.kind == "redis":
-        return RedisCheckpointStore(location.target, keep=keep)
+        if timeout_s is None:
+            return RedisCheckpointStore(location.target, keep=keep, password=password)
+        return RedisCheckpointStore(
+            location.target, keep=keep, password=password, socket_timeout_s=timeout_s
+        )
     return FileCheckpointStore(location.target, keep=keep)
+
+
+def redacted_store_url(url: str) -> str:
+    """`url` with any password replaced by `***`, fit for banners and logs."""
+    return re.sub(r"(//[^/@]*?:)[^/@]*@", r"\1***@", url)

@@ -59,6 +59,10 @@ class Watched(Protocol):
         """Carry out `actions` of `job`."""
         ...
 
+    def expire_assembly(self, job: Job, details: str) -> None:
+        """Refuse `job`, which assembled for too long, and free its slot."""
+        ...
+
 
 class Watchdog:
     """Periodic liveness and stall checks over every job of one coordinator.
@@ -113,6 +117,8 @@ class Watchdog:
                         "job '%s': rank %d %s at step %d", job.job_id, rank, details, job.open_step
                     )
                 coordinator.declare_dead(job, rank, details)
+            if self._assembly_expired(job):
+                continue
             report = job.assembly_report()
             if report is not None:
                 actions, line = report
@@ -121,6 +127,28 @@ class Watchdog:
             self._warn_if_stalled(job)
         for extra_check in self._extra_checks:
             extra_check()
+
+    def _assembly_expired(self, job: Job) -> bool:
+        """Refuse a job whose ranks have not all joined within --assembly-timeout-s.
+
+        Without this, Joins that never complete a job (64 quick ones, each
+        under a new job id, kept alive by heartbeats) would hold every job slot
+        forever.
+        """
+        limit = self._coordinator.config.assembly_timeout_s
+        if job.state is not JobState.ASSEMBLING or job.membership.complete():
+            return False
+        waited = job.assembly.waited_s()
+        if waited <= limit:
+            return False
+        missing = job.assembly.missing(job.membership.ranks())
+        details = (
+            f"job '{job.job_id}' did not assemble within {limit:g}s (--assembly-timeout-s): "
+            f"ranks {missing} of {job.world_size} never joined; refused"
+        )
+        log.warning("%s", details)
+        self._coordinator.expire_assembly(job, details)
+        return True
 
     def _warn_if_stalled(self, job: Job) -> None:
         progress = job.progress

@@ -7,6 +7,11 @@ uninterrupted run. Fault injection (one per run, chosen by flags):
   --sleep-at STEP:SECONDS   stall before the backward of STEP (a straggler)
   --kill-at STEP            SIGKILL itself during the backward of STEP, after
                             the first bucket was uploaded and before the rest
+  --nan-at STEP             put a NaN in the last element of bucket 1's last
+                            gradient during the backward of STEP (a diverged rank)
+With --skip-aborted, an aborted step is skipped (its error noted in "aborts");
+with --skip-nonfinite, a step whose averaged gradients hold NaN/Inf skips its
+optimizer step (as torch's GradScaler does), noted in "nonfinite_steps".
 Output: {"status": "ok" | error class name, "message", "step", "elapsed_s",
          "params": {name: list}} in --out; exit code 0, or 3 on a GradSyncError.
 """
@@ -23,6 +28,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 import gradsync
+import torch
 from support import scenarios
 
 
@@ -38,6 +44,8 @@ def main() -> int:
     parser.add_argument("--reconnect-timeout-s", type=float, default=60.0)
     parser.add_argument("--raise-at", type=int, default=None)
     parser.add_argument("--skip-aborted", action="store_true")
+    parser.add_argument("--nan-at", type=int, default=None)
+    parser.add_argument("--skip-nonfinite", action="store_true")
     args = parser.parse_args()
     rank, world = args.rank, args.world_size
     module = scenarios.MixedModel(seed=rank)
@@ -45,6 +53,8 @@ def main() -> int:
     restarts: list[int] = []
     restart_causes: list[str] = []
     skipped: list[int] = []
+    aborts: list[dict[str, object]] = []
+    nonfinite_steps: list[int] = []
     report: dict[str, object] = {
         "status": "ok",
         "message": "",
@@ -53,6 +63,8 @@ def main() -> int:
         "restarts": restarts,
         "restart_causes": restart_causes,
         "skipped": skipped,
+        "aborts": aborts,
+        "nonfinite_steps": nonfinite_steps,
     }
     started = time.monotonic()
     try:
@@ -98,6 +110,17 @@ def main() -> int:
                 return grad
 
             list(module.parameters())[victim].register_hook(failing_hook)
+        if args.nan_at is not None:
+            victim = model.bucket_plans[1].parameter_indices[-1]
+
+            def nan_hook(grad: torch.Tensor) -> torch.Tensor:
+                if model.step != args.nan_at:
+                    return grad
+                poisoned = grad.clone()
+                poisoned.view(-1)[-1] = float("nan")
+                return poisoned
+
+            list(module.parameters())[victim].register_hook(nan_hook)
         with model:
             while model.step < args.steps:
                 step = model.step
@@ -113,10 +136,19 @@ def main() -> int:
                     restarts.append(model.step)
                     restart_causes.append(f"{exc.__cause__}")
                     continue  # nothing was applied: redo from the restored step
-                except gradsync.StepAbortedError:
+                except gradsync.StepAbortedError as exc:
                     if not args.skip_aborted:
                         raise
                     skipped.append(step)
+                    aborts.append(
+                        {
+                            "class": type(exc).__name__,
+                            "step": exc.step,
+                            "bucket": exc.bucket_index,
+                            "culprit": getattr(exc, "culprit_rank", None),
+                            "message": str(exc),
+                        }
+                    )
                     continue  # the step was abandoned everywhere: skip its update
                 except RuntimeError as exc:
                     if "simulated out of memory" not in str(exc):
@@ -124,7 +156,11 @@ def main() -> int:
                     model.abandon_step("simulated out of memory")
                     skipped.append(step)
                     continue
-                optimizer.step()
+                grads = [p.grad for p in module.parameters() if p.grad is not None]
+                if args.skip_nonfinite and not all(bool(g.isfinite().all()) for g in grads):
+                    nonfinite_steps.append(step)  # GradScaler would skip this update too
+                else:
+                    optimizer.step()
                 report["step"] = model.step
                 contributors.append(model.last_contributors)
                 time.sleep(args.step_delay_s)

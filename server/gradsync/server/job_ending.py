@@ -1,0 +1,170 @@
+"""How a job loses ranks and ends: departures, breaking, refusing (part of `Job`).
+
+`Job` (`gradsync.server.job`) is the state machine over a job's components;
+this module holds the half of it that runs when something goes away: a rank
+leaves or is lost (a normal finish, an elastic shrink, or a broken job), the
+job is refused, or it is ended from outside (a coordinator shard was lost).
+Every path frees what the job buffers and returns the actions that tell the
+remaining ranks, in-band where they can still hear it. It is split from `job`
+because the arrival side (join, gradients, collectives) and this side each
+fill a module; `JobEnding` is a mixin that only `Job` inherits, and it reads
+the components `Job` builds. Pure logic, no gRPC, no asyncio.
+"""
+
+from __future__ import annotations
+
+import enum
+
+from gradsync.protocol.codes import Code
+from gradsync.server.actions import Action, Send, Terminate
+from gradsync.server.assembly import Assembly
+from gradsync.server.broadcast import StateBroadcast
+from gradsync.server.collectives import Collectives
+from gradsync.server.elastic import Elastic
+from gradsync.server.liveness import Liveness
+from gradsync.server.membership import Membership
+from gradsync.server.open_step import OpenStep
+from gradsync.server.persistence import Persistence
+from gradsync.server.step_aborts import abort_message
+from gradsync.server.uneven import UnevenInputs
+from gradsync.v1 import gradsync_pb2 as pb
+
+
+class JobState(enum.Enum):
+    """Where a job is in its lifecycle."""
+
+    ASSEMBLING = "assembling"
+    RUNNING = "running"
+    FINISHING = "finishing"
+    REFUSED = "refused"
+    BROKEN = "broken"
+
+
+class JobEnding:
+    """Departures and endings of a `Job` (a mixin: `Job` sets every attribute below)."""
+
+    job_id: str
+    state: JobState
+    on_failure: str
+    min_workers: int
+    membership: Membership
+    assembly: Assembly
+    in_flight: OpenStep
+    liveness: Liveness
+    persistence: Persistence
+    broadcast: StateBroadcast
+    collectives: Collectives
+    uneven: UnevenInputs
+    elastic: Elastic
+    _broken_reason: str
+
+    def _progress(self, refused: str = "") -> Send:
+        """An AssemblyProgress for every waiting rank (as they join, and as they leave)."""
+        ranks = self.membership.ranks()
+        return Send(ranks, self.assembly.progress(ranks, refused))
+
+    def detach(self, rank: int, orderly: bool, reason: str | None = None) -> list[Action]:
+        """Forget `rank`'s connection; abort the open step for the others if running.
+
+        Args:
+            rank: the departing rank.
+            orderly: it said goodbye (Leave) rather than vanishing.
+            reason: how it was lost, for the survivors' error (default: left /
+                disconnected).
+        """
+        self.liveness.forget(rank)
+        if rank == 0:
+            self.persistence.abandon_upload()  # nobody finishes rank 0's checkpoint upload
+        assembling = self.state is JobState.ASSEMBLING
+        if not self.membership.remove(rank, assembling=assembling):
+            return []
+        if assembling and not self.membership.members:
+            self.assembly.started_at = None  # whoever joins next starts a new wait
+        if assembling:
+            return [self._progress()] if self.membership.members else []
+        if self.state is not JobState.RUNNING:
+            return []
+        how = reason or ("left" if orderly else "disconnected from")
+        if not self.broadcast.complete:
+            # The others wait for rank 0's state, not for a step: end them now.
+            return self._break(
+                f"rank {rank} {how} job '{self.job_id}' before rank 0's initial state "
+                "broadcast completed; the job cannot start (restart every rank)",
+                rank,
+                abort_step=False,
+            )
+        quiet = not self.in_flight.has_contributions() and not self.collectives.open_sequences()
+        elastic = self.on_failure == "elastic" and len(self.membership.members) >= self.min_workers
+        if orderly and quiet and not elastic:
+            # A normal finish: nobody is told anything now; a rank that still
+            # sends a step or a collective gets this reason then.
+            self.state = JobState.FINISHING
+            self._broken_reason = (
+                f"rank {rank} left job '{self.job_id}' after step {self.in_flight.step - 1}; "
+                "the remaining ranks cannot complete further steps"
+            )
+            self.in_flight.release()
+            self.collectives.release()
+            self.release_uploads()
+            return []
+        if elastic:
+            actions = self.elastic.shrink(rank, f"rank {rank} {how} job '{self.job_id}'")
+            return actions + self.uneven.lost(rank)
+        if self.on_failure == "elastic":
+            left = len(self.membership.members)
+            how += f" leaving {left} ranks (--min-workers {self.min_workers}) in"
+        return self._break(
+            f"rank {rank} {how} job '{self.job_id}' at step {self.in_flight.step}; no partial "
+            "average is applied and the remaining ranks cannot complete further steps",
+            rank,
+            abort_step=True,
+        )
+
+    def _break(self, reason: str, lost: int, abort_step: bool) -> list[Action]:
+        """The job cannot go on: abort the open step in-band, end ranks that cannot hear it.
+
+        Ranks waiting in a collective (or, without `abort_step`, for the state
+        broadcast) have no step to abort: their streams end with PEER_LOST.
+        """
+        step = self.in_flight.step
+        self._broken_reason = reason
+        self.state = JobState.BROKEN
+        self.in_flight.release()
+        self.release_uploads()
+        self.in_flight.remember_aborted(step)
+        ranks = self.membership.ranks()
+        waiting = self.collectives.waiting_ranks() if abort_step else ranks
+        self.collectives.release()
+        actions: list[Action] = []
+        if abort_step and ranks:
+            actions.append(
+                abort_message(
+                    ranks, step, Code.ABORTED, reason, -1, pb.ABORT_REASON_PEER_LOST, lost
+                )
+            )
+        waiting = tuple(r for r in waiting if r in self.membership.members)
+        if waiting:
+            actions.append(Terminate(waiting, Code.ABORTED, reason, pb.END_REASON_PEER_LOST))
+        return actions
+
+    def end(
+        self, code: Code, details: str, reason: pb.EndReason, state: JobState = JobState.BROKEN
+    ) -> list[Action]:
+        """End the job (refused, or from outside: a coordinator shard was lost); streams end now."""
+        self.state = state
+        self._broken_reason = details
+        self.in_flight.release()
+        self.release_uploads()
+        self.in_flight.remember_aborted(self.in_flight.step)
+        self.collectives.release()
+        ranks = sorted({*self.membership.ranks(), *self.membership.newcomers})
+        return [Terminate(tuple(ranks), code, details, reason)]
+
+    def release_uploads(self) -> None:
+        """Give back the bytes of unfinished checkpoint and healing uploads (idempotent)."""
+        self.persistence.abandon_upload()
+        self.elastic.release()
+
+    def _refuse(self, code: Code, details: str) -> list[Action]:
+        """Refuse the whole job: every connected rank's stream ends with `code`."""
+        return self.end(code, details, pb.END_REASON_JOB_REFUSED, JobState.REFUSED)

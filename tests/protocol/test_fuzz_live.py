@@ -1,0 +1,41 @@
+"""A live fuzz run: over 10^4 random and mutated messages against a real `gradsync serve`.
+
+The fuzzer (tests/support/fuzzing.py) opens many concurrent raw Sync streams
+and Status calls against a coordinator subprocess on loopback while a
+well-behaved two-rank job runs steps on the same coordinator and checks every
+average bit for bit. The coordinator must come out of it alive, having ended
+every rejected stream with a status code and a message (never UNKNOWN, never
+INTERNAL, never OK unless the client left or closed), with its RSS flat and
+the legit job finished. `scripts/fuzz_live.py --messages 100000` is the long run.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from support.fuzzing import run_fuzz
+
+pytestmark = pytest.mark.timeout(120)
+
+MESSAGES = 12_000
+#: RSS the coordinator may gain between warm-up and the end of the run.
+RSS_GROWTH_LIMIT_KIB = 48 * 1024
+#: And at its peak: a declared size must never be allocated up front (issue 11).
+RSS_PEAK_LIMIT_KIB = 256 * 1024
+
+
+def test_hostile_messages_leave_the_coordinator_serving_and_bounded(tmp_path: Path) -> None:
+    report = run_fuzz(tmp_path / "coordinator.log", MESSAGES, seed=11)
+    summary = report.summary()
+    print(summary)
+    assert report.alive, summary
+    assert report.messages >= 10_000, summary
+    assert report.streams >= 500, summary
+    assert not report.violations, summary
+    assert report.log_tracebacks == 0, summary
+    assert not report.legit_error and report.legit_steps >= 3, summary
+    assert report.rss_after_kib - report.rss_before_kib < RSS_GROWTH_LIMIT_KIB, summary
+    assert report.rss_peak_kib - report.rss_before_kib < RSS_PEAK_LIMIT_KIB, summary
+    # The run reached the coordinator's checks, not only the "Join first" gate.
+    assert report.codes["INVALID_ARGUMENT"] and report.codes["FAILED_PRECONDITION"], summary
