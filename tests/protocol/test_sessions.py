@@ -16,6 +16,7 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 
 import grpc
+from gradsync.protocol import auth
 from gradsync.server.app import RunningServer
 from gradsync.server.checkpoint_file import FileCheckpointStore
 from gradsync.server.membership import SESSION_BYTES
@@ -204,5 +205,59 @@ def test_a_checkpoint_of_another_model_under_the_same_job_id_refuses_the_job(
             details = await other.expect_status(grpc.StatusCode.FAILED_PRECONDITION)
             assert "job 'job'" in details and "step 1" in details and "different model" in details
             assert FileCheckpointStore(store_dir).steps("job") == [1]
+
+    run(scenario)
+
+
+ELASTIC_TOKEN = "elastic-test-token-0123456789abcdef"
+
+
+async def collect_kinds(worker: RawWorker, kinds: list[str]) -> None:
+    """Append the kind of every message `worker` receives (a read cancelled by a
+    timeout would cancel the whole call, so one task reads for the whole test)."""
+    while (message := await worker.call.read()) is not grpc.aio.EOF:
+        kinds.append(message.WhichOneof("kind"))
+
+
+def test_a_lost_ranks_slot_and_state_cannot_be_taken_without_the_token() -> None:
+    """The elastic takeover: once rank 1 is lost, whoever joins as rank 1 gets rank 0's
+    state. Without the token the join is refused before any state change: the job's
+    membership is untouched and rank 0 is never asked for its state; the rightful
+    rank 1, with the token, still rejoins and is healed."""
+    credentials = auth.metadata(ELASTIC_TOKEN)
+
+    async def scenario() -> None:
+        async with coordinator(
+            token=ELASTIC_TOKEN, on_failure="elastic", min_workers=1, heartbeat_timeout_s=3.0
+        ) as (running, channel):
+            workers = await assembled_job(channel, metadata=credentials)
+            await run_step(workers, 0)
+            workers[1].call.cancel()
+            for _ in range(500):
+                if 1 not in running.servicer.jobs["job"].members:
+                    break
+                await asyncio.sleep(0.01)
+            else:
+                raise AssertionError("rank 1 was never dropped from the job")
+            received: list[str] = []
+            reader = asyncio.create_task(collect_kinds(workers[0], received))
+            for stolen in ((), auth.metadata("wrong-token-0123456789abcdef")):
+                thief = RawWorker(channel, stolen)
+                with contextlib.suppress(grpc.aio.AioRpcError, asyncio.InvalidStateError):
+                    await thief.join(1)
+                details = await thief.expect_status(grpc.StatusCode.UNAUTHENTICATED)
+                assert "token" in details and ELASTIC_TOKEN not in details
+            assert 1 not in running.servicer.jobs["job"].members
+            await asyncio.sleep(0.3)
+            assert "state_request" not in received, received
+            rightful = RawWorker(channel, credentials)
+            await rightful.join(1)
+            for _ in range(300):
+                if "state_request" in received:
+                    break
+                await asyncio.sleep(0.01)
+            else:
+                raise AssertionError(f"rank 0 was never asked to heal rank 1: {received}")
+            reader.cancel()
 
     run(scenario)

@@ -74,12 +74,14 @@ def bucket_values(rank: int, step: int) -> np.ndarray:
 class RawWorker:
     """One Sync stream driven message by message."""
 
-    def __init__(self, channel: grpc.aio.Channel) -> None:
+    def __init__(
+        self, channel: grpc.aio.Channel, metadata: tuple[tuple[str, str], ...] = ()
+    ) -> None:
         self.call = channel.stream_stream(
             METHOD,
             request_serializer=lambda raw: raw,
             response_deserializer=pb.CoordinatorMessage.FromString,
-        )()
+        )(metadata=metadata or None)
         #: AssemblyProgress messages received while waiting for something else.
         self.assembly: list[pb.AssemblyProgress] = []
         #: StepReports (sent to the lowest rank after each step), likewise set aside.
@@ -193,10 +195,13 @@ async def coordinator(**overrides: object) -> AsyncIterator[tuple[RunningServer,
 
 
 async def assembled_job(
-    channel: grpc.aio.Channel, job_id: str = "job", world_size: int = 2
+    channel: grpc.aio.Channel,
+    job_id: str = "job",
+    world_size: int = 2,
+    metadata: tuple[tuple[str, str], ...] = (),
 ) -> list[RawWorker]:
     """Workers of a job that has received Welcome (and rank 0's state)."""
-    workers = [RawWorker(channel) for _ in range(world_size)]
+    workers = [RawWorker(channel, metadata) for _ in range(world_size)]
     for rank, worker in enumerate(workers):
         await worker.join(rank, world_size=world_size, job_id=job_id)
     for worker in workers:
