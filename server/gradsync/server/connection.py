@@ -222,22 +222,27 @@ class Connection:
             if timer is not None:
                 timer.cancel()
             reader.cancel()
-            if not writer.done():
-                # Let a write in flight finish rather than cancel it half-way: that
-                # leaves an operation pending in gRPC's core, which then logs an
-                # ExecuteBatchError ("too many operations") when the handler returns.
-                # A peer that is gone makes the write fail at once.
-                self.outbox.put_nowait(End(Code.OK, ""))
-                await asyncio.wait({writer}, timeout=WRITER_STOP_S)
-            writer.cancel()
             try:
-                detach()
+                if not writer.done():
+                    # Let a write in flight finish rather than cancel it half-way: that
+                    # leaves an operation pending in gRPC's core, which then logs an
+                    # ExecuteBatchError ("too many operations") when the handler returns.
+                    # A peer that is gone makes the write fail at once.
+                    self.outbox.put_nowait(End(Code.OK, ""))
+                    await asyncio.wait({writer}, timeout=WRITER_STOP_S)
             finally:
-                await asyncio.gather(reader, writer, return_exceptions=True)
-                self._discard_queue()
-                if self._held is not None:
-                    self._held.release()
-                    self._held = None
+                # Also when this handler is cancelled again during that wait (a peer
+                # cancelling under load): skipping detach would leave a gone rank in
+                # its job until the heartbeat timeout, and the others waiting for it.
+                writer.cancel()
+                try:
+                    detach()
+                finally:
+                    self._discard_queue()
+                    if self._held is not None:
+                        self._held.release()
+                        self._held = None
+                    await asyncio.gather(reader, writer, return_exceptions=True)
         if ended.done() and not ended.cancelled():
             return ended.result()
         # The writer never got to the end (a peer that does not read): the status is
