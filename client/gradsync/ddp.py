@@ -15,8 +15,9 @@ as DDP) through the coordinator's collectives (`gradsync.collectives`), which
 the wrapper also offers to user code and which `join()` (`gradsync.uneven`)
 and synchronized BatchNorm (`gradsync.syncbn`) use. Hooks never block on the
 network and never raise: failures surface from `backward()` as
-`GradSyncError`s. Joining, the initial broadcast, checkpoints and reconnecting
-live in `gradsync.session`; the network sits behind `gradsync.link`.
+`GradSyncError`s. That step path is `gradsync.step_path`; joining, the initial
+broadcast, checkpoints and reconnecting live in `gradsync.session`; the
+network sits behind `gradsync.link`.
 """
 
 from __future__ import annotations
@@ -40,10 +41,7 @@ from gradsync.collectives import Collectives
 from gradsync.config import ClientConfig
 from gradsync.errors import (
     ClosedError,
-    CoordinatorRestartedError,
     CoordinatorUnavailableError,
-    GradSyncError,
-    StepAbortedError,
 )
 from gradsync.hooks import CommHook
 from gradsync.instruments import Instruments
@@ -53,6 +51,7 @@ from gradsync.protocol import defaults
 from gradsync.reducer import Reducer, plan_buckets
 from gradsync.session import Session
 from gradsync.signature import PRESENCE_NAME, model_signature
+from gradsync.step_path import StepPath
 from gradsync.transport import Transport
 
 log = logging.getLogger("gradsync.client")
@@ -203,13 +202,8 @@ class DistributedDataParallel(nn.Module):
         # As DDP: buffers are broadcast before a forward pass that follows a
         # synchronized one (or the first), not after a no_sync or no-grad pass.
         self._require_forward_param_sync = True
-        self._overlap = overlap
-        self._backward_active = False
-        self._errors: list[Exception] = []
-        self._synced_steps = 0
         self._in_join = False
         self._hooks: list[Any] = []
-        self.last_contributors = 0
         presence = torch.zeros(len(named), dtype=torch.float32)
         bucket_bytes = [plan.num_bytes for plan in plans]
         self._instruments = Instruments(
@@ -231,7 +225,7 @@ class DistributedDataParallel(nn.Module):
                 self._instruments.on_bucket_event,
                 reconnect_timeout_s,
             )
-            self._step = self._session.start()
+            start_step = self._session.start()
         except BaseException:
             self._instruments.close()
             raise
@@ -245,6 +239,7 @@ class DistributedDataParallel(nn.Module):
             wire_hook,
             answer_in_fp32,
         )
+        self._steps = StepPath(self._reducer, self._instruments, self._session, overlap, start_step)
         #: The coordinator's collectives for this job (`gradsync.collectives`).
         self.collectives = Collectives(
             lambda: self._session.link, self.rank, self.world_size, self.config.timeout_s
@@ -269,13 +264,18 @@ class DistributedDataParallel(nn.Module):
     @property
     def step(self) -> int:
         """Index of the next synchronized step (synced backward passes so far)."""
-        return self._step
+        return self._steps.step
 
     @step.setter
     def step(self, value: int) -> None:
         # `join()` moves every rank to the job's next step when uneven inputs end.
-        self._step = int(value)
-        self._link.current_step = self._step
+        self._steps.step = int(value)
+        self._link.current_step = self._steps.step
+
+    @property
+    def last_contributors(self) -> int:
+        """The number of ranks the last synchronized step was averaged over."""
+        return self._steps.last_contributors
 
     @property
     def bucket_plans(self) -> list[BucketPlan]:
@@ -301,11 +301,11 @@ class DistributedDataParallel(nn.Module):
     def _pre_forward(self) -> None:
         if self._state is _State.CLOSED:
             raise ClosedError("DistributedDataParallel used after close()", rank=self.rank)
-        if self._backward_active:
+        if self._steps.backward_active:
             self.abandon_step("its backward pass was interrupted by an exception")
         # Before the next step's forward the optimizer has applied the previous
         # step: parameters and optimizer state are consistent.
-        self._session.at_step_boundary(self._step)
+        self._session.at_step_boundary(self._steps.step)
         if not (self.broadcast_buffers and self._require_forward_param_sync):
             return
         buffers = [b for b in self.module.buffers() if b.numel()]
@@ -313,8 +313,10 @@ class DistributedDataParallel(nn.Module):
             try:
                 self._broadcast_buffers(buffers)
             except CoordinatorUnavailableError as exc:
-                resumed_at, restarted = self._reconnect(exc, "a forward pass")
-                self._step = resumed_at
+                resumed_at, restarted = self._session.recover(
+                    exc, self._steps.step, "a forward pass"
+                )
+                self._steps.step = resumed_at
                 raise restarted from exc
 
     def _broadcast_buffers(self, buffers: list[torch.Tensor]) -> None:
@@ -324,29 +326,6 @@ class DistributedDataParallel(nn.Module):
         # All buffers travel packed in one blob: one round trip per forward pass.
         # Every rank sends its own, so the broadcast completes if rank `src` is lost.
         self.collectives.broadcast_tensors(buffers, src, every_rank_sends=True)
-
-    def _reconnect(
-        self, exc: CoordinatorUnavailableError, during: str
-    ) -> tuple[int, CoordinatorRestartedError]:
-        """Reconnect to a restarted coordinator; return the resumed step and the error to raise.
-
-        Only a lost coordinator is worth reconnecting to; every other error
-        (declared dead, refused, checkpoint failed) propagates as it is, and so
-        does `exc` when reconnecting is off. The caller moves `self._step`.
-        """
-        if self._session.reconnect_timeout_s <= 0:
-            raise exc
-        resumed_at = self._session.reconnect(exc, self._step)
-        self._link.current_step = resumed_at
-        # The cause is named: a lost shard says which one and where.
-        restarted = CoordinatorRestartedError(
-            f"lost the coordinator during {during} ({exc}) and reconnected; state restored from "
-            f"the checkpoint of step {resumed_at}. Nothing was applied: skip optimizer.step() and "
-            "continue at model.step",
-            rank=self.rank,
-            step=resumed_at,
-        )
-        return resumed_at, restarted
 
     def register_comm_hook(self, state: Any, hook: CommHook) -> None:
         """Have `hook` see every gradient bucket before upload and after the average.
@@ -361,7 +340,7 @@ class DistributedDataParallel(nn.Module):
                 step already ran.
             TypeError: `hook` lacks `before_upload` / `after_average`.
         """
-        if self._synced_steps or self._backward_active:
+        if self._steps.synced_steps or self._steps.backward_active:
             raise RuntimeError("register_comm_hook must be called before the first backward")
         self._reducer.register_comm_hook(state, hook)
 
@@ -424,12 +403,9 @@ class DistributedDataParallel(nn.Module):
         for every rank (they get StepAbortedError and skip it), and this rank
         moves on. The next `forward()` does this automatically.
         """
-        if not self._backward_active:
+        if not self._steps.backward_active:
             return
-        step = self._step
-        log.warning("rank %d: abandoning step %d: %s", self.rank, step, reason)
-        self._link.abandon_step(step, reason)
-        self._end_step(step)
+        self._steps.abandon(reason)
 
     def register_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
         """Include `optimizer`'s state in checkpoints (and restore it when resuming)."""
@@ -445,7 +421,9 @@ class DistributedDataParallel(nn.Module):
             CheckpointFailedError: with wait=True, the store could not save it.
             SyncTimeoutError: no answer within the timeout.
         """
-        return self._session.save_checkpoint(self._step, wait, timeout_s or self.config.timeout_s)
+        return self._session.save_checkpoint(
+            self._steps.step, wait, timeout_s or self.config.timeout_s
+        )
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
@@ -488,56 +466,7 @@ class DistributedDataParallel(nn.Module):
         return hook
 
     def _on_gradient_ready(self, index: int) -> None:
-        """Autograd hook body: mark the parameter used, launch full buckets. Never raises."""
+        """Autograd hook body (see `StepPath.gradient_ready`); a closed wrapper ignores it."""
         if self._state is _State.CLOSED:
             return
-        self._reducer.mark_used(index)
-        if not self._require_sync or self._reducer.bucket_of[index] < 0:
-            return
-        try:
-            if not self._backward_active:
-                self._backward_active = True
-                self._instruments.backward_started(self._step)
-                torch.autograd.Variable._execution_engine.queue_callback(self._finish_backward)
-            self._reducer.gradient_ready(index, self._step, self._overlap)
-        except Exception as exc:  # raised at the end of backward, with context
-            self._errors.append(exc)
-
-    def _finish_backward(self) -> None:
-        """End-of-backward callback: flush, wait for averages, write them to .grad."""
-        step = self._step
-        try:
-            if self._errors:
-                error = self._errors[0]
-                raise GradSyncError(
-                    f"preparing gradients for upload failed: {error}", rank=self.rank, step=step
-                ) from error
-            self.last_contributors = self._reducer.finish(step, self._wait_step)
-            self._synced_steps += 1
-        finally:
-            self._end_step(step)
-
-    def _wait_step(self, step: int) -> int:
-        """Wait for the averages of `step`; reconnect to a restarted coordinator if lost."""
-        wait_started = self._instruments.now()
-        try:
-            contributors = self._link.wait_step(step, self.config.timeout_s)
-        except StepAbortedError as exc:
-            self._instruments.step_aborted(exc)
-            raise
-        except CoordinatorUnavailableError as exc:
-            resumed_at, restarted = self._reconnect(exc, "a backward pass")
-            self._step = resumed_at - 1  # `_end_step` moves on to the resumed step
-            raise restarted from exc
-        self._instruments.step_done(step, wait_started, self._link.step_report())
-        return contributors
-
-    def _end_step(self, step: int) -> None:
-        """Forget this step's staging and usage marks and move on to the next step."""
-        if self._step != step:  # a reconnect moved the step
-            step = self._step
-        self._reducer.reset()
-        self._errors.clear()
-        self._backward_active = False
-        self._step = step + 1
-        self._link.current_step = self._step
+        self._steps.gradient_ready(index, self._require_sync)

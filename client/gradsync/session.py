@@ -29,6 +29,7 @@ from gradsync.config import ClientConfig
 from gradsync.errors import (
     CheckpointFailedError,
     CheckpointMismatchError,
+    CoordinatorRestartedError,
     CoordinatorUnavailableError,
     GradSyncError,
     SyncTimeoutError,
@@ -235,6 +236,34 @@ class Session:
                 rank=self.config.rank,
             ) from cause
         return start
+
+    def recover(
+        self, exc: CoordinatorUnavailableError, step: int, during: str
+    ) -> tuple[int, CoordinatorRestartedError]:
+        """Reconnect to a restarted coordinator; return the resumed step and the error to raise.
+
+        Only a lost coordinator is worth reconnecting to; every other error
+        (declared dead, refused, checkpoint failed) propagates as it is, and so
+        does `exc` when reconnecting is off. The caller moves its own step.
+
+        Args:
+            exc: the error that lost the coordinator.
+            step: the step this rank was at.
+            during: what was running, for the message ("a forward pass").
+        """
+        if self.reconnect_timeout_s <= 0:
+            raise exc
+        resumed_at = self.reconnect(exc, step)
+        self._link.current_step = resumed_at
+        # The cause is named: a lost shard says which one and where.
+        restarted = CoordinatorRestartedError(
+            f"lost the coordinator during {during} ({exc}) and reconnected; state restored from "
+            f"the checkpoint of step {resumed_at}. Nothing was applied: skip optimizer.step() and "
+            "continue at model.step",
+            rank=self.config.rank,
+            step=resumed_at,
+        )
+        return resumed_at, restarted
 
     # ------------------------------------------------------------ joining
     def _new_link(self) -> CoordinatorLink:

@@ -4,7 +4,8 @@
 lives on its own asyncio loop in a daemon thread. The training thread and the
 autograd hooks only call non-blocking methods (`submit_bucket` enqueues) or
 bounded waits (`wait_step`, `wait_welcome`, `receive_state`). This module is
-the sending side and the gRPC plumbing; everything the coordinator sends back
+the sending side and the gRPC plumbing (the messages themselves are cut by
+`gradsync.worker_messages`); everything the coordinator sends back
 (averaged chunks, aborted steps, a dead stream) goes into a
 `gradsync.inbox.Inbox`, which records it under one condition variable and
 raises stored failures at the next wait, translated into `GradSyncError`s in
@@ -50,7 +51,6 @@ import contextlib
 import logging
 import threading
 from collections.abc import AsyncIterator, Iterator
-from dataclasses import dataclass
 from typing import Any
 
 import grpc
@@ -61,10 +61,7 @@ from gradsync.bucket_uploads import BucketUpload, RangeUpload, range_messages, s
 from gradsync.buffers import BucketBuffer
 from gradsync.channels import ChannelSecurity
 from gradsync.collective_results import op_name
-from gradsync.errors import (
-    ClosedError,
-    GradSyncError,
-)
+from gradsync.errors import ClosedError, GradSyncError
 from gradsync.inbox import Inbox
 from gradsync.joining import wait_for_welcome
 from gradsync.link import BucketEventHandler
@@ -73,33 +70,19 @@ from gradsync.protocol.codes import Code
 from gradsync.shard_faults import SHARD_GRACE_MARGIN_S
 from gradsync.shard_streams import CLIENT_MAX_MESSAGE_BYTES, ShardStreams, channel_options
 from gradsync.v1 import gradsync_pb2 as pb
+from gradsync.worker_messages import (
+    CheckpointUpload,
+    CollectiveUpload,
+    StateUpload,
+    check_collective_input,
+    upload_messages,
+)
 
 log = logging.getLogger("gradsync.client")
 
 __all__ = ["CLIENT_MAX_MESSAGE_BYTES", "SYNC_METHOD", "Transport"]
 
 SYNC_METHOD = "/gradsync.v1.Coordinator/Sync"
-
-
-@dataclass
-class _StateUpload:
-    blob: npt.NDArray[np.uint8]
-
-
-@dataclass
-class _CheckpointUpload:
-    step: int
-    blob: bytes
-    heal: bool = False
-
-
-@dataclass
-class _CollectiveUpload:
-    sequence: int
-    op: int
-    dtype: int
-    root: int
-    payload: npt.NDArray[np.uint8]
 
 
 _CLOSE = object()
@@ -200,13 +183,7 @@ class Transport:
         result_bytes: int | None = None,
     ) -> tuple[bytearray, int]:
         """Run the next collective of the job; see `CoordinatorLink.run_collective`."""
-        if op not in pb.CollectiveOp.values() or op == pb.COLLECTIVE_OP_UNSPECIFIED:
-            raise ValueError(f"unknown collective op {op}")
-        if payload.dtype != np.uint8 or payload.ndim != 1:
-            raise ValueError(
-                f"a collective's payload must be a 1-D uint8 array, got {payload.dtype} "
-                f"with shape {payload.shape}"
-            )
+        check_collective_input(op, payload)
         with self._sequence_lock:
             sequence = self._next_collective
             self._inbox.expect_collective(sequence, op, dtype, payload.nbytes, result_bytes)
@@ -218,7 +195,7 @@ class Transport:
             op_name(op),
             payload.nbytes,
         )
-        self._put(_CollectiveUpload(sequence, op, dtype, root, payload))
+        self._put(CollectiveUpload(sequence, op, dtype, root, payload))
         return self._inbox.wait_collective(sequence, timeout_s)
 
     @property
@@ -247,7 +224,7 @@ class Transport:
 
     def send_state(self, blob: npt.NDArray[np.uint8]) -> None:
         """Queue rank 0's state blob for broadcast (non-blocking)."""
-        self._put(_StateUpload(blob))
+        self._put(StateUpload(blob))
 
     def receive_state(self, num_bytes: int, timeout_s: float) -> bytearray:
         """Block until rank 0's whole state blob has arrived; return it."""
@@ -259,7 +236,7 @@ class Transport:
 
     def send_checkpoint(self, step: int, blob: bytes) -> None:
         """Queue a checkpoint upload (rank 0). Never blocks."""
-        self._put(_CheckpointUpload(step, blob))
+        self._put(CheckpointUpload(step, blob))
 
     def abandon_step(self, step: int, reason: str) -> None:
         """Tell the coordinator this rank gives up on `step`. Never blocks."""
@@ -275,7 +252,7 @@ class Transport:
 
     def send_heal(self, step: int, blob: bytes) -> None:
         """Queue this rank's state for a rejoining rank. Never blocks."""
-        self._put(_CheckpointUpload(step, blob, heal=True))
+        self._put(CheckpointUpload(step, blob, heal=True))
 
     def wait_checkpoint(self, step: int, timeout_s: float) -> pb.CheckpointSaved:
         """Block until the coordinator answered the checkpoint upload of `step`."""
@@ -421,31 +398,8 @@ class Transport:
             welcome = self._inbox.welcome
             if welcome is not None:
                 chunk_bytes, epoch = welcome.chunk_bytes, self._inbox.membership_epoch
-            if isinstance(item, _CheckpointUpload):
-                view = memoryview(item.blob)
-                for offset, length in chunking.chunk_spans(len(view), chunk_bytes):
-                    piece = pb.CheckpointChunk(
-                        step=item.step,
-                        offset=offset,
-                        total_bytes=len(view),
-                        payload=bytes(view[offset : offset + length]),
-                        heal=item.heal,
-                    )
-                    yield pb.WorkerMessage(checkpoint=piece).SerializeToString()
-            elif isinstance(item, _StateUpload):
-                view = memoryview(item.blob.data)
-                for offset, length in chunking.chunk_spans(len(view), chunk_bytes):
-                    payload = view[offset : offset + length].tobytes()
-                    chunk = pb.StateChunk(offset=offset, payload=payload)
-                    yield pb.WorkerMessage(state=chunk).SerializeToString()
-            elif isinstance(item, _CollectiveUpload):
-                for message in _collective_chunks(item, chunk_bytes):
-                    yield message
-            elif isinstance(item, RangeUpload):
-                for message in range_messages(item, chunk_bytes, epoch, self._bucket_event):
-                    yield message
-            else:
-                yield item.SerializeToString()
+            for message in upload_messages(item, chunk_bytes, epoch, self._bucket_event):
+                yield message
 
     async def _receive(self) -> None:
         assert self._call is not None
@@ -522,24 +476,3 @@ class Transport:
         if self._channel is None:
             return False
         return bool(self._channel.get_state() == grpc.ChannelConnectivity.READY)
-
-
-def _collective_chunks(upload: _CollectiveUpload, chunk_bytes: int) -> list[bytes]:
-    """A collective's input as serialized WorkerMessages; an empty input is one empty chunk."""
-    view = memoryview(upload.payload.data)
-    total = len(view)
-    spans = list(chunking.chunk_spans(total, chunk_bytes)) or [(0, 0)]
-    return [
-        pb.WorkerMessage(
-            collective=pb.CollectiveChunk(
-                sequence=upload.sequence,
-                op=upload.op,  # type: ignore[arg-type]  # an int checked against CollectiveOp
-                dtype=upload.dtype,  # type: ignore[arg-type]  # a DType value
-                total_bytes=total,
-                offset=offset,
-                payload=view[offset : offset + length].tobytes(),
-                root=upload.root,
-            )
-        ).SerializeToString()
-        for offset, length in spans
-    ]

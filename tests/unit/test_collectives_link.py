@@ -15,8 +15,9 @@ import numpy as np
 import pytest
 from gradsync.errors import CollectiveError, GradSyncError, SyncTimeoutError
 from gradsync.inbox import Inbox
-from gradsync.transport import Transport, _collective_chunks, _CollectiveUpload
+from gradsync.transport import Transport
 from gradsync.v1 import gradsync_pb2 as pb
+from gradsync.worker_messages import CollectiveUpload, collective_chunks
 
 pytestmark = pytest.mark.unit
 
@@ -182,15 +183,15 @@ def test_collectives_before_the_job_assembled_are_refused() -> None:
 
 def test_inputs_are_cut_into_chunks_and_an_empty_input_is_one_empty_chunk() -> None:
     payload = np.frombuffer(b"0123456789", dtype=np.uint8)
-    upload = _CollectiveUpload(5, SUM, F32, 0, payload)
-    chunks = [pb.WorkerMessage.FromString(raw).collective for raw in _collective_chunks(upload, 4)]
+    upload = CollectiveUpload(5, SUM, F32, 0, payload)
+    chunks = [pb.WorkerMessage.FromString(raw).collective for raw in collective_chunks(upload, 4)]
     assert [(c.offset, c.payload, c.total_bytes, c.sequence) for c in chunks] == [
         (0, b"0123", 10, 5),
         (4, b"4567", 10, 5),
         (8, b"89", 10, 5),
     ]
-    empty = _CollectiveUpload(6, BROADCAST, F32, 2, np.empty(0, np.uint8))
-    (only,) = [pb.WorkerMessage.FromString(raw).collective for raw in _collective_chunks(empty, 4)]
+    empty = CollectiveUpload(6, BROADCAST, F32, 2, np.empty(0, np.uint8))
+    (only,) = [pb.WorkerMessage.FromString(raw).collective for raw in collective_chunks(empty, 4)]
     assert (only.offset, only.payload, only.total_bytes, only.root, only.op) == (
         0,
         b"",
