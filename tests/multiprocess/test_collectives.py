@@ -14,8 +14,7 @@ from typing import Any
 import numpy as np
 import pytest
 from gradsync.launch import free_port
-
-from tests.support.processes import WORKERS, CoordinatorProcess, launch_ranks, reap
+from support.processes import WORKERS, CoordinatorProcess, launch_ranks, reap
 
 pytestmark = pytest.mark.multiprocess
 

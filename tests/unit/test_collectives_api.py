@@ -17,8 +17,7 @@ import torch
 from gradsync import collectives
 from gradsync.collectives import Collectives
 from gradsync.v1 import gradsync_pb2 as pb
-
-from tests.support.fakegroup import ThreadedGroup
+from support.fakegroup import ThreadedGroup
 
 pytestmark = pytest.mark.unit
 

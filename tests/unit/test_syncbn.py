@@ -15,9 +15,8 @@ import logging
 import pytest
 import torch
 from gradsync.syncbn import SyncBatchNorm, attach, convert_sync_batchnorm
+from support.fakegroup import ThreadedGroup
 from torch import nn
-
-from tests.support.fakegroup import ThreadedGroup
 
 pytestmark = pytest.mark.unit
 

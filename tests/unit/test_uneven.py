@@ -14,9 +14,8 @@ from gradsync.collectives import Collectives
 from gradsync.errors import GradSyncError, SyncTimeoutError
 from gradsync.uneven import join_context
 from gradsync.v1 import gradsync_pb2 as pb
+from support.fakegroup import ThreadedGroup
 from torch import nn
-
-from tests.support.fakegroup import ThreadedGroup
 
 pytestmark = pytest.mark.unit
 
