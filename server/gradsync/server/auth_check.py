@@ -39,6 +39,11 @@ REFUSAL_LOG_PERIOD_S = 10.0
 #: How long a refused stream waits for the caller's first message before its status.
 FIRST_MESSAGE_WAIT_S = 2.0
 
+#: At most this many refused streams wait for their first message at once; beyond
+#: it a refusal is immediate, so a flood of unauthenticated streams cannot hold
+#: handlers (which the connection cap does not count: they never reach it).
+MAX_WAITING_REFUSALS = 64
+
 MISSING_TOKEN = (
     "this server requires a token and the call carried none: set {env} or {env_file} "
     "(or pass token= / --token-file) to the token the server was started with"
@@ -114,6 +119,8 @@ class TokenCheck(grpc.aio.ServerInterceptor):  # type: ignore[misc]  # grpc ship
         self._last_log = -REFUSAL_LOG_PERIOD_S
         #: Calls refused since start (for tests and the log).
         self.refused = 0
+        #: Refused streams now waiting for their first message (bounded).
+        self.waiting = 0
 
     async def intercept_service(
         self,
@@ -129,7 +136,7 @@ class TokenCheck(grpc.aio.ServerInterceptor):  # type: ignore[misc]  # grpc ship
         template = MISSING_TOKEN if presented is None else WRONG_TOKEN
         message = template.format(env=auth.ENV_TOKEN, env_file=auth.ENV_TOKEN_FILE)
         self._note_refusal(handler_call_details.method, presented is None)
-        return _refusing(handler, message)
+        return _refusing(handler, message, self)
 
     def _note_refusal(self, method: str | bytes, missing: bool) -> None:
         self.refused += 1
@@ -148,7 +155,9 @@ class TokenCheck(grpc.aio.ServerInterceptor):  # type: ignore[misc]  # grpc ship
             self._refused_since_log = 0
 
 
-def _refusing(handler: grpc.RpcMethodHandler, message: str) -> grpc.RpcMethodHandler:
+def _refusing(
+    handler: grpc.RpcMethodHandler, message: str, check: TokenCheck
+) -> grpc.RpcMethodHandler:
     """A handler of the same shape as `handler` that only aborts with UNAUTHENTICATED.
 
     Its requests are left as raw bytes (no deserializer): nothing an
@@ -162,8 +171,13 @@ def _refusing(handler: grpc.RpcMethodHandler, message: str) -> grpc.RpcMethodHan
         # Wait (bounded) for the caller's first message: a status that overtakes the
         # client's first write makes grpc's client report INTERNAL ("Failed execute_batch")
         # instead of UNAUTHENTICATED, and the caller would not learn why.
-        with contextlib.suppress(Exception):
-            await asyncio.wait_for(anext(aiter(requests)), FIRST_MESSAGE_WAIT_S)
+        if check.waiting < MAX_WAITING_REFUSALS:
+            check.waiting += 1
+            try:
+                with contextlib.suppress(Exception):
+                    await asyncio.wait_for(anext(aiter(requests)), FIRST_MESSAGE_WAIT_S)
+            finally:
+                check.waiting -= 1
         await context.abort(grpc.StatusCode.UNAUTHENTICATED, message)
 
     if handler.request_streaming and handler.response_streaming:
