@@ -258,6 +258,26 @@ def add_shard_flags(parser: argparse.ArgumentParser) -> None:
         help="cap on gradient bytes held in partial reductions (default %(default)g)",
     )
     parser.add_argument(
+        "--max-outbox-mb",
+        type=flags.positive_number,
+        default=defaults.MAX_OUTBOX_BYTES / MIB,
+        help="cap on results queued for one worker that does not read them; beyond it the "
+        "worker's data stream is dropped with RESOURCE_EXHAUSTED (default %(default)g)",
+    )
+    parser.add_argument(
+        "--max-connections",
+        type=flags.positive_int,
+        default=defaults.MAX_CONNECTIONS,
+        help="concurrent data streams; beyond it RESOURCE_EXHAUSTED (default %(default)s)",
+    )
+    parser.add_argument(
+        "--first-message-timeout-s",
+        type=flags.positive_number,
+        default=defaults.FIRST_MESSAGE_TIMEOUT_S,
+        help="a data stream that sends no ShardHello within this many seconds is ended "
+        "with DEADLINE_EXCEEDED (default %(default)g)",
+    )
+    parser.add_argument(
         "--metrics-port",
         type=flags.port,
         default=None,

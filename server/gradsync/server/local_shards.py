@@ -61,6 +61,13 @@ def shard_command(
         f":{port}",
         "--max-buffered-mb",
         f"{config.max_buffered_bytes / MIB:g}",
+        # The leader's limits on hostile or slow peers hold on its shards too.
+        "--max-outbox-mb",
+        repr(config.max_outbox_bytes / MIB),
+        "--max-connections",
+        str(config.max_connections),
+        "--first-message-timeout-s",
+        repr(config.first_message_timeout_s),
     ]
     if config.metrics_port:
         argv += ["--metrics-port", str(config.metrics_port + index)]
