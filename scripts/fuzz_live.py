@@ -1,20 +1,24 @@
 """Fuzz a real `gradsync serve` with random and mutated messages, and print what happened.
 
-    .venv/bin/python scripts/fuzz_live.py --messages 100000
+    .venv/bin/python scripts/fuzz_live.py --messages 100000 [--token]
 
 Starts a coordinator on loopback, sends `--messages` hostile messages over
 many concurrent Sync streams (plus Status calls) while a well-behaved two-rank
 job checks its averages, then prints a summary: messages, streams, a histogram
 of status codes, crashes, violations (UNKNOWN or INTERNAL statuses, statuses
 without a message, rejected streams ended with OK, forged log lines), RSS before
-/ after / peak and the duration. Exits 1 when anything went wrong. The fuzzer
-itself is tests/support/fuzzing.py (the suite runs 10^4 messages of it in
+/ after / peak and the duration. With `--token` the coordinator requires a
+random token ($GRADSYNC_TOKEN): most calls and the legit job present it, about
+one in ten presents none or a wrong one and must be refused UNAUTHENTICATED.
+Exits 1 when anything went wrong. The fuzzer itself is tests/support/fuzzing.py
+(with fuzz_messages.py and fuzz_coordinator.py; the suite runs it in
 tests/protocol/test_fuzz_live.py).
 """
 
 from __future__ import annotations
 
 import argparse
+import secrets
 import sys
 import tempfile
 from pathlib import Path
@@ -32,13 +36,19 @@ def main() -> int:
     parser.add_argument("--messages", type=int, default=100_000, help="messages to send")
     parser.add_argument("--seed", type=int, default=0, help="random seed (runs are repeatable)")
     parser.add_argument("--lanes", type=int, default=8, help="concurrent stream lanes")
+    parser.add_argument(
+        "--token",
+        action="store_true",
+        help="token mode: the coordinator requires a random token; ~10%% of calls lack it",
+    )
     parser.add_argument("--log", type=Path, help="coordinator log file (default: a temp dir)")
     parser.add_argument(
         "--reasons", type=int, default=25, help="how many of the commonest status messages to list"
     )
     args = parser.parse_args()
     log = args.log or Path(tempfile.mkdtemp(prefix="gradsync-fuzz-")) / "coordinator.log"
-    report = run_fuzz(log, args.messages, seed=args.seed, lanes=args.lanes)
+    token = secrets.token_urlsafe(32) if args.token else None
+    report = run_fuzz(log, args.messages, seed=args.seed, lanes=args.lanes, token=token)
     print(report.summary())
     if args.reasons:
         print("commonest status messages (numbers shown as N):")
@@ -50,6 +60,8 @@ def main() -> int:
         or bool(report.violations)
         or bool(report.legit_error)
         or growth_mib > RSS_GROWTH_LIMIT_MIB
+        or report.unauth_refused != report.unauth_calls
+        or (report.token and not report.unauth_calls)
     )
     print("RESULT", "FAILED" if failed else "ok")
     return 1 if failed else 0

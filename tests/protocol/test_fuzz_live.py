@@ -1,16 +1,21 @@
 """A live fuzz run: over 10^4 random and mutated messages against a real `gradsync serve`.
 
-The fuzzer (tests/support/fuzzing.py) opens many concurrent raw Sync streams
+The fuzzer (tests/support/fuzzing.py, with fuzz_messages.py and
+fuzz_coordinator.py) opens many concurrent raw Sync streams
 and Status calls against a coordinator subprocess on loopback while a
 well-behaved two-rank job runs steps on the same coordinator and checks every
 average bit for bit. The coordinator must come out of it alive, having ended
 every rejected stream with a status code and a message (never UNKNOWN, never
 INTERNAL, never OK unless the client left or closed), with its RSS flat and
-the legit job finished. `scripts/fuzz_live.py --messages 100000` is the long run.
+the legit job finished. In token mode the coordinator requires a token: the
+legit job and most calls carry it, and every call without it (about one in
+ten: none, a wrong or near-miss one) must end UNAUTHENTICATED without a reply.
+`scripts/fuzz_live.py --messages 100000 [--token]` is the long run.
 """
 
 from __future__ import annotations
 
+import secrets
 from pathlib import Path
 
 import pytest
@@ -19,6 +24,8 @@ from support.fuzzing import run_fuzz
 pytestmark = pytest.mark.timeout(120)
 
 MESSAGES = 12_000
+#: The token-mode run (kept short: the plain run above covers the message space).
+TOKEN_MESSAGES = 3_000
 #: RSS the coordinator may gain between warm-up and the end of the run.
 RSS_GROWTH_LIMIT_KIB = 48 * 1024
 #: And at its peak: a declared size must never be allocated up front (issue 11).
@@ -39,3 +46,25 @@ def test_hostile_messages_leave_the_coordinator_serving_and_bounded(tmp_path: Pa
     assert report.rss_peak_kib - report.rss_before_kib < RSS_PEAK_LIMIT_KIB, summary
     # The run reached the coordinator's checks, not only the "Join first" gate.
     assert report.codes["INVALID_ARGUMENT"] and report.codes["FAILED_PRECONDITION"], summary
+
+
+def test_token_mode_refuses_every_call_without_the_token(tmp_path: Path) -> None:
+    token = secrets.token_urlsafe(32)
+    report = run_fuzz(tmp_path / "coordinator.log", TOKEN_MESSAGES, seed=12, token=token)
+    summary = report.summary()
+    print(summary)
+    assert report.alive, summary
+    assert report.messages >= TOKEN_MESSAGES, summary
+    assert report.streams >= 150, summary
+    assert not report.violations, summary
+    assert report.log_tracebacks == 0, summary
+    assert not report.legit_error and report.legit_steps >= 3, summary
+    assert report.rss_after_kib - report.rss_before_kib < RSS_GROWTH_LIMIT_KIB, summary
+    assert report.rss_peak_kib - report.rss_before_kib < RSS_PEAK_LIMIT_KIB, summary
+    # Calls without the token were made, and every one was refused UNAUTHENTICATED.
+    assert report.unauth_calls >= 10, summary
+    assert report.unauth_refused == report.unauth_calls, summary
+    assert report.codes["UNAUTHENTICATED"] == report.unauth_calls, summary
+    # Authenticated calls still reached the coordinator's checks.
+    assert report.codes["INVALID_ARGUMENT"] and report.codes["FAILED_PRECONDITION"], summary
+    assert token not in Path(report.log_path).read_text(errors="replace"), "token logged"

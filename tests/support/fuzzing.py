@@ -1,311 +1,63 @@
 """A live fuzzer: random and mutated messages against a real `gradsync serve` process.
 
-`run_fuzz` starts a coordinator subprocess on loopback (its log goes to a
-file, so thousands of warnings never block it on a full pipe), then opens many
-concurrent raw Sync streams and Status calls and sends what a hostile or
-broken worker might: random bytes, truncated and bit-flipped protobufs, Joins
-with mutated fields, gradient chunks with every header field at its edges
-(through the coordinator's fast parser and through protobuf), checkpoint,
-state, collective, abandon and join() messages with absurd sizes, offsets,
-steps, epochs and strings. Pairs of streams join the same fuzz job so that
-most messages meet a *running* job rather than the "first message must be a
-Join" check. Alongside, a well-behaved two-rank job (`legit`) runs steps and
-checks every average bit for bit.
+This module drives the run: `run_fuzz` starts a coordinator
+(`support.fuzz_coordinator.LiveCoordinator`) on loopback, then `Fuzzer` opens
+many concurrent raw Sync streams, Status calls and ShardLink streams and
+sends what a hostile or broken worker might (the bytes come from
+`support.fuzz_messages.Messages`): random bytes, truncated and bit-flipped
+protobufs, Joins with mutated fields, gradient chunks with every header field
+at its edges, checkpoint, state, collective, abandon and join() messages with
+absurd sizes, offsets, steps, epochs and strings. Pairs of streams join the
+same fuzz job so that most messages meet a *running* job rather than the
+"first message must be a Join" check. Alongside, a well-behaved two-rank job
+(`legit`) runs steps and checks every average bit for bit.
 
-What it records, for the caller to assert: every status code (a histogram),
-violations (UNKNOWN, a non-OK status without a message, a stream the
-coordinator ended with OK although the client neither left nor half-closed,
-a stream that never ended after the client half-closed, a Status call
-failing without a message, a forged log line), whether the coordinator is
-alive, its RSS (VmRSS) after warm-up, at the end and at its peak, and how
-many legit steps completed.
+Token mode (`token=`): the coordinator is started with $GRADSYNC_TOKEN and
+the legit job and most calls present that token; about one call in ten
+presents none or a wrong one, and such a call must end UNAUTHENTICATED
+without a single reply message.
+
+What it records (`support.fuzz_coordinator.FuzzReport`), for the caller to
+assert: every status code (a histogram), violations (UNKNOWN, a non-OK status
+without a message, a stream the coordinator ended with OK although the client
+neither left nor half-closed, a stream that never ended after the client
+half-closed, a Status call failing without a message, a forged log line, an
+unauthenticated call answered otherwise than UNAUTHENTICATED or an
+authenticated one refused), whether the coordinator is alive, its RSS
+(VmRSS) after warm-up, at the end and at its peak, and how many legit steps
+completed.
 """
 
 from __future__ import annotations
 
 import asyncio
-import collections
+import base64
 import contextlib
 import random
 import re
-import subprocess
-import sys
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import grpc
-from gradsync.launch import parse_banner
-from gradsync.protocol.codec import ChunkHeader, encode_gradient
+from gradsync.protocol import auth
 from gradsync.v1 import gradsync_pb2 as pb
 
-from support.rawclient import (
-    BUCKET_BYTES,
-    CHUNK,
-    RawWorker,
-    assembled_job,
-    run_step,
-    signature,
-)
+from support.fuzz_coordinator import FuzzReport, LiveCoordinator, rss_kib, scan_log
+from support.fuzz_messages import Messages
+from support.rawclient import BUCKET_BYTES, CHUNK, RawWorker, assembled_job, run_step
+
+__all__ = ["FuzzReport", "Fuzzer", "LiveCoordinator", "StreamPlan", "fuzz", "run_fuzz"]
 
 SYNC = "/gradsync.v1.Coordinator/Sync"
 STATUS = "/gradsync.v1.Coordinator/Status"
 SHARD_LINK = "/gradsync.v1.Coordinator/ShardLink"
-CHUNK_MB = str(CHUNK / (1 << 20))
-U64 = 2**64 - 1
 CLIENT_ARTIFACT = "Internal error from Core"
-FORGED = "forged by h5: rank 0 says all is well"
-EDGES = [0, 1, 2, 3, 127, 128, 4095, 4096, 4097, 8320, 2**31 - 1, 2**31, 2**32 - 1, 2**32, U64]
-#: Sizes a hostile worker declares (checkpoint totals, collective totals, offsets).
-#: 2**31 and above are the "allocate by declared size" holes of issue 11.
-DECLARED = [0, 1, 8, 4095, 4096, 4097, 8320, 1 << 20, 1 << 26, 2**31, 2**40, U64]
-
-
-@dataclass
-class FuzzReport:
-    """What a fuzz run saw (see the module docstring)."""
-
-    messages: int = 0
-    streams: int = 0
-    #: Status and ShardLink calls.
-    status_calls: int = 0
-    codes: collections.Counter[str] = field(default_factory=collections.Counter)
-    #: (code, the status message with numbers blanked, cut to 70 characters): how often.
-    reasons: collections.Counter[str] = field(default_factory=collections.Counter)
-    violations: list[str] = field(default_factory=list)
-    rss_before_kib: int = 0
-    rss_after_kib: int = 0
-    rss_peak_kib: int = 0
-    duration_s: float = 0.0
-    legit_steps: int = 0
-    legit_error: str = ""
-    alive: bool = True
-    exit_code: int | None = None
-    log_path: str = ""
-    log_tracebacks: int = 0
-
-    def summary(self) -> str:
-        codes = ", ".join(f"{code} {count}" for code, count in self.codes.most_common())
-        lines = [
-            f"messages sent      {self.messages}",
-            f"streams            {self.streams} Sync (+ {self.status_calls} Status / ShardLink)",
-            f"status codes       {codes}",
-            f"coordinator        {'alive' if self.alive else f'DEAD (exit {self.exit_code})'}",
-            f"crashes            {0 if self.alive else 1} "
-            f"(tracebacks in its log: {self.log_tracebacks})",
-            f"violations         {len(self.violations)}",
-            *[
-                f"  - {count} x {line}"
-                for line, count in collections.Counter(self.violations).most_common(12)
-            ],
-            f"RSS                before {self.rss_before_kib / 1024:.1f} MiB, after "
-            f"{self.rss_after_kib / 1024:.1f} MiB, peak {self.rss_peak_kib / 1024:.1f} MiB "
-            f"(growth {(self.rss_after_kib - self.rss_before_kib) / 1024:+.1f} MiB)",
-            f"legit job          {self.legit_steps} steps"
-            + (f", FAILED: {self.legit_error}" if self.legit_error else ", all averages exact"),
-            f"duration           {self.duration_s:.1f} s",
-            f"coordinator log    {self.log_path}",
-        ]
-        return "\n".join(lines)
-
-    def note(self, violation: str) -> None:
-        if len(self.violations) < 200:
-            self.violations.append(violation)
-
-
-def rss_kib(pid: int) -> int:
-    """VmRSS of `pid` in KiB (0 once it is gone)."""
-    try:
-        text = Path(f"/proc/{pid}/status").read_text()
-    except OSError:
-        return 0
-    match = re.search(r"^VmRSS:\s+(\d+) kB", text, re.MULTILINE)
-    return int(match.group(1)) if match else 0
-
-
-class LiveCoordinator:
-    """`gradsync serve --world-size 2` on a free loopback port, logging to a file."""
-
-    def __init__(self, log_path: Path, *extra: str) -> None:
-        self.log_path = log_path
-        self._log = log_path.open("w")
-        self.process = subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "gradsync.cli",
-                "serve",
-                "--world-size",
-                "2",
-                "--host",
-                "127.0.0.1",
-                "--port",
-                "0",
-                "--chunk-mb",
-                CHUNK_MB,
-                *extra,
-            ],
-            stdout=subprocess.DEVNULL,
-            stderr=self._log,
-            text=True,
-        )
-        deadline = time.monotonic() + 60
-        while time.monotonic() < deadline:
-            for line in log_path.read_text().splitlines():
-                banner = parse_banner(line)
-                if banner is not None:
-                    self.address = f"127.0.0.1:{banner[1]}"
-                    return
-            if self.process.poll() is not None:
-                break
-            time.sleep(0.05)
-        self.stop()
-        raise RuntimeError(f"coordinator did not start: {log_path.read_text()[-2000:]}")
-
-    def stop(self) -> int | None:
-        if self.process.poll() is None:
-            self.process.terminate()
-            try:
-                self.process.wait(timeout=20)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
-                self.process.wait()
-        self._log.close()
-        return self.process.returncode
-
-
-class Messages:
-    """Random and mutated WorkerMessage bytes (see the module docstring)."""
-
-    def __init__(self, rng: random.Random) -> None:
-        self.rng = rng
-
-    def edge(self) -> int:
-        return self.rng.choice(EDGES)
-
-    def text(self) -> str:
-        return self.rng.choice(
-            ["", "ok", "x" * 3000, f"bye\n{FORGED}", "\x00\x1b[2J\u202e", "é" * 50]
-        )
-
-    def signature(self) -> pb.ModelSignature:
-        sig = signature()
-        mutation = self.rng.randrange(8)
-        if mutation == 0:
-            sig.parameters[0].shape[:] = [self.rng.choice([0, 1, 2**31, 2**40])]
-        elif mutation == 1:
-            sig.buckets[0].num_elements = self.rng.choice([0, 1, 2**31, 2**32 - 1])
-        elif mutation == 2:
-            sig.buckets[0].parameter_indices[:] = [self.rng.choice([7, 2**32 - 1])]
-        elif mutation == 3:
-            sig.parameters[0].dtype = self.rng.choice([0, 99, pb.DTYPE_INT64])
-        elif mutation == 4:
-            sig.parameters[0].name = "n" * self.rng.choice([0, 5000])
-        return sig
-
-    def join(self, job_id: str, rank: int) -> pb.WorkerMessage:
-        rng = self.rng
-        return pb.WorkerMessage(
-            join=pb.Join(
-                job_id=job_id if rng.random() < 0.95 else rng.choice(["", "j" * 500, "a\nb"]),
-                rank=rank if rng.random() < 0.95 else rng.choice([2, 2**32 - 1]),
-                world_size=2 if rng.random() < 0.95 else self.edge() % 2**32,
-                signature=signature() if rng.random() < 0.9 else self.signature(),
-                incarnation=rng.choice(["fuzz"] * 18 + ["", "i" * 2000]),
-            )
-        )
-
-    def gradient(self, step: int) -> bytes:
-        """A gradient chunk near the job's grid, every header field sometimes at an edge."""
-        rng = self.rng
-        offset = rng.choice([0, CHUNK, 2 * CHUNK])
-        header = ChunkHeader(
-            step=step if rng.random() < 0.7 else self.edge() % 2**64,
-            membership_epoch=0 if rng.random() < 0.8 else self.edge() % 2**64,
-            bucket_index=0 if rng.random() < 0.8 else self.edge() % 2**32,
-            offset=offset if rng.random() < 0.8 else self.edge() % 2**64,
-            dtype=pb.DTYPE_FLOAT32 if rng.random() < 0.8 else rng.choice([0, 2, 3, 4, 99]),
-            encoding=0 if rng.random() < 0.9 else rng.choice([1, 2**31 - 1]),
-            contributors=0 if rng.random() < 0.9 else self.edge() % 2**32,
-            reply_dtype=0 if rng.random() < 0.9 else rng.choice([1, 3, 99]),
-        )
-        length = min(CHUNK, BUCKET_BYTES - offset)
-        length = length if rng.random() < 0.8 else rng.choice([0, 1, length - 1, length + 1])
-        raw = encode_gradient(header, rng.randbytes(max(length, 0)))
-        if rng.random() < 0.2:
-            raw += b"\xa8\x06\x01"  # an unknown top-level field: the protobuf (slow) path
-        return raw
-
-    def other(self, step: int) -> pb.WorkerMessage:
-        rng = self.rng
-        kind = rng.randrange(10)
-        if kind == 0:
-            return pb.WorkerMessage(heartbeat=pb.Heartbeat(step=rng.choice([step, U64])))
-        if kind == 1:
-            return pb.WorkerMessage(
-                abandon=pb.AbandonStep(step=rng.choice([step, step + 1, U64]), reason=self.text())
-            )
-        if kind == 2:
-            return pb.WorkerMessage(
-                checkpoint=pb.CheckpointChunk(
-                    step=rng.choice([step, 0, U64]),
-                    offset=rng.choice([0, CHUNK, self.edge()]),
-                    total_bytes=rng.choice(DECLARED),
-                    payload=rng.randbytes(rng.choice([0, 1, 100, CHUNK])),
-                    heal=rng.random() < 0.3,
-                )
-            )
-        if kind == 3:
-            return pb.WorkerMessage(
-                collective=pb.CollectiveChunk(
-                    sequence=rng.choice([0, 1, U64]),
-                    op=rng.choice([0, 1, 2, 3, 4, 99]),
-                    dtype=rng.choice([0, 1, 5, 99]),
-                    total_bytes=rng.choice(DECLARED),
-                    offset=rng.choice([0, CHUNK, 3]),
-                    payload=rng.randbytes(rng.choice([0, 4, 64])),
-                    root=rng.choice([0, 1, 2**32 - 1]),
-                )
-            )
-        if kind == 4:
-            return pb.WorkerMessage(out_of_inputs=pb.OutOfInputs(step=rng.choice([step, U64])))
-        if kind == 5:
-            return pb.WorkerMessage(
-                state=pb.StateChunk(
-                    offset=rng.choice([0, CHUNK, 2 * CHUNK, self.edge()]),
-                    payload=bytes(rng.choice([0, 8, 128, CHUNK, CHUNK + 1])),
-                )
-            )
-        if kind == 6:
-            return pb.WorkerMessage(join=pb.Join(job_id="again", rank=0, world_size=2))
-        if kind == 7:
-            return pb.WorkerMessage(shard_hello=pb.ShardHello(job_id="x"))
-        if kind == 8:
-            return pb.WorkerMessage()
-        return pb.WorkerMessage(leave=pb.Leave(reason=self.text()))
-
-    def garbage(self, raw: bytes) -> bytes:
-        """Random bytes, or `raw` truncated, bit-flipped or extended."""
-        rng = self.rng
-        kind = rng.randrange(4)
-        if kind == 0 or not raw:
-            return rng.randbytes(rng.choice([0, 1, 2, 7, 60, 600]))
-        if kind == 1:
-            return raw[: rng.randrange(len(raw))]
-        if kind == 2:
-            index = rng.randrange(len(raw))
-            return raw[:index] + bytes([raw[index] ^ rng.randrange(1, 256)]) + raw[index + 1 :]
-        return raw + rng.randbytes(rng.choice([1, 5, 40]))
-
-    def next(self, step: int, joined: bool) -> bytes:
-        """One message for a stream that has (or has not yet) joined."""
-        rng = self.rng
-        roll = rng.random()
-        if joined and roll < 0.7:
-            return self.gradient(step)
-        base = self.other(step).SerializeToString() if roll < 0.93 else self.gradient(step)
-        return self.garbage(base) if rng.random() < 0.2 else base
+#: In token mode, the share of calls that present no token or a wrong one.
+UNAUTHENTICATED_SHARE = 0.1
+#: How long a stream without the token waits after its first message for the refusal.
+UNAUTHENTICATED_WAIT_S = 2.0
 
 
 @dataclass
@@ -321,18 +73,68 @@ class StreamPlan:
 class Fuzzer:
     """Runs the streams, Status calls and the legit job against one coordinator."""
 
-    def __init__(self, address: str, report: FuzzReport, seed: int) -> None:
+    def __init__(
+        self, address: str, report: FuzzReport, seed: int, token: str | None = None
+    ) -> None:
         self.address = address
         self.report = report
         self.rng = random.Random(seed)
         self.messages = Messages(self.rng)
+        self.token = token
         self._job_counter = 0
+
+    def credentials(self) -> tuple[tuple[tuple[str, str], ...], bool]:
+        """The next call's metadata, and whether it carries the coordinator's token.
+
+        Without a token (no token mode) nothing is drawn, so such runs repeat
+        exactly. In token mode about one call in ten carries no token, a random
+        one, a near miss (one character off, cut short, extended), an empty one
+        or the token under another metadata key.
+        """
+        token = self.token
+        if token is None:
+            return (), True
+        rng = self.rng
+        if rng.random() >= UNAUTHENTICATED_SHARE:
+            return auth.metadata(token), True
+        self.report.unauth_calls += 1
+        index = rng.randrange(len(token))
+        flipped = "A" if token[index] != "A" else "B"
+        wrong = [
+            (),
+            auth.metadata(base64.urlsafe_b64encode(rng.randbytes(32)).decode().rstrip("=")),
+            auth.metadata(token[:index] + flipped + token[index + 1 :]),
+            auth.metadata(token[:-1]),
+            auth.metadata(token + "A"),
+            ((auth.METADATA_KEY, auth.SCHEME),),
+            (("x-gradsync-token", auth.SCHEME + token),),
+        ]
+        return rng.choice(wrong), False
+
+    def judge_unauthenticated(
+        self, where: str, code: grpc.StatusCode, details: str, replies: int
+    ) -> None:
+        """A call without the right token must end UNAUTHENTICATED, with no reply before."""
+        report = self.report
+        if details == CLIENT_ARTIFACT:
+            report.codes["INTERNAL (client wrote after the end)"] += 1
+        else:
+            report.codes[code.name] += 1
+            report.reasons[f"{code.name}: {re.sub(r'[0-9]+', 'N', details)[:70]}"] += 1
+        if code is grpc.StatusCode.UNAUTHENTICATED and details.strip() and not replies:
+            report.unauth_refused += 1
+            return
+        report.note(
+            f"{where} without the right token: {code.name} {details[:200]!r} after "
+            f"{replies} reply message(s) (must be UNAUTHENTICATED, with a message and no reply)"
+        )
 
     async def stream(self, channel: grpc.aio.Channel, plan: StreamPlan, budget: list[int]) -> None:
         """One Sync stream: send `plan.count` messages fast, then see how it ends."""
+        metadata, authorized = self.credentials()
         call = channel.stream_stream(
             SYNC, request_serializer=lambda raw: raw, response_deserializer=lambda raw: raw
-        )()
+        )(metadata=metadata or None)
         report = self.report
         report.streams += 1
         step = 0
@@ -341,12 +143,14 @@ class Fuzzer:
         # of the stream makes grpc report the call as INTERNAL "Internal error from
         # Core" (a client-side artifact), while the reader still saw the real status.
         ended: list[tuple[grpc.StatusCode, str]] = []
+        replies = [0]
 
         async def read() -> None:
             with contextlib.suppress(asyncio.CancelledError):
                 try:
                     while (message := await call.read()) is not grpc.aio.EOF:
                         assert isinstance(message, bytes)
+                        replies[0] += 1
                 except grpc.aio.AioRpcError as error:
                     ended.append((error.code(), error.details() or ""))
 
@@ -382,6 +186,12 @@ class Fuzzer:
                 raise exc
             budget[0] -= 1
             report.messages += 1
+            if index == 0 and not authorized:
+                # The coordinator refuses a stream without the token once its first message is
+                # in. A client that keeps writing races that status, and grpc then reports its
+                # own INTERNAL "Internal error from Core" instead: let the refusal arrive (a
+                # refusal slower than this shows up as a violation).
+                await asyncio.wait([reader], timeout=UNAUTHENTICATED_WAIT_S)
             if index == 0 and plan.join and plan.pair:
                 await asyncio.sleep(0.1)  # let the partner join: most messages meet a running job
             left = left or raw.startswith(b"\x22")  # field 4 (leave), length-delimited
@@ -402,12 +212,15 @@ class Fuzzer:
         details = await call.details() or ""
         if ended and details == CLIENT_ARTIFACT:
             code, details = ended[0]
+        where = f"stream {plan.job_id}/{plan.rank}"
+        if not authorized:
+            self.judge_unauthenticated(where, code, details, replies[0])
+            return
         if details == CLIENT_ARTIFACT:
             report.codes["INTERNAL (client wrote after the end)"] += 1
             return
         report.codes[code.name] += 1
         report.reasons[f"{code.name}: {re.sub(r'[0-9]+', 'N', details)[:70]}"] += 1
-        where = f"stream {plan.job_id}/{plan.rank}"
         if code is grpc.StatusCode.UNKNOWN:
             report.note(f"{where}: UNKNOWN status ({details!r})")
         elif code is grpc.StatusCode.INTERNAL:
@@ -415,6 +228,8 @@ class Fuzzer:
             report.note(f"{where}: INTERNAL, a coordinator bug: {details[:300]!r}")
         elif code is not grpc.StatusCode.OK and not details.strip():
             report.note(f"{where}: {code.name} without a message")
+        elif code is grpc.StatusCode.UNAUTHENTICATED:
+            report.note(f"{where}: UNAUTHENTICATED though it carried the right token (if any)")
         elif code is grpc.StatusCode.OK and not half_closed and not left:
             report.note(
                 f"{where}: the coordinator ended the stream with OK ({details!r}) though the "
@@ -429,35 +244,55 @@ class Fuzzer:
         request = pb.StatusRequest().SerializeToString()
         if rng.random() < 0.5:
             request = self.messages.garbage(request + b"\x0a\x03abc")
+        metadata, authorized = self.credentials()
         self.report.status_calls += 1
         try:
-            await asyncio.wait_for(call(request, timeout=5), timeout=6)
-            self.report.codes["OK"] += 1
+            await asyncio.wait_for(call(request, timeout=5, metadata=metadata or None), timeout=6)
         except grpc.aio.AioRpcError as error:
-            self.report.codes[error.code().name] += 1
-            if error.code() is grpc.StatusCode.UNKNOWN or not (error.details() or "").strip():
-                self.report.note(f"Status: {error.code().name} {error.details()!r}")
+            code, details = error.code(), error.details() or ""
+            if not authorized:
+                self.judge_unauthenticated("Status", code, details, 0)
+                return
+            self.report.codes[code.name] += 1
+            if code is grpc.StatusCode.UNKNOWN or not details.strip():
+                self.report.note(f"Status: {code.name} {error.details()!r}")
+            elif code is grpc.StatusCode.UNAUTHENTICATED:
+                self.report.note("Status: UNAUTHENTICATED though it carried the right token")
+            return
+        if not authorized:
+            self.judge_unauthenticated("Status", grpc.StatusCode.OK, "", 1)
+            return
+        self.report.codes["OK"] += 1
 
     async def shard_link_call(self, channel: grpc.aio.Channel) -> None:
         """A ShardLink stream that opens with garbage (a would-be coordinator shard)."""
+        metadata, authorized = self.credentials()
         call = channel.stream_stream(
             SHARD_LINK, request_serializer=lambda raw: raw, response_deserializer=lambda raw: raw
-        )()
+        )(metadata=metadata or None)
         self.report.status_calls += 1
         register = pb.ShardMessage().SerializeToString()
+        replies = 0
         with contextlib.suppress(grpc.aio.AioRpcError, asyncio.InvalidStateError):
             await asyncio.wait_for(call.write(self.messages.garbage(register + b"\x0a\x01x")), 5)
             await asyncio.wait_for(call.done_writing(), 5)
             while (await asyncio.wait_for(call.read(), 5)) is not grpc.aio.EOF:
-                pass
+                replies += 1
         if not call.done():
             call.cancel()
+            if not authorized:
+                self.report.note("ShardLink without the right token: no status within 5 s")
             return
         code, details = await call.code(), await call.details() or ""
+        if not authorized:
+            self.judge_unauthenticated("ShardLink", code, details, replies)
+            return
         self.report.codes[code.name] += 1
-        if code in (grpc.StatusCode.UNKNOWN, grpc.StatusCode.INTERNAL) or (
-            code is not grpc.StatusCode.OK and not details.strip()
-        ):
+        if code in (
+            grpc.StatusCode.UNKNOWN,
+            grpc.StatusCode.INTERNAL,
+            grpc.StatusCode.UNAUTHENTICATED,
+        ) or (code is not grpc.StatusCode.OK and not details.strip()):
             self.report.note(f"ShardLink: {code.name} {details[:200]!r}")
 
     def plans(self) -> list[StreamPlan]:
@@ -488,11 +323,15 @@ class Fuzzer:
             await asyncio.gather(*(self.stream(channel, plan, budget) for plan in self.plans()))
 
 
-async def legit_job(address: str, report: FuzzReport, stop: asyncio.Event, steps: int) -> None:
-    """A well-behaved two-rank job that must keep producing exact averages."""
+async def legit_job(
+    address: str, report: FuzzReport, stop: asyncio.Event, steps: int, token: str | None = None
+) -> None:
+    """A well-behaved two-rank job (with the token, if any) that must keep averaging exactly."""
     async with grpc.aio.insecure_channel(address) as channel:
         try:
-            workers: list[RawWorker] = await assembled_job(channel, job_id="legit")
+            workers: list[RawWorker] = await assembled_job(
+                channel, job_id="legit", metadata=auth.metadata(token)
+            )
             for step in range(steps):
                 await run_step(workers, step)
                 report.legit_steps += 1
@@ -514,18 +353,21 @@ async def fuzz(
     progress: Callable[[FuzzReport], None] | None = None,
 ) -> FuzzReport:
     """Send `messages` fuzz messages to `coordinator` (see the module docstring)."""
-    report = FuzzReport(log_path=str(coordinator.log_path))
+    token = coordinator.token
+    report = FuzzReport(log_path=str(coordinator.log_path), token=token is not None)
     pid = coordinator.process.pid
     started = time.monotonic()
     options = [("grpc.max_send_message_length", 64 << 20)]
     async with grpc.aio.insecure_channel(coordinator.address, options=options) as channel:
-        fuzzer = Fuzzer(coordinator.address, report, seed)
+        fuzzer = Fuzzer(coordinator.address, report, seed, token)
         warmup = [min(1000, messages // 10)]
         await asyncio.gather(*(fuzzer.lane(channel, warmup) for _ in range(lanes)))
         await asyncio.sleep(0.3)
         report.rss_before_kib = report.rss_peak_kib = rss_kib(pid)
         stop = asyncio.Event()
-        legit = asyncio.ensure_future(legit_job(coordinator.address, report, stop, legit_steps))
+        legit = asyncio.ensure_future(
+            legit_job(coordinator.address, report, stop, legit_steps, token)
+        )
         budget = [messages - report.messages]
 
         async def sample() -> None:
@@ -552,20 +394,19 @@ async def fuzz(
     return report
 
 
-def scan_log(report: FuzzReport, log_path: Path) -> None:
-    """Tracebacks and forged lines in the coordinator's log are findings too."""
-    text = log_path.read_text(errors="replace")
-    report.log_tracebacks = text.count("Traceback (most recent call last)")
-    forged = sum(1 for line in text.splitlines() if line.startswith(FORGED))
-    if forged:
-        report.note(f"log injection: {forged} lines of the coordinator log start with {FORGED!r}")
-
-
 def run_fuzz(
-    log_path: Path, messages: int, seed: int = 0, lanes: int = 8, **kwargs: object
+    log_path: Path,
+    messages: int,
+    seed: int = 0,
+    lanes: int = 8,
+    token: str | None = None,
+    **kwargs: object,
 ) -> FuzzReport:
-    """Start a coordinator, fuzz it with `messages` messages, stop it; return the report."""
-    coordinator = LiveCoordinator(log_path)
+    """Start a coordinator, fuzz it with `messages` messages, stop it; return the report.
+
+    With `token`, the coordinator requires it (token mode: see the module docstring).
+    """
+    coordinator = LiveCoordinator(log_path, token=token)
     try:
         report = asyncio.run(fuzz(coordinator, messages, seed, lanes, **kwargs))  # type: ignore[arg-type]
     finally:
