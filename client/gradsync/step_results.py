@@ -20,6 +20,7 @@ the gradients.
 
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -35,6 +36,9 @@ from gradsync.protocol import chunking
 from gradsync.protocol.codec import ChunkHeader
 from gradsync.protocol.codes import Code
 from gradsync.v1 import gradsync_pb2 as pb
+
+#: How many aborted steps are remembered to drop their late averages.
+_ABORTED_STEPS_REMEMBERED = 64
 
 
 @dataclass
@@ -69,6 +73,9 @@ class StepResults:
         #: The chunk grid averages come on (the Welcome's chunk size and shard count).
         self.chunk_bytes = chunking.DEFAULT_CHUNK_BYTES
         self.shard_count = 1
+        #: Recently aborted steps: a shard that had not yet heard of an abort may
+        #: still average a range of it and send that after the step was taken.
+        self._aborted: deque[int] = deque(maxlen=_ABORTED_STEPS_REMEMBERED)
 
     def expect(self, step: int, bucket_index: int, buffer: BucketBuffer, dtype: int) -> None:
         """Register where the averages of an uploaded bucket are to be written.
@@ -114,6 +121,7 @@ class StepResults:
     def on_aborted(self, aborted: pb.StepAborted) -> None:
         """Record that the coordinator abandoned a step."""
         self._ensure(aborted.step).aborted = aborted
+        self._aborted.append(aborted.step)
 
     def on_gradient(self, chunk: ChunkHeader, payload: memoryview) -> str | None:
         """Write one averaged chunk into its bucket.
@@ -121,6 +129,10 @@ class StepResults:
         Returns:
             None, or what is wrong with the chunk (the stream is then not to be trusted).
         """
+        if chunk.step in self._aborted:
+            # Late: a shard averaged its range of a step the leader aborted before the
+            # abort reached it (control and data travel apart). Nothing is written.
+            return None
         result = self._ensure(chunk.step)
         bucket = chunk.bucket_index
         buffer = result.buffers.get(bucket)

@@ -27,6 +27,7 @@ from gradsync.errors import (
     CoordinatorUnavailableError,
     GradSyncError,
     ShardUnavailableError,
+    StepAbortedError,
     SyncTimeoutError,
     error_from_status,
 )
@@ -177,6 +178,20 @@ def test_a_bucket_completes_when_every_expected_chunk_arrived_in_any_order() -> 
     assert steps.is_ready(4)
     assert steps.take(4) == 3
     assert flat(buffer)[200] == 200 % 251
+
+
+def test_a_late_average_of_an_aborted_step_is_dropped_not_a_fault() -> None:
+    # A shard that had not heard of the leader's abort yet averaged its range of
+    # the step and sent it after this rank had taken the step (and its error).
+    steps, buffer = results(128, 2, 64)
+    steps.on_aborted(pb.StepAborted(step=4, code=10, message="peer sent NaN"))
+    with pytest.raises(StepAbortedError):
+        steps.take(4)
+    assert send(steps, 64, 64) is None
+    assert not any(flat(buffer)), "an aborted step's late average was written"
+    # A step that was never aborted still refuses an average it did not upload.
+    late = steps.on_gradient(ChunkHeader(step=5, bucket_index=0, offset=0), memoryview(b"x"))
+    assert late is not None and "arrived before this rank uploaded it" in late
 
 
 def test_the_inbox_raises_a_bad_chunk_as_a_protocol_fault_naming_its_source() -> None:

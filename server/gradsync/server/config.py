@@ -26,7 +26,7 @@ class ServerConfig:
             across all jobs; beyond it uploads get RESOURCE_EXHAUSTED.
         max_outbox_bytes: cap on averaged bytes queued for one worker that is
             not reading them; beyond it that worker's stream is ended. All outboxes
-            together are also capped by `max_buffered_bytes`.
+            together are also capped, by `outbox_pool_bytes`.
         max_job_buffered_bytes: the most of `max_buffered_bytes` one job may hold
             (None: half), so one job cannot starve the others.
         max_checkpoint_bytes: the largest checkpoint or healing state accepted; its
@@ -209,6 +209,14 @@ class ServerConfig:
         if self.local_shards:
             return f"--shards {self.shard_count}"
         return f"--wait-for-shards {self.shard_count - 1}"
+
+    @property
+    def outbox_pool_bytes(self) -> int:
+        """What all outboxes together may queue: `max_buffered_bytes`, but never less
+        than four outboxes' caps. A pool smaller than a few outboxes would drop
+        healthy readers that are a message or two behind (a small gradient budget
+        once dropped a rank while rank 0's state broadcast was relayed to it)."""
+        return max(self.max_buffered_bytes, 4 * self.max_outbox_bytes)
 
     @property
     def max_message_bytes(self) -> int:

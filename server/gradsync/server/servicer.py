@@ -87,8 +87,8 @@ class CoordinatorServicer:
         self._connections: dict[tuple[str, int], Connection] = {}
         self._streams: set[Connection] = set()
         self._budget = ByteBudget(config.max_buffered_bytes, config.max_job_buffered_bytes)
-        #: What all outboxes queue together, against the same figure (see `connection`).
-        self._outbox_budget = ByteBudget(config.max_buffered_bytes)
+        #: What all outboxes queue together (see `connection`).
+        self._outbox_budget = ByteBudget(config.outbox_pool_bytes)
         #: Streams of every kind, against --max-connections (see `stream_guard`).
         self.stream_count = StreamCount(config.max_connections)
         self.draining = False

@@ -81,7 +81,8 @@ class ShardServicer:
         self.metrics = metrics or ShardMetrics()
         self.budget = ByteBudget(config.max_buffered_bytes)
         #: What all outboxes queue together (see `gradsync.server.connection`).
-        self.outbox_budget = ByteBudget(config.max_buffered_bytes)
+        # Never less than four outboxes' caps, as at the leader (ServerConfig.outbox_pool_bytes).
+        self.outbox_budget = ByteBudget(max(config.max_buffered_bytes, 4 * config.max_outbox_bytes))
         #: Data streams, against --max-connections (see `gradsync.server.stream_guard`).
         self.stream_count = StreamCount(config.max_connections)
         #: None until the leader accepts the shard (and again once it is lost).
