@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import shutil
 
-from gradsync.bench import netns
+from gradsync.bench import netns_probe
 
 #: The words every missing-component skip reason contains (counted by tests/conftest.py).
 MISSING_COMPONENT = "missing real component"
@@ -38,4 +38,4 @@ def netns_available() -> tuple[bool, str]:
     """Whether emulated clusters can be built here: `(True, "")` or `(False, skip reason)`."""
     if shutil.which("ip") is None or shutil.which("tc") is None:
         return False, NO_IPROUTE2
-    return netns.available()
+    return netns_probe.available()

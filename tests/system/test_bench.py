@@ -15,7 +15,7 @@ from typing import Any
 
 import pytest
 from gradsync.arguments import BENCH_LAYOUTS
-from gradsync.bench.netns import available
+from gradsync.bench.netns_probe import available
 from gradsync.bench.sharded import LAYOUTS, Topology, ring_factor, topologies
 
 SYNC_FIELDS = {

@@ -13,13 +13,11 @@ import subprocess
 import sys
 
 import pytest
-from gradsync.bench.netns import (
-    Cluster,
-    LinkShape,
-    NetnsError,
-    delay_available,
-    measure_throughput,
-)
+from gradsync.bench.netns import Cluster
+from gradsync.bench.netns_commands import NetnsError
+from gradsync.bench.netns_probe import delay_available
+from gradsync.bench.netns_shaping import LinkShape
+from gradsync.bench.netns_throughput import measure_throughput
 from support.components import netns_available
 
 PORT = 7000

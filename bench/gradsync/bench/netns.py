@@ -20,8 +20,16 @@ Typical use::
         ...
 
 Everything needs root (CAP_NET_ADMIN and the right to mount ``/run/netns``); call
-:func:`available` first and skip when it says no. ``python -m gradsync.bench.netns --check`` is a
-self-test that measures TCP throughput between two emulated hosts.
+:func:`gradsync.bench.netns_probe.available` first and skip when it says no.
+``python -m gradsync.bench.netns --check`` is a self-test that measures TCP throughput between
+two emulated hosts.
+
+This module holds the topology and its lifecycle (namespaces, bridge, veths, the processes run
+on the hosts, teardown) and the command line. Its parts with a concern of their own live beside
+it: :mod:`~gradsync.bench.netns_commands` (running ``ip``/``tc``, :class:`NetnsError`),
+:mod:`~gradsync.bench.netns_shaping` (:class:`LinkShape` and the qdisc parameters),
+:mod:`~gradsync.bench.netns_probe` (whether clusters can be built here) and
+:mod:`~gradsync.bench.netns_throughput` (measuring a link).
 """
 
 from __future__ import annotations
@@ -30,213 +38,38 @@ import argparse
 import atexit
 import contextlib
 import ipaddress
-import json
-import math
 import os
 import re
 import secrets
 import shlex
-import shutil
 import signal
 import subprocess
 import sys
 import time
-from collections.abc import Sequence
-from dataclasses import dataclass
-from functools import cache
 from types import FrameType, TracebackType
 from typing import Any
 
-__all__ = [
-    "Cluster",
-    "LinkShape",
-    "NetnsError",
-    "available",
-    "delay_available",
-    "measure_throughput",
-]
+from gradsync.bench.netns_commands import (
+    COMMAND_TIMEOUT_S,
+    HOST_IFNAME,
+    MAX_IFNAME,
+    NetnsError,
+    link_exists,
+    netns_exists,
+    run_ip,
+    run_tc,
+)
+from gradsync.bench.netns_probe import available
+from gradsync.bench.netns_shaping import UNSHAPED, LinkShape, shape_commands
+from gradsync.bench.netns_throughput import measure_throughput
 
-#: Linux limits interface names to IFNAMSIZ - 1 = 15 bytes.
-MAX_IFNAME = 15
-#: Upper bound for every `ip`/`tc` call; they normally take milliseconds, so hitting this means
-#: the kernel or a lock is wedged, and failing loudly beats hanging a test run.
-COMMAND_TIMEOUT_S = 10.0
+__all__ = ["Cluster"]
+
 #: How long :meth:`Cluster.close` waits after SIGTERM before it sends SIGKILL.
 TERMINATE_GRACE_S = 3.0
-#: Name of the host-side interface inside every namespace (namespaces isolate names, so all
-#: hosts can use the same, familiar one).
-HOST_IFNAME = "eth0"
-
-# tbf sizing (see _tbf_args). A GSO/TSO "super-packet" on a veth is up to 64 KiB; a bucket smaller
-# than one of those makes tbf split every such packet in software, which costs CPU and rate.
-_MIN_BURST_BYTES = 128 * 1024
-# The tc-tbf manual asks for burst >= rate / HZ, so that one timer tick's worth of tokens fits
-# in the bucket; 4 ms covers CONFIG_HZ=250 (the common minimum) and is harmless with HZ=1000.
-_BURST_SECONDS = 0.004
-# Queue allowed to build up behind the bucket, as time at the configured rate: enough that
-# TCP's bursts (and several senders converging on one downlink) are absorbed instead of
-# dropped, small enough that the queue does not add noticeable latency (bufferbloat).
-_QUEUE_SECONDS = 0.020
-_MIN_QUEUE_BYTES = 4 * 64 * 1024
-# netem holds packets in a queue counted in packets, and must hold everything in flight during
-# the delay: rate * delay / (smallest full-size packet), with headroom. For unlimited links we
-# assume the veth can do about 20 Gbit/s.
-_NETEM_MIN_LIMIT = 1000
-_UNLIMITED_BITS_PER_S = 20e9
 
 _HOST_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,31}$")
 _PREFIX = re.compile(r"^[a-z][a-z0-9]{0,7}$")
-
-
-class NetnsError(RuntimeError):
-    """An ``ip``/``tc`` (or other) command failed; carries the command and its stderr.
-
-    The message always names the exact command line and what it printed, because "RTNETLINK
-    answers: File exists" alone says nothing about which of a few dozen setup steps failed.
-    """
-
-    def __init__(
-        self, argv: Sequence[str], returncode: int | None, stderr: str, what: str = ""
-    ) -> None:
-        self.argv = list(argv)
-        self.returncode = returncode
-        self.stderr = stderr
-        if not what:
-            what = f"failed with exit code {returncode}"
-        detail = stderr.strip() or "(no stderr)"
-        super().__init__(f"command `{shlex.join(self.argv)}` {what}: {detail}")
-
-
-def _text(data: str | bytes | None) -> str:
-    if data is None:
-        return ""
-    if isinstance(data, bytes):
-        return data.decode(errors="replace")
-    return data
-
-
-def _run(argv: Sequence[str], *, timeout: float = COMMAND_TIMEOUT_S) -> str:
-    """Run one command to completion and return its stdout; raise NetnsError on any failure."""
-    try:
-        done = subprocess.run(
-            list(argv), capture_output=True, text=True, timeout=timeout, check=False
-        )
-    except subprocess.TimeoutExpired as exc:
-        raise NetnsError(argv, None, _text(exc.stderr), f"timed out after {timeout:g} s") from exc
-    except OSError as exc:
-        raise NetnsError(argv, None, str(exc), "could not be started") from exc
-    if done.returncode != 0:
-        raise NetnsError(argv, done.returncode, done.stderr)
-    return done.stdout
-
-
-def _ip(*args: str) -> str:
-    """Run ``ip ARGS...`` (see :func:`_run`)."""
-    return _run(["ip", *args])
-
-
-def _netns_exists(name: str) -> bool:
-    """Whether namespace ``name`` exists; True when that cannot be told (so teardown reports)."""
-    try:
-        listing = _ip("netns", "list")
-    except NetnsError:
-        return True
-    return any(line.split()[0] == name for line in listing.splitlines() if line.strip())
-
-
-def _link_exists(name: str) -> bool:
-    """Whether root-namespace interface ``name`` exists; True when that cannot be told."""
-    try:
-        shown = subprocess.run(
-            ["ip", "link", "show", "dev", name],
-            capture_output=True,
-            timeout=COMMAND_TIMEOUT_S,
-            check=False,
-        )
-    except (OSError, subprocess.TimeoutExpired):
-        return True
-    return shown.returncode == 0
-
-
-@dataclass(frozen=True)
-class LinkShape:
-    """Bandwidth and latency of every host's link, applied in both directions.
-
-    The shaping is installed on the egress of *both* ends of each host's veth: the namespace
-    end limits what the host sends (uplink), the bridge end limits what it receives (downlink).
-    Traffic between two hosts therefore crosses two shaped links, the sender's uplink and the
-    receiver's downlink, exactly as through a switch: a single stream gets ``rate_mbit``, and
-    two hosts sending to a third share that third host's downlink.
-
-    Attributes:
-        rate_mbit: Bandwidth per direction in Mbit/s (tc ``tbf``); ``None`` leaves the veth
-            unlimited (several Gbit/s, bounded by CPU).
-        delay_ms: One-way latency of each link in milliseconds (tc ``netem``); ``None`` adds
-            none. Host to host crosses two links, so the one-way delay between hosts is
-            ``2 * delay_ms`` and the round-trip time ``4 * delay_ms``. Needs a kernel with
-            ``sch_netem`` (see :func:`delay_available`).
-    """
-
-    rate_mbit: float | None = None
-    delay_ms: float | None = None
-
-    def __post_init__(self) -> None:
-        if self.rate_mbit is not None and not (
-            math.isfinite(self.rate_mbit) and self.rate_mbit > 0
-        ):
-            raise ValueError(f"rate_mbit must be a positive number or None, not {self.rate_mbit}")
-        if self.delay_ms is not None and not (math.isfinite(self.delay_ms) and self.delay_ms >= 0):
-            raise ValueError(f"delay_ms must be >= 0 or None, not {self.delay_ms}")
-
-
-#: The default shape: no limits (named so it can be a default argument value).
-UNSHAPED = LinkShape()
-
-
-def _tbf_args(rate_mbit: float) -> list[str]:
-    """tbf parameters that let one TCP stream reach close to ``rate_mbit``.
-
-    * ``burst`` (bucket size) is max(128 KiB, 4 ms at the rate). It has to hold a whole 64 KiB
-      GSO packet, or tbf segments each one in software; and at least one timer tick (1/HZ, 4 ms
-      at HZ=250) of tokens, or a coarse timer caps the achievable rate below the configured one.
-      A bigger bucket would only allow longer line-rate bursts after idle periods.
-    * ``limit`` (bytes queued behind the bucket) is burst + max(20 ms at the rate, 256 KiB):
-      with a tiny queue TCP's bursts overflow it and every drop halves the congestion window,
-      so a single stream stays well below the rate; with a huge one latency balloons.
-    """
-    rate_bytes_per_s = rate_mbit * 1e6 / 8
-    burst = max(_MIN_BURST_BYTES, math.ceil(rate_bytes_per_s * _BURST_SECONDS))
-    limit = burst + max(_MIN_QUEUE_BYTES, math.ceil(rate_bytes_per_s * _QUEUE_SECONDS))
-    rate_bit = max(1, round(rate_mbit * 1e6))
-    return ["tbf", "rate", f"{rate_bit}bit", "burst", str(burst), "limit", str(limit)]
-
-
-def _netem_args(delay_ms: float, rate_mbit: float | None) -> list[str]:
-    """netem parameters for a fixed one-way delay; ``limit`` sized to the packets in flight."""
-    bits_per_s = _UNLIMITED_BITS_PER_S if rate_mbit is None else rate_mbit * 1e6
-    in_flight = bits_per_s / 8 * delay_ms / 1000 / 1500  # worst case: MTU-sized packets
-    limit = max(_NETEM_MIN_LIMIT, math.ceil(2 * in_flight))
-    return ["netem", "delay", f"{delay_ms:g}ms", "limit", str(limit)]
-
-
-def _shape_commands(tc: list[str], dev: str, shape: LinkShape) -> list[list[str]]:
-    """The tc commands that install ``shape`` on the egress of ``dev``.
-
-    With both a delay and a rate, netem is the root and tbf its child (the combination the
-    netem documentation gives): packets first wait out the delay in netem's time-ordered
-    queue, then pass the token bucket. The reverse nesting (netem under tbf) replaces tbf's
-    byte-limited queue by netem's and makes tbf poll a queue whose head is not yet due.
-    """
-    root = [*tc, "qdisc", "replace", "dev", dev, "root", "handle", "1:"]
-    if shape.delay_ms:
-        commands = [[*root, *_netem_args(shape.delay_ms, shape.rate_mbit)]]
-        if shape.rate_mbit is not None:
-            child = [*tc, "qdisc", "replace", "dev", dev, "parent", "1:1", "handle", "10:"]
-            commands.append([*child, *_tbf_args(shape.rate_mbit)])
-        return commands
-    if shape.rate_mbit is not None:
-        return [[*root, *_tbf_args(shape.rate_mbit)]]
-    return []
 
 
 class Cluster:
@@ -378,32 +211,34 @@ class Cluster:
         # the switch ports get no IPv6 link-local address either, so the root namespace has no
         # presence at all on the cluster network.
         nf_off = ["nf_call_iptables", "0", "nf_call_ip6tables", "0", "nf_call_arptables", "0"]
-        _ip("link", "add", br, "type", "bridge", *nf_off)
+        run_ip("link", "add", br, "type", "bridge", *nf_off)
         self._created_links.append(br)
-        _ip("link", "set", "dev", br, "addrgenmode", "none")
-        _ip("link", "set", "dev", br, "up")
+        run_ip("link", "set", "dev", br, "addrgenmode", "none")
+        run_ip("link", "set", "dev", br, "up")
         prefix_len = str(self.subnet.prefixlen)
         for host in self.hosts:
             ns, port = self.netns(host), self.bridge_port(host)
-            _ip("netns", "add", ns)
+            run_ip("netns", "add", ns)
             self._created_netns.append(ns)
             # Creating the peer directly inside the namespace avoids a second, temporary name
             # in the root namespace that could collide.
-            _ip("link", "add", port, "type", "veth", "peer", "name", HOST_IFNAME, "netns", ns)
+            run_ip("link", "add", port, "type", "veth", "peer", "name", HOST_IFNAME, "netns", ns)
             self._created_links.append(port)
-            _ip("link", "set", "dev", port, "addrgenmode", "none")
-            _ip("link", "set", "dev", port, "master", br)
-            _ip("link", "set", "dev", port, "up")
-            _ip("-n", ns, "link", "set", "dev", "lo", "up")
-            _ip("-n", ns, "link", "set", "dev", HOST_IFNAME, "addrgenmode", "none")
-            _ip("-n", ns, "addr", "add", f"{self.address(host)}/{prefix_len}", "dev", HOST_IFNAME)
-            _ip("-n", ns, "link", "set", "dev", HOST_IFNAME, "up")
+            run_ip("link", "set", "dev", port, "addrgenmode", "none")
+            run_ip("link", "set", "dev", port, "master", br)
+            run_ip("link", "set", "dev", port, "up")
+            run_ip("-n", ns, "link", "set", "dev", "lo", "up")
+            run_ip("-n", ns, "link", "set", "dev", HOST_IFNAME, "addrgenmode", "none")
+            run_ip(
+                "-n", ns, "addr", "add", f"{self.address(host)}/{prefix_len}", "dev", HOST_IFNAME
+            )
+            run_ip("-n", ns, "link", "set", "dev", HOST_IFNAME, "up")
             # No default route is added: the only route in the namespace is the connected
             # subnet, so nothing a host sends can leave the cluster.
-            for command in _shape_commands(["tc", "-n", ns], HOST_IFNAME, self.shape):
-                _run_tc(command)
-            for command in _shape_commands(["tc"], port, self.shape):
-                _run_tc(command)
+            for command in shape_commands(["tc", "-n", ns], HOST_IFNAME, self.shape):
+                run_tc(command)
+            for command in shape_commands(["tc"], port, self.shape):
+                run_tc(command)
 
     def close(self) -> None:
         """Kill leftover processes and delete what this cluster created; idempotent.
@@ -417,16 +252,16 @@ class Cluster:
         # (deleting the namespace alone would do it later, from a kernel work queue).
         for link in reversed(self._created_links):
             try:
-                _ip("link", "del", "dev", link)
+                run_ip("link", "del", "dev", link)
             except NetnsError as exc:
-                if _link_exists(link):
+                if link_exists(link):
                     errors.append(str(exc))
         self._created_links.clear()
         for ns in reversed(self._created_netns):
             try:
-                _ip("netns", "del", ns)
+                run_ip("netns", "del", ns)
             except NetnsError as exc:
-                if _netns_exists(ns):
+                if netns_exists(ns):
                     errors.append(str(exc))
         self._created_netns.clear()
         if self._atexit_registered:
@@ -487,7 +322,7 @@ class Cluster:
         vanish, so peers see timeouts rather than immediate errors; after ``up=True``
         established TCP connections recover by retransmission.
         """
-        _ip("link", "set", "dev", self.bridge_port(host), "up" if up else "down")
+        run_ip("link", "set", "dev", self.bridge_port(host), "up" if up else "down")
 
 
 def _signal(process: subprocess.Popen[Any], signum: int, group: bool) -> None:
@@ -498,173 +333,6 @@ def _signal(process: subprocess.Popen[Any], signum: int, group: bool) -> None:
             process.send_signal(signum)
     except ProcessLookupError:
         pass
-
-
-def _run_tc(argv: list[str]) -> None:
-    """Run a tc command, explaining the most likely cause of "unknown qdisc"."""
-    try:
-        _run(argv)
-    except NetnsError as exc:
-        if "qdisc kind is unknown" in exc.stderr:
-            kind = "netem" if "netem" in argv else "tbf"
-            exc.add_note(f"this kernel lacks the {kind} qdisc (CONFIG_NET_SCH_{kind.upper()})")
-        raise
-
-
-# -- capability probe ----------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class _Probe:
-    ok: bool
-    reason: str
-    netem: bool
-
-
-@cache
-def _probe() -> _Probe:
-    """Try every kernel feature a Cluster needs once, on throwaway objects, and clean up."""
-    if not sys.platform.startswith("linux"):
-        return _Probe(False, f"network namespaces need Linux, this is {sys.platform}", False)
-    if os.geteuid() != 0:
-        return _Probe(False, "network namespaces need root (CAP_NET_ADMIN)", False)
-    if shutil.which("ip") is None or shutil.which("tc") is None:
-        return _Probe(False, "iproute2 is not installed (no `ip` or `tc` command)", False)
-    tag = "gp" + secrets.token_hex(3)
-    ns, bridge, port = f"{tag}-probe", f"{tag}br", f"{tag}v0"
-    created: list[list[str]] = []
-    try:
-        _ip("netns", "add", ns)
-        created.append(["ip", "netns", "del", ns])
-        _ip("link", "add", bridge, "type", "bridge")
-        created.append(["ip", "link", "del", "dev", bridge])
-        _ip("link", "add", port, "type", "veth", "peer", "name", HOST_IFNAME, "netns", ns)
-        created.append(["ip", "link", "del", "dev", port])
-        _ip("link", "set", "dev", port, "master", bridge)
-        _run(["tc", "qdisc", "replace", "dev", port, "root", *_tbf_args(100)])
-        try:
-            _run(["tc", "qdisc", "replace", "dev", port, "root", *_netem_args(1, None)])
-            netem = True
-        except NetnsError:
-            netem = False
-        return _Probe(True, "", netem)
-    except NetnsError as exc:
-        return _Probe(False, f"cannot build an emulated cluster: {exc}", False)
-    finally:
-        for argv in reversed(created):
-            with contextlib.suppress(NetnsError):
-                _run(argv)
-
-
-def available() -> tuple[bool, str]:
-    """Whether clusters can be built here: ``(True, "")`` or ``(False, reason)``.
-
-    Besides root it really creates (and removes) a namespace, a bridge, a veth and a tbf
-    qdisc, because containers and minimal kernels often lack one of them even for root;
-    tests use the reason in their skip message. The answer is cached per process.
-    """
-    probe = _probe()
-    return probe.ok, probe.reason
-
-
-def delay_available() -> tuple[bool, str]:
-    """Like :func:`available`, and also that the kernel has netem for ``LinkShape.delay_ms``."""
-    probe = _probe()
-    if not probe.ok:
-        return False, probe.reason
-    if not probe.netem:
-        return False, "this kernel lacks the netem qdisc (CONFIG_NET_SCH_NETEM), so no delay"
-    return True, ""
-
-
-# -- throughput measurement ---------------------------------------------------------------
-
-# Kept as source text run with `python -c`, so the measuring processes need nothing importable
-# inside the namespace (no cwd or PYTHONPATH assumptions).
-_RECEIVER = """
-import json, socket, sys, time
-srv = socket.create_server((sys.argv[1], int(sys.argv[2])))
-srv.settimeout(float(sys.argv[3]))
-conn, _ = srv.accept()
-conn.settimeout(float(sys.argv[3]))
-buf = bytearray(1 << 20)
-first = last = None
-total = 0
-while True:
-    n = conn.recv_into(buf)
-    if not n:
-        break
-    now = time.monotonic()
-    if first is None:
-        first = now  # time from the end of the first read: excludes connection setup
-    else:
-        total += n
-    last = now
-print(json.dumps({"bytes": total, "seconds": (last - first) if first is not None else 0.0}))
-"""
-
-_SENDER = """
-import socket, sys, time
-host, port, seconds = sys.argv[1], int(sys.argv[2]), float(sys.argv[3])
-give_up = time.monotonic() + 10
-while True:  # the receiver may not be listening yet
-    try:
-        sock = socket.create_connection((host, port), timeout=2)
-        break
-    except (ConnectionRefusedError, TimeoutError):
-        if time.monotonic() > give_up:
-            raise
-        time.sleep(0.05)
-sock.settimeout(seconds + 10)
-chunk = b"\\0" * (256 * 1024)
-stop = time.monotonic() + seconds
-while time.monotonic() < stop:
-    sock.sendall(chunk)
-sock.close()
-"""
-
-
-def measure_throughput(
-    cluster: Cluster, src: str, dst: str, seconds: float = 1.5, port: int = 5201
-) -> float:
-    """Single-stream TCP throughput from ``src`` to ``dst`` in Mbit/s (payload only).
-
-    A tiny Python sender/receiver pair rather than iperf, so nothing beyond Python is needed.
-    The receiver times from its first read to EOF, which leaves out connection setup. Payload
-    goodput is ~3-5 % below the configured link rate because tbf also counts TCP/IP/Ethernet
-    headers.
-    """
-    deadline = seconds + 20
-    target = [cluster.address(dst), str(port)]
-    recv_args = [*target, str(deadline)]
-    send_args = [*target, str(seconds)]
-    # For error messages: the command lines with the scripts abbreviated.
-    recv_shown = cluster.command(dst, [sys.executable, "-c", "<receiver>", *recv_args])
-    send_shown = cluster.command(src, [sys.executable, "-c", "<sender>", *send_args])
-    pipes: dict[str, Any] = {"stdout": subprocess.PIPE, "stderr": subprocess.PIPE, "text": True}
-    receiver = cluster.popen(dst, [sys.executable, "-c", _RECEIVER, *recv_args], **pipes)
-    sender = cluster.popen(src, [sys.executable, "-c", _SENDER, *send_args], **pipes)
-    try:
-        _, send_err = sender.communicate(timeout=deadline)
-    except subprocess.TimeoutExpired as exc:
-        raise NetnsError(send_shown, None, "", f"timed out after {deadline:g} s") from exc
-    if sender.returncode != 0:
-        receiver.kill()  # it would wait for a connection until its own deadline
-        receiver.communicate()
-        raise NetnsError(send_shown, sender.returncode, send_err)
-    try:
-        out, recv_err = receiver.communicate(timeout=deadline)
-    except subprocess.TimeoutExpired as exc:
-        raise NetnsError(recv_shown, None, "", f"timed out after {deadline:g} s") from exc
-    if receiver.returncode != 0:
-        raise NetnsError(recv_shown, receiver.returncode, recv_err)
-    result: dict[str, float] = json.loads(out)
-    if result["seconds"] <= 0:
-        raise NetnsError(recv_shown, 0, f"receiver measured nothing: {out}")
-    return float(result["bytes"]) * 8 / result["seconds"] / 1e6
-
-
-# -- command line -------------------------------------------------------------------------
 
 
 def _raise_system_exit(signum: int, frame: FrameType | None) -> None:

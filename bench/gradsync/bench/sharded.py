@@ -30,7 +30,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any
 
-from gradsync.bench.netns import Cluster, LinkShape, available
+from gradsync.bench.netns import Cluster
+from gradsync.bench.netns_probe import available
+from gradsync.bench.netns_shaping import LinkShape
 from gradsync.bench.suites import MIB, Row, run_sync_workers, stop_process
 from gradsync.launch import Launcher, start_coordinator
 from gradsync.protocol.auth import ENV_TOKEN, ENV_TOKEN_FILE
