@@ -55,31 +55,12 @@ def add_serve_flags(parser: argparse.ArgumentParser) -> None:
         help="the most of --max-buffered-mb one job may hold, so that one job cannot starve "
         "the others (default: half of --max-buffered-mb)",
     )
-    parser.add_argument(
-        "--max-outbox-mb",
-        type=flags.positive_number,
-        default=defaults.MAX_OUTBOX_BYTES / MIB,
-        help="cap on results queued for one worker that does not read them; beyond it the "
-        "worker is dropped with RESOURCE_EXHAUSTED (default %(default)g)",
-    )
+    _add_peer_limit_flags(parser, "streams of all kinds", "Join (or shard hello)")
     parser.add_argument(
         "--max-checkpoint-mb",
         type=flags.positive_number,
         default=defaults.MAX_CHECKPOINT_BYTES / MIB,
         help="largest checkpoint (or rejoining rank's state) accepted (default %(default)g)",
-    )
-    parser.add_argument(
-        "--max-connections",
-        type=flags.positive_int,
-        default=defaults.MAX_CONNECTIONS,
-        help="concurrent streams of all kinds; beyond it RESOURCE_EXHAUSTED (default %(default)s)",
-    )
-    parser.add_argument(
-        "--first-message-timeout-s",
-        type=flags.positive_number,
-        default=defaults.FIRST_MESSAGE_TIMEOUT_S,
-        help="a stream that sends no Join (or shard hello) within this many seconds is "
-        "ended with DEADLINE_EXCEEDED (default %(default)g)",
     )
     parser.add_argument(
         "--assembly-timeout-s",
@@ -257,26 +238,7 @@ def add_shard_flags(parser: argparse.ArgumentParser) -> None:
         default=defaults.MAX_BUFFERED_BYTES / MIB,
         help="cap on gradient bytes held in partial reductions (default %(default)g)",
     )
-    parser.add_argument(
-        "--max-outbox-mb",
-        type=flags.positive_number,
-        default=defaults.MAX_OUTBOX_BYTES / MIB,
-        help="cap on results queued for one worker that does not read them; beyond it the "
-        "worker's data stream is dropped with RESOURCE_EXHAUSTED (default %(default)g)",
-    )
-    parser.add_argument(
-        "--max-connections",
-        type=flags.positive_int,
-        default=defaults.MAX_CONNECTIONS,
-        help="concurrent data streams; beyond it RESOURCE_EXHAUSTED (default %(default)s)",
-    )
-    parser.add_argument(
-        "--first-message-timeout-s",
-        type=flags.positive_number,
-        default=defaults.FIRST_MESSAGE_TIMEOUT_S,
-        help="a data stream that sends no ShardHello within this many seconds is ended "
-        "with DEADLINE_EXCEEDED (default %(default)g)",
-    )
+    _add_peer_limit_flags(parser, "data streams", "ShardHello")
     parser.add_argument(
         "--metrics-port",
         type=flags.port,
@@ -295,6 +257,30 @@ def add_shard_flags(parser: argparse.ArgumentParser) -> None:
         choices=["DEBUG", "INFO", "WARNING", "ERROR"],
         default=argparse.SUPPRESS,  # keeps `gradsync --log-level X shard` working too
         help="as `gradsync --log-level` (default INFO)",
+    )
+
+
+def _add_peer_limit_flags(parser: argparse.ArgumentParser, streams: str, first: str) -> None:
+    """The limits on slow or silent peers that `serve` and `shard` share (issue 11)."""
+    parser.add_argument(
+        "--max-outbox-mb",
+        type=flags.positive_number,
+        default=defaults.MAX_OUTBOX_BYTES / MIB,
+        help="cap on results queued for one worker that does not read them; beyond it the "
+        "worker is dropped with RESOURCE_EXHAUSTED (default %(default)g)",
+    )
+    parser.add_argument(
+        "--max-connections",
+        type=flags.positive_int,
+        default=defaults.MAX_CONNECTIONS,
+        help=f"concurrent {streams}; beyond it RESOURCE_EXHAUSTED (default %(default)s)",
+    )
+    parser.add_argument(
+        "--first-message-timeout-s",
+        type=flags.positive_number,
+        default=defaults.FIRST_MESSAGE_TIMEOUT_S,
+        help=f"a stream that sends no {first} within this many seconds is ended with "
+        "DEADLINE_EXCEEDED (default %(default)g)",
     )
 
 

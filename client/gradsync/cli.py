@@ -228,13 +228,7 @@ def _serve(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
             shard_count=shard_count,
             local_shards=local_shards,
             shard_wait_timeout_s=args.shard_wait_timeout,
-            tls_cert=args.tls_cert,
-            tls_key=args.tls_key,
-            tls_client_ca=args.tls_client_ca,
-            tls_ca=args.tls_ca,
-            token=token,
-            insecure=args.insecure,
-            metrics_host=args.metrics_host,
+            **_security_settings(args, token),
             fresh_start=args.fresh_start,
             store_timeout_s=args.store_timeout,
             redis_password=_redis_password(parser, args),
@@ -252,6 +246,19 @@ def _serve(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
         return 1
+
+
+def _security_settings(args: argparse.Namespace, token: str | None) -> dict[str, Any]:
+    """The config fields of the TLS, token and exposure flags `serve` and `shard` share."""
+    return {
+        "tls_cert": args.tls_cert,
+        "tls_key": args.tls_key,
+        "tls_client_ca": args.tls_client_ca,
+        "tls_ca": args.tls_ca,
+        "token": token,
+        "insecure": args.insecure,
+        "metrics_host": args.metrics_host,
+    }
 
 
 def _redis_password(parser: argparse.ArgumentParser, args: argparse.Namespace) -> str | None:
@@ -303,13 +310,7 @@ def _shard(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
             max_connections=args.max_connections,
             first_message_timeout_s=args.first_message_timeout_s,
             metrics_port=args.metrics_port,
-            tls_cert=args.tls_cert,
-            tls_key=args.tls_key,
-            tls_client_ca=args.tls_client_ca,
-            tls_ca=args.tls_ca,
-            token=token,
-            insecure=args.insecure,
-            metrics_host=args.metrics_host,
+            **_security_settings(args, token),
         )
     except ValueError as exc:
         parser.error(str(exc))

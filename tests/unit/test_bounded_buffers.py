@@ -19,7 +19,7 @@ GIB = 1 << 30
 def test_an_upload_holds_only_the_bytes_that_arrived_and_counts_them() -> None:
     budget = ByteBudget(1 << 20)
     view = budget.for_owner("job")
-    assembler = BlobAssembler("blob", GIB, 4096, 2 * GIB, view.reserve(), view.fits)
+    assembler = BlobAssembler("blob", GIB, 4096, 2 * GIB, view)
     assert not assembler.add(0, bytes(4096))
     assert (assembler.received, budget.held_by("job")) == (4096, 4096)
     with pytest.raises(RejectedMessage, match="sent twice"):

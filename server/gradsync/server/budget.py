@@ -26,6 +26,14 @@ from __future__ import annotations
 from collections.abc import Hashable
 
 
+def outbox_pool_bytes(max_buffered_bytes: int, max_outbox_bytes: int) -> int:
+    """What all outboxes of a server may queue together: the gradient budget's figure,
+    but never less than four outboxes' caps. A pool smaller than a few outboxes would
+    drop healthy readers that are a message or two behind (a small gradient budget
+    once dropped a rank while rank 0's state broadcast was relayed to it)."""
+    return max(max_buffered_bytes, 4 * max_outbox_bytes)
+
+
 class ByteBudget:
     """Counts bytes held by reservations against a fixed limit.
 

@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 
 from gradsync.protocol import chunking, defaults
 from gradsync.protocol.defaults import MIB
+from gradsync.server.budget import outbox_pool_bytes
 from gradsync.server.stores import parse_store_url
 
 __all__ = ["MIB", "ServerConfig"]
@@ -212,11 +213,8 @@ class ServerConfig:
 
     @property
     def outbox_pool_bytes(self) -> int:
-        """What all outboxes together may queue: `max_buffered_bytes`, but never less
-        than four outboxes' caps. A pool smaller than a few outboxes would drop
-        healthy readers that are a message or two behind (a small gradient budget
-        once dropped a rank while rank 0's state broadcast was relayed to it)."""
-        return max(self.max_buffered_bytes, 4 * self.max_outbox_bytes)
+        """What all outboxes together may queue (see `budget.outbox_pool_bytes`)."""
+        return outbox_pool_bytes(self.max_buffered_bytes, self.max_outbox_bytes)
 
     @property
     def max_message_bytes(self) -> int:

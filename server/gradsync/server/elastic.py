@@ -114,14 +114,8 @@ class Elastic:
         donor, assembler = self._heal
         if assembler is None:
             what = f"healing state of step {chunk.step} from rank {donor}"
-            budget = self._budget
             assembler = BlobAssembler(
-                what,
-                chunk.total_bytes,
-                self._chunk_bytes,
-                self._max_blob_bytes,
-                budget.reserve() if budget is not None else None,
-                budget.fits if budget is not None else None,
+                what, chunk.total_bytes, self._chunk_bytes, self._max_blob_bytes, self._budget
             )
             self._heal = (donor, assembler)
         elif chunk.total_bytes != assembler.total_bytes:

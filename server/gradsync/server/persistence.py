@@ -72,14 +72,8 @@ class Persistence:
         if self._upload is None or self._upload[0] != chunk.step:
             self.abandon_upload()  # an unfinished older upload gives its bytes back
             what = f"checkpoint of step {chunk.step} from rank 0"
-            budget = self._budget
             assembler = BlobAssembler(
-                what,
-                chunk.total_bytes,
-                self._chunk_bytes,
-                self._limit_bytes,
-                budget.reserve() if budget is not None else None,
-                budget.fits if budget is not None else None,
+                what, chunk.total_bytes, self._chunk_bytes, self._limit_bytes, self._budget
             )
             self._upload = (chunk.step, assembler)
         step, assembler = self._upload

@@ -28,7 +28,7 @@ from gradsync.protocol import defaults
 from gradsync.protocol.codec import ChunkHeader, decode_gradient, header_of
 from gradsync.protocol.codes import Code
 from gradsync.server import nonfinite
-from gradsync.server.budget import ByteBudget
+from gradsync.server.budget import ByteBudget, outbox_pool_bytes
 from gradsync.server.connection import Connection
 from gradsync.server.errors import RejectedMessage
 from gradsync.server.shard_config import ShardConfig
@@ -81,8 +81,9 @@ class ShardServicer:
         self.metrics = metrics or ShardMetrics()
         self.budget = ByteBudget(config.max_buffered_bytes)
         #: What all outboxes queue together (see `gradsync.server.connection`).
-        # Never less than four outboxes' caps, as at the leader (ServerConfig.outbox_pool_bytes).
-        self.outbox_budget = ByteBudget(max(config.max_buffered_bytes, 4 * config.max_outbox_bytes))
+        self.outbox_budget = ByteBudget(
+            outbox_pool_bytes(config.max_buffered_bytes, config.max_outbox_bytes)
+        )
         #: Data streams, against --max-connections (see `gradsync.server.stream_guard`).
         self.stream_count = StreamCount(config.max_connections)
         #: None until the leader accepts the shard (and again once it is lost).

@@ -15,11 +15,9 @@ taken or the upload abandoned.
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 from gradsync.protocol import chunking
 from gradsync.protocol.codes import Code
-from gradsync.server.budget import Reservation
+from gradsync.server.budget import OwnerBudget, Reservation
 from gradsync.server.errors import RejectedMessage
 
 
@@ -46,8 +44,8 @@ class BlobAssembler:
         total_bytes: the size the sender declares (checked, not allocated).
         chunk_bytes: the wire chunk size.
         limit_bytes: the largest blob accepted (`--max-checkpoint-mb`).
-        reservation: where the bytes held are counted (None: nowhere).
-        fits: whether the budget has room for `n` more bytes (None: always).
+        budget: the job's share of the byte budget, where the bytes held are
+            counted and checked (None: nowhere).
 
     Raises:
         RejectedMessage: RESOURCE_EXHAUSTED at construction when the blob is
@@ -60,8 +58,7 @@ class BlobAssembler:
         total_bytes: int,
         chunk_bytes: int,
         limit_bytes: int,
-        reservation: Reservation | None = None,
-        fits: Callable[[int], bool] | None = None,
+        budget: OwnerBudget | None = None,
     ) -> None:
         if total_bytes > limit_bytes:
             raise RejectedMessage(
@@ -73,8 +70,10 @@ class BlobAssembler:
         self.total_bytes = total_bytes
         self.chunk_bytes = chunk_bytes
         self._data = bytearray()
-        self._reservation: Reservation | _Unbudgeted = reservation or _Unbudgeted()
-        self._fits = fits
+        self._budget: OwnerBudget | _Unbudgeted = budget or _Unbudgeted()
+        self._reservation: Reservation | _Unbudgeted = (
+            budget.reserve() if budget is not None else _Unbudgeted()
+        )
 
     @property
     def received(self) -> int:
@@ -110,7 +109,7 @@ class BlobAssembler:
                 Code.INVALID_ARGUMENT,
                 f"{self.what}: {len(payload)} bytes at offset {offset}, expected {expected}",
             )
-        if self._fits is not None and not self._fits(len(payload)):
+        if not self._budget.fits(len(payload)):
             raise RejectedMessage(
                 Code.RESOURCE_EXHAUSTED,
                 f"{self.what}: no room for {len(payload)} more bytes at offset {offset} in "
