@@ -20,6 +20,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from gradsync.bench.suites import stop_process
 from gradsync.launch import parse_banner
 from gradsync.protocol import auth
 
@@ -155,13 +156,7 @@ class LiveCoordinator:
         raise RuntimeError(f"coordinator did not start: {log_path.read_text()[-2000:]}")
 
     def stop(self) -> int | None:
-        if self.process.poll() is None:
-            self.process.terminate()
-            try:
-                self.process.wait(timeout=20)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
-                self.process.wait()
+        stop_process(self.process)
         self._log.close()
         return self.process.returncode
 
