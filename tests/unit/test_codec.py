@@ -20,6 +20,7 @@ def random_header(rng: random.Random) -> ChunkHeader:
         encoding=0,
         contributors=rng.choice([0, 2, 64]),
         reply_dtype=rng.choice([0, 0, 1, 4]),
+        covered_ranks=rng.choice([(), (0,), (3, 4, 7), (5, 2**32 - 1), tuple(range(200))]),
     )
 
 
@@ -73,3 +74,28 @@ def test_garbage_is_rejected_here_or_by_the_protobuf_fallback(garbage: bytes) ->
     assert result is None
     with pytest.raises(DecodeError):
         pb.WorkerMessage.FromString(garbage)
+
+
+def test_covered_ranks_travel_as_field_10_packed_or_not() -> None:
+    """A leader's covered ranks survive both paths, in protobuf's packed and unpacked forms."""
+    header = ChunkHeader(step=2, bucket_index=1, dtype=1, covered_ranks=(4, 5, 300))
+    encoded = encode_gradient(header, b"\x00" * 8)
+    assert list(pb.WorkerMessage.FromString(encoded).gradient.covered_ranks) == [4, 5, 300]
+    assert pb.GradientChunk.DESCRIPTOR.fields_by_name["covered_ranks"].number == 10
+    assert b"\x52\x04\x04\x05\xac\x02" in encoded  # key (10 << 3) | length, packed varints
+    assert decode_gradient(encoded) == (header, memoryview(b"\x00" * 8))
+    # Unpacked varints (and a packed run after them) append, as protobuf reads them.
+    body = b"\x08\x02\x18\x01\x28\x01" + b"\x50\x04" + b"\x52\x02\x05\x06" + b"\x3a\x00"
+    raw = b"\x12" + bytes([len(body)]) + body
+    decoded = decode_gradient(raw)
+    assert decoded is not None and decoded[0].covered_ranks == (4, 5, 6)
+    assert header_of(pb.WorkerMessage.FromString(raw).gradient) == decoded[0]
+    # A value protobuf truncates to 32 bits is left to protobuf.
+    big = b"\x50\x80\x80\x80\x80\x10"  # 2**32
+    assert decode_gradient(b"\x12" + bytes([len(big)]) + big) is None
+    # A packed run that ends mid-varint is not protobuf.
+    cut = b"\x52\x01\x80"
+    with pytest.raises(ValueError):
+        decode_gradient(b"\x12" + bytes([len(cut)]) + cut)
+    with pytest.raises(DecodeError):
+        pb.WorkerMessage.FromString(b"\x12" + bytes([len(cut)]) + cut)

@@ -34,6 +34,7 @@ CORE = (
     "config",
     "elastic",
     "errors",
+    "host_groups",
     "job",
     "job_ending",
     "liveness",

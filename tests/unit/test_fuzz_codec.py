@@ -156,6 +156,7 @@ headers = st.builds(
     encoding=st.sampled_from(list(pb.Encoding.values())),
     contributors=st.integers(0, U32),
     reply_dtype=st.sampled_from(list(pb.DType.values())),
+    covered_ranks=st.lists(st.integers(0, U32), max_size=6).map(tuple),
 )
 payloads = st.lists(st.binary(max_size=300), max_size=4)
 

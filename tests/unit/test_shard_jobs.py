@@ -146,7 +146,7 @@ def test_the_view_carries_members_epoch_layout_and_start_step() -> None:
     assert list(view.out_of_inputs) == []
     sessions = [job.members[rank].session for rank in (0, 1)]
     assert [m.session for m in view.members] == sessions and sessions[0] != sessions[1]
-    assert view_key(job) == (0, ((0, "i0", sessions[0]), (1, "i1", sessions[1])), ())
+    assert view_key(job) == (0, ((0, "i0", sessions[0]), (1, "i1", sessions[1])), (), ())
 
 
 def test_the_view_key_changes_with_members_epoch_and_out_of_inputs() -> None:

@@ -53,6 +53,9 @@ _INT_FIELD_MAX = {
     9: _ENUM_MAX,
 }
 _MAX_FIELD_NUMBER = (1 << 29) - 1
+#: GradientChunk.covered_ranks: repeated uint32, packed by protobuf's encoder (both
+#: forms are read, as protobuf reads them: each unpacked varint or packed run appends).
+_COVERED_FIELD = 10
 
 
 @dataclass(slots=True)
@@ -68,6 +71,9 @@ class ChunkHeader:
     contributors: int = 0
     #: Worker -> coordinator: the DType the average is to come back in (0 = the payload's).
     reply_dtype: int = 0
+    #: Worker -> coordinator, from a local leader: the ranks its partial sum holds,
+    #: ascending, the leader first (empty = the sender's own gradient).
+    covered_ranks: tuple[int, ...] = ()
 
 
 def _varint(value: int) -> bytes:
@@ -100,6 +106,7 @@ def encode_gradient(
         encoding=header.encoding,  # type: ignore[arg-type]
         contributors=header.contributors,
         reply_dtype=header.reply_dtype,  # type: ignore[arg-type]
+        covered_ranks=header.covered_ranks,
     ).SerializeToString()
     length = sum(memoryview(part).nbytes for part in parts)
     inner = fields + _PAYLOAD_TAG + _varint(length)
@@ -143,6 +150,7 @@ def decode_gradient(raw: bytes) -> tuple[ChunkHeader, memoryview] | None:
         return None  # more than one top-level field: let protobuf decide
     header = ChunkHeader()
     payload = view[0:0]
+    covered: list[int] = []
     while position < end:
         key, position = _read_varint(view, position, end)
         field, wire_type = key >> 3, key & 7
@@ -151,7 +159,11 @@ def decode_gradient(raw: bytes) -> tuple[ChunkHeader, memoryview] | None:
         if wire_type == _WIRE_VARINT:
             value, position = _read_varint(view, position, end)
             name = _INT_FIELDS.get(field)
-            if name is not None:
+            if field == _COVERED_FIELD:
+                if value > _UINT32_MAX:
+                    return None  # protobuf truncates it: take protobuf's reading
+                covered.append(value)
+            elif name is not None:
                 if value > _INT_FIELD_MAX[field]:
                     return None  # protobuf truncates it: take protobuf's reading
                 setattr(header, name, value)
@@ -161,6 +173,9 @@ def decode_gradient(raw: bytes) -> tuple[ChunkHeader, memoryview] | None:
                 raise ValueError("truncated length-delimited field")
             if field == _PAYLOAD_FIELD:
                 payload = view[position : position + size]
+            elif field == _COVERED_FIELD:
+                if not _read_packed(view, position, position + size, covered):
+                    return None
             elif field in _INT_FIELDS:
                 return None  # packed or otherwise unusual: protobuf handles it
             position += size
@@ -172,7 +187,27 @@ def decode_gradient(raw: bytes) -> tuple[ChunkHeader, memoryview] | None:
             return None  # groups (3, 4) or invalid wire types: protobuf decides
     if position != end:
         raise ValueError("truncated message")
+    if covered:
+        header.covered_ranks = tuple(covered)
     return header, payload
+
+
+def _read_packed(view: memoryview, position: int, end: int, into: list[int]) -> bool:
+    """Append the packed uint32 varints of view[position:end] to `into`.
+
+    Returns:
+        False when a value is past 2**32 - 1 (protobuf truncates it: the caller
+        hands the message to protobuf).
+
+    Raises:
+        ValueError: a varint is malformed or runs past the packed field's end.
+    """
+    while position < end:
+        value, position = _read_varint(view, position, end)
+        if value > _UINT32_MAX:
+            return False
+        into.append(value)
+    return True
 
 
 def header_of(chunk: pb.GradientChunk) -> ChunkHeader:
@@ -186,4 +221,5 @@ def header_of(chunk: pb.GradientChunk) -> ChunkHeader:
         encoding=chunk.encoding,
         contributors=chunk.contributors,
         reply_dtype=chunk.reply_dtype,
+        covered_ranks=tuple(chunk.covered_ranks),
     )

@@ -50,6 +50,10 @@ class Member:
     joined_at: float
     peer: str = ""
     session: bytes = field(default=b"", repr=False)
+    #: Join.host_id (ranks with the same one form a local group; "" = flat).
+    host_id: str = ""
+    #: Join.local_world_size (LOCAL_WORLD_SIZE as the launcher told it; 0 = not told).
+    local_world_size: int = 0
 
 
 @dataclass(frozen=True)

@@ -1,10 +1,10 @@
 """Admitting a worker's Join at the coordinator: the checks before any job is touched.
 
 A stream's first message must be a Join of bounded size. A Join names a job
-id and carries free text (incarnation, client version) that the coordinator
-logs and relays to other ranks, so the servicer checks its size and text
-here, along with the coordinator's own limits (world size, --max-jobs,
-shutting down), before it finds or creates the job; and it creates a new job
+id and carries free text (incarnation, client version, host id) that the
+coordinator logs and relays to other ranks, so the servicer checks its size
+and text here, along with the coordinator's own limits (world size,
+--max-jobs, shutting down), before it finds or creates the job; and it creates a new job
 from the coordinator's configuration with `new_job`. Kept apart from the
 servicer so that these rules are pure and read in one place; the servicer
 stays the glue between the stream and the job. Pure logic, no gRPC, no
@@ -18,6 +18,7 @@ from collections.abc import Callable
 from gradsync.protocol.codes import Code
 from gradsync.server.budget import ByteBudget
 from gradsync.server.config import ServerConfig
+from gradsync.server.host_groups import host_id_problem
 from gradsync.server.job import Job
 from gradsync.server.metrics import CoordinatorMetrics
 from gradsync.server.text import quoted
@@ -90,6 +91,9 @@ def join_problem(
             f"({len(join.client_version)}) must be printable, with at most "
             f"{MAX_INCARNATION_CHARS} and {MAX_VERSION_CHARS} characters",
         )
+    host_problem = host_id_problem(join.rank, join.host_id)
+    if host_problem is not None:
+        return (Code.INVALID_ARGUMENT, host_problem)
     if join.rank >= config.world_size:
         return (
             Code.INVALID_ARGUMENT,

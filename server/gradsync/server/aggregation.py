@@ -12,6 +12,12 @@ are folded straight into the accumulator. The result is the same bytes for
 every interleaving, and memory holds at most one accumulator plus the parked
 payloads per chunk.
 
+With local groups (hierarchical aggregation, `host_groups`) the ranks summed
+here are the units' leaders: a leader's contribution is its host's partial
+sum (formed there in local rank order) and weighs as many ranks as it covers.
+Units are summed in ascending leader rank order, the average divides by the
+summed weights (the ranks it holds), and `last_contributors` is that sum.
+
 Membership may change mid-step (elastic policy): `drop_rank` removes a lost
 rank from every pending chunk that it has not contributed to (a contribution
 already received stays, and counts in the divisor: the average is always over
@@ -191,8 +197,10 @@ class _ChunkState:
     expected: list[int]
     accumulator: npt.NDArray[np.floating] | None = None
     next_position: int = 0
-    parked: dict[int, tuple[bytes | memoryview, Magnitude]] = field(default_factory=dict)
+    parked: dict[int, tuple[bytes | memoryview, Magnitude, int]] = field(default_factory=dict)
     contributed: set[int] = field(default_factory=set)
+    #: Ranks the contributions folded so far hold (each weighs its covered ranks).
+    weight: int = 0
     #: Float64 sum scaled by _SHADOW_SCALE, from the first untame contribution on.
     shadow: npt.NDArray[np.float64] | None = None
 
@@ -205,13 +213,13 @@ class BucketReduction:
     """Averages one bucket of one step across a set of ranks.
 
     Args:
-        ranks: the ranks whose contributions make up the average; the sum is
-            formed in ascending rank order.
+        ranks: the ranks whose contributions make up the average (the unit
+            leaders, with local groups); the sum is formed in ascending rank order.
         dtype: wire dtype of the bucket (a `gradsync.v1.DType` value).
         num_bytes: size of the bucket in bytes.
         chunk_bytes: chunk size; offsets are multiples of it.
-        divisor: divide every chunk's sum by this instead of by the number of
-            contributions (uneven inputs); None = the contributions.
+        divisor: divide every chunk's sum by this instead of by the summed
+            weights of its contributions (uneven inputs); None = the weights.
         byte_range: the bytes [lo, hi) of the bucket this reduction averages (a
             coordinator shard's range); None = the whole bucket. Offsets stay
             absolute in the bucket; completion counts the range's chunks.
@@ -261,7 +269,7 @@ class BucketReduction:
 
     @property
     def contributors(self) -> int:
-        """Number of ranks a chunk starting now would be averaged over."""
+        """Number of contributions (units) a chunk starting now waits for."""
         return len(self._ranks)
 
     @property
@@ -275,6 +283,7 @@ class BucketReduction:
         offset: int,
         payload: bytes | memoryview,
         magnitude: Magnitude | None = None,
+        weight: int = 1,
     ) -> memoryview | None:
         """Fold one rank's chunk in; return the chunk's average (in `reply_dtype`) if complete.
 
@@ -282,6 +291,8 @@ class BucketReduction:
             magnitude: `classify(payload, dtype)` if the caller already has it
                 (the coordinator classifies to apply its --nonfinite policy; it
                 passes the payload `examine` returned).
+            weight: how many ranks the contribution holds (a local leader's
+                partial sum: its covered ranks; the caller validated them).
 
         Raises:
             KeyError: `rank` is not expected in this chunk.
@@ -304,7 +315,7 @@ class BucketReduction:
             payload, magnitude = examine(payload, self.dtype)
         state.contributed.add(rank)
         before = self._state_bytes(state)
-        state.parked[rank] = (payload, magnitude)
+        state.parked[rank] = (payload, magnitude, weight)
         return self._advance(offset, state, before)
 
     def drop_rank(self, rank: int) -> list[tuple[int, memoryview]]:
@@ -342,7 +353,8 @@ class BucketReduction:
             state.next_position < len(state.expected)
             and state.expected[state.next_position] in state.parked
         ):
-            payload, magnitude = state.parked.pop(state.expected[state.next_position])
+            payload, magnitude, weight = state.parked.pop(state.expected[state.next_position])
+            state.weight += weight
             if state.shadow is None and magnitude is Magnitude.TAME:
                 # Every real gradient: no overflow possible, the sum as it always was.
                 if state.accumulator is None:
@@ -357,12 +369,12 @@ class BucketReduction:
             return None
         # Complete: every expected rank is folded in, in rank order.
         assert state.accumulator is not None  # at least one contribution was folded
-        divisor = self.divisor or state.next_position
+        divisor = self.divisor or state.weight
         if state.shadow is None:
             state.accumulator /= divisor
         else:
             _divide_with_shadow(state.accumulator, state.shadow, divisor)
-        self.last_contributors = state.next_position
+        self.last_contributors = state.weight
         averaged = from_accumulator(state.accumulator, self.reply_dtype)
         self.buffered_bytes -= before
         del self._chunks[offset]
@@ -392,7 +404,7 @@ class BucketReduction:
     def _state_bytes(state: _ChunkState) -> int:
         accumulator = 0 if state.accumulator is None else state.accumulator.nbytes
         shadow = 0 if state.shadow is None else state.shadow.nbytes
-        return accumulator + shadow + sum(len(parked) for parked, _ in state.parked.values())
+        return accumulator + shadow + sum(len(parked) for parked, _, _ in state.parked.values())
 
 
 def _divide_with_shadow(

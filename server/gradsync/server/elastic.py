@@ -66,8 +66,14 @@ class Elastic:
         """True while a donor has been asked for its state."""
         return self._heal is not None
 
-    def shrink(self, lost: int, reason: str) -> list[Action]:
-        """Go on without `lost`; finish the open step and collectives over the live ranks."""
+    def shrink(self, lost: int, reason: str, followers: tuple[int, ...] = ()) -> list[Action]:
+        """Go on without `lost`; finish the open step and collectives over the live ranks.
+
+        Args:
+            followers: the ranks of `lost`'s local group that leave with it (it
+                was their local leader; the job already removed them): all go in
+                one membership epoch.
+        """
         membership, step = self._membership, self._in_flight.step
         membership.epoch += 1
         reason = (
@@ -75,11 +81,14 @@ class Elastic:
             f"{list(membership.ranks())} (membership epoch {membership.epoch})"
         )
         actions: list[Action] = [Send(membership.ranks(), membership.changed_message(step, reason))]
-        if self._heal is not None and self._heal[0] == lost:
+        gone = (lost, *followers)
+        if self._heal is not None and self._heal[0] in gone:
             self.release()  # the donor is gone: ask another live rank
             actions += self.request_heal()
-        actions += self._in_flight.drop_rank(lost)
-        return actions + self._collectives.drop_participant(lost)
+        for rank in gone:
+            actions += self._in_flight.drop_rank(rank)
+            actions += self._collectives.drop_participant(rank)
+        return actions
 
     def release(self) -> None:
         """Forget a healing upload in progress and give its bytes back (idempotent)."""

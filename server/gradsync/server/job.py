@@ -257,6 +257,14 @@ class Job(JobEnding):
         signature = self.membership.signature
         if signature is None:
             raise RuntimeError("an assembled job always has a signature")
+        problems = self.membership.form_local_groups()
+        if problems:
+            details = (
+                f"job '{self.job_id}' refused: the local groups formed from Join.host_id do not "
+                f"match LOCAL_WORLD_SIZE: {'; '.join(problems)} (give every process of a host "
+                "the same host id, or pass hierarchical=False)"
+            )
+            return self._refuse(Code.FAILED_PRECONDITION, details)
         self.state = JobState.RUNNING
         resume = self.persistence.resume
         self.broadcast.start(
@@ -277,10 +285,16 @@ class Job(JobEnding):
         """`rank`'s own Welcome: the job's, plus the session secret issued to that rank."""
         message = self._welcome_message(resume_bytes)
         message.welcome.session = self.membership.session_of(rank)
+        local_ranks, local_secret = self.membership.local_group_of(rank)
+        message.welcome.local_ranks.extend(local_ranks)
+        message.welcome.local_secret = local_secret
         return Send((rank,), message)
 
     def _welcome_message(self, resume_bytes: int = 0) -> pb.CoordinatorMessage:
-        """The Welcome of this job as it stands (for assembly and for newcomers)."""
+        """The Welcome of this job as it stands (for assembly and for newcomers).
+
+        Without a local group: a rank rejoining a running job aggregates flat (v1).
+        """
         return pb.CoordinatorMessage(
             welcome=pb.Welcome(
                 job_id=self.job_id,

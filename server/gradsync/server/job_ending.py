@@ -94,7 +94,12 @@ class JobEnding:
                 abort_step=False,
             )
         quiet = not self.in_flight.has_contributions() and not self.collectives.open_sequences()
-        elastic = self.on_failure == "elastic" and len(self.membership.members) >= self.min_workers
+        # A local leader's followers cannot go on without it: their gradients went through it.
+        followers = tuple(
+            r for r in self.membership.groups.followers_of(rank) if r in self.membership.members
+        )
+        live = len(self.membership.members) - len(followers)
+        elastic = self.on_failure == "elastic" and live >= self.min_workers
         if orderly and quiet and not elastic:
             # A normal finish: nobody is told anything now; a rank that still
             # sends a step or a collective gets this reason then.
@@ -108,8 +113,7 @@ class JobEnding:
             self.release_uploads()
             return []
         if elastic:
-            actions = self.elastic.shrink(rank, f"rank {rank} {how} job '{self.job_id}'")
-            return actions + self.uneven.lost(rank)
+            return self._shrink(rank, how, followers)
         if self.on_failure == "elastic":
             left = len(self.membership.members)
             how += f" leaving {left} ranks (--min-workers {self.min_workers}) in"
@@ -119,6 +123,33 @@ class JobEnding:
             rank,
             abort_step=True,
         )
+
+    def _shrink(self, rank: int, how: str, followers: tuple[int, ...]) -> list[Action]:
+        """Elastic: go on without `rank`, and without its followers if it was a local leader.
+
+        The followers' streams end (ABORTED, PEER_LOST, naming the lost leader):
+        the group's shared memory and partial sums were the leader's, so they
+        restart and rejoin, flat, like any lost rank.
+        """
+        what = f"rank {rank} {how} job '{self.job_id}'"
+        actions: list[Action] = []
+        if followers:
+            group = self.membership.groups.group_of(rank)
+            self.membership.groups.drop_group(rank)
+            for follower in followers:
+                self.membership.remove(follower, assembling=False)
+                self.liveness.forget(follower)
+            details = (
+                f"{what} at step {self.in_flight.step}; it was the local leader of ranks "
+                f"{list(group)}, whose gradients went through it, so ranks {list(followers)} "
+                "leave the job with it (restart them to rejoin)"
+            )
+            actions.append(Terminate(followers, Code.ABORTED, details, pb.END_REASON_PEER_LOST))
+            what += f" with its local group {list(group)}"
+        actions += self.elastic.shrink(rank, what, followers)
+        for lost in (rank, *followers):
+            actions += self.uneven.lost(lost)
+        return actions
 
     def _break(self, reason: str, lost: int, abort_step: bool) -> list[Action]:
         """The job cannot go on: abort the open step in-band, end ranks that cannot hear it.

@@ -8,6 +8,10 @@ signatures) and raises `RejectedMessage` with both values when a rank breaks
 them; the job decides what a refusal means for everyone else. Pure logic, no
 gRPC, no asyncio.
 
+The job's local groups (`host_groups`) live here too: they are formed from
+the members' host ids when the job starts (`form_local_groups`), and follow
+the members afterwards (a rank that rejoins is flat).
+
 Each admission gets a fresh session secret (`SESSION_BYTES` random bytes), sent
 to that rank alone in its Welcome and to the coordinator shards in the job view:
 a rank's rejoin gets a new one, so the streams of the old session are refused.
@@ -22,6 +26,12 @@ from gradsync.protocol.codes import Code
 from gradsync.server import signature as signatures
 from gradsync.server.actions import Member
 from gradsync.server.errors import RejectedMessage
+from gradsync.server.host_groups import (
+    LocalGroups,
+    form_groups,
+    group_secrets,
+    local_world_size_problems,
+)
 from gradsync.v1 import gradsync_pb2 as pb
 
 #: Length of a session secret (Welcome.session).
@@ -48,6 +58,10 @@ class Membership:
         #: The signature every rank must match, and the rank it came from.
         self.signature: pb.ModelSignature | None = None
         self._reference_rank: int | None = None
+        #: The local groups (hierarchical aggregation); none until the job starts.
+        self.groups = LocalGroups()
+        #: Each group's secret by leader, as announced in the Welcomes.
+        self._local_secrets: dict[int, bytes] = {}
 
     # ------------------------------------------------------------ admission
     def check_join(self, rank: int, join: pb.Join) -> None:
@@ -114,6 +128,7 @@ class Membership:
         promoted = sorted(self.newcomers)
         for rank in promoted:
             self.members[rank] = self.newcomers.pop(rank)
+            self.groups.make_flat(rank)  # v1: a rejoining rank is flat
         self.epoch += 1
         return promoted
 
@@ -125,7 +140,40 @@ class Membership:
         signature = join.signature
         if self.signature is not None and signature == self.signature:
             signature = self.signature
-        return Member(rank, join.incarnation, signature, self._clock(), session=session)
+        return Member(
+            rank,
+            join.incarnation,
+            signature,
+            self._clock(),
+            session=session,
+            host_id=join.host_id,
+            local_world_size=join.local_world_size,
+        )
+
+    # --------------------------------------------------------- local groups
+    def form_local_groups(self) -> list[str]:
+        """Group the members by host id (at the job's start).
+
+        Returns:
+            What is wrong with the members' LOCAL_WORLD_SIZE (the job cannot
+            start then: the launcher and the host ids disagree); [] when fine.
+        """
+        host_ids = {rank: member.host_id for rank, member in self.members.items()}
+        groups = form_groups(host_ids)
+        told = {rank: member.local_world_size for rank, member in self.members.items()}
+        problems = local_world_size_problems(host_ids, told, groups)
+        if problems:
+            return problems
+        self.groups.replace(groups)
+        self._local_secrets = group_secrets(groups)
+        return []
+
+    def local_group_of(self, rank: int) -> tuple[tuple[int, ...], bytes]:
+        """`rank`'s local group and its secret for the Welcome; ((), b"") when flat."""
+        group = self.groups.group_of(rank)
+        if len(group) < 2:
+            return (), b""
+        return group, self._local_secrets.get(group[0], b"")
 
     def session_of(self, rank: int) -> bytes:
         """The session secret issued to `rank` (member or newcomer); b"" if unknown."""

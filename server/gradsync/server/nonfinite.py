@@ -73,6 +73,8 @@ class NonFiniteContribution:
         nonfinite: how many of its elements are NaN or Inf (0 if unknown).
         elements: how many elements it has (0 if unknown: a shard's report).
         where: who saw it ("" at the leader; "shard 2 at host:port" at a shard).
+        covered: the ranks a local leader's partial sum holds (() = its own gradient):
+            one of them diverged, the coordinator cannot tell which.
     """
 
     job_id: str
@@ -83,11 +85,15 @@ class NonFiniteContribution:
     nonfinite: int
     elements: int
     where: str = ""
+    covered: tuple[int, ...] = ()
 
     def describe(self) -> str:
-        """Names the rank, step, bucket and the count, for logs, status and errors."""
+        """Names the rank (and the ranks it covers), step, bucket and the count."""
+        sender = f"rank {self.rank}"
+        if len(self.covered) > 1:
+            sender += f" (local leader, summing ranks {list(self.covered)})"
         what = (
-            f"rank {self.rank} sent non-finite gradients (NaN/Inf) for bucket "
+            f"{sender} sent non-finite gradients (NaN/Inf) for bucket "
             f"{self.bucket_index} of step {self.step} in job '{self.job_id}'"
         )
         at = f" at {self.where}" if self.where else ""

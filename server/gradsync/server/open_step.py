@@ -17,6 +17,10 @@ hook may send a float32/float64 bucket as float16/bfloat16 (every rank the
 same per step and bucket), which is accumulated in float32 and answered in
 the same 16-bit type.
 
+With local groups (`host_groups`) only unit leaders upload and receive
+averages; a leader's chunk weighs its (checked) `covered_ranks`, and counts
+as every covered rank's arrival, so followers never look late.
+
 Every contribution is classified as it arrives (`aggregation.examine`): one
 holding NaN or Inf is handled by the coordinator's `--nonfinite` policy
 (`gradsync.server.nonfinite`: reported and summed, or the step aborted for
@@ -53,6 +57,7 @@ from gradsync.server.aggregation import (
 )
 from gradsync.server.budget import ByteBudget, OwnerBudget, Reservation
 from gradsync.server.errors import RejectedMessage
+from gradsync.server.host_groups import LocalGroups, check_covers
 from gradsync.server.metrics import CoordinatorMetrics
 from gradsync.server.nonfinite import (
     ABORT,
@@ -97,6 +102,9 @@ class StepMembership(Protocol):
 
     @property
     def members(self) -> Mapping[int, object]: ...
+
+    @property
+    def groups(self) -> LocalGroups: ...
 
     def ranks(self) -> tuple[int, ...]:
         """Members of the current epoch, ascending."""
@@ -179,10 +187,16 @@ class OpenStep:
         self._aborted: deque[int] = deque(maxlen=_ABORTED_STEPS_REMEMBERED)
         #: Ranks that ran out of inputs (join()): not expected in reductions.
         self.out_of_inputs: set[int] = set()
+        #: The members when the open step began (what a leader's chunk may cover).
+        self._open_members: frozenset[int] = frozenset()
 
     def participants(self) -> tuple[int, ...]:
         """Members expected in the open step's reductions, ascending."""
         return tuple(r for r in self._membership.ranks() if r not in self.out_of_inputs)
+
+    def units(self) -> tuple[int, ...]:
+        """The participants that upload and receive averages: flat ranks and group leaders."""
+        return self._membership.groups.units(self.participants())
 
     def _divisor(self) -> int | None:
         """While some ranks ran out of inputs, averages divide by the membership's size."""
@@ -210,6 +224,7 @@ class OpenStep:
         self._empty_buckets = sum(1 for lo, hi in spans if lo == hi)
         self._buckets_done = self._empty_buckets
         self.step = step
+        self._open_members = frozenset(self._membership.ranks())
 
     def byte_range(self, bucket: int, wire_dtype: int) -> tuple[int, int]:
         """Bytes [lo, hi) of `bucket`, sent as `wire_dtype`, that this shard aggregates."""
@@ -254,6 +269,9 @@ class OpenStep:
             bucket_count=len(self._bucket_bytes),
             out_of_inputs=self.out_of_inputs,
         )
+        # Only the leader (shard 0: a range of every bucket) knows whom each step began with.
+        open_members = self._open_members if self.shard_index == 0 else None
+        weight = check_covers(rank, chunk, self._membership.groups, open_members)
         held = self._buckets.get(bucket)
         native = self._bucket_dtypes[bucket]
         reduction = None if held is None else held.reduction
@@ -284,7 +302,7 @@ class OpenStep:
             self._nonfinite(rank, chunk, contribution, wire_dtype)  # raises under "abort"
         if held is None:
             reduction = BucketReduction(
-                self.participants(),
+                self.units(),
                 wire_dtype,
                 wire_bytes,
                 self._chunk_bytes,
@@ -296,7 +314,7 @@ class OpenStep:
                 reduction, self._budget.reserve(self._membership.job_id), rank
             )
         try:
-            averaged = held.reduction.add(rank, chunk.offset, contribution, magnitude)
+            averaged = held.reduction.add(rank, chunk.offset, contribution, magnitude, weight)
         except DuplicateContributionError:
             raise RejectedMessage(
                 Code.INVALID_ARGUMENT,
@@ -310,9 +328,11 @@ class OpenStep:
             raise RuntimeError("a step accepts gradients only once the job is assembled")
         # A 16-bit bucket (and its range) is cut into fewer chunks than its native size says.
         chunks = held.reduction.chunks_total if wire_dtype != native else None
-        lag = self.progress.record(rank, bucket, chunks)
-        if lag is not None and self._metrics is not None:
-            self._metrics.observe_bucket_arrival(rank, lag)
+        # A leader's chunk is every covered rank's arrival: its followers are not late.
+        for arrived in chunk.covered_ranks or (rank,):
+            lag = self.progress.record(arrived, bucket, chunks)
+            if lag is not None and self._metrics is not None:
+                self._metrics.observe_bucket_arrival(arrived, lag)
         return averaged
 
     def _nonfinite(
@@ -332,6 +352,7 @@ class OpenStep:
             nonfinite=count_nonfinite(payload, wire_dtype),
             elements=len(payload) // dtypes.itemsize(wire_dtype),
             where=self.shard_name if self.shard_index else "",
+            covered=chunk.covered_ranks,
         )
         if self.nonfinite_policy == ABORT:
             # Counted here too; a shard's leader counts it from the ShardRejected.
@@ -357,12 +378,15 @@ class OpenStep:
         return True
 
     def _averaged(self, bucket: int, offset: int, averaged: memoryview) -> list[Send]:
-        """The averaged chunk for every live rank, encoded once (as pieces for a float32 reply)."""
+        """The averaged chunk for every unit leader, encoded once (pieces for a float32 reply).
+
+        Followers get their averages from their local leader, over shared memory.
+        """
         reduction = self._buckets[bucket].reduction
-        participants = self.participants()
+        units = self.units()
         return [
             Send(
-                participants,
+                units,
                 encode_gradient(
                     ChunkHeader(
                         step=self.step,
@@ -393,7 +417,7 @@ class OpenStep:
         if self._metrics is not None and self.progress is not None:
             reduction = self._buckets[bucket].reduction
             widening = dtypes.itemsize(reduction.reply_dtype) // dtypes.itemsize(reduction.dtype)
-            sent = reduction.range_bytes * widening * len(self.participants())
+            sent = reduction.range_bytes * widening * len(self.units())
             self._metrics.observe_bucket_done(self.progress.bucket_age(bucket), sent)
         if self._buckets_done != len(self._bucket_bytes):
             return []
@@ -475,6 +499,7 @@ class OpenStep:
         self._buckets_done = self._empty_buckets
         self.step += 1
         self._start_epoch = self._membership.epoch
+        self._open_members = frozenset(self._membership.ranks())
 
     def late_ranks(self) -> dict[int, list[int]]:
         """Ranks the open step waits for, with the buckets others already delivered."""

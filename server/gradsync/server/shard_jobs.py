@@ -21,8 +21,11 @@ from gradsync.server.job import Job, JobState
 from gradsync.server.step_aborts import abort_actions
 from gradsync.v1 import gradsync_pb2 as pb
 
-#: What identifies a view: epoch, members (rank, incarnation, session), ranks out of inputs.
-ViewKey = tuple[int, tuple[tuple[int, str, bytes], ...], tuple[int, ...]]
+#: What identifies a view: epoch, members (rank, incarnation, session), ranks out of
+#: inputs, local groups.
+ViewKey = tuple[
+    int, tuple[tuple[int, str, bytes], ...], tuple[int, ...], tuple[tuple[int, ...], ...]
+]
 
 
 def view_key(job: Job) -> ViewKey | None:
@@ -30,7 +33,8 @@ def view_key(job: Job) -> ViewKey | None:
     if job.state is not JobState.RUNNING:
         return None
     members = tuple((rank, m.incarnation, m.session) for rank, m in sorted(job.members.items()))
-    return job.membership_epoch, members, tuple(sorted(job.in_flight.out_of_inputs))
+    groups = tuple(job.membership.groups.groups())
+    return job.membership_epoch, members, tuple(sorted(job.in_flight.out_of_inputs)), groups
 
 
 def job_view(job: Job, shard_count: int) -> pb.ShardJobView:
@@ -50,6 +54,7 @@ def job_view(job: Job, shard_count: int) -> pb.ShardJobView:
         buckets=buckets,
         chunk_bytes=job.chunk_bytes,
         shard_count=shard_count,
+        local_groups=[pb.LocalGroup(ranks=group) for group in job.membership.groups.groups()],
     )
 
 

@@ -7,7 +7,9 @@ change) and mirrors each change on its `OpenStep` in the order the leader
 made it: members and epoch first, then the step's reductions (a lost rank
 under the elastic policy, whose view bumps the epoch, is dropped from the
 step; a rank removed without a new epoch belongs to a job that is breaking,
-whose step the leader aborts or ends). Because the same `OpenStep` and
+whose step the leader aborts or ends). The local groups come with the view,
+so a shard forms the same units, checks covers by the same rules and sends
+averages to the same unit leaders. Because the same `OpenStep` and
 `BucketReduction` code sums every element in ascending rank order, the bytes
 a shard returns are those the leader alone would have returned.
 
@@ -34,6 +36,7 @@ from gradsync.protocol.codes import Code
 from gradsync.server.actions import Action, Send
 from gradsync.server.budget import ByteBudget
 from gradsync.server.errors import RejectedMessage
+from gradsync.server.host_groups import LocalGroups
 from gradsync.server.metrics import CoordinatorMetrics
 from gradsync.server.nonfinite import NonFiniteContribution, NonFiniteLog, NonFiniteRejection
 from gradsync.server.open_step import OpenStep
@@ -61,6 +64,8 @@ class MembershipView:
     job_id: str
     epoch: int = 0
     members: dict[int, ShardMember] = field(default_factory=dict)
+    #: The leader's local groups (`ShardJobView.local_groups`): the same units as there.
+    groups: LocalGroups = field(default_factory=LocalGroups)
 
     def ranks(self) -> tuple[int, ...]:
         """Members of the current epoch, ascending."""
@@ -171,6 +176,7 @@ class ShardJob:
         added = [r for r in sorted(new) if r not in old or new[r] != old[r]]
         shrinks = view.membership_epoch != membership.epoch
         membership.epoch = view.membership_epoch
+        membership.groups.replace(group.ranks for group in view.local_groups)
         actions: list[Action] = []
         # As the leader does: the members change first, then the step follows.
         for rank in removed:

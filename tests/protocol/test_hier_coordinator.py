@@ -1,0 +1,253 @@
+"""Hierarchical aggregation at a real coordinator over gRPC, with hand-driven workers.
+
+Ranks 0 and 1 join with one host id and rank 2 with none: the coordinator
+must announce the group in the Welcomes, average rank 0's partial sum
+(covering ranks 0 and 1) with rank 2's gradient over all three ranks, send
+the averages to the unit leaders only, refuse a follower's upload and bad
+covers naming the values, refuse a LOCAL_WORLD_SIZE the groups contradict
+and a malformed host id, and do all of it the same through a coordinator shard.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import AsyncIterator
+
+import grpc
+import numpy as np
+from gradsync.protocol import chunking
+from gradsync.server.app import RunningServer
+from gradsync.server.shard_app import RunningShard, start_shard
+from gradsync.server.shard_config import ShardConfig
+from gradsync.v1 import gradsync_pb2 as pb
+from support.rawclient import (
+    BUCKET_BYTES,
+    CHUNK,
+    RawWorker,
+    bucket_values,
+    coordinator,
+    run,
+    signature,
+)
+
+HOSTS = {0: "host-a", 1: "host-a", 2: ""}
+ELEMENTS = BUCKET_BYTES // 4
+
+
+def join_message(
+    rank: int, host_id: str, world_size: int, local_world_size: int = 0
+) -> pb.WorkerMessage:
+    return pb.WorkerMessage(
+        join=pb.Join(
+            job_id="job",
+            rank=rank,
+            world_size=world_size,
+            signature=signature(),
+            incarnation=f"test-{rank}",
+            host_id=host_id,
+            local_world_size=local_world_size,
+        )
+    )
+
+
+async def hier_job(
+    channel: grpc.aio.Channel, hosts: dict[int, str] = HOSTS
+) -> tuple[list[RawWorker], list[pb.Welcome]]:
+    """Workers of an assembled job (rank 0's state broadcast done) and their Welcomes."""
+    workers = [RawWorker(channel) for _ in hosts]
+    for rank, worker in enumerate(workers):
+        await worker.send(join_message(rank, hosts[rank], len(hosts)))
+    welcomes = [(await worker.expect_kind("welcome")).welcome for worker in workers]
+    state = bytes(BUCKET_BYTES + 8)
+    for offset in range(0, len(state), CHUNK):
+        chunk = pb.StateChunk(offset=offset, payload=state[offset : offset + CHUNK])
+        await workers[0].send(pb.WorkerMessage(state=chunk))
+    for worker in workers[1:]:
+        for _ in range(0, len(state), CHUNK):
+            await worker.expect_kind("state")
+    return workers, welcomes
+
+
+def gradient(
+    step: int, offset: int, payload: bytes, covered: tuple[int, ...] = ()
+) -> pb.WorkerMessage:
+    chunk = pb.GradientChunk(
+        step=step,
+        offset=offset,
+        dtype=pb.DTYPE_FLOAT32,
+        payload=payload,
+        covered_ranks=covered,
+    )
+    return pb.WorkerMessage(gradient=chunk)
+
+
+async def upload(
+    worker: RawWorker,
+    step: int,
+    values: np.ndarray,
+    covered: tuple[int, ...] = (),
+    span: tuple[int, int] = (0, BUCKET_BYTES),
+) -> None:
+    raw = values.astype("<f4").tobytes()
+    for offset, length in chunking.range_chunk_spans(span[0], span[1], CHUNK):
+        await worker.send(gradient(step, offset, raw[offset : offset + length], covered))
+
+
+async def receive(
+    worker: RawWorker, span: tuple[int, int] = (0, BUCKET_BYTES)
+) -> tuple[bytes, set[int]]:
+    """The averaged bytes of `span` of bucket 0, and the contributors they name."""
+    result = bytearray(span[1] - span[0])
+    received, contributors = 0, set()
+    while received < len(result):
+        chunk = (await worker.expect_kind("gradient")).gradient
+        result[chunk.offset - span[0] : chunk.offset - span[0] + len(chunk.payload)] = chunk.payload
+        received += len(chunk.payload)
+        contributors.add(chunk.contributors)
+    return bytes(result), contributors
+
+
+def expected_average(step: int) -> np.ndarray:
+    partial = bucket_values(0, step) + bucket_values(1, step)  # the host's sum, local rank order
+    return ((partial + bucket_values(2, step)) / np.float32(3)).astype("<f4")
+
+
+# ------------------------------------------------------------------ tests
+def test_groups_form_from_host_ids_and_a_partial_sum_averages_over_every_rank() -> None:
+    async def scenario() -> None:
+        async with coordinator(world_size=3) as (_, channel):
+            workers, welcomes = await hier_job(channel)
+            assert [list(w.local_ranks) for w in welcomes] == [[0, 1], [0, 1], []]
+            assert len(welcomes[0].local_secret) == 32
+            assert welcomes[0].local_secret == welcomes[1].local_secret
+            assert welcomes[2].local_secret == b""
+            partial = bucket_values(0, 0) + bucket_values(1, 0)
+            await upload(workers[2], 0, bucket_values(2, 0))
+            await upload(workers[0], 0, partial, covered=(0, 1))
+            for leader in (workers[0], workers[2]):
+                result, contributors = await receive(leader)
+                assert result == expected_average(0).tobytes() and contributors == {3}
+            # The follower heard no average: its next message is step 1's abort.
+            await workers[1].send(gradient(1, 0, bytes(CHUNK)))
+            aborted = (await workers[1].expect_kind("step_aborted")).step_aborted
+            assert aborted.step == 1 and aborted.code == grpc.StatusCode.INVALID_ARGUMENT.value[0]
+            assert "rank 1 sent bucket 0 of step 1" in aborted.message
+            assert "only its local leader, rank 0, uploads" in aborted.message
+            for leader in (workers[0], workers[2]):
+                assert (await leader.expect_kind("step_aborted")).step_aborted.step == 1
+
+    run(scenario)
+
+
+def test_bad_covers_abort_the_step_naming_the_covers_and_the_group() -> None:
+    async def scenario() -> None:
+        async with coordinator(world_size=3) as (_, channel):
+            workers, _ = await hier_job(channel)
+            await workers[0].send(gradient(0, 0, bytes(CHUNK), covered=(0, 2)))
+            aborted = (await workers[0].expect_kind("step_aborted")).step_aborted
+            assert aborted.code == grpc.StatusCode.INVALID_ARGUMENT.value[0]
+            assert aborted.culprit_rank == 0 and aborted.bucket_index == 0
+            assert "rank 0 sent bucket 0 of step 0 covering ranks [0, 2]" in aborted.message
+            assert "outside its local group [0, 1]" in aborted.message
+            assert (await workers[2].expect_kind("step_aborted")).step_aborted.step == 0
+            await workers[2].send(gradient(1, 0, bytes(CHUNK), covered=(1, 2)))
+            aborted = (await workers[2].expect_kind("step_aborted")).step_aborted
+            assert aborted.step == 1 and "covering ranks [1, 2]" in aborted.message
+            assert "aggregates flat (local group [2])" in aborted.message
+
+    run(scenario)
+
+
+def test_a_local_world_size_the_groups_contradict_refuses_the_job() -> None:
+    async def scenario() -> None:
+        async with coordinator(world_size=2) as (_, channel):
+            workers = [RawWorker(channel) for _ in range(2)]
+            await workers[0].send(join_message(0, "host-a", 2, local_world_size=2))
+            await workers[1].send(join_message(1, "host-b", 2, local_world_size=2))
+            for worker in workers:
+                details = await worker.expect_status(grpc.StatusCode.FAILED_PRECONDITION)
+                assert "rank 0 on host_id 'host-a' has LOCAL_WORLD_SIZE 2" in details
+                assert "found 1 rank(s) with that host_id: [0]" in details
+
+    run(scenario)
+
+
+def test_a_malformed_host_id_is_refused_at_join_naming_the_rank() -> None:
+    async def scenario() -> None:
+        async with coordinator(world_size=2) as (_, channel):
+            worker = RawWorker(channel)
+            await worker.send(join_message(1, "h" * 300, 2))
+            details = await worker.expect_status(grpc.StatusCode.INVALID_ARGUMENT)
+            assert "rank 1 sent Join.host_id" in details and "256" in details
+
+    run(scenario)
+
+
+class DataStream(RawWorker):
+    """A raw `Shard.Data` stream, read and written as a worker's Sync stream is."""
+
+    def __init__(self, channel: grpc.aio.Channel) -> None:
+        self.call = channel.stream_stream(
+            "/gradsync.v1.Shard/Data",
+            request_serializer=lambda raw: raw,
+            response_deserializer=pb.CoordinatorMessage.FromString,
+        )()
+        self.assembly: list[pb.AssemblyProgress] = []
+        self.step_reports: list[pb.StepReport] = []
+
+
+@contextlib.asynccontextmanager
+async def leader_and_shard(
+    world_size: int,
+) -> AsyncIterator[tuple[RunningServer, RunningShard, grpc.aio.Channel]]:
+    async with coordinator(world_size=world_size, shard_count=2) as (running, channel):
+        config = ShardConfig(
+            leader=f"127.0.0.1:{running.port}",
+            host="127.0.0.1",
+            port=0,
+            chunk_bytes=CHUNK,
+            register_timeout_s=2.0,
+            reconnect_backoff_max_s=0.2,
+        )
+        shard = await start_shard(config)
+        try:
+            await shard.wait_registered(5)
+            yield running, shard, channel
+        finally:
+            await shard.stop()
+
+
+def test_a_partial_sum_averages_right_through_two_shards() -> None:
+    async def scenario() -> None:
+        async with leader_and_shard(3) as (_, shard, channel):
+            workers, welcomes = await hier_job(channel)
+            shard_channel = grpc.aio.insecure_channel(f"127.0.0.1:{shard.port}")
+            try:
+                streams = {}
+                for rank in (0, 2):  # the unit leaders: followers upload nothing
+                    stream = DataStream(shard_channel)
+                    hello = pb.ShardHello(
+                        job_id="job",
+                        rank=rank,
+                        incarnation=f"test-{rank}",
+                        shard_index=1,
+                        session=welcomes[rank].session,
+                    )
+                    await stream.send(pb.WorkerMessage(shard_hello=hello))
+                    streams[rank] = stream
+                spans = [chunking.shard_byte_range(ELEMENTS, 4, 2, i) for i in range(2)]
+                partial = bucket_values(0, 0) + bucket_values(1, 0)
+                for rank, values, covered in ((2, bucket_values(2, 0), ()), (0, partial, (0, 1))):
+                    await upload(workers[rank], 0, values, covered, spans[0])
+                    await upload(streams[rank], 0, values, covered, spans[1])
+                expected = expected_average(0).tobytes()
+                for rank in (0, 2):
+                    for source, (lo, hi) in ((workers[rank], spans[0]), (streams[rank], spans[1])):
+                        result, contributors = await receive(source, (lo, hi))
+                        assert result == expected[lo:hi] and contributors == {3}
+                for stream in streams.values():
+                    stream.call.cancel()
+            finally:
+                await shard_channel.close()
+
+    run(scenario)
