@@ -38,6 +38,8 @@ class BucketUpload:
     dtype: int
     #: The DType the averages are to come back in (every chunk says so); 0 = `dtype`.
     reply_dtype: int = 0
+    #: A local leader's partial sum: the ranks it holds (every chunk says so); () = own.
+    covered_ranks: tuple[int, ...] = ()
 
 
 @dataclass
@@ -132,6 +134,7 @@ def range_messages(
             offset=offset,
             dtype=upload.dtype,
             reply_dtype=upload.reply_dtype,
+            covered_ranks=upload.covered_ranks,
         )
         message = encode_gradient(header, pieces)
         if offset == last_offset:  # handed to gRPC next: this range's end

@@ -4,12 +4,13 @@
 `torch.nn.parallel.DistributedDataParallel`, so that replacing the class name
 is the whole migration. Those with a meaning here are honoured by the wrapper
 (`bucket_cap_mb`, `broadcast_buffers`, `init_sync=True`, `device_ids` /
-`output_device` for a single-GPU module); those that are accepted because
-gradsync always behaves that way (`find_unused_parameters`, `static_graph`,
-`check_reduction`: unused parameters are always handled, without a graph
-traversal) are silent; the rest do not apply to a coordinator-based
-synchronizer and draw one warning that lists them all. Keeping that table
-here keeps the wrapper's constructor readable.
+`output_device` for a single-GPU module, `gradient_as_bucket_view`); those
+that are accepted because gradsync always behaves that way
+(`find_unused_parameters`, `static_graph`, `check_reduction`: unused
+parameters are always handled, without a graph traversal) are silent; the
+rest do not apply to a coordinator-based synchronizer and draw one warning
+that lists them all. Keeping that table here keeps the wrapper's
+constructor readable.
 
 The device rules say which modules the client can serve: parameters and
 buffers all on one device, the CPU or an available CUDA device (gradients
@@ -40,7 +41,6 @@ def ignored_arguments(arguments: Mapping[str, Any]) -> list[str]:
     defaults: dict[str, Any] = {
         "dim": 0,
         "process_group": None,
-        "gradient_as_bucket_view": False,
         "delay_all_reduce_named_params": None,
         "param_to_hook_all_reduce": None,
         "mixed_precision": None,

@@ -23,8 +23,20 @@ ENV_JOB_ID = "GRADSYNC_JOB_ID"
 #: torchrun's rank variables.
 ENV_RANK = "RANK"
 ENV_WORLD_SIZE = "WORLD_SIZE"
+#: torchrun's place of a worker among those of its host, and their number.
+ENV_LOCAL_RANK = "LOCAL_RANK"
+ENV_LOCAL_WORLD_SIZE = "LOCAL_WORLD_SIZE"
 
-__all__ = ["ENV_COORDINATOR", "ENV_JOB_ID", "ENV_RANK", "ENV_WORLD_SIZE", "MIB", "ClientConfig"]
+__all__ = [
+    "ENV_COORDINATOR",
+    "ENV_JOB_ID",
+    "ENV_LOCAL_RANK",
+    "ENV_LOCAL_WORLD_SIZE",
+    "ENV_RANK",
+    "ENV_WORLD_SIZE",
+    "MIB",
+    "ClientConfig",
+]
 
 
 @dataclass(frozen=True)
@@ -41,6 +53,11 @@ class ClientConfig:
         first_bucket_cap_bytes: cap of the first bucket.
         timeout_s: bound on each wait for a step's averaged gradients.
         join_timeout_s: bound on the wait for all ranks to join (and the broadcast).
+        hierarchical: send this host's id in Join, so that the coordinator may
+            group this rank with the others of its host (hierarchical aggregation).
+        local_rank: this worker's index among its host's workers (LOCAL_RANK), if known.
+        local_world_size: the number of workers on this host (LOCAL_WORLD_SIZE);
+            0 = not known. The coordinator checks it against the group it forms.
     """
 
     coordinator: str
@@ -51,6 +68,9 @@ class ClientConfig:
     first_bucket_cap_bytes: int = int(defaults.FIRST_BUCKET_MB * MIB)
     timeout_s: float = defaults.TIMEOUT_S
     join_timeout_s: float = defaults.JOIN_TIMEOUT_S
+    hierarchical: bool = False
+    local_rank: int | None = None
+    local_world_size: int = 0
 
     def __post_init__(self) -> None:
         if self.world_size < 1:
@@ -79,6 +99,15 @@ class ClientConfig:
                 raise ValueError(f"{name} must be a positive number of seconds, got {seconds}")
         if not self.job_id:
             raise ValueError("job_id must not be empty")
+        if self.local_world_size < 0:
+            raise ValueError(f"local_world_size must be >= 0, got {self.local_world_size}")
+        if self.local_rank is not None and not (
+            0 <= self.local_rank < (self.local_world_size or self.local_rank + 1)
+        ):
+            raise ValueError(
+                f"local_rank {self.local_rank} is out of range for local_world_size "
+                f"{self.local_world_size}"
+            )
 
     @classmethod
     def resolve(
@@ -92,8 +121,13 @@ class ClientConfig:
         timeout_s: float = defaults.TIMEOUT_S,
         join_timeout_s: float = defaults.JOIN_TIMEOUT_S,
         environ: Mapping[str, str] | None = None,
+        *,
+        hierarchical: bool = False,
+        local_rank: int | None = None,
+        local_world_size: int | None = None,
     ) -> ClientConfig:
-        """Fill unset arguments from the environment (torchrun's RANK / WORLD_SIZE).
+        """Fill unset arguments from the environment (torchrun's RANK / WORLD_SIZE,
+        LOCAL_RANK / LOCAL_WORLD_SIZE).
 
         Raises:
             ValueError: a required setting is missing or invalid.
@@ -118,6 +152,12 @@ class ClientConfig:
             first_bucket_cap_bytes=int(first_bucket_mb * MIB),
             timeout_s=timeout_s,
             join_timeout_s=join_timeout_s,
+            hierarchical=hierarchical,
+            local_rank=_optional_int("local_rank", local_rank, env, ENV_LOCAL_RANK),
+            local_world_size=_optional_int(
+                "local_world_size", local_world_size, env, ENV_LOCAL_WORLD_SIZE
+            )
+            or 0,
         )
 
 
@@ -127,6 +167,18 @@ def _int_setting(name: str, value: int | None, env: Mapping[str, str], var: str)
     raw = env.get(var)
     if raw is None:
         raise ValueError(f"{name} is not set: pass {name}= or set {var} (torchrun does)")
+    try:
+        return int(raw)
+    except ValueError:
+        raise ValueError(f"{var}={raw!r} is not an integer") from None
+
+
+def _optional_int(name: str, value: int | None, env: Mapping[str, str], var: str) -> int | None:
+    if value is not None:
+        return int(value)
+    raw = env.get(var, "").strip()
+    if not raw:
+        return None
     try:
         return int(raw)
     except ValueError:

@@ -23,6 +23,7 @@ network sits behind `gradsync.link`.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import enum
 import functools
 import logging
@@ -43,6 +44,7 @@ from gradsync.errors import (
     ClosedError,
     CoordinatorUnavailableError,
 )
+from gradsync.hierarchy import check_hierarchical
 from gradsync.hooks import CommHook
 from gradsync.instruments import Instruments
 from gradsync.link import CoordinatorLink, LinkFactory
@@ -72,9 +74,11 @@ class DistributedDataParallel(nn.Module):
     `forward_sync_buffers`, `init_sync=True`, `device_ids=[i]` and
     `output_device` (single-GPU module), and `find_unused_parameters`,
     `static_graph`, `check_reduction` (unused parameters are always handled).
-    The others (`dim`, `process_group`, `gradient_as_bucket_view`,
-    `mixed_precision`, `device_mesh`, ...) draw one warning listing them; see
-    `gradsync.compat` for the table.
+    `gradient_as_bucket_view=True` makes each `.grad` a view into its bucket's
+    flat tensor, uploaded and averaged in place, as DDP's (`gradsync.bucket_views`;
+    CPU modules: a CUDA module's gradients are staged as usual).
+    The others (`dim`, `process_group`, `mixed_precision`, `device_mesh`, ...)
+    draw one warning listing them; see `gradsync.compat` for the table.
 
     Keyword-only, gradsync's own:
         coordinator, rank, world_size: default $GRADSYNC_COORDINATOR, $RANK, $WORLD_SIZE.
@@ -106,6 +110,14 @@ class DistributedDataParallel(nn.Module):
             the bytes down) with a 16-bit `wire_dtype`; None (default) = in `wire_dtype`.
         log_every_steps: with INFO logging, rank 0 logs step time, exposed sync time
             and bytes every this many steps (0 = never).
+        hierarchical: "auto" (default) or True: send this host's id (`gradsync.host_identity`)
+            so that the coordinator may group the ranks of one host, which then sum their
+            gradients in shared memory and upload one sum (`gradsync.hierarchy`); False:
+            every rank uploads its own. Needs float32/float64 buckets and no comm hook or
+            wire_dtype: "auto" then stays flat, True raises ValueError.
+        local_rank, local_world_size: this worker's place among its host's workers and
+            their number (default $LOCAL_RANK / $LOCAL_WORLD_SIZE, as torchrun sets them);
+            the coordinator refuses a job whose host groups do not match LOCAL_WORLD_SIZE.
         link_factory: builds the link from (address, rank); default gRPC (with the TLS and
             token settings above). Tests pass a fake.
 
@@ -163,6 +175,9 @@ class DistributedDataParallel(nn.Module):
         tls_cert: str | None = None,
         tls_key: str | None = None,
         token: str | None = None,
+        hierarchical: bool | str = "auto",
+        local_rank: int | None = None,
+        local_world_size: int | None = None,
     ) -> None:
         super().__init__()
         self.module = module
@@ -175,6 +190,8 @@ class DistributedDataParallel(nn.Module):
             first_bucket_mb,
             timeout_s,
             join_timeout_s,
+            local_rank=local_rank,
+            local_world_size=local_world_size,
         )
         # Files and env read now (not at import), so a bad path fails before joining.
         security = ChannelSecurity.resolve(tls_ca, tls_cert, tls_key, token)
@@ -197,6 +214,14 @@ class DistributedDataParallel(nn.Module):
             named, self.config.bucket_cap_bytes, self.config.first_bucket_cap_bytes
         )
         plans = [*buckets, presence_bucket]
+        self.config = dataclasses.replace(
+            self.config,
+            hierarchical=check_hierarchical(
+                hierarchical,
+                [plan.dtype for plan in buckets],  # type: ignore[misc]  # torch dtypes
+                wire_dtype,
+            ),
+        )
         self._state = _State.OPEN
         self._require_sync = True
         # As DDP: buffers are broadcast before a forward pass that follows a
@@ -238,6 +263,8 @@ class DistributedDataParallel(nn.Module):
             lambda: self._link,
             wire_hook,
             answer_in_fp32,
+            # Views are host memory: a CUDA module keeps staging through pinned buffers.
+            gradient_as_bucket_view=gradient_as_bucket_view and self.device.type == "cpu",
         )
         self._steps = StepPath(self._reducer, self._instruments, self._session, overlap, start_step)
         #: The coordinator's collectives for this job (`gradsync.collectives`).
@@ -342,6 +369,12 @@ class DistributedDataParallel(nn.Module):
         """
         if self._steps.synced_steps or self._steps.backward_active:
             raise RuntimeError("register_comm_hook must be called before the first backward")
+        if self._session.local_group is not None:
+            raise RuntimeError(
+                "register_comm_hook cannot be used while this rank sums its gradients in a "
+                "local group (hierarchical aggregation, full precision only): pass "
+                "hierarchical=False to DistributedDataParallel"
+            )
         self._reducer.register_comm_hook(state, hook)
 
     def join(
@@ -356,12 +389,21 @@ class DistributedDataParallel(nn.Module):
         while the others finish their steps, gradients still divided by the
         world size; then every rank adopts the last rank's parameters and
         buffers. See `gradsync.uneven` (which raises ValueError for the
-        options it does not support).
+        options it does not support). Not with a local group (hierarchical
+        aggregation): RuntimeError, pass hierarchical=False.
         """
         return self._join(divide_by_initial_world_size, enable, throw_on_early_termination)
 
     @contextlib.contextmanager
     def _join(self, divide: bool, enable: bool, throw: bool) -> Iterator[None]:
+        if enable and self._session.local_group is not None:
+            # A local leader that runs out of inputs could no longer carry its
+            # followers' gradients to the coordinator.
+            raise RuntimeError(
+                "join() (uneven inputs) cannot be used while this rank sums its gradients "
+                "in a local group (hierarchical aggregation): pass hierarchical=False to "
+                "DistributedDataParallel"
+            )
         # Inside join() the buffers' source is the highest rank still training
         # (rank 0 may have run out of inputs), as DDP decides it.
         self._in_join = enable

@@ -19,6 +19,7 @@ Hierarchy::
     ├── CheckpointFailedError        a checkpoint could not be made durable
     ├── CheckpointMismatchError      the resume checkpoint is not this model's (or not one)
     ├── CollectiveError              a collective's result was invalid (names its sequence)
+    ├── SharedMemoryError            a host's local group found too little shared memory
     └── ClosedError                  the object was used after close()
 
 Errors raised inside the background transport are recorded with their context
@@ -216,6 +217,17 @@ class CoordinatorRestartedError(StepAbortedError):
 
     `step` is where training resumes (the restored checkpoint's step): skip
     `optimizer.step()` for the failed backward pass and continue at `model.step`.
+    """
+
+
+class SharedMemoryError(GradSyncError):
+    """The shared memory a local group (hierarchical aggregation) needs is not there.
+
+    The local leader reserves the whole segment when the group forms (so that a
+    too small /dev/shm fails at once, not with SIGBUS in the middle of a step);
+    every member of the group raises this, with the bytes needed, the directory,
+    its free bytes and the fixes (`docker run --shm-size`, $GRADSYNC_SHM_DIR,
+    `hierarchical=False`).
     """
 
 

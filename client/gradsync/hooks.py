@@ -61,7 +61,9 @@ either way: the float32 answer is offered only where it lands in the bucket's
 buffer as is, with no cast left on the client.
 
 Registering a hook costs one copy per bucket (the bucket is flattened into a
-contiguous tensor for the hook to see); without a hook, buckets are uploaded
+contiguous tensor for the hook to see), except with
+`gradient_as_bucket_view=True`, where `.grad` are views into that tensor
+already (`gradsync.bucket_views`); without a hook, buckets are uploaded
 straight from `param.grad` (see `gradsync.buffers`).
 """
 

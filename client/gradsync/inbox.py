@@ -242,6 +242,11 @@ class Inbox:
         with self._cond:
             return self._shared.step_report
 
+    def live_ranks(self) -> tuple[int, ...] | None:
+        """The live ranks of the latest MembershipChanged (None before any)."""
+        with self._cond:
+            return self._shared.live_ranks
+
     def take_heal_request(self) -> bool:
         """True (once) when a rejoining rank needs this rank's state."""
         with self._cond:
@@ -344,6 +349,7 @@ class Inbox:
             elif kind == "membership":
                 change = message.membership
                 shared.membership_epoch = change.membership_epoch
+                shared.live_ranks = tuple(change.ranks)
                 log.warning("rank %d: membership changed: %s", self.rank, change.reason)
             elif kind == "state_request":
                 shared.heal_requested = True

@@ -40,6 +40,8 @@ class InboxState:
     resume_received: int = 0
     checkpoint_acks: dict[int, pb.CheckpointSaved] = field(default_factory=dict)
     membership_epoch: int = 0
+    #: The live ranks of the latest MembershipChanged (None before any).
+    live_ranks: tuple[int, ...] | None = None
     #: A live rank asked to donate its state to a rejoining rank (elastic).
     heal_requested: bool = False
     #: The coordinator's announcement of why it is about to end the stream.

@@ -54,6 +54,8 @@ class Instruments:
         self._bucket_bytes = bucket_bytes
         self._lock = threading.Lock()
         self._submitted: dict[tuple[int, int], tuple[float, int]] = {}
+        #: Local sums in progress (hierarchical aggregation): (step, bucket) -> start.
+        self._local_started: dict[tuple[int, int], float] = {}
         self._backward_started = 0.0
         #: Gradient bytes handed to the link since construction (as sent: a comm
         #: hook that compresses to 16 bits halves them).
@@ -92,7 +94,16 @@ class Instruments:
             self.tracer.instant("ready", step, bucket_index)
 
     def on_bucket_event(self, event: str, step: int, bucket_index: int) -> None:
-        """Transport-thread events: upload start / end, average complete."""
+        """Transport-thread events: upload start / end, average complete.
+
+        With hierarchical aggregation also (on the local leader's I/O thread)
+        "local_reduce_start" / "local_reduce_end" of a bucket's local sum,
+        "host_upload" when that sum is handed to the coordinator, and
+        "local_group" once the group formed (`step` is then its size).
+        """
+        if event.startswith(("local_", "host_")):
+            self._on_local_event(event, step, bucket_index)
+            return
         if self.tracer is not None:
             if event == "upload_start":
                 self.tracer.begin("upload", step, bucket_index)
@@ -113,6 +124,30 @@ class Instruments:
             self.tracer.span(
                 "until averaged", step, submitted, finished, bucket_index, TRANSPORT_TRACK
             )
+
+    def _on_local_event(self, event: str, step: int, bucket_index: int) -> None:
+        if event == "local_group":
+            if self.metrics is not None:
+                self.metrics.set_local_group_size(step)
+            return
+        if event == "host_upload":
+            if self.metrics is not None and 0 <= bucket_index < len(self._bucket_bytes):
+                self.metrics.observe_host_sent(self._bucket_bytes[bucket_index])
+            return
+        key = (step, bucket_index)
+        if event == "local_reduce_start":
+            with self._lock:
+                self._local_started[key] = self.now()
+            return
+        finished = self.now()
+        with self._lock:
+            started = self._local_started.pop(key, None)
+        if started is None:
+            return
+        if self.metrics is not None:
+            self.metrics.observe_local_reduce(finished - started)
+        if self.tracer is not None:
+            self.tracer.span("local reduce", step, started, finished, bucket_index, TRANSPORT_TRACK)
 
     def step_done(
         self, step: int, wait_started: float, report: pb.StepReport | None = None
@@ -138,6 +173,7 @@ class Instruments:
             self.metrics.observe_abort(type(error).__name__)
         with self._lock:
             self._submitted.clear()
+            self._local_started.clear()
 
     def _log_step(
         self, step: int, finished: float, exposed_s: float, report: pb.StepReport | None

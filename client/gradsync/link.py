@@ -38,7 +38,10 @@ from gradsync.buffers import BucketBuffer
 from gradsync.v1 import gradsync_pb2 as pb
 
 #: Called as (event, step, bucket_index) for "upload_start", "upload_end" and
-#: "averaged"; must be quick and must not raise (it runs on the I/O thread).
+#: "averaged"; with hierarchical aggregation also "local_reduce_start",
+#: "local_reduce_end" (a local leader's sum of a bucket) and "host_upload" (a
+#: local leader hands a bucket's sum to the coordinator: bytes this host sends).
+#: Must be quick and must not raise (it runs on an I/O thread).
 BucketEventHandler = Callable[[str, int, int], None]
 
 
@@ -109,6 +112,7 @@ class CoordinatorLink(Protocol):
         *,
         result: BucketBuffer | None = None,
         result_dtype: int = 0,
+        covered_ranks: tuple[int, ...] = (),
     ) -> None:
         """Queue a bucket for upload; its averages are written back into `buffer`.
 
@@ -118,6 +122,9 @@ class CoordinatorLink(Protocol):
                 back in another dtype (`result_dtype`, asked of the coordinator
                 in every chunk's `reply_dtype`); None = into `buffer`.
             result_dtype: the `DType` of `result`'s elements; 0 = `dtype`.
+            covered_ranks: a local leader's partial sum: the ranks it holds,
+                ascending, the leader first (every chunk says so; the
+                coordinator weighs it by their number); () = this rank's own.
         """
 
     def wait_step(self, step: int, timeout_s: float) -> int:
@@ -165,6 +172,14 @@ class CoordinatorLink(Protocol):
             SyncTimeoutError: no complete result within `timeout_s`.
             GradSyncError: the stream failed (e.g. the coordinator refused the
                 input as mismatched across ranks: INVALID_ARGUMENT).
+        """
+        ...
+
+    def live_ranks(self) -> tuple[int, ...] | None:
+        """The job's live ranks as the coordinator last announced them (MembershipChanged).
+
+        None until a membership change arrived (every rank of the Welcome is live).
+        A local leader reads it to learn that a lost follower was dropped (elastic).
         """
         ...
 

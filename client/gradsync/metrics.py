@@ -28,7 +28,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Mapping
 
-from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from gradsync.protocol.exposition import LATENCY_BUCKETS_S, MAX_PORT
 
@@ -95,6 +95,27 @@ class WorkerMetrics:
             ["rank"],
             registry=self.registry,
         ).labels(rank=label)
+        # Hierarchical aggregation (a local group of this host's ranks).
+        self._local_reduce = Histogram(
+            "gradsync_worker_local_reduce_seconds",
+            "A local leader's sum of one bucket over its host's ranks in shared memory "
+            "(from every rank posted to every share summed).",
+            ["rank"],
+            buckets=LATENCY_BUCKETS_S,
+            registry=self.registry,
+        ).labels(rank=label)
+        self._host_sent_bytes = Counter(
+            "gradsync_worker_host_sent_bytes_total",
+            "Gradient payload bytes this host's local group uploaded (counted by its leader).",
+            ["rank"],
+            registry=self.registry,
+        ).labels(rank=label)
+        self._local_group_size = Gauge(
+            "gradsync_worker_local_group_size",
+            "Ranks in this worker's local group (0: it aggregates flat).",
+            ["rank"],
+            registry=self.registry,
+        ).labels(rank=label)
         self._step_aborts = Counter(
             "gradsync_worker_step_aborts_total",
             "Steps this worker saw aborted, by reason (a gRPC status code name).",
@@ -117,6 +138,18 @@ class WorkerMetrics:
     def observe_bucket_latency(self, seconds: float) -> None:
         """Record one bucket's time from hand-off to transport to its average complete."""
         self._bucket_latency.observe(seconds)
+
+    def observe_local_reduce(self, seconds: float) -> None:
+        """Record one bucket's local sum (leader)."""
+        self._local_reduce.observe(seconds)
+
+    def observe_host_sent(self, nbytes: int) -> None:
+        """Count bytes a local leader uploaded for its whole host."""
+        self._host_sent_bytes.inc(nbytes)
+
+    def set_local_group_size(self, size: int) -> None:
+        """The size of this worker's local group (0 = flat)."""
+        self._local_group_size.set(size)
 
     def observe_step_done(self) -> None:
         """Count one completed synchronized step."""

@@ -15,6 +15,10 @@ used here), averaged like any bucket, answers it: an average of 0 means no
 rank used the parameter. It costs 4 bytes per parameter per step, and the
 coordinator needs no notion of it (it is the last "parameter" of the
 signature, `gradsync.signature.PRESENCE_NAME`).
+
+With `gradient_as_bucket_view=True` each bucket is one persistent flat
+tensor that the parameters' `.grad` are views of (`gradsync.bucket_views`):
+it is uploaded as one segment and is what a comm hook sees, with no copy.
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from gradsync.bucket_views import Allocator, BucketViews, BucketViewStage, allocate
 from gradsync.bucketing import BucketPlan, assign_buckets
 from gradsync.buffers import BucketBuffer
 from gradsync.hooks import (
@@ -37,7 +42,7 @@ from gradsync.hooks import (
 from gradsync.instruments import Instruments
 from gradsync.link import CoordinatorLink
 from gradsync.signature import WIRE_DTYPES, bucket_wire_dtype, presence_plan, wire_dtype
-from gradsync.staging import BucketStage
+from gradsync.staging import BucketStage, Stage
 
 
 def plan_buckets(
@@ -71,7 +76,7 @@ class _Launched:
 
     def __init__(
         self,
-        stage: BucketStage,
+        stage: Stage,
         bucket: GradBucket | None,
         wire: torch.Tensor,
         answered_in_place: bool = False,
@@ -96,6 +101,10 @@ class Reducer:
             in float32 (`wire_answer_dtype`), written straight into the buckets'
             float32 buffers; float64 buckets (which the coordinator answers only in
             the wire dtype) and the presence bucket are unaffected.
+        gradient_as_bucket_view: make every `.grad` a view into its bucket's flat
+            tensor now (`gradsync.bucket_views`; host tensors only: the wrapper
+            passes it for CPU modules).
+        allocator: where the bucket views' flat tensors come from.
     """
 
     def __init__(
@@ -108,6 +117,9 @@ class Reducer:
         link: Callable[[], CoordinatorLink],
         wire_hook: CommHook | None = None,
         answer_in_fp32: bool = False,
+        *,
+        gradient_as_bucket_view: bool = False,
+        allocator: Allocator = allocate,
     ) -> None:
         self._named = list(named_parameters)
         self.buckets = list(buckets)
@@ -122,6 +134,10 @@ class Reducer:
         self._comm_hook_state: Any = None
         self._hook_from_wire_dtype = wire_hook is not None
         self._answer_in_fp32 = answer_in_fp32 and wire_hook is not None
+        #: The buckets' flat tensors and `.grad` views (gradient_as_bucket_view), else None.
+        self.views = (
+            BucketViews(self._named, self.buckets, allocator) if gradient_as_bucket_view else None
+        )
         self.reset()
 
     def reset(self) -> None:
@@ -193,12 +209,17 @@ class Reducer:
         """Stage a bucket (through the comm hook, if any) and hand it to the link."""
         plan = self.buckets[bucket_index]
         hook = self.comm_hook
-        stage = BucketStage(
-            [(i, *self._named[i]) for i in plan.parameter_indices],
-            self._used,
-            plan.dtype,  # type: ignore[arg-type]  # plans are keyed by torch dtype
-            flatten=hook is not None,
-        )
+        parameters = [(i, *self._named[i]) for i in plan.parameter_indices]
+        stage: Stage
+        if self.views is not None:
+            stage = BucketViewStage(parameters, self.views.flats[bucket_index], self.views.views)
+        else:
+            stage = BucketStage(
+                parameters,
+                self._used,
+                plan.dtype,  # type: ignore[arg-type]  # plans are keyed by torch dtype
+                flatten=hook is not None,
+            )
         bucket = None
         result: BucketBuffer | None = None
         if hook is not None and stage.flat is not None:

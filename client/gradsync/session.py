@@ -34,7 +34,10 @@ from gradsync.errors import (
     GradSyncError,
     SyncTimeoutError,
 )
+from gradsync.hierarchy import HierarchicalLink
+from gradsync.host_identity import host_id
 from gradsync.link import BucketEventHandler, CoordinatorLink, LinkFactory
+from gradsync.local_group import LocalGroup
 from gradsync.v1 import gradsync_pb2 as pb
 
 log = logging.getLogger("gradsync.client")
@@ -91,6 +94,11 @@ class Session:
     def link(self) -> CoordinatorLink:
         """The current link to the coordinator (replaced by each reconnect)."""
         return self._link
+
+    @property
+    def local_group(self) -> LocalGroup | None:
+        """This rank's local group (hierarchical aggregation), or None when flat."""
+        return self._link.group if isinstance(self._link, HierarchicalLink) else None
 
     def start(self) -> int:
         """Join the job and start equal; return the step training starts at.
@@ -284,6 +292,9 @@ class Session:
             signature=self._signature,
             incarnation=uuid.uuid4().hex,
             client_version=__version__,
+            # Empty: flat. The coordinator groups the ranks that send the same id.
+            host_id=host_id() if config.hierarchical else "",
+            local_world_size=config.local_world_size,
         )
         log.info(
             "rank %d: joining job '%s' at %s (world size %d, %d buckets)",
@@ -295,6 +306,8 @@ class Session:
         )
         link.open(join)
         welcome = link.wait_welcome(timeout_s)
+        if len(welcome.local_ranks) >= 2:
+            self._link = link = self._form_local_group(link, welcome, timeout_s)
         # The coordinator numbers collectives: 0 for a new job (or a restarted
         # coordinator), where the live ranks stand for a healed newcomer.
         link.set_collective_sequence(int(welcome.next_collective))
@@ -312,6 +325,41 @@ class Session:
             )
         link.current_step = start
         return start
+
+    def _form_local_group(
+        self, link: CoordinatorLink, welcome: pb.Welcome, timeout_s: float
+    ) -> HierarchicalLink:
+        """Meet the other ranks of this host (bounded) and wrap `link` around the group."""
+        config = self.config
+        ranks = [int(r) for r in welcome.local_ranks]
+        group = LocalGroup.form(
+            job_id=config.job_id,
+            rank=config.rank,
+            ranks=ranks,
+            secret=welcome.local_secret,
+            bucket_bytes=self._bucket_bytes,
+            timeout_s=timeout_s,
+            heartbeat_interval_s=welcome.heartbeat_interval_s,
+        )
+        if config.local_rank is not None and config.local_rank != group.slot:
+            log.warning(
+                "rank %d: LOCAL_RANK is %d but this rank is number %d of its local group %s",
+                config.rank,
+                config.local_rank,
+                group.slot,
+                ranks,
+            )
+        log.info(
+            "rank %d: local group %s formed (%s); gradients are summed on this host first",
+            config.rank,
+            ranks,
+            "leader" if group.is_leader else f"leader rank {ranks[0]}",
+        )
+        wrapped = HierarchicalLink(link, group, self._bucket_bytes, welcome)
+        wrapped.on_bucket_event = self._on_bucket_event
+        if self._on_bucket_event is not None:
+            self._on_bucket_event("local_group", len(ranks), -1)
+        return wrapped
 
     def _broadcast(self, welcome: pb.Welcome, timeout_s: float) -> None:
         """Rank 0 sends its parameters and buffers; every other rank overwrites its own."""

@@ -23,6 +23,10 @@ memory, pinned when CUDA is available so the device copies are fast, and
 copied back after averaging. With a communication hook the bucket is
 flattened into one host tensor (the hook sees and may rewrite it) and
 scattered back afterwards.
+
+With `gradient_as_bucket_view=True` (CPU modules) the buckets are instead
+flat tensors that `.grad` are views of: see `gradsync.bucket_views`, whose
+stage has the same interface (`Stage`).
 """
 
 from __future__ import annotations
@@ -30,11 +34,30 @@ from __future__ import annotations
 import enum
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
 import numpy as np
 import numpy.typing as npt
 import torch
 from torch import nn
+
+
+class Stage(Protocol):
+    """One bucket of one step, as the reducer drives it (`BucketStage`, `BucketViewStage`)."""
+
+    #: The bucket's parameter names, in order (for comm hooks).
+    names: list[str]
+    #: The bucket as one flat host tensor (what a comm hook sees), or None when the
+    #: bucket is uploaded from separate tensors.
+    flat: torch.Tensor | None
+
+    def segments(self) -> list[npt.NDArray[np.uint8]]:
+        """The bucket's bytes as uploaded; averages are written back into them."""
+        ...
+
+    def finish(self, used_anywhere: Sequence[bool]) -> None:
+        """Leave the averages in `.grad` by DDP's rules, once the presence bucket is in."""
+        ...
 
 
 class _WriteBack(enum.Enum):

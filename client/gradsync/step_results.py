@@ -95,7 +95,16 @@ class StepResults:
         result.arrived[bucket_index] = set()
 
     def watch(self, step: int) -> None:
-        """Start tracking `step` (a wait on it may begin before any bucket was uploaded)."""
+        """Start tracking `step` (a wait on it may begin before any bucket was uploaded).
+
+        Older steps that nothing was uploaded for are forgotten: a local
+        follower (hierarchical aggregation) polls every step for an abort and
+        never takes one that completes.
+        """
+        for old in [
+            s for s, r in self._results.items() if s < step and not r.buffers and r.aborted is None
+        ]:
+            del self._results[old]
         self._ensure(step)
 
     def is_ready(self, step: int) -> bool:

@@ -250,6 +250,10 @@ class Transport:
         """The coordinator's latest StepReport; see `CoordinatorLink.step_report`."""
         return self._inbox.step_report()
 
+    def live_ranks(self) -> tuple[int, ...] | None:
+        """The live ranks of the latest MembershipChanged; see `CoordinatorLink.live_ranks`."""
+        return self._inbox.live_ranks()
+
     def send_heal(self, step: int, blob: bytes) -> None:
         """Queue this rank's state for a rejoining rank. Never blocks."""
         self._put(CheckpointUpload(step, blob, heal=True))
@@ -267,6 +271,7 @@ class Transport:
         *,
         result: BucketBuffer | None = None,
         result_dtype: int = 0,
+        covered_ranks: tuple[int, ...] = (),
     ) -> None:
         """Queue one bucket for upload; its averages will be written back into `buffer`.
 
@@ -274,7 +279,8 @@ class Transport:
         With a sharded coordinator, range i of the bucket goes to shard i. With
         `result`, every chunk asks for the average in `result_dtype` and it is
         written there, on the grid of `result`'s own ranges (see
-        `CoordinatorLink.submit_bucket`).
+        `CoordinatorLink.submit_bucket`). A local leader's `covered_ranks` go in
+        every chunk, on every shard's stream.
 
         Raises:
             ValueError: `buffer` is not a whole number of `dtype` elements (sharded only).
@@ -282,7 +288,7 @@ class Transport:
         welcome = self._inbox.welcome
         shard_count = max(1, len(welcome.shards)) if welcome is not None else 1
         reply_dtype = 0 if result is None else result_dtype
-        upload = BucketUpload(step, bucket_index, buffer, dtype, reply_dtype)
+        upload = BucketUpload(step, bucket_index, buffer, dtype, reply_dtype, covered_ranks)
         parts = split_upload(upload, shard_count)
         self._inbox.expect_bucket(
             step, bucket_index, buffer if result is None else result, reply_dtype or dtype

@@ -309,13 +309,17 @@ CASES: dict[str, Case] = {
 }
 
 
+def is_uneven(case: Case) -> bool:
+    """Whether ranks of `case` have different numbers of batches (the loop uses join())."""
+    return any(case.batches_per_rank(r) != STEPS for r in range(8))
+
+
 def train(case: Case, model: nn.Module, wrapped: Any, rank: int) -> None:
     """Run `case`'s loop on `wrapped` (a DDP-like wrapper around `model`)."""
     optimizer = case.optimizer(model.parameters())
     scaler = torch.amp.GradScaler("cpu", init_scale=1024.0) if case.scaler else None
     forward = torch.compile(wrapped) if case.compile else wrapped
-    uneven = any(case.batches_per_rank(r) != STEPS for r in range(8))
-    join = wrapped.join() if uneven else contextlib.nullcontext()
+    join = wrapped.join() if is_uneven(case) else contextlib.nullcontext()
     with join:
         for step in range(case.batches_per_rank(rank)):
             optimizer.zero_grad(set_to_none=True)

@@ -109,12 +109,14 @@ def test_ddp_arguments_are_accepted_and_the_inapplicable_ones_warned_about_once(
             find_unused_parameters=True,
             static_graph=True,
             gradient_as_bucket_view=True,
+            mixed_precision=object(),
             process_group=object(),
             dim=1,
         )
     (warning,) = caught
     message = str(warning.message)
-    assert "gradient_as_bucket_view" in message and "process_group" in message and "dim" in message
+    assert "mixed_precision" in message and "process_group" in message and "dim" in message
+    assert "gradient_as_bucket_view" not in message
     assert "find_unused_parameters" not in message and "static_graph" not in message
 
 

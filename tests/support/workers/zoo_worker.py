@@ -48,6 +48,9 @@ def wrap_gradsync(case: zoo.Case, model: nn.Module, args: argparse.Namespace) ->
         job_id=f"zoo-{case.name}",
         timeout_s=60,
         join_timeout_s=60,
+        # Neither a comm hook nor join() runs inside a local group, and every rank of
+        # this test shares one host: such cases aggregate flat.
+        hierarchical="auto" if case.comm_hook is None and not zoo.is_uneven(case) else False,
         **case.ddp_options,
     )
     if case.comm_hook == "fp16":

@@ -1,0 +1,545 @@
+"""The ranks of one host summing their gradients in shared memory (hierarchical aggregation).
+
+A `LocalGroup` is formed after the Welcome (`gradsync.local_rendezvous`:
+abstract Unix socket, secret, one anonymous segment passed by fd, laid out
+by `gradsync.local_segment`). Per bucket per step:
+
+1. every member copies its bucket into its slot (one `np.copyto` per
+   segment) and sends POSTED(step, bucket) to the leader;
+2. when every live member posted, the leader sends REDUCE to all; member j
+   sums share j of the bucket's elements over the slots, in local-rank order,
+   into the result region and answers REDUCED;
+3. when every share is summed the leader hands the result region to its
+   callback (the coordinator upload, `gradsync.hierarchy`), whose averages
+   land in the result region;
+4. the leader sends AVERAGED(step, contributors); every member copies the
+   result region into its own buffers and answers COPIED. The leader sends
+   no REDUCE of a later step before every COPIED: the result region is
+   shared.
+
+Each member runs one I/O thread that blocks in `select`/`recv` (the GIL
+released) and does the summing, so reductions overlap the backward pass.
+
+Faults: a peer's EOF is recorded. A wait that needs that peer then polls the
+coordinator's verdict on this rank's own Sync stream for 3 heartbeat
+intervals + 5 s (the caller's `poll` raises it: it names the lost rank), and
+otherwise raises a `GradSyncError` naming the local peer. When the caller's
+`excused` says the coordinator dropped a lost follower (elastic), the
+leader excludes it from every bucket it had not posted and sums its shares
+itself. Posted buckets keep it: its gradient is in its slot, and counts.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import selectors
+import socket
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from gradsync.buffers import BucketBuffer
+from gradsync.errors import GradSyncError, SyncTimeoutError
+from gradsync.link import BucketEventHandler
+from gradsync.local_rendezvous import MAX_MESSAGE_BYTES, Kind, follow, frame, lead, parse
+from gradsync.local_segment import LOCAL_DTYPES, Segment, SegmentLayout, shm_dir, sum_share
+
+log = logging.getLogger("gradsync.client")
+
+#: How often a wait looks at the coordinator's side while nothing happens locally.
+POLL_S = 0.05
+#: Added to 3 heartbeat intervals: how long a lost peer's verdict is waited for.
+VERDICT_MARGIN_S = 5.0
+
+#: Leader: (step, bucket, dtype, covered global ranks) of a summed bucket; quick, never raises.
+ReducedHandler = Callable[[int, int, int, tuple[int, ...]], None]
+#: A wait's look at the coordinator: blocks up to the given seconds, raises its verdict.
+Poll = Callable[[float], None]
+#: Whether the coordinator dropped a (lost) global rank from the job.
+Excused = Callable[[int], bool]
+
+
+@dataclass
+class _Pending:
+    """Leader: one bucket of one step between its first POSTED and its hand-off."""
+
+    dtype: int
+    posted: set[int] = field(default_factory=set)
+    covered: tuple[int, ...] = ()
+    summed: set[int] = field(default_factory=set)
+    reducing: bool = False
+
+
+class LocalGroup:
+    """This rank's membership in its host's local group (see the module docstring).
+
+    Use `form`. `post` is called by autograd hooks (never blocks on a peer);
+    `wait_reduced` (leader) and `wait_averaged` (follower) are the bounded waits.
+    """
+
+    def __init__(
+        self,
+        rank: int,
+        ranks: Sequence[int],
+        layout: SegmentLayout,
+        segment: Segment,
+        peers: dict[int, socket.socket],
+        on_reduced: ReducedHandler | None,
+        heartbeat_interval_s: float,
+    ) -> None:
+        self.rank = rank
+        self.ranks = list(ranks)
+        self.slot = self.ranks.index(rank)
+        self.is_leader = self.slot == 0
+        self.layout = layout
+        self.segment = segment
+        self._peers = peers
+        self._on_reduced = on_reduced
+        self.verdict_s = 3 * heartbeat_interval_s + VERDICT_MARGIN_S
+        #: Observer of "local_reduce_start" / "local_reduce_end" (the leader's).
+        self.on_event: BucketEventHandler | None = None
+        self._cond = threading.Condition()
+        self._closed = False
+        self._fatal: GradSyncError | None = None
+        #: Slot -> why it is gone (EOF, error, or BYE).
+        self._lost: dict[int, str] = {}
+        self._excluded: set[int] = set()
+        #: This rank's own submitted buffers of each step, for the copy-out.
+        self._buffers: dict[int, dict[int, BucketBuffer]] = {}
+        # Leader only.
+        self._pending: dict[tuple[int, int], _Pending] = {}
+        self._handed: dict[int, set[int]] = {}
+        self._newest_step = -1
+        self._awaiting_copied: set[int] = set()
+        self._deferred: list[tuple[int, int]] = []
+        # Follower only: step -> contributors.
+        self._averaged: dict[int, int] = {}
+        self._wake_rx: socket.socket | None = None
+        self._wake_tx: socket.socket | None = None
+        if self.is_leader:
+            self._wake_rx, self._wake_tx = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        self._thread = threading.Thread(
+            target=self._run_leader if self.is_leader else self._run_follower,
+            name=f"gradsync-local-r{rank}",
+            daemon=True,
+        )
+        self._thread.start()
+
+    @classmethod
+    def form(
+        cls,
+        *,
+        job_id: str,
+        rank: int,
+        ranks: Sequence[int],
+        secret: bytes,
+        bucket_bytes: Sequence[int],
+        timeout_s: float,
+        heartbeat_interval_s: float,
+        on_reduced: ReducedHandler | None = None,
+        directory: str | None = None,
+    ) -> LocalGroup:
+        """Meet the other ranks of `ranks` (ascending; the first leads); bounded by `timeout_s`.
+
+        Raises:
+            SharedMemoryError: the segment does not fit in `directory` (every member raises it).
+            SyncTimeoutError: a member did not turn up in time.
+            GradSyncError: refused (wrong secret), or the leader went away.
+        """
+        ranks = list(ranks)
+        layout = SegmentLayout(tuple(bucket_bytes), len(ranks))
+        deadline = time.monotonic() + timeout_s
+        if rank == ranks[0]:
+            formed = lead(job_id, ranks, secret, layout, deadline, directory or shm_dir())
+        else:
+            formed = follow(job_id, rank, ranks, secret, deadline)
+            if formed.segment_bytes != layout.total_bytes:
+                formed.peers[0].close()
+                raise GradSyncError(
+                    f"local leader rank {ranks[0]} made a {formed.segment_bytes}-byte segment; "
+                    f"this rank's buckets need {layout.total_bytes}",
+                    rank=rank,
+                )
+        segment = Segment(formed.segment_fd, layout)
+        return cls(rank, ranks, layout, segment, formed.peers, on_reduced, heartbeat_interval_s)
+
+    def set_reduced_handler(self, on_reduced: ReducedHandler) -> None:
+        """Leader: what to do with each summed bucket (set before the first post)."""
+        self._on_reduced = on_reduced
+
+    # ------------------------------------------------------------ training thread
+    def post(self, step: int, bucket_index: int, buffer: BucketBuffer, dtype: int) -> None:
+        """Copy a bucket into this rank's slot and tell the leader. Never blocks on a peer.
+
+        Raises:
+            ValueError: a dtype the local group cannot sum, or a bucket of the wrong size.
+        """
+        if dtype not in LOCAL_DTYPES:
+            raise ValueError(f"a local group sums float32/float64 buckets, not dtype {dtype}")
+        slot = self.segment.slot(self.slot, bucket_index)
+        if buffer.size != slot.size:
+            raise ValueError(
+                f"bucket {bucket_index} has {buffer.size} bytes, the local group {slot.size}"
+            )
+        position = 0
+        for piece in buffer.segments:
+            np.copyto(slot[position : position + piece.size], piece)
+            position += piece.size
+        with self._cond:
+            self._buffers.setdefault(step, {})[bucket_index] = buffer
+        self._send_leader(frame(Kind.POSTED, bucket_index, step, dtype))
+
+    def wait_reduced(
+        self, step: int, num_buckets: int, timeout_s: float, poll: Poll, excused: Excused
+    ) -> None:
+        """Leader: block until every bucket of `step` was summed and handed off."""
+        self._wait(
+            lambda: len(self._handed.get(step, ())) >= num_buckets,
+            timeout_s,
+            f"the local sums of step {step}",
+            poll,
+            excused,
+        )
+
+    def publish_averaged(self, step: int, contributors: int) -> None:
+        """Leader: the averages of `step` are in the result region: tell everyone, copy out."""
+        with self._cond:
+            live = [s for s in self._peers if s not in self._lost and s not in self._excluded]
+            self._awaiting_copied = set(live)
+            self._handed.pop(step, None)
+        for slot in live:
+            self._send(slot, frame(Kind.AVERAGED, 0, step, contributors))
+        self._copy_out(step)
+
+    def wait_averaged(self, step: int, timeout_s: float, poll: Poll, excused: Excused) -> int:
+        """Follower: block until the leader says the averages of `step` are in; copy them out.
+
+        Returns:
+            The number of ranks averaged over.
+        """
+        self._wait(
+            lambda: step in self._averaged,
+            timeout_s,
+            f"the averages of step {step} from local leader rank {self.ranks[0]}",
+            poll,
+            excused,
+        )
+        with self._cond:
+            contributors = self._averaged.pop(step)
+            for old in [s for s in self._averaged if s < step]:
+                del self._averaged[old]
+        self._copy_out(step)
+        self._send_leader(frame(Kind.COPIED, 0, step))
+        return contributors
+
+    def forget(self, step: int) -> None:
+        """Drop what this rank kept of `step` (it was aborted or abandoned)."""
+        with self._cond:
+            for old in [s for s in self._buffers if s <= step]:
+                del self._buffers[old]
+
+    def close(self, timeout_s: float = 2.0) -> None:
+        """Say goodbye, stop the I/O thread, unmap the segment. Idempotent."""
+        with self._cond:
+            if self._closed:
+                return
+            self._closed = True
+        for slot in list(self._peers):
+            self._send(slot, frame(Kind.BYE))
+            with contextlib.suppress(OSError):
+                self._peers[slot].shutdown(socket.SHUT_RDWR)
+        if self._wake_tx is not None:
+            with contextlib.suppress(OSError):
+                self._wake_tx.send(frame(Kind.BYE))
+        self._thread.join(timeout_s)
+        for conn in [*self._peers.values(), self._wake_rx, self._wake_tx]:
+            if conn is not None:
+                conn.close()
+        self.segment.close()
+
+    # ------------------------------------------------------------ waiting
+    def _wait(
+        self, ready: Callable[[], bool], timeout_s: float, what: str, poll: Poll, excused: Excused
+    ) -> None:
+        """Wait for `ready`, polling the coordinator; a lost peer gets its bounded verdict wait."""
+        deadline = time.monotonic() + timeout_s
+        verdict_by: float | None = None
+        while True:
+            with self._cond:
+                if self._fatal is not None:
+                    raise self._fatal
+                if ready():
+                    return
+                blocking = self._blocking_loss()
+                if blocking is None:
+                    verdict_by = None
+                    self._cond.wait(POLL_S)
+            now = time.monotonic()
+            if blocking is None:
+                poll(0.0)
+            else:
+                slot, why = blocking
+                if verdict_by is None:
+                    verdict_by = now + self.verdict_s
+                poll(POLL_S)  # the coordinator's word on it (PeerLostError names the rank)
+                if self.is_leader and excused(self.ranks[slot]):
+                    self._exclude(slot)
+                    verdict_by = None
+                elif time.monotonic() >= verdict_by:
+                    raise GradSyncError(
+                        f"lost local {'follower' if self.is_leader else 'leader'} rank "
+                        f"{self.ranks[slot]} ({why}) while waiting for {what}; the coordinator "
+                        f"said nothing about it within {self.verdict_s:g}s",
+                        rank=self.rank,
+                    )
+            if now >= deadline:
+                raise SyncTimeoutError(
+                    f"timed out after {timeout_s:g}s waiting for {what}", rank=self.rank
+                )
+
+    def _blocking_loss(self) -> tuple[int, str] | None:
+        """A lost peer this rank still depends on (under the lock)."""
+        for slot, why in sorted(self._lost.items()):
+            if slot not in self._excluded:
+                return slot, why
+        return None
+
+    def _exclude(self, slot: int) -> None:
+        """Leader: stop waiting for `slot` (dropped by the coordinator); the I/O thread re-plans."""
+        log.warning(
+            "rank %d: local rank %d was dropped from the job; the local group goes on without it",
+            self.rank,
+            self.ranks[slot],
+        )
+        # Excluded before the I/O thread hears of it: it re-plans from `_excluded`.
+        with self._cond:
+            self._excluded.add(slot)
+        if self._wake_tx is not None:
+            with contextlib.suppress(OSError):
+                self._wake_tx.send(frame(Kind.EXCLUDE, slot))
+
+    def _copy_out(self, step: int) -> None:
+        """Copy the result region into this rank's buffers of `step` (one copyto per segment)."""
+        with self._cond:
+            buffers = self._buffers.pop(step, {})
+            for old in [s for s in self._buffers if s < step]:
+                del self._buffers[old]
+        for bucket_index, buffer in buffers.items():
+            result = self.segment.result(bucket_index)
+            position = 0
+            for piece in buffer.segments:
+                np.copyto(piece, result[position : position + piece.size])
+                position += piece.size
+
+    # ------------------------------------------------------------ sending
+    def _send_leader(self, message: bytes) -> None:
+        if self.is_leader:
+            assert self._wake_tx is not None
+            try:
+                self._wake_tx.send(message)
+            except OSError as exc:
+                self._record_fatal(f"the local group's I/O thread is gone ({exc})")
+        else:
+            self._send(0, message)
+
+    def _send(self, slot: int, message: bytes) -> None:
+        conn = self._peers.get(slot)
+        if conn is None:
+            return
+        try:
+            conn.send(message)
+        except OSError as exc:
+            self._peer_lost(slot, f"sending failed: {exc.strerror or exc}")
+
+    def _record_fatal(self, why: str) -> None:
+        with self._cond:
+            if self._fatal is None and not self._closed:
+                self._fatal = GradSyncError(why, rank=self.rank)
+            self._cond.notify_all()
+
+    def _peer_lost(self, slot: int, why: str) -> None:
+        with self._cond:
+            if slot in self._lost or self._closed:
+                return
+            self._lost[slot] = why
+            self._awaiting_copied.discard(slot)
+            self._cond.notify_all()
+        if why != "closed its side":
+            log.warning("rank %d: lost local rank %d: %s", self.rank, self.ranks[slot], why)
+
+    # ------------------------------------------------------------ follower I/O thread
+    def _run_follower(self) -> None:
+        conn = self._peers[0]
+        while True:
+            try:
+                raw = conn.recv(MAX_MESSAGE_BYTES)
+            except OSError as exc:
+                raw, error = b"", str(exc)
+            else:
+                error = "its connection ended (EOF: it died or was killed)"
+            if not raw:
+                self._peer_lost(0, error)
+                return
+            kind, number, step, value, tail = parse(raw)
+            if kind == Kind.REDUCE:
+                covered = np.frombuffer(tail, dtype=np.uint16).tolist()
+                sum_share(self.segment, number, value, self.slot, covered)
+                self._send(0, frame(Kind.REDUCED, number, step))
+            elif kind == Kind.AVERAGED:
+                with self._cond:
+                    self._averaged[step] = value
+                    self._cond.notify_all()
+            elif kind == Kind.BYE:
+                self._peer_lost(0, "closed its side")
+                return
+            elif kind == Kind.ERROR:
+                self._record_fatal(
+                    f"local leader rank {self.ranks[0]}: {tail.decode(errors='replace')}"
+                )
+
+    # ------------------------------------------------------------ leader I/O thread
+    def _run_leader(self) -> None:
+        assert self._wake_rx is not None
+        selector = selectors.DefaultSelector()
+        selector.register(self._wake_rx, selectors.EVENT_READ, 0)
+        for peer_slot, peer in self._peers.items():
+            selector.register(peer, selectors.EVENT_READ, peer_slot)
+        try:
+            while True:
+                self._flush_deferred()
+                for key, _ in selector.select():  # blocks without the GIL
+                    slot: int = key.data
+                    conn: socket.socket = key.fileobj  # type: ignore[assignment]
+                    try:
+                        raw = conn.recv(MAX_MESSAGE_BYTES)
+                        why = "its connection ended (EOF: it died or was killed)"
+                    except OSError as exc:
+                        raw, why = b"", f"its connection failed: {exc}"
+                    bye = bool(raw) and parse(raw)[0] == Kind.BYE
+                    if slot == 0:
+                        if bye or not raw:
+                            return  # closing
+                        self._on_leader_message(0, raw)
+                    elif bye or not raw:
+                        selector.unregister(conn)
+                        self._peer_lost(slot, "closed its side" if bye else why)
+                        self._reduce_for_lost(slot)
+                    else:
+                        self._on_leader_message(slot, raw)
+        except Exception as exc:  # a bug here must surface at the next wait, not hang it
+            log.exception("rank %d: the local group's I/O thread failed", self.rank)
+            self._record_fatal(f"the local group's I/O thread failed: {exc!r}")
+        finally:
+            selector.close()
+
+    def _flush_deferred(self) -> None:
+        """Send the REDUCEs held back while a follower still read the result region."""
+        with self._cond:
+            if self._awaiting_copied or not self._deferred:
+                return
+            deferred, self._deferred = self._deferred, []
+        for key in deferred:
+            self._maybe_reduce(*key)
+
+    def _on_leader_message(self, slot: int, raw: bytes) -> None:
+        kind, number, step, value, _ = parse(raw)
+        if kind == Kind.POSTED:
+            # The leader's own posts come through the wake pipe as slot 0.
+            self._on_posted(slot, step, number, value)
+        elif kind == Kind.REDUCED:
+            with self._cond:
+                pending = self._pending.get((step, number))
+                if pending is not None:
+                    pending.summed.add(slot)
+            self._maybe_hand_off(step, number)
+        elif kind == Kind.COPIED:
+            with self._cond:
+                self._awaiting_copied.discard(slot)
+            self._flush_deferred()
+        elif kind == Kind.EXCLUDE:
+            self._reduce_for_lost(number)
+            with self._cond:
+                keys = list(self._pending)
+            for key in keys:
+                self._maybe_reduce(*key)
+
+    def _on_posted(self, slot: int, step: int, bucket_index: int, dtype: int) -> None:
+        with self._cond:
+            if step < self._newest_step:
+                return  # a step the others already left (aborted): nothing to sum
+            if step > self._newest_step:
+                self._newest_step = step
+                for key in [k for k in self._pending if k[0] < step]:
+                    del self._pending[key]
+                for old in [s for s in self._handed if s < step]:
+                    del self._handed[old]
+                self._deferred = [k for k in self._deferred if k[0] >= step]
+            pending = self._pending.setdefault((step, bucket_index), _Pending(dtype))
+            pending.posted.add(slot)
+        self._maybe_reduce(step, bucket_index)
+
+    def _maybe_reduce(self, step: int, bucket_index: int) -> None:
+        """Send REDUCE once every live member posted; sum this leader's (and lost ranks') shares."""
+        with self._cond:
+            pending = self._pending.get((step, bucket_index))
+            if pending is None or pending.reducing:
+                return
+            live = {s for s in range(len(self.ranks)) if s not in self._excluded}
+            if not live <= pending.posted:
+                return
+            if self._awaiting_copied:  # a follower still reads the result region
+                self._deferred.append((step, bucket_index))
+                return
+            pending.reducing = True
+            pending.covered = tuple(sorted(pending.posted))
+            gone = {s for s in range(len(self.ranks)) if s in self._lost or s in self._excluded}
+            mine = sorted({0} | gone)
+            pending.summed.update(mine)
+            dtype = pending.dtype
+        self._event("local_reduce_start", step, bucket_index)
+        message = frame(
+            Kind.REDUCE, bucket_index, step, dtype, np.array(pending.covered, np.uint16).tobytes()
+        )
+        for slot in self._peers:
+            if slot not in gone:
+                self._send(slot, message)
+        for share in mine:
+            sum_share(self.segment, bucket_index, dtype, share, pending.covered)
+        self._maybe_hand_off(step, bucket_index)
+
+    def _reduce_for_lost(self, slot: int) -> None:
+        """Sum `slot`'s share of every bucket it was told to sum and did not (it is gone)."""
+        with self._cond:
+            todo = [
+                (key, p) for key, p in self._pending.items() if p.reducing and slot not in p.summed
+            ]
+            for _, pending in todo:
+                pending.summed.add(slot)
+        for (step, bucket_index), pending in todo:
+            sum_share(self.segment, bucket_index, pending.dtype, slot, pending.covered)
+            self._maybe_hand_off(step, bucket_index)
+
+    def _maybe_hand_off(self, step: int, bucket_index: int) -> None:
+        with self._cond:
+            pending = self._pending.get((step, bucket_index))
+            if pending is None or len(pending.summed) < len(self.ranks):
+                return
+            del self._pending[(step, bucket_index)]
+        self._event("local_reduce_end", step, bucket_index)
+        covered = tuple(self.ranks[s] for s in pending.covered)
+        if self._on_reduced is not None:
+            self._on_reduced(step, bucket_index, pending.dtype, covered)
+        with self._cond:
+            self._handed.setdefault(step, set()).add(bucket_index)
+            self._cond.notify_all()
+
+    def _event(self, event: str, step: int, bucket_index: int) -> None:
+        if self.on_event is not None:
+            try:
+                self.on_event(event, step, bucket_index)
+            except Exception:  # instrumentation must never break the data path
+                log.exception("bucket event handler failed")
