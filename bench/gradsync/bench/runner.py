@@ -16,7 +16,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from gradsync.bench import sharded, suites
+from gradsync.bench import netns_hosts, sharded, suites
 
 
 @dataclass(frozen=True)
@@ -40,6 +40,12 @@ class BenchPlan:
     netns_layouts: tuple[str, ...] = sharded.LAYOUTS
     #: Shard counts of the dedicated and colocated layouts; empty = S = W.
     netns_shards: list[int] = field(default_factory=list)
+    #: Hierarchical aggregation rows: a hierarchical gradsync job beside the flat one in the
+    #: loopback rows (S = 1) and the train rows, and (with the single layout) the netns
+    #: suite's H hosts x R ranks rows.
+    hierarchy: bool = True
+    netns_hosts: int = 2
+    netns_ranks_per_host: int = 2
     suites: tuple[str, ...] = ("loopback", "train", "netns")
 
     @classmethod
@@ -55,6 +61,7 @@ class BenchPlan:
             netns_sizes_mb=[16.0],
             netns_reps=2,
             netns_layouts=("single",),
+            hierarchy=False,
         )
 
 
@@ -96,12 +103,12 @@ def run(plan: BenchPlan) -> dict[str, Any]:
     if "loopback" in plan.suites:
         print("loopback sync: gradsync vs gloo ...", file=sys.stderr, flush=True)
         document["suites"]["loopback"] = suites.loopback_suite(
-            plan.sizes_mb, plan.worlds, plan.reps, plan.loopback_shards
+            plan.sizes_mb, plan.worlds, plan.reps, plan.loopback_shards, plan.hierarchy
         )
     if "train" in plan.suites:
         print("end-to-end training: gradsync vs torchrun + DDP ...", file=sys.stderr, flush=True)
         document["suites"]["train"] = suites.train_suite(
-            plan.train_worlds, plan.train_model_mb, plan.train_steps
+            plan.train_worlds, plan.train_model_mb, plan.train_steps, plan.hierarchy
         )
     if "netns" in plan.suites:
         print("emulated cluster (network namespaces) ...", file=sys.stderr, flush=True)
@@ -116,6 +123,18 @@ def run(plan: BenchPlan) -> dict[str, Any]:
         document["suites"]["netns"] = rows
         if reason:
             document["skipped"]["netns"] = reason
+        # Its coordinator is one host, like the single layout's: it goes with that layout.
+        if plan.hierarchy and "single" in plan.netns_layouts:
+            rows, reason = netns_hosts.hierarchy_suite(
+                plan.netns_sizes_mb,
+                plan.netns_reps,
+                plan.netns_rate_mbit,
+                plan.netns_hosts,
+                plan.netns_ranks_per_host,
+            )
+            document["suites"]["netns_hierarchy"] = rows
+            if reason:
+                document["skipped"]["netns_hierarchy"] = reason
     finished = datetime.datetime.now(datetime.UTC)
     document["duration_s"] = (finished - started).total_seconds()
     return document
@@ -163,7 +182,8 @@ def markdown(document: dict[str, Any]) -> str:
         lines += _table(
             "**Sync micro-benchmark, loopback** (one sync of N MB; median of A B A B reps)",
             "W | S | N MB | gradsync ms | gloo ms | gradsync MB/s | gloo MB/s | ratio | "
-            "gradsync CPU-s/GB | gloo CPU-s/GB | coordinator cores (busiest process)",
+            "gradsync CPU-s/GB | gloo CPU-s/GB | coordinator cores (busiest process) | "
+            "hierarchical ms | hierarchical MB/s | ratio | hierarchical CPU-s/GB",
             [
                 [
                     f"{r['world_size']}",
@@ -177,6 +197,7 @@ def markdown(document: dict[str, Any]) -> str:
                     f"{r['gradsync']['cpu_s_per_gb']:.2f}",
                     f"{r['gloo']['cpu_s_per_gb']:.2f}",
                     _server_cores(r["gradsync"]),
+                    *_hierarchical_cells(r),
                 ]
                 for r in loopback
             ],
@@ -186,7 +207,8 @@ def markdown(document: dict[str, Any]) -> str:
         lines += _table(
             "**End-to-end training, loopback** (samples/s; MLP, fp32)",
             "W | model MB | local | gradsync | gradsync, no overlap | torchrun DDP | "
-            "ratio to DDP | exposed comm ms (gradsync / DDP) | overlap gain",
+            "ratio to DDP | exposed comm ms (gradsync / DDP) | overlap gain | "
+            "gradsync hierarchical | ratio to DDP",
             [
                 [
                     f"{r['world_size']}",
@@ -195,6 +217,14 @@ def markdown(document: dict[str, Any]) -> str:
                     f"{r['ratio_to_ddp']:.2f}",
                     f"{r['exposed_comm_ms']:.0f} / {r['ddp_exposed_comm_ms']:.0f}",
                     f"{r['overlap_gain']:.2f}x",
+                    *(
+                        (
+                            f"{r['samples_per_s'][suites.HIERARCHICAL]:.0f}",
+                            f"{r['hierarchical_ratio_to_ddp']:.2f}",
+                        )
+                        if suites.HIERARCHICAL in r["samples_per_s"]
+                        else ("-", "-")
+                    ),
                 ]
                 for r in train
             ],
@@ -227,9 +257,62 @@ def markdown(document: dict[str, Any]) -> str:
                 for r in netns
             ],
         )
+    lines += _hierarchy_table(document["suites"].get("netns_hierarchy", []))
     for suite, reason in document.get("skipped", {}).items():
         lines.append(f"Suite {suite} skipped: {reason}")
     return "\n".join(lines) + "\n"
+
+
+def _hierarchical_cells(row: dict[str, Any]) -> list[str]:
+    """A loopback row's hierarchical columns ("-" where it has none)."""
+    stats = row.get(suites.HIERARCHICAL)
+    if stats is None:
+        return ["-"] * 4
+    return [
+        f"{stats['median_ms']:.1f}",
+        f"{stats['algbw_mb_s']:.0f}",
+        f"{row['hierarchical_bandwidth_ratio']:.2f}",
+        f"{stats['cpu_s_per_gb']:.2f}",
+    ]
+
+
+def _mb_per_host(row: dict[str, Any], method: str) -> str:
+    """Up / down MB per sync of the busiest host link, e.g. "16.8 / 16.8"."""
+    hosts = row["link_bytes"][method].values()
+    up = max(h["tx"] for h in hosts) / 1e6
+    down = max(h["rx"] for h in hosts) / 1e6
+    return f"{up:.1f} / {down:.1f}"
+
+
+def _hierarchy_table(rows: list[dict[str, Any]]) -> list[str]:
+    """The netns hierarchy rows: times against bounds and bytes per host link."""
+    if not rows:
+        return []
+    return _table(
+        "**Emulated hosts of several ranks** (network namespaces, links shaped to B; H hosts x "
+        "R ranks; bounds: flat W·N/B, hierarchical H·N/B (one contribution per host), gloo "
+        "2(W-1)/W·N/B; host link MB per sync, up / down, busiest host)",
+        "H x R | N MB | B Mbit/s | flat ms (bound) | hierarchical ms (bound) | of bound | "
+        "gloo ms (bound) | hierarchical / flat time | flat MB/host | hierarchical MB/host | "
+        "gloo MB/host | hierarchical / flat bytes",
+        [
+            [
+                f"{r['hosts']} x {r['ranks_per_host']}",
+                f"{r['megabytes']:g}",
+                f"{r['rate_mbit']:g}",
+                f"{r['gradsync']['median_ms']:.0f} ({r['gradsync_bound_ms']:.0f})",
+                f"{r['hierarchical']['median_ms']:.0f} ({r['hierarchical_bound_ms']:.0f})",
+                f"{r['hierarchical_of_bound']:.0%}",
+                f"{r['gloo']['median_ms']:.0f} ({r['gloo_bound_ms']:.0f})",
+                f"{r['hierarchical_to_flat_time']:.2f}",
+                _mb_per_host(r, "gradsync"),
+                _mb_per_host(r, "hierarchical"),
+                _mb_per_host(r, "gloo"),
+                f"{r['hierarchical_to_flat_bytes']:.2f}",
+            ]
+            for r in rows
+        ],
+    )
 
 
 def plot(document: dict[str, Any], path: Path) -> None:

@@ -1,8 +1,11 @@
 """The benchmark suites behind `gradsync bench`: each returns rows of measured numbers.
 
-- loopback: one sync of N MB, gradsync vs gloo `all_reduce`, alternating A B A B.
+- loopback: one sync of N MB, gradsync vs gloo `all_reduce`, alternating A B A B;
+  with hierarchy, a hierarchical gradsync job (all W ranks one local group: they
+  sum in shared memory, one upload) joins the rotation, A B C A B C.
 - train: end-to-end training samples/s, gradsync vs torchrun + torch DDP (gloo),
-  against a no-communication baseline and gradsync with overlap switched off.
+  against a no-communication baseline and gradsync with overlap switched off;
+  with hierarchy, also gradsync with `hierarchical=True` (torchrun's LOCAL_* env).
 - netns (in `gradsync.bench.sharded`): the loopback measurement on an emulated
   cluster (network namespaces, every host link shaped to B Mbit/s), per
   coordinator layout, each time set against its analytic bound.
@@ -29,6 +32,8 @@ MIB = 1 << 20
 Row = dict[str, Any]
 #: The train suite's runs: no communication, gradsync, gradsync without overlap, torch DDP.
 TRAIN_MODES = ("local", "gradsync", "sequential", "ddp")
+#: The extra train mode with hierarchy: gradsync with `hierarchical=True`.
+HIERARCHICAL = "hierarchical"
 
 
 def _wait_all(processes: Sequence[subprocess.Popen[str]], timeout_s: float, what: str) -> None:
@@ -70,7 +75,7 @@ def _summarize_sync(
     """
     summary = {}
     gigabytes = megabytes / 1024
-    for method in ("gradsync", "gloo"):
+    for method in records[0]:
         reps = len(records[0][method])
         walls = [max(r[method][i]["wall_s"] for r in records) for i in range(reps)]
         cpu = sum(x["cpu_s"] + x["coordinator_cpu_s"] for r in records for x in r[method])
@@ -103,12 +108,16 @@ def run_sync_workers(
     launchers: Sequence[Launcher],
     server_pids: Sequence[int],
     timeout_s: float | None = None,
+    methods: Sequence[str] = ("gradsync",),
+    link_stats: str | None = None,
 ) -> dict[str, dict[str, float]]:
     """Run the W sync workers against a running coordinator at `address`; summarize.
 
     `server_pids` are the coordinator's processes (leader first, then its shards), whose CPU
     time rank 0 samples around every gradsync sync. `timeout_s` bounds the whole run
-    (default: 120 s plus one second per MB and repetition).
+    (default: 120 s plus one second per MB, repetition and method). `methods` are the
+    gradsync jobs timed besides gloo ("gradsync" flat, "hierarchical"); with `link_stats`
+    each rank also records that interface's byte counters (`read_sync_records`).
     """
     processes = [
         launchers[rank](
@@ -132,15 +141,22 @@ def run_sync_workers(
                 ",".join(str(pid) for pid in server_pids) if rank == 0 else "",
                 "--out",
                 str(workdir / f"sync-{rank}.json"),
+                "--methods",
+                ",".join(methods),
+                *(("--link-stats", link_stats) if link_stats else ()),
             ]
         )
         for rank in range(world_size)
     ]
     if timeout_s is None:
-        timeout_s = 120 + reps * megabytes
+        timeout_s = 120 + reps * megabytes * len(methods)
     _wait_all(processes, timeout_s=timeout_s, what="sync benchmark worker")
-    records = [json.loads((workdir / f"sync-{r}.json").read_text()) for r in range(world_size)]
-    return _summarize_sync(records, megabytes, os.cpu_count() or 1)
+    return _summarize_sync(read_sync_records(workdir, world_size), megabytes, os.cpu_count() or 1)
+
+
+def read_sync_records(workdir: Path, world_size: int) -> list[dict[str, list[dict[str, Any]]]]:
+    """What each sync worker recorded, by rank: {method: [one dict per repetition]}."""
+    return [json.loads((workdir / f"sync-{r}.json").read_text()) for r in range(world_size)]
 
 
 def run_sync_pair(
@@ -156,10 +172,12 @@ def run_sync_pair(
     gloo_address: str = "127.0.0.1",
     coordinator_bind: str = "127.0.0.1",
     serve_flags: Sequence[str] = (),
+    methods: Sequence[str] = ("gradsync",),
 ) -> dict[str, dict[str, float]]:
     """One (W, N) point of the sync micro-benchmark; hosts are given by launchers.
 
-    `serve_flags` go to `gradsync serve` (e.g. `--shards 2`: local shard processes).
+    `serve_flags` go to `gradsync serve` (e.g. `--shards 2`: local shard processes);
+    `methods` to the workers (see `run_sync_workers`).
     """
     coordinator, port = start_coordinator(
         world_size,
@@ -180,17 +198,27 @@ def run_sync_pair(
             gloo=gloo,
             launchers=worker_launchers or [local_launch] * world_size,
             server_pids=[coordinator.pid],
+            methods=methods,
         )
     finally:
         stop_process(coordinator)
 
 
 def loopback_suite(
-    sizes_mb: Sequence[float], worlds: Sequence[int], reps: int, shards: Sequence[int] = (1,)
+    sizes_mb: Sequence[float],
+    worlds: Sequence[int],
+    reps: int,
+    shards: Sequence[int] = (1,),
+    hierarchy: bool = False,
 ) -> list[Row]:
-    """Suite (a): loopback sync, gradsync vs gloo; with S > 1, `serve --shards S`."""
+    """Suite (a): loopback sync, gradsync vs gloo; with S > 1, `serve --shards S`.
+
+    With `hierarchy`, rows with S = 1 also time a hierarchical job (key "hierarchical",
+    its bandwidth over gloo's in "hierarchical_bandwidth_ratio").
+    """
     rows = []
     for shard_count in shards:
+        methods = ("gradsync", HIERARCHICAL) if hierarchy and shard_count == 1 else ("gradsync",)
         serve_flags = ("--shards", str(shard_count)) if shard_count > 1 else ()
         for world_size in worlds:
             for megabytes in sizes_mb:
@@ -201,18 +229,22 @@ def loopback_suite(
                         reps,
                         workdir=Path(scratch),
                         serve_flags=serve_flags,
+                        methods=methods,
                     )
-                rows.append(
-                    {
-                        "world_size": world_size,
-                        "shards": shard_count,
-                        "megabytes": megabytes,
-                        "reps": reps,
-                        **result,
-                        "bandwidth_ratio": result["gradsync"]["algbw_mb_s"]
-                        / result["gloo"]["algbw_mb_s"],
-                    }
-                )
+                row = {
+                    "world_size": world_size,
+                    "shards": shard_count,
+                    "megabytes": megabytes,
+                    "reps": reps,
+                    **result,
+                    "bandwidth_ratio": result["gradsync"]["algbw_mb_s"]
+                    / result["gloo"]["algbw_mb_s"],
+                }
+                if HIERARCHICAL in result:
+                    row["hierarchical_bandwidth_ratio"] = (
+                        result[HIERARCHICAL]["algbw_mb_s"] / result["gloo"]["algbw_mb_s"]
+                    )
+                rows.append(row)
     return rows
 
 
@@ -244,8 +276,12 @@ def _torchrun(
     return dict(json.loads(out.read_text()))
 
 
-def train_suite(worlds: Sequence[int], model_mb: float, steps: int) -> list[Row]:
-    """Suite (b): samples/s of gradsync vs torchrun + DDP, local and no-overlap baselines."""
+def train_suite(
+    worlds: Sequence[int], model_mb: float, steps: int, hierarchy: bool = False
+) -> list[Row]:
+    """Suite (b): samples/s of gradsync vs torchrun + DDP, local and no-overlap baselines;
+    with `hierarchy` also gradsync with `hierarchical=True` (one local group of W)."""
+    modes = (*TRAIN_MODES, HIERARCHICAL) if hierarchy else TRAIN_MODES
     rows = []
     for world_size in worlds:
         coordinator, port = start_coordinator(world_size, launch=local_launch)
@@ -256,23 +292,26 @@ def train_suite(worlds: Sequence[int], model_mb: float, steps: int) -> list[Row]
                     mode: _torchrun(
                         world_size, mode, Path(scratch) / f"{mode}.json", model_mb, steps, env
                     )
-                    for mode in TRAIN_MODES
+                    for mode in modes
                 }
         finally:
             stop_process(coordinator)
         step_ms = {m: r["seconds"] / r["steps"] * 1e3 for m, r in results.items()}
-        rows.append(
-            {
-                "world_size": world_size,
-                "model_mb": model_mb,
-                "steps": steps,
-                "samples_per_s": {m: r["samples_per_s"] for m, r in results.items()},
-                "step_ms": step_ms,
-                "ratio_to_ddp": results["gradsync"]["samples_per_s"]
-                / results["ddp"]["samples_per_s"],
-                "exposed_comm_ms": step_ms["gradsync"] - step_ms["local"],
-                "ddp_exposed_comm_ms": step_ms["ddp"] - step_ms["local"],
-                "overlap_gain": step_ms["sequential"] / step_ms["gradsync"],
-            }
-        )
+        row: Row = {
+            "world_size": world_size,
+            "model_mb": model_mb,
+            "steps": steps,
+            "samples_per_s": {m: r["samples_per_s"] for m, r in results.items()},
+            "step_ms": step_ms,
+            "ratio_to_ddp": results["gradsync"]["samples_per_s"] / results["ddp"]["samples_per_s"],
+            "exposed_comm_ms": step_ms["gradsync"] - step_ms["local"],
+            "ddp_exposed_comm_ms": step_ms["ddp"] - step_ms["local"],
+            "overlap_gain": step_ms["sequential"] / step_ms["gradsync"],
+        }
+        if HIERARCHICAL in results:
+            row["hierarchical_ratio_to_ddp"] = (
+                results[HIERARCHICAL]["samples_per_s"] / results["ddp"]["samples_per_s"]
+            )
+            row["hierarchical_exposed_comm_ms"] = step_ms[HIERARCHICAL] - step_ms["local"]
+        rows.append(row)
     return rows

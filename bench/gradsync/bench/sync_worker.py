@@ -4,7 +4,15 @@ Run by `gradsync bench` (suites "loopback" and "netns"), never by hand. Each
 repetition times one gradsync synchronization of N bytes of gradients (a
 backward pass through a trivially cheap graph, so the time is the sync) and
 one gloo `all_reduce` of a tensor of the same size, A B A B, so machine drift
-hits both alike. CPU time is process-wide (all threads); rank 0 also samples
+hits both alike. With `--methods gradsync,hierarchical` a second gradsync job
+(own parameters, job id <job>-hier, `hierarchical=True`: ranks on one host
+sum in shared memory and only the local leader uploads) joins the rotation,
+A B C A B C; the plain "gradsync" job is flat (`hierarchical=False`), so its
+numbers mean the same as before hierarchy existed. `--link-stats IFACE` records
+the interface's tx/rx byte counters around every timed operation (between the
+barriers), i.e. this host's traffic for it.
+
+CPU time is process-wide (all threads); rank 0 also samples
 the CPU time of the coordinator's processes (the leader, its shards, and their
 children, all on this machine: network namespaces share one process table)
 from /proc, so the coordinator's work is counted, process by process.
@@ -25,6 +33,16 @@ import torch
 import torch.distributed as dist
 
 MIB = 1 << 20
+#: The gradsync methods a worker can time, and their `hierarchical=` argument.
+GRADSYNC_METHODS = {"gradsync": False, "hierarchical": True}
+
+
+def link_bytes(interface: str | None) -> dict[str, int]:
+    """This host's tx/rx byte counters of `interface` so far ({} without one)."""
+    if interface is None:
+        return {}
+    statistics = Path("/sys/class/net") / interface / "statistics"
+    return {d: int((statistics / f"{d}_bytes").read_text()) for d in ("tx", "rx")}
 
 
 def process_cpu_s(pid: int) -> float:
@@ -72,22 +90,35 @@ def main() -> None:
     )
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--job-id", default="bench")
+    parser.add_argument(
+        "--methods",
+        default="gradsync",
+        help="gradsync jobs to time besides gloo: gradsync (flat), hierarchical",
+    )
+    parser.add_argument("--link-stats", default=None, help="interface to count bytes on")
     args = parser.parse_args()
     torch.set_num_threads(1)
 
     elements = int(args.megabytes * MIB) // 4
     # Four parameters, like a model of a few layers: several buckets, overlapped.
     pieces = [elements // 4] * 3 + [elements - 3 * (elements // 4)]
-    params = [torch.nn.Parameter(torch.zeros(n)) for n in pieces]
-    model = gradsync.DistributedDataParallel(
-        torch.nn.ParameterList(params),
-        coordinator=args.coordinator,
-        rank=args.rank,
-        world_size=args.world_size,
-        job_id=args.job_id,
-        timeout_s=600,
-        join_timeout_s=120,
-    )
+    methods = args.methods.split(",")
+    params: dict[str, list[torch.nn.Parameter]] = {}
+    models = []
+    for method in methods:
+        params[method] = [torch.nn.Parameter(torch.zeros(n)) for n in pieces]
+        models.append(
+            gradsync.DistributedDataParallel(
+                torch.nn.ParameterList(params[method]),
+                coordinator=args.coordinator,
+                rank=args.rank,
+                world_size=args.world_size,
+                job_id=args.job_id if method == "gradsync" else f"{args.job_id}-hier",
+                timeout_s=600,
+                join_timeout_s=120,
+                hierarchical=GRADSYNC_METHODS[method],
+            )
+        )
     dist.init_process_group(
         "gloo",
         init_method=f"tcp://{args.gloo_master}",
@@ -98,17 +129,19 @@ def main() -> None:
     ones = torch.ones(1)
     servers = [args.coordinator_pid] if args.coordinator_pid else []
     servers += [int(pid) for pid in args.server_pids.split(",") if pid]
-    records: dict[str, list[dict[str, Any]]] = {"gradsync": [], "gloo": []}
+    records: dict[str, list[dict[str, Any]]] = {method: [] for method in [*methods, "gloo"]}
 
     def timed(name: str, operation: object) -> None:
         dist.barrier()
-        sample = servers if name == "gradsync" else []
+        sample = servers if name != "gloo" else []
         servers_before = server_cpu_s(sample)
+        link_before = link_bytes(args.link_stats)
         cpu_before, wall_before = time.process_time(), time.perf_counter()
         operation()  # type: ignore[operator]
         wall = time.perf_counter() - wall_before
         cpu = time.process_time() - cpu_before
         dist.barrier()
+        link_after = link_bytes(args.link_stats)
         # Per server process, so a report can tell whether the shards spread over the cores.
         by_process = {
             pid: after - servers_before.get(pid, 0.0) for pid, after in server_cpu_s(sample).items()
@@ -119,23 +152,27 @@ def main() -> None:
                 "cpu_s": cpu,
                 "coordinator_cpu_s": sum(by_process.values()),
                 "server_cpu_s": by_process,
+                **{f"link_{d}": link_after[d] - link_before[d] for d in link_after},
             }
         )
 
-    def gradsync_sync() -> None:
-        loss = sum((p * ones).sum() for p in params)
+    def gradsync_sync(method: str) -> None:
+        loss = sum((p * ones).sum() for p in params[method])
         loss.backward()  # type: ignore[union-attr]
 
     def gloo_sync() -> None:
         dist.all_reduce(tensor)
 
     # One untimed round each: connections, allocations, page faults.
-    gradsync_sync()
+    for method in methods:
+        gradsync_sync(method)
     gloo_sync()
     for _ in range(args.reps):
-        timed("gradsync", gradsync_sync)
+        for method in methods:
+            timed(method, lambda method=method: gradsync_sync(method))
         timed("gloo", gloo_sync)
-    model.close()
+    for model in models:
+        model.close()
     dist.barrier()  # see train_worker: gloo aborts a rank whose peer tore down first
     dist.destroy_process_group()
     args.out.write_text(json.dumps(records))

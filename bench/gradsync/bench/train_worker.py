@@ -2,8 +2,11 @@
 
 Modes (same model, same per-rank batch, one CPU thread per rank):
   local       no communication at all: the ceiling.
-  gradsync    gradsync.DistributedDataParallel, uploads overlapped with backward.
-  sequential  gradsync with overlap off: every bucket uploaded after backward.
+  gradsync    gradsync.DistributedDataParallel (flat: hierarchical=False), uploads
+              overlapped with backward.
+  sequential  gradsync (flat) with overlap off: every bucket uploaded after backward.
+  hierarchical  gradsync with hierarchical=True: the ranks torchrun started on this
+              host (LOCAL_RANK, LOCAL_WORLD_SIZE) sum in shared memory, one uploads.
   ddp         torch.nn.parallel.DistributedDataParallel over gloo.
 Rank 0 writes {"mode", "steps", "seconds", "samples_per_s"} as JSON.
 """
@@ -37,7 +40,9 @@ def build_model(megabytes: float) -> nn.Module:
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--mode", choices=["local", "gradsync", "sequential", "ddp"], required=True)
+    parser.add_argument(
+        "--mode", choices=["local", "gradsync", "sequential", "hierarchical", "ddp"], required=True
+    )
     parser.add_argument("--model-mb", type=float, default=32.0)
     parser.add_argument("--batch", type=int, default=32)
     parser.add_argument("--steps", type=int, default=10)
@@ -53,12 +58,13 @@ def main() -> None:
     if args.mode == "ddp":
         dist.init_process_group("gloo")
         model = nn.parallel.DistributedDataParallel(module)
-    elif args.mode in ("gradsync", "sequential"):
+    elif args.mode in ("gradsync", "sequential", "hierarchical"):
         import gradsync
 
         model = gradsync.DistributedDataParallel(
             module,
-            overlap=args.mode == "gradsync",
+            overlap=args.mode != "sequential",
+            hierarchical=args.mode == "hierarchical",
             timeout_s=600,
             join_timeout_s=120,
             job_id=f"bench-{args.mode}",
