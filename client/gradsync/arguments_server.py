@@ -158,6 +158,13 @@ def add_serve_flags(parser: argparse.ArgumentParser) -> None:
         help="elastic: the fewest live workers to go on with (default %(default)s)",
     )
     parser.add_argument(
+        "--no-payload-socket",
+        dest="payload_socket",
+        action="store_false",
+        help="move every gradient payload over TCP, also those of local leaders on this "
+        "coordinator's host (which otherwise go through their shared memory; for debugging)",
+    )
+    parser.add_argument(
         "--nonfinite",
         choices=defaults.NONFINITE_POLICIES,
         default=defaults.NONFINITE,

@@ -17,7 +17,7 @@ transport's event loop thread (no lock), and imports neither grpc nor asyncio.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
 from gradsync.buffers import BucketBuffer
@@ -40,6 +40,9 @@ class BucketUpload:
     reply_dtype: int = 0
     #: A local leader's partial sum: the ranks it holds (every chunk says so); () = own.
     covered_ranks: tuple[int, ...] = ()
+    #: Same-host payload path: `buffer` lies at this offset of the segment the
+    #: coordinator holds; chunks then carry no payload, only where it lies. None = TCP.
+    segment_offset: int | None = None
 
 
 @dataclass
@@ -126,7 +129,7 @@ def range_messages(
         if progress.ranges_left == 0:
             on_event("upload_end", upload.step, upload.bucket_index)
         return
-    for offset, pieces in upload.buffer.range_chunks(part.lo, part.hi, chunk_bytes):
+    for offset, pieces in _chunks(upload, part, chunk_bytes):
         header = ChunkHeader(
             step=upload.step,
             membership_epoch=epoch,
@@ -136,9 +139,22 @@ def range_messages(
             reply_dtype=upload.reply_dtype,
             covered_ranks=upload.covered_ranks,
         )
+        if upload.segment_offset is not None:
+            header.in_segment, header.segment_offset = True, upload.segment_offset + offset
         message = encode_gradient(header, pieces)
         if offset == last_offset:  # handed to gRPC next: this range's end
             progress.ranges_left -= 1
             if progress.ranges_left == 0:
                 on_event("upload_end", upload.step, upload.bucket_index)
         yield message
+
+
+def _chunks(
+    upload: BucketUpload, part: RangeUpload, chunk_bytes: int
+) -> Iterator[tuple[int, Sequence[memoryview]]]:
+    """(offset, payload pieces) of each chunk; no pieces when the payload stays in the segment."""
+    if upload.segment_offset is None:
+        yield from upload.buffer.range_chunks(part.lo, part.hi, chunk_bytes)
+        return
+    for offset, _ in chunking.range_chunk_spans(part.lo, part.hi, chunk_bytes):
+        yield offset, ()

@@ -223,6 +223,7 @@ def _serve(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
             metrics_port=args.metrics_port,
             on_failure=args.on_failure,
             nonfinite=args.nonfinite,
+            payload_socket=args.payload_socket,
             min_workers=args.min_workers,
             max_collective_bytes=int(args.max_collective_mb * MIB),
             shard_count=shard_count,

@@ -12,6 +12,11 @@ them (in local-rank order), and only the leader uploads each sum, with
 every member then copies out. The coordinator sums the units (flat ranks and
 local groups) in ascending leader rank, and divides by the ranks covered.
 
+A leader on the coordinator's own host (its Welcome names a payload socket)
+hands the segment to the coordinator (`gradsync.payload_segment`) and
+uploads each sum header-only: the coordinator reads it from the result
+region and writes the averages back there, so no payload crosses TCP.
+
 Hierarchy v1 sums float32/float64 buckets with no comm hook and no
 `wire_dtype` (`check_hierarchical` decides before joining).
 """
@@ -31,7 +36,9 @@ from gradsync.buffers import BucketBuffer
 from gradsync.errors import GradSyncError, SyncTimeoutError
 from gradsync.link import BucketEventHandler, CoordinatorLink
 from gradsync.local_group import LocalGroup
+from gradsync.payload_segment import register_segment
 from gradsync.protocol import defaults
+from gradsync.protocol.payload_socket import Registration
 from gradsync.v1 import gradsync_pb2 as pb
 
 log = logging.getLogger("gradsync.client")
@@ -94,7 +101,16 @@ class HierarchicalLink:
         self.group = group
         self._num_buckets = len(bucket_bytes)
         self._heartbeat_s = welcome.heartbeat_interval_s or defaults.HEARTBEAT_INTERVAL_S
+        #: The coordinator holds the segment: uploads and averages stay in shared memory.
+        self.in_segment = False
         if group.is_leader:
+            fd = group.segment.fd
+            if welcome.payload_socket and fd is not None:
+                self.in_segment = register_segment(
+                    welcome.payload_socket,
+                    Registration(welcome.job_id, group.rank, welcome.session),
+                    fd,
+                )
             group.on_event = self._event
             group.set_reduced_handler(self._upload)
 
@@ -113,13 +129,14 @@ class HierarchicalLink:
         result: BucketBuffer | None = None,
         result_dtype: int = 0,
         covered_ranks: tuple[int, ...] = (),
+        segment_offset: int | None = None,
     ) -> None:
         """Post the bucket into this rank's slot; the group sums it, the leader uploads it.
 
         Raises:
             ValueError: averages asked in another dtype (a comm hook: hierarchy v1 has none).
         """
-        if result is not None or covered_ranks:
+        if result is not None or covered_ranks or segment_offset is not None:
             raise ValueError(
                 "a local group uploads full-precision buckets only (no comm hook); "
                 "pass hierarchical=False"
@@ -178,7 +195,16 @@ class HierarchicalLink:
             result.size,
         )
         self._event("host_upload", step, bucket_index)
-        self.link.submit_bucket(step, bucket_index, result, dtype, covered_ranks=covered)
+        self.link.submit_bucket(
+            step,
+            bucket_index,
+            result,
+            dtype,
+            covered_ranks=covered,
+            segment_offset=(
+                self.group.segment.result_offset(bucket_index) if self.in_segment else None
+            ),
+        )
 
     def _averaged_events(self, step: int) -> None:
         for bucket_index in range(self._num_buckets):

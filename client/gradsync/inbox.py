@@ -259,10 +259,20 @@ class Inbox:
         with self._cond:
             return self._shared.checkpoint_acks.pop(step)
 
-    def expect_bucket(self, step: int, bucket_index: int, buffer: BucketBuffer, dtype: int) -> None:
-        """Register where the averages of an uploaded bucket (in `dtype`) are to be written."""
+    def expect_bucket(
+        self,
+        step: int,
+        bucket_index: int,
+        buffer: BucketBuffer,
+        dtype: int,
+        segment_offset: int | None = None,
+    ) -> None:
+        """Register where the averages of an uploaded bucket (in `dtype`) are to be written.
+
+        `segment_offset`: uploaded through the segment from there (the averages land in place).
+        """
         with self._cond:
-            self._steps.expect(step, bucket_index, buffer, dtype)
+            self._steps.expect(step, bucket_index, buffer, dtype, segment_offset)
 
     def wait_step(self, step: int, timeout_s: float) -> int:
         """Block until every averaged bucket of `step` was written back into its buffer.

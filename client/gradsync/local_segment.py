@@ -135,16 +135,21 @@ class Segment:
     """A mapped segment: numpy views of every member's slot and of the result region.
 
     Args:
-        fd: the segment's file (closed here once mapped: the mapping keeps it).
+        fd: the segment's file, owned from here on: kept open until `close`,
+            so that a local leader can hand it to a coordinator on its host
+            (`gradsync.payload_segment`). It has no name: nothing outlives the job.
         layout: where the buckets lie.
     """
 
     def __init__(self, fd: int, layout: SegmentLayout) -> None:
         self.layout = layout
+        self.fd: int | None = fd
         try:
             self._map: mmap.mmap | None = mmap.mmap(fd, layout.total_bytes, mmap.MAP_SHARED)
-        finally:
+        except BaseException:
             os.close(fd)
+            self.fd = None
+            raise
         whole = np.frombuffer(self._map, dtype=np.uint8)
         offsets = layout.offsets
         #: [region][bucket] -> uint8 view; region `members` is the result.
@@ -164,8 +169,15 @@ class Segment:
         """A bucket's sum, then its averages (bytes)."""
         return self.views[self.layout.members][bucket_index]
 
+    def result_offset(self, bucket_index: int) -> int:
+        """Where a bucket's result (its sum, then its averages) lies in the file."""
+        return self.layout.region(self.layout.members) + self.layout.offsets[bucket_index]
+
     def close(self) -> None:
-        """Unmap, unless views are still held elsewhere (then the GC unmaps it)."""
+        """Close the file and unmap, unless views are still held (then the GC unmaps it)."""
+        if self.fd is not None:
+            os.close(self.fd)
+            self.fd = None
         self.views = []
         if self._map is not None:
             # A BucketBuffer of the transport may still hold a view: the GC unmaps then.

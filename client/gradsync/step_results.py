@@ -50,6 +50,8 @@ class _StepResult:
     expected: dict[int, dict[int, int]] = field(default_factory=dict)
     #: Per bucket: the offsets of the averaged chunks written back so far.
     arrived: dict[int, set[int]] = field(default_factory=dict)
+    #: Per bucket uploaded through the segment: its offset there (the averages land in place).
+    segment_offsets: dict[int, int] = field(default_factory=dict)
     received: dict[int, int] = field(default_factory=dict)
     contributors: int = 0
     complete_buckets: int = 0
@@ -77,7 +79,14 @@ class StepResults:
         #: still average a range of it and send that after the step was taken.
         self._aborted: deque[int] = deque(maxlen=_ABORTED_STEPS_REMEMBERED)
 
-    def expect(self, step: int, bucket_index: int, buffer: BucketBuffer, dtype: int) -> None:
+    def expect(
+        self,
+        step: int,
+        bucket_index: int,
+        buffer: BucketBuffer,
+        dtype: int,
+        segment_offset: int | None = None,
+    ) -> None:
         """Register where the averages of an uploaded bucket are to be written.
 
         Args:
@@ -86,6 +95,9 @@ class StepResults:
                 upload: twice the bytes, on the grid of its own ranges).
             dtype: the dtype the averages come back in (where the shards' ranges
                 are cut depends on its element size).
+            segment_offset: the bucket was uploaded from the segment the
+                coordinator holds, from this offset (same-host payload path): an
+                average may come back written there, in a header-only chunk.
         """
         result = self._ensure(step)
         result.buffers[bucket_index] = buffer
@@ -93,6 +105,10 @@ class StepResults:
             buffer.size, dtype, self.shard_count, self.chunk_bytes
         )
         result.arrived[bucket_index] = set()
+        if segment_offset is None:
+            result.segment_offsets.pop(bucket_index, None)
+        else:
+            result.segment_offsets[bucket_index] = segment_offset
 
     def watch(self, step: int) -> None:
         """Start tracking `step` (a wait on it may begin before any bucket was uploaded).
@@ -150,13 +166,21 @@ class StepResults:
                 f"averaged bucket {bucket} of step {chunk.step} arrived before this rank "
                 "uploaded it"
             )
-        problem = _check_chunk(chunk, len(payload), result.expected[bucket], result.arrived[bucket])
+        length = len(payload)
+        if chunk.in_segment:
+            problem = _segment_problem(chunk, length, result.segment_offsets.get(bucket))
+            if problem is not None:
+                return problem
+            # Already in place: the coordinator wrote it where the upload came from.
+            length = result.expected[bucket].get(chunk.offset, 0)
+        problem = _check_chunk(chunk, length, result.expected[bucket], result.arrived[bucket])
         if problem is not None:
             return problem
-        buffer.write(chunk.offset, payload)
+        if not chunk.in_segment:
+            buffer.write(chunk.offset, payload)
         arrived = result.arrived[bucket]
         arrived.add(chunk.offset)
-        result.received[bucket] = result.received.get(bucket, 0) + len(payload)
+        result.received[bucket] = result.received.get(bucket, 0) + length
         result.contributors = (
             min(result.contributors, chunk.contributors)
             if result.contributors
@@ -205,6 +229,24 @@ def _check_chunk(
         return (
             f"{where} at offset {chunk.offset} arrived twice "
             f"({length} bytes, {len(arrived)} of {len(expected)} chunks received)"
+        )
+    return None
+
+
+def _segment_problem(chunk: ChunkHeader, length: int, base: int | None) -> str | None:
+    """What is wrong with an average said to be written into the segment, or None.
+
+    It must answer a chunk this rank uploaded through the segment, at the very
+    place that chunk came from, and carry no payload.
+    """
+    where = f"averaged chunk of bucket {chunk.bucket_index} of step {chunk.step}"
+    if base is None:
+        return f"{where} says it was written into the segment, but was not uploaded from there"
+    if chunk.segment_offset != base + chunk.offset or length:
+        return (
+            f"{where} at offset {chunk.offset} says it was written at segment offset "
+            f"{chunk.segment_offset} with {length} payload bytes; its upload came from "
+            f"{base + chunk.offset} and such a chunk carries none"
         )
     return None
 

@@ -272,6 +272,7 @@ class Transport:
         result: BucketBuffer | None = None,
         result_dtype: int = 0,
         covered_ranks: tuple[int, ...] = (),
+        segment_offset: int | None = None,
     ) -> None:
         """Queue one bucket for upload; its averages will be written back into `buffer`.
 
@@ -280,7 +281,9 @@ class Transport:
         `result`, every chunk asks for the average in `result_dtype` and it is
         written there, on the grid of `result`'s own ranges (see
         `CoordinatorLink.submit_bucket`). A local leader's `covered_ranks` go in
-        every chunk, on every shard's stream.
+        every chunk, on every shard's stream. With `segment_offset` (a local
+        leader whose segment the coordinator holds; unsharded, no `result`),
+        chunks travel header-only and the averages land in `buffer` in place.
 
         Raises:
             ValueError: `buffer` is not a whole number of `dtype` elements (sharded only).
@@ -288,10 +291,18 @@ class Transport:
         welcome = self._inbox.welcome
         shard_count = max(1, len(welcome.shards)) if welcome is not None else 1
         reply_dtype = 0 if result is None else result_dtype
-        upload = BucketUpload(step, bucket_index, buffer, dtype, reply_dtype, covered_ranks)
+        if shard_count > 1 or result is not None:
+            segment_offset = None  # the coordinator reads whole buckets in their own dtype
+        upload = BucketUpload(
+            step, bucket_index, buffer, dtype, reply_dtype, covered_ranks, segment_offset
+        )
         parts = split_upload(upload, shard_count)
         self._inbox.expect_bucket(
-            step, bucket_index, buffer if result is None else result, reply_dtype or dtype
+            step,
+            bucket_index,
+            buffer if result is None else result,
+            reply_dtype or dtype,
+            segment_offset,
         )
         if self._loop.is_closed():
             raise ClosedError("the transport is closed", rank=self.rank)

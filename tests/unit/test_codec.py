@@ -21,6 +21,8 @@ def random_header(rng: random.Random) -> ChunkHeader:
         contributors=rng.choice([0, 2, 64]),
         reply_dtype=rng.choice([0, 0, 1, 4]),
         covered_ranks=rng.choice([(), (0,), (3, 4, 7), (5, 2**32 - 1), tuple(range(200))]),
+        in_segment=rng.choice([False, True]),
+        segment_offset=rng.choice([0, 64, 2**40 + 7]),
     )
 
 
@@ -99,3 +101,21 @@ def test_covered_ranks_travel_as_field_10_packed_or_not() -> None:
         decode_gradient(b"\x12" + bytes([len(cut)]) + cut)
     with pytest.raises(DecodeError):
         pb.WorkerMessage.FromString(b"\x12" + bytes([len(cut)]) + cut)
+
+
+def test_in_segment_travels_as_fields_11_and_12() -> None:
+    """The same-host path's header-only chunk survives both parsers; any non-zero bool is True."""
+    header = ChunkHeader(
+        step=4, bucket_index=2, offset=4096, dtype=1, in_segment=True, segment_offset=1 << 33
+    )
+    encoded = encode_gradient(header, b"")
+    parsed = pb.WorkerMessage.FromString(encoded).gradient
+    assert parsed.in_segment and parsed.segment_offset == 1 << 33 and parsed.payload == b""
+    assert pb.GradientChunk.DESCRIPTOR.fields_by_name["in_segment"].number == 11
+    assert pb.GradientChunk.DESCRIPTOR.fields_by_name["segment_offset"].number == 12
+    assert decode_gradient(encoded) == (header, memoryview(b""))
+    body = b"\x08\x01\x58\x02"  # step 1, in_segment = 2 (protobuf reads True)
+    raw = b"\x12" + bytes([len(body)]) + body
+    decoded = decode_gradient(raw)
+    assert decoded is not None and decoded[0].in_segment is True
+    assert header_of(pb.WorkerMessage.FromString(raw).gradient) == decoded[0]

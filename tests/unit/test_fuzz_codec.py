@@ -72,7 +72,7 @@ def encode_field(field: int, wire_type: int, value: int | bytes) -> bytes:
 
 
 integers = st.one_of(st.sampled_from(EDGES), st.integers(0, 2**70 - 1), st.integers(0, 300))
-field_numbers = st.one_of(st.integers(1, 10), st.sampled_from([0, 15, 16, 2**29 - 1, 2**29]))
+field_numbers = st.one_of(st.integers(1, 12), st.sampled_from([0, 15, 16, 2**29 - 1, 2**29]))
 wire_types = st.sampled_from([0, 0, 0, 1, 2, 2, 3, 4, 5, 6, 7])
 
 
@@ -157,6 +157,8 @@ headers = st.builds(
     contributors=st.integers(0, U32),
     reply_dtype=st.sampled_from(list(pb.DType.values())),
     covered_ranks=st.lists(st.integers(0, U32), max_size=6).map(tuple),
+    in_segment=st.booleans(),
+    segment_offset=st.integers(0, U64),
 )
 payloads = st.lists(st.binary(max_size=300), max_size=4)
 

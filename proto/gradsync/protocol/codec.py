@@ -35,6 +35,7 @@ _INT_FIELDS = {
     6: "encoding",
     8: "contributors",
     9: "reply_dtype",
+    12: "segment_offset",
 }
 _UINT64_MAX = (1 << 64) - 1
 _UINT32_MAX = (1 << 32) - 1
@@ -51,11 +52,14 @@ _INT_FIELD_MAX = {
     6: _ENUM_MAX,
     8: _UINT32_MAX,
     9: _ENUM_MAX,
+    12: _UINT64_MAX,
 }
 _MAX_FIELD_NUMBER = (1 << 29) - 1
 #: GradientChunk.covered_ranks: repeated uint32, packed by protobuf's encoder (both
 #: forms are read, as protobuf reads them: each unpacked varint or packed run appends).
 _COVERED_FIELD = 10
+#: GradientChunk.in_segment: a bool (any non-zero varint reads as True, as in protobuf).
+_IN_SEGMENT_FIELD = 11
 
 
 @dataclass(slots=True)
@@ -74,6 +78,11 @@ class ChunkHeader:
     #: Worker -> coordinator, from a local leader: the ranks its partial sum holds,
     #: ascending, the leader first (empty = the sender's own gradient).
     covered_ranks: tuple[int, ...] = ()
+    #: Same-host payload path: the payload is (worker -> coordinator) or was put
+    #: (coordinator -> worker) in the sender's registered segment, not in the message.
+    in_segment: bool = False
+    #: With `in_segment`: where the chunk's bytes lie in that segment.
+    segment_offset: int = 0
 
 
 def _varint(value: int) -> bytes:
@@ -107,6 +116,8 @@ def encode_gradient(
         contributors=header.contributors,
         reply_dtype=header.reply_dtype,  # type: ignore[arg-type]
         covered_ranks=header.covered_ranks,
+        in_segment=header.in_segment,
+        segment_offset=header.segment_offset,
     ).SerializeToString()
     length = sum(memoryview(part).nbytes for part in parts)
     inner = fields + _PAYLOAD_TAG + _varint(length)
@@ -163,6 +174,8 @@ def decode_gradient(raw: bytes) -> tuple[ChunkHeader, memoryview] | None:
                 if value > _UINT32_MAX:
                     return None  # protobuf truncates it: take protobuf's reading
                 covered.append(value)
+            elif field == _IN_SEGMENT_FIELD:
+                header.in_segment = value != 0
             elif name is not None:
                 if value > _INT_FIELD_MAX[field]:
                     return None  # protobuf truncates it: take protobuf's reading
@@ -176,7 +189,7 @@ def decode_gradient(raw: bytes) -> tuple[ChunkHeader, memoryview] | None:
             elif field == _COVERED_FIELD:
                 if not _read_packed(view, position, position + size, covered):
                     return None
-            elif field in _INT_FIELDS:
+            elif field in _INT_FIELDS or field == _IN_SEGMENT_FIELD:
                 return None  # packed or otherwise unusual: protobuf handles it
             position += size
         elif wire_type == _WIRE_FIXED64:
@@ -222,4 +235,6 @@ def header_of(chunk: pb.GradientChunk) -> ChunkHeader:
         contributors=chunk.contributors,
         reply_dtype=chunk.reply_dtype,
         covered_ranks=tuple(chunk.covered_ranks),
+        in_segment=chunk.in_segment,
+        segment_offset=chunk.segment_offset,
     )

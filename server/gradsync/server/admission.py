@@ -112,8 +112,13 @@ def new_job(
     clock: Callable[[], float],
     metrics: CoordinatorMetrics,
     shard_map: Callable[[], list[pb.ShardAddress] | None],
+    payload_endpoint: tuple[str, str] | None = None,
 ) -> Job:
-    """A new job named `job_id`, configured as the coordinator's flags say."""
+    """A new job named `job_id`, configured as the coordinator's flags say.
+
+    `payload_endpoint`: (socket name, coordinator host id) of the same-host
+    payload path, None when it is off (see `gradsync.server.segments`).
+    """
     return Job(
         job_id,
         config.world_size,
@@ -131,4 +136,5 @@ def new_job(
         shard_count=config.shard_count,
         nonfinite=config.nonfinite,
         max_checkpoint_bytes=config.max_checkpoint_bytes,
+        payload_endpoint=payload_endpoint,
     )

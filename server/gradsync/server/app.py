@@ -19,10 +19,12 @@ from dataclasses import dataclass
 
 import grpc
 from gradsync.protocol.exposition import MetricsServer, serve_metrics
+from gradsync.protocol.host import host_id
 from gradsync.server.auth_check import bind, interceptors, server_credentials
 from gradsync.server.config import MIB, ServerConfig
 from gradsync.server.local_shards import LocalShards
 from gradsync.server.metrics import CoordinatorMetrics
+from gradsync.server.payload_socket import PayloadSocket
 from gradsync.server.servicer import SERVICE_NAME, SHUTDOWN_FLUSH_S, CoordinatorServicer
 from gradsync.server.stores import open_store, redacted_store_url
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -41,6 +43,7 @@ class RunningServer:
     watchdog: asyncio.Task[None]
     metrics_server: MetricsServer | None = None
     local_shards: LocalShards | None = None
+    payload_socket: PayloadSocket | None = None
 
     async def stop(self, grace_s: float | None = None) -> None:
         """Stop accepting joins, let streams finish for `grace_s`, then close.
@@ -62,6 +65,9 @@ class RunningServer:
         if self.local_shards is not None:
             await self.local_shards.stop()
         await stopping
+        if self.payload_socket is not None:
+            self.payload_socket.close()
+        self.servicer.segments.close()  # every stream is gone: no descriptor stays open
         self.watchdog.cancel()
         if self.metrics_server is not None:
             self.metrics_server.close()
@@ -113,10 +119,17 @@ async def start_server(config: ServerConfig) -> RunningServer:
     if port == 0:
         raise OSError(f"could not bind the coordinator to {address}")
     await server.start()
+    payload_socket = None
+    if config.payload_socket and config.shard_count == 1:
+        # Same-host local leaders may move payloads through their segments (`segments`).
+        payload_socket = PayloadSocket(asyncio.get_running_loop(), servicer.admit_segment)
+        servicer.payload_endpoint = (payload_socket.name, config.host_id or host_id())
     for service in ("", SERVICE_NAME):
         await health_servicer.set(service, health_pb2.HealthCheckResponse.SERVING)
     watchdog = asyncio.create_task(servicer.watchdog.run())
-    running = RunningServer(server, port, servicer, health_servicer, watchdog, metrics_server)
+    running = RunningServer(
+        server, port, servicer, health_servicer, watchdog, metrics_server, None, payload_socket
+    )
     if config.local_shards and config.shard_count > 1:
         running.local_shards = LocalShards(config, port)
         await running.local_shards.start()

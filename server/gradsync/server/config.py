@@ -81,6 +81,12 @@ class ServerConfig:
             status; the step goes on, as under DDP), "abort" (the step is aborted for
             every rank, which raise NonFiniteGradientError) or "allow" (no check).
             Shards learn it from the leader (`ShardAccepted.nonfinite`).
+        payload_socket: same-host local leaders move gradient payloads through their
+            shared-memory segments instead of TCP (`gradsync.server.segments`);
+            unsharded only. False (`--no-payload-socket`): everything over TCP.
+        host_id: this coordinator's host id, which a local leader's Join.host_id must
+            equal for the payload path; "" = `gradsync.protocol.host.host_id()`
+            ($GRADSYNC_HOST_ID, else the machine and network namespace).
     """
 
     world_size: int
@@ -121,6 +127,8 @@ class ServerConfig:
     store_timeout_s: float = defaults.STORE_TIMEOUT_S
     redis_password: str | None = field(default=None, repr=False)
     nonfinite: str = defaults.NONFINITE
+    payload_socket: bool = True
+    host_id: str = ""
 
     def __post_init__(self) -> None:
         if self.world_size < 1:

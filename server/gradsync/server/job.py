@@ -91,6 +91,9 @@ class Job(JobEnding):
             `gradsync.server.nonfinite`).
         max_checkpoint_bytes: the largest checkpoint or healing state accepted (None: the
             budget's limit). Its bytes count in `budget` as they arrive.
+        payload_endpoint: (abstract socket name, the coordinator's host id) of the
+            same-host payload path, or None when it is off: a local leader whose
+            Join.host_id equals that id is told the socket in its Welcome (unsharded only).
     """
 
     def __init__(
@@ -111,8 +114,10 @@ class Job(JobEnding):
         shard_count: int = 1,
         nonfinite: str = defaults.NONFINITE,
         max_checkpoint_bytes: int | None = None,
+        payload_endpoint: tuple[str, str] | None = None,
     ) -> None:
         self.job_id = job_id
+        self.payload_endpoint = payload_endpoint
         # Every part of the job counts its bytes under this job's share of the budget.
         job_budget = budget.for_owner(job_id)
         blob_limit = budget.limit if max_checkpoint_bytes is None else max_checkpoint_bytes
@@ -288,7 +293,22 @@ class Job(JobEnding):
         local_ranks, local_secret = self.membership.local_group_of(rank)
         message.welcome.local_ranks.extend(local_ranks)
         message.welcome.local_secret = local_secret
+        message.welcome.payload_socket = self._payload_socket_for(rank, local_ranks)
         return Send((rank,), message)
+
+    def _payload_socket_for(self, rank: int, local_ranks: Sequence[int]) -> str:
+        """The payload socket for a same-host local leader of an unsharded job, else "".
+
+        Only a leader uploads (and gets averages), and only an unsharded
+        coordinator holds whole buckets to read from one segment.
+        """
+        if self.payload_endpoint is None or self.shards or not local_ranks:
+            return ""
+        name, coordinator_host = self.payload_endpoint
+        member = self.members.get(rank)
+        if local_ranks[0] != rank or member is None or member.host_id != coordinator_host:
+            return ""
+        return name
 
     def _welcome_message(self, resume_bytes: int = 0) -> pb.CoordinatorMessage:
         """The Welcome of this job as it stands (for assembly and for newcomers).

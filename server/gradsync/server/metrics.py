@@ -149,6 +149,14 @@ class CoordinatorMetrics:
             "Averaged gradient payload bytes sent to workers (counted once per receiving rank).",
             registry=r,
         )
+        self._segment_bytes = Counter(
+            "gradsync_segment_bytes",
+            "Gradient payload bytes read from (and averages written into) the shared-memory "
+            "segments of same-host local leaders instead of TCP (also counted in the "
+            "received/sent totals).",
+            ["direction"],
+            registry=r,
+        )
         self._chunks_received = Counter(
             "gradsync_chunks_received_total", "Gradient chunks received.", registry=r
         )
@@ -236,6 +244,10 @@ class CoordinatorMetrics:
         self._chunks_received.inc()
         self._received_bytes.inc(nbytes)
         self._totals.received += nbytes
+
+    def observe_segment_bytes(self, direction: str, nbytes: int) -> None:
+        """`nbytes` moved through a worker's segment: direction "read" or "written"."""
+        self._segment_bytes.labels(direction).inc(nbytes)
 
     # Per bucket.
     def observe_bucket_arrival(self, rank: int, lag_s: float) -> None:

@@ -7,7 +7,10 @@ in `gradsync.server.job` and its components, the checks on a Join in
 `admission`, liveness checks in `watchdog`, checkpoint store I/O in
 `checkpointer`, the status reply in `status`, the control streams of
 coordinator shards (`Coordinator.ShardLink`) in `shard_control`; the servicer
-only translates between bytes on the wire and the actions those return. A
+only translates between bytes on the wire and the actions those return.
+A same-host local leader's payloads are read from and written into its
+shared-memory segment (`segments`, `payload_socket`) on their way to and
+from the job, which sees the same chunks either way. A
 job's actions reach only the streams joined to that very job object: after a
 shard loss (or a Join to a failed job) a new job with the same id may run
 while the old one's streams end. Everything runs on one asyncio loop, so job
@@ -34,8 +37,9 @@ from typing import Any
 
 import grpc
 from google.protobuf.message import DecodeError
-from gradsync.protocol.codec import decode_gradient, header_of
+from gradsync.protocol.codec import ChunkHeader, decode_gradient, header_of
 from gradsync.protocol.codes import Code
+from gradsync.protocol.payload_socket import Registration
 from gradsync.server.actions import Action, Persist, Send, Terminate
 from gradsync.server.admission import (
     SHUTTING_DOWN,
@@ -52,6 +56,8 @@ from gradsync.server.connection import Connection
 from gradsync.server.errors import RejectedMessage
 from gradsync.server.job import Job, JobState
 from gradsync.server.metrics import CoordinatorMetrics
+from gradsync.server.payload_socket import averaged_for
+from gradsync.server.segments import SegmentRegistry, leader_session
 from gradsync.server.shard_control import ShardControl
 from gradsync.server.status import EndedJobs, status_reply
 from gradsync.server.stream_guard import StreamCount, guarded
@@ -94,6 +100,10 @@ class CoordinatorServicer:
         self.draining = False
         self._background: set[asyncio.Task[None]] = set()
         self.ended_jobs = EndedJobs(lambda: self.clock())
+        #: Same-host local leaders' segments (see `segments`); one per stream at most.
+        self.segments = SegmentRegistry(config.max_connections, config.chunk_bytes, self.metrics)
+        #: (payload socket name, this coordinator's host id) once the socket listens.
+        self.payload_endpoint: tuple[str, str] | None = None
 
     @property
     def store(self) -> CheckpointStore | None:
@@ -240,9 +250,7 @@ class CoordinatorServicer:
             fast = decode_gradient(raw)
             if fast is not None and job is not None:
                 # The hot path: a gradient chunk, parsed without copying its payload.
-                self.metrics.observe_chunk(len(fast[1]))
-                job.touch(conn.rank)
-                self._execute(job, job.on_gradient(conn.rank, *fast))
+                self._gradient(conn, job, *fast)
                 return None
             message = pb.WorkerMessage.FromString(raw)
         except (DecodeError, ValueError) as exc:
@@ -272,9 +280,7 @@ class CoordinatorServicer:
                 self._execute(job, job.on_checkpoint_chunk(conn.rank, message.checkpoint))
             elif kind == "gradient":
                 chunk = message.gradient
-                self._execute(
-                    job, job.on_gradient(conn.rank, header_of(chunk), memoryview(chunk.payload))
-                )
+                self._gradient(conn, job, header_of(chunk), memoryview(chunk.payload))
             elif kind == "collective":
                 self._execute(job, job.on_collective(conn.rank, message.collective))
             elif kind == "out_of_inputs":
@@ -304,6 +310,31 @@ class CoordinatorServicer:
             log.warning("job '%s': ending rank %d: %s", job.job_id, conn.rank, rejection.message)
             conn.end(rejection.code, rejection.message)
         return None
+
+    def _gradient(
+        self, conn: Connection, job: Job, chunk: ChunkHeader, payload: memoryview
+    ) -> None:
+        """Fold a chunk in; an in-segment one's payload is read from the sender's segment first."""
+        if chunk.in_segment:
+            try:
+                read = self.segments.read_for(job, conn.rank, chunk)
+            except RejectedMessage as rejection:
+                self._reject(conn, rejection)
+                return
+            if read is None:
+                return  # the rest of an aborted step's upload: dropped as over TCP
+            payload = read
+        self.metrics.observe_chunk(len(payload))
+        job.touch(conn.rank)
+        self._execute(job, job.on_gradient(conn.rank, chunk, payload))
+
+    def admit_segment(self, registration: Registration, fd: int) -> str | None:
+        """A local leader registers its segment (on the loop; `fd` is owned from here on)."""
+        conn = self._connections.get((registration.job_id, registration.rank))
+        job = conn.job if conn is not None else None
+        live = job is not None and self.jobs.get(registration.job_id) is job
+        expected = leader_session(job, registration.rank) if live and job is not None else b""
+        return self.segments.register(registration, fd, expected)
 
     def _reject(self, conn: Connection, rejection: RejectedMessage) -> None:
         """A malformed message: abort the sender's open step, or end its stream."""
@@ -357,6 +388,7 @@ class CoordinatorServicer:
                 self.clock,
                 self.metrics,
                 self.shard_control.registry.shard_map,
+                self.payload_endpoint,
             )
             job.persistence.resume = resume
         try:
@@ -406,7 +438,9 @@ class CoordinatorServicer:
                 for rank in action.ranks:
                     target = self._connections.get((job.job_id, rank))
                     if target is not None and target.job is job:
-                        target.send(raw)
+                        target.send(
+                            averaged_for(self.segments, target, raw) if self.segments else raw
+                        )
                         if target.ended:
                             # Dropped as a slow reader: the others must not wait for it
                             # while its end flushes (soon: not inside this job's actions).
@@ -449,6 +483,7 @@ class CoordinatorServicer:
 
     def _leave_job(self, job: Job, rank: int, orderly: bool, reason: str | None = None) -> None:
         """Drop `rank` from `job` for good and carry out what that means for the others."""
+        self.segments.forget(job.job_id, rank, job.membership.session_of(rank))
         self._execute(job, job.detach(rank, orderly=orderly, reason=reason))
         # Its straggler statistics must not follow a later member with its rank.
         self.metrics.forget_rank(rank)
@@ -458,6 +493,7 @@ class CoordinatorServicer:
         if job.members or self.jobs.get(job.job_id) is not job:
             return
         del self.jobs[job.job_id]
+        self.segments.forget_job(job.job_id)
         self.shard_control.job_ended(job)
         ended = self.ended_jobs.record(job, self.metrics.lag_tracker)
         if ended.state in ("finished", "abandoned"):
@@ -474,6 +510,7 @@ class CoordinatorServicer:
         if self.jobs.get(job.job_id) is not job:
             return
         del self.jobs[job.job_id]
+        self.segments.forget_job(job.job_id)
         self.shard_control.job_ended(job)
         ended = self.ended_jobs.record(job, self.metrics.lag_tracker)
         log.warning("job '%s' ended %s: %s", job.job_id, ended.state, ended.outcome)
