@@ -16,6 +16,7 @@ is missing, with the command that installs them. Helpers live in tests/support.
 
 from __future__ import annotations
 
+import os
 import signal
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -25,6 +26,13 @@ from support import repoguard
 from support.components import INSTALL_COMMAND, MISSING_COMPONENT, NO_REDIS_SERVER, REDIS_SERVER
 from support.processes import CoordinatorProcess
 from support.redisserver import RedisServer
+
+# Every rank of these tests runs on this one host, where hierarchical="auto" would group
+# them all. Most tests stand for one rank per host (the layout they were written for),
+# so the default here is flat; the hierarchy's own tests (test_hier_*, the DDP parity
+# zoo, the payload path) ask for it explicitly. `GRADSYNC_HIERARCHICAL=auto pytest ...`
+# runs everything else hierarchically too.
+os.environ.setdefault("GRADSYNC_HIERARCHICAL", "0")
 
 
 @pytest.fixture

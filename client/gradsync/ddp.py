@@ -44,7 +44,7 @@ from gradsync.errors import (
     ClosedError,
     CoordinatorUnavailableError,
 )
-from gradsync.hierarchy import check_hierarchical
+from gradsync.hierarchy import check_hierarchical, requested_hierarchical
 from gradsync.hooks import CommHook
 from gradsync.instruments import Instruments
 from gradsync.link import CoordinatorLink, LinkFactory
@@ -110,7 +110,8 @@ class DistributedDataParallel(nn.Module):
             the bytes down) with a 16-bit `wire_dtype`; None (default) = in `wire_dtype`.
         log_every_steps: with INFO logging, rank 0 logs step time, exposed sync time
             and bytes every this many steps (0 = never).
-        hierarchical: "auto" (default) or True: send this host's id (`gradsync.host_identity`)
+        hierarchical: None (default) = $GRADSYNC_HIERARCHICAL ("auto", "1" or "0"; unset:
+            "auto"). "auto" or True: send this host's id (`gradsync.host_identity`)
             so that the coordinator may group the ranks of one host, which then sum their
             gradients in shared memory and upload one sum (`gradsync.hierarchy`); False:
             every rank uploads its own. Needs float32/float64 buckets and no comm hook or
@@ -175,7 +176,7 @@ class DistributedDataParallel(nn.Module):
         tls_cert: str | None = None,
         tls_key: str | None = None,
         token: str | None = None,
-        hierarchical: bool | str = "auto",
+        hierarchical: bool | str | None = None,
         local_rank: int | None = None,
         local_world_size: int | None = None,
     ) -> None:
@@ -217,7 +218,7 @@ class DistributedDataParallel(nn.Module):
         self.config = dataclasses.replace(
             self.config,
             hierarchical=check_hierarchical(
-                hierarchical,
+                requested_hierarchical(hierarchical),
                 [plan.dtype for plan in buckets],  # type: ignore[misc]  # torch dtypes
                 wire_dtype,
             ),

@@ -25,8 +25,9 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 import numpy as np
 import numpy.typing as npt
@@ -47,13 +48,42 @@ log = logging.getLogger("gradsync.client")
 HIERARCHICAL_DTYPES = (torch.float32, torch.float64)
 
 
+#: Environment variable giving `hierarchical` when the argument is not passed:
+#: "auto", "1"/"true" or "0"/"false" (switch a job's layout without editing code).
+ENV_HIERARCHICAL = "GRADSYNC_HIERARCHICAL"
+_ENV_VALUES: dict[str, bool | str] = {
+    "auto": "auto",
+    "1": True,
+    "true": True,
+    "0": False,
+    "false": False,
+}
+
+
+def requested_hierarchical(
+    argument: bool | str | None, environ: Mapping[str, str] | None = None
+) -> bool | str:
+    """`DistributedDataParallel(hierarchical=)`, or $GRADSYNC_HIERARCHICAL when it is None.
+
+    Raises:
+        ValueError: the variable holds something else than the values above.
+    """
+    if argument is not None:
+        return argument
+    raw = (os.environ if environ is None else environ).get(ENV_HIERARCHICAL, "auto")
+    value = _ENV_VALUES.get(raw.strip().lower())
+    if value is None:
+        raise ValueError(f"${ENV_HIERARCHICAL}={raw!r}: expected one of {', '.join(_ENV_VALUES)}")
+    return value
+
+
 def check_hierarchical(
     requested: bool | str, bucket_dtypes: Sequence[torch.dtype], wire_dtype: torch.dtype | None
 ) -> bool:
     """Whether to ask for hierarchical aggregation (send a host id in Join).
 
     Args:
-        requested: "auto", True or False (`DistributedDataParallel(hierarchical=)`).
+        requested: "auto", True or False (`requested_hierarchical`).
         bucket_dtypes: every gradient bucket's dtype.
         wire_dtype: the 16-bit wire dtype asked for, if any.
 

@@ -12,13 +12,16 @@ on one coordinator (elastic, which changes nothing until a rank dies):
 3.    hierarchical with gradient_as_bucket_view: bitwise the plain hierarchical run;
 4.    hierarchical with $GRADSYNC_SHM_DIR on a 64 KiB tmpfs (root only): refused with
       SharedMemoryError on every rank, naming the bytes needed;
-5.    hierarchical, rank 2 (a follower) SIGKILLed at step 2: the others go on as a
+5.    hierarchical with a Chrome trace, /metrics (scraped over HTTP) and a checkpoint
+      saved through the coordinator's file store: all three still work in a group;
+6.    hierarchical, rank 2 (a follower) SIGKILLed at step 2: the others go on as a
       group of two and end equal.
 """
 
 from __future__ import annotations
 
 import contextlib
+import json
 import re
 from collections.abc import Iterator
 from typing import Any
@@ -44,8 +47,8 @@ pytestmark = pytest.mark.timeout(180)
 
 WORLD = 3
 STEPS = 4
-RUNS = ("hier", "hier", "flat", "hier+view", "hier+tiny", "hier+kill")
-HIER, HIER_AGAIN, FLAT, HIER_VIEW, TINY, ELASTIC = range(len(RUNS))
+RUNS = ("hier", "hier", "flat", "hier+view", "hier+tiny", "hier+observe", "hier+kill")
+HIER, HIER_AGAIN, FLAT, HIER_VIEW, TINY, OBSERVED, ELASTIC = range(len(RUNS))
 KILLED, KILL_STEP = 2, 2
 ELASTIC_FLAGS = (*HEARTBEAT, "--on-failure", "elastic", "--min-workers", "2")
 
@@ -57,7 +60,8 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
     out = tmp_path_factory.mktemp("hier-one-host")
     tiny_ok, tiny_reason = can_mount_tmpfs(out)
     specs = [spec if tiny_ok or "tiny" not in spec else "hier" for spec in RUNS]
-    coordinator = CoordinatorProcess(WORLD, *ELASTIC_FLAGS)
+    store = out / "checkpoints"
+    coordinator = CoordinatorProcess(WORLD, *ELASTIC_FLAGS, "--checkpoint-store", str(store))
     try:
         with private_tmpfs(out / "tiny", "64k") if tiny_ok else contextlib.nullcontext(out) as tiny:
             processes = start_job(
@@ -83,6 +87,7 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
         "tiny_reason": tiny_reason,
         "tiny_used": tiny_used,
         "log": log,
+        "store": store,
     }
 
 
@@ -158,3 +163,22 @@ def test_elastic_job_goes_on_without_a_killed_follower(runs: dict[str, Any]) -> 
     for name, value in survivors[0]["params"].items():
         np.testing.assert_array_equal(value, survivors[1]["params"][name], err_msg=name)
     assert "continuing with ranks [0, 1]" in runs["log"]
+
+
+def test_trace_metrics_and_checkpoints_work_in_a_group(runs: dict[str, Any]) -> None:
+    observed = _ok(runs, OBSERVED)
+    assert_ranks_identical(observed)
+    assert observed[0]["checkpoint_step"] == STEPS
+    assert any(runs["store"].rglob("*")), "the coordinator's file store holds no checkpoint"
+    for rank, run in enumerate(observed):
+        metrics = run["metrics"]
+        assert metrics["gradsync_worker_local_group_size"] == WORLD, metrics
+        # Only the local leader times the host's sums and uploads them.
+        sums = metrics["gradsync_worker_local_reduce_seconds_count"]
+        sent = metrics["gradsync_worker_host_sent_bytes_total"]
+        assert (sums > 0, sent > 0) == (rank == 0, rank == 0), (rank, metrics)
+        (path,) = runs["out"].glob(f"trace-*-{OBSERVED}-{rank}.json")
+        trace = json.loads(path.read_text())
+        events = trace["traceEvents"] if isinstance(trace, dict) else trace
+        local = [e for e in events if str(e.get("name", "")).startswith("local reduce")]
+        assert events and bool(local) == (rank == 0), (rank, len(events), len(local))

@@ -29,6 +29,7 @@ import os
 import signal
 import sys
 import time
+import urllib.request
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
@@ -62,14 +63,16 @@ def link_bytes(interface: str) -> dict[str, int]:
 
 
 RUN_KINDS = {"hier": True, "flat": False, "auto": "auto"}
-RUN_OPTIONS = {"view", "kill", "tiny"}
+RUN_OPTIONS = {"view", "kill", "tiny", "observe"}
 
 
 def parse_run(spec: str) -> tuple[bool | str, set[str]]:
     """A run's `hierarchical=` argument and options: "hier+view+kill" -> (True, {...})."""
     kind, *options = spec.split("+")
     if kind not in RUN_KINDS or not set(options) <= RUN_OPTIONS:
-        raise SystemExit(f"bad run {spec!r}: use hier|flat|auto, then +view, +kill, +tiny")
+        raise SystemExit(
+            f"bad run {spec!r}: use hier|flat|auto, then +view, +kill, +tiny, +observe"
+        )
     return RUN_KINDS[kind], set(options)
 
 
@@ -107,6 +110,11 @@ def train(args: argparse.Namespace, spec: str, job_id: str) -> dict[str, object]
             join_timeout_s=args.timeout_s,
             gradient_as_bucket_view="view" in options,
             hierarchical=hierarchical,
+            # +observe: a Chrome trace and a real /metrics endpoint, scraped below.
+            trace_path=args.out.with_name(f"trace-{job_id}-{rank}.json")
+            if "observe" in options
+            else None,
+            metrics_port=0 if "observe" in options else None,
         )
         # Introspection for the tests (no public API says it): the local group formed.
         group = model._session.local_group
@@ -136,6 +144,8 @@ def train(args: argparse.Namespace, spec: str, job_id: str) -> dict[str, object]
                 contributors.append(model.last_contributors)
                 time.sleep(args.step_delay_s)
             report["seconds_per_step"] = (time.monotonic() - first_step_at) / max(1, args.steps)
+            if "observe" in options:
+                report.update(observe(model, rank))
             if args.link_stats:
                 report["link_end"] = link_bytes(args.link_stats)
     except gradsync.GradSyncError as exc:
@@ -144,6 +154,24 @@ def train(args: argparse.Namespace, spec: str, job_id: str) -> dict[str, object]
     report["bytes_sent"] = model.bytes_sent if model is not None else 0
     report["params"] = {n: p.detach().tolist() for n, p in module.named_parameters()}
     return report
+
+
+def observe(model: gradsync.DistributedDataParallel, rank: int) -> dict[str, object]:
+    """+observe: rank 0 checkpoints through the coordinator; every rank scrapes its own
+    /metrics over HTTP (the samples the tests look for)."""
+    found: dict[str, object] = {}
+    if rank == 0:
+        found["checkpoint_step"] = model.save_checkpoint(wait=True)
+    server = model._instruments.server  # introspection: the port it bound
+    assert server is not None
+    with urllib.request.urlopen(server.url, timeout=10) as response:
+        text = response.read().decode()
+    found["metrics"] = {
+        line.split("{")[0]: float(line.rsplit(" ", 1)[1])  # one series each: rank="r"
+        for line in text.splitlines()
+        if line.startswith(("gradsync_worker_local_", "gradsync_worker_host_sent"))
+    }
+    return found
 
 
 def main() -> int:
