@@ -172,6 +172,7 @@ class HierarchicalLink:
                 "pass hierarchical=False"
             )
         self.group.post(step, bucket_index, buffer, dtype)
+        self.link.send_local_posted(step, bucket_index)
 
     def wait_step(self, step: int, timeout_s: float) -> int:
         """Wait for the averages of `step` and copy them into this rank's buffers.
@@ -343,6 +344,10 @@ class HierarchicalLink:
     def send_out_of_inputs(self, step: int) -> None:
         """Delegated."""
         self.link.send_out_of_inputs(step)
+
+    def send_local_posted(self, step: int, bucket_index: int) -> None:
+        """Delegated (submit_bucket sends it itself)."""
+        self.link.send_local_posted(step, bucket_index)
 
     def wait_join_progress(self, timeout_s: float) -> pb.JoinProgress:
         """Delegated."""

@@ -195,6 +195,10 @@ class CoordinatorLink(Protocol):
         """Tell the coordinator this rank ran out of inputs; `step` is the first it
         will not run (join()). Never blocks."""
 
+    def send_local_posted(self, step: int, bucket_index: int) -> None:
+        """Tell the coordinator this rank posted a bucket into its local group (only
+        the leader uploads; this lets the coordinator name a late member). Never blocks."""
+
     def wait_join_progress(self, timeout_s: float) -> pb.JoinProgress:
         """Block (bounded) until the next JoinProgress not yet returned; return it.
 

@@ -214,6 +214,11 @@ class Transport:
         """Tell the coordinator this rank ran out of inputs at `step`. Never blocks."""
         self._put(pb.WorkerMessage(out_of_inputs=pb.OutOfInputs(step=step)))
 
+    def send_local_posted(self, step: int, bucket_index: int) -> None:
+        """Tell the coordinator this rank's bucket is in its local group. Never blocks."""
+        posted = pb.LocalPosted(step=step, bucket_index=bucket_index)
+        self._put(pb.WorkerMessage(local_posted=posted))
+
     def wait_join_progress(self, timeout_s: float) -> pb.JoinProgress:
         """Block (bounded) until the next JoinProgress arrives; return it."""
         return self._inbox.wait_join_progress(timeout_s)

@@ -55,7 +55,13 @@ def test_killed_worker_aborts_the_step_for_survivors(coordinator_factory, tmp_pa
 
 
 @pytest.mark.timeout(120)
-def test_straggler_is_named_in_the_log_and_in_status(coordinator_factory, tmp_path: Path) -> None:
+@pytest.mark.parametrize("layout", ["0", "auto"], ids=["flat", "hierarchical"])
+def test_straggler_is_named_in_the_log_and_in_status(
+    coordinator_factory, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, layout: str
+) -> None:
+    # Hierarchical: both ranks are one local group and only rank 0 uploads; rank 1 is
+    # still named, from the LocalPosted notice rank 0 sends and rank 1 does not.
+    monkeypatch.setenv("GRADSYNC_HIERARCHICAL", layout)
     coordinator = coordinator_factory(2, *HEARTBEAT, "--stall-warning", "1")
     processes = start_workers(
         coordinator.address, 2, tmp_path, steps=4, per_rank={1: ["--sleep-at", "2:4"]}

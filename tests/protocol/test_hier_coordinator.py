@@ -251,3 +251,19 @@ def test_a_partial_sum_averages_right_through_two_shards() -> None:
                 await shard_channel.close()
 
     run(scenario)
+
+
+def test_local_posted_is_refused_from_a_flat_rank_and_for_a_missing_bucket() -> None:
+    async def scenario() -> None:
+        async with coordinator(world_size=3) as (_, channel):
+            workers, _ = await hier_job(channel)
+            # A member's notice for a real bucket of the open step is accepted silently.
+            await workers[1].send(pb.WorkerMessage(local_posted=pb.LocalPosted(bucket_index=0)))
+            await workers[2].send(pb.WorkerMessage(local_posted=pb.LocalPosted(bucket_index=0)))
+            message = await workers[2].expect_status(grpc.StatusCode.INVALID_ARGUMENT)
+            assert "rank 2" in message and "bucket 0" in message, message
+            await workers[1].send(pb.WorkerMessage(local_posted=pb.LocalPosted(bucket_index=7)))
+            message = await workers[1].expect_status(grpc.StatusCode.INVALID_ARGUMENT)
+            assert "rank 1" in message and "bucket 7" in message, message
+
+    run(scenario)

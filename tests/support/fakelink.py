@@ -78,6 +78,7 @@ class FakeLink:
         self.broadcast_result: bytes | None = None
         self.collective_sequence = 0
         self.out_of_inputs: list[int] = []
+        self.local_posted: list[tuple[int, int]] = []
         #: JoinProgress messages wait_join_progress hands out, in order.
         self.join_progress: list[pb.JoinProgress] = []
 
@@ -188,6 +189,9 @@ class FakeLink:
 
     def send_out_of_inputs(self, step: int) -> None:
         self.out_of_inputs.append(step)
+
+    def send_local_posted(self, step: int, bucket_index: int) -> None:
+        self.local_posted.append((step, bucket_index))
 
     def wait_join_progress(self, timeout_s: float) -> pb.JoinProgress:
         if not self.join_progress:

@@ -291,7 +291,7 @@ class JoinProgress(_message.Message):
     def __init__(self, joined_ranks: _Optional[_Iterable[int]] = ..., all_joined: _Optional[bool] = ..., last_joiner: _Optional[int] = ..., next_step: _Optional[int] = ..., next_collective: _Optional[int] = ...) -> None: ...
 
 class WorkerMessage(_message.Message):
-    __slots__ = ("join", "gradient", "state", "leave", "heartbeat", "checkpoint", "abandon", "collective", "out_of_inputs", "shard_hello")
+    __slots__ = ("join", "gradient", "state", "leave", "heartbeat", "checkpoint", "abandon", "collective", "out_of_inputs", "shard_hello", "local_posted")
     JOIN_FIELD_NUMBER: _ClassVar[int]
     GRADIENT_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELD_NUMBER: _ClassVar[int]
@@ -302,6 +302,7 @@ class WorkerMessage(_message.Message):
     COLLECTIVE_FIELD_NUMBER: _ClassVar[int]
     OUT_OF_INPUTS_FIELD_NUMBER: _ClassVar[int]
     SHARD_HELLO_FIELD_NUMBER: _ClassVar[int]
+    LOCAL_POSTED_FIELD_NUMBER: _ClassVar[int]
     join: Join
     gradient: GradientChunk
     state: StateChunk
@@ -312,7 +313,16 @@ class WorkerMessage(_message.Message):
     collective: CollectiveChunk
     out_of_inputs: OutOfInputs
     shard_hello: ShardHello
-    def __init__(self, join: _Optional[_Union[Join, _Mapping]] = ..., gradient: _Optional[_Union[GradientChunk, _Mapping]] = ..., state: _Optional[_Union[StateChunk, _Mapping]] = ..., leave: _Optional[_Union[Leave, _Mapping]] = ..., heartbeat: _Optional[_Union[Heartbeat, _Mapping]] = ..., checkpoint: _Optional[_Union[CheckpointChunk, _Mapping]] = ..., abandon: _Optional[_Union[AbandonStep, _Mapping]] = ..., collective: _Optional[_Union[CollectiveChunk, _Mapping]] = ..., out_of_inputs: _Optional[_Union[OutOfInputs, _Mapping]] = ..., shard_hello: _Optional[_Union[ShardHello, _Mapping]] = ...) -> None: ...
+    local_posted: LocalPosted
+    def __init__(self, join: _Optional[_Union[Join, _Mapping]] = ..., gradient: _Optional[_Union[GradientChunk, _Mapping]] = ..., state: _Optional[_Union[StateChunk, _Mapping]] = ..., leave: _Optional[_Union[Leave, _Mapping]] = ..., heartbeat: _Optional[_Union[Heartbeat, _Mapping]] = ..., checkpoint: _Optional[_Union[CheckpointChunk, _Mapping]] = ..., abandon: _Optional[_Union[AbandonStep, _Mapping]] = ..., collective: _Optional[_Union[CollectiveChunk, _Mapping]] = ..., out_of_inputs: _Optional[_Union[OutOfInputs, _Mapping]] = ..., shard_hello: _Optional[_Union[ShardHello, _Mapping]] = ..., local_posted: _Optional[_Union[LocalPosted, _Mapping]] = ...) -> None: ...
+
+class LocalPosted(_message.Message):
+    __slots__ = ("step", "bucket_index")
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    BUCKET_INDEX_FIELD_NUMBER: _ClassVar[int]
+    step: int
+    bucket_index: int
+    def __init__(self, step: _Optional[int] = ..., bucket_index: _Optional[int] = ...) -> None: ...
 
 class ShardHello(_message.Message):
     __slots__ = ("job_id", "rank", "incarnation", "shard_index", "session")

@@ -453,6 +453,25 @@ class Job(JobEnding):
             )
         return self.uneven.run_out(rank, message)
 
+    def on_local_posted(self, rank: int, posted: pb.LocalPosted) -> None:
+        """A local group's member has `posted.bucket_index` ready: its delivery, for
+        lateness (`StepProgress.record_posted`). Advisory: another step is ignored.
+
+        Raises:
+            RejectedMessage: from a flat rank, or naming a bucket the model lacks.
+        """
+        signature = self.membership.signature
+        buckets = len(signature.buckets) if signature is not None else 0
+        if not self.membership.groups.group_of(rank) or posted.bucket_index >= buckets:
+            raise RejectedMessage(
+                Code.INVALID_ARGUMENT,
+                f"rank {rank} reported bucket {posted.bucket_index} of step {posted.step} "
+                f"posted in a local group, but it is in none or the model has {buckets} buckets",
+            )
+        progress = self.in_flight.progress
+        if self.state is JobState.RUNNING and progress and posted.step == self.in_flight.step:
+            progress.record_posted(rank, posted.bucket_index)
+
     def on_abandon(self, rank: int, abandon: pb.AbandonStep) -> list[Action]:
         """A rank gave up on a step it started: abort it for everyone (if still open)."""
         if self.state is not JobState.RUNNING or abandon.step != self.open_step:

@@ -48,6 +48,8 @@ class StepProgress:
             self.started_at = now
         self._bucket_started.setdefault(bucket_index, now)
         key = (bucket_index, rank)
+        if self._delivered.get(key, 0) >= self._chunks_needed(bucket_index):
+            return None  # already complete (a member's `record_posted`)
         count = self._delivered.get(key, 0) + 1
         self._delivered[key] = count
         if chunks is not None:
@@ -56,6 +58,23 @@ class StepProgress:
             return None
         first = self._first_done.setdefault(bucket_index, now)
         return now - first
+
+    def record_posted(self, rank: int, bucket_index: int) -> float | None:
+        """A local group's member has its bucket ready in shared memory (`LocalPosted`).
+
+        Counts as that rank's delivery of the whole bucket, so a late member of a
+        group is named although only its leader uploads; the leader's chunks later
+        add nothing for it. Returns the lag as `record` does.
+        """
+        needed = self._chunks_needed(bucket_index)
+        if needed == 0 or self._delivered.get((bucket_index, rank), 0) >= needed:
+            return None
+        now = self._clock()
+        if self.started_at is None:
+            self.started_at = now
+        self._bucket_started.setdefault(bucket_index, now)
+        self._delivered[(bucket_index, rank)] = needed
+        return now - self._first_done.setdefault(bucket_index, now)
 
     def reset(self) -> None:
         """Forget the step (it completed or was abandoned)."""
