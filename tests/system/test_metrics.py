@@ -44,6 +44,7 @@ COORDINATOR_METRICS = {
     "gradsync_step_aborts_total": ("counter", {"reason"}),
     "gradsync_errors_total": ("counter", {"kind"}),
     "gradsync_nonfinite_contributions_total": ("counter", {"rank"}),
+    "gradsync_segment_bytes_total": ("counter", {"direction"}),
 }
 WORKER_METRICS = {
     "gradsync_worker_exposed_comm_seconds": ("histogram", {"rank"}),
@@ -52,6 +53,9 @@ WORKER_METRICS = {
     "gradsync_worker_bucket_latency_seconds": ("histogram", {"rank"}),
     "gradsync_worker_steps_total": ("counter", {"rank"}),
     "gradsync_worker_step_aborts_total": ("counter", {"rank", "reason"}),
+    "gradsync_worker_local_reduce_seconds": ("histogram", {"rank"}),
+    "gradsync_worker_host_sent_bytes_total": ("counter", {"rank"}),
+    "gradsync_worker_local_group_size": ("gauge", {"rank"}),
 }
 
 
@@ -91,6 +95,7 @@ def exercised_coordinator() -> CoordinatorMetrics:
     metrics.observe_rejection("INVALID_ARGUMENT")
     metrics.observe_abort("ABORTED")
     metrics.observe_error("RuntimeError")
+    metrics.observe_segment_bytes("read", 4096)
     metrics.observe_nonfinite(1)
     return metrics
 
@@ -106,6 +111,7 @@ def test_coordinator_exports_every_metric_with_its_type_labels_and_values() -> N
     assert values["gradsync_sent_bytes_total{}"] == 2048
     assert values["gradsync_buckets_completed_total{}"] == 1
     assert values["gradsync_steps_completed_total{}"] == 1
+    assert values['gradsync_segment_bytes_total{direction="read"}'] == 4096
     assert values["gradsync_bucket_round_trip_seconds_sum{}"] == pytest.approx(0.05)
     assert values["gradsync_step_sync_seconds_count{}"] == 1
     assert values["gradsync_current_step{}"] == 17
@@ -130,6 +136,9 @@ def test_worker_exports_every_metric_with_its_rank_label() -> None:
     metrics.observe_bucket_latency(0.03)
     metrics.observe_step_done()
     metrics.observe_abort("DEADLINE_EXCEEDED")
+    metrics.observe_local_reduce(0.002)
+    metrics.observe_host_sent(8192)
+    metrics.set_local_group_size(4)
     families = scrape(metrics.registry)
     assert {name: (kind, labels) for name, (kind, labels, _) in families.items()} == (
         WORKER_METRICS
@@ -142,6 +151,9 @@ def test_worker_exports_every_metric_with_its_rank_label() -> None:
     assert values['gradsync_worker_bucket_latency_seconds_sum{rank="2"}'] == pytest.approx(0.03)
     key = 'gradsync_worker_step_aborts_total{rank="2",reason="DEADLINE_EXCEEDED"}'
     assert values[key] == 1
+    assert values['gradsync_worker_local_reduce_seconds_sum{rank="2"}'] == pytest.approx(0.002)
+    assert values['gradsync_worker_host_sent_bytes_total{rank="2"}'] == 8192
+    assert values['gradsync_worker_local_group_size{rank="2"}'] == 4
     with pytest.raises(ValueError, match="rank must be >= 0, got -1"):
         WorkerMetrics(rank=-1)
 
