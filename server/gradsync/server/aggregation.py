@@ -358,7 +358,7 @@ class BucketReduction:
             if state.shadow is None and magnitude is Magnitude.TAME:
                 # Every real gradient: no overflow possible, the sum as it always was.
                 if state.accumulator is None:
-                    state.accumulator = to_accumulator(payload, self.dtype)
+                    state.accumulator = _first_accumulator(payload, self.dtype)
                 else:
                     add_into(state.accumulator, payload, self.dtype)
             else:
@@ -405,6 +405,19 @@ class BucketReduction:
         accumulator = 0 if state.accumulator is None else state.accumulator.nbytes
         shadow = 0 if state.shadow is None else state.shadow.nbytes
         return accumulator + shadow + sum(len(parked) for parked, _, _ in state.parked.values())
+
+
+def _first_accumulator(payload: bytes | memoryview, dtype: int) -> npt.NDArray[np.floating]:
+    """The accumulator a chunk's first contribution starts: the payload itself when the
+    coordinator owns it writable (read from a same-host segment into a fresh buffer,
+    `gradsync.server.segments`), saving a copy of every byte; else a copy (a payload off
+    the wire is a read-only view into its message)."""
+    if isinstance(payload, memoryview) and not payload.readonly:
+        if dtype == pb.DTYPE_FLOAT32:
+            return np.frombuffer(payload, dtype="<f4")
+        if dtype == pb.DTYPE_FLOAT64:
+            return np.frombuffer(payload, dtype="<f8")
+    return to_accumulator(payload, dtype)
 
 
 def _divide_with_shadow(
