@@ -27,45 +27,10 @@ from support.rawclient import (
     bucket_values,
     coordinator,
     run,
-    signature,
 )
+from support.rawgroups import hier_job, join_message
 
-HOSTS = {0: "host-a", 1: "host-a", 2: ""}
 ELEMENTS = BUCKET_BYTES // 4
-
-
-def join_message(
-    rank: int, host_id: str, world_size: int, local_world_size: int = 0
-) -> pb.WorkerMessage:
-    return pb.WorkerMessage(
-        join=pb.Join(
-            job_id="job",
-            rank=rank,
-            world_size=world_size,
-            signature=signature(),
-            incarnation=f"test-{rank}",
-            host_id=host_id,
-            local_world_size=local_world_size,
-        )
-    )
-
-
-async def hier_job(
-    channel: grpc.aio.Channel, hosts: dict[int, str] = HOSTS
-) -> tuple[list[RawWorker], list[pb.Welcome]]:
-    """Workers of an assembled job (rank 0's state broadcast done) and their Welcomes."""
-    workers = [RawWorker(channel) for _ in hosts]
-    for rank, worker in enumerate(workers):
-        await worker.send(join_message(rank, hosts[rank], len(hosts)))
-    welcomes = [(await worker.expect_kind("welcome")).welcome for worker in workers]
-    state = bytes(BUCKET_BYTES + 8)
-    for offset in range(0, len(state), CHUNK):
-        chunk = pb.StateChunk(offset=offset, payload=state[offset : offset + CHUNK])
-        await workers[0].send(pb.WorkerMessage(state=chunk))
-    for worker in workers[1:]:
-        for _ in range(0, len(state), CHUNK):
-            await worker.expect_kind("state")
-    return workers, welcomes
 
 
 def gradient(

@@ -31,8 +31,8 @@ from support.rawclient import (
     bucket_values,
     coordinator,
     run,
-    signature,
 )
+from support.rawgroups import hier_job
 
 HOST = "test-host-a"
 #: Where the bucket lies in the test's segment (as a result region would, not at 0).
@@ -41,27 +41,7 @@ BASE = 4096
 
 async def assembled(channel: grpc.aio.Channel) -> tuple[list[RawWorker], list[pb.Welcome]]:
     """Ranks 0, 1 on the coordinator's host, rank 2 flat; rank 0's state broadcast done."""
-    hosts = (HOST, HOST, "")
-    workers = [RawWorker(channel) for _ in hosts]
-    for rank, worker in enumerate(workers):
-        join = pb.Join(
-            job_id="job",
-            rank=rank,
-            world_size=3,
-            signature=signature(),
-            incarnation=f"test-{rank}",
-            host_id=hosts[rank],
-        )
-        await worker.send(pb.WorkerMessage(join=join))
-    welcomes = [(await worker.expect_kind("welcome")).welcome for worker in workers]
-    state = bytes(BUCKET_BYTES + 8)
-    for offset in range(0, len(state), CHUNK):
-        chunk = pb.StateChunk(offset=offset, payload=state[offset : offset + CHUNK])
-        await workers[0].send(pb.WorkerMessage(state=chunk))
-    for worker in workers[1:]:
-        for _ in range(0, len(state), CHUNK):
-            await worker.expect_kind("state")
-    return workers, welcomes
+    return await hier_job(channel, {0: HOST, 1: HOST, 2: ""})
 
 
 def segment(name: str) -> int:
