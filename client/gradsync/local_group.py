@@ -203,7 +203,22 @@ class LocalGroup:
             f"the local sums of step {step}",
             poll,
             excused,
+            detail=lambda: self._unposted(step, num_buckets),
         )
+
+    def _unposted(self, step: int, num_buckets: int) -> str:
+        """Leader: which bucket of `step` waits for which local ranks (for a timeout)."""
+        with self._cond:
+            handed = self._handed.get(step, set())
+            missing = []
+            for bucket in range(num_buckets):
+                if bucket in handed:
+                    continue
+                pending = self._pending.get((step, bucket))
+                posted = pending.posted if pending is not None else set()
+                waiting = [self.ranks[s] for s in range(len(self.ranks)) if s not in posted]
+                missing.append(f"bucket {bucket} not posted by ranks {waiting}")
+        return "; ".join(missing[:4]) + ("; ..." if len(missing) > 4 else "")
 
     def publish_averaged(self, step: int, contributors: int) -> None:
         """Leader: the averages of `step` are in the result region: tell everyone, copy out."""
@@ -263,7 +278,13 @@ class LocalGroup:
 
     # ------------------------------------------------------------ waiting
     def _wait(
-        self, ready: Callable[[], bool], timeout_s: float, what: str, poll: Poll, excused: Excused
+        self,
+        ready: Callable[[], bool],
+        timeout_s: float,
+        what: str,
+        poll: Poll,
+        excused: Excused,
+        detail: Callable[[], str] | None = None,
     ) -> None:
         """Wait for `ready`, polling the coordinator; a lost peer gets its bounded verdict wait."""
         deadline = time.monotonic() + timeout_s
@@ -297,8 +318,9 @@ class LocalGroup:
                         rank=self.rank,
                     )
             if now >= deadline:
+                why = f" ({detail()})" if detail is not None else ""
                 raise SyncTimeoutError(
-                    f"timed out after {timeout_s:g}s waiting for {what}", rank=self.rank
+                    f"timed out after {timeout_s:g}s waiting for {what}{why}", rank=self.rank
                 )
 
     def _blocking_loss(self) -> tuple[int, str] | None:

@@ -453,9 +453,11 @@ class Job(JobEnding):
             )
         return self.uneven.run_out(rank, message)
 
-    def on_local_posted(self, rank: int, posted: pb.LocalPosted) -> None:
+    def on_local_posted(self, rank: int, posted: pb.LocalPosted) -> list[Action]:
         """A local group's member has `posted.bucket_index` ready: its delivery, for
-        lateness (`StepProgress.record_posted`). Advisory: another step is ignored.
+        lateness (`StepProgress.record_posted`). Advisory: another step is ignored. In a
+        job a peer left between steps it is answered as a gradient would be (the step's
+        abort naming the peer): a leader waiting for that peer's share uploads nothing.
 
         Raises:
             RejectedMessage: from a flat rank, or naming a bucket the model lacks.
@@ -468,9 +470,24 @@ class Job(JobEnding):
                 f"rank {rank} reported bucket {posted.bucket_index} of step {posted.step} "
                 f"posted in a local group, but it is in none or the model has {buckets} buckets",
             )
+        if self.state in (JobState.BROKEN, JobState.FINISHING):
+            if self.in_flight.was_aborted(posted.step):
+                return []
+            self.in_flight.remember_aborted(posted.step)
+            return [
+                abort_message(
+                    self.membership.ranks(),
+                    posted.step,
+                    Code.ABORTED,
+                    self._broken_reason,
+                    -1,
+                    pb.ABORT_REASON_PEER_LOST,
+                )
+            ]
         progress = self.in_flight.progress
         if self.state is JobState.RUNNING and progress and posted.step == self.in_flight.step:
             progress.record_posted(rank, posted.bucket_index)
+        return []
 
     def on_abandon(self, rank: int, abandon: pb.AbandonStep) -> list[Action]:
         """A rank gave up on a step it started: abort it for everyone (if still open)."""

@@ -284,7 +284,7 @@ class CoordinatorServicer:
             elif kind == "collective":
                 self._execute(job, job.on_collective(conn.rank, message.collective))
             elif kind == "local_posted":
-                job.on_local_posted(conn.rank, message.local_posted)
+                self._execute(job, job.on_local_posted(conn.rank, message.local_posted))
             elif kind == "out_of_inputs":
                 self._execute(job, job.on_out_of_inputs(conn.rank, message.out_of_inputs))
             elif kind == "state":
