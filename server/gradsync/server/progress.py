@@ -48,13 +48,15 @@ class StepProgress:
             self.started_at = now
         self._bucket_started.setdefault(bucket_index, now)
         key = (bucket_index, rank)
-        if self._delivered.get(key, 0) >= self._chunks_needed(bucket_index):
-            return None  # already complete (a member's `record_posted`)
-        count = self._delivered.get(key, 0) + 1
-        self._delivered[key] = count
         if chunks is not None:
             self._needed[bucket_index] = chunks
-        if count != self._chunks_needed(bucket_index):
+        needed = self._chunks_needed(bucket_index)
+        count = self._delivered.get(key, 0)
+        if count >= needed:
+            return None  # already complete (a member's `record_posted`)
+        count += 1
+        self._delivered[key] = count
+        if count != needed:
             return None
         first = self._first_done.setdefault(bucket_index, now)
         return now - first
