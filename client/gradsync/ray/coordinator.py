@@ -1,0 +1,369 @@
+"""The coordinator on Ray: a leader actor and shard actors, named, found from any driver.
+
+`start_coordinator` places the leader (and, with `shards=S`, S-1 shard actors spread over
+the cluster's nodes), waits until every shard has registered with the leader, and returns
+a `Coordinator`: its address, the token workers need, and `stop()`. Every actor is named
+in the "gradsync" namespace, so a second driver gets the same handle with
+`get_coordinator(name)`; with `detached=True` the coordinator outlives the driver that
+started it, as a service would.
+
+Each actor runs the ordinary coordinator (`gradsync.server.app.start_server`) or shard
+(`gradsync.server.shard_app.start_shard`) in-process, on a loop of its own
+(`gradsync.ray._loop`), so there is no child process to leak. It listens on its node's
+address, where other nodes reach it; beyond loopback the coordinator needs credentials,
+so unless the caller gives a token, client certificates or `insecure=True`, a random
+token is made here and handed to workers through Ray (never on a command line).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import secrets
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import ray
+
+from gradsync.channels import ChannelSecurity
+from gradsync.protocol import auth
+from gradsync.ray._loop import LoopThread
+from gradsync.ray.placement import (
+    DEFAULT_COORDINATOR_RESOURCES,
+    NAMESPACE,
+    actor_options,
+    host_port,
+    leader_actor_name,
+    shard_actor_name,
+)
+
+log = logging.getLogger("gradsync.ray")
+
+#: Bound on starting one actor's server (its process may first import torch).
+START_TIMEOUT_S = 120.0
+#: Bound on the wait for every shard to register with the leader.
+SHARD_REGISTER_TIMEOUT_S = 60.0
+#: Bound on one stop call, beyond the drain's grace.
+STOP_TIMEOUT_S = 30.0
+#: Bound on the wait until killed actors are gone.
+DEATH_TIMEOUT_S = 30.0
+
+#: Options of `start_coordinator` that are the actors' business, not `ServerConfig` fields.
+_SET_HERE = frozenset({"world_size", "port", "shard_count", "local_shards"})
+
+
+def _node_ip() -> str:
+    return str(ray.util.get_node_ip_address())  # type: ignore[no-untyped-call]  # untyped in ray
+
+
+def fetch(refs: Any, timeout_s: float | None = None) -> Any:
+    """`ray.get`, typed Any: ray's overloads type a result from an untyped call as a list."""
+    return ray.get(refs, timeout=timeout_s)
+
+
+def _configure_logging(level: str) -> None:
+    logging.basicConfig(
+        level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s", force=True
+    )
+
+
+class LeaderServer:
+    """Ray actor body: the coordinator (shard 0), on its node's address."""
+
+    def __init__(self, log_level: str) -> None:
+        _configure_logging(log_level)
+        self._loop = LoopThread("gradsync-coordinator")
+        self._running: Any = None
+        self._info: dict[str, Any] = {}
+
+    def start(self, options: dict[str, Any], shard_names: list[str]) -> dict[str, Any]:
+        """Bind and serve; return the address workers use, and what `info` returns."""
+        from gradsync.server.app import banner, start_server
+        from gradsync.server.config import ServerConfig
+
+        node_ip = _node_ip()
+        options = dict(options)
+        bind_host = options.pop("host", None) or node_ip
+        config = ServerConfig(host=bind_host, port=0, local_shards=False, **options)
+        self._running = self._loop.call(start_server(config), START_TIMEOUT_S)
+        advertised = node_ip if bind_host in ("0.0.0.0", "::", "") else bind_host
+        print(banner(config, self._running.port), flush=True)
+        self._info = {
+            "address": host_port(advertised, self._running.port),
+            "token": config.token,
+            "shard_names": list(shard_names),
+            "world_size": config.world_size,
+            "pid": os.getpid(),
+            "node_ip": node_ip,
+        }
+        return self.info()
+
+    def info(self) -> dict[str, Any]:
+        """The address, token, shard actor names, process id and node of this leader."""
+        return dict(self._info)
+
+    def wait_for_shards(self, timeout_s: float) -> str | None:
+        """None once every shard has registered; else which are missing, after `timeout_s`."""
+        from gradsync.server.app import wait_for_shards
+
+        if self._running is None:
+            return "the coordinator was never started"
+        if self._loop.call(wait_for_shards(self._running, timeout_s), timeout_s + 5.0):
+            return None
+        return str(self._running.servicer.shard_control.registry.describe_missing())
+
+    def stop(self, grace_s: float | None) -> None:
+        """Drain the jobs for `grace_s` (None: the configured grace), then close the server."""
+        if self._running is not None:
+            running, self._running = self._running, None
+            grace = running.servicer.config.shutdown_grace_s if grace_s is None else grace_s
+            self._loop.call(running.stop(grace), grace + STOP_TIMEOUT_S)
+        self._loop.close()
+
+
+class ShardServer:
+    """Ray actor body: one coordinator shard, registering with its leader."""
+
+    def __init__(self, log_level: str) -> None:
+        _configure_logging(log_level)
+        self._loop = LoopThread("gradsync-shard")
+        self._running: Any = None
+        self._info: dict[str, Any] = {}
+
+    def start(self, options: dict[str, Any]) -> dict[str, Any]:
+        """Bind, advertise this node's address and start registering with the leader."""
+        from gradsync.server.shard_app import banner, start_shard
+        from gradsync.server.shard_config import ShardConfig
+
+        node_ip = _node_ip()
+        config = ShardConfig(host=node_ip, port=0, **options)
+        self._running = self._loop.call(start_shard(config), START_TIMEOUT_S)
+        print(banner(config, self._running.port, self._running.advertise, None), flush=True)
+        self._info = {"address": self._running.advertise, "pid": os.getpid(), "node_ip": node_ip}
+        return self.info()
+
+    def info(self) -> dict[str, Any]:
+        """The advertised address, process id and node of this shard."""
+        return dict(self._info)
+
+    def stop(self) -> None:
+        """Close the shard's server and its link to the leader."""
+        if self._running is not None:
+            running, self._running = self._running, None
+            self._loop.call(running.stop(), STOP_TIMEOUT_S)
+        self._loop.close()
+
+
+# Any: ray's typed handles do not see the methods of a class made remote this way.
+_LeaderActor: Any = ray.remote(LeaderServer)
+_ShardActor: Any = ray.remote(ShardServer)
+
+
+@dataclass(frozen=True)
+class Coordinator:
+    """A coordinator running on Ray: where workers connect, and how to stop it.
+
+    Attributes:
+        name: its name; the leader actor is `gradsync-coordinator:<name>` in the
+            "gradsync" namespace.
+        address: "host:port" of the leader; workers need nothing else (and the token).
+        world_size: ranks per job.
+        token: the secret every call must present, or None (client certificates, or
+            loopback). Never printed.
+        leader: the leader's actor handle.
+        shards: the shard actors' handles (shard 1 first).
+    """
+
+    name: str
+    address: str
+    world_size: int
+    token: str | None = field(repr=False)
+    leader: Any = field(repr=False)
+    shards: tuple[Any, ...] = field(default=(), repr=False)
+
+    def environment(self) -> dict[str, str]:
+        """Environment variables a worker needs to reach this coordinator."""
+        env = {"GRADSYNC_COORDINATOR": self.address}
+        if self.token is not None:
+            env[auth.ENV_TOKEN] = self.token
+        return env
+
+    def security(self) -> ChannelSecurity:
+        """Client credentials for this coordinator (the token; TLS from the environment)."""
+        return ChannelSecurity.resolve(token=self.token)
+
+    def status(self, job_id: str = "") -> Any:
+        """The coordinator's `StatusReply` (`gradsync status`), over its gRPC address."""
+        from gradsync.status import query_status
+
+        return query_status(self.address, job_id, security=self.security())
+
+    def pids(self) -> dict[str, int]:
+        """Process id of each actor by actor role ("leader", "shard 1", ...)."""
+        handles = {"leader": self.leader} | {
+            f"shard {index}": shard for index, shard in enumerate(self.shards, start=1)
+        }
+        infos = fetch([handle.info.remote() for handle in handles.values()])
+        return {role: int(info["pid"]) for role, info in zip(handles, infos, strict=True)}
+
+    def stop(self, grace_s: float | None = None) -> None:
+        """Drain running jobs for `grace_s`, stop every server, and end every actor.
+
+        Returns once no actor of this coordinator is alive any more (bounded by
+        `DEATH_TIMEOUT_S`); safe to call from any driver, and twice.
+        """
+        handles = (self.leader, *self.shards)
+        try:
+            fetch(self.leader.stop.remote(grace_s), timeout_s=(grace_s or 10.0) + STOP_TIMEOUT_S)
+            fetch([shard.stop.remote() for shard in self.shards], timeout_s=STOP_TIMEOUT_S)
+        except ray.exceptions.RayActorError:
+            pass  # already gone: killing it below is all that is left to do
+        finally:
+            for handle in handles:
+                ray.kill(handle, no_restart=True)
+        _wait_until_dead(handles, DEATH_TIMEOUT_S)
+        log.info("coordinator %r stopped", self.name)
+
+
+def _wait_until_dead(handles: tuple[Any, ...], timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    for handle in handles:
+        while True:
+            try:
+                fetch(handle.info.remote(), timeout_s=max(0.1, deadline - time.monotonic()))
+            except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
+                break
+            if time.monotonic() > deadline:
+                raise TimeoutError(
+                    f"an actor of the coordinator was still alive after {timeout_s:g} s"
+                )
+            time.sleep(0.1)
+
+
+def start_coordinator(
+    world_size: int,
+    *,
+    shards: int = 1,
+    resources: Mapping[str, float] | None = None,
+    name: str = "default",
+    detached: bool = False,
+    log_level: str = "WARNING",
+    **serve_options: Any,
+) -> Coordinator:
+    """Start a gradsync coordinator as Ray actors and return its handle.
+
+    Args:
+        world_size: ranks per job.
+        shards: coordinator shards, the leader included; shards 1..S-1 are spread over
+            the cluster's nodes (`scheduling_strategy="SPREAD"`).
+        resources: each actor's resources, as Ray Train writes them ({"CPU": 1,
+            "head": 0.01}); default one CPU. A custom resource that only one node type
+            has pins the coordinator there (the example cluster YAML's head node).
+        name: the coordinator's name in the "gradsync" namespace (`get_coordinator`).
+        detached: outlive this driver (until `stop()` or the cluster ends).
+        log_level: the actors' log level.
+        **serve_options: `gradsync.server.config.ServerConfig` fields: `on_failure`,
+            `min_workers`, `checkpoint_store`, `heartbeat_timeout_s`, `token`, `tls_cert`...
+            `host` is where to bind (default: the node's address).
+
+    Raises:
+        ValueError: a bad option (the message names it), or `name` is taken.
+        TimeoutError: the shards did not all register in time (naming the missing ones);
+            every actor started is ended first.
+    """
+    from gradsync.server.config import ServerConfig
+
+    if shards < 1:
+        raise ValueError(f"shards must be at least 1 (the leader), got {shards}")
+    reserved = sorted(_SET_HERE & serve_options.keys())
+    if reserved:
+        raise ValueError(f"{', '.join(reserved)} are set by start_coordinator, not options")
+    options = dict(serve_options, world_size=world_size, shard_count=shards)
+    if not any(options.get(key) for key in ("token", "tls_client_ca", "insecure")) and not (
+        auth.is_loopback(str(options.get("host", "")))
+    ):
+        # Other nodes must reach it, so it listens beyond loopback: that needs a secret.
+        options["token"] = secrets.token_urlsafe(32)
+    ServerConfig(**options)  # refuse a bad option here, with its message, not in an actor
+    _refuse_taken(name)
+    placement = actor_options(resources, DEFAULT_COORDINATOR_RESOURCES)
+    common: dict[str, Any] = dict(placement, namespace=NAMESPACE, max_restarts=0, max_concurrency=4)
+    if detached:
+        common["lifetime"] = "detached"
+    shard_names = [shard_actor_name(name, index) for index in range(1, shards)]
+    leader = _LeaderActor.options(name=leader_actor_name(name), **common).remote(log_level)
+    started: list[Any] = [leader]
+    try:
+        info = fetch(leader.start.remote(options, shard_names), timeout_s=START_TIMEOUT_S)
+        shard_options = _shard_options(options, info["address"])
+        handles = []
+        for shard_name in shard_names:
+            shard = _ShardActor.options(
+                name=shard_name, scheduling_strategy="SPREAD", **common
+            ).remote(log_level)
+            started.append(shard)
+            handles.append(shard)
+        fetch([shard.start.remote(shard_options) for shard in handles], timeout_s=START_TIMEOUT_S)
+        if handles:
+            missing = fetch(
+                leader.wait_for_shards.remote(SHARD_REGISTER_TIMEOUT_S),
+                timeout_s=SHARD_REGISTER_TIMEOUT_S + 10.0,
+            )
+            if missing is not None:
+                raise TimeoutError(
+                    f"coordinator {name!r}: shards did not register with the leader at "
+                    f"{info['address']} within {SHARD_REGISTER_TIMEOUT_S:g} s: {missing}"
+                )
+    except BaseException:
+        for handle in started:
+            ray.kill(handle, no_restart=True)
+        raise
+    log.info("coordinator %r listening on %s (%d shard(s))", name, info["address"], shards)
+    return Coordinator(name, info["address"], world_size, info["token"], leader, tuple(started[1:]))
+
+
+def _shard_options(options: Mapping[str, Any], leader_address: str) -> dict[str, Any]:
+    """The leader's options that a shard shares: credentials and the chunk size."""
+    keys = ("token", "tls_cert", "tls_key", "tls_client_ca", "tls_ca", "insecure")
+    shard = {key: options[key] for key in keys if key in options}
+    if "tls_cert" in options and "tls_ca" not in options:
+        shard["tls_ca"] = options["tls_cert"]  # a self-signed leader: its own certificate
+    if "chunk_bytes" in options:
+        shard["chunk_bytes"] = options["chunk_bytes"]
+    shard["leader"] = leader_address
+    return shard
+
+
+def _refuse_taken(name: str) -> None:
+    try:
+        existing = ray.get_actor(leader_actor_name(name), namespace=NAMESPACE)
+    except ValueError:
+        return
+    address = fetch(existing.info.remote(), timeout_s=10.0).get("address", "?")
+    raise ValueError(
+        f"a gradsync coordinator named {name!r} already runs (at {address}, actor "
+        f"{leader_actor_name(name)!r} in namespace {NAMESPACE!r}): stop it "
+        f"(gradsync.ray.get_coordinator({name!r}).stop()) or choose another name"
+    )
+
+
+def get_coordinator(name: str = "default", timeout_s: float = 30.0) -> Coordinator:
+    """The handle of a coordinator that any driver started with `start_coordinator`.
+
+    Raises:
+        LookupError: no coordinator of that name runs in the cluster.
+    """
+    try:
+        leader = ray.get_actor(leader_actor_name(name), namespace=NAMESPACE)
+    except ValueError as exc:
+        raise LookupError(
+            f"no gradsync coordinator named {name!r} runs in this Ray cluster "
+            f"(no actor {leader_actor_name(name)!r} in namespace {NAMESPACE!r})"
+        ) from exc
+    info = fetch(leader.info.remote(), timeout_s=timeout_s)
+    shards = tuple(
+        ray.get_actor(shard_name, namespace=NAMESPACE) for shard_name in info["shard_names"]
+    )
+    return Coordinator(name, info["address"], info["world_size"], info["token"], leader, shards)
