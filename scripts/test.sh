@@ -7,8 +7,9 @@ cd "$(dirname "$0")/.."
 if [ ! -x .venv/bin/python ]; then
   "${PYTHON:-python3}" -m venv .venv
 fi
-# torch is pinned here (not in the package) so that pip takes the CPU build.
-.venv/bin/pip install --quiet torch==2.13.0 -e ".[test]"
+# torch is pinned here (not in the package) so that pip takes the CPU build; Ray is pinned
+# to a release with Python 3.11 wheels that the Ray tests were written against.
+.venv/bin/pip install --quiet torch==2.13.0 "ray[train]==2.60.0" -e ".[test]"
 # Not root: it says what is missing, the suite skips those tests and ends by counting them.
 bash scripts/install-system-deps.sh || true
 .venv/bin/ruff check .

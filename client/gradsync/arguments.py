@@ -154,6 +154,16 @@ def build_parser() -> argparse.ArgumentParser:
         default=3,
         help="number of worker processes (default %(default)s)",
     )
+    demo.add_argument(
+        "--ray",
+        action="store_true",
+        help="run the coordinator and the workers as Ray actors (needs gradsync[ray])",
+    )
+    demo.add_argument(
+        "--ray-address",
+        default=None,
+        help="with --ray: the Ray cluster to join (default $RAY_ADDRESS, else a local one)",
+    )
     _add_training_flags(demo)
 
     bench = commands.add_parser(

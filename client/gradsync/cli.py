@@ -404,6 +404,14 @@ def _demo(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     settings = TrainSettings(
         world_size=args.workers, epochs=args.epochs, batch_size=args.batch_size, lr=args.lr
     )
+    if args.ray_address is not None and not args.ray:
+        parser.error("--ray-address needs --ray")
+    if args.ray:
+        try:
+            from gradsync.ray.demo import run_ray_demo
+        except ImportError as exc:
+            parser.error(f"--ray: {exc}")
+        return run_ray_demo(settings, timeout_s=args.timeout_s, address=args.ray_address)
     return run_demo(settings, timeout_s=args.timeout_s)
 
 

@@ -48,8 +48,9 @@ log = logging.getLogger("gradsync.ray")
 
 #: How often the driver collects reports while it waits for the ranks.
 REPORT_POLL_S = 0.2
-#: Bound on starting the worker actors (each imports torch).
-WORKER_START_TIMEOUT_S = 120.0
+#: Default bound on placing and starting the worker actors: long enough for an
+#: autoscaler to add nodes, short enough that a request no cluster can meet is named.
+WORKER_START_TIMEOUT_S = 300.0
 
 
 @dataclass(frozen=True)
@@ -217,6 +218,7 @@ def run(
     on_report: Callable[[Report], None] | None = None,
     timeout_s: float | None = None,
     job_id: str | None = None,
+    start_timeout_s: float = WORKER_START_TIMEOUT_S,
 ) -> RunResult:
     """Train `train_fn` on `num_workers` Ray actors through a gradsync coordinator.
 
@@ -236,6 +238,7 @@ def run(
         timeout_s: bound on the whole run; None leaves it to gradsync's own timeouts
             (every wait of a rank is bounded, so a lost peer ends the run with an error).
         job_id: the gradsync job id (default: a fresh one per run).
+        start_timeout_s: bound on placing and starting every worker actor.
 
     Returns:
         A `RunResult` with every rank's return value, the reports and restart counts.
@@ -243,7 +246,8 @@ def run(
     Raises:
         WorkerFailedError: a rank's `train_fn` raised, or its actor died more than
             `max_restarts` times; the other ranks are stopped first.
-        TimeoutError: `timeout_s` passed.
+        TimeoutError: `timeout_s` passed, or the workers were not all placed within
+            `start_timeout_s` (the message names the request and the free resources).
     """
     if num_workers < 1:
         raise ValueError(f"num_workers must be at least 1, got {num_workers}")
@@ -278,7 +282,7 @@ def run(
         for rank in range(num_workers)
     ]
     try:
-        nodes = fetch([actor.node.remote() for actor in actors], timeout_s=WORKER_START_TIMEOUT_S)
+        nodes = _placed(actors, placement, start_timeout_s)
         calls = [
             actor.train.remote(train_fn, config, local_rank, local_size)
             for actor, (local_rank, local_size) in zip(actors, local_ranks(nodes), strict=True)
@@ -290,6 +294,28 @@ def run(
         ray.kill(sink, no_restart=True)
         if owned is not None:
             owned.stop(grace_s=1.0)
+
+
+def _placed(actors: list[Any], placement: Mapping[str, Any], timeout_s: float) -> list[str]:
+    """The node of every worker actor, once all run; a clear error when some cannot be placed."""
+    pending = {actor.node.remote(): rank for rank, actor in enumerate(actors)}
+    _, waiting = ray.wait(list(pending), num_returns=len(pending), timeout=timeout_s)
+    if waiting:
+        ranks = sorted(pending[ref] for ref in waiting)
+        raise TimeoutError(
+            f"ranks {ranks} of {len(actors)} did not start within {timeout_s:g} s: each asks "
+            f"for {dict(placement)} and the cluster has {_free_resources()} free of "
+            f"{_all_resources()} (give resources_per_worker= that fits, or add nodes)"
+        )
+    return [str(node) for node in fetch([actor.node.remote() for actor in actors])]
+
+
+def _free_resources() -> dict[str, float]:
+    return dict(ray.available_resources())  # type: ignore[no-untyped-call]  # untyped in ray
+
+
+def _all_resources() -> dict[str, float]:
+    return dict(ray.cluster_resources())  # type: ignore[no-untyped-call]  # untyped in ray
 
 
 def _collect(
