@@ -28,6 +28,7 @@ from gradsync.config import (
 )
 from gradsync.protocol import auth
 from gradsync.ray.coordinator import Coordinator, start_coordinator
+from gradsync.ray.workers import apply_environment
 
 
 @dataclass
@@ -59,10 +60,6 @@ class GradsyncConfig(BackendConfig):
     def to_dict(self) -> dict[str, Any]:
         """What Ray Train exports of this config (never the token)."""
         return {"coordinator": self.coordinator, "shards": self.shards}
-
-
-def _set_environment(environment: dict[str, str]) -> None:
-    os.environ.update(environment)
 
 
 def _set_ranks() -> None:
@@ -103,7 +100,7 @@ class GradsyncBackend(Backend):
         environment.update(backend_config.env)
         # One job id per start of the group: a restarted group is a new gradsync job.
         environment.setdefault(ENV_JOB_ID, f"raytrain-{uuid.uuid4().hex[:12]}")
-        worker_group.execute(_set_environment, environment)
+        worker_group.execute(apply_environment, environment)
 
     def on_training_start(self, worker_group: Any, backend_config: BackendConfig) -> None:
         """Ray Train's ranks are known now: set torchrun's variables from them."""

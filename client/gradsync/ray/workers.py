@@ -36,6 +36,7 @@ from gradsync.config import (
     ENV_RANK,
     ENV_WORLD_SIZE,
 )
+from gradsync.protocol import auth
 from gradsync.ray.coordinator import Coordinator, fetch, start_coordinator
 from gradsync.ray.placement import (
     DEFAULT_WORKER_RESOURCES,
@@ -155,7 +156,7 @@ class Worker:
         # The sink by name, not by handle: a handle is a constructor argument held in the
         # object store, which Ray warns may be gone when it restarts the actor.
         sink = ray.get_actor(sink_name, namespace=NAMESPACE)
-        os.environ.update(environment)
+        apply_environment(environment)
         os.environ[ENV_RANK] = str(rank)
         os.environ[ENV_WORLD_SIZE] = str(world_size)
         attempt = int(fetch(sink.started.remote(rank)))
@@ -182,6 +183,17 @@ class Worker:
         os.environ[ENV_LOCAL_RANK] = str(local_rank)
         os.environ[ENV_LOCAL_WORLD_SIZE] = str(local_world_size)
         return call_train_fn(train_fn, config)
+
+
+def apply_environment(environment: Mapping[str, str]) -> None:
+    """Set `environment` in this process; a token given here replaces a token file.
+
+    The node may carry $GRADSYNC_TOKEN_FILE for other jobs; a worker that had both would
+    refuse to start (two tokens), and this run's coordinator wants the one given here.
+    """
+    if auth.ENV_TOKEN in environment:
+        os.environ.pop(auth.ENV_TOKEN_FILE, None)
+    os.environ.update(environment)
 
 
 def call_train_fn(train_fn: Callable[..., Any], config: Mapping[str, Any] | None) -> Any:
