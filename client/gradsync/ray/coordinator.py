@@ -89,7 +89,9 @@ class LeaderServer:
         config = ServerConfig(host=bind_host, port=0, local_shards=False, **options)
         self._running = self._loop.call(start_server(config), START_TIMEOUT_S)
         advertised = node_ip if bind_host in ("0.0.0.0", "::", "") else bind_host
-        print(banner(config, self._running.port), flush=True)
+        metrics = self._running.metrics_server
+        metrics_url = metrics.url if metrics is not None else None
+        print(banner(config, self._running.port, metrics_url), flush=True)
         self._info = {
             "address": host_port(advertised, self._running.port),
             "token": config.token,
@@ -97,11 +99,12 @@ class LeaderServer:
             "world_size": config.world_size,
             "pid": os.getpid(),
             "node_ip": node_ip,
+            "metrics_url": metrics_url,
         }
         return self.info()
 
     def info(self) -> dict[str, Any]:
-        """The address, token, shard actor names, process id and node of this leader."""
+        """The address, token, shard actor names, process id, node and metrics URL."""
         return dict(self._info)
 
     def wait_for_shards(self, timeout_s: float) -> str | None:
@@ -174,6 +177,8 @@ class Coordinator:
             loopback). Never printed.
         leader: the leader's actor handle.
         shards: the shard actors' handles (shard 1 first).
+        metrics_url: the leader's Prometheus endpoint (`metrics_port=` in the serve
+            options; 0 = a free port), or None.
     """
 
     name: str
@@ -182,6 +187,7 @@ class Coordinator:
     token: str | None = field(repr=False)
     leader: Any = field(repr=False)
     shards: tuple[Any, ...] = field(default=(), repr=False)
+    metrics_url: str | None = None
 
     def environment(self) -> dict[str, str]:
         """Environment variables a worker needs to reach this coordinator."""
@@ -321,7 +327,15 @@ def start_coordinator(
             ray.kill(handle, no_restart=True)
         raise
     log.info("coordinator %r listening on %s (%d shard(s))", name, info["address"], shards)
-    return Coordinator(name, info["address"], world_size, info["token"], leader, tuple(started[1:]))
+    return Coordinator(
+        name,
+        info["address"],
+        world_size,
+        info["token"],
+        leader,
+        tuple(started[1:]),
+        info["metrics_url"],
+    )
 
 
 def _shard_options(options: Mapping[str, Any], leader_address: str) -> dict[str, Any]:
@@ -366,4 +380,12 @@ def get_coordinator(name: str = "default", timeout_s: float = 30.0) -> Coordinat
     shards = tuple(
         ray.get_actor(shard_name, namespace=NAMESPACE) for shard_name in info["shard_names"]
     )
-    return Coordinator(name, info["address"], info["world_size"], info["token"], leader, shards)
+    return Coordinator(
+        name,
+        info["address"],
+        info["world_size"],
+        info["token"],
+        leader,
+        shards,
+        info.get("metrics_url"),
+    )
