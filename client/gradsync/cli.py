@@ -396,6 +396,8 @@ def _check_batches(
 
 
 def _demo(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
+    if args.ray_address is not None and not args.ray:
+        parser.error("--ray-address needs --ray")
     from gradsync.demo import run_demo
     from gradsync.example import TrainSettings, train_samples
 
@@ -404,8 +406,6 @@ def _demo(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     settings = TrainSettings(
         world_size=args.workers, epochs=args.epochs, batch_size=args.batch_size, lr=args.lr
     )
-    if args.ray_address is not None and not args.ray:
-        parser.error("--ray-address needs --ray")
     if args.ray:
         try:
             from gradsync.ray.demo import run_ray_demo

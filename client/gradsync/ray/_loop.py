@@ -47,8 +47,10 @@ class LoopThread:
             raise
 
     def close(self) -> None:
-        """Cancel what still runs on the loop, stop it and join its thread."""
-        if not self.loop.is_running():
+        """Cancel what still runs on the loop, stop it and join its thread; twice is a no-op."""
+        # Not `loop.is_running()`: right after __init__ the thread may not have entered
+        # run_forever yet, and returning then would leave the loop running for good.
+        if self.loop.is_closed() or not self._thread.is_alive():
             return
 
         async def cancel_rest() -> None:

@@ -51,7 +51,7 @@ STOP_TIMEOUT_S = 30.0
 DEATH_TIMEOUT_S = 30.0
 
 #: Options of `start_coordinator` that are the actors' business, not `ServerConfig` fields.
-_SET_HERE = frozenset({"world_size", "port", "shard_count", "local_shards"})
+_SET_HERE = frozenset({"port", "shard_count", "local_shards"})
 
 
 def _node_ip() -> str:
@@ -293,8 +293,11 @@ def start_coordinator(
         # Other nodes must reach it, so it listens beyond loopback: that needs a secret.
         options["token"] = secrets.token_urlsafe(32)
     ServerConfig(**options)  # refuse a bad option here, with its message, not in an actor
-    _refuse_taken(name)
     placement = actor_options(resources, DEFAULT_COORDINATOR_RESOURCES)
+    # Every option is checked before the first call into Ray (the name lookup).
+    if not ray.is_initialized():
+        ray.init()  # $RAY_ADDRESS, else a local cluster (as `run` does)
+    _refuse_taken(name)
     common: dict[str, Any] = dict(placement, namespace=NAMESPACE, max_restarts=0, max_concurrency=4)
     if detached:
         common["lifetime"] = "detached"

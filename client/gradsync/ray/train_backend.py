@@ -11,9 +11,10 @@ its model in `gradsync.DistributedDataParallel` and reports with `ray.train.repo
 
 from __future__ import annotations
 
+import html
 import os
 import uuid
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 from ray.train.backend import Backend, BackendConfig
@@ -60,6 +61,21 @@ class GradsyncConfig(BackendConfig):
     def to_dict(self) -> dict[str, Any]:
         """What Ray Train exports of this config (never the token)."""
         return {"coordinator": self.coordinator, "shards": self.shards}
+
+    def __repr__(self) -> str:
+        """Every field but the token, and no token given in serve_options or env either."""
+        shown = {f.name: getattr(self, f.name) for f in fields(self) if f.repr}
+        shown["serve_options"] = _hide(self.serve_options, "token")
+        shown["env"] = _hide(self.env, auth.ENV_TOKEN)
+        return f"{type(self).__name__}({', '.join(f'{k}={v!r}' for k, v in shown.items())})"
+
+    def _repr_html_(self) -> str:
+        """Jupyter's view: the repr. Ray's default table lists every attribute, the token too."""
+        return f"<pre>{html.escape(repr(self))}</pre>"
+
+
+def _hide(values: dict[str, Any], secret: str) -> dict[str, Any]:
+    return {name: "<hidden>" if name == secret else value for name, value in values.items()}
 
 
 def _set_ranks() -> None:
