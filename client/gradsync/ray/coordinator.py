@@ -305,7 +305,7 @@ def start_coordinator(
     leader = _LeaderActor.options(name=leader_actor_name(name), **common).remote(log_level)
     started: list[Any] = [leader]
     try:
-        info = fetch(leader.start.remote(options, shard_names), timeout_s=START_TIMEOUT_S)
+        info = _started(leader.start.remote(options, shard_names), "the leader", placement)
         shard_options = _shard_options(options, info["address"])
         handles = []
         for shard_name in shard_names:
@@ -314,7 +314,7 @@ def start_coordinator(
             ).remote(log_level)
             started.append(shard)
             handles.append(shard)
-        fetch([shard.start.remote(shard_options) for shard in handles], timeout_s=START_TIMEOUT_S)
+        _started([shard.start.remote(shard_options) for shard in handles], "the shards", placement)
         if handles:
             missing = fetch(
                 leader.wait_for_shards.remote(SHARD_REGISTER_TIMEOUT_S),
@@ -339,6 +339,32 @@ def start_coordinator(
         tuple(started[1:]),
         info["metrics_url"],
     )
+
+
+def _started(refs: Any, what: str, placement: Mapping[str, Any]) -> Any:
+    """`fetch` of a start call; a timeout names the request and the cluster's free resources.
+
+    An actor that no node can host waits for one (an autoscaler may add it); past
+    `START_TIMEOUT_S` the caller learns why, instead of a bare GetTimeoutError.
+    """
+    try:
+        return fetch(refs, timeout_s=START_TIMEOUT_S)
+    except ray.exceptions.GetTimeoutError as exc:
+        raise TimeoutError(
+            f"{what} of the coordinator did not start within {START_TIMEOUT_S:g} s: each "
+            f"actor asks for {dict(placement)}, and the cluster has {free_resources()} free "
+            f"of {all_resources()} (pass resources= that fit, or add nodes)"
+        ) from exc
+
+
+def free_resources() -> dict[str, float]:
+    """What the Ray cluster has free now (for messages)."""
+    return dict(ray.available_resources())  # type: ignore[no-untyped-call]  # untyped in ray
+
+
+def all_resources() -> dict[str, float]:
+    """What the Ray cluster has in all (for messages)."""
+    return dict(ray.cluster_resources())  # type: ignore[no-untyped-call]  # untyped in ray
 
 
 def _shard_options(options: Mapping[str, Any], leader_address: str) -> dict[str, Any]:

@@ -37,7 +37,13 @@ from gradsync.config import (
     ENV_WORLD_SIZE,
 )
 from gradsync.protocol import auth
-from gradsync.ray.coordinator import Coordinator, fetch, start_coordinator
+from gradsync.ray.coordinator import (
+    Coordinator,
+    all_resources,
+    fetch,
+    free_resources,
+    start_coordinator,
+)
 from gradsync.ray.placement import (
     DEFAULT_WORKER_RESOURCES,
     NAMESPACE,
@@ -316,18 +322,10 @@ def _placed(actors: list[Any], placement: Mapping[str, Any], timeout_s: float) -
         ranks = sorted(pending[ref] for ref in waiting)
         raise TimeoutError(
             f"ranks {ranks} of {len(actors)} did not start within {timeout_s:g} s: each asks "
-            f"for {dict(placement)} and the cluster has {_free_resources()} free of "
-            f"{_all_resources()} (give resources_per_worker= that fits, or add nodes)"
+            f"for {dict(placement)} and the cluster has {free_resources()} free of "
+            f"{all_resources()} (give resources_per_worker= that fits, or add nodes)"
         )
     return [str(node) for node in fetch([actor.node.remote() for actor in actors])]
-
-
-def _free_resources() -> dict[str, float]:
-    return dict(ray.available_resources())  # type: ignore[no-untyped-call]  # untyped in ray
-
-
-def _all_resources() -> dict[str, float]:
-    return dict(ray.cluster_resources())  # type: ignore[no-untyped-call]  # untyped in ray
 
 
 def _collect(
