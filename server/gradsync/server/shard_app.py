@@ -33,6 +33,8 @@ log = logging.getLogger("gradsync.shard")
 EXIT_REFUSED = 2
 #: How long data streams get to flush their last message when the shard stops.
 _STOP_FLUSH_S = 1.0
+#: Bound on the wait for the leader link to end when the shard stops.
+LINK_STOP_TIMEOUT_S = 10.0
 
 
 @dataclass
@@ -86,7 +88,8 @@ class RunningShard:
             Code.UNAVAILABLE, f"{servicer.name} is shutting down", pb.END_REASON_SHARD_LOST
         )
         self.link_task.cancel()
-        await asyncio.gather(self.link_task, return_exceptions=True)
+        # Bounded: stopping must not hang on the leader link (it cancels its own call).
+        await asyncio.wait({self.link_task}, timeout=LINK_STOP_TIMEOUT_S)
         await self.server.stop(_STOP_FLUSH_S)
         if self.metrics_server is not None:
             self.metrics_server.close()

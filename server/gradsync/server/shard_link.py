@@ -47,6 +47,8 @@ REFUSAL_CODES = frozenset(
 _CODE_BY_VALUE = {status.value[0]: status for status in grpc.StatusCode}
 #: First pause before registering again after losing the leader.
 _FIRST_BACKOFF_S = 0.1
+#: Bound on the wait for the link's reader and writer to end once cancelled.
+TASK_END_TIMEOUT_S = 5.0
 
 
 class Refused(Exception):
@@ -213,9 +215,13 @@ class LeaderLink:
             done, _ = await asyncio.wait({reader, writer}, return_when=asyncio.FIRST_COMPLETED)
             return done.pop().result()
         finally:
+            # Cancel the call first: a read or write that grpc still holds then ends at
+            # once, so the tasks can finish; the wait for them is bounded all the same
+            # (a shard stopping must never hang on its leader link).
+            call.cancel()
             for task in (reader, writer):
                 task.cancel()
-            await asyncio.gather(reader, writer, return_exceptions=True)
+            await asyncio.wait({reader, writer}, timeout=TASK_END_TIMEOUT_S)
 
     async def _read(self, call: grpc.aio.StreamStreamCall, timeout_s: float) -> str:
         servicer = self._servicer
