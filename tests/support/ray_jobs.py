@@ -26,6 +26,7 @@ from support.ray_training import (
     RUN_TIMEOUT_S,
     WORLD_SIZE,
     elastic_train,
+    failing_train,
     parity_train,
     ray_train_loop,
     reference_training,
@@ -213,6 +214,7 @@ def scenario_named_stop(args: argparse.Namespace) -> dict[str, Any]:
         gradsync.ray.start_coordinator(WORLD_SIZE, name=args.name)
     except ValueError as exc:
         errors["taken"] = {"type": type(exc).__name__, "message": str(exc)}
+    errors["failed_run"], pids = failed_run(coordinator)
     actors_before = named_actors()
     coordinator.stop()
     return {
@@ -222,7 +224,33 @@ def scenario_named_stop(args: argparse.Namespace) -> dict[str, Any]:
         "errors": errors,
         "actors_before_stop": actors_before,
         "actors_after_stop": named_actors(),
+        "failed_run_pids": pids,
+        "failed_run_pids_left": wait_gone(pids, 15.0),
     }
+
+
+def failed_run(coordinator: Any) -> tuple[dict[str, Any], list[int]]:
+    """A run whose rank 1 raises at once: the error, its delay, and every rank's pid."""
+    import gradsync.ray
+
+    pids: list[int] = []
+    started = time.monotonic()
+    try:
+        gradsync.ray.run(
+            failing_train,
+            num_workers=WORLD_SIZE,
+            config={"model": "single_bucket", "fail_rank": 1},
+            coordinator=coordinator,
+            on_report=lambda report: pids.append(int(report.metrics["pid"])),
+        )
+    except gradsync.ray.WorkerFailedError as exc:
+        return {
+            "type": type(exc).__name__,
+            "rank": exc.rank,
+            "message": str(exc),
+            "seconds": time.monotonic() - started,
+        }, pids
+    return {"type": None}, pids
 
 
 def scenario_train(args: argparse.Namespace) -> dict[str, Any]:

@@ -257,3 +257,20 @@ def ray_train_loop(config: dict[str, Any]) -> None:
                 torch.save(model.state_dict(), Path(directory) / "model.pt")
                 checkpoint = ray.train.Checkpoint.from_directory(directory)
             ray.train.report(metrics, checkpoint=checkpoint)
+
+
+def failing_train(config: dict[str, Any]) -> None:
+    """Rank `fail_rank` raises at once; the others join their job and wait for it.
+
+    Without `run` ending the run at the first failure, the waiting ranks would sit in
+    their join until `join_timeout_s` (300 s).
+    """
+    import gradsync
+    from gradsync.ray import report
+
+    rank = int(os.environ["RANK"])
+    report({"pid": os.getpid()})
+    if rank == config["fail_rank"]:
+        time.sleep(1.0)  # the other rank's report reaches the driver first
+        raise ValueError(f"rank {rank} fails on purpose")
+    gradsync.DistributedDataParallel(MODELS[config["model"]](), timeout_s=RANK_TIMEOUT_S)

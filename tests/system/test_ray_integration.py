@@ -185,6 +185,15 @@ def test_detached_coordinator_is_found_and_stopped_by_another_driver(
     assert taken["type"] == "ValueError" and repr(name) in taken["message"]
     assert started["address"] in taken["message"]
 
+    # A rank whose function raises ends the run at once, naming it; the other rank,
+    # waiting in its join, is stopped rather than left to its 300 s join timeout.
+    failed = stopped["errors"]["failed_run"]
+    assert failed["type"] == "WorkerFailedError" and failed["rank"] == 1
+    assert "rank 1 fails on purpose" in failed["message"]
+    assert failed["seconds"] < 60
+    assert len(stopped["failed_run_pids"]) == 2
+    assert stopped["failed_run_pids_left"] == []
+
 
 def test_ray_train_data_parallel_trainer_with_the_gradsync_backend(
     ray_cluster: RayCluster, tmp_path: Path

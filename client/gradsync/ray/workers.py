@@ -337,21 +337,18 @@ def _collect(
 ) -> RunResult:
     deadline = None if timeout_s is None else time.monotonic() + timeout_s
     reports: list[Report] = []
-    starts: dict[int, int] = {}
     pending = list(calls)
     results: dict[int, Any] = {}
     while True:
         _, pending = ray.wait(pending, num_returns=len(pending), timeout=REPORT_POLL_S)
-        batch, starts = fetch(sink.drain.remote())
-        for rank, attempt, at, metrics in batch:
-            reports.append(Report(rank, metrics, attempt, at))
-            on_report(reports[-1])
+        starts = _drain(sink, reports, on_report)
         for rank, call in enumerate(calls):
             if rank in results or call in pending:
                 continue
             try:
                 results[rank] = fetch(call)
             except ray.exceptions.RayError as exc:
+                _drain(sink, reports, on_report)  # what was sent before the failure
                 raise WorkerFailedError(rank, f"rank {rank} failed: {exc}") from exc
         if not pending:
             break
@@ -366,6 +363,15 @@ def _collect(
         [max(0, starts.get(rank, 1) - 1) for rank in range(len(calls))],
         environment[ENV_COORDINATOR],
     )
+
+
+def _drain(sink: Any, reports: list[Report], on_report: Callable[[Report], None]) -> dict[int, int]:
+    """Hand the reports that arrived to `on_report` and keep them; return the starts by rank."""
+    batch, starts = fetch(sink.drain.remote())
+    for rank, attempt, at, metrics in batch:
+        reports.append(Report(rank, metrics, attempt, at))
+        on_report(reports[-1])
+    return dict(starts)
 
 
 def _log_report(report: Report) -> None:
