@@ -28,7 +28,7 @@ from typing import Any
 import ray
 
 from gradsync.channels import ChannelSecurity
-from gradsync.protocol import auth
+from gradsync.protocol import auth, defaults
 from gradsync.ray._loop import LoopThread
 from gradsync.ray.placement import (
     DEFAULT_COORDINATOR_RESOURCES,
@@ -222,10 +222,15 @@ class Coordinator:
         """
         handles = (self.leader, *self.shards)
         try:
-            fetch(self.leader.stop.remote(grace_s), timeout_s=(grace_s or 10.0) + STOP_TIMEOUT_S)
+            drain_s = defaults.SHUTDOWN_GRACE_S if grace_s is None else grace_s
+            fetch(self.leader.stop.remote(grace_s), timeout_s=drain_s + STOP_TIMEOUT_S)
             fetch([shard.stop.remote() for shard in self.shards], timeout_s=STOP_TIMEOUT_S)
         except ray.exceptions.RayActorError:
             pass  # already gone: killing it below is all that is left to do
+        except ray.exceptions.GetTimeoutError:
+            # A drain longer than asked for (a configured grace above `grace_s`): the
+            # jobs it still held end with the actors.
+            log.warning("coordinator %r did not stop in time; ending its actors", self.name)
         finally:
             for handle in handles:
                 ray.kill(handle, no_restart=True)
