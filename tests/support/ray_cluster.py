@@ -61,14 +61,14 @@ def _terminate_with_parent() -> None:
 
 
 class RayCluster:
-    """One head node, `num_cpus` logical CPUs, PYTHONPATH=tests so workers import `support`.
+    """A head node (`num_cpus` logical CPUs) and any `add_node`s; PYTHONPATH=tests.
 
     Attributes:
         address: the GCS address ("ip:port") drivers pass to `ray.init(address=...)`.
         temp_dir: Ray's session files (logs under session_*/logs).
     """
 
-    def __init__(self, num_cpus: int = 4) -> None:
+    def __init__(self, num_cpus: int = 4, host_id: str = "ray-node-1") -> None:
         # Short on purpose: Ray's unix sockets live below it and a socket path must stay
         # under 108 bytes, which a pytest tmp_path (plus Ray's session_<date>_<pid>) is not.
         self.temp_dir = Path(tempfile.mkdtemp(prefix="gsray-", dir="/tmp"))
@@ -103,17 +103,68 @@ class RayCluster:
                 # No drain on SIGTERM (Ray waits up to 30 s for busy workers to finish,
                 # e.g. a detached actor a failed test left): a test cluster has no
                 # traffic to protect, and `stop` should take a second, not thirty.
-                env=self.driver_environment() | {"RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S": "0"},
+                env=self._node_environment(host_id),
                 cwd=self.temp_dir,
                 start_new_session=True,
                 preexec_fn=_terminate_with_parent,
             )
         self.session_id = self.process.pid
+        #: The other nodes' `ray start` processes (`add_node`), each a session of its own.
+        self.nodes: list[subprocess.Popen[bytes]] = []
         try:
             self.address = self._wait_for_address(port)
         except BaseException:
             self.stop()
             raise
+
+    def _node_environment(self, host_id: str) -> dict[str, str]:
+        """A node's environment: the drivers', its own gradsync host id, no drain.
+
+        Ray's workers inherit their raylet's environment, so `GRADSYNC_HOST_ID` makes
+        the ranks of each node one host for gradsync, as separate machines would be
+        (every node of this cluster shares one machine and network namespace). No drain
+        on SIGTERM (Ray waits up to 30 s for busy workers, e.g. a detached actor a failed
+        test left): a test cluster has no traffic to protect.
+        """
+        return self.driver_environment() | {
+            "GRADSYNC_HOST_ID": host_id,
+            "RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S": "0",
+        }
+
+    def add_node(self, num_cpus: int, host_id: str) -> None:
+        """Start one more node (a second raylet on this machine) and wait until it runs."""
+        log_path = self.temp_dir / f"node-{len(self.nodes) + 2}.log"
+        argv = [
+            str(RAY),
+            "start",
+            "--address",
+            self.address,
+            "--num-cpus",
+            str(num_cpus),
+            "--disable-usage-stats",
+            "--block",
+        ]
+        with log_path.open("wb") as log:
+            node = subprocess.Popen(
+                argv,
+                stdin=subprocess.DEVNULL,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                env=self._node_environment(host_id),
+                cwd=self.temp_dir,
+                start_new_session=True,
+                preexec_fn=_terminate_with_parent,
+            )
+        self.nodes.append(node)
+        deadline = time.monotonic() + START_TIMEOUT_S
+        # `ray start` says so once its raylet has registered with the GCS.
+        while "Ray runtime started" not in log_path.read_text(errors="replace"):
+            if node.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(
+                    f"the node did not start (exit {node.poll()}):\n"
+                    + log_path.read_text(errors="replace")[-3000:]
+                )
+            time.sleep(0.2)
 
     def driver_environment(self) -> dict[str, str]:
         """The environment of a process that joins this cluster (its drivers, and itself)."""
@@ -154,6 +205,7 @@ class RayCluster:
     def processes(self) -> dict[int, str]:
         """The live (not zombie) processes of the cluster's session, by pid: their cmdline."""
         found: dict[int, str] = {}
+        sessions = {self.session_id, *(node.pid for node in self.nodes)}
         for entry in Path("/proc").iterdir():
             if not entry.name.isdigit():
                 continue
@@ -164,7 +216,7 @@ class RayCluster:
             except (FileNotFoundError, ProcessLookupError, IndexError):
                 continue
             state, session = fields[0], int(fields[3])
-            if state != "Z" and (session == self.session_id or str(self.temp_dir) in cmdline):
+            if state != "Z" and (session in sessions or str(self.temp_dir) in cmdline):
                 found[int(entry.name)] = cmdline.strip()
         return found
 
@@ -178,10 +230,11 @@ class RayCluster:
         Returns:
             The processes still alive after all that (empty when the cluster is gone).
         """
-        if self.process.poll() is None:
-            self.process.send_signal(signal.SIGTERM)
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                self.process.wait(timeout=STOP_GRACE_S)
+        for process in (*self.nodes, self.process):  # the head last: it holds the GCS
+            if process.poll() is None:
+                process.send_signal(signal.SIGTERM)
+                with contextlib.suppress(subprocess.TimeoutExpired):
+                    process.wait(timeout=STOP_GRACE_S)
         # Workers sit in process groups of their own, and `ray start` may hang on its
         # way out: what remains of the session is killed, process by process.
         deadline = time.monotonic() + KILL_TIMEOUT_S
@@ -195,9 +248,10 @@ class RayCluster:
                     self.process.wait(timeout=1.0)
             time.sleep(0.1)
             left = self.processes()
-        if self.process.poll() is None:
-            self.process.kill()
-            self.process.wait()
+        for process in (*self.nodes, self.process):
+            if process.poll() is None:
+                process.kill()
+                process.wait()
         shutil.rmtree(self.temp_dir, ignore_errors=True)
         return left
 

@@ -97,7 +97,7 @@ def report_rows(reports: Sequence[Any]) -> list[dict[str, Any]]:
 
 
 def scenario_parity(args: argparse.Namespace) -> dict[str, Any]:
-    """A sharded coordinator (leader + 1 shard actor), two hierarchical ranks on one node."""
+    """A sharded coordinator (leader + 1 shard actor), the two ranks spread over two nodes."""
     import gradsync.ray
 
     steps, model = 6, "two_layer"
@@ -112,9 +112,11 @@ def scenario_parity(args: argparse.Namespace) -> dict[str, Any]:
             num_workers=WORLD_SIZE,
             config={"steps": steps, "model": model},
             coordinator=coordinator,
-            # Both ranks share this node: with "auto" they sum locally and the coordinator
-            # checks LOCAL_WORLD_SIZE against the ranks that share the host.
+            # One rank per node ("SPREAD"), and each node is a host of its own for gradsync
+            # (GRADSYNC_HOST_ID): under "auto" neither forms a local group, and the
+            # coordinator checks LOCAL_WORLD_SIZE=1 against the one rank of each host.
             env={"GRADSYNC_HIERARCHICAL": "auto"},
+            scheduling_strategy="SPREAD",
             timeout_s=RUN_TIMEOUT_S,
             job_id=job_id,
         )
@@ -269,7 +271,8 @@ def scenario_train(args: argparse.Namespace) -> dict[str, Any]:
         # "auto", the default outside this test suite: Ray Train's local ranks are
         # then checked by the coordinator against the ranks that share the node.
         backend_config=GradsyncConfig(env={"GRADSYNC_HIERARCHICAL": "auto"}),
-        scaling_config=ScalingConfig(num_workers=WORLD_SIZE),
+        # Both workers on one node (the cluster has two): they form one local group.
+        scaling_config=ScalingConfig(num_workers=WORLD_SIZE, placement_strategy="STRICT_PACK"),
         run_config=RunConfig(storage_path=str(args.storage), name="gradsync-train"),
     )
     result = trainer.fit()

@@ -139,6 +139,13 @@ def local_ranks(ddp: Any) -> list[int]:
     return [] if group is None else list(group.ranks)
 
 
+def ray_node() -> str:
+    """The id of the Ray node this rank runs on."""
+    import ray
+
+    return str(ray.get_runtime_context().get_node_id())
+
+
 def torchrun_environment() -> dict[str, str]:
     """The torchrun variables of this process."""
     return {name: os.environ[name] for name in TORCHRUN_VARIABLES}
@@ -176,6 +183,7 @@ def parity_train(config: dict[str, Any]) -> Parameters:
                     "contributors": ddp.last_contributors,
                     "env": torchrun_environment(),
                     "local_ranks": local_ranks(ddp),
+                    "node": ray_node(),
                 }
             )
     return parameters_of(model)

@@ -35,9 +35,12 @@ pytestmark = pytest.mark.timeout(180)
 
 @pytest.fixture(scope="module")
 def ray_cluster() -> Iterator[RayCluster]:
-    """One real Ray head node for the module; nothing of it may outlive the module."""
-    cluster = RayCluster(num_cpus=4)
+    """One real two-node Ray cluster for the module; nothing of it may outlive the module."""
+    cluster = RayCluster(num_cpus=4, host_id="ray-node-1")
     try:
+        # Two nodes on one machine, each a host of its own for gradsync (its
+        # GRADSYNC_HOST_ID), as two machines would be: ranks and shards spread over both.
+        cluster.add_node(num_cpus=2, host_id="ray-node-2")
         yield cluster
     finally:
         left = cluster.stop()
@@ -61,7 +64,7 @@ def reports_of(outcome: dict[str, Any], rank: int) -> list[dict[str, Any]]:
     return [row for row in outcome["reports"] if row["rank"] == rank]
 
 
-def test_sharded_coordinator_and_hierarchical_ranks_match_single_process(
+def test_sharded_coordinator_and_ranks_on_two_nodes_match_single_process(
     ray_cluster: RayCluster, tmp_path: Path
 ) -> None:
     outcome = run_driver(ray_cluster, tmp_path, "parity", timeout_s=DRIVER_TIMEOUT_S)
@@ -76,22 +79,26 @@ def test_sharded_coordinator_and_hierarchical_ranks_match_single_process(
     assert outcome["run_coordinator"] == outcome["address"]
 
     # Reports streamed back: one per step per rank, in step order, each from the first
-    # attempt, with torchrun's variables as the training function saw them. Both ranks
-    # formed one local group (hierarchical "auto"), which the coordinator refuses when
-    # LOCAL_WORLD_SIZE differs from the ranks sharing the host: LOCAL_WORLD_SIZE=2 is right.
+    # attempt, with torchrun's variables as the training function saw them. "SPREAD" put
+    # the ranks on the cluster's two nodes, so each is local rank 0 of 1; each node being
+    # a host of its own, neither formed a local group under hierarchical "auto" (the
+    # coordinator refuses a LOCAL_WORLD_SIZE that differs from the ranks on the host).
+    nodes = set()
     for rank in range(world):
         rows = reports_of(outcome, rank)
         assert [row["metrics"]["step"] for row in rows] == list(range(1, steps + 1))
         assert {row["attempt"] for row in rows} == {1}
         assert {row["metrics"]["contributors"] for row in rows} == {world}
-        assert all(row["metrics"]["local_ranks"] == [0, 1] for row in rows)
+        assert all(row["metrics"]["local_ranks"] == [] for row in rows)
+        nodes |= {row["metrics"]["node"] for row in rows}
         for row in rows:
             assert row["metrics"]["env"] == {
                 "RANK": str(rank),
                 "WORLD_SIZE": str(world),
-                "LOCAL_RANK": str(rank),
-                "LOCAL_WORLD_SIZE": str(world),
+                "LOCAL_RANK": "0",
+                "LOCAL_WORLD_SIZE": "1",
             }
+    assert len(nodes) == world, "the ranks did not run on two nodes"
 
     # The coordinator's status, over its own gRPC address: the job's steps, and both
     # shards alive and averaging (each bucket is split between the shards by elements).

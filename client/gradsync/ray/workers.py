@@ -237,6 +237,7 @@ def run(
     timeout_s: float | None = None,
     job_id: str | None = None,
     start_timeout_s: float = WORKER_START_TIMEOUT_S,
+    scheduling_strategy: Any = None,
 ) -> RunResult:
     """Train `train_fn` on `num_workers` Ray actors through a gradsync coordinator.
 
@@ -257,6 +258,9 @@ def run(
             (every wait of a rank is bounded, so a lost peer ends the run with an error).
         job_id: the gradsync job id (default: a fresh one per run).
         start_timeout_s: bound on placing and starting every worker actor.
+        scheduling_strategy: Ray's placement of the worker actors: None (Ray's default),
+            "SPREAD" (one node after another: a rank per host where there are enough),
+            or a Ray strategy object (a placement group, a node affinity).
 
     Returns:
         A `RunResult` with every rank's return value, the reports and restart counts.
@@ -295,6 +299,8 @@ def run(
     placement = actor_options(resources_per_worker, DEFAULT_WORKER_RESOURCES)
     # A retried task runs `train` again on the restarted actor: the rank rejoins.
     worker_options = dict(placement, max_restarts=max_restarts, max_task_retries=max_restarts)
+    if scheduling_strategy is not None:
+        worker_options["scheduling_strategy"] = scheduling_strategy
     actors = [
         _WorkerActor.options(**worker_options).remote(rank, num_workers, environment, sink_name)
         for rank in range(num_workers)
