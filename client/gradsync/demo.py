@@ -21,6 +21,9 @@ from gradsync.protocol import defaults
 
 #: Parity bound between the distributed and the single-process result.
 PARITY_TOLERANCE = 1e-5
+#: The reference's initial weights: rank 0's (`gradsync worker` seeds rank r with 1000 + r,
+#: and rank 0's weights are broadcast).
+INIT_SEED = 1000
 
 
 def run_demo(settings: TrainSettings, timeout_s: float = defaults.EXAMPLE_TIMEOUT_S) -> int:
@@ -57,7 +60,20 @@ def run_demo(settings: TrainSettings, timeout_s: float = defaults.EXAMPLE_TIMEOU
                 process.wait()
         coordinator.terminate()
         coordinator.wait(timeout=30)
-    reference, reference_accuracy = train_reference(settings, init_seed=1000)
+    if not matches_one_process(settings, saved, "gradsync demo"):
+        return 1
+    print(f"OK: {workers} workers trained the same model as a single process")
+    return 0
+
+
+def matches_one_process(
+    settings: TrainSettings, saved: list[dict[str, np.ndarray]], command: str
+) -> bool:
+    """Train the reference in this process, print how the ranks compare, and judge.
+
+    `saved` holds each rank's parameters and its "__accuracy__" (`save_parameters`).
+    """
+    reference, reference_accuracy = train_reference(settings, init_seed=INIT_SEED)
     differences = [max_relative_difference(reference, params) for params in saved]
     accuracy = float(saved[0]["__accuracy__"])
     print(f"distributed test accuracy: {accuracy:.4f} (single process: {reference_accuracy:.4f})")
@@ -66,10 +82,9 @@ def run_demo(settings: TrainSettings, timeout_s: float = defaults.EXAMPLE_TIMEOU
         + ", ".join(f"rank {r} {d:.2e}" for r, d in enumerate(differences))
     )
     if max(differences) > PARITY_TOLERANCE:
-        print(f"gradsync demo: FAILED, difference above {PARITY_TOLERANCE:g}", file=sys.stderr)
-        return 1
-    print(f"OK: {workers} workers trained the same model as a single process")
-    return 0
+        print(f"{command}: FAILED, difference above {PARITY_TOLERANCE:g}", file=sys.stderr)
+        return False
+    return True
 
 
 def _worker_argv(

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -113,11 +114,13 @@ def train_worker(
     tls_cert: str | None = None,
     tls_key: str | None = None,
     token: str | None = None,
+    on_step: Callable[[int, float], None] | None = None,
 ) -> float:
     """Train one rank of the example job; return the final test accuracy.
 
     `metrics_host`, `tls_*` and `token` go to `DistributedDataParallel` as they are
-    (None: its defaults, from the environment).
+    (None: its defaults, from the environment). `on_step(step, loss)` is called after
+    every optimizer step (`gradsync demo --ray` reports progress with it).
     """
     import gradsync
 
@@ -152,6 +155,8 @@ def train_worker(
             loss = loss_fn(model(data.train_x[mine]), data.train_y[mine])
             loss.backward()
             optimizer.step()
+            if on_step is not None:
+                on_step(model.step, loss.item())
             if progress and hasattr(steps, "set_postfix"):
                 steps.set_postfix(loss=f"{loss.item():.3f}")
     test_accuracy = accuracy(model.module, data.test_x, data.test_y)

@@ -94,20 +94,7 @@ class RayCluster:
             str(self.temp_dir),
             "--block",
         ]
-        with self.log_path.open("wb") as log:
-            self.process = subprocess.Popen(
-                argv,
-                stdin=subprocess.DEVNULL,
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                # No drain on SIGTERM (Ray waits up to 30 s for busy workers to finish,
-                # e.g. a detached actor a failed test left): a test cluster has no
-                # traffic to protect, and `stop` should take a second, not thirty.
-                env=self._node_environment(host_id),
-                cwd=self.temp_dir,
-                start_new_session=True,
-                preexec_fn=_terminate_with_parent,
-            )
+        self.process = self._start_node(argv, self.log_path, host_id)
         self.session_id = self.process.pid
         #: The other nodes' `ray start` processes (`add_node`), each a session of its own.
         self.nodes: list[subprocess.Popen[bytes]] = []
@@ -131,6 +118,20 @@ class RayCluster:
             "RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S": "0",
         }
 
+    def _start_node(self, argv: list[str], log_path: Path, host_id: str) -> subprocess.Popen[bytes]:
+        """Start one `ray start ... --block` in a session of its own, output to `log_path`."""
+        with log_path.open("wb") as log:
+            return subprocess.Popen(
+                argv,
+                stdin=subprocess.DEVNULL,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                env=self._node_environment(host_id),
+                cwd=self.temp_dir,
+                start_new_session=True,
+                preexec_fn=_terminate_with_parent,
+            )
+
     def add_node(self, num_cpus: int, host_id: str) -> None:
         """Start one more node (a second raylet on this machine) and wait until it runs."""
         log_path = self.temp_dir / f"node-{len(self.nodes) + 2}.log"
@@ -144,17 +145,7 @@ class RayCluster:
             "--disable-usage-stats",
             "--block",
         ]
-        with log_path.open("wb") as log:
-            node = subprocess.Popen(
-                argv,
-                stdin=subprocess.DEVNULL,
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                env=self._node_environment(host_id),
-                cwd=self.temp_dir,
-                start_new_session=True,
-                preexec_fn=_terminate_with_parent,
-            )
+        node = self._start_node(argv, log_path, host_id)
         self.nodes.append(node)
         deadline = time.monotonic() + START_TIMEOUT_S
         # `ray start` says so once its raylet has registered with the GCS.

@@ -162,6 +162,19 @@ def wrapped(config: dict[str, Any]) -> tuple[int, int, nn.Module, Any, torch.opt
     return rank, world_size, model, ddp, make_optimizer(ddp)
 
 
+def train_step(
+    ddp: Any, optimizer: torch.optim.Optimizer, rank: int, world_size: int, width: int
+) -> torch.Tensor:
+    """One synchronized step on this rank's slice of the step's global batch; its loss."""
+    inputs, targets = global_batch(ddp.step, width)
+    optimizer.zero_grad()
+    output = ddp(rank_slice(inputs, rank, world_size))
+    loss = nn.functional.mse_loss(output, rank_slice(targets, rank, world_size))
+    loss.backward()
+    optimizer.step()
+    return loss
+
+
 def parity_train(config: dict[str, Any]) -> Parameters:
     """A torchrun-style training function, unchanged: ranks from the environment only."""
     from gradsync.ray import report
@@ -170,12 +183,7 @@ def parity_train(config: dict[str, Any]) -> Parameters:
     width = out_features(model)
     with ddp:
         while ddp.step < config["steps"]:
-            inputs, targets = global_batch(ddp.step, width)
-            optimizer.zero_grad()
-            output = ddp(rank_slice(inputs, rank, world_size))
-            loss = nn.functional.mse_loss(output, rank_slice(targets, rank, world_size))
-            loss.backward()
-            optimizer.step()
+            loss = train_step(ddp, optimizer, rank, world_size, width)
             report(
                 {
                     "step": ddp.step,
@@ -247,12 +255,7 @@ def ray_train_loop(config: dict[str, Any]) -> None:
     loss = torch.zeros(())
     with ddp:
         while ddp.step < config["steps"]:
-            inputs, targets = global_batch(ddp.step, width)
-            optimizer.zero_grad()
-            output = ddp(rank_slice(inputs, rank, world_size))
-            loss = nn.functional.mse_loss(output, rank_slice(targets, rank, world_size))
-            loss.backward()
-            optimizer.step()
+            loss = train_step(ddp, optimizer, rank, world_size, width)
         metrics = {
             "step": ddp.step,
             "loss": loss.item(),

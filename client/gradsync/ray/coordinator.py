@@ -69,14 +69,25 @@ def _configure_logging(level: str) -> None:
     )
 
 
-class LeaderServer:
+class _ServerActor:
+    """What the leader's and the shards' actor bodies share: a loop, a server, its info."""
+
+    def __init__(self, log_level: str, thread_name: str) -> None:
+        _configure_logging(log_level)
+        self._loop = LoopThread(thread_name)
+        self._running: Any = None
+        self._info: dict[str, Any] = {}
+
+    def info(self) -> dict[str, Any]:
+        """What `start` returned: the address, process id and node (and the leader's more)."""
+        return dict(self._info)
+
+
+class LeaderServer(_ServerActor):
     """Ray actor body: the coordinator (shard 0), on its node's address."""
 
     def __init__(self, log_level: str) -> None:
-        _configure_logging(log_level)
-        self._loop = LoopThread("gradsync-coordinator")
-        self._running: Any = None
-        self._info: dict[str, Any] = {}
+        super().__init__(log_level, "gradsync-coordinator")
 
     def start(self, options: dict[str, Any], shard_names: list[str]) -> dict[str, Any]:
         """Bind and serve; return the address workers use, and what `info` returns."""
@@ -103,10 +114,6 @@ class LeaderServer:
         }
         return self.info()
 
-    def info(self) -> dict[str, Any]:
-        """The address, token, shard actor names, process id, node and metrics URL."""
-        return dict(self._info)
-
     def wait_for_shards(self, timeout_s: float) -> str | None:
         """None once every shard has registered; else which are missing, after `timeout_s`."""
         from gradsync.server.app import wait_for_shards
@@ -126,14 +133,11 @@ class LeaderServer:
         self._loop.close()
 
 
-class ShardServer:
+class ShardServer(_ServerActor):
     """Ray actor body: one coordinator shard, registering with its leader."""
 
     def __init__(self, log_level: str) -> None:
-        _configure_logging(log_level)
-        self._loop = LoopThread("gradsync-shard")
-        self._running: Any = None
-        self._info: dict[str, Any] = {}
+        super().__init__(log_level, "gradsync-shard")
 
     def start(self, options: dict[str, Any]) -> dict[str, Any]:
         """Bind, advertise this node's address and start registering with the leader."""
@@ -146,10 +150,6 @@ class ShardServer:
         print(banner(config, self._running.port, self._running.advertise, None), flush=True)
         self._info = {"address": self._running.advertise, "pid": os.getpid(), "node_ip": node_ip}
         return self.info()
-
-    def info(self) -> dict[str, Any]:
-        """The advertised address, process id and node of this shard."""
-        return dict(self._info)
 
     def stop(self) -> None:
         """Close the shard's server and its link to the leader."""

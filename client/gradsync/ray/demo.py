@@ -1,61 +1,53 @@
 """`gradsync demo --ray`: the demo's digits job on a Ray cluster, checked against one process.
 
-The coordinator and every worker are Ray actors (`start_coordinator`, `run`); the
-training function is the example job's, unchanged: it reads its rank and the
-coordinator's address from the environment, as it would under torchrun. Rank 0 reports
+The coordinator and every worker are Ray actors (`start_coordinator`, `run`); each rank
+runs the example job's own training (`gradsync.example.train_worker`), with its rank and
+the coordinator's address from the environment, as it would have them under torchrun. Rank 0 reports
 its loss every few steps, and the result is compared with single-process training.
 """
 
 from __future__ import annotations
 
 import os
+import tempfile
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from gradsync.example import TrainSettings, max_relative_difference, train_reference
+from gradsync.demo import INIT_SEED, matches_one_process
+from gradsync.example import TrainSettings
 from gradsync.ray.coordinator import start_coordinator
-from gradsync.ray.workers import Report, run
+from gradsync.ray.workers import Report, report, run
 
-#: Parity bound between the distributed and the single-process result (as `gradsync demo`).
-PARITY_TOLERANCE = 1e-5
-#: Initial weights of every rank (different per rank would be broadcast from rank 0 anyway).
-INIT_SEED = 1000
+#: Rank 0 reports its loss to the driver every this many steps.
+REPORT_EVERY_STEPS = 20
 
 
 def train_digits(config: dict[str, Any]) -> dict[str, np.ndarray]:
-    """One rank of the digits job; returns its parameters and test accuracy."""
-    import torch
-    from torch import nn
-
-    import gradsync
-    from gradsync.example import accuracy as test_accuracy
-    from gradsync.example import build_model, global_batches, load_digits
+    """One rank of the digits job (the example's own loop); its parameters and accuracy."""
+    from gradsync.config import ENV_COORDINATOR
+    from gradsync.example import train_worker
 
     settings: TrainSettings = config["settings"]
     rank = int(os.environ["RANK"])
-    data = load_digits(settings.data_seed)
-    model = gradsync.DistributedDataParallel(
-        build_model(INIT_SEED + rank), timeout_s=config["timeout_s"]
-    )
-    optimizer = torch.optim.SGD(model.parameters(), lr=settings.lr)
-    model.register_optimizer(optimizer)
-    loss_fn = nn.CrossEntropyLoss()
-    batches = global_batches(len(data.train_y), settings)
-    with model:
-        for indices in batches[model.step :]:
-            mine = indices[rank * settings.batch_size : (rank + 1) * settings.batch_size]
-            optimizer.zero_grad(set_to_none=True)
-            loss = loss_fn(model(data.train_x[mine]), data.train_y[mine])
-            loss.backward()
-            optimizer.step()
-            if rank == 0 and model.step % 20 == 0:
-                from gradsync.ray.workers import report
 
-                report({"step": model.step, "loss": round(loss.item(), 4)})
-    result = {name: p.detach().numpy().copy() for name, p in model.module.named_parameters()}
-    result["__accuracy__"] = np.array(test_accuracy(model.module, data.test_x, data.test_y))
-    return result
+    def on_step(step: int, loss: float) -> None:
+        if rank == 0 and step % REPORT_EVERY_STEPS == 0:
+            report({"step": step, "loss": round(loss, 4)})
+
+    with tempfile.TemporaryDirectory(prefix="gradsync-demo-") as scratch:
+        saved = Path(scratch) / "params.npz"
+        train_worker(
+            os.environ[ENV_COORDINATOR],
+            rank,
+            settings,
+            init_seed=INIT_SEED + rank,
+            timeout_s=config["timeout_s"],
+            save_path=saved,
+            on_step=on_step,
+        )
+        return dict(np.load(saved))
 
 
 def run_ray_demo(settings: TrainSettings, timeout_s: float, address: str | None) -> int:
@@ -87,16 +79,7 @@ def run_ray_demo(settings: TrainSettings, timeout_s: float, address: str | None)
         )
     finally:
         coordinator.stop(grace_s=1.0)
-    reference, reference_accuracy = train_reference(settings, init_seed=INIT_SEED)
-    differences = [max_relative_difference(reference, params) for params in result.results]
-    accuracy = float(result.results[0]["__accuracy__"])
-    print(f"distributed test accuracy: {accuracy:.4f} (single process: {reference_accuracy:.4f})")
-    print(
-        "max relative parameter difference vs single-process training: "
-        + ", ".join(f"rank {r} {d:.2e}" for r, d in enumerate(differences))
-    )
-    if max(differences) > PARITY_TOLERANCE:
-        print(f"gradsync demo --ray: FAILED, difference above {PARITY_TOLERANCE:g}")
+    if not matches_one_process(settings, result.results, "gradsync demo --ray"):
         return 1
     print(f"OK: {workers} Ray worker actors trained the same model as a single process")
     return 0
