@@ -16,7 +16,6 @@ is missing, with the command that installs them. Helpers live in tests/support.
 
 from __future__ import annotations
 
-import os
 import signal
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -27,12 +26,25 @@ from support.components import INSTALL_COMMAND, MISSING_COMPONENT, NO_REDIS_SERV
 from support.processes import CoordinatorProcess
 from support.redisserver import RedisServer
 
-# Every rank of these tests runs on this one host, where hierarchical="auto" would group
-# them all. Most tests stand for one rank per host (the layout they were written for),
-# so the default here is flat; the hierarchy's own tests (test_hier_*, the DDP parity
-# zoo, the payload path) ask for it explicitly. `GRADSYNC_HIERARCHICAL=auto pytest ...`
-# runs everything else hierarchically too.
-os.environ.setdefault("GRADSYNC_HIERARCHICAL", "0")
+#: The two layouts of ranks that share this host (`layout` fixture): "hierarchical" is
+#: the default, hierarchical="auto" (every rank of one host joins its local group);
+#: "flat" stands for one rank per host (GRADSYNC_HIERARCHICAL=0, hierarchical=False).
+LAYOUTS = ("flat", "hierarchical")
+
+
+@pytest.fixture(params=LAYOUTS)
+def layout(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Run the test once per layout; every rank process it starts inherits the choice.
+
+    The suite runs the default (hierarchical="auto") everywhere else: a test that
+    stands for one rank per host says so itself, with this fixture or its own
+    GRADSYNC_HOST_ID / hierarchical=False.
+    """
+    if request.param == "flat":
+        monkeypatch.setenv("GRADSYNC_HIERARCHICAL", "0")
+    else:
+        monkeypatch.delenv("GRADSYNC_HIERARCHICAL", raising=False)
+    return str(request.param)
 
 
 @pytest.fixture

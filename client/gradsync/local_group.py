@@ -300,6 +300,11 @@ class LocalGroup:
                     verdict_by = None
                     self._cond.wait(POLL_S)
             now = time.monotonic()
+            if self.is_leader:
+                # The coordinator's verdict outranks the local socket: a frozen member
+                # (SIGSTOP, a hung host) keeps its connection open, sends nothing, and
+                # would otherwise be waited for until `timeout_s`.
+                self._exclude_dropped(excused)
             if blocking is None:
                 poll(0.0)
             else:
@@ -323,6 +328,14 @@ class LocalGroup:
                     f"timed out after {timeout_s:g}s waiting for {what}{why}", rank=self.rank
                 )
 
+    def _exclude_dropped(self, excused: Excused) -> None:
+        """Leader: exclude every member the coordinator dropped, lost locally or not."""
+        with self._cond:
+            candidates = [s for s in range(1, len(self.ranks)) if s not in self._excluded]
+        for slot in candidates:
+            if excused(self.ranks[slot]):
+                self._exclude(slot)
+
     def _blocking_loss(self) -> tuple[int, str] | None:
         """A lost peer this rank still depends on (under the lock)."""
         for slot, why in sorted(self._lost.items()):
@@ -339,7 +352,10 @@ class LocalGroup:
         )
         # Excluded before the I/O thread hears of it: it re-plans from `_excluded`.
         with self._cond:
+            if slot in self._excluded:
+                return
             self._excluded.add(slot)
+            self._awaiting_copied.discard(slot)  # a frozen member never answers COPIED
         if self._wake_tx is not None:
             with contextlib.suppress(OSError):
                 self._wake_tx.send(frame(Kind.EXCLUDE, slot))
@@ -397,31 +413,60 @@ class LocalGroup:
     def _run_follower(self) -> None:
         conn = self._peers[0]
         while True:
-            try:
-                raw = conn.recv(MAX_MESSAGE_BYTES)
-            except OSError as exc:
-                raw, error = b"", str(exc)
-            else:
-                error = "its connection ended (EOF: it died or was killed)"
-            if not raw:
-                self._peer_lost(0, error)
-                return
-            kind, number, step, value, tail = parse(raw)
-            if kind == Kind.REDUCE:
-                covered = np.frombuffer(tail, dtype=np.uint16).tolist()
-                sum_share(self.segment, number, value, self.slot, covered)
-                self._send(0, frame(Kind.REDUCED, number, step))
-            elif kind == Kind.AVERAGED:
-                with self._cond:
-                    self._averaged[step] = value
-                    self._cond.notify_all()
-            elif kind == Kind.BYE:
-                self._peer_lost(0, "closed its side")
-                return
-            elif kind == Kind.ERROR:
-                self._record_fatal(
-                    f"local leader rank {self.ranks[0]}: {tail.decode(errors='replace')}"
+            batch, ended = self._receive_batch(conn)
+            if ended is not None and any(parse(raw)[0] == Kind.EXCLUDED for raw in batch):
+                # Dropped by the coordinator while frozen: the leader summed this rank's
+                # shares itself, so a REDUCE still queued must not touch the result region.
+                self._peer_lost(
+                    0, "the local leader excluded this rank (the coordinator dropped it)"
                 )
+                return
+            for raw in batch:
+                if not self._on_follower_message(raw):
+                    return
+            if ended is not None:
+                self._peer_lost(0, ended)
+                return
+
+    def _receive_batch(self, conn: socket.socket) -> tuple[list[bytes], str | None]:
+        """Follower: one blocking receive, then everything already queued behind it.
+
+        Returns:
+            The messages, and why the connection ended if it did (EOF or an error).
+        """
+        batch: list[bytes] = []
+        blocking = True
+        while True:
+            try:
+                raw = conn.recv(MAX_MESSAGE_BYTES, 0 if blocking else socket.MSG_DONTWAIT)
+            except BlockingIOError:
+                return batch, None
+            except OSError as exc:
+                return batch, str(exc)
+            if not raw:
+                return batch, "its connection ended (EOF: it died or was killed)"
+            batch.append(raw)
+            blocking = False
+
+    def _on_follower_message(self, raw: bytes) -> bool:
+        """Follower: act on one message of the leader; False once it said goodbye."""
+        kind, number, step, value, tail = parse(raw)
+        if kind == Kind.REDUCE:
+            covered = np.frombuffer(tail, dtype=np.uint16).tolist()
+            sum_share(self.segment, number, value, self.slot, covered)
+            self._send(0, frame(Kind.REDUCED, number, step))
+        elif kind == Kind.AVERAGED:
+            with self._cond:
+                self._averaged[step] = value
+                self._cond.notify_all()
+        elif kind in (Kind.BYE, Kind.EXCLUDED):
+            self._peer_lost(0, "closed its side" if kind == Kind.BYE else "excluded this rank")
+            return False
+        elif kind == Kind.ERROR:
+            self._record_fatal(
+                f"local leader rank {self.ranks[0]}: {tail.decode(errors='replace')}"
+            )
+        return True
 
     # ------------------------------------------------------------ leader I/O thread
     def _run_leader(self) -> None:
@@ -448,6 +493,8 @@ class LocalGroup:
                         self._on_leader_message(0, raw)
                     elif bye or not raw:
                         selector.unregister(conn)
+                        if slot in self._excluded:
+                            continue  # its end of a connection `_cut` shut
                         self._peer_lost(slot, "closed its side" if bye else why)
                         self._reduce_for_lost(slot)
                     else:
@@ -468,7 +515,9 @@ class LocalGroup:
             self._maybe_reduce(*key)
 
     def _on_leader_message(self, slot: int, raw: bytes) -> None:
-        kind, number, step, value, _ = parse(raw)
+        kind, number, step, value, tail = parse(raw)
+        if slot and slot in self._excluded:
+            return  # dropped by the coordinator: whatever it says now counts for nothing
         if kind == Kind.POSTED:
             # The leader's own posts come through the wake pipe as slot 0.
             self._on_posted(slot, step, number, value)
@@ -483,11 +532,27 @@ class LocalGroup:
                 self._awaiting_copied.discard(slot)
             self._flush_deferred()
         elif kind == Kind.EXCLUDE:
+            self._cut(number)
             self._reduce_for_lost(number)
             with self._cond:
                 keys = list(self._pending)
             for key in keys:
                 self._maybe_reduce(*key)
+
+    def _cut(self, slot: int) -> None:
+        """Leader's I/O thread: an excluded member is told so and its connection shut.
+
+        The member may only be frozen: if it wakes up, it reads EXCLUDED (and then
+        EOF) in the same batch as any REDUCE still queued for it, and so never writes
+        into the result region the leader has summed its share into.
+        """
+        conn = self._peers.get(slot)
+        if conn is None:
+            return
+        with contextlib.suppress(OSError):
+            conn.send(frame(Kind.EXCLUDED))
+        with contextlib.suppress(OSError):
+            conn.shutdown(socket.SHUT_RDWR)
 
     def _on_posted(self, slot: int, step: int, bucket_index: int, dtype: int) -> None:
         with self._cond:

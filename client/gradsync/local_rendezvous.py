@@ -62,6 +62,7 @@ class Kind(enum.IntEnum):
     COPIED = 9  # member -> leader: I copied the averages of `step` out
     BYE = 10  # either way: closing on purpose
     EXCLUDE = 11  # leader's training thread -> its I/O thread: number = slot
+    EXCLUDED = 12  # leader -> member: the coordinator dropped you; sum nothing more
 
 
 def frame(kind: Kind, number: int = 0, step: int = 0, value: int = 0, tail: bytes = b"") -> bytes:

@@ -7,6 +7,8 @@ uninterrupted run. Fault injection (one per run, chosen by flags):
   --sleep-at STEP:SECONDS   stall before the backward of STEP (a straggler)
   --kill-at STEP            SIGKILL itself during the backward of STEP, after
                             the first bucket was uploaded and before the rest
+  --stop-at STEP            the same moment, but SIGSTOP (frozen: its process and
+                            sockets stay, its heartbeats stop; SIGCONT wakes it)
   --nan-at STEP             put a NaN in the last element of bucket 1's last
                             gradient during the backward of STEP (a diverged rank)
 With --skip-aborted, an aborted step is skipped (its error noted in "aborts");
@@ -37,6 +39,7 @@ def main() -> int:
     parser.add_argument("--steps", type=int, default=6)
     parser.add_argument("--sleep-at", default=None)
     parser.add_argument("--kill-at", type=int, default=None)
+    parser.add_argument("--stop-at", type=int, default=None)
     parser.add_argument("--step-delay-s", type=float, default=0.0)
     parser.add_argument("--timeout-s", type=float, default=30.0)
     parser.add_argument("--metrics-port", type=int, default=None)
@@ -88,17 +91,20 @@ def main() -> int:
             if args.sleep_at
             else (-1, 0.0)
         )
-        if args.kill_at is not None:
+        report["buckets"] = [list(plan.parameter_indices) for plan in model.bucket_plans]
+        for at, signum in ((args.kill_at, signal.SIGKILL), (args.stop_at, signal.SIGSTOP)):
+            if at is None:
+                continue
             # The second bucket's last gradient: by then bucket 0 is on its way.
             victim = model.bucket_plans[1].parameter_indices[-1]
             target = list(module.parameters())[victim]
 
-            def kill_hook(_: object) -> None:
-                if model.step == args.kill_at:
+            def signal_hook(_: object, at: int = at, signum: int = signum) -> None:
+                if model.step == at:
                     time.sleep(0.3)  # let bucket 0's chunks leave
-                    os.kill(os.getpid(), signal.SIGKILL)
+                    os.kill(os.getpid(), signum)
 
-            target.register_post_accumulate_grad_hook(kill_hook)
+            target.register_post_accumulate_grad_hook(signal_hook)
         if args.raise_at is not None:
             # An exception in the middle of backward, after bucket 0 was uploaded
             # (like an out-of-memory error on a GPU).
