@@ -44,8 +44,10 @@ ROOT = Path(__file__).resolve().parents[2]
 @pytest.mark.timeout(120)
 @pytest.mark.skipif(PROMETHEUS is None, reason=NO_PROMETHEUS)
 def test_prometheus_scrapes_a_running_coordinator_and_workers(
-    coordinator_factory, tmp_path: Path
+    coordinator_factory, tmp_path: Path, layout: str
 ) -> None:
+    # Hierarchical (the default, both ranks one local group): only rank 0 uploads, yet
+    # the lag of rank 1 is exported too, from its LocalPosted notices.
     coordinator_port = free_port()
     coordinator = coordinator_factory(2, "--metrics-port", str(coordinator_port))
     assert f"metrics http://127.0.0.1:{coordinator_port}/metrics" in "".join(
@@ -87,7 +89,6 @@ def test_prometheus_scrapes_a_running_coordinator_and_workers(
             raise AssertionError(f"no plausible series; targets: {prometheus.targets()}")
         (received,) = series("gradsync_received_bytes_total")
         (sent,) = series("gradsync_sent_bytes_total")
-        # Every averaged byte goes to both ranks: the coordinator sends what it receives.
         assert received[1] > 0 and sent[1] > 0
         lags = {
             labels["rank"]: value for labels, value in series("gradsync_rank_lag_seconds_count")

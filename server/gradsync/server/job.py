@@ -484,9 +484,8 @@ class Job(JobEnding):
                     pb.ABORT_REASON_PEER_LOST,
                 )
             ]
-        progress = self.in_flight.progress
-        if self.state is JobState.RUNNING and progress and posted.step == self.in_flight.step:
-            progress.record_posted(rank, posted.bucket_index)
+        if self.state is JobState.RUNNING and posted.step == self.in_flight.step:
+            self.in_flight.record_posted(rank, posted.bucket_index)
         return []
 
     def on_abandon(self, rank: int, abandon: pb.AbandonStep) -> list[Action]:

@@ -335,6 +335,16 @@ class OpenStep:
                 self._metrics.observe_bucket_arrival(arrived, lag)
         return averaged
 
+    def record_posted(self, rank: int, bucket: int) -> None:
+        """A local group's member has `bucket` in shared memory (`LocalPosted`): its
+        delivery, so that the lag metric, the stall warning and status cover every
+        member of a group, not only the leader that uploads for it."""
+        if self.progress is None:
+            return
+        lag = self.progress.record_posted(rank, bucket)
+        if lag is not None and self._metrics is not None:
+            self._metrics.observe_bucket_arrival(rank, lag)
+
     def _nonfinite(
         self, rank: int, chunk: ChunkHeader, payload: memoryview | bytes, wire_dtype: int
     ) -> None:
