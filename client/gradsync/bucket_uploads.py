@@ -43,6 +43,8 @@ class BucketUpload:
     #: Same-host payload path: `buffer` lies at this offset of the segment the
     #: coordinator holds; chunks then carry no payload, only where it lies. None = TCP.
     segment_offset: int | None = None
+    #: Of `covered_ranks`: those whose own gradient held NaN/Inf (every chunk says so).
+    nonfinite_ranks: tuple[int, ...] = ()
 
 
 @dataclass
@@ -138,6 +140,7 @@ def range_messages(
             dtype=upload.dtype,
             reply_dtype=upload.reply_dtype,
             covered_ranks=upload.covered_ranks,
+            nonfinite_ranks=upload.nonfinite_ranks,
         )
         if upload.segment_offset is not None:
             header.in_segment, header.segment_offset = True, upload.segment_offset + offset

@@ -159,6 +159,7 @@ class HierarchicalLink:
         result: BucketBuffer | None = None,
         result_dtype: int = 0,
         covered_ranks: tuple[int, ...] = (),
+        nonfinite_ranks: tuple[int, ...] = (),
         segment_offset: int | None = None,
     ) -> None:
         """Post the bucket into this rank's slot; the group sums it, the leader uploads it.
@@ -166,7 +167,7 @@ class HierarchicalLink:
         Raises:
             ValueError: averages asked in another dtype (a comm hook: hierarchy v1 has none).
         """
-        if result is not None or covered_ranks or segment_offset is not None:
+        if result is not None or covered_ranks or nonfinite_ranks or segment_offset is not None:
             raise ValueError(
                 "a local group uploads full-precision buckets only (no comm hook); "
                 "pass hierarchical=False"
@@ -214,8 +215,19 @@ class HierarchicalLink:
         live = self.link.live_ranks()
         return live is not None and rank not in live
 
-    def _upload(self, step: int, bucket_index: int, dtype: int, covered: tuple[int, ...]) -> None:
-        """Leader, I/O thread: hand a bucket's local sum to the coordinator."""
+    def _upload(
+        self,
+        step: int,
+        bucket_index: int,
+        dtype: int,
+        covered: tuple[int, ...],
+        nonfinite: tuple[int, ...],
+    ) -> None:
+        """Leader, I/O thread: hand a bucket's local sum to the coordinator.
+
+        `nonfinite` names the covered ranks whose own gradient held NaN/Inf (the
+        local sum found them), so that the coordinator names them, not this leader.
+        """
         result = BucketBuffer([self.group.segment.result(bucket_index)])
         log.debug(
             "rank %d: step %d bucket %d summed locally over ranks %s; uploading %d bytes",
@@ -232,6 +244,7 @@ class HierarchicalLink:
             result,
             dtype,
             covered_ranks=covered,
+            nonfinite_ranks=nonfinite,
             segment_offset=(
                 self.group.segment.result_offset(bucket_index) if self.in_segment else None
             ),

@@ -113,6 +113,7 @@ class CoordinatorLink(Protocol):
         result: BucketBuffer | None = None,
         result_dtype: int = 0,
         covered_ranks: tuple[int, ...] = (),
+        nonfinite_ranks: tuple[int, ...] = (),
         segment_offset: int | None = None,
     ) -> None:
         """Queue a bucket for upload; its averages are written back into `buffer`.
@@ -126,6 +127,9 @@ class CoordinatorLink(Protocol):
             covered_ranks: a local leader's partial sum: the ranks it holds,
                 ascending, the leader first (every chunk says so; the
                 coordinator weighs it by their number); () = this rank's own.
+            nonfinite_ranks: those of `covered_ranks` whose own gradient of this
+                bucket held NaN/Inf (the local sum found them): the coordinator names
+                them under its --nonfinite policy instead of the leader.
             segment_offset: a local leader whose segment the coordinator holds
                 (same-host payload path): `buffer` lies in that segment at this
                 byte offset, so chunks travel header-only (`in_segment`) and the

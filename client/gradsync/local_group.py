@@ -55,8 +55,9 @@ POLL_S = 0.05
 #: Added to 3 heartbeat intervals: how long a lost peer's verdict is waited for.
 VERDICT_MARGIN_S = 5.0
 
-#: Leader: (step, bucket, dtype, covered global ranks) of a summed bucket; quick, never raises.
-ReducedHandler = Callable[[int, int, int, tuple[int, ...]], None]
+#: Leader: (step, bucket, dtype, covered global ranks, those of them whose gradient held
+#: NaN/Inf) of a summed bucket; quick, never raises.
+ReducedHandler = Callable[[int, int, int, tuple[int, ...], tuple[int, ...]], None]
 #: A wait's look at the coordinator: blocks up to the given seconds, raises its verdict.
 Poll = Callable[[float], None]
 #: Whether the coordinator dropped a (lost) global rank from the job.
@@ -72,6 +73,8 @@ class _Pending:
     covered: tuple[int, ...] = ()
     summed: set[int] = field(default_factory=set)
     reducing: bool = False
+    #: Slots whose gradient held NaN/Inf, as the shares' summers found (`sum_share`).
+    nonfinite: set[int] = field(default_factory=set)
 
 
 class LocalGroup:
@@ -453,8 +456,8 @@ class LocalGroup:
         kind, number, step, value, tail = parse(raw)
         if kind == Kind.REDUCE:
             covered = np.frombuffer(tail, dtype=np.uint16).tolist()
-            sum_share(self.segment, number, value, self.slot, covered)
-            self._send(0, frame(Kind.REDUCED, number, step))
+            culprits = sum_share(self.segment, number, value, self.slot, covered)
+            self._send(0, frame(Kind.REDUCED, number, step, 0, _slots_tail(culprits)))
         elif kind == Kind.AVERAGED:
             with self._cond:
                 self._averaged[step] = value
@@ -522,10 +525,12 @@ class LocalGroup:
             # The leader's own posts come through the wake pipe as slot 0.
             self._on_posted(slot, step, number, value)
         elif kind == Kind.REDUCED:
+            culprits = _parse_slots(tail, len(self.ranks))
             with self._cond:
                 pending = self._pending.get((step, number))
                 if pending is not None:
                     pending.summed.add(slot)
+                    pending.nonfinite.update(culprits)
             self._maybe_hand_off(step, number)
         elif kind == Kind.COPIED:
             with self._cond:
@@ -595,7 +600,9 @@ class LocalGroup:
             if slot not in gone:
                 self._send(slot, message)
         for share in mine:
-            sum_share(self.segment, bucket_index, dtype, share, pending.covered)
+            culprits = sum_share(self.segment, bucket_index, dtype, share, pending.covered)
+            with self._cond:
+                pending.nonfinite.update(culprits)
         self._maybe_hand_off(step, bucket_index)
 
     def _reduce_for_lost(self, slot: int) -> None:
@@ -607,7 +614,9 @@ class LocalGroup:
             for _, pending in todo:
                 pending.summed.add(slot)
         for (step, bucket_index), pending in todo:
-            sum_share(self.segment, bucket_index, pending.dtype, slot, pending.covered)
+            culprits = sum_share(self.segment, bucket_index, pending.dtype, slot, pending.covered)
+            with self._cond:
+                pending.nonfinite.update(culprits)
             self._maybe_hand_off(step, bucket_index)
 
     def _maybe_hand_off(self, step: int, bucket_index: int) -> None:
@@ -618,8 +627,9 @@ class LocalGroup:
             del self._pending[(step, bucket_index)]
         self._event("local_reduce_end", step, bucket_index)
         covered = tuple(self.ranks[s] for s in pending.covered)
+        nonfinite = tuple(self.ranks[s] for s in sorted(pending.nonfinite))
         if self._on_reduced is not None:
-            self._on_reduced(step, bucket_index, pending.dtype, covered)
+            self._on_reduced(step, bucket_index, pending.dtype, covered, nonfinite)
         with self._cond:
             self._handed.setdefault(step, set()).add(bucket_index)
             self._cond.notify_all()
@@ -630,3 +640,17 @@ class LocalGroup:
                 self.on_event(event, step, bucket_index)
             except Exception:  # instrumentation must never break the data path
                 log.exception("bucket event handler failed")
+
+
+def _slots_tail(slots: Sequence[int]) -> bytes:
+    """A REDUCED message's tail: the slots whose share held NaN/Inf (usually none)."""
+    return np.array(slots, np.uint16).tobytes() if slots else b""
+
+
+def _parse_slots(tail: bytes, members: int) -> list[int]:
+    """The slots of a REDUCED tail; a malformed tail or a slot out of range counts as none
+    (a member's word is only used to name a culprit, never to change a sum)."""
+    if len(tail) % 2:
+        return []
+    slots = np.frombuffer(tail, dtype=np.uint16).tolist()
+    return slots if all(s < members for s in slots) else []

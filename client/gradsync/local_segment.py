@@ -195,26 +195,55 @@ def share_range(num_elements: int, itemsize: int, members: int, share: int) -> t
     return lo, min(num_elements, lo + per_share)
 
 
+#: Elements the last pass of `sum_share` writes and checks at a time (cache-sized).
+_CHECK_BLOCK = 1 << 15
+
+
 def sum_share(
     segment: Segment, bucket_index: int, dtype: int, share: int, covered: Sequence[int]
-) -> None:
+) -> tuple[int, ...]:
     """Sum share `share` of a bucket over the slots of `covered` (in that order) into the result.
 
     ((s0 + s1) + s2) + ...: local-rank order, so the bits do not depend on
     which rank finished first. numpy adds whole shares with `out=`, without
     holding the GIL for long.
+
+    The last pass also checks what it wrote for NaN/Inf, block by block while the
+    block is still in cache (a dot product of the block with itself is finite
+    exactly when every element is, short of an overflow of huge values): the
+    coordinator's --nonfinite policy can then name the member that produced one,
+    not only the leader that uploads the group's sum. Only on a hit are the
+    slots' shares read again, to find the culprits.
+
+    Returns:
+        The slots (of `covered`) whose share holds NaN or Inf; () almost always,
+        and () too when finite values overflowed in the sum (nobody to blame).
     """
     numpy_dtype = np.dtype(LOCAL_DTYPES[dtype])
     result = segment.result(bucket_index).view(numpy_dtype)
     lo, hi = share_range(result.size, numpy_dtype.itemsize, segment.layout.members, share)
     if hi <= lo:
-        return
+        return ()
     out = result[lo:hi]
-    first = segment.slot(covered[0], bucket_index).view(numpy_dtype)[lo:hi]
-    if len(covered) == 1:
-        np.copyto(out, first)
-        return
-    second = segment.slot(covered[1], bucket_index).view(numpy_dtype)[lo:hi]
-    np.add(first, second, out=out)
-    for index in covered[2:]:
-        np.add(out, segment.slot(index, bucket_index).view(numpy_dtype)[lo:hi], out=out)
+    slots = [segment.slot(index, bucket_index).view(numpy_dtype)[lo:hi] for index in covered]
+    for index, slot in enumerate(slots[1:-1], start=1):
+        np.add(out if index > 1 else slots[0], slot, out=out)
+    finite = True
+    for start in range(0, out.size, _CHECK_BLOCK):
+        block = out[start : start + _CHECK_BLOCK]
+        if len(slots) == 1:
+            np.copyto(block, slots[0][start : start + _CHECK_BLOCK])
+        else:
+            earlier = slots[0] if len(slots) == 2 else out
+            np.add(
+                earlier[start : start + _CHECK_BLOCK],
+                slots[-1][start : start + _CHECK_BLOCK],
+                out=block,
+            )
+        if finite and not np.isfinite(np.dot(block, block)):
+            finite = False
+    if finite:
+        return ()
+    return tuple(
+        index for index, slot in zip(covered, slots, strict=True) if not np.isfinite(slot).all()
+    )

@@ -277,6 +277,7 @@ class Transport:
         result: BucketBuffer | None = None,
         result_dtype: int = 0,
         covered_ranks: tuple[int, ...] = (),
+        nonfinite_ranks: tuple[int, ...] = (),
         segment_offset: int | None = None,
     ) -> None:
         """Queue one bucket for upload; its averages will be written back into `buffer`.
@@ -285,10 +286,11 @@ class Transport:
         With a sharded coordinator, range i of the bucket goes to shard i. With
         `result`, every chunk asks for the average in `result_dtype` and it is
         written there, on the grid of `result`'s own ranges (see
-        `CoordinatorLink.submit_bucket`). A local leader's `covered_ranks` go in
-        every chunk, on every shard's stream. With `segment_offset` (a local
-        leader whose segment the coordinator holds; unsharded, no `result`),
-        chunks travel header-only and the averages land in `buffer` in place.
+        `CoordinatorLink.submit_bucket`). A local leader's `covered_ranks` (and
+        `nonfinite_ranks`) go in every chunk, on every shard's stream. With
+        `segment_offset` (a local leader whose segment the coordinator holds;
+        unsharded, no `result`), chunks travel header-only and the averages land in
+        `buffer` in place.
 
         Raises:
             ValueError: `buffer` is not a whole number of `dtype` elements (sharded only).
@@ -299,7 +301,14 @@ class Transport:
         if shard_count > 1 or result is not None:
             segment_offset = None  # the coordinator reads whole buckets in their own dtype
         upload = BucketUpload(
-            step, bucket_index, buffer, dtype, reply_dtype, covered_ranks, segment_offset
+            step,
+            bucket_index,
+            buffer,
+            dtype,
+            reply_dtype,
+            covered_ranks,
+            segment_offset,
+            nonfinite_ranks,
         )
         parts = split_upload(upload, shard_count)
         self._inbox.expect_bucket(

@@ -7,7 +7,12 @@ on (the workers skip the one update whose averaged gradient holds the NaN, as
 GradScaler would), and the coordinator names rank, step and bucket in its
 log, in `gradsync status` and on /metrics. Under `--nonfinite abort` every
 rank gets `NonFiniteGradientError` naming rank 1 for step 2, skips it, and
-trains on.
+trains on. Under `--nonfinite allow` nothing is checked: the NaN reaches every
+rank's average, and nothing is counted.
+
+Every case runs in both layouts: flat, and the default on one host, where both
+ranks form a local group and rank 0 uploads their sum (the group finds that
+rank 1's share held the NaN and says so, so rank 1 is still the one named).
 """
 
 from __future__ import annotations
@@ -48,7 +53,7 @@ def _run(coordinator_factory, tmp_path: Path, policy: str, shards: int, *worker_
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("shards", [1, 2])
 def test_report_names_the_rank_and_training_goes_on(
-    coordinator_factory, tmp_path: Path, shards: int
+    coordinator_factory, tmp_path: Path, shards: int, layout: str
 ) -> None:
     coordinator, metrics_port, reports = _run(
         coordinator_factory, tmp_path, "report", shards, "--skip-nonfinite"
@@ -62,6 +67,10 @@ def test_report_names_the_rank_and_training_goes_on(
     assert f"bucket 1 of step {NAN_STEP}" in job.last_nonfinite
     if shards > 1:
         assert "shard 1" in job.last_nonfinite  # the shard's range held it, and said so
+    # Hierarchical: the NaN came in rank 0's upload of the group's sum, which named rank 1.
+    assert ("through its local leader, rank 0" in job.last_nonfinite) == (
+        layout == "hierarchical"
+    ), job.last_nonfinite
     with urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=5) as page:
         exposition = page.read().decode()
     assert f'gradsync_nonfinite_contributions_total{{rank="{CULPRIT}"}} 1.0' in exposition
@@ -74,7 +83,7 @@ def test_report_names_the_rank_and_training_goes_on(
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("shards", [1, 2])
 def test_abort_refuses_the_step_for_every_rank_naming_the_culprit(
-    coordinator_factory, tmp_path: Path, shards: int
+    coordinator_factory, tmp_path: Path, shards: int, layout: str
 ) -> None:
     coordinator, _, reports = _run(coordinator_factory, tmp_path, "abort", shards, "--skip-aborted")
     for rank, report in enumerate(reports):
@@ -86,6 +95,26 @@ def test_abort_refuses_the_step_for_every_rank_naming_the_culprit(
         assert f"rank {CULPRIT} sent non-finite gradients" in abort["message"]
         if shards > 1:
             assert "shard 1" in abort["message"]
+        assert ("through its local leader, rank 0" in abort["message"]) == (
+            layout == "hierarchical"
+        ), abort["message"]
     [job] = query_status(coordinator.address, "default", timeout_s=5).jobs
     assert job.steps_completed == STEPS - 1  # every step but the aborted one
     assert job.nonfinite_contributions == 1 and f"rank {CULPRIT}" in job.last_nonfinite
+
+
+@pytest.mark.timeout(120)
+def test_allow_checks_nothing_and_the_nan_reaches_every_average(
+    coordinator_factory, tmp_path: Path, layout: str
+) -> None:
+    coordinator, metrics_port, reports = _run(
+        coordinator_factory, tmp_path, "allow", 1, "--skip-nonfinite"
+    )
+    for report in reports:
+        assert report["step"] == STEPS and report["nonfinite_steps"] == [NAN_STEP], report
+    [job] = query_status(coordinator.address, "default", timeout_s=5).jobs
+    assert job.nonfinite_contributions == 0 and job.last_nonfinite == "", job
+    with urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=5) as page:
+        assert "gradsync_nonfinite_contributions_total{" not in page.read().decode()
+    _, log = coordinator.stop()
+    assert "non-finite" not in log

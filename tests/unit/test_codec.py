@@ -23,6 +23,7 @@ def random_header(rng: random.Random) -> ChunkHeader:
         covered_ranks=rng.choice([(), (0,), (3, 4, 7), (5, 2**32 - 1), tuple(range(200))]),
         in_segment=rng.choice([False, True]),
         segment_offset=rng.choice([0, 64, 2**40 + 7]),
+        nonfinite_ranks=rng.choice([(), (1,), (3, 7), (2**32 - 1,)]),
     )
 
 
@@ -76,6 +77,24 @@ def test_garbage_is_rejected_here_or_by_the_protobuf_fallback(garbage: bytes) ->
     assert result is None
     with pytest.raises(DecodeError):
         pb.WorkerMessage.FromString(garbage)
+
+
+def test_nonfinite_ranks_travel_as_field_13_packed_or_not() -> None:
+    """The members a leader names for NaN/Inf survive both paths, apart from covered_ranks."""
+    header = ChunkHeader(
+        step=2, bucket_index=1, dtype=1, covered_ranks=(4, 5), nonfinite_ranks=(5,)
+    )
+    encoded = encode_gradient(header, b"\x00" * 8)
+    assert list(pb.WorkerMessage.FromString(encoded).gradient.nonfinite_ranks) == [5]
+    assert pb.GradientChunk.DESCRIPTOR.fields_by_name["nonfinite_ranks"].number == 13
+    assert decode_gradient(encoded) == (header, memoryview(b"\x00" * 8))
+    # Unpacked varints of field 13 after a packed run append to it alone.
+    body = b"\x08\x02\x18\x01\x52\x02\x04\x05" + b"\x6a\x01\x04" + b"\x68\x05" + b"\x3a\x00"
+    raw = b"\x12" + bytes([len(body)]) + body
+    decoded = decode_gradient(raw)
+    assert decoded is not None
+    assert decoded[0].covered_ranks == (4, 5) and decoded[0].nonfinite_ranks == (4, 5)
+    assert header_of(pb.WorkerMessage.FromString(raw).gradient) == decoded[0]
 
 
 def test_covered_ranks_travel_as_field_10_packed_or_not() -> None:

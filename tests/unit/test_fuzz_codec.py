@@ -159,6 +159,7 @@ headers = st.builds(
     covered_ranks=st.lists(st.integers(0, U32), max_size=6).map(tuple),
     in_segment=st.booleans(),
     segment_offset=st.integers(0, U64),
+    nonfinite_ranks=st.lists(st.integers(0, U32), max_size=3).map(tuple),
 )
 payloads = st.lists(st.binary(max_size=300), max_size=4)
 

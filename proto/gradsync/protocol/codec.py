@@ -60,6 +60,10 @@ _MAX_FIELD_NUMBER = (1 << 29) - 1
 _COVERED_FIELD = 10
 #: GradientChunk.in_segment: a bool (any non-zero varint reads as True, as in protobuf).
 _IN_SEGMENT_FIELD = 11
+#: GradientChunk.nonfinite_ranks: repeated uint32, read as covered_ranks is.
+_NONFINITE_FIELD = 13
+#: The repeated uint32 fields, by field number: where decode_gradient collects each.
+_REPEATED_FIELDS = (_COVERED_FIELD, _NONFINITE_FIELD)
 
 
 @dataclass(slots=True)
@@ -83,6 +87,9 @@ class ChunkHeader:
     in_segment: bool = False
     #: With `in_segment`: where the chunk's bytes lie in that segment.
     segment_offset: int = 0
+    #: Worker -> coordinator, from a local leader: those of `covered_ranks` whose own
+    #: gradient of the bucket held NaN/Inf, ascending (empty = none).
+    nonfinite_ranks: tuple[int, ...] = ()
 
 
 def _varint(value: int) -> bytes:
@@ -118,6 +125,7 @@ def encode_gradient(
         covered_ranks=header.covered_ranks,
         in_segment=header.in_segment,
         segment_offset=header.segment_offset,
+        nonfinite_ranks=header.nonfinite_ranks,
     ).SerializeToString()
     length = sum(memoryview(part).nbytes for part in parts)
     inner = fields + _PAYLOAD_TAG + _varint(length)
@@ -161,7 +169,7 @@ def decode_gradient(raw: bytes) -> tuple[ChunkHeader, memoryview] | None:
         return None  # more than one top-level field: let protobuf decide
     header = ChunkHeader()
     payload = view[0:0]
-    covered: list[int] = []
+    repeated: dict[int, list[int]] = {field: [] for field in _REPEATED_FIELDS}
     while position < end:
         key, position = _read_varint(view, position, end)
         field, wire_type = key >> 3, key & 7
@@ -170,10 +178,10 @@ def decode_gradient(raw: bytes) -> tuple[ChunkHeader, memoryview] | None:
         if wire_type == _WIRE_VARINT:
             value, position = _read_varint(view, position, end)
             name = _INT_FIELDS.get(field)
-            if field == _COVERED_FIELD:
+            if field in repeated:
                 if value > _UINT32_MAX:
                     return None  # protobuf truncates it: take protobuf's reading
-                covered.append(value)
+                repeated[field].append(value)
             elif field == _IN_SEGMENT_FIELD:
                 header.in_segment = value != 0
             elif name is not None:
@@ -186,8 +194,8 @@ def decode_gradient(raw: bytes) -> tuple[ChunkHeader, memoryview] | None:
                 raise ValueError("truncated length-delimited field")
             if field == _PAYLOAD_FIELD:
                 payload = view[position : position + size]
-            elif field == _COVERED_FIELD:
-                if not _read_packed(view, position, position + size, covered):
+            elif field in repeated:
+                if not _read_packed(view, position, position + size, repeated[field]):
                     return None
             elif field in _INT_FIELDS or field == _IN_SEGMENT_FIELD:
                 return None  # packed or otherwise unusual: protobuf handles it
@@ -200,8 +208,10 @@ def decode_gradient(raw: bytes) -> tuple[ChunkHeader, memoryview] | None:
             return None  # groups (3, 4) or invalid wire types: protobuf decides
     if position != end:
         raise ValueError("truncated message")
-    if covered:
-        header.covered_ranks = tuple(covered)
+    if repeated[_COVERED_FIELD]:
+        header.covered_ranks = tuple(repeated[_COVERED_FIELD])
+    if repeated[_NONFINITE_FIELD]:
+        header.nonfinite_ranks = tuple(repeated[_NONFINITE_FIELD])
     return header, payload
 
 
@@ -237,4 +247,5 @@ def header_of(chunk: pb.GradientChunk) -> ChunkHeader:
         covered_ranks=tuple(chunk.covered_ranks),
         in_segment=chunk.in_segment,
         segment_offset=chunk.segment_offset,
+        nonfinite_ranks=tuple(chunk.nonfinite_ranks),
     )

@@ -139,7 +139,7 @@ class Join(_message.Message):
     def __init__(self, job_id: _Optional[str] = ..., rank: _Optional[int] = ..., world_size: _Optional[int] = ..., signature: _Optional[_Union[ModelSignature, _Mapping]] = ..., incarnation: _Optional[str] = ..., client_version: _Optional[str] = ..., host_id: _Optional[str] = ..., local_world_size: _Optional[int] = ...) -> None: ...
 
 class GradientChunk(_message.Message):
-    __slots__ = ("step", "membership_epoch", "bucket_index", "offset", "dtype", "encoding", "payload", "contributors", "covered_ranks", "reply_dtype", "in_segment", "segment_offset")
+    __slots__ = ("step", "membership_epoch", "bucket_index", "offset", "dtype", "encoding", "payload", "contributors", "covered_ranks", "reply_dtype", "in_segment", "segment_offset", "nonfinite_ranks")
     STEP_FIELD_NUMBER: _ClassVar[int]
     MEMBERSHIP_EPOCH_FIELD_NUMBER: _ClassVar[int]
     BUCKET_INDEX_FIELD_NUMBER: _ClassVar[int]
@@ -152,6 +152,7 @@ class GradientChunk(_message.Message):
     REPLY_DTYPE_FIELD_NUMBER: _ClassVar[int]
     IN_SEGMENT_FIELD_NUMBER: _ClassVar[int]
     SEGMENT_OFFSET_FIELD_NUMBER: _ClassVar[int]
+    NONFINITE_RANKS_FIELD_NUMBER: _ClassVar[int]
     step: int
     membership_epoch: int
     bucket_index: int
@@ -164,7 +165,8 @@ class GradientChunk(_message.Message):
     reply_dtype: DType
     in_segment: bool
     segment_offset: int
-    def __init__(self, step: _Optional[int] = ..., membership_epoch: _Optional[int] = ..., bucket_index: _Optional[int] = ..., offset: _Optional[int] = ..., dtype: _Optional[_Union[DType, str]] = ..., encoding: _Optional[_Union[Encoding, str]] = ..., payload: _Optional[bytes] = ..., contributors: _Optional[int] = ..., covered_ranks: _Optional[_Iterable[int]] = ..., reply_dtype: _Optional[_Union[DType, str]] = ..., in_segment: _Optional[bool] = ..., segment_offset: _Optional[int] = ...) -> None: ...
+    nonfinite_ranks: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, step: _Optional[int] = ..., membership_epoch: _Optional[int] = ..., bucket_index: _Optional[int] = ..., offset: _Optional[int] = ..., dtype: _Optional[_Union[DType, str]] = ..., encoding: _Optional[_Union[Encoding, str]] = ..., payload: _Optional[bytes] = ..., contributors: _Optional[int] = ..., covered_ranks: _Optional[_Iterable[int]] = ..., reply_dtype: _Optional[_Union[DType, str]] = ..., in_segment: _Optional[bool] = ..., segment_offset: _Optional[int] = ..., nonfinite_ranks: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class StateChunk(_message.Message):
     __slots__ = ("offset", "payload")
@@ -649,7 +651,7 @@ class LeaderMessage(_message.Message):
     def __init__(self, accepted: _Optional[_Union[ShardAccepted, _Mapping]] = ..., job: _Optional[_Union[ShardJobView, _Mapping]] = ..., abort: _Optional[_Union[ShardAbort, _Mapping]] = ..., job_end: _Optional[_Union[ShardJobEnd, _Mapping]] = ..., heartbeat: _Optional[_Union[Heartbeat, _Mapping]] = ..., stream_end: _Optional[_Union[StreamEnd, _Mapping]] = ...) -> None: ...
 
 class ShardRejected(_message.Message):
-    __slots__ = ("job_id", "rank", "step", "bucket_index", "code", "message", "reason")
+    __slots__ = ("job_id", "rank", "step", "bucket_index", "code", "message", "reason", "via_local_leader")
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
     RANK_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
@@ -657,6 +659,7 @@ class ShardRejected(_message.Message):
     CODE_FIELD_NUMBER: _ClassVar[int]
     MESSAGE_FIELD_NUMBER: _ClassVar[int]
     REASON_FIELD_NUMBER: _ClassVar[int]
+    VIA_LOCAL_LEADER_FIELD_NUMBER: _ClassVar[int]
     job_id: str
     rank: int
     step: int
@@ -664,21 +667,24 @@ class ShardRejected(_message.Message):
     code: int
     message: str
     reason: AbortReason
-    def __init__(self, job_id: _Optional[str] = ..., rank: _Optional[int] = ..., step: _Optional[int] = ..., bucket_index: _Optional[int] = ..., code: _Optional[int] = ..., message: _Optional[str] = ..., reason: _Optional[_Union[AbortReason, str]] = ...) -> None: ...
+    via_local_leader: bool
+    def __init__(self, job_id: _Optional[str] = ..., rank: _Optional[int] = ..., step: _Optional[int] = ..., bucket_index: _Optional[int] = ..., code: _Optional[int] = ..., message: _Optional[str] = ..., reason: _Optional[_Union[AbortReason, str]] = ..., via_local_leader: _Optional[bool] = ...) -> None: ...
 
 class ShardNonFinite(_message.Message):
-    __slots__ = ("job_id", "rank", "step", "bucket_index", "message")
+    __slots__ = ("job_id", "rank", "step", "bucket_index", "message", "via_local_leader")
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
     RANK_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
     BUCKET_INDEX_FIELD_NUMBER: _ClassVar[int]
     MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    VIA_LOCAL_LEADER_FIELD_NUMBER: _ClassVar[int]
     job_id: str
     rank: int
     step: int
     bucket_index: int
     message: str
-    def __init__(self, job_id: _Optional[str] = ..., rank: _Optional[int] = ..., step: _Optional[int] = ..., bucket_index: _Optional[int] = ..., message: _Optional[str] = ...) -> None: ...
+    via_local_leader: bool
+    def __init__(self, job_id: _Optional[str] = ..., rank: _Optional[int] = ..., step: _Optional[int] = ..., bucket_index: _Optional[int] = ..., message: _Optional[str] = ..., via_local_leader: _Optional[bool] = ...) -> None: ...
 
 class ShardStats(_message.Message):
     __slots__ = ("bytes_received", "bytes_sent", "buckets_completed", "mean_bucket_s", "buffered_bytes", "connections")

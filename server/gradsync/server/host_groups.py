@@ -164,11 +164,25 @@ def check_covers(
         RejectedMessage: INVALID_ARGUMENT, `rank` is a follower (its leader
             uploads for it), or its `covered_ranks` are not ascending, do not
             start with it, leave its group, or name a rank that was not a member
-            when the step opened.
+            when the step opened; or its `nonfinite_ranks` are not ascending
+            ranks that it covers.
     """
     step, bucket, covered = chunk.step, chunk.bucket_index, list(chunk.covered_ranks)
     group = groups.group_of(rank)
     where = f"bucket {bucket} of step {step}"
+    named = list(chunk.nonfinite_ranks)
+    if named and (
+        any(a >= b for a, b in itertools.pairwise(named))
+        or any(r not in (covered or [rank]) for r in named)
+    ):
+        raise RejectedMessage(
+            Code.INVALID_ARGUMENT,
+            f"rank {rank} sent {where} naming ranks {named} for non-finite gradients, but "
+            f"they must be ascending, without repeats, among the ranks it covers "
+            f"({covered or [rank]})",
+            step=step,
+            bucket_index=bucket,
+        )
     if group and group[0] != rank:
         raise RejectedMessage(
             Code.INVALID_ARGUMENT,

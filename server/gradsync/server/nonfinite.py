@@ -75,6 +75,9 @@ class NonFiniteContribution:
         where: who saw it ("" at the leader; "shard 2 at host:port" at a shard).
         covered: the ranks a local leader's partial sum holds (() = its own gradient):
             one of them diverged, the coordinator cannot tell which.
+        via: the local leader that uploaded `rank`'s gradient in its group's sum, which
+            named `rank` as the source (`GradientChunk.nonfinite_ranks`); -1 = `rank`
+            sent it itself.
     """
 
     job_id: str
@@ -86,16 +89,21 @@ class NonFiniteContribution:
     elements: int
     where: str = ""
     covered: tuple[int, ...] = ()
+    via: int = -1
 
     def describe(self) -> str:
         """Names the rank (and the ranks it covers), step, bucket and the count."""
         sender = f"rank {self.rank}"
-        if len(self.covered) > 1:
+        if self.via < 0 and len(self.covered) > 1:  # a group's sum: which member, unknown
             sender += f" (local leader, summing ranks {list(self.covered)})"
         what = (
             f"{sender} sent non-finite gradients (NaN/Inf) for bucket "
             f"{self.bucket_index} of step {self.step} in job '{self.job_id}'"
         )
+        if self.via == self.rank:
+            what += f" (its own, in the sum of its local group {list(self.covered)})"
+        elif self.via >= 0:
+            what += f" (through its local leader, rank {self.via}, which uploaded the sum)"
         at = f" at {self.where}" if self.where else ""
         if not self.elements:
             return f"{what} (seen{at})" if at else what

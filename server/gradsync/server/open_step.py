@@ -37,6 +37,7 @@ one shard the range is the whole bucket and everything is as unsharded.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections import deque
 from collections.abc import Callable, Mapping
@@ -350,10 +351,14 @@ class OpenStep:
     ) -> None:
         """A contribution holds NaN or Inf: report it, or (policy "abort") refuse the step.
 
+        A local leader's sum names the members whose own gradient held it
+        (`nonfinite_ranks`, checked to be among its covers): each of them is
+        reported as the culprit. Otherwise the sender is.
+
         Raises:
             NonFiniteRejection: the policy is "abort".
         """
-        contribution = NonFiniteContribution(
+        sent = NonFiniteContribution(
             job_id=self._membership.job_id,
             rank=rank,
             step=chunk.step,
@@ -364,11 +369,16 @@ class OpenStep:
             where=self.shard_name if self.shard_index else "",
             covered=chunk.covered_ranks,
         )
+        contributions = [
+            dataclasses.replace(sent, rank=culprit, via=rank) for culprit in chunk.nonfinite_ranks
+        ] or [sent]
         if self.nonfinite_policy == ABORT:
             # Counted here too; a shard's leader counts it from the ShardRejected.
-            self.note_nonfinite(contribution, forward=False)
-            raise NonFiniteRejection.of(contribution)
-        self.note_nonfinite(contribution)
+            for contribution in contributions:
+                self.note_nonfinite(contribution, forward=False)
+            raise NonFiniteRejection.of(contributions[0])
+        for contribution in contributions:
+            self.note_nonfinite(contribution)
 
     def note_nonfinite(self, contribution: NonFiniteContribution, forward: bool = True) -> bool:
         """Count, log and export a non-finite contribution (once per rank, step and bucket).

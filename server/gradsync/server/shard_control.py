@@ -384,9 +384,7 @@ class ShardControl:
                     self._on_rejected(record, message.rejected)
                 elif kind == "nonfinite":
                     report = message.nonfinite
-                    self._count_nonfinite(
-                        record, report.job_id, report.rank, report.step, report.bucket_index
-                    )
+                    self._count_nonfinite(record, report)
         except asyncio.CancelledError:
             raise
         except Exception as exc:  # the transport failed under us: the shard is lost
@@ -427,9 +425,7 @@ class ShardControl:
             rejection = NonFiniteRejection(
                 rejected.rank, rejected.step, rejected.bucket_index, rejected.message
             )
-            self._count_nonfinite(
-                record, rejected.job_id, rejected.rank, rejected.step, rejected.bucket_index
-            )
+            self._count_nonfinite(record, rejected)
         else:
             rejection = RejectedMessage(
                 code, rejected.message, step=rejected.step, bucket_index=rejected.bucket_index
@@ -452,26 +448,31 @@ class ShardControl:
         self._leader.execute(job, actions)
 
     def _count_nonfinite(
-        self, record: ShardRecord, job_id: str, rank: int, step: int, bucket_index: int
+        self, record: ShardRecord, report: pb.ShardNonFinite | pb.ShardRejected
     ) -> None:
         """A shard saw NaN/Inf (ShardNonFinite, or a NONFINITE ShardRejected): count and log it.
 
         Described from the fields, not the shard's text (the shard logs its own,
         with the counts), so that nothing a peer wrote reaches the log or status.
+        A member named by its local leader's sum is described with that leader.
         """
-        job = self._leader.jobs.get(job_id)
+        job = self._leader.jobs.get(report.job_id)
         if job is None:
             return  # the job ended meanwhile
+        groups = job.membership.groups
+        via = groups.leader_of(report.rank) if report.via_local_leader else -1
         job.in_flight.note_nonfinite(
             NonFiniteContribution(
                 job_id=job.job_id,
-                rank=rank,
-                step=step,
-                bucket_index=bucket_index,
+                rank=report.rank,
+                step=report.step,
+                bucket_index=report.bucket_index,
                 offset=-1,
                 nonfinite=0,
                 elements=0,
                 where=f"shard {record.index}",
+                covered=groups.group_of(report.rank) if via >= 0 else (),
+                via=via,
             )
         )
 

@@ -88,6 +88,9 @@ def reject_for_shard(job: Job, rank: int, rejection: RejectedMessage) -> list[Ac
     if step + 1 != job.open_step or job.in_flight.was_aborted(step):
         return None
     job.in_flight.remember_aborted(step)
+    # Its range completed here (and was counted), but the step did not complete: status
+    # says so. (The Prometheus counter of completed steps cannot be taken back.)
+    job.in_flight.steps_completed -= 1
     return abort_actions(job.membership.ranks(), rank, step, rejection)
 
 

@@ -304,6 +304,7 @@ class ShardJob:
                 step=contribution.step,
                 bucket_index=contribution.bucket_index,
                 message=contribution.describe(),
+                via_local_leader=contribution.via >= 0,
             )
         )
 
@@ -323,7 +324,9 @@ class ShardJob:
             message += f" ({self.shard_name})"
         return pb.ShardRejected(
             job_id=self.job_id,
-            rank=rank,
+            # A non-finite sum of a local group: the member it names, not its leader.
+            rank=rejection.rank if isinstance(rejection, NonFiniteRejection) else rank,
+            via_local_leader=isinstance(rejection, NonFiniteRejection) and rejection.rank != rank,
             step=step,
             bucket_index=bucket_index,
             code=int(rejection.code),

@@ -55,9 +55,13 @@ def abort_actions(
     """
     bucket = rejection.bucket_index
     if isinstance(rejection, NonFiniteRejection):
+        # The rank whose gradient held it: a local group's member, not the leader
+        # that uploaded the group's sum, when the group could tell.
         reason = pb.ABORT_REASON_NONFINITE
         return [
-            abort_message(ranks, step, rejection.code, rejection.message, bucket, reason, culprit)
+            abort_message(
+                ranks, step, rejection.code, rejection.message, bucket, reason, rejection.rank
+            )
         ]
     actions: list[Action] = []
     if culprit in ranks:
