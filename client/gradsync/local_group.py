@@ -24,9 +24,18 @@ Faults: a peer's EOF is recorded. A wait that needs that peer then polls the
 coordinator's verdict on this rank's own Sync stream for 3 heartbeat
 intervals + 5 s (the caller's `poll` raises it: it names the lost rank), and
 otherwise raises a `GradSyncError` naming the local peer. When the caller's
-`excused` says the coordinator dropped a lost follower (elastic), the
-leader excludes it from every bucket it had not posted and sums its shares
-itself. Posted buckets keep it: its gradient is in its slot, and counts.
+`excused` says the coordinator dropped a follower (elastic), lost locally or
+only frozen (SIGSTOP: its socket stays open and silent), the leader stops
+waiting for it at once: it excludes it from every bucket it had not posted
+and sums its shares itself. Posted buckets keep it: its gradient is in its
+slot, and counts. The excluded member is sent EXCLUDED and its connection is
+shut; a frozen one that wakes reads EXCLUDED in the same batch as any REDUCE
+still queued, and sums nothing more into the shared result region.
+
+Each share's summer also checks its share of the sum for NaN/Inf (in the
+same pass, `sum_share`) and names the slots that held one in its REDUCED;
+the leader passes them on with its upload, so the coordinator names the
+member that produced a NaN, not the leader.
 """
 
 from __future__ import annotations
@@ -417,8 +426,8 @@ class LocalGroup:
         conn = self._peers[0]
         while True:
             batch, ended = self._receive_batch(conn)
-            if ended is not None and any(parse(raw)[0] == Kind.EXCLUDED for raw in batch):
-                # Dropped by the coordinator while frozen: the leader summed this rank's
+            if any(parse(raw)[0] == Kind.EXCLUDED for raw in batch):
+                # Dropped by the coordinator (it was frozen): the leader summed this rank's
                 # shares itself, so a REDUCE still queued must not touch the result region.
                 self._peer_lost(
                     0, "the local leader excluded this rank (the coordinator dropped it)"

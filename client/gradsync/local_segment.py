@@ -224,7 +224,20 @@ def sum_share(
     lo, hi = share_range(result.size, numpy_dtype.itemsize, segment.layout.members, share)
     if hi <= lo:
         return ()
-    out = result[lo:hi]
+    # An overflow or inf - inf is not this sum's to report: the coordinator classifies it.
+    with np.errstate(over="ignore", invalid="ignore"):
+        return _sum_and_check(result[lo:hi], segment, bucket_index, numpy_dtype, lo, hi, covered)
+
+
+def _sum_and_check(
+    out: npt.NDArray[np.floating],
+    segment: Segment,
+    bucket_index: int,
+    numpy_dtype: np.dtype[np.floating],
+    lo: int,
+    hi: int,
+    covered: Sequence[int],
+) -> tuple[int, ...]:
     slots = [segment.slot(index, bucket_index).view(numpy_dtype)[lo:hi] for index in covered]
     for index, slot in enumerate(slots[1:-1], start=1):
         np.add(out if index > 1 else slots[0], slot, out=out)

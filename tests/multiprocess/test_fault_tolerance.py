@@ -33,7 +33,9 @@ from support.redisserver import RedisServer
 
 
 @pytest.mark.timeout(120)
-def test_killed_worker_aborts_the_step_for_survivors(coordinator_factory, tmp_path: Path) -> None:
+def test_killed_worker_aborts_the_step_for_survivors(
+    coordinator_factory, tmp_path: Path, layout: str
+) -> None:
     coordinator = coordinator_factory(3, *HEARTBEAT)
     processes = start_workers(
         coordinator.address, 3, tmp_path, steps=6, per_rank={2: ["--kill-at", "2"]}
@@ -361,7 +363,7 @@ def kill_when_late(address: str, process: subprocess.Popen[bytes], rank: int, st
 
 @pytest.mark.timeout(120)
 def test_elastic_goes_on_with_the_live_ranks_after_a_kill_mid_step(
-    coordinator_factory, tmp_path: Path
+    coordinator_factory, tmp_path: Path, layout: str
 ) -> None:
     coordinator = coordinator_factory(3, *ELASTIC)
     reports = finish(
@@ -383,7 +385,9 @@ def test_elastic_goes_on_with_the_live_ranks_after_a_kill_mid_step(
 
 
 @pytest.mark.timeout(120)
-def test_elastic_divisor_is_the_number_of_live_ranks(coordinator_factory, tmp_path: Path) -> None:
+def test_elastic_divisor_is_the_number_of_live_ranks(
+    coordinator_factory, tmp_path: Path, layout: str
+) -> None:
     coordinator = coordinator_factory(3, *ELASTIC)
     processes = start_workers(coordinator.address, 3, tmp_path, 6, {2: ["--sleep-at", "2:60"]})
     kill_when_late(coordinator.address, processes[2], 2, 2)
@@ -533,7 +537,9 @@ def test_elastic_frozen_local_leader_takes_its_followers_out_naming_it(
 
 
 @pytest.mark.timeout(180)
-def test_restarted_rank_rejoins_and_is_healed(coordinator_factory, tmp_path: Path) -> None:
+def test_restarted_rank_rejoins_and_is_healed(
+    coordinator_factory, tmp_path: Path, layout: str
+) -> None:
     coordinator = coordinator_factory(3, *ELASTIC)
     steps = 30  # long enough for a restarted process to import torch and rejoin under load
     processes = start_workers(
@@ -604,7 +610,7 @@ def test_workers_reconnect_to_a_restarted_coordinator_and_resume(
 
 @pytest.mark.timeout(90)
 def test_exception_inside_backward_abandons_the_step_for_every_rank(
-    coordinator_factory, tmp_path: Path
+    coordinator_factory, tmp_path: Path, layout: str
 ) -> None:
     coordinator = coordinator_factory(2, *HEARTBEAT)
     reports = finish(

@@ -323,7 +323,7 @@ def test_leader_goes_on_without_a_dropped_follower_elastic() -> None:
     results = _form_in_threads(dict.fromkeys(RANKS, secret))
     groups = {rank: value for rank, value in results.items() if isinstance(value, LocalGroup)}
     leader, survivor, dead = (groups[r] for r in RANKS)
-    handed: list[tuple[int, int, int, tuple[int, ...]]] = []
+    handed: list[tuple[int, int, int, tuple[int, ...], tuple[int, ...]]] = []
     leader.set_reduced_handler(lambda *args: handed.append(args))
     try:
         inputs = {rank: _inputs(0, rank) for rank in RANKS}
@@ -338,7 +338,8 @@ def test_leader_goes_on_without_a_dropped_follower_elastic() -> None:
             leader.post(0, index, buffers[RANKS[0]][index], dtype)
             survivor.post(0, index, buffers[RANKS[1]][index], dtype)
         leader.wait_reduced(0, len(SIZES), 10, lambda s: time.sleep(s), lambda r: r == RANKS[2])
-        covers = {bucket: covered for _, bucket, _, covered in handed}
+        covers = {bucket: covered for _, bucket, _, covered, _ in handed}
+        assert all(nonfinite == () for *_, nonfinite in handed)  # clean gradients
         assert covers[0] == tuple(RANKS)  # posted before dying: counted
         assert all(covers[b] == tuple(RANKS[:2]) for b in range(1, len(SIZES)))
         for index in range(len(SIZES)):

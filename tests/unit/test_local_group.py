@@ -6,13 +6,25 @@ tests/multiprocess/test_local_group_processes.py.
 
 from __future__ import annotations
 
+import os
+import socket
+
 import numpy as np
 import pytest
 import torch
 from gradsync.hierarchy import check_hierarchical
 from gradsync.host_identity import host_id
+from gradsync.local_group import LocalGroup
 from gradsync.local_rendezvous import Kind, frame, parse, socket_name
-from gradsync.local_segment import ALIGN_BYTES, SegmentLayout, share_range, shortage_message
+from gradsync.local_segment import (
+    ALIGN_BYTES,
+    Segment,
+    SegmentLayout,
+    share_range,
+    shortage_message,
+    sum_share,
+)
+from gradsync.v1 import gradsync_pb2 as pb
 
 
 def test_host_id_override_and_computed_form() -> None:
@@ -86,3 +98,65 @@ def test_local_sum_order_is_local_rank_order() -> None:
     slots = [rng.standard_normal(1000).astype(np.float32) * 10.0**k for k in range(3)]
     ordered = (slots[0] + slots[1]) + slots[2]
     assert not np.array_equal(ordered, (slots[2] + slots[1]) + slots[0])
+
+
+def _segment(members: int, elements: int, dtype: type[np.floating]) -> Segment:
+    layout = SegmentLayout((elements * np.dtype(dtype).itemsize,), members)
+    fd = os.memfd_create("gradsync-test")
+    os.ftruncate(fd, layout.total_bytes)
+    return Segment(fd, layout)
+
+
+@pytest.mark.parametrize("members", [1, 2, 3, 5])
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_sum_share_keeps_the_order_and_names_the_slots_that_held_nan_or_inf(
+    members: int, dtype: type[np.floating]
+) -> None:
+    # More elements than one check block, so that the hit lies in a later block.
+    elements = 3 * 40_000 + 7
+    segment = _segment(members, elements, dtype)
+    code = pb.DTYPE_FLOAT32 if dtype is np.float32 else pb.DTYPE_FLOAT64
+    rng = np.random.default_rng(members)
+    grads = [rng.standard_normal(elements).astype(dtype) for _ in range(members)]
+    poisoned = {members - 1: float("nan")} if members == 1 else {1: float("inf"), 0: float("nan")}
+    for slot, value in poisoned.items():
+        grads[slot][elements - 3] = value  # the last share, past the first block
+    for slot, grad in enumerate(grads):
+        segment.slot(slot, 0).view(dtype)[:] = grad
+    covered = list(range(members))
+    found: set[int] = set()
+    for share in range(members):
+        found.update(sum_share(segment, 0, code, share, covered))
+    assert found == set(poisoned)
+    expected = grads[0].copy()
+    for grad in grads[1:]:
+        expected += grad
+    np.testing.assert_array_equal(segment.result(0).view(dtype), expected)  # NaN == NaN here
+    # Clean gradients name nobody; finite values that overflow in the sum name nobody either.
+    big = np.full(elements, np.finfo(dtype).max / 1.5, dtype=dtype)
+    for slot in range(members):
+        segment.slot(slot, 0).view(dtype)[:] = big if members > 1 else 0.0
+    assert all(sum_share(segment, 0, code, share, covered) == () for share in range(members))
+    segment.close()
+
+
+def test_a_frozen_member_that_wakes_excluded_sums_nothing_still_queued() -> None:
+    # What a SIGSTOPped follower finds when SIGCONT wakes it: a REDUCE sent while it was
+    # frozen, the leader's EXCLUDED (it summed that share itself), then EOF.
+    elements = 1000
+    segment = _segment(2, elements, np.float32)
+    segment.slot(0, 0).view(np.float32)[:] = 1.0
+    segment.slot(1, 0).view(np.float32)[:] = 2.0
+    segment.result(0).view(np.float32)[:] = 7.0  # the leader's later use of the region
+    leader, follower = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    covered = np.array([0, 1], np.uint16).tobytes()
+    leader.send(frame(Kind.REDUCE, 0, 3, pb.DTYPE_FLOAT32, covered))
+    leader.send(frame(Kind.EXCLUDED))
+    leader.shutdown(socket.SHUT_RDWR)
+    group = LocalGroup(1, [0, 1], segment.layout, segment, {0: follower}, None, 0.25)
+    group._thread.join(5)
+    assert not group._thread.is_alive()
+    np.testing.assert_array_equal(segment.result(0).view(np.float32), 7.0)
+    assert "excluded" in group._lost[0]
+    group.close()
+    leader.close()
