@@ -125,7 +125,15 @@ def pytest_sessionfinish(session: pytest.Session) -> None:
 
 
 def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
-    """Name the files tests wrote into the repository, if any (the session has failed)."""
+    """Say what each tier cost; name the files tests wrote into the repository, if any (the
+    session has failed then)."""
+    totals = _TIER_SECONDS
+    if totals:
+        terminalreporter.write_sep("-", "time per tier (setup + call + teardown)")
+        terminalreporter.write_line(
+            ", ".join(f"{tier} {totals[tier]:.0f} s" for tier in TIERS if tier in totals)
+            + f"; {sum(totals.values()):.0f} s in all"
+        )
     written = terminalreporter.config.stash.get(_WRITTEN, [])
     if written:
         terminalreporter.section("TESTS WROTE INTO THE REPOSITORY", sep="!", red=True, bold=True)
@@ -136,6 +144,18 @@ def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
         )
         for path in written:
             terminalreporter.line(f"  {path}", red=True)
+
+
+#: Seconds per tier in this session (setup, call and teardown of its tests).
+_TIER_SECONDS: dict[str, float] = {}
+
+
+def pytest_runtest_logreport(report: pytest.TestReport) -> None:
+    """Add each test's setup, call and teardown time to its tier's total (README's costs)."""
+    path = report.nodeid.replace("\\", "/")
+    tier = next((t for t in TIERS if path.startswith(f"tests/{t}/")), None)
+    if tier is not None:
+        _TIER_SECONDS[tier] = _TIER_SECONDS.get(tier, 0.0) + report.duration
 
 
 def pytest_unconfigure(config: pytest.Config) -> None:
