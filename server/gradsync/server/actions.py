@@ -9,16 +9,38 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from gradsync.protocol.codec import ChunkHeader, encode_gradient
 from gradsync.protocol.codes import Code
 from gradsync.v1 import gradsync_pb2 as pb
 
 
+@dataclass
+class SegmentAverage:
+    """An averaged chunk for ranks whose upload of it came from their same-host segment.
+
+    The servicer writes `payload` where the upload lay and sends the header only,
+    so the bytes are never put into a message; `encoded` serializes the whole
+    chunk, once, for a rank whose segment cannot take it after all.
+    """
+
+    header: ChunkHeader
+    payload: memoryview
+    _encoded: bytes | None = field(default=None, repr=False)
+
+    def encoded(self) -> bytes:
+        """The chunk as a whole CoordinatorMessage (serialized on first use)."""
+        if self._encoded is None:
+            self._encoded = encode_gradient(self.header, self.payload)
+        return self._encoded
+
+
 @dataclass(frozen=True)
 class Send:
-    """Deliver `message` (a CoordinatorMessage, or its serialized bytes) to each of `ranks`."""
+    """Deliver `message` (a CoordinatorMessage, its serialized bytes, or an average for
+    same-host segments) to each of `ranks`."""
 
     ranks: tuple[int, ...]
-    message: pb.CoordinatorMessage | bytes
+    message: pb.CoordinatorMessage | bytes | SegmentAverage
 
 
 @dataclass(frozen=True)

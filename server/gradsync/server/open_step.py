@@ -48,7 +48,7 @@ from gradsync.protocol import chunking, defaults, dtypes
 from gradsync.protocol.codec import ChunkHeader, encode_gradient
 from gradsync.protocol.codes import Code
 from gradsync.server import signature as signatures
-from gradsync.server.actions import Action, Send
+from gradsync.server.actions import Action, SegmentAverage, Send
 from gradsync.server.aggregation import (
     BucketReduction,
     DuplicateContributionError,
@@ -177,6 +177,8 @@ class OpenStep:
         self.steps_completed = 0
         #: None until the job is assembled (the bucket layout is known).
         self.progress: StepProgress | None = None
+        #: (bucket, offset, rank) of the open step's uploads read from a same-host segment.
+        self._segment_uploads: set[tuple[int, int, int]] = set()
         self._start_epoch = 0
         self._bucket_bytes: list[int] = []
         self._bucket_dtypes: list[int] = []
@@ -325,6 +327,8 @@ class OpenStep:
                 bucket_index=bucket,
             ) from None
         held.account()
+        if chunk.in_segment:
+            self._segment_uploads.add((bucket, chunk.offset, rank))
         if self.progress is None:
             raise RuntimeError("a step accepts gradients only once the job is assembled")
         # A 16-bit bucket (and its range) is cut into fewer chunks than its native size says.
@@ -400,29 +404,34 @@ class OpenStep:
     def _averaged(self, bucket: int, offset: int, averaged: memoryview) -> list[Send]:
         """The averaged chunk for every unit leader, encoded once (pieces for a float32 reply).
 
-        Followers get their averages from their local leader, over shared memory.
+        Followers get their averages from their local leader, over shared memory. A
+        leader whose upload of this chunk came from its same-host segment gets a
+        `SegmentAverage` instead: nothing is encoded for it.
         """
         reduction = self._buckets[bucket].reduction
         units = self.units()
-        return [
-            Send(
-                units,
-                encode_gradient(
-                    ChunkHeader(
-                        step=self.step,
-                        membership_epoch=self._membership.epoch,
-                        bucket_index=bucket,
-                        offset=piece_offset,
-                        dtype=reduction.reply_dtype,
-                        contributors=reduction.last_contributors,
-                    ),
-                    piece,
-                ),
+        from_segment = tuple(u for u in units if (bucket, offset, u) in self._segment_uploads)
+        self._segment_uploads.difference_update((bucket, offset, u) for u in from_segment)
+        sends = []
+        for piece_offset, piece in reply_pieces(
+            offset, averaged, reduction.dtype, reduction.reply_dtype, self._chunk_bytes
+        ):
+            header = ChunkHeader(
+                step=self.step,
+                membership_epoch=self._membership.epoch,
+                bucket_index=bucket,
+                offset=piece_offset,
+                dtype=reduction.reply_dtype,
+                contributors=reduction.last_contributors,
             )
-            for piece_offset, piece in reply_pieces(
-                offset, averaged, reduction.dtype, reduction.reply_dtype, self._chunk_bytes
-            )
-        ]
+            # A segment's upload is answered on its own grid, in its own dtype (one piece).
+            direct = from_segment if piece_offset == offset and len(piece) == len(averaged) else ()
+            others = tuple(u for u in units if u not in direct)
+            if others:
+                sends.append(Send(others, encode_gradient(header, piece)))
+            if direct:
+                sends.append(Send(direct, SegmentAverage(header, piece)))
+        return sends
 
     def _close_bucket_if_complete(self, bucket: int) -> list[Action]:
         """Once every chunk of `bucket` went out: count it, and close the step after the last.
@@ -511,6 +520,7 @@ class OpenStep:
         for held in self._buckets.values():
             held.reservation.release()
         self._buckets.clear()
+        self._segment_uploads.clear()
         if self.progress is not None:
             self.progress.reset()
 

@@ -29,6 +29,7 @@ import struct
 import threading
 from collections.abc import Callable
 
+from gradsync.protocol.codec import decode_gradient
 from gradsync.protocol.codes import Code
 from gradsync.protocol.payload_socket import (
     EXCHANGE_TIMEOUT_S,
@@ -40,6 +41,7 @@ from gradsync.protocol.payload_socket import (
     new_socket_name,
     refusal,
 )
+from gradsync.server.actions import SegmentAverage
 from gradsync.server.connection import Connection
 from gradsync.server.segments import SegmentRegistry
 
@@ -158,20 +160,33 @@ class PayloadSocket:
         return OK
 
 
-def averaged_for(segments: SegmentRegistry, target: Connection, raw: bytes) -> bytes:
-    """What to send `target` for the averaged chunk `raw`: a header-only chunk if the
-    average went into its segment (its upload came from there), else `raw`.
+def averaged_for(
+    segments: SegmentRegistry, target: Connection, average: SegmentAverage | bytes
+) -> bytes:
+    """What to send `target` for an averaged chunk: a header-only chunk once the average
+    is written into its segment (its upload came from there), else the whole chunk.
+
+    `average` is a `SegmentAverage` (nothing encoded yet) or an encoded chunk, which is
+    decoded again to find its place.
 
     A write that fails ends that rank alone (its stream; the job carries on as
     after any lost rank).
     """
     job_id = target.job.job_id if target.job is not None else ""
+    if isinstance(average, bytes):
+        if not segments.has_uploads(job_id, target.rank):
+            return average
+        decoded = decode_gradient(average)
+        if decoded is None:
+            return average
+        average = SegmentAverage(decoded[0], decoded[1], average)
     try:
-        return segments.reply(job_id, target.rank, raw) or raw
+        header_only = segments.reply(job_id, target.rank, average.header, average.payload)
     except OSError as exc:
         target.end(
             Code.FAILED_PRECONDITION,
             f"the coordinator could not write an average into rank {target.rank}'s "
             f"shared-memory segment: {exc}",
         )
-        return raw
+        header_only = None
+    return header_only or average.encoded()

@@ -26,6 +26,7 @@ Pure logic on descriptors: no gRPC, no asyncio.
 
 from __future__ import annotations
 
+import dataclasses
 import fcntl
 import hmac
 import logging
@@ -37,7 +38,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import numpy.typing as npt
 from gradsync.protocol import dtypes
-from gradsync.protocol.codec import ChunkHeader, decode_gradient, encode_gradient
+from gradsync.protocol.codec import ChunkHeader, encode_gradient
 from gradsync.protocol.codes import Code
 from gradsync.protocol.payload_socket import Registration
 from gradsync.server.errors import RejectedMessage
@@ -231,13 +232,20 @@ class SegmentRegistry:
             self._metrics.observe_segment_bytes("read", length)
         return buffer
 
-    def reply(self, job_id: str, rank: int, raw: bytes) -> bytes | None:
+    def has_uploads(self, job_id: str, rank: int) -> bool:
+        """Whether an average for `rank` may belong in its segment (an upload came from it)."""
+        segment = self._segments.get((job_id, rank))
+        return segment is not None and bool(segment.uploads)
+
+    def reply(
+        self, job_id: str, rank: int, header: ChunkHeader, payload: memoryview
+    ) -> bytes | None:
         """An averaged chunk for `rank`: written into its segment, if its upload came from there.
 
         Returns:
-            The header-only message to send instead of `raw` (in_segment set,
-            segment_offset where the average now lies), or None: send `raw`
-            as it is (no segment, or not an upload read from it).
+            The header-only message to send instead of the chunk (in_segment set,
+            segment_offset where the average now lies), or None: send the whole
+            chunk (no segment, or not an upload read from it).
 
         Raises:
             OSError: the write failed (the caller ends that rank's stream).
@@ -245,10 +253,6 @@ class SegmentRegistry:
         segment = self._segments.get((job_id, rank))
         if segment is None or not segment.uploads:
             return None
-        decoded = decode_gradient(raw)
-        if decoded is None:
-            return None
-        header, payload = decoded
         if header.step != segment.step:
             return None
         place = segment.uploads.get((header.bucket_index, header.offset))
@@ -260,8 +264,8 @@ class SegmentRegistry:
         del segment.uploads[(header.bucket_index, header.offset)]
         if self._metrics is not None:
             self._metrics.observe_segment_bytes("written", written)
-        header.in_segment, header.segment_offset = True, place[0]
-        return encode_gradient(header, b"")
+        reply = dataclasses.replace(header, in_segment=True, segment_offset=place[0])
+        return encode_gradient(reply, b"")
 
 
 def leader_session(job: Job, rank: int) -> bytes:

@@ -40,7 +40,7 @@ from google.protobuf.message import DecodeError
 from gradsync.protocol.codec import ChunkHeader, decode_gradient, header_of
 from gradsync.protocol.codes import Code
 from gradsync.protocol.payload_socket import Registration
-from gradsync.server.actions import Action, Persist, Send, Terminate
+from gradsync.server.actions import Action, Persist, SegmentAverage, Send, Terminate
 from gradsync.server.admission import (
     SHUTTING_DOWN,
     first_message_problem,
@@ -313,6 +313,19 @@ class CoordinatorServicer:
             conn.end(rejection.code, rejection.message)
         return None
 
+    def _send_segment_average(
+        self, job: Job, ranks: tuple[int, ...], average: SegmentAverage
+    ) -> None:
+        """Write an average into each rank's segment and send it the header only (the whole
+        chunk, encoded once, to a rank whose segment cannot take it)."""
+        for rank in ranks:
+            target = self._connections.get((job.job_id, rank))
+            if target is None or target.job is not job:
+                continue
+            target.send(averaged_for(self.segments, target, average))
+            if target.ended:
+                asyncio.get_running_loop().call_soon(self._detach, target)
+
     def _gradient(
         self, conn: Connection, job: Job, chunk: ChunkHeader, payload: memoryview
     ) -> None:
@@ -427,6 +440,9 @@ class CoordinatorServicer:
         for action in actions:
             if isinstance(action, Send):
                 message = action.message
+                if isinstance(message, SegmentAverage):
+                    self._send_segment_average(job, action.ranks, message)
+                    continue
                 if isinstance(message, bytes):
                     raw = message  # pre-encoded averaged chunk, serialized once for all ranks
                 else:

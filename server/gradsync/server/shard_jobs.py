@@ -15,7 +15,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 from gradsync.protocol.codes import Code
-from gradsync.server.actions import Action, Send
+from gradsync.server.actions import Action, SegmentAverage, Send
 from gradsync.server.errors import RejectedMessage
 from gradsync.server.job import Job, JobState
 from gradsync.server.step_aborts import abort_actions
@@ -62,7 +62,7 @@ def aborted_steps(actions: Iterable[Action]) -> list[int]:
     """Steps that `actions` tell workers are aborted, once each, in order."""
     steps: list[int] = []
     for action in actions:
-        if not isinstance(action, Send) or isinstance(action.message, bytes):
+        if not isinstance(action, Send) or isinstance(action.message, bytes | SegmentAverage):
             continue
         if action.message.WhichOneof("kind") == "step_aborted":
             step = action.message.step_aborted.step

@@ -28,6 +28,7 @@ from gradsync.protocol import defaults
 from gradsync.protocol.codec import ChunkHeader, decode_gradient, header_of
 from gradsync.protocol.codes import Code
 from gradsync.server import nonfinite
+from gradsync.server.actions import SegmentAverage
 from gradsync.server.budget import ByteBudget, outbox_pool_bytes
 from gradsync.server.connection import Connection
 from gradsync.server.errors import RejectedMessage
@@ -250,6 +251,8 @@ class ShardServicer:
     def _deliver(self, job: ShardJob, outcome: ShardOutcome) -> None:
         for send in outcome.sends:
             message = send.message
+            if isinstance(message, SegmentAverage):
+                message = message.encoded()  # (shards have no same-host segments)
             raw = message if isinstance(message, bytes) else message.SerializeToString()
             for rank in send.ranks:
                 target = self._connections.get((job.job_id, rank))

@@ -33,7 +33,7 @@ from dataclasses import dataclass, field
 from gradsync.protocol import defaults
 from gradsync.protocol.codec import ChunkHeader
 from gradsync.protocol.codes import Code
-from gradsync.server.actions import Action, Send
+from gradsync.server.actions import Action, SegmentAverage, Send
 from gradsync.server.budget import ByteBudget
 from gradsync.server.errors import RejectedMessage
 from gradsync.server.host_groups import LocalGroups
@@ -89,7 +89,7 @@ def _averages_only(actions: list[Action]) -> list[Send]:
         if not isinstance(action, Send):
             continue
         message = action.message
-        if isinstance(message, bytes) or message.WhichOneof("kind") == "gradient":
+        if isinstance(message, bytes | SegmentAverage) or message.WhichOneof("kind") == "gradient":
             sends.append(action)
     return sends
 
