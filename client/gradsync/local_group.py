@@ -47,7 +47,6 @@ import socket
 import threading
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -55,6 +54,7 @@ from gradsync.buffers import BucketBuffer
 from gradsync.errors import GradSyncError, SyncTimeoutError
 from gradsync.link import BucketEventHandler
 from gradsync.local_rendezvous import MAX_MESSAGE_BYTES, Kind, follow, frame, lead, parse
+from gradsync.local_schedule import LeaderSchedule
 from gradsync.local_segment import LOCAL_DTYPES, Segment, SegmentLayout, shm_dir, sum_share
 
 log = logging.getLogger("gradsync.client")
@@ -71,19 +71,6 @@ ReducedHandler = Callable[[int, int, int, tuple[int, ...], tuple[int, ...]], Non
 Poll = Callable[[float], None]
 #: Whether the coordinator dropped a (lost) global rank from the job.
 Excused = Callable[[int], bool]
-
-
-@dataclass
-class _Pending:
-    """Leader: one bucket of one step between its first POSTED and its hand-off."""
-
-    dtype: int
-    posted: set[int] = field(default_factory=set)
-    covered: tuple[int, ...] = ()
-    summed: set[int] = field(default_factory=set)
-    reducing: bool = False
-    #: Slots whose gradient held NaN/Inf, as the shares' summers found (`sum_share`).
-    nonfinite: set[int] = field(default_factory=set)
 
 
 class LocalGroup:
@@ -122,12 +109,8 @@ class LocalGroup:
         self._excluded: set[int] = set()
         #: This rank's own submitted buffers of each step, for the copy-out.
         self._buffers: dict[int, dict[int, BucketBuffer]] = {}
-        # Leader only.
-        self._pending: dict[tuple[int, int], _Pending] = {}
-        self._handed: dict[int, set[int]] = {}
-        self._newest_step = -1
-        self._awaiting_copied: set[int] = set()
-        self._deferred: list[tuple[int, int]] = []
+        # Leader only: which bucket waits for whom.
+        self._schedule = LeaderSchedule(len(self.ranks))
         # Follower only: step -> contributors.
         self._averaged: dict[int, int] = {}
         self._wake_rx: socket.socket | None = None
@@ -210,7 +193,7 @@ class LocalGroup:
     ) -> None:
         """Leader: block until every bucket of `step` was summed and handed off."""
         self._wait(
-            lambda: len(self._handed.get(step, ())) >= num_buckets,
+            lambda: self._schedule.handed(step) >= num_buckets,
             timeout_s,
             f"the local sums of step {step}",
             poll,
@@ -221,23 +204,17 @@ class LocalGroup:
     def _unposted(self, step: int, num_buckets: int) -> str:
         """Leader: which bucket of `step` waits for which local ranks (for a timeout)."""
         with self._cond:
-            handed = self._handed.get(step, set())
-            missing = []
-            for bucket in range(num_buckets):
-                if bucket in handed:
-                    continue
-                pending = self._pending.get((step, bucket))
-                posted = pending.posted if pending is not None else set()
-                waiting = [self.ranks[s] for s in range(len(self.ranks)) if s not in posted]
-                missing.append(f"bucket {bucket} not posted by ranks {waiting}")
+            missing = [
+                f"bucket {bucket} not posted by ranks {[self.ranks[s] for s in slots]}"
+                for bucket, slots in self._schedule.unposted(step, num_buckets)
+            ]
         return "; ".join(missing[:4]) + ("; ..." if len(missing) > 4 else "")
 
     def publish_averaged(self, step: int, contributors: int) -> None:
         """Leader: the averages of `step` are in the result region: tell everyone, copy out."""
         with self._cond:
             live = [s for s in self._peers if s not in self._lost and s not in self._excluded]
-            self._awaiting_copied = set(live)
-            self._handed.pop(step, None)
+            self._schedule.published(step, live)
         for slot in live:
             self._send(slot, frame(Kind.AVERAGED, 0, step, contributors))
         self._copy_out(step)
@@ -367,7 +344,7 @@ class LocalGroup:
             if slot in self._excluded:
                 return
             self._excluded.add(slot)
-            self._awaiting_copied.discard(slot)  # a frozen member never answers COPIED
+            self._schedule.copied(slot)  # a frozen member never answers COPIED
         if self._wake_tx is not None:
             with contextlib.suppress(OSError):
                 self._wake_tx.send(frame(Kind.EXCLUDE, slot))
@@ -416,7 +393,7 @@ class LocalGroup:
             if slot in self._lost or self._closed:
                 return
             self._lost[slot] = why
-            self._awaiting_copied.discard(slot)
+            self._schedule.copied(slot)
             self._cond.notify_all()
         if why != "closed its side":
             log.warning("rank %d: lost local rank %d: %s", self.rank, self.ranks[slot], why)
@@ -520,9 +497,7 @@ class LocalGroup:
     def _flush_deferred(self) -> None:
         """Send the REDUCEs held back while a follower still read the result region."""
         with self._cond:
-            if self._awaiting_copied or not self._deferred:
-                return
-            deferred, self._deferred = self._deferred, []
+            deferred = self._schedule.take_deferred()
         for key in deferred:
             self._maybe_reduce(*key)
 
@@ -536,20 +511,17 @@ class LocalGroup:
         elif kind == Kind.REDUCED:
             culprits = _parse_slots(tail, len(self.ranks))
             with self._cond:
-                pending = self._pending.get((step, number))
-                if pending is not None:
-                    pending.summed.add(slot)
-                    pending.nonfinite.update(culprits)
+                self._schedule.summed(step, number, slot, culprits)
             self._maybe_hand_off(step, number)
         elif kind == Kind.COPIED:
             with self._cond:
-                self._awaiting_copied.discard(slot)
+                self._schedule.copied(slot)
             self._flush_deferred()
         elif kind == Kind.EXCLUDE:
             self._cut(number)
             self._reduce_for_lost(number)
             with self._cond:
-                keys = list(self._pending)
+                keys = self._schedule.keys()
             for key in keys:
                 self._maybe_reduce(*key)
 
@@ -570,36 +542,18 @@ class LocalGroup:
 
     def _on_posted(self, slot: int, step: int, bucket_index: int, dtype: int) -> None:
         with self._cond:
-            if step < self._newest_step:
+            if not self._schedule.post(slot, step, bucket_index, dtype):
                 return  # a step the others already left (aborted): nothing to sum
-            if step > self._newest_step:
-                self._newest_step = step
-                for key in [k for k in self._pending if k[0] < step]:
-                    del self._pending[key]
-                for old in [s for s in self._handed if s < step]:
-                    del self._handed[old]
-                self._deferred = [k for k in self._deferred if k[0] >= step]
-            pending = self._pending.setdefault((step, bucket_index), _Pending(dtype))
-            pending.posted.add(slot)
         self._maybe_reduce(step, bucket_index)
 
     def _maybe_reduce(self, step: int, bucket_index: int) -> None:
         """Send REDUCE once every live member posted; sum this leader's (and lost ranks') shares."""
         with self._cond:
-            pending = self._pending.get((step, bucket_index))
-            if pending is None or pending.reducing:
-                return
-            live = {s for s in range(len(self.ranks)) if s not in self._excluded}
-            if not live <= pending.posted:
-                return
-            if self._awaiting_copied:  # a follower still reads the result region
-                self._deferred.append((step, bucket_index))
-                return
-            pending.reducing = True
-            pending.covered = tuple(sorted(pending.posted))
             gone = {s for s in range(len(self.ranks)) if s in self._lost or s in self._excluded}
+            pending = self._schedule.start(step, bucket_index, self._excluded, gone)
+            if pending is None:
+                return
             mine = sorted({0} | gone)
-            pending.summed.update(mine)
             dtype = pending.dtype
         self._event("local_reduce_start", step, bucket_index)
         message = frame(
@@ -611,36 +565,31 @@ class LocalGroup:
         for share in mine:
             culprits = sum_share(self.segment, bucket_index, dtype, share, pending.covered)
             with self._cond:
-                pending.nonfinite.update(culprits)
+                self._schedule.summed(step, bucket_index, share, culprits)
         self._maybe_hand_off(step, bucket_index)
 
     def _reduce_for_lost(self, slot: int) -> None:
         """Sum `slot`'s share of every bucket it was told to sum and did not (it is gone)."""
         with self._cond:
-            todo = [
-                (key, p) for key, p in self._pending.items() if p.reducing and slot not in p.summed
-            ]
-            for _, pending in todo:
-                pending.summed.add(slot)
+            todo = self._schedule.owed_by(slot)
         for (step, bucket_index), pending in todo:
             culprits = sum_share(self.segment, bucket_index, pending.dtype, slot, pending.covered)
             with self._cond:
-                pending.nonfinite.update(culprits)
+                self._schedule.summed(step, bucket_index, slot, culprits)
             self._maybe_hand_off(step, bucket_index)
 
     def _maybe_hand_off(self, step: int, bucket_index: int) -> None:
         with self._cond:
-            pending = self._pending.get((step, bucket_index))
-            if pending is None or len(pending.summed) < len(self.ranks):
+            pending = self._schedule.finish(step, bucket_index)
+            if pending is None:
                 return
-            del self._pending[(step, bucket_index)]
         self._event("local_reduce_end", step, bucket_index)
         covered = tuple(self.ranks[s] for s in pending.covered)
         nonfinite = tuple(self.ranks[s] for s in sorted(pending.nonfinite))
         if self._on_reduced is not None:
             self._on_reduced(step, bucket_index, pending.dtype, covered, nonfinite)
         with self._cond:
-            self._handed.setdefault(step, set()).add(bucket_index)
+            self._schedule.handed_off(step, bucket_index)
             self._cond.notify_all()
 
     def _event(self, event: str, step: int, bucket_index: int) -> None:
