@@ -305,10 +305,11 @@ class LocalGroup:
                     self._exclude(slot)
                     verdict_by = None
                 elif time.monotonic() >= verdict_by:
+                    waiting = f" ({detail()})" if detail is not None else ""
                     raise GradSyncError(
                         f"lost local {'follower' if self.is_leader else 'leader'} rank "
-                        f"{self.ranks[slot]} ({why}) while waiting for {what}; the coordinator "
-                        f"said nothing about it within {self.verdict_s:g}s",
+                        f"{self.ranks[slot]} ({why}) while waiting for {what}{waiting}; the "
+                        f"coordinator said nothing about it within {self.verdict_s:g}s",
                         rank=self.rank,
                     )
             if now >= deadline:
