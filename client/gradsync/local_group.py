@@ -403,16 +403,17 @@ class LocalGroup:
     def _run_follower(self) -> None:
         conn = self._peers[0]
         while True:
-            batch, ended = self._receive_batch(conn)
-            if any(parse(raw)[0] == Kind.EXCLUDED for raw in batch):
+            raw_batch, ended = self._receive_batch(conn)
+            batch = [parse(raw) for raw in raw_batch]
+            if any(message[0] == Kind.EXCLUDED for message in batch):
                 # Dropped by the coordinator (it was frozen): the leader summed this rank's
                 # shares itself, so a REDUCE still queued must not touch the result region.
                 self._peer_lost(
                     0, "the local leader excluded this rank (the coordinator dropped it)"
                 )
                 return
-            for raw in batch:
-                if not self._on_follower_message(raw):
+            for message in batch:
+                if not self._on_follower_message(*message):
                     return
             if ended is not None:
                 self._peer_lost(0, ended)
@@ -438,9 +439,10 @@ class LocalGroup:
             batch.append(raw)
             blocking = False
 
-    def _on_follower_message(self, raw: bytes) -> bool:
-        """Follower: act on one message of the leader; False once it said goodbye."""
-        kind, number, step, value, tail = parse(raw)
+    def _on_follower_message(
+        self, kind: int, number: int, step: int, value: int, tail: bytes
+    ) -> bool:
+        """Follower: act on one (parsed) message of the leader; False once it said goodbye."""
         if kind == Kind.REDUCE:
             covered = np.frombuffer(tail, dtype=np.uint16).tolist()
             culprits = sum_share(self.segment, number, value, self.slot, covered)

@@ -224,37 +224,22 @@ def sum_share(
     lo, hi = share_range(result.size, numpy_dtype.itemsize, segment.layout.members, share)
     if hi <= lo:
         return ()
+    out = result[lo:hi]
+    slots = [segment.slot(index, bucket_index).view(numpy_dtype)[lo:hi] for index in covered]
+    finite = True
     # An overflow or inf - inf is not this sum's to report: the coordinator classifies it.
     with np.errstate(over="ignore", invalid="ignore"):
-        return _sum_and_check(result[lo:hi], segment, bucket_index, numpy_dtype, lo, hi, covered)
-
-
-def _sum_and_check(
-    out: npt.NDArray[np.floating],
-    segment: Segment,
-    bucket_index: int,
-    numpy_dtype: np.dtype[np.floating],
-    lo: int,
-    hi: int,
-    covered: Sequence[int],
-) -> tuple[int, ...]:
-    slots = [segment.slot(index, bucket_index).view(numpy_dtype)[lo:hi] for index in covered]
-    for index, slot in enumerate(slots[1:-1], start=1):
-        np.add(out if index > 1 else slots[0], slot, out=out)
-    finite = True
-    for start in range(0, out.size, _CHECK_BLOCK):
-        block = out[start : start + _CHECK_BLOCK]
-        if len(slots) == 1:
-            np.copyto(block, slots[0][start : start + _CHECK_BLOCK])
-        else:
-            earlier = slots[0] if len(slots) == 2 else out
-            np.add(
-                earlier[start : start + _CHECK_BLOCK],
-                slots[-1][start : start + _CHECK_BLOCK],
-                out=block,
-            )
-        if finite and not np.isfinite(np.dot(block, block)):
-            finite = False
+        partial = slots[0]
+        for slot in slots[1:-1]:
+            np.add(partial, slot, out=out)
+            partial = out
+        for start in range(0, out.size, _CHECK_BLOCK):
+            block = slice(start, start + _CHECK_BLOCK)
+            if len(slots) == 1:
+                np.copyto(out[block], partial[block])
+            else:
+                np.add(partial[block], slots[-1][block], out=out[block])
+            finite = finite and bool(np.isfinite(np.dot(out[block], out[block])))
     if finite:
         return ()
     return tuple(

@@ -170,14 +170,14 @@ def check_covers(
     step, bucket, covered = chunk.step, chunk.bucket_index, list(chunk.covered_ranks)
     group = groups.group_of(rank)
     where = f"bucket {bucket} of step {step}"
-    named = list(chunk.nonfinite_ranks)
+    named = chunk.nonfinite_ranks
     if named and (
         any(a >= b for a, b in itertools.pairwise(named))
         or any(r not in (covered or [rank]) for r in named)
     ):
         raise RejectedMessage(
             Code.INVALID_ARGUMENT,
-            f"rank {rank} sent {where} naming ranks {named} for non-finite gradients, but "
+            f"rank {rank} sent {where} naming ranks {list(named)} for non-finite gradients, but "
             f"they must be ascending, without repeats, among the ranks it covers "
             f"({covered or [rank]})",
             step=step,

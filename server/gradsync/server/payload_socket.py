@@ -29,7 +29,6 @@ import struct
 import threading
 from collections.abc import Callable
 
-from gradsync.protocol.codec import decode_gradient
 from gradsync.protocol.codes import Code
 from gradsync.protocol.payload_socket import (
     EXCHANGE_TIMEOUT_S,
@@ -160,26 +159,14 @@ class PayloadSocket:
         return OK
 
 
-def averaged_for(
-    segments: SegmentRegistry, target: Connection, average: SegmentAverage | bytes
-) -> bytes:
-    """What to send `target` for an averaged chunk: a header-only chunk once the average
-    is written into its segment (its upload came from there), else the whole chunk.
-
-    `average` is a `SegmentAverage` (nothing encoded yet) or an encoded chunk, which is
-    decoded again to find its place.
+def averaged_for(segments: SegmentRegistry, target: Connection, average: SegmentAverage) -> bytes:
+    """What to send `target` for an averaged chunk of an upload read from its segment: a
+    header-only chunk once the average is written there, else the whole chunk.
 
     A write that fails ends that rank alone (its stream; the job carries on as
     after any lost rank).
     """
     job_id = target.job.job_id if target.job is not None else ""
-    if isinstance(average, bytes):
-        if not segments.has_uploads(job_id, target.rank):
-            return average
-        decoded = decode_gradient(average)
-        if decoded is None:
-            return average
-        average = SegmentAverage(decoded[0], decoded[1], average)
     try:
         header_only = segments.reply(job_id, target.rank, average.header, average.payload)
     except OSError as exc:

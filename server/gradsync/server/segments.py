@@ -232,11 +232,6 @@ class SegmentRegistry:
             self._metrics.observe_segment_bytes("read", length)
         return buffer
 
-    def has_uploads(self, job_id: str, rank: int) -> bool:
-        """Whether an average for `rank` may belong in its segment (an upload came from it)."""
-        segment = self._segments.get((job_id, rank))
-        return segment is not None and bool(segment.uploads)
-
     def reply(
         self, job_id: str, rank: int, header: ChunkHeader, payload: memoryview
     ) -> bytes | None:

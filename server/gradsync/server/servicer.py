@@ -456,9 +456,8 @@ class CoordinatorServicer:
                 for rank in action.ranks:
                     target = self._connections.get((job.job_id, rank))
                     if target is not None and target.job is job:
-                        target.send(
-                            averaged_for(self.segments, target, raw) if self.segments else raw
-                        )
+                        # (An average for a same-host segment is a SegmentAverage, above.)
+                        target.send(raw)
                         if target.ended:
                             # Dropped as a slow reader: the others must not wait for it
                             # while its end flushes (soon: not inside this job's actions).
