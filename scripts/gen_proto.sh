@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
-# Regenerate the checked-in Python stubs from proto/gradsync/v1/*.proto.
-# The stubs land next to the .proto files, which form the `gradsync.v1`
-# package. Set PYTHON to pick the interpreter. CI runs this and fails when `git diff` shows drift.
+# Regenerate the checked-in Python stubs from proto/gradsync_proto/v1/*.proto.
+# The stubs land next to the .proto files, which form the `gradsync_proto.v1`
+# package (the protobuf package stays `gradsync.v1`: that name is on the wire).
+# Set PYTHON to pick the interpreter. CI runs this and fails when `git diff` shows drift.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 "${PYTHON:-python}" -m grpc_tools.protoc -I proto \
   --python_out=proto --pyi_out=proto --grpc_python_out=proto \
-  proto/gradsync/v1/gradsync.proto
+  proto/gradsync_proto/v1/gradsync.proto

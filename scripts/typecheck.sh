@@ -3,4 +3,4 @@
 # folders are packages, and pyproject's mypy_path names the source roots.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-"${PYTHON:-python}" -m mypy -p gradsync -p gradsync.protocol -p gradsync.server -p gradsync.bench
+"${PYTHON:-python}" -m mypy -p gradsync -p gradsync_proto -p gradsync_server -p gradsync_bench

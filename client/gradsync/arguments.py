@@ -14,9 +14,10 @@ from __future__ import annotations
 import argparse
 import os
 
+from gradsync_proto import auth, defaults
+
 from gradsync import __version__, arguments_server, flags
 from gradsync.config import ENV_COORDINATOR, ENV_JOB_ID, ENV_RANK, ENV_WORLD_SIZE
-from gradsync.protocol import auth, defaults
 
 #: The benchmark suites `gradsync bench --suites` chooses from.
 BENCH_SUITES = ("loopback", "train", "netns")

@@ -12,9 +12,10 @@ from __future__ import annotations
 
 import argparse
 
+from gradsync_proto import auth, defaults
+from gradsync_proto.defaults import MIB
+
 from gradsync import flags
-from gradsync.protocol import auth, defaults
-from gradsync.protocol.defaults import MIB
 
 
 def add_serve_flags(parser: argparse.ArgumentParser) -> None:

@@ -2,7 +2,7 @@
 
 Configuration flows one way: flags (`gradsync.arguments`, with env-var
 defaults read there, at run time) -> a frozen config object -> constructors.
-Default values come from `gradsync.protocol.defaults` and help texts show them
+Default values come from `gradsync_proto.defaults` and help texts show them
 with `%(default)s`, so no number is written twice. Checks that involve two
 flags (a rank and the world size, a heartbeat interval and its timeout) are
 made here, before anything starts, and name both flags.
@@ -20,11 +20,12 @@ import sys
 from collections.abc import Iterator, Sequence
 from typing import Any
 
+from gradsync_proto import auth, defaults
+from gradsync_proto.defaults import MIB
+
 from gradsync import flags
 from gradsync.arguments import build_parser
 from gradsync.config import ENV_COORDINATOR, ENV_RANK, ENV_WORLD_SIZE
-from gradsync.protocol import auth, defaults
-from gradsync.protocol.defaults import MIB
 
 __all__ = ["build_parser", "main"]
 
@@ -77,9 +78,9 @@ def _server_security(
     """The token of `serve` / `shard` after checking every security flag; None = no token.
 
     Bad files exit 2 naming the flag (via the parser); protected mode exits 2 with
-    the message of `gradsync.server.auth_check.exposure_refusal`.
+    the message of `gradsync_server.rpc.auth_check.exposure_refusal`.
     """
-    from gradsync.server.auth_check import exposure_refusal, server_credentials
+    from gradsync_server.rpc.auth_check import exposure_refusal, server_credentials
 
     try:
         token = auth.resolve_token(args.token_file, os.environ)
@@ -155,11 +156,11 @@ def _stopped_by_signals() -> Iterator[None]:
 
 
 def _serve(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
-    from gradsync.server.app import run
-    from gradsync.server.config import ServerConfig
+    from gradsync_server.app import run
+    from gradsync_server.config import ServerConfig
 
     if args.checkpoint_store is not None:
-        from gradsync.server.stores import parse_store_url
+        from gradsync_server.store.stores import parse_store_url
 
         try:
             parse_store_url(args.checkpoint_store)
@@ -281,8 +282,8 @@ def _redis_password(parser: argparse.ArgumentParser, args: argparse.Namespace) -
 
 
 def _shard(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
-    from gradsync.server.shard_app import run
-    from gradsync.server.shard_config import ShardConfig
+    from gradsync_server.shard_app import run
+    from gradsync_server.shard_config import ShardConfig
 
     chunk_bytes = None if args.chunk_mb is None else int(args.chunk_mb * MIB)
     if chunk_bytes is not None and args.max_buffered_mb * MIB < chunk_bytes:
@@ -344,7 +345,7 @@ def _worker(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
             parser.error(f"--save {args.save!r}: unknown field {exc} (only {{rank}} is replaced)")
         except (ValueError, argparse.ArgumentTypeError) as exc:
             parser.error(f"--save {args.save!r}: {exc}")
-    from gradsync.channels import security_from_args
+    from gradsync_proto.net.channels import security_from_args
 
     try:
         security = security_from_args(args)
@@ -418,7 +419,7 @@ def _demo(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
 def _bench(args: argparse.Namespace) -> int:
     import dataclasses
 
-    from gradsync.bench import runner
+    from gradsync_bench import runner
 
     plan = runner.BenchPlan.quick() if args.quick else runner.BenchPlan()
     overrides: dict[str, Any] = {"suites": args.suites}
@@ -450,7 +451,8 @@ def _bench(args: argparse.Namespace) -> int:
 def _status(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     if not args.coordinator:
         parser.error(f"status needs --coordinator HOST:PORT (or ${ENV_COORDINATOR})")
-    from gradsync.channels import security_from_args
+    from gradsync_proto.net.channels import security_from_args
+
     from gradsync.status import format_status, query_status, status_json
 
     try:

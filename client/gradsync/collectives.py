@@ -34,10 +34,10 @@ from typing import Any
 
 import numpy as np
 import torch
+from gradsync_proto.v1 import gradsync_pb2 as pb
 
-from gradsync.link import CoordinatorLink
-from gradsync.signature import WIRE_DTYPES
-from gradsync.v1 import gradsync_pb2 as pb
+from gradsync.control.link import CoordinatorLink
+from gradsync.control.signature import WIRE_DTYPES
 
 __all__ = ["Collectives", "all_gather", "all_reduce", "barrier", "broadcast"]
 

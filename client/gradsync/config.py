@@ -2,7 +2,7 @@
 
 Environment variables are read when a `ClientConfig` is resolved (at
 construction of the model wrapper), never at import time. Default values come
-from `gradsync.protocol.defaults`, the one place every default is written.
+from `gradsync_proto.defaults`, the one place every default is written.
 """
 
 from __future__ import annotations
@@ -12,9 +12,9 @@ import os
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from gradsync.address import parse_address
-from gradsync.protocol import defaults
-from gradsync.protocol.defaults import MIB
+from gradsync_proto import defaults
+from gradsync_proto.defaults import MIB
+from gradsync_proto.net.address import parse_address
 
 #: Coordinator address ("host:port"), used when `coordinator=` is not given.
 ENV_COORDINATOR = "GRADSYNC_COORDINATOR"
@@ -45,7 +45,7 @@ class ClientConfig:
 
     Attributes:
         coordinator: "host:port" (or "[ipv6]:port") of the coordinator, checked at
-            construction by `gradsync.address.parse_address`.
+            construction by `gradsync_proto.net.address.parse_address`.
         rank: this worker's rank, 0 <= rank < world_size.
         world_size: number of ranks in the job.
         job_id: name shared by all ranks of one training job.

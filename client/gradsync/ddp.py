@@ -2,7 +2,7 @@
 
 One synchronized backward pass: each parameter's post-accumulate-grad hook
 marks it used on this rank (also under `no_sync`); when a bucket's last
-gradient lands, the bucket is staged (`gradsync.staging`), passed through the
+gradient lands, the bucket is staged (`gradsync.path.staging`), passed through the
 comm hook if any (`gradsync.hooks`) and handed to the link, which uploads it
 while autograd computes earlier layers. The end-of-backward callback uploads
 the remaining buckets and then the "presence" bucket (which parameters this
@@ -15,9 +15,9 @@ as DDP) through the coordinator's collectives (`gradsync.collectives`), which
 the wrapper also offers to user code and which `join()` (`gradsync.uneven`)
 and synchronized BatchNorm (`gradsync.syncbn`) use. Hooks never block on the
 network and never raise: failures surface from `backward()` as
-`GradSyncError`s. That step path is `gradsync.step_path`; joining, the initial
-broadcast, checkpoints and reconnecting live in `gradsync.session`; the
-network sits behind `gradsync.link`.
+`GradSyncError`s. That step path is `gradsync.path.step_path`; joining, the initial
+broadcast, checkpoints and reconnecting live in `gradsync.control.session`; the
+network sits behind `gradsync.control.link`.
 """
 
 from __future__ import annotations
@@ -33,28 +33,28 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from gradsync_proto import defaults
+from gradsync_proto.net.channels import ChannelSecurity
 from torch import nn
 
 from gradsync import compat, hooks, syncbn, uneven
-from gradsync.bucketing import BucketPlan
-from gradsync.channels import ChannelSecurity
 from gradsync.collectives import Collectives
 from gradsync.config import ClientConfig
+from gradsync.control.link import CoordinatorLink, LinkFactory
+from gradsync.control.session import Session
+from gradsync.control.signature import PRESENCE_NAME, model_signature
 from gradsync.errors import (
     ClosedError,
     CoordinatorUnavailableError,
 )
-from gradsync.hierarchy import check_hierarchical, requested_hierarchical
 from gradsync.hooks import CommHook
 from gradsync.instruments import Instruments
-from gradsync.link import CoordinatorLink, LinkFactory
+from gradsync.local.hierarchy import check_hierarchical, requested_hierarchical
 from gradsync.metrics import ENV_METRICS_HOST, resolve_metrics_port
-from gradsync.protocol import defaults
-from gradsync.reducer import Reducer, plan_buckets
-from gradsync.session import Session
-from gradsync.signature import PRESENCE_NAME, model_signature
-from gradsync.step_path import StepPath
-from gradsync.transport import Transport
+from gradsync.path.bucketing import BucketPlan
+from gradsync.path.reducer import Reducer, plan_buckets
+from gradsync.path.step_path import StepPath
+from gradsync.path.transport import Transport
 
 log = logging.getLogger("gradsync.client")
 
@@ -75,7 +75,7 @@ class DistributedDataParallel(nn.Module):
     `output_device` (single-GPU module), and `find_unused_parameters`,
     `static_graph`, `check_reduction` (unused parameters are always handled).
     `gradient_as_bucket_view=True` makes each `.grad` a view into its bucket's
-    flat tensor, uploaded and averaged in place, as DDP's (`gradsync.bucket_views`;
+    flat tensor, uploaded and averaged in place, as DDP's (`gradsync.path.bucket_views`;
     CPU modules: a CUDA module's gradients are staged as usual).
     The others (`dim`, `process_group`, `mixed_precision`, `device_mesh`, ...)
     draw one warning listing them; see `gradsync.compat` for the table.
@@ -111,9 +111,9 @@ class DistributedDataParallel(nn.Module):
         log_every_steps: with INFO logging, rank 0 logs step time, exposed sync time
             and bytes every this many steps (0 = never).
         hierarchical: None (default) = $GRADSYNC_HIERARCHICAL ("auto", "1" or "0"; unset:
-            "auto"). "auto" or True: send this host's id (`gradsync.host_identity`)
+            "auto"). "auto" or True: send this host's id (`gradsync.local.host_identity`)
             so that the coordinator may group the ranks of one host, which then sum their
-            gradients in shared memory and upload one sum (`gradsync.hierarchy`); False:
+            gradients in shared memory and upload one sum (`gradsync.local.hierarchy`); False:
             every rank uploads its own. Needs float32/float64 buckets and no comm hook or
             wire_dtype: "auto" then stays flat, True raises ValueError.
         local_rank, local_world_size: this worker's place among its host's workers and

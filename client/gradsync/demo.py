@@ -14,10 +14,10 @@ import tempfile
 from pathlib import Path
 
 import numpy as np
+from gradsync_proto import defaults
+from gradsync_proto.net.launch import start_coordinator
 
 from gradsync.example import TrainSettings, max_relative_difference, train_reference
-from gradsync.launch import start_coordinator
-from gradsync.protocol import defaults
 
 #: Parity bound between the distributed and the single-process result.
 PARITY_TOLERANCE = 1e-5

@@ -37,13 +37,13 @@ that broke without a goodbye). Only `CoordinatorUnavailableError` starts the
 model wrapper's reconnect path, so nothing but transport trouble or a
 coordinator going away may map to it.
 
-Status codes come from `gradsync.protocol.codes`, shared with the coordinator.
+Status codes come from `gradsync_proto.codes`, shared with the coordinator.
 """
 
 from __future__ import annotations
 
-from gradsync.protocol.codes import Code
-from gradsync.v1 import gradsync_pb2 as pb
+from gradsync_proto.codes import Code
+from gradsync_proto.v1 import gradsync_pb2 as pb
 
 
 class GradSyncError(RuntimeError):

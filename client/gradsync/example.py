@@ -17,9 +17,8 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from gradsync_proto import defaults
 from torch import nn
-
-from gradsync.protocol import defaults
 
 log = logging.getLogger("gradsync.example")
 

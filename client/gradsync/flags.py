@@ -16,8 +16,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TypeVar
 
-from gradsync.address import parse_address
-from gradsync.protocol.defaults import MIB
+from gradsync_proto.defaults import MIB
+from gradsync_proto.net.address import parse_address
 
 #: The longest wait any flag accepts (30 days): beyond it a "timeout" is a typo,
 #: and gRPC deadlines and thread waits overflow long before infinity.

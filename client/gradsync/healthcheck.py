@@ -20,12 +20,12 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import grpc
+from gradsync_proto.net.channels import ChannelSecurity, security_from_args
+from gradsync_proto.v1 import gradsync_pb2
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from gradsync import flags
 from gradsync.arguments import add_client_security_flags
-from gradsync.channels import ChannelSecurity, security_from_args
-from gradsync.v1 import gradsync_pb2
 
 #: The service the coordinator registers, as named by the contract itself.
 COORDINATOR_SERVICE: str = gradsync_pb2.DESCRIPTOR.services_by_name["Coordinator"].full_name

@@ -36,7 +36,7 @@ same with float64 at both ends), and nowhere else:
    order (each addition rounds in fp32), the sum is divided by the divisor
    (the number of contributions, or the world size under `join()`) in fp32
    (one rounding), and the average is rounded to the 16-bit type, to nearest,
-   ties to even (`gradsync.server.aggregation.from_accumulator`);
+   ties to even (`gradsync_server.dataplane.aggregation.from_accumulator`);
 3. client: the 16-bit average is widened into the fp32 `.grad` (exact).
 
 So the result is the correctly rounded 16-bit value of a (nearly exact) fp32
@@ -63,8 +63,8 @@ buffer as is, with no cast left on the client.
 Registering a hook costs one copy per bucket (the bucket is flattened into a
 contiguous tensor for the hook to see), except with
 `gradient_as_bucket_view=True`, where `.grad` are views into that tensor
-already (`gradsync.bucket_views`); without a hook, buckets are uploaded
-straight from `param.grad` (see `gradsync.buffers`).
+already (`gradsync.path.bucket_views`); without a hook, buckets are uploaded
+straight from `param.grad` (see `gradsync.path.buffers`).
 """
 
 from __future__ import annotations

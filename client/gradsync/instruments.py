@@ -15,12 +15,13 @@ import threading
 import time
 from pathlib import Path
 
+from gradsync_proto import defaults
+from gradsync_proto.exposition import MetricsServer, serve_metrics
+from gradsync_proto.v1 import gradsync_pb2 as pb
+
 from gradsync.errors import StepAbortedError
 from gradsync.metrics import WorkerMetrics
-from gradsync.protocol import defaults
-from gradsync.protocol.exposition import MetricsServer, serve_metrics
-from gradsync.trace import TRANSPORT_TRACK, StepTracer
-from gradsync.v1 import gradsync_pb2 as pb
+from gradsync.path.trace import TRANSPORT_TRACK, StepTracer
 
 log = logging.getLogger("gradsync.client")
 

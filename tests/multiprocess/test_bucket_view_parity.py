@@ -25,7 +25,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from gradsync.launch import free_port
+from gradsync_proto.net.launch import free_port
 from support.processes import WORKERS, CoordinatorProcess, run_ranks
 
 WORKER = WORKERS / "bucket_view_worker.py"

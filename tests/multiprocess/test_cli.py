@@ -17,7 +17,7 @@ from pathlib import Path
 
 import grpc
 import pytest
-from gradsync.launch import free_port
+from gradsync_proto.net.launch import free_port
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from support.logwatch import WatchedProcess, assert_quiet
 

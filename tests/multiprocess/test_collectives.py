@@ -13,7 +13,7 @@ from typing import Any
 
 import numpy as np
 import pytest
-from gradsync.launch import free_port
+from gradsync_proto.net.launch import free_port
 from support.processes import WORKERS, CoordinatorProcess, launch_ranks, reap
 
 pytestmark = pytest.mark.multiprocess

@@ -14,7 +14,7 @@ import signal
 import grpc
 import numpy as np
 import pytest
-from gradsync.v1 import gradsync_pb2 as pb
+from gradsync_proto.v1 import gradsync_pb2 as pb
 from support.processes import CoordinatorProcess
 from support.rawclient import BUCKET_BYTES, RawWorker, gradient
 

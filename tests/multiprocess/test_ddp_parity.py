@@ -17,7 +17,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from gradsync.launch import free_port
+from gradsync_proto.net.launch import free_port
 from support import zoo
 from support.processes import WORKERS, CoordinatorProcess, run_ranks
 

@@ -16,8 +16,8 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from gradsync.bench.netns import Cluster
-from gradsync.launch import free_port
+from gradsync_bench.netns import Cluster
+from gradsync_proto.net.launch import free_port
 from support import scenarios
 from support.components import netns_available
 from support.faults import (

@@ -19,10 +19,10 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from gradsync.buffers import BucketBuffer
 from gradsync.errors import GradSyncError, SharedMemoryError
-from gradsync.local_group import LocalGroup
-from gradsync.v1 import gradsync_pb2 as pb
+from gradsync.local.local_group import LocalGroup
+from gradsync.path.buffers import BucketBuffer
+from gradsync_proto.v1 import gradsync_pb2 as pb
 
 RANKS = [2, 4, 5]
 #: Odd sizes, an empty bucket, a float64 bucket (index 3), the presence bucket last.
@@ -33,8 +33,8 @@ NUMPY = {pb.DTYPE_FLOAT32: np.float32, pb.DTYPE_FLOAT64: np.float64}
 MEMBER = r"""
 import sys, time
 import numpy as np
-from gradsync.buffers import BucketBuffer
-from gradsync.local_group import LocalGroup
+from gradsync.path.buffers import BucketBuffer
+from gradsync.local.local_group import LocalGroup
 from gradsync.errors import GradSyncError
 
 rank, ranks, secret, directory, mode, out = (
@@ -234,7 +234,7 @@ def test_too_small_shm_raises_shared_memory_error_on_every_member(tmp_path: Path
 
 
 def _layout_bytes() -> int:
-    from gradsync.local_segment import SegmentLayout
+    from gradsync.local.local_segment import SegmentLayout
 
     return SegmentLayout(tuple(SIZES), len(RANKS)).total_bytes
 
@@ -247,7 +247,7 @@ def test_wrong_secret_is_refused() -> None:
     assert isinstance(results[RANKS[0]], GradSyncError)
     assert f"[{RANKS[2]}]" in str(results[RANKS[0]])  # the leader names who did not come
 
-    import gradsync.local_rendezvous as rendezvous
+    import gradsync.local.local_rendezvous as rendezvous
 
     leader: dict[str, object] = {}
 

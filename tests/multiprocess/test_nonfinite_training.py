@@ -21,8 +21,8 @@ import urllib.request
 from pathlib import Path
 
 import pytest
-from gradsync.launch import free_port
 from gradsync.status import query_status
+from gradsync_proto.net.launch import free_port
 from support.faults import HEARTBEAT, finish
 from support.processes import start_workers
 from support.shards import wait_for_shards

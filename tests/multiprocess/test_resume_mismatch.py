@@ -16,8 +16,8 @@ from pathlib import Path
 import gradsync
 import pytest
 import torch
-from gradsync.server.checkpoint import Checkpoint
-from gradsync.server.checkpoint_file import FileCheckpointStore
+from gradsync_server.store.checkpoint import Checkpoint
+from gradsync_server.store.checkpoint_file import FileCheckpointStore
 from support.processes import CoordinatorProcess
 from torch import nn
 

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from gradsync.launch import free_port
+from gradsync_proto.net.launch import free_port
 from support.faults import (
     HEARTBEAT,
     assert_matches_reference,

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from gradsync.launch import free_port
+from gradsync_proto.net.launch import free_port
 from support.logwatch import WatchedProcess, assert_quiet
 from support.processes import CoordinatorProcess
 

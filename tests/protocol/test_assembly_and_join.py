@@ -13,7 +13,7 @@ import asyncio
 
 import grpc
 import numpy as np
-from gradsync.v1 import gradsync_pb2 as pb
+from gradsync_proto.v1 import gradsync_pb2 as pb
 from support.rawclient import (
     BUCKET_BYTES,
     CHUNK,

@@ -12,7 +12,7 @@ import asyncio
 import time
 
 import grpc
-from gradsync.server.auth_check import FIRST_MESSAGE_WAIT_S, MAX_WAITING_REFUSALS
+from gradsync_server.rpc.auth_check import FIRST_MESSAGE_WAIT_S, MAX_WAITING_REFUSALS
 from support.rawclient import RawWorker, coordinator, run
 
 TOKEN = "flood-test-token-0123456789abcdef"

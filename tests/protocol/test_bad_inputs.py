@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import grpc
 import numpy as np
-from gradsync.v1 import gradsync_pb2 as pb
+from gradsync_proto.v1 import gradsync_pb2 as pb
 from support.rawclient import (
     BUCKET_BYTES,
     CHUNK,

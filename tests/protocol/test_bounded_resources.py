@@ -15,8 +15,8 @@ import logging
 
 import grpc
 import pytest
-from gradsync.server.job import Job
-from gradsync.v1 import gradsync_pb2 as pb
+from gradsync_proto.v1 import gradsync_pb2 as pb
+from gradsync_server.control.job import Job
 from support.rawclient import (
     CHUNK,
     RawWorker,
@@ -210,7 +210,7 @@ def test_a_handler_bug_ends_the_stream_with_internal_naming_it(
 
 
 def test_a_status_handler_bug_is_internal_not_unknown(monkeypatch: pytest.MonkeyPatch) -> None:
-    import gradsync.server.servicer as servicer_module
+    import gradsync_server.rpc.servicer as servicer_module
 
     def broken(*args: object, **kwargs: object) -> None:
         raise KeyError("no such job")

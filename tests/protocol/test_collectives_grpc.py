@@ -13,7 +13,7 @@ import asyncio
 import grpc
 import numpy as np
 import pytest
-from gradsync.v1 import gradsync_pb2 as pb
+from gradsync_proto.v1 import gradsync_pb2 as pb
 from support.rawclient import CHUNK, RawWorker, assembled_job, coordinator, run
 
 WORLD = 3

@@ -15,11 +15,11 @@ from collections.abc import AsyncIterator
 
 import grpc
 import numpy as np
-from gradsync.protocol import chunking
-from gradsync.server.app import RunningServer
-from gradsync.server.shard_app import RunningShard, start_shard
-from gradsync.server.shard_config import ShardConfig
-from gradsync.v1 import gradsync_pb2 as pb
+from gradsync_proto import chunking
+from gradsync_proto.v1 import gradsync_pb2 as pb
+from gradsync_server.app import RunningServer
+from gradsync_server.shard_app import RunningShard, start_shard
+from gradsync_server.shard_config import ShardConfig
 from support.rawclient import (
     BUCKET_BYTES,
     CHUNK,

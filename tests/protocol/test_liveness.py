@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import grpc
-from gradsync.server.budget import ByteBudget
-from gradsync.server.job import Job
-from gradsync.server.progress import StepProgress
-from gradsync.v1 import gradsync_pb2 as pb
+from gradsync_proto.v1 import gradsync_pb2 as pb
+from gradsync_server.control.job import Job
+from gradsync_server.dataplane.budget import ByteBudget
+from gradsync_server.dataplane.progress import StepProgress
 from support.rawclient import CHUNK, assembled_job, coordinator, gradient, run, signature
 
 

@@ -19,11 +19,11 @@ from pathlib import Path
 
 import grpc
 import numpy as np
-from gradsync.payload_segment import register_segment
-from gradsync.protocol import chunking
-from gradsync.protocol.codec import ChunkHeader, encode_gradient
-from gradsync.protocol.payload_socket import Registration
-from gradsync.v1 import gradsync_pb2 as pb
+from gradsync.local.payload_segment import register_segment
+from gradsync_proto import chunking
+from gradsync_proto.codec import ChunkHeader, encode_gradient
+from gradsync_proto.payload_socket import Registration
+from gradsync_proto.v1 import gradsync_pb2 as pb
 from support.rawclient import (
     BUCKET_BYTES,
     CHUNK,

@@ -17,13 +17,13 @@ from collections.abc import AsyncIterator
 import grpc
 import pytest
 from gradsync import __version__
-from gradsync.protocol import chunking
-from gradsync.server.app import RunningServer
-from gradsync.server.connection import Connection
-from gradsync.server.job import Job
-from gradsync.server.shard_control import peer_host_of
 from gradsync.status import format_status
-from gradsync.v1 import gradsync_pb2 as pb
+from gradsync_proto import chunking
+from gradsync_proto.v1 import gradsync_pb2 as pb
+from gradsync_server.app import RunningServer
+from gradsync_server.control.job import Job
+from gradsync_server.rpc.connection import Connection
+from gradsync_server.rpc.shard_control import peer_host_of
 from prometheus_client import generate_latest
 from support.rawclient import CHUNK, RawWorker, assembled_job, coordinator, run
 

@@ -18,10 +18,10 @@ import grpc
 import numpy as np
 import pytest
 from gradsync import __version__
-from gradsync.protocol import chunking
-from gradsync.server.shard_app import EXIT_REFUSED, RunningShard, serve, start_shard
-from gradsync.server.shard_config import ShardConfig
-from gradsync.v1 import gradsync_pb2 as pb
+from gradsync_proto import chunking
+from gradsync_proto.v1 import gradsync_pb2 as pb
+from gradsync_server.shard_app import EXIT_REFUSED, RunningShard, serve, start_shard
+from gradsync_server.shard_config import ShardConfig
 from support.rawclient import run
 
 CHUNK = 4096

@@ -24,13 +24,13 @@ from dataclasses import dataclass, field
 import grpc
 import numpy as np
 import pytest
-from gradsync.buffers import BucketBuffer
 from gradsync.errors import ShardUnavailableError
-from gradsync.protocol import chunking
-from gradsync.protocol.codec import ChunkHeader, decode_gradient, encode_gradient
-from gradsync.protocol.codes import Code
-from gradsync.transport import Transport
-from gradsync.v1 import gradsync_pb2 as pb
+from gradsync.path.buffers import BucketBuffer
+from gradsync.path.transport import Transport
+from gradsync_proto import chunking
+from gradsync_proto.codec import ChunkHeader, decode_gradient, encode_gradient
+from gradsync_proto.codes import Code
+from gradsync_proto.v1 import gradsync_pb2 as pb
 from support.rawclient import run
 
 pytestmark = pytest.mark.protocol

@@ -11,9 +11,9 @@ from __future__ import annotations
 import asyncio
 
 import grpc
-from gradsync.server.app import start_server
-from gradsync.server.config import ServerConfig
-from gradsync.v1 import gradsync_pb2 as pb
+from gradsync_proto.v1 import gradsync_pb2 as pb
+from gradsync_server.app import start_server
+from gradsync_server.config import ServerConfig
 from support.rawclient import CHUNK, RawWorker, assembled_job, coordinator, run, signature
 
 

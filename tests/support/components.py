@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import shutil
 
-from gradsync.bench import netns_probe
+from gradsync_bench import netns_probe
 
 #: The words every missing-component skip reason contains (counted by tests/conftest.py).
 MISSING_COMPONENT = "missing real component"

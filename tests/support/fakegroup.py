@@ -21,9 +21,9 @@ import numpy as np
 import numpy.typing as npt
 import torch
 from gradsync.collectives import Collectives
+from gradsync.control.signature import WIRE_DTYPES
 from gradsync.errors import CollectiveError, SyncTimeoutError
-from gradsync.signature import WIRE_DTYPES
-from gradsync.v1 import gradsync_pb2 as pb
+from gradsync_proto.v1 import gradsync_pb2 as pb
 
 T = TypeVar("T")
 TORCH_DTYPES = {wire: dtype for dtype, wire in WIRE_DTYPES.items()}

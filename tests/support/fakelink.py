@@ -1,6 +1,6 @@
 """A coordinator in a box for unit tests of the model wrapper: no sockets, no threads.
 
-`FakeLink` implements `gradsync.link.CoordinatorLink`: it records what the
+`FakeLink` implements `gradsync.control.link.CoordinatorLink`: it records what the
 wrapper submits and answers as a coordinator would (averages with a silent
 peer, aborts, a lost stream, collectives with scripted peers, join progress).
 """
@@ -13,9 +13,9 @@ import gradsync
 import numpy as np
 import numpy.typing as npt
 import torch
-from gradsync.buffers import BucketBuffer
-from gradsync.link import BucketEventHandler, CoordinatorLink
-from gradsync.v1 import gradsync_pb2 as pb
+from gradsync.control.link import BucketEventHandler, CoordinatorLink
+from gradsync.path.buffers import BucketBuffer
+from gradsync_proto.v1 import gradsync_pb2 as pb
 
 #: Wire dtypes a FakeLink accepts, as torch dtypes.
 WIRE_NUMPY = {

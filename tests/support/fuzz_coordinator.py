@@ -20,9 +20,9 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from gradsync.bench.suites import stop_process
-from gradsync.launch import parse_banner
-from gradsync.protocol import auth
+from gradsync_bench.suites import stop_process
+from gradsync_proto import auth
+from gradsync_proto.net.launch import parse_banner
 
 from support.fuzz_messages import FORGED
 from support.rawclient import CHUNK

@@ -14,8 +14,8 @@ from __future__ import annotations
 
 import random
 
-from gradsync.protocol.codec import ChunkHeader, encode_gradient
-from gradsync.v1 import gradsync_pb2 as pb
+from gradsync_proto.codec import ChunkHeader, encode_gradient
+from gradsync_proto.v1 import gradsync_pb2 as pb
 
 from support.rawclient import BUCKET_BYTES, CHUNK, signature
 

@@ -41,8 +41,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import grpc
-from gradsync.protocol import auth
-from gradsync.v1 import gradsync_pb2 as pb
+from gradsync_proto import auth
+from gradsync_proto.v1 import gradsync_pb2 as pb
 
 from support.fuzz_coordinator import FuzzReport, LiveCoordinator, rss_kib, scan_log
 from support.fuzz_messages import Messages

@@ -1,7 +1,7 @@
 """Helpers of the hierarchical-aggregation tests: emulated hosts, a private tmpfs, reports.
 
 A rank's host is emulated with `$GRADSYNC_HOST_ID` (loopback) or is a real network
-namespace (`gradsync.bench.netns.Cluster`); its shared-memory segment goes to
+namespace (`gradsync_bench.netns.Cluster`); its shared-memory segment goes to
 `$GRADSYNC_SHM_DIR`, which the fault tests point at a tmpfs of their own, so that
 "nothing is left" can be checked on a filesystem nobody else writes to.
 """

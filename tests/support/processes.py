@@ -3,8 +3,8 @@
 One launcher for worker ranks (`launch_ranks`; `run_ranks` runs them to completion
 and collects their .npz files, as `run_workers` does for the end-to-end worker;
 `start_workers` starts fault-worker ranks and returns at once), one banner parser
-(the library's own, `gradsync.launch.parse_banner`) and one `free_port`
-(`gradsync.launch.free_port`), shared by every tier that starts processes.
+(the library's own, `gradsync_proto.net.launch.parse_banner`) and one `free_port`
+(`gradsync_proto.net.launch.free_port`), shared by every tier that starts processes.
 `reap` is the one place that kills what a test left running.
 """
 
@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from gradsync.launch import parse_banner
+from gradsync_proto.net.launch import parse_banner
 
 WORKERS = Path(__file__).parent / "workers"
 TRAIN_WORKER = WORKERS / "train_worker.py"

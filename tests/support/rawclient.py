@@ -12,9 +12,9 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 
 import grpc
 import numpy as np
-from gradsync.server.app import RunningServer, start_server
-from gradsync.server.config import ServerConfig
-from gradsync.v1 import gradsync_pb2 as pb
+from gradsync_proto.v1 import gradsync_pb2 as pb
+from gradsync_server.app import RunningServer, start_server
+from gradsync_server.config import ServerConfig
 
 METHOD = "/gradsync.v1.Coordinator/Sync"
 CHUNK = 4096

@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 
 import grpc
-from gradsync.v1 import gradsync_pb2 as pb
+from gradsync_proto.v1 import gradsync_pb2 as pb
 
 from support.rawclient import BUCKET_BYTES, CHUNK, RawWorker, signature
 

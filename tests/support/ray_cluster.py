@@ -34,7 +34,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from gradsync.launch import free_port
+from gradsync_proto.net.launch import free_port
 
 #: Bound on `ray start` until its GCS address is written (it starts a GCS and a raylet).
 START_TIMEOUT_S = 60.0

@@ -11,7 +11,7 @@ import subprocess
 import time
 from pathlib import Path
 
-from gradsync.launch import free_port
+from gradsync_proto.net.launch import free_port
 
 
 class ServerProcess:

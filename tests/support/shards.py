@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from gradsync.status import query_status
-from gradsync.v1 import gradsync_pb2 as pb
+from gradsync_proto.v1 import gradsync_pb2 as pb
 
 
 class ShardProcess:

@@ -15,8 +15,8 @@ from typing import Any
 
 import pytest
 from gradsync.arguments import BENCH_LAYOUTS
-from gradsync.bench.netns_probe import available
-from gradsync.bench.sharded import LAYOUTS, Topology, ring_factor, topologies
+from gradsync_bench.netns_probe import available
+from gradsync_bench.sharded import LAYOUTS, Topology, ring_factor, topologies
 
 SYNC_FIELDS = {
     "median_ms",

@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from gradsync.server.checkpoint import (
+from gradsync_server.store.checkpoint import (
     MAGIC,
     Checkpoint,
     CheckpointCorruptError,
@@ -27,9 +27,9 @@ from gradsync.server.checkpoint import (
     decode,
     encode,
 )
-from gradsync.server.checkpoint_file import FileCheckpointStore
-from gradsync.server.checkpoint_redis import RedisCheckpointStore
-from gradsync.server.stores import open_store
+from gradsync_server.store.checkpoint_file import FileCheckpointStore
+from gradsync_server.store.checkpoint_redis import RedisCheckpointStore
+from gradsync_server.store.stores import open_store
 from support.redisserver import RedisServer
 
 LOGGER = "gradsync.server.checkpoint"

@@ -22,7 +22,7 @@ import yaml
 from gradsync.cli import build_parser
 from gradsync.healthcheck import build_parser as build_probe_parser
 from gradsync.metrics import WorkerMetrics
-from gradsync.server.metrics import CoordinatorMetrics, ShardSample
+from gradsync_server.metrics import CoordinatorMetrics, ShardSample
 from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 from support import compose

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from gradsync.bench import netns_hosts, runner, suites
+from gradsync_bench import netns_hosts, runner, suites
 
 
 def _rep(tx: int, rx: int) -> dict[str, Any]:

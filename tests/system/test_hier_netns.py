@@ -19,8 +19,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from gradsync.bench.netns import Cluster
-from gradsync.bench.netns_commands import HOST_IFNAME
+from gradsync_bench.netns import Cluster
+from gradsync_bench.netns_commands import HOST_IFNAME
 from support.components import netns_available
 from support.faults import HEARTBEAT
 from support.hierarchy import (

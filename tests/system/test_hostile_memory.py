@@ -14,8 +14,8 @@ import asyncio
 from pathlib import Path
 
 import grpc
-from gradsync.protocol.defaults import MIB
-from gradsync.v1 import gradsync_pb2 as pb
+from gradsync_proto.defaults import MIB
+from gradsync_proto.v1 import gradsync_pb2 as pb
 from support.processes import CoordinatorProcess
 from support.rawclient import RawWorker, gradient, signature
 

@@ -18,8 +18,9 @@ from gradsync.metrics import (
     WorkerMetrics,
     resolve_metrics_port,
 )
-from gradsync.protocol.exposition import LATENCY_BUCKETS_S, serve_metrics
-from gradsync.server.metrics import CoordinatorMetrics, LagTracker
+from gradsync_proto.exposition import LATENCY_BUCKETS_S, serve_metrics
+from gradsync_server.dataplane.observer import LagTracker
+from gradsync_server.metrics import CoordinatorMetrics
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 from support.promserver import NO_PROMETHEUS, PROMETHEUS, PrometheusServer

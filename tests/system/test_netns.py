@@ -1,4 +1,4 @@
-"""gradsync.bench.netns: emulated hosts reach each other, are rate-limited, cut off, leave no trace.
+"""gradsync_bench.netns: emulated hosts reach each other, are rate-limited, cut off, leave no trace.
 
 These tests build real network namespaces, so they need root; without it (or on a kernel that
 lacks bridges, veths or tbf, or without iproute2) they skip with the reason
@@ -13,11 +13,11 @@ import subprocess
 import sys
 
 import pytest
-from gradsync.bench.netns import Cluster
-from gradsync.bench.netns_commands import NetnsError
-from gradsync.bench.netns_probe import delay_available
-from gradsync.bench.netns_shaping import LinkShape
-from gradsync.bench.netns_throughput import measure_throughput
+from gradsync_bench.netns import Cluster
+from gradsync_bench.netns_commands import NetnsError
+from gradsync_bench.netns_probe import delay_available
+from gradsync_bench.netns_shaping import LinkShape
+from gradsync_bench.netns_throughput import measure_throughput
 from support.components import netns_available
 
 PORT = 7000

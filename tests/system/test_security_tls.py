@@ -28,12 +28,12 @@ import numpy as np
 import pytest
 import torch
 from gradsync import AuthenticationError, DistributedDataParallel, TransportSecurityError
-from gradsync.channels import ChannelSecurity
 from gradsync.healthcheck import check
-from gradsync.launch import parse_banner
-from gradsync.protocol import auth
-from gradsync.server.auth_check import exposure_refusal
 from gradsync.status import query_status
+from gradsync_proto import auth
+from gradsync_proto.net.channels import ChannelSecurity
+from gradsync_proto.net.launch import parse_banner
+from gradsync_server.rpc.auth_check import exposure_refusal
 from support.processes import TRAIN_WORKER, CoordinatorProcess, run_ranks
 
 trustme = pytest.importorskip("trustme", reason="trustme is not installed: pip install trustme")
@@ -356,7 +356,7 @@ def test_metrics_server_holds_a_bounded_number_of_connections() -> None:
     import socket
     import urllib.request
 
-    from gradsync.protocol.exposition import MAX_SCRAPE_THREADS, serve_metrics
+    from gradsync_proto.exposition import MAX_SCRAPE_THREADS, serve_metrics
     from prometheus_client import CollectorRegistry
 
     with serve_metrics(0, CollectorRegistry(), host="127.0.0.1") as server:

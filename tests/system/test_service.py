@@ -17,7 +17,6 @@ from urllib.parse import urlsplit
 import numpy as np
 import pytest
 import yaml
-from gradsync.bench.netns import Cluster
 from gradsync.example import (
     TrainSettings,
     global_batches,
@@ -25,7 +24,8 @@ from gradsync.example import (
     max_relative_difference,
     train_reference,
 )
-from gradsync.launch import free_port, parse_banner
+from gradsync_bench.netns import Cluster
+from gradsync_proto.net.launch import free_port, parse_banner
 from prometheus_client.parser import text_string_to_metric_families
 from support.components import (
     NO_PROMETHEUS,

@@ -17,9 +17,9 @@ from pathlib import Path
 
 import grpc
 import pytest
-from gradsync.protocol import defaults
-from gradsync.server.stores import open_store
-from gradsync.v1 import gradsync_pb2 as pb
+from gradsync_proto import defaults
+from gradsync_proto.v1 import gradsync_pb2 as pb
+from gradsync_server.store.stores import open_store
 from support.components import REDIS_SERVER
 from support.processes import CoordinatorProcess
 from support.rawclient import CHUNK, RawWorker, assembled_job, coordinator, run, run_step

@@ -7,9 +7,9 @@ import random
 import numpy as np
 import pytest
 import torch
-from gradsync.protocol import chunking
-from gradsync.server.aggregation import BucketReduction, DuplicateContributionError
-from gradsync.v1 import gradsync_pb2 as pb
+from gradsync_proto import chunking
+from gradsync_proto.v1 import gradsync_pb2 as pb
+from gradsync_server.dataplane.aggregation import BucketReduction, DuplicateContributionError
 
 CHUNK = 4096
 

@@ -3,14 +3,14 @@
 from __future__ import annotations
 
 import pytest
+from gradsync.control.welcome_checks import state_bytes
 from gradsync.errors import GradSyncError
-from gradsync.inbox import Inbox
-from gradsync.server.budget import ByteBudget
-from gradsync.server.errors import RejectedMessage
-from gradsync.server.persistence import Persistence
-from gradsync.server.uploads import BlobAssembler
-from gradsync.v1 import gradsync_pb2 as pb
-from gradsync.welcome_checks import state_bytes
+from gradsync.path.inbox import Inbox
+from gradsync_proto.v1 import gradsync_pb2 as pb
+from gradsync_server.control.persistence import Persistence
+from gradsync_server.dataplane.budget import ByteBudget
+from gradsync_server.dataplane.uploads import BlobAssembler
+from gradsync_server.errors import RejectedMessage
 from support.rawclient import signature
 
 GIB = 1 << 30

@@ -19,8 +19,9 @@ import gradsync
 import numpy as np
 import pytest
 import torch
-from gradsync import bucket_views, compat, hooks
-from gradsync.reducer import plan_buckets
+from gradsync import compat, hooks
+from gradsync.path import bucket_views
+from gradsync.path.reducer import plan_buckets
 from support.fakelink import LinkFactory
 from torch import nn
 

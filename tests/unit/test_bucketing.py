@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from gradsync.bucketing import assign_buckets
+from gradsync.path.bucketing import assign_buckets
 from torch import nn
 
 KIB = 1024

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import pytest
-from gradsync.server.budget import ByteBudget
+from gradsync_server.dataplane.budget import ByteBudget
 
 
 def test_reservations_hold_absolute_amounts_per_owner() -> None:

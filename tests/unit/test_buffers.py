@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from gradsync.buffers import BucketBuffer
+from gradsync.path.buffers import BucketBuffer
 
 
 def make(sizes: list[int]) -> tuple[BucketBuffer, bytes]:

@@ -12,19 +12,19 @@ import time
 from pathlib import Path
 
 import pytest
-from gradsync.protocol.auth import derive_key
-from gradsync.protocol.codes import Code
-from gradsync.server import checkpoint_seal
-from gradsync.server.actions import Persist
-from gradsync.server.budget import ByteBudget
-from gradsync.server.checkpoint import Checkpoint, PruneGuard, _doomed_steps
-from gradsync.server.checkpoint_file import FileCheckpointStore
-from gradsync.server.checkpointer import Checkpointer
-from gradsync.server.config import ServerConfig
-from gradsync.server.job import Job
-from gradsync.server.membership import SESSION_BYTES, Membership
-from gradsync.server.shard_view import ShardJob
-from gradsync.v1 import gradsync_pb2 as pb
+from gradsync_proto.auth import derive_key
+from gradsync_proto.codes import Code
+from gradsync_proto.v1 import gradsync_pb2 as pb
+from gradsync_server.config import ServerConfig
+from gradsync_server.control.job import Job
+from gradsync_server.control.membership import SESSION_BYTES, Membership
+from gradsync_server.control.shard_view import ShardJob
+from gradsync_server.dataplane.actions import Persist
+from gradsync_server.dataplane.budget import ByteBudget
+from gradsync_server.rpc.checkpointer import Checkpointer
+from gradsync_server.store import checkpoint_seal
+from gradsync_server.store.checkpoint import Checkpoint, PruneGuard, _doomed_steps
+from gradsync_server.store.checkpoint_file import FileCheckpointStore
 from support.rawclient import signature
 
 TOKEN = "t" * 32

@@ -5,15 +5,15 @@ from __future__ import annotations
 import asyncio
 from pathlib import Path
 
-from gradsync.protocol.codes import Code
-from gradsync.server.actions import Persist, Send, Terminate
-from gradsync.server.budget import ByteBudget
-from gradsync.server.checkpoint import Checkpoint, CheckpointError, PruneGuard
-from gradsync.server.checkpoint_file import FileCheckpointStore
-from gradsync.server.checkpointer import Checkpointer
-from gradsync.server.config import ServerConfig
-from gradsync.server.job import Job
-from gradsync.v1 import gradsync_pb2 as pb
+from gradsync_proto.codes import Code
+from gradsync_proto.v1 import gradsync_pb2 as pb
+from gradsync_server.config import ServerConfig
+from gradsync_server.control.job import Job
+from gradsync_server.dataplane.actions import Persist, Send, Terminate
+from gradsync_server.dataplane.budget import ByteBudget
+from gradsync_server.rpc.checkpointer import Checkpointer
+from gradsync_server.store.checkpoint import Checkpoint, CheckpointError, PruneGuard
+from gradsync_server.store.checkpoint_file import FileCheckpointStore
 from support.rawclient import signature
 
 

@@ -6,8 +6,8 @@ import random
 
 import pytest
 from google.protobuf.message import DecodeError
-from gradsync.protocol.codec import ChunkHeader, decode_gradient, encode_gradient, header_of
-from gradsync.v1 import gradsync_pb2 as pb
+from gradsync_proto.codec import ChunkHeader, decode_gradient, encode_gradient, header_of
+from gradsync_proto.v1 import gradsync_pb2 as pb
 
 
 def random_header(rng: random.Random) -> ChunkHeader:

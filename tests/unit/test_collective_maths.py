@@ -11,12 +11,12 @@ import random
 
 import numpy as np
 import pytest
-from gradsync.protocol.codes import Code
-from gradsync.server.actions import Action, Send
-from gradsync.server.budget import ByteBudget
-from gradsync.server.collectives import Collectives, reduce_inputs
-from gradsync.server.errors import RejectedMessage
-from gradsync.v1 import gradsync_pb2 as pb
+from gradsync_proto.codes import Code
+from gradsync_proto.v1 import gradsync_pb2 as pb
+from gradsync_server.control.collectives import Collectives, reduce_inputs
+from gradsync_server.dataplane.actions import Action, Send
+from gradsync_server.dataplane.budget import ByteBudget
+from gradsync_server.errors import RejectedMessage
 
 CHUNK = 4096
 RANKS = (0, 1, 2)

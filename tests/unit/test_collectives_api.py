@@ -16,7 +16,7 @@ import pytest
 import torch
 from gradsync import collectives
 from gradsync.collectives import Collectives
-from gradsync.v1 import gradsync_pb2 as pb
+from gradsync_proto.v1 import gradsync_pb2 as pb
 from support.fakegroup import ThreadedGroup
 
 pytestmark = pytest.mark.unit

@@ -13,11 +13,11 @@ import threading
 
 import numpy as np
 import pytest
+from gradsync.control.worker_messages import CollectiveUpload, collective_chunks
 from gradsync.errors import CollectiveError, GradSyncError, SyncTimeoutError
-from gradsync.inbox import Inbox
-from gradsync.transport import Transport
-from gradsync.v1 import gradsync_pb2 as pb
-from gradsync.worker_messages import CollectiveUpload, collective_chunks
+from gradsync.path.inbox import Inbox
+from gradsync.path.transport import Transport
+from gradsync_proto.v1 import gradsync_pb2 as pb
 
 pytestmark = pytest.mark.unit
 

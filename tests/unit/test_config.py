@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 from gradsync import flags
-from gradsync.address import Address, parse_address
 from gradsync.config import ENV_COORDINATOR, ClientConfig
+from gradsync_proto.net.address import Address, parse_address
 
 
 @pytest.mark.parametrize(

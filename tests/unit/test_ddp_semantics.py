@@ -17,7 +17,7 @@ import gradsync
 import pytest
 import torch
 from gradsync import compat, hooks
-from gradsync.v1 import gradsync_pb2 as pb
+from gradsync_proto.v1 import gradsync_pb2 as pb
 from support.fakelink import LinkFactory
 from torch import nn
 

@@ -1,7 +1,7 @@
 """The model wrapper's step logic over a fake link: no sockets, no threads, no coordinator.
 
 `DistributedDataParallel` reaches the network only through the
-`gradsync.link.CoordinatorLink` protocol, so these tests hand it `FakeLink`,
+`gradsync.control.link.CoordinatorLink` protocol, so these tests hand it `FakeLink`,
 which records what the wrapper submits and answers the way a coordinator
 would (averages, aborts, a lost stream). They pin down what the wrapper
 itself decides: when each bucket is handed off, where averages land, which
@@ -18,8 +18,8 @@ from typing import Any
 import gradsync
 import pytest
 import torch
-from gradsync.link import CoordinatorLink
-from gradsync.v1 import gradsync_pb2 as pb
+from gradsync.control.link import CoordinatorLink
+from gradsync_proto.v1 import gradsync_pb2 as pb
 from support.fakelink import FakeLink, LinkFactory
 from torch import nn
 

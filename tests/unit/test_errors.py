@@ -5,8 +5,8 @@ from __future__ import annotations
 import gradsync
 import pytest
 from gradsync.errors import error_from_status
-from gradsync.protocol.codes import Code
-from gradsync.v1 import gradsync_pb2 as pb
+from gradsync_proto.codes import Code
+from gradsync_proto.v1 import gradsync_pb2 as pb
 
 pytestmark = pytest.mark.unit
 

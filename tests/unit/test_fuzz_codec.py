@@ -23,11 +23,11 @@ from __future__ import annotations
 import itertools
 
 from google.protobuf.message import DecodeError
-from gradsync.protocol import chunking
-from gradsync.protocol.codec import ChunkHeader, decode_gradient, encode_gradient, header_of
-from gradsync.protocol.codes import Code
-from gradsync.server.chunk_checks import check_chunk, check_range_chunk
-from gradsync.v1 import gradsync_pb2 as pb
+from gradsync_proto import chunking
+from gradsync_proto.codec import ChunkHeader, decode_gradient, encode_gradient, header_of
+from gradsync_proto.codes import Code
+from gradsync_proto.v1 import gradsync_pb2 as pb
+from gradsync_server.dataplane.chunk_checks import check_chunk, check_range_chunk
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 

@@ -24,14 +24,14 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import numpy as np
-from gradsync.protocol import dtypes
-from gradsync.protocol.codec import ChunkHeader, decode_gradient
-from gradsync.protocol.codes import Code
-from gradsync.server.actions import Action, Persist, Send, Terminate
-from gradsync.server.budget import ByteBudget
-from gradsync.server.errors import RejectedMessage
-from gradsync.server.job import Job, JobState
-from gradsync.v1 import gradsync_pb2 as pb
+from gradsync_proto import dtypes
+from gradsync_proto.codec import ChunkHeader, decode_gradient
+from gradsync_proto.codes import Code
+from gradsync_proto.v1 import gradsync_pb2 as pb
+from gradsync_server.control.job import Job, JobState
+from gradsync_server.dataplane.actions import Action, Persist, Send, Terminate
+from gradsync_server.dataplane.budget import ByteBudget
+from gradsync_server.errors import RejectedMessage
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule

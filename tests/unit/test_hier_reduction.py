@@ -14,20 +14,20 @@ import itertools
 
 import numpy as np
 import pytest
-from gradsync.protocol.codec import ChunkHeader, decode_gradient
-from gradsync.protocol.codes import Code
-from gradsync.server.actions import Action, Send, Terminate
-from gradsync.server.aggregation import BucketReduction
-from gradsync.server.budget import ByteBudget
-from gradsync.server.host_groups import (
+from gradsync_proto.codec import ChunkHeader, decode_gradient
+from gradsync_proto.codes import Code
+from gradsync_proto.v1 import gradsync_pb2 as pb
+from gradsync_server.control.job import Job, JobState
+from gradsync_server.control.shard_view import ShardJob
+from gradsync_server.dataplane.actions import Action, Send, Terminate
+from gradsync_server.dataplane.aggregation import BucketReduction
+from gradsync_server.dataplane.budget import ByteBudget
+from gradsync_server.dataplane.host_groups import (
     LocalGroups,
     form_groups,
     host_id_problem,
     local_world_size_problems,
 )
-from gradsync.server.job import Job, JobState
-from gradsync.server.shard_view import ShardJob
-from gradsync.v1 import gradsync_pb2 as pb
 
 CHUNK = 256
 ELEMENTS = 160  # 640 bytes of float32: chunks of 256, 256, 128

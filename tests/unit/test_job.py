@@ -8,15 +8,15 @@ whichever way a step ends.
 from __future__ import annotations
 
 import numpy as np
-from gradsync.protocol.codec import ChunkHeader
-from gradsync.protocol.codes import Code
-from gradsync.server.actions import Action, Send, Terminate
-from gradsync.server.budget import ByteBudget
-from gradsync.server.checkpoint import Checkpoint
-from gradsync.server.job import Job, JobState
-from gradsync.server.metrics import CoordinatorMetrics
-from gradsync.server.status import job_status, status_reply
-from gradsync.v1 import gradsync_pb2 as pb
+from gradsync_proto.codec import ChunkHeader
+from gradsync_proto.codes import Code
+from gradsync_proto.v1 import gradsync_pb2 as pb
+from gradsync_server.control.job import Job, JobState
+from gradsync_server.control.status import job_status, status_reply
+from gradsync_server.dataplane.actions import Action, Send, Terminate
+from gradsync_server.dataplane.budget import ByteBudget
+from gradsync_server.metrics import CoordinatorMetrics
+from gradsync_server.store.checkpoint import Checkpoint
 
 CHUNK = 4096
 BUCKET_BYTES = (64 * 32 + 32) * 4  # two float32 parameters: chunks of 4096, 4096, 128

@@ -8,14 +8,14 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from gradsync.protocol.codec import ChunkHeader, decode_gradient
-from gradsync.protocol.codes import Code
-from gradsync.server.actions import Action, Send, Terminate
-from gradsync.server.budget import ByteBudget
-from gradsync.server.errors import RejectedMessage
-from gradsync.server.job import Job, JobState
-from gradsync.server.status import EndedJobs, status_reply
-from gradsync.v1 import gradsync_pb2 as pb
+from gradsync_proto.codec import ChunkHeader, decode_gradient
+from gradsync_proto.codes import Code
+from gradsync_proto.v1 import gradsync_pb2 as pb
+from gradsync_server.control.job import Job, JobState
+from gradsync_server.control.status import EndedJobs, status_reply
+from gradsync_server.dataplane.actions import Action, Send, Terminate
+from gradsync_server.dataplane.budget import ByteBudget
+from gradsync_server.errors import RejectedMessage
 
 CHUNK = 4096
 ELEMENTS = 64 * 32 + 32

@@ -19,12 +19,12 @@ import time
 from collections.abc import Iterator
 
 import pytest
+from gradsync.control.joining import wait_for_welcome
 from gradsync.errors import CoordinatorUnavailableError, JoinRefusedError, SyncTimeoutError
-from gradsync.inbox import Inbox
-from gradsync.joining import wait_for_welcome
-from gradsync.reachability import describe_connect_error, diagnose
-from gradsync.transport import _HEARTBEAT, Transport
-from gradsync.v1 import gradsync_pb2 as pb
+from gradsync.path.inbox import Inbox
+from gradsync.path.transport import _HEARTBEAT, Transport
+from gradsync_proto.net.reachability import describe_connect_error, diagnose
+from gradsync_proto.v1 import gradsync_pb2 as pb
 
 pytestmark = pytest.mark.unit
 

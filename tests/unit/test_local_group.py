@@ -12,11 +12,11 @@ import socket
 import numpy as np
 import pytest
 import torch
-from gradsync.hierarchy import check_hierarchical
-from gradsync.host_identity import host_id
-from gradsync.local_group import LocalGroup
-from gradsync.local_rendezvous import Kind, frame, parse, socket_name
-from gradsync.local_segment import (
+from gradsync.local.hierarchy import check_hierarchical
+from gradsync.local.host_identity import host_id
+from gradsync.local.local_group import LocalGroup
+from gradsync.local.local_rendezvous import Kind, frame, parse, socket_name
+from gradsync.local.local_segment import (
     ALIGN_BYTES,
     Segment,
     SegmentLayout,
@@ -24,7 +24,7 @@ from gradsync.local_segment import (
     shortage_message,
     sum_share,
 )
-from gradsync.v1 import gradsync_pb2 as pb
+from gradsync_proto.v1 import gradsync_pb2 as pb
 
 
 def test_host_id_override_and_computed_form() -> None:

@@ -1,10 +1,10 @@
-"""A local leader's bookkeeping (`gradsync.local_schedule`): when a bucket is reduced,
+"""A local leader's bookkeeping (`gradsync.local.local_schedule`): when a bucket is reduced,
 deferred, handed off, and whom it waits for. Pure logic; the sockets and processes around
 it are in tests/multiprocess/test_local_group_processes.py."""
 
 from __future__ import annotations
 
-from gradsync.local_schedule import LeaderSchedule
+from gradsync.local.local_schedule import LeaderSchedule
 
 F32 = 1
 

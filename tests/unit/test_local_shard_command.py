@@ -8,9 +8,9 @@ child process that dies at start.
 from __future__ import annotations
 
 from gradsync.arguments import build_parser
-from gradsync.protocol.defaults import MIB
-from gradsync.server.config import ServerConfig
-from gradsync.server.local_shards import shard_command
+from gradsync_proto.defaults import MIB
+from gradsync_server.config import ServerConfig
+from gradsync_server.local_shards import shard_command
 
 
 def test_local_shards_inherit_the_leaders_limits_on_peers() -> None:

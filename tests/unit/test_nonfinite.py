@@ -14,26 +14,26 @@ import random
 import numpy as np
 import pytest
 from gradsync.errors import NonFiniteGradientError, StepAbortedError
-from gradsync.protocol import chunking
-from gradsync.protocol.codec import ChunkHeader
-from gradsync.protocol.codes import Code
-from gradsync.server.actions import Send
-from gradsync.server.aggregation import (
+from gradsync.path.step_results import abort_error
+from gradsync.status import format_status
+from gradsync_proto import chunking
+from gradsync_proto.codec import ChunkHeader
+from gradsync_proto.codes import Code
+from gradsync_proto.v1 import gradsync_pb2 as pb
+from gradsync_server.control.job import Job, JobState
+from gradsync_server.control.shard_view import ShardJob
+from gradsync_server.control.status import job_status
+from gradsync_server.dataplane.actions import Send
+from gradsync_server.dataplane.aggregation import (
     BucketReduction,
     Magnitude,
     classify,
     count_nonfinite,
     examine,
 )
-from gradsync.server.budget import ByteBudget
-from gradsync.server.job import Job, JobState
-from gradsync.server.metrics import CoordinatorMetrics
-from gradsync.server.nonfinite import NonFiniteContribution, NonFiniteLog
-from gradsync.server.shard_view import ShardJob
-from gradsync.server.status import job_status
-from gradsync.status import format_status
-from gradsync.step_results import abort_error
-from gradsync.v1 import gradsync_pb2 as pb
+from gradsync_server.dataplane.budget import ByteBudget
+from gradsync_server.dataplane.nonfinite import NonFiniteContribution, NonFiniteLog
+from gradsync_server.metrics import CoordinatorMetrics
 
 F32, F64, F16, BF16 = pb.DTYPE_FLOAT32, pb.DTYPE_FLOAT64, pb.DTYPE_FLOAT16, pb.DTYPE_BFLOAT16
 CHUNK = 4096

@@ -17,11 +17,12 @@ GENERATED = ["gradsync_pb2.py", "gradsync_pb2.pyi", "gradsync_pb2_grpc.py"]
 def test_generated_stubs_match_the_proto(tmp_path: Path) -> None:
     pytest.importorskip("grpc_tools", reason="grpcio-tools is part of the test extra")
     copy = tmp_path / "repo"
-    (copy / "proto" / "gradsync" / "v1").mkdir(parents=True)
+    (copy / "proto" / "gradsync_proto" / "v1").mkdir(parents=True)
     (copy / "scripts").mkdir()
     shutil.copy(ROOT / "scripts" / "gen_proto.sh", copy / "scripts")
     shutil.copy(
-        ROOT / "proto" / "gradsync" / "v1" / "gradsync.proto", copy / "proto" / "gradsync" / "v1"
+        ROOT / "proto" / "gradsync_proto" / "v1" / "gradsync.proto",
+        copy / "proto" / "gradsync_proto" / "v1",
     )
     subprocess.run(
         ["bash", str(copy / "scripts" / "gen_proto.sh")],
@@ -30,13 +31,13 @@ def test_generated_stubs_match_the_proto(tmp_path: Path) -> None:
         env=dict(os.environ, PYTHON=sys.executable),
     )
     for name in GENERATED:
-        fresh = (copy / "proto" / "gradsync" / "v1" / name).read_text()
-        checked_in = (ROOT / "proto" / "gradsync" / "v1" / name).read_text()
+        fresh = (copy / "proto" / "gradsync_proto" / "v1" / name).read_text()
+        checked_in = (ROOT / "proto" / "gradsync_proto" / "v1" / name).read_text()
         assert fresh == checked_in, f"{name} is stale: run scripts/gen_proto.sh and commit"
 
 
 def test_every_proto_field_and_enum_value_is_commented() -> None:
-    lines = (ROOT / "proto" / "gradsync" / "v1" / "gradsync.proto").read_text().splitlines()
+    lines = (ROOT / "proto" / "gradsync_proto" / "v1" / "gradsync.proto").read_text().splitlines()
     for number, line in enumerate(lines):
         stripped = line.strip()
         is_field = (

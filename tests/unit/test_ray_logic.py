@@ -22,7 +22,6 @@ import pytest
 import ray
 from gradsync.cli import main
 from gradsync.config import ENV_COORDINATOR
-from gradsync.protocol import auth
 from gradsync.ray import placement
 from gradsync.ray._loop import LoopThread
 from gradsync.ray.coordinator import Coordinator, start_coordinator
@@ -34,6 +33,7 @@ from gradsync.ray.workers import (
     get_context,
     report,
 )
+from gradsync_proto import auth
 from hypothesis import given, settings
 from hypothesis import strategies as st
 

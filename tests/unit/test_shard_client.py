@@ -14,15 +14,6 @@ import time
 import gradsync
 import numpy as np
 import pytest
-from gradsync.bucket_uploads import (
-    BucketUpload,
-    RangeUpload,
-    bucket_byte_ranges,
-    expected_chunks,
-    range_messages,
-    split_upload,
-)
-from gradsync.buffers import BucketBuffer
 from gradsync.errors import (
     CoordinatorUnavailableError,
     GradSyncError,
@@ -31,13 +22,22 @@ from gradsync.errors import (
     SyncTimeoutError,
     error_from_status,
 )
-from gradsync.inbox import Inbox
-from gradsync.protocol.codec import ChunkHeader, decode_gradient
-from gradsync.protocol.codes import Code
-from gradsync.shard_faults import ShardFault, shard_grace_s
-from gradsync.shard_streams import shard_target, shard_targets
-from gradsync.step_results import StepResults
-from gradsync.v1 import gradsync_pb2 as pb
+from gradsync.path.bucket_uploads import (
+    BucketUpload,
+    RangeUpload,
+    bucket_byte_ranges,
+    expected_chunks,
+    range_messages,
+    split_upload,
+)
+from gradsync.path.buffers import BucketBuffer
+from gradsync.path.inbox import Inbox
+from gradsync.path.shard_faults import ShardFault, shard_grace_s
+from gradsync.path.shard_streams import shard_target, shard_targets
+from gradsync.path.step_results import StepResults
+from gradsync_proto.codec import ChunkHeader, decode_gradient
+from gradsync_proto.codes import Code
+from gradsync_proto.v1 import gradsync_pb2 as pb
 
 pytestmark = pytest.mark.unit
 

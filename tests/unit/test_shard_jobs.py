@@ -6,12 +6,10 @@ helpers that turn its state and actions into control messages.
 
 from __future__ import annotations
 
-from gradsync.protocol.codes import Code
-from gradsync.server.actions import Send, Terminate
-from gradsync.server.budget import ByteBudget
-from gradsync.server.errors import RejectedMessage
-from gradsync.server.job import Job, JobState
-from gradsync.server.shard_jobs import (
+from gradsync_proto.codes import Code
+from gradsync_proto.v1 import gradsync_pb2 as pb
+from gradsync_server.control.job import Job, JobState
+from gradsync_server.control.shard_jobs import (
     aborted_steps,
     end_for_shard_loss,
     job_end_code,
@@ -19,7 +17,9 @@ from gradsync.server.shard_jobs import (
     reject_for_shard,
     view_key,
 )
-from gradsync.v1 import gradsync_pb2 as pb
+from gradsync_server.dataplane.actions import Send, Terminate
+from gradsync_server.dataplane.budget import ByteBudget
+from gradsync_server.errors import RejectedMessage
 
 CHUNK = 4096
 BUCKET_BYTES = (64 * 32 + 32) * 4

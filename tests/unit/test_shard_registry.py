@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import pytest
-from gradsync.protocol import chunking
-from gradsync.protocol.codes import Code
-from gradsync.server.shard_registry import RegistrationRefused, ShardRegistry
-from gradsync.v1 import gradsync_pb2 as pb
+from gradsync_proto import chunking
+from gradsync_proto.codes import Code
+from gradsync_proto.v1 import gradsync_pb2 as pb
+from gradsync_server.control.shard_registry import RegistrationRefused, ShardRegistry
 
 CHUNK = 1 << 20
 VERSION = "0.4.0"

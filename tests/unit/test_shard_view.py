@@ -13,15 +13,15 @@ import random
 
 import numpy as np
 import pytest
-from gradsync.protocol import chunking
-from gradsync.protocol.codec import ChunkHeader, decode_gradient
-from gradsync.protocol.codes import Code
-from gradsync.server.actions import Send
-from gradsync.server.budget import ByteBudget
-from gradsync.server.open_step import OpenStep
-from gradsync.server.shard_config import ShardConfig
-from gradsync.server.shard_view import MembershipView, ShardJob, ShardMember, check_view
-from gradsync.v1 import gradsync_pb2 as pb
+from gradsync_proto import chunking
+from gradsync_proto.codec import ChunkHeader, decode_gradient
+from gradsync_proto.codes import Code
+from gradsync_proto.v1 import gradsync_pb2 as pb
+from gradsync_server.control.shard_view import MembershipView, ShardJob, ShardMember, check_view
+from gradsync_server.dataplane.actions import Send
+from gradsync_server.dataplane.budget import ByteBudget
+from gradsync_server.dataplane.open_step import OpenStep
+from gradsync_server.shard_config import ShardConfig
 
 CHUNK = 64
 F32 = pb.DTYPE_FLOAT32

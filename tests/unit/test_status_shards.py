@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from gradsync.status import format_shards, format_status
-from gradsync.v1 import gradsync_pb2 as pb
+from gradsync_proto.v1 import gradsync_pb2 as pb
 
 
 def test_the_shard_table_names_every_shard_and_its_state() -> None:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from gradsync.server.progress import StepProgress
+from gradsync_server.dataplane.progress import StepProgress
 
 
 class _Clock:

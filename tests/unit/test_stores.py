@@ -6,8 +6,8 @@ from pathlib import Path
 
 import pytest
 from gradsync.cli import main
-from gradsync.server.config import ServerConfig
-from gradsync.server.stores import StoreLocation, parse_store_url
+from gradsync_server.config import ServerConfig
+from gradsync_server.store.stores import StoreLocation, parse_store_url
 
 
 @pytest.mark.parametrize(

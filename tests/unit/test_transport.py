@@ -22,10 +22,10 @@ from gradsync.errors import (
     ResourceExhaustedError,
     SyncTimeoutError,
 )
-from gradsync.inbox import Inbox
-from gradsync.protocol.codes import Code
-from gradsync.transport import Transport
-from gradsync.v1 import gradsync_pb2 as pb
+from gradsync.path.inbox import Inbox
+from gradsync.path.transport import Transport
+from gradsync_proto.codes import Code
+from gradsync_proto.v1 import gradsync_pb2 as pb
 
 
 def test_state_arriving_before_anyone_waits_for_it_is_kept() -> None:

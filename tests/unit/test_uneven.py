@@ -13,7 +13,7 @@ import torch
 from gradsync.collectives import Collectives
 from gradsync.errors import GradSyncError, SyncTimeoutError
 from gradsync.uneven import join_context
-from gradsync.v1 import gradsync_pb2 as pb
+from gradsync_proto.v1 import gradsync_pb2 as pb
 from support.fakegroup import ThreadedGroup
 from torch import nn
 

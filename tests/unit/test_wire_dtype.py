@@ -19,9 +19,9 @@ import gradsync
 import pytest
 import torch
 from gradsync import hooks
-from gradsync.protocol import chunking
-from gradsync.server.aggregation import BucketReduction
-from gradsync.signature import WIRE_DTYPES
+from gradsync.control.signature import WIRE_DTYPES
+from gradsync_proto import chunking
+from gradsync_server.dataplane.aggregation import BucketReduction
 from support import wire_reference
 from support.fakelink import LinkFactory
 from torch import nn

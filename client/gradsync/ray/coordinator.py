@@ -7,8 +7,8 @@ in the "gradsync" namespace, so a second driver gets the same handle with
 `get_coordinator(name)`; with `detached=True` the coordinator outlives the driver that
 started it, as a service would.
 
-Each actor runs the ordinary coordinator (`gradsync.server.app.start_server`) or shard
-(`gradsync.server.shard_app.start_shard`) in-process, on a loop of its own
+Each actor runs the ordinary coordinator (`gradsync_server.app.start_server`) or shard
+(`gradsync_server.shard_app.start_shard`) in-process, on a loop of its own
 (`gradsync.ray._loop`), so there is no child process to leak. It listens on its node's
 address, where other nodes reach it; beyond loopback the coordinator needs credentials,
 so unless the caller gives a token, client certificates or `insecure=True`, a random
@@ -26,9 +26,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import ray
+from gradsync_proto import auth, defaults
+from gradsync_proto.net.channels import ChannelSecurity
 
-from gradsync.channels import ChannelSecurity
-from gradsync.protocol import auth, defaults
 from gradsync.ray._loop import LoopThread
 from gradsync.ray.placement import (
     DEFAULT_COORDINATOR_RESOURCES,
@@ -91,8 +91,8 @@ class LeaderServer(_ServerActor):
 
     def start(self, options: dict[str, Any], shard_names: list[str]) -> dict[str, Any]:
         """Bind and serve; return the address workers use, and what `info` returns."""
-        from gradsync.server.app import banner, start_server
-        from gradsync.server.config import ServerConfig
+        from gradsync_server.app import banner, start_server
+        from gradsync_server.config import ServerConfig
 
         node_ip = _node_ip()
         options = dict(options)
@@ -116,7 +116,7 @@ class LeaderServer(_ServerActor):
 
     def wait_for_shards(self, timeout_s: float) -> str | None:
         """None once every shard has registered; else which are missing, after `timeout_s`."""
-        from gradsync.server.app import wait_for_shards
+        from gradsync_server.app import wait_for_shards
 
         if self._running is None:
             return "the coordinator was never started"
@@ -141,8 +141,8 @@ class ShardServer(_ServerActor):
 
     def start(self, options: dict[str, Any]) -> dict[str, Any]:
         """Bind, advertise this node's address and start registering with the leader."""
-        from gradsync.server.shard_app import banner, start_shard
-        from gradsync.server.shard_config import ShardConfig
+        from gradsync_server.shard_app import banner, start_shard
+        from gradsync_server.shard_config import ShardConfig
 
         node_ip = _node_ip()
         config = ShardConfig(host=node_ip, port=0, **options)
@@ -275,7 +275,7 @@ def start_coordinator(
         name: the coordinator's name in the "gradsync" namespace (`get_coordinator`).
         detached: outlive this driver (until `stop()` or the cluster ends).
         log_level: the actors' log level.
-        **serve_options: `gradsync.server.config.ServerConfig` fields: `on_failure`,
+        **serve_options: `gradsync_server.config.ServerConfig` fields: `on_failure`,
             `min_workers`, `checkpoint_store`, `heartbeat_timeout_s`, `token`, `tls_cert`...
             `host` is where to bind (default: the node's address).
 
@@ -284,7 +284,7 @@ def start_coordinator(
         TimeoutError: the shards did not all register in time (naming the missing ones);
             every actor started is ended first.
     """
-    from gradsync.server.config import ServerConfig
+    from gradsync_server.config import ServerConfig
 
     if shards < 1:
         raise ValueError(f"shards must be at least 1 (the leader), got {shards}")

@@ -17,6 +17,7 @@ import uuid
 from dataclasses import dataclass, field, fields
 from typing import Any
 
+from gradsync_proto import auth
 from ray.train.backend import Backend, BackendConfig
 
 from gradsync.config import (
@@ -27,7 +28,6 @@ from gradsync.config import (
     ENV_RANK,
     ENV_WORLD_SIZE,
 )
-from gradsync.protocol import auth
 from gradsync.ray.coordinator import Coordinator, start_coordinator
 from gradsync.ray.workers import apply_environment
 

@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import ray
+from gradsync_proto import auth
 
 from gradsync.config import (
     ENV_COORDINATOR,
@@ -36,7 +37,6 @@ from gradsync.config import (
     ENV_RANK,
     ENV_WORLD_SIZE,
 )
-from gradsync.protocol import auth
 from gradsync.ray.coordinator import (
     Coordinator,
     all_resources,

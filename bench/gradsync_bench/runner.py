@@ -1,0 +1,438 @@
+"""`gradsync bench`: run the suites, then write JSON, a Markdown table and a plot.
+
+Outputs go to `bench/results/` by default: `latest.json` (schema in
+bench/README.md), `latest.md` and `latest.png`.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import platform
+import sys
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from gradsync_bench import netns_hosts, sharded, suites
+
+
+@dataclass(frozen=True)
+class BenchPlan:
+    """What to run; `quick()` and `full()` are the two presets."""
+
+    sizes_mb: list[float] = field(default_factory=lambda: [1.0, 25.0, 100.0])
+    worlds: list[int] = field(default_factory=lambda: [2, 4])
+    reps: int = 5
+    #: Loopback rows per coordinator: 1 = one process, S > 1 = `serve --shards S`.
+    loopback_shards: list[int] = field(default_factory=lambda: [1])
+    train_worlds: list[int] = field(default_factory=lambda: [2, 4])
+    train_model_mb: float = 32.0
+    train_steps: int = 20
+    netns_worlds: list[int] = field(default_factory=lambda: [2, 3, 4, 8])
+    netns_sizes_mb: list[float] = field(default_factory=lambda: [16.0, 64.0])
+    netns_reps: int = 3
+    #: Low enough that two cores keep up with every process of the largest layout, so the
+    #: links, not the CPU, bound the times (gloo within 10 % of its ring bound).
+    netns_rate_mbit: float = 200.0
+    netns_layouts: tuple[str, ...] = sharded.LAYOUTS
+    #: Shard counts of the dedicated and colocated layouts; empty = S = W.
+    netns_shards: list[int] = field(default_factory=list)
+    #: Hierarchical aggregation rows: a hierarchical gradsync job beside the flat one in the
+    #: loopback rows (S = 1) and the train rows, and (with the single layout) the netns
+    #: suite's H hosts x R ranks rows.
+    hierarchy: bool = True
+    netns_hosts: int = 2
+    netns_ranks_per_host: int = 2
+    suites: tuple[str, ...] = ("loopback", "train", "netns")
+
+    @classmethod
+    def quick(cls) -> BenchPlan:
+        """Under two minutes here: one world size, small sizes, few repetitions."""
+        return cls(
+            sizes_mb=[1.0, 25.0],
+            worlds=[2],
+            reps=3,
+            train_worlds=[2],
+            train_steps=5,
+            netns_worlds=[2],
+            netns_sizes_mb=[16.0],
+            netns_reps=2,
+            netns_layouts=("single",),
+            hierarchy=False,
+        )
+
+
+def machine() -> dict[str, Any]:
+    """What the numbers were measured on."""
+    import grpc
+    import numpy
+    import torch
+
+    model = "unknown"
+    cpuinfo = Path("/proc/cpuinfo")
+    if cpuinfo.exists():
+        for line in cpuinfo.read_text().splitlines():
+            if line.startswith("model name"):
+                model = line.split(":", 1)[1].strip()
+                break
+    return {
+        "cores": os.cpu_count(),
+        "cpu_model": model,
+        "platform": platform.platform(),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "grpcio": grpc.__version__,
+        "numpy": numpy.__version__,
+    }
+
+
+def run(plan: BenchPlan) -> dict[str, Any]:
+    """Run the planned suites; return the full result document."""
+    started = datetime.datetime.now(datetime.UTC)
+    document: dict[str, Any] = {
+        "schema_version": 1,
+        "started_at": started.isoformat(timespec="seconds"),
+        "machine": machine(),
+        "plan": asdict(plan),
+        "suites": {},
+        "skipped": {},
+    }
+    if "loopback" in plan.suites:
+        print("loopback sync: gradsync vs gloo ...", file=sys.stderr, flush=True)
+        document["suites"]["loopback"] = suites.loopback_suite(
+            plan.sizes_mb, plan.worlds, plan.reps, plan.loopback_shards, plan.hierarchy
+        )
+    if "train" in plan.suites:
+        print("end-to-end training: gradsync vs torchrun + DDP ...", file=sys.stderr, flush=True)
+        document["suites"]["train"] = suites.train_suite(
+            plan.train_worlds, plan.train_model_mb, plan.train_steps, plan.hierarchy
+        )
+    if "netns" in plan.suites:
+        print("emulated cluster (network namespaces) ...", file=sys.stderr, flush=True)
+        rows, reason = sharded.netns_suite(
+            plan.netns_worlds,
+            plan.netns_sizes_mb,
+            plan.netns_reps,
+            plan.netns_rate_mbit,
+            plan.netns_layouts,
+            plan.netns_shards,
+        )
+        document["suites"]["netns"] = rows
+        if reason:
+            document["skipped"]["netns"] = reason
+        # Its coordinator is one host, like the single layout's: it goes with that layout.
+        if plan.hierarchy and "single" in plan.netns_layouts:
+            rows, reason = netns_hosts.hierarchy_suite(
+                plan.netns_sizes_mb,
+                plan.netns_reps,
+                plan.netns_rate_mbit,
+                plan.netns_hosts,
+                plan.netns_ranks_per_host,
+            )
+            document["suites"]["netns_hierarchy"] = rows
+            if reason:
+                document["skipped"]["netns_hierarchy"] = reason
+    finished = datetime.datetime.now(datetime.UTC)
+    document["duration_s"] = (finished - started).total_seconds()
+    return document
+
+
+def _table(title: str, header: str, rows: Sequence[Sequence[str]]) -> list[str]:
+    """A titled Markdown table (and the blank lines around it) as lines.
+
+    `header` is the column titles joined by " | "; each row has one cell per column.
+    """
+    columns = len(header.split(" | "))
+    assert all(len(row) == columns for row in rows), "a row's cells do not match the header"
+    return [
+        title,
+        "",
+        f"| {header} |",
+        "|" + "---|" * columns,
+        *("| " + " | ".join(row) + " |" for row in rows),
+        "",
+    ]
+
+
+def _cpu_s(stats: dict[str, float]) -> str:
+    """CPU-seconds per sync of all processes; "-" for documents older than that field."""
+    return f"{stats['cpu_s_per_sync']:.2f}" if "cpu_s_per_sync" in stats else "-"
+
+
+def _server_cores(stats: dict[str, float]) -> str:
+    """The coordinator processes' cores in use, e.g. "1.31 (0.72)"; "-" for old documents."""
+    if "server_cores" not in stats:
+        return "-"
+    return f"{stats['server_cores']:.2f} ({stats['busiest_server_cores']:.2f})"
+
+
+def markdown(document: dict[str, Any]) -> str:
+    """The human-readable table of a result document."""
+    m = document["machine"]
+    lines = [
+        f"Measured {document['started_at']} on {m['cores']} cores ({m['cpu_model']}), "
+        f"torch {m['torch']}, grpcio {m['grpcio']}; run took {document['duration_s']:.0f} s.",
+        "",
+    ]
+    loopback = document["suites"].get("loopback", [])
+    if loopback:
+        lines += _table(
+            "**Sync micro-benchmark, loopback** (one sync of N MB; median of A B A B reps)",
+            "W | S | N MB | gradsync ms | gloo ms | gradsync MB/s | gloo MB/s | ratio | "
+            "gradsync CPU-s/GB | gloo CPU-s/GB | coordinator cores (busiest process) | "
+            "hierarchical ms | hierarchical MB/s | ratio | hierarchical CPU-s/GB",
+            [
+                [
+                    f"{r['world_size']}",
+                    f"{r.get('shards', 1)}",
+                    f"{r['megabytes']:g}",
+                    f"{r['gradsync']['median_ms']:.1f}",
+                    f"{r['gloo']['median_ms']:.1f}",
+                    f"{r['gradsync']['algbw_mb_s']:.0f}",
+                    f"{r['gloo']['algbw_mb_s']:.0f}",
+                    f"{r['bandwidth_ratio']:.2f}",
+                    f"{r['gradsync']['cpu_s_per_gb']:.2f}",
+                    f"{r['gloo']['cpu_s_per_gb']:.2f}",
+                    _server_cores(r["gradsync"]),
+                    *_hierarchical_cells(r),
+                ]
+                for r in loopback
+            ],
+        )
+    train = document["suites"].get("train", [])
+    if train:
+        lines += _table(
+            "**End-to-end training, loopback** (samples/s; MLP, fp32)",
+            "W | model MB | local | gradsync | gradsync, no overlap | torchrun DDP | "
+            "ratio to DDP | exposed comm ms (gradsync / DDP) | overlap gain | "
+            "gradsync hierarchical | ratio to DDP",
+            [
+                [
+                    f"{r['world_size']}",
+                    f"{r['model_mb']:g}",
+                    *(f"{r['samples_per_s'][mode]:.0f}" for mode in suites.TRAIN_MODES),
+                    f"{r['ratio_to_ddp']:.2f}",
+                    f"{r['exposed_comm_ms']:.0f} / {r['ddp_exposed_comm_ms']:.0f}",
+                    f"{r['overlap_gain']:.2f}x",
+                    *(
+                        (
+                            f"{r['samples_per_s'][suites.HIERARCHICAL]:.0f}",
+                            f"{r['hierarchical_ratio_to_ddp']:.2f}",
+                        )
+                        if suites.HIERARCHICAL in r["samples_per_s"]
+                        else ("-", "-")
+                    ),
+                ]
+                for r in train
+            ],
+        )
+    netns = document["suites"].get("netns", [])
+    if netns:
+        lines += _table(
+            "**Emulated cluster** (network namespaces, every host link shaped to B; each time "
+            "against its analytic bound: gloo 2(W-1)/W·N/B, single W·N/B, dedicated "
+            "max(1, W/S)·N/B, colocated max(1, (W+S-2)/S)·N/B; of bound = bound / time)",
+            "layout | W | S | N MB | B Mbit/s | gradsync ms (bound) | of bound | "
+            "gloo ms (bound) | of bound | gradsync / gloo | CPU-s per sync gradsync / gloo | "
+            "CPU use gradsync / gloo | coordinator cores (busiest process)",
+            [
+                [
+                    r.get("layout", "single"),
+                    f"{r['world_size']}",
+                    f"{r.get('shards', 1)}",
+                    f"{r['megabytes']:g}",
+                    f"{r['rate_mbit']:g}",
+                    f"{r['gradsync']['median_ms']:.0f} ({r['gradsync_bound_ms']:.0f})",
+                    f"{r['gradsync_of_bound']:.0%}",
+                    f"{r['gloo']['median_ms']:.0f} ({r['gloo_bound_ms']:.0f})",
+                    f"{r['gloo_of_bound']:.0%}",
+                    f"{r['gradsync']['median_ms'] / r['gloo']['median_ms']:.2f}",
+                    f"{_cpu_s(r['gradsync'])} / {_cpu_s(r['gloo'])}",
+                    f"{r['gradsync']['cpu_utilisation']:.0%} / {r['gloo']['cpu_utilisation']:.0%}",
+                    _server_cores(r["gradsync"]),
+                ]
+                for r in netns
+            ],
+        )
+    lines += _hierarchy_table(document["suites"].get("netns_hierarchy", []))
+    for suite, reason in document.get("skipped", {}).items():
+        lines.append(f"Suite {suite} skipped: {reason}")
+    return "\n".join(lines) + "\n"
+
+
+def _hierarchical_cells(row: dict[str, Any]) -> list[str]:
+    """A loopback row's hierarchical columns ("-" where it has none)."""
+    stats = row.get(suites.HIERARCHICAL)
+    if stats is None:
+        return ["-"] * 4
+    return [
+        f"{stats['median_ms']:.1f}",
+        f"{stats['algbw_mb_s']:.0f}",
+        f"{row['hierarchical_bandwidth_ratio']:.2f}",
+        f"{stats['cpu_s_per_gb']:.2f}",
+    ]
+
+
+def _mb_per_host(row: dict[str, Any], method: str) -> str:
+    """Up / down MB per sync of the busiest host link, e.g. "16.8 / 16.8"."""
+    hosts = row["link_bytes"][method].values()
+    up = max(h["tx"] for h in hosts) / 1e6
+    down = max(h["rx"] for h in hosts) / 1e6
+    return f"{up:.1f} / {down:.1f}"
+
+
+def _hierarchy_table(rows: list[dict[str, Any]]) -> list[str]:
+    """The netns hierarchy rows: times against bounds and bytes per host link."""
+    if not rows:
+        return []
+    return _table(
+        "**Emulated hosts of several ranks** (network namespaces, links shaped to B; H hosts x "
+        "R ranks; bounds: flat W·N/B, hierarchical H·N/B (one contribution per host), gloo "
+        "2(W-1)/W·N/B; host link MB per sync, up / down, busiest host)",
+        "H x R | N MB | B Mbit/s | flat ms (bound) | hierarchical ms (bound) | of bound | "
+        "gloo ms (bound) | hierarchical / flat time | flat MB/host | hierarchical MB/host | "
+        "gloo MB/host | hierarchical / flat bytes",
+        [
+            [
+                f"{r['hosts']} x {r['ranks_per_host']}",
+                f"{r['megabytes']:g}",
+                f"{r['rate_mbit']:g}",
+                f"{r['gradsync']['median_ms']:.0f} ({r['gradsync_bound_ms']:.0f})",
+                f"{r['hierarchical']['median_ms']:.0f} ({r['hierarchical_bound_ms']:.0f})",
+                f"{r['hierarchical_of_bound']:.0%}",
+                f"{r['gloo']['median_ms']:.0f} ({r['gloo_bound_ms']:.0f})",
+                f"{r['hierarchical_to_flat_time']:.2f}",
+                _mb_per_host(r, "gradsync"),
+                _mb_per_host(r, "hierarchical"),
+                _mb_per_host(r, "gloo"),
+                f"{r['hierarchical_to_flat_bytes']:.2f}",
+            ]
+            for r in rows
+        ],
+    )
+
+
+def plot(document: dict[str, Any], path: Path) -> None:
+    """Bar charts: sync bandwidth per (W, N) and training samples/s per mode on top and,
+    when the netns suite ran, one row per N with each emulated-cluster time against its
+    bound; a suite that did not run gets no panel."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    loopback = document["suites"].get("loopback", [])
+    train = document["suites"].get("train", [])
+    netns = document["suites"].get("netns", [])
+    sizes = sorted({r["megabytes"] for r in netns})
+    top = 1 if loopback or train or not netns else 0
+    width = max([12.0, *(0.9 * sum(r["megabytes"] == mb for r in netns) for mb in sizes)])
+    figure = plt.figure(figsize=(width, 4.5 * (top + len(sizes))))
+    grid = figure.add_gridspec(top + len(sizes), 2)
+    if top:
+        _plot_loopback(figure.add_subplot(grid[0, 0]), loopback)
+        _plot_train(figure.add_subplot(grid[0, 1]), train)
+    for index, megabytes in enumerate(sizes):
+        axis = figure.add_subplot(grid[top + index, :])
+        _plot_netns(axis, [r for r in netns if r["megabytes"] == megabytes])
+    figure.tight_layout()
+    figure.savefig(path, dpi=100)
+    plt.close(figure)
+
+
+def _plot_loopback(axis: Any, loopback: list[dict[str, Any]]) -> None:
+    """Algorithm bandwidth of one sync per (W, S, N), gradsync beside gloo."""
+    labels = [
+        f"W={r['world_size']}"
+        + (f" S={r['shards']}" if r.get("shards", 1) > 1 else "")
+        + f"\n{r['megabytes']:g} MB"
+        for r in loopback
+    ]
+    positions = range(len(loopback))
+    axis.bar(
+        [p - 0.2 for p in positions],
+        [r["gradsync"]["algbw_mb_s"] for r in loopback],
+        0.4,
+        label="gradsync",
+    )
+    axis.bar(
+        [p + 0.2 for p in positions],
+        [r["gloo"]["algbw_mb_s"] for r in loopback],
+        0.4,
+        label="gloo all_reduce",
+    )
+    axis.set_xticks(list(positions), labels)
+    axis.set_ylabel("algorithm bandwidth, MB/s")
+    axis.set_title("one sync on loopback")
+    axis.legend()
+
+
+def _plot_train(axis: Any, train: list[dict[str, Any]]) -> None:
+    """Training samples/s per W, one bar per mode."""
+    modes = ["local", "gradsync", "sequential", "ddp"]
+    names = ["local (no comm)", "gradsync", "gradsync, no overlap", "torchrun DDP"]
+    width = 0.8 / len(modes)
+    for index, (mode, name) in enumerate(zip(modes, names, strict=True)):
+        axis.bar(
+            [w + index * width for w in range(len(train))],
+            [r["samples_per_s"][mode] for r in train],
+            width,
+            label=name,
+        )
+    axis.set_xticks([w + 0.3 for w in range(len(train))], [f"W={r['world_size']}" for r in train])
+    axis.set_ylabel("samples/s")
+    axis.set_title("end-to-end training")
+    axis.legend()
+
+
+def _plot_netns(axis: Any, rows: list[dict[str, Any]]) -> None:
+    """One N: gradsync and gloo time per (layout, W, S) in units of N/B, each bar with its
+    analytic bound (a black line) and the CPU use of all processes (text above it)."""
+    positions = list(range(len(rows)))
+    for offset, method, name in ((-0.2, "gradsync", "gradsync"), (0.2, "gloo", "gloo ring")):
+        xs = [p + offset for p in positions]
+        measured = [r[method]["median_ms"] / _link_ms(r) for r in rows]
+        bounds = [r[f"{method}_bound_ms"] / _link_ms(r) for r in rows]
+        axis.bar(xs, measured, 0.4, label=name)
+        axis.hlines(
+            bounds,
+            [x - 0.2 for x in xs],
+            [x + 0.2 for x in xs],
+            colors="black",
+            label="analytic bound" if method == "gloo" else None,
+            zorder=3,
+        )
+        for x, height, row in zip(xs, measured, rows, strict=True):
+            cpu = row[method]["cpu_utilisation"]
+            axis.annotate(f"{cpu:.0%}", (x, height), ha="center", va="bottom", fontsize=7)
+    axis.set_xticks(
+        positions,
+        [f"{r.get('layout', 'single')}\nW={r['world_size']} S={r.get('shards', 1)}" for r in rows],
+        fontsize=8,
+    )
+    first = rows[0]
+    axis.set_ylabel("time per sync / (N/B)")
+    axis.set_title(
+        f"emulated cluster: N = {first['megabytes']:g} MB, B = {first['rate_mbit']:g} Mbit/s "
+        "(median per sync; black: analytic bound; text: CPU use of all processes)"
+    )
+    axis.legend(fontsize=8)
+
+
+def _link_ms(row: dict[str, Any]) -> float:
+    """N/B of a netns row in ms (older documents lack `link_ms`: from the ring bound)."""
+    if "link_ms" in row:
+        return float(row["link_ms"])
+    w = int(row["world_size"])
+    return float(row["gloo_bound_ms"]) * w / (2 * (w - 1))
+
+
+def write(document: dict[str, Any], out_dir: Path) -> None:
+    """Write latest.json, latest.md and latest.png into `out_dir`."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / "latest.json").write_text(json.dumps(document, indent=2) + "\n")
+    (out_dir / "latest.md").write_text(markdown(document))
+    plot(document, out_dir / "latest.png")

@@ -1,0 +1,1 @@
+"""The worker's session with the coordinator: join, checks, state, collectives, heartbeats."""

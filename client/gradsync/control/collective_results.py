@@ -1,0 +1,274 @@
+"""Reassembly and checking of collective results as they arrive in chunks (pure logic).
+
+A collective's result comes back from the coordinator as `CollectiveChunk`s,
+cut by `Welcome.chunk_bytes` like every other blob. Everything about it is a
+claim: its size, its op and dtype, how many ranks contributed and where each
+chunk lands. `CollectiveResults` checks each claim against what this rank
+asked for before it allocates anything (a SUM answers exactly the input's
+size, an ALL_GATHER one input per contributor, a BARRIER nothing), refuses
+duplicate or out-of-range chunks, and records a problem against the
+collective's sequence number so that the waiter gets a `CollectiveError`
+naming it, rather than a corrupted tensor.
+
+It holds no lock and imports neither grpc nor torch: `gradsync.path.inbox` calls
+it under its own condition variable, and tests drive it chunk by chunk.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from gradsync_proto import chunking, defaults
+from gradsync_proto.dtypes import dtype_name
+from gradsync_proto.v1 import gradsync_pb2 as pb
+
+from gradsync.errors import CollectiveError
+
+#: Largest result accepted when the caller cannot say how big it will be (a raw
+#: BROADCAST without `result_bytes`); the public collectives always say.
+MAX_UNSIZED_RESULT_BYTES = defaults.MAX_COLLECTIVE_BYTES
+
+
+def op_name(op: int) -> str:
+    """Short human name of a CollectiveOp ("sum", "all_gather"), for messages."""
+    try:
+        return str(pb.CollectiveOp.Name(op)).removeprefix("COLLECTIVE_OP_").lower()
+    except ValueError:
+        return f"<unknown op {op}>"
+
+
+@dataclass
+class _Pending:
+    """One issued collective and what has come back for it so far."""
+
+    op: int
+    dtype: int
+    input_bytes: int
+    #: The exact result size when this rank knows it without the contributors.
+    result_bytes: int | None
+    world_size: int
+    chunk_bytes: int
+    buffer: bytearray | None = None
+    total_bytes: int = 0
+    contributors: int = 0
+    received: set[int] = field(default_factory=set)
+    expected_chunks: int = 0
+    error: str | None = None
+
+    @property
+    def complete(self) -> bool:
+        return self.error is not None or (
+            self.buffer is not None and len(self.received) == self.expected_chunks
+        )
+
+
+class CollectiveResults:
+    """Results of the collectives one rank has issued, by sequence number.
+
+    Args:
+        rank: this worker's rank (for error messages).
+    """
+
+    def __init__(self, rank: int) -> None:
+        self.rank = rank
+        self._pending: dict[int, _Pending] = {}
+
+    def expect(
+        self,
+        sequence: int,
+        op: int,
+        dtype: int,
+        input_bytes: int,
+        *,
+        world_size: int,
+        chunk_bytes: int,
+        result_bytes: int | None = None,
+    ) -> None:
+        """Register an issued collective, before its input is sent.
+
+        Args:
+            sequence: its job-wide sequence number.
+            op, dtype: what was asked (the result must say the same).
+            input_bytes: this rank's input size.
+            world_size: the job's size (bounds the contributors).
+            chunk_bytes: the chunk size results are cut by (from Welcome).
+            result_bytes: the exact result size, when the caller knows it and
+                the op does not imply it (a non-root BROADCAST).
+
+        Raises:
+            ValueError: `sequence` is already outstanding, or a size is negative.
+        """
+        if sequence in self._pending:
+            raise ValueError(f"collective {sequence} was issued twice")
+        if input_bytes < 0 or (result_bytes is not None and result_bytes < 0):
+            raise ValueError(f"collective {sequence}: negative size")
+        if chunk_bytes <= 0:
+            raise ValueError(f"collective {sequence}: chunk size must be positive")
+        self._pending[sequence] = _Pending(
+            op, dtype, input_bytes, result_bytes, world_size, chunk_bytes
+        )
+
+    def outstanding(self) -> list[int]:
+        """Sequence numbers issued and not yet taken, ascending."""
+        return sorted(self._pending)
+
+    def is_ready(self, sequence: int) -> bool:
+        """True once the whole result (or a problem with it) is in."""
+        pending = self._pending.get(sequence)
+        return pending is not None and pending.complete
+
+    def on_chunk(self, chunk: pb.CollectiveChunk) -> str | None:
+        """Take in one result chunk.
+
+        Returns:
+            None, or a description of a chunk that belongs to no issued
+            collective (the stream itself is then not to be trusted). Problems
+            with an issued collective's result are kept for `take` instead.
+        """
+        sequence = chunk.sequence
+        pending = self._pending.get(sequence)
+        if pending is None:
+            return (
+                f"a result chunk of collective {sequence}, which this rank has not issued "
+                f"(outstanding: {self.outstanding()})"
+            )
+        if pending.error is None:
+            pending.error = self._check_and_store(pending, chunk)
+        return None
+
+    def take(self, sequence: int) -> tuple[bytearray, int]:
+        """Remove a complete result and return (its bytes, the number of contributors).
+
+        Raises:
+            CollectiveError: the result was malformed or not what was asked.
+            KeyError: `sequence` is not outstanding.
+        """
+        pending = self._pending.pop(sequence)
+        if pending.error is not None:
+            raise CollectiveError(pending.error, rank=self.rank, sequence=sequence)
+        if pending.buffer is None or len(pending.received) != pending.expected_chunks:
+            raise CollectiveError("the result is incomplete", rank=self.rank, sequence=sequence)
+        return pending.buffer, pending.contributors
+
+    def forget(self, sequence: int) -> None:
+        """Drop an outstanding collective (its wait gave up)."""
+        self._pending.pop(sequence, None)
+
+    def describe(self, sequence: int) -> str:
+        """What has arrived of a collective's result, for a timeout's message."""
+        pending = self._pending.get(sequence)
+        if pending is None:
+            return "it is not outstanding"
+        what = (
+            f"{op_name(pending.op)} of {pending.input_bytes} bytes of {dtype_name(pending.dtype)}"
+        )
+        if pending.buffer is None:
+            return f"{what}: no result chunk arrived"
+        missing = [
+            offset
+            for offset, _ in chunking.chunk_spans(pending.total_bytes, pending.chunk_bytes)
+            if offset not in pending.received
+        ]
+        return (
+            f"{what}: {len(pending.received)} of {pending.expected_chunks} result chunks "
+            f"arrived; missing offsets {missing[:8]}{' ...' if len(missing) > 8 else ''}"
+        )
+
+    # ------------------------------------------------------------ checks
+    def _check_and_store(self, pending: _Pending, chunk: pb.CollectiveChunk) -> str | None:
+        """Check one chunk against what was asked and what came before; store it."""
+        if chunk.op != pending.op:
+            return (
+                f"the result says op {op_name(chunk.op)}, this rank asked for {op_name(pending.op)}"
+            )
+        if chunk.dtype != pending.dtype:
+            return (
+                f"the result has dtype {dtype_name(chunk.dtype)}, "
+                f"this rank sent {dtype_name(pending.dtype)}"
+            )
+        if pending.buffer is None:
+            problem = self._check_size(pending, chunk.total_bytes, chunk.contributors)
+            if problem is not None:
+                return problem
+            # The claim is checked against what this rank asked for (above); still the
+            # buffer grows as chunks arrive, never allocated by a claimed size (issue 11).
+            pending.buffer = bytearray()
+            pending.total_bytes = chunk.total_bytes
+            pending.contributors = chunk.contributors
+            pending.expected_chunks = max(
+                1, chunking.num_chunks(chunk.total_bytes, pending.chunk_bytes)
+            )
+        elif chunk.total_bytes != pending.total_bytes:
+            return (
+                f"the result chunk at offset {chunk.offset} claims {chunk.total_bytes} bytes in "
+                f"all, earlier chunks claimed {pending.total_bytes}"
+            )
+        elif chunk.contributors != pending.contributors:
+            return (
+                f"the result chunk at offset {chunk.offset} claims {chunk.contributors} "
+                f"contributors, earlier chunks claimed {pending.contributors}"
+            )
+        return self._store(pending, chunk)
+
+    def _check_size(self, pending: _Pending, total: int, contributors: int) -> str | None:
+        if not 1 <= contributors <= pending.world_size:
+            return (
+                f"the result claims {contributors} contributors, expected 1 to "
+                f"{pending.world_size} (the world size)"
+            )
+        op = pending.op
+        if op in (
+            pb.COLLECTIVE_OP_SUM,
+            pb.COLLECTIVE_OP_AVG,
+            pb.COLLECTIVE_OP_MIN,
+            pb.COLLECTIVE_OP_MAX,
+        ):
+            expected, why = pending.input_bytes, "the input's size"
+        elif op == pb.COLLECTIVE_OP_ALL_GATHER:
+            expected = pending.input_bytes * contributors
+            why = f"{pending.input_bytes} bytes from each of {contributors} contributors"
+        elif op == pb.COLLECTIVE_OP_BARRIER:
+            expected, why = 0, "a barrier has no data"
+        elif pending.result_bytes is not None:
+            expected, why = pending.result_bytes, "the size this rank asked for"
+        else:
+            if total > MAX_UNSIZED_RESULT_BYTES:
+                return (
+                    f"the result claims {total} bytes, more than the "
+                    f"{MAX_UNSIZED_RESULT_BYTES} accepted for a result of unknown size"
+                )
+            return None
+        if total != expected:
+            return f"the result claims {total} bytes, expected {expected} ({why})"
+        return None
+
+    def _store(self, pending: _Pending, chunk: pb.CollectiveChunk) -> str | None:
+        assert pending.buffer is not None  # set by the caller before storing
+        offset, payload = chunk.offset, chunk.payload
+        if pending.total_bytes == 0:
+            if offset != 0 or payload:
+                return (
+                    f"an empty result came with a chunk at offset {offset} of {len(payload)} bytes"
+                )
+        elif offset % pending.chunk_bytes or offset >= pending.total_bytes:
+            return (
+                f"a result chunk at offset {offset} is out of range or misaligned "
+                f"({pending.total_bytes} bytes in chunks of {pending.chunk_bytes})"
+            )
+        else:
+            expected = chunking.expected_chunk_length(
+                pending.total_bytes, pending.chunk_bytes, offset
+            )
+            if len(payload) != expected:
+                return (
+                    f"the result chunk at offset {offset} has {len(payload)} bytes, "
+                    f"expected {expected}"
+                )
+        if offset in pending.received:
+            return f"the result chunk at offset {offset} arrived twice"
+        end = offset + len(payload)
+        if end > len(pending.buffer):  # grows to the furthest byte received, within the total
+            pending.buffer.extend(bytes(end - len(pending.buffer)))
+        pending.buffer[offset:end] = payload
+        pending.received.add(offset)
+        return None

@@ -1,0 +1,432 @@
+"""A worker's membership in a job: join, start equal, checkpoint, heal, resume.
+
+Everything here happens between steps, at the pace of the training loop, and
+none of it touches autograd: joining with the model's signature, making every
+rank start from rank 0's parameters (or from the checkpoint a restarted job
+resumes from), uploading checkpoints and a rejoining rank's state, and
+reconnecting with backoff when the coordinator is lost. Keeping it apart from
+`gradsync.ddp` leaves that module to the nn.Module wrapper and the per-step
+hot path, and gives the reconnect rules one reader-sized home.
+
+The session owns the link to the coordinator because reconnecting replaces
+it: the wrapper always reaches the current one through `Session.link`.
+"""
+
+from __future__ import annotations
+
+import io
+import logging
+import time
+import uuid
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from gradsync_proto.v1 import gradsync_pb2 as pb
+from torch import nn
+
+from gradsync import __version__
+from gradsync.config import ClientConfig
+from gradsync.control.link import BucketEventHandler, CoordinatorLink, LinkFactory
+from gradsync.errors import (
+    CheckpointFailedError,
+    CheckpointMismatchError,
+    CoordinatorRestartedError,
+    CoordinatorUnavailableError,
+    GradSyncError,
+    SyncTimeoutError,
+)
+from gradsync.local.hierarchy import HierarchicalLink
+from gradsync.local.host_identity import host_id
+from gradsync.local.local_group import LocalGroup
+
+log = logging.getLogger("gradsync.client")
+
+#: How long a failed link gets to say goodbye before it is replaced or dropped.
+_ABANDON_LINK_TIMEOUT_S = 2.0
+#: Reconnect backoff: first pause, and the cap it doubles up to.
+_FIRST_RETRY_DELAY_S = 0.25
+_MAX_RETRY_DELAY_S = 5.0
+
+
+class Session:
+    """One rank's session with the coordinator, across reconnects.
+
+    Args:
+        config: the worker's resolved settings.
+        module: the wrapped model (its state dict goes into checkpoints).
+        tensors: parameters then buffers, in signature order: what rank 0 broadcasts.
+        signature: the model signature sent in Join.
+        bucket_bytes: the size of each bucket.
+        link_factory: builds a link from (coordinator address, rank).
+        on_bucket_event: observer given to every link (metrics, trace).
+        reconnect_timeout_s: how long to keep reconnecting; 0 = never.
+    """
+
+    def __init__(
+        self,
+        config: ClientConfig,
+        module: nn.Module,
+        tensors: Sequence[torch.Tensor],
+        signature: pb.ModelSignature,
+        bucket_bytes: list[int],
+        link_factory: LinkFactory,
+        on_bucket_event: BucketEventHandler | None,
+        reconnect_timeout_s: float,
+    ) -> None:
+        self.config = config
+        self.module = module
+        self._tensors = list(tensors)
+        self._signature = signature
+        self._bucket_bytes = list(bucket_bytes)
+        self._link_factory = link_factory
+        self._on_bucket_event = on_bucket_event
+        self.reconnect_timeout_s = reconnect_timeout_s
+        self._optimizer: torch.optim.Optimizer | None = None
+        self._pending_optimizer_state: dict[str, Any] | None = None
+        #: Rank 0 checkpoints every this many steps (from Welcome; 0 = never).
+        self.checkpoint_every = 0
+        self._last_checkpoint_step = -1
+        self._resumed_from_checkpoint = False
+        self._link = self._new_link()
+
+    @property
+    def link(self) -> CoordinatorLink:
+        """The current link to the coordinator (replaced by each reconnect)."""
+        return self._link
+
+    @property
+    def local_group(self) -> LocalGroup | None:
+        """This rank's local group (hierarchical aggregation), or None when flat."""
+        return self._link.group if isinstance(self._link, HierarchicalLink) else None
+
+    def start(self) -> int:
+        """Join the job and start equal; return the step training starts at.
+
+        Raises:
+            GradSyncError: joining failed; the link is closed.
+        """
+        try:
+            return self._join_and_broadcast()
+        except BaseException:
+            self._link.close(timeout_s=5.0)
+            raise
+
+    def close(self) -> None:
+        """Leave the job."""
+        self._link.close()
+
+    # ------------------------------------------------------------ step boundaries
+    def at_step_boundary(self, step: int) -> None:
+        """Run what must happen between steps, before the forward pass of `step`.
+
+        Here the optimizer has applied the previous step, so parameters and
+        optimizer state are consistent: the moment to hand state to a
+        rejoining rank, and (rank 0) to take a due periodic checkpoint.
+        """
+        if self._link.take_heal_request():
+            # Sent before this rank's buffer broadcast of the step, so the
+            # coordinator admits the newcomer while that collective is still
+            # in flight and has it take part (its Welcome says from which number).
+            self._link.send_heal(step, self.state_blob(step))
+        every = self.checkpoint_every
+        if (
+            every
+            and self.config.rank == 0
+            and step % every == 0
+            and step > self._last_checkpoint_step
+        ):
+            self.save_checkpoint(step, wait=False, timeout_s=self.config.timeout_s)
+
+    def register_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
+        """Include `optimizer`'s state in checkpoints; restore a pending one into it."""
+        self._optimizer = optimizer
+        if self._pending_optimizer_state is not None:
+            self._load_optimizer_state(optimizer, self._pending_optimizer_state)
+            self._pending_optimizer_state = None
+
+    def _load_optimizer_state(self, optimizer: torch.optim.Optimizer, state: Any) -> None:
+        """Restore the checkpoint's optimizer state; a mismatch names job and step."""
+        try:
+            optimizer.load_state_dict(state)
+        except (RuntimeError, ValueError, TypeError, KeyError) as exc:
+            raise self._mismatch(
+                self._last_checkpoint_step,
+                f"its optimizer state does not fit this optimizer: {_brief(exc)}",
+            ) from exc
+
+    def _mismatch(self, step: int, why: str) -> CheckpointMismatchError:
+        job_id = self.config.job_id
+        return CheckpointMismatchError(
+            f"cannot resume job '{job_id}' from the checkpoint of step {step}: {why}. Was "
+            "another model trained under the same job id? Use another job id, or start the "
+            "coordinator with --fresh-start",
+            job_id=job_id,
+            rank=self.config.rank,
+            step=step,
+        )
+
+    def save_checkpoint(self, step: int, wait: bool, timeout_s: float) -> int:
+        """Upload rank 0's state as the checkpoint of `step`; see the wrapper's method."""
+        if self.config.rank != 0:
+            return step
+        self._last_checkpoint_step = step
+        self._link.send_checkpoint(step, self.state_blob(step))
+        if wait:
+            saved = self._link.wait_checkpoint(step, timeout_s)
+            if not saved.durable:
+                raise CheckpointFailedError(
+                    f"checkpoint of step {step} was not saved: {saved.message}",
+                    rank=self.config.rank,
+                    step=step,
+                )
+        return step
+
+    def state_blob(self, step: int) -> bytes:
+        """Module state, optimizer state and step, serialized for checkpoints and healing."""
+        state: dict[str, Any] = {
+            "module": self.module.state_dict(),
+            "optimizer": self._optimizer.state_dict() if self._optimizer is not None else None,
+            "step": step,
+            "world_size": self.config.world_size,
+        }
+        buffer = io.BytesIO()
+        torch.save(state, buffer)
+        return buffer.getvalue()
+
+    # ------------------------------------------------------------ reconnecting
+    def reconnect(self, cause: GradSyncError, step: int) -> int:
+        """Reconnect to a restarted coordinator (bounded backoff); return the resumed step.
+
+        Only a lost coordinator (`CoordinatorUnavailableError`) is worth this:
+        a coordinator that declared this rank dead or refused it is alive and
+        would not take it back.
+
+        Args:
+            cause: the error that lost the coordinator (chained to any failure).
+            step: the step this rank was at (named if the job cannot resume).
+
+        Raises:
+            CoordinatorUnavailableError: no coordinator within the reconnect timeout, or
+                one that cannot resume this job from a checkpoint.
+        """
+        deadline = time.monotonic() + self.reconnect_timeout_s
+        delay = _FIRST_RETRY_DELAY_S
+        log.warning(
+            "rank %d: lost the coordinator (%s); reconnecting for up to %gs",
+            self.config.rank,
+            cause,
+            self.reconnect_timeout_s,
+        )
+        self._resumed_from_checkpoint = False
+        while True:
+            self._link.close(timeout_s=_ABANDON_LINK_TIMEOUT_S)
+            self._link = self._new_link()
+            remaining = deadline - time.monotonic()
+            try:
+                start = self._join_and_broadcast(join_timeout_s=max(1.0, remaining))
+                break
+            except (CoordinatorUnavailableError, SyncTimeoutError) as exc:
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    raise CoordinatorUnavailableError(
+                        f"gave up reconnecting to {self.config.coordinator} after "
+                        f"{self.reconnect_timeout_s:g}s: {exc}",
+                        rank=self.config.rank,
+                    ) from cause
+                time.sleep(min(delay, remaining))
+                delay = min(delay * 2, _MAX_RETRY_DELAY_S)
+        if not self._resumed_from_checkpoint:
+            raise CoordinatorUnavailableError(
+                f"the restarted coordinator has no checkpoint of job '{self.config.job_id}' "
+                f"(it would restart at step {start}, this rank is at step {step}); "
+                "start it with the same --checkpoint-store to resume",
+                rank=self.config.rank,
+            ) from cause
+        return start
+
+    def recover(
+        self, exc: CoordinatorUnavailableError, step: int, during: str
+    ) -> tuple[int, CoordinatorRestartedError]:
+        """Reconnect to a restarted coordinator; return the resumed step and the error to raise.
+
+        Only a lost coordinator is worth reconnecting to; every other error
+        (declared dead, refused, checkpoint failed) propagates as it is, and so
+        does `exc` when reconnecting is off. The caller moves its own step.
+
+        Args:
+            exc: the error that lost the coordinator.
+            step: the step this rank was at.
+            during: what was running, for the message ("a forward pass").
+        """
+        if self.reconnect_timeout_s <= 0:
+            raise exc
+        resumed_at = self.reconnect(exc, step)
+        self._link.current_step = resumed_at
+        # The cause is named: a lost shard says which one and where.
+        restarted = CoordinatorRestartedError(
+            f"lost the coordinator during {during} ({exc}) and reconnected; state restored from "
+            f"the checkpoint of step {resumed_at}. Nothing was applied: skip optimizer.step() and "
+            "continue at model.step",
+            rank=self.config.rank,
+            step=resumed_at,
+        )
+        return resumed_at, restarted
+
+    # ------------------------------------------------------------ joining
+    def _new_link(self) -> CoordinatorLink:
+        link = self._link_factory(self.config.coordinator, self.config.rank)
+        link.on_bucket_event = self._on_bucket_event
+        return link
+
+    def _join_and_broadcast(self, join_timeout_s: float | None = None) -> int:
+        """Join the job, then make every rank start from rank 0's state (or a checkpoint)."""
+        config = self.config
+        timeout_s = join_timeout_s or config.join_timeout_s
+        link = self._link
+        link.configure_buckets(self._bucket_bytes)
+        join = pb.Join(
+            job_id=config.job_id,
+            rank=config.rank,
+            world_size=config.world_size,
+            signature=self._signature,
+            incarnation=uuid.uuid4().hex,
+            client_version=__version__,
+            # Empty: flat. The coordinator groups the ranks that send the same id.
+            host_id=host_id() if config.hierarchical else "",
+            local_world_size=config.local_world_size,
+        )
+        log.info(
+            "rank %d: joining job '%s' at %s (world size %d, %d buckets)",
+            config.rank,
+            config.job_id,
+            config.coordinator,
+            config.world_size,
+            len(self._bucket_bytes),
+        )
+        link.open(join)
+        welcome = link.wait_welcome(timeout_s)
+        if len(welcome.local_ranks) >= 2:
+            self._link = link = self._form_local_group(link, welcome, timeout_s)
+        # The coordinator numbers collectives: 0 for a new job (or a restarted
+        # coordinator), where the live ranks stand for a healed newcomer.
+        link.set_collective_sequence(int(welcome.next_collective))
+        self.checkpoint_every = int(welcome.checkpoint_every_steps)
+        start = int(welcome.start_step)
+        if welcome.resume_bytes:
+            self._restore(link.receive_resume(welcome.resume_bytes, timeout_s), start)
+        else:
+            self._broadcast(welcome, timeout_s)
+            log.info(
+                "rank %d: job '%s' assembled; starting at step %d",
+                config.rank,
+                config.job_id,
+                start,
+            )
+        link.current_step = start
+        return start
+
+    def _form_local_group(
+        self, link: CoordinatorLink, welcome: pb.Welcome, timeout_s: float
+    ) -> HierarchicalLink:
+        """Meet the other ranks of this host (bounded) and wrap `link` around the group."""
+        config = self.config
+        ranks = [int(r) for r in welcome.local_ranks]
+        group = LocalGroup.form(
+            job_id=config.job_id,
+            rank=config.rank,
+            ranks=ranks,
+            secret=welcome.local_secret,
+            bucket_bytes=self._bucket_bytes,
+            timeout_s=timeout_s,
+            heartbeat_interval_s=welcome.heartbeat_interval_s,
+        )
+        if config.local_rank is not None and config.local_rank != group.slot:
+            log.warning(
+                "rank %d: LOCAL_RANK is %d but this rank is number %d of its local group %s",
+                config.rank,
+                config.local_rank,
+                group.slot,
+                ranks,
+            )
+        log.info(
+            "rank %d: local group %s formed (%s); gradients are summed on this host first",
+            config.rank,
+            ranks,
+            "leader" if group.is_leader else f"leader rank {ranks[0]}",
+        )
+        wrapped = HierarchicalLink(link, group, self._bucket_bytes, welcome)
+        wrapped.on_bucket_event = self._on_bucket_event
+        if self._on_bucket_event is not None:
+            self._on_bucket_event("local_group", len(ranks), -1)
+        return wrapped
+
+    def _broadcast(self, welcome: pb.Welcome, timeout_s: float) -> None:
+        """Rank 0 sends its parameters and buffers; every other rank overwrites its own."""
+        with torch.no_grad():
+            if self.config.rank == 0:
+                flat = [
+                    t.detach().reshape(-1).view(torch.uint8).cpu()
+                    for t in self._tensors
+                    if t.numel()
+                ]
+                blob = torch.cat(flat) if flat else torch.empty(0, dtype=torch.uint8)
+                self._link.send_state(blob.numpy())
+            elif welcome.state_bytes:
+                raw = self._link.receive_state(welcome.state_bytes, timeout_s)
+                offset = 0
+                for tensor in self._tensors:
+                    if tensor.numel() == 0:
+                        continue
+                    source = torch.frombuffer(
+                        raw, dtype=tensor.dtype, count=tensor.numel(), offset=offset
+                    )
+                    tensor.copy_(source.view_as(tensor))
+                    offset += tensor.numel() * tensor.element_size()
+
+    def _restore(self, blob: bytes, start_step: int) -> None:
+        """Load the checkpoint the job resumes from (optimizer state waits for its optimizer).
+
+        Raises:
+            CheckpointMismatchError: the blob is not a gradsync checkpoint, or not this
+                model's (torch's own errors would name neither the job nor the step, and
+                would suggest `weights_only=False`, which gradsync never uses).
+        """
+        try:
+            # weights_only: tensors and plain containers, never arbitrary objects.
+            state = torch.load(io.BytesIO(blob), weights_only=True)
+        except Exception as exc:  # UnpicklingError, RuntimeError (not a zip), EOFError, ...
+            raise self._mismatch(
+                start_step,
+                f"it is not a gradsync checkpoint ({len(blob)} bytes that "
+                f"torch.load(weights_only=True) cannot read: {type(exc).__name__})",
+            ) from exc
+        if not isinstance(state, dict) or not isinstance(state.get("module"), dict):
+            raise self._mismatch(
+                start_step,
+                f"it is not a gradsync checkpoint (a {type(state).__name__} without the "
+                "'module' state dict that gradsync saves)",
+            )
+        try:
+            self.module.load_state_dict(state["module"])
+        except (RuntimeError, ValueError, TypeError, KeyError) as exc:
+            raise self._mismatch(start_step, f"it does not fit this model: {_brief(exc)}") from exc
+        self._pending_optimizer_state = state.get("optimizer")
+        self._resumed_from_checkpoint = True
+        self._last_checkpoint_step = start_step
+        if self._optimizer is not None and self._pending_optimizer_state is not None:
+            # Reconnecting mid-run: the optimizer already exists.
+            self._load_optimizer_state(self._optimizer, self._pending_optimizer_state)
+            self._pending_optimizer_state = None
+        log.warning(
+            "rank %d: job '%s' resumed from the checkpoint of step %d",
+            self.config.rank,
+            self.config.job_id,
+            start_step,
+        )
+
+
+def _brief(exc: BaseException, limit: int = 300) -> str:
+    """torch's multi-line error text on one line, bounded."""
+    text = " ".join(str(exc).split())
+    return text if len(text) <= limit else text[: limit - 3] + "..."

@@ -1,0 +1,86 @@
+"""A bucket as a list of byte segments: sent from, and averaged into, in place.
+
+A bucket's gradients live in separate tensors (one per parameter). Instead of
+concatenating them into one flat buffer (a copy) and later copying averages
+back out (two more), the transport cuts wire chunks straight out of the
+segments (joining at most a few memoryviews per chunk, the one unavoidable
+copy) and scatters each averaged chunk straight back into them.
+
+Writing averages into the very memory that was uploaded is safe: an averaged
+chunk can only exist after the coordinator has received this rank's copy of
+that chunk, so the upload of those bytes is finished.
+"""
+
+from __future__ import annotations
+
+import bisect
+import itertools
+from collections.abc import Iterator, Sequence
+
+import numpy as np
+import numpy.typing as npt
+from gradsync_proto import chunking
+
+
+class BucketBuffer:
+    """One bucket's bytes, held by `segments` (1-D uint8 arrays, writable).
+
+    Args:
+        segments: the bucket's parameters' gradient bytes, in bucket order.
+    """
+
+    def __init__(self, segments: Sequence[npt.NDArray[np.uint8]]) -> None:
+        self.segments = list(segments)
+        self._starts = [0, *itertools.accumulate(len(s) for s in self.segments)]
+        self.size = self._starts[-1]
+
+    def chunks(self, chunk_bytes: int) -> Iterator[tuple[int, list[memoryview]]]:
+        """Yield (offset, pieces) per wire chunk; the pieces concatenate to the chunk."""
+        return self.range_chunks(0, self.size, chunk_bytes)
+
+    def range_chunks(
+        self, lo: int, hi: int, chunk_bytes: int
+    ) -> Iterator[tuple[int, list[memoryview]]]:
+        """Yield (absolute offset, pieces) per wire chunk of bytes [lo, hi).
+
+        A sharded coordinator chunks each shard's range on its own grid
+        (`gradsync_proto.chunking.range_chunk_spans`); [0, size) is the
+        unsharded grid.
+
+        Raises:
+            ValueError: the range falls outside the bucket.
+        """
+        if not 0 <= lo <= hi <= self.size:
+            raise ValueError(f"bytes [{lo}, {hi}) are outside the bucket's {self.size}")
+        for offset, length in chunking.range_chunk_spans(lo, hi, chunk_bytes):
+            yield offset, self.pieces(offset, length)
+
+    def pieces(self, offset: int, length: int) -> list[memoryview]:
+        """Memoryviews covering bytes [offset, offset + length)."""
+        out = []
+        index = bisect.bisect_right(self._starts, offset) - 1
+        end = offset + length
+        while offset < end:
+            start = self._starts[index]
+            segment = self.segments[index]
+            take = min(end, start + len(segment)) - offset
+            if take > 0:
+                out.append(memoryview(segment.data)[offset - start : offset - start + take])
+            offset += max(take, 0)
+            index += 1
+        return out
+
+    def write(self, offset: int, payload: memoryview | bytes) -> None:
+        """Copy `payload` into bytes [offset, offset + len(payload)).
+
+        Raises:
+            ValueError: the range falls outside the bucket.
+        """
+        if offset < 0 or offset + len(payload) > self.size:
+            raise ValueError(
+                f"bytes [{offset}, {offset + len(payload)}) are outside the bucket's {self.size}"
+            )
+        position = 0
+        for piece in self.pieces(offset, len(payload)):
+            piece[:] = payload[position : position + len(piece)]
+            position += len(piece)

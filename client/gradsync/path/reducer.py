@@ -1,0 +1,256 @@
+"""The gradient path of one synchronized step: buckets out, averages into `.grad`.
+
+The model wrapper (`gradsync.ddp`) owns the autograd hooks and the step's
+lifecycle; this is what happens to the gradients in between, named after the
+component of torch DDP that does the same job. It knows the bucket layout and
+which parameters this rank used since the last synchronized step, stages each
+full bucket (`gradsync.path.staging`), runs it through the comm hook if one is
+registered (`gradsync.hooks`), hands it to the link, and at the end of
+backward adds the presence bucket, waits for the averages (through a callable
+the wrapper gives it, which knows about reconnecting) and writes them back.
+
+Why a presence bucket: DDP leaves `.grad` untouched for a parameter that no
+rank used, which a rank cannot know alone. One float32 per parameter (1.0 =
+used here), averaged like any bucket, answers it: an average of 0 means no
+rank used the parameter. It costs 4 bytes per parameter per step, and the
+coordinator needs no notion of it (it is the last "parameter" of the
+signature, `gradsync.control.signature.PRESENCE_NAME`).
+
+With `gradient_as_bucket_view=True` each bucket is one persistent flat
+tensor that the parameters' `.grad` are views of (`gradsync.path.bucket_views`):
+it is uploaded as one segment and is what a comm hook sees, with no copy.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+from torch import nn
+
+from gradsync.control.link import CoordinatorLink
+from gradsync.control.signature import WIRE_DTYPES, bucket_wire_dtype, presence_plan, wire_dtype
+from gradsync.hooks import (
+    COMPRESSED_WIRE_DTYPES,
+    CommHook,
+    GradBucket,
+    check_comm_hook,
+    check_wire_tensor,
+)
+from gradsync.instruments import Instruments
+from gradsync.path.bucket_views import Allocator, BucketViews, BucketViewStage, allocate
+from gradsync.path.bucketing import BucketPlan, assign_buckets
+from gradsync.path.buffers import BucketBuffer
+from gradsync.path.staging import BucketStage, Stage
+
+
+def plan_buckets(
+    named_parameters: Sequence[tuple[str, nn.Parameter]],
+    bucket_cap_bytes: int,
+    first_bucket_cap_bytes: int,
+) -> tuple[list[BucketPlan], BucketPlan]:
+    """The gradient buckets of a module, and its presence bucket (which comes last).
+
+    Raises:
+        ValueError: a parameter's dtype cannot travel, naming it.
+    """
+    sizes, dtypes = [], []
+    for name, param in named_parameters:
+        wire_dtype(name, param)  # refuse an unsupported dtype before joining
+        trainable = param.requires_grad and param.numel() > 0
+        sizes.append(param.numel() * param.element_size() if trainable else 0)
+        dtypes.append(param.dtype)
+    plans = assign_buckets(sizes, dtypes, bucket_cap_bytes, first_bucket_cap_bytes)
+    return plans, presence_plan(len(named_parameters))
+
+
+class _Launched:
+    """A bucket handed to the link: its stage, and the comm hook's view of it.
+
+    `answered_in_place`: the averages come back in float32 straight into the
+    bucket's flat buffer (`wire_answer_dtype`), so there is nothing to cast back
+    and the hook's `after_average` must not run: it would overwrite them with
+    the 16-bit upload.
+    """
+
+    def __init__(
+        self,
+        stage: Stage,
+        bucket: GradBucket | None,
+        wire: torch.Tensor,
+        answered_in_place: bool = False,
+    ) -> None:
+        self.stage, self.bucket, self.wire = stage, bucket, wire
+        self.answered_in_place = answered_in_place
+
+
+class Reducer:
+    """Buckets, usage marks and the comm hook of one wrapper.
+
+    Args:
+        named_parameters: the module's parameters, in signature order.
+        buckets: the gradient bucket layout (the presence bucket follows them).
+        rank: this rank (for error messages).
+        world_size: the job's size (for comm hooks).
+        instruments: metrics and trace.
+        link: returns the current link to the coordinator.
+        wire_hook: the built-in hook chosen by `wire_dtype` (`hooks.hook_for_wire_dtype`),
+            registered now; None when the gradients travel in their own dtype.
+        answer_in_fp32: with `wire_hook`, ask for the averages of float32 buckets
+            in float32 (`wire_answer_dtype`), written straight into the buckets'
+            float32 buffers; float64 buckets (which the coordinator answers only in
+            the wire dtype) and the presence bucket are unaffected.
+        gradient_as_bucket_view: make every `.grad` a view into its bucket's flat
+            tensor now (`gradsync.path.bucket_views`; host tensors only: the wrapper
+            passes it for CPU modules).
+        allocator: where the bucket views' flat tensors come from.
+    """
+
+    def __init__(
+        self,
+        named_parameters: Sequence[tuple[str, nn.Parameter]],
+        buckets: Sequence[BucketPlan],
+        rank: int,
+        world_size: int,
+        instruments: Instruments,
+        link: Callable[[], CoordinatorLink],
+        wire_hook: CommHook | None = None,
+        answer_in_fp32: bool = False,
+        *,
+        gradient_as_bucket_view: bool = False,
+        allocator: Allocator = allocate,
+    ) -> None:
+        self._named = list(named_parameters)
+        self.buckets = list(buckets)
+        self._rank, self._world_size = rank, world_size
+        self._instruments = instruments
+        self._link = link
+        self.bucket_of = [-1] * len(self._named)
+        for bucket_index, plan in enumerate(self.buckets):
+            for index in plan.parameter_indices:
+                self.bucket_of[index] = bucket_index
+        self.comm_hook: CommHook | None = wire_hook
+        self._comm_hook_state: Any = None
+        self._hook_from_wire_dtype = wire_hook is not None
+        self._answer_in_fp32 = answer_in_fp32 and wire_hook is not None
+        #: The buckets' flat tensors and `.grad` views (gradient_as_bucket_view), else None.
+        self.views = (
+            BucketViews(self._named, self.buckets, allocator) if gradient_as_bucket_view else None
+        )
+        self.reset()
+
+    def reset(self) -> None:
+        """Forget the current step: nothing used, nothing launched (after each sync)."""
+        self._used = [False] * len(self._named)
+        self._ready = [0] * len(self.buckets)
+        self._launched: list[_Launched | None] = [None] * len(self.buckets)
+
+    def register_comm_hook(self, state: Any, hook: CommHook) -> None:
+        """See `DistributedDataParallel.register_comm_hook`."""
+        check_comm_hook(hook)
+        if self._hook_from_wire_dtype:
+            # One hook per bucket: a user hook would replace the 16-bit cast (or be
+            # stacked on it in some order), so the combination is refused outright.
+            raise RuntimeError(
+                f"register_comm_hook({hook!r}) cannot be combined with wire_dtype, which "
+                f"already registered {self.comm_hook!r}: pass wire_dtype=None and register "
+                "your hook (casting to 16 bits in its before_upload if you want both)"
+            )
+        if self.comm_hook is not None:
+            raise RuntimeError(f"register_comm_hook can only be called once ({self.comm_hook!r})")
+        self.comm_hook, self._comm_hook_state = hook, state
+
+    def mark_used(self, index: int) -> None:
+        """Parameter `index` got a gradient on this rank (synchronized pass or not)."""
+        self._used[index] = True
+
+    def gradient_ready(self, index: int, step: int, overlap: bool) -> None:
+        """Count a gradient of a synchronized pass; launch its bucket once full (if overlap)."""
+        bucket_index = self.bucket_of[index]
+        self._ready[bucket_index] += 1
+        bucket_size = len(self.buckets[bucket_index].parameter_indices)
+        if overlap and self._ready[bucket_index] == bucket_size:
+            self._launch(bucket_index, step)
+
+    def finish(self, step: int, wait: Callable[[int], int]) -> int:
+        """Upload what is left, wait for the averages, write them to `.grad`.
+
+        Args:
+            step: the synchronized step.
+            wait: waits (bounded) for the averages of `step`; returns the contributors.
+
+        Returns:
+            The number of ranks averaged over.
+        """
+        for bucket_index, launched in enumerate(self._launched):
+            if launched is None:  # some parameter got no gradient this pass
+                self._launch(bucket_index, step)
+        presence = torch.tensor(self._used, dtype=torch.float32)
+        buffer = BucketBuffer([presence.view(torch.uint8).numpy()])
+        presence_index = len(self.buckets)
+        self._instruments.bucket_ready(step, presence_index, buffer.size)
+        self._link().submit_bucket(step, presence_index, buffer, WIRE_DTYPES[torch.float32])
+        contributors = wait(step)
+        used_anywhere = (presence > 0).tolist()
+        for launched in self._launched:
+            if launched is None:
+                continue  # (cannot happen: every bucket was launched above)
+            if (
+                launched.bucket is not None
+                and self.comm_hook is not None
+                and not launched.answered_in_place
+            ):
+                self.comm_hook.after_average(self._comm_hook_state, launched.bucket, launched.wire)
+            launched.stage.finish(used_anywhere)
+        return contributors
+
+    def _launch(self, bucket_index: int, step: int) -> None:
+        """Stage a bucket (through the comm hook, if any) and hand it to the link."""
+        plan = self.buckets[bucket_index]
+        hook = self.comm_hook
+        parameters = [(i, *self._named[i]) for i in plan.parameter_indices]
+        stage: Stage
+        if self.views is not None:
+            stage = BucketViewStage(parameters, self.views.flats[bucket_index], self.views.views)
+        else:
+            stage = BucketStage(
+                parameters,
+                self._used,
+                plan.dtype,  # type: ignore[arg-type]  # plans are keyed by torch dtype
+                flatten=hook is not None,
+            )
+        bucket = None
+        result: BucketBuffer | None = None
+        if hook is not None and stage.flat is not None:
+            bucket = GradBucket(bucket_index, step, stage.flat, stage.names, self._world_size)
+            wire = check_wire_tensor(
+                bucket, hook.before_upload(self._comm_hook_state, bucket), self._rank
+            )
+            segments = [wire.view(torch.uint8).numpy()]
+            dtype = WIRE_DTYPES[wire.dtype]
+            if (
+                self._answer_in_fp32
+                and stage.flat.dtype == torch.float32
+                and wire.dtype in COMPRESSED_WIRE_DTYPES
+            ):
+                # The fp32 averages land in the flat buffer the hook compressed from.
+                result = BucketBuffer([stage.flat.view(torch.uint8).numpy()])
+        else:
+            wire = torch.empty(0)
+            segments = stage.segments()
+            dtype = bucket_wire_dtype(plan)
+        self._launched[bucket_index] = _Launched(stage, bucket, wire, result is not None)
+        buffer = BucketBuffer(segments)
+        self._instruments.bucket_ready(step, bucket_index, buffer.size)
+        if result is None:
+            self._link().submit_bucket(step, bucket_index, buffer, dtype)
+        else:
+            self._link().submit_bucket(
+                step,
+                bucket_index,
+                buffer,
+                dtype,
+                result=result,
+                result_dtype=WIRE_DTYPES[torch.float32],
+            )

@@ -1,0 +1,351 @@
+"""A worker's data streams to the coordinator's shards 1..S-1 (gRPC, on the transport's loop).
+
+With a sharded coordinator the Welcome lists every shard; shard i aggregates
+byte range i of every bucket. The worker keeps its Sync stream to the leader
+(shard 0, range 0 and everything else) and opens one `Shard.Data` stream per
+other shard, introduced by a `ShardHello` naming the job, rank, incarnation
+and shard index and presenting the session secret of this rank's Welcome, so
+that a shard admits only members the leader announced, on their own session.
+Each stream has its own outgoing queue, so every range of a bucket is sent in
+parallel, and the averages it returns land in the transport's `Inbox` like
+the leader's (offsets are absolute).
+
+A stream that fails is reported to the `Inbox` as a `ShardUnavailableError`
+naming the shard, its address and gRPC's words, and is not raised at once
+(see `gradsync.path.shard_faults`: the leader decides). Connecting is bounded too:
+a shard that does not accept the connection in time counts as failed.
+Streams are closed with a Leave (bounded), then cancelled, so that closing a
+transport leaves no task, channel or thread behind.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import AsyncIterator, Callable, Iterator, Sequence
+from typing import Any
+
+import grpc
+from gradsync_proto import chunking, defaults
+from gradsync_proto.codec import decode_gradient, header_of
+from gradsync_proto.codes import Code
+from gradsync_proto.net.address import Address, parse_address
+from gradsync_proto.net.channels import ChannelSecurity, handshake_failure
+from gradsync_proto.v1 import gradsync_pb2 as pb
+
+from gradsync.errors import ShardUnavailableError
+from gradsync.path.bucket_uploads import RangeUpload
+from gradsync.path.inbox import Inbox
+from gradsync.path.shard_faults import shard_grace_s
+
+log = logging.getLogger("gradsync.client")
+
+#: Largest message the client accepts or sends: a chunk of the largest size a
+#: coordinator may be configured with (64 MiB) plus its header. The coordinator's
+#: own limit (announced in Welcome) is the binding one for uploads.
+CLIENT_MAX_MESSAGE_BYTES = 64 * defaults.MIB + chunking.HEADER_SLACK_BYTES
+SHARD_DATA_METHOD = "/gradsync.v1.Shard/Data"
+#: How long closing waits for a shard to answer a Leave before cancelling.
+LEAVE_TIMEOUT_S = 2.0
+
+
+def channel_options() -> list[tuple[str, int]]:
+    """gRPC channel options shared by the leader's and the shards' channels.
+
+    gRPC's reconnect backoff grows to 120 s by default: a worker started long
+    before its coordinator would notice it minutes late, so it retries briskly.
+    """
+    return [
+        ("grpc.max_receive_message_length", CLIENT_MAX_MESSAGE_BYTES),
+        ("grpc.max_send_message_length", CLIENT_MAX_MESSAGE_BYTES),
+        ("grpc.keepalive_time_ms", 10_000),
+        ("grpc.keepalive_timeout_ms", 10_000),
+        ("grpc.keepalive_permit_without_calls", 1),
+        ("grpc.initial_reconnect_backoff_ms", 500),
+        ("grpc.min_reconnect_backoff_ms", 500),
+        ("grpc.max_reconnect_backoff_ms", 2000),
+        ("grpc.dns_min_time_between_resolutions_ms", 1000),
+    ]
+
+
+def shard_target(address: str, leader_target: str) -> str:
+    """The gRPC target of a shard announced as `address`.
+
+    ":port" means the host this worker reached the leader at (the leader does
+    not know which of its names or addresses a worker used); anything else is
+    a full "host:port". IPv6 hosts come out in brackets.
+
+    Raises:
+        ValueError: either address is not a usable "host:port".
+    """
+    if address.startswith(":"):
+        port = parse_address(f"placeholder{address}").port
+        return str(Address(parse_address(leader_target).host, port))
+    return str(parse_address(address))
+
+
+def shard_targets(shards: Sequence[pb.ShardAddress], leader_target: str) -> dict[int, str]:
+    """{index: gRPC target} of every shard but the leader, from Welcome.shards.
+
+    Raises:
+        ValueError: the list is not shards 0..S-1 each once, or an address is unusable.
+    """
+    indexes = sorted(shard.index for shard in shards)
+    if indexes != list(range(len(shards))):
+        raise ValueError(f"the shard list has indexes {indexes}, expected 0..{len(shards) - 1}")
+    targets = {}
+    for shard in shards:
+        if shard.index == 0:
+            continue
+        try:
+            targets[shard.index] = shard_target(shard.address, leader_target)
+        except ValueError as exc:
+            raise ValueError(f"shard {shard.index} has address {shard.address!r}: {exc}") from None
+    return targets
+
+
+_CLOSE = object()
+
+
+class ShardStream:
+    """One `Shard.Data` stream (loop thread only, but `put` may be scheduled from anywhere).
+
+    Args:
+        index: the shard's index.
+        target: its gRPC target.
+        hello: the stream's first message (WorkerMessage{shard_hello}).
+        inbox: where averages and the stream's failure go.
+        encode: the serialized chunks of a range upload (the transport's, so
+            both kinds of stream stamp the same chunk size and epoch).
+        closing: true once the transport is closing (an end is then no failure).
+        connect_timeout_s: how long the shard gets to accept the connection.
+        security: TLS and token, as to the leader (shards share its CA and token).
+    """
+
+    def __init__(
+        self,
+        index: int,
+        target: str,
+        hello: pb.WorkerMessage,
+        inbox: Inbox,
+        encode: Callable[[RangeUpload], Iterator[bytes]],
+        closing: Callable[[], bool],
+        connect_timeout_s: float,
+        security: ChannelSecurity | None = None,
+    ) -> None:
+        self._security = security or ChannelSecurity()
+        self.index = index
+        self.target = target
+        self._hello = hello
+        self._inbox = inbox
+        self._encode = encode
+        self._closing = closing
+        self._connect_timeout_s = connect_timeout_s
+        self._outgoing: asyncio.Queue[Any] = asyncio.Queue()
+        self._channel: grpc.aio.Channel | None = None
+        self._call: Any = None
+        self._tasks: list[asyncio.Task[None]] = []
+        #: The shard's announcement of why it ends the stream, if it sent one.
+        self._end: pb.StreamEnd | None = None
+        self._failed = False
+        self.name = f"shard {index} at {target}"
+
+    def start(self) -> None:
+        """Open the channel and the stream (returns at once; must run on the loop)."""
+        self._channel = self._security.aio_channel(self.target, channel_options())
+        data = self._channel.stream_stream(SHARD_DATA_METHOD)
+        # wait_for_ready: the shard may still be starting; `_watch_connect` bounds it.
+        self._call = data(self._requests(), wait_for_ready=True, metadata=self._security.metadata)
+        self._tasks = [
+            asyncio.create_task(self._receive(), name=f"gradsync-shard-{self.index}-receive"),
+            asyncio.create_task(self._watch_connect(), name=f"gradsync-shard-{self.index}-connect"),
+        ]
+
+    def put(self, part: RangeUpload) -> None:
+        """Queue a range of a bucket for this shard (loop thread)."""
+        self._outgoing.put_nowait(part)
+
+    async def close(self, timeout_s: float) -> None:
+        """Say goodbye (bounded), then cancel the stream and close the channel."""
+        receiver = self._tasks[0] if self._tasks else None
+        if (
+            receiver is not None
+            and not receiver.done()
+            and self._channel is not None
+            and self._channel.get_state() == grpc.ChannelConnectivity.READY
+        ):
+            self._outgoing.put_nowait(
+                pb.WorkerMessage(leave=pb.Leave(reason="closed by the worker"))
+            )
+            self._outgoing.put_nowait(_CLOSE)
+            await asyncio.wait([receiver], timeout=min(timeout_s, LEAVE_TIMEOUT_S))
+        if self._call is not None:
+            self._call.cancel()
+        for task in self._tasks:
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        if self._channel is not None:
+            await self._channel.close()
+
+    async def _requests(self) -> AsyncIterator[bytes]:
+        yield self._hello.SerializeToString()
+        while True:
+            item = await self._outgoing.get()
+            if item is _CLOSE:
+                return
+            if isinstance(item, RangeUpload):
+                for message in self._encode(item):
+                    yield message
+            else:
+                yield item.SerializeToString()
+
+    async def _receive(self) -> None:
+        assert self._call is not None
+        code: int | None = None
+        details = "the shard ended the stream"
+        try:
+            async for raw in self._call:
+                self._on_message(raw)
+        except grpc.aio.AioRpcError as exc:
+            code, details = exc.code().value[0], exc.details() or ""
+        except asyncio.CancelledError:
+            return  # closed (or the connect watchdog gave up, and said why)
+        if not self._closing():
+            self._fail(code, details)
+
+    def _on_message(self, raw: bytes) -> None:
+        fast = decode_gradient(raw)
+        if fast is not None:
+            self._inbox.on_averaged_chunk(*fast, source=self.name)
+            return
+        message = pb.CoordinatorMessage.FromString(raw)
+        kind = message.WhichOneof("kind")
+        if kind == "gradient":
+            chunk = message.gradient
+            self._inbox.on_averaged_chunk(header_of(chunk), memoryview(chunk.payload), self.name)
+        elif kind == "stream_end":
+            self._end = message.stream_end  # kept to name the cause with the status
+        else:  # the leader's business (heartbeats, membership): nothing for a data stream
+            log.debug("rank %s: %s sent %s, ignored", self._hello.shard_hello.rank, self.name, kind)
+
+    async def _watch_connect(self) -> None:
+        """Count a shard that does not accept the connection in time as failed."""
+        assert self._channel is not None
+        try:
+            await asyncio.wait_for(self._channel.channel_ready(), self._connect_timeout_s)
+        except TimeoutError:
+            if not self._closing():
+                # Say so when TLS (not the network) kept it out: a certificate to fix.
+                tls = await asyncio.to_thread(handshake_failure, self.target, self._security)
+                self._fail(
+                    Code.UNAVAILABLE.value,
+                    f"could not connect within {self._connect_timeout_s:g}s"
+                    + (f": {tls}" if tls else ""),
+                )
+                if self._call is not None:
+                    self._call.cancel()
+
+    def _fail(self, code: int | None, details: str) -> None:
+        if self._failed:
+            return
+        self._failed = True
+        try:
+            status = Code(code) if code is not None else None
+        except ValueError:  # a code this client does not know
+            status = None
+        why = f"{status.name}: {details}" if status is not None else details
+        if self._end is not None and self._end.message:
+            why = f"{why} ({self._end.message})"
+        self._inbox.shard_failed(
+            ShardUnavailableError(
+                f"the data stream to {self.name} failed: {why}",
+                rank=self._hello.shard_hello.rank,
+                code=status,
+                shard_index=self.index,
+                shard_address=self.target,
+            )
+        )
+
+
+class ShardStreams:
+    """The data streams of one link to every shard but the leader (loop thread).
+
+    Args:
+        leader_target: the leader's gRPC target (":port" shards share its host).
+        inbox: where averages and failures go.
+        encode: the serialized chunks of a range upload.
+        closing: true once the transport is closing.
+        security: TLS and token of every shard stream (the leader's).
+    """
+
+    def __init__(
+        self,
+        leader_target: str,
+        inbox: Inbox,
+        encode: Callable[[RangeUpload], Iterator[bytes]],
+        closing: Callable[[], bool],
+        security: ChannelSecurity | None = None,
+    ) -> None:
+        self._security = security
+        self._leader_target = leader_target
+        self._inbox = inbox
+        self._encode = encode
+        self._closing = closing
+        self.streams: dict[int, ShardStream] = {}
+
+    def open(self, welcome: pb.Welcome, join: pb.Join) -> None:
+        """Open a stream to every shard of `welcome` but the leader, introduced as `join`'s member.
+
+        An unusable shard list is a protocol fault (recorded in the inbox).
+        """
+        if not welcome.shards:
+            return
+        try:
+            targets = shard_targets(welcome.shards, self._leader_target)
+        except ValueError as exc:
+            self._inbox.protocol_fault(f"the Welcome's shard list is unusable: {exc}")
+            return
+        # Connecting gets the same bound as a failed stream's grace: by then the
+        # leader has noticed a shard that is not there.
+        connect_timeout_s = shard_grace_s(
+            self._inbox.heartbeat_interval_s, self._inbox.shard_grace_margin_s
+        )
+        for index, target in sorted(targets.items()):
+            hello = pb.ShardHello(
+                job_id=join.job_id,
+                rank=join.rank,
+                incarnation=join.incarnation,
+                shard_index=index,
+                # The shard admits the stream only with the secret the leader issued to
+                # this rank at its Join (the incarnation alone is public: Status shows it).
+                session=welcome.session,
+            )
+            stream = ShardStream(
+                index,
+                target,
+                pb.WorkerMessage(shard_hello=hello),
+                self._inbox,
+                self._encode,
+                self._closing,
+                connect_timeout_s,
+                self._security,
+            )
+            stream.start()
+            self.streams[index] = stream
+        log.info(
+            "rank %d: sharded coordinator, %d shards: %s",
+            join.rank,
+            len(welcome.shards),
+            ", ".join(f"{index} at {target}" for index, target in sorted(targets.items())),
+        )
+
+    def dispatch(self, parts: Sequence[RangeUpload | None]) -> None:
+        """Queue range i of a bucket on shard i's stream, for every i >= 1."""
+        for index, part in enumerate(parts):
+            stream = self.streams.get(index)
+            if part is not None and stream is not None:
+                stream.put(part)
+
+    async def close(self, timeout_s: float) -> None:
+        """Close every stream in parallel (each bounded)."""
+        await asyncio.gather(*(stream.close(timeout_s) for stream in self.streams.values()))

@@ -1,0 +1,132 @@
+"""One synchronized backward pass of `gradsync.DistributedDataParallel`, hook to `.grad`.
+
+Each parameter's post-accumulate-grad hook lands here: the parameter is
+marked used, and a bucket whose last gradient arrived is handed to the
+reducer (`gradsync.path.reducer`), which uploads it while autograd computes
+earlier layers. The end-of-backward callback flushes the rest, waits
+(bounded) for every average, moves them into `.grad` and moves on to the
+next step; a lost coordinator is reconnected to through the session
+(`gradsync.control.session`) and surfaces as `CoordinatorRestartedError`.
+
+Kept apart from `gradsync.ddp` (the nn.Module face: DDP's arguments,
+forward, collectives, lifecycle) because this is the per-step state machine
+(the step index, whether a backward pass is in flight, the errors its hooks
+recorded) and the hot path: hooks only record, and failures are raised at
+the one sync point, the end of backward.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from gradsync.control.link import CoordinatorLink
+from gradsync.control.session import Session
+from gradsync.errors import CoordinatorUnavailableError, GradSyncError, StepAbortedError
+from gradsync.instruments import Instruments
+from gradsync.path.reducer import Reducer
+
+log = logging.getLogger("gradsync.client")
+
+
+class StepPath:
+    """The step a wrapper is at and the backward pass that synchronizes it.
+
+    Args:
+        reducer: the wrapper's buckets (stages, uploads and writes back averages).
+        instruments: step timing, metrics and trace.
+        session: owns the link (a reconnect replaces it), reconnects, and holds the
+            config (rank, for error messages; timeout_s, the bound on a step's wait).
+        overlap: upload each bucket as soon as its gradients are ready.
+        step: the step to start at (the session's start step).
+    """
+
+    def __init__(
+        self,
+        reducer: Reducer,
+        instruments: Instruments,
+        session: Session,
+        overlap: bool,
+        step: int,
+    ) -> None:
+        self._reducer = reducer
+        self._instruments = instruments
+        self._session = session
+        self._rank = session.config.rank
+        self._timeout_s = session.config.timeout_s
+        self._overlap = overlap
+        #: Index of the next synchronized step (synced backward passes so far).
+        self.step = step
+        #: A synchronized backward pass has started and not yet finished.
+        self.backward_active = False
+        #: Backward passes synchronized so far by this wrapper.
+        self.synced_steps = 0
+        #: The number of ranks the last step was averaged over.
+        self.last_contributors = 0
+        self._errors: list[Exception] = []
+
+    @property
+    def _link(self) -> CoordinatorLink:
+        """The current link to the coordinator (a reconnect replaces it)."""
+        return self._session.link
+
+    def gradient_ready(self, index: int, require_sync: bool) -> None:
+        """Autograd hook body: mark the parameter used, launch full buckets. Never raises."""
+        self._reducer.mark_used(index)
+        if not require_sync or self._reducer.bucket_of[index] < 0:
+            return
+        try:
+            if not self.backward_active:
+                self.backward_active = True
+                self._instruments.backward_started(self.step)
+                torch.autograd.Variable._execution_engine.queue_callback(self.finish_backward)
+            self._reducer.gradient_ready(index, self.step, self._overlap)
+        except Exception as exc:  # raised at the end of backward, with context
+            self._errors.append(exc)
+
+    def finish_backward(self) -> None:
+        """End-of-backward callback: flush, wait for averages, write them to .grad."""
+        step = self.step
+        try:
+            if self._errors:
+                error = self._errors[0]
+                raise GradSyncError(
+                    f"preparing gradients for upload failed: {error}", rank=self._rank, step=step
+                ) from error
+            self.last_contributors = self._reducer.finish(step, self._wait_step)
+            self.synced_steps += 1
+        finally:
+            self._end_step(step)
+
+    def abandon(self, reason: str) -> None:
+        """Tell the coordinator to abort the step in flight for every rank, and move on."""
+        step = self.step
+        log.warning("rank %d: abandoning step %d: %s", self._rank, step, reason)
+        self._link.abandon_step(step, reason)
+        self._end_step(step)
+
+    def _wait_step(self, step: int) -> int:
+        """Wait for the averages of `step`; reconnect to a restarted coordinator if lost."""
+        wait_started = self._instruments.now()
+        try:
+            contributors = self._link.wait_step(step, self._timeout_s)
+        except StepAbortedError as exc:
+            self._instruments.step_aborted(exc)
+            raise
+        except CoordinatorUnavailableError as exc:
+            resumed_at, restarted = self._session.recover(exc, self.step, "a backward pass")
+            self.step = resumed_at - 1  # `_end_step` moves on to the resumed step
+            raise restarted from exc
+        self._instruments.step_done(step, wait_started, self._link.step_report())
+        return contributors
+
+    def _end_step(self, step: int) -> None:
+        """Forget this step's staging and usage marks and move on to the next step."""
+        if self.step != step:  # a reconnect moved the step
+            step = self.step
+        self._reducer.reset()
+        self._errors.clear()
+        self.backward_active = False
+        self.step = step + 1
+        self._link.current_step = self.step

@@ -1,0 +1,509 @@
+"""The worker's side of the Sync stream: gRPC on a background event loop.
+
+`Transport` is a thread-safe, blocking facade over a `grpc.aio` stream that
+lives on its own asyncio loop in a daemon thread. The training thread and the
+autograd hooks only call non-blocking methods (`submit_bucket` enqueues) or
+bounded waits (`wait_step`, `wait_welcome`, `receive_state`). This module is
+the sending side and the gRPC plumbing (the messages themselves are cut by
+`gradsync.control.worker_messages`); everything the coordinator sends back
+(averaged chunks, aborted steps, a dead stream) goes into a
+`gradsync.path.inbox.Inbox`, which records it under one condition variable and
+raises stored failures at the next wait, translated into `GradSyncError`s in
+one place.
+
+A worker may start long before its peers, or before its coordinator: it
+sends heartbeats from the moment its stream is open (the coordinator counts a
+waiting rank as alive), and while it waits for the job to assemble it logs
+every ~10 s who is still missing, or why the coordinator cannot be reached
+(`gradsync.control.joining`), and how long it will keep trying.
+
+Collectives on user tensors travel on the same stream: `run_collective`
+numbers them (every rank issues them in the same order), uploads the input in
+chunks and waits (bounded) for the checked result.
+
+A stream's end is classified by cause, not only by status code: the
+coordinator's last message is a `StreamEnd` naming the reason (declared dead,
+checkpoint failed, shutting down, ...), which is recorded and combined with
+the status that follows in `gradsync.errors.error_from_status`. Only a stream
+that broke without one, or a coordinator going away, becomes a
+`CoordinatorUnavailableError`, the one error the model wrapper reconnects on.
+
+With a sharded coordinator (a Welcome listing shards), the transport also
+opens one data stream per other shard (`gradsync.path.shard_streams`) and cuts
+every bucket into one byte range per shard (`gradsync.path.bucket_uploads`):
+range 0 goes on the Sync stream, range i on shard i's stream, all in
+parallel, and the averages of every stream land in the same `Inbox`.
+
+Channels (TLS or plaintext) and the token sent with every call come from one
+`gradsync_proto.net.channels.ChannelSecurity`, shared with the shard streams. A wrong or
+missing token ends the stream UNAUTHENTICATED (`AuthenticationError`); a TLS
+handshake that keeps failing is raised as `TransportSecurityError` at the first
+progress report of the join wait, not retried until the join timeout.
+
+It implements `gradsync.control.link.CoordinatorLink`, the seam the model wrapper
+uses, so the wrapper can be tested without it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import threading
+from collections.abc import AsyncIterator, Iterator
+from typing import Any
+
+import grpc
+import numpy as np
+import numpy.typing as npt
+from gradsync_proto import chunking, defaults
+from gradsync_proto.codes import Code
+from gradsync_proto.net.channels import ChannelSecurity
+from gradsync_proto.v1 import gradsync_pb2 as pb
+
+from gradsync.control.collective_results import op_name
+from gradsync.control.joining import wait_for_welcome
+from gradsync.control.link import BucketEventHandler
+from gradsync.control.worker_messages import (
+    CheckpointUpload,
+    CollectiveUpload,
+    StateUpload,
+    check_collective_input,
+    upload_messages,
+)
+from gradsync.errors import ClosedError, GradSyncError
+from gradsync.path.bucket_uploads import BucketUpload, RangeUpload, range_messages, split_upload
+from gradsync.path.buffers import BucketBuffer
+from gradsync.path.inbox import Inbox
+from gradsync.path.shard_faults import SHARD_GRACE_MARGIN_S
+from gradsync.path.shard_streams import CLIENT_MAX_MESSAGE_BYTES, ShardStreams, channel_options
+
+log = logging.getLogger("gradsync.client")
+
+__all__ = ["CLIENT_MAX_MESSAGE_BYTES", "SYNC_METHOD", "Transport"]
+
+SYNC_METHOD = "/gradsync.v1.Coordinator/Sync"
+
+
+_CLOSE = object()
+#: Placeholder for a heartbeat in the outgoing queue: the step it reports is
+#: read when it is sent, not when it was queued.
+_HEARTBEAT = object()
+
+
+class Transport:
+    """One worker's connection to one coordinator.
+
+    Args:
+        target: "host:port" of the coordinator (the leader, when sharded).
+        rank: this worker's rank (for error messages).
+        shard_grace_margin_s: a failed shard stream is raised this long plus 3
+            heartbeat intervals after it failed, unless the leader spoke first.
+        security: TLS and token for every stream (default: plaintext, no token).
+    """
+
+    def __init__(
+        self,
+        target: str,
+        rank: int,
+        *,
+        shard_grace_margin_s: float = SHARD_GRACE_MARGIN_S,
+        security: ChannelSecurity | None = None,
+    ) -> None:
+        self.target = target
+        self.rank = rank
+        self._security = security or ChannelSecurity()
+        self._inbox = Inbox(
+            target,
+            rank,
+            lambda step, bucket: self._bucket_event("averaged", step, bucket),
+            shard_grace_margin_s=shard_grace_margin_s,
+        )
+        self._closed = False
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(
+            target=self._loop.run_forever, name=f"gradsync-transport-r{rank}", daemon=True
+        )
+        self._thread.start()
+        self._outgoing: asyncio.Queue[Any] = asyncio.Queue()
+        self._channel: grpc.aio.Channel | None = None
+        self._call: Any = None
+        self._receiver: asyncio.Task[None] | None = None
+        self._heartbeat: asyncio.Task[None] | None = None
+        #: A heartbeat is queued and not yet handed to gRPC (loop thread only):
+        #: while the coordinator is unreachable, beats must not pile up.
+        self._heartbeat_queued = False
+        self._join: pb.Join | None = None
+        #: Data streams to shards 1..S-1 (loop thread), opened at the Welcome.
+        self._shards: ShardStreams | None = None
+        self._sequence_lock = threading.Lock()
+        self._next_collective = 0
+        #: The step heartbeats report (set by the model wrapper).
+        self.current_step = 0
+        #: Called on the transport thread as (event, step, bucket_index) for
+        #: "upload_start", "upload_end" and "averaged"; must be quick, must not raise.
+        self.on_bucket_event: BucketEventHandler | None = None
+
+    # ------------------------------------------------------------ public API
+    def open(self, join: pb.Join) -> None:
+        """Open the stream and send Join (returns at once; see `wait_welcome`)."""
+        self._inbox.expect(join)  # the Welcome is checked against what this worker joined with
+        self._run(self._open(join), timeout_s=30.0)
+
+    def wait_welcome(self, timeout_s: float) -> pb.Welcome:
+        """Block until the job is assembled, logging every ~10 s what it waits for.
+
+        See `gradsync.control.joining.wait_for_welcome`.
+
+        Raises:
+            CoordinatorUnavailableError: the coordinator was not reachable in time.
+            SyncTimeoutError: reachable, but the job did not assemble in time.
+            JoinRefusedError: the coordinator refused this worker (AuthenticationError:
+                the token was missing or wrong).
+            TransportSecurityError: the TLS handshake failed (said within seconds).
+        """
+        return wait_for_welcome(
+            self._inbox,
+            self.target,
+            self.rank,
+            timeout_s,
+            self._is_connected,
+            security=self._security,
+        )
+
+    # ------------------------------------------------------------ collectives, join()
+    def run_collective(
+        self,
+        op: int,
+        dtype: int,
+        payload: npt.NDArray[np.uint8],
+        root: int,
+        timeout_s: float,
+        *,
+        result_bytes: int | None = None,
+    ) -> tuple[bytearray, int]:
+        """Run the next collective of the job; see `CoordinatorLink.run_collective`."""
+        check_collective_input(op, payload)
+        with self._sequence_lock:
+            sequence = self._next_collective
+            self._inbox.expect_collective(sequence, op, dtype, payload.nbytes, result_bytes)
+            self._next_collective = sequence + 1
+        log.debug(
+            "rank %d: collective %d: %s of %d bytes",
+            self.rank,
+            sequence,
+            op_name(op),
+            payload.nbytes,
+        )
+        self._put(CollectiveUpload(sequence, op, dtype, root, payload))
+        return self._inbox.wait_collective(sequence, timeout_s)
+
+    @property
+    def collective_sequence(self) -> int:
+        """The sequence number the next collective gets."""
+        return self._next_collective
+
+    def set_collective_sequence(self, sequence: int) -> None:
+        """Continue numbering collectives at `sequence` (after a join(), from JoinProgress)."""
+        if sequence < 0:
+            raise ValueError(f"a collective sequence number cannot be negative, got {sequence}")
+        with self._sequence_lock:
+            self._next_collective = sequence
+
+    def send_out_of_inputs(self, step: int) -> None:
+        """Tell the coordinator this rank ran out of inputs at `step`. Never blocks."""
+        self._put(pb.WorkerMessage(out_of_inputs=pb.OutOfInputs(step=step)))
+
+    def send_local_posted(self, step: int, bucket_index: int) -> None:
+        """Tell the coordinator this rank's bucket is in its local group. Never blocks."""
+        posted = pb.LocalPosted(step=step, bucket_index=bucket_index)
+        self._put(pb.WorkerMessage(local_posted=posted))
+
+    def wait_join_progress(self, timeout_s: float) -> pb.JoinProgress:
+        """Block (bounded) until the next JoinProgress arrives; return it."""
+        return self._inbox.wait_join_progress(timeout_s)
+
+    def configure_buckets(self, bucket_bytes: list[int]) -> None:
+        """Tell the transport the size of each bucket (to assemble results)."""
+        self._inbox.configure_buckets(bucket_bytes)
+
+    def send_state(self, blob: npt.NDArray[np.uint8]) -> None:
+        """Queue rank 0's state blob for broadcast (non-blocking)."""
+        self._put(StateUpload(blob))
+
+    def receive_state(self, num_bytes: int, timeout_s: float) -> bytearray:
+        """Block until rank 0's whole state blob has arrived; return it."""
+        return self._inbox.receive_state(num_bytes, timeout_s)
+
+    def receive_resume(self, num_bytes: int, timeout_s: float) -> bytes:
+        """Block until the checkpoint this job resumes from has arrived; return it."""
+        return self._inbox.receive_resume(num_bytes, timeout_s)
+
+    def send_checkpoint(self, step: int, blob: bytes) -> None:
+        """Queue a checkpoint upload (rank 0). Never blocks."""
+        self._put(CheckpointUpload(step, blob))
+
+    def abandon_step(self, step: int, reason: str) -> None:
+        """Tell the coordinator this rank gives up on `step`. Never blocks."""
+        self._put(pb.WorkerMessage(abandon=pb.AbandonStep(step=step, reason=reason)))
+
+    def take_heal_request(self) -> bool:
+        """True (once) when a rejoining rank needs this rank's state."""
+        return self._inbox.take_heal_request()
+
+    def step_report(self) -> pb.StepReport | None:
+        """The coordinator's latest StepReport; see `CoordinatorLink.step_report`."""
+        return self._inbox.step_report()
+
+    def live_ranks(self) -> tuple[int, ...] | None:
+        """The live ranks of the latest MembershipChanged; see `CoordinatorLink.live_ranks`."""
+        return self._inbox.live_ranks()
+
+    def send_heal(self, step: int, blob: bytes) -> None:
+        """Queue this rank's state for a rejoining rank. Never blocks."""
+        self._put(CheckpointUpload(step, blob, heal=True))
+
+    def wait_checkpoint(self, step: int, timeout_s: float) -> pb.CheckpointSaved:
+        """Block until the coordinator answered the checkpoint upload of `step`."""
+        return self._inbox.wait_checkpoint(step, timeout_s)
+
+    def submit_bucket(
+        self,
+        step: int,
+        bucket_index: int,
+        buffer: BucketBuffer,
+        dtype: int,
+        *,
+        result: BucketBuffer | None = None,
+        result_dtype: int = 0,
+        covered_ranks: tuple[int, ...] = (),
+        nonfinite_ranks: tuple[int, ...] = (),
+        segment_offset: int | None = None,
+    ) -> None:
+        """Queue one bucket for upload; its averages will be written back into `buffer`.
+
+        Never blocks on the network; safe from any thread (autograd hooks call it).
+        With a sharded coordinator, range i of the bucket goes to shard i. With
+        `result`, every chunk asks for the average in `result_dtype` and it is
+        written there, on the grid of `result`'s own ranges (see
+        `CoordinatorLink.submit_bucket`). A local leader's `covered_ranks` (and
+        `nonfinite_ranks`) go in every chunk, on every shard's stream. With
+        `segment_offset` (a local leader whose segment the coordinator holds;
+        unsharded, no `result`), chunks travel header-only and the averages land in
+        `buffer` in place.
+
+        Raises:
+            ValueError: `buffer` is not a whole number of `dtype` elements (sharded only).
+        """
+        welcome = self._inbox.welcome
+        shard_count = max(1, len(welcome.shards)) if welcome is not None else 1
+        reply_dtype = 0 if result is None else result_dtype
+        if shard_count > 1 or result is not None:
+            segment_offset = None  # the coordinator reads whole buckets in their own dtype
+        upload = BucketUpload(
+            step,
+            bucket_index,
+            buffer,
+            dtype,
+            reply_dtype,
+            covered_ranks,
+            segment_offset,
+            nonfinite_ranks,
+        )
+        parts = split_upload(upload, shard_count)
+        self._inbox.expect_bucket(
+            step,
+            bucket_index,
+            buffer if result is None else result,
+            reply_dtype or dtype,
+            segment_offset,
+        )
+        if self._loop.is_closed():
+            raise ClosedError("the transport is closed", rank=self.rank)
+        self._loop.call_soon_threadsafe(self._dispatch, parts)
+
+    def wait_step(self, step: int, timeout_s: float) -> int:
+        """Block until every averaged bucket of `step` was written back into its buffer.
+
+        Returns:
+            The number of ranks averaged over.
+
+        Raises:
+            StepAbortedError (or a subclass): the coordinator abandoned the step.
+            SyncTimeoutError: the results did not arrive within `timeout_s`.
+            CoordinatorUnavailableError / other GradSyncError: the stream failed.
+        """
+        return self._inbox.wait_step(step, timeout_s)
+
+    def close(self, timeout_s: float = 10.0) -> None:
+        """Say goodbye, wait (bounded) for the streams to end, stop the loop thread.
+
+        Every shard stream gets a Leave too, closed in parallel with the leader's.
+        """
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            shards_closed = asyncio.run_coroutine_threadsafe(
+                self._close_shards(timeout_s), self._loop
+            )
+            # A goodbye needs a connection: never connected, there is nobody to wait for.
+            if self._call is not None and self._is_connected():
+                self._put(pb.WorkerMessage(leave=pb.Leave(reason="closed by the worker")))
+                self._put(_CLOSE)
+                # Leaving anyway if the goodbye fails: the stream is torn down below.
+                with contextlib.suppress(GradSyncError):
+                    self._inbox.wait_stream_done(timeout_s)
+            # Bounded by each stream's own Leave timeout; torn down below regardless.
+            with contextlib.suppress(Exception):
+                shards_closed.result(timeout=timeout_s)
+            self._run(self._shutdown(), timeout_s=timeout_s)
+        finally:
+            self._loop.call_soon_threadsafe(self._loop.stop)
+            self._thread.join(timeout=timeout_s)
+            if not self._thread.is_alive():
+                self._loop.close()
+
+    # ------------------------------------------------------ loop-thread side
+    async def _open(self, join: pb.Join) -> None:
+        self._join = join
+        self._channel = self._security.aio_channel(self.target, channel_options())
+        # Raw bytes both ways: gradient chunks are encoded and decoded by
+        # gradsync_proto.codec without copying payloads through protobuf objects.
+        sync = self._channel.stream_stream(SYNC_METHOD)
+        self._outgoing.put_nowait(pb.WorkerMessage(join=join))
+        # wait_for_ready: a worker may start before its coordinator; the join
+        # timeout bounds how long it waits.
+        self._call = sync(self._requests(), wait_for_ready=True, metadata=self._security.metadata)
+        self._receiver = asyncio.create_task(self._receive())
+        self._heartbeat = asyncio.create_task(self._send_heartbeats())
+
+    async def _send_heartbeats(self) -> None:
+        """Queue a Heartbeat every interval from the moment the stream is open.
+
+        Also while the job assembles: the coordinator counts a waiting rank as
+        alive only if it hears from it. The interval is the coordinator's (from
+        its first AssemblyProgress or the Welcome), else the default. A beat
+        is queued only once the previous one has left, so that nothing piles
+        up while the coordinator is unreachable.
+        """
+        while True:
+            await asyncio.sleep(self._inbox.heartbeat_interval_s or defaults.HEARTBEAT_INTERVAL_S)
+            if not self._heartbeat_queued:
+                self._heartbeat_queued = True
+                self._outgoing.put_nowait(_HEARTBEAT)
+
+    def _dispatch(self, parts: list[RangeUpload | None]) -> None:
+        """Queue range 0 of a bucket here, every other range on its shard's stream (loop)."""
+        self._outgoing.put_nowait(parts[0])
+        if self._shards is not None:
+            self._shards.dispatch(parts)
+
+    def _range_messages(self, part: RangeUpload) -> Iterator[bytes]:
+        """A range's chunks with the Welcome's chunk size and the current epoch."""
+        welcome = self._inbox.welcome
+        chunk_bytes = welcome.chunk_bytes if welcome is not None else 0
+        return range_messages(
+            part,
+            chunk_bytes or chunking.DEFAULT_CHUNK_BYTES,
+            self._inbox.membership_epoch,
+            self._bucket_event,
+        )
+
+    async def _close_shards(self, timeout_s: float) -> None:
+        if self._shards is not None:
+            await self._shards.close(timeout_s)
+
+    async def _requests(self) -> AsyncIterator[bytes]:
+        chunk_bytes = chunking.DEFAULT_CHUNK_BYTES
+        epoch = 0
+        while True:
+            item = await self._outgoing.get()
+            if item is _CLOSE:
+                return
+            if item is _HEARTBEAT:
+                self._heartbeat_queued = False
+                beat = pb.WorkerMessage(heartbeat=pb.Heartbeat(step=self.current_step))
+                yield beat.SerializeToString()
+                continue
+            welcome = self._inbox.welcome
+            if welcome is not None:
+                chunk_bytes, epoch = welcome.chunk_bytes, self._inbox.membership_epoch
+            for message in upload_messages(item, chunk_bytes, epoch, self._bucket_event):
+                yield message
+
+    async def _receive(self) -> None:
+        assert self._call is not None
+        failure: GradSyncError | None = None
+        try:
+            async for raw in self._call:
+                self._inbox.on_message(raw)
+                if self._shards is None and (welcome := self._inbox.welcome) is not None:
+                    self._shards = ShardStreams(
+                        self.target,
+                        self._inbox,
+                        self._range_messages,
+                        lambda: self._closed,
+                        self._security,
+                    )
+                    self._shards.open(welcome, self._join or pb.Join())
+            if not self._closed:
+                failure = self._inbox.stream_failure(None, "")
+        except grpc.aio.AioRpcError as exc:
+            code = exc.code().value[0]
+            if not (self._closed and code == Code.CANCELLED):
+                failure = self._inbox.stream_failure(code, exc.details() or "")
+                failure.__cause__ = exc
+        except asyncio.CancelledError:
+            failure = ClosedError("the transport was closed", rank=self.rank)
+        except Exception as exc:  # a bug in message handling: surface it, don't hang
+            failure = GradSyncError(f"unexpected error in the transport: {exc!r}", rank=self.rank)
+        self._inbox.stream_ended(failure)
+
+    def _bucket_event(self, event: str, step: int, bucket_index: int) -> None:
+        if self.on_bucket_event is not None:
+            try:
+                self.on_bucket_event(event, step, bucket_index)
+            except Exception:  # instrumentation must never break the data path
+                log.exception("bucket event handler failed")
+
+    async def _shutdown(self) -> None:
+        """Cancel the call and every task of the loop, and wait for them (no asyncio noise).
+
+        A task still pending when the loop stops prints "Task was destroyed but
+        it is pending!", and a failed future nobody awaited prints "Future
+        exception was never retrieved": everything is cancelled and awaited here.
+        """
+        if self._call is not None:
+            self._call.cancel()
+        if self._heartbeat is not None:
+            self._heartbeat.cancel()
+        if self._receiver is not None and not self._receiver.done():
+            self._receiver.cancel()
+        if self._channel is not None:
+            await self._channel.close()
+        if self._shards is not None:  # no-op for streams already closed by `close`
+            await self._shards.close(0.0)
+        current = asyncio.current_task()
+        for _ in range(3):  # closing the channel can start gRPC's own last tasks
+            others = [task for task in asyncio.all_tasks() if task is not current]
+            if not others:
+                break
+            for task in others:
+                task.cancel()
+            await asyncio.gather(*others, return_exceptions=True)
+
+    # --------------------------------------------------------------- helpers
+    def _put(self, item: object) -> None:
+        if self._loop.is_closed():
+            raise ClosedError("the transport is closed", rank=self.rank)
+        self._loop.call_soon_threadsafe(self._outgoing.put_nowait, item)
+
+    def _run(self, coroutine: Any, timeout_s: float) -> Any:
+        future = asyncio.run_coroutine_threadsafe(coroutine, self._loop)
+        return future.result(timeout=timeout_s)
+
+    def _is_connected(self) -> bool:
+        if self._channel is None:
+            return False
+        return bool(self._channel.get_state() == grpc.ChannelConnectivity.READY)

@@ -1,9 +1,0 @@
-"""What the client and the coordinator both speak, beyond the generated contract.
-
-`gradsync.v1` holds the messages; this package holds the rules both ends
-derive from them: how buffers are cut into chunks (`chunking`), which dtypes
-travel and their sizes (`dtypes`), the zero-copy gradient codec (`codec`),
-status codes (`codes`), every default value (`defaults`) and the Prometheus
-scrape endpoint (`exposition`). Neither end imports the other's internals;
-both import this.
-"""

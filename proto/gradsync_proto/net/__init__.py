@@ -1,0 +1,1 @@
+"""Dialing a coordinator, for every process that does: addresses, channel security, diagnosis."""

@@ -1,0 +1,231 @@
+"""The coordinator's configuration: flags -> this frozen object -> constructors."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from gradsync_proto import chunking, defaults
+from gradsync_proto.defaults import MIB
+
+from gradsync_server.dataplane.budget import outbox_pool_bytes
+from gradsync_server.store.stores import parse_store_url
+
+__all__ = ["MIB", "ServerConfig"]
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    """Everything the coordinator needs to start.
+
+    Attributes:
+        world_size: ranks per job.
+        host: interface to bind ("0.0.0.0" for all); loopback by default, since without
+            a token or client certificates anything beyond loopback is refused
+            unless `insecure` (protected mode, see `gradsync_server.rpc.auth_check`).
+        port: TCP port; 0 picks a free one (reported in the banner).
+        chunk_bytes: wire chunk size every worker must use.
+        max_buffered_bytes: cap on gradient bytes held in partial reductions,
+            across all jobs; beyond it uploads get RESOURCE_EXHAUSTED.
+        max_outbox_bytes: cap on averaged bytes queued for one worker that is
+            not reading them; beyond it that worker's stream is ended. All outboxes
+            together are also capped, by `outbox_pool_bytes`.
+        max_job_buffered_bytes: the most of `max_buffered_bytes` one job may hold
+            (None: half), so one job cannot starve the others.
+        max_checkpoint_bytes: the largest checkpoint or healing state accepted; its
+            bytes count in the job's share as they arrive.
+        max_connections: concurrent streams of all kinds; beyond it RESOURCE_EXHAUSTED.
+        first_message_timeout_s: a stream that sends no first message (Join,
+            ShardHello, ShardRegister) within this is ended with DEADLINE_EXCEEDED.
+        assembly_timeout_s: a job still assembling after this is refused
+            (DEADLINE_EXCEEDED), so quick Joins cannot hold job slots forever.
+        max_jobs: concurrent jobs the coordinator accepts.
+        shutdown_grace_s: how long SIGTERM lets running streams finish.
+        heartbeat_interval_s: how often workers send a sign of life.
+        heartbeat_timeout_s: silence after which a worker is declared dead.
+        stall_warning_s: a step older than this logs who it waits for.
+        checkpoint_store: store URL (redis://, rediss://, file:// or a path that cannot be
+            mistaken for host:port; see `gradsync_server.store.stores`), or None.
+        checkpoint_every: rank 0 uploads a checkpoint every this many steps (0 = on request).
+        require_checkpoint: fail the job instead of training on when saving fails.
+        resume: refuse to start a job from scratch: it must have a stored checkpoint.
+        metrics_port: serve Prometheus metrics on this port (0 = a free one, None = off).
+        on_failure: "abort" (survivors get PeerLostError) or "elastic" (go on without
+            the lost rank; restarted ranks rejoin).
+        min_workers: under the elastic policy, the fewest live ranks to go on with.
+        max_collective_bytes: cap on one rank's input to a collective on user tensors
+            (and on an all_gather's whole result); larger claims get RESOURCE_EXHAUSTED.
+        shard_count: coordinator shards, the leader (shard 0) included; 1 = not sharded.
+            Jobs start only once the other `shard_count - 1` have registered.
+        local_shards: the leader starts (and restarts) the other shards itself, as child
+            processes on this host (`--shards`); False: they register from elsewhere
+            (`--wait-for-shards`).
+        shard_wait_timeout_s: how long `gradsync serve` waits at start-up for every shard
+            to register before it exits 1 naming the missing ones.
+        tls_cert, tls_key: PEM files of the server's certificate and key (TLS); None =
+            plaintext.
+        tls_client_ca: PEM file of the CA that issued the clients' certificates: clients
+            must present one (mTLS). None = no client certificates asked for.
+        tls_ca: PEM file of the CA that issued `tls_cert`, handed to the local shard
+            children (`--shards`) to verify the leader; None = `tls_cert` itself.
+        token: the shared secret every call must present (loaded by the CLI from
+            --token-file / $GRADSYNC_TOKEN / $GRADSYNC_TOKEN_FILE; never printed).
+        insecure: listen beyond loopback with neither a token nor client certificates.
+        metrics_host: interface the metrics server binds; None = `host`.
+        fresh_start: start new jobs at step 0 without reading their checkpoints (which are
+            kept: saves never delete a checkpoint newer than the one a job resumed from).
+            Without it a store that cannot be read refuses the job.
+        store_timeout_s: deadline of every checkpoint store call (load at the first Join,
+            save); the call runs in a worker thread, so a hung store stalls no other job.
+        redis_password: password for a redis:// store (from --redis-password-file or
+            $GRADSYNC_REDIS_PASSWORD, so it is not in the process list); never printed.
+        nonfinite: what a NaN/Inf gradient contribution does: "report" (log, metric,
+            status; the step goes on, as under DDP), "abort" (the step is aborted for
+            every rank, which raise NonFiniteGradientError) or "allow" (no check).
+            Shards learn it from the leader (`ShardAccepted.nonfinite`).
+        payload_socket: same-host local leaders move gradient payloads through their
+            shared-memory segments instead of TCP (`gradsync_server.rpc.segments`);
+            unsharded only. False (`--no-payload-socket`): everything over TCP.
+        host_id: this coordinator's host id, which a local leader's Join.host_id must
+            equal for the payload path; "" = `gradsync_proto.host.host_id()`
+            ($GRADSYNC_HOST_ID, else the machine and network namespace).
+    """
+
+    world_size: int
+    host: str = defaults.HOST
+    port: int = defaults.PORT
+    chunk_bytes: int = defaults.CHUNK_BYTES
+    max_buffered_bytes: int = defaults.MAX_BUFFERED_BYTES
+    max_outbox_bytes: int = defaults.MAX_OUTBOX_BYTES
+    max_job_buffered_bytes: int | None = None
+    max_checkpoint_bytes: int = defaults.MAX_CHECKPOINT_BYTES
+    max_connections: int = defaults.MAX_CONNECTIONS
+    first_message_timeout_s: float = defaults.FIRST_MESSAGE_TIMEOUT_S
+    assembly_timeout_s: float = defaults.ASSEMBLY_TIMEOUT_S
+    max_jobs: int = defaults.MAX_JOBS
+    shutdown_grace_s: float = defaults.SHUTDOWN_GRACE_S
+    heartbeat_interval_s: float = defaults.HEARTBEAT_INTERVAL_S
+    heartbeat_timeout_s: float = defaults.HEARTBEAT_TIMEOUT_S
+    stall_warning_s: float = defaults.STALL_WARNING_S
+    checkpoint_store: str | None = None
+    checkpoint_every: int = defaults.CHECKPOINT_EVERY_STEPS
+    require_checkpoint: bool = False
+    resume: bool = False
+    metrics_port: int | None = None
+    on_failure: str = defaults.ON_FAILURE
+    min_workers: int = defaults.MIN_WORKERS
+    max_collective_bytes: int = defaults.MAX_COLLECTIVE_BYTES
+    shard_count: int = defaults.SHARDS
+    local_shards: bool = False
+    shard_wait_timeout_s: float = defaults.SHARD_WAIT_TIMEOUT_S
+    tls_cert: str | None = None
+    tls_key: str | None = None
+    tls_client_ca: str | None = None
+    tls_ca: str | None = None
+    token: str | None = field(default=None, repr=False)
+    insecure: bool = False
+    metrics_host: str | None = None
+    fresh_start: bool = False
+    store_timeout_s: float = defaults.STORE_TIMEOUT_S
+    redis_password: str | None = field(default=None, repr=False)
+    nonfinite: str = defaults.NONFINITE
+    payload_socket: bool = True
+    host_id: str = ""
+
+    def __post_init__(self) -> None:
+        if self.world_size < 1:
+            raise ValueError(f"world size must be at least 1, got {self.world_size}")
+        if not 0 <= self.port <= 65535:
+            raise ValueError(f"port must be in 0..65535, got {self.port}")
+        if not 4096 <= self.chunk_bytes <= 64 * MIB:
+            raise ValueError(f"chunk size must be 4 KiB..64 MiB, got {self.chunk_bytes} bytes")
+        if self.max_buffered_bytes < self.chunk_bytes:
+            raise ValueError(
+                f"max buffered bytes ({self.max_buffered_bytes}) must be at least one chunk "
+                f"({self.chunk_bytes})"
+            )
+        if self.max_job_buffered_bytes is not None and not (
+            self.chunk_bytes <= self.max_job_buffered_bytes <= self.max_buffered_bytes
+        ):
+            raise ValueError(
+                f"max job buffered bytes ({self.max_job_buffered_bytes}) must be between one "
+                f"chunk ({self.chunk_bytes}) and max buffered bytes ({self.max_buffered_bytes})"
+            )
+        if self.max_outbox_bytes < self.max_message_bytes:
+            raise ValueError(
+                f"max outbox bytes ({self.max_outbox_bytes}) must hold at least one message "
+                f"({self.max_message_bytes})"
+            )
+        if self.max_checkpoint_bytes < 1:
+            raise ValueError(f"max checkpoint bytes must be >= 1, got {self.max_checkpoint_bytes}")
+        if self.max_connections < 1:
+            raise ValueError(f"max connections must be at least 1, got {self.max_connections}")
+        if self.first_message_timeout_s <= 0 or self.assembly_timeout_s <= 0:
+            raise ValueError(
+                f"first message timeout ({self.first_message_timeout_s} s) and assembly "
+                f"timeout ({self.assembly_timeout_s} s) must be > 0"
+            )
+        if self.max_jobs < 1:
+            raise ValueError(f"max jobs must be at least 1, got {self.max_jobs}")
+        if self.shutdown_grace_s < 0:
+            raise ValueError(f"shutdown grace must be >= 0 s, got {self.shutdown_grace_s}")
+        if not 0 < self.heartbeat_interval_s < self.heartbeat_timeout_s:
+            raise ValueError(
+                f"heartbeat interval ({self.heartbeat_interval_s} s) must be positive and "
+                f"below the heartbeat timeout ({self.heartbeat_timeout_s} s)"
+            )
+        if self.nonfinite not in defaults.NONFINITE_POLICIES:
+            raise ValueError(
+                f"nonfinite must be one of {', '.join(defaults.NONFINITE_POLICIES)}, "
+                f"got {self.nonfinite!r}"
+            )
+        if self.on_failure not in ("abort", "elastic"):
+            raise ValueError(f"on failure must be 'abort' or 'elastic', got {self.on_failure!r}")
+        if not 1 <= self.min_workers <= self.world_size:
+            raise ValueError(
+                f"min workers must be in 1..{self.world_size} (the world size), "
+                f"got {self.min_workers}"
+            )
+        if self.max_collective_bytes < 1:
+            raise ValueError(
+                f"max collective bytes must be at least 1, got {self.max_collective_bytes}"
+            )
+        if self.stall_warning_s <= 0:
+            raise ValueError(f"stall warning must be > 0 s, got {self.stall_warning_s}")
+        if self.checkpoint_every < 0:
+            raise ValueError(f"checkpoint every must be >= 0 steps, got {self.checkpoint_every}")
+        if self.shard_count < 1:
+            raise ValueError(f"shard count must be at least 1, got {self.shard_count}")
+        if self.shard_wait_timeout_s <= 0:
+            raise ValueError(f"shard wait timeout must be > 0 s, got {self.shard_wait_timeout_s}")
+        if self.checkpoint_store is not None:
+            parse_store_url(self.checkpoint_store)  # refuse an ambiguous URL at start-up
+        if not self.store_timeout_s > 0:
+            raise ValueError(f"store timeout must be > 0 s, got {self.store_timeout_s}")
+        if self.fresh_start and self.resume:
+            raise ValueError(
+                "--fresh-start and --resume contradict each other: --resume refuses to start "
+                "a job without a checkpoint, --fresh-start starts every job without one"
+            )
+        if (self.require_checkpoint or self.resume or self.checkpoint_every) and not (
+            self.checkpoint_store
+        ):
+            raise ValueError(
+                "--checkpoint-every, --require-checkpoint and --resume need --checkpoint-store"
+            )
+
+    @property
+    def shards_flag(self) -> str:
+        """How the operator asked for the shards, for messages ("--shards 3")."""
+        if self.local_shards:
+            return f"--shards {self.shard_count}"
+        return f"--wait-for-shards {self.shard_count - 1}"
+
+    @property
+    def outbox_pool_bytes(self) -> int:
+        """What all outboxes together may queue (see `budget.outbox_pool_bytes`)."""
+        return outbox_pool_bytes(self.max_buffered_bytes, self.max_outbox_bytes)
+
+    @property
+    def max_message_bytes(self) -> int:
+        """gRPC message size limit: one chunk plus room for the header fields."""
+        return self.chunk_bytes + chunking.HEADER_SLACK_BYTES

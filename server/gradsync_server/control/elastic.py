@@ -1,0 +1,168 @@
+"""The elastic policy: lose a rank and go on; heal a restarted rank with a live one's state.
+
+Under `--on-failure elastic` a lost rank is dropped from the open step (the
+chunks it never contributed to complete over the live ranks, the collectives
+it never joined over the others) and the membership epoch moves on. A
+restarted rank waits as a newcomer until the lowest live rank uploads its
+state at a step boundary; the coordinator relays that state to it (Welcome
+plus resume chunks) before adding it to the open step. The job decides *when*
+the policy applies; this module carries it out. Pure logic, no gRPC, no asyncio.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from gradsync_proto.codes import Code
+from gradsync_proto.v1 import gradsync_pb2 as pb
+
+from gradsync_server.control.collectives import Collectives
+from gradsync_server.control.membership import Membership
+from gradsync_server.control.persistence import resume_messages
+from gradsync_server.dataplane.actions import Action, Send
+from gradsync_server.dataplane.budget import OwnerBudget
+from gradsync_server.dataplane.open_step import OpenStep
+from gradsync_server.dataplane.uploads import BlobAssembler
+from gradsync_server.errors import RejectedMessage
+
+
+class Elastic:
+    """Shrinking and healing of one job's membership.
+
+    Args:
+        job_id: the job's name (for messages).
+        membership: the job's members and newcomers.
+        in_flight: the job's open step.
+        collectives: the job's collectives in flight.
+        chunk_bytes: chunk size every rank must use.
+        max_blob_bytes: the largest healing state accepted.
+        welcome: builds the Welcome of the job as it stands, given the resume size.
+        budget: where the healing state's bytes are counted while they arrive.
+    """
+
+    def __init__(
+        self,
+        job_id: str,
+        membership: Membership,
+        in_flight: OpenStep,
+        collectives: Collectives,
+        chunk_bytes: int,
+        max_blob_bytes: int,
+        welcome: Callable[[int], pb.CoordinatorMessage],
+        budget: OwnerBudget | None = None,
+    ) -> None:
+        self._budget = budget
+        self._job_id = job_id
+        self._membership = membership
+        self._in_flight = in_flight
+        self._collectives = collectives
+        self._chunk_bytes = chunk_bytes
+        self._max_blob_bytes = max_blob_bytes
+        self._welcome = welcome
+        #: (donor rank, its state upload in progress) while healing newcomers.
+        self._heal: tuple[int, BlobAssembler | None] | None = None
+
+    @property
+    def healing(self) -> bool:
+        """True while a donor has been asked for its state."""
+        return self._heal is not None
+
+    def shrink(self, lost: int, reason: str, followers: tuple[int, ...] = ()) -> list[Action]:
+        """Go on without `lost`; finish the open step and collectives over the live ranks.
+
+        Args:
+            followers: the ranks of `lost`'s local group that leave with it (it
+                was their local leader; the job already removed them): all go in
+                one membership epoch.
+        """
+        membership, step = self._membership, self._in_flight.step
+        membership.epoch += 1
+        reason = (
+            f"{reason} at step {step}; continuing with ranks "
+            f"{list(membership.ranks())} (membership epoch {membership.epoch})"
+        )
+        actions: list[Action] = [Send(membership.ranks(), membership.changed_message(step, reason))]
+        gone = (lost, *followers)
+        if self._heal is not None and self._heal[0] in gone:
+            self.release()  # the donor is gone: ask another live rank
+            actions += self.request_heal()
+        for rank in gone:
+            actions += self._in_flight.drop_rank(rank)
+            actions += self._collectives.drop_participant(rank)
+        return actions
+
+    def release(self) -> None:
+        """Forget a healing upload in progress and give its bytes back (idempotent)."""
+        if self._heal is not None and self._heal[1] is not None:
+            self._heal[1].release()
+        self._heal = None
+
+    def request_heal(self) -> list[Action]:
+        """Ask the lowest live rank for its state, if newcomers wait."""
+        membership = self._membership
+        if not membership.newcomers or not membership.members:
+            return []
+        # The lowest live rank donates: until its own chunks of the open step
+        # arrive, no chunk of that step can have folded anyone in, so the
+        # newcomers can still be added to the step's reductions.
+        donor = min(membership.members)
+        self._heal = (donor, None)
+        request = pb.StateRequest(for_rank=min(membership.newcomers))
+        return [Send((donor,), pb.CoordinatorMessage(state_request=request))]
+
+    def on_heal_chunk(self, rank: int, chunk: pb.CheckpointChunk) -> list[Action]:
+        """Collect the donor's state; when complete, admit the newcomers with it.
+
+        Raises:
+            RejectedMessage: nobody asked `rank` for its state, or the upload is malformed.
+        """
+        if self._heal is None or self._heal[0] != rank:
+            raise RejectedMessage(
+                Code.FAILED_PRECONDITION,
+                f"rank {rank} sent healing state for step {chunk.step} that nobody asked for",
+            )
+        donor, assembler = self._heal
+        if assembler is None:
+            what = f"healing state of step {chunk.step} from rank {donor}"
+            assembler = BlobAssembler(
+                what, chunk.total_bytes, self._chunk_bytes, self._max_blob_bytes, self._budget
+            )
+            self._heal = (donor, assembler)
+        elif chunk.total_bytes != assembler.total_bytes:
+            self.release()
+            raise RejectedMessage(
+                Code.INVALID_ARGUMENT,
+                f"rank {rank} changed the size of its healing state from "
+                f"{assembler.total_bytes} to {chunk.total_bytes} bytes mid-upload",
+            )
+        try:
+            complete = assembler.add(chunk.offset, chunk.payload)
+        except RejectedMessage:
+            self.release()
+            raise
+        if not complete:
+            return []
+        self._heal = None
+        blob = assembler.blob()  # gives its bytes back to the budget
+        step = self._in_flight.step
+        if chunk.step != step:
+            return self.request_heal()  # not at the boundary we can use: ask again
+        membership = self._membership
+        newcomers = membership.promote_newcomers()
+        for rank_joining in newcomers:
+            self._in_flight.add_rank(rank_joining)
+        next_collective = self._collectives.add_participants(newcomers)
+        reason = (
+            f"rank(s) {newcomers} rejoined job '{self._job_id}' at step {step} with "
+            f"rank {donor}'s state (membership epoch {membership.epoch})"
+        )
+        old = tuple(r for r in membership.ranks() if r not in newcomers)
+        actions: list[Action] = [Send(old, membership.changed_message(step, reason))]
+        targets = tuple(newcomers)
+        for rank_joining in targets:  # each with its own session secret
+            welcome = self._welcome(len(blob))
+            welcome.welcome.next_collective = next_collective
+            welcome.welcome.session = membership.session_of(rank_joining)
+            actions.append(Send((rank_joining,), welcome))
+        actions += resume_messages(targets, step, blob, self._chunk_bytes)
+        return actions

@@ -1,0 +1,508 @@
+"""One training job's lifecycle: the state machine over its owned components (pure logic).
+
+The servicer hands every parsed message to a `Job` and carries out the
+actions it returns: `Send` a message to some ranks, `Terminate` their
+streams with a status code, or `Persist` a checkpoint. Keeping this free of
+gRPC and asyncio lets the whole protocol be unit-tested by calling methods.
+
+A job is a small composition, each part owning its own state:
+
+- `Membership` (`membership.py`): members, rejoining newcomers, signature, epoch;
+- `OpenStep` (`open_step.py`): the step in flight, its reductions and aborts;
+- `Liveness` (`liveness.py`): when each rank was last heard from;
+- `Persistence` (`persistence.py`): checkpoint uploads and the resume point;
+- `Assembly` (`assembly.py`): who is missing while the job assembles;
+- `StateBroadcast` (`broadcast.py`): rank 0's initial state broadcast;
+- `Collectives` (`collectives.py`): collectives on user tensors;
+- `UnevenInputs` (`uneven.py`) and `Elastic` (`elastic.py`): DDP's join(), lost ranks.
+
+This module holds the lifecycle that spans them (its departures and endings
+are in `job_ending.py`, which `Job` inherits)::
+
+    ASSEMBLING --(all ranks joined, signatures match)--> RUNNING
+    ASSEMBLING / RUNNING --(signature mismatch, bad state broadcast)--> REFUSED
+    RUNNING --(a rank leaves with nothing in flight)--> FINISHING (the others leave too)
+    RUNNING --(a rank disconnects, or leaves mid-step; abort policy)--> BROKEN
+    ASSEMBLING / RUNNING --(a coordinator shard was lost)--> BROKEN (every stream ends)
+
+A sharded job also waits, complete, until every coordinator shard is
+registered (`shard_map` is None until then): no worker may upload a range
+that no shard aggregates.
+
+While the job assembles, a waiting rank that goes silent or whose stream
+closes is dropped (not a job failure; it may join again). Once assembled, a
+rank lost before the state broadcast completes fails the others at once. A
+message that breaks the rules aborts the open step (nothing is averaged),
+every rank is told why in-band, and the job carries on at the next step.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+
+from gradsync_proto import defaults
+from gradsync_proto.codec import ChunkHeader
+from gradsync_proto.codes import Code
+from gradsync_proto.v1 import gradsync_pb2 as pb
+
+from gradsync_server.control import signature as signatures
+from gradsync_server.control.assembly import Assembly
+from gradsync_server.control.broadcast import StateBroadcast
+from gradsync_server.control.collectives import Collectives
+from gradsync_server.control.elastic import Elastic
+from gradsync_server.control.job_ending import JobEnding, JobState
+from gradsync_server.control.liveness import Liveness
+from gradsync_server.control.membership import Membership
+from gradsync_server.control.persistence import Persistence, resume_messages
+from gradsync_server.control.uneven import UnevenInputs
+from gradsync_server.dataplane.actions import Action, Member, Send, Terminate
+from gradsync_server.dataplane.budget import ByteBudget
+from gradsync_server.dataplane.observer import StepObserver
+from gradsync_server.dataplane.open_step import OpenStep
+from gradsync_server.dataplane.progress import StepProgress
+from gradsync_server.dataplane.step_aborts import abort_message
+from gradsync_server.errors import RejectedMessage
+from gradsync_server.text import quoted
+
+#: `JobState` is defined with the endings that set most of them, and is part of `Job`.
+__all__ = ["Job", "JobState"]
+
+
+class Job(JobEnding):
+    """Membership, validation and aggregation for one job id.
+
+    Args:
+        job_id: the job's name.
+        world_size: ranks the job needs.
+        chunk_bytes: chunk size every rank must use.
+        max_message_bytes: gRPC message limit (advertised in Welcome).
+        budget: coordinator-wide cap on buffered gradient bytes.
+        clock: monotonic time source (injectable for tests).
+        heartbeat_interval_s: how often workers send a sign of life (advertised in Welcome).
+        checkpoint_every: rank 0 uploads a checkpoint every this many steps (0 = on request).
+        metrics: where latencies go, if anywhere.
+        on_failure: "abort" or "elastic" (see the module docstring).
+        min_workers: under the elastic policy, the fewest live ranks to go on with.
+        max_collective_bytes: cap on one rank's input to a collective.
+        shard_map: the coordinator's shards for Welcome ([] unsharded), None while
+            some shard is missing (the job then waits, assembled, for it).
+        shard_count: coordinator shards, this leader included: it aggregates range 0.
+        nonfinite: the `--nonfinite` policy ("report", "abort", "allow"; see
+            `gradsync_server.dataplane.nonfinite`).
+        max_checkpoint_bytes: the largest checkpoint or healing state accepted (None: the
+            budget's limit). Its bytes count in `budget` as they arrive.
+        payload_endpoint: (abstract socket name, the coordinator's host id) of the
+            same-host payload path, or None when it is off: a local leader whose
+            Join.host_id equals that id is told the socket in its Welcome (unsharded only).
+    """
+
+    def __init__(
+        self,
+        job_id: str,
+        world_size: int,
+        chunk_bytes: int,
+        max_message_bytes: int,
+        budget: ByteBudget,
+        clock: Callable[[], float] = time.monotonic,
+        heartbeat_interval_s: float = defaults.HEARTBEAT_INTERVAL_S,
+        checkpoint_every: int = defaults.CHECKPOINT_EVERY_STEPS,
+        metrics: StepObserver | None = None,
+        on_failure: str = defaults.ON_FAILURE,
+        min_workers: int = defaults.MIN_WORKERS,
+        max_collective_bytes: int = defaults.MAX_COLLECTIVE_BYTES,
+        shard_map: Callable[[], list[pb.ShardAddress] | None] = list,
+        shard_count: int = 1,
+        nonfinite: str = defaults.NONFINITE,
+        max_checkpoint_bytes: int | None = None,
+        payload_endpoint: tuple[str, str] | None = None,
+    ) -> None:
+        self.job_id = job_id
+        self.payload_endpoint = payload_endpoint
+        # Every part of the job counts its bytes under this job's share of the budget.
+        job_budget = budget.for_owner(job_id)
+        blob_limit = budget.limit if max_checkpoint_bytes is None else max_checkpoint_bytes
+        self.world_size = world_size
+        self.chunk_bytes = chunk_bytes
+        self.max_message_bytes = max_message_bytes
+        self.heartbeat_interval_s = heartbeat_interval_s
+        self.checkpoint_every = checkpoint_every
+        self.on_failure = on_failure
+        self.min_workers = min_workers
+        self.membership = Membership(job_id, world_size, clock)
+        self.in_flight = OpenStep(
+            self.membership,
+            chunk_bytes,
+            job_budget,
+            clock,
+            metrics,
+            shard_count=shard_count,
+            nonfinite=nonfinite,
+        )
+        self.liveness = Liveness(clock)
+        self.persistence = Persistence(chunk_bytes, blob_limit, job_budget)
+        self.assembly = Assembly(job_id, world_size, clock, heartbeat_interval_s)
+        self.broadcast = StateBroadcast(chunk_bytes)
+        self.collectives = Collectives(
+            job_id, world_size, chunk_bytes, max_collective_bytes, job_budget
+        )
+        self.uneven = UnevenInputs(self.membership, self.in_flight, self.collectives)
+        self.elastic = Elastic(
+            job_id,
+            self.membership,
+            self.in_flight,
+            self.collectives,
+            chunk_bytes,
+            blob_limit,
+            self._welcome_message,
+            job_budget,
+        )
+        self.state = JobState.ASSEMBLING
+        self._broken_reason = ""
+        self._shard_map = shard_map
+        #: The shards this job runs over (from `shard_map` when it starts; [] unsharded).
+        self.shards: list[pb.ShardAddress] = []
+
+    # ------------------------------------------------------------ read-only views
+    @property
+    def members(self) -> dict[int, Member]:
+        """Members of the current epoch by rank."""
+        return self.membership.members
+
+    @property
+    def membership_epoch(self) -> int:
+        """The current membership epoch."""
+        return self.membership.epoch
+
+    @property
+    def open_step(self) -> int:
+        """The step in flight."""
+        return self.in_flight.step
+
+    @property
+    def steps_completed(self) -> int:
+        """Steps whose every bucket was averaged."""
+        return self.in_flight.steps_completed
+
+    @property
+    def progress(self) -> StepProgress | None:
+        """Delivery bookkeeping of the open step (None before assembly)."""
+        return self.in_flight.progress
+
+    def joined_ranks(self) -> Sequence[int]:
+        """Ranks currently connected, ascending."""
+        return self.membership.ranks()
+
+    def outcome(self) -> tuple[str, str]:
+        """How the job ended (once its last rank is gone): a state word and a sentence."""
+        if self.state is JobState.ASSEMBLING:
+            return "abandoned", "abandoned: every waiting rank left before the job assembled"
+        if self.state in (JobState.BROKEN, JobState.REFUSED):
+            return self.state.value, self._broken_reason
+        return "finished", f"finished after {self.steps_completed} steps"
+
+    def set_peer(self, rank: int, peer: str) -> None:
+        """Remember the network address of `rank`, for status."""
+        self.membership.set_peer(rank, peer)
+
+    # ---------------------------------------------------------------------- join
+    def join(self, rank: int, join: pb.Join) -> list[Action]:
+        """Admit `rank`; return the Welcome broadcast once all ranks are in.
+
+        Raises:
+            RejectedMessage: this worker alone is refused (its stream ends).
+        """
+        self.membership.check_join(rank, join)
+        if self.state is JobState.RUNNING and self.on_failure == "elastic":
+            self.membership.admit_newcomer(rank, join)
+            self.liveness.start(rank)
+            return [] if self.elastic.healing else self.elastic.request_heal()
+        if self.state is not JobState.ASSEMBLING:
+            raise RejectedMessage(
+                Code.FAILED_PRECONDITION,
+                f"job '{self.job_id}' is {self.state.value} at step {self.open_step}; "
+                f"rank {rank} cannot join it now (rejoining a running job is not supported "
+                "yet: restart all ranks, or use another job id)",
+            )
+        difference = self.membership.admit(rank, join)
+        self.liveness.start(rank)
+        if difference is not None:
+            details = f"job '{self.job_id}' refused: model signatures differ: {difference}"
+            refused = self._progress(refused=f"rank {rank}: {details}")
+            return [refused, *self._refuse(Code.INVALID_ARGUMENT, details)]
+        if not self.membership.complete():
+            return [self._progress()]
+        return self.start_if_ready()
+
+    def start_if_ready(self) -> list[Action]:
+        """Start an assembled job once every coordinator shard is registered."""
+        if self.state is not JobState.ASSEMBLING or not self.membership.complete():
+            return []
+        shards = self._shard_map()
+        if shards is None:
+            return [self._progress()]  # complete, but a shard is missing: keep waiting
+        self.shards = shards
+        return self._start()
+
+    def refused_join(self, rank: int, reason: str) -> list[Action]:
+        """Tell the waiting ranks that `rank` was refused at join, and why."""
+        if self.state is not JobState.ASSEMBLING or not self.members:
+            return []
+        return [self._progress(refused=f"rank {rank}: {reason}")]
+
+    def assembly_report(self) -> tuple[list[Action], str] | None:
+        """Every ~10 s while assembling: progress for the waiting ranks and a log line."""
+        if self.state is not JobState.ASSEMBLING or not self.members:
+            return None
+        if not self.assembly.report_due():
+            return None
+        line = self.assembly.describe(self.membership.ranks())
+        return [self._progress()], line
+
+    def _start(self) -> list[Action]:
+        signature = self.membership.signature
+        if signature is None:
+            raise RuntimeError("an assembled job always has a signature")
+        problems = self.membership.form_local_groups()
+        if problems:
+            details = (
+                f"job '{self.job_id}' refused: the local groups formed from Join.host_id do not "
+                f"match LOCAL_WORLD_SIZE: {'; '.join(problems)} (give every process of a host "
+                "the same host id, or pass hierarchical=False)"
+            )
+            return self._refuse(Code.FAILED_PRECONDITION, details)
+        self.state = JobState.RUNNING
+        resume = self.persistence.resume
+        self.broadcast.start(
+            signatures.state_bytes(signature), needed=resume is None and self.world_size > 1
+        )
+        if resume is not None:
+            self.membership.epoch = resume.membership_epoch
+            self.persistence.saved(resume.step)
+        self.in_flight.configure(signature, resume.step if resume else 0)
+        ranks = self.membership.ranks()
+        resume_bytes = len(resume.payload) if resume is not None else 0
+        actions: list[Action] = [self.welcome_for(rank, resume_bytes) for rank in ranks]
+        if resume is not None:
+            actions += resume_messages(ranks, resume.step, resume.payload, self.chunk_bytes)
+        return actions
+
+    def welcome_for(self, rank: int, resume_bytes: int = 0) -> Send:
+        """`rank`'s own Welcome: the job's, plus the session secret issued to that rank."""
+        message = self._welcome_message(resume_bytes)
+        message.welcome.session = self.membership.session_of(rank)
+        local_ranks, local_secret = self.membership.local_group_of(rank)
+        message.welcome.local_ranks.extend(local_ranks)
+        message.welcome.local_secret = local_secret
+        message.welcome.payload_socket = self._payload_socket_for(rank, local_ranks)
+        return Send((rank,), message)
+
+    def _payload_socket_for(self, rank: int, local_ranks: Sequence[int]) -> str:
+        """The payload socket for a same-host local leader of an unsharded job, else "".
+
+        Only a leader uploads (and gets averages), and only an unsharded
+        coordinator holds whole buckets to read from one segment.
+        """
+        if self.payload_endpoint is None or self.shards or not local_ranks:
+            return ""
+        name, coordinator_host = self.payload_endpoint
+        member = self.members.get(rank)
+        if local_ranks[0] != rank or member is None or member.host_id != coordinator_host:
+            return ""
+        return name
+
+    def _welcome_message(self, resume_bytes: int = 0) -> pb.CoordinatorMessage:
+        """The Welcome of this job as it stands (for assembly and for newcomers).
+
+        Without a local group: a rank rejoining a running job aggregates flat (v1).
+        """
+        return pb.CoordinatorMessage(
+            welcome=pb.Welcome(
+                job_id=self.job_id,
+                world_size=self.world_size,
+                membership_epoch=self.membership_epoch,
+                start_step=self.open_step,
+                chunk_bytes=self.chunk_bytes,
+                max_message_bytes=self.max_message_bytes,
+                state_bytes=self.broadcast.state_bytes,
+                resume_bytes=resume_bytes,
+                heartbeat_interval_s=self.heartbeat_interval_s,
+                checkpoint_every_steps=self.checkpoint_every,
+                next_collective=self.collectives.next_sequence,
+                shards=self.shards,
+            )
+        )
+
+    # ------------------------------------------------------------------ liveness
+    def touch(self, rank: int, reported_step: int | None = None) -> None:
+        """Record a sign of life from `rank` (any message counts)."""
+        self.liveness.touch(rank, reported_step)
+
+    def silent_ranks(self, timeout_s: float) -> list[int]:
+        """Members not heard from for longer than `timeout_s`."""
+        return self.liveness.silent_ranks(self.membership.ranks(), timeout_s)
+
+    def late_ranks(self) -> dict[int, list[int]]:
+        """Ranks the open step waits for, with the buckets others already delivered."""
+        if self.state is not JobState.RUNNING:
+            return {}
+        return self.in_flight.late_ranks()
+
+    # --------------------------------------------------------------- checkpoints
+    def on_checkpoint_chunk(self, rank: int, chunk: pb.CheckpointChunk) -> list[Action]:
+        """Collect rank 0's checkpoint upload (or a donor's healing state).
+
+        Raises:
+            RejectedMessage: the upload is malformed (this worker's stream ends).
+        """
+        if chunk.heal and self.state is JobState.RUNNING:
+            return self.elastic.on_heal_chunk(rank, chunk)
+        if self.state is not JobState.RUNNING or rank != 0:
+            raise RejectedMessage(
+                Code.FAILED_PRECONDITION if rank == 0 else Code.INVALID_ARGUMENT,
+                f"rank {rank} sent a checkpoint chunk for step {chunk.step}; only rank 0 of a "
+                f"running job uploads checkpoints (job is {self.state.value})",
+            )
+        if chunk.step > self.open_step:
+            # A checkpoint names the next step to run; one ahead of what the job reached
+            # would make every rank of the next start skip steps nobody trained.
+            raise RejectedMessage(
+                Code.INVALID_ARGUMENT,
+                f"rank 0 of job '{self.job_id}' sent a checkpoint of step {chunk.step}, ahead "
+                f"of step {self.open_step}, the newest step the coordinator has seen",
+            )
+        persist = self.persistence.on_upload_chunk(chunk)
+        return [] if persist is None else [persist]
+
+    # ----------------------------------------------------------- state broadcast
+    def on_state_chunk(self, rank: int, chunk: pb.StateChunk) -> list[Action]:
+        """Relay a chunk of rank 0's parameters and buffers to the other ranks."""
+        if self.state is not JobState.RUNNING:
+            raise RejectedMessage(
+                Code.FAILED_PRECONDITION,
+                f"rank {rank} sent state while job '{self.job_id}' is {self.state.value} "
+                f"({len(self.members)}/{self.world_size} joined)",
+            )
+        problem = self.broadcast.problem(rank, chunk)
+        if problem is not None:
+            code, details = problem
+            return self._refuse(code, f"state broadcast failed: {details}")
+        self.broadcast.record(chunk.offset)
+        others = tuple(r for r in self.membership.ranks() if r != 0)
+        return [Send(others, pb.CoordinatorMessage(state=chunk))] if others else []
+
+    # ----------------------------------------------------------------- gradients
+    def on_gradient(self, rank: int, chunk: ChunkHeader, payload: memoryview) -> list[Action]:
+        """Fold one gradient chunk in; return averaged chunks or a step abort."""
+        if self.state in (JobState.BROKEN, JobState.FINISHING):
+            if self.in_flight.was_aborted(chunk.step):
+                return []  # this rank was already told the step cannot finish
+            self.in_flight.remember_aborted(chunk.step)
+            return [
+                abort_message(
+                    self.membership.ranks(),
+                    chunk.step,
+                    Code.ABORTED,
+                    self._broken_reason,
+                    -1,
+                    pb.ABORT_REASON_PEER_LOST,
+                )
+            ]
+        if self.state is not JobState.RUNNING:
+            raise RejectedMessage(
+                Code.FAILED_PRECONDITION,
+                f"rank {rank} sent gradients for step {chunk.step} before job "
+                f"'{self.job_id}' was assembled ({len(self.members)}/{self.world_size} joined)",
+            )
+        if chunk.step < self.open_step and self.in_flight.was_aborted(chunk.step):
+            return []  # late upload for a step everyone was already told is aborted
+        completed = self.steps_completed
+        try:
+            actions = self.in_flight.accept(rank, chunk, payload)
+        except RejectedMessage as rejection:
+            return self.in_flight.abort(rank, rejection)
+        return actions + self.uneven.progress(completed)
+
+    # ------------------------------------------------------ collectives, join()
+    def on_collective(self, rank: int, chunk: pb.CollectiveChunk) -> list[Action]:
+        """Take one chunk of a collective's input; return the result once all are in.
+
+        Raises:
+            RejectedMessage: the chunk is malformed or disagrees (this worker's stream ends).
+        """
+        if self.state in (JobState.BROKEN, JobState.FINISHING):
+            return [Terminate((rank,), Code.ABORTED, self._broken_reason, pb.END_REASON_PEER_LOST)]
+        if self.state is not JobState.RUNNING:
+            raise RejectedMessage(
+                Code.FAILED_PRECONDITION,
+                f"rank {rank} sent collective {chunk.sequence} while job '{self.job_id}' is "
+                f"{self.state.value}",
+            )
+        return self.collectives.accept(rank, chunk, self.in_flight.participants())
+
+    def on_out_of_inputs(self, rank: int, message: pb.OutOfInputs) -> list[Action]:
+        """`rank` ran out of inputs (join()); see `gradsync_server.control.uneven`.
+
+        Raises:
+            RejectedMessage: not at the job's open step, or twice (this worker's stream ends).
+        """
+        if self.state is not JobState.RUNNING:
+            raise RejectedMessage(
+                Code.FAILED_PRECONDITION,
+                f"rank {rank} ran out of inputs (join()) while job '{self.job_id}' is "
+                f"{self.state.value}",
+            )
+        return self.uneven.run_out(rank, message)
+
+    def on_local_posted(self, rank: int, posted: pb.LocalPosted) -> list[Action]:
+        """A local group's member has `posted.bucket_index` ready: its delivery, for
+        lateness (`StepProgress.record_posted`). Advisory: another step is ignored. In a
+        job a peer left between steps it is answered as a gradient would be (the step's
+        abort naming the peer): a leader waiting for that peer's share uploads nothing.
+
+        Raises:
+            RejectedMessage: from a flat rank, or naming a bucket the model lacks.
+        """
+        signature = self.membership.signature
+        buckets = len(signature.buckets) if signature is not None else 0
+        if not self.membership.groups.group_of(rank) or posted.bucket_index >= buckets:
+            raise RejectedMessage(
+                Code.INVALID_ARGUMENT,
+                f"rank {rank} reported bucket {posted.bucket_index} of step {posted.step} "
+                f"posted in a local group, but it is in none or the model has {buckets} buckets",
+            )
+        if self.state in (JobState.BROKEN, JobState.FINISHING):
+            if self.in_flight.was_aborted(posted.step):
+                return []
+            self.in_flight.remember_aborted(posted.step)
+            return [
+                abort_message(
+                    self.membership.ranks(),
+                    posted.step,
+                    Code.ABORTED,
+                    self._broken_reason,
+                    -1,
+                    pb.ABORT_REASON_PEER_LOST,
+                )
+            ]
+        if self.state is JobState.RUNNING and posted.step == self.in_flight.step:
+            self.in_flight.record_posted(rank, posted.bucket_index)
+        return []
+
+    def on_abandon(self, rank: int, abandon: pb.AbandonStep) -> list[Action]:
+        """A rank gave up on a step it started: abort it for everyone (if still open)."""
+        if self.state is not JobState.RUNNING or abandon.step != self.open_step:
+            return []  # already complete or aborted: nothing to undo
+        reason = quoted(abandon.reason) or "no reason given"  # capped: relayed to every rank
+        rejection = RejectedMessage(
+            Code.ABORTED,
+            f"rank {rank} abandoned step {abandon.step}: {reason}",
+            step=abandon.step,
+        )
+        return self.in_flight.abort(rank, rejection)
+
+    def reject(self, culprit: int, rejection: RejectedMessage) -> list[Action]:
+        """Abort the open step because `culprit` sent an unusable message."""
+        if self.state is not JobState.RUNNING:
+            return [Terminate((culprit,), rejection.code, rejection.message)]
+        return self.in_flight.abort(culprit, rejection)

@@ -1,0 +1,202 @@
+"""How a job loses ranks and ends: departures, breaking, refusing (part of `Job`).
+
+`Job` (`gradsync_server.control.job`) is the state machine over a job's components;
+this module holds the half of it that runs when something goes away: a rank
+leaves or is lost (a normal finish, an elastic shrink, or a broken job), the
+job is refused, or it is ended from outside (a coordinator shard was lost).
+Every path frees what the job buffers and returns the actions that tell the
+remaining ranks, in-band where they can still hear it. It is split from `job`
+because the arrival side (join, gradients, collectives) and this side each
+fill a module; `JobEnding` is a mixin that only `Job` inherits, and it reads
+the components `Job` builds. Pure logic, no gRPC, no asyncio.
+"""
+
+from __future__ import annotations
+
+import enum
+
+from gradsync_proto.codes import Code
+from gradsync_proto.v1 import gradsync_pb2 as pb
+
+from gradsync_server.control.assembly import Assembly
+from gradsync_server.control.broadcast import StateBroadcast
+from gradsync_server.control.collectives import Collectives
+from gradsync_server.control.elastic import Elastic
+from gradsync_server.control.liveness import Liveness
+from gradsync_server.control.membership import Membership
+from gradsync_server.control.persistence import Persistence
+from gradsync_server.control.uneven import UnevenInputs
+from gradsync_server.dataplane.actions import Action, Send, Terminate
+from gradsync_server.dataplane.open_step import OpenStep
+from gradsync_server.dataplane.step_aborts import abort_message
+
+
+class JobState(enum.Enum):
+    """Where a job is in its lifecycle."""
+
+    ASSEMBLING = "assembling"
+    RUNNING = "running"
+    FINISHING = "finishing"
+    REFUSED = "refused"
+    BROKEN = "broken"
+
+
+class JobEnding:
+    """Departures and endings of a `Job` (a mixin: `Job` sets every attribute below)."""
+
+    job_id: str
+    state: JobState
+    on_failure: str
+    min_workers: int
+    membership: Membership
+    assembly: Assembly
+    in_flight: OpenStep
+    liveness: Liveness
+    persistence: Persistence
+    broadcast: StateBroadcast
+    collectives: Collectives
+    uneven: UnevenInputs
+    elastic: Elastic
+    _broken_reason: str
+
+    def _progress(self, refused: str = "") -> Send:
+        """An AssemblyProgress for every waiting rank (as they join, and as they leave)."""
+        ranks = self.membership.ranks()
+        return Send(ranks, self.assembly.progress(ranks, refused))
+
+    def detach(self, rank: int, orderly: bool, reason: str | None = None) -> list[Action]:
+        """Forget `rank`'s connection; abort the open step for the others if running.
+
+        Args:
+            rank: the departing rank.
+            orderly: it said goodbye (Leave) rather than vanishing.
+            reason: how it was lost, for the survivors' error (default: left /
+                disconnected).
+        """
+        self.liveness.forget(rank)
+        if rank == 0:
+            self.persistence.abandon_upload()  # nobody finishes rank 0's checkpoint upload
+        assembling = self.state is JobState.ASSEMBLING
+        if not self.membership.remove(rank, assembling=assembling):
+            return []
+        if assembling and not self.membership.members:
+            self.assembly.started_at = None  # whoever joins next starts a new wait
+        if assembling:
+            return [self._progress()] if self.membership.members else []
+        if self.state is not JobState.RUNNING:
+            return []
+        how = reason or ("left" if orderly else "disconnected from")
+        if not self.broadcast.complete:
+            # The others wait for rank 0's state, not for a step: end them now.
+            return self._break(
+                f"rank {rank} {how} job '{self.job_id}' before rank 0's initial state "
+                "broadcast completed; the job cannot start (restart every rank)",
+                rank,
+                abort_step=False,
+            )
+        quiet = not self.in_flight.has_contributions() and not self.collectives.open_sequences()
+        # A local leader's followers cannot go on without it: their gradients went through it.
+        followers = tuple(
+            r for r in self.membership.groups.followers_of(rank) if r in self.membership.members
+        )
+        live = len(self.membership.members) - len(followers)
+        elastic = self.on_failure == "elastic" and live >= self.min_workers
+        if orderly and quiet and not elastic:
+            # A normal finish: nobody is told anything now; a rank that still
+            # sends a step or a collective gets this reason then.
+            self.state = JobState.FINISHING
+            self._broken_reason = (
+                f"rank {rank} left job '{self.job_id}' after step {self.in_flight.step - 1}; "
+                "the remaining ranks cannot complete further steps"
+            )
+            self.in_flight.release()
+            self.collectives.release()
+            self.release_uploads()
+            return []
+        if elastic:
+            return self._shrink(rank, how, followers)
+        if self.on_failure == "elastic":
+            left = len(self.membership.members)
+            how += f" leaving {left} ranks (--min-workers {self.min_workers}) in"
+        return self._break(
+            f"rank {rank} {how} job '{self.job_id}' at step {self.in_flight.step}; no partial "
+            "average is applied and the remaining ranks cannot complete further steps",
+            rank,
+            abort_step=True,
+        )
+
+    def _shrink(self, rank: int, how: str, followers: tuple[int, ...]) -> list[Action]:
+        """Elastic: go on without `rank`, and without its followers if it was a local leader.
+
+        The followers' streams end (ABORTED, PEER_LOST, naming the lost leader):
+        the group's shared memory and partial sums were the leader's, so they
+        restart and rejoin, flat, like any lost rank.
+        """
+        what = f"rank {rank} {how} job '{self.job_id}'"
+        actions: list[Action] = []
+        if followers:
+            group = self.membership.groups.group_of(rank)
+            self.membership.groups.drop_group(rank)
+            for follower in followers:
+                self.membership.remove(follower, assembling=False)
+                self.liveness.forget(follower)
+            details = (
+                f"{what} at step {self.in_flight.step}; it was the local leader of ranks "
+                f"{list(group)}, whose gradients went through it, so ranks {list(followers)} "
+                "leave the job with it (restart them to rejoin)"
+            )
+            actions.append(Terminate(followers, Code.ABORTED, details, pb.END_REASON_PEER_LOST))
+            what += f" with its local group {list(group)}"
+        actions += self.elastic.shrink(rank, what, followers)
+        for lost in (rank, *followers):
+            actions += self.uneven.lost(lost)
+        return actions
+
+    def _break(self, reason: str, lost: int, abort_step: bool) -> list[Action]:
+        """The job cannot go on: abort the open step in-band, end ranks that cannot hear it.
+
+        Ranks waiting in a collective (or, without `abort_step`, for the state
+        broadcast) have no step to abort: their streams end with PEER_LOST.
+        """
+        step = self.in_flight.step
+        self._broken_reason = reason
+        self.state = JobState.BROKEN
+        self.in_flight.release()
+        self.release_uploads()
+        self.in_flight.remember_aborted(step)
+        ranks = self.membership.ranks()
+        waiting = self.collectives.waiting_ranks() if abort_step else ranks
+        self.collectives.release()
+        actions: list[Action] = []
+        if abort_step and ranks:
+            actions.append(
+                abort_message(
+                    ranks, step, Code.ABORTED, reason, -1, pb.ABORT_REASON_PEER_LOST, lost
+                )
+            )
+        waiting = tuple(r for r in waiting if r in self.membership.members)
+        if waiting:
+            actions.append(Terminate(waiting, Code.ABORTED, reason, pb.END_REASON_PEER_LOST))
+        return actions
+
+    def end(
+        self, code: Code, details: str, reason: pb.EndReason, state: JobState = JobState.BROKEN
+    ) -> list[Action]:
+        """End the job (refused, or from outside: a coordinator shard was lost); streams end now."""
+        self.state = state
+        self._broken_reason = details
+        self.in_flight.release()
+        self.release_uploads()
+        self.in_flight.remember_aborted(self.in_flight.step)
+        self.collectives.release()
+        ranks = sorted({*self.membership.ranks(), *self.membership.newcomers})
+        return [Terminate(tuple(ranks), code, details, reason)]
+
+    def release_uploads(self) -> None:
+        """Give back the bytes of unfinished checkpoint and healing uploads (idempotent)."""
+        self.persistence.abandon_upload()
+        self.elastic.release()
+
+    def _refuse(self, code: Code, details: str) -> list[Action]:
+        """Refuse the whole job: every connected rank's stream ends with `code`."""
+        return self.end(code, details, pb.END_REASON_JOB_REFUSED, JobState.REFUSED)

@@ -1,0 +1,89 @@
+"""What the job state machine asks the servicer to do, and who the members are.
+
+`Job` methods return lists of actions instead of touching sockets, so the
+protocol logic stays testable without gRPC: `Send` a message to ranks,
+`Terminate` their streams with a status (and the reason why), or `Persist` a checkpoint.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from gradsync_proto.codec import ChunkHeader, encode_gradient
+from gradsync_proto.codes import Code
+from gradsync_proto.v1 import gradsync_pb2 as pb
+
+
+@dataclass
+class SegmentAverage:
+    """An averaged chunk for ranks whose upload of it came from their same-host segment.
+
+    The servicer writes `payload` where the upload lay and sends the header only,
+    so the bytes are never put into a message; `encoded` serializes the whole
+    chunk, once, for a rank whose segment cannot take it after all.
+    """
+
+    header: ChunkHeader
+    payload: memoryview
+    _encoded: bytes | None = field(default=None, repr=False)
+
+    def encoded(self) -> bytes:
+        """The chunk as a whole CoordinatorMessage (serialized on first use)."""
+        if self._encoded is None:
+            self._encoded = encode_gradient(self.header, self.payload)
+        return self._encoded
+
+
+@dataclass(frozen=True)
+class Send:
+    """Deliver `message` (a CoordinatorMessage, its serialized bytes, or an average for
+    same-host segments) to each of `ranks`."""
+
+    ranks: tuple[int, ...]
+    message: pb.CoordinatorMessage | bytes | SegmentAverage
+
+
+@dataclass(frozen=True)
+class Terminate:
+    """End the streams of `ranks` with status `code` and `details`.
+
+    `reason` travels in the StreamEnd sent just before the status, so the
+    worker can tell causes apart that share a status code.
+    """
+
+    ranks: tuple[int, ...]
+    code: Code
+    details: str
+    reason: pb.EndReason = pb.END_REASON_UNSPECIFIED
+
+
+@dataclass
+class Member:
+    """One admitted rank: who it is and where it connects from (liveness is kept apart).
+
+    `session` is the secret issued to this admission (Welcome.session): the
+    incarnation is public (Status shows it), so only the session admits the
+    rank's data streams to coordinator shards. Never logged or shown.
+    """
+
+    rank: int
+    incarnation: str
+    signature: pb.ModelSignature
+    joined_at: float
+    peer: str = ""
+    session: bytes = field(default=b"", repr=False)
+    #: Join.host_id (ranks with the same one form a local group; "" = flat).
+    host_id: str = ""
+    #: Join.local_world_size (LOCAL_WORLD_SIZE as the launcher told it; 0 = not told).
+    local_world_size: int = 0
+
+
+@dataclass(frozen=True)
+class Persist:
+    """Store `blob` as the checkpoint of `step`, then acknowledge to rank 0."""
+
+    step: int
+    blob: bytes
+
+
+Action = Send | Terminate | Persist

@@ -1,0 +1,126 @@
+"""How the core reports what it sees, without knowing who listens.
+
+The open step measures bucket arrivals, lags, non-finite contributions and
+completions; Prometheus (`gradsync_server.metrics.CoordinatorMetrics`) is one
+listener, a test's recorder another. The core depends on this protocol only,
+so it imports neither prometheus_client nor the RPC layer that owns the
+registry (the purity rule of tests/unit/test_core_is_pure.py).
+
+`LagTracker` lives here because it is pure logic the observer and `status`
+both read: a windowed mean of each rank's lag behind the first arrival of
+every bucket, to name the ranks that are persistently behind (a histogram
+shows the distribution, not who).
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+from typing import Protocol
+
+__all__ = ["LagTracker", "StepObserver"]
+
+
+class StepObserver(Protocol):
+    """What the data plane tells whoever measures it (one call per bucket or step)."""
+
+    def observe_bucket_arrival(self, rank: int, lag_s: float) -> None:
+        """`rank`'s contribution to a bucket began `lag_s` after the first rank's."""
+
+    def observe_nonfinite(self, rank: int) -> None:
+        """`rank` sent NaN or Inf in a bucket (once per rank, step and bucket)."""
+
+    def observe_bucket_done(self, round_trip_s: float, sent_bytes: int) -> None:
+        """A bucket's average went out to every rank."""
+
+    def observe_step_done(self, sync_s: float, step: int) -> None:
+        """Step `step` completed `sync_s` after its first chunk arrived."""
+
+    def slowest(self, k: int) -> list[tuple[int, float]]:
+        """The `k` ranks with the largest mean lag, as (rank, seconds), slowest first."""
+
+
+class LagTracker:
+    """Per rank, the mean lag over its last `window` buckets.
+
+    A lag is how long after the first rank's arrival a rank's contribution to
+    a bucket arrived (0 for the first). A windowed mean rather than a
+    lifetime one, so a rank that recovers (or a host that was busy for a
+    while) stops being named once `window` good buckets have passed.
+
+    Args:
+        window: how many of each rank's latest samples the mean covers.
+
+    Raises:
+        ValueError: `window` < 1.
+    """
+
+    def __init__(self, window: int = 50) -> None:
+        if window < 1:
+            raise ValueError(f"window must be >= 1, got {window}")
+        self.window = window
+        self._samples: dict[int, deque[float]] = {}
+
+    def record(self, rank: int, lag_s: float) -> None:
+        """Add one bucket's lag of `rank`.
+
+        Raises:
+            ValueError: `lag_s` is negative or not finite (a clock bug upstream,
+                which would otherwise poison the mean).
+        """
+        if not (math.isfinite(lag_s) and lag_s >= 0):
+            raise ValueError(f"rank {rank}: lag must be a finite number >= 0 seconds, got {lag_s}")
+        samples = self._samples.get(rank)
+        if samples is None:
+            samples = self._samples[rank] = deque(maxlen=self.window)
+        samples.append(lag_s)
+
+    def forget(self, rank: int) -> None:
+        """Drop `rank`'s samples (it left; a new member with its rank starts clean)."""
+        self._samples.pop(rank, None)
+
+    def samples(self, rank: int) -> int:
+        """How many samples (at most `window`) the mean of `rank` covers."""
+        samples = self._samples.get(rank)
+        return 0 if samples is None else len(samples)
+
+    def mean_lag(self, rank: int) -> float | None:
+        """The mean lag of `rank` in seconds, None before its first sample."""
+        samples = self._samples.get(rank)
+        if not samples:
+            return None
+        # Summed afresh (at most `window` floats) instead of a running sum,
+        # which would drift with every add/subtract pair.
+        return math.fsum(samples) / len(samples)
+
+    def _means(self) -> list[tuple[int, float]]:
+        return [(rank, math.fsum(s) / len(s)) for rank, s in self._samples.items() if s]
+
+    def slowest(self, k: int) -> list[tuple[int, float]]:
+        """The `k` ranks with the largest mean lag, as (rank, mean_lag_s), slowest first.
+
+        Ties go to the lower rank, so the answer does not depend on the order
+        in which ranks were first seen.
+        """
+        if k < 0:
+            raise ValueError(f"k must be >= 0, got {k}")
+        return sorted(self._means(), key=lambda item: (-item[1], item[0]))[:k]
+
+    def persistently_behind(self, threshold_s: float, min_samples: int) -> list[int]:
+        """Ranks whose mean lag exceeds `threshold_s` over at least `min_samples` samples.
+
+        `min_samples` keeps one slow bucket (a GC pause, a first step that
+        compiles) from naming a rank. Returned in rank order.
+
+        Raises:
+            ValueError: `min_samples` < 1 or past the window (never reachable).
+        """
+        if not 1 <= min_samples <= self.window:
+            raise ValueError(
+                f"min_samples must be in 1..{self.window} (the window), got {min_samples}"
+            )
+        return sorted(
+            rank
+            for rank, mean in self._means()
+            if len(self._samples[rank]) >= min_samples and mean > threshold_s
+        )

@@ -1,0 +1,539 @@
+"""The one step a job has in flight: its reductions, its progress and how it ends.
+
+Steps are lock-step: ranks start step s + 1 only after receiving every
+averaged bucket of step s, so exactly one step per job is open. This module
+owns it: it validates each gradient chunk against the step (number, epoch,
+bucket, dtype, offset, length, the byte budget; the rules are in
+`step_checks`), folds it into the bucket's `BucketReduction`, hands back the
+averaged chunks the moment they complete (architecture invariant 4), and
+frees the step's memory whether it completes, is aborted for everyone, or
+loses a rank under the elastic policy. Every byte it buffers is held through
+a `Reservation` of the coordinator's `ByteBudget`.
+
+Two refinements of "every member contributes, divide by the contributions":
+a rank that ran out of inputs (DDP's `join()`, `out_of_inputs`) is not
+expected, yet averages keep dividing by the membership's size; and a comm
+hook may send a float32/float64 bucket as float16/bfloat16 (every rank the
+same per step and bucket), which is accumulated in float32 and answered in
+the same 16-bit type.
+
+With local groups (`host_groups`) only unit leaders upload and receive
+averages; a leader's chunk weighs its (checked) `covered_ranks`, and counts
+as every covered rank's arrival, so followers never look late.
+
+Every contribution is classified as it arrives (`aggregation.examine`): one
+holding NaN or Inf is handled by the coordinator's `--nonfinite` policy
+(`gradsync_server.dataplane.nonfinite`: reported and summed, or the step aborted for
+every rank, or allowed silently), and one large enough to overflow a float32
+sum is summed with a float64 shadow. Pure logic, no gRPC, no asyncio.
+
+A sharded coordinator runs one `OpenStep` per shard over the same membership
+rules: shard i of S holds byte range i of every bucket (in wire bytes,
+`chunking.shard_byte_range`) and expects exactly that range's chunks
+(`chunking.range_chunk_spans`). A bucket whose range is empty at this shard
+(fewer elements than shards) counts as complete from the step's start. With
+one shard the range is the whole bucket and everything is as unsharded.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from collections import deque
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Protocol
+
+from gradsync_proto import chunking, defaults, dtypes
+from gradsync_proto.codec import ChunkHeader, encode_gradient
+from gradsync_proto.codes import Code
+from gradsync_proto.v1 import gradsync_pb2 as pb
+
+from gradsync_server.control import signature as signatures
+from gradsync_server.dataplane.actions import Action, SegmentAverage, Send
+from gradsync_server.dataplane.aggregation import (
+    BucketReduction,
+    DuplicateContributionError,
+    Magnitude,
+    count_nonfinite,
+    examine,
+)
+from gradsync_server.dataplane.budget import ByteBudget, OwnerBudget, Reservation
+from gradsync_server.dataplane.host_groups import LocalGroups, check_covers
+from gradsync_server.dataplane.nonfinite import (
+    ABORT,
+    ALLOW,
+    NonFiniteContribution,
+    NonFiniteLog,
+    NonFiniteRejection,
+    check_policy,
+)
+from gradsync_server.dataplane.observer import StepObserver
+from gradsync_server.dataplane.progress import StepProgress
+from gradsync_server.dataplane.step_aborts import abort_actions
+from gradsync_server.dataplane.step_checks import (
+    check_budget,
+    check_encoding,
+    check_reply_dtype,
+    check_sender,
+    check_wire_dtype,
+    offset_problem,
+)
+from gradsync_server.dataplane.wire_replies import reply_pieces
+from gradsync_server.errors import RejectedMessage
+
+__all__ = ["OpenStep", "StepMembership"]
+
+#: Aborted step numbers remembered so that late chunks for them are dropped
+#: quietly instead of being reported as stale.
+_ABORTED_STEPS_REMEMBERED = 64
+
+
+class StepMembership(Protocol):
+    """What an open step reads of its job's membership.
+
+    `Membership` at the leader; a replica of the leader's view at a shard
+    (`gradsync_server.control.shard_view`), which knows only ranks and incarnations.
+    """
+
+    @property
+    def job_id(self) -> str: ...
+
+    @property
+    def epoch(self) -> int: ...
+
+    @property
+    def members(self) -> Mapping[int, object]: ...
+
+    @property
+    def groups(self) -> LocalGroups: ...
+
+    def ranks(self) -> tuple[int, ...]:
+        """Members of the current epoch, ascending."""
+        ...
+
+
+@dataclass
+class _Bucket:
+    """One bucket's reduction, the budget it holds, and who set its wire and reply dtypes."""
+
+    reduction: BucketReduction
+    reservation: Reservation
+    first_rank: int
+
+    def account(self) -> None:
+        self.reservation.hold(self.reduction.buffered_bytes)
+
+
+class OpenStep:
+    """The open step of one job.
+
+    Args:
+        membership: the job's membership (ranks and epoch the step runs over).
+        chunk_bytes: chunk size every rank must use.
+        budget: coordinator-wide cap on buffered gradient bytes.
+        clock: monotonic time source (injectable for tests).
+        metrics: where bucket and step latencies go, if anywhere.
+        shard_index: which byte range of every bucket this step aggregates.
+        shard_count: how many shards the buckets are cut into (1 = unsharded).
+        nonfinite: the `--nonfinite` policy: "report", "abort" or "allow".
+
+    Attributes:
+        nonfinite: the job's non-finite contributions (count, last, rate-limited log).
+        on_nonfinite: called with each newly counted non-finite contribution (a
+            shard forwards them to its leader); None = nobody.
+
+    Raises:
+        ValueError: `shard_index` is not in 0..shard_count - 1, or an unknown policy.
+    """
+
+    def __init__(
+        self,
+        membership: StepMembership,
+        chunk_bytes: int,
+        budget: ByteBudget | OwnerBudget,
+        clock: Callable[[], float],
+        metrics: StepObserver | None,
+        shard_index: int = 0,
+        shard_count: int = 1,
+        nonfinite: str = defaults.NONFINITE,
+    ) -> None:
+        if not 0 <= shard_index < shard_count:
+            raise ValueError(f"shard index {shard_index} is not in 0..{shard_count - 1}")
+        self.nonfinite_policy = check_policy(nonfinite)
+        self.nonfinite = NonFiniteLog(clock, logging.getLogger("gradsync.server"))
+        self.on_nonfinite: Callable[[NonFiniteContribution], None] | None = None
+        self.shard_index = shard_index
+        self.shard_count = shard_count
+        #: How errors name this shard (set by a shard process to add its address).
+        self.shard_name = f"shard {shard_index}"
+        self._membership = membership
+        self._chunk_bytes = chunk_bytes
+        self._budget = budget
+        self._clock = clock
+        self._metrics = metrics
+        #: The step number in flight.
+        self.step = 0
+        #: Steps whose every bucket was averaged.
+        self.steps_completed = 0
+        #: None until the job is assembled (the bucket layout is known).
+        self.progress: StepProgress | None = None
+        #: (bucket, offset, rank) of the open step's uploads read from a same-host segment.
+        self._segment_uploads: set[tuple[int, int, int]] = set()
+        self._start_epoch = 0
+        self._bucket_bytes: list[int] = []
+        self._bucket_dtypes: list[int] = []
+        self._bucket_elements: list[int] = []
+        #: Buckets of which this shard holds no byte: complete from the start.
+        self._empty_buckets = 0
+        self._buckets: dict[int, _Bucket] = {}
+        self._buckets_done = 0
+        self._aborted: deque[int] = deque(maxlen=_ABORTED_STEPS_REMEMBERED)
+        #: Ranks that ran out of inputs (join()): not expected in reductions.
+        self.out_of_inputs: set[int] = set()
+        #: The members when the open step began (what a leader's chunk may cover).
+        self._open_members: frozenset[int] = frozenset()
+
+    def participants(self) -> tuple[int, ...]:
+        """Members expected in the open step's reductions, ascending."""
+        return tuple(r for r in self._membership.ranks() if r not in self.out_of_inputs)
+
+    def units(self) -> tuple[int, ...]:
+        """The participants that upload and receive averages: flat ranks and group leaders."""
+        return self._membership.groups.units(self.participants())
+
+    def _divisor(self) -> int | None:
+        """While some ranks ran out of inputs, averages divide by the membership's size."""
+        return len(self._membership.members) if self.out_of_inputs else None
+
+    def has_contributions(self) -> bool:
+        """True once any chunk of the open step has arrived."""
+        return bool(self._buckets) or (
+            self.progress is not None and self.progress.started_at is not None
+        )
+
+    def configure(self, signature: pb.ModelSignature, step: int) -> None:
+        """The job is assembled: learn the bucket layout and start at `step`.
+
+        The first step accepts any epoch up to the current one (a resumed job
+        starts in its checkpoint's epoch); later steps only the epoch they began in.
+        """
+        self._bucket_bytes = [signatures.bucket_bytes(b) for b in signature.buckets]
+        self._bucket_dtypes = [b.dtype for b in signature.buckets]
+        self._bucket_elements = [b.num_elements for b in signature.buckets]
+        spans = [self.byte_range(b, dtype) for b, dtype in enumerate(self._bucket_dtypes)]
+        self.progress = StepProgress(
+            [chunking.num_chunks(hi - lo, self._chunk_bytes) for lo, hi in spans], self._clock
+        )
+        self._empty_buckets = sum(1 for lo, hi in spans if lo == hi)
+        self._buckets_done = self._empty_buckets
+        self.step = step
+        self._open_members = frozenset(self._membership.ranks())
+
+    def byte_range(self, bucket: int, wire_dtype: int) -> tuple[int, int]:
+        """Bytes [lo, hi) of `bucket`, sent as `wire_dtype`, that this shard aggregates."""
+        return chunking.shard_byte_range(
+            self._bucket_elements[bucket],
+            dtypes.itemsize(wire_dtype),
+            self.shard_count,
+            self.shard_index,
+        )
+
+    def was_aborted(self, step: int) -> bool:
+        """True if `step` is a recently aborted one (late chunks for it are dropped)."""
+        return step in self._aborted
+
+    def remember_aborted(self, step: int) -> None:
+        """Note that every rank was told `step` cannot complete."""
+        self._aborted.append(step)
+
+    # -------------------------------------------------------------- gradients
+    def accept(self, rank: int, chunk: ChunkHeader, payload: memoryview) -> list[Action]:
+        """Validate `chunk`, fold it in, and return the averaged chunk once complete.
+
+        Raises:
+            RejectedMessage: the chunk does not belong to this step or is malformed.
+        """
+        averaged = self._fold(rank, chunk, payload)
+        if averaged is None:
+            return []
+        bucket = chunk.bucket_index
+        sends = self._averaged(bucket, chunk.offset, averaged)
+        return [*sends, *self._close_bucket_if_complete(bucket)]
+
+    def _fold(self, rank: int, chunk: ChunkHeader, payload: memoryview) -> memoryview | None:
+        step, bucket = chunk.step, chunk.bucket_index
+        check_sender(
+            rank,
+            chunk,
+            job_id=self._membership.job_id,
+            members=self._membership.members,
+            epochs=(self._start_epoch, self._membership.epoch),
+            open_step=self.step,
+            bucket_count=len(self._bucket_bytes),
+            out_of_inputs=self.out_of_inputs,
+        )
+        # Only the leader (shard 0: a range of every bucket) knows whom each step began with.
+        open_members = self._open_members if self.shard_index == 0 else None
+        weight = check_covers(rank, chunk, self._membership.groups, open_members)
+        held = self._buckets.get(bucket)
+        native = self._bucket_dtypes[bucket]
+        reduction = None if held is None else held.reduction
+        first_rank = -1 if held is None else held.first_rank
+        wire_dtype = check_wire_dtype(rank, chunk, native, reduction, first_rank)
+        reply_dtype = check_reply_dtype(rank, chunk, native, reduction, first_rank, wire_dtype)
+        wire_bytes = (
+            self._bucket_bytes[bucket] // dtypes.itemsize(native) * dtypes.itemsize(wire_dtype)
+        )
+        check_encoding(rank, chunk)
+        byte_range = self.byte_range(bucket, wire_dtype)
+        problem = offset_problem(
+            rank,
+            chunk,
+            len(payload),
+            wire_dtype,
+            wire_bytes=wire_bytes,
+            byte_range=byte_range,
+            chunk_bytes=self._chunk_bytes,
+            shard=(self.shard_count, self.shard_name),
+            elements=self._bucket_elements[bucket],
+        )
+        if problem is not None:
+            raise RejectedMessage(problem[0], problem[1], step=step, bucket_index=bucket)
+        check_budget(rank, chunk, len(payload), self._budget)
+        contribution, magnitude = examine(payload, wire_dtype)
+        if magnitude is Magnitude.NONFINITE and self.nonfinite_policy != ALLOW:
+            self._nonfinite(rank, chunk, contribution, wire_dtype)  # raises under "abort"
+        if held is None:
+            reduction = BucketReduction(
+                self.units(),
+                wire_dtype,
+                wire_bytes,
+                self._chunk_bytes,
+                self._divisor(),
+                byte_range=byte_range,
+                reply_dtype=reply_dtype,
+            )
+            held = self._buckets[bucket] = _Bucket(
+                reduction, self._budget.reserve(self._membership.job_id), rank
+            )
+        try:
+            averaged = held.reduction.add(rank, chunk.offset, contribution, magnitude, weight)
+        except DuplicateContributionError:
+            raise RejectedMessage(
+                Code.INVALID_ARGUMENT,
+                f"rank {rank} sent the chunk at offset {chunk.offset} of bucket {bucket} "
+                f"twice for step {step}",
+                step=step,
+                bucket_index=bucket,
+            ) from None
+        held.account()
+        if chunk.in_segment:
+            self._segment_uploads.add((bucket, chunk.offset, rank))
+        if self.progress is None:
+            raise RuntimeError("a step accepts gradients only once the job is assembled")
+        # A 16-bit bucket (and its range) is cut into fewer chunks than its native size says.
+        chunks = held.reduction.chunks_total if wire_dtype != native else None
+        # A leader's chunk is every covered rank's arrival: its followers are not late.
+        for arrived in chunk.covered_ranks or (rank,):
+            lag = self.progress.record(arrived, bucket, chunks)
+            if lag is not None and self._metrics is not None:
+                self._metrics.observe_bucket_arrival(arrived, lag)
+        return averaged
+
+    def record_posted(self, rank: int, bucket: int) -> None:
+        """A local group's member has `bucket` in shared memory (`LocalPosted`): its
+        delivery, so that the lag metric, the stall warning and status cover every
+        member of a group, not only the leader that uploads for it."""
+        if self.progress is None:
+            return
+        lag = self.progress.record_posted(rank, bucket)
+        if lag is not None and self._metrics is not None:
+            self._metrics.observe_bucket_arrival(rank, lag)
+
+    def _nonfinite(
+        self, rank: int, chunk: ChunkHeader, payload: memoryview | bytes, wire_dtype: int
+    ) -> None:
+        """A contribution holds NaN or Inf: report it, or (policy "abort") refuse the step.
+
+        A local leader's sum names the members whose own gradient held it
+        (`nonfinite_ranks`, checked to be among its covers): each of them is
+        reported as the culprit. Otherwise the sender is.
+
+        Raises:
+            NonFiniteRejection: the policy is "abort".
+        """
+        sent = NonFiniteContribution(
+            job_id=self._membership.job_id,
+            rank=rank,
+            step=chunk.step,
+            bucket_index=chunk.bucket_index,
+            offset=chunk.offset,
+            nonfinite=count_nonfinite(payload, wire_dtype),
+            elements=len(payload) // dtypes.itemsize(wire_dtype),
+            where=self.shard_name if self.shard_index else "",
+            covered=chunk.covered_ranks,
+        )
+        contributions = [
+            dataclasses.replace(sent, rank=culprit, via=rank) for culprit in chunk.nonfinite_ranks
+        ] or [sent]
+        if self.nonfinite_policy == ABORT:
+            # Counted here too; a shard's leader counts it from the ShardRejected.
+            for contribution in contributions:
+                self.note_nonfinite(contribution, forward=False)
+            raise NonFiniteRejection.of(contributions[0])
+        for contribution in contributions:
+            self.note_nonfinite(contribution)
+
+    def note_nonfinite(self, contribution: NonFiniteContribution, forward: bool = True) -> bool:
+        """Count, log and export a non-finite contribution (once per rank, step and bucket).
+
+        Args:
+            forward: also hand it to `on_nonfinite` (a shard's report to its leader).
+
+        Returns:
+            True if it was new.
+        """
+        if not self.nonfinite.record(contribution):
+            return False
+        if self._metrics is not None:
+            self._metrics.observe_nonfinite(contribution.rank)
+        if forward and self.on_nonfinite is not None:
+            self.on_nonfinite(contribution)
+        return True
+
+    def _averaged(self, bucket: int, offset: int, averaged: memoryview) -> list[Send]:
+        """The averaged chunk for every unit leader, encoded once (pieces for a float32 reply).
+
+        Followers get their averages from their local leader, over shared memory. A
+        leader whose upload of this chunk came from its same-host segment gets a
+        `SegmentAverage` instead: nothing is encoded for it.
+        """
+        reduction = self._buckets[bucket].reduction
+        units = self.units()
+        from_segment = tuple(u for u in units if (bucket, offset, u) in self._segment_uploads)
+        self._segment_uploads.difference_update((bucket, offset, u) for u in from_segment)
+        sends = []
+        for piece_offset, piece in reply_pieces(
+            offset, averaged, reduction.dtype, reduction.reply_dtype, self._chunk_bytes
+        ):
+            header = ChunkHeader(
+                step=self.step,
+                membership_epoch=self._membership.epoch,
+                bucket_index=bucket,
+                offset=piece_offset,
+                dtype=reduction.reply_dtype,
+                contributors=reduction.last_contributors,
+            )
+            # A segment's upload is answered on its own grid, in its own dtype (one piece).
+            direct = from_segment if piece_offset == offset and len(piece) == len(averaged) else ()
+            others = tuple(u for u in units if u not in direct)
+            if others:
+                sends.append(Send(others, encode_gradient(header, piece)))
+            if direct:
+                sends.append(Send(direct, SegmentAverage(header, piece)))
+        return sends
+
+    def _close_bucket_if_complete(self, bucket: int) -> list[Action]:
+        """Once every chunk of `bucket` went out: count it, and close the step after the last.
+
+        Called after the bucket's final averaged chunks were queued (never between
+        two of them: a rank dropped under the elastic policy can complete several
+        chunks at once, and closing the step frees the reductions they come from).
+        """
+        if not self._buckets[bucket].reduction.complete:
+            return []
+        self._buckets_done += 1
+        if self._metrics is not None and self.progress is not None:
+            reduction = self._buckets[bucket].reduction
+            widening = dtypes.itemsize(reduction.reply_dtype) // dtypes.itemsize(reduction.dtype)
+            sent = reduction.range_bytes * widening * len(self.units())
+            self._metrics.observe_bucket_done(self.progress.bucket_age(bucket), sent)
+        if self._buckets_done != len(self._bucket_bytes):
+            return []
+        report = self._step_report()
+        if self._metrics is not None and self.progress is not None:
+            self._metrics.observe_step_done(self.progress.age(), self.step)
+        self._advance()
+        self.steps_completed += 1
+        return report
+
+    def _step_report(self) -> list[Action]:
+        """The completed step's StepReport for the lowest participant (its step log)."""
+        participants = self.participants()
+        if not participants:
+            return []
+        slowest = self._metrics.slowest(1) if self._metrics is not None else []
+        rank, lag_s = slowest[0] if slowest and slowest[0][1] > 0 else (-1, 0.0)
+        report = pb.StepReport(step=self.step, slowest_rank=rank, slowest_lag_s=lag_s)
+        return [Send((min(participants),), pb.CoordinatorMessage(step_report=report))]
+
+    # ------------------------------------------------------ membership changes
+    def drop_rank(self, lost: int) -> list[Action]:
+        """Elastic: finish what `lost` never contributed to over the live ranks."""
+        actions: list[Action] = []
+        step = self.step
+        for bucket, held in list(self._buckets.items()):
+            completed = held.reduction.drop_rank(lost)
+            held.account()
+            for offset, averaged in completed:
+                actions += self._averaged(bucket, offset, averaged)
+            if completed:
+                actions += self._close_bucket_if_complete(bucket)
+            if self.step != step:
+                break  # the step completed over the live ranks
+        return actions
+
+    def run_out_of_inputs(self, rank: int) -> list[Action]:
+        """`rank` ran out of inputs: finish what waits only for it, dividing by the membership."""
+        self.out_of_inputs.add(rank)
+        divisor = self._divisor()
+        for held in self._buckets.values():
+            held.reduction.divisor = divisor
+        return self.drop_rank(rank)
+
+    def add_rank(self, rank: int) -> None:
+        """Elastic: a healed newcomer contributes to the open step from now on."""
+        for held in self._buckets.values():
+            held.reduction.add_rank(rank)
+
+    # ------------------------------------------------------------------ ending
+    def abort(self, culprit: int, rejection: RejectedMessage) -> list[Action]:
+        """Abandon the open step: free its buffers and tell every rank why."""
+        step = self.step
+        self.remember_aborted(step)
+        self._advance()
+        ranks = self._membership.ranks()
+        if culprit not in ranks:
+            ranks = tuple(sorted((*ranks, culprit)))
+        return abort_actions(ranks, culprit, step, rejection)
+
+    def drop_step(self) -> None:
+        """Abandon the open step without telling anyone and start the next one.
+
+        A coordinator shard follows its leader's abort this way: the leader
+        already told every rank why (`abort` is the leader's version).
+        """
+        self._advance()
+
+    def release(self) -> None:
+        """Free every buffer of the open step; it will never complete (job broken or refused)."""
+        for held in self._buckets.values():
+            held.reservation.release()
+        self._buckets.clear()
+        self._segment_uploads.clear()
+        if self.progress is not None:
+            self.progress.reset()
+
+    def _advance(self) -> None:
+        self.release()
+        self._buckets_done = self._empty_buckets
+        self.step += 1
+        self._start_epoch = self._membership.epoch
+        self._open_members = frozenset(self._membership.ranks())
+
+    def late_ranks(self) -> dict[int, list[int]]:
+        """Ranks the open step waits for, with the buckets others already delivered."""
+        if self.progress is None:
+            return {}
+        return self.progress.late_ranks(self.participants())

@@ -1,0 +1,82 @@
+"""What the average of a 16-bit wire comes back as: 16 bits, or the fp32 accumulator itself.
+
+A comm hook may send a float32 bucket as float16/bfloat16 (half the bytes up)
+and ask, in every chunk's `reply_dtype`, for the average in float32. The
+coordinator accumulates in float32 anyway, so answering in float32 costs the
+bytes down but saves the last rounding of the gradient (the one back to 16
+bits), which is the larger of the two for bf16's 8-bit mantissa. Every rank
+must ask the same for a (step, bucket): the reply is one message for all.
+
+A float32 reply is twice the wire bytes, so it cannot travel as one message
+per input chunk (the message limit is one chunk plus slack). It is cut on the
+reply's own grid instead: this shard's range [lo, hi) of the bucket in wire
+bytes is [2 lo, 2 hi) in reply bytes, chunked from 2 lo like any range
+(`chunking.range_chunk_spans`), which is exactly the grid a worker expects
+for a float32 bucket of the same elements. An input chunk at offset o of L
+bytes lies on the wire grid (o - lo is a multiple of the chunk size), so its
+reply [2 o, 2 o + 2 L) starts on the reply grid and covers whole reply chunks.
+Pure logic, no gRPC.
+"""
+
+from __future__ import annotations
+
+from gradsync_proto import chunking, dtypes
+from gradsync_proto.v1 import gradsync_pb2 as pb
+
+#: 16-bit wire dtypes a comm hook may compress a float32/float64 bucket to.
+COMPRESSED_WIRE = (pb.DTYPE_FLOAT16, pb.DTYPE_BFLOAT16)
+
+
+def reply_dtype_of(chunk_reply_dtype: int, wire_dtype: int) -> int:
+    """The dtype a chunk asks its average back in (unset = its payload's)."""
+    return chunk_reply_dtype or wire_dtype
+
+
+def reply_dtype_problem(reply_dtype: int, wire_dtype: int, native_dtype: int) -> str | None:
+    """Why `reply_dtype` cannot answer a `wire_dtype` payload of a `native_dtype` bucket, or None.
+
+    Allowed: the payload's own dtype, or float32 for a 16-bit payload of a
+    float32 bucket: the one case where the answer lands in the bucket's buffer
+    as is (a float64 bucket would still need a cast on the worker, and any other
+    widening would only cost bytes).
+    """
+    if reply_dtype == wire_dtype:
+        return None
+    if (
+        reply_dtype == pb.DTYPE_FLOAT32
+        and wire_dtype in COMPRESSED_WIRE
+        and native_dtype == pb.DTYPE_FLOAT32
+    ):
+        return None
+    allowed = dtypes.dtype_name(wire_dtype)
+    if wire_dtype in COMPRESSED_WIRE and native_dtype == pb.DTYPE_FLOAT32:
+        allowed += " or float32"
+    return (
+        f"asked for the average as {dtypes.dtype_name(reply_dtype)}, but a "
+        f"{dtypes.dtype_name(wire_dtype)} payload of a {dtypes.dtype_name(native_dtype)} "
+        f"bucket can only be answered as {allowed}"
+    )
+
+
+def reply_pieces(
+    offset: int, averaged: memoryview, wire_dtype: int, reply_dtype: int, chunk_bytes: int
+) -> list[tuple[int, memoryview]]:
+    """(reply offset, bytes) of each message carrying the average of the input chunk at `offset`.
+
+    Args:
+        offset: the input chunk's offset in wire bytes (on its range's grid).
+        averaged: its average, already in `reply_dtype`.
+
+    Returns:
+        One piece at `offset` when the reply is in the wire dtype; otherwise
+        the reply grid's pieces that the chunk covers: cutting [2 o, 2 o + 2 L)
+        from its own start is the reply range's grid, since 2 o is on it (see
+        the module docstring).
+    """
+    if reply_dtype == wire_dtype:
+        return [(offset, averaged)]
+    start = offset * (dtypes.itemsize(reply_dtype) // dtypes.itemsize(wire_dtype))
+    return [
+        (piece, averaged[piece - start : piece - start + length])
+        for piece, length in chunking.range_chunk_spans(start, start + len(averaged), chunk_bytes)
+    ]

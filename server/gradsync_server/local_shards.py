@@ -1,0 +1,194 @@
+"""`gradsync serve --shards S`: the leader's S-1 local shard processes, supervised.
+
+One Python process aggregates at most one core's worth of bytes, so a host
+with several cores runs the leader plus S-1 `gradsync shard` child processes
+that register with it over loopback. The leader owns them: it starts them
+after it listens, restarts one that dies at the same port (the workers'
+shard map names that port, and a shard that comes back at its address keeps
+its index), logs every restart, and stops them all on shutdown, so none is
+left behind. A child that keeps dying is restarted after a short delay, not
+in a tight loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import sys
+from collections.abc import Mapping, Sequence
+
+from gradsync_proto import auth, defaults
+from gradsync_proto.defaults import MIB
+from gradsync_proto.net.launch import free_port
+
+from gradsync_server.config import ServerConfig
+
+log = logging.getLogger("gradsync.server")
+
+#: How long a stopping child gets after SIGTERM before it is killed.
+_STOP_GRACE_S = 10.0
+#: Hosts that mean "every interface": the children reach the leader over loopback then.
+_ANY_HOST = ("", "0.0.0.0", "::", "[::]")
+
+
+def shard_ports(config: ServerConfig, leader_port: int) -> list[int]:
+    """Ports of shards 1..S-1: the leader's port + i, or free ports when it bound port 0."""
+    if config.port == 0:
+        return [free_port() for _ in range(config.shard_count - 1)]
+    return [leader_port + index for index in range(1, config.shard_count)]
+
+
+def shard_command(
+    config: ServerConfig, leader_port: int, port: int, index: int, log_level: str
+) -> list[str]:
+    """The argv of local shard `index` (its address is advertised as ":port")."""
+    leader_host = "127.0.0.1" if config.host in _ANY_HOST else config.host
+    argv = [
+        sys.executable,
+        "-m",
+        "gradsync",
+        "--log-level",
+        log_level,
+        "shard",
+        "--leader",
+        f"{leader_host}:{leader_port}",
+        "--host",
+        config.host,
+        "--port",
+        str(port),
+        "--advertise",
+        f":{port}",
+        "--max-buffered-mb",
+        f"{config.max_buffered_bytes / MIB:g}",
+        # The leader's limits on hostile or slow peers hold on its shards too.
+        "--max-outbox-mb",
+        repr(config.max_outbox_bytes / MIB),
+        "--max-connections",
+        str(config.max_connections),
+        "--first-message-timeout-s",
+        repr(config.first_message_timeout_s),
+    ]
+    if config.metrics_port:
+        argv += ["--metrics-port", str(config.metrics_port + index)]
+    if config.metrics_host:
+        argv += ["--metrics-host", config.metrics_host]
+    if config.tls_cert and config.tls_key:
+        # The children serve workers with the leader's certificate, ask for the same
+        # client certificates, and verify the leader with its CA (or the certificate).
+        argv += ["--tls-cert", config.tls_cert, "--tls-key", config.tls_key]
+        argv += ["--tls-ca", config.tls_ca or config.tls_cert]
+        if config.tls_client_ca:
+            argv += ["--tls-client-ca", config.tls_client_ca]
+    if config.insecure:
+        argv.append("--insecure")
+    return argv
+
+
+def shard_environment(config: ServerConfig, environ: Mapping[str, str]) -> dict[str, str]:
+    """The children's environment: the leader's, with the token in $GRADSYNC_TOKEN.
+
+    The token goes by environment, never argv: the process list shows every
+    argument to every user of the host, a process's environment only to its owner.
+    """
+    env = {
+        key: value
+        for key, value in environ.items()
+        if key not in (auth.ENV_TOKEN, auth.ENV_TOKEN_FILE)
+    }
+    if config.token is not None:
+        env[auth.ENV_TOKEN] = config.token
+    return env
+
+
+class LocalShards:
+    """The leader's local shard children.
+
+    Args:
+        config: the leader's configuration (`shard_count`, host, chunk size).
+        leader_port: the port the leader listens on.
+        restart_delay_s: pause before restarting a child that died.
+    """
+
+    def __init__(
+        self,
+        config: ServerConfig,
+        leader_port: int,
+        restart_delay_s: float = defaults.LOCAL_SHARD_RESTART_DELAY_S,
+    ) -> None:
+        self._config = config
+        self._leader_port = leader_port
+        self._restart_delay_s = restart_delay_s
+        self.ports = shard_ports(config, leader_port)
+        self._processes: dict[int, asyncio.subprocess.Process] = {}
+        self._supervisors: list[asyncio.Task[None]] = []
+        self._stopping = False
+        #: How often each child was restarted, by shard index.
+        self.restarts: dict[int, int] = {}
+
+    def commands(self) -> Sequence[list[str]]:
+        """The argv of every child, by index 1..S-1."""
+        level = logging.getLevelName(logging.getLogger().getEffectiveLevel())
+        return [
+            shard_command(self._config, self._leader_port, port, index, level)
+            for index, port in enumerate(self.ports, start=1)
+        ]
+
+    def pids(self) -> dict[int, int]:
+        """Process ids of the running children, by index."""
+        return {
+            index: process.pid
+            for index, process in self._processes.items()
+            if process.returncode is None
+        }
+
+    async def start(self) -> None:
+        """Start every child and a supervisor for each."""
+        for index, argv in enumerate(self.commands(), start=1):
+            self._supervisors.append(asyncio.create_task(self._supervise(index, argv)))
+        ports = ", ".join(f"{i} on :{p}" for i, p in enumerate(self.ports, start=1))
+        log.info("started %d local shard process(es): %s", len(self.ports), ports)
+
+    async def _supervise(self, index: int, argv: list[str]) -> None:
+        while not self._stopping:
+            process = await asyncio.create_subprocess_exec(
+                *argv, env=shard_environment(self._config, os.environ)
+            )
+            self._processes[index] = process
+            code = await process.wait()
+            if self._stopping:
+                return
+            self.restarts[index] = self.restarts.get(index, 0) + 1
+            log.warning(
+                "local shard %d (port %d, pid %d) exited with code %s; restarting it at the "
+                "same port in %gs (restart %d)",
+                index,
+                self.ports[index - 1],
+                process.pid,
+                code,
+                self._restart_delay_s,
+                self.restarts[index],
+            )
+            await asyncio.sleep(self._restart_delay_s)
+
+    async def stop(self) -> None:
+        """Stop every child (SIGTERM, then SIGKILL after a grace) and the supervisors."""
+        self._stopping = True
+        for process in self._processes.values():
+            if process.returncode is None:
+                with contextlib.suppress(ProcessLookupError):
+                    process.terminate()
+        for index, process in self._processes.items():
+            try:
+                await asyncio.wait_for(process.wait(), timeout=_STOP_GRACE_S)
+            except TimeoutError:
+                log.warning(
+                    "local shard %d did not stop within %gs; killing it", index, _STOP_GRACE_S
+                )
+                with contextlib.suppress(ProcessLookupError):
+                    process.kill()
+                await process.wait()
+        for supervisor in self._supervisors:
+            supervisor.cancel()
+        await asyncio.gather(*self._supervisors, return_exceptions=True)

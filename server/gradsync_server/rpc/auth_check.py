@@ -1,0 +1,194 @@
+"""Who may talk to a coordinator or shard: TLS credentials, the token check, protected mode.
+
+Shared by `gradsync serve` (`app`) and `gradsync shard` (`shard_app`):
+
+- `server_credentials` turns `--tls-cert/--tls-key` into gRPC server
+  credentials; with `--tls-client-ca` the handshake also requires a client
+  certificate issued by that CA (mTLS), so a peer without one never reaches
+  a handler.
+- `TokenCheck` is a server interceptor that runs before every RPC (Sync,
+  Status, ShardLink, Shard.Data and the health service alike): the token a
+  caller presents in its metadata is compared in constant time
+  (`gradsync_proto.auth.token_matches`) and a call without the right one
+  is answered UNAUTHENTICATED before the handler runs, so it cannot create a
+  job, claim a rank or read anything. Its request bytes are not even parsed.
+- `exposure_refusal` is protected mode (as Redis's): with neither a token nor
+  client certificates, anyone who reaches the port can train in, read or
+  disturb every job, so such a server may listen only on loopback unless the
+  operator says `--insecure`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import grpc
+from gradsync_proto import auth
+
+log = logging.getLogger("gradsync.server")
+
+#: Refused calls are logged at most once per this many seconds (with a count),
+#: so that a flood of bad calls cannot flood the log.
+REFUSAL_LOG_PERIOD_S = 10.0
+
+#: How long a refused stream waits for the caller's first message before its status.
+FIRST_MESSAGE_WAIT_S = 2.0
+
+#: At most this many refused streams wait for their first message at once; beyond
+#: it a refusal is immediate, so a flood of unauthenticated streams cannot hold
+#: handlers (which the connection cap does not count: they never reach it).
+MAX_WAITING_REFUSALS = 64
+
+MISSING_TOKEN = (
+    "this server requires a token and the call carried none: set {env} or {env_file} "
+    "(or pass token= / --token-file) to the token the server was started with"
+)
+WRONG_TOKEN = (
+    "the token presented does not match this server's: check {env} / {env_file} "
+    "(or token= / --token-file) on this side against the server's"
+)
+
+
+def server_credentials(
+    cert: str | None, key: str | None, client_ca: str | None
+) -> grpc.ServerCredentials | None:
+    """TLS server credentials from PEM files, or None without `cert` (plaintext).
+
+    Raises:
+        TokenError: a file cannot be read or is not PEM (names the flag);
+            `key` or `cert` given without the other, or `client_ca` without both.
+    """
+    if cert is None and key is None:
+        if client_ca is not None:
+            raise auth.TokenError("--tls-client-ca needs --tls-cert and --tls-key (mTLS is TLS)")
+        return None
+    if cert is None or key is None:
+        raise auth.TokenError("--tls-cert and --tls-key go together: give both or neither")
+    pair = (auth.read_pem_file(key, "--tls-key"), auth.read_pem_file(cert, "--tls-cert"))
+    roots = auth.read_pem_file(client_ca, "--tls-client-ca") if client_ca else None
+    return grpc.ssl_server_credentials(
+        [pair], root_certificates=roots, require_client_auth=roots is not None
+    )
+
+
+def bind(server: grpc.aio.Server, address: str, credentials: grpc.ServerCredentials | None) -> int:
+    """Add a listening port, with TLS when `credentials` are given; the bound port (0 = failed)."""
+    if credentials is None:
+        return int(server.add_insecure_port(address))
+    return int(server.add_secure_port(address, credentials))
+
+
+def exposure_refusal(
+    command: str, host: str, *, token: bool, client_ca: bool, insecure: bool
+) -> str | None:
+    """Why `command` must not listen on `host` as configured, or None when it may.
+
+    A server is exposed when it binds anything but loopback. Exposed, it needs
+    a way to tell callers apart: a token, or client certificates (mTLS). TLS
+    alone encrypts but admits anyone, so it does not count.
+    """
+    if insecure or token or client_ca or auth.is_loopback(host):
+        return None
+    return (
+        f"gradsync {command}: refusing to listen on --host {host} without authentication: "
+        "anyone who can reach this port could join or disturb every job and read its "
+        f"weights. Set a token (--token-file FILE, ${auth.ENV_TOKEN_FILE} or "
+        f"${auth.ENV_TOKEN}; make one with `gradsync token FILE`), or require client "
+        "certificates (--tls-cert, --tls-key, --tls-client-ca), or listen on 127.0.0.1; "
+        "--insecure listens anyway, for trusted networks only (see SECURITY.md)."
+    )
+
+
+class TokenCheck(grpc.aio.ServerInterceptor):  # type: ignore[misc]  # grpc ships no stubs
+    """Refuse every call that does not present `token` (UNAUTHENTICATED), before its handler.
+
+    Args:
+        token: the shared secret.
+        clock: monotonic seconds (injectable for tests of the log rate limit).
+    """
+
+    def __init__(self, token: str, clock: Callable[[], float] = time.monotonic) -> None:
+        self._token = token
+        self._clock = clock
+        self._refused_since_log = 0
+        self._last_log = -REFUSAL_LOG_PERIOD_S
+        #: Calls refused since start (for tests and the log).
+        self.refused = 0
+        #: Refused streams now waiting for their first message (bounded).
+        self.waiting = 0
+
+    async def intercept_service(
+        self,
+        continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler]],
+        handler_call_details: grpc.HandlerCallDetails,
+    ) -> grpc.RpcMethodHandler | None:
+        presented = auth.presented_token(handler_call_details.invocation_metadata)
+        if auth.token_matches(self._token, presented):
+            return await continuation(handler_call_details)
+        handler = await continuation(handler_call_details)
+        if handler is None:  # an unknown method: UNIMPLEMENTED says nothing secret
+            return None
+        template = MISSING_TOKEN if presented is None else WRONG_TOKEN
+        message = template.format(env=auth.ENV_TOKEN, env_file=auth.ENV_TOKEN_FILE)
+        self._note_refusal(handler_call_details.method, presented is None)
+        return _refusing(handler, message, self)
+
+    def _note_refusal(self, method: str | bytes, missing: bool) -> None:
+        self.refused += 1
+        self._refused_since_log += 1
+        now = self._clock()
+        if now - self._last_log >= REFUSAL_LOG_PERIOD_S:
+            name = method.decode("utf-8", "replace") if isinstance(method, bytes) else method
+            log.warning(
+                "refused %d unauthenticated call(s) in the last %gs (latest: %r, %s)",
+                self._refused_since_log,
+                min(REFUSAL_LOG_PERIOD_S, now - self._last_log),
+                name,
+                "no token" if missing else "wrong token",
+            )
+            self._last_log = now
+            self._refused_since_log = 0
+
+
+def _refusing(
+    handler: grpc.RpcMethodHandler, message: str, check: TokenCheck
+) -> grpc.RpcMethodHandler:
+    """A handler of the same shape as `handler` that only aborts with UNAUTHENTICATED.
+
+    Its requests are left as raw bytes (no deserializer): nothing an
+    unauthenticated caller sent is parsed.
+    """
+
+    async def refuse(request: Any, context: grpc.aio.ServicerContext[Any, Any]) -> None:
+        await context.abort(grpc.StatusCode.UNAUTHENTICATED, message)
+
+    async def refuse_stream(requests: Any, context: grpc.aio.ServicerContext[Any, Any]) -> None:
+        # Wait (bounded) for the caller's first message: a status that overtakes the
+        # client's first write makes grpc's client report INTERNAL ("Failed execute_batch")
+        # instead of UNAUTHENTICATED, and the caller would not learn why.
+        if check.waiting < MAX_WAITING_REFUSALS:
+            check.waiting += 1
+            try:
+                with contextlib.suppress(Exception):
+                    await asyncio.wait_for(anext(aiter(requests)), FIRST_MESSAGE_WAIT_S)
+            finally:
+                check.waiting -= 1
+        await context.abort(grpc.StatusCode.UNAUTHENTICATED, message)
+
+    if handler.request_streaming and handler.response_streaming:
+        return grpc.stream_stream_rpc_method_handler(refuse_stream)
+    if handler.request_streaming:
+        return grpc.stream_unary_rpc_method_handler(refuse_stream)
+    if handler.response_streaming:
+        return grpc.unary_stream_rpc_method_handler(refuse)
+    return grpc.unary_unary_rpc_method_handler(refuse)
+
+
+def interceptors(token: str | None) -> list[grpc.aio.ServerInterceptor]:
+    """The server's interceptors: the token check when a token is set."""
+    return [] if token is None else [TokenCheck(token)]

@@ -1,0 +1,460 @@
+"""The gRPC face of a coordinator shard: workers' data streams, and the leader's decisions.
+
+Each worker opens one `Shard.Data` stream per shard: a `ShardHello`, then
+gradient chunks of the shard's byte ranges; the averages come back on the
+same stream. As in the leader's servicer, every stream has a reader and a
+writer draining a bounded outbox (`Connection`), every stream ended with an
+error first gets a `StreamEnd`, and messages are raw bytes so that a chunk is
+parsed without copying and an average is serialized once for every rank.
+
+The job logic is `ShardJob` (pure); the leader's decisions arrive through the
+`on_*` methods, called by the control link (`shard_link`). Control and data
+travel on different connections, so a hello or a chunk may arrive before the
+view or abort that makes it valid: the reader then waits, bounded by the
+heartbeat timeout, for the shard's state to catch up before judging it.
+Everything runs on one asyncio loop, so no locks.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import AsyncIterator, Callable
+
+import grpc
+from google.protobuf.message import DecodeError
+from gradsync_proto import defaults
+from gradsync_proto.codec import ChunkHeader, decode_gradient, header_of
+from gradsync_proto.codes import Code
+from gradsync_proto.v1 import gradsync_pb2 as pb
+
+from gradsync_server.control.shard_view import ShardJob, ShardOutcome
+from gradsync_server.dataplane import nonfinite
+from gradsync_server.dataplane.actions import SegmentAverage
+from gradsync_server.dataplane.budget import ByteBudget, outbox_pool_bytes
+from gradsync_server.errors import RejectedMessage
+from gradsync_server.rpc.connection import Connection
+from gradsync_server.rpc.stream_guard import StreamCount, guarded
+from gradsync_server.shard_config import ShardConfig
+from gradsync_server.shard_metrics import ShardMetrics
+
+log = logging.getLogger("gradsync.shard")
+
+SERVICE_NAME = "gradsync.v1.Shard"
+_STATUS_BY_CODE = {status.value[0]: status for status in grpc.StatusCode}
+#: How long a stream that is to end gets to flush what is queued for it.
+_FLUSH_S = 1.0
+
+
+class DataStream(Connection):
+    """One worker's data stream: the bounded outbox, plus who sent the hello."""
+
+    def __init__(
+        self, peer: str, max_outbox_bytes: int, outbox_budget: ByteBudget | None = None
+    ) -> None:
+        super().__init__(peer, max_outbox_bytes, outbox_budget)
+        self.job_id: str | None = None
+        self.incarnation = ""
+        #: The session secret of the hello that admitted the stream (never logged).
+        self.session = b""
+
+
+class ShardServicer:
+    """The jobs and data streams of one shard process.
+
+    Args:
+        config: the shard's configuration.
+        advertise: the address it registers with (for messages).
+        clock: monotonic time source.
+        metrics: where its metrics go (a fresh `ShardMetrics` when None).
+    """
+
+    def __init__(
+        self,
+        config: ShardConfig,
+        advertise: str,
+        clock: Callable[[], float] = time.monotonic,
+        metrics: ShardMetrics | None = None,
+    ) -> None:
+        self.config = config
+        self.advertise = advertise
+        self.clock = clock
+        self.metrics = metrics or ShardMetrics()
+        self.budget = ByteBudget(config.max_buffered_bytes)
+        #: What all outboxes queue together (see `gradsync_server.rpc.connection`).
+        self.outbox_budget = ByteBudget(
+            outbox_pool_bytes(config.max_buffered_bytes, config.max_outbox_bytes)
+        )
+        #: Data streams, against --max-connections (see `gradsync_server.rpc.stream_guard`).
+        self.stream_count = StreamCount(config.max_connections)
+        #: None until the leader accepts the shard (and again once it is lost).
+        self.index: int | None = None
+        #: The leader's --nonfinite policy (from ShardAccepted).
+        self.nonfinite = defaults.NONFINITE
+        self.heartbeat_timeout_s = config.hello_wait_s
+        self.jobs: dict[str, ShardJob] = {}
+        self._connections: dict[tuple[str, int], DataStream] = {}
+        self._streams: set[DataStream] = set()
+        #: Messages for the leader (rejections, non-finite reports), drained by the control link.
+        self.to_leader: asyncio.Queue[pb.ShardMessage] = asyncio.Queue()
+        self._changed = asyncio.Event()
+        self.draining = False
+
+    @property
+    def name(self) -> str:
+        """How messages name this shard: "shard 2 at 10.0.0.5:50051"."""
+        index = "?" if self.index is None else str(self.index)
+        return f"shard {index} at {self.advertise}"
+
+    def connection_count(self) -> int:
+        """Data streams admitted to a job."""
+        return len(self._connections)
+
+    def stats(self) -> pb.ShardStats:
+        """The counters sent to the leader with every sign of life."""
+        return self.metrics.stats(self.budget.used, self.connection_count())
+
+    def generic_handler(self) -> grpc.GenericRpcHandler:
+        """The handler to register on a `grpc.aio.server` (raw-bytes Data method)."""
+        return grpc.method_handlers_generic_handler(
+            SERVICE_NAME,
+            {
+                "Data": grpc.stream_stream_rpc_method_handler(
+                    guarded("Data", self.data, self.stream_count)
+                )
+            },
+        )
+
+    # ------------------------------------------------------------ the leader
+    def _notify(self) -> None:
+        """Wake every reader waiting for the shard's state to catch up."""
+        self._changed.set()
+        self._changed = asyncio.Event()
+
+    async def _wait_until(self, ready: Callable[[], bool], timeout_s: float) -> bool:
+        """Wait (bounded) until `ready()` holds, re-checking after each change of state."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout_s
+        while not ready():
+            remaining = deadline - loop.time()
+            if remaining <= 0:
+                return False
+            try:
+                await asyncio.wait_for(self._changed.wait(), remaining)
+            except TimeoutError:
+                return ready()
+        return True
+
+    def on_accepted(self, accepted: pb.ShardAccepted) -> None:
+        """The leader accepted this shard: learn its index and the heartbeat bounds."""
+        self.index = accepted.shard_index
+        self.heartbeat_timeout_s = accepted.heartbeat_timeout_s or self.config.hello_wait_s
+        self.nonfinite = accepted.nonfinite or defaults.NONFINITE
+        if self.nonfinite not in defaults.NONFINITE_POLICIES:
+            # Leader and shard run the same version, so this is a bug; checking stays safe.
+            log.error(
+                "the leader's --nonfinite policy %r is unknown here; using %r",
+                self.nonfinite,
+                nonfinite.ABORT,
+            )
+            self.nonfinite = nonfinite.ABORT
+        self.metrics.set_shard_index(accepted.shard_index)
+        log.info(
+            "registered with leader %s as shard %d of %d",
+            self.config.leader,
+            accepted.shard_index,
+            accepted.shard_count,
+        )
+        self._notify()
+
+    def on_view(self, view: pb.ShardJobView) -> None:
+        """A job started or its membership changed at the leader."""
+        job = self.jobs.get(view.job_id)
+        if job is None:
+            if self.index is None:
+                return
+            try:
+                job = ShardJob(
+                    view,
+                    self.index,
+                    self.name,
+                    self.budget,
+                    self.clock,
+                    self.metrics,
+                    nonfinite=self.nonfinite,
+                )
+            except ValueError as exc:
+                log.error("cannot follow job '%s': %s", view.job_id, exc)
+                return
+            self.jobs[view.job_id] = job
+            log.info(
+                "job '%s': following the leader from step %d (members %s, epoch %d)",
+                view.job_id,
+                view.start_step,
+                list(job.membership.ranks()),
+                view.membership_epoch,
+            )
+            outcome = ShardOutcome()
+        else:
+            outcome = job.apply(view)
+        for (job_id, rank), conn in list(self._connections.items()):
+            if job_id == view.job_id and not job.is_current(rank, conn.incarnation, conn.session):
+                self._drop(conn, Code.OK, f"rank {rank} is no longer a member of job '{job_id}'")
+        self._deliver(job, outcome)
+        self._notify()
+
+    def on_abort(self, abort: pb.ShardAbort) -> None:
+        """The leader aborted a step: drop what this shard holds of it."""
+        job = self.jobs.get(abort.job_id)
+        if job is not None:
+            job.abort(abort.step)
+            self._notify()
+
+    def on_job_end(self, end: pb.ShardJobEnd) -> None:
+        """The job ended at the leader: end its data streams with the leader's status."""
+        job = self.jobs.pop(end.job_id, None)
+        if job is not None:
+            job.release()
+        code = Code(end.code) if end.code in _STATUS_BY_CODE else Code.UNKNOWN
+        if job is not None:
+            log.info("job '%s' ended at the leader (%s): %s", end.job_id, code.name, end.message)
+        for (job_id, _), conn in list(self._connections.items()):
+            if job_id == end.job_id:
+                self._drop(conn, code, end.message or f"job '{job_id}' ended")
+        self._notify()
+
+    def on_leader_lost(self, why: str) -> None:
+        """The control stream is gone: end every data stream, forget every job."""
+        details = f"{self.name} lost its leader {self.config.leader} ({why})"
+        self.end_all(Code.UNAVAILABLE, details, pb.END_REASON_SHARD_LOST)
+        for job in self.jobs.values():
+            job.release()
+        self.jobs.clear()
+        self.index = None
+        self.metrics.set_shard_index(-1)
+        while not self.to_leader.empty():
+            self.to_leader.get_nowait()
+        self._notify()
+
+    def end_all(self, code: Code, details: str, reason: pb.EndReason) -> None:
+        """End every data stream (admitted or still waiting) with `code`."""
+        for conn in list(self._streams):
+            self._drop(conn, code, details, reason)
+
+    def _drop(
+        self, conn: DataStream, code: Code, details: str, reason: pb.EndReason | None = None
+    ) -> None:
+        if conn.job_id is not None and self._connections.get((conn.job_id, conn.rank)) is conn:
+            del self._connections[(conn.job_id, conn.rank)]
+        conn.end(code, details, reason)
+
+    def _deliver(self, job: ShardJob, outcome: ShardOutcome) -> None:
+        for send in outcome.sends:
+            message = send.message
+            if isinstance(message, SegmentAverage):
+                message = message.encoded()  # (shards have no same-host segments)
+            raw = message if isinstance(message, bytes) else message.SerializeToString()
+            for rank in send.ranks:
+                target = self._connections.get((job.job_id, rank))
+                if target is not None:
+                    target.send(raw)
+        if outcome.rejected is not None:
+            log.warning("job '%s': %s", job.job_id, outcome.rejected.message)
+            self.metrics.observe_rejection(Code(outcome.rejected.code).name)
+            self.to_leader.put_nowait(pb.ShardMessage(rejected=outcome.rejected))
+        for report in outcome.nonfinite:
+            self.to_leader.put_nowait(pb.ShardMessage(nonfinite=report))
+
+    # --------------------------------------------------------------- streams
+    async def data(
+        self, request_iterator: AsyncIterator[bytes], context: grpc.aio.ServicerContext
+    ) -> None:
+        """Serve one worker's data stream until it leaves, fails, or is ended."""
+        conn = DataStream(context.peer(), self.config.max_outbox_bytes, self.outbox_budget)
+        self._streams.add(conn)
+
+        def detach() -> None:
+            if conn.job_id is not None and self._connections.get((conn.job_id, conn.rank)) is conn:
+                del self._connections[(conn.job_id, conn.rank)]
+            self._streams.discard(conn)
+
+        end = await conn.serve(
+            self._read_loop(conn, request_iterator),
+            context,
+            _FLUSH_S,
+            detach,
+            handler="Data",
+            first_message_s=self.config.first_message_timeout_s,
+            identified=lambda: conn.greeted,
+        )
+        if end is not None and end.code is not Code.OK:
+            context.set_code(_STATUS_BY_CODE[int(end.code)])
+            context.set_details(end.details)
+
+    async def _read_loop(self, conn: DataStream, request_iterator: AsyncIterator[bytes]) -> None:
+        try:
+            async for raw in request_iterator:
+                conn.greeted = True
+                try:
+                    await self._dispatch(conn, raw)
+                except asyncio.CancelledError:
+                    raise
+                except Exception as exc:  # a bug, not the peer's doing: INTERNAL
+                    conn.fail_internal("Data", exc)
+                if conn.ended:
+                    return
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:  # the transport failed under us: a disconnect
+            log.info("data stream from %s (rank %s) failed: %s", conn.peer, conn.rank, exc)
+
+    async def _dispatch(self, conn: DataStream, raw: bytes) -> None:
+        if conn.job_id is None:
+            await self._hello(conn, raw)
+            return
+        try:
+            fast = decode_gradient(raw)
+            if fast is not None:
+                chunk, payload = fast
+            else:
+                message = pb.WorkerMessage.FromString(raw)
+                kind = message.WhichOneof("kind")
+                if kind == "heartbeat":
+                    return
+                if kind == "leave":
+                    self._drop(conn, Code.OK, "goodbye")
+                    return
+                if kind == "shard_hello":
+                    self._drop(conn, Code.FAILED_PRECONDITION, f"rank {conn.rank} sent two hellos")
+                    return
+                if kind != "gradient":
+                    raise ValueError(
+                        f"a shard data stream carries gradient chunks only, got {kind or 'nothing'}"
+                    )
+                chunk, payload = header_of(message.gradient), memoryview(message.gradient.payload)
+        except (DecodeError, ValueError) as exc:
+            self._refuse(
+                conn,
+                RejectedMessage(
+                    Code.INVALID_ARGUMENT,
+                    f"rank {conn.rank} sent {len(raw)} bytes that are not a gradient chunk "
+                    f"for {self.name}: {exc}",
+                ),
+            )
+            return
+        self.metrics.observe_chunk(len(payload))
+        await self._gradient(conn, chunk, payload)
+
+    async def _gradient(self, conn: DataStream, chunk: ChunkHeader, payload: memoryview) -> None:
+        job_id = conn.job_id
+        if job_id is None:
+            return  # only admitted streams send chunks (see _dispatch)
+        job = self.jobs.get(job_id)
+        if job is not None and job.awaits_leader(chunk):
+            waiting = job
+            await self._wait_until(
+                lambda: self.jobs.get(job_id) is not waiting or not waiting.awaits_leader(chunk),
+                self.heartbeat_timeout_s,
+            )
+            job = self.jobs.get(job_id)
+        if job is None or conn.ended:
+            return  # the job ended (its streams are being ended)
+        if not job.is_current(conn.rank, conn.incarnation, conn.session):
+            self._drop(conn, Code.OK, f"rank {conn.rank} is no longer a member of job '{job_id}'")
+            return
+        self._deliver(job, job.on_gradient(conn.rank, chunk, payload))
+
+    def _refuse(self, conn: DataStream, rejection: RejectedMessage) -> None:
+        """A malformed message from an admitted stream: the leader aborts the step."""
+        job = self.jobs.get(conn.job_id or "")
+        if job is None:
+            self._drop(conn, rejection.code, rejection.message)
+            return
+        self._deliver(job, ShardOutcome([], job.report(conn.rank, rejection)))
+
+    async def _hello(self, conn: DataStream, raw: bytes) -> None:
+        """Admit a stream whose first message is a ShardHello the leader's view vouches for."""
+        try:
+            message = pb.WorkerMessage.FromString(raw)
+        except DecodeError as exc:
+            self._drop(
+                conn,
+                Code.INVALID_ARGUMENT,
+                f"{len(raw)} bytes that do not parse as a gradsync.v1.WorkerMessage: {exc}",
+            )
+            return
+        kind = message.WhichOneof("kind")
+        if kind != "shard_hello":
+            self._drop(
+                conn,
+                Code.FAILED_PRECONDITION,
+                f"the first message on a shard data stream must be a ShardHello, "
+                f"got {kind or 'an empty message'}",
+            )
+            return
+        hello = message.shard_hello
+        if self.draining:
+            self._drop(
+                conn, Code.UNAVAILABLE, f"{self.name} is shutting down", pb.END_REASON_SHARD_LOST
+            )
+            return
+        wait_s = self.heartbeat_timeout_s
+
+        def judgeable() -> bool:
+            if self.index is None:
+                return False
+            if hello.shard_index != self.index:
+                return True  # wrong whatever the leader says next
+            job = self.jobs.get(hello.job_id)
+            if job is None:
+                return False
+            # A wrong session for the announced incarnation is final: judge it at once.
+            return job.hello_problem(hello.rank, hello.incarnation, hello.session) is None or (
+                job.session_refused(hello.rank, hello.incarnation, hello.session) is not None
+            )
+
+        await self._wait_until(judgeable, wait_s)
+        if conn.ended:
+            return
+        if self.index is None:
+            self._drop(
+                conn,
+                Code.UNAVAILABLE,
+                f"{self.name} is not registered with its leader {self.config.leader}",
+                pb.END_REASON_SHARD_LOST,
+            )
+            return
+        if hello.shard_index != self.index:
+            self._drop(
+                conn,
+                Code.INVALID_ARGUMENT,
+                f"rank {hello.rank} of job '{hello.job_id}' opened a data stream for shard "
+                f"{hello.shard_index}, but this is {self.name}",
+            )
+            return
+        job = self.jobs.get(hello.job_id)
+        problem = (
+            f"{self.name} does not know job '{hello.job_id}': its leader {self.config.leader} "
+            f"did not announce it within {wait_s:g}s (rank {hello.rank}, incarnation "
+            f"{hello.incarnation!r})"
+            if job is None
+            else job.hello_problem(hello.rank, hello.incarnation, hello.session)
+        )
+        if problem is not None:
+            log.warning("refused data stream from %s: %s", conn.peer, problem)
+            refused = job is not None and job.session_refused(
+                hello.rank, hello.incarnation, hello.session
+            )
+            code = Code.PERMISSION_DENIED if refused else Code.FAILED_PRECONDITION
+            self._drop(conn, code, problem)
+            return
+        conn.job_id, conn.rank, conn.incarnation = hello.job_id, hello.rank, hello.incarnation
+        conn.session = hello.session
+        previous = self._connections.get((hello.job_id, hello.rank))
+        if previous is not None:
+            self._drop(previous, Code.OK, f"replaced by a newer data stream from {conn.peer}")
+        self._connections[(hello.job_id, hello.rank)] = conn
+        log.info(
+            "job '%s': rank %d opened its data stream from %s", hello.job_id, hello.rank, conn.peer
+        )

@@ -1,0 +1,190 @@
+"""The coordinator's watchdog: declare silent workers dead, warn about stalled steps.
+
+Architecture invariant 6 (no silent hang) cannot rest on messages alone: a
+worker whose host froze sends nothing, and no message handler runs to notice.
+This background task wakes a few times per heartbeat timeout, asks each job
+which ranks have been silent too long (`Liveness`), and has the servicer end
+them; it also names steps that wait too long and ranks whose buckets are
+persistently late, and refreshes the membership gauges. While a job
+assembles it also tells the waiting ranks, and the log, every ~10 s who is
+still missing; a waiting rank that went silent is dropped from the
+assembling job (it may join again) rather than failing it. It reads the
+coordinator through the small `Watched` protocol, so it depends on no stream
+machinery, and `check` is one synchronous pass that tests drive with a fake
+clock. Checks of other parts of the coordinator (the shards' liveness) ride
+along as `extra_checks`, so one task watches everything.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable, Sequence
+from typing import Protocol
+
+from gradsync_server.config import ServerConfig
+from gradsync_server.control.job import Job, JobState
+from gradsync_server.dataplane.actions import Action
+from gradsync_server.metrics import CoordinatorMetrics
+
+log = logging.getLogger("gradsync.server")
+
+#: How often ranks persistently behind are named in the log, at most.
+_STRAGGLER_REPORT_PERIOD_S = 10.0
+#: A rank is "behind" when its buckets arrive this much after the first rank's on average...
+_STRAGGLER_THRESHOLD_S = 0.05
+#: ...over at least this many buckets.
+_STRAGGLER_MIN_SAMPLES = 10
+#: The longest the watchdog sleeps between passes.
+_MAX_PERIOD_S = 0.25
+
+
+class Watched(Protocol):
+    """What the watchdog needs from the coordinator."""
+
+    config: ServerConfig
+    metrics: CoordinatorMetrics
+    jobs: dict[str, Job]
+    clock: Callable[[], float]
+
+    def connection_count(self) -> int:
+        """Worker streams currently joined to a job."""
+        ...
+
+    def declare_dead(self, job: Job, rank: int, details: str) -> None:
+        """End `rank`'s stream and drop it from `job` (`details` says why)."""
+        ...
+
+    def execute(self, job: Job, actions: list[Action]) -> None:
+        """Carry out `actions` of `job`."""
+        ...
+
+    def expire_assembly(self, job: Job, details: str) -> None:
+        """Refuse `job`, which assembled for too long, and free its slot."""
+        ...
+
+
+class Watchdog:
+    """Periodic liveness and stall checks over every job of one coordinator.
+
+    Args:
+        coordinator: what is watched.
+        extra_checks: further checks run at the end of every pass.
+    """
+
+    def __init__(
+        self, coordinator: Watched, extra_checks: Sequence[Callable[[], None]] = ()
+    ) -> None:
+        self._coordinator = coordinator
+        self._extra_checks = tuple(extra_checks)
+        self._next_straggler_report = 0.0
+
+    async def run(self) -> None:
+        """Check forever, a few times per heartbeat timeout (cancel to stop)."""
+        period = min(_MAX_PERIOD_S, self._coordinator.config.heartbeat_timeout_s / 4)
+        while True:
+            await asyncio.sleep(period)
+            try:
+                self.check()
+            except Exception:  # the watchdog must outlive any bug in one check
+                log.exception("liveness check failed")
+
+    def check(self) -> None:
+        """One pass: gauges, stragglers, silent ranks, stalled steps."""
+        coordinator = self._coordinator
+        coordinator.metrics.set_membership(
+            coordinator.connection_count(),
+            max((job.membership_epoch for job in coordinator.jobs.values()), default=0),
+            len(coordinator.jobs),
+        )
+        self._report_stragglers()
+        timeout = coordinator.config.heartbeat_timeout_s
+        for job in list(coordinator.jobs.values()):
+            for rank in job.silent_ranks(timeout):
+                details = (
+                    f"was declared dead after {timeout:g}s without a heartbeat (heartbeat timeout)"
+                )
+                if job.state is JobState.ASSEMBLING:
+                    log.warning(
+                        "job '%s': rank %d %s while waiting for the others; dropped from the "
+                        "assembling job (it may join again)",
+                        job.job_id,
+                        rank,
+                        details,
+                    )
+                else:
+                    log.warning(
+                        "job '%s': rank %d %s at step %d", job.job_id, rank, details, job.open_step
+                    )
+                coordinator.declare_dead(job, rank, details)
+            if self._assembly_expired(job):
+                continue
+            report = job.assembly_report()
+            if report is not None:
+                actions, line = report
+                log.info("%s", line)
+                coordinator.execute(job, actions)
+            self._warn_if_stalled(job)
+        for extra_check in self._extra_checks:
+            extra_check()
+
+    def _assembly_expired(self, job: Job) -> bool:
+        """Refuse a job whose ranks have not all joined within --assembly-timeout-s.
+
+        Without this, Joins that never complete a job (64 quick ones, each
+        under a new job id, kept alive by heartbeats) would hold every job slot
+        forever.
+        """
+        limit = self._coordinator.config.assembly_timeout_s
+        if job.state is not JobState.ASSEMBLING or job.membership.complete():
+            return False
+        waited = job.assembly.waited_s()
+        if waited <= limit:
+            return False
+        missing = job.assembly.missing(job.membership.ranks())
+        details = (
+            f"job '{job.job_id}' did not assemble within {limit:g}s (--assembly-timeout-s): "
+            f"ranks {missing} of {job.world_size} never joined; refused"
+        )
+        log.warning("%s", details)
+        self._coordinator.expire_assembly(job, details)
+        return True
+
+    def _warn_if_stalled(self, job: Job) -> None:
+        progress = job.progress
+        if (
+            progress is None
+            or progress.stall_warned
+            or progress.age() <= self._coordinator.config.stall_warning_s
+        ):
+            return
+        progress.stall_warned = True
+        late = job.late_ranks()
+        waiting = "; ".join(f"rank {r} (buckets {b})" for r, b in sorted(late.items()))
+        log.warning(
+            "job '%s': step %d has been waiting %.1fs for %s",
+            job.job_id,
+            job.open_step,
+            progress.age(),
+            waiting or "every rank (no bucket is complete yet)",
+        )
+
+    def _report_stragglers(self) -> None:
+        """Every few seconds, name ranks whose buckets persistently arrive late."""
+        now = self._coordinator.clock()
+        if now < self._next_straggler_report:
+            return
+        self._next_straggler_report = now + _STRAGGLER_REPORT_PERIOD_S
+        tracker = self._coordinator.metrics.lag_tracker
+        behind = tracker.persistently_behind(
+            threshold_s=_STRAGGLER_THRESHOLD_S, min_samples=_STRAGGLER_MIN_SAMPLES
+        )
+        for rank in behind:
+            slowest = ", ".join(f"rank {r} {lag * 1e3:.0f} ms" for r, lag in tracker.slowest(3))
+            log.warning(
+                "rank %d is persistently behind: its buckets arrive %.0f ms after the first "
+                "rank's on average (slowest: %s)",
+                rank,
+                (tracker.mean_lag(rank) or 0.0) * 1e3,
+                slowest,
+            )

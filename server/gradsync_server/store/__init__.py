@@ -1,0 +1,1 @@
+"""Checkpoint stores (an embedded file store, Redis) and the sealed checkpoint format."""

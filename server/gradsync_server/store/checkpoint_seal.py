@@ -1,0 +1,103 @@
+"""What binds a stored checkpoint to its job and model, and proves the coordinator wrote it.
+
+A checkpoint store is keyed by job id alone, and job ids are guessable
+(`default`): without more, a checkpoint written by another model under the same
+id, or planted in a shared Redis, is loaded by every rank of the next start. So
+the coordinator seals each checkpoint before saving it, in its metadata (which
+the blob format's own checksum already covers):
+
+- `signature_sha256`: a digest of the model signature (parameter and buffer
+  names, shapes and dtypes; not the bucket layout, which a different
+  `bucket_cap_mb` changes without changing the model). On load it must equal the
+  digest of the joining rank's signature.
+- `mac` (only when the coordinator has a token): HMAC-SHA256 under
+  `derive_key(token, "checkpoint")` over the job id, step, membership epoch,
+  signature digest, the other metadata and the payload's SHA-256. On load it must
+  verify under the current token. Without a token a checkpoint is *not*
+  authenticated (anyone who can write the store can plant one); SECURITY.md says so.
+
+Pure logic (hashlib / hmac only): the checkpointer calls it from its worker thread.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import json
+from collections.abc import Mapping
+
+from gradsync_proto.v1 import gradsync_pb2 as pb
+
+from gradsync_server.store.checkpoint import Checkpoint
+
+#: Metadata key of the model-signature digest (hex SHA-256).
+SIGNATURE_KEY = "signature_sha256"
+#: Metadata key of the HMAC-SHA256 (hex); absent when no token was configured.
+MAC_KEY = "mac"
+#: The `derive_key` purpose of the checkpoint MAC key.
+KEY_PURPOSE = "checkpoint"
+
+
+def signature_digest(signature: pb.ModelSignature) -> str:
+    """Hex SHA-256 of the parameters and buffers of `signature` (names, shapes, dtypes)."""
+    model = pb.ModelSignature(parameters=signature.parameters, buffers=signature.buffers)
+    return hashlib.sha256(model.SerializeToString(deterministic=True)).hexdigest()
+
+
+def _mac(key: bytes, checkpoint: Checkpoint, metadata: Mapping[str, str]) -> str:
+    """HMAC-SHA256 over every field of `checkpoint` but the MAC itself."""
+    fields = {
+        "job_id": checkpoint.job_id,
+        "step": checkpoint.step,
+        "membership_epoch": checkpoint.membership_epoch,
+        "metadata": {name: value for name, value in metadata.items() if name != MAC_KEY},
+        "payload_length": len(checkpoint.payload),
+        "payload_sha256": hashlib.sha256(checkpoint.payload).hexdigest(),
+    }
+    message = json.dumps(fields, sort_keys=True, separators=(",", ":")).encode()
+    return hmac.new(key, message, hashlib.sha256).hexdigest()
+
+
+def seal(checkpoint: Checkpoint, digest: str, key: bytes | None) -> Checkpoint:
+    """`checkpoint` with the signature digest (and, given a key, the MAC) in its metadata."""
+    metadata = {name: value for name, value in checkpoint.metadata.items() if name != MAC_KEY}
+    metadata[SIGNATURE_KEY] = digest
+    if key is not None:
+        metadata[MAC_KEY] = _mac(key, checkpoint, metadata)
+    return Checkpoint(
+        checkpoint.job_id,
+        checkpoint.step,
+        checkpoint.membership_epoch,
+        checkpoint.payload,
+        metadata,
+    )
+
+
+def mismatch(checkpoint: Checkpoint, digest: str, key: bytes | None) -> str | None:
+    """Why `checkpoint` must not be resumed by a job with signature `digest`, or None.
+
+    Args:
+        checkpoint: as loaded from the store (its checksums already verified).
+        digest: `signature_digest` of the joining rank's model signature.
+        key: the MAC key (None: no token configured, nothing to authenticate).
+    """
+    stored_digest = checkpoint.metadata.get(SIGNATURE_KEY)
+    stored_mac = checkpoint.metadata.get(MAC_KEY)
+    if key is not None:
+        if not stored_mac:
+            return (
+                "it carries no MAC, but this coordinator has a token: it was written without "
+                "one (or planted by someone who cannot sign)"
+            )
+        expected = _mac(key, checkpoint, checkpoint.metadata)
+        if not hmac.compare_digest(expected, stored_mac):
+            return (
+                "its MAC does not verify under this coordinator's token: it was written "
+                "under another token, or altered or planted since"
+            )
+    if stored_digest is not None and stored_digest != digest:
+        return (
+            f"it was saved by a different model (signature digest {stored_digest[:16]}..., "
+            f"the joining model's is {digest[:16]}...): same job id, another model"
+        )
+    return None
