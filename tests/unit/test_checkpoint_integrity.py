@@ -18,9 +18,9 @@ from gradsync_proto.v1 import gradsync_pb2 as pb
 from gradsync_server.config import ServerConfig
 from gradsync_server.control.job import Job
 from gradsync_server.control.membership import SESSION_BYTES, Membership
-from gradsync_server.control.shard_view import ShardJob
 from gradsync_server.dataplane.actions import Persist
 from gradsync_server.dataplane.budget import ByteBudget
+from gradsync_server.dataplane.plane import JobPlane
 from gradsync_server.rpc.checkpointer import Checkpointer
 from gradsync_server.store import checkpoint_seal
 from gradsync_server.store.checkpoint import Checkpoint, PruneGuard, _doomed_steps
@@ -221,7 +221,7 @@ def test_a_shard_drops_the_old_session_when_the_leader_announces_a_new_one() -> 
         )
 
     old, new = b"o" * SESSION_BYTES, b"n" * SESSION_BYTES
-    job = ShardJob(view(old, 0), 1, "shard 1 at b:1", ByteBudget(1 << 20), time.monotonic)
+    job = JobPlane.for_shard(view(old, 0), 1, "shard 1 at b:1", ByteBudget(1 << 20), time.monotonic)
     assert job.is_current(0, "a", old) and not job.is_current(0, "a", new)
     job.apply(view(new, 1))
     assert job.is_current(0, "a", new) and not job.is_current(0, "a", old)

@@ -18,7 +18,6 @@ from gradsync_proto.codec import ChunkHeader, decode_gradient
 from gradsync_proto.codes import Code
 from gradsync_proto.v1 import gradsync_pb2 as pb
 from gradsync_server.control.job import Job, JobState
-from gradsync_server.control.shard_view import ShardJob
 from gradsync_server.dataplane.actions import Action, Send, Terminate
 from gradsync_server.dataplane.aggregation import BucketReduction
 from gradsync_server.dataplane.budget import ByteBudget
@@ -28,6 +27,7 @@ from gradsync_server.dataplane.host_groups import (
     host_id_problem,
     local_world_size_problems,
 )
+from gradsync_server.dataplane.plane import JobPlane
 
 CHUNK = 256
 ELEMENTS = 160  # 640 bytes of float32: chunks of 256, 256, 128
@@ -296,13 +296,13 @@ def test_a_shard_forms_the_leaders_units_and_applies_the_same_rules() -> None:
         shard_count=2,
         local_groups=[pb.LocalGroup(ranks=[0, 1])],
     )
-    shard = ShardJob(view, 1, "shard 1", ByteBudget(1 << 24), FakeClock())
-    lo, hi = shard.open_step.byte_range(0, F32)
+    shard = JobPlane.for_shard(view, 1, "shard 1", ByteBudget(1 << 24), FakeClock())
+    lo, hi = shard.step.byte_range(0, F32)
     partial = (values(0) + values(1)).astype("<f4").tobytes()
     flat = values(2).astype("<f4").tobytes()
     refused = shard.on_gradient(1, header(0, lo), memoryview(flat[lo : lo + CHUNK]))
     assert refused.rejected is not None and "local leader, rank 0" in refused.rejected.message
-    shard = ShardJob(view, 1, "shard 1", ByteBudget(1 << 24), FakeClock())
+    shard = JobPlane.for_shard(view, 1, "shard 1", ByteBudget(1 << 24), FakeClock())
     sends = []
     for offset in range(lo, hi, CHUNK):
         end = min(offset + CHUNK, hi)

@@ -21,7 +21,6 @@ from gradsync_proto.codec import ChunkHeader
 from gradsync_proto.codes import Code
 from gradsync_proto.v1 import gradsync_pb2 as pb
 from gradsync_server.control.job import Job, JobState
-from gradsync_server.control.shard_view import ShardJob
 from gradsync_server.control.status import job_status
 from gradsync_server.dataplane.actions import Send
 from gradsync_server.dataplane.aggregation import (
@@ -33,6 +32,7 @@ from gradsync_server.dataplane.aggregation import (
 )
 from gradsync_server.dataplane.budget import ByteBudget
 from gradsync_server.dataplane.nonfinite import NonFiniteContribution, NonFiniteLog
+from gradsync_server.dataplane.plane import JobPlane
 from gradsync_server.metrics import CoordinatorMetrics
 
 F32, F64, F16, BF16 = pb.DTYPE_FLOAT32, pb.DTYPE_FLOAT64, pb.DTYPE_FLOAT16, pb.DTYPE_BFLOAT16
@@ -328,9 +328,9 @@ def shard_view(policy_ranks: int = 2) -> pb.ShardJobView:
     )
 
 
-def shard_upload(job: ShardJob, rank: int, values: np.ndarray) -> list:  # type: ignore[type-arg]
+def shard_upload(job: JobPlane, rank: int, values: np.ndarray) -> list:  # type: ignore[type-arg]
     raw = values.astype("<f4").tobytes()
-    lo, hi = job.open_step.byte_range(0, F32)
+    lo, hi = job.step.byte_range(0, F32)
     outcomes = []
     for offset, length in chunking.range_chunk_spans(lo, hi, CHUNK):
         header = ChunkHeader(step=0, bucket_index=0, offset=offset, dtype=F32)
@@ -340,7 +340,7 @@ def shard_upload(job: ShardJob, rank: int, values: np.ndarray) -> list:  # type:
 
 def test_a_shard_reports_or_refuses_per_the_leaders_policy() -> None:
     bad = np.full(2048, np.nan, np.float32)  # NaN in every chunk of the shard's range
-    report = ShardJob(
+    report = JobPlane.for_shard(
         shard_view(), 1, "shard 1 at b:1", ByteBudget(1 << 24), lambda: 0.0, nonfinite="report"
     )
     shard_upload(report, 0, np.ones(2048))
@@ -351,7 +351,7 @@ def test_a_shard_reports_or_refuses_per_the_leaders_policy() -> None:
     assert "shard 1 at b:1" in reports[0].message
     assert all(o.rejected is None for o in outcomes) and any(o.sends for o in outcomes)
 
-    refuse = ShardJob(
+    refuse = JobPlane.for_shard(
         shard_view(), 1, "shard 1 at b:1", ByteBudget(1 << 24), lambda: 0.0, nonfinite="abort"
     )
     shard_upload(refuse, 0, np.ones(2048))

@@ -1,7 +1,8 @@
-"""A sharded leader's jobs: they wait for every shard, tell shards what they need, end on loss.
+"""A sharded leader's jobs: they wait for every shard, tell shards what they decide, end on loss.
 
-Pure: a `Job` whose `shard_map` is a plain function, and the `shard_jobs`
-helpers that turn its state and actions into control messages.
+Pure: a `Job` whose `shard_map` is a plain function. What the shards are told
+is the job's control events (`Job.take_events`), which it has already applied
+to its own data plane.
 """
 
 from __future__ import annotations
@@ -9,14 +10,6 @@ from __future__ import annotations
 from gradsync_proto.codes import Code
 from gradsync_proto.v1 import gradsync_pb2 as pb
 from gradsync_server.control.job import Job, JobState
-from gradsync_server.control.shard_jobs import (
-    aborted_steps,
-    end_for_shard_loss,
-    job_end_code,
-    job_view,
-    reject_for_shard,
-    view_key,
-)
 from gradsync_server.dataplane.actions import Send, Terminate
 from gradsync_server.dataplane.budget import ByteBudget
 from gradsync_server.errors import RejectedMessage
@@ -94,6 +87,20 @@ def kinds(actions: list[object]) -> list[str]:
     ]
 
 
+def events(job: Job) -> list[str]:
+    """The kinds of the control events `job` decided since the last call."""
+    return [str(event.WhichOneof("kind")) for event in job.take_events()]
+
+
+def aborted_steps(job: Job) -> list[int]:
+    return [e.abort.step for e in job.take_events() if e.WhichOneof("kind") == "abort"]
+
+
+def end_code(job: Job) -> tuple[Code, str]:
+    end = job.end_event().job_end
+    return Code(end.code), end.message
+
+
 def running_job(**options: object) -> Job:
     shard_map = ShardMap()
     shard_map.shards = SHARDS
@@ -110,7 +117,7 @@ def test_an_assembled_job_waits_for_its_shards_before_the_welcome() -> None:
     job.join(0, join(0, 2))
     actions = job.join(1, join(1, 2))
     assert kinds(actions) == ["assembly"] and job.state is JobState.ASSEMBLING
-    assert view_key(job) is None
+    assert events(job) == []  # the shards hear of a job once it starts
     assert kinds(job.start_if_ready()) == ["assembly"]  # still waiting
     shard_map.shards = SHARDS
     started = job.start_if_ready()
@@ -118,6 +125,7 @@ def test_an_assembled_job_waits_for_its_shards_before_the_welcome() -> None:
     assert kinds(started) == ["welcome", "welcome"] and job.state is JobState.RUNNING
     welcome = started[0].message.welcome  # type: ignore[union-attr]
     assert list(welcome.shards) == SHARDS
+    assert events(job) == ["job"]
     assert job.start_if_ready() == []  # already running
 
 
@@ -134,11 +142,13 @@ def test_an_unsharded_job_starts_with_an_empty_shard_list() -> None:
     job = Job("job", 1, CHUNK, 2 * CHUNK, ByteBudget(1 << 24), clock=FakeClock())
     actions = job.join(0, join(0, 1))
     assert list(actions[0].message.welcome.shards) == []  # type: ignore[union-attr]
+    assert job.take_events() == []  # nobody to tell
 
 
 def test_the_view_carries_members_epoch_layout_and_start_step() -> None:
     job = running_job()
-    view = job_view(job, shard_count=2)
+    [started] = job.take_events()
+    view = started.job
     assert view.job_id == "job" and view.world_size == 2 and view.membership_epoch == 0
     assert [(m.rank, m.incarnation) for m in view.members] == [(0, "i0"), (1, "i1")]
     assert [(b.dtype, b.num_elements) for b in view.buckets] == [(pb.DTYPE_FLOAT32, 64 * 32 + 32)]
@@ -146,38 +156,44 @@ def test_the_view_carries_members_epoch_layout_and_start_step() -> None:
     assert list(view.out_of_inputs) == []
     sessions = [job.members[rank].session for rank in (0, 1)]
     assert [m.session for m in view.members] == sessions and sessions[0] != sessions[1]
-    assert view_key(job) == (0, ((0, "i0", sessions[0]), (1, "i1", sessions[1])), (), ())
+    # The leader's own plane holds the same membership.
+    assert job.plane.membership.ranks() == (0, 1) and job.plane.membership.epoch == 0
+    assert job.take_events() == []  # nothing else happened
 
 
-def test_the_view_key_changes_with_members_epoch_and_out_of_inputs() -> None:
+def test_a_view_follows_every_change_of_members_epoch_and_out_of_inputs() -> None:
     job = running_job(on_failure="elastic")
-    before = view_key(job)
+    job.take_events()
     job.on_out_of_inputs(1, pb.OutOfInputs(step=0))
-    after_join = view_key(job)
-    assert after_join is not None and after_join != before and after_join[2] == (1,)
+    [joined] = job.take_events()
+    assert list(joined.job.out_of_inputs) == [1] and job.in_flight.out_of_inputs == {1}
     job.detach(1, orderly=False)
-    shrunk = view_key(job)
-    assert shrunk is not None and shrunk[0] == 1 and [m[:2] for m in shrunk[1]] == [(0, "i0")]
+    [shrunk] = job.take_events()
+    assert shrunk.job.membership_epoch == 1
+    assert [(m.rank, m.incarnation) for m in shrunk.job.members] == [(0, "i0")]
+    assert job.plane.membership.ranks() == (0,) and job.in_flight.out_of_inputs == set()
 
 
-def test_only_a_running_job_needs_a_view() -> None:
+def test_a_breaking_job_tells_its_shards_only_the_abort() -> None:
     job = running_job()
+    job.take_events()
     job.detach(1, orderly=False)  # abort policy: the job breaks
-    assert job.state is JobState.BROKEN and view_key(job) is None
+    assert job.state is JobState.BROKEN and aborted_steps(job) == [0]
 
 
-def test_every_aborted_step_is_found_once_in_the_actions() -> None:
+def test_every_aborted_step_is_an_event_once() -> None:
     job = running_job()
+    job.take_events()
     actions = job.reject(1, RejectedMessage(Code.INVALID_ARGUMENT, "bad", step=0))
     assert kinds(actions) == ["step_aborted", "step_aborted"]
-    assert aborted_steps(actions) == [0]
-    assert aborted_steps([Send((0,), b"raw chunk")]) == []
+    assert aborted_steps(job) == [0] and job.open_step == 1
+    assert job.take_events() == []
 
 
 def test_a_lost_shard_ends_every_stream_naming_shard_job_step_and_checkpoint() -> None:
     job = running_job()
     job.persistence.saved(0)
-    actions = end_for_shard_loss(job, 1, "b:50051", "silent for 6.0s")
+    actions = job.end_for_shard_loss(1, "b:50051", "silent for 6.0s")
     assert job.state is JobState.BROKEN
     [terminate] = actions
     assert isinstance(terminate, Terminate)
@@ -188,12 +204,12 @@ def test_a_lost_shard_ends_every_stream_naming_shard_job_step_and_checkpoint() -
         "resumes from its last checkpoint (step 0) once every shard is registered again"
     )
     assert job.outcome() == ("broken", terminate.details)
-    assert job_end_code(job)[0] is Code.ABORTED
+    assert end_code(job)[0] is Code.ABORTED
 
 
 def test_a_lost_shard_ends_a_job_without_checkpoint_saying_it_starts_over() -> None:
     job = running_job()
-    [terminate] = end_for_shard_loss(job, 1, "b:50051", "its control stream ended")
+    [terminate] = job.end_for_shard_loss(1, "b:50051", "its control stream ended")
     assert isinstance(terminate, Terminate)
     assert "has no checkpoint" in terminate.details and "step 0" in terminate.details
 
@@ -201,7 +217,7 @@ def test_a_lost_shard_ends_a_job_without_checkpoint_saying_it_starts_over() -> N
 def test_a_lost_shard_ends_an_assembling_job_too() -> None:
     job = sharded_job(ShardMap())
     job.join(0, join(0, 2))
-    [terminate] = end_for_shard_loss(job, 1, "b:50051", "gone")
+    [terminate] = job.end_for_shard_loss(1, "b:50051", "gone")
     assert isinstance(terminate, Terminate) and terminate.ranks == (0,)
     assert "starts once every shard is registered again" in terminate.details
 
@@ -210,22 +226,24 @@ def test_a_finished_job_ends_its_shard_streams_ok() -> None:
     job = running_job()
     job.detach(0, orderly=True)
     job.detach(1, orderly=True)
-    assert job_end_code(job) == (Code.OK, "finished after 0 steps")
+    assert end_code(job) == (Code.OK, "finished after 0 steps")
 
 
 def test_a_shard_rejection_of_the_open_step_aborts_it() -> None:
     job = running_job()
     rejection = RejectedMessage(Code.INVALID_ARGUMENT, "bad range at shard 1", step=0)
-    actions = reject_for_shard(job, 1, rejection)
-    assert actions is not None and aborted_steps(actions) == [0] and job.open_step == 1
+    job.take_events()
+    actions = job.reject_from_shard(1, rejection)
+    assert actions is not None and aborted_steps(job) == [0] and job.open_step == 1
 
 
 def test_a_shard_rejection_of_a_step_the_leader_finished_still_aborts_it() -> None:
     job = running_job()
     job.in_flight.step = 5  # the leader's range of step 4 completed; shard 1's cannot
     rejection = RejectedMessage(Code.INVALID_ARGUMENT, "bad range at shard 1", step=4)
-    actions = reject_for_shard(job, 1, rejection)
-    assert actions is not None and aborted_steps(actions) == [4]
+    job.take_events()
+    actions = job.reject_from_shard(1, rejection)
+    assert actions is not None and aborted_steps(job) == [4]
     culprit, others = (a.message.step_aborted for a in actions)  # type: ignore[union-attr]
     assert (culprit.reason, culprit.message) == (
         pb.ABORT_REASON_MESSAGE_REJECTED,
@@ -234,12 +252,12 @@ def test_a_shard_rejection_of_a_step_the_leader_finished_still_aborts_it() -> No
     assert others.reason == pb.ABORT_REASON_PEER_MESSAGE_REJECTED
     assert [a.ranks for a in actions] == [(1,), (0,)]  # type: ignore[union-attr]
     assert job.open_step == 5  # the leader keeps its step
-    assert reject_for_shard(job, 1, rejection) is None  # aborted once
+    assert job.reject_from_shard(1, rejection) is None  # aborted once
 
 
 def test_a_shard_rejection_with_nothing_to_abort_is_ignored() -> None:
     job = running_job()
     old = RejectedMessage(Code.INVALID_ARGUMENT, "old", step=7)
-    assert reject_for_shard(job, 1, old) is None  # not the open step nor the one before
+    assert job.reject_from_shard(1, old) is None  # not the open step nor the one before
     stranger = RejectedMessage(Code.INVALID_ARGUMENT, "who?", step=0)
-    assert reject_for_shard(job, 5, stranger) is None
+    assert job.reject_from_shard(5, stranger) is None

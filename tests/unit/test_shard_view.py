@@ -17,10 +17,10 @@ from gradsync_proto import chunking
 from gradsync_proto.codec import ChunkHeader, decode_gradient
 from gradsync_proto.codes import Code
 from gradsync_proto.v1 import gradsync_pb2 as pb
-from gradsync_server.control.shard_view import MembershipView, ShardJob, ShardMember, check_view
 from gradsync_server.dataplane.actions import Send
 from gradsync_server.dataplane.budget import ByteBudget
 from gradsync_server.dataplane.open_step import OpenStep
+from gradsync_server.dataplane.plane import JobPlane, MembershipView, PlaneMember, check_view
 from gradsync_server.shard_config import ShardConfig
 
 CHUNK = 64
@@ -54,8 +54,8 @@ def view(
     )
 
 
-def shard_job(v: pb.ShardJobView, index: int = 1) -> ShardJob:
-    return ShardJob(v, index, f"shard {index} at b:1", ByteBudget(1 << 30), clock)
+def shard_job(v: pb.ShardJobView, index: int = 1) -> JobPlane:
+    return JobPlane.for_shard(v, index, f"shard {index} at b:1", ByteBudget(1 << 30), clock)
 
 
 def header(step: int, bucket: int, offset: int, dtype: int = F32, epoch: int = 0) -> ChunkHeader:
@@ -72,10 +72,10 @@ def wire_bytes(values: np.ndarray, wire: int) -> bytes:
     return values.astype("<f4").tobytes()
 
 
-def upload(job: ShardJob, rank: int, step: int, bucket: int, raw: bytes, **kw: int) -> list[Send]:
+def upload(job: JobPlane, rank: int, step: int, bucket: int, raw: bytes, **kw: int) -> list[Send]:
     """Send `rank`'s range of `bucket` to `job`'s shard; return the averaged sends."""
     wire = kw.get("dtype", F32)
-    lo, hi = job.open_step.byte_range(bucket, wire)
+    lo, hi = job.step.byte_range(bucket, wire)
     sends: list[Send] = []
     for offset, length in chunking.range_chunk_spans(lo, hi, CHUNK):
         outcome = job.on_gradient(
@@ -114,7 +114,7 @@ def test_sharded_averages_are_bitwise_those_of_one_coordinator(seed: int) -> Non
             steps = []
             for index in range(count):
                 membership = MembershipView(
-                    "job", 0, {r: ShardMember(r, f"inc-{r}") for r in ranks}
+                    "job", 0, {r: PlaneMember(r, f"inc-{r}") for r in ranks}
                 )
                 open_step = OpenStep(
                     membership, CHUNK, ByteBudget(1 << 30), clock, None, index, count
@@ -154,7 +154,7 @@ def test_sharded_averages_are_bitwise_those_of_one_coordinator(seed: int) -> Non
 # ------------------------------------------------------------ range checks
 def test_a_chunk_outside_the_shard_range_names_the_shard_and_both_ranges() -> None:
     job = shard_job(view([100], [0, 1]))  # shard 1 of 2 holds elements 50..100: bytes 200..400
-    assert job.open_step.byte_range(0, F32) == (200, 400)
+    assert job.step.byte_range(0, F32) == (200, 400)
     outcome = job.on_gradient(0, header(0, 0, 0), memoryview(bytes(CHUNK)))
     assert outcome.rejected is not None
     rejected = outcome.rejected
@@ -176,28 +176,28 @@ def test_a_chunk_on_the_unsharded_grid_or_of_the_wrong_length_is_refused() -> No
 
 def test_a_16_bit_wire_halves_the_range() -> None:
     job = shard_job(view([100], [0]))
-    assert job.open_step.byte_range(0, pb.DTYPE_BFLOAT16) == (100, 200)
+    assert job.step.byte_range(0, pb.DTYPE_BFLOAT16) == (100, 200)
     raw = bytes(200)
     sends = upload(job, 0, 0, 0, raw, dtype=pb.DTYPE_BFLOAT16)
     assert [payload_of(s)[0].offset for s in sends] == [100, 164]
-    assert job.open_step.step == 1
+    assert job.step.step == 1
 
 
 def test_buckets_empty_at_a_shard_are_never_waited_for() -> None:
     # 3 shards: a 2-element bucket has nothing at shard 2.
     job = shard_job(view([2, 30], [0], shard_count=3), index=2)
-    assert job.open_step.byte_range(0, F32) == (8, 8)
+    assert job.step.byte_range(0, F32) == (8, 8)
     refused = job.on_gradient(0, header(0, 0, 8), memoryview(bytes(4)))
     assert refused.rejected is not None and "holds no byte" in refused.rejected.message
     job = shard_job(view([2, 30], [0], shard_count=3), index=2)
     upload(job, 0, 0, 1, bytes(120))
-    assert job.open_step.step == 1, "the step completes with only the non-empty bucket"
+    assert job.step.step == 1, "the step completes with only the non-empty bucket"
     upload(job, 0, 1, 1, bytes(120))
-    assert job.open_step.step == 2
+    assert job.step.step == 2
 
 
 def test_one_shard_keeps_the_unsharded_messages() -> None:
-    membership = MembershipView("job", 0, {0: ShardMember(0, "a")})
+    membership = MembershipView("job", 0, {0: PlaneMember(0, "a")})
     open_step = OpenStep(membership, CHUNK, ByteBudget(1 << 20), clock, None)
     open_step.configure(pb.ModelSignature(buckets=[pb.BucketSpec(dtype=F32, num_elements=100)]), 0)
     with pytest.raises(Exception, match="offsets must be multiples of 64 below 400"):
@@ -224,16 +224,16 @@ def test_an_elastic_shrink_completes_chunks_over_the_live_ranks() -> None:
     got, averaged = payload_of(sent)
     assert got.membership_epoch == 1 and got.contributors == 2
     assert averaged == raw[64:128]
-    assert job.open_step.step == 1
+    assert job.step.step == 1
 
 
 def test_a_removal_without_a_new_epoch_waits_for_the_leaders_abort() -> None:
     job = shard_job(view([32], [0, 1]))
     upload(job, 0, 0, 0, bytes(128))
     assert job.apply(view([32], [0])).sends == []
-    assert job.open_step.step == 0
+    assert job.step.step == 0
     job.abort(0)
-    assert job.open_step.step == 1
+    assert job.step.step == 1
 
 
 def test_a_rejoining_rank_is_expected_from_then_on() -> None:
@@ -260,7 +260,7 @@ def test_out_of_inputs_completes_and_divides_by_the_membership() -> None:
     assert np.frombuffer(averaged, np.float32).tolist() == [2.0] * 16
     assert outcome.sends[0].ranks == (0,)
     job.apply(view([32], [0, 1]))  # every rank joined: all take part again
-    assert job.open_step.out_of_inputs == set()
+    assert job.step.out_of_inputs == set()
 
 
 def test_a_shard_sends_no_step_report() -> None:
@@ -273,14 +273,14 @@ def test_aborts_drop_the_open_step_and_remember_later_ones() -> None:
     job = shard_job(view([32], [0, 1]))
     upload(job, 0, 0, 0, bytes(128))
     job.abort(0)
-    assert job.open_step.step == 1
+    assert job.step.step == 1
     assert job.on_gradient(1, header(0, 0, 64), memoryview(bytes(64))).rejected is None
     job.abort(2)  # ahead of the shard: skipped once step 1 completes
     upload(job, 0, 1, 0, bytes(128))
     upload(job, 1, 1, 0, bytes(128))
-    assert job.open_step.step == 3
+    assert job.step.step == 3
     job.abort(1)  # already past: nothing
-    assert job.open_step.step == 3
+    assert job.step.step == 3
 
 
 def test_one_rejection_per_step_is_reported() -> None:

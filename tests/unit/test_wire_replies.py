@@ -18,10 +18,10 @@ from gradsync_proto import chunking
 from gradsync_proto.codec import ChunkHeader, decode_gradient
 from gradsync_proto.codes import Code
 from gradsync_proto.v1 import gradsync_pb2 as pb
-from gradsync_server.control.shard_view import MembershipView, ShardMember
 from gradsync_server.dataplane.actions import Send
 from gradsync_server.dataplane.budget import ByteBudget
 from gradsync_server.dataplane.open_step import OpenStep
+from gradsync_server.dataplane.plane import MembershipView, PlaneMember
 from gradsync_server.errors import RejectedMessage
 
 pytestmark = pytest.mark.unit
@@ -36,7 +36,7 @@ def clock() -> float:
 
 
 def open_steps(ranks: int, elements: int, shard_count: int, native: int = F32) -> list[OpenStep]:
-    membership = MembershipView("job", 0, {r: ShardMember(r, f"inc-{r}") for r in range(ranks)})
+    membership = MembershipView("job", 0, {r: PlaneMember(r, f"inc-{r}") for r in range(ranks)})
     signature = pb.ModelSignature(buckets=[pb.BucketSpec(dtype=native, num_elements=elements)])
     steps = []
     for index in range(shard_count):

@@ -32,7 +32,9 @@ class Elastic:
     Args:
         job_id: the job's name (for messages).
         membership: the job's members and newcomers.
-        in_flight: the job's open step.
+        in_flight: the job's open step (read here; changed only through `publish`).
+        publish: applies the changed membership to the job's data planes (`Job._publish`)
+            and returns what that completed.
         collectives: the job's collectives in flight.
         chunk_bytes: chunk size every rank must use.
         max_blob_bytes: the largest healing state accepted.
@@ -45,6 +47,7 @@ class Elastic:
         job_id: str,
         membership: Membership,
         in_flight: OpenStep,
+        publish: Callable[[], list[Action]],
         collectives: Collectives,
         chunk_bytes: int,
         max_blob_bytes: int,
@@ -55,6 +58,7 @@ class Elastic:
         self._job_id = job_id
         self._membership = membership
         self._in_flight = in_flight
+        self._publish = publish
         self._collectives = collectives
         self._chunk_bytes = chunk_bytes
         self._max_blob_bytes = max_blob_bytes
@@ -86,8 +90,8 @@ class Elastic:
         if self._heal is not None and self._heal[0] in gone:
             self.release()  # the donor is gone: ask another live rank
             actions += self.request_heal()
+        actions += self._publish()  # the step finishes what `gone` never contributed to
         for rank in gone:
-            actions += self._in_flight.drop_rank(rank)
             actions += self._collectives.drop_participant(rank)
         return actions
 
@@ -149,15 +153,15 @@ class Elastic:
             return self.request_heal()  # not at the boundary we can use: ask again
         membership = self._membership
         newcomers = membership.promote_newcomers()
-        for rank_joining in newcomers:
-            self._in_flight.add_rank(rank_joining)
+        # The newcomers contribute to the open step from now on.
+        actions: list[Action] = self._publish()
         next_collective = self._collectives.add_participants(newcomers)
         reason = (
             f"rank(s) {newcomers} rejoined job '{self._job_id}' at step {step} with "
             f"rank {donor}'s state (membership epoch {membership.epoch})"
         )
         old = tuple(r for r in membership.ranks() if r not in newcomers)
-        actions: list[Action] = [Send(old, membership.changed_message(step, reason))]
+        actions.append(Send(old, membership.changed_message(step, reason)))
         targets = tuple(newcomers)
         for rank_joining in targets:  # each with its own session secret
             welcome = self._welcome(len(blob))

@@ -59,9 +59,9 @@ from gradsync_server.control.uneven import UnevenInputs
 from gradsync_server.dataplane.actions import Action, Member, Send, Terminate
 from gradsync_server.dataplane.budget import ByteBudget
 from gradsync_server.dataplane.observer import StepObserver
-from gradsync_server.dataplane.open_step import OpenStep
+from gradsync_server.dataplane.plane import JobPlane
 from gradsync_server.dataplane.progress import StepProgress
-from gradsync_server.dataplane.step_aborts import abort_message
+from gradsync_server.dataplane.step_aborts import abort_actions, abort_message
 from gradsync_server.errors import RejectedMessage
 from gradsync_server.text import quoted
 
@@ -130,15 +130,16 @@ class Job(JobEnding):
         self.on_failure = on_failure
         self.min_workers = min_workers
         self.membership = Membership(job_id, world_size, clock)
-        self.in_flight = OpenStep(
-            self.membership,
-            chunk_bytes,
-            job_budget,
-            clock,
-            metrics,
-            shard_count=shard_count,
-            nonfinite=nonfinite,
+        #: This job's data plane for byte range 0 (the whole bucket when unsharded).
+        self.plane = JobPlane(
+            job_id, chunk_bytes, shard_count, job_budget, clock, metrics, nonfinite=nonfinite
         )
+        #: The open step of `plane` (read by status, liveness and the components).
+        self.in_flight = self.plane.step
+        self._shard_count = shard_count
+        #: Control events not yet taken by the shards (`take_events`), in decision order.
+        self._events: list[pb.LeaderMessage] = []
+        self._last_abort_event = -1
         self.liveness = Liveness(clock)
         self.persistence = Persistence(chunk_bytes, blob_limit, job_budget)
         self.assembly = Assembly(job_id, world_size, clock, heartbeat_interval_s)
@@ -146,11 +147,12 @@ class Job(JobEnding):
         self.collectives = Collectives(
             job_id, world_size, chunk_bytes, max_collective_bytes, job_budget
         )
-        self.uneven = UnevenInputs(self.membership, self.in_flight, self.collectives)
+        self.uneven = UnevenInputs(self.membership, self.in_flight, self.collectives, self._publish)
         self.elastic = Elastic(
             job_id,
             self.membership,
             self.in_flight,
+            self._publish,
             self.collectives,
             chunk_bytes,
             blob_limit,
@@ -279,7 +281,9 @@ class Job(JobEnding):
         if resume is not None:
             self.membership.epoch = resume.membership_epoch
             self.persistence.saved(resume.step)
-        self.in_flight.configure(signature, resume.step if resume else 0)
+        view = self._view(resume.step if resume else 0)
+        self.plane.start(view)
+        self._tell_shards(pb.LeaderMessage(job=view))
         ranks = self.membership.ranks()
         resume_bytes = len(resume.payload) if resume is not None else 0
         actions: list[Action] = [self.welcome_for(rank, resume_bytes) for rank in ranks]
@@ -398,6 +402,7 @@ class Job(JobEnding):
             if self.in_flight.was_aborted(chunk.step):
                 return []  # this rank was already told the step cannot finish
             self.in_flight.remember_aborted(chunk.step)
+            self._step_aborted(chunk.step)
             return [
                 abort_message(
                     self.membership.ranks(),
@@ -414,13 +419,11 @@ class Job(JobEnding):
                 f"rank {rank} sent gradients for step {chunk.step} before job "
                 f"'{self.job_id}' was assembled ({len(self.members)}/{self.world_size} joined)",
             )
-        if chunk.step < self.open_step and self.in_flight.was_aborted(chunk.step):
-            return []  # late upload for a step everyone was already told is aborted
         completed = self.steps_completed
         try:
-            actions = self.in_flight.accept(rank, chunk, payload)
+            actions = self.plane.accept(rank, chunk, payload)
         except RejectedMessage as rejection:
-            return self.in_flight.abort(rank, rejection)
+            return self._abort(rank, rejection)
         return actions + self.uneven.progress(completed)
 
     # ------------------------------------------------------ collectives, join()
@@ -475,6 +478,7 @@ class Job(JobEnding):
             if self.in_flight.was_aborted(posted.step):
                 return []
             self.in_flight.remember_aborted(posted.step)
+            self._step_aborted(posted.step)
             return [
                 abort_message(
                     self.membership.ranks(),
@@ -499,10 +503,107 @@ class Job(JobEnding):
             f"rank {rank} abandoned step {abandon.step}: {reason}",
             step=abandon.step,
         )
-        return self.in_flight.abort(rank, rejection)
+        return self._abort(rank, rejection)
 
     def reject(self, culprit: int, rejection: RejectedMessage) -> list[Action]:
         """Abort the open step because `culprit` sent an unusable message."""
         if self.state is not JobState.RUNNING:
             return [Terminate((culprit,), rejection.code, rejection.message)]
-        return self.in_flight.abort(culprit, rejection)
+        return self._abort(culprit, rejection)
+
+    def reject_from_shard(self, rank: int, rejection: RejectedMessage) -> list[Action] | None:
+        """A shard refused `rank`'s message for `rejection.step`: abort that step for every rank.
+
+        The open step here may already be the next one: range 0 of the step
+        completed while the shard's cannot, and the workers still wait for the
+        shard's averages, so that step is aborted all the same (this plane keeps
+        its own step). None when there is nothing to abort: the job is not
+        running, the rank is not a member, or the step was aborted already.
+        """
+        step = rejection.step
+        if self.state is not JobState.RUNNING or rank not in self.members or step is None:
+            return None
+        if step == self.open_step:
+            return self.reject(rank, rejection)
+        if step + 1 != self.open_step or self.in_flight.was_aborted(step):
+            return None
+        self.in_flight.remember_aborted(step)
+        # Its range completed here (and was counted), but the step did not complete: status
+        # says so. (The Prometheus counter of completed steps cannot be taken back.)
+        self.in_flight.steps_completed -= 1
+        self._step_aborted(step)
+        return abort_actions(self.membership.ranks(), rank, step, rejection)
+
+    # ------------------------------------------------------------ control events
+    def take_events(self) -> list[pb.LeaderMessage]:
+        """The control events decided since the last call, for the shards, in order.
+
+        Each was already applied to this job's own plane; the shards apply the
+        same (`gradsync_server.dataplane.plane`). Always empty when unsharded.
+        """
+        events, self._events = self._events, []
+        return events
+
+    def end_event(self) -> pb.LeaderMessage:
+        """The ShardJobEnd of this job once it left the coordinator: its outcome as a status."""
+        state, outcome = self.outcome()
+        code, message = Code.OK, outcome
+        if state not in ("finished", "abandoned"):
+            code, message = (
+                Code.ABORTED,
+                f"job '{self.job_id}' ended at the leader ({state}): {outcome}",
+            )
+        end = pb.ShardJobEnd(job_id=self.job_id, code=int(code), message=message)
+        return pb.LeaderMessage(job_end=end)
+
+    def _tell_shards(self, event: pb.LeaderMessage) -> None:
+        if self._shard_count > 1:
+            self._events.append(event)
+
+    def _step_aborted(self, step: int) -> None:
+        """Every rank is told `step` is aborted: the shards drop it too (once per step)."""
+        if step != self._last_abort_event:
+            self._last_abort_event = step
+            self._tell_shards(pb.LeaderMessage(abort=pb.ShardAbort(job_id=self.job_id, step=step)))
+
+    def _abort(self, culprit: int, rejection: RejectedMessage) -> list[Action]:
+        """Abort the open step for every rank because of `culprit`'s message."""
+        step = self.open_step
+        actions = self.in_flight.abort(culprit, rejection)
+        self._step_aborted(step)
+        return actions
+
+    def _view(self, start_step: int | None = None) -> pb.ShardJobView:
+        """The job as its data planes know it: the whole (small) membership, the layout."""
+        signature = self.membership.signature
+        return pb.ShardJobView(
+            job_id=self.job_id,
+            world_size=self.world_size,
+            membership_epoch=self.membership_epoch,
+            members=[
+                pb.ShardMember(rank=rank, incarnation=member.incarnation, session=member.session)
+                for rank, member in sorted(self.members.items())
+            ],
+            out_of_inputs=sorted(r for r in self.uneven.out_of_inputs if r in self.members),
+            start_step=self.open_step if start_step is None else start_step,
+            buckets=list(signature.buckets) if signature is not None else [],
+            chunk_bytes=self.chunk_bytes,
+            shard_count=self._shard_count,
+            local_groups=[pb.LocalGroup(ranks=g) for g in self.membership.groups.groups()],
+        )
+
+    def _publish(self) -> list[Action]:
+        """The membership changed: apply it to this job's plane now, and tell the shards.
+
+        Returns the averages a dropped rank or a rank out of inputs completed
+        here, or the step's abort when a rejoining rank cannot be summed in rank
+        order (the shards then drop that step before they follow the view).
+        """
+        view = self._view()
+        followed = self.plane.follow(view)
+        actions = followed.actions
+        if followed.refused is not None:
+            rank, rejection = followed.refused
+            actions += self._abort(rank, rejection)
+        self._tell_shards(pb.LeaderMessage(job=view))
+        return actions

@@ -59,6 +59,10 @@ class JobEnding:
     elastic: Elastic
     _broken_reason: str
 
+    def _step_aborted(self, step: int) -> None:
+        """Tell the shards that every rank was told `step` is aborted (`Job` defines it)."""
+        raise NotImplementedError
+
     def _progress(self, refused: str = "") -> Send:
         """An AssemblyProgress for every waiting rank (as they join, and as they leave)."""
         ranks = self.membership.ranks()
@@ -174,6 +178,7 @@ class JobEnding:
                     ranks, step, Code.ABORTED, reason, -1, pb.ABORT_REASON_PEER_LOST, lost
                 )
             )
+            self._step_aborted(step)
         waiting = tuple(r for r in waiting if r in self.membership.members)
         if waiting:
             actions.append(Terminate(waiting, Code.ABORTED, reason, pb.END_REASON_PEER_LOST))
@@ -191,6 +196,29 @@ class JobEnding:
         self.collectives.release()
         ranks = sorted({*self.membership.ranks(), *self.membership.newcomers})
         return [Terminate(tuple(ranks), code, details, reason)]
+
+    def end_for_shard_loss(self, index: int, address: str, why: str) -> list[Action]:
+        """Shard `index` at `address` was lost: end every stream, UNAVAILABLE, SHARD_LOST.
+
+        A range of every bucket went with it, so nothing can complete; the
+        workers reconnect and the job resumes once every shard is back.
+        """
+        checkpoint = self.persistence.last_checkpoint_step
+        step = self.in_flight.step
+        if self.state is JobState.ASSEMBLING:
+            then = f"job '{self.job_id}' starts once every shard is registered again"
+        elif checkpoint >= 0:
+            then = (
+                f"job '{self.job_id}' stops at step {step} and resumes from its last "
+                f"checkpoint (step {checkpoint}) once every shard is registered again"
+            )
+        else:
+            then = (
+                f"job '{self.job_id}' stops at step {step}; it has no checkpoint, so it "
+                "starts again from the beginning once every shard is registered again"
+            )
+        details = f"shard {index} at {address} was lost ({why}); {then}"
+        return self.end(Code.UNAVAILABLE, details, pb.END_REASON_SHARD_LOST)
 
     def release_uploads(self) -> None:
         """Give back the bytes of unfinished checkpoint and healing uploads (idempotent)."""

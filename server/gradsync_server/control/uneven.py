@@ -14,6 +14,8 @@ no asyncio.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from gradsync_proto.codes import Code
 from gradsync_proto.v1 import gradsync_pb2 as pb
 
@@ -29,16 +31,27 @@ class UnevenInputs:
 
     Args:
         membership: the job's members.
-        in_flight: the job's open step (it keeps the set of ranks out of inputs).
+        in_flight: the job's open step (read here; changed only through `publish`).
         collectives: the job's collectives in flight.
+        publish: applies the changed membership (`out_of_inputs` included) to the job's
+            data planes (`Job._publish`) and returns what that completed.
+
+    Attributes:
+        out_of_inputs: the ranks that ran out of inputs, not expected in reductions.
     """
 
     def __init__(
-        self, membership: Membership, in_flight: OpenStep, collectives: Collectives
+        self,
+        membership: Membership,
+        in_flight: OpenStep,
+        collectives: Collectives,
+        publish: Callable[[], list[Action]],
     ) -> None:
         self._membership = membership
         self._in_flight = in_flight
         self._collectives = collectives
+        self._publish = publish
+        self.out_of_inputs: set[int] = set()
         #: The rank whose OutOfInputs arrived last.
         self.last_joiner = -1
 
@@ -51,7 +64,7 @@ class UnevenInputs:
         in_flight = self._in_flight
         step = in_flight.step
         problem = None
-        if rank in in_flight.out_of_inputs:
+        if rank in self.out_of_inputs:
             problem = "twice"
         elif message.step != step:
             problem = f"at step {message.step}, but the job's open step is {step}"
@@ -62,16 +75,17 @@ class UnevenInputs:
                 Code.FAILED_PRECONDITION, f"rank {rank} ran out of inputs (join()) {problem}"
             )
         self.last_joiner = rank
-        if set(self._membership.members) <= in_flight.out_of_inputs | {rank}:
+        if set(self._membership.members) <= self.out_of_inputs | {rank}:
             return self._collectives.drop_participant(rank) + self._all_joined()
         completed = in_flight.steps_completed
-        actions = in_flight.run_out_of_inputs(rank)
+        self.out_of_inputs.add(rank)
+        actions = self._publish()  # the step stops waiting for `rank`
         actions += self._collectives.drop_participant(rank)
         return actions + self.progress(completed, always=True)
 
     def progress(self, completed_before: int, always: bool = False) -> list[Action]:
         """JoinProgress for the ranks out of inputs if a step completed since `completed_before`."""
-        joined = sorted(self._in_flight.out_of_inputs)
+        joined = sorted(self.out_of_inputs)
         if not joined or (self._in_flight.steps_completed == completed_before and not always):
             return []
         message = pb.JoinProgress(
@@ -83,8 +97,8 @@ class UnevenInputs:
 
     def lost(self, rank: int) -> list[Action]:
         """`rank` left for good (elastic): if every rank left is out of inputs, the join ends."""
-        out = self._in_flight.out_of_inputs
-        out.discard(rank)
+        out = self.out_of_inputs
+        out.discard(rank)  # the planes forgot it with the member
         members = set(self._membership.members)
         if out and members <= out:
             if self.last_joiner not in members:
@@ -95,8 +109,9 @@ class UnevenInputs:
     def _all_joined(self) -> list[Action]:
         """Every rank ran out of inputs: all continue from the same step and collective."""
         ranks = self._membership.ranks()
-        joined = sorted(set(ranks) | self._in_flight.out_of_inputs)
-        self._in_flight.out_of_inputs.clear()
+        joined = sorted(set(ranks) | self.out_of_inputs)
+        self.out_of_inputs.clear()
+        self._publish()  # every rank takes part again (nothing waits only for them)
         message = pb.JoinProgress(
             joined_ranks=joined,
             all_joined=True,

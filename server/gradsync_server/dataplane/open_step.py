@@ -92,8 +92,8 @@ _ABORTED_STEPS_REMEMBERED = 64
 class StepMembership(Protocol):
     """What an open step reads of its job's membership.
 
-    `Membership` at the leader; a replica of the leader's view at a shard
-    (`gradsync_server.control.shard_view`), which knows only ranks and incarnations.
+    The `MembershipView` of the job's `JobPlane` (`gradsync_server.dataplane.plane`),
+    at the leader and at every shard alike.
     """
 
     @property
@@ -137,11 +137,12 @@ class OpenStep:
         shard_index: which byte range of every bucket this step aggregates.
         shard_count: how many shards the buckets are cut into (1 = unsharded).
         nonfinite: the `--nonfinite` policy: "report", "abort" or "allow".
+        shard_name: how errors name this process's range (default "shard <index>").
+        on_nonfinite: called with each newly counted non-finite contribution (a
+            shard forwards them to its leader); None = nobody.
 
     Attributes:
         nonfinite: the job's non-finite contributions (count, last, rate-limited log).
-        on_nonfinite: called with each newly counted non-finite contribution (a
-            shard forwards them to its leader); None = nobody.
 
     Raises:
         ValueError: `shard_index` is not in 0..shard_count - 1, or an unknown policy.
@@ -157,16 +158,20 @@ class OpenStep:
         shard_index: int = 0,
         shard_count: int = 1,
         nonfinite: str = defaults.NONFINITE,
+        shard_name: str | None = None,
+        on_nonfinite: Callable[[NonFiniteContribution], None] | None = None,
     ) -> None:
         if not 0 <= shard_index < shard_count:
             raise ValueError(f"shard index {shard_index} is not in 0..{shard_count - 1}")
         self.nonfinite_policy = check_policy(nonfinite)
-        self.nonfinite = NonFiniteLog(clock, logging.getLogger("gradsync.server"))
-        self.on_nonfinite: Callable[[NonFiniteContribution], None] | None = None
+        # A shard logs its own (with the counts); its leader counts them for status.
+        logger = logging.getLogger("gradsync.shard" if shard_index else "gradsync.server")
+        self.nonfinite = NonFiniteLog(clock, logger)
+        self.on_nonfinite = on_nonfinite
         self.shard_index = shard_index
         self.shard_count = shard_count
-        #: How errors name this shard (set by a shard process to add its address).
-        self.shard_name = f"shard {shard_index}"
+        #: How errors name this shard ("shard 2 at 10.0.0.5:50051" in a shard process).
+        self.shard_name = shard_name or f"shard {shard_index}"
         self._membership = membership
         self._chunk_bytes = chunk_bytes
         self._budget = budget

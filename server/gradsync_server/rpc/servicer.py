@@ -437,7 +437,7 @@ class CoordinatorServicer:
 
     def _execute(self, job: Job, actions: list[Action]) -> None:
         # Shards hear of a job's start, membership changes and aborts before workers do.
-        self.shard_control.before_delivery(job, actions)
+        self.shard_control.before_delivery(job)
         for action in actions:
             if isinstance(action, Send):
                 message = action.message

@@ -8,9 +8,11 @@ leader answers with `ShardAccepted`, then heartbeats and, per job, the
 `ShardJobView` (at the job's start, queued before the Welcome goes to the
 workers, and after every change of members, epoch or ranks out of inputs),
 `ShardAbort` for every step the leader aborts, and `ShardJobEnd` when it
-forgets the job. What to send is derived by `shard_jobs` from the job and
-the actions the servicer is about to deliver, so the job logic stays unaware
-of shards.
+forgets the job. Those are the job's control events: the job (the control
+plane) decides them and applies them to its own data plane as it goes, and
+this module sends what `Job.take_events` returns before the workers hear of
+the actions, so that a Welcome's job is known to every shard before any
+worker can open a data stream for it.
 
 A shard whose stream ends, or that is silent beyond the heartbeat timeout
 (checked by the watchdog through `check`), is lost: every job the leader
@@ -36,15 +38,6 @@ from gradsync_proto.v1 import gradsync_pb2 as pb
 
 from gradsync_server.config import ServerConfig
 from gradsync_server.control.job import Job, JobState
-from gradsync_server.control.shard_jobs import (
-    ViewKey,
-    aborted_steps,
-    end_for_shard_loss,
-    job_end_code,
-    job_view,
-    reject_for_shard,
-    view_key,
-)
 from gradsync_server.control.shard_registry import RegistrationRefused, ShardRecord, ShardRegistry
 from gradsync_server.dataplane.actions import Action
 from gradsync_server.dataplane.nonfinite import NonFiniteContribution, NonFiniteRejection
@@ -117,10 +110,8 @@ class ShardControl:
             config.shard_count, __version__, config.chunk_bytes, clock, config.shards_flag
         )
         self._links: dict[int, _Link] = {}
-        #: Jobs whose shards have a view, with the key of the last view sent.
-        self._views: dict[Job, ViewKey] = {}
-        #: Step of the last ShardAbort sent per job (a step is aborted once).
-        self._aborts: dict[Job, int] = {}
+        #: Jobs the shards were told about (they must be told when the job ends).
+        self._known: set[Job] = set()
         #: Jobs ended because a shard was lost, with the status their data streams get.
         self._lost_jobs: dict[Job, tuple[Code, str]] = {}
         self._next_report = clock() + defaults.SHARD_WAIT_REPORT_PERIOD_S
@@ -131,34 +122,25 @@ class ShardControl:
             metrics.watch_shards(self.samples)
 
     # ------------------------------------------------------------- job events
-    def before_delivery(self, job: Job, actions: list[Action]) -> None:
-        """Tell the shards what `actions` of `job` imply, before the workers hear of it.
-
-        Aborts go first: under the abort policy a lost rank also changes the
-        members, and a shard must drop the step rather than finish it without
-        that rank. The view follows, so that a Welcome's job is known to every
-        shard before any worker can open a data stream for it.
-        """
-        if not self.registry.sharded:
+    def before_delivery(self, job: Job) -> None:
+        """Send the shards the control events `job` decided, before its workers hear of them."""
+        events = job.take_events()
+        if not events:
             return
-        for step in aborted_steps(actions):
-            if self._aborts.get(job) == step or job not in self._views:
-                continue
-            self._aborts[job] = step
-            self._broadcast(pb.LeaderMessage(abort=pb.ShardAbort(job_id=job.job_id, step=step)))
-        key = view_key(job)
-        if key is not None and self._views.get(job) != key:
-            self._views[job] = key
-            view = job_view(job, self.registry.shard_count)
-            self._broadcast(pb.LeaderMessage(job=view))
+        self._known.add(job)
+        for event in events:
+            self._broadcast(event)
 
     def job_ended(self, job: Job) -> None:
         """`job` left the leader's active jobs: its shards forget it."""
-        if self._views.pop(job, None) is None:
+        if job not in self._known:
             return  # it never started: no shard knows it
-        self._aborts.pop(job, None)
-        code, message = self._lost_jobs.get(job) or job_end_code(job)
-        end = pb.ShardJobEnd(job_id=job.job_id, code=int(code), message=message)
+        self._known.discard(job)
+        lost = self._lost_jobs.get(job)
+        if lost is None:
+            self._broadcast(job.end_event())
+            return
+        end = pb.ShardJobEnd(job_id=job.job_id, code=int(lost[0]), message=lost[1])
         self._broadcast(pb.LeaderMessage(job_end=end))
 
     def _broadcast(self, message: pb.LeaderMessage) -> None:
@@ -285,7 +267,7 @@ class ShardControl:
         jobs = list(self._leader.jobs.values())
         log.error("%s; ending %d job(s): %s", summary, len(jobs), [j.job_id for j in jobs])
         for job in jobs:
-            actions = end_for_shard_loss(job, index, address, why)
+            actions = job.end_for_shard_loss(index, address, why)
             self._lost_jobs[job] = (Code.UNAVAILABLE, f"{summary}; job '{job.job_id}' ended")
             self._leader.execute(job, actions)
             self._leader.retire_job(job)
@@ -431,8 +413,8 @@ class ShardControl:
                 code, rejected.message, step=rejected.step, bucket_index=rejected.bucket_index
             )
         actions = None
-        if job is not None and job in self._views:
-            actions = reject_for_shard(job, rejected.rank, rejection)
+        if job is not None and job in self._known:
+            actions = job.reject_from_shard(rejected.rank, rejection)
         if job is None or actions is None:
             # The job ended, or that step was aborted already: nothing more to undo.
             log.info(

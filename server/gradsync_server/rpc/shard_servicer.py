@@ -7,8 +7,9 @@ writer draining a bounded outbox (`Connection`), every stream ended with an
 error first gets a `StreamEnd`, and messages are raw bytes so that a chunk is
 parsed without copying and an average is serialized once for every rank.
 
-The job logic is `ShardJob` (pure); the leader's decisions arrive through the
-`on_*` methods, called by the control link (`shard_link`). Control and data
+Each job's data plane is a `JobPlane` (pure, the class the leader runs for
+its own range); the leader's control events arrive through the `on_*`
+methods, called by the control link (`shard_link`). Control and data
 travel on different connections, so a hello or a chunk may arrive before the
 view or abort that makes it valid: the reader then waits, bounded by the
 heartbeat timeout, for the shard's state to catch up before judging it.
@@ -29,10 +30,10 @@ from gradsync_proto.codec import ChunkHeader, decode_gradient, header_of
 from gradsync_proto.codes import Code
 from gradsync_proto.v1 import gradsync_pb2 as pb
 
-from gradsync_server.control.shard_view import ShardJob, ShardOutcome
 from gradsync_server.dataplane import nonfinite
 from gradsync_server.dataplane.actions import SegmentAverage
 from gradsync_server.dataplane.budget import ByteBudget, outbox_pool_bytes
+from gradsync_server.dataplane.plane import JobPlane, ShardOutcome
 from gradsync_server.errors import RejectedMessage
 from gradsync_server.rpc.connection import Connection
 from gradsync_server.rpc.stream_guard import StreamCount, guarded
@@ -93,7 +94,7 @@ class ShardServicer:
         #: The leader's --nonfinite policy (from ShardAccepted).
         self.nonfinite = defaults.NONFINITE
         self.heartbeat_timeout_s = config.hello_wait_s
-        self.jobs: dict[str, ShardJob] = {}
+        self.jobs: dict[str, JobPlane] = {}
         self._connections: dict[tuple[str, int], DataStream] = {}
         self._streams: set[DataStream] = set()
         #: Messages for the leader (rejections, non-finite reports), drained by the control link.
@@ -175,7 +176,7 @@ class ShardServicer:
             if self.index is None:
                 return
             try:
-                job = ShardJob(
+                job = JobPlane.for_shard(
                     view,
                     self.index,
                     self.name,
@@ -249,7 +250,7 @@ class ShardServicer:
             del self._connections[(conn.job_id, conn.rank)]
         conn.end(code, details, reason)
 
-    def _deliver(self, job: ShardJob, outcome: ShardOutcome) -> None:
+    def _deliver(self, job: JobPlane, outcome: ShardOutcome) -> None:
         for send in outcome.sends:
             message = send.message
             if isinstance(message, SegmentAverage):
