@@ -16,7 +16,7 @@ import os
 
 from gradsync_proto import auth, defaults
 
-from gradsync import __version__, arguments_server, flags
+from gradsync import __version__, flags
 from gradsync.config import ENV_COORDINATOR, ENV_JOB_ID, ENV_RANK, ENV_WORLD_SIZE
 
 #: The benchmark suites `gradsync bench --suites` chooses from.
@@ -26,7 +26,14 @@ BENCH_LAYOUTS = ("single", "dedicated", "colocated")
 
 
 def build_parser() -> argparse.ArgumentParser:
-    """The argument parser (exposed for tests and docs)."""
+    """The argument parser (exposed for tests and docs).
+
+    The flags of `serve` and `shard` are the coordinator's own
+    (`gradsync_server.arguments`), imported here rather than at the top so
+    that importing the client imports no server module.
+    """
+    from gradsync_server.arguments import add_serve_flags, add_shard_flags
+
     parser = argparse.ArgumentParser(
         prog="gradsync", description="Data-parallel gradient synchronization over gRPC."
     )
@@ -38,13 +45,13 @@ def build_parser() -> argparse.ArgumentParser:
 
     serve = commands.add_parser("serve", help="run the coordinator")
     serve.set_defaults(command_parser=serve)
-    arguments_server.add_serve_flags(serve)
+    add_serve_flags(serve)
 
     shard = commands.add_parser(
         "shard", help="run a coordinator shard that registers with a leader (`serve`)"
     )
     shard.set_defaults(command_parser=shard)
-    arguments_server.add_shard_flags(shard)
+    add_shard_flags(shard)
 
     status = commands.add_parser("status", help="show jobs, membership, progress and late ranks")
     status.set_defaults(command_parser=status)

@@ -16,7 +16,7 @@ import time
 from pathlib import Path
 
 from gradsync_proto import defaults
-from gradsync_proto.exposition import MetricsServer, serve_metrics
+from gradsync_proto.net.exposition import MetricsServer, serve_metrics
 from gradsync_proto.v1 import gradsync_pb2 as pb
 
 from gradsync.errors import StepAbortedError

@@ -20,7 +20,7 @@ port per worker; the chosen port is logged. Neither set: metrics are off.
 See `resolve_metrics_port`.
 
 The HTTP side (`serve_metrics`) is shared with the coordinator and lives in
-`gradsync_proto.exposition`.
+`gradsync_proto.net.exposition`.
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Mapping
 
-from gradsync_proto.exposition import LATENCY_BUCKETS_S, MAX_PORT
+from gradsync_proto.net.exposition import LATENCY_BUCKETS_S, MAX_PORT
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 log = logging.getLogger("gradsync.metrics")

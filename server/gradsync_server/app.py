@@ -18,8 +18,8 @@ import sys
 from dataclasses import dataclass
 
 import grpc
-from gradsync_proto.exposition import MetricsServer, serve_metrics
 from gradsync_proto.host import host_id
+from gradsync_proto.net.exposition import MetricsServer, serve_metrics
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from gradsync_server.config import MIB, ServerConfig

@@ -26,7 +26,7 @@ from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 
 from gradsync_proto.codes import Code
-from gradsync_proto.exposition import LATENCY_BUCKETS_S
+from gradsync_proto.net.exposition import LATENCY_BUCKETS_S
 from gradsync_proto.v1 import gradsync_pb2 as pb
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
@@ -46,7 +46,7 @@ class CoordinatorMetrics:
         lag_window: window of the `lag_tracker`'s per-rank means.
 
     Attributes:
-        registry: serve it with `gradsync_proto.exposition.serve_metrics`.
+        registry: serve it with `gradsync_proto.net.exposition.serve_metrics`.
         lag_tracker: per-rank windowed mean lag, fed by `observe_bucket_arrival`.
     """
 

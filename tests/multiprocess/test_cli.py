@@ -17,8 +17,10 @@ from pathlib import Path
 
 import grpc
 import pytest
+from gradsync.status import query_status
 from gradsync_proto.net.launch import free_port
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+from support.faults import wait_for
 from support.logwatch import WatchedProcess, assert_quiet
 
 GRADSYNC = [sys.executable, "-m", "gradsync.cli"]
@@ -231,7 +233,11 @@ def test_status_shows_waiting_and_ended_jobs_with_integers_as_numbers(
     waiting = _worker(coordinator.address, 2, "--job-id", "waiting")
     try:
         waiting.wait_for("joining job", timeout_s=30)
-        time.sleep(1.0)
+        wait_for(
+            lambda: any(job.members for job in query_status(coordinator.address, "waiting").jobs),
+            30,
+            "job 'waiting' to list the rank that joined it",
+        )
         result = run_cli("status", "--coordinator", coordinator.address, "--json")
         text = run_cli("status", "--coordinator", coordinator.address).stdout
     finally:

@@ -9,8 +9,6 @@ agreed, and `Status` keeps a finished job's outcome.
 
 from __future__ import annotations
 
-import asyncio
-
 import grpc
 import numpy as np
 from gradsync_proto.v1 import gradsync_pb2 as pb
@@ -25,6 +23,7 @@ from support.rawclient import (
     run,
     wait_until_joined,
 )
+from support.waiting import eventually
 
 
 class FakeClock:
@@ -153,8 +152,13 @@ def test_float16_wire_over_grpc_and_the_finished_job_in_status() -> None:
                 np.testing.assert_array_equal(np.frombuffer(bytes(result), np.float16), expected)
             for worker in workers:
                 await worker.leave()
-            await asyncio.sleep(0.05)
             request = pb.StatusRequest(job_id="job").SerializeToString()
+
+            async def ended_in_status() -> bool:
+                reply = await running.servicer.status(request, None)  # type: ignore[arg-type]
+                return any(job.ended for job in reply.jobs)
+
+            await eventually(ended_in_status, "the finished job in Status")
             reply = await running.servicer.status(request, None)  # type: ignore[arg-type]
             (ended,) = reply.jobs
             assert (ended.state, ended.ended, ended.outcome) == (

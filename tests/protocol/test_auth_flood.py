@@ -12,13 +12,33 @@ import asyncio
 import time
 
 import grpc
-from gradsync_server.rpc.auth_check import FIRST_MESSAGE_WAIT_S, MAX_WAITING_REFUSALS
+import pytest
+from gradsync_server import app
+from gradsync_server.rpc.auth_check import (
+    FIRST_MESSAGE_WAIT_S,
+    MAX_WAITING_REFUSALS,
+    TokenCheck,
+    interceptors,
+)
 from support.rawclient import RawWorker, coordinator, run
+from support.waiting import eventually
 
 TOKEN = "flood-test-token-0123456789abcdef"
 
 
-def test_silent_unauthenticated_streams_beyond_the_bound_are_refused_at_once() -> None:
+def test_silent_unauthenticated_streams_beyond_the_bound_are_refused_at_once(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    checks: list[TokenCheck] = []
+
+    def recorded_interceptors(token: str | None) -> list[grpc.aio.ServerInterceptor]:
+        made = interceptors(token)
+        checks.extend(check for check in made if isinstance(check, TokenCheck))
+        return made
+
+    # The server's token check, to see how many refused streams wait on it.
+    monkeypatch.setattr(app, "interceptors", recorded_interceptors)
+
     async def refused_at(worker: RawWorker) -> float:
         code = await asyncio.wait_for(worker.call.code(), FIRST_MESSAGE_WAIT_S * 5)
         assert code == grpc.StatusCode.UNAUTHENTICATED
@@ -28,7 +48,11 @@ def test_silent_unauthenticated_streams_beyond_the_bound_are_refused_at_once() -
         async with coordinator(token=TOKEN) as (_, channel):
             silent = [RawWorker(channel) for _ in range(MAX_WAITING_REFUSALS)]
             waits = [asyncio.create_task(refused_at(worker)) for worker in silent]
-            await asyncio.sleep(0.3)  # they all wait for a first message that never comes
+            await eventually(
+                lambda: checks[0].waiting == MAX_WAITING_REFUSALS,
+                "every silent stream to wait for a first message that never comes",
+                timeout_s=FIRST_MESSAGE_WAIT_S,
+            )
             extra = await refused_at(RawWorker(channel))
             # Ordering, not absolute time: without the bound the extra stream would wait
             # its FIRST_MESSAGE_WAIT_S too, and be refused after the ones opened before it.

@@ -33,6 +33,7 @@ from support.rawclient import (
     run,
 )
 from support.rawgroups import hier_job
+from support.waiting import eventually
 
 HOST = "test-host-a"
 #: Where the bucket lies in the test's segment (as a result region would, not at 0).
@@ -133,8 +134,10 @@ def test_a_leaders_partial_sum_moves_through_its_segment_both_ways() -> None:
                 assert written == BUCKET_BYTES
                 # The leader leaves: the coordinator's copy is closed at once.
                 await workers[0].leave()
-                await asyncio.sleep(0.1)
-                assert open_copies(name) == 1 and len(running.servicer.segments) == 0
+                await eventually(
+                    lambda: open_copies(name) == 1 and len(running.servicer.segments) == 0,
+                    "the coordinator to close its copy of the leader's segment",
+                )
             finally:
                 os.close(fd)
 
@@ -173,8 +176,10 @@ def test_a_segment_truncated_after_registration_aborts_the_step_and_the_coordina
                     assert chunk.payload == expected.tobytes()[:CHUNK]
                 for worker in workers:
                     await worker.leave()
-                await asyncio.sleep(0.1)
-                assert open_copies(name) == 1 and not running.servicer.jobs
+                await eventually(
+                    lambda: open_copies(name) == 1 and not running.servicer.jobs,
+                    "the job to end and its segment copy to close",
+                )
             finally:
                 os.close(fd)
 

@@ -33,6 +33,7 @@ from support.rawclient import (
     run_step,
     signature,
 )
+from support.waiting import eventually
 
 
 @contextlib.asynccontextmanager
@@ -185,7 +186,7 @@ def test_a_checkpoint_of_another_model_under_the_same_job_id_refuses_the_job(
 
     async def scenario() -> None:
         store_dir = tmp_path / "store"
-        async with coordinator(checkpoint_store=str(store_dir)) as (_running, channel):
+        async with coordinator(checkpoint_store=str(store_dir)) as (running, channel):
             workers = await assembled_job(channel, "job")
             await run_step(workers, 0)
             blob = bucket_values(0, 0).tobytes()[:CHUNK]
@@ -199,7 +200,7 @@ def test_a_checkpoint_of_another_model_under_the_same_job_id_refuses_the_job(
             assert (await workers[0].expect_kind("checkpoint_saved")).checkpoint_saved.durable
             for worker in workers:
                 await worker.leave()
-            await asyncio.sleep(0.05)
+            await eventually(lambda: "job" not in running.servicer.jobs, "model X's job to end")
             other = RawWorker(channel)
             await other.join(0, sig=signature(weight_shape=(CHUNK // 4, 2)))
             details = await other.expect_status(grpc.StatusCode.FAILED_PRECONDITION)

@@ -25,7 +25,8 @@ from gradsync_server.control.job import Job
 from gradsync_server.rpc.connection import Connection
 from gradsync_server.rpc.shard_control import peer_host_of
 from prometheus_client import generate_latest
-from support.rawclient import CHUNK, RawWorker, assembled_job, coordinator, run
+from support.rawclient import CHUNK, RawWorker, assembled_job, coordinator, run, wait_until_joined
+from support.waiting import eventually
 
 LINK = "/gradsync.v1.Coordinator/ShardLink"
 STATUS = "/gradsync.v1.Coordinator/Status"
@@ -306,7 +307,7 @@ def test_a_lost_shard_ends_every_stream_naming_it_and_a_new_job_waits() -> None:
             # The workers reconnect: a new job, which waits for the shard again.
             again = RawWorker(channel)
             await again.join(0)
-            await asyncio.sleep(0.2)
+            await wait_until_joined(running, 0)
             new_job = running.servicer.jobs["job"]
             assert isinstance(new_job, Job) and new_job is not old_job
             assert new_job.state.value == "assembling"
@@ -371,7 +372,11 @@ def test_status_lists_the_leader_and_its_shards() -> None:
             shard = FakeShard(channel)
             await shard.register()
             await shard.expect("accepted")
-            await asyncio.sleep(0.3)  # a stats message arrives
+
+            async def stats_arrived() -> bool:
+                return (await status(channel)).shards[1].bytes_received > 0
+
+            await eventually(stats_arrived, "the shard's first stats in Status")
             reply = await status(channel)
             leader, first, missing = reply.shards
             assert (leader.index, leader.address, leader.version) == (0, "", __version__)
@@ -400,7 +405,12 @@ def test_the_leader_exports_every_shard_and_status_prints_a_table() -> None:
     async def scenario() -> None:
         async with sharded(shard_count=3) as (running, channel):
             shard = await accepted_shard(channel, address=ADDRESS)
-            await asyncio.sleep(0.3)  # a stats message arrives
+            registry = running.servicer.metrics.registry
+            received = ("gradsync_shard_bytes_received_total", {"shard": "1"})
+            await eventually(
+                lambda: (registry.get_sample_value(*received) or 0) > 0,
+                "the shard's first stats in the metrics",
+            )
             text = generate_latest(running.servicer.metrics.registry).decode()
             assert "gradsync_shards_registered 1.0" in text
             assert f'gradsync_shard_up{{address="{ADDRESS}",shard="1"}} 1.0' in text

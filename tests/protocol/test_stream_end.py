@@ -14,7 +14,15 @@ import grpc
 from gradsync_proto.v1 import gradsync_pb2 as pb
 from gradsync_server.app import start_server
 from gradsync_server.config import ServerConfig
-from support.rawclient import CHUNK, RawWorker, assembled_job, coordinator, run, signature
+from support.rawclient import (
+    CHUNK,
+    RawWorker,
+    assembled_job,
+    coordinator,
+    run,
+    signature,
+    wait_until_joined,
+)
 
 
 async def expect_end(worker: RawWorker, reason: int, code: grpc.StatusCode) -> pb.StreamEnd:
@@ -42,10 +50,10 @@ def test_a_refused_job_ends_every_stream_as_refused() -> None:
 
 def test_too_many_jobs_is_resource_exhausted() -> None:
     async def scenario() -> None:
-        async with coordinator(max_jobs=1) as (_, channel):
+        async with coordinator(max_jobs=1) as (running, channel):
             first = RawWorker(channel)
             await first.join(0, job_id="one")
-            await asyncio.sleep(0.2)
+            await wait_until_joined(running, 0, "one")
             late = RawWorker(channel)
             await late.join(0, job_id="two")
             end = await expect_end(

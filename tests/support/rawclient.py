@@ -16,6 +16,8 @@ from gradsync_proto.v1 import gradsync_pb2 as pb
 from gradsync_server.app import RunningServer, start_server
 from gradsync_server.config import ServerConfig
 
+from support.waiting import eventually
+
 METHOD = "/gradsync.v1.Coordinator/Sync"
 CHUNK = 4096
 WEIGHT_SHAPE = (64, 32)
@@ -159,11 +161,20 @@ class RawWorker:
             received += len(chunk.payload)
         return np.frombuffer(bytes(result), dtype=np.float32)
 
-    async def settle(self, running: RunningServer) -> None:
-        """Wait until the coordinator has processed everything this worker sent."""
-        for _ in range(100):
-            await asyncio.sleep(0.01)
-        assert running.servicer.jobs, "the job vanished"
+    async def settle(self, running: RunningServer, rank: int = 0, job_id: str = "job") -> None:
+        """Wait until the coordinator has processed the message this worker (`rank`) sent last.
+
+        For scenarios on a frozen fake clock that advance it before sending: the
+        message is in once the rank's last sign of life is the clock's present.
+        Streams are read in order, so everything sent before it is in too.
+        """
+
+        def heard_now() -> bool:
+            job = running.servicer.jobs.get(job_id)
+            assert job is not None, "the job vanished"
+            return rank in job.members and job.liveness.seconds_since_seen(rank) == 0.0
+
+        await eventually(heard_now, f"the coordinator to hear rank {rank}'s latest message")
 
     async def leave(self) -> None:
         await self.send(pb.WorkerMessage(leave=pb.Leave(reason="test done")))

@@ -18,7 +18,7 @@ from gradsync.metrics import (
     WorkerMetrics,
     resolve_metrics_port,
 )
-from gradsync_proto.exposition import LATENCY_BUCKETS_S, serve_metrics
+from gradsync_proto.net.exposition import LATENCY_BUCKETS_S, serve_metrics
 from gradsync_server.dataplane.observer import LagTracker
 from gradsync_server.metrics import CoordinatorMetrics
 from prometheus_client import CollectorRegistry, generate_latest

@@ -356,7 +356,7 @@ def test_metrics_server_holds_a_bounded_number_of_connections() -> None:
     import socket
     import urllib.request
 
-    from gradsync_proto.exposition import MAX_SCRAPE_THREADS, serve_metrics
+    from gradsync_proto.net.exposition import MAX_SCRAPE_THREADS, serve_metrics
     from prometheus_client import CollectorRegistry
 
     with serve_metrics(0, CollectorRegistry(), host="127.0.0.1") as server:

@@ -1,21 +1,22 @@
 """The flags of the coordinator's own subcommands, `gradsync serve` and `gradsync shard`.
 
-Kept apart from `gradsync.arguments` (which builds the whole parser and holds
-the worker-side and tool subcommands) because the server flags are most of
-the flag list and change with the coordinator, not with the worker: limits,
-checkpointing, elasticity, sharding, and the TLS / token / protected-mode
-flags that only a listening process has. Each flag's type (`gradsync.flags`)
-checks its whole range, so a bad value exits 2 naming the flag.
+They live with the coordinator, not with the worker, because they change
+with it: limits, checkpointing, elasticity, sharding, and the TLS / token /
+protected-mode flags that only a listening process has. The `gradsync`
+command (`gradsync.arguments.build_parser`) still owns the parser and adds
+these to its `serve` and `shard` subparsers, importing this module only when
+it builds the parser, as it imports the rest of the server only to run it.
+Each flag's type (`gradsync_proto.flags`, shared with the worker's flags, as
+the server imports nothing of the client) checks its whole range, so a bad
+value exits 2 naming the flag.
 """
 
 from __future__ import annotations
 
 import argparse
 
-from gradsync_proto import auth, defaults
+from gradsync_proto import auth, defaults, flags
 from gradsync_proto.defaults import MIB
-
-from gradsync import flags
 
 
 def add_serve_flags(parser: argparse.ArgumentParser) -> None:
