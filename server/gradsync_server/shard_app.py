@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import grpc
 from gradsync_proto.codes import Code
 from gradsync_proto.defaults import MIB
-from gradsync_proto.exposition import MetricsServer, serve_metrics
+from gradsync_proto.net.exposition import MetricsServer, serve_metrics
 from gradsync_proto.v1 import gradsync_pb2 as pb
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
