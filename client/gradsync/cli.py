@@ -282,7 +282,7 @@ def _redis_password(parser: argparse.ArgumentParser, args: argparse.Namespace) -
 
 
 def _shard(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
-    from gradsync_server.shard_app import run
+    from gradsync_server.app import run_shard as run
     from gradsync_server.shard_config import ShardConfig
 
     chunk_bytes = None if args.chunk_mb is None else int(args.chunk_mb * MIB)

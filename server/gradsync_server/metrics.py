@@ -22,8 +22,10 @@ the ranks that are persistently behind.
 
 from __future__ import annotations
 
+import math
+from collections import deque
 from collections.abc import Callable, Iterable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from gradsync_proto.codes import Code
 from gradsync_proto.net.exposition import LATENCY_BUCKETS_S
@@ -36,6 +38,9 @@ from gradsync_server.dataplane.observer import LagTracker
 
 __all__ = ["CoordinatorMetrics", "LagTracker", "ShardSample"]
 
+#: How many recent buckets `ShardStats.mean_bucket_s` averages over.
+BUCKET_TIMES_KEPT = 100
+
 
 class CoordinatorMetrics:
     """The metrics the coordinator exports, and the straggler tracker fed with them.
@@ -44,16 +49,28 @@ class CoordinatorMetrics:
         registry: where the metrics are registered; a fresh private registry
             when None (never prometheus_client's global one).
         lag_window: window of the `lag_tracker`'s per-rank means.
+        shard: a coordinator shard's metrics: the same names (one dashboard query
+            covers the leader and every shard), plus `gradsync_shard_index`.
 
     Attributes:
         registry: serve it with `gradsync_proto.net.exposition.serve_metrics`.
         lag_tracker: per-rank windowed mean lag, fed by `observe_bucket_arrival`.
     """
 
-    def __init__(self, registry: CollectorRegistry | None = None, lag_window: int = 50) -> None:
+    def __init__(
+        self, registry: CollectorRegistry | None = None, lag_window: int = 50, shard: bool = False
+    ) -> None:
         self.registry = CollectorRegistry() if registry is None else registry
         self.lag_tracker = LagTracker(lag_window)
         r = self.registry
+        self._shard_index: Gauge | None = None
+        if shard:
+            self._shard_index = Gauge(
+                "gradsync_shard_index",
+                "The index this coordinator shard serves (-1 until its leader accepts it).",
+                registry=r,
+            )
+            self._shard_index.set(-1)
         self._received_bytes = Counter(
             "gradsync_received_bytes_total",
             "Gradient payload bytes received from workers.",
@@ -189,7 +206,7 @@ class CoordinatorMetrics:
         totals = self._totals
         totals.sent += sent_bytes
         totals.buckets += 1
-        totals.bucket_seconds += round_trip_s
+        totals.bucket_times.append(round_trip_s)
 
     # Per step.
     def observe_step_done(self, sync_s: float, step: int) -> None:
@@ -250,7 +267,8 @@ class CoordinatorMetrics:
             connections: worker streams open right now.
         """
         totals = self._totals
-        mean = totals.bucket_seconds / totals.buckets if totals.buckets else 0.0
+        times = totals.bucket_times
+        mean = math.fsum(times) / len(times) if times else 0.0
         return pb.ShardStats(
             bytes_received=totals.received,
             bytes_sent=totals.sent,
@@ -259,6 +277,11 @@ class CoordinatorMetrics:
             buffered_bytes=buffered_bytes,
             connections=connections,
         )
+
+    def set_shard_index(self, index: int) -> None:
+        """A shard's leader accepted it as `index` (-1: lost it); nothing at a leader."""
+        if self._shard_index is not None:
+            self._shard_index.set(index)
 
     def watch_shards(self, source: Callable[[], Iterable[ShardSample]]) -> None:
         """Export the leader's view of its shards, read from `source` at every scrape.
@@ -276,7 +299,9 @@ class _Totals:
     received: int = 0
     sent: int = 0
     buckets: int = 0
-    bucket_seconds: float = 0.0
+    #: The latest buckets' round trips: `ShardStats.mean_bucket_s` averages these
+    #: (a lifetime mean would hide a shard that became slow).
+    bucket_times: deque[float] = field(default_factory=lambda: deque(maxlen=BUCKET_TIMES_KEPT))
 
 
 @dataclass(frozen=True)

@@ -17,8 +17,7 @@ import grpc
 import numpy as np
 from gradsync_proto import chunking
 from gradsync_proto.v1 import gradsync_pb2 as pb
-from gradsync_server.app import RunningServer
-from gradsync_server.shard_app import RunningShard, start_shard
+from gradsync_server.app import RunningServer, RunningShard, start_shard
 from gradsync_server.shard_config import ShardConfig
 from support.rawclient import (
     BUCKET_BYTES,

@@ -18,9 +18,8 @@ from pathlib import Path
 import grpc
 from gradsync_proto import auth
 from gradsync_proto.v1 import gradsync_pb2 as pb
-from gradsync_server.app import RunningServer
+from gradsync_server.app import RunningServer, RunningShard, start_shard
 from gradsync_server.control.membership import SESSION_BYTES
-from gradsync_server.shard_app import RunningShard, start_shard
 from gradsync_server.shard_config import ShardConfig
 from gradsync_server.store.checkpoint_file import FileCheckpointStore
 from support.rawclient import (

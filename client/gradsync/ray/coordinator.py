@@ -8,7 +8,7 @@ in the "gradsync" namespace, so a second driver gets the same handle with
 started it, as a service would.
 
 Each actor runs the ordinary coordinator (`gradsync_server.app.start_server`) or shard
-(`gradsync_server.shard_app.start_shard`) in-process, on a loop of its own
+(`gradsync_server.app.start_shard`) in-process, on a loop of its own
 (`gradsync.ray._loop`), so there is no child process to leak. It listens on its node's
 address, where other nodes reach it; beyond loopback the coordinator needs credentials,
 so unless the caller gives a token, client certificates or `insecure=True`, a random
@@ -141,7 +141,8 @@ class ShardServer(_ServerActor):
 
     def start(self, options: dict[str, Any]) -> dict[str, Any]:
         """Bind, advertise this node's address and start registering with the leader."""
-        from gradsync_server.shard_app import banner, start_shard
+        from gradsync_server.app import shard_banner as banner
+        from gradsync_server.app import start_shard
         from gradsync_server.shard_config import ShardConfig
 
         node_ip = _node_ip()

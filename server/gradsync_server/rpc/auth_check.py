@@ -1,6 +1,6 @@
 """Who may talk to a coordinator or shard: TLS credentials, the token check, protected mode.
 
-Shared by `gradsync serve` (`app`) and `gradsync shard` (`shard_app`):
+Shared by `gradsync serve` and `gradsync shard` (both in `app`):
 
 - `server_credentials` turns `--tls-cert/--tls-key` into gRPC server
   credentials; with `--tls-client-ca` the handshake also requires a client

@@ -35,10 +35,10 @@ from gradsync_server.dataplane.actions import SegmentAverage
 from gradsync_server.dataplane.budget import ByteBudget, outbox_pool_bytes
 from gradsync_server.dataplane.plane import JobPlane, ShardOutcome
 from gradsync_server.errors import RejectedMessage
+from gradsync_server.metrics import CoordinatorMetrics
 from gradsync_server.rpc.connection import Connection
 from gradsync_server.rpc.stream_guard import StreamCount, guarded
 from gradsync_server.shard_config import ShardConfig
-from gradsync_server.shard_metrics import ShardMetrics
 
 log = logging.getLogger("gradsync.shard")
 
@@ -68,7 +68,7 @@ class ShardServicer:
         config: the shard's configuration.
         advertise: the address it registers with (for messages).
         clock: monotonic time source.
-        metrics: where its metrics go (a fresh `ShardMetrics` when None).
+        metrics: where its metrics go (a fresh shard `CoordinatorMetrics` when None).
     """
 
     def __init__(
@@ -76,12 +76,12 @@ class ShardServicer:
         config: ShardConfig,
         advertise: str,
         clock: Callable[[], float] = time.monotonic,
-        metrics: ShardMetrics | None = None,
+        metrics: CoordinatorMetrics | None = None,
     ) -> None:
         self.config = config
         self.advertise = advertise
         self.clock = clock
-        self.metrics = metrics or ShardMetrics()
+        self.metrics = metrics or CoordinatorMetrics(shard=True)
         self.budget = ByteBudget(config.max_buffered_bytes)
         #: What all outboxes queue together (see `gradsync_server.rpc.connection`).
         self.outbox_budget = ByteBudget(
