@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from gradsync_proto import chunking, defaults
 from gradsync_proto.defaults import MIB
 
+from gradsync_server.control.settings import JobSettings, NonFinitePolicy, OnFailure
 from gradsync_server.dataplane.budget import outbox_pool_bytes
 from gradsync_server.store.stores import parse_store_url
 
@@ -212,6 +213,22 @@ class ServerConfig:
             raise ValueError(
                 "--checkpoint-every, --require-checkpoint and --resume need --checkpoint-store"
             )
+
+    def job_settings(self) -> JobSettings:
+        """What every job of this coordinator is configured with."""
+        return JobSettings(
+            world_size=self.world_size,
+            chunk_bytes=self.chunk_bytes,
+            max_message_bytes=self.max_message_bytes,
+            heartbeat_interval_s=self.heartbeat_interval_s,
+            checkpoint_every=self.checkpoint_every,
+            on_failure=OnFailure(self.on_failure),
+            min_workers=self.min_workers,
+            max_collective_bytes=self.max_collective_bytes,
+            shard_count=self.shard_count,
+            nonfinite=NonFinitePolicy(self.nonfinite),
+            max_checkpoint_bytes=self.max_checkpoint_bytes,
+        )
 
     @property
     def shards_flag(self) -> str:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import grpc
 from gradsync_proto.v1 import gradsync_pb2 as pb
 from gradsync_server.control.job import Job
+from gradsync_server.control.settings import JobSettings
 from gradsync_server.dataplane.budget import ByteBudget
 from gradsync_server.dataplane.progress import StepProgress
 from support.rawclient import CHUNK, assembled_job, coordinator, gradient, run, signature
@@ -36,7 +37,7 @@ def test_step_progress_names_late_ranks_and_measures_lag() -> None:
 
 def test_silent_ranks_follow_the_clock() -> None:
     clock = FakeClock()
-    job = Job("j", 2, CHUNK, CHUNK * 2, ByteBudget(1 << 20), clock=clock)
+    job = Job("j", JobSettings(2, CHUNK, CHUNK * 2), ByteBudget(1 << 20), clock=clock)
     for rank in (0, 1):
         job.join(rank, pb.Join(job_id="j", rank=rank, world_size=2, signature=signature()))
     clock.now += 3.0

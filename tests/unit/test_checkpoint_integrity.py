@@ -18,6 +18,7 @@ from gradsync_proto.v1 import gradsync_pb2 as pb
 from gradsync_server.config import ServerConfig
 from gradsync_server.control.job import Job
 from gradsync_server.control.membership import SESSION_BYTES, Membership
+from gradsync_server.control.settings import JobSettings
 from gradsync_server.dataplane.actions import Persist
 from gradsync_server.dataplane.budget import ByteBudget
 from gradsync_server.dataplane.plane import JobPlane
@@ -92,7 +93,7 @@ def test_a_planted_checkpoint_refuses_the_job_naming_it_and_the_mismatch(tmp_pat
 def test_a_sealed_checkpoint_resumes_and_another_models_is_refused(tmp_path: Path) -> None:
     store = FileCheckpointStore(tmp_path / "store")
     checkpointer = Checkpointer(config(tmp_path / "store", token=TOKEN), store)
-    job = Job("job", 2, 4096, 8192, ByteBudget(1 << 20))
+    job = Job("job", JobSettings(2, 4096, 8192), ByteBudget(1 << 20))
     job.membership.signature = signature()
     (ack,) = asyncio.run(checkpointer.persist(job, Persist(3, b"weights" * 10)))
     assert ack.message.checkpoint_saved.durable  # type: ignore[union-attr]
@@ -114,7 +115,7 @@ def test_fresh_start_reads_nothing_and_deletes_nothing_newer(tmp_path: Path) -> 
     assert load(refused)[1] is not None
     checkpointer = Checkpointer(config(tmp_path / "store", fresh_start=True), store)
     assert load(checkpointer) == (None, None)
-    job = Job("job", 2, 4096, 8192, ByteBudget(1 << 20))
+    job = Job("job", JobSettings(2, 4096, 8192), ByteBudget(1 << 20))
     job.membership.signature = signature()
     for step in (2, 4, 6):
         asyncio.run(checkpointer.persist(job, Persist(step, b"x")))

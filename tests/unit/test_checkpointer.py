@@ -9,6 +9,7 @@ from gradsync_proto.codes import Code
 from gradsync_proto.v1 import gradsync_pb2 as pb
 from gradsync_server.config import ServerConfig
 from gradsync_server.control.job import Job
+from gradsync_server.control.settings import JobSettings
 from gradsync_server.dataplane.actions import Persist, Send, Terminate
 from gradsync_server.dataplane.budget import ByteBudget
 from gradsync_server.rpc.checkpointer import Checkpointer
@@ -42,7 +43,7 @@ def persist(require_checkpoint: bool) -> list[object]:
         require_checkpoint=require_checkpoint,
     )
     checkpointer = Checkpointer(config, BrokenStore())
-    job = Job("job", 2, 4096, 8192, ByteBudget(1 << 20))
+    job = Job("job", JobSettings(2, 4096, 8192), ByteBudget(1 << 20))
     actions = asyncio.run(checkpointer.persist(job, Persist(4, b"state")))
     assert checkpointer.failures == 1 and job.persistence.last_checkpoint_step == -1
     return list(actions)

@@ -172,3 +172,23 @@ def test_output_paths_must_have_an_existing_folder(tmp_path: Path) -> None:
     blocker.write_text("")
     with pytest.raises(argparse.ArgumentTypeError, match="is a file, not a folder"):
         flags.output_folder(str(blocker / "results"))
+
+
+def test_job_settings_default_to_the_flags_defaults_and_carry_every_flag() -> None:
+    from gradsync_proto import defaults as flag_defaults
+    from gradsync_server.config import ServerConfig
+    from gradsync_server.control.settings import JobSettings, OnFailure
+
+    plain = JobSettings(2, 4096, 8192)
+    assert plain.on_failure == flag_defaults.ON_FAILURE
+    assert plain.nonfinite == flag_defaults.NONFINITE
+    assert plain.heartbeat_interval_s == flag_defaults.HEARTBEAT_INTERVAL_S
+    config = ServerConfig(
+        world_size=3, on_failure="elastic", min_workers=2, nonfinite="abort", checkpoint_every=0
+    )
+    settings = config.job_settings()
+    assert settings.on_failure is OnFailure.ELASTIC and settings.nonfinite == "abort"
+    assert (settings.world_size, settings.min_workers) == (3, 2)
+    assert settings.max_message_bytes == config.max_message_bytes
+    with pytest.raises(ValueError):
+        JobSettings(2, 4096, 8192, on_failure="sometimes")  # type: ignore[arg-type]

@@ -29,6 +29,7 @@ from gradsync_proto.codec import ChunkHeader, decode_gradient
 from gradsync_proto.codes import Code
 from gradsync_proto.v1 import gradsync_pb2 as pb
 from gradsync_server.control.job import Job, JobState
+from gradsync_server.control.settings import JobSettings
 from gradsync_server.dataplane.actions import Action, Persist, Send, Terminate
 from gradsync_server.dataplane.budget import ByteBudget
 from gradsync_server.errors import RejectedMessage
@@ -121,15 +122,17 @@ class JobMachine(RuleBasedStateMachine):
         self.world_size = world_size
         self.job = Job(
             "job",
-            world_size,
-            CHUNK,
-            4 * CHUNK,
+            JobSettings(
+                world_size,
+                CHUNK,
+                4 * CHUNK,
+                heartbeat_interval_s=1.0,
+                on_failure=on_failure,
+                min_workers=min_workers,
+                max_collective_bytes=512,
+            ),
             self.budget,
             clock=self.clock,
-            heartbeat_interval_s=1.0,
-            on_failure=on_failure,
-            min_workers=min_workers,
-            max_collective_bytes=512,
         )
 
     # ------------------------------------------------------------ the servicer's part

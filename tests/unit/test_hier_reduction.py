@@ -18,6 +18,7 @@ from gradsync_proto.codec import ChunkHeader, decode_gradient
 from gradsync_proto.codes import Code
 from gradsync_proto.v1 import gradsync_pb2 as pb
 from gradsync_server.control.job import Job, JobState
+from gradsync_server.control.settings import JobSettings
 from gradsync_server.dataplane.actions import Action, Send, Terminate
 from gradsync_server.dataplane.aggregation import BucketReduction
 from gradsync_server.dataplane.budget import ByteBudget
@@ -67,7 +68,10 @@ def join(rank: int, host_id: str, world_size: int, local_world_size: int = 0) ->
 def started_job(hosts: dict[int, str] = HOSTS, **options: object) -> tuple[Job, list[Action]]:
     """A job whose ranks joined with `hosts`; its start actions; the state broadcast done."""
     job = Job(
-        "job", len(hosts), CHUNK, 2 * CHUNK, ByteBudget(1 << 24), clock=FakeClock(), **options
+        "job",
+        JobSettings(len(hosts), CHUNK, 2 * CHUNK, **options),
+        ByteBudget(1 << 24),
+        clock=FakeClock(),
     )  # type: ignore[arg-type]
     actions: list[Action] = []
     for rank, host_id in hosts.items():
@@ -156,7 +160,7 @@ def test_a_local_world_size_mismatch_refuses_the_job_naming_rank_host_and_ranks(
         "rank 2 on host_id 'b' has LOCAL_WORLD_SIZE 2, but the coordinator found 1 rank(s) with "
         "that host_id: [2]",
     ]
-    job = Job("job", 2, CHUNK, 2 * CHUNK, ByteBudget(1 << 24), clock=FakeClock())
+    job = Job("job", JobSettings(2, CHUNK, 2 * CHUNK), ByteBudget(1 << 24), clock=FakeClock())
     job.join(0, join(0, "h", 2, local_world_size=2))
     actions = job.join(1, join(1, "h", 2, local_world_size=4))
     ends = [a for a in actions if isinstance(a, Terminate)]

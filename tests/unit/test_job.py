@@ -12,6 +12,7 @@ from gradsync_proto.codec import ChunkHeader
 from gradsync_proto.codes import Code
 from gradsync_proto.v1 import gradsync_pb2 as pb
 from gradsync_server.control.job import Job, JobState
+from gradsync_server.control.settings import JobSettings
 from gradsync_server.control.status import job_status, status_reply
 from gradsync_server.dataplane.actions import Action, Send, Terminate
 from gradsync_server.dataplane.budget import ByteBudget
@@ -54,9 +55,15 @@ def join(rank: int, world_size: int = 3, weight_rows: int = 64) -> pb.Join:
     )
 
 
-def make_job(budget: ByteBudget, world_size: int = 3, **options: object) -> tuple[Job, FakeClock]:
+def make_job(
+    budget: ByteBudget,
+    world_size: int = 3,
+    metrics: CoordinatorMetrics | None = None,
+    **options: object,
+) -> tuple[Job, FakeClock]:
     clock = FakeClock()
-    job = Job("job", world_size, CHUNK, 2 * CHUNK, budget, clock=clock, **options)  # type: ignore[arg-type]
+    settings = JobSettings(world_size, CHUNK, 2 * CHUNK, **options)  # type: ignore[arg-type]
+    job = Job("job", settings, budget, clock=clock, metrics=metrics)
     for rank in range(world_size):
         job.join(rank, join(rank, world_size))
     assert job.state is JobState.RUNNING
@@ -119,7 +126,7 @@ def test_a_broken_job_gives_back_every_buffered_byte() -> None:
 
 
 def test_a_refused_job_ends_every_stream_as_refused() -> None:
-    job = Job("job", 2, CHUNK, 2 * CHUNK, ByteBudget(1 << 20), clock=FakeClock())
+    job = Job("job", JobSettings(2, CHUNK, 2 * CHUNK), ByteBudget(1 << 20), clock=FakeClock())
     (waiting,) = messages(job.join(0, join(0, 2)), "assembly")
     assert list(waiting.assembly.missing_ranks) == [1]
     actions = job.join(1, join(1, 2, weight_rows=63))
@@ -165,7 +172,7 @@ def test_liveness_ignores_departed_ranks_and_status_reports_it() -> None:
 
 
 def test_a_resumed_job_starts_at_the_checkpoint() -> None:
-    job = Job("job", 2, CHUNK, 2 * CHUNK, ByteBudget(1 << 20), clock=FakeClock())
+    job = Job("job", JobSettings(2, CHUNK, 2 * CHUNK), ByteBudget(1 << 20), clock=FakeClock())
     job.persistence.resume = Checkpoint("job", 12, 3, b"x" * (CHUNK + 1), {})
     job.join(0, join(0, 2))
     actions = job.join(1, join(1, 2))

@@ -12,6 +12,7 @@ from gradsync_proto.codec import ChunkHeader, decode_gradient
 from gradsync_proto.codes import Code
 from gradsync_proto.v1 import gradsync_pb2 as pb
 from gradsync_server.control.job import Job, JobState
+from gradsync_server.control.settings import JobSettings
 from gradsync_server.control.status import EndedJobs, status_reply
 from gradsync_server.dataplane.actions import Action, Send, Terminate
 from gradsync_server.dataplane.budget import ByteBudget
@@ -67,7 +68,7 @@ def averaged(actions: list[Action]) -> dict[int, tuple[tuple[int, ...], ChunkHea
 
 def running_job(budget: ByteBudget, world_size: int = 3) -> tuple[Job, FakeClock]:
     clock = FakeClock()
-    job = Job("job", world_size, CHUNK, 2 * CHUNK, budget, clock=clock)
+    job = Job("job", JobSettings(world_size, CHUNK, 2 * CHUNK), budget, clock=clock)
     for rank in range(world_size):
         job.join(rank, join(rank, world_size))
     for offset in range(0, BUCKET_BYTES, CHUNK):
@@ -91,7 +92,10 @@ def upload(
 def test_assembly_reports_joins_drops_and_refusals_and_every_period() -> None:
     clock = FakeClock()
     job = Job(
-        "job", 3, CHUNK, 2 * CHUNK, ByteBudget(1 << 20), clock=clock, heartbeat_interval_s=0.5
+        "job",
+        JobSettings(3, CHUNK, 2 * CHUNK, heartbeat_interval_s=0.5),
+        ByteBudget(1 << 20),
+        clock=clock,
     )
     ((ranks, first),) = kinds(job.join(0, join(0)), "assembly")
     assert ranks == (0,) and list(first.assembly.missing_ranks) == [1, 2]
@@ -118,7 +122,7 @@ def test_assembly_reports_joins_drops_and_refusals_and_every_period() -> None:
 
 
 def test_a_rank_lost_before_the_state_broadcast_fails_the_others_at_once() -> None:
-    job = Job("job", 3, CHUNK, 2 * CHUNK, ByteBudget(1 << 20), clock=FakeClock())
+    job = Job("job", JobSettings(3, CHUNK, 2 * CHUNK), ByteBudget(1 << 20), clock=FakeClock())
     for rank in range(3):
         job.join(rank, join(rank))
     job.on_state_chunk(0, pb.StateChunk(offset=0, payload=bytes(CHUNK)))

@@ -21,6 +21,7 @@ from gradsync_proto.codec import ChunkHeader
 from gradsync_proto.codes import Code
 from gradsync_proto.v1 import gradsync_pb2 as pb
 from gradsync_server.control.job import Job, JobState
+from gradsync_server.control.settings import JobSettings
 from gradsync_server.control.status import job_status
 from gradsync_server.dataplane.actions import Send
 from gradsync_server.dataplane.aggregation import (
@@ -189,13 +190,10 @@ def running_job(policy: str, world_size: int = 3) -> tuple[Job, CoordinatorMetri
     )
     job = Job(
         "job",
-        world_size,
-        CHUNK,
-        2 * CHUNK,
+        JobSettings(world_size, CHUNK, 2 * CHUNK, nonfinite=policy),
         ByteBudget(1 << 24),
         clock=lambda: 0.0,
         metrics=metrics,
-        nonfinite=policy,
     )
     for rank in range(world_size):
         job.join(

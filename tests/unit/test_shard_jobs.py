@@ -10,6 +10,7 @@ from __future__ import annotations
 from gradsync_proto.codes import Code
 from gradsync_proto.v1 import gradsync_pb2 as pb
 from gradsync_server.control.job import Job, JobState
+from gradsync_server.control.settings import JobSettings
 from gradsync_server.dataplane.actions import Send, Terminate
 from gradsync_server.dataplane.budget import ByteBudget
 from gradsync_server.errors import RejectedMessage
@@ -68,14 +69,10 @@ class ShardMap:
 def sharded_job(shard_map: ShardMap, world_size: int = 2, **options: object) -> Job:
     return Job(
         "job",
-        world_size,
-        CHUNK,
-        2 * CHUNK,
+        JobSettings(world_size, CHUNK, 2 * CHUNK, shard_count=2, **options),
         ByteBudget(1 << 24),
         clock=FakeClock(),
         shard_map=shard_map,
-        shard_count=2,
-        **options,  # type: ignore[arg-type]
     )
 
 
@@ -139,7 +136,7 @@ def test_an_incomplete_job_does_not_start_when_the_shards_arrive() -> None:
 
 
 def test_an_unsharded_job_starts_with_an_empty_shard_list() -> None:
-    job = Job("job", 1, CHUNK, 2 * CHUNK, ByteBudget(1 << 24), clock=FakeClock())
+    job = Job("job", JobSettings(1, CHUNK, 2 * CHUNK), ByteBudget(1 << 24), clock=FakeClock())
     actions = job.join(0, join(0, 1))
     assert list(actions[0].message.welcome.shards) == []  # type: ignore[union-attr]
     assert job.take_events() == []  # nobody to tell

@@ -122,20 +122,10 @@ def new_job(
     """
     return Job(
         job_id,
-        config.world_size,
-        config.chunk_bytes,
-        config.max_message_bytes,
+        config.job_settings(),
         budget,
         clock=clock,
-        heartbeat_interval_s=config.heartbeat_interval_s,
-        checkpoint_every=config.checkpoint_every,
         metrics=metrics,
-        on_failure=config.on_failure,
-        min_workers=config.min_workers,
-        max_collective_bytes=config.max_collective_bytes,
         shard_map=shard_map,
-        shard_count=config.shard_count,
-        nonfinite=config.nonfinite,
-        max_checkpoint_bytes=config.max_checkpoint_bytes,
         payload_endpoint=payload_endpoint,
     )

@@ -41,7 +41,6 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Sequence
 
-from gradsync_proto import defaults
 from gradsync_proto.codec import ChunkHeader
 from gradsync_proto.codes import Code
 from gradsync_proto.v1 import gradsync_pb2 as pb
@@ -55,6 +54,7 @@ from gradsync_server.control.job_ending import JobEnding, JobState
 from gradsync_server.control.liveness import Liveness
 from gradsync_server.control.membership import Membership
 from gradsync_server.control.persistence import Persistence, resume_messages
+from gradsync_server.control.settings import JobSettings, OnFailure
 from gradsync_server.control.uneven import UnevenInputs
 from gradsync_server.dataplane.actions import Action, Member, Send, Terminate
 from gradsync_server.dataplane.budget import ByteBudget
@@ -74,24 +74,12 @@ class Job(JobEnding):
 
     Args:
         job_id: the job's name.
-        world_size: ranks the job needs.
-        chunk_bytes: chunk size every rank must use.
-        max_message_bytes: gRPC message limit (advertised in Welcome).
+        settings: sizes and policies (`JobSettings`, from the coordinator's flags).
         budget: coordinator-wide cap on buffered gradient bytes.
         clock: monotonic time source (injectable for tests).
-        heartbeat_interval_s: how often workers send a sign of life (advertised in Welcome).
-        checkpoint_every: rank 0 uploads a checkpoint every this many steps (0 = on request).
         metrics: where latencies go, if anywhere.
-        on_failure: "abort" or "elastic" (see the module docstring).
-        min_workers: under the elastic policy, the fewest live ranks to go on with.
-        max_collective_bytes: cap on one rank's input to a collective.
         shard_map: the coordinator's shards for Welcome ([] unsharded), None while
             some shard is missing (the job then waits, assembled, for it).
-        shard_count: coordinator shards, this leader included: it aggregates range 0.
-        nonfinite: the `--nonfinite` policy ("report", "abort", "allow"; see
-            `gradsync_server.dataplane.nonfinite`).
-        max_checkpoint_bytes: the largest checkpoint or healing state accepted (None: the
-            budget's limit). Its bytes count in `budget` as they arrive.
         payload_endpoint: (abstract socket name, the coordinator's host id) of the
             same-host payload path, or None when it is off: a local leader whose
             Join.host_id equals that id is told the socket in its Welcome (unsharded only).
@@ -100,39 +88,38 @@ class Job(JobEnding):
     def __init__(
         self,
         job_id: str,
-        world_size: int,
-        chunk_bytes: int,
-        max_message_bytes: int,
+        settings: JobSettings,
         budget: ByteBudget,
         clock: Callable[[], float] = time.monotonic,
-        heartbeat_interval_s: float = defaults.HEARTBEAT_INTERVAL_S,
-        checkpoint_every: int = defaults.CHECKPOINT_EVERY_STEPS,
         metrics: StepObserver | None = None,
-        on_failure: str = defaults.ON_FAILURE,
-        min_workers: int = defaults.MIN_WORKERS,
-        max_collective_bytes: int = defaults.MAX_COLLECTIVE_BYTES,
         shard_map: Callable[[], list[pb.ShardAddress] | None] = list,
-        shard_count: int = 1,
-        nonfinite: str = defaults.NONFINITE,
-        max_checkpoint_bytes: int | None = None,
         payload_endpoint: tuple[str, str] | None = None,
     ) -> None:
         self.job_id = job_id
+        self.settings = settings
         self.payload_endpoint = payload_endpoint
         # Every part of the job counts its bytes under this job's share of the budget.
         job_budget = budget.for_owner(job_id)
-        blob_limit = budget.limit if max_checkpoint_bytes is None else max_checkpoint_bytes
-        self.world_size = world_size
-        self.chunk_bytes = chunk_bytes
-        self.max_message_bytes = max_message_bytes
-        self.heartbeat_interval_s = heartbeat_interval_s
-        self.checkpoint_every = checkpoint_every
-        self.on_failure = on_failure
-        self.min_workers = min_workers
+        blob_limit = settings.max_checkpoint_bytes
+        blob_limit = budget.limit if blob_limit is None else blob_limit
+        self.world_size = world_size = settings.world_size
+        self.chunk_bytes = chunk_bytes = settings.chunk_bytes
+        self.max_message_bytes = settings.max_message_bytes
+        self.heartbeat_interval_s = heartbeat_interval_s = settings.heartbeat_interval_s
+        self.checkpoint_every = settings.checkpoint_every
+        self.on_failure = settings.on_failure
+        self.min_workers = settings.min_workers
+        shard_count = settings.shard_count
         self.membership = Membership(job_id, world_size, clock)
         #: This job's data plane for byte range 0 (the whole bucket when unsharded).
         self.plane = JobPlane(
-            job_id, chunk_bytes, shard_count, job_budget, clock, metrics, nonfinite=nonfinite
+            job_id,
+            chunk_bytes,
+            shard_count,
+            job_budget,
+            clock,
+            metrics,
+            nonfinite=settings.nonfinite,
         )
         #: The open step of `plane` (read by status, liveness and the components).
         self.in_flight = self.plane.step
@@ -145,7 +132,7 @@ class Job(JobEnding):
         self.assembly = Assembly(job_id, world_size, clock, heartbeat_interval_s)
         self.broadcast = StateBroadcast(chunk_bytes)
         self.collectives = Collectives(
-            job_id, world_size, chunk_bytes, max_collective_bytes, job_budget
+            job_id, world_size, chunk_bytes, settings.max_collective_bytes, job_budget
         )
         self.uneven = UnevenInputs(self.membership, self.in_flight, self.collectives, self._publish)
         self.elastic = Elastic(
@@ -215,7 +202,7 @@ class Job(JobEnding):
             RejectedMessage: this worker alone is refused (its stream ends).
         """
         self.membership.check_join(rank, join)
-        if self.state is JobState.RUNNING and self.on_failure == "elastic":
+        if self.state is JobState.RUNNING and self.on_failure is OnFailure.ELASTIC:
             self.membership.admit_newcomer(rank, join)
             self.liveness.start(rank)
             return [] if self.elastic.healing else self.elastic.request_heal()

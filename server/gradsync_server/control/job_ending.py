@@ -25,6 +25,7 @@ from gradsync_server.control.elastic import Elastic
 from gradsync_server.control.liveness import Liveness
 from gradsync_server.control.membership import Membership
 from gradsync_server.control.persistence import Persistence
+from gradsync_server.control.settings import OnFailure
 from gradsync_server.control.uneven import UnevenInputs
 from gradsync_server.dataplane.actions import Action, Send, Terminate
 from gradsync_server.dataplane.open_step import OpenStep
@@ -46,7 +47,7 @@ class JobEnding:
 
     job_id: str
     state: JobState
-    on_failure: str
+    on_failure: OnFailure
     min_workers: int
     membership: Membership
     assembly: Assembly
@@ -104,7 +105,7 @@ class JobEnding:
             r for r in self.membership.groups.followers_of(rank) if r in self.membership.members
         )
         live = len(self.membership.members) - len(followers)
-        elastic = self.on_failure == "elastic" and live >= self.min_workers
+        elastic = self.on_failure is OnFailure.ELASTIC and live >= self.min_workers
         if orderly and quiet and not elastic:
             # A normal finish: nobody is told anything now; a rank that still
             # sends a step or a collective gets this reason then.
@@ -119,7 +120,7 @@ class JobEnding:
             return []
         if elastic:
             return self._shrink(rank, how, followers)
-        if self.on_failure == "elastic":
+        if self.on_failure is OnFailure.ELASTIC:
             left = len(self.membership.members)
             how += f" leaving {left} ranks (--min-workers {self.min_workers}) in"
         return self._break(

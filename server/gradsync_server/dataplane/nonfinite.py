@@ -31,6 +31,7 @@ Pure logic (logging only), no gRPC, no asyncio.
 
 from __future__ import annotations
 
+import enum
 import logging
 from collections import OrderedDict
 from collections.abc import Callable
@@ -41,8 +42,19 @@ from gradsync_proto.codes import Code
 
 from gradsync_server.errors import RejectedMessage
 
-#: The policies, as `--nonfinite` spells them.
-REPORT, ABORT, ALLOW = "report", "abort", "allow"
+
+class NonFinitePolicy(enum.StrEnum):
+    """The `--nonfinite` policies (their values are the flag's spellings)."""
+
+    #: Sum it, count it, log it, name the rank in status and metrics.
+    REPORT = "report"
+    #: Refuse the step for every rank, naming the culprit.
+    ABORT = "abort"
+    #: Check nothing (the fastest; NaN then spreads to every replica).
+    ALLOW = "allow"
+
+
+REPORT, ABORT, ALLOW = NonFinitePolicy.REPORT, NonFinitePolicy.ABORT, NonFinitePolicy.ALLOW
 POLICIES = defaults.NONFINITE_POLICIES
 
 #: (step, rank, bucket) keys remembered to count a contribution once when several
@@ -50,15 +62,15 @@ POLICIES = defaults.NONFINITE_POLICIES
 _KEYS_REMEMBERED = 4096
 
 
-def check_policy(policy: str) -> str:
-    """`policy` if it is one of `POLICIES`.
+def check_policy(policy: str) -> NonFinitePolicy:
+    """`policy` as a `NonFinitePolicy` if it is one.
 
     Raises:
         ValueError: it is not (names the allowed ones).
     """
     if policy not in POLICIES:
         raise ValueError(f"nonfinite policy must be one of {', '.join(POLICIES)}; got {policy!r}")
-    return policy
+    return NonFinitePolicy(policy)
 
 
 @dataclass(frozen=True)
