@@ -5,69 +5,24 @@ this module holds the half of it that runs when something goes away: a rank
 leaves or is lost (a normal finish, an elastic shrink, or a broken job), the
 job is refused, or it is ended from outside (a coordinator shard was lost).
 Every path frees what the job buffers and returns the actions that tell the
-remaining ranks, in-band where they can still hear it. It is split from `job`
-because the arrival side (join, gradients, collectives) and this side each
-fill a module; `JobEnding` is a mixin that only `Job` inherits, and it reads
-the components `Job` builds. Pure logic, no gRPC, no asyncio.
+remaining ranks, in-band where they can still hear it. It is the second of
+the three layers of `Job`: it reads and changes the components `JobCore`
+builds, and `Job` adds the arrivals. Pure logic, no gRPC, no asyncio.
 """
 
 from __future__ import annotations
 
-import enum
-
 from gradsync_proto.codes import Code
 from gradsync_proto.v1 import gradsync_pb2 as pb
 
-from gradsync_server.control.assembly import Assembly
-from gradsync_server.control.broadcast import StateBroadcast
-from gradsync_server.control.collectives import Collectives
-from gradsync_server.control.elastic import Elastic
-from gradsync_server.control.liveness import Liveness
-from gradsync_server.control.membership import Membership
-from gradsync_server.control.persistence import Persistence
+from gradsync_server.control.job_core import JobCore, JobState
 from gradsync_server.control.settings import OnFailure
-from gradsync_server.control.uneven import UnevenInputs
-from gradsync_server.dataplane.actions import Action, Send, Terminate
-from gradsync_server.dataplane.open_step import OpenStep
+from gradsync_server.dataplane.actions import Action, Terminate
 from gradsync_server.dataplane.step_aborts import abort_message
 
 
-class JobState(enum.Enum):
-    """Where a job is in its lifecycle."""
-
-    ASSEMBLING = "assembling"
-    RUNNING = "running"
-    FINISHING = "finishing"
-    REFUSED = "refused"
-    BROKEN = "broken"
-
-
-class JobEnding:
-    """Departures and endings of a `Job` (a mixin: `Job` sets every attribute below)."""
-
-    job_id: str
-    state: JobState
-    on_failure: OnFailure
-    min_workers: int
-    membership: Membership
-    assembly: Assembly
-    in_flight: OpenStep
-    liveness: Liveness
-    persistence: Persistence
-    broadcast: StateBroadcast
-    collectives: Collectives
-    uneven: UnevenInputs
-    elastic: Elastic
-    _broken_reason: str
-
-    def _step_aborted(self, step: int) -> None:
-        """Tell the shards that every rank was told `step` is aborted (`Job` defines it)."""
-        raise NotImplementedError
-
-    def _progress(self, refused: str = "") -> Send:
-        """An AssemblyProgress for every waiting rank (as they join, and as they leave)."""
-        ranks = self.membership.ranks()
-        return Send(ranks, self.assembly.progress(ranks, refused))
+class JobEnding(JobCore):
+    """How ranks leave a job and how it ends (the second layer of `Job`)."""
 
     def detach(self, rank: int, orderly: bool, reason: str | None = None) -> list[Action]:
         """Forget `rank`'s connection; abort the open step for the others if running.
