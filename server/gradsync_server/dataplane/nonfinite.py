@@ -31,15 +31,19 @@ Pure logic (logging only), no gRPC, no asyncio.
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 import logging
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from gradsync_proto import defaults
+from gradsync_proto import defaults, dtypes
+from gradsync_proto.codec import ChunkHeader
 from gradsync_proto.codes import Code
 
+from gradsync_server.dataplane.aggregation import count_nonfinite
+from gradsync_server.dataplane.observer import StepObserver
 from gradsync_server.errors import RejectedMessage
 
 
@@ -212,3 +216,112 @@ class NonFiniteLog:
             )
             self._suppressed = 0
         self._logger.warning("%s", text)
+
+
+class NonFiniteGuard:
+    """The `--nonfinite` policy over one job's contributions at one process.
+
+    The open step hands it every contribution `aggregation.examine` found to
+    hold NaN or Inf; it counts, logs and exports each once per rank, step and
+    bucket, forwards it (a shard's report to its leader), and under "abort"
+    refuses the step.
+
+    Args:
+        job_id: the job (for messages).
+        policy: "report", "abort" or "allow" (see `NonFinitePolicy`).
+        clock: monotonic time source (the log's rate limit).
+        observer: where the count goes, if anywhere.
+        shard_index: the process's byte range (a shard logs under "gradsync.shard").
+        shard_name: how messages name a shard's range.
+        on_nonfinite: called with each newly counted contribution (a shard forwards
+            them to its leader); None = nobody.
+
+    Attributes:
+        count, last: how many were counted, and the latest one's description.
+
+    Raises:
+        ValueError: an unknown policy.
+    """
+
+    def __init__(
+        self,
+        job_id: str,
+        policy: str,
+        clock: Callable[[], float],
+        observer: StepObserver | None,
+        shard_index: int = 0,
+        shard_name: str = "",
+        on_nonfinite: Callable[[NonFiniteContribution], None] | None = None,
+    ) -> None:
+        self.job_id = job_id
+        self.policy = check_policy(policy)
+        # A shard logs its own (with the counts); its leader counts them for status.
+        logger = logging.getLogger("gradsync.shard" if shard_index else "gradsync.server")
+        self._log = NonFiniteLog(clock, logger)
+        self._observer = observer
+        self._where = shard_name if shard_index else ""
+        self._on_nonfinite = on_nonfinite
+
+    @property
+    def count(self) -> int:
+        """How many contributions were counted."""
+        return self._log.count
+
+    @property
+    def last(self) -> str:
+        """The latest one's description ("" before the first)."""
+        return self._log.last
+
+    def check(
+        self, rank: int, chunk: ChunkHeader, payload: memoryview | bytes, wire_dtype: int
+    ) -> None:
+        """A contribution holds NaN or Inf: report it, or (policy "abort") refuse the step.
+
+        A local leader's sum names the members whose own gradient held it
+        (`nonfinite_ranks`, checked to be among its covers): each of them is
+        reported as the culprit. Otherwise the sender is. Under "allow" nothing
+        is checked.
+
+        Raises:
+            NonFiniteRejection: the policy is "abort".
+        """
+        if self.policy is ALLOW:
+            return
+        sent = NonFiniteContribution(
+            job_id=self.job_id,
+            rank=rank,
+            step=chunk.step,
+            bucket_index=chunk.bucket_index,
+            offset=chunk.offset,
+            nonfinite=count_nonfinite(payload, wire_dtype),
+            elements=len(payload) // dtypes.itemsize(wire_dtype),
+            where=self._where,
+            covered=chunk.covered_ranks,
+        )
+        contributions = [
+            dataclasses.replace(sent, rank=culprit, via=rank) for culprit in chunk.nonfinite_ranks
+        ] or [sent]
+        if self.policy is ABORT:
+            # Counted here too; a shard's leader counts it from the ShardRejected.
+            for contribution in contributions:
+                self.note(contribution, forward=False)
+            raise NonFiniteRejection.of(contributions[0])
+        for contribution in contributions:
+            self.note(contribution)
+
+    def note(self, contribution: NonFiniteContribution, forward: bool = True) -> bool:
+        """Count, log and export a non-finite contribution (once per rank, step and bucket).
+
+        Args:
+            forward: also hand it to `on_nonfinite` (a shard's report to its leader).
+
+        Returns:
+            True if it was new.
+        """
+        if not self._log.record(contribution):
+            return False
+        if self._observer is not None:
+            self._observer.observe_nonfinite(contribution.rank)
+        if forward and self._on_nonfinite is not None:
+            self._on_nonfinite(contribution)
+        return True

@@ -37,8 +37,6 @@ one shard the range is the whole bucket and everything is as unsharded.
 
 from __future__ import annotations
 
-import dataclasses
-import logging
 from collections import deque
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -55,19 +53,11 @@ from gradsync_server.dataplane.aggregation import (
     BucketReduction,
     DuplicateContributionError,
     Magnitude,
-    count_nonfinite,
     examine,
 )
 from gradsync_server.dataplane.budget import ByteBudget, OwnerBudget, Reservation
 from gradsync_server.dataplane.host_groups import LocalGroups, check_covers
-from gradsync_server.dataplane.nonfinite import (
-    ABORT,
-    ALLOW,
-    NonFiniteContribution,
-    NonFiniteLog,
-    NonFiniteRejection,
-    check_policy,
-)
+from gradsync_server.dataplane.nonfinite import NonFiniteContribution, NonFiniteGuard
 from gradsync_server.dataplane.observer import StepObserver
 from gradsync_server.dataplane.progress import StepProgress
 from gradsync_server.dataplane.step_aborts import abort_actions
@@ -142,7 +132,7 @@ class OpenStep:
             shard forwards them to its leader); None = nobody.
 
     Attributes:
-        nonfinite: the job's non-finite contributions (count, last, rate-limited log).
+        nonfinite: the policy over the job's non-finite contributions (count, last, log).
 
     Raises:
         ValueError: `shard_index` is not in 0..shard_count - 1, or an unknown policy.
@@ -163,15 +153,14 @@ class OpenStep:
     ) -> None:
         if not 0 <= shard_index < shard_count:
             raise ValueError(f"shard index {shard_index} is not in 0..{shard_count - 1}")
-        self.nonfinite_policy = check_policy(nonfinite)
-        # A shard logs its own (with the counts); its leader counts them for status.
-        logger = logging.getLogger("gradsync.shard" if shard_index else "gradsync.server")
-        self.nonfinite = NonFiniteLog(clock, logger)
-        self.on_nonfinite = on_nonfinite
         self.shard_index = shard_index
         self.shard_count = shard_count
         #: How errors name this shard ("shard 2 at 10.0.0.5:50051" in a shard process).
         self.shard_name = shard_name or f"shard {shard_index}"
+        #: The --nonfinite policy applied to this step's contributions (count, last, log).
+        self.nonfinite = NonFiniteGuard(
+            membership.job_id, nonfinite, clock, metrics, shard_index, self.shard_name, on_nonfinite
+        )
         self._membership = membership
         self._chunk_bytes = chunk_bytes
         self._budget = budget
@@ -307,8 +296,8 @@ class OpenStep:
             raise RejectedMessage(problem[0], problem[1], step=step, bucket_index=bucket)
         check_budget(rank, chunk, len(payload), self._budget)
         contribution, magnitude = examine(payload, wire_dtype)
-        if magnitude is Magnitude.NONFINITE and self.nonfinite_policy != ALLOW:
-            self._nonfinite(rank, chunk, contribution, wire_dtype)  # raises under "abort"
+        if magnitude is Magnitude.NONFINITE:
+            self.nonfinite.check(rank, chunk, contribution, wire_dtype)  # raises under "abort"
         if held is None:
             reduction = BucketReduction(
                 self.units(),
@@ -355,57 +344,6 @@ class OpenStep:
         lag = self.progress.record_posted(rank, bucket)
         if lag is not None and self._metrics is not None:
             self._metrics.observe_bucket_arrival(rank, lag)
-
-    def _nonfinite(
-        self, rank: int, chunk: ChunkHeader, payload: memoryview | bytes, wire_dtype: int
-    ) -> None:
-        """A contribution holds NaN or Inf: report it, or (policy "abort") refuse the step.
-
-        A local leader's sum names the members whose own gradient held it
-        (`nonfinite_ranks`, checked to be among its covers): each of them is
-        reported as the culprit. Otherwise the sender is.
-
-        Raises:
-            NonFiniteRejection: the policy is "abort".
-        """
-        sent = NonFiniteContribution(
-            job_id=self._membership.job_id,
-            rank=rank,
-            step=chunk.step,
-            bucket_index=chunk.bucket_index,
-            offset=chunk.offset,
-            nonfinite=count_nonfinite(payload, wire_dtype),
-            elements=len(payload) // dtypes.itemsize(wire_dtype),
-            where=self.shard_name if self.shard_index else "",
-            covered=chunk.covered_ranks,
-        )
-        contributions = [
-            dataclasses.replace(sent, rank=culprit, via=rank) for culprit in chunk.nonfinite_ranks
-        ] or [sent]
-        if self.nonfinite_policy == ABORT:
-            # Counted here too; a shard's leader counts it from the ShardRejected.
-            for contribution in contributions:
-                self.note_nonfinite(contribution, forward=False)
-            raise NonFiniteRejection.of(contributions[0])
-        for contribution in contributions:
-            self.note_nonfinite(contribution)
-
-    def note_nonfinite(self, contribution: NonFiniteContribution, forward: bool = True) -> bool:
-        """Count, log and export a non-finite contribution (once per rank, step and bucket).
-
-        Args:
-            forward: also hand it to `on_nonfinite` (a shard's report to its leader).
-
-        Returns:
-            True if it was new.
-        """
-        if not self.nonfinite.record(contribution):
-            return False
-        if self._metrics is not None:
-            self._metrics.observe_nonfinite(contribution.rank)
-        if forward and self.on_nonfinite is not None:
-            self.on_nonfinite(contribution)
-        return True
 
     def _averaged(self, bucket: int, offset: int, averaged: memoryview) -> list[Send]:
         """The averaged chunk for every unit leader, encoded once (pieces for a float32 reply).

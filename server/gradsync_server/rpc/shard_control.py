@@ -443,7 +443,7 @@ class ShardControl:
             return  # the job ended meanwhile
         groups = job.membership.groups
         via = groups.leader_of(report.rank) if report.via_local_leader else -1
-        job.in_flight.note_nonfinite(
+        job.in_flight.nonfinite.note(
             NonFiniteContribution(
                 job_id=job.job_id,
                 rank=report.rank,
