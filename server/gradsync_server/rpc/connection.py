@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -32,6 +32,7 @@ from gradsync_proto.v1 import gradsync_pb2 as pb
 
 from gradsync_server.control.job import Job
 from gradsync_server.dataplane.budget import ByteBudget, Reservation
+from gradsync_server.errors import RejectedMessage
 
 log = logging.getLogger("gradsync.server")
 
@@ -182,6 +183,38 @@ class Connection:
             exc_info=(type(exc), exc, exc.__traceback__),
         )
         self.end(Code.INTERNAL, internal_details(handler, exc), discard=True)
+
+    async def read(
+        self,
+        request_iterator: AsyncIterator[bytes],
+        dispatch: Callable[[bytes], Awaitable[None] | None],
+        handler: str,
+    ) -> None:
+        """Hand every request to `dispatch` until the stream ends (one reader for every handler).
+
+        A `RejectedMessage` out of `dispatch` ends this stream with its code
+        (e.g. a gradient for a refused job); any other exception is a bug, not
+        the peer's doing: INTERNAL naming `handler`. A transport failure under
+        the loop is a disconnect.
+        """
+        try:
+            async for raw in request_iterator:
+                self.greeted = True
+                try:
+                    waiting = dispatch(raw)
+                    if waiting is not None:
+                        await waiting  # a Join may wait for the checkpoint store (off the loop)
+                except RejectedMessage as rejection:
+                    log.warning("ending %s (rank %d): %s", self.peer, self.rank, rejection.message)
+                    self.end(rejection.code, rejection.message)
+                except Exception as exc:
+                    self.fail_internal(handler, exc)
+                if self.ended:
+                    return
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:  # the transport failed under us: treat as a disconnect
+            log.info("%s stream from %s (rank %s) failed: %s", handler, self.peer, self.rank, exc)
 
     async def serve(
         self,

@@ -211,7 +211,7 @@ class CoordinatorServicer:
             self._detach(conn)
 
         end = await conn.serve(
-            self._read_loop(conn, request_iterator),
+            conn.read(request_iterator, lambda raw: self._dispatch(conn, raw), "Sync"),
             context,
             self.config.shutdown_grace_s,
             detach,
@@ -222,26 +222,6 @@ class CoordinatorServicer:
         if end is not None and end.code is not Code.OK:
             context.set_code(_STATUS_BY_CODE[int(end.code)])
             context.set_details(end.details)
-
-    async def _read_loop(self, conn: Connection, request_iterator: AsyncIterator[bytes]) -> None:
-        try:
-            async for raw in request_iterator:
-                conn.greeted = True
-                try:
-                    joining = self._dispatch(conn, raw)
-                    if joining is not None:
-                        await joining  # a Join may wait for the checkpoint store (off the loop)
-                except RejectedMessage as rejection:  # e.g. a gradient for a refused job
-                    log.warning("ending %s (rank %d): %s", conn.peer, conn.rank, rejection.message)
-                    conn.end(rejection.code, rejection.message)
-                except Exception as exc:  # a bug, not the peer's doing: INTERNAL
-                    conn.fail_internal("Sync", exc)
-                if conn.ended:
-                    return
-        except asyncio.CancelledError:
-            raise
-        except Exception as exc:  # the transport failed under us: treat as a disconnect
-            log.info("stream from %s (rank %s) failed: %s", conn.peer, conn.rank, exc)
 
     # ----------------------------------------------------------- dispatching
     def _dispatch(self, conn: Connection, raw: bytes) -> Coroutine[Any, Any, None] | None:

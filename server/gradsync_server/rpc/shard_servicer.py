@@ -281,7 +281,7 @@ class ShardServicer:
             self._streams.discard(conn)
 
         end = await conn.serve(
-            self._read_loop(conn, request_iterator),
+            conn.read(request_iterator, lambda raw: self._dispatch(conn, raw), "Data"),
             context,
             _FLUSH_S,
             detach,
@@ -292,23 +292,6 @@ class ShardServicer:
         if end is not None and end.code is not Code.OK:
             context.set_code(_STATUS_BY_CODE[int(end.code)])
             context.set_details(end.details)
-
-    async def _read_loop(self, conn: DataStream, request_iterator: AsyncIterator[bytes]) -> None:
-        try:
-            async for raw in request_iterator:
-                conn.greeted = True
-                try:
-                    await self._dispatch(conn, raw)
-                except asyncio.CancelledError:
-                    raise
-                except Exception as exc:  # a bug, not the peer's doing: INTERNAL
-                    conn.fail_internal("Data", exc)
-                if conn.ended:
-                    return
-        except asyncio.CancelledError:
-            raise
-        except Exception as exc:  # the transport failed under us: a disconnect
-            log.info("data stream from %s (rank %s) failed: %s", conn.peer, conn.rank, exc)
 
     async def _dispatch(self, conn: DataStream, raw: bytes) -> None:
         if conn.job_id is None:
