@@ -125,7 +125,12 @@ class Elastic:
         if assembler is None:
             what = f"healing state of step {chunk.step} from rank {donor}"
             assembler = BlobAssembler(
-                what, chunk.total_bytes, self._chunk_bytes, self._max_blob_bytes, self._budget
+                what,
+                chunk.total_bytes,
+                self._chunk_bytes,
+                (self._max_blob_bytes, "--max-checkpoint-mb"),
+                self._budget,
+                oversize=Code.INVALID_ARGUMENT,  # as a checkpoint's
             )
             self._heal = (donor, assembler)
         elif chunk.total_bytes != assembler.total_bytes:

@@ -63,6 +63,7 @@ from gradsync_server.dataplane.open_step import OpenStep
 from gradsync_server.dataplane.progress import StepProgress
 from gradsync_server.dataplane.step_aborts import abort_message
 from gradsync_server.errors import RejectedMessage
+from gradsync_server.store.checkpoint import Checkpoint
 from gradsync_server.text import quoted
 
 #: `JobState` is defined with the endings that set most of them, and is part of `Job`.
@@ -143,9 +144,7 @@ class Job(JobEnding):
         self.persistence = Persistence(chunk_bytes, blob_limit, job_budget)
         self.assembly = Assembly(job_id, world_size, clock, heartbeat_interval_s)
         self.broadcast = StateBroadcast(chunk_bytes)
-        self.collectives = Collectives(
-            job_id, world_size, chunk_bytes, max_collective_bytes, job_budget
-        )
+        self.collectives = Collectives(world_size, chunk_bytes, max_collective_bytes, job_budget)
         self.uneven = UnevenInputs(self.membership, self.in_flight, self.collectives)
         self.elastic = Elastic(
             job_id,
@@ -204,6 +203,10 @@ class Job(JobEnding):
     def set_peer(self, rank: int, peer: str) -> None:
         """Remember the network address of `rank`, for status."""
         self.membership.set_peer(rank, peer)
+
+    def resume_from(self, checkpoint: Checkpoint | None) -> None:
+        """Resume from `checkpoint` once assembled (loaded before the first rank joins)."""
+        self.persistence.resume_from(checkpoint)
 
     # ---------------------------------------------------------------------- join
     def join(self, rank: int, join: pb.Join) -> list[Action]:
@@ -383,11 +386,10 @@ class Job(JobEnding):
                 f"rank {rank} sent state while job '{self.job_id}' is {self.state.value} "
                 f"({len(self.members)}/{self.world_size} joined)",
             )
-        problem = self.broadcast.problem(rank, chunk)
+        problem = self.broadcast.accept(rank, chunk)
         if problem is not None:
             code, details = problem
             return self._refuse(code, f"state broadcast failed: {details}")
-        self.broadcast.record(chunk.offset)
         others = tuple(r for r in self.membership.ranks() if r != 0)
         return [Send(others, pb.CoordinatorMessage(state=chunk))] if others else []
 
