@@ -70,9 +70,10 @@ class BlobAssembly:
         total_bytes: the size the sender declares: checked against, never allocated.
         chunk_bytes: the wire chunk size.
         in_order: refuse a chunk that arrives before the one it follows (a
-            sender sends in order on one stream; the coordinator's checkpoint
-            and healing uploads insist). False: any order, for receivers that
-            tests and interleavings feed out of order (collectives).
+            sender sends in order on one stream; checkpoint, healing, state
+            and resume receivers insist). False: any order (collective inputs
+            and results, the coordinator's state relay), chunks ahead of a
+            gap held apart until it fills.
         keep: keep the bytes (False: check and count them only, for a relay
             that forwards each chunk as it comes).
         oversize: the code of a chunk above `chunk_bytes`.
@@ -134,16 +135,26 @@ class BlobAssembly:
         grid = range(self._next, self.total_bytes, self.chunk_bytes)
         return [offset for offset in grid if offset not in self._ahead]
 
-    def check(self, offset: int, length: int) -> None:
+    def check(self, offset: int, length: int, claimed_total: int | None = None) -> None:
         """Refuse a chunk of `length` bytes at `offset` that cannot belong here (stores nothing).
 
+        Args:
+            claimed_total: the blob's size as this chunk states it (every
+                chunk repeats it on the wire), if it does.
+
         Raises:
-            BadChunk: above the chunk limit, off the grid or beyond the blob,
-                repeated, ahead of order (`in_order`), or not the length the
-                rule gives its offset.
+            BadChunk: claiming another size than the blob's, above the chunk
+                limit, off the grid or beyond the blob, repeated, ahead of
+                order (`in_order`), or not the length the rule gives its offset.
         """
         what, total, size = self.what, self.total_bytes, self.chunk_bytes
         one_empty = total == 0 and self._empty_chunk
+        if claimed_total is not None and claimed_total != total:
+            raise BadChunk(
+                Code.INVALID_ARGUMENT,
+                f"{what}: the chunk at offset {offset} claims {claimed_total} bytes in all, "
+                f"not {total}",
+            )
         if length > size:
             raise BadChunk(
                 self._oversize,
@@ -180,13 +191,15 @@ class BlobAssembly:
                 f"({total} bytes in chunks of {size})",
             )
 
-    def add(self, offset: int, payload: bytes | memoryview) -> bool:
+    def add(
+        self, offset: int, payload: bytes | memoryview, claimed_total: int | None = None
+    ) -> bool:
         """Check and store one chunk; return True once the blob is complete.
 
         Raises:
             BadChunk: see `check` (nothing is stored then).
         """
-        self.check(offset, len(payload))
+        self.check(offset, len(payload), claimed_total)
         self._chunks += 1
         self.received += len(payload)
         if offset != self._next:

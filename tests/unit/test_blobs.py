@@ -15,6 +15,8 @@ import numpy as np
 import pytest
 from gradsync_proto.blobs import BadChunk, BlobAssembly, blob_chunks
 from gradsync_proto.codes import Code
+from gradsync_proto.v1 import gradsync_pb2 as pb
+from gradsync_server.control.persistence import Persistence
 from gradsync_server.dataplane.budget import ByteBudget
 from gradsync_server.dataplane.uploads import BlobAssembler
 from gradsync_server.errors import RejectedMessage
@@ -154,3 +156,23 @@ def test_the_coordinator_refuses_beyond_its_cap_and_its_budget() -> None:
     assert budget.used == 4
     assembler.release()
     assert budget.used == 0
+
+
+def test_a_chunk_claiming_another_size_is_refused_naming_both_sizes() -> None:
+    assembly = BlobAssembly("the result", 8, 4, in_order=False)
+    assembly.add(0, b"abcd", 8)
+    with pytest.raises(BadChunk, match="the result: the chunk at offset 4 claims 12 bytes in all"):
+        assembly.add(4, b"efgh", 12)
+    budget = ByteBudget(1 << 20)
+    persistence = Persistence(4, GIB, budget.for_owner("job"))
+    persistence.on_upload_chunk(
+        pb.CheckpointChunk(step=5, offset=0, total_bytes=8, payload=b"ab" * 2)
+    )
+    changed = pb.CheckpointChunk(step=5, offset=4, total_bytes=12, payload=b"efgh")
+    with pytest.raises(RejectedMessage) as refused:
+        persistence.on_upload_chunk(changed)
+    assert refused.value.code is Code.INVALID_ARGUMENT
+    assert refused.value.message == (
+        "checkpoint of step 5 from rank 0: the chunk at offset 4 claims 12 bytes in all, not 8"
+    )
+    assert budget.used == 0, "an abandoned upload kept its bytes"

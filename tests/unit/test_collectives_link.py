@@ -133,7 +133,7 @@ def test_duplicate_misplaced_or_misshapen_chunks_are_errors(
     [
         ("op", pb.COLLECTIVE_OP_MAX, "says op max, this rank asked for sum"),
         ("dtype", pb.DTYPE_FLOAT64, "dtype float64, this rank sent float32"),
-        ("total", 12, "claims 12 bytes in all, earlier chunks claimed 8"),
+        ("total", 12, "claims 12 bytes in all, not 8"),
         ("contributors", 2, "claims 2 contributors, earlier chunks claimed 3"),
     ],
 )

@@ -192,18 +192,13 @@ class CollectiveResults:
                 "the result", chunk.total_bytes, pending.chunk_bytes, in_order=False
             )
             pending.contributors = chunk.contributors
-        elif chunk.total_bytes != result.total_bytes:
-            return (
-                f"the result chunk at offset {chunk.offset} claims {chunk.total_bytes} bytes in "
-                f"all, earlier chunks claimed {result.total_bytes}"
-            )
         elif chunk.contributors != pending.contributors:
             return (
                 f"the result chunk at offset {chunk.offset} claims {chunk.contributors} "
                 f"contributors, earlier chunks claimed {pending.contributors}"
             )
         try:
-            result.add(chunk.offset, chunk.payload)
+            result.add(chunk.offset, chunk.payload, chunk.total_bytes)
         except BadChunk as bad:
             return bad.message
         return None

@@ -108,12 +108,7 @@ class InboxState:
         if resume is None:
             announced = "no Welcome yet" if self.welcome is None else "Welcome.resume_bytes is 0"
             return f"a resume chunk at offset {chunk.offset} arrived, but {announced}"
-        if chunk.total_bytes != resume.total_bytes:
-            return (
-                f"{resume.what}: the chunk at offset {chunk.offset} claims "
-                f"{chunk.total_bytes} bytes in all"
-            )
-        return _append(resume, chunk.offset, chunk.payload)
+        return _append(resume, chunk.offset, chunk.payload, chunk.total_bytes)
 
     def append_state(self, chunk: pb.StateChunk) -> str | None:
         """Append one chunk of rank 0's state: in order, within Welcome.state_bytes.
@@ -126,10 +121,12 @@ class InboxState:
         return _append(self.state, chunk.offset, chunk.payload)
 
 
-def _append(blob: BlobAssembly, offset: int, payload: bytes) -> str | None:
+def _append(
+    blob: BlobAssembly, offset: int, payload: bytes, claimed_total: int | None = None
+) -> str | None:
     """Add one chunk to `blob`; what is wrong with it, or None."""
     try:
-        blob.add(offset, payload)
+        blob.add(offset, payload, claimed_total)
     except BadChunk as bad:
         return bad.message
     return None

@@ -226,14 +226,8 @@ class Collectives:
                 what, chunk.total_bytes, self._chunk_bytes, None, self._budget, in_order=False
             )
             held.inputs[rank] = item
-        elif chunk.total_bytes != item.total_bytes:
-            raise RejectedMessage(
-                Code.INVALID_ARGUMENT,
-                f"{where} with total_bytes {chunk.total_bytes}, but its earlier chunks said "
-                f"{item.total_bytes}",
-            )
         try:
-            item.add(chunk.offset, chunk.payload)
+            item.add(chunk.offset, chunk.payload, chunk.total_bytes)
         finally:
             if not item.received and not item.complete:
                 item.release()

@@ -133,15 +133,8 @@ class Elastic:
                 oversize=Code.INVALID_ARGUMENT,  # as a checkpoint's
             )
             self._heal = (donor, assembler)
-        elif chunk.total_bytes != assembler.total_bytes:
-            self.release()
-            raise RejectedMessage(
-                Code.INVALID_ARGUMENT,
-                f"rank {rank} changed the size of its healing state from "
-                f"{assembler.total_bytes} to {chunk.total_bytes} bytes mid-upload",
-            )
         try:
-            complete = assembler.add(chunk.offset, chunk.payload)
+            complete = assembler.add(chunk.offset, chunk.payload, chunk.total_bytes)
         except RejectedMessage:
             self.release()
             raise

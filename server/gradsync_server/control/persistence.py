@@ -92,14 +92,8 @@ class Persistence:
             )
             self._upload = (chunk.step, assembler)
         step, assembler = self._upload
-        if chunk.total_bytes != assembler.total_bytes:
-            raise RejectedMessage(
-                Code.INVALID_ARGUMENT,
-                f"rank 0 changed the size of the checkpoint of step {step} from "
-                f"{assembler.total_bytes} to {chunk.total_bytes} bytes mid-upload",
-            )
         try:
-            complete = assembler.add(chunk.offset, chunk.payload)
+            complete = assembler.add(chunk.offset, chunk.payload, chunk.total_bytes)
         except RejectedMessage:
             self.abandon_upload()
             raise

@@ -76,17 +76,17 @@ class BlobAssembler:
         """True once every chunk arrived."""
         return self._assembly.complete
 
-    def add(self, offset: int, payload: bytes) -> bool:
-        """Store one chunk; return True once the blob is complete.
+    def add(self, offset: int, payload: bytes, claimed_total: int | None = None) -> bool:
+        """Store one chunk (that says the blob has `claimed_total` bytes); True once complete.
 
         Raises:
-            RejectedMessage: INVALID_ARGUMENT for a misaligned, mis-sized, repeated
-                or (in order) out-of-order chunk; RESOURCE_EXHAUSTED when the byte
-                budget is full.
+            RejectedMessage: INVALID_ARGUMENT for a chunk claiming another size, a
+                misaligned, mis-sized, repeated or (in order) out-of-order chunk;
+                RESOURCE_EXHAUSTED when the byte budget is full.
         """
         assembly = self._assembly
         try:
-            assembly.check(offset, len(payload))
+            assembly.check(offset, len(payload), claimed_total)
         except BadChunk as bad:
             raise RejectedMessage(bad.code, bad.message) from None
         budget = self._budget
