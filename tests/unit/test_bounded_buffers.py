@@ -19,10 +19,10 @@ GIB = 1 << 30
 def test_an_upload_holds_only_the_bytes_that_arrived_and_counts_them() -> None:
     budget = ByteBudget(1 << 20)
     view = budget.for_owner("job")
-    assembler = BlobAssembler("blob", GIB, 4096, 2 * GIB, view)
+    assembler = BlobAssembler("blob", GIB, 4096, (2 * GIB, "--max-checkpoint-mb"), view)
     assert not assembler.add(0, bytes(4096))
     assert (assembler.received, budget.held_by("job")) == (4096, 4096)
-    with pytest.raises(RejectedMessage, match="sent twice"):
+    with pytest.raises(RejectedMessage, match="arrived twice"):
         assembler.add(0, bytes(4096))
     with pytest.raises(RejectedMessage, match="before the one at offset 4096"):
         assembler.add(8192, bytes(4096))
@@ -32,7 +32,7 @@ def test_an_upload_holds_only_the_bytes_that_arrived_and_counts_them() -> None:
 
 def test_a_declared_size_beyond_the_cap_is_refused_before_anything_is_held() -> None:
     with pytest.raises(RejectedMessage, match=r"declares 2147483648 bytes.*max-checkpoint-mb"):
-        BlobAssembler("checkpoint", 2 * GIB, 4096, GIB)
+        BlobAssembler("checkpoint", 2 * GIB, 4096, (GIB, "--max-checkpoint-mb"))
 
 
 def test_an_upload_beyond_the_jobs_share_is_refused_and_given_back() -> None:
@@ -114,12 +114,11 @@ def test_state_and_resume_buffers_grow_with_what_arrives() -> None:
     inbox.on_message(_welcome(resume_bytes=10))
     assert inbox.wait_welcome(timeout_s=1).state_bytes == 8328
     state = inbox._shared.state
-    assert state is not None and len(state) == 0, "the state buffer was allocated up front"
-    inbox.on_message(
-        pb.CoordinatorMessage(state=pb.StateChunk(offset=0, payload=b"ab")).SerializeToString()
-    )
-    assert bytes(inbox._shared.state or b"") == b"ab"
+    assert state is not None and state.received == 0, "the state buffer was allocated up front"
+    first = pb.StateChunk(offset=0, payload=b"a" * 4096)
+    inbox.on_message(pb.CoordinatorMessage(state=first).SerializeToString())
+    assert (state.received, state.total_bytes) == (4096, 8328)
     resume = pb.CheckpointChunk(step=0, offset=0, total_bytes=GIB, payload=b"abc")
     inbox.on_message(pb.CoordinatorMessage(resume=resume).SerializeToString())
-    with pytest.raises(GradSyncError, match=r"10 announced in Welcome\.resume_bytes"):
+    with pytest.raises(GradSyncError, match=r"10 bytes announced in Welcome\.resume_bytes"):
         inbox.receive_resume(10, timeout_s=1)

@@ -23,7 +23,7 @@ RANKS = (0, 1, 2)
 
 
 def engine(budget: ByteBudget | None = None, max_bytes: int = 1 << 20) -> Collectives:
-    return Collectives("job", 3, CHUNK, max_bytes, budget or ByteBudget(1 << 24))
+    return Collectives(3, CHUNK, max_bytes, (budget or ByteBudget(1 << 24)).for_owner("job"))
 
 
 def pieces(

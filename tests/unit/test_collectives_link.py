@@ -13,7 +13,7 @@ import threading
 
 import numpy as np
 import pytest
-from gradsync.control.worker_messages import CollectiveUpload, collective_chunks
+from gradsync.control.worker_messages import CollectiveUpload, blob_messages
 from gradsync.errors import CollectiveError, GradSyncError, SyncTimeoutError
 from gradsync.path.inbox import Inbox
 from gradsync.path.transport import Transport
@@ -113,7 +113,7 @@ def test_size_claims_are_checked_before_anything_is_allocated(
         ([(0, b"abcd"), (0, b"abcd")], "offset 0 arrived twice"),
         ([(2, b"abcd")], "out of range or misaligned"),
         ([(8, b"ab")], "out of range or misaligned"),
-        ([(4, b"efg")], "has 3 bytes, expected 4"),
+        ([(4, b"efg")], "3 bytes at offset 4, expected 4"),
     ],
 )
 def test_duplicate_misplaced_or_misshapen_chunks_are_errors(
@@ -133,7 +133,7 @@ def test_duplicate_misplaced_or_misshapen_chunks_are_errors(
     [
         ("op", pb.COLLECTIVE_OP_MAX, "says op max, this rank asked for sum"),
         ("dtype", pb.DTYPE_FLOAT64, "dtype float64, this rank sent float32"),
-        ("total", 12, "claims 12 bytes in all, earlier chunks claimed 8"),
+        ("total", 12, "claims 12 bytes in all, not 8"),
         ("contributors", 2, "claims 2 contributors, earlier chunks claimed 3"),
     ],
 )
@@ -184,14 +184,14 @@ def test_collectives_before_the_job_assembled_are_refused() -> None:
 def test_inputs_are_cut_into_chunks_and_an_empty_input_is_one_empty_chunk() -> None:
     payload = np.frombuffer(b"0123456789", dtype=np.uint8)
     upload = CollectiveUpload(5, SUM, F32, 0, payload)
-    chunks = [pb.WorkerMessage.FromString(raw).collective for raw in collective_chunks(upload, 4)]
+    chunks = [pb.WorkerMessage.FromString(raw).collective for raw in blob_messages(upload, 4)]
     assert [(c.offset, c.payload, c.total_bytes, c.sequence) for c in chunks] == [
         (0, b"0123", 10, 5),
         (4, b"4567", 10, 5),
         (8, b"89", 10, 5),
     ]
     empty = CollectiveUpload(6, BROADCAST, F32, 2, np.empty(0, np.uint8))
-    (only,) = [pb.WorkerMessage.FromString(raw).collective for raw in collective_chunks(empty, 4)]
+    (only,) = [pb.WorkerMessage.FromString(raw).collective for raw in blob_messages(empty, 4)]
     assert (only.offset, only.payload, only.total_bytes, only.root, only.op) == (
         0,
         b"",

@@ -173,7 +173,7 @@ def test_liveness_ignores_departed_ranks_and_status_reports_it() -> None:
 
 def test_a_resumed_job_starts_at_the_checkpoint() -> None:
     job = Job("job", JobSettings(2, CHUNK, 2 * CHUNK), ByteBudget(1 << 20), clock=FakeClock())
-    job.persistence.resume = Checkpoint("job", 12, 3, b"x" * (CHUNK + 1), {})
+    job.resume_from(Checkpoint("job", 12, 3, b"x" * (CHUNK + 1), {}))
     job.join(0, join(0, 2))
     actions = job.join(1, join(1, 2))
     welcome, other = messages(actions, "welcome")  # one per rank, each with its session

@@ -6,7 +6,8 @@ claim: its size, its op and dtype, how many ranks contributed and where each
 chunk lands. `CollectiveResults` checks each claim against what this rank
 asked for before it allocates anything (a SUM answers exactly the input's
 size, an ALL_GATHER one input per contributor, a BARRIER nothing), refuses
-duplicate or out-of-range chunks, and records a problem against the
+duplicate or out-of-range chunks (the shared `gradsync_proto.blobs.BlobAssembly`
+checks and reassembles them, in any order), and records a problem against the
 collective's sequence number so that the waiter gets a `CollectiveError`
 naming it, rather than a corrupted tensor.
 
@@ -16,9 +17,10 @@ it under its own condition variable, and tests drive it chunk by chunk.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
-from gradsync_proto import chunking, defaults
+from gradsync_proto import defaults
+from gradsync_proto.blobs import BadChunk, BlobAssembly
 from gradsync_proto.dtypes import dtype_name
 from gradsync_proto.v1 import gradsync_pb2 as pb
 
@@ -48,18 +50,14 @@ class _Pending:
     result_bytes: int | None
     world_size: int
     chunk_bytes: int
-    buffer: bytearray | None = None
-    total_bytes: int = 0
+    #: The result as it arrives, once its first chunk's claims were checked.
+    result: BlobAssembly | None = None
     contributors: int = 0
-    received: set[int] = field(default_factory=set)
-    expected_chunks: int = 0
     error: str | None = None
 
     @property
     def complete(self) -> bool:
-        return self.error is not None or (
-            self.buffer is not None and len(self.received) == self.expected_chunks
-        )
+        return self.error is not None or (self.result is not None and self.result.complete)
 
 
 class CollectiveResults:
@@ -146,9 +144,9 @@ class CollectiveResults:
         pending = self._pending.pop(sequence)
         if pending.error is not None:
             raise CollectiveError(pending.error, rank=self.rank, sequence=sequence)
-        if pending.buffer is None or len(pending.received) != pending.expected_chunks:
+        if pending.result is None or not pending.result.complete:
             raise CollectiveError("the result is incomplete", rank=self.rank, sequence=sequence)
-        return pending.buffer, pending.contributors
+        return pending.result.blob(), pending.contributors
 
     def forget(self, sequence: int) -> None:
         """Drop an outstanding collective (its wait gave up)."""
@@ -162,15 +160,12 @@ class CollectiveResults:
         what = (
             f"{op_name(pending.op)} of {pending.input_bytes} bytes of {dtype_name(pending.dtype)}"
         )
-        if pending.buffer is None:
+        result = pending.result
+        if result is None:
             return f"{what}: no result chunk arrived"
-        missing = [
-            offset
-            for offset, _ in chunking.chunk_spans(pending.total_bytes, pending.chunk_bytes)
-            if offset not in pending.received
-        ]
+        missing = result.missing_offsets()
         return (
-            f"{what}: {len(pending.received)} of {pending.expected_chunks} result chunks "
+            f"{what}: {result.chunks_received} of {result.chunks_expected} result chunks "
             f"arrived; missing offsets {missing[:8]}{' ...' if len(missing) > 8 else ''}"
         )
 
@@ -186,29 +181,27 @@ class CollectiveResults:
                 f"the result has dtype {dtype_name(chunk.dtype)}, "
                 f"this rank sent {dtype_name(pending.dtype)}"
             )
-        if pending.buffer is None:
+        result = pending.result
+        if result is None:
             problem = self._check_size(pending, chunk.total_bytes, chunk.contributors)
             if problem is not None:
                 return problem
             # The claim is checked against what this rank asked for (above); still the
             # buffer grows as chunks arrive, never allocated by a claimed size (issue 11).
-            pending.buffer = bytearray()
-            pending.total_bytes = chunk.total_bytes
+            result = pending.result = BlobAssembly(
+                "the result", chunk.total_bytes, pending.chunk_bytes, in_order=False
+            )
             pending.contributors = chunk.contributors
-            pending.expected_chunks = max(
-                1, chunking.num_chunks(chunk.total_bytes, pending.chunk_bytes)
-            )
-        elif chunk.total_bytes != pending.total_bytes:
-            return (
-                f"the result chunk at offset {chunk.offset} claims {chunk.total_bytes} bytes in "
-                f"all, earlier chunks claimed {pending.total_bytes}"
-            )
         elif chunk.contributors != pending.contributors:
             return (
                 f"the result chunk at offset {chunk.offset} claims {chunk.contributors} "
                 f"contributors, earlier chunks claimed {pending.contributors}"
             )
-        return self._store(pending, chunk)
+        try:
+            result.add(chunk.offset, chunk.payload, chunk.total_bytes)
+        except BadChunk as bad:
+            return bad.message
+        return None
 
     def _check_size(self, pending: _Pending, total: int, contributors: int) -> str | None:
         if not 1 <= contributors <= pending.world_size:
@@ -240,35 +233,4 @@ class CollectiveResults:
             return None
         if total != expected:
             return f"the result claims {total} bytes, expected {expected} ({why})"
-        return None
-
-    def _store(self, pending: _Pending, chunk: pb.CollectiveChunk) -> str | None:
-        assert pending.buffer is not None  # set by the caller before storing
-        offset, payload = chunk.offset, chunk.payload
-        if pending.total_bytes == 0:
-            if offset != 0 or payload:
-                return (
-                    f"an empty result came with a chunk at offset {offset} of {len(payload)} bytes"
-                )
-        elif offset % pending.chunk_bytes or offset >= pending.total_bytes:
-            return (
-                f"a result chunk at offset {offset} is out of range or misaligned "
-                f"({pending.total_bytes} bytes in chunks of {pending.chunk_bytes})"
-            )
-        else:
-            expected = chunking.expected_chunk_length(
-                pending.total_bytes, pending.chunk_bytes, offset
-            )
-            if len(payload) != expected:
-                return (
-                    f"the result chunk at offset {offset} has {len(payload)} bytes, "
-                    f"expected {expected}"
-                )
-        if offset in pending.received:
-            return f"the result chunk at offset {offset} arrived twice"
-        end = offset + len(payload)
-        if end > len(pending.buffer):  # grows to the furthest byte received, within the total
-            pending.buffer.extend(bytes(end - len(pending.buffer)))
-        pending.buffer[offset:end] = payload
-        pending.received.add(offset)
         return None

@@ -3,7 +3,10 @@
 The transport's outgoing queue holds whole uploads (a checkpoint, rank 0's
 state blob, a collective's input, a bucket's byte range) or ready protobuf
 messages; `upload_messages` turns one into the chunks that go on the wire,
-sized by the Welcome's chunk size. Kept apart from `gradsync.path.transport`
+sized by the Welcome's chunk size. The three blob uploads are cut by the one
+`gradsync_proto.blobs.blob_chunks` (the coordinator cuts its resume and
+collective-result blobs with it too); each says only how one chunk is
+wrapped. Kept apart from `gradsync.path.transport`
 (the stream's lifecycle on its event loop) because this is pure, grpc-free
 message building that unit tests check on its own, like
 `gradsync.path.bucket_uploads`, which cuts the bucket ranges it dispatches to.
@@ -15,10 +18,11 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import ClassVar
 
 import numpy as np
 import numpy.typing as npt
-from gradsync_proto import chunking
+from gradsync_proto.blobs import blob_chunks
 from gradsync_proto.v1 import gradsync_pb2 as pb
 
 from gradsync.path.bucket_uploads import RangeUpload, UploadEvent, range_messages
@@ -29,6 +33,14 @@ class StateUpload:
     """Rank 0's state blob, broadcast to every rank at start (or after a rejoin)."""
 
     blob: npt.NDArray[np.uint8]
+    #: An empty state is no chunk at all (the coordinator expects none).
+    empty_chunk: ClassVar[bool] = False
+
+    def data(self) -> memoryview:
+        return memoryview(self.blob.data)
+
+    def message(self, offset: int, payload: bytes) -> pb.WorkerMessage:
+        return pb.WorkerMessage(state=pb.StateChunk(offset=offset, payload=payload))
 
 
 @dataclass
@@ -38,6 +50,20 @@ class CheckpointUpload:
     step: int
     blob: bytes
     heal: bool = False
+    empty_chunk: ClassVar[bool] = False
+
+    def data(self) -> memoryview:
+        return memoryview(self.blob)
+
+    def message(self, offset: int, payload: bytes) -> pb.WorkerMessage:
+        piece = pb.CheckpointChunk(
+            step=self.step,
+            offset=offset,
+            total_bytes=len(self.blob),
+            payload=payload,
+            heal=self.heal,
+        )
+        return pb.WorkerMessage(checkpoint=piece)
 
 
 @dataclass
@@ -49,10 +75,35 @@ class CollectiveUpload:
     dtype: int
     root: int
     payload: npt.NDArray[np.uint8]
+    #: An empty input is one empty chunk: the coordinator counts every rank's input.
+    empty_chunk: ClassVar[bool] = True
+
+    def data(self) -> memoryview:
+        return memoryview(self.payload.data)
+
+    def message(self, offset: int, payload: bytes) -> pb.WorkerMessage:
+        piece = pb.CollectiveChunk(
+            sequence=self.sequence,
+            op=self.op,  # type: ignore[arg-type]  # an int checked against CollectiveOp
+            dtype=self.dtype,  # type: ignore[arg-type]  # a DType value
+            total_bytes=self.payload.nbytes,
+            offset=offset,
+            payload=payload,
+            root=self.root,
+        )
+        return pb.WorkerMessage(collective=piece)
 
 
+#: An upload of one byte blob, cut by `blob_messages`.
+BlobUpload = StateUpload | CheckpointUpload | CollectiveUpload
 #: What the outgoing queue carries besides the transport's own markers.
-Upload = StateUpload | CheckpointUpload | CollectiveUpload | RangeUpload | pb.WorkerMessage
+Upload = BlobUpload | RangeUpload | pb.WorkerMessage
+
+
+def blob_messages(upload: BlobUpload, chunk_bytes: int) -> Iterator[bytes]:
+    """A blob upload as serialized WorkerMessages, in order, cut by the wire rule."""
+    for offset, payload in blob_chunks(upload.data(), chunk_bytes, empty_chunk=upload.empty_chunk):
+        yield upload.message(offset, payload).SerializeToString()
 
 
 def upload_messages(
@@ -66,25 +117,8 @@ def upload_messages(
         epoch: the membership epoch bucket chunks are stamped with.
         on_event: bucket "upload_start" / "upload_end" events (see `range_messages`).
     """
-    if isinstance(item, CheckpointUpload):
-        view = memoryview(item.blob)
-        for offset, length in chunking.chunk_spans(len(view), chunk_bytes):
-            piece = pb.CheckpointChunk(
-                step=item.step,
-                offset=offset,
-                total_bytes=len(view),
-                payload=bytes(view[offset : offset + length]),
-                heal=item.heal,
-            )
-            yield pb.WorkerMessage(checkpoint=piece).SerializeToString()
-    elif isinstance(item, StateUpload):
-        view = memoryview(item.blob.data)
-        for offset, length in chunking.chunk_spans(len(view), chunk_bytes):
-            payload = view[offset : offset + length].tobytes()
-            chunk = pb.StateChunk(offset=offset, payload=payload)
-            yield pb.WorkerMessage(state=chunk).SerializeToString()
-    elif isinstance(item, CollectiveUpload):
-        yield from collective_chunks(item, chunk_bytes)
+    if isinstance(item, StateUpload | CheckpointUpload | CollectiveUpload):
+        yield from blob_messages(item, chunk_bytes)
     elif isinstance(item, RangeUpload):
         yield from range_messages(item, chunk_bytes, epoch, on_event)
     else:
@@ -104,24 +138,3 @@ def check_collective_input(op: int, payload: npt.NDArray[np.uint8]) -> None:
             f"a collective's payload must be a 1-D uint8 array, got {payload.dtype} "
             f"with shape {payload.shape}"
         )
-
-
-def collective_chunks(upload: CollectiveUpload, chunk_bytes: int) -> list[bytes]:
-    """A collective's input as serialized WorkerMessages; an empty input is one empty chunk."""
-    view = memoryview(upload.payload.data)
-    total = len(view)
-    spans = list(chunking.chunk_spans(total, chunk_bytes)) or [(0, 0)]
-    return [
-        pb.WorkerMessage(
-            collective=pb.CollectiveChunk(
-                sequence=upload.sequence,
-                op=upload.op,  # type: ignore[arg-type]  # an int checked against CollectiveOp
-                dtype=upload.dtype,  # type: ignore[arg-type]  # a DType value
-                total_bytes=total,
-                offset=offset,
-                payload=view[offset : offset + length].tobytes(),
-                root=upload.root,
-            )
-        ).SerializeToString()
-        for offset, length in spans
-    ]

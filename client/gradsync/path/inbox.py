@@ -27,6 +27,7 @@ import time
 from collections.abc import Callable
 
 from gradsync_proto import chunking
+from gradsync_proto.blobs import BlobAssembly
 from gradsync_proto.codec import ChunkHeader, decode_gradient, header_of
 from gradsync_proto.v1 import gradsync_pb2 as pb
 
@@ -225,18 +226,19 @@ class Inbox:
 
     def receive_state(self, num_bytes: int, timeout_s: float) -> bytearray:
         """Block until rank 0's whole state blob has arrived; return it."""
-        self.wait(lambda s: s.state_received >= num_bytes, timeout_s, "rank 0's state")
-        state = self._shared.state
-        assert state is not None
-        return state
+        self.wait(lambda s: _arrived(s.state, num_bytes), timeout_s, "rank 0's state")
+        with self._cond:
+            assert self._shared.state is not None
+            return self._shared.state.blob()
 
     def receive_resume(self, num_bytes: int, timeout_s: float) -> bytes:
         """Block until the checkpoint this job resumes from has arrived; return it."""
         self.wait(
-            lambda s: s.resume_received >= num_bytes, timeout_s, "the checkpoint to resume from"
+            lambda s: _arrived(s.resume, num_bytes), timeout_s, "the checkpoint to resume from"
         )
-        assert self._shared.resume is not None
-        return bytes(self._shared.resume)
+        with self._cond:
+            assert self._shared.resume is not None
+            return bytes(self._shared.resume.blob())
 
     def step_report(self) -> pb.StepReport | None:
         """The coordinator's latest StepReport (None until one arrived; lowest rank only)."""
@@ -325,8 +327,7 @@ class Inbox:
                     self.protocol_fault(problem)
                     self._cond.notify_all()
                     return
-                shared.welcome = message.welcome
-                shared.membership_epoch = message.welcome.membership_epoch
+                shared.record_welcome(message.welcome)
                 # The grid every bucket's averages come back on.
                 self._steps.chunk_bytes = (
                     message.welcome.chunk_bytes or chunking.DEFAULT_CHUNK_BYTES
@@ -334,10 +335,6 @@ class Inbox:
                 self._steps.shard_count = max(1, len(message.welcome.shards))
                 if message.welcome.heartbeat_interval_s > 0:
                     shared.heartbeat_interval_s = message.welcome.heartbeat_interval_s
-                # Rank 0's state may arrive before anyone waits for it. The buffer
-                # grows as its chunks arrive (never by the size announced: issue 11).
-                shared.state = bytearray()
-                shared.state_received = 0
             elif kind == "state":
                 problem = shared.append_state(message.state)
                 if problem is not None:
@@ -466,3 +463,8 @@ class Inbox:
         problem = self._steps.on_gradient(chunk, payload)
         if problem is not None:
             self.protocol_fault(problem)
+
+
+def _arrived(blob: BlobAssembly | None, num_bytes: int) -> bool:
+    """True once every chunk of a blob of (at least) `num_bytes` is in."""
+    return blob is not None and blob.complete and blob.received >= num_bytes

@@ -3,9 +3,11 @@
 `gradsync.path.inbox.Inbox` keeps one `InboxState` under its condition variable:
 the I/O thread writes it as messages arrive and the training thread's waits
 read it. The parts that arrive in pieces (rank 0's state, the checkpoint to
-resume from) are appended here in order and within the size the Welcome
-announced, and each append says what was wrong instead of raising, so that
-the inbox records it as the coordinator's protocol fault. Split from `inbox`
+resume from) are reassembled by the shared `gradsync_proto.blobs.BlobAssembly`
+(in order, on the chunk grid, within the size the Welcome announced, the
+buffer growing with what arrives), and each append says what was wrong
+instead of raising, so that the inbox records it as the coordinator's
+protocol fault. Split from `inbox`
 so that this state and its invariants read apart from the waits on it. Pure
 data, no locking of its own: every call happens under the inbox's condition.
 """
@@ -16,6 +18,8 @@ import collections
 import logging
 from dataclasses import dataclass, field
 
+from gradsync_proto import chunking
+from gradsync_proto.blobs import BadChunk, BlobAssembly
 from gradsync_proto.v1 import gradsync_pb2 as pb
 
 from gradsync.errors import GradSyncError
@@ -33,12 +37,12 @@ class InboxState:
     """State written by the I/O thread and read by waiters (under the inbox's condition)."""
 
     welcome: pb.Welcome | None = None
-    state: bytearray | None = None
-    state_received: int = 0
+    #: Rank 0's state as it arrives (from the Welcome on: it may come before anyone waits).
+    state: BlobAssembly | None = None
     fatal: GradSyncError | None = None
     stream_done: bool = False
-    resume: bytearray | None = None
-    resume_received: int = 0
+    #: The checkpoint to resume from as it arrives (when the Welcome announced one).
+    resume: BlobAssembly | None = None
     checkpoint_acks: dict[int, pb.CheckpointSaved] = field(default_factory=dict)
     membership_epoch: int = 0
     #: The live ranks of the latest MembershipChanged (None before any).
@@ -74,26 +78,37 @@ class InboxState:
                 progress.refused,
             )
 
+    def record_welcome(self, welcome: pb.Welcome) -> None:
+        """Keep the Welcome and get ready for the blobs it announces.
+
+        Neither buffer is sized by what the Welcome says (issue 11): each
+        grows as its chunks arrive, checked against the announced size.
+        """
+        self.welcome = welcome
+        self.membership_epoch = welcome.membership_epoch
+        chunk_bytes = welcome.chunk_bytes or chunking.DEFAULT_CHUNK_BYTES
+        announced = f"{welcome.state_bytes} bytes announced in Welcome.state_bytes"
+        self.state = BlobAssembly(
+            f"rank 0's state ({announced})", welcome.state_bytes, chunk_bytes, empty_chunk=False
+        )
+        self.resume = None
+        if welcome.resume_bytes:
+            announced = f"{welcome.resume_bytes} bytes announced in Welcome.resume_bytes"
+            self.resume = BlobAssembly(
+                f"the checkpoint to resume from ({announced})", welcome.resume_bytes, chunk_bytes
+            )
+
     def append_resume(self, chunk: pb.CheckpointChunk) -> str | None:
         """Append one resume chunk: in order, within the size the Welcome announced.
 
         Returns:
             What is wrong with the chunk (nothing is appended then), or None.
         """
-        welcome = self.welcome
-        if self.resume is None:
-            self.resume = bytearray()
-        declared = welcome.resume_bytes if welcome is not None else -1
-        end = chunk.offset + len(chunk.payload)
-        if chunk.total_bytes != declared or chunk.offset != len(self.resume) or end > declared:
-            return (
-                f"resume chunk [{chunk.offset}, {end}) of {chunk.total_bytes} bytes does not "
-                f"follow the {len(self.resume)} bytes received of the {declared} announced "
-                "in Welcome.resume_bytes"
-            )
-        self.resume += chunk.payload
-        self.resume_received = len(self.resume)
-        return None
+        resume = self.resume
+        if resume is None:
+            announced = "no Welcome yet" if self.welcome is None else "Welcome.resume_bytes is 0"
+            return f"a resume chunk at offset {chunk.offset} arrived, but {announced}"
+        return _append(resume, chunk.offset, chunk.payload, chunk.total_bytes)
 
     def append_state(self, chunk: pb.StateChunk) -> str | None:
         """Append one chunk of rank 0's state: in order, within Welcome.state_bytes.
@@ -101,19 +116,20 @@ class InboxState:
         Returns:
             What is wrong with the chunk (nothing is appended then), or None.
         """
-        state = self.state
-        welcome = self.welcome
-        declared = welcome.state_bytes if welcome is not None else 0
-        end = chunk.offset + len(chunk.payload)
-        if state is None or chunk.offset != len(state) or end > declared:
-            received = -1 if state is None else len(state)
-            return (
-                f"state chunk [{chunk.offset}, {end}) does not follow the {received} bytes "
-                f"received of the {declared} announced in Welcome.state_bytes"
-            )
-        state += chunk.payload
-        self.state_received = len(state)
-        return None
+        if self.state is None:
+            return f"a state chunk at offset {chunk.offset} arrived before the Welcome"
+        return _append(self.state, chunk.offset, chunk.payload)
+
+
+def _append(
+    blob: BlobAssembly, offset: int, payload: bytes, claimed_total: int | None = None
+) -> str | None:
+    """Add one chunk to `blob`; what is wrong with it, or None."""
+    try:
+        blob.add(offset, payload, claimed_total)
+    except BadChunk as bad:
+        return bad.message
+    return None
 
 
 def end_reason_name(reason: int) -> str:

@@ -4,16 +4,17 @@ After Welcome, rank 0 uploads its parameters and buffers and the coordinator
 relays them so that every rank starts equal (architecture invariant 2). Until
 that broadcast is complete the others cannot train, so a rank lost during it
 must fail the others at once instead of leaving them to their join timeout;
-the job asks `complete` to decide. Pure logic, no gRPC, no asyncio.
+the job asks `complete` to decide. Each chunk is checked by the shared
+`gradsync_proto.blobs.BlobAssembly` before it is relayed, which only counts
+it: the coordinator forwards the bytes as they come and keeps none. Pure
+logic, no gRPC, no asyncio.
 """
 
 from __future__ import annotations
 
-from gradsync_proto import chunking
+from gradsync_proto.blobs import BadChunk, BlobAssembly
 from gradsync_proto.codes import Code
 from gradsync_proto.v1 import gradsync_pb2 as pb
-
-from gradsync_server.dataplane.chunk_checks import check_chunk
 
 
 class StateBroadcast:
@@ -26,37 +27,34 @@ class StateBroadcast:
     def __init__(self, chunk_bytes: int) -> None:
         self._chunk_bytes = chunk_bytes
         self.state_bytes = 0
-        self._offsets_seen: set[int] = set()
+        self._assembly = self._expect(0)
         #: Nothing more is to be relayed (empty state, resumed job, or every chunk seen).
         self.complete = False
+
+    def _expect(self, state_bytes: int) -> BlobAssembly:
+        """Checks (and counts, keeping nothing) the chunks of a `state_bytes` state blob."""
+        return BlobAssembly(
+            "rank 0's state",
+            state_bytes,
+            self._chunk_bytes,
+            in_order=False,
+            keep=False,
+            empty_chunk=False,  # an empty state is no chunk at all
+        )
 
     def start(self, state_bytes: int, needed: bool) -> None:
         """The job is assembled: expect `state_bytes` from rank 0 if the broadcast is `needed`."""
         self.state_bytes = state_bytes
-        self.complete = not needed or state_bytes == 0
+        self._assembly = self._expect(state_bytes)
+        self.complete = not needed or self._assembly.complete
 
-    def problem(self, rank: int, chunk: pb.StateChunk) -> tuple[Code, str] | None:
-        """Why `rank`'s state chunk cannot be relayed, or None."""
+    def accept(self, rank: int, chunk: pb.StateChunk) -> tuple[Code, str] | None:
+        """Why `rank`'s state chunk cannot be relayed, or None once it is counted."""
         if rank != 0:
             return (Code.INVALID_ARGUMENT, f"rank {rank} sent state; only rank 0 broadcasts")
-        problem = check_chunk(
-            "state",
-            chunk.offset,
-            len(chunk.payload),
-            self.state_bytes,
-            "the state blob",
-            self._chunk_bytes,
-            rank=0,
-        )
-        if problem is None and chunk.offset in self._offsets_seen:
-            problem = (
-                Code.INVALID_ARGUMENT,
-                f"rank 0 sent the state chunk at offset {chunk.offset} twice",
-            )
-        return problem
-
-    def record(self, offset: int) -> None:
-        """A valid chunk at `offset` was relayed."""
-        self._offsets_seen.add(offset)
-        if len(self._offsets_seen) == chunking.num_chunks(self.state_bytes, self._chunk_bytes):
-            self.complete = True
+        try:
+            if self._assembly.add(chunk.offset, chunk.payload):
+                self.complete = True
+        except BadChunk as bad:
+            return (bad.code, bad.message)
+        return None

@@ -28,14 +28,15 @@ from typing import Any
 
 import numpy as np
 import numpy.typing as npt
-from gradsync_proto import chunking, dtypes
+from gradsync_proto import dtypes
+from gradsync_proto.blobs import blob_chunks
 from gradsync_proto.codes import Code
 from gradsync_proto.v1 import gradsync_pb2 as pb
 
 from gradsync_server.dataplane.actions import Action, Send
 from gradsync_server.dataplane.aggregation import from_accumulator, to_accumulator
-from gradsync_server.dataplane.budget import ByteBudget, OwnerBudget, Reservation
-from gradsync_server.dataplane.chunk_checks import check_chunk
+from gradsync_server.dataplane.budget import OwnerBudget
+from gradsync_server.dataplane.uploads import BlobAssembler
 from gradsync_server.errors import RejectedMessage
 
 #: How far ahead of the oldest unfinished collective a rank may run (pipelined calls).
@@ -107,23 +108,6 @@ def reduce_inputs(op: int, dtype: int, inputs: Sequence[bytes]) -> bytes:
 
 
 @dataclass
-class _Input:
-    """One rank's input to one collective, as its chunks arrive."""
-
-    total_bytes: int
-    pieces: dict[int, bytes] = field(default_factory=dict)
-    received: int = 0
-
-    @property
-    def complete(self) -> bool:
-        # An empty input is one empty chunk at offset 0.
-        return self.received == self.total_bytes and bool(self.pieces)
-
-    def blob(self) -> bytes:
-        return b"".join(self.pieces[offset] for offset in sorted(self.pieces))
-
-
-@dataclass
 class _Round:
     """One collective (one sequence number) in progress."""
 
@@ -133,8 +117,8 @@ class _Round:
     root: int
     first_rank: int
     participants: list[int]
-    reservation: Reservation
-    inputs: dict[int, _Input] = field(default_factory=dict)
+    #: Each rank's input as it arrives (any order; an empty input is one empty chunk).
+    inputs: dict[int, BlobAssembler] = field(default_factory=dict)
 
     def describe(self) -> str:
         return f"collective {self.sequence} ({op_name(self.op)})"
@@ -142,30 +126,25 @@ class _Round:
     def ready(self) -> bool:
         return all(r in self.inputs and self.inputs[r].complete for r in self.participants)
 
-    def buffered(self) -> int:
-        return sum(item.received for item in self.inputs.values())
+    def release(self) -> None:
+        """Give every input's bytes back to the budget."""
+        for item in self.inputs.values():
+            item.release()
 
 
 class Collectives:
     """The collectives in flight of one job, by sequence number.
 
     Args:
-        job_id: the job's name (for messages).
         world_size: ranks the job needs (a broadcast root must be below it).
         chunk_bytes: chunk size every rank must use.
         max_bytes: cap on one rank's input (and on an all_gather's result).
-        budget: the coordinator-wide byte budget buffered inputs count against.
+        budget: the job's share of the byte budget buffered inputs count against.
     """
 
     def __init__(
-        self,
-        job_id: str,
-        world_size: int,
-        chunk_bytes: int,
-        max_bytes: int,
-        budget: ByteBudget | OwnerBudget,
+        self, world_size: int, chunk_bytes: int, max_bytes: int, budget: OwnerBudget
     ) -> None:
-        self._job_id = job_id
         self._world_size = world_size
         self._chunk_bytes = chunk_bytes
         self._max_bytes = max_bytes
@@ -227,7 +206,6 @@ class Collectives:
             return self._take(rank, held, chunk)
         except RejectedMessage:
             if opened and not held.inputs:  # a refused first chunk opens nothing
-                held.reservation.release()
                 del self._rounds[sequence]
             raise
 
@@ -243,17 +221,16 @@ class Collectives:
         item = held.inputs.get(rank)
         if item is None:
             self._check_size(rank, held, chunk.total_bytes)
-            item = held.inputs[rank] = _Input(chunk.total_bytes)
-        elif chunk.total_bytes != item.total_bytes:
-            raise RejectedMessage(
-                Code.INVALID_ARGUMENT,
-                f"{where} with total_bytes {chunk.total_bytes}, but its earlier chunks said "
-                f"{item.total_bytes}",
+            what = f"{held.describe()} from rank {rank}"
+            item = BlobAssembler(
+                what, chunk.total_bytes, self._chunk_bytes, None, self._budget, in_order=False
             )
+            held.inputs[rank] = item
         try:
-            self._store(rank, held, item, chunk)
+            item.add(chunk.offset, chunk.payload, chunk.total_bytes)
         finally:
-            if not item.pieces:
+            if not item.received and not item.complete:
+                item.release()
                 del held.inputs[rank]  # nothing of it was taken
         if held.sequence >= self.next_sequence:
             self.next_sequence = held.sequence + 1
@@ -280,7 +257,6 @@ class Collectives:
             chunk.root,
             rank,
             sorted(participants),
-            self._budget.reserve(self._job_id),
         )
         self._rounds[chunk.sequence] = held
         return held
@@ -336,44 +312,6 @@ class Collectives:
                         "(every rank's input must have the same size)",
                     )
 
-    def _store(self, rank: int, held: _Round, item: _Input, chunk: pb.CollectiveChunk) -> None:
-        what = f"{held.describe()}"
-        length = len(chunk.payload)
-        if item.total_bytes == 0:
-            if chunk.offset or length:
-                raise RejectedMessage(
-                    Code.INVALID_ARGUMENT,
-                    f"rank {rank} sent {length} bytes at offset {chunk.offset} of {what}, "
-                    "declared empty (total_bytes 0: one empty chunk at offset 0)",
-                )
-        else:
-            problem = check_chunk(
-                what,
-                chunk.offset,
-                length,
-                item.total_bytes,
-                f"its input of {what}",
-                self._chunk_bytes,
-                rank,
-            )
-            if problem is not None:
-                raise RejectedMessage(*problem)
-        if chunk.offset in item.pieces:
-            raise RejectedMessage(
-                Code.INVALID_ARGUMENT,
-                f"rank {rank} sent the chunk at offset {chunk.offset} of {what} twice",
-            )
-        if not self._budget.fits(length):
-            raise RejectedMessage(
-                Code.RESOURCE_EXHAUSTED,
-                f"rank {rank} sent {length} bytes for {what}, but the coordinator already "
-                f"buffers {self._budget.used} bytes (limit {self._budget.limit} bytes, "
-                "--max-buffered-mb)",
-            )
-        item.pieces[chunk.offset] = bytes(chunk.payload)
-        item.received += length
-        held.reservation.hold(held.buffered())
-
     def add_participants(self, ranks: Sequence[int]) -> int:
         """`ranks` take part from now on (healed newcomers); return where they start numbering.
 
@@ -409,21 +347,24 @@ class Collectives:
         blobs = [held.inputs[r].blob() for r in participants]
         result = self._compute(held, participants, blobs)
         self._close(held)
-        messages = []
-        spans = list(chunking.chunk_spans(len(result), self._chunk_bytes)) or [(0, 0)]
-        for offset, length in spans:
-            piece = pb.CollectiveChunk(
-                sequence=held.sequence,
-                op=held.op,  # type: ignore[arg-type]
-                dtype=held.dtype,  # type: ignore[arg-type]
-                total_bytes=len(result),
-                offset=offset,
-                payload=result[offset : offset + length],
-                root=held.root,
-                contributors=len(participants),
+        return [
+            Send(
+                participants,
+                pb.CoordinatorMessage(
+                    collective=pb.CollectiveChunk(
+                        sequence=held.sequence,
+                        op=held.op,  # type: ignore[arg-type]
+                        dtype=held.dtype,  # type: ignore[arg-type]
+                        total_bytes=len(result),
+                        offset=offset,
+                        payload=payload,
+                        root=held.root,
+                        contributors=len(participants),
+                    )
+                ),
             )
-            messages.append(Send(participants, pb.CoordinatorMessage(collective=piece)))
-        return list(messages)
+            for offset, payload in blob_chunks(result, self._chunk_bytes, empty_chunk=True)
+        ]
 
     @staticmethod
     def _compute(held: _Round, participants: tuple[int, ...], blobs: list[bytes]) -> bytes:
@@ -441,7 +382,7 @@ class Collectives:
         return b""  # barrier
 
     def _close(self, held: _Round) -> None:
-        held.reservation.release()
+        held.release()
         del self._rounds[held.sequence]
         self._completed_above_floor.add(held.sequence)
         while self._floor in self._completed_above_floor:
@@ -451,5 +392,5 @@ class Collectives:
     def release(self) -> None:
         """Free every buffered input; nothing in flight will complete (job ended)."""
         for held in self._rounds.values():
-            held.reservation.release()
+            held.release()
         self._rounds.clear()

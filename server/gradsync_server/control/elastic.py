@@ -129,18 +129,16 @@ class Elastic:
         if assembler is None:
             what = f"healing state of step {chunk.step} from rank {donor}"
             assembler = BlobAssembler(
-                what, chunk.total_bytes, self._chunk_bytes, self._max_blob_bytes, self._budget
+                what,
+                chunk.total_bytes,
+                self._chunk_bytes,
+                (self._max_blob_bytes, "--max-checkpoint-mb"),
+                self._budget,
+                oversize=Code.INVALID_ARGUMENT,  # as a checkpoint's
             )
             self._heal = (donor, assembler)
-        elif chunk.total_bytes != assembler.total_bytes:
-            self.release()
-            raise RejectedMessage(
-                Code.INVALID_ARGUMENT,
-                f"rank {rank} changed the size of its healing state from "
-                f"{assembler.total_bytes} to {chunk.total_bytes} bytes mid-upload",
-            )
         try:
-            complete = assembler.add(chunk.offset, chunk.payload)
+            complete = assembler.add(chunk.offset, chunk.payload, chunk.total_bytes)
         except RejectedMessage:
             self.release()
             raise

@@ -199,11 +199,10 @@ class Job(JobEnding):
                 f"rank {rank} sent state while job '{self.job_id}' is {self.state.value} "
                 f"({len(self.members)}/{self.world_size} joined)",
             )
-        problem = self.broadcast.problem(rank, chunk)
+        problem = self.broadcast.accept(rank, chunk)
         if problem is not None:
             code, details = problem
             return self._refuse(code, f"state broadcast failed: {details}")
-        self.broadcast.record(chunk.offset)
         others = tuple(r for r in self.membership.ranks() if r != 0)
         return [Send(others, pb.CoordinatorMessage(state=chunk))] if others else []
 

@@ -39,6 +39,7 @@ from gradsync_server.dataplane.observer import StepObserver
 from gradsync_server.dataplane.plane import JobPlane
 from gradsync_server.dataplane.progress import StepProgress
 from gradsync_server.errors import RejectedMessage
+from gradsync_server.store.checkpoint import Checkpoint
 
 __all__ = ["JobCore", "JobState"]
 
@@ -116,7 +117,7 @@ class JobCore:
         self.assembly = Assembly(job_id, world_size, clock, heartbeat_interval_s)
         self.broadcast = StateBroadcast(chunk_bytes)
         self.collectives = Collectives(
-            job_id, world_size, chunk_bytes, settings.max_collective_bytes, job_budget
+            world_size, chunk_bytes, settings.max_collective_bytes, job_budget
         )
         self.uneven = UnevenInputs(self.membership, self.in_flight, self.collectives, self._publish)
         self.elastic = Elastic(
@@ -177,6 +178,10 @@ class JobCore:
     def set_peer(self, rank: int, peer: str) -> None:
         """Remember the network address of `rank`, for status."""
         self.membership.set_peer(rank, peer)
+
+    def resume_from(self, checkpoint: Checkpoint | None) -> None:
+        """Resume from `checkpoint` once assembled (loaded before the first rank joins)."""
+        self.persistence.resume_from(checkpoint)
 
     def _progress(self, refused: str = "") -> Send:
         """An AssemblyProgress for every waiting rank (as they join, and as they leave)."""

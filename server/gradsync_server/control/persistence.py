@@ -12,7 +12,7 @@ rejoining rank). No gRPC, no asyncio, no store calls.
 
 from __future__ import annotations
 
-from gradsync_proto import chunking
+from gradsync_proto.blobs import blob_chunks
 from gradsync_proto.codes import Code
 from gradsync_proto.v1 import gradsync_pb2 as pb
 
@@ -27,16 +27,17 @@ def resume_messages(
     ranks: tuple[int, ...], step: int, blob: bytes, chunk_bytes: int
 ) -> list[Action]:
     """A state blob (checkpoint or a donor's state) cut into resume chunks for `ranks`."""
-    actions: list[Action] = []
-    for offset, length in chunking.chunk_spans(len(blob), chunk_bytes):
-        piece = pb.CheckpointChunk(
-            step=step,
-            offset=offset,
-            total_bytes=len(blob),
-            payload=blob[offset : offset + length],
+    return [
+        Send(
+            ranks,
+            pb.CoordinatorMessage(
+                resume=pb.CheckpointChunk(
+                    step=step, offset=offset, total_bytes=len(blob), payload=payload
+                )
+            ),
         )
-        actions.append(Send(ranks, pb.CoordinatorMessage(resume=piece)))
-    return actions
+        for offset, payload in blob_chunks(blob, chunk_bytes)
+    ]
 
 
 class Persistence:
@@ -54,13 +55,21 @@ class Persistence:
         self._chunk_bytes = chunk_bytes
         self._limit_bytes = limit_bytes
         self._budget = budget
-        #: Checkpoint this job resumes from (set by the servicer before assembly).
-        self.resume: Checkpoint | None = None
+        self._resume: Checkpoint | None = None
         #: Step of the newest checkpoint acknowledged as durable (-1: none).
         self.last_checkpoint_step = -1
         #: Steps this job asked the store to save (what its pruning may delete).
-        self.written: set[int] = set()
+        self._written: set[int] = set()
         self._upload: tuple[int, BlobAssembler] | None = None
+
+    @property
+    def resume(self) -> Checkpoint | None:
+        """The checkpoint this job resumes from (None: it starts from rank 0's state)."""
+        return self._resume
+
+    def resume_from(self, checkpoint: Checkpoint | None) -> None:
+        """Resume from `checkpoint` (loaded from the store before the job assembles)."""
+        self._resume = checkpoint
 
     def on_upload_chunk(self, chunk: pb.CheckpointChunk) -> Persist | None:
         """Collect one chunk of rank 0's upload; return the Persist once it is complete.
@@ -74,18 +83,17 @@ class Persistence:
             self.abandon_upload()  # an unfinished older upload gives its bytes back
             what = f"checkpoint of step {chunk.step} from rank 0"
             assembler = BlobAssembler(
-                what, chunk.total_bytes, self._chunk_bytes, self._limit_bytes, self._budget
+                what,
+                chunk.total_bytes,
+                self._chunk_bytes,
+                (self._limit_bytes, "--max-checkpoint-mb"),
+                self._budget,
+                oversize=Code.INVALID_ARGUMENT,  # a checkpoint's oversized chunk is mis-sized
             )
             self._upload = (chunk.step, assembler)
         step, assembler = self._upload
-        if chunk.total_bytes != assembler.total_bytes:
-            raise RejectedMessage(
-                Code.INVALID_ARGUMENT,
-                f"rank 0 changed the size of the checkpoint of step {step} from "
-                f"{assembler.total_bytes} to {chunk.total_bytes} bytes mid-upload",
-            )
         try:
-            complete = assembler.add(chunk.offset, chunk.payload)
+            complete = assembler.add(chunk.offset, chunk.payload, chunk.total_bytes)
         except RejectedMessage:
             self.abandon_upload()
             raise
@@ -103,7 +111,11 @@ class Persistence:
     def prune_guard(self) -> PruneGuard:
         """What this job's saves may prune: never a newer checkpoint it did not write."""
         resumed_from = self.resume.step if self.resume is not None else -1
-        return PruneGuard(resumed_from, frozenset(self.written))
+        return PruneGuard(resumed_from, frozenset(self._written))
+
+    def wrote(self, step: int) -> None:
+        """This job asked the store to save the checkpoint of `step` (its pruning may delete it)."""
+        self._written.add(step)
 
     def saved(self, step: int) -> None:
         """The checkpoint of `step` is durable."""

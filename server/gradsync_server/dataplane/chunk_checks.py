@@ -1,9 +1,10 @@
-"""Is this chunk where the chunking rule says it must be? (pure, shared by every upload).
+"""Is this gradient chunk where the chunking rule says it must be? (pure logic).
 
-Gradient, state, checkpoint and collective uploads are all cut by the one rule
-of `gradsync_proto.chunking`, so the coordinator checks each chunk's offset
-and length against it before buffering a byte, and says what it expected.
-A coordinator shard checks its byte range's grid instead (`check_range_chunk`).
+Gradient uploads are cut by the one rule of `gradsync_proto.chunking`, so the
+coordinator checks each chunk's offset and length against it before it folds
+a byte in, and says what it expected. A coordinator shard checks its byte
+range's grid instead (`check_range_chunk`). Blobs (checkpoints, state,
+collectives) are checked by `gradsync_proto.blobs.BlobAssembly`.
 """
 
 from __future__ import annotations

@@ -1,56 +1,41 @@
-"""Reassembly of a blob uploaded in chunks (pure logic): checkpoints and healing state.
+"""A blob uploaded to the coordinator in chunks, within its caps (pure logic).
 
-Chunks follow the wire rule (chunk k covers [k*C, min((k+1)*C, size))), so
-every offset and length can be checked, duplicates refused and completion
-known without trusting the sender.
-
-Memory follows the bytes that arrived, never the size a sender declares
-(issue 11: one 14-byte CheckpointChunk declaring 2 GiB made the coordinator
-zero-fill 2 GiB). The declared total is checked against a cap first, chunks
-must then come in order (the worker sends them so on one stream), the buffer
-grows by each chunk's bytes, and what it holds is counted in the
-coordinator's byte budget through a `Reservation`, released when the blob is
-taken or the upload abandoned.
+Checkpoints, healing state and collective inputs are reassembled by the
+shared `gradsync_proto.blobs.BlobAssembly` (the wire rule, every offset and
+length checked, memory following the bytes that arrived). What only the
+coordinator adds is here: the declared total is checked against a cap
+before anything is held, the bytes held are counted in the coordinator's
+byte budget through a `Reservation` (checked before each chunk is kept,
+released when the blob is taken or the upload abandoned), and a refusal is
+a `RejectedMessage` that ends the sender's stream.
 """
 
 from __future__ import annotations
 
-from gradsync_proto import chunking
+from gradsync_proto.blobs import BadChunk, BlobAssembly
 from gradsync_proto.codes import Code
 
 from gradsync_server.dataplane.budget import OwnerBudget, Reservation
 from gradsync_server.errors import RejectedMessage
 
 
-class _Unbudgeted:
-    """Stands in for a reservation where no budget is involved (unit tests)."""
-
-    held = 0
-
-    def fits(self, extra: int) -> bool:
-        return True
-
-    def hold(self, nbytes: int) -> None:
-        self.held = nbytes
-
-    def release(self) -> None:
-        self.held = 0
-
-
 class BlobAssembler:
-    """Collects the chunks of one blob of `total_bytes`, in order.
+    """Collects the chunks of one uploaded blob of `total_bytes`.
 
     Args:
-        what: the blob in messages ("checkpoint of step 5 from rank 0").
+        what: the blob and its sender, in messages ("checkpoint of step 5 from rank 0").
         total_bytes: the size the sender declares (checked, not allocated).
         chunk_bytes: the wire chunk size.
-        limit_bytes: the largest blob accepted (`--max-checkpoint-mb`).
+        limit: (the largest blob accepted, the flag that sets it), or None
+            where the caller checked the size itself (collectives).
         budget: the job's share of the byte budget, where the bytes held are
             counted and checked (None: nowhere).
+        in_order: chunks must come in order (see `BlobAssembly`).
+        oversize: the code of a chunk above the chunk limit.
 
     Raises:
         RejectedMessage: RESOURCE_EXHAUSTED at construction when the blob is
-            larger than `limit_bytes`.
+            larger than the limit.
     """
 
     def __init__(
@@ -58,75 +43,73 @@ class BlobAssembler:
         what: str,
         total_bytes: int,
         chunk_bytes: int,
-        limit_bytes: int,
+        limit: tuple[int, str] | None,
         budget: OwnerBudget | None = None,
+        *,
+        in_order: bool = True,
+        oversize: Code = Code.RESOURCE_EXHAUSTED,
     ) -> None:
-        if total_bytes > limit_bytes:
+        if limit is not None and total_bytes > limit[0]:
             raise RejectedMessage(
                 Code.RESOURCE_EXHAUSTED,
                 f"{what} declares {total_bytes} bytes; the coordinator accepts at most "
-                f"{limit_bytes} (--max-checkpoint-mb)",
+                f"{limit[0]} ({limit[1]})",
             )
-        self.what = what
-        self.total_bytes = total_bytes
-        self.chunk_bytes = chunk_bytes
-        self._data = bytearray()
-        self._budget: OwnerBudget | _Unbudgeted = budget or _Unbudgeted()
-        self._reservation: Reservation | _Unbudgeted = (
-            budget.reserve() if budget is not None else _Unbudgeted()
+        self._assembly = BlobAssembly(
+            what, total_bytes, chunk_bytes, in_order=in_order, oversize=oversize
         )
+        self._budget = budget
+        self._reservation: Reservation | None = budget.reserve() if budget is not None else None
+
+    @property
+    def total_bytes(self) -> int:
+        """The size the sender declared."""
+        return self._assembly.total_bytes
 
     @property
     def received(self) -> int:
         """Bytes received so far (and held)."""
-        return len(self._data)
+        return self._assembly.received
 
-    def add(self, offset: int, payload: bytes) -> bool:
-        """Store one chunk; return True once the blob is complete.
+    @property
+    def complete(self) -> bool:
+        """True once every chunk arrived."""
+        return self._assembly.complete
+
+    def add(self, offset: int, payload: bytes, claimed_total: int | None = None) -> bool:
+        """Store one chunk (that says the blob has `claimed_total` bytes); True once complete.
 
         Raises:
-            RejectedMessage: INVALID_ARGUMENT for a misaligned, mis-sized, repeated
-                or out-of-order chunk; RESOURCE_EXHAUSTED when the byte budget is full.
+            RejectedMessage: INVALID_ARGUMENT for a chunk claiming another size, a
+                misaligned, mis-sized, repeated or (in order) out-of-order chunk;
+                RESOURCE_EXHAUSTED when the byte budget is full.
         """
-        if offset % self.chunk_bytes or offset >= max(self.total_bytes, 1):
-            raise RejectedMessage(
-                Code.INVALID_ARGUMENT,
-                f"{self.what}: chunk at offset {offset}; offsets must be multiples of "
-                f"{self.chunk_bytes} below {self.total_bytes}",
-            )
-        if offset < self.received:
-            raise RejectedMessage(
-                Code.INVALID_ARGUMENT, f"{self.what}: chunk at offset {offset} sent twice"
-            )
-        if offset != self.received:
-            raise RejectedMessage(
-                Code.INVALID_ARGUMENT,
-                f"{self.what}: chunk at offset {offset} arrived before the one at offset "
-                f"{self.received}; chunks must be sent in order",
-            )
-        expected = chunking.expected_chunk_length(self.total_bytes, self.chunk_bytes, offset)
-        if len(payload) != expected:
-            raise RejectedMessage(
-                Code.INVALID_ARGUMENT,
-                f"{self.what}: {len(payload)} bytes at offset {offset}, expected {expected}",
-            )
-        if not self._budget.fits(len(payload)):
+        assembly = self._assembly
+        try:
+            assembly.check(offset, len(payload), claimed_total)
+        except BadChunk as bad:
+            raise RejectedMessage(bad.code, bad.message) from None
+        budget = self._budget
+        if budget is not None and not budget.fits(len(payload)):
             raise RejectedMessage(
                 Code.RESOURCE_EXHAUSTED,
-                f"{self.what}: no room for {len(payload)} more bytes at offset {offset} in "
-                "the coordinator's buffer budget (--max-buffered-mb)",
+                f"{assembly.what}: no room for {len(payload)} more bytes at offset {offset}: "
+                f"the coordinator already buffers {budget.used} bytes (limit {budget.limit} "
+                "bytes, --max-buffered-mb)",
             )
-        self._data += payload
-        self._reservation.hold(len(self._data))
-        return len(self._data) == self.total_bytes
+        complete = assembly.add(offset, payload)
+        if self._reservation is not None:
+            self._reservation.hold(assembly.received)
+        return complete
 
     def blob(self) -> bytes:
         """The assembled bytes (call once complete); the budget is given back."""
-        data = bytes(self._data)
+        data = bytes(self._assembly.blob())
         self.release()
         return data
 
     def release(self) -> None:
         """Drop what is held and give it back to the budget (idempotent)."""
-        self._data = bytearray()
-        self._reservation.release()
+        self._assembly.release()
+        if self._reservation is not None:
+            self._reservation.release()

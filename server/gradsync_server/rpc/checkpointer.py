@@ -238,7 +238,7 @@ class Checkpointer:
             )
             # Counted before the save: a save that fails half-way may leave its blob,
             # which this job's later saves may then prune.
-            job.persistence.written.add(action.step)
+            job.persistence.wrote(action.step)
             guard = job.persistence.prune_guard()
             digest = checkpoint_seal.signature_digest(signature)
             try:

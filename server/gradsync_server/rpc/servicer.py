@@ -386,7 +386,7 @@ class CoordinatorServicer:
                 self.shard_control.registry.shard_map,
                 self.payload_endpoint,
             )
-            job.persistence.resume = resume
+            job.resume_from(resume)
         try:
             actions = job.join(join.rank, join)
         except RejectedMessage as rejection:
