@@ -7,7 +7,8 @@ in `gradsync_server.control.job` and its components, the checks on a Join in
 `admission`, liveness checks in `watchdog`, checkpoint store I/O in
 `checkpointer`, the status reply in `status`, the control streams of
 coordinator shards (`Coordinator.ShardLink`) in `shard_control`; the servicer
-only translates between bytes on the wire and the actions those return.
+only translates between bytes on the wire and the actions those return,
+which `delivery` carries out.
 A same-host local leader's payloads are read from and written into its
 shared-memory segment (`segments`, `payload_socket`) on their way to and
 from the job, which sees the same chunks either way. A
@@ -52,13 +53,13 @@ from gradsync_server.control.admission import (
 )
 from gradsync_server.control.job import Job, JobState
 from gradsync_server.control.status import EndedJobs, status_reply
-from gradsync_server.dataplane.actions import Action, Persist, SegmentAverage, Send, Terminate
+from gradsync_server.dataplane.actions import Action
 from gradsync_server.dataplane.budget import ByteBudget
 from gradsync_server.errors import RejectedMessage
 from gradsync_server.metrics import CoordinatorMetrics
 from gradsync_server.rpc.checkpointer import Checkpointer
 from gradsync_server.rpc.connection import Connection
-from gradsync_server.rpc.payload_socket import averaged_for
+from gradsync_server.rpc.delivery import Delivery
 from gradsync_server.rpc.segments import SegmentRegistry, leader_session
 from gradsync_server.rpc.shard_control import ShardControl
 from gradsync_server.rpc.stream_guard import StreamCount, guarded
@@ -99,12 +100,20 @@ class CoordinatorServicer:
         #: Streams of every kind, against --max-connections (see `stream_guard`).
         self.stream_count = StreamCount(config.max_connections)
         self.draining = False
-        self._background: set[asyncio.Task[None]] = set()
         self.ended_jobs = EndedJobs(lambda: self.clock())
         #: Same-host local leaders' segments (see `segments`); one per stream at most.
         self.segments = SegmentRegistry(config.max_connections, config.chunk_bytes, self.metrics)
         #: (payload socket name, this coordinator's host id) once the socket listens.
         self.payload_endpoint: tuple[str, str] | None = None
+        self._delivery = Delivery(
+            self._connections,
+            self.metrics,
+            self.segments,
+            self.shard_control,
+            self.checkpointer,
+            self._detach,
+        )
+        self._execute = self._delivery.execute
 
     @property
     def store(self) -> CheckpointStore | None:
@@ -294,19 +303,6 @@ class CoordinatorServicer:
             conn.end(rejection.code, rejection.message)
         return None
 
-    def _send_segment_average(
-        self, job: Job, ranks: tuple[int, ...], average: SegmentAverage
-    ) -> None:
-        """Write an average into each rank's segment and send it the header only (the whole
-        chunk, encoded once, to a rank whose segment cannot take it)."""
-        for rank in ranks:
-            target = self._connections.get((job.job_id, rank))
-            if target is None or target.job is not job:
-                continue
-            target.send(averaged_for(self.segments, target, average))
-            if target.ended:
-                asyncio.get_running_loop().call_soon(self._detach, target)
-
     def _gradient(
         self, conn: Connection, job: Job, chunk: ChunkHeader, payload: memoryview
     ) -> None:
@@ -415,49 +411,6 @@ class CoordinatorServicer:
         )
         self._execute(job, actions)
 
-    def _execute(self, job: Job, actions: list[Action]) -> None:
-        # Shards hear of a job's start, membership changes and aborts before workers do.
-        self.shard_control.before_delivery(job)
-        for action in actions:
-            if isinstance(action, Send):
-                message = action.message
-                if isinstance(message, SegmentAverage):
-                    self._send_segment_average(job, action.ranks, message)
-                    continue
-                if isinstance(message, bytes):
-                    raw = message  # pre-encoded averaged chunk, serialized once for all ranks
-                else:
-                    raw = message.SerializeToString()
-                    kind = message.WhichOneof("kind")
-                    if kind == "step_aborted":
-                        self.metrics.observe_step_aborted(message.step_aborted)
-                        log.warning("job '%s': %s", job.job_id, message.step_aborted.message)
-                    elif kind == "membership":
-                        log.warning("job '%s': %s", job.job_id, message.membership.reason)
-                for rank in action.ranks:
-                    target = self._connections.get((job.job_id, rank))
-                    if target is not None and target.job is job:
-                        # (An average for a same-host segment is a SegmentAverage, above.)
-                        target.send(raw)
-                        if target.ended:
-                            # Dropped as a slow reader: the others must not wait for it
-                            # while its end flushes (soon: not inside this job's actions).
-                            asyncio.get_running_loop().call_soon(self._detach, target)
-            elif isinstance(action, Persist):
-                task = asyncio.create_task(self._persist(job, action))
-                self._background.add(task)
-                task.add_done_callback(self._background.discard)
-            elif isinstance(action, Terminate):
-                self.metrics.observe_error(action.code.name)
-                log.warning(
-                    "job '%s': ending ranks %s: %s", job.job_id, list(action.ranks), action.details
-                )
-                reason = action.reason or None  # UNSPECIFIED: let the code decide
-                for rank in action.ranks:
-                    target = self._connections.get((job.job_id, rank))
-                    if target is not None and target.job is job:
-                        target.end(action.code, action.details, reason)
-
     def _detach(self, conn: Connection) -> None:
         job = conn.job
         if job is None:
@@ -524,7 +477,3 @@ class CoordinatorServicer:
     def execute(self, job: Job, actions: list[Action]) -> None:
         """Carry out `actions` of `job` (for the watchdog's periodic reports)."""
         self._execute(job, actions)
-
-    async def _persist(self, job: Job, action: Persist) -> None:
-        """Carry out a Persist in the background, then deliver its acknowledgement."""
-        self._execute(job, await self.checkpointer.persist(job, action))

@@ -1,0 +1,120 @@
+"""Carrying out a job's actions on the coordinator's streams.
+
+The job (pure) returns actions; this is where they meet sockets: a `Send`
+is serialized once and written to every target rank's outbox (an average for
+a same-host segment is written into the segment instead and only its header
+sent), a `Persist` runs in the background on the checkpoint store, and a
+`Terminate` ends streams with a status. A job's actions reach only the
+streams joined to that very job object: after a shard loss (or a Join to a
+failed job) a new job with the same id may run while the old one's streams
+end. Shards hear of the job's control events first, so that a Welcome's job
+is known to every shard before any worker can open a data stream for it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable
+
+from gradsync_server.control.job import Job
+from gradsync_server.dataplane.actions import Action, Persist, SegmentAverage, Send, Terminate
+from gradsync_server.metrics import CoordinatorMetrics
+from gradsync_server.rpc.checkpointer import Checkpointer
+from gradsync_server.rpc.connection import Connection
+from gradsync_server.rpc.payload_socket import averaged_for
+from gradsync_server.rpc.segments import SegmentRegistry
+from gradsync_server.rpc.shard_control import ShardControl
+
+log = logging.getLogger("gradsync.server")
+
+
+class Delivery:
+    """Delivers the actions of the coordinator's jobs (everything on the servicer's loop).
+
+    Args:
+        connections: the joined streams by (job id, rank), shared with the servicer.
+        metrics: where aborts and stream ends are counted.
+        segments: same-host segments, for averages written in place.
+        shard_control: the shards, told each job's control events first.
+        checkpointer: carries out `Persist` on the store.
+        detach: forgets a stream that was dropped as a slow reader.
+    """
+
+    def __init__(
+        self,
+        connections: dict[tuple[str, int], Connection],
+        metrics: CoordinatorMetrics,
+        segments: SegmentRegistry,
+        shard_control: ShardControl,
+        checkpointer: Checkpointer,
+        detach: Callable[[Connection], None],
+    ) -> None:
+        self._connections = connections
+        self._metrics = metrics
+        self._segments = segments
+        self._shard_control = shard_control
+        self._checkpointer = checkpointer
+        self._detach = detach
+        self._background: set[asyncio.Task[None]] = set()
+
+    def execute(self, job: Job, actions: list[Action]) -> None:
+        """Carry out `actions` of `job`, in order."""
+        self._shard_control.before_delivery(job)
+        for action in actions:
+            if isinstance(action, Send):
+                self._send(job, action)
+            elif isinstance(action, Persist):
+                task = asyncio.create_task(self._persist(job, action))
+                self._background.add(task)
+                task.add_done_callback(self._background.discard)
+            elif isinstance(action, Terminate):
+                self._metrics.observe_error(action.code.name)
+                log.warning(
+                    "job '%s': ending ranks %s: %s", job.job_id, list(action.ranks), action.details
+                )
+                reason = action.reason or None  # UNSPECIFIED: let the code decide
+                for rank in action.ranks:
+                    target = self._target(job, rank)
+                    if target is not None:
+                        target.end(action.code, action.details, reason)
+
+    def _target(self, job: Job, rank: int) -> Connection | None:
+        target = self._connections.get((job.job_id, rank))
+        return target if target is not None and target.job is job else None
+
+    def _send(self, job: Job, send: Send) -> None:
+        message = send.message
+        if isinstance(message, SegmentAverage):
+            # Written into each rank's segment, the header only sent (the whole chunk,
+            # encoded once, to a rank whose segment cannot take it).
+            for rank in send.ranks:
+                target = self._target(job, rank)
+                if target is not None:
+                    self._write(target, averaged_for(self._segments, target, message))
+            return
+        if isinstance(message, bytes):
+            raw = message  # pre-encoded averaged chunk, serialized once for all ranks
+        else:
+            raw = message.SerializeToString()
+            kind = message.WhichOneof("kind")
+            if kind == "step_aborted":
+                self._metrics.observe_step_aborted(message.step_aborted)
+                log.warning("job '%s': %s", job.job_id, message.step_aborted.message)
+            elif kind == "membership":
+                log.warning("job '%s': %s", job.job_id, message.membership.reason)
+        for rank in send.ranks:
+            target = self._target(job, rank)
+            if target is not None:
+                self._write(target, raw)
+
+    def _write(self, target: Connection, raw: bytes) -> None:
+        target.send(raw)
+        if target.ended:
+            # Dropped as a slow reader: the others must not wait for it while its end
+            # flushes (soon: not inside this job's actions).
+            asyncio.get_running_loop().call_soon(self._detach, target)
+
+    async def _persist(self, job: Job, action: Persist) -> None:
+        """Carry out a Persist in the background, then deliver its acknowledgement."""
+        self.execute(job, await self._checkpointer.persist(job, action))
