@@ -182,7 +182,7 @@ class Transport:
         *,
         result_bytes: int | None = None,
     ) -> tuple[bytearray, int]:
-        """Run the next collective of the job; see `CoordinatorLink.run_collective`."""
+        """Run the next collective of the job; see `SessionLink.run_collective`."""
         check_collective_input(op, payload)
         with self._sequence_lock:
             sequence = self._next_collective
@@ -252,11 +252,11 @@ class Transport:
         return self._inbox.take_heal_request()
 
     def step_report(self) -> pb.StepReport | None:
-        """The coordinator's latest StepReport; see `CoordinatorLink.step_report`."""
+        """The coordinator's latest StepReport; see `SessionLink.step_report`."""
         return self._inbox.step_report()
 
     def live_ranks(self) -> tuple[int, ...] | None:
-        """The live ranks of the latest MembershipChanged; see `CoordinatorLink.live_ranks`."""
+        """The live ranks of the latest MembershipChanged; see `SessionLink.live_ranks`."""
         return self._inbox.live_ranks()
 
     def send_heal(self, step: int, blob: bytes) -> None:
@@ -286,7 +286,7 @@ class Transport:
         With a sharded coordinator, range i of the bucket goes to shard i. With
         `result`, every chunk asks for the average in `result_dtype` and it is
         written there, on the grid of `result`'s own ranges (see
-        `CoordinatorLink.submit_bucket`). A local leader's `covered_ranks` (and
+        `GradientPath.submit_bucket`). A local leader's `covered_ranks` (and
         `nonfinite_ranks`) go in every chunk, on every shard's stream. With
         `segment_offset` (a local leader whose segment the coordinator holds;
         unsharded, no `result`), chunks travel header-only and the averages land in
