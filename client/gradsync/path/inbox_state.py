@@ -36,7 +36,6 @@ class InboxState:
     state: bytearray | None = None
     state_received: int = 0
     fatal: GradSyncError | None = None
-    stream_done: bool = False
     resume: bytearray | None = None
     resume_received: int = 0
     checkpoint_acks: dict[int, pb.CheckpointSaved] = field(default_factory=dict)
