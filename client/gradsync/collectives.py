@@ -36,7 +36,7 @@ import numpy as np
 import torch
 from gradsync_proto.v1 import gradsync_pb2 as pb
 
-from gradsync.control.link import CoordinatorLink
+from gradsync.control.link import SessionLink
 from gradsync.control.signature import WIRE_DTYPES
 
 __all__ = ["Collectives", "all_gather", "all_reduce", "barrier", "broadcast"]
@@ -62,7 +62,7 @@ class Collectives:
 
     def __init__(
         self,
-        link_getter: Callable[[], CoordinatorLink],
+        link_getter: Callable[[], SessionLink],
         rank: int,
         world_size: int,
         timeout_s: float,
@@ -79,7 +79,7 @@ class Collectives:
         self.last_contributors = 0
 
     @property
-    def link(self) -> CoordinatorLink:
+    def link(self) -> SessionLink:
         """The current link to the coordinator."""
         return self._link_getter()
 
@@ -93,7 +93,7 @@ class Collectives:
 
         Raises:
             ValueError: an unknown op, or a dtype the op cannot reduce.
-            GradSyncError: the collective failed (see `CoordinatorLink.run_collective`).
+            GradSyncError: the collective failed (see `SessionLink.run_collective`).
         """
         wire_op = _reduce_op(op)
         _check(tensor, "all_reduce")

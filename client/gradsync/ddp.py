@@ -40,7 +40,7 @@ from torch import nn
 from gradsync import compat, hooks, syncbn, uneven
 from gradsync.collectives import Collectives
 from gradsync.config import ClientConfig
-from gradsync.control.link import CoordinatorLink, LinkFactory
+from gradsync.control.link import LinkFactory, SessionLink
 from gradsync.control.session import Session
 from gradsync.control.signature import PRESENCE_NAME, model_signature
 from gradsync.errors import (
@@ -261,7 +261,7 @@ class DistributedDataParallel(nn.Module):
             self.rank,
             self.world_size,
             self._instruments,
-            lambda: self._link,
+            lambda: self._session.path,
             wire_hook,
             answer_in_fp32,
             # Views are host memory: a CUDA module keeps staging through pinned buffers.
@@ -498,7 +498,7 @@ class DistributedDataParallel(nn.Module):
 
     # ------------------------------------------------------------- step path
     @property
-    def _link(self) -> CoordinatorLink:
+    def _link(self) -> SessionLink:
         """The current link to the coordinator (a reconnect replaces it)."""
         return self._session.link
 

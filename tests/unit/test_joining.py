@@ -189,8 +189,8 @@ def test_heartbeats_start_before_welcome_at_the_coordinators_interval_without_pi
             await asyncio.sleep(0.4)  # the first progress said 0.25 s: one beat by now
             task.cancel()
             queued = []
-            while not transport._outgoing.empty():
-                queued.append(transport._outgoing.get_nowait())
+            while not transport._sync._queue.empty():
+                queued.append(transport._sync._queue.get_nowait())
             return sum(item is _HEARTBEAT for item in queued)
 
         # Nothing consumes the queue (no connection): exactly one beat waits.

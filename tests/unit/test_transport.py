@@ -1,7 +1,7 @@
 """The receive side of the Sync stream, driven message by message (no network).
 
 `Inbox` is fed serialized CoordinatorMessages directly; the stream-end tests
-run `Transport._receive` over a scripted call, so the path from the
+run the Sync stream's reader over a scripted call, so the path from the
 coordinator's last message and status to the exception a waiter gets is the
 production one.
 """
@@ -76,8 +76,8 @@ def end_stream(messages: list[pb.CoordinatorMessage], status: Code | None) -> Gr
     transport = Transport("127.0.0.1:1", rank=2)
     try:
         transport.configure_buckets([8])  # so that step 3 waits for something
-        transport._call = ScriptedCall(messages, status)
-        transport._run(transport._receive(), timeout_s=5)
+        transport._sync._call = ScriptedCall(messages, status)
+        transport._run(transport._sync._read(), timeout_s=5)
         with pytest.raises(GradSyncError) as raised:
             transport.wait_step(3, timeout_s=1)
         return raised.value

@@ -1,13 +1,24 @@
-"""The seam between the model wrapper and the network: what a link to the coordinator offers.
+"""The seams between the model wrapper and the network: a gradient path and a session link.
 
-`DistributedDataParallel` and its `Session` drive a step through this
-protocol only, never through gRPC, so the step logic (which bucket is handed
+`DistributedDataParallel` and its `Session` drive a step through these
+protocols only, never through gRPC, so the step logic (which bucket is handed
 off when, where averages land, which error surfaces from `backward()`) can be
-unit-tested with a pure-Python fake, and a different transport (shared memory
-for hierarchical aggregation) can be plugged in later.
-`gradsync.path.transport.Transport`, gRPC on its own event loop, is the one used in
-production and the default; it also speaks to sharded coordinators, invisibly
-to the wrapper.
+unit-tested with a pure-Python fake.
+
+Two concerns, two protocols, because they compose differently:
+
+- `GradientPath` (submit a bucket, wait for a step, give a step up) is what
+  the reducer and the step path use. It has three compositions: *direct* and
+  *sharded*, both `gradsync.path.transport.Transport` (a sharded coordinator's
+  Welcome makes it cut every bucket per shard, invisibly to the wrapper), and
+  *local group* (`gradsync.local.hierarchy.LocalGroupPath`), which sums a
+  host's ranks in shared memory and wraps another path for its leader's uploads.
+- `SessionLink` (join, state, checkpoints, heal, collectives, heartbeats,
+  close) is what the session, collectives and join() use. A local group does
+  not change it: every rank keeps its own Sync stream for these.
+
+`CoordinatorLink` is both on one stream: what a `LinkFactory` builds (the
+production one is `Transport`, gRPC on its own event loop).
 
 The contract every implementation keeps (the wrapper relies on it):
 
@@ -45,63 +56,8 @@ from gradsync.path.buffers import BucketBuffer
 BucketEventHandler = Callable[[str, int, int], None]
 
 
-class CoordinatorLink(Protocol):
-    """One worker's connection to the coordinator, as the model wrapper uses it."""
-
-    #: The step heartbeats report (the wrapper keeps it current).
-    current_step: int
-    #: Observer of bucket uploads and averages (metrics, trace), or None.
-    on_bucket_event: BucketEventHandler | None
-
-    @property
-    def collective_sequence(self) -> int:
-        """The sequence number the next collective gets (read-only here)."""
-        ...
-
-    def configure_buckets(self, bucket_bytes: list[int]) -> None:
-        """Tell the link the size of each bucket (to know when a step is complete)."""
-
-    def open(self, join: pb.Join) -> None:
-        """Open the stream and send `join`; returns without waiting for the job."""
-
-    def wait_welcome(self, timeout_s: float) -> pb.Welcome:
-        """Block (bounded) until the job is assembled; return the Welcome."""
-        ...
-
-    def send_state(self, blob: npt.NDArray[np.uint8]) -> None:
-        """Queue rank 0's parameters and buffers for broadcast. Never blocks."""
-
-    def receive_state(self, num_bytes: int, timeout_s: float) -> bytearray:
-        """Block (bounded) until rank 0's whole state blob arrived; return it."""
-        ...
-
-    def receive_resume(self, num_bytes: int, timeout_s: float) -> bytes:
-        """Block (bounded) until the checkpoint the job resumes from arrived; return it."""
-        ...
-
-    def send_checkpoint(self, step: int, blob: bytes) -> None:
-        """Queue a checkpoint upload (rank 0). Never blocks."""
-
-    def wait_checkpoint(self, step: int, timeout_s: float) -> pb.CheckpointSaved:
-        """Block (bounded) until the coordinator answered the checkpoint of `step`."""
-        ...
-
-    def take_heal_request(self) -> bool:
-        """True, once, when a rejoining rank asked for this rank's state."""
-        ...
-
-    def step_report(self) -> pb.StepReport | None:
-        """The coordinator's latest StepReport (who was slowest), or None.
-
-        Only the lowest participating rank receives them, for its step log.
-        """
-        ...
-
-    def send_heal(self, step: int, blob: bytes) -> None:
-        """Queue this rank's state for a rejoining rank. Never blocks."""
-
-    def abandon_step(self, step: int, reason: str) -> None:
-        """Tell the coordinator this rank gives up on `step`. Never blocks."""
+class GradientPath(Protocol):
+    """Where a rank's gradient buckets go and its averages come from."""
 
     def submit_bucket(
         self,
@@ -143,6 +99,60 @@ class CoordinatorLink(Protocol):
             The number of ranks averaged over.
         """
         ...
+
+    def abandon_step(self, step: int, reason: str) -> None:
+        """Tell the coordinator this rank gives up on `step`. Never blocks."""
+
+
+class SessionLink(Protocol):
+    """A rank's membership of its job: join, state, checkpoints, heal, collectives, heartbeats."""
+
+    #: The step heartbeats report (the wrapper keeps it current).
+    current_step: int
+
+    @property
+    def collective_sequence(self) -> int:
+        """The sequence number the next collective gets (read-only here)."""
+        ...
+
+    def open(self, join: pb.Join) -> None:
+        """Open the stream and send `join`; returns without waiting for the job."""
+
+    def wait_welcome(self, timeout_s: float) -> pb.Welcome:
+        """Block (bounded) until the job is assembled; return the Welcome."""
+        ...
+
+    def send_state(self, blob: npt.NDArray[np.uint8]) -> None:
+        """Queue rank 0's parameters and buffers for broadcast. Never blocks."""
+
+    def receive_state(self, num_bytes: int, timeout_s: float) -> bytearray:
+        """Block (bounded) until rank 0's whole state blob arrived; return it."""
+        ...
+
+    def receive_resume(self, num_bytes: int, timeout_s: float) -> bytes:
+        """Block (bounded) until the checkpoint the job resumes from arrived; return it."""
+        ...
+
+    def send_checkpoint(self, step: int, blob: bytes) -> None:
+        """Queue a checkpoint upload (rank 0). Never blocks."""
+
+    def wait_checkpoint(self, step: int, timeout_s: float) -> pb.CheckpointSaved:
+        """Block (bounded) until the coordinator answered the checkpoint of `step`."""
+        ...
+
+    def take_heal_request(self) -> bool:
+        """True, once, when a rejoining rank asked for this rank's state."""
+        ...
+
+    def step_report(self) -> pb.StepReport | None:
+        """The coordinator's latest StepReport (who was slowest), or None.
+
+        Only the lowest participating rank receives them, for its step log.
+        """
+        ...
+
+    def send_heal(self, step: int, blob: bytes) -> None:
+        """Queue this rank's state for a rejoining rank. Never blocks."""
 
     def run_collective(
         self,
@@ -213,6 +223,16 @@ class CoordinatorLink(Protocol):
 
     def close(self, timeout_s: float = ...) -> None:
         """Leave the job and release the connection. Idempotent."""
+
+
+class CoordinatorLink(SessionLink, GradientPath, Protocol):
+    """One worker's stream to the coordinator: its session link and its direct gradient path."""
+
+    #: Observer of bucket uploads and averages (metrics, trace), or None.
+    on_bucket_event: BucketEventHandler | None
+
+    def configure_buckets(self, bucket_bytes: list[int]) -> None:
+        """Tell the link the size of each bucket (to know when a step is complete)."""
 
 
 #: Builds a link from ("host:port" of the coordinator, this worker's rank).

@@ -9,7 +9,9 @@ reconnecting with backoff when the coordinator is lost. Keeping it apart from
 hot path, and gives the reconnect rules one reader-sized home.
 
 The session owns the link to the coordinator because reconnecting replaces
-it: the wrapper always reaches the current one through `Session.link`.
+it: the wrapper always reaches the current session link through
+`Session.link` and the current gradient path through `Session.path` (the
+link itself, or a local group's path around it).
 """
 
 from __future__ import annotations
@@ -27,7 +29,13 @@ from torch import nn
 
 from gradsync import __version__
 from gradsync.config import ClientConfig
-from gradsync.control.link import BucketEventHandler, CoordinatorLink, LinkFactory
+from gradsync.control.link import (
+    BucketEventHandler,
+    CoordinatorLink,
+    GradientPath,
+    LinkFactory,
+    SessionLink,
+)
 from gradsync.errors import (
     CheckpointFailedError,
     CheckpointMismatchError,
@@ -36,7 +44,7 @@ from gradsync.errors import (
     GradSyncError,
     SyncTimeoutError,
 )
-from gradsync.local.hierarchy import HierarchicalLink
+from gradsync.local.hierarchy import LocalGroupPath
 from gradsync.local.host_identity import host_id
 from gradsync.local.local_group import LocalGroup
 
@@ -88,17 +96,24 @@ class Session:
         self.checkpoint_every = 0
         self._last_checkpoint_step = -1
         self._resumed_from_checkpoint = False
+        #: The local group's path around the link (hierarchical aggregation), or None.
+        self._local: LocalGroupPath | None = None
         self._link = self._new_link()
 
     @property
-    def link(self) -> CoordinatorLink:
-        """The current link to the coordinator (replaced by each reconnect)."""
+    def link(self) -> SessionLink:
+        """The current session link to the coordinator (replaced by each reconnect)."""
         return self._link
+
+    @property
+    def path(self) -> GradientPath:
+        """The current gradient path: the local group's, else the link's own."""
+        return self._local if self._local is not None else self._link
 
     @property
     def local_group(self) -> LocalGroup | None:
         """This rank's local group (hierarchical aggregation), or None when flat."""
-        return self._link.group if isinstance(self._link, HierarchicalLink) else None
+        return self._local.group if self._local is not None else None
 
     def start(self) -> int:
         """Join the job and start equal; return the step training starts at.
@@ -109,12 +124,20 @@ class Session:
         try:
             return self._join_and_broadcast()
         except BaseException:
-            self._link.close(timeout_s=5.0)
+            self._release(timeout_s=5.0)
             raise
 
     def close(self) -> None:
         """Leave the job."""
-        self._link.close()
+        self._release()
+
+    def _release(self, timeout_s: float = 10.0) -> None:
+        """Close the local group (if any), then the link. Idempotent."""
+        try:
+            if self._local is not None:
+                self._local.close()
+        finally:
+            self._link.close(timeout_s)
 
     # ------------------------------------------------------------ step boundaries
     def at_step_boundary(self, step: int) -> None:
@@ -220,7 +243,8 @@ class Session:
         )
         self._resumed_from_checkpoint = False
         while True:
-            self._link.close(timeout_s=_ABANDON_LINK_TIMEOUT_S)
+            self._release(timeout_s=_ABANDON_LINK_TIMEOUT_S)
+            self._local = None
             self._link = self._new_link()
             remaining = deadline - time.monotonic()
             try:
@@ -307,7 +331,7 @@ class Session:
         link.open(join)
         welcome = link.wait_welcome(timeout_s)
         if len(welcome.local_ranks) >= 2:
-            self._link = link = self._form_local_group(link, welcome, timeout_s)
+            self._local = self._form_local_group(link, welcome, timeout_s)
         # The coordinator numbers collectives: 0 for a new job (or a restarted
         # coordinator), where the live ranks stand for a healed newcomer.
         link.set_collective_sequence(int(welcome.next_collective))
@@ -328,8 +352,8 @@ class Session:
 
     def _form_local_group(
         self, link: CoordinatorLink, welcome: pb.Welcome, timeout_s: float
-    ) -> HierarchicalLink:
-        """Meet the other ranks of this host (bounded) and wrap `link` around the group."""
+    ) -> LocalGroupPath:
+        """Meet the other ranks of this host (bounded); route `link`'s gradients through them."""
         config = self.config
         ranks = [int(r) for r in welcome.local_ranks]
         group = LocalGroup.form(
@@ -355,11 +379,10 @@ class Session:
             ranks,
             "leader" if group.is_leader else f"leader rank {ranks[0]}",
         )
-        wrapped = HierarchicalLink(link, group, self._bucket_bytes, welcome)
-        wrapped.on_bucket_event = self._on_bucket_event
+        path = LocalGroupPath(link, link, group, self._bucket_bytes, welcome, self._on_bucket_event)
         if self._on_bucket_event is not None:
             self._on_bucket_event("local_group", len(ranks), -1)
-        return wrapped
+        return path
 
     def _broadcast(self, welcome: pb.Welcome, timeout_s: float) -> None:
         """Rank 0 sends its parameters and buffers; every other rank overwrites its own."""

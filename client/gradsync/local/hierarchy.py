@@ -1,16 +1,17 @@
-"""Hierarchical aggregation: a rank's link when its host's ranks sum locally first.
+"""Hierarchical aggregation: a rank's gradient path when its host's ranks sum locally first.
 
 When the coordinator groups several ranks of one host (same `Join.host_id`;
 `Welcome.local_ranks` lists the group, the lowest rank leads), the session
-wraps its link in a `HierarchicalLink`. Everything but the gradient path is
-delegated to the real link (every rank keeps its own Sync stream for
-heartbeats, collectives, checkpoints and faults); `submit_bucket` and
-`wait_step` go through the host's `gradsync.local.local_group.LocalGroup`
-instead: every member posts its buckets into shared memory, the group sums
-them (in local-rank order), and only the leader uploads each sum, with
-`covered_ranks` naming the ranks it holds, and receives the averages, which
-every member then copies out. The coordinator sums the units (flat ranks and
-local groups) in ascending leader rank, and divides by the ranks covered.
+routes the gradients through a `LocalGroupPath`, a `GradientPath` that wraps
+the rank's own (direct or sharded) path; the session link is untouched
+(every rank keeps its own Sync stream for heartbeats, collectives,
+checkpoints and faults). `submit_bucket` and `wait_step` go through the
+host's `gradsync.local.local_group.LocalGroup`: every member posts its
+buckets into shared memory, the group sums them (in local-rank order), and
+only the leader uploads each sum, with `covered_ranks` naming the ranks it
+holds, and receives the averages, which every member then copies out. The
+coordinator sums the units (flat ranks and local groups) in ascending leader
+rank, and divides by the ranks covered.
 
 A leader on the coordinator's own host (its Welcome names a payload socket)
 hands the segment to the coordinator (`gradsync.local.payload_segment`) and
@@ -29,14 +30,11 @@ import os
 import time
 from collections.abc import Mapping, Sequence
 
-import numpy as np
-import numpy.typing as npt
 import torch
-from gradsync_proto import defaults
 from gradsync_proto.payload_socket import Registration
 from gradsync_proto.v1 import gradsync_pb2 as pb
 
-from gradsync.control.link import BucketEventHandler, CoordinatorLink
+from gradsync.control.link import BucketEventHandler, GradientPath, SessionLink
 from gradsync.errors import GradSyncError, SyncTimeoutError
 from gradsync.local.local_group import LocalGroup
 from gradsync.local.payload_segment import register_segment
@@ -110,27 +108,33 @@ def check_hierarchical(
     return False
 
 
-class HierarchicalLink:
-    """A `CoordinatorLink` whose gradients go through the host's local group.
+class LocalGroupPath:
+    """A `GradientPath` through the host's local group, around the rank's own path.
 
     Args:
-        link: the rank's own link to the coordinator (the leader's uploads the sums).
-        group: the formed local group (closed with this link).
+        upstream: the rank's own gradient path (the leader uploads the sums on it;
+            every rank watches it for an abort or a lost coordinator while it waits).
+        link: the rank's session link (reports posted buckets, names dropped ranks).
+        group: the formed local group (closed by `close`).
         bucket_bytes: every bucket's size (the presence bucket last).
-        welcome: the Welcome that formed the group (heartbeat interval).
+        welcome: the Welcome that formed the group (its payload socket, if any).
+        on_bucket_event: the observer of bucket events (metrics, trace), or None.
     """
 
     def __init__(
         self,
-        link: CoordinatorLink,
+        upstream: GradientPath,
+        link: SessionLink,
         group: LocalGroup,
         bucket_bytes: Sequence[int],
         welcome: pb.Welcome,
+        on_bucket_event: BucketEventHandler | None = None,
     ) -> None:
-        self.link = link
+        self._upstream = upstream
+        self._link = link
         self.group = group
         self._num_buckets = len(bucket_bytes)
-        self._heartbeat_s = welcome.heartbeat_interval_s or defaults.HEARTBEAT_INTERVAL_S
+        self._on_bucket_event = on_bucket_event
         #: The coordinator holds the segment: uploads and averages stay in shared memory.
         self.in_segment = False
         if group.is_leader:
@@ -143,11 +147,6 @@ class HierarchicalLink:
                 )
             group.on_event = self._event
             group.set_reduced_handler(self._upload)
-
-    # ------------------------------------------------------------ the gradient path
-    def configure_buckets(self, bucket_bytes: list[int]) -> None:
-        """The layout is fixed when the group forms; the real link keeps counting buckets."""
-        self.link.configure_buckets(bucket_bytes)
 
     def submit_bucket(
         self,
@@ -173,7 +172,7 @@ class HierarchicalLink:
                 "pass hierarchical=False"
             )
         self.group.post(step, bucket_index, buffer, dtype)
-        self.link.send_local_posted(step, bucket_index)
+        self._link.send_local_posted(step, bucket_index)
 
     def wait_step(self, step: int, timeout_s: float) -> int:
         """Wait for the averages of `step` and copy them into this rank's buffers.
@@ -191,7 +190,7 @@ class HierarchicalLink:
             if averaged:
                 return
             with contextlib.suppress(SyncTimeoutError):
-                averaged.append(self.link.wait_step(step, wait_s))
+                averaged.append(self._upstream.wait_step(step, wait_s))
 
         try:
             if not group.is_leader:
@@ -203,7 +202,9 @@ class HierarchicalLink:
             contributors = (
                 averaged[0]
                 if averaged
-                else self.link.wait_step(step, max(0.001, timeout_s - (time.monotonic() - started)))
+                else self._upstream.wait_step(
+                    step, max(0.001, timeout_s - (time.monotonic() - started))
+                )
             )
             group.publish_averaged(step, contributors)
             return contributors
@@ -212,7 +213,7 @@ class HierarchicalLink:
             raise
 
     def _dropped(self, rank: int) -> bool:
-        live = self.link.live_ranks()
+        live = self._link.live_ranks()
         return live is not None and rank not in live
 
     def _upload(
@@ -238,7 +239,7 @@ class HierarchicalLink:
             result.size,
         )
         self._event("host_upload", step, bucket_index)
-        self.link.submit_bucket(
+        self._upstream.submit_bucket(
             step,
             bucket_index,
             result,
@@ -255,120 +256,18 @@ class HierarchicalLink:
             self._event("averaged", step, bucket_index)
 
     def _event(self, event: str, step: int, bucket_index: int) -> None:
-        handler = self.link.on_bucket_event
+        handler = self._on_bucket_event
         if handler is not None:
             try:
                 handler(event, step, bucket_index)
             except Exception:  # instrumentation must never break the data path
                 log.exception("bucket event handler failed")
 
-    # ------------------------------------------------------------ delegated
-    @property
-    def current_step(self) -> int:
-        """The step heartbeats report (the real link's)."""
-        return self.link.current_step
-
-    @current_step.setter
-    def current_step(self, value: int) -> None:
-        self.link.current_step = value
-
-    @property
-    def on_bucket_event(self) -> BucketEventHandler | None:
-        """The real link's observer (the group reports through it too)."""
-        return self.link.on_bucket_event
-
-    @on_bucket_event.setter
-    def on_bucket_event(self, handler: BucketEventHandler | None) -> None:
-        self.link.on_bucket_event = handler
-
-    @property
-    def collective_sequence(self) -> int:
-        """The real link's next collective number."""
-        return self.link.collective_sequence
-
-    def open(self, join: pb.Join) -> None:
-        """Delegated."""
-        self.link.open(join)
-
-    def wait_welcome(self, timeout_s: float) -> pb.Welcome:
-        """Delegated."""
-        return self.link.wait_welcome(timeout_s)
-
-    def send_state(self, blob: npt.NDArray[np.uint8]) -> None:
-        """Delegated."""
-        self.link.send_state(blob)
-
-    def receive_state(self, num_bytes: int, timeout_s: float) -> bytearray:
-        """Delegated."""
-        return self.link.receive_state(num_bytes, timeout_s)
-
-    def receive_resume(self, num_bytes: int, timeout_s: float) -> bytes:
-        """Delegated."""
-        return self.link.receive_resume(num_bytes, timeout_s)
-
-    def send_checkpoint(self, step: int, blob: bytes) -> None:
-        """Delegated."""
-        self.link.send_checkpoint(step, blob)
-
-    def wait_checkpoint(self, step: int, timeout_s: float) -> pb.CheckpointSaved:
-        """Delegated."""
-        return self.link.wait_checkpoint(step, timeout_s)
-
-    def take_heal_request(self) -> bool:
-        """Delegated."""
-        return self.link.take_heal_request()
-
-    def step_report(self) -> pb.StepReport | None:
-        """Delegated."""
-        return self.link.step_report()
-
-    def live_ranks(self) -> tuple[int, ...] | None:
-        """Delegated."""
-        return self.link.live_ranks()
-
-    def send_heal(self, step: int, blob: bytes) -> None:
-        """Delegated."""
-        self.link.send_heal(step, blob)
-
     def abandon_step(self, step: int, reason: str) -> None:
-        """Delegated (the coordinator aborts the step for every rank); forget it locally."""
+        """Forget `step` locally; the coordinator aborts it for every rank (upstream)."""
         self.group.forget(step)
-        self.link.abandon_step(step, reason)
+        self._upstream.abandon_step(step, reason)
 
-    def run_collective(
-        self,
-        op: int,
-        dtype: int,
-        payload: npt.NDArray[np.uint8],
-        root: int,
-        timeout_s: float,
-        *,
-        result_bytes: int | None = None,
-    ) -> tuple[bytearray, int]:
-        """Delegated: collectives stay flat (every rank on its own stream)."""
-        return self.link.run_collective(
-            op, dtype, payload, root, timeout_s, result_bytes=result_bytes
-        )
-
-    def set_collective_sequence(self, sequence: int) -> None:
-        """Delegated."""
-        self.link.set_collective_sequence(sequence)
-
-    def send_out_of_inputs(self, step: int) -> None:
-        """Delegated."""
-        self.link.send_out_of_inputs(step)
-
-    def send_local_posted(self, step: int, bucket_index: int) -> None:
-        """Delegated (submit_bucket sends it itself)."""
-        self.link.send_local_posted(step, bucket_index)
-
-    def wait_join_progress(self, timeout_s: float) -> pb.JoinProgress:
-        """Delegated."""
-        return self.link.wait_join_progress(timeout_s)
-
-    def close(self, timeout_s: float = 10.0) -> None:
-        """Close the local group, then the real link. Idempotent."""
-        try:
-            self.group.close()
-        finally:
-            self.link.close(timeout_s)
+    def close(self) -> None:
+        """Close the local group (the session closes its link after). Idempotent."""
+        self.group.close()

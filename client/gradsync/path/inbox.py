@@ -303,10 +303,6 @@ class Inbox:
         with self._cond:
             return self._steps.take(step)
 
-    def wait_stream_done(self, timeout_s: float) -> None:
-        """Block until the stream has ended (a recorded failure is raised)."""
-        self.wait(lambda s: s.stream_done, timeout_s, "the coordinator's goodbye")
-
     # ------------------------------------------------------------ I/O-thread side
     def on_message(self, raw: bytes) -> None:
         """Take in one serialized CoordinatorMessage and wake the waiters."""
@@ -452,9 +448,11 @@ class Inbox:
         return error_from_status(code, details, rank=self.rank)
 
     def stream_ended(self, failure: GradSyncError | None) -> None:
-        """Record the end of the stream (and its failure, unless one is already recorded)."""
+        """Record the end of the stream (and its failure, unless one is already recorded).
+
+        Closing waits for the end itself (`StreamClient.close`), not here.
+        """
         with self._cond:
-            self._shared.stream_done = True
             if failure is not None and self._shared.fatal is None:
                 self._shared.fatal = failure
             self._cond.notify_all()

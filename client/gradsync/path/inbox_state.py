@@ -40,7 +40,6 @@ class InboxState:
     #: Rank 0's state as it arrives (from the Welcome on: it may come before anyone waits).
     state: BlobAssembly | None = None
     fatal: GradSyncError | None = None
-    stream_done: bool = False
     #: The checkpoint to resume from as it arrives (when the Welcome announced one).
     resume: BlobAssembly | None = None
     checkpoint_acks: dict[int, pb.CheckpointSaved] = field(default_factory=dict)

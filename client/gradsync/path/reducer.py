@@ -5,7 +5,7 @@ lifecycle; this is what happens to the gradients in between, named after the
 component of torch DDP that does the same job. It knows the bucket layout and
 which parameters this rank used since the last synchronized step, stages each
 full bucket (`gradsync.path.staging`), runs it through the comm hook if one is
-registered (`gradsync.hooks`), hands it to the link, and at the end of
+registered (`gradsync.hooks`), hands it to the gradient path, and at the end of
 backward adds the presence bucket, waits for the averages (through a callable
 the wrapper gives it, which knows about reconnecting) and writes them back.
 
@@ -29,7 +29,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from gradsync.control.link import CoordinatorLink
+from gradsync.control.link import GradientPath
 from gradsync.control.signature import WIRE_DTYPES, bucket_wire_dtype, presence_plan, wire_dtype
 from gradsync.hooks import (
     COMPRESSED_WIRE_DTYPES,
@@ -66,7 +66,7 @@ def plan_buckets(
 
 
 class _Launched:
-    """A bucket handed to the link: its stage, and the comm hook's view of it.
+    """A bucket handed to the gradient path: its stage, and the comm hook's view of it.
 
     `answered_in_place`: the averages come back in float32 straight into the
     bucket's flat buffer (`wire_answer_dtype`), so there is nothing to cast back
@@ -94,7 +94,7 @@ class Reducer:
         rank: this rank (for error messages).
         world_size: the job's size (for comm hooks).
         instruments: metrics and trace.
-        link: returns the current link to the coordinator.
+        path: returns the current gradient path (a reconnect replaces it).
         wire_hook: the built-in hook chosen by `wire_dtype` (`hooks.hook_for_wire_dtype`),
             registered now; None when the gradients travel in their own dtype.
         answer_in_fp32: with `wire_hook`, ask for the averages of float32 buckets
@@ -114,7 +114,7 @@ class Reducer:
         rank: int,
         world_size: int,
         instruments: Instruments,
-        link: Callable[[], CoordinatorLink],
+        path: Callable[[], GradientPath],
         wire_hook: CommHook | None = None,
         answer_in_fp32: bool = False,
         *,
@@ -125,7 +125,7 @@ class Reducer:
         self.buckets = list(buckets)
         self._rank, self._world_size = rank, world_size
         self._instruments = instruments
-        self._link = link
+        self._path = path
         self.bucket_of = [-1] * len(self._named)
         for bucket_index, plan in enumerate(self.buckets):
             for index in plan.parameter_indices:
@@ -190,7 +190,7 @@ class Reducer:
         buffer = BucketBuffer([presence.view(torch.uint8).numpy()])
         presence_index = len(self.buckets)
         self._instruments.bucket_ready(step, presence_index, buffer.size)
-        self._link().submit_bucket(step, presence_index, buffer, WIRE_DTYPES[torch.float32])
+        self._path().submit_bucket(step, presence_index, buffer, WIRE_DTYPES[torch.float32])
         contributors = wait(step)
         used_anywhere = (presence > 0).tolist()
         for launched in self._launched:
@@ -206,7 +206,7 @@ class Reducer:
         return contributors
 
     def _launch(self, bucket_index: int, step: int) -> None:
-        """Stage a bucket (through the comm hook, if any) and hand it to the link."""
+        """Stage a bucket (through the comm hook, if any) and hand it to the gradient path."""
         plan = self.buckets[bucket_index]
         hook = self.comm_hook
         parameters = [(i, *self._named[i]) for i in plan.parameter_indices]
@@ -244,9 +244,9 @@ class Reducer:
         buffer = BucketBuffer(segments)
         self._instruments.bucket_ready(step, bucket_index, buffer.size)
         if result is None:
-            self._link().submit_bucket(step, bucket_index, buffer, dtype)
+            self._path().submit_bucket(step, bucket_index, buffer, dtype)
         else:
-            self._link().submit_bucket(
+            self._path().submit_bucket(
                 step,
                 bucket_index,
                 buffer,

@@ -15,22 +15,23 @@ naming the shard, its address and gRPC's words, and is not raised at once
 (see `gradsync.path.shard_faults`: the leader decides). Connecting is bounded too:
 a shard that does not accept the connection in time counts as failed.
 Streams are closed with a Leave (bounded), then cancelled, so that closing a
-transport leaves no task, channel or thread behind.
+transport leaves no task, channel or thread behind. Each stream is a
+`gradsync_proto.net.stream_client.StreamClient`, as the Sync stream is.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
-from collections.abc import AsyncIterator, Callable, Iterator, Sequence
-from typing import Any
+from collections.abc import Callable, Iterator, Sequence
 
-import grpc
 from gradsync_proto import chunking, defaults
 from gradsync_proto.codec import decode_gradient, header_of
 from gradsync_proto.codes import Code
 from gradsync_proto.net.address import Address, parse_address
-from gradsync_proto.net.channels import ChannelSecurity, handshake_failure
+from gradsync_proto.net.channels import ChannelSecurity
+from gradsync_proto.net.stream_client import EndKind, StreamClient, StreamEnded
 from gradsync_proto.v1 import gradsync_pb2 as pb
 
 from gradsync.errors import ShardUnavailableError
@@ -104,11 +105,8 @@ def shard_targets(shards: Sequence[pb.ShardAddress], leader_target: str) -> dict
     return targets
 
 
-_CLOSE = object()
-
-
 class ShardStream:
-    """One `Shard.Data` stream (loop thread only, but `put` may be scheduled from anywhere).
+    """One `Shard.Data` stream: a `StreamClient` whose end is a failed shard (loop thread).
 
     Args:
         index: the shard's index.
@@ -133,85 +131,46 @@ class ShardStream:
         connect_timeout_s: float,
         security: ChannelSecurity | None = None,
     ) -> None:
-        self._security = security or ChannelSecurity()
         self.index = index
         self.target = target
-        self._hello = hello
+        self._rank = hello.shard_hello.rank
         self._inbox = inbox
         self._encode = encode
         self._closing = closing
-        self._connect_timeout_s = connect_timeout_s
-        self._outgoing: asyncio.Queue[Any] = asyncio.Queue()
-        self._channel: grpc.aio.Channel | None = None
-        self._call: Any = None
-        self._tasks: list[asyncio.Task[None]] = []
         #: The shard's announcement of why it ends the stream, if it sent one.
         self._end: pb.StreamEnd | None = None
-        self._failed = False
         self.name = f"shard {index} at {target}"
+        # wait_for_ready: the shard may still be starting; connect_timeout_s bounds it.
+        self._stream = StreamClient(
+            target,
+            SHARD_DATA_METHOD,
+            self._on_message,
+            self._on_end,
+            security=security,
+            options=channel_options(),
+            encode=self._messages,
+            connect_timeout_s=connect_timeout_s,
+            name=f"shard-{index}",
+        )
+        self._stream.send(hello)
 
     def start(self) -> None:
         """Open the channel and the stream (returns at once; must run on the loop)."""
-        self._channel = self._security.aio_channel(self.target, channel_options())
-        data = self._channel.stream_stream(SHARD_DATA_METHOD)
-        # wait_for_ready: the shard may still be starting; `_watch_connect` bounds it.
-        self._call = data(self._requests(), wait_for_ready=True, metadata=self._security.metadata)
-        self._tasks = [
-            asyncio.create_task(self._receive(), name=f"gradsync-shard-{self.index}-receive"),
-            asyncio.create_task(self._watch_connect(), name=f"gradsync-shard-{self.index}-connect"),
-        ]
+        self._stream.start()
 
     def put(self, part: RangeUpload) -> None:
         """Queue a range of a bucket for this shard (loop thread)."""
-        self._outgoing.put_nowait(part)
+        self._stream.send(part)
 
     async def close(self, timeout_s: float) -> None:
         """Say goodbye (bounded), then cancel the stream and close the channel."""
-        receiver = self._tasks[0] if self._tasks else None
-        if (
-            receiver is not None
-            and not receiver.done()
-            and self._channel is not None
-            and self._channel.get_state() == grpc.ChannelConnectivity.READY
-        ):
-            self._outgoing.put_nowait(
-                pb.WorkerMessage(leave=pb.Leave(reason="closed by the worker"))
-            )
-            self._outgoing.put_nowait(_CLOSE)
-            await asyncio.wait([receiver], timeout=min(timeout_s, LEAVE_TIMEOUT_S))
-        if self._call is not None:
-            self._call.cancel()
-        for task in self._tasks:
-            task.cancel()
-        await asyncio.gather(*self._tasks, return_exceptions=True)
-        if self._channel is not None:
-            await self._channel.close()
+        leave = pb.WorkerMessage(leave=pb.Leave(reason="closed by the worker"))
+        await self._stream.close(min(timeout_s, LEAVE_TIMEOUT_S), farewell=leave)
 
-    async def _requests(self) -> AsyncIterator[bytes]:
-        yield self._hello.SerializeToString()
-        while True:
-            item = await self._outgoing.get()
-            if item is _CLOSE:
-                return
-            if isinstance(item, RangeUpload):
-                for message in self._encode(item):
-                    yield message
-            else:
-                yield item.SerializeToString()
-
-    async def _receive(self) -> None:
-        assert self._call is not None
-        code: int | None = None
-        details = "the shard ended the stream"
-        try:
-            async for raw in self._call:
-                self._on_message(raw)
-        except grpc.aio.AioRpcError as exc:
-            code, details = exc.code().value[0], exc.details() or ""
-        except asyncio.CancelledError:
-            return  # closed (or the connect watchdog gave up, and said why)
-        if not self._closing():
-            self._fail(code, details)
+    def _messages(self, item: RangeUpload | pb.WorkerMessage) -> Iterator[bytes]:
+        if isinstance(item, RangeUpload):
+            return self._encode(item)
+        return iter((item.SerializeToString(),))
 
     def _on_message(self, raw: bytes) -> None:
         fast = decode_gradient(raw)
@@ -226,40 +185,29 @@ class ShardStream:
         elif kind == "stream_end":
             self._end = message.stream_end  # kept to name the cause with the status
         else:  # the leader's business (heartbeats, membership): nothing for a data stream
-            log.debug("rank %s: %s sent %s, ignored", self._hello.shard_hello.rank, self.name, kind)
+            log.debug("rank %s: %s sent %s, ignored", self._rank, self.name, kind)
 
-    async def _watch_connect(self) -> None:
-        """Count a shard that does not accept the connection in time as failed."""
-        assert self._channel is not None
-        try:
-            await asyncio.wait_for(self._channel.channel_ready(), self._connect_timeout_s)
-        except TimeoutError:
-            if not self._closing():
-                # Say so when TLS (not the network) kept it out: a certificate to fix.
-                tls = await asyncio.to_thread(handshake_failure, self.target, self._security)
-                self._fail(
-                    Code.UNAVAILABLE.value,
-                    f"could not connect within {self._connect_timeout_s:g}s"
-                    + (f": {tls}" if tls else ""),
-                )
-                if self._call is not None:
-                    self._call.cancel()
-
-    def _fail(self, code: int | None, details: str) -> None:
-        if self._failed:
+    def _on_end(self, ended: StreamEnded) -> None:
+        """Report a stream that ended while the transport was not closing as a lost shard."""
+        if ended.kind is EndKind.CLOSED or ended.closing or self._closing():
             return
-        self._failed = True
-        try:
-            status = Code(code) if code is not None else None
-        except ValueError:  # a code this client does not know
-            status = None
-        why = f"{status.name}: {details}" if status is not None else details
+        status: Code | None = None
+        why = ended.details
+        if ended.clean:
+            why = "the shard ended the stream"
+        elif ended.kind is EndKind.FAULT:
+            why = f"unexpected error on the stream: {ended.details}"
+        else:
+            with contextlib.suppress(ValueError):  # else a code this client does not know
+                status = Code(ended.code)
+        if status is not None:
+            why = f"{status.name}: {why}"
         if self._end is not None and self._end.message:
             why = f"{why} ({self._end.message})"
         self._inbox.shard_failed(
             ShardUnavailableError(
                 f"the data stream to {self.name} failed: {why}",
-                rank=self._hello.shard_hello.rank,
+                rank=self._rank,
                 code=status,
                 shard_index=self.index,
                 shard_address=self.target,

@@ -21,7 +21,7 @@ import logging
 
 import torch
 
-from gradsync.control.link import CoordinatorLink
+from gradsync.control.link import GradientPath, SessionLink
 from gradsync.control.session import Session
 from gradsync.errors import CoordinatorUnavailableError, GradSyncError, StepAbortedError
 from gradsync.instruments import Instruments
@@ -67,9 +67,14 @@ class StepPath:
         self._errors: list[Exception] = []
 
     @property
-    def _link(self) -> CoordinatorLink:
-        """The current link to the coordinator (a reconnect replaces it)."""
+    def _link(self) -> SessionLink:
+        """The current session link (heartbeats' step, step reports); a reconnect replaces it."""
         return self._session.link
+
+    @property
+    def _path(self) -> GradientPath:
+        """The current gradient path (a reconnect replaces it)."""
+        return self._session.path
 
     def gradient_ready(self, index: int, require_sync: bool) -> None:
         """Autograd hook body: mark the parameter used, launch full buckets. Never raises."""
@@ -103,14 +108,14 @@ class StepPath:
         """Tell the coordinator to abort the step in flight for every rank, and move on."""
         step = self.step
         log.warning("rank %d: abandoning step %d: %s", self._rank, step, reason)
-        self._link.abandon_step(step, reason)
+        self._path.abandon_step(step, reason)
         self._end_step(step)
 
     def _wait_step(self, step: int) -> int:
         """Wait for the averages of `step`; reconnect to a restarted coordinator if lost."""
         wait_started = self._instruments.now()
         try:
-            contributors = self._link.wait_step(step, self._timeout_s)
+            contributors = self._path.wait_step(step, self._timeout_s)
         except StepAbortedError as exc:
             self._instruments.step_aborted(exc)
             raise

@@ -34,14 +34,18 @@ every bucket into one byte range per shard (`gradsync.path.bucket_uploads`):
 range 0 goes on the Sync stream, range i on shard i's stream, all in
 parallel, and the averages of every stream land in the same `Inbox`.
 
-Channels (TLS or plaintext) and the token sent with every call come from one
-`gradsync_proto.net.channels.ChannelSecurity`, shared with the shard streams. A wrong or
-missing token ends the stream UNAUTHENTICATED (`AuthenticationError`); a TLS
-handshake that keeps failing is raised as `TransportSecurityError` at the first
-progress report of the join wait, not retried until the join timeout.
+The stream itself (writer queue, reader loop, bounded close, gRPC's errors
+turned into one `StreamEnded`) is a `gradsync_proto.net.stream_client.StreamClient`,
+as every shard stream is. Channels (TLS or plaintext) and the token sent with
+every call come from one `gradsync_proto.net.channels.ChannelSecurity`, shared
+with the shard streams. A wrong or missing token ends the stream
+UNAUTHENTICATED (`AuthenticationError`); a TLS handshake that keeps failing is
+raised as `TransportSecurityError` at the first progress report of the join
+wait, not retried until the join timeout.
 
-It implements `gradsync.control.link.CoordinatorLink`, the seam the model wrapper
-uses, so the wrapper can be tested without it.
+It implements `gradsync.control.link.CoordinatorLink` (the session link and the
+direct, or sharded, gradient path), the seam the model wrapper uses, so the
+wrapper can be tested without it.
 """
 
 from __future__ import annotations
@@ -50,15 +54,15 @@ import asyncio
 import contextlib
 import logging
 import threading
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import Iterator
 from typing import Any
 
-import grpc
 import numpy as np
 import numpy.typing as npt
 from gradsync_proto import chunking, defaults
 from gradsync_proto.codes import Code
 from gradsync_proto.net.channels import ChannelSecurity
+from gradsync_proto.net.stream_client import EndKind, StreamClient, StreamEnded
 from gradsync_proto.v1 import gradsync_pb2 as pb
 
 from gradsync.control.collective_results import op_name
@@ -68,6 +72,7 @@ from gradsync.control.worker_messages import (
     CheckpointUpload,
     CollectiveUpload,
     StateUpload,
+    Upload,
     check_collective_input,
     upload_messages,
 )
@@ -85,10 +90,12 @@ __all__ = ["CLIENT_MAX_MESSAGE_BYTES", "SYNC_METHOD", "Transport"]
 SYNC_METHOD = "/gradsync.v1.Coordinator/Sync"
 
 
-_CLOSE = object()
-#: Placeholder for a heartbeat in the outgoing queue: the step it reports is
-#: read when it is sent, not when it was queued.
-_HEARTBEAT = object()
+class _Heartbeat:
+    """Placeholder for a heartbeat in the outgoing queue: the step it reports is
+    read when it is sent, not when it was queued."""
+
+
+_HEARTBEAT = _Heartbeat()
 
 
 class Transport:
@@ -125,10 +132,20 @@ class Transport:
             target=self._loop.run_forever, name=f"gradsync-transport-r{rank}", daemon=True
         )
         self._thread.start()
-        self._outgoing: asyncio.Queue[Any] = asyncio.Queue()
-        self._channel: grpc.aio.Channel | None = None
-        self._call: Any = None
-        self._receiver: asyncio.Task[None] | None = None
+        # Raw bytes both ways: gradient chunks are encoded and decoded by
+        # gradsync_proto.codec without copying payloads through protobuf objects.
+        # wait_for_ready: a worker may start before its coordinator; the join
+        # timeout bounds how long it waits.
+        self._sync = StreamClient(
+            target,
+            SYNC_METHOD,
+            self._on_message,
+            self._on_end,
+            security=self._security,
+            options=channel_options(),
+            encode=self._messages,
+            name=f"sync-r{rank}",
+        )
         self._heartbeat: asyncio.Task[None] | None = None
         #: A heartbeat is queued and not yet handed to gRPC (loop thread only):
         #: while the coordinator is unreachable, beats must not pile up.
@@ -182,7 +199,7 @@ class Transport:
         *,
         result_bytes: int | None = None,
     ) -> tuple[bytearray, int]:
-        """Run the next collective of the job; see `CoordinatorLink.run_collective`."""
+        """Run the next collective of the job; see `SessionLink.run_collective`."""
         check_collective_input(op, payload)
         with self._sequence_lock:
             sequence = self._next_collective
@@ -252,11 +269,11 @@ class Transport:
         return self._inbox.take_heal_request()
 
     def step_report(self) -> pb.StepReport | None:
-        """The coordinator's latest StepReport; see `CoordinatorLink.step_report`."""
+        """The coordinator's latest StepReport; see `SessionLink.step_report`."""
         return self._inbox.step_report()
 
     def live_ranks(self) -> tuple[int, ...] | None:
-        """The live ranks of the latest MembershipChanged; see `CoordinatorLink.live_ranks`."""
+        """The live ranks of the latest MembershipChanged; see `SessionLink.live_ranks`."""
         return self._inbox.live_ranks()
 
     def send_heal(self, step: int, blob: bytes) -> None:
@@ -286,7 +303,7 @@ class Transport:
         With a sharded coordinator, range i of the bucket goes to shard i. With
         `result`, every chunk asks for the average in `result_dtype` and it is
         written there, on the grid of `result`'s own ranges (see
-        `CoordinatorLink.submit_bucket`). A local leader's `covered_ranks` (and
+        `GradientPath.submit_bucket`). A local leader's `covered_ranks` (and
         `nonfinite_ranks`) go in every chunk, on every shard's stream. With
         `segment_offset` (a local leader whose segment the coordinator holds;
         unsharded, no `result`), chunks travel header-only and the averages land in
@@ -344,19 +361,10 @@ class Transport:
             return
         self._closed = True
         try:
-            shards_closed = asyncio.run_coroutine_threadsafe(
-                self._close_shards(timeout_s), self._loop
-            )
-            # A goodbye needs a connection: never connected, there is nobody to wait for.
-            if self._call is not None and self._is_connected():
-                self._put(pb.WorkerMessage(leave=pb.Leave(reason="closed by the worker")))
-                self._put(_CLOSE)
-                # Leaving anyway if the goodbye fails: the stream is torn down below.
-                with contextlib.suppress(GradSyncError):
-                    self._inbox.wait_stream_done(timeout_s)
-            # Bounded by each stream's own Leave timeout; torn down below regardless.
+            # Bounded inside (the goodbye by `timeout_s`, the teardown by the stream's
+            # own bound); torn down by `_shutdown` regardless.
             with contextlib.suppress(Exception):
-                shards_closed.result(timeout=timeout_s)
+                self._run(self._close_streams(timeout_s), timeout_s=2 * timeout_s)
             self._run(self._shutdown(), timeout_s=timeout_s)
         finally:
             self._loop.call_soon_threadsafe(self._loop.stop)
@@ -367,15 +375,8 @@ class Transport:
     # ------------------------------------------------------ loop-thread side
     async def _open(self, join: pb.Join) -> None:
         self._join = join
-        self._channel = self._security.aio_channel(self.target, channel_options())
-        # Raw bytes both ways: gradient chunks are encoded and decoded by
-        # gradsync_proto.codec without copying payloads through protobuf objects.
-        sync = self._channel.stream_stream(SYNC_METHOD)
-        self._outgoing.put_nowait(pb.WorkerMessage(join=join))
-        # wait_for_ready: a worker may start before its coordinator; the join
-        # timeout bounds how long it waits.
-        self._call = sync(self._requests(), wait_for_ready=True, metadata=self._security.metadata)
-        self._receiver = asyncio.create_task(self._receive())
+        self._sync.send(pb.WorkerMessage(join=join))
+        self._sync.start()
         self._heartbeat = asyncio.create_task(self._send_heartbeats())
 
     async def _send_heartbeats(self) -> None:
@@ -391,11 +392,11 @@ class Transport:
             await asyncio.sleep(self._inbox.heartbeat_interval_s or defaults.HEARTBEAT_INTERVAL_S)
             if not self._heartbeat_queued:
                 self._heartbeat_queued = True
-                self._outgoing.put_nowait(_HEARTBEAT)
+                self._sync.send(_HEARTBEAT)
 
     def _dispatch(self, parts: list[RangeUpload | None]) -> None:
         """Queue range 0 of a bucket here, every other range on its shard's stream (loop)."""
-        self._outgoing.put_nowait(parts[0])
+        self._sync.send(parts[0])
         if self._shards is not None:
             self._shards.dispatch(parts)
 
@@ -410,54 +411,54 @@ class Transport:
             self._bucket_event,
         )
 
-    async def _close_shards(self, timeout_s: float) -> None:
+    async def _close_streams(self, timeout_s: float) -> None:
+        """Say goodbye on every stream in parallel, each bounded."""
+        leave = pb.WorkerMessage(leave=pb.Leave(reason="closed by the worker"))
+        closing = [self._sync.close(timeout_s, farewell=leave)]
         if self._shards is not None:
-            await self._shards.close(timeout_s)
+            closing.append(self._shards.close(timeout_s))
+        await asyncio.gather(*closing)
 
-    async def _requests(self) -> AsyncIterator[bytes]:
-        chunk_bytes = chunking.DEFAULT_CHUNK_BYTES
-        epoch = 0
-        while True:
-            item = await self._outgoing.get()
-            if item is _CLOSE:
-                return
-            if item is _HEARTBEAT:
-                self._heartbeat_queued = False
-                beat = pb.WorkerMessage(heartbeat=pb.Heartbeat(step=self.current_step))
-                yield beat.SerializeToString()
-                continue
-            welcome = self._inbox.welcome
-            if welcome is not None:
-                chunk_bytes, epoch = welcome.chunk_bytes, self._inbox.membership_epoch
-            for message in upload_messages(item, chunk_bytes, epoch, self._bucket_event):
-                yield message
+    def _messages(self, item: Upload | _Heartbeat) -> Iterator[bytes]:
+        """The Sync stream's wire messages of a queued item (read when it is written).
 
-    async def _receive(self) -> None:
-        assert self._call is not None
+        The chunk size and membership epoch are the Welcome's and the latest
+        announced; a heartbeat reports the step at the moment it leaves.
+        """
+        if isinstance(item, _Heartbeat):
+            self._heartbeat_queued = False
+            beat = pb.WorkerMessage(heartbeat=pb.Heartbeat(step=self.current_step))
+            return iter((beat.SerializeToString(),))
+        welcome = self._inbox.welcome
+        chunk_bytes, epoch = chunking.DEFAULT_CHUNK_BYTES, 0
+        if welcome is not None:
+            chunk_bytes, epoch = welcome.chunk_bytes, self._inbox.membership_epoch
+        return upload_messages(item, chunk_bytes, epoch, self._bucket_event)
+
+    def _on_message(self, raw: bytes) -> None:
+        """Take in a message; the first Welcome of a sharded job opens the shard streams."""
+        self._inbox.on_message(raw)
+        if self._shards is None and (welcome := self._inbox.welcome) is not None:
+            self._shards = ShardStreams(
+                self.target, self._inbox, self._range_messages, lambda: self._closed, self._security
+            )
+            self._shards.open(welcome, self._join or pb.Join())
+
+    def _on_end(self, ended: StreamEnded) -> None:
+        """Record how the Sync stream ended as the error every later wait raises (or None)."""
         failure: GradSyncError | None = None
-        try:
-            async for raw in self._call:
-                self._inbox.on_message(raw)
-                if self._shards is None and (welcome := self._inbox.welcome) is not None:
-                    self._shards = ShardStreams(
-                        self.target,
-                        self._inbox,
-                        self._range_messages,
-                        lambda: self._closed,
-                        self._security,
-                    )
-                    self._shards.open(welcome, self._join or pb.Join())
+        if ended.kind is EndKind.CLOSED:
+            failure = ClosedError("the transport was closed", rank=self.rank)
+        elif ended.kind is EndKind.FAULT:
+            failure = GradSyncError(
+                f"unexpected error in the transport: {ended.cause!r}", rank=self.rank
+            )
+        elif ended.clean:
             if not self._closed:
                 failure = self._inbox.stream_failure(None, "")
-        except grpc.aio.AioRpcError as exc:
-            code = exc.code().value[0]
-            if not (self._closed and code == Code.CANCELLED):
-                failure = self._inbox.stream_failure(code, exc.details() or "")
-                failure.__cause__ = exc
-        except asyncio.CancelledError:
-            failure = ClosedError("the transport was closed", rank=self.rank)
-        except Exception as exc:  # a bug in message handling: surface it, don't hang
-            failure = GradSyncError(f"unexpected error in the transport: {exc!r}", rank=self.rank)
+        elif not (self._closed and ended.code == Code.CANCELLED):
+            failure = self._inbox.stream_failure(ended.code, ended.details)
+            failure.__cause__ = ended.cause
         self._inbox.stream_ended(failure)
 
     def _bucket_event(self, event: str, step: int, bucket_index: int) -> None:
@@ -474,15 +475,10 @@ class Transport:
         it is pending!", and a failed future nobody awaited prints "Future
         exception was never retrieved": everything is cancelled and awaited here.
         """
-        if self._call is not None:
-            self._call.cancel()
         if self._heartbeat is not None:
             self._heartbeat.cancel()
-        if self._receiver is not None and not self._receiver.done():
-            self._receiver.cancel()
-        if self._channel is not None:
-            await self._channel.close()
-        if self._shards is not None:  # no-op for streams already closed by `close`
+        await self._sync.close(0.0)  # no-op for a stream already closed by `close`
+        if self._shards is not None:
             await self._shards.close(0.0)
         current = asyncio.current_task()
         for _ in range(3):  # closing the channel can start gRPC's own last tasks
@@ -497,13 +493,11 @@ class Transport:
     def _put(self, item: object) -> None:
         if self._loop.is_closed():
             raise ClosedError("the transport is closed", rank=self.rank)
-        self._loop.call_soon_threadsafe(self._outgoing.put_nowait, item)
+        self._loop.call_soon_threadsafe(self._sync.send, item)
 
     def _run(self, coroutine: Any, timeout_s: float) -> Any:
         future = asyncio.run_coroutine_threadsafe(coroutine, self._loop)
         return future.result(timeout=timeout_s)
 
     def _is_connected(self) -> bool:
-        if self._channel is None:
-            return False
-        return bool(self._channel.get_state() == grpc.ChannelConnectivity.READY)
+        return self._sync.connected
