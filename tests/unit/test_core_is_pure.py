@@ -65,6 +65,47 @@ def test_core_module_imports_no_grpc_asyncio_or_prometheus(module: str) -> None:
     assert not glue, f"gradsync_server/{module}.py is core logic but imports {glue}"
 
 
+#: The source roots: a dotted name is looked up as a file below one of them.
+ROOTS = [SERVER.parents[1] / folder for folder in ("client", "proto", "server", "bench")]
+
+
+def module_file(name: str) -> Path | None:
+    """The file of project module `name` (a package's __init__), or None if not ours."""
+    for root in ROOTS:
+        base = root.joinpath(*name.split("."))
+        for candidate in (base.with_suffix(".py"), base / "__init__.py"):
+            if candidate.is_file():
+                return candidate
+    return None
+
+
+def reachable(start: str) -> dict[str, str]:
+    """Every project module `start` loads (imports anywhere in a file), with who loads it."""
+    seen: dict[str, str] = {start: ""}
+    todo = [start]
+    while todo:
+        name = todo.pop()
+        path = module_file(name)
+        if path is None:
+            continue
+        for imported in imported_modules(path):
+            if imported not in seen and module_file(imported) is not None:
+                seen[imported] = name
+                todo.append(imported)
+    return seen
+
+
+@pytest.mark.parametrize("module", CORE)
+def test_nothing_the_core_loads_imports_grpc_asyncio_or_prometheus(module: str) -> None:
+    # Transitively: a core module must not reach the forbidden packages through a helper.
+    start = "gradsync_server." + module.replace("/", ".")
+    for name, via in reachable(start).items():
+        path = module_file(name)
+        assert path is not None
+        bad = sorted(imported_roots(path) & set(FORBIDDEN))
+        assert not bad, f"{start} loads {name} (through {via or 'itself'}), which imports {bad}"
+
+
 def test_the_core_folders_hold_the_job_and_the_open_step() -> None:
     # Guards the glob above: an empty CORE would make every check vacuous.
     assert "control/job" in CORE
