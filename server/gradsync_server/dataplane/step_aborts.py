@@ -2,7 +2,7 @@
 
 Every abort (a rejected chunk at the leader or at a shard, an abandoned step,
 a NaN/Inf contribution under `--nonfinite abort`) is worded here, so that the
-leader's own aborts and those it makes for its shards (`shard_jobs`) say the
+leader's own aborts and those it makes for its shards (`Job.reject_from_shard`) say the
 same thing with the same reasons. Pure logic, no gRPC, no asyncio.
 """
 
