@@ -111,7 +111,7 @@ class UnevenInputs:
         ranks = self._membership.ranks()
         joined = sorted(set(ranks) | self.out_of_inputs)
         self.out_of_inputs.clear()
-        self._publish()  # every rank takes part again (nothing waits only for them)
+        actions = self._publish()  # every rank takes part again (nothing waits only for them)
         message = pb.JoinProgress(
             joined_ranks=joined,
             all_joined=True,
@@ -119,4 +119,4 @@ class UnevenInputs:
             next_step=self._in_flight.step,
             next_collective=self._collectives.next_sequence,
         )
-        return [Send(ranks, pb.CoordinatorMessage(join_progress=message))]
+        return [*actions, Send(ranks, pb.CoordinatorMessage(join_progress=message))]
