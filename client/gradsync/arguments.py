@@ -14,9 +14,9 @@ from __future__ import annotations
 import argparse
 import os
 
-from gradsync_proto import auth, defaults
+from gradsync_proto import auth
 
-from gradsync import __version__, flags
+from gradsync import __version__, defaults, flags
 from gradsync.config import ENV_COORDINATOR, ENV_JOB_ID, ENV_RANK, ENV_WORLD_SIZE
 
 #: The benchmark suites `gradsync bench --suites` chooses from.

@@ -20,12 +20,12 @@ import sys
 from collections.abc import Iterator, Sequence
 from typing import Any
 
-from gradsync_proto import auth, defaults
-from gradsync_proto.defaults import MIB
+from gradsync_proto import auth
 
-from gradsync import flags
+from gradsync import defaults, flags
 from gradsync.arguments import build_parser
 from gradsync.config import ENV_COORDINATOR, ENV_RANK, ENV_WORLD_SIZE
+from gradsync.defaults import MIB
 
 __all__ = ["build_parser", "main"]
 

@@ -12,9 +12,10 @@ import os
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from gradsync_proto import defaults
-from gradsync_proto.defaults import MIB
 from gradsync_proto.net.address import parse_address
+
+from gradsync import defaults
+from gradsync.defaults import MIB
 
 #: Coordinator address ("host:port"), used when `coordinator=` is not given.
 ENV_COORDINATOR = "GRADSYNC_COORDINATOR"

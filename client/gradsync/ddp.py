@@ -33,11 +33,10 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from gradsync_proto import defaults
 from gradsync_proto.net.channels import ChannelSecurity
 from torch import nn
 
-from gradsync import compat, hooks, syncbn, uneven
+from gradsync import compat, defaults, hooks, syncbn, uneven
 from gradsync.collectives import Collectives
 from gradsync.config import ClientConfig
 from gradsync.control.link import LinkFactory, SessionLink

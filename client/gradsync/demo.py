@@ -14,9 +14,9 @@ import tempfile
 from pathlib import Path
 
 import numpy as np
-from gradsync_proto import defaults
 from gradsync_proto.net.launch import start_coordinator
 
+from gradsync import defaults
 from gradsync.example import TrainSettings, max_relative_difference, train_reference
 
 #: Parity bound between the distributed and the single-process result.

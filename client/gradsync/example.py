@@ -17,8 +17,9 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from gradsync_proto import defaults
 from torch import nn
+
+from gradsync import defaults
 
 log = logging.getLogger("gradsync.example")
 

@@ -15,10 +15,10 @@ import threading
 import time
 from pathlib import Path
 
-from gradsync_proto import defaults
 from gradsync_proto.net.exposition import MetricsServer, serve_metrics
 from gradsync_proto.v1 import gradsync_pb2 as pb
 
+from gradsync import defaults
 from gradsync.errors import StepAbortedError
 from gradsync.metrics import WorkerMetrics
 from gradsync.path.trace import TRANSPORT_TRACK, StepTracer

@@ -19,9 +19,10 @@ from typing import Any
 import grpc
 from google.protobuf.descriptor import Descriptor, FieldDescriptor
 from google.protobuf.json_format import MessageToDict
-from gradsync_proto import defaults
 from gradsync_proto.net.channels import ChannelSecurity, handshake_failure, looks_like_tls
 from gradsync_proto.v1 import gradsync_pb2 as pb
+
+from gradsync import defaults
 
 STATUS_METHOD = "/gradsync.v1.Coordinator/Status"
 

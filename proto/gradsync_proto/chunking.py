@@ -18,8 +18,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 
-from gradsync_proto.defaults import CHUNK_BYTES as DEFAULT_CHUNK_BYTES
-from gradsync_proto.defaults import HEADER_SLACK_BYTES
+from gradsync_proto.defaults import CHUNK_BYTES as DEFAULT_CHUNK_BYTES, HEADER_SLACK_BYTES
 
 __all__ = [
     "DEFAULT_CHUNK_BYTES",

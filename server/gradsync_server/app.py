@@ -42,8 +42,7 @@ from gradsync_server.rpc.auth_check import bind, interceptors, server_credential
 from gradsync_server.rpc.payload_socket import PayloadSocket
 from gradsync_server.rpc.servicer import SERVICE_NAME, SHUTDOWN_FLUSH_S, CoordinatorServicer
 from gradsync_server.rpc.shard_link import LeaderLink
-from gradsync_server.rpc.shard_servicer import SERVICE_NAME as SHARD_SERVICE_NAME
-from gradsync_server.rpc.shard_servicer import ShardServicer
+from gradsync_server.rpc.shard_servicer import SERVICE_NAME as SHARD_SERVICE_NAME, ShardServicer
 from gradsync_server.shard_config import ShardConfig
 from gradsync_server.store.stores import open_store, redacted_store_url
 

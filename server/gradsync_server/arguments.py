@@ -15,8 +15,10 @@ from __future__ import annotations
 
 import argparse
 
-from gradsync_proto import auth, defaults, flags
-from gradsync_proto.defaults import MIB
+from gradsync_proto import auth, flags
+
+from gradsync_server import defaults
+from gradsync_server.defaults import MIB
 
 
 def add_serve_flags(parser: argparse.ArgumentParser) -> None:

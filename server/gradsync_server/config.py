@@ -4,11 +4,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from gradsync_proto import chunking, defaults
-from gradsync_proto.defaults import MIB
+from gradsync_proto import chunking
 
+from gradsync_server import defaults
 from gradsync_server.control.settings import JobSettings, NonFinitePolicy, OnFailure
 from gradsync_server.dataplane.budget import outbox_pool_bytes
+from gradsync_server.defaults import MIB
 from gradsync_server.store.stores import parse_store_url
 
 __all__ = ["MIB", "ServerConfig"]

@@ -19,11 +19,12 @@ import os
 import sys
 from collections.abc import Mapping, Sequence
 
-from gradsync_proto import auth, defaults
-from gradsync_proto.defaults import MIB
+from gradsync_proto import auth
 from gradsync_proto.net.launch import free_port
 
+from gradsync_server import defaults
 from gradsync_server.config import ServerConfig
+from gradsync_server.defaults import MIB
 
 log = logging.getLogger("gradsync.server")
 

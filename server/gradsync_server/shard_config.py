@@ -13,7 +13,9 @@ import contextlib
 import socket
 from dataclasses import dataclass, field
 
-from gradsync_proto import chunking, defaults
+from gradsync_proto import chunking
+
+from gradsync_server import defaults
 
 #: Bound on the wait for the leader's answer to ShardRegister.
 REGISTER_TIMEOUT_S = 10.0

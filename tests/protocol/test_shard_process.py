@@ -20,8 +20,7 @@ import pytest
 from gradsync import __version__
 from gradsync_proto import chunking
 from gradsync_proto.v1 import gradsync_pb2 as pb
-from gradsync_server.app import EXIT_REFUSED, RunningShard, start_shard
-from gradsync_server.app import serve_shard as serve
+from gradsync_server.app import EXIT_REFUSED, RunningShard, serve_shard as serve, start_shard
 from gradsync_server.shard_config import ShardConfig
 from support.rawclient import run
 

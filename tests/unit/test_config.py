@@ -175,7 +175,7 @@ def test_output_paths_must_have_an_existing_folder(tmp_path: Path) -> None:
 
 
 def test_job_settings_default_to_the_flags_defaults_and_carry_every_flag() -> None:
-    from gradsync_proto import defaults as flag_defaults
+    from gradsync_server import defaults as flag_defaults
     from gradsync_server.config import ServerConfig
     from gradsync_server.control.settings import JobSettings, OnFailure
 

@@ -28,8 +28,7 @@ from gradsync_proto.codec import ChunkHeader, decode_gradient, encode_gradient, 
 from gradsync_proto.codes import Code
 from gradsync_proto.v1 import gradsync_pb2 as pb
 from gradsync_server.dataplane.chunk_checks import check_chunk, check_range_chunk
-from hypothesis import HealthCheck, given, settings
-from hypothesis import strategies as st
+from hypothesis import HealthCheck, given, settings, strategies as st
 
 FUZZ = settings(
     max_examples=400,

@@ -33,8 +33,7 @@ from gradsync_server.control.settings import JobSettings
 from gradsync_server.dataplane.actions import Action, Persist, Send, Terminate
 from gradsync_server.dataplane.budget import ByteBudget
 from gradsync_server.errors import RejectedMessage
-from hypothesis import HealthCheck, settings
-from hypothesis import strategies as st
+from hypothesis import HealthCheck, settings, strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 CHUNK = 64

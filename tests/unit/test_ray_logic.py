@@ -34,8 +34,7 @@ from gradsync.ray.workers import (
     report,
 )
 from gradsync_proto import auth
-from hypothesis import given, settings
-from hypothesis import strategies as st
+from hypothesis import given, settings, strategies as st
 
 pytestmark = pytest.mark.timeout(30)
 

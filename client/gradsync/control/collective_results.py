@@ -19,11 +19,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from gradsync_proto import defaults
 from gradsync_proto.blobs import BadChunk, BlobAssembly
 from gradsync_proto.dtypes import dtype_name
 from gradsync_proto.v1 import gradsync_pb2 as pb
 
+from gradsync import defaults
 from gradsync.errors import CollectiveError
 
 #: Largest result accepted when the caller cannot say how big it will be (a raw

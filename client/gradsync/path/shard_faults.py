@@ -13,8 +13,7 @@ the shard and its address. `gradsync.path.inbox` holds one under its lock.
 
 from __future__ import annotations
 
-from gradsync_proto import defaults
-
+from gradsync import defaults
 from gradsync.errors import ShardUnavailableError
 
 #: A failed shard stream is raised this long (plus 3 heartbeat intervals) after

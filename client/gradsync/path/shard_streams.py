@@ -26,7 +26,7 @@ import contextlib
 import logging
 from collections.abc import Callable, Iterator, Sequence
 
-from gradsync_proto import chunking, defaults
+from gradsync_proto import chunking
 from gradsync_proto.codec import decode_gradient, header_of
 from gradsync_proto.codes import Code
 from gradsync_proto.net.address import Address, parse_address
@@ -34,6 +34,7 @@ from gradsync_proto.net.channels import ChannelSecurity
 from gradsync_proto.net.stream_client import EndKind, StreamClient, StreamEnded
 from gradsync_proto.v1 import gradsync_pb2 as pb
 
+from gradsync import defaults
 from gradsync.errors import ShardUnavailableError
 from gradsync.path.bucket_uploads import RangeUpload
 from gradsync.path.inbox import Inbox

@@ -26,9 +26,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import ray
-from gradsync_proto import auth, defaults
+from gradsync_proto import auth
 from gradsync_proto.net.channels import ChannelSecurity
 
+from gradsync import defaults
 from gradsync.ray._loop import LoopThread
 from gradsync.ray.placement import (
     DEFAULT_COORDINATOR_RESOURCES,
@@ -141,8 +142,7 @@ class ShardServer(_ServerActor):
 
     def start(self, options: dict[str, Any]) -> dict[str, Any]:
         """Bind, advertise this node's address and start registering with the leader."""
-        from gradsync_server.app import shard_banner as banner
-        from gradsync_server.app import start_shard
+        from gradsync_server.app import shard_banner as banner, start_shard
         from gradsync_server.shard_config import ShardConfig
 
         node_ip = _node_ip()

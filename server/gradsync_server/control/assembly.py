@@ -14,8 +14,9 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 
-from gradsync_proto import defaults
 from gradsync_proto.v1 import gradsync_pb2 as pb
+
+from gradsync_server import defaults
 
 
 class Assembly:

@@ -12,8 +12,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass
 
-from gradsync_proto import defaults
-
+from gradsync_server import defaults
 from gradsync_server.dataplane.nonfinite import NonFinitePolicy
 
 __all__ = ["JobSettings", "NonFinitePolicy", "OnFailure"]

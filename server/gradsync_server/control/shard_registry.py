@@ -24,8 +24,9 @@ from dataclasses import dataclass, field
 
 from gradsync_proto import chunking
 from gradsync_proto.codes import Code
-from gradsync_proto.defaults import MIB
 from gradsync_proto.v1 import gradsync_pb2 as pb
+
+from gradsync_server.defaults import MIB
 
 __all__ = ["RegistrationRefused", "ShardRecord", "ShardRegistry"]
 

@@ -13,9 +13,9 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Callable, Iterable
 
-from gradsync_proto import defaults
 from gradsync_proto.v1 import gradsync_pb2 as pb
 
+from gradsync_server import defaults
 from gradsync_server.control.job import Job
 from gradsync_server.dataplane.observer import LagTracker
 

@@ -38,10 +38,11 @@ from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from gradsync_proto import defaults, dtypes
+from gradsync_proto import dtypes
 from gradsync_proto.codec import ChunkHeader
 from gradsync_proto.codes import Code
 
+from gradsync_server import defaults
 from gradsync_server.dataplane.aggregation import count_nonfinite
 from gradsync_server.dataplane.observer import StepObserver
 from gradsync_server.errors import RejectedMessage

@@ -42,11 +42,12 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Protocol
 
-from gradsync_proto import chunking, defaults, dtypes
+from gradsync_proto import chunking, dtypes
 from gradsync_proto.codec import ChunkHeader, encode_gradient
 from gradsync_proto.codes import Code
 from gradsync_proto.v1 import gradsync_pb2 as pb
 
+from gradsync_server import defaults
 from gradsync_server.control import signature as signatures
 from gradsync_server.dataplane.actions import Action, SegmentAverage, Send
 from gradsync_server.dataplane.aggregation import (

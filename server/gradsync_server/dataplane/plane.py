@@ -42,11 +42,11 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from gradsync_proto import defaults
 from gradsync_proto.codec import ChunkHeader
 from gradsync_proto.codes import Code
 from gradsync_proto.v1 import gradsync_pb2 as pb
 
+from gradsync_server import defaults
 from gradsync_server.dataplane.actions import Action, SegmentAverage, Send
 from gradsync_server.dataplane.budget import ByteBudget, OwnerBudget
 from gradsync_server.dataplane.host_groups import LocalGroups

@@ -32,10 +32,11 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 import grpc
-from gradsync_proto import __version__, defaults
+from gradsync_proto import __version__
 from gradsync_proto.codes import Code
 from gradsync_proto.v1 import gradsync_pb2 as pb
 
+from gradsync_server import defaults
 from gradsync_server.config import ServerConfig
 from gradsync_server.control.job import Job, JobState
 from gradsync_server.control.shard_registry import RegistrationRefused, ShardRecord, ShardRegistry

@@ -25,11 +25,11 @@ from collections.abc import AsyncIterator, Callable
 
 import grpc
 from google.protobuf.message import DecodeError
-from gradsync_proto import defaults
 from gradsync_proto.codec import ChunkHeader, decode_gradient, header_of
 from gradsync_proto.codes import Code
 from gradsync_proto.v1 import gradsync_pb2 as pb
 
+from gradsync_server import defaults
 from gradsync_server.dataplane import nonfinite
 from gradsync_server.dataplane.actions import SegmentAverage
 from gradsync_server.dataplane.budget import ByteBudget, outbox_pool_bytes
