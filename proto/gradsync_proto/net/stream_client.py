@@ -81,6 +81,7 @@ class StreamEnded:
         details: the status details, or what ran out, or the fault, in words.
         closing: this side had begun closing (an end is then expected).
         cause: the exception it ended with, if any (chain it to the caller's error).
+        bound: which bound ran out (TIMEOUT): "connect", "idle" or "write"; else "".
     """
 
     kind: EndKind
@@ -88,6 +89,7 @@ class StreamEnded:
     details: str
     closing: bool = False
     cause: BaseException | None = None
+    bound: str = ""
 
     @property
     def clean(self) -> bool:
@@ -119,6 +121,7 @@ class StreamClient:
         idle_timeout_s: the longest silence of the peer once started; None = unbounded.
             May be changed while the stream runs (read before each wait).
         write_timeout_s: the longest a single write may take; None = unbounded.
+            May be changed while the stream runs (read before each write).
         name: for log messages and task names.
     """
 
@@ -153,7 +156,7 @@ class StreamClient:
         self._wait_for_ready = wait_for_ready
         self._connect_timeout_s = connect_timeout_s
         self.idle_timeout_s = idle_timeout_s
-        self._write_timeout_s = write_timeout_s
+        self.write_timeout_s = write_timeout_s
         self._queue: asyncio.Queue[Any] = asyncio.Queue()
         self._channel: grpc.aio.Channel | None = None
         self._call: Any = None
@@ -235,7 +238,7 @@ class StreamClient:
                     return
                 except TimeoutError:
                     details = f"the peer was silent for more than {idle_s:g}s"
-                    self._finish(self._ended(EndKind.TIMEOUT, Code.DEADLINE_EXCEEDED, details))
+                    self._finish(self._timeout(Code.DEADLINE_EXCEEDED, details, "idle"))
                     return
                 self._on_message(message)
         except grpc.aio.AioRpcError as exc:
@@ -251,10 +254,11 @@ class StreamClient:
 
     async def _write(self) -> None:
         """Write every queued item's messages (each bounded); half-close at `_END_WRITES`."""
-        timeout_s = self._write_timeout_s
+        timeout_s = self.write_timeout_s
         try:
             while True:
                 item = await self._queue.get()
+                timeout_s = self.write_timeout_s
                 if item is _END_WRITES:
                     await asyncio.wait_for(self._call.done_writing(), timeout_s)
                     return
@@ -262,7 +266,7 @@ class StreamClient:
                     await asyncio.wait_for(self._call.write(message), timeout_s)
         except TimeoutError:
             details = f"a write took longer than {timeout_s:g}s"
-            self._finish(self._ended(EndKind.TIMEOUT, Code.DEADLINE_EXCEEDED, details))
+            self._finish(self._timeout(Code.DEADLINE_EXCEEDED, details, "write"))
         except (grpc.aio.AioRpcError, asyncio.InvalidStateError):
             return  # the call has ended: the reader reports its status
         except Exception as exc:  # an encoder's bug
@@ -284,7 +288,7 @@ class StreamClient:
                 return
             tls = await asyncio.to_thread(handshake_failure, self.target, self._security)
             details = f"could not connect within {timeout_s:g}s" + (f": {tls}" if tls else "")
-            self._finish(self._ended(EndKind.TIMEOUT, Code.UNAVAILABLE, details))
+            self._finish(self._timeout(Code.UNAVAILABLE, details, "connect"))
             self._stop_soon()
 
     # ------------------------------------------------------------ ending
@@ -292,6 +296,9 @@ class StreamClient:
         self, kind: EndKind, code: int, details: str, cause: BaseException | None = None
     ) -> StreamEnded:
         return StreamEnded(kind, code, details, self._closing, cause)
+
+    def _timeout(self, code: int, details: str, bound: str) -> StreamEnded:
+        return StreamEnded(EndKind.TIMEOUT, code, details, self._closing, bound=bound)
 
     def _finish(self, ended: StreamEnded) -> None:
         """Record the first end and tell `on_end`; later ends are not news."""

@@ -13,6 +13,9 @@ heartbeat timeout) means the leader is lost: every data stream ends
 UNAVAILABLE with reason SHARD_LOST, every job is forgotten, and the shard
 registers again with a growing pause, for as long as the process lives.
 Every wait is bounded.
+
+The stream itself (channel, call, reader, writer, bounds, cancellation) is a
+`gradsync_proto.net.stream_client.StreamClient`, as the worker's streams are.
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ import logging
 import grpc
 from gradsync_proto import __version__
 from gradsync_proto.net.channels import ChannelSecurity, handshake_failure
+from gradsync_proto.net.stream_client import EndKind, StreamClient, StreamEnded
 from gradsync_proto.v1 import gradsync_pb2 as pb
 
 from gradsync_server.rpc.shard_servicer import ShardServicer
@@ -48,7 +52,7 @@ REFUSAL_CODES = frozenset(
 _CODE_BY_VALUE = {status.value[0]: status for status in grpc.StatusCode}
 #: First pause before registering again after losing the leader.
 _FIRST_BACKOFF_S = 0.1
-#: Bound on the wait for the link's reader and writer to end once cancelled.
+#: Bound on the wait for the stats pump to end once cancelled.
 TASK_END_TIMEOUT_S = 5.0
 
 
@@ -60,8 +64,8 @@ class Refused(Exception):
         self.message = message
 
 
-class _Away(Exception):
-    """The leader answered the registration with something other than a verdict: retry."""
+class _Unreachable(Exception):
+    """The stream failed UNAVAILABLE before the leader answered: perhaps TLS, not the network."""
 
 
 class LeaderLink:
@@ -85,6 +89,11 @@ class LeaderLink:
         )
         #: Set while the leader has accepted this shard.
         self.registered = asyncio.Event()
+        # The current session's: the leader's acceptance (None until then), the
+        # stream, and how it ends (a reason, or the exception `_session` raises).
+        self._accepted: pb.ShardAccepted | None = None
+        self._stream: StreamClient | None = None
+        self._outcome: asyncio.Future[str | BaseException] | None = None
 
     def _register(self) -> pb.ShardMessage:
         config = self._config
@@ -130,41 +139,50 @@ class LeaderLink:
             Refused: the leader refused the registration.
         """
         config = self._config
-        channel = self._security.aio_channel(
+        register_timeout_s = config.register_timeout_s
+        self._accepted = None
+        self._outcome = outcome = asyncio.get_running_loop().create_future()
+        # Not wait_for_ready: a leader that is not there fails the call at once
+        # (UNAVAILABLE), and a TLS handshake that fails is then named.
+        self._stream = stream = StreamClient(
             config.leader,
+            METHOD,
+            self._on_message,
+            self._on_end,
+            security=self._security,
             options=[
                 ("grpc.max_receive_message_length", config.max_message_bytes),
                 ("grpc.max_send_message_length", config.max_message_bytes),
             ],
+            serializer=pb.ShardMessage.SerializeToString,
+            deserializer=pb.LeaderMessage.FromString,
+            wait_for_ready=False,
+            idle_timeout_s=register_timeout_s,  # the register write and the first answer
+            write_timeout_s=register_timeout_s,
+            name="leader-link",
         )
-        accepted = False
+        stream.send(self._register())
+        stream.start()
+        pump = asyncio.ensure_future(self._send_stats(stream))
         try:
-            call = channel.stream_stream(
-                METHOD,
-                request_serializer=pb.ShardMessage.SerializeToString,
-                response_deserializer=pb.LeaderMessage.FromString,
-            )(metadata=self._security.metadata)
-            try:
-                answer = await self._first_answer(call)
-                self._servicer.on_accepted(answer)
-                accepted = True
-                self.registered.set()
-                return await self._follow(call, answer), True
-            except grpc.aio.AioRpcError as exc:
-                if not accepted and exc.code() in REFUSAL_CODES:
-                    raise Refused(exc.details() or exc.code().name) from None
-                if not accepted and exc.code() == grpc.StatusCode.UNAVAILABLE:
-                    await self._refuse_on_handshake_failure()
-                return f"{exc.code().name}: {exc.details()}", accepted
-            except TimeoutError:
-                return f"no answer within {config.register_timeout_s:g}s", accepted
-            except _Away as away:
-                return str(away), accepted
-            finally:
-                call.cancel()
+            done, _ = await asyncio.wait({outcome, pump}, return_when=asyncio.FIRST_COMPLETED)
+            result = done.pop().result()  # the pump only ends by raising
+            if isinstance(result, _Unreachable):
+                await self._refuse_on_handshake_failure()
+                return str(result), False
+            if isinstance(result, BaseException):
+                raise result
+            return result, self._accepted is not None
         finally:
             self.registered.clear()
-            await channel.close()
+            pump.cancel()
+            await asyncio.wait({pump}, timeout=TASK_END_TIMEOUT_S)
+            await stream.close(0)
+
+    def _conclude(self, outcome: str | BaseException) -> None:
+        """End the session with a reason (or an exception for `_session`); the first counts."""
+        if self._outcome is not None and not self._outcome.done():
+            self._outcome.set_result(outcome)
 
     async def _refuse_on_handshake_failure(self) -> None:
         """Raise Refused when TLS, not the network, keeps the leader out of reach.
@@ -180,79 +198,82 @@ class LeaderLink:
                 "certificate)"
             )
 
-    async def _first_answer(self, call: grpc.aio.StreamStreamCall) -> pb.ShardAccepted:
-        """Register and read the leader's answer (bounded).
+    def _on_message(self, message: pb.LeaderMessage) -> None:
+        """Follow the answer to ShardRegister, then the jobs (loop thread: the reader)."""
+        if self._outcome is None or self._outcome.done():
+            return  # the session is ending: nothing more to follow
+        kind = message.WhichOneof("kind")
+        servicer = self._servicer
+        if self._accepted is None:
+            self._on_answer(message, kind)
+        elif kind == "job":
+            servicer.on_view(message.job)
+        elif kind == "abort":
+            servicer.on_abort(message.abort)
+        elif kind == "job_end":
+            servicer.on_job_end(message.job_end)
+        elif kind == "stream_end":
+            end = message.stream_end
+            code = _CODE_BY_VALUE.get(end.code, grpc.StatusCode.UNKNOWN)
+            self._conclude(f"it ended the control stream ({code.name}: {end.message})")
+        elif kind == "accepted":
+            servicer.on_accepted(message.accepted)
 
-        Raises:
-            Refused: the leader refused the registration.
-            grpc.aio.AioRpcError, TimeoutError, _Away: the leader is not there (try again).
-        """
-        timeout_s = self._config.register_timeout_s
-        await asyncio.wait_for(call.write(self._register()), timeout_s)
-        answer = await asyncio.wait_for(call.read(), timeout_s)
-        if answer is grpc.aio.EOF:
-            code = await asyncio.wait_for(call.code(), timeout_s)
-            details = await asyncio.wait_for(call.details(), timeout_s)
-            if code in REFUSAL_CODES:
-                raise Refused(details or code.name)
-            raise _Away(f"the leader ended the stream with {code.name}: {details}")
-        kind = answer.WhichOneof("kind")
+    def _on_answer(self, answer: pb.LeaderMessage, kind: str | None) -> None:
+        """The leader's first message: acceptance, a refusal, or something else (retry)."""
         if kind == "stream_end":
             end = answer.stream_end
             if _CODE_BY_VALUE.get(end.code) in REFUSAL_CODES:
-                raise Refused(end.message)
-            raise _Away(f"the leader ended the stream: {end.message}")
-        if kind != "accepted":
-            raise _Away(f"the leader answered ShardRegister with {kind}")
-        return answer.accepted  # type: ignore[no-any-return]
+                self._conclude(Refused(end.message))
+            else:
+                self._conclude(f"the leader ended the stream: {end.message}")
+        elif kind != "accepted":
+            self._conclude(f"the leader answered ShardRegister with {kind}")
+        else:
+            accepted = answer.accepted
+            self._servicer.on_accepted(accepted)
+            self._accepted = accepted
+            # From now on the leader's heartbeat timeout bounds its silence and every write.
+            assert self._stream is not None
+            self._stream.idle_timeout_s = accepted.heartbeat_timeout_s
+            self._stream.write_timeout_s = accepted.heartbeat_timeout_s
+            self.registered.set()
 
-    async def _follow(self, call: grpc.aio.StreamStreamCall, accepted: pb.ShardAccepted) -> str:
-        """Read the leader's messages and write ours until either side fails; return why."""
-        reader = asyncio.create_task(self._read(call, accepted.heartbeat_timeout_s))
-        writer = asyncio.create_task(
-            self._write(call, accepted.heartbeat_interval_s, accepted.heartbeat_timeout_s)
-        )
-        try:
-            done, _ = await asyncio.wait({reader, writer}, return_when=asyncio.FIRST_COMPLETED)
-            return done.pop().result()
-        finally:
-            # Cancel the call first: a read or write that grpc still holds then ends at
-            # once, so the tasks can finish; the wait for them is bounded all the same
-            # (a shard stopping must never hang on its leader link).
-            call.cancel()
-            for task in (reader, writer):
-                task.cancel()
-            await asyncio.wait({reader, writer}, timeout=TASK_END_TIMEOUT_S)
+    def _on_end(self, ended: StreamEnded) -> None:
+        """However the stream ended, in the words of the shard's log and its data streams."""
+        code = _CODE_BY_VALUE.get(ended.code, grpc.StatusCode.UNKNOWN)
+        status = f"{code.name}: {ended.details}"
+        if ended.kind is EndKind.FAULT and ended.cause is not None:
+            self._conclude(ended.cause)  # a handler's bug: raised, as it always was
+        elif ended.kind is EndKind.CLOSED:
+            self._conclude(ended.details)
+        elif self._accepted is None:
+            if ended.kind is EndKind.TIMEOUT:
+                self._conclude(f"no answer within {self._config.register_timeout_s:g}s")
+            elif code in REFUSAL_CODES:
+                self._conclude(Refused(ended.details or code.name))
+            elif code is grpc.StatusCode.UNAVAILABLE:
+                self._conclude(_Unreachable(status))
+            else:
+                self._conclude(
+                    f"the leader ended the stream with {status}" if ended.clean else status
+                )
+        elif ended.kind is EndKind.TIMEOUT:
+            timeout_s = self._accepted.heartbeat_timeout_s
+            if ended.bound == "write":
+                self._conclude(
+                    f"a write to it took longer than the heartbeat timeout of {timeout_s:g}s"
+                )
+            else:
+                self._conclude(f"silent for more than the heartbeat timeout of {timeout_s:g}s")
+        else:
+            self._conclude("it ended the control stream" if ended.clean else status)
 
-    async def _read(self, call: grpc.aio.StreamStreamCall, timeout_s: float) -> str:
-        servicer = self._servicer
-        while True:
-            try:
-                message = await asyncio.wait_for(call.read(), timeout_s)
-            except TimeoutError:
-                return f"silent for more than the heartbeat timeout of {timeout_s:g}s"
-            except grpc.aio.AioRpcError as exc:
-                return f"{exc.code().name}: {exc.details()}"
-            if message is grpc.aio.EOF:
-                return "it ended the control stream"
-            kind = message.WhichOneof("kind")
-            if kind == "job":
-                servicer.on_view(message.job)
-            elif kind == "abort":
-                servicer.on_abort(message.abort)
-            elif kind == "job_end":
-                servicer.on_job_end(message.job_end)
-            elif kind == "stream_end":
-                end = message.stream_end
-                code = _CODE_BY_VALUE.get(end.code, grpc.StatusCode.UNKNOWN)
-                return f"it ended the control stream ({code.name}: {end.message})"
-            elif kind == "accepted":
-                servicer.on_accepted(message.accepted)
-
-    async def _write(
-        self, call: grpc.aio.StreamStreamCall, interval_s: float, timeout_s: float
-    ) -> str:
-        """Send rejections as they come and stats every `interval_s` (the sign of life)."""
+    async def _send_stats(self, stream: StreamClient) -> None:
+        """Once accepted: hand over rejections as they come, stats every heartbeat interval."""
+        await self.registered.wait()
+        assert self._accepted is not None
+        interval_s = self._accepted.heartbeat_interval_s
         servicer = self._servicer
         loop = asyncio.get_running_loop()
         next_stats = loop.time()
@@ -264,11 +285,4 @@ class LeaderLink:
             except TimeoutError:
                 message = pb.ShardMessage(stats=servicer.stats())
                 next_stats = loop.time() + interval_s
-            try:
-                await asyncio.wait_for(call.write(message), timeout_s)
-            except TimeoutError:
-                return f"a write to it took longer than the heartbeat timeout of {timeout_s:g}s"
-            except asyncio.CancelledError:
-                raise
-            except Exception as exc:  # the stream failed under us: the leader is lost
-                return f"writing to it failed: {exc}"
+            stream.send(message)
