@@ -338,9 +338,6 @@ class Job(JobEnding):
             return self.reject(rank, rejection)
         if step + 1 != self.open_step or self.in_flight.was_aborted(step):
             return None
-        self.in_flight.remember_aborted(step)
-        # Its range completed here (and was counted), but the step did not complete: status
-        # says so. (The Prometheus counter of completed steps cannot be taken back.)
-        self.in_flight.steps_completed -= 1
+        self.in_flight.abort_completed(step)
         self._step_aborted(step)
         return abort_actions(self.membership.ranks(), rank, step, rejection)

@@ -452,6 +452,15 @@ class OpenStep:
             ranks = tuple(sorted((*ranks, culprit)))
         return abort_actions(ranks, culprit, step, rejection)
 
+    def abort_completed(self, step: int) -> None:
+        """`step` completed here but is aborted for everyone (a shard refused its range).
+
+        It is remembered as aborted and no longer counted as completed, so that
+        status says so. (The Prometheus counter of completed steps cannot be taken back.)
+        """
+        self.remember_aborted(step)
+        self.steps_completed -= 1
+
     def drop_step(self) -> None:
         """Abandon the open step without telling anyone and start the next one.
 
