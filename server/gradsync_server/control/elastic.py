@@ -80,7 +80,7 @@ class Elastic:
                 one membership epoch.
         """
         membership, step = self._membership, self._in_flight.step
-        membership.epoch += 1
+        membership.new_epoch()
         reason = (
             f"{reason} at step {step}; continuing with ranks "
             f"{list(membership.ranks())} (membership epoch {membership.epoch})"

@@ -137,7 +137,7 @@ class Job(JobEnding):
             signatures.state_bytes(signature), needed=resume is None and self.world_size > 1
         )
         if resume is not None:
-            self.membership.epoch = resume.membership_epoch
+            self.membership.resume_epoch(resume.membership_epoch)
             self.persistence.saved(resume.step)
         view = self._view(resume.step if resume else 0)
         self.plane.start(view)
