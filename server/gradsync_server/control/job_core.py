@@ -241,6 +241,8 @@ class JobCore:
         Each was already applied to this job's own plane; the shards apply the
         same (`gradsync_server.dataplane.plane`). Always empty when unsharded.
         """
+        if not self._events:
+            return []  # the common case, on every batch of actions
         events, self._events = self._events, []
         return events
 

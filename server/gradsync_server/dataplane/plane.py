@@ -355,8 +355,10 @@ class JobPlane:
         step = self.step
         if chunk.step < step.step and step.was_aborted(chunk.step):
             return []  # late upload for a step everyone was already told is aborted
+        open_step = step.step
         actions = step.accept(rank, chunk, payload)
-        self._skip_aborted()
+        if step.step != open_step:
+            self._skip_aborted()  # the step completed: the next may have been aborted already
         return actions
 
     def on_gradient(self, rank: int, chunk: ChunkHeader, payload: memoryview) -> ShardOutcome:

@@ -443,10 +443,7 @@ class CoordinatorServicer:
     def _forget_if_empty(self, job: Job) -> None:
         if job.members or self.jobs.get(job.job_id) is not job:
             return
-        del self.jobs[job.job_id]
-        self.segments.forget_job(job.job_id)
-        self.shard_control.job_ended(job)
-        ended = self.ended_jobs.record(job, self.metrics.lag_tracker)
+        ended = self._retire(job)
         if ended.state in ("finished", "abandoned"):
             log.info("job '%s' %s", job.job_id, ended.outcome)
         else:
@@ -460,11 +457,15 @@ class CoordinatorServicer:
         """
         if self.jobs.get(job.job_id) is not job:
             return
+        ended = self._retire(job)
+        log.warning("job '%s' ended %s: %s", job.job_id, ended.state, ended.outcome)
+
+    def _retire(self, job: Job) -> pb.JobStatus:
+        """Forget the active `job`: its segments, its shards' copy; record how it ended."""
         del self.jobs[job.job_id]
         self.segments.forget_job(job.job_id)
         self.shard_control.job_ended(job)
-        ended = self.ended_jobs.record(job, self.metrics.lag_tracker)
-        log.warning("job '%s' ended %s: %s", job.job_id, ended.state, ended.outcome)
+        return self.ended_jobs.record(job, self.metrics.lag_tracker)
 
     def expire_assembly(self, job: Job, details: str) -> None:
         """Refuse a job that assembled too long: its waiting ranks end, its slot is free."""

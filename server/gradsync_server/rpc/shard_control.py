@@ -125,6 +125,8 @@ class ShardControl:
     # ------------------------------------------------------------- job events
     def before_delivery(self, job: Job) -> None:
         """Send the shards the control events `job` decided, before its workers hear of them."""
+        if not self.registry.sharded:
+            return  # an unsharded job decides none (this runs for every averaged chunk)
         events = job.take_events()
         if not events:
             return
