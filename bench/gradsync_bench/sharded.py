@@ -30,7 +30,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any
 
-from gradsync_proto.auth import ENV_TOKEN, ENV_TOKEN_FILE
+from gradsync_proto.auth import ENV_SHARD_TOKEN, ENV_SHARD_TOKEN_FILE, ENV_TOKEN, ENV_TOKEN_FILE
 from gradsync_proto.net.launch import Launcher, start_coordinator
 
 from gradsync_bench.netns import Cluster
@@ -121,10 +121,13 @@ def topologies(
 
 #: The token of this benchmark run's emulated hosts (see `on_host`).
 _BENCH_TOKEN = secrets.token_urlsafe(32)
+#: The shard token of this run: the leader and its shards have it, the workers do not.
+_BENCH_SHARD_TOKEN = secrets.token_urlsafe(32)
 
 
-def on_host(cluster: Cluster, host: str, **kwargs: Any) -> Launcher:
-    """A launcher that runs a command on one emulated host."""
+def on_host(cluster: Cluster, host: str, coordinator: bool = False, **kwargs: Any) -> Launcher:
+    """A launcher that runs a command on one emulated host (`coordinator`: the leader or a
+    shard, which also get the shard token)."""
     # gloo finds its own address through the hostname, which names the
     # machine's real interface; inside a namespace only eth0 exists. The leader, its
     # shards and the workers listen beyond loopback, so they share a token (protected
@@ -132,6 +135,9 @@ def on_host(cluster: Cluster, host: str, **kwargs: Any) -> Launcher:
     env = dict(os.environ, GLOO_SOCKET_IFNAME="eth0")
     env.pop(ENV_TOKEN_FILE, None)
     env.setdefault(ENV_TOKEN, _BENCH_TOKEN)
+    env.pop(ENV_SHARD_TOKEN_FILE, None)
+    if coordinator:
+        env.setdefault(ENV_SHARD_TOKEN, _BENCH_SHARD_TOKEN)
     kwargs.setdefault("stderr", subprocess.PIPE)
     return lambda argv: cluster.popen(host, argv, text=True, env=env, **kwargs)
 
@@ -183,12 +189,12 @@ def running_coordinator(
     logs: list[IO[str]] = []
 
     def launch_leader(argv: list[str]) -> subprocess.Popen[str]:
-        leader = on_host(cluster, leader_host)(argv)
+        leader = on_host(cluster, leader_host, coordinator=True)(argv)
         for index, host in enumerate(topology.shard_hosts[1:], start=1):
             log = (workdir / f"shard-{index}.log").open("w")
             logs.append(log)
             argv = shard_command(f"{leader_ip}:{LEADER_PORT}", cluster.address(host), SHARD_PORT)
-            shards.append(on_host(cluster, host, stderr=log, stdout=log)(argv))
+            shards.append(on_host(cluster, host, True, stderr=log, stdout=log)(argv))
         return leader
 
     wait = ("--wait-for-shards", str(topology.shards - 1)) if topology.shards > 1 else ()

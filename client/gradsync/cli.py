@@ -74,8 +74,8 @@ EXIT_EXPOSED = 2
 
 def _server_security(
     parser: argparse.ArgumentParser, args: argparse.Namespace, command: str
-) -> str | None:
-    """The token of `serve` / `shard` after checking every security flag; None = no token.
+) -> tuple[str | None, str | None]:
+    """The token and shard token of `serve` / `shard` after checking every security flag.
 
     Bad files exit 2 naming the flag (via the parser); protected mode exits 2 with
     the message of `gradsync_server.rpc.auth_check.exposure_refusal`.
@@ -84,6 +84,7 @@ def _server_security(
 
     try:
         token = auth.resolve_token(args.token_file, os.environ)
+        shard_token = auth.resolve_shard_token(args.shard_token_file, os.environ)
         server_credentials(args.tls_cert, args.tls_key, args.tls_client_ca)
         if args.tls_ca is not None:
             auth.read_pem_file(args.tls_ca, "--tls-ca")
@@ -99,7 +100,7 @@ def _server_security(
     if refusal is not None:
         print(refusal, file=sys.stderr)
         raise SystemExit(EXIT_EXPOSED)
-    return token
+    return token, shard_token
 
 
 def _token(args: argparse.Namespace) -> int:
@@ -183,7 +184,7 @@ def _serve(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
             "combined: --shards starts the shards on this host, --wait-for-shards waits for "
             "shards started elsewhere"
         )
-    token = _server_security(parser, args, "serve")
+    tokens = _server_security(parser, args, "serve")
     if args.wait_for_shards is not None:
         shard_count, local_shards = args.wait_for_shards + 1, False
     else:
@@ -230,7 +231,7 @@ def _serve(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
             shard_count=shard_count,
             local_shards=local_shards,
             shard_wait_timeout_s=args.shard_wait_timeout,
-            **_security_settings(args, token),
+            **_security_settings(args, tokens),
             fresh_start=args.fresh_start,
             store_timeout_s=args.store_timeout,
             redis_password=_redis_password(parser, args),
@@ -250,9 +251,13 @@ def _serve(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
         return 1
 
 
-def _security_settings(args: argparse.Namespace, token: str | None) -> dict[str, Any]:
+def _security_settings(
+    args: argparse.Namespace, tokens: tuple[str | None, str | None]
+) -> dict[str, Any]:
     """The config fields of the TLS, token and exposure flags `serve` and `shard` share."""
+    token, shard_token = tokens
     return {
+        "shard_token": shard_token,
         "tls_cert": args.tls_cert,
         "tls_key": args.tls_key,
         "tls_client_ca": args.tls_client_ca,
@@ -299,7 +304,7 @@ def _shard(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
             )
         except argparse.ArgumentTypeError as exc:
             parser.error(f"--advertise {args.advertise}: {exc}")
-    token = _server_security(parser, args, "shard")
+    tokens = _server_security(parser, args, "shard")
     try:
         config = ShardConfig(
             leader=args.leader,
@@ -312,7 +317,7 @@ def _shard(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
             max_connections=args.max_connections,
             first_message_timeout_s=args.first_message_timeout_s,
             metrics_port=args.metrics_port,
-            **_security_settings(args, token),
+            **_security_settings(args, tokens),
         )
     except ValueError as exc:
         parser.error(str(exc))

@@ -21,6 +21,10 @@ from pathlib import Path
 ENV_TOKEN = "GRADSYNC_TOKEN"
 #: Environment variable naming a file that holds the token.
 ENV_TOKEN_FILE = "GRADSYNC_TOKEN_FILE"
+#: Environment variable holding the shard token (what a shard presents to its leader).
+ENV_SHARD_TOKEN = "GRADSYNC_SHARD_TOKEN"
+#: Environment variable naming a file that holds the shard token.
+ENV_SHARD_TOKEN_FILE = "GRADSYNC_SHARD_TOKEN_FILE"
 #: gRPC metadata key the token travels in (lower case, as HTTP/2 requires).
 METADATA_KEY = "authorization"
 #: Scheme prefix of the metadata value.
@@ -62,8 +66,10 @@ def read_token_file(path: str | Path) -> str:
     return check_token(text, f"the file {str(path)!r}")
 
 
-def token_from_environment(environ: Mapping[str, str]) -> str | None:
-    """The token named by `GRADSYNC_TOKEN` or `GRADSYNC_TOKEN_FILE`, or None when neither is set.
+def token_from_environment(
+    environ: Mapping[str, str], env: str = ENV_TOKEN, env_file: str = ENV_TOKEN_FILE
+) -> str | None:
+    """The token named by `env` or `env_file` (by default `GRADSYNC_TOKEN` / `_FILE`), or None.
 
     Both set is refused rather than one silently winning: the two could hold
     different tokens, and the wrong one fails only later, on the other host.
@@ -71,25 +77,47 @@ def token_from_environment(environ: Mapping[str, str]) -> str | None:
     Raises:
         TokenError: both are set, the file cannot be read, or the token is unusable.
     """
-    value, path = environ.get(ENV_TOKEN), environ.get(ENV_TOKEN_FILE)
+    value, path = environ.get(env), environ.get(env_file)
     if value and path:
-        raise TokenError(f"both ${ENV_TOKEN} and ${ENV_TOKEN_FILE} are set: set only one")
+        raise TokenError(f"both ${env} and ${env_file} are set: set only one")
     if path:
         return read_token_file(path)
     if value:
-        return check_token(value, f"${ENV_TOKEN}")
+        return check_token(value, f"${env}")
     return None
 
 
-def resolve_token(token_file: str | None, environ: Mapping[str, str]) -> str | None:
-    """The token from `--token-file` when given, else from the environment (see above).
+def resolve_token(
+    token_file: str | None,
+    environ: Mapping[str, str],
+    env: str = ENV_TOKEN,
+    env_file: str = ENV_TOKEN_FILE,
+) -> str | None:
+    """The token from its `--...-file` flag when given, else from the environment (see above).
 
     Raises:
         TokenError: the file or variable is unusable (the message names which).
     """
     if token_file is not None:
         return read_token_file(token_file)
-    return token_from_environment(environ)
+    return token_from_environment(environ, env, env_file)
+
+
+def resolve_shard_token(token_file: str | None, environ: Mapping[str, str]) -> str | None:
+    """The shard token from `--shard-token-file`, else `$GRADSYNC_SHARD_TOKEN(_FILE)`, or None."""
+    return resolve_token(token_file, environ, ENV_SHARD_TOKEN, ENV_SHARD_TOKEN_FILE)
+
+
+def shard_session(session: bytes, shard_index: int) -> bytes:
+    """What shard `shard_index` knows of a rank's session secret: a keyed one-way derivative.
+
+    The leader sends its shards this, never the session itself, and a worker
+    presents the same derivative in its ShardHello. A shard (or whoever reads
+    its memory) can then admit that rank's data streams to itself, but cannot
+    act for the rank at the leader or at any other shard.
+    """
+    label = b"gradsync shard session %d" % shard_index
+    return hmac.new(session, label, hashlib.sha256).digest()
 
 
 def read_pem_file(path: str | Path, what: str) -> bytes:

@@ -21,7 +21,9 @@ leader's message naming the flag and both values).
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
+import secrets
 import signal
 import sys
 from collections.abc import Coroutine
@@ -123,7 +125,11 @@ def _listen(
     """
     credentials = server_credentials(config.tls_cert, config.tls_key, config.tls_client_ca)
     server = grpc.aio.server(
-        options=grpc_options(config.max_message_bytes), interceptors=interceptors(config.token)
+        options=grpc_options(config.max_message_bytes),
+        # A shard's own shard token is what it presents to its leader, not what it checks.
+        interceptors=interceptors(
+            config.token, config.shard_token if isinstance(config, ServerConfig) else None
+        ),
     )
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
@@ -170,6 +176,9 @@ def _run(main: Coroutine[Any, Any, int]) -> int:
 
 async def start_server(config: ServerConfig) -> RunningServer:
     """Create, bind and start a coordinator; the returned port is the bound one."""
+    if config.local_shards and config.shard_count > 1 and config.shard_token is None:
+        # Its own children need a shard credential the workers never see: make one.
+        config = dataclasses.replace(config, shard_token=secrets.token_urlsafe(32))
     store = (
         open_store(
             config.checkpoint_store,

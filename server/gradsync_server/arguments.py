@@ -314,6 +314,14 @@ def _add_server_security_flags(parser: argparse.ArgumentParser, who: str) -> Non
         "make one with `gradsync token FILE`)",
     )
     parser.add_argument(
+        "--shard-token-file",
+        default=None,
+        help=f"file holding the shard token, which shards present to their leader instead of "
+        f"the workers' token (default ${auth.ENV_SHARD_TOKEN_FILE}, or the token itself in "
+        f"${auth.ENV_SHARD_TOKEN}); needed by --wait-for-shards and by every shard when a "
+        "token or client certificates are set; --shards makes one for its own shards",
+    )
+    parser.add_argument(
         "--insecure",
         action="store_true",
         help="listen beyond loopback with neither a token nor client certificates "

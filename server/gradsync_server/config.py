@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hmac
 from dataclasses import dataclass, field
 
 from gradsync_proto import chunking
@@ -71,6 +72,12 @@ class ServerConfig:
             children (`--shards`) to verify the leader; None = `tls_cert` itself.
         token: the shared secret every call must present (loaded by the CLI from
             --token-file / $GRADSYNC_TOKEN / $GRADSYNC_TOKEN_FILE; never printed).
+        shard_token: the secret shards present on `ShardLink` instead of `token`, which
+            workers hold too (a worker must not pose as a shard: shards learn every
+            member of every job). Required to expect remote shards (`--wait-for-shards`)
+            with a token or client certificates; `--shards N` makes one for its own
+            children when none is given. None = no shard may register unless the
+            server has no credentials at all (loopback development).
         insecure: listen beyond loopback with neither a token nor client certificates.
         metrics_host: interface the metrics server binds; None = `host`.
         fresh_start: start new jobs at step 0 without reading their checkpoints (which are
@@ -124,6 +131,7 @@ class ServerConfig:
     tls_client_ca: str | None = None
     tls_ca: str | None = None
     token: str | None = field(default=None, repr=False)
+    shard_token: str | None = field(default=None, repr=False)
     insecure: bool = False
     metrics_host: str | None = None
     fresh_start: bool = False
@@ -197,6 +205,20 @@ class ServerConfig:
             raise ValueError(f"checkpoint every must be >= 0 steps, got {self.checkpoint_every}")
         if self.shard_count < 1:
             raise ValueError(f"shard count must be at least 1, got {self.shard_count}")
+        check_shard_token(self.token, self.shard_token)
+        if (
+            self.shard_count > 1
+            and not self.local_shards
+            and self.shard_token is None
+            and (self.token is not None or self.tls_client_ca is not None)
+        ):
+            raise ValueError(
+                f"{self.shards_flag} needs a shard token that the workers do not have "
+                "(--shard-token-file FILE, $GRADSYNC_SHARD_TOKEN_FILE or "
+                "$GRADSYNC_SHARD_TOKEN; make one with `gradsync token FILE`) and each shard "
+                "started with the same one: otherwise any worker could register as a shard "
+                "and read every job's sessions"
+            )
         if self.shard_wait_timeout_s <= 0:
             raise ValueError(f"shard wait timeout must be > 0 s, got {self.shard_wait_timeout_s}")
         if self.checkpoint_store is not None:
@@ -247,3 +269,20 @@ class ServerConfig:
     def max_message_bytes(self) -> int:
         """gRPC message size limit: one chunk plus room for the header fields."""
         return self.chunk_bytes + chunking.HEADER_SLACK_BYTES
+
+
+def check_shard_token(token: str | None, shard_token: str | None) -> None:
+    """Refuse a shard token equal to the workers' token (then it tells nobody apart).
+
+    Raises:
+        ValueError: the two are the same secret.
+    """
+    if (
+        token is not None
+        and shard_token is not None
+        and hmac.compare_digest(token.encode(), shard_token.encode())
+    ):
+        raise ValueError(
+            "the shard token is the same as the workers' token: a shard token must be a "
+            "secret the workers do not hold (make one with `gradsync token FILE`)"
+        )

@@ -88,18 +88,17 @@ def shard_command(
 
 
 def shard_environment(config: ServerConfig, environ: Mapping[str, str]) -> dict[str, str]:
-    """The children's environment: the leader's, with the token in $GRADSYNC_TOKEN.
+    """The children's environment: the leader's, with the tokens in $GRADSYNC_(SHARD_)TOKEN.
 
-    The token goes by environment, never argv: the process list shows every
+    The tokens go by environment, never argv: the process list shows every
     argument to every user of the host, a process's environment only to its owner.
     """
-    env = {
-        key: value
-        for key, value in environ.items()
-        if key not in (auth.ENV_TOKEN, auth.ENV_TOKEN_FILE)
-    }
+    own = (auth.ENV_TOKEN, auth.ENV_TOKEN_FILE, auth.ENV_SHARD_TOKEN, auth.ENV_SHARD_TOKEN_FILE)
+    env = {key: value for key, value in environ.items() if key not in own}
     if config.token is not None:
         env[auth.ENV_TOKEN] = config.token
+    if config.shard_token is not None:
+        env[auth.ENV_SHARD_TOKEN] = config.shard_token
     return env
 
 

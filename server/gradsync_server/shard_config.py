@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from gradsync_proto import chunking
 
 from gradsync_server import defaults
+from gradsync_server.config import check_shard_token
 
 #: Bound on the wait for the leader's answer to ShardRegister.
 REGISTER_TIMEOUT_S = 10.0
@@ -56,7 +57,9 @@ class ShardConfig:
         tls_client_ca: PEM CA whose certificates workers must present (mTLS); None = none.
         tls_ca: PEM CA that issued the leader's certificate; set = reach the leader over
             TLS. None = plaintext to the leader.
-        token: the shared secret: presented to the leader, and required of workers.
+        token: the shared secret required of workers.
+        shard_token: the secret presented to the leader on `ShardLink` (the workers do
+            not hold it); required when the shard has a token or client certificates.
         insecure: listen beyond loopback with neither a token nor client certificates.
         metrics_host: interface the metrics server binds; None = `host`.
     """
@@ -79,6 +82,7 @@ class ShardConfig:
     tls_client_ca: str | None = None
     tls_ca: str | None = None
     token: str | None = field(default=None, repr=False)
+    shard_token: str | None = field(default=None, repr=False)
     insecure: bool = False
     metrics_host: str | None = None
 
@@ -95,6 +99,13 @@ class ShardConfig:
             raise ValueError(
                 f"max buffered bytes ({self.max_buffered_bytes}) must be at least one chunk "
                 f"({self.chunk_bytes})"
+            )
+        check_shard_token(self.token, self.shard_token)
+        if self.shard_token is None and (self.token is not None or self.tls_client_ca):
+            raise ValueError(
+                "a shard with a token or client certificates needs the leader's shard token "
+                "(--shard-token-file FILE, $GRADSYNC_SHARD_TOKEN_FILE or "
+                "$GRADSYNC_SHARD_TOKEN): the leader admits shards only with it"
             )
         for name in ("register_timeout_s", "reconnect_backoff_max_s", "hello_wait_s"):
             if getattr(self, name) <= 0:

@@ -31,8 +31,10 @@ def test_silent_unauthenticated_streams_beyond_the_bound_are_refused_at_once(
 ) -> None:
     checks: list[TokenCheck] = []
 
-    def recorded_interceptors(token: str | None) -> list[grpc.aio.ServerInterceptor]:
-        made = interceptors(token)
+    def recorded_interceptors(
+        token: str | None, shard_token: str | None = None
+    ) -> list[grpc.aio.ServerInterceptor]:
+        made = interceptors(token, shard_token)
         checks.extend(check for check in made if isinstance(check, TokenCheck))
         return made
 

@@ -15,11 +15,19 @@ ten: none, a wrong or near-miss one) must end UNAUTHENTICATED without a reply.
 
 from __future__ import annotations
 
+import asyncio
 import secrets
 from pathlib import Path
 
+import grpc
 import pytest
+from gradsync_proto import auth
+from gradsync_proto.v1 import gradsync_pb2 as pb
+from support.fuzz_coordinator import LiveCoordinator, scan_log
+from support.fuzz_shards import fuzz_shard_links
 from support.fuzzing import run_fuzz
+from support.rawclient import RawWorker
+from support.shards import FakeShard
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -68,3 +76,50 @@ def test_token_mode_refuses_every_call_without_the_token(tmp_path: Path) -> None
     # Authenticated calls still reached the coordinator's checks.
     assert report.codes["INVALID_ARGUMENT"] and report.codes["FAILED_PRECONDITION"], summary
     assert token not in Path(report.log_path).read_text(errors="replace"), "token logged"
+
+
+def test_registered_shards_sending_hostile_messages_leave_the_leader_serving(
+    tmp_path: Path,
+) -> None:
+    """ShardLink past its first message (see `support.fuzz_shards`)."""
+    token, shard_token = secrets.token_urlsafe(32), secrets.token_urlsafe(32)
+    log_path = tmp_path / "leader.log"
+    leader = LiveCoordinator(
+        log_path, "--wait-for-shards", "8", token=token, shard_token=shard_token
+    )
+    try:
+        report = asyncio.run(
+            fuzz_shard_links(leader.address, token, shard_token, leader.process.pid, 180, seed=13)
+        )
+        report.alive = leader.process.poll() is None
+        # Still a leader: a genuine shard registers and a genuine worker joins.
+        genuine = asyncio.run(genuine_shard_and_worker(leader.address, token, shard_token))
+    finally:
+        leader.stop()
+    scan_log(report, log_path)
+    report.log_path = str(log_path)
+    summary = report.summary()
+    print(summary)
+    assert report.alive and genuine == "accepted", (genuine, summary)
+    assert report.streams >= 150 and report.messages >= 3000, summary
+    assert not report.violations, summary
+    assert report.log_tracebacks == 0, summary
+    assert report.unauth_calls >= 10 and report.unauth_refused == report.unauth_calls, summary
+    # Registrations got through: the fuzz reached the messages after the first.
+    assert report.codes["OK"] + report.codes["UNAVAILABLE"] >= 20, summary
+    assert report.rss_after_kib - report.rss_before_kib < RSS_GROWTH_LIMIT_KIB, summary
+    text = log_path.read_text(errors="replace")
+    assert token not in text and shard_token not in text, "a token was logged"
+
+
+async def genuine_shard_and_worker(address: str, token: str, shard_token: str) -> str:
+    async with grpc.aio.insecure_channel(address) as channel:
+        shard = FakeShard(channel, auth.metadata(shard_token))
+        await shard.register(address="127.0.0.1:1")
+        answer = (await shard.recv(10)).WhichOneof("kind") or ""
+        worker = RawWorker(channel, auth.metadata(token))
+        await worker.join(0, job_id="after-the-fuzz")
+        await worker.send(pb.WorkerMessage(heartbeat=pb.Heartbeat()))
+        shard.close()
+        worker.call.cancel()
+        return answer

@@ -15,7 +15,7 @@ from collections.abc import AsyncIterator
 
 import grpc
 import numpy as np
-from gradsync_proto import chunking
+from gradsync_proto import auth, chunking
 from gradsync_proto.v1 import gradsync_pb2 as pb
 from gradsync_server.app import RunningServer, RunningShard, start_shard
 from gradsync_server.shard_config import ShardConfig
@@ -195,7 +195,7 @@ def test_a_partial_sum_averages_right_through_two_shards() -> None:
                         rank=rank,
                         incarnation=f"test-{rank}",
                         shard_index=1,
-                        session=welcomes[rank].session,
+                        session=auth.shard_session(welcomes[rank].session, 1),
                     )
                     await stream.send(pb.WorkerMessage(shard_hello=hello))
                     streams[rank] = stream

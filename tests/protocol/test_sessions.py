@@ -96,15 +96,24 @@ def test_a_shard_admits_a_data_stream_only_on_the_session_its_rank_was_issued() 
                     job_id="job", rank=0, incarnation=incarnation, shard_index=1, session=session
                 )
 
-            for forged in (b"", bytes(SESSION_BYTES), sessions[1]):  # none, guessed, rank 1's
+            # None, guessed, rank 1's, rank 0's raw secret (a shard never holds or takes
+            # it), and rank 0's derivative for another shard.
+            forged_sessions = (
+                b"",
+                bytes(SESSION_BYTES),
+                auth.shard_session(sessions[1], 1),
+                sessions[0],
+                auth.shard_session(sessions[0], 2),
+            )
+            for forged in forged_sessions:
                 call = await data_stream(shard, hello(forged))
                 code, details = await ended(call)
                 assert code == grpc.StatusCode.PERMISSION_DENIED, (code, details)
                 assert "rank 0 of job 'job'" in details and "session" in details
                 assert sessions[0].hex() not in details  # no secret in a message
             assert shard.servicer.connection_count() == 0
-            # The rank itself, with its session, is admitted.
-            genuine = await data_stream(shard, hello(sessions[0]))
+            # The rank itself, with this shard's derivative of its session, is admitted.
+            genuine = await data_stream(shard, hello(auth.shard_session(sessions[0], 1)))
             for _ in range(300):
                 if shard.servicer.connection_count() == 1:
                     break

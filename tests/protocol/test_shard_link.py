@@ -18,7 +18,6 @@ import grpc
 import pytest
 from gradsync import __version__
 from gradsync.status import format_status
-from gradsync_proto import chunking
 from gradsync_proto.v1 import gradsync_pb2 as pb
 from gradsync_server.app import RunningServer
 from gradsync_server.control.job import Job
@@ -26,75 +25,10 @@ from gradsync_server.rpc.connection import Connection
 from gradsync_server.rpc.shard_control import peer_host_of
 from prometheus_client import generate_latest
 from support.rawclient import CHUNK, RawWorker, assembled_job, coordinator, run, wait_until_joined
+from support.shards import ADDRESS, FakeShard
 from support.waiting import eventually
 
-LINK = "/gradsync.v1.Coordinator/ShardLink"
 STATUS = "/gradsync.v1.Coordinator/Status"
-ADDRESS = "127.0.0.1:59999"
-
-
-class FakeShard:
-    """One control stream driven by hand; sends its stats every 0.2 s unless `silent`."""
-
-    def __init__(self, channel: grpc.aio.Channel) -> None:
-        self.call = channel.stream_stream(
-            LINK,
-            request_serializer=pb.ShardMessage.SerializeToString,
-            response_deserializer=pb.LeaderMessage.FromString,
-        )()
-        self._stats: asyncio.Task[None] | None = None
-
-    async def register(
-        self,
-        address: str = ADDRESS,
-        version: str = __version__,
-        chunk_bytes: int = CHUNK,
-        silent: bool = False,
-    ) -> None:
-        register = pb.ShardRegister(
-            version=version,
-            advertise=address,
-            chunk_bytes=chunk_bytes,
-            max_message_bytes=chunk_bytes + chunking.HEADER_SLACK_BYTES,
-        )
-        await self.send(pb.ShardMessage(register=register))
-        if not silent:
-            self._stats = asyncio.create_task(self._send_stats())
-
-    async def _send_stats(self) -> None:
-        while True:
-            stats = pb.ShardStats(bytes_received=1000, bytes_sent=500, connections=2)
-            await self.send(pb.ShardMessage(stats=stats))
-            await asyncio.sleep(0.2)
-
-    async def send(self, message: pb.ShardMessage) -> None:
-        await asyncio.wait_for(self.call.write(message), timeout=5)
-
-    async def recv(self, timeout: float = 5.0) -> pb.LeaderMessage:
-        """The next message that is not a heartbeat."""
-        while True:
-            message = await asyncio.wait_for(self.call.read(), timeout=timeout)
-            assert message is not grpc.aio.EOF, "control stream ended without a status"
-            if message.WhichOneof("kind") != "heartbeat":
-                return message  # type: ignore[no-any-return]
-
-    async def expect(self, kind: str, timeout: float = 5.0) -> pb.LeaderMessage:
-        message = await self.recv(timeout)
-        assert message.WhichOneof("kind") == kind, message
-        return message
-
-    async def expect_status(self, code: grpc.StatusCode) -> str:
-        with contextlib.suppress(grpc.aio.AioRpcError):
-            while await asyncio.wait_for(self.call.read(), timeout=5) is not grpc.aio.EOF:
-                pass
-        status = await asyncio.wait_for(self.call.code(), timeout=5)
-        assert status == code, (status, await self.call.details())
-        return await self.call.details()  # type: ignore[no-any-return]
-
-    def close(self) -> None:
-        if self._stats is not None:
-            self._stats.cancel()
-        self.call.cancel()
 
 
 @contextlib.asynccontextmanager
@@ -170,7 +104,7 @@ def test_a_shard_registers_and_hears_heartbeats() -> None:
 @pytest.mark.parametrize(
     ("options", "expected"),
     [
-        ({"version": "0.0.1"}, f"has version 0.0.1, the leader {__version__}"),
+        ({"version": "0.0.1"}, f"has version '0.0.1', the leader {__version__}"),
         ({"chunk_bytes": 2 * CHUNK}, "--chunk-mb 0.0078125 (8192 bytes), the leader --chunk-mb"),
     ],
 )
@@ -184,7 +118,7 @@ def test_a_mismatched_shard_is_refused_naming_both_values(
             end = (await shard.expect("stream_end")).stream_end
             details = await shard.expect_status(grpc.StatusCode.FAILED_PRECONDITION)
             assert expected in details and end.message == details
-            assert f"shard at {ADDRESS}" in details
+            assert f"shard at '{ADDRESS}'" in details
             assert running.servicer.shard_control.registry.registered() == []
 
     run(scenario)

@@ -265,3 +265,33 @@ def test_a_handler_that_raises_ends_the_stream_as_a_fault() -> None:
             assert ends == [ended]
 
     run(scenario)
+
+
+def test_a_status_that_overtakes_a_write_is_never_reported_as_internal() -> None:
+    """grpc-python turns a write that fails in core into INTERNAL "Internal error from
+    Core", hiding the peer's status: that end means the transport broke (UNAVAILABLE,
+    which a worker recovers from by reconnecting), not a coordinator bug."""
+
+    async def scenario() -> None:
+        async def refuse(requests: AsyncIterator[bytes], context: grpc.aio.ServicerContext) -> None:
+            async for _ in requests:
+                await context.abort(grpc.StatusCode.FAILED_PRECONDITION, "go away")
+
+        codes = []
+        async with serve(refuse) as target:
+            for _ in range(10):
+                seen = Seen()
+                options = [("grpc.max_send_message_length", 8 << 20)]
+                client = seen.client(target, options=options)
+                client.start()
+                for _ in range(30):  # writes still queued when the status arrives
+                    client.send(b"x" * (1 << 20))
+                ended = await client.wait(10.0)
+                await client.close(1.0)
+                assert ended is not None
+                codes.append(ended.code)
+                if ended.code == Code.UNAVAILABLE:
+                    assert "broke under a write" in ended.details, ended
+        assert set(codes) <= {Code.FAILED_PRECONDITION, Code.UNAVAILABLE}, codes
+
+    run(scenario)

@@ -110,16 +110,28 @@ class LiveCoordinator:
     """`gradsync serve --world-size 2` on a free loopback port, logging to a file.
 
     With `token`, the coordinator gets it as $GRADSYNC_TOKEN (and no
-    $GRADSYNC_TOKEN_FILE) and refuses every call that does not present it.
+    $GRADSYNC_TOKEN_FILE) and refuses every call that does not present it;
+    `shard_token` likewise as $GRADSYNC_SHARD_TOKEN, for ShardLink.
     """
 
-    def __init__(self, log_path: Path, *extra: str, token: str | None = None) -> None:
+    def __init__(
+        self,
+        log_path: Path,
+        *extra: str,
+        token: str | None = None,
+        shard_token: str | None = None,
+    ) -> None:
         self.log_path = log_path
         self.token = token
-        env = None
+        env = {
+            key: value
+            for key, value in os.environ.items()
+            if key not in (auth.ENV_TOKEN_FILE, auth.ENV_SHARD_TOKEN_FILE)
+        }
         if token is not None:
-            env = {**os.environ, auth.ENV_TOKEN: token}
-            env.pop(auth.ENV_TOKEN_FILE, None)
+            env[auth.ENV_TOKEN] = token
+        if shard_token is not None:
+            env[auth.ENV_SHARD_TOKEN] = shard_token
         self._log = log_path.open("w")
         self.process = subprocess.Popen(
             [

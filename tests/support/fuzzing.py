@@ -265,8 +265,15 @@ class Fuzzer:
         self.report.codes["OK"] += 1
 
     async def shard_link_call(self, channel: grpc.aio.Channel) -> None:
-        """A ShardLink stream that opens with garbage (a would-be coordinator shard)."""
+        """A ShardLink stream that opens with garbage (a would-be coordinator shard).
+
+        In token mode even the workers' token is the wrong one here: a link needs the
+        shard token, which no fuzz call has (`support.fuzz_shards` fuzzes with it).
+        """
         metadata, authorized = self.credentials()
+        if self.token is not None and authorized:
+            self.report.unauth_calls += 1
+            authorized = False
         call = channel.stream_stream(
             SHARD_LINK, request_serializer=lambda raw: raw, response_deserializer=lambda raw: raw
         )(metadata=metadata or None)

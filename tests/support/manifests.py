@@ -31,6 +31,8 @@ KUSTOMIZATION = K8S_DIR / "kustomization.yaml"
 DOCKERFILE = ROOT / "Dockerfile"
 
 TOKEN_SECRET = "gradsync-token"
+#: The shards' credential at the leader: mounted by the coordinator and the shards only.
+SHARD_TOKEN_SECRET = "gradsync-shard-token"
 TOKEN_KEY = "token"
 #: Files shown for their shape only (the token Secret): validated, never applied.
 TEMPLATE_SUFFIX = ".example.yaml"
@@ -349,13 +351,13 @@ def target_port(workload: Object, port: Object) -> int:
     return numbers[0]
 
 
-def token_paths(workload: Object) -> set[str]:
-    """Paths inside the pod where the token Secret's `token` key appears as a file."""
+def token_paths(workload: Object, secret_name: str = TOKEN_SECRET) -> set[str]:
+    """Paths inside the pod where Secret `secret_name`'s `token` key appears as a file."""
     spec = pod_template(workload)["spec"]
     paths: set[str] = set()
     for volume in spec.get("volumes", []):
         secret = volume.get("secret")
-        if secret is None or secret["secretName"] != TOKEN_SECRET:
+        if secret is None or secret["secretName"] != secret_name:
             continue
         items = secret.get("items") or [{"key": TOKEN_KEY, "path": TOKEN_KEY}]
         for container in spec["containers"]:

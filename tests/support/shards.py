@@ -1,15 +1,28 @@
-"""A `gradsync shard` process for tests, and how to ask a leader about its shards."""
+"""A `gradsync shard` process for tests, a hand-driven fake shard's control stream, and how
+to ask a leader about its shards."""
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import subprocess
 import sys
 import time
 from pathlib import Path
 from typing import Any
 
+import grpc
+from gradsync import __version__
 from gradsync.status import query_status
+from gradsync_proto import chunking
+from gradsync_proto.net.channels import ChannelSecurity
 from gradsync_proto.v1 import gradsync_pb2 as pb
+
+from support.rawclient import CHUNK
+
+LINK = "/gradsync.v1.Coordinator/ShardLink"
+#: The address a FakeShard advertises by default (nothing listens there).
+ADDRESS = "127.0.0.1:59999"
 
 
 class ShardProcess:
@@ -66,21 +79,92 @@ class ShardProcess:
                 self.process.wait()
 
 
-def shard_statuses(leader: str) -> list[pb.ShardStatus]:
+def shard_statuses(leader: str, security: ChannelSecurity | None = None) -> list[pb.ShardStatus]:
     """The leader's view of its shards ([] when it cannot be reached)."""
     try:
-        return list(query_status(leader, "", timeout_s=2).shards)
+        return list(query_status(leader, "", timeout_s=2, security=security).shards)
     except ConnectionError:
         return []
 
 
-def wait_for_shards(leader: str, count: int, timeout_s: float) -> list[pb.ShardStatus]:
+def wait_for_shards(
+    leader: str, count: int, timeout_s: float, security: ChannelSecurity | None = None
+) -> list[pb.ShardStatus]:
     """Wait until the leader reports `count` shards alive (itself included); return them."""
     deadline = time.monotonic() + timeout_s
     shards: list[pb.ShardStatus] = []
     while time.monotonic() < deadline:
-        shards = shard_statuses(leader)
+        shards = shard_statuses(leader, security)
         if sum(s.alive for s in shards) >= count:
             return shards
         time.sleep(0.1)
     raise AssertionError(f"the leader at {leader} reports {shards} instead of {count} live shards")
+
+
+class FakeShard:
+    """One control stream driven by hand; sends its stats every 0.2 s unless `silent`.
+
+    `metadata` is what the call presents (a token: `gradsync_proto.auth.metadata`).
+    """
+
+    def __init__(
+        self, channel: grpc.aio.Channel, metadata: tuple[tuple[str, str], ...] = ()
+    ) -> None:
+        self.call = channel.stream_stream(
+            LINK,
+            request_serializer=pb.ShardMessage.SerializeToString,
+            response_deserializer=pb.LeaderMessage.FromString,
+        )(metadata=metadata or None)
+        self._stats: asyncio.Task[None] | None = None
+
+    async def register(
+        self,
+        address: str = ADDRESS,
+        version: str = __version__,
+        chunk_bytes: int = CHUNK,
+        silent: bool = False,
+    ) -> None:
+        register = pb.ShardRegister(
+            version=version,
+            advertise=address,
+            chunk_bytes=chunk_bytes,
+            max_message_bytes=chunk_bytes + chunking.HEADER_SLACK_BYTES,
+        )
+        await self.send(pb.ShardMessage(register=register))
+        if not silent:
+            self._stats = asyncio.create_task(self._send_stats())
+
+    async def _send_stats(self) -> None:
+        while True:
+            stats = pb.ShardStats(bytes_received=1000, bytes_sent=500, connections=2)
+            await self.send(pb.ShardMessage(stats=stats))
+            await asyncio.sleep(0.2)
+
+    async def send(self, message: pb.ShardMessage) -> None:
+        await asyncio.wait_for(self.call.write(message), timeout=5)
+
+    async def recv(self, timeout: float = 5.0) -> pb.LeaderMessage:
+        """The next message that is not a heartbeat."""
+        while True:
+            message = await asyncio.wait_for(self.call.read(), timeout=timeout)
+            assert message is not grpc.aio.EOF, "control stream ended without a status"
+            if message.WhichOneof("kind") != "heartbeat":
+                return message  # type: ignore[no-any-return]
+
+    async def expect(self, kind: str, timeout: float = 5.0) -> pb.LeaderMessage:
+        message = await self.recv(timeout)
+        assert message.WhichOneof("kind") == kind, message
+        return message
+
+    async def expect_status(self, code: grpc.StatusCode) -> str:
+        with contextlib.suppress(grpc.aio.AioRpcError):
+            while await asyncio.wait_for(self.call.read(), timeout=5) is not grpc.aio.EOF:
+                pass
+        status = await asyncio.wait_for(self.call.code(), timeout=5)
+        assert status == code, (status, await self.call.details())
+        return await self.call.details()  # type: ignore[no-any-return]
+
+    def close(self) -> None:
+        if self._stats is not None:
+            self._stats.cancel()
+        self.call.cancel()

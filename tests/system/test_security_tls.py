@@ -9,7 +9,7 @@ the token too. A sharded coordinator over mTLS trains two real ranks end to end,
 its local shard children getting the token through their environment. Protected
 mode: `serve` and `shard` refuse a non-loopback address without credentials
 (exit 2, saying how to set a token) unless `--insecure`. A shard with the wrong
-token is refused by its leader.
+shard token is refused by its leader.
 """
 
 from __future__ import annotations
@@ -44,6 +44,8 @@ OTHER_TOKEN = "wr0ng-" + "y" * 26
 SECURITY_ENV = (
     auth.ENV_TOKEN,
     auth.ENV_TOKEN_FILE,
+    auth.ENV_SHARD_TOKEN,
+    auth.ENV_SHARD_TOKEN_FILE,
     "GRADSYNC_TLS_CA",
     "GRADSYNC_TLS_CERT",
     "GRADSYNC_TLS_KEY",
@@ -230,20 +232,31 @@ def test_a_missing_or_wrong_token_is_refused_before_any_state_change(
 
 
 @pytest.mark.timeout(60)
-def test_a_shard_with_the_wrong_token_is_refused_by_its_leader(
+def test_a_shard_with_the_wrong_shard_token_is_refused_by_its_leader(
     pki: Pki, tmp_path: Path, coordinator_factory
 ) -> None:
-    leader = coordinator_factory(1, "--wait-for-shards", "1", "--token-file", pki.token_file)
+    shard_token_file = tmp_path / "shard-token"
+    shard_token_file.write_text("shard-" + "z" * 26 + "\n")
+    leader = coordinator_factory(
+        1,
+        "--wait-for-shards",
+        "1",
+        "--token-file",
+        pki.token_file,
+        "--shard-token-file",
+        str(shard_token_file),
+    )
     shard = subprocess.run(
         [sys.executable, "-m", "gradsync.cli", "shard", "--leader", leader.address, "--port", "0"],
-        env=clean_env(**{auth.ENV_TOKEN: OTHER_TOKEN}),
+        # The workers' token is right; the shard token is not the leader's.
+        env=clean_env(**{auth.ENV_TOKEN: TOKEN, auth.ENV_SHARD_TOKEN: OTHER_TOKEN}),
         capture_output=True,
         text=True,
         timeout=30,
     )
     assert shard.returncode == 2, shard.stderr
-    assert "refused this shard" in shard.stderr and "does not match" in shard.stderr
-    assert OTHER_TOKEN not in shard.stderr
+    assert "refused this shard" in shard.stderr and "shard token" in shard.stderr
+    assert OTHER_TOKEN not in shard.stderr and TOKEN not in shard.stderr
     reply = query_status(leader.address, security=ChannelSecurity.resolve(token=TOKEN, environ={}))
     assert not any(s.alive for s in reply.shards if s.index > 0), reply.shards
 

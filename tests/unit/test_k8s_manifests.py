@@ -36,6 +36,7 @@ from support.manifests import (
     ANY_POD,
     INDEX_ANNOTATION,
     KUSTOMIZATION,
+    SHARD_TOKEN_SECRET,
     TEMPLATE_SUFFIX,
     TOKEN_KEY,
     TOKEN_SECRET,
@@ -147,13 +148,13 @@ def test_kustomization_applies_every_manifest_but_the_templates() -> None:
 def test_the_token_template_holds_no_usable_token() -> None:
     templates = [p for p in manifest_files() if p.name.endswith(TEMPLATE_SUFFIX)]
     secrets = [d for p in templates for d in load_documents(p) if d["kind"] == "Secret"]
-    assert [s["metadata"]["name"] for s in secrets] == [TOKEN_SECRET]
-    secret = secrets[0]
-    assert "data" not in secret, "a template must not carry a token"
-    assert set(secret["stringData"]) == {TOKEN_KEY}
-    # Applied by mistake, it makes every gradsync process refuse to start.
-    with pytest.raises(auth.TokenError):
-        auth.check_token(secret["stringData"][TOKEN_KEY], "the template")
+    assert [s["metadata"]["name"] for s in secrets] == [TOKEN_SECRET, SHARD_TOKEN_SECRET]
+    for secret in secrets:
+        assert "data" not in secret, "a template must not carry a token"
+        assert set(secret["stringData"]) == {TOKEN_KEY}
+        # Applied by mistake, it makes every gradsync process refuse to start.
+        with pytest.raises(auth.TokenError):
+            auth.check_token(secret["stringData"][TOKEN_KEY], "the template")
     text = "\n".join(p.read_text() for p in templates)
     assert "kubectl" in text and "create secret generic" in text, "say how to make the real one"
 
@@ -378,6 +379,48 @@ def test_every_gradsync_container_reads_the_token_from_the_mounted_secret() -> N
     assert len(checked) == 3
     for workload in checked:
         check_token_from_secret(objects, workload)
+
+
+def check_shard_token(workload: Object, expected: bool) -> None:
+    """Coordinator and shard pods read the shard token from its Secret; workers never see it."""
+    for container in gradsync_containers(workload):
+        environment = container.get("env", [])
+        names = [e["name"] for e in environment]
+        assert auth.ENV_SHARD_TOKEN not in names, "the shard token itself is in the pod spec"
+        files = [e for e in environment if e["name"] == auth.ENV_SHARD_TOKEN_FILE]
+        paths = token_paths(workload, SHARD_TOKEN_SECRET)
+        if not expected:
+            assert not files and not paths, f"{label(workload)} can read the shard token"
+            continue
+        assert len(files) == 1, f"{label(workload)}: no ${auth.ENV_SHARD_TOKEN_FILE}"
+        assert files[0].get("value") in paths, (
+            f"{label(workload)}: ${auth.ENV_SHARD_TOKEN_FILE} is not the mounted shard Secret"
+        )
+
+
+def test_only_the_coordinator_and_the_shards_read_the_shard_token() -> None:
+    objects = applied_objects()
+    check_shard_token(named(objects, "Deployment", "gradsync-coordinator"), expected=True)
+    check_shard_token(named(objects, "StatefulSet", "gradsync-shard"), expected=True)
+    check_shard_token(named(objects, "Job", "gradsync-workers"), expected=False)
+
+
+def test_a_worker_that_mounts_the_shard_token_is_caught() -> None:
+    objects = applied_objects()
+    job = named(objects, "Job", "gradsync-workers")
+    coordinator = named(objects, "Deployment", "gradsync-coordinator")
+    shard_volume = next(
+        v
+        for v in pod_template(coordinator)["spec"]["volumes"]
+        if v.get("secret", {}).get("secretName") == SHARD_TOKEN_SECRET
+    )
+    spec = pod_template(job)["spec"]
+    spec["volumes"].append(shard_volume)
+    spec["containers"][0].setdefault("volumeMounts", []).append(
+        {"name": shard_volume["name"], "mountPath": "/var/run/secrets/s", "readOnly": True}
+    )
+    with pytest.raises(AssertionError, match="can read the shard token"):
+        check_shard_token(job, expected=False)
 
 
 def test_a_token_file_outside_the_secret_is_caught() -> None:

@@ -72,7 +72,7 @@ def test_a_version_mismatch_names_both_versions() -> None:
     reg, _ = registry()
     refused = refusal(reg, register("b:50051", version="0.3.0"))
     assert refused.code is Code.FAILED_PRECONDITION
-    assert "shard at b:50051 has version 0.3.0, the leader 0.4.0" in refused.message
+    assert "shard at 'b:50051' has version '0.3.0', the leader 0.4.0" in refused.message
     assert reg.registered() == []
 
 
@@ -102,14 +102,26 @@ def test_one_shard_too_many_is_resource_exhausted() -> None:
     reg.register(register("b:1"))
     refused = refusal(reg, register("c:1"))
     assert refused.code is Code.RESOURCE_EXHAUSTED
-    assert "shard at c:1 is one shard too many" in refused.message
+    assert "shard at 'c:1' is one shard too many" in refused.message
     assert "--shards 2" in refused.message and "1 at b:1" in refused.message
 
 
-def test_a_registration_at_a_known_address_replaces_the_old_one_and_keeps_its_index() -> None:
-    reg, _ = registry(3)
+def test_a_registration_at_a_live_shards_address_is_refused_and_displaces_nothing() -> None:
+    reg, clock = registry(3)
+    reg.register(register("b:1"))
+    live, _ = reg.register(register("c:1"))
+    clock.now += reg.live_s - 0.5  # heard from just within the heartbeat timeout
+    refused = refusal(reg, register("c:1"))
+    assert refused.code is Code.ALREADY_EXISTS
+    assert "shard 2" in refused.message and f"{reg.live_s:g}s of silence" in refused.message
+    assert reg.get(2) is live and reg.heard(live) and reg.complete()
+
+
+def test_a_registration_at_a_silent_shards_address_replaces_it_and_keeps_its_index() -> None:
+    reg, clock = registry(3)
     reg.register(register("b:1"))
     old, _ = reg.register(register("c:1"))
+    clock.now += reg.live_s + 0.1  # silent beyond the heartbeat timeout
     new, replaced = reg.register(register("c:1"))
     assert replaced is old and new.index == old.index == 2 and new.token != old.token
     assert reg.get(2) is new
@@ -208,3 +220,11 @@ def test_a_shard_without_its_own_chunk_size_follows_the_leaders() -> None:
     reg, _ = registry()
     record, _ = reg.register(register("b:50051", chunk_bytes=0))
     assert record.index == 1  # 0 = "whatever the leader uses": nothing to disagree with
+
+
+@pytest.mark.parametrize("address", ["\nforged line", "b 1:2", "b:0", "b:x", "http://b:1", "b"])
+def test_an_address_workers_could_not_dial_is_refused_quoted(address: str) -> None:
+    reg, _ = registry(3)
+    refused = refusal(reg, register(address))
+    assert refused.code is Code.INVALID_ARGUMENT and "unusable address" in refused.message
+    assert "\n" not in refused.message and reg.registered() == []

@@ -26,7 +26,7 @@ import contextlib
 import logging
 from collections.abc import Callable, Iterator, Sequence
 
-from gradsync_proto import chunking
+from gradsync_proto import auth, chunking
 from gradsync_proto.codec import decode_gradient, header_of
 from gradsync_proto.codes import Code
 from gradsync_proto.net.address import Address, parse_address
@@ -265,9 +265,10 @@ class ShardStreams:
                 rank=join.rank,
                 incarnation=join.incarnation,
                 shard_index=index,
-                # The shard admits the stream only with the secret the leader issued to
-                # this rank at its Join (the incarnation alone is public: Status shows it).
-                session=welcome.session,
+                # The shard admits the stream only with this shard's derivative of the
+                # secret the leader issued to this rank at its Join (the incarnation alone
+                # is public: Status shows it; the secret itself never reaches a shard).
+                session=auth.shard_session(welcome.session, index),
             )
             stream = ShardStream(
                 index,

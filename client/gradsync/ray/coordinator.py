@@ -298,6 +298,9 @@ def start_coordinator(
     ):
         # Other nodes must reach it, so it listens beyond loopback: that needs a secret.
         options["token"] = secrets.token_urlsafe(32)
+    if shards > 1 and not options.get("shard_token"):
+        # The shard actors' own credential at the leader; the workers never see it.
+        options["shard_token"] = secrets.token_urlsafe(32)
     ServerConfig(**options)  # refuse a bad option here, with its message, not in an actor
     placement = actor_options(resources, DEFAULT_COORDINATOR_RESOURCES)
     # Every option is checked before the first call into Ray (the name lookup).
@@ -375,7 +378,7 @@ def all_resources() -> dict[str, float]:
 
 def _shard_options(options: Mapping[str, Any], leader_address: str) -> dict[str, Any]:
     """The leader's options that a shard shares: credentials and the chunk size."""
-    keys = ("token", "tls_cert", "tls_key", "tls_client_ca", "tls_ca", "insecure")
+    keys = ("token", "shard_token", "tls_cert", "tls_key", "tls_client_ca", "tls_ca", "insecure")
     shard = {key: options[key] for key in keys if key in options}
     if "tls_cert" in options and "tls_ca" not in options:
         shard["tls_ca"] = options["tls_cert"]  # a self-signed leader: its own certificate

@@ -69,6 +69,11 @@ class EndKind(enum.Enum):
     FAULT = "fault"
 
 
+#: The details grpc-python's client gives a call whose write failed in core
+#: (`set_internal_error`), overriding whatever status the peer sent or would send.
+CORE_WRITE_FAILURE = "Internal error from Core"
+
+
 @dataclass(frozen=True)
 class StreamEnded:
     """Why a stream ended: the one value every way of ending becomes.
@@ -242,8 +247,14 @@ class StreamClient:
                     return
                 self._on_message(message)
         except grpc.aio.AioRpcError as exc:
-            code = int(exc.code().value[0])
-            self._finish(self._ended(EndKind.STATUS, code, exc.details() or "", exc))
+            code, details = int(exc.code().value[0]), exc.details() or ""
+            if code == Code.INTERNAL and details == CORE_WRITE_FAILURE:
+                # grpc-python replaces the call's status with this when a write fails in
+                # core because the call is over (a peer gone, a connection reset): the
+                # peer's own status is lost, and what is known is a broken transport.
+                code = int(Code.UNAVAILABLE)
+                details = f"the stream broke under a write (gRPC: {CORE_WRITE_FAILURE})"
+            self._finish(self._ended(EndKind.STATUS, code, details, exc))
         except asyncio.CancelledError:
             self._finish(self._ended(EndKind.CLOSED, Code.CANCELLED, "closed by this side"))
             raise

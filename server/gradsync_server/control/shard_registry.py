@@ -12,8 +12,10 @@ is `gradsync_server.rpc.shard_control`; no gRPC, no asyncio here.
 
 Indexes are stable per address: a shard that comes back at the address it
 had keeps its index, so a restarted shard slots back into the shard map the
-workers already know, and a second registration from a live shard's
-address replaces the old registration (that process is gone, or about to be).
+workers already know. A second registration at the address of a shard that
+is still heard from is refused (ALREADY_EXISTS) rather than displacing it:
+only a shard silent beyond the heartbeat timeout is replaced, so nobody can
+take over a live shard's index by naming its address.
 """
 
 from __future__ import annotations
@@ -22,13 +24,16 @@ import ipaddress
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from gradsync_proto import chunking
+from gradsync_proto import auth, chunking
 from gradsync_proto.codes import Code
+from gradsync_proto.net.address import parse_address
 from gradsync_proto.v1 import gradsync_pb2 as pb
 
+from gradsync_server import defaults
 from gradsync_server.defaults import MIB
+from gradsync_server.text import quoted
 
-__all__ = ["RegistrationRefused", "ShardRecord", "ShardRegistry"]
+__all__ = ["RegistrationRefused", "ShardRecord", "ShardRegistry", "shard_view"]
 
 
 class RegistrationRefused(Exception):
@@ -108,6 +113,8 @@ class ShardRegistry:
         chunk_bytes: the leader's chunk size; a shard must use the same.
         clock: monotonic time source (injectable for tests).
         flag: how the operator set `shard_count`, for messages ("--shards 3").
+        live_s: a shard heard from within this many seconds is live: a registration
+            at its address is refused instead of replacing it (the heartbeat timeout).
 
     Raises:
         ValueError: `shard_count` < 1.
@@ -120,6 +127,7 @@ class ShardRegistry:
         chunk_bytes: int,
         clock: Callable[[], float],
         flag: str = "",
+        live_s: float = defaults.HEARTBEAT_TIMEOUT_S,
     ) -> None:
         if shard_count < 1:
             raise ValueError(f"shard count must be at least 1, got {shard_count}")
@@ -128,6 +136,7 @@ class ShardRegistry:
         self.chunk_bytes = chunk_bytes
         self._clock = clock
         self._flag = flag or f"--wait-for-shards {shard_count - 1}"
+        self.live_s = live_s
         self._shards: dict[int, ShardRecord] = {}
         #: The index each address last had, so a restarted shard gets it back.
         self._previous: dict[str, int] = {}
@@ -215,7 +224,7 @@ class ShardRegistry:
     def register(
         self, message: pb.ShardRegister, peer_host: str = ""
     ) -> tuple[ShardRecord, ShardRecord | None]:
-        """Admit a shard; return its record and the one it replaced (same address), if any.
+        """Admit a shard; return its record and the silent one it replaced (same address).
 
         Args:
             message: its registration.
@@ -223,11 +232,13 @@ class ShardRegistry:
 
         Raises:
             RegistrationRefused: a version or configuration mismatch
-                (FAILED_PRECONDITION), no address (INVALID_ARGUMENT), or one shard
-                too many (RESOURCE_EXHAUSTED); the message names both values.
+                (FAILED_PRECONDITION), no address (INVALID_ARGUMENT), one shard
+                too many (RESOURCE_EXHAUSTED), or a live shard at that address
+                (ALREADY_EXISTS); the message names both values.
         """
         address = message.advertise
-        who = f"shard at {address or '?'}"
+        # Both come from the network: quoted, so that they cannot forge a log line.
+        who = f"shard at {quoted(address) if address else '?'}"
         if not self.sharded:
             raise RegistrationRefused(
                 Code.FAILED_PRECONDITION,
@@ -238,10 +249,17 @@ class ShardRegistry:
             raise RegistrationRefused(
                 Code.INVALID_ARGUMENT, "a shard registered without an address (--advertise)"
             )
+        try:
+            # Workers dial it: "host:port", or ":port" for the leader's own host.
+            parse_address(f"placeholder{address}" if address.startswith(":") else address)
+        except ValueError as exc:
+            raise RegistrationRefused(
+                Code.INVALID_ARGUMENT, f"{who} advertises an unusable address: {exc}"
+            ) from exc
         if message.version != self.version:
             raise RegistrationRefused(
                 Code.FAILED_PRECONDITION,
-                f"{who} has version {message.version or '?'}, the leader {self.version}: "
+                f"{who} has version {quoted(message.version) or '?'}, the leader {self.version}: "
                 "run the same gradsync version on the leader and every shard",
             )
         if message.chunk_bytes and message.chunk_bytes != self.chunk_bytes:
@@ -268,6 +286,15 @@ class ShardRegistry:
                 "they reach (or --host 0.0.0.0), or give --advertise HOST:PORT",
             )
         replaced = next((r for r in self._shards.values() if r.address == address), None)
+        live_s = self.live_s
+        if replaced is not None and self.seconds_since_heard(replaced) <= live_s:
+            raise RegistrationRefused(
+                Code.ALREADY_EXISTS,
+                f"{who} asks for the address of shard {replaced.index}, which is registered "
+                f"and was heard from {self.seconds_since_heard(replaced):.1f}s ago: a "
+                f"registration replaces it only after {live_s:g}s of silence (the heartbeat "
+                "timeout); a restarted shard is admitted once its predecessor is gone",
+            )
         index = replaced.index if replaced is not None else self._free_index(address)
         if index is None:
             registered = ", ".join(f"{r.index} at {r.address}" for r in self.registered())
@@ -317,6 +344,20 @@ class ShardRegistry:
             self._waiting_since = self._clock()
         del self._shards[record.index]
         return True
+
+
+def shard_view(message: pb.LeaderMessage, shard_index: int) -> pb.LeaderMessage:
+    """A job view as shard `shard_index` gets it: each session replaced by its derivative.
+
+    A shard needs only to recognise a rank's data streams to itself, so it never
+    holds a session secret that would let it act for the rank anywhere else
+    (`gradsync_proto.auth.shard_session`).
+    """
+    view = pb.LeaderMessage()
+    view.CopyFrom(message)
+    for member in view.job.members:
+        member.session = auth.shard_session(member.session, shard_index)
+    return view
 
 
 def _is_loopback(host: str) -> bool:

@@ -327,9 +327,9 @@ class JobPlane:
             return None
         presented = "no session" if not session else "a session that is not the one"
         return (
-            f"rank {rank} of job '{self.job_id}' presented {presented} the leader issued to "
-            f"that rank at its Join ({self.shard_name}); a data stream acts for a rank only on "
-            "its own session"
+            f"rank {rank} of job '{self.job_id}' presented {presented} the leader derived for "
+            f"{self.shard_name} from that rank's session at its Join; a data stream acts for a "
+            "rank only on its own session"
         )
 
     def is_current(self, rank: int, incarnation: str, session: bytes) -> bool:

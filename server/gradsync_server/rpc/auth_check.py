@@ -12,6 +12,8 @@ Shared by `gradsync serve` and `gradsync shard` (both in `app`):
   (`gradsync_proto.auth.token_matches`) and a call without the right one
   is answered UNAUTHENTICATED before the handler runs, so it cannot create a
   job, claim a rank or read anything. Its request bytes are not even parsed.
+  `ShardLink` takes the shard token instead of the workers' token: a shard
+  learns every member of every job, so a worker must not be able to pose as one.
 - `exposure_refusal` is protected mode (as Redis's): with neither a token nor
   client certificates, anyone who reaches the port can train in, read or
   disturb every job, so such a server may listen only on loopback unless the
@@ -52,6 +54,16 @@ WRONG_TOKEN = (
     "the token presented does not match this server's: check {env} / {env_file} "
     "(or token= / --token-file) on this side against the server's"
 )
+WRONG_SHARD_TOKEN = (
+    "a shard link must present the leader's shard token (not the workers' token): "
+    "check {env} / {env_file} or --shard-token-file on this shard against the leader's"
+)
+NO_SHARD_TOKEN = (
+    "this coordinator has no shard token, so it admits no shard: start it with "
+    "--shard-token-file FILE (or {env} / {env_file}) and give each shard the same"
+)
+#: The method only shards call (the leader's control stream to them).
+SHARD_LINK_METHOD = "/gradsync.v1.Coordinator/ShardLink"
 
 
 def server_credentials(
@@ -105,15 +117,24 @@ def exposure_refusal(
 
 
 class TokenCheck(grpc.aio.ServerInterceptor):  # type: ignore[misc]  # grpc ships no stubs
-    """Refuse every call that does not present `token` (UNAUTHENTICATED), before its handler.
+    """Refuse every call that does not present its token (UNAUTHENTICATED), before its handler.
 
     Args:
-        token: the shared secret.
+        token: the workers' shared secret, required of every call but ShardLink;
+            None = those calls are not checked (no token configured).
+        shard_token: the shards' secret, required of ShardLink; None = ShardLink is
+            refused when `token` is set, and unchecked otherwise.
         clock: monotonic seconds (injectable for tests of the log rate limit).
     """
 
-    def __init__(self, token: str, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(
+        self,
+        token: str | None,
+        shard_token: str | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         self._token = token
+        self._shard_token = shard_token
         self._clock = clock
         self._refused_since_log = 0
         self._last_log = -REFUSAL_LOG_PERIOD_S
@@ -127,16 +148,25 @@ class TokenCheck(grpc.aio.ServerInterceptor):  # type: ignore[misc]  # grpc ship
         continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler]],
         handler_call_details: grpc.HandlerCallDetails,
     ) -> grpc.RpcMethodHandler | None:
+        method = handler_call_details.method
+        shard_link = method in (SHARD_LINK_METHOD, SHARD_LINK_METHOD.encode())
+        expected = self._shard_token if shard_link else self._token
+        if expected is None and (not shard_link or self._token is None):
+            return await continuation(handler_call_details)  # nothing to check this call for
         presented = auth.presented_token(handler_call_details.invocation_metadata)
-        if auth.token_matches(self._token, presented):
+        if expected is not None and auth.token_matches(expected, presented):
             return await continuation(handler_call_details)
         handler = await continuation(handler_call_details)
         if handler is None:  # an unknown method: UNIMPLEMENTED says nothing secret
             return None
-        template = MISSING_TOKEN if presented is None else WRONG_TOKEN
-        message = template.format(env=auth.ENV_TOKEN, env_file=auth.ENV_TOKEN_FILE)
-        self._note_refusal(handler_call_details.method, presented is None)
-        return _refusing(handler, message, self)
+        if shard_link:
+            template = WRONG_SHARD_TOKEN if expected is not None else NO_SHARD_TOKEN
+            env, env_file = auth.ENV_SHARD_TOKEN, auth.ENV_SHARD_TOKEN_FILE
+        else:
+            template = MISSING_TOKEN if presented is None else WRONG_TOKEN
+            env, env_file = auth.ENV_TOKEN, auth.ENV_TOKEN_FILE
+        self._note_refusal(method, presented is None)
+        return _refusing(handler, template.format(env=env, env_file=env_file), self)
 
     def _note_refusal(self, method: str | bytes, missing: bool) -> None:
         self.refused += 1
@@ -189,6 +219,8 @@ def _refusing(
     return grpc.unary_unary_rpc_method_handler(refuse)
 
 
-def interceptors(token: str | None) -> list[grpc.aio.ServerInterceptor]:
-    """The server's interceptors: the token check when a token is set."""
-    return [] if token is None else [TokenCheck(token)]
+def interceptors(
+    token: str | None, shard_token: str | None = None
+) -> list[grpc.aio.ServerInterceptor]:
+    """The server's interceptors: the token check when either token is set."""
+    return [] if token is None and shard_token is None else [TokenCheck(token, shard_token)]

@@ -39,11 +39,17 @@ from gradsync_proto.v1 import gradsync_pb2 as pb
 from gradsync_server import defaults
 from gradsync_server.config import ServerConfig
 from gradsync_server.control.job import Job, JobState
-from gradsync_server.control.shard_registry import RegistrationRefused, ShardRecord, ShardRegistry
+from gradsync_server.control.shard_registry import (
+    RegistrationRefused,
+    ShardRecord,
+    ShardRegistry,
+    shard_view,
+)
 from gradsync_server.dataplane.actions import Action
 from gradsync_server.dataplane.nonfinite import NonFiniteContribution, NonFiniteRejection
 from gradsync_server.errors import RejectedMessage
 from gradsync_server.metrics import CoordinatorMetrics, ShardSample
+from gradsync_server.text import capped, quoted
 
 log = logging.getLogger("gradsync.server")
 
@@ -108,7 +114,12 @@ class ShardControl:
         self._config = config
         self._clock = clock
         self.registry = ShardRegistry(
-            config.shard_count, __version__, config.chunk_bytes, clock, config.shards_flag
+            config.shard_count,
+            __version__,
+            config.chunk_bytes,
+            clock,
+            config.shards_flag,
+            live_s=config.heartbeat_timeout_s,
         )
         self._links: dict[int, _Link] = {}
         #: Jobs the shards were told about (they must be told when the job ends).
@@ -147,8 +158,12 @@ class ShardControl:
         self._broadcast(pb.LeaderMessage(job_end=end))
 
     def _broadcast(self, message: pb.LeaderMessage) -> None:
-        for link in self._links.values():
-            link.outbox.put_nowait(message)
+        if message.WhichOneof("kind") != "job":
+            for link in self._links.values():
+                link.outbox.put_nowait(message)
+            return
+        for index, link in self._links.items():
+            link.outbox.put_nowait(shard_view(message, index))
 
     def _start_waiting_jobs(self) -> None:
         """Every shard is registered: start the jobs that waited, assembled, for them."""
@@ -308,7 +323,7 @@ class ShardControl:
             await self._refuse(context, refused.code, refused.message)
             return
         if replaced is not None:
-            self.lose(replaced, f"a new shard registered at its address {replaced.shown_address}")
+            self.lose(replaced, f"silent, and a shard registered at {replaced.shown_address}")
         link = _Link(record)
         config = self._config
         accepted = pb.ShardAccepted(
@@ -406,28 +421,26 @@ class ShardControl:
         except ValueError:
             code = Code.INVALID_ARGUMENT
         rejection: RejectedMessage
+        words = capped(rejected.message)  # they reach every rank: bounded, as any network text
+        rank, step, bucket = rejected.rank, rejected.step, rejected.bucket_index
         if rejected.reason == pb.ABORT_REASON_NONFINITE:  # --nonfinite abort, at the shard
-            rejection = NonFiniteRejection(
-                rejected.rank, rejected.step, rejected.bucket_index, rejected.message
-            )
+            rejection = NonFiniteRejection(rank, step, bucket, words)
             self._count_nonfinite(record, rejected)
         else:
-            rejection = RejectedMessage(
-                code, rejected.message, step=rejected.step, bucket_index=rejected.bucket_index
-            )
+            rejection = RejectedMessage(code, words, step=step, bucket_index=bucket)
         actions = None
         if job is not None and job in self._known:
             actions = job.reject_from_shard(rejected.rank, rejection)
         if job is None or actions is None:
             # The job ended, or that step was aborted already: nothing more to undo.
             log.info(
-                "shard %d refused a message of rank %d for step %d of job '%s' (nothing "
+                "shard %d refused a message of rank %d for step %d of job %s (nothing "
                 "left to abort): %s",
                 record.index,
                 rejected.rank,
                 rejected.step,
-                rejected.job_id,
-                rejected.message,
+                quoted(rejected.job_id),
+                quoted(rejected.message),
             )
             return
         self._leader.execute(job, actions)

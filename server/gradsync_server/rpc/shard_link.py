@@ -6,10 +6,12 @@ ends, sends its counters (`ShardStats`) every heartbeat interval as its sign
 of life, and reports the worker messages it refused (`ShardRejected`).
 
 A refusal at registration (a version or configuration mismatch, one shard
-too many) is final: `run` returns the leader's message and the process exits
-2 with it, since retrying cannot fix a flag. Anything else that ends the
-stream (the leader unreachable, its stream ending, silence beyond the
-heartbeat timeout) means the leader is lost: every data stream ends
+too many, a wrong shard token) is final: `run` returns the leader's message
+and the process exits 2 with it, since retrying cannot fix a flag. ALREADY_EXISTS
+is not: a shard restarted at its address may be faster than the leader's
+notice that its predecessor is gone, so it tries again until that happens.
+Anything else that ends the stream (the leader unreachable, its stream
+ending, silence beyond the heartbeat timeout) means the leader is lost: every data stream ends
 UNAVAILABLE with reason SHARD_LOST, every job is forgotten, and the shard
 registers again with a growing pause, for as long as the process lives.
 Every wait is bounded.
@@ -45,7 +47,6 @@ REFUSAL_CODES = frozenset(
         grpc.StatusCode.UNIMPLEMENTED,
         grpc.StatusCode.PERMISSION_DENIED,
         grpc.StatusCode.UNAUTHENTICATED,
-        grpc.StatusCode.ALREADY_EXISTS,
         grpc.StatusCode.OUT_OF_RANGE,
     }
 )
@@ -79,12 +80,13 @@ class LeaderLink:
         self._servicer = servicer
         self._config = servicer.config
         config = self._config
-        # The shard's own certificate doubles as its client certificate (mTLS leaders).
+        # The shard's own certificate doubles as its client certificate (mTLS leaders),
+        # and it presents the shard token, which the workers' token cannot stand in for.
         self._security = ChannelSecurity.resolve(
             config.tls_ca,
             config.tls_cert if config.tls_ca else None,
             config.tls_key if config.tls_ca else None,
-            config.token,
+            config.shard_token,
             environ={},
         )
         #: Set while the leader has accepted this shard.
