@@ -11,6 +11,13 @@ secret; the leader admits it only with the right secret
 (`hmac.compare_digest`) and a peer uid equal to its own (SO_PEERCRED), and
 refuses anyone else with a message saying why.
 
+The name is not secret (any local user reads it in /proc/net/unix), so the
+leader must not let a stranger hold up the group: it checks the uid right at
+accept and closes a foreign peer before reading from it, serves every pending
+peer at once in one poll loop, each with its own short deadline to say HELLO
+(a silent peer delays nobody and is then dropped), and listens with a backlog
+that has room for strangers besides the group.
+
 Once every follower is in, the leader creates the segment
 (`gradsync.local.local_segment`) and passes its descriptor to each with
 SCM_RIGHTS; a segment that does not fit is reported to every follower
@@ -29,6 +36,7 @@ import hashlib
 import hmac
 import logging
 import os
+import selectors
 import socket
 import struct
 import time
@@ -44,8 +52,15 @@ HEADER = struct.Struct("<BxxxIQQ")
 #: Largest message: a header and a tail (an error's text, a REDUCE's covered list).
 MAX_MESSAGE_BYTES = 1 << 16
 _PEERCRED = struct.Struct("3i")  # pid, uid, gid
-#: How often a follower retries a leader that is not listening yet.
+#: How often a follower retries a leader that is not listening yet (or whose queue is full).
 _CONNECT_RETRY_S = 0.05
+#: How long an accepted peer of the leader's uid has to say HELLO before it is dropped. A
+#: follower sends its HELLO right after connecting, so this only bounds a silent stranger;
+#: the other peers are served meanwhile, so it delays nobody.
+_HELLO_TIMEOUT_S = 2.0
+#: The least listen backlog (and most connections accepted per wake-up): the group plus a
+#: crowd of strangers, since anyone on the host can read the name and connect.
+_MIN_BACKLOG = 64
 
 
 class Kind(enum.IntEnum):
@@ -117,7 +132,7 @@ def lead(
     Raises:
         SyncTimeoutError: a follower did not arrive by `deadline` (names them).
         SharedMemoryError: the segment does not fit (every follower was told).
-        GradSyncError: the socket address is taken.
+        GradSyncError: the socket address is taken, or accepting a peer failed.
     """
     rank = ranks[0]
     listener = _seqpacket()
@@ -131,26 +146,11 @@ def lead(
                 f"process of job '{job_id}' leading the same group?",
                 rank=rank,
             ) from exc
-        listener.listen(len(ranks))
-        while len(peers) < len(ranks) - 1:
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
-                missing = [r for slot, r in enumerate(ranks) if slot and slot not in peers]
-                raise SyncTimeoutError(
-                    f"local ranks {missing} did not join this host's local group "
-                    f"(ranks {ranks}) in time",
-                    rank=rank,
-                )
-            listener.settimeout(remaining)
-            try:
-                conn, _ = listener.accept()
-            except TimeoutError:
-                continue
-            slot = _admit(conn, ranks, secret, peers, deadline)
-            if slot is None:
-                conn.close()
-            else:
-                peers[slot] = conn
+        # The name is public (/proc/net/unix lists it), so strangers may queue here too:
+        # room for them keeps a follower's connect from failing while the leader is busy.
+        listener.listen(max(_MIN_BACKLOG, 4 * len(ranks)))
+        listener.setblocking(False)
+        _gather(listener, ranks, secret, peers, deadline)
     except BaseException:
         for conn in peers.values():
             conn.close()
@@ -179,27 +179,145 @@ def lead(
     return Formed(peers, fd, layout.total_bytes)
 
 
+def _gather(
+    listener: socket.socket,
+    ranks: list[int],
+    secret: bytes,
+    peers: dict[int, socket.socket],
+    deadline: float,
+) -> None:
+    """Fill `peers` (slot -> connection) with every follower of `ranks`, by `deadline`.
+
+    One poll loop serves the listener and every accepted peer that has not said
+    HELLO yet, each with its own deadline (`_HELLO_TIMEOUT_S`): a peer that stays
+    silent then holds nobody up, since the others are read as soon as they speak,
+    and is dropped when its time is up. A peer under another uid is closed at accept
+    (`_accept_ready`), before anything is read from it. Connections still pending
+    when the group is complete, or when this raises, are closed.
+
+    Raises:
+        SyncTimeoutError: a follower did not arrive by `deadline` (names them).
+        GradSyncError: accepting a connection failed.
+    """
+    rank = ranks[0]
+    #: Accepted, same uid, no HELLO yet -> when it is dropped.
+    pending: dict[socket.socket, float] = {}
+    warned_uids: set[int] = set()
+    with selectors.DefaultSelector() as selector:
+        selector.register(listener, selectors.EVENT_READ, None)
+        try:
+            while len(peers) < len(ranks) - 1:
+                now = time.monotonic()
+                if now >= deadline:
+                    missing = [r for slot, r in enumerate(ranks) if slot and slot not in peers]
+                    raise SyncTimeoutError(
+                        f"local ranks {missing} did not join this host's local group "
+                        f"(ranks {ranks}) in time",
+                        rank=rank,
+                    )
+                for conn in [conn for conn, until in pending.items() if until <= now]:
+                    log.warning(
+                        "rank %d: dropped a local peer that sent no HELLO within %.1f s",
+                        rank,
+                        _HELLO_TIMEOUT_S,
+                    )
+                    _unwatch(conn, selector, pending)
+                    conn.close()
+                wake = min([deadline, *pending.values()])
+                for key, _ in selector.select(max(0.0, wake - now)):
+                    if key.data is None:
+                        until = min(deadline, time.monotonic() + _HELLO_TIMEOUT_S)
+                        _accept_ready(listener, selector, pending, until, warned_uids, rank)
+                        continue
+                    conn = key.data
+                    try:
+                        raw = conn.recv(MAX_MESSAGE_BYTES)
+                    except BlockingIOError:
+                        continue
+                    except OSError:
+                        raw = b""  # reset by the peer: as good as gone
+                    _unwatch(conn, selector, pending)
+                    slot = _admit(conn, raw, ranks, secret, peers)
+                    if slot is None:
+                        conn.close()
+                    else:
+                        # Blocking again, bounded: the segment is sent on it next.
+                        conn.settimeout(max(0.01, deadline - time.monotonic()))
+                        peers[slot] = conn
+        finally:
+            for conn in pending:
+                conn.close()
+
+
+def _accept_ready(
+    listener: socket.socket,
+    selector: selectors.BaseSelector,
+    pending: dict[socket.socket, float],
+    until: float,
+    warned_uids: set[int],
+    rank: int,
+) -> None:
+    """Accept the queued connections; refuse one from another uid at once, watch the rest.
+
+    The uid (SO_PEERCRED, the connecting process's credentials) is checked before
+    any read, so a stranger's connection is closed as soon as it is accepted and
+    cannot make the leader wait on it. It is still told why (without waiting: the
+    socket is non-blocking), for a member started under the wrong user by mistake.
+    Each foreign uid is logged once: a stranger cannot flood the log. At most a
+    backlog's worth is taken per call, so a flood cannot keep the loop from its
+    deadlines.
+
+    Raises:
+        GradSyncError: accept failed (e.g. out of file descriptors).
+    """
+    for _ in range(_MIN_BACKLOG):
+        try:
+            conn, _ = listener.accept()
+        except BlockingIOError:
+            return
+        except OSError as exc:
+            raise GradSyncError(f"accepting a local peer failed: {exc}", rank=rank) from exc
+        conn.setblocking(False)
+        _, uid, _ = _PEERCRED.unpack(
+            conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _PEERCRED.size)
+        )
+        if uid == os.getuid():
+            pending[conn] = until
+            selector.register(conn, selectors.EVENT_READ, conn)
+            continue
+        why = f"uid {uid} is not the leader's ({os.getuid()})"
+        if uid not in warned_uids:
+            warned_uids.add(uid)
+            log.warning("rank %d: refused a local peer: %s", rank, why)
+        _send_quietly(conn, frame(Kind.REFUSED, tail=why.encode()))
+        conn.close()
+
+
+def _unwatch(
+    conn: socket.socket, selector: selectors.BaseSelector, pending: dict[socket.socket, float]
+) -> None:
+    selector.unregister(conn)
+    del pending[conn]
+
+
 def _admit(
     conn: socket.socket,
+    raw: bytes,
     ranks: list[int],
     secret: bytes,
     admitted: dict[int, socket.socket],
-    deadline: float,
 ) -> int | None:
-    """The slot of the follower on `conn`, or None (told why) when it is refused."""
-    _, uid, _ = _PEERCRED.unpack(
-        conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _PEERCRED.size)
-    )
-    conn.settimeout(max(0.01, min(5.0, deadline - time.monotonic())))
+    """The slot of the follower whose first message is `raw`, or None (told why when it spoke).
+
+    The peer's uid was checked at accept (`_accept_ready`).
+    """
     try:
-        kind, rank, _, _, tail = parse(conn.recv(MAX_MESSAGE_BYTES))
-    except (OSError, GradSyncError):
-        return None
+        kind, rank, _, _, tail = parse(raw)
+    except GradSyncError:
+        return None  # closed or garbled before a whole header: nobody to tell
     why = None
     slot = ranks.index(rank) if rank in ranks[1:] else None
-    if uid != os.getuid():
-        why = f"uid {uid} is not the leader's ({os.getuid()})"
-    elif kind != Kind.HELLO or not hmac.compare_digest(tail, secret):
+    if kind != Kind.HELLO or not hmac.compare_digest(tail, secret):
         why = "wrong local secret (not a member of this job's group, or another Welcome's)"
     elif slot is None:
         why = f"rank {rank} is not a follower of local group {ranks}"
@@ -223,12 +341,15 @@ def follow(job_id: str, rank: int, ranks: list[int], secret: bytes, deadline: fl
     leader = ranks[0]
     name = socket_name(job_id, secret)
     conn = _seqpacket()
+    # A timeout makes connect fail at once (EAGAIN) rather than wait unbounded in the
+    # kernel when the leader's queue is full; it is retried like a leader not yet there.
+    conn.settimeout(max(0.01, deadline - time.monotonic()))
     try:
         while True:
             try:
                 conn.connect(name)
                 break
-            except (ConnectionRefusedError, FileNotFoundError):
+            except (ConnectionRefusedError, FileNotFoundError, BlockingIOError):
                 if time.monotonic() + _CONNECT_RETRY_S > deadline:
                     raise SyncTimeoutError(
                         f"local leader rank {leader} did not open this host's local group "
