@@ -16,11 +16,13 @@ is missing, with the command that installs them. Helpers live in tests/support.
 
 from __future__ import annotations
 
+import itertools
 import signal
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
+from gradsync_server.store.high_water_file import ENV_STATE_DIR
 from support import repoguard
 from support.components import INSTALL_COMMAND, MISSING_COMPONENT, NO_REDIS_SERVER, REDIS_SERVER
 from support.processes import CoordinatorProcess
@@ -45,6 +47,23 @@ def layout(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> s
     else:
         monkeypatch.delenv("GRADSYNC_HIERARCHICAL", raising=False)
     return str(request.param)
+
+
+@pytest.fixture(autouse=True)
+def _state_dir(tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """Every `gradsync serve` a test starts keeps its high-water marks in a folder of its own.
+
+    The default (~/.local/state/gradsync) would outlive the test and leak into the next:
+    Redis test servers reuse ports, so a mark left by one test would name the same store
+    URL as another test's fresh, empty Redis. Not under `tmp_path`, whose contents some
+    tests list; the test's own folder comes from `tmp_path_factory` and is made lazily.
+    """
+    path = tmp_path_factory.getbasetemp() / f"state-{next(_STATE_DIRS)}"
+    monkeypatch.setenv(ENV_STATE_DIR, str(path))
+    return path
+
+
+_STATE_DIRS = itertools.count()
 
 
 @pytest.fixture

@@ -234,6 +234,7 @@ def _serve(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
             **_security_settings(args, tokens),
             fresh_start=args.fresh_start,
             store_timeout_s=args.store_timeout,
+            state_dir=_state_dir(args),
             redis_password=_redis_password(parser, args),
         )
     except ValueError as exc:
@@ -266,6 +267,15 @@ def _security_settings(
         "insecure": args.insecure,
         "metrics_host": args.metrics_host,
     }
+
+
+def _state_dir(args: argparse.Namespace) -> str | None:
+    """--state-dir, else the XDG default; None without a checkpoint store (nothing to mark)."""
+    if args.checkpoint_store is None:
+        return None
+    from gradsync_server.store.high_water_file import default_state_dir
+
+    return args.state_dir or default_state_dir(os.environ)
 
 
 def _redis_password(parser: argparse.ArgumentParser, args: argparse.Namespace) -> str | None:

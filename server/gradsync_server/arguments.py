@@ -130,6 +130,14 @@ def add_serve_flags(parser: argparse.ArgumentParser) -> None:
         "without it a store that cannot be read refuses the job",
     )
     parser.add_argument(
+        "--state-dir",
+        default=None,
+        help="the coordinator's own directory for each job's high-water mark (its newest "
+        "acknowledged checkpoint), so that a rolled-back store is refused; keep it off the "
+        "store's disk (default $GRADSYNC_STATE_DIR, else $XDG_STATE_HOME/gradsync, else "
+        "~/.local/state/gradsync)",
+    )
+    parser.add_argument(
         "--store-timeout",
         type=flags.seconds,
         default=defaults.STORE_TIMEOUT_S,

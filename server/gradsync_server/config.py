@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hmac
+import os
 from dataclasses import dataclass, field
 
 from gradsync_proto import chunking
@@ -85,6 +86,12 @@ class ServerConfig:
             Without it a store that cannot be read refuses the job.
         store_timeout_s: deadline of every checkpoint store call (load at the first Join,
             save); the call runs in a worker thread, so a hung store stalls no other job.
+        state_dir: the coordinator's own state directory, where it keeps each job's
+            high-water mark (the newest checkpoint it had acknowledged), out of the
+            store's reach (`gradsync_server.store.high_water_file`); `gradsync serve`
+            defaults it to `$GRADSYNC_STATE_DIR` / `$XDG_STATE_HOME/gradsync` /
+            `~/.local/state/gradsync`. None: no marks (only the chain recorded in the
+            checkpoints themselves guards against a rolled-back store).
         redis_password: password for a redis:// store (from --redis-password-file or
             $GRADSYNC_REDIS_PASSWORD, so it is not in the process list); never printed.
         nonfinite: what a NaN/Inf gradient contribution does: "report" (log, metric,
@@ -136,6 +143,7 @@ class ServerConfig:
     metrics_host: str | None = None
     fresh_start: bool = False
     store_timeout_s: float = defaults.STORE_TIMEOUT_S
+    state_dir: str | None = None
     redis_password: str | None = field(default=None, repr=False)
     nonfinite: str = defaults.NONFINITE
     payload_socket: bool = True
@@ -222,7 +230,9 @@ class ServerConfig:
         if self.shard_wait_timeout_s <= 0:
             raise ValueError(f"shard wait timeout must be > 0 s, got {self.shard_wait_timeout_s}")
         if self.checkpoint_store is not None:
-            parse_store_url(self.checkpoint_store)  # refuse an ambiguous URL at start-up
+            location = parse_store_url(self.checkpoint_store)  # an ambiguous URL: refused now
+            if location.kind == "file" and self.state_dir is not None:
+                _check_state_dir_outside(self.state_dir, location.target)
         if not self.store_timeout_s > 0:
             raise ValueError(f"store timeout must be > 0 s, got {self.store_timeout_s}")
         if self.fresh_start and self.resume:
@@ -285,4 +295,16 @@ def check_shard_token(token: str | None, shard_token: str | None) -> None:
         raise ValueError(
             "the shard token is the same as the workers' token: a shard token must be a "
             "secret the workers do not hold (make one with `gradsync token FILE`)"
+        )
+
+
+def _check_state_dir_outside(state_dir: str, store_dir: str) -> None:
+    """Refuse a state directory inside the file store: whoever can write the store could then
+    roll back the high-water marks along with the checkpoints, which is what they guard."""
+    state, store = os.path.abspath(state_dir), os.path.abspath(store_dir)
+    if os.path.commonpath([state, store]) == store:
+        raise ValueError(
+            f"--state-dir {state_dir} is inside the checkpoint store {store_dir}: whoever can "
+            "write the store could roll back the high-water marks with it; keep the state "
+            "directory elsewhere (default ~/.local/state/gradsync)"
         )

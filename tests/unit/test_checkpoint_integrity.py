@@ -26,6 +26,7 @@ from gradsync_server.rpc.checkpointer import Checkpointer
 from gradsync_server.store import checkpoint_seal
 from gradsync_server.store.checkpoint import Checkpoint, PruneGuard, _doomed_steps
 from gradsync_server.store.checkpoint_file import FileCheckpointStore
+from gradsync_server.store.reading import StoreReading
 from support.rawclient import signature
 
 TOKEN = "t" * 32
@@ -146,8 +147,11 @@ class HungStore:
         self.release = threading.Event()
 
     def load_latest(self, job_id: str) -> Checkpoint | None:
+        return self.read(job_id).checkpoint
+
+    def read(self, job_id: str) -> StoreReading:
         self.release.wait(10)
-        return None
+        return StoreReading(job_id, None, None)
 
     def save(self, checkpoint: Checkpoint, guard: PruneGuard | None = None) -> None:
         self.release.wait(10)

@@ -19,14 +19,25 @@ or a checkpoint that is not this model's or does not verify under the token,
 refuses the job (FAILED_PRECONDITION) with a message naming the job, the step,
 the store and the mismatch. `--fresh-start` is the explicit way to start at step
 0; the checkpoints already stored are kept (see `PruneGuard`).
+
+Nor does it go back behind an acknowledged save on the store's word: each save
+records the job's lineage in the sealed metadata and then its high-water mark in
+the state directory (`gradsync_server.store.high_water`), and with a token a
+store whose answer is older than either (its pointer moved back, its newest blob
+deleted, damaged or another job's, or the store emptied) refuses the job, naming
+both steps. Without a token the finding is logged as an error and the job
+resumes from what the store holds, as it always did: nothing there is
+authenticated, so accidents and attacks cannot be told apart.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import threading
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from typing import TypeVar
 
 from gradsync_proto.auth import derive_key
@@ -36,13 +47,15 @@ from gradsync_proto.v1 import gradsync_pb2 as pb
 from gradsync_server.config import ServerConfig
 from gradsync_server.control.job import Job
 from gradsync_server.dataplane.actions import Action, Persist, Send, Terminate
-from gradsync_server.store import checkpoint_seal
+from gradsync_server.store import checkpoint_seal, high_water
 from gradsync_server.store.checkpoint import (
     Checkpoint,
     CheckpointError,
     CheckpointStore,
     PruneGuard,
 )
+from gradsync_server.store.high_water import HighWater, Lineage, Rollback
+from gradsync_server.store.high_water_file import HighWaterError, HighWaterMarks
 
 log = logging.getLogger("gradsync.server")
 
@@ -59,6 +72,15 @@ STORE_THREADS = 4
 _Result = TypeVar("_Result")
 #: The outcome of loading a job's resume point: the checkpoint, or why the job is refused.
 LoadResult = tuple[Checkpoint | None, tuple[Code, str] | None]
+
+
+@dataclass(frozen=True)
+class _Loaded:
+    """(store thread) What a load found, before the policy turns it into a `LoadResult`."""
+
+    checkpoint: Checkpoint | None
+    mismatch: str | None = None  # why this model may not resume it (signature, MAC)
+    rollback: Rollback | None = None  # why it is behind an acknowledged save
 
 
 class Checkpointer:
@@ -79,6 +101,18 @@ class Checkpointer:
         self._executor = ThreadPoolExecutor(STORE_THREADS, thread_name_prefix="gradsync-store")
         #: Loads in progress, by (job id, signature digest): ranks joining meanwhile share one.
         self._loads: dict[tuple[str, str], asyncio.Task[LoadResult]] = {}
+        #: Where the high-water marks live (None: no state directory configured).
+        self.marks = (
+            HighWaterMarks(config.state_dir)
+            if config.state_dir is not None and store is not None
+            else None
+        )
+        #: Per job id: what its next checkpoint records (store threads read and replace it).
+        self._lineages: dict[str, Lineage] = {}
+        #: Per job id: held across a save and its mark, so that two saves of one job cannot
+        #: interleave and leave the mark naming another checkpoint than the pointer.
+        self._job_locks: dict[str, threading.Lock] = {}
+        self._locks_lock = threading.Lock()
 
     def close(self) -> None:
         """Stop the store threads (a call still running finishes in the background)."""
@@ -118,10 +152,15 @@ class Checkpointer:
         if self.config.fresh_start:
             log.warning(
                 "job '%s' starts at step 0 (--fresh-start): its checkpoints in %s are not read, "
-                "and none newer than what this run saves is deleted",
+                "none newer than what this run saves is deleted, and its high-water mark is "
+                "reset",
                 job_id,
                 self.store.description,
             )
+            try:
+                await self._call(f"resetting the mark of job {job_id!r}", self._start_over, job_id)
+            except CheckpointError as exc:
+                log.error("job '%s': %s", job_id, exc)
             return None, None
         digest = checkpoint_seal.signature_digest(signature)
         key = (job_id, digest)
@@ -138,7 +177,7 @@ class Checkpointer:
         if store is None:
             return None, None
         try:
-            checkpoint, mismatch = await self._call(
+            loaded = await self._call(
                 f"loading the checkpoints of job {job_id!r}", self._load_and_verify, job_id, digest
             )
         except (CheckpointError, ValueError) as exc:  # ValueError: a job id the store refuses
@@ -154,6 +193,20 @@ class Checkpointer:
                 "step 0 on purpose, restart the coordinator with --fresh-start (stored "
                 "checkpoints are kept) or use another --job-id",
             )
+        checkpoint, mismatch, rollback = loaded.checkpoint, loaded.mismatch, loaded.rollback
+        if rollback is not None:
+            if self._key is not None:
+                mark_path = self.marks.path(store.description, job_id) if self.marks else None
+                return None, (
+                    Code.FAILED_PRECONDITION,
+                    high_water.refusal(
+                        store.description,
+                        job_id,
+                        rollback,
+                        None if mark_path is None else str(mark_path),
+                    ),
+                )
+            log.error("%s", high_water.unauthenticated_warning(store.description, job_id, rollback))
         if checkpoint is None:
             if self.config.resume:
                 return None, (
@@ -196,14 +249,88 @@ class Checkpointer:
         )
         return checkpoint, None
 
-    def _load_and_verify(self, job_id: str, digest: str) -> tuple[Checkpoint | None, str | None]:
-        """(store thread) The newest checkpoint of `job_id` and, if unusable, why."""
+    def _load_and_verify(self, job_id: str, digest: str) -> _Loaded:
+        """(store thread) The newest checkpoint of `job_id` and, if unusable, why.
+
+        A checkpoint resumed from becomes the job's lineage, and its mark if none was kept
+        (a new state directory starts guarding at once, not at the first save).
+        """
         if self.store is None:
-            return None, None
-        checkpoint = self.store.load_latest(job_id)
+            return _Loaded(None)
+        description = self.store.description
+        reading = self.store.read(job_id)
+        checkpoint = reading.checkpoint
+        if checkpoint is not None:
+            mismatch = checkpoint_seal.mismatch(checkpoint, digest, self._key)
+            if mismatch is not None:
+                return _Loaded(checkpoint, mismatch)
+        mark = self._read_mark(job_id)
+        key = self._key
+        rollback = high_water.judge(
+            reading, mark, lambda header: checkpoint_seal.authentic(header, key)
+        )
+        if rollback is not None and key is not None:
+            return _Loaded(checkpoint, rollback=rollback)  # refused: nothing changes
         if checkpoint is None:
-            return None, None
-        return checkpoint, checkpoint_seal.mismatch(checkpoint, digest, self._key)
+            self._set_lineage(job_id, Lineage(high_water.new_timeline(), mark))
+            return _Loaded(None, rollback=rollback)
+        resumed = HighWater.of(checkpoint.header)
+        timeline = high_water.timeline_of(checkpoint.header) or high_water.new_timeline()
+        self._set_lineage(job_id, Lineage(timeline, resumed))
+        if mark is None and self.marks is not None:
+            self._write_mark(job_id, resumed)
+        log.debug("job '%s': resuming %s in %s", job_id, resumed, description)
+        return _Loaded(checkpoint, rollback=rollback)
+
+    def _read_mark(self, job_id: str) -> HighWater | None:
+        """(store thread) The job's mark; an unusable one refuses the job only with a token."""
+        if self.marks is None or self.store is None:
+            return None
+        try:
+            return self.marks.read(self.store.description, job_id)
+        except HighWaterError as exc:
+            if self._key is not None:
+                raise
+            log.error("job '%s': %s; going on without it (no token)", job_id, exc)
+            return None
+
+    def _write_mark(self, job_id: str, mark: HighWater) -> None:
+        """(store thread) Record `mark`; a failure only weakens the guard, so it only logs."""
+        if self.marks is None or self.store is None:
+            return
+        try:
+            self.marks.write(self.store.description, job_id, mark)
+        except OSError as exc:
+            log.error(
+                "job '%s': could not record the high-water mark (%s) in %s: %s; a store "
+                "rolled back to an older checkpoint would go unnoticed (check --state-dir)",
+                job_id,
+                mark,
+                self.marks.directory,
+                exc,
+            )
+
+    def _start_over(self, job_id: str) -> None:
+        """(store thread) `--fresh-start`: a new run, with no mark before it."""
+        self._set_lineage(job_id, Lineage(high_water.new_timeline()))
+        if self.marks is None or self.store is None:
+            return
+        path = self.marks.path(self.store.description, job_id)
+        try:
+            self.marks.forget(self.store.description, job_id)
+        except OSError as exc:
+            raise CheckpointError(
+                f"could not reset the high-water mark {path}: {exc}; the job's first save "
+                "replaces it"
+            ) from exc
+
+    def _set_lineage(self, job_id: str, lineage: Lineage) -> None:
+        with self._locks_lock:
+            self._lineages[job_id] = lineage
+
+    def _job_lock(self, job_id: str) -> threading.Lock:
+        with self._locks_lock:
+            return self._job_locks.setdefault(job_id, threading.Lock())
 
     def _flags(self) -> str:
         flags = [
@@ -285,7 +412,23 @@ class Checkpointer:
         return actions
 
     def _seal_and_save(self, checkpoint: Checkpoint, digest: str, guard: PruneGuard) -> None:
-        """(store thread) Seal `checkpoint` (hashing its payload) and save it."""
+        """(store thread) Seal `checkpoint` with its lineage, save it, then move the mark.
+
+        The mark moves only once the store acknowledged the save: a save that failed
+        leaves the mark (and the lineage) at the last acknowledged checkpoint.
+        """
         if self.store is None:
             return
-        self.store.save(checkpoint_seal.seal(checkpoint, digest, self._key), guard)
+        job_id = checkpoint.job_id
+        with self._job_lock(job_id):
+            with self._locks_lock:
+                lineage = self._lineages.get(job_id) or Lineage(high_water.new_timeline())
+            metadata = {**checkpoint.metadata, **lineage.metadata()}
+            with_lineage = Checkpoint(
+                job_id, checkpoint.step, checkpoint.membership_epoch, checkpoint.payload, metadata
+            )
+            sealed = checkpoint_seal.seal(with_lineage, digest, self._key)
+            self.store.save(sealed, guard)
+            mark = HighWater.of(sealed.header)
+            self._set_lineage(job_id, lineage.after(mark))
+            self._write_mark(job_id, mark)

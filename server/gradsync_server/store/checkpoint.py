@@ -4,12 +4,16 @@ A restarted coordinator resumes from the last acknowledged checkpoint (architect
 so `save` returns only once a checkpoint is durable and complete, and `load_latest` never hands
 back a torn or bit-flipped one: every blob carries checksums, is written in full before a
 `latest` pointer is flipped to it, and a blob that fails verification is skipped with a loud
-warning in favour of the previous complete one. The module knows nothing of gRPC; the
-coordinator calls it (from a worker thread, the calls block) and owns what goes in the payload.
+warning in favour of the previous complete one. `read` says what was skipped, so that the
+coordinator (with a token) can refuse that fall-back instead: a store that went back behind an
+acknowledged save may have been rolled back on purpose (`gradsync_server.store.high_water`).
+The module knows nothing of gRPC; the coordinator calls it (from a worker thread, the calls
+block) and owns what goes in the payload.
 
 This module is the format and the store protocol only: the backends
-(`checkpoint_file`, `checkpoint_redis`) import it, and `gradsync_server.store.stores`
-picks a backend from a URL, so no module imports one that imports it back.
+(`checkpoint_file`, `checkpoint_redis`) import it and `reading` (how both find the checkpoint
+to resume from), and `gradsync_server.store.stores` picks a backend from a URL, so no module
+imports one that imports it back.
 
 The `latest` pointer names the last acknowledged save, which is what `load_latest` starts from;
 blobs of higher steps are leftovers of saves that never completed (or of a timeline abandoned
@@ -75,10 +79,14 @@ import json
 import logging
 import re
 import struct
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
+from functools import cached_property
 from types import MappingProxyType, TracebackType
-from typing import Any, Protocol, Self
+from typing import TYPE_CHECKING, Any, Protocol, Self
+
+if TYPE_CHECKING:
+    from gradsync_server.store.reading import StoreReading
 
 log = logging.getLogger("gradsync.server.checkpoint")  # one logger for the whole store
 
@@ -128,6 +136,40 @@ class Checkpoint:
                 raise TypeError(f"checkpoint metadata must map str to str, got {key!r}: {value!r}")
         # A read-only copy: the dataclass is frozen, its metadata should be too.
         object.__setattr__(self, "metadata", MappingProxyType(dict(self.metadata)))
+
+    @cached_property
+    def payload_sha256(self) -> str:
+        """Hex SHA-256 of the payload, computed once: the blob header, the MAC and the blob
+        digest all need it, and a payload can be a gigabyte."""
+        return hashlib.sha256(self.payload).hexdigest()
+
+    @property
+    def header(self) -> CheckpointHeader:
+        """Everything but the payload bytes (what the blob's JSON header records)."""
+        return CheckpointHeader(
+            self.job_id,
+            self.step,
+            self.membership_epoch,
+            self.metadata,
+            len(self.payload),
+            self.payload_sha256,
+        )
+
+
+@dataclass(frozen=True)
+class CheckpointHeader:
+    """A checkpoint without its payload: what a blob's JSON header holds.
+
+    Enough to check a MAC and to compute the blob's digest, so a loader can keep the
+    headers of many blobs without holding their payloads (each up to `--max-checkpoint-mb`).
+    """
+
+    job_id: str
+    step: int
+    membership_epoch: int
+    metadata: Mapping[str, str]
+    payload_length: int
+    payload_sha256: str
 
 
 @dataclass(frozen=True)
@@ -185,6 +227,17 @@ class CheckpointStore(Protocol):
                 (starting from scratch would silently lose the job's progress).
         """
 
+    def read(self, job_id: str) -> StoreReading:
+        """What `load_latest` returns, plus what it passed over to get there.
+
+        The checkpointer needs the rest to tell a damaged or rolled-back store from a sound
+        one: the pointer, the newer candidates that failed verification, and the headers of
+        verified blobs newer than the pointer (see `gradsync_server.store.reading`).
+
+        Raises:
+            CheckpointError: as `load_latest`.
+        """
+
     def steps(self, job_id: str) -> list[int]:
         """Steps that have a stored blob (verified or not), ascending."""
 
@@ -199,17 +252,32 @@ def encode(checkpoint: Checkpoint) -> bytes:
 
 def _encode_parts(checkpoint: Checkpoint) -> tuple[bytes, bytes, bytes]:
     """(headers, payload, checksum): the file backend writes them without joining a copy."""
-    header = {
-        "job_id": checkpoint.job_id,
-        "step": checkpoint.step,
-        "membership_epoch": checkpoint.membership_epoch,
-        "metadata": dict(checkpoint.metadata),
-        "payload_length": len(checkpoint.payload),
-        "payload_sha256": hashlib.sha256(checkpoint.payload).hexdigest(),
-    }
-    header_bytes = json.dumps(header, sort_keys=True, separators=(",", ":")).encode()
-    headers = _FIXED_HEADER.pack(MAGIC, FORMAT_VERSION, len(header_bytes)) + header_bytes
+    headers = _headers(checkpoint.header)
     return headers, checkpoint.payload, hashlib.sha256(headers).digest()
+
+
+def _headers(header: CheckpointHeader) -> bytes:
+    """The fixed header and the JSON header of a blob, exactly as `encode` writes them."""
+    fields = {
+        "job_id": header.job_id,
+        "step": header.step,
+        "membership_epoch": header.membership_epoch,
+        "metadata": dict(header.metadata),
+        "payload_length": header.payload_length,
+        "payload_sha256": header.payload_sha256,
+    }
+    header_bytes = json.dumps(fields, sort_keys=True, separators=(",", ":")).encode()
+    return _FIXED_HEADER.pack(MAGIC, FORMAT_VERSION, len(header_bytes)) + header_bytes
+
+
+def blob_digest(header: CheckpointHeader) -> str:
+    """Hex SHA-256 naming one stored blob: its trailing checksum, over both headers.
+
+    The JSON header holds the payload's SHA-256, so this commits to the whole blob, and it
+    is computed from the header alone. `encode(decode(blob))` is `blob` (the JSON is
+    canonical), so a loaded checkpoint has the digest the saved one had.
+    """
+    return hashlib.sha256(_headers(header)).hexdigest()
 
 
 def decode(blob: bytes) -> Checkpoint:
@@ -265,16 +333,26 @@ def decode(blob: bytes) -> Checkpoint:
         )
     job_id, step, membership_epoch, metadata = fields
     try:
-        return Checkpoint(job_id, step, membership_epoch, bytes(payload), metadata)
+        checkpoint = Checkpoint(job_id, step, membership_epoch, bytes(payload), metadata)
     except (ValueError, TypeError, AttributeError) as exc:
         raise CheckpointCorruptError(f"invalid header fields: {exc}") from exc
+    # Just verified: the MAC check and the blob digest need not hash the payload again.
+    checkpoint.__dict__["payload_sha256"] = actual_sha256
+    return checkpoint
 
 
 class _StoreLifecycle:
-    """Closed-state bookkeeping shared by both backends."""
+    """Closed-state bookkeeping and `load_latest`, shared by both backends."""
 
     description: str
     _closed: bool = False
+
+    def read(self, job_id: str) -> StoreReading:
+        raise NotImplementedError  # each backend reads its own way
+
+    def load_latest(self, job_id: str) -> Checkpoint | None:
+        """See `CheckpointStore.load_latest`."""
+        return self.read(job_id).checkpoint
 
     def _check_open(self) -> None:
         if self._closed:
@@ -350,62 +428,3 @@ def _parse_pointer(description: str, job_id: str, text: str | None) -> int | Non
         text[:40],
     )
     return None
-
-
-def _load_newest(
-    description: str,
-    job_id: str,
-    pointer: int | None,
-    stored: list[int],
-    read_blob: Callable[[int], bytes | None],
-) -> Checkpoint | None:
-    """The pointed checkpoint, else the newest older one that verifies (both backends)."""
-    if pointer is None:
-        if not stored:
-            return None
-        log.warning(
-            "%s: job %r has checkpoints for steps %s but no readable latest pointer (a save "
-            "crashed before its first pointer flip?); trying the newest that verifies",
-            description,
-            job_id,
-            stored,
-        )
-        candidates = sorted(stored, reverse=True)
-    else:
-        unacknowledged = [step for step in stored if step > pointer]
-        if unacknowledged:
-            log.warning(
-                "%s: job %r: ignoring steps %s, newer than the latest pointer (step %d): their "
-                "saves never completed",
-                description,
-                job_id,
-                unacknowledged,
-                pointer,
-            )
-        candidates = [pointer, *sorted((step for step in stored if step < pointer), reverse=True)]
-    for step in candidates:
-        blob = read_blob(step)
-        if blob is None:
-            reason = "its blob is missing"
-        else:
-            try:
-                checkpoint = decode(blob)
-            except CheckpointCorruptError as exc:
-                reason = f"it is corrupt: {exc}"
-            else:
-                if (checkpoint.job_id, checkpoint.step) == (job_id, step):
-                    return checkpoint
-                reason = f"its blob holds job {checkpoint.job_id!r} step {checkpoint.step}"
-        log.warning(
-            "%s: skipping the checkpoint of job %r at step %d because %s; falling back to an "
-            "older one",
-            description,
-            job_id,
-            step,
-            reason,
-        )
-    raise CheckpointError(
-        f"{description}: loading job {job_id!r} failed: no checkpoint verifies (tried steps "
-        f"{candidates}, see the warnings above); refusing to start the job from scratch: "
-        f"delete its checkpoints to do that deliberately"
-    )

@@ -23,10 +23,10 @@ from gradsync_server.store.checkpoint import (
     _doomed_steps,
     _encode_parts,
     _failure,
-    _load_newest,
     _parse_pointer,
     _StoreLifecycle,
 )
+from gradsync_server.store.reading import StoreReading, read_newest
 
 log = logging.getLogger("gradsync.server.checkpoint")  # one logger for the whole store
 
@@ -105,8 +105,8 @@ class FileCheckpointStore(_StoreLifecycle):
                 ) from exc
             self._prune(job_dir, checkpoint.job_id, checkpoint.step, guard)
 
-    def load_latest(self, job_id: str) -> Checkpoint | None:
-        """See `CheckpointStore.load_latest`."""
+    def read(self, job_id: str) -> StoreReading:
+        """See `CheckpointStore.read`."""
         stored = self.steps(job_id)
         job_dir = self.job_directory(job_id)
         try:
@@ -127,7 +127,7 @@ class FileCheckpointStore(_StoreLifecycle):
                 ) from exc
 
         pointer = _parse_pointer(self.description, job_id, pointer_text)
-        return _load_newest(self.description, job_id, pointer, stored, read_blob)
+        return read_newest(self.description, job_id, pointer, stored, read_blob)
 
     def steps(self, job_id: str) -> list[int]:
         """See `CheckpointStore.steps`."""

@@ -18,13 +18,13 @@ from gradsync_server.store.checkpoint import (
     _check_keep,
     _doomed_steps,
     _failure,
-    _load_newest,
     _parse_pointer,
     _parse_steps,
     _StoreLifecycle,
     _text,
     encode,
 )
+from gradsync_server.store.reading import StoreReading, read_newest
 
 if TYPE_CHECKING:
     import redis
@@ -126,8 +126,8 @@ class RedisCheckpointStore(_StoreLifecycle):
             raise CheckpointError(_failure(self.description, "saving", job_id, step, exc)) from exc
         self._prune(job_id, step, guard)
 
-    def load_latest(self, job_id: str) -> Checkpoint | None:
-        """See `CheckpointStore.load_latest`."""
+    def read(self, job_id: str) -> StoreReading:
+        """See `CheckpointStore.read`."""
         self._check_open()
         _check_job_id(job_id)
         try:
@@ -151,7 +151,7 @@ class RedisCheckpointStore(_StoreLifecycle):
 
         pointer_text = None if pointer_value is None else _text(pointer_value)
         pointer = _parse_pointer(self.description, job_id, pointer_text)
-        return _load_newest(self.description, job_id, pointer, _parse_steps(members), read_blob)
+        return read_newest(self.description, job_id, pointer, _parse_steps(members), read_blob)
 
     def steps(self, job_id: str) -> list[int]:
         """See `CheckpointStore.steps`."""

@@ -16,6 +16,11 @@ the blob format's own checksum already covers):
   verify under the current token. Without a token a checkpoint is *not*
   authenticated (anyone who can write the store can plant one); SECURITY.md says so.
 
+The MAC covers all the metadata, so also the job's lineage the checkpointer adds
+(`gradsync_server.store.high_water`: the run, the mark acknowledged before): a MAC
+proves the coordinator wrote a checkpoint, the lineage says where it stood in the
+job's history, and together they let a rolled-back store be told from a sound one.
+
 Pure logic (hashlib / hmac only): the checkpointer calls it from its worker thread.
 """
 
@@ -28,7 +33,7 @@ from collections.abc import Mapping
 
 from gradsync_proto.v1 import gradsync_pb2 as pb
 
-from gradsync_server.store.checkpoint import Checkpoint
+from gradsync_server.store.checkpoint import Checkpoint, CheckpointHeader
 
 #: Metadata key of the model-signature digest (hex SHA-256).
 SIGNATURE_KEY = "signature_sha256"
@@ -44,15 +49,15 @@ def signature_digest(signature: pb.ModelSignature) -> str:
     return hashlib.sha256(model.SerializeToString(deterministic=True)).hexdigest()
 
 
-def _mac(key: bytes, checkpoint: Checkpoint, metadata: Mapping[str, str]) -> str:
-    """HMAC-SHA256 over every field of `checkpoint` but the MAC itself."""
+def _mac(key: bytes, header: CheckpointHeader, metadata: Mapping[str, str]) -> str:
+    """HMAC-SHA256 over every field of `header` (with `metadata`) but the MAC itself."""
     fields = {
-        "job_id": checkpoint.job_id,
-        "step": checkpoint.step,
-        "membership_epoch": checkpoint.membership_epoch,
+        "job_id": header.job_id,
+        "step": header.step,
+        "membership_epoch": header.membership_epoch,
         "metadata": {name: value for name, value in metadata.items() if name != MAC_KEY},
-        "payload_length": len(checkpoint.payload),
-        "payload_sha256": hashlib.sha256(checkpoint.payload).hexdigest(),
+        "payload_length": header.payload_length,
+        "payload_sha256": header.payload_sha256,
     }
     message = json.dumps(fields, sort_keys=True, separators=(",", ":")).encode()
     return hmac.new(key, message, hashlib.sha256).hexdigest()
@@ -63,17 +68,34 @@ def seal(checkpoint: Checkpoint, digest: str, key: bytes | None) -> Checkpoint:
     metadata = {name: value for name, value in checkpoint.metadata.items() if name != MAC_KEY}
     metadata[SIGNATURE_KEY] = digest
     if key is not None:
-        metadata[MAC_KEY] = _mac(key, checkpoint, metadata)
-    return Checkpoint(
+        metadata[MAC_KEY] = _mac(key, checkpoint.header, metadata)
+    sealed = Checkpoint(
         checkpoint.job_id,
         checkpoint.step,
         checkpoint.membership_epoch,
         checkpoint.payload,
         metadata,
     )
+    # Same payload: its SHA-256 (hashed for the MAC) serves the blob header too.
+    sealed.__dict__["payload_sha256"] = checkpoint.payload_sha256
+    return sealed
 
 
-def mismatch(checkpoint: Checkpoint, digest: str, key: bytes | None) -> str | None:
+def authentic(header: CheckpointHeader, key: bytes | None) -> bool:
+    """True if `header` carries a MAC that verifies under `key` (False without a key).
+
+    For evidence read from the store (the lineage in a blob's metadata): without a key
+    nothing in the store is authenticated, and nothing there can be taken on trust.
+    """
+    stored_mac = header.metadata.get(MAC_KEY)
+    if key is None or not stored_mac:
+        return False
+    return hmac.compare_digest(_mac(key, header, header.metadata), stored_mac)
+
+
+def mismatch(
+    checkpoint: Checkpoint | CheckpointHeader, digest: str, key: bytes | None
+) -> str | None:
     """Why `checkpoint` must not be resumed by a job with signature `digest`, or None.
 
     Args:
@@ -81,15 +103,16 @@ def mismatch(checkpoint: Checkpoint, digest: str, key: bytes | None) -> str | No
         digest: `signature_digest` of the joining rank's model signature.
         key: the MAC key (None: no token configured, nothing to authenticate).
     """
-    stored_digest = checkpoint.metadata.get(SIGNATURE_KEY)
-    stored_mac = checkpoint.metadata.get(MAC_KEY)
+    header = checkpoint.header if isinstance(checkpoint, Checkpoint) else checkpoint
+    stored_digest = header.metadata.get(SIGNATURE_KEY)
+    stored_mac = header.metadata.get(MAC_KEY)
     if key is not None:
         if not stored_mac:
             return (
                 "it carries no MAC, but this coordinator has a token: it was written without "
                 "one (or planted by someone who cannot sign)"
             )
-        expected = _mac(key, checkpoint, checkpoint.metadata)
+        expected = _mac(key, header, header.metadata)
         if not hmac.compare_digest(expected, stored_mac):
             return (
                 "its MAC does not verify under this coordinator's token: it was written "
