@@ -229,3 +229,27 @@ def test_a_rank_out_of_inputs_is_dropped_and_the_broadcast_root_falls_back() -> 
         collectives.accept(
             2, pieces(2, b"", pb.COLLECTIVE_OP_BARRIER, pb.DTYPE_UINT8, 2)[0][1], (0, 1)
         )
+
+
+def test_a_lost_rank_keeps_its_whole_input_and_gives_back_a_partial_one() -> None:
+    budget = ByteBudget(1 << 20)
+    collectives = engine(budget)
+    values = [np.full(2 * CHUNK // 4, r + 1, dtype=np.float32).tobytes() for r in RANKS]
+    whole = pieces(0, values[0], pb.COLLECTIVE_OP_SUM, pb.DTYPE_FLOAT32, 0)
+    half = pieces(0, values[0], pb.COLLECTIVE_OP_SUM, pb.DTYPE_FLOAT32, 1)[:1]
+    assert run_all(collectives, whole + half) == []
+    assert budget.used == 3 * CHUNK
+    # Rank 0 is lost: the half-sent input of collective 1 is given back at once...
+    assert collectives.drop_participant(0) == []
+    assert budget.used == 2 * CHUNK
+    # ...and collective 1 completes over ranks 1 and 2, while 0 still counts rank 0.
+    for sequence, expected, recipients in ((0, 6.0, RANKS), (1, 5.0, (1, 2))):
+        messages = [
+            m
+            for r in (1, 2)
+            for m in pieces(r, values[r], pb.COLLECTIVE_OP_SUM, pb.DTYPE_FLOAT32, sequence)
+        ]
+        result, ranks, contributors = result_of(run_all(collectives, messages, ranks=(1, 2)))
+        assert np.frombuffer(result, dtype=np.float32).tolist() == [expected] * (2 * CHUNK // 4)
+        assert ranks == recipients and contributors == len(recipients)
+    assert budget.used == 0

@@ -5,22 +5,32 @@ over plain HTTP at `/metrics`; the histogram buckets for latencies are shared
 so that a dashboard can put a worker's and the coordinator's view of the same
 bucket side by side.
 
-The HTTP server is prometheus_client's WSGI app on a server of our own with a
-bounded number of handler threads (prometheus_client's starts one thread per
-connection, without limit) and a per-connection timeout, so that a port
-reachable by strangers cannot be made to hold unbounded threads or sockets:
-beyond `MAX_SCRAPE_THREADS` concurrent scrapes a connection is closed at once
-(Prometheus retries at its next interval).
+The HTTP server is prometheus_client's WSGI app on a server of our own, built so
+that a port reachable by strangers cannot be made to hold threads or sockets
+(prometheus_client's starts one thread per connection, without limit; a small
+fixed pool of threads that each wait for their request is held by a handful of
+silent connections). One thread reads every connection's request head without
+blocking, with a deadline for the whole head (`REQUEST_READ_TIMEOUT_S`, so a
+slow-loris client that drips a byte at a time is dropped as surely as a silent
+one), and at most `MAX_PENDING_CONNECTIONS` at a time: a new connection beyond
+them evicts the oldest, which a real scraper, sending its request the moment it
+connects, never is. Only a request that has fully arrived reaches one of the
+`MAX_SCRAPE_THREADS` handler threads, which answer it in milliseconds.
 """
 
 from __future__ import annotations
 
+import contextlib
+import io
 import logging
+import queue
+import selectors
 import socket
 import threading
+import time
 from types import TracebackType
 from typing import Any
-from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
+from wsgiref.simple_server import WSGIRequestHandler, WSGIServer
 
 from prometheus_client import CollectorRegistry, make_wsgi_app
 
@@ -29,10 +39,20 @@ log = logging.getLogger("gradsync.metrics")
 #: Highest TCP port number.
 MAX_PORT = 65535
 
-#: Scrapes answered at once; a connection beyond them is closed at once.
+#: Threads answering complete requests; a scrape holds one for milliseconds.
 MAX_SCRAPE_THREADS = 4
-#: A scrape connection silent this long is dropped (it would hold a thread).
-SCRAPE_TIMEOUT_S = 10.0
+#: Complete requests waiting for a handler thread; a connection beyond them is closed.
+MAX_QUEUED_SCRAPES = 32
+#: Connections whose request head has not fully arrived; one more evicts the oldest.
+MAX_PENDING_CONNECTIONS = 64
+#: A connection's whole request head must arrive within this long of its accept.
+REQUEST_READ_TIMEOUT_S = 3.0
+#: Writing one answer may take this long; a scraper that stops reading is dropped.
+SCRAPE_WRITE_TIMEOUT_S = 5.0
+#: A request head longer than this is refused (a scrape's is a few hundred bytes).
+MAX_REQUEST_HEAD_BYTES = 16 * 1024
+#: How often an idle handler thread looks whether the server is stopping.
+_HANDLER_POLL_S = 0.25
 
 #: Histogram buckets (seconds) for synchronization latencies: 1 ms (a small
 #: bucket on loopback) up to 60 s (a large model over a slow link, or a rank
@@ -57,42 +77,187 @@ LATENCY_BUCKETS_S: tuple[float, ...] = (
 
 
 class _QuietHandler(WSGIRequestHandler):
-    """Request handler with a socket timeout and no per-request log line on stderr."""
+    """Answers one request whose head was already read; no per-request log line on stderr."""
 
-    timeout = SCRAPE_TIMEOUT_S
+    #: Applies to the writes only: the request was read before this handler ran.
+    timeout = SCRAPE_WRITE_TIMEOUT_S
+
+    def __init__(self, request: socket.socket, client_address: Any, server: Any, head: bytes):
+        self._head = head
+        super().__init__(request, client_address, server)
+
+    def setup(self) -> None:
+        super().setup()
+        # The request head is already here; a GET has no body to read from the socket.
+        self.rfile.close()
+        self.rfile = io.BytesIO(self._head)
 
     def log_message(self, format: str, *args: Any) -> None:
         pass
 
 
-class _BoundedServer(WSGIServer):
-    """A WSGI server with at most MAX_SCRAPE_THREADS handler threads at a time."""
+class _Pending:
+    """A connection whose request head is still arriving, and its deadline."""
 
-    daemon_threads = True
+    __slots__ = ("address", "connection", "deadline", "head")
 
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        self._slots = threading.BoundedSemaphore(MAX_SCRAPE_THREADS)
-        super().__init__(*args, **kwargs)
+    def __init__(self, connection: socket.socket, address: Any, deadline: float) -> None:
+        self.connection = connection
+        self.address = address
+        self.deadline = deadline
+        self.head = bytearray()
 
-    def process_request(self, request: Any, client_address: Any) -> None:
-        if not self._slots.acquire(blocking=False):
-            self.shutdown_request(request)  # every slot busy: refuse rather than grow
-            return
-        threading.Thread(
-            target=self._serve_one, args=(request, client_address), daemon=True
-        ).start()
+    def head_complete(self, searched_up_to: int) -> bool:
+        """Whether a blank line ended the head (CRLF or bare LF, as http.server accepts)."""
+        start = max(0, searched_up_to - 2)
+        return self.head.find(b"\n\n", start) >= 0 or self.head.find(b"\n\r\n", start) >= 0
 
-    def _serve_one(self, request: Any, client_address: Any) -> None:
+
+class _ScrapeServer(WSGIServer):
+    """Reads request heads on one selector thread; answers complete ones on a few threads.
+
+    `serve_forever` runs until `stop()`; the listening socket is WSGIServer's (so
+    are the WSGI environment and `shutdown_request`), the loop is ours.
+    """
+
+    #: Connections the kernel queues while the loop thread is busy.
+    request_queue_size = MAX_PENDING_CONNECTIONS
+
+    def __init__(self, address: tuple[str, int], registry: CollectorRegistry) -> None:
+        # Made first: a failed bind calls server_close, which closes them.
+        self._wake_reader, self._wake_writer = socket.socketpair()
+        self._wake_reader.setblocking(False)
+        # The handler class given here goes unused: `_answer_loop` makes a `_QuietHandler`
+        # with the request head it read.
+        super().__init__(address, WSGIRequestHandler)
+        self.set_app(make_wsgi_app(registry))
+        self.socket.setblocking(False)
+        self._stopping = threading.Event()
+        # Insertion order is accept order, hence deadline order and eviction order.
+        self._pending: dict[socket.socket, _Pending] = {}
+        self._ready: queue.Queue[_Pending] = queue.Queue(MAX_QUEUED_SCRAPES)
+
+    def serve_forever(self, poll_interval: float = 0.5) -> None:
+        handlers = [
+            threading.Thread(target=self._answer_loop, name="gradsync-metrics-answer", daemon=True)
+            for _ in range(MAX_SCRAPE_THREADS)
+        ]
+        for handler in handlers:
+            handler.start()
+        selector = selectors.DefaultSelector()
+        selector.register(self.socket, selectors.EVENT_READ)
+        selector.register(self._wake_reader, selectors.EVENT_READ)
         try:
-            self.finish_request(request, client_address)
-        except Exception:  # a broken scrape must not end the server
-            self.handle_error(request, client_address)
+            while not self._stopping.is_set():
+                for key, _ in selector.select(self._next_timeout()):
+                    if key.fileobj is self.socket:
+                        self._accept(selector)
+                    elif key.fileobj is self._wake_reader:
+                        self._drain_wake()
+                    else:
+                        self._read(selector, key.data)
+                self._expire(selector, time.monotonic())
         finally:
-            self.shutdown_request(request)
-            self._slots.release()
+            for pending in list(self._pending.values()):
+                self._drop(selector, pending)
+            selector.close()
+            for handler in handlers:
+                handler.join(timeout=SCRAPE_WRITE_TIMEOUT_S)
+            while not self._ready.empty():
+                self.shutdown_request(self._ready.get_nowait().connection)
+
+    def stop(self) -> None:
+        """Make `serve_forever` return (it closes what it holds on its way out)."""
+        self._stopping.set()
+        with contextlib.suppress(OSError):  # already woken (the buffer is full) or closed
+            self._wake_writer.send(b"\0")
+
+    def server_close(self) -> None:
+        super().server_close()
+        self._wake_reader.close()
+        self._wake_writer.close()
+
+    def _next_timeout(self) -> float | None:
+        for pending in self._pending.values():  # the first one has the nearest deadline
+            return max(0.0, pending.deadline - time.monotonic())
+        return None
+
+    def _drain_wake(self) -> None:
+        with contextlib.suppress(OSError):
+            self._wake_reader.recv(64)
+
+    def _accept(self, selector: selectors.BaseSelector) -> None:
+        for _ in range(MAX_PENDING_CONNECTIONS):  # then read: a flood cannot starve the reads
+            try:
+                connection, address = self.socket.accept()
+            except (BlockingIOError, InterruptedError):
+                return
+            except OSError as exc:  # out of descriptors, say: make room, try again later
+                log.warning("metrics endpoint could not accept a connection: %s", exc)
+                if self._pending:
+                    self._drop(selector, next(iter(self._pending.values())))
+                else:  # nothing of ours to free: do not spin on the still-readable socket
+                    time.sleep(_HANDLER_POLL_S)
+                return
+            connection.setblocking(False)
+            if len(self._pending) >= MAX_PENDING_CONNECTIONS:
+                # The oldest has had the longest to send its request; a scraper sends
+                # its own at once, so the one evicted is the one holding the slot idle.
+                self._drop(selector, next(iter(self._pending.values())))
+            pending = _Pending(connection, address, time.monotonic() + REQUEST_READ_TIMEOUT_S)
+            self._pending[connection] = pending
+            selector.register(connection, selectors.EVENT_READ, pending)
+
+    def _read(self, selector: selectors.BaseSelector, pending: _Pending) -> None:
+        if self._pending.get(pending.connection) is not pending:
+            return  # evicted by an accept earlier in the same round of events
+        try:
+            data = pending.connection.recv(4096)
+        except (BlockingIOError, InterruptedError):
+            return
+        except OSError:
+            data = b""
+        if not data:  # the peer went away before finishing its request
+            self._drop(selector, pending)
+            return
+        searched_up_to = len(pending.head)
+        pending.head += data
+        if pending.head_complete(searched_up_to):
+            selector.unregister(pending.connection)
+            del self._pending[pending.connection]
+            try:
+                self._ready.put_nowait(pending)
+            except queue.Full:  # every handler is stuck writing to slow readers
+                self.shutdown_request(pending.connection)
+        elif len(pending.head) > MAX_REQUEST_HEAD_BYTES:
+            self._drop(selector, pending)
+
+    def _expire(self, selector: selectors.BaseSelector, now: float) -> None:
+        for pending in list(self._pending.values()):
+            if pending.deadline > now:
+                return
+            self._drop(selector, pending)
+
+    def _drop(self, selector: selectors.BaseSelector, pending: _Pending) -> None:
+        selector.unregister(pending.connection)
+        del self._pending[pending.connection]
+        pending.connection.close()
+
+    def _answer_loop(self) -> None:
+        while not self._stopping.is_set():
+            try:
+                pending = self._ready.get(timeout=_HANDLER_POLL_S)
+            except queue.Empty:
+                continue
+            try:
+                _QuietHandler(pending.connection, pending.address, self, bytes(pending.head))
+            except Exception:  # a broken scrape must not end the server
+                log.debug("a metrics scrape from %s failed", pending.address, exc_info=True)
+            finally:
+                self.shutdown_request(pending.connection)
 
 
-class _BoundedServer6(_BoundedServer):
+class _ScrapeServer6(_ScrapeServer):
     address_family = socket.AF_INET6
 
 
@@ -103,7 +268,7 @@ class MetricsServer:
     (the real one when 0 was asked for).
     """
 
-    def __init__(self, httpd: WSGIServer, thread: threading.Thread, host: str) -> None:
+    def __init__(self, httpd: _ScrapeServer, thread: threading.Thread, host: str) -> None:
         self._httpd = httpd
         self._thread = thread
         self.host = host
@@ -121,9 +286,9 @@ class MetricsServer:
         if self._closed:
             return
         self._closed = True
-        self._httpd.shutdown()
+        self._httpd.stop()
+        self._thread.join(timeout=SCRAPE_WRITE_TIMEOUT_S + 1)
         self._httpd.server_close()
-        self._thread.join(timeout=5)
 
     def __enter__(self) -> MetricsServer:
         return self
@@ -165,11 +330,9 @@ def serve_metrics(port: int, registry: CollectorRegistry, host: str = "0.0.0.0")
     return server
 
 
-def _make_server(host: str, port: int, registry: CollectorRegistry) -> WSGIServer:
-    """Bind the bounded server on host:port (IPv4 or IPv6, as the host resolves)."""
+def _make_server(host: str, port: int, registry: CollectorRegistry) -> _ScrapeServer:
+    """Bind the scrape server on host:port (IPv4 or IPv6, as the host resolves)."""
     infos = socket.getaddrinfo(host or None, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
     family = infos[0][0] if infos else socket.AF_INET
-    server_class = _BoundedServer6 if family == socket.AF_INET6 else _BoundedServer
-    return make_server(
-        host, port, make_wsgi_app(registry), server_class=server_class, handler_class=_QuietHandler
-    )
+    server_class = _ScrapeServer6 if family == socket.AF_INET6 else _ScrapeServer
+    return server_class((host, port), registry)

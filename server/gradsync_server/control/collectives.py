@@ -17,7 +17,11 @@ combined in ascending rank order (floating sums in float32, float64 for
 float64; integer sums, minima and maxima in int64), as `aggregation` does for
 gradients. A declared size is a claim checked against a cap before any byte
 is buffered, and every buffered byte is held through a `Reservation` of the
-coordinator's byte budget. No gRPC, no asyncio.
+coordinator's byte budget (the job's share of `--max-buffered-mb`, the one that
+gradient uploads count against): an input that does not fit is refused, naming
+the rank, the job and the cap. The bytes go back when the collective completes,
+when the job ends, and when a rank leaves without finishing its input (the
+round goes on without it). No gRPC, no asyncio.
 """
 
 from __future__ import annotations
@@ -221,7 +225,11 @@ class Collectives:
         item = held.inputs.get(rank)
         if item is None:
             self._check_size(rank, held, chunk.total_bytes)
-            what = f"{held.describe()} from rank {rank}"
+            # The budget's owner is the job's id (the job takes its share by its id).
+            what = (
+                f"{held.describe()} of {chunk.total_bytes} bytes from rank {rank} of job "
+                f"'{self._budget.owner}'"
+            )
             item = BlobAssembler(
                 what, chunk.total_bytes, self._chunk_bytes, None, self._budget, in_order=False
             )
@@ -331,15 +339,29 @@ class Collectives:
 
     # ------------------------------------------------------------- results
     def drop_participant(self, rank: int) -> list[Action]:
-        """`rank` takes no part from now on: finish rounds that only waited for it."""
+        """`rank` takes no part from now on: finish rounds that only waited for it.
+
+        A whole input it sent stays its contribution (the result is the one it
+        would have got had it stayed a moment longer). A partial one is given
+        back now and the round goes on without it: nothing can complete it, so
+        the round would otherwise wait for good, holding those bytes, and the
+        other ranks with it.
+        """
         actions: list[Action] = []
         for held in sorted(self._rounds.values(), key=lambda r: r.sequence):
-            if rank in held.participants and rank not in held.inputs:
-                held.participants.remove(rank)
-                if not held.participants:
-                    self._close(held)
-                elif held.ready():
-                    actions += self._finish(held)
+            if rank not in held.participants:
+                continue
+            item = held.inputs.get(rank)
+            if item is not None and item.complete:
+                continue
+            if item is not None:
+                item.release()
+                del held.inputs[rank]
+            held.participants.remove(rank)
+            if not held.participants:
+                self._close(held)
+            elif held.ready():
+                actions += self._finish(held)
         return actions
 
     def _finish(self, held: _Round) -> list[Action]:

@@ -18,7 +18,9 @@ may hold at most `owner_limit` bytes (default: half the limit; flag
 `--max-job-buffered-mb`), so whatever one job does, at least
 `limit - owner_limit` bytes remain for the others. Jobs see the budget
 through an `OwnerBudget` view whose `fits` checks both caps; its `used` and
-`limit` report whichever cap binds, for messages.
+`limit` report whichever cap binds, and `holding` says it in words with the
+flag that sets it, so every refusal (gradients, checkpoints, healing state,
+collective inputs: one budget for all of them) names the cap that bit.
 """
 
 from __future__ import annotations
@@ -83,6 +85,13 @@ class ByteBudget:
         """A new, empty reservation on behalf of `owner`."""
         return Reservation(self, owner)
 
+    def holding(self) -> str:
+        """What is held against the limit and the flag that sets it, for a refusal."""
+        return (
+            f"the coordinator already buffers {self._used} bytes "
+            f"(limit {self.limit} bytes, --max-buffered-mb)"
+        )
+
     def _move(self, owner: Hashable, delta: int) -> None:
         self._used += delta
         total = self._by_owner.get(owner, 0) + delta
@@ -124,6 +133,16 @@ class OwnerBudget:
     def fits(self, extra: int) -> bool:
         """True if the owner may take `extra` more bytes."""
         return self.budget.fits_for(self.owner, extra)
+
+    def holding(self) -> str:
+        """What is held against the binding cap and the flag that sets it, for a refusal."""
+        budget = self.budget
+        if not self._owner_binds():
+            return budget.holding()
+        return (
+            f"job '{self.owner}' already buffers {budget.held_by(self.owner)} bytes, its "
+            f"share of the coordinator's (limit {budget.owner_limit} bytes, --max-job-buffered-mb)"
+        )
 
     def reserve(self, owner: Hashable | None = None) -> Reservation:
         """A new, empty reservation of this view's owner (`owner` must be it, if given)."""

@@ -190,8 +190,7 @@ def check_budget(
         raise RejectedMessage(
             Code.RESOURCE_EXHAUSTED,
             f"rank {rank} sent {length} bytes for bucket {chunk.bucket_index} of step "
-            f"{chunk.step}, but the coordinator already buffers {budget.used} bytes "
-            f"(limit {budget.limit} bytes, --max-buffered-mb)",
+            f"{chunk.step}, but {budget.holding()}",
             step=chunk.step,
             bucket_index=chunk.bucket_index,
         )

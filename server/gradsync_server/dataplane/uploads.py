@@ -94,8 +94,7 @@ class BlobAssembler:
             raise RejectedMessage(
                 Code.RESOURCE_EXHAUSTED,
                 f"{assembly.what}: no room for {len(payload)} more bytes at offset {offset}: "
-                f"the coordinator already buffers {budget.used} bytes (limit {budget.limit} "
-                "bytes, --max-buffered-mb)",
+                f"{budget.holding()}",
             )
         complete = assembly.add(offset, payload)
         if self._reservation is not None:

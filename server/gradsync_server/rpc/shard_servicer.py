@@ -11,8 +11,13 @@ Each job's data plane is a `JobPlane` (pure, the class the leader runs for
 its own range); the leader's control events arrive through the `on_*`
 methods, called by the control link (`shard_link`). Control and data
 travel on different connections, so a hello or a chunk may arrive before the
-view or abort that makes it valid: the reader then waits, bounded by the
-heartbeat timeout, for the shard's state to catch up before judging it.
+view or abort that makes it valid: the reader then waits, bounded, for the
+shard's state to catch up before judging it. A hello waits for the shard's
+registration up to the heartbeat timeout, but for the view announcing its job
+or rank only `ANNOUNCE_GRACE_S`: the leader sends a view before the Welcome
+that lets a worker dial, so a view later than that is not on its way, and a
+stream naming a job or rank nobody announced must not be held for a whole
+heartbeat timeout (review issue 22).
 Everything runs on one asyncio loop, so no locks.
 """
 
@@ -46,6 +51,10 @@ SERVICE_NAME = "gradsync.v1.Shard"
 _STATUS_BY_CODE = {status.value[0]: status for status in grpc.StatusCode}
 #: How long a stream that is to end gets to flush what is queued for it.
 _FLUSH_S = 1.0
+#: How long a hello naming a job, or a rank of a job, this shard has not heard of
+#: waits for the leader's view: it was sent before the worker's Welcome, so it
+#: trails the hello (which needs a Welcome and a new connection) by far less.
+ANNOUNCE_GRACE_S = 1.0
 
 
 class DataStream(Connection):
@@ -383,22 +392,19 @@ class ShardServicer:
                 conn, Code.UNAVAILABLE, f"{self.name} is shutting down", pb.END_REASON_SHARD_LOST
             )
             return
-        wait_s = self.heartbeat_timeout_s
+        wait_s = ANNOUNCE_GRACE_S
 
-        def judgeable() -> bool:
-            if self.index is None:
-                return False
+        def announced() -> bool:
             if hello.shard_index != self.index:
                 return True  # wrong whatever the leader says next
             job = self.jobs.get(hello.job_id)
-            if job is None:
-                return False
-            # A wrong session for the announced incarnation is final: judge it at once.
-            return job.hello_problem(hello.rank, hello.incarnation, hello.session) is None or (
-                job.session_refused(hello.rank, hello.incarnation, hello.session) is not None
-            )
+            # A member is judged at once, whatever its incarnation and session: the
+            # view that made it one came before any Welcome of another incarnation.
+            return job is not None and hello.rank in job.membership.members
 
-        await self._wait_until(judgeable, wait_s)
+        await self._wait_until(lambda: self.index is not None, self.heartbeat_timeout_s)
+        if self.index is not None and not conn.ended:
+            await self._wait_until(announced, wait_s)
         if conn.ended:
             return
         if self.index is None:
