@@ -19,6 +19,7 @@ import time
 import grpc
 import pytest
 from gradsync.path.shard_streams import SHARD_DATA_METHOD, shard_target
+from gradsync_proto import auth
 from gradsync_proto.v1 import gradsync_pb2 as pb
 from support.rawclient import RawWorker, run
 from support.shards import wait_for_shards
@@ -88,7 +89,8 @@ def test_streams_a_shard_cannot_admit_are_refused_within_moments(coordinator_fac
             alive = asyncio.create_task(_heartbeats(workers))
             (shard,) = [s for s in welcomes[0].shards if s.index == 1]
             target = shard_target(shard.address, leader.address)
-            session = welcomes[1].session
+            # What rank 1 presents to shard 1: that shard's derivative of its session.
+            session = auth.shard_session(welcomes[1].session, 1)
 
             def hello(job_id: str, rank: int, incarnation: str) -> pb.ShardHello:
                 return pb.ShardHello(
