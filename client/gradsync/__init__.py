@@ -40,6 +40,7 @@ from gradsync.errors import (
 if TYPE_CHECKING:
     from gradsync import collectives, hooks
     from gradsync.ddp import DistributedDataParallel
+    from gradsync.diloco import DiLoCo
     from gradsync.syncbn import convert_sync_batchnorm
 
 
@@ -50,6 +51,10 @@ def __getattr__(name: str) -> Any:
         from gradsync.ddp import DistributedDataParallel
 
         return DistributedDataParallel
+    if name == "DiLoCo":
+        from gradsync.diloco import DiLoCo
+
+        return DiLoCo
     if name == "convert_sync_batchnorm":
         from gradsync.syncbn import convert_sync_batchnorm
 
@@ -73,6 +78,7 @@ __all__ = [
     "CoordinatorRestartedError",
     "CoordinatorUnavailableError",
     "DeclaredDeadError",
+    "DiLoCo",
     "DistributedDataParallel",
     "GradSyncError",
     "JoinRefusedError",

@@ -34,6 +34,7 @@ from typing import Any
 
 import torch
 from gradsync_proto.net.channels import ChannelSecurity
+from gradsync_proto.v1 import gradsync_pb2 as pb
 from torch import nn
 
 from gradsync import compat, defaults, hooks, syncbn, uneven
@@ -178,6 +179,7 @@ class DistributedDataParallel(nn.Module):
         hierarchical: bool | str | None = None,
         local_rank: int | None = None,
         local_world_size: int | None = None,
+        _outer: pb.OuterOptimizer | None = None,  # gradsync.DiLoCo's, run by the coordinator
     ) -> None:
         super().__init__()
         self.module = module
@@ -205,11 +207,8 @@ class DistributedDataParallel(nn.Module):
         named_buffers = list(module.named_buffers())
         self.device = compat.module_device(named + named_buffers)
         self._input_device = compat.input_device(device_ids, self.device)
-        self.broadcast_buffers = (
-            forward_sync_buffers
-            if forward_sync_buffers is not None
-            else (broadcast_buffers if broadcast_buffers is not None else True)
-        )
+        sync = forward_sync_buffers if forward_sync_buffers is not None else broadcast_buffers
+        self.broadcast_buffers = True if sync is None else sync
         buckets, presence_bucket = plan_buckets(
             named, self.config.bucket_cap_bytes, self.config.first_bucket_cap_bytes
         )
@@ -244,7 +243,7 @@ class DistributedDataParallel(nn.Module):
                 self.config,
                 module,
                 [p for _, p in named] + [presence] + [b for _, b in named_buffers],
-                model_signature([*named, (PRESENCE_NAME, presence)], named_buffers, plans),
+                model_signature([*named, (PRESENCE_NAME, presence)], named_buffers, plans, _outer),
                 bucket_bytes,
                 link_factory or functools.partial(Transport, security=security),
                 self._instruments.on_bucket_event,

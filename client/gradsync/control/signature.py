@@ -58,8 +58,14 @@ def model_signature(
     named_parameters: Sequence[tuple[str, torch.Tensor]],
     named_buffers: Sequence[tuple[str, torch.Tensor]],
     buckets: Sequence[BucketPlan],
+    outer: pb.OuterOptimizer | None = None,
 ) -> pb.ModelSignature:
-    """The signature every rank of a job must agree on."""
+    """The signature every rank of a job must agree on.
+
+    With `outer` (low-communication training) the coordinator runs that outer
+    optimizer on every bucket but the last (the presence vector, which follows
+    the parameters' buckets).
+    """
     return pb.ModelSignature(
         parameters=[tensor_spec(name, p) for name, p in named_parameters],
         buffers=[tensor_spec(name, b) for name, b in named_buffers],
@@ -68,9 +74,11 @@ def model_signature(
                 parameter_indices=list(plan.parameter_indices),
                 dtype=bucket_wire_dtype(plan),  # type: ignore[arg-type]
                 num_elements=plan.num_bytes // dtypes.itemsize(bucket_wire_dtype(plan)),
+                outer=outer is not None and index < len(buckets) - 1,
             )
-            for plan in buckets
+            for index, plan in enumerate(buckets)
         ],
+        outer=outer,
     )
 
 

@@ -99,24 +99,38 @@ class TensorSpec(_message.Message):
     def __init__(self, name: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., dtype: _Optional[_Union[DType, str]] = ...) -> None: ...
 
 class BucketSpec(_message.Message):
-    __slots__ = ("parameter_indices", "dtype", "num_elements")
+    __slots__ = ("parameter_indices", "dtype", "num_elements", "outer")
     PARAMETER_INDICES_FIELD_NUMBER: _ClassVar[int]
     DTYPE_FIELD_NUMBER: _ClassVar[int]
     NUM_ELEMENTS_FIELD_NUMBER: _ClassVar[int]
+    OUTER_FIELD_NUMBER: _ClassVar[int]
     parameter_indices: _containers.RepeatedScalarFieldContainer[int]
     dtype: DType
     num_elements: int
-    def __init__(self, parameter_indices: _Optional[_Iterable[int]] = ..., dtype: _Optional[_Union[DType, str]] = ..., num_elements: _Optional[int] = ...) -> None: ...
+    outer: bool
+    def __init__(self, parameter_indices: _Optional[_Iterable[int]] = ..., dtype: _Optional[_Union[DType, str]] = ..., num_elements: _Optional[int] = ..., outer: _Optional[bool] = ...) -> None: ...
+
+class OuterOptimizer(_message.Message):
+    __slots__ = ("lr", "momentum", "nesterov")
+    LR_FIELD_NUMBER: _ClassVar[int]
+    MOMENTUM_FIELD_NUMBER: _ClassVar[int]
+    NESTEROV_FIELD_NUMBER: _ClassVar[int]
+    lr: float
+    momentum: float
+    nesterov: bool
+    def __init__(self, lr: _Optional[float] = ..., momentum: _Optional[float] = ..., nesterov: _Optional[bool] = ...) -> None: ...
 
 class ModelSignature(_message.Message):
-    __slots__ = ("parameters", "buffers", "buckets")
+    __slots__ = ("parameters", "buffers", "buckets", "outer")
     PARAMETERS_FIELD_NUMBER: _ClassVar[int]
     BUFFERS_FIELD_NUMBER: _ClassVar[int]
     BUCKETS_FIELD_NUMBER: _ClassVar[int]
+    OUTER_FIELD_NUMBER: _ClassVar[int]
     parameters: _containers.RepeatedCompositeFieldContainer[TensorSpec]
     buffers: _containers.RepeatedCompositeFieldContainer[TensorSpec]
     buckets: _containers.RepeatedCompositeFieldContainer[BucketSpec]
-    def __init__(self, parameters: _Optional[_Iterable[_Union[TensorSpec, _Mapping]]] = ..., buffers: _Optional[_Iterable[_Union[TensorSpec, _Mapping]]] = ..., buckets: _Optional[_Iterable[_Union[BucketSpec, _Mapping]]] = ...) -> None: ...
+    outer: OuterOptimizer
+    def __init__(self, parameters: _Optional[_Iterable[_Union[TensorSpec, _Mapping]]] = ..., buffers: _Optional[_Iterable[_Union[TensorSpec, _Mapping]]] = ..., buckets: _Optional[_Iterable[_Union[BucketSpec, _Mapping]]] = ..., outer: _Optional[_Union[OuterOptimizer, _Mapping]] = ...) -> None: ...
 
 class Join(_message.Message):
     __slots__ = ("job_id", "rank", "world_size", "signature", "incarnation", "client_version", "host_id", "local_world_size")
@@ -587,7 +601,7 @@ class ShardMember(_message.Message):
     def __init__(self, rank: _Optional[int] = ..., incarnation: _Optional[str] = ..., session: _Optional[bytes] = ...) -> None: ...
 
 class ShardJobView(_message.Message):
-    __slots__ = ("job_id", "world_size", "membership_epoch", "members", "out_of_inputs", "start_step", "buckets", "chunk_bytes", "shard_count", "local_groups")
+    __slots__ = ("job_id", "world_size", "membership_epoch", "members", "out_of_inputs", "start_step", "buckets", "chunk_bytes", "shard_count", "local_groups", "outer")
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
     WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
     MEMBERSHIP_EPOCH_FIELD_NUMBER: _ClassVar[int]
@@ -598,6 +612,7 @@ class ShardJobView(_message.Message):
     CHUNK_BYTES_FIELD_NUMBER: _ClassVar[int]
     SHARD_COUNT_FIELD_NUMBER: _ClassVar[int]
     LOCAL_GROUPS_FIELD_NUMBER: _ClassVar[int]
+    OUTER_FIELD_NUMBER: _ClassVar[int]
     job_id: str
     world_size: int
     membership_epoch: int
@@ -608,7 +623,8 @@ class ShardJobView(_message.Message):
     chunk_bytes: int
     shard_count: int
     local_groups: _containers.RepeatedCompositeFieldContainer[LocalGroup]
-    def __init__(self, job_id: _Optional[str] = ..., world_size: _Optional[int] = ..., membership_epoch: _Optional[int] = ..., members: _Optional[_Iterable[_Union[ShardMember, _Mapping]]] = ..., out_of_inputs: _Optional[_Iterable[int]] = ..., start_step: _Optional[int] = ..., buckets: _Optional[_Iterable[_Union[BucketSpec, _Mapping]]] = ..., chunk_bytes: _Optional[int] = ..., shard_count: _Optional[int] = ..., local_groups: _Optional[_Iterable[_Union[LocalGroup, _Mapping]]] = ...) -> None: ...
+    outer: OuterOptimizer
+    def __init__(self, job_id: _Optional[str] = ..., world_size: _Optional[int] = ..., membership_epoch: _Optional[int] = ..., members: _Optional[_Iterable[_Union[ShardMember, _Mapping]]] = ..., out_of_inputs: _Optional[_Iterable[int]] = ..., start_step: _Optional[int] = ..., buckets: _Optional[_Iterable[_Union[BucketSpec, _Mapping]]] = ..., chunk_bytes: _Optional[int] = ..., shard_count: _Optional[int] = ..., local_groups: _Optional[_Iterable[_Union[LocalGroup, _Mapping]]] = ..., outer: _Optional[_Union[OuterOptimizer, _Mapping]] = ...) -> None: ...
 
 class LocalGroup(_message.Message):
     __slots__ = ("ranks",)

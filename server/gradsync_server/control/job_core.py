@@ -289,6 +289,9 @@ class JobCore:
             out_of_inputs=sorted(r for r in self.uneven.out_of_inputs if r in self.members),
             start_step=self.open_step if start_step is None else start_step,
             buckets=list(signature.buckets) if signature is not None else [],
+            outer=signature.outer
+            if signature is not None and signature.HasField("outer")
+            else None,
             chunk_bytes=self.chunk_bytes,
             shard_count=self._shard_count,
             local_groups=[pb.LocalGroup(ranks=g) for g in self.membership.groups.groups()],

@@ -8,6 +8,9 @@ first difference is reported naming both ranks, the tensor and both values.
 
 from __future__ import annotations
 
+import math
+from collections.abc import Callable
+
 from gradsync_proto import dtypes
 from gradsync_proto.codes import Code
 from gradsync_proto.v1 import gradsync_pb2 as pb
@@ -117,6 +120,31 @@ def validate(rank: int, signature: pb.ModelSignature) -> None:
             )
         if bucket_bytes(bucket) > MAX_BUCKET_BYTES:
             raise refuse(f"bucket {bucket_index} is larger than {MAX_BUCKET_BYTES} bytes")
+    _validate_outer(signature, refuse)
+
+
+def _validate_outer(signature: pb.ModelSignature, refuse: Callable[[str], RejectedMessage]) -> None:
+    """An outer optimizer (DiLoCo) must be usable, and held only on float32 parameters."""
+    outer_buckets = [i for i, b in enumerate(signature.buckets) if b.outer]
+    if not signature.HasField("outer"):
+        if outer_buckets:
+            raise refuse(f"buckets {outer_buckets} are marked outer, but no outer optimizer is set")
+        return
+    outer = signature.outer
+    if not (math.isfinite(outer.lr) and outer.lr > 0):
+        raise refuse(f"the outer learning rate must be finite and > 0, got {outer.lr}")
+    if not (math.isfinite(outer.momentum) and 0 <= outer.momentum < 1):
+        raise refuse(f"the outer momentum must be in [0, 1), got {outer.momentum}")
+    if outer.nesterov and outer.momentum == 0:
+        raise refuse("Nesterov outer momentum needs a momentum > 0")
+    if not outer_buckets:
+        raise refuse("an outer optimizer is set, but no bucket is marked outer")
+    for index in outer_buckets:
+        if signature.buckets[index].dtype != pb.DTYPE_FLOAT32:
+            raise refuse(
+                f"bucket {index} is {dtypes.dtype_name(signature.buckets[index].dtype)}: the "
+                "coordinator holds global parameters in float32, so outer buckets must be float32"
+            )
 
 
 def first_difference(
@@ -148,6 +176,13 @@ def first_difference(
             f"rank {rank} has {len(candidate.buckets)} buckets, rank {reference_rank} has "
             f"{len(reference.buckets)} (do all ranks use the same bucket_cap_mb?)"
         )
+    if reference.HasField("outer") != candidate.HasField("outer") or (
+        reference.outer != candidate.outer
+    ):
+        return (
+            f"rank {rank} has outer optimizer {_outer_words(candidate)}, rank {reference_rank} "
+            f"{_outer_words(reference)} (every rank must pass the same outer settings)"
+        )
     for bucket_index, (expected_bucket, got_bucket) in enumerate(
         zip(reference.buckets, candidate.buckets, strict=True)
     ):
@@ -158,3 +193,11 @@ def first_difference(
                 f"{reference_rank} (do all ranks use the same bucket_cap_mb?)"
             )
     return None
+
+
+def _outer_words(signature: pb.ModelSignature) -> str:
+    """An outer optimizer for messages ("none", or its settings)."""
+    if not signature.HasField("outer"):
+        return "none"
+    outer = signature.outer
+    return f"(lr {outer.lr:g}, momentum {outer.momentum:g}, nesterov {outer.nesterov})"

@@ -18,7 +18,11 @@ import math
 from collections import deque
 from typing import Protocol
 
-__all__ = ["LagTracker", "StepObserver"]
+from gradsync_proto.v1 import gradsync_pb2 as pb
+
+from gradsync_server.dataplane.actions import Action, Send
+
+__all__ = ["LagTracker", "StepObserver", "step_report"]
 
 
 class StepObserver(Protocol):
@@ -124,3 +128,16 @@ class LagTracker:
             for rank, mean in self._means()
             if len(self._samples[rank]) >= min_samples and mean > threshold_s
         )
+
+
+def step_report(
+    step: int, participants: tuple[int, ...], metrics: StepObserver | None
+) -> list[Action]:
+    """A completed step's StepReport for its lowest participant (whose step log names the
+    slowest rank)."""
+    if not participants:
+        return []
+    slowest = metrics.slowest(1) if metrics is not None else []
+    rank, lag_s = slowest[0] if slowest and slowest[0][1] > 0 else (-1, 0.0)
+    report = pb.StepReport(step=step, slowest_rank=rank, slowest_lag_s=lag_s)
+    return [Send((min(participants),), pb.CoordinatorMessage(step_report=report))]

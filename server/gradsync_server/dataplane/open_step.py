@@ -59,12 +59,14 @@ from gradsync_server.dataplane.aggregation import (
 from gradsync_server.dataplane.budget import ByteBudget, OwnerBudget, Reservation
 from gradsync_server.dataplane.host_groups import LocalGroups, check_covers
 from gradsync_server.dataplane.nonfinite import NonFiniteContribution, NonFiniteGuard
-from gradsync_server.dataplane.observer import StepObserver
+from gradsync_server.dataplane.observer import StepObserver, step_report
+from gradsync_server.dataplane.outer import OuterState
 from gradsync_server.dataplane.progress import StepProgress
 from gradsync_server.dataplane.step_aborts import abort_actions
 from gradsync_server.dataplane.step_checks import (
     check_budget,
     check_encoding,
+    check_outer_reply,
     check_reply_dtype,
     check_sender,
     check_wire_dtype,
@@ -188,6 +190,8 @@ class OpenStep:
         self.out_of_inputs: set[int] = set()
         #: The members when the open step began (what a leader's chunk may cover).
         self._open_members: frozenset[int] = frozenset()
+        #: Low-communication training: the global parameters and outer optimizer (if any).
+        self.outer = OuterState()
 
     def participants(self) -> tuple[int, ...]:
         """Members expected in the open step's reductions, ascending."""
@@ -220,6 +224,8 @@ class OpenStep:
         self.progress = StepProgress(
             [chunking.num_chunks(hi - lo, self._chunk_bytes) for lo, hi in spans], self._clock
         )
+        outer = signature.outer if signature.HasField("outer") else None
+        self.outer = OuterState(outer, signature.buckets, self.shard_count, self.shard_index)
         self._empty_buckets = sum(1 for lo, hi in spans if lo == hi)
         self._buckets_done = self._empty_buckets
         self.step = step
@@ -277,6 +283,8 @@ class OpenStep:
         first_rank = -1 if held is None else held.first_rank
         wire_dtype = check_wire_dtype(rank, chunk, native, reduction, first_rank)
         reply_dtype = check_reply_dtype(rank, chunk, native, reduction, first_rank, wire_dtype)
+        if self.outer.holds(bucket):
+            check_outer_reply(rank, chunk, reply_dtype)
         wire_bytes = (
             self._bucket_bytes[bucket] // dtypes.itemsize(native) * dtypes.itemsize(wire_dtype)
         )
@@ -354,6 +362,8 @@ class OpenStep:
         `SegmentAverage` instead: nothing is encoded for it.
         """
         reduction = self._buckets[bucket].reduction
+        if self.outer.holds(bucket):  # DiLoCo: the new global parameters, not the average
+            averaged = self.outer.answer(bucket, offset, reduction.dtype, averaged)
         units = self.units()
         from_segment = tuple(u for u in units if (bucket, offset, u) in self._segment_uploads)
         self._segment_uploads.difference_update((bucket, offset, u) for u in from_segment)
@@ -395,22 +405,13 @@ class OpenStep:
             self._metrics.observe_bucket_done(self.progress.bucket_age(bucket), sent)
         if self._buckets_done != len(self._bucket_bytes):
             return []
-        report = self._step_report()
+        report = step_report(self.step, self.participants(), self._metrics)
         if self._metrics is not None and self.progress is not None:
             self._metrics.observe_step_done(self.progress.age(), self.step)
+        self.outer.commit()
         self._advance()
         self.steps_completed += 1
         return report
-
-    def _step_report(self) -> list[Action]:
-        """The completed step's StepReport for the lowest participant (its step log)."""
-        participants = self.participants()
-        if not participants:
-            return []
-        slowest = self._metrics.slowest(1) if self._metrics is not None else []
-        rank, lag_s = slowest[0] if slowest and slowest[0][1] > 0 else (-1, 0.0)
-        report = pb.StepReport(step=self.step, slowest_rank=rank, slowest_lag_s=lag_s)
-        return [Send((min(participants),), pb.CoordinatorMessage(step_report=report))]
 
     # ------------------------------------------------------ membership changes
     def drop_rank(self, lost: int) -> list[Action]:
@@ -471,6 +472,7 @@ class OpenStep:
 
     def release(self) -> None:
         """Free every buffer of the open step; it will never complete (job broken or refused)."""
+        self.outer.discard()  # after a commit nothing is pending: only an abort loses any
         for held in self._buckets.values():
             held.reservation.release()
         self._buckets.clear()

@@ -223,7 +223,8 @@ class JobPlane:
     def start(self, view: pb.ShardJobView) -> None:
         """The job started: its members, then its bucket layout and first step."""
         self.follow(view)  # the step holds nothing yet: members, epoch and groups only
-        self.step.configure(pb.ModelSignature(buckets=view.buckets), view.start_step)
+        outer = view.outer if view.HasField("outer") else None
+        self.step.configure(pb.ModelSignature(buckets=view.buckets, outer=outer), view.start_step)
 
     def follow(self, view: pb.ShardJobView) -> Followed:
         """The membership changed: members and epoch first, then the step follows."""

@@ -1,0 +1,133 @@
+"""`gradsync.DiLoCo` end to end: real `gradsync serve` processes and real worker processes.
+
+The coordinator holds the global parameters and runs the outer optimizer; every
+rank's parameters after every round must equal a one-process simulation of W
+replicas with `torch.optim.SGD(nesterov=True)` as the outer optimizer
+(`support.diloco_reference`), bitwise equal across ranks, unsharded and with
+the parameters cut over two shards (each holding its range's global parameters
+and momentum). `sync_every=1, outer_lr=1, outer_momentum=0` with an inner SGD is
+plain gradient averaging, so it must equal single-process SGD on the global batch.
+A 16-bit wire is checked against the same simulation rounding each pseudo-gradient
+the same way, with the rounding error fed back.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from support.diloco_reference import Run, batch, make_model, simulate
+from support.processes import WORKERS, launch_ranks, reap, run_ranks
+
+DILOCO_WORKER = WORKERS / "diloco_worker.py"
+NAMES = [name for name, _ in make_model(0).named_parameters()]
+WORLD = 2
+
+
+def rounds_of(saved: dict[str, np.ndarray], run: Run) -> list[list[np.ndarray]]:
+    return [[saved[f"round{r}/{name}"] for name in NAMES] for r in range(run.rounds + 1)]
+
+
+def assert_matches(outputs: list[dict[str, np.ndarray]], run: Run, tolerance: float) -> None:
+    """Every rank holds bitwise the same parameters after every round, equal to the simulation."""
+    expected = simulate(run, WORLD, make_model(100))  # rank 0's model, broadcast at construction
+    first = rounds_of(outputs[0], run)
+    for other in outputs[1:]:
+        for got, want in zip(rounds_of(other, run), first, strict=True):
+            for a, b in zip(got, want, strict=True):
+                np.testing.assert_array_equal(a, b)  # the ranks adopt the same bytes
+    for number, (got, want) in enumerate(zip(first, expected, strict=True)):
+        worst = max(float(np.abs(a - b.numpy()).max()) for a, b in zip(got, want, strict=True))
+        assert worst <= tolerance, f"round {number}: {worst:.3g} from the simulation"
+    moved = max(float(np.abs(a - b).max()) for a, b in zip(first[-1], first[0], strict=True))
+    assert moved > 1e-3, "the global parameters did not move: nothing was trained"
+    assert all(int(o["inner_steps"]) == run.rounds * run.sync_every for o in outputs)
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("shards", [1, 2], ids=["unsharded", "two-shards"])
+def test_outer_nesterov_on_the_coordinator_matches_a_one_process_simulation(
+    shards: int, tmp_path: Path, coordinator_factory
+) -> None:
+    extra = ("--shards", str(shards)) if shards > 1 else ()
+    coordinator = coordinator_factory(WORLD, *extra)
+    run = Run()  # AdamW inside, Nesterov outside, H = 4, 3 rounds
+    outputs = run_ranks(DILOCO_WORKER, coordinator.address, WORLD, tmp_path, *run.argv())
+    assert_matches(outputs, run, 1e-5)
+
+
+@pytest.mark.timeout(120)
+def test_one_inner_step_outer_lr_1_no_momentum_is_plain_gradient_averaging(
+    tmp_path: Path, coordinator_factory
+) -> None:
+    coordinator = coordinator_factory(WORLD)
+    run = Run(rounds=4, sync_every=1, outer_lr=1.0, outer_momentum=0.0, inner="sgd")
+    outputs = run_ranks(DILOCO_WORKER, coordinator.address, WORLD, tmp_path, *run.argv())
+    # Single-process SGD on the global batch (both ranks' batches, mean loss).
+    model = make_model(100)
+    optimizer = torch.optim.SGD(model.parameters(), lr=run.inner_lr)
+    for step in range(run.rounds):
+        batches = [batch(run, rank, step) for rank in range(WORLD)]
+        x = torch.cat([b[0] for b in batches])
+        y = torch.cat([b[1] for b in batches])
+        optimizer.zero_grad()
+        torch.nn.functional.mse_loss(model(x), y).backward()
+        optimizer.step()
+        got = [outputs[0][f"round{step + 1}/{name}"] for name in NAMES]
+        for a, p in zip(got, model.parameters(), strict=True):
+            np.testing.assert_allclose(a, p.detach().numpy(), rtol=0, atol=1e-6)
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("wire", ["bf16", "fp16"])
+def test_a_16_bit_wire_with_error_feedback_matches_its_rounding_reference(
+    wire: str, tmp_path: Path, coordinator_factory
+) -> None:
+    coordinator = coordinator_factory(WORLD)
+    run = Run(wire=wire)
+    outputs = run_ranks(DILOCO_WORKER, coordinator.address, WORLD, tmp_path, *run.argv())
+    assert_matches(outputs, run, 1e-5)
+    # Without the residual the result would be another one: the feedback is really used.
+    plain = simulate(dataclasses.replace(run, wire="fp32"), WORLD, make_model(100))[-1]
+    got = rounds_of(outputs[0], run)[-1]
+    assert max(float(np.abs(a - b.numpy()).max()) for a, b in zip(got, plain, strict=True)) > 0
+    # Half the bytes of a float32 round go up (the seed, in float32, is not a round).
+    fp32_dir = tmp_path / "fp32"
+    fp32_dir.mkdir()
+    fp32 = run_ranks(
+        DILOCO_WORKER,
+        coordinator.address,
+        WORLD,
+        fp32_dir,
+        *dataclasses.replace(run, wire="fp32").argv(),
+        "--job-id",
+        "fp32",
+    )
+    ratio = int(outputs[0]["last_round_bytes"]) / int(fp32[0]["last_round_bytes"])
+    assert 0.4 < ratio < 0.75, ratio  # the presence vector and headers stay full size
+
+
+@pytest.mark.timeout(120)
+def test_a_rank_started_seconds_later_joins_and_the_run_matches(
+    tmp_path: Path, coordinator_factory
+) -> None:
+    coordinator = coordinator_factory(WORLD)
+    run = Run(rounds=2)
+    processes = launch_ranks(
+        DILOCO_WORKER,
+        coordinator.address,
+        WORLD,
+        lambda rank: tmp_path / f"rank{rank}.npz",
+        *run.argv(),
+        per_rank={1: ["--start-delay-s", "10"]},
+    )
+    try:
+        for process in processes:
+            assert process.wait(timeout=90) == 0
+    finally:
+        reap(processes)
+    outputs = [dict(np.load(tmp_path / f"rank{rank}.npz")) for rank in range(WORLD)]
+    assert_matches(outputs, run, 1e-5)

@@ -1,0 +1,130 @@
+"""DiLoCo runs for tests: the model, each rank's batches, and a one-process simulation.
+
+The simulation is the definition the coordinator's outer optimizer is checked
+against: W replicas start from the same global parameters, each takes H
+inner steps with its own inner optimizer (whose state carries over from round
+to round, as on a real rank), their pseudo-gradients (global - local, rounded
+to the wire dtype with the residual fed back when the wire is 16-bit) are
+averaged, and `torch.optim.SGD(lr, momentum, nesterov)` applies the average to
+the global parameters, which every replica continues from.
+"""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+IN, HIDDEN, OUT, BATCH = 6, 12, 3, 5
+
+
+@dataclass(frozen=True)
+class Run:
+    """One DiLoCo run's settings (the worker's flags)."""
+
+    rounds: int = 3
+    sync_every: int = 4
+    outer_lr: float = 0.7
+    outer_momentum: float = 0.9
+    inner: str = "adamw"
+    inner_lr: float = 0.05
+    wire: str = "fp32"
+
+    @staticmethod
+    def add_arguments(parser: argparse.ArgumentParser) -> None:
+        parser.add_argument("--rounds", type=int, default=Run.rounds)
+        parser.add_argument("--sync-every", type=int, default=Run.sync_every)
+        parser.add_argument("--outer-lr", type=float, default=Run.outer_lr)
+        parser.add_argument("--outer-momentum", type=float, default=Run.outer_momentum)
+        parser.add_argument("--inner", choices=["sgd", "adamw"], default=Run.inner)
+        parser.add_argument("--inner-lr", type=float, default=Run.inner_lr)
+        parser.add_argument("--wire", choices=["fp32", "bf16", "fp16"], default=Run.wire)
+
+    @classmethod
+    def from_arguments(cls, args: argparse.Namespace) -> Run:
+        return cls(
+            args.rounds,
+            args.sync_every,
+            args.outer_lr,
+            args.outer_momentum,
+            args.inner,
+            args.inner_lr,
+            args.wire,
+        )
+
+    def argv(self) -> list[str]:
+        return [
+            "--rounds", str(self.rounds), "--sync-every", str(self.sync_every),
+            "--outer-lr", repr(self.outer_lr), "--outer-momentum", repr(self.outer_momentum),
+            "--inner", self.inner, "--inner-lr", repr(self.inner_lr), "--wire", self.wire,
+        ]  # fmt: skip
+
+
+def make_model(seed: int) -> nn.Module:
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(IN, HIDDEN), nn.Tanh(), nn.Linear(HIDDEN, OUT))
+
+
+def inner_optimizer(run: Run, model: nn.Module) -> torch.optim.Optimizer:
+    if run.inner == "sgd":
+        return torch.optim.SGD(model.parameters(), lr=run.inner_lr)
+    return torch.optim.AdamW(model.parameters(), lr=run.inner_lr, weight_decay=0.01)
+
+
+def batch(run: Run, rank: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rank `rank`'s batch of inner step `step` (the same on the worker and in the simulation)."""
+    generator = torch.Generator().manual_seed(10_000 * rank + step)
+    x = torch.randn(BATCH, IN, generator=generator)
+    y = torch.randn(BATCH, OUT, generator=generator)
+    return x, y
+
+
+def simulate(run: Run, world_size: int, initial: nn.Module) -> list[list[torch.Tensor]]:
+    """The global parameters after each round (round 0 = the initial ones)."""
+    wire = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}[run.wire]
+    replicas = [make_model(0) for _ in range(world_size)]
+    for replica in replicas:
+        replica.load_state_dict(initial.state_dict())
+    optimizers = [inner_optimizer(run, replica) for replica in replicas]
+    global_params = [p.detach().clone().requires_grad_(True) for p in initial.parameters()]
+    outer = torch.optim.SGD(
+        global_params,
+        lr=run.outer_lr,
+        momentum=run.outer_momentum,
+        nesterov=run.outer_momentum > 0,
+    )
+    residuals = [[torch.zeros_like(p) for p in global_params] for _ in replicas]
+    history = [[p.detach().clone() for p in global_params]]
+    step = 0
+    for _ in range(run.rounds):
+        for _ in range(run.sync_every):
+            for rank, (replica, optimizer) in enumerate(zip(replicas, optimizers, strict=True)):
+                x, y = batch(run, rank, step)
+                optimizer.zero_grad()
+                nn.functional.mse_loss(replica(x), y).backward()
+                optimizer.step()
+            step += 1
+        pseudo = []
+        for rank, replica in enumerate(replicas):
+            deltas = []
+            for index, (g, p) in enumerate(zip(global_params, replica.parameters(), strict=True)):
+                delta = g.detach() - p.detach()
+                if wire is not None:
+                    delta = delta + residuals[rank][index]
+                    rounded = delta.to(wire).to(torch.float32)
+                    residuals[rank][index] = delta - rounded
+                    delta = rounded
+                deltas.append(delta)
+            pseudo.append(deltas)
+        outer.zero_grad()
+        for index, g in enumerate(global_params):
+            g.grad = torch.stack([deltas[index] for deltas in pseudo]).sum(0) / world_size
+        outer.step()
+        with torch.no_grad():
+            for replica in replicas:
+                for p, g in zip(replica.parameters(), global_params, strict=True):
+                    p.copy_(g)
+        history.append([p.detach().clone() for p in global_params])
+    return history

@@ -1,0 +1,66 @@
+"""One rank of a DiLoCo test job; writes its parameters after every round to an .npz file.
+
+The model and each rank's batches come from `support.diloco_reference`, which also
+simulates the same run in one process for the tests to compare against.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+import gradsync
+from support import scenarios
+from support.diloco_reference import Run, batch, inner_optimizer, make_model
+
+
+def main() -> int:
+    parser = scenarios.worker_parser(__doc__)
+    Run.add_arguments(parser)
+    parser.add_argument("--job-id", default=None)
+    parser.add_argument("--start-delay-s", type=float, default=0.0)
+    args = parser.parse_args()
+    time.sleep(args.start_delay_s)  # a rank started by hand, later than the others
+    run = Run.from_arguments(args)
+    rank = args.rank
+    model = make_model(seed=100 + rank)  # different on every rank: construction equalises
+    optimizer = inner_optimizer(run, model)
+    wire = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}[run.wire]
+    saved: dict[str, np.ndarray] = {}
+    with gradsync.DiLoCo(
+        model,
+        optimizer,
+        sync_every=run.sync_every,
+        outer_lr=run.outer_lr,
+        outer_momentum=run.outer_momentum,
+        wire_dtype=wire,
+        coordinator=args.coordinator,
+        rank=rank,
+        world_size=args.world_size,
+        job_id=args.job_id,
+        timeout_s=60,
+    ) as diloco:
+        for name, p in model.named_parameters():
+            saved[f"round0/{name}"] = p.detach().numpy().copy()
+        for step in range(run.rounds * run.sync_every):
+            x, y = batch(run, rank, step)
+            optimizer.zero_grad()
+            torch.nn.functional.mse_loss(model(x), y).backward()
+            optimizer.step()
+            if diloco.step():
+                for name, p in model.named_parameters():
+                    saved[f"round{diloco.rounds}/{name}"] = p.detach().numpy().copy()
+        saved["inner_steps"] = np.array(diloco.inner_steps)
+        saved["last_round_bytes"] = np.array(diloco.last_round_bytes)
+    np.savez(args.out, **saved)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
