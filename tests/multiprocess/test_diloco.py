@@ -5,7 +5,8 @@ rank's parameters after every round must equal a one-process simulation of W
 replicas with `torch.optim.SGD(nesterov=True)` as the outer optimizer
 (`support.diloco_reference`), bitwise equal across ranks, unsharded and with
 the parameters cut over two shards (each holding its range's global parameters
-and momentum). `sync_every=1, outer_lr=1, outer_momentum=0` with an inner SGD is
+and momentum), in both layouts (flat, and a local group whose leader uploads the
+group's sum). `sync_every=1, outer_lr=1, outer_momentum=0` with an inner SGD is
 plain gradient averaging, so it must equal single-process SGD on the global batch.
 A 16-bit wire is checked against the same simulation rounding each pseudo-gradient
 the same way, with the rounding error fed back.
@@ -50,7 +51,7 @@ def assert_matches(outputs: list[dict[str, np.ndarray]], run: Run, tolerance: fl
 @pytest.mark.timeout(180)
 @pytest.mark.parametrize("shards", [1, 2], ids=["unsharded", "two-shards"])
 def test_outer_nesterov_on_the_coordinator_matches_a_one_process_simulation(
-    shards: int, tmp_path: Path, coordinator_factory
+    shards: int, layout: str, tmp_path: Path, coordinator_factory
 ) -> None:
     extra = ("--shards", str(shards)) if shards > 1 else ()
     coordinator = coordinator_factory(WORLD, *extra)
@@ -131,3 +132,38 @@ def test_a_rank_started_seconds_later_joins_and_the_run_matches(
         reap(processes)
     outputs = [dict(np.load(tmp_path / f"rank{rank}.npz")) for rank in range(WORLD)]
     assert_matches(outputs, run, 1e-5)
+
+
+@pytest.mark.timeout(180)
+def test_a_rank_killed_between_rounds_leaves_the_round_to_the_survivors_under_elastic(
+    tmp_path: Path, coordinator_factory, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("GRADSYNC_HIERARCHICAL", "0")  # one rank per host: a rank, not a group
+    world = 3
+    coordinator = coordinator_factory(
+        world, "--on-failure", "elastic", "--min-workers", "2",
+        "--heartbeat-interval", "0.2", "--heartbeat-timeout", "2",
+    )  # fmt: skip
+    run = Run(rounds=3)
+    dies_at = run.sync_every + 2  # inside round 2's inner steps
+    processes = launch_ranks(
+        DILOCO_WORKER,
+        coordinator.address,
+        world,
+        lambda rank: tmp_path / f"rank{rank}.npz",
+        *run.argv(),
+        per_rank={2: ["--die-at-step", str(dies_at)]},
+    )
+    try:
+        codes = [process.wait(timeout=120) for process in processes]
+    finally:
+        reap(processes)
+    assert codes[:2] == [0, 0] and codes[2] == -9, codes
+    outputs = [dict(np.load(tmp_path / f"rank{rank}.npz")) for rank in range(2)]
+    expected = simulate(run, world, make_model(100), lost=(2, 2))
+    got = rounds_of(outputs[0], run)
+    for a, b in zip(got[-1], rounds_of(outputs[1], run)[-1], strict=True):
+        np.testing.assert_array_equal(a, b)
+    for number, (ours, want) in enumerate(zip(got, expected, strict=True)):
+        worst = max(float(np.abs(a - b.numpy()).max()) for a, b in zip(ours, want, strict=True))
+        assert worst <= 1e-5, f"round {number}: {worst:.3g} from the simulation"

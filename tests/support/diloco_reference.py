@@ -81,8 +81,14 @@ def batch(run: Run, rank: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
     return x, y
 
 
-def simulate(run: Run, world_size: int, initial: nn.Module) -> list[list[torch.Tensor]]:
-    """The global parameters after each round (round 0 = the initial ones)."""
+def simulate(
+    run: Run, world_size: int, initial: nn.Module, lost: tuple[int, int] | None = None
+) -> list[list[torch.Tensor]]:
+    """The global parameters after each round (round 0 = the initial ones).
+
+    `lost` = (rank, round): that rank is gone from that round on (1-based), so the
+    round and every later one average over the others (`--on-failure elastic`).
+    """
     wire = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}[run.wire]
     replicas = [make_model(0) for _ in range(world_size)]
     for replica in replicas:
@@ -98,7 +104,8 @@ def simulate(run: Run, world_size: int, initial: nn.Module) -> list[list[torch.T
     residuals = [[torch.zeros_like(p) for p in global_params] for _ in replicas]
     history = [[p.detach().clone() for p in global_params]]
     step = 0
-    for _ in range(run.rounds):
+    for number in range(1, run.rounds + 1):
+        live = [r for r in range(world_size) if lost is None or r != lost[0] or number < lost[1]]
         for _ in range(run.sync_every):
             for rank, (replica, optimizer) in enumerate(zip(replicas, optimizers, strict=True)):
                 x, y = batch(run, rank, step)
@@ -108,6 +115,8 @@ def simulate(run: Run, world_size: int, initial: nn.Module) -> list[list[torch.T
             step += 1
         pseudo = []
         for rank, replica in enumerate(replicas):
+            if rank not in live:
+                continue
             deltas = []
             for index, (g, p) in enumerate(zip(global_params, replica.parameters(), strict=True)):
                 delta = g.detach() - p.detach()
@@ -120,7 +129,7 @@ def simulate(run: Run, world_size: int, initial: nn.Module) -> list[list[torch.T
             pseudo.append(deltas)
         outer.zero_grad()
         for index, g in enumerate(global_params):
-            g.grad = torch.stack([deltas[index] for deltas in pseudo]).sum(0) / world_size
+            g.grad = torch.stack([deltas[index] for deltas in pseudo]).sum(0) / len(live)
         outer.step()
         with torch.no_grad():
             for replica in replicas:

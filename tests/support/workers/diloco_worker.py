@@ -6,6 +6,8 @@ simulates the same run in one process for the tests to compare against.
 
 from __future__ import annotations
 
+import os
+import signal
 import sys
 import time
 from pathlib import Path
@@ -25,6 +27,7 @@ def main() -> int:
     Run.add_arguments(parser)
     parser.add_argument("--job-id", default=None)
     parser.add_argument("--start-delay-s", type=float, default=0.0)
+    parser.add_argument("--die-at-step", type=int, default=-1, help="SIGKILL itself there")
     args = parser.parse_args()
     time.sleep(args.start_delay_s)  # a rank started by hand, later than the others
     run = Run.from_arguments(args)
@@ -49,6 +52,8 @@ def main() -> int:
         for name, p in model.named_parameters():
             saved[f"round0/{name}"] = p.detach().numpy().copy()
         for step in range(run.rounds * run.sync_every):
+            if step == args.die_at_step:
+                os.kill(os.getpid(), signal.SIGKILL)  # lost while computing its inner steps
             x, y = batch(run, rank, step)
             optimizer.zero_grad()
             torch.nn.functional.mse_loss(model(x), y).backward()
