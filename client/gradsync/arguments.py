@@ -288,6 +288,14 @@ def _add_training_flags(parser: argparse.ArgumentParser) -> None:
         help="SGD learning rate (default %(default)s)",
     )
     parser.add_argument(
+        "--diloco",
+        type=flags.positive_int,
+        default=None,
+        metavar="H",
+        help="low-communication training (gradsync.DiLoCo): synchronize every H steps "
+        "through the coordinator's outer Nesterov optimizer instead of every step",
+    )
+    parser.add_argument(
         "--timeout-s",
         type=flags.seconds,
         default=defaults.EXAMPLE_TIMEOUT_S,

@@ -371,7 +371,11 @@ def _worker(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     from gradsync.example import train_worker
 
     settings = TrainSettings(
-        world_size=args.world_size, epochs=args.epochs, batch_size=args.batch_size, lr=args.lr
+        world_size=args.world_size,
+        epochs=args.epochs,
+        batch_size=args.batch_size,
+        lr=args.lr,
+        sync_every=args.diloco or 0,
     )
     init_seed = args.init_seed if args.init_seed is not None else 1000 + args.rank
     try:
@@ -420,9 +424,15 @@ def _demo(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     _check_batches(parser, args.batch_size, args.workers, "--workers", train_samples())
     _configure_logging("WARNING", "demo")
     settings = TrainSettings(
-        world_size=args.workers, epochs=args.epochs, batch_size=args.batch_size, lr=args.lr
+        world_size=args.workers,
+        epochs=args.epochs,
+        batch_size=args.batch_size,
+        lr=args.lr,
+        sync_every=args.diloco or 0,
     )
     if args.ray:
+        if args.diloco:
+            parser.error("--diloco runs with local workers only (not yet with --ray)")
         try:
             from gradsync.ray.demo import run_ray_demo
         except ImportError as exc:

@@ -29,9 +29,14 @@ INIT_SEED = 1000
 def run_demo(settings: TrainSettings, timeout_s: float = defaults.EXAMPLE_TIMEOUT_S) -> int:
     """Run the demo; return 0 when the distributed result matches one process."""
     workers = settings.world_size
+    how = (
+        f"DiLoCo, a round every {settings.sync_every} steps"
+        if settings.sync_every
+        else "synchronized every step"
+    )
     print(
         f"gradsync demo: 1 coordinator + {workers} workers on the digits data set "
-        f"({settings.epochs} epochs, {settings.batch_size} samples per rank per step)"
+        f"({settings.epochs} epochs, {settings.batch_size} samples per rank per step, {how})"
     )
     coordinator, port = start_coordinator(workers, timeout_s=30.0)
     print(f"coordinator listening on 127.0.0.1:{port}")
@@ -63,6 +68,8 @@ def run_demo(settings: TrainSettings, timeout_s: float = defaults.EXAMPLE_TIMEOU
     if not matches_one_process(settings, saved, "gradsync demo"):
         return 1
     print(f"OK: {workers} workers trained the same model as a single process")
+    if settings.sync_every:
+        print("(the single process simulates the DiLoCo replicas and the outer optimizer)")
     return 0
 
 
@@ -113,4 +120,5 @@ def _worker_argv(
         str(timeout_s),
         "--save",
         str(save),
+        *(["--diloco", str(settings.sync_every)] if settings.sync_every else []),
     ]

@@ -37,6 +37,10 @@ class TrainSettings:
     batch_size: int = 32  # per rank
     lr: float = 0.5
     data_seed: int = 0
+    #: 0: synchronize every step (DistributedDataParallel); H > 0: gradsync.DiLoCo every H.
+    sync_every: int = 0
+    outer_lr: float = 0.7
+    outer_momentum: float = 0.9
 
 
 @dataclass(frozen=True)
@@ -125,6 +129,9 @@ def train_worker(
     import gradsync
 
     data = load_digits(settings.data_seed)
+    if settings.sync_every:
+        return _train_diloco(coordinator, rank, settings, data, init_seed, job_id, timeout_s,
+                             save_path, token)  # fmt: skip
     model = gradsync.DistributedDataParallel(
         build_model(init_seed),
         coordinator=coordinator,
@@ -165,8 +172,59 @@ def train_worker(
     return test_accuracy
 
 
+def _train_diloco(
+    coordinator: str,
+    rank: int,
+    settings: TrainSettings,
+    data: Digits,
+    init_seed: int,
+    job_id: str | None,
+    timeout_s: float,
+    save_path: Path | None,
+    token: str | None,
+) -> float:
+    """One rank of the example job under `gradsync.DiLoCo`: its own slice, a round every H."""
+    import gradsync
+
+    model = build_model(init_seed)
+    optimizer = torch.optim.SGD(model.parameters(), lr=settings.lr)
+    loss_fn = nn.CrossEntropyLoss()
+    with gradsync.DiLoCo(
+        model,
+        optimizer,
+        sync_every=settings.sync_every,
+        outer_lr=settings.outer_lr,
+        outer_momentum=settings.outer_momentum,
+        coordinator=coordinator,
+        rank=rank,
+        world_size=settings.world_size,
+        job_id=job_id,
+        timeout_s=timeout_s,
+        join_timeout_s=timeout_s,
+        token=token,
+    ) as diloco:
+        for indices in global_batches(len(data.train_y), settings):
+            mine = indices[rank * settings.batch_size : (rank + 1) * settings.batch_size]
+            optimizer.zero_grad(set_to_none=True)
+            loss_fn(model(data.train_x[mine]), data.train_y[mine]).backward()
+            optimizer.step()
+            diloco.step()
+        if diloco.inner_steps % settings.sync_every:
+            diloco.sync()  # the last, shorter round: every rank ends on the global model
+    test_accuracy = accuracy(model, data.test_x, data.test_y)
+    if save_path is not None:
+        save_parameters(model, save_path, test_accuracy)
+    return test_accuracy
+
+
 def train_reference(settings: TrainSettings, init_seed: int) -> tuple[nn.Module, float]:
-    """Single-process training on whole global batches: what the workers must equal."""
+    """Single-process training on whole global batches: what the workers must equal.
+
+    Under DiLoCo (`sync_every`), W replicas each train on their slice and an outer
+    SGD with Nesterov momentum applies their mean pseudo-gradient every H steps.
+    """
+    if settings.sync_every:
+        return _reference_diloco(settings, init_seed)
     data = load_digits(settings.data_seed)
     model = build_model(init_seed)
     optimizer = torch.optim.SGD(model.parameters(), lr=settings.lr)
@@ -178,6 +236,40 @@ def train_reference(settings: TrainSettings, init_seed: int) -> tuple[nn.Module,
         loss_fn(model(data.train_x[indices]), data.train_y[indices]).backward()
         optimizer.step()
     return model, accuracy(model, data.test_x, data.test_y)
+
+
+def _reference_diloco(settings: TrainSettings, init_seed: int) -> tuple[nn.Module, float]:
+    data = load_digits(settings.data_seed)
+    world, size, every = settings.world_size, settings.batch_size, settings.sync_every
+    global_model = build_model(init_seed)
+    replicas = [build_model(init_seed) for _ in range(world)]
+    inner = [torch.optim.SGD(r.parameters(), lr=settings.lr) for r in replicas]
+    outer = torch.optim.SGD(
+        global_model.parameters(),
+        lr=settings.outer_lr,
+        momentum=settings.outer_momentum,
+        nesterov=settings.outer_momentum > 0,
+    )
+    loss_fn = nn.CrossEntropyLoss()
+    batches = global_batches(len(data.train_y), settings)
+    for step, indices in enumerate(batches, start=1):
+        for rank, (replica, optimizer) in enumerate(zip(replicas, inner, strict=True)):
+            mine = indices[rank * size : (rank + 1) * size]
+            optimizer.zero_grad(set_to_none=True)
+            loss_fn(replica(data.train_x[mine]), data.train_y[mine]).backward()
+            optimizer.step()
+        if step % every and step != len(batches):
+            continue
+        outer.zero_grad()
+        for index, g in enumerate(global_model.parameters()):
+            locals_ = [list(r.parameters())[index].detach() for r in replicas]
+            g.grad = torch.stack([g.detach() - p for p in locals_]).sum(0) / world
+        outer.step()
+        with torch.no_grad():
+            for replica in replicas:
+                for p, g in zip(replica.parameters(), global_model.parameters(), strict=True):
+                    p.copy_(g)
+    return global_model, accuracy(global_model, data.test_x, data.test_y)
 
 
 def save_parameters(model: nn.Module, path: Path, test_accuracy: float) -> None:

@@ -114,6 +114,7 @@ FLAG_ERRORS = [
     (["demo", "--workers", "-1"], "--workers", "must be >= 1"),
     (["demo", "--workers", "60"], "--workers", "training samples"),
     (["demo", "--lr", "nan"], "--lr", "finite"),
+    (["demo", "--diloco", "0"], "--diloco", "must be >= 1"),
     # bench
     (["bench", "--suites", "loopback,gpu"], "--suites", "unknown ['gpu']"),
     (["bench", "--sizes-mb", "1,0"], "--sizes-mb", "must be > 0"),
@@ -294,4 +295,15 @@ def test_demo_trains_and_matches_single_process() -> None:
     accuracy = float(result.stdout.split("distributed test accuracy: ")[1].split()[0])
     assert accuracy > 0.8
     assert "rank 0 training" in result.stderr  # the progress bar is on rank 0
+    assert_quiet(result.stderr, "the demo")
+
+
+@pytest.mark.timeout(180)
+def test_demo_diloco_trains_every_h_steps_and_matches_its_simulation() -> None:
+    result = run_cli("demo", "--workers", "2", "--epochs", "2", "--diloco", "7", timeout=170)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "DiLoCo, a round every 7 steps" in result.stdout
+    assert "OK: 2 workers trained the same model as a single process" in result.stdout
+    accuracy = float(result.stdout.split("distributed test accuracy: ")[1].split()[0])
+    assert accuracy > 0.8
     assert_quiet(result.stderr, "the demo")
