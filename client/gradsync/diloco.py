@@ -26,46 +26,32 @@ DiLoCo.
 On a 16-bit wire the rounding error of each pseudo-gradient is kept on the
 rank and added to the next one (`error_feedback`, on by default there), so
 what the coordinator receives sums to the true pseudo-gradients over rounds.
+
+Streaming DiLoCo (Douillard et al., 2025): with `fragments=F` the parameters
+are cut into F fragments of about equal size, fragment i synchronizes at the
+inner steps t with t mod H = i*H/F (staggered, so the link carries one
+fragment at a time), and with `overlap_steps=tau` its round stays in flight
+for tau inner steps while training goes on; its answer is then merged with
+the local progress made meanwhile (`mixing`). Each fragment is a job of its
+own on the coordinator (`gradsync.diloco_fragment`).
 """
 
 from __future__ import annotations
 
 import math
-import time
+import os
 from typing import Any
 
 import torch
 from gradsync_proto.v1 import gradsync_pb2 as pb
 from torch import nn
 
-from gradsync.ddp import DistributedDataParallel
-from gradsync.hooks import WIRE_DTYPE_HOOKS, GradBucket
+from gradsync import defaults
+from gradsync.config import ENV_JOB_ID
+from gradsync.diloco_fragment import Fragment
+from gradsync.hooks import WIRE_DTYPE_HOOKS
 
 __all__ = ["DiLoCo"]
-
-
-class _SeedableCast:
-    """The comm hook of a 16-bit DiLoCo wire: the seed round travels in float32.
-
-    The seed is the global parameters themselves, which must reach the
-    coordinator exactly; pseudo-gradients are rounded to `wire_dtype` (their
-    error is fed back by `DiLoCo`). Answers are float32 either way.
-    """
-
-    def __init__(self, wire_dtype: torch.dtype) -> None:
-        self.wire_dtype = wire_dtype
-        self.seeding = True
-
-    def before_upload(self, state: Any, bucket: GradBucket) -> torch.Tensor:
-        if self.seeding or bucket.buffer.dtype != torch.float32:
-            return bucket.buffer
-        return bucket.buffer.to(self.wire_dtype)
-
-    def after_average(self, state: Any, bucket: GradBucket, averaged: torch.Tensor) -> None:
-        bucket.buffer.copy_(averaged)
-
-    def __repr__(self) -> str:
-        return f"{type(self).__name__}({self.wire_dtype})"
 
 
 class DiLoCo:
@@ -75,7 +61,7 @@ class DiLoCo:
         model: the module to train (not wrapped: forward it directly).
         inner_optimizer: the rank's own optimizer over `model`'s parameters (kept
             for reference and checkpoints; `DiLoCo` never steps it).
-        sync_every: inner steps between two outer rounds (H).
+        sync_every: inner steps between two rounds of each fragment (H).
         outer_lr: the outer optimizer's learning rate.
         outer_momentum: its momentum (0 = plain outer SGD).
         nesterov: Nesterov momentum (as torch.optim.SGD); ignored at momentum 0.
@@ -83,6 +69,12 @@ class DiLoCo:
             torch.float16. The global parameters always come back in float32.
         error_feedback: keep each round's rounding error and add it to the next
             pseudo-gradient (default: on with a 16-bit wire; meaningless without).
+        fragments: F, the number of fragments synchronized at staggered steps (1 = the
+            whole model at once, plain DiLoCo).
+        overlap_steps: tau, inner steps a round stays in flight before its answer is
+            merged (0 = the round blocks `step`); must be below `sync_every`.
+        mixing: the share of the global parameters in that merge (p = mixing * global
+            + (1 - mixing) * local); default 1 without overlap, 0.5 with.
         coordinator, rank, world_size, job_id: as `DistributedDataParallel` (and the
             same environment variables as defaults).
         **options: any other keyword argument of `DistributedDataParallel`
@@ -103,6 +95,9 @@ class DiLoCo:
         nesterov: bool = True,
         wire_dtype: torch.dtype | None = None,
         error_feedback: bool | None = None,
+        fragments: int = 1,
+        overlap_steps: int = 0,
+        mixing: float | None = None,
         coordinator: str | None = None,
         rank: int | None = None,
         world_size: int | None = None,
@@ -110,115 +105,135 @@ class DiLoCo:
         **options: Any,
     ) -> None:
         _check(sync_every, outer_lr, outer_momentum, wire_dtype, error_feedback)
+        mixing = _check_streaming(sync_every, fragments, overlap_steps, mixing)
         self.model = model
         self.inner_optimizer = inner_optimizer
         self.sync_every = sync_every
+        self.overlap_steps = overlap_steps
+        self.mixing = mixing
         outer = pb.OuterOptimizer(
             lr=outer_lr, momentum=outer_momentum, nesterov=nesterov and outer_momentum > 0
         )
-        self._hook = None if wire_dtype is None else _SeedableCast(wire_dtype)
-        self._ddp = DistributedDataParallel(
-            model,
-            coordinator=coordinator,
-            rank=rank,
-            world_size=world_size,
-            job_id=job_id,
-            broadcast_buffers=False,
-            wire_dtype=wire_dtype,
-            wire_answer_dtype=None if wire_dtype is None else torch.float32,
-            _outer=outer,
-            **options,
-        )
-        if self._hook is not None:
-            # The built-in cast `wire_dtype` registered, made to let the seed through in fp32.
-            self._ddp._reducer.comm_hook = self._hook
-        self._ddp._require_sync = False  # inner backward passes stay on this rank
-        self._params = [p for p in model.parameters() if p.requires_grad]
         feedback = wire_dtype is not None if error_feedback is None else error_feedback
-        self._residuals = [torch.zeros_like(p) for p in self._params] if feedback else None
-        self._global = [p.detach().clone() for p in self._params]
+        params: list[torch.Tensor] = [p for p in model.parameters() if p.requires_grad]
+        groups = _split(params, fragments)
+        base = job_id or os.environ.get(ENV_JOB_ID) or defaults.JOB_ID
+        common = dict(options, coordinator=coordinator, rank=rank, world_size=world_size)
+        self.fragments: list[Fragment] = []
+        try:
+            for index, group in enumerate(groups):
+                name = base if len(groups) == 1 else f"{base}.fragment{index}"
+                self.fragments.append(Fragment(group, outer, wire_dtype, feedback, name, common))
+        except BaseException:
+            for fragment in self.fragments:
+                fragment.close()
+            raise
+        #: Inner step at which each fragment's round in flight is merged.
+        self._apply_at: dict[int, int] = {}
         #: Inner steps taken (calls of `step`).
         self.inner_steps = 0
-        #: Outer rounds completed (the seed not counted).
+        #: Fragment rounds merged (the seeds not counted; F = 1: the outer rounds).
         self.rounds = 0
-        #: Bytes this rank uploaded in its last round, and that round's seconds.
-        self.last_round_bytes = 0
-        self.last_round_s = 0.0
-        self._round(seed=True)
 
     @property
     def rank(self) -> int:
-        return self._ddp.rank
+        return self.fragments[0].ddp.rank
 
     @property
     def world_size(self) -> int:
-        return self._ddp.world_size
+        return self.fragments[0].ddp.world_size
 
     @property
-    def ddp(self) -> DistributedDataParallel:
-        """The wrapper that carries the rounds (its step counts them, the seed included)."""
-        return self._ddp
+    def last_round_bytes(self) -> int:
+        """Bytes the latest round of every fragment uploaded, together."""
+        return sum(f.last_round_bytes for f in self.fragments)
+
+    @property
+    def last_round_s(self) -> float:
+        """Seconds of the longest of the fragments' latest rounds."""
+        return max(f.last_round_s for f in self.fragments)
 
     def step(self) -> bool:
-        """Count one inner step; every `sync_every`-th runs an outer round. True if one ran."""
+        """Count one inner step; start and merge the rounds it is due. True if one merged."""
         self.inner_steps += 1
-        if self.inner_steps % self.sync_every:
-            return False
-        self._round(seed=False)
+        t, count = self.inner_steps, len(self.fragments)
+        merged = False
+        for index, fragment in enumerate(self.fragments):
+            if self._apply_at.get(index) == t:
+                merged |= self._merge(index, self.mixing)
+            if t % self.sync_every != index * self.sync_every // count:
+                continue
+            if fragment.in_flight:  # (cannot happen while tau < H)
+                merged |= self._merge(index, self.mixing)
+            fragment.start()
+            if self.overlap_steps == 0:
+                merged |= self._merge(index, 1.0)
+            else:
+                self._apply_at[index] = t + self.overlap_steps
+        return merged
+
+    def _merge(self, index: int, mixing: float) -> bool:
+        self.fragments[index].apply(mixing)
+        self._apply_at.pop(index, None)
         self.rounds += 1
         return True
 
     def sync(self) -> None:
-        """Run an outer round now (at the end of training, say), whatever the step count."""
-        self._round(seed=False)
-        self.rounds += 1
-
-    def _round(self, seed: bool) -> None:
-        """Upload the pseudo-gradients (the parameters, to seed); adopt the global parameters."""
-        started, sent = time.monotonic(), self._ddp.bytes_sent
-        params = self._params
-        inner_grads = [p.grad for p in params]
-        with torch.no_grad():
-            if seed:
-                uploads = [p.detach().clone() for p in params]
-            else:
-                uploads = [g - p for g, p in zip(self._global, params, strict=True)]
-                if self._residuals is not None and self._hook is not None:
-                    wire = self._hook.wire_dtype
-                    for upload, residual in zip(uploads, self._residuals, strict=True):
-                        upload += residual
-                        residual.copy_(upload - upload.to(wire).to(upload.dtype))
-        if self._hook is not None:
-            self._hook.seeding = seed
-        for p in params:
-            p.grad = None
-        self._ddp._require_sync = True
-        try:
-            # One synchronized backward pass whose gradients are the uploads: the
-            # wrapper's hooks fire, buckets go out as they fill, and the answers (the
-            # new global parameters) land in `.grad` before this returns.
-            torch.autograd.backward(params, grad_tensors=uploads)
-        finally:
-            self._ddp._require_sync = False
-        with torch.no_grad():
-            for p, global_p in zip(params, self._global, strict=True):
-                assert p.grad is not None
-                global_p.copy_(p.grad)
-                p.copy_(p.grad)
-        for p, grad in zip(params, inner_grads, strict=True):
-            p.grad = grad
-        self.last_round_bytes = self._ddp.bytes_sent - sent
-        self.last_round_s = time.monotonic() - started
+        """Merge every round in flight, then run one more round of every fragment, now."""
+        for index, fragment in enumerate(self.fragments):
+            if fragment.in_flight:
+                self._merge(index, self.mixing)
+            fragment.start()
+            self._merge(index, 1.0)
 
     def close(self) -> None:
-        """Leave the job (as `DistributedDataParallel.close`)."""
-        self._ddp.close()
+        """Leave the job (as `DistributedDataParallel.close`); a round in flight is dropped."""
+        for fragment in self.fragments:
+            fragment.close()
 
     def __enter__(self) -> DiLoCo:
         return self
 
     def __exit__(self, *exc_info: object) -> None:
         self.close()
+
+
+def _split(params: list[torch.Tensor], fragments: int) -> list[list[torch.Tensor]]:
+    """Cut `params` (in order) into `fragments` runs of about equal bytes, none empty."""
+    total = sum(p.numel() * p.element_size() for p in params)
+    groups: list[list[torch.Tensor]] = [[]]
+    filled = 0
+    for position, p in enumerate(params):
+        left = len(params) - position  # parameters left, this one included
+        open_groups = fragments - len(groups)  # groups still to start after this one
+        if groups[-1] and (filled >= total * len(groups) / fragments or left <= open_groups):
+            groups.append([])
+        groups[-1].append(p)
+        filled += p.numel() * p.element_size()
+    return groups
+
+
+def _check_streaming(
+    sync_every: int, fragments: int, overlap_steps: int, mixing: float | None
+) -> float:
+    """The merge's mixing factor, after checking the streaming settings."""
+    if isinstance(fragments, bool) or not isinstance(fragments, int) or fragments < 1:
+        raise ValueError(f"fragments must be an integer >= 1, got {fragments!r}")
+    if fragments > sync_every:
+        raise ValueError(
+            f"fragments={fragments} is more than sync_every={sync_every}: each fragment "
+            "needs an inner step of its own to synchronize at"
+        )
+    if not isinstance(overlap_steps, int) or not 0 <= overlap_steps < sync_every:
+        raise ValueError(
+            f"overlap_steps must be an integer in [0, sync_every={sync_every}), "
+            f"got {overlap_steps!r}"
+        )
+    if mixing is None:
+        return 1.0 if overlap_steps == 0 else 0.5
+    if not (math.isfinite(mixing) and 0 < mixing <= 1):
+        raise ValueError(f"mixing must be in (0, 1], got {mixing!r}")
+    return mixing
 
 
 def _check(

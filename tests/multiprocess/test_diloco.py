@@ -20,7 +20,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from support.diloco_reference import Run, batch, make_model, simulate
+from support.diloco_reference import Run, batch, make_model, simulate, simulate_streaming
 from support.processes import WORKERS, launch_ranks, reap, run_ranks
 
 DILOCO_WORKER = WORKERS / "diloco_worker.py"
@@ -167,3 +167,26 @@ def test_a_rank_killed_between_rounds_leaves_the_round_to_the_survivors_under_el
     for number, (ours, want) in enumerate(zip(got, expected, strict=True)):
         worst = max(float(np.abs(a - b.numpy()).max()) for a, b in zip(ours, want, strict=True))
         assert worst <= 1e-5, f"round {number}: {worst:.3g} from the simulation"
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize(
+    ("fragments", "overlap"), [(2, 0), (2, 1), (3, 2)], ids=["F2", "F2-tau1", "F3-tau2"]
+)
+def test_streaming_fragments_at_staggered_steps_match_a_one_process_simulation(
+    fragments: int, overlap: int, tmp_path: Path, coordinator_factory
+) -> None:
+    coordinator = coordinator_factory(WORLD)
+    run = Run(rounds=3, sync_every=6, fragments=fragments, overlap_steps=overlap)
+    outputs = run_ranks(DILOCO_WORKER, coordinator.address, WORLD, tmp_path, *run.argv())
+    split = [int(n) for n in outputs[0]["fragment_sizes"]]
+    assert len(split) == fragments and sum(split) == len(NAMES)
+    expected = simulate_streaming(run, WORLD, make_model(100), split)
+    for rank, output in enumerate(outputs):
+        got = [output[f"final/{name}"] for name in NAMES]
+        worst = max(
+            float(np.abs(a - b.numpy()).max()) for a, b in zip(got, expected[rank], strict=True)
+        )
+        assert worst <= 1e-5, f"rank {rank}: {worst:.3g} from the simulation"
+    # Every fragment ran its rounds: H / F apart, so the link carries one at a time.
+    assert int(outputs[0]["inner_steps"]) == run.rounds * run.sync_every

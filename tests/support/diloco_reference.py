@@ -31,6 +31,9 @@ class Run:
     inner: str = "adamw"
     inner_lr: float = 0.05
     wire: str = "fp32"
+    fragments: int = 1
+    overlap_steps: int = 0
+    mixing: float | None = None
 
     @staticmethod
     def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -41,6 +44,9 @@ class Run:
         parser.add_argument("--inner", choices=["sgd", "adamw"], default=Run.inner)
         parser.add_argument("--inner-lr", type=float, default=Run.inner_lr)
         parser.add_argument("--wire", choices=["fp32", "bf16", "fp16"], default=Run.wire)
+        parser.add_argument("--fragments", type=int, default=Run.fragments)
+        parser.add_argument("--overlap-steps", type=int, default=Run.overlap_steps)
+        parser.add_argument("--mixing", type=float, default=Run.mixing)
 
     @classmethod
     def from_arguments(cls, args: argparse.Namespace) -> Run:
@@ -52,6 +58,9 @@ class Run:
             args.inner,
             args.inner_lr,
             args.wire,
+            args.fragments,
+            args.overlap_steps,
+            args.mixing,
         )
 
     def argv(self) -> list[str]:
@@ -59,6 +68,8 @@ class Run:
             "--rounds", str(self.rounds), "--sync-every", str(self.sync_every),
             "--outer-lr", repr(self.outer_lr), "--outer-momentum", repr(self.outer_momentum),
             "--inner", self.inner, "--inner-lr", repr(self.inner_lr), "--wire", self.wire,
+            "--fragments", str(self.fragments), "--overlap-steps", str(self.overlap_steps),
+            *([] if self.mixing is None else ["--mixing", repr(self.mixing)]),
         ]  # fmt: skip
 
 
@@ -137,3 +148,71 @@ def simulate(
                     p.copy_(g)
         history.append([p.detach().clone() for p in global_params])
     return history
+
+
+def simulate_streaming(
+    run: Run, world_size: int, initial: nn.Module, split: list[int]
+) -> list[list[torch.Tensor]]:
+    """Every replica's parameters at the end of a Streaming DiLoCo run.
+
+    `split` gives how many parameters each fragment holds, in order (as the
+    library cuts them). Fragment i starts a round after the inner steps t with
+    t mod H = i*H/F; its answer (one outer step of the fragment's own optimizer on
+    the replicas' mean pseudo-gradient) is merged `overlap_steps` inner steps later:
+    p = mixing * global + (1 - mixing) * p, or replaced without overlap.
+    """
+    mixing = run.mixing if run.mixing is not None else (1.0 if run.overlap_steps == 0 else 0.5)
+    replicas = [make_model(0) for _ in range(world_size)]
+    for replica in replicas:
+        replica.load_state_dict(initial.state_dict())
+    optimizers = [inner_optimizer(run, replica) for replica in replicas]
+    bounds = [sum(split[:i]) for i in range(len(split) + 1)]
+    local = [list(r.parameters()) for r in replicas]
+    fragments = []
+    for i in range(len(split)):
+        params = [
+            p.detach().clone().requires_grad_(True) for p in local[0][bounds[i] : bounds[i + 1]]
+        ]
+        outer = torch.optim.SGD(
+            params, lr=run.outer_lr, momentum=run.outer_momentum, nesterov=run.outer_momentum > 0
+        )
+        fragments.append((params, outer))
+    apply_at: dict[int, int] = {}
+
+    def merge(index: int, share: float) -> None:
+        params, _ = fragments[index]
+        with torch.no_grad():
+            for replica in local:
+                for p, g in zip(replica[bounds[index] : bounds[index + 1]], params, strict=True):
+                    if share == 1.0:
+                        p.copy_(g)
+                    else:
+                        p.mul_(1.0 - share).add_(g, alpha=share)
+        apply_at.pop(index, None)
+
+    def outer_step(index: int) -> None:
+        params, outer = fragments[index]
+        outer.zero_grad()
+        for position, g in enumerate(params):
+            deltas = [g.detach() - replica[bounds[index] + position].detach() for replica in local]
+            g.grad = torch.stack(deltas).sum(0) / world_size
+        outer.step()
+
+    count, every = len(split), run.sync_every
+    for t in range(1, run.rounds * every + 1):
+        for rank, (replica, optimizer) in enumerate(zip(replicas, optimizers, strict=True)):
+            x, y = batch(run, rank, t - 1)
+            optimizer.zero_grad()
+            nn.functional.mse_loss(replica(x), y).backward()
+            optimizer.step()
+        for index in range(count):
+            if apply_at.get(index) == t:
+                merge(index, mixing)
+            if t % every != index * every // count:
+                continue
+            outer_step(index)
+            if run.overlap_steps == 0:
+                merge(index, 1.0)
+            else:
+                apply_at[index] = t + run.overlap_steps
+    return [[p.detach().clone() for p in replica] for replica in local]

@@ -136,3 +136,15 @@ def test_outer_buckets_must_be_float32_and_need_an_outer_optimizer() -> None:
     unmarked.ClearField("outer")
     with pytest.raises(RejectedMessage, match="marked outer, but no outer optimizer"):
         signatures.validate(0, unmarked)
+
+
+@pytest.mark.parametrize("fragments", [1, 2, 3, 5])
+def test_fragments_are_runs_of_about_equal_bytes_in_order_none_empty(fragments: int) -> None:
+    from gradsync.diloco import _split
+
+    params = [torch.zeros(n) for n in (300, 10, 10, 200, 100, 40, 500, 1)]
+    groups = _split(params, fragments)
+    assert len(groups) == fragments and all(groups)
+    assert [id(p) for group in groups for p in group] == [id(p) for p in params]  # in order
+    sizes = [sum(p.numel() for p in group) for group in groups]
+    assert max(sizes) <= sum(sizes) / fragments + 500  # no run beyond its share by a tensor

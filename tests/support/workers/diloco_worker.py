@@ -43,6 +43,9 @@ def main() -> int:
         outer_lr=run.outer_lr,
         outer_momentum=run.outer_momentum,
         wire_dtype=wire,
+        fragments=run.fragments,
+        overlap_steps=run.overlap_steps,
+        mixing=run.mixing,
         coordinator=args.coordinator,
         rank=rank,
         world_size=args.world_size,
@@ -61,6 +64,9 @@ def main() -> int:
             if diloco.step():
                 for name, p in model.named_parameters():
                     saved[f"round{diloco.rounds}/{name}"] = p.detach().numpy().copy()
+        for name, p in model.named_parameters():
+            saved[f"final/{name}"] = p.detach().numpy().copy()
+        saved["fragment_sizes"] = np.array([len(f.params) for f in diloco.fragments])
         saved["inner_steps"] = np.array(diloco.inner_steps)
         saved["last_round_bytes"] = np.array(diloco.last_round_bytes)
     np.savez(args.out, **saved)

@@ -1,0 +1,211 @@
+"""One fragment of a `gradsync.DiLoCo` model: the parameters it syncs and how it syncs them.
+
+A round uploads the fragment's pseudo-gradients as one synchronized backward
+pass of a `DistributedDataParallel` wrapped around a *shadow* module: copies
+of the fragment's parameters that only rounds touch. The user's model is
+never wrapped, so its own backward passes stay local, and a round can be in
+flight on a background thread while the inner loop goes on (Streaming
+DiLoCo's overlap): nothing the round reads or writes is shared with the
+inner steps. The answer, the coordinator's new global parameters, lands in
+the shadow's `.grad`; `apply` merges it into the model.
+
+Each fragment is its own job on the coordinator (`<job>.fragment<i>` when
+there are several), with its own outer optimizer state.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from gradsync_proto.v1 import gradsync_pb2 as pb
+from torch import nn
+
+from gradsync.ddp import DistributedDataParallel
+from gradsync.errors import SyncTimeoutError
+from gradsync.hooks import GradBucket
+
+__all__ = ["Fragment"]
+
+
+class _SeedableCast:
+    """The comm hook of a 16-bit DiLoCo wire: the seed round travels in float32.
+
+    The seed is the global parameters themselves, which must reach the
+    coordinator exactly; pseudo-gradients are rounded to `wire_dtype` (their
+    error is fed back by the fragment). Answers are float32 either way.
+    """
+
+    def __init__(self, wire_dtype: torch.dtype) -> None:
+        self.wire_dtype = wire_dtype
+        self.seeding = True
+
+    def before_upload(self, state: Any, bucket: GradBucket) -> torch.Tensor:
+        if self.seeding or bucket.buffer.dtype != torch.float32:
+            return bucket.buffer
+        return bucket.buffer.to(self.wire_dtype)
+
+    def after_average(self, state: Any, bucket: GradBucket, averaged: torch.Tensor) -> None:
+        bucket.buffer.copy_(averaged)
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.wire_dtype})"
+
+
+class _Shadow(nn.Module):
+    """Copies of some parameters, registered in order (what a fragment's rounds carry)."""
+
+    def __init__(self, params: Sequence[torch.Tensor]) -> None:
+        super().__init__()
+        self.copies = nn.ParameterList(
+            nn.Parameter(p.detach().clone(), requires_grad=True) for p in params
+        )
+
+
+class Fragment:
+    """The rounds of some of a model's parameters (see the module docstring).
+
+    Args:
+        params: the model's parameters this fragment synchronizes (all share the
+            rounds; construction makes them rank 0's).
+        outer: the outer optimizer the coordinator runs for them.
+        wire_dtype: pseudo-gradients on the wire (None = float32).
+        error_feedback: keep each round's rounding error for the next round.
+        job_id: the coordinator job of this fragment (None = the default job).
+        options: the rest of `DistributedDataParallel`'s arguments.
+    """
+
+    def __init__(
+        self,
+        params: Sequence[torch.Tensor],
+        outer: pb.OuterOptimizer,
+        wire_dtype: torch.dtype | None,
+        error_feedback: bool,
+        job_id: str | None,
+        options: dict[str, Any],
+    ) -> None:
+        self.params = list(params)
+        self._shadow = _Shadow(self.params)
+        self._hook = None if wire_dtype is None else _SeedableCast(wire_dtype)
+        self.ddp = DistributedDataParallel(
+            self._shadow,
+            job_id=job_id,
+            broadcast_buffers=False,
+            wire_dtype=wire_dtype,
+            wire_answer_dtype=None if wire_dtype is None else torch.float32,
+            _outer=outer,
+            **options,
+        )
+        if self._hook is not None:
+            # The built-in cast `wire_dtype` registered, made to let the seed through in fp32.
+            self.ddp._reducer.comm_hook = self._hook
+        self._copies = list(self._shadow.copies)
+        self._residuals = (
+            [torch.zeros_like(p) for p in self.params] if error_feedback and wire_dtype else None
+        )
+        # Rank 0's parameters, broadcast into the shadow at construction: everyone's start.
+        with torch.no_grad():
+            for p, copy in zip(self.params, self._copies, strict=True):
+                p.copy_(copy)
+        self.global_params = [p.detach().clone() for p in self.params]
+        self._thread: threading.Thread | None = None
+        self._failure: BaseException | None = None
+        #: Bytes the last round uploaded, and its seconds (upload to answer).
+        self.last_round_bytes = 0
+        self.last_round_s = 0.0
+        self.start(seed=True)
+        self.wait()
+
+    @property
+    def in_flight(self) -> bool:
+        """True while a round's answer has not been applied."""
+        return self._thread is not None
+
+    def start(self, seed: bool = False) -> None:
+        """Upload the pseudo-gradients now (the parameters, to seed); return at once.
+
+        The round runs on a thread of its own; `wait` (or `apply`) collects it.
+        """
+        if self._thread is not None:
+            raise RuntimeError("a round of this fragment is already in flight")
+        with torch.no_grad():
+            if seed:
+                uploads = [p.detach().clone() for p in self.params]
+            else:
+                uploads = [g - p for g, p in zip(self.global_params, self.params, strict=True)]
+                if self._residuals is not None and self._hook is not None:
+                    wire = self._hook.wire_dtype
+                    for upload, residual in zip(uploads, self._residuals, strict=True):
+                        upload += residual
+                        residual.copy_(upload - upload.to(wire).to(upload.dtype))
+        if self._hook is not None:
+            self._hook.seeding = seed
+        for copy in self._copies:
+            copy.grad = None
+        self._failure = None
+        self._thread = threading.Thread(
+            target=self._run, args=(uploads,), name="gradsync-diloco-round", daemon=True
+        )
+        self._thread.start()
+
+    def _run(self, uploads: list[torch.Tensor]) -> None:
+        started, sent = time.monotonic(), self.ddp.bytes_sent
+        try:
+            # One synchronized backward pass whose gradients are the uploads: the
+            # wrapper's hooks fire, buckets go out as they fill, and the answers (the
+            # new global parameters) land in the shadow's `.grad` before it returns.
+            torch.autograd.backward(self._copies, grad_tensors=uploads)
+        except BaseException as exc:  # raised where the round is collected
+            self._failure = exc
+        self.last_round_bytes = self.ddp.bytes_sent - sent
+        self.last_round_s = time.monotonic() - started
+
+    def wait(self) -> list[torch.Tensor]:
+        """Wait (bounded) for the round in flight; return the new global parameters.
+
+        Raises:
+            GradSyncError: the round failed (as a backward pass of DDP would raise).
+        """
+        thread = self._thread
+        if thread is None:
+            raise RuntimeError("no round of this fragment is in flight")
+        thread.join(timeout=self.ddp.config.timeout_s + 30.0)
+        if thread.is_alive():
+            raise SyncTimeoutError(
+                f"an outer round did not finish within {self.ddp.config.timeout_s:g}s",
+                rank=self.ddp.rank,
+                step=self.ddp.step,
+            )
+        self._thread = None
+        if self._failure is not None:
+            raise self._failure
+        with torch.no_grad():
+            for copy, global_p in zip(self._copies, self.global_params, strict=True):
+                assert copy.grad is not None
+                global_p.copy_(copy.grad)
+        return self.global_params
+
+    def apply(self, mixing: float = 1.0) -> None:
+        """Collect the round in flight and merge the global parameters into the model.
+
+        `mixing` = 1 replaces the fragment's parameters with the global ones; below 1
+        (a round that overlapped inner steps) keeps that share of their local progress:
+        p = mixing * global + (1 - mixing) * p.
+        """
+        global_params = self.wait()
+        with torch.no_grad():
+            for p, global_p in zip(self.params, global_params, strict=True):
+                if mixing == 1.0:
+                    p.copy_(global_p)
+                else:
+                    p.mul_(1.0 - mixing).add_(global_p, alpha=mixing)
+
+    def close(self) -> None:
+        """Leave the fragment's job (after its round in flight, if any, ended)."""
+        if self._thread is not None:
+            self._thread.join(timeout=self.ddp.config.timeout_s + 30.0)
+            self._thread = None
+        self.ddp.close()
