@@ -54,6 +54,9 @@ from gradsync_server.text import capped, quoted
 log = logging.getLogger("gradsync.server")
 
 _STATUS_BY_CODE = {status.value[0]: status for status in grpc.StatusCode}
+#: Longest text of a shard's refusal relayed to the ranks (a shard's own messages name
+#: the rank, step, bucket, offset, shard and values, which takes a few hundred characters).
+SHARD_TEXT_CHARS = 1000
 
 
 class Leader(Protocol):
@@ -421,7 +424,7 @@ class ShardControl:
         except ValueError:
             code = Code.INVALID_ARGUMENT
         rejection: RejectedMessage
-        words = capped(rejected.message)  # they reach every rank: bounded, as any network text
+        words = capped(rejected.message, SHARD_TEXT_CHARS)  # reaches every rank: bounded
         rank, step, bucket = rejected.rank, rejected.step, rejected.bucket_index
         if rejected.reason == pb.ABORT_REASON_NONFINITE:  # --nonfinite abort, at the shard
             rejection = NonFiniteRejection(rank, step, bucket, words)
