@@ -116,8 +116,12 @@ class Fragment:
         #: Bytes the last round uploaded, and its seconds (upload to answer).
         self.last_round_bytes = 0
         self.last_round_s = 0.0
-        self.start(seed=True)
-        self.wait()
+        welcome = self.ddp._session.welcome
+        # A rank joining a running job was healed with rank 0's shadow, which holds the
+        # global parameters; the coordinator holds them already: nothing to seed.
+        if welcome is None or not welcome.outer_seeded:
+            self.start(seed=True)
+            self.wait()
 
     @property
     def in_flight(self) -> bool:
@@ -131,6 +135,9 @@ class Fragment:
         """
         if self._thread is not None:
             raise RuntimeError("a round of this fragment is already in flight")
+        # The step boundary DDP keeps before a forward pass: a rank waiting to rejoin is
+        # handed the shadow (the global parameters) here, and rank 0 checkpoints.
+        self.ddp._pre_forward()
         with torch.no_grad():
             if seed:
                 uploads = [p.detach().clone() for p in self.params]
@@ -186,6 +193,8 @@ class Fragment:
             for copy, global_p in zip(self._copies, self.global_params, strict=True):
                 assert copy.grad is not None
                 global_p.copy_(copy.grad)
+                # The shadow holds them too: what a rank joining later is healed with.
+                copy.copy_(copy.grad)
         return self.global_params
 
     def apply(self, mixing: float = 1.0) -> None:

@@ -190,3 +190,56 @@ def test_streaming_fragments_at_staggered_steps_match_a_one_process_simulation(
         assert worst <= 1e-5, f"rank {rank}: {worst:.3g} from the simulation"
     # Every fragment ran its rounds: H / F apart, so the link carries one at a time.
     assert int(outputs[0]["inner_steps"]) == run.rounds * run.sync_every
+
+
+@pytest.mark.timeout(180)
+def test_a_rank_that_rejoins_a_running_job_starts_from_the_global_parameters(
+    tmp_path: Path, coordinator_factory, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("GRADSYNC_HIERARCHICAL", "0")
+    world = 3
+    coordinator = coordinator_factory(
+        world, "--on-failure", "elastic", "--min-workers", "2",
+        "--heartbeat-interval", "0.2", "--heartbeat-timeout", "2",
+    )  # fmt: skip
+    run = Run(rounds=12)
+    slow = ["--step-delay-s", "0.3"]  # ~15 s of training: time for the rank to come back
+    processes = launch_ranks(
+        DILOCO_WORKER,
+        coordinator.address,
+        world,
+        lambda rank: tmp_path / f"rank{rank}.npz",
+        *run.argv(),
+        per_rank={0: slow, 1: slow, 2: ["--die-at-step", "2"]},
+    )
+    rejoined = []
+    try:
+        assert processes[2].wait(timeout=60) == -9
+        # The same rank, started again by hand: it joins the running job for one round.
+        rejoined = launch_ranks(
+            DILOCO_WORKER,
+            coordinator.address,
+            world,
+            lambda rank: tmp_path / f"rejoined{rank}.npz",
+            *dataclasses.replace(run, rounds=1).argv(),
+            ranks=[2],
+        )
+        codes = [processes[0].wait(timeout=120), processes[1].wait(timeout=120)]
+        codes.append(rejoined[0].wait(timeout=60))
+    finally:
+        reap([*processes, *rejoined])
+    assert codes == [0, 0, 0], codes
+    survivor = rounds_of(dict(np.load(tmp_path / "rank0.npz")), run)
+    newcomer = dict(np.load(tmp_path / "rejoined2.npz"))
+    start = [newcomer[f"round0/{name}"] for name in NAMES]
+    after = [newcomer[f"round1/{name}"] for name in NAMES]
+    same = [
+        number
+        for number, params in enumerate(survivor)
+        if number and all(np.array_equal(a, b) for a, b in zip(params, start, strict=True))
+    ]
+    assert same, "the rejoined rank did not start from any round's global parameters"
+    # Its one round was one of the job's: it ends on the same global parameters.
+    following = survivor[same[0] + 1]
+    for a, b in zip(after, following, strict=True):
+        np.testing.assert_array_equal(a, b)

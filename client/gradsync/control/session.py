@@ -94,6 +94,8 @@ class Session:
         self._pending_optimizer_state: dict[str, Any] | None = None
         #: Rank 0 checkpoints every this many steps (from Welcome; 0 = never).
         self.checkpoint_every = 0
+        #: The coordinator's latest Welcome (None before joining).
+        self.welcome: pb.Welcome | None = None
         self._last_checkpoint_step = -1
         self._resumed_from_checkpoint = False
         #: The local group's path around the link (hierarchical aggregation), or None.
@@ -329,7 +331,7 @@ class Session:
             len(self._bucket_bytes),
         )
         link.open(join)
-        welcome = link.wait_welcome(timeout_s)
+        welcome = self.welcome = link.wait_welcome(timeout_s)
         if len(welcome.local_ranks) >= 2:
             self._local = self._form_local_group(link, welcome, timeout_s)
         # The coordinator numbers collectives: 0 for a new job (or a restarted

@@ -231,6 +231,7 @@ class JobCore:
                 checkpoint_every_steps=self.checkpoint_every,
                 next_collective=self.collectives.next_sequence,
                 shards=self.shards,
+                outer_seeded=self.in_flight.outer.active and self.in_flight.outer.seeded,
             )
         )
 

@@ -28,6 +28,7 @@ def main() -> int:
     parser.add_argument("--job-id", default=None)
     parser.add_argument("--start-delay-s", type=float, default=0.0)
     parser.add_argument("--die-at-step", type=int, default=-1, help="SIGKILL itself there")
+    parser.add_argument("--step-delay-s", type=float, default=0.0, help="a slower inner step")
     args = parser.parse_args()
     time.sleep(args.start_delay_s)  # a rank started by hand, later than the others
     run = Run.from_arguments(args)
@@ -57,6 +58,7 @@ def main() -> int:
         for step in range(run.rounds * run.sync_every):
             if step == args.die_at_step:
                 os.kill(os.getpid(), signal.SIGKILL)  # lost while computing its inner steps
+            time.sleep(args.step_delay_s)
             x, y = batch(run, rank, step)
             optimizer.zero_grad()
             torch.nn.functional.mse_loss(model(x), y).backward()
