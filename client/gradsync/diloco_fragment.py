@@ -11,10 +11,15 @@ the shadow's `.grad`; `apply` merges it into the model.
 
 Each fragment is its own job on the coordinator (`<job>.fragment<i>` when
 there are several), with its own outer optimizer state.
+
+A restarted coordinator holds no global parameters; every rank still holds
+the latest ones, so the round seeds it with them and is repeated: nothing is
+recomputed and no rank rolls back (the outer momentum starts from zero).
 """
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from collections.abc import Sequence
@@ -25,10 +30,15 @@ from gradsync_proto.v1 import gradsync_pb2 as pb
 from torch import nn
 
 from gradsync.ddp import DistributedDataParallel
-from gradsync.errors import SyncTimeoutError
+from gradsync.errors import CoordinatorRestartedError, SyncTimeoutError
 from gradsync.hooks import GradBucket
 
 __all__ = ["Fragment"]
+
+log = logging.getLogger("gradsync.client")
+
+#: How many coordinator restarts one round rides out before it fails.
+RESTARTS_PER_ROUND = 3
 
 
 class _SeedableCast:
@@ -102,6 +112,9 @@ class Fragment:
         if self._hook is not None:
             # The built-in cast `wire_dtype` registered, made to let the seed through in fp32.
             self.ddp._reducer.comm_hook = self._hook
+        # Its state lives in the ranks: a coordinator restarted without a checkpoint is
+        # seeded again with it (`_reseed`), so reconnecting to one is fine.
+        self.ddp._session.resume_without_checkpoint = True
         self._copies = list(self._shadow.copies)
         self._residuals = (
             [torch.zeros_like(p) for p in self.params] if error_feedback and wire_dtype else None
@@ -150,8 +163,6 @@ class Fragment:
                         residual.copy_(upload - upload.to(wire).to(upload.dtype))
         if self._hook is not None:
             self._hook.seeding = seed
-        for copy in self._copies:
-            copy.grad = None
         self._failure = None
         self._thread = threading.Thread(
             target=self._run, args=(uploads,), name="gradsync-diloco-round", daemon=True
@@ -161,14 +172,47 @@ class Fragment:
     def _run(self, uploads: list[torch.Tensor]) -> None:
         started, sent = time.monotonic(), self.ddp.bytes_sent
         try:
-            # One synchronized backward pass whose gradients are the uploads: the
-            # wrapper's hooks fire, buckets go out as they fill, and the answers (the
-            # new global parameters) land in the shadow's `.grad` before it returns.
-            torch.autograd.backward(self._copies, grad_tensors=uploads)
+            for attempt in range(1, RESTARTS_PER_ROUND + 2):
+                try:
+                    self._exchange(uploads)
+                    break
+                except CoordinatorRestartedError as exc:
+                    if attempt > RESTARTS_PER_ROUND:
+                        raise
+                    log.warning(
+                        "rank %d: %s; seeding it again with the global parameters and "
+                        "repeating the round (no inner step is lost)",
+                        self.ddp.rank,
+                        exc,
+                    )
+                    self._reseed()
         except BaseException as exc:  # raised where the round is collected
             self._failure = exc
         self.last_round_bytes = self.ddp.bytes_sent - sent
         self.last_round_s = time.monotonic() - started
+
+    def _exchange(self, uploads: list[torch.Tensor]) -> None:
+        """One synchronized backward pass whose gradients are the uploads: the
+        wrapper's hooks fire, buckets go out as they fill, and the answers land in
+        the shadow's `.grad` before it returns."""
+        for copy in self._copies:
+            copy.grad = None
+        torch.autograd.backward(self._copies, grad_tensors=uploads)
+
+    def _reseed(self) -> None:
+        """A restarted coordinator knows no global parameters: every rank holds the
+        latest ones (bitwise the same), so they seed it, in float32. Its outer momentum
+        starts again from zero."""
+        welcome = self.ddp._session.welcome
+        if welcome is not None and welcome.outer_seeded:
+            return  # a rank that did not lose it seeded it already (cannot happen today)
+        if self._hook is not None:
+            self._hook.seeding = True
+        try:
+            self._exchange([g.clone() for g in self.global_params])
+        finally:
+            if self._hook is not None:
+                self._hook.seeding = False
 
     def wait(self) -> list[torch.Tensor]:
         """Wait (bounded) for the round in flight; return the new global parameters.

@@ -20,8 +20,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from gradsync.status import query_status
+from gradsync_proto.net.launch import free_port
 from support.diloco_reference import Run, batch, make_model, simulate, simulate_streaming
-from support.processes import WORKERS, launch_ranks, reap, run_ranks
+from support.faults import wait_for
+from support.processes import WORKERS, CoordinatorProcess, launch_ranks, reap, run_ranks
 
 DILOCO_WORKER = WORKERS / "diloco_worker.py"
 NAMES = [name for name, _ in make_model(0).named_parameters()]
@@ -243,3 +246,56 @@ def test_a_rank_that_rejoins_a_running_job_starts_from_the_global_parameters(
     following = survivor[same[0] + 1]
     for a, b in zip(after, following, strict=True):
         np.testing.assert_array_equal(a, b)
+
+
+@pytest.mark.timeout(180)
+def test_a_coordinator_killed_mid_run_is_seeded_again_and_no_inner_step_is_repeated(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """SIGKILL the coordinator during the run and start it again on the same port, with no
+    checkpoint store: the ranks hold the global parameters, seed it with them, repeat the
+    round that was lost and finish, each having run every inner step exactly once."""
+    monkeypatch.setenv("GRADSYNC_HIERARCHICAL", "0")
+    port = free_port()
+    first = CoordinatorProcess(WORLD, "--port", str(port))
+    run = Run(rounds=6)
+    processes = launch_ranks(
+        DILOCO_WORKER,
+        first.address,
+        WORLD,
+        lambda rank: tmp_path / f"rank{rank}.npz",
+        *run.argv(),
+        "--step-delay-s",
+        "0.2",
+    )
+    second = None
+    try:
+        wait_for(lambda: _rounds_at(first.address) >= 2, 60, "two rounds on the first coordinator")
+        first.process.kill()
+        first.stop(signal_first=False)
+        second = CoordinatorProcess(WORLD, "--port", str(port))
+        codes = [process.wait(timeout=120) for process in processes]
+    finally:
+        reap(processes)
+        if second is not None:
+            second.stop()
+    assert codes == [0, 0], codes
+    outputs = [dict(np.load(tmp_path / f"rank{rank}.npz")) for rank in range(WORLD)]
+    for output in outputs:
+        assert int(output["inner_steps"]) == run.rounds * run.sync_every  # nothing recomputed
+    final = [[o[f"final/{name}"] for name in NAMES] for o in outputs]
+    for a, b in zip(*final, strict=True):
+        np.testing.assert_array_equal(a, b)  # one global model after the last round
+        assert np.isfinite(a).all()
+    start = rounds_of(outputs[0], run)[0]
+    moved = max(float(np.abs(a - b).max()) for a, b in zip(final[0], start, strict=True))
+    assert moved > 1e-3
+
+
+def _rounds_at(address: str) -> int:
+    """The open step (seed + rounds) of the default job at `address` (0 if none yet)."""
+    try:
+        jobs = query_status(address, "default", timeout_s=2).jobs
+    except ConnectionError:
+        return 0
+    return int(jobs[0].open_step) if jobs else 0

@@ -96,6 +96,9 @@ class Session:
         self.checkpoint_every = 0
         #: The coordinator's latest Welcome (None before joining).
         self.welcome: pb.Welcome | None = None
+        #: Rejoin a restarted coordinator that has no checkpoint (gradsync.DiLoCo: the
+        #: ranks hold the global parameters and seed it again; nothing rolls back).
+        self.resume_without_checkpoint = False
         self._last_checkpoint_step = -1
         self._resumed_from_checkpoint = False
         #: The local group's path around the link (hierarchical aggregation), or None.
@@ -262,7 +265,7 @@ class Session:
                     ) from cause
                 time.sleep(min(delay, remaining))
                 delay = min(delay * 2, _MAX_RETRY_DELAY_S)
-        if not self._resumed_from_checkpoint:
+        if not self._resumed_from_checkpoint and not self.resume_without_checkpoint:
             raise CoordinatorUnavailableError(
                 f"the restarted coordinator has no checkpoint of job '{self.config.job_id}' "
                 f"(it would restart at step {start}, this rank is at step {step}); "
