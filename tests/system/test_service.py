@@ -190,11 +190,24 @@ def use_compose_token(
     argv = [str(token_file) if arg == in_container else arg for arg in init]
     subprocess.run([sys.executable, "-m", "gradsync.cli", *argv], check=True, timeout=60)
     for name, service in services.items():
-        if "build" in service and name != "token-init":
+        if "build" in service and not name.endswith("token-init"):
             environment = service.get("environment") or {}
             assert environment.get("GRADSYNC_TOKEN_FILE") == in_container, name  # type: ignore[union-attr]
     monkeypatch.delenv("GRADSYNC_TOKEN", raising=False)
     monkeypatch.setenv("GRADSYNC_TOKEN_FILE", str(token_file))
+    if "shard-token-init" in services:
+        # The sharded variant's second secret, for the leader and the shards (the workers
+        # of this test inherit the variable too, and never read it).
+        init = compose_command(services["shard-token-init"])
+        in_container, shard_token_file = init[1], tmp_path / "shard-token"
+        argv = [str(shard_token_file) if arg == in_container else arg for arg in init]
+        subprocess.run([sys.executable, "-m", "gradsync.cli", *argv], check=True, timeout=60)
+        for name in ("coordinator", "shard-1", "shard-2"):
+            environment = services[name].get("environment") or {}
+            assert environment.get("GRADSYNC_SHARD_TOKEN_FILE") == in_container, name  # type: ignore[union-attr]
+        assert "GRADSYNC_SHARD_TOKEN_FILE" not in (services["worker-0"].get("environment") or {})  # type: ignore[operator]
+        monkeypatch.delenv("GRADSYNC_SHARD_TOKEN", raising=False)
+        monkeypatch.setenv("GRADSYNC_SHARD_TOKEN_FILE", str(shard_token_file))
 
 
 def resolve_service_names(argv: list[str], addresses: dict[str, str]) -> list[str]:
