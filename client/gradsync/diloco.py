@@ -23,9 +23,13 @@ The inner optimizer and its state stay on the rank, untouched. Buffers
 (BatchNorm statistics) are not synchronized: each rank keeps its own, as in
 DiLoCo.
 
-On a 16-bit wire the rounding error of each pseudo-gradient is kept on the
-rank and added to the next one (`error_feedback`, on by default there), so
-what the coordinator receives sums to the true pseudo-gradients over rounds.
+On a 16-bit or int8 wire the rounding error of each pseudo-gradient is kept
+on the rank and added to the next one (`error_feedback`, on by default there),
+so what the coordinator receives sums to the true pseudo-gradients over rounds.
+The int8 wire (a quarter of float32's bytes) quantizes every chunk with its
+own scale, on the transport's chunk grid, and keeps its error per bucket
+(`gradsync.quantized_wire`); it is DiLoCo's alone, and needs a flat job (no
+same-host group sums int8).
 """
 
 from __future__ import annotations
@@ -40,6 +44,7 @@ from torch import nn
 
 from gradsync.ddp import DistributedDataParallel
 from gradsync.hooks import WIRE_DTYPE_HOOKS, GradBucket
+from gradsync.quantized_wire import ChunkGrid, Int8Quantization
 
 __all__ = ["DiLoCo"]
 
@@ -79,10 +84,12 @@ class DiLoCo:
         outer_lr: the outer optimizer's learning rate.
         outer_momentum: its momentum (0 = plain outer SGD).
         nesterov: Nesterov momentum (as torch.optim.SGD); ignored at momentum 0.
-        wire_dtype: pseudo-gradients on the wire: None (float32), torch.bfloat16 or
-            torch.float16. The global parameters always come back in float32.
+        wire_dtype: pseudo-gradients on the wire: None (float32), torch.bfloat16,
+            torch.float16 or torch.int8 (a float32 scale per chunk; float32
+            parameters only, and no `hierarchical`). The global parameters
+            always come back in float32.
         error_feedback: keep each round's rounding error and add it to the next
-            pseudo-gradient (default: on with a 16-bit wire; meaningless without).
+            pseudo-gradient (default: on with a narrow wire; meaningless without).
         coordinator, rank, world_size, job_id: as `DistributedDataParallel` (and the
             same environment variables as defaults).
         **options: any other keyword argument of `DistributedDataParallel`
@@ -110,13 +117,29 @@ class DiLoCo:
         **options: Any,
     ) -> None:
         _check(sync_every, outer_lr, outer_momentum, wire_dtype, error_feedback)
+        feedback = wire_dtype is not None if error_feedback is None else error_feedback
+        int8 = wire_dtype is torch.int8
+        if int8:
+            if options.get("hierarchical") not in (None, False):
+                raise ValueError(
+                    f"hierarchical={options['hierarchical']!r} is not possible with "
+                    "wire_dtype=torch.int8 (a local group sums in full precision): pass "
+                    "hierarchical=False"
+                )
+            options["hierarchical"] = False
         self.model = model
         self.inner_optimizer = inner_optimizer
         self.sync_every = sync_every
         outer = pb.OuterOptimizer(
             lr=outer_lr, momentum=outer_momentum, nesterov=nesterov and outer_momentum > 0
         )
-        self._hook = None if wire_dtype is None else _SeedableCast(wire_dtype)
+        self._hook: _SeedableCast | Int8Quantization | None = None
+        if int8:  # the cut is the transport's, known once joined: read at every bucket
+            self._hook = Int8Quantization(
+                lambda: ChunkGrid.of(self._ddp._session.welcome), feedback
+            )
+        elif wire_dtype is not None:
+            self._hook = _SeedableCast(wire_dtype)
         self._ddp = DistributedDataParallel(
             model,
             coordinator=coordinator,
@@ -124,18 +147,21 @@ class DiLoCo:
             world_size=world_size,
             job_id=job_id,
             broadcast_buffers=False,
-            wire_dtype=wire_dtype,
-            wire_answer_dtype=None if wire_dtype is None else torch.float32,
+            # The wrapper refuses int8 (not a per-step wire): DiLoCo installs its own hook.
+            wire_dtype=None if int8 else wire_dtype,
+            wire_answer_dtype=None if wire_dtype is None or int8 else torch.float32,
             _outer=outer,
             **options,
         )
         if self._hook is not None:
-            # The built-in cast `wire_dtype` registered, made to let the seed through in fp32.
+            # In place of the built-in cast `wire_dtype` registered (none for int8),
+            # made to let the seed through in fp32.
             self._ddp._reducer.comm_hook = self._hook
         self._ddp._require_sync = False  # inner backward passes stay on this rank
         self._params = [p for p in model.parameters() if p.requires_grad]
-        feedback = wire_dtype is not None if error_feedback is None else error_feedback
-        self._residuals = [torch.zeros_like(p) for p in self._params] if feedback else None
+        # A 16-bit wire's error, per parameter (int8 keeps its own per bucket, in the hook).
+        per_parameter = feedback and not int8
+        self._residuals = [torch.zeros_like(p) for p in self._params] if per_parameter else None
         self._global = [p.detach().clone() for p in self._params]
         #: Inner steps taken (calls of `step`).
         self.inner_steps = 0
@@ -183,7 +209,7 @@ class DiLoCo:
                 uploads = [p.detach().clone() for p in params]
             else:
                 uploads = [g - p for g, p in zip(self._global, params, strict=True)]
-                if self._residuals is not None and self._hook is not None:
+                if self._residuals is not None and isinstance(self._hook, _SeedableCast):
                     wire = self._hook.wire_dtype
                     for upload, residual in zip(uploads, self._residuals, strict=True):
                         upload += residual
@@ -234,10 +260,12 @@ def _check(
         raise ValueError(f"outer_lr must be finite and > 0, got {outer_lr!r}")
     if not (math.isfinite(outer_momentum) and 0 <= outer_momentum < 1):
         raise ValueError(f"outer_momentum must be in [0, 1), got {outer_momentum!r}")
-    if wire_dtype is not None and wire_dtype not in WIRE_DTYPE_HOOKS:
+    if wire_dtype is not None and wire_dtype not in (*WIRE_DTYPE_HOOKS, torch.int8):
         raise ValueError(
-            f"wire_dtype={wire_dtype!r} is not supported: None (float32), torch.bfloat16 or "
-            "torch.float16"
+            f"wire_dtype={wire_dtype!r} is not supported: None (float32), torch.bfloat16, "
+            "torch.float16 or torch.int8"
         )
     if error_feedback and wire_dtype is None:
-        raise ValueError("error_feedback needs a 16-bit wire_dtype: a float32 wire loses nothing")
+        raise ValueError(
+            "error_feedback needs a 16-bit or int8 wire_dtype: a float32 wire loses nothing"
+        )

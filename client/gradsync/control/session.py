@@ -98,6 +98,8 @@ class Session:
         self._resumed_from_checkpoint = False
         #: The local group's path around the link (hierarchical aggregation), or None.
         self._local: LocalGroupPath | None = None
+        #: The latest Welcome (chunk size, shards: the grid buckets are cut on), or None.
+        self.welcome: pb.Welcome | None = None
         self._link = self._new_link()
 
     @property
@@ -329,7 +331,7 @@ class Session:
             len(self._bucket_bytes),
         )
         link.open(join)
-        welcome = link.wait_welcome(timeout_s)
+        welcome = self.welcome = link.wait_welcome(timeout_s)
         if len(welcome.local_ranks) >= 2:
             self._local = self._form_local_group(link, welcome, timeout_s)
         # The coordinator numbers collectives: 0 for a new job (or a restarted
