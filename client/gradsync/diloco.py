@@ -65,8 +65,10 @@ class DiLoCo:
         outer_lr: the outer optimizer's learning rate.
         outer_momentum: its momentum (0 = plain outer SGD).
         nesterov: Nesterov momentum (as torch.optim.SGD); ignored at momentum 0.
-        wire_dtype: pseudo-gradients on the wire: None (float32), torch.bfloat16 or
-            torch.float16. The global parameters always come back in float32.
+        wire_dtype: pseudo-gradients on the wire: None (float32), torch.bfloat16,
+            torch.float16 or torch.int8 (a float32 scale per chunk; float32 parameters
+            only, and no `hierarchical`). The global parameters always come back in
+            float32.
         error_feedback: keep each round's rounding error and add it to the next
             pseudo-gradient (default: on with a 16-bit wire; meaningless without).
         fragments: F, the number of fragments synchronized at staggered steps (1 = the
@@ -115,6 +117,14 @@ class DiLoCo:
             lr=outer_lr, momentum=outer_momentum, nesterov=nesterov and outer_momentum > 0
         )
         feedback = wire_dtype is not None if error_feedback is None else error_feedback
+        if wire_dtype is torch.int8:
+            if options.get("hierarchical") not in (None, False):
+                raise ValueError(
+                    f"hierarchical={options['hierarchical']!r} is not possible with "
+                    "wire_dtype=torch.int8 (a local group sums in full precision): pass "
+                    "hierarchical=False"
+                )
+            options["hierarchical"] = False
         params: list[torch.Tensor] = [p for p in model.parameters() if p.requires_grad]
         groups = _split(params, fragments)
         base = job_id or os.environ.get(ENV_JOB_ID) or defaults.JOB_ID
@@ -249,10 +259,12 @@ def _check(
         raise ValueError(f"outer_lr must be finite and > 0, got {outer_lr!r}")
     if not (math.isfinite(outer_momentum) and 0 <= outer_momentum < 1):
         raise ValueError(f"outer_momentum must be in [0, 1), got {outer_momentum!r}")
-    if wire_dtype is not None and wire_dtype not in WIRE_DTYPE_HOOKS:
+    if wire_dtype is not None and wire_dtype not in (*WIRE_DTYPE_HOOKS, torch.int8):
         raise ValueError(
-            f"wire_dtype={wire_dtype!r} is not supported: None (float32), torch.bfloat16 or "
-            "torch.float16"
+            f"wire_dtype={wire_dtype!r} is not supported: None (float32), torch.bfloat16, "
+            "torch.float16 or torch.int8"
         )
     if error_feedback and wire_dtype is None:
-        raise ValueError("error_feedback needs a 16-bit wire_dtype: a float32 wire loses nothing")
+        raise ValueError(
+            "error_feedback needs a 16-bit or int8 wire_dtype: a float32 wire loses nothing"
+        )

@@ -32,6 +32,7 @@ from torch import nn
 from gradsync.ddp import DistributedDataParallel
 from gradsync.errors import CoordinatorRestartedError, SyncTimeoutError
 from gradsync.hooks import GradBucket
+from gradsync.quantized_wire import ChunkGrid, Int8Quantization
 
 __all__ = ["Fragment"]
 
@@ -99,13 +100,21 @@ class Fragment:
     ) -> None:
         self.params = list(params)
         self._shadow = _Shadow(self.params)
-        self._hook = None if wire_dtype is None else _SeedableCast(wire_dtype)
+        int8 = wire_dtype is torch.int8
+        self._hook: _SeedableCast | Int8Quantization | None = None
+        if int8:  # the cut is the transport's, known once joined: read at every bucket
+            self._hook = Int8Quantization(
+                lambda: ChunkGrid.of(self.ddp._session.welcome), error_feedback
+            )
+        elif wire_dtype is not None:
+            self._hook = _SeedableCast(wire_dtype)
         self.ddp = DistributedDataParallel(
             self._shadow,
             job_id=job_id,
             broadcast_buffers=False,
-            wire_dtype=wire_dtype,
-            wire_answer_dtype=None if wire_dtype is None else torch.float32,
+            # The wrapper refuses int8 (not a per-step wire): DiLoCo installs its own hook.
+            wire_dtype=None if int8 else wire_dtype,
+            wire_answer_dtype=None if wire_dtype is None or int8 else torch.float32,
             _outer=outer,
             **options,
         )
@@ -116,9 +125,9 @@ class Fragment:
         # seeded again with it (`_reseed`), so reconnecting to one is fine.
         self.ddp._session.resume_without_checkpoint = True
         self._copies = list(self._shadow.copies)
-        self._residuals = (
-            [torch.zeros_like(p) for p in self.params] if error_feedback and wire_dtype else None
-        )
+        # A 16-bit wire's error, per parameter (int8 keeps its own per bucket, in the hook).
+        per_parameter = error_feedback and wire_dtype is not None and not int8
+        self._residuals = [torch.zeros_like(p) for p in self.params] if per_parameter else None
         # Rank 0's parameters, broadcast into the shadow at construction: everyone's start.
         with torch.no_grad():
             for p, copy in zip(self.params, self._copies, strict=True):
@@ -156,7 +165,7 @@ class Fragment:
                 uploads = [p.detach().clone() for p in self.params]
             else:
                 uploads = [g - p for g, p in zip(self.global_params, self.params, strict=True)]
-                if self._residuals is not None and self._hook is not None:
+                if self._residuals is not None and isinstance(self._hook, _SeedableCast):
                     wire = self._hook.wire_dtype
                     for upload, residual in zip(uploads, self._residuals, strict=True):
                         upload += residual

@@ -60,6 +60,13 @@ the chunk grid of a float32 bucket. A float64 bucket is answered in 16 bits
 either way: the float32 answer is offered only where it lands in the bucket's
 buffer as is, with no cast left on the client.
 
+DiLoCo's int8 wire (`gradsync.quantized_wire`, not offered here) rounds twice
+per element, both in fp32 and both reproduced bit for bit at both ends: x /
+scale to an integer, ties to even (the scale, max|x| / 127 of the element's
+chunk, is itself one rounding), then q * scale when the coordinator
+dequantizes; the sum and the division are as in step 2, and the answer is
+fp32. The rank's error feedback subtracts exactly that q * scale.
+
 Registering a hook costs one copy per bucket (the bucket is flattened into a
 contiguous tensor for the hook to see), except with
 `gradient_as_bucket_view=True`, where `.grad` are views into that tensor
@@ -204,9 +211,16 @@ def hook_for_wire_dtype(wire_dtype: object) -> CommHook | None:
         return None
     hook = WIRE_DTYPE_HOOKS.get(wire_dtype) if isinstance(wire_dtype, torch.dtype) else None
     if hook is None:
+        # int8 (a scale per chunk) is DiLoCo's wire: its rounding error is fed back
+        # across rounds, which a gradient average every step in 8 bits would lack.
+        int8 = (
+            "; torch.int8 is the wire of gradsync.DiLoCo(wire_dtype=torch.int8) only"
+            if wire_dtype is torch.int8
+            else ""
+        )
         raise ValueError(
             f"wire_dtype={wire_dtype!r} is not supported: use torch.bfloat16, torch.float16, "
-            "or None for full precision"
+            f"or None for full precision{int8}"
         )
     return hook
 

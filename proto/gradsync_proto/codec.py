@@ -13,6 +13,7 @@ protobuf too, so the contract stays `proto/gradsync_proto/v1/gradsync.proto`.
 
 from __future__ import annotations
 
+import struct
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -64,6 +65,9 @@ _IN_SEGMENT_FIELD = 11
 _NONFINITE_FIELD = 13
 #: The repeated uint32 fields, by field number: where decode_gradient collects each.
 _REPEATED_FIELDS = (_COVERED_FIELD, _NONFINITE_FIELD)
+#: GradientChunk.scale: a float (fixed32, little-endian IEEE binary32), an int8 chunk's.
+_SCALE_FIELD = 14
+_FLOAT = struct.Struct("<f")
 
 
 @dataclass(slots=True)
@@ -90,6 +94,9 @@ class ChunkHeader:
     #: Worker -> coordinator, from a local leader: those of `covered_ranks` whose own
     #: gradient of the bucket held NaN/Inf, ascending (empty = none).
     nonfinite_ranks: tuple[int, ...] = ()
+    #: Worker -> coordinator, an int8 payload: the chunk's quantization step (a float32
+    #: value; element i is payload[i] * scale). 0 for every other payload.
+    scale: float = 0.0
 
 
 def _varint(value: int) -> bytes:
@@ -126,6 +133,7 @@ def encode_gradient(
         in_segment=header.in_segment,
         segment_offset=header.segment_offset,
         nonfinite_ranks=header.nonfinite_ranks,
+        scale=header.scale,
     ).SerializeToString()
     length = sum(memoryview(part).nbytes for part in parts)
     inner = fields + _PAYLOAD_TAG + _varint(length)
@@ -184,6 +192,8 @@ def decode_gradient(raw: bytes) -> tuple[ChunkHeader, memoryview] | None:
                 repeated[field].append(value)
             elif field == _IN_SEGMENT_FIELD:
                 header.in_segment = value != 0
+            elif field == _SCALE_FIELD:
+                return None  # a float sent as a varint: protobuf decides
             elif name is not None:
                 if value > _INT_FIELD_MAX[field]:
                     return None  # protobuf truncates it: take protobuf's reading
@@ -197,12 +207,16 @@ def decode_gradient(raw: bytes) -> tuple[ChunkHeader, memoryview] | None:
             elif field in repeated:
                 if not _read_packed(view, position, position + size, repeated[field]):
                     return None
-            elif field in _INT_FIELDS or field == _IN_SEGMENT_FIELD:
+            elif field in _INT_FIELDS or field in (_IN_SEGMENT_FIELD, _SCALE_FIELD):
                 return None  # packed or otherwise unusual: protobuf handles it
             position += size
         elif wire_type == _WIRE_FIXED64:
             position += 8
         elif wire_type == _WIRE_FIXED32:
+            if position + 4 > end:
+                raise ValueError("truncated fixed32 field")
+            if field == _SCALE_FIELD:  # the last one wins, as in protobuf
+                (header.scale,) = _FLOAT.unpack_from(view, position)
             position += 4
         else:
             return None  # groups (3, 4) or invalid wire types: protobuf decides
@@ -248,4 +262,5 @@ def header_of(chunk: pb.GradientChunk) -> ChunkHeader:
         in_segment=chunk.in_segment,
         segment_offset=chunk.segment_offset,
         nonfinite_ranks=tuple(chunk.nonfinite_ranks),
+        scale=chunk.scale,
     )

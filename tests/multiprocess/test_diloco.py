@@ -9,7 +9,10 @@ and momentum), in both layouts (flat, and a local group whose leader uploads the
 group's sum). `sync_every=1, outer_lr=1, outer_momentum=0` with an inner SGD is
 plain gradient averaging, so it must equal single-process SGD on the global batch.
 A 16-bit wire is checked against the same simulation rounding each pseudo-gradient
-the same way, with the rounding error fed back.
+the same way, with the rounding error fed back; an int8 wire against the simulation
+quantizing each chunk of the coordinator's grid with its own scale (told the chunk
+size and shard count), at the default chunk size (one chunk per shard range for the
+tiny model) and at 4 KiB chunks with a model whose bucket spans several of them.
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from gradsync import defaults
 from gradsync.status import query_status
 from gradsync_proto.net.launch import free_port
 from support.diloco_reference import Run, batch, make_model, simulate, simulate_streaming
@@ -29,15 +33,24 @@ from support.processes import WORKERS, CoordinatorProcess, launch_ranks, reap, r
 DILOCO_WORKER = WORKERS / "diloco_worker.py"
 NAMES = [name for name, _ in make_model(0).named_parameters()]
 WORLD = 2
+#: 4 KiB, the smallest chunk a coordinator accepts (--chunk-mb is in MiB; 0.004 MiB
+#: would be 4194 bytes, not a whole number of float32 elements).
+SMALL_CHUNK_MB, SMALL_CHUNK = "0.00390625", 4096
 
 
 def rounds_of(saved: dict[str, np.ndarray], run: Run) -> list[list[np.ndarray]]:
     return [[saved[f"round{r}/{name}"] for name in NAMES] for r in range(run.rounds + 1)]
 
 
-def assert_matches(outputs: list[dict[str, np.ndarray]], run: Run, tolerance: float) -> None:
-    """Every rank holds bitwise the same parameters after every round, equal to the simulation."""
-    expected = simulate(run, WORLD, make_model(100))  # rank 0's model, broadcast at construction
+def assert_matches(
+    outputs: list[dict[str, np.ndarray]], run: Run, tolerance: float, **grid: int
+) -> None:
+    """Every rank holds bitwise the same parameters after every round, equal to the simulation.
+
+    `grid`: the coordinator's chunk_bytes and shard_count, for the int8 wire's simulation.
+    """
+    # Rank 0's model, broadcast at construction.
+    expected = simulate(run, WORLD, make_model(100, run.hidden), **grid)
     first = rounds_of(outputs[0], run)
     for other in outputs[1:]:
         for got, want in zip(rounds_of(other, run), first, strict=True):
@@ -299,3 +312,72 @@ def _rounds_at(address: str) -> int:
     except ConnectionError:
         return 0
     return int(jobs[0].open_step) if jobs else 0
+
+
+def largest_difference(got: list[np.ndarray], other: list[torch.Tensor]) -> float:
+    return max(float(np.abs(a - b.numpy()).max()) for a, b in zip(got, other, strict=True))
+
+
+def fp32_round_bytes(run: Run, address: str, out_dir: Path) -> int:
+    """Bytes rank 0 uploads in a round of the same run on a float32 wire (another job)."""
+    out_dir.mkdir()
+    fp32 = dataclasses.replace(run, wire="fp32").argv()
+    outputs = run_ranks(DILOCO_WORKER, address, WORLD, out_dir, *fp32, "--job-id", "fp32")
+    return int(outputs[0]["last_round_bytes"])
+
+
+@pytest.mark.timeout(150)
+@pytest.mark.parametrize("shards", [1, 2], ids=["unsharded", "two-shards"])
+def test_an_int8_wire_with_error_feedback_matches_its_quantizing_reference(
+    shards: int, tmp_path: Path, coordinator_factory
+) -> None:
+    extra = ("--shards", str(shards)) if shards > 1 else ()
+    coordinator = coordinator_factory(WORLD, *extra)
+    run = Run(wire="int8")
+    outputs = run_ranks(DILOCO_WORKER, coordinator.address, WORLD, tmp_path, *run.argv())
+    chunk_bytes = defaults.SHARDED_CHUNK_BYTES if shards > 1 else defaults.CHUNK_BYTES
+    assert_matches(outputs, run, 1e-5, chunk_bytes=chunk_bytes, shard_count=shards)
+    got = rounds_of(outputs[0], run)[-1]
+    # 8 bits lose something (the simulation is not the float32 one by accident) ...
+    plain = simulate(dataclasses.replace(run, wire="fp32"), WORLD, make_model(100))[-1]
+    assert largest_difference(got, plain) > 1e-5
+    # ... and the ranks fed the error back: without it the result is another one.
+    unfed = simulate(
+        run,
+        WORLD,
+        make_model(100),
+        chunk_bytes=chunk_bytes,
+        shard_count=shards,
+        error_feedback=False,
+    )
+    assert largest_difference(got, unfed[-1]) > 1e-5
+    if shards == 1:
+        # A quarter of a float32 round's bytes, plus a scale per chunk and the presence bucket.
+        ratio = int(outputs[0]["last_round_bytes"]) / fp32_round_bytes(
+            run, coordinator.address, tmp_path / "fp32"
+        )
+        assert 0.25 < ratio < 0.35, ratio
+
+
+@pytest.mark.timeout(150)
+@pytest.mark.parametrize("shards", [1, 2], ids=["unsharded", "two-shards"])
+def test_int8_scales_are_per_chunk_when_a_bucket_spans_many_chunks(
+    shards: int, tmp_path: Path, coordinator_factory
+) -> None:
+    extra = ("--shards", str(shards)) if shards > 1 else ()
+    coordinator = coordinator_factory(WORLD, "--chunk-mb", SMALL_CHUNK_MB, *extra)
+    # 20483 parameters in one bucket: 5 chunks of int8 unsharded, 3 per shard's range at S=2.
+    run = Run(rounds=2, wire="int8", hidden=2048)
+    outputs = run_ranks(DILOCO_WORKER, coordinator.address, WORLD, tmp_path, *run.argv())
+    assert_matches(outputs, run, 1e-5, chunk_bytes=SMALL_CHUNK, shard_count=shards)
+    # One scale per shard range (a chunk as large as the bucket) is another result:
+    # the ranks' scales really were per chunk.
+    coarse = simulate(
+        run, WORLD, make_model(100, run.hidden), chunk_bytes=2**30, shard_count=shards
+    )
+    assert largest_difference(rounds_of(outputs[0], run)[-1], coarse[-1]) > 1e-4
+    if shards == 1:
+        ratio = int(outputs[0]["last_round_bytes"]) / fp32_round_bytes(
+            run, coordinator.address, tmp_path / "fp32"
+        )
+        assert 0.25 < ratio < 0.26, ratio  # 20483 + 5 scales of 4 bytes + 16 vs 81948

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import grpc
 import numpy as np
+from gradsync_proto import int8_wire
 from gradsync_proto.v1 import gradsync_pb2 as pb
 from support.rawclient import (
     BUCKET_BYTES,
@@ -25,6 +26,8 @@ from support.rawclient import (
 )
 
 CODE = grpc.StatusCode
+#: The test bucket's elements: as int8, one chunk of this many bytes (CHUNK is 4096).
+ELEMENTS = BUCKET_BYTES // 4
 
 
 def test_rank_out_of_range() -> None:
@@ -334,3 +337,63 @@ def test_averages_are_independent_of_upload_order() -> None:
             assert np.isfinite(results[0][0]).all()
 
     run(scenario)
+
+
+def int8_chunk(
+    scale: float, payload: bytes = bytes(ELEMENTS), reply: int = pb.DTYPE_FLOAT32
+) -> pb.WorkerMessage:
+    """Step 0's one chunk of the bucket on the int8 wire (as DiLoCo's ranks send it)."""
+    chunk = pb.GradientChunk(
+        step=0, dtype=pb.DTYPE_INT8, reply_dtype=reply, scale=scale, payload=payload
+    )  # type: ignore[arg-type]
+    return pb.WorkerMessage(gradient=chunk)
+
+
+def test_int8_chunks_are_answered_in_float32_with_each_ranks_scale() -> None:
+    async def scenario() -> None:
+        async with coordinator() as (_, channel):
+            workers = await assembled_job(channel)
+            sent = [int8_wire.quantize(bucket_values(r, 0), [(0, ELEMENTS)]) for r in range(2)]
+            for worker, (q, scales) in zip(workers, sent, strict=True):
+                await worker.send(int8_chunk(scales[0], q.tobytes()))
+            total = np.zeros(ELEMENTS, dtype=np.float32)
+            for q, scales in sent:  # in rank order, in float32
+                total += int8_wire.dequantize(q, scales[0])
+            expected = total / np.float32(2)
+            for worker in workers:
+                np.testing.assert_array_equal(await worker.receive_bucket(0), expected)
+
+    run(scenario)
+
+
+def test_int8_without_a_float32_reply_names_both_dtypes() -> None:
+    in_band_case(
+        int8_chunk(0.5, reply=pb.DTYPE_UNSPECIFIED),
+        CODE.INVALID_ARGUMENT,
+        "rank 1 sent bucket 0 of step 0",
+        "as int8",
+        "float32 only",
+        partial_upload=False,  # rank 0's float32 chunk would refuse it for its dtype first
+    )
+
+
+def test_int8_with_a_negative_scale() -> None:
+    in_band_case(
+        int8_chunk(-0.5), CODE.INVALID_ARGUMENT, "offset 0", "negative scale", partial_upload=False
+    )
+
+
+def test_int8_payload_that_is_not_one_byte_per_element() -> None:
+    in_band_case(
+        int8_chunk(0.5, bytes(ELEMENTS + 1)),
+        CODE.INVALID_ARGUMENT,
+        f"{ELEMENTS + 1} bytes",
+        f"expected {ELEMENTS}",
+        partial_upload=False,
+    )
+
+
+def test_a_scale_on_a_float32_chunk() -> None:
+    message = gradient(0, 0, bytes(CHUNK))
+    message.gradient.scale = 2.0
+    in_band_case(message, CODE.INVALID_ARGUMENT, "as float32 with a scale", partial_upload=False)

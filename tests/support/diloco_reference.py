@@ -7,6 +7,19 @@ to round, as on a real rank), their pseudo-gradients (global - local, rounded
 to the wire dtype with the residual fed back when the wire is 16-bit) are
 averaged, and `torch.optim.SGD(lr, momentum, nesterov)` applies the average to
 the global parameters, which every replica continues from.
+
+The int8 wire is simulated on the rank's bucket layout and the coordinator's
+chunk grid (chunk size and shard count passed in): each chunk of each
+shard's range of a bucket is quantized with its own scale (max|x| / 127,
+round half to even, clipped to +-127), written here from the rule, not taken
+from gradsync, and the residual is fed back per element. Its outer step is
+written out as the coordinator computes it (buf = mu buf + g; g + mu buf;
+p - lr step, each op rounded in float32), not as `torch.optim.SGD`, whose
+fused `add(alpha=)` differs from it by an ulp here and there: harmless for a
+float or 16-bit wire, but one ulp in the global parameters can move an int8
+pseudo-gradient across a rounding boundary, an error of a whole quantum
+(max|x| / 127), far above the tolerance. The float wires keep torch's SGD as
+the definition of the outer step.
 """
 
 from __future__ import annotations
@@ -15,9 +28,14 @@ import argparse
 from dataclasses import dataclass
 
 import torch
+from gradsync import defaults
+from gradsync.path.reducer import plan_buckets
+from gradsync_proto import chunking
+from gradsync_proto.defaults import MIB
 from torch import nn
 
 IN, HIDDEN, OUT, BATCH = 6, 12, 3, 5
+WIRES = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16, "int8": torch.int8}
 
 
 @dataclass(frozen=True)
@@ -34,6 +52,7 @@ class Run:
     fragments: int = 1
     overlap_steps: int = 0
     mixing: float | None = None
+    hidden: int = HIDDEN
 
     @staticmethod
     def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -43,7 +62,8 @@ class Run:
         parser.add_argument("--outer-momentum", type=float, default=Run.outer_momentum)
         parser.add_argument("--inner", choices=["sgd", "adamw"], default=Run.inner)
         parser.add_argument("--inner-lr", type=float, default=Run.inner_lr)
-        parser.add_argument("--wire", choices=["fp32", "bf16", "fp16"], default=Run.wire)
+        parser.add_argument("--wire", choices=sorted(WIRES), default=Run.wire)
+        parser.add_argument("--hidden", type=int, default=Run.hidden)
         parser.add_argument("--fragments", type=int, default=Run.fragments)
         parser.add_argument("--overlap-steps", type=int, default=Run.overlap_steps)
         parser.add_argument("--mixing", type=float, default=Run.mixing)
@@ -61,6 +81,7 @@ class Run:
             args.fragments,
             args.overlap_steps,
             args.mixing,
+            args.hidden,
         )
 
     def argv(self) -> list[str]:
@@ -68,14 +89,15 @@ class Run:
             "--rounds", str(self.rounds), "--sync-every", str(self.sync_every),
             "--outer-lr", repr(self.outer_lr), "--outer-momentum", repr(self.outer_momentum),
             "--inner", self.inner, "--inner-lr", repr(self.inner_lr), "--wire", self.wire,
+            "--hidden", str(self.hidden),
             "--fragments", str(self.fragments), "--overlap-steps", str(self.overlap_steps),
             *([] if self.mixing is None else ["--mixing", repr(self.mixing)]),
         ]  # fmt: skip
 
 
-def make_model(seed: int) -> nn.Module:
+def make_model(seed: int, hidden: int = HIDDEN) -> nn.Module:
     torch.manual_seed(seed)
-    return nn.Sequential(nn.Linear(IN, HIDDEN), nn.Tanh(), nn.Linear(HIDDEN, OUT))
+    return nn.Sequential(nn.Linear(IN, hidden), nn.Tanh(), nn.Linear(hidden, OUT))
 
 
 def inner_optimizer(run: Run, model: nn.Module) -> torch.optim.Optimizer:
@@ -92,26 +114,90 @@ def batch(run: Run, rank: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
     return x, y
 
 
+def int8_round_trip(flat: torch.Tensor, chunk_bytes: int, shard_count: int) -> torch.Tensor:
+    """What the coordinator sums for one float32 bucket sent as int8 (`flat`: its elements).
+
+    The bucket's int8 bytes (one per element) are cut into one range per shard,
+    each chunked on its own grid; every chunk gets its own scale.
+    """
+    out = torch.zeros_like(flat)
+    for shard in range(shard_count):
+        lo, hi = chunking.shard_byte_range(flat.numel(), 1, shard_count, shard)
+        for offset, length in chunking.range_chunk_spans(lo, hi, chunk_bytes):
+            x = flat[offset : offset + length]
+            scale = x.abs().max() / 127
+            if scale > 0:  # an all-zero chunk stays zero
+                q = torch.round(x / scale).clamp(-127, 127)  # torch.round: half to even
+                out[offset : offset + length] = q * scale
+    return out
+
+
+def int8_wire(
+    deltas: list[torch.Tensor], model: nn.Module, chunk_bytes: int, shard_count: int
+) -> list[torch.Tensor]:
+    """Each parameter's dequantized pseudo-gradient, quantized on the rank's bucket layout."""
+    named = list(model.named_parameters())
+    buckets, _ = plan_buckets(
+        named, int(defaults.BUCKET_CAP_MB * MIB), int(defaults.FIRST_BUCKET_MB * MIB)
+    )
+    out = list(deltas)
+    for plan in buckets:
+        indices = list(plan.parameter_indices)
+        flat = torch.cat([deltas[i].reshape(-1) for i in indices])
+        sent = int8_round_trip(flat, chunk_bytes, shard_count)
+        for i, piece in zip(indices, sent.split([deltas[i].numel() for i in indices]), strict=True):
+            out[i] = piece.reshape(deltas[i].shape)
+    return out
+
+
+class CoordinatorSGD:
+    """The coordinator's outer step, op by op in float32 (see the module docstring)."""
+
+    def __init__(self, params: list[torch.Tensor], run: Run) -> None:
+        self.params, self.run = params, run
+        self.momenta = [torch.zeros_like(p) for p in params]
+
+    def step(self, grads: list[torch.Tensor]) -> None:
+        lr, mu = self.run.outer_lr, self.run.outer_momentum
+        with torch.no_grad():
+            for p, buf, grad in zip(self.params, self.momenta, grads, strict=True):
+                buf.copy_(buf * mu + grad if mu else grad)
+                step = grad + mu * buf if mu else buf
+                p.copy_(p - lr * step)
+
+
 def simulate(
-    run: Run, world_size: int, initial: nn.Module, lost: tuple[int, int] | None = None
+    run: Run,
+    world_size: int,
+    initial: nn.Module,
+    *,
+    chunk_bytes: int = defaults.CHUNK_BYTES,
+    shard_count: int = 1,
+    error_feedback: bool = True,
+    lost: tuple[int, int] | None = None,
 ) -> list[list[torch.Tensor]]:
     """The global parameters after each round (round 0 = the initial ones).
 
-    `lost` = (rank, round): that rank is gone from that round on (1-based), so the
-    round and every later one average over the others (`--on-failure elastic`).
+    Args:
+        lost: (rank, round): that rank is gone from that round on (1-based), so the round
+            and every later one average over the others (`--on-failure elastic`).
+        chunk_bytes, shard_count: the coordinator's grid (the int8 wire's scales are per chunk).
+        error_feedback: feed a narrow wire's rounding error back (as the ranks do by default).
     """
-    wire = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}[run.wire]
-    replicas = [make_model(0) for _ in range(world_size)]
+    wire = WIRES[run.wire]
+    replicas = [make_model(0, run.hidden) for _ in range(world_size)]
     for replica in replicas:
         replica.load_state_dict(initial.state_dict())
     optimizers = [inner_optimizer(run, replica) for replica in replicas]
     global_params = [p.detach().clone().requires_grad_(True) for p in initial.parameters()]
-    outer = torch.optim.SGD(
+    outer: torch.optim.SGD | CoordinatorSGD = torch.optim.SGD(
         global_params,
         lr=run.outer_lr,
         momentum=run.outer_momentum,
         nesterov=run.outer_momentum > 0,
     )
+    if wire is torch.int8:
+        outer = CoordinatorSGD(global_params, run)
     residuals = [[torch.zeros_like(p) for p in global_params] for _ in replicas]
     history = [[p.detach().clone() for p in global_params]]
     step = 0
@@ -133,15 +219,25 @@ def simulate(
                 delta = g.detach() - p.detach()
                 if wire is not None:
                     delta = delta + residuals[rank][index]
-                    rounded = delta.to(wire).to(torch.float32)
-                    residuals[rank][index] = delta - rounded
-                    delta = rounded
                 deltas.append(delta)
-            pseudo.append(deltas)
-        outer.zero_grad()
-        for index, g in enumerate(global_params):
-            g.grad = torch.stack([deltas[index] for deltas in pseudo]).sum(0) / len(live)
-        outer.step()
+            if wire is torch.int8:
+                sent = int8_wire(deltas, replica, chunk_bytes, shard_count)
+            else:
+                sent = [delta if wire is None else delta.to(wire).float() for delta in deltas]
+            if wire is not None and error_feedback:
+                residuals[rank] = [d - r for d, r in zip(deltas, sent, strict=True)]
+            pseudo.append(sent)
+        averages = [
+            torch.stack([deltas[index] for deltas in pseudo]).sum(0) / len(live)
+            for index in range(len(global_params))
+        ]
+        if isinstance(outer, CoordinatorSGD):
+            outer.step(averages)
+        else:
+            outer.zero_grad()
+            for g, average in zip(global_params, averages, strict=True):
+                g.grad = average
+            outer.step()
         with torch.no_grad():
             for replica in replicas:
                 for p, g in zip(replica.parameters(), global_params, strict=True):
@@ -162,7 +258,7 @@ def simulate_streaming(
     p = mixing * global + (1 - mixing) * p, or replaced without overlap.
     """
     mixing = run.mixing if run.mixing is not None else (1.0 if run.overlap_steps == 0 else 0.5)
-    replicas = [make_model(0) for _ in range(world_size)]
+    replicas = [make_model(0, run.hidden) for _ in range(world_size)]
     for replica in replicas:
         replica.load_state_dict(initial.state_dict())
     optimizers = [inner_optimizer(run, replica) for replica in replicas]

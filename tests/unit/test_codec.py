@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import math
 import random
+import struct
 
 import pytest
 from google.protobuf.message import DecodeError
@@ -24,6 +26,7 @@ def random_header(rng: random.Random) -> ChunkHeader:
         in_segment=rng.choice([False, True]),
         segment_offset=rng.choice([0, 64, 2**40 + 7]),
         nonfinite_ranks=rng.choice([(), (1,), (3, 7), (2**32 - 1,)]),
+        scale=rng.choice([0.0, 0.0, 1.5, 2.0**-140, 3.4028234663852886e38, float("inf")]),
     )
 
 
@@ -138,3 +141,32 @@ def test_in_segment_travels_as_fields_11_and_12() -> None:
     decoded = decode_gradient(raw)
     assert decoded is not None and decoded[0].in_segment is True
     assert header_of(pb.WorkerMessage.FromString(raw).gradient) == decoded[0]
+
+
+def test_an_int8_chunks_scale_travels_as_float_field_14_and_the_last_one_wins() -> None:
+    """A float32 value survives both parsers exactly, NaN included; protobuf keeps the last."""
+    assert pb.GradientChunk.DESCRIPTOR.fields_by_name["scale"].number == 14
+    scale = struct.unpack("<f", struct.pack("<f", 0.1))[0]  # a float32 value
+    header = ChunkHeader(step=3, offset=4096, dtype=pb.DTYPE_INT8, reply_dtype=1, scale=scale)
+    encoded = encode_gradient(header, b"\x01\xff")
+    assert decode_gradient(encoded) == (header, memoryview(b"\x01\xff"))
+    assert header_of(pb.WorkerMessage.FromString(encoded).gradient) == header
+    nan = encode_gradient(ChunkHeader(dtype=pb.DTYPE_INT8, scale=math.nan), b"")
+    decoded = decode_gradient(nan)
+    assert decoded is not None and math.isnan(decoded[0].scale)
+    assert math.isnan(pb.WorkerMessage.FromString(nan).gradient.scale)
+    twice = b"\x75" + struct.pack("<f", 1.0) + b"\x75" + struct.pack("<f", -2.0)  # key 14 << 3 | 5
+    raw = b"\x12" + bytes([len(twice)]) + twice
+    decoded = decode_gradient(raw)
+    assert decoded is not None and decoded[0].scale == -2.0
+    assert pb.WorkerMessage.FromString(raw).gradient.scale == -2.0
+
+
+def test_a_scale_in_another_wire_type_or_cut_short_is_left_to_protobuf() -> None:
+    as_varint = b"\x70\x05"  # field 14 as a varint: not a float, protobuf decides
+    assert decode_gradient(b"\x12" + bytes([len(as_varint)]) + as_varint) is None
+    cut = b"\x75\x00\x00"  # two of the float's four bytes
+    with pytest.raises(ValueError, match="truncated"):
+        decode_gradient(b"\x12" + bytes([len(cut)]) + cut)
+    with pytest.raises(DecodeError):
+        pb.WorkerMessage.FromString(b"\x12" + bytes([len(cut)]) + cut)

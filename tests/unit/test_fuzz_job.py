@@ -70,6 +70,8 @@ def payload(rank: int, step: int, dtype: int, nbytes: int) -> bytes:
         pb.DTYPE_FLOAT16: np.float16,
         pb.DTYPE_FLOAT64: np.float64,
     }.get(dtype)
+    if dtype == pb.DTYPE_INT8:
+        return b"\x01" * nbytes  # q = 1: the chunk's scale is the value
     if numpy_dtype is None:
         return bytes(nbytes)
     size = np.dtype(numpy_dtype).itemsize
@@ -88,7 +90,9 @@ class FakeClock:
 steps = st.sampled_from([0, 0, 0, 1, -1, 2, U64, 2**63])  # relative to the open step
 epochs = st.sampled_from([0, 0, 0, 1, -1, U64])  # relative to the current epoch
 wire_dtypes = st.sampled_from(
-    [pb.DTYPE_FLOAT32] * 6 + [pb.DTYPE_FLOAT16, pb.DTYPE_BFLOAT16, pb.DTYPE_INT64, 0, 99, 2**31 - 1]
+    [pb.DTYPE_FLOAT32] * 6
+    + [pb.DTYPE_FLOAT16, pb.DTYPE_BFLOAT16, pb.DTYPE_INT8, pb.DTYPE_INT8, pb.DTYPE_INT64]
+    + [0, 99, 2**31 - 1]
 )
 reply_dtypes = st.sampled_from([0] * 6 + [pb.DTYPE_FLOAT32, pb.DTYPE_FLOAT16, pb.DTYPE_INT8, 77])
 sizes = st.sampled_from([0, 1, 7, 31, 32, 40, 63, 64, 65, 128, 4096, 2**31, 2**40, U64])
@@ -297,32 +301,44 @@ class JobMachine(RuleBasedStateMachine):
         length = min(CHUNK, max(bucket_bytes - header.offset, 0))
         length = data.draw(st.sampled_from([length] * 4 + [length + 1, max(length - 1, 0), 0]))
         body = memoryview(payload(rank, header.step, header.dtype, length))
+        # An int8 chunk's scale is its value (q = 1), or a negative one, and it mostly asks
+        # for the float32 answer it needs; any other chunk has no scale, or one it may not carry.
+        value = contribution(rank, header.step) if header.dtype == pb.DTYPE_INT8 else 0.0
+        header.scale = data.draw(st.sampled_from([value] * 8 + [-1.0 if value else 1.0]))
+        if value:
+            header.reply_dtype = data.draw(st.sampled_from([pb.DTYPE_FLOAT32] * 6 + [0, 8]))
         self.deliver(rank, lambda: self.the_job.on_gradient(rank, header, body))
 
     @precondition(lambda self: self.connected)
     @rule(data=st.data())
     def whole_step(self, data: st.DataObject) -> None:
-        """Every connected rank uploads the open step in full, in a random order."""
+        """Every connected rank uploads the open step in full, in a random order: in
+        float32, or on the int8 wire (q = 1, the value as each chunk's scale)."""
         job = self.the_job
         step, epoch = job.open_step, job.membership_epoch
+        wire = data.draw(st.sampled_from([pb.DTYPE_FLOAT32] * 3 + [pb.DTYPE_INT8]))
+        itemsize = dtypes.itemsize(wire)
         uploads = [
             (rank, bucket, offset)
             for rank in sorted(self.connected)
             for bucket, elements in enumerate(BUCKET_ELEMENTS)
-            for offset in range(0, elements * 4, CHUNK)
+            for offset in range(0, elements * itemsize, CHUNK)
         ]
         for rank, bucket, offset in data.draw(st.permutations(uploads)):
             if rank not in self.connected:
                 continue
+            int8 = wire == pb.DTYPE_INT8
             header = ChunkHeader(
                 step=step,
                 membership_epoch=epoch,
                 bucket_index=bucket,
                 offset=offset,
-                dtype=pb.DTYPE_FLOAT32,
+                dtype=wire,
+                reply_dtype=pb.DTYPE_FLOAT32 if int8 else 0,
+                scale=contribution(rank, step) if int8 else 0.0,
             )
-            length = min(CHUNK, BUCKET_ELEMENTS[bucket] * 4 - offset)
-            body = memoryview(payload(rank, step, pb.DTYPE_FLOAT32, length))
+            length = min(CHUNK, BUCKET_ELEMENTS[bucket] * itemsize - offset)
+            body = memoryview(payload(rank, step, wire, length))
             self.deliver(
                 rank,
                 lambda rank=rank, header=header, body=body: job.on_gradient(rank, header, body),  # type: ignore[misc]

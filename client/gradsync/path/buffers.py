@@ -9,13 +9,17 @@ copy) and scatters each averaged chunk straight back into them.
 Writing averages into the very memory that was uploaded is safe: an averaged
 chunk can only exist after the coordinator has received this rank's copy of
 that chunk, so the upload of those bytes is finished.
+
+An int8 bucket (DiLoCo's int8 wire, `gradsync.int8_wire`) also holds the
+scale of each of its chunks, computed on the grid the transport cuts it on,
+which every chunk's header carries (`scale_at`).
 """
 
 from __future__ import annotations
 
 import bisect
 import itertools
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 
 import numpy as np
 import numpy.typing as npt
@@ -27,12 +31,41 @@ class BucketBuffer:
 
     Args:
         segments: the bucket's parameters' gradient bytes, in bucket order.
+        scales: an int8 bucket's scale of each chunk, by the chunk's offset; None
+            for any other bucket (its chunks carry no scale).
     """
 
-    def __init__(self, segments: Sequence[npt.NDArray[np.uint8]]) -> None:
+    def __init__(
+        self,
+        segments: Sequence[npt.NDArray[np.uint8]],
+        scales: Mapping[int, float] | None = None,
+    ) -> None:
         self.segments = list(segments)
         self._starts = [0, *itertools.accumulate(len(s) for s in self.segments)]
         self.size = self._starts[-1]
+        self.scales = dict(scales or {})
+
+    @property
+    def wire_bytes(self) -> int:
+        """The bucket's bytes on the wire: its payload and a float32 scale per scaled chunk."""
+        return self.size + 4 * len(self.scales)
+
+    def scale_at(self, offset: int) -> float:
+        """The scale the chunk at `offset` carries: 0.0 for a bucket without scales.
+
+        Raises:
+            ValueError: the bucket has scales, but none at `offset`: it was quantized
+                on another chunk grid than the one it is being cut on.
+        """
+        if not self.scales:
+            return 0.0
+        try:
+            return self.scales[offset]
+        except KeyError:
+            raise ValueError(
+                f"no scale for the chunk at offset {offset} of this int8 bucket: it was "
+                f"quantized on another chunk grid (scaled chunks at {sorted(self.scales)[:4]}...)"
+            ) from None
 
     def chunks(self, chunk_bytes: int) -> Iterator[tuple[int, list[memoryview]]]:
         """Yield (offset, pieces) per wire chunk; the pieces concatenate to the chunk."""

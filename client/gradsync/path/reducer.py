@@ -43,6 +43,7 @@ from gradsync.path.bucket_views import Allocator, BucketViews, BucketViewStage, 
 from gradsync.path.bucketing import BucketPlan, assign_buckets
 from gradsync.path.buffers import BucketBuffer
 from gradsync.path.staging import BucketStage, Stage
+from gradsync.quantized_wire import Int8Wire, WireHook, check_int8_wire
 
 
 def plan_buckets(
@@ -69,9 +70,9 @@ class _Launched:
     """A bucket handed to the gradient path: its stage, and the comm hook's view of it.
 
     `answered_in_place`: the averages come back in float32 straight into the
-    bucket's flat buffer (`wire_answer_dtype`), so there is nothing to cast back
-    and the hook's `after_average` must not run: it would overwrite them with
-    the 16-bit upload.
+    bucket's flat buffer (`wire_answer_dtype`, or DiLoCo's int8 wire), so there
+    is nothing to cast back and the hook's `after_average` must not run: it
+    would overwrite them with the narrow upload.
     """
 
     def __init__(
@@ -130,7 +131,7 @@ class Reducer:
         for bucket_index, plan in enumerate(self.buckets):
             for index in plan.parameter_indices:
                 self.bucket_of[index] = bucket_index
-        self.comm_hook: CommHook | None = wire_hook
+        self.comm_hook: WireHook | None = wire_hook
         self._comm_hook_state: Any = None
         self._hook_from_wire_dtype = wire_hook is not None
         self._answer_in_fp32 = answer_in_fp32 and wire_hook is not None
@@ -222,14 +223,19 @@ class Reducer:
             )
         bucket = None
         result: BucketBuffer | None = None
+        scales: dict[int, float] | None = None
         if hook is not None and stage.flat is not None:
             bucket = GradBucket(bucket_index, step, stage.flat, stage.names, self._world_size)
-            wire = check_wire_tensor(
-                bucket, hook.before_upload(self._comm_hook_state, bucket), self._rank
-            )
+            returned = hook.before_upload(self._comm_hook_state, bucket)
+            if isinstance(returned, Int8Wire):  # DiLoCo's int8 wire: float32 answers only
+                quantized = check_int8_wire(bucket, returned, self._rank)
+                wire, scales = quantized.values, quantized.scales
+                dtype = WIRE_DTYPES[torch.int8]
+            else:
+                wire = check_wire_tensor(bucket, returned, self._rank)
+                dtype = WIRE_DTYPES[wire.dtype]
             segments = [wire.view(torch.uint8).numpy()]
-            dtype = WIRE_DTYPES[wire.dtype]
-            if (
+            if scales is not None or (
                 self._answer_in_fp32
                 and stage.flat.dtype == torch.float32
                 and wire.dtype in COMPRESSED_WIRE_DTYPES
@@ -241,8 +247,8 @@ class Reducer:
             segments = stage.segments()
             dtype = bucket_wire_dtype(plan)
         self._launched[bucket_index] = _Launched(stage, bucket, wire, result is not None)
-        buffer = BucketBuffer(segments)
-        self._instruments.bucket_ready(step, bucket_index, buffer.size)
+        buffer = BucketBuffer(segments, scales)
+        self._instruments.bucket_ready(step, bucket_index, buffer.wire_bytes)
         if result is None:
             self._path().submit_bucket(step, bucket_index, buffer, dtype)
         else:

@@ -153,7 +153,7 @@ class Join(_message.Message):
     def __init__(self, job_id: _Optional[str] = ..., rank: _Optional[int] = ..., world_size: _Optional[int] = ..., signature: _Optional[_Union[ModelSignature, _Mapping]] = ..., incarnation: _Optional[str] = ..., client_version: _Optional[str] = ..., host_id: _Optional[str] = ..., local_world_size: _Optional[int] = ...) -> None: ...
 
 class GradientChunk(_message.Message):
-    __slots__ = ("step", "membership_epoch", "bucket_index", "offset", "dtype", "encoding", "payload", "contributors", "covered_ranks", "reply_dtype", "in_segment", "segment_offset", "nonfinite_ranks")
+    __slots__ = ("step", "membership_epoch", "bucket_index", "offset", "dtype", "encoding", "payload", "contributors", "covered_ranks", "reply_dtype", "in_segment", "segment_offset", "nonfinite_ranks", "scale")
     STEP_FIELD_NUMBER: _ClassVar[int]
     MEMBERSHIP_EPOCH_FIELD_NUMBER: _ClassVar[int]
     BUCKET_INDEX_FIELD_NUMBER: _ClassVar[int]
@@ -167,6 +167,7 @@ class GradientChunk(_message.Message):
     IN_SEGMENT_FIELD_NUMBER: _ClassVar[int]
     SEGMENT_OFFSET_FIELD_NUMBER: _ClassVar[int]
     NONFINITE_RANKS_FIELD_NUMBER: _ClassVar[int]
+    SCALE_FIELD_NUMBER: _ClassVar[int]
     step: int
     membership_epoch: int
     bucket_index: int
@@ -180,7 +181,8 @@ class GradientChunk(_message.Message):
     in_segment: bool
     segment_offset: int
     nonfinite_ranks: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, step: _Optional[int] = ..., membership_epoch: _Optional[int] = ..., bucket_index: _Optional[int] = ..., offset: _Optional[int] = ..., dtype: _Optional[_Union[DType, str]] = ..., encoding: _Optional[_Union[Encoding, str]] = ..., payload: _Optional[bytes] = ..., contributors: _Optional[int] = ..., covered_ranks: _Optional[_Iterable[int]] = ..., reply_dtype: _Optional[_Union[DType, str]] = ..., in_segment: _Optional[bool] = ..., segment_offset: _Optional[int] = ..., nonfinite_ranks: _Optional[_Iterable[int]] = ...) -> None: ...
+    scale: float
+    def __init__(self, step: _Optional[int] = ..., membership_epoch: _Optional[int] = ..., bucket_index: _Optional[int] = ..., offset: _Optional[int] = ..., dtype: _Optional[_Union[DType, str]] = ..., encoding: _Optional[_Union[Encoding, str]] = ..., payload: _Optional[bytes] = ..., contributors: _Optional[int] = ..., covered_ranks: _Optional[_Iterable[int]] = ..., reply_dtype: _Optional[_Union[DType, str]] = ..., in_segment: _Optional[bool] = ..., segment_offset: _Optional[int] = ..., nonfinite_ranks: _Optional[_Iterable[int]] = ..., scale: _Optional[float] = ...) -> None: ...
 
 class StateChunk(_message.Message):
     __slots__ = ("offset", "payload")

@@ -29,7 +29,8 @@ average keeps dividing by the world size, as DDP's default
 `divide_by_initial_world_size=True` does. `divisor` overrides the count for that.
 
 Accumulation dtype: a float64 bucket is summed in float64, every other wire
-dtype (float32, and float16/bfloat16 from a comm hook) in float32, and the sum
+dtype (float32, float16/bfloat16 from a comm hook, int8 dequantized with its
+chunk's scale, `gradsync_proto.int8_wire`) in float32, and the sum
 is divided by the count in that dtype (DDP's all-reduce sums float32 buckets
 in float32 too; a 16-bit wire gains a wider sum here). Overflow is the one place where float32
 is not enough: two ranks sending 3e38 sum to inf although their mean 3e38 is
@@ -215,7 +216,8 @@ class BucketReduction:
     Args:
         ranks: the ranks whose contributions make up the average (the unit
             leaders, with local groups); the sum is formed in ascending rank order.
-        dtype: wire dtype of the bucket (a `gradsync.v1.DType` value).
+        dtype: wire dtype of the bucket (a `gradsync.v1.DType` value); offsets,
+            lengths and `num_bytes` count its bytes (an int8 wire: one per element).
         num_bytes: size of the bucket in bytes.
         chunk_bytes: chunk size; offsets are multiples of it.
         divisor: divide every chunk's sum by this instead of by the summed
@@ -248,6 +250,9 @@ class BucketReduction:
         self.divisor = divisor
         self._ranks = sorted(ranks)
         self.dtype = dtype
+        #: What `add` takes: payloads of the wire dtype, but float32 for an int8 wire,
+        #: whose chunks need their own scale and so arrive dequantized (`int8_chunks`).
+        self.payload_dtype = pb.DTYPE_FLOAT32 if dtype == pb.DTYPE_INT8 else dtype
         self.reply_dtype = dtype if reply_dtype is None else reply_dtype
         self.num_bytes = num_bytes
         self.chunk_bytes = chunk_bytes
@@ -288,7 +293,8 @@ class BucketReduction:
         """Fold one rank's chunk in; return the chunk's average (in `reply_dtype`) if complete.
 
         Args:
-            magnitude: `classify(payload, dtype)` if the caller already has it
+            payload: the chunk's bytes in `payload_dtype` (an int8 chunk dequantized).
+            magnitude: `classify(payload, payload_dtype)` if the caller already has it
                 (the coordinator classifies to apply its --nonfinite policy; it
                 passes the payload `examine` returned).
             weight: how many ranks the contribution holds (a local leader's
@@ -312,7 +318,7 @@ class BucketReduction:
         if rank not in state.expected:
             raise KeyError(rank)
         if magnitude is None:
-            payload, magnitude = examine(payload, self.dtype)
+            payload, magnitude = examine(payload, self.payload_dtype)
         state.contributed.add(rank)
         before = self._state_bytes(state)
         state.parked[rank] = (payload, magnitude, weight)
@@ -358,9 +364,9 @@ class BucketReduction:
             if state.shadow is None and magnitude is Magnitude.TAME:
                 # Every real gradient: no overflow possible, the sum as it always was.
                 if state.accumulator is None:
-                    state.accumulator = _first_accumulator(payload, self.dtype)
+                    state.accumulator = _first_accumulator(payload, self.payload_dtype)
                 else:
-                    add_into(state.accumulator, payload, self.dtype)
+                    add_into(state.accumulator, payload, self.payload_dtype)
             else:
                 self._fold_with_shadow(state, payload)
             state.next_position += 1
@@ -389,7 +395,7 @@ class BucketReduction:
         elements stay bitwise the same); overflow and NaN are expected here,
         hence no warnings.
         """
-        values = to_accumulator(payload, self.dtype)
+        values = to_accumulator(payload, self.payload_dtype)
         with np.errstate(over="ignore", invalid="ignore"):
             if state.accumulator is None:
                 state.accumulator = values

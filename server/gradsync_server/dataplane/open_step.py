@@ -14,8 +14,9 @@ Two refinements of "every member contributes, divide by the contributions":
 a rank that ran out of inputs (DDP's `join()`, `out_of_inputs`) is not
 expected, yet averages keep dividing by the membership's size; and a comm
 hook may send a float32/float64 bucket as float16/bfloat16 (every rank the
-same per step and bucket), which is accumulated in float32 and answered in
-the same 16-bit type.
+same per step and bucket), accumulated in float32 and answered in the same
+16-bit type (or float32), or DiLoCo a float32 one as int8 with a scale per
+chunk, dequantized on arrival (`int8_chunks`) and answered in float32.
 
 With local groups (`host_groups`) only unit leaders upload and receive
 averages; a leader's chunk weighs its (checked) `covered_ranks`, and counts
@@ -58,6 +59,7 @@ from gradsync_server.dataplane.aggregation import (
 )
 from gradsync_server.dataplane.budget import ByteBudget, OwnerBudget, Reservation
 from gradsync_server.dataplane.host_groups import LocalGroups, check_covers
+from gradsync_server.dataplane.int8_chunks import contribution_of
 from gradsync_server.dataplane.nonfinite import NonFiniteContribution, NonFiniteGuard
 from gradsync_server.dataplane.observer import StepObserver, step_report
 from gradsync_server.dataplane.outer import OuterState
@@ -303,10 +305,11 @@ class OpenStep:
         )
         if problem is not None:
             raise RejectedMessage(problem[0], problem[1], step=step, bucket_index=bucket)
+        payload, payload_dtype = contribution_of(rank, chunk, payload, wire_dtype)  # int8: fp32
         check_budget(rank, chunk, len(payload), self._budget)
-        contribution, magnitude = examine(payload, wire_dtype)
+        contribution, magnitude = examine(payload, payload_dtype)
         if magnitude is Magnitude.NONFINITE:
-            self.nonfinite.check(rank, chunk, contribution, wire_dtype)  # raises under "abort"
+            self.nonfinite.check(rank, chunk, contribution, payload_dtype)  # raises under "abort"
         if held is None:
             reduction = BucketReduction(
                 self.units(),

@@ -24,6 +24,7 @@ from gradsync_server.dataplane.budget import ByteBudget, OwnerBudget
 from gradsync_server.dataplane.chunk_checks import check_chunk, check_range_chunk
 from gradsync_server.dataplane.wire_replies import (
     COMPRESSED_WIRE,
+    INT8_WIRE,
     reply_dtype_of,
     reply_dtype_problem,
 )
@@ -98,7 +99,8 @@ def check_sender(
 def check_wire_dtype(
     rank: int, chunk: ChunkHeader, native: int, held: BucketReduction | None, first_rank: int
 ) -> int:
-    """The chunk's wire dtype, if allowed: the bucket's, or 16-bit for a wider float.
+    """The chunk's wire dtype, if allowed: the bucket's, 16-bit for a wider float, or
+    int8 (with a scale per chunk) for a float32 bucket.
 
     Args:
         native: the bucket's dtype in the model signature.
@@ -109,9 +111,13 @@ def check_wire_dtype(
         RejectedMessage: the dtype is not allowed, or differs from the other ranks'.
     """
     step, bucket = chunk.step, chunk.bucket_index
-    if chunk.dtype != native and not (chunk.dtype in COMPRESSED_WIRE and native in COMPRESSIBLE):
+    compressed = chunk.dtype in COMPRESSED_WIRE and native in COMPRESSIBLE
+    quantized = chunk.dtype == INT8_WIRE and native == pb.DTYPE_FLOAT32
+    if chunk.dtype != native and not (compressed or quantized):
         allowed = dtypes.dtype_name(native)
-        if native in COMPRESSIBLE:
+        if native == pb.DTYPE_FLOAT32:
+            allowed += " (or float16/bfloat16 from a comm hook, or int8 with a per-chunk scale)"
+        elif native in COMPRESSIBLE:
             allowed += " (or float16/bfloat16 from a comm hook)"
         raise RejectedMessage(
             Code.INVALID_ARGUMENT,

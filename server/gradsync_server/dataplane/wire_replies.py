@@ -1,4 +1,4 @@
-"""What the average of a 16-bit wire comes back as: 16 bits, or the fp32 accumulator itself.
+"""What the average of a narrow wire comes back as: 16 bits, or the fp32 accumulator itself.
 
 A comm hook may send a float32 bucket as float16/bfloat16 (half the bytes up)
 and ask, in every chunk's `reply_dtype`, for the average in float32. The
@@ -15,7 +15,12 @@ bytes is [2 lo, 2 hi) in reply bytes, chunked from 2 lo like any range
 for a float32 bucket of the same elements. An input chunk at offset o of L
 bytes lies on the wire grid (o - lo is a multiple of the chunk size), so its
 reply [2 o, 2 o + 2 L) starts on the reply grid and covers whole reply chunks.
-Pure logic, no gRPC.
+
+An int8 wire (DiLoCo's pseudo-gradients, one scale per chunk) is always
+answered in float32: an int8 answer would need scales of its own and round
+the average a second time, for the one use that wants it least (the answer is
+the new global parameters). Its reply is four times the wire bytes, cut the
+same way from 4 lo. Pure logic, no gRPC.
 """
 
 from __future__ import annotations
@@ -25,6 +30,8 @@ from gradsync_proto.v1 import gradsync_pb2 as pb
 
 #: 16-bit wire dtypes a comm hook may compress a float32/float64 bucket to.
 COMPRESSED_WIRE = (pb.DTYPE_FLOAT16, pb.DTYPE_BFLOAT16)
+#: The int8 wire (a scale per chunk): a float32 bucket's only, answered in float32 only.
+INT8_WIRE = pb.DTYPE_INT8
 
 
 def reply_dtype_of(chunk_reply_dtype: int, wire_dtype: int) -> int:
@@ -38,8 +45,16 @@ def reply_dtype_problem(reply_dtype: int, wire_dtype: int, native_dtype: int) ->
     Allowed: the payload's own dtype, or float32 for a 16-bit payload of a
     float32 bucket: the one case where the answer lands in the bucket's buffer
     as is (a float64 bucket would still need a cast on the worker, and any other
-    widening would only cost bytes).
+    widening would only cost bytes). An int8 payload: float32 only.
     """
+    if wire_dtype == INT8_WIRE:
+        if reply_dtype == pb.DTYPE_FLOAT32 and native_dtype == pb.DTYPE_FLOAT32:
+            return None
+        return (
+            f"asked for the average as {dtypes.dtype_name(reply_dtype)}, but an int8 payload "
+            f"(of a {dtypes.dtype_name(native_dtype)} bucket) is answered in float32 only "
+            "(reply dtype FLOAT32)"
+        )
     if reply_dtype == wire_dtype:
         return None
     if (

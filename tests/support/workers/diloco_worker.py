@@ -19,7 +19,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 import gradsync
 from support import scenarios
-from support.diloco_reference import Run, batch, inner_optimizer, make_model
+from support.diloco_reference import WIRES, Run, batch, inner_optimizer, make_model
 
 
 def main() -> int:
@@ -33,9 +33,9 @@ def main() -> int:
     time.sleep(args.start_delay_s)  # a rank started by hand, later than the others
     run = Run.from_arguments(args)
     rank = args.rank
-    model = make_model(seed=100 + rank)  # different on every rank: construction equalises
+    model = make_model(100 + rank, run.hidden)  # different on every rank: construction equalises
     optimizer = inner_optimizer(run, model)
-    wire = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}[run.wire]
+    wire = WIRES[run.wire]
     saved: dict[str, np.ndarray] = {}
     with gradsync.DiLoCo(
         model,
