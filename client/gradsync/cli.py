@@ -349,7 +349,7 @@ def _worker(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
         parser.error(f"worker needs --rank and --world-size (or ${ENV_RANK} / ${ENV_WORLD_SIZE})")
     if not 0 <= args.rank < args.world_size:
         parser.error(f"--rank {args.rank} is out of range for --world-size {args.world_size}")
-    from gradsync.example import TrainSettings, train_samples
+    from gradsync.example import train_samples
 
     _check_batches(parser, args.batch_size, args.world_size, "--world-size", train_samples())
     save_path = None
@@ -370,13 +370,7 @@ def _worker(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     from gradsync.errors import GradSyncError
     from gradsync.example import train_worker
 
-    settings = TrainSettings(
-        world_size=args.world_size,
-        epochs=args.epochs,
-        batch_size=args.batch_size,
-        lr=args.lr,
-        sync_every=args.diloco or 0,
-    )
+    settings = _train_settings(args, args.world_size)
     init_seed = args.init_seed if args.init_seed is not None else 1000 + args.rank
     try:
         test_accuracy = train_worker(
@@ -404,6 +398,12 @@ def _worker(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     return 0
 
 
+def _train_settings(args: argparse.Namespace, world_size: int) -> Any:
+    from gradsync.example import TrainSettings
+
+    return TrainSettings(world_size, args.epochs, args.batch_size, args.lr, 0, args.diloco or 0)
+
+
 def _check_batches(
     parser: argparse.ArgumentParser, batch_size: int, ranks: int, ranks_flag: str, samples: int
 ) -> None:
@@ -419,17 +419,11 @@ def _demo(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     if args.ray_address is not None and not args.ray:
         parser.error("--ray-address needs --ray")
     from gradsync.demo import run_demo
-    from gradsync.example import TrainSettings, train_samples
+    from gradsync.example import train_samples
 
     _check_batches(parser, args.batch_size, args.workers, "--workers", train_samples())
     _configure_logging("WARNING", "demo")
-    settings = TrainSettings(
-        world_size=args.workers,
-        epochs=args.epochs,
-        batch_size=args.batch_size,
-        lr=args.lr,
-        sync_every=args.diloco or 0,
-    )
+    settings = _train_settings(args, args.workers)
     if args.ray:
         if args.diloco:
             parser.error("--diloco runs with local workers only (not yet with --ray)")
