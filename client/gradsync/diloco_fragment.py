@@ -31,7 +31,7 @@ from torch import nn
 
 from gradsync.ddp import DistributedDataParallel
 from gradsync.errors import CoordinatorRestartedError, SyncTimeoutError
-from gradsync.hooks import GradBucket
+from gradsync.hooks import GradBucket, _CastCompression
 from gradsync.quantized_wire import ChunkGrid, Int8Quantization
 
 __all__ = ["Fragment"]
@@ -42,7 +42,7 @@ log = logging.getLogger("gradsync.client")
 RESTARTS_PER_ROUND = 3
 
 
-class _SeedableCast:
+class _SeedableCast(_CastCompression):
     """The comm hook of a 16-bit DiLoCo wire: the seed round travels in float32.
 
     The seed is the global parameters themselves, which must reach the
@@ -51,19 +51,13 @@ class _SeedableCast:
     """
 
     def __init__(self, wire_dtype: torch.dtype) -> None:
-        self.wire_dtype = wire_dtype
+        super().__init__(wire_dtype)
         self.seeding = True
 
     def before_upload(self, state: Any, bucket: GradBucket) -> torch.Tensor:
         if self.seeding or bucket.buffer.dtype != torch.float32:
             return bucket.buffer
-        return bucket.buffer.to(self.wire_dtype)
-
-    def after_average(self, state: Any, bucket: GradBucket, averaged: torch.Tensor) -> None:
-        bucket.buffer.copy_(averaged)
-
-    def __repr__(self) -> str:
-        return f"{type(self).__name__}({self.wire_dtype})"
+        return super().before_upload(state, bucket)
 
 
 class _Shadow(nn.Module):

@@ -141,20 +141,7 @@ class FileCheckpointStore(_StoreLifecycle):
         return sorted(int(match[1]) for name in names if (match := _BLOB_NAME.fullmatch(name)))
 
     def _write_atomically(self, directory: Path, name: str, parts: Iterable[bytes]) -> None:
-        """temp file -> write -> flush -> fsync -> rename -> fsync(directory)."""
-        descriptor, temp_name = tempfile.mkstemp(prefix=f".{name}.", suffix=".tmp", dir=directory)
-        try:
-            with os.fdopen(descriptor, "wb") as file:
-                for part in parts:
-                    file.write(part)
-                file.flush()
-                self._fsync(file.fileno())
-            os.replace(temp_name, directory / name)
-        except BaseException:
-            with contextlib.suppress(OSError):
-                os.unlink(temp_name)
-            raise
-        self._sync_directory(directory)
+        write_atomically(directory, name, parts, self._fsync)
 
     def _make_directory(self, path: Path) -> None:
         """mkdir -p, fsyncing each parent whose entries changed so the new folders persist."""
@@ -166,11 +153,7 @@ class FileCheckpointStore(_StoreLifecycle):
         self._sync_directory(path.parent)
 
     def _sync_directory(self, path: Path) -> None:
-        descriptor = os.open(path, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
-        try:
-            self._fsync(descriptor)
-        finally:
-            os.close(descriptor)
+        sync_directory(path, self._fsync)
 
     def _prune(self, job_dir: Path, job_id: str, saved_step: int, guard: PruneGuard | None) -> None:
         """Delete superseded blobs and stray temp files; failures only warn (the save is done)."""
@@ -190,3 +173,35 @@ class FileCheckpointStore(_StoreLifecycle):
                 pass
             except OSError as exc:
                 log.warning("%s: could not delete old file %s: %s", self.description, path, exc)
+
+
+def write_atomically(
+    directory: Path, name: str, parts: Iterable[bytes], fsync: Callable[[int], None]
+) -> None:
+    """temp file (mode 0600) -> write -> flush -> fsync -> rename -> fsync(directory).
+
+    A reader sees the old file or the new one, never a torn one, and the new one
+    survives a crash once this returns.
+    """
+    descriptor, temp_name = tempfile.mkstemp(prefix=f".{name}.", suffix=".tmp", dir=directory)
+    try:
+        with os.fdopen(descriptor, "wb") as file:
+            for part in parts:
+                file.write(part)
+            file.flush()
+            fsync(file.fileno())
+        os.replace(temp_name, directory / name)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(temp_name)
+        raise
+    sync_directory(directory, fsync)
+
+
+def sync_directory(path: Path, fsync: Callable[[int], None]) -> None:
+    """fsync a directory, so that the entries just renamed or removed in it persist."""
+    descriptor = os.open(path, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
+    try:
+        fsync(descriptor)
+    finally:
+        os.close(descriptor)

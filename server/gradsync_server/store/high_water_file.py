@@ -20,11 +20,11 @@ import contextlib
 import hashlib
 import json
 import os
-import tempfile
 from collections.abc import Callable, Mapping
 from pathlib import Path
 
 from gradsync_server.store.checkpoint import CheckpointError
+from gradsync_server.store.checkpoint_file import sync_directory, write_atomically
 from gradsync_server.store.high_water import HighWater
 
 #: Environment variable naming the state directory (the `--state-dir` default).
@@ -122,19 +122,9 @@ class HighWaterMarks:
         }
         self._make_directories()
         path = self.path(description, job_id)
-        # mkstemp creates the file 0600: no other user reads or replaces a mark.
-        descriptor, temp_name = tempfile.mkstemp(prefix=".", suffix=".tmp", dir=self.directory)
-        try:
-            with os.fdopen(descriptor, "wb") as file:
-                file.write(json.dumps(record, sort_keys=True).encode() + b"\n")
-                file.flush()
-                self._fsync(file.fileno())
-            os.replace(temp_name, path)
-        except BaseException:
-            with contextlib.suppress(OSError):
-                os.unlink(temp_name)
-            raise
-        self._sync_directory(self.directory)
+        # The temp file is created 0600: no other user reads or replaces a mark.
+        line = json.dumps(record, sort_keys=True).encode() + b"\n"
+        write_atomically(self.directory, path.name, [line], self._fsync)
 
     def forget(self, description: str, job_id: str) -> None:
         """Delete the mark (`--fresh-start`: the job starts over, from nothing acknowledged).
@@ -158,8 +148,4 @@ class HighWaterMarks:
                 self._sync_directory(folder.parent)
 
     def _sync_directory(self, path: Path) -> None:
-        descriptor = os.open(path, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
-        try:
-            self._fsync(descriptor)
-        finally:
-            os.close(descriptor)
+        sync_directory(path, self._fsync)
