@@ -162,6 +162,9 @@ def observe(model: gradsync.DistributedDataParallel, rank: int) -> dict[str, obj
     found: dict[str, object] = {}
     if rank == 0:
         found["checkpoint_step"] = model.save_checkpoint(wait=True)
+    # Nobody leaves before rank 0's checkpoint is in: a job whose other ranks have gone
+    # is finishing, and refuses it (a race a fast follower used to win now and then).
+    model.barrier()
     server = model._instruments.server  # introspection: the port it bound
     assert server is not None
     with urllib.request.urlopen(server.url, timeout=10) as response:
