@@ -10,6 +10,7 @@ import os
 import signal
 import sys
 import time
+import urllib.request
 from pathlib import Path
 
 import numpy as np
@@ -29,6 +30,10 @@ def main() -> int:
     parser.add_argument("--start-delay-s", type=float, default=0.0)
     parser.add_argument("--die-at-step", type=int, default=-1, help="SIGKILL itself there")
     parser.add_argument("--step-delay-s", type=float, default=0.0, help="a slower inner step")
+    parser.add_argument("--metrics", action="store_true", help="serve metrics; save a scrape")
+    parser.add_argument(
+        "--trace", type=Path, default=None, help="trace the rounds into this folder"
+    )
     args = parser.parse_args()
     time.sleep(args.start_delay_s)  # a rank started by hand, later than the others
     run = Run.from_arguments(args)
@@ -52,6 +57,8 @@ def main() -> int:
         world_size=args.world_size,
         job_id=args.job_id,
         timeout_s=60,
+        metrics_port=0 if args.metrics else None,
+        trace_path=args.trace / f"rank{rank}.json" if args.trace else None,
     ) as diloco:
         for name, p in model.named_parameters():
             saved[f"round0/{name}"] = p.detach().numpy().copy()
@@ -71,6 +78,10 @@ def main() -> int:
         saved["fragment_sizes"] = np.array([len(f.params) for f in diloco.fragments])
         saved["inner_steps"] = np.array(diloco.inner_steps)
         saved["last_round_bytes"] = np.array(diloco.last_round_bytes)
+        server = diloco._instruments.server
+        if server is not None:  # what a scraper of this rank's endpoint reads now
+            with urllib.request.urlopen(server.url, timeout=10) as reply:
+                saved["metrics"] = np.frombuffer(reply.read(), dtype=np.uint8)
     np.savez(args.out, **saved)
     return 0
 
