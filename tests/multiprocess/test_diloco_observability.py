@@ -5,7 +5,8 @@ Two real ranks run streaming DiLoCo (two fragments, a bf16 wire) against a real
 trace; at the end each scrapes its own endpoint over HTTP. The numbers must be
 the run's: every fragment's rounds counted, the inner steps, the bytes each way
 (bf16 up, float32 global parameters down), one exposed-wait sample and one trace
-span per round, and both ranks contributing.
+span per round, and both ranks contributing; `gradsync status` shows each
+fragment's job with its outer rounds and the state it holds.
 """
 
 from __future__ import annotations
@@ -14,6 +15,8 @@ import json
 from pathlib import Path
 
 import pytest
+from gradsync import defaults
+from gradsync.status import format_status, query_status
 from prometheus_client.parser import text_string_to_metric_families
 from support.diloco_reference import Run, make_model
 from support.processes import WORKERS, run_ranks
@@ -72,6 +75,16 @@ def test_round_metrics_and_trace_count_what_the_rounds_did(
         sent = found[("gradsync_diloco_sent_bytes_total", label)]
         assert 0.4 < sent / (run.rounds * float32_bytes) < 0.75, sent  # bf16 up
         assert found[("gradsync_diloco_last_round_contributors", label)] == WORLD
+    # `gradsync status` knows each fragment's job for a DiLoCo one, and what it holds.
+    reply = query_status(coordinator.address)
+    jobs = {job.job_id: job for job in reply.jobs}
+    held = 0
+    for fragment in range(run.fragments):
+        job = jobs[f"{defaults.JOB_ID}.fragment{fragment}"]
+        assert job.outer and job.outer_rounds == run.rounds, job
+        held += job.outer_state_bytes
+    assert held == 2 * float32_bytes  # the global parameters and the momentum, once each
+    assert f"DiLoCo: {run.rounds} outer rounds applied" in format_status(reply)
     for rank in range(WORLD):
         events = json.loads((traces / f"rank{rank}.json").read_text())  # closed: valid JSON
         spans = [e for e in events if e.get("ph") == "X" and e["name"].startswith("round (")]
