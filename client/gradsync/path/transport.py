@@ -82,6 +82,7 @@ from gradsync.path.buffers import BucketBuffer
 from gradsync.path.inbox import Inbox
 from gradsync.path.shard_faults import SHARD_GRACE_MARGIN_S
 from gradsync.path.shard_streams import CLIENT_MAX_MESSAGE_BYTES, ShardStreams, channel_options
+from gradsync.path.step_results import RoundReport
 
 log = logging.getLogger("gradsync.client")
 
@@ -351,6 +352,10 @@ class Transport:
             CoordinatorUnavailableError / other GradSyncError: the stream failed.
         """
         return self._inbox.wait_step(step, timeout_s)
+
+    def round_report(self) -> RoundReport:
+        """What the answers of the step `wait_step` returned last said (DiLoCo's rounds)."""
+        return self._inbox.round_report()
 
     def close(self, timeout_s: float = 10.0) -> None:
         """Say goodbye, wait (bounded) for the streams to end, stop the loop thread.
