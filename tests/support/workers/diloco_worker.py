@@ -4,8 +4,9 @@ The model and each rank's batches come from `support.diloco_reference`, which al
 simulates the same run in one process for the tests to compare against.
 
 Stragglers: `--before-round R:SECONDS` sleeps (and `--before-round R:PATH` waits for
-a file) before the inner step that starts the rank's round R, and `--after-round R:PATH`
-touches a file once its round R merged, so that tests order ranks across rounds
+a file) before the inner step that starts the rank's round R, `--touch-before-round
+R:PATH` touches a file right then (its upload follows at once), and `--after-round
+R:PATH` touches one once its round R merged, so that tests order ranks across rounds
 without guessing at timings. Weighted rounds claim `--samples` per inner step.
 """
 
@@ -42,7 +43,9 @@ def main() -> int:
     parser.add_argument("--samples", type=float, default=None, help="samples per inner step")
     parser.add_argument("--before-round", action="append", default=[], help="R:SECONDS|R:PATH")
     parser.add_argument("--after-round", action="append", default=[], help="R:PATH to touch")
+    parser.add_argument("--touch-before-round", action="append", default=[], help="R:PATH")
     args = parser.parse_args()
+    touch_before = dict(_round_and(value) for value in args.touch_before_round)
     before = dict(_round_and(value) for value in args.before_round)
     after = dict(_round_and(value) for value in args.after_round)
     time.sleep(args.start_delay_s)  # a rank started by hand, later than the others
@@ -85,6 +88,8 @@ def main() -> int:
             optimizer.step()
             if (step + 1) % run.sync_every == 0:  # this call starts a round
                 _hold(before.get(diloco.rounds + 1))
+                if diloco.rounds + 1 in touch_before:  # its upload starts right after this
+                    Path(touch_before[diloco.rounds + 1]).touch()
             if diloco.step(samples=args.samples):
                 number = diloco.rounds
                 for name, p in model.named_parameters():
