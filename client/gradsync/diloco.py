@@ -94,7 +94,9 @@ class DiLoCo:
             + (1 - mixing) * local); default 1 without overlap, 0.5 with.
         min_contributors: k; a round may close with k ranks' contributions instead of
             every live rank's (None = every rank, the default; with only
-            `round_deadline_s` given: 1). The others' contributions are late.
+            `round_deadline_s` given: 1). The others' contributions are late. Needs
+            `fragments=1`, an unsharded coordinator and flat ranks (`hierarchical` is
+            turned off).
         round_deadline_s: seconds from a round's first contribution after which it
             closes with `min_contributors` (None: 0 when `min_contributors` is given,
             i.e. as soon as k contributed; checked every ~0.25 s at the coordinator).
@@ -157,6 +159,11 @@ class DiLoCo:
             ),
         )
         feedback = wire_dtype is not None if error_feedback is None else error_feedback
+        if outer.min_contributors and fragments > 1:
+            raise ValueError(
+                f"partial rounds (min_contributors={outer.min_contributors}) are not possible "
+                f"with fragments={fragments} yet: pass fragments=1"
+            )
         if outer.min_contributors or weighted:
             if options.get("hierarchical") not in (None, False):
                 raise ValueError(
