@@ -341,16 +341,7 @@ class Transport:
         self._loop.call_soon_threadsafe(self._dispatch, parts)
 
     def wait_step(self, step: int, timeout_s: float) -> int:
-        """Block until every averaged bucket of `step` was written back into its buffer.
-
-        Returns:
-            The number of ranks averaged over.
-
-        Raises:
-            StepAbortedError (or a subclass): the coordinator abandoned the step.
-            SyncTimeoutError: the results did not arrive within `timeout_s`.
-            CoordinatorUnavailableError / other GradSyncError: the stream failed.
-        """
+        """Block until every average of `step` is back; the contributors (`Inbox.wait_step`)."""
         return self._inbox.wait_step(step, timeout_s)
 
     def round_report(self) -> RoundReport:

@@ -169,12 +169,9 @@ def close_round_if_due(step: OpenStep) -> list[Action]:
     excused = stragglers.policy.may_close(age, participants, complete, started)
     if not excused:
         return []
-    number = step.step
     for rank in excused:
-        stragglers.excuse(rank, number)
+        stragglers.excuse(rank, step.step)
     actions: list[Action] = []
-    for rank in excused:
+    for rank in excused:  # the last one completes the round (after it, the step moved on)
         actions += step.drop_rank(rank)
-    if step.step == number:  # cannot happen: every chunk held every remaining contribution
-        raise RuntimeError(f"round {number} did not complete without ranks {list(excused)}")
     return actions
