@@ -47,6 +47,7 @@ def job_status(job: Job, lag_tracker: LagTracker | None = None) -> pb.JobStatus:
         last_checkpoint_step=job.persistence.last_checkpoint_step,
         nonfinite_contributions=job.in_flight.nonfinite.count,
         last_nonfinite=job.in_flight.nonfinite.last,
+        outer_state=job.outer_state,
     )
 
 
