@@ -32,7 +32,10 @@ from support.redisserver import RedisServer
 DILOCO_WORKER = WORKERS / "diloco_worker.py"
 NAMES = [name for name, _ in make_model(0).named_parameters()]
 WORLD = 2
-RECORD = "outer-state-shard0"
+
+
+def record(shard: int) -> str:
+    return f"outer-state-shard{shard}"
 
 
 def _open_step(address: str) -> int:
@@ -64,15 +67,15 @@ def _kill_with_children(coordinator: CoordinatorProcess) -> None:
     coordinator.stop(signal_first=False)
 
 
-def _record_exists(kind: str, store: str) -> bool:
-    """The outer-state record of the default job is in the store (the component was used)."""
+def _record_exists(kind: str, store: str, shard: int = 0) -> bool:
+    """Plane `shard`'s outer-state record of the default job is in the store (it was used)."""
     if kind == "file":
-        return (Path(store) / "default" / RECORD).is_file()
+        return (Path(store) / "default" / record(shard)).is_file()
     import redis
 
     client = redis.Redis.from_url(store, socket_timeout=5)
     try:
-        return bool(client.exists(f"gradsync:ckpt:default:{RECORD}"))
+        return bool(client.exists(f"gradsync:ckpt:default:{record(shard)}"))
     finally:
         client.close()
 
@@ -91,19 +94,28 @@ def assert_equals_uninterrupted(outputs: list[dict[str, np.ndarray]], run: Run) 
 
 
 @pytest.mark.timeout(240)
-@pytest.mark.parametrize("kind", ["file", "redis"])
+@pytest.mark.parametrize(
+    ("kind", "shards"),
+    [("file", 1), ("redis", 1), ("file", 2), ("redis", 2)],
+    ids=["file", "redis", "file-two-shards", "redis-two-shards"],
+)
 def test_a_coordinator_killed_mid_run_resumes_its_outer_state_from_the_store(
-    kind: str, tmp_path: Path, request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch
+    kind: str,
+    shards: int,
+    tmp_path: Path,
+    request: pytest.FixtureRequest,
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """SIGKILL in the middle of a momentum-0.9 run, restart on the same port and store: the
-    run ends where the uninterrupted simulation ends, no inner step run twice."""
+    """SIGKILL in the middle of a momentum-0.9 run (with `--shards 2`: the leader and its
+    shard process at once), restart on the same port and store: the run ends where the
+    uninterrupted simulation ends, no inner step run twice. Every plane saved its range."""
     monkeypatch.setenv("GRADSYNC_HIERARCHICAL", "0")
     if kind == "redis":
         store = request.getfixturevalue("redis_server").url
     else:
         store = str(tmp_path / "store")
     port = free_port()
-    serve = ("--port", str(port), "--checkpoint-store", store)
+    serve = ("--port", str(port), "--checkpoint-store", store, "--shards", str(shards))
     first = CoordinatorProcess(WORLD, *serve)
     run = Run(rounds=6)
     processes = launch_ranks(
@@ -118,7 +130,8 @@ def test_a_coordinator_killed_mid_run_resumes_its_outer_state_from_the_store(
     second = None
     try:
         wait_for(lambda: _open_step(first.address) >= 3, 90, "two rounds on the first coordinator")
-        assert _record_exists(kind, store), "no outer-state record in the store after two rounds"
+        for shard in range(shards):
+            assert _record_exists(kind, store, shard), f"no record of plane {shard} in the store"
         _kill_with_children(first)
         second = CoordinatorProcess(WORLD, *serve)
         wait_for(lambda: _outer_state(second.address) != "", 90, "the restarted job's outer state")
@@ -130,6 +143,9 @@ def test_a_coordinator_killed_mid_run_resumes_its_outer_state_from_the_store(
     assert codes == [0, 0], codes
     assert re.match(r"restored round \d+ \(step \d+\) from the store", line), line
     assert "outer state restored round" in log, log[-3000:]
+    if shards > 1:
+        assert "(2 planes)" in line
+        assert "outer state of shard 1 restored" in log, log[-3000:]
     outputs = [dict(np.load(tmp_path / f"rank{rank}.npz")) for rank in range(WORLD)]
     assert_equals_uninterrupted(outputs, run)
 
@@ -163,46 +179,3 @@ def test_an_empty_store_or_another_layout_reseeds_and_says_so(
     assert "outer state reseeded (the stored outer state of step" in log, log
     assert "written for another model, outer optimizer or shard count" in log, log
     assert_equals_uninterrupted(outputs, other)  # its own run, from its own seed
-
-
-@pytest.mark.timeout(240)
-def test_two_local_shards_reseed_after_a_restart_and_say_so(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """With `--shards 2` the shards' ranges are not saved yet: a restarted coordinator must
-    not restore the leader's range alone; it reseeds, says why, and the run still finishes
-    with every inner step run once and one global model."""
-    monkeypatch.setenv("GRADSYNC_HIERARCHICAL", "0")
-    store = str(tmp_path / "store")
-    port = free_port()
-    serve = ("--port", str(port), "--shards", "2", "--checkpoint-store", store)
-    first = CoordinatorProcess(WORLD, *serve)
-    run = Run(rounds=5)
-    processes = launch_ranks(
-        DILOCO_WORKER,
-        first.address,
-        WORLD,
-        lambda rank: tmp_path / f"rank{rank}.npz",
-        *run.argv(),
-        "--step-delay-s",
-        "0.2",
-    )
-    second = None
-    try:
-        wait_for(lambda: _open_step(first.address) >= 3, 90, "two rounds on the first coordinator")
-        _kill_with_children(first)
-        second = CoordinatorProcess(WORLD, *serve)
-        wait_for(lambda: _outer_state(second.address) != "", 90, "the restarted job's outer state")
-        line = _outer_state(second.address)
-        codes = [process.wait(timeout=150) for process in processes]
-    finally:
-        reap(processes)
-        if second is not None:
-            second.stop()
-    assert codes == [0, 0], codes
-    assert line == "reseeded (the outer state is restored unsharded only, not with 2 shards)"
-    outputs = [dict(np.load(tmp_path / f"rank{rank}.npz")) for rank in range(WORLD)]
-    for output in outputs:
-        assert int(output["inner_steps"]) == run.rounds * run.sync_every
-    for name in NAMES:
-        np.testing.assert_array_equal(outputs[0][f"final/{name}"], outputs[1][f"final/{name}"])

@@ -147,12 +147,13 @@ class Job(JobEnding):
             self.job_id,
             signature,
             self._shard_count,
-            self.outer_record,
+            self.outer_records,
             resume.step if resume is not None else None,
         )
         restored = outer.snapshot if outer is not None else None
         start = resume.step if resume else (restored.step if restored is not None else 0)
         view = self._view(start)
+        view.outer_restore = restored is not None
         self.plane.start(view)
         if outer is not None:
             self._start_outer(outer)
@@ -172,8 +173,7 @@ class Job(JobEnding):
             log.warning("job '%s': outer state %s", self.job_id, outer.line)
         else:
             log.info("job '%s': outer state %s", self.job_id, outer.line)
-        # Shards hold ranges nobody saves yet: saving the leader's alone would restore half.
-        self.in_flight.persist_outer = self.persist_outer and self._shard_count == 1
+        self.in_flight.outer.persist = self.persist_outer
 
     # ------------------------------------------------------------------ liveness
     def touch(self, rank: int, reported_step: int | None = None) -> None:

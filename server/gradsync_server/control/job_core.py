@@ -114,9 +114,9 @@ class JobCore:
         self._last_abort_event = -1
         self.liveness = Liveness(clock)
         self.persistence = Persistence(chunk_bytes, blob_limit, job_budget)
-        #: The store's outer-state record of this job, read before it assembled: (bytes or
-        #: None, why none); None = not read (`gradsync_server.control.outer_resume`).
-        self.outer_record: tuple[bytes | None, str] | None = None
+        #: The store's outer-state records of this job, one per plane, read before it
+        #: assembled: (bytes or None, why none); None = not read (`control.outer_resume`).
+        self.outer_records: list[tuple[bytes | None, str]] | None = None
         #: Save the outer state after every step that changed it (a store is configured).
         self.persist_outer = False
         #: How the outer state started: restored from the store or reseeded, and why.

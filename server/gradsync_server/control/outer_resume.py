@@ -14,9 +14,11 @@ when the job assembles, this decides what becomes of it:
   layout: today's path, the ranks seed the global parameters again from what
   they hold and the outer momentum starts from zero.
 
-Either way one line says which, for the log and `gradsync status`. Only an
-unsharded coordinator restores for now: shard processes have no store of their
-own, and a leader that restored its range alone would mix two states.
+Either way one line says which, for the log and `gradsync status`. With S
+shards each plane saves its own range (a shard process writes to the store its
+leader gave it) and the leader reads every plane's record: it restores only if
+all S verify and hold the same step, and tells the shards to restore theirs
+(`ShardJobView.outer_restore`); a missing or older record anywhere reseeds.
 """
 
 from __future__ import annotations
@@ -47,7 +49,7 @@ def decide(
     job_id: str,
     signature: pb.ModelSignature,
     shard_count: int,
-    record: tuple[bytes | None, str] | None,
+    records: list[tuple[bytes | None, str]] | None,
     checkpoint_step: int | None,
 ) -> OuterResume | None:
     """Restore or reseed the outer state of `job_id` (None: the job has no outer optimizer).
@@ -56,40 +58,54 @@ def decide(
         job_id: the job.
         signature: its model signature (the outer optimizer and bucket layout).
         shard_count: the coordinator's shard count.
-        record: what the store held (bytes or None, and why none); None = not read.
+        records: what the store held for each plane 0..shard_count-1 (bytes or None, and
+            why none); None = not read (no store).
         checkpoint_step: the step of a rank-0 checkpoint the job resumes from, if any
             (its ranks then roll back to that checkpoint: the outer state does not apply).
+
+    Returns:
+        The leader's snapshot (restored) or None (reseeded), with the line saying why.
+        Restored only if every plane's record verifies, fits that plane's layout and
+        holds the same step: planes that stopped one step apart would replay different
+        rounds, so that case reseeds too.
     """
     if not signature.HasField("outer"):
         return None
-    if shard_count > 1:
-        return OuterResume(
-            None,
-            f"reseeded (the outer state is restored unsharded only, not with {shard_count} shards)",
-        )
     if checkpoint_step is not None:
         return OuterResume(
             None, f"reseeded (resuming from rank 0's checkpoint of step {checkpoint_step} instead)"
         )
-    if record is None:
+    if records is None:
         return OuterResume(None, "reseeded (no checkpoint store)")
-    blob, why = record
-    if blob is None:
-        return OuterResume(None, f"reseeded ({why})")
-    try:
-        snapshot = decode_snapshot(blob, job_id)
-    except OuterSnapshotError as exc:
-        return OuterResume(None, f"reseeded ({exc})")
-    expected = layout_signature(signature.outer, signature.buckets, shard_count, 0)
-    if snapshot.signature != expected:
+    if len(records) != shard_count:
+        return OuterResume(None, f"reseeded ({len(records)} records for {shard_count} planes)")
+    snapshots: list[OuterSnapshot] = []
+    for index, (blob, why) in enumerate(records):
+        plane = "" if shard_count == 1 else f"shard {index}: "
+        if blob is None:
+            return OuterResume(None, f"reseeded ({plane}{why})")
+        try:
+            snapshot = decode_snapshot(blob, job_id)
+        except OuterSnapshotError as exc:
+            return OuterResume(None, f"reseeded ({plane}{exc})")
+        expected = layout_signature(signature.outer, signature.buckets, shard_count, index)
+        if snapshot.signature != expected:
+            return OuterResume(
+                None,
+                f"reseeded ({plane}the stored outer state of step {snapshot.step} was written "
+                f"for another model, outer optimizer or shard count: layout "
+                f"{snapshot.signature[:12]}, this job's {expected[:12]})",
+            )
+        snapshots.append(snapshot)
+    steps = sorted({snapshot.step for snapshot in snapshots})
+    if len(steps) > 1:
         return OuterResume(
-            None,
-            f"reseeded (the stored outer state of step {snapshot.step} was written for another "
-            f"model, outer optimizer or shard count: layout {snapshot.signature[:12]}, this "
-            f"job's {expected[:12]})",
+            None, f"reseeded (the shards' records hold different steps {steps}: stopped mid-save)"
         )
+    leader = snapshots[0]
+    planes = "" if shard_count == 1 else f" ({shard_count} planes)"
     return OuterResume(
-        snapshot,
-        f"restored round {snapshot.rounds} (step {snapshot.step}) from the store; "
-        f"step {snapshot.step} is replayed",
+        leader,
+        f"restored round {leader.rounds} (step {leader.step}) from the store{planes}; "
+        f"step {leader.step} is replayed",
     )

@@ -50,7 +50,7 @@ from gradsync_proto.v1 import gradsync_pb2 as pb
 
 from gradsync_server import defaults
 from gradsync_server.control import signature as signatures
-from gradsync_server.dataplane.actions import Action, PersistOuter, SegmentAverage, Send
+from gradsync_server.dataplane.actions import Action, SegmentAverage, Send
 from gradsync_server.dataplane.aggregation import (
     BucketReduction,
     DuplicateContributionError,
@@ -194,8 +194,6 @@ class OpenStep:
         self._open_members: frozenset[int] = frozenset()
         #: Low-communication training: the global parameters and outer optimizer (if any).
         self.outer = OuterState()
-        #: Save the outer state after every step that changed it (a store is configured).
-        self.persist_outer = False
 
     def participants(self) -> tuple[int, ...]:
         """Members expected in the open step's reductions, ascending."""
@@ -413,9 +411,7 @@ class OpenStep:
         report = step_report(self.step, self.participants(), self._metrics)
         if self._metrics is not None and self.progress is not None:
             self._metrics.observe_step_done(self.progress.age(), self.step)
-        if self.outer.commit() and self.persist_outer:
-            snapshot = self.outer.snapshot(self._membership.job_id, self.step)
-            report = [PersistOuter(snapshot, self.shard_index), *report]
+        report = self.outer.close_step(self._membership.job_id, self.step) + report
         self._advance()
         self.steps_completed += 1
         return report

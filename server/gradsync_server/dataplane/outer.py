@@ -36,6 +36,7 @@ import numpy.typing as npt
 from gradsync_proto import chunking, dtypes
 from gradsync_proto.v1 import gradsync_pb2 as pb
 
+from gradsync_server.dataplane.actions import PersistOuter
 from gradsync_server.dataplane.outer_snapshot import OuterSnapshot, layout_signature
 
 __all__ = ["OuterState"]
@@ -94,6 +95,9 @@ class OuterState:
         )
         #: Restored from a record: the open step repeats the last committed one.
         self.replaying = False
+        #: Save the state after every step that changed it (a store is configured).
+        self.persist = False
+        self._shard_index = shard_index
 
     @property
     def seeded(self) -> bool:
@@ -167,6 +171,13 @@ class OuterState:
         if not seeding:
             self.rounds += 1
         return True
+
+    def close_step(self, job_id: str, step: int) -> list[PersistOuter]:
+        """`step` completed: `commit`, and the save it calls for (if `persist`), to be
+        carried out before the step's last answers go out."""
+        if not self.commit() or not self.persist:
+            return []
+        return [PersistOuter(self.snapshot(job_id, step), self._shard_index)]
 
     def discard(self) -> None:
         """The step was aborted: nothing of it is applied (a replay stays due)."""

@@ -105,6 +105,10 @@ class OuterRecords:
             return None, f"{store.description} holds no outer state of job '{job_id}'"
         return blob, ""
 
+    async def load_all(self, job_id: str, planes: int) -> list[tuple[bytes | None, str]]:
+        """The records of planes 0..planes-1 of `job_id` (see `load`)."""
+        return [await self.load(job_id, index) for index in range(planes)]
+
     async def _call(self, function: Callable[..., bytes | None], *args: object) -> bytes | None:
         loop = asyncio.get_running_loop()
         call = loop.run_in_executor(self._executor, function, *args)
