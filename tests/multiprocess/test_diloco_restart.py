@@ -141,13 +141,13 @@ def test_a_coordinator_killed_mid_run_resumes_its_outer_state_from_the_store(
         reap(processes)
         log = second.stop()[1] if second is not None else ""
     assert codes == [0, 0], codes
+    outputs = [dict(np.load(tmp_path / f"rank{rank}.npz")) for rank in range(WORLD)]
+    assert_equals_uninterrupted(outputs, run)
     assert re.match(r"restored round \d+ \(step \d+\) from the store", line), line
     assert "outer state restored round" in log, log[-3000:]
     if shards > 1:
         assert "(2 planes)" in line
         assert "outer state of shard 1 restored" in log, log[-3000:]
-    outputs = [dict(np.load(tmp_path / f"rank{rank}.npz")) for rank in range(WORLD)]
-    assert_equals_uninterrupted(outputs, run)
 
 
 @pytest.mark.timeout(240)
