@@ -142,6 +142,14 @@ class Fragment:
         # A rank joining a running job was healed with rank 0's shadow, which holds the
         # global parameters; the coordinator holds them already: nothing to seed. A
         # coordinator that restored its outer state from its store hands them out.
+        if welcome is not None and welcome.outer_repeat:
+            self.ddp.close()
+            raise GradSyncError(
+                "joined a restarted coordinator that is resuming a round in flight (its shards "
+                "saved different steps); only the ranks that ran that round can finish it: "
+                "restart the coordinator with --fresh-start or a new job id",
+                rank=self.ddp.rank,
+            )
         if welcome is not None and welcome.outer_replay:
             self._adopt_restored()
         elif welcome is None or not welcome.outer_seeded:
@@ -196,6 +204,9 @@ class Fragment:
                     if welcome is not None and welcome.outer_replay:
                         if self._replay(round_step, exc):
                             break
+                        continue
+                    if welcome is not None and welcome.outer_repeat:
+                        self._check_repeat(round_step, exc)
                         continue
                     log.warning(
                         "rank %d: %s; the coordinator holds no outer state: seeding it again "
@@ -262,6 +273,29 @@ class Fragment:
                     step=replayed,
                 ) from cause
         return False
+
+    def _check_repeat(self, round_step: int, cause: CoordinatorRestartedError) -> None:
+        """The restored shards saved two consecutive steps: none released the newer one's
+        answer, so this rank's round is that step, which it uploads again as it was.
+
+        Raises:
+            GradSyncError: this rank's round is another step (it cannot be resumed).
+        """
+        resumed = self.ddp.step
+        if round_step != resumed:
+            raise GradSyncError(
+                f"the restarted coordinator resumed step {resumed} to be uploaded again, but "
+                f"this rank's round is step {round_step}",
+                rank=self.ddp.rank,
+                step=round_step,
+            ) from cause
+        log.warning(
+            "rank %d: %s; the coordinator restored its outer state: uploading round step %d "
+            "again (no inner step is lost)",
+            self.ddp.rank,
+            cause,
+            round_step,
+        )
 
     def _adopt_restored(self) -> None:
         """A fresh rank joined a coordinator that restored its outer state: take it over."""

@@ -205,14 +205,23 @@ def sharded_record(shard_index: int, step: int) -> bytes:
     return b"".join(encode_snapshot(state.snapshot("job", step)))
 
 
-def test_sharded_planes_restore_only_when_every_record_holds_the_same_step() -> None:
+def test_sharded_planes_restore_when_their_records_hold_one_step_or_two_consecutive() -> None:
     signature = pb.ModelSignature(buckets=buckets(), outer=OUTER)
     both = [(sharded_record(0, 3), ""), (sharded_record(1, 3), "")]
     restored = outer_resume.decide("job", signature, 2, both, None)
     assert restored is not None and restored.snapshot is not None
-    assert restored.snapshot.step == 3 and "(2 planes)" in restored.line
+    assert (restored.start_step, restored.replay, restored.repeat) == (3, True, False)
+    assert "(2 planes)" in restored.line and "step 3 is replayed" in restored.line
+    # Killed between the two planes' saves of step 3: step 3 is uploaded again, the plane
+    # that saved it replays it, the other runs it as an outer step.
+    for leader, shard in ((3, 2), (2, 3)):
+        records = [(sharded_record(0, leader), ""), (sharded_record(1, shard), "")]
+        apart = outer_resume.decide("job", signature, 2, records, None)
+        assert apart is not None and apart.snapshot is not None and apart.repeat
+        assert apart.start_step == 3 and apart.replay is (leader == 3)
+        assert "the shards saved steps [2, 3]: step 3 is uploaded again" in apart.line
     cases = {
-        "apart": [(sharded_record(0, 3), ""), (sharded_record(1, 2), "")],
+        "far apart": [(sharded_record(0, 3), ""), (sharded_record(1, 1), "")],
         "missing": [(sharded_record(0, 3), ""), (None, "no record")],
         "swapped": [(sharded_record(1, 3), ""), (sharded_record(0, 3), "")],
         "short": [(sharded_record(0, 3), "")],
@@ -220,10 +229,23 @@ def test_sharded_planes_restore_only_when_every_record_holds_the_same_step() -> 
     for name, records in cases.items():
         decision = outer_resume.decide("job", signature, 2, records, None)
         assert decision is not None and decision.snapshot is None, name
-    apart = outer_resume.decide("job", signature, 2, cases["apart"], None)
+        assert decision.line.startswith("reseeded ("), name
+    far = outer_resume.decide("job", signature, 2, cases["far apart"], None)
     missing = outer_resume.decide("job", signature, 2, cases["missing"], None)
-    assert apart is not None and "different steps [2, 3]" in apart.line
+    assert far is not None and "hold steps [1, 3]" in far.line
     assert missing is not None and "shard 1: no record" in missing.line
+
+
+def test_a_plane_restored_one_step_behind_runs_the_open_step_as_an_outer_step() -> None:
+    reference, rng = trained(2)
+    behind = OuterState(OUTER, buckets())
+    stored = b"".join(encode_snapshot(reference.snapshot("job", 2)))
+    behind.restore(decode_snapshot(stored, "job"), replay=False)
+    assert not behind.replaying
+    values = sample(rng)
+    for got, want in zip(step(behind, values), step(reference, values), strict=True):
+        np.testing.assert_array_equal(got, want)
+    assert behind.rounds == reference.rounds == 3
 
 
 def test_the_file_store_writes_a_record_atomically_and_durably(tmp_path: Path) -> None:

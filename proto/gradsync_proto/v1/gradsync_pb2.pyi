@@ -357,7 +357,7 @@ class ShardHello(_message.Message):
     def __init__(self, job_id: _Optional[str] = ..., rank: _Optional[int] = ..., incarnation: _Optional[str] = ..., shard_index: _Optional[int] = ..., session: _Optional[bytes] = ...) -> None: ...
 
 class Welcome(_message.Message):
-    __slots__ = ("job_id", "world_size", "membership_epoch", "start_step", "chunk_bytes", "max_message_bytes", "state_bytes", "resume_bytes", "heartbeat_interval_s", "checkpoint_every_steps", "next_collective", "shards", "session", "local_ranks", "local_secret", "payload_socket", "outer_seeded", "outer_replay")
+    __slots__ = ("job_id", "world_size", "membership_epoch", "start_step", "chunk_bytes", "max_message_bytes", "state_bytes", "resume_bytes", "heartbeat_interval_s", "checkpoint_every_steps", "next_collective", "shards", "session", "local_ranks", "local_secret", "payload_socket", "outer_seeded", "outer_replay", "outer_repeat")
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
     WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
     MEMBERSHIP_EPOCH_FIELD_NUMBER: _ClassVar[int]
@@ -376,6 +376,7 @@ class Welcome(_message.Message):
     PAYLOAD_SOCKET_FIELD_NUMBER: _ClassVar[int]
     OUTER_SEEDED_FIELD_NUMBER: _ClassVar[int]
     OUTER_REPLAY_FIELD_NUMBER: _ClassVar[int]
+    OUTER_REPEAT_FIELD_NUMBER: _ClassVar[int]
     job_id: str
     world_size: int
     membership_epoch: int
@@ -394,7 +395,8 @@ class Welcome(_message.Message):
     payload_socket: str
     outer_seeded: bool
     outer_replay: bool
-    def __init__(self, job_id: _Optional[str] = ..., world_size: _Optional[int] = ..., membership_epoch: _Optional[int] = ..., start_step: _Optional[int] = ..., chunk_bytes: _Optional[int] = ..., max_message_bytes: _Optional[int] = ..., state_bytes: _Optional[int] = ..., resume_bytes: _Optional[int] = ..., heartbeat_interval_s: _Optional[float] = ..., checkpoint_every_steps: _Optional[int] = ..., next_collective: _Optional[int] = ..., shards: _Optional[_Iterable[_Union[ShardAddress, _Mapping]]] = ..., session: _Optional[bytes] = ..., local_ranks: _Optional[_Iterable[int]] = ..., local_secret: _Optional[bytes] = ..., payload_socket: _Optional[str] = ..., outer_seeded: _Optional[bool] = ..., outer_replay: _Optional[bool] = ...) -> None: ...
+    outer_repeat: bool
+    def __init__(self, job_id: _Optional[str] = ..., world_size: _Optional[int] = ..., membership_epoch: _Optional[int] = ..., start_step: _Optional[int] = ..., chunk_bytes: _Optional[int] = ..., max_message_bytes: _Optional[int] = ..., state_bytes: _Optional[int] = ..., resume_bytes: _Optional[int] = ..., heartbeat_interval_s: _Optional[float] = ..., checkpoint_every_steps: _Optional[int] = ..., next_collective: _Optional[int] = ..., shards: _Optional[_Iterable[_Union[ShardAddress, _Mapping]]] = ..., session: _Optional[bytes] = ..., local_ranks: _Optional[_Iterable[int]] = ..., local_secret: _Optional[bytes] = ..., payload_socket: _Optional[str] = ..., outer_seeded: _Optional[bool] = ..., outer_replay: _Optional[bool] = ..., outer_repeat: _Optional[bool] = ...) -> None: ...
 
 class ShardAddress(_message.Message):
     __slots__ = ("index", "address")

@@ -151,7 +151,9 @@ class Job(JobEnding):
             resume.step if resume is not None else None,
         )
         restored = outer.snapshot if outer is not None else None
-        start = resume.step if resume else (restored.step if restored is not None else 0)
+        start = resume.step if resume else 0
+        if outer is not None and restored is not None:
+            start = outer.start_step
         view = self._view(start)
         view.outer_restore = restored is not None
         self.plane.start(view)
@@ -168,8 +170,9 @@ class Job(JobEnding):
     def _start_outer(self, outer: outer_resume.OuterResume) -> None:
         """Restore the plane's outer state (or not), say which, and start saving it."""
         self.outer_state = outer.line
+        self.outer_repeat = outer.repeat
         if outer.snapshot is not None:
-            self.in_flight.outer.restore(outer.snapshot)
+            self.in_flight.outer.restore(outer.snapshot, outer.replay)
             log.warning("job '%s': outer state %s", self.job_id, outer.line)
         else:
             log.info("job '%s': outer state %s", self.job_id, outer.line)

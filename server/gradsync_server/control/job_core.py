@@ -121,6 +121,8 @@ class JobCore:
         self.persist_outer = False
         #: How the outer state started: restored from the store or reseeded, and why.
         self.outer_state = ""
+        #: Restored with the shards one step apart: the ranks upload the open step again.
+        self.outer_repeat = False
         self.assembly = Assembly(job_id, world_size, clock, heartbeat_interval_s)
         self.broadcast = StateBroadcast(chunk_bytes)
         self.collectives = Collectives(
@@ -239,7 +241,8 @@ class JobCore:
                 next_collective=self.collectives.next_sequence,
                 shards=self.shards,
                 outer_seeded=self.in_flight.outer.active and self.in_flight.outer.seeded,
-                outer_replay=self.in_flight.outer.replaying,
+                outer_replay=self.in_flight.outer.replaying and not self.outer_repeat,
+                outer_repeat=self.outer_repeat and self.in_flight.steps_completed == 0,
             )
         )
 

@@ -39,10 +39,25 @@ __all__ = ["OuterResume", "decide"]
 
 @dataclass(frozen=True)
 class OuterResume:
-    """What a DiLoCo job starts from: `snapshot` (restored) or None (reseeded), and why."""
+    """What a DiLoCo job starts from: `snapshot` (restored) or None (reseeded), and why.
+
+    Attributes:
+        snapshot: the leader's record (None: reseeded).
+        line: what happened, for the log and status.
+        start_step: the step the job resumes at (the newest record's).
+        repeat: the planes' records are one step apart (sharded): the ranks upload
+            their round at `start_step` again instead of a replay's parameters.
+    """
 
     snapshot: OuterSnapshot | None
     line: str
+    start_step: int = 0
+    repeat: bool = False
+
+    @property
+    def replay(self) -> bool:
+        """The leader's own plane replays `start_step` (its record holds that step)."""
+        return self.snapshot is not None and self.snapshot.step == self.start_step
 
 
 def decide(
@@ -65,9 +80,10 @@ def decide(
 
     Returns:
         The leader's snapshot (restored) or None (reseeded), with the line saying why.
-        Restored only if every plane's record verifies, fits that plane's layout and
-        holds the same step: planes that stopped one step apart would replay different
-        rounds, so that case reseeds too.
+        Restored only if every plane's record verifies and fits that plane's layout,
+        and the records hold one step or two consecutive ones (planes killed between
+        their saves of a step: none released that step's last answers, so no rank has
+        it and every rank uploads it again; the planes that saved it replay it).
     """
     if not signature.HasField("outer"):
         return None
@@ -98,14 +114,21 @@ def decide(
             )
         snapshots.append(snapshot)
     steps = sorted({snapshot.step for snapshot in snapshots})
-    if len(steps) > 1:
-        return OuterResume(
-            None, f"reseeded (the shards' records hold different steps {steps}: stopped mid-save)"
-        )
-    leader = snapshots[0]
+    if len(steps) > 2 or steps[-1] - steps[0] > 1:
+        return OuterResume(None, f"reseeded (the shards' records hold steps {steps})")
+    leader, newest = snapshots[0], steps[-1]
     planes = "" if shard_count == 1 else f" ({shard_count} planes)"
+    if len(steps) == 2:  # killed between two planes' saves of `newest`: nobody has its answer
+        return OuterResume(
+            leader,
+            f"restored round {leader.rounds} (step {leader.step}) from the store{planes}; "
+            f"the shards saved steps {steps}: step {newest} is uploaded again",
+            newest,
+            repeat=True,
+        )
     return OuterResume(
         leader,
         f"restored round {leader.rounds} (step {leader.step}) from the store{planes}; "
         f"step {leader.step} is replayed",
+        newest,
     )

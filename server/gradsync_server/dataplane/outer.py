@@ -194,8 +194,9 @@ class OuterState:
             job_id, self.signature, step, self.rounds, dict(self._parameters), dict(self._momenta)
         )
 
-    def restore(self, snapshot: OuterSnapshot) -> None:
-        """Hold `snapshot`'s state and replay its step (the job resumes at `snapshot.step`).
+    def restore(self, snapshot: OuterSnapshot, replay: bool = True) -> None:
+        """Hold `snapshot`'s state; replay its step (the job resumes at `snapshot.step`),
+        or with `replay` False run the next one as usual (another shard saved that one).
 
         Raises:
             ValueError: the record's layout is not this plane's (the caller checks the
@@ -211,4 +212,4 @@ class OuterState:
         self._momenta = {i: snapshot.momenta[i] for i in self._ranges}
         self._pending.clear()
         self.rounds = snapshot.rounds
-        self.replaying = True
+        self.replaying = replay

@@ -78,17 +78,19 @@ class ShardOuterStates:
             snapshot = decode_snapshot(blob, job_id) if blob is not None else None
             if snapshot is None:
                 problem = "the store holds no record of it"
-            elif snapshot.step != view.start_step:
+            elif snapshot.step not in (view.start_step, view.start_step - 1):
                 problem = f"the record holds step {snapshot.step}, the leader restored step "
                 problem += str(view.start_step)
             else:
-                outer.restore(snapshot)
+                replay = snapshot.step == view.start_step
+                outer.restore(snapshot, replay)
                 log.warning(
-                    "job '%s': outer state of shard %d restored: round %d (step %d) is replayed",
+                    "job '%s': outer state of shard %d restored: round %d (step %d)%s",
                     job_id,
                     shard_index,
                     snapshot.rounds,
                     snapshot.step,
+                    " is replayed" if replay else f"; step {view.start_step} is an outer step",
                 )
                 return
         except (CheckpointError, OSError, OuterSnapshotError, ValueError) as exc:
