@@ -37,6 +37,11 @@ log = logging.getLogger("gradsync.server")
 _RecordStore = FileCheckpointStore | RedisCheckpointStore
 
 
+def _encode_and_save(store: _RecordStore, snapshot: OuterSnapshot, shard_index: int) -> None:
+    """(store thread) Encoding hashes every byte: off the event loop too."""
+    store.save_record(snapshot.job_id, record_name(shard_index), encode_snapshot(snapshot))
+
+
 class OuterRecords:
     """Saves and loads the outer-state records of the coordinator's jobs.
 
@@ -78,12 +83,7 @@ class OuterRecords:
             return False
         what = f"saving the outer state of job '{snapshot.job_id}' step {snapshot.step}"
         try:
-            await self._call(
-                store.save_record,
-                snapshot.job_id,
-                record_name(shard_index),
-                encode_snapshot(snapshot),
-            )
+            await self._call(_encode_and_save, store, snapshot, shard_index)
         except (CheckpointError, OSError, TimeoutError) as exc:
             self.failures += 1
             log.error("%s: %s failed: %s", store.description, what, exc or "timed out")
