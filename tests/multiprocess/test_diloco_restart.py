@@ -150,13 +150,14 @@ def test_a_coordinator_killed_mid_run_resumes_its_outer_state_from_the_store(
         assert "outer state of shard 1 restored" in log, log[-3000:]
 
 
-@pytest.mark.timeout(240)
+@pytest.mark.timeout(300)
 def test_an_empty_store_or_another_layout_reseeds_and_says_so(
     tmp_path: Path, redis_server: RedisServer, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """A fresh store has no record: the job seeds as always (status says "reseeded"). A later
     job of the same id with another outer learning rate finds a record of another layout: it
-    is not restored (its global parameters would be the other run's), it reseeds."""
+    is not restored (its global parameters would be the other run's), it reseeds. That job
+    started a third time finds its own record: its fresh ranks take the stored parameters."""
     monkeypatch.setenv("GRADSYNC_HIERARCHICAL", "0")
     serve = ("--checkpoint-store", redis_server.url)
     run = Run(rounds=2)
@@ -179,3 +180,16 @@ def test_an_empty_store_or_another_layout_reseeds_and_says_so(
     assert "outer state reseeded (the stored outer state of step" in log, log
     assert "written for another model, outer optimizer or shard count" in log, log
     assert_equals_uninterrupted(outputs, other)  # its own run, from its own seed
+    # The same job started again on the same store: its new ranks resume from the stored
+    # global parameters (the end of the second run), not from their own.
+    (tmp_path / "c").mkdir()
+    third = CoordinatorProcess(WORLD, *serve)
+    try:
+        again = run_ranks(DILOCO_WORKER, third.address, WORLD, tmp_path / "c", *other.argv())
+    finally:
+        log = third.stop()[1]
+    assert "outer state restored round 2 (step 2) from the store" in log, log
+    for output in again:
+        assert int(output["inner_steps"]) == other.rounds * other.sync_every
+        for name in NAMES:
+            np.testing.assert_array_equal(output[f"round0/{name}"], outputs[0][f"final/{name}"])

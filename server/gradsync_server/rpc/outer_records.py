@@ -105,8 +105,13 @@ class OuterRecords:
             return None, f"{store.description} holds no outer state of job '{job_id}'"
         return blob, ""
 
-    async def load_all(self, job_id: str, planes: int) -> list[tuple[bytes | None, str]]:
-        """The records of planes 0..planes-1 of `job_id` (see `load`)."""
+    async def load_all(
+        self, job_id: str, planes: int, fresh_start: bool = False
+    ) -> list[tuple[bytes | None, str]]:
+        """The records of planes 0..planes-1 of `job_id` (see `load`); none read under
+        `--fresh-start`, which starts every job anew (the records stay until overwritten)."""
+        if fresh_start:
+            return [(None, "--fresh-start: the stored outer state is not read")] * planes
         return [await self.load(job_id, index) for index in range(planes)]
 
     async def _call(self, function: Callable[..., bytes | None], *args: object) -> bytes | None:

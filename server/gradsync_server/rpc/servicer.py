@@ -362,7 +362,9 @@ class CoordinatorServicer:
             resume, problem = await self.checkpointer.load_resume(job_id, join.signature)
             outer_records: list[tuple[bytes | None, str]] | None = None
             if join.signature.HasField("outer") and self.checkpointer.outer.enabled:
-                outer_records = await self.checkpointer.outer.load_all(job_id, config.shard_count)
+                outer_records = await self.checkpointer.outer.load_all(
+                    job_id, config.shard_count, config.fresh_start
+                )
             job = self.jobs.get(job_id)  # another rank's Join may have created it meanwhile
             if job is not None and job.state in (JobState.BROKEN, JobState.REFUSED):
                 job = None  # ... and it failed already: this rank starts it anew below
