@@ -298,7 +298,7 @@ def _redis_password(parser: argparse.ArgumentParser, args: argparse.Namespace) -
 
 def _shard(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     from gradsync_server.app import run_shard as run
-    from gradsync_server.shard_config import ShardConfig
+    from gradsync_server.shard_config import ShardConfig, store_settings
 
     chunk_bytes = None if args.chunk_mb is None else int(args.chunk_mb * MIB)
     if chunk_bytes is not None and args.max_buffered_mb * MIB < chunk_bytes:
@@ -327,6 +327,7 @@ def _shard(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
             max_connections=args.max_connections,
             first_message_timeout_s=args.first_message_timeout_s,
             metrics_port=args.metrics_port,
+            **store_settings(args, _redis_password(parser, args)),
             **_security_settings(args, tokens),
         )
     except ValueError as exc:

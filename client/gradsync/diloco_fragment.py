@@ -18,9 +18,15 @@ parameters and the step to continue at (`RoundReport.next_step`), and the
 wrapper jumps there, so the rank holds the global model and joins the open
 round. `last_report` says how each round went (contributors, late merges).
 
-A restarted coordinator holds no global parameters; every rank still holds
-the latest ones, so the round seeds it with them and is repeated: nothing is
-recomputed and no rank rolls back (the outer momentum starts from zero).
+A restarted coordinator either restored its outer state from its store
+(`Welcome.outer_replay`: the global parameters, the momentum, the round) or
+holds none. Restored, it replays the last round it committed: every rank
+takes part in that step in float32, a rank whose round it was takes the
+answer it missed, a rank that had it already checks that the answer is what
+it holds and then repeats its own round (`_replay`). Without a stored state
+every rank still holds the latest global parameters, so the round seeds it
+with them and is repeated (the outer momentum starts from zero). Either way
+nothing is recomputed and no rank rolls back.
 """
 
 from __future__ import annotations
@@ -36,7 +42,7 @@ from gradsync_proto.v1 import gradsync_pb2 as pb
 from torch import nn
 
 from gradsync.ddp import DistributedDataParallel
-from gradsync.errors import CoordinatorRestartedError, SyncTimeoutError
+from gradsync.errors import CoordinatorRestartedError, GradSyncError, SyncTimeoutError
 from gradsync.hooks import GradBucket, _CastCompression
 from gradsync.path.step_results import RoundReport
 from gradsync.quantized_wire import ChunkGrid, Int8Quantization
@@ -149,8 +155,19 @@ class Fragment:
         self.weighted = outer.weighted
         welcome = self.ddp._session.welcome
         # A rank joining a running job was healed with rank 0's shadow, which holds the
-        # global parameters; the coordinator holds them already: nothing to seed.
-        if welcome is None or not welcome.outer_seeded:
+        # global parameters; the coordinator holds them already: nothing to seed. A
+        # coordinator that restored its outer state from its store hands them out.
+        if welcome is not None and welcome.outer_repeat:
+            self.ddp.close()
+            raise GradSyncError(
+                "joined a restarted coordinator that is resuming a round in flight (its shards "
+                "saved different steps); only the ranks that ran that round can finish it: "
+                "restart the coordinator with --fresh-start or a new job id",
+                rank=self.ddp.rank,
+            )
+        if welcome is not None and welcome.outer_replay:
+            self._adopt_restored()
+        elif welcome is None or not welcome.outer_seeded:
             self.start(seed=True)
             self.wait()
 
@@ -199,6 +216,7 @@ class Fragment:
 
     def _run(self, uploads: list[torch.Tensor]) -> None:
         started, sent = time.perf_counter(), self.ddp.bytes_sent
+        round_step = self.ddp.step
         try:
             for attempt in range(1, RESTARTS_PER_ROUND + 2):
                 try:
@@ -207,9 +225,18 @@ class Fragment:
                 except CoordinatorRestartedError as exc:
                     if attempt > RESTARTS_PER_ROUND:
                         raise
+                    welcome = self.ddp._session.welcome
+                    if welcome is not None and welcome.outer_replay:
+                        if self._replay(round_step, exc):
+                            break
+                        continue
+                    if welcome is not None and welcome.outer_repeat:
+                        self._check_repeat(round_step, exc)
+                        continue
                     log.warning(
-                        "rank %d: %s; seeding it again with the global parameters and "
-                        "repeating the round (no inner step is lost)",
+                        "rank %d: %s; the coordinator holds no outer state: seeding it again "
+                        "with the global parameters and repeating the round (no inner step is "
+                        "lost; the outer momentum restarts from zero)",
                         self.ddp.rank,
                         exc,
                     )
@@ -240,13 +267,94 @@ class Fragment:
             )
             self.ddp.step = self.last_report.next_step
 
-    def _reseed(self) -> None:
-        """A restarted coordinator knows no global parameters: every rank holds the
-        latest ones (bitwise the same), so they seed it, in float32. Its outer momentum
-        starts again from zero."""
-        welcome = self.ddp._session.welcome
-        if welcome is not None and welcome.outer_seeded:
-            return  # a rank that did not lose it seeded it already (cannot happen today)
+    def _replay(self, round_step: int, cause: CoordinatorRestartedError) -> bool:
+        """Take part in the restored coordinator's replay of its last committed step.
+
+        Returns True if that step was this rank's round (its answer, which this rank
+        missed or never got, is now in the shadow's `.grad`), False if this rank had
+        that answer already (checked bitwise) and must repeat its own round next.
+
+        Raises:
+            GradSyncError: the restored step is neither this rank's round nor the one
+                before it (a save was lost: resuming would need recomputation), or the
+                replayed answer differs from the global parameters this rank holds.
+        """
+        replayed = self.ddp.step  # the restarted coordinator resumed the job there
+        rank = self.ddp.rank
+        if round_step not in (replayed, replayed + 1):
+            raise GradSyncError(
+                f"the restarted coordinator restored its outer state of step {replayed}, but "
+                f"this rank's round is step {round_step}: it cannot resume without recomputing "
+                "(was an outer-state save lost? see the coordinator's log)",
+                rank=rank,
+                step=round_step,
+            ) from cause
+        log.warning(
+            "rank %d: %s; the coordinator restored its outer state of step %d: %s",
+            rank,
+            cause,
+            replayed,
+            "taking that round's answer"
+            if round_step == replayed
+            else f"checking it, then repeating round step {round_step} (no inner step is lost)",
+        )
+        self._exchange_seeding()
+        if round_step == replayed:
+            return True
+        for index, (copy, held) in enumerate(zip(self._copies, self.global_params, strict=True)):
+            if copy.grad is None or not torch.equal(copy.grad, held):
+                raise GradSyncError(
+                    f"the restarted coordinator's replay of step {replayed} answered other "
+                    f"global parameters than this rank holds since that step (parameter "
+                    f"{index} of this fragment differs)",
+                    rank=rank,
+                    step=replayed,
+                ) from cause
+        return False
+
+    def _check_repeat(self, round_step: int, cause: CoordinatorRestartedError) -> None:
+        """The restored shards saved two consecutive steps: none released the newer one's
+        answer, so this rank's round is that step, which it uploads again as it was.
+
+        Raises:
+            GradSyncError: this rank's round is another step (it cannot be resumed).
+        """
+        resumed = self.ddp.step
+        if round_step != resumed:
+            raise GradSyncError(
+                f"the restarted coordinator resumed step {resumed} to be uploaded again, but "
+                f"this rank's round is step {round_step}",
+                rank=self.ddp.rank,
+                step=round_step,
+            ) from cause
+        log.warning(
+            "rank %d: %s; the coordinator restored its outer state: uploading round step %d "
+            "again (no inner step is lost)",
+            self.ddp.rank,
+            cause,
+            round_step,
+        )
+
+    def _adopt_restored(self) -> None:
+        """A fresh rank joined a coordinator that restored its outer state: take it over."""
+        self.ddp._pre_forward()
+        self._exchange_seeding()
+        with torch.no_grad():
+            pairs = zip(self.params, self._copies, self.global_params, strict=True)
+            for p, copy, global_p in pairs:
+                assert copy.grad is not None
+                global_p.copy_(copy.grad)
+                copy.copy_(copy.grad)
+                p.copy_(copy.grad)
+        log.warning(
+            "rank %d: the coordinator restored its outer state: starting from its global "
+            "parameters (step %d)",
+            self.ddp.rank,
+            self.ddp.step - 1,
+        )
+
+    def _exchange_seeding(self) -> None:
+        """One exchange of the global parameters in float32 (what a seed or a replay sends)."""
         if self._hook is not None:
             self._hook.seeding = True
         try:
@@ -254,6 +362,15 @@ class Fragment:
         finally:
             if self._hook is not None:
                 self._hook.seeding = False
+
+    def _reseed(self) -> None:
+        """A restarted coordinator knows no global parameters: every rank holds the
+        latest ones (bitwise the same), so they seed it, in float32. Its outer momentum
+        starts again from zero."""
+        welcome = self.ddp._session.welcome
+        if welcome is not None and welcome.outer_seeded:
+            return  # a rank that did not lose it seeded it already (cannot happen today)
+        self._exchange_seeding()
 
     def wait(self) -> list[torch.Tensor]:
         """Wait (bounded) for the round in flight; return the new global parameters.

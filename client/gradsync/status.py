@@ -237,4 +237,6 @@ def _running_job(job: pb.JobStatus) -> list[str]:
             f"  non-finite gradients (NaN/Inf): {job.nonfinite_contributions} contributions, "
             f"latest: {job.last_nonfinite}"
         )
+    if job.outer_state:
+        lines.append(f"  outer state: {job.outer_state}")
     return lines

@@ -346,6 +346,7 @@ class RunningShard:
         await self.server.stop(_SHARD_STOP_FLUSH_S)
         if self.metrics_server is not None:
             self.metrics_server.close()
+        servicer.outer_states.close()
 
 
 async def start_shard(

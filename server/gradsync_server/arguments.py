@@ -257,6 +257,25 @@ def add_shard_flags(parser: argparse.ArgumentParser) -> None:
         default=defaults.MAX_BUFFERED_BYTES / MIB,
         help="cap on gradient bytes held in partial reductions (default %(default)g)",
     )
+    parser.add_argument(
+        "--checkpoint-store",
+        default=None,
+        help="where this shard saves its range of every DiLoCo job's outer state (the "
+        "leader's --checkpoint-store, which `serve --shards` passes on; password from "
+        f"--redis-password-file or ${defaults.ENV_REDIS_PASSWORD}; default: none)",
+    )
+    parser.add_argument(
+        "--store-timeout",
+        type=flags.seconds,
+        default=defaults.STORE_TIMEOUT_S,
+        help="deadline of each store call (default %(default)gs)",
+    )
+    parser.add_argument(
+        "--redis-password-file",
+        default=None,
+        help=f"file holding the password of a redis:// --checkpoint-store (or set "
+        f"${defaults.ENV_REDIS_PASSWORD})",
+    )
     _add_peer_limit_flags(parser, "data streams", "ShardHello")
     parser.add_argument(
         "--metrics-port",

@@ -71,6 +71,10 @@ def shard_command(
         "--first-message-timeout-s",
         repr(config.first_message_timeout_s),
     ]
+    if config.checkpoint_store:
+        # Each shard saves its range of the DiLoCo outer state next to the leader's.
+        argv += ["--checkpoint-store", config.checkpoint_store]
+        argv += ["--store-timeout", repr(config.store_timeout_s)]
     if config.metrics_port:
         argv += ["--metrics-port", str(config.metrics_port + index)]
     if config.metrics_host:
@@ -88,7 +92,8 @@ def shard_command(
 
 
 def shard_environment(config: ServerConfig, environ: Mapping[str, str]) -> dict[str, str]:
-    """The children's environment: the leader's, with the tokens in $GRADSYNC_(SHARD_)TOKEN.
+    """The children's environment: the leader's, with the tokens in $GRADSYNC_(SHARD_)TOKEN
+    and the Redis password (if any) in $GRADSYNC_REDIS_PASSWORD.
 
     The tokens go by environment, never argv: the process list shows every
     argument to every user of the host, a process's environment only to its owner.
@@ -99,6 +104,9 @@ def shard_environment(config: ServerConfig, environ: Mapping[str, str]) -> dict[
         env[auth.ENV_TOKEN] = config.token
     if config.shard_token is not None:
         env[auth.ENV_SHARD_TOKEN] = config.shard_token
+    env.pop(defaults.ENV_REDIS_PASSWORD, None)
+    if config.redis_password is not None:
+        env[defaults.ENV_REDIS_PASSWORD] = config.redis_password
     return env
 
 

@@ -9,14 +9,17 @@ with both values instead of every chunk failing later) and its memory caps.
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import socket
 from dataclasses import dataclass, field
+from typing import Any
 
 from gradsync_proto import chunking
 
 from gradsync_server import defaults
 from gradsync_server.config import check_shard_token
+from gradsync_server.store.stores import parse_store_url
 
 #: Bound on the wait for the leader's answer to ShardRegister.
 REGISTER_TIMEOUT_S = 10.0
@@ -62,6 +65,10 @@ class ShardConfig:
             not hold it); required when the shard has a token or client certificates.
         insecure: listen beyond loopback with neither a token nor client certificates.
         metrics_host: interface the metrics server binds; None = `host`.
+        checkpoint_store: where this shard saves its range of the DiLoCo outer state (the
+            leader's store; `serve --shards` passes it on); None = nowhere.
+        store_timeout_s: deadline of every store call.
+        redis_password: password of a redis:// store; never printed.
     """
 
     leader: str
@@ -85,8 +92,13 @@ class ShardConfig:
     shard_token: str | None = field(default=None, repr=False)
     insecure: bool = False
     metrics_host: str | None = None
+    checkpoint_store: str | None = None
+    store_timeout_s: float = defaults.STORE_TIMEOUT_S
+    redis_password: str | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
+        if self.checkpoint_store is not None:
+            parse_store_url(self.checkpoint_store)  # an ambiguous URL: refused now
         if not self.leader:
             raise ValueError("a shard needs its leader's address (--leader HOST:PORT)")
         if not 0 <= self.port <= 65535:
@@ -131,6 +143,15 @@ class ShardConfig:
             return f":{bound_port}"
         host = f"[{host}]" if ":" in host else host
         return f"{host}:{bound_port}"
+
+
+def store_settings(args: argparse.Namespace, password: str | None) -> dict[str, Any]:
+    """`ShardConfig`'s store fields from the flags of `gradsync shard`."""
+    return {
+        "checkpoint_store": args.checkpoint_store,
+        "store_timeout_s": args.store_timeout,
+        "redis_password": password,
+    }
 
 
 def route_source(target: str) -> str | None:

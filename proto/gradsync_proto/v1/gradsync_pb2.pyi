@@ -375,7 +375,7 @@ class ShardHello(_message.Message):
     def __init__(self, job_id: _Optional[str] = ..., rank: _Optional[int] = ..., incarnation: _Optional[str] = ..., shard_index: _Optional[int] = ..., session: _Optional[bytes] = ...) -> None: ...
 
 class Welcome(_message.Message):
-    __slots__ = ("job_id", "world_size", "membership_epoch", "start_step", "chunk_bytes", "max_message_bytes", "state_bytes", "resume_bytes", "heartbeat_interval_s", "checkpoint_every_steps", "next_collective", "shards", "session", "local_ranks", "local_secret", "payload_socket", "outer_seeded")
+    __slots__ = ("job_id", "world_size", "membership_epoch", "start_step", "chunk_bytes", "max_message_bytes", "state_bytes", "resume_bytes", "heartbeat_interval_s", "checkpoint_every_steps", "next_collective", "shards", "session", "local_ranks", "local_secret", "payload_socket", "outer_seeded", "outer_replay", "outer_repeat")
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
     WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
     MEMBERSHIP_EPOCH_FIELD_NUMBER: _ClassVar[int]
@@ -393,6 +393,8 @@ class Welcome(_message.Message):
     LOCAL_SECRET_FIELD_NUMBER: _ClassVar[int]
     PAYLOAD_SOCKET_FIELD_NUMBER: _ClassVar[int]
     OUTER_SEEDED_FIELD_NUMBER: _ClassVar[int]
+    OUTER_REPLAY_FIELD_NUMBER: _ClassVar[int]
+    OUTER_REPEAT_FIELD_NUMBER: _ClassVar[int]
     job_id: str
     world_size: int
     membership_epoch: int
@@ -410,7 +412,9 @@ class Welcome(_message.Message):
     local_secret: bytes
     payload_socket: str
     outer_seeded: bool
-    def __init__(self, job_id: _Optional[str] = ..., world_size: _Optional[int] = ..., membership_epoch: _Optional[int] = ..., start_step: _Optional[int] = ..., chunk_bytes: _Optional[int] = ..., max_message_bytes: _Optional[int] = ..., state_bytes: _Optional[int] = ..., resume_bytes: _Optional[int] = ..., heartbeat_interval_s: _Optional[float] = ..., checkpoint_every_steps: _Optional[int] = ..., next_collective: _Optional[int] = ..., shards: _Optional[_Iterable[_Union[ShardAddress, _Mapping]]] = ..., session: _Optional[bytes] = ..., local_ranks: _Optional[_Iterable[int]] = ..., local_secret: _Optional[bytes] = ..., payload_socket: _Optional[str] = ..., outer_seeded: _Optional[bool] = ...) -> None: ...
+    outer_replay: bool
+    outer_repeat: bool
+    def __init__(self, job_id: _Optional[str] = ..., world_size: _Optional[int] = ..., membership_epoch: _Optional[int] = ..., start_step: _Optional[int] = ..., chunk_bytes: _Optional[int] = ..., max_message_bytes: _Optional[int] = ..., state_bytes: _Optional[int] = ..., resume_bytes: _Optional[int] = ..., heartbeat_interval_s: _Optional[float] = ..., checkpoint_every_steps: _Optional[int] = ..., next_collective: _Optional[int] = ..., shards: _Optional[_Iterable[_Union[ShardAddress, _Mapping]]] = ..., session: _Optional[bytes] = ..., local_ranks: _Optional[_Iterable[int]] = ..., local_secret: _Optional[bytes] = ..., payload_socket: _Optional[str] = ..., outer_seeded: _Optional[bool] = ..., outer_replay: _Optional[bool] = ..., outer_repeat: _Optional[bool] = ...) -> None: ...
 
 class ShardAddress(_message.Message):
     __slots__ = ("index", "address")
@@ -517,7 +521,7 @@ class LateRank(_message.Message):
     def __init__(self, rank: _Optional[int] = ..., bucket_indices: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class JobStatus(_message.Message):
-    __slots__ = ("job_id", "state", "world_size", "membership_epoch", "open_step", "steps_completed", "members", "late", "step_age_s", "last_checkpoint_step", "ended", "ended_s_ago", "outcome", "nonfinite_contributions", "last_nonfinite", "outer", "outer_rounds", "outer_state_bytes")
+    __slots__ = ("job_id", "state", "world_size", "membership_epoch", "open_step", "steps_completed", "members", "late", "step_age_s", "last_checkpoint_step", "ended", "ended_s_ago", "outcome", "nonfinite_contributions", "last_nonfinite", "outer", "outer_rounds", "outer_state_bytes", "outer_state")
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELD_NUMBER: _ClassVar[int]
     WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -536,6 +540,7 @@ class JobStatus(_message.Message):
     OUTER_FIELD_NUMBER: _ClassVar[int]
     OUTER_ROUNDS_FIELD_NUMBER: _ClassVar[int]
     OUTER_STATE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    OUTER_STATE_FIELD_NUMBER: _ClassVar[int]
     job_id: str
     state: str
     world_size: int
@@ -554,7 +559,8 @@ class JobStatus(_message.Message):
     outer: bool
     outer_rounds: int
     outer_state_bytes: int
-    def __init__(self, job_id: _Optional[str] = ..., state: _Optional[str] = ..., world_size: _Optional[int] = ..., membership_epoch: _Optional[int] = ..., open_step: _Optional[int] = ..., steps_completed: _Optional[int] = ..., members: _Optional[_Iterable[_Union[MemberStatus, _Mapping]]] = ..., late: _Optional[_Iterable[_Union[LateRank, _Mapping]]] = ..., step_age_s: _Optional[float] = ..., last_checkpoint_step: _Optional[int] = ..., ended: _Optional[bool] = ..., ended_s_ago: _Optional[float] = ..., outcome: _Optional[str] = ..., nonfinite_contributions: _Optional[int] = ..., last_nonfinite: _Optional[str] = ..., outer: _Optional[bool] = ..., outer_rounds: _Optional[int] = ..., outer_state_bytes: _Optional[int] = ...) -> None: ...
+    outer_state: str
+    def __init__(self, job_id: _Optional[str] = ..., state: _Optional[str] = ..., world_size: _Optional[int] = ..., membership_epoch: _Optional[int] = ..., open_step: _Optional[int] = ..., steps_completed: _Optional[int] = ..., members: _Optional[_Iterable[_Union[MemberStatus, _Mapping]]] = ..., late: _Optional[_Iterable[_Union[LateRank, _Mapping]]] = ..., step_age_s: _Optional[float] = ..., last_checkpoint_step: _Optional[int] = ..., ended: _Optional[bool] = ..., ended_s_ago: _Optional[float] = ..., outcome: _Optional[str] = ..., nonfinite_contributions: _Optional[int] = ..., last_nonfinite: _Optional[str] = ..., outer: _Optional[bool] = ..., outer_rounds: _Optional[int] = ..., outer_state_bytes: _Optional[int] = ..., outer_state: _Optional[str] = ...) -> None: ...
 
 class StatusReply(_message.Message):
     __slots__ = ("jobs", "heartbeat_timeout_s", "shards")
@@ -629,7 +635,7 @@ class ShardMember(_message.Message):
     def __init__(self, rank: _Optional[int] = ..., incarnation: _Optional[str] = ..., session: _Optional[bytes] = ...) -> None: ...
 
 class ShardJobView(_message.Message):
-    __slots__ = ("job_id", "world_size", "membership_epoch", "members", "out_of_inputs", "start_step", "buckets", "chunk_bytes", "shard_count", "local_groups", "outer")
+    __slots__ = ("job_id", "world_size", "membership_epoch", "members", "out_of_inputs", "start_step", "buckets", "chunk_bytes", "shard_count", "local_groups", "outer", "outer_restore")
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
     WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
     MEMBERSHIP_EPOCH_FIELD_NUMBER: _ClassVar[int]
@@ -641,6 +647,7 @@ class ShardJobView(_message.Message):
     SHARD_COUNT_FIELD_NUMBER: _ClassVar[int]
     LOCAL_GROUPS_FIELD_NUMBER: _ClassVar[int]
     OUTER_FIELD_NUMBER: _ClassVar[int]
+    OUTER_RESTORE_FIELD_NUMBER: _ClassVar[int]
     job_id: str
     world_size: int
     membership_epoch: int
@@ -652,7 +659,8 @@ class ShardJobView(_message.Message):
     shard_count: int
     local_groups: _containers.RepeatedCompositeFieldContainer[LocalGroup]
     outer: OuterOptimizer
-    def __init__(self, job_id: _Optional[str] = ..., world_size: _Optional[int] = ..., membership_epoch: _Optional[int] = ..., members: _Optional[_Iterable[_Union[ShardMember, _Mapping]]] = ..., out_of_inputs: _Optional[_Iterable[int]] = ..., start_step: _Optional[int] = ..., buckets: _Optional[_Iterable[_Union[BucketSpec, _Mapping]]] = ..., chunk_bytes: _Optional[int] = ..., shard_count: _Optional[int] = ..., local_groups: _Optional[_Iterable[_Union[LocalGroup, _Mapping]]] = ..., outer: _Optional[_Union[OuterOptimizer, _Mapping]] = ...) -> None: ...
+    outer_restore: bool
+    def __init__(self, job_id: _Optional[str] = ..., world_size: _Optional[int] = ..., membership_epoch: _Optional[int] = ..., members: _Optional[_Iterable[_Union[ShardMember, _Mapping]]] = ..., out_of_inputs: _Optional[_Iterable[int]] = ..., start_step: _Optional[int] = ..., buckets: _Optional[_Iterable[_Union[BucketSpec, _Mapping]]] = ..., chunk_bytes: _Optional[int] = ..., shard_count: _Optional[int] = ..., local_groups: _Optional[_Iterable[_Union[LocalGroup, _Mapping]]] = ..., outer: _Optional[_Union[OuterOptimizer, _Mapping]] = ..., outer_restore: _Optional[bool] = ...) -> None: ...
 
 class LocalGroup(_message.Message):
     __slots__ = ("ranks",)

@@ -40,11 +40,13 @@ every rank is told why in-band, and the job carries on at the next step.
 
 from __future__ import annotations
 
+import logging
+
 from gradsync_proto.codec import ChunkHeader
 from gradsync_proto.codes import Code
 from gradsync_proto.v1 import gradsync_pb2 as pb
 
-from gradsync_server.control import signature as signatures
+from gradsync_server.control import outer_resume, signature as signatures
 from gradsync_server.control.job_core import JobState
 from gradsync_server.control.job_ending import JobEnding
 from gradsync_server.control.persistence import resume_messages
@@ -54,6 +56,8 @@ from gradsync_server.dataplane.actions import Action, Send, Terminate
 from gradsync_server.dataplane.step_aborts import abort_actions, abort_message
 from gradsync_server.errors import RejectedMessage
 from gradsync_server.text import quoted
+
+log = logging.getLogger("gradsync.server")
 
 #: `JobState` is defined with the endings that set most of them, and is part of `Job`.
 __all__ = ["Job", "JobState"]
@@ -145,8 +149,22 @@ class Job(JobEnding):
         if resume is not None:
             self.membership.resume_epoch(resume.membership_epoch)
             self.persistence.saved(resume.step)
-        view = self._view(resume.step if resume else 0)
+        outer = outer_resume.decide(
+            self.job_id,
+            signature,
+            self._shard_count,
+            self.outer_records,
+            resume.step if resume is not None else None,
+        )
+        restored = outer.snapshot if outer is not None else None
+        start = resume.step if resume else 0
+        if outer is not None and restored is not None:
+            start = outer.start_step
+        view = self._view(start)
+        view.outer_restore = restored is not None
         self.plane.start(view)
+        if outer is not None:
+            self._start_outer(outer)
         self._tell_shards(pb.LeaderMessage(job=view))
         ranks = self.membership.ranks()
         resume_bytes = len(resume.payload) if resume is not None else 0
@@ -154,6 +172,17 @@ class Job(JobEnding):
         if resume is not None:
             actions += resume_messages(ranks, resume.step, resume.payload, self.chunk_bytes)
         return actions
+
+    def _start_outer(self, outer: outer_resume.OuterResume) -> None:
+        """Restore the plane's outer state (or not), say which, and start saving it."""
+        self.outer_state = outer.line
+        self.outer_repeat = outer.repeat
+        if outer.snapshot is not None:
+            self.in_flight.outer.restore(outer.snapshot, outer.replay)
+            log.warning("job '%s': outer state %s", self.job_id, outer.line)
+        else:
+            log.info("job '%s': outer state %s", self.job_id, outer.line)
+        self.in_flight.outer.persist = self.persist_outer
 
     # ------------------------------------------------------------------ liveness
     def touch(self, rank: int, reported_step: int | None = None) -> None:

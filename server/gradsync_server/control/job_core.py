@@ -114,6 +114,15 @@ class JobCore:
         self._last_abort_event = -1
         self.liveness = Liveness(clock)
         self.persistence = Persistence(chunk_bytes, blob_limit, job_budget)
+        #: The store's outer-state records of this job, one per plane, read before it
+        #: assembled: (bytes or None, why none); None = not read (`control.outer_resume`).
+        self.outer_records: list[tuple[bytes | None, str]] | None = None
+        #: Save the outer state after every step that changed it (a store is configured).
+        self.persist_outer = False
+        #: How the outer state started: restored from the store or reseeded, and why.
+        self.outer_state = ""
+        #: Restored with the shards one step apart: the ranks upload the open step again.
+        self.outer_repeat = False
         self.assembly = Assembly(job_id, world_size, clock, heartbeat_interval_s)
         self.broadcast = StateBroadcast(chunk_bytes)
         self.collectives = Collectives(
@@ -232,6 +241,8 @@ class JobCore:
                 next_collective=self.collectives.next_sequence,
                 shards=self.shards,
                 outer_seeded=self.in_flight.outer.active and self.in_flight.outer.seeded,
+                outer_replay=self.in_flight.outer.replaying and not self.outer_repeat,
+                outer_repeat=self.outer_repeat and self.in_flight.steps_completed == 0,
             )
         )
 

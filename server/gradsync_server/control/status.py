@@ -51,6 +51,7 @@ def job_status(job: Job, lag_tracker: LagTracker | None = None) -> pb.JobStatus:
         outer=outer.active,
         outer_rounds=outer.rounds,
         outer_state_bytes=outer.held_bytes(),
+        outer_state=job.outer_state,
     )
 
 

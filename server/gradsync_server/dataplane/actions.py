@@ -2,7 +2,8 @@
 
 `Job` methods return lists of actions instead of touching sockets, so the
 protocol logic stays testable without gRPC: `Send` a message to ranks,
-`Terminate` their streams with a status (and the reason why), or `Persist` a checkpoint.
+`Terminate` their streams with a status (and the reason why), `Persist` a checkpoint,
+or `PersistOuter`: save a plane's DiLoCo outer state before the actions after it.
 """
 
 from __future__ import annotations
@@ -12,6 +13,8 @@ from dataclasses import dataclass, field
 from gradsync_proto.codec import ChunkHeader, encode_gradient
 from gradsync_proto.codes import Code
 from gradsync_proto.v1 import gradsync_pb2 as pb
+
+from gradsync_server.dataplane.outer_snapshot import OuterSnapshot
 
 
 @dataclass
@@ -86,4 +89,17 @@ class Persist:
     blob: bytes
 
 
-Action = Send | Terminate | Persist
+@dataclass(frozen=True)
+class PersistOuter:
+    """Save `snapshot` (plane `shard_index`'s outer state) to the store first.
+
+    The step's last answers are in the same list: they go out only once the save
+    returned, so a rank that holds a step's whole answer implies a stored state
+    at least that new (what a restarted coordinator's replay relies on).
+    """
+
+    snapshot: OuterSnapshot
+    shard_index: int
+
+
+Action = Send | Terminate | Persist | PersistOuter

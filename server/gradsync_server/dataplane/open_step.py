@@ -407,7 +407,7 @@ class OpenStep:
         report = step_report(self.step, self.participants(), self._metrics)
         if self._metrics is not None and self.progress is not None:
             self._metrics.observe_step_done(self.progress.age(), self.step)
-        self.outer.commit()
+        report = self.outer.close_step(self._membership.job_id, self.step) + report
         self._advance()
         self.steps_completed += 1
         return report

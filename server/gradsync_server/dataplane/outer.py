@@ -16,6 +16,14 @@ stored and sent back. Every later step is an outer step. A step's results
 are kept aside until the whole step completes here (`commit`): an aborted
 step (`discard`) leaves the global parameters and the momentum as they were,
 as it leaves the ranks' models.
+
+The state survives a coordinator restart (`snapshot`, `restore`; the record
+format is `gradsync_server.dataplane.outer_snapshot`). A restored plane holds
+the parameters that answered its last committed step, and *replays* that
+step: the job resumes at it, every rank uploads again (what it uploads is
+not used) and every chunk is answered with the stored parameters, with no
+outer step applied. So a rank that missed that step's answer gets it, a
+rank that had it gets the same bytes again, and no round is applied twice.
 """
 
 from __future__ import annotations
@@ -27,6 +35,9 @@ import numpy as np
 import numpy.typing as npt
 from gradsync_proto import chunking, dtypes
 from gradsync_proto.v1 import gradsync_pb2 as pb
+
+from gradsync_server.dataplane.actions import PersistOuter
+from gradsync_server.dataplane.outer_snapshot import OuterSnapshot, layout_signature
 
 __all__ = ["OuterState"]
 
@@ -78,6 +89,15 @@ class OuterState:
         self._pending: list[_Pending] = []
         #: Outer steps applied (the seed not counted).
         self.rounds = 0
+        #: What a stored record must match to be restored here (`outer_snapshot`).
+        self.signature = layout_signature(
+            outer if self.active else None, buckets, shard_count, shard_index
+        )
+        #: Restored from a record: the open step repeats the last committed one.
+        self.replaying = False
+        #: Save the state after every step that changed it (a store is configured).
+        self.persist = False
+        self._shard_index = shard_index
 
     @property
     def seeded(self) -> bool:
@@ -106,6 +126,9 @@ class OuterState:
         lo, _ = self._ranges[bucket]
         start = offset // dtypes.itemsize(wire_dtype) - lo
         values = np.frombuffer(average, dtype="<f4")
+        if self.replaying:  # the stored answer of the committed step, whatever was sent
+            stored = self._parameters[bucket][start : start + len(values)]
+            return stored.astype("<f4", copy=True).data.cast("B")
         if not self.seeded:
             self._pending.append(_Pending(bucket, start, values.copy(), None))
             return average
@@ -127,10 +150,18 @@ class OuterState:
         values = self._parameters[bucket][start : start + count]
         return values.astype("<f4", copy=False).data.cast("B")
 
-    def commit(self) -> None:
-        """The step completed: its results become the global parameters and momentum."""
+    def commit(self) -> bool:
+        """The step completed: its results become the global parameters and momentum.
+
+        Returns True if the state changed (a seed or an outer step: worth saving),
+        False for plain averaging and for a replayed step.
+        """
         if not self.active:
-            return
+            return False
+        if self.replaying:
+            self.replaying = False
+            self._pending.clear()
+            return False
         if not self.seeded:
             for index, (lo, hi) in self._ranges.items():
                 self._parameters[index] = np.zeros(hi - lo, dtype=np.float32)
@@ -146,7 +177,46 @@ class OuterState:
         self._pending.clear()
         if not seeding:
             self.rounds += 1
+        return True
+
+    def close_step(self, job_id: str, step: int) -> list[PersistOuter]:
+        """`step` completed: `commit`, and the save it calls for (if `persist`), to be
+        carried out before the step's last answers go out."""
+        if not self.commit() or not self.persist:
+            return []
+        return [PersistOuter(self.snapshot(job_id, step), self._shard_index)]
 
     def discard(self) -> None:
-        """The step was aborted: nothing of it is applied."""
+        """The step was aborted: nothing of it is applied (a replay stays due)."""
         self._pending.clear()
+
+    def snapshot(self, job_id: str, step: int) -> OuterSnapshot:
+        """The committed state, as the answer of `step` (call right after `commit`).
+
+        The arrays are not copied: they change only at the next commit, which needs
+        every rank's upload of the next step, which needs this step's answers, which
+        are released only once the record is saved (`Delivery`).
+        """
+        return OuterSnapshot(
+            job_id, self.signature, step, self.rounds, dict(self._parameters), dict(self._momenta)
+        )
+
+    def restore(self, snapshot: OuterSnapshot, replay: bool = True) -> None:
+        """Hold `snapshot`'s state; replay its step (the job resumes at `snapshot.step`),
+        or with `replay` False run the next one as usual (another shard saved that one).
+
+        Raises:
+            ValueError: the record's layout is not this plane's (the caller checks the
+                signature first; this is the last line against a record that lies).
+        """
+        if snapshot.signature != self.signature or not self.active:
+            raise ValueError("the outer-state record does not match this plane's layout")
+        for index, (lo, hi) in self._ranges.items():
+            for arrays in (snapshot.parameters, snapshot.momenta):
+                if index not in arrays or len(arrays[index]) != hi - lo:
+                    raise ValueError(f"the outer-state record lacks bucket {index}'s range")
+        self._parameters = {i: snapshot.parameters[i] for i in self._ranges}
+        self._momenta = {i: snapshot.momenta[i] for i in self._ranges}
+        self._pending.clear()
+        self.rounds = snapshot.rounds
+        self.replaying = replay

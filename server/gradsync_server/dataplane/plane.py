@@ -47,7 +47,7 @@ from gradsync_proto.codes import Code
 from gradsync_proto.v1 import gradsync_pb2 as pb
 
 from gradsync_server import defaults
-from gradsync_server.dataplane.actions import Action, SegmentAverage, Send
+from gradsync_server.dataplane.actions import Action, PersistOuter, SegmentAverage, Send
 from gradsync_server.dataplane.budget import ByteBudget, OwnerBudget
 from gradsync_server.dataplane.host_groups import LocalGroups
 from gradsync_server.dataplane.nonfinite import NonFiniteContribution, NonFiniteRejection
@@ -96,6 +96,8 @@ class ShardOutcome:
     sends: list[Send] = field(default_factory=list)
     rejected: pb.ShardRejected | None = None
     nonfinite: list[pb.ShardNonFinite] = field(default_factory=list)
+    #: The outer state to save before `sends` go out (a DiLoCo step committed here).
+    saves: list[PersistOuter] = field(default_factory=list)
 
 
 @dataclass(frozen=True)
@@ -118,6 +120,11 @@ def _averages_only(actions: list[Action]) -> list[Send]:
         if isinstance(message, bytes | SegmentAverage) or message.WhichOneof("kind") == "gradient":
             sends.append(action)
     return sends
+
+
+def _saves(actions: list[Action]) -> list[PersistOuter]:
+    """The outer-state saves among `actions` (they go before the step's last answers)."""
+    return [action for action in actions if isinstance(action, PersistOuter)]
 
 
 def check_view(view: pb.ShardJobView, shard_index: int) -> str | None:
@@ -293,7 +300,8 @@ class JobPlane:
         if followed.refused is not None:
             rank, rejection = followed.refused
             rejected = self.report(rank, rejection)
-        return ShardOutcome(_averages_only(followed.actions), rejected)
+        actions = followed.actions
+        return ShardOutcome(_averages_only(actions), rejected, saves=_saves(actions))
 
     def hello_problem(self, rank: int, incarnation: str, session: bytes) -> str | None:
         """Why a data stream from (`rank`, `incarnation`, `session`) is not admitted, or None.
@@ -369,7 +377,7 @@ class JobPlane:
         except RejectedMessage as rejection:
             return ShardOutcome([], self.report(rank, rejection, chunk.step))
         nonfinite, self._nonfinite = self._nonfinite, []
-        return ShardOutcome(_averages_only(actions), nonfinite=nonfinite)
+        return ShardOutcome(_averages_only(actions), nonfinite=nonfinite, saves=_saves(actions))
 
     def _forward_nonfinite(self, contribution: NonFiniteContribution) -> None:
         """A newly seen non-finite contribution, for the leader (--nonfinite report)."""

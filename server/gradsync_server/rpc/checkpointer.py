@@ -47,6 +47,7 @@ from gradsync_proto.v1 import gradsync_pb2 as pb
 from gradsync_server.config import ServerConfig
 from gradsync_server.control.job import Job
 from gradsync_server.dataplane.actions import Action, Persist, Send, Terminate
+from gradsync_server.rpc.outer_records import OuterRecords
 from gradsync_server.store import checkpoint_seal, high_water
 from gradsync_server.store.checkpoint import (
     Checkpoint,
@@ -99,6 +100,8 @@ class Checkpointer:
         self.failures = 0
         self._key = derive_key(config.token, checkpoint_seal.KEY_PURPOSE) if config.token else None
         self._executor = ThreadPoolExecutor(STORE_THREADS, thread_name_prefix="gradsync-store")
+        #: DiLoCo outer-state records, next to the checkpoints (`outer_records`).
+        self.outer = OuterRecords(store, config.store_timeout_s)
         #: Loads in progress, by (job id, signature digest): ranks joining meanwhile share one.
         self._loads: dict[tuple[str, str], asyncio.Task[LoadResult]] = {}
         #: Where the high-water marks live (None: no state directory configured).
@@ -116,6 +119,7 @@ class Checkpointer:
 
     def close(self) -> None:
         """Stop the store threads (a call still running finishes in the background)."""
+        self.outer.close()
         self._executor.shutdown(wait=False, cancel_futures=True)
 
     async def _call(self, what: str, function: Callable[..., _Result], *args: object) -> _Result:

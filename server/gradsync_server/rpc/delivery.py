@@ -3,22 +3,33 @@
 The job (pure) returns actions; this is where they meet sockets: a `Send`
 is serialized once and written to every target rank's outbox (an average for
 a same-host segment is written into the segment instead and only its header
-sent), a `Persist` runs in the background on the checkpoint store, and a
-`Terminate` ends streams with a status. A job's actions reach only the
-streams joined to that very job object: after a shard loss (or a Join to a
-failed job) a new job with the same id may run while the old one's streams
-end. Shards hear of the job's control events first, so that a Welcome's job
-is known to every shard before any worker can open a data stream for it.
+sent), a `Persist` runs in the background on the checkpoint store, a
+`PersistOuter` (a DiLoCo step committed) is saved first and the rest of its
+list delivered only once that returned (so that no rank holds a round's whole
+answer that the store does not), and a `Terminate` ends streams with a status.
+A job's actions reach only the streams joined to that very job object: after
+a shard loss (or a Join to a failed job) a new job with the same id may run
+while the old one's streams end. Shards hear of the job's control events
+first, so that a Welcome's job is known to every shard before any worker can
+open a data stream for it.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Coroutine
+from typing import Any
 
 from gradsync_server.control.job import Job
-from gradsync_server.dataplane.actions import Action, Persist, SegmentAverage, Send, Terminate
+from gradsync_server.dataplane.actions import (
+    Action,
+    Persist,
+    PersistOuter,
+    SegmentAverage,
+    Send,
+    Terminate,
+)
 from gradsync_server.metrics import CoordinatorMetrics
 from gradsync_server.rpc.checkpointer import Checkpointer
 from gradsync_server.rpc.connection import Connection
@@ -61,13 +72,16 @@ class Delivery:
     def execute(self, job: Job, actions: list[Action]) -> None:
         """Carry out `actions` of `job`, in order."""
         self._shard_control.before_delivery(job)
+        saves = [action for action in actions if isinstance(action, PersistOuter)]
+        if saves:
+            rest: list[Action] = [a for a in actions if not isinstance(a, PersistOuter)]
+            self._in_background(self._save_outer_first(job, saves, rest))
+            return
         for action in actions:
             if isinstance(action, Send):
                 self._send(job, action)
             elif isinstance(action, Persist):
-                task = asyncio.create_task(self._persist(job, action))
-                self._background.add(task)
-                task.add_done_callback(self._background.discard)
+                self._in_background(self._persist(job, action))
             elif isinstance(action, Terminate):
                 self._metrics.observe_error(action.code.name)
                 log.warning(
@@ -114,6 +128,20 @@ class Delivery:
             # Dropped as a slow reader: the others must not wait for it while its end
             # flushes (soon: not inside this job's actions).
             asyncio.get_running_loop().call_soon(self._detach, target)
+
+    def _in_background(self, work: Coroutine[Any, Any, None]) -> None:
+        task = asyncio.create_task(work)
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
+    async def _save_outer_first(
+        self, job: Job, saves: list[PersistOuter], rest: list[Action]
+    ) -> None:
+        """Save the outer state, then deliver the step's last answers (also if it failed:
+        the job goes on, logged; only a restart before the next good save is refused)."""
+        for save in saves:
+            await self._checkpointer.outer.save(save.snapshot, save.shard_index)
+        self.execute(job, rest)
 
     async def _persist(self, job: Job, action: Persist) -> None:
         """Carry out a Persist in the background, then deliver its acknowledgement."""

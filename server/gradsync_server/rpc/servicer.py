@@ -360,6 +360,11 @@ class CoordinatorServicer:
         if job is None:
             # In a store thread with a deadline: a hung store must not freeze other jobs.
             resume, problem = await self.checkpointer.load_resume(job_id, join.signature)
+            outer_records: list[tuple[bytes | None, str]] | None = None
+            if join.signature.HasField("outer") and self.checkpointer.outer.enabled:
+                outer_records = await self.checkpointer.outer.load_all(
+                    job_id, config.shard_count, config.fresh_start
+                )
             job = self.jobs.get(job_id)  # another rank's Join may have created it meanwhile
             if job is not None and job.state in (JobState.BROKEN, JobState.REFUSED):
                 job = None  # ... and it failed already: this rank starts it anew below
@@ -383,6 +388,8 @@ class CoordinatorServicer:
                 self.payload_endpoint,
             )
             job.resume_from(resume)
+            job.outer_records = outer_records
+            job.persist_outer = self.checkpointer.outer.enabled
         try:
             actions = job.join(join.rank, join)
         except RejectedMessage as rejection:

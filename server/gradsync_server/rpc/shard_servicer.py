@@ -42,6 +42,7 @@ from gradsync_server.dataplane.plane import JobPlane, ShardOutcome
 from gradsync_server.errors import RejectedMessage
 from gradsync_server.metrics import CoordinatorMetrics
 from gradsync_server.rpc.connection import Connection
+from gradsync_server.rpc.shard_outer import ShardOuterStates
 from gradsync_server.rpc.stream_guard import StreamCount, guarded
 from gradsync_server.shard_config import ShardConfig
 
@@ -110,6 +111,9 @@ class ShardServicer:
         self.to_leader: asyncio.Queue[pb.ShardMessage] = asyncio.Queue()
         self._changed = asyncio.Event()
         self.draining = False
+        #: This shard's range of the DiLoCo outer state on the store (`shard_outer`).
+        self.outer_states = ShardOuterStates(config)
+        self._saving: set[asyncio.Task[None]] = set()
 
     @property
     def name(self) -> str:
@@ -197,6 +201,7 @@ class ShardServicer:
             except ValueError as exc:
                 log.error("cannot follow job '%s': %s", view.job_id, exc)
                 return
+            self.outer_states.started(job, view, self.index)
             self.jobs[view.job_id] = job
             log.info(
                 "job '%s': following the leader from step %d (members %s, epoch %d)",
@@ -260,6 +265,19 @@ class ShardServicer:
         conn.end(code, details, reason)
 
     def _deliver(self, job: JobPlane, outcome: ShardOutcome) -> None:
+        if outcome.saves:  # a DiLoCo step committed: its last answers wait for the save
+            task = asyncio.create_task(self._save_then_deliver(job, outcome))
+            self._saving.add(task)
+            task.add_done_callback(self._saving.discard)
+            return
+        self._deliver_now(job, outcome)
+
+    async def _save_then_deliver(self, job: JobPlane, outcome: ShardOutcome) -> None:
+        for save in outcome.saves:
+            await self.outer_states.records.save(save.snapshot, save.shard_index)
+        self._deliver_now(job, outcome)
+
+    def _deliver_now(self, job: JobPlane, outcome: ShardOutcome) -> None:
         for send in outcome.sends:
             message = send.message
             if isinstance(message, SegmentAverage):

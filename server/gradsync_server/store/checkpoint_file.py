@@ -140,6 +140,26 @@ class FileCheckpointStore(_StoreLifecycle):
             raise CheckpointError(_failure(self.description, "listing", job_id, None, exc)) from exc
         return sorted(int(match[1]) for name in names if (match := _BLOB_NAME.fullmatch(name)))
 
+    def save_record(self, job_id: str, name: str, parts: Iterable[bytes]) -> None:
+        """Write `<job dir>/<name>` atomically and durably (the DiLoCo outer state).
+
+        Raises:
+            OSError: it could not be made durable (the old record, if any, stays).
+        """
+        self._check_open()
+        job_dir = self.job_directory(job_id)
+        with self._lock:
+            self._make_directory(job_dir)
+            self._write_atomically(job_dir, name, parts)
+
+    def load_record(self, job_id: str, name: str) -> bytes | None:
+        """The bytes of `<job dir>/<name>`, or None when there is none."""
+        self._check_open()
+        try:
+            return (self.job_directory(job_id) / name).read_bytes()
+        except FileNotFoundError:
+            return None
+
     def _write_atomically(self, directory: Path, name: str, parts: Iterable[bytes]) -> None:
         write_atomically(directory, name, parts, self._fsync)
 

@@ -126,6 +126,38 @@ class RedisCheckpointStore(_StoreLifecycle):
             raise CheckpointError(_failure(self.description, "saving", job_id, step, exc)) from exc
         self._prune(job_id, step, guard)
 
+    def save_record(self, job_id: str, name: str, parts: list[bytes]) -> None:
+        """SET `gradsync:ckpt:<job_id>:<name>`, proven durable (the DiLoCo outer state).
+
+        One SET replaces the record whole: a reader sees the old one or the new one.
+
+        Raises:
+            CheckpointError: it could not be made durable.
+        """
+        self._check_open()
+        try:
+            self._check_durability_support(job_id, -1)
+            batch = self._client.pipeline(transaction=False)
+            batch.set(_key(job_id, name), b"".join(parts))
+            self._execute_durably(batch, job_id, -1)
+        except self._errors as exc:
+            failure = _failure(self.description, "saving the outer state of", job_id, None, exc)
+            raise CheckpointError(failure) from exc
+
+    def load_record(self, job_id: str, name: str) -> bytes | None:
+        """The value of `gradsync:ckpt:<job_id>:<name>`, or None when there is none.
+
+        Raises:
+            CheckpointError: the server could not be read.
+        """
+        self._check_open()
+        try:
+            value = self._client.get(_key(job_id, name))
+        except self._errors as exc:
+            failure = _failure(self.description, "reading the outer state of", job_id, None, exc)
+            raise CheckpointError(failure) from exc
+        return value if isinstance(value, bytes) or value is None else value.encode()
+
     def read(self, job_id: str) -> StoreReading:
         """See `CheckpointStore.read`."""
         self._check_open()
