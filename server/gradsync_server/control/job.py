@@ -136,9 +136,9 @@ class Job(JobEnding):
                 "the same host id, or pass hierarchical=False)"
             )
             return self._refuse(Code.FAILED_PRECONDITION, details)
-        outer = signature.outer if signature.HasField("outer") else None
+        optimizer = signature.outer if signature.HasField("outer") else None
         groups = bool(self.membership.groups.groups())
-        problem = rounds.job_problem(outer, self.world_size, self._shard_count, groups)
+        problem = rounds.job_problem(optimizer, self.world_size, self._shard_count, groups)
         if problem is not None:
             return self._refuse(Code.FAILED_PRECONDITION, f"job '{self.job_id}' refused: {problem}")
         self.state = JobState.RUNNING
