@@ -51,9 +51,9 @@ class BenchPlan:
     wan_world: int = 4
     wan_rates_mbit: list[float] = field(default_factory=lambda: [100.0, 20.0])
     wan_methods: tuple[str, ...] = tuple(wan_worker.METHODS)
-    wan_steps: int = 100
+    wan_steps: int = 50
     wan_sync_steps: int = 6
-    wan_quality_steps: int = 150
+    wan_quality_steps: int = 100
 
     def wan_plan(self) -> wan.WanPlan:
         """The wan suite's own plan."""

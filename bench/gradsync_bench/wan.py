@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import statistics
 import subprocess
 import sys
@@ -45,7 +46,7 @@ from gradsync_bench.suites import Row
 from gradsync_bench.wan_worker import METHODS, Method
 
 #: The methods of the quality (unshaped, longer) pass, where they are selected.
-QUALITY_METHODS = ("ddp-gloo", "diloco-h10-fp32", "diloco-h10-int8", "diloco-h50-int8")
+QUALITY_METHODS = ("ddp-gloo", "diloco-h10-fp32", "diloco-h10-int8")
 #: The methods run at rates below 100 Mbit/s by default: at 20 Mbit/s a round of a
 #: 19.4 MB model through one coordinator costs half a minute, so H = 10 and the fp32
 #: H = 50 would take most of the suite's time there (`slow_methods` changes this).
@@ -64,13 +65,13 @@ class WanPlan:
     rates_mbit: Sequence[float] = (100.0, 20.0)
     methods: Sequence[str] = tuple(METHODS)
     #: Inner steps of the no-sync reference and the DiLoCo methods (a multiple of 50 keeps
-    #: H = 50's rounds whole).
-    steps: int = 100
+    #: H = 50's rounds whole: 50 = one round of H = 50, four fragment rounds of streaming).
+    steps: int = 50
     #: Steps of the every-step methods at 100 Mbit/s (they cost seconds each), scaled with
     #: the rate below it and at least 2.
     sync_steps: int = 6
     #: Inner steps of the unshaped quality pass (0: none).
-    quality_steps: int = 150
+    quality_steps: int = 100
     #: The methods run at rates below 100 Mbit/s (those of `methods` among them).
     slow_methods: Sequence[str] = SLOW_LINK_METHODS
     batch: int = 4
@@ -176,6 +177,9 @@ def run_method(
     label = f"{method.name} at {'unshaped' if rate_mbit is None else f'{rate_mbit:g} Mbit/s'}"
     print(f"  wan {label}, {steps} steps ...", file=sys.stderr, flush=True)
     began = time.monotonic()
+    # Other jobs on the machine take CPU from the ranks and skew a method's samples/s
+    # against the reference's: the row records the load it ran under.
+    load_before = os.getloadavg()[0]
     with tempfile.TemporaryDirectory() as scratch:
         workdir = Path(scratch)
 
@@ -197,7 +201,10 @@ def run_method(
             json.loads((workdir / f"{method.name}-rank{rank}.json").read_text())
             for rank in range(plan.world_size)
         ]
-    print(f"    {time.monotonic() - began:.0f} s", file=sys.stderr, flush=True)
+    load = (load_before + os.getloadavg()[0]) / 2
+    print(f"    {time.monotonic() - began:.0f} s, load {load:.1f}", file=sys.stderr, flush=True)
+    for record in records:
+        record["load_average"] = load
     return records
 
 
@@ -242,6 +249,7 @@ def summarize(
         "final_train_loss": curve[-1][1],
         "held_out_loss": statistics.mean(r["held_out_loss"] for r in records),
         "held_out_loss_rank0": records[0]["held_out_loss"],
+        "load_average": records[0].get("load_average"),
     }
 
 

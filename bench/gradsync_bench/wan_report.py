@@ -53,8 +53,8 @@ def markdown_lines(suite: dict[str, Any]) -> list[str]:
         "",
         "| B Mbit/s | method | steps | samples/s | utilization | MB/step up | MB/step down | "
         "MB/step total | client MB/step up | client MB/round up | final train loss | "
-        "held-out loss |",
-        "|" + "---|" * 12,
+        "held-out loss | load |",
+        "|" + "---|" * 13,
     ]
     for row in rows:
         utilization = row.get("utilization")

@@ -263,7 +263,7 @@ def _add_wan_flags(bench: argparse.ArgumentParser) -> None:
         dest="wan_steps",
         type=flags.positive_int,
         default=None,
-        help="wan: inner steps of the no-sync reference and DiLoCo (default 100)",
+        help="wan: inner steps of the no-sync reference and DiLoCo (default 50)",
     )
     bench.add_argument(
         "--wan-sync-steps",
@@ -278,7 +278,7 @@ def _add_wan_flags(bench: argparse.ArgumentParser) -> None:
         dest="wan_quality_steps",
         type=flags.integer(0),
         default=None,
-        help="wan: inner steps of the loss comparison on unshaped links (0 = none; default 200)",
+        help="wan: inner steps of the loss comparison on unshaped links (0 = none; default 100)",
     )
     bench.add_argument(
         "--wan-rates",
