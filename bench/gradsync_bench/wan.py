@@ -85,8 +85,8 @@ class WanPlan:
         if rate_mbit is None:
             return self.steps
         if not method.every_step:
-            # H = 10 has its rounds every 10 steps: half the steps still hold several
-            # rounds, and its utilization is a rate.
+            # H = 10 has its rounds every 10 steps: half the steps (25 of 50) still hold
+            # two, and utilization is a rate; its rounds cost the most time of all.
             if (
                 method.kind == "diloco"
                 and method.sync_every < 50

@@ -17,8 +17,13 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
+from gradsync.arguments import BENCH_WAN_METHODS
+from gradsync_bench import wan
+from gradsync_bench.suites import Row
+from gradsync_bench.wan_worker import METHODS as WORKER_METHODS
 from support.components import netns_available
 
 METHODS = ("nosync", "ddp-gloo", "gradsync-ddp", "diloco-h10-int8")
@@ -81,3 +86,57 @@ def test_wan_suite_measures_every_method_on_shaped_links(tmp_path: Path) -> None
     )
     assert "Slow-link scorecard" in (tmp_path / "latest.md").read_text()
     assert (tmp_path / "latest.png").stat().st_size > 0
+
+
+def _row(method: str, samples_per_s: float, link: float, loss: float = 2.0, **kw: Any) -> Row:
+    return {
+        "method": method,
+        "rate_mbit": kw.get("rate", 100.0),
+        "quality_pass": kw.get("quality", False),
+        "samples_per_s": samples_per_s,
+        "link_bytes_per_step": link,
+        "held_out_loss": loss,
+    }
+
+
+def test_scorecard_passes_and_misses_by_the_measured_ratios() -> None:
+    rows = wan._with_utilization(
+        [
+            _row("nosync", 100.0, 0.0),
+            _row("ddp-gloo", 20.0, 60e6),
+            _row("gradsync-ddp", 10.0, 40e6),
+            _row("diloco-h50-int8", 91.0, 0.5e6),  # 91 %; 120x and 80x fewer bytes
+            _row("streaming-f4-int8", 94.0, 0.1e6),  # 94 %; 600x and 400x
+            _row("ddp-gloo", 5.0, 60e6, loss=2.0, rate=None, quality=True),
+            _row("diloco-h10-fp32", 5.0, 1e6, loss=2.03, rate=None, quality=True),
+            _row("diloco-h10-int8", 5.0, 1e6, loss=2.05, rate=None, quality=True),
+        ]
+    )
+    cards = {card["target"]: card for card in wan.scorecard(rows)}
+    results = [(card["result"], round(card["measured"], 3)) for card in cards.values()]
+    assert results == [
+        ("PASS", 0.91),
+        ("MISS", 0.94),
+        ("MISS", 120.0),
+        ("PASS", 600.0),
+        ("MISS", 80.0),
+        ("PASS", 400.0),
+        ("PASS", 0.015),  # |2.03 / 2 - 1|
+        ("MISS", 0.025),
+    ]
+    # Without the reference there is no utilization, and a target says so.
+    lone = wan._with_utilization([_row("diloco-h50-int8", 91.0, 0.5e6)])
+    assert lone[0]["utilization"] is None
+    assert wan.scorecard(lone)[0]["result"] == "NOT MEASURED"
+
+
+def test_the_cli_offers_exactly_the_workers_methods() -> None:
+    assert tuple(WORKER_METHODS) == BENCH_WAN_METHODS
+    plan = wan.WanPlan(steps=50, sync_steps=6)
+    assert plan.steps_of(WORKER_METHODS["ddp-gloo"], 100.0, False) == 6
+    assert plan.steps_of(WORKER_METHODS["ddp-gloo"], 20.0, False) == 2  # scaled with the rate
+    assert plan.steps_of(WORKER_METHODS["diloco-h10-int8"], 20.0, False) == 25  # half
+    assert plan.steps_of(WORKER_METHODS["diloco-h50-int8"], 20.0, False) == 50
+    assert plan.steps_of(WORKER_METHODS["diloco-h10-int8"], None, True) == plan.quality_steps
+    slow = [m.name for m in plan.methods_at(20.0, False)]
+    assert slow == [m for m in WORKER_METHODS if m in wan.SLOW_LINK_METHODS]
