@@ -53,6 +53,11 @@ QUALITY_METHODS = ("ddp-gloo", "diloco-h10-fp32", "diloco-h10-int8")
 SLOW_LINK_METHODS = ("nosync", "ddp-gloo", "gradsync-ddp", "diloco-h50-int8", "streaming-f4-int8")
 #: The link rate the issue's targets are stated at.
 TARGET_RATE_MBIT = 100.0
+#: At 20 Mbit/s one round of 4 x 19.5 MB holds the coordinator's link for half a minute,
+#: and a rank's heartbeats queue behind its own upload (one TCP connection): the default
+#: 5 s heartbeat timeout declares healthy ranks dead there (seen: gradsync DDP at
+#: 20 Mbit/s, "rank 0 was declared dead after 5s without a heartbeat" at step 0).
+SERVE_ARGS = ("--heartbeat-timeout", "300")
 #: Per-method time allowed for W processes importing torch on two cores and joining.
 STARTUP_ALLOWANCE_S = 240.0
 
@@ -193,7 +198,7 @@ def run_method(
             _wait(processes, _timeout_s(plan, method, steps, rate_mbit), label)
 
         if method.uses_coordinator:
-            with running_coordinator(cluster, topology, workdir) as (address, _pids):
+            with running_coordinator(cluster, topology, workdir, SERVE_ARGS) as (address, _):
                 launch(address)
         else:
             launch("")
@@ -253,15 +258,29 @@ def summarize(
     }
 
 
+def _failed(method: Method, rate_mbit: float | None, quality: bool, exc: Exception) -> Row:
+    """The row of a method whose run failed: what failed, and no numbers."""
+    notes = "\n".join(getattr(exc, "__notes__", []))
+    return {
+        "method": method.name,
+        "rate_mbit": rate_mbit,
+        "quality_pass": quality,
+        "error": f"{type(exc).__name__}: {str(exc)[-1500:]}\n{notes[-1500:]}",
+    }
+
+
 def _with_utilization(rows: list[Row]) -> list[Row]:
     """Utilization = samples/s over the no-sync reference's of the same pass and rate."""
     for row in rows:
+        if "error" in row:
+            continue
         reference = [
             r
             for r in rows
             if r["method"] == "nosync"
             and r["rate_mbit"] == row["rate_mbit"]
             and r["quality_pass"] == row["quality_pass"]
+            and "error" not in r
         ]
         row["utilization"] = (
             row["samples_per_s"] / reference[0]["samples_per_s"] if reference else None
@@ -294,7 +313,10 @@ def _row(rows: list[Row], method: str, rate: float | None, quality: bool) -> Row
     found = [
         r
         for r in rows
-        if r["method"] == method and r["rate_mbit"] == rate and r["quality_pass"] == quality
+        if r["method"] == method
+        and r["rate_mbit"] == rate
+        and r["quality_pass"] == quality
+        and "error" not in r
     ]
     return found[0] if found else None
 
@@ -376,7 +398,13 @@ def wan_suite(plan: WanPlan) -> tuple[dict[str, Any], str]:
     for rate, quality, selected in passes:
         with Cluster(topology.hosts, LinkShape(rate_mbit=rate)) as cluster:
             for method in selected:
-                records = run_method(cluster, plan, method, rate, quality)
+                try:
+                    records = run_method(cluster, plan, method, rate, quality)
+                except (RuntimeError, TimeoutError, OSError) as exc:
+                    # One method's failure is a result too; the others still run.
+                    print(f"    failed: {str(exc)[-500:]}", file=sys.stderr, flush=True)
+                    rows.append(_failed(method, rate, quality, exc))
+                    continue
                 rows.append(summarize(records, method, rate, quality))
     rows = _with_utilization(rows)
     return {

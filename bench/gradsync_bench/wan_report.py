@@ -31,11 +31,13 @@ def markdown_lines(suite: dict[str, Any]) -> list[str]:
     rows = suite.get("rows", [])
     if not rows:
         return []
-    first = rows[0]
+    measured = [r for r in rows if "error" not in r]
+    world = f"{measured[0]['world_size']}" if measured else "?"
+    model_mb = f"{measured[0]['parameter_bytes'] / 1e6:.1f}" if measured else "?"
     lines = [
-        f"**Slow-link scorecard** (wan suite: W = {first['world_size']} worker hosts and a "
+        f"**Slow-link scorecard** (wan suite: W = {world} worker hosts and a "
         "coordinator host, network namespaces, every link shaped to B each way; "
-        f"{suite.get('note', '')}; char transformer of {first['parameter_bytes'] / 1e6:.1f} MB "
+        f"{suite.get('note', '')}; char transformer of {model_mb} MB "
         "fp32 on the standard library's source, AdamW; utilization = samples/s / no-sync "
         "samples/s at the same B; bytes per inner step = mean worker host eth0 tx + rx; "
         "client up = gradsync's own upload count; quality rows: links unshaped, more steps)",
@@ -57,6 +59,11 @@ def markdown_lines(suite: dict[str, Any]) -> list[str]:
         "|" + "---|" * 13,
     ]
     for row in rows:
+        if "error" in row:
+            name = LABELS.get(row["method"], row["method"])
+            reason = row["error"].splitlines()[0][:300].replace("|", "/")
+            lines.append(f"| {_rate(row)} | {name} | failed: {reason} |" + " - |" * 10)
+            continue
         utilization = row.get("utilization")
         lines.append(
             "| "
@@ -88,7 +95,7 @@ def plot(suite: dict[str, Any], path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    rows = suite.get("rows", [])
+    rows = [r for r in suite.get("rows", []) if "error" not in r]
     passes = sorted({(r["rate_mbit"] is None, r["rate_mbit"] or 0.0) for r in rows})
     figure, axes = plt.subplots(1, len(passes) + 1, figsize=(6 * (len(passes) + 1), 4.5))
     axes = list(axes) if len(passes) else [axes]
