@@ -81,6 +81,7 @@ def markdown_lines(suite: dict[str, Any]) -> list[str]:
                     _mb(row["client_round_upload_bytes"]),
                     f"{row['final_train_loss']:.3f}",
                     f"{row['held_out_loss']:.3f}",
+                    "-" if row.get("load_average") is None else f"{row['load_average']:.1f}",
                 ]
             )
             + " |"
