@@ -16,7 +16,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from gradsync_bench import netns_hosts, sharded, suites
+from gradsync_bench import netns_hosts, sharded, suites, wan, wan_report, wan_worker
 
 
 @dataclass(frozen=True)
@@ -47,6 +47,24 @@ class BenchPlan:
     netns_hosts: int = 2
     netns_ranks_per_host: int = 2
     suites: tuple[str, ...] = ("loopback", "train", "netns")
+    #: The wan suite (the slow-link scorecard, `gradsync_bench.wan`); not run by default.
+    wan_world: int = 4
+    wan_rates_mbit: list[float] = field(default_factory=lambda: [100.0, 20.0])
+    wan_methods: tuple[str, ...] = tuple(wan_worker.METHODS)
+    wan_steps: int = 50
+    wan_sync_steps: int = 6
+    wan_quality_steps: int = 100
+
+    def wan_plan(self) -> wan.WanPlan:
+        """The wan suite's own plan."""
+        return wan.WanPlan(
+            world_size=self.wan_world,
+            rates_mbit=tuple(self.wan_rates_mbit),
+            methods=tuple(self.wan_methods),
+            steps=self.wan_steps,
+            sync_steps=self.wan_sync_steps,
+            quality_steps=self.wan_quality_steps,
+        )
 
     @classmethod
     def quick(cls) -> BenchPlan:
@@ -135,6 +153,11 @@ def run(plan: BenchPlan) -> dict[str, Any]:
             document["suites"]["netns_hierarchy"] = rows
             if reason:
                 document["skipped"]["netns_hierarchy"] = reason
+    if "wan" in plan.suites:
+        print("slow-link scorecard (network namespaces) ...", file=sys.stderr, flush=True)
+        document["suites"]["wan"], reason = wan.wan_suite(plan.wan_plan())
+        if reason:
+            document["skipped"]["wan"] = reason
     finished = datetime.datetime.now(datetime.UTC)
     document["duration_s"] = (finished - started).total_seconds()
     return document
@@ -258,6 +281,7 @@ def markdown(document: dict[str, Any]) -> str:
             ],
         )
     lines += _hierarchy_table(document["suites"].get("netns_hierarchy", []))
+    lines += wan_report.markdown_lines(document["suites"].get("wan", {}))
     for suite, reason in document.get("skipped", {}).items():
         lines.append(f"Suite {suite} skipped: {reason}")
     return "\n".join(lines) + "\n"
@@ -435,4 +459,11 @@ def write(document: dict[str, Any], out_dir: Path) -> None:
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / "latest.json").write_text(json.dumps(document, indent=2) + "\n")
     (out_dir / "latest.md").write_text(markdown(document))
-    plot(document, out_dir / "latest.png")
+    rows = document["suites"]
+    wan_ran = bool(rows.get("wan", {}).get("rows"))
+    others = any(rows.get(name) for name in ("loopback", "train", "netns"))
+    if others or not wan_ran:
+        plot(document, out_dir / "latest.png")
+    if wan_ran:
+        # Alone, the wan suite's figure is latest.png; beside the others, latest-wan.png.
+        wan_report.plot(rows["wan"], out_dir / ("latest-wan.png" if others else "latest.png"))

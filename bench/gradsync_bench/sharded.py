@@ -175,9 +175,11 @@ def _drain(stream: IO[str], into: list[str]) -> None:
 
 @contextlib.contextmanager
 def running_coordinator(
-    cluster: Cluster, topology: Topology, workdir: Path
+    cluster: Cluster, topology: Topology, workdir: Path, serve_args: Sequence[str] = ()
 ) -> Iterator[tuple[str, list[int]]]:
     """Start the leader and its shards on their hosts; yield (leader address, their pids).
+
+    `serve_args` go to the leader's `gradsync serve` (e.g. a longer --heartbeat-timeout).
 
     The shards start right after the leader process (before its banner), so their first
     registration attempt usually finds it listening. Their logs go to workdir/shard-<i>.log
@@ -202,7 +204,12 @@ def running_coordinator(
     leader: subprocess.Popen[str] | None = None
     try:
         leader, port = start_coordinator(
-            topology.world_size, *wait, launch=launch_leader, host=leader_ip, port=LEADER_PORT
+            topology.world_size,
+            *wait,
+            *serve_args,
+            launch=launch_leader,
+            host=leader_ip,
+            port=LEADER_PORT,
         )
         assert leader.stderr is not None
         threading.Thread(target=_drain, args=(leader.stderr, leader_log), daemon=True).start()

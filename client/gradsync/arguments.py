@@ -20,7 +20,20 @@ from gradsync import __version__, defaults, flags
 from gradsync.config import ENV_COORDINATOR, ENV_JOB_ID, ENV_RANK, ENV_WORLD_SIZE
 
 #: The benchmark suites `gradsync bench --suites` chooses from.
-BENCH_SUITES = ("loopback", "train", "netns")
+BENCH_SUITES = ("loopback", "train", "netns", "wan")
+#: The suites `gradsync bench` runs without --suites (wan, 20-25 minutes, only on request).
+BENCH_DEFAULT_SUITES = BENCH_SUITES[:3]
+#: The methods of the wan suite (`gradsync bench --wan-methods`; gradsync_bench.wan_worker).
+BENCH_WAN_METHODS = (
+    "nosync",
+    "ddp-gloo",
+    "gradsync-ddp",
+    "diloco-h10-fp32",
+    "diloco-h10-int8",
+    "diloco-h50-fp32",
+    "diloco-h50-int8",
+    "streaming-f4-int8",
+)
 #: The coordinator layouts of the netns suite (`gradsync bench --layouts`).
 BENCH_LAYOUTS = ("single", "dedicated", "colocated")
 
@@ -188,8 +201,9 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument(
         "--suites",
         type=flags.choice_list(BENCH_SUITES),
-        default=",".join(BENCH_SUITES),
-        help="comma-separated subset of %(default)s",
+        default=",".join(BENCH_DEFAULT_SUITES),
+        help=f"comma-separated subset of {','.join(BENCH_SUITES)} (default %(default)s; "
+        "wan, the slow-link scorecard, takes 20-25 minutes)",
     )
     bench.add_argument(
         "--sizes-mb",
@@ -238,7 +252,56 @@ def build_parser() -> argparse.ArgumentParser:
         help="shard counts S: the netns dedicated and colocated layouts (default S = W), "
         "and loopback rows with `serve --shards S` beside the unsharded ones",
     )
+    _add_wan_flags(bench)
     return parser
+
+
+def _add_wan_flags(bench: argparse.ArgumentParser) -> None:
+    """The wan suite's knobs (defaults in gradsync_bench.runner.BenchPlan)."""
+    bench.add_argument(
+        "--wan-steps",
+        dest="wan_steps",
+        type=flags.positive_int,
+        default=None,
+        help="wan: inner steps of the no-sync reference and DiLoCo (default 50)",
+    )
+    bench.add_argument(
+        "--wan-sync-steps",
+        dest="wan_sync_steps",
+        type=flags.positive_int,
+        default=None,
+        help="wan: steps of DDP / gradsync DDP at 100 Mbit/s, scaled down with the rate, "
+        "at least 3 (default 6)",
+    )
+    bench.add_argument(
+        "--wan-quality-steps",
+        dest="wan_quality_steps",
+        type=flags.integer(0),
+        default=None,
+        help="wan: inner steps of the loss comparison on unshaped links (0 = none; default 100)",
+    )
+    bench.add_argument(
+        "--wan-rates",
+        dest="wan_rates_mbit",
+        type=flags.number_list(flags.positive_number),
+        default=None,
+        help="wan: link rates in Mbit/s (default 100,20)",
+    )
+    bench.add_argument(
+        "--wan-methods",
+        dest="wan_methods",
+        type=flags.choice_list(BENCH_WAN_METHODS),
+        default=None,
+        help=f"wan: a subset of {','.join(BENCH_WAN_METHODS)} (default: all; nosync is "
+        "needed for utilization)",
+    )
+    bench.add_argument(
+        "--wan-world",
+        dest="wan_world",
+        type=flags.positive_int,
+        default=None,
+        help="wan: worker hosts W (default 4)",
+    )
 
 
 def add_client_security_flags(parser: argparse.ArgumentParser) -> None:

@@ -435,29 +435,10 @@ def _demo(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
 
 
 def _bench(args: argparse.Namespace) -> int:
-    import dataclasses
-
     from gradsync_bench import runner
+    from gradsync_bench.plan_args import plan_from_args
 
-    plan = runner.BenchPlan.quick() if args.quick else runner.BenchPlan()
-    overrides: dict[str, Any] = {"suites": args.suites}
-    if args.sizes_mb:
-        overrides.update(sizes_mb=args.sizes_mb, netns_sizes_mb=args.sizes_mb)
-    if args.worlds:
-        overrides.update(worlds=args.worlds, train_worlds=args.worlds, netns_worlds=args.worlds)
-    if args.reps:
-        overrides.update(reps=args.reps, netns_reps=args.reps)
-    if args.train_model_mb:
-        overrides["train_model_mb"] = args.train_model_mb
-    if args.train_steps:
-        overrides["train_steps"] = args.train_steps
-    if args.netns_rate_mbit:
-        overrides["netns_rate_mbit"] = args.netns_rate_mbit
-    if args.layouts:
-        overrides["netns_layouts"] = args.layouts
-    if args.shards:
-        overrides.update(netns_shards=args.shards, loopback_shards=sorted({1, *args.shards}))
-    plan = dataclasses.replace(plan, **overrides)
+    plan = plan_from_args(args)
     _configure_logging("WARNING", "bench")
     document = runner.run(plan)
     runner.write(document, args.out)

@@ -123,6 +123,10 @@ FLAG_ERRORS = [
     (["bench", "--train-model-mb", "-1"], "--train-model-mb", "must be > 0"),
     (["bench", "--train-steps", "0"], "--train-steps", "must be >= 1"),
     (["bench", "--netns-rate-mbit", "0"], "--netns-rate-mbit", "must be > 0"),
+    (["bench", "--wan-methods", "nosync,ring"], "--wan-methods", "unknown ['ring']"),
+    (["bench", "--wan-steps", "0"], "--wan-steps", "must be >= 1"),
+    (["bench", "--wan-quality-steps", "-1"], "--wan-quality-steps", "must be >= 0"),
+    (["bench", "--wan-rates", "100,0"], "--wan-rates", "must be > 0"),
 ]
 
 

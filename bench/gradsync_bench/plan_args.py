@@ -1,0 +1,42 @@
+"""`gradsync bench`'s flags turned into a :class:`~gradsync_bench.runner.BenchPlan`."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from gradsync_bench.runner import BenchPlan
+
+
+def plan_from_args(args: Any) -> BenchPlan:
+    """The plan `gradsync bench`'s flags ask for: a preset, then each override given."""
+    plan = BenchPlan.quick() if args.quick else BenchPlan()
+    overrides: dict[str, Any] = {"suites": args.suites}
+    if args.sizes_mb:
+        overrides.update(sizes_mb=args.sizes_mb, netns_sizes_mb=args.sizes_mb)
+    if args.worlds:
+        overrides.update(worlds=args.worlds, train_worlds=args.worlds, netns_worlds=args.worlds)
+    if args.reps:
+        overrides.update(reps=args.reps, netns_reps=args.reps)
+    if args.train_model_mb:
+        overrides["train_model_mb"] = args.train_model_mb
+    if args.train_steps:
+        overrides["train_steps"] = args.train_steps
+    if args.netns_rate_mbit:
+        overrides["netns_rate_mbit"] = args.netns_rate_mbit
+    if args.layouts:
+        overrides["netns_layouts"] = args.layouts
+    if args.shards:
+        overrides.update(netns_shards=args.shards, loopback_shards=sorted({1, *args.shards}))
+    for name in (
+        "wan_world",
+        "wan_rates_mbit",
+        "wan_methods",
+        "wan_steps",
+        "wan_sync_steps",
+        "wan_quality_steps",
+    ):
+        value = getattr(args, name, None)
+        if value is not None:
+            overrides[name] = tuple(value) if name == "wan_methods" else value
+    return dataclasses.replace(plan, **overrides)

@@ -1,0 +1,145 @@
+"""The wan suite's Markdown tables and plot (called by `gradsync_bench.runner`)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+#: How each method is named in the tables and the plot.
+LABELS = {
+    "nosync": "no-sync reference",
+    "ddp-gloo": "torch DDP + gloo",
+    "gradsync-ddp": "gradsync DDP",
+    "diloco-h10-fp32": "DiLoCo H=10 fp32",
+    "diloco-h10-int8": "DiLoCo H=10 int8",
+    "diloco-h50-fp32": "DiLoCo H=50 fp32",
+    "diloco-h50-int8": "DiLoCo H=50 int8",
+    "streaming-f4-int8": "streaming F=4 int8",
+}
+
+
+def _rate(row: dict[str, Any]) -> str:
+    return "unshaped" if row["rate_mbit"] is None else f"{row['rate_mbit']:g}"
+
+
+def _mb(value: float | None) -> str:
+    return "-" if value is None else f"{value / 1e6:.3f}"
+
+
+def markdown_lines(suite: dict[str, Any]) -> list[str]:
+    """The scorecard and the per-method table, as Markdown lines ([] when nothing ran)."""
+    rows = suite.get("rows", [])
+    if not rows:
+        return []
+    measured = [r for r in rows if "error" not in r]
+    world = f"{measured[0]['world_size']}" if measured else "?"
+    model_mb = f"{measured[0]['parameter_bytes'] / 1e6:.1f}" if measured else "?"
+    lines = [
+        f"**Slow-link scorecard** (wan suite: W = {world} worker hosts and a "
+        "coordinator host, network namespaces, every link shaped to B each way; "
+        f"{suite.get('note', '')}; char transformer of {model_mb} MB "
+        "fp32 on the standard library's source, AdamW; utilization = samples/s / no-sync "
+        "samples/s at the same B; bytes per inner step = mean worker host eth0 tx + rx; "
+        "client up = gradsync's own upload count; quality rows: links unshaped, more steps)",
+        "",
+        "| target | measured | goal | result |",
+        "|---|---|---|---|",
+    ]
+    for card in suite.get("scorecard", []):
+        measured = card["measured"]
+        shown = "-" if measured is None else f"{measured:.3g}"
+        lines.append(
+            f"| {card['target']} ({card['text']}) | {shown} | {card['goal']:g} | {card['result']} |"
+        )
+    lines += [
+        "",
+        "| B Mbit/s | method | steps | samples/s | utilization | MB/step up | MB/step down | "
+        "MB/step total | client MB/step up | client MB/round up | final train loss | "
+        "held-out loss | load |",
+        "|" + "---|" * 13,
+    ]
+    for row in rows:
+        if "error" in row:
+            name = LABELS.get(row["method"], row["method"])
+            reason = row["error"].splitlines()[0][:300].replace("|", "/")
+            lines.append(f"| {_rate(row)} | {name} | failed: {reason} |" + " - |" * 10)
+            continue
+        utilization = row.get("utilization")
+        lines.append(
+            "| "
+            + " | ".join(
+                [
+                    _rate(row),
+                    LABELS.get(row["method"], row["method"]),
+                    f"{row['steps']}",
+                    f"{row['samples_per_s']:.1f}",
+                    "-" if utilization is None else f"{utilization:.0%}",
+                    _mb(row["link_up_bytes_per_step"]),
+                    _mb(row["link_down_bytes_per_step"]),
+                    _mb(row["link_bytes_per_step"]),
+                    _mb(row["client_up_bytes_per_step"]),
+                    _mb(row["client_round_upload_bytes"]),
+                    f"{row['final_train_loss']:.3f}",
+                    f"{row['held_out_loss']:.3f}",
+                    "-" if row.get("load_average") is None else f"{row['load_average']:.1f}",
+                ]
+            )
+            + " |"
+        )
+    return [*lines, ""]
+
+
+def plot(suite: dict[str, Any], path: Path) -> None:
+    """Loss against samples per method (one panel per pass) and utilization bars per B."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = [r for r in suite.get("rows", []) if "error" not in r]
+    passes = sorted({(r["rate_mbit"] is None, r["rate_mbit"] or 0.0) for r in rows})
+    figure, axes = plt.subplots(1, len(passes) + 1, figsize=(6 * (len(passes) + 1), 4.5))
+    axes = list(axes) if len(passes) else [axes]
+    for axis, (unshaped, rate) in zip(axes, passes, strict=False):
+        for row in rows:
+            if (row["rate_mbit"] is None) != unshaped or (row["rate_mbit"] or 0.0) != rate:
+                continue
+            samples, losses = zip(*row["loss_curve"], strict=True)
+            axis.plot(samples, losses, label=LABELS.get(row["method"], row["method"]))
+        axis.set_xlabel("samples (all ranks)")
+        axis.set_ylabel("training loss, nats/byte")
+        axis.set_title("links unshaped (quality pass)" if unshaped else f"B = {rate:g} Mbit/s")
+        axis.legend(fontsize=7)
+    bars = axes[-1]
+    shaped = [r for r in rows if r["rate_mbit"] is not None and r.get("utilization") is not None]
+    rates = sorted({r["rate_mbit"] for r in shaped}, reverse=True)
+    methods = [m for m in LABELS if any(r["method"] == m for r in shaped)]
+    width = 0.8 / max(1, len(rates))
+    for index, rate in enumerate(rates):
+        values = [
+            next(
+                (r["utilization"] for r in shaped if r["method"] == m and r["rate_mbit"] == rate),
+                0.0,
+            )
+            for m in methods
+        ]
+        bars.bar(
+            [i + index * width for i in range(len(methods))],
+            values,
+            width,
+            label=f"{rate:g} Mbit/s",
+        )
+    bars.axhline(0.9, color="black", linewidth=0.8, linestyle="--")
+    bars.set_xticks(
+        [i + 0.4 - width / 2 for i in range(len(methods))],
+        [LABELS[m] for m in methods],
+        rotation=45,
+        ha="right",
+        fontsize=7,
+    )
+    bars.set_ylabel("utilization (samples/s / no-sync)")
+    bars.set_title("compute utilization (dashed: 90 %)")
+    bars.legend(fontsize=7)
+    figure.tight_layout()
+    figure.savefig(path, dpi=100)
+    plt.close(figure)

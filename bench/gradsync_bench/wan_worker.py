@@ -1,0 +1,258 @@
+"""One rank of the wan suite: train the char transformer with one synchronization method.
+
+Launched by `gradsync_bench.wan` on an emulated worker host (a network namespace whose
+eth0 is shaped). Every method trains the same model on the same rank's batches with the
+same inner optimizer (AdamW); they differ only in how the ranks synchronize:
+
+  nosync           no communication at all: the compute-only reference (100 % utilization).
+  ddp-gloo         torch.nn.parallel.DistributedDataParallel over gloo, every step.
+  gradsync-ddp     gradsync.DistributedDataParallel, every step.
+  diloco-hH-WIRE   gradsync.DiLoCo, sync_every=H, fp32 or int8 pseudo-gradients.
+  streaming-fF-... gradsync.DiLoCo with fragments=F and overlap_steps (int8).
+
+The timed window starts after a barrier of all ranks (files in the shared work folder:
+the namespaces share the file system) and after one untimed forward/backward (no
+optimizer step, so every method starts from the same parameters). It counts `--steps`
+inner steps; a streaming round still in flight at the end is collected inside it. The
+rank reads its host's eth0 byte counters at both ends of the window and writes one JSON
+record: seconds, bytes, the client's own byte counts, the training losses and the
+held-out loss of its final model.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from gradsync_bench import wan_task
+
+#: How long a rank waits at the start barrier for the others (they import torch on 2 cores).
+BARRIER_TIMEOUT_S = 300.0
+
+
+@dataclass(frozen=True)
+class Method:
+    """A synchronization method of the scorecard."""
+
+    name: str
+    #: "nosync", "ddp-gloo", "gradsync-ddp" or "diloco".
+    kind: str
+    sync_every: int = 1
+    int8: bool = False
+    fragments: int = 1
+    overlap_steps: int = 0
+
+    @property
+    def every_step(self) -> bool:
+        return self.kind in ("ddp-gloo", "gradsync-ddp")
+
+    @property
+    def uses_coordinator(self) -> bool:
+        return self.kind in ("gradsync-ddp", "diloco")
+
+
+#: Every method, in table order.
+METHODS: dict[str, Method] = {
+    m.name: m
+    for m in (
+        Method("nosync", "nosync"),
+        Method("ddp-gloo", "ddp-gloo"),
+        Method("gradsync-ddp", "gradsync-ddp"),
+        Method("diloco-h10-fp32", "diloco", sync_every=10),
+        Method("diloco-h10-int8", "diloco", sync_every=10, int8=True),
+        Method("diloco-h50-fp32", "diloco", sync_every=50),
+        Method("diloco-h50-int8", "diloco", sync_every=50, int8=True),
+        Method(
+            "streaming-f4-int8", "diloco", sync_every=50, int8=True, fragments=4, overlap_steps=5
+        ),
+    )
+}
+
+
+def link_bytes(interface: str) -> dict[str, int]:
+    """The host's interface counters: what it sent (tx) and received (rx)."""
+    statistics = Path("/sys/class/net") / interface / "statistics"
+    return {d: int((statistics / f"{d}_bytes").read_text()) for d in ("tx", "rx")}
+
+
+def barrier(folder: Path, name: str, rank: int, world_size: int) -> None:
+    """Wait until every rank has reached `name` (a file per rank in the shared folder).
+
+    Raises:
+        TimeoutError: a rank did not arrive within BARRIER_TIMEOUT_S (naming which).
+    """
+    (folder / f"{name}.{rank}").write_text("")
+    deadline = time.monotonic() + BARRIER_TIMEOUT_S
+    while True:
+        missing = [r for r in range(world_size) if not (folder / f"{name}.{r}").exists()]
+        if not missing:
+            return
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"rank {rank}: ranks {missing} never reached barrier {name!r}")
+        time.sleep(0.01)
+
+
+def wrap(method: Method, model: nn.Module, args: argparse.Namespace) -> tuple[nn.Module, Any]:
+    """(the module to forward, the object holding the synchronization, or None)."""
+    if method.kind == "ddp-gloo":
+        dist.init_process_group(
+            "gloo",
+            init_method=f"tcp://{args.gloo}",
+            rank=args.rank,
+            world_size=args.world_size,
+        )
+        return nn.parallel.DistributedDataParallel(model), None
+    if method.kind == "nosync":
+        return model, None
+    import gradsync
+
+    common: dict[str, Any] = dict(
+        coordinator=args.coordinator,
+        rank=args.rank,
+        world_size=args.world_size,
+        job_id=f"wan-{method.name}",
+        timeout_s=900,
+        join_timeout_s=300,
+    )
+    if method.kind == "gradsync-ddp":
+        ddp = gradsync.DistributedDataParallel(model, hierarchical=False, **common)
+        return ddp, ddp
+    return model, None  # DiLoCo wraps the inner optimizer too: see main
+
+
+def client_bytes_sent(ddp: Any, diloco: Any) -> int | None:
+    """What gradsync itself counts as uploaded (every fragment's job), None for the
+    methods gradsync does not run."""
+    if diloco is not None:
+        return sum(int(fragment.ddp.bytes_sent) for fragment in diloco.fragments)
+    return int(ddp.bytes_sent) if ddp is not None else None
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--method", choices=sorted(METHODS), required=True)
+    parser.add_argument("--rank", type=int, required=True)
+    parser.add_argument("--world-size", type=int, required=True)
+    parser.add_argument("--steps", type=int, required=True)
+    parser.add_argument("--batch", type=int, default=4)
+    parser.add_argument("--context", type=int, default=64)
+    parser.add_argument("--lr", type=float, default=1e-3)
+    parser.add_argument("--log-every", type=int, default=5)
+    parser.add_argument("--coordinator", default="")
+    parser.add_argument("--gloo", default="", help="host:port of gloo's rendezvous (rank 0)")
+    parser.add_argument("--link-stats", default="eth0")
+    parser.add_argument("--workdir", type=Path, required=True)
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    method = METHODS[args.method]
+
+    corpus = wan_task.read_corpus()
+    text, held_out = wan_task.split(corpus, args.rank, args.world_size)
+    batches = wan_task.Batches(text, args.batch, args.context, args.rank)
+    model = wan_task.build_model(args.context)
+    forward, ddp = wrap(method, model, args)
+    inner = torch.optim.AdamW(model.parameters(), lr=args.lr)
+    diloco = None
+    if method.kind == "diloco":
+        import gradsync
+
+        diloco = gradsync.DiLoCo(
+            model,
+            inner,
+            sync_every=method.sync_every,
+            outer_lr=0.7,
+            outer_momentum=0.9,
+            wire_dtype=torch.int8 if method.int8 else None,
+            fragments=method.fragments,
+            overlap_steps=method.overlap_steps,
+            coordinator=args.coordinator,
+            rank=args.rank,
+            world_size=args.world_size,
+            job_id=f"wan-{method.name}",
+            timeout_s=900,
+            join_timeout_s=300,
+        )
+
+    # Warm-up: one forward/backward (allocations, gloo's and gradsync's first bucket
+    # exchange); no optimizer step, so every method starts from the same parameters.
+    inner.zero_grad()
+    inputs, targets = batches.next()
+    torch.autograd.backward(wan_task.loss_of(forward, inputs, targets))
+    inner.zero_grad()
+    batches = wan_task.Batches(text, args.batch, args.context, args.rank)
+
+    barrier(args.workdir, f"{method.name}-start", args.rank, args.world_size)
+    link_before = link_bytes(args.link_stats)
+    client_before = client_bytes_sent(ddp, diloco)
+    round_bytes: list[int] = []
+    losses: list[list[float]] = []
+    pending: list[float] = []
+    started = time.perf_counter()
+    for step in range(1, args.steps + 1):
+        inner.zero_grad()
+        inputs, targets = batches.next()
+        loss = wan_task.loss_of(forward, inputs, targets)
+        torch.autograd.backward(loss)
+        inner.step()
+        # `last_round_bytes` (the latest round's upload, every fragment's together) is
+        # one round's only without fragments.
+        if diloco is not None and diloco.step() and len(diloco.fragments) == 1:
+            round_bytes.append(diloco.last_round_bytes)
+        pending.append(float(loss.detach()))
+        if step % args.log_every == 0 or step == args.steps:
+            losses.append([step, sum(pending) / len(pending)])
+            pending = []
+    if diloco is not None:
+        # A streaming round started at the last steps is part of the work: collect it.
+        for fragment in diloco.fragments:
+            if fragment.in_flight:
+                fragment.apply(diloco.mixing)
+    seconds = time.perf_counter() - started
+    link_after = link_bytes(args.link_stats)
+    client_after = client_bytes_sent(ddp, diloco)
+    client_sent = (
+        None if client_after is None or client_before is None else client_after - client_before
+    )
+    record: dict[str, Any] = {
+        "method": method.name,
+        "rank": args.rank,
+        "steps": args.steps,
+        "batch": args.batch,
+        "context": args.context,
+        "seconds": seconds,
+        "link_tx": link_after["tx"] - link_before["tx"],
+        "link_rx": link_after["rx"] - link_before["rx"],
+        "client_bytes_sent": client_sent,
+        "round_bytes_sent": round_bytes,
+        "losses": losses,
+        "held_out_loss": wan_task.held_out_loss(model, held_out, args.context),
+        "parameter_bytes": wan_task.parameter_bytes(model),
+    }
+    (args.workdir / f"{method.name}-rank{args.rank}.json").write_text(json.dumps(record))
+    if diloco is not None:
+        diloco.close()
+    close = getattr(ddp, "close", None)
+    if close is not None:
+        close()
+    if method.kind == "ddp-gloo":
+        dist.barrier()
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
+    # torch + gloo can abort in their own thread teardown at interpreter exit under CPU
+    # contention, after the record is written; leave without that teardown.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)

@@ -1,0 +1,142 @@
+"""`gradsync bench --suites wan`, for real and short: namespaces, shaped links, real ranks.
+
+Two worker hosts and a coordinator host (network namespaces, links shaped to 100 Mbit/s)
+train the wan suite's char transformer with the no-sync reference, torch DDP + gloo,
+gradsync DDP and DiLoCo H = 10 int8, a few steps each, through the real `gradsync bench`
+command; the test checks the structure of what it measured (not speeds: timings are
+noisy here): every method trained and was timed, the link counters tell the methods
+apart as their protocols say, the losses are finite and fall. Needs root (namespaces);
+skips with the reason otherwise.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+from gradsync.arguments import BENCH_WAN_METHODS
+from gradsync_bench import wan
+from gradsync_bench.suites import Row
+from gradsync_bench.wan_worker import METHODS as WORKER_METHODS
+from support.components import netns_available
+
+METHODS = ("nosync", "ddp-gloo", "gradsync-ddp", "diloco-h10-int8")
+
+
+@pytest.mark.timeout(400)
+def test_wan_suite_measures_every_method_on_shaped_links(tmp_path: Path) -> None:
+    ok, reason = netns_available()
+    if not ok:
+        pytest.skip(reason)
+    argv = [
+        sys.executable, "-m", "gradsync.cli", "bench", "--suites", "wan",
+        "--wan-world", "2", "--wan-rates", "100", "--wan-steps", "20",
+        "--wan-sync-steps", "2", "--wan-quality-steps", "0",
+        "--wan-methods", ",".join(METHODS), "--out", str(tmp_path),
+    ]  # fmt: skip
+    result = subprocess.run(
+        argv, capture_output=True, text=True, timeout=360, env=dict(os.environ), cwd=tmp_path
+    )
+    assert result.returncode == 0, result.stderr[-4000:]
+    document = json.loads((tmp_path / "latest.json").read_text())
+    assert "wan" not in document["skipped"]
+    rows = {row["method"]: row for row in document["suites"]["wan"]["rows"]}
+    assert set(rows) == set(METHODS)
+    model_bytes = rows["nosync"]["parameter_bytes"]
+    assert model_bytes >= 16 * (1 << 20)
+
+    for method, row in rows.items():
+        assert row["samples_per_s"] > 0, method
+        assert row["utilization"] is not None and row["utilization"] > 0, method
+        assert math.isfinite(row["held_out_loss"]), method
+        # The untrained model is near uniform over 256 bytes: ln 256 = 5.55 nats.
+        assert row["held_out_loss"] < math.log(256), (method, row["held_out_loss"])
+        assert all(math.isfinite(loss) for _, loss in row["loss_curve"]), method
+
+    # Without communication a worker link carries almost nothing (a few ARP/TCP bytes).
+    assert rows["nosync"]["link_bytes_per_step"] < 1e4
+    # Every step, both DDPs move about the whole model each way through each worker link
+    # (gloo's ring at W = 2: N each way; gradsync: N up, N down).
+    for method in ("ddp-gloo", "gradsync-ddp"):
+        assert rows[method]["link_up_bytes_per_step"] > 0.9 * model_bytes, method
+        assert rows[method]["link_down_bytes_per_step"] > 0.9 * model_bytes, method
+    # gradsync counts what it uploads; the wire agrees to within the framing.
+    client = rows["gradsync-ddp"]["client_up_bytes_per_step"]
+    assert 0.9 * client < rows["gradsync-ddp"]["link_up_bytes_per_step"] < 1.2 * client
+    # DiLoCo H = 10, int8 up and fp32 down once per 10 steps: far below every-step DDP.
+    diloco = rows["diloco-h10-int8"]
+    assert diloco["link_bytes_per_step"] < rows["ddp-gloo"]["link_bytes_per_step"] / 5
+    assert diloco["link_up_bytes_per_step"] < diloco["link_down_bytes_per_step"] / 2
+    # An int8 round uploads about a quarter of the fp32 model (plus per-chunk scales).
+    assert 0.2 * model_bytes < diloco["client_round_upload_bytes"] < 0.35 * model_bytes
+    # The training loss falls over the run where it was logged more than once.
+    for method in ("nosync", "diloco-h10-int8"):
+        curve = rows[method]["loss_curve"]
+        assert curve[-1][1] < curve[0][1] - 0.3, (method, curve)
+
+    scorecard = document["suites"]["wan"]["scorecard"]
+    assert scorecard and all(
+        card["result"] in ("PASS", "MISS", "NOT MEASURED") for card in scorecard
+    )
+    assert "Slow-link scorecard" in (tmp_path / "latest.md").read_text()
+    assert (tmp_path / "latest.png").stat().st_size > 0
+
+
+def _row(method: str, samples_per_s: float, link: float, loss: float = 2.0, **kw: Any) -> Row:
+    return {
+        "method": method,
+        "rate_mbit": kw.get("rate", 100.0),
+        "quality_pass": kw.get("quality", False),
+        "samples_per_s": samples_per_s,
+        "link_bytes_per_step": link,
+        "held_out_loss": loss,
+    }
+
+
+def test_scorecard_passes_and_misses_by_the_measured_ratios() -> None:
+    rows = wan._with_utilization(
+        [
+            _row("nosync", 100.0, 0.0),
+            _row("ddp-gloo", 20.0, 60e6),
+            _row("gradsync-ddp", 10.0, 40e6),
+            _row("diloco-h50-int8", 91.0, 0.5e6),  # 91 %; 120x and 80x fewer bytes
+            _row("streaming-f4-int8", 94.0, 0.1e6),  # 94 %; 600x and 400x
+            _row("ddp-gloo", 5.0, 60e6, loss=2.0, rate=None, quality=True),
+            _row("diloco-h10-fp32", 5.0, 1e6, loss=2.03, rate=None, quality=True),
+            _row("diloco-h10-int8", 5.0, 1e6, loss=2.05, rate=None, quality=True),
+        ]
+    )
+    cards = {card["target"]: card for card in wan.scorecard(rows)}
+    results = [(card["result"], round(card["measured"], 3)) for card in cards.values()]
+    assert results == [
+        ("PASS", 0.91),
+        ("MISS", 0.94),
+        ("MISS", 120.0),
+        ("PASS", 600.0),
+        ("MISS", 80.0),
+        ("PASS", 400.0),
+        ("PASS", 0.015),  # |2.03 / 2 - 1|
+        ("MISS", 0.025),
+    ]
+    # Without the reference there is no utilization, and a target says so.
+    lone = wan._with_utilization([_row("diloco-h50-int8", 91.0, 0.5e6)])
+    assert lone[0]["utilization"] is None
+    assert wan.scorecard(lone)[0]["result"] == "NOT MEASURED"
+
+
+def test_the_cli_offers_exactly_the_workers_methods() -> None:
+    assert tuple(WORKER_METHODS) == BENCH_WAN_METHODS
+    plan = wan.WanPlan(steps=50, sync_steps=6)
+    assert plan.steps_of(WORKER_METHODS["ddp-gloo"], 100.0, False) == 6
+    assert plan.steps_of(WORKER_METHODS["ddp-gloo"], 20.0, False) == 2  # scaled with the rate
+    assert plan.steps_of(WORKER_METHODS["diloco-h10-int8"], 20.0, False) == 25  # half
+    assert plan.steps_of(WORKER_METHODS["diloco-h50-int8"], 20.0, False) == 50
+    assert plan.steps_of(WORKER_METHODS["diloco-h10-int8"], None, True) == plan.quality_steps
+    slow = [m.name for m in plan.methods_at(20.0, False)]
+    assert slow == [m for m in WORKER_METHODS if m in wan.SLOW_LINK_METHODS]
