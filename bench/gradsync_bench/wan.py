@@ -89,6 +89,8 @@ class WanPlan:
             return self.quality_steps
         if rate_mbit is None:
             return self.steps
+        if method.kind == "diloco" and method.sync_every > self.steps:
+            return method.sync_every  # at least one whole round in the timed window
         if not method.every_step:
             # H = 10 has its rounds every 10 steps: half the steps (25 of 50) still hold
             # two, and utilization is a rate; its rounds cost the most time of all.
@@ -345,8 +347,26 @@ def scorecard(rows: list[Row]) -> list[dict[str, Any]]:
             "samples/s / no-sync samples/s",
         ),
     ]
+    compact = _row(rows, "diloco-h50-int8x2", rate, False)
+    compact_h100 = _row(rows, "diloco-h100-int8x2", rate, False)
+    if compact is not None:
+        cards.append(
+            _target(
+                "utilization, DiLoCo H=50 int8 with an int8 answer, 100 Mbit/s",
+                compact.get("utilization"),
+                0.90,
+                True,
+                "samples/s / no-sync samples/s",
+            )
+        )
+    candidates = [
+        (h50, "DiLoCo H=50 int8"),
+        (streaming, "streaming F=4 int8"),
+        *(((compact, "DiLoCo H=50 int8 + int8 answer"),) if compact else ()),
+        *(((compact_h100, "DiLoCo H=100 int8 + int8 answer"),) if compact_h100 else ()),
+    ]
     for reference, name in ((gloo, "torch DDP + gloo"), (gradsync_ddp, "gradsync DDP")):
-        for candidate, label in ((h50, "DiLoCo H=50 int8"), (streaming, "streaming F=4 int8")):
+        for candidate, label in candidates:
             measured = None
             if reference and candidate and candidate["link_bytes_per_step"] > 0:
                 measured = reference["link_bytes_per_step"] / candidate["link_bytes_per_step"]

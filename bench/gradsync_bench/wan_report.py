@@ -15,6 +15,8 @@ LABELS = {
     "diloco-h50-fp32": "DiLoCo H=50 fp32",
     "diloco-h50-int8": "DiLoCo H=50 int8",
     "streaming-f4-int8": "streaming F=4 int8",
+    "diloco-h50-int8x2": "DiLoCo H=50 int8, int8 answer",
+    "diloco-h100-int8x2": "DiLoCo H=100 int8, int8 answer",
 }
 
 

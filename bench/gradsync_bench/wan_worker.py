@@ -51,6 +51,9 @@ class Method:
     int8: bool = False
     fragments: int = 1
     overlap_steps: int = 0
+    #: The new global parameters come back as an int8 change of the ranks' copy
+    #: (`answer_dtype=torch.int8`) instead of in float32.
+    compact_answer: bool = False
 
     @property
     def every_step(self) -> bool:
@@ -75,6 +78,8 @@ METHODS: dict[str, Method] = {
         Method(
             "streaming-f4-int8", "diloco", sync_every=50, int8=True, fragments=4, overlap_steps=5
         ),
+        Method("diloco-h50-int8x2", "diloco", sync_every=50, int8=True, compact_answer=True),
+        Method("diloco-h100-int8x2", "diloco", sync_every=100, int8=True, compact_answer=True),
     )
 }
 
@@ -175,6 +180,7 @@ def main() -> None:
             wire_dtype=torch.int8 if method.int8 else None,
             fragments=method.fragments,
             overlap_steps=method.overlap_steps,
+            **({"answer_dtype": torch.int8} if method.compact_answer else {}),
             coordinator=args.coordinator,
             rank=args.rank,
             world_size=args.world_size,
