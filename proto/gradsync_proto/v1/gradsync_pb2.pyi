@@ -111,14 +111,16 @@ class BucketSpec(_message.Message):
     def __init__(self, parameter_indices: _Optional[_Iterable[int]] = ..., dtype: _Optional[_Union[DType, str]] = ..., num_elements: _Optional[int] = ..., outer: _Optional[bool] = ...) -> None: ...
 
 class OuterOptimizer(_message.Message):
-    __slots__ = ("lr", "momentum", "nesterov")
+    __slots__ = ("lr", "momentum", "nesterov", "answer_dtype")
     LR_FIELD_NUMBER: _ClassVar[int]
     MOMENTUM_FIELD_NUMBER: _ClassVar[int]
     NESTEROV_FIELD_NUMBER: _ClassVar[int]
+    ANSWER_DTYPE_FIELD_NUMBER: _ClassVar[int]
     lr: float
     momentum: float
     nesterov: bool
-    def __init__(self, lr: _Optional[float] = ..., momentum: _Optional[float] = ..., nesterov: _Optional[bool] = ...) -> None: ...
+    answer_dtype: DType
+    def __init__(self, lr: _Optional[float] = ..., momentum: _Optional[float] = ..., nesterov: _Optional[bool] = ..., answer_dtype: _Optional[_Union[DType, str]] = ...) -> None: ...
 
 class ModelSignature(_message.Message):
     __slots__ = ("parameters", "buffers", "buckets", "outer")

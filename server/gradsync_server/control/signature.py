@@ -15,6 +15,7 @@ from gradsync_proto import dtypes
 from gradsync_proto.codes import Code
 from gradsync_proto.v1 import gradsync_pb2 as pb
 
+from gradsync_server.dataplane.outer_answer import answer_dtype_of, answer_dtype_problem
 from gradsync_server.errors import RejectedMessage
 
 #: Refuse absurd sizes before allocating anything (1 TiB).
@@ -139,6 +140,9 @@ def _validate_outer(signature: pb.ModelSignature, refuse: Callable[[str], Reject
         raise refuse("Nesterov outer momentum needs a momentum > 0")
     if not outer_buckets:
         raise refuse("an outer optimizer is set, but no bucket is marked outer")
+    problem = answer_dtype_problem(outer)
+    if problem is not None:
+        raise refuse(problem)
     for index in outer_buckets:
         if signature.buckets[index].dtype != pb.DTYPE_FLOAT32:
             raise refuse(
@@ -200,4 +204,8 @@ def _outer_words(signature: pb.ModelSignature) -> str:
     if not signature.HasField("outer"):
         return "none"
     outer = signature.outer
-    return f"(lr {outer.lr:g}, momentum {outer.momentum:g}, nesterov {outer.nesterov})"
+    answer = dtypes.dtype_name(answer_dtype_of(outer))
+    return (
+        f"(lr {outer.lr:g}, momentum {outer.momentum:g}, nesterov {outer.nesterov}, "
+        f"answer_dtype {answer})"
+    )

@@ -68,7 +68,6 @@ from gradsync_server.dataplane.step_aborts import abort_actions
 from gradsync_server.dataplane.step_checks import (
     check_budget,
     check_encoding,
-    check_outer_reply,
     check_reply_dtype,
     check_sender,
     check_wire_dtype,
@@ -284,9 +283,10 @@ class OpenStep:
         reduction = None if held is None else held.reduction
         first_rank = -1 if held is None else held.first_rank
         wire_dtype = check_wire_dtype(rank, chunk, native, reduction, first_rank)
-        reply_dtype = check_reply_dtype(rank, chunk, native, reduction, first_rank, wire_dtype)
-        if self.outer.holds(bucket):
-            check_outer_reply(rank, chunk, reply_dtype)
+        if self.outer.holds(bucket):  # DiLoCo: float32 at the seed, then the job's answer dtype
+            reply_dtype = self.outer.check_reply(rank, chunk, wire_dtype)
+        else:
+            reply_dtype = check_reply_dtype(rank, chunk, native, reduction, first_rank, wire_dtype)
         wire_bytes = (
             self._bucket_bytes[bucket] // dtypes.itemsize(native) * dtypes.itemsize(wire_dtype)
         )
@@ -319,6 +319,7 @@ class OpenStep:
                 self._divisor(),
                 byte_range=byte_range,
                 reply_dtype=reply_dtype,
+                average_dtype=pb.DTYPE_FLOAT32 if self.outer.holds(bucket) else None,
             )
             held = self._buckets[bucket] = _Bucket(
                 reduction, self._budget.reserve(self._membership.job_id), rank
@@ -381,6 +382,7 @@ class OpenStep:
                 offset=piece_offset,
                 dtype=reduction.reply_dtype,
                 contributors=reduction.last_contributors,
+                scale=self.outer.answer_scale(bucket, piece_offset),  # an int8 answer's
             )
             # A segment's upload is answered on its own grid, in its own dtype (one piece).
             direct = from_segment if piece_offset == offset and len(piece) == len(averaged) else ()

@@ -16,6 +16,10 @@ stored and sent back. Every later step is an outer step. A step's results
 are kept aside until the whole step completes here (`commit`): an aborted
 step (`discard`) leaves the global parameters and the momentum as they were,
 as it leaves the ranks' models.
+
+With a compact answer (`OuterOptimizer.answer_dtype` int8 or bfloat16) the
+answer is instead the quantized change of the ranks' copy of the global
+parameters, kept here as the public copy (`outer_answer.PublicCopy`).
 """
 
 from __future__ import annotations
@@ -26,7 +30,10 @@ from dataclasses import dataclass
 import numpy as np
 import numpy.typing as npt
 from gradsync_proto import chunking, dtypes
+from gradsync_proto.codec import ChunkHeader
 from gradsync_proto.v1 import gradsync_pb2 as pb
+
+from gradsync_server.dataplane.outer_answer import PublicCopy, answer_dtype_of
 
 __all__ = ["OuterState"]
 
@@ -76,6 +83,8 @@ class OuterState:
         self._parameters: dict[int, Floats] = {}
         self._momenta: dict[int, Floats] = {}
         self._pending: list[_Pending] = []
+        #: The global parameters as the ranks hold them, for a compact answer (else empty).
+        self.public = PublicCopy(answer_dtype_of(outer) if self.active else pb.DTYPE_FLOAT32)
         #: Outer steps applied (the seed not counted).
         self.rounds = 0
 
@@ -91,10 +100,25 @@ class OuterState:
     def held_bytes(self) -> int:
         """Bytes of global parameters and momentum held (for status and the budget)."""
         arrays = [*self._parameters.values(), *self._momenta.values()]
-        return sum(array.nbytes for array in arrays)
+        return sum(array.nbytes for array in arrays) + self.public.held_bytes()
+
+    def check_reply(self, rank: int, chunk: ChunkHeader, wire_dtype: int) -> int:
+        """The dtype a chunk of an outer bucket asks its answer in, if it is the job's.
+
+        Raises:
+            RejectedMessage: float32 is not asked at the seed, or the job's answer
+                dtype after it (`PublicCopy.check_reply`).
+        """
+        return self.public.check_reply(rank, chunk, wire_dtype, self.seeded)
+
+    def answer_scale(self, bucket: int, offset: int) -> float:
+        """The scale of the open step's int8 answer to a chunk (0.0 for any other answer)."""
+        return self.public.scale_at(bucket, offset)
 
     def answer(self, bucket: int, offset: int, wire_dtype: int, average: memoryview) -> memoryview:
-        """The answer to a completed chunk of an outer bucket: the new global parameters.
+        """The answer to a completed chunk of an outer bucket: the new global parameters
+        (float32), or with a compact answer their change of the public copy (its int8
+        scale then in `answer_scale`).
 
         Args:
             bucket: the bucket.
@@ -118,7 +142,8 @@ class OuterState:
         step = values + self.momentum * new_momentum if self.nesterov else new_momentum
         new_parameters = parameters - self.lr * step
         self._pending.append(_Pending(bucket, start, new_parameters, new_momentum))
-        return new_parameters.astype("<f4", copy=False).data.cast("B")
+        exact = new_parameters.astype(np.float32, copy=False)
+        return self.public.answer(bucket, start, offset, exact)
 
     def commit(self) -> None:
         """The step completed: its results become the global parameters and momentum."""
@@ -137,9 +162,11 @@ class OuterState:
             if pending.momentum is not None:
                 self._momenta[pending.bucket][pending.start : stop] = pending.momentum
         self._pending.clear()
+        self.public.commit(self._parameters, seeding)
         if not seeding:
             self.rounds += 1
 
     def discard(self) -> None:
         """The step was aborted: nothing of it is applied."""
         self._pending.clear()
+        self.public.discard()

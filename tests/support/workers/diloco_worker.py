@@ -44,6 +44,7 @@ def main() -> int:
         outer_lr=run.outer_lr,
         outer_momentum=run.outer_momentum,
         wire_dtype=wire,
+        answer_dtype=WIRES[run.answer],
         fragments=run.fragments,
         overlap_steps=run.overlap_steps,
         mixing=run.mixing,
