@@ -158,7 +158,8 @@ def worker(rank: int, coordinator: str, answer: str, rounds: int, megabytes: int
         for _ in range(rounds * SYNC_EVERY):
             x = torch.randn(8, side, generator=generator)
             inner.zero_grad()
-            torch.nn.functional.mse_loss(model(x), x).backward()
+            loss: torch.Tensor = torch.nn.functional.mse_loss(model(x), x)
+            loss.backward()
             inner.step()
             diloco.step()
 
