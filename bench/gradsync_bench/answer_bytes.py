@@ -158,8 +158,8 @@ def worker(rank: int, coordinator: str, answer: str, rounds: int, megabytes: int
         for _ in range(rounds * SYNC_EVERY):
             x = torch.randn(8, side, generator=generator)
             inner.zero_grad()
-            loss: torch.Tensor = torch.nn.functional.mse_loss(model(x), x)
-            loss.backward()
+            loss = torch.nn.functional.mse_loss(model(x), x)
+            loss.backward()  # type: ignore[no-untyped-call]  # untyped in torch's stubs
             inner.step()
             diloco.step()
 
