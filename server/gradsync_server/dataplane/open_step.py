@@ -16,7 +16,7 @@ expected, yet averages keep dividing by the membership's size; and a comm
 hook may send a float32/float64 bucket as float16/bfloat16 (every rank the
 same per step and bucket), accumulated in float32 and answered in the same
 16-bit type (or float32), or DiLoCo a float32 one as int8 with a scale per
-chunk, dequantized on arrival (`int8_chunks`) and answered in float32.
+chunk, dequantized on arrival (`int8_chunks`), answered in float32 (or `outer_answer`).
 
 With local groups (`host_groups`) only unit leaders upload and receive
 averages; a leader's chunk weighs its (checked) `covered_ranks`, and counts
