@@ -425,8 +425,6 @@ def _demo(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     _configure_logging("WARNING", "demo")
     settings = _train_settings(args, args.workers)
     if args.ray:
-        if args.diloco:
-            parser.error("--diloco runs with local workers only (not yet with --ray)")
         try:
             from gradsync.ray.demo import run_ray_demo
         except ImportError as exc:

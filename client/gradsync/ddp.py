@@ -232,7 +232,7 @@ class DistributedDataParallel(nn.Module):
         bucket_bytes = [plan.num_bytes for plan in plans]
         self._instruments = Instruments(
             self.config.rank,
-            resolve_metrics_port(metrics_port, os.environ),
+            None if _outer else resolve_metrics_port(metrics_port, os.environ),  # DiLoCo's own
             Path(trace_path) if trace_path is not None else None,
             bucket_bytes,
             log_every_steps,

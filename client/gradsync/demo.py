@@ -29,11 +29,7 @@ INIT_SEED = 1000
 def run_demo(settings: TrainSettings, timeout_s: float = defaults.EXAMPLE_TIMEOUT_S) -> int:
     """Run the demo; return 0 when the distributed result matches one process."""
     workers = settings.world_size
-    how = (
-        f"DiLoCo, a round every {settings.sync_every} steps"
-        if settings.sync_every
-        else "synchronized every step"
-    )
+    how = describe_sync(settings)
     print(
         f"gradsync demo: 1 coordinator + {workers} workers on the digits data set "
         f"({settings.epochs} epochs, {settings.batch_size} samples per rank per step, {how})"
@@ -71,6 +67,13 @@ def run_demo(settings: TrainSettings, timeout_s: float = defaults.EXAMPLE_TIMEOU
     if settings.sync_every:
         print("(the single process simulates the DiLoCo replicas and the outer optimizer)")
     return 0
+
+
+def describe_sync(settings: TrainSettings) -> str:
+    """How the demo's workers synchronize, for its banner."""
+    if settings.sync_every:
+        return f"DiLoCo, a round every {settings.sync_every} steps"
+    return "synchronized every step"
 
 
 def matches_one_process(

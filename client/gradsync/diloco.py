@@ -55,6 +55,8 @@ from __future__ import annotations
 
 import math
 import os
+import time
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -65,7 +67,9 @@ from gradsync import defaults
 from gradsync.config import ENV_JOB_ID
 from gradsync.control.signature import WIRE_DTYPES
 from gradsync.diloco_fragment import Fragment
+from gradsync.diloco_metrics import DiLoCoInstruments, RoundRecord
 from gradsync.hooks import WIRE_DTYPE_HOOKS
+from gradsync.metrics import ENV_METRICS_HOST, resolve_metrics_port
 
 __all__ = ["DiLoCo"]
 
@@ -103,8 +107,14 @@ class DiLoCo:
             + (1 - mixing) * local); default 1 without overlap, 0.5 with.
         coordinator, rank, world_size, job_id: as `DistributedDataParallel` (and the
             same environment variables as defaults).
+        metrics_port, metrics_host: Prometheus metrics of the rounds
+            (`gradsync_diloco_*`: rounds, round seconds, bytes up and down, exposed
+            wait, contributors), as `DistributedDataParallel`'s and with the same
+            environment variables.
+        trace_path: a Chrome trace of the rounds (each fragment's round on the
+            transport track, the inner loop's waits for them on the other).
         **options: any other keyword argument of `DistributedDataParallel`
-            (`token`, `tls_ca`, `timeout_s`, `bucket_cap_mb`, `metrics_port`, ...).
+            (`token`, `tls_ca`, `timeout_s`, `bucket_cap_mb`, ...).
 
     Raises:
         ValueError: a setting out of range (naming it and its value).
@@ -129,10 +139,14 @@ class DiLoCo:
         rank: int | None = None,
         world_size: int | None = None,
         job_id: str | None = None,
+        metrics_port: int | None = None,
+        metrics_host: str | None = None,
+        trace_path: str | Path | None = None,
         **options: Any,
     ) -> None:
         _check(sync_every, outer_lr, outer_momentum, wire_dtype, error_feedback)
         answer_dtype = _check_answer(wire_dtype, answer_dtype)
+        port = resolve_metrics_port(metrics_port, os.environ)  # a bad value fails before joining
         mixing = _check_streaming(sync_every, fragments, overlap_steps, mixing)
         self.model = model
         self.inner_optimizer = inner_optimizer
@@ -170,8 +184,16 @@ class DiLoCo:
             for fragment in self.fragments:
                 fragment.close()
             raise
+        self._instruments = DiLoCoInstruments(
+            self.rank,
+            port,
+            Path(trace_path) if trace_path is not None else None,
+            metrics_host or os.environ.get(ENV_METRICS_HOST) or None,
+        )
         #: Inner step at which each fragment's round in flight is merged.
         self._apply_at: dict[int, int] = {}
+        #: Inner step at which each fragment's round in flight started.
+        self._started_at: dict[int, int] = {}
         #: Inner steps taken (calls of `step`).
         self.inner_steps = 0
         #: Fragment rounds merged (the seeds not counted; F = 1: the outer rounds).
@@ -198,6 +220,7 @@ class DiLoCo:
     def step(self) -> bool:
         """Count one inner step; start and merge the rounds it is due. True if one merged."""
         self.inner_steps += 1
+        self._instruments.inner_step()
         t, count = self.inner_steps, len(self.fragments)
         merged = False
         for index, fragment in enumerate(self.fragments):
@@ -208,6 +231,7 @@ class DiLoCo:
             if fragment.in_flight:  # (cannot happen while tau < H)
                 merged |= self._merge(index, self.mixing)
             fragment.start()
+            self._started_at[index] = t
             if self.overlap_steps == 0:
                 merged |= self._merge(index, 1.0)
             else:
@@ -215,9 +239,23 @@ class DiLoCo:
         return merged
 
     def _merge(self, index: int, mixing: float) -> bool:
-        self.fragments[index].apply(mixing)
+        fragment = self.fragments[index]
+        waited = time.perf_counter()
+        fragment.apply(mixing)
+        waited = time.perf_counter() - waited
         self._apply_at.pop(index, None)
         self.rounds += 1
+        record = RoundRecord(
+            fragment=index,
+            inner_step=self._started_at.pop(index, self.inner_steps),
+            started=fragment.last_round_started,
+            finished=fragment.last_round_finished,
+            sent_bytes=fragment.last_round_bytes,
+            received_bytes=fragment.last_round_received,
+            contributors=fragment.last_round_contributors,
+            exposed_s=waited,
+        )
+        self._instruments.round_merged(record, self.rounds)
         return True
 
     def sync(self) -> None:
@@ -226,12 +264,16 @@ class DiLoCo:
             if fragment.in_flight:
                 self._merge(index, self.mixing)
             fragment.start()
+            self._started_at[index] = self.inner_steps
             self._merge(index, 1.0)
 
     def close(self) -> None:
         """Leave the job (as `DistributedDataParallel.close`); a round in flight is dropped."""
-        for fragment in self.fragments:
-            fragment.close()
+        try:
+            for fragment in self.fragments:
+                fragment.close()
+        finally:
+            self._instruments.close()
 
     def __enter__(self) -> DiLoCo:
         return self

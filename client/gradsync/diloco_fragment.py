@@ -149,9 +149,13 @@ class Fragment:
         self.global_params = [p.detach().clone() for p in self.params]
         self._thread: threading.Thread | None = None
         self._failure: BaseException | None = None
-        #: Bytes the last round uploaded, and its seconds (upload to answer).
+        #: Bytes the last round uploaded (as sent) and received (the answers, which fill
+        #: every bucket in float32, or compact: the transport checks each answer's size), its
+        #: contributors, and its `time.perf_counter()` start and end (the trace's clock).
         self.last_round_bytes = 0
-        self.last_round_s = 0.0
+        self.last_round_received = 0
+        self.last_round_contributors = 0
+        self.last_round_started = self.last_round_finished = 0.0
         welcome = self.ddp._session.welcome
         # A rank joining a running job was healed with rank 0's shadow, which holds the
         # global parameters; the coordinator holds them already: nothing to seed.
@@ -193,8 +197,13 @@ class Fragment:
         )
         self._thread.start()
 
+    @property
+    def last_round_s(self) -> float:
+        """Seconds of the last round, upload start to answer."""
+        return self.last_round_finished - self.last_round_started
+
     def _run(self, uploads: list[torch.Tensor]) -> None:
-        started, sent = time.monotonic(), self.ddp.bytes_sent
+        started, sent = time.perf_counter(), self.ddp.bytes_sent
         try:
             for attempt in range(1, RESTARTS_PER_ROUND + 2):
                 try:
@@ -213,7 +222,24 @@ class Fragment:
         except BaseException as exc:  # raised where the round is collected
             self._failure = exc
         self.last_round_bytes = self.ddp.bytes_sent - sent
-        self.last_round_s = time.monotonic() - started
+        self.last_round_received = self._answer_bytes()
+        self.last_round_contributors = self.ddp.last_contributors
+        self.last_round_started, self.last_round_finished = started, time.perf_counter()
+
+    def _answer_bytes(self) -> int:
+        """Payload bytes of a round's answers: the parameters in float32, or the changes
+        (bfloat16; int8 and a float32 scale per chunk of the upload's grid)."""
+        elements = int(sum(c.numel() for c in self._copies))
+        if not self._answer_is_change:
+            return 4 * elements
+        if not isinstance(self._hook, Int8Quantization):
+            return 2 * elements  # bfloat16
+        grid = ChunkGrid.of(self.ddp._session.welcome)
+        chunks = sum(
+            len(grid.spans(int(sum(self._copies[i].numel() for i in plan.parameter_indices))))
+            for plan in self.ddp.bucket_plans
+        )
+        return elements + 4 * chunks
 
     def _exchange(self, uploads: list[torch.Tensor]) -> None:
         """One synchronized backward pass whose gradients are the uploads: the

@@ -131,7 +131,7 @@ def train_worker(
     data = load_digits(settings.data_seed)
     if settings.sync_every:
         return _train_diloco(coordinator, rank, settings, data, init_seed, job_id, timeout_s,
-                             save_path, token)  # fmt: skip
+                             save_path, token, on_step)  # fmt: skip
     model = gradsync.DistributedDataParallel(
         build_model(init_seed),
         coordinator=coordinator,
@@ -182,6 +182,7 @@ def _train_diloco(
     timeout_s: float,
     save_path: Path | None,
     token: str | None,
+    on_step: Callable[[int, float], None] | None,
 ) -> float:
     """One rank of the example job under `gradsync.DiLoCo`: its own slice, a round every H."""
     import gradsync
@@ -206,9 +207,12 @@ def _train_diloco(
         for indices in global_batches(len(data.train_y), settings):
             mine = indices[rank * settings.batch_size : (rank + 1) * settings.batch_size]
             optimizer.zero_grad(set_to_none=True)
-            loss_fn(model(data.train_x[mine]), data.train_y[mine]).backward()
+            loss = loss_fn(model(data.train_x[mine]), data.train_y[mine])
+            loss.backward()
             optimizer.step()
             diloco.step()
+            if on_step is not None:
+                on_step(diloco.inner_steps, loss.item())
         if diloco.inner_steps % settings.sync_every:
             diloco.sync()  # the last, shorter round: every rank ends on the global model
     test_accuracy = accuracy(model, data.test_x, data.test_y)

@@ -123,6 +123,8 @@ def format_status(reply: pb.StatusReply) -> str:
             lines.append(
                 f"job '{job.job_id}': ended {job.ended_s_ago:.0f}s ago ({job.state}): {outcome}"
             )
+            if job.outer:
+                lines.append(_diloco_line(job))
             if job.nonfinite_contributions:
                 lines.append(
                     f"  non-finite gradients (NaN/Inf): {job.nonfinite_contributions} "
@@ -190,6 +192,13 @@ def _mib(nbytes: int) -> str:
     return f"{nbytes / (1 << 20):.1f} MiB"
 
 
+def _diloco_line(job: pb.JobStatus) -> str:
+    return (
+        f"  DiLoCo: {job.outer_rounds} outer rounds applied, global parameters and "
+        f"momentum held here: {_mib(job.outer_state_bytes)}"
+    )
+
+
 def _running_job(job: pb.JobStatus) -> list[str]:
     """Lines of a job that still runs (or assembles): members, laggards, who is missing."""
     checkpoint = (
@@ -207,6 +216,8 @@ def _running_job(job: pb.JobStatus) -> list[str]:
             f"  rank {member.rank}: {member.peer or '?'}, last heard {member.last_seen_s:.1f}s "
             f"ago, at step {member.reported_step}, mean lag {member.mean_lag_s * 1e3:.1f} ms"
         )
+    if job.outer:
+        lines.append(_diloco_line(job))
     missing = sorted(set(range(job.world_size)) - {member.rank for member in job.members})
     if missing:
         lines.append(f"  waiting for ranks {missing} of {job.world_size}")

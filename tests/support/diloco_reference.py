@@ -34,6 +34,7 @@ public copy (what the ranks hold); `exact_history` keeps the exact parameters.
 from __future__ import annotations
 
 import argparse
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -197,6 +198,7 @@ def simulate(
     shard_count: int = 1,
     error_feedback: bool = True,
     lost: tuple[int, int] | None = None,
+    partial: Sequence[int] = (),
     exact_history: list[list[torch.Tensor]] | None = None,
 ) -> list[list[torch.Tensor]]:
     """The global parameters the ranks hold after each round (round 0 = the initial ones).
@@ -207,6 +209,8 @@ def simulate(
     Args:
         lost: (rank, round): that rank is gone from that round on (1-based), so the round
             and every later one average over the others (`--on-failure elastic`).
+        partial: parameters (indices) whose pseudo-gradients the lost rank still delivered
+            in the round it was lost in (it died mid-round): there they average over it too.
         chunk_bytes, shard_count: the coordinator's grid (the int8 wire's scales are per chunk).
         error_feedback: feed a narrow wire's rounding error back (as the ranks do by default).
     """
@@ -233,6 +237,8 @@ def simulate(
     step = 0
     for number in range(1, run.rounds + 1):
         live = [r for r in range(world_size) if lost is None or r != lost[0] or number < lost[1]]
+        dying = lost is not None and number == lost[1] and bool(partial)
+        senders = [r for r in range(world_size) if r in live or (dying and r == lost[0])]
         for _ in range(run.sync_every):
             for rank, (replica, optimizer) in enumerate(zip(replicas, optimizers, strict=True)):
                 x, y = batch(run, rank, step)
@@ -240,9 +246,9 @@ def simulate(
                 nn.functional.mse_loss(replica(x), y).backward()
                 optimizer.step()
             step += 1
-        pseudo = []
+        pseudo: dict[int, list[torch.Tensor]] = {}
         for rank, replica in enumerate(replicas):
-            if rank not in live:
+            if rank not in senders:
                 continue
             deltas = []
             for index, (g, p) in enumerate(zip(public, replica.parameters(), strict=True)):
@@ -256,11 +262,11 @@ def simulate(
                 sent = [delta if wire is None else delta.to(wire).float() for delta in deltas]
             if wire is not None and error_feedback:
                 residuals[rank] = [d - r for d, r in zip(deltas, sent, strict=True)]
-            pseudo.append(sent)
-        averages = [
-            torch.stack([deltas[index] for deltas in pseudo]).sum(0) / len(live)
-            for index in range(len(global_params))
-        ]
+            pseudo[rank] = sent
+        averages = []
+        for index in range(len(global_params)):
+            ranks = senders if index in partial else live  # (ascending: the rank order)
+            averages.append(torch.stack([pseudo[r][index] for r in ranks]).sum(0) / len(ranks))
         if isinstance(outer, CoordinatorSGD):
             outer.step(averages)
         else:

@@ -234,7 +234,8 @@ def test_ray_train_data_parallel_trainer_with_the_gradsync_backend(
     assert outcome["coordinators_left"] == []
 
 
-def test_demo_runs_on_the_cluster(ray_cluster: RayCluster, tmp_path: Path) -> None:
+@pytest.mark.parametrize("sync", [[], ["--diloco", "5"]], ids=["every-step", "diloco"])
+def test_demo_runs_on_the_cluster(ray_cluster: RayCluster, tmp_path: Path, sync: list[str]) -> None:
     argv = [
         sys.executable,
         "-m",
@@ -247,6 +248,7 @@ def test_demo_runs_on_the_cluster(ray_cluster: RayCluster, tmp_path: Path) -> No
         "2",
         "--epochs",
         "1",
+        *sync,
     ]
     done = subprocess.run(
         argv,
@@ -258,3 +260,6 @@ def test_demo_runs_on_the_cluster(ray_cluster: RayCluster, tmp_path: Path) -> No
     )
     assert done.returncode == 0, f"{done.stdout}\n{done.stderr[-6000:]}"
     assert "OK:" in done.stdout, done.stdout
+    # The banner says which mode ran, and rank 0's reports came back through Ray.
+    assert ("DiLoCo, a round every 5 steps" in done.stdout) == bool(sync), done.stdout
+    assert "rank 0: {'step':" in done.stdout, done.stdout

@@ -6,7 +6,8 @@ are refused with errors that say so (within seconds, not after the join timeout)
 a missing or wrong token is UNAUTHENTICATED before anything happens (the job it
 tried to join does not exist afterwards); `Status` and the health service need
 the token too. A sharded coordinator over mTLS trains two real ranks end to end,
-its local shard children getting the token through their environment. Protected
+its local shard children getting the token through their environment, and so does
+DiLoCo (whose wrong-token rank is refused). Protected
 mode: `serve` and `shard` refuse a non-loopback address without credentials
 (exit 2, saying how to set a token) unless `--insecure`. A shard with the wrong
 shard token is refused by its leader.
@@ -27,19 +28,21 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from gradsync import AuthenticationError, DistributedDataParallel, TransportSecurityError
+from gradsync import AuthenticationError, DiLoCo, DistributedDataParallel, TransportSecurityError
 from gradsync.healthcheck import check
 from gradsync.status import query_status
 from gradsync_proto import auth
 from gradsync_proto.net.channels import ChannelSecurity
 from gradsync_proto.net.launch import parse_banner
 from gradsync_server.rpc.auth_check import exposure_refusal
-from support.processes import TRAIN_WORKER, CoordinatorProcess, run_ranks
+from support.diloco_reference import Run, make_model, simulate
+from support.processes import TRAIN_WORKER, WORKERS, CoordinatorProcess, run_ranks
 
 trustme = pytest.importorskip("trustme", reason="trustme is not installed: pip install trustme")
 
 TOKEN = "t0k3n-" + "x" * 26
 OTHER_TOKEN = "wr0ng-" + "y" * 26
+DILOCO_WORKER = WORKERS / "diloco_worker.py"
 #: Environment variables that would leak this process's settings into a child.
 SECURITY_ENV = (
     auth.ENV_TOKEN,
@@ -164,6 +167,38 @@ def test_two_ranks_train_through_local_shards_over_mtls_with_a_token(
     reply = query_status(coordinator.address, security=good(pki))
     # Both shards carried gradients, so the data streams to the shard child ran over mTLS too.
     assert len(reply.shards) == 2
+    assert all(shard.bytes_received > 0 for shard in reply.shards), reply.shards
+
+
+@pytest.mark.timeout(90)
+def test_diloco_trains_through_local_shards_over_mtls_and_refuses_a_wrong_token(
+    pki: Pki, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, coordinator_factory
+) -> None:
+    # The outer rounds, their global parameters and the shards' ranges all travel over
+    # mTLS with the token, the workers taking every setting from the environment.
+    for name in SECURITY_ENV:
+        monkeypatch.delenv(name, raising=False)
+    coordinator = coordinator_factory(2, "--shards", "2", "--tls-ca", pki.ca, *mtls_flags(pki))
+    with pytest.raises(AuthenticationError, match=r"UNAUTHENTICATED.*token"):
+        DiLoCo(
+            torch.nn.Linear(2, 1), torch.optim.SGD(torch.nn.Linear(2, 1).parameters(), lr=0.1),
+            coordinator=coordinator.address, rank=0, world_size=2, job_id="diloco-intruder",
+            join_timeout_s=20, reconnect_timeout_s=0, tls_ca=pki.ca, tls_cert=pki.client,
+            tls_key=pki.client, token=OTHER_TOKEN,
+        )  # fmt: skip
+    monkeypatch.setenv("GRADSYNC_TLS_CA", pki.ca)
+    monkeypatch.setenv("GRADSYNC_TLS_CERT", pki.client)
+    monkeypatch.setenv("GRADSYNC_TLS_KEY", pki.client)
+    monkeypatch.setenv(auth.ENV_TOKEN_FILE, pki.token_file)
+    run = Run(rounds=2)
+    saved = run_ranks(DILOCO_WORKER, coordinator.address, 2, tmp_path, *run.argv())
+    expected = simulate(run, 2, make_model(100, run.hidden))[-1]
+    names = [name for name, _ in make_model(0, run.hidden).named_parameters()]
+    for name, want in zip(names, expected, strict=True):
+        np.testing.assert_array_equal(saved[0][f"final/{name}"], saved[1][f"final/{name}"])
+        np.testing.assert_allclose(saved[0][f"final/{name}"], want.numpy(), rtol=0, atol=1e-5)
+    reply = query_status(coordinator.address, security=good(pki))
+    assert "diloco-intruder" not in [job.job_id for job in reply.jobs]
     assert all(shard.bytes_received > 0 for shard in reply.shards), reply.shards
 
 

@@ -15,7 +15,7 @@ from typing import Any
 
 import numpy as np
 
-from gradsync.demo import INIT_SEED, matches_one_process
+from gradsync.demo import INIT_SEED, describe_sync, matches_one_process
 from gradsync.example import TrainSettings
 from gradsync.ray.coordinator import start_coordinator
 from gradsync.ray.workers import Report, report, run
@@ -64,7 +64,8 @@ def run_ray_demo(settings: TrainSettings, timeout_s: float, address: str | None)
             ray.init(address=address, log_to_driver=False)
     print(
         f"gradsync demo --ray: 1 coordinator actor + {workers} worker actors on the digits "
-        f"data set ({settings.epochs} epochs, {settings.batch_size} samples per rank per step)"
+        f"data set ({settings.epochs} epochs, {settings.batch_size} samples per rank per step, "
+        f"{describe_sync(settings)})"
     )
     coordinator = start_coordinator(workers, name=f"demo-{os.getpid()}")
     print(f"coordinator actor listening on {coordinator.address}")

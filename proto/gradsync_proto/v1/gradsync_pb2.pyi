@@ -501,7 +501,7 @@ class LateRank(_message.Message):
     def __init__(self, rank: _Optional[int] = ..., bucket_indices: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class JobStatus(_message.Message):
-    __slots__ = ("job_id", "state", "world_size", "membership_epoch", "open_step", "steps_completed", "members", "late", "step_age_s", "last_checkpoint_step", "ended", "ended_s_ago", "outcome", "nonfinite_contributions", "last_nonfinite")
+    __slots__ = ("job_id", "state", "world_size", "membership_epoch", "open_step", "steps_completed", "members", "late", "step_age_s", "last_checkpoint_step", "ended", "ended_s_ago", "outcome", "nonfinite_contributions", "last_nonfinite", "outer", "outer_rounds", "outer_state_bytes")
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELD_NUMBER: _ClassVar[int]
     WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -517,6 +517,9 @@ class JobStatus(_message.Message):
     OUTCOME_FIELD_NUMBER: _ClassVar[int]
     NONFINITE_CONTRIBUTIONS_FIELD_NUMBER: _ClassVar[int]
     LAST_NONFINITE_FIELD_NUMBER: _ClassVar[int]
+    OUTER_FIELD_NUMBER: _ClassVar[int]
+    OUTER_ROUNDS_FIELD_NUMBER: _ClassVar[int]
+    OUTER_STATE_BYTES_FIELD_NUMBER: _ClassVar[int]
     job_id: str
     state: str
     world_size: int
@@ -532,7 +535,10 @@ class JobStatus(_message.Message):
     outcome: str
     nonfinite_contributions: int
     last_nonfinite: str
-    def __init__(self, job_id: _Optional[str] = ..., state: _Optional[str] = ..., world_size: _Optional[int] = ..., membership_epoch: _Optional[int] = ..., open_step: _Optional[int] = ..., steps_completed: _Optional[int] = ..., members: _Optional[_Iterable[_Union[MemberStatus, _Mapping]]] = ..., late: _Optional[_Iterable[_Union[LateRank, _Mapping]]] = ..., step_age_s: _Optional[float] = ..., last_checkpoint_step: _Optional[int] = ..., ended: _Optional[bool] = ..., ended_s_ago: _Optional[float] = ..., outcome: _Optional[str] = ..., nonfinite_contributions: _Optional[int] = ..., last_nonfinite: _Optional[str] = ...) -> None: ...
+    outer: bool
+    outer_rounds: int
+    outer_state_bytes: int
+    def __init__(self, job_id: _Optional[str] = ..., state: _Optional[str] = ..., world_size: _Optional[int] = ..., membership_epoch: _Optional[int] = ..., open_step: _Optional[int] = ..., steps_completed: _Optional[int] = ..., members: _Optional[_Iterable[_Union[MemberStatus, _Mapping]]] = ..., late: _Optional[_Iterable[_Union[LateRank, _Mapping]]] = ..., step_age_s: _Optional[float] = ..., last_checkpoint_step: _Optional[int] = ..., ended: _Optional[bool] = ..., ended_s_ago: _Optional[float] = ..., outcome: _Optional[str] = ..., nonfinite_contributions: _Optional[int] = ..., last_nonfinite: _Optional[str] = ..., outer: _Optional[bool] = ..., outer_rounds: _Optional[int] = ..., outer_state_bytes: _Optional[int] = ...) -> None: ...
 
 class StatusReply(_message.Message):
     __slots__ = ("jobs", "heartbeat_timeout_s", "shards")

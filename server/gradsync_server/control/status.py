@@ -24,6 +24,7 @@ def job_status(job: Job, lag_tracker: LagTracker | None = None) -> pb.JobStatus:
     """A snapshot of `job`: state, members, late ranks, progress, checkpoints, NaN/Inf seen."""
     late = job.late_ranks()
     progress = job.progress
+    outer = job.in_flight.outer
     return pb.JobStatus(
         job_id=job.job_id,
         state=job.state.value,
@@ -47,6 +48,9 @@ def job_status(job: Job, lag_tracker: LagTracker | None = None) -> pb.JobStatus:
         last_checkpoint_step=job.persistence.last_checkpoint_step,
         nonfinite_contributions=job.in_flight.nonfinite.count,
         last_nonfinite=job.in_flight.nonfinite.last,
+        outer=outer.active,
+        outer_rounds=outer.rounds,
+        outer_state_bytes=outer.held_bytes(),
     )
 
 

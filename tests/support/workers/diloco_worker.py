@@ -6,10 +6,12 @@ simulates the same run in one process for the tests to compare against.
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import sys
 import time
+import urllib.request
 from pathlib import Path
 
 import numpy as np
@@ -18,8 +20,38 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 import gradsync
+from gradsync.hooks import GradBucket
 from support import scenarios
 from support.diloco_reference import WIRES, Run, batch, inner_optimizer, make_model
+
+
+class DieInRound:
+    """A comm hook that lets round R's first bucket go, then kills its process at the next.
+
+    Which bucket autograd hands over first is autograd's choice, so the hook writes
+    down the one it let go (`report`) before it dies. The pause before the kill gives
+    that bucket time to reach the coordinator and complete there with every rank's
+    copy, so the round is lost for the other buckets only: the elastic policy must
+    complete those over the survivors.
+    """
+
+    def __init__(self, round_number: int, report: Path) -> None:
+        self.round_number = round_number
+        self.report = report
+        self.delivered: int | None = None
+
+    def before_upload(self, state: object, bucket: GradBucket) -> torch.Tensor:
+        if bucket.step == self.round_number:
+            if self.delivered is None:
+                self.delivered = bucket.index
+            else:
+                self.report.write_text(json.dumps({"delivered_bucket": self.delivered}))
+                time.sleep(3.0)
+                os.kill(os.getpid(), signal.SIGKILL)
+        return bucket.buffer
+
+    def after_average(self, state: object, bucket: GradBucket, averaged: torch.Tensor) -> None:
+        bucket.buffer.copy_(averaged)
 
 
 def main() -> int:
@@ -29,6 +61,17 @@ def main() -> int:
     parser.add_argument("--start-delay-s", type=float, default=0.0)
     parser.add_argument("--die-at-step", type=int, default=-1, help="SIGKILL itself there")
     parser.add_argument("--step-delay-s", type=float, default=0.0, help="a slower inner step")
+    parser.add_argument("--metrics", action="store_true", help="serve metrics; save a scrape")
+    parser.add_argument(
+        "--die-mid-round",
+        type=int,
+        default=0,
+        help="SIGKILL itself in that round (1-based): one bucket uploaded, the others never",
+    )
+    parser.add_argument("--bucket-mb", type=float, default=None, help="bucket and first bucket cap")
+    parser.add_argument(
+        "--trace", type=Path, default=None, help="trace the rounds into this folder"
+    )
     args = parser.parse_args()
     time.sleep(args.start_delay_s)  # a rank started by hand, later than the others
     run = Run.from_arguments(args)
@@ -53,7 +96,21 @@ def main() -> int:
         world_size=args.world_size,
         job_id=args.job_id,
         timeout_s=60,
+        metrics_port=0 if args.metrics else None,
+        trace_path=args.trace / f"rank{rank}.json" if args.trace else None,
+        **(
+            {"bucket_cap_mb": args.bucket_mb, "first_bucket_mb": args.bucket_mb}
+            if args.bucket_mb
+            else {}
+        ),
     ) as diloco:
+        ddp = diloco.fragments[0].ddp
+        for index, plan in enumerate(ddp.bucket_plans):
+            saved[f"bucket{index}"] = np.array(plan.parameter_indices)
+        if args.die_mid_round:
+            assert ddp._reducer.comm_hook is None, "an fp32 wire only"
+            report = args.out.with_suffix(".died.json")
+            ddp._reducer.comm_hook = DieInRound(args.die_mid_round, report)
         for name, p in model.named_parameters():
             saved[f"round0/{name}"] = p.detach().numpy().copy()
         for step in range(run.rounds * run.sync_every):
@@ -72,6 +129,10 @@ def main() -> int:
         saved["fragment_sizes"] = np.array([len(f.params) for f in diloco.fragments])
         saved["inner_steps"] = np.array(diloco.inner_steps)
         saved["last_round_bytes"] = np.array(diloco.last_round_bytes)
+        server = diloco._instruments.server
+        if server is not None:  # what a scraper of this rank's endpoint reads now
+            with urllib.request.urlopen(server.url, timeout=10) as reply:
+                saved["metrics"] = np.frombuffer(reply.read(), dtype=np.uint8)
     np.savez(args.out, **saved)
     return 0
 
