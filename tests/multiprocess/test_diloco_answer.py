@@ -96,6 +96,10 @@ def test_an_int8_answer_keeps_the_ranks_bitwise_equal_and_matches_the_public_cop
     for public, exact in zip(expected, exact_history, strict=True):
         for p, e in zip(public, exact, strict=True):
             assert float((p - e).abs().max()) <= float(e.abs().max()) / 127 + 1e-6
+    # A quarter of the float32 answer's bytes came down (plus a scale per chunk).
+    elements = sum(p.size for p in first[0])
+    received = int(outputs[0]["last_round_received"])
+    assert elements < received <= elements + 4 * 2 * shards, (received, elements)
     # Training still works: the loss over the batches trained on falls, as with the exact answer.
     start, end = training_loss(run, first[0]), training_loss(run, first[-1])
     exact_end = training_loss(run, [p.numpy() for p in exact_answer[-1]])
