@@ -49,6 +49,20 @@ fragment at a time), and with `overlap_steps=tau` its round stays in flight
 for tau inner steps while training goes on; its answer is then merged with
 the local progress made meanwhile (`mixing`). Each fragment is a job of its
 own on the coordinator (`gradsync.diloco_fragment`).
+
+Stragglers and mixed hardware (`gradsync.diloco_rounds` checks the settings;
+the coordinator's `gradsync_server.dataplane.rounds` and `late` run them): by
+default every round waits for every live rank. With `min_contributors=k` (and
+`round_deadline_s`) a round closes once the deadline, counted from its first
+contribution, passed and at least k ranks contributed; the others stay in the
+job, and their upload for it is *late*: answered with the current global
+parameters (the rank continues from them, at the open round), and its
+pseudo-gradient dropped (`late="drop"`, the default: every round's average
+stays a function of that round's global parameters, as in plain DiLoCo, and
+nothing is held for a slow rank) or merged into the next round that starts
+after it arrived (`late="merge"`), if at most `max_staleness` rounds old.
+With `weighted=True` the average is sum(w_i g_i) / sum(w_i), w_i being the
+samples rank i processed since its last round (`step(samples=n)`).
 """
 
 from __future__ import annotations
@@ -68,6 +82,7 @@ from gradsync.config import ENV_JOB_ID
 from gradsync.control.signature import WIRE_DTYPES
 from gradsync.diloco_fragment import Fragment
 from gradsync.diloco_metrics import DiLoCoInstruments, RoundRecord
+from gradsync.diloco_rounds import check_samples, straggler_settings
 from gradsync.hooks import WIRE_DTYPE_HOOKS
 from gradsync.metrics import ENV_METRICS_HOST, resolve_metrics_port
 
@@ -105,6 +120,23 @@ class DiLoCo:
             merged (0 = the round blocks `step`); must be below `sync_every`.
         mixing: the share of the global parameters in that merge (p = mixing * global
             + (1 - mixing) * local); default 1 without overlap, 0.5 with.
+        min_contributors: k; a round may close with k ranks' contributions instead of
+            every live rank's (None = every rank, the default; with only
+            `round_deadline_s` given: 1). The others' contributions are late. Needs
+            `fragments=1`, an unsharded coordinator and flat ranks (`hierarchical` is
+            turned off).
+        round_deadline_s: seconds from a round's first contribution after which it
+            closes with `min_contributors` (None: 0 when `min_contributors` is given,
+            i.e. as soon as k contributed; checked every ~0.25 s at the coordinator).
+            A rank whose upload is under way then is waited for.
+        late: what becomes of a late contribution: "drop" (the default; the rank still
+            gets the global parameters) or "merge" (added into the next round that
+            starts after it arrived, as one more contribution).
+        max_staleness: with late="merge", the oldest contribution merged, in rounds
+            (default 1: only into the round right after its own); older ones are dropped.
+        weighted: average sum(w_i g_i) / sum(w_i) with w_i the samples rank i processed
+            since its last round (`step(samples=...)`; 1 per inner step if not given)
+            instead of the plain mean.
         coordinator, rank, world_size, job_id: as `DistributedDataParallel` (and the
             same environment variables as defaults).
         metrics_port, metrics_host: Prometheus metrics of the rounds
@@ -135,6 +167,11 @@ class DiLoCo:
         fragments: int = 1,
         overlap_steps: int = 0,
         mixing: float | None = None,
+        min_contributors: int | None = None,
+        round_deadline_s: float | None = None,
+        late: str = "drop",
+        max_staleness: int | None = None,
+        weighted: bool = False,
         coordinator: str | None = None,
         rank: int | None = None,
         world_size: int | None = None,
@@ -158,8 +195,30 @@ class DiLoCo:
             momentum=outer_momentum,
             nesterov=nesterov and outer_momentum > 0,
             answer_dtype=0 if answer_dtype is None else WIRE_DTYPES[answer_dtype],  # type: ignore[arg-type]  # an int is a DType
+            **straggler_settings(
+                min_contributors, round_deadline_s, late, max_staleness, weighted, world_size
+            ),
         )
         feedback = wire_dtype is not None if error_feedback is None else error_feedback
+        if outer.min_contributors and fragments > 1:
+            raise ValueError(
+                f"partial rounds (min_contributors={outer.min_contributors}) are not possible "
+                f"with fragments={fragments} yet: pass fragments=1"
+            )
+        if outer.min_contributors and answer_dtype is not None:
+            raise ValueError(
+                f"partial rounds (min_contributors={outer.min_contributors}) are not possible "
+                f"with answer_dtype={answer_dtype!r} yet (a late rank is answered with the "
+                "global parameters, not the public copy): pass answer_dtype=None"
+            )
+        if outer.min_contributors or weighted:
+            if options.get("hierarchical") not in (None, False):
+                raise ValueError(
+                    f"hierarchical={options['hierarchical']!r} is not possible with partial "
+                    "or weighted rounds (a local group sums its ranks before the coordinator "
+                    "sees them): pass hierarchical=False"
+                )
+            options["hierarchical"] = False
         if wire_dtype is torch.int8 or answer_dtype is not None:
             if options.get("hierarchical") not in (None, False):
                 setting = "wire_dtype=torch.int8" if answer_dtype is None else "answer_dtype"
@@ -198,6 +257,8 @@ class DiLoCo:
         self.inner_steps = 0
         #: Fragment rounds merged (the seeds not counted; F = 1: the outer rounds).
         self.rounds = 0
+        #: Samples processed since each fragment's last round (`step(samples=...)`).
+        self._samples = [0.0] * len(self.fragments)
 
     @property
     def rank(self) -> int:
@@ -217,8 +278,40 @@ class DiLoCo:
         """Seconds of the longest of the fragments' latest rounds."""
         return max(f.last_round_s for f in self.fragments)
 
-    def step(self) -> bool:
-        """Count one inner step; start and merge the rounds it is due. True if one merged."""
+    @property
+    def last_round_contributors(self) -> int:
+        """Ranks whose on-time contributions the latest round averaged (fewest over the
+        fragments); 0 if this rank's own was late (see `last_round_late`)."""
+        return min(f.last_report.contributors for f in self.fragments)
+
+    @property
+    def last_round_merged_late(self) -> int:
+        """Late contributions (of earlier rounds) merged into the latest round."""
+        return max(f.last_report.merged_late for f in self.fragments)
+
+    @property
+    def last_round_staleness(self) -> int:
+        """The stalest of those, in rounds (0: none merged)."""
+        return max(f.last_report.staleness for f in self.fragments)
+
+    @property
+    def last_round_late(self) -> bool:
+        """True if the latest round closed without this rank (it got the global parameters)."""
+        return any(f.last_report.next_step for f in self.fragments)
+
+    def step(self, samples: float | None = None) -> bool:
+        """Count one inner step; start and merge the rounds it is due. True if one merged.
+
+        Args:
+            samples: the samples this inner step processed (its batch size), for
+                `weighted` rounds; None counts 1. Ignored unweighted.
+
+        Raises:
+            ValueError: `samples` is negative or not finite, or a weighted round is due
+                after no sample at all.
+        """
+        counted = check_samples(samples, self.inner_steps)
+        self._samples = [total + counted for total in self._samples]
         self.inner_steps += 1
         self._instruments.inner_step()
         t, count = self.inner_steps, len(self.fragments)
@@ -230,13 +323,23 @@ class DiLoCo:
                 continue
             if fragment.in_flight:  # (cannot happen while tau < H)
                 merged |= self._merge(index, self.mixing)
-            fragment.start()
+            fragment.start(weight=self._round_weight(index))
             self._started_at[index] = t
             if self.overlap_steps == 0:
                 merged |= self._merge(index, 1.0)
             else:
                 self._apply_at[index] = t + self.overlap_steps
         return merged
+
+    def _round_weight(self, index: int) -> float:
+        """Fragment `index`'s weight for the round it starts now; its count starts again."""
+        weight, self._samples[index] = self._samples[index], 0.0
+        if self.fragments[index].weighted and not weight > 0:
+            raise ValueError(
+                f"rank {self.rank}: a weighted round is due at inner step {self.inner_steps} "
+                f"after {weight:g} samples since the last one; pass step(samples=n) with n > 0"
+            )
+        return weight
 
     def _merge(self, index: int, mixing: float) -> bool:
         fragment = self.fragments[index]
@@ -252,8 +355,11 @@ class DiLoCo:
             finished=fragment.last_round_finished,
             sent_bytes=fragment.last_round_bytes,
             received_bytes=fragment.last_round_received,
-            contributors=fragment.last_round_contributors,
+            contributors=fragment.last_report.contributors,
             exposed_s=waited,
+            late=bool(fragment.last_report.next_step),
+            merged_late=fragment.last_report.merged_late,
+            staleness=fragment.last_report.staleness,
         )
         self._instruments.round_merged(record, self.rounds)
         return True
@@ -263,7 +369,7 @@ class DiLoCo:
         for index, fragment in enumerate(self.fragments):
             if fragment.in_flight:
                 self._merge(index, self.mixing)
-            fragment.start()
+            fragment.start(weight=self._round_weight(index) if fragment.weighted else 1.0)
             self._started_at[index] = self.inner_steps
             self._merge(index, 1.0)
 

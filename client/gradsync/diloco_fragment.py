@@ -21,6 +21,12 @@ global parameters, and pseudo-gradients are taken against that copy.
 Each fragment is its own job on the coordinator (`<job>.fragment<i>` when
 there are several), with its own outer optimizer state.
 
+A round may close without this rank (a DiLoCo job with `min_contributors`):
+its upload is then late, the coordinator answers it with the current global
+parameters and the step to continue at (`RoundReport.next_step`), and the
+wrapper jumps there, so the rank holds the global model and joins the open
+round. `last_report` says how each round went (contributors, late merges).
+
 A restarted coordinator holds no global parameters; every rank still holds
 the latest ones, so the round seeds it with them and is repeated: nothing is
 recomputed and no rank rolls back (the outer momentum starts from zero).
@@ -41,6 +47,7 @@ from torch import nn
 from gradsync.ddp import DistributedDataParallel
 from gradsync.errors import CoordinatorRestartedError, SyncTimeoutError
 from gradsync.hooks import GradBucket, _CastCompression
+from gradsync.path.step_results import RoundReport
 from gradsync.quantized_wire import ChunkGrid, Int8Quantization
 
 __all__ = ["Fragment"]
@@ -156,6 +163,10 @@ class Fragment:
         self.last_round_received = 0
         self.last_round_contributors = 0
         self.last_round_started = self.last_round_finished = 0.0
+        #: What the coordinator said of the last round (contributors, late merges, ...).
+        self.last_report = RoundReport()
+        #: Weighted rounds: the weight this rank's chunks carry (its samples; 1 at the seed).
+        self.weighted = outer.weighted
         welcome = self.ddp._session.welcome
         # A rank joining a running job was healed with rank 0's shadow, which holds the
         # global parameters; the coordinator holds them already: nothing to seed.
@@ -168,13 +179,18 @@ class Fragment:
         """True while a round's answer has not been applied."""
         return self._thread is not None
 
-    def start(self, seed: bool = False) -> None:
+    def start(self, seed: bool = False, weight: float = 1.0) -> None:
         """Upload the pseudo-gradients now (the parameters, to seed); return at once.
 
         The round runs on a thread of its own; `wait` (or `apply`) collects it.
+
+        Args:
+            weight: a weighted job's weight of this rank in the round (its samples
+                since its last round; > 0). Ignored unweighted.
         """
         if self._thread is not None:
             raise RuntimeError("a round of this fragment is already in flight")
+        self.ddp._reducer.chunk_weight = weight if self.weighted else 0.0
         # The step boundary DDP keeps before a forward pass: a rank waiting to rejoin is
         # handed the shadow (the global parameters) here, and rank 0 checkpoints.
         self.ddp._pre_forward()
@@ -223,7 +239,7 @@ class Fragment:
             self._failure = exc
         self.last_round_bytes = self.ddp.bytes_sent - sent
         self.last_round_received = self._answer_bytes()
-        self.last_round_contributors = self.ddp.last_contributors
+        self.last_round_contributors = self.last_report.contributors
         self.last_round_started, self.last_round_finished = started, time.perf_counter()
 
     def _answer_bytes(self) -> int:
@@ -244,10 +260,21 @@ class Fragment:
     def _exchange(self, uploads: list[torch.Tensor]) -> None:
         """One synchronized backward pass whose gradients are the uploads: the
         wrapper's hooks fire, buckets go out as they fill, and the answers land in
-        the shadow's `.grad` before it returns."""
+        the shadow's `.grad` before it returns. A late round moves the wrapper on to
+        the coordinator's open step."""
         for copy in self._copies:
             copy.grad = None
         torch.autograd.backward(self._copies, grad_tensors=uploads)
+        self.last_report = self.ddp._session.path.round_report()
+        if self.last_report.next_step:
+            log.info(
+                "rank %d: round %d closed without this rank; its contribution was late, it "
+                "holds the global parameters and continues at round %d",
+                self.ddp.rank,
+                self.ddp.step - 1,
+                self.last_report.next_step,
+            )
+            self.ddp.step = self.last_report.next_step
 
     def _reseed(self) -> None:
         """A restarted coordinator knows no global parameters: every rank holds the

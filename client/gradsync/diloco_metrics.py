@@ -41,8 +41,12 @@ class RoundRecord:
         started, finished: `StepTracer.now()` readings at upload start and answer.
         sent_bytes: pseudo-gradient bytes uploaded, as sent (after the wire's cast).
         received_bytes: answer bytes received (the new global parameters).
-        contributors: ranks whose pseudo-gradients the round averaged.
+        contributors: ranks whose on-time pseudo-gradients the round averaged (0 when
+            this rank's own was late).
         exposed_s: how long the inner loop waited for the answer when it merged it.
+        late: the round closed without this rank (it was handed the global parameters).
+        merged_late: late contributions of earlier rounds merged into this one.
+        staleness: the stalest of those, in rounds (0: none).
     """
 
     fragment: int
@@ -53,6 +57,9 @@ class RoundRecord:
     received_bytes: int
     contributors: int
     exposed_s: float
+    late: bool = False
+    merged_late: int = 0
+    staleness: int = 0
 
     @property
     def seconds(self) -> float:
@@ -134,6 +141,24 @@ class DiLoCoInstruments:
             ["rank"],
             registry=self.registry,
         ).labels(**label)
+        self._late = Counter(
+            "gradsync_diloco_late_rounds_total",
+            "Rounds that closed without this rank's contribution (it came late).",
+            ["rank"],
+            registry=self.registry,
+        ).labels(**label)
+        self._merged_late = Counter(
+            "gradsync_diloco_merged_late_total",
+            "Late contributions of earlier rounds merged into this rank's rounds.",
+            ["rank"],
+            registry=self.registry,
+        ).labels(**label)
+        self._staleness = Gauge(
+            "gradsync_diloco_last_round_staleness",
+            "Rounds of staleness of the stalest late contribution merged in the latest round.",
+            ["rank"],
+            registry=self.registry,
+        ).labels(**label)
         self.server = serve_metrics(
             metrics_port, self.registry, host=metrics_host or defaults.WORKER_METRICS_HOST
         )
@@ -157,6 +182,9 @@ class DiLoCoInstruments:
                 record.received_bytes
             )
             self._contributors.set(record.contributors)
+            self._late.inc(int(record.late))
+            self._merged_late.inc(record.merged_late)
+            self._staleness.set(record.staleness)
         if self.tracer is not None:
             name = f"round (fragment {record.fragment})"
             self.tracer.span(
@@ -175,7 +203,7 @@ class DiLoCoInstruments:
         if self.rank == 0:
             log.info(
                 "round %d (fragment %d, from inner step %d): %.3f s, %.2f MB up, %.2f MB "
-                "down, %d contributors, inner loop waited %.3f s",
+                "down, %d contributors%s, inner loop waited %.3f s",
                 round_number,
                 record.fragment,
                 record.inner_step,
@@ -183,6 +211,11 @@ class DiLoCoInstruments:
                 record.sent_bytes / 1e6,
                 record.received_bytes / 1e6,
                 record.contributors,
+                f", {record.merged_late} late merged (staleness {record.staleness})"
+                if record.merged_late
+                else " (this rank late)"
+                if record.late
+                else "",
                 record.exposed_s,
             )
 

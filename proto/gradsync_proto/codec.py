@@ -37,6 +37,9 @@ _INT_FIELDS = {
     8: "contributors",
     9: "reply_dtype",
     12: "segment_offset",
+    16: "merged_late",
+    17: "staleness",
+    18: "next_step",
 }
 _UINT64_MAX = (1 << 64) - 1
 _UINT32_MAX = (1 << 32) - 1
@@ -54,6 +57,9 @@ _INT_FIELD_MAX = {
     8: _UINT32_MAX,
     9: _ENUM_MAX,
     12: _UINT64_MAX,
+    16: _UINT32_MAX,
+    17: _UINT32_MAX,
+    18: _UINT64_MAX,
 }
 _MAX_FIELD_NUMBER = (1 << 29) - 1
 #: GradientChunk.covered_ranks: repeated uint32, packed by protobuf's encoder (both
@@ -68,6 +74,9 @@ _REPEATED_FIELDS = (_COVERED_FIELD, _NONFINITE_FIELD)
 #: GradientChunk.scale: a float (fixed32, little-endian IEEE binary32), an int8 chunk's.
 _SCALE_FIELD = 14
 _FLOAT = struct.Struct("<f")
+#: GradientChunk.weight: a double (fixed64, little-endian IEEE binary64), a weighted round's.
+_WEIGHT_FIELD = 15
+_DOUBLE = struct.Struct("<d")
 
 
 @dataclass(slots=True)
@@ -97,6 +106,14 @@ class ChunkHeader:
     #: Worker -> coordinator, an int8 payload: the chunk's quantization step (a float32
     #: value; element i is payload[i] * scale). 0 for every other payload.
     scale: float = 0.0
+    #: Worker -> coordinator, a weighted DiLoCo round: the rank's weight (its samples).
+    weight: float = 0.0
+    #: Coordinator -> worker: late contributions merged into this average, and the
+    #: largest staleness among them in rounds.
+    merged_late: int = 0
+    staleness: int = 0
+    #: Coordinator -> worker: non-zero = the answer to a late contribution; continue here.
+    next_step: int = 0
 
 
 def _varint(value: int) -> bytes:
@@ -134,6 +151,10 @@ def encode_gradient(
         segment_offset=header.segment_offset,
         nonfinite_ranks=header.nonfinite_ranks,
         scale=header.scale,
+        weight=header.weight,
+        merged_late=header.merged_late,
+        staleness=header.staleness,
+        next_step=header.next_step,
     ).SerializeToString()
     length = sum(memoryview(part).nbytes for part in parts)
     inner = fields + _PAYLOAD_TAG + _varint(length)
@@ -192,7 +213,7 @@ def decode_gradient(raw: bytes) -> tuple[ChunkHeader, memoryview] | None:
                 repeated[field].append(value)
             elif field == _IN_SEGMENT_FIELD:
                 header.in_segment = value != 0
-            elif field == _SCALE_FIELD:
+            elif field in (_SCALE_FIELD, _WEIGHT_FIELD):
                 return None  # a float sent as a varint: protobuf decides
             elif name is not None:
                 if value > _INT_FIELD_MAX[field]:
@@ -207,16 +228,22 @@ def decode_gradient(raw: bytes) -> tuple[ChunkHeader, memoryview] | None:
             elif field in repeated:
                 if not _read_packed(view, position, position + size, repeated[field]):
                     return None
-            elif field in _INT_FIELDS or field in (_IN_SEGMENT_FIELD, _SCALE_FIELD):
+            elif field in _INT_FIELDS or field in (_IN_SEGMENT_FIELD, _SCALE_FIELD, _WEIGHT_FIELD):
                 return None  # packed or otherwise unusual: protobuf handles it
             position += size
         elif wire_type == _WIRE_FIXED64:
+            if position + 8 > end:
+                raise ValueError("truncated fixed64 field")
+            if field == _WEIGHT_FIELD:  # the last one wins, as in protobuf
+                (header.weight,) = _DOUBLE.unpack_from(view, position)
             position += 8
         elif wire_type == _WIRE_FIXED32:
             if position + 4 > end:
                 raise ValueError("truncated fixed32 field")
             if field == _SCALE_FIELD:  # the last one wins, as in protobuf
                 (header.scale,) = _FLOAT.unpack_from(view, position)
+            elif field == _WEIGHT_FIELD:
+                return None  # a double sent as fixed32: protobuf decides
             position += 4
         else:
             return None  # groups (3, 4) or invalid wire types: protobuf decides
@@ -263,4 +290,8 @@ def header_of(chunk: pb.GradientChunk) -> ChunkHeader:
         segment_offset=chunk.segment_offset,
         nonfinite_ranks=tuple(chunk.nonfinite_ranks),
         scale=chunk.scale,
+        weight=chunk.weight,
+        merged_late=chunk.merged_late,
+        staleness=chunk.staleness,
+        next_step=chunk.next_step,
     )

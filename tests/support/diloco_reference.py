@@ -356,3 +356,102 @@ def simulate_streaming(
             else:
                 apply_at[index] = t + run.overlap_steps
     return [[p.detach().clone() for p in replica] for replica in local]
+
+
+@dataclass(frozen=True)
+class LocalRound:
+    """One of a rank's own rounds in a run with stragglers: where its contribution went.
+
+    Attributes:
+        start: the coordinator round whose global parameters the rank began it from
+            (0 = the initial ones).
+        on_time: the coordinator round it contributed to in time, or None (late).
+        merged_into: a late contribution merged into that later round; None = dropped.
+    """
+
+    start: int
+    on_time: int | None
+    merged_into: int | None = None
+
+
+def on_time_rounds(count: int) -> list[LocalRound]:
+    """A rank that made every round in time: round j from round j - 1's parameters."""
+    return [LocalRound(j - 1, j) for j in range(1, count + 1)]
+
+
+def simulate_stragglers(
+    run: Run,
+    world_size: int,
+    initial: nn.Module,
+    schedule: dict[int, list[LocalRound]],
+    rounds: int,
+    weights: dict[int, float] | None = None,
+) -> list[list[torch.Tensor]]:
+    """The global parameters after each coordinator round (0 = the initial ones).
+
+    Each rank runs its own rounds in order (H inner steps on its own batches, its
+    inner optimizer's state carried over), each from the global parameters it held
+    (`LocalRound.start`). Coordinator round c averages the on-time contributions
+    (ascending rank) and then the late ones merged into it (ascending rank), weighted
+    by `weights[rank]` if given (sum(w g) / sum(w), the sum of the weights in float64
+    rounded to float32, as the coordinator divides), then takes the outer step.
+    float32 wire only.
+    """
+    replicas = [make_model(0, run.hidden) for _ in range(world_size)]
+    for replica in replicas:
+        replica.load_state_dict(initial.state_dict())
+    optimizers = [inner_optimizer(run, replica) for replica in replicas]
+    global_params = [p.detach().clone().requires_grad_(True) for p in initial.parameters()]
+    outer = torch.optim.SGD(
+        global_params,
+        lr=run.outer_lr,
+        momentum=run.outer_momentum,
+        nesterov=run.outer_momentum > 0,
+    )
+    history = [[p.detach().clone() for p in global_params]]
+    done = dict.fromkeys(range(world_size), 0)  # local rounds each rank has run
+    pseudo: dict[tuple[int, int], list[torch.Tensor]] = {}  # (rank, local round) -> deltas
+
+    def run_local(rank: int, index: int) -> list[torch.Tensor]:
+        while done[rank] <= index:
+            number = done[rank]
+            start = history[schedule[rank][number].start]
+            replica, optimizer = replicas[rank], optimizers[rank]
+            with torch.no_grad():
+                for p, g in zip(replica.parameters(), start, strict=True):
+                    p.copy_(g)
+            for inner in range(run.sync_every):
+                x, y = batch(run, rank, number * run.sync_every + inner)
+                optimizer.zero_grad()
+                nn.functional.mse_loss(replica(x), y).backward()
+                optimizer.step()
+            deltas = [g - p.detach() for g, p in zip(start, replica.parameters(), strict=True)]
+            pseudo[(rank, number)] = deltas
+            done[rank] += 1
+        return pseudo[(rank, index)]
+
+    for number in range(1, rounds + 1):
+        contributions: list[tuple[int, list[torch.Tensor]]] = []
+        for late in (False, True):
+            for rank in range(world_size):
+                for index, local in enumerate(schedule[rank]):
+                    target = local.merged_into if late else local.on_time
+                    if target == number:
+                        contributions.append((rank, run_local(rank, index)))
+        averages = []
+        for position in range(len(global_params)):
+            if weights is None:
+                total = torch.stack([deltas[position] for _, deltas in contributions]).sum(0)
+                averages.append(total / len(contributions))
+                continue
+            total = torch.zeros_like(global_params[position])
+            for rank, deltas in contributions:  # one product and one add at a time, in order
+                total = total + torch.tensor(weights[rank], dtype=torch.float32) * deltas[position]
+            weight_sum = float(sum(weights[rank] for rank, _ in contributions))
+            averages.append(total / torch.tensor(weight_sum, dtype=torch.float32))
+        outer.zero_grad()
+        for g, average in zip(global_params, averages, strict=True):
+            g.grad = average
+        outer.step()
+        history.append([p.detach().clone() for p in global_params])
+    return history

@@ -182,9 +182,11 @@ def run_ranks(
     out_dir: Path,
     *extra: str,
     timeout_s: float = 90.0,
+    per_rank: dict[int, list[str]] | None = None,
 ) -> list[dict[str, np.ndarray]]:
     """Run every rank of the worker `script` to completion (warnings are errors); return
-    the arrays each saved to out_dir/rank<r>.npz, in rank order.
+    the arrays each saved to out_dir/rank<r>.npz, in rank order (`per_rank`: flags only
+    some ranks get, by rank).
 
     Raises:
         AssertionError: a rank exited with a non-zero status (its output is in the message).
@@ -195,6 +197,7 @@ def run_ranks(
         world_size,
         lambda rank: out_dir / f"rank{rank}.npz",
         *extra,
+        per_rank=per_rank,
         launch=_local_captured,
     )
     try:

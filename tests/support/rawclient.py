@@ -210,11 +210,13 @@ async def assembled_job(
     job_id: str = "job",
     world_size: int = 2,
     metadata: tuple[tuple[str, str], ...] = (),
+    sig: pb.ModelSignature | None = None,
 ) -> list[RawWorker]:
-    """Workers of a job that has received Welcome (and rank 0's state)."""
+    """Workers of a job that has received Welcome (and rank 0's state); `sig`: the
+    signature every rank joins with (default `signature()`)."""
     workers = [RawWorker(channel, metadata) for _ in range(world_size)]
     for rank, worker in enumerate(workers):
-        await worker.join(rank, world_size=world_size, job_id=job_id)
+        await worker.join(rank, world_size=world_size, job_id=job_id, sig=sig)
     for worker in workers:
         await worker.expect_kind("welcome")
     state = bytes(BUCKET_BYTES + 8)

@@ -47,6 +47,7 @@ import numpy.typing as npt
 from gradsync_proto.v1 import gradsync_pb2 as pb
 
 from gradsync.path.buffers import BucketBuffer
+from gradsync.path.step_results import RoundReport
 
 #: Called as (event, step, bucket_index) for "upload_start", "upload_end" and
 #: "averaged"; with hierarchical aggregation also "local_reduce_start",
@@ -102,6 +103,10 @@ class GradientPath(Protocol):
 
     def abandon_step(self, step: int, reason: str) -> None:
         """Tell the coordinator this rank gives up on `step`. Never blocks."""
+
+    def round_report(self) -> RoundReport:
+        """What the answers of the step `wait_step` returned last said (DiLoCo's rounds)."""
+        ...
 
 
 class SessionLink(Protocol):

@@ -39,6 +39,7 @@ from gradsync.errors import GradSyncError, SyncTimeoutError
 from gradsync.local.local_group import LocalGroup
 from gradsync.local.payload_segment import register_segment
 from gradsync.path.buffers import BucketBuffer
+from gradsync.path.step_results import RoundReport
 
 log = logging.getLogger("gradsync.client")
 
@@ -173,6 +174,10 @@ class LocalGroupPath:
             )
         self.group.post(step, bucket_index, buffer, dtype)
         self._link.send_local_posted(step, bucket_index)
+
+    def round_report(self) -> RoundReport:
+        """Nothing beyond `wait_step`'s contributors: a local group runs no partial rounds."""
+        return RoundReport()
 
     def wait_step(self, step: int, timeout_s: float) -> int:
         """Wait for the averages of `step` and copy them into this rank's buffers.

@@ -143,6 +143,7 @@ def range_messages(
             covered_ranks=upload.covered_ranks,
             nonfinite_ranks=upload.nonfinite_ranks,
             scale=upload.buffer.scale_at(offset),  # an int8 bucket's, on this very grid
+            weight=upload.buffer.weight,
         )
         if upload.segment_offset is not None:
             header.in_segment, header.segment_offset = True, upload.segment_offset + offset

@@ -33,17 +33,21 @@ class BucketBuffer:
         segments: the bucket's parameters' gradient bytes, in bucket order.
         scales: an int8 bucket's scale of each chunk, by the chunk's offset; None
             for any other bucket (its chunks carry no scale).
+        weight: a weighted DiLoCo round's weight of this rank (every chunk carries
+            it, `GradientChunk.weight`); 0 = none.
     """
 
     def __init__(
         self,
         segments: Sequence[npt.NDArray[np.uint8]],
         scales: Mapping[int, float] | None = None,
+        weight: float = 0.0,
     ) -> None:
         self.segments = list(segments)
         self._starts = [0, *itertools.accumulate(len(s) for s in self.segments)]
         self.size = self._starts[-1]
         self.scales = dict(scales or {})
+        self.weight = weight
 
     @property
     def wire_bytes(self) -> int:

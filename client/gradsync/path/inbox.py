@@ -44,7 +44,7 @@ from gradsync.errors import (
 from gradsync.path.buffers import BucketBuffer
 from gradsync.path.inbox_state import InboxState, end_reason_name
 from gradsync.path.shard_faults import SHARD_GRACE_MARGIN_S, shard_grace_s
-from gradsync.path.step_results import StepResults
+from gradsync.path.step_results import RoundReport, StepResults
 
 log = logging.getLogger("gradsync.client")
 
@@ -302,6 +302,11 @@ class Inbox:
             raise SyncTimeoutError(f"{exc.args[0]}; {missing}", rank=self.rank, step=step) from None
         with self._cond:
             return self._steps.take(step)
+
+    def round_report(self) -> RoundReport:
+        """What the answers of the step `wait_step` returned last said (DiLoCo's rounds)."""
+        with self._cond:
+            return self._steps.last_report
 
     # ------------------------------------------------------------ I/O-thread side
     def on_message(self, raw: bytes) -> None:

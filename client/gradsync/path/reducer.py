@@ -136,6 +136,8 @@ class Reducer:
             for index in plan.parameter_indices:
                 self.bucket_of[index] = bucket_index
         self.comm_hook: WireHook | None = wire_hook
+        #: The weight every chunk carries (a weighted DiLoCo round: the samples); 0 = none.
+        self.chunk_weight = 0.0
         self._comm_hook_state: Any = None
         self._hook_from_wire_dtype = wire_hook is not None
         self._answer_in_fp32 = answer_in_fp32 and wire_hook is not None
@@ -259,7 +261,7 @@ class Reducer:
             segments = stage.segments()
             dtype = bucket_wire_dtype(plan)
         self._launched[bucket_index] = _Launched(stage, bucket, wire, result is not None, answer)
-        buffer = BucketBuffer(segments, scales)
+        buffer = BucketBuffer(segments, scales, self.chunk_weight)
         self._instruments.bucket_ready(step, bucket_index, buffer.wire_bytes)
         if result is None:
             self._path().submit_bucket(step, bucket_index, buffer, dtype)

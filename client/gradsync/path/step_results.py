@@ -48,6 +48,20 @@ from gradsync.path.buffers import BucketBuffer
 _ABORTED_STEPS_REMEMBERED = 64
 
 
+@dataclass(frozen=True)
+class RoundReport:
+    """What the answers of one step said beyond the averages (DiLoCo's rounds)."""
+
+    #: Ranks whose contributions made the average (0: this rank's was late).
+    contributors: int = 0
+    #: Late contributions merged in on top of them, and the stalest one's age in rounds.
+    merged_late: int = 0
+    staleness: int = 0
+    #: Non-zero: the step's round closed without this rank (its upload was late); the
+    #: answers are the current global parameters and the rank continues at this step.
+    next_step: int = 0
+
+
 @dataclass
 class _StepResult:
     """Progress of one step: averaged bytes written back into each uploaded bucket."""
@@ -63,6 +77,9 @@ class _StepResult:
     answer_dtypes: dict[int, int] = field(default_factory=dict)
     received: dict[int, int] = field(default_factory=dict)
     contributors: int = 0
+    merged_late: int = 0
+    staleness: int = 0
+    next_step: int = 0
     complete_buckets: int = 0
     aborted: pb.StepAborted | None = None
 
@@ -87,6 +104,8 @@ class StepResults:
         #: Recently aborted steps: a shard that had not yet heard of an abort may
         #: still average a range of it and send that after the step was taken.
         self._aborted: deque[int] = deque(maxlen=_ABORTED_STEPS_REMEMBERED)
+        #: What the answers of the step taken last said.
+        self.last_report = RoundReport()
 
     def expect(
         self,
@@ -151,6 +170,9 @@ class StepResults:
             del self._results[old]
         if result.aborted is not None:
             raise abort_error(result.aborted, self.rank)
+        self.last_report = RoundReport(
+            result.contributors, result.merged_late, result.staleness, result.next_step
+        )
         return result.contributors
 
     def on_aborted(self, aborted: pb.StepAborted) -> None:
@@ -188,6 +210,11 @@ class StepResults:
             problem = _scale_problem(chunk, result.answer_dtypes[bucket])
         if problem is not None:
             return problem
+        if chunk.next_step and chunk.next_step <= chunk.step:
+            return (
+                f"averaged chunk of bucket {bucket} of step {chunk.step} says the round closed "
+                f"without this rank and to continue at step {chunk.next_step}, not after it"
+            )
         if not chunk.in_segment:
             buffer.write(chunk.offset, payload)
         if result.answer_dtypes[bucket] == pb.DTYPE_INT8:
@@ -200,6 +227,10 @@ class StepResults:
             if result.contributors
             else chunk.contributors
         )
+        result.merged_late = max(result.merged_late, chunk.merged_late)
+        result.staleness = max(result.staleness, chunk.staleness)
+        # The open step moves on while a late upload is answered: its last word counts.
+        result.next_step = max(result.next_step, chunk.next_step)
         if len(arrived) == len(result.expected[bucket]):
             result.complete_buckets += 1
             if self._on_averaged is not None:

@@ -82,6 +82,7 @@ from gradsync.path.buffers import BucketBuffer
 from gradsync.path.inbox import Inbox
 from gradsync.path.shard_faults import SHARD_GRACE_MARGIN_S
 from gradsync.path.shard_streams import CLIENT_MAX_MESSAGE_BYTES, ShardStreams, channel_options
+from gradsync.path.step_results import RoundReport
 
 log = logging.getLogger("gradsync.client")
 
@@ -340,17 +341,12 @@ class Transport:
         self._loop.call_soon_threadsafe(self._dispatch, parts)
 
     def wait_step(self, step: int, timeout_s: float) -> int:
-        """Block until every averaged bucket of `step` was written back into its buffer.
-
-        Returns:
-            The number of ranks averaged over.
-
-        Raises:
-            StepAbortedError (or a subclass): the coordinator abandoned the step.
-            SyncTimeoutError: the results did not arrive within `timeout_s`.
-            CoordinatorUnavailableError / other GradSyncError: the stream failed.
-        """
+        """Block until every average of `step` is back; the contributors (`Inbox.wait_step`)."""
         return self._inbox.wait_step(step, timeout_s)
+
+    def round_report(self) -> RoundReport:
+        """What the answers of the step `wait_step` returned last said (DiLoCo's rounds)."""
+        return self._inbox.round_report()
 
     def close(self, timeout_s: float = 10.0) -> None:
         """Say goodbye, wait (bounded) for the streams to end, stop the loop thread.

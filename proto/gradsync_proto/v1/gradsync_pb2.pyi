@@ -111,16 +111,26 @@ class BucketSpec(_message.Message):
     def __init__(self, parameter_indices: _Optional[_Iterable[int]] = ..., dtype: _Optional[_Union[DType, str]] = ..., num_elements: _Optional[int] = ..., outer: _Optional[bool] = ...) -> None: ...
 
 class OuterOptimizer(_message.Message):
-    __slots__ = ("lr", "momentum", "nesterov", "answer_dtype")
+    __slots__ = ("lr", "momentum", "nesterov", "min_contributors", "round_deadline_s", "merge_late", "max_staleness", "weighted", "answer_dtype")
     LR_FIELD_NUMBER: _ClassVar[int]
     MOMENTUM_FIELD_NUMBER: _ClassVar[int]
     NESTEROV_FIELD_NUMBER: _ClassVar[int]
+    MIN_CONTRIBUTORS_FIELD_NUMBER: _ClassVar[int]
+    ROUND_DEADLINE_S_FIELD_NUMBER: _ClassVar[int]
+    MERGE_LATE_FIELD_NUMBER: _ClassVar[int]
+    MAX_STALENESS_FIELD_NUMBER: _ClassVar[int]
+    WEIGHTED_FIELD_NUMBER: _ClassVar[int]
     ANSWER_DTYPE_FIELD_NUMBER: _ClassVar[int]
     lr: float
     momentum: float
     nesterov: bool
+    min_contributors: int
+    round_deadline_s: float
+    merge_late: bool
+    max_staleness: int
+    weighted: bool
     answer_dtype: DType
-    def __init__(self, lr: _Optional[float] = ..., momentum: _Optional[float] = ..., nesterov: _Optional[bool] = ..., answer_dtype: _Optional[_Union[DType, str]] = ...) -> None: ...
+    def __init__(self, lr: _Optional[float] = ..., momentum: _Optional[float] = ..., nesterov: _Optional[bool] = ..., min_contributors: _Optional[int] = ..., round_deadline_s: _Optional[float] = ..., merge_late: _Optional[bool] = ..., max_staleness: _Optional[int] = ..., weighted: _Optional[bool] = ..., answer_dtype: _Optional[_Union[DType, str]] = ...) -> None: ...
 
 class ModelSignature(_message.Message):
     __slots__ = ("parameters", "buffers", "buckets", "outer")
@@ -155,7 +165,7 @@ class Join(_message.Message):
     def __init__(self, job_id: _Optional[str] = ..., rank: _Optional[int] = ..., world_size: _Optional[int] = ..., signature: _Optional[_Union[ModelSignature, _Mapping]] = ..., incarnation: _Optional[str] = ..., client_version: _Optional[str] = ..., host_id: _Optional[str] = ..., local_world_size: _Optional[int] = ...) -> None: ...
 
 class GradientChunk(_message.Message):
-    __slots__ = ("step", "membership_epoch", "bucket_index", "offset", "dtype", "encoding", "payload", "contributors", "covered_ranks", "reply_dtype", "in_segment", "segment_offset", "nonfinite_ranks", "scale")
+    __slots__ = ("step", "membership_epoch", "bucket_index", "offset", "dtype", "encoding", "payload", "contributors", "covered_ranks", "reply_dtype", "in_segment", "segment_offset", "nonfinite_ranks", "scale", "weight", "merged_late", "staleness", "next_step")
     STEP_FIELD_NUMBER: _ClassVar[int]
     MEMBERSHIP_EPOCH_FIELD_NUMBER: _ClassVar[int]
     BUCKET_INDEX_FIELD_NUMBER: _ClassVar[int]
@@ -170,6 +180,10 @@ class GradientChunk(_message.Message):
     SEGMENT_OFFSET_FIELD_NUMBER: _ClassVar[int]
     NONFINITE_RANKS_FIELD_NUMBER: _ClassVar[int]
     SCALE_FIELD_NUMBER: _ClassVar[int]
+    WEIGHT_FIELD_NUMBER: _ClassVar[int]
+    MERGED_LATE_FIELD_NUMBER: _ClassVar[int]
+    STALENESS_FIELD_NUMBER: _ClassVar[int]
+    NEXT_STEP_FIELD_NUMBER: _ClassVar[int]
     step: int
     membership_epoch: int
     bucket_index: int
@@ -184,7 +198,11 @@ class GradientChunk(_message.Message):
     segment_offset: int
     nonfinite_ranks: _containers.RepeatedScalarFieldContainer[int]
     scale: float
-    def __init__(self, step: _Optional[int] = ..., membership_epoch: _Optional[int] = ..., bucket_index: _Optional[int] = ..., offset: _Optional[int] = ..., dtype: _Optional[_Union[DType, str]] = ..., encoding: _Optional[_Union[Encoding, str]] = ..., payload: _Optional[bytes] = ..., contributors: _Optional[int] = ..., covered_ranks: _Optional[_Iterable[int]] = ..., reply_dtype: _Optional[_Union[DType, str]] = ..., in_segment: _Optional[bool] = ..., segment_offset: _Optional[int] = ..., nonfinite_ranks: _Optional[_Iterable[int]] = ..., scale: _Optional[float] = ...) -> None: ...
+    weight: float
+    merged_late: int
+    staleness: int
+    next_step: int
+    def __init__(self, step: _Optional[int] = ..., membership_epoch: _Optional[int] = ..., bucket_index: _Optional[int] = ..., offset: _Optional[int] = ..., dtype: _Optional[_Union[DType, str]] = ..., encoding: _Optional[_Union[Encoding, str]] = ..., payload: _Optional[bytes] = ..., contributors: _Optional[int] = ..., covered_ranks: _Optional[_Iterable[int]] = ..., reply_dtype: _Optional[_Union[DType, str]] = ..., in_segment: _Optional[bool] = ..., segment_offset: _Optional[int] = ..., nonfinite_ranks: _Optional[_Iterable[int]] = ..., scale: _Optional[float] = ..., weight: _Optional[float] = ..., merged_late: _Optional[int] = ..., staleness: _Optional[int] = ..., next_step: _Optional[int] = ...) -> None: ...
 
 class StateChunk(_message.Message):
     __slots__ = ("offset", "payload")

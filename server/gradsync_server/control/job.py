@@ -49,6 +49,7 @@ from gradsync_server.control.job_core import JobState
 from gradsync_server.control.job_ending import JobEnding
 from gradsync_server.control.persistence import resume_messages
 from gradsync_server.control.settings import OnFailure
+from gradsync_server.dataplane import rounds, stragglers
 from gradsync_server.dataplane.actions import Action, Send, Terminate
 from gradsync_server.dataplane.step_aborts import abort_actions, abort_message
 from gradsync_server.errors import RejectedMessage
@@ -131,6 +132,11 @@ class Job(JobEnding):
                 "the same host id, or pass hierarchical=False)"
             )
             return self._refuse(Code.FAILED_PRECONDITION, details)
+        outer = signature.outer if signature.HasField("outer") else None
+        groups = bool(self.membership.groups.groups())
+        problem = rounds.job_problem(outer, self.world_size, self._shard_count, groups)
+        if problem is not None:
+            return self._refuse(Code.FAILED_PRECONDITION, f"job '{self.job_id}' refused: {problem}")
         self.state = JobState.RUNNING
         resume = self.persistence.resume
         self.broadcast.start(
@@ -236,6 +242,13 @@ class Job(JobEnding):
         except RejectedMessage as rejection:
             return self._abort(rank, rejection)
         return actions + self.uneven.progress(completed)
+
+    def close_round_if_due(self) -> list[Action]:
+        """DiLoCo partial rounds: close the open round at its deadline (the watchdog's tick)."""
+        if self.state is not JobState.RUNNING:
+            return []
+        completed = self.steps_completed
+        return stragglers.close_round_if_due(self.in_flight) + self.uneven.progress(completed)
 
     # ------------------------------------------------------ collectives, join()
     def on_collective(self, rank: int, chunk: pb.CollectiveChunk) -> list[Action]:

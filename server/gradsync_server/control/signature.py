@@ -15,6 +15,7 @@ from gradsync_proto import dtypes
 from gradsync_proto.codes import Code
 from gradsync_proto.v1 import gradsync_pb2 as pb
 
+from gradsync_server.dataplane import rounds
 from gradsync_server.dataplane.outer_answer import answer_dtype_of, answer_dtype_problem
 from gradsync_server.errors import RejectedMessage
 
@@ -140,7 +141,9 @@ def _validate_outer(signature: pb.ModelSignature, refuse: Callable[[str], Reject
         raise refuse("Nesterov outer momentum needs a momentum > 0")
     if not outer_buckets:
         raise refuse("an outer optimizer is set, but no bucket is marked outer")
-    problem = answer_dtype_problem(outer)
+    problem = rounds.policy_problem(outer)
+    if problem is None:
+        problem = answer_dtype_problem(outer)
     if problem is not None:
         raise refuse(problem)
     for index in outer_buckets:
@@ -204,8 +207,12 @@ def _outer_words(signature: pb.ModelSignature) -> str:
     if not signature.HasField("outer"):
         return "none"
     outer = signature.outer
-    answer = dtypes.dtype_name(answer_dtype_of(outer))
-    return (
-        f"(lr {outer.lr:g}, momentum {outer.momentum:g}, nesterov {outer.nesterov}, "
-        f"answer_dtype {answer})"
-    )
+    words = f"lr {outer.lr:g}, momentum {outer.momentum:g}, nesterov {outer.nesterov}"
+    if outer.min_contributors or outer.weighted:
+        words += (
+            f", min_contributors {outer.min_contributors}, round_deadline_s "
+            f"{outer.round_deadline_s:g}, merge_late {outer.merge_late}, max_staleness "
+            f"{outer.max_staleness}, weighted {outer.weighted}"
+        )
+    words += f", answer_dtype {dtypes.dtype_name(answer_dtype_of(outer))}"
+    return f"({words})"

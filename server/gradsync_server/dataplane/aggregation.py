@@ -23,6 +23,12 @@ rank from every pending chunk that it has not contributed to (a contribution
 already received stays, and counts in the divisor: the average is always over
 the contributions it contains), and `add_rank` adds a rejoining rank.
 
+Weighted averages (DiLoCo's `weighted` rounds, `gradsync_server.dataplane.rounds`):
+a contribution added with a `sample_weight` w is multiplied by w (in the
+accumulation dtype, w rounded to it) before it is folded in, still in rank
+order, and the chunk divides by the sum of the weights (formed in float64 in
+the same order, then rounded to the accumulation dtype): sum(w_i g_i) / sum(w_i).
+
 Uneven inputs (DDP's `join()`) are the one exception to "divide by the
 contributions": a rank that ran out of inputs contributes nothing, yet the
 average keeps dividing by the world size, as DDP's default
@@ -198,12 +204,16 @@ class _ChunkState:
     expected: list[int]
     accumulator: npt.NDArray[np.floating] | None = None
     next_position: int = 0
-    parked: dict[int, tuple[bytes | memoryview, Magnitude, int]] = field(default_factory=dict)
+    parked: dict[int, tuple[bytes | memoryview, Magnitude, int, float | None]] = field(
+        default_factory=dict
+    )
     contributed: set[int] = field(default_factory=set)
     #: Ranks the contributions folded so far hold (each weighs its covered ranks).
     weight: int = 0
     #: Float64 sum scaled by _SHADOW_SCALE, from the first untame contribution on.
     shadow: npt.NDArray[np.float64] | None = None
+    #: Sum of the sample weights folded so far (weighted reductions only).
+    sample_total: float = 0.0
 
 
 class DuplicateContributionError(ValueError):
@@ -294,6 +304,7 @@ class BucketReduction:
         payload: bytes | memoryview,
         magnitude: Magnitude | None = None,
         weight: int = 1,
+        sample_weight: float | None = None,
     ) -> memoryview | None:
         """Fold one rank's chunk in; return the chunk's average (in `reply_dtype`) if complete.
 
@@ -304,6 +315,9 @@ class BucketReduction:
                 passes the payload `examine` returned).
             weight: how many ranks the contribution holds (a local leader's
                 partial sum: its covered ranks; the caller validated them).
+            sample_weight: weigh the contribution by this (a weighted DiLoCo round;
+                the caller validated it: finite, > 0); None = an unweighted mean.
+                A reduction's contributions are all weighted or none.
 
         Raises:
             KeyError: `rank` is not expected in this chunk.
@@ -326,7 +340,7 @@ class BucketReduction:
             payload, magnitude = examine(payload, self.payload_dtype)
         state.contributed.add(rank)
         before = self._state_bytes(state)
-        state.parked[rank] = (payload, magnitude, weight)
+        state.parked[rank] = (payload, magnitude, weight, sample_weight)
         return self._advance(offset, state, before)
 
     def drop_rank(self, rank: int) -> list[tuple[int, memoryview]]:
@@ -364,23 +378,29 @@ class BucketReduction:
             state.next_position < len(state.expected)
             and state.expected[state.next_position] in state.parked
         ):
-            payload, magnitude, weight = state.parked.pop(state.expected[state.next_position])
+            payload, magnitude, weight, sample_weight = state.parked.pop(
+                state.expected[state.next_position]
+            )
             state.weight += weight
-            if state.shadow is None and magnitude is Magnitude.TAME:
+            if sample_weight is not None:
+                self._fold_weighted(state, payload, sample_weight)
+            elif state.shadow is None and magnitude is Magnitude.TAME:
                 # Every real gradient: no overflow possible, the sum as it always was.
                 if state.accumulator is None:
                     state.accumulator = _first_accumulator(payload, self.payload_dtype)
                 else:
                     add_into(state.accumulator, payload, self.payload_dtype)
             else:
-                self._fold_with_shadow(state, payload)
+                self._fold_with_shadow(state, to_accumulator(payload, self.payload_dtype))
             state.next_position += 1
         if state.next_position < len(state.expected):
             self.buffered_bytes += self._state_bytes(state) - before
             return None
         # Complete: every expected rank is folded in, in rank order.
         assert state.accumulator is not None  # at least one contribution was folded
-        divisor = self.divisor or state.weight
+        divisor: float | np.floating = self.divisor or state.weight
+        if state.sample_total:  # weighted: sum(w_i), rounded to the accumulator's dtype
+            divisor = state.accumulator.dtype.type(state.sample_total)
         if state.shadow is None:
             state.accumulator /= divisor
         else:
@@ -393,14 +413,30 @@ class BucketReduction:
         self._chunks_done += 1
         return averaged
 
-    def _fold_with_shadow(self, state: _ChunkState, payload: bytes | memoryview) -> None:
+    def _fold_weighted(
+        self, state: _ChunkState, payload: bytes | memoryview, sample_weight: float
+    ) -> None:
+        """Fold w * contribution in (its own magnitude decides the shadow), and count w."""
+        values = to_accumulator(payload, self.payload_dtype)
+        with np.errstate(over="ignore", invalid="ignore"):  # overflow is classified next
+            values *= values.dtype.type(sample_weight)
+        state.sample_total += sample_weight
+        accumulation = pb.DTYPE_FLOAT64 if values.dtype == np.float64 else pb.DTYPE_FLOAT32
+        if state.shadow is None and classify(values.data.cast("B"), accumulation) is Magnitude.TAME:
+            if state.accumulator is None:
+                state.accumulator = values
+            else:
+                state.accumulator += values
+        else:
+            self._fold_with_shadow(state, values)
+
+    def _fold_with_shadow(self, state: _ChunkState, values: npt.NDArray[np.floating]) -> None:
         """Fold a contribution into the accumulator and its float64 shadow (started if need be).
 
         The accumulator is summed exactly as on the fast path (its finite
         elements stay bitwise the same); overflow and NaN are expected here,
         hence no warnings.
         """
-        values = to_accumulator(payload, self.payload_dtype)
         with np.errstate(over="ignore", invalid="ignore"):
             if state.accumulator is None:
                 state.accumulator = values
@@ -415,7 +451,7 @@ class BucketReduction:
     def _state_bytes(state: _ChunkState) -> int:
         accumulator = 0 if state.accumulator is None else state.accumulator.nbytes
         shadow = 0 if state.shadow is None else state.shadow.nbytes
-        return accumulator + shadow + sum(len(parked) for parked, _, _ in state.parked.values())
+        return accumulator + shadow + sum(len(parked[0]) for parked in state.parked.values())
 
 
 def _first_accumulator(payload: bytes | memoryview, dtype: int) -> npt.NDArray[np.floating]:
@@ -432,7 +468,9 @@ def _first_accumulator(payload: bytes | memoryview, dtype: int) -> npt.NDArray[n
 
 
 def _divide_with_shadow(
-    accumulator: npt.NDArray[np.floating], shadow: npt.NDArray[np.float64], divisor: int
+    accumulator: npt.NDArray[np.floating],
+    shadow: npt.NDArray[np.float64],
+    divisor: float | np.floating,
 ) -> None:
     """accumulator /= divisor; where that sum overflowed from finite inputs, the shadow's mean.
 

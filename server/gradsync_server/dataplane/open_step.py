@@ -44,13 +44,13 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from gradsync_proto import chunking, dtypes
-from gradsync_proto.codec import ChunkHeader, encode_gradient
+from gradsync_proto.codec import ChunkHeader
 from gradsync_proto.codes import Code
 from gradsync_proto.v1 import gradsync_pb2 as pb
 
 from gradsync_server import defaults
-from gradsync_server.control import signature as signatures
-from gradsync_server.dataplane.actions import Action, SegmentAverage, Send
+from gradsync_server.dataplane import stragglers
+from gradsync_server.dataplane.actions import Action, Send
 from gradsync_server.dataplane.aggregation import (
     BucketReduction,
     DuplicateContributionError,
@@ -59,21 +59,16 @@ from gradsync_server.dataplane.aggregation import (
 )
 from gradsync_server.dataplane.budget import ByteBudget, OwnerBudget, Reservation
 from gradsync_server.dataplane.host_groups import LocalGroups, check_covers
-from gradsync_server.dataplane.int8_chunks import contribution_of
+from gradsync_server.dataplane.late import Stragglers
 from gradsync_server.dataplane.nonfinite import NonFiniteContribution, NonFiniteGuard
 from gradsync_server.dataplane.observer import StepObserver, step_report
 from gradsync_server.dataplane.outer import OuterState
 from gradsync_server.dataplane.progress import StepProgress
+from gradsync_server.dataplane.rounds import RoundPolicy
 from gradsync_server.dataplane.step_aborts import abort_actions
-from gradsync_server.dataplane.step_checks import (
-    check_budget,
-    check_encoding,
-    check_reply_dtype,
-    check_sender,
-    check_wire_dtype,
-    offset_problem,
-)
-from gradsync_server.dataplane.wire_replies import reply_pieces
+from gradsync_server.dataplane.step_checks import check_sender
+from gradsync_server.dataplane.step_layout import BucketLayout, CheckedChunk
+from gradsync_server.dataplane.wire_replies import answer_sends
 from gradsync_server.errors import RejectedMessage
 
 __all__ = ["OpenStep", "StepMembership"]
@@ -114,6 +109,9 @@ class _Bucket:
     reduction: BucketReduction
     reservation: Reservation
     first_rank: int
+    #: Late contributions (DiLoCo stragglers) summed in, and the stalest one's age.
+    merged: int = 0
+    staleness: int = 0
 
     def account(self) -> None:
         self.reservation.hold(self.reduction.buffered_bytes)
@@ -179,9 +177,8 @@ class OpenStep:
         #: (bucket, offset, rank) of the open step's uploads read from a same-host segment.
         self._segment_uploads: set[tuple[int, int, int]] = set()
         self._start_epoch = 0
-        self._bucket_bytes: list[int] = []
-        self._bucket_dtypes: list[int] = []
-        self._bucket_elements: list[int] = []
+        #: Every bucket's shape, this shard's range of it, and the checks of a chunk's place.
+        self.layout = BucketLayout(chunk_bytes, shard_index, shard_count, self.shard_name)
         #: Buckets of which this shard holds no byte: complete from the start.
         self._empty_buckets = 0
         self._buckets: dict[int, _Bucket] = {}
@@ -193,10 +190,23 @@ class OpenStep:
         self._open_members: frozenset[int] = frozenset()
         #: Low-communication training: the global parameters and outer optimizer (if any).
         self.outer = OuterState()
+        #: DiLoCo's partial rounds, late contributions and weights (`dataplane.rounds`).
+        self.stragglers = Stragglers()
+
+    @property
+    def membership(self) -> StepMembership:
+        """The job's membership the step runs over."""
+        return self._membership
+
+    @property
+    def budget(self) -> ByteBudget | OwnerBudget:
+        """The coordinator-wide cap on buffered bytes the step holds its buffers in."""
+        return self._budget
 
     def participants(self) -> tuple[int, ...]:
         """Members expected in the open step's reductions, ascending."""
-        return tuple(r for r in self._membership.ranks() if r not in self.out_of_inputs)
+        skip = self.out_of_inputs | self.stragglers.excused
+        return tuple(r for r in self._membership.ranks() if r not in skip)
 
     def units(self) -> tuple[int, ...]:
         """The participants that upload and receive averages: flat ranks and group leaders."""
@@ -218,15 +228,14 @@ class OpenStep:
         The first step accepts any epoch up to the current one (a resumed job
         starts in its checkpoint's epoch); later steps only the epoch they began in.
         """
-        self._bucket_bytes = [signatures.bucket_bytes(b) for b in signature.buckets]
-        self._bucket_dtypes = [b.dtype for b in signature.buckets]
-        self._bucket_elements = [b.num_elements for b in signature.buckets]
-        spans = [self.byte_range(b, dtype) for b, dtype in enumerate(self._bucket_dtypes)]
+        spans = self.layout.configure(signature)
         self.progress = StepProgress(
             [chunking.num_chunks(hi - lo, self._chunk_bytes) for lo, hi in spans], self._clock
         )
         outer = signature.outer if signature.HasField("outer") else None
         self.outer = OuterState(outer, signature.buckets, self.shard_count, self.shard_index)
+        self.stragglers.release()
+        self.stragglers = Stragglers(RoundPolicy.of(outer))
         self._empty_buckets = sum(1 for lo, hi in spans if lo == hi)
         self._buckets_done = self._empty_buckets
         self.step = step
@@ -234,12 +243,7 @@ class OpenStep:
 
     def byte_range(self, bucket: int, wire_dtype: int) -> tuple[int, int]:
         """Bytes [lo, hi) of `bucket`, sent as `wire_dtype`, that this shard aggregates."""
-        return chunking.shard_byte_range(
-            self._bucket_elements[bucket],
-            dtypes.itemsize(wire_dtype),
-            self.shard_count,
-            self.shard_index,
-        )
+        return self.layout.byte_range(bucket, wire_dtype)
 
     def was_aborted(self, step: int) -> bool:
         """True if `step` is a recently aborted one (late chunks for it are dropped)."""
@@ -256,12 +260,15 @@ class OpenStep:
         Raises:
             RejectedMessage: the chunk does not belong to this step or is malformed.
         """
+        if chunk.step < self.step and self.stragglers.owes(rank, chunk.step):
+            return stragglers.answer_late(self, rank, chunk, payload)
         averaged = self._fold(rank, chunk, payload)
-        if averaged is None:
-            return []
-        bucket = chunk.bucket_index
-        sends = self._averaged(bucket, chunk.offset, averaged)
-        return [*sends, *self._close_bucket_if_complete(bucket)]
+        actions: list[Action] = []
+        if averaged is not None:
+            bucket = chunk.bucket_index
+            actions += self._averaged(bucket, chunk.offset, averaged)
+            actions += self._close_bucket_if_complete(bucket)
+        return actions + stragglers.close_round_if_due(self)
 
     def _fold(self, rank: int, chunk: ChunkHeader, payload: memoryview) -> memoryview | None:
         step, bucket = chunk.step, chunk.bucket_index
@@ -272,60 +279,35 @@ class OpenStep:
             members=self._membership.members,
             epochs=(self._start_epoch, self._membership.epoch),
             open_step=self.step,
-            bucket_count=len(self._bucket_bytes),
+            bucket_count=self.layout.count,
             out_of_inputs=self.out_of_inputs,
         )
         # Only the leader (shard 0: a range of every bucket) knows whom each step began with.
         open_members = self._open_members if self.shard_index == 0 else None
         weight = check_covers(rank, chunk, self._membership.groups, open_members)
         held = self._buckets.get(bucket)
-        native = self._bucket_dtypes[bucket]
-        reduction = None if held is None else held.reduction
-        first_rank = -1 if held is None else held.first_rank
-        wire_dtype = check_wire_dtype(rank, chunk, native, reduction, first_rank)
-        if self.outer.holds(bucket):  # DiLoCo: float32 at the seed, then the job's answer dtype
-            reply_dtype = self.outer.check_reply(rank, chunk, wire_dtype)
-        else:
-            reply_dtype = check_reply_dtype(rank, chunk, native, reduction, first_rank, wire_dtype)
-        wire_bytes = (
-            self._bucket_bytes[bucket] // dtypes.itemsize(native) * dtypes.itemsize(wire_dtype)
-        )
-        check_encoding(rank, chunk)
-        byte_range = self.byte_range(bucket, wire_dtype)
-        problem = offset_problem(
+        checked = self.layout.check(
             rank,
             chunk,
-            len(payload),
-            wire_dtype,
-            wire_bytes=wire_bytes,
-            byte_range=byte_range,
-            chunk_bytes=self._chunk_bytes,
-            shard=(self.shard_count, self.shard_name),
-            elements=self._bucket_elements[bucket],
+            payload,
+            None if held is None else held.reduction,
+            -1 if held is None else held.first_rank,
+            self.outer.check_reply if self.outer.holds(bucket) else None,
+            self._budget,
         )
-        if problem is not None:
-            raise RejectedMessage(problem[0], problem[1], step=step, bucket_index=bucket)
-        payload, payload_dtype = contribution_of(rank, chunk, payload, wire_dtype)  # int8: fp32
-        check_budget(rank, chunk, len(payload), self._budget)
-        contribution, magnitude = examine(payload, payload_dtype)
+        sample_weight = stragglers.weight_of(self, rank, chunk)
+        contribution, magnitude = examine(checked.payload, checked.payload_dtype)
         if magnitude is Magnitude.NONFINITE:
-            self.nonfinite.check(rank, chunk, contribution, payload_dtype)  # raises under "abort"
+            # Raises under "abort".
+            self.nonfinite.check(rank, chunk, contribution, checked.payload_dtype)
+        if not self.stragglers.begun:  # the round's first chunk: what it merges
+            self.stragglers.begin(step, self._membership.members, self.layout.count)
         if held is None:
-            reduction = BucketReduction(
-                self.units(),
-                wire_dtype,
-                wire_bytes,
-                self._chunk_bytes,
-                self._divisor(),
-                byte_range=byte_range,
-                reply_dtype=reply_dtype,
-                average_dtype=pb.DTYPE_FLOAT32 if self.outer.holds(bucket) else None,
-            )
-            held = self._buckets[bucket] = _Bucket(
-                reduction, self._budget.reserve(self._membership.job_id), rank
-            )
+            held = self._open_bucket(bucket, checked, rank)
         try:
-            averaged = held.reduction.add(rank, chunk.offset, contribution, magnitude, weight)
+            averaged = held.reduction.add(
+                rank, chunk.offset, contribution, magnitude, weight, sample_weight
+            )
         except DuplicateContributionError:
             raise RejectedMessage(
                 Code.INVALID_ARGUMENT,
@@ -340,13 +322,33 @@ class OpenStep:
         if self.progress is None:
             raise RuntimeError("a step accepts gradients only once the job is assembled")
         # A 16-bit bucket (and its range) is cut into fewer chunks than its native size says.
-        chunks = held.reduction.chunks_total if wire_dtype != native else None
+        native = self.layout.bucket_dtypes[bucket]
+        chunks = held.reduction.chunks_total if checked.wire_dtype != native else None
         # A leader's chunk is every covered rank's arrival: its followers are not late.
         for arrived in chunk.covered_ranks or (rank,):
             lag = self.progress.record(arrived, bucket, chunks)
             if lag is not None and self._metrics is not None:
                 self._metrics.observe_bucket_arrival(arrived, lag)
         return averaged
+
+    def _open_bucket(self, bucket: int, checked: CheckedChunk, rank: int) -> _Bucket:
+        """Start `bucket`'s reduction in the open step (with the late contributions it merges)."""
+        reduction = BucketReduction(
+            self.units(),
+            checked.wire_dtype,
+            checked.wire_bytes,
+            self._chunk_bytes,
+            self._divisor(),
+            byte_range=checked.byte_range,
+            reply_dtype=checked.reply_dtype,
+            average_dtype=pb.DTYPE_FLOAT32 if self.outer.holds(bucket) else None,
+        )
+        held = self._buckets[bucket] = _Bucket(
+            reduction, self._budget.reserve(self._membership.job_id), rank
+        )
+        held.merged, held.staleness = stragglers.merge_late(self, bucket, reduction)
+        held.account()
+        return held
 
     def record_posted(self, rank: int, bucket: int) -> None:
         """A local group's member has `bucket` in shared memory (`LocalPosted`): its
@@ -365,33 +367,27 @@ class OpenStep:
         leader whose upload of this chunk came from its same-host segment gets a
         `SegmentAverage` instead: nothing is encoded for it.
         """
-        reduction = self._buckets[bucket].reduction
+        held = self._buckets[bucket]
+        reduction = held.reduction
         if self.outer.holds(bucket):  # DiLoCo: the new global parameters, not the average
             averaged = self.outer.answer(bucket, offset, reduction.dtype, averaged)
         units = self.units()
         from_segment = tuple(u for u in units if (bucket, offset, u) in self._segment_uploads)
         self._segment_uploads.difference_update((bucket, offset, u) for u in from_segment)
-        sends = []
-        for piece_offset, piece in reply_pieces(
-            offset, averaged, reduction.dtype, reduction.reply_dtype, self._chunk_bytes
-        ):
-            header = ChunkHeader(
-                step=self.step,
-                membership_epoch=self._membership.epoch,
-                bucket_index=bucket,
-                offset=piece_offset,
-                dtype=reduction.reply_dtype,
-                contributors=reduction.last_contributors,
-                scale=self.outer.answer_scale(bucket, piece_offset),  # an int8 answer's
-            )
-            # A segment's upload is answered on its own grid, in its own dtype (one piece).
-            direct = from_segment if piece_offset == offset and len(piece) == len(averaged) else ()
-            others = tuple(u for u in units if u not in direct)
-            if others:
-                sends.append(Send(others, encode_gradient(header, piece)))
-            if direct:
-                sends.append(Send(direct, SegmentAverage(header, piece)))
-        return sends
+        header = ChunkHeader(
+            step=self.step,
+            membership_epoch=self._membership.epoch,
+            bucket_index=bucket,
+            offset=offset,
+            dtype=reduction.reply_dtype,
+            contributors=reduction.last_contributors - held.merged,
+            merged_late=held.merged,
+            staleness=held.staleness,
+            scale=self.outer.answer_scale(bucket, offset),  # an int8 answer's
+        )
+        return answer_sends(
+            header, averaged, reduction.dtype, self._chunk_bytes, units, from_segment
+        )
 
     def _close_bucket_if_complete(self, bucket: int) -> list[Action]:
         """Once every chunk of `bucket` went out: count it, and close the step after the last.
@@ -408,7 +404,7 @@ class OpenStep:
             widening = dtypes.itemsize(reduction.reply_dtype) // dtypes.itemsize(reduction.dtype)
             sent = reduction.range_bytes * widening * len(self.units())
             self._metrics.observe_bucket_done(self.progress.bucket_age(bucket), sent)
-        if self._buckets_done != len(self._bucket_bytes):
+        if self._buckets_done != self.layout.count:
             return []
         report = step_report(self.step, self.participants(), self._metrics)
         if self._metrics is not None and self.progress is not None:
@@ -478,6 +474,7 @@ class OpenStep:
     def release(self) -> None:
         """Free every buffer of the open step; it will never complete (job broken or refused)."""
         self.outer.discard()  # after a commit nothing is pending: only an abort loses any
+        self.stragglers.end_round()
         for held in self._buckets.values():
             held.reservation.release()
         self._buckets.clear()

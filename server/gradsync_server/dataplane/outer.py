@@ -145,6 +145,13 @@ class OuterState:
         exact = new_parameters.astype(np.float32, copy=False)
         return self.public.answer(bucket, start, offset, exact)
 
+    def current(self, bucket: int, offset: int, wire_dtype: int, count: int) -> memoryview:
+        """The committed global parameters of `count` elements of a chunk, as float32 bytes
+        (the answer to a late contribution, `gradsync_server.dataplane.late`)."""
+        start = offset // dtypes.itemsize(wire_dtype) - self._ranges[bucket][0]
+        values = self._parameters[bucket][start : start + count]
+        return values.astype("<f4", copy=False).data.cast("B")
+
     def commit(self) -> None:
         """The step completed: its results become the global parameters and momentum."""
         if not self.active:

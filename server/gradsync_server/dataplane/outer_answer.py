@@ -70,12 +70,19 @@ def answer_dtype_of(outer: pb.OuterOptimizer | None) -> int:
 def answer_dtype_problem(outer: pb.OuterOptimizer) -> str | None:
     """Why a signature's `answer_dtype` cannot be served, or None."""
     answer = answer_dtype_of(outer)
-    if answer in ANSWER_DTYPES:
-        return None
-    return (
-        f"the outer answer dtype {dtypes.dtype_name(answer)} is not supported: "
-        f"{', '.join(dtypes.dtype_name(d) for d in ANSWER_DTYPES)} (or unset = float32)"
-    )
+    if answer not in ANSWER_DTYPES:
+        return (
+            f"the outer answer dtype {dtypes.dtype_name(answer)} is not supported: "
+            f"{', '.join(dtypes.dtype_name(d) for d in ANSWER_DTYPES)} (or unset = float32)"
+        )
+    if answer != pb.DTYPE_FLOAT32 and outer.min_contributors:
+        # A late rank is answered with the global parameters, not the public copy.
+        return (
+            f"the outer answer dtype {dtypes.dtype_name(answer)} cannot be combined with "
+            f"min_contributors {outer.min_contributors} (partial rounds) yet: a late rank "
+            "would not hold the public copy; use the float32 answer"
+        )
+    return None
 
 
 def quantize(change: Floats, answer_dtype: int) -> tuple[memoryview, float, Floats]:

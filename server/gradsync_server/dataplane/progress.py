@@ -94,6 +94,13 @@ class StepProgress:
         """True if `rank` has delivered any chunk of the open step."""
         return any(r == rank for _, r in self._delivered)
 
+    def delivered_all(self, rank: int) -> bool:
+        """True if `rank` has delivered every chunk of every bucket of the open step."""
+        return all(
+            self._delivered.get((bucket_index, rank), 0) >= self._chunks_needed(bucket_index)
+            for bucket_index in range(len(self._chunks_per_bucket))
+        )
+
     def bucket_age(self, bucket_index: int) -> float:
         """Seconds since the bucket's first chunk arrived (its round trip once averaged)."""
         started = self._bucket_started.get(bucket_index)

@@ -26,8 +26,13 @@ one message per input chunk with its own scale.) Pure logic, no gRPC.
 
 from __future__ import annotations
 
+import dataclasses
+
 from gradsync_proto import chunking, dtypes
+from gradsync_proto.codec import ChunkHeader, encode_gradient
 from gradsync_proto.v1 import gradsync_pb2 as pb
+
+from gradsync_server.dataplane.actions import SegmentAverage, Send
 
 #: 16-bit wire dtypes a comm hook may compress a float32/float64 bucket to.
 COMPRESSED_WIRE = (pb.DTYPE_FLOAT16, pb.DTYPE_BFLOAT16)
@@ -96,3 +101,36 @@ def reply_pieces(
         (piece, averaged[piece - start : piece - start + length])
         for piece, length in chunking.range_chunk_spans(start, start + len(averaged), chunk_bytes)
     ]
+
+
+def answer_sends(
+    header: ChunkHeader,
+    averaged: memoryview,
+    wire_dtype: int,
+    chunk_bytes: int,
+    units: tuple[int, ...],
+    from_segment: tuple[int, ...],
+) -> list[Send]:
+    """The messages answering the input chunk at `header.offset`, encoded once for all.
+
+    Args:
+        header: the answer's header (step, epoch, bucket, the input's offset, the reply
+            dtype, contributors, ...); each piece gets its own offset.
+        averaged: the answer, in the reply dtype.
+        units: who gets it.
+        from_segment: those of `units` whose upload came from their same-host segment:
+            they get a `SegmentAverage` (nothing encoded) when the reply is one piece.
+    """
+    sends = []
+    pieces = reply_pieces(header.offset, averaged, wire_dtype, header.dtype, chunk_bytes)
+    for piece_offset, piece in pieces:
+        piece_header = dataclasses.replace(header, offset=piece_offset)
+        # A segment's upload is answered on its own grid, in its own dtype (one piece).
+        whole = piece_offset == header.offset and len(piece) == len(averaged)
+        direct = from_segment if whole else ()
+        others = tuple(u for u in units if u not in direct)
+        if others:
+            sends.append(Send(others, encode_gradient(piece_header, piece)))
+        if direct:
+            sends.append(Send(direct, SegmentAverage(piece_header, piece)))
+    return sends

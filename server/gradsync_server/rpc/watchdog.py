@@ -125,6 +125,9 @@ class Watchdog:
                 log.info("%s", line)
                 coordinator.execute(job, actions)
             self._warn_if_stalled(job)
+            closed = job.close_round_if_due()  # a DiLoCo round's deadline passed
+            if closed:
+                coordinator.execute(job, closed)
         for extra_check in self._extra_checks:
             extra_check()
 

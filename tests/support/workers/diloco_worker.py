@@ -2,6 +2,12 @@
 
 The model and each rank's batches come from `support.diloco_reference`, which also
 simulates the same run in one process for the tests to compare against.
+
+Stragglers: `--before-round R:SECONDS` sleeps (and `--before-round R:PATH` waits for
+a file) before the inner step that starts the rank's round R, `--touch-before-round
+R:PATH` touches a file right then (its upload follows at once), and `--after-round
+R:PATH` touches one once its round R merged, so that tests order ranks across rounds
+without guessing at timings. Weighted rounds claim `--samples` per inner step.
 """
 
 from __future__ import annotations
@@ -72,7 +78,19 @@ def main() -> int:
     parser.add_argument(
         "--trace", type=Path, default=None, help="trace the rounds into this folder"
     )
+    parser.add_argument("--min-contributors", type=int, default=None)
+    parser.add_argument("--round-deadline-s", type=float, default=None)
+    parser.add_argument("--late", choices=["drop", "merge"], default="drop")
+    parser.add_argument("--max-staleness", type=int, default=None)
+    parser.add_argument("--weighted", action="store_true")
+    parser.add_argument("--samples", type=float, default=None, help="samples per inner step")
+    parser.add_argument("--before-round", action="append", default=[], help="R:SECONDS|R:PATH")
+    parser.add_argument("--after-round", action="append", default=[], help="R:PATH to touch")
+    parser.add_argument("--touch-before-round", action="append", default=[], help="R:PATH")
     args = parser.parse_args()
+    touch_before = dict(_round_and(value) for value in args.touch_before_round)
+    before = dict(_round_and(value) for value in args.before_round)
+    after = dict(_round_and(value) for value in args.after_round)
     time.sleep(args.start_delay_s)  # a rank started by hand, later than the others
     run = Run.from_arguments(args)
     rank = args.rank
@@ -103,6 +121,11 @@ def main() -> int:
             if args.bucket_mb
             else {}
         ),
+        min_contributors=args.min_contributors,
+        round_deadline_s=args.round_deadline_s,
+        late=args.late,
+        max_staleness=args.max_staleness,
+        weighted=args.weighted,
     ) as diloco:
         ddp = diloco.fragments[0].ddp
         for index, plan in enumerate(ddp.bucket_plans):
@@ -121,9 +144,21 @@ def main() -> int:
             optimizer.zero_grad()
             torch.nn.functional.mse_loss(model(x), y).backward()
             optimizer.step()
-            if diloco.step():
+            if (step + 1) % run.sync_every == 0:  # this call starts a round
+                _hold(before.get(diloco.rounds + 1))
+                if diloco.rounds + 1 in touch_before:  # its upload starts right after this
+                    Path(touch_before[diloco.rounds + 1]).touch()
+            if diloco.step(samples=args.samples):
+                number = diloco.rounds
                 for name, p in model.named_parameters():
-                    saved[f"round{diloco.rounds}/{name}"] = p.detach().numpy().copy()
+                    saved[f"round{number}/{name}"] = p.detach().numpy().copy()
+                saved[f"contributors/round{number}"] = np.array(diloco.last_round_contributors)
+                saved[f"late/round{number}"] = np.array(diloco.last_round_late)
+                saved[f"merged/round{number}"] = np.array(diloco.last_round_merged_late)
+                saved[f"staleness/round{number}"] = np.array(diloco.last_round_staleness)
+                saved[f"seconds/round{number}"] = np.array(diloco.last_round_s)
+                if number in after:
+                    Path(after[number]).touch()
         for name, p in model.named_parameters():
             saved[f"final/{name}"] = p.detach().numpy().copy()
         saved["fragment_sizes"] = np.array([len(f.params) for f in diloco.fragments])
@@ -138,6 +173,27 @@ def main() -> int:
                 saved["metrics"] = np.frombuffer(reply.read(), dtype=np.uint8)
     np.savez(args.out, **saved)
     return 0
+
+
+def _round_and(value: str) -> tuple[int, str]:
+    number, _, what = value.partition(":")
+    return int(number), what
+
+
+def _hold(what: str | None) -> None:
+    """Sleep that many seconds, or wait (bounded) until that file exists."""
+    if what is None:
+        return
+    try:
+        seconds = float(what)
+    except ValueError:
+        deadline = time.monotonic() + 60.0
+        while not Path(what).exists():
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{what} did not appear within 60 s") from None
+            time.sleep(0.02)
+        return
+    time.sleep(seconds)
 
 
 if __name__ == "__main__":
