@@ -111,7 +111,8 @@ class DiLoCo:
             the bytes down; the ranks hold the coordinator's public copy, within one
             quantization step of its exact parameters (see the module docstring).
             Part of the job's signature: every rank must pass the same. No
-            `hierarchical`.
+            `hierarchical`, and not yet with `min_contributors` (a late rank is
+            answered with the global parameters, not the public copy).
         error_feedback: keep each round's rounding error and add it to the next
             pseudo-gradient (default: on with a 16-bit wire; meaningless without).
         fragments: F, the number of fragments synchronized at staggered steps (1 = the
