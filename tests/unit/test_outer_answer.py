@@ -317,3 +317,27 @@ def test_diloco_refuses_an_answer_dtype_its_wire_cannot_carry(
         DiLoCo(
             model, torch.optim.SGD(model.parameters(), lr=0.1), wire_dtype=wire, answer_dtype=answer
         )
+
+
+def test_a_compact_answer_is_refused_with_partial_rounds_at_both_ends() -> None:
+    # A late rank is answered with the global parameters, not the public copy.
+    compact = outer(INT8)
+    compact.min_contributors = 1
+    signature = pb.ModelSignature(
+        parameters=[pb.TensorSpec(name="w", shape=[ELEMENTS], dtype=F32)],
+        buckets=bucket_specs(),
+        outer=compact,
+    )
+    with pytest.raises(RejectedMessage) as caught:
+        signatures.validate(0, signature)
+    assert "min_contributors 1" in caught.value.message and "int8" in caught.value.message
+    model = torch.nn.Linear(3, 2)
+    with pytest.raises(ValueError, match="not possible with answer_dtype"):
+        DiLoCo(
+            model,
+            torch.optim.SGD(model.parameters(), lr=0.1),
+            wire_dtype=torch.int8,
+            answer_dtype=torch.int8,
+            min_contributors=1,
+            world_size=2,
+        )
