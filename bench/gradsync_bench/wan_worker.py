@@ -180,7 +180,7 @@ def main() -> None:
             wire_dtype=torch.int8 if method.int8 else None,
             fragments=method.fragments,
             overlap_steps=method.overlap_steps,
-            **({"answer_dtype": torch.int8} if method.compact_answer else {}),
+            answer_dtype=torch.int8 if method.compact_answer else None,
             coordinator=args.coordinator,
             rank=args.rank,
             world_size=args.world_size,

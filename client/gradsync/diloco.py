@@ -27,6 +27,21 @@ On a 16-bit wire the rounding error of each pseudo-gradient is kept on the
 rank and added to the next one (`error_feedback`, on by default there), so
 what the coordinator receives sums to the true pseudo-gradients over rounds.
 
+The answer can be compact too (`answer_dtype`, opt-in): with an int8 wire and
+`answer_dtype=torch.int8` (a bfloat16 wire and `answer_dtype=torch.bfloat16`)
+the coordinator keeps, beside its exact float32 global parameters, the
+*public copy*: the global parameters exactly as the ranks hold them. Every
+round it answers with the change exact - public, quantized as the wire is
+(int8 with a float32 scale per chunk), and adds the dequantized change to
+the public copy, as every rank adds it to its own: the ranks and the public
+copy stay bitwise identical, and the next change is taken against the public
+copy, so the quantization error is carried forward, never accumulated. The
+ranks then hold (and take their pseudo-gradients against) the public copy,
+within one quantization step of the exact parameters (int8: scale / 2 per
+element, the scale being max|change| / 127 of its chunk). Bytes down per
+round: a quarter of float32's for int8 (plus 4 bytes per chunk), half for
+bfloat16. The seed round's answer stays exact float32.
+
 Streaming DiLoCo (Douillard et al., 2025): with `fragments=F` the parameters
 are cut into F fragments of about equal size, fragment i synchronizes at the
 inner steps t with t mod H = i*H/F (staggered, so the link carries one
@@ -64,6 +79,7 @@ from torch import nn
 
 from gradsync import defaults
 from gradsync.config import ENV_JOB_ID
+from gradsync.control.signature import WIRE_DTYPES
 from gradsync.diloco_fragment import Fragment
 from gradsync.diloco_metrics import DiLoCoInstruments, RoundRecord
 from gradsync.diloco_rounds import check_samples, straggler_settings
@@ -86,8 +102,17 @@ class DiLoCo:
         nesterov: Nesterov momentum (as torch.optim.SGD); ignored at momentum 0.
         wire_dtype: pseudo-gradients on the wire: None (float32), torch.bfloat16,
             torch.float16 or torch.int8 (a float32 scale per chunk; float32 parameters
-            only, and no `hierarchical`). The global parameters always come back in
-            float32.
+            only, and no `hierarchical`). The global parameters come back in float32
+            unless `answer_dtype` says otherwise.
+        answer_dtype: None (default: the new global parameters in float32, exact),
+            torch.int8 (needs wire_dtype=torch.int8) or torch.bfloat16 (needs
+            wire_dtype=torch.bfloat16): every answer after the seed is then the change
+            of the global parameters the ranks hold, quantized, a quarter (half) of
+            the bytes down; the ranks hold the coordinator's public copy, within one
+            quantization step of its exact parameters (see the module docstring).
+            Part of the job's signature: every rank must pass the same. No
+            `hierarchical`, and not yet with `min_contributors` (a late rank is
+            answered with the global parameters, not the public copy).
         error_feedback: keep each round's rounding error and add it to the next
             pseudo-gradient (default: on with a 16-bit wire; meaningless without).
         fragments: F, the number of fragments synchronized at staggered steps (1 = the
@@ -138,6 +163,7 @@ class DiLoCo:
         *,
         nesterov: bool = True,
         wire_dtype: torch.dtype | None = None,
+        answer_dtype: torch.dtype | None = None,
         error_feedback: bool | None = None,
         fragments: int = 1,
         overlap_steps: int = 0,
@@ -157,6 +183,7 @@ class DiLoCo:
         **options: Any,
     ) -> None:
         _check(sync_every, outer_lr, outer_momentum, wire_dtype, error_feedback)
+        answer_dtype = _check_answer(wire_dtype, answer_dtype)
         port = resolve_metrics_port(metrics_port, os.environ)  # a bad value fails before joining
         mixing = _check_streaming(sync_every, fragments, overlap_steps, mixing)
         self.model = model
@@ -168,6 +195,7 @@ class DiLoCo:
             lr=outer_lr,
             momentum=outer_momentum,
             nesterov=nesterov and outer_momentum > 0,
+            answer_dtype=0 if answer_dtype is None else WIRE_DTYPES[answer_dtype],  # type: ignore[arg-type]  # an int is a DType
             **straggler_settings(
                 min_contributors, round_deadline_s, late, max_staleness, weighted, world_size
             ),
@@ -178,6 +206,12 @@ class DiLoCo:
                 f"partial rounds (min_contributors={outer.min_contributors}) are not possible "
                 f"with fragments={fragments} yet: pass fragments=1"
             )
+        if outer.min_contributors and answer_dtype is not None:
+            raise ValueError(
+                f"partial rounds (min_contributors={outer.min_contributors}) are not possible "
+                f"with answer_dtype={answer_dtype!r} yet (a late rank is answered with the "
+                "global parameters, not the public copy): pass answer_dtype=None"
+            )
         if outer.min_contributors or weighted:
             if options.get("hierarchical") not in (None, False):
                 raise ValueError(
@@ -186,11 +220,12 @@ class DiLoCo:
                     "sees them): pass hierarchical=False"
                 )
             options["hierarchical"] = False
-        if wire_dtype is torch.int8:
+        if wire_dtype is torch.int8 or answer_dtype is not None:
             if options.get("hierarchical") not in (None, False):
+                setting = "wire_dtype=torch.int8" if answer_dtype is None else "answer_dtype"
                 raise ValueError(
                     f"hierarchical={options['hierarchical']!r} is not possible with "
-                    "wire_dtype=torch.int8 (a local group sums in full precision): pass "
+                    f"{setting} (a local group sums and answers in full precision): pass "
                     "hierarchical=False"
                 )
             options["hierarchical"] = False
@@ -202,7 +237,9 @@ class DiLoCo:
         try:
             for index, group in enumerate(groups):
                 name = base if len(groups) == 1 else f"{base}.fragment{index}"
-                self.fragments.append(Fragment(group, outer, wire_dtype, feedback, name, common))
+                self.fragments.append(
+                    Fragment(group, outer, wire_dtype, feedback, name, common, answer_dtype)
+                )
         except BaseException:
             for fragment in self.fragments:
                 fragment.close()
@@ -388,6 +425,25 @@ def _check_streaming(
     if not (math.isfinite(mixing) and 0 < mixing <= 1):
         raise ValueError(f"mixing must be in (0, 1], got {mixing!r}")
     return mixing
+
+
+def _check_answer(
+    wire_dtype: torch.dtype | None, answer_dtype: torch.dtype | None
+) -> torch.dtype | None:
+    """The compact answer's dtype (None = exact float32), after checking it fits the wire."""
+    if answer_dtype is None or answer_dtype is torch.float32:
+        return None
+    if answer_dtype not in (torch.int8, torch.bfloat16):
+        raise ValueError(
+            f"answer_dtype={answer_dtype!r} is not supported: None (float32), torch.int8 "
+            "or torch.bfloat16"
+        )
+    if wire_dtype is not answer_dtype:
+        raise ValueError(
+            f"answer_dtype={answer_dtype!r} needs wire_dtype={answer_dtype!r} (the answer to "
+            f"each uploaded chunk travels on its grid), got wire_dtype={wire_dtype!r}"
+        )
+    return answer_dtype
 
 
 def _check(

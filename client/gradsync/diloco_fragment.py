@@ -9,6 +9,15 @@ DiLoCo's overlap): nothing the round reads or writes is shared with the
 inner steps. The answer, the coordinator's new global parameters, lands in
 the shadow's `.grad`; `apply` merges it into the model.
 
+With a compact answer (`answer_dtype` int8 or bfloat16) what lands in `.grad`
+after every round but the seed is the change of the global parameters,
+dequantized in float32 (int8: `gradsync.quantized_answer`; bfloat16: the cast
+hook widens it exactly), and `wait` adds it to the global parameters the rank
+holds, with one float32 add, as the coordinator adds it to its public copy
+(`gradsync_server.dataplane.outer_answer`): every rank and the coordinator's
+public copy stay bitwise the same, within one quantization step of the exact
+global parameters, and pseudo-gradients are taken against that copy.
+
 Each fragment is its own job on the coordinator (`<job>.fragment<i>` when
 there are several), with its own outer optimizer state.
 
@@ -94,6 +103,8 @@ class Fragment:
         error_feedback: keep each round's rounding error for the next round.
         job_id: the coordinator job of this fragment (None = the default job).
         options: the rest of `DistributedDataParallel`'s arguments.
+        answer_dtype: None (the global parameters in float32), torch.int8 (with an int8
+            wire) or torch.bfloat16 (with a bfloat16 wire): the answers are then changes.
     """
 
     def __init__(
@@ -104,14 +115,20 @@ class Fragment:
         error_feedback: bool,
         job_id: str | None,
         options: dict[str, Any],
+        answer_dtype: torch.dtype | None = None,
     ) -> None:
         self.params = list(params)
         self._shadow = _Shadow(self.params)
         int8 = wire_dtype is torch.int8
+        #: Answers after the seed are changes of the global parameters, not themselves.
+        self.compact_answer = answer_dtype is not None
+        self._answer_is_change = False  # this round's (the seed's: the parameters)
         self._hook: _SeedableCast | Int8Quantization | None = None
         if int8:  # the cut is the transport's, known once joined: read at every bucket
             self._hook = Int8Quantization(
-                lambda: ChunkGrid.of(self.ddp._session.welcome), error_feedback
+                lambda: ChunkGrid.of(self.ddp._session.welcome),
+                error_feedback,
+                int8_answer=answer_dtype is torch.int8,
             )
         elif wire_dtype is not None:
             self._hook = _SeedableCast(wire_dtype)
@@ -121,7 +138,10 @@ class Fragment:
             broadcast_buffers=False,
             # The wrapper refuses int8 (not a per-step wire): DiLoCo installs its own hook.
             wire_dtype=None if int8 else wire_dtype,
-            wire_answer_dtype=None if wire_dtype is None or int8 else torch.float32,
+            # A 16-bit wire's answers come back in float32, or as 16-bit changes (compact).
+            wire_answer_dtype=(
+                None if wire_dtype is None or int8 or self.compact_answer else torch.float32
+            ),
             _outer=outer,
             **options,
         )
@@ -143,7 +163,7 @@ class Fragment:
         self._thread: threading.Thread | None = None
         self._failure: BaseException | None = None
         #: Bytes the last round uploaded (as sent) and received (the answers, which fill
-        #: every bucket in float32: the transport checks each answer's size), its
+        #: every bucket in float32, or compact: the transport checks each answer's size), its
         #: contributors, and its `time.perf_counter()` start and end (the trace's clock).
         self.last_round_bytes = 0
         self.last_round_received = 0
@@ -203,6 +223,7 @@ class Fragment:
                         residual.copy_(upload - upload.to(wire).to(upload.dtype))
         if self._hook is not None:
             self._hook.seeding = seed
+        self._answer_is_change = self.compact_answer and not seed
         self._failure = None
         self._thread = threading.Thread(
             target=self._run, args=(uploads,), name="gradsync-diloco-round", daemon=True
@@ -244,9 +265,24 @@ class Fragment:
         except BaseException as exc:  # raised where the round is collected
             self._failure = exc
         self.last_round_bytes = self.ddp.bytes_sent - sent
-        self.last_round_received = sum(c.numel() * 4 for c in self._copies)
+        self.last_round_received = self._answer_bytes()
         self.last_round_contributors = self.last_report.contributors
         self.last_round_started, self.last_round_finished = started, time.perf_counter()
+
+    def _answer_bytes(self) -> int:
+        """Payload bytes of a round's answers: the parameters in float32, or the changes
+        (bfloat16; int8 and a float32 scale per chunk of the upload's grid)."""
+        elements = int(sum(c.numel() for c in self._copies))
+        if not self._answer_is_change:
+            return 4 * elements
+        if not isinstance(self._hook, Int8Quantization):
+            return 2 * elements  # bfloat16
+        grid = ChunkGrid.of(self.ddp._session.welcome)
+        chunks = sum(
+            len(grid.spans(int(sum(self._copies[i].numel() for i in plan.parameter_indices))))
+            for plan in self.ddp.bucket_plans
+        )
+        return elements + 4 * chunks
 
     def _exchange(self, uploads: list[torch.Tensor]) -> None:
         """One synchronized backward pass whose gradients are the uploads: the
@@ -394,9 +430,14 @@ class Fragment:
         with torch.no_grad():
             for copy, global_p in zip(self._copies, self.global_params, strict=True):
                 assert copy.grad is not None
-                global_p.copy_(copy.grad)
+                if self._answer_is_change:
+                    # public += change: one float32 add (alpha 1, so even a fused
+                    # multiply-add kernel rounds once), the coordinator's own operation.
+                    global_p.add_(copy.grad)
+                else:
+                    global_p.copy_(copy.grad)
                 # The shadow holds them too: what a rank joining later is healed with.
-                copy.copy_(copy.grad)
+                copy.copy_(global_p)
         return self.global_params
 
     def apply(self, mixing: float = 1.0) -> None:

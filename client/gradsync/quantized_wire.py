@@ -11,7 +11,9 @@ and shard count from the Welcome (`ChunkGrid`, through the transport's own
 returns an `Int8Wire`, the values and each chunk's scale by offset; the
 reducer hands the scales to the transport inside the bucket's `BucketBuffer`,
 and each chunk's header carries its own (`GradientChunk.scale`). The answer,
-the new global parameters, comes back in float32 into the bucket's buffer.
+the new global parameters, comes back in float32 into the bucket's buffer, or
+with `DiLoCo(answer_dtype=torch.int8)` as int8 changes with a scale per chunk
+of the same grid (`gradsync.quantized_answer`, asked for by `Int8Wire.int8_answer`).
 
 Error feedback uses exactly what the coordinator sums: the hook keeps, per
 bucket, the upload minus its dequantized values (q * scale in float32, the
@@ -68,10 +70,13 @@ class Int8Wire:
     Attributes:
         values: int8, 1-D, one per element of the bucket.
         scales: {chunk offset (= element index): scale}, on the transport's grid.
+        int8_answer: ask for the answer as int8 too (DiLoCo's compact answer: the
+            change of the global parameters, dequantized into the bucket's buffer).
     """
 
     values: torch.Tensor
     scales: dict[int, float]
+    int8_answer: bool = False
 
     def dequantized(self) -> torch.Tensor:
         """The float32 values the coordinator sums for this bucket."""
@@ -98,6 +103,7 @@ class Int8Quantization:
         grid: returns the current chunk grid (the Welcome's; read at every bucket,
             so a reconnect to a coordinator cut otherwise is followed).
         error_feedback: keep each bucket's quantization error for its next upload.
+        int8_answer: every upload but the seed asks for an int8 answer (`Int8Wire`).
 
     Attributes:
         seeding: the seed round (the global parameters themselves) travels in
@@ -105,8 +111,11 @@ class Int8Quantization:
         residuals: per bucket index, the error the last upload left (None: no feedback).
     """
 
-    def __init__(self, grid: Callable[[], ChunkGrid], error_feedback: bool) -> None:
+    def __init__(
+        self, grid: Callable[[], ChunkGrid], error_feedback: bool, int8_answer: bool = False
+    ) -> None:
         self.grid = grid
+        self.int8_answer = int8_answer
         self.seeding = True
         self.residuals: dict[int, torch.Tensor] | None = {} if error_feedback else None
 
@@ -118,7 +127,7 @@ class Int8Quantization:
         if residual is not None:
             upload = upload + residual
         values, scales = int8_wire.quantize(upload.numpy(), self.grid().spans(upload.numel()))
-        wire = Int8Wire(torch.from_numpy(values), scales)
+        wire = Int8Wire(torch.from_numpy(values), scales, self.int8_answer)
         if self.residuals is not None:
             self.residuals[bucket.index] = upload - wire.dequantized()
         return wire
@@ -128,7 +137,8 @@ class Int8Quantization:
         bucket.buffer.copy_(averaged)
 
     def __repr__(self) -> str:
-        return f"{type(self).__name__}(error_feedback={self.residuals is not None})"
+        feedback = self.residuals is not None
+        return f"{type(self).__name__}(error_feedback={feedback}, int8_answer={self.int8_answer})"
 
 
 def check_int8_wire(bucket: GradBucket, wire: Int8Wire, rank: int) -> Int8Wire:
@@ -151,4 +161,4 @@ def check_int8_wire(bucket: GradBucket, wire: Int8Wire, rank: int) -> Int8Wire:
         )
     if values.numel() and not wire.scales:
         raise ValueError(f"[{where}] the int8 wire has no scales")
-    return Int8Wire(values.reshape(-1).contiguous(), wire.scales)
+    return Int8Wire(values.reshape(-1).contiguous(), wire.scales, wire.int8_answer)

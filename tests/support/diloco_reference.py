@@ -20,6 +20,15 @@ float or 16-bit wire, but one ulp in the global parameters can move an int8
 pseudo-gradient across a rounding boundary, an error of a whole quantum
 (max|x| / 127), far above the tolerance. The float wires keep torch's SGD as
 the definition of the outer step.
+
+A compact answer (`Run.answer` "int8" or "bf16") is simulated by the public-copy
+rule, written out here from its definition: the replicas hold the public
+copy, take their pseudo-gradients against it, and after the outer step on the
+exact global parameters the public copy moves by the change exact - public
+rounded as the coordinator rounds it (int8: quantized per chunk of the
+coordinator's grid, as the int8 wire is, then q * scale; bf16: rounded to
+bfloat16 and widened), with one float32 add. The simulation's history is the
+public copy (what the ranks hold); `exact_history` keeps the exact parameters.
 """
 
 from __future__ import annotations
@@ -54,6 +63,8 @@ class Run:
     overlap_steps: int = 0
     mixing: float | None = None
     hidden: int = HIDDEN
+    #: The outer answer's dtype ("fp32": the exact parameters; "int8"/"bf16": changes).
+    answer: str = "fp32"
 
     @staticmethod
     def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -68,6 +79,7 @@ class Run:
         parser.add_argument("--fragments", type=int, default=Run.fragments)
         parser.add_argument("--overlap-steps", type=int, default=Run.overlap_steps)
         parser.add_argument("--mixing", type=float, default=Run.mixing)
+        parser.add_argument("--answer", choices=sorted(WIRES), default=Run.answer)
 
     @classmethod
     def from_arguments(cls, args: argparse.Namespace) -> Run:
@@ -83,6 +95,7 @@ class Run:
             args.overlap_steps,
             args.mixing,
             args.hidden,
+            args.answer,
         )
 
     def argv(self) -> list[str]:
@@ -90,7 +103,7 @@ class Run:
             "--rounds", str(self.rounds), "--sync-every", str(self.sync_every),
             "--outer-lr", repr(self.outer_lr), "--outer-momentum", repr(self.outer_momentum),
             "--inner", self.inner, "--inner-lr", repr(self.inner_lr), "--wire", self.wire,
-            "--hidden", str(self.hidden),
+            "--hidden", str(self.hidden), "--answer", self.answer,
             "--fragments", str(self.fragments), "--overlap-steps", str(self.overlap_steps),
             *([] if self.mixing is None else ["--mixing", repr(self.mixing)]),
         ]  # fmt: skip
@@ -131,6 +144,15 @@ def int8_round_trip(flat: torch.Tensor, chunk_bytes: int, shard_count: int) -> t
                 q = torch.round(x / scale).clamp(-127, 127)  # torch.round: half to even
                 out[offset : offset + length] = q * scale
     return out
+
+
+def answer_round_trip(
+    changes: list[torch.Tensor], model: nn.Module, answer: str, chunk_bytes: int, shard_count: int
+) -> list[torch.Tensor]:
+    """What the ranks add for each parameter's change of the public copy (`answer` != fp32)."""
+    if answer == "int8":
+        return int8_wire(changes, model, chunk_bytes, shard_count)
+    return [change.to(WIRES[answer]).float() for change in changes]
 
 
 def int8_wire(
@@ -177,8 +199,12 @@ def simulate(
     error_feedback: bool = True,
     lost: tuple[int, int] | None = None,
     partial: Sequence[int] = (),
+    exact_history: list[list[torch.Tensor]] | None = None,
 ) -> list[list[torch.Tensor]]:
-    """The global parameters after each round (round 0 = the initial ones).
+    """The global parameters the ranks hold after each round (round 0 = the initial ones).
+
+    With a compact answer (`run.answer`) that is the public copy; the exact global
+    parameters after each round are appended to `exact_history` (if given).
 
     Args:
         lost: (rank, round): that rank is gone from that round on (1-based), so the round
@@ -200,10 +226,14 @@ def simulate(
         momentum=run.outer_momentum,
         nesterov=run.outer_momentum > 0,
     )
-    if wire is torch.int8:
+    if wire is torch.int8 or run.answer != "fp32":  # quantized: one ulp can move a quantum
         outer = CoordinatorSGD(global_params, run)
     residuals = [[torch.zeros_like(p) for p in global_params] for _ in replicas]
     history = [[p.detach().clone() for p in global_params]]
+    # What the ranks hold: the exact parameters themselves, unless the answer is compact.
+    public = [p.detach().clone() for p in global_params]
+    if exact_history is not None:
+        exact_history.append([p.detach().clone() for p in global_params])
     step = 0
     for number in range(1, run.rounds + 1):
         live = [r for r in range(world_size) if lost is None or r != lost[0] or number < lost[1]]
@@ -221,8 +251,8 @@ def simulate(
             if rank not in senders:
                 continue
             deltas = []
-            for index, (g, p) in enumerate(zip(global_params, replica.parameters(), strict=True)):
-                delta = g.detach() - p.detach()
+            for index, (g, p) in enumerate(zip(public, replica.parameters(), strict=True)):
+                delta = g - p.detach()
                 if wire is not None:
                     delta = delta + residuals[rank][index]
                 deltas.append(delta)
@@ -244,11 +274,19 @@ def simulate(
             for g, average in zip(global_params, averages, strict=True):
                 g.grad = average
             outer.step()
+        if run.answer == "fp32":
+            public = [p.detach().clone() for p in global_params]
+        else:
+            changes = [g.detach() - h for g, h in zip(global_params, public, strict=True)]
+            added = answer_round_trip(changes, replicas[0], run.answer, chunk_bytes, shard_count)
+            public = [h + a for h, a in zip(public, added, strict=True)]
         with torch.no_grad():
             for replica in replicas:
-                for p, g in zip(replica.parameters(), global_params, strict=True):
+                for p, g in zip(replica.parameters(), public, strict=True):
                     p.copy_(g)
-        history.append([p.detach().clone() for p in global_params])
+        history.append([p.clone() for p in public])
+        if exact_history is not None:
+            exact_history.append([p.detach().clone() for p in global_params])
     return history
 
 

@@ -43,6 +43,7 @@ from gradsync.path.bucket_views import Allocator, BucketViews, BucketViewStage, 
 from gradsync.path.bucketing import BucketPlan, assign_buckets
 from gradsync.path.buffers import BucketBuffer
 from gradsync.path.staging import BucketStage, Stage
+from gradsync.quantized_answer import Int8Answer
 from gradsync.quantized_wire import Int8Wire, WireHook, check_int8_wire
 
 
@@ -72,7 +73,8 @@ class _Launched:
     `answered_in_place`: the averages come back in float32 straight into the
     bucket's flat buffer (`wire_answer_dtype`, or DiLoCo's int8 wire), so there
     is nothing to cast back and the hook's `after_average` must not run: it
-    would overwrite them with the narrow upload.
+    would overwrite them with the narrow upload. `answer`: DiLoCo's int8
+    answer, dequantized into the bucket's flat buffer once the step is in.
     """
 
     def __init__(
@@ -81,9 +83,11 @@ class _Launched:
         bucket: GradBucket | None,
         wire: torch.Tensor,
         answered_in_place: bool = False,
+        answer: Int8Answer | None = None,
     ) -> None:
         self.stage, self.bucket, self.wire = stage, bucket, wire
         self.answered_in_place = answered_in_place
+        self.answer = answer
 
 
 class Reducer:
@@ -199,6 +203,8 @@ class Reducer:
         for launched in self._launched:
             if launched is None:
                 continue  # (cannot happen: every bucket was launched above)
+            if launched.answer is not None and launched.bucket is not None:
+                launched.answer.dequantize_into(launched.bucket.buffer)
             if (
                 launched.bucket is not None
                 and self.comm_hook is not None
@@ -225,30 +231,36 @@ class Reducer:
             )
         bucket = None
         result: BucketBuffer | None = None
+        result_dtype = WIRE_DTYPES[torch.float32]
+        answer: Int8Answer | None = None
         scales: dict[int, float] | None = None
         if hook is not None and stage.flat is not None:
             bucket = GradBucket(bucket_index, step, stage.flat, stage.names, self._world_size)
             returned = hook.before_upload(self._comm_hook_state, bucket)
-            if isinstance(returned, Int8Wire):  # DiLoCo's int8 wire: float32 answers only
+            if isinstance(returned, Int8Wire):  # DiLoCo's int8 wire: float32 or int8 answers
                 quantized = check_int8_wire(bucket, returned, self._rank)
                 wire, scales = quantized.values, quantized.scales
                 dtype = WIRE_DTYPES[torch.int8]
+                if quantized.int8_answer:  # DiLoCo's compact answer: int8, on this very grid
+                    answer = Int8Answer(wire.numel())
+                    result, result_dtype = answer.buffer, dtype
             else:
                 wire = check_wire_tensor(bucket, returned, self._rank)
                 dtype = WIRE_DTYPES[wire.dtype]
             segments = [wire.view(torch.uint8).numpy()]
-            if scales is not None or (
+            in_fp32 = (
                 self._answer_in_fp32
                 and stage.flat.dtype == torch.float32
                 and wire.dtype in COMPRESSED_WIRE_DTYPES
-            ):
+            )
+            if answer is None and (scales is not None or in_fp32):
                 # The fp32 averages land in the flat buffer the hook compressed from.
                 result = BucketBuffer([stage.flat.view(torch.uint8).numpy()])
         else:
             wire = torch.empty(0)
             segments = stage.segments()
             dtype = bucket_wire_dtype(plan)
-        self._launched[bucket_index] = _Launched(stage, bucket, wire, result is not None)
+        self._launched[bucket_index] = _Launched(stage, bucket, wire, result is not None, answer)
         buffer = BucketBuffer(segments, scales, self.chunk_weight)
         self._instruments.bucket_ready(step, bucket_index, buffer.wire_bytes)
         if result is None:
@@ -260,5 +272,5 @@ class Reducer:
                 buffer,
                 dtype,
                 result=result,
-                result_dtype=WIRE_DTYPES[torch.float32],
+                result_dtype=result_dtype,
             )

@@ -16,15 +16,21 @@ every expected chunk arrived, once. A chunk off the grid, of the wrong length
 or arriving twice is a protocol fault: counting bytes alone let a duplicate
 chunk stand in for a missing one, and the step "completed" with stale bytes in
 the gradients.
+
+An answer asked for in int8 (DiLoCo's compact answer, `gradsync.quantized_answer`)
+carries each chunk's scale in its header: the chunk must say int8, the scale
+must be finite and >= 0, and it is kept in the bucket's buffer (`scales`) for
+the dequantization. Any other answer carries no scale.
 """
 
 from __future__ import annotations
 
+import math
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from gradsync_proto import chunking
+from gradsync_proto import chunking, dtypes
 from gradsync_proto.codec import ChunkHeader
 from gradsync_proto.codes import Code
 from gradsync_proto.v1 import gradsync_pb2 as pb
@@ -67,6 +73,8 @@ class _StepResult:
     arrived: dict[int, set[int]] = field(default_factory=dict)
     #: Per bucket uploaded through the segment: its offset there (the averages land in place).
     segment_offsets: dict[int, int] = field(default_factory=dict)
+    #: Per bucket: the dtype its answer was asked in.
+    answer_dtypes: dict[int, int] = field(default_factory=dict)
     received: dict[int, int] = field(default_factory=dict)
     contributors: int = 0
     merged_late: int = 0
@@ -125,6 +133,7 @@ class StepResults:
             buffer.size, dtype, self.shard_count, self.chunk_bytes
         )
         result.arrived[bucket_index] = set()
+        result.answer_dtypes[bucket_index] = dtype
         if segment_offset is None:
             result.segment_offsets.pop(bucket_index, None)
         else:
@@ -197,6 +206,8 @@ class StepResults:
             # Already in place: the coordinator wrote it where the upload came from.
             length = result.expected[bucket].get(chunk.offset, 0)
         problem = _check_chunk(chunk, length, result.expected[bucket], result.arrived[bucket])
+        if problem is None:
+            problem = _scale_problem(chunk, result.answer_dtypes[bucket])
         if problem is not None:
             return problem
         if chunk.next_step and chunk.next_step <= chunk.step:
@@ -206,6 +217,8 @@ class StepResults:
             )
         if not chunk.in_segment:
             buffer.write(chunk.offset, payload)
+        if result.answer_dtypes[bucket] == pb.DTYPE_INT8:
+            buffer.scales[chunk.offset] = chunk.scale
         arrived = result.arrived[bucket]
         arrived.add(chunk.offset)
         result.received[bucket] = result.received.get(bucket, 0) + length
@@ -261,6 +274,26 @@ def _check_chunk(
         return (
             f"{where} at offset {chunk.offset} arrived twice "
             f"({length} bytes, {len(arrived)} of {len(expected)} chunks received)"
+        )
+    return None
+
+
+def _scale_problem(chunk: ChunkHeader, asked: int) -> str | None:
+    """What is wrong with an answer's dtype and scale, or None (see the module docstring)."""
+    where = (
+        f"averaged chunk of bucket {chunk.bucket_index} of step {chunk.step} "
+        f"at offset {chunk.offset}"
+    )
+    if asked != pb.DTYPE_INT8:
+        if chunk.scale != 0:  # NaN included
+            return f"{where} carries a scale ({chunk.scale!r}), but only an int8 answer has one"
+        return None
+    if chunk.dtype != pb.DTYPE_INT8:
+        return f"{where} is {dtypes.dtype_name(chunk.dtype)}, but it was asked for as int8"
+    if not (math.isfinite(chunk.scale) and chunk.scale >= 0):
+        return (
+            f"{where} has the int8 scale {chunk.scale!r}; a scale must be finite and >= 0 "
+            "(a non-finite one means the global parameters are no longer finite)"
         )
     return None
 

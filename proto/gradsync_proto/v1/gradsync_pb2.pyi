@@ -111,7 +111,7 @@ class BucketSpec(_message.Message):
     def __init__(self, parameter_indices: _Optional[_Iterable[int]] = ..., dtype: _Optional[_Union[DType, str]] = ..., num_elements: _Optional[int] = ..., outer: _Optional[bool] = ...) -> None: ...
 
 class OuterOptimizer(_message.Message):
-    __slots__ = ("lr", "momentum", "nesterov", "min_contributors", "round_deadline_s", "merge_late", "max_staleness", "weighted")
+    __slots__ = ("lr", "momentum", "nesterov", "min_contributors", "round_deadline_s", "merge_late", "max_staleness", "weighted", "answer_dtype")
     LR_FIELD_NUMBER: _ClassVar[int]
     MOMENTUM_FIELD_NUMBER: _ClassVar[int]
     NESTEROV_FIELD_NUMBER: _ClassVar[int]
@@ -120,6 +120,7 @@ class OuterOptimizer(_message.Message):
     MERGE_LATE_FIELD_NUMBER: _ClassVar[int]
     MAX_STALENESS_FIELD_NUMBER: _ClassVar[int]
     WEIGHTED_FIELD_NUMBER: _ClassVar[int]
+    ANSWER_DTYPE_FIELD_NUMBER: _ClassVar[int]
     lr: float
     momentum: float
     nesterov: bool
@@ -128,7 +129,8 @@ class OuterOptimizer(_message.Message):
     merge_late: bool
     max_staleness: int
     weighted: bool
-    def __init__(self, lr: _Optional[float] = ..., momentum: _Optional[float] = ..., nesterov: _Optional[bool] = ..., min_contributors: _Optional[int] = ..., round_deadline_s: _Optional[float] = ..., merge_late: _Optional[bool] = ..., max_staleness: _Optional[int] = ..., weighted: _Optional[bool] = ...) -> None: ...
+    answer_dtype: DType
+    def __init__(self, lr: _Optional[float] = ..., momentum: _Optional[float] = ..., nesterov: _Optional[bool] = ..., min_contributors: _Optional[int] = ..., round_deadline_s: _Optional[float] = ..., merge_late: _Optional[bool] = ..., max_staleness: _Optional[int] = ..., weighted: _Optional[bool] = ..., answer_dtype: _Optional[_Union[DType, str]] = ...) -> None: ...
 
 class ModelSignature(_message.Message):
     __slots__ = ("parameters", "buffers", "buckets", "outer")

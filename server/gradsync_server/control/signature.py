@@ -16,6 +16,7 @@ from gradsync_proto.codes import Code
 from gradsync_proto.v1 import gradsync_pb2 as pb
 
 from gradsync_server.dataplane import rounds
+from gradsync_server.dataplane.outer_answer import answer_dtype_of, answer_dtype_problem
 from gradsync_server.errors import RejectedMessage
 
 #: Refuse absurd sizes before allocating anything (1 TiB).
@@ -141,6 +142,8 @@ def _validate_outer(signature: pb.ModelSignature, refuse: Callable[[str], Reject
     if not outer_buckets:
         raise refuse("an outer optimizer is set, but no bucket is marked outer")
     problem = rounds.policy_problem(outer)
+    if problem is None:
+        problem = answer_dtype_problem(outer)
     if problem is not None:
         raise refuse(problem)
     for index in outer_buckets:
@@ -211,4 +214,5 @@ def _outer_words(signature: pb.ModelSignature) -> str:
             f"{outer.round_deadline_s:g}, merge_late {outer.merge_late}, max_staleness "
             f"{outer.max_staleness}, weighted {outer.weighted}"
         )
+    words += f", answer_dtype {dtypes.dtype_name(answer_dtype_of(outer))}"
     return f"({words})"

@@ -238,6 +238,9 @@ class BucketReduction:
         reply_dtype: the dtype averages are returned in; None = `dtype`. float32
             for a 16-bit `dtype` hands out the fp32 accumulator's bytes (twice
             the chunk's length) instead of rounding it back to 16 bits.
+        average_dtype: the dtype `add` returns averages in, if not `reply_dtype`: an
+            outer bucket's answer (DiLoCo) is computed from the float32 average
+            whatever dtype it is answered in (`outer_answer`).
 
     The caller validates offsets and lengths (it knows the rank and step to put
     in error messages); this class trusts them and only refuses duplicates.
@@ -252,6 +255,7 @@ class BucketReduction:
         divisor: int | None = None,
         byte_range: tuple[int, int] | None = None,
         reply_dtype: int | None = None,
+        average_dtype: int | None = None,
     ) -> None:
         if not ranks:
             raise ValueError("a reduction needs at least one rank")
@@ -264,6 +268,7 @@ class BucketReduction:
         #: whose chunks need their own scale and so arrive dequantized (`int8_chunks`).
         self.payload_dtype = pb.DTYPE_FLOAT32 if dtype == pb.DTYPE_INT8 else dtype
         self.reply_dtype = dtype if reply_dtype is None else reply_dtype
+        self.average_dtype = self.reply_dtype if average_dtype is None else average_dtype
         self.num_bytes = num_bytes
         self.chunk_bytes = chunk_bytes
         self._chunks: dict[int, _ChunkState] = {}
@@ -401,7 +406,7 @@ class BucketReduction:
         else:
             _divide_with_shadow(state.accumulator, state.shadow, divisor)
         self.last_contributors = state.weight
-        averaged = from_accumulator(state.accumulator, self.reply_dtype)
+        averaged = from_accumulator(state.accumulator, self.average_dtype)
         self.buffered_bytes -= before
         del self._chunks[offset]
         self._finished.add(offset)

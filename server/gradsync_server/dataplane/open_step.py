@@ -16,7 +16,7 @@ expected, yet averages keep dividing by the membership's size; and a comm
 hook may send a float32/float64 bucket as float16/bfloat16 (every rank the
 same per step and bucket), accumulated in float32 and answered in the same
 16-bit type (or float32), or DiLoCo a float32 one as int8 with a scale per
-chunk, dequantized on arrival (`int8_chunks`) and answered in float32.
+chunk, dequantized on arrival (`int8_chunks`), answered in float32 (or `outer_answer`).
 
 With local groups (`host_groups`) only unit leaders upload and receive
 averages; a leader's chunk weighs its (checked) `covered_ranks`, and counts
@@ -292,7 +292,7 @@ class OpenStep:
             payload,
             None if held is None else held.reduction,
             -1 if held is None else held.first_rank,
-            self.outer.holds(bucket),
+            self.outer.check_reply if self.outer.holds(bucket) else None,
             self._budget,
         )
         sample_weight = stragglers.weight_of(self, rank, chunk)
@@ -341,6 +341,7 @@ class OpenStep:
             self._divisor(),
             byte_range=checked.byte_range,
             reply_dtype=checked.reply_dtype,
+            average_dtype=pb.DTYPE_FLOAT32 if self.outer.holds(bucket) else None,
         )
         held = self._buckets[bucket] = _Bucket(
             reduction, self._budget.reserve(self._membership.job_id), rank
@@ -382,6 +383,7 @@ class OpenStep:
             contributors=reduction.last_contributors - held.merged,
             merged_late=held.merged,
             staleness=held.staleness,
+            scale=self.outer.answer_scale(bucket, offset),  # an int8 answer's
         )
         return answer_sends(
             header, averaged, reduction.dtype, self._chunk_bytes, units, from_segment

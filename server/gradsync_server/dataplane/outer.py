@@ -24,6 +24,13 @@ step: the job resumes at it, every rank uploads again (what it uploads is
 not used) and every chunk is answered with the stored parameters, with no
 outer step applied. So a rank that missed that step's answer gets it, a
 rank that had it gets the same bytes again, and no round is applied twice.
+
+With a compact answer (`OuterOptimizer.answer_dtype` int8 or bfloat16) the
+answer is instead the quantized change of the ranks' copy of the global
+parameters, kept here as the public copy (`outer_answer.PublicCopy`).
+
+A compact answer's job is not saved (its public copy would have to be, and a
+replay answered in float32): a restart reseeds it, momentum from zero.
 """
 
 from __future__ import annotations
@@ -34,9 +41,11 @@ from dataclasses import dataclass
 import numpy as np
 import numpy.typing as npt
 from gradsync_proto import chunking, dtypes
+from gradsync_proto.codec import ChunkHeader
 from gradsync_proto.v1 import gradsync_pb2 as pb
 
 from gradsync_server.dataplane.actions import PersistOuter
+from gradsync_server.dataplane.outer_answer import PublicCopy, answer_dtype_of
 from gradsync_server.dataplane.outer_snapshot import OuterSnapshot, layout_signature
 
 __all__ = ["OuterState"]
@@ -87,6 +96,8 @@ class OuterState:
         self._parameters: dict[int, Floats] = {}
         self._momenta: dict[int, Floats] = {}
         self._pending: list[_Pending] = []
+        #: The global parameters as the ranks hold them, for a compact answer (else empty).
+        self.public = PublicCopy(answer_dtype_of(outer) if self.active else pb.DTYPE_FLOAT32)
         #: Outer steps applied (the seed not counted).
         self.rounds = 0
         #: What a stored record must match to be restored here (`outer_snapshot`).
@@ -111,10 +122,25 @@ class OuterState:
     def held_bytes(self) -> int:
         """Bytes of global parameters and momentum held (for status and the budget)."""
         arrays = [*self._parameters.values(), *self._momenta.values()]
-        return sum(array.nbytes for array in arrays)
+        return sum(array.nbytes for array in arrays) + self.public.held_bytes()
+
+    def check_reply(self, rank: int, chunk: ChunkHeader, wire_dtype: int) -> int:
+        """The dtype a chunk of an outer bucket asks its answer in, if it is the job's.
+
+        Raises:
+            RejectedMessage: float32 is not asked at the seed, or the job's answer
+                dtype after it (`PublicCopy.check_reply`).
+        """
+        return self.public.check_reply(rank, chunk, wire_dtype, self.seeded)
+
+    def answer_scale(self, bucket: int, offset: int) -> float:
+        """The scale of the open step's int8 answer to a chunk (0.0 for any other answer)."""
+        return self.public.scale_at(bucket, offset)
 
     def answer(self, bucket: int, offset: int, wire_dtype: int, average: memoryview) -> memoryview:
-        """The answer to a completed chunk of an outer bucket: the new global parameters.
+        """The answer to a completed chunk of an outer bucket: the new global parameters
+        (float32), or with a compact answer their change of the public copy (its int8
+        scale then in `answer_scale`).
 
         Args:
             bucket: the bucket.
@@ -141,7 +167,8 @@ class OuterState:
         step = values + self.momentum * new_momentum if self.nesterov else new_momentum
         new_parameters = parameters - self.lr * step
         self._pending.append(_Pending(bucket, start, new_parameters, new_momentum))
-        return new_parameters.astype("<f4", copy=False).data.cast("B")
+        exact = new_parameters.astype(np.float32, copy=False)
+        return self.public.answer(bucket, start, offset, exact)
 
     def current(self, bucket: int, offset: int, wire_dtype: int, count: int) -> memoryview:
         """The committed global parameters of `count` elements of a chunk, as float32 bytes
@@ -175,6 +202,7 @@ class OuterState:
             if pending.momentum is not None:
                 self._momenta[pending.bucket][pending.start : stop] = pending.momentum
         self._pending.clear()
+        self.public.commit(self._parameters, seeding)
         if not seeding:
             self.rounds += 1
         return True
@@ -182,13 +210,14 @@ class OuterState:
     def close_step(self, job_id: str, step: int) -> list[PersistOuter]:
         """`step` completed: `commit`, and the save it calls for (if `persist`), to be
         carried out before the step's last answers go out."""
-        if not self.commit() or not self.persist:
-            return []
+        if not self.commit() or not self.persist or self.public.active:
+            return []  # (a compact answer's public copy is not saved: a restart reseeds)
         return [PersistOuter(self.snapshot(job_id, step), self._shard_index)]
 
     def discard(self) -> None:
         """The step was aborted: nothing of it is applied (a replay stays due)."""
         self._pending.clear()
+        self.public.discard()
 
     def snapshot(self, job_id: str, step: int) -> OuterSnapshot:
         """The committed state, as the answer of `step` (call right after `commit`).

@@ -139,24 +139,6 @@ def check_wire_dtype(
     return chunk.dtype
 
 
-def check_outer_reply(rank: int, chunk: ChunkHeader, reply_dtype: int) -> None:
-    """A bucket of an outer optimizer is answered with global parameters, in float32 only.
-
-    Raises:
-        RejectedMessage: the chunk asks for its answer in another dtype.
-    """
-    if reply_dtype != pb.DTYPE_FLOAT32:
-        step, bucket = chunk.step, chunk.bucket_index
-        raise RejectedMessage(
-            Code.INVALID_ARGUMENT,
-            f"rank {rank} asked for the answer to bucket {bucket} of step {step} in "
-            f"{dtypes.dtype_name(reply_dtype)}, but the bucket holds parameters of an outer "
-            "optimizer: its answer is the global parameters, in float32 (reply dtype FLOAT32)",
-            step=step,
-            bucket_index=bucket,
-        )
-
-
 def check_reply_dtype(
     rank: int,
     chunk: ChunkHeader,

@@ -10,6 +10,7 @@ budget (`step_checks`), whatever step it claims. A late DiLoCo contribution
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from gradsync_proto import chunking, dtypes
@@ -23,7 +24,6 @@ from gradsync_server.dataplane.int8_chunks import contribution_of
 from gradsync_server.dataplane.step_checks import (
     check_budget,
     check_encoding,
-    check_outer_reply,
     check_reply_dtype,
     check_wire_dtype,
     offset_problem,
@@ -94,7 +94,7 @@ class BucketLayout:
         payload: memoryview,
         reduction: BucketReduction | None,
         first_rank: int,
-        outer: bool,
+        outer: Callable[[int, ChunkHeader, int], int] | None,
         budget: ByteBudget | OwnerBudget,
     ) -> CheckedChunk:
         """Check a chunk's place in its bucket (anything but its step and sender).
@@ -102,7 +102,9 @@ class BucketLayout:
         Args:
             reduction: the bucket's reduction in the step, if it began (the dtypes
                 its first chunk, from `first_rank`, set must be kept).
-            outer: the bucket holds global parameters (answered in float32 only).
+            outer: for a bucket that holds global parameters, what checks and returns
+                its reply dtype (`OuterState.check_reply`: float32 at the seed, then
+                the job's answer dtype); None for any other bucket.
 
         Raises:
             RejectedMessage: naming the rank, step, bucket and both values.
@@ -110,9 +112,10 @@ class BucketLayout:
         step, bucket = chunk.step, chunk.bucket_index
         native = self.bucket_dtypes[bucket]
         wire_dtype = check_wire_dtype(rank, chunk, native, reduction, first_rank)
-        reply_dtype = check_reply_dtype(rank, chunk, native, reduction, first_rank, wire_dtype)
-        if outer:
-            check_outer_reply(rank, chunk, reply_dtype)
+        if outer is not None:  # DiLoCo: the job's answer dtype (the same for every rank)
+            reply_dtype = outer(rank, chunk, wire_dtype)
+        else:
+            reply_dtype = check_reply_dtype(rank, chunk, native, reduction, first_rank, wire_dtype)
         wire_bytes = (
             self.bucket_bytes[bucket] // dtypes.itemsize(native) * dtypes.itemsize(wire_dtype)
         )

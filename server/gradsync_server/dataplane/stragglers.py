@@ -106,7 +106,8 @@ def answer_late(step: OpenStep, rank: int, chunk: ChunkHeader, payload: memoryvi
             bucket_index=bucket,
         )
     outer = step.outer.holds(bucket)
-    checked = layout.check(rank, chunk, payload, None, -1, outer, step.budget)
+    reply_check = step.outer.check_reply if outer else None
+    checked = layout.check(rank, chunk, payload, None, -1, reply_check, step.budget)
     late = stragglers.late_upload(rank, chunk.step)
     if outer:
         earlier = f"first chunk of late round {late.step}"

@@ -16,11 +16,12 @@ for a float32 bucket of the same elements. An input chunk at offset o of L
 bytes lies on the wire grid (o - lo is a multiple of the chunk size), so its
 reply [2 o, 2 o + 2 L) starts on the reply grid and covers whole reply chunks.
 
-An int8 wire (DiLoCo's pseudo-gradients, one scale per chunk) is always
-answered in float32: an int8 answer would need scales of its own and round
-the average a second time, for the one use that wants it least (the answer is
-the new global parameters). Its reply is four times the wire bytes, cut the
-same way from 4 lo. Pure logic, no gRPC.
+An int8 wire (DiLoCo's pseudo-gradients, one scale per chunk) is answered in
+float32 here: an int8 average would need scales of its own and round it a
+second time. Its reply is four times the wire bytes, cut the same way from
+4 lo. (A bucket of an outer optimizer is answered as its job says instead,
+`outer_answer`: float32 by default, or the int8 change of the public copy,
+one message per input chunk with its own scale.) Pure logic, no gRPC.
 """
 
 from __future__ import annotations

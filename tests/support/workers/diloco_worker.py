@@ -105,6 +105,7 @@ def main() -> int:
         outer_lr=run.outer_lr,
         outer_momentum=run.outer_momentum,
         wire_dtype=wire,
+        answer_dtype=WIRES[run.answer],
         fragments=run.fragments,
         overlap_steps=run.overlap_steps,
         mixing=run.mixing,
@@ -163,6 +164,9 @@ def main() -> int:
         saved["fragment_sizes"] = np.array([len(f.params) for f in diloco.fragments])
         saved["inner_steps"] = np.array(diloco.inner_steps)
         saved["last_round_bytes"] = np.array(diloco.last_round_bytes)
+        saved["last_round_received"] = np.array(
+            sum(f.last_round_received for f in diloco.fragments)
+        )
         server = diloco._instruments.server
         if server is not None:  # what a scraper of this rank's endpoint reads now
             with urllib.request.urlopen(server.url, timeout=10) as reply:
