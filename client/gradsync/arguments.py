@@ -33,6 +33,8 @@ BENCH_WAN_METHODS = (
     "diloco-h50-fp32",
     "diloco-h50-int8",
     "streaming-f4-int8",
+    "diloco-h50-int8x2",
+    "diloco-h100-int8x2",
 )
 #: The coordinator layouts of the netns suite (`gradsync bench --layouts`).
 BENCH_LAYOUTS = ("single", "dedicated", "colocated")
