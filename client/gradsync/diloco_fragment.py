@@ -163,11 +163,10 @@ class Fragment:
         self._thread: threading.Thread | None = None
         self._failure: BaseException | None = None
         #: Bytes the last round uploaded (as sent) and received (the answers, which fill
-        #: every bucket in float32, or compact: the transport checks each answer's size), its
-        #: contributors, and its `time.perf_counter()` start and end (the trace's clock).
+        #: every bucket in float32, or compact: the transport checks each answer's size),
+        #: and its `time.perf_counter()` start and end (the trace's clock).
         self.last_round_bytes = 0
         self.last_round_received = 0
-        self.last_round_contributors = 0
         self.last_round_started = self.last_round_finished = 0.0
         #: What the coordinator said of the last round (contributors, late merges, ...).
         self.last_report = RoundReport()
@@ -266,7 +265,6 @@ class Fragment:
             self._failure = exc
         self.last_round_bytes = self.ddp.bytes_sent - sent
         self.last_round_received = self._answer_bytes()
-        self.last_round_contributors = self.last_report.contributors
         self.last_round_started, self.last_round_finished = started, time.perf_counter()
 
     def _answer_bytes(self) -> int:
