@@ -329,19 +329,18 @@ class DistributedDataParallel(nn.Module):
             raise ClosedError("DistributedDataParallel used after close()", rank=self.rank)
         if self._steps.backward_active:
             self.abandon_step("its backward pass was interrupted by an exception")
-        # Before the next step's forward the optimizer has applied the previous
-        # step: parameters and optimizer state are consistent.
-        self._session.at_step_boundary(self._steps.step)
+        self._session.at_step_boundary(self._steps.step)  # the previous step is applied
         if not (self.broadcast_buffers and self._require_forward_param_sync):
             return
         buffers = [b for b in self.module.buffers() if b.numel()]
-        if buffers:
+        while buffers:
             try:
                 self._broadcast_buffers(buffers)
+                return
             except CoordinatorUnavailableError as exc:
-                resumed_at, restarted = self._session.recover(
-                    exc, self._steps.step, "a forward pass"
-                )
+                resumed_at, restarted = self._session.recover(exc, self._steps.step, "a forward")
+                if restarted is None:
+                    continue  # the job went on here with this rank's state: broadcast again
                 self._steps.step = resumed_at
                 raise restarted from exc
 

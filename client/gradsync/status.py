@@ -239,4 +239,6 @@ def _running_job(job: pb.JobStatus) -> list[str]:
         )
     if job.outer_state:
         lines.append(f"  outer state: {job.outer_state}")
+    if job.restart:
+        lines.append(f"  restart: {job.restart} ({job.steps_recomputed} steps recomputed)")
     return lines

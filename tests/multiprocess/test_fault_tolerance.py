@@ -580,7 +580,7 @@ def test_restarted_rank_rejoins_and_is_healed(
 
 
 @pytest.mark.timeout(180)
-def test_workers_reconnect_to_a_restarted_coordinator_and_resume(
+def test_workers_reconnect_to_a_restarted_coordinator_and_continue_without_rollback(
     checkpoint_store: str, tmp_path: Path, coordinator_factory
 ) -> None:
     port = str(free_port())
@@ -601,11 +601,15 @@ def test_workers_reconnect_to_a_restarted_coordinator_and_resume(
     reports = finish(processes, tmp_path, timeout_s=120)
     for report in reports:
         assert report is not None and report["status"] == "ok", report
-        assert len(report["restarts"]) == 1 and report["restarts"][0] >= 3
+        # The ranks agreed on their position: the job went on from there, not from
+        # the checkpoint. At most the step in flight (its gradients were lost with
+        # the coordinator) ran twice; the rollback would have recomputed >= 2.
+        assert len(report["restarts"]) <= 1, report["restarts"]
+        assert report["computed"][0] - 12 == len(report["restarts"]), report
         # No step applied twice, none skipped: exactly the uninterrupted result.
         assert_matches_reference(report, 2, 12)
     _, log = second.stop()
-    assert "RESUMES from the checkpoint of step" in log
+    assert "continued at step" in log and "RESUMES from the checkpoint" not in log, log[-3000:]
 
 
 @pytest.mark.timeout(90)

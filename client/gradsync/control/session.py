@@ -36,6 +36,8 @@ from gradsync.control.link import (
     LinkFactory,
     SessionLink,
 )
+from gradsync.control.position import position
+from gradsync.control.start_state import broadcast_start_state
 from gradsync.errors import (
     CheckpointFailedError,
     CheckpointMismatchError,
@@ -101,6 +103,12 @@ class Session:
         self.resume_without_checkpoint = False
         self._last_checkpoint_step = -1
         self._resumed_from_checkpoint = False
+        #: Where this rank stands, claimed in Join when it rejoins a restarted coordinator.
+        self._position: pb.Position | None = None
+        #: The last reconnect kept this rank's own state (`Welcome.continued`).
+        self.continued = False
+        #: How the restarted coordinator went on (`Welcome.restart`), for messages.
+        self.restart_line = ""
         #: The local group's path around the link (hierarchical aggregation), or None.
         self._local: LocalGroupPath | None = None
         self._link = self._new_link()
@@ -247,6 +255,9 @@ class Session:
             self.reconnect_timeout_s,
         )
         self._resumed_from_checkpoint = False
+        self.continued = False
+        if not self.resume_without_checkpoint:  # DiLoCo: its outer state's records decide
+            self._position = position(self.module, self._optimizer, step)
         while True:
             self._release(timeout_s=_ABANDON_LINK_TIMEOUT_S)
             self._local = None
@@ -265,7 +276,12 @@ class Session:
                     ) from cause
                 time.sleep(min(delay, remaining))
                 delay = min(delay * 2, _MAX_RETRY_DELAY_S)
-        if not self._resumed_from_checkpoint and not self.resume_without_checkpoint:
+        self._position = None
+        if (
+            not self._resumed_from_checkpoint
+            and not self.resume_without_checkpoint
+            and not self.continued
+        ):
             raise CoordinatorUnavailableError(
                 f"the restarted coordinator has no checkpoint of job '{self.config.job_id}' "
                 f"(it would restart at step {start}, this rank is at step {step}); "
@@ -276,12 +292,14 @@ class Session:
 
     def recover(
         self, exc: CoordinatorUnavailableError, step: int, during: str
-    ) -> tuple[int, CoordinatorRestartedError]:
+    ) -> tuple[int, CoordinatorRestartedError | None]:
         """Reconnect to a restarted coordinator; return the resumed step and the error to raise.
 
         Only a lost coordinator is worth reconnecting to; every other error
         (declared dead, refused, checkpoint failed) propagates as it is, and so
         does `exc` when reconnecting is off. The caller moves its own step.
+        The error is None when the job went on at `step` with this rank's own
+        state: the caller retries what it was doing (nothing was lost).
 
         Args:
             exc: the error that lost the coordinator.
@@ -292,11 +310,26 @@ class Session:
             raise exc
         resumed_at = self.reconnect(exc, step)
         self._link.current_step = resumed_at
+        if self.continued and resumed_at == step:
+            log.warning(
+                "rank %d: lost the coordinator during %s (%s); %s: retrying step %d",
+                self.config.rank,
+                during,
+                exc,
+                self.restart_line,
+                step,
+            )
+            return resumed_at, None
+        if self.continued:
+            source = f"taken from a rank ahead at step {resumed_at} ({self.restart_line})"
+        else:
+            source = f"restored from the checkpoint of step {resumed_at}"
+            if self.restart_line:
+                source += f" ({self.restart_line})"
         # The cause is named: a lost shard says which one and where.
         restarted = CoordinatorRestartedError(
-            f"lost the coordinator during {during} ({exc}) and reconnected; state restored from "
-            f"the checkpoint of step {resumed_at}. Nothing was applied: skip optimizer.step() and "
-            "continue at model.step",
+            f"lost the coordinator during {during} ({exc}) and reconnected; state {source}. "
+            "Nothing was applied: skip optimizer.step() and continue at model.step",
             rank=self.config.rank,
             step=resumed_at,
         )
@@ -324,6 +357,7 @@ class Session:
             # Empty: flat. The coordinator groups the ranks that send the same id.
             host_id=host_id() if config.hierarchical else "",
             local_world_size=config.local_world_size,
+            position=self._position,
         )
         log.info(
             "rank %d: joining job '%s' at %s (world size %d, %d buckets)",
@@ -342,8 +376,12 @@ class Session:
         link.set_collective_sequence(int(welcome.next_collective))
         self.checkpoint_every = int(welcome.checkpoint_every_steps)
         start = int(welcome.start_step)
-        if welcome.resume_bytes:
+        self.restart_line = welcome.restart
+        if welcome.continued:
+            self._continue(welcome, start)
+        elif welcome.resume_bytes:
             self._restore(link.receive_resume(welcome.resume_bytes, timeout_s), start)
+            self.continued = bool(welcome.restart) and self._position is not None
         else:
             self._broadcast(welcome, timeout_s)
             log.info(
@@ -354,6 +392,23 @@ class Session:
             )
         link.current_step = start
         return start
+
+    def _continue(self, welcome: pb.Welcome, start: int) -> None:
+        """A restarted coordinator kept this rank's state; send it on if asked (a donor)."""
+        claimed = self._position
+        if claimed is None or int(claimed.step) != start:
+            # Only a rank that claimed `start` may be told to keep its state there.
+            raise CoordinatorUnavailableError(
+                f"the coordinator told rank {self.config.rank} to continue at step {start} "
+                f"with its own state, but it claimed "
+                f"{'no position' if claimed is None else f'step {claimed.step}'}",
+                rank=self.config.rank,
+                step=start,
+            )
+        self.continued = True
+        if welcome.send_state:
+            self._link.send_heal(start, self.state_blob(start))
+        log.warning("rank %d: %s", self.config.rank, welcome.restart)
 
     def _form_local_group(
         self, link: CoordinatorLink, welcome: pb.Welcome, timeout_s: float
@@ -391,26 +446,7 @@ class Session:
 
     def _broadcast(self, welcome: pb.Welcome, timeout_s: float) -> None:
         """Rank 0 sends its parameters and buffers; every other rank overwrites its own."""
-        with torch.no_grad():
-            if self.config.rank == 0:
-                flat = [
-                    t.detach().reshape(-1).view(torch.uint8).cpu()
-                    for t in self._tensors
-                    if t.numel()
-                ]
-                blob = torch.cat(flat) if flat else torch.empty(0, dtype=torch.uint8)
-                self._link.send_state(blob.numpy())
-            elif welcome.state_bytes:
-                raw = self._link.receive_state(welcome.state_bytes, timeout_s)
-                offset = 0
-                for tensor in self._tensors:
-                    if tensor.numel() == 0:
-                        continue
-                    source = torch.frombuffer(
-                        raw, dtype=tensor.dtype, count=tensor.numel(), offset=offset
-                    )
-                    tensor.copy_(source.view_as(tensor))
-                    offset += tensor.numel() * tensor.element_size()
+        broadcast_start_state(self._link, self.config.rank, self._tensors, welcome, timeout_s)
 
     def _restore(self, blob: bytes, start_step: int) -> None:
         """Load the checkpoint the job resumes from (optimizer state waits for its optimizer).

@@ -23,7 +23,12 @@ import torch
 
 from gradsync.control.link import GradientPath, SessionLink
 from gradsync.control.session import Session
-from gradsync.errors import CoordinatorUnavailableError, GradSyncError, StepAbortedError
+from gradsync.errors import (
+    CoordinatorRestartedError,
+    CoordinatorUnavailableError,
+    GradSyncError,
+    StepAbortedError,
+)
 from gradsync.instruments import Instruments
 from gradsync.path.reducer import Reducer
 
@@ -121,6 +126,16 @@ class StepPath:
             raise
         except CoordinatorUnavailableError as exc:
             resumed_at, restarted = self._session.recover(exc, self.step, "a backward pass")
+            if restarted is None:
+                # The job went on at this very step with this rank's own state, but
+                # this step's gradients were lost with the coordinator: run it again.
+                restarted = CoordinatorRestartedError(
+                    f"lost the coordinator during a backward pass ({exc}) and reconnected; "
+                    f"{self._session.restart_line}. The gradients of step {step} were lost "
+                    "with it: skip optimizer.step() and run the step again (model.step)",
+                    rank=self._rank,
+                    step=resumed_at,
+                )
             self.step = resumed_at - 1  # `_end_step` moves on to the resumed step
             raise restarted from exc
         self._instruments.step_done(step, wait_started, self._link.step_report())

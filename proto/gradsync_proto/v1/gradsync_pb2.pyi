@@ -145,7 +145,7 @@ class ModelSignature(_message.Message):
     def __init__(self, parameters: _Optional[_Iterable[_Union[TensorSpec, _Mapping]]] = ..., buffers: _Optional[_Iterable[_Union[TensorSpec, _Mapping]]] = ..., buckets: _Optional[_Iterable[_Union[BucketSpec, _Mapping]]] = ..., outer: _Optional[_Union[OuterOptimizer, _Mapping]] = ...) -> None: ...
 
 class Join(_message.Message):
-    __slots__ = ("job_id", "rank", "world_size", "signature", "incarnation", "client_version", "host_id", "local_world_size")
+    __slots__ = ("job_id", "rank", "world_size", "signature", "incarnation", "client_version", "host_id", "local_world_size", "position")
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
     RANK_FIELD_NUMBER: _ClassVar[int]
     WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -154,6 +154,7 @@ class Join(_message.Message):
     CLIENT_VERSION_FIELD_NUMBER: _ClassVar[int]
     HOST_ID_FIELD_NUMBER: _ClassVar[int]
     LOCAL_WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
+    POSITION_FIELD_NUMBER: _ClassVar[int]
     job_id: str
     rank: int
     world_size: int
@@ -162,7 +163,16 @@ class Join(_message.Message):
     client_version: str
     host_id: str
     local_world_size: int
-    def __init__(self, job_id: _Optional[str] = ..., rank: _Optional[int] = ..., world_size: _Optional[int] = ..., signature: _Optional[_Union[ModelSignature, _Mapping]] = ..., incarnation: _Optional[str] = ..., client_version: _Optional[str] = ..., host_id: _Optional[str] = ..., local_world_size: _Optional[int] = ...) -> None: ...
+    position: Position
+    def __init__(self, job_id: _Optional[str] = ..., rank: _Optional[int] = ..., world_size: _Optional[int] = ..., signature: _Optional[_Union[ModelSignature, _Mapping]] = ..., incarnation: _Optional[str] = ..., client_version: _Optional[str] = ..., host_id: _Optional[str] = ..., local_world_size: _Optional[int] = ..., position: _Optional[_Union[Position, _Mapping]] = ...) -> None: ...
+
+class Position(_message.Message):
+    __slots__ = ("step", "digest")
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    DIGEST_FIELD_NUMBER: _ClassVar[int]
+    step: int
+    digest: bytes
+    def __init__(self, step: _Optional[int] = ..., digest: _Optional[bytes] = ...) -> None: ...
 
 class GradientChunk(_message.Message):
     __slots__ = ("step", "membership_epoch", "bucket_index", "offset", "dtype", "encoding", "payload", "contributors", "covered_ranks", "reply_dtype", "in_segment", "segment_offset", "nonfinite_ranks", "scale", "weight", "merged_late", "staleness", "next_step")
@@ -377,7 +387,7 @@ class ShardHello(_message.Message):
     def __init__(self, job_id: _Optional[str] = ..., rank: _Optional[int] = ..., incarnation: _Optional[str] = ..., shard_index: _Optional[int] = ..., session: _Optional[bytes] = ...) -> None: ...
 
 class Welcome(_message.Message):
-    __slots__ = ("job_id", "world_size", "membership_epoch", "start_step", "chunk_bytes", "max_message_bytes", "state_bytes", "resume_bytes", "heartbeat_interval_s", "checkpoint_every_steps", "next_collective", "shards", "session", "local_ranks", "local_secret", "payload_socket", "outer_seeded", "outer_replay", "outer_repeat")
+    __slots__ = ("job_id", "world_size", "membership_epoch", "start_step", "chunk_bytes", "max_message_bytes", "state_bytes", "resume_bytes", "heartbeat_interval_s", "checkpoint_every_steps", "next_collective", "shards", "session", "local_ranks", "local_secret", "payload_socket", "outer_seeded", "outer_replay", "outer_repeat", "restart", "send_state", "continued")
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
     WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
     MEMBERSHIP_EPOCH_FIELD_NUMBER: _ClassVar[int]
@@ -397,6 +407,9 @@ class Welcome(_message.Message):
     OUTER_SEEDED_FIELD_NUMBER: _ClassVar[int]
     OUTER_REPLAY_FIELD_NUMBER: _ClassVar[int]
     OUTER_REPEAT_FIELD_NUMBER: _ClassVar[int]
+    RESTART_FIELD_NUMBER: _ClassVar[int]
+    SEND_STATE_FIELD_NUMBER: _ClassVar[int]
+    CONTINUED_FIELD_NUMBER: _ClassVar[int]
     job_id: str
     world_size: int
     membership_epoch: int
@@ -416,7 +429,10 @@ class Welcome(_message.Message):
     outer_seeded: bool
     outer_replay: bool
     outer_repeat: bool
-    def __init__(self, job_id: _Optional[str] = ..., world_size: _Optional[int] = ..., membership_epoch: _Optional[int] = ..., start_step: _Optional[int] = ..., chunk_bytes: _Optional[int] = ..., max_message_bytes: _Optional[int] = ..., state_bytes: _Optional[int] = ..., resume_bytes: _Optional[int] = ..., heartbeat_interval_s: _Optional[float] = ..., checkpoint_every_steps: _Optional[int] = ..., next_collective: _Optional[int] = ..., shards: _Optional[_Iterable[_Union[ShardAddress, _Mapping]]] = ..., session: _Optional[bytes] = ..., local_ranks: _Optional[_Iterable[int]] = ..., local_secret: _Optional[bytes] = ..., payload_socket: _Optional[str] = ..., outer_seeded: _Optional[bool] = ..., outer_replay: _Optional[bool] = ..., outer_repeat: _Optional[bool] = ...) -> None: ...
+    restart: str
+    send_state: bool
+    continued: bool
+    def __init__(self, job_id: _Optional[str] = ..., world_size: _Optional[int] = ..., membership_epoch: _Optional[int] = ..., start_step: _Optional[int] = ..., chunk_bytes: _Optional[int] = ..., max_message_bytes: _Optional[int] = ..., state_bytes: _Optional[int] = ..., resume_bytes: _Optional[int] = ..., heartbeat_interval_s: _Optional[float] = ..., checkpoint_every_steps: _Optional[int] = ..., next_collective: _Optional[int] = ..., shards: _Optional[_Iterable[_Union[ShardAddress, _Mapping]]] = ..., session: _Optional[bytes] = ..., local_ranks: _Optional[_Iterable[int]] = ..., local_secret: _Optional[bytes] = ..., payload_socket: _Optional[str] = ..., outer_seeded: _Optional[bool] = ..., outer_replay: _Optional[bool] = ..., outer_repeat: _Optional[bool] = ..., restart: _Optional[str] = ..., send_state: _Optional[bool] = ..., continued: _Optional[bool] = ...) -> None: ...
 
 class ShardAddress(_message.Message):
     __slots__ = ("index", "address")
@@ -523,7 +539,7 @@ class LateRank(_message.Message):
     def __init__(self, rank: _Optional[int] = ..., bucket_indices: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class JobStatus(_message.Message):
-    __slots__ = ("job_id", "state", "world_size", "membership_epoch", "open_step", "steps_completed", "members", "late", "step_age_s", "last_checkpoint_step", "ended", "ended_s_ago", "outcome", "nonfinite_contributions", "last_nonfinite", "outer", "outer_rounds", "outer_state_bytes", "outer_state")
+    __slots__ = ("job_id", "state", "world_size", "membership_epoch", "open_step", "steps_completed", "members", "late", "step_age_s", "last_checkpoint_step", "ended", "ended_s_ago", "outcome", "nonfinite_contributions", "last_nonfinite", "outer", "outer_rounds", "outer_state_bytes", "outer_state", "restart", "steps_recomputed")
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELD_NUMBER: _ClassVar[int]
     WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -543,6 +559,8 @@ class JobStatus(_message.Message):
     OUTER_ROUNDS_FIELD_NUMBER: _ClassVar[int]
     OUTER_STATE_BYTES_FIELD_NUMBER: _ClassVar[int]
     OUTER_STATE_FIELD_NUMBER: _ClassVar[int]
+    RESTART_FIELD_NUMBER: _ClassVar[int]
+    STEPS_RECOMPUTED_FIELD_NUMBER: _ClassVar[int]
     job_id: str
     state: str
     world_size: int
@@ -562,7 +580,9 @@ class JobStatus(_message.Message):
     outer_rounds: int
     outer_state_bytes: int
     outer_state: str
-    def __init__(self, job_id: _Optional[str] = ..., state: _Optional[str] = ..., world_size: _Optional[int] = ..., membership_epoch: _Optional[int] = ..., open_step: _Optional[int] = ..., steps_completed: _Optional[int] = ..., members: _Optional[_Iterable[_Union[MemberStatus, _Mapping]]] = ..., late: _Optional[_Iterable[_Union[LateRank, _Mapping]]] = ..., step_age_s: _Optional[float] = ..., last_checkpoint_step: _Optional[int] = ..., ended: _Optional[bool] = ..., ended_s_ago: _Optional[float] = ..., outcome: _Optional[str] = ..., nonfinite_contributions: _Optional[int] = ..., last_nonfinite: _Optional[str] = ..., outer: _Optional[bool] = ..., outer_rounds: _Optional[int] = ..., outer_state_bytes: _Optional[int] = ..., outer_state: _Optional[str] = ...) -> None: ...
+    restart: str
+    steps_recomputed: int
+    def __init__(self, job_id: _Optional[str] = ..., state: _Optional[str] = ..., world_size: _Optional[int] = ..., membership_epoch: _Optional[int] = ..., open_step: _Optional[int] = ..., steps_completed: _Optional[int] = ..., members: _Optional[_Iterable[_Union[MemberStatus, _Mapping]]] = ..., late: _Optional[_Iterable[_Union[LateRank, _Mapping]]] = ..., step_age_s: _Optional[float] = ..., last_checkpoint_step: _Optional[int] = ..., ended: _Optional[bool] = ..., ended_s_ago: _Optional[float] = ..., outcome: _Optional[str] = ..., nonfinite_contributions: _Optional[int] = ..., last_nonfinite: _Optional[str] = ..., outer: _Optional[bool] = ..., outer_rounds: _Optional[int] = ..., outer_state_bytes: _Optional[int] = ..., outer_state: _Optional[str] = ..., restart: _Optional[str] = ..., steps_recomputed: _Optional[int] = ...) -> None: ...
 
 class StatusReply(_message.Message):
     __slots__ = ("jobs", "heartbeat_timeout_s", "shards")

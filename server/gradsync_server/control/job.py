@@ -41,15 +41,17 @@ every rank is told why in-band, and the job carries on at the next step.
 from __future__ import annotations
 
 import logging
+from typing import cast
 
 from gradsync_proto.codec import ChunkHeader
 from gradsync_proto.codes import Code
 from gradsync_proto.v1 import gradsync_pb2 as pb
 
-from gradsync_server.control import outer_resume, signature as signatures
+from gradsync_server.control import outer_resume, restart, signature as signatures
 from gradsync_server.control.job_core import JobState
 from gradsync_server.control.job_ending import JobEnding
 from gradsync_server.control.persistence import resume_messages
+from gradsync_server.control.restart_relay import RestartRelay
 from gradsync_server.control.settings import OnFailure
 from gradsync_server.dataplane import rounds, stragglers
 from gradsync_server.dataplane.actions import Action, Send, Terminate
@@ -143,6 +145,9 @@ class Job(JobEnding):
             return self._refuse(Code.FAILED_PRECONDITION, f"job '{self.job_id}' refused: {problem}")
         self.state = JobState.RUNNING
         resume = self.persistence.resume
+        decision = self._restart_decision(optimizer is None, resume.step if resume else None)
+        if isinstance(decision, restart.Continue):
+            return self._continue(decision)
         self.broadcast.start(
             signatures.state_bytes(signature), needed=resume is None and self.world_size > 1
         )
@@ -167,10 +172,80 @@ class Job(JobEnding):
             self._start_outer(outer)
         self._tell_shards(pb.LeaderMessage(job=view))
         ranks = self.membership.ranks()
+        self.steps_recomputed = restart.steps_recomputed(decision, start)
         resume_bytes = len(resume.payload) if resume is not None else 0
         actions: list[Action] = [self.welcome_for(rank, resume_bytes) for rank in ranks]
         if resume is not None:
             actions += resume_messages(ranks, resume.step, resume.payload, self.chunk_bytes)
+        return actions
+
+    def _restart_decision(
+        self, per_step: bool, checkpoint_step: int | None
+    ) -> restart.Decision | None:
+        """A restarted coordinator: continue from the ranks' positions, or fall back (logged)."""
+        if not per_step:  # DiLoCo: the outer state's own records decide (`outer_resume`)
+            return None
+        positions = {rank: member.position for rank, member in self.members.items()}
+        decision = restart.decide(self.job_id, positions, checkpoint_step)
+        if decision is None:
+            return None
+        if isinstance(decision, restart.Fallback):
+            self.restart_line = f"job '{self.job_id}' rolled back: {decision.line}"
+        else:
+            self.restart_line = decision.line
+        log.warning("%s", self.restart_line)
+        return decision
+
+    def _continue(self, plan: restart.Continue) -> list[Action]:
+        """Go on at the ranks' step: the donor first; the others once its state is here."""
+        resume = self.persistence.resume
+        self.broadcast.start(0, needed=False)
+        if resume is not None:
+            self.membership.resume_epoch(resume.membership_epoch)
+            self.persistence.saved(resume.step)
+        view = self._view(plan.step)
+        self.plane.start(view)
+        self._tell_shards(pb.LeaderMessage(job=view))
+        if not plan.behind:
+            return [self._continued_welcome(rank) for rank in self.membership.ranks()]
+        self.relay = RestartRelay(plan, self.chunk_bytes, self.blob_limit, self.job_budget)
+        return [self._continued_welcome(plan.donor, send_state=True)]
+
+    def _continued_welcome(
+        self, rank: int, resume_bytes: int = 0, send_state: bool = False
+    ) -> Send:
+        """`rank`'s Welcome into a continued job (its own state stands unless resume bytes)."""
+        send = self.welcome_for(rank, resume_bytes)
+        welcome = cast(pb.CoordinatorMessage, send.message).welcome
+        welcome.restart = self.restart_line
+        welcome.continued = resume_bytes == 0
+        welcome.send_state = send_state
+        return send
+
+    def _on_relay_chunk(self, rank: int, chunk: pb.CheckpointChunk) -> list[Action]:
+        """The donor's state for the ranks behind; once complete, welcome everyone else."""
+        relay = self.relay
+        if relay is None:
+            raise RuntimeError("only called while a restarted job's relay is open")
+        blob = relay.add(rank, chunk)
+        if blob is None:
+            return []
+        self.relay = None
+        plan = relay.plan
+        actions: list[Action] = [
+            self._continued_welcome(r) for r in plan.keep if r != plan.donor and r in self.members
+        ]
+        behind = tuple(r for r in plan.behind if r in self.members)
+        actions += [self._continued_welcome(r, len(blob)) for r in behind]
+        actions += resume_messages(behind, plan.step, blob, self.chunk_bytes)
+        log.info(
+            "job '%s': rank %d's state of step %d (%d bytes) sent to rank(s) %s",
+            self.job_id,
+            plan.donor,
+            plan.step,
+            len(blob),
+            list(behind),
+        )
         return actions
 
     def _start_outer(self, outer: outer_resume.OuterResume) -> None:
@@ -206,6 +281,8 @@ class Job(JobEnding):
         Raises:
             RejectedMessage: the upload is malformed (this worker's stream ends).
         """
+        if chunk.heal and self.relay is not None:
+            return self._on_relay_chunk(rank, chunk)
         if chunk.heal and self.state is JobState.RUNNING:
             return self.elastic.on_heal_chunk(rank, chunk)
         if self.state is not JobState.RUNNING or rank != 0:

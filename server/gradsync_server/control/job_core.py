@@ -31,6 +31,7 @@ from gradsync_server.control.elastic import Elastic
 from gradsync_server.control.liveness import Liveness
 from gradsync_server.control.membership import Membership
 from gradsync_server.control.persistence import Persistence
+from gradsync_server.control.restart_relay import RestartRelay
 from gradsync_server.control.settings import JobSettings
 from gradsync_server.control.uneven import UnevenInputs
 from gradsync_server.dataplane.actions import Action, Member, Send
@@ -114,6 +115,13 @@ class JobCore:
         self._last_abort_event = -1
         self.liveness = Liveness(clock)
         self.persistence = Persistence(chunk_bytes, blob_limit, job_budget)
+        self.job_budget, self.blob_limit = job_budget, blob_limit
+        #: A restarted job's donor state on its way to the ranks behind (`control.restart`).
+        self.relay: RestartRelay | None = None
+        #: How a restarted coordinator went on (continued, or rolled back and why).
+        self.restart_line = ""
+        #: Steps the ranks had applied beyond where a restarted job went on (summed).
+        self.steps_recomputed = 0
         #: The store's outer-state records of this job, one per plane, read before it
         #: assembled: (bytes or None, why none); None = not read (`control.outer_resume`).
         self.outer_records: list[tuple[bytes | None, str]] | None = None

@@ -12,6 +12,8 @@ builds, and `Job` adds the arrivals. Pure logic, no gRPC, no asyncio.
 
 from __future__ import annotations
 
+import logging
+
 from gradsync_proto.codes import Code
 from gradsync_proto.v1 import gradsync_pb2 as pb
 
@@ -19,6 +21,8 @@ from gradsync_server.control.job_core import JobCore, JobState
 from gradsync_server.control.settings import OnFailure
 from gradsync_server.dataplane.actions import Action, Terminate
 from gradsync_server.dataplane.step_aborts import abort_message
+
+log = logging.getLogger("gradsync.server")
 
 
 class JobEnding(JobCore):
@@ -46,6 +50,8 @@ class JobEnding(JobCore):
         if self.state is not JobState.RUNNING:
             return []
         how = reason or ("left" if orderly else "disconnected from")
+        if self.relay is not None:
+            return self._relay_lost(rank, how)
         if not self.broadcast.complete:
             # The others wait for rank 0's state, not for a step: end them now.
             return self._break(
@@ -84,6 +90,27 @@ class JobEnding(JobCore):
             rank,
             abort_step=True,
         )
+
+    def _relay_lost(self, rank: int, how: str) -> list[Action]:
+        """A rank was lost while a restarted job's donor state was on its way: start over.
+
+        Half the ranks are welcomed and the others wait for a state that may
+        never come, so every stream ends UNAVAILABLE: the workers reconnect
+        with their positions and the job decides again (a restarted process
+        without one takes a live rank's state).
+        """
+        relay = self.relay
+        self.relay = None
+        if relay is not None:
+            relay.release()
+        details = (
+            f"rank {rank} {how} job '{self.job_id}' while the coordinator relayed rank "
+            f"{relay.plan.donor if relay else '?'}'s state of step "
+            f"{relay.plan.step if relay else '?'} to the ranks behind it; every rank "
+            "reconnects and the job goes on from the ranks' positions"
+        )
+        log.warning("%s", details)
+        return self.end(Code.UNAVAILABLE, details, pb.END_REASON_PEER_LOST)
 
     def _shrink(self, rank: int, how: str, followers: tuple[int, ...]) -> list[Action]:
         """Elastic: go on without `rank`, and without its followers if it was a local leader.
@@ -180,6 +207,9 @@ class JobEnding(JobCore):
         """Give back the bytes of unfinished checkpoint and healing uploads (idempotent)."""
         self.persistence.abandon_upload()
         self.elastic.release()
+        if self.relay is not None:
+            self.relay.release()
+            self.relay = None
 
     def _refuse(self, code: Code, details: str) -> list[Action]:
         """Refuse the whole job: every connected rank's stream ends with `code`."""

@@ -25,7 +25,7 @@ from collections.abc import Callable
 from gradsync_proto.codes import Code
 from gradsync_proto.v1 import gradsync_pb2 as pb
 
-from gradsync_server.control import signature as signatures
+from gradsync_server.control import restart, signature as signatures
 from gradsync_server.dataplane.actions import Member
 from gradsync_server.dataplane.host_groups import (
     LocalGroups,
@@ -85,6 +85,8 @@ class Membership:
                 f"{member.incarnation}, joined {self._clock() - member.joined_at:.1f}s ago); "
                 f"incarnation {join.incarnation} cannot claim it too",
             )
+        if join.HasField("position"):
+            restart.check_position(rank, join.position)
 
     def admit(self, rank: int, join: pb.Join) -> str | None:
         """Add `rank` to an assembling job.
@@ -157,6 +159,7 @@ class Membership:
             session=session,
             host_id=join.host_id,
             local_world_size=join.local_world_size,
+            position=join.position if join.HasField("position") else None,
         )
 
     # --------------------------------------------------------- local groups

@@ -52,6 +52,8 @@ def job_status(job: Job, lag_tracker: LagTracker | None = None) -> pb.JobStatus:
         outer_rounds=outer.rounds,
         outer_state_bytes=outer.held_bytes(),
         outer_state=job.outer_state,
+        restart=job.restart_line,
+        steps_recomputed=job.steps_recomputed,
     )
 
 

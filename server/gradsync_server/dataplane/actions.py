@@ -79,6 +79,8 @@ class Member:
     host_id: str = ""
     #: Join.local_world_size (LOCAL_WORLD_SIZE as the launcher told it; 0 = not told).
     local_world_size: int = 0
+    #: Join.position: where a live rank rejoining a restarted coordinator stands.
+    position: pb.Position | None = None
 
 
 @dataclass(frozen=True)

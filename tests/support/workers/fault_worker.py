@@ -54,6 +54,7 @@ def main() -> int:
     module = scenarios.MixedModel(seed=rank)
     contributors: list[int] = []
     restarts: list[int] = []
+    computed = [0]  # forward/backward passes this process ran (recomputed ones included)
     restart_causes: list[str] = []
     skipped: list[int] = []
     aborts: list[dict[str, object]] = []
@@ -64,6 +65,7 @@ def main() -> int:
         "step": 0,
         "contributors": contributors,
         "restarts": restarts,
+        "computed": computed,
         "restart_causes": restart_causes,
         "skipped": skipped,
         "aborts": aborts,
@@ -137,6 +139,7 @@ def main() -> int:
                     loss = scenarios.loss_fn(model(x), y)
                     if step == sleep_step:
                         time.sleep(sleep_s)
+                    computed[0] += 1
                     loss.backward()
                 except gradsync.CoordinatorRestartedError as exc:
                     restarts.append(model.step)
