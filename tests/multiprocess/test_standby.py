@@ -5,9 +5,13 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from pathlib import Path
+from typing import Any
 
 import pytest
 from gradsync_server.store.lease import FencedWriteError, RedisLease, fence_script
+from support.faults import HEARTBEAT, assert_matches_reference, finish, job_status, wait_for
+from support.processes import start_workers
 from support.redisserver import RedisServer
 
 redis = pytest.importorskip("redis")
@@ -73,3 +77,91 @@ def test_release_hands_over_at_once(redis_server_factory: Callable[..., RedisSer
     first.release()
     record = second.try_acquire()
     assert record is not None and record.fence == 2
+
+
+def _health(address: str) -> int:
+    """The coordinator's health status (1 SERVING, 2 NOT_SERVING) over real gRPC."""
+    import grpc
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    with grpc.insecure_channel(address) as channel:
+        reply = health_pb2_grpc.HealthStub(channel).Check(
+            health_pb2.HealthCheckRequest(service=""), timeout=5
+        )
+    return int(reply.status)
+
+
+@pytest.mark.timeout(240)
+def test_standby_takes_over_and_the_workers_follow_it(
+    redis_server: RedisServer, tmp_path: Path, coordinator_factory: Any
+) -> None:
+    flags = (*HEARTBEAT, "--checkpoint-store", redis_server.url, "--checkpoint-every", "3")
+    lease = ("--lease-ttl-s", "1.5")
+    active = coordinator_factory(2, *flags, *lease, "--lease")
+    wait_for(lambda: _health(active.address) == 1, 30, "the first coordinator to take the lease")
+    standby = coordinator_factory(2, *flags, *lease, "--standby")
+    time.sleep(1.0)  # several polls: it must stay a standby while the lease is renewed
+    assert _health(standby.address) == 2
+    both = f"{active.address},{standby.address}"
+    processes = start_workers(both, 2, tmp_path, 12, None, "--step-delay-s", "0.3")
+
+    def checkpoint_at_least_3() -> bool:
+        job = job_status(active.address)
+        return bool(job and job.last_checkpoint_step >= 3 and job.open_step >= 5)
+
+    wait_for(checkpoint_at_least_3, 90, "a durable checkpoint and two more steps")
+    killed_at = time.monotonic()
+    active.process.kill()
+    active.process.wait()
+    wait_for(lambda: _health(standby.address) == 1, 30, "the standby to take over")
+    took_over_s = time.monotonic() - killed_at
+    reports = finish(processes, tmp_path, timeout_s=150)
+    for report in reports:
+        assert report is not None and report["status"] == "ok", report
+        assert len(report["restarts"]) == 1 and report["restarts"][0] >= 3
+        assert_matches_reference(report, 2, 12)
+    _, log = standby.stop()
+    assert "took over the lease with fence 2" in log, log
+    assert "RESUMES from the checkpoint of step" in log
+    print(f"standby SERVING {took_over_s:.2f}s after SIGKILL of the active coordinator")
+
+
+@pytest.mark.timeout(120)
+def test_split_brain_two_leased_coordinators_one_serves(
+    redis_server: RedisServer, coordinator_factory: Any
+) -> None:
+    flags = ("--checkpoint-store", redis_server.url, "--lease", "--lease-ttl-s", "1.5")
+    first = coordinator_factory(1, *flags)
+    second = coordinator_factory(1, *flags)
+    time.sleep(2.0)  # past the first renewals and many standby polls
+    states = sorted([_health(first.address), _health(second.address)])
+    assert states == [1, 2], states
+    client = _client(redis_server)
+    assert client.get("gradsync:lease:coordinator:fence") == b"1"
+    for coordinator in (first, second):
+        coordinator.stop()
+
+
+def test_a_file_store_with_standby_is_refused(tmp_path: Path) -> None:
+    import subprocess
+    import sys
+
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "gradsync.cli",
+            "serve",
+            "--world-size",
+            "1",
+            "--port",
+            "0",
+            "--checkpoint-store",
+            str(tmp_path / "ckpt"),
+            "--standby",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert done.returncode == 2 and "need a redis://" in done.stderr, done.stderr
