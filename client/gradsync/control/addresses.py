@@ -16,7 +16,11 @@ from typing import Any
 
 from gradsync_proto.net.address import Address, parse_address
 
-__all__ = ["AddressRotation", "parse_addresses"]
+__all__ = ["PER_ADDRESS_JOIN_S", "AddressRotation", "parse_addresses"]
+
+#: With several addresses, one reconnect attempt waits at most this long at one of them
+#: (a dead host's connect retries would otherwise use the whole reconnect budget).
+PER_ADDRESS_JOIN_S = 3.0
 
 #: socket.getaddrinfo's signature, injectable so tests resolve without a DNS server.
 Resolver = Callable[..., list[tuple[Any, ...]]]
@@ -67,6 +71,11 @@ class AddressRotation:
     def count(self) -> int:
         """How many targets one pass tries."""
         return len(self._targets)
+
+    def attempt_s(self, remaining_s: float) -> float:
+        """How long one join attempt may wait: all that is left with one address; with
+        several, at most `PER_ADDRESS_JOIN_S` (a dead host must not take the whole budget)."""
+        return min(remaining_s, PER_ADDRESS_JOIN_S) if self.several else remaining_s
 
     def current(self) -> str:
         """The target to try now."""

@@ -281,7 +281,8 @@ class Session:
             self._link = self._new_link()
             remaining = deadline - time.monotonic()
             try:
-                start = self._join_and_broadcast(join_timeout_s=max(1.0, remaining))
+                cap = self._addresses.attempt_s(remaining) if self._addresses else remaining
+                start = self._join_and_broadcast(join_timeout_s=max(1.0, cap))
                 break
             except (CoordinatorUnavailableError, SyncTimeoutError) as exc:
                 if self._addresses is not None and self._addresses.several:
