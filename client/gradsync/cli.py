@@ -236,6 +236,10 @@ def _serve(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
             store_timeout_s=args.store_timeout,
             state_dir=_state_dir(args),
             redis_password=_redis_password(parser, args),
+            lease=args.lease or args.standby,
+            standby=args.standby,
+            lease_ttl_s=args.lease_ttl_s,
+            advertise=args.advertise,
         )
     except ValueError as exc:
         parser.error(str(exc))

@@ -12,9 +12,8 @@ import os
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from gradsync_proto.net.address import parse_address
-
 from gradsync import defaults
+from gradsync.control.addresses import parse_addresses
 from gradsync.defaults import MIB
 
 #: Coordinator address ("host:port"), used when `coordinator=` is not given.
@@ -45,8 +44,9 @@ class ClientConfig:
     """Resolved settings of one worker.
 
     Attributes:
-        coordinator: "host:port" (or "[ipv6]:port") of the coordinator, checked at
-            construction by `gradsync_proto.net.address.parse_address`.
+        coordinator: "host:port" (or "[ipv6]:port") of the coordinator, or a comma list
+            of them (an active coordinator and standbys), checked at construction by
+            `gradsync.control.addresses.parse_addresses`.
         rank: this worker's rank, 0 <= rank < world_size.
         world_size: number of ranks in the job.
         job_id: name shared by all ranks of one training job.
@@ -82,7 +82,7 @@ class ClientConfig:
                 f"(valid ranks 0..{self.world_size - 1})"
             )
         try:
-            parse_address(self.coordinator)
+            parse_addresses(self.coordinator)
         except ValueError as exc:
             raise ValueError(f"coordinator: {exc}") from None
         for name, size in (
@@ -141,7 +141,7 @@ class ClientConfig:
             )
         if not coordinator:
             try:
-                parse_address(address)
+                parse_addresses(address)
             except ValueError as exc:
                 raise ValueError(f"${ENV_COORDINATOR}: {exc}") from None
         return cls(

@@ -90,9 +90,10 @@ positive_number = number(0.0)
 
 
 def coordinator(text: str) -> str:
-    """An argparse type: a coordinator address, returned in canonical "host:port" form."""
+    """An argparse type: a coordinator address, or a comma list of them (an active
+    coordinator and standbys), returned in canonical "host:port[,host:port]" form."""
     try:
-        return str(parse_address(text))
+        return ",".join(str(parse_address(entry)) for entry in text.split(","))
     except ValueError as exc:
         raise argparse.ArgumentTypeError(str(exc)) from None
 

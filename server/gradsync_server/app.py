@@ -45,6 +45,7 @@ from gradsync_server.rpc.payload_socket import PayloadSocket
 from gradsync_server.rpc.servicer import SERVICE_NAME, SHUTDOWN_FLUSH_S, CoordinatorServicer
 from gradsync_server.rpc.shard_link import LeaderLink
 from gradsync_server.rpc.shard_servicer import SERVICE_NAME as SHARD_SERVICE_NAME, ShardServicer
+from gradsync_server.rpc.standby_gate import StandbyGate
 from gradsync_server.shard_config import ShardConfig
 from gradsync_server.store.stores import open_store, redacted_store_url
 
@@ -70,6 +71,8 @@ class RunningServer:
     metrics_server: MetricsServer | None = None
     local_shards: LocalShards | None = None
     payload_socket: PayloadSocket | None = None
+    #: The standby gate of a `--lease` coordinator (None: always serving).
+    gate: StandbyGate | None = None
 
     async def stop(self, grace_s: float | None = None) -> None:
         """Stop accepting joins, let streams finish for `grace_s`, then close.
@@ -114,7 +117,7 @@ def grpc_options(max_message_bytes: int) -> list[tuple[str, int]]:
 
 
 def _listen(
-    config: ServerConfig | ShardConfig, what: str
+    config: ServerConfig | ShardConfig, what: str, gate: StandbyGate | None = None
 ) -> tuple[grpc.aio.Server, int, health.aio.HealthServicer]:
     """A gRPC server bound to the configured address, with the token check and health.
 
@@ -127,9 +130,14 @@ def _listen(
     server = grpc.aio.server(
         options=grpc_options(config.max_message_bytes),
         # A shard's own shard token is what it presents to its leader, not what it checks.
-        interceptors=interceptors(
-            config.token, config.shard_token if isinstance(config, ServerConfig) else None
-        ),
+        # The token check first: an unauthenticated caller learns nothing, not even the
+        # active coordinator's address from a standby's refusal.
+        interceptors=[
+            *interceptors(
+                config.token, config.shard_token if isinstance(config, ServerConfig) else None
+            ),
+            *([gate] if gate is not None else []),
+        ],
     )
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
@@ -191,7 +199,8 @@ async def start_server(config: ServerConfig) -> RunningServer:
     metrics = CoordinatorMetrics()
     servicer = CoordinatorServicer(config, store, metrics=metrics)
     metrics_server = _metrics_server(config, metrics)
-    server, port, health_servicer = _listen(config, "coordinator")
+    gate = StandbyGate() if config.lease else None
+    server, port, health_servicer = _listen(config, "coordinator", gate)
     server.add_generic_rpc_handlers((servicer.generic_handler(),))
     await server.start()
     payload_socket = None
@@ -199,12 +208,14 @@ async def start_server(config: ServerConfig) -> RunningServer:
         # Same-host local leaders may move payloads through their segments (`segments`).
         payload_socket = PayloadSocket(asyncio.get_running_loop(), servicer.admit_segment)
         servicer.payload_endpoint = (payload_socket.name, config.host_id or host_id())
-    await _set_health(health_servicer, SERVICE_NAME, serving=True)
+    # A leased coordinator says SERVING only once it holds the lease (`serve`).
+    await _set_health(health_servicer, SERVICE_NAME, serving=gate is None)
     watchdog = asyncio.create_task(servicer.watchdog.run())
     running = RunningServer(
         server, port, servicer, health_servicer, watchdog, metrics_server, None, payload_socket
     )
-    if config.local_shards and config.shard_count > 1:
+    running.gate = gate
+    if gate is None and config.local_shards and config.shard_count > 1:
         running.local_shards = LocalShards(config, port)
         await running.local_shards.start()
     return running
@@ -268,6 +279,8 @@ async def serve(config: ServerConfig) -> int:
     stop = _stop_on_signals()
     # The banner says the server is up: signals must be handled from then on.
     print(banner(config, running.port, metrics_url), file=sys.stderr, flush=True)
+    if running.gate is not None:
+        return await serve_leased(config, running, stop)
     if config.shard_count > 1:
         waiting = asyncio.create_task(wait_for_shards(running, config.shard_wait_timeout_s))
         stopped = asyncio.create_task(stop.wait())
@@ -283,6 +296,15 @@ async def serve(config: ServerConfig) -> int:
     await running.stop()
     log.info("coordinator stopped")
     return 0
+
+
+async def serve_leased(config: ServerConfig, running: RunningServer, stop: asyncio.Event) -> int:
+    """Serve a `--lease` coordinator: a standby until it holds the lease, then active until
+    SIGTERM (0, lease released) or demotion (`standby.DEMOTED_EXIT_CODE`)."""
+    from gradsync_server.standby import lease_for, take_part  # redis only when leased
+
+    lease, metrics = lease_for(config, running.port, running.servicer.metrics.registry)
+    return await take_part(config, running, lease, metrics, stop, set_health=_set_health)
 
 
 def run(config: ServerConfig) -> int:

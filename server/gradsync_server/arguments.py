@@ -110,6 +110,30 @@ def add_serve_flags(parser: argparse.ArgumentParser) -> None:
         "directory that does not look like host:port (default: none)",
     )
     parser.add_argument(
+        "--lease",
+        action="store_true",
+        help="take part in the Redis lease of a redis:// --checkpoint-store: serve only "
+        "while holding it (another coordinator with --lease/--standby takes over)",
+    )
+    parser.add_argument(
+        "--standby",
+        action="store_true",
+        help="start as a standby (implies --lease): answer UNAVAILABLE until the active "
+        "coordinator's lease expires, then take over and resume the job from the store",
+    )
+    parser.add_argument(
+        "--lease-ttl-s",
+        type=flags.seconds,
+        default=3.0,
+        help="lease lifetime after each renewal (renewed every ttl/3; default %(default)g)",
+    )
+    parser.add_argument(
+        "--advertise",
+        default=None,
+        help="host:port workers should use for this coordinator, shown by a standby "
+        "(default: --host:--port)",
+    )
+    parser.add_argument(
         "--checkpoint-every",
         type=flags.integer(0),
         default=defaults.CHECKPOINT_EVERY_STEPS,

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hmac
+import math
 import os
 from dataclasses import dataclass, field
 
@@ -148,6 +149,10 @@ class ServerConfig:
     nonfinite: str = defaults.NONFINITE
     payload_socket: bool = True
     host_id: str = ""
+    lease: bool = False
+    standby: bool = False
+    lease_ttl_s: float = 3.0
+    advertise: str | None = None
 
     def __post_init__(self) -> None:
         if self.world_size < 1:
@@ -235,6 +240,16 @@ class ServerConfig:
                 _check_state_dir_outside(self.state_dir, location.target)
         if not self.store_timeout_s > 0:
             raise ValueError(f"store timeout must be > 0 s, got {self.store_timeout_s}")
+        if self.lease or self.standby:
+            # The lease and its fence live in Redis; a file store has no atomic fenced write.
+            kind = parse_store_url(self.checkpoint_store).kind if self.checkpoint_store else None
+            if kind != "redis":
+                raise ValueError(
+                    "--lease/--standby need a redis:// --checkpoint-store (the lease and the "
+                    f"fenced writes live in Redis), got {self.checkpoint_store or 'none'}"
+                )
+            if not 0 < self.lease_ttl_s < math.inf:
+                raise ValueError(f"--lease-ttl-s must be > 0 s, got {self.lease_ttl_s}")
         if self.fresh_start and self.resume:
             raise ValueError(
                 "--fresh-start and --resume contradict each other: --resume refuses to start "

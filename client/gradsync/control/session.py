@@ -29,6 +29,7 @@ from torch import nn
 
 from gradsync import __version__
 from gradsync.config import ClientConfig
+from gradsync.control.addresses import AddressRotation
 from gradsync.control.link import (
     BucketEventHandler,
     CoordinatorLink,
@@ -90,6 +91,8 @@ class Session:
         self._signature = signature
         self._bucket_bytes = list(bucket_bytes)
         self._link_factory = link_factory
+        #: The coordinator addresses, tried in turn (built with the first link).
+        self._addresses: AddressRotation | None = None
         self._on_bucket_event = on_bucket_event
         self.reconnect_timeout_s = reconnect_timeout_s
         self._optimizer: torch.optim.Optimizer | None = None
@@ -136,9 +139,34 @@ class Session:
         """
         try:
             return self._join_and_broadcast()
+        except CoordinatorUnavailableError:
+            if self._addresses is None or not self._addresses.several:
+                self._release(timeout_s=5.0)
+                raise
         except BaseException:
             self._release(timeout_s=5.0)
             raise
+        return self._start_elsewhere(self._addresses)
+
+    def _start_elsewhere(self, addresses: AddressRotation) -> int:
+        """The first address did not serve: try each other one once (one may be a standby)."""
+        for _ in range(addresses.count - 1):
+            self._release(timeout_s=_ABANDON_LINK_TIMEOUT_S)
+            log.info("rank %d: trying %s", self.config.rank, addresses.advance())
+            self._link = self._new_link()
+            try:
+                return self._join_and_broadcast()
+            except CoordinatorUnavailableError:
+                continue
+            except BaseException:
+                self._release(timeout_s=5.0)
+                raise
+        self._release(timeout_s=5.0)
+        raise CoordinatorUnavailableError(
+            f"no coordinator of {self.config.coordinator} serves job '{self.config.job_id}' "
+            "(each answered UNAVAILABLE: down, or a standby)",
+            rank=self.config.rank,
+        )
 
     def close(self) -> None:
         """Leave the job."""
@@ -264,9 +292,15 @@ class Session:
             self._link = self._new_link()
             remaining = deadline - time.monotonic()
             try:
-                start = self._join_and_broadcast(join_timeout_s=max(1.0, remaining))
+                cap = self._addresses.attempt_s(remaining) if self._addresses else remaining
+                start = self._join_and_broadcast(join_timeout_s=max(1.0, cap))
                 break
             except (CoordinatorUnavailableError, SyncTimeoutError) as exc:
+                if self._addresses is not None and self._addresses.several:
+                    # A standby (or a dead host) answered: the active one is elsewhere.
+                    tried, rank = self._addresses.current(), self.config.rank
+                    log.info("rank %d: %s did not serve (%s)", rank, tried, exc)
+                    log.info("rank %d: trying %s", rank, self._addresses.advance())
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
                     raise CoordinatorUnavailableError(
@@ -337,7 +371,9 @@ class Session:
 
     # ------------------------------------------------------------ joining
     def _new_link(self) -> CoordinatorLink:
-        link = self._link_factory(self.config.coordinator, self.config.rank)
+        if self._addresses is None:
+            self._addresses = AddressRotation(self.config.coordinator)
+        link = self._link_factory(self._addresses.current(), self.config.rank)
         link.on_bucket_event = self._on_bucket_event
         return link
 
@@ -369,6 +405,8 @@ class Session:
         )
         link.open(join)
         welcome = self.welcome = link.wait_welcome(timeout_s)
+        if self._addresses is not None and self._addresses.several:
+            log.info("rank %d: joined at %s", config.rank, self._addresses.current())
         if len(welcome.local_ranks) >= 2:
             self._local = self._form_local_group(link, welcome, timeout_s)
         # The coordinator numbers collectives: 0 for a new job (or a restarted

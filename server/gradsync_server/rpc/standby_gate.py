@@ -1,0 +1,68 @@
+"""The standby gate: while this coordinator does not hold the lease, it serves nothing.
+
+Every RPC but the health service's is answered UNAVAILABLE, naming the active coordinator's
+advertised address and fence, so a worker (or shard) moves on to its next address; nothing
+a caller sent is parsed. The servicer behind the gate has seen no request while closed, so
+opening it at takeover is a freshly started coordinator on the same store: the first Join
+loads the job from the store exactly as after a restart.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import grpc
+
+_HEALTH_PREFIX = "/grpc.health.v1.Health/"
+
+
+class StandbyGate(grpc.aio.ServerInterceptor):  # type: ignore[misc]  # grpc ships no stubs
+    """Closed (refusing) until `open` is called; `close` refuses new calls again."""
+
+    def __init__(self) -> None:
+        self.active = False
+        #: What a refused caller is told about the active coordinator.
+        self.active_elsewhere = "unknown (no lease holder yet)"
+        self.refused = 0
+
+    def open(self) -> None:
+        self.active = True
+
+    def close(self, active_elsewhere: str) -> None:
+        self.active = False
+        self.active_elsewhere = active_elsewhere
+
+    async def intercept_service(
+        self,
+        continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler]],
+        handler_call_details: grpc.HandlerCallDetails,
+    ) -> grpc.RpcMethodHandler | None:
+        method = handler_call_details.method
+        name = method.decode("utf-8", "replace") if isinstance(method, bytes) else str(method)
+        if self.active or name.startswith(_HEALTH_PREFIX):
+            return await continuation(handler_call_details)
+        handler = await continuation(handler_call_details)
+        if handler is None:
+            return None
+        self.refused += 1
+        message = (
+            f"this coordinator is a standby (does not hold the lease) and serves no {name}; "
+            f"the active coordinator is {self.active_elsewhere}"
+        )
+        return _unavailable(handler, message)
+
+
+def _unavailable(handler: grpc.RpcMethodHandler, message: str) -> grpc.RpcMethodHandler:
+    """A handler of `handler`'s shape that only aborts with UNAVAILABLE."""
+
+    async def refuse(request: Any, context: grpc.aio.ServicerContext[Any, Any]) -> None:
+        await context.abort(grpc.StatusCode.UNAVAILABLE, message)
+
+    if handler.request_streaming and handler.response_streaming:
+        return grpc.stream_stream_rpc_method_handler(refuse)
+    if handler.request_streaming:
+        return grpc.stream_unary_rpc_method_handler(refuse)
+    if handler.response_streaming:
+        return grpc.unary_stream_rpc_method_handler(refuse)
+    return grpc.unary_unary_rpc_method_handler(refuse)

@@ -1,0 +1,194 @@
+"""The lease driver of a `--lease` / `--standby` coordinator: take over, renew, demote.
+
+A standby polls the lease every `poll_interval_s(ttl)` and takes it when the key is absent
+(expired or released); the active one renews every ttl/3. A holder that misses its own
+deadline or finds another value at the key is demoted. Demotion here ends the process
+(exit code 3, after closing the gate and stopping the server, which ends every stream with
+UNAVAILABLE): its in-memory job is of a history the new holder no longer shares, and a
+supervisor restarting it with `--standby` gives a clean standby. Fenced store writes make
+a late write from it harmless either way.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import socket
+import time
+import uuid
+from collections.abc import Awaitable, Callable
+from typing import TYPE_CHECKING, Any
+
+from prometheus_client import CollectorRegistry, Counter, Gauge
+
+from gradsync_server.local_shards import LocalShards
+from gradsync_server.rpc.servicer import SERVICE_NAME
+from gradsync_server.rpc.standby_gate import StandbyGate
+from gradsync_server.store.lease import (
+    LeaseRecord,
+    RedisLease,
+    poll_interval_s,
+    renew_interval_s,
+)
+from gradsync_server.store.stores import parse_store_url
+
+if TYPE_CHECKING:
+    from gradsync_server.app import RunningServer
+    from gradsync_server.config import ServerConfig
+
+log = logging.getLogger("gradsync.server.standby")
+
+#: Exit code of a coordinator that lost its lease.
+DEMOTED_EXIT_CODE = 3
+
+
+def holder_id() -> str:
+    """Unique per process start: a restarted coordinator is a new holder with a new fence."""
+    return f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+
+
+def _shown(record: LeaseRecord | None) -> str:
+    if record is None:
+        return "unknown (no lease holder now)"
+    return f"{record.address} (holder {record.holder}, fence {record.fence})"
+
+
+async def drive_lease(
+    lease: RedisLease,
+    gate: StandbyGate,
+    on_active: Callable[[LeaseRecord], None],
+    clock: Callable[[], float] = time.monotonic,
+) -> LeaseRecord | None:
+    """Run until demoted; return the record that took over (None if unknown).
+
+    Redis calls are blocking with the client's socket timeout; they run in a thread so
+    the gRPC loop keeps serving (or refusing) meanwhile.
+    """
+    ttl_s = lease.timer.ttl_s
+    last_seen: LeaseRecord | None = None
+    seen_since = clock()
+    while lease.held is None:
+        try:
+            taken = await asyncio.to_thread(lease.try_acquire)
+            current = taken or await asyncio.to_thread(lease.current)
+        except Exception as exc:  # Redis down: stay a standby, say so, retry
+            log.warning("standby: cannot read the lease (%s); retrying", exc)
+            await asyncio.sleep(poll_interval_s(ttl_s))
+            continue
+        if taken is not None:
+            log.warning(
+                "took over the lease with fence %d (previous holder %s, last seen renewing "
+                "%.2fs ago)",
+                taken.fence,
+                _shown(last_seen),
+                clock() - seen_since,
+            )
+            gate.open()
+            on_active(taken)
+            break
+        if current != last_seen:
+            last_seen, seen_since = current, clock()
+        gate.close(_shown(current))
+        await asyncio.sleep(poll_interval_s(ttl_s))
+    while True:
+        await asyncio.sleep(renew_interval_s(ttl_s))
+        try:
+            renewed = await asyncio.to_thread(lease.renew)
+        except Exception as exc:  # one failed renewal is survivable; the deadline decides
+            log.warning("lease renewal failed (%s)", exc)
+            renewed = lease.held is not None and not lease.timer.expired()
+        if not renewed:
+            break
+    try:
+        winner = await asyncio.to_thread(lease.current)
+    except Exception:
+        winner = None
+    gate.close(_shown(winner))
+    log.error("demoted: coordinator at %s took over", _shown(winner))
+    return winner
+
+
+class LeaseMetrics:
+    """gradsync_takeovers_total, gradsync_lease_fence and gradsync_coordinator_active."""
+
+    def __init__(self, registry: CollectorRegistry) -> None:
+        self.takeovers = Counter(
+            "gradsync_takeovers", "times this coordinator took over the lease", registry=registry
+        )
+        self.fence = Gauge(
+            "gradsync_lease_fence",
+            "fencing number of the lease this coordinator holds (0: none)",
+            registry=registry,
+        )
+        self.active = Gauge(
+            "gradsync_coordinator_active",
+            "1 while this coordinator holds the lease, else 0",
+            registry=registry,
+        )
+
+
+def lease_for(
+    config: ServerConfig, port: int, registry: CollectorRegistry
+) -> tuple[RedisLease, LeaseMetrics]:
+    """The lease handle of a `--lease` coordinator on its redis:// checkpoint store."""
+    import redis
+
+    # Bounded below the ttl so a hung Redis cannot hold a renewal past the deadline unseen.
+    timeout_s = min(config.store_timeout_s, max(0.2, config.lease_ttl_s / 3))
+    url = parse_store_url(config.checkpoint_store or "").target
+    client = redis.Redis.from_url(
+        url,
+        password=config.redis_password,
+        socket_timeout=timeout_s,
+        socket_connect_timeout=timeout_s,
+    )
+    advertise = config.advertise or f"{config.host}:{port}"
+    lease = RedisLease(client, holder_id(), advertise, ttl_s=config.lease_ttl_s)
+    return lease, LeaseMetrics(registry)
+
+
+async def take_part(
+    config: ServerConfig,
+    running: RunningServer,
+    lease: RedisLease,
+    metrics: LeaseMetrics,
+    stop: asyncio.Event,
+    set_health: Callable[..., Awaitable[None]],
+) -> int:
+    """Stand by, take over, serve; return 0 on SIGTERM, `DEMOTED_EXIT_CODE` when demoted."""
+    gate = running.gate
+    if gate is None:
+        raise RuntimeError("take_part needs a coordinator started with a standby gate")
+    became_active = asyncio.Event()
+
+    def on_active(record: LeaseRecord) -> None:
+        metrics.takeovers.inc()
+        metrics.fence.set(record.fence)
+        metrics.active.set(1)
+        became_active.set()
+
+    driver = asyncio.create_task(drive_lease(lease, gate, on_active))
+    stopped = asyncio.create_task(stop.wait())
+    activated = asyncio.create_task(became_active.wait())
+    pending: set[asyncio.Task[Any]] = {driver, stopped, activated}
+    while True:
+        done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+        if activated in done:
+            await set_health(running.health, SERVICE_NAME, serving=True)
+            if config.local_shards and config.shard_count > 1:
+                # A leader's local shards are its children: a standby starts its own now.
+                running.local_shards = LocalShards(config, running.port)
+                await running.local_shards.start()
+            continue
+        break
+    for task in pending:
+        task.cancel()
+    metrics.active.set(0)
+    metrics.fence.set(0)
+    if stopped in done:
+        await asyncio.to_thread(lease.release)
+        await running.stop()
+        return 0
+    await running.stop(0)  # every stream ends UNAVAILABLE: the workers move on
+    return DEMOTED_EXIT_CODE

@@ -1,0 +1,167 @@
+"""The standby coordinator's lease against a real redis-server: one holder at a time, a
+fence that grows with every holder, and writes of a holder that lost it refused by Redis."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+from gradsync_server.store.lease import FencedWriteError, RedisLease, fence_script
+from support.faults import HEARTBEAT, assert_matches_reference, finish, job_status, wait_for
+from support.processes import start_workers
+from support.redisserver import RedisServer
+
+redis = pytest.importorskip("redis")
+
+_WRITE = fence_script("redis.call('SET', KEYS[1], ARGV[1])\nreturn 1")
+
+
+def _client(server: RedisServer) -> redis.Redis:
+    return redis.Redis.from_url(server.url, socket_timeout=5, socket_connect_timeout=5)
+
+
+@pytest.mark.timeout(60)
+def test_one_holder_at_a_time_and_the_fence_grows(redis_server: RedisServer) -> None:
+    client = _client(redis_server)
+    first = RedisLease(client, "coord-a", "127.0.0.1:1", ttl_s=0.6)
+    second = RedisLease(client, "coord-b", "127.0.0.1:2", ttl_s=0.6)
+    taken = first.try_acquire()
+    assert taken is not None and taken.fence == 1
+    assert second.try_acquire() is None  # split brain: the second stays a standby
+    assert second.current() == taken
+    assert first.renew()
+    # The first stops renewing (as if SIGSTOPped): the key expires in Redis, the second
+    # takes over with a larger fence.
+    deadline = time.monotonic() + 10
+    while (record := second.try_acquire()) is None:
+        assert time.monotonic() < deadline, "the lease never expired"
+        time.sleep(0.05)
+    assert record.fence == 2 and record.holder == "coord-b"
+    assert not first.renew()  # past its deadline: demoted without touching Redis
+    assert first.held is None
+
+
+@pytest.mark.timeout(60)
+def test_a_demoted_holder_writes_nothing(redis_server: RedisServer) -> None:
+    client = _client(redis_server)
+    old = RedisLease(client, "coord-a", "127.0.0.1:1", ttl_s=30)
+    new = RedisLease(client, "coord-b", "127.0.0.1:2", ttl_s=30)
+    write = client.register_script(_WRITE)
+    assert old.try_acquire() is not None
+    assert old.fenced_call(write, keys=["ckpt"], args=["from-old"]) == 1
+    # Someone else holds the lease now (the old one's key was taken over while it was
+    # paused; its local timer has not noticed yet, so only Redis can refuse the write).
+    client.delete(old.key)
+    assert new.try_acquire() is not None
+    with pytest.raises(FencedWriteError, match="fence 1 lost the lease"):
+        old.fenced_call(write, keys=["ckpt"], args=["late-from-old"])
+    assert old.refused_writes == 1 and old.held is None
+    assert new.fenced_call(write, keys=["ckpt"], args=["from-new"]) == 1
+    assert client.get("ckpt") == b"from-new"
+    assert client.get(new.fence_key) == b"2"
+    # A demoted one is refused locally too, and counted.
+    with pytest.raises(FencedWriteError, match="holds no current lease"):
+        old.fenced_call(write, keys=["ckpt"], args=["again"])
+    assert old.refused_writes == 2 and client.get("ckpt") == b"from-new"
+
+
+@pytest.mark.timeout(60)
+def test_release_hands_over_at_once(redis_server_factory: Callable[..., RedisServer]) -> None:
+    client = _client(redis_server_factory())
+    first = RedisLease(client, "coord-a", "127.0.0.1:1", ttl_s=30)
+    second = RedisLease(client, "coord-b", "127.0.0.1:2", ttl_s=30)
+    assert first.try_acquire() is not None
+    first.release()
+    record = second.try_acquire()
+    assert record is not None and record.fence == 2
+
+
+def _health(address: str) -> int:
+    """The coordinator's health status (1 SERVING, 2 NOT_SERVING) over real gRPC."""
+    import grpc
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    with grpc.insecure_channel(address) as channel:
+        reply = health_pb2_grpc.HealthStub(channel).Check(
+            health_pb2.HealthCheckRequest(service=""), timeout=5
+        )
+    return int(reply.status)
+
+
+@pytest.mark.timeout(240)
+def test_standby_takes_over_and_the_workers_follow_it(
+    redis_server: RedisServer, tmp_path: Path, coordinator_factory: Any
+) -> None:
+    flags = (*HEARTBEAT, "--checkpoint-store", redis_server.url, "--checkpoint-every", "3")
+    lease = ("--lease-ttl-s", "1.5")
+    active = coordinator_factory(2, *flags, *lease, "--lease")
+    wait_for(lambda: _health(active.address) == 1, 30, "the first coordinator to take the lease")
+    standby = coordinator_factory(2, *flags, *lease, "--standby")
+    time.sleep(1.0)  # several polls: it must stay a standby while the lease is renewed
+    assert _health(standby.address) == 2
+    both = f"{active.address},{standby.address}"
+    processes = start_workers(both, 2, tmp_path, 12, None, "--step-delay-s", "0.3")
+
+    def checkpoint_at_least_3() -> bool:
+        job = job_status(active.address)
+        return bool(job and job.last_checkpoint_step >= 3 and job.open_step >= 5)
+
+    wait_for(checkpoint_at_least_3, 90, "a durable checkpoint and two more steps")
+    killed_at = time.monotonic()
+    active.process.kill()
+    active.process.wait()
+    wait_for(lambda: _health(standby.address) == 1, 30, "the standby to take over")
+    took_over_s = time.monotonic() - killed_at
+    reports = finish(processes, tmp_path, timeout_s=150)
+    for report in reports:
+        assert report is not None and report["status"] == "ok", report
+        assert len(report["restarts"]) == 1 and report["restarts"][0] >= 3
+        assert_matches_reference(report, 2, 12)
+    _, log = standby.stop()
+    assert "took over the lease with fence 2" in log, log
+    assert "RESUMES from the checkpoint of step" in log
+    print(f"standby SERVING {took_over_s:.2f}s after SIGKILL of the active coordinator")
+
+
+@pytest.mark.timeout(120)
+def test_split_brain_two_leased_coordinators_one_serves(
+    redis_server: RedisServer, coordinator_factory: Any
+) -> None:
+    flags = ("--checkpoint-store", redis_server.url, "--lease", "--lease-ttl-s", "1.5")
+    first = coordinator_factory(1, *flags)
+    second = coordinator_factory(1, *flags)
+    time.sleep(2.0)  # past the first renewals and many standby polls
+    states = sorted([_health(first.address), _health(second.address)])
+    assert states == [1, 2], states
+    client = _client(redis_server)
+    assert client.get("gradsync:lease:coordinator:fence") == b"1"
+    for coordinator in (first, second):
+        coordinator.stop()
+
+
+def test_a_file_store_with_standby_is_refused(tmp_path: Path) -> None:
+    import subprocess
+    import sys
+
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "gradsync.cli",
+            "serve",
+            "--world-size",
+            "1",
+            "--port",
+            "0",
+            "--checkpoint-store",
+            str(tmp_path / "ckpt"),
+            "--standby",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert done.returncode == 2 and "need a redis://" in done.stderr, done.stderr
