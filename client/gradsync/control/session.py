@@ -39,6 +39,7 @@ from gradsync.control.link import (
 )
 from gradsync.control.position import position
 from gradsync.control.start_state import broadcast_start_state
+from gradsync.control.state_load import brief, load_module_state, mismatch
 from gradsync.errors import (
     CheckpointFailedError,
     CheckpointMismatchError,
@@ -108,10 +109,8 @@ class Session:
         self._resumed_from_checkpoint = False
         #: Where this rank stands, claimed in Join when it rejoins a restarted coordinator.
         self._position: pb.Position | None = None
-        #: The last reconnect kept this rank's own state (`Welcome.continued`).
-        self.continued = False
-        #: How the restarted coordinator went on (`Welcome.restart`), for messages.
-        self.restart_line = ""
+        #: The last reconnect kept this rank's state (`Welcome.continued`), and how it went on.
+        self.continued, self.restart_line = False, ""
         #: The local group's path around the link (hierarchical aggregation), or None.
         self._local: LocalGroupPath | None = None
         self._link = self._new_link()
@@ -216,19 +215,11 @@ class Session:
         except (RuntimeError, ValueError, TypeError, KeyError) as exc:
             raise self._mismatch(
                 self._last_checkpoint_step,
-                f"its optimizer state does not fit this optimizer: {_brief(exc)}",
+                f"its optimizer state does not fit this optimizer: {brief(exc)}",
             ) from exc
 
     def _mismatch(self, step: int, why: str) -> CheckpointMismatchError:
-        job_id = self.config.job_id
-        return CheckpointMismatchError(
-            f"cannot resume job '{job_id}' from the checkpoint of step {step}: {why}. Was "
-            "another model trained under the same job id? Use another job id, or start the "
-            "coordinator with --fresh-start",
-            job_id=job_id,
-            rank=self.config.rank,
-            step=step,
-        )
+        return mismatch(self.config.job_id, self.config.rank, step, why)
 
     def save_checkpoint(self, step: int, wait: bool, timeout_s: float) -> int:
         """Upload rank 0's state as the checkpoint of `step`; see the wrapper's method."""
@@ -434,12 +425,10 @@ class Session:
     def _continue(self, welcome: pb.Welcome, start: int) -> None:
         """A restarted coordinator kept this rank's state; send it on if asked (a donor)."""
         claimed = self._position
-        if claimed is None or int(claimed.step) != start:
-            # Only a rank that claimed `start` may be told to keep its state there.
+        if claimed is None or int(claimed.step) != start:  # only a claimant of `start` may
             raise CoordinatorUnavailableError(
-                f"the coordinator told rank {self.config.rank} to continue at step {start} "
-                f"with its own state, but it claimed "
-                f"{'no position' if claimed is None else f'step {claimed.step}'}",
+                f"the coordinator told rank {self.config.rank} to keep its own state at step "
+                f"{start}, but it claimed {claimed.step if claimed else 'no position'}",
                 rank=self.config.rank,
                 step=start,
             )
@@ -487,33 +476,16 @@ class Session:
         broadcast_start_state(self._link, self.config.rank, self._tensors, welcome, timeout_s)
 
     def _restore(self, blob: bytes, start_step: int) -> None:
-        """Load the checkpoint the job resumes from (optimizer state waits for its optimizer).
+        """Load a checkpoint or a live rank's state (optimizer state waits for its optimizer).
 
         Raises:
-            CheckpointMismatchError: the blob is not a gradsync checkpoint, or not this
-                model's (torch's own errors would name neither the job nor the step, and
-                would suggest `weights_only=False`, which gradsync never uses).
+            CheckpointMismatchError: not a gradsync checkpoint, or not this model's.
         """
-        try:
-            # weights_only: tensors and plain containers, never arbitrary objects.
-            state = torch.load(io.BytesIO(blob), weights_only=True)
-        except Exception as exc:  # UnpicklingError, RuntimeError (not a zip), EOFError, ...
-            raise self._mismatch(
-                start_step,
-                f"it is not a gradsync checkpoint ({len(blob)} bytes that "
-                f"torch.load(weights_only=True) cannot read: {type(exc).__name__})",
-            ) from exc
-        if not isinstance(state, dict) or not isinstance(state.get("module"), dict):
-            raise self._mismatch(
-                start_step,
-                f"it is not a gradsync checkpoint (a {type(state).__name__} without the "
-                "'module' state dict that gradsync saves)",
-            )
-        try:
-            self.module.load_state_dict(state["module"])
-        except (RuntimeError, ValueError, TypeError, KeyError) as exc:
-            raise self._mismatch(start_step, f"it does not fit this model: {_brief(exc)}") from exc
-        self._pending_optimizer_state = state.get("optimizer")
+        config = self.config
+        optimizer_state = load_module_state(
+            blob, self.module, config.job_id, config.rank, start_step
+        )
+        self._pending_optimizer_state = optimizer_state
         self._resumed_from_checkpoint = True
         self._last_checkpoint_step = start_step
         if self._optimizer is not None and self._pending_optimizer_state is not None:
@@ -526,9 +498,3 @@ class Session:
             self.config.job_id,
             start_step,
         )
-
-
-def _brief(exc: BaseException, limit: int = 300) -> str:
-    """torch's multi-line error text on one line, bounded."""
-    text = " ".join(str(exc).split())
-    return text if len(text) <= limit else text[: limit - 3] + "..."
