@@ -47,6 +47,7 @@ from gradsync_server.rpc.shard_link import LeaderLink
 from gradsync_server.rpc.shard_servicer import SERVICE_NAME as SHARD_SERVICE_NAME, ShardServicer
 from gradsync_server.rpc.standby_gate import StandbyGate
 from gradsync_server.shard_config import ShardConfig
+from gradsync_server.store.checkpoint_redis import RedisCheckpointStore
 from gradsync_server.store.stores import open_store, redacted_store_url
 
 log = logging.getLogger("gradsync.server")
@@ -304,6 +305,9 @@ async def serve_leased(config: ServerConfig, running: RunningServer, stop: async
     from gradsync_server.standby import lease_for, take_part  # redis only when leased
 
     lease, metrics = lease_for(config, running.port, running.servicer.metrics.registry)
+    store = running.servicer.store
+    if isinstance(store, RedisCheckpointStore):
+        store.fence = lease.write_token  # a demoted coordinator's writes are refused in Redis
     return await take_part(config, running, lease, metrics, stop, set_health=_set_health)
 
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import logging
 import re
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
 from gradsync_server.store.checkpoint import (
@@ -24,6 +24,7 @@ from gradsync_server.store.checkpoint import (
     _text,
     encode,
 )
+from gradsync_server.store.lease import LeaseError
 from gradsync_server.store.reading import StoreReading, read_newest
 
 if TYPE_CHECKING:
@@ -36,6 +37,19 @@ redis.call('SET', KEYS[1], ARGV[1])
 redis.call('ZADD', KEYS[2], ARGV[2], ARGV[2])
 return 1
 """
+
+
+#: The same writes, guarded by a coordinator's lease (`store.lease`): the LAST key is the
+#: lease key and the LAST argument the writer's lease value; another value refuses the write.
+_FENCE = """
+if redis.call('GET', KEYS[#KEYS]) ~= ARGV[#ARGV] then
+  return redis.error_reply('FENCED: the lease no longer holds ' .. ARGV[#ARGV])
+end
+"""
+_SET_SCRIPT = "redis.call('SET', KEYS[1], ARGV[1])\nreturn 1\n"
+
+#: Returns (lease key, this coordinator's lease value), or raises while it holds none.
+FenceToken = Callable[[], tuple[str, str]]
 
 
 def _key(job_id: str, suffix: int | str) -> str:
@@ -88,7 +102,7 @@ class RedisCheckpointStore(_StoreLifecycle):
                 f"the Redis checkpoint store ({self.description}) needs the redis package: "
                 f"pip install 'gradsync[redis]'"
             ) from exc
-        self._errors: tuple[type[Exception], ...] = (redis_module.RedisError, OSError)
+        self._errors: tuple[type[Exception], ...] = (redis_module.RedisError, OSError, LeaseError)
         self._response_error = redis_module.ResponseError
         self._owns_client = client is None
         # No retries (redis-py retries 3 to 10 times by default): a failure is reported at
@@ -108,6 +122,8 @@ class RedisCheckpointStore(_StoreLifecycle):
         self._waitaof_timeout_ms = max(1, int(socket_timeout_s * 500))
         self._server_version = ""
         self._uses_waitaof: bool | None = None  # decided from the server version at first save
+        #: A `--lease` coordinator's lease token: every write checks it in Redis (fencing).
+        self.fence: FenceToken | None = None
 
     def save(self, checkpoint: Checkpoint, guard: PruneGuard | None = None) -> None:
         """See `CheckpointStore.save`."""
@@ -117,10 +133,10 @@ class RedisCheckpointStore(_StoreLifecycle):
             self._check_durability_support(job_id, step)
             blob_batch = self._client.pipeline(transaction=False)
             blob_keys = (_key(job_id, step), _key(job_id, "steps"))
-            blob_batch.eval(_WRITE_BLOB_SCRIPT, 2, *blob_keys, encode(checkpoint), step)
+            self._write(blob_batch, _WRITE_BLOB_SCRIPT, blob_keys, (encode(checkpoint), step))
             self._execute_durably(blob_batch, job_id, step)
             pointer_batch = self._client.pipeline(transaction=False)
-            pointer_batch.set(_key(job_id, "latest"), step)
+            self._set(pointer_batch, _key(job_id, "latest"), step)
             self._execute_durably(pointer_batch, job_id, step)
         except self._errors as exc:
             raise CheckpointError(_failure(self.description, "saving", job_id, step, exc)) from exc
@@ -138,11 +154,33 @@ class RedisCheckpointStore(_StoreLifecycle):
         try:
             self._check_durability_support(job_id, -1)
             batch = self._client.pipeline(transaction=False)
-            batch.set(_key(job_id, name), b"".join(parts))
+            self._set(batch, _key(job_id, name), b"".join(parts))
             self._execute_durably(batch, job_id, -1)
         except self._errors as exc:
             failure = _failure(self.description, "saving the outer state of", job_id, None, exc)
             raise CheckpointError(failure) from exc
+
+    def _write(
+        self,
+        batch: redis.client.Pipeline,
+        script: str,
+        keys: tuple[str, ...],
+        args: tuple[Any, ...],
+    ) -> None:
+        """Queue `script`, guarded by the lease when this store is fenced (`fence`)."""
+        if self.fence is None:
+            batch.eval(script, len(keys), *keys, *args)
+            return
+        lease_key, value = self.fence()  # raises while no lease is held: nothing is sent
+        fenced = _FENCE + script
+        batch.eval(fenced, len(keys) + 1, *keys, lease_key, *args, value)
+
+    def _set(self, batch: redis.client.Pipeline, key: str, value: Any) -> None:
+        """Queue a SET, guarded by the lease when this store is fenced."""
+        if self.fence is None:
+            batch.set(key, value)
+        else:
+            self._write(batch, _SET_SCRIPT, (key,), (value,))
 
     def load_record(self, job_id: str, name: str) -> bytes | None:
         """The value of `gradsync:ckpt:<job_id>:<name>`, or None when there is none.

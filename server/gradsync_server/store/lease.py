@@ -284,6 +284,20 @@ class RedisLease:
                 f"lost the lease ({exc})"
             ) from exc
 
+    def write_token(self) -> tuple[str, str]:
+        """(lease key, our value) for a store write to check in Redis, atomically with it.
+
+        Raises:
+            FencedWriteError: we hold no current lease (refused before any write).
+        """
+        if self.held is None or self.timer.expired():
+            self.refused_writes += 1
+            raise FencedWriteError(
+                f"write refused: coordinator {self.holder} holds no current lease "
+                f"(fence {self.held.fence if self.held else 'none'})"
+            )
+        return self.key, self.held.encode()
+
     def _demote(self, why: str) -> None:
         if self.held is not None:
             log.warning(
