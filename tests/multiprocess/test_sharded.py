@@ -136,13 +136,16 @@ def test_killed_shard_is_named_and_the_job_resumes_once_it_is_back(
     assert detected_s < 2.0 + 1.0  # within the heartbeat timeout (2 s), with slack
     for report in reports:
         assert report is not None and report["status"] == "ok", report
-        assert len(report["restarts"]) == 1 and report["restarts"][0] >= 3, report
-        cause = report["restart_causes"][0]
-        assert "shard 1" in cause and shard.address in cause, cause
+        # The ranks went on from their own state (no rollback to the checkpoint): at
+        # most the step in flight ran twice, and its error names the lost shard.
+        assert len(report["restarts"]) <= 1, report
+        assert report["computed"][0] - 12 == len(report["restarts"]), report
+        for cause in report["restart_causes"]:
+            assert "shard 1" in cause and shard.address in cause, cause
         assert_matches_reference(report, 2, 12)  # no step applied twice, none skipped
     _, log = leader.stop()
     assert f"shard 1 at {shard.address}" in log
-    assert "RESUMES from the checkpoint of step" in log
+    assert "from the ranks' own state" in log, log[-3000:]
 
 
 @pytest.mark.timeout(240)
@@ -222,9 +225,10 @@ def test_killed_leader_is_restarted_and_workers_and_shard_rejoin_it(
         shard.stop()
     for report in reports:
         assert report is not None and report["status"] == "ok", report
-        assert len(report["restarts"]) == 1 and report["restarts"][0] >= 3, report
+        assert len(report["restarts"]) <= 1, report
+        assert report["computed"][0] - 12 == len(report["restarts"]), report
         assert_matches_reference(report, 2, 12)
     # One shard process all along: it lost the first leader and registered with the second.
     assert f"lost the leader {first.address}" in shard.log()
     _, log = second.stop()
-    assert "RESUMES from the checkpoint of step" in log
+    assert "from the ranks' own state" in log, log[-3000:]
