@@ -183,8 +183,11 @@ def test_a_local_shard_that_dies_is_restarted_by_the_leader(
         reap(processes)
     for report in reports:
         assert report is not None and report["status"] == "ok", report
-        assert len(report["restarts"]) == 1, report
-        assert f":{shard_port}" in report["restart_causes"][0], report
+        # No rollback: at most the step in flight ran twice, its error naming the shard.
+        assert len(report["restarts"]) <= 1, report
+        assert report["computed"][0] - 10 == len(report["restarts"]), report
+        for cause in report["restart_causes"]:
+            assert f":{shard_port}" in cause, report
         assert_matches_reference(report, 2, 10)
     _, log = leader.stop()
     assert "restart" in log.lower() and f":{shard_port}" in log
