@@ -127,9 +127,9 @@ def test_standby_takes_over_and_the_workers_follow_it(
     reports = finish(processes, tmp_path, timeout_s=150)
     for report in reports:
         assert report is not None and report["status"] == "ok", report
-        # No rollback: at most the step in flight ran twice (its gradients were lost).
+        # No rollback, and the step in flight was uploaded again, not computed again.
         assert len(report["restarts"]) <= 1, report["restarts"]
-        assert report["computed"][0] - 12 == len(report["restarts"]), report
+        assert report["computed"][0] == 12, report  # no step computed twice
         assert_matches_reference(report, 2, 12)
     _, log = standby.stop()
     assert "took over the lease with fence 2" in log, log
