@@ -13,6 +13,7 @@ from gradsync_server.store.lease import FencedWriteError, RedisLease, fence_scri
 from support.faults import HEARTBEAT, assert_matches_reference, finish, job_status, wait_for
 from support.processes import start_workers
 from support.redisserver import RedisServer
+from support.shards import ShardProcess, wait_for_shards
 
 redis = pytest.importorskip("redis")
 
@@ -220,3 +221,46 @@ def test_the_checkpoint_store_of_a_demoted_coordinator_is_fenced_in_redis(
         with pytest.raises(CheckpointError, match="holds no current lease"):
             new_store.save(checkpoint(9, b"after-release"))
         assert client.get("gradsync:ckpt:job:latest") == b"6"
+
+
+@pytest.mark.timeout(240)
+def test_a_dedicated_shard_follows_the_standby_that_took_over(
+    redis_server: RedisServer, tmp_path: Path, coordinator_factory: Any
+) -> None:
+    """`gradsync shard --leader a,b`: it registers with the active leader, and with the
+    standby once that one holds the lease; the workers' job goes on over both."""
+    from gradsync_proto.net.launch import free_port
+
+    flags = (*HEARTBEAT, "--checkpoint-store", redis_server.url, "--checkpoint-every", "3")
+    flags += ("--lease-ttl-s", "1.5", "--wait-for-shards", "1")
+    active = coordinator_factory(2, *flags, "--lease")
+    wait_for(lambda: _health(active.address) == 1, 30, "the first coordinator to take the lease")
+    standby = coordinator_factory(2, *flags, "--standby")
+    both = f"{active.address},{standby.address}"
+    shard = ShardProcess(both, free_port(), tmp_path / "shard.log")
+    processes = []
+    try:
+        wait_for_shards(active.address, 2, 60)
+        processes = start_workers(both, 2, tmp_path, 12, None, "--step-delay-s", "0.3")
+        wait_for(
+            lambda: bool((job := job_status(active.address)) and job.open_step >= 5),
+            90,
+            "five steps on the first leader",
+        )
+        active.process.kill()
+        active.process.wait()
+        wait_for(lambda: _health(standby.address) == 1, 30, "the standby to take over")
+        wait_for_shards(standby.address, 2, 30)  # the same shard process, registered again
+        reports = finish(processes, tmp_path, timeout_s=150)
+    finally:
+        for process in processes:
+            if process.poll() is None:
+                process.kill()
+        shard.stop()
+    for report in reports:
+        assert report is not None and report["status"] == "ok", report
+        assert report["computed"][0] == 12, report  # no step computed twice
+        assert_matches_reference(report, 2, 12)
+    assert f"lost the leader {active.address}" in shard.log()
+    _, log = standby.stop()
+    assert "from the ranks' own state" in log, log[-3000:]

@@ -24,12 +24,12 @@ from collections.abc import Sequence
 from typing import Any
 
 import torch
+from gradsync_proto.net.addresses import AddressRotation
 from gradsync_proto.v1 import gradsync_pb2 as pb
 from torch import nn
 
 from gradsync import __version__
 from gradsync.config import ClientConfig
-from gradsync.control.addresses import AddressRotation
 from gradsync.control.link import (
     BucketEventHandler,
     CoordinatorLink,

@@ -1,9 +1,11 @@
-"""The coordinator addresses a worker may join, and the order it tries them in.
+"""The coordinator addresses a worker (or a shard) may reach, and the order it tries them in.
 
 With a standby coordinator (README "Fault tolerance") a worker is given several addresses,
 "a:50051,b:50051", or one DNS name that resolves to several; only the active coordinator
 serves, the others answer UNAVAILABLE. The session tries one address per attempt and moves
-to the next after an UNAVAILABLE, so it finds the active one within one pass. A DNS name is
+to the next after an UNAVAILABLE, so it finds the active one within one pass. A dedicated
+shard's `--leader` takes the same list and follows the active leader the same way (here,
+not in the client, because both sides use it). A DNS name is
 resolved again at every pass (the active one may have moved). One address that resolves
 to one host is used verbatim, so a single-address job behaves exactly as before.
 """
@@ -76,6 +78,11 @@ class AddressRotation:
         """How long one join attempt may wait: all that is left with one address; with
         several, at most `PER_ADDRESS_JOIN_S` (a dead host must not take the whole budget)."""
         return min(remaining_s, PER_ADDRESS_JOIN_S) if self.several else remaining_s
+
+    @property
+    def wrapped(self) -> bool:
+        """True at the first target of a pass (after `advance` went past the last one)."""
+        return self._position == 0
 
     def current(self) -> str:
         """The target to try now."""
