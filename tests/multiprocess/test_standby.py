@@ -264,3 +264,60 @@ def test_a_dedicated_shard_follows_the_standby_that_took_over(
     assert f"lost the leader {active.address}" in shard.log()
     _, log = standby.stop()
     assert "from the ranks' own state" in log, log[-3000:]
+
+
+@pytest.mark.timeout(240)
+def test_a_frozen_active_coordinator_is_replaced_and_demoted_when_it_wakes(
+    redis_server: RedisServer, tmp_path: Path, coordinator_factory: Any
+) -> None:
+    """SIGSTOP the active coordinator past its lease: the standby takes over and the workers
+    follow it; on SIGCONT the old one finds its lease gone, writes nothing and exits 3."""
+    import signal
+
+    from gradsync_server.standby import DEMOTED_EXIT_CODE
+
+    flags = (*HEARTBEAT, "--checkpoint-store", redis_server.url, "--checkpoint-every", "2")
+    flags += ("--lease-ttl-s", "1.5")
+    active = coordinator_factory(2, *flags, "--lease")
+    wait_for(lambda: _health(active.address) == 1, 30, "the first coordinator to take the lease")
+    standby = coordinator_factory(2, *flags, "--standby")
+    both = f"{active.address},{standby.address}"
+    processes = start_workers(both, 2, tmp_path, 12, None, "--step-delay-s", "0.3")
+    wait_for(
+        lambda: bool((job := job_status(active.address)) and job.open_step >= 4),
+        90,
+        "four steps on the first coordinator",
+    )
+    before = job_status(active.address)
+    assert before is not None
+    frozen_at = time.monotonic()
+    active.process.send_signal(signal.SIGSTOP)
+    try:
+        wait_for(lambda: _health(standby.address) == 1, 30, "the standby to take over")
+        took_over_s = time.monotonic() - frozen_at
+        # The workers find the frozen one by keepalive (its kernel still takes their bytes).
+        wait_for(
+            lambda: bool((job := job_status(standby.address)) and job.open_step > before.open_step),
+            60,
+            "the workers to train on the standby",
+        )
+        training_s = time.monotonic() - frozen_at
+        reports = finish(processes, tmp_path, timeout_s=150)
+    finally:
+        active.process.send_signal(signal.SIGCONT)
+    # Awake, it finds another holder at the key: demoted, it stops and exits 3.
+    assert active.process.wait(timeout=30) == DEMOTED_EXIT_CODE
+    for report in reports:
+        assert report is not None and report["status"] == "ok", report
+        assert report["computed"][0] == 12, report  # no step computed twice
+        assert_matches_reference(report, 2, 12)
+    client = _client(redis_server)
+    assert client.get("gradsync:lease:coordinator:fence") == b"2"
+    _, old_log = active.stop()
+    assert "demoted" in old_log, old_log[-3000:]
+    _, log = standby.stop()
+    assert "took over the lease with fence 2" in log, log
+    print(
+        f"standby SERVING {took_over_s:.2f}s and training {training_s:.2f}s after SIGSTOP "
+        "of the active coordinator"
+    )
