@@ -321,3 +321,22 @@ def test_a_frozen_active_coordinator_is_replaced_and_demoted_when_it_wakes(
         f"standby SERVING {took_over_s:.2f}s and training {training_s:.2f}s after SIGSTOP "
         "of the active coordinator"
     )
+
+
+@pytest.mark.timeout(120)
+def test_a_dead_first_address_is_left_well_before_the_join_timeout(
+    tmp_path: Path, coordinator_factory: Any
+) -> None:
+    """Workers given "nothing-listens-here,the-coordinator" join at the second address after
+    the per-address wait (3 s), not after their 30 s join timeout."""
+    from gradsync_proto.net.launch import free_port
+
+    coordinator = coordinator_factory(2, *HEARTBEAT)
+    addresses = f"127.0.0.1:{free_port()},{coordinator.address}"
+    started = time.monotonic()
+    reports = finish(start_workers(addresses, 2, tmp_path, 3, None, "--timeout-s", "30"), tmp_path)
+    took_s = time.monotonic() - started
+    for report in reports:
+        assert report is not None and report["status"] == "ok", report
+    assert took_s < 20, f"{took_s:.1f}s: the dead address held the workers to the join timeout"
+    print(f"joined past a dead first address and trained 3 steps in {took_s:.1f}s")

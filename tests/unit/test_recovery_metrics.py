@@ -41,7 +41,7 @@ def test_a_restart_recovers_from_the_takeover_not_from_process_start() -> None:
     registry, clock = CollectorRegistry(), _Clock()
     recovery = RecoveryMetrics(registry, clock)
     clock.now += 60.0  # a standby waits a minute
-    recovery.became_active()
+    recovery.became_active(fence=2)
     clock.now += 1.5
     recovery.restarted(continued=True, steps_recomputed=0)
     clock.now += 0.5
@@ -52,3 +52,9 @@ def test_a_restart_recovers_from_the_takeover_not_from_process_start() -> None:
     recovery.restarted(continued=False, steps_recomputed=6)
     assert _value(registry, "gradsync_restarts_total", outcome="checkpoint") == 1
     assert _value(registry, "gradsync_steps_recomputed_total") == 6
+    summary = recovery.summary()  # what `gradsync status` shows
+    assert (summary.fence, summary.takeovers) == (2, 1)
+    assert (summary.restarts_continued, summary.restarts_checkpoint) == (1, 1)
+    assert summary.steps_recomputed == 6 and summary.last_restart_recover_s == 2.0
+    recovery.lease_lost()
+    assert recovery.summary().fence == 0

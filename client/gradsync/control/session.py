@@ -24,7 +24,7 @@ from collections.abc import Sequence
 from typing import Any
 
 import torch
-from gradsync_proto.net.addresses import AddressRotation
+from gradsync_proto.net.addresses import PER_ADDRESS_JOIN_S, AddressRotation
 from gradsync_proto.v1 import gradsync_pb2 as pb
 from torch import nn
 
@@ -283,15 +283,12 @@ class Session:
             self._link = self._new_link()
             remaining = deadline - time.monotonic()
             try:
-                cap = self._addresses.attempt_s(remaining) if self._addresses else remaining
-                start = self._join_and_broadcast(join_timeout_s=max(1.0, cap))
+                start = self._join_and_broadcast(join_timeout_s=max(1.0, remaining))
                 break
             except (CoordinatorUnavailableError, SyncTimeoutError) as exc:
                 if self._addresses is not None and self._addresses.several:
                     # A standby (or a dead host) answered: the active one is elsewhere.
-                    tried, rank = self._addresses.current(), self.config.rank
-                    log.info("rank %d: %s did not serve (%s)", rank, tried, exc)
-                    log.info("rank %d: trying %s", rank, self._addresses.advance())
+                    log.info("rank %d: %s", self.config.rank, self._addresses.move_on(exc))
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
                     raise CoordinatorUnavailableError(
@@ -395,8 +392,11 @@ class Session:
             len(self._bucket_bytes),
         )
         link.open(join)
-        welcome = self.welcome = link.wait_welcome(timeout_s)
-        if self._addresses is not None and self._addresses.several:
+        several = self._addresses is not None and self._addresses.several
+        welcome = self.welcome = link.wait_welcome(
+            timeout_s, PER_ADDRESS_JOIN_S if several else None
+        )
+        if several and self._addresses is not None:
             log.info("rank %d: joined at %s", config.rank, self._addresses.current())
         if len(welcome.local_ranks) >= 2:
             self._local = self._form_local_group(link, welcome, timeout_s)
