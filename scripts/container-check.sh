@@ -250,7 +250,7 @@ wait_exit_0() {
 # stop): UNHEALTHY_AT is how many seconds after SIGTERM it first failed (empty: never).
 # `stop`, for a container whose restart policy would bring it back after a plain SIGTERM.
 drain_check() {
-  local name=$1 grace=$2 mode=$3 start code
+  local name=$1 grace=$2 mode=$3 label=${4:-$1} start code
   UNHEALTHY_AT=""
   start=$(date +%s)
   if [ "$mode" = stop ]; then
@@ -269,8 +269,8 @@ drain_check() {
   fi
   code=$($ENGINE inspect --format '{{.State.ExitCode}}' "$name")
   [ "$code" = 0 ] || fail "$name exited $code after SIGTERM (killed, not drained)"
-  SUMMARY+=("  $name: SIGTERM ($mode) -> exit 0 after $(($(date +%s) - start)) s (grace $grace s)")
-  [ "$mode" = stop ] || SUMMARY+=("  $name: health check failing after ${UNHEALTHY_AT:-(never)} s")
+  SUMMARY+=("  $label: SIGTERM ($mode) -> exit 0 after $(($(date +%s) - start)) s (grace $grace s)")
+  [ "$mode" = stop ] || SUMMARY+=("  $label: health check failing after ${UNHEALTHY_AT:-(never)} s")
 }
 
 # Every target Prometheus knows (shown by /api/v1/targets) has at least one sample of up == 1.
@@ -394,8 +394,6 @@ scenario_compose() {
   for f in "$@"; do files+=(-f "$ROOT/$f"); done
   files+=(-f "$TMP/no-grafana.yml")
   COMPOSE_PROJECTS+=("$project ${files[*]}")
-  ensure_base docker.io/library/redis:7 standin_redis
-  ensure_base docker.io/prom/prometheus:v2.53.0 standin_prometheus
   (cd "$ROOT" && timeout 300 "${COMPOSE[@]}" -p "$project" "${files[@]}" up -d --no-build) \
     >"$TMP/$project-up.log" 2>&1 || {
     tail -30 "$TMP/$project-up.log" >&2
@@ -407,6 +405,9 @@ scenario_compose() {
   coord=$(service_id "$project" coordinator)
   redis=$(service_id "$project" redis)
   healthy "$coord" || fail "$project: coordinator unhealthy after the run"
+  if [ "$targets" = 6 ]; then
+    $ENGINE logs "$coord" 2>&1 | grep -q "all shards registered" || fail "$project: the shards never registered"
+  fi
   $ENGINE exec "$redis" redis-cli --scan --pattern 'gradsync:ckpt:*' >"$TMP/$project-keys"
   grep -qx 'gradsync:ckpt:default:latest' "$TMP/$project-keys" ||
     fail "$project: no checkpoint in Redis ($(tr '\n' ' ' <"$TMP/$project-keys"))"
@@ -415,7 +416,7 @@ scenario_compose() {
   scraped=$(py_in "${project}_default" "$PROM_CHECK" "$targets") ||
     fail "$project: Prometheus lacks samples of some target: $scraped"
   SUMMARY+=("  $project: Prometheus: $scraped")
-  drain_check "$coord" 10 stop
+  drain_check "$coord" 10 stop "$project coordinator"
   (cd "$ROOT" && timeout 120 "${COMPOSE[@]}" -p "$project" "${files[@]}" down -v) >"$TMP/$project-down.log" 2>&1
   COMPOSE_PROJECTS=("${COMPOSE_PROJECTS[@]:0:${#COMPOSE_PROJECTS[@]}-1}")
 }
@@ -454,6 +455,12 @@ main() {
   ensure_base docker.io/library/python:3.11-slim standin_python
   build_images
   local s
+  case " ${SCENARIOS[*]} " in
+    *" compose "* | *" sharded "*)
+      ensure_base docker.io/library/redis:7 standin_redis
+      ensure_base docker.io/prom/prometheus:v2.53.0 standin_prometheus
+      ;;
+  esac
   for s in "${SCENARIOS[@]}"; do
     case $s in
       run) timed "scenario run (coordinator + 2 workers by address)" scenario_run ;;

@@ -121,7 +121,7 @@ def test_dockerfile_builds_a_slim_non_root_image_with_our_health_probe() -> None
     envs = " ".join(arguments for name, arguments in runtime if name == "ENV")
     assert "PYTHONUNBUFFERED=1" in envs
     builder = " ".join(arguments for name, arguments in instructions if name == "RUN")
-    assert "--index-url \"$TORCH_INDEX_URL\" torch==2.13.0" in builder
+    assert '--index-url "$TORCH_INDEX_URL" torch==2.13.0' in builder
     assert "ARG TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu" in [
         f"{name} {arguments}" for name, arguments in instructions
     ]
