@@ -311,7 +311,9 @@ scenario_run() {
       --epochs 3 --no-progress --save '/home/gradsync/params-{rank}.npz' >/dev/null
   done
   wait_exit_0 "$P-w0" "$P-w1"
-  $ENGINE logs "$coord" 2>&1 | grep -q "job 'default' finished after" || fail "the coordinator logged no finished job"
+  # grep without -q: -q stops reading at the first match, and the engine's SIGPIPE would then
+  # fail the pipeline (pipefail) even though the line was there.
+  $ENGINE logs "$coord" 2>&1 | grep "job 'default' finished after" >/dev/null || fail "the coordinator logged no finished job"
   py_in none 'import sys, numpy as np
 a, b = (np.load(f"/home/gradsync/params-{r}.npz") for r in (0, 1))
 assert sorted(a.files) == sorted(b.files) and a.files, (a.files, b.files)
@@ -322,7 +324,7 @@ sys.exit(1 if diff else 0)' -v "$out:/home/gradsync" || fail "the two workers' p
   $ENGINE run -d --name $P-hold --network "$net" "${secret[@]}" --no-healthcheck "$IMAGE" \
     worker --coordinator "$coord:50051" --job-id drain --rank 0 --world-size 2 --no-progress >/dev/null
   local deadline=$(($(date +%s) + 90))
-  until $ENGINE logs "$coord" 2>&1 | grep -q "job 'drain': rank 0 joined"; do
+  until $ENGINE logs "$coord" 2>&1 | grep "job 'drain': rank 0 joined" >/dev/null; do
     [ "$(date +%s)" -lt "$deadline" ] || fail "the holding worker never joined"
     sleep 1
   done
@@ -406,7 +408,7 @@ scenario_compose() {
   redis=$(service_id "$project" redis)
   healthy "$coord" || fail "$project: coordinator unhealthy after the run"
   if [ "$targets" = 6 ]; then
-    $ENGINE logs "$coord" 2>&1 | grep -q "all shards registered" || fail "$project: the shards never registered"
+    $ENGINE logs "$coord" 2>&1 | grep "all shards registered" >/dev/null || fail "$project: the shards never registered"
   fi
   $ENGINE exec "$redis" redis-cli --scan --pattern 'gradsync:ckpt:*' >"$TMP/$project-keys"
   grep -qx 'gradsync:ckpt:default:latest' "$TMP/$project-keys" ||
