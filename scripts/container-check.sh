@@ -143,7 +143,7 @@ ensure_base() {
     return 0
   fi
   say "pulling $name"
-  if timeout 120 $ENGINE pull -q "$name" >"$TMP/pull.log" 2>&1; then
+  if timeout 120 "$ENGINE" pull -q "$name" >"$TMP/pull.log" 2>&1; then
     return 0
   fi
   say "cannot pull $name ($(tail -1 "$TMP/pull.log")): making a stand-in"
@@ -236,7 +236,7 @@ wait_healthy() { # wait_healthy NAME TIMEOUT_S
 wait_exit_0() {
   local c code
   for c in "$@"; do
-    code=$(timeout "$WORKER_TIMEOUT_S" $ENGINE wait "$c") || fail "$c still running after ${WORKER_TIMEOUT_S} s"
+    code=$(timeout "$WORKER_TIMEOUT_S" "$ENGINE" wait "$c") || fail "$c still running after ${WORKER_TIMEOUT_S} s"
     if [ "$code" != 0 ]; then
       $ENGINE logs --tail 30 "$c" >&2 || true
       fail "$c exited $code"
@@ -254,7 +254,7 @@ drain_check() {
   UNHEALTHY_AT=""
   start=$(date +%s)
   if [ "$mode" = stop ]; then
-    timeout $((grace + 30)) $ENGINE stop -t $((grace + 5)) "$name" >/dev/null 2>&1 ||
+    timeout $((grace + 30)) "$ENGINE" stop -t $((grace + 5)) "$name" >/dev/null 2>&1 ||
       fail "$ENGINE stop $name failed"
   else
     $ENGINE kill --signal TERM "$name" >/dev/null
@@ -402,7 +402,7 @@ scenario_compose() {
     fail "$project: compose up"
   }
   for w in worker-0 worker-1 worker-2; do ids+=("$(service_id "$project" "$w")"); done
-  [ ${#ids[@]} = 3 ] && [ -n "${ids[2]}" ] || fail "$project: not three workers"
+  if [ ${#ids[@]} != 3 ] || [ -z "${ids[2]}" ]; then fail "$project: not three workers"; fi
   wait_exit_0 "${ids[@]}"
   coord=$(service_id "$project" coordinator)
   redis=$(service_id "$project" redis)
