@@ -62,9 +62,9 @@ def _worker(
     argv += ["--rank", str(rank), "--world-size", str(world), "--state-mb", f"{state_mb:g}"]
     argv += ["--role", role, "--die-at", str(_DIE_AT), "--stop-file", str(workdir / "stop")]
     argv += ["--ready-file", str(workdir / "ready"), "--out", str(workdir / f"{role}{rank}.json")]
-    log = (workdir / f"{role}{rank}.log").open("w")
     env = dict(os.environ, GRADSYNC_HEAL_CHANNEL="1" if path == "direct" else "0")
-    return subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, text=True, env=env)
+    with (workdir / f"{role}{rank}.log").open("w") as log:  # the child keeps its own copy
+        return subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, text=True, env=env)
 
 
 def _wait(what: str, timeout_s: float, ready: Any) -> None:
@@ -123,6 +123,8 @@ def heal_once(
                 process.kill()
                 process.wait()
         stop_process(coordinator)
+        if coordinator.stderr is not None:
+            coordinator.stderr.close()
     return _row(world, state_mb, workdir, path)
 
 
