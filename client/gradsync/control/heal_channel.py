@@ -92,7 +92,8 @@ class StateOffer:
         self._token = secrets.token_bytes(_TOKEN_BYTES)
         self._deadline = time.monotonic() + serve_s
         self._stop = threading.Event()
-        self._sent_once = threading.Event()
+        #: Set once a joiner presented the token (its transfer runs under `_serving`).
+        self._joined = threading.Event()
         #: Held while a joiner is being served, so that `settle` swaps tensors between two.
         self._serving = threading.Lock()
         self._sock = socket.create_server(("127.0.0.1", 0))
@@ -108,12 +109,13 @@ class StateOffer:
         return OFFER_MAGIC + json.dumps(fields).encode()
 
     def settle(self, wait_s: float) -> bool:
-        """Wait (at most `wait_s`) for a first joiner to have read the live state, then
-        serve a snapshot from now on; return whether one had read it."""
-        sent = self._sent_once.wait(wait_s)
+        """Wait (at most `wait_s`) for a first joiner to come, and for its transfer of the
+        live state to end (bounded by the socket timeouts); then serve a snapshot from now
+        on. Return whether a joiner came."""
+        came = self._joined.wait(wait_s)
         with self._serving, torch.no_grad():
             self._tensors = [t.clone() for t in self._tensors]
-        return sent
+        return came
 
     def close(self) -> None:
         """Stop serving and drop the snapshot (idempotent; bounded)."""
@@ -129,8 +131,7 @@ class StateOffer:
                 except TimeoutError:
                     continue
                 with conn, self._serving:
-                    if self._send(conn):
-                        self._sent_once.set()
+                    self._send(conn)
         except OSError as exc:
             log.warning("heal offer: serving stopped: %s", exc)
         finally:
@@ -145,6 +146,7 @@ class StateOffer:
             if not hmac.compare_digest(token, self._token):
                 log.warning("heal offer: a peer presented a wrong token; refused")
                 return False
+            self._joined.set()
             conn.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4 << 20)
             conn.sendall(self._prefix)
             for tensor in self._tensors:

@@ -32,9 +32,13 @@ ENV_HEAL_CHANNEL = "GRADSYNC_HEAL_CHANNEL"
 #: tensor bytes a healing state may have is this many times the module's, plus a margin.
 _OPTIMIZER_FACTOR = 4
 _MARGIN_BYTES = 64 << 20
-#: How long a donor waits for the first joiner to read its live state (it comes within
-#: milliseconds of the coordinator relaying the offer; longer means it is gone).
-_FIRST_FETCH_WAIT_S = 10.0
+#: How long a donor waits for the first joiner to come for its live state (it comes
+#: within milliseconds of the coordinator relaying the offer; longer means it is gone,
+#: or the coordinator asked again for another step).
+_FIRST_FETCH_WAIT_S = 5.0
+#: How long the donor serves the snapshot to other joiners (those healed together come
+#: at once; its memory, one copy of the state, goes back then).
+_SERVE_S = 60.0
 
 
 def live_state(
@@ -81,11 +85,11 @@ def send_heal_state(
     if flag in ("0", "false", "no", "off") or not loopback:
         link.send_heal(step, torch_blob(state))
         return None
-    offer = heal_channel.StateOffer(state, serve_s=max(60.0, config.join_timeout_s))
+    offer = heal_channel.StateOffer(state, serve_s=_SERVE_S)
     link.send_heal(step, offer.offer())
     if not offer.settle(wait_s=min(_FIRST_FETCH_WAIT_S, config.join_timeout_s)):
         log.warning(
-            "rank %d: no rank read the state it offered within %gs; training on",
+            "rank %d: no rank came for the state it offered within %gs; training on",
             config.rank,
             _FIRST_FETCH_WAIT_S,
         )
