@@ -43,7 +43,10 @@ MIB = 1 << 20
 Row = dict[str, Any]
 #: Elastic, with a short heartbeat timeout so that the killed rank is dropped quickly.
 _SERVE_FLAGS: tuple[str, ...] = ("--on-failure", "elastic", "--min-workers", "1")
-_SERVE_FLAGS += ("--heartbeat-interval", "0.25", "--heartbeat-timeout", "2")
+#: Long enough that a joiner busy reading a GB through gRPC is not declared dead (it was,
+#: at 2 s); the orchestrator waits this long for the killed rank to be dropped.
+_HEARTBEAT_TIMEOUT_S = 6.0
+_SERVE_FLAGS += ("--heartbeat-interval", "0.25", "--heartbeat-timeout", f"{_HEARTBEAT_TIMEOUT_S:g}")
 #: The victim dies before this step (the others are at full speed by then).
 _DIE_AT = 3
 #: How the state travels, per path (reported beside the figures).
@@ -106,7 +109,8 @@ def heal_once(
             processes.append(_worker(address, rank, world, state_mb, role, workdir, path))
         victim = processes[-1]
         _wait("victim's death", timeout_s, lambda: victim.poll() is not None)
-        time.sleep(2.5)  # its heartbeats stop: the coordinator drops it and the others go on
+        # Its heartbeats stop: the coordinator drops it and the others go on.
+        time.sleep(_HEARTBEAT_TIMEOUT_S + 0.5)
         joiner = _worker(address, world - 1, world, state_mb, "joiner", workdir, path)
         processes.append(joiner)
         ready = workdir / "ready"
@@ -159,6 +163,12 @@ def _row(world: int, state_mb: float, workdir: Path, path: str) -> Row:
     }
 
 
+def _failed(world: int, state_mb: float, path: str, workdir: Path, exc: Exception) -> Row:
+    """The row of a healing that failed: the error and each worker's last words."""
+    last = {log.stem: log.read_text().strip().splitlines()[-1:] for log in workdir.glob("*.log")}
+    return {"world_size": world, "state_mb": state_mb, "path": path, "error": str(exc), **last}
+
+
 def _transfer_s(donor_log: Path) -> float | None:
     """The donor's own timing of the direct transfer (None on the grpc path)."""
     found = _SENT.search(donor_log.read_text())
@@ -179,7 +189,10 @@ def heal_suite(
                     flush=True,
                 )
                 with tempfile.TemporaryDirectory(prefix="gradsync-heal-") as tmp:
-                    rows.append(heal_once(world, state_mb, Path(tmp), path))
+                    try:
+                        rows.append(heal_once(world, state_mb, Path(tmp), path))
+                    except (RuntimeError, subprocess.TimeoutExpired) as exc:  # reported
+                        rows.append(_failed(world, state_mb, path, Path(tmp), exc))
     return rows
 
 
@@ -196,6 +209,12 @@ def markdown_lines(rows: Sequence[Row]) -> list[str]:
         "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
+        if "error" in r:
+            lines.append(
+                f"| {r['world_size']} | {r['state_mb']:g} MiB | {r['path']} | failed: "
+                f"{r.get('joiner' + str(r['world_size'] - 1), r['error'])} |"
+            )
+            continue
         transfer = r["transfer_s"]
         moved = f"{transfer:.3f} ({r['state_bytes'] / transfer / 1e9:.2f})" if transfer else "-"
         lines.append(
