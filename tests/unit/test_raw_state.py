@@ -17,6 +17,8 @@ import pytest
 import torch
 from gradsync.control import heal_channel, raw_state
 from gradsync.control.raw_state import MAGIC, BadRawState
+from gradsync.control.state_load import load_module_state
+from gradsync.errors import CheckpointMismatchError
 
 LIMIT = 1 << 30
 
@@ -190,3 +192,12 @@ def test_loopback_addresses_are_told_apart_from_remote_ones() -> None:
         assert heal_channel.loopback_host(address), address
     for address in ("10.0.0.1:50051", "example.org:1", "0.0.0.0:5"):
         assert not heal_channel.loopback_host(address), address
+
+
+def test_a_joiner_whose_donor_is_gone_gets_a_clear_error_naming_job_rank_and_step() -> None:
+    offer = heal_channel.StateOffer(_adam_state(), serve_s=30.0)
+    blob = offer.offer()
+    offer.close()  # the donor is gone before the joiner comes
+    module = torch.nn.Sequential(torch.nn.Linear(7, 5), torch.nn.BatchNorm1d(5))
+    with pytest.raises(CheckpointMismatchError, match="rank 2 could not read a live rank's state"):
+        load_module_state(blob, module, "job-a", 2, 9, timeout_s=5.0)

@@ -156,8 +156,14 @@ def _load_offered(
     limit = _OPTIMIZER_FACTOR * own + _MARGIN_BYTES
     try:
         state = heal_channel.fetch(offer, limit, timeout_s)
-    except heal_channel.HealChannelError as exc:
-        raise mismatch(job_id, rank, step, f"the live rank's state did not arrive: {exc}") from exc
+    except heal_channel.HealChannelError as exc:  # not a mismatch: the donor may be gone
+        raise CheckpointMismatchError(
+            f"rank {rank} could not read a live rank's state of step {step} to rejoin job "
+            f"'{job_id}': {exc}. Start this rank again to rejoin (another live rank donates)",
+            job_id=job_id,
+            rank=rank,
+            step=step,
+        ) from exc
     log.info("rank %d: fetched a live rank's state of step %d directly (loopback)", rank, step)
     return _apply(state, module, job_id, rank, step)
 
