@@ -16,7 +16,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from gradsync_bench import netns_hosts, sharded, suites, wan, wan_report, wan_worker
+from gradsync_bench import heal, netns_hosts, sharded, suites, wan, wan_report, wan_worker
 
 
 @dataclass(frozen=True)
@@ -54,6 +54,9 @@ class BenchPlan:
     wan_steps: int = 50
     wan_sync_steps: int = 6
     wan_quality_steps: int = 100
+    #: The heal suite (`gradsync_bench.heal`, a restarted rank healed; not run by default).
+    heal_worlds: list[int] = field(default_factory=lambda: [2, 4])
+    heal_states_mb: list[float] = field(default_factory=lambda: [256.0, 1024.0])
 
     def wan_plan(self) -> wan.WanPlan:
         """The wan suite's own plan."""
@@ -80,6 +83,8 @@ class BenchPlan:
             netns_reps=2,
             netns_layouts=("single",),
             hierarchy=False,
+            heal_worlds=[2],
+            heal_states_mb=[256.0],
         )
 
 
@@ -158,6 +163,9 @@ def run(plan: BenchPlan) -> dict[str, Any]:
         document["suites"]["wan"], reason = wan.wan_suite(plan.wan_plan())
         if reason:
             document["skipped"]["wan"] = reason
+    if "heal" in plan.suites:
+        print("healing a restarted rank ...", file=sys.stderr, flush=True)
+        document["suites"]["heal"] = heal.heal_suite(plan.heal_worlds, plan.heal_states_mb)
     finished = datetime.datetime.now(datetime.UTC)
     document["duration_s"] = (finished - started).total_seconds()
     return document
@@ -282,6 +290,7 @@ def markdown(document: dict[str, Any]) -> str:
         )
     lines += _hierarchy_table(document["suites"].get("netns_hierarchy", []))
     lines += wan_report.markdown_lines(document["suites"].get("wan", {}))
+    lines += heal.markdown_lines(document["suites"].get("heal", []))
     for suite, reason in document.get("skipped", {}).items():
         lines.append(f"Suite {suite} skipped: {reason}")
     return "\n".join(lines) + "\n"
