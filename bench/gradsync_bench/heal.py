@@ -79,12 +79,18 @@ def _wait(what: str, timeout_s: float, ready: Any) -> None:
 
 
 def heal_once(
-    world: int, state_mb: float, workdir: Path, path: str = "direct", timeout_s: float = 600.0
+    world: int,
+    state_mb: float,
+    workdir: Path,
+    path: str = "direct",
+    timeout_s: float = 600.0,
+    serve_flags: tuple[str, ...] = (),
 ) -> Row:
     """One healing of a W-rank job with about `state_mb` MiB of live state; its row.
 
     `path`: "direct" (the donor serves the joiner on loopback) or "grpc" (the
     state goes through the coordinator: `$GRADSYNC_HEAL_CHANNEL=0`).
+    `serve_flags`: more `gradsync serve` flags (a test's small --max-outbox-mb).
     """
     budget_mb = max(2048.0, 4 * state_mb)
     coordinator, port = start_coordinator(
@@ -96,10 +102,7 @@ def heal_once(
         f"{budget_mb:g}",
         "--max-job-buffered-mb",
         f"{budget_mb:g}",
-        # The grpc path queues the whole state for the joiner: the default 128 MiB cap
-        # on a worker's outbox drops it (the direct path needs no such room).
-        "--max-outbox-mb",
-        f"{2 * state_mb:g}",
+        *serve_flags,
     )
     address = f"127.0.0.1:{port}"
     processes: list[subprocess.Popen[str]] = []

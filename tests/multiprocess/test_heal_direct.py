@@ -20,7 +20,12 @@ from gradsync_bench import heal
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize("path", ["direct", "grpc"])
 def test_a_rank_joining_a_live_job_gets_the_donors_state_bitwise(tmp_path: Path, path: str) -> None:
-    row = heal.heal_once(3, 12.0, tmp_path, path, timeout_s=180.0)
+    # A worker's outbox far smaller than the state: the coordinator sends a state chunk
+    # by chunk as the joiner reads it (it once queued it whole and dropped the joiner
+    # of any state over the default 128 MiB).
+    row = heal.heal_once(
+        3, 12.0, tmp_path, path, timeout_s=180.0, serve_flags=("--max-outbox-mb", "8")
+    )
     assert row["bitwise"], row
     assert row["state_bytes"] > 10e6  # parameters and both Adam moments
     joiner_log = (tmp_path / "joiner2.log").read_text()

@@ -30,7 +30,7 @@ from gradsync_proto.codes import Code
 from gradsync_proto.v1 import gradsync_pb2 as pb
 from gradsync_server.control.job import Job, JobState
 from gradsync_server.control.settings import JobSettings
-from gradsync_server.dataplane.actions import Action, Persist, Send, Terminate
+from gradsync_server.dataplane.actions import Action, Persist, ResumeBlob, Send, Terminate
 from gradsync_server.dataplane.budget import ByteBudget
 from gradsync_server.errors import RejectedMessage
 from hypothesis import HealthCheck, settings, strategies as st
@@ -168,6 +168,10 @@ class JobMachine(RuleBasedStateMachine):
                 message = action.message
                 if isinstance(message, bytes):
                     self.check_average(action.ranks, message)
+                    continue
+                if isinstance(message, ResumeBlob):
+                    for raw in message.messages():  # every chunk encodes
+                        pb.CoordinatorMessage.FromString(raw)
                     continue
                 message.SerializeToString()  # every field within its range
                 if message.WhichOneof("kind") == "step_aborted":

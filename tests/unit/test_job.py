@@ -14,7 +14,7 @@ from gradsync_proto.v1 import gradsync_pb2 as pb
 from gradsync_server.control.job import Job, JobState
 from gradsync_server.control.settings import JobSettings
 from gradsync_server.control.status import job_status, status_reply
-from gradsync_server.dataplane.actions import Action, Send, Terminate
+from gradsync_server.dataplane.actions import Action, ResumeBlob, Send, Terminate
 from gradsync_server.dataplane.budget import ByteBudget
 from gradsync_server.metrics import CoordinatorMetrics
 from gradsync_server.store.checkpoint import Checkpoint
@@ -93,7 +93,7 @@ def messages(actions: list[Action], kind: str) -> list[pb.CoordinatorMessage]:
         action.message
         for action in actions
         if isinstance(action, Send)
-        and not isinstance(action.message, bytes)
+        and isinstance(action.message, pb.CoordinatorMessage)
         and action.message.WhichOneof("kind") == kind
     ]
 
@@ -180,7 +180,11 @@ def test_a_resumed_job_starts_at_the_checkpoint() -> None:
     assert welcome.welcome.session != other.welcome.session
     assert (welcome.welcome.start_step, welcome.welcome.membership_epoch) == (12, 3)
     assert welcome.welcome.resume_bytes == CHUNK + 1
-    assert len(messages(actions, "resume")) == 2
+    (blob,) = [
+        a.message for a in actions if isinstance(a, Send) and isinstance(a.message, ResumeBlob)
+    ]
+    resume = [pb.CoordinatorMessage.FromString(raw).resume for raw in blob.messages()]
+    assert [(c.offset, len(c.payload)) for c in resume] == [(0, CHUNK), (CHUNK, 1)]
     assert (job.open_step, job.persistence.last_checkpoint_step) == (12, 12)
 
 

@@ -12,11 +12,10 @@ rejoining rank). No gRPC, no asyncio, no store calls.
 
 from __future__ import annotations
 
-from gradsync_proto.blobs import blob_chunks
 from gradsync_proto.codes import Code
 from gradsync_proto.v1 import gradsync_pb2 as pb
 
-from gradsync_server.dataplane.actions import Action, Persist, Send
+from gradsync_server.dataplane.actions import Action, Persist, ResumeBlob, Send
 from gradsync_server.dataplane.budget import OwnerBudget
 from gradsync_server.dataplane.uploads import BlobAssembler
 from gradsync_server.errors import RejectedMessage
@@ -26,18 +25,8 @@ from gradsync_server.store.checkpoint import Checkpoint, PruneGuard
 def resume_messages(
     ranks: tuple[int, ...], step: int, blob: bytes, chunk_bytes: int
 ) -> list[Action]:
-    """A state blob (checkpoint or a donor's state) cut into resume chunks for `ranks`."""
-    return [
-        Send(
-            ranks,
-            pb.CoordinatorMessage(
-                resume=pb.CheckpointChunk(
-                    step=step, offset=offset, total_bytes=len(blob), payload=payload
-                )
-            ),
-        )
-        for offset, payload in blob_chunks(blob, chunk_bytes)
-    ]
+    """A state blob (checkpoint or a donor's state) sent to `ranks` as resume chunks."""
+    return [Send(ranks, ResumeBlob(step, blob, chunk_bytes))]
 
 
 class Persistence:

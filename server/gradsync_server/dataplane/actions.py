@@ -8,8 +8,10 @@ or `PersistOuter`: save a plane's DiLoCo outer state before the actions after it
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 
+from gradsync_proto.blobs import blob_chunks
 from gradsync_proto.codec import ChunkHeader, encode_gradient
 from gradsync_proto.codes import Code
 from gradsync_proto.v1 import gradsync_pb2 as pb
@@ -38,12 +40,36 @@ class SegmentAverage:
 
 
 @dataclass(frozen=True)
+class ResumeBlob:
+    """A state blob (a checkpoint, or a live rank's state for a rank it heals) to send as
+    resume chunks, each encoded only when the stream's writer gets to it.
+
+    Queued whole, a state of a few hundred MB would pass any bound on what may wait for
+    one worker and drop the very rank it is meant to restore; sent this way, at most one
+    chunk per receiving stream exists beside the blob, which the job holds once (bounded
+    by --max-checkpoint-mb) for all its receivers.
+    """
+
+    step: int
+    blob: bytes
+    chunk_bytes: int
+
+    def messages(self) -> Iterator[bytes]:
+        """The serialized CoordinatorMessages, in order."""
+        for offset, payload in blob_chunks(self.blob, self.chunk_bytes):
+            chunk = pb.CheckpointChunk(
+                step=self.step, offset=offset, total_bytes=len(self.blob), payload=payload
+            )
+            yield pb.CoordinatorMessage(resume=chunk).SerializeToString()
+
+
+@dataclass(frozen=True)
 class Send:
-    """Deliver `message` (a CoordinatorMessage, its serialized bytes, or an average for
-    same-host segments) to each of `ranks`."""
+    """Deliver `message` (a CoordinatorMessage, its serialized bytes, an average for
+    same-host segments, or a state blob sent chunk by chunk) to each of `ranks`."""
 
     ranks: tuple[int, ...]
-    message: pb.CoordinatorMessage | bytes | SegmentAverage
+    message: pb.CoordinatorMessage | bytes | SegmentAverage | ResumeBlob
 
 
 @dataclass(frozen=True)

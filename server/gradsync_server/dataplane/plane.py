@@ -47,7 +47,7 @@ from gradsync_proto.codes import Code
 from gradsync_proto.v1 import gradsync_pb2 as pb
 
 from gradsync_server import defaults
-from gradsync_server.dataplane.actions import Action, PersistOuter, SegmentAverage, Send
+from gradsync_server.dataplane.actions import Action, PersistOuter, ResumeBlob, SegmentAverage, Send
 from gradsync_server.dataplane.budget import ByteBudget, OwnerBudget
 from gradsync_server.dataplane.host_groups import LocalGroups
 from gradsync_server.dataplane.nonfinite import NonFiniteContribution, NonFiniteRejection
@@ -117,6 +117,8 @@ def _averages_only(actions: list[Action]) -> list[Send]:
         if not isinstance(action, Send):
             continue
         message = action.message
+        if isinstance(message, ResumeBlob):
+            continue
         if isinstance(message, bytes | SegmentAverage) or message.WhichOneof("kind") == "gradient":
             sends.append(action)
     return sends

@@ -31,6 +31,7 @@ from gradsync_proto.codes import Code
 from gradsync_proto.v1 import gradsync_pb2 as pb
 
 from gradsync_server.control.job import Job
+from gradsync_server.dataplane.actions import ResumeBlob
 from gradsync_server.dataplane.budget import ByteBudget, Reservation
 from gradsync_server.errors import RejectedMessage
 
@@ -65,7 +66,9 @@ class Connection:
         self.job: Job | None = None
         self.rank = -1
         self.left = False
-        self.outbox: asyncio.Queue[bytes | End] = asyncio.Queue()
+        self.outbox: asyncio.Queue[bytes | ResumeBlob | End] = asyncio.Queue()
+        #: Set when the queue was discarded: a blob being written stops too.
+        self._discarded = False
         self.outbox_bytes = 0
         self.max_outbox_bytes = max_outbox_bytes
         self.ended = False
@@ -108,8 +111,19 @@ class Connection:
         self._account()
         self.outbox.put_nowait(raw)
 
+    def send_blob(self, blob: ResumeBlob) -> None:
+        """Queue a state blob; the writer encodes and sends its chunks one at a time.
+
+        Not counted in the outbox: its bytes are the job's (bounded by
+        --max-checkpoint-mb, held once for every receiver), and each write waits
+        for the stream's flow control, so nothing piles up behind a slow reader.
+        """
+        if not self.ended:
+            self.outbox.put_nowait(blob)
+
     def _discard_queue(self) -> None:
         """Drop every queued write (a slow reader's backlog), freeing its memory now."""
+        self._discarded = True
         while True:
             try:
                 item = self.outbox.get_nowait()
@@ -163,6 +177,12 @@ class Connection:
                 if isinstance(item, End):
                     ended.set_result(item)
                     return
+                if isinstance(item, ResumeBlob):
+                    for raw in item.messages():
+                        if self._discarded:
+                            break
+                        await context.write(raw)
+                    continue
                 await context.write(item)
                 self.outbox_bytes -= len(item)
                 self._account()

@@ -26,6 +26,7 @@ from gradsync_server.dataplane.actions import (
     Action,
     Persist,
     PersistOuter,
+    ResumeBlob,
     SegmentAverage,
     Send,
     Terminate,
@@ -106,6 +107,12 @@ class Delivery:
                 target = self._target(job, rank)
                 if target is not None:
                     self._write(target, averaged_for(self._segments, target, message))
+            return
+        if isinstance(message, ResumeBlob):
+            for rank in send.ranks:  # each stream's writer encodes the chunks as it sends
+                target = self._target(job, rank)
+                if target is not None:
+                    target.send_blob(message)
             return
         if isinstance(message, bytes):
             raw = message  # pre-encoded averaged chunk, serialized once for all ranks

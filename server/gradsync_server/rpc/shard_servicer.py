@@ -36,7 +36,7 @@ from gradsync_proto.v1 import gradsync_pb2 as pb
 
 from gradsync_server import defaults
 from gradsync_server.dataplane import nonfinite
-from gradsync_server.dataplane.actions import SegmentAverage
+from gradsync_server.dataplane.actions import ResumeBlob, SegmentAverage
 from gradsync_server.dataplane.budget import ByteBudget, outbox_pool_bytes
 from gradsync_server.dataplane.plane import JobPlane, ShardOutcome
 from gradsync_server.errors import RejectedMessage
@@ -280,6 +280,8 @@ class ShardServicer:
     def _deliver_now(self, job: JobPlane, outcome: ShardOutcome) -> None:
         for send in outcome.sends:
             message = send.message
+            if isinstance(message, ResumeBlob):
+                continue  # (a shard averages gradients only; states go through the leader)
             if isinstance(message, SegmentAverage):
                 message = message.encoded()  # (shards have no same-host segments)
             raw = message if isinstance(message, bytes) else message.SerializeToString()
