@@ -16,7 +16,16 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from gradsync_bench import netns_hosts, sharded, suites, wan, wan_report, wan_worker
+from gradsync_bench import (
+    churn,
+    churn_report,
+    netns_hosts,
+    sharded,
+    suites,
+    wan,
+    wan_report,
+    wan_worker,
+)
 
 
 @dataclass(frozen=True)
@@ -54,6 +63,8 @@ class BenchPlan:
     wan_steps: int = 50
     wan_sync_steps: int = 6
     wan_quality_steps: int = 100
+    #: The churn suite (`gradsync_bench.churn`, two runs of churn.duration_s); on request.
+    churn: churn.ChurnPlan = field(default_factory=churn.ChurnPlan)
 
     def wan_plan(self) -> wan.WanPlan:
         """The wan suite's own plan."""
@@ -158,6 +169,9 @@ def run(plan: BenchPlan) -> dict[str, Any]:
         document["suites"]["wan"], reason = wan.wan_suite(plan.wan_plan())
         if reason:
             document["skipped"]["wan"] = reason
+    if "churn" in plan.suites:
+        print("churn soak: failures every interval ...", file=sys.stderr, flush=True)
+        document["suites"]["churn"] = churn.churn_suite(plan.churn)
     finished = datetime.datetime.now(datetime.UTC)
     document["duration_s"] = (finished - started).total_seconds()
     return document
@@ -282,6 +296,7 @@ def markdown(document: dict[str, Any]) -> str:
         )
     lines += _hierarchy_table(document["suites"].get("netns_hierarchy", []))
     lines += wan_report.markdown_lines(document["suites"].get("wan", {}))
+    lines += churn_report.markdown_lines(document["suites"].get("churn", {}))
     for suite, reason in document.get("skipped", {}).items():
         lines.append(f"Suite {suite} skipped: {reason}")
     return "\n".join(lines) + "\n"
@@ -462,7 +477,7 @@ def write(document: dict[str, Any], out_dir: Path) -> None:
     rows = document["suites"]
     wan_ran = bool(rows.get("wan", {}).get("rows"))
     others = any(rows.get(name) for name in ("loopback", "train", "netns"))
-    if others or not wan_ran:
+    if others or not (wan_ran or "churn" in rows):
         plot(document, out_dir / "latest.png")
     if wan_ran:
         # Alone, the wan suite's figure is latest.png; beside the others, latest-wan.png.
