@@ -131,8 +131,14 @@ def contributions(incarnations: list[Incarnation]) -> tuple[dict[int, list[int]]
         work = [
             e for e in inc.events if e["e"] in ("submit", "applied", "restart", "aborted", "final")
         ]
-        if work and work[-1]["e"] == "submit":  # it died (or was dropped) with this step open
-            in_flight_at_death.setdefault(work[-1]["s"], set()).add(inc.rank)
+        for event, following in zip(work, [*work[1:], None], strict=True):
+            # A submitted step this process never applied: it died (or was dropped) with
+            # the step open, or the coordinator died under it and the job then went on
+            # past it. Its gradient may still be in the average: the count says.
+            if event["e"] == "submit" and (
+                following is None or following["e"] != "applied" or following["s"] != event["s"]
+            ):
+                in_flight_at_death.setdefault(event["s"], set()).add(inc.rank)
     members: dict[int, list[int]] = {}
     unresolved: list[str] = []
     for step in sorted(applied):
