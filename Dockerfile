@@ -12,9 +12,16 @@
 # Workers and shards read the same variable; add --tls-cert/--tls-key (serve) and
 # $GRADSYNC_TLS_CA (workers) across hosts. See SECURITY.md.
 #
-# Two stages: the builder turns the source into a wheel and installs it with its
-# dependencies into a venv; the runtime stage copies only that venv, so no compiler,
-# pip cache or source tree ships.
+# Stages: the builder turns the source into a wheel and installs it with its dependencies
+# into a venv; the runtime stages copy only a venv, so no compiler, pip cache or source tree
+# ships. The default (last) stage is the image above, for every role. `--target coordinator`
+# builds a coordinator-only image without torch (the coordinator and the shards never import
+# it: their arithmetic is numpy); workers need the default image.
+#
+# Build argument TORCH_INDEX_URL: the index torch comes from (default: the CPU build's index;
+# it and PyPI are all a build on a normal network needs). An extra CA or a local wheel
+# directory is given at build time as a mount, never baked in: scripts/container-check.sh
+# does that for podman on a machine that reaches neither pytorch.org nor a registry.
 
 FROM python:3.11-slim AS builder
 ENV PIP_NO_CACHE_DIR=1 \
@@ -23,7 +30,8 @@ RUN python -m venv /opt/venv
 ENV PATH=/opt/venv/bin:$PATH
 # torch first, from the CPU-only index: the package's `torch>=2.4` is then already met,
 # so pip never pulls the CUDA build (gigabytes the coordinator and CPU workers never use).
-RUN pip install --index-url https://download.pytorch.org/whl/cpu torch==2.13.0
+ARG TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu
+RUN pip install --index-url "$TORCH_INDEX_URL" torch==2.13.0
 WORKDIR /src
 # Only what the wheel is built from (client/, server/, proto/, bench/ are the package).
 COPY pyproject.toml README.md ./
@@ -36,6 +44,34 @@ COPY bench bench
 RUN pip wheel --no-deps --wheel-dir /dist . \
     && pip install "$(ls /dist/gradsync-*.whl)[demo,redis]"
 
+# The coordinator's venv: the same wheel and dependencies (with the redis extra) minus torch
+# and the demo extra; the requirements are read from the wheel, so no list is written twice.
+FROM builder AS coordinator-builder
+RUN python -c "import re, sys, zipfile; w = zipfile.ZipFile(sys.argv[1]); \
+m = w.read(next(n for n in w.namelist() if n.endswith('.dist-info/METADATA'))).decode(); \
+rs = (l[15:].partition(';') for l in m.splitlines() if l.startswith('Requires-Dist: ')); \
+[print(r.strip()) for r, _, k in rs if not re.match('torch', r) and (not k or 'redis' in k)]" \
+        "$(ls /dist/gradsync-*.whl)" > /tmp/requirements.txt \
+    && rm -rf /opt/venv && /usr/local/bin/python -m venv /opt/venv \
+    && pip install --no-deps "$(ls /dist/gradsync-*.whl)" && pip install -r /tmp/requirements.txt
+
+# `--target coordinator`: the coordinator (or a shard) only; the same settings as the default.
+FROM python:3.11-slim AS coordinator
+COPY --from=coordinator-builder /opt/venv /opt/venv
+ENV PATH=/opt/venv/bin:$PATH \
+    PYTHONUNBUFFERED=1 \
+    PROMETHEUS_DISABLE_CREATED_SERIES=True
+RUN useradd --create-home --uid 10001 --user-group gradsync \
+    && mkdir -p /var/lib/gradsync && chown gradsync:gradsync /var/lib/gradsync && chmod 700 /var/lib/gradsync
+USER gradsync
+WORKDIR /home/gradsync
+EXPOSE 50051 9100
+HEALTHCHECK --interval=10s --timeout=5s --start-period=30s --retries=3 \
+    CMD ["python", "-m", "gradsync.healthcheck", "127.0.0.1:50051"]
+ENTRYPOINT ["gradsync"]
+CMD ["serve", "--world-size", "3", "--host", "0.0.0.0", "--port", "50051", "--metrics-port", "9100"]
+
+# The default image: every role (coordinator, shards, workers).
 FROM python:3.11-slim
 # The same base image as the builder, so the venv's interpreter links stay valid.
 COPY --from=builder /opt/venv /opt/venv

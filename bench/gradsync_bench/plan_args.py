@@ -14,8 +14,10 @@ def plan_from_args(args: Any) -> BenchPlan:
     overrides: dict[str, Any] = {"suites": args.suites}
     if args.sizes_mb:
         overrides.update(sizes_mb=args.sizes_mb, netns_sizes_mb=args.sizes_mb)
+        overrides["heal_states_mb"] = args.sizes_mb  # the live state's size there
     if args.worlds:
         overrides.update(worlds=args.worlds, train_worlds=args.worlds, netns_worlds=args.worlds)
+        overrides["heal_worlds"] = args.worlds
     if args.reps:
         overrides.update(reps=args.reps, netns_reps=args.reps)
     if args.train_model_mb:

@@ -19,6 +19,7 @@ from typing import Any
 from gradsync_bench import (
     churn,
     churn_report,
+    heal,
     netns_hosts,
     sharded,
     suites,
@@ -63,6 +64,9 @@ class BenchPlan:
     wan_steps: int = 50
     wan_sync_steps: int = 6
     wan_quality_steps: int = 100
+    #: The heal suite (`gradsync_bench.heal`, a restarted rank healed; not run by default).
+    heal_worlds: list[int] = field(default_factory=lambda: [2, 4])
+    heal_states_mb: list[float] = field(default_factory=lambda: [256.0, 1024.0])
     #: The churn suite (`gradsync_bench.churn`, two runs of churn.duration_s); on request.
     churn: churn.ChurnPlan = field(default_factory=churn.ChurnPlan)
 
@@ -91,6 +95,8 @@ class BenchPlan:
             netns_reps=2,
             netns_layouts=("single",),
             hierarchy=False,
+            heal_worlds=[2],
+            heal_states_mb=[256.0],
         )
 
 
@@ -169,6 +175,9 @@ def run(plan: BenchPlan) -> dict[str, Any]:
         document["suites"]["wan"], reason = wan.wan_suite(plan.wan_plan())
         if reason:
             document["skipped"]["wan"] = reason
+    if "heal" in plan.suites:
+        print("healing a restarted rank ...", file=sys.stderr, flush=True)
+        document["suites"]["heal"] = heal.heal_suite(plan.heal_worlds, plan.heal_states_mb)
     if "churn" in plan.suites:
         print("churn soak: failures every interval ...", file=sys.stderr, flush=True)
         document["suites"]["churn"] = churn.churn_suite(plan.churn)
@@ -296,6 +305,7 @@ def markdown(document: dict[str, Any]) -> str:
         )
     lines += _hierarchy_table(document["suites"].get("netns_hierarchy", []))
     lines += wan_report.markdown_lines(document["suites"].get("wan", {}))
+    lines += heal.markdown_lines(document["suites"].get("heal", []))
     lines += churn_report.markdown_lines(document["suites"].get("churn", {}))
     for suite, reason in document.get("skipped", {}).items():
         lines.append(f"Suite {suite} skipped: {reason}")

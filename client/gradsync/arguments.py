@@ -20,9 +20,9 @@ from gradsync import __version__, defaults, flags
 from gradsync.config import ENV_COORDINATOR, ENV_JOB_ID, ENV_RANK, ENV_WORLD_SIZE
 
 #: The benchmark suites `gradsync bench --suites` chooses from.
-BENCH_SUITES = ("loopback", "train", "netns", "wan", "churn")
-#: The suites `gradsync bench` runs without --suites (wan, 20-25 minutes, and churn, two
-#: runs of --churn-duration-s, only on request).
+BENCH_SUITES = ("loopback", "train", "netns", "wan", "heal", "churn")
+#: The suites `gradsync bench` runs without --suites (wan, 20-25 minutes, heal, and churn,
+#: two runs of --churn-duration-s, only on request).
 BENCH_DEFAULT_SUITES = BENCH_SUITES[:3]
 #: The methods of the wan suite (`gradsync bench --wan-methods`; gradsync_bench.wan_worker).
 BENCH_WAN_METHODS = (
@@ -214,13 +214,14 @@ def build_parser() -> argparse.ArgumentParser:
         type=flags.choice_list(BENCH_SUITES),
         default=",".join(BENCH_DEFAULT_SUITES),
         help=f"comma-separated subset of {','.join(BENCH_SUITES)} (default %(default)s; "
-        "wan, the slow-link scorecard, takes 20-25 minutes)",
+        "wan, the slow-link scorecard, takes 20-25 minutes; heal, a restarted rank healed "
+        "over gRPC and directly, a few minutes)",
     )
     bench.add_argument(
         "--sizes-mb",
         type=flags.number_list(flags.positive_number),
         default=None,
-        help="override: sync sizes, e.g. 1,25",
+        help="override: sync sizes (heal: state sizes), e.g. 1,25",
     )
     bench.add_argument(
         "--worlds",

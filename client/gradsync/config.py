@@ -12,8 +12,9 @@ import os
 from collections.abc import Mapping
 from dataclasses import dataclass
 
+from gradsync_proto.net.addresses import parse_addresses
+
 from gradsync import defaults
-from gradsync.control.addresses import parse_addresses
 from gradsync.defaults import MIB
 
 #: Coordinator address ("host:port"), used when `coordinator=` is not given.
@@ -46,7 +47,7 @@ class ClientConfig:
     Attributes:
         coordinator: "host:port" (or "[ipv6]:port") of the coordinator, or a comma list
             of them (an active coordinator and standbys), checked at construction by
-            `gradsync.control.addresses.parse_addresses`.
+            `gradsync_proto.net.addresses.parse_addresses`.
         rank: this worker's rank, 0 <= rank < world_size.
         world_size: number of ranks in the job.
         job_id: name shared by all ranks of one training job.

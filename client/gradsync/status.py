@@ -111,8 +111,9 @@ def _integers_as_numbers(data: dict[str, Any], descriptor: Descriptor) -> None:
 def format_status(reply: pb.StatusReply) -> str:
     """A readable report of a StatusReply: running jobs, then ended ones, then the shards."""
     shards = format_shards(reply.shards)
+    recovery = _recovery_line(reply.recovery)
     if not reply.jobs:
-        return "no jobs" + (f"\n{shards}" if shards else "")
+        return "\n".join(line for line in ("no jobs", shards, recovery) if line)
     lines = []
     for job in reply.jobs:
         if not job.ended:
@@ -132,7 +133,31 @@ def format_status(reply: pb.StatusReply) -> str:
                 )
     if shards:
         lines.append(shards)
+    if recovery:
+        lines.append(recovery)
     return "\n".join(lines)
+
+
+def _recovery_line(recovery: pb.Recovery) -> str:
+    """What failures cost on this coordinator; empty when it has seen none and holds no lease."""
+    parts = []
+    if recovery.fence:
+        parts.append(f"active, lease fence {recovery.fence} ({recovery.takeovers} takeovers)")
+    if recovery.ranks_lost:
+        parts.append(
+            f"{recovery.ranks_lost} ranks lost (latest detected {recovery.last_detect_s:.2f}s "
+            f"after its last sign of life, training again {recovery.last_rank_recover_s:.2f}s "
+            "later)"
+        )
+    restarts = recovery.restarts_continued + recovery.restarts_checkpoint
+    if restarts:
+        parts.append(
+            f"{restarts} restarts ({recovery.restarts_continued} continued, "
+            f"{recovery.restarts_checkpoint} from a checkpoint; {recovery.steps_recomputed} steps "
+            f"recomputed; latest training again {recovery.last_restart_recover_s:.2f}s after "
+            "this coordinator became active)"
+        )
+    return "recovery: " + "; ".join(parts) if parts else ""
 
 
 def format_shards(shards: Sequence[pb.ShardStatus]) -> str:

@@ -110,7 +110,8 @@ def grpc_options(max_message_bytes: int) -> list[tuple[str, int]]:
     return [
         ("grpc.max_receive_message_length", max_message_bytes),
         ("grpc.max_send_message_length", max_message_bytes),
-        # Workers ping every 10 s to spot dead connections; allow it.
+        # Workers ping every 1 s to spot a frozen coordinator (KEEPALIVE_TIME_MS in
+        # gradsync.path.shard_streams); pings are never counted as strikes.
         ("grpc.keepalive_permit_without_calls", 1),
         ("grpc.http2.min_recv_ping_interval_without_data_ms", 5000),
         ("grpc.http2.max_ping_strikes", 0),

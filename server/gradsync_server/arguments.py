@@ -248,7 +248,10 @@ def add_serve_flags(parser: argparse.ArgumentParser) -> None:
 def add_shard_flags(parser: argparse.ArgumentParser) -> None:
     """The flags of `gradsync shard` (a coordinator shard that registers with a leader)."""
     parser.add_argument(
-        "--leader", type=flags.coordinator, required=True, help="the leader's host:port"
+        "--leader",
+        type=flags.coordinator,
+        required=True,
+        help="the leader's host:port, or a comma list: an active leader and its standbys (--lease)",
     )
     parser.add_argument(
         "--host",

@@ -35,6 +35,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 from gradsync_server.dataplane.observer import LagTracker
+from gradsync_server.recovery_metrics import RecoveryMetrics
 
 __all__ = ["CoordinatorMetrics", "LagTracker", "ShardSample"]
 
@@ -166,6 +167,8 @@ class CoordinatorMetrics:
         self._aborts: dict[str, Counter] = {}
         self._errors: dict[str, Counter] = {}
         self._nonfinite: dict[str, Counter] = {}
+        #: Time to detect, time to recover, restarts and steps recomputed.
+        self.recovery = RecoveryMetrics(r)
         # Plain copies of the gradient counters: a sharded coordinator reports them
         # (ShardStats, ShardStatus) without reading prometheus_client's internals.
         self._totals = _Totals()
@@ -214,6 +217,11 @@ class CoordinatorMetrics:
         self._steps_completed.inc()
         self._step_sync.observe(sync_s)
         self._current_step.set(step)
+        self.recovery.step_done()
+
+    def observe_restart(self, continued: bool, steps_recomputed: int) -> None:
+        """A restarted job went on: from the ranks' own state or from a checkpoint."""
+        self.recovery.restarted(continued, steps_recomputed)
 
     # Rare events.
     def observe_rejection(self, reason: str) -> None:

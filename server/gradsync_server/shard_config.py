@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from gradsync_proto import chunking
+from gradsync_proto.net.addresses import parse_addresses
 
 from gradsync_server import defaults
 from gradsync_server.config import check_shard_token
@@ -101,6 +102,7 @@ class ShardConfig:
             parse_store_url(self.checkpoint_store)  # an ambiguous URL: refused now
         if not self.leader:
             raise ValueError("a shard needs its leader's address (--leader HOST:PORT)")
+        parse_addresses(self.leader)  # "a:1,b:2": an active leader and its standbys
         if not 0 <= self.port <= 65535:
             raise ValueError(f"port must be in 0..65535, got {self.port}")
         if self.chunk_bytes is None:

@@ -163,6 +163,8 @@ async def take_part(
     became_active = asyncio.Event()
 
     def on_active(record: LeaseRecord) -> None:
+        # A job restarted from now on recovers from this moment, not from process start.
+        running.servicer.metrics.recovery.became_active(record.fence)
         metrics.takeovers.inc()
         metrics.fence.set(record.fence)
         metrics.active.set(1)
@@ -188,6 +190,7 @@ async def take_part(
         task.cancel()
     metrics.active.set(0)
     metrics.fence.set(0)
+    running.servicer.metrics.recovery.lease_lost()
     if stopped in done:
         await asyncio.to_thread(lease.release)
         await running.stop()

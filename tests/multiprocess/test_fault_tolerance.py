@@ -603,10 +603,11 @@ def test_workers_reconnect_to_a_restarted_coordinator_and_continue_without_rollb
     for report in reports:
         assert report is not None and report["status"] == "ok", report
         # The ranks agreed on their position: the job went on from there, not from
-        # the checkpoint. At most the step in flight (its gradients were lost with
-        # the coordinator) ran twice; the rollback would have recomputed >= 2.
+        # the checkpoint (which would have recomputed >= 2 steps), and the step in
+        # flight was uploaded again, not computed again. A rank whose last answer
+        # never came took a rank ahead's state (one restart, nothing recomputed).
         assert len(report["restarts"]) <= 1, report["restarts"]
-        assert report["computed"][0] - 12 == len(report["restarts"]), report
+        assert report["computed"][0] == 12, report  # no step computed twice
         # No step applied twice, none skipped: exactly the uninterrupted result.
         assert_matches_reference(report, 2, 12)
     _, log = second.stop()

@@ -88,7 +88,7 @@ class FakeLink:
     def open(self, join: pb.Join) -> None:
         self.joins.append(join)
 
-    def wait_welcome(self, timeout_s: float) -> pb.Welcome:
+    def wait_welcome(self, timeout_s: float, unreachable_s: float | None = None) -> pb.Welcome:
         return self.welcome
 
     def send_state(self, blob: npt.NDArray[np.uint8]) -> None:

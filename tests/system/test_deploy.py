@@ -121,7 +121,10 @@ def test_dockerfile_builds_a_slim_non_root_image_with_our_health_probe() -> None
     envs = " ".join(arguments for name, arguments in runtime if name == "ENV")
     assert "PYTHONUNBUFFERED=1" in envs
     builder = " ".join(arguments for name, arguments in instructions if name == "RUN")
-    assert "--index-url https://download.pytorch.org/whl/cpu torch==2.13.0" in builder
+    assert '--index-url "$TORCH_INDEX_URL" torch==2.13.0' in builder
+    assert "ARG TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu" in [
+        f"{name} {arguments}" for name, arguments in instructions
+    ]
     exposed = {int(port) for name, args in runtime if name == "EXPOSE" for port in args.split()}
     assert exposed == {50051, 9100}
     healthcheck = [arguments for name, arguments in runtime if name == "HEALTHCHECK"]

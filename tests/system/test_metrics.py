@@ -46,6 +46,10 @@ COORDINATOR_METRICS = {
     "gradsync_errors_total": ("counter", {"kind"}),
     "gradsync_nonfinite_contributions_total": ("counter", {"rank"}),
     "gradsync_segment_bytes_total": ("counter", {"direction"}),
+    "gradsync_failure_detect_seconds": ("histogram", set()),
+    "gradsync_failure_recover_seconds": ("histogram", {"kind"}),
+    "gradsync_restarts_total": ("counter", {"outcome"}),
+    "gradsync_steps_recomputed_total": ("counter", set()),
 }
 WORKER_METRICS = {
     "gradsync_worker_exposed_comm_seconds": ("histogram", {"rank"}),

@@ -393,7 +393,11 @@ def test_rank_0_checkpoints_at_step_boundaries_and_reports_a_failed_one() -> Non
         model.save_checkpoint()
 
 
-def test_a_heal_request_is_answered_at_the_next_step_boundary(factory: LinkFactory) -> None:
+def test_a_heal_request_is_answered_at_the_next_step_boundary(
+    factory: LinkFactory, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The state itself through the link: no joiner would come for a direct offer here.
+    monkeypatch.setenv("GRADSYNC_HEAL_CHANNEL", "0")
     model = wrap(chain(), factory, rank=1)
     backward(model)
     factory.link.heal_requested = True

@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 from gradsync.config import ClientConfig
-from gradsync.control.addresses import AddressRotation, parse_addresses
+from gradsync_proto.net.addresses import AddressRotation, parse_addresses
 from gradsync_server.store.lease import (
     LeaseError,
     LeaseRecord,

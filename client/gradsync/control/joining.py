@@ -44,6 +44,7 @@ def wait_for_welcome(
     first_report_s: float = FIRST_REPORT_S,
     report_every_s: float = REPORT_EVERY_S,
     security: ChannelSecurity | None = None,
+    unreachable_s: float | None = None,
 ) -> pb.Welcome:
     """Block until the job is assembled, reporting progress every ~10 s.
 
@@ -57,6 +58,9 @@ def wait_for_welcome(
         security: the link's TLS settings: while not connected, a TLS handshake
             that fails (wrong CA, expired or missing certificate) is raised at the
             first report instead of being retried until the timeout.
+        unreachable_s: give up after this long if no connection came up at all (a
+            dead host among several addresses: the next one may serve); a connected
+            coordinator is waited for until `timeout_s`, however late the others are.
 
     Raises:
         CoordinatorUnavailableError: the coordinator was not reachable in time
@@ -73,11 +77,22 @@ def wait_for_welcome(
     shown: tuple[tuple[int, ...], tuple[int, ...]] | None = None
     progress: pb.AssemblyProgress | None = None
     reason: str | None = None
+    give_up = started + unreachable_s if unreachable_s is not None else None
     while (now := time.monotonic()) < deadline:
-        welcome, progress, count = inbox.wait_assembly(min(deadline, next_report) - now, seen)
+        wake = min(deadline, next_report)
+        if give_up is not None and now < give_up:
+            wake = min(wake, give_up)
+        welcome, progress, count = inbox.wait_assembly(wake - now, seen)
         if welcome is not None:
             return welcome
         now = time.monotonic()
+        if give_up is not None and now >= give_up and progress is None and not is_connected():
+            _raise_on_handshake_failure(target, rank, security)
+            reason = unreachable_reason(target, PROBE_TIMEOUT_S)
+            raise CoordinatorUnavailableError(
+                f"could not reach the coordinator at {target} within {unreachable_s:g}s: {reason}",
+                rank=rank,
+            )
         if progress is not None and count > seen:
             seen = count
             sets = (tuple(progress.joined_ranks), tuple(progress.missing_ranks))

@@ -123,7 +123,7 @@ class SessionLink(Protocol):
     def open(self, join: pb.Join) -> None:
         """Open the stream and send `join`; returns without waiting for the job."""
 
-    def wait_welcome(self, timeout_s: float) -> pb.Welcome:
+    def wait_welcome(self, timeout_s: float, unreachable_s: float | None = None) -> pb.Welcome:
         """Block (bounded) until the job is assembled; return the Welcome."""
         ...
 

@@ -16,7 +16,6 @@ link itself, or a local group's path around it).
 
 from __future__ import annotations
 
-import io
 import logging
 import time
 import uuid
@@ -24,12 +23,13 @@ from collections.abc import Sequence
 from typing import Any
 
 import torch
+from gradsync_proto.net.addresses import PER_ADDRESS_JOIN_S, AddressRotation
 from gradsync_proto.v1 import gradsync_pb2 as pb
 from torch import nn
 
 from gradsync import __version__
 from gradsync.config import ClientConfig
-from gradsync.control.addresses import AddressRotation
+from gradsync.control.heal_channel import StateOffer
 from gradsync.control.link import (
     BucketEventHandler,
     CoordinatorLink,
@@ -39,10 +39,15 @@ from gradsync.control.link import (
 )
 from gradsync.control.position import position
 from gradsync.control.start_state import broadcast_start_state
-from gradsync.control.state_load import brief, load_module_state, mismatch
+from gradsync.control.state_load import (
+    live_state,
+    load_module_state,
+    load_optimizer_state,
+    send_heal_state,
+    torch_blob,
+)
 from gradsync.errors import (
     CheckpointFailedError,
-    CheckpointMismatchError,
     CoordinatorRestartedError,
     CoordinatorUnavailableError,
     GradSyncError,
@@ -113,6 +118,8 @@ class Session:
         self.continued, self.restart_line = False, ""
         #: The local group's path around the link (hierarchical aggregation), or None.
         self._local: LocalGroupPath | None = None
+        #: This rank's state offered to ranks it heals (`heal_channel`), while served.
+        self._offer: StateOffer | None = None
         self._link = self._new_link()
 
     @property
@@ -176,6 +183,8 @@ class Session:
         try:
             if self._local is not None:
                 self._local.close()
+            if self._offer is not None:
+                self._offer.close()
         finally:
             self._link.close(timeout_s)
 
@@ -191,7 +200,7 @@ class Session:
             # Sent before this rank's buffer broadcast of the step, so the
             # coordinator admits the newcomer while that collective is still
             # in flight and has it take part (its Welcome says from which number).
-            self._link.send_heal(step, self.state_blob(step))
+            self._send_heal(step)
         every = self.checkpoint_every
         if (
             every
@@ -210,16 +219,8 @@ class Session:
 
     def _load_optimizer_state(self, optimizer: torch.optim.Optimizer, state: Any) -> None:
         """Restore the checkpoint's optimizer state; a mismatch names job and step."""
-        try:
-            optimizer.load_state_dict(state)
-        except (RuntimeError, ValueError, TypeError, KeyError) as exc:
-            raise self._mismatch(
-                self._last_checkpoint_step,
-                f"its optimizer state does not fit this optimizer: {brief(exc)}",
-            ) from exc
-
-    def _mismatch(self, step: int, why: str) -> CheckpointMismatchError:
-        return mismatch(self.config.job_id, self.config.rank, step, why)
+        config, step = self.config, self._last_checkpoint_step
+        load_optimizer_state(optimizer, state, config.job_id, config.rank, step)
 
     def save_checkpoint(self, step: int, wait: bool, timeout_s: float) -> int:
         """Upload rank 0's state as the checkpoint of `step`; see the wrapper's method."""
@@ -238,16 +239,13 @@ class Session:
         return step
 
     def state_blob(self, step: int) -> bytes:
-        """Module state, optimizer state and step, serialized for checkpoints and healing."""
-        state: dict[str, Any] = {
-            "module": self.module.state_dict(),
-            "optimizer": self._optimizer.state_dict() if self._optimizer is not None else None,
-            "step": step,
-            "world_size": self.config.world_size,
-        }
-        buffer = io.BytesIO()
-        torch.save(state, buffer)
-        return buffer.getvalue()
+        """Module state, optimizer state and step, serialized for checkpoints."""
+        return torch_blob(live_state(self.module, self._optimizer, step, self.config.world_size))
+
+    def _send_heal(self, step: int) -> None:
+        """Upload this rank's state (or an offer of it) for the ranks it heals."""
+        args = (self._link, self.config, self.module, self._optimizer, step, self._offer)
+        self._offer = send_heal_state(*args)
 
     # ------------------------------------------------------------ reconnecting
     def reconnect(self, cause: GradSyncError, step: int) -> int:
@@ -283,15 +281,12 @@ class Session:
             self._link = self._new_link()
             remaining = deadline - time.monotonic()
             try:
-                cap = self._addresses.attempt_s(remaining) if self._addresses else remaining
-                start = self._join_and_broadcast(join_timeout_s=max(1.0, cap))
+                start = self._join_and_broadcast(join_timeout_s=max(1.0, remaining))
                 break
             except (CoordinatorUnavailableError, SyncTimeoutError) as exc:
                 if self._addresses is not None and self._addresses.several:
                     # A standby (or a dead host) answered: the active one is elsewhere.
-                    tried, rank = self._addresses.current(), self.config.rank
-                    log.info("rank %d: %s did not serve (%s)", rank, tried, exc)
-                    log.info("rank %d: trying %s", rank, self._addresses.advance())
+                    log.info("rank %d: %s", self.config.rank, self._addresses.move_on(exc))
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
                     raise CoordinatorUnavailableError(
@@ -395,8 +390,11 @@ class Session:
             len(self._bucket_bytes),
         )
         link.open(join)
-        welcome = self.welcome = link.wait_welcome(timeout_s)
-        if self._addresses is not None and self._addresses.several:
+        several = self._addresses is not None and self._addresses.several
+        welcome = self.welcome = link.wait_welcome(
+            timeout_s, PER_ADDRESS_JOIN_S if several else None
+        )
+        if several and self._addresses is not None:
             log.info("rank %d: joined at %s", config.rank, self._addresses.current())
         if len(welcome.local_ranks) >= 2:
             self._local = self._form_local_group(link, welcome, timeout_s)
@@ -434,7 +432,7 @@ class Session:
             )
         self.continued = True
         if welcome.send_state:
-            self._link.send_heal(start, self.state_blob(start))
+            self._send_heal(start)
         log.warning("rank %d: %s", self.config.rank, welcome.restart)
 
     def _form_local_group(
@@ -483,7 +481,7 @@ class Session:
         """
         config = self.config
         optimizer_state = load_module_state(
-            blob, self.module, config.job_id, config.rank, start_step
+            blob, self.module, config.job_id, config.rank, start_step, config.join_timeout_s
         )
         self._pending_optimizer_state = optimizer_state
         self._resumed_from_checkpoint = True

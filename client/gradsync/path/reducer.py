@@ -24,8 +24,11 @@ it is uploaded as one segment and is what a comm hook sees, with no copy.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
+import numpy.typing as npt
 import torch
 from torch import nn
 
@@ -67,6 +70,23 @@ def plan_buckets(
     return plans, presence_plan(len(named_parameters))
 
 
+@dataclass
+class _Upload:
+    """What `submit_bucket` was given for a bucket, kept to give it again after a restart.
+
+    `kept`: a copy of the uploaded bytes, taken before the upload when the
+    averages are written over them (they are the only copy of this rank's
+    contribution once an average has landed); None when the averages land
+    elsewhere (`result`), so the uploaded bytes stay as they were.
+    """
+
+    buffer: BucketBuffer
+    dtype: int
+    result: BucketBuffer | None
+    result_dtype: int
+    kept: list[npt.NDArray[np.uint8]] | None
+
+
 class _Launched:
     """A bucket handed to the gradient path: its stage, and the comm hook's view of it.
 
@@ -88,6 +108,7 @@ class _Launched:
         self.stage, self.bucket, self.wire = stage, bucket, wire
         self.answered_in_place = answered_in_place
         self.answer = answer
+        self.upload: _Upload | None = None
 
 
 class Reducer:
@@ -145,6 +166,13 @@ class Reducer:
         self.views = (
             BucketViews(self._named, self.buckets, allocator) if gradient_as_bucket_view else None
         )
+        #: Keep what each bucket uploaded until its step ends, so that a restarted
+        #: coordinator can be sent the step in flight again (`resend`) instead of the
+        #: step being computed again. Costs one copy of the gradient bytes per step
+        #: when the averages are written over the upload; the step path turns it on
+        #: when the session reconnects.
+        self.keep_for_resend = False
+        self._copies: list[list[npt.NDArray[np.uint8]]] = [[] for _ in self.buckets]
         self.reset()
 
     def reset(self) -> None:
@@ -152,6 +180,7 @@ class Reducer:
         self._used = [False] * len(self._named)
         self._ready = [0] * len(self.buckets)
         self._launched: list[_Launched | None] = [None] * len(self.buckets)
+        self._presence = torch.zeros(0)
 
     def register_comm_hook(self, state: Any, hook: CommHook) -> None:
         """See `DistributedDataParallel.register_comm_hook`."""
@@ -193,13 +222,9 @@ class Reducer:
         for bucket_index, launched in enumerate(self._launched):
             if launched is None:  # some parameter got no gradient this pass
                 self._launch(bucket_index, step)
-        presence = torch.tensor(self._used, dtype=torch.float32)
-        buffer = BucketBuffer([presence.view(torch.uint8).numpy()])
-        presence_index = len(self.buckets)
-        self._instruments.bucket_ready(step, presence_index, buffer.size)
-        self._path().submit_bucket(step, presence_index, buffer, WIRE_DTYPES[torch.float32])
-        contributors = wait(step)
-        used_anywhere = (presence > 0).tolist()
+        self._submit_presence(step)
+        contributors = wait(step)  # (which may `resend` the step: read the presence after it)
+        used_anywhere = (self._presence > 0).tolist()
         for launched in self._launched:
             if launched is None:
                 continue  # (cannot happen: every bucket was launched above)
@@ -213,6 +238,59 @@ class Reducer:
                 self.comm_hook.after_average(self._comm_hook_state, launched.bucket, launched.wire)
             launched.stage.finish(used_anywhere)
         return contributors
+
+    def resend(self, step: int) -> None:
+        """Upload every bucket of `step` again, as it was first uploaded (after a restart).
+
+        The coordinator that held this step's sums is gone and a new one continued
+        at this very step; every rank still has its gradients, so nothing needs to
+        be computed again. Averages that had landed over an upload are undone
+        from the copy taken at launch (`keep_for_resend`).
+
+        Raises:
+            RuntimeError: the uploads were not kept (`keep_for_resend` was off).
+        """
+        for bucket_index, launched in enumerate(self._launched):
+            if launched is None:
+                continue
+            upload = launched.upload
+            if upload is None:
+                raise RuntimeError(f"bucket {bucket_index} of step {step} was not kept to resend")
+            if upload.kept is not None:
+                for segment, kept in zip(upload.buffer.segments, upload.kept, strict=True):
+                    np.copyto(segment, kept)
+            self._submit(step, bucket_index, upload)
+        self._submit_presence(step)
+
+    def _submit_presence(self, step: int) -> None:
+        """Upload the presence bucket of `step`; its average lands in `self._presence`."""
+        self._presence = torch.tensor(self._used, dtype=torch.float32)
+        buffer = BucketBuffer([self._presence.view(torch.uint8).numpy()])
+        presence_index = len(self.buckets)
+        self._instruments.bucket_ready(step, presence_index, buffer.size)
+        self._path().submit_bucket(step, presence_index, buffer, WIRE_DTYPES[torch.float32])
+
+    def _submit(self, step: int, bucket_index: int, upload: _Upload) -> None:
+        if upload.result is None:
+            self._path().submit_bucket(step, bucket_index, upload.buffer, upload.dtype)
+        else:
+            self._path().submit_bucket(
+                step,
+                bucket_index,
+                upload.buffer,
+                upload.dtype,
+                result=upload.result,
+                result_dtype=upload.result_dtype,
+            )
+
+    def _keep(self, bucket_index: int, buffer: BucketBuffer) -> list[npt.NDArray[np.uint8]]:
+        """Copy a bucket's upload into this bucket's copies (reused from step to step)."""
+        copies = self._copies[bucket_index]
+        if [len(c) for c in copies] != [len(s) for s in buffer.segments]:
+            copies = self._copies[bucket_index] = [np.empty_like(s) for s in buffer.segments]
+        for copy, segment in zip(copies, buffer.segments, strict=True):
+            np.copyto(copy, segment)
+        return copies
 
     def _launch(self, bucket_index: int, step: int) -> None:
         """Stage a bucket (through the comm hook, if any) and hand it to the gradient path."""
@@ -260,17 +338,13 @@ class Reducer:
             wire = torch.empty(0)
             segments = stage.segments()
             dtype = bucket_wire_dtype(plan)
-        self._launched[bucket_index] = _Launched(stage, bucket, wire, result is not None, answer)
+        launched = _Launched(stage, bucket, wire, result is not None, answer)
+        self._launched[bucket_index] = launched
         buffer = BucketBuffer(segments, scales, self.chunk_weight)
         self._instruments.bucket_ready(step, bucket_index, buffer.wire_bytes)
-        if result is None:
-            self._path().submit_bucket(step, bucket_index, buffer, dtype)
-        else:
-            self._path().submit_bucket(
-                step,
-                bucket_index,
-                buffer,
-                dtype,
-                result=result,
-                result_dtype=result_dtype,
-            )
+        # Copied before the upload starts: an average may land over it right after.
+        kept = self._keep(bucket_index, buffer) if self.keep_for_resend and result is None else None
+        upload = _Upload(buffer, dtype, result, result_dtype, kept)
+        if self.keep_for_resend:
+            launched.upload = upload
+        self._submit(step, bucket_index, upload)

@@ -51,17 +51,37 @@ SHARD_DATA_METHOD = "/gradsync.v1.Shard/Data"
 LEAVE_TIMEOUT_S = 2.0
 
 
+#: A ping every 1 s; one unanswered for 3 s ends the stream: a frozen coordinator is
+#: found in at most 4 s, within the default heartbeat timeout (5 s). The 3 s leave room
+#: for the bytes queued ahead of a ping and of its ack in both socket buffers (several
+#: MB each way: about 3 s at 20 Mbit/s, the wan bench's slowest link).
+KEEPALIVE_TIME_MS = 1_000
+KEEPALIVE_TIMEOUT_MS = 3_000
+
+
 def channel_options() -> list[tuple[str, int]]:
     """gRPC channel options shared by the leader's and the shards' channels.
 
     gRPC's reconnect backoff grows to 120 s by default: a worker started long
     before its coordinator would notice it minutes late, so it retries briskly.
+
+    Keepalive pings find a coordinator that is there but frozen (SIGSTOP, a
+    paused VM, a dead host whose connections the kernel has not yet reset):
+    its kernel still accepts our bytes, so the stream alone would wait for the
+    step timeout. gRPC's core answers pings on its own threads, so a
+    coordinator busy in Python still answers; one that cannot answer within
+    `KEEPALIVE_TIMEOUT_MS` ends the stream UNAVAILABLE and the session moves
+    on (to a standby that took over, README "Fault tolerance"). The
+    coordinator allows pings this frequent (`gradsync_server.app.grpc_options`).
     """
     return [
         ("grpc.max_receive_message_length", CLIENT_MAX_MESSAGE_BYTES),
         ("grpc.max_send_message_length", CLIENT_MAX_MESSAGE_BYTES),
-        ("grpc.keepalive_time_ms", 10_000),
-        ("grpc.keepalive_timeout_ms", 10_000),
+        ("grpc.keepalive_time_ms", KEEPALIVE_TIME_MS),
+        ("grpc.keepalive_timeout_ms", KEEPALIVE_TIMEOUT_MS),
+        # gRPC >= 1.5x waits for a ping's ack this long (default 1 min), whatever the
+        # keepalive timeout says: measured, without it a frozen peer went unnoticed.
+        ("grpc.http2.ping_timeout_ms", KEEPALIVE_TIMEOUT_MS),
         ("grpc.keepalive_permit_without_calls", 1),
         ("grpc.initial_reconnect_backoff_ms", 500),
         ("grpc.min_reconnect_backoff_ms", 500),

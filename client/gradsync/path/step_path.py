@@ -70,6 +70,9 @@ class StepPath:
         #: The number of ranks the last step was averaged over.
         self.last_contributors = 0
         self._errors: list[Exception] = []
+        # A rank that reconnects keeps each step's uploads, to send them again to a
+        # coordinator that continued at this step (no step computed twice).
+        reducer.keep_for_resend = session.reconnect_timeout_s > 0
 
     @property
     def _link(self) -> SessionLink:
@@ -117,27 +120,41 @@ class StepPath:
         self._end_step(step)
 
     def _wait_step(self, step: int) -> int:
-        """Wait for the averages of `step`; reconnect to a restarted coordinator if lost."""
+        """Wait for the averages of `step`; reconnect to a restarted coordinator if lost.
+
+        When the job went on at this very step with every rank's own state, the
+        step's buckets are uploaded again from what was kept (`Reducer.resend`):
+        the restart costs the upload, not a recomputed step. Otherwise (state
+        restored from a checkpoint or from a rank ahead) the step is over for
+        this rank: `CoordinatorRestartedError` says where to continue.
+        """
         wait_started = self._instruments.now()
-        try:
-            contributors = self._path.wait_step(step, self._timeout_s)
-        except StepAbortedError as exc:
-            self._instruments.step_aborted(exc)
-            raise
-        except CoordinatorUnavailableError as exc:
-            resumed_at, restarted = self._session.recover(exc, self.step, "a backward pass")
-            if restarted is None:
-                # The job went on at this very step with this rank's own state, but
-                # this step's gradients were lost with the coordinator: run it again.
-                restarted = CoordinatorRestartedError(
-                    f"lost the coordinator during a backward pass ({exc}) and reconnected; "
-                    f"{self._session.restart_line}. The gradients of step {step} were lost "
-                    "with it: skip optimizer.step() and run the step again (model.step)",
-                    rank=self._rank,
-                    step=resumed_at,
-                )
-            self.step = resumed_at - 1  # `_end_step` moves on to the resumed step
-            raise restarted from exc
+        while True:
+            try:
+                contributors = self._path.wait_step(step, self._timeout_s)
+                break
+            except StepAbortedError as exc:
+                self._instruments.step_aborted(exc)
+                raise
+            except CoordinatorUnavailableError as exc:
+                resumed_at, restarted = self._session.recover(exc, self.step, "a backward pass")
+                if restarted is None and self._reducer.keep_for_resend:
+                    log.warning("rank %d: uploading step %d again", self._rank, step)
+                    self._reducer.resend(step)
+                    continue
+                if restarted is None:
+                    # The job went on at this very step with this rank's own state,
+                    # but nothing of the step was kept: run it again.
+                    restarted = CoordinatorRestartedError(
+                        f"lost the coordinator during a backward pass ({exc}) and "
+                        f"reconnected; {self._session.restart_line}. The gradients of step "
+                        f"{step} were lost with it: skip optimizer.step() and run the step "
+                        "again (model.step)",
+                        rank=self._rank,
+                        step=resumed_at,
+                    )
+                self.step = resumed_at - 1  # `_end_step` moves on to the resumed step
+                raise restarted from exc
         self._instruments.step_done(step, wait_started, self._link.step_report())
         return contributors
 

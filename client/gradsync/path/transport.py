@@ -168,7 +168,7 @@ class Transport:
         self._inbox.expect(join)  # the Welcome is checked against what this worker joined with
         self._run(self._open(join), timeout_s=30.0)
 
-    def wait_welcome(self, timeout_s: float) -> pb.Welcome:
+    def wait_welcome(self, timeout_s: float, unreachable_s: float | None = None) -> pb.Welcome:
         """Block until the job is assembled, logging every ~10 s what it waits for.
 
         See `gradsync.control.joining.wait_for_welcome`.
@@ -187,6 +187,7 @@ class Transport:
             timeout_s,
             self._is_connected,
             security=self._security,
+            unreachable_s=unreachable_s,
         )
 
     # ------------------------------------------------------------ collectives, join()

@@ -585,14 +585,38 @@ class JobStatus(_message.Message):
     def __init__(self, job_id: _Optional[str] = ..., state: _Optional[str] = ..., world_size: _Optional[int] = ..., membership_epoch: _Optional[int] = ..., open_step: _Optional[int] = ..., steps_completed: _Optional[int] = ..., members: _Optional[_Iterable[_Union[MemberStatus, _Mapping]]] = ..., late: _Optional[_Iterable[_Union[LateRank, _Mapping]]] = ..., step_age_s: _Optional[float] = ..., last_checkpoint_step: _Optional[int] = ..., ended: _Optional[bool] = ..., ended_s_ago: _Optional[float] = ..., outcome: _Optional[str] = ..., nonfinite_contributions: _Optional[int] = ..., last_nonfinite: _Optional[str] = ..., outer: _Optional[bool] = ..., outer_rounds: _Optional[int] = ..., outer_state_bytes: _Optional[int] = ..., outer_state: _Optional[str] = ..., restart: _Optional[str] = ..., steps_recomputed: _Optional[int] = ...) -> None: ...
 
 class StatusReply(_message.Message):
-    __slots__ = ("jobs", "heartbeat_timeout_s", "shards")
+    __slots__ = ("jobs", "heartbeat_timeout_s", "shards", "recovery")
     JOBS_FIELD_NUMBER: _ClassVar[int]
     HEARTBEAT_TIMEOUT_S_FIELD_NUMBER: _ClassVar[int]
     SHARDS_FIELD_NUMBER: _ClassVar[int]
+    RECOVERY_FIELD_NUMBER: _ClassVar[int]
     jobs: _containers.RepeatedCompositeFieldContainer[JobStatus]
     heartbeat_timeout_s: float
     shards: _containers.RepeatedCompositeFieldContainer[ShardStatus]
-    def __init__(self, jobs: _Optional[_Iterable[_Union[JobStatus, _Mapping]]] = ..., heartbeat_timeout_s: _Optional[float] = ..., shards: _Optional[_Iterable[_Union[ShardStatus, _Mapping]]] = ...) -> None: ...
+    recovery: Recovery
+    def __init__(self, jobs: _Optional[_Iterable[_Union[JobStatus, _Mapping]]] = ..., heartbeat_timeout_s: _Optional[float] = ..., shards: _Optional[_Iterable[_Union[ShardStatus, _Mapping]]] = ..., recovery: _Optional[_Union[Recovery, _Mapping]] = ...) -> None: ...
+
+class Recovery(_message.Message):
+    __slots__ = ("fence", "takeovers", "ranks_lost", "last_detect_s", "last_rank_recover_s", "restarts_continued", "restarts_checkpoint", "steps_recomputed", "last_restart_recover_s")
+    FENCE_FIELD_NUMBER: _ClassVar[int]
+    TAKEOVERS_FIELD_NUMBER: _ClassVar[int]
+    RANKS_LOST_FIELD_NUMBER: _ClassVar[int]
+    LAST_DETECT_S_FIELD_NUMBER: _ClassVar[int]
+    LAST_RANK_RECOVER_S_FIELD_NUMBER: _ClassVar[int]
+    RESTARTS_CONTINUED_FIELD_NUMBER: _ClassVar[int]
+    RESTARTS_CHECKPOINT_FIELD_NUMBER: _ClassVar[int]
+    STEPS_RECOMPUTED_FIELD_NUMBER: _ClassVar[int]
+    LAST_RESTART_RECOVER_S_FIELD_NUMBER: _ClassVar[int]
+    fence: int
+    takeovers: int
+    ranks_lost: int
+    last_detect_s: float
+    last_rank_recover_s: float
+    restarts_continued: int
+    restarts_checkpoint: int
+    steps_recomputed: int
+    last_restart_recover_s: float
+    def __init__(self, fence: _Optional[int] = ..., takeovers: _Optional[int] = ..., ranks_lost: _Optional[int] = ..., last_detect_s: _Optional[float] = ..., last_rank_recover_s: _Optional[float] = ..., restarts_continued: _Optional[int] = ..., restarts_checkpoint: _Optional[int] = ..., steps_recomputed: _Optional[int] = ..., last_restart_recover_s: _Optional[float] = ...) -> None: ...
 
 class ShardStatus(_message.Message):
     __slots__ = ("index", "address", "alive", "last_seen_s", "bytes_received", "bytes_sent", "buckets_completed", "mean_bucket_s", "buffered_bytes", "connections", "version")

@@ -147,6 +147,8 @@ class Job(JobEnding):
         resume = self.persistence.resume
         decision = self._restart_decision(optimizer is None, resume.step if resume else None)
         if isinstance(decision, restart.Continue):
+            if self.observer is not None:
+                self.observer.observe_restart(True, 0)
             return self._continue(decision)
         self.broadcast.start(
             signatures.state_bytes(signature), needed=resume is None and self.world_size > 1
@@ -173,6 +175,8 @@ class Job(JobEnding):
         self._tell_shards(pb.LeaderMessage(job=view))
         ranks = self.membership.ranks()
         self.steps_recomputed = restart.steps_recomputed(decision, start)
+        if decision is not None and self.observer is not None:
+            self.observer.observe_restart(False, self.steps_recomputed)
         resume_bytes = len(resume.payload) if resume is not None else 0
         actions: list[Action] = [self.welcome_for(rank, resume_bytes) for rank in ranks]
         if resume is not None:

@@ -114,6 +114,8 @@ class JobCore:
         self._events: list[pb.LeaderMessage] = []
         self._last_abort_event = -1
         self.liveness = Liveness(clock)
+        #: Told of restarts (the coordinator's metrics), if anyone is.
+        self.observer = metrics
         self.persistence = Persistence(chunk_bytes, blob_limit, job_budget)
         self.job_budget, self.blob_limit = job_budget, blob_limit
         #: A restarted job's donor state on its way to the ranks behind (`control.restart`).

@@ -43,6 +43,9 @@ class StepObserver(Protocol):
     def slowest(self, k: int) -> list[tuple[int, float]]:
         """The `k` ranks with the largest mean lag, as (rank, seconds), slowest first."""
 
+    def observe_restart(self, continued: bool, steps_recomputed: int) -> None:
+        """A restarted job went on: from the ranks' own state or from a checkpoint."""
+
 
 class LagTracker:
     """Per rank, the mean lag over its last `window` buckets.

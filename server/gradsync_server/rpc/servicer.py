@@ -172,6 +172,7 @@ class CoordinatorServicer:
         reply.shards.extend(
             self.shard_control.statuses(self.buffered_bytes, self.connection_count())
         )
+        reply.recovery.CopyFrom(self.metrics.recovery.summary())
         return reply
 
     def own_stats(self) -> pb.ShardStats:
@@ -441,6 +442,8 @@ class CoordinatorServicer:
 
     def _leave_job(self, job: Job, rank: int, orderly: bool, reason: str | None = None) -> None:
         """Drop `rank` from `job` for good and carry out what that means for the others."""
+        if not orderly:
+            self.metrics.recovery.rank_lost(job.liveness.seconds_since_seen(rank))
         self.segments.forget(job.job_id, rank, job.membership.session_of(rank))
         self._execute(job, job.detach(rank, orderly=orderly, reason=reason))
         # Its straggler statistics must not follow a later member with its rank.

@@ -27,6 +27,7 @@ import logging
 
 import grpc
 from gradsync_proto import __version__
+from gradsync_proto.net.addresses import AddressRotation
 from gradsync_proto.net.channels import ChannelSecurity, handshake_failure
 from gradsync_proto.net.stream_client import EndKind, StreamClient, StreamEnded
 from gradsync_proto.v1 import gradsync_pb2 as pb
@@ -79,6 +80,8 @@ class LeaderLink:
     def __init__(self, servicer: ShardServicer) -> None:
         self._servicer = servicer
         self._config = servicer.config
+        #: `--leader a:1,b:2` (a standby leader): the active one is found by trying each.
+        self._leaders = AddressRotation(servicer.config.leader)
         config = self._config
         # The shard's own certificate doubles as its client certificate (mTLS leaders),
         # and it presents the shard token, which the workers' token cannot stand in for.
@@ -117,25 +120,28 @@ class LeaderLink:
         loop = asyncio.get_running_loop()
         last_report = -UNREACHABLE_REPORT_PERIOD_S
         while True:
+            leader = self._leaders.current()
             try:
-                why, accepted = await self._session()
+                why, accepted = await self._session(leader)
             except Refused as refused:
-                log.error("the leader %s refused this shard: %s", self._config.leader, refused)
+                log.error("the leader %s refused this shard: %s", leader, refused)
                 return refused.message
             if accepted:
                 self._servicer.on_leader_lost(why)
                 backoff = _FIRST_BACKOFF_S
-                log.warning("lost the leader %s (%s); registering again", self._config.leader, why)
+                log.warning("lost the leader %s (%s); registering again", leader, why)
             elif loop.time() - last_report >= UNREACHABLE_REPORT_PERIOD_S:
                 last_report = loop.time()
-                log.warning(
-                    "cannot register with the leader %s (%s); retrying", self._config.leader, why
-                )
+                log.warning("cannot register with the leader %s (%s); retrying", leader, why)
+            # Several leaders (one active, the others standbys answering UNAVAILABLE):
+            # try the next one; the pause grows once per pass over all of them.
+            self._leaders.advance()
             await asyncio.sleep(backoff)
-            backoff = min(backoff * 2, self._config.reconnect_backoff_max_s)
+            if self._leaders.wrapped:
+                backoff = min(backoff * 2, self._config.reconnect_backoff_max_s)
 
-    async def _session(self) -> tuple[str, bool]:
-        """One control stream: (why it ended, whether the leader had accepted the shard).
+    async def _session(self, leader: str) -> tuple[str, bool]:
+        """One control stream to `leader`: (why it ended, whether it had accepted the shard).
 
         Raises:
             Refused: the leader refused the registration.
@@ -147,7 +153,7 @@ class LeaderLink:
         # Not wait_for_ready: a leader that is not there fails the call at once
         # (UNAVAILABLE), and a TLS handshake that fails is then named.
         self._stream = stream = StreamClient(
-            config.leader,
+            leader,
             METHOD,
             self._on_message,
             self._on_end,
@@ -170,7 +176,7 @@ class LeaderLink:
             done, _ = await asyncio.wait({outcome, pump}, return_when=asyncio.FIRST_COMPLETED)
             result = done.pop().result()  # the pump only ends by raising
             if isinstance(result, _Unreachable):
-                await self._refuse_on_handshake_failure()
+                await self._refuse_on_handshake_failure(leader)
                 return str(result), False
             if isinstance(result, BaseException):
                 raise result
@@ -186,16 +192,16 @@ class LeaderLink:
         if self._outcome is not None and not self._outcome.done():
             self._outcome.set_result(outcome)
 
-    async def _refuse_on_handshake_failure(self) -> None:
+    async def _refuse_on_handshake_failure(self, leader: str) -> None:
         """Raise Refused when TLS, not the network, keeps the leader out of reach.
 
         A leader that is away is waited for; a certificate that does not fit
         would be retried for ever, so it stops the shard (exit 2) naming the cause.
         """
-        failure = await asyncio.to_thread(handshake_failure, self._config.leader, self._security)
+        failure = await asyncio.to_thread(handshake_failure, leader, self._security)
         if failure is not None:
             raise Refused(
-                f"no TLS connection to the leader {self._config.leader}: {failure} "
+                f"no TLS connection to the leader {leader}: {failure} "
                 "(a shard's flags: --tls-ca, and --tls-cert / --tls-key as its client "
                 "certificate)"
             )

@@ -21,7 +21,9 @@ Output: {"status": "ok" | error class name, "message", "step", "elapsed_s",
 from __future__ import annotations
 
 import json
+import logging
 import os
+import re
 import signal
 import sys
 import time
@@ -32,6 +34,19 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 import gradsync
 import torch
 from support import scenarios
+
+
+class _StepsResent(logging.Handler):
+    """Notes the steps the client says it uploaded again (`Reducer.resend`)."""
+
+    def __init__(self, steps: list[int]) -> None:
+        super().__init__(logging.WARNING)
+        self._steps = steps
+
+    def emit(self, record: logging.LogRecord) -> None:
+        found = re.search(r"uploading step (\d+) again", record.getMessage())
+        if found:
+            self._steps.append(int(found.group(1)))
 
 
 def main() -> int:
@@ -56,6 +71,8 @@ def main() -> int:
     restarts: list[int] = []
     computed = [0]  # forward/backward passes this process ran (recomputed ones included)
     restart_causes: list[str] = []
+    resent: list[int] = []  # steps uploaded again to a restarted coordinator
+    logging.getLogger("gradsync.client").addHandler(_StepsResent(resent))
     skipped: list[int] = []
     aborts: list[dict[str, object]] = []
     nonfinite_steps: list[int] = []
@@ -67,6 +84,7 @@ def main() -> int:
         "restarts": restarts,
         "computed": computed,
         "restart_causes": restart_causes,
+        "resent": resent,
         "skipped": skipped,
         "aborts": aborts,
         "nonfinite_steps": nonfinite_steps,

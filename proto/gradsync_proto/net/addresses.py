@@ -1,9 +1,11 @@
-"""The coordinator addresses a worker may join, and the order it tries them in.
+"""The coordinator addresses a worker (or a shard) may reach, and the order it tries them in.
 
 With a standby coordinator (README "Fault tolerance") a worker is given several addresses,
 "a:50051,b:50051", or one DNS name that resolves to several; only the active coordinator
 serves, the others answer UNAVAILABLE. The session tries one address per attempt and moves
-to the next after an UNAVAILABLE, so it finds the active one within one pass. A DNS name is
+to the next after an UNAVAILABLE, so it finds the active one within one pass. A dedicated
+shard's `--leader` takes the same list and follows the active leader the same way (here,
+not in the client, because both sides use it). A DNS name is
 resolved again at every pass (the active one may have moved). One address that resolves
 to one host is used verbatim, so a single-address job behaves exactly as before.
 """
@@ -18,8 +20,8 @@ from gradsync_proto.net.address import Address, parse_address
 
 __all__ = ["PER_ADDRESS_JOIN_S", "AddressRotation", "parse_addresses"]
 
-#: With several addresses, one reconnect attempt waits at most this long at one of them
-#: (a dead host's connect retries would otherwise use the whole reconnect budget).
+#: With several addresses, a join waits at most this long for a connection to come up at
+#: one of them (a dead host's connect retries would otherwise use the whole join budget).
 PER_ADDRESS_JOIN_S = 3.0
 
 #: socket.getaddrinfo's signature, injectable so tests resolve without a DNS server.
@@ -72,10 +74,10 @@ class AddressRotation:
         """How many targets one pass tries."""
         return len(self._targets)
 
-    def attempt_s(self, remaining_s: float) -> float:
-        """How long one join attempt may wait: all that is left with one address; with
-        several, at most `PER_ADDRESS_JOIN_S` (a dead host must not take the whole budget)."""
-        return min(remaining_s, PER_ADDRESS_JOIN_S) if self.several else remaining_s
+    @property
+    def wrapped(self) -> bool:
+        """True at the first target of a pass (after `advance` went past the last one)."""
+        return self._position == 0
 
     def current(self) -> str:
         """The target to try now."""
@@ -87,6 +89,11 @@ class AddressRotation:
         if self._position >= len(self._targets):
             self._refresh()
         return self.current()
+
+    def move_on(self, why: object) -> str:
+        """Advance, the current target having not served because of `why`; say so in words."""
+        tried = self.current()
+        return f"{tried} did not serve ({why}); trying {self.advance()}"
 
     def _refresh(self) -> None:
         self._position = 0

@@ -1,0 +1,230 @@
+"""A donor's live state straight to the rank it heals, over a loopback socket, raw.
+
+Why: through the coordinator a healing state crossed gRPC twice in 1 MiB
+messages, pickled (`torch.save`), assembled whole on the coordinator and
+queued whole for the joiner: 0.07 GB/s for 270 MB here, and above the
+coordinator's per-worker outbox cap (128 MiB) the joiner was dropped. When
+the coordinator is on this host (a loopback address), donor and joiner are
+too, so the donor offers its state on a loopback TCP socket instead: it
+serves it at the step boundary (`StateOffer`), and its heal upload through
+the coordinator is only a small *offer* (this module's `OFFER_MAGIC`,
+address, one-time token, size), relayed, checked and budgeted like any heal
+blob. The joiner connects, presents the token, and
+reads the raw state (`gradsync.control.raw_state`) directly into new tensors.
+
+Trust: the offer came over the joiner's authenticated session, but its
+address is still a claim: the joiner connects only to a loopback address,
+and reads at most its limit. The donor sends only to a peer presenting the
+token (32 random bytes, compared in constant time), serves until its
+deadline, and then drops the snapshot. Every socket operation is bounded.
+"""
+
+from __future__ import annotations
+
+import hmac
+import ipaddress
+import json
+import logging
+import secrets
+import socket
+import threading
+import time
+from typing import Any
+
+import torch
+
+from gradsync.control import raw_state
+
+log = logging.getLogger("gradsync.client")
+
+OFFER_MAGIC = b"GSHEAL1\n"
+#: The largest offer a joiner reads (it is a few hundred bytes).
+MAX_OFFER_BYTES = 4096
+_TOKEN_BYTES = 32
+#: Bytes per recv_into/sendall call: large, so that the loop costs nothing per byte.
+_IO_BYTES = 16 << 20
+
+
+class HealChannelError(RuntimeError):
+    """The direct transfer failed (connection, token, timeout or a malformed state)."""
+
+
+def loopback_host(address: str) -> bool:
+    """True when `address` (host:port, or a bare host) names this host's loopback."""
+    if address.startswith("[") and "]" in address:  # [v6]:port
+        host = address[1 : address.index("]")]
+    else:  # host:port, a bare host, or a bare v6 address
+        host = address.rsplit(":", 1)[0] if address.count(":") == 1 else address
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def is_offer(blob: bytes | bytearray) -> bool:
+    """True when a heal blob is an offer of this module rather than a state."""
+    return bytes(blob[: len(OFFER_MAGIC)]) == OFFER_MAGIC
+
+
+class StateOffer:
+    """The donor's end: `state` served on 127.0.0.1 until `serve_s` passes.
+
+    The live tensors are served first, while the donor waits (`settle`) for
+    the first joiner to read them: the others' step cannot complete before
+    the joiner contributes to it anyway, and a copy made first would only
+    add to that wait. Then `settle` freezes a snapshot (one copy) for any
+    other joiner, and the donor trains on.
+
+    Args:
+        state: the state dict tree (module and optimizer state), not copied: the donor
+            must not change its tensors until `settle` returns.
+        serve_s: how long joiners may come for it (they join within their Welcome's
+            timeout); the snapshot is dropped then, or at `close`.
+    """
+
+    def __init__(self, state: Any, serve_s: float) -> None:
+        self._prefix, self._tensors = raw_state.encode(state)
+        self.total_bytes = len(self._prefix) + sum(
+            t.numel() * t.element_size() for t in self._tensors
+        )
+        self._token = secrets.token_bytes(_TOKEN_BYTES)
+        self._deadline = time.monotonic() + serve_s
+        self._stop = threading.Event()
+        #: Set once a joiner presented the token (its transfer runs under `_serving`).
+        self._joined = threading.Event()
+        #: Held while a joiner is being served, so that `settle` swaps tensors between two.
+        self._serving = threading.Lock()
+        self._sock = socket.create_server(("127.0.0.1", 0))
+        self._sock.settimeout(0.2)
+        self.port = int(self._sock.getsockname()[1])
+        self._thread = threading.Thread(target=self._serve, name="gradsync-heal-offer", daemon=True)
+        self._thread.start()
+
+    def offer(self) -> bytes:
+        """The small blob the coordinator relays to the joiners instead of the state."""
+        fields = {"host": "127.0.0.1", "port": self.port, "token": self._token.hex()}
+        fields["total_bytes"] = self.total_bytes
+        return OFFER_MAGIC + json.dumps(fields).encode()
+
+    def settle(self, wait_s: float) -> bool:
+        """Wait (at most `wait_s`) for a first joiner to come, and for its transfer of the
+        live state to end (bounded by the socket timeouts); then serve a snapshot from now
+        on. Return whether a joiner came."""
+        came = self._joined.wait(wait_s)
+        with self._serving, torch.no_grad():
+            self._tensors = [t.clone() for t in self._tensors]
+        return came
+
+    def close(self) -> None:
+        """Stop serving and drop the snapshot (idempotent; bounded)."""
+        self._stop.set()
+        if self._thread is not threading.current_thread():
+            self._thread.join(timeout=5.0)
+
+    def _serve(self) -> None:
+        try:
+            while not self._stop.is_set() and time.monotonic() < self._deadline:
+                try:
+                    conn, _ = self._sock.accept()
+                except TimeoutError:
+                    continue
+                with conn, self._serving:
+                    self._send(conn)
+        except OSError as exc:
+            log.warning("heal offer: serving stopped: %s", exc)
+        finally:
+            self._sock.close()
+            self._tensors = []  # the snapshot's memory goes back
+
+    def _send(self, conn: socket.socket) -> bool:
+        started = time.monotonic()
+        try:
+            conn.settimeout(30.0)
+            token = _recv_exactly(conn, _TOKEN_BYTES)
+            if not hmac.compare_digest(token, self._token):
+                log.warning("heal offer: a peer presented a wrong token; refused")
+                return False
+            self._joined.set()
+            conn.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4 << 20)
+            conn.sendall(self._prefix)
+            for tensor in self._tensors:
+                view = raw_state.tensor_bytes(tensor) if tensor.numel() else memoryview(b"")
+                for offset in range(0, len(view), _IO_BYTES):
+                    conn.sendall(view[offset : offset + _IO_BYTES])
+        except (OSError, HealChannelError) as exc:
+            log.warning("heal offer: a transfer failed: %s", exc)
+            return False
+        seconds = time.monotonic() - started
+        log.info(
+            "heal offer: sent %d bytes in %.3f s (%.2f GB/s, loopback TCP)",
+            self.total_bytes,
+            seconds,
+            self.total_bytes / max(seconds, 1e-9) / 1e9,
+        )
+        return True
+
+
+def fetch(offer: bytes | bytearray, limit_bytes: int, timeout_s: float) -> Any:
+    """The joiner's end: read the offered state (a state dict tree of fresh tensors).
+
+    Args:
+        offer: the blob the coordinator relayed (`StateOffer.offer`).
+        limit_bytes: the most tensor bytes to accept (a size in the header is a claim).
+        timeout_s: the bound on the whole transfer.
+
+    Raises:
+        HealChannelError: a malformed offer, a non-loopback address, a refused or lost
+            connection, a timeout, or a state that `raw_state` refuses.
+    """
+    host, port, token = _parse_offer(bytes(offer))
+    deadline = time.monotonic() + timeout_s
+    try:
+        with socket.create_connection((host, port), timeout=timeout_s) as conn:
+            conn.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4 << 20)
+            conn.sendall(token)
+            length = raw_state.header_length(_recv_exactly(conn, raw_state.PREFIX_BYTES))
+            layout = raw_state.parse_header(_recv_exactly(conn, length), limit_bytes)
+
+            def read_into(target: memoryview) -> None:
+                _recv_into(conn, target, deadline)
+
+            return layout.build(raw_state.read_tensors(layout, read_into))
+    except raw_state.BadRawState as exc:
+        raise HealChannelError(f"the donor's state is not readable: {exc}") from exc
+    except OSError as exc:
+        raise HealChannelError(f"reading the donor's state from {host}:{port}: {exc}") from exc
+
+
+def _parse_offer(offer: bytes) -> tuple[str, int, bytes]:
+    if len(offer) > MAX_OFFER_BYTES or not is_offer(offer):
+        raise HealChannelError(f"not a heal offer ({len(offer)} bytes)")
+    try:
+        fields = json.loads(offer[len(OFFER_MAGIC) :].decode())
+        host, port, token = str(fields["host"]), int(fields["port"]), bytes.fromhex(fields["token"])
+    except (UnicodeDecodeError, ValueError, KeyError, TypeError) as exc:
+        raise HealChannelError(f"a malformed heal offer: {exc}") from None
+    if not loopback_host(host) or not 0 < port < 65536 or len(token) != _TOKEN_BYTES:
+        raise HealChannelError(
+            f"a heal offer for {host}:{port} refused: only a loopback address and a "
+            f"{_TOKEN_BYTES}-byte token are accepted"
+        )
+    return host, port, token
+
+
+def _recv_exactly(conn: socket.socket, count: int) -> bytes:
+    buffer = bytearray(count)
+    _recv_into(conn, memoryview(buffer), time.monotonic() + 30.0)
+    return bytes(buffer)
+
+
+def _recv_into(conn: socket.socket, target: memoryview, deadline: float) -> None:
+    filled = 0
+    while filled < len(target):
+        if time.monotonic() > deadline:
+            raise HealChannelError(f"timed out with {filled} of {len(target)} bytes")
+        received = conn.recv_into(target[filled:], min(_IO_BYTES, len(target) - filled))
+        if not received:
+            raise HealChannelError(f"the donor closed after {filled} of {len(target)} bytes")
+        filled += received
