@@ -131,7 +131,8 @@ def contributions(incarnations: list[Incarnation]) -> tuple[dict[int, list[int]]
         work = [
             e for e in inc.events if e["e"] in ("submit", "applied", "restart", "aborted", "final")
         ]
-        for event, following in zip(work, [*work[1:], None], strict=True):
+        for index, event in enumerate(work):
+            following = work[index + 1] if index + 1 < len(work) else None
             # A submitted step this process never applied: it died (or was dropped) with
             # the step open, or the coordinator died under it and the job then went on
             # past it. Its gradient may still be in the average: the count says.

@@ -25,6 +25,8 @@ def test_a_rank_killed_with_its_gradient_in_counts_for_the_step() -> None:
         _inc(1, ("joined", 0), ("submit", 0), ("applied", 0, 3), ("submit", 1), ("applied", 1, 2)),
         _inc(2, ("joined", 0), ("submit", 0)),  # SIGKILLed after its upload
     ]
+    # A process that never got to train (refused while no coordinator served) is no one.
+    logs.append(_inc(2, ("error", 0)))
     members, unresolved = contributions(logs)
     assert members == {0: [0, 1, 2], 1: [0, 1]} and unresolved == []
     assert applied_once(logs)["ok"]
