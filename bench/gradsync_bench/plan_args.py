@@ -41,4 +41,14 @@ def plan_from_args(args: Any) -> BenchPlan:
         value = getattr(args, name, None)
         if value is not None:
             overrides[name] = tuple(value) if name == "wan_methods" else value
+    churn = {
+        "duration_s": getattr(args, "churn_duration_s", None),
+        "interval_s": getattr(args, "churn_interval_s", None),
+        "kinds": getattr(args, "churn_kinds", None),
+        "shards": getattr(args, "churn_shards", None),
+        "work_dir": getattr(args, "churn_work_dir", None),
+    }
+    churn_overrides = {name: value for name, value in churn.items() if value is not None}
+    if churn_overrides:
+        overrides["churn"] = dataclasses.replace(plan.churn, **churn_overrides)
     return dataclasses.replace(plan, **overrides)

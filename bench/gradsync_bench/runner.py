@@ -16,7 +16,17 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from gradsync_bench import heal, netns_hosts, sharded, suites, wan, wan_report, wan_worker
+from gradsync_bench import (
+    churn,
+    churn_report,
+    heal,
+    netns_hosts,
+    sharded,
+    suites,
+    wan,
+    wan_report,
+    wan_worker,
+)
 
 
 @dataclass(frozen=True)
@@ -57,6 +67,8 @@ class BenchPlan:
     #: The heal suite (`gradsync_bench.heal`, a restarted rank healed; not run by default).
     heal_worlds: list[int] = field(default_factory=lambda: [2, 4])
     heal_states_mb: list[float] = field(default_factory=lambda: [256.0, 1024.0])
+    #: The churn suite (`gradsync_bench.churn`, two runs of churn.duration_s); on request.
+    churn: churn.ChurnPlan = field(default_factory=churn.ChurnPlan)
 
     def wan_plan(self) -> wan.WanPlan:
         """The wan suite's own plan."""
@@ -166,6 +178,9 @@ def run(plan: BenchPlan) -> dict[str, Any]:
     if "heal" in plan.suites:
         print("healing a restarted rank ...", file=sys.stderr, flush=True)
         document["suites"]["heal"] = heal.heal_suite(plan.heal_worlds, plan.heal_states_mb)
+    if "churn" in plan.suites:
+        print("churn soak: failures every interval ...", file=sys.stderr, flush=True)
+        document["suites"]["churn"] = churn.churn_suite(plan.churn)
     finished = datetime.datetime.now(datetime.UTC)
     document["duration_s"] = (finished - started).total_seconds()
     return document
@@ -291,6 +306,7 @@ def markdown(document: dict[str, Any]) -> str:
     lines += _hierarchy_table(document["suites"].get("netns_hierarchy", []))
     lines += wan_report.markdown_lines(document["suites"].get("wan", {}))
     lines += heal.markdown_lines(document["suites"].get("heal", []))
+    lines += churn_report.markdown_lines(document["suites"].get("churn", {}))
     for suite, reason in document.get("skipped", {}).items():
         lines.append(f"Suite {suite} skipped: {reason}")
     return "\n".join(lines) + "\n"
@@ -471,7 +487,7 @@ def write(document: dict[str, Any], out_dir: Path) -> None:
     rows = document["suites"]
     wan_ran = bool(rows.get("wan", {}).get("rows"))
     others = any(rows.get(name) for name in ("loopback", "train", "netns"))
-    if others or not wan_ran:
+    if others or not (wan_ran or "churn" in rows):
         plot(document, out_dir / "latest.png")
     if wan_ran:
         # Alone, the wan suite's figure is latest.png; beside the others, latest-wan.png.

@@ -20,8 +20,9 @@ from gradsync import __version__, defaults, flags
 from gradsync.config import ENV_COORDINATOR, ENV_JOB_ID, ENV_RANK, ENV_WORLD_SIZE
 
 #: The benchmark suites `gradsync bench --suites` chooses from.
-BENCH_SUITES = ("loopback", "train", "netns", "wan", "heal")
-#: The suites `gradsync bench` runs without --suites (wan, 20-25 minutes, only on request).
+BENCH_SUITES = ("loopback", "train", "netns", "wan", "heal", "churn")
+#: The suites `gradsync bench` runs without --suites (wan, 20-25 minutes, heal, and churn,
+#: two runs of --churn-duration-s, only on request).
 BENCH_DEFAULT_SUITES = BENCH_SUITES[:3]
 #: The methods of the wan suite (`gradsync bench --wan-methods`; gradsync_bench.wan_worker).
 BENCH_WAN_METHODS = (
@@ -35,6 +36,14 @@ BENCH_WAN_METHODS = (
     "streaming-f4-int8",
     "diloco-h50-int8x2",
     "diloco-h100-int8x2",
+)
+#: The failures of the churn suite (`gradsync bench --churn-kinds`; gradsync_bench.churn_schedule).
+BENCH_CHURN_KINDS = (
+    "worker-kill",
+    "worker-stop",
+    "coordinator-kill",
+    "shard-kill",
+    "redis-restart",
 )
 #: The coordinator layouts of the netns suite (`gradsync bench --layouts`).
 BENCH_LAYOUTS = ("single", "dedicated", "colocated")
@@ -256,7 +265,43 @@ def build_parser() -> argparse.ArgumentParser:
         "and loopback rows with `serve --shards S` beside the unsharded ones",
     )
     _add_wan_flags(bench)
+    _add_churn_flags(bench)
     return parser
+
+
+def _add_churn_flags(bench: argparse.ArgumentParser) -> None:
+    """The churn suite's knobs (defaults in gradsync_bench.churn.ChurnPlan)."""
+    bench.add_argument(
+        "--churn-duration-s",
+        type=flags.positive_number,
+        default=None,
+        help="churn: length of the churn run and of the churn-free run before it (default 600)",
+    )
+    bench.add_argument(
+        "--churn-interval-s",
+        type=flags.positive_number,
+        default=None,
+        help="churn: seconds between two failures (default 15)",
+    )
+    bench.add_argument(
+        "--churn-kinds",
+        type=flags.choice_list(BENCH_CHURN_KINDS),
+        default=None,
+        help=f"churn: the failures cycled over, a subset of {','.join(BENCH_CHURN_KINDS)} "
+        "(default: all, in that order)",
+    )
+    bench.add_argument(
+        "--churn-shards",
+        type=flags.positive_int,
+        default=None,
+        help="churn: `serve --shards S` of each coordinator (default 2; 1: no shard-kill)",
+    )
+    bench.add_argument(
+        "--churn-work-dir",
+        default=None,
+        help="churn: keep every process's log and the workers' step logs in this folder "
+        "(default: a temporary folder, removed)",
+    )
 
 
 def _add_wan_flags(bench: argparse.ArgumentParser) -> None:

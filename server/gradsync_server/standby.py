@@ -179,8 +179,10 @@ async def take_part(
         if activated in done:
             await set_health(running.health, SERVICE_NAME, serving=True)
             if config.local_shards and config.shard_count > 1:
-                # A leader's local shards are its children: a standby starts its own now.
-                running.local_shards = LocalShards(config, running.port)
+                # A leader's local shards are its children: a standby starts its own now,
+                # with the servicer's config, which holds the shard token `start_server`
+                # generated (the caller's `config` has none: its shards were refused).
+                running.local_shards = LocalShards(running.servicer.config, running.port)
                 await running.local_shards.start()
             continue
         break

@@ -1,0 +1,317 @@
+"""The churn soak's end checks, from the workers' logs and final parameters alone.
+
+- every live replica is bitwise identical (the SHA-256 of its parameters);
+- no step is applied twice: within a rank, across its incarnations, the steps
+  it applied only go up, one at a time, except where the library moved it
+  (a coordinator restart that continued at another step: the `restart` event);
+- the final parameters equal a replay of the recorded contributions: step s
+  averaged the gradients of the ranks that applied it, plus those that died
+  with s in flight when the coordinator's count says their gradient was in
+  (the model is one bucket, so a rank's contribution is all or nothing);
+- per failure: the time to detect it (the first reaction the system shows: a
+  membership change, another coordinator serving, a rank told of a restart or
+  an error), the time to recover (the first step applied after that), the
+  steps computed again (a rank submitting a step it had submitted before in
+  the same process), and how long a restarted rank took to train again.
+"""
+
+from __future__ import annotations
+
+import json
+from collections import Counter
+from dataclasses import dataclass, field
+from itertools import combinations, pairwise
+from pathlib import Path
+from typing import Any
+
+from gradsync_bench import churn_worker
+from gradsync_bench.churn_schedule import Failure, Sample
+
+
+@dataclass
+class Incarnation:
+    """One worker process: its events in order."""
+
+    rank: int
+    events: list[dict[str, Any]] = field(default_factory=list)
+
+    def of(self, kind: str) -> list[dict[str, Any]]:
+        return [event for event in self.events if event["e"] == kind]
+
+
+def read_logs(folder: Path, world_size: int) -> list[Incarnation]:
+    """Every incarnation of every rank, from rank*.jsonl (a torn last line is dropped)."""
+    incarnations: list[Incarnation] = []
+    for rank in range(world_size):
+        path = folder / f"rank{rank}.jsonl"
+        if not path.exists():
+            continue
+        current: Incarnation | None = None
+        for line in path.read_text().splitlines():
+            try:
+                event = json.loads(line)
+            except json.JSONDecodeError:
+                continue  # a line cut by SIGKILL
+            if event["e"] == "start" or current is None:
+                current = Incarnation(rank)
+                incarnations.append(current)
+            current.events.append(event)
+    return incarnations
+
+
+def replicas_identical(incarnations: list[Incarnation], world_size: int) -> dict[str, Any]:
+    """The final digests of the live ranks: all present, all equal, at one step."""
+    finals = {inc.rank: inc.of("final")[-1] for inc in incarnations if inc.of("final")}
+    digests = {rank: final["digest"] for rank, final in finals.items()}
+    steps = {rank: final["s"] for rank, final in finals.items()}
+    return {
+        "ok": len(finals) == world_size and len(set(digests.values())) == 1,
+        "live_ranks": sorted(finals),
+        "distinct_digests": len(set(digests.values())),
+        "final_steps": sorted(set(steps.values())),
+        "digest": next(iter(digests.values()), None),
+    }
+
+
+def applied_once(incarnations: list[Incarnation]) -> dict[str, Any]:
+    """No step applied twice or skipped by a rank, and the job's steps have no hole."""
+    problems: list[str] = []
+    last_of_rank: dict[int, int] = {}
+    applied_events = 0
+    jumps = 0
+    for inc in incarnations:
+        expected: int | None = None
+        for event in inc.events:
+            if event["e"] in ("joined", "restart") or (event["e"] == "aborted" and "next" in event):
+                event = {**event, "s": event.get("next", event["s"])}
+                if expected is not None and event["s"] != expected:
+                    jumps += 1
+                expected = event["s"]
+            elif event["e"] == "applied":
+                applied_events += 1
+                step = event["s"]
+                if expected is not None and step != expected:
+                    problems.append(f"rank {inc.rank} applied step {step}, expected {expected}")
+                if step <= last_of_rank.get(inc.rank, -1):
+                    problems.append(f"rank {inc.rank} applied step {step} again")
+                last_of_rank[inc.rank] = step
+                expected = step + 1
+    steps = {e["s"] for inc in incarnations for e in inc.of("applied")}
+    aborted = aborted_steps(incarnations)
+    final = max(steps, default=-1) + 1
+    holes = sorted(set(range(final)) - steps - aborted)
+    if holes:
+        problems.append(f"no rank applied steps {holes[:10]} ({len(holes)} in all)")
+    return {
+        "ok": not problems,
+        "problems": problems[:20],
+        "steps_advanced": final,
+        "steps_applied": len(steps),
+        "applied_events": applied_events,
+        "moved_by_restart": jumps,
+        "aborted_steps": sorted(aborted)[:50],
+    }
+
+
+def aborted_steps(incarnations: list[Incarnation]) -> set[int]:
+    """Steps some rank saw aborted and no rank applied (every rank skipped the update)."""
+    applied = {e["s"] for inc in incarnations for e in inc.of("applied")}
+    return {e["s"] for inc in incarnations for e in inc.of("aborted")} - applied
+
+
+def contributions(incarnations: list[Incarnation]) -> tuple[dict[int, list[int]], list[str]]:
+    """The ranks whose gradients step s averaged, for every step; and what is unresolved."""
+    applied: dict[int, set[int]] = {}
+    counts: dict[int, Counter[int]] = {}
+    in_flight_at_death: dict[int, set[int]] = {}
+    for inc in incarnations:
+        for event in inc.of("applied"):
+            applied.setdefault(event["s"], set()).add(inc.rank)
+            counts.setdefault(event["s"], Counter())[event["c"]] += 1
+        work = [
+            e for e in inc.events if e["e"] in ("submit", "applied", "restart", "aborted", "final")
+        ]
+        for index, event in enumerate(work):
+            following = work[index + 1] if index + 1 < len(work) else None
+            # A submitted step this process never applied: it died (or was dropped) with
+            # the step open, or the coordinator died under it and the job then went on
+            # past it. Its gradient may still be in the average: the count says.
+            if event["e"] == "submit" and (
+                following is None or following["e"] != "applied" or following["s"] != event["s"]
+            ):
+                in_flight_at_death.setdefault(event["s"], set()).add(inc.rank)
+    members: dict[int, list[int]] = {}
+    unresolved: list[str] = []
+    for step in sorted(applied):
+        count_of, _ = counts[step].most_common(1)[0]
+        if len(counts[step]) > 1:
+            unresolved.append(f"step {step}: ranks saw different counts {dict(counts[step])}")
+        known = applied[step]
+        candidates = sorted(in_flight_at_death.get(step, set()) - known)
+        missing = count_of - len(known)
+        if missing < 0 or missing > len(candidates):
+            unresolved.append(
+                f"step {step}: {count_of} contributors, applied by {sorted(known)}, "
+                f"in flight at death {candidates}"
+            )
+            members[step] = sorted(known)
+            continue
+        choices = list(combinations(candidates, missing))
+        if len(choices) > 1:
+            unresolved.append(f"step {step}: {missing} of {candidates} contributed, unknown which")
+        members[step] = sorted(known | set(choices[0]))
+    return members, unresolved
+
+
+def replay(
+    members: dict[int, list[int]], final_step: int, skipped: set[int] | frozenset[int] = frozenset()
+) -> dict[str, Any]:
+    """Single-process training where step s averages the gradients of members[s]; the
+    steps in `skipped` (aborted for every rank) change nothing.
+
+    The sum is formed in ascending rank order in float32 and divided by the count,
+    as the coordinator does, so the replay can match the replicas bitwise.
+    """
+    import torch
+
+    torch.set_num_threads(1)
+    model = churn_worker.ChurnModel(0)
+    optimizer = churn_worker.make_optimizer(model)
+    parameters = list(model.parameters())
+    for step in range(final_step):
+        ranks = members.get(step, [])
+        if not ranks:
+            if step in skipped:
+                continue  # aborted for every rank: no update anywhere
+            raise ValueError(f"no contribution recorded for step {step}")
+        sums: list[torch.Tensor] | None = None
+        for rank in ranks:
+            model.zero_grad()
+            x, y = churn_worker.rank_batch(step, rank)
+            loss = churn_worker.loss_fn(model(x), y)
+            loss.backward()  # type: ignore[no-untyped-call]  # untyped in torch's stubs
+            grads = [p.grad.detach().clone() for p in parameters if p.grad is not None]
+            sums = grads if sums is None else [a + g for a, g in zip(sums, grads, strict=True)]
+        assert sums is not None
+        for parameter, total in zip(parameters, sums, strict=True):
+            parameter.grad = total / len(ranks)
+        optimizer.step()
+    return {name: p.detach().clone() for name, p in model.named_parameters()}
+
+
+def compare_to_replay(folder: Path, expected: dict[str, Any], ranks: list[int]) -> dict[str, Any]:
+    """Bitwise equality and the largest relative error of each live rank's final state."""
+    import torch
+
+    bitwise = True
+    worst = 0.0
+    for rank in ranks:
+        state = torch.load(folder / f"final{rank}.pt")
+        for name, value in expected.items():
+            got = state[name]
+            bitwise = bitwise and torch.equal(got, value)
+            error = float((got - value).norm() / value.norm().clamp_min(1e-30))
+            worst = max(worst, error)
+    return {"bitwise": bitwise, "max_relative_error": worst, "ok": worst <= 1e-5}
+
+
+def step_times(incarnations: list[Incarnation]) -> list[tuple[float, int]]:
+    """(wall time, step) of the first application of every step, in time order."""
+    first: dict[int, float] = {}
+    for inc in incarnations:
+        for event in inc.of("applied"):
+            first[event["s"]] = min(first.get(event["s"], event["t"]), event["t"])
+    return sorted((t, step) for step, t in first.items())
+
+
+def failure_timings(
+    failures: list[Failure],
+    samples: list[Sample],
+    incarnations: list[Incarnation],
+    end: float,
+) -> list[dict[str, Any]]:
+    """Per failure: detect, recover, steps computed again, a restarted rank's return."""
+    times = step_times(incarnations)
+    rows: list[dict[str, Any]] = []
+    for index, failure in enumerate(failures):
+        window_end = failures[index + 1].at if index + 1 < len(failures) else end
+        before = [s for s in samples if s.t <= failure.at]
+        epoch = before[-1].epoch if before else None
+        active = before[-1].active if before else None
+        reactions = [
+            s.t
+            for s in samples
+            if failure.at < s.t < window_end and (s.epoch != epoch or s.active != active)
+        ]
+        reactions += [
+            e["t"]
+            for inc in incarnations
+            for e in inc.events
+            if e["e"] in ("restart", "error") and failure.at < e["t"] < window_end
+        ]
+        detect = min(reactions) - failure.at if reactions else None
+        since = failure.at + (detect or 0.0)
+        after = [t for t, _ in times if t > since]  # it may recover after the next failure
+        gaps = [b - a for (a, _), (b, _) in pairwise(times)]
+        window_gaps = [
+            gap for gap, (t, _) in zip(gaps, times[1:], strict=False) if failure.at < t < window_end
+        ]
+        rows.append(
+            {
+                "kind": failure.kind,
+                "target": failure.target,
+                "at_s": failure.at,
+                "detect_s": detect,
+                "recover_s": (after[0] - failure.at) if after else None,
+                "longest_stall_s": max(window_gaps, default=None),
+                "recomputed": _recomputed(incarnations, failure.at, window_end),
+                "rank_back_s": _rank_back(incarnations, failure, window_end),
+                **failure.detail,
+            }
+        )
+    return rows
+
+
+def _recomputed(incarnations: list[Incarnation], start: float, end: float) -> int:
+    """Steps a process submitted a second time, the second time within [start, end)."""
+    count = 0
+    for inc in incarnations:
+        seen: set[int] = set()
+        for event in inc.of("submit"):
+            if event["s"] in seen and start <= event["t"] < end:
+                count += 1
+            seen.add(event["s"])
+    return count
+
+
+def _rank_back(incarnations: list[Incarnation], failure: Failure, end: float) -> float | None:
+    """For a worker failure: seconds until a new process of that rank applied a step."""
+    if not failure.kind.startswith("worker"):
+        return None
+    rank = int(failure.target.split()[-1])
+    for inc in incarnations:
+        starts = inc.of("start")
+        if inc.rank != rank or not starts or starts[0]["t"] <= failure.at:
+            continue
+        applied = inc.of("applied")
+        if applied:
+            return float(applied[0]["t"] - failure.at)
+    return None
+
+
+def summarize_kinds(rows: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """Per kind: count, median and max of detect / recover, total recomputed steps."""
+    kinds: dict[str, dict[str, Any]] = {}
+    for kind in sorted({row["kind"] for row in rows}):
+        mine = [row for row in rows if row["kind"] == kind]
+        entry: dict[str, Any] = {"count": len(mine)}
+        for key in ("detect_s", "recover_s", "longest_stall_s", "rank_back_s"):
+            values = sorted(row[key] for row in mine if row[key] is not None)
+            entry[key] = (
+                {"median": values[len(values) // 2], "max": values[-1], "n": len(values)}
+                if values
+                else None
+            )
+        entry["recomputed"] = sum(row["recomputed"] for row in mine)
+        kinds[kind] = entry
+    return kinds

@@ -1,0 +1,58 @@
+"""The churn soak's log checks (`gradsync_bench.churn_checks`) on hand-written logs."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from gradsync_bench.churn_checks import Incarnation, aborted_steps, applied_once, contributions
+
+
+def _inc(rank: int, *events: tuple[str, int] | tuple[str, int, int]) -> Incarnation:
+    rows: list[dict[str, Any]] = [{"e": "start", "t": 0.0}]
+    for index, event in enumerate(events):
+        row: dict[str, Any] = {"e": event[0], "s": event[1], "t": float(index)}
+        if event[0] == "applied":
+            row["c"] = event[2]  # type: ignore[misc]
+        if event[0] == "aborted":
+            row["next"] = event[1] + 1
+        rows.append(row)
+    return Incarnation(rank, rows)
+
+
+def test_a_rank_killed_with_its_gradient_in_counts_for_the_step() -> None:
+    logs = [
+        _inc(0, ("joined", 0), ("submit", 0), ("applied", 0, 3), ("submit", 1), ("applied", 1, 2)),
+        _inc(1, ("joined", 0), ("submit", 0), ("applied", 0, 3), ("submit", 1), ("applied", 1, 2)),
+        _inc(2, ("joined", 0), ("submit", 0)),  # SIGKILLed after its upload
+    ]
+    # A process that never got to train (refused while no coordinator served) is no one.
+    logs.append(_inc(2, ("error", 0)))
+    members, unresolved = contributions(logs)
+    assert members == {0: [0, 1, 2], 1: [0, 1]} and unresolved == []
+    assert applied_once(logs)["ok"]
+
+
+def test_a_rank_moved_past_a_step_by_a_coordinator_restart_counts_for_it() -> None:
+    # Rank 2's coordinator died after the others got step 0's average; the job went on
+    # at step 1 from the ranks' state (rank 2 took theirs): its gradient was in step 0.
+    logs = [
+        _inc(0, ("joined", 0), ("submit", 0), ("applied", 0, 3)),
+        _inc(1, ("joined", 0), ("submit", 0), ("applied", 0, 3)),
+        _inc(2, ("joined", 0), ("submit", 0), ("restart", 1), ("submit", 1)),
+    ]
+    members, unresolved = contributions(logs)
+    assert members[0] == [0, 1, 2] and unresolved == []
+
+
+def test_a_step_applied_twice_and_an_unknown_count_are_reported() -> None:
+    twice = [_inc(0, ("joined", 0), ("submit", 0), ("applied", 0, 1), ("applied", 0, 1))]
+    assert not applied_once(twice)["ok"]
+    short = [_inc(0, ("joined", 0), ("submit", 0), ("applied", 0, 2))]
+    assert contributions(short)[1], "a count of 2 with one known rank must be unresolved"
+
+
+def test_an_aborted_step_is_no_hole() -> None:
+    steps = (("joined", 0), ("submit", 0), ("applied", 0, 2), ("submit", 1), ("aborted", 1))
+    logs = [_inc(r, *steps, ("submit", 2), ("applied", 2, 2)) for r in (0, 1)]
+    assert aborted_steps(logs) == {1}
+    assert applied_once(logs)["ok"], applied_once(logs)
