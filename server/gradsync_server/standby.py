@@ -78,7 +78,7 @@ async def drive_lease(
             continue
         if taken is not None:
             log.warning(
-                "took over the lease with fence %d (previous holder %s, last seen renewing "
+                "took over the lease with fence %d (previous holder %s, last seen holding it "
                 "%.2fs ago)",
                 taken.fence,
                 _shown(last_seen),
@@ -87,7 +87,7 @@ async def drive_lease(
             gate.open()
             on_active(taken)
             break
-        if current != last_seen:
+        if current is not None:  # (seen holding it now: the takeover says how long ago)
             last_seen, seen_since = current, clock()
         gate.close(_shown(current))
         await asyncio.sleep(poll_interval_s(ttl_s))
