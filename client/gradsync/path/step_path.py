@@ -24,7 +24,6 @@ import torch
 from gradsync.control.link import GradientPath, SessionLink
 from gradsync.control.session import Session
 from gradsync.errors import (
-    CoordinatorRestartedError,
     CoordinatorUnavailableError,
     GradSyncError,
     StepAbortedError,
@@ -138,21 +137,11 @@ class StepPath:
                 raise
             except CoordinatorUnavailableError as exc:
                 resumed_at, restarted = self._session.recover(exc, self.step, "a backward pass")
-                if restarted is None and self._reducer.keep_for_resend:
+                if restarted is None:
+                    # (Only when reconnecting, which is also when the uploads are kept.)
                     log.warning("rank %d: uploading step %d again", self._rank, step)
                     self._reducer.resend(step)
                     continue
-                if restarted is None:
-                    # The job went on at this very step with this rank's own state,
-                    # but nothing of the step was kept: run it again.
-                    restarted = CoordinatorRestartedError(
-                        f"lost the coordinator during a backward pass ({exc}) and "
-                        f"reconnected; {self._session.restart_line}. The gradients of step "
-                        f"{step} were lost with it: skip optimizer.step() and run the step "
-                        "again (model.step)",
-                        rank=self._rank,
-                        step=resumed_at,
-                    )
                 self.step = resumed_at - 1  # `_end_step` moves on to the resumed step
                 raise restarted from exc
         self._instruments.step_done(step, wait_started, self._link.step_report())
