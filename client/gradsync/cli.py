@@ -331,6 +331,7 @@ def _shard(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
             max_connections=args.max_connections,
             first_message_timeout_s=args.first_message_timeout_s,
             metrics_port=args.metrics_port,
+            parent_pid=args.parent_pid,
             **store_settings(args, _redis_password(parser, args)),
             **_security_settings(args, tokens),
         )

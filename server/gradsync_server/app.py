@@ -40,6 +40,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from gradsync_server.config import MIB, ServerConfig
 from gradsync_server.local_shards import LocalShards
 from gradsync_server.metrics import CoordinatorMetrics
+from gradsync_server.parent_watch import watch_parent
 from gradsync_server.rpc.auth_check import bind, interceptors, server_credentials
 from gradsync_server.rpc.payload_socket import PayloadSocket
 from gradsync_server.rpc.servicer import SERVICE_NAME, SHUTDOWN_FLUSH_S, CoordinatorServicer
@@ -428,8 +429,12 @@ async def serve_shard(config: ShardConfig) -> int:
     banner_line = shard_banner(config, running.port, running.advertise, metrics_url)
     print(banner_line, file=sys.stderr, flush=True)
     stopping = asyncio.create_task(stop.wait())
-    await asyncio.wait({stopping, running.link_task}, return_when=asyncio.FIRST_COMPLETED)
-    stopping.cancel()
+    waits: set[asyncio.Task[Any]] = {stopping, running.link_task}
+    if config.parent_pid is not None:  # a leader's local shard: it dies with its leader
+        waits.add(asyncio.create_task(watch_parent(config.parent_pid)))
+    await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+    for task in waits - {running.link_task}:
+        task.cancel()
     refusal = None
     if running.link_task.done() and not running.link_task.cancelled():
         refusal = running.link_task.result()

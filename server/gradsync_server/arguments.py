@@ -305,6 +305,13 @@ def add_shard_flags(parser: argparse.ArgumentParser) -> None:
     )
     _add_peer_limit_flags(parser, "data streams", "ShardHello")
     parser.add_argument(
+        "--parent-pid",
+        type=int,
+        default=None,
+        help="stop (as on SIGTERM) when the process PID is no longer this shard's parent; "
+        "`serve --shards` passes its own pid so its shards never outlive it (default: off)",
+    )
+    parser.add_argument(
         "--metrics-port",
         type=flags.port,
         default=None,

@@ -70,6 +70,9 @@ def shard_command(
         str(config.max_connections),
         "--first-message-timeout-s",
         repr(config.first_message_timeout_s),
+        # A SIGKILLed leader runs no cleanup: the child must notice alone (`parent_watch`).
+        "--parent-pid",
+        str(os.getpid()),
     ]
     if config.checkpoint_store:
         # Each shard saves its range of the DiLoCo outer state next to the leader's.

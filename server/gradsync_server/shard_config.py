@@ -70,6 +70,8 @@ class ShardConfig:
             leader's store; `serve --shards` passes it on); None = nowhere.
         store_timeout_s: deadline of every store call.
         redis_password: password of a redis:// store; never printed.
+        parent_pid: stop when this process is no longer our parent (a leader's
+            `--shards N` children die with it, `parent_watch`); None = never.
     """
 
     leader: str
@@ -96,6 +98,7 @@ class ShardConfig:
     checkpoint_store: str | None = None
     store_timeout_s: float = defaults.STORE_TIMEOUT_S
     redis_password: str | None = field(default=None, repr=False)
+    parent_pid: int | None = None
 
     def __post_init__(self) -> None:
         if self.checkpoint_store is not None:
@@ -121,6 +124,8 @@ class ShardConfig:
                 "(--shard-token-file FILE, $GRADSYNC_SHARD_TOKEN_FILE or "
                 "$GRADSYNC_SHARD_TOKEN): the leader admits shards only with it"
             )
+        if self.parent_pid is not None and self.parent_pid < 1:
+            raise ValueError(f"parent pid must be >= 1, got {self.parent_pid}")
         for name in ("register_timeout_s", "reconnect_backoff_max_s", "hello_wait_s"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")

@@ -106,3 +106,77 @@ def test_shards_and_wait_for_shards_cannot_be_combined() -> None:
     )
     assert done.returncode == 2
     assert "--shards 2 and --wait-for-shards 1 cannot be combined" in done.stderr
+
+
+def _port_is_free(port: int) -> bool:
+    import socket
+
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+        try:
+            probe.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
+
+
+@pytest.mark.timeout(120)
+def test_local_shards_die_with_a_sigkilled_leader_and_free_their_ports(
+    coordinator_factory,
+) -> None:
+    """A leader SIGKILLed runs no cleanup: its children hear of it from the kernel
+    (PR_SET_PDEATHSIG) or their own watch of the parent pid, and stop, so a leader
+    restarted at that port can start its own shards there."""
+    leader = coordinator_factory(2, "--shards", "3", "--heartbeat-timeout", "2")
+    shards = wait_for_shards(leader.address, 3, 60)
+    ports = [int(s.address.rsplit(":", 1)[1]) for s in shards if s.index > 0]
+    children = children_of(leader.process.pid)
+    assert len(children) == 2 and len(ports) == 2
+    killed_at = time.monotonic()
+    leader.process.kill()
+    leader.process.wait()
+    wait_until(
+        lambda: not [child for child in children if _alive(child)],
+        10,
+        f"the orphaned shards {children} to exit",
+    )
+    gone_s = time.monotonic() - killed_at
+    assert gone_s < 3.0, f"the shards outlived their leader by {gone_s:.2f}s"
+    assert all(_port_is_free(port) for port in ports), ports
+    print(f"both shards exited {gone_s:.2f}s after SIGKILL of their leader; ports {ports} free")
+
+
+def _alive(pid: int) -> bool:
+    """Whether `pid` runs (a zombie does not: its ports are closed)."""
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state != "Z"
+
+
+@pytest.mark.timeout(60)
+def test_a_shard_whose_parent_pid_is_not_its_parent_stops_at_once(tmp_path: Path) -> None:
+    """The fallback of the parent-death signal (other systems, a parent dead before the
+    prctl): `--parent-pid` names a process that is not our parent, so the watch sees a
+    "reparented" shard at its first look and stops it cleanly."""
+    from gradsync_proto.net.launch import free_port
+    from support.shards import ShardProcess
+
+    stranger = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        shard = ShardProcess(
+            f"127.0.0.1:{free_port()}",
+            free_port(),
+            tmp_path / "shard.log",
+            "--parent-pid",
+            str(stranger.pid),
+        )
+        try:
+            code = shard.process.wait(timeout=30)
+        finally:
+            shard.stop()
+    finally:
+        stranger.kill()
+        stranger.wait()
+    assert code == 0, shard.log()
+    assert f"the parent process {stranger.pid} is gone" in shard.log(), shard.log()

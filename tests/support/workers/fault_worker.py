@@ -11,6 +11,10 @@ uninterrupted run. Fault injection (one per run, chosen by flags):
                             sockets stay, its heartbeats stop; SIGCONT wakes it)
   --nan-at STEP             put a NaN in the last element of bucket 1's last
                             gradient during the backward of STEP (a diverged rank)
+  --drift-at STEP           once per process, before the forward of STEP, add 1e-3 to
+                            the first parameter outside the optimizer (a training loop
+                            that edits its own weights: this rank's state leaves the
+                            others', which only a coordinator restart compares)
 With --skip-aborted, an aborted step is skipped (its error noted in "aborts");
 with --skip-nonfinite, a step whose averaged gradients hold NaN/Inf skips its
 optimizer step (as torch's GradScaler does), noted in "nonfinite_steps".
@@ -64,6 +68,7 @@ def main() -> int:
     parser.add_argument("--skip-aborted", action="store_true")
     parser.add_argument("--nan-at", type=int, default=None)
     parser.add_argument("--skip-nonfinite", action="store_true")
+    parser.add_argument("--drift-at", type=int, default=None)
     args = parser.parse_args()
     rank, world = args.rank, args.world_size
     module = scenarios.MixedModel(seed=rank)
@@ -88,6 +93,7 @@ def main() -> int:
         "skipped": skipped,
         "aborts": aborts,
         "nonfinite_steps": nonfinite_steps,
+        "drifted": [],
     }
     started = time.monotonic()
     try:
@@ -150,6 +156,10 @@ def main() -> int:
         with model:
             while model.step < args.steps:
                 step = model.step
+                if step == args.drift_at and not report["drifted"]:
+                    with torch.no_grad():
+                        next(module.parameters()).add_(1e-3)
+                    report["drifted"] = [step]
                 optimizer.zero_grad()
                 x, y = scenarios.rank_batch(step, world, rank)
                 try:
