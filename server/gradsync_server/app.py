@@ -46,7 +46,7 @@ from gradsync_server.rpc.payload_socket import PayloadSocket
 from gradsync_server.rpc.servicer import SERVICE_NAME, SHUTDOWN_FLUSH_S, CoordinatorServicer
 from gradsync_server.rpc.shard_link import LeaderLink
 from gradsync_server.rpc.shard_servicer import SERVICE_NAME as SHARD_SERVICE_NAME, ShardServicer
-from gradsync_server.rpc.standby_gate import StandbyGate
+from gradsync_server.rpc.standby_gate import ServicerSwitch, StandbyGate
 from gradsync_server.shard_config import ShardConfig
 from gradsync_server.store.checkpoint_redis import RedisCheckpointStore
 from gradsync_server.store.stores import open_store, redacted_store_url
@@ -75,6 +75,8 @@ class RunningServer:
     payload_socket: PayloadSocket | None = None
     #: The standby gate of a `--lease` coordinator (None: always serving).
     gate: StandbyGate | None = None
+    #: Where a `--lease` coordinator's calls go: a demoted one swaps in a fresh servicer.
+    switch: ServicerSwitch | None = None
 
     async def stop(self, grace_s: float | None = None) -> None:
         """Stop accepting joins, let streams finish for `grace_s`, then close.
@@ -204,12 +206,14 @@ async def start_server(config: ServerConfig) -> RunningServer:
     metrics_server = _metrics_server(config, metrics)
     gate = StandbyGate() if config.lease else None
     server, port, health_servicer = _listen(config, "coordinator", gate)
-    server.add_generic_rpc_handlers((servicer.generic_handler(),))
+    switch = ServicerSwitch(servicer) if gate is not None else None
+    server.add_generic_rpc_handlers((switch or servicer.generic_handler(),))
     await server.start()
     payload_socket = None
     if config.payload_socket and config.shard_count == 1:
         # Same-host local leaders may move payloads through their segments (`segments`).
-        payload_socket = PayloadSocket(asyncio.get_running_loop(), servicer.admit_segment)
+        admit = (switch or servicer).admit_segment
+        payload_socket = PayloadSocket(asyncio.get_running_loop(), admit)
         servicer.payload_endpoint = (payload_socket.name, config.host_id or host_id())
     # A leased coordinator says SERVING only once it holds the lease (`serve`).
     await _set_health(health_servicer, SERVICE_NAME, serving=gate is None)
@@ -217,7 +221,7 @@ async def start_server(config: ServerConfig) -> RunningServer:
     running = RunningServer(
         server, port, servicer, health_servicer, watchdog, metrics_server, None, payload_socket
     )
-    running.gate = gate
+    running.gate, running.switch = gate, switch
     if gate is None and config.local_shards and config.shard_count > 1:
         running.local_shards = LocalShards(config, port)
         await running.local_shards.start()
@@ -302,8 +306,8 @@ async def serve(config: ServerConfig) -> int:
 
 
 async def serve_leased(config: ServerConfig, running: RunningServer, stop: asyncio.Event) -> int:
-    """Serve a `--lease` coordinator: a standby until it holds the lease, then active until
-    SIGTERM (0, lease released) or demotion (`standby.DEMOTED_EXIT_CODE`)."""
+    """Serve a `--lease` coordinator until SIGTERM (0, lease released): a standby until it
+    holds the lease, active while it does, a standby again once demoted (`standby`)."""
     from gradsync_server.standby import lease_for, take_part  # redis only when leased
 
     lease, metrics = lease_for(config, running.port, running.servicer.metrics.registry)

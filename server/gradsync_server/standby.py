@@ -2,11 +2,14 @@
 
 A standby polls the lease every `poll_interval_s(ttl)` and takes it when the key is absent
 (expired or released); the active one renews every ttl/3. A holder that misses its own
-deadline or finds another value at the key is demoted. Demotion here ends the process
-(exit code 3, after closing the gate and stopping the server, which ends every stream with
-UNAVAILABLE): its in-memory job is of a history the new holder no longer shares, and a
-supervisor restarting it with `--standby` gives a clean standby. Fenced store writes make
-a late write from it harmless either way.
+deadline or finds another value at the key is demoted, and goes back to standing by
+(`stand_down`): the gate closes first (every new call is refused), every stream ends with
+UNAVAILABLE (the workers move on), its local shards stop, and its servicer, whose jobs
+are of a history the new holder no longer shares, is replaced by a fresh one behind the
+same port, health and gate, so a later takeover starts like a coordinator freshly
+restarted on the store. Fenced store writes make a late write from the old servicer
+harmless: it holds no lease, so its store refuses before sending, and Redis refuses
+after.
 """
 
 from __future__ import annotations
@@ -30,6 +33,8 @@ from gradsync_server.store.lease import (
     RedisLease,
     poll_interval_s,
     renew_interval_s,
+    standby_pause_s,
+    takeover_delay_s,
 )
 from gradsync_server.store.stores import parse_store_url
 
@@ -38,9 +43,6 @@ if TYPE_CHECKING:
     from gradsync_server.config import ServerConfig
 
 log = logging.getLogger("gradsync.server.standby")
-
-#: Exit code of a coordinator that lost its lease.
-DEMOTED_EXIT_CODE = 3
 
 
 def holder_id() -> str:
@@ -52,6 +54,70 @@ def _shown(record: LeaseRecord | None) -> str:
     if record is None:
         return "unknown (no lease holder now)"
     return f"{record.address} (holder {record.holder}, fence {record.fence})"
+
+
+#: While Redis cannot be read, a standby says so at most this often (and once it can again).
+_UNREADABLE_REPORT_S = 10.0
+
+
+async def _stand_by(
+    lease: RedisLease, gate: StandbyGate, clock: Callable[[], float]
+) -> LeaseRecord:
+    """Refuse every call until this coordinator holds the lease; return our record.
+
+    It looks at the key and its time to live (`RedisLease.observe`), sleeps until just
+    after that deadline (`standby_pause_s`), and tries to take an absent key at once, or
+    one poll interval later if it came up less than a ttl ago while another held it
+    (`takeover_delay_s`): the standby that was there all along wins the takeover.
+    """
+    ttl_s = lease.timer.ttl_s
+    watch_started = clock()
+    last_seen: LeaseRecord | None = None
+    seen_since = clock()
+    unreadable_since: float | None = None
+    reported_at = 0.0
+    while True:
+        try:
+            current, left_s = await asyncio.to_thread(lease.observe)
+            taken = None
+            if current is None:
+                delay_s = takeover_delay_s(ttl_s, clock() - watch_started, last_seen is not None)
+                if delay_s > 0:
+                    await asyncio.sleep(delay_s)
+                taken = await asyncio.to_thread(lease.try_acquire)
+                if taken is None:  # another took it first (or it was renewed meanwhile)
+                    current, left_s = await asyncio.to_thread(lease.observe)
+        except Exception as exc:  # Redis down: stay a standby, say so, retry
+            now = clock()
+            if unreadable_since is None:
+                unreadable_since = now
+            if now - reported_at >= _UNREADABLE_REPORT_S:
+                reported_at = now
+                log.warning("standby: cannot read the lease (%s); retrying", exc)
+            await asyncio.sleep(poll_interval_s(ttl_s))
+            continue
+        if unreadable_since is not None:
+            log.warning(
+                "standby: the lease is readable again after %.1fs (held by %s)",
+                clock() - unreadable_since,
+                _shown(taken or current),
+            )
+            unreadable_since, reported_at = None, 0.0
+        if taken is not None:
+            log.warning(
+                "took over the lease with fence %d (previous holder %s, last seen holding it "
+                "%.2fs ago)",
+                taken.fence,
+                _shown(last_seen),
+                clock() - seen_since,
+            )
+            return taken
+        if current is not None:  # (seen holding it now: the takeover says how long ago)
+            last_seen, seen_since = current, clock()
+        gate.close(_shown(current))
+        await asyncio.sleep(
+            standby_pause_s(ttl_s, left_s) if current is not None else poll_interval_s(ttl_s)
+        )
 
 
 async def drive_lease(
@@ -66,31 +132,9 @@ async def drive_lease(
     the gRPC loop keeps serving (or refusing) meanwhile.
     """
     ttl_s = lease.timer.ttl_s
-    last_seen: LeaseRecord | None = None
-    seen_since = clock()
-    while lease.held is None:
-        try:
-            taken = await asyncio.to_thread(lease.try_acquire)
-            current = taken or await asyncio.to_thread(lease.current)
-        except Exception as exc:  # Redis down: stay a standby, say so, retry
-            log.warning("standby: cannot read the lease (%s); retrying", exc)
-            await asyncio.sleep(poll_interval_s(ttl_s))
-            continue
-        if taken is not None:
-            log.warning(
-                "took over the lease with fence %d (previous holder %s, last seen holding it "
-                "%.2fs ago)",
-                taken.fence,
-                _shown(last_seen),
-                clock() - seen_since,
-            )
-            gate.open()
-            on_active(taken)
-            break
-        if current is not None:  # (seen holding it now: the takeover says how long ago)
-            last_seen, seen_since = current, clock()
-        gate.close(_shown(current))
-        await asyncio.sleep(poll_interval_s(ttl_s))
+    taken = await _stand_by(lease, gate, clock)
+    gate.open()
+    on_active(taken)
     while True:
         await asyncio.sleep(renew_interval_s(ttl_s))
         try:
@@ -156,44 +200,77 @@ async def take_part(
     stop: asyncio.Event,
     set_health: Callable[..., Awaitable[None]],
 ) -> int:
-    """Stand by, take over, serve; return 0 on SIGTERM, `DEMOTED_EXIT_CODE` when demoted."""
+    """Stand by, take over, serve, and stand by again when demoted; return 0 on SIGTERM."""
     gate = running.gate
     if gate is None:
         raise RuntimeError("take_part needs a coordinator started with a standby gate")
-    became_active = asyncio.Event()
-
-    def on_active(record: LeaseRecord) -> None:
-        # A job restarted from now on recovers from this moment, not from process start.
-        running.servicer.metrics.recovery.became_active(record.fence)
-        metrics.takeovers.inc()
-        metrics.fence.set(record.fence)
-        metrics.active.set(1)
-        became_active.set()
-
-    driver = asyncio.create_task(drive_lease(lease, gate, on_active))
     stopped = asyncio.create_task(stop.wait())
-    activated = asyncio.create_task(became_active.wait())
-    pending: set[asyncio.Task[Any]] = {driver, stopped, activated}
-    while True:
-        done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
-        if activated in done:
-            await set_health(running.health, SERVICE_NAME, serving=True)
-            if config.local_shards and config.shard_count > 1:
-                # A leader's local shards are its children: a standby starts its own now,
-                # with the servicer's config, which holds the shard token `start_server`
-                # generated (the caller's `config` has none: its shards were refused).
-                running.local_shards = LocalShards(running.servicer.config, running.port)
-                await running.local_shards.start()
-            continue
-        break
-    for task in pending:
-        task.cancel()
-    metrics.active.set(0)
-    metrics.fence.set(0)
+    while not stop.is_set():
+        became_active = asyncio.Event()
+
+        def on_active(record: LeaseRecord, became_active: asyncio.Event = became_active) -> None:
+            # A job restarted from now on recovers from this moment, not from process start.
+            running.servicer.metrics.recovery.became_active(record.fence)
+            metrics.takeovers.inc()
+            metrics.fence.set(record.fence)
+            metrics.active.set(1)
+            became_active.set()
+
+        driver = asyncio.create_task(drive_lease(lease, gate, on_active))
+        activated = asyncio.create_task(became_active.wait())
+        pending: set[asyncio.Task[Any]] = {driver, stopped, activated}
+        while True:
+            done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+            if activated in done:
+                await set_health(running.health, SERVICE_NAME, serving=True)
+                if config.local_shards and config.shard_count > 1:
+                    # A leader's local shards are its children: a standby starts its own
+                    # now, with the servicer's config, which holds the shard token
+                    # `start_server` generated (the caller's `config` has none).
+                    running.local_shards = LocalShards(running.servicer.config, running.port)
+                    await running.local_shards.start()
+                continue
+            break
+        for task in pending - {stopped}:
+            task.cancel()
+        metrics.active.set(0)
+        metrics.fence.set(0)
+        if stopped in done:
+            break
+        running.servicer.metrics.recovery.lease_lost()
+        await stand_down(running, set_health)
+        log.warning(
+            "standing by again: this coordinator serves nothing until it takes the lease back"
+        )
     running.servicer.metrics.recovery.lease_lost()
-    if stopped in done:
-        await asyncio.to_thread(lease.release)
-        await running.stop()
-        return 0
-    await running.stop(0)  # every stream ends UNAVAILABLE: the workers move on
-    return DEMOTED_EXIT_CODE
+    await asyncio.to_thread(lease.release)
+    await running.stop()
+    return 0
+
+
+async def stand_down(running: RunningServer, set_health: Callable[..., Awaitable[None]]) -> None:
+    """Drop everything a demoted coordinator served and put a fresh servicer behind its port.
+
+    The gate is already closed (`drive_lease`), so nothing reaches the new servicer
+    before the next takeover, and the old one gets no new call while it winds down.
+    """
+    from gradsync_server.rpc.servicer import CoordinatorServicer
+
+    old = running.servicer
+    if running.switch is None:
+        raise RuntimeError("stand_down needs a coordinator started with a servicer switch")
+    await set_health(running.health, SERVICE_NAME, serving=False)
+    await old.drain(0)  # every stream ends UNAVAILABLE (SHUTTING_DOWN): the workers move on
+    old.shard_control.close_links()
+    if running.local_shards is not None:
+        await running.local_shards.stop()
+        running.local_shards = None
+    running.watchdog.cancel()
+    old.segments.close()
+    old.checkpointer.close()  # its threads only: the store stays, fenced, for the next one
+    fresh = CoordinatorServicer(old.config, old.store, metrics=old.metrics)
+    fresh.payload_endpoint = old.payload_endpoint  # the socket stays; the switch routes it
+    running.servicer = fresh
+    running.switch.switch(fresh)
+    running.watchdog = asyncio.create_task(fresh.watchdog.run())
+    log.info("demoted: dropped %d job(s) of the old history", len(old.jobs))

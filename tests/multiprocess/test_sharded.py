@@ -11,6 +11,7 @@ restarting the workers.
 
 from __future__ import annotations
 
+import re
 import subprocess
 import time
 from collections.abc import Callable
@@ -145,7 +146,18 @@ def test_killed_shard_is_named_and_the_job_resumes_once_it_is_back(
         assert_matches_reference(report, 2, 12)  # no step applied twice, none skipped
     _, log = leader.stop()
     assert f"shard 1 at {shard.address}" in log
-    assert "from the ranks' own state" in log, log[-3000:]
+    # What the leader says will happen is what happens: the job stops at step N and goes
+    # on from the ranks' own state (it used to announce a rollback to the checkpoint), at
+    # N, or at N - 1 when the shard died before its range of step N - 1 reached the ranks.
+    announced = re.search(
+        r"job 'default' stops at step (\d+); once every shard is registered again it goes on "
+        r"from the ranks' own state if they agree on it, else from its last checkpoint",
+        log,
+    )
+    continued = re.search(r"continued at step (\d+) from the ranks' own state", log)
+    assert announced is not None and continued is not None, log[-3000:]
+    stopped_at, went_on_at = int(announced.group(1)), int(continued.group(1))
+    assert stopped_at - 1 <= went_on_at <= stopped_at, (announced.group(0), continued.group(0))
 
 
 @pytest.mark.timeout(240)

@@ -266,23 +266,24 @@ def test_a_dedicated_shard_follows_the_standby_that_took_over(
     assert "from the ranks' own state" in log, log[-3000:]
 
 
-@pytest.mark.timeout(240)
-def test_a_frozen_active_coordinator_is_replaced_and_demoted_when_it_wakes(
+@pytest.mark.timeout(300)
+def test_a_frozen_active_coordinator_is_replaced_stands_by_when_it_wakes_and_takes_over_again(
     redis_server: RedisServer, tmp_path: Path, coordinator_factory: Any
 ) -> None:
     """SIGSTOP the active coordinator past its lease: the standby takes over and the workers
-    follow it; on SIGCONT the old one finds its lease gone, writes nothing and exits 3."""
+    follow it; on SIGCONT the old one finds its lease gone, writes nothing and stands by
+    (health NOT_SERVING, still running); when the new active one is SIGKILLed it takes the
+    lease back and the job goes on with it, ending as an uninterrupted run."""
     import signal
 
-    from gradsync_server.standby import DEMOTED_EXIT_CODE
-
+    steps = 24
     flags = (*HEARTBEAT, "--checkpoint-store", redis_server.url, "--checkpoint-every", "2")
     flags += ("--lease-ttl-s", "1.5")
     active = coordinator_factory(2, *flags, "--lease")
     wait_for(lambda: _health(active.address) == 1, 30, "the first coordinator to take the lease")
     standby = coordinator_factory(2, *flags, "--standby")
     both = f"{active.address},{standby.address}"
-    processes = start_workers(both, 2, tmp_path, 12, None, "--step-delay-s", "0.3")
+    processes = start_workers(both, 2, tmp_path, steps, None, "--step-delay-s", "0.3")
     wait_for(
         lambda: bool((job := job_status(active.address)) and job.open_step >= 4),
         90,
@@ -302,24 +303,44 @@ def test_a_frozen_active_coordinator_is_replaced_and_demoted_when_it_wakes(
             "the workers to train on the standby",
         )
         training_s = time.monotonic() - frozen_at
-        reports = finish(processes, tmp_path, timeout_s=150)
     finally:
         active.process.send_signal(signal.SIGCONT)
-    # Awake, it finds another holder at the key: demoted, it stops and exits 3.
-    assert active.process.wait(timeout=30) == DEMOTED_EXIT_CODE
+    # Awake, it finds another holder at the key: demoted, it stands by again (it used to
+    # exit 3). Several of its polls later it still runs, serves nothing and says so.
+    time.sleep(3.0)
+    assert active.process.poll() is None, active.stop()[1][-3000:]
+    assert _health(active.address) == 2
+    assert job_status(active.address) is None  # a standby answers no Status: UNAVAILABLE
+    middle = job_status(standby.address)
+    assert middle is not None and middle.state == "running", middle
+    standby.process.kill()
+    standby.process.wait()
+    killed_at = time.monotonic()
+    wait_for(lambda: _health(active.address) == 1, 30, "the old coordinator to take over again")
+    back_s = time.monotonic() - killed_at
+    wait_for(
+        lambda: bool((job := job_status(active.address)) and job.open_step > middle.open_step),
+        60,
+        "the workers to train on the old coordinator again",
+    )
+    reports = finish(processes, tmp_path, timeout_s=150)
     for report in reports:
         assert report is not None and report["status"] == "ok", report
-        assert report["computed"][0] == 12, report  # no step computed twice
-        assert_matches_reference(report, 2, 12)
+        assert report["computed"][0] == steps, report  # no step computed twice
+        assert_matches_reference(report, 2, steps)
     client = _client(redis_server)
-    assert client.get("gradsync:lease:coordinator:fence") == b"2"
-    _, old_log = active.stop()
-    assert "demoted" in old_log, old_log[-3000:]
-    _, log = standby.stop()
-    assert "took over the lease with fence 2" in log, log
+    assert client.get("gradsync:lease:coordinator:fence") == b"3"
+    code, old_log = active.stop()
+    assert code == 0, old_log[-3000:]
+    assert "demoted: coordinator at" in old_log, old_log[-3000:]
+    assert "standing by again" in old_log, old_log[-3000:]
+    assert "took over the lease with fence 3" in old_log, old_log[-3000:]
+    # Its second term started from the ranks' own state, not from its first term's job.
+    assert old_log.count("from the ranks' own state") >= 1, old_log[-3000:]
     print(
         f"standby SERVING {took_over_s:.2f}s and training {training_s:.2f}s after SIGSTOP "
-        "of the active coordinator"
+        f"of the active coordinator; the woken one, standing by, SERVING again {back_s:.2f}s "
+        "after SIGKILL of the new active one"
     )
 
 

@@ -197,8 +197,9 @@ def test_a_lost_shard_ends_every_stream_naming_shard_job_step_and_checkpoint() -
     assert terminate.ranks == (0, 1) and terminate.code is Code.UNAVAILABLE
     assert terminate.reason == pb.END_REASON_SHARD_LOST
     assert terminate.details == (
-        "shard 1 at b:50051 was lost (silent for 6.0s); job 'job' stops at step 0 and "
-        "resumes from its last checkpoint (step 0) once every shard is registered again"
+        "shard 1 at b:50051 was lost (silent for 6.0s); job 'job' stops at step 0; once "
+        "every shard is registered again it goes on from the ranks' own state if they agree "
+        "on it, else from its last checkpoint (step 0)"
     )
     assert job.outcome() == ("broken", terminate.details)
     assert end_code(job)[0] is Code.ABORTED
@@ -209,6 +210,7 @@ def test_a_lost_shard_ends_a_job_without_checkpoint_saying_it_starts_over() -> N
     [terminate] = job.end_for_shard_loss(1, "b:50051", "its control stream ended")
     assert isinstance(terminate, Terminate)
     assert "has no checkpoint" in terminate.details and "step 0" in terminate.details
+    assert "else from the beginning" in terminate.details
 
 
 def test_a_lost_shard_ends_an_assembling_job_too() -> None:

@@ -117,3 +117,20 @@ def test_must_demote_on_another_fence_holder_or_an_absent_key() -> None:
         0.5,
         pytest.approx(0.2),
     )
+
+
+def test_a_standby_wakes_just_after_the_deadline_and_polls_at_most_every_interval() -> None:
+    from gradsync_server.store.lease import EXPIRY_MARGIN_S, poll_interval_s, standby_pause_s
+
+    assert poll_interval_s(1.5) == 0.25
+    assert standby_pause_s(1.5, 0.1) == pytest.approx(0.1 + EXPIRY_MARGIN_S)
+    assert standby_pause_s(1.5, 1.2) == 0.25  # a renewal may come: look again meanwhile
+    assert standby_pause_s(1.5, 0.0) == pytest.approx(EXPIRY_MARGIN_S)
+
+
+def test_only_a_standby_that_came_up_under_another_holder_defers_the_takeover() -> None:
+    from gradsync_server.store.lease import takeover_delay_s
+
+    assert takeover_delay_s(1.5, watched_s=0.4, seen_held=True) == 0.25  # just restarted
+    assert takeover_delay_s(1.5, watched_s=1.5, seen_held=True) == 0.0  # there all along
+    assert takeover_delay_s(1.5, watched_s=0.0, seen_held=False) == 0.0  # first of a cluster

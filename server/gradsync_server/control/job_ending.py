@@ -184,21 +184,25 @@ class JobEnding(JobCore):
         """Shard `index` at `address` was lost: end every stream, UNAVAILABLE, SHARD_LOST.
 
         A range of every bucket went with it, so nothing can complete; the
-        workers reconnect and the job resumes once every shard is back.
+        workers reconnect and the job resumes once every shard is back. How it resumes
+        is the restart decision's (`control/restart.py`), made when the ranks rejoin:
+        from their own state when they agree on it, else from the checkpoint. The line
+        says both, not a rollback that usually does not happen.
         """
         checkpoint = self.persistence.last_checkpoint_step
         step = self.in_flight.step
         if self.state is JobState.ASSEMBLING:
             then = f"job '{self.job_id}' starts once every shard is registered again"
-        elif checkpoint >= 0:
-            then = (
-                f"job '{self.job_id}' stops at step {step} and resumes from its last "
-                f"checkpoint (step {checkpoint}) once every shard is registered again"
-            )
         else:
+            fallback = (
+                f"from its last checkpoint (step {checkpoint})"
+                if checkpoint >= 0
+                else "from the beginning (it has no checkpoint)"
+            )
             then = (
-                f"job '{self.job_id}' stops at step {step}; it has no checkpoint, so it "
-                "starts again from the beginning once every shard is registered again"
+                f"job '{self.job_id}' stops at step {step}; once every shard is registered "
+                "again it goes on from the ranks' own state if they agree on it, else "
+                f"{fallback}"
             )
         details = f"shard {index} at {address} was lost ({why}); {then}"
         return self.end(Code.UNAVAILABLE, details, pb.END_REASON_SHARD_LOST)

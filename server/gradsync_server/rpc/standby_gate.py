@@ -10,7 +10,7 @@ loads the job from the store exactly as after a restart.
 from __future__ import annotations
 
 from collections.abc import Awaitable, Callable
-from typing import Any
+from typing import Any, Protocol
 
 import grpc
 
@@ -66,3 +66,36 @@ def _unavailable(handler: grpc.RpcMethodHandler, message: str) -> grpc.RpcMethod
     if handler.response_streaming:
         return grpc.unary_stream_rpc_method_handler(refuse)
     return grpc.unary_unary_rpc_method_handler(refuse)
+
+
+class _Servicer(Protocol):
+    def generic_handler(self) -> grpc.GenericRpcHandler: ...
+
+    def admit_segment(self, registration: Any, fd: int) -> str | None: ...
+
+
+class ServicerSwitch(grpc.GenericRpcHandler):  # type: ignore[misc]  # grpc ships no stubs
+    """Routes every call to the current servicer's handlers.
+
+    A gRPC server's handlers cannot be replaced once it runs, yet a demoted coordinator
+    must drop the job state of a history the new active one no longer shares: it swaps in
+    a fresh servicer here (`standby.stand_down`) and keeps its port, health and gate.
+    """
+
+    def __init__(self, servicer: _Servicer) -> None:
+        self._servicer = servicer
+        self._handler = servicer.generic_handler()
+
+    def switch(self, servicer: _Servicer) -> None:
+        """Calls from now on go to `servicer` (the gate is closed while this happens)."""
+        self._servicer = servicer
+        self._handler = servicer.generic_handler()
+
+    def admit_segment(self, registration: Any, fd: int) -> str | None:
+        """The payload socket's registrations, too, go to the current servicer."""
+        return self._servicer.admit_segment(registration, fd)
+
+    def service(
+        self, handler_call_details: grpc.HandlerCallDetails
+    ) -> grpc.RpcMethodHandler | None:
+        return self._handler.service(handler_call_details)

@@ -50,6 +50,14 @@ end
 return 0
 """
 
+_OBSERVE_SCRIPT = """
+local value = redis.call('GET', KEYS[1])
+if not value then
+  return {0, ''}
+end
+return {redis.call('PTTL', KEYS[1]), value}
+"""
+
 _RELEASE_SCRIPT = """
 if redis.call('GET', KEYS[1]) == ARGV[1] then
   return redis.call('DEL', KEYS[1])
@@ -121,6 +129,36 @@ def renew_interval_s(ttl_s: float) -> float:
 def poll_interval_s(ttl_s: float) -> float:
     """How often a standby looks at the lease: every 0.5 s, or ttl/6 for a short ttl."""
     return min(0.5, ttl_s / 6)
+
+
+#: A standby wakes this long after the key's deadline (Redis expires it at the deadline).
+EXPIRY_MARGIN_S = 0.02
+
+
+def standby_pause_s(ttl_s: float, left_s: float) -> float:
+    """How long a standby sleeps after seeing the lease held with `left_s` to live.
+
+    It wakes just after the deadline rather than at its next poll, so a takeover costs
+    the rest of the ttl, not that plus up to a poll interval; a renewal in between only
+    means one more look.
+    """
+    return max(0.0, min(poll_interval_s(ttl_s), left_s + EXPIRY_MARGIN_S))
+
+
+def takeover_delay_s(ttl_s: float, watched_s: float, seen_held: bool) -> float:
+    """How long a standby that finds the key absent waits before it tries to take it.
+
+    A standby that has watched the lease for a whole ttl takes it at once. One that came
+    up while another held it, less than a ttl ago (typically the killed coordinator,
+    restarted on its port by a supervisor within the lease's life), waits one poll
+    interval: the standby that was there all along wins, instead of a coin toss between
+    the two (the churn soak's finding 3). With no senior standby left it takes over that
+    much later. A coordinator that never saw a holder (the first of a cluster) does
+    not wait.
+    """
+    if not seen_held or watched_s >= ttl_s:
+        return 0.0
+    return poll_interval_s(ttl_s)
 
 
 class LeaseTimer:
@@ -209,6 +247,7 @@ class RedisLease:
         self.refused_writes = 0
         self._acquire = client.register_script(_ACQUIRE_SCRIPT)
         self._renew = client.register_script(_RENEW_SCRIPT)
+        self._observe = client.register_script(_OBSERVE_SCRIPT)
         self._release = client.register_script(_RELEASE_SCRIPT)
         # Checked at once so a bad holder/address fails at start, not at the first takeover.
         LeaseRecord(1, holder, address)
@@ -221,6 +260,16 @@ class RedisLease:
         """The lease as Redis holds it now (None: no holder, anyone may take it)."""
         value = self.client.get(self.key)
         return None if value is None else LeaseRecord.decode(value)
+
+    def observe(self) -> tuple[LeaseRecord | None, float]:
+        """The lease now and its seconds left to live, read atomically ((None, 0): absent)."""
+        left_ms, value = self._observe(keys=[self.key])
+        if not value:
+            return None, 0.0
+        # PTTL -1 (a key without deadline) cannot come from our scripts: treat it as a
+        # full ttl, so the standby keeps looking at its usual pace.
+        left_s = int(left_ms) / 1000 if int(left_ms) >= 0 else self.timer.ttl_s
+        return LeaseRecord.decode(value), left_s
 
     def try_acquire(self) -> LeaseRecord | None:
         """Take the lease if nobody holds it; return our record, or None (someone does)."""
