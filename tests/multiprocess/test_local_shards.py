@@ -15,23 +15,8 @@ import time
 from pathlib import Path
 
 import pytest
+from support.processes import children_of, running
 from support.shards import shard_statuses, wait_for_shards
-
-
-def children_of(pid: int) -> list[int]:
-    """Process ids whose parent is `pid` (Linux /proc)."""
-    children = []
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            stat = (entry / "stat").read_text()
-        except OSError:
-            continue  # gone meanwhile
-        # The command name (field 2) may hold spaces: the parent id follows its ')'.
-        if int(stat.rsplit(")", 1)[1].split()[1]) == pid:
-            children.append(int(entry.name))
-    return children
 
 
 def wait_until(predicate, timeout_s: float, what: str) -> None:  # type: ignore[no-untyped-def]
@@ -135,7 +120,7 @@ def test_local_shards_die_with_a_sigkilled_leader_and_free_their_ports(
     leader.process.kill()
     leader.process.wait()
     wait_until(
-        lambda: not [child for child in children if _alive(child)],
+        lambda: not [child for child in children if running(child)],
         10,
         f"the orphaned shards {children} to exit",
     )
@@ -143,15 +128,6 @@ def test_local_shards_die_with_a_sigkilled_leader_and_free_their_ports(
     assert gone_s < 3.0, f"the shards outlived their leader by {gone_s:.2f}s"
     assert all(_port_is_free(port) for port in ports), ports
     print(f"both shards exited {gone_s:.2f}s after SIGKILL of their leader; ports {ports} free")
-
-
-def _alive(pid: int) -> bool:
-    """Whether `pid` runs (a zombie does not: its ports are closed)."""
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except OSError:
-        return False
-    return state != "Z"
 
 
 @pytest.mark.timeout(60)

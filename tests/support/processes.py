@@ -75,6 +75,31 @@ class CoordinatorProcess:
         return self.process.returncode, rest
 
 
+def children_of(pid: int) -> list[int]:
+    """Process ids whose parent is `pid` (Linux /proc)."""
+    children = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+        except OSError:
+            continue  # gone meanwhile
+        # The command name (field 2) may hold spaces: the parent id follows its ')'.
+        if int(stat.rsplit(")", 1)[1].split()[1]) == pid:
+            children.append(int(entry.name))
+    return children
+
+
+def running(pid: int) -> bool:
+    """Whether `pid` runs (Linux /proc; a zombie does not: its sockets are closed)."""
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state != "Z"
+
+
 def reap(processes: Iterable[subprocess.Popen[Any]]) -> None:
     """SIGKILL and wait for every process that is still running (a test's cleanup)."""
     for process in processes:
