@@ -3,9 +3,9 @@
 `Cluster` starts them in one folder and supervises them: a worker process
 that ends (killed, or exited after an error) is started again as a new
 incarnation of its rank, which rejoins the running job and is healed; a
-coordinator that ends (killed, or demoted) is started again on its port as a
-standby. The failure schedule (`churn_schedule`) only injects faults; the
-restarts are this module's, as a real deployment's supervisor (systemd,
+coordinator that ends (killed) is started again on its port as a standby (a
+demoted one stands by again by itself). The failure schedule (`churn_schedule`)
+only injects faults; the restarts are this module's, as a real deployment's supervisor (systemd,
 Kubernetes) would do them. Every process gets its own log file.
 """
 

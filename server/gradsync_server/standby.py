@@ -204,6 +204,9 @@ async def take_part(
     gate = running.gate
     if gate is None:
         raise RuntimeError("take_part needs a coordinator started with a standby gate")
+    # A standby has nothing to watch (no job, no stream, no shard) and would only log that
+    # its shards are missing: the watchdog runs while this coordinator is active.
+    running.watchdog.cancel()
     stopped = asyncio.create_task(stop.wait())
     while not stop.is_set():
         became_active = asyncio.Event()
@@ -222,6 +225,7 @@ async def take_part(
         while True:
             done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
             if activated in done:
+                running.watchdog = asyncio.create_task(running.servicer.watchdog.run())
                 await set_health(running.health, SERVICE_NAME, serving=True)
                 if config.local_shards and config.shard_count > 1:
                     # A leader's local shards are its children: a standby starts its own
@@ -272,5 +276,5 @@ async def stand_down(running: RunningServer, set_health: Callable[..., Awaitable
     fresh.payload_endpoint = old.payload_endpoint  # the socket stays; the switch routes it
     running.servicer = fresh
     running.switch.switch(fresh)
-    running.watchdog = asyncio.create_task(fresh.watchdog.run())
+    fresh.watchdog.check()  # one pass: the membership gauges say "no job" again
     log.info("demoted: dropped %d job(s) of the old history", len(old.jobs))
