@@ -193,12 +193,14 @@ def _report(
     replayed: dict[str, Any] = {"ok": False, "error": "no final step"}
     if replicas["final_steps"]:
         try:
-            expected = churn_checks.replay(
-                members, replicas["final_steps"][0], churn_checks.aborted_steps(incarnations)
-            )
+            skipped = churn_checks.aborted_steps(incarnations)
+            digests: dict[int, str] = {}
+            final_step = replicas["final_steps"][0]
+            expected = churn_checks.replay(members, final_step, skipped, digests)
             replayed = churn_checks.compare_to_replay(
                 cluster.folder, expected, replicas["live_ranks"]
             )
+            replayed["first_divergence"] = churn_checks.first_divergence(incarnations, digests)
         except (ValueError, FileNotFoundError) as exc:
             replayed = {"ok": False, "error": str(exc)}
     failures = schedule.failures if schedule is not None else []

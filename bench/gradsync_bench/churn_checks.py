@@ -164,13 +164,20 @@ def contributions(incarnations: list[Incarnation]) -> tuple[dict[int, list[int]]
 
 
 def replay(
-    members: dict[int, list[int]], final_step: int, skipped: set[int] | frozenset[int] = frozenset()
+    members: dict[int, list[int]],
+    final_step: int,
+    skipped: set[int] | frozenset[int] = frozenset(),
+    digests: dict[int, str] | None = None,
 ) -> dict[str, Any]:
     """Single-process training where step s averages the gradients of members[s]; the
     steps in `skipped` (aborted for every rank) change nothing.
 
     The sum is formed in ascending rank order in float32 and divided by the count,
     as the coordinator does, so the replay can match the replicas bitwise.
+
+    Args:
+        digests: filled with the replay's parameter digest after every step it applied
+            (as the workers log it: `first_divergence` compares the two).
     """
     import torch
 
@@ -196,7 +203,33 @@ def replay(
         for parameter, total in zip(parameters, sums, strict=True):
             parameter.grad = total / len(ranks)
         optimizer.step()
+        if digests is not None:
+            digests[step] = churn_worker.digest(model)[:16]
     return {name: p.detach().clone() for name, p in model.named_parameters()}
+
+
+def first_divergence(
+    incarnations: list[Incarnation], replayed: dict[int, str]
+) -> dict[str, Any] | None:
+    """The first step after which some rank's parameters differ from the replay's.
+
+    Every `applied` event carries the rank's digest after that step; the replay's
+    after the same step is in `replayed`. Where a rank left the replay first says
+    which step (and which ranks) to look at in the logs. None: no rank ever did
+    (or the logs predate the per-step digest).
+    """
+    first: dict[str, Any] | None = None
+    for inc in incarnations:
+        for event in inc.of("applied"):
+            expected = replayed.get(event["s"])
+            if "d" not in event or expected is None or event["d"] == expected:
+                continue
+            if first is None or event["s"] < first["step"]:
+                first = {"step": event["s"], "ranks": [], "count": event["c"]}
+            if event["s"] == first["step"]:
+                first["ranks"].append(inc.rank)
+            break  # the rest of this process follows from its first difference
+    return first
 
 
 def compare_to_replay(folder: Path, expected: dict[str, Any], ranks: list[int]) -> dict[str, Any]:

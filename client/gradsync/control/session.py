@@ -29,6 +29,7 @@ from torch import nn
 
 from gradsync import __version__
 from gradsync.config import ClientConfig
+from gradsync.control.heal_answer import await_heal_answer
 from gradsync.control.heal_channel import StateOffer
 from gradsync.control.link import (
     BucketEventHandler,
@@ -197,9 +198,8 @@ class Session:
         rejoining rank, and (rank 0) to take a due periodic checkpoint.
         """
         if self._link.take_heal_request():
-            # Sent before this rank's buffer broadcast of the step, so the
-            # coordinator admits the newcomer while that collective is still
-            # in flight and has it take part (its Welcome says from which number).
+            # Before this rank's buffer broadcast and gradients of the step: the newcomer
+            # takes part in both (its Welcome says from which collective number).
             self._send_heal(step)
         every = self.checkpoint_every
         if (
@@ -243,9 +243,11 @@ class Session:
         return torch_blob(live_state(self.module, self._optimizer, step, self.config.world_size))
 
     def _send_heal(self, step: int) -> None:
-        """Upload this rank's state (or an offer of it) for the ranks it heals."""
+        """Upload this rank's state (or an offer of it) for the ranks it heals, and wait
+        until they are admitted (`gradsync.control.heal_answer`: why, with shards)."""
         args = (self._link, self.config, self.module, self._optimizer, step, self._offer)
         self._offer = send_heal_state(*args)
+        await_heal_answer(self._link, self.config, step)
 
     # ------------------------------------------------------------ reconnecting
     def reconnect(self, cause: GradSyncError, step: int) -> int:
