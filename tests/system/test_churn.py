@@ -43,8 +43,9 @@ def test_one_failure_of_each_kind_leaves_identical_replicas_equal_to_the_replay(
 ) -> None:
     if REDIS_SERVER is None:
         pytest.skip("no redis-server on PATH")
-    # 28 s: the SIGSTOP holds its injection 4 s, so the fifth failure (Redis) comes at ~24 s.
-    plan = churn.ChurnPlan(duration_s=28.0, interval_s=4.0, kinds=KINDS, shards=2)
+    # The SIGSTOP holds its injection 4 s: the fifth failure (Redis) comes at ~24 s, and no
+    # sixth (a worker SIGKILL at ~28 s, whose new process the end would wait for).
+    plan = churn.ChurnPlan(duration_s=26.5, interval_s=4.0, kinds=KINDS, shards=2)
     run = churn.run_once(tmp_path, ClusterConfig(shards=2), plan, kinds=KINDS)
     summary = json.dumps({k: v for k, v in run.items() if k != "failures"}, default=str)
     assert run["injection_errors"] == [], summary
