@@ -201,6 +201,7 @@ class Session:
             # Before this rank's buffer broadcast and gradients of the step: the newcomer
             # takes part in both (its Welcome says from which collective number).
             self._send_heal(step)
+            await_heal_answer(self._link, self.config, step)  # (why: in its module)
         every = self.checkpoint_every
         if (
             every
@@ -243,11 +244,9 @@ class Session:
         return torch_blob(live_state(self.module, self._optimizer, step, self.config.world_size))
 
     def _send_heal(self, step: int) -> None:
-        """Upload this rank's state (or an offer of it) for the ranks it heals, and wait
-        until they are admitted (`gradsync.control.heal_answer`: why, with shards)."""
+        """Upload this rank's state (or an offer of it) for the ranks it heals."""
         args = (self._link, self.config, self.module, self._optimizer, step, self._offer)
         self._offer = send_heal_state(*args)
-        await_heal_answer(self._link, self.config, step)
 
     # ------------------------------------------------------------ reconnecting
     def reconnect(self, cause: GradSyncError, step: int) -> int:
