@@ -21,6 +21,7 @@ each step (`gradsync_bench.churn_checks`), step by step.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -90,6 +91,16 @@ class _Run:
         self.processes.append(process)
         self.workers[rank] = process
 
+    def stop(self) -> None:
+        """The workers SIGKILLed if still there, the leader SIGTERMed (it stops its shard)."""
+        reap(list(self.workers.values()))
+        leader = self.processes[0] if self.processes else None
+        if leader is not None and leader.poll() is None:
+            leader.terminate()
+            with contextlib.suppress(subprocess.TimeoutExpired):  # then reaped below
+                leader.wait(timeout=30)
+        reap(self.processes)
+
     def current(self, rank: int) -> list[dict[str, Any]]:
         """The events of `rank`'s latest process."""
         incarnations = [
@@ -156,7 +167,7 @@ def test_ranks_rejoining_a_sharded_job_abort_no_step_and_match_the_replay(
         for rank, process in run.workers.items():
             assert process.wait(timeout=90) == 0, (tmp_path / f"rank{rank}.log").read_text()[-3000:]
     finally:
-        reap(run.processes)
+        run.stop()
     incarnations = churn_checks.read_logs(tmp_path, WORLD_SIZE)
     aborted = [(i.rank, e["s"], e["why"]) for i in incarnations for e in i.of("aborted")]
     assert aborted == [], aborted
