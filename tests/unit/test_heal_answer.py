@@ -48,7 +48,7 @@ def test_the_donor_waits_for_the_membership_change_that_admits_the_newcomer() ->
     inbox = _donor()
     started = time.monotonic()
     thread = _later(inbox, _membership(4, [0, 1, 2]), 0.3)
-    assert inbox.wait_heal_answer(timeout_s=10.0)
+    assert inbox.wait_heal_answer(7, timeout_s=10.0)
     waited = time.monotonic() - started
     thread.join()
     assert 0.25 <= waited < 5.0, waited
@@ -60,25 +60,34 @@ def test_a_change_already_in_before_the_state_went_out_is_no_answer() -> None:
     inbox.on_message(_membership(4, [0, 1]))  # a rank lost: before the request
     inbox.on_message(_state_request())
     assert inbox.take_heal_request()
-    assert not inbox.wait_heal_answer(timeout_s=0.2)
+    assert not inbox.wait_heal_answer(7, timeout_s=0.2)
 
 
 def test_a_new_request_for_the_state_ends_the_wait_and_stays_to_be_taken() -> None:
     inbox = _donor()
     thread = _later(inbox, _state_request(), 0.1)
-    assert inbox.wait_heal_answer(timeout_s=10.0)
+    assert inbox.wait_heal_answer(7, timeout_s=10.0)
     thread.join()
     assert inbox.take_heal_request()  # the next step boundary sends the state again
+
+
+def test_an_abort_of_the_step_ends_the_wait() -> None:
+    inbox = _donor()
+    aborted = pb.StepAborted(step=7, code=10, message="a shard refused a chunk")
+    raw = pb.CoordinatorMessage(step_aborted=aborted).SerializeToString()
+    thread = _later(inbox, raw, 0.1)
+    assert inbox.wait_heal_answer(7, timeout_s=10.0)
+    thread.join()
 
 
 def test_without_an_answer_the_wait_gives_up_after_its_bound() -> None:
     inbox = _donor()
     started = time.monotonic()
-    assert not inbox.wait_heal_answer(timeout_s=0.3)
+    assert not inbox.wait_heal_answer(7, timeout_s=0.3)
     assert 0.25 <= time.monotonic() - started < 5.0
 
 
 def test_a_rank_that_sent_no_state_does_not_wait() -> None:
     inbox = Inbox("127.0.0.1:1", rank=1)
     inbox.on_message(_welcome(0))
-    assert inbox.wait_heal_answer(timeout_s=30.0)
+    assert inbox.wait_heal_answer(7, timeout_s=30.0)

@@ -34,15 +34,16 @@ log = logging.getLogger("gradsync.client")
 def await_heal_answer(link: SessionLink, config: ClientConfig, step: int) -> None:
     """Block (bounded) until the coordinator used the state this rank just sent.
 
-    Bounded by half the step timeout, so that the ranks waiting for this rank's
-    gradients of `step` still get them in time when no answer comes (the
-    rejoining ranks left meanwhile: the step then goes on without them). A
+    An abort of `step` ends the wait too: the coordinator uses no state taken
+    for an aborted step (it asks again at a later boundary if newcomers still
+    wait). Bounded by half the step timeout, so that the ranks waiting for this
+    rank's gradients of `step` still get them in time when no answer comes. A
     failed stream is not raised here: it stays recorded and surfaces at the
     step's next wait, where the model wrapper handles it.
     """
     timeout_s = config.timeout_s / 2
     try:
-        answered = link.wait_heal_answer(timeout_s)
+        answered = link.wait_heal_answer(step, timeout_s)
     except GradSyncError as exc:
         log.warning("rank %d: stopped waiting for its state to be used: %s", config.rank, exc)
         return

@@ -265,9 +265,9 @@ class Transport:
         """True (once) when a rejoining rank needs this rank's state."""
         return self._inbox.take_heal_request()
 
-    def wait_heal_answer(self, timeout_s: float) -> bool:
+    def wait_heal_answer(self, step: int, timeout_s: float) -> bool:
         """Block (bounded) until the state sent was used; see `SessionLink.wait_heal_answer`."""
-        return self._inbox.wait_heal_answer(timeout_s)
+        return self._inbox.wait_heal_answer(step, timeout_s)
 
     def step_report(self) -> pb.StepReport | None:
         """The coordinator's latest StepReport; see `SessionLink.step_report`."""
