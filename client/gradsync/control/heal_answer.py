@@ -18,6 +18,11 @@ epoch, and a shard holds a chunk of an epoch it has not heard of until the
 leader's view of that epoch arrives (`JobPlane.awaits_leader`), which adds
 the newcomers first. The newcomer cannot take part in the step before that
 anyway: it waits for the same state.
+
+What the donor cannot tell apart: a membership change for another reason (a
+rank lost while the state is in transit) ends the wait early too; a shard may
+then sum the donor before the newcomer's view, and aborts the step (safe,
+every rank skips it; rare).
 """
 
 from __future__ import annotations
