@@ -193,12 +193,24 @@ def _report(
     replayed: dict[str, Any] = {"ok": False, "error": "no final step"}
     if replicas["final_steps"]:
         try:
+            skipped = churn_checks.aborted_steps(incarnations)
+            digests: dict[int, str] = {}
+            counted: dict[int, list[int]] = {}
             expected = churn_checks.replay(
-                members, replicas["final_steps"][0], churn_checks.aborted_steps(incarnations)
+                members,
+                replicas["final_steps"][0],
+                skipped,
+                digests,
+                lost=churn_checks.unclaimed(incarnations, members),
+                logged=churn_checks.logged_digests(incarnations),
+                counted=counted,
             )
             replayed = churn_checks.compare_to_replay(
                 cluster.folder, expected, replicas["live_ranks"]
             )
+            replayed["first_divergence"] = churn_checks.first_divergence(incarnations, digests)
+            # Steps whose gradients held a rank lost during them that the count left out.
+            replayed["counted_lost_ranks"] = {str(step): r for step, r in sorted(counted.items())}
         except (ValueError, FileNotFoundError) as exc:
             replayed = {"ok": False, "error": str(exc)}
     failures = schedule.failures if schedule is not None else []

@@ -119,27 +119,36 @@ def aborted_steps(incarnations: list[Incarnation]) -> set[int]:
     return {e["s"] for inc in incarnations for e in inc.of("aborted")} - applied
 
 
-def contributions(incarnations: list[Incarnation]) -> tuple[dict[int, list[int]], list[str]]:
-    """The ranks whose gradients step s averaged, for every step; and what is unresolved."""
-    applied: dict[int, set[int]] = {}
-    counts: dict[int, Counter[int]] = {}
-    in_flight_at_death: dict[int, set[int]] = {}
+def in_flight(incarnations: list[Incarnation]) -> dict[int, set[int]]:
+    """Per step, the ranks whose process submitted it and never applied it.
+
+    It died (or was dropped) with the step open, or the coordinator died under
+    it and the job then went on past it. Its gradient may still be in the
+    average: the count says, or (`unclaimed`) the step's digest.
+    """
+    open_at_death: dict[int, set[int]] = {}
     for inc in incarnations:
-        for event in inc.of("applied"):
-            applied.setdefault(event["s"], set()).add(inc.rank)
-            counts.setdefault(event["s"], Counter())[event["c"]] += 1
         work = [
             e for e in inc.events if e["e"] in ("submit", "applied", "restart", "aborted", "final")
         ]
         for index, event in enumerate(work):
             following = work[index + 1] if index + 1 < len(work) else None
-            # A submitted step this process never applied: it died (or was dropped) with
-            # the step open, or the coordinator died under it and the job then went on
-            # past it. Its gradient may still be in the average: the count says.
             if event["e"] == "submit" and (
                 following is None or following["e"] != "applied" or following["s"] != event["s"]
             ):
-                in_flight_at_death.setdefault(event["s"], set()).add(inc.rank)
+                open_at_death.setdefault(event["s"], set()).add(inc.rank)
+    return open_at_death
+
+
+def contributions(incarnations: list[Incarnation]) -> tuple[dict[int, list[int]], list[str]]:
+    """The ranks whose gradients step s averaged, for every step; and what is unresolved."""
+    applied: dict[int, set[int]] = {}
+    counts: dict[int, Counter[int]] = {}
+    for inc in incarnations:
+        for event in inc.of("applied"):
+            applied.setdefault(event["s"], set()).add(inc.rank)
+            counts.setdefault(event["s"], Counter())[event["c"]] += 1
+    in_flight_at_death = in_flight(incarnations)
     members: dict[int, list[int]] = {}
     unresolved: list[str] = []
     for step in sorted(applied):
@@ -163,27 +172,70 @@ def contributions(incarnations: list[Incarnation]) -> tuple[dict[int, list[int]]
     return members, unresolved
 
 
+def unclaimed(
+    incarnations: list[Incarnation], members: dict[int, list[int]]
+) -> dict[int, list[int]]:
+    """Per step, the ranks lost with it in flight that its count leaves out.
+
+    A step's count (`last_contributors`) is the smallest over the step's chunks,
+    and every step ends with a small bucket of its own (which parameters were
+    used, sent after the gradients): a rank lost between the two is in the
+    gradients' average and not in the count (an elastic step keeps what a lost
+    rank contributed). `replay` tells the two apart by the step's logged digest.
+    """
+    lost = {
+        step: sorted(ranks - set(members.get(step, [])))
+        for step, ranks in in_flight(incarnations).items()
+    }
+    return {step: ranks for step, ranks in lost.items() if ranks}
+
+
+def logged_digests(incarnations: list[Incarnation]) -> dict[int, str]:
+    """Each applied step's parameter digest, as the first rank that applied it logged it."""
+    logged: dict[int, str] = {}
+    for inc in incarnations:
+        for event in inc.of("applied"):
+            if "d" in event:
+                logged.setdefault(event["s"], event["d"])
+    return logged
+
+
 def replay(
-    members: dict[int, list[int]], final_step: int, skipped: set[int] | frozenset[int] = frozenset()
+    members: dict[int, list[int]],
+    final_step: int,
+    skipped: set[int] | frozenset[int] = frozenset(),
+    digests: dict[int, str] | None = None,
+    lost: dict[int, list[int]] | None = None,
+    logged: dict[int, str] | None = None,
+    counted: dict[int, list[int]] | None = None,
 ) -> dict[str, Any]:
     """Single-process training where step s averages the gradients of members[s]; the
     steps in `skipped` (aborted for every rank) change nothing.
 
     The sum is formed in ascending rank order in float32 and divided by the count,
     as the coordinator does, so the replay can match the replicas bitwise.
+
+    Args:
+        digests: filled with the replay's parameter digest after every step it applied
+            (as the workers log it: `first_divergence` compares the two).
+        lost: per step, ranks lost with it in flight that may be in its gradients'
+            average although its count leaves them out (`unclaimed`).
+        logged: per step, the digest the ranks logged (`logged_digests`). At a step
+            of `lost` whose replay differs from it, the lost ranks are tried in as
+            well; the first set that gives the logged digest is kept (else the count's).
+        counted: filled with the steps of `lost` that had to count a lost rank, and
+            the ranks they were replayed over.
     """
+    import copy
+
     import torch
 
     torch.set_num_threads(1)
     model = churn_worker.ChurnModel(0)
     optimizer = churn_worker.make_optimizer(model)
     parameters = list(model.parameters())
-    for step in range(final_step):
-        ranks = members.get(step, [])
-        if not ranks:
-            if step in skipped:
-                continue  # aborted for every rank: no update anywhere
-            raise ValueError(f"no contribution recorded for step {step}")
+
+    def train(step: int, ranks: list[int]) -> None:
         sums: list[torch.Tensor] | None = None
         for rank in ranks:
             model.zero_grad()
@@ -196,7 +248,63 @@ def replay(
         for parameter, total in zip(parameters, sums, strict=True):
             parameter.grad = total / len(ranks)
         optimizer.step()
+
+    for step in range(final_step):
+        ranks = members.get(step, [])
+        if not ranks:
+            if step in skipped:
+                continue  # aborted for every rank: no update anywhere
+            raise ValueError(f"no contribution recorded for step {step}")
+        extra = (lost or {}).get(step, [])
+        wanted = (logged or {}).get(step)
+        if extra and wanted is not None:
+            before = copy.deepcopy((model.state_dict(), optimizer.state_dict()))
+            options = [ranks] + [
+                sorted({*ranks, *subset})
+                for size in range(1, len(extra) + 1)
+                for subset in combinations(extra, size)
+            ]
+            for option in options:
+                train(step, option)
+                if churn_worker.digest(model)[:16] == wanted:
+                    if option != ranks and counted is not None:
+                        counted[step] = option
+                    break
+                # A copy each time: loading keeps the given tensors, which the next try's
+                # optimizer step would change in place.
+                model.load_state_dict(before[0])
+                optimizer.load_state_dict(copy.deepcopy(before[1]))
+            else:
+                train(step, ranks)  # none matches: the count's, and the difference shows
+        else:
+            train(step, ranks)
+        if digests is not None:
+            digests[step] = churn_worker.digest(model)[:16]
     return {name: p.detach().clone() for name, p in model.named_parameters()}
+
+
+def first_divergence(
+    incarnations: list[Incarnation], replayed: dict[int, str]
+) -> dict[str, Any] | None:
+    """The first step after which some rank's parameters differ from the replay's.
+
+    Every `applied` event carries the rank's digest after that step; the replay's
+    after the same step is in `replayed`. Where a rank left the replay first says
+    which step (and which ranks) to look at in the logs. None: no rank ever did
+    (or the logs predate the per-step digest).
+    """
+    first: dict[str, Any] | None = None
+    for inc in incarnations:
+        for event in inc.of("applied"):
+            expected = replayed.get(event["s"])
+            if "d" not in event or expected is None or event["d"] == expected:
+                continue
+            if first is None or event["s"] < first["step"]:
+                first = {"step": event["s"], "ranks": [], "count": event["c"]}
+            if event["s"] == first["step"]:
+                first["ranks"].append(inc.rank)
+            break  # the rest of this process follows from its first difference
+    return first
 
 
 def compare_to_replay(folder: Path, expected: dict[str, Any], ranks: list[int]) -> dict[str, Any]:

@@ -11,7 +11,9 @@ loses nothing that happened before it:
   {"e": "start", "rank", "pid", "t"}                      process started
   {"e": "joined", "s", "t"}                               DDP built (joined, healed)
   {"e": "submit", "s", "t"}                               about to compute step s
-  {"e": "applied", "s", "c", "t"}                         step s applied, c contributors
+  {"e": "applied", "s", "c", "d", "t"}                    step s applied, c contributors,
+                                                          d: the first 16 hex digits of the
+                                                          parameters' digest after it
   {"e": "restart", "s", "t", "why"}                       coordinator restarted: redo s
   {"e": "aborted", "s", "next", "t", "why"}               step s abandoned by every rank
   {"e": "error", "s", "t", "class", "message"}            a GradSyncError ends the process
@@ -23,6 +25,10 @@ elastic policy to drop it, then woken) logs it and exits 3: its supervisor
 starts a new process, which rejoins and is healed like a killed rank's.
 Training stops at the step written in --stop-file (the bench writes it once
 every rank is live again), and the parameters are saved to --final.
+
+`--ballast-mb` adds a frozen parameter of that size: in every state a donor
+sends (and in the start broadcast), never in a gradient, so a test can make
+healing slow without changing the arithmetic (the digests leave it out).
 """
 
 from __future__ import annotations
@@ -81,9 +87,15 @@ def make_optimizer(model: nn.Module) -> torch.optim.Optimizer:
 
 
 def digest(module: nn.Module) -> str:
-    """SHA-256 of the parameters' bytes: equal digests are bitwise equal replicas."""
+    """SHA-256 of the trained parameters' bytes: equal digests are bitwise equal replicas.
+
+    A frozen parameter (the ballast) is left out: it never changes, and hashing it
+    after every step would cost more than the step.
+    """
     hasher = hashlib.sha256()
     for name, parameter in module.named_parameters():
+        if not parameter.requires_grad:
+            continue
         hasher.update(name.encode())
         hasher.update(parameter.detach().contiguous().numpy().tobytes())
     return hasher.hexdigest()
@@ -119,6 +131,7 @@ def main() -> int:
     parser.add_argument("--timeout-s", type=float, default=30.0)
     parser.add_argument("--reconnect-timeout-s", type=float, default=60.0)
     parser.add_argument("--incarnation", type=int, default=1)
+    parser.add_argument("--ballast-mb", type=float, default=0.0)
     args = parser.parse_args()
     import gradsync
 
@@ -129,6 +142,9 @@ def main() -> int:
     # at start); every other process starts from weights of its own, which healing must
     # overwrite with the live state.
     module = ChurnModel(seed=args.rank + 1000 * (args.incarnation - 1))
+    if args.ballast_mb > 0:
+        floats = int(args.ballast_mb * (1 << 20)) // 4
+        module.ballast = nn.Parameter(torch.zeros(floats), requires_grad=False)
     step = 0
     try:
         model = gradsync.DistributedDataParallel(
@@ -169,7 +185,7 @@ def main() -> int:
                     log.write("aborted", s=step, next=model.step, why=str(exc)[:300])
                     continue
                 optimizer.step()
-                log.write("applied", s=step, c=model.last_contributors)
+                log.write("applied", s=step, c=model.last_contributors, d=digest(module)[:16])
             torch.save(module.state_dict(), args.final)
             log.write("final", s=model.step, digest=digest(module))
     except gradsync.GradSyncError as exc:

@@ -4,7 +4,17 @@ from __future__ import annotations
 
 from typing import Any
 
-from gradsync_bench.churn_checks import Incarnation, aborted_steps, applied_once, contributions
+import torch
+from gradsync_bench.churn_checks import (
+    Incarnation,
+    aborted_steps,
+    applied_once,
+    contributions,
+    first_divergence,
+    logged_digests,
+    replay,
+    unclaimed,
+)
 
 
 def _inc(rank: int, *events: tuple[str, int] | tuple[str, int, int]) -> Incarnation:
@@ -56,3 +66,41 @@ def test_an_aborted_step_is_no_hole() -> None:
     logs = [_inc(r, *steps, ("submit", 2), ("applied", 2, 2)) for r in (0, 1)]
     assert aborted_steps(logs) == {1}
     assert applied_once(logs)["ok"], applied_once(logs)
+
+
+def _with_digests(inc: Incarnation, digests: dict[int, str]) -> Incarnation:
+    for event in inc.of("applied"):
+        event["d"] = digests[event["s"]]
+    return inc
+
+
+def test_a_rank_lost_between_its_buckets_is_found_in_the_step_by_its_digest() -> None:
+    # Rank 0 was SIGKILLed in step 1 after its gradients were summed, before the small
+    # bucket every step ends with: the average holds it, the count (the smallest over
+    # the step's chunks) says 2. The digests the others logged tell the two apart.
+    truth = {0: [0, 1, 2], 1: [0, 1, 2], 2: [1, 2]}
+    digests: dict[int, str] = {}
+    expected = replay(truth, 3, digests=digests)
+    later = (("submit", 1), ("applied", 1, 2), ("submit", 2), ("applied", 2, 2))
+    logs = [
+        _with_digests(
+            _inc(0, ("joined", 0), ("submit", 0), ("applied", 0, 3), ("submit", 1)), digests
+        ),
+        *(
+            _with_digests(_inc(r, ("joined", 0), ("submit", 0), ("applied", 0, 3), *later), digests)
+            for r in (1, 2)
+        ),
+    ]
+    members, unresolved = contributions(logs)
+    assert members[1] == [1, 2] and unresolved == []
+    lost = unclaimed(logs, members)
+    assert lost == {1: [0]}
+    # By the count alone the replay leaves the replicas at step 1, and says where.
+    by_count: dict[int, str] = {}
+    plain = replay(members, 3, digests=by_count)
+    assert not all(torch.equal(plain[name], expected[name]) for name in expected)
+    assert first_divergence(logs, by_count) == {"step": 1, "ranks": [1, 2], "count": 2}
+    counted: dict[int, list[int]] = {}
+    found = replay(members, 3, lost=lost, logged=logged_digests(logs), counted=counted)
+    assert counted == {1: [0, 1, 2]}
+    assert all(torch.equal(found[name], expected[name]) for name in expected)

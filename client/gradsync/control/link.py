@@ -149,6 +149,16 @@ class SessionLink(Protocol):
         """True, once, when a rejoining rank asked for this rank's state."""
         ...
 
+    def wait_heal_answer(self, step: int, timeout_s: float) -> bool:
+        """After `send_heal(step, ...)`: block until the coordinator admitted the ranks it
+        heals (a MembershipChanged past the epoch the state went out in), asked for the
+        state again, or aborted `step`. False when none of these came within `timeout_s`;
+        True at once if no state was sent.
+
+        A donor uploads nothing of the step until then (`gradsync.control.heal_answer`).
+        """
+        ...
+
     def step_report(self) -> pb.StepReport | None:
         """The coordinator's latest StepReport (who was slowest), or None.
 

@@ -29,6 +29,7 @@ from torch import nn
 
 from gradsync import __version__
 from gradsync.config import ClientConfig
+from gradsync.control.heal_answer import await_heal_answer
 from gradsync.control.heal_channel import StateOffer
 from gradsync.control.link import (
     BucketEventHandler,
@@ -197,10 +198,10 @@ class Session:
         rejoining rank, and (rank 0) to take a due periodic checkpoint.
         """
         if self._link.take_heal_request():
-            # Sent before this rank's buffer broadcast of the step, so the
-            # coordinator admits the newcomer while that collective is still
-            # in flight and has it take part (its Welcome says from which number).
+            # Before this rank's buffer broadcast and gradients of the step: the newcomer
+            # takes part in both (its Welcome says from which collective number).
             self._send_heal(step)
+            await_heal_answer(self._link, self.config, step)  # (why: in its module)
         every = self.checkpoint_every
         if (
             every

@@ -254,7 +254,29 @@ class Inbox:
         """True (once) when a rejoining rank needs this rank's state."""
         with self._cond:
             requested, self._shared.heal_requested = self._shared.heal_requested, False
+            if requested:
+                self._shared.heal_epoch = self._shared.membership_epoch
             return requested
+
+    def wait_heal_answer(self, step: int, timeout_s: float) -> bool:
+        """Block until the coordinator used the state this rank sent at `step` (a membership
+        change past the epoch it went out in), asked for it again, or aborted `step` (it
+        then uses none of it); False after `timeout_s`."""
+        with self._cond:
+            epoch = self._shared.heal_epoch
+        if epoch is None:
+            return True  # no state sent: nothing to wait for
+        what = f"the coordinator to admit the ranks healed with this rank's state (epoch {epoch})"
+
+        def answered(shared: InboxState) -> bool:
+            moved = shared.membership_epoch > epoch or shared.heal_requested
+            return moved or self._steps.was_aborted(step)
+
+        try:
+            self.wait(answered, timeout_s, what)
+        except SyncTimeoutError:
+            return False
+        return True
 
     def wait_checkpoint(self, step: int, timeout_s: float) -> pb.CheckpointSaved:
         """Block until the coordinator answered the checkpoint upload of `step`."""

@@ -48,6 +48,9 @@ class InboxState:
     live_ranks: tuple[int, ...] | None = None
     #: A live rank asked to donate its state to a rejoining rank (elastic).
     heal_requested: bool = False
+    #: The membership epoch in which this rank took the latest such request (its state
+    #: went out in it): the coordinator's answer is a change past it (`wait_heal_answer`).
+    heal_epoch: int | None = None
     #: The coordinator's announcement of why it is about to end the stream.
     stream_end: pb.StreamEnd | None = None
     #: The coordinator's latest StepReport (only the lowest rank gets them).

@@ -180,6 +180,10 @@ class StepResults:
         self._ensure(aborted.step).aborted = aborted
         self._aborted.append(aborted.step)
 
+    def was_aborted(self, step: int) -> bool:
+        """True if the coordinator said `step` is abandoned (among the recent ones)."""
+        return step in self._aborted
+
     def on_gradient(self, chunk: ChunkHeader, payload: memoryview) -> str | None:
         """Write one averaged chunk into its bucket.
 

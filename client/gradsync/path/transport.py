@@ -207,13 +207,8 @@ class Transport:
             sequence = self._next_collective
             self._inbox.expect_collective(sequence, op, dtype, payload.nbytes, result_bytes)
             self._next_collective = sequence + 1
-        log.debug(
-            "rank %d: collective %d: %s of %d bytes",
-            self.rank,
-            sequence,
-            op_name(op),
-            payload.nbytes,
-        )
+        size = payload.nbytes
+        log.debug("rank %d: collective %d: %s of %d bytes", self.rank, sequence, op_name(op), size)
         self._put(CollectiveUpload(sequence, op, dtype, root, payload))
         return self._inbox.wait_collective(sequence, timeout_s)
 
@@ -269,6 +264,10 @@ class Transport:
     def take_heal_request(self) -> bool:
         """True (once) when a rejoining rank needs this rank's state."""
         return self._inbox.take_heal_request()
+
+    def wait_heal_answer(self, step: int, timeout_s: float) -> bool:
+        """Block (bounded) until the state sent was used; see `SessionLink.wait_heal_answer`."""
+        return self._inbox.wait_heal_answer(step, timeout_s)
 
     def step_report(self) -> pb.StepReport | None:
         """The coordinator's latest StepReport; see `SessionLink.step_report`."""

@@ -5,7 +5,8 @@ chunks it never contributed to complete over the live ranks, the collectives
 it never joined over the others) and the membership epoch moves on. A
 restarted rank waits as a newcomer until the lowest live rank uploads its
 state at a step boundary; the coordinator relays that state to it (Welcome
-plus resume chunks) before adding it to the open step. The job decides *when*
+plus resume chunks) before adding it to the open step, and tells the donor
+(MembershipChanged), which uploads that step's gradients only then. The job decides *when*
 the policy applies; this module carries it out. Pure logic, no gRPC, no asyncio.
 """
 
@@ -108,7 +109,12 @@ class Elastic:
             return []
         # The lowest live rank donates: until its own chunks of the open step
         # arrive, no chunk of that step can have folded anyone in, so the
-        # newcomers can still be added to the step's reductions.
+        # newcomers can still be added to the step's reductions. At the leader
+        # the donor's chunks follow its state on the same stream; a shard gets
+        # them on another, so the donor uploads nothing of the step until the
+        # MembershipChanged below reached it: its chunks carry the new epoch,
+        # and a shard holds those until the view adding the newcomers arrives
+        # (`JobPlane.awaits_leader`; the client's `gradsync.control.heal_answer`).
         donor = min(membership.members)
         self._heal = (donor, None)
         request = pb.StateRequest(for_rank=min(membership.newcomers))

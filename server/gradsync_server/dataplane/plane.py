@@ -27,7 +27,10 @@ completes over the live ranks; a rank gone without a new epoch belongs to a
 job that is breaking, whose step the control plane aborts or ends. A rank
 that rejoins is added to the step's reductions; if higher ranks' chunks were
 already summed it cannot be, and the event's outcome names the step to
-abort. A rank out of inputs stops being waited for.
+abort. (That does not happen when the donor keeps to the protocol: it
+uploads the step only once it heard of the new epoch, and a shard holds a
+chunk of an epoch it has not heard of until the view arrives, see
+`control.elastic`.) A rank out of inputs stops being waited for.
 
 A shard never aborts a step itself: a chunk it refuses becomes a
 `ShardRejected` for the leader (`report`), once per step, and non-finite
