@@ -54,7 +54,7 @@ log = logging.getLogger("gradsync.client")
 #: stream's share of the link times a chunk's round trip (its upload, everyone
 #: else's copy of it, the answer): about 2.5 MB at W = 4 on 200 Mbit/s links with
 #: 1 MiB chunks. Larger only loosens the lockstep; smaller starves the stream.
-UPLOAD_WINDOW_BYTES = 4 << 20
+UPLOAD_WINDOW_BYTES = 2 << 20
 #: A full window that no answer opened for this long is opened anyway.
 PACING_STALL_S = 2.0
 #: Overrides `UPLOAD_WINDOW_BYTES` (MiB, 0 = no pacing); read when a transport is built.
