@@ -179,15 +179,19 @@ def test_a_newer_step_resets_the_windows() -> None:
     assert pacer.outstanding(0) == CHUNK
 
 
-def test_a_window_no_answer_opens_is_opened_by_the_stall_bound() -> None:
+def test_a_window_no_answer_opens_ends_the_pacing_of_its_step() -> None:
+    """A straggler: the rank sends the rest of the step at once, not a window per stall."""
     timers = Timers()
     pacer, sent = pacer_for(window=CHUNK, timers=timers)
-    pacer.dispatch(split_upload(upload(1, 3 * CHUNK), 1))
-    assert len(sent) == 1 and timers.pending
-    while pacer.queued(0):
-        assert timers.fire_all() == 1
-    assert len(sent) == 3 and pacer.stalls == 2
-    assert timers.fire_all() == 0  # nothing queued: no timer left armed
+    pacer.dispatch(split_upload(upload(1, 6 * CHUNK), 2))
+    assert len(sent) == 2 and len(timers.pending) == 2
+    assert timers.fire_all() == 1  # the first stall released everything: the other is moot
+    assert len(sent) == 6 and pacer.stalls == 1
+    pacer.dispatch(split_upload(upload(1, 4 * CHUNK, bucket_index=1), 2))
+    assert len(sent) == 10  # the same step's later buckets: unpaced too
+    pacer.dispatch(split_upload(upload(2, 4 * CHUNK), 2))
+    assert len(sent) == 12  # the next step is paced again
+    assert timers.fire_all() == 1 and len(sent) == 14
 
 
 def test_an_answer_cancels_the_stall_timer() -> None:
