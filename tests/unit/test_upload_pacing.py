@@ -8,6 +8,7 @@ tell the difference.
 
 from __future__ import annotations
 
+import os
 import random
 from collections.abc import Callable
 
@@ -20,6 +21,7 @@ from gradsync.path.pacing import (
     UPLOAD_WINDOW_BYTES,
     UploadPacer,
     chunk_bytes_of,
+    is_loopback,
     rotation,
     split_range,
     window_bytes_from_env,
@@ -79,9 +81,8 @@ def pacer_for(
 ) -> tuple[UploadPacer, list[tuple[int, RangeUpload]]]:
     sent: list[tuple[int, RangeUpload]] = []
     timers = timers or Timers()
-    pacer = UploadPacer(
-        rank, lambda i, part: sent.append((i, part)), Source(), timers.schedule, window
-    )
+    send = lambda i, part: sent.append((i, part))  # noqa: E731
+    pacer = UploadPacer(rank, send, Source(), timers.schedule, "10.0.0.1:50051", window)
     return pacer, sent
 
 
@@ -137,6 +138,18 @@ def test_window_setting_from_the_environment() -> None:
     for bad in ("-1", "many", "nan"):
         with pytest.raises(ValueError, match=ENV_UPLOAD_WINDOW_MB):
             window_bytes_from_env({ENV_UPLOAD_WINDOW_MB: bad})
+
+
+def test_a_coordinator_on_loopback_is_not_paced_unless_asked() -> None:
+    for target in ("127.0.0.1:50051", "127.3.0.9:1", "[::1]:50051", "localhost:50051"):
+        assert is_loopback(target)
+        assert window_bytes_from_env({}, target) == 0
+        assert window_bytes_from_env({ENV_UPLOAD_WINDOW_MB: "2"}, target) == 2 << 20
+    for target in ("10.213.0.2:50051", "coordinator:50051", "[fd00::1]:1", "not an address"):
+        assert not is_loopback(target)
+        assert window_bytes_from_env({}, target) == UPLOAD_WINDOW_BYTES
+    pacer = UploadPacer(0, lambda *_: None, Source(), Timers().schedule, "127.0.0.1:50051")
+    assert pacer.window_bytes == 0 or ENV_UPLOAD_WINDOW_MB in os.environ
 
 
 # ----------------------------------------------------------------- windows

@@ -157,7 +157,7 @@ class Transport:
         #: Data streams to shards 1..S-1 (loop thread), opened at the Welcome.
         self._shards: ShardStreams | None = None
         #: Hands each bucket's ranges to the streams, clocked by the answers (loop thread).
-        self._pacer = UploadPacer(rank, self._send_range, self._inbox, self._loop.call_later)
+        self._pacer = UploadPacer(rank, self._send_to, self._inbox, self._loop.call_later, target)
         self._inbox.on_answer = functools.partial(self._pacer.answered, 0)
         self._sequence_lock = threading.Lock()
         self._next_collective = 0
@@ -396,7 +396,7 @@ class Transport:
                 self._heartbeat_queued = True
                 self._sync.send(_HEARTBEAT)
 
-    def _send_range(self, index: int, part: RangeUpload) -> None:
+    def _send_to(self, index: int, part: RangeUpload) -> None:
         """Queue range 0 of a bucket here, range i on shard i's stream (loop; the pacer's)."""
         if index == 0:
             self._sync.send(part)
