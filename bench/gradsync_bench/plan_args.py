@@ -26,6 +26,8 @@ def plan_from_args(args: Any) -> BenchPlan:
         overrides["train_steps"] = args.train_steps
     if args.netns_rate_mbit:
         overrides["netns_rate_mbit"] = args.netns_rate_mbit
+    if getattr(args, "netns_wires", None):
+        overrides["netns_wires"] = tuple(args.netns_wires)
     if args.layouts:
         overrides["netns_layouts"] = args.layouts
     if args.shards:

@@ -26,6 +26,7 @@ from gradsync_bench import (
     wan,
     wan_report,
     wan_worker,
+    wire_report,
 )
 
 
@@ -50,6 +51,9 @@ class BenchPlan:
     netns_layouts: tuple[str, ...] = sharded.LAYOUTS
     #: Shard counts of the dedicated and colocated layouts; empty = S = W.
     netns_shards: list[int] = field(default_factory=list)
+    #: 16-bit wires timed in every netns row besides fp32 ("bf16", "fp16"), with torch DDP's
+    #: bf16 hook over gloo as their reference (`gradsync_bench.wire_report`); () = none.
+    netns_wires: tuple[str, ...] = ()
     #: Hierarchical aggregation rows: a hierarchical gradsync job beside the flat one in the
     #: loopback rows (S = 1) and the train rows, and (with the single layout) the netns
     #: suite's H hosts x R ranks rows.
@@ -154,6 +158,7 @@ def run(plan: BenchPlan) -> dict[str, Any]:
             plan.netns_rate_mbit,
             plan.netns_layouts,
             plan.netns_shards,
+            plan.netns_wires,
         )
         document["suites"]["netns"] = rows
         if reason:
@@ -303,6 +308,7 @@ def markdown(document: dict[str, Any]) -> str:
                 for r in netns
             ],
         )
+    lines += wire_report.markdown_lines(netns)
     lines += _hierarchy_table(document["suites"].get("netns_hierarchy", []))
     lines += wan_report.markdown_lines(document["suites"].get("wan", {}))
     lines += heal.markdown_lines(document["suites"].get("heal", []))

@@ -37,6 +37,7 @@ from gradsync_bench.netns import Cluster
 from gradsync_bench.netns_probe import available
 from gradsync_bench.netns_shaping import LinkShape
 from gradsync_bench.suites import MIB, Row, run_sync_workers, stop_process
+from gradsync_bench.wire_report import DDP_BF16
 
 #: The coordinator layouts the netns suite knows, in table order.
 LAYOUTS = ("single", "dedicated", "colocated")
@@ -228,12 +229,22 @@ def running_coordinator(
 
 
 def measure(
-    cluster: Cluster, topology: Topology, megabytes: float, reps: int, rate_mbit: float
+    cluster: Cluster,
+    topology: Topology,
+    megabytes: float,
+    reps: int,
+    rate_mbit: float,
+    wires: Sequence[str] = (),
 ) -> Row:
-    """One row: gradsync and gloo on `cluster` (built for `topology`), against their bounds."""
+    """One row: gradsync and gloo on `cluster` (built for `topology`), against their bounds.
+
+    Each of `wires` ("bf16", "fp16") is one more gradsync job with that wire dtype; with
+    any, torch DDP's bf16 hook over gloo ("ddp-bf16") is timed too (`wire_report`).
+    """
+    methods = ("gradsync", *wires, *((DDP_BF16,) if wires else ()))
     link_s = megabytes * MIB / (rate_mbit * 1e6 / 8)  # N/B
     w = topology.world_size
-    transfers_s = (reps + 1) * (topology.bound_factor() + ring_factor(w)) * link_s
+    transfers_s = (reps + 1) * (topology.bound_factor() + ring_factor(w)) * link_s * len(methods)
     with (
         tempfile.TemporaryDirectory() as scratch,
         running_coordinator(cluster, topology, Path(scratch)) as (address, pids),
@@ -247,6 +258,7 @@ def measure(
             gloo=f"{cluster.address('w0')}:{GLOO_PORT}",
             launchers=[on_host(cluster, host) for host in topology.worker_hosts],
             server_pids=pids,
+            methods=methods,
             # Three times the bound covers a slow link; the allowance covers the setup.
             timeout_s=STARTUP_ALLOWANCE_S + 3 * transfers_s,
         )
@@ -277,6 +289,7 @@ def netns_suite(
     rate_mbit: float,
     layouts: Sequence[str] = ("single",),
     shards: Sequence[int] = (),
+    wires: Sequence[str] = (),
 ) -> tuple[list[Row], str]:
     """Suite (c): every layout x W x S x N on an emulated cluster.
 
@@ -294,5 +307,5 @@ def netns_suite(
             flush=True,
         )
         with Cluster(topology.hosts, LinkShape(rate_mbit=rate_mbit)) as cluster:
-            rows += [measure(cluster, topology, mb, reps, rate_mbit) for mb in sizes_mb]
+            rows += [measure(cluster, topology, mb, reps, rate_mbit, wires) for mb in sizes_mb]
     return rows, ""

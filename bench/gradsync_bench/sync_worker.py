@@ -8,7 +8,11 @@ hits both alike. With `--methods gradsync,hierarchical` a second gradsync job
 (own parameters, job id <job>-hier, `hierarchical=True`: ranks on one host
 sum in shared memory and only the local leader uploads) joins the rotation,
 A B C A B C; the plain "gradsync" job is flat (`hierarchical=False`), so its
-numbers mean the same as before hierarchy existed. `--link-stats IFACE` records
+numbers mean the same as before hierarchy existed. The 16-bit wire methods
+"bf16" and "fp16" are flat jobs with `wire_dtype` (the coordinator sums in
+fp32, the average comes back in 16 bits); "ddp-bf16" is torch DDP over the same
+gloo group with its `bf16_compress_hook` (a bf16 ring all-reduce of every
+bucket), the reference a 16-bit gradsync wire is measured against. `--link-stats IFACE` records
 the interface's tx/rx byte counters around every timed operation (between the
 barriers), i.e. this host's traffic for it.
 
@@ -21,6 +25,7 @@ from /proc, so the coordinator's work is counted, process by process.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import sys
@@ -32,9 +37,29 @@ import gradsync
 import torch
 import torch.distributed as dist
 
+from gradsync_bench.wire_report import DDP_BF16
+
 MIB = 1 << 20
-#: The gradsync methods a worker can time, and their `hierarchical=` argument.
-GRADSYNC_METHODS = {"gradsync": False, "hierarchical": True}
+#: The gradsync methods a worker can time: their `hierarchical=` and `wire_dtype=`.
+GRADSYNC_METHODS: dict[str, tuple[bool, torch.dtype | None]] = {
+    "gradsync": (False, None),
+    "hierarchical": (True, None),
+    "bf16": (False, torch.bfloat16),
+    "fp16": (False, torch.float16),
+}
+#: What each gradsync method appends to the job id ("gradsync" is the job id itself).
+JOB_SUFFIX = {"gradsync": "", "hierarchical": "-hier", "bf16": "-bf16", "fp16": "-fp16"}
+
+
+class SumOfParameters(torch.nn.Module):
+    """sum(p * x) over the parameters: torch DDP needs a forward to run its hooks."""
+
+    def __init__(self, parameters: list[torch.nn.Parameter]) -> None:
+        super().__init__()
+        self.pieces = torch.nn.ParameterList(parameters)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return sum(((p * x).sum() for p in self.pieces), torch.zeros(()))
 
 
 def link_bytes(interface: str | None) -> dict[str, int]:
@@ -76,6 +101,22 @@ def server_cpu_s(pids: list[int]) -> dict[str, float]:
     return {str(pid): process_cpu_s(pid) for pid in with_descendants(pids)}
 
 
+def _bf16_hook_over_gloo() -> Any:
+    """torch DDP's `bf16_compress_hook`, which torch refuses by name off CUDA + NCCL.
+
+    gloo reduces bf16 tensors, so this is the built-in's own body
+    (`default_hooks._compress_hook(torch.bfloat16, ...)`: cast, divide, all-reduce,
+    cast back), bound with functools.partial so that DDP sees the original's
+    signature, under another name.
+    """
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+    hook = functools.partial(default_hooks._compress_hook, torch.bfloat16)
+    # DDP reads both names (its check, its logging); a partial has neither.
+    hook.__name__ = hook.__qualname__ = "bf16_hook_over_gloo"  # type: ignore[attr-defined]
+    return hook
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--coordinator", required=True)
@@ -93,7 +134,7 @@ def main() -> None:
     parser.add_argument(
         "--methods",
         default="gradsync",
-        help="gradsync jobs to time besides gloo: gradsync (flat), hierarchical",
+        help="methods to time besides gloo: gradsync (flat), hierarchical, bf16, fp16, ddp-bf16",
     )
     parser.add_argument("--link-stats", default=None, help="interface to count bytes on")
     args = parser.parse_args()
@@ -104,19 +145,23 @@ def main() -> None:
     pieces = [elements // 4] * 3 + [elements - 3 * (elements // 4)]
     methods = args.methods.split(",")
     params: dict[str, list[torch.nn.Parameter]] = {}
-    models = []
+    models: list[torch.nn.Module] = []
     for method in methods:
         params[method] = [torch.nn.Parameter(torch.zeros(n)) for n in pieces]
+        if method == DDP_BF16:
+            continue  # wrapped once gloo's group exists
+        hierarchical, wire_dtype = GRADSYNC_METHODS[method]
         models.append(
             gradsync.DistributedDataParallel(
                 torch.nn.ParameterList(params[method]),
                 coordinator=args.coordinator,
                 rank=args.rank,
                 world_size=args.world_size,
-                job_id=args.job_id if method == "gradsync" else f"{args.job_id}-hier",
+                job_id=args.job_id + JOB_SUFFIX[method],
                 timeout_s=600,
                 join_timeout_s=120,
-                hierarchical=GRADSYNC_METHODS[method],
+                hierarchical=hierarchical,
+                wire_dtype=wire_dtype,
             )
         )
     dist.init_process_group(
@@ -125,6 +170,10 @@ def main() -> None:
         rank=args.rank,
         world_size=args.world_size,
     )
+    if DDP_BF16 in methods:
+        reference = torch.nn.parallel.DistributedDataParallel(SumOfParameters(params[DDP_BF16]))
+        reference.register_comm_hook(None, _bf16_hook_over_gloo())
+        models.append(reference)
     tensor = torch.ones(elements)
     ones = torch.ones(1)
     servers = [args.coordinator_pid] if args.coordinator_pid else []
@@ -157,6 +206,9 @@ def main() -> None:
         )
 
     def gradsync_sync(method: str) -> None:
+        if method == DDP_BF16:
+            reference(ones).backward()
+            return
         loss = sum((p * ones).sum() for p in params[method])
         loss.backward()  # type: ignore[union-attr]
 
@@ -172,7 +224,8 @@ def main() -> None:
             timed(method, lambda method=method: gradsync_sync(method))
         timed("gloo", gloo_sync)
     for model in models:
-        model.close()
+        if isinstance(model, gradsync.DistributedDataParallel):
+            model.close()
     dist.barrier()  # see train_worker: gloo aborts a rank whose peer tore down first
     dist.destroy_process_group()
     args.out.write_text(json.dumps(records))

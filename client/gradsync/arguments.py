@@ -258,6 +258,13 @@ def build_parser() -> argparse.ArgumentParser:
         f"{','.join(BENCH_LAYOUTS)} (default: all; single with --quick)",
     )
     bench.add_argument(
+        "--netns-wires",
+        type=flags.choice_list(("bf16", "fp16")),
+        default=None,
+        help="netns suite: also time gradsync with these 16-bit wires and torch DDP's bf16 "
+        "hook over gloo, e.g. bf16,fp16 (default: fp32 only)",
+    )
+    bench.add_argument(
         "--shards",
         type=flags.number_list(flags.positive_int),
         default=None,

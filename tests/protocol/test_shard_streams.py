@@ -26,6 +26,7 @@ import numpy as np
 import pytest
 from gradsync.errors import ShardUnavailableError
 from gradsync.path.buffers import BucketBuffer
+from gradsync.path.pacing import ENV_UPLOAD_WINDOW_MB
 from gradsync.path.transport import Transport
 from gradsync_proto import chunking
 from gradsync_proto.codec import ChunkHeader, decode_gradient, encode_gradient
@@ -227,25 +228,33 @@ def ipv6_loopback() -> bool:
 
 
 @pytest.mark.parametrize("host", ["127.0.0.1", "[::1]"])
+@pytest.mark.parametrize("window_mb", ["", "0.0005"])
 def test_each_shard_receives_exactly_its_ranges_and_every_result_is_written_back(
-    host: str,
+    host: str, window_mb: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    """Also paced (`gradsync.path.pacing`, a window of about two chunks per stream, set
+    explicitly since loopback is otherwise unpaced): the same chunks, every result back."""
     if host == "[::1]" and not ipv6_loopback():
         pytest.skip("no IPv6 loopback on this host")
+    monkeypatch.setenv(ENV_UPLOAD_WINDOW_MB, window_mb)
 
     async def scenario() -> None:
         async with sharded_coordinator(host) as (leader, shard, _):
             transport = await asyncio.to_thread(joined, leader)
+            assert transport._pacer.window_bytes == (524 if window_mb else 0)
             try:
-                for step in (0, 1):
+                for step in (0, 1, 2):
                     await asyncio.to_thread(run_step, transport, step)
             finally:
                 await asyncio.to_thread(transport.close, 5.0)
+            # Every window was opened by an answer (both streams' answers reach the
+            # pacer), never by the stall bound.
+            assert transport._pacer.stalls == 0
             assert [(h.job_id, h.rank, h.incarnation, h.shard_index) for h in shard.hellos] == [
                 ("sharded", 0, "incarnation-7", 1)
             ]
-            assert sorted(leader.received) == grid(0, 0) + grid(1, 0)
-            assert sorted(shard.received) == grid(0, 1) + grid(1, 1)
+            assert sorted(leader.received) == grid(0, 0) + grid(1, 0) + grid(2, 0)
+            assert sorted(shard.received) == grid(0, 1) + grid(1, 1) + grid(2, 1)
             # The 16-bit bucket is cut by elements: shard 1 starts at byte 1000.
             assert min(o for s, b, o, _, _ in shard.received if b == 1) == 1000
             assert leader.left and shard.left  # a goodbye on every stream

@@ -78,6 +78,9 @@ class Inbox:
         self._collectives = CollectiveResults(rank)
         #: What the Welcome must say, from this worker's own Join (None: not checked).
         self._expected: Expected | None = None
+        #: Told (step, dtype, payload bytes) of every averaged chunk of the leader's
+        #: stream, on the loop thread (the upload pacer's clock, `gradsync.path.pacing`).
+        self.on_answer: Callable[[int, int, int], None] | None = None
 
     def expect(self, join: pb.Join) -> None:
         """Check the Welcome (and size the state and resume buffers) against `join`."""
@@ -335,6 +338,8 @@ class Inbox:
         """Take in one serialized CoordinatorMessage and wake the waiters."""
         fast = decode_gradient(raw)
         if fast is not None:
+            if self.on_answer is not None:
+                self.on_answer(fast[0].step, fast[0].dtype, len(fast[1]))
             with self._cond:
                 self._on_gradient(*fast)
                 self._cond.notify_all()

@@ -58,6 +58,9 @@ LEAVE_TIMEOUT_S = 2.0
 KEEPALIVE_TIME_MS = 1_000
 KEEPALIVE_TIMEOUT_MS = 3_000
 
+#: Told (stream index, step, dtype, payload bytes) of every averaged chunk a stream brings.
+Answered = Callable[[int, int, int, int], None]
+
 
 def channel_options() -> list[tuple[str, int]]:
     """gRPC channel options shared by the leader's and the shards' channels.
@@ -137,6 +140,8 @@ class ShardStream:
         encode: the serialized chunks of a range upload (the transport's, so
             both kinds of stream stamp the same chunk size and epoch).
         closing: true once the transport is closing (an end is then no failure).
+        answered: told (index, step, dtype, payload bytes) of every averaged chunk
+            (the upload pacer's clock, `gradsync.path.pacing`).
         connect_timeout_s: how long the shard gets to accept the connection.
         security: TLS and token, as to the leader (shards share its CA and token).
     """
@@ -149,10 +154,12 @@ class ShardStream:
         inbox: Inbox,
         encode: Callable[[RangeUpload], Iterator[bytes]],
         closing: Callable[[], bool],
+        answered: Answered,
         connect_timeout_s: float,
         security: ChannelSecurity | None = None,
     ) -> None:
         self.index = index
+        self._answered = answered
         self.target = target
         self._rank = hello.shard_hello.rank
         self._inbox = inbox
@@ -196,7 +203,9 @@ class ShardStream:
     def _on_message(self, raw: bytes) -> None:
         fast = decode_gradient(raw)
         if fast is not None:
-            self._inbox.on_averaged_chunk(*fast, source=self.name)
+            header, payload = fast
+            self._answered(self.index, header.step, header.dtype, len(payload))
+            self._inbox.on_averaged_chunk(header, payload, source=self.name)
             return
         message = pb.CoordinatorMessage.FromString(raw)
         kind = message.WhichOneof("kind")
@@ -244,6 +253,7 @@ class ShardStreams:
         inbox: where averages and failures go.
         encode: the serialized chunks of a range upload.
         closing: true once the transport is closing.
+        answered: told of every averaged chunk (see `ShardStream`).
         security: TLS and token of every shard stream (the leader's).
     """
 
@@ -253,9 +263,11 @@ class ShardStreams:
         inbox: Inbox,
         encode: Callable[[RangeUpload], Iterator[bytes]],
         closing: Callable[[], bool],
+        answered: Answered,
         security: ChannelSecurity | None = None,
     ) -> None:
         self._security = security
+        self._answered = answered
         self._leader_target = leader_target
         self._inbox = inbox
         self._encode = encode
@@ -297,6 +309,7 @@ class ShardStreams:
                 self._inbox,
                 self._encode,
                 self._closing,
+                self._answered,
                 connect_timeout_s,
                 self._security,
             )
@@ -309,12 +322,11 @@ class ShardStreams:
             ", ".join(f"{index} at {target}" for index, target in sorted(targets.items())),
         )
 
-    def dispatch(self, parts: Sequence[RangeUpload | None]) -> None:
-        """Queue range i of a bucket on shard i's stream, for every i >= 1."""
-        for index, part in enumerate(parts):
-            stream = self.streams.get(index)
-            if part is not None and stream is not None:
-                stream.put(part)
+    def send(self, index: int, part: RangeUpload) -> None:
+        """Queue a range of a bucket on shard `index`'s stream (none open: dropped)."""
+        stream = self.streams.get(index)
+        if stream is not None:
+            stream.put(part)
 
     async def close(self, timeout_s: float) -> None:
         """Close every stream in parallel (each bounded)."""

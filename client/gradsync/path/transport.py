@@ -52,6 +52,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import threading
 from collections.abc import Iterator
@@ -80,6 +81,7 @@ from gradsync.errors import ClosedError, GradSyncError
 from gradsync.path.bucket_uploads import BucketUpload, RangeUpload, range_messages, split_upload
 from gradsync.path.buffers import BucketBuffer
 from gradsync.path.inbox import Inbox
+from gradsync.path.pacing import UploadPacer, chunk_bytes_of
 from gradsync.path.shard_faults import SHARD_GRACE_MARGIN_S
 from gradsync.path.shard_streams import CLIENT_MAX_MESSAGE_BYTES, ShardStreams, channel_options
 from gradsync.path.step_results import RoundReport
@@ -154,6 +156,9 @@ class Transport:
         self._join: pb.Join | None = None
         #: Data streams to shards 1..S-1 (loop thread), opened at the Welcome.
         self._shards: ShardStreams | None = None
+        #: Hands each bucket's ranges to the streams, clocked by the answers (loop thread).
+        self._pacer = UploadPacer(rank, self._send_to, self._inbox, self._loop.call_later, target)
+        self._inbox.on_answer = functools.partial(self._pacer.answered, 0)
         self._sequence_lock = threading.Lock()
         self._next_collective = 0
         #: The step heartbeats report (set by the model wrapper).
@@ -338,7 +343,7 @@ class Transport:
         )
         if self._loop.is_closed():
             raise ClosedError("the transport is closed", rank=self.rank)
-        self._loop.call_soon_threadsafe(self._dispatch, parts)
+        self._loop.call_soon_threadsafe(self._pacer.dispatch, parts)
 
     def wait_step(self, step: int, timeout_s: float) -> int:
         """Block until every average of `step` is back; the contributors (`Inbox.wait_step`)."""
@@ -390,22 +395,17 @@ class Transport:
                 self._heartbeat_queued = True
                 self._sync.send(_HEARTBEAT)
 
-    def _dispatch(self, parts: list[RangeUpload | None]) -> None:
-        """Queue range 0 of a bucket here, every other range on its shard's stream (loop)."""
-        self._sync.send(parts[0])
-        if self._shards is not None:
-            self._shards.dispatch(parts)
+    def _send_to(self, index: int, part: RangeUpload) -> None:
+        """Queue range 0 of a bucket here, range i on shard i's stream (loop; the pacer's)."""
+        if index == 0:
+            self._sync.send(part)
+        elif self._shards is not None:
+            self._shards.send(index, part)
 
     def _range_messages(self, part: RangeUpload) -> Iterator[bytes]:
         """A range's chunks with the Welcome's chunk size and the current epoch."""
-        welcome = self._inbox.welcome
-        chunk_bytes = welcome.chunk_bytes if welcome is not None else 0
-        return range_messages(
-            part,
-            chunk_bytes or chunking.DEFAULT_CHUNK_BYTES,
-            self._inbox.membership_epoch,
-            self._bucket_event,
-        )
+        epoch = self._inbox.membership_epoch
+        return range_messages(part, chunk_bytes_of(self._inbox.welcome), epoch, self._bucket_event)
 
     async def _close_streams(self, timeout_s: float) -> None:
         """Say goodbye on every stream in parallel, each bounded."""
@@ -435,8 +435,9 @@ class Transport:
         """Take in a message; the first Welcome of a sharded job opens the shard streams."""
         self._inbox.on_message(raw)
         if self._shards is None and (welcome := self._inbox.welcome) is not None:
+            closing, answered = (lambda: self._closed), self._pacer.answered
             self._shards = ShardStreams(
-                self.target, self._inbox, self._range_messages, lambda: self._closed, self._security
+                self.target, self._inbox, self._range_messages, closing, answered, self._security
             )
             self._shards.open(welcome, self._join or pb.Join())
 
@@ -473,6 +474,7 @@ class Transport:
         """
         if self._heartbeat is not None:
             self._heartbeat.cancel()
+        self._pacer.close()
         await self._sync.close(0.0)  # no-op for a stream already closed by `close`
         if self._shards is not None:
             await self._shards.close(0.0)
