@@ -59,7 +59,7 @@ _DIE_AT = 3
 INTERFACES = {
     "direct": "loopback TCP (lo), donor -> joiner (raw tensors, read into the joiner's own "
     "parameters); the coordinator relays an offer",
-    "grpc": "gRPC stream, donor -> coordinator -> joiner, 1 MiB chunks (torch.save blob)",
+    "grpc": "gRPC stream, donor -> coordinator -> joiner, 1 MiB chunks (raw state blob)",
 }
 #: The donor's log line of a direct transfer (`gradsync.control.heal_channel`).
 _SENT = re.compile(r"heal offer: sent (\d+) bytes in ([0-9.]+) s")

@@ -39,13 +39,26 @@ from typing import Any
 
 import torch
 
-__all__ = ["MAGIC", "MAX_HEADER_BYTES", "BadRawState", "Layout", "encode", "parse_header"]
+__all__ = [
+    "MAGIC",
+    "MAX_HEADER_BYTES",
+    "BadRawState",
+    "Layout",
+    "decode",
+    "encode",
+    "parse_header",
+    "to_bytes",
+]
 
 MAGIC = b"GSRAW01\n"
 #: The largest header accepted: names and shapes of a few hundred thousand tensors.
 MAX_HEADER_BYTES = 16 << 20
 _LENGTH = struct.Struct("<Q")
 PREFIX_BYTES = len(MAGIC) + _LENGTH.size
+#: The most bytes one in-memory copy moves while it holds the GIL (a few ms): a copy of
+#: a whole 300 MB tensor under load held it for seconds, and the transport's heartbeats
+#: with it (a joiner declared dead at a 2 s heartbeat timeout).
+SLICE_BYTES = 16 << 20
 _DTYPES: dict[str, torch.dtype] = {
     str(dtype).removeprefix("torch."): dtype
     for dtype in (
@@ -112,6 +125,31 @@ def encode(state: Any) -> tuple[bytes, list[torch.Tensor]]:
         offset += nbytes
     header = json.dumps({"tree": tree, "tensors": entries, "total": offset}).encode()
     return MAGIC + _LENGTH.pack(len(header)) + header, tensors
+
+
+def to_bytes(state: Any) -> bytearray:
+    """`state` as one raw blob (to travel through the coordinator as a heal blob).
+
+    Copied slice by slice (`copy_in_slices`), so that no single copy holds the
+    GIL for long: the transport's event loop thread must still get it to
+    send heartbeats while a GB is written.
+    """
+    prefix, tensors = encode(state)
+    # Grown slice by slice: `bytearray(n)` would zero a GB in one call first (0.4 s
+    # holding the GIL here), while growing a large one remaps it without a copy.
+    blob = bytearray(prefix)
+    for tensor in tensors:
+        if tensor.numel():
+            source = tensor_bytes(tensor)
+            for start in range(0, len(source), SLICE_BYTES):
+                blob += source[start : start + SLICE_BYTES]
+    return blob
+
+
+def copy_in_slices(target: memoryview, source: memoryview) -> None:
+    """`target[:] = source`, `SLICE_BYTES` at a time (the GIL changes hands in between)."""
+    for start in range(0, len(source), SLICE_BYTES):
+        target[start : start + SLICE_BYTES] = source[start : start + SLICE_BYTES]
 
 
 def tensor_bytes(tensor: torch.Tensor) -> memoryview:
@@ -221,8 +259,14 @@ def tensor_paths(layout: Layout) -> dict[tuple[Any, ...], int]:
     return paths
 
 
-def decode(blob: bytes | bytearray | memoryview, limit_bytes: int) -> Any:
-    """Read a whole raw state held in memory (tests, small states).
+def decode(
+    blob: bytes | bytearray | memoryview,
+    limit_bytes: int,
+    into: Callable[[Layout], Mapping[int, torch.Tensor]] | None = None,
+) -> Any:
+    """Read a whole raw state held in memory (a heal blob relayed by the coordinator).
+
+    `into`: given the checked header, existing tensors to read into (`read_tensors`).
 
     Raises:
         BadRawState: see `header_length` and `parse_header`, or a blob of the wrong length.
@@ -238,10 +282,10 @@ def decode(blob: bytes | bytearray | memoryview, limit_bytes: int) -> Any:
     cursor = [0]
 
     def read_into(target: memoryview) -> None:
-        target[:] = body[cursor[0] : cursor[0] + len(target)]
+        copy_in_slices(target, body[cursor[0] : cursor[0] + len(target)])
         cursor[0] += len(target)
 
-    return layout.build(read_tensors(layout, read_into))
+    return layout.build(read_tensors(layout, read_into, into(layout) if into else None))
 
 
 def _is_count(value: object) -> bool:

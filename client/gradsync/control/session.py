@@ -473,7 +473,7 @@ class Session:
         """Rank 0 sends its parameters and buffers; every other rank overwrites its own."""
         broadcast_start_state(self._link, self.config.rank, self._tensors, welcome, timeout_s)
 
-    def _restore(self, blob: bytes, start_step: int) -> None:
+    def _restore(self, blob: bytes | bytearray, start_step: int) -> None:
         """Load a checkpoint or a live rank's state (optimizer state waits for its optimizer).
 
         Raises:

@@ -14,7 +14,7 @@ from __future__ import annotations
 import io
 import logging
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
@@ -41,6 +41,8 @@ _FIRST_FETCH_WAIT_S = 5.0
 #: How long the donor serves the snapshot to other joiners (those healed together come
 #: at once; its memory, one copy of the state, goes back then).
 _SERVE_S = 60.0
+#: Given a raw state's checked header, the existing tensors to read into, by index.
+_Into = Callable[[raw_state.Layout], Mapping[int, torch.Tensor]]
 #: How long a step's end waits for a joiner still reading the live state (the step
 #: needs the joiner, so it normally ended before); then the transfer is cut off.
 _RELEASE_WAIT_S = 30.0
@@ -92,7 +94,9 @@ def send_heal_state(
     flag = os.environ.get(ENV_HEAL_CHANNEL, "").strip().lower()
     loopback = all(heal_channel.loopback_host(a) for a in config.coordinator.split(","))
     if flag in ("0", "false", "no", "off") or not loopback:
-        link.send_heal(step, torch_blob(live_state(module, optimizer, step, config.world_size)))
+        # Raw, not pickled: written (and read) in slices, so heartbeats keep going.
+        state = live_state(module, optimizer, step, config.world_size)
+        link.send_heal(step, raw_state.to_bytes(state))
         return None
     state = live_state(module, optimizer, step, config.world_size)
     state["module"] = _buffers_copied(module, state["module"])
@@ -175,7 +179,12 @@ def mismatch(job_id: str, rank: int, step: int, why: str) -> CheckpointMismatchE
 
 
 def load_module_state(
-    blob: bytes, module: nn.Module, job_id: str, rank: int, step: int, timeout_s: float = 60.0
+    blob: bytes | bytearray,
+    module: nn.Module,
+    job_id: str,
+    rank: int,
+    step: int,
+    timeout_s: float = 60.0,
 ) -> Any:
     """Load `blob`'s module state into `module`; return its optimizer state (or None).
 
@@ -188,6 +197,8 @@ def load_module_state(
     """
     if heal_channel.is_offer(blob):
         return _load_offered(blob, module, job_id, rank, step, timeout_s)
+    if bytes(blob[: len(raw_state.MAGIC)]) == raw_state.MAGIC:  # a live rank's, via gRPC
+        return _load_relayed(blob, module, job_id, rank, step)
     try:
         # weights_only: tensors and plain containers, never arbitrary objects.
         state = torch.load(io.BytesIO(blob), weights_only=True)
@@ -203,9 +214,54 @@ def load_module_state(
 
 
 def _load_offered(
-    offer: bytes, module: nn.Module, job_id: str, rank: int, step: int, timeout_s: float
+    offer: bytes | bytearray,
+    module: nn.Module,
+    job_id: str,
+    rank: int,
+    step: int,
+    timeout_s: float,
 ) -> Any:
     """Fetch an offered state (bounded by this model's size) into this model; load it."""
+
+    def fetch(limit: int, into: _Into) -> Any:
+        try:
+            return heal_channel.fetch(offer, limit, timeout_s, into)
+        except heal_channel.HealChannelError as exc:  # not a mismatch: the donor may be gone
+            raise CheckpointMismatchError(
+                f"rank {rank} could not read a live rank's state of step {step} to rejoin job "
+                f"'{job_id}': {exc}. Start this rank again to rejoin (another live rank "
+                "donates)",
+                job_id=job_id,
+                rank=rank,
+                step=step,
+            ) from exc
+
+    return _load_raw(fetch, "directly (loopback)", module, job_id, rank, step)
+
+
+def _load_relayed(
+    blob: bytes | bytearray, module: nn.Module, job_id: str, rank: int, step: int
+) -> Any:
+    """Read a raw state the coordinator relayed (bounded by this model's size); load it."""
+
+    def decode(limit: int, into: _Into) -> Any:
+        try:
+            return raw_state.decode(blob, limit, into)
+        except raw_state.BadRawState as exc:
+            raise mismatch(job_id, rank, step, f"a live rank's state is unreadable: {exc}") from exc
+
+    return _load_raw(decode, "through the coordinator", module, job_id, rank, step)
+
+
+def _load_raw(
+    read: Callable[[int, _Into], Any],
+    how: str,
+    module: nn.Module,
+    job_id: str,
+    rank: int,
+    step: int,
+) -> Any:
+    """`read(limit, into)` a raw state into this model's own tensors where they fit; load it."""
     own = module.state_dict()
     limit = _OPTIMIZER_FACTOR * sum(t.numel() * t.element_size() for t in own.values())
     limit += _MARGIN_BYTES
@@ -217,23 +273,16 @@ def _load_offered(
         read_into_own.append(bool(targets))
         return targets
 
-    try:
-        state = heal_channel.fetch(offer, limit, timeout_s, into)
-    except heal_channel.HealChannelError as exc:  # not a mismatch: the donor may be gone
-        raise CheckpointMismatchError(
-            f"rank {rank} could not read a live rank's state of step {step} to rejoin job "
-            f"'{job_id}': {exc}. Start this rank again to rejoin (another live rank donates)",
-            job_id=job_id,
-            rank=rank,
-            step=step,
-        ) from exc
+    state = read(limit, into)
+    mine = bool(read_into_own and read_into_own[0])
     log.info(
-        "rank %d: fetched a live rank's state of step %d directly (loopback)%s",
+        "rank %d: fetched a live rank's state of step %d %s%s",
         rank,
         step,
-        ", into its own parameters" if read_into_own and read_into_own[0] else "",
+        how,
+        ", into its own parameters" if mine else "",
     )
-    if read_into_own and read_into_own[0]:  # already in place: load_state_dict would copy
+    if mine:  # already in place: load_state_dict would only copy it onto itself
         return state.get("optimizer")
     return _apply(state, module, job_id, rank, step)
 
