@@ -10,9 +10,15 @@ with the lowest live rank's state. Per (W, state size) it reports:
   which joins and loads the module state, then `register_optimizer`, which
   loads the optimizer state). It includes the wait for the donor's next step
   boundary (at most one step; the steps here are short).
-- `blocked_s`: for each surviving rank, how much longer than its median step
-  the step the joiner entered took (the worst of the survivors is reported):
-  the time the others stood still for the healing.
+- `boundary_wait_s`, `heal_proper_s`, `heal_gb_per_s`: the same time cut in
+  two: from the joiner's Join to the donor's step boundary (the donor
+  finishing the step it was in: up to a step, whatever the state's size),
+  and from that boundary to the joiner ready (offer relayed, connection,
+  transfer, load), with the state's bytes over the latter.
+- `blocked_s`: for each surviving rank, how much longer the step the joiner
+  entered took than the median of the full-membership steps after it (from
+  its second on; the worst of the survivors is reported): the time the
+  others stood still for the healing.
 - `transfer_s`: the donor's own timing of the direct transfer (first byte
   to last), without the Join and the wait for its step boundary.
 - `path`: "grpc" (the state through the coordinator, as before the direct
@@ -43,19 +49,25 @@ MIB = 1 << 20
 Row = dict[str, Any]
 #: Elastic, with a short heartbeat timeout so that the killed rank is dropped quickly.
 _SERVE_FLAGS: tuple[str, ...] = ("--on-failure", "elastic", "--min-workers", "1")
-#: Long enough that a joiner busy reading a GB through gRPC is not declared dead (it was,
-#: at 2 s); the orchestrator waits this long for the killed rank to be dropped.
+#: A joiner reading a GB through gRPC was declared dead at 2 s (fixed since: README, fault
+#: tolerance); kept longer for a loaded host. The orchestrator waits this long for the
+#: killed rank to be dropped.
 _HEARTBEAT_TIMEOUT_S = 6.0
 _SERVE_FLAGS += ("--heartbeat-interval", "0.25", "--heartbeat-timeout", f"{_HEARTBEAT_TIMEOUT_S:g}")
 #: The victim dies before this step (the others are at full speed by then).
 _DIE_AT = 3
 #: How the state travels, per path (reported beside the figures).
 INTERFACES = {
-    "direct": "loopback TCP, donor -> joiner (raw tensors); the coordinator relays an offer",
-    "grpc": "gRPC stream, donor -> coordinator -> joiner, 1 MiB chunks (torch.save blob)",
+    "direct": "loopback TCP (lo), donor -> joiner (raw tensors, read into the joiner's own "
+    "parameters); the coordinator relays an offer",
+    "grpc": "gRPC stream, donor -> coordinator -> joiner, 1 MiB chunks (raw state blob)",
 }
 #: The donor's log line of a direct transfer (`gradsync.control.heal_channel`).
 _SENT = re.compile(r"heal offer: sent (\d+) bytes in ([0-9.]+) s")
+#: The joiner's log line (with its timestamp, `heal_worker`'s log format) of its Join.
+_JOINING = re.compile(r"^([0-9.]+) rank \d+: joining job", re.MULTILINE)
+#: Steps every rank trains after the healed one (the typical full step is their median).
+_STEPS_AFTER = 8
 
 
 def _worker(
@@ -119,7 +131,7 @@ def heal_once(
         ready = workdir / "ready"
         _wait("joiner ready", timeout_s, lambda: ready.exists() and ready.read_text())
         start = json.loads(ready.read_text())["step"]
-        (workdir / "stop").write_text(str(int(start) + 3))
+        (workdir / "stop").write_text(str(int(start) + _STEPS_AFTER))
         for process in [*processes[:-2], joiner]:
             process.wait(timeout=timeout_s)
             if process.returncode != 0:
@@ -136,7 +148,7 @@ def heal_once(
 
 
 def _row(world: int, state_mb: float, workdir: Path, path: str) -> Row:
-    """The figures of one healing, from the ranks' reports."""
+    """The figures of one healing, from the ranks' reports (wall clocks of one host)."""
     joiner = json.loads((workdir / f"joiner{world - 1}.json").read_text())
     members = [json.loads((workdir / f"member{r}.json").read_text()) for r in range(world - 1)]
     seconds = joiner["ready"] - joiner["join_started"]
@@ -145,18 +157,29 @@ def _row(world: int, state_mb: float, workdir: Path, path: str) -> Row:
     for member in members:
         durations = {int(s): end - begin for s, begin, end, _ in member["steps"]}
         typical = statistics.median(
-            d for s, d in durations.items() if s != healed_step and s > _DIE_AT + 1
+            end - begin
+            for s, begin, end, contributors in member["steps"]
+            if s > healed_step + 1 and contributors == world
         )
         blocked.append(durations[healed_step] - typical)
+    # The donor (the lowest live rank, member 0) starts the healed step at its boundary.
+    boundary = next(begin for s, begin, _, _ in members[0]["steps"] if s == healed_step)
+    joining = _JOINING.search((workdir / f"joiner{world - 1}.log").read_text())
+    join_sent = float(joining.group(1)) if joining else joiner["join_started"]
+    proper = joiner["ready"] - boundary
     return {
         "world_size": world,
         "state_mb": state_mb,
         "state_bytes": joiner["state_bytes"],
         "heal_s": seconds,
         "gb_per_s": joiner["state_bytes"] / seconds / 1e9,
+        "setup_s": join_sent - joiner["join_started"],
+        "boundary_wait_s": boundary - join_sent,
+        "heal_proper_s": proper,
+        "heal_gb_per_s": joiner["state_bytes"] / proper / 1e9,
         "blocked_s": max(blocked),
         "median_step_s": statistics.median(
-            end - begin for s, begin, end, _ in members[0]["steps"] if s > _DIE_AT + 1
+            end - begin for s, begin, end, _ in members[0]["steps"] if s > healed_step + 1
         ),
         "healed_at_step": healed_step,
         "path": path,
@@ -204,12 +227,15 @@ def markdown_lines(rows: Sequence[Row]) -> list[str]:
     if not rows:
         return []
     lines = [
-        "**Healing a restarted rank, loopback** (state = params + Adam moments; GB/s = state "
-        "bytes / joiner's Join to first step ready; blocked = the others' extra step time)",
+        "**Healing a restarted rank, loopback** (state = params + Adam moments; heal = the "
+        "joiner's DDP construction to first step ready, = setup + wait for the donor's step "
+        "boundary + boundary to ready; GB/s = state bytes / that time; blocked = the others' "
+        "extra time in the step the joiner entered)",
         "",
-        "| W | state MB | path | heal s | GB/s | transfer s (GB/s) | others blocked s | "
+        "| W | state MB | path | heal s (GB/s) | setup s | boundary wait s | "
+        "boundary to ready s (GB/s) | transfer s (GB/s) | others blocked s | "
         "median step s | bitwise | interface |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         if "error" in r:
@@ -222,7 +248,9 @@ def markdown_lines(rows: Sequence[Row]) -> list[str]:
         moved = f"{transfer:.3f} ({r['state_bytes'] / transfer / 1e9:.2f})" if transfer else "-"
         lines.append(
             f"| {r['world_size']} | {r['state_bytes'] / 1e6:.0f} | {r['path']} | "
-            f"{r['heal_s']:.2f} | {r['gb_per_s']:.2f} | {moved} | {r['blocked_s']:.2f} | "
+            f"{r['heal_s']:.2f} ({r['gb_per_s']:.2f}) | {r['setup_s']:.2f} | "
+            f"{r['boundary_wait_s']:.2f} | {r['heal_proper_s']:.2f} "
+            f"({r['heal_gb_per_s']:.2f}) | {moved} | {r['blocked_s']:.2f} | "
             f"{r['median_step_s']:.3f} | {'yes' if r['bitwise'] else 'NO'} | "
             f"{r['interface']} |"
         )

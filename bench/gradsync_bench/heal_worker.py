@@ -88,8 +88,11 @@ def main() -> None:
     width = module[0].in_features  # type: ignore[index]
     optimizer = torch.optim.Adam(module.parameters(), lr=1e-4)
     report: dict[str, Any] = {"role": args.role, "rank": args.rank, "pid": os.getpid()}
+    # Imported before the clock starts: `gradsync.ddp` imports torch._dynamo (1.4 s
+    # here), which is the process starting, not the healing.
+    wrapper = gradsync.DistributedDataParallel
     join_started = time.time()
-    model = gradsync.DistributedDataParallel(
+    model = wrapper(
         module,
         coordinator=args.coordinator,
         rank=args.rank,

@@ -29,10 +29,11 @@ def test_a_rank_joining_a_live_job_gets_the_donors_state_bitwise(tmp_path: Path,
     assert row["bitwise"], row
     assert row["state_bytes"] > 10e6  # parameters and both Adam moments
     joiner_log = (tmp_path / "joiner2.log").read_text()
-    direct = "fetched a live rank's state of step" in joiner_log
+    direct = "directly (loopback), into its own parameters" in joiner_log
+    relayed = "through the coordinator, into its own parameters" in joiner_log
     if path == "direct":
         # The donor timed a direct transfer, and the joiner read it from the donor.
         assert row["transfer_s"] is not None and direct, joiner_log[-2000:]
-    else:
-        assert row["transfer_s"] is None and not direct, joiner_log[-2000:]
+    else:  # a raw state relayed by the coordinator, read in place as well
+        assert row["transfer_s"] is None and relayed and not direct, joiner_log[-2000:]
     assert "resumed from the checkpoint of step" in joiner_log

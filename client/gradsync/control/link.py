@@ -134,7 +134,7 @@ class SessionLink(Protocol):
         """Block (bounded) until rank 0's whole state blob arrived; return it."""
         ...
 
-    def receive_resume(self, num_bytes: int, timeout_s: float) -> bytes:
+    def receive_resume(self, num_bytes: int, timeout_s: float) -> bytes | bytearray:
         """Block (bounded) until the checkpoint the job resumes from arrived; return it."""
         ...
 
@@ -166,7 +166,7 @@ class SessionLink(Protocol):
         """
         ...
 
-    def send_heal(self, step: int, blob: bytes) -> None:
+    def send_heal(self, step: int, blob: bytes | bytearray) -> None:
         """Queue this rank's state for a rejoining rank. Never blocks."""
 
     def run_collective(

@@ -33,19 +33,32 @@ import json
 import math
 import struct
 from collections import OrderedDict
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-__all__ = ["MAGIC", "MAX_HEADER_BYTES", "BadRawState", "Layout", "encode", "parse_header"]
+__all__ = [
+    "MAGIC",
+    "MAX_HEADER_BYTES",
+    "BadRawState",
+    "Layout",
+    "decode",
+    "encode",
+    "parse_header",
+    "to_bytes",
+]
 
 MAGIC = b"GSRAW01\n"
 #: The largest header accepted: names and shapes of a few hundred thousand tensors.
 MAX_HEADER_BYTES = 16 << 20
 _LENGTH = struct.Struct("<Q")
 PREFIX_BYTES = len(MAGIC) + _LENGTH.size
+#: The most bytes one in-memory copy moves while it holds the GIL (a few ms): a copy of
+#: a whole 300 MB tensor under load held it for seconds, and the transport's heartbeats
+#: with it (a joiner declared dead at a 2 s heartbeat timeout).
+SLICE_BYTES = 16 << 20
 _DTYPES: dict[str, torch.dtype] = {
     str(dtype).removeprefix("torch."): dtype
     for dtype in (
@@ -114,6 +127,31 @@ def encode(state: Any) -> tuple[bytes, list[torch.Tensor]]:
     return MAGIC + _LENGTH.pack(len(header)) + header, tensors
 
 
+def to_bytes(state: Any) -> bytearray:
+    """`state` as one raw blob (to travel through the coordinator as a heal blob).
+
+    Copied slice by slice (`copy_in_slices`), so that no single copy holds the
+    GIL for long: the transport's event loop thread must still get it to
+    send heartbeats while a GB is written.
+    """
+    prefix, tensors = encode(state)
+    # Grown slice by slice: `bytearray(n)` would zero a GB in one call first (0.4 s
+    # holding the GIL here), while growing a large one remaps it without a copy.
+    blob = bytearray(prefix)
+    for tensor in tensors:
+        if tensor.numel():
+            source = tensor_bytes(tensor)
+            for start in range(0, len(source), SLICE_BYTES):
+                blob += source[start : start + SLICE_BYTES]
+    return blob
+
+
+def copy_in_slices(target: memoryview, source: memoryview) -> None:
+    """`target[:] = source`, `SLICE_BYTES` at a time (the GIL changes hands in between)."""
+    for start in range(0, len(source), SLICE_BYTES):
+        target[start : start + SLICE_BYTES] = source[start : start + SLICE_BYTES]
+
+
 def tensor_bytes(tensor: torch.Tensor) -> memoryview:
     """The bytes of a contiguous CPU tensor, without a copy."""
     array: Any = tensor.reshape(-1).view(torch.uint8).numpy()  # numpy's stubs: no Buffer
@@ -174,19 +212,61 @@ def parse_header(header: bytes, limit_bytes: int) -> Layout:
     return layout
 
 
-def read_tensors(layout: Layout, read_into: Callable[[memoryview], None]) -> list[torch.Tensor]:
-    """Allocate each tensor of `layout` and fill it with `read_into` (which fills it whole)."""
+def read_tensors(
+    layout: Layout,
+    read_into: Callable[[memoryview], None],
+    into: Mapping[int, torch.Tensor] | None = None,
+) -> list[torch.Tensor]:
+    """Fill each tensor of `layout` with `read_into` (which fills its target whole).
+
+    `into` gives, by tensor index, an existing tensor to read into instead of a
+    new one (the reader's own parameters): it is used only when its dtype and
+    shape are the entry's and it is contiguous on the CPU, else a tensor is
+    allocated. Why: memory that is already mapped is read into about twice as
+    fast as fresh pages (each fresh page faults inside the socket copy), and
+    the state then needs no second copy into the model.
+    """
     tensors = []
-    for entry in layout.tensors:
-        tensor = torch.empty(entry.shape, dtype=entry.dtype)
+    for index, entry in enumerate(layout.tensors):
+        tensor = (into or {}).get(index)
+        if tensor is None or not fits(tensor, entry):
+            tensor = torch.empty(entry.shape, dtype=entry.dtype)
         if entry.nbytes:
             read_into(tensor_bytes(tensor))
         tensors.append(tensor)
     return tensors
 
 
-def decode(blob: bytes | bytearray | memoryview, limit_bytes: int) -> Any:
-    """Read a whole raw state held in memory (tests, small states).
+def fits(tensor: torch.Tensor, entry: TensorEntry) -> bool:
+    """True when `entry`'s bytes can be read straight into `tensor`."""
+    return (
+        tensor.dtype == entry.dtype
+        and tuple(tensor.shape) == entry.shape
+        and tensor.device.type == "cpu"
+        and tensor.is_contiguous()
+        and not tensor.requires_grad
+    )
+
+
+def tensor_paths(layout: Layout) -> dict[tuple[Any, ...], int]:
+    """Each tensor reference of `layout`'s tree by its path of dict keys and list indices.
+
+    For a live state, ("module", "0.weight") is the index of that parameter's
+    tensor: what a reader matches against its own model before reading.
+    """
+    paths: dict[tuple[Any, ...], int] = {}
+    _collect_paths(layout.tree, (), paths)
+    return paths
+
+
+def decode(
+    blob: bytes | bytearray | memoryview,
+    limit_bytes: int,
+    into: Callable[[Layout], Mapping[int, torch.Tensor]] | None = None,
+) -> Any:
+    """Read a whole raw state held in memory (a heal blob relayed by the coordinator).
+
+    `into`: given the checked header, existing tensors to read into (`read_tensors`).
 
     Raises:
         BadRawState: see `header_length` and `parse_header`, or a blob of the wrong length.
@@ -202,10 +282,10 @@ def decode(blob: bytes | bytearray | memoryview, limit_bytes: int) -> Any:
     cursor = [0]
 
     def read_into(target: memoryview) -> None:
-        target[:] = body[cursor[0] : cursor[0] + len(target)]
+        copy_in_slices(target, body[cursor[0] : cursor[0] + len(target)])
         cursor[0] += len(target)
 
-    return layout.build(read_tensors(layout, read_into))
+    return layout.build(read_tensors(layout, read_into, into(layout) if into else None))
 
 
 def _is_count(value: object) -> bool:
@@ -282,3 +362,18 @@ def _pair(item: Any, tensors: Sequence[torch.Tensor], depth: int) -> tuple[Any, 
     if not isinstance(key, str | int | float | bool) and key is not None:
         raise TypeError(f"a dict key must be a scalar, got {type(key).__name__}")
     return key, _decode_node(item[1], tensors, depth + 1)
+
+
+def _collect_paths(node: Any, path: tuple[Any, ...], paths: dict[tuple[Any, ...], int]) -> None:
+    """Walk a checked tree (`parse_header` ran the decoder on it) for `tensor_paths`."""
+    ((kind, value),) = node.items()
+    if kind == "t":
+        paths[path] = value
+    elif kind in ("d", "o"):
+        for key_node, value_node in value if kind == "d" else value[0]:
+            key = key_node.get("v") if "v" in key_node else None
+            if key is not None:
+                _collect_paths(value_node, (*path, key), paths)
+    elif kind in ("l", "u"):
+        for position, item in enumerate(value):
+            _collect_paths(item, (*path, position), paths)

@@ -30,7 +30,6 @@ from torch import nn
 from gradsync import __version__
 from gradsync.config import ClientConfig
 from gradsync.control.heal_answer import await_heal_answer
-from gradsync.control.heal_channel import StateOffer
 from gradsync.control.link import (
     BucketEventHandler,
     CoordinatorLink,
@@ -41,10 +40,10 @@ from gradsync.control.link import (
 from gradsync.control.position import position
 from gradsync.control.start_state import broadcast_start_state
 from gradsync.control.state_load import (
+    HealDonor,
     live_state,
     load_module_state,
     load_optimizer_state,
-    send_heal_state,
     torch_blob,
 )
 from gradsync.errors import (
@@ -120,7 +119,7 @@ class Session:
         #: The local group's path around the link (hierarchical aggregation), or None.
         self._local: LocalGroupPath | None = None
         #: This rank's state offered to ranks it heals (`heal_channel`), while served.
-        self._offer: StateOffer | None = None
+        self.donor = HealDonor()
         self._link = self._new_link()
 
     @property
@@ -184,8 +183,7 @@ class Session:
         try:
             if self._local is not None:
                 self._local.close()
-            if self._offer is not None:
-                self._offer.close()
+            self.donor.close()
         finally:
             self._link.close(timeout_s)
 
@@ -197,10 +195,12 @@ class Session:
         optimizer state are consistent: the moment to hand state to a
         rejoining rank, and (rank 0) to take a due periodic checkpoint.
         """
+        self.donor.release()  # done at the end of the step's backward, unless none ran
         if self._link.take_heal_request():
             # Before this rank's buffer broadcast and gradients of the step: the newcomer
-            # takes part in both (its Welcome says from which collective number).
-            self._send_heal(step)
+            # takes part in both (its Welcome says from which collective number). The
+            # joiner reads while this rank computes; `donor.release` waits for it.
+            self._send_heal(step, settle=False)
             await_heal_answer(self._link, self.config, step)  # (why: in its module)
         every = self.checkpoint_every
         if (
@@ -243,10 +243,10 @@ class Session:
         """Module state, optimizer state and step, serialized for checkpoints."""
         return torch_blob(live_state(self.module, self._optimizer, step, self.config.world_size))
 
-    def _send_heal(self, step: int) -> None:
+    def _send_heal(self, step: int, settle: bool = True) -> None:
         """Upload this rank's state (or an offer of it) for the ranks it heals."""
-        args = (self._link, self.config, self.module, self._optimizer, step, self._offer)
-        self._offer = send_heal_state(*args)
+        args = (self._link, self.config, self.module, self._optimizer, step)
+        self.donor.send(*args, settle=settle)
 
     # ------------------------------------------------------------ reconnecting
     def reconnect(self, cause: GradSyncError, step: int) -> int:
@@ -474,7 +474,7 @@ class Session:
         """Rank 0 sends its parameters and buffers; every other rank overwrites its own."""
         broadcast_start_state(self._link, self.config.rank, self._tensors, welcome, timeout_s)
 
-    def _restore(self, blob: bytes, start_step: int) -> None:
+    def _restore(self, blob: bytes | bytearray, start_step: int) -> None:
         """Load a checkpoint or a live rank's state (optimizer state waits for its optimizer).
 
         Raises:

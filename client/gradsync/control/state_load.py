@@ -14,13 +14,15 @@ from __future__ import annotations
 import io
 import logging
 import os
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
 from torch import nn
+from torch.nn.modules.batchnorm import _NormBase
 
 from gradsync.config import ClientConfig
-from gradsync.control import heal_channel
+from gradsync.control import heal_channel, raw_state
 from gradsync.control.link import SessionLink
 from gradsync.errors import CheckpointMismatchError
 
@@ -39,6 +41,13 @@ _FIRST_FETCH_WAIT_S = 5.0
 #: How long the donor serves the snapshot to other joiners (those healed together come
 #: at once; its memory, one copy of the state, goes back then).
 _SERVE_S = 60.0
+#: Given a raw state's checked header, the existing tensors to read into, by index.
+_Into = Callable[[raw_state.Layout], Mapping[int, torch.Tensor]]
+#: How long a step's end waits for a joiner still reading the live state (the step
+#: needs the joiner, so it normally ended before); then the transfer is cut off.
+_RELEASE_WAIT_S = 30.0
+#: `_load_from_state_dict`s that copy each tensor (batch norm's adds only version fixes).
+_PLAIN_LOADERS = (nn.Module._load_from_state_dict, _NormBase._load_from_state_dict)
 
 
 def live_state(
@@ -67,33 +76,82 @@ def send_heal_state(
     optimizer: torch.optim.Optimizer | None,
     step: int,
     previous: heal_channel.StateOffer | None,
+    settle: bool = True,
 ) -> heal_channel.StateOffer | None:
     """Upload this rank's state for the ranks it heals; return its offer while served.
 
     With the coordinator on this host (a loopback address) the upload is an
-    offer of a direct transfer (`heal_channel`): this waits, bounded, for the
-    first joiner to read the live state, so that nothing else competes with
-    the transfer, then returns once a snapshot serves any other joiner. Else
-    (a remote coordinator: the joiner may be on another host, or
+    offer of a direct transfer (`heal_channel`). With `settle`, this waits
+    (bounded) for the first joiner to read the live state before it returns;
+    without, it returns at once and the caller must `release` the offer
+    before the parameters or the optimizer state change (the module's
+    buffers, which a forward pass changes, are served from a copy). Else (a
+    remote coordinator: the joiner may be on another host, or
     `$GRADSYNC_HEAL_CHANNEL=0`) the state itself goes through the coordinator.
     """
     if previous is not None:
         previous.close()
-    state = live_state(module, optimizer, step, config.world_size)
     flag = os.environ.get(ENV_HEAL_CHANNEL, "").strip().lower()
     loopback = all(heal_channel.loopback_host(a) for a in config.coordinator.split(","))
     if flag in ("0", "false", "no", "off") or not loopback:
-        link.send_heal(step, torch_blob(state))
+        # Raw, not pickled: written (and read) in slices, so heartbeats keep going.
+        state = live_state(module, optimizer, step, config.world_size)
+        link.send_heal(step, raw_state.to_bytes(state))
         return None
+    state = live_state(module, optimizer, step, config.world_size)
+    state["module"] = _buffers_copied(module, state["module"])
     offer = heal_channel.StateOffer(state, serve_s=_SERVE_S)
     link.send_heal(step, offer.offer())
-    if not offer.settle(wait_s=min(_FIRST_FETCH_WAIT_S, config.join_timeout_s)):
+    if settle and not offer.settle(wait_s=min(_FIRST_FETCH_WAIT_S, config.join_timeout_s)):
         log.warning(
             "rank %d: no rank came for the state it offered within %gs; training on",
             config.rank,
             _FIRST_FETCH_WAIT_S,
         )
     return offer
+
+
+class HealDonor:
+    """This rank's offer of its state to the ranks it heals, while it is served.
+
+    `release` is called before the parameters or optimizer state change
+    (the end of a step's backward, the next step boundary): it waits,
+    bounded, for a joiner still reading them (`StateOffer.release`).
+    """
+
+    def __init__(self) -> None:
+        self._offer: heal_channel.StateOffer | None = None
+
+    def send(
+        self,
+        link: SessionLink,
+        config: ClientConfig,
+        module: nn.Module,
+        optimizer: torch.optim.Optimizer | None,
+        step: int,
+        settle: bool,
+    ) -> None:
+        """Offer (or upload) this rank's state of `step`; see `send_heal_state`."""
+        self._offer = send_heal_state(link, config, module, optimizer, step, self._offer, settle)
+
+    def release(self) -> None:
+        """The live tensors are about to change: wait for a transfer of them to end."""
+        if self._offer is not None:
+            self._offer.release(wait_s=_RELEASE_WAIT_S)
+
+    def close(self) -> None:
+        """Stop serving (the rank leaves)."""
+        if self._offer is not None:
+            self._offer.close()
+
+
+def _buffers_copied(module: nn.Module, module_state: dict[str, Any]) -> dict[str, Any]:
+    """`module_state` with every tensor that is not a parameter copied (buffers: small)."""
+    parameters = {p.data_ptr() for p in module.parameters()}
+    for name, value in module_state.items():
+        if isinstance(value, torch.Tensor) and value.data_ptr() not in parameters:
+            module_state[name] = value.clone()
+    return module_state
 
 
 def load_optimizer_state(
@@ -121,7 +179,12 @@ def mismatch(job_id: str, rank: int, step: int, why: str) -> CheckpointMismatchE
 
 
 def load_module_state(
-    blob: bytes, module: nn.Module, job_id: str, rank: int, step: int, timeout_s: float = 60.0
+    blob: bytes | bytearray,
+    module: nn.Module,
+    job_id: str,
+    rank: int,
+    step: int,
+    timeout_s: float = 60.0,
 ) -> Any:
     """Load `blob`'s module state into `module`; return its optimizer state (or None).
 
@@ -134,6 +197,8 @@ def load_module_state(
     """
     if heal_channel.is_offer(blob):
         return _load_offered(blob, module, job_id, rank, step, timeout_s)
+    if bytes(blob[: len(raw_state.MAGIC)]) == raw_state.MAGIC:  # a live rank's, via gRPC
+        return _load_relayed(blob, module, job_id, rank, step)
     try:
         # weights_only: tensors and plain containers, never arbitrary objects.
         state = torch.load(io.BytesIO(blob), weights_only=True)
@@ -149,23 +214,127 @@ def load_module_state(
 
 
 def _load_offered(
-    offer: bytes, module: nn.Module, job_id: str, rank: int, step: int, timeout_s: float
+    offer: bytes | bytearray,
+    module: nn.Module,
+    job_id: str,
+    rank: int,
+    step: int,
+    timeout_s: float,
 ) -> Any:
-    """Fetch an offered state (bounded by this model's size) and load it."""
-    own = sum(t.numel() * t.element_size() for t in module.state_dict().values())
-    limit = _OPTIMIZER_FACTOR * own + _MARGIN_BYTES
-    try:
-        state = heal_channel.fetch(offer, limit, timeout_s)
-    except heal_channel.HealChannelError as exc:  # not a mismatch: the donor may be gone
-        raise CheckpointMismatchError(
-            f"rank {rank} could not read a live rank's state of step {step} to rejoin job "
-            f"'{job_id}': {exc}. Start this rank again to rejoin (another live rank donates)",
-            job_id=job_id,
-            rank=rank,
-            step=step,
-        ) from exc
-    log.info("rank %d: fetched a live rank's state of step %d directly (loopback)", rank, step)
+    """Fetch an offered state (bounded by this model's size) into this model; load it."""
+
+    def fetch(limit: int, into: _Into) -> Any:
+        try:
+            return heal_channel.fetch(offer, limit, timeout_s, into)
+        except heal_channel.HealChannelError as exc:  # not a mismatch: the donor may be gone
+            raise CheckpointMismatchError(
+                f"rank {rank} could not read a live rank's state of step {step} to rejoin job "
+                f"'{job_id}': {exc}. Start this rank again to rejoin (another live rank "
+                "donates)",
+                job_id=job_id,
+                rank=rank,
+                step=step,
+            ) from exc
+
+    return _load_raw(fetch, "directly (loopback)", module, job_id, rank, step)
+
+
+def _load_relayed(
+    blob: bytes | bytearray, module: nn.Module, job_id: str, rank: int, step: int
+) -> Any:
+    """Read a raw state the coordinator relayed (bounded by this model's size); load it."""
+
+    def decode(limit: int, into: _Into) -> Any:
+        try:
+            return raw_state.decode(blob, limit, into)
+        except raw_state.BadRawState as exc:
+            raise mismatch(job_id, rank, step, f"a live rank's state is unreadable: {exc}") from exc
+
+    return _load_raw(decode, "through the coordinator", module, job_id, rank, step)
+
+
+def _load_raw(
+    read: Callable[[int, _Into], Any],
+    how: str,
+    module: nn.Module,
+    job_id: str,
+    rank: int,
+    step: int,
+) -> Any:
+    """`read(limit, into)` a raw state into this model's own tensors where they fit; load it."""
+    own = module.state_dict()
+    limit = _OPTIMIZER_FACTOR * sum(t.numel() * t.element_size() for t in own.values())
+    limit += _MARGIN_BYTES
+    in_place = _own_targets(module, own)
+    read_into_own: list[bool] = []
+
+    def into(layout: raw_state.Layout) -> dict[int, torch.Tensor]:
+        targets = in_place(layout)
+        read_into_own.append(bool(targets))
+        return targets
+
+    state = read(limit, into)
+    mine = bool(read_into_own and read_into_own[0])
+    log.info(
+        "rank %d: fetched a live rank's state of step %d %s%s",
+        rank,
+        step,
+        how,
+        ", into its own parameters" if mine else "",
+    )
+    if mine:  # already in place: load_state_dict would only copy it onto itself
+        return state.get("optimizer")
     return _apply(state, module, job_id, rank, step)
+
+
+def _own_targets(
+    module: nn.Module, own: dict[str, Any]
+) -> Callable[[raw_state.Layout], dict[int, torch.Tensor]]:
+    """How to map an offered state's module tensors onto this module's own (or none).
+
+    Reading into them stands for `load_state_dict` only where that would be
+    a plain copy: every entry of this module's state dict is a parameter's
+    or buffer's own memory, no module has load hooks or its own
+    `_load_from_state_dict` (batch norm's only handles versions, which must
+    be equal), and the offered state has exactly these names, shapes, dtypes
+    and versions. Anything else (an empty mapping) is read into new tensors
+    and loaded by `load_state_dict`, which names what does not fit.
+    """
+    storage = {t.data_ptr() for t in [*module.parameters(), *module.buffers()]}
+    plain = all(
+        isinstance(v, torch.Tensor) and v.data_ptr() in storage and v.numel() for v in own.values()
+    ) and not any(_custom_loading(m) for m in module.modules())
+    metadata = getattr(own, "_metadata", None)
+
+    def targets(layout: raw_state.Layout) -> dict[int, torch.Tensor]:
+        if not plain:
+            return {}
+        paths = raw_state.tensor_paths(layout)
+        module_paths = {p[1]: i for p, i in paths.items() if len(p) == 2 and p[0] == "module"}
+        if set(module_paths) != set(own) or _offered_metadata(layout) != metadata:
+            return {}
+        chosen = {module_paths[name]: tensor for name, tensor in own.items()}
+        if not all(raw_state.fits(t, layout.tensors[i]) for i, t in chosen.items()):
+            return {}
+        return chosen
+
+    return targets
+
+
+def _custom_loading(module: nn.Module) -> bool:
+    """True when `module` loads its state other than by copying each tensor."""
+    hooks = module._load_state_dict_pre_hooks or module._load_state_dict_post_hooks
+    method = type(module)._load_from_state_dict
+    return bool(hooks) or method not in _PLAIN_LOADERS
+
+
+def _offered_metadata(layout: raw_state.Layout) -> Any:
+    """The `_metadata` (versions) of the offered module state dict, or None."""
+    try:
+        module_state = layout.build([torch.empty(0)] * len(layout.tensors)).get("module")
+    except AttributeError:  # not a dict at the top
+        return None
+    return getattr(module_state, "_metadata", None)
 
 
 def _apply(state: Any, module: nn.Module, job_id: str, rank: int, step: int) -> Any:

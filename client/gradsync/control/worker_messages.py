@@ -48,7 +48,7 @@ class CheckpointUpload:
     """A checkpoint of `step` for the store, or (`heal`) this rank's state for a rejoining rank."""
 
     step: int
-    blob: bytes
+    blob: bytes | bytearray
     heal: bool = False
     empty_chunk: ClassVar[bool] = False
 

@@ -234,14 +234,20 @@ class Inbox:
             assert self._shared.state is not None
             return self._shared.state.blob()
 
-    def receive_resume(self, num_bytes: int, timeout_s: float) -> bytes:
-        """Block until the checkpoint this job resumes from has arrived; return it."""
+    def receive_resume(self, num_bytes: int, timeout_s: float) -> bytearray:
+        """Block until the checkpoint this job resumes from has arrived; return it.
+
+        Not copied (a 1 GB copy held the GIL, and the heartbeats, for seconds); it is
+        handed over: the inbox keeps nothing of it.
+        """
         self.wait(
             lambda s: _arrived(s.resume, num_bytes), timeout_s, "the checkpoint to resume from"
         )
         with self._cond:
             assert self._shared.resume is not None
-            return bytes(self._shared.resume.blob())
+            blob = self._shared.resume.blob()
+            self._shared.resume = None
+            return blob
 
     def step_report(self) -> pb.StepReport | None:
         """The coordinator's latest StepReport (None until one arrived; lowest rank only)."""

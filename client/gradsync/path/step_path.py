@@ -151,6 +151,7 @@ class StepPath:
         """Forget this step's staging and usage marks and move on to the next step."""
         if self.step != step:  # a reconnect moved the step
             step = self.step
+        self._session.donor.release()  # a joiner read the live state meanwhile: done
         self._reducer.reset()
         self._errors.clear()
         self.backward_active = False

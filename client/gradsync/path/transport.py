@@ -254,7 +254,7 @@ class Transport:
         """Block until rank 0's whole state blob has arrived; return it."""
         return self._inbox.receive_state(num_bytes, timeout_s)
 
-    def receive_resume(self, num_bytes: int, timeout_s: float) -> bytes:
+    def receive_resume(self, num_bytes: int, timeout_s: float) -> bytes | bytearray:
         """Block until the checkpoint this job resumes from has arrived; return it."""
         return self._inbox.receive_resume(num_bytes, timeout_s)
 
@@ -282,7 +282,7 @@ class Transport:
         """The live ranks of the latest MembershipChanged; see `SessionLink.live_ranks`."""
         return self._inbox.live_ranks()
 
-    def send_heal(self, step: int, blob: bytes) -> None:
+    def send_heal(self, step: int, blob: bytes | bytearray) -> None:
         """Queue this rank's state for a rejoining rank. Never blocks."""
         self._put(CheckpointUpload(step, blob, heal=True))
 
