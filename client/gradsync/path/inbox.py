@@ -35,14 +35,12 @@ from gradsync.control.collective_results import CollectiveResults
 from gradsync.control.welcome_checks import Expected, welcome_problem
 from gradsync.errors import (
     CollectiveError,
-    CoordinatorUnavailableError,
     GradSyncError,
     ShardUnavailableError,
     SyncTimeoutError,
-    error_from_status,
 )
 from gradsync.path.buffers import BucketBuffer
-from gradsync.path.inbox_state import InboxState, end_reason_name
+from gradsync.path.inbox_state import InboxState, end_reason_name, ended_stream_error
 from gradsync.path.shard_faults import SHARD_GRACE_MARGIN_S, shard_grace_s
 from gradsync.path.step_results import RoundReport, StepResults
 
@@ -466,24 +464,10 @@ class Inbox:
             self._cond.notify_all()
 
     def stream_failure(self, code: int | None, details: str) -> GradSyncError:
-        """The error for a stream that ended with status `code` (None: ended without one).
-
-        A `StreamEnd` received before the status says why the stream ended, and
-        decides the exception and its message; without one, a status code is translated as is,
-        and an end without any status means the coordinator went away.
-        """
+        """The error for a stream that ended with status `code` (None: ended without one)."""
         with self._cond:
             end = self._shared.stream_end
-        if end is not None:
-            # The coordinator's own words win over the status that follows: the
-            # transport can replace that status (gRPC has reported "INTERNAL:
-            # Internal error from Core" for a stream the coordinator ended cleanly).
-            return error_from_status(end.code, end.message, reason=end.reason, rank=self.rank)
-        if code is None:
-            return CoordinatorUnavailableError(
-                f"the coordinator at {self.target} ended the stream", rank=self.rank
-            )
-        return error_from_status(code, details, rank=self.rank)
+        return ended_stream_error(end, code, details, self.target, self.rank)
 
     def stream_ended(self, failure: GradSyncError | None) -> None:
         """Record the end of the stream (and its failure, unless one is already recorded).

@@ -22,7 +22,7 @@ from gradsync_proto import chunking
 from gradsync_proto.blobs import BadChunk, BlobAssembly
 from gradsync_proto.v1 import gradsync_pb2 as pb
 
-from gradsync.errors import GradSyncError
+from gradsync.errors import CoordinatorUnavailableError, GradSyncError, error_from_status
 from gradsync.path.shard_faults import ShardFault
 
 log = logging.getLogger("gradsync.client")
@@ -140,3 +140,24 @@ def end_reason_name(reason: int) -> str:
         return str(pb.EndReason.Name(reason))
     except ValueError:
         return str(reason)
+
+
+def ended_stream_error(
+    end: pb.StreamEnd | None, code: int | None, details: str, target: str, rank: int
+) -> GradSyncError:
+    """The error for a stream that ended with status `code` (None: ended without one).
+
+    A `StreamEnd` received before the status says why the stream ended, and
+    decides the exception and its message: the coordinator's own words win over
+    the status that follows, which the transport can replace (gRPC has reported
+    "INTERNAL: Internal error from Core" for a stream the coordinator ended
+    cleanly). Without one, a status code is translated as is, and an end without
+    any status means the coordinator went away.
+    """
+    if end is not None:
+        return error_from_status(end.code, end.message, reason=end.reason, rank=rank)
+    if code is None:
+        return CoordinatorUnavailableError(
+            f"the coordinator at {target} ended the stream", rank=rank
+        )
+    return error_from_status(code, details, rank=rank)
