@@ -5,7 +5,9 @@ hops) by a wide margin, unless per-step fixed costs eat the lead. Per world size
 (default 2, 8, 16, all ranks on this host), each mode of `gradsync_bench.latency_worker`
 (gradsync flat, gradsync default layout, torch DDP over gloo) trains the same
 `Linear(256, 256)` with the same seeds; the modes alternate A B C A B C for `reps`
-rounds and the median steps/s of each is kept. Each gradsync run gets a fresh
+rounds and the median steps/s of each is kept, with each worker's CPU time per step
+(all its threads; the mean over ranks), which a loaded machine stretches less than
+the wall time. Each gradsync run gets a fresh
 coordinator, whose CPU time, RSS and peak RSS (VmRSS / VmHWM from /proc) are read when
 its workers are done.
 """
@@ -30,6 +32,13 @@ from gradsync_bench.latency_worker import MODES
 from gradsync_bench.suites import stop_process
 
 Row = dict[str, Any]
+
+
+def num(values: dict[str, float], key: str, digits: int = 1) -> str:
+    """`values[key]` with `digits` decimals, "-" when missing."""
+    return f"{values[key]:.{digits}f}" if key in values else "-"
+
+
 #: Issue 27's targets, flat gradsync over gloo DDP steps/s, by W.
 TARGETS = {16: 3.0, 8: 2.0}
 
@@ -101,19 +110,26 @@ def _launch_workers(
             "--out",
             str(out),
         ]
-        processes.append(
-            subprocess.Popen(argv, env=rank_env, stderr=subprocess.PIPE, text=True)  # noqa: S603
-        )
+        # stderr into a file: sixteen pipes read one after the other could fill and block.
+        with _stderr_path(out, rank).open("w") as stderr:
+            processes.append(subprocess.Popen(argv, env=rank_env, stderr=stderr, text=True))
     return processes
 
 
-def _wait_workers(processes: Sequence[subprocess.Popen[str]], timeout_s: float, what: str) -> None:
+def _stderr_path(out: Path, rank: int) -> Path:
+    return out.with_name(f"{out.name}-{rank}.err")
+
+
+def _wait_workers(
+    processes: Sequence[subprocess.Popen[str]], timeout_s: float, what: str, out: Path
+) -> None:
     deadline = time.monotonic() + timeout_s
     try:
-        for process in processes:
-            _, err = process.communicate(timeout=max(1.0, deadline - time.monotonic()))
+        for rank, process in enumerate(processes):
+            process.wait(timeout=max(1.0, deadline - time.monotonic()))
             if process.returncode != 0:
-                raise RuntimeError(f"{what} failed (exit {process.returncode}): {err[-2000:]}")
+                err = _stderr_path(out, rank).read_text()[-2000:]
+                raise RuntimeError(f"{what}: rank {rank} failed (exit {process.returncode}): {err}")
     finally:
         for process in processes:
             if process.poll() is None:
@@ -132,7 +148,7 @@ def run_once(world_size: int, mode: str, plan: LatencyPlan, workdir: Path) -> di
     try:
         cpu_before = _cpu_seconds(coordinator.pid) if coordinator else 0.0
         processes = _launch_workers(world_size, mode, plan, out, env)
-        _wait_workers(processes, plan.run_timeout_s, f"latency {mode} W={world_size}")
+        _wait_workers(processes, plan.run_timeout_s, f"latency {mode} W={world_size}", out)
         result: dict[str, float] = {}
         if coordinator is not None:
             memory = _proc_status(coordinator.pid)
@@ -151,6 +167,8 @@ def run_once(world_size: int, mode: str, plan: LatencyPlan, workdir: Path) -> di
     seconds = max(record["seconds"] for record in records)
     result["steps_per_s"] = plan.steps / seconds
     result["step_ms"] = seconds / plan.steps * 1e3
+    cpu = statistics.mean(record["cpu_s"] for record in records)
+    result["worker_cpu_ms_per_step"] = cpu / plan.steps * 1e3
     return result
 
 
@@ -170,9 +188,9 @@ def latency_suite(plan: LatencyPlan) -> list[Row]:
             "load_1min": os.getloadavg()[0],
         }
         for mode, results in runs.items():
-            row[mode] = {
-                key: statistics.median(r[key] for r in results) for key in results[0]
-            } | {"steps_per_s_all": [r["steps_per_s"] for r in results]}
+            row[mode] = {key: statistics.median(r[key] for r in results) for key in results[0]} | {
+                "steps_per_s_all": [r["steps_per_s"] for r in results]
+            }
         if "ddp" in runs:
             for mode in runs:
                 if mode != "ddp":
@@ -183,21 +201,24 @@ def latency_suite(plan: LatencyPlan) -> list[Row]:
     return rows
 
 
-def markdown(rows: Sequence[Row]) -> str:
+def markdown_lines(rows: Sequence[Row]) -> list[str]:
     """The suite's table (steps/s, ratio to gloo DDP, coordinator RSS and CPU per step)."""
+    if not rows:
+        return []
     lines = [
+        "**Latency: a tiny model** (one Linear(256, 256), SGD, batch 32, all ranks on this "
+        "host; steps/s of the slowest rank, median of the reps; flat = hierarchical=False, "
+        'default = hierarchical="auto"; coordinator CPU includes its start and the joins)',
+        "",
         "| W | gloo DDP steps/s | flat steps/s | flat / DDP | target | default steps/s "
         "| default / DDP | coordinator RSS MiB (peak), flat / default "
-        "| coordinator CPU ms/step, flat / default |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "| coordinator CPU ms/step, flat / default | worker CPU ms/step, flat / default / DDP |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for row in rows:
         flat, default, ddp = row.get("flat", {}), row.get("default", {}), row.get("ddp", {})
 
-        def num(values: dict[str, float], key: str, digits: int = 1) -> str:
-            return f"{values[key]:.{digits}f}" if key in values else "-"
-
-        def ratio(key: str) -> str:
+        def ratio(key: str, row: Row = row) -> str:
             return f"{row[key]:.2f}" if key in row else "-"
 
         target = TARGETS.get(row["world_size"])
@@ -209,6 +230,9 @@ def markdown(rows: Sequence[Row]) -> str:
             f" / {num(default, 'coordinator_rss_mib', 0)}"
             f" ({num(default, 'coordinator_peak_rss_mib', 0)}) "
             f"| {num(flat, 'coordinator_cpu_ms_per_step', 2)}"
-            f" / {num(default, 'coordinator_cpu_ms_per_step', 2)} |"
+            f" / {num(default, 'coordinator_cpu_ms_per_step', 2)} "
+            f"| {num(flat, 'worker_cpu_ms_per_step', 2)}"
+            f" / {num(default, 'worker_cpu_ms_per_step', 2)}"
+            f" / {num(ddp, 'worker_cpu_ms_per_step', 2)} |"
         )
-    return "\n".join(lines) + "\n"
+    return [*lines, ""]

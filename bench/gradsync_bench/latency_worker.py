@@ -11,7 +11,8 @@ Modes (same model, same seeds, same per-rank batches):
   ddp      torch.nn.parallel.DistributedDataParallel over gloo.
 
 Every rank runs `--warmup` steps, meets the others at a barrier, then times `--steps`
-steps; each rank writes {"mode", "rank", "steps", "seconds"} to `--out`-<rank>.json.
+steps; each rank writes {"mode", "rank", "steps", "seconds", "cpu_s"} (its process's CPU
+time over the timed steps) to `--out`-<rank>.json.
 Launched by `gradsync_bench.latency` with RANK, WORLD_SIZE, LOCAL_RANK,
 LOCAL_WORLD_SIZE (and MASTER_ADDR / MASTER_PORT for gloo) in the environment.
 """
@@ -23,6 +24,7 @@ import json
 import os
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -48,7 +50,7 @@ def main() -> None:
     torch.manual_seed(0)
     module = nn.Linear(WIDTH, WIDTH)
     model: nn.Module
-    barrier: object
+    barrier: Callable[[], object]
     if args.mode == "ddp":
         dist.init_process_group("gloo")
         model = nn.parallel.DistributedDataParallel(module)
@@ -77,11 +79,14 @@ def main() -> None:
 
     for _ in range(args.warmup):
         train_step()
-    barrier()  # type: ignore[operator]  # every rank starts its clock together
-    started = time.perf_counter()
+    barrier()  # every rank starts its clock together
+    started, cpu_started = time.perf_counter(), time.process_time()
     for _ in range(args.steps):
         train_step()
     seconds = time.perf_counter() - started
+    # All of this process's threads (gradsync's transport thread too): the per-step fixed
+    # cost, which a loaded machine stretches less than it stretches the wall time.
+    cpu_s = time.process_time() - cpu_started
     close = getattr(model, "close", None)
     if close is not None:
         close()
@@ -92,7 +97,15 @@ def main() -> None:
         dist.destroy_process_group()
     out = args.out.with_name(f"{args.out.name}-{rank}.json")
     out.write_text(
-        json.dumps({"mode": args.mode, "rank": rank, "steps": args.steps, "seconds": seconds})
+        json.dumps(
+            {
+                "mode": args.mode,
+                "rank": rank,
+                "steps": args.steps,
+                "seconds": seconds,
+                "cpu_s": cpu_s,
+            }
+        )
     )
 
 

@@ -18,12 +18,13 @@ def plan_from_args(args: Any) -> BenchPlan:
     if args.worlds:
         overrides.update(worlds=args.worlds, train_worlds=args.worlds, netns_worlds=args.worlds)
         overrides["heal_worlds"] = args.worlds
+        overrides["latency_worlds"] = args.worlds
     if args.reps:
         overrides.update(reps=args.reps, netns_reps=args.reps)
     if args.train_model_mb:
         overrides["train_model_mb"] = args.train_model_mb
     if args.train_steps:
-        overrides["train_steps"] = args.train_steps
+        overrides.update(train_steps=args.train_steps, latency_steps=args.train_steps)
     if args.netns_rate_mbit:
         overrides["netns_rate_mbit"] = args.netns_rate_mbit
     if args.layouts:

@@ -23,6 +23,7 @@ WIRE_NUMPY = {
     pb.DTYPE_FLOAT32: torch.float32,
     pb.DTYPE_FLOAT16: torch.float16,
     pb.DTYPE_BFLOAT16: torch.bfloat16,
+    pb.DTYPE_FLOAT64: torch.float64,
 }
 
 
