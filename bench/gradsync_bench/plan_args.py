@@ -20,7 +20,7 @@ def plan_from_args(args: Any) -> BenchPlan:
         overrides["heal_worlds"] = args.worlds
         overrides["latency_worlds"] = args.worlds
     if args.reps:
-        overrides.update(reps=args.reps, netns_reps=args.reps)
+        overrides.update(reps=args.reps, netns_reps=args.reps, latency_reps=args.reps)
     if args.train_model_mb:
         overrides["train_model_mb"] = args.train_model_mb
     if args.train_steps:
