@@ -6,7 +6,7 @@ component of torch DDP that does the same job. It knows the bucket layout and
 which parameters this rank used since the last synchronized step, stages each
 full bucket (`gradsync.path.staging`), runs it through the comm hook if one is
 registered (`gradsync.hooks`), hands it to the gradient path, and at the end of
-backward adds the presence bucket, waits for the averages (through a callable
+backward adds the presence vector, waits for the averages (through a callable
 the wrapper gives it, which knows about reconnecting) and writes them back.
 
 Why a presence vector: DDP leaves `.grad` untouched for a parameter that no
@@ -16,14 +16,15 @@ rank used the parameter. It costs 4 bytes per parameter per step, and the
 coordinator needs no notion of it (it is the last "parameter" of the
 signature, `gradsync.control.signature.PRESENCE_NAME`).
 
-Where it travels (issue 27): when the last gradient bucket is float32 (and no
-outer optimizer runs), the presence vector rides at the end of that bucket, so
-a step costs no message of its own for it: for a small model whose gradients
-fit one bucket, one upload and one average per rank per step instead of two
-each. That bucket is the last to fill in backward anyway (it holds the first
-registered parameters), and it is held until the end of backward, when every
-usage mark is known. Otherwise (a float64 or 16-bit last bucket, DiLoCo) the
-vector is a bucket of its own, uploaded after the others.
+Where it travels (issue 27): when the last gradient bucket is float32 (and
+neither an outer optimizer nor `wire_dtype` is in play), the presence vector
+rides at the end of that bucket, so a step costs no message of its own for it:
+for a small model whose gradients fit one bucket, one upload and one average
+per rank per step instead of two each. That bucket is the last to fill in
+backward anyway (it holds the first registered parameters), and it is held
+until the end of backward, when every usage mark is known. Otherwise (a
+float64 or 16-bit last bucket, DiLoCo, `wire_dtype`) the vector is a bucket
+of its own, uploaded after the others.
 
 With `gradient_as_bucket_view=True` each bucket is one persistent flat
 tensor that the parameters' `.grad` are views of (`gradsync.path.bucket_views`):
