@@ -45,7 +45,8 @@ TARGETS = {16: 3.0, 8: 2.0}
 
 @dataclass(frozen=True)
 class LatencyPlan:
-    """What the latency suite runs."""
+    """What the latency suite runs (`BenchPlan.latency`; `--worlds`, `--reps` and
+    `--train-steps` override it)."""
 
     worlds: tuple[int, ...] = (2, 8, 16)
     modes: tuple[str, ...] = MODES
@@ -174,6 +175,7 @@ def run_once(world_size: int, mode: str, plan: LatencyPlan, workdir: Path) -> di
 
 def latency_suite(plan: LatencyPlan) -> list[Row]:
     """The suite's rows: one per W, every mode's median and its ratio to gloo DDP."""
+    print("latency: a tiny model, gradsync vs gloo DDP ...", file=sys.stderr, flush=True)
     rows = []
     for world_size in plan.worlds:
         runs: dict[str, list[dict[str, float]]] = {mode: [] for mode in plan.modes}

@@ -58,10 +58,7 @@ class BenchPlan:
     netns_hosts: int = 2
     netns_ranks_per_host: int = 2
     suites: tuple[str, ...] = ("loopback", "train", "netns", "latency")
-    #: The latency suite (`gradsync_bench.latency`, a tiny model's steps/s against gloo DDP).
-    latency_worlds: list[int] = field(default_factory=lambda: list(latency.LatencyPlan.worlds))
-    latency_steps: int = latency.LatencyPlan.steps
-    latency_reps: int = latency.LatencyPlan.reps
+    latency: latency.LatencyPlan = field(default_factory=latency.LatencyPlan)
     #: The wan suite (the slow-link scorecard, `gradsync_bench.wan`); not run by default.
     wan_world: int = 4
     wan_rates_mbit: list[float] = field(default_factory=lambda: [100.0, 20.0])
@@ -102,9 +99,7 @@ class BenchPlan:
             hierarchy=False,
             heal_worlds=[2],
             heal_states_mb=[256.0],
-            latency_worlds=[2],
-            latency_steps=50,
-            latency_reps=1,
+            latency=latency.LatencyPlan(worlds=(2,), steps=50, reps=1),
         )
 
 
@@ -183,15 +178,8 @@ def run(plan: BenchPlan) -> dict[str, Any]:
         document["suites"]["wan"], reason = wan.wan_suite(plan.wan_plan())
         if reason:
             document["skipped"]["wan"] = reason
-    if "latency" in plan.suites:
-        print("latency: a tiny model, gradsync vs gloo DDP ...", file=sys.stderr, flush=True)
-        document["suites"]["latency"] = latency.latency_suite(
-            latency.LatencyPlan(
-                worlds=tuple(plan.latency_worlds),
-                steps=plan.latency_steps,
-                reps=plan.latency_reps,
-            )
-        )
+    if "latency" in plan.suites:  # (it announces itself on stderr)
+        document["suites"]["latency"] = latency.latency_suite(plan.latency)
     if "heal" in plan.suites:
         print("healing a restarted rank ...", file=sys.stderr, flush=True)
         document["suites"]["heal"] = heal.heal_suite(plan.heal_worlds, plan.heal_states_mb)
