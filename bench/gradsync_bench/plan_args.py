@@ -12,18 +12,21 @@ def plan_from_args(args: Any) -> BenchPlan:
     """The plan `gradsync bench`'s flags ask for: a preset, then each override given."""
     plan = BenchPlan.quick() if args.quick else BenchPlan()
     overrides: dict[str, Any] = {"suites": args.suites}
+    latency: dict[str, Any] = {}
     if args.sizes_mb:
         overrides.update(sizes_mb=args.sizes_mb, netns_sizes_mb=args.sizes_mb)
         overrides["heal_states_mb"] = args.sizes_mb  # the live state's size there
     if args.worlds:
         overrides.update(worlds=args.worlds, train_worlds=args.worlds, netns_worlds=args.worlds)
         overrides["heal_worlds"] = args.worlds
+        latency["worlds"] = tuple(args.worlds)
     if args.reps:
         overrides.update(reps=args.reps, netns_reps=args.reps)
+        latency["reps"] = args.reps
     if args.train_model_mb:
         overrides["train_model_mb"] = args.train_model_mb
     if args.train_steps:
-        overrides["train_steps"] = args.train_steps
+        overrides["train_steps"] = latency["steps"] = args.train_steps
     if args.netns_rate_mbit:
         overrides["netns_rate_mbit"] = args.netns_rate_mbit
     if getattr(args, "netns_wires", None):
@@ -51,6 +54,8 @@ def plan_from_args(args: Any) -> BenchPlan:
         "work_dir": getattr(args, "churn_work_dir", None),
     }
     churn_overrides = {name: value for name, value in churn.items() if value is not None}
+    if latency:
+        overrides["latency"] = dataclasses.replace(plan.latency, **latency)
     if churn_overrides:
         overrides["churn"] = dataclasses.replace(plan.churn, **churn_overrides)
     return dataclasses.replace(plan, **overrides)

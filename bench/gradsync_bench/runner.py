@@ -20,6 +20,7 @@ from gradsync_bench import (
     churn,
     churn_report,
     heal,
+    latency,
     netns_hosts,
     sharded,
     suites,
@@ -60,7 +61,8 @@ class BenchPlan:
     hierarchy: bool = True
     netns_hosts: int = 2
     netns_ranks_per_host: int = 2
-    suites: tuple[str, ...] = ("loopback", "train", "netns")
+    suites: tuple[str, ...] = ("loopback", "train", "netns", "latency")
+    latency: latency.LatencyPlan = field(default_factory=latency.LatencyPlan)
     #: The wan suite (the slow-link scorecard, `gradsync_bench.wan`); not run by default.
     wan_world: int = 4
     wan_rates_mbit: list[float] = field(default_factory=lambda: [100.0, 20.0])
@@ -101,6 +103,7 @@ class BenchPlan:
             hierarchy=False,
             heal_worlds=[2],
             heal_states_mb=[256.0],
+            latency=latency.LatencyPlan(worlds=(2,), steps=50, reps=1),
         )
 
 
@@ -180,6 +183,8 @@ def run(plan: BenchPlan) -> dict[str, Any]:
         document["suites"]["wan"], reason = wan.wan_suite(plan.wan_plan())
         if reason:
             document["skipped"]["wan"] = reason
+    if "latency" in plan.suites:  # (it announces itself on stderr)
+        document["suites"]["latency"] = latency.latency_suite(plan.latency)
     if "heal" in plan.suites:
         print("healing a restarted rank ...", file=sys.stderr, flush=True)
         document["suites"]["heal"] = heal.heal_suite(plan.heal_worlds, plan.heal_states_mb)
@@ -311,6 +316,7 @@ def markdown(document: dict[str, Any]) -> str:
     lines += wire_report.markdown_lines(netns)
     lines += _hierarchy_table(document["suites"].get("netns_hierarchy", []))
     lines += wan_report.markdown_lines(document["suites"].get("wan", {}))
+    lines += latency.markdown_lines(document["suites"].get("latency", []))
     lines += heal.markdown_lines(document["suites"].get("heal", []))
     lines += churn_report.markdown_lines(document["suites"].get("churn", {}))
     for suite, reason in document.get("skipped", {}).items():
@@ -493,7 +499,7 @@ def write(document: dict[str, Any], out_dir: Path) -> None:
     rows = document["suites"]
     wan_ran = bool(rows.get("wan", {}).get("rows"))
     others = any(rows.get(name) for name in ("loopback", "train", "netns"))
-    if others or not (wan_ran or "churn" in rows):
+    if others or not (wan_ran or "churn" in rows or "latency" in rows):
         plot(document, out_dir / "latest.png")
     if wan_ran:
         # Alone, the wan suite's figure is latest.png; beside the others, latest-wan.png.

@@ -20,10 +20,10 @@ from gradsync import __version__, defaults, flags
 from gradsync.config import ENV_COORDINATOR, ENV_JOB_ID, ENV_RANK, ENV_WORLD_SIZE
 
 #: The benchmark suites `gradsync bench --suites` chooses from.
-BENCH_SUITES = ("loopback", "train", "netns", "wan", "heal", "churn")
+BENCH_SUITES = ("loopback", "train", "netns", "latency", "wan", "heal", "churn")
 #: The suites `gradsync bench` runs without --suites (wan, 20-25 minutes, heal, and churn,
 #: two runs of --churn-duration-s, only on request).
-BENCH_DEFAULT_SUITES = BENCH_SUITES[:3]
+BENCH_DEFAULT_SUITES = BENCH_SUITES[:4]
 #: The methods of the wan suite (`gradsync bench --wan-methods`; gradsync_bench.wan_worker).
 BENCH_WAN_METHODS = (
     "nosync",
@@ -215,7 +215,8 @@ def build_parser() -> argparse.ArgumentParser:
         default=",".join(BENCH_DEFAULT_SUITES),
         help=f"comma-separated subset of {','.join(BENCH_SUITES)} (default %(default)s; "
         "wan, the slow-link scorecard, takes 20-25 minutes; heal, a restarted rank healed "
-        "over gRPC and directly, a few minutes)",
+        "over gRPC and directly, a few minutes; latency, a tiny model's steps/s against "
+        "gloo DDP at W = 2, 8, 16, a few minutes)",
     )
     bench.add_argument(
         "--sizes-mb",

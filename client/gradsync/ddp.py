@@ -5,10 +5,10 @@ marks it used on this rank (also under `no_sync`); when a bucket's last
 gradient lands, the bucket is staged (`gradsync.path.staging`), passed through the
 comm hook if any (`gradsync.hooks`) and handed to the link, which uploads it
 while autograd computes earlier layers. The end-of-backward callback uploads
-the remaining buckets and then the "presence" bucket (which parameters this
-rank used), waits (bounded) for every average, and moves the averages into
-`.grad` by DDP's rules: a parameter no rank used keeps its `.grad` untouched
-(None stays None), so optimizers skip it exactly as under DDP.
+the rest with the "presence" vector (which parameters this rank used; see
+`gradsync.path.reducer`), waits (bounded) for every average, and moves them
+into `.grad` by DDP's rules: a parameter no rank used keeps its `.grad`
+untouched (None stays None), so optimizers skip it exactly as under DDP.
 
 Before a forward pass rank 0's buffers are broadcast (`broadcast_buffers`,
 as DDP) through the coordinator's collectives (`gradsync.collectives`), which
@@ -52,7 +52,7 @@ from gradsync.instruments import Instruments
 from gradsync.local.hierarchy import check_hierarchical, requested_hierarchical
 from gradsync.metrics import ENV_METRICS_HOST, resolve_metrics_port
 from gradsync.path.bucketing import BucketPlan
-from gradsync.path.reducer import Reducer, plan_buckets
+from gradsync.path.reducer import Reducer, plan_layout
 from gradsync.path.step_path import StepPath
 from gradsync.path.transport import Transport
 
@@ -209,10 +209,10 @@ class DistributedDataParallel(nn.Module):
         self._input_device = compat.input_device(device_ids, self.device)
         sync = forward_sync_buffers if forward_sync_buffers is not None else broadcast_buffers
         self.broadcast_buffers = True if sync is None else sync
-        buckets, presence_bucket = plan_buckets(
-            named, self.config.bucket_cap_bytes, self.config.first_bucket_cap_bytes
+        # The presence vector rides on the last bucket where it can: no message of its own.
+        buckets, plans, presence_rides = plan_layout(
+            named, self.config, separate_presence=_outer is not None or wire_hook is not None
         )
-        plans = [*buckets, presence_bucket]
         self.config = dataclasses.replace(
             self.config,
             hierarchical=check_hierarchical(
@@ -264,6 +264,7 @@ class DistributedDataParallel(nn.Module):
             answer_in_fp32,
             # Views are host memory: a CUDA module keeps staging through pinned buffers.
             gradient_as_bucket_view=gradient_as_bucket_view and self.device.type == "cpu",
+            presence_rides=presence_rides,
         )
         self._steps = StepPath(self._reducer, self._instruments, self._session, overlap, start_step)
         #: The coordinator's collectives for this job (`gradsync.collectives`).

@@ -14,6 +14,7 @@ import numpy as np
 import numpy.typing as npt
 import torch
 from gradsync.control.link import BucketEventHandler, CoordinatorLink
+from gradsync.control.signature import PRESENCE_NAME
 from gradsync.path.buffers import BucketBuffer
 from gradsync_proto.v1 import gradsync_pb2 as pb
 
@@ -22,6 +23,7 @@ WIRE_NUMPY = {
     pb.DTYPE_FLOAT32: torch.float32,
     pb.DTYPE_FLOAT16: torch.float16,
     pb.DTYPE_BFLOAT16: torch.bfloat16,
+    pb.DTYPE_FLOAT64: torch.float64,
 }
 
 
@@ -41,11 +43,15 @@ class FakeLink:
         self.welcome = welcome if welcome is not None else pb.Welcome(start_step=0)
         self.bucket_bytes: list[int] = []
         self.joins: list[pb.Join] = []
+        #: Where the presence vector travels, from the Join's signature: (bucket index,
+        #: element offset in it); offset 0 = a bucket of its own.
+        self.presence_at = (-1, 0)
         self.sent_state: list[bytes] = []
         self.state_for_us = b""
         self.resume_blob = b""
         #: (step, bucket_index, buffer) of every gradient bucket hand-off, in order
-        #: (the presence bucket, always last in a step, is in `presence`).
+        #: (the presence bucket, always last in a step, is in `presence`; a last
+        #: bucket the presence vector rides on is here, and its tail in `presence`).
         self.submitted: list[tuple[int, int, BucketBuffer]] = []
         #: Every hand-off, the presence bucket included, with its wire dtype.
         self.uploads: list[tuple[int, int, BucketBuffer, int]] = []
@@ -87,6 +93,24 @@ class FakeLink:
 
     def open(self, join: pb.Join) -> None:
         self.joins.append(join)
+        names = [spec.name for spec in join.signature.parameters]
+        if PRESENCE_NAME in names:
+            index = names.index(PRESENCE_NAME)
+            for bucket_index, bucket in enumerate(join.signature.buckets):
+                if index in bucket.parameter_indices:
+                    before = list(bucket.parameter_indices)[
+                        : list(bucket.parameter_indices).index(index)
+                    ]
+                    offset = sum(int(np.prod(join.signature.parameters[i].shape)) for i in before)
+                    self.presence_at = (bucket_index, offset)
+
+    def _presence_offset(self, bucket_index: int, dtype: int) -> int | None:
+        """The byte where the presence vector starts in `bucket_index` (None: not in it)."""
+        presence_bucket, offset = self.presence_at
+        if presence_bucket < 0:  # no Join seen: the presence bucket is the last one
+            presence_bucket = len(self.bucket_bytes) - 1
+        itemsize = torch.empty(0, dtype=WIRE_NUMPY[dtype]).element_size()
+        return offset * itemsize if bucket_index == presence_bucket else None
 
     def wait_welcome(self, timeout_s: float, unreachable_s: float | None = None) -> pb.Welcome:
         return self.welcome
@@ -140,9 +164,12 @@ class FakeLink:
         if result is not None:
             assert result_dtype in WIRE_NUMPY, result_dtype
             self.results[(step, bucket_index)] = (result, result_dtype)
-        if bucket_index == len(self.bucket_bytes) - 1:
-            self.presence.append(np.concatenate(buffer.segments).view(np.float32).tolist())
-            return
+        offset = self._presence_offset(bucket_index, dtype)
+        if offset is not None:
+            tail = torch.from_numpy(np.concatenate(buffer.segments)[offset:])
+            self.presence.append(tail.view(WIRE_NUMPY[dtype]).float().tolist())
+            if offset == 0:
+                return
         self.submitted.append((step, bucket_index, buffer))
         if self.on_submit is not None:
             self.on_submit(bucket_index)
@@ -152,20 +179,24 @@ class FakeLink:
         if self.fail_with is not None:
             error, self.fail_with = self.fail_with, None
             raise error
-        presence_index = len(self.bucket_bytes) - 1
         for submitted_step, bucket_index, buffer, dtype in self.uploads:
             if submitted_step != step:
                 continue
-            if bucket_index == presence_index:
-                local = np.concatenate(buffer.segments).view(np.float32)
-                peers = np.asarray(self.peer_presence or np.zeros_like(local), dtype=np.float32)
-                averaged = (local + peers) / np.float32(2)
-            else:
-                wire = torch.from_numpy(np.concatenate(buffer.segments)).view(WIRE_NUMPY[dtype])
+            uploaded, sent_dtype = np.concatenate(buffer.segments), dtype
+            offset = self._presence_offset(bucket_index, dtype)
+            end = len(uploaded) if offset is None else offset
+            answer = b""
+            if end:
+                wire = torch.from_numpy(uploaded[:end]).view(WIRE_NUMPY[dtype])
                 averaged = wire.float() * self.scale + self.peer_value
                 buffer, dtype = self.results.get((step, bucket_index), (buffer, dtype))
-                averaged = averaged.to(WIRE_NUMPY[dtype]).view(torch.uint8)
-            buffer.write(0, np.asarray(averaged).view(np.uint8).tobytes())
+                answer = np.asarray(averaged.to(WIRE_NUMPY[dtype]).view(torch.uint8)).tobytes()
+            if offset is not None:  # the presence vector, uploaded in the wire dtype
+                local = torch.from_numpy(uploaded[offset:]).view(WIRE_NUMPY[sent_dtype]).float()
+                peers = torch.tensor(self.peer_presence or [0.0] * local.numel())
+                averaged = ((local + peers) / 2).to(WIRE_NUMPY[dtype])
+                answer += np.asarray(averaged.view(torch.uint8)).tobytes()
+            buffer.write(0, answer)
         return self.contributors
 
     def run_collective(

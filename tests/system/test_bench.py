@@ -110,6 +110,14 @@ def test_tiny_bench_writes_complete_results(tmp_path: Path) -> None:
     assert all(finite_positive(v) for v in train["samples_per_s"].values())
     assert finite_positive(train["ratio_to_ddp"]) and finite_positive(train["overlap_gain"])
     assert math.isfinite(train["exposed_comm_ms"])
+    # The latency suite (--quick: W = 2, one rep; --train-steps sets its steps too).
+    (latency,) = document["suites"]["latency"]
+    assert (latency["world_size"], latency["steps"]) == (2, 2)
+    for mode in ("flat", "default", "ddp"):
+        assert finite_positive(latency[mode]["steps_per_s"]), mode
+    for mode in ("flat", "default"):
+        assert finite_positive(latency[f"{mode}_ratio_to_ddp"])
+        assert latency[mode]["coordinator_peak_rss_mib"] >= latency[mode]["coordinator_rss_mib"] > 0
     capable, reason = available()
     if capable:
         (row,) = document["suites"]["netns"]
@@ -120,7 +128,7 @@ def test_tiny_bench_writes_complete_results(tmp_path: Path) -> None:
     else:
         assert document["skipped"]["netns"] == reason
     table = (tmp_path / "latest.md").read_text()
-    assert "gradsync MB/s" in table and "torchrun DDP" in table
+    assert "gradsync MB/s" in table and "torchrun DDP" in table and "flat / DDP" in table
     assert (tmp_path / "latest.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert "latest.json" in result.stdout
 

@@ -142,8 +142,10 @@ def test_grads_are_views_in_bucket_order_uploaded_and_averaged_in_place() -> Non
     for (_, bucket_index, buffer), flat in zip(
         factory.link.submitted, model._reducer.views.flats, strict=True
     ):
-        # One segment, the flat tensor's own memory: no gather before, no scatter after.
-        (segment,) = buffer.segments
+        # The flat tensor's own memory: no gather before, no scatter after (the last
+        # bucket carries the presence vector after it, a segment of its own).
+        segment, *presence = buffer.segments
+        assert len(presence) == (1 if bucket_index == 1 else 0)
         assert np.shares_memory(segment, flat.view(torch.uint8).numpy())
         assert bucket_index in (0, 1)
     for param, local in zip(module.parameters(), expected, strict=True):

@@ -209,11 +209,13 @@ def test_a_16_bit_compression_hook_halves_the_bytes_and_stays_within_its_precisi
     reference = mlp()
     step(reference)
 
-    gradient_uploads = factory.link.uploads[:-1]  # the presence bucket stays float32
-    assert {upload[3] for upload in gradient_uploads} == {wire}
+    # The presence vector rides at the end of the last bucket, in the hook's dtype
+    # (0 and 1 are exact in 16 bits): no upload of its own.
+    assert {upload[3] for upload in factory.link.uploads} == {wire}
     parameter_bytes = sum(p.numel() for p in module.parameters()) * 2
-    assert sum(upload[2].size for upload in gradient_uploads) == parameter_bytes
-    assert model.bytes_sent == parameter_bytes + 4 * 4  # + the presence vector
+    assert sum(upload[2].size for upload in factory.link.uploads) == parameter_bytes + 4 * 2
+    assert model.bytes_sent == parameter_bytes + 4 * 2
+    assert factory.link.presence == [[1.0] * 4]
     tolerance = torch.finfo(dtype).eps
     for param, expected in zip(module.parameters(), reference.parameters(), strict=True):
         assert param.grad is not None and expected.grad is not None

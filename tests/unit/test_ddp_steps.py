@@ -370,15 +370,17 @@ def test_rank_0_broadcasts_its_state_and_other_ranks_start_from_it() -> None:
         torch.testing.assert_close(mine, theirs)
     (join,) = receiver_factory.link.joins
     assert (join.rank, join.world_size, join.job_id) == (1, 2, "default")
-    # The presence vector travels as the last "parameter" (and bucket) of the signature.
+    # The presence vector travels as the last "parameter" of the signature, at the end
+    # of the last (float32) bucket: no bucket of its own.
     assert [spec.name for spec in join.signature.parameters] == [
         "0.weight",
         "2.weight",
         "4.weight",
         "gradsync.presence",
     ]
-    assert list(join.signature.buckets[-1].parameter_indices) == [3]
-    assert join.signature.buckets[-1].num_elements == 3
+    assert list(join.signature.buckets[-1].parameter_indices)[-1] == 3
+    parameters = sum(p.numel() for p in sender.parameters())
+    assert sum(bucket.num_elements for bucket in join.signature.buckets) == parameters + 3
 
 
 def test_rank_0_checkpoints_at_step_boundaries_and_reports_a_failed_one() -> None:

@@ -6,15 +6,25 @@ component of torch DDP that does the same job. It knows the bucket layout and
 which parameters this rank used since the last synchronized step, stages each
 full bucket (`gradsync.path.staging`), runs it through the comm hook if one is
 registered (`gradsync.hooks`), hands it to the gradient path, and at the end of
-backward adds the presence bucket, waits for the averages (through a callable
+backward adds the presence vector, waits for the averages (through a callable
 the wrapper gives it, which knows about reconnecting) and writes them back.
 
-Why a presence bucket: DDP leaves `.grad` untouched for a parameter that no
+Why a presence vector: DDP leaves `.grad` untouched for a parameter that no
 rank used, which a rank cannot know alone. One float32 per parameter (1.0 =
-used here), averaged like any bucket, answers it: an average of 0 means no
+used here), averaged like any gradient, answers it: an average of 0 means no
 rank used the parameter. It costs 4 bytes per parameter per step, and the
 coordinator needs no notion of it (it is the last "parameter" of the
 signature, `gradsync.control.signature.PRESENCE_NAME`).
+
+Where it travels (issue 27): when the last gradient bucket is float32 (and
+neither an outer optimizer nor `wire_dtype` is in play), the presence vector
+rides at the end of that bucket, so a step costs no message of its own for it:
+for a small model whose gradients fit one bucket, one upload and one average
+per rank per step instead of two each. That bucket is the last to fill in
+backward anyway (it holds the first registered parameters), and it is held
+until the end of backward, when every usage mark is known. Otherwise (a
+float64 or 16-bit last bucket, DiLoCo, `wire_dtype`) the vector is a bucket
+of its own, uploaded after the others.
 
 With `gradient_as_bucket_view=True` each bucket is one persistent flat
 tensor that the parameters' `.grad` are views of (`gradsync.path.bucket_views`):
@@ -32,6 +42,7 @@ import numpy.typing as npt
 import torch
 from torch import nn
 
+from gradsync.config import ClientConfig
 from gradsync.control.link import GradientPath
 from gradsync.control.signature import WIRE_DTYPES, bucket_wire_dtype, presence_plan, wire_dtype
 from gradsync.hooks import (
@@ -57,6 +68,9 @@ def plan_buckets(
 ) -> tuple[list[BucketPlan], BucketPlan]:
     """The gradient buckets of a module, and its presence bucket (which comes last).
 
+    See `wire_plans` for the layout the coordinator is told (the presence vector
+    riding on the last bucket where it can).
+
     Raises:
         ValueError: a parameter's dtype cannot travel, naming it.
     """
@@ -68,6 +82,52 @@ def plan_buckets(
         dtypes.append(param.dtype)
     plans = assign_buckets(sizes, dtypes, bucket_cap_bytes, first_bucket_cap_bytes)
     return plans, presence_plan(len(named_parameters))
+
+
+def presence_can_ride(buckets: Sequence[BucketPlan], separate: bool) -> bool:
+    """Whether the presence vector (float32) can travel at the end of the last bucket.
+
+    Not with an outer optimizer (DiLoCo: its buckets hold parameters, the presence
+    vector must stay a bucket the coordinator only averages) nor a `wire_dtype`
+    (whose 16-bit cast the presence vector keeps out of, as float32): `separate`
+    says either; and only when the last bucket is float32 (one bucket, one dtype).
+    A comm hook registered later sees the gradients only (`Reducer._launch`).
+    """
+    return not separate and bool(buckets) and buckets[-1].dtype == torch.float32
+
+
+def wire_plans(buckets: Sequence[BucketPlan], presence: BucketPlan, ride: bool) -> list[BucketPlan]:
+    """The bucket layout of the signature: the presence vector last, alone or riding.
+
+    With `ride` (`presence_can_ride`), the last bucket lists the presence vector's
+    signature index after its own parameters; otherwise it is a bucket of its own.
+    """
+    if not ride:
+        return [*buckets, presence]
+    last = buckets[-1]
+    merged = BucketPlan(
+        (*last.parameter_indices, *presence.parameter_indices),
+        last.dtype,
+        last.num_bytes + presence.num_bytes,
+    )
+    return [*buckets[:-1], merged]
+
+
+def plan_layout(
+    named_parameters: Sequence[tuple[str, nn.Parameter]],
+    config: ClientConfig,
+    separate_presence: bool,
+) -> tuple[list[BucketPlan], list[BucketPlan], bool]:
+    """The gradient buckets, the signature's bucket layout, and whether the presence rides.
+
+    `separate_presence`: keep the presence vector a bucket of its own (see
+    `presence_can_ride`).
+    """
+    buckets, presence = plan_buckets(
+        named_parameters, config.bucket_cap_bytes, config.first_bucket_cap_bytes
+    )
+    rides = presence_can_ride(buckets, separate_presence)
+    return buckets, wire_plans(buckets, presence, rides), rides
 
 
 @dataclass
@@ -109,6 +169,9 @@ class _Launched:
         self.answered_in_place = answered_in_place
         self.answer = answer
         self.upload: _Upload | None = None
+        #: The presence vector's average, where it lands in a comm hook's wire (the
+        #: wire's tail) rather than in the presence tensor itself; None otherwise.
+        self.presence_tail: torch.Tensor | None = None
 
 
 class Reducer:
@@ -131,6 +194,8 @@ class Reducer:
             tensor now (`gradsync.path.bucket_views`; host tensors only: the wrapper
             passes it for CPU modules).
         allocator: where the bucket views' flat tensors come from.
+        presence_rides: the presence vector travels at the end of the last bucket
+            (`presence_can_ride`), not as a bucket of its own.
     """
 
     def __init__(
@@ -146,9 +211,13 @@ class Reducer:
         *,
         gradient_as_bucket_view: bool = False,
         allocator: Allocator = allocate,
+        presence_rides: bool = False,
     ) -> None:
         self._named = list(named_parameters)
         self.buckets = list(buckets)
+        self._presence_rides = presence_rides
+        #: The bucket the presence vector rides on (launched at the end of backward only).
+        self._rider = len(self.buckets) - 1 if presence_rides else -1
         self._rank, self._world_size = rank, world_size
         self._instruments = instruments
         self._path = path
@@ -181,6 +250,7 @@ class Reducer:
         self._ready = [0] * len(self.buckets)
         self._launched: list[_Launched | None] = [None] * len(self.buckets)
         self._presence = torch.zeros(0)
+        self._flushed = False
 
     def register_comm_hook(self, state: Any, hook: CommHook) -> None:
         """See `DistributedDataParallel.register_comm_hook`."""
@@ -206,8 +276,25 @@ class Reducer:
         bucket_index = self.bucket_of[index]
         self._ready[bucket_index] += 1
         bucket_size = len(self.buckets[bucket_index].parameter_indices)
-        if overlap and self._ready[bucket_index] == bucket_size:
+        if overlap and self._ready[bucket_index] == bucket_size and bucket_index != self._rider:
             self._launch(bucket_index, step)
+
+    def launch_rest(self, step: int) -> None:
+        """At the end of backward: upload every bucket not launched yet, and the presence.
+
+        Once per step (`finish` calls it unless the step path did, to record what
+        it raises like a hook's failure).
+        """
+        if self._flushed:
+            return
+        self._flushed = True
+        # Every usage mark of this pass is known now: the presence vector is final.
+        self._presence = torch.tensor(self._used, dtype=torch.float32)
+        for bucket_index, launched in enumerate(self._launched):
+            if launched is None:  # the rider, or some parameter got no gradient this pass
+                self._launch(bucket_index, step)
+        if not self._presence_rides:
+            self._submit_presence(step)
 
     def finish(self, step: int, wait: Callable[[int], int]) -> int:
         """Upload what is left, wait for the averages, write them to `.grad`.
@@ -219,11 +306,11 @@ class Reducer:
         Returns:
             The number of ranks averaged over.
         """
-        for bucket_index, launched in enumerate(self._launched):
-            if launched is None:  # some parameter got no gradient this pass
-                self._launch(bucket_index, step)
-        self._submit_presence(step)
+        self.launch_rest(step)
         contributors = wait(step)  # (which may `resend` the step: read the presence after it)
+        for launched in self._launched:
+            if launched is not None and launched.presence_tail is not None:
+                self._presence.copy_(launched.presence_tail)
         used_anywhere = (self._presence > 0).tolist()
         for launched in self._launched:
             if launched is None:
@@ -260,7 +347,8 @@ class Reducer:
                 for segment, kept in zip(upload.buffer.segments, upload.kept, strict=True):
                     np.copyto(segment, kept)
             self._submit(step, bucket_index, upload)
-        self._submit_presence(step)
+        if not self._presence_rides:
+            self._submit_presence(step)
 
     def _submit_presence(self, step: int) -> None:
         """Upload the presence bucket of `step`; its average lands in `self._presence`."""
@@ -312,6 +400,8 @@ class Reducer:
         result_dtype = WIRE_DTYPES[torch.float32]
         answer: Int8Answer | None = None
         scales: dict[int, float] | None = None
+        rides = bucket_index == self._rider
+        presence_tail: torch.Tensor | None = None
         if hook is not None and stage.flat is not None:
             bucket = GradBucket(bucket_index, step, stage.flat, stage.names, self._world_size)
             returned = hook.before_upload(self._comm_hook_state, bucket)
@@ -325,20 +415,40 @@ class Reducer:
             else:
                 wire = check_wire_tensor(bucket, returned, self._rank)
                 dtype = WIRE_DTYPES[wire.dtype]
-            segments = [wire.view(torch.uint8).numpy()]
+            if rides and scales is not None:
+                raise ValueError(
+                    f"bucket {bucket_index} carries the presence vector, which an int8 wire "
+                    "cannot (DiLoCo's int8 wire runs with a presence bucket of its own)"
+                )
+            uploaded = wire
+            if rides:
+                # The hook sees the gradients only; the presence vector follows them on the
+                # wire in the hook's dtype (0/1 and their averages k/W > 0 stay exact in
+                # float16/bfloat16 for any realistic world size).
+                uploaded = torch.cat([wire, self._presence.to(wire.dtype)])
+                wire, presence_tail = uploaded[: wire.numel()], uploaded[wire.numel() :]
+            segments = [uploaded.view(torch.uint8).numpy()]
             in_fp32 = (
                 self._answer_in_fp32
                 and stage.flat.dtype == torch.float32
                 and wire.dtype in COMPRESSED_WIRE_DTYPES
             )
             if answer is None and (scales is not None or in_fp32):
-                # The fp32 averages land in the flat buffer the hook compressed from.
-                result = BucketBuffer([stage.flat.view(torch.uint8).numpy()])
+                # The fp32 averages land in the flat buffer the hook compressed from
+                # (and the presence vector's in the presence tensor itself).
+                result_segments = [stage.flat.view(torch.uint8).numpy()]
+                if rides:
+                    result_segments.append(self._presence.view(torch.uint8).numpy())
+                    presence_tail = None
+                result = BucketBuffer(result_segments)
         else:
             wire = torch.empty(0)
             segments = stage.segments()
+            if rides:  # the average lands in the presence tensor itself
+                segments.append(self._presence.view(torch.uint8).numpy())
             dtype = bucket_wire_dtype(plan)
         launched = _Launched(stage, bucket, wire, result is not None, answer)
+        launched.presence_tail = presence_tail
         self._launched[bucket_index] = launched
         buffer = BucketBuffer(segments, scales, self.chunk_weight)
         self._instruments.bucket_ready(step, bucket_index, buffer.wire_bytes)

@@ -101,6 +101,10 @@ class StepPath:
         """End-of-backward callback: flush, wait for averages, write them to .grad."""
         step = self.step
         try:
+            try:
+                self._reducer.launch_rest(step)
+            except Exception as exc:  # a hook's or a staging failure: raised with context below
+                self._errors.append(exc)
             if self._errors:
                 error = self._errors[0]
                 raise GradSyncError(

@@ -1,0 +1,240 @@
+"""The latency suite: steps/s of a tiny model, where every step is fixed per-step cost.
+
+Issue 27: with small gradients a star (two hops per step) should beat a ring (2(W-1)
+hops) by a wide margin, unless per-step fixed costs eat the lead. Per world size W
+(default 2, 8, 16, all ranks on this host), each mode of `gradsync_bench.latency_worker`
+(gradsync flat, gradsync default layout, torch DDP over gloo) trains the same
+`Linear(256, 256)` with the same seeds; the modes alternate A B C A B C for `reps`
+rounds and the median steps/s of each is kept, with each worker's CPU time per step
+(all its threads; the mean over ranks), which a loaded machine stretches less than
+the wall time. Each gradsync run gets a fresh
+coordinator, whose CPU time, RSS and peak RSS (VmRSS / VmHWM from /proc) are read when
+its workers are done.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from gradsync_proto.net.launch import free_port, local_launch, start_coordinator
+
+from gradsync_bench.latency_worker import MODES
+from gradsync_bench.suites import stop_process
+
+Row = dict[str, Any]
+
+
+def num(values: dict[str, float], key: str, digits: int = 1) -> str:
+    """`values[key]` with `digits` decimals, "-" when missing."""
+    return f"{values[key]:.{digits}f}" if key in values else "-"
+
+
+#: Issue 27's targets, flat gradsync over gloo DDP steps/s, by W.
+TARGETS = {16: 3.0, 8: 2.0}
+
+
+@dataclass(frozen=True)
+class LatencyPlan:
+    """What the latency suite runs (`BenchPlan.latency`; `--worlds`, `--reps` and
+    `--train-steps` override it)."""
+
+    worlds: tuple[int, ...] = (2, 8, 16)
+    modes: tuple[str, ...] = MODES
+    steps: int = 150
+    warmup: int = 10
+    reps: int = 2
+    #: Bound on one run of W workers (start, join, warmup, timed steps).
+    run_timeout_s: float = 300.0
+    extra_env: dict[str, str] = field(default_factory=dict)
+
+
+def _proc_status(pid: int) -> dict[str, int]:
+    """VmRSS and VmHWM of `pid` in KiB (empty where /proc does not tell)."""
+    values = {}
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            key, _, rest = line.partition(":")
+            if key in ("VmRSS", "VmHWM"):
+                values[key] = int(rest.split()[0])
+    except OSError:
+        pass
+    return values
+
+
+def _cpu_seconds(pid: int) -> float:
+    """User + system CPU seconds of `pid` so far (0.0 where /proc does not tell)."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return 0.0
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def _launch_workers(
+    world_size: int, mode: str, plan: LatencyPlan, out: Path, env: dict[str, str]
+) -> list[subprocess.Popen[str]]:
+    master_port = str(free_port())
+    processes = []
+    for rank in range(world_size):
+        rank_env = dict(
+            env,
+            RANK=str(rank),
+            WORLD_SIZE=str(world_size),
+            LOCAL_RANK=str(rank),
+            LOCAL_WORLD_SIZE=str(world_size),
+            MASTER_ADDR="127.0.0.1",
+            MASTER_PORT=master_port,
+            OMP_NUM_THREADS="1",
+        )
+        argv = [
+            sys.executable,
+            "-m",
+            "gradsync_bench.latency_worker",
+            "--mode",
+            mode,
+            "--steps",
+            str(plan.steps),
+            "--warmup",
+            str(plan.warmup),
+            "--job-id",
+            f"latency-{mode}",
+            "--out",
+            str(out),
+        ]
+        # stderr into a file: sixteen pipes read one after the other could fill and block.
+        with _stderr_path(out, rank).open("w") as stderr:
+            processes.append(subprocess.Popen(argv, env=rank_env, stderr=stderr, text=True))
+    return processes
+
+
+def _stderr_path(out: Path, rank: int) -> Path:
+    return out.with_name(f"{out.name}-{rank}.err")
+
+
+def _wait_workers(
+    processes: Sequence[subprocess.Popen[str]], timeout_s: float, what: str, out: Path
+) -> None:
+    deadline = time.monotonic() + timeout_s
+    try:
+        for rank, process in enumerate(processes):
+            process.wait(timeout=max(1.0, deadline - time.monotonic()))
+            if process.returncode != 0:
+                err = _stderr_path(out, rank).read_text()[-2000:]
+                raise RuntimeError(f"{what}: rank {rank} failed (exit {process.returncode}): {err}")
+    finally:
+        for process in processes:
+            if process.poll() is None:
+                process.kill()
+                process.wait()
+
+
+def run_once(world_size: int, mode: str, plan: LatencyPlan, workdir: Path) -> dict[str, float]:
+    """One run of `mode` at `world_size`: steps/s (slowest rank), coordinator CPU and RSS."""
+    env = dict(os.environ, **plan.extra_env)
+    coordinator = None
+    if mode != "ddp":
+        coordinator, port = start_coordinator(world_size, launch=local_launch)
+        env["GRADSYNC_COORDINATOR"] = f"127.0.0.1:{port}"
+    out = workdir / f"{mode}-w{world_size}"
+    try:
+        cpu_before = _cpu_seconds(coordinator.pid) if coordinator else 0.0
+        processes = _launch_workers(world_size, mode, plan, out, env)
+        _wait_workers(processes, plan.run_timeout_s, f"latency {mode} W={world_size}", out)
+        result: dict[str, float] = {}
+        if coordinator is not None:
+            memory = _proc_status(coordinator.pid)
+            result["coordinator_rss_mib"] = memory.get("VmRSS", 0) / 1024
+            result["coordinator_peak_rss_mib"] = memory.get("VmHWM", 0) / 1024
+            # Startup and joining included: an upper bound on the per-step CPU.
+            cpu = _cpu_seconds(coordinator.pid) - cpu_before
+            result["coordinator_cpu_ms_per_step"] = cpu / (plan.steps + plan.warmup) * 1e3
+    finally:
+        if coordinator is not None:
+            stop_process(coordinator)
+    records = [
+        json.loads(out.with_name(f"{out.name}-{rank}.json").read_text())
+        for rank in range(world_size)
+    ]
+    seconds = max(record["seconds"] for record in records)
+    result["steps_per_s"] = plan.steps / seconds
+    result["step_ms"] = seconds / plan.steps * 1e3
+    cpu = statistics.mean(record["cpu_s"] for record in records)
+    result["worker_cpu_ms_per_step"] = cpu / plan.steps * 1e3
+    return result
+
+
+def latency_suite(plan: LatencyPlan) -> list[Row]:
+    """The suite's rows: one per W, every mode's median and its ratio to gloo DDP."""
+    print("latency: a tiny model, gradsync vs gloo DDP ...", file=sys.stderr, flush=True)
+    rows = []
+    for world_size in plan.worlds:
+        runs: dict[str, list[dict[str, float]]] = {mode: [] for mode in plan.modes}
+        with tempfile.TemporaryDirectory() as scratch:
+            for _ in range(plan.reps):
+                for mode in plan.modes:
+                    runs[mode].append(run_once(world_size, mode, plan, Path(scratch)))
+        row: Row = {
+            "world_size": world_size,
+            "steps": plan.steps,
+            "reps": plan.reps,
+            "load_1min": os.getloadavg()[0],
+        }
+        for mode, results in runs.items():
+            row[mode] = {key: statistics.median(r[key] for r in results) for key in results[0]} | {
+                "steps_per_s_all": [r["steps_per_s"] for r in results]
+            }
+        if "ddp" in runs:
+            for mode in runs:
+                if mode != "ddp":
+                    row[f"{mode}_ratio_to_ddp"] = (
+                        row[mode]["steps_per_s"] / row["ddp"]["steps_per_s"]
+                    )
+        rows.append(row)
+    return rows
+
+
+def markdown_lines(rows: Sequence[Row]) -> list[str]:
+    """The suite's table (steps/s, ratio to gloo DDP, coordinator RSS and CPU per step)."""
+    if not rows:
+        return []
+    lines = [
+        "**Latency: a tiny model** (one Linear(256, 256), SGD, batch 32, all ranks on this "
+        "host; steps/s of the slowest rank, median of the reps; flat = hierarchical=False, "
+        'default = hierarchical="auto"; coordinator CPU includes its start and the joins)',
+        "",
+        "| W | gloo DDP steps/s | flat steps/s | flat / DDP | target | default steps/s "
+        "| default / DDP | coordinator RSS MiB (peak), flat / default "
+        "| coordinator CPU ms/step, flat / default | worker CPU ms/step, flat / default / DDP |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for row in rows:
+        flat, default, ddp = row.get("flat", {}), row.get("default", {}), row.get("ddp", {})
+
+        def ratio(key: str, row: Row = row) -> str:
+            return f"{row[key]:.2f}" if key in row else "-"
+
+        target = TARGETS.get(row["world_size"])
+        lines.append(
+            f"| {row['world_size']} | {num(ddp, 'steps_per_s')} | {num(flat, 'steps_per_s')} "
+            f"| {ratio('flat_ratio_to_ddp')} | {f'>= {target:g}' if target else '-'} "
+            f"| {num(default, 'steps_per_s')} | {ratio('default_ratio_to_ddp')} "
+            f"| {num(flat, 'coordinator_rss_mib', 0)} ({num(flat, 'coordinator_peak_rss_mib', 0)})"
+            f" / {num(default, 'coordinator_rss_mib', 0)}"
+            f" ({num(default, 'coordinator_peak_rss_mib', 0)}) "
+            f"| {num(flat, 'coordinator_cpu_ms_per_step', 2)}"
+            f" / {num(default, 'coordinator_cpu_ms_per_step', 2)} "
+            f"| {num(flat, 'worker_cpu_ms_per_step', 2)}"
+            f" / {num(default, 'worker_cpu_ms_per_step', 2)}"
+            f" / {num(ddp, 'worker_cpu_ms_per_step', 2)} |"
+        )
+    return [*lines, ""]

@@ -1,0 +1,118 @@
+"""One rank of the latency suite: a tiny model whose step is all fixed per-step cost.
+
+The model is one `Linear(256, 256)` (257 KiB of fp32 gradients), trained with SGD on a
+per-rank batch of 32 with one torch thread, so a step's compute is tens of microseconds
+and its time is what the synchronization costs per step, not per byte.
+
+Modes (same model, same seeds, same per-rank batches):
+  flat     gradsync.DistributedDataParallel with hierarchical=False (every rank uploads).
+  default  gradsync.DistributedDataParallel with the default, hierarchical="auto" (the
+           ranks of this host sum in shared memory, one uploads).
+  ddp      torch.nn.parallel.DistributedDataParallel over gloo.
+
+Every rank runs `--warmup` steps, meets the others at a barrier, then times `--steps`
+steps; each rank writes {"mode", "rank", "steps", "seconds", "cpu_s"} (its process's CPU
+time over the timed steps) to `--out`-<rank>.json.
+Launched by `gradsync_bench.latency` with RANK, WORLD_SIZE, LOCAL_RANK,
+LOCAL_WORLD_SIZE (and MASTER_ADDR / MASTER_PORT for gloo) in the environment.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+MODES = ("flat", "default", "ddp")
+WIDTH = 256
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--mode", choices=MODES, required=True)
+    parser.add_argument("--batch", type=int, default=32)
+    parser.add_argument("--steps", type=int, default=100)
+    parser.add_argument("--warmup", type=int, default=5)
+    parser.add_argument("--job-id", default="latency")
+    parser.add_argument("--out", type=Path, required=True)
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    rank = int(os.environ["RANK"])
+
+    torch.manual_seed(0)
+    module = nn.Linear(WIDTH, WIDTH)
+    model: nn.Module
+    barrier: Callable[[], object]
+    if args.mode == "ddp":
+        dist.init_process_group("gloo")
+        model = nn.parallel.DistributedDataParallel(module)
+        barrier = dist.barrier
+    else:
+        import gradsync
+
+        wrapped = gradsync.DistributedDataParallel(
+            module,
+            hierarchical=False if args.mode == "flat" else "auto",
+            timeout_s=300,
+            join_timeout_s=300,
+            job_id=args.job_id,
+        )
+        model, barrier = wrapped, wrapped.barrier
+    optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
+    loss_fn = nn.MSELoss()
+    generator = torch.Generator().manual_seed(rank)
+    x = torch.randn(args.batch, WIDTH, generator=generator)
+    y = torch.randn(args.batch, WIDTH, generator=generator)
+
+    def train_step() -> None:
+        optimizer.zero_grad()
+        loss_fn(model(x), y).backward()
+        optimizer.step()
+
+    for _ in range(args.warmup):
+        train_step()
+    barrier()  # every rank starts its clock together
+    started, cpu_started = time.perf_counter(), time.process_time()
+    for _ in range(args.steps):
+        train_step()
+    seconds = time.perf_counter() - started
+    # All of this process's threads (gradsync's transport thread too): the per-step fixed
+    # cost, which a loaded machine stretches less than it stretches the wall time.
+    cpu_s = time.process_time() - cpu_started
+    close = getattr(model, "close", None)
+    if close is not None:
+        close()
+    if args.mode == "ddp":
+        # A fast rank tearing gloo down while a slow one still talks to it aborts the
+        # slow one (seen under load): leave together.
+        dist.barrier()
+        dist.destroy_process_group()
+    out = args.out.with_name(f"{args.out.name}-{rank}.json")
+    out.write_text(
+        json.dumps(
+            {
+                "mode": args.mode,
+                "rank": rank,
+                "steps": args.steps,
+                "seconds": seconds,
+                "cpu_s": cpu_s,
+            }
+        )
+    )
+
+
+if __name__ == "__main__":
+    main()
+    # As the train worker: skip torch's and gloo's thread teardown at exit, which
+    # sometimes aborts under CPU contention after the results are written.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
