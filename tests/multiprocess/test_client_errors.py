@@ -99,7 +99,8 @@ def test_missing_peer_gives_a_timeout_naming_the_buckets(coordinator_factory, la
     assert all(isinstance(m, gradsync.DistributedDataParallel) for m in models), models
     model = models[0]
     expected = {
-        "flat": r"step 0.*bucket 0 \(0/60 bytes\)",  # the coordinator's answer never came
+        # The coordinator's answer never came: 15 gradients and 2 presence values (float32).
+        "flat": r"step 0.*bucket 0 \(0/68 bytes\)",
         "hierarchical": r"local sums of step 0 \(bucket 0 not posted by ranks \[1\]",
     }[layout]
     with pytest.raises(gradsync.SyncTimeoutError, match=expected):
