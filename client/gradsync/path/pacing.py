@@ -45,14 +45,13 @@ Loop thread only (no lock); timers come from an injected `schedule`
 from __future__ import annotations
 
 import functools
-import ipaddress
 import logging
 import os
 from collections import deque
 from collections.abc import Callable, Mapping, Sequence
 from typing import Protocol
 
-from gradsync_proto import chunking, dtypes
+from gradsync_proto import auth, chunking, dtypes
 from gradsync_proto.net.address import parse_address
 from gradsync_proto.v1 import gradsync_pb2 as pb
 
@@ -96,13 +95,7 @@ Send = Callable[[int, RangeUpload], None]
 def is_loopback(target: str) -> bool:
     """True for a "host:port" on this host's loopback (127.0.0.0/8, ::1, localhost)."""
     try:
-        host = parse_address(target).host
-    except ValueError:
-        return False
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
+        return auth.is_loopback(parse_address(target).host)
     except ValueError:
         return False
 
