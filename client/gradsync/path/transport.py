@@ -158,7 +158,8 @@ class Transport:
         self._shards: ShardStreams | None = None
         #: Hands each bucket's ranges to the streams, clocked by the answers (loop thread).
         self._pacer = UploadPacer(rank, self._send_to, self._inbox, self._loop.call_later, target)
-        self._inbox.on_answer = functools.partial(self._pacer.answered, 0)
+        if self._pacer.window_bytes > 0:  # unpaced: no answer to count on the receive path
+            self._inbox.on_answer = functools.partial(self._pacer.answered, 0)
         self._sequence_lock = threading.Lock()
         self._next_collective = 0
         #: The step heartbeats report (set by the model wrapper).
