@@ -324,7 +324,7 @@ class DistributedDataParallel(nn.Module):
         self._require_forward_param_sync = torch.is_grad_enabled() and self._require_sync
         return output
 
-    @torch.compiler.disable  # type: ignore[untyped-decorator]  # network I/O: never traced
+    @compat.untraced  # network I/O: never traced
     def _pre_forward(self) -> None:
         if self._state is _State.CLOSED:
             raise ClosedError("DistributedDataParallel used after close()", rank=self.rank)
