@@ -31,6 +31,7 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any, TypeVar
 
 import torch
+from torch._compile import _disable_dynamo
 
 _Fn = TypeVar("_Fn", bound=Callable[..., Any])
 
@@ -151,7 +152,7 @@ def untraced(fn: _Fn) -> _Fn:
     True to dynamo, which is imported by then), the call goes through torch's
     lazily disabled wrapper, which dynamo runs eagerly, as a graph break.
     """
-    lazily_disabled = torch._disable_dynamo(fn)
+    lazily_disabled = _disable_dynamo(fn)
 
     @functools.wraps(fn)
     def call(*args: Any, **kwargs: Any) -> Any:

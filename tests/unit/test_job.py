@@ -198,6 +198,27 @@ def test_a_checkpoint_upload_becomes_one_persist() -> None:
     assert (persist.step, persist.blob) == (0, blob)  # type: ignore[union-attr]
 
 
+def test_step_reports_go_out_when_they_say_something_new_or_every_16_steps() -> None:
+    job, clock = make_job(ByteBudget(1 << 30), metrics=CoordinatorMetrics())
+    reported: dict[int, int] = {}  # step -> slowest rank
+    for step in range(40):
+        late = 1 if step < 20 else 2  # the laggard changes at step 20
+        for rank in (0, 1, 2):
+            if rank == late:
+                clock.now += 0.05
+            for offset in range(0, BUCKET_BYTES, CHUNK):
+                actions = job.on_gradient(rank, *chunk(rank, step=step, offset=offset))
+                for message in messages(actions, "step_report"):
+                    reported[message.step_report.step] = message.step_report.slowest_rank
+    # Step 0 names rank 1; nothing new until 16 steps later. From step 20 on, the windowed
+    # means move towards rank 2, which is reported the step it becomes the slowest.
+    assert reported[0] == 1 and reported[16] == 1
+    assert not set(reported) & set(range(1, 16))
+    switch = min(step for step, rank in reported.items() if rank == 2)
+    assert 20 <= switch < 40
+    assert set(reported) - {0, 16} <= {switch, switch + 16} | set(range(20, switch))
+
+
 def test_a_completed_step_tells_the_lowest_rank_who_was_slowest() -> None:
     job, clock = make_job(ByteBudget(1 << 30), metrics=CoordinatorMetrics())
     actions: list[Action] = []

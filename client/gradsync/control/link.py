@@ -162,7 +162,8 @@ class SessionLink(Protocol):
     def step_report(self) -> pb.StepReport | None:
         """The coordinator's latest StepReport (who was slowest), or None.
 
-        Only the lowest participating rank receives them, for its step log.
+        Only the lowest participating rank receives them, for its step log, and only
+        when one says something new or every 16 steps (the coordinator's `ReportSchedule`).
         """
         ...
 

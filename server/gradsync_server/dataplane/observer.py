@@ -22,7 +22,10 @@ from gradsync_proto.v1 import gradsync_pb2 as pb
 
 from gradsync_server.dataplane.actions import Action, Send
 
-__all__ = ["LagTracker", "StepObserver", "step_report"]
+__all__ = ["REPORT_EVERY_STEPS", "LagTracker", "ReportSchedule", "StepObserver"]
+
+#: A StepReport that says nothing new is sent only every this many steps (the lag it carries).
+REPORT_EVERY_STEPS = 16
 
 
 class StepObserver(Protocol):
@@ -133,14 +136,40 @@ class LagTracker:
         )
 
 
-def step_report(
-    step: int, participants: tuple[int, ...], metrics: StepObserver | None
-) -> list[Action]:
-    """A completed step's StepReport for its lowest participant (whose step log names the
-    slowest rank)."""
-    if not participants:
-        return []
-    slowest = metrics.slowest(1) if metrics is not None else []
-    rank, lag_s = slowest[0] if slowest and slowest[0][1] > 0 else (-1, 0.0)
-    report = pb.StepReport(step=step, slowest_rank=rank, slowest_lag_s=lag_s)
-    return [Send((min(participants),), pb.CoordinatorMessage(step_report=report))]
+class ReportSchedule:
+    """Which completed steps' StepReports go out to the lowest participant.
+
+    The report feeds that rank's periodic step log, which names the slowest
+    rank. Sent after every step it was one more gRPC message per step, through
+    the coordinator's most expensive path (a write costs about as much as an
+    average for a small model, issue 27), mostly to say what the last one said.
+    So a report goes out when it says something new (the first step, another
+    slowest rank, another lowest participant), and otherwise every `every`
+    steps, to refresh the lag it carries; the log uses the latest one.
+
+    Args:
+        every: the most steps between two reports that say the same (>= 1).
+    """
+
+    def __init__(self, every: int = REPORT_EVERY_STEPS) -> None:
+        if every < 1:
+            raise ValueError(f"every must be >= 1, got {every}")
+        self.every = every
+        #: (lowest participant, slowest rank) and step of the last report sent.
+        self._last: tuple[int, int] | None = None
+        self._last_step = 0
+
+    def report(
+        self, step: int, participants: tuple[int, ...], metrics: StepObserver | None
+    ) -> list[Action]:
+        """The StepReport of completed `step` for its lowest participant, if one is due."""
+        if not participants:
+            return []
+        slowest = metrics.slowest(1) if metrics is not None else []
+        rank, lag_s = slowest[0] if slowest and slowest[0][1] > 0 else (-1, 0.0)
+        said = (min(participants), rank)
+        if said == self._last and 0 <= step - self._last_step < self.every:
+            return []
+        self._last, self._last_step = said, step
+        report = pb.StepReport(step=step, slowest_rank=rank, slowest_lag_s=lag_s)
+        return [Send((said[0],), pb.CoordinatorMessage(step_report=report))]

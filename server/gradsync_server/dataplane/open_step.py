@@ -61,7 +61,7 @@ from gradsync_server.dataplane.budget import ByteBudget, OwnerBudget, Reservatio
 from gradsync_server.dataplane.host_groups import LocalGroups, check_covers
 from gradsync_server.dataplane.late import Stragglers
 from gradsync_server.dataplane.nonfinite import NonFiniteContribution, NonFiniteGuard
-from gradsync_server.dataplane.observer import StepObserver, step_report
+from gradsync_server.dataplane.observer import ReportSchedule, StepObserver
 from gradsync_server.dataplane.outer import OuterState
 from gradsync_server.dataplane.progress import StepProgress
 from gradsync_server.dataplane.rounds import RoundPolicy
@@ -168,6 +168,8 @@ class OpenStep:
         self._budget = budget
         self._clock = clock
         self._metrics = metrics
+        #: Which completed steps tell the lowest rank who was slowest.
+        self._reports = ReportSchedule()
         #: The step number in flight.
         self.step = 0
         #: Steps whose every bucket was averaged.
@@ -406,7 +408,7 @@ class OpenStep:
             self._metrics.observe_bucket_done(self.progress.bucket_age(bucket), sent)
         if self._buckets_done != self.layout.count:
             return []
-        report = step_report(self.step, self.participants(), self._metrics)
+        report = self._reports.report(self.step, self.participants(), self._metrics)
         if self._metrics is not None and self.progress is not None:
             self._metrics.observe_step_done(self.progress.age(), self.step)
         report = self.outer.close_step(self._membership.job_id, self.step) + report
