@@ -36,7 +36,7 @@ same with float64 at both ends), and nowhere else:
    order (each addition rounds in fp32), the sum is divided by the divisor
    (the number of contributions, or the world size under `join()`) in fp32
    (one rounding), and the average is rounded to the 16-bit type, to nearest,
-   ties to even (`gradsync_server.dataplane.aggregation.from_accumulator`);
+   ties to even (`gradsync_server.dataplane.accumulators.from_accumulator`);
 3. client: the 16-bit average is widened into the fp32 `.grad` (exact).
 
 So the result is the correctly rounded 16-bit value of a (nearly exact) fp32

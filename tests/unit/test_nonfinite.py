@@ -80,7 +80,8 @@ def test_count_nonfinite_and_examine_a_misaligned_payload() -> None:
     raw = b"x" + values.tobytes()
     payload, magnitude = examine(memoryview(raw)[1:], F32)
     assert magnitude is Magnitude.NONFINITE
-    assert isinstance(payload, bytes) and payload == values.tobytes()  # copied: aligned
+    assert bytes(payload) == values.tobytes()  # copied: aligned, and writable for the sum
+    assert isinstance(payload, memoryview) and not payload.readonly
     aligned = memoryview(np.ones(4, "<f4").tobytes())
     assert examine(aligned, F32)[0] is aligned  # no copy needed
 

@@ -37,8 +37,8 @@ from gradsync_proto.blobs import blob_chunks
 from gradsync_proto.codes import Code
 from gradsync_proto.v1 import gradsync_pb2 as pb
 
+from gradsync_server.dataplane.accumulators import from_accumulator, to_accumulator
 from gradsync_server.dataplane.actions import Action, Send
-from gradsync_server.dataplane.aggregation import from_accumulator, to_accumulator
 from gradsync_server.dataplane.budget import OwnerBudget
 from gradsync_server.dataplane.uploads import BlobAssembler
 from gradsync_server.errors import RejectedMessage

@@ -70,6 +70,15 @@ from gradsync_proto import chunking, dtypes
 from gradsync_proto.dtypes import dtype_name
 from gradsync_proto.v1 import gradsync_pb2 as pb
 
+from gradsync_server.dataplane.accumulators import (
+    add_into,
+    average_bytes,
+    decoded,
+    from_accumulator,
+    owned_accumulator,
+    scaled_accumulator,
+)
+
 
 class Magnitude(enum.IntEnum):
     """What a contribution can do to a float sum (see the module docstring)."""
@@ -120,7 +129,11 @@ def classify(payload: bytes | memoryview, dtype: int) -> Magnitude:
         if not len(bits):
             return Magnitude.TAME
         mask = _F16_EXPONENT if dtype == pb.DTYPE_FLOAT16 else _BF16_EXPONENT
-        top = int((bits & np.uint16(mask)).max())
+        # The largest magnitude (bits & 0x7FFF), in two reads and no temporary: among
+        # positive values it is the largest int16, among negative ones the largest
+        # uint16 less the sign bit. Its exponent field is the largest one.
+        largest = max(int(bits.view("<i2").max()), int(bits.max()) - 0x8000)
+        top = largest & mask
         if top == mask:
             return Magnitude.NONFINITE
         if dtype == pb.DTYPE_BFLOAT16 and top > _BF16_TAME_EXPONENT:
@@ -137,10 +150,16 @@ def examine(payload: bytes | memoryview, dtype: int) -> tuple[bytes | memoryview
     and SIMD to slow loops (a misaligned MiB: dot 69 us, add 50 us; aligned:
     13 us and 22 us). One copy (~20 us) makes the check and the later fold
     fast, and frees the message it was cut from, so it costs no memory.
+
+    The copy is a fresh, aligned, writable array (returned as a byte memoryview
+    of it) that nothing else holds: the first contribution of a chunk becomes
+    its accumulator in place (`owned_accumulator`) instead of being copied again.
     """
+    itemsize = dtypes.itemsize(dtype)
     address = np.frombuffer(payload, dtype=np.uint8).__array_interface__["data"][0]
-    if address % dtypes.itemsize(dtype):
-        payload = bytes(payload)
+    if address % itemsize:
+        # Copied as unsigned integers: every bit as sent, NaN payloads included.
+        payload = np.frombuffer(payload, dtype=f"<u{itemsize}").copy().data.cast("B")
     return payload, classify(payload, dtype)
 
 
@@ -151,49 +170,6 @@ def count_nonfinite(payload: bytes | memoryview, dtype: int) -> int:
     if dtype in (pb.DTYPE_FLOAT16, pb.DTYPE_BFLOAT16):
         mask = np.uint16(_F16_EXPONENT if dtype == pb.DTYPE_FLOAT16 else _BF16_EXPONENT)
         return int(np.count_nonzero((np.frombuffer(payload, dtype="<u2") & mask) == mask))
-    raise ValueError(f"unsupported dtype {dtype_name(dtype)}")
-
-
-def to_accumulator(payload: bytes | memoryview, dtype: int) -> npt.NDArray[np.floating]:
-    """Decode raw bytes into a fresh, writable accumulation array (fp32 or fp64)."""
-    if dtype == pb.DTYPE_FLOAT64:
-        return np.frombuffer(payload, dtype="<f8").copy()
-    if dtype == pb.DTYPE_FLOAT32:
-        return np.frombuffer(payload, dtype="<f4").copy()
-    if dtype == pb.DTYPE_FLOAT16:
-        return np.frombuffer(payload, dtype="<f2").astype(np.float32)
-    if dtype == pb.DTYPE_BFLOAT16:
-        # bfloat16 is the upper half of a float32: shift the bits into place.
-        widened = np.frombuffer(payload, dtype="<u2").astype(np.uint32) << 16
-        return widened.view(np.float32)
-    raise ValueError(f"unsupported dtype {dtype_name(dtype)}")
-
-
-def add_into(
-    accumulator: npt.NDArray[np.floating], payload: bytes | memoryview, dtype: int
-) -> None:
-    """accumulator += decode(payload), without an extra copy for fp32/fp64."""
-    if dtype == pb.DTYPE_FLOAT64:
-        accumulator += np.frombuffer(payload, dtype="<f8")
-    elif dtype == pb.DTYPE_FLOAT32:
-        accumulator += np.frombuffer(payload, dtype="<f4")
-    else:
-        accumulator += to_accumulator(payload, dtype)
-
-
-def from_accumulator(values: npt.NDArray[np.floating], dtype: int) -> memoryview:
-    """Raw bytes of the wire dtype for an accumulation array (a view when no cast is needed)."""
-    if dtype == pb.DTYPE_FLOAT64:
-        return values.astype("<f8", copy=False).data.cast("B")
-    if dtype == pb.DTYPE_FLOAT32:
-        return values.astype("<f4", copy=False).data.cast("B")
-    if dtype == pb.DTYPE_FLOAT16:
-        return values.astype("<f2").data.cast("B")
-    if dtype == pb.DTYPE_BFLOAT16:
-        bits = values.astype(np.float32, copy=False).view(np.uint32)
-        # Round to nearest, ties to even, as torch does when narrowing to bf16.
-        rounding = ((bits >> 16) & 1) + np.uint32(0x7FFF)
-        return ((bits + rounding) >> 16).astype("<u2").data.cast("B")
     raise ValueError(f"unsupported dtype {dtype_name(dtype)}")
 
 
@@ -387,11 +363,14 @@ class BucketReduction:
             elif state.shadow is None and magnitude is Magnitude.TAME:
                 # Every real gradient: no overflow possible, the sum as it always was.
                 if state.accumulator is None:
-                    state.accumulator = _first_accumulator(payload, self.payload_dtype)
+                    state.accumulator = owned_accumulator(payload, self.payload_dtype)
                 else:
                     add_into(state.accumulator, payload, self.payload_dtype)
             else:
-                self._fold_with_shadow(state, to_accumulator(payload, self.payload_dtype))
+                # Only the first contribution becomes the accumulator: the others are read.
+                first = state.accumulator is None
+                values = (owned_accumulator if first else decoded)(payload, self.payload_dtype)
+                self._fold_with_shadow(state, values)
             state.next_position += 1
         if state.next_position < len(state.expected):
             self.buffered_bytes += self._state_bytes(state) - before
@@ -401,12 +380,12 @@ class BucketReduction:
         divisor: float | np.floating = self.divisor or state.weight
         if state.sample_total:  # weighted: sum(w_i), rounded to the accumulator's dtype
             divisor = state.accumulator.dtype.type(state.sample_total)
-        if state.shadow is None:
-            state.accumulator /= divisor
+        self.last_contributors = state.weight
+        if state.shadow is None:  # the divide writes the reply (the accumulator is spent)
+            averaged = average_bytes(state.accumulator, divisor, self.average_dtype)
         else:
             _divide_with_shadow(state.accumulator, state.shadow, divisor)
-        self.last_contributors = state.weight
-        averaged = from_accumulator(state.accumulator, self.average_dtype)
+            averaged = from_accumulator(state.accumulator, self.average_dtype)
         self.buffered_bytes -= before
         del self._chunks[offset]
         self._finished.add(offset)
@@ -417,9 +396,8 @@ class BucketReduction:
         self, state: _ChunkState, payload: bytes | memoryview, sample_weight: float
     ) -> None:
         """Fold w * contribution in (its own magnitude decides the shadow), and count w."""
-        values = to_accumulator(payload, self.payload_dtype)
         with np.errstate(over="ignore", invalid="ignore"):  # overflow is classified next
-            values *= values.dtype.type(sample_weight)
+            values = scaled_accumulator(payload, self.payload_dtype, sample_weight)
         state.sample_total += sample_weight
         accumulation = pb.DTYPE_FLOAT64 if values.dtype == np.float64 else pb.DTYPE_FLOAT32
         if state.shadow is None and classify(values.data.cast("B"), accumulation) is Magnitude.TAME:
@@ -432,6 +410,9 @@ class BucketReduction:
 
     def _fold_with_shadow(self, state: _ChunkState, values: npt.NDArray[np.floating]) -> None:
         """Fold a contribution into the accumulator and its float64 shadow (started if need be).
+
+        `values` becomes the accumulator if the chunk has none yet (then it must
+        be an array the reduction owns); otherwise it is only read.
 
         The accumulator is summed exactly as on the fast path (its finite
         elements stay bitwise the same); overflow and NaN are expected here,
@@ -452,19 +433,6 @@ class BucketReduction:
         accumulator = 0 if state.accumulator is None else state.accumulator.nbytes
         shadow = 0 if state.shadow is None else state.shadow.nbytes
         return accumulator + shadow + sum(len(parked[0]) for parked in state.parked.values())
-
-
-def _first_accumulator(payload: bytes | memoryview, dtype: int) -> npt.NDArray[np.floating]:
-    """The accumulator a chunk's first contribution starts: the payload itself when the
-    coordinator owns it writable (read from a same-host segment into a fresh buffer,
-    `gradsync_server.rpc.segments`), saving a copy of every byte; else a copy (a payload off
-    the wire is a read-only view into its message)."""
-    if isinstance(payload, memoryview) and not payload.readonly:
-        if dtype == pb.DTYPE_FLOAT32:
-            return np.frombuffer(payload, dtype="<f4")
-        if dtype == pb.DTYPE_FLOAT64:
-            return np.frombuffer(payload, dtype="<f8")
-    return to_accumulator(payload, dtype)
 
 
 def _divide_with_shadow(

@@ -23,7 +23,7 @@ plain float32 operations (multiply, then add, each correctly rounded; no
 fused multiply-add, which rounds once for both), exactly as here, so both
 ends get the same bits whatever their hardware. The int8 rule is the int8
 wire's (`gradsync_proto.int8_wire`); bfloat16 rounds to nearest even and
-widens exactly (`aggregation.from_accumulator` / `to_accumulator`).
+widens exactly (`accumulators.from_accumulator` / `to_accumulator`).
 
 The seed round (the ranks' identical parameters) is answered in float32, so
 after it the public copy equals the exact parameters. An int8 answer needs the
@@ -48,7 +48,7 @@ from gradsync_proto.codec import ChunkHeader
 from gradsync_proto.codes import Code
 from gradsync_proto.v1 import gradsync_pb2 as pb
 
-from gradsync_server.dataplane.aggregation import from_accumulator, to_accumulator
+from gradsync_server.dataplane.accumulators import from_accumulator, to_accumulator
 from gradsync_server.dataplane.wire_replies import reply_dtype_of
 from gradsync_server.errors import RejectedMessage
 

@@ -15,14 +15,9 @@ from gradsync_proto import chunking, dtypes
 from gradsync_proto.codec import ChunkHeader
 from gradsync_proto.codes import Code
 
+from gradsync_server.dataplane.accumulators import from_accumulator, to_accumulator
 from gradsync_server.dataplane.actions import Action
-from gradsync_server.dataplane.aggregation import (
-    BucketReduction,
-    Magnitude,
-    examine,
-    from_accumulator,
-    to_accumulator,
-)
+from gradsync_server.dataplane.aggregation import BucketReduction, Magnitude, examine
 from gradsync_server.dataplane.late import LATE_RANK_BASE
 from gradsync_server.dataplane.rounds import check_weight
 from gradsync_server.dataplane.wire_replies import answer_sends
