@@ -24,7 +24,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import Callable, Iterator, Sequence
+import os
+from collections.abc import Callable, Iterator, Mapping, Sequence
 
 from gradsync_proto import auth, chunking
 from gradsync_proto.codec import decode_gradient, header_of
@@ -51,18 +52,17 @@ SHARD_DATA_METHOD = "/gradsync.v1.Shard/Data"
 LEAVE_TIMEOUT_S = 2.0
 
 
-#: A ping every 1 s; one unanswered for 3 s ends the stream: a frozen coordinator is
-#: found in at most 4 s, within the default heartbeat timeout (5 s). The 3 s leave room
-#: for the bytes queued ahead of a ping and of its ack in both socket buffers (several
-#: MB each way: about 3 s at 20 Mbit/s, the wan bench's slowest link).
+#: A ping every 1 s; its ack is awaited `keepalive_timeout_s` (a frozen coordinator is
+#: found within that plus 1 s).
 KEEPALIVE_TIME_MS = 1_000
-KEEPALIVE_TIMEOUT_MS = 3_000
+#: Overrides `defaults.KEEPALIVE_TIMEOUT_S` (seconds), read when a channel is made.
+ENV_KEEPALIVE_TIMEOUT_S = "GRADSYNC_KEEPALIVE_TIMEOUT_S"
 
 #: Told (stream index, step, dtype, payload bytes) of every averaged chunk a stream brings.
 Answered = Callable[[int, int, int, int], None]
 
 
-def channel_options() -> list[tuple[str, int]]:
+def channel_options(environ: Mapping[str, str] | None = None) -> list[tuple[str, int]]:
     """gRPC channel options shared by the leader's and the shards' channels.
 
     gRPC's reconnect backoff grows to 120 s by default: a worker started long
@@ -73,24 +73,52 @@ def channel_options() -> list[tuple[str, int]]:
     its kernel still accepts our bytes, so the stream alone would wait for the
     step timeout. gRPC's core answers pings on its own threads, so a
     coordinator busy in Python still answers; one that cannot answer within
-    `KEEPALIVE_TIMEOUT_MS` ends the stream UNAVAILABLE and the session moves
+    the keepalive timeout ends the stream UNAVAILABLE and the session moves
     on (to a standby that took over, README "Fault tolerance"). The
     coordinator allows pings this frequent (`gradsync_server.app.grpc_options`).
+
+    A ping and its ack queue behind every byte in both socket buffers, so on a
+    slow link shared by many ranks a healthy coordinator's ack can take
+    seconds: `gradsync bench`'s 8 ranks on one 200 Mbit/s coordinator link
+    lost a stream to a 3 s timeout. Hence `defaults.KEEPALIVE_TIMEOUT_S`, and
+    `GRADSYNC_KEEPALIVE_TIMEOUT_S` for slower links (README, Known limits).
+
+    Raises:
+        ValueError: `GRADSYNC_KEEPALIVE_TIMEOUT_S` is not a number of seconds >= 1.
     """
+    timeout_ms = round(keepalive_timeout_s(os.environ if environ is None else environ) * 1000)
     return [
         ("grpc.max_receive_message_length", CLIENT_MAX_MESSAGE_BYTES),
         ("grpc.max_send_message_length", CLIENT_MAX_MESSAGE_BYTES),
         ("grpc.keepalive_time_ms", KEEPALIVE_TIME_MS),
-        ("grpc.keepalive_timeout_ms", KEEPALIVE_TIMEOUT_MS),
+        ("grpc.keepalive_timeout_ms", timeout_ms),
         # gRPC >= 1.5x waits for a ping's ack this long (default 1 min), whatever the
         # keepalive timeout says: measured, without it a frozen peer went unnoticed.
-        ("grpc.http2.ping_timeout_ms", KEEPALIVE_TIMEOUT_MS),
+        ("grpc.http2.ping_timeout_ms", timeout_ms),
         ("grpc.keepalive_permit_without_calls", 1),
         ("grpc.initial_reconnect_backoff_ms", 500),
         ("grpc.min_reconnect_backoff_ms", 500),
         ("grpc.max_reconnect_backoff_ms", 2000),
         ("grpc.dns_min_time_between_resolutions_ms", 1000),
     ]
+
+
+def keepalive_timeout_s(environ: Mapping[str, str]) -> float:
+    """How long a worker waits for a ping's ack before it gives the coordinator up.
+
+    Raises:
+        ValueError: `GRADSYNC_KEEPALIVE_TIMEOUT_S` is set but not a number >= 1.
+    """
+    raw = environ.get(ENV_KEEPALIVE_TIMEOUT_S)
+    if raw is None or raw == "":
+        return defaults.KEEPALIVE_TIMEOUT_S
+    try:
+        value = float(raw)
+    except ValueError:
+        value = float("nan")
+    if not value >= 1.0:  # also refuses NaN
+        raise ValueError(f"{ENV_KEEPALIVE_TIMEOUT_S}={raw!r}: expected a number of seconds >= 1")
+    return value
 
 
 def shard_target(address: str, leader_target: str) -> str:
