@@ -34,8 +34,8 @@ JOIN_TIMEOUT_S = 300.0
 RECONNECT_TIMEOUT_S = 60.0
 #: Rank 0 logs step time, exposed sync time and bytes every this many steps (INFO; 0 = never).
 STEP_LOG_EVERY_STEPS = 100
-#: How long a worker waits for the coordinator to ack a keepalive ping (sent after 1 s
-#: without a byte from it) before it ends the stream as frozen. Long enough for the bytes
+#: How long a worker waits for the coordinator to ack a keepalive ping (one every 1 s)
+#: before it ends the stream as frozen. Long enough for the bytes
 #: queued ahead of a ping and its ack on a 200 Mbit/s link shared by 8 ranks; a frozen
 #: coordinator is still found within seconds, not the step timeout.
 KEEPALIVE_TIMEOUT_S = 15.0

@@ -130,6 +130,7 @@ class Transport:
             shard_grace_margin_s=shard_grace_margin_s,
         )
         self._closed = False
+        options = channel_options()  # before the thread: a bad setting leaves nothing behind
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(
             target=self._loop.run_forever, name=f"gradsync-transport-r{rank}", daemon=True
@@ -145,7 +146,7 @@ class Transport:
             self._on_message,
             self._on_end,
             security=self._security,
-            options=channel_options(),
+            options=options,
             encode=self._messages,
             name=f"sync-r{rank}",
         )
