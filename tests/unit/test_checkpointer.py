@@ -219,7 +219,9 @@ def test_following_the_refusal_resumes_from_the_older_step_deliberately(tmp_path
     save(marked_checkpointer(tmp_path, token=TOKEN), 1, 2, 3)
     job_dir = tmp_path / "store" / "job"
     newest = job_dir / f"step-{3:020d}.ckpt"
-    newest.write_bytes(newest.read_bytes()[:-1] + b"!")  # one damaged byte
+    blob = bytearray(newest.read_bytes())
+    blob[-1] ^= 0x01  # one damaged bit: always a change (the last byte is a random checksum's)
+    newest.write_bytes(bytes(blob))
     checkpointer = marked_checkpointer(tmp_path, token=TOKEN)
     _, problem = load(checkpointer)
     assert problem is not None and "point its latest at step 2" in problem[1]
