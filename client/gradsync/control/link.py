@@ -60,6 +60,12 @@ BucketEventHandler = Callable[[str, int, int], None]
 class GradientPath(Protocol):
     """Where a rank's gradient buckets go and its averages come from."""
 
+    #: Whether a bucket's averages may land in its `buffer` before `wait_step` returns
+    #: (as each bucket completes). Only then must a rank that may upload the step again
+    #: (`Reducer.resend`) keep a copy of what it uploaded: a path that writes every
+    #: average inside `wait_step` leaves the uploads intact until the step is over.
+    averages_land_early: bool
+
     def submit_bucket(
         self,
         step: int,

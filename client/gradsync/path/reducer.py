@@ -238,8 +238,9 @@ class Reducer:
         #: Keep what each bucket uploaded until its step ends, so that a restarted
         #: coordinator can be sent the step in flight again (`resend`) instead of the
         #: step being computed again. Costs one copy of the gradient bytes per step
-        #: when the averages are written over the upload; the step path turns it on
-        #: when the session reconnects.
+        #: where the path writes averages over the upload before the step ends
+        #: (`GradientPath.averages_land_early`: over TCP, not through a local group);
+        #: the step path turns it on when the session reconnects.
         self.keep_for_resend = False
         self._copies: list[list[npt.NDArray[np.uint8]]] = [[] for _ in self.buckets]
         self.reset()
@@ -452,8 +453,10 @@ class Reducer:
         self._launched[bucket_index] = launched
         buffer = BucketBuffer(segments, scales, self.chunk_weight)
         self._instruments.bucket_ready(step, bucket_index, buffer.wire_bytes)
-        # Copied before the upload starts: an average may land over it right after.
-        kept = self._keep(bucket_index, buffer) if self.keep_for_resend and result is None else None
+        # Copied before the upload starts where an average may land over it right after
+        # (not through a local group: its members copy the averages out at the step's end).
+        lands_over = result is None and self._path().averages_land_early
+        kept = self._keep(bucket_index, buffer) if self.keep_for_resend and lands_over else None
         upload = _Upload(buffer, dtype, result, result_dtype, kept)
         if self.keep_for_resend:
             launched.upload = upload
