@@ -240,7 +240,8 @@ def markdown(document: dict[str, Any]) -> str:
             "**Sync micro-benchmark, loopback** (one sync of N MB; median of A B A B reps)",
             "W | S | N MB | gradsync ms | gloo ms | gradsync MB/s | gloo MB/s | ratio | "
             "gradsync CPU-s/GB | gloo CPU-s/GB | coordinator cores (busiest process) | "
-            "hierarchical ms | hierarchical MB/s | ratio | hierarchical CPU-s/GB",
+            "hierarchical ms | hierarchical MB/s | ratio | hierarchical CPU-s/GB | "
+            "forward + backward alone ms",
             [
                 [
                     f"{r['world_size']}",
@@ -255,6 +256,7 @@ def markdown(document: dict[str, Any]) -> str:
                     f"{r['gloo']['cpu_s_per_gb']:.2f}",
                     _server_cores(r["gradsync"]),
                     *_hierarchical_cells(r),
+                    _local_ms(r),
                 ]
                 for r in loopback
             ],
@@ -390,3 +392,9 @@ def write(document: dict[str, Any], out_dir: Path) -> None:
     if wan_ran:
         # Alone, the wan suite's figure is latest.png; beside the others, latest-wan.png.
         wan_report.plot(rows["wan"], out_dir / ("latest-wan.png" if others else "latest.png"))
+
+
+def _local_ms(row: dict[str, Any]) -> str:
+    """A loopback row's forward + backward alone ("-" in results from before it was timed)."""
+    stats = row.get(wire_report.LOCAL)
+    return "-" if stats is None else f"{stats['median_ms']:.1f}"

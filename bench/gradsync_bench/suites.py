@@ -28,6 +28,8 @@ from typing import Any
 
 from gradsync_proto.net.launch import Launcher, free_port, local_launch, start_coordinator
 
+from gradsync_bench.wire_report import LOCAL
+
 MIB = 1 << 20
 Row = dict[str, Any]
 #: The train suite's runs: no communication, gradsync, gradsync without overlap, torch DDP.
@@ -218,7 +220,10 @@ def loopback_suite(
     """
     rows = []
     for shard_count in shards:
-        methods = ("gradsync", HIERARCHICAL) if hierarchy and shard_count == 1 else ("gradsync",)
+        methods: tuple[str, ...] = ("gradsync",)
+        if hierarchy and shard_count == 1:
+            methods += (HIERARCHICAL,)
+        methods += (LOCAL,)  # the compute inside every gradsync time (not inside gloo's)
         serve_flags = ("--shards", str(shard_count)) if shard_count > 1 else ()
         for world_size in worlds:
             for megabytes in sizes_mb:

@@ -12,7 +12,10 @@ numbers mean the same as before hierarchy existed. The 16-bit wire methods
 "bf16" and "fp16" are flat jobs with `wire_dtype` (the coordinator sums in
 fp32, the average comes back in 16 bits); "ddp-bf16" is torch DDP over the same
 gloo group with its `bf16_compress_hook` (a bf16 ring all-reduce of every
-bucket), the reference a 16-bit gradsync wire is measured against. `--link-stats IFACE` records
+bucket), the reference a 16-bit gradsync wire is measured against. "local" times the same
+forward and backward on parameters of its own with no synchronization at all: the compute
+every gradsync time includes and the gloo time (an `all_reduce` alone) does not, about 10-16
+ms for 25 MB on one core of the development machine. `--link-stats IFACE` records
 the interface's tx/rx byte counters around every timed operation (between the
 barriers), i.e. this host's traffic for it.
 
@@ -37,7 +40,7 @@ import gradsync
 import torch
 import torch.distributed as dist
 
-from gradsync_bench.wire_report import DDP_BF16
+from gradsync_bench.wire_report import DDP_BF16, LOCAL
 
 MIB = 1 << 20
 #: The gradsync methods a worker can time: their `hierarchical=` and `wire_dtype=`.
@@ -134,7 +137,8 @@ def main() -> None:
     parser.add_argument(
         "--methods",
         default="gradsync",
-        help="methods to time besides gloo: gradsync (flat), hierarchical, bf16, fp16, ddp-bf16",
+        help="methods to time besides gloo: gradsync (flat), hierarchical, bf16, fp16, "
+        "ddp-bf16, local",
     )
     parser.add_argument("--link-stats", default=None, help="interface to count bytes on")
     args = parser.parse_args()
@@ -148,8 +152,8 @@ def main() -> None:
     models: list[torch.nn.Module] = []
     for method in methods:
         params[method] = [torch.nn.Parameter(torch.zeros(n)) for n in pieces]
-        if method == DDP_BF16:
-            continue  # wrapped once gloo's group exists
+        if method in (DDP_BF16, LOCAL):
+            continue  # DDP_BF16: wrapped once gloo's group exists; LOCAL: never wrapped
         hierarchical, wire_dtype = GRADSYNC_METHODS[method]
         models.append(
             gradsync.DistributedDataParallel(
@@ -182,7 +186,7 @@ def main() -> None:
 
     def timed(name: str, operation: object) -> None:
         dist.barrier()
-        sample = servers if name != "gloo" else []
+        sample = servers if name not in ("gloo", LOCAL) else []
         servers_before = server_cpu_s(sample)
         link_before = link_bytes(args.link_stats)
         cpu_before, wall_before = time.process_time(), time.perf_counter()

@@ -15,6 +15,8 @@ from typing import Any
 WIRES = ("bf16", "fp16")
 #: torch DDP with the bf16 compression hook over gloo (no coordinator).
 DDP_BF16 = "ddp-bf16"
+#: The sync worker's method that times the forward and backward alone (no sync at all).
+LOCAL = "local"
 
 
 def markdown_lines(rows: list[dict[str, Any]]) -> list[str]:
