@@ -35,6 +35,9 @@ class FakeLink:
     from a local one.
     """
 
+    #: As over TCP: a resend needs the copy of the upload (averages may land over it).
+    averages_land_early = True
+
     def __init__(self, target: str, rank: int, welcome: pb.Welcome | None = None) -> None:
         self.target = target
         self.rank = rank

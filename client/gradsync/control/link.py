@@ -58,15 +58,13 @@ BucketEventHandler = Callable[[str, int, int], None]
 
 
 class GradientPath(Protocol):
-    """Where a rank's gradient buckets go and its averages come from.
+    """Where a rank's gradient buckets go and its averages come from."""
 
-    A path writes the averages into a rank's buffers only inside `wait_step`, once
-    every bucket of the step is averaged. Until then each buffer still holds what
-    was uploaded, which is what `Reducer.resend` uploads again after a coordinator
-    restart, without keeping a copy. (The one exception is a local leader's
-    `segment_offset` upload: the coordinator writes into the shared result
-    region, which the local group sums again on a resend.)
-    """
+    #: Whether a bucket's averages may land in its `buffer` before `wait_step` returns
+    #: (as each bucket completes). Only then must a rank that may upload the step again
+    #: (`Reducer.resend`) keep a copy of what it uploaded: a path that writes every
+    #: average inside `wait_step` leaves the uploads intact until the step is over.
+    averages_land_early: bool
 
     def submit_bucket(
         self,
@@ -81,7 +79,7 @@ class GradientPath(Protocol):
         nonfinite_ranks: tuple[int, ...] = (),
         segment_offset: int | None = None,
     ) -> None:
-        """Queue a bucket for upload; `wait_step` writes its averages back into `buffer`.
+        """Queue a bucket for upload; its averages are written back into `buffer`.
 
         Args:
             buffer: the bytes to upload, `dtype` elements.
@@ -102,7 +100,7 @@ class GradientPath(Protocol):
         """
 
     def wait_step(self, step: int, timeout_s: float) -> int:
-        """Block (bounded) until every bucket of `step` is averaged; write the averages in.
+        """Block (bounded) until every averaged bucket of `step` is in place.
 
         Returns:
             The number of ranks averaged over.

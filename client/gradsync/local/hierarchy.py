@@ -122,6 +122,10 @@ class LocalGroupPath:
         on_bucket_event: the observer of bucket events (metrics, trace), or None.
     """
 
+    #: Every member copies the averages out inside `wait_step`, once the whole step is
+    #: averaged: until then its buffers hold its upload, so a resend needs no copy of it.
+    averages_land_early = False
+
     def __init__(
         self,
         upstream: GradientPath,

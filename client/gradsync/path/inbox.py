@@ -307,7 +307,7 @@ class Inbox:
             self._steps.expect(step, bucket_index, buffer, dtype, segment_offset)
 
     def wait_step(self, step: int, timeout_s: float) -> int:
-        """Block until every bucket of `step` is averaged; write the averages into the buffers.
+        """Block until every averaged bucket of `step` was written back into its buffer.
 
         Returns:
             The number of ranks averaged over.
@@ -330,10 +330,7 @@ class Inbox:
                 missing = self._steps.describe_missing(step)
             raise SyncTimeoutError(f"{exc.args[0]}; {missing}", rank=self.rank, step=step) from None
         with self._cond:
-            contributors, writes = self._steps.take(step)
-        for write in writes:  # (outside the lock: the I/O thread goes on meanwhile)
-            write.apply()
-        return contributors
+            return self._steps.take(step)
 
     def round_report(self) -> RoundReport:
         """What the answers of the step `wait_step` returned last said (DiLoCo's rounds)."""

@@ -37,6 +37,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
+import numpy.typing as npt
 import torch
 from torch import nn
 
@@ -132,15 +134,17 @@ def plan_layout(
 class _Upload:
     """What `submit_bucket` was given for a bucket, kept to give it again after a restart.
 
-    No copy of the bytes: every gradient path writes the averages only inside
-    `wait_step`, once the whole step is averaged (`GradientPath`), so until then
-    `buffer` still holds exactly what was uploaded.
+    `kept`: a copy of the uploaded bytes, taken before the upload when the
+    averages are written over them (they are the only copy of this rank's
+    contribution once an average has landed); None when the averages land
+    elsewhere (`result`), so the uploaded bytes stay as they were.
     """
 
     buffer: BucketBuffer
     dtype: int
     result: BucketBuffer | None
     result_dtype: int
+    kept: list[npt.NDArray[np.uint8]] | None
 
 
 class _Launched:
@@ -233,9 +237,12 @@ class Reducer:
         )
         #: Keep what each bucket uploaded until its step ends, so that a restarted
         #: coordinator can be sent the step in flight again (`resend`) instead of the
-        #: step being computed again. A reference, not a copy (see `_Upload`); the
-        #: step path turns it on when the session reconnects.
+        #: step being computed again. Costs one copy of the gradient bytes per step
+        #: where the path writes averages over the upload before the step ends
+        #: (`GradientPath.averages_land_early`: over TCP, not through a local group);
+        #: the step path turns it on when the session reconnects.
         self.keep_for_resend = False
+        self._copies: list[list[npt.NDArray[np.uint8]]] = [[] for _ in self.buckets]
         self.reset()
 
     def reset(self) -> None:
@@ -325,8 +332,8 @@ class Reducer:
 
         The coordinator that held this step's sums is gone and a new one continued
         at this very step; every rank still has its gradients, so nothing needs to
-        be computed again. No average has landed over an upload yet: a path
-        writes them only when `wait_step` returns.
+        be computed again. Averages that had landed over an upload are undone
+        from the copy taken at launch (`keep_for_resend`).
 
         Raises:
             RuntimeError: the uploads were not kept (`keep_for_resend` was off).
@@ -337,6 +344,9 @@ class Reducer:
             upload = launched.upload
             if upload is None:
                 raise RuntimeError(f"bucket {bucket_index} of step {step} was not kept to resend")
+            if upload.kept is not None:
+                for segment, kept in zip(upload.buffer.segments, upload.kept, strict=True):
+                    np.copyto(segment, kept)
             self._submit(step, bucket_index, upload)
         if not self._presence_rides:
             self._submit_presence(step)
@@ -361,6 +371,15 @@ class Reducer:
                 result=upload.result,
                 result_dtype=upload.result_dtype,
             )
+
+    def _keep(self, bucket_index: int, buffer: BucketBuffer) -> list[npt.NDArray[np.uint8]]:
+        """Copy a bucket's upload into this bucket's copies (reused from step to step)."""
+        copies = self._copies[bucket_index]
+        if [len(c) for c in copies] != [len(s) for s in buffer.segments]:
+            copies = self._copies[bucket_index] = [np.empty_like(s) for s in buffer.segments]
+        for copy, segment in zip(copies, buffer.segments, strict=True):
+            np.copyto(copy, segment)
+        return copies
 
     def _launch(self, bucket_index: int, step: int) -> None:
         """Stage a bucket (through the comm hook, if any) and hand it to the gradient path."""
@@ -434,7 +453,11 @@ class Reducer:
         self._launched[bucket_index] = launched
         buffer = BucketBuffer(segments, scales, self.chunk_weight)
         self._instruments.bucket_ready(step, bucket_index, buffer.wire_bytes)
-        upload = _Upload(buffer, dtype, result, result_dtype)
+        # Copied before the upload starts where an average may land over it right after
+        # (not through a local group: its members copy the averages out at the step's end).
+        lands_over = result is None and self._path().averages_land_early
+        kept = self._keep(bucket_index, buffer) if self.keep_for_resend and lands_over else None
+        upload = _Upload(buffer, dtype, result, result_dtype, kept)
         if self.keep_for_resend:
             launched.upload = upload
         self._submit(step, bucket_index, upload)

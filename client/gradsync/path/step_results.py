@@ -1,16 +1,13 @@
-"""Averaged gradients of each step as they arrive, for the uploaded buckets (pure logic).
+"""Averaged gradients of each step as they arrive, written into the uploaded buckets (pure logic).
 
 The coordinator answers every uploaded bucket with averaged chunks, possibly
-while later buckets of the same step are still uploading. `StepResults` checks
-each chunk against its bucket, holds it (a view of the received message, no
-copy), counts complete buckets per step, keeps a `StepAborted` against its
-step, and says what is still missing when a wait runs out. The chunks are
-written into the `BucketBuffer` that was submitted (the gradients' own memory;
-for a 16-bit upload answered in float32, the bucket's float32 buffer, submitted
-beside it) only when the step is taken: until then every buffer holds what it
-uploaded, so a step can be uploaded again after a coordinator restart without a
-copy of it (`Reducer.resend`). It holds no lock: `gradsync.path.inbox` calls it
-under its condition variable, which is also what waiters sleep on.
+while later buckets of the same step are still uploading. `StepResults`
+scatters each chunk straight into the `BucketBuffer` that was submitted (the
+gradients' own memory; for a 16-bit upload answered in float32, the bucket's
+float32 buffer, submitted beside it), counts complete buckets per step, keeps a
+`StepAborted` against its step, and says what is still missing when a wait
+runs out. It holds no lock: `gradsync.path.inbox` calls it under its condition
+variable, which is also what waiters sleep on.
 
 The coordinator's byte counts are not trusted: every bucket's chunk grid is
 known in advance (each shard's range chunked on its own grid, see
@@ -52,18 +49,6 @@ _ABORTED_STEPS_REMEMBERED = 64
 
 
 @dataclass(frozen=True)
-class AverageWrite:
-    """One averaged chunk waiting to be written into its bucket when its step is taken."""
-
-    buffer: BucketBuffer
-    offset: int
-    payload: memoryview
-
-    def apply(self) -> None:
-        self.buffer.write(self.offset, self.payload)
-
-
-@dataclass(frozen=True)
 class RoundReport:
     """What the answers of one step said beyond the averages (DiLoCo's rounds)."""
 
@@ -91,8 +76,6 @@ class _StepResult:
     #: Per bucket: the dtype its answer was asked in.
     answer_dtypes: dict[int, int] = field(default_factory=dict)
     received: dict[int, int] = field(default_factory=dict)
-    #: The averaged chunks to write in when the step is taken, in arrival order.
-    writes: list[AverageWrite] = field(default_factory=list)
     contributors: int = 0
     merged_late: int = 0
     staleness: int = 0
@@ -176,13 +159,8 @@ class StepResults:
             return False
         return result.aborted is not None or result.complete_buckets == len(self.bucket_bytes)
 
-    def take(self, step: int) -> tuple[int, list[AverageWrite]]:
-        """Forget `step` (and older steps).
-
-        Returns:
-            How many ranks were averaged over, and the averaged chunks for the
-            caller to write in (`AverageWrite.apply`; outside the caller's lock:
-            nothing else touches them once the step is taken).
+    def take(self, step: int) -> int:
+        """Forget `step` (and older steps); return how many ranks were averaged over.
 
         Raises:
             StepAbortedError (or a subclass): the coordinator abandoned the step.
@@ -195,7 +173,7 @@ class StepResults:
         self.last_report = RoundReport(
             result.contributors, result.merged_late, result.staleness, result.next_step
         )
-        return result.contributors, result.writes
+        return result.contributors
 
     def on_aborted(self, aborted: pb.StepAborted) -> None:
         """Record that the coordinator abandoned a step."""
@@ -207,9 +185,7 @@ class StepResults:
         return step in self._aborted
 
     def on_gradient(self, chunk: ChunkHeader, payload: memoryview) -> str | None:
-        """Take in one averaged chunk (written into its bucket when the step is taken).
-
-        `payload` must stay unchanged until then (a view of a received message).
+        """Write one averaged chunk into its bucket.
 
         Returns:
             None, or what is wrong with the chunk (the stream is then not to be trusted).
@@ -244,7 +220,7 @@ class StepResults:
                 f"without this rank and to continue at step {chunk.next_step}, not after it"
             )
         if not chunk.in_segment:
-            result.writes.append(AverageWrite(buffer, chunk.offset, payload))
+            buffer.write(chunk.offset, payload)
         if result.answer_dtypes[bucket] == pb.DTYPE_INT8:
             buffer.scales[chunk.offset] = chunk.scale
         arrived = result.arrived[bucket]

@@ -112,6 +112,8 @@ class Transport:
         security: TLS and token for every stream (default: plaintext, no token).
     """
 
+    averages_land_early = True  # (each bucket's, as its last chunk comes in)
+
     def __init__(
         self,
         target: str,
