@@ -241,7 +241,7 @@ def markdown(document: dict[str, Any]) -> str:
             "W | S | N MB | gradsync ms | gloo ms | gradsync MB/s | gloo MB/s | ratio | "
             "gradsync CPU-s/GB | gloo CPU-s/GB | coordinator cores (busiest process) | "
             "hierarchical ms | hierarchical MB/s | ratio | hierarchical CPU-s/GB | "
-            "forward + backward alone ms",
+            "forward + backward alone ms | torch DDP ms | hierarchical speed / DDP",
             [
                 [
                     f"{r['world_size']}",
@@ -256,7 +256,7 @@ def markdown(document: dict[str, Any]) -> str:
                     f"{r['gloo']['cpu_s_per_gb']:.2f}",
                     _server_cores(r["gradsync"]),
                     *_hierarchical_cells(r),
-                    _local_ms(r),
+                    *_like_for_like_cells(r),
                 ]
                 for r in loopback
             ],
@@ -394,7 +394,13 @@ def write(document: dict[str, Any], out_dir: Path) -> None:
         wan_report.plot(rows["wan"], out_dir / ("latest-wan.png" if others else "latest.png"))
 
 
-def _local_ms(row: dict[str, Any]) -> str:
-    """A loopback row's forward + backward alone ("-" in results from before it was timed)."""
-    stats = row.get(wire_report.LOCAL)
-    return "-" if stats is None else f"{stats['median_ms']:.1f}"
+def _like_for_like_cells(row: dict[str, Any]) -> list[str]:
+    """A loopback row's forward + backward alone, torch DDP's time for the same forward,
+    backward and sync, and the hierarchical sync's speed against it ("-" where absent)."""
+    local, ddp = row.get(wire_report.LOCAL), row.get(wire_report.DDP_FP32)
+    ratio = row.get("hierarchical_to_ddp")
+    return [
+        "-" if local is None else f"{local['median_ms']:.1f}",
+        "-" if ddp is None else f"{ddp['median_ms']:.1f}",
+        "-" if ratio is None else f"{ratio:.2f}",
+    ]

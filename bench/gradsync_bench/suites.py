@@ -28,7 +28,7 @@ from typing import Any
 
 from gradsync_proto.net.launch import Launcher, free_port, local_launch, start_coordinator
 
-from gradsync_bench.wire_report import LOCAL
+from gradsync_bench.wire_report import DDP_FP32, LOCAL
 
 MIB = 1 << 20
 Row = dict[str, Any]
@@ -223,7 +223,9 @@ def loopback_suite(
         methods: tuple[str, ...] = ("gradsync",)
         if hierarchy and shard_count == 1:
             methods += (HIERARCHICAL,)
-        methods += (LOCAL,)  # the compute inside every gradsync time (not inside gloo's)
+        # The compute inside every gradsync time (not inside gloo's all_reduce), and torch
+        # DDP doing that same compute and its own sync: the like-for-like reference.
+        methods += (LOCAL, DDP_FP32)
         serve_flags = ("--shards", str(shard_count)) if shard_count > 1 else ()
         for world_size in worlds:
             for megabytes in sizes_mb:
@@ -248,6 +250,9 @@ def loopback_suite(
                 if HIERARCHICAL in result:
                     row["hierarchical_bandwidth_ratio"] = (
                         result[HIERARCHICAL]["algbw_mb_s"] / result["gloo"]["algbw_mb_s"]
+                    )
+                    row["hierarchical_to_ddp"] = (
+                        result[DDP_FP32]["median_ms"] / result[HIERARCHICAL]["median_ms"]
                     )
                 rows.append(row)
     return rows

@@ -15,7 +15,9 @@ gloo group with its `bf16_compress_hook` (a bf16 ring all-reduce of every
 bucket), the reference a 16-bit gradsync wire is measured against. "local" times the same
 forward and backward on parameters of its own with no synchronization at all: the compute
 every gradsync time includes and the gloo time (an `all_reduce` alone) does not, about 10-16
-ms for 25 MB on one core of the development machine. `--link-stats IFACE` records
+ms for 25 MB on one core of the development machine; "ddp" is torch DDP (fp32) over the
+same gloo group on that same forward and backward, the like-for-like reference for a
+gradsync time. `--link-stats IFACE` records
 the interface's tx/rx byte counters around every timed operation (between the
 barriers), i.e. this host's traffic for it.
 
@@ -40,7 +42,7 @@ import gradsync
 import torch
 import torch.distributed as dist
 
-from gradsync_bench.wire_report import DDP_BF16, LOCAL
+from gradsync_bench.wire_report import DDP_BF16, DDP_FP32, LOCAL
 
 MIB = 1 << 20
 #: The gradsync methods a worker can time: their `hierarchical=` and `wire_dtype=`.
@@ -138,7 +140,7 @@ def main() -> None:
         "--methods",
         default="gradsync",
         help="methods to time besides gloo: gradsync (flat), hierarchical, bf16, fp16, "
-        "ddp-bf16, local",
+        "ddp-bf16, ddp (fp32), local",
     )
     parser.add_argument("--link-stats", default=None, help="interface to count bytes on")
     args = parser.parse_args()
@@ -152,8 +154,8 @@ def main() -> None:
     models: list[torch.nn.Module] = []
     for method in methods:
         params[method] = [torch.nn.Parameter(torch.zeros(n)) for n in pieces]
-        if method in (DDP_BF16, LOCAL):
-            continue  # DDP_BF16: wrapped once gloo's group exists; LOCAL: never wrapped
+        if method in (DDP_BF16, DDP_FP32, LOCAL):
+            continue  # torch DDP: wrapped once gloo's group exists; LOCAL: never wrapped
         hierarchical, wire_dtype = GRADSYNC_METHODS[method]
         models.append(
             gradsync.DistributedDataParallel(
@@ -174,10 +176,14 @@ def main() -> None:
         rank=args.rank,
         world_size=args.world_size,
     )
-    if DDP_BF16 in methods:
-        reference = torch.nn.parallel.DistributedDataParallel(SumOfParameters(params[DDP_BF16]))
-        reference.register_comm_hook(None, _bf16_hook_over_gloo())
-        models.append(reference)
+    references: dict[str, torch.nn.parallel.DistributedDataParallel] = {}
+    for name in (DDP_BF16, DDP_FP32):
+        if name in methods:
+            reference = torch.nn.parallel.DistributedDataParallel(SumOfParameters(params[name]))
+            if name == DDP_BF16:
+                reference.register_comm_hook(None, _bf16_hook_over_gloo())
+            references[name] = reference
+            models.append(reference)
     tensor = torch.ones(elements)
     ones = torch.ones(1)
     servers = [args.coordinator_pid] if args.coordinator_pid else []
@@ -186,7 +192,7 @@ def main() -> None:
 
     def timed(name: str, operation: object) -> None:
         dist.barrier()
-        sample = servers if name not in ("gloo", LOCAL) else []
+        sample = servers if name in GRADSYNC_METHODS else []
         servers_before = server_cpu_s(sample)
         link_before = link_bytes(args.link_stats)
         cpu_before, wall_before = time.process_time(), time.perf_counter()
@@ -210,8 +216,8 @@ def main() -> None:
         )
 
     def gradsync_sync(method: str) -> None:
-        if method == DDP_BF16:
-            reference(ones).backward()
+        if method in references:
+            references[method](ones).backward()
             return
         loss = sum((p * ones).sum() for p in params[method])
         loss.backward()  # type: ignore[union-attr]

@@ -17,6 +17,8 @@ WIRES = ("bf16", "fp16")
 DDP_BF16 = "ddp-bf16"
 #: The sync worker's method that times the forward and backward alone (no sync at all).
 LOCAL = "local"
+#: torch DDP over the same gloo group, fp32, on the same forward and backward as gradsync's.
+DDP_FP32 = "ddp"
 
 
 def markdown_lines(rows: list[dict[str, Any]]) -> list[str]:

@@ -106,6 +106,7 @@ def test_tiny_bench_writes_complete_results(tmp_path: Path) -> None:
         assert_sync_stats(row)
         assert finite_positive(row["bandwidth_ratio"])
         assert finite_positive(row["local"]["median_ms"])  # the compute inside gradsync's time
+        assert finite_positive(row["ddp"]["median_ms"])  # torch DDP on the same compute
     (train,) = document["suites"]["train"]
     assert set(train["samples_per_s"]) == {"local", "gradsync", "sequential", "ddp"}
     assert all(finite_positive(v) for v in train["samples_per_s"].values())
