@@ -455,8 +455,8 @@ class Reducer:
         self._instruments.bucket_ready(step, bucket_index, buffer.wire_bytes)
         # Copied before the upload starts where an average may land over it right after
         # (not through a local group: its members copy the averages out at the step's end).
-        lands_over = result is None and self._path().averages_land_early
-        kept = self._keep(bucket_index, buffer) if self.keep_for_resend and lands_over else None
+        keep = self.keep_for_resend and result is None and self._path().averages_land_early
+        kept = self._keep(bucket_index, buffer) if keep else None
         upload = _Upload(buffer, dtype, result, result_dtype, kept)
         if self.keep_for_resend:
             launched.upload = upload
