@@ -8,8 +8,9 @@ hops) by a wide margin, unless per-step fixed costs eat the lead. Per world size
 rounds and the median steps/s of each is kept, with each worker's CPU time per step
 (all its threads; the mean over ranks), which a loaded machine stretches less than
 the wall time. Each gradsync run gets a fresh
-coordinator, whose CPU time, RSS and peak RSS (VmRSS / VmHWM from /proc) are read when
-its workers are done.
+coordinator, whose CPU time over the timed steps is read by rank 0 (from /proc, at its
+clock's start and end: the coordinator's start and the joins are not in it), and whose
+RSS and peak RSS (VmRSS / VmHWM from /proc) are read when its workers are done.
 """
 
 from __future__ import annotations
@@ -71,17 +72,13 @@ def _proc_status(pid: int) -> dict[str, int]:
     return values
 
 
-def _cpu_seconds(pid: int) -> float:
-    """User + system CPU seconds of `pid` so far (0.0 where /proc does not tell)."""
-    try:
-        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    except OSError:
-        return 0.0
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
 def _launch_workers(
-    world_size: int, mode: str, plan: LatencyPlan, out: Path, env: dict[str, str]
+    world_size: int,
+    mode: str,
+    plan: LatencyPlan,
+    out: Path,
+    env: dict[str, str],
+    coordinator_pid: int = 0,
 ) -> list[subprocess.Popen[str]]:
     master_port = str(free_port())
     processes = []
@@ -110,6 +107,8 @@ def _launch_workers(
             f"latency-{mode}",
             "--out",
             str(out),
+            "--coordinator-pid",
+            str(coordinator_pid),
         ]
         # stderr into a file: sixteen pipes read one after the other could fill and block.
         with _stderr_path(out, rank).open("w") as stderr:
@@ -147,17 +146,14 @@ def run_once(world_size: int, mode: str, plan: LatencyPlan, workdir: Path) -> di
         env["GRADSYNC_COORDINATOR"] = f"127.0.0.1:{port}"
     out = workdir / f"{mode}-w{world_size}"
     try:
-        cpu_before = _cpu_seconds(coordinator.pid) if coordinator else 0.0
-        processes = _launch_workers(world_size, mode, plan, out, env)
+        pid = coordinator.pid if coordinator is not None else 0
+        processes = _launch_workers(world_size, mode, plan, out, env, pid)
         _wait_workers(processes, plan.run_timeout_s, f"latency {mode} W={world_size}", out)
         result: dict[str, float] = {}
         if coordinator is not None:
             memory = _proc_status(coordinator.pid)
             result["coordinator_rss_mib"] = memory.get("VmRSS", 0) / 1024
             result["coordinator_peak_rss_mib"] = memory.get("VmHWM", 0) / 1024
-            # Startup and joining included: an upper bound on the per-step CPU.
-            cpu = _cpu_seconds(coordinator.pid) - cpu_before
-            result["coordinator_cpu_ms_per_step"] = cpu / (plan.steps + plan.warmup) * 1e3
     finally:
         if coordinator is not None:
             stop_process(coordinator)
@@ -170,6 +166,8 @@ def run_once(world_size: int, mode: str, plan: LatencyPlan, workdir: Path) -> di
     result["step_ms"] = seconds / plan.steps * 1e3
     cpu = statistics.mean(record["cpu_s"] for record in records)
     result["worker_cpu_ms_per_step"] = cpu / plan.steps * 1e3
+    if "coordinator_cpu_s" in records[0]:
+        result["coordinator_cpu_ms_per_step"] = records[0]["coordinator_cpu_s"] / plan.steps * 1e3
     return result
 
 
@@ -210,7 +208,7 @@ def markdown_lines(rows: Sequence[Row]) -> list[str]:
     lines = [
         "**Latency: a tiny model** (one Linear(256, 256), SGD, batch 32, all ranks on this "
         "host; steps/s of the slowest rank, median of the reps; flat = hierarchical=False, "
-        'default = hierarchical="auto"; coordinator CPU includes its start and the joins)',
+        'default = hierarchical="auto"; coordinator CPU over the timed steps of rank 0)',
         "",
         "| W | gloo DDP steps/s | flat steps/s | flat / DDP | target | default steps/s "
         "| default / DDP | coordinator RSS MiB (peak), flat / default "

@@ -12,7 +12,9 @@ Modes (same model, same seeds, same per-rank batches):
 
 Every rank runs `--warmup` steps, meets the others at a barrier, then times `--steps`
 steps; each rank writes {"mode", "rank", "steps", "seconds", "cpu_s"} (its process's CPU
-time over the timed steps) to `--out`-<rank>.json.
+time over the timed steps) to `--out`-<rank>.json. With `--coordinator-pid`, rank 0 also
+writes "coordinator_cpu_s": the coordinator's CPU over its own timed steps, read from
+/proc, so that the coordinator's start and the joins stay out of the per-step figure.
 Launched by `gradsync_bench.latency` with RANK, WORLD_SIZE, LOCAL_RANK,
 LOCAL_WORLD_SIZE (and MASTER_ADDR / MASTER_PORT for gloo) in the environment.
 """
@@ -43,6 +45,7 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--job-id", default="latency")
     parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--coordinator-pid", type=int, default=0)
     args = parser.parse_args()
     torch.set_num_threads(1)
     rank = int(os.environ["RANK"])
@@ -80,10 +83,15 @@ def main() -> None:
     for _ in range(args.warmup):
         train_step()
     barrier()  # every rank starts its clock together
+    watch_coordinator = rank == 0 and args.coordinator_pid > 0
+    coordinator_started = process_cpu_seconds(args.coordinator_pid) if watch_coordinator else 0.0
     started, cpu_started = time.perf_counter(), time.process_time()
     for _ in range(args.steps):
         train_step()
     seconds = time.perf_counter() - started
+    coordinator_cpu_s = None
+    if watch_coordinator:
+        coordinator_cpu_s = process_cpu_seconds(args.coordinator_pid) - coordinator_started
     # All of this process's threads (gradsync's transport thread too): the per-step fixed
     # cost, which a loaded machine stretches less than it stretches the wall time.
     cpu_s = time.process_time() - cpu_started
@@ -95,18 +103,25 @@ def main() -> None:
         # slow one (seen under load): leave together.
         dist.barrier()
         dist.destroy_process_group()
-    out = args.out.with_name(f"{args.out.name}-{rank}.json")
-    out.write_text(
-        json.dumps(
-            {
-                "mode": args.mode,
-                "rank": rank,
-                "steps": args.steps,
-                "seconds": seconds,
-                "cpu_s": cpu_s,
-            }
-        )
-    )
+    record: dict[str, object] = {
+        "mode": args.mode,
+        "rank": rank,
+        "steps": args.steps,
+        "seconds": seconds,
+        "cpu_s": cpu_s,
+    }
+    if coordinator_cpu_s is not None:
+        record["coordinator_cpu_s"] = coordinator_cpu_s
+    args.out.with_name(f"{args.out.name}-{rank}.json").write_text(json.dumps(record))
+
+
+def process_cpu_seconds(pid: int) -> float:
+    """User + system CPU seconds of `pid` so far (0.0 where /proc does not tell)."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return 0.0
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 if __name__ == "__main__":

@@ -120,6 +120,8 @@ def test_tiny_bench_writes_complete_results(tmp_path: Path) -> None:
     for mode in ("flat", "default"):
         assert finite_positive(latency[f"{mode}_ratio_to_ddp"])
         assert latency[mode]["coordinator_peak_rss_mib"] >= latency[mode]["coordinator_rss_mib"] > 0
+        # Read by rank 0 over its timed steps (whole /proc ticks: two steps may read 0).
+        assert 0 <= latency[mode]["coordinator_cpu_ms_per_step"] < 1e3, mode
     capable, reason = available()
     if capable:
         (row,) = document["suites"]["netns"]
