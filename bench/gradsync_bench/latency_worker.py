@@ -33,6 +33,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from gradsync_bench.sync_worker import process_cpu_s
+
 MODES = ("flat", "default", "ddp")
 WIDTH = 256
 
@@ -84,14 +86,14 @@ def main() -> None:
         train_step()
     barrier()  # every rank starts its clock together
     watch_coordinator = rank == 0 and args.coordinator_pid > 0
-    coordinator_started = process_cpu_seconds(args.coordinator_pid) if watch_coordinator else 0.0
+    coordinator_started = process_cpu_s(args.coordinator_pid) if watch_coordinator else 0.0
     started, cpu_started = time.perf_counter(), time.process_time()
     for _ in range(args.steps):
         train_step()
     seconds = time.perf_counter() - started
     coordinator_cpu_s = None
     if watch_coordinator:
-        coordinator_cpu_s = process_cpu_seconds(args.coordinator_pid) - coordinator_started
+        coordinator_cpu_s = process_cpu_s(args.coordinator_pid) - coordinator_started
     # All of this process's threads (gradsync's transport thread too): the per-step fixed
     # cost, which a loaded machine stretches less than it stretches the wall time.
     cpu_s = time.process_time() - cpu_started
@@ -113,15 +115,6 @@ def main() -> None:
     if coordinator_cpu_s is not None:
         record["coordinator_cpu_s"] = coordinator_cpu_s
     args.out.with_name(f"{args.out.name}-{rank}.json").write_text(json.dumps(record))
-
-
-def process_cpu_seconds(pid: int) -> float:
-    """User + system CPU seconds of `pid` so far (0.0 where /proc does not tell)."""
-    try:
-        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    except OSError:
-        return 0.0
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 if __name__ == "__main__":
