@@ -77,6 +77,14 @@ _FLOAT = struct.Struct("<f")
 #: GradientChunk.weight: a double (fixed64, little-endian IEEE binary64), a weighted round's.
 _WEIGHT_FIELD = 15
 _DOUBLE = struct.Struct("<d")
+#: GradientChunk.alignment: zero bytes before the payload that align it (see
+#: `encode_gradient`); read as any unknown length-delimited field: skipped.
+_ALIGNMENT_TAG = bytes([(19 << 3 | _WIRE_LENGTH) & 0x7F | 0x80, (19 << 3 | _WIRE_LENGTH) >> 7])
+#: Where payloads start in an encoded message: a multiple of this many bytes.
+PAYLOAD_ALIGNMENT = 16
+#: The alignment fields' sizes tried (none, then a tag, a one-byte length and
+#: 0..15 zero bytes): 16 consecutive sizes hit every offset modulo 16.
+_ALIGNMENT_SIZES = (0, *range(3, 3 + PAYLOAD_ALIGNMENT))
 
 
 @dataclass(slots=True)
@@ -158,8 +166,28 @@ def encode_gradient(
     ).SerializeToString()
     length = sum(memoryview(part).nbytes for part in parts)
     inner = fields + _PAYLOAD_TAG + _varint(length)
+    if length:
+        inner = _aligned(fields, _PAYLOAD_TAG + _varint(length), length)
     outer = _GRADIENT_TAG + _varint(len(inner) + length)
     return b"".join((outer, inner, *parts))
+
+
+def _aligned(fields: bytes, payload_head: bytes, length: int) -> bytes:
+    """`fields` + an `alignment` field + `payload_head`, so that the payload that
+    follows starts at a multiple of `PAYLOAD_ALIGNMENT` bytes into the message.
+
+    A received message is a bytes object whose data is 16-byte aligned, so an
+    aligned offset is an aligned address: the coordinator checks and sums a
+    payload in place (a misaligned one is copied first, ~20 us per MiB), and a
+    worker copies an average out with aligned loads.
+    """
+    for size in _ALIGNMENT_SIZES:
+        padding = b"" if size == 0 else _ALIGNMENT_TAG + bytes([size - 3]) + bytes(size - 3)
+        inner = fields + padding + payload_head
+        outer_bytes = len(_GRADIENT_TAG) + len(_varint(len(inner) + length))
+        if (outer_bytes + len(inner)) % PAYLOAD_ALIGNMENT == 0:
+            return inner
+    return fields + payload_head  # unreachable: 16 consecutive sizes cover every residue
 
 
 def _read_varint(view: memoryview, position: int, end: int) -> tuple[int, int]:

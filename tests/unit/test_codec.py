@@ -8,7 +8,13 @@ import struct
 
 import pytest
 from google.protobuf.message import DecodeError
-from gradsync_proto.codec import ChunkHeader, decode_gradient, encode_gradient, header_of
+from gradsync_proto.codec import (
+    PAYLOAD_ALIGNMENT,
+    ChunkHeader,
+    decode_gradient,
+    encode_gradient,
+    header_of,
+)
 from gradsync_proto.v1 import gradsync_pb2 as pb
 
 
@@ -170,3 +176,31 @@ def test_a_scale_in_another_wire_type_or_cut_short_is_left_to_protobuf() -> None
         decode_gradient(b"\x12" + bytes([len(cut)]) + cut)
     with pytest.raises(DecodeError):
         pb.WorkerMessage.FromString(b"\x12" + bytes([len(cut)]) + cut)
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_payloads_start_at_an_aligned_offset_of_the_message(seed: int) -> None:
+    """Whatever the header's size, the payload starts at a multiple of 16 bytes, so a
+    received message's payload is summed in place (no alignment copy on the coordinator)."""
+    rng = random.Random(seed)
+    header = random_header(rng)
+    payload = rng.randbytes(rng.choice([1, 127, 128, 4096, 70000, 262144]))
+    encoded = encode_gradient(header, [payload[:3], memoryview(payload)[3:]])
+    decoded = decode_gradient(encoded)
+    assert decoded is not None
+    view = decoded[1]
+    assert bytes(view) == payload and decoded[0] == header
+    offset = len(encoded) - len(view)  # the payload is the message's last bytes
+    assert offset % PAYLOAD_ALIGNMENT == 0, offset
+    parsed = pb.WorkerMessage.FromString(encoded).gradient
+    assert parsed.payload == payload and set(parsed.alignment) <= {0}
+
+
+def test_an_empty_payload_gets_no_alignment_field() -> None:
+    """A header-only chunk (the same-host segment path) stays as short as protobuf's."""
+    header = ChunkHeader(step=5, bucket_index=2, dtype=1, in_segment=True, segment_offset=64)
+    encoded = encode_gradient(header, b"")
+    parsed = pb.WorkerMessage.FromString(encoded)
+    assert parsed.gradient.alignment == b""
+    assert bytes([19 << 3 | 2 | 0x80, 1]) not in encoded  # the alignment field's tag
+    assert decode_gradient(encoded) == (header, memoryview(b""))

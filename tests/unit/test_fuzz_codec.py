@@ -30,6 +30,7 @@ from gradsync_proto.codec import ChunkHeader, decode_gradient, encode_gradient, 
 from gradsync_proto.codes import Code
 from gradsync_proto.v1 import gradsync_pb2 as pb
 from gradsync_server.dataplane.chunk_checks import check_chunk, check_range_chunk
+from gradsync_server.dataplane.step_checks import offset_problem
 from hypothesis import HealthCheck, given, settings, strategies as st
 
 FUZZ = settings(
@@ -287,3 +288,41 @@ def test_check_range_chunk_accepts_exactly_the_range_grid(
         assert problem is None
     else:
         assert_refusal(problem, rank)
+
+
+@FUZZ
+@given(
+    st.integers(0, 5000),
+    st.integers(0, 5000),
+    chunk_sizes,
+    st.integers(0, 2**64),
+    st.integers(0, 2**33),
+    st.sampled_from([1, 2]),
+)
+def test_offset_problems_fast_acceptance_agrees_with_the_full_checks(
+    a: int, b: int, chunk_bytes: int, offset: int, length: int, shard_count: int
+) -> None:
+    """`offset_problem` accepts without building a message; it must accept exactly
+    what `check_chunk` (one shard) or `check_range_chunk` (several) accepts."""
+    lo, hi = min(a, b), max(a, b)
+    total = max(hi, 1)
+    chunk = ChunkHeader(step=4, bucket_index=1, offset=offset, dtype=pb.DTYPE_FLOAT32)
+    problem = offset_problem(
+        3,
+        chunk,
+        length,
+        pb.DTYPE_FLOAT32,
+        wire_bytes=total,
+        byte_range=(lo, hi),
+        chunk_bytes=chunk_bytes,
+        shard=(shard_count, "shard 1"),
+        elements=total // 4,
+    )
+    if shard_count == 1:
+        full = check_chunk("b", offset, length, total, "c", chunk_bytes, 3)
+    else:
+        full = check_range_chunk("b", offset, length, (lo, hi), "c", chunk_bytes, 3, "shard 1")
+        full = full if lo < hi else (Code.INVALID_ARGUMENT, "holds no byte of it")
+    assert (problem is None) == (full is None)
+    if problem is not None:
+        assert_refusal(problem, 3)

@@ -175,7 +175,7 @@ class Position(_message.Message):
     def __init__(self, step: _Optional[int] = ..., digest: _Optional[bytes] = ...) -> None: ...
 
 class GradientChunk(_message.Message):
-    __slots__ = ("step", "membership_epoch", "bucket_index", "offset", "dtype", "encoding", "payload", "contributors", "covered_ranks", "reply_dtype", "in_segment", "segment_offset", "nonfinite_ranks", "scale", "weight", "merged_late", "staleness", "next_step")
+    __slots__ = ("step", "membership_epoch", "bucket_index", "offset", "dtype", "encoding", "payload", "contributors", "covered_ranks", "reply_dtype", "in_segment", "segment_offset", "nonfinite_ranks", "scale", "weight", "merged_late", "staleness", "next_step", "alignment")
     STEP_FIELD_NUMBER: _ClassVar[int]
     MEMBERSHIP_EPOCH_FIELD_NUMBER: _ClassVar[int]
     BUCKET_INDEX_FIELD_NUMBER: _ClassVar[int]
@@ -194,6 +194,7 @@ class GradientChunk(_message.Message):
     MERGED_LATE_FIELD_NUMBER: _ClassVar[int]
     STALENESS_FIELD_NUMBER: _ClassVar[int]
     NEXT_STEP_FIELD_NUMBER: _ClassVar[int]
+    ALIGNMENT_FIELD_NUMBER: _ClassVar[int]
     step: int
     membership_epoch: int
     bucket_index: int
@@ -212,7 +213,8 @@ class GradientChunk(_message.Message):
     merged_late: int
     staleness: int
     next_step: int
-    def __init__(self, step: _Optional[int] = ..., membership_epoch: _Optional[int] = ..., bucket_index: _Optional[int] = ..., offset: _Optional[int] = ..., dtype: _Optional[_Union[DType, str]] = ..., encoding: _Optional[_Union[Encoding, str]] = ..., payload: _Optional[bytes] = ..., contributors: _Optional[int] = ..., covered_ranks: _Optional[_Iterable[int]] = ..., reply_dtype: _Optional[_Union[DType, str]] = ..., in_segment: _Optional[bool] = ..., segment_offset: _Optional[int] = ..., nonfinite_ranks: _Optional[_Iterable[int]] = ..., scale: _Optional[float] = ..., weight: _Optional[float] = ..., merged_late: _Optional[int] = ..., staleness: _Optional[int] = ..., next_step: _Optional[int] = ...) -> None: ...
+    alignment: bytes
+    def __init__(self, step: _Optional[int] = ..., membership_epoch: _Optional[int] = ..., bucket_index: _Optional[int] = ..., offset: _Optional[int] = ..., dtype: _Optional[_Union[DType, str]] = ..., encoding: _Optional[_Union[Encoding, str]] = ..., payload: _Optional[bytes] = ..., contributors: _Optional[int] = ..., covered_ranks: _Optional[_Iterable[int]] = ..., reply_dtype: _Optional[_Union[DType, str]] = ..., in_segment: _Optional[bool] = ..., segment_offset: _Optional[int] = ..., nonfinite_ranks: _Optional[_Iterable[int]] = ..., scale: _Optional[float] = ..., weight: _Optional[float] = ..., merged_late: _Optional[int] = ..., staleness: _Optional[int] = ..., next_step: _Optional[int] = ..., alignment: _Optional[bytes] = ...) -> None: ...
 
 class StateChunk(_message.Message):
     __slots__ = ("offset", "payload")

@@ -223,6 +223,11 @@ def offset_problem(
         elements: the bucket's element count (named when the range is empty).
     """
     shard_count, shard_name = shard
+    lo, hi = (0, wire_bytes) if shard_count == 1 else byte_range
+    offset = chunk.offset
+    on_grid = lo <= offset < hi and (offset - lo) % chunk_bytes == 0
+    if on_grid and length == min(chunk_bytes, hi - offset):
+        return None  # every chunk but a bad one: no message is built (a per-chunk cost)
     what = f"bucket {chunk.bucket_index} of step {chunk.step}"
     container = f"bucket {chunk.bucket_index} as {dtypes.dtype_name(wire_dtype)}"
     if shard_count == 1:
