@@ -231,3 +231,31 @@ def test_local_posted_is_refused_from_a_flat_rank_and_for_a_missing_bucket() -> 
             assert "rank 1" in message and "bucket 7" in message, message
 
     run(scenario)
+
+
+def test_a_followers_late_notice_of_a_finished_step_aborts_nothing_after_a_peer_left() -> None:
+    """A follower posts into shared memory first and tells the coordinator after, so its
+    LocalPosted can arrive once its step is averaged and a peer has left (the job
+    finishing). That notice is about a completed step: answering it with an abort failed a
+    rank whose step had succeeded (seen in test_staggered_start). Only a notice for a step
+    that can no longer complete is answered with the abort."""
+
+    async def scenario() -> None:
+        async with coordinator(world_size=3) as (_, channel):
+            workers, _ = await hier_job(channel)
+            await upload(workers[2], 0, bucket_values(2, 0))
+            await upload(workers[0], 0, bucket_values(0, 0) + bucket_values(1, 0), covered=(0, 1))
+            for leader in (workers[0], workers[2]):
+                result, _ = await receive(leader)
+                assert result == expected_average(0).tobytes()
+            await workers[2].send(pb.WorkerMessage(leave=pb.Leave(reason="done")))
+            await workers[2].expect_status(grpc.StatusCode.OK)
+            late = pb.LocalPosted(step=0, bucket_index=0)
+            await workers[1].send(pb.WorkerMessage(local_posted=late))
+            next_step = pb.LocalPosted(step=1, bucket_index=0)
+            await workers[1].send(pb.WorkerMessage(local_posted=next_step))
+            aborted = (await workers[1].expect_kind("step_aborted")).step_aborted
+            assert aborted.step == 1, aborted  # not step 0, which completed
+            assert "rank 2 left job" in aborted.message and "after step 0" in aborted.message
+
+    run(scenario)

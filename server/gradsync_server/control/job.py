@@ -395,7 +395,8 @@ class Job(JobEnding):
         """A local group's member has `posted.bucket_index` ready: its delivery, for
         lateness (`StepProgress.record_posted`). Advisory: another step is ignored. In a
         job a peer left between steps it is answered as a gradient would be (the step's
-        abort naming the peer): a leader waiting for that peer's share uploads nothing.
+        abort naming the peer): a leader waiting for that peer's share uploads nothing;
+        a notice for a step that completed (it can trail the step's average) is ignored.
 
         Raises:
             RejectedMessage: from a flat rank, or naming a bucket the model lacks.
@@ -409,7 +410,10 @@ class Job(JobEnding):
                 f"posted in a local group, but it is in none or the model has {buckets} buckets",
             )
         if self.state in (JobState.BROKEN, JobState.FINISHING):
-            if self.in_flight.was_aborted(posted.step):
+            # A step below the open one completed: the member posted into shared memory
+            # before it told us, so its notice can trail its own average (and a peer's
+            # orderly Leave). Aborting that step would fail a rank whose step succeeded.
+            if posted.step < self.in_flight.step or self.in_flight.was_aborted(posted.step):
                 return []
             self.in_flight.remember_aborted(posted.step)
             self._step_aborted(posted.step)
