@@ -83,8 +83,9 @@ _ALIGNMENT_TAG = bytes([(19 << 3 | _WIRE_LENGTH) & 0x7F | 0x80, (19 << 3 | _WIRE
 #: Where payloads start in an encoded message: a multiple of this many bytes.
 PAYLOAD_ALIGNMENT = 16
 #: The alignment fields' sizes tried (none, then a tag, a one-byte length and
-#: 0..15 zero bytes): 16 consecutive sizes hit every offset modulo 16.
-_ALIGNMENT_SIZES = (0, *range(3, 3 + PAYLOAD_ALIGNMENT))
+#: 0..31 zero bytes). The outer length's varint may grow by a byte somewhere in
+#: that run, skipping one offset; 32 sizes still hit every offset modulo 16.
+_ALIGNMENT_SIZES = (0, *range(3, 3 + 2 * PAYLOAD_ALIGNMENT))
 
 
 @dataclass(slots=True)
@@ -165,9 +166,8 @@ def encode_gradient(
         next_step=header.next_step,
     ).SerializeToString()
     length = sum(memoryview(part).nbytes for part in parts)
-    inner = fields + _PAYLOAD_TAG + _varint(length)
-    if length:
-        inner = _aligned(fields, _PAYLOAD_TAG + _varint(length), length)
+    head = _PAYLOAD_TAG + _varint(length)
+    inner = _aligned(fields, head, length) if length else fields + head
     outer = _GRADIENT_TAG + _varint(len(inner) + length)
     return b"".join((outer, inner, *parts))
 
@@ -187,7 +187,7 @@ def _aligned(fields: bytes, payload_head: bytes, length: int) -> bytes:
         outer_bytes = len(_GRADIENT_TAG) + len(_varint(len(inner) + length))
         if (outer_bytes + len(inner)) % PAYLOAD_ALIGNMENT == 0:
             return inner
-    return fields + payload_head  # unreachable: 16 consecutive sizes cover every residue
+    return fields + payload_head  # unreachable (see _ALIGNMENT_SIZES)
 
 
 def _read_varint(view: memoryview, position: int, end: int) -> tuple[int, int]:

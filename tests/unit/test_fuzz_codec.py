@@ -270,15 +270,18 @@ def test_every_grid_chunk_is_accepted(
     assert check_chunk("x", offset, length, total, "y", chunk_bytes, rank) is None
 
 
-@FUZZ
-@given(
+#: Two range ends (any order), a chunk size, an offset and a length: a shard's chunk.
+range_chunks = (
     st.integers(0, 5000),
     st.integers(0, 5000),
     chunk_sizes,
     st.integers(0, 2**64),
     st.integers(0, 2**33),
-    st.integers(0, 2**31),
 )
+
+
+@FUZZ
+@given(*range_chunks, st.integers(0, 2**31))
 def test_check_range_chunk_accepts_exactly_the_range_grid(
     a: int, b: int, chunk_bytes: int, offset: int, length: int, rank: int
 ) -> None:
@@ -291,14 +294,7 @@ def test_check_range_chunk_accepts_exactly_the_range_grid(
 
 
 @FUZZ
-@given(
-    st.integers(0, 5000),
-    st.integers(0, 5000),
-    chunk_sizes,
-    st.integers(0, 2**64),
-    st.integers(0, 2**33),
-    st.sampled_from([1, 2]),
-)
+@given(*range_chunks, st.sampled_from([1, 2]))
 def test_offset_problems_fast_acceptance_agrees_with_the_full_checks(
     a: int, b: int, chunk_bytes: int, offset: int, length: int, shard_count: int
 ) -> None:
