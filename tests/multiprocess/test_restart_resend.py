@@ -3,13 +3,23 @@
 Rank 1 stalls before the backward of step 5 while rank 0 has uploaded all of
 it and waits for the averages; the coordinator is SIGKILLed right then and a
 new one started at the same address. Both ranks still hold their gradients of
-step 5 (rank 0 kept a copy of what it uploaded, because averages may already
-have landed over it), so they upload step 5 again instead of running it again.
+step 5, so they upload step 5 again instead of running it again.
+
+Over TCP a bucket's average lands over the bytes it uploaded as soon as the
+bucket completes, so a rank whose bucket 0 was averaged before the loss must
+upload its own gradient again, restored from the messages it sent
+(`BucketBuffer.record_sent`): the second test stalls rank 1 in the middle of
+its backward (bucket 0 uploaded and averaged everywhere, the rest not) when the
+coordinator dies, so the resend restores bucket 0 over a real transport. (Had
+every rank re-sent bucket 0's average instead, the average of equal averages is
+that average again: the unit tests in `test_resend_copy` catch a restore that
+does nothing; this one catches one that restores anything but what was sent.)
 """
 
 from __future__ import annotations
 
 import re
+import time
 import urllib.request
 from pathlib import Path
 
@@ -72,3 +82,34 @@ def test_the_step_in_flight_is_uploaded_again_not_computed_again(
     _, log = second.stop()
     continued = re.search(r"continued at step (\d+) from the ranks' own state", log)
     assert continued is not None and int(continued.group(1)) == STALL_STEP, log[-3000:]
+
+
+@pytest.mark.timeout(180)
+def test_averages_that_landed_before_the_loss_are_not_what_is_uploaded_again(
+    tmp_path: Path, coordinator_factory, layout: str
+) -> None:
+    flags = (*HEARTBEAT, "--port", str(free_port()))
+    first = coordinator_factory(2, *flags)
+    stall = {1: ["--stall-mid-backward", f"{STALL_STEP}:6"]}
+    processes = start_workers(first.address, 2, tmp_path, STEPS, stall)
+
+    def rank_1_late_at_the_stall() -> bool:
+        job = job_status(first.address)
+        return bool(
+            job
+            and job.open_step == STALL_STEP  # type: ignore[attr-defined]
+            and [late.rank for late in job.late] == [1]  # type: ignore[attr-defined]
+        )
+
+    wait_for(rank_1_late_at_the_stall, 90, f"rank 1 to stall in the backward of {STALL_STEP}")
+    time.sleep(1.0)  # bucket 0, uploaded by both, is averaged and lands on both
+    first.process.kill()
+    first.process.wait()
+    coordinator_factory(2, *flags)
+    reports = finish(processes, tmp_path, timeout_s=120)
+    for report in reports:
+        assert report is not None and report["status"] == "ok", report
+        assert report["restarts"] == [], report  # the step went on, nothing restored
+        assert report["resent"] == [STALL_STEP], report
+        # An average uploaded in place of a gradient would average it again: off.
+        assert_matches_reference(report, 2, STEPS)

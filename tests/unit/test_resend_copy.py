@@ -2,28 +2,34 @@
 
 `Reducer.resend` gives a new coordinator the step in flight. Over TCP an average
 lands in a bucket the moment that bucket completes, over the very bytes it
-uploaded, so the reducer keeps a copy of each upload and restores it. Through a
-local group the averages are copied out only once the whole step is averaged,
-so the uploads are still intact and no copy is taken (one pass over every
-gradient byte less per step).
+uploaded, so the bucket records what the transport sent (a view of each
+payload inside its encoded message, `BucketBuffer.record_sent`) and the resend
+writes it back. Through a local group the averages are copied out only once
+the whole step is averaged, so the uploads are still intact and nothing is
+recorded. Neither costs a pass over the gradients on the training thread.
 """
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 from gradsync.instruments import Instruments
+from gradsync.path.bucket_uploads import BucketUpload, range_messages, split_upload
 from gradsync.path.bucketing import assign_buckets
 from gradsync.path.buffers import BucketBuffer
 from gradsync.path.reducer import Reducer
 
 #: What a landed "average" looks like in this test: bytes no gradient here has.
 LANDED = 0xAB
+#: Small chunks, so that a bucket goes out as several messages, cut across parameters.
+CHUNK_BYTES = 48
 
 
 class LandingPath:
-    """A gradient path that records each upload; with `averages_land_early`, the
-    average lands over the upload at once (as a bucket completing over TCP)."""
+    """A gradient path that encodes each upload as the transport does (recording what
+    it sends when asked); with `averages_land_early`, the average of every chunk
+    sent lands over the upload at once (as a bucket completing over TCP)."""
 
     def __init__(self, averages_land_early: bool) -> None:
         self.averages_land_early = averages_land_early
@@ -33,6 +39,10 @@ class LandingPath:
         self, step: int, bucket_index: int, buffer: BucketBuffer, dtype: int, **_: object
     ) -> None:
         self.uploads.append((bucket_index, b"".join(s.tobytes() for s in buffer.segments)))
+        (part,) = split_upload(BucketUpload(step, bucket_index, buffer, dtype), 1)
+        assert part is not None
+        messages = list(range_messages(part, CHUNK_BYTES, 0, lambda *_: None))
+        assert len(messages) == -(-buffer.size // CHUNK_BYTES)
         if self.averages_land_early:
             for segment in buffer.segments:
                 segment[:] = LANDED
@@ -44,7 +54,7 @@ def one_step_then_resend(averages_land_early: bool) -> tuple[Reducer, LandingPat
     named = list(model.named_parameters())
     sizes = [p.numel() * p.element_size() for _, p in named]
     buckets = assign_buckets(sizes, [p.dtype for _, p in named], 200, 100)
-    assert len(buckets) > 1  # several buckets: each one kept (or not) on its own
+    assert len(buckets) > 1  # several buckets: each one recorded (or not) on its own
     path = LandingPath(averages_land_early)
     instruments = Instruments(0, None, None, [b.num_bytes for b in buckets] + [4 * len(named)])
     reducer = Reducer(named, buckets, 0, 2, instruments, lambda: path)
@@ -70,8 +80,35 @@ def test_the_resent_step_uploads_the_same_bytes_as_the_first_time(
         assert again[bucket_index] == sent, f"bucket {bucket_index} went out again changed"
 
 
-def test_only_a_path_whose_averages_land_early_costs_a_copy() -> None:
-    kept, _ = one_step_then_resend(averages_land_early=True)
+def test_only_a_path_whose_averages_land_early_records_what_it_sent() -> None:
+    recorded, _ = one_step_then_resend(averages_land_early=True)
     intact, _ = one_step_then_resend(averages_land_early=False)
-    assert all(copies for copies in kept._copies)
-    assert not any(copies for copies in intact._copies)
+    launched = [b for b in recorded._launched if b is not None and b.upload is not None]
+    assert launched and all(b.upload.buffer.sent for b in launched)  # type: ignore[union-attr]
+    others = [b for b in intact._launched if b is not None and b.upload is not None]
+    assert others and all(b.upload.buffer.sent is None for b in others)  # type: ignore[union-attr]
+
+
+def test_recorded_payloads_are_views_of_the_messages_not_copies() -> None:
+    data = np.arange(100, dtype=np.uint8)
+    buffer = BucketBuffer(np.split(data.copy(), [30, 31, 70]), record_sent=True)
+    (part,) = split_upload(BucketUpload(0, 0, buffer, 1), 1)
+    assert part is not None
+    messages = list(range_messages(part, 32, 0, lambda *_: None))
+    assert buffer.sent is not None and len(buffer.sent) == len(messages) == 4
+    for (offset, payload), message in zip(buffer.sent, messages, strict=True):
+        assert payload.obj is message  # held, not copied
+        assert bytes(payload) == data[offset : offset + 32].tobytes()
+    for segment in buffer.segments:
+        segment[:] = LANDED
+    buffer.restore_sent()
+    assert b"".join(s.tobytes() for s in buffer.segments) == data.tobytes()
+    assert buffer.sent == []  # the next upload is recorded afresh
+
+
+def test_a_buffer_that_records_nothing_cannot_be_restored() -> None:
+    buffer = BucketBuffer([np.zeros(8, dtype=np.uint8)])
+    buffer.record(0, 8, bytes(16))
+    assert buffer.sent is None
+    with pytest.raises(RuntimeError, match="not recorded"):
+        buffer.restore_sent()

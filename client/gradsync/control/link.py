@@ -62,7 +62,8 @@ class GradientPath(Protocol):
 
     #: Whether a bucket's averages may land in its `buffer` before `wait_step` returns
     #: (as each bucket completes). Only then must a rank that may upload the step again
-    #: (`Reducer.resend`) keep a copy of what it uploaded: a path that writes every
+    #: (`Reducer.resend`) keep what it uploaded (`BucketBuffer.record_sent`, which such a
+    #: path must honour as the transport's chunk encoder does): a path that writes every
     #: average inside `wait_step` leaves the uploads intact until the step is over.
     averages_land_early: bool
 

@@ -148,6 +148,8 @@ def range_messages(
         if upload.segment_offset is not None:
             header.in_segment, header.segment_offset = True, upload.segment_offset + offset
         message = encode_gradient(header, pieces)
+        # What went out, for a resend after a restart (a view into the message, no copy).
+        upload.buffer.record(offset, sum(piece.nbytes for piece in pieces), message)
         if offset == last_offset:  # handed to gRPC next: this range's end
             progress.ranges_left -= 1
             if progress.ranges_left == 0:

@@ -13,6 +13,14 @@ that chunk, so the upload of those bytes is finished.
 An int8 bucket (DiLoCo's int8 wire, `gradsync.int8_wire`) also holds the
 scale of each of its chunks, computed on the grid the transport cuts it on,
 which every chunk's header carries (`scale_at`).
+
+That an average overwrites the upload is also why a step that must be
+uploaded again (a restarted coordinator, `Reducer.resend`) needs the uploaded
+bytes from somewhere else. A buffer made with `record_sent` collects, for
+each chunk the transport encodes, a view of the payload inside the encoded
+message (`record`): the transport's one copy doubles as the kept copy, and
+`restore_sent` writes it back. An average can only land on a chunk that was
+sent, so what was recorded covers every byte an average may have overwritten.
 """
 
 from __future__ import annotations
@@ -35,6 +43,9 @@ class BucketBuffer:
             for any other bucket (its chunks carry no scale).
         weight: a weighted DiLoCo round's weight of this rank (every chunk carries
             it, `GradientChunk.weight`); 0 = none.
+        record_sent: keep a view of every chunk's payload as sent (`record`), so
+            that the uploaded bytes can be restored after averages landed over
+            them (`restore_sent`).
     """
 
     def __init__(
@@ -42,12 +53,18 @@ class BucketBuffer:
         segments: Sequence[npt.NDArray[np.uint8]],
         scales: Mapping[int, float] | None = None,
         weight: float = 0.0,
+        *,
+        record_sent: bool = False,
     ) -> None:
         self.segments = list(segments)
         self._starts = [0, *itertools.accumulate(len(s) for s in self.segments)]
         self.size = self._starts[-1]
         self.scales = dict(scales or {})
         self.weight = weight
+        #: (offset, payload as sent) of every chunk encoded so far; None = not recorded.
+        #: Appended to by the transport's loop thread; read by `restore_sent` only once
+        #: that transport is closed (a coordinator lost), so no lock.
+        self.sent: list[tuple[int, memoryview]] | None = [] if record_sent else None
 
     @property
     def wire_bytes(self) -> int:
@@ -121,3 +138,28 @@ class BucketBuffer:
         for piece in self.pieces(offset, len(payload)):
             piece[:] = payload[position : position + len(piece)]
             position += len(piece)
+
+    def record(self, offset: int, length: int, message: bytes) -> None:
+        """Note that bytes [offset, offset + length) went out as the tail of `message`.
+
+        The payload is the last bytes of an encoded chunk (`gradsync_proto.codec`
+        writes it last); the view keeps the message alive, not a copy of the
+        payload. Nothing is noted when the buffer does not record, or for a chunk
+        without payload (the same-host segment path).
+        """
+        sent = self.sent
+        if sent is not None and length > 0:
+            sent.append((offset, memoryview(message)[len(message) - length :]))
+
+    def restore_sent(self) -> None:
+        """Write every recorded payload back over the bucket, and record afresh.
+
+        Raises:
+            RuntimeError: the buffer does not record what it sends.
+        """
+        sent = self.sent
+        if sent is None:
+            raise RuntimeError("this bucket's uploads were not recorded (record_sent=False)")
+        for offset, payload in sent:
+            self.write(offset, payload)
+        self.sent = []

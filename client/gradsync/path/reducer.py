@@ -37,8 +37,6 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-import numpy as np
-import numpy.typing as npt
 import torch
 from torch import nn
 
@@ -134,17 +132,18 @@ def plan_layout(
 class _Upload:
     """What `submit_bucket` was given for a bucket, kept to give it again after a restart.
 
-    `kept`: a copy of the uploaded bytes, taken before the upload when the
-    averages are written over them (they are the only copy of this rank's
-    contribution once an average has landed); None when the averages land
-    elsewhere (`result`), so the uploaded bytes stay as they were.
+    `recorded`: the buffer records what the transport sent (`BucketBuffer.record_sent`),
+    because the averages are written over the upload as they land (the sent
+    messages are then the only copy of this rank's contribution); False when
+    the averages land elsewhere (`result`) or only once the step is over, so the
+    uploaded bytes stay as they were.
     """
 
     buffer: BucketBuffer
     dtype: int
     result: BucketBuffer | None
     result_dtype: int
-    kept: list[npt.NDArray[np.uint8]] | None
+    recorded: bool
 
 
 class _Launched:
@@ -237,12 +236,13 @@ class Reducer:
         )
         #: Keep what each bucket uploaded until its step ends, so that a restarted
         #: coordinator can be sent the step in flight again (`resend`) instead of the
-        #: step being computed again. Costs one copy of the gradient bytes per step
-        #: where the path writes averages over the upload before the step ends
-        #: (`GradientPath.averages_land_early`: over TCP, not through a local group);
-        #: the step path turns it on when the session reconnects.
+        #: step being computed again. Where the path writes averages over the upload
+        #: before the step ends (`GradientPath.averages_land_early`: over TCP, not
+        #: through a local group), the bytes come back from the encoded messages,
+        #: held until the step ends (`BucketBuffer.record_sent`): memory for one
+        #: copy of the gradients, and no pass over them. The step path turns it on
+        #: when the session reconnects.
         self.keep_for_resend = False
-        self._copies: list[list[npt.NDArray[np.uint8]]] = [[] for _ in self.buckets]
         self.reset()
 
     def reset(self) -> None:
@@ -333,7 +333,7 @@ class Reducer:
         The coordinator that held this step's sums is gone and a new one continued
         at this very step; every rank still has its gradients, so nothing needs to
         be computed again. Averages that had landed over an upload are undone
-        from the copy taken at launch (`keep_for_resend`).
+        from what was sent (`keep_for_resend`, `BucketBuffer.restore_sent`).
 
         Raises:
             RuntimeError: the uploads were not kept (`keep_for_resend` was off).
@@ -344,9 +344,8 @@ class Reducer:
             upload = launched.upload
             if upload is None:
                 raise RuntimeError(f"bucket {bucket_index} of step {step} was not kept to resend")
-            if upload.kept is not None:
-                for segment, kept in zip(upload.buffer.segments, upload.kept, strict=True):
-                    np.copyto(segment, kept)
+            if upload.recorded:
+                upload.buffer.restore_sent()
             self._submit(step, bucket_index, upload)
         if not self._presence_rides:
             self._submit_presence(step)
@@ -371,15 +370,6 @@ class Reducer:
                 result=upload.result,
                 result_dtype=upload.result_dtype,
             )
-
-    def _keep(self, bucket_index: int, buffer: BucketBuffer) -> list[npt.NDArray[np.uint8]]:
-        """Copy a bucket's upload into this bucket's copies (reused from step to step)."""
-        copies = self._copies[bucket_index]
-        if [len(c) for c in copies] != [len(s) for s in buffer.segments]:
-            copies = self._copies[bucket_index] = [np.empty_like(s) for s in buffer.segments]
-        for copy, segment in zip(copies, buffer.segments, strict=True):
-            np.copyto(copy, segment)
-        return copies
 
     def _launch(self, bucket_index: int, step: int) -> None:
         """Stage a bucket (through the comm hook, if any) and hand it to the gradient path."""
@@ -451,13 +441,12 @@ class Reducer:
         launched = _Launched(stage, bucket, wire, result is not None, answer)
         launched.presence_tail = presence_tail
         self._launched[bucket_index] = launched
-        buffer = BucketBuffer(segments, scales, self.chunk_weight)
+        # Recorded as sent where an average may land over the upload right after (not
+        # through a local group: its members copy the averages out at the step's end).
+        record = self.keep_for_resend and result is None and self._path().averages_land_early
+        buffer = BucketBuffer(segments, scales, self.chunk_weight, record_sent=record)
         self._instruments.bucket_ready(step, bucket_index, buffer.wire_bytes)
-        # Copied before the upload starts where an average may land over it right after
-        # (not through a local group: its members copy the averages out at the step's end).
-        keep = self.keep_for_resend and result is None and self._path().averages_land_early
-        kept = self._keep(bucket_index, buffer) if keep else None
-        upload = _Upload(buffer, dtype, result, result_dtype, kept)
+        upload = _Upload(buffer, dtype, result, result_dtype, record)
         if self.keep_for_resend:
             launched.upload = upload
         self._submit(step, bucket_index, upload)

@@ -9,6 +9,9 @@ uninterrupted run. Fault injection (one per run, chosen by flags):
                             the first bucket was uploaded and before the rest
   --stop-at STEP            the same moment, but SIGSTOP (frozen: its process and
                             sockets stay, its heartbeats stop; SIGCONT wakes it)
+  --stall-mid-backward STEP:SECONDS
+                            the same moment, but stall (bucket 0 uploaded, the rest
+                            not: bucket 0's average may land on every rank meanwhile)
   --nan-at STEP             put a NaN in the last element of bucket 1's last
                             gradient during the backward of STEP (a diverged rank)
   --drift-at STEP           once per process, before the forward of STEP, add 1e-3 to
@@ -59,6 +62,7 @@ def main() -> int:
     parser.add_argument("--sleep-at", default=None)
     parser.add_argument("--kill-at", type=int, default=None)
     parser.add_argument("--stop-at", type=int, default=None)
+    parser.add_argument("--stall-mid-backward", default=None)
     parser.add_argument("--step-delay-s", type=float, default=0.0)
     parser.add_argument("--timeout-s", type=float, default=30.0)
     parser.add_argument("--metrics-port", type=int, default=None)
@@ -131,6 +135,15 @@ def main() -> int:
                     os.kill(os.getpid(), signum)
 
             target.register_post_accumulate_grad_hook(signal_hook)
+        if args.stall_mid_backward is not None:
+            stall_step, stall_s = (float(x) for x in args.stall_mid_backward.split(":"))
+            victim = model.bucket_plans[1].parameter_indices[-1]
+
+            def stall_hook(_: object) -> None:
+                if model.step == int(stall_step):
+                    time.sleep(stall_s)
+
+            list(module.parameters())[victim].register_post_accumulate_grad_hook(stall_hook)
         if args.raise_at is not None:
             # An exception in the middle of backward, after bucket 0 was uploaded
             # (like an out-of-memory error on a GPU).
