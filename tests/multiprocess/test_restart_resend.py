@@ -21,6 +21,7 @@ from __future__ import annotations
 import re
 import time
 import urllib.request
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -31,6 +32,20 @@ from support.processes import start_workers
 
 STEPS = 10
 STALL_STEP = 5
+
+
+def rank_1_late_at_stall(address: str) -> Callable[[], bool]:
+    """Whether the coordinator at `address` has step STALL_STEP open with only rank 1 late."""
+
+    def only_rank_1_late() -> bool:
+        job = job_status(address)
+        return bool(
+            job
+            and job.open_step == STALL_STEP  # type: ignore[attr-defined]
+            and [late.rank for late in job.late] == [1]  # type: ignore[attr-defined]
+        )
+
+    return only_rank_1_late
 
 
 @pytest.mark.timeout(180)
@@ -45,15 +60,9 @@ def test_the_step_in_flight_is_uploaded_again_not_computed_again(
         first.address, 2, tmp_path, STEPS, {1: ["--sleep-at", f"{STALL_STEP}:4"]}
     )
 
-    def rank_1_late_at_the_stall() -> bool:
-        job = job_status(first.address)
-        return bool(
-            job
-            and job.open_step == STALL_STEP  # type: ignore[attr-defined]
-            and [late.rank for late in job.late] == [1]  # type: ignore[attr-defined]
-        )
-
-    wait_for(rank_1_late_at_the_stall, 90, f"rank 0 to wait in the backward of {STALL_STEP}")
+    wait_for(
+        rank_1_late_at_stall(first.address), 90, f"rank 0 to wait in the backward of {STALL_STEP}"
+    )
     first.process.kill()
     first.process.wait()
     metrics_port = free_port()
@@ -93,15 +102,9 @@ def test_averages_that_landed_before_the_loss_are_not_what_is_uploaded_again(
     stall = {1: ["--stall-mid-backward", f"{STALL_STEP}:6"]}
     processes = start_workers(first.address, 2, tmp_path, STEPS, stall)
 
-    def rank_1_late_at_the_stall() -> bool:
-        job = job_status(first.address)
-        return bool(
-            job
-            and job.open_step == STALL_STEP  # type: ignore[attr-defined]
-            and [late.rank for late in job.late] == [1]  # type: ignore[attr-defined]
-        )
-
-    wait_for(rank_1_late_at_the_stall, 90, f"rank 1 to stall in the backward of {STALL_STEP}")
+    wait_for(
+        rank_1_late_at_stall(first.address), 90, f"rank 1 to stall in the backward of {STALL_STEP}"
+    )
     time.sleep(1.0)  # bucket 0, uploaded by both, is averaged and lands on both
     first.process.kill()
     first.process.wait()

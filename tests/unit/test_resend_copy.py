@@ -108,7 +108,7 @@ def test_recorded_payloads_are_views_of_the_messages_not_copies() -> None:
 
 def test_a_buffer_that_records_nothing_cannot_be_restored() -> None:
     buffer = BucketBuffer([np.zeros(8, dtype=np.uint8)])
-    buffer.record(0, 8, bytes(16))
+    buffer.record(0, [memoryview(bytes(8))], bytes(16))
     assert buffer.sent is None
     with pytest.raises(RuntimeError, match="not recorded"):
         buffer.restore_sent()

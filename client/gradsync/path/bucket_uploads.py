@@ -149,7 +149,7 @@ def range_messages(
             header.in_segment, header.segment_offset = True, upload.segment_offset + offset
         message = encode_gradient(header, pieces)
         # What went out, for a resend after a restart (a view into the message, no copy).
-        upload.buffer.record(offset, sum(piece.nbytes for piece in pieces), message)
+        upload.buffer.record(offset, pieces, message)
         if offset == last_offset:  # handed to gRPC next: this range's end
             progress.ranges_left -= 1
             if progress.ranges_left == 0:

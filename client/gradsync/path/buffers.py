@@ -139,8 +139,8 @@ class BucketBuffer:
             piece[:] = payload[position : position + len(piece)]
             position += len(piece)
 
-    def record(self, offset: int, length: int, message: bytes) -> None:
-        """Note that bytes [offset, offset + length) went out as the tail of `message`.
+    def record(self, offset: int, pieces: Sequence[memoryview], message: bytes) -> None:
+        """Note that the chunk at `offset` (`pieces`) went out as the tail of `message`.
 
         The payload is the last bytes of an encoded chunk (`gradsync_proto.codec`
         writes it last); the view keeps the message alive, not a copy of the
@@ -148,7 +148,10 @@ class BucketBuffer:
         without payload (the same-host segment path).
         """
         sent = self.sent
-        if sent is not None and length > 0:
+        if sent is None:
+            return
+        length = sum(piece.nbytes for piece in pieces)
+        if length > 0:
             sent.append((offset, memoryview(message)[len(message) - length :]))
 
     def restore_sent(self) -> None:

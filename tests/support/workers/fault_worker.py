@@ -136,11 +136,12 @@ def main() -> int:
 
             target.register_post_accumulate_grad_hook(signal_hook)
         if args.stall_mid_backward is not None:
-            stall_step, stall_s = (float(x) for x in args.stall_mid_backward.split(":"))
+            step_text, seconds_text = args.stall_mid_backward.split(":")
+            stall_step, stall_s = int(step_text), float(seconds_text)
             victim = model.bucket_plans[1].parameter_indices[-1]
 
             def stall_hook(_: object) -> None:
-                if model.step == int(stall_step):
+                if model.step == stall_step:
                     time.sleep(stall_s)
 
             list(module.parameters())[victim].register_post_accumulate_grad_hook(stall_hook)
