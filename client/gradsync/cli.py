@@ -158,6 +158,7 @@ def _stopped_by_signals() -> Iterator[None]:
 
 def _serve(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     from gradsync_server.app import run
+    from gradsync_server.arguments import frame_port_of
     from gradsync_server.config import ServerConfig
 
     if args.checkpoint_store is not None:
@@ -226,6 +227,8 @@ def _serve(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
             on_failure=args.on_failure,
             nonfinite=args.nonfinite,
             payload_socket=args.payload_socket,
+            frame_port=frame_port_of(args.frame_port, args.port),
+            frame_port_required=args.frame_port is not None and args.frame_port >= 0,
             min_workers=args.min_workers,
             max_collective_bytes=int(args.max_collective_mb * MIB),
             shard_count=shard_count,

@@ -194,6 +194,15 @@ def add_serve_flags(parser: argparse.ArgumentParser) -> None:
         help="elastic: the fewest live workers to go on with (default %(default)s)",
     )
     parser.add_argument(
+        "--frame-port",
+        type=int,
+        default=None,
+        help="serve workers' Sync streams also as frames on this TCP port (same host, TLS "
+        "and token as --port), which costs far less per message than gRPC; workers find it "
+        "through the gRPC port and fall back to gRPC where it is unreachable (default: "
+        "--port + 1, or a free port when that is taken or --port is 0; -1 = off)",
+    )
+    parser.add_argument(
         "--no-payload-socket",
         dest="payload_socket",
         action="store_false",
@@ -394,3 +403,13 @@ def _add_server_security_flags(parser: argparse.ArgumentParser, who: str) -> Non
         default=None,
         help="interface the metrics server binds (default: --host)",
     )
+
+
+def frame_port_of(flag: int | None, port: int) -> int | None:
+    """The frame port `--frame-port` asks for: -1 = off (None), unset = `port` + 1 (0 with
+    `--port 0`, or `--port` 65535: a free one)."""
+    if flag is None:
+        return port + 1 if 0 < port < 65535 else 0
+    if flag < 0:
+        return None
+    return flag

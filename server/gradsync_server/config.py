@@ -102,6 +102,12 @@ class ServerConfig:
         payload_socket: same-host local leaders move gradient payloads through their
             shared-memory segments instead of TCP (`gradsync_server.rpc.segments`);
             unsharded only. False (`--no-payload-socket`): everything over TCP.
+        frame_port: where workers' Sync streams are also served as frames on a plain
+            (or TLS) socket (`gradsync_server.rpc.frame_server`), which costs far less
+            per message than gRPC: 0 = a free port, None = off (workers use gRPC).
+            Told to workers by the FramePort RPC; unsharded, unleased only.
+        frame_port_required: a frame port that cannot be bound is an error; False
+            (`--frame-port` not given) takes a free port instead, with a warning.
         host_id: this coordinator's host id, which a local leader's Join.host_id must
             equal for the payload path; "" = `gradsync_proto.host.host_id()`
             ($GRADSYNC_HOST_ID, else the machine and network namespace).
@@ -148,6 +154,8 @@ class ServerConfig:
     redis_password: str | None = field(default=None, repr=False)
     nonfinite: str = defaults.NONFINITE
     payload_socket: bool = True
+    frame_port: int | None = 0
+    frame_port_required: bool = False
     host_id: str = ""
     lease: bool = False
     standby: bool = False
@@ -157,6 +165,8 @@ class ServerConfig:
     def __post_init__(self) -> None:
         if self.world_size < 1:
             raise ValueError(f"world size must be at least 1, got {self.world_size}")
+        if self.frame_port is not None and not 0 <= self.frame_port <= 65535:
+            raise ValueError(f"frame port must be in 0..65535 (or None), got {self.frame_port}")
         if not 0 <= self.port <= 65535:
             raise ValueError(f"port must be in 0..65535, got {self.port}")
         if not 4096 <= self.chunk_bytes <= 64 * MIB:

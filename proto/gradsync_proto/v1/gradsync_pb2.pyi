@@ -813,3 +813,13 @@ class ShardMessage(_message.Message):
     stats: ShardStats
     nonfinite: ShardNonFinite
     def __init__(self, register: _Optional[_Union[ShardRegister, _Mapping]] = ..., rejected: _Optional[_Union[ShardRejected, _Mapping]] = ..., stats: _Optional[_Union[ShardStats, _Mapping]] = ..., nonfinite: _Optional[_Union[ShardNonFinite, _Mapping]] = ...) -> None: ...
+
+class FramePortRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class FramePortReply(_message.Message):
+    __slots__ = ("port",)
+    PORT_FIELD_NUMBER: _ClassVar[int]
+    port: int
+    def __init__(self, port: _Optional[int] = ...) -> None: ...

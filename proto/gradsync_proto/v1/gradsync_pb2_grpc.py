@@ -50,6 +50,11 @@ class CoordinatorStub:
                 request_serializer=gradsync__proto_dot_v1_dot_gradsync__pb2.ShardMessage.SerializeToString,
                 response_deserializer=gradsync__proto_dot_v1_dot_gradsync__pb2.LeaderMessage.FromString,
                 _registered_method=True)
+        self.FramePort = channel.unary_unary(
+                '/gradsync.v1.Coordinator/FramePort',
+                request_serializer=gradsync__proto_dot_v1_dot_gradsync__pb2.FramePortRequest.SerializeToString,
+                response_deserializer=gradsync__proto_dot_v1_dot_gradsync__pb2.FramePortReply.FromString,
+                _registered_method=True)
 
 
 class CoordinatorServicer:
@@ -78,6 +83,13 @@ class CoordinatorServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def FramePort(self, request, context):
+        """Where the same Sync stream is served as frames (see FramePortReply).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_CoordinatorServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -95,6 +107,11 @@ def add_CoordinatorServicer_to_server(servicer, server):
                     servicer.ShardLink,
                     request_deserializer=gradsync__proto_dot_v1_dot_gradsync__pb2.ShardMessage.FromString,
                     response_serializer=gradsync__proto_dot_v1_dot_gradsync__pb2.LeaderMessage.SerializeToString,
+            ),
+            'FramePort': grpc.unary_unary_rpc_method_handler(
+                    servicer.FramePort,
+                    request_deserializer=gradsync__proto_dot_v1_dot_gradsync__pb2.FramePortRequest.FromString,
+                    response_serializer=gradsync__proto_dot_v1_dot_gradsync__pb2.FramePortReply.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -179,6 +196,33 @@ class Coordinator:
             '/gradsync.v1.Coordinator/ShardLink',
             gradsync__proto_dot_v1_dot_gradsync__pb2.ShardMessage.SerializeToString,
             gradsync__proto_dot_v1_dot_gradsync__pb2.LeaderMessage.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def FramePort(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/gradsync.v1.Coordinator/FramePort',
+            gradsync__proto_dot_v1_dot_gradsync__pb2.FramePortRequest.SerializeToString,
+            gradsync__proto_dot_v1_dot_gradsync__pb2.FramePortReply.FromString,
             options,
             channel_credentials,
             insecure,

@@ -105,6 +105,7 @@ class CoordinatorServicer:
         self.segments = SegmentRegistry(config.max_connections, config.chunk_bytes, self.metrics)
         #: (payload socket name, this coordinator's host id) once the socket listens.
         self.payload_endpoint: tuple[str, str] | None = None
+        self.frame_port = 0  # told to workers (0: none; set by `app.start_server`)
         self._delivery = Delivery(
             self._connections,
             self.metrics,
@@ -134,15 +135,16 @@ class CoordinatorServicer:
         return grpc.method_handlers_generic_handler(
             SERVICE_NAME,
             {
-                "Sync": grpc.stream_stream_rpc_method_handler(
-                    guarded("Sync", self.sync, self.stream_count)
-                ),
-                # Raw request bytes: a request that does not parse is the caller's
-                # fault (INVALID_ARGUMENT), which gRPC's own deserializer would
-                # report as UNKNOWN with a traceback (found by the fuzzer).
+                "Sync": grpc.stream_stream_rpc_method_handler(self.sync_handler()),
+                # Raw request bytes: one that does not parse is INVALID_ARGUMENT (gRPC's
+                # deserializer would say UNKNOWN with a traceback; found by the fuzzer).
                 "Status": grpc.unary_unary_rpc_method_handler(
                     guarded("Status", self.status),
                     response_serializer=pb.StatusReply.SerializeToString,
+                ),
+                "FramePort": grpc.unary_unary_rpc_method_handler(
+                    guarded("FramePort", self.frame_port_reply),
+                    response_serializer=pb.FramePortReply.SerializeToString,
                 ),
                 "ShardLink": grpc.stream_stream_rpc_method_handler(
                     guarded("ShardLink", self.shard_control.link, self.stream_count),
@@ -174,6 +176,14 @@ class CoordinatorServicer:
         )
         reply.recovery.CopyFrom(self.metrics.recovery.summary())
         return reply
+
+    async def frame_port_reply(self, raw: bytes, context: Any) -> pb.FramePortReply:
+        """Where this coordinator serves Sync streams as frames (0: nowhere; `frame_server`)."""
+        return pb.FramePortReply(port=self.frame_port)
+
+    def sync_handler(self) -> Any:
+        """The Sync handler as gRPC runs it (guarded); the frame port runs it too."""
+        return guarded("Sync", self.sync, self.stream_count)
 
     def own_stats(self) -> pb.ShardStats:
         """This coordinator's gradient counters (shard 0 of a sharded coordinator)."""

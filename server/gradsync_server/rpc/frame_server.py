@@ -1,0 +1,330 @@
+"""The coordinator's frame port: worker Sync streams over plain (or TLS) sockets.
+
+See `gradsync_proto.net.frames` for why and for the wire format. Each
+connection is served by the same guarded handler as a gRPC Sync stream
+(`CoordinatorServicer.sync` under `guarded`), given a `FrameContext` in place
+of gRPC's servicer context and an async iterator of the frames' messages in
+place of gRPC's request iterator; so joining, the data plane, the bounded
+outbox, the connection cap and every error a stream can end with are the
+gRPC stream's own, and the status the handler ends with is sent as the last
+frame.
+
+What gRPC's server did around a handler is done here: TLS (the same
+certificate, key and client CA as the gRPC port), the token check before a
+byte past the HELLO is read (the same words as the gRPC token check), the
+first-message deadline for the HELLO, the message size limit (a frame longer
+than `--max-message-mb` ends the connection unread), and flow control both
+ways (reading pauses while the handler is behind; the handler's writes wait
+while the socket's buffer is full).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import contextlib
+import logging
+import ssl
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any
+
+import grpc
+from gradsync_proto import auth
+from gradsync_proto.codes import Code
+from gradsync_proto.net.frames import (
+    HEADER,
+    HELLO,
+    MAX_HELLO_BYTES,
+    MESSAGE,
+    FrameError,
+    FrameReader,
+    decode_hello,
+    status_frame,
+)
+
+from gradsync_server.rpc.auth_check import MISSING_TOKEN, WRONG_TOKEN
+
+log = logging.getLogger("gradsync.server")
+
+#: Reading pauses while this many messages wait for the handler (a Join being served).
+_MAX_WAITING_MESSAGES = 64
+#: Above this many unsent bytes the handler's next write waits for the socket.
+_WRITE_HIGH_WATER = 4 * 1024 * 1024
+#: Bodies up to this size are joined to their header (one small copy, one send).
+_JOIN_BELOW_BYTES = 16 * 1024
+
+#: The handler: `guarded("Sync", servicer.sync, streams)`.
+SyncHandler = Callable[[AsyncIterator[bytes], Any], Awaitable[None]]
+
+
+def tls_context(cert: str | None, key: str | None, client_ca: str | None) -> ssl.SSLContext | None:
+    """The frame port's TLS context: the gRPC port's certificate and client CA (None: plaintext)."""
+    if cert is None or key is None:
+        return None
+    context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    context.load_cert_chain(cert, key)
+    if client_ca is not None:
+        context.load_verify_locations(client_ca)
+        context.verify_mode = ssl.CERT_REQUIRED
+    return context
+
+
+class FrameContext:
+    """What the Sync handler uses of `grpc.aio.ServicerContext`, on a frame connection."""
+
+    def __init__(self, connection: FrameConnection, peer: str) -> None:
+        self._connection = connection
+        self._peer = peer
+        self.code = grpc.StatusCode.OK
+        self.details = ""
+
+    def peer(self) -> str:
+        return self._peer
+
+    def set_code(self, code: grpc.StatusCode) -> None:
+        self.code = code
+
+    def set_details(self, details: str) -> None:
+        self.details = details
+
+    async def abort(self, code: grpc.StatusCode, details: str) -> None:
+        self.code, self.details = code, details
+        raise grpc.aio.AbortError(details)
+
+    async def write(self, raw: bytes) -> None:
+        """Send one message; waits only while the socket's buffer is over its high water."""
+        await self._connection.send(raw)
+
+
+class _Requests:
+    """The connection's messages as the async iterator the handler reads (gRPC's shape)."""
+
+    def __init__(self, pause: Callable[[bool], None]) -> None:
+        self._waiting: collections.deque[bytes] = collections.deque()
+        self._wake: asyncio.Future[None] | None = None
+        self._end: BaseException | None = None
+        self._ended = False
+        self._pause = pause
+
+    def push(self, raw: bytes) -> None:
+        self._waiting.append(raw)
+        if len(self._waiting) >= _MAX_WAITING_MESSAGES:
+            self._pause(True)
+        self._notify()
+
+    def finish(self, exc: BaseException | None) -> None:
+        self._ended, self._end = True, exc
+        self._notify()
+
+    def _notify(self) -> None:
+        if self._wake is not None and not self._wake.done():
+            self._wake.set_result(None)
+
+    def __aiter__(self) -> AsyncIterator[bytes]:
+        return self
+
+    async def __anext__(self) -> bytes:
+        while not self._waiting:
+            if self._ended:
+                if self._end is not None:
+                    raise self._end
+                raise StopAsyncIteration
+            self._wake = asyncio.get_running_loop().create_future()
+            await self._wake
+        raw = self._waiting.popleft()
+        if len(self._waiting) == _MAX_WAITING_MESSAGES // 2:
+            self._pause(False)
+        return raw
+
+
+class FrameConnection(FrameReader):
+    """One worker's connection: HELLO, then its Sync stream, then a STATUS frame."""
+
+    def __init__(self, server: FrameServer) -> None:
+        super().__init__(MAX_HELLO_BYTES, self._on_frame, self._on_lost)
+        self._server = server
+        self._transport: asyncio.Transport | None = None
+        self._requests = _Requests(self._pause_reading)
+        self._task: asyncio.Task[None] | None = None
+        self._hello_timer: asyncio.TimerHandle | None = None
+        self._writable: asyncio.Future[None] | None = None
+        self._closed = False
+        self.peer = "frames:unknown"
+
+    # ------------------------------------------------------------ protocol
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        super().connection_made(transport)
+        assert isinstance(transport, asyncio.Transport)
+        self._transport = transport
+        transport.set_write_buffer_limits(high=_WRITE_HIGH_WATER)
+        peer = transport.get_extra_info("peername")
+        if isinstance(peer, tuple) and len(peer) >= 2:
+            family = "ipv6" if ":" in str(peer[0]) else "ipv4"
+            host = f"[{peer[0]}]" if family == "ipv6" else peer[0]
+            self.peer = f"{family}:{host}:{peer[1]}"
+        loop = asyncio.get_running_loop()
+        self._hello_timer = loop.call_later(self._server.first_message_s, self._hello_due)
+        self._server.connections.add(self)
+
+    def pause_writing(self) -> None:
+        self._writable = asyncio.get_running_loop().create_future()
+
+    def resume_writing(self) -> None:
+        if self._writable is not None and not self._writable.done():
+            self._writable.set_result(None)
+        self._writable = None
+
+    # ------------------------------------------------------------ frames
+    def _on_frame(self, kind: int, body: bytearray) -> None:
+        if self._task is None:
+            self._hello(kind, body)
+        elif kind == MESSAGE:
+            # A bytearray nobody else holds: read as bytes (protobuf and the codec take both).
+            self._requests.push(body)  # type: ignore[arg-type]
+        else:
+            raise FrameError(f"a frame of kind {kind} after the HELLO: only messages may follow")
+
+    def _hello(self, kind: int, body: bytearray) -> None:
+        if self._hello_timer is not None:
+            self._hello_timer.cancel()
+        if kind != HELLO:
+            raise FrameError(f"the first frame is of kind {kind}, not a HELLO")
+        presented = decode_hello(body)
+        expected = self._server.token
+        if expected is not None and not auth.token_matches(expected, presented or None):
+            template = MISSING_TOKEN if not presented else WRONG_TOKEN
+            message = template.format(env=auth.ENV_TOKEN, env_file=auth.ENV_TOKEN_FILE)
+            self._server.refused += 1
+            why = "no token" if not presented else "wrong token"
+            log.warning("refused a frame connection from %s: %s", self.peer, why)
+            self._finish(Code.UNAUTHENTICATED, message)
+            return
+        self.max_body_bytes = self._server.max_message_bytes
+        context = FrameContext(self, self.peer)
+        self._task = asyncio.ensure_future(self._serve(context))
+
+    def _on_lost(self, exc: BaseException | None) -> None:
+        self._closed = True
+        self._server.connections.discard(self)
+        if self._hello_timer is not None:
+            self._hello_timer.cancel()
+        self._requests.finish(exc if exc is not None and not isinstance(exc, FrameError) else None)
+        if self._writable is not None and not self._writable.done():
+            self._writable.set_exception(ConnectionError("the connection closed"))
+
+    def _hello_due(self) -> None:
+        if self._task is None and not self._closed:
+            self._finish(
+                Code.DEADLINE_EXCEEDED,
+                f"{self.peer} sent no HELLO within the first-message deadline "
+                "(--first-message-timeout-s); connection ended",
+            )
+
+    # ------------------------------------------------------------ serving
+    async def _serve(self, context: FrameContext) -> None:
+        try:
+            await self._server.handler(self._requests, context)
+        except grpc.aio.AbortError:
+            pass  # the context holds the code and details
+        except asyncio.CancelledError:
+            context.code, context.details = grpc.StatusCode.UNAVAILABLE, "the coordinator stopped"
+            raise
+        finally:
+            self._finish(int(context.code.value[0]), context.details)
+
+    async def send(self, raw: bytes) -> None:
+        """Write one message frame; wait while the socket's buffer is over its high water."""
+        transport = self._transport
+        if self._closed or transport is None or transport.is_closing():
+            raise ConnectionError(f"the connection to {self.peer} is closed")
+        if len(raw) < _JOIN_BELOW_BYTES:
+            transport.write(HEADER.pack(MESSAGE, len(raw)) + raw)
+        else:
+            transport.write(HEADER.pack(MESSAGE, len(raw)))
+            transport.write(raw)
+        if self._writable is not None:
+            await self._writable
+
+    def _finish(self, code: int, details: str) -> None:
+        """Send the STATUS frame and close (after what is buffered is sent)."""
+        transport = self._transport
+        if transport is not None and not transport.is_closing():
+            transport.write(status_frame(code, details))
+            transport.close()
+
+    def refuse(self, exc: BaseException) -> None:
+        """Bytes that are not frames: say why in a STATUS frame, then close."""
+        if isinstance(exc, FrameError):
+            log.warning("frame connection from %s refused: %s", self.peer, exc)
+            self._finish(int(exc.code), f"{self.peer}: {exc}")
+        else:  # the handler's side raised while taking a frame: a bug
+            log.error("internal error taking a frame from %s", self.peer, exc_info=exc)
+            self._finish(int(Code.INTERNAL), f"internal error in Sync: {type(exc).__name__}: {exc}")
+
+    def _pause_reading(self, pause: bool) -> None:
+        transport = self._transport
+        if transport is None or transport.is_closing():
+            return
+        if pause:
+            transport.pause_reading()
+        else:
+            transport.resume_reading()
+
+    def abort(self) -> None:
+        """Drop the connection now (shutdown)."""
+        if self._transport is not None:
+            self._transport.abort()
+        if self._task is not None:
+            self._task.cancel()
+
+
+class FrameServer:
+    """The listening frame port of one coordinator.
+
+    Args:
+        handler: serves one Sync stream (the gRPC handler, guarded).
+        token: the workers' token every HELLO must present (None: unchecked).
+        max_message_bytes: the longest message frame accepted.
+        first_message_s: how long a connection may take to send its HELLO.
+        tls: the TLS context (None: plaintext).
+    """
+
+    def __init__(
+        self,
+        handler: SyncHandler,
+        *,
+        token: str | None,
+        max_message_bytes: int,
+        first_message_s: float,
+        tls: ssl.SSLContext | None = None,
+    ) -> None:
+        self.handler = handler
+        self.token = token
+        self.max_message_bytes = max_message_bytes
+        self.first_message_s = first_message_s
+        self.tls = tls
+        self.connections: set[FrameConnection] = set()
+        #: Connections refused for their token (for tests and the log).
+        self.refused = 0
+        self._server: asyncio.Server | None = None
+        self.port = 0
+
+    async def start(self, host: str, port: int) -> int:
+        """Listen on `host:port` (0 = any free port); the bound port."""
+        loop = asyncio.get_running_loop()
+        self._server = await loop.create_server(
+            lambda: FrameConnection(self), host or None, port, ssl=self.tls, reuse_address=True
+        )
+        sockets = self._server.sockets
+        self.port = int(sockets[0].getsockname()[1]) if sockets else 0
+        return self.port
+
+    async def stop(self) -> None:
+        """Stop listening and drop every connection (the handlers see them close)."""
+        if self._server is not None:
+            self._server.close()
+        for connection in list(self.connections):
+            connection.abort()
+        if self._server is not None:
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(self._server.wait_closed(), 5.0)
