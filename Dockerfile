@@ -65,7 +65,7 @@ RUN useradd --create-home --uid 10001 --user-group gradsync \
     && mkdir -p /var/lib/gradsync && chown gradsync:gradsync /var/lib/gradsync && chmod 700 /var/lib/gradsync
 USER gradsync
 WORKDIR /home/gradsync
-EXPOSE 50051 9100
+EXPOSE 50051 50052 9100
 HEALTHCHECK --interval=10s --timeout=5s --start-period=30s --retries=3 \
     CMD ["python", "-m", "gradsync.healthcheck", "127.0.0.1:50051"]
 ENTRYPOINT ["gradsync"]
@@ -84,8 +84,10 @@ RUN useradd --create-home --uid 10001 --user-group gradsync \
     && mkdir -p /var/lib/gradsync && chown gradsync:gradsync /var/lib/gradsync && chmod 700 /var/lib/gradsync
 USER gradsync
 WORKDIR /home/gradsync
-# 50051: the coordinator's (or a shard's) gRPC port; 9100: Prometheus metrics (all roles).
-EXPOSE 50051 9100
+# 50051: the coordinator's (or a shard's) gRPC port; 50052: the coordinator's frame port
+# (workers' Sync streams without gRPC's per-message cost, --port + 1 by default; workers find
+# it through 50051 and fall back to gRPC without it); 9100: Prometheus metrics (all roles).
+EXPOSE 50051 50052 9100
 # Our own probe (grpc.health.v1 through grpcio-health-checking, a dependency already): exits 0
 # only while the coordinator reports SERVING, so a draining coordinator turns unhealthy.
 # Worker containers have no coordinator inside: they must disable this check. The probe sends
