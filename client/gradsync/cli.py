@@ -227,7 +227,9 @@ def _serve(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
             on_failure=args.on_failure,
             nonfinite=args.nonfinite,
             payload_socket=args.payload_socket,
-            frame_port=frame_port_of(args.frame_port, args.port),
+            frame_port=frame_port_of(
+                args.frame_port, args.port, shard_count if local_shards else 1
+            ),
             frame_port_required=args.frame_port is not None and args.frame_port >= 0,
             min_workers=args.min_workers,
             max_collective_bytes=int(args.max_collective_mb * MIB),

@@ -200,7 +200,8 @@ def add_serve_flags(parser: argparse.ArgumentParser) -> None:
         help="serve workers' Sync streams also as frames on this TCP port (same host, TLS "
         "and token as --port), which costs far less per message than gRPC; workers find it "
         "through the gRPC port and fall back to gRPC where it is unreachable (default: "
-        "--port + 1, or a free port when that is taken or --port is 0; -1 = off)",
+        "--port + 1, --port + S with --shards S, or a free port when that is taken or "
+        "--port is 0; -1 = off)",
     )
     parser.add_argument(
         "--no-payload-socket",
@@ -405,11 +406,13 @@ def _add_server_security_flags(parser: argparse.ArgumentParser, who: str) -> Non
     )
 
 
-def frame_port_of(flag: int | None, port: int) -> int | None:
-    """The frame port `--frame-port` asks for: -1 = off (None), unset = `port` + 1 (0 with
-    `--port 0`, or `--port` 65535: a free one)."""
+def frame_port_of(flag: int | None, port: int, local_shards: int = 1) -> int | None:
+    """The frame port `--frame-port` asks for: -1 = off (None); unset = the first port after
+    `port` that `--shards S` leaves free (`port` + S; `port` + 1 unsharded), or 0 (a free
+    one) with `--port 0` or past 65535."""
     if flag is None:
-        return port + 1 if 0 < port < 65535 else 0
+        candidate = port + max(1, local_shards)
+        return candidate if port > 0 and candidate <= 65535 else 0
     if flag < 0:
         return None
     return flag

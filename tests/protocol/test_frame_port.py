@@ -29,9 +29,10 @@ import pytest
 from gradsync.path.transport import Transport
 from gradsync_proto import auth
 from gradsync_proto.net.frame_stream import ENV_FRAMES, FRAME_PORT_METHOD
-from gradsync_proto.net.frames import HEADER, MESSAGE, STATUS, decode_status
+from gradsync_proto.net.frames import HEADER, MESSAGE, STATUS, decode_status, hello_frame
 from gradsync_proto.v1 import gradsync_pb2 as pb
 from gradsync_server.app import RunningServer
+from gradsync_server.rpc.frame_server import MAX_UNGREETED
 from support.frameclient import frame_workers
 from support.rawclient import (
     BUCKET_BYTES,
@@ -271,5 +272,56 @@ def test_a_refusal_is_a_stream_end_message_then_the_status_frame_then_nothing() 
             code, details = decode_status(frame[1])
             assert code == end.code and details == end.message
             assert await worker.frame() is None
+
+    run(scenario)
+
+
+def test_a_right_token_behind_a_refused_hello_in_the_same_packet_is_not_looked_at(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    async def scenario() -> None:
+        async with (
+            coordinator(token=TOKEN) as (running, _),
+            frame_workers(frame_port(running)) as connect,
+        ):
+            worker = await connect(hello=False)
+            join = pb.WorkerMessage(
+                join=pb.Join(
+                    job_id="sneaky", rank=0, world_size=2, signature=signature(), incarnation="s"
+                )
+            )
+            raw = join.SerializeToString()
+            # One write: a wrong HELLO, the right one, a Join: only the first is read.
+            worker.writer.write(
+                hello_frame("wrong-token-0123456789")
+                + hello_frame(TOKEN)
+                + HEADER.pack(MESSAGE, len(raw))
+                + raw
+            )
+            with caplog.at_level(logging.INFO, logger="gradsync.server"):
+                await worker.expect_status(grpc.StatusCode.UNAUTHENTICATED)
+                await asyncio.sleep(0.2)
+            # Not even joined for a moment (a job that is then abandoned when it drops).
+            assert not [r for r in caplog.records if "sneaky" in r.getMessage()]
+            assert "sneaky" not in running.servicer.jobs
+
+    run(scenario)
+
+
+def test_silent_connections_are_bounded_the_oldest_is_dropped() -> None:
+    async def scenario() -> None:
+        async with (
+            coordinator(first_message_timeout_s=30) as (running, _),
+            frame_workers(frame_port(running)) as connect,
+        ):
+            silent = [await connect(hello=False) for _ in range(MAX_UNGREETED + 1)]
+            details = await silent[0].expect_status(grpc.StatusCode.RESOURCE_EXHAUSTED)
+            assert "waiting to say HELLO" in details
+            assert running.frames is not None
+            assert len(running.frames._ungreeted) == MAX_UNGREETED
+            # Workers that say HELLO are not held up by them.
+            workers: list[RawWorker] = [await connect() for _ in range(2)]
+            await assembled(workers)
+            await run_step(workers, 0)
 
     run(scenario)

@@ -192,3 +192,30 @@ def test_job_settings_default_to_the_flags_defaults_and_carry_every_flag() -> No
     assert settings.max_message_bytes == config.max_message_bytes
     with pytest.raises(ValueError):
         JobSettings(2, 4096, 8192, on_failure="sometimes")  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(
+    ("flag", "port", "local_shards", "expected"),
+    [
+        (None, 50051, 1, 50052),  # the default: the next port
+        (None, 50051, 3, 50054),  # past the local shards' ports (--port + 1 .. + 2)
+        (None, 0, 1, 0),  # --port 0: a free one
+        (None, 65535, 1, 0),  # no next port: a free one
+        (-1, 50051, 1, None),  # off
+        (6000, 50051, 1, 6000),
+        (0, 50051, 1, 0),
+    ],
+)
+def test_the_frame_port_follows_the_grpc_port_and_never_a_local_shards(
+    flag: int | None, port: int, local_shards: int, expected: int | None
+) -> None:
+    from gradsync_server.arguments import frame_port_of
+
+    assert frame_port_of(flag, port, local_shards) == expected
+
+
+def test_a_frame_port_out_of_range_is_refused_naming_it() -> None:
+    from gradsync_server.config import ServerConfig
+
+    with pytest.raises(ValueError, match=r"frame port must be in 0\.\.65535"):
+        ServerConfig(world_size=2, frame_port=70000)

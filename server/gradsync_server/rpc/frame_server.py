@@ -50,6 +50,8 @@ log = logging.getLogger("gradsync.server")
 _MAX_WAITING_MESSAGES = 64
 #: Above this many unsent bytes the handler's next write waits for the socket.
 _WRITE_HIGH_WATER = 4 * 1024 * 1024
+#: The most connections that may wait for their HELLO at once (the oldest is dropped).
+MAX_UNGREETED = 64
 #: Bodies up to this size are joined to their header (one small copy, one send).
 _JOIN_BELOW_BYTES = 16 * 1024
 
@@ -165,6 +167,7 @@ class FrameConnection(FrameReader):
         loop = asyncio.get_running_loop()
         self._hello_timer = loop.call_later(self._server.first_message_s, self._hello_due)
         self._server.connections.add(self)
+        self._server.greeting(self)
 
     def pause_writing(self) -> None:
         self._writable = asyncio.get_running_loop().create_future()
@@ -176,6 +179,9 @@ class FrameConnection(FrameReader):
 
     # ------------------------------------------------------------ frames
     def _on_frame(self, kind: int, body: bytearray) -> None:
+        transport = self._transport
+        if transport is None or transport.is_closing():
+            return  # refused or ended: what follows in the same read is not looked at
         if self._task is None:
             self._hello(kind, body)
         elif kind == MESSAGE:
@@ -187,6 +193,7 @@ class FrameConnection(FrameReader):
     def _hello(self, kind: int, body: bytearray) -> None:
         if self._hello_timer is not None:
             self._hello_timer.cancel()
+        self._server.greeted(self)
         if kind != HELLO:
             raise FrameError(f"the first frame is of kind {kind}, not a HELLO")
         presented = decode_hello(body)
@@ -206,6 +213,7 @@ class FrameConnection(FrameReader):
     def _on_lost(self, exc: BaseException | None) -> None:
         self._closed = True
         self._server.connections.discard(self)
+        self._server.greeted(self)
         if self._hello_timer is not None:
             self._hello_timer.cancel()
         self._requests.finish(exc if exc is not None and not isinstance(exc, FrameError) else None)
@@ -270,6 +278,12 @@ class FrameConnection(FrameReader):
         else:
             transport.resume_reading()
 
+    def drop(self, code: Code, details: str) -> None:
+        """End a connection that has not said HELLO: a STATUS frame, then close."""
+        if self._hello_timer is not None:
+            self._hello_timer.cancel()
+        self._finish(int(code), details)
+
     def abort(self) -> None:
         """Drop the connection now (shutdown)."""
         if self._transport is not None:
@@ -304,10 +318,32 @@ class FrameServer:
         self.first_message_s = first_message_s
         self.tls = tls
         self.connections: set[FrameConnection] = set()
+        #: Connections that have not said HELLO yet, oldest first (at most MAX_UNGREETED).
+        self._ungreeted: dict[FrameConnection, None] = {}
         #: Connections refused for their token (for tests and the log).
         self.refused = 0
         self._server: asyncio.Server | None = None
         self.port = 0
+
+    def greeting(self, connection: FrameConnection) -> None:
+        """A new connection waits for its HELLO; beyond `MAX_UNGREETED`, the oldest is dropped.
+
+        Unauthenticated connections count against no cap (`--max-connections` counts
+        streams, which begin at the HELLO), so their number is bounded here: a flood
+        of silent connections cannot hold memory or descriptors for long.
+        """
+        self._ungreeted[connection] = None
+        if len(self._ungreeted) > MAX_UNGREETED:
+            oldest = next(iter(self._ungreeted))
+            self.greeted(oldest)
+            oldest.drop(
+                Code.RESOURCE_EXHAUSTED,
+                f"{MAX_UNGREETED} connections to the frame port are waiting to say HELLO; "
+                "the oldest is dropped",
+            )
+
+    def greeted(self, connection: FrameConnection) -> None:
+        self._ungreeted.pop(connection, None)
 
     async def start(self, host: str, port: int) -> int:
         """Listen on `host:port` (0 = any free port); the bound port."""
