@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from gradsync_proto.net.frame_stream import frames_enabled
 from gradsync_proto.net.launch import free_port, local_launch, start_coordinator
 
 from gradsync_bench.latency_worker import MODES
@@ -186,6 +187,8 @@ def latency_suite(plan: LatencyPlan) -> list[Row]:
             "steps": plan.steps,
             "reps": plan.reps,
             "load_1min": os.getloadavg()[0],
+            # Workers' Sync streams on the frame port (the default) or on gRPC (GRADSYNC_FRAMES=0).
+            "pipe": "frames" if frames_enabled() else "grpc",
         }
         for mode, results in runs.items():
             row[mode] = {key: statistics.median(r[key] for r in results) for key in results[0]} | {
@@ -201,6 +204,12 @@ def latency_suite(plan: LatencyPlan) -> list[Row]:
     return rows
 
 
+def _pipe_words(row: Row) -> str:
+    if row.get("pipe", "grpc") == "frames":
+        return "the coordinator's frame port, the default"
+    return "gRPC (GRADSYNC_FRAMES=0, or before the frame port)"
+
+
 def markdown_lines(rows: Sequence[Row]) -> list[str]:
     """The suite's table (steps/s, ratio to gloo DDP, coordinator RSS and CPU per step)."""
     if not rows:
@@ -208,7 +217,8 @@ def markdown_lines(rows: Sequence[Row]) -> list[str]:
     lines = [
         "**Latency: a tiny model** (one Linear(256, 256), SGD, batch 32, all ranks on this "
         "host; steps/s of the slowest rank, median of the reps; flat = hierarchical=False, "
-        'default = hierarchical="auto"; coordinator CPU over the timed steps of rank 0)',
+        'default = hierarchical="auto"; coordinator CPU over the timed steps of rank 0; '
+        f"workers' Sync streams on {_pipe_words(rows[0])})",
         "",
         "| W | gloo DDP steps/s | flat steps/s | flat / DDP | target | default steps/s "
         "| default / DDP | coordinator RSS MiB (peak), flat / default "

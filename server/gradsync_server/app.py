@@ -289,7 +289,9 @@ def security_words(tls: bool, client_ca: bool, token: bool) -> str:
     return " + ".join(parts) if parts else "plaintext, no authentication"
 
 
-def banner(config: ServerConfig, port: int, metrics_url: str | None = None) -> str:
+def banner(
+    config: ServerConfig, port: int, metrics_url: str | None = None, frame_port: int = 0
+) -> str:
     """The startup line; `gradsync demo` and tests parse 'listening on HOST:PORT'.
 
     It says how callers are checked, never the token itself.
@@ -299,7 +301,8 @@ def banner(config: ServerConfig, port: int, metrics_url: str | None = None) -> s
     )
     return (
         f"gradsync coordinator listening on {config.host}:{port} "
-        f"(world size {config.world_size}, chunk {config.chunk_bytes / MIB:g} MiB, "
+        f"(frames on port {frame_port or 'off'}, world size {config.world_size}, "
+        f"chunk {config.chunk_bytes / MIB:g} MiB, "
         f"max message {config.max_message_bytes} bytes, "
         f"max buffered {config.max_buffered_bytes / MIB:g} MiB, max jobs {config.max_jobs}, "
         f"heartbeat timeout {config.heartbeat_timeout_s:g}s, "
@@ -324,7 +327,8 @@ async def serve(config: ServerConfig) -> int:
     metrics_url = running.metrics_server.url if running.metrics_server else None
     stop = _stop_on_signals()
     # The banner says the server is up: signals must be handled from then on.
-    print(banner(config, running.port, metrics_url), file=sys.stderr, flush=True)
+    line = banner(config, running.port, metrics_url, running.servicer.frame_port)
+    print(line, file=sys.stderr, flush=True)
     if running.gate is not None:
         return await serve_leased(config, running, stop)
     if config.shard_count > 1:

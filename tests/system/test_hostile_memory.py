@@ -14,8 +14,11 @@ import asyncio
 from pathlib import Path
 
 import grpc
+import pytest
 from gradsync_proto.defaults import MIB
+from gradsync_proto.net.frame_stream import FRAME_PORT_METHOD
 from gradsync_proto.v1 import gradsync_pb2 as pb
+from support.frameclient import FrameWorker
 from support.processes import CoordinatorProcess
 from support.rawclient import RawWorker, gradient, signature
 
@@ -37,6 +40,14 @@ def _channel(coordinator: CoordinatorProcess) -> grpc.aio.Channel:
     return grpc.aio.insecure_channel(
         coordinator.address, options=[("grpc.max_send_message_length", 64 << 20)]
     )
+
+
+async def _frame_worker(channel: grpc.aio.Channel) -> FrameWorker:
+    """A worker on the coordinator's frame port (asked for through `channel`)."""
+    ask = channel.unary_unary(FRAME_PORT_METHOD, response_deserializer=pb.FramePortReply.FromString)
+    reply = await ask(pb.FramePortRequest().SerializeToString())
+    assert reply.port != 0, "the coordinator serves no frame port"
+    return await FrameWorker.open(reply.port)
 
 
 def test_a_checkpoint_chunk_declaring_a_huge_blob_allocates_nothing_for_it() -> None:
@@ -74,7 +85,8 @@ def test_a_checkpoint_chunk_declaring_a_huge_blob_allocates_nothing_for_it() -> 
         coordinator.stop()
 
 
-def test_a_worker_that_never_reads_is_dropped_and_told_first() -> None:
+@pytest.mark.parametrize("pipe", ["grpc", "frames"])
+def test_a_worker_that_never_reads_is_dropped_and_told_first(pipe: str) -> None:
     coordinator = CoordinatorProcess(
         2, "--chunk-mb", "0.0625", "--max-outbox-mb", "8", "--shutdown-grace-s", "5"
     )
@@ -87,7 +99,8 @@ def test_a_worker_that_never_reads_is_dropped_and_told_first() -> None:
 
     async def scenario() -> None:
         async with _channel(coordinator) as channel:
-            reader, idle = RawWorker(channel), RawWorker(channel)
+            reader = RawWorker(channel)
+            idle = RawWorker(channel) if pipe == "grpc" else await _frame_worker(channel)
             await reader.join(0, sig=sig)
             await idle.join(1, sig=sig)
             await reader.expect_kind("welcome")
@@ -104,7 +117,7 @@ def test_a_worker_that_never_reads_is_dropped_and_told_first() -> None:
                 if idle_sends:
                     try:
                         await upload(idle, step)
-                    except (TimeoutError, grpc.aio.UsageError, grpc.aio.AioRpcError):
+                    except (TimeoutError, grpc.aio.UsageError, grpc.aio.AioRpcError, OSError):
                         idle_sends = False  # the coordinator stopped reading it: dropped
                 received = 0
                 while received < BUCKET_BYTES:
@@ -132,6 +145,8 @@ def test_a_worker_that_never_reads_is_dropped_and_told_first() -> None:
             assert "not reading its results" in message.stream_end.message
             assert data_before_end < 8 * MIB, f"{data_before_end} bytes came before the end"
             await idle.expect_status(CODE.RESOURCE_EXHAUSTED)
+            if isinstance(idle, FrameWorker):
+                await idle.close()
             return None
 
     try:

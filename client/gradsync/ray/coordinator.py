@@ -103,7 +103,8 @@ class LeaderServer(_ServerActor):
         advertised = node_ip if bind_host in ("0.0.0.0", "::", "") else bind_host
         metrics = self._running.metrics_server
         metrics_url = metrics.url if metrics is not None else None
-        print(banner(config, self._running.port, metrics_url), flush=True)
+        frame_port = self._running.servicer.frame_port
+        print(banner(config, self._running.port, metrics_url, frame_port), flush=True)
         self._info = {
             "address": host_port(advertised, self._running.port),
             "token": config.token,

@@ -64,7 +64,7 @@ _JOIN_BELOW_BYTES = 16 * 1024
 #: The keepalive channel never goes idle (gRPC's default closes it after 30 min).
 _NEVER_IDLE_MS = 2**31 - 1
 #: Above this many unsent bytes the writer waits for the socket.
-_WRITE_HIGH_WATER = 4 * 1024 * 1024
+_WRITE_HIGH_WATER = 1024 * 1024
 
 
 def frames_enabled() -> bool:

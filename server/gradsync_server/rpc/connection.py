@@ -76,6 +76,12 @@ class Connection:
         self.greeted = False
         #: How the stream was ended (set by `end`), whether or not the writer got to it.
         self.end_status: End | None = None
+        #: The stream's synchronous write, when its pipe has one (a frame connection's
+        #: `write_now`: False when its buffer is full); None for gRPC. Used by `send`
+        #: while the writer waits on an empty outbox, which saves the queue's hand-over
+        #: to the writer task on every message (issue 27).
+        self._write_now: Callable[[bytes], bool] | None = None
+        self._writer_idle = False
         self._outbox_budget = outbox_budget
         self._held: Reservation | None = (
             outbox_budget.reserve(("outbox", id(self))) if outbox_budget is not None else None
@@ -107,6 +113,10 @@ class Connection:
                 discard=True,
             )
             return
+        direct = self._write_now
+        if direct is not None and self._writer_idle and self.outbox.empty() and direct(raw):
+            return  # nothing queued, the writer waiting: written straight through, in order
+        self._writer_idle = False  # from here on the writer keeps the order
         self.outbox_bytes += len(raw)
         self._account()
         self.outbox.put_nowait(raw)
@@ -171,9 +181,12 @@ class Connection:
         module stays free of gRPC). A write that fails means the worker went away:
         `ended` then resolves to UNAVAILABLE.
         """
+        self._write_now = getattr(context, "write_now", None)
         try:
             while True:
+                self._writer_idle = self.outbox.empty()
                 item = await self.outbox.get()
+                self._writer_idle = False
                 if isinstance(item, End):
                     ended.set_result(item)
                     return
@@ -187,8 +200,10 @@ class Connection:
                 self.outbox_bytes -= len(item)
                 self._account()
         except asyncio.CancelledError:
+            self._writer_idle = False
             raise
         except Exception as exc:  # the worker went away while we wrote
+            self._writer_idle = False
             log.info("writing to %s (rank %s) failed: %s", self.peer, self.rank, exc)
             if not ended.done():
                 ended.set_result(End(Code.UNAVAILABLE, f"write failed: {exc}"))

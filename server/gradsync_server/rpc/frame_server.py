@@ -49,7 +49,7 @@ log = logging.getLogger("gradsync.server")
 #: Reading pauses while this many messages wait for the handler (a Join being served).
 _MAX_WAITING_MESSAGES = 64
 #: Above this many unsent bytes the handler's next write waits for the socket.
-_WRITE_HIGH_WATER = 4 * 1024 * 1024
+_WRITE_HIGH_WATER = 1024 * 1024
 #: The most connections that may wait for their HELLO at once (the oldest is dropped).
 MAX_UNGREETED = 64
 #: Bodies up to this size are joined to their header (one small copy, one send).
@@ -96,6 +96,10 @@ class FrameContext:
     async def write(self, raw: bytes) -> None:
         """Send one message; waits only while the socket's buffer is over its high water."""
         await self._connection.send(raw)
+
+    def write_now(self, raw: bytes) -> bool:
+        """Send one message at once if the socket's buffer has room; False (nothing sent) if not."""
+        return self._connection.write_now(raw)
 
 
 class _Requests:
@@ -245,13 +249,27 @@ class FrameConnection(FrameReader):
         transport = self._transport
         if self._closed or transport is None or transport.is_closing():
             raise ConnectionError(f"the connection to {self.peer} is closed")
+        self._write(transport, raw)
+        if self._writable is not None:
+            await self._writable
+
+    def write_now(self, raw: bytes) -> bool:
+        """Write one message frame unless the socket's buffer is full or the connection closed."""
+        transport = self._transport
+        if self._writable is not None or self._closed or transport is None:
+            return False
+        if transport.is_closing():
+            return False
+        self._write(transport, raw)
+        return True
+
+    @staticmethod
+    def _write(transport: asyncio.Transport, raw: bytes) -> None:
         if len(raw) < _JOIN_BELOW_BYTES:
             transport.write(HEADER.pack(MESSAGE, len(raw)) + raw)
         else:
             transport.write(HEADER.pack(MESSAGE, len(raw)))
             transport.write(raw)
-        if self._writable is not None:
-            await self._writable
 
     def _finish(self, code: int, details: str) -> None:
         """Send the STATUS frame and close (after what is buffered is sent)."""
