@@ -42,7 +42,7 @@ from gradsync_server.local_shards import LocalShards
 from gradsync_server.metrics import CoordinatorMetrics
 from gradsync_server.parent_watch import watch_parent
 from gradsync_server.rpc.auth_check import bind, interceptors, server_credentials
-from gradsync_server.rpc.frame_server import FrameServer, tls_context
+from gradsync_server.rpc.frame_server import FrameServer, start_frame_server
 from gradsync_server.rpc.payload_socket import PayloadSocket
 from gradsync_server.rpc.servicer import SERVICE_NAME, SHUTDOWN_FLUSH_S, CoordinatorServicer
 from gradsync_server.rpc.shard_link import LeaderLink
@@ -228,43 +228,11 @@ async def start_server(config: ServerConfig) -> RunningServer:
     )
     running.gate, running.switch = gate, switch
     if gate is None and config.frame_port is not None:
-        running.frames = await _frame_server(config, servicer)
+        running.frames = await start_frame_server(config, servicer)
     if gate is None and config.local_shards and config.shard_count > 1:
         running.local_shards = LocalShards(config, port)
         await running.local_shards.start()
     return running
-
-
-async def _frame_server(config: ServerConfig, servicer: CoordinatorServicer) -> FrameServer:
-    """Serve Sync streams as frames too (`frame_server`), on the gRPC port's host and security.
-
-    Raises:
-        OSError: `frame_port_required` and the port cannot be bound.
-    """
-    assert config.frame_port is not None
-    frames = FrameServer(
-        servicer.sync_handler(),
-        token=config.token,
-        max_message_bytes=config.max_message_bytes,
-        first_message_s=config.first_message_timeout_s,
-        tls=tls_context(config.tls_cert, config.tls_key, config.tls_client_ca),
-    )
-    try:
-        servicer.frame_port = await frames.start(config.host, config.frame_port)
-    except OSError as exc:
-        if config.frame_port_required or config.frame_port == 0:
-            raise OSError(
-                f"could not bind the frame port {config.host}:{config.frame_port}: {exc}"
-            ) from exc
-        servicer.frame_port = await frames.start(config.host, 0)
-        log.warning(
-            "the frame port %d is taken (%s); serving frames on port %d instead "
-            "(workers find it through the gRPC port; set --frame-port to choose)",
-            config.frame_port,
-            exc.strerror or exc,
-            servicer.frame_port,
-        )
-    return frames
 
 
 async def wait_for_shards(running: RunningServer, timeout_s: float) -> bool:

@@ -22,6 +22,7 @@ import yaml
 from gradsync.cli import build_parser
 from gradsync.healthcheck import build_parser as build_probe_parser
 from gradsync.metrics import WorkerMetrics
+from gradsync_server.arguments import frame_port_of
 from gradsync_server.metrics import CoordinatorMetrics, ShardSample
 from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
@@ -78,6 +79,17 @@ def flag(argv: list[str], name: str) -> str | None:
     return argv[argv.index(name) + 1] if name in argv else None
 
 
+def frame_port(argv: list[str]) -> str | None:
+    """The frame port a `serve` command line listens on (None: a shard, or off)."""
+    if "serve" not in argv:
+        return None
+    raw, shards = flag(argv, "--frame-port"), flag(argv, "--shards")
+    port = frame_port_of(
+        None if raw is None else int(raw), int(flag(argv, "--port") or 0), int(shards or 1)
+    )
+    return str(port) if port else None
+
+
 # --- Dockerfile ----------------------------------------------------------------------------------
 
 
@@ -126,7 +138,7 @@ def test_dockerfile_builds_a_slim_non_root_image_with_our_health_probe() -> None
         f"{name} {arguments}" for name, arguments in instructions
     ]
     exposed = {int(port) for name, args in runtime if name == "EXPOSE" for port in args.split()}
-    assert exposed == {50051, 9100}
+    assert exposed == {50051, 50052, 9100}
     healthcheck = [arguments for name, arguments in runtime if name == "HEALTHCHECK"]
     assert len(healthcheck) == 1
     probe = json.loads(healthcheck[0].split(" CMD ", 1)[1])
@@ -136,9 +148,8 @@ def test_dockerfile_builds_a_slim_non_root_image_with_our_health_probe() -> None
     command = dockerfile_json("CMD")
     # The probe, EXPOSE and the default command agree on the ports.
     assert probe[3] == f"127.0.0.1:{flag(command, '--port')}"
-    assert {int(flag(command, "--port") or 0), int(flag(command, "--metrics-port") or 0)} == (
-        exposed
-    )
+    listening = {flag(command, "--port"), flag(command, "--metrics-port"), frame_port(command)}
+    assert {int(port or 0) for port in listening} == exposed
 
 
 def test_dockerignore_keeps_what_the_build_copies() -> None:
@@ -194,7 +205,7 @@ def test_compose_services_are_complete_and_consistent(variant: str) -> None:
             host_ports.append(int(published))
             if runs_our_image(service):
                 argv = command_argv(service)
-                listening = {flag(argv, "--port"), flag(argv, "--metrics-port")}
+                listening = {flag(argv, "--port"), flag(argv, "--metrics-port"), frame_port(argv)}
                 assert container in listening, (
                     f"{name} publishes {container}, listens on {listening}"
                 )

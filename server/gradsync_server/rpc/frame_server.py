@@ -26,7 +26,7 @@ import contextlib
 import logging
 import ssl
 from collections.abc import AsyncIterator, Awaitable, Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import grpc
 from gradsync_proto import auth
@@ -42,7 +42,11 @@ from gradsync_proto.net.frames import (
     status_frame,
 )
 
+from gradsync_server.config import ServerConfig
 from gradsync_server.rpc.auth_check import MISSING_TOKEN, WRONG_TOKEN
+
+if TYPE_CHECKING:
+    from gradsync_server.rpc.servicer import CoordinatorServicer
 
 log = logging.getLogger("gradsync.server")
 
@@ -382,3 +386,35 @@ class FrameServer:
         if self._server is not None:
             with contextlib.suppress(Exception):
                 await asyncio.wait_for(self._server.wait_closed(), 5.0)
+
+
+async def start_frame_server(config: ServerConfig, servicer: CoordinatorServicer) -> FrameServer:
+    """Serve Sync streams as frames too (`frame_server`), on the gRPC port's host and security.
+
+    Raises:
+        OSError: `frame_port_required` and the port cannot be bound.
+    """
+    assert config.frame_port is not None
+    frames = FrameServer(
+        servicer.sync_handler(),
+        token=config.token,
+        max_message_bytes=config.max_message_bytes,
+        first_message_s=config.first_message_timeout_s,
+        tls=tls_context(config.tls_cert, config.tls_key, config.tls_client_ca),
+    )
+    try:
+        servicer.frame_port = await frames.start(config.host, config.frame_port)
+    except OSError as exc:
+        if config.frame_port_required or config.frame_port == 0:
+            raise OSError(
+                f"could not bind the frame port {config.host}:{config.frame_port}: {exc}"
+            ) from exc
+        servicer.frame_port = await frames.start(config.host, 0)
+        log.warning(
+            "the frame port %d is taken (%s); serving frames on port %d instead "
+            "(workers find it through the gRPC port; set --frame-port to choose)",
+            config.frame_port,
+            exc.strerror or exc,
+            servicer.frame_port,
+        )
+    return frames
