@@ -12,7 +12,8 @@ beside gRPC workers (`RawWorker`) in the same job:
   first-message deadline, a frame over the size limit or bytes that are not
   frames are refused with a status that says why, and the coordinator goes on
   serving others;
-- the connection cap counts frame connections too;
+- the connection cap counts frame connections too; over mTLS with a token a worker
+  still gets frames, and a peer without a client certificate is cut off in the handshake;
 - `Transport` (the worker's real stream) uses frames when offered, gRPC with
   `GRADSYNC_FRAMES=0`, and falls back to gRPC (and says so) when the frame
   port cannot be reached.
@@ -22,12 +23,16 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import ssl
+from pathlib import Path
 
 import grpc
 import numpy as np
 import pytest
+import trustme
 from gradsync.path.transport import Transport
 from gradsync_proto import auth
+from gradsync_proto.net.channels import ChannelSecurity
 from gradsync_proto.net.frame_stream import ENV_FRAMES, FRAME_PORT_METHOD
 from gradsync_proto.net.frames import HEADER, MESSAGE, STATUS, decode_status, hello_frame
 from gradsync_proto.v1 import gradsync_pb2 as pb
@@ -212,9 +217,11 @@ def _join(rank: int = 0) -> pb.Join:
     )
 
 
-async def _pipe_of_a_joined_transport(running: RunningServer) -> str:
+async def _pipe_of_a_joined_transport(
+    running: RunningServer, security: ChannelSecurity | None = None
+) -> str:
     def join() -> str:
-        transport = Transport(f"127.0.0.1:{running.port}", rank=0)
+        transport = Transport(f"127.0.0.1:{running.port}", rank=0, security=security)
         try:
             transport.open(_join())
             transport.wait_welcome(timeout_s=10)
@@ -325,3 +332,43 @@ def test_silent_connections_are_bounded_the_oldest_is_dropped() -> None:
             await run_step(workers, 0)
 
     run(scenario)
+
+
+def test_frames_over_mtls_with_a_token_and_a_peer_without_a_certificate_refused(
+    tmp_path: Path,
+) -> None:
+    ca = trustme.CA()
+    ca_path, server_path, client_path = (tmp_path / name for name in ("ca", "srv", "cli"))
+    ca.cert_pem.write_to_path(str(ca_path))
+    ca.issue_cert("127.0.0.1").private_key_and_cert_chain_pem.write_to_path(str(server_path))
+    ca.issue_cert("worker.test").private_key_and_cert_chain_pem.write_to_path(str(client_path))
+    tls = {"tls_cert": str(server_path), "tls_key": str(server_path), "tls_client_ca": str(ca_path)}
+    good = ChannelSecurity.resolve(
+        str(ca_path), str(client_path), str(client_path), token=TOKEN, environ={}
+    )
+
+    async def scenario() -> None:
+        async with coordinator(world_size=1, token=TOKEN, **tls) as (running, _):
+            assert await _pipe_of_a_joined_transport(running, good) == "frames"
+            assert running.frames is not None and running.frames.refused == 0
+            # No client certificate: the frame port's handshake refuses it (as gRPC's does).
+            assert await _refused_without_a_certificate(frame_port(running), str(ca_path))
+
+    run(scenario)
+
+
+async def _refused_without_a_certificate(port: int, ca_path: str) -> bool:
+    """Whether a TLS client without a certificate is cut off (in or right after the handshake)."""
+    context = ssl.create_default_context(cafile=ca_path)
+    try:
+        reader, writer = await asyncio.open_connection("127.0.0.1", port, ssl=context)
+    except (ssl.SSLError, ConnectionError):
+        return True
+    try:
+        writer.write(hello_frame(TOKEN))
+        await writer.drain()
+        return await asyncio.wait_for(reader.read(1), 5) == b""  # TLS 1.3: told after it
+    except (ssl.SSLError, ConnectionError):
+        return True
+    finally:
+        writer.close()

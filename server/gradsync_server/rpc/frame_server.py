@@ -371,7 +371,11 @@ class FrameServer:
         """Listen on `host:port` (0 = any free port); the bound port."""
         loop = asyncio.get_running_loop()
         self._server = await loop.create_server(
-            lambda: FrameConnection(self), host or None, port, ssl=self.tls, reuse_address=True
+            lambda: FrameConnection(self),
+            host.strip("[]") or None,
+            port,
+            ssl=self.tls,
+            reuse_address=True,
         )
         sockets = self._server.sockets
         self.port = int(sockets[0].getsockname()[1]) if sockets else 0
