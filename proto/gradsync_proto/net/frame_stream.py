@@ -94,19 +94,26 @@ class FrameStreamClient(StreamClient):
         self.pipe = ""
 
     # ------------------------------------------------------------ public API
-    def start(self) -> None:
-        """Ask for the frame port and connect (on the loop; returns at once)."""
+    def start(self, channel: grpc.aio.Channel | None = None) -> None:
+        """Ask for the frame port and connect (on the loop; returns at once); given a
+        `channel`, run the stream over gRPC on it instead."""
         self._done = asyncio.Event()
+        if channel is not None:
+            self._keepalive = channel
+            self._use_grpc()
+            return
         self._spawn(self._connect(), "connect")
 
     @property
     def connected(self) -> bool:
         if self.pipe == "grpc":
             return bool(super().connected)
-        if self._asking is not None:  # reachable and READY: the coordinator is answering
-            return bool(self._asking.get_state() == grpc.ChannelConnectivity.READY)
         transport = self._transport
-        return transport is not None and not transport.is_closing()
+        if transport is not None:
+            return not transport.is_closing()
+        # Asking, or connecting the frames: the coordinator answers on its gRPC port.
+        channel = self._asking or self._keepalive
+        return channel is not None and channel.get_state() == grpc.ChannelConnectivity.READY
 
     # ------------------------------------------------------------ connecting
     async def _connect(self) -> None:
@@ -164,12 +171,13 @@ class FrameStreamClient(StreamClient):
                 metadata=self._security.metadata,
                 wait_for_ready=self._wait_for_ready,
             )
-            keep = reply.port != 0
-            if keep:
-                self._keepalive = channel
+            keep = True
+            self._keepalive = channel  # kept: the frames' keepalive, or gRPC's stream
             return int(reply.port)
         except grpc.aio.AioRpcError as exc:
             if exc.code() == grpc.StatusCode.UNIMPLEMENTED:  # a coordinator without frames
+                keep = True
+                self._keepalive = channel
                 return 0
             code = int(exc.code().value[0])
             self._finish(self._ended(EndKind.STATUS, code, exc.details() or "", exc))
@@ -246,12 +254,19 @@ class FrameStreamClient(StreamClient):
         return context
 
     def _use_grpc(self) -> None:
-        """Open the same stream over gRPC (StreamClient's own way)."""
+        """Open the same stream over gRPC (StreamClient's own way), on the channel that asked.
+
+        Reusing it keeps the connection the join wait has seen up (a second channel
+        would be a second connect, and a moment in which `connected` is False).
+        """
         self.pipe = "grpc"
+        channel, self._keepalive = self._keepalive, None
         if self.ended is not None or self._closing:
+            if channel is not None:
+                self._channel = channel  # closed by `_stop`
             return
         done = self._done  # `close` may be waiting on it already
-        super().start()
+        super().start(channel)
         self._done = done
 
     # ------------------------------------------------------------ frames

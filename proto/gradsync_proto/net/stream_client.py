@@ -172,13 +172,12 @@ class StreamClient:
         self.ended: StreamEnded | None = None
 
     # ------------------------------------------------------------ public API
-    def start(self) -> None:
-        """Open the channel and the call, start reading and writing (loop; returns at once).
-
-        Items sent before `start` are written first, in order.
+    def start(self, channel: grpc.aio.Channel | None = None) -> None:
+        """Open the channel (or take `channel`, then owned) and the call, start reading and
+        writing (loop; returns at once). Items sent before `start` are written first, in order.
         """
         self._done = asyncio.Event()
-        self._channel = self._security.aio_channel(self.target, self._options)
+        self._channel = channel or self._security.aio_channel(self.target, self._options)
         multi = self._channel.stream_stream(
             self._method,
             request_serializer=self._serializer,

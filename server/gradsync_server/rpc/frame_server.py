@@ -226,7 +226,7 @@ class FrameConnection(FrameReader):
             self._hello_timer.cancel()
         self._requests.finish(exc if exc is not None and not isinstance(exc, FrameError) else None)
         if self._writable is not None and not self._writable.done():
-            self._writable.set_exception(ConnectionError("the connection closed"))
+            self._writable.set_result(None)  # a waiting write returns; the next one is refused
 
     def _hello_due(self) -> None:
         if self._task is None and not self._closed:
