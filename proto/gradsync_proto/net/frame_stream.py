@@ -34,13 +34,14 @@ import grpc
 from gradsync_proto.codes import Code
 from gradsync_proto.net.address import parse_address
 from gradsync_proto.net.frames import (
-    HEADER,
     MESSAGE,
     STATUS,
+    WRITE_HIGH_WATER,
     FrameError,
     FrameReader,
     decode_status,
     hello_frame,
+    write_message,
 )
 from gradsync_proto.net.stream_client import (
     _END_WRITES,
@@ -59,12 +60,8 @@ FRAME_PORT_METHOD = "/gradsync.v1.Coordinator/FramePort"
 ENV_FRAMES = "GRADSYNC_FRAMES"
 #: How long connecting to the frame port (TLS included) may take before gRPC is used.
 FRAME_CONNECT_TIMEOUT_S = 5.0
-#: Bodies up to this size are joined to their header (one small copy, one send).
-_JOIN_BELOW_BYTES = 16 * 1024
 #: The keepalive channel never goes idle (gRPC's default closes it after 30 min).
 _NEVER_IDLE_MS = 2**31 - 1
-#: Above this many unsent bytes the writer waits for the socket.
-_WRITE_HIGH_WATER = 1024 * 1024
 
 
 def frames_enabled() -> bool:
@@ -83,7 +80,6 @@ class FrameStreamClient(StreamClient):
         super().__init__(*args, **kwargs)
         self._max_message_bytes = max_message_bytes
         self._transport: asyncio.Transport | None = None
-        self._protocol: FrameReader | None = None
         self._status: tuple[int, str] | None = None
         #: The channel of the FramePort question while it is asked.
         self._asking: grpc.aio.Channel | None = None
@@ -208,8 +204,8 @@ class FrameStreamClient(StreamClient):
         sock = transport.get_extra_info("socket")
         if sock is not None:
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        transport.set_write_buffer_limits(high=_WRITE_HIGH_WATER)
-        self._transport, self._protocol = transport, protocol
+        transport.set_write_buffer_limits(high=WRITE_HIGH_WATER)
+        self._transport = transport
         transport.write(hello_frame(self._security.token))
         self.pipe = "frames"
         log.debug("%s: Sync stream on frames at %s:%d", self.name, host, port)
@@ -317,11 +313,7 @@ class FrameStreamClient(StreamClient):
                 for message in self._encode(item):
                     if transport.is_closing():
                         return  # the reader reports how it ended
-                    if len(message) < _JOIN_BELOW_BYTES:
-                        transport.write(HEADER.pack(MESSAGE, len(message)) + message)
-                    else:
-                        transport.write(HEADER.pack(MESSAGE, len(message)))
-                        transport.write(message)
+                    write_message(transport, message)
                     writable = self._writable
                     if writable is not None:
                         timeout_s = self.write_timeout_s

@@ -41,6 +41,7 @@ __all__ = [
     "MAGIC",
     "MESSAGE",
     "STATUS",
+    "WRITE_HIGH_WATER",
     "FrameError",
     "FrameReader",
     "decode_hello",
@@ -48,6 +49,7 @@ __all__ = [
     "frame",
     "hello_frame",
     "status_frame",
+    "write_message",
 ]
 
 #: kind (1 byte), body length (4 bytes, big-endian).
@@ -58,6 +60,10 @@ _KINDS = (MESSAGE, HELLO, STATUS)
 MAGIC = b"gradsync-frames/1\n"
 #: The longest HELLO a coordinator reads (magic and a token of the longest allowed size).
 MAX_HELLO_BYTES = len(MAGIC) + 4096 * 4
+#: Above this many unsent bytes a sender waits for the socket (asyncio's write high water).
+WRITE_HIGH_WATER = 1024 * 1024
+#: Bodies up to this size are joined to their header (one small copy, one send).
+_JOIN_BELOW_BYTES = 16 * 1024
 #: The longest details of a STATUS frame sent (longer ones are cut).
 MAX_DETAILS_BYTES = 16 * 1024
 _CODE = struct.Struct("!I")
@@ -81,6 +87,16 @@ class FrameError(ValueError):
 def frame(kind: int, body: bytes | bytearray | memoryview) -> list[bytes | bytearray | memoryview]:
     """The pieces of one frame (header, body) for `transport.writelines`."""
     return [HEADER.pack(kind, len(body)), body]
+
+
+def write_message(transport: asyncio.WriteTransport, raw: bytes) -> None:
+    """Write one MESSAGE frame: a small body joined to its header, a large one after it
+    (no copy of the body; Python 3.11's `writelines` would join them)."""
+    if len(raw) < _JOIN_BELOW_BYTES:
+        transport.write(HEADER.pack(MESSAGE, len(raw)) + raw)
+    else:
+        transport.write(HEADER.pack(MESSAGE, len(raw)))
+        transport.write(raw)
 
 
 def hello_frame(token: str | None) -> bytes:
@@ -125,14 +141,6 @@ def decode_status(body: bytes | bytearray) -> tuple[int, str]:
     return code, bytes(body[_CODE.size :]).decode("utf-8", "replace")
 
 
-def status_name(code: int) -> str:
-    """A status code's name for messages ("UNAVAILABLE"), or its number."""
-    try:
-        return Code(code).name
-    except ValueError:
-        return str(code)
-
-
 class FrameReader(asyncio.BufferedProtocol):
     """Frames out of a byte stream, handed to `on_frame(kind, body)` in order.
 
@@ -143,7 +151,6 @@ class FrameReader(asyncio.BufferedProtocol):
             is a `bytearray` the callee may keep.
         on_lost: called once when the connection ends: None for a clean EOF,
             else why (an OSError, or a FrameError for bytes that are not frames).
-        on_connected: called with the transport once it is connected.
     """
 
     def __init__(
@@ -151,12 +158,10 @@ class FrameReader(asyncio.BufferedProtocol):
         max_body_bytes: int,
         on_frame: Callable[[int, bytearray], None],
         on_lost: Callable[[BaseException | None], None],
-        on_connected: Callable[[asyncio.BaseTransport], None] | None = None,
     ) -> None:
         self.max_body_bytes = max_body_bytes
         self._on_frame = on_frame
         self._on_lost = on_lost
-        self._on_connected = on_connected
         self._staging = bytearray(_STAGING_BYTES)
         self._view = memoryview(self._staging)
         self._start = 0  # first unparsed byte of the staging buffer
@@ -171,8 +176,6 @@ class FrameReader(asyncio.BufferedProtocol):
     # ------------------------------------------------------------ protocol
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = transport
-        if self._on_connected is not None:
-            self._on_connected(transport)
 
     def get_buffer(self, sizehint: int) -> memoryview:
         if self._body is not None:

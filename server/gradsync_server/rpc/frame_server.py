@@ -32,14 +32,15 @@ import grpc
 from gradsync_proto import auth
 from gradsync_proto.codes import Code
 from gradsync_proto.net.frames import (
-    HEADER,
     HELLO,
     MAX_HELLO_BYTES,
     MESSAGE,
+    WRITE_HIGH_WATER,
     FrameError,
     FrameReader,
     decode_hello,
     status_frame,
+    write_message,
 )
 
 from gradsync_server.config import ServerConfig
@@ -52,12 +53,8 @@ log = logging.getLogger("gradsync.server")
 
 #: Reading pauses while this many messages wait for the handler (a Join being served).
 _MAX_WAITING_MESSAGES = 64
-#: Above this many unsent bytes the handler's next write waits for the socket.
-_WRITE_HIGH_WATER = 1024 * 1024
 #: The most connections that may wait for their HELLO at once (the oldest is dropped).
 MAX_UNGREETED = 64
-#: Bodies up to this size are joined to their header (one small copy, one send).
-_JOIN_BELOW_BYTES = 16 * 1024
 
 #: The handler: `guarded("Sync", servicer.sync, streams)`.
 SyncHandler = Callable[[AsyncIterator[bytes], Any], Awaitable[None]]
@@ -166,7 +163,7 @@ class FrameConnection(FrameReader):
         super().connection_made(transport)
         assert isinstance(transport, asyncio.Transport)
         self._transport = transport
-        transport.set_write_buffer_limits(high=_WRITE_HIGH_WATER)
+        transport.set_write_buffer_limits(high=WRITE_HIGH_WATER)
         peer = transport.get_extra_info("peername")
         if isinstance(peer, tuple) and len(peer) >= 2:
             family = "ipv6" if ":" in str(peer[0]) else "ipv4"
@@ -253,7 +250,7 @@ class FrameConnection(FrameReader):
         transport = self._transport
         if self._closed or transport is None or transport.is_closing():
             raise ConnectionError(f"the connection to {self.peer} is closed")
-        self._write(transport, raw)
+        write_message(transport, raw)
         if self._writable is not None:
             await self._writable
 
@@ -264,16 +261,8 @@ class FrameConnection(FrameReader):
             return False
         if transport.is_closing():
             return False
-        self._write(transport, raw)
+        write_message(transport, raw)
         return True
-
-    @staticmethod
-    def _write(transport: asyncio.Transport, raw: bytes) -> None:
-        if len(raw) < _JOIN_BELOW_BYTES:
-            transport.write(HEADER.pack(MESSAGE, len(raw)) + raw)
-        else:
-            transport.write(HEADER.pack(MESSAGE, len(raw)))
-            transport.write(raw)
 
     def _finish(self, code: int, details: str) -> None:
         """Send the STATUS frame and close (after what is buffered is sent)."""
