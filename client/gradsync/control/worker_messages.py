@@ -125,6 +125,22 @@ def upload_messages(
         yield item.SerializeToString()
 
 
+#: Items up to this many payload bytes are written by the thread that sends them
+#: (on a plain frame connection): a step of a small model crosses no thread on its
+#: way out. Larger ones go to the socket's writer thread, so that a hook never
+#: spends backward's time copying a large bucket into the kernel.
+INLINE_BYTES = 1 << 20
+
+
+def written_inline(item: object) -> bool:
+    """Whether the sending thread writes `item` itself (`FrameStreamClient`'s `inline`)."""
+    if isinstance(item, RangeUpload):
+        return item.hi - item.lo <= INLINE_BYTES
+    if isinstance(item, CollectiveUpload):
+        return int(item.payload.nbytes) <= INLINE_BYTES
+    return not isinstance(item, StateUpload | CheckpointUpload)
+
+
 def check_collective_input(op: int, payload: npt.NDArray[np.uint8]) -> None:
     """Check a collective's op and input before it is numbered and queued.
 

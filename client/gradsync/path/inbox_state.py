@@ -16,13 +16,21 @@ from __future__ import annotations
 
 import collections
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from gradsync_proto import chunking
 from gradsync_proto.blobs import BadChunk, BlobAssembly
+from gradsync_proto.codes import Code
+from gradsync_proto.net.stream_client import EndKind, StreamEnded
 from gradsync_proto.v1 import gradsync_pb2 as pb
 
-from gradsync.errors import CoordinatorUnavailableError, GradSyncError, error_from_status
+from gradsync.errors import (
+    ClosedError,
+    CoordinatorUnavailableError,
+    GradSyncError,
+    error_from_status,
+)
 from gradsync.path.shard_faults import ShardFault
 
 log = logging.getLogger("gradsync.client")
@@ -161,3 +169,30 @@ def ended_stream_error(
             f"the coordinator at {target} ended the stream", rank=rank
         )
     return error_from_status(code, details, rank=rank)
+
+
+def stream_end_failure(
+    ended: StreamEnded,
+    closed: bool,
+    rank: int,
+    failure_of: Callable[[int | None, str], GradSyncError],
+) -> GradSyncError | None:
+    """The error every later wait raises after the Sync stream ended (None: none).
+
+    Args:
+        ended: how the stream ended.
+        closed: this worker had begun closing its transport.
+        rank: for the messages.
+        failure_of: the error of a status (None: ended without one), `Inbox.stream_failure`.
+    """
+    if ended.kind is EndKind.CLOSED:
+        return ClosedError("the transport was closed", rank=rank)
+    if ended.kind is EndKind.FAULT:
+        return GradSyncError(f"unexpected error in the transport: {ended.cause!r}", rank=rank)
+    if ended.clean:
+        return None if closed else failure_of(None, "")
+    if closed and ended.code == Code.CANCELLED:
+        return None
+    failure = failure_of(ended.code, ended.details)
+    failure.__cause__ = ended.cause
+    return failure

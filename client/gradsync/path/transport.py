@@ -1,53 +1,48 @@
-"""The worker's side of the Sync stream: gRPC on a background event loop.
+"""The worker's side of the Sync stream: a blocking facade over a background I/O thread.
 
-`Transport` is a thread-safe, blocking facade over a `grpc.aio` stream that
-lives on its own asyncio loop in a daemon thread. The training thread and the
-autograd hooks only call non-blocking methods (`submit_bucket` enqueues) or
-bounded waits (`wait_step`, `wait_welcome`, `receive_state`). This module is
-the sending side and the gRPC plumbing (the messages themselves are cut by
+`Transport` is thread-safe. The training thread and the autograd hooks only
+call non-blocking methods (`submit_bucket` enqueues) or bounded waits
+(`wait_step`, `wait_welcome`, `receive_state`). This module is the sending
+side and the plumbing (the messages are cut by
 `gradsync.control.worker_messages`); everything the coordinator sends back
 (averaged chunks, aborted steps, a dead stream) goes into a
-`gradsync.path.inbox.Inbox`, which records it under one condition variable and
-raises stored failures at the next wait, translated into `GradSyncError`s in
-one place.
+`gradsync.path.inbox.Inbox`, which records it under one condition variable
+and raises stored failures at the next wait, translated into `GradSyncError`s
+in one place.
 
 A worker may start long before its peers, or before its coordinator: it
 sends heartbeats from the moment its stream is open (the coordinator counts a
 waiting rank as alive), and while it waits for the job to assemble it logs
 every ~10 s who is still missing, or why the coordinator cannot be reached
-(`gradsync.control.joining`), and how long it will keep trying.
-
-Collectives on user tensors travel on the same stream: `run_collective`
-numbers them (every rank issues them in the same order), uploads the input in
-chunks and waits (bounded) for the checked result.
+(`gradsync.control.joining`). Collectives on user tensors travel on the same
+stream: `run_collective` numbers them (every rank issues them in the same
+order), uploads the input in chunks and waits (bounded) for the result.
 
 A stream's end is classified by cause, not only by status code: the
-coordinator's last message is a `StreamEnd` naming the reason (declared dead,
-checkpoint failed, shutting down, ...), which is recorded and combined with
+coordinator's last message is a `StreamEnd` naming the reason, combined with
 the status that follows in `gradsync.errors.error_from_status`. Only a stream
-that broke without one, or a coordinator going away, becomes a
-`CoordinatorUnavailableError`, the one error the model wrapper reconnects on.
+that broke without one becomes a `CoordinatorUnavailableError`, the one error
+the model wrapper reconnects on.
 
 With a sharded coordinator (a Welcome listing shards), the transport also
 opens one data stream per other shard (`gradsync.path.shard_streams`) and cuts
 every bucket into one byte range per shard (`gradsync.path.bucket_uploads`):
-range 0 goes on the Sync stream, range i on shard i's stream, all in
-parallel, and the averages of every stream land in the same `Inbox`.
+range 0 goes on the Sync stream, range i on shard i's stream, in parallel,
+and the averages of every stream land in the same `Inbox`.
 
-The stream itself (writer queue, reader loop, bounded close, every way of
-ending turned into one `StreamEnded`) is a
-`gradsync_proto.net.frame_stream.FrameStreamClient`: the same messages as
-length-prefixed frames on the coordinator's frame port, far cheaper per
-message than gRPC (issue 27), or on gRPC where there is no frame port. TLS
-and the token come from one `gradsync_proto.net.channels.ChannelSecurity`,
-shared with the shard streams (which are gRPC). A wrong or missing token ends the stream
+The stream itself is a `gradsync_proto.net.frame_stream.FrameStreamClient`:
+length-prefixed frames on the coordinator's frame port (issue 27), or gRPC
+where there is none. Its asyncio loop runs in a daemon thread. On a plain
+frame connection a small item (a small model's whole bucket) is written by
+the thread that sends it and the answers are read by the socket's own reader
+thread, so a step crosses no event loop; TLS frames, gRPC and the shard
+streams (gRPC) run on the loop. TLS and the token come from one
+`gradsync_proto.net.channels.ChannelSecurity`: a wrong token ends the stream
 UNAUTHENTICATED (`AuthenticationError`); a TLS handshake that keeps failing is
-raised as `TransportSecurityError` at the first progress report of the join
-wait, not retried until the join timeout.
+raised as `TransportSecurityError` at the first progress report of the join.
 
-It implements `gradsync.control.link.CoordinatorLink` (the session link and the
-direct, or sharded, gradient path), the seam the model wrapper uses, so the
-wrapper can be tested without it.
+It implements `gradsync.control.link.CoordinatorLink`, the seam the model
+wrapper uses, so the wrapper can be tested without it.
 """
 
 from __future__ import annotations
@@ -63,10 +58,9 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 from gradsync_proto import chunking, defaults
-from gradsync_proto.codes import Code
 from gradsync_proto.net.channels import ChannelSecurity
 from gradsync_proto.net.frame_stream import FrameStreamClient
-from gradsync_proto.net.stream_client import EndKind, StreamEnded
+from gradsync_proto.net.stream_client import StreamEnded
 from gradsync_proto.v1 import gradsync_pb2 as pb
 
 from gradsync.control.collective_results import op_name
@@ -79,11 +73,13 @@ from gradsync.control.worker_messages import (
     Upload,
     check_collective_input,
     upload_messages,
+    written_inline,
 )
-from gradsync.errors import ClosedError, GradSyncError
+from gradsync.errors import ClosedError
 from gradsync.path.bucket_uploads import BucketUpload, RangeUpload, range_messages, split_upload
 from gradsync.path.buffers import BucketBuffer
 from gradsync.path.inbox import Inbox
+from gradsync.path.inbox_state import stream_end_failure
 from gradsync.path.pacing import UploadPacer, chunk_bytes_of
 from gradsync.path.shard_faults import SHARD_GRACE_MARGIN_S
 from gradsync.path.shard_streams import CLIENT_MAX_MESSAGE_BYTES, ShardStreams, channel_options
@@ -140,9 +136,8 @@ class Transport:
             target=self._loop.run_forever, name=f"gradsync-transport-r{rank}", daemon=True
         )
         self._thread.start()
-        # Raw bytes both ways: chunks are coded by gradsync_proto.codec, not protobuf.
-        # wait_for_ready: a worker may start before its coordinator; the join
-        # timeout bounds how long it waits.
+        # Raw bytes both ways (chunks are coded by gradsync_proto.codec); it waits for a
+        # coordinator that is not up yet (the join timeout bounds how long).
         self._sync = FrameStreamClient(
             target,
             SYNC_METHOD,
@@ -153,6 +148,8 @@ class Transport:
             encode=self._messages,
             name=f"sync-r{rank}",
             max_message_bytes=CLIENT_MAX_MESSAGE_BYTES,
+            inline=written_inline,
+            loop=self._loop,
         )
         self._heartbeat: asyncio.Task[None] | None = None
         #: A heartbeat is queued, not yet sent (loop thread): beats must not pile up.
@@ -160,10 +157,11 @@ class Transport:
         self._join: pb.Join | None = None
         #: Data streams to shards 1..S-1 (loop thread), opened at the Welcome.
         self._shards: ShardStreams | None = None
+        self._shards_opening = False
         #: Hands each bucket's ranges to the streams, clocked by the answers (loop thread).
         self._pacer = UploadPacer(rank, self._send_to, self._inbox, self._loop.call_later, target)
         if self._pacer.window_bytes > 0:  # unpaced: no answer to count on the receive path
-            self._inbox.on_answer = functools.partial(self._pacer.answered, 0)
+            self._inbox.on_answer = functools.partial(self._on_loop, self._pacer.answered, 0)
         self._sequence_lock = threading.Lock()
         self._next_collective = 0
         #: The step heartbeats report (set by the model wrapper).
@@ -181,14 +179,9 @@ class Transport:
     def wait_welcome(self, timeout_s: float, unreachable_s: float | None = None) -> pb.Welcome:
         """Block until the job is assembled, logging every ~10 s what it waits for.
 
-        See `gradsync.control.joining.wait_for_welcome`.
-
-        Raises:
-            CoordinatorUnavailableError: the coordinator was not reachable in time.
-            SyncTimeoutError: reachable, but the job did not assemble in time.
-            JoinRefusedError: the coordinator refused this worker (AuthenticationError:
-                the token was missing or wrong).
-            TransportSecurityError: the TLS handshake failed (said within seconds).
+        See `gradsync.control.joining.wait_for_welcome` (and its errors:
+        CoordinatorUnavailableError, SyncTimeoutError, JoinRefusedError,
+        AuthenticationError, TransportSecurityError).
         """
         return wait_for_welcome(
             self._inbox,
@@ -311,12 +304,10 @@ class Transport:
         """Queue one bucket for upload; its averages will be written back into `buffer`.
 
         Never blocks on the network; safe from any thread (autograd hooks call it).
-        Sharded: range i of the bucket goes to shard i. With `result`, every chunk
-        asks for the average in `result_dtype`, written there on the grid of
-        `result`'s own ranges (`GradientPath.submit_bucket`). A local leader's
-        `covered_ranks` (and `nonfinite_ranks`) go in every chunk, on every stream.
-        With `segment_offset` (a local leader whose segment the coordinator holds;
-        unsharded, no `result`), chunks travel header-only and averages land in place.
+        The arguments are `GradientPath.submit_bucket`'s. Sharded, range i of
+        the bucket goes to shard i; with `segment_offset` (a local leader whose
+        segment the coordinator holds; unsharded, no `result`) chunks travel
+        header-only and averages land in place.
 
         Raises:
             ValueError: `buffer` is not a whole number of `dtype` elements (sharded only).
@@ -346,7 +337,10 @@ class Transport:
         )
         if self._loop.is_closed():
             raise ClosedError("the transport is closed", rank=self.rank)
-        self._loop.call_soon_threadsafe(self._pacer.dispatch, parts)
+        if len(parts) == 1 and self._pacer.window_bytes <= 0 and parts[0] is not None:
+            self._sync.send_threadsafe(parts[0])  # unpaced, one stream: straight out
+        else:
+            self._loop.call_soon_threadsafe(self._pacer.dispatch, parts)
 
     def wait_step(self, step: int, timeout_s: float) -> int:
         """Block until every average of `step` is back; the contributors (`Inbox.wait_step`)."""
@@ -402,7 +396,9 @@ class Transport:
         """Queue range 0 of a bucket here, range i on shard i's stream (loop; the pacer's)."""
         if index == 0:
             self._sync.send(part)
-        elif self._shards is not None:
+            return
+        self._open_shards()  # (the Welcome may have been read on another thread just now)
+        if self._shards is not None:
             self._shards.send(index, part)
 
     def _range_messages(self, part: RangeUpload) -> Iterator[bytes]:
@@ -435,30 +431,26 @@ class Transport:
         return upload_messages(item, chunk_bytes, epoch, self._bucket_event)
 
     def _on_message(self, raw: bytes) -> None:
-        """Take in a message; the first Welcome of a sharded job opens the shard streams."""
+        """Take in a message (the loop's thread, or a frame socket's reader thread)."""
         self._inbox.on_message(raw)
-        if self._shards is None and (welcome := self._inbox.welcome) is not None:
-            closing, answered = (lambda: self._closed), self._pacer.answered
-            self._shards = ShardStreams(
-                self.target, self._inbox, self._range_messages, closing, answered, self._security
-            )
-            self._shards.open(welcome, self._join or pb.Join())
+        if not self._shards_opening and self._inbox.welcome is not None:
+            self._shards_opening = True
+            self._on_loop(self._open_shards)
+
+    def _open_shards(self) -> None:
+        """At the first Welcome: the data streams to shards 1..S-1 (none unsharded)."""
+        welcome = self._inbox.welcome
+        if self._shards is not None or welcome is None:
+            return
+        closing, answered = (lambda: self._closed), self._pacer.answered
+        self._shards = ShardStreams(
+            self.target, self._inbox, self._range_messages, closing, answered, self._security
+        )
+        self._shards.open(welcome, self._join or pb.Join())
 
     def _on_end(self, ended: StreamEnded) -> None:
         """Record how the Sync stream ended as the error every later wait raises (or None)."""
-        failure: GradSyncError | None = None
-        if ended.kind is EndKind.CLOSED:
-            failure = ClosedError("the transport was closed", rank=self.rank)
-        elif ended.kind is EndKind.FAULT:
-            failure = GradSyncError(
-                f"unexpected error in the transport: {ended.cause!r}", rank=self.rank
-            )
-        elif ended.clean:
-            if not self._closed:
-                failure = self._inbox.stream_failure(None, "")
-        elif not (self._closed and ended.code == Code.CANCELLED):
-            failure = self._inbox.stream_failure(ended.code, ended.details)
-            failure.__cause__ = ended.cause
+        failure = stream_end_failure(ended, self._closed, self.rank, self._inbox.stream_failure)
         self._inbox.stream_ended(failure)
 
     def _bucket_event(self, event: str, step: int, bucket_index: int) -> None:
@@ -490,7 +482,15 @@ class Transport:
     def _put(self, item: object) -> None:
         if self._loop.is_closed():
             raise ClosedError("the transport is closed", rank=self.rank)
-        self._loop.call_soon_threadsafe(self._sync.send, item)
+        self._sync.send_threadsafe(item)
+
+    def _on_loop(self, callback: Any, *args: Any) -> None:
+        """Run `callback(*args)` on the loop: now when called there, else soon."""
+        if threading.get_ident() == self._thread.ident:
+            callback(*args)
+        elif not self._loop.is_closed():
+            with contextlib.suppress(RuntimeError):  # closed meanwhile
+                self._loop.call_soon_threadsafe(callback, *args)
 
     def _run(self, coroutine: Any, timeout_s: float) -> Any:
         future = asyncio.run_coroutine_threadsafe(coroutine, self._loop)

@@ -27,12 +27,15 @@ import logging
 import os
 import socket
 import ssl
+import threading
+from collections.abc import Callable
 from typing import Any
 
 import grpc
 
 from gradsync_proto.codes import Code
 from gradsync_proto.net.address import parse_address
+from gradsync_proto.net.frame_socket import Framed, FrameSocket
 from gradsync_proto.net.frames import (
     MESSAGE,
     STATUS,
@@ -74,12 +77,36 @@ class FrameStreamClient(StreamClient):
 
     Takes `StreamClient`'s arguments; `max_message_bytes` bounds a frame read.
     `idle_timeout_s` is not supported on frames (the Sync stream has none).
+
+    Plain frames run on a `FrameSocket` (threads: `on_message` is then called
+    on its reader thread, and `send_threadsafe` writes a small item from the
+    calling thread); TLS frames and gRPC run on the loop.
+
+    Args:
+        inline: whether an item is small enough for the thread that sends it to
+            write it (default: none is; the rest go to the socket's writer thread).
+        loop: the loop `start` will be called on (`send_threadsafe` before it).
     """
 
-    def __init__(self, *args: Any, max_message_bytes: int, **kwargs: Any) -> None:
+    def __init__(
+        self,
+        *args: Any,
+        max_message_bytes: int,
+        inline: Callable[[Any], bool] = lambda item: False,
+        loop: asyncio.AbstractEventLoop | None = None,
+        **kwargs: Any,
+    ) -> None:
         super().__init__(*args, **kwargs)
         self._max_message_bytes = max_message_bytes
+        self._inline = inline
         self._transport: asyncio.Transport | None = None
+        #: The plain frame connection, once open and every item queued before it sent.
+        self._socket: FrameSocket | None = None
+        self._loop = loop
+        #: Items `send_threadsafe` handed to the loop that it has not sent yet: while
+        #: there are any, later ones go the same way (a thread's items keep their order).
+        self._hops = 0
+        self._hops_lock = threading.Lock()
         self._status: tuple[int, str] | None = None
         #: The channel of the FramePort question while it is asked.
         self._asking: grpc.aio.Channel | None = None
@@ -94,16 +121,49 @@ class FrameStreamClient(StreamClient):
         """Ask for the frame port and connect (on the loop; returns at once); given a
         `channel`, run the stream over gRPC on it instead."""
         self._done = asyncio.Event()
+        self._loop = asyncio.get_running_loop()
         if channel is not None:
             self._keepalive = channel
             self._use_grpc()
             return
         self._spawn(self._connect(), "connect")
 
+    def send(self, item: object) -> None:
+        """Queue `item` (loop thread); on a plain frame connection, write it at once."""
+        frames = self._socket
+        if frames is not None:
+            frames.put(item, inline=self._inline(item))
+        else:
+            super().send(item)
+
+    def send_threadsafe(self, item: object) -> None:
+        """`send` from any thread, keeping the order of the calling thread's items.
+
+        On a plain frame connection a small item is written by the calling
+        thread; otherwise it is handed to the loop.
+        """
+        frames = self._socket
+        if frames is not None and self._hops == 0:
+            frames.put(item, inline=self._inline(item))
+            return
+        loop = self._loop
+        if loop is None:
+            raise RuntimeError(f"{self.name}: send_threadsafe before start")
+        with self._hops_lock:
+            self._hops += 1
+        loop.call_soon_threadsafe(self._hopped, item)
+
+    def _hopped(self, item: object) -> None:
+        with self._hops_lock:
+            self._hops -= 1
+        self.send(item)
+
     @property
     def connected(self) -> bool:
         if self.pipe == "grpc":
             return bool(super().connected)
+        if self._socket is not None:
+            return not self._socket.closed
         transport = self._transport
         if transport is not None:
             return not transport.is_closing()
@@ -185,6 +245,9 @@ class FrameStreamClient(StreamClient):
 
     async def _open_frames(self, port: int) -> None:
         host = parse_address(self.target).host
+        if not self._security.tls:
+            await self._open_frame_socket(host, port)
+            return
         loop = asyncio.get_running_loop()
         protocol = FrameReader(self._max_message_bytes, self._on_frame, self._on_lost)
         protocol.pause_writing = self._pause_writing  # type: ignore[method-assign]
@@ -211,6 +274,37 @@ class FrameStreamClient(StreamClient):
         log.debug("%s: Sync stream on frames at %s:%d", self.name, host, port)
         self._spawn(self._write(), "write")
         self._spawn(self._watch_keepalive(), "keepalive")
+
+    async def _open_frame_socket(self, host: str, port: int) -> None:
+        """Connect a plain socket and hand it to a `FrameSocket` (threads), HELLO first."""
+        sock = await asyncio.wait_for(_connect(host, port), FRAME_CONNECT_TIMEOUT_S)
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        frames = FrameSocket(
+            sock,
+            self._max_message_bytes,
+            self._on_frame,
+            self._on_socket_lost,
+            self._encode,
+            write_timeout_s=lambda: self.write_timeout_s,
+            name=self.name,
+        )
+        frames.put(Framed(hello_frame(self._security.token)), inline=True)
+        while not self._queue.empty():  # what was sent before the connection, in order
+            item = self._queue.get_nowait()
+            frames.put(item, inline=self._inline(item))
+        self._socket = frames
+        self.pipe = "frames"
+        frames.start()  # (only now can an answer come in: the pipe is said first)
+        log.debug("%s: Sync stream on frames at %s:%d (threads)", self.name, host, port)
+        self._spawn(self._write(), "write")  # the farewell of `close` comes by the queue
+        self._spawn(self._watch_keepalive(), "keepalive")
+
+    def _on_socket_lost(self, exc: BaseException | None) -> None:
+        """FrameSocket's `on_lost` (its threads): say how the stream ended, on the loop."""
+        loop = self._loop
+        if loop is not None and not loop.is_closed():
+            with contextlib.suppress(RuntimeError):  # the loop closed meanwhile
+                loop.call_soon_threadsafe(self._on_lost, exc)
 
     async def _watch_keepalive(self) -> None:
         """End the stream UNAVAILABLE when the coordinator stops answering keepalive pings.
@@ -280,6 +374,8 @@ class FrameStreamClient(StreamClient):
         if self._status is not None:
             code, details = self._status
             self._finish(self._ended(EndKind.STATUS, code, details))
+        elif isinstance(exc, TimeoutError):  # a FrameSocket's write
+            self._finish(self._timeout(Code.DEADLINE_EXCEEDED, str(exc), "write"))
         elif isinstance(exc, FrameError):
             self._finish(self._ended(EndKind.STATUS, Code.INTERNAL, f"frame stream: {exc}", exc))
         elif exc is not None and not isinstance(exc, OSError):
@@ -301,6 +397,11 @@ class FrameStreamClient(StreamClient):
     async def _write(self) -> None:
         if self.pipe != "frames":
             await super()._write()
+            return
+        frames = self._socket
+        if frames is not None:  # threads write; only `close` still queues (its farewell)
+            while (item := await self._queue.get()) is not _END_WRITES:
+                frames.put(item, inline=self._inline(item))
             return
         transport = self._transport
         assert transport is not None
@@ -330,6 +431,8 @@ class FrameStreamClient(StreamClient):
     def _stop_soon(self) -> None:
         if self._transport is not None:
             self._transport.abort()
+        if self._socket is not None:
+            self._socket.stop()
         super()._stop_soon()
 
     async def _stop(self) -> None:
@@ -338,3 +441,24 @@ class FrameStreamClient(StreamClient):
         if channel is not None:
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(channel.close(), TASK_END_TIMEOUT_S)
+
+
+async def _connect(host: str, port: int) -> socket.socket:
+    """A connected non-blocking TCP socket to `host`:`port` (each address tried in turn)."""
+    loop = asyncio.get_running_loop()
+    failure: OSError = OSError(f"{host} resolves to no address")
+    for family, kind, proto, _, address in await loop.getaddrinfo(
+        host, port, type=socket.SOCK_STREAM
+    ):
+        sock = socket.socket(family, kind, proto)
+        sock.setblocking(False)
+        try:
+            await loop.sock_connect(sock, address)
+            return sock
+        except OSError as exc:
+            sock.close()
+            failure = exc
+        except BaseException:  # cancelled (the connect timeout)
+            sock.close()
+            raise
+    raise failure

@@ -243,6 +243,11 @@ class FrameReader(asyncio.BufferedProtocol):
         if self._start == self._end:
             self._start = self._end = 0
 
+    @property
+    def failed(self) -> BaseException | None:
+        """Why parsing stopped (a bad frame, or what `on_frame` raised); None while it runs."""
+        return self._failed
+
     def _fail(self, exc: BaseException) -> None:
         self._failed = exc
         self.refuse(exc)

@@ -1,0 +1,335 @@
+"""A worker's frame connection served by threads: written by whoever sends, read by one thread.
+
+Why not the event loop (issue 27): with the loop as the socket's owner, every
+step of a small model costs a worker two cross-thread hand-overs. The training
+thread wakes the loop to write its bucket (`call_soon_threadsafe`, the loop's
+self-pipe, a queue and a writer task), and the loop wakes the training thread
+with the average. With 17 processes on two cores, those wake-ups and the
+loop's bookkeeping around them cost a worker more CPU than its own Python
+(stop 41: the transport loop took a third of a W = 16 worker's CPU for two
+messages a step).
+
+`FrameSocket` owns one connected, non-blocking, plain TCP socket:
+
+- **writes** happen on the thread that sends when the item is small and
+  nothing is queued before it: it is encoded and handed to the kernel with a
+  non-blocking `sendmsg`, so the sender never waits. Whatever the kernel does
+  not take at once, a large item, and every item behind one go to a writer
+  thread, which waits for the socket (bounded) and keeps the order;
+- **reads** happen on a reader thread, which parses frames with the same
+  `FrameReader` as the loop's pipe (claims over the limit refused before they
+  are allocated) and hands each one to `on_frame` on that thread;
+- **ending**: `on_lost` is called once, from the reader or writer thread,
+  with why (None for a clean EOF); `stop` wakes both threads, which then
+  end, and the last one out closes the socket.
+
+TLS connections stay on the loop's pipe (`gradsync_proto.net.frame_stream`):
+one OpenSSL connection must not be read and written by two threads at once.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import logging
+import select
+import socket
+import threading
+import time
+from collections.abc import Callable, Iterable, Iterator
+from typing import Any
+
+from gradsync_proto.net.frames import HEADER, MESSAGE, FrameReader
+
+log = logging.getLogger("gradsync.net")
+
+__all__ = ["FrameSocket", "Framed"]
+
+#: How often a thread waiting on the socket looks whether it was stopped.
+_POLL_SLICE_MS = 500
+
+
+class Framed:
+    """Bytes that are already one or more whole frames (a HELLO): written as they are."""
+
+    __slots__ = ("data",)
+
+    def __init__(self, data: bytes) -> None:
+        self.data = data
+
+
+class _Rest:
+    """What an inline write left to the writer thread: the unsent bytes, then more messages."""
+
+    __slots__ = ("buffers", "messages")
+
+    def __init__(self, buffers: list[memoryview], messages: Iterator[bytes]) -> None:
+        self.buffers = buffers
+        self.messages = messages
+
+
+class FrameSocket:
+    """One connected plain socket carrying frames, read and written by threads.
+
+    Args:
+        sock: connected; made non-blocking here, owned from now on.
+        max_body_bytes: the longest frame body read (a longer claim ends the connection).
+        on_frame: each frame's (kind, body), in order, on the reader thread.
+        on_lost: once, with why the connection ended (None: the peer closed it
+            cleanly), on the reader or writer thread. Not called after `stop`.
+        encode: the wire messages (MESSAGE bodies) of an item given to `put`.
+        write_timeout_s: the longest the writer thread waits for the socket to
+            take more bytes (None: unbounded); read at each wait.
+        name: for thread names and log messages.
+    """
+
+    def __init__(
+        self,
+        sock: socket.socket,
+        max_body_bytes: int,
+        on_frame: Callable[[int, bytearray], None],
+        on_lost: Callable[[BaseException | None], None],
+        encode: Callable[[Any], Iterable[bytes]],
+        *,
+        write_timeout_s: Callable[[], float | None] = lambda: None,
+        name: str = "frames",
+    ) -> None:
+        sock.setblocking(False)
+        self._sock = sock
+        self._reader = FrameReader(max_body_bytes, on_frame, self._reader_failed)
+        self._on_lost = on_lost
+        self._encode = encode
+        self._write_timeout_s = write_timeout_s
+        self.name = name
+        self._lock = threading.Lock()
+        self._wake_writer = threading.Condition(self._lock)
+        #: Items (and an inline write's rest) waiting for the writer thread, in order.
+        self._pending: collections.deque[Any] = collections.deque()
+        #: A thread is writing to the socket (only one ever does).
+        self._busy = False
+        self._stopped = False
+        self._lost = False
+        self._threads_left = 2
+        self._threads = [
+            threading.Thread(target=self._read_loop, name=f"gradsync-{name}-read", daemon=True),
+            threading.Thread(target=self._write_loop, name=f"gradsync-{name}-write", daemon=True),
+        ]
+
+    # ------------------------------------------------------------ public API
+    def start(self) -> None:
+        """Start the reader and writer threads."""
+        for thread in self._threads:
+            thread.start()
+
+    @property
+    def closed(self) -> bool:
+        """Stopped, or the connection is gone."""
+        return self._stopped or self._lost
+
+    def put(self, item: Any, *, inline: bool) -> None:
+        """Write `item`'s messages after everything put before it (any thread; never blocks).
+
+        With `inline` (a small item) and nothing queued, the calling thread hands
+        the bytes to the kernel itself, without waiting; otherwise, and for what
+        the kernel did not take at once, the writer thread does. Dropped once
+        the connection is closed.
+        """
+        with self._lock:
+            if self._stopped or self._lost:
+                return
+            if self._busy or self._pending or not inline:
+                self._pending.append(item)
+                if not self._busy:
+                    self._wake_writer.notify()
+                return
+            self._busy = True
+        rest: _Rest | None = None
+        failure: BaseException | None = None
+        try:
+            rest = self._write_without_waiting(item)
+        except Exception as exc:  # a broken connection, or an encoder's bug
+            failure = exc
+        with self._lock:
+            if rest is not None:
+                self._pending.appendleft(rest)
+            self._busy = False
+            if self._pending:
+                self._wake_writer.notify()
+            self._close_if_done()
+        if failure is not None:
+            self._lose(failure)
+
+    def stop(self) -> None:
+        """End both threads (they close the socket); `on_lost` is not called any more."""
+        with self._lock:
+            if self._stopped:
+                return
+            self._stopped = True
+            self._pending.clear()
+            self._wake_writer.notify_all()
+        with contextlib.suppress(OSError):  # (not connected any more)
+            self._sock.shutdown(socket.SHUT_RDWR)  # wakes a thread waiting in poll
+
+    # ------------------------------------------------------------ writing
+    def _messages(self, item: Any) -> Iterator[bytes]:
+        if isinstance(item, Framed):
+            return iter(())
+        return iter(self._encode(item))
+
+    def _write_without_waiting(self, item: Any) -> _Rest | None:
+        """Send what the kernel takes now; return the rest (None: all of it went)."""
+        messages = self._messages(item)
+        if isinstance(item, Framed):
+            buffers = self._send_some([memoryview(item.data)])
+            if buffers:
+                return _Rest(buffers, messages)
+        for raw in messages:
+            buffers = self._send_some(_frame_buffers(raw))
+            if buffers:
+                return _Rest(buffers, messages)
+        return None
+
+    def _send_some(self, buffers: list[memoryview]) -> list[memoryview]:
+        """One non-blocking `sendmsg` at a time while the kernel takes bytes; the rest."""
+        while buffers:
+            try:
+                sent = self._sock.sendmsg(buffers)
+            except (BlockingIOError, InterruptedError):
+                return buffers
+            buffers = _skip(buffers, sent)
+        return buffers
+
+    def _write_loop(self) -> None:
+        try:
+            while True:
+                with self._lock:
+                    while self._busy or not self._pending:
+                        if self._stopped or self._lost:
+                            return
+                        self._wake_writer.wait()
+                    item = self._pending.popleft()
+                    self._busy = True
+                try:
+                    self._write_waiting(item)
+                finally:
+                    with self._lock:
+                        self._busy = False
+        except Exception as exc:
+            self._lose(exc)
+        finally:
+            self._thread_done()
+
+    def _write_waiting(self, item: Any) -> None:
+        """Write all of `item`, waiting (bounded) whenever the socket is full."""
+        if isinstance(item, _Rest):
+            self._send_all(item.buffers)
+            messages: Iterator[bytes] = item.messages
+        else:
+            if isinstance(item, Framed):
+                self._send_all([memoryview(item.data)])
+            messages = self._messages(item)
+        for raw in messages:
+            self._send_all(_frame_buffers(raw))
+
+    def _send_all(self, buffers: list[memoryview]) -> None:
+        poller = select.poll()
+        poller.register(self._sock, select.POLLOUT)
+        while True:
+            buffers = self._send_some(buffers)
+            if not buffers:
+                return
+            self._wait(poller, "write")
+
+    def _wait(self, poller: select.poll, what: str) -> None:
+        """Wait until the socket is ready for `what`; raise once stopped or past the timeout."""
+        timeout_s = self._write_timeout_s() if what == "write" else None
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        while not poller.poll(_POLL_SLICE_MS):
+            if self._stopped or self._lost:
+                raise _Stopped()
+            if deadline is not None and time.monotonic() > deadline:
+                raise TimeoutError(f"a write took longer than {timeout_s:g}s")
+
+    # ------------------------------------------------------------ reading
+    def _read_loop(self) -> None:
+        reader = self._reader
+        poller = select.poll()
+        poller.register(self._sock, select.POLLIN)
+        try:
+            while not (self._stopped or self._lost):
+                buffer = reader.get_buffer(-1)
+                try:
+                    received = self._sock.recv_into(buffer)
+                except (BlockingIOError, InterruptedError):
+                    self._wait(poller, "read")
+                    continue
+                if received == 0:
+                    reader.connection_lost(None)  # reports a frame cut in the middle
+                    return
+                reader.buffer_updated(received)
+                if reader.failed is not None:  # not frames, or `on_frame` raised
+                    self._lose(reader.failed)
+                    return
+        except _Stopped:
+            pass
+        except OSError as exc:
+            if not self._stopped:
+                reader.connection_lost(exc)
+        except Exception as exc:
+            self._lose(exc)
+        finally:
+            self._thread_done()
+
+    def _reader_failed(self, exc: BaseException | None) -> None:
+        """FrameReader's `on_lost`: a bad frame or a raising `on_frame`, or the end."""
+        self._lose(exc)
+
+    # ------------------------------------------------------------ ending
+    def _lose(self, exc: BaseException | None) -> None:
+        if isinstance(exc, _Stopped):
+            return
+        with self._lock:
+            if self._lost or self._stopped:
+                return
+            self._lost = True
+            self._pending.clear()
+            self._wake_writer.notify_all()
+        try:
+            self._on_lost(exc)
+        except Exception:
+            log.exception("%s: the connection-lost handler failed", self.name)
+        with contextlib.suppress(OSError):
+            self._sock.shutdown(socket.SHUT_RDWR)
+
+    def _thread_done(self) -> None:
+        with self._lock:
+            self._threads_left -= 1
+            self._close_if_done()
+
+    def _close_if_done(self) -> None:
+        """Close the socket once both threads ended and no sender is writing (lock held):
+        closing it under a write could hand its descriptor's number to another file."""
+        if self._threads_left == 0 and not self._busy and self._sock.fileno() != -1:
+            self._sock.close()
+
+
+class _Stopped(Exception):
+    """`stop` was called while a thread waited on the socket."""
+
+
+def _frame_buffers(raw: bytes) -> list[memoryview]:
+    """A MESSAGE frame as buffers for `sendmsg` (no copy of the body)."""
+    return [memoryview(HEADER.pack(MESSAGE, len(raw))), memoryview(raw)]
+
+
+def _skip(buffers: list[memoryview], sent: int) -> list[memoryview]:
+    """`buffers` without their first `sent` bytes."""
+    while sent and buffers:
+        first = buffers[0]
+        if sent >= len(first):
+            sent -= len(first)
+            buffers = buffers[1:]
+        else:
+            buffers = [first[sent:], *buffers[1:]]
+            sent = 0
+    return buffers
