@@ -312,7 +312,9 @@ class Reducer:
         for launched in self._launched:
             if launched is not None and launched.presence_tail is not None:
                 self._presence.copy_(launched.presence_tail)
-        used_anywhere = (self._presence > 0).tolist()
+        # A parameter this rank used was used somewhere: when that is every one (the
+        # usual case), the presence average need not be read (a tensor op and a list).
+        used_anywhere = self._used if all(self._used) else (self._presence > 0).tolist()
         for launched in self._launched:
             if launched is None:
                 continue  # (cannot happen: every bucket was launched above)
