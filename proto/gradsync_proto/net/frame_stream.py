@@ -154,9 +154,9 @@ class FrameStreamClient(StreamClient):
         loop.call_soon_threadsafe(self._hopped, item)
 
     def _hopped(self, item: object) -> None:
+        self.send(item)  # before the count drops: a later item must not overtake it
         with self._hops_lock:
             self._hops -= 1
-        self.send(item)
 
     @property
     def connected(self) -> bool:
