@@ -70,7 +70,11 @@ def pair() -> Iterator[tuple[socket.socket, socket.socket]]:
 
 
 def _frame_socket(
-    sock: socket.socket, ends: Ends, limit: int = 1 << 24, write_timeout_s: float | None = None
+    sock: socket.socket,
+    ends: Ends,
+    limit: int = 1 << 24,
+    write_timeout_s: float | None = None,
+    name: str = "test",
 ) -> FrameSocket:
     frames = FrameSocket(
         sock,
@@ -79,7 +83,7 @@ def _frame_socket(
         ends.on_lost,
         _encode,
         write_timeout_s=lambda: write_timeout_s,
-        name="test",
+        name=name,
     )
     frames.start()
     return frames
@@ -222,15 +226,19 @@ def test_stop_ends_both_threads_closes_the_socket_and_reports_nothing(pair) -> N
     left, _right = pair
     _small_buffers(left)
     ends = Ends()
-    frames = _frame_socket(left, ends)
+    frames = _frame_socket(left, ends, name="stopping")  # (its threads' names: this test's)
     frames.put(b"z" * 8_000_000, inline=False)  # the writer thread waits on a full socket
     time.sleep(0.2)
     frames.stop()
+
+    def running() -> list[threading.Thread]:
+        return [t for t in threading.enumerate() if t.name.startswith("gradsync-stopping-")]
+
     deadline = time.monotonic() + 10
-    while left.fileno() != -1 and time.monotonic() < deadline:
+    while (running() or left.fileno() != -1) and time.monotonic() < deadline:
         time.sleep(0.01)
-    assert left.fileno() == -1  # both threads ended and the last one closed it
-    assert not [t for t in threading.enumerate() if t.name.startswith("gradsync-test-")]
+    assert running() == []  # both threads ended...
+    assert left.fileno() == -1  # ...and the last one out closed the socket
     assert ends.lost == []
     assert frames.closed
     frames.put(b"after", inline=True)  # dropped
