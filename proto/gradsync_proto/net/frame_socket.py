@@ -96,7 +96,8 @@ class FrameSocket:
     ) -> None:
         sock.setblocking(False)
         self._sock = sock
-        self._reader = FrameReader(max_body_bytes, on_frame, self._reader_failed)
+        # (its `on_lost`: a bad frame, a raising `on_frame`, or the end)
+        self._reader = FrameReader(max_body_bytes, on_frame, self._lose)
         self._on_lost = on_lost
         self._encode = encode
         self._write_timeout_s = write_timeout_s
@@ -171,23 +172,28 @@ class FrameSocket:
             self._sock.shutdown(socket.SHUT_RDWR)  # wakes a thread waiting in poll
 
     # ------------------------------------------------------------ writing
-    def _messages(self, item: Any) -> Iterator[bytes]:
+    def _unsent(self, item: Any) -> _Rest:
+        """What writing `item` means: bytes as they are, then messages to frame.
+
+        Called only when the item is written, so that an encoder reads its state
+        (a heartbeat's step) then, not when the item was put.
+        """
+        if isinstance(item, _Rest):
+            return item
         if isinstance(item, Framed):
-            return iter(())
-        return iter(self._encode(item))
+            return _Rest([memoryview(item.data)], iter(()))
+        return _Rest([], iter(self._encode(item)))
 
     def _write_without_waiting(self, item: Any) -> _Rest | None:
         """Send what the kernel takes now; return the rest (None: all of it went)."""
-        messages = self._messages(item)
-        if isinstance(item, Framed):
-            buffers = self._send_some([memoryview(item.data)])
-            if buffers:
-                return _Rest(buffers, messages)
-        for raw in messages:
+        unsent = self._unsent(item)
+        buffers = self._send_some(unsent.buffers)
+        while not buffers:  # all of it went: on to the next message
+            raw = next(unsent.messages, None)
+            if raw is None:
+                return None
             buffers = self._send_some(_frame_buffers(raw))
-            if buffers:
-                return _Rest(buffers, messages)
-        return None
+        return _Rest(buffers, unsent.messages)
 
     def _send_some(self, buffers: list[memoryview]) -> list[memoryview]:
         """One non-blocking `sendmsg` at a time while the kernel takes bytes; the rest."""
@@ -221,14 +227,9 @@ class FrameSocket:
 
     def _write_waiting(self, item: Any) -> None:
         """Write all of `item`, waiting (bounded) whenever the socket is full."""
-        if isinstance(item, _Rest):
-            self._send_all(item.buffers)
-            messages: Iterator[bytes] = item.messages
-        else:
-            if isinstance(item, Framed):
-                self._send_all([memoryview(item.data)])
-            messages = self._messages(item)
-        for raw in messages:
+        unsent = self._unsent(item)
+        self._send_all(unsent.buffers)
+        for raw in unsent.messages:
             self._send_all(_frame_buffers(raw))
 
     def _send_all(self, buffers: list[memoryview]) -> None:
@@ -279,10 +280,6 @@ class FrameSocket:
             self._lose(exc)
         finally:
             self._thread_done()
-
-    def _reader_failed(self, exc: BaseException | None) -> None:
-        """FrameReader's `on_lost`: a bad frame or a raising `on_frame`, or the end."""
-        self._lose(exc)
 
     # ------------------------------------------------------------ ending
     def _lose(self, exc: BaseException | None) -> None:

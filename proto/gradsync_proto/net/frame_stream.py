@@ -401,7 +401,7 @@ class FrameStreamClient(StreamClient):
         frames = self._socket
         if frames is not None:  # threads write; only `close` still queues (its farewell)
             while (item := await self._queue.get()) is not _END_WRITES:
-                frames.put(item, inline=self._inline(item))
+                self.send(item)
             return
         transport = self._transport
         assert transport is not None
