@@ -271,3 +271,35 @@ def test_threads_putting_at_once_get_whole_frames_each_in_its_own_order(pair) ->
         thread.join(10)
     assert seen == {sender: list(range(per_sender)) for sender in range(senders)}
     frames.stop()
+
+
+def test_a_write_that_finds_the_peer_gone_still_lets_its_last_frames_be_read() -> None:
+    """The coordinator writes its StreamEnd and status, then closes (a reset: it left
+    bytes unread). A heartbeat written after that fails; the frames already in the
+    receive buffer must still be read, before the loss is reported (CI, stop 42: both
+    workers took a --require-checkpoint refusal for a lost coordinator)."""
+    server = socket.create_server(("127.0.0.1", 0))
+    left = socket.create_connection(server.getsockname())
+    right, _ = server.accept()
+    server.close()
+    try:
+        left.sendall(b"bytes the peer never reads")
+        time.sleep(0.1)
+        last_words = [b"stream end", b"and its reason"]
+        for body in last_words:
+            right.sendall(HEADER.pack(MESSAGE, len(body)) + body)
+        right.close()  # unread bytes: a reset, not a clean close
+        time.sleep(0.1)
+        ends = Ends()
+        frames = FrameSocket(left, 1 << 20, ends.on_frame, ends.on_lost, _encode, name="reset")
+        frames.put(b"a heartbeat", inline=True)  # fails: the connection was reset
+        assert ends.lost == []  # not reported by the writer...
+        frames.put(b"dropped", inline=True)  # (nothing more is written)
+        frames.start()
+        assert ends.lost_event.wait(10)
+        # ...but by the reader, once it read what the peer sent before it went.
+        assert [body for _, body, _ in ends.frames] == last_words
+        assert len(ends.lost) == 1
+    finally:
+        left.close()
+        right.close()

@@ -21,7 +21,12 @@ messages a step).
   are allocated) and hands each one to `on_frame` on that thread;
 - **ending**: `on_lost` is called once, from the reader or writer thread,
   with why (None for a clean EOF); `stop` wakes both threads, which then
-  end, and the last one out closes the socket.
+  end, and the last one out closes the socket. A write that finds the
+  connection broken does not end it by itself: the peer's last words (a
+  coordinator's StreamEnd and status, written just before it closed) may still
+  wait in the receive buffer, and the reader reads them first (bounded by
+  `DRAIN_AFTER_BROKEN_WRITE_S`). Ending at once lost them, so a worker took a
+  refusal for a lost coordinator and reconnected.
 
 TLS connections stay on the loop's pipe (`gradsync_proto.net.frame_stream`):
 one OpenSSL connection must not be read and written by two threads at once.
@@ -47,6 +52,10 @@ __all__ = ["FrameSocket", "Framed"]
 
 #: How often a thread waiting on the socket looks whether it was stopped.
 _POLL_SLICE_MS = 500
+
+#: After a write found the connection broken, how long the reader may still read
+#: what the peer sent before it went (it normally sees the end at once).
+DRAIN_AFTER_BROKEN_WRITE_S = 2.0
 
 
 class Framed:
@@ -110,6 +119,10 @@ class FrameSocket:
         self._busy = False
         self._stopped = False
         self._lost = False
+        #: A write found the connection broken (reset, or a closed pipe), and when:
+        #: nothing more is written; the reader reads to the end, then reports.
+        self._broken: OSError | None = None
+        self._broken_at = 0.0
         self._threads_left = 2
         self._threads = [
             threading.Thread(target=self._read_loop, name=f"gradsync-{name}-read", daemon=True),
@@ -136,7 +149,7 @@ class FrameSocket:
         the connection is closed.
         """
         with self._lock:
-            if self._stopped or self._lost:
+            if self._stopped or self._lost or self._broken is not None:
                 return
             if self._busy or self._pending or not inline:
                 self._pending.append(item)
@@ -158,7 +171,7 @@ class FrameSocket:
                 self._wake_writer.notify()
             self._close_if_done()
         if failure is not None:
-            self._lose(failure)
+            self._write_failed(failure)
 
     def stop(self) -> None:
         """End both threads (they close the socket); `on_lost` is not called any more."""
@@ -210,7 +223,7 @@ class FrameSocket:
             while True:
                 with self._lock:
                     while self._busy or not self._pending:
-                        if self._stopped or self._lost:
+                        if self._stopped or self._lost or self._broken is not None:
                             return
                         self._wake_writer.wait()
                     item = self._pending.popleft()
@@ -221,7 +234,7 @@ class FrameSocket:
                     with self._lock:
                         self._busy = False
         except Exception as exc:
-            self._lose(exc)
+            self._write_failed(exc)
         finally:
             self._thread_done()
 
@@ -242,14 +255,23 @@ class FrameSocket:
             self._wait(poller, "write")
 
     def _wait(self, poller: select.poll, what: str) -> None:
-        """Wait until the socket is ready for `what`; raise once stopped or past the timeout."""
+        """Wait until the socket is ready for `what`; raise once stopped or past the timeout.
+
+        A read after a broken write waits at most until `DRAIN_AFTER_BROKEN_WRITE_S`
+        after it, then raises that write's error.
+        """
         timeout_s = self._write_timeout_s() if what == "write" else None
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
-        while not poller.poll(_POLL_SLICE_MS):
+        while not poller.poll(_POLL_SLICE_MS if self._broken is None else 50):
             if self._stopped or self._lost:
                 raise _Stopped()
             if deadline is not None and time.monotonic() > deadline:
                 raise TimeoutError(f"a write took longer than {timeout_s:g}s")
+            broken = self._broken
+            if broken is not None and time.monotonic() > (
+                self._broken_at + DRAIN_AFTER_BROKEN_WRITE_S
+            ):
+                raise broken
 
     # ------------------------------------------------------------ reading
     def _read_loop(self) -> None:
@@ -282,6 +304,21 @@ class FrameSocket:
             self._thread_done()
 
     # ------------------------------------------------------------ ending
+    def _write_failed(self, exc: BaseException) -> None:
+        """A write failed: a broken connection is left to the reader; anything else ends it."""
+        if not isinstance(exc, OSError) or isinstance(exc, TimeoutError):
+            self._lose(exc)  # an encoder's bug, or a peer that stopped reading
+            return
+        with self._lock:
+            if self._broken is not None or self._lost or self._stopped:
+                return
+            self._broken, self._broken_at = exc, time.monotonic()
+            self._pending.clear()
+            self._wake_writer.notify_all()
+        log.debug(
+            "%s: a write found the connection broken (%s); reading to its end", self.name, exc
+        )
+
     def _lose(self, exc: BaseException | None) -> None:
         if isinstance(exc, _Stopped):
             return
