@@ -283,6 +283,39 @@ def test_a_refusal_is_a_stream_end_message_then_the_status_frame_then_nothing() 
     run(scenario)
 
 
+def test_an_ended_connection_reads_what_the_worker_still_sends_and_ends_without_a_reset() -> None:
+    """After its STATUS frame the coordinator half-closes and drops what still comes.
+
+    Closing at once with the worker's bytes unread makes the kernel reset the
+    connection, and a reset drops what was not yet delivered: on a slow link, the
+    StreamEnd and STATUS themselves (stop 42's CI: a worker took a refusal for a lost
+    coordinator). The worker here keeps sending after the refusal, then reads.
+    """
+
+    async def scenario() -> None:
+        async with coordinator() as (running, _), frame_workers(frame_port(running)) as connect:
+            worker = await connect()
+            await worker.send(pb.WorkerMessage(heartbeat=pb.Heartbeat(step=0)))  # not a Join
+            await asyncio.sleep(0.3)  # the coordinator has ended its side by now
+            for _ in range(20):  # a bucket's worth the coordinator never reads
+                await worker.send(pb.WorkerMessage(heartbeat=pb.Heartbeat(step=1)))
+                worker.writer.write(HEADER.pack(MESSAGE, 10_000) + bytes(10_000))
+            await asyncio.sleep(0.3)
+            assert (await worker.recv()).WhichOneof("kind") == "stream_end"
+            frame = await worker.frame()
+            assert frame is not None and frame[0] == STATUS
+            assert await worker.frame() is None  # a clean end (FIN): a reset raises here
+            worker.writer.close()
+            frames = running.frames
+            assert frames is not None
+            deadline = asyncio.get_running_loop().time() + 5
+            while frames.connections and asyncio.get_running_loop().time() < deadline:
+                await asyncio.sleep(0.05)
+            assert not frames.connections  # closed once the worker closed its end
+
+    run(scenario)
+
+
 def test_a_right_token_behind_a_refused_hello_in_the_same_packet_is_not_looked_at(
     caplog: pytest.LogCaptureFixture,
 ) -> None:

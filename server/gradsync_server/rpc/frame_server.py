@@ -56,6 +56,12 @@ _MAX_WAITING_MESSAGES = 64
 #: The most connections that may wait for their HELLO at once (the oldest is dropped).
 MAX_UNGREETED = 64
 
+#: How long an ended connection still reads (and drops) what the worker sends, waiting
+#: for it to close its end, before it is cut off (see `FrameConnection._finish`).
+LINGER_S = 5.0
+#: What lingering connections read into, to drop it (shared: nobody reads it back).
+_DRAIN = memoryview(bytearray(1 << 16))
+
 #: The handler: `guarded("Sync", servicer.sync, streams)`.
 SyncHandler = Callable[[AsyncIterator[bytes], Any], Awaitable[None]]
 
@@ -156,6 +162,10 @@ class FrameConnection(FrameReader):
         self._hello_timer: asyncio.TimerHandle | None = None
         self._writable: asyncio.Future[None] | None = None
         self._closed = False
+        #: The STATUS frame is written: what still comes in is read and dropped.
+        self._ending = False
+        self._linger: asyncio.TimerHandle | None = None
+        self._lingering = False
         self.peer = "frames:unknown"
 
     # ------------------------------------------------------------ protocol
@@ -182,10 +192,25 @@ class FrameConnection(FrameReader):
             self._writable.set_result(None)
         self._writable = None
 
+    def get_buffer(self, sizehint: int) -> memoryview:
+        if self._lingering:  # read to be dropped, not parsed
+            return _DRAIN
+        return super().get_buffer(sizehint)
+
+    def buffer_updated(self, nbytes: int) -> None:
+        if not self._lingering:
+            super().buffer_updated(nbytes)
+
+    def _open(self) -> asyncio.Transport | None:
+        """The transport while this end may still write to it (None once it ended)."""
+        transport = self._transport
+        if transport is None or transport.is_closing() or self._ending:
+            return None
+        return transport
+
     # ------------------------------------------------------------ frames
     def _on_frame(self, kind: int, body: bytearray) -> None:
-        transport = self._transport
-        if transport is None or transport.is_closing():
+        if self._open() is None:
             return  # refused or ended: what follows in the same read is not looked at
         if self._task is None:
             self._hello(kind, body)
@@ -217,6 +242,8 @@ class FrameConnection(FrameReader):
 
     def _on_lost(self, exc: BaseException | None) -> None:
         self._closed = True
+        if self._linger is not None:
+            self._linger.cancel()
         self._server.connections.discard(self)
         self._server.greeted(self)
         if self._hello_timer is not None:
@@ -247,8 +274,8 @@ class FrameConnection(FrameReader):
 
     async def send(self, raw: bytes) -> None:
         """Write one message frame; wait while the socket's buffer is over its high water."""
-        transport = self._transport
-        if self._closed or transport is None or transport.is_closing():
+        transport = self._open()
+        if self._closed or transport is None:
             raise ConnectionError(f"the connection to {self.peer} is closed")
         write_message(transport, raw)
         if self._writable is not None:
@@ -256,20 +283,37 @@ class FrameConnection(FrameReader):
 
     def write_now(self, raw: bytes) -> bool:
         """Write one message frame unless the socket's buffer is full or the connection closed."""
-        transport = self._transport
+        transport = self._open()
         if self._writable is not None or self._closed or transport is None:
-            return False
-        if transport.is_closing():
             return False
         write_message(transport, raw)
         return True
 
     def _finish(self, code: int, details: str) -> None:
-        """Send the STATUS frame and close (after what is buffered is sent)."""
-        transport = self._transport
-        if transport is not None and not transport.is_closing():
-            transport.write(status_frame(code, details))
+        """Send the STATUS frame, then end our side; close once the worker closed its own.
+
+        Why not close at once: the worker may still be sending (a heartbeat, the next
+        step's bucket). Closing a socket with unread bytes makes the kernel reset the
+        connection, and a reset drops what it has not yet delivered of ours: on a slow
+        link, the StreamEnd and STATUS that say why, so the worker would take a refusal
+        for a lost coordinator and reconnect. So this end half-closes (its FIN follows
+        the STATUS), reads and drops what still comes, and closes when the worker does,
+        or after `LINGER_S`. TLS cannot half-close, and a connection that never said
+        HELLO is not worth a descriptor for seconds (a flood of them must stay
+        bounded, `MAX_UNGREETED`): those close as before.
+        """
+        transport = self._open()
+        if transport is None:
+            return
+        self._ending = True
+        transport.write(status_frame(code, details))
+        if self._task is None or not transport.can_write_eof():
             transport.close()
+            return
+        transport.write_eof()  # after what is buffered
+        self._lingering = True
+        transport.resume_reading()  # (paused while the handler was behind)
+        self._linger = asyncio.get_running_loop().call_later(LINGER_S, transport.abort)
 
     def refuse(self, exc: BaseException) -> None:
         """Bytes that are not frames: say why in a STATUS frame, then close."""
@@ -281,8 +325,8 @@ class FrameConnection(FrameReader):
             self._finish(int(Code.INTERNAL), f"internal error in Sync: {type(exc).__name__}: {exc}")
 
     def _pause_reading(self, pause: bool) -> None:
-        transport = self._transport
-        if transport is None or transport.is_closing():
+        transport = self._open()
+        if transport is None:
             return
         if pause:
             transport.pause_reading()
