@@ -126,6 +126,8 @@ class _Requests:
         self._notify()
 
     def finish(self, exc: BaseException | None) -> None:
+        if self._ended:
+            return  # (an ended connection that lingered: its end was said then)
         self._ended, self._end = True, exc
         self._notify()
 
@@ -248,7 +250,11 @@ class FrameConnection(FrameReader):
         self._server.greeted(self)
         if self._hello_timer is not None:
             self._hello_timer.cancel()
-        self._requests.finish(exc if exc is not None and not isinstance(exc, FrameError) else None)
+        self._release_handler(exc if exc is not None and not isinstance(exc, FrameError) else None)
+
+    def _release_handler(self, exc: BaseException | None) -> None:
+        """No more messages for the handler (`exc`: why); a write it waits on returns."""
+        self._requests.finish(exc)
         if self._writable is not None and not self._writable.done():
             self._writable.set_result(None)  # a waiting write returns; the next one is refused
 
@@ -312,6 +318,9 @@ class FrameConnection(FrameReader):
             return
         transport.write_eof()  # after what is buffered
         self._lingering = True
+        # What comes now is dropped: a handler still running (a refused frame) sees the
+        # end of its messages now, as it did when the connection closed at once.
+        self._release_handler(None)
         transport.resume_reading()  # (paused while the handler was behind)
         self._linger = asyncio.get_running_loop().call_later(LINGER_S, transport.abort)
 
