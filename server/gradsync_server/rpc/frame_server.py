@@ -45,6 +45,7 @@ from gradsync_proto.net.frames import (
 
 from gradsync_server.config import ServerConfig
 from gradsync_server.rpc.auth_check import MISSING_TOKEN, WRONG_TOKEN
+from gradsync_server.rpc.linger import Linger
 
 if TYPE_CHECKING:
     from gradsync_server.rpc.servicer import CoordinatorServicer
@@ -56,9 +57,6 @@ _MAX_WAITING_MESSAGES = 64
 #: The most connections that may wait for their HELLO at once (the oldest is dropped).
 MAX_UNGREETED = 64
 
-#: How long an ended connection still reads (and drops) what the worker sends, waiting
-#: for it to close its end, before it is cut off (see `FrameConnection._finish`).
-LINGER_S = 5.0
 #: What lingering connections read into, to drop it (shared: nobody reads it back).
 _DRAIN = memoryview(bytearray(1 << 16))
 
@@ -166,7 +164,7 @@ class FrameConnection(FrameReader):
         self._closed = False
         #: The STATUS frame is written: what still comes in is read and dropped.
         self._ending = False
-        self._linger: asyncio.TimerHandle | None = None
+        self._linger: Linger | None = None
         self._lingering = False
         self.peer = "frames:unknown"
 
@@ -304,9 +302,10 @@ class FrameConnection(FrameReader):
         link, the StreamEnd and STATUS that say why, so the worker would take a refusal
         for a lost coordinator and reconnect. So this end half-closes (its FIN follows
         the STATUS), reads and drops what still comes, and closes when the worker does,
-        or after `LINGER_S`. TLS cannot half-close, and a connection that never said
-        HELLO is not worth a descriptor for seconds (a flood of them must stay
-        bounded, `MAX_UNGREETED`): those close as before.
+        or once its last bytes stopped moving for a while (`rpc.linger`). TLS cannot
+        half-close, and a connection that never said HELLO is not worth a descriptor
+        for seconds (a flood of them must stay bounded, `MAX_UNGREETED`): those close
+        as before.
         """
         transport = self._open()
         if transport is None:
@@ -322,7 +321,7 @@ class FrameConnection(FrameReader):
         # end of its messages now, as it did when the connection closed at once.
         self._release_handler(None)
         transport.resume_reading()  # (paused while the handler was behind)
-        self._linger = asyncio.get_running_loop().call_later(LINGER_S, transport.abort)
+        self._linger = Linger(transport)
 
     def refuse(self, exc: BaseException) -> None:
         """Bytes that are not frames: say why in a STATUS frame, then close."""
