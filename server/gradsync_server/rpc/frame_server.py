@@ -164,8 +164,8 @@ class FrameConnection(FrameReader):
         self._closed = False
         #: The STATUS frame is written: what still comes in is read and dropped.
         self._ending = False
+        #: Set once the STATUS is written and our side half-closed: reads are dropped.
         self._linger: Linger | None = None
-        self._lingering = False
         self.peer = "frames:unknown"
 
     # ------------------------------------------------------------ protocol
@@ -193,12 +193,12 @@ class FrameConnection(FrameReader):
         self._writable = None
 
     def get_buffer(self, sizehint: int) -> memoryview:
-        if self._lingering:  # read to be dropped, not parsed
+        if self._linger is not None:  # read to be dropped, not parsed
             return _DRAIN
         return super().get_buffer(sizehint)
 
     def buffer_updated(self, nbytes: int) -> None:
-        if not self._lingering:
+        if self._linger is None:
             super().buffer_updated(nbytes)
 
     def _open(self) -> asyncio.Transport | None:
@@ -316,12 +316,11 @@ class FrameConnection(FrameReader):
             transport.close()
             return
         transport.write_eof()  # after what is buffered
-        self._lingering = True
+        self._linger = Linger(transport)
         # What comes now is dropped: a handler still running (a refused frame) sees the
         # end of its messages now, as it did when the connection closed at once.
         self._release_handler(None)
         transport.resume_reading()  # (paused while the handler was behind)
-        self._linger = Linger(transport)
 
     def refuse(self, exc: BaseException) -> None:
         """Bytes that are not frames: say why in a STATUS frame, then close."""
