@@ -105,7 +105,8 @@ class ServerConfig:
         frame_port: where workers' Sync streams are also served as frames on a plain
             (or TLS) socket (`gradsync_server.rpc.frame_server`), which costs far less
             per message than gRPC: 0 = a free port, None = off (workers use gRPC).
-            Told to workers by the FramePort RPC; unsharded, unleased only.
+            Told to workers by the FramePort RPC. Served by a leader, sharded or not
+            (shards' data streams stay on gRPC); a `--lease` coordinator serves none.
         frame_port_required: a frame port that cannot be bound is an error; False
             (`--frame-port` not given) takes a free port instead, with a warning.
         host_id: this coordinator's host id, which a local leader's Join.host_id must
