@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Install the system packages the real-component tests need (Debian/Ubuntu, as root):
-# redis-server, prometheus (with promtool) and iproute2 (ip, tc). Only what is missing is
+# redis-server, prometheus (with promtool), iproute2 (ip, tc) and chromium (the headless browser
+# that opens the documentation site in tests/system/test_docs.py). Only what is missing is
 # installed, quietly. The packaged services are stopped: the tests start their own servers on
 # free ports. Used by scripts/test.sh (when root) and .ci/run; run it yourself with
 #   sudo bash scripts/install-system-deps.sh
@@ -12,6 +13,8 @@ missing=()
 command -v redis-server >/dev/null || missing+=(redis-server)
 command -v prometheus >/dev/null || missing+=(prometheus)
 { command -v ip >/dev/null && command -v tc >/dev/null; } || missing+=(iproute2)
+# Debian's browser package: /usr/bin/chromium, run headless (no display needed).
+command -v chromium >/dev/null || missing+=(chromium)
 if [ ${#missing[@]} -eq 0 ]; then
   exit 0
 fi

@@ -23,6 +23,7 @@ from gradsync_bench import (
     latency,
     netns_hosts,
     plots,
+    provenance,
     sharded,
     suites,
     wan,
@@ -139,6 +140,9 @@ def run(plan: BenchPlan) -> dict[str, Any]:
         "schema_version": 1,
         "started_at": started.isoformat(timespec="seconds"),
         "machine": machine(),
+        # The code and the flags that made the numbers (since 2026-12-05).
+        "commit": provenance.commit(),
+        "command": provenance.command_line(),
         "plan": asdict(plan),
         "suites": {},
         "skipped": {},
@@ -234,6 +238,11 @@ def markdown(document: dict[str, Any]) -> str:
         f"torch {m['torch']}, grpcio {m['grpcio']}; run took {document['duration_s']:.0f} s.",
         "",
     ]
+    if "commit" in document:  # (documents before 2026-12-05 do not record them)
+        lines[-1:] = [
+            f"Commit {document['commit']}; command: `{document['command']}`.",
+            "",
+        ]
     loopback = document["suites"].get("loopback", [])
     if loopback:
         lines += _table(

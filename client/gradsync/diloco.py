@@ -138,12 +138,14 @@ class DiLoCo:
         weighted: average sum(w_i g_i) / sum(w_i) with w_i the samples rank i processed
             since its last round (`step(samples=...)`; 1 per inner step if not given)
             instead of the plain mean.
-        coordinator, rank, world_size, job_id: as `DistributedDataParallel` (and the
-            same environment variables as defaults).
-        metrics_port, metrics_host: Prometheus metrics of the rounds
-            (`gradsync_diloco_*`: rounds, round seconds, bytes up and down, exposed
-            wait, contributors), as `DistributedDataParallel`'s and with the same
-            environment variables.
+        coordinator: as `DistributedDataParallel` (default $GRADSYNC_COORDINATOR).
+        rank: as `DistributedDataParallel` (default $RANK).
+        world_size: as `DistributedDataParallel` (default $WORLD_SIZE).
+        job_id: as `DistributedDataParallel` (default $GRADSYNC_JOB_ID or "default").
+        metrics_port: Prometheus metrics of the rounds (`gradsync_diloco_*`: rounds,
+            round seconds, bytes up and down, exposed wait, contributors), as
+            `DistributedDataParallel`'s and with the same environment variables.
+        metrics_host: the interface of those metrics, as `DistributedDataParallel`'s.
         trace_path: a Chrome trace of the rounds (each fragment's round on the
             transport track, the inner loop's waits for them on the other).
         **options: any other keyword argument of `DistributedDataParallel`
