@@ -2,6 +2,10 @@
 # Set up .venv (CPU build of torch, pinned), install the system packages the real-component
 # tests need when it can (root + apt-get: scripts/install-system-deps.sh), and run the whole
 # test suite after the lint and type checks. Extra arguments go to pytest.
+#
+# The suite runs on parallel workers (pytest-xdist): its tests mostly wait on processes,
+# sockets and timeouts, so twice as many workers as cores keep the cores busy.
+# GRADSYNC_TEST_WORKERS sets their number (1: one process, no xdist).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 if [ ! -x .venv/bin/python ]; then
@@ -15,4 +19,8 @@ bash scripts/install-system-deps.sh || true
 .venv/bin/ruff check .
 .venv/bin/ruff format --check .
 PYTHON="$PWD/.venv/bin/python" scripts/typecheck.sh
+workers="${GRADSYNC_TEST_WORKERS:-$((2 * $(nproc)))}"
+if [ "$workers" -gt 1 ]; then
+  set -- -n "$workers" --dist loadgroup "$@"
+fi
 .venv/bin/python -m pytest "$@"

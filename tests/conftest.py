@@ -23,7 +23,7 @@ from pathlib import Path
 
 import pytest
 from gradsync_server.store.high_water_file import ENV_STATE_DIR
-from support import repoguard
+from support import prefork, repoguard
 from support.components import INSTALL_COMMAND, MISSING_COMPONENT, NO_REDIS_SERVER, REDIS_SERVER
 from support.processes import CoordinatorProcess
 from support.redisserver import RedisServer
@@ -110,8 +110,23 @@ def redis_server(redis_server_factory: Callable[..., RedisServer]) -> RedisServe
 TIERS = ("unit", "protocol", "multiprocess", "system")
 
 
+#: Modules whose tests take a minute or more each on two cores, in the order they start.
+LONGEST_FIRST = (
+    "test_containers.py",
+    "test_bench.py",
+    "test_wan_bench.py",
+    "test_churn.py",
+    "test_ray_integration.py",
+    "test_ddp_parity.py",
+    "test_diloco_restart.py",
+)
+
+
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """Mark every test with its tier, taken from the folder it lives in."""
+    """Mark every test with its tier, taken from the folder it lives in, and order the run
+    longest first: the modules above, then the tiers from system to unit. Parallel workers
+    (pytest-xdist) take tests in this order, so the short unit tests fill the end of the run
+    instead of one worker finishing a benchmark alone while the others idle."""
     for item in items:
         tier = item.path.parent.name
         if tier not in TIERS:
@@ -119,6 +134,19 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
                 f"{item.nodeid}: tests belong in one of the tier folders {TIERS}"
             )
         item.add_marker(getattr(pytest.mark, tier))
+
+    def rank(item: pytest.Item) -> tuple[int, int]:
+        name = item.path.name
+        first = LONGEST_FIRST.index(name) if name in LONGEST_FIRST else len(LONGEST_FIRST)
+        return first, -TIERS.index(item.path.parent.name)
+
+    items.sort(key=rank)
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """Fork the suite's worker programs from a zygote that has imported torch (support/prefork.py:
+    most of the suite's CPU was fresh interpreters importing torch)."""
+    prefork.install()
 
 
 _REPOSITORY = pytest.StashKey[tuple[Path, repoguard.Snapshot] | None]()
@@ -178,8 +206,10 @@ def pytest_runtest_logreport(report: pytest.TestReport) -> None:
 
 
 def pytest_unconfigure(config: pytest.Config) -> None:
-    """The run's last words: how many tests skipped for a missing real component, and the
-    command that installs them (after pytest's own summary, so that nobody misses it)."""
+    """Stop the zygotes; then the run's last words: how many tests skipped for a missing real
+    component, and the command that installs them (after pytest's own summary, so that nobody
+    misses it)."""
+    prefork.uninstall()
     terminalreporter = config.pluginmanager.get_plugin("terminalreporter")
     if terminalreporter is None:
         return

@@ -26,6 +26,8 @@ DDP_CASES = [name for name, case in zoo.CASES.items() if not case.sync_batchnorm
 REFERENCE_CASES = [name for name, case in zoo.CASES.items() if case.sync_batchnorm]
 
 pytestmark = pytest.mark.timeout(300)
+#: The world sizes, each run on one parallel worker: its runs are shared by all its cases.
+WORLD_SIZES = [pytest.param(w, marks=pytest.mark.xdist_group(f"ddp-parity-{w}")) for w in (2, 3)]
 
 _results: dict[tuple[int, str], list[dict[str, np.ndarray]]] = {}
 
@@ -71,7 +73,7 @@ def _max_relative_difference(a: np.ndarray, b: np.ndarray) -> float:
     return float(np.abs(a.astype(np.float64) - b.astype(np.float64)).max(initial=0.0)) / scale
 
 
-@pytest.mark.parametrize("world_size", [2, 3])
+@pytest.mark.parametrize("world_size", WORLD_SIZES)
 @pytest.mark.parametrize("case", DDP_CASES)
 def test_matches_torch_ddp(
     case: str, world_size: int, results: Callable[[int, str], list[dict[str, np.ndarray]]]
@@ -92,7 +94,7 @@ def test_matches_torch_ddp(
     print(f"parity {case} W={world_size}: max relative difference vs DDP {worst:.3g}")
 
 
-@pytest.mark.parametrize("world_size", [2, 3])
+@pytest.mark.parametrize("world_size", WORLD_SIZES)
 @pytest.mark.parametrize("case", REFERENCE_CASES)
 def test_sync_batchnorm_matches_global_batch_training(
     case: str, world_size: int, results: Callable[[int, str], list[dict[str, np.ndarray]]]

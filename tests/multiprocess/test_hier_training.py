@@ -43,7 +43,8 @@ from support.hierarchy import (
 )
 from support.processes import CoordinatorProcess
 
-pytestmark = pytest.mark.timeout(180)
+#: One parallel worker runs the whole module: the module's runs are trained once (module fixtures).
+pytestmark = [pytest.mark.timeout(180), pytest.mark.xdist_group("hier-training")]
 
 WORLD = 3
 STEPS = 4

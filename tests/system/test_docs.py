@@ -31,13 +31,13 @@ from http.server import SimpleHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
+import material  # noqa: F401  (the test extra installs the site's theme and plugin: a missing
+import mkdocstrings  # noqa: F401  one is a broken set-up, which must fail, not skip)
 import pytest
 from support.components import missing
 
-for _package in ("material", "mkdocstrings"):
-    pytest.importorskip(_package, reason=f"{_package} is not installed: pip install -e '.[docs]'")
-
-pytestmark = pytest.mark.timeout(300)
+#: One parallel worker runs the whole module: the site is built once (module fixtures).
+pytestmark = [pytest.mark.timeout(300), pytest.mark.xdist_group("docs-site")]
 
 ROOT = Path(__file__).resolve().parents[2]
 CHROMIUM = shutil.which("chromium")

@@ -30,7 +30,8 @@ DRIVER_TIMEOUT_S = 120.0
 #: Float32 rounding between averaged gradients and the single-process gradient.
 PARITY_TOLERANCE = 1e-6
 
-pytestmark = pytest.mark.timeout(180)
+#: One parallel worker runs the whole module: one Ray cluster serves the module (module fixtures).
+pytestmark = [pytest.mark.timeout(180), pytest.mark.xdist_group("ray-cluster")]
 
 
 @pytest.fixture(scope="module")
