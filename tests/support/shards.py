@@ -101,6 +101,27 @@ def wait_for_shards(
     raise AssertionError(f"the leader at {leader} reports {shards} instead of {count} live shards")
 
 
+def wait_for_shard_bytes(
+    leader: str, timeout_s: float = 10.0, security: ChannelSecurity | None = None
+) -> list[pb.ShardStatus]:
+    """Wait until every shard the leader lists has reported bytes received and sent.
+
+    A shard reports its counters to the leader once per heartbeat interval, so a job that
+    ends within a second of its start can be over before the first report arrives: a test
+    that asks "did every shard carry data?" waits for that report (bounded).
+    """
+    deadline = time.monotonic() + timeout_s
+    while True:
+        shards = shard_statuses(leader, security)
+        if shards and all(s.bytes_received > 0 and s.bytes_sent > 0 for s in shards):
+            return shards
+        if time.monotonic() >= deadline:
+            raise AssertionError(
+                f"a shard of {leader} reported no bytes in {timeout_s:g}s: {shards}"
+            )
+        time.sleep(0.1)
+
+
 class FakeShard:
     """One control stream driven by hand; sends its stats every 0.2 s unless `silent`.
 

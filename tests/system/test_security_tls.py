@@ -24,7 +24,6 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 import pytest
@@ -38,6 +37,7 @@ from gradsync_proto.net.launch import parse_banner
 from gradsync_server.rpc.auth_check import exposure_refusal
 from support.diloco_reference import Run, make_model, simulate
 from support.processes import TRAIN_WORKER, WORKERS, CoordinatorProcess, run_ranks
+from support.shards import wait_for_shard_bytes
 
 trustme = pytest.importorskip("trustme", reason="trustme is not installed: pip install trustme")
 
@@ -123,21 +123,6 @@ def good(pki: Pki, **changes: str | None) -> ChannelSecurity:
     return ChannelSecurity.resolve(**settings, environ={})
 
 
-def shards_reported_bytes(address: str, pki: Pki, timeout_s: float = 10.0) -> Any:
-    """The leader's status once every shard has reported receiving bytes.
-
-    A shard reports its counters to the leader once per heartbeat interval, so a job that
-    ends within a second of starting may be over before the first report arrives.
-    """
-    deadline = time.monotonic() + timeout_s
-    while True:
-        reply = query_status(address, security=good(pki))
-        if all(shard.bytes_received > 0 for shard in reply.shards):
-            return reply
-        assert time.monotonic() < deadline, f"a shard reported no bytes: {reply.shards}"
-        time.sleep(0.1)
-
-
 def clean_env(**extra: str) -> dict[str, str]:
     env = {key: value for key, value in os.environ.items() if key not in SECURITY_ENV}
     env.update(extra)
@@ -184,8 +169,7 @@ def test_two_ranks_train_through_local_shards_over_mtls_with_a_token(
     trained = [n for n in finals if not np.array_equal(saved[0][n], saved[0]["initial/" + n[6:]])]
     assert trained, "no parameter changed: nothing was trained"
     # Both shards carried gradients, so the data streams to the shard child ran over mTLS too.
-    reply = shards_reported_bytes(coordinator.address, pki)
-    assert len(reply.shards) == 2
+    assert len(wait_for_shard_bytes(coordinator.address, security=good(pki))) == 2
 
 
 @pytest.mark.timeout(90)
@@ -215,7 +199,8 @@ def test_diloco_trains_through_local_shards_over_mtls_and_refuses_a_wrong_token(
     for name, want in zip(names, expected, strict=True):
         np.testing.assert_array_equal(saved[0][f"final/{name}"], saved[1][f"final/{name}"])
         np.testing.assert_allclose(saved[0][f"final/{name}"], want.numpy(), rtol=0, atol=1e-5)
-    reply = shards_reported_bytes(coordinator.address, pki)
+    assert len(wait_for_shard_bytes(coordinator.address, security=good(pki))) == 2
+    reply = query_status(coordinator.address, security=good(pki))
     assert "diloco-intruder" not in [job.job_id for job in reply.jobs]
 
 

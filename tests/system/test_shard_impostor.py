@@ -26,7 +26,13 @@ from gradsync_proto.net.channels import ChannelSecurity
 from gradsync_proto.net.launch import free_port
 from gradsync_server.defaults import SHARDED_CHUNK_BYTES
 from support.processes import TRAIN_WORKER, run_ranks
-from support.shards import FakeShard, ShardProcess, shard_statuses, wait_for_shards
+from support.shards import (
+    FakeShard,
+    ShardProcess,
+    shard_statuses,
+    wait_for_shard_bytes,
+    wait_for_shards,
+)
 
 TOKEN = "workers-" + "w" * 32
 SHARD_TOKEN = "shards-" + "s" * 32
@@ -110,8 +116,8 @@ def test_a_token_holder_cannot_pose_as_a_live_shard_and_ranks_still_train(
         assert finals
         for name in finals:
             np.testing.assert_array_equal(saved[0][name], saved[1][name])
-        (_, used) = shard_statuses(leader.address, security)
-        assert used.bytes_received > 0, used
+        (_, used) = wait_for_shard_bytes(leader.address, security=security)
+        assert used.address == real.address, used
         assert SHARD_TOKEN not in shard.log() and TOKEN not in shard.log()
     finally:
         shard.stop()
