@@ -33,8 +33,16 @@ ENV PATH=/opt/venv/bin:$PATH
 ARG TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu
 RUN pip install --index-url "$TORCH_INDEX_URL" torch==2.13.0
 WORKDIR /src
+# The dependencies (and the extras below), read from pyproject.toml, in a layer of their own:
+# a change to the code rebuilds from the next layer on, without downloading them again.
+COPY pyproject.toml ./
+RUN python -c "import tomllib; p = tomllib.load(open('pyproject.toml', 'rb'))['project']; \
+extras = p['optional-dependencies']; \
+[print(r) for r in p['dependencies'] + extras['demo'] + extras['redis'] if not r.startswith('torch')]" \
+        > /tmp/dependencies.txt \
+    && pip install -r /tmp/dependencies.txt
 # Only what the wheel is built from (client/, server/, proto/, bench/ are the package).
-COPY pyproject.toml README.md ./
+COPY README.md ./
 COPY client client
 COPY server server
 COPY proto proto
