@@ -18,9 +18,18 @@ fi
 bash scripts/install-system-deps.sh || true
 .venv/bin/ruff check .
 .venv/bin/ruff format --check .
-PYTHON="$PWD/.venv/bin/python" scripts/typecheck.sh
+# mypy runs beside pytest (its half minute overlaps the suite's start, which mostly waits);
+# its report follows pytest's, and either failing fails the run.
+typecheck_log=$(mktemp)
+PYTHON="$PWD/.venv/bin/python" scripts/typecheck.sh >"$typecheck_log" 2>&1 &
+typecheck=$!
 workers="${GRADSYNC_TEST_WORKERS:-$((2 * $(nproc)))}"
 if [ "$workers" -gt 1 ]; then
   set -- -n "$workers" --dist loadgroup "$@"
 fi
-.venv/bin/python -m pytest "$@"
+status=0
+.venv/bin/python -m pytest "$@" || status=$?
+wait "$typecheck" || { status=1; echo "scripts/typecheck.sh failed:"; }
+cat "$typecheck_log"
+rm -f "$typecheck_log"
+exit "$status"

@@ -143,17 +143,39 @@ def test_a_killed_zygote_is_a_failed_worker_not_a_hang(monkeypatch: pytest.Monke
         zygotes.close()
 
 
-def test_only_worker_programs_are_forked() -> None:
+def test_only_workers_and_coordinators_are_forked() -> None:
     python = sys.executable
-    assert prefork.worker_argv([python, str(PROBE), "--x"]) == [str(PROBE), "--x"]
-    assert prefork.worker_argv([python, "-m", "gradsync_bench.heal_worker", "--a"]) is not None
-    assert prefork.worker_argv([python, "-m", "gradsync.cli", "worker", "--rank", "0"]) is not None
+    worker = [python, "-m", "gradsync.cli", "worker", "--rank", "0"]
+    assert prefork.preforked_argv([python, str(PROBE), "--x"]) == ("worker", [str(PROBE), "--x"])
+    assert prefork.preforked_argv([python, "-m", "gradsync_bench.heal_worker"])[0] == "worker"  # type: ignore[index]
+    assert prefork.preforked_argv(worker) == ("worker", worker[1:])
+    serve = [python, "-m", "gradsync.cli", "serve", "--world-size", "2"]
+    assert prefork.preforked_argv(serve) == ("coordinator", serve[1:])
+    shard = [python, "-m", "gradsync", "--log-level", "INFO", "shard", "--leader", "x"]
+    assert prefork.preforked_argv(shard) == ("coordinator", shard[1:])
     for argv in (
-        [python, "-m", "gradsync.cli", "serve", "--world-size", "2"],
-        [python, "-m", "gradsync", "--log-level", "INFO", "shard", "--leader", "x"],
+        [python, "-m", "gradsync.cli", "status", "--coordinator", "x"],
+        [python, "-m", "gradsync.cli", "demo"],
         [python, "-c", "print(1)"],
         [python, "elsewhere.py"],
         ["redis-server", "--port", "0"],
         "python worker.py",
     ):
-        assert prefork.worker_argv(argv) is None, argv
+        assert prefork.preforked_argv(argv) is None, argv
+
+
+def test_a_coordinator_is_forked_without_torch(coordinator_factory: Any) -> None:
+    """`gradsync serve` comes from the coordinator zygote: the coordinator's modules
+    preloaded, never torch (tests measure a coordinator's memory)."""
+    forked_before = prefork.ZYGOTES.forked
+    coordinator = coordinator_factory(1)
+    assert prefork.ZYGOTES.forked == forked_before + 1
+    zygote = int(
+        Path(f"/proc/{coordinator.process.pid}/stat").read_text().rsplit(")", 1)[1].split()[1]
+    )
+    preloaded = Path(f"/proc/{zygote}/cmdline").read_bytes().split(b"\0")
+    assert b"gradsync_server.app" in preloaded and b"torch" not in preloaded
+    maps = Path(f"/proc/{coordinator.process.pid}/maps").read_text()
+    assert "libtorch" not in maps
+    code, _ = coordinator.stop()
+    assert code == 0

@@ -1,12 +1,14 @@
-"""Worker processes forked from a zygote that has already imported torch (support/zygote.py).
+"""Workers and coordinators forked from zygotes that have imported them (support/zygote.py).
 
-The multiprocess and system tiers start hundreds of worker ranks, and a fresh interpreter
-spends about 1.3 CPU-seconds importing torch before it does anything a test looks at: on
-the two-core development machine those imports were most of the suite's CPU. While the
-suite runs, `subprocess.Popen` is `PreforkedPopen` (installed by tests/conftest.py for the
-session): a launch of one of the suite's *worker* programs is answered by a fork of a zygote
-instead of an exec of a fresh interpreter; every other launch (coordinators, shards, Redis,
-Prometheus, `ip netns exec`, `python -c`) is an ordinary exec.
+The multiprocess and system tiers start hundreds of worker ranks and coordinators, and a
+fresh interpreter spends about 1.3 CPU-seconds importing torch (a worker) or 0.3 importing
+the coordinator before it does anything a test looks at: on the two-core development
+machine those imports were a large share of the suite's CPU. While the suite runs,
+`subprocess.Popen` is `PreforkedPopen` (installed by tests/conftest.py for the session): a
+launch of one of the suite's worker programs, of `gradsync serve` or of `gradsync shard` is
+answered by a fork of a zygote of its kind instead of an exec of a fresh interpreter; every
+other launch (Redis, Prometheus, `ip netns exec`, `python -c`, the CLI's other commands) is
+an ordinary exec.
 
 What the worker sees is what ``python SCRIPT ARGS`` gives it (support/zygote.py says how):
 its argv, environment, working directory, standard streams, pass_fds, session and process
@@ -15,10 +17,10 @@ holds is a real `subprocess.Popen` whose pid is the worker's own, so signals, `p
 `wait`, `communicate` and `/proc` work as before. Exit statuses come from the zygote (the
 worker's parent) over the connection that asked for it, not from `waitpid`.
 
-A zygote is started per test process, lazily, per set of start-up variables (PYTHON*, OMP_*,
-torch's own...): a child that asks for other values gets a zygote started with them, since an
-interpreter reads them only when it starts. ``GRADSYNC_TEST_PREFORK=0`` turns it all off
-(every launch an exec), to check that a failure is not the zygote's.
+A zygote is started per test process, lazily, per kind and set of start-up variables
+(PYTHON*, OMP_*, torch's own...): a child that asks for other values gets a zygote started
+with them, since an interpreter reads them only when it starts. ``GRADSYNC_TEST_PREFORK=0``
+turns it all off (every launch an exec), to check that a failure is not the zygote's.
 """
 
 from __future__ import annotations
@@ -44,6 +46,10 @@ WORKER_SCRIPTS = Path(__file__).parent / "workers"
 STARTUP_PREFIXES = ("PYTHON", "OMP_", "MKL_", "KMP_", "GOMP_", "TORCH_", "LD_", "MALLOC_")
 #: The subcommands of the `gradsync` CLI, to find which one an argv runs.
 CLI_COMMANDS = frozenset({"serve", "shard", "worker", "token", "status", "bench", "demo"})
+#: What each kind of zygote imports before it forks: what its children would import first.
+#: A coordinator's zygote never imports torch (a coordinator does not, and tests measure
+#: its memory).
+PRELOADS = {"worker": ("numpy", "torch"), "coordinator": ("gradsync", "gradsync_server.app")}
 #: How long a new zygote may take to import torch and listen.
 ZYGOTE_START_TIMEOUT_S = 60.0
 #: The answers a zygote sends are a few dozen bytes.
@@ -52,13 +58,12 @@ ANSWER_BYTES = 4096
 _ORIGINAL_POPEN = subprocess.Popen
 
 
-def worker_argv(args: Any) -> list[str] | None:
-    """The interpreter's arguments when `args` launches one of the suite's worker programs on
-    this interpreter, else None (that launch is an ordinary exec).
+def preforked_argv(args: Any) -> tuple[str, list[str]] | None:
+    """The zygote kind and the interpreter's arguments when `args` launches a program the
+    suite forks on this interpreter, else None (that launch is an ordinary exec).
 
-    Workers are: scripts under tests/support/workers, `-m gradsync_bench.<name>_worker`, and
-    `-m gradsync.cli worker`. Coordinators and shards are not: they do not import torch, and
-    tests measure their memory.
+    Workers are scripts under tests/support/workers, `-m gradsync_bench.<name>_worker` and
+    `-m gradsync.cli worker`; coordinators are `-m gradsync[.cli] serve` and `shard`.
     """
     if isinstance(args, (str, bytes, os.PathLike)) or not args:
         return None
@@ -73,14 +78,17 @@ def worker_argv(args: Any) -> list[str] | None:
     if rest[:1] == ["-m"] and len(rest) >= 2:
         module = rest[1]
         if module.startswith("gradsync_bench.") and module.endswith("_worker"):
-            return rest
+            return "worker", rest
         if module in ("gradsync", "gradsync.cli"):
             command = next((arg for arg in rest[2:] if arg in CLI_COMMANDS), None)
-            return rest if command == "worker" else None
+            if command == "worker":
+                return "worker", rest
+            if command in ("serve", "shard"):
+                return "coordinator", rest
         return None
     if rest and rest[0].endswith(".py") and not rest[0].startswith("-"):
         script = Path(rest[0]).resolve()
-        return rest if script.parent == WORKER_SCRIPTS.resolve() else None
+        return ("worker", rest) if script.parent == WORKER_SCRIPTS.resolve() else None
     return None
 
 
@@ -90,33 +98,37 @@ class Zygotes:
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._folder: str | None = None
-        self._running: dict[tuple[tuple[str, str], ...], tuple[subprocess.Popen[bytes], str]] = {}
+        self._running: dict[tuple[Any, ...], tuple[subprocess.Popen[bytes], str]] = {}
         #: How many children each launch kind had (asserted by the launcher's own tests).
         self.forked = 0
 
-    def connect(self, env: Mapping[str, str]) -> socket.socket:
-        """A connection to the zygote for `env`'s start-up variables (started if need be)."""
-        key = tuple(sorted((k, v) for k, v in env.items() if k.startswith(STARTUP_PREFIXES)))
+    def connect(self, kind: str, env: Mapping[str, str]) -> socket.socket:
+        """A connection to the zygote of `kind` for `env`'s start-up variables (started if need
+        be)."""
+        startup = sorted((k, v) for k, v in env.items() if k.startswith(STARTUP_PREFIXES))
+        key = (kind, *startup)
         with self._lock:
             entry = self._running.get(key)
             if entry is not None and entry[0].poll() is not None:
                 _close_pipes(entry[0])  # died (killed): a new one takes its place
                 entry = None
             if entry is None:
-                entry = self._start(env, len(self._running))
+                entry = self._start(kind, env, len(self._running))
                 self._running[key] = entry
         connection = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         connection.connect(entry[1])
         return connection
 
-    def _start(self, env: Mapping[str, str], number: int) -> tuple[subprocess.Popen[bytes], str]:
+    def _start(
+        self, kind: str, env: Mapping[str, str], number: int
+    ) -> tuple[subprocess.Popen[bytes], str]:
         if self._folder is None:
             self._folder = tempfile.mkdtemp(prefix="gradsync-zygote-")
         path = os.path.join(self._folder, f"z{number}.sock")
         if os.path.exists(path):
             os.unlink(path)
         process = _ORIGINAL_POPEN(
-            [sys.executable, str(ZYGOTE_SCRIPT), path],
+            [sys.executable, str(ZYGOTE_SCRIPT), path, *PRELOADS[kind]],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             env=dict(env),
@@ -198,7 +210,7 @@ class PreforkedPopen(subprocess.Popen):  # type: ignore[type-arg]
         everything = (args, executable, preexec_fn, close_fds, pass_fds, cwd, env, startupinfo)
         rest = (creationflags, shell, p2cread, p2cwrite, c2pread, c2pwrite, errread, errwrite)
         more = (restore_signals, gid, gids, uid, umask, start_new_session, process_group)
-        python_argv = None
+        launch = None
         if (
             not shell
             and executable is None
@@ -207,11 +219,12 @@ class PreforkedPopen(subprocess.Popen):  # type: ignore[type-arg]
             and umask < 0
             and os.environ.get(ENV_SWITCH, "1") != "0"
         ):
-            python_argv = worker_argv(args)
+            launch = preforked_argv(args)
         child_env = dict(os.environ if env is None else env)
-        if python_argv is None or any(not isinstance(k, str) for k in child_env):
+        if launch is None or any(not isinstance(k, str) for k in child_env):
             super()._execute_child(*everything, *rest, *more)  # type: ignore[misc]
             return
+        kind, python_argv = launch
         if python_argv[0] == "-u":
             python_argv = python_argv[1:]
         if args[1] == "-u":
@@ -229,7 +242,7 @@ class PreforkedPopen(subprocess.Popen):  # type: ignore[type-arg]
             "process_group": process_group if process_group >= 0 else None,
             "targets": [0, 1, 2, *pass_fds],
         }
-        connection = ZYGOTES.connect(child_env)
+        connection = ZYGOTES.connect(kind, child_env)
         try:
             socket.send_fds(connection, [json.dumps(request).encode()], [*stdio, *pass_fds])
             answer = connection.recv(ANSWER_BYTES)

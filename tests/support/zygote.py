@@ -1,14 +1,16 @@
 """The zygote: a Python process that has imported torch once and forks worker processes.
 
-Run as a script by `support.prefork` (never imported by tests): ``python zygote.py SOCKET``.
+Run as a script by `support.prefork` (never imported by tests):
+``python zygote.py SOCKET MODULE...``, the modules being what it imports before it forks.
 Importing torch costs a fresh interpreter about 1.3 CPU-seconds on the development machine,
-and the multiprocess and system tiers start hundreds of worker processes; on two cores that
-import was most of the suite's CPU. A child forked from this process starts with torch and
-numpy already imported and runs its script exactly as ``python SCRIPT ARGS`` or
-``python -m MODULE ARGS`` would: its own argv, environment, working directory, standard
-streams and passed descriptors, a fresh seed for `random` and numpy's global generator (a
-fresh interpreter draws its own), and the normal shutdown (non-daemon threads joined, atexit
-handlers run) before it exits with the script's status.
+and importing the coordinator about 0.3; the multiprocess and system tiers start hundreds of
+workers and coordinators, and on two cores those imports were a large share of the suite's
+CPU. A child forked from this process starts with the modules already imported and runs
+its script exactly as ``python SCRIPT ARGS`` or ``python -m MODULE ARGS`` would: its own
+argv, environment, working directory, standard streams and passed descriptors, a fresh seed
+for `random` and numpy's global generator (a fresh interpreter draws its own), and the
+normal shutdown (non-daemon threads joined, atexit handlers run) before it exits with the
+script's status.
 
 Protocol (one SOCK_SEQPACKET connection per child, so message boundaries hold): the client
 sends one JSON request with the descriptors the child needs (SCM_RIGHTS); the zygote answers
@@ -17,14 +19,17 @@ wait status, and closes the connection. The zygote leaves when its standard inpu
 of file (its parent, the test process, closed it or died) and SIGKILLs the children it still
 has then, so that nothing it forked outlives the test session.
 
-Only torch and numpy are preloaded, never gradsync or grpc: gRPC's core must not be
-initialised in a process that forks, and a worker's own imports of the library cost little.
+What may be preloaded: modules whose import starts no thread that a fork would lose
+halfway and initialises no gRPC core (importing grpc does neither; creating a channel or a
+server does, and that happens only in the child). Never the module a child runs with
+``-m``: runpy would find it imported already.
 """
 
 from __future__ import annotations
 
 import contextlib
 import fcntl
+import importlib
 import json
 import os
 import selectors
@@ -39,10 +44,11 @@ MAX_REQUEST = 1 << 20
 MAX_FDS = 64
 
 
-def main(socket_path: str) -> None:
-    """Preload, listen on `socket_path`, say "ready" on stdout and serve until stdin closes."""
-    import numpy  # noqa: F401  (the point of this process: imported once, before any fork)
-    import torch  # noqa: F401
+def main(socket_path: str, preload: list[str]) -> None:
+    """Import `preload`, listen on `socket_path`, say "ready" on stdout and serve until stdin
+    closes."""
+    for module in preload:  # the point of this process: imported once, before any fork
+        importlib.import_module(module)
 
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
     listener.bind(socket_path)
@@ -172,10 +178,9 @@ def _run_python(argv: list[str], cwd: str) -> int:
     import runpy
     import threading
 
-    import numpy
-
     random.seed()
-    numpy.random.seed()
+    if "numpy" in sys.modules:
+        sys.modules["numpy"].random.seed()
     # The interpreter chooses its buffering at start-up from -u and whether stdout is a tty.
     if os.environ.get("PYTHONUNBUFFERED"):
         sys.stdout.reconfigure(write_through=True)  # type: ignore[union-attr]
@@ -223,4 +228,4 @@ def _exit_status(code: object) -> int:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1])
+    main(sys.argv[1], sys.argv[2:])
