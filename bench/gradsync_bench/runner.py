@@ -140,7 +140,7 @@ def run(plan: BenchPlan) -> dict[str, Any]:
         "schema_version": 1,
         "started_at": started.isoformat(timespec="seconds"),
         "machine": machine(),
-        # The code and the flags that made the numbers (since 2026-12-05).
+        # The code and the flags that made the numbers.
         "commit": provenance.commit(),
         "command": provenance.command_line(),
         "plan": asdict(plan),
@@ -238,7 +238,7 @@ def markdown(document: dict[str, Any]) -> str:
         f"torch {m['torch']}, grpcio {m['grpcio']}; run took {document['duration_s']:.0f} s.",
         "",
     ]
-    if "commit" in document:  # (documents before 2026-12-05 do not record them)
+    if "commit" in document:  # (older documents do not record them)
         lines[-1:] = [
             f"Commit {document['commit']}; command: `{document['command']}`.",
             "",

@@ -12,8 +12,8 @@ file itself, less its own header lines (restated above it), with its plot (lates
 added to the site as a generated file.
 
 Result files keep their working history in their prose; the page does not: a prose line
-that names a tracker entry or a work session ("stop 42", "issue 27", "session 39") is left
-out, and such a reference inside a table row is cut from the cell. Tables and headers are
+that names a tracker entry or a work session by its number is left out, and such a
+reference inside a table row is cut from the cell. Tables and headers are
 shown as written.
 
 Registered in mkdocs.yml under `hooks:`; a page without the marker fails the build.
@@ -50,9 +50,10 @@ SUITE_ORDER = (
 )
 #: Where the plots go in the built site.
 PLOTS = "performance"
-#: A reference to a tracker entry or a work session: history, not documentation.
-#: (The pattern of tests/system/test_docs.py: not "worker-stop 8", a churn kind and its count,
-#: nor "stops 5 s after".)
+#: A reference to a tracker entry or a work session by its number: history, not
+#: documentation. "session" alone is a protocol term; a number followed by a unit (a
+#: duration) and a hyphenated compound (a churn failure kind and its count) are not
+#: references. tests/system/test_docs.py checks every user-facing doc with this pattern.
 HISTORY = re.compile(
     r"(?<![\w-])(?:stop|issue|session)s?[ -]?#?\d+"
     r"(?![\d.]*\s*(?:s|ms|seconds?|minutes?|min|h)\b)",

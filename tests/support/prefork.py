@@ -99,7 +99,7 @@ class Zygotes:
         self._lock = threading.Lock()
         self._folder: str | None = None
         self._running: dict[tuple[Any, ...], tuple[subprocess.Popen[bytes], str]] = {}
-        #: How many children each launch kind had (asserted by the launcher's own tests).
+        #: How many children the zygotes have forked (asserted by the launcher's own tests).
         self.forked = 0
 
     def connect(self, kind: str, env: Mapping[str, str]) -> socket.socket:
@@ -224,9 +224,7 @@ class PreforkedPopen(subprocess.Popen):  # type: ignore[type-arg]
         if launch is None or any(not isinstance(k, str) for k in child_env):
             super()._execute_child(*everything, *rest, *more)  # type: ignore[misc]
             return
-        kind, python_argv = launch
-        if python_argv[0] == "-u":
-            python_argv = python_argv[1:]
+        kind, python_argv = launch  # without a leading -u: it becomes the variable below
         if args[1] == "-u":
             child_env["PYTHONUNBUFFERED"] = "1"
         stdio = [

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import html
+import importlib.util
 import json
 import os
 import re
@@ -40,17 +41,24 @@ from support.components import missing
 pytestmark = [pytest.mark.timeout(300), pytest.mark.xdist_group("docs-site")]
 
 ROOT = Path(__file__).resolve().parents[2]
+
+
+def _load_hook(name: str) -> Any:
+    """A module of docs/hooks/ (plain files that mkdocs loads by path, as this does)."""
+    spec = importlib.util.spec_from_file_location(
+        f"docs_hook_{name}", ROOT / "docs" / "hooks" / f"{name}.py"
+    )
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
 CHROMIUM = shutil.which("chromium")
 NO_CHROMIUM = missing("chromium", "chromium")
-#: A reference to a tracker entry or a work session ("stop 43", "issue 27", "issue-23",
-#: "session 39", "sessions 40"): history, not documentation. "session" alone is a protocol
-#: term, and neither a number followed by a unit ("stops 5 s after") nor a compound
-#: ("worker-stop 8", a churn kind and its count) is a reference.
-HISTORY = re.compile(
-    r"(?<![\w-])(?:stop|issue|session)s?[ -]?#?\d+"
-    r"(?![\d.]*\s*(?:s|ms|seconds?|minutes?|min|h)\b)",
-    re.IGNORECASE,
-)
+#: A reference to a tracker entry or a work session by its number: the pattern the
+#: performance page's hook drops from result files (one definition, docs/hooks).
+HISTORY: re.Pattern[str] = _load_hook("bench_results").HISTORY
 #: The user-facing documents outside docs/ (every docs/**/*.md is checked too).
 USER_DOCS = ("README.md", "ARCHITECTURE.md", "SECURITY.md", "deploy/README.md", "bench/README.md")
 #: Pages opened in the browser: the home page and deep ones (generated ones included).
