@@ -165,7 +165,7 @@ class Monitor:
         self._thread.join(timeout=30)
 
     def _run(self) -> None:
-        from gradsync.status import query_status
+        from gradsync import query_status
 
         last_rss = 0.0
         while not self._stop.wait(STATUS_POLL_S):

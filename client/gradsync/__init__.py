@@ -41,6 +41,7 @@ if TYPE_CHECKING:
     from gradsync import collectives, hooks
     from gradsync.ddp import DistributedDataParallel
     from gradsync.diloco import DiLoCo
+    from gradsync.status import query_status
     from gradsync.syncbn import convert_sync_batchnorm
 
 
@@ -59,6 +60,10 @@ def __getattr__(name: str) -> Any:
         from gradsync.syncbn import convert_sync_batchnorm
 
         return convert_sync_batchnorm
+    if name == "query_status":  # what `gradsync status` shows, as a StatusReply
+        from gradsync.status import query_status
+
+        return query_status
     if name == "collectives":
         import gradsync.collectives
 
@@ -95,4 +100,5 @@ __all__ = [
     "collectives",
     "convert_sync_batchnorm",
     "hooks",
+    "query_status",
 ]

@@ -54,7 +54,9 @@ from gradsync.metrics import ENV_METRICS_HOST, resolve_metrics_port
 from gradsync.path.bucketing import BucketPlan
 from gradsync.path.reducer import Reducer, plan_layout
 from gradsync.path.step_path import StepPath
+from gradsync.path.step_results import RoundReport
 from gradsync.path.transport import Transport
+from gradsync.quantized_wire import WireHook
 
 log = logging.getLogger("gradsync.client")
 
@@ -62,6 +64,26 @@ log = logging.getLogger("gradsync.client")
 class _State(enum.Enum):
     OPEN = "open"
     CLOSED = "closed"
+
+
+@dataclasses.dataclass(frozen=True)
+class OuterRounds:
+    """What makes a wrapper the carrier of `gradsync.DiLoCo`'s rounds (`gradsync.diloco_fragment`).
+
+    A round is one synchronized backward pass whose gradients are pseudo-gradients
+    and whose averages come back as the coordinator's global parameters. Such a
+    wrapper sends the presence vector as a bucket of its own, serves no metrics
+    endpoint (DiLoCo serves its own), and rejoins a restarted coordinator that has
+    no checkpoint (the ranks hold the global parameters and seed it again).
+
+    Attributes:
+        optimizer: the outer optimizer the coordinator runs (part of the job's signature).
+        comm_hook: the hook every bucket goes through, in place of the cast
+            `wire_dtype` would register (None: `wire_dtype`'s, or none).
+    """
+
+    optimizer: pb.OuterOptimizer
+    comm_hook: WireHook | None = None
 
 
 class DistributedDataParallel(nn.Module):
@@ -121,6 +143,7 @@ class DistributedDataParallel(nn.Module):
             the coordinator refuses a job whose host groups do not match LOCAL_WORLD_SIZE.
         link_factory: builds the link from (address, rank); default gRPC (with the TLS and
             token settings above). Tests pass a fake.
+        outer_rounds: `gradsync.DiLoCo`'s (`OuterRounds`); None (default) for training.
 
     Devices: parameters and buffers share one device, the CPU or a CUDA device
     (gradients are staged through pinned host memory and copied back); any
@@ -179,7 +202,7 @@ class DistributedDataParallel(nn.Module):
         hierarchical: bool | str | None = None,
         local_rank: int | None = None,
         local_world_size: int | None = None,
-        _outer: pb.OuterOptimizer | None = None,  # gradsync.DiLoCo's, run by the coordinator
+        outer_rounds: OuterRounds | None = None,
     ) -> None:
         super().__init__()
         self.module = module
@@ -198,7 +221,10 @@ class DistributedDataParallel(nn.Module):
         # Files and env read now (not at import), so a bad path fails before joining.
         security = ChannelSecurity.resolve(tls_ca, tls_cert, tls_key, token)
         compat.warn_ignored(compat.ignored_arguments(locals()))
-        wire_hook = hooks.hook_for_wire_dtype(wire_dtype)  # refused before joining
+        wire_hook: WireHook | None = hooks.hook_for_wire_dtype(wire_dtype)  # refused before joining
+        outer = outer_rounds.optimizer if outer_rounds is not None else None
+        if outer_rounds is not None and outer_rounds.comm_hook is not None:
+            wire_hook = outer_rounds.comm_hook
         answer_in_fp32 = hooks.answers_in_fp32(wire_dtype, wire_answer_dtype)
         named = list(module.named_parameters())
         if not any(p.requires_grad for _, p in named):
@@ -211,7 +237,7 @@ class DistributedDataParallel(nn.Module):
         self.broadcast_buffers = True if sync is None else sync
         # The presence vector rides on the last bucket where it can: no message of its own.
         buckets, plans, presence_rides = plan_layout(
-            named, self.config, separate_presence=_outer is not None or wire_hook is not None
+            named, self.config, separate_presence=outer is not None or wire_hook is not None
         )
         self.config = dataclasses.replace(
             self.config,
@@ -232,7 +258,7 @@ class DistributedDataParallel(nn.Module):
         bucket_bytes = [plan.num_bytes for plan in plans]
         self._instruments = Instruments(
             self.config.rank,
-            None if _outer else resolve_metrics_port(metrics_port, os.environ),  # DiLoCo's own
+            None if outer else resolve_metrics_port(metrics_port, os.environ),  # DiLoCo's own
             Path(trace_path) if trace_path is not None else None,
             bucket_bytes,
             log_every_steps,
@@ -243,12 +269,13 @@ class DistributedDataParallel(nn.Module):
                 self.config,
                 module,
                 [p for _, p in named] + [presence] + [b for _, b in named_buffers],
-                model_signature([*named, (PRESENCE_NAME, presence)], named_buffers, plans, _outer),
+                model_signature([*named, (PRESENCE_NAME, presence)], named_buffers, plans, outer),
                 bucket_bytes,
                 link_factory or functools.partial(Transport, security=security),
                 self._instruments.on_bucket_event,
                 reconnect_timeout_s,
             )
+            self._session.resume_without_checkpoint = outer is not None
             start_step = self._session.start()
         except BaseException:
             self._instruments.close()
@@ -326,11 +353,7 @@ class DistributedDataParallel(nn.Module):
 
     @compat.untraced  # network I/O: never traced
     def _pre_forward(self) -> None:
-        if self._state is _State.CLOSED:
-            raise ClosedError("DistributedDataParallel used after close()", rank=self.rank)
-        if self._steps.backward_active:
-            self.abandon_step("its backward pass was interrupted by an exception")
-        self._session.at_step_boundary(self._steps.step)  # the previous step is applied
+        self.step_boundary()
         if not (self.broadcast_buffers and self._require_forward_param_sync):
             return
         buffers = [b for b in self.module.buffers() if b.numel()]
@@ -352,6 +375,44 @@ class DistributedDataParallel(nn.Module):
         # All buffers travel packed in one blob: one round trip per forward pass.
         # Every rank sends its own, so the broadcast completes if rank `src` is lost.
         self.collectives.broadcast_tensors(buffers, src, every_rank_sends=True)
+
+    def step_boundary(self) -> None:
+        """Keep the boundary between two steps that `forward()` keeps before the buffers.
+
+        A backward pass an exception interrupted is abandoned; the previous step
+        is applied: a rank waiting to rejoin is handed this rank's state, and
+        rank 0 checkpoints when one is due. `gradsync.DiLoCo` calls it before
+        each round (its wrapper has no forward pass).
+
+        Raises:
+            ClosedError: the wrapper is closed.
+        """
+        if self._state is _State.CLOSED:
+            raise ClosedError("DistributedDataParallel used after close()", rank=self.rank)
+        if self._steps.backward_active:
+            self.abandon_step("its backward pass was interrupted by an exception")
+        self._session.at_step_boundary(self._steps.step)
+
+    @property
+    def welcome(self) -> pb.Welcome | None:
+        """The coordinator's Welcome on the current connection (a reconnect replaces it):
+        its chunk grid and, for DiLoCo, the state of its outer optimizer."""
+        return self._session.welcome
+
+    def round_report(self) -> RoundReport:
+        """What the answers of the last synchronized step said beyond the averages
+        (a DiLoCo round's contributors, late merges, the step to continue at)."""
+        return self._session.path.round_report()
+
+    @property
+    def chunk_weight(self) -> float:
+        """The weight every uploaded chunk carries (a weighted DiLoCo round: the rank's
+        samples); 0 (default) = unweighted. Set before the step's backward pass."""
+        return self._reducer.chunk_weight
+
+    @chunk_weight.setter
+    def chunk_weight(self, weight: float) -> None:
+        self._reducer.chunk_weight = weight
 
     def register_comm_hook(self, state: Any, hook: CommHook) -> None:
         """Have `hook` see every gradient bucket before upload and after the average.

@@ -50,9 +50,9 @@ import torch
 from gradsync_proto.v1 import gradsync_pb2 as pb
 from torch import nn
 
-from gradsync.ddp import DistributedDataParallel
+from gradsync.ddp import DistributedDataParallel, OuterRounds
 from gradsync.errors import CoordinatorRestartedError, GradSyncError, SyncTimeoutError
-from gradsync.hooks import GradBucket, _CastCompression
+from gradsync.hooks import CastCompression, GradBucket
 from gradsync.path.step_results import RoundReport
 from gradsync.quantized_wire import ChunkGrid, Int8Quantization
 
@@ -64,7 +64,7 @@ log = logging.getLogger("gradsync.client")
 RESTARTS_PER_ROUND = 3
 
 
-class _SeedableCast(_CastCompression):
+class _SeedableCast(CastCompression):
     """The comm hook of a 16-bit DiLoCo wire: the seed round travels in float32.
 
     The seed is the global parameters themselves, which must reach the
@@ -126,7 +126,7 @@ class Fragment:
         self._hook: _SeedableCast | Int8Quantization | None = None
         if int8:  # the cut is the transport's, known once joined: read at every bucket
             self._hook = Int8Quantization(
-                lambda: ChunkGrid.of(self.ddp._session.welcome),
+                lambda: ChunkGrid.of(self.ddp.welcome),
                 error_feedback,
                 int8_answer=answer_dtype is torch.int8,
             )
@@ -142,15 +142,12 @@ class Fragment:
             wire_answer_dtype=(
                 None if wire_dtype is None or int8 or self.compact_answer else torch.float32
             ),
-            _outer=outer,
+            # In place of the built-in cast `wire_dtype` picks: one that lets the seed
+            # through in fp32. Its state lives in the ranks: a coordinator restarted
+            # without a checkpoint is seeded again with it (`_reseed`).
+            outer_rounds=OuterRounds(outer, self._hook),
             **options,
         )
-        if self._hook is not None:
-            # The built-in cast `wire_dtype` registered, made to let the seed through in fp32.
-            self.ddp._reducer.comm_hook = self._hook
-        # Its state lives in the ranks: a coordinator restarted without a checkpoint is
-        # seeded again with it (`_reseed`), so reconnecting to one is fine.
-        self.ddp._session.resume_without_checkpoint = True
         self._copies = list(self._shadow.copies)
         # A 16-bit wire's error, per parameter (int8 keeps its own per bucket, in the hook).
         per_parameter = error_feedback and wire_dtype is not None and not int8
@@ -172,7 +169,7 @@ class Fragment:
         self.last_report = RoundReport()
         #: Weighted rounds: the weight this rank's chunks carry (its samples; 1 at the seed).
         self.weighted = outer.weighted
-        welcome = self.ddp._session.welcome
+        welcome = self.ddp.welcome
         # A rank joining a running job was healed with rank 0's shadow, which holds the
         # global parameters; the coordinator holds them already: nothing to seed. A
         # coordinator that restored its outer state from its store hands them out.
@@ -206,10 +203,10 @@ class Fragment:
         """
         if self._thread is not None:
             raise RuntimeError("a round of this fragment is already in flight")
-        self.ddp._reducer.chunk_weight = weight if self.weighted else 0.0
+        self.ddp.chunk_weight = weight if self.weighted else 0.0
         # The step boundary DDP keeps before a forward pass: a rank waiting to rejoin is
         # handed the shadow (the global parameters) here, and rank 0 checkpoints.
-        self.ddp._pre_forward()
+        self.ddp.step_boundary()
         with torch.no_grad():
             if seed:
                 uploads = [p.detach().clone() for p in self.params]
@@ -245,7 +242,7 @@ class Fragment:
                 except CoordinatorRestartedError as exc:
                     if attempt > RESTARTS_PER_ROUND:
                         raise
-                    welcome = self.ddp._session.welcome
+                    welcome = self.ddp.welcome
                     if welcome is not None and welcome.outer_replay:
                         if self._replay(round_step, exc):
                             break
@@ -275,7 +272,7 @@ class Fragment:
             return 4 * elements
         if not isinstance(self._hook, Int8Quantization):
             return 2 * elements  # bfloat16
-        grid = ChunkGrid.of(self.ddp._session.welcome)
+        grid = ChunkGrid.of(self.ddp.welcome)
         chunks = sum(
             len(grid.spans(int(sum(self._copies[i].numel() for i in plan.parameter_indices))))
             for plan in self.ddp.bucket_plans
@@ -290,7 +287,7 @@ class Fragment:
         for copy in self._copies:
             copy.grad = None
         torch.autograd.backward(self._copies, grad_tensors=uploads)
-        self.last_report = self.ddp._session.path.round_report()
+        self.last_report = self.ddp.round_report()
         if self.last_report.next_step:
             log.info(
                 "rank %d: round %d closed without this rank; its contribution was late, it "
@@ -371,7 +368,7 @@ class Fragment:
 
     def _adopt_restored(self) -> None:
         """A fresh rank joined a coordinator that restored its outer state: take it over."""
-        self.ddp._pre_forward()
+        self.ddp.step_boundary()
         self._exchange_seeding()
         with torch.no_grad():
             pairs = zip(self.params, self._copies, self.global_params, strict=True)
@@ -401,7 +398,7 @@ class Fragment:
         """A restarted coordinator knows no global parameters: every rank holds the
         latest ones (bitwise the same), so they seed it, in float32. Its outer momentum
         starts again from zero."""
-        welcome = self.ddp._session.welcome
+        welcome = self.ddp.welcome
         if welcome is not None and welcome.outer_seeded:
             return  # a rank that did not lose it seeded it already (cannot happen today)
         self._exchange_seeding()

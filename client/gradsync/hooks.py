@@ -131,7 +131,7 @@ class CommHook(Protocol):
         """
 
 
-class _CastCompression:
+class CastCompression:
     """Upload a float32/float64 bucket in a 16-bit float type; cast the average back.
 
     Other buckets (integers, or already 16-bit parameters) travel as they are:
@@ -158,10 +158,10 @@ class _CastCompression:
 #: float32 and answers in float16. As torch DDP's `default_hooks.fp16_compress_hook`
 #: (which sums in float16 and so rounds more at W > 2). Values beyond float16's
 #: range (65504) overflow to inf: scale the loss (GradScaler) or use bf16.
-fp16_compress_hook: CommHook = _CastCompression(torch.float16)
+fp16_compress_hook: CommHook = CastCompression(torch.float16)
 
 #: Payloads in bfloat16 (float32's range, 8 bits of mantissa), summed in float32.
-bf16_compress_hook: CommHook = _CastCompression(torch.bfloat16)
+bf16_compress_hook: CommHook = CastCompression(torch.bfloat16)
 
 
 #: `DistributedDataParallel(wire_dtype=...)`: the built-in hook for each 16-bit wire.

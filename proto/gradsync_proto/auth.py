@@ -142,11 +142,18 @@ def read_pem_file(path: str | Path, what: str) -> bytes:
 
 
 def is_loopback(host: str) -> bool:
-    """True when binding `host` reaches only this machine (127.0.0.0/8, ::1, localhost).
+    """True when `host` reaches only this machine (127.0.0.0/8, ::1, localhost).
 
-    Any other name counts as exposed: what a host name resolves to can change.
+    `host` is a bare host ("127.0.0.1", "::1", "[::1]", "localhost") or an address
+    with its port ("127.0.0.1:50051", "[::1]:5"); a bare IPv6 address has more than
+    one colon, so exactly one colon means a port follows. Any other name counts as
+    exposed: what a host name resolves to can change.
     """
-    name = host.strip("[]").lower()
+    if host.startswith("[") and "]" in host:  # [v6] or [v6]:port
+        name = host[1 : host.index("]")]
+    else:  # host:port, or a bare host (a bare v6 address has several colons)
+        name = host.rsplit(":", 1)[0] if host.count(":") == 1 else host
+    name = name.lower()
     if name == "localhost":
         return True
     try:

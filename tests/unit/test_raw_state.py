@@ -19,6 +19,7 @@ from gradsync.control import heal_channel, raw_state
 from gradsync.control.raw_state import MAGIC, BadRawState
 from gradsync.control.state_load import load_module_state
 from gradsync.errors import CheckpointMismatchError
+from gradsync_proto import auth
 
 LIMIT = 1 << 30
 
@@ -189,9 +190,9 @@ def test_an_offer_is_refused_with_a_wrong_token_a_remote_address_or_too_little_r
 
 def test_loopback_addresses_are_told_apart_from_remote_ones() -> None:
     for address in ("127.0.0.1:50051", "localhost:1", "[::1]:5", "127.3.4.5"):
-        assert heal_channel.loopback_host(address), address
+        assert auth.is_loopback(address), address
     for address in ("10.0.0.1:50051", "example.org:1", "0.0.0.0:5"):
-        assert not heal_channel.loopback_host(address), address
+        assert not auth.is_loopback(address), address
 
 
 def test_a_joiner_whose_donor_is_gone_gets_a_clear_error_naming_job_rank_and_step() -> None:

@@ -21,11 +21,11 @@ from gradsync.path.pacing import (
     UPLOAD_WINDOW_BYTES,
     UploadPacer,
     chunk_bytes_of,
-    is_loopback,
     rotation,
     split_range,
     window_bytes_from_env,
 )
+from gradsync_proto.auth import is_loopback
 from gradsync_proto.codec import decode_gradient
 from gradsync_proto.v1 import gradsync_pb2 as pb
 

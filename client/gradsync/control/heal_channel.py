@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import contextlib
 import hmac
-import ipaddress
 import json
 import logging
 import secrets
@@ -43,6 +42,7 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
+from gradsync_proto import auth
 
 from gradsync.control import raw_state
 
@@ -62,20 +62,6 @@ _TRANSFER_WAIT_S = 30.0
 
 class HealChannelError(RuntimeError):
     """The direct transfer failed (connection, token, timeout or a malformed state)."""
-
-
-def loopback_host(address: str) -> bool:
-    """True when `address` (host:port, or a bare host) names this host's loopback."""
-    if address.startswith("[") and "]" in address:  # [v6]:port
-        host = address[1 : address.index("]")]
-    else:  # host:port, a bare host, or a bare v6 address
-        host = address.rsplit(":", 1)[0] if address.count(":") == 1 else address
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
 
 
 def is_offer(blob: bytes | bytearray) -> bool:
@@ -275,7 +261,7 @@ def _parse_offer(offer: bytes) -> tuple[str, int, bytes]:
         host, port, token = str(fields["host"]), int(fields["port"]), bytes.fromhex(fields["token"])
     except (UnicodeDecodeError, ValueError, KeyError, TypeError) as exc:
         raise HealChannelError(f"a malformed heal offer: {exc}") from None
-    if not loopback_host(host) or not 0 < port < 65536 or len(token) != _TOKEN_BYTES:
+    if not auth.is_loopback(host) or not 0 < port < 65536 or len(token) != _TOKEN_BYTES:
         raise HealChannelError(
             f"a heal offer for {host}:{port} refused: only a loopback address and a "
             f"{_TOKEN_BYTES}-byte token are accepted"

@@ -18,6 +18,7 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
+from gradsync_proto import auth
 from torch import nn
 from torch.nn.modules.batchnorm import _NormBase
 
@@ -92,7 +93,7 @@ def send_heal_state(
     if previous is not None:
         previous.close()
     flag = os.environ.get(ENV_HEAL_CHANNEL, "").strip().lower()
-    loopback = all(heal_channel.loopback_host(a) for a in config.coordinator.split(","))
+    loopback = all(auth.is_loopback(a) for a in config.coordinator.split(","))
     if flag in ("0", "false", "no", "off") or not loopback:
         # Raw, not pickled: written (and read) in slices, so heartbeats keep going.
         state = live_state(module, optimizer, step, config.world_size)

@@ -52,7 +52,6 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Protocol
 
 from gradsync_proto import auth, chunking, dtypes
-from gradsync_proto.net.address import parse_address
 from gradsync_proto.v1 import gradsync_pb2 as pb
 
 from gradsync.path.bucket_uploads import RangeUpload, UploadProgress
@@ -92,14 +91,6 @@ Schedule = Callable[[float, Callable[[], None]], Timer]
 Send = Callable[[int, RangeUpload], None]
 
 
-def is_loopback(target: str) -> bool:
-    """True for a "host:port" on this host's loopback (127.0.0.0/8, ::1, localhost)."""
-    try:
-        return auth.is_loopback(parse_address(target).host)
-    except ValueError:
-        return False
-
-
 def window_bytes_from_env(environ: Mapping[str, str] | None = None, target: str = "") -> int:
     """The per-stream window: `ENV_UPLOAD_WINDOW_MB` if set, else `UPLOAD_WINDOW_BYTES`
     (0 when `target`, the coordinator, is on loopback).
@@ -110,7 +101,7 @@ def window_bytes_from_env(environ: Mapping[str, str] | None = None, target: str 
     env = os.environ if environ is None else environ
     text = env.get(ENV_UPLOAD_WINDOW_MB, "").strip()
     if not text:
-        return 0 if is_loopback(target) else UPLOAD_WINDOW_BYTES
+        return 0 if auth.is_loopback(target) else UPLOAD_WINDOW_BYTES
     try:
         megabytes = float(text)
     except ValueError:

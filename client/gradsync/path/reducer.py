@@ -205,7 +205,7 @@ class Reducer:
         world_size: int,
         instruments: Instruments,
         path: Callable[[], GradientPath],
-        wire_hook: CommHook | None = None,
+        wire_hook: WireHook | None = None,
         answer_in_fp32: bool = False,
         *,
         gradient_as_bucket_view: bool = False,

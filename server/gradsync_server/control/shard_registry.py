@@ -20,7 +20,6 @@ take over a live shard's index by naming its address.
 
 from __future__ import annotations
 
-import ipaddress
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -278,7 +277,7 @@ class ShardRegistry:
                 f"{chunking.HEADER_SLACK_BYTES} bytes of header)",
             )
         advertised_host = address.rpartition(":")[0].strip("[]")
-        if _is_loopback(advertised_host) and peer_host and not _is_loopback(peer_host):
+        if auth.is_loopback(advertised_host) and peer_host and not auth.is_loopback(peer_host):
             raise RegistrationRefused(
                 Code.FAILED_PRECONDITION,
                 f"{who} advertises a loopback address but connects from {peer_host}: workers "
@@ -358,13 +357,3 @@ def shard_view(message: pb.LeaderMessage, shard_index: int) -> pb.LeaderMessage:
     for member in view.job.members:
         member.session = auth.shard_session(member.session, shard_index)
     return view
-
-
-def _is_loopback(host: str) -> bool:
-    """True for "localhost" and loopback IP addresses (127.0.0.0/8, ::1)."""
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False

@@ -1,13 +1,16 @@
 """Microseconds per MiB to fold one chunk's contributions on the coordinator (one process).
 
-    python -m gradsync_bench.fold_passes [--dtype f32] [--workers 2] [--runs 400]
+    PYTHONPATH=server:proto python scripts/fold_passes.py [--dtype f32] [--workers 2] [--runs 400]
+
+A measuring tool for the coordinator's data plane, beside the suites of
+`gradsync bench` (which drive only the public library and CLI).
 
 Feeds `--workers` contributions of one 4 MiB chunk, each a read-only view
 three bytes into its message (misaligned, as a payload after its header),
 through `BucketReduction.add` in rank order until the average comes out,
 `--runs` times, and prints the median, 10th and 90th percentile time per MiB
-of contributions. The coordinator's fold with no gRPC around it: what issue
-26's "fewer passes over each byte" changes. `--cpu-time` times with the
+of contributions: the coordinator's fold with no gRPC around it, so that a
+change of its passes over each byte shows by itself. `--cpu-time` times with the
 process's CPU clock instead of the wall clock (less sensitive to a busy
 machine). `--samples FILE` appends every run's figure to FILE, to pool
 several interleaved runs of two checkouts.
