@@ -50,7 +50,7 @@ for tau inner steps while training goes on; its answer is then merged with
 the local progress made meanwhile (`mixing`). Each fragment is a job of its
 own on the coordinator (`gradsync.diloco_fragment`).
 
-Stragglers and mixed hardware (`gradsync.diloco_rounds` checks the settings;
+Stragglers and mixed hardware (`gradsync.diloco_settings` checks the settings;
 the coordinator's `gradsync_server.dataplane.rounds` and `late` run them): by
 default every round waits for every live rank. With `min_contributors=k` (and
 `round_deadline_s`) a round closes once the deadline, counted from its first
@@ -67,23 +67,27 @@ samples rank i processed since its last round (`step(samples=n)`).
 
 from __future__ import annotations
 
-import math
 import os
 import time
 from pathlib import Path
 from typing import Any
 
 import torch
-from gradsync_proto.v1 import gradsync_pb2 as pb
 from torch import nn
 
 from gradsync import defaults
 from gradsync.config import ENV_JOB_ID
-from gradsync.control.signature import WIRE_DTYPES
 from gradsync.diloco_fragment import Fragment
 from gradsync.diloco_metrics import DiLoCoInstruments, RoundRecord
-from gradsync.diloco_rounds import check_samples, straggler_settings
-from gradsync.hooks import WIRE_DTYPE_HOOKS
+from gradsync.diloco_settings import (
+    check_outer,
+    check_samples,
+    compact_answer_dtype,
+    flatten_options,
+    outer_optimizer,
+    straggler_settings,
+    streaming_mixing,
+)
 from gradsync.metrics import ENV_METRICS_HOST, resolve_metrics_port
 
 __all__ = ["DiLoCo"]
@@ -184,53 +188,26 @@ class DiLoCo:
         trace_path: str | Path | None = None,
         **options: Any,
     ) -> None:
-        _check(sync_every, outer_lr, outer_momentum, wire_dtype, error_feedback)
-        answer_dtype = _check_answer(wire_dtype, answer_dtype)
+        check_outer(sync_every, outer_lr, outer_momentum, wire_dtype, error_feedback)
+        answer_dtype = compact_answer_dtype(wire_dtype, answer_dtype)
         port = resolve_metrics_port(metrics_port, os.environ)  # a bad value fails before joining
-        mixing = _check_streaming(sync_every, fragments, overlap_steps, mixing)
+        mixing = streaming_mixing(sync_every, fragments, overlap_steps, mixing)
         self.model = model
         self.inner_optimizer = inner_optimizer
         self.sync_every = sync_every
         self.overlap_steps = overlap_steps
         self.mixing = mixing
-        outer = pb.OuterOptimizer(
-            lr=outer_lr,
-            momentum=outer_momentum,
-            nesterov=nesterov and outer_momentum > 0,
-            answer_dtype=0 if answer_dtype is None else WIRE_DTYPES[answer_dtype],  # type: ignore[arg-type]  # an int is a DType
-            **straggler_settings(
+        outer = outer_optimizer(
+            outer_lr,
+            outer_momentum,
+            nesterov,
+            answer_dtype,
+            straggler_settings(
                 min_contributors, round_deadline_s, late, max_staleness, weighted, world_size
             ),
         )
         feedback = wire_dtype is not None if error_feedback is None else error_feedback
-        if outer.min_contributors and fragments > 1:
-            raise ValueError(
-                f"partial rounds (min_contributors={outer.min_contributors}) are not possible "
-                f"with fragments={fragments} yet: pass fragments=1"
-            )
-        if outer.min_contributors and answer_dtype is not None:
-            raise ValueError(
-                f"partial rounds (min_contributors={outer.min_contributors}) are not possible "
-                f"with answer_dtype={answer_dtype!r} yet (a late rank is answered with the "
-                "global parameters, not the public copy): pass answer_dtype=None"
-            )
-        if outer.min_contributors or weighted:
-            if options.get("hierarchical") not in (None, False):
-                raise ValueError(
-                    f"hierarchical={options['hierarchical']!r} is not possible with partial "
-                    "or weighted rounds (a local group sums its ranks before the coordinator "
-                    "sees them): pass hierarchical=False"
-                )
-            options["hierarchical"] = False
-        if wire_dtype is torch.int8 or answer_dtype is not None:
-            if options.get("hierarchical") not in (None, False):
-                setting = "wire_dtype=torch.int8" if answer_dtype is None else "answer_dtype"
-                raise ValueError(
-                    f"hierarchical={options['hierarchical']!r} is not possible with "
-                    f"{setting} (a local group sums and answers in full precision): pass "
-                    "hierarchical=False"
-                )
-            options["hierarchical"] = False
+        flatten_options(outer, fragments, wire_dtype, answer_dtype, options)
         params: list[torch.Tensor] = [p for p in model.parameters() if p.requires_grad]
         groups = _split(params, fragments)
         base = job_id or os.environ.get(ENV_JOB_ID) or defaults.JOB_ID
@@ -404,69 +381,3 @@ def _split(params: list[torch.Tensor], fragments: int) -> list[list[torch.Tensor
         groups[-1].append(p)
         filled += p.numel() * p.element_size()
     return groups
-
-
-def _check_streaming(
-    sync_every: int, fragments: int, overlap_steps: int, mixing: float | None
-) -> float:
-    """The merge's mixing factor, after checking the streaming settings."""
-    if isinstance(fragments, bool) or not isinstance(fragments, int) or fragments < 1:
-        raise ValueError(f"fragments must be an integer >= 1, got {fragments!r}")
-    if fragments > sync_every:
-        raise ValueError(
-            f"fragments={fragments} is more than sync_every={sync_every}: each fragment "
-            "needs an inner step of its own to synchronize at"
-        )
-    if not isinstance(overlap_steps, int) or not 0 <= overlap_steps < sync_every:
-        raise ValueError(
-            f"overlap_steps must be an integer in [0, sync_every={sync_every}), "
-            f"got {overlap_steps!r}"
-        )
-    if mixing is None:
-        return 1.0 if overlap_steps == 0 else 0.5
-    if not (math.isfinite(mixing) and 0 < mixing <= 1):
-        raise ValueError(f"mixing must be in (0, 1], got {mixing!r}")
-    return mixing
-
-
-def _check_answer(
-    wire_dtype: torch.dtype | None, answer_dtype: torch.dtype | None
-) -> torch.dtype | None:
-    """The compact answer's dtype (None = exact float32), after checking it fits the wire."""
-    if answer_dtype is None or answer_dtype is torch.float32:
-        return None
-    if answer_dtype not in (torch.int8, torch.bfloat16):
-        raise ValueError(
-            f"answer_dtype={answer_dtype!r} is not supported: None (float32), torch.int8 "
-            "or torch.bfloat16"
-        )
-    if wire_dtype is not answer_dtype:
-        raise ValueError(
-            f"answer_dtype={answer_dtype!r} needs wire_dtype={answer_dtype!r} (the answer to "
-            f"each uploaded chunk travels on its grid), got wire_dtype={wire_dtype!r}"
-        )
-    return answer_dtype
-
-
-def _check(
-    sync_every: int,
-    outer_lr: float,
-    outer_momentum: float,
-    wire_dtype: torch.dtype | None,
-    error_feedback: bool | None,
-) -> None:
-    if isinstance(sync_every, bool) or not isinstance(sync_every, int) or sync_every < 1:
-        raise ValueError(f"sync_every must be an integer >= 1, got {sync_every!r}")
-    if not (math.isfinite(outer_lr) and outer_lr > 0):
-        raise ValueError(f"outer_lr must be finite and > 0, got {outer_lr!r}")
-    if not (math.isfinite(outer_momentum) and 0 <= outer_momentum < 1):
-        raise ValueError(f"outer_momentum must be in [0, 1), got {outer_momentum!r}")
-    if wire_dtype is not None and wire_dtype not in (*WIRE_DTYPE_HOOKS, torch.int8):
-        raise ValueError(
-            f"wire_dtype={wire_dtype!r} is not supported: None (float32), torch.bfloat16, "
-            "torch.float16 or torch.int8"
-        )
-    if error_feedback and wire_dtype is None:
-        raise ValueError(
-            "error_feedback needs a 16-bit or int8 wire_dtype: a float32 wire loses nothing"
-        )

@@ -13,7 +13,7 @@ import itertools
 
 import numpy as np
 import pytest
-from gradsync.diloco_rounds import check_samples, straggler_settings
+from gradsync.diloco_settings import check_samples, straggler_settings
 from gradsync_proto.codec import ChunkHeader
 from gradsync_proto.v1 import gradsync_pb2 as pb
 from gradsync_server.dataplane.aggregation import BucketReduction, Magnitude
