@@ -33,7 +33,17 @@ def query_status(
     timeout_s: float = defaults.STATUS_TIMEOUT_S,
     security: ChannelSecurity | None = None,
 ) -> pb.StatusReply:
-    """Call Coordinator.Status (it needs the token, like every call).
+    """A coordinator's status of its jobs: what `gradsync status` shows.
+
+    Args:
+        address: the coordinator's "host:port".
+        job_id: one job's status; "" = every job.
+        timeout_s: the bound on the call.
+        security: TLS and token (default: plaintext, no token); a token is needed
+            like on every call.
+
+    Returns:
+        The coordinator's `StatusReply` (`gradsync.v1`).
 
     Raises:
         ConnectionError: the coordinator could not be reached in time, refused the
