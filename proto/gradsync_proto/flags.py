@@ -13,8 +13,8 @@ as the worker's, and the server imports nothing of the client; the types only
 the client's subcommands take (output files and folders, lists) stay in
 `gradsync.flags`.
 
-A config dataclass declares its flags here too: each field's `metadata`
-holds a `Flag` (name, type, unit, help, the roles that have it), `add_flags`
+A config dataclass declares its flags here too: each field made by `option`
+holds a `Flag` in its metadata (name, type, unit, help, roles), `add_flags`
 builds a subcommand's flags from the dataclass, and `config_from_flags`
 builds the dataclass from the parsed flags, so a new knob is one field.
 """
@@ -126,7 +126,7 @@ def non_empty(text: str) -> str:
 #: A flag's value read from the parsed flags and the environment instead of taken as given.
 Reader = Callable[[argparse.Namespace, Mapping[str, str]], Any]
 Config = TypeVar("Config")
-#: `Flag.default` when the flag's default is the field's (in the flag's unit).
+#: `Flag.flag_default` when the flag's default is the field's (in the flag's unit).
 _FIELD_DEFAULT: Any = object()
 
 
@@ -141,7 +141,7 @@ class Flag:
         type: the argparse type, which checks the value's whole range.
         unit: the field holds `int(flag value * unit)` (a MiB flag of a byte field).
         roles: the roles (subcommands) that have this flag; None = every role.
-        default: the flag's default in its own unit, when it is not the field's default.
+        flag_default: the flag's default in its own unit, when not the field's default.
         read: the field's value from the parsed flags and the environment (other flags,
             files); None = the flag's value, where None leaves the field's default.
         choices, action, required, metavar: as argparse's `add_argument`.
@@ -152,7 +152,7 @@ class Flag:
     type: Callable[[str], Any] | None = None
     unit: float = 1
     roles: Collection[str] | None = None
-    default: Any = _FIELD_DEFAULT
+    flag_default: Any = _FIELD_DEFAULT
     read: Reader | None = None
     choices: Collection[str] | None = None
     action: str | None = None
@@ -164,9 +164,17 @@ class Flag:
         return self.roles is None or role in self.roles
 
 
-def flag(help: str | Mapping[str, str] = "", **options: Any) -> dict[str, Flag]:
-    """A field's `metadata` declaring its flag (`Flag`'s attributes as keywords)."""
-    return {"flag": Flag(help, **options)}
+def option(
+    default: Any, help: str | Mapping[str, str] = "", *, repr: bool = True, **flag: Any
+) -> Any:
+    """A config field that has a flag: `dataclasses.field` with the `Flag` in its metadata.
+
+    Args:
+        default: the field's default.
+        help, flag: the `Flag` (its attributes as keywords).
+        repr: show the value in the config's repr (False for secrets).
+    """
+    return dataclasses.field(default=default, repr=repr, metadata={"flag": Flag(help, **flag)})
 
 
 def _flags(config_type: type[Any], role: str) -> list[tuple[dataclasses.Field[Any], Flag]]:
@@ -194,7 +202,7 @@ def add_flags(parser: argparse.ArgumentParser, config_type: type[Any], role: str
             if spec.action == "store_false":
                 options["dest"] = field.name
         else:
-            default: Any = spec.default
+            default: Any = spec.flag_default
             if default is _FIELD_DEFAULT:
                 default = field.default
                 if default is not None and spec.unit != 1:

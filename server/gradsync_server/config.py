@@ -25,7 +25,7 @@ import hmac
 import math
 import os
 import socket
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from enum import StrEnum
 from typing import TYPE_CHECKING
 
@@ -33,9 +33,9 @@ from gradsync_proto import auth, chunking
 from gradsync_proto.flags import (
     chunk_mb,
     coordinator,
-    flag,
     integer,
     non_empty,
+    option,
     port as tcp_port,
     positive_int,
     positive_number,
@@ -108,444 +108,354 @@ class CoordinatorConfig:
     """
 
     role: Role = Role.LEADER
-    world_size: int = field(
-        default=0, metadata=flag("ranks per job", type=positive_int, required=True, roles=_LEADER)
+    world_size: int = option(0, "ranks per job", type=positive_int, required=True, roles=_LEADER)
+    leader: str = option(
+        "",
+        "the leader's host:port, or a comma list: an active leader and its standbys (--lease)",
+        type=coordinator,
+        required=True,
+        roles=_SHARD,
     )
-    leader: str = field(
-        default="",
-        metadata=flag(
-            "the leader's host:port, or a comma list: an active leader and its standbys (--lease)",
-            type=coordinator,
-            required=True,
-            roles=_SHARD,
-        ),
+    host: str = option(
+        defaults.HOST,
+        "interface to bind (default %(default)s; 0.0.0.0 for all, which needs a token, "
+        "client certificates or --insecure)",
+        type=non_empty,
     )
-    host: str = field(
-        default=defaults.HOST,
-        metadata=flag(
-            "interface to bind (default %(default)s; 0.0.0.0 for all, which needs a token, "
-            "client certificates or --insecure)",
-            type=non_empty,
-        ),
+    port: int = option(
+        defaults.PORT,
+        "TCP port; 0 picks a free one and prints it (default %(default)s)",
+        type=tcp_port,
     )
-    port: int = field(
-        default=defaults.PORT,
-        metadata=flag(
-            "TCP port; 0 picks a free one and prints it (default %(default)s)", type=tcp_port
-        ),
+    advertise: str | None = option(
+        None,
+        {
+            Role.LEADER: "host:port workers should use for this coordinator, shown by a "
+            "standby (default: --host:--port)",
+            Role.SHARD: "host:port workers reach the shard at (default HOST:PORT, or "
+            "':PORT' = the host they reach the leader at when --host is 0.0.0.0)",
+        },
+        type=non_empty,
     )
-    advertise: str | None = field(
-        default=None,
-        metadata=flag(
-            {
-                Role.LEADER: "host:port workers should use for this coordinator, shown by a "
-                "standby (default: --host:--port)",
-                Role.SHARD: "host:port workers reach the shard at (default HOST:PORT, or "
-                "':PORT' = the host they reach the leader at when --host is 0.0.0.0)",
-            },
-            type=non_empty,
-        ),
+    chunk_bytes: int = option(
+        0,
+        {
+            Role.LEADER: f"wire chunk size in MiB (default {defaults.CHUNK_BYTES / MIB:g}; "
+            f"{defaults.SHARDED_CHUNK_BYTES / MIB:g} with --shards or --wait-for-shards)",
+            Role.SHARD: "wire chunk size in MiB; if given, must equal the leader's "
+            "(default: the leader's)",
+        },
+        name="--chunk-mb",
+        type=chunk_mb,
+        flag_default=None,
+        read=read.chunk_bytes,
     )
-    chunk_bytes: int = field(
-        default=0,
-        metadata=flag(
-            {
-                Role.LEADER: f"wire chunk size in MiB (default {defaults.CHUNK_BYTES / MIB:g}; "
-                f"{defaults.SHARDED_CHUNK_BYTES / MIB:g} with --shards or --wait-for-shards)",
-                Role.SHARD: "wire chunk size in MiB; if given, must equal the leader's "
-                "(default: the leader's)",
-            },
-            name="--chunk-mb",
-            type=chunk_mb,
-            default=None,
-            read=read.chunk_bytes,
-        ),
+    max_buffered_bytes: int = option(
+        defaults.MAX_BUFFERED_BYTES,
+        "cap on gradient bytes held in partial reductions (default %(default)g)",
+        name="--max-buffered-mb",
+        type=positive_number,
+        unit=MIB,
     )
-    max_buffered_bytes: int = field(
-        default=defaults.MAX_BUFFERED_BYTES,
-        metadata=flag(
-            "cap on gradient bytes held in partial reductions (default %(default)g)",
-            name="--max-buffered-mb",
-            type=positive_number,
-            unit=MIB,
-        ),
+    max_job_buffered_bytes: int | None = option(
+        None,
+        "the most of --max-buffered-mb one job may hold, so that one job cannot starve "
+        "the others (default: half of --max-buffered-mb)",
+        name="--max-job-buffered-mb",
+        type=positive_number,
+        unit=MIB,
+        roles=_LEADER,
     )
-    max_job_buffered_bytes: int | None = field(
-        default=None,
-        metadata=flag(
-            "the most of --max-buffered-mb one job may hold, so that one job cannot starve "
-            "the others (default: half of --max-buffered-mb)",
-            name="--max-job-buffered-mb",
-            type=positive_number,
-            unit=MIB,
-            roles=_LEADER,
-        ),
+    max_outbox_bytes: int = option(
+        defaults.MAX_OUTBOX_BYTES,
+        "cap on results queued for one worker that does not read them; beyond it the "
+        "worker is dropped with RESOURCE_EXHAUSTED (default %(default)g)",
+        name="--max-outbox-mb",
+        type=positive_number,
+        unit=MIB,
     )
-    max_outbox_bytes: int = field(
-        default=defaults.MAX_OUTBOX_BYTES,
-        metadata=flag(
-            "cap on results queued for one worker that does not read them; beyond it the "
-            "worker is dropped with RESOURCE_EXHAUSTED (default %(default)g)",
-            name="--max-outbox-mb",
-            type=positive_number,
-            unit=MIB,
-        ),
+    max_connections: int = option(
+        defaults.MAX_CONNECTIONS,
+        "concurrent streams (a shard's: data streams); beyond it RESOURCE_EXHAUSTED "
+        "(default %(default)s)",
+        type=positive_int,
     )
-    max_connections: int = field(
-        default=defaults.MAX_CONNECTIONS,
-        metadata=flag(
-            "concurrent streams (a shard's: data streams); beyond it RESOURCE_EXHAUSTED "
-            "(default %(default)s)",
-            type=positive_int,
-        ),
+    first_message_timeout_s: float = option(
+        defaults.FIRST_MESSAGE_TIMEOUT_S,
+        "a stream that sends no first message (Join, ShardHello, ShardRegister) within "
+        "this many seconds is ended with DEADLINE_EXCEEDED (default %(default)g)",
+        type=positive_number,
     )
-    first_message_timeout_s: float = field(
-        default=defaults.FIRST_MESSAGE_TIMEOUT_S,
-        metadata=flag(
-            "a stream that sends no first message (Join, ShardHello, ShardRegister) within "
-            "this many seconds is ended with DEADLINE_EXCEEDED (default %(default)g)",
-            type=positive_number,
-        ),
+    max_checkpoint_bytes: int = option(
+        defaults.MAX_CHECKPOINT_BYTES,
+        "largest checkpoint (or rejoining rank's state) accepted (default %(default)g)",
+        name="--max-checkpoint-mb",
+        type=positive_number,
+        unit=MIB,
+        roles=_LEADER,
     )
-    max_checkpoint_bytes: int = field(
-        default=defaults.MAX_CHECKPOINT_BYTES,
-        metadata=flag(
-            "largest checkpoint (or rejoining rank's state) accepted (default %(default)g)",
-            name="--max-checkpoint-mb",
-            type=positive_number,
-            unit=MIB,
-            roles=_LEADER,
-        ),
+    assembly_timeout_s: float = option(
+        defaults.ASSEMBLY_TIMEOUT_S,
+        "a job whose ranks have not all joined within this many seconds is refused, "
+        "freeing its slot (default %(default)g)",
+        type=positive_number,
+        roles=_LEADER,
     )
-    assembly_timeout_s: float = field(
-        default=defaults.ASSEMBLY_TIMEOUT_S,
-        metadata=flag(
-            "a job whose ranks have not all joined within this many seconds is refused, "
-            "freeing its slot (default %(default)g)",
-            type=positive_number,
-            roles=_LEADER,
-        ),
+    max_jobs: int = option(
+        defaults.MAX_JOBS,
+        "concurrent jobs accepted (default %(default)s)",
+        type=positive_int,
+        roles=_LEADER,
     )
-    max_jobs: int = field(
-        default=defaults.MAX_JOBS,
-        metadata=flag(
-            "concurrent jobs accepted (default %(default)s)", type=positive_int, roles=_LEADER
-        ),
+    shutdown_grace_s: float = option(
+        defaults.SHUTDOWN_GRACE_S,
+        "how long SIGTERM lets running streams finish (default %(default)g)",
+        type=seconds_or_zero,
+        roles=_LEADER,
     )
-    shutdown_grace_s: float = field(
-        default=defaults.SHUTDOWN_GRACE_S,
-        metadata=flag(
-            "how long SIGTERM lets running streams finish (default %(default)g)",
-            type=seconds_or_zero,
-            roles=_LEADER,
-        ),
+    heartbeat_interval_s: float = option(
+        defaults.HEARTBEAT_INTERVAL_S,
+        "seconds between worker heartbeats (default %(default)g)",
+        name="--heartbeat-interval",
+        type=seconds,
+        roles=_LEADER,
     )
-    heartbeat_interval_s: float = field(
-        default=defaults.HEARTBEAT_INTERVAL_S,
-        metadata=flag(
-            "seconds between worker heartbeats (default %(default)g)",
-            name="--heartbeat-interval",
-            type=seconds,
-            roles=_LEADER,
-        ),
+    heartbeat_timeout_s: float = option(
+        defaults.HEARTBEAT_TIMEOUT_S,
+        "seconds of silence before a worker is declared dead (default %(default)g)",
+        name="--heartbeat-timeout",
+        type=seconds,
+        roles=_LEADER,
     )
-    heartbeat_timeout_s: float = field(
-        default=defaults.HEARTBEAT_TIMEOUT_S,
-        metadata=flag(
-            "seconds of silence before a worker is declared dead (default %(default)g)",
-            name="--heartbeat-timeout",
-            type=seconds,
-            roles=_LEADER,
-        ),
+    stall_warning_s: float = option(
+        defaults.STALL_WARNING_S,
+        "log who a step waits for once it is this many seconds old (default %(default)g)",
+        name="--stall-warning",
+        type=seconds,
+        roles=_LEADER,
     )
-    stall_warning_s: float = field(
-        default=defaults.STALL_WARNING_S,
-        metadata=flag(
-            "log who a step waits for once it is this many seconds old (default %(default)g)",
-            name="--stall-warning",
-            type=seconds,
-            roles=_LEADER,
-        ),
+    checkpoint_store: str | None = option(
+        None,
+        {
+            Role.LEADER: "where checkpoints go: redis://host:port/db, rediss://..., "
+            "file:///dir or a directory that does not look like host:port (default: none)",
+            Role.SHARD: "where this shard saves its range of every DiLoCo job's outer "
+            "state (the leader's --checkpoint-store, which `serve --shards` passes on; "
+            "default: none)",
+        },
     )
-    checkpoint_store: str | None = field(
-        default=None,
-        metadata=flag(
-            {
-                Role.LEADER: "where checkpoints go: redis://host:port/db, rediss://..., "
-                "file:///dir or a directory that does not look like host:port (default: none)",
-                Role.SHARD: "where this shard saves its range of every DiLoCo job's outer "
-                "state (the leader's --checkpoint-store, which `serve --shards` passes on; "
-                "default: none)",
-            }
-        ),
+    lease: bool = option(
+        False,
+        "take part in the Redis lease of a redis:// --checkpoint-store: serve only "
+        "while holding it (another coordinator with --lease/--standby takes over)",
+        action="store_true",
+        roles=_LEADER,
+        read=read.lease,
     )
-    lease: bool = field(
-        default=False,
-        metadata=flag(
-            "take part in the Redis lease of a redis:// --checkpoint-store: serve only "
-            "while holding it (another coordinator with --lease/--standby takes over)",
-            action="store_true",
-            roles=_LEADER,
-            read=read.lease,
-        ),
+    standby: bool = option(
+        False,
+        "start as a standby (implies --lease): answer UNAVAILABLE until the active "
+        "coordinator's lease expires, then take over and resume the job from the store",
+        action="store_true",
+        roles=_LEADER,
     )
-    standby: bool = field(
-        default=False,
-        metadata=flag(
-            "start as a standby (implies --lease): answer UNAVAILABLE until the active "
-            "coordinator's lease expires, then take over and resume the job from the store",
-            action="store_true",
-            roles=_LEADER,
-        ),
+    lease_ttl_s: float = option(
+        3.0,
+        "lease lifetime after each renewal (renewed every ttl/3; default %(default)g)",
+        type=seconds,
+        roles=_LEADER,
     )
-    lease_ttl_s: float = field(
-        default=3.0,
-        metadata=flag(
-            "lease lifetime after each renewal (renewed every ttl/3; default %(default)g)",
-            type=seconds,
-            roles=_LEADER,
-        ),
+    checkpoint_every: int = option(
+        defaults.CHECKPOINT_EVERY_STEPS,
+        "rank 0 uploads a checkpoint every K steps (default %(default)s; 0: on request)",
+        type=integer(0),
+        roles=_LEADER,
     )
-    checkpoint_every: int = field(
-        default=defaults.CHECKPOINT_EVERY_STEPS,
-        metadata=flag(
-            "rank 0 uploads a checkpoint every K steps (default %(default)s; 0: on request)",
-            type=integer(0),
-            roles=_LEADER,
-        ),
+    require_checkpoint: bool = option(
+        False,
+        "fail the job when a checkpoint cannot be saved, instead of training on and retrying",
+        action="store_true",
+        roles=_LEADER,
     )
-    require_checkpoint: bool = field(
-        default=False,
-        metadata=flag(
-            "fail the job when a checkpoint cannot be saved, instead of training on and retrying",
-            action="store_true",
-            roles=_LEADER,
-        ),
+    resume: bool = option(
+        False,
+        "refuse to start a job that has no stored checkpoint",
+        action="store_true",
+        roles=_LEADER,
     )
-    resume: bool = field(
-        default=False,
-        metadata=flag(
-            "refuse to start a job that has no stored checkpoint",
-            action="store_true",
-            roles=_LEADER,
-        ),
+    fresh_start: bool = option(
+        False,
+        "start every job at step 0 without reading its checkpoints (which are kept); "
+        "without it a store that cannot be read refuses the job",
+        action="store_true",
+        roles=_LEADER,
     )
-    fresh_start: bool = field(
-        default=False,
-        metadata=flag(
-            "start every job at step 0 without reading its checkpoints (which are kept); "
-            "without it a store that cannot be read refuses the job",
-            action="store_true",
-            roles=_LEADER,
-        ),
+    state_dir: str | None = option(
+        None,
+        "the coordinator's own directory for each job's high-water mark (its newest "
+        "acknowledged checkpoint), so that a rolled-back store is refused; keep it off "
+        "the store's disk (default $GRADSYNC_STATE_DIR, else $XDG_STATE_HOME/gradsync, "
+        "else ~/.local/state/gradsync)",
+        roles=_LEADER,
+        read=read.state_dir,
     )
-    state_dir: str | None = field(
-        default=None,
-        metadata=flag(
-            "the coordinator's own directory for each job's high-water mark (its newest "
-            "acknowledged checkpoint), so that a rolled-back store is refused; keep it off "
-            "the store's disk (default $GRADSYNC_STATE_DIR, else $XDG_STATE_HOME/gradsync, "
-            "else ~/.local/state/gradsync)",
-            roles=_LEADER,
-            read=read.state_dir,
-        ),
+    store_timeout_s: float = option(
+        defaults.STORE_TIMEOUT_S,
+        "deadline of each checkpoint store call; a hung store fails it, other jobs "
+        "train on (default %(default)gs)",
+        name="--store-timeout",
+        type=seconds,
     )
-    store_timeout_s: float = field(
-        default=defaults.STORE_TIMEOUT_S,
-        metadata=flag(
-            "deadline of each checkpoint store call; a hung store fails it, other jobs "
-            "train on (default %(default)gs)",
-            name="--store-timeout",
-            type=seconds,
-        ),
-    )
-    redis_password: str | None = field(
-        default=None,
+    redis_password: str | None = option(
+        None,
+        f"file holding the password of a redis:// --checkpoint-store (or set "
+        f"${defaults.ENV_REDIS_PASSWORD}); keeps it out of the URL and the process list",
+        name="--redis-password-file",
+        read=read.redis_password,
         repr=False,
-        metadata=flag(
-            f"file holding the password of a redis:// --checkpoint-store (or set "
-            f"${defaults.ENV_REDIS_PASSWORD}); keeps it out of the URL and the process list",
-            name="--redis-password-file",
-            read=read.redis_password,
-        ),
     )
-    metrics_port: int | None = field(
-        default=None,
-        metadata=flag(
-            "serve Prometheus metrics on this port (0 = a free one; default: off)", type=tcp_port
-        ),
+    metrics_port: int | None = option(
+        None, "serve Prometheus metrics on this port (0 = a free one; default: off)", type=tcp_port
     )
-    on_failure: str = field(
-        default=defaults.ON_FAILURE,
-        metadata=flag(
-            "when a worker is lost: abort the step for everyone, or go on with the live "
-            "ranks and let restarted ranks rejoin (default %(default)s)",
-            choices=("abort", "elastic"),
-            roles=_LEADER,
-        ),
+    on_failure: str = option(
+        defaults.ON_FAILURE,
+        "when a worker is lost: abort the step for everyone, or go on with the live "
+        "ranks and let restarted ranks rejoin (default %(default)s)",
+        choices=("abort", "elastic"),
+        roles=_LEADER,
     )
-    min_workers: int = field(
-        default=defaults.MIN_WORKERS,
-        metadata=flag(
-            "elastic: the fewest live workers to go on with (default %(default)s)",
-            type=positive_int,
-            roles=_LEADER,
-        ),
+    min_workers: int = option(
+        defaults.MIN_WORKERS,
+        "elastic: the fewest live workers to go on with (default %(default)s)",
+        type=positive_int,
+        roles=_LEADER,
     )
-    frame_port: int | None = field(
-        default=0,
-        metadata=flag(
-            "serve workers' Sync streams also as frames on this TCP port (same host, TLS "
-            "and token as --port), which costs far less per message than gRPC; workers find "
-            "it through the gRPC port and fall back to gRPC where it is unreachable "
-            "(default: --port + 1, --port + S with --shards S, or a free port when that is "
-            "taken or --port is 0; -1 = off)",
-            type=int,
-            default=None,
-            roles=_LEADER,
-            read=read.frame_port,
-        ),
+    frame_port: int | None = option(
+        0,
+        "serve workers' Sync streams also as frames on this TCP port (same host, TLS "
+        "and token as --port), which costs far less per message than gRPC; workers find "
+        "it through the gRPC port and fall back to gRPC where it is unreachable "
+        "(default: --port + 1, --port + S with --shards S, or a free port when that is "
+        "taken or --port is 0; -1 = off)",
+        type=int,
+        flag_default=None,
+        roles=_LEADER,
+        read=read.frame_port,
     )
-    frame_port_required: bool = field(
-        default=False, metadata=flag(name=None, roles=_LEADER, read=read.frame_port_required)
+    frame_port_required: bool = option(
+        False, name=None, roles=_LEADER, read=read.frame_port_required
     )
-    payload_socket: bool = field(
-        default=True,
-        metadata=flag(
-            "move every gradient payload over TCP, also those of local leaders on this "
-            "coordinator's host (which otherwise go through their shared memory; for "
-            "debugging)",
-            name="--no-payload-socket",
-            action="store_false",
-            roles=_LEADER,
-        ),
+    payload_socket: bool = option(
+        True,
+        "move every gradient payload over TCP, also those of local leaders on this "
+        "coordinator's host (which otherwise go through their shared memory; for "
+        "debugging)",
+        name="--no-payload-socket",
+        action="store_false",
+        roles=_LEADER,
     )
-    nonfinite: str = field(
-        default=defaults.NONFINITE,
-        metadata=flag(
-            "a rank's NaN/Inf gradient: report it (log, metric, status; the step goes on "
-            "as under DDP), abort the step for every rank (NonFiniteGradientError), or allow "
-            "it unchecked, e.g. for GradScaler users (default %(default)s)",
-            choices=defaults.NONFINITE_POLICIES,
-            roles=_LEADER,
-        ),
+    nonfinite: str = option(
+        defaults.NONFINITE,
+        "a rank's NaN/Inf gradient: report it (log, metric, status; the step goes on "
+        "as under DDP), abort the step for every rank (NonFiniteGradientError), or allow "
+        "it unchecked, e.g. for GradScaler users (default %(default)s)",
+        choices=defaults.NONFINITE_POLICIES,
+        roles=_LEADER,
     )
-    max_collective_bytes: int = field(
-        default=defaults.MAX_COLLECTIVE_BYTES,
-        metadata=flag(
-            "cap on one rank's input to a collective (all_reduce, broadcast, ...) and on an "
-            "all_gather's result, in MiB (default %(default)g)",
-            name="--max-collective-mb",
-            type=positive_number,
-            unit=MIB,
-            roles=_LEADER,
-        ),
+    max_collective_bytes: int = option(
+        defaults.MAX_COLLECTIVE_BYTES,
+        "cap on one rank's input to a collective (all_reduce, broadcast, ...) and on an "
+        "all_gather's result, in MiB (default %(default)g)",
+        name="--max-collective-mb",
+        type=positive_number,
+        unit=MIB,
+        roles=_LEADER,
     )
-    shard_count: int = field(
-        default=defaults.SHARDS,
-        metadata=flag(
-            "coordinator shards on this host, this leader included: it starts S-1 "
-            "`gradsync shard` processes on ports PORT+1.. and restarts any that dies "
-            "(default 1)",
-            name="--shards",
-            type=positive_int,
-            default=None,
-            roles=_LEADER,
-            read=read.shard_count,
-        ),
+    shard_count: int = option(
+        defaults.SHARDS,
+        "coordinator shards on this host, this leader included: it starts S-1 "
+        "`gradsync shard` processes on ports PORT+1.. and restarts any that dies "
+        "(default 1)",
+        name="--shards",
+        type=positive_int,
+        flag_default=None,
+        roles=_LEADER,
+        read=read.shard_count,
     )
     # Set by either flag: False when the shards are started elsewhere.
-    local_shards: bool = field(
-        default=False,
-        metadata=flag(
-            "K shards run elsewhere (`gradsync shard --leader HOST:PORT`): jobs start once "
-            "all K have registered (default 0)",
-            name="--wait-for-shards",
-            type=integer(0),
-            default=None,
-            roles=_LEADER,
-            read=read.local_shards,
-        ),
+    local_shards: bool = option(
+        False,
+        "K shards run elsewhere (`gradsync shard --leader HOST:PORT`): jobs start once "
+        "all K have registered (default 0)",
+        name="--wait-for-shards",
+        type=integer(0),
+        flag_default=None,
+        roles=_LEADER,
+        read=read.local_shards,
     )
-    shard_wait_timeout_s: float = field(
-        default=defaults.SHARD_WAIT_TIMEOUT_S,
-        metadata=flag(
-            "seconds to wait at start-up for every shard to register before exiting 1 "
-            "(default %(default)g)",
-            name="--shard-wait-timeout",
-            type=seconds,
-            roles=_LEADER,
-        ),
+    shard_wait_timeout_s: float = option(
+        defaults.SHARD_WAIT_TIMEOUT_S,
+        "seconds to wait at start-up for every shard to register before exiting 1 "
+        "(default %(default)g)",
+        name="--shard-wait-timeout",
+        type=seconds,
+        roles=_LEADER,
     )
-    parent_pid: int | None = field(
-        default=None,
-        metadata=flag(
-            "stop (as on SIGTERM) when the process PID is no longer this shard's parent; "
-            "`serve --shards` passes its own pid so its shards never outlive it "
-            "(default: off)",
-            type=int,
-            roles=_SHARD,
-        ),
+    parent_pid: int | None = option(
+        None,
+        "stop (as on SIGTERM) when the process PID is no longer this shard's parent; "
+        "`serve --shards` passes its own pid so its shards never outlive it "
+        "(default: off)",
+        type=int,
+        roles=_SHARD,
     )
-    tls_cert: str | None = field(
-        default=None,
-        metadata=flag(
-            "PEM certificate: serve over TLS (a shard also presents it to a leader that "
-            "asks for client certificates)"
-        ),
+    tls_cert: str | None = option(
+        None,
+        "PEM certificate: serve over TLS (a shard also presents it to a leader that "
+        "asks for client certificates)",
     )
-    tls_key: str | None = field(default=None, metadata=flag("PEM private key of --tls-cert"))
-    tls_client_ca: str | None = field(
-        default=None,
-        metadata=flag("PEM CA of the client certificates: every caller must present one (mTLS)"),
+    tls_key: str | None = option(None, "PEM private key of --tls-cert")
+    tls_client_ca: str | None = option(
+        None, "PEM CA of the client certificates: every caller must present one (mTLS)"
     )
-    token: str | None = field(
-        default=None,
+    token: str | None = option(
+        None,
+        f"file holding the shared token every call must present (default "
+        f"${auth.ENV_TOKEN_FILE}, or the token itself in ${auth.ENV_TOKEN}; "
+        "make one with `gradsync token FILE`)",
+        name="--token-file",
+        read=read.token,
         repr=False,
-        metadata=flag(
-            f"file holding the shared token every call must present (default "
-            f"${auth.ENV_TOKEN_FILE}, or the token itself in ${auth.ENV_TOKEN}; "
-            "make one with `gradsync token FILE`)",
-            name="--token-file",
-            read=read.token,
-        ),
     )
-    shard_token: str | None = field(
-        default=None,
+    shard_token: str | None = option(
+        None,
+        f"file holding the shard token, which shards present to their leader instead "
+        f"of the workers' token (default ${auth.ENV_SHARD_TOKEN_FILE}, or the token "
+        f"itself in ${auth.ENV_SHARD_TOKEN}); needed by --wait-for-shards and by every "
+        "shard when a token or client certificates are set; --shards makes one for its "
+        "own shards",
+        name="--shard-token-file",
+        read=read.shard_token,
         repr=False,
-        metadata=flag(
-            f"file holding the shard token, which shards present to their leader instead "
-            f"of the workers' token (default ${auth.ENV_SHARD_TOKEN_FILE}, or the token "
-            f"itself in ${auth.ENV_SHARD_TOKEN}); needed by --wait-for-shards and by every "
-            "shard when a token or client certificates are set; --shards makes one for its "
-            "own shards",
-            name="--shard-token-file",
-            read=read.shard_token,
-        ),
     )
-    insecure: bool = field(
-        default=False,
-        metadata=flag(
-            "listen beyond loopback with neither a token nor client certificates "
-            "(trusted networks only)",
-            action="store_true",
-        ),
+    insecure: bool = option(
+        False,
+        "listen beyond loopback with neither a token nor client certificates "
+        "(trusted networks only)",
+        action="store_true",
     )
-    metrics_host: str | None = field(
-        default=None,
-        metadata=flag("interface the metrics server binds (default: --host)", type=non_empty),
+    metrics_host: str | None = option(
+        None, "interface the metrics server binds (default: --host)", type=non_empty
     )
-    tls_ca: str | None = field(
-        default=None,
-        metadata=flag(
-            {
-                Role.LEADER: "PEM CA that issued --tls-cert, given to the local shards of "
-                "--shards to verify this leader (default: --tls-cert itself)",
-                Role.SHARD: "PEM CA that issued the leader's certificate: reach the leader "
-                "over TLS, presenting --tls-cert if it asks for a client certificate "
-                "(default: plaintext)",
-            }
-        ),
+    tls_ca: str | None = option(
+        None,
+        {
+            Role.LEADER: "PEM CA that issued --tls-cert, given to the local shards of "
+            "--shards to verify this leader (default: --tls-cert itself)",
+            Role.SHARD: "PEM CA that issued the leader's certificate: reach the leader "
+            "over TLS, presenting --tls-cert if it asks for a client certificate "
+            "(default: plaintext)",
+        },
     )
     host_id: str = ""
     register_timeout_s: float = defaults.REGISTER_TIMEOUT_S

@@ -11,7 +11,8 @@ Each actor runs the ordinary coordinator or shard (`gradsync_server.app.start`)
 in-process, on a loop of its own (`gradsync.ray._loop`), so there is no child process to
 leak. It listens on its node's address, where other nodes reach it; beyond loopback the
 coordinator needs credentials, so unless the caller gives a token, client certificates or
-`insecure=True`, a random token is made here and handed to workers through Ray (never on a command line).
+`insecure=True`, a random token is made here and handed to workers through Ray (never on
+a command line).
 """
 
 from __future__ import annotations
