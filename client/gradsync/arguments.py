@@ -74,7 +74,7 @@ def build_parser() -> argparse.ArgumentParser:
         coordinator = commands.add_parser(command, help=summary)
         coordinator.set_defaults(command_parser=coordinator, role=role)
         flags.add_flags(coordinator, CoordinatorConfig, role)
-    coordinator.add_argument(
+    coordinator.add_argument(  # the shard's, after its own flags
         "--log-level",
         choices=["DEBUG", "INFO", "WARNING", "ERROR"],
         default=argparse.SUPPRESS,  # keeps `gradsync --log-level X shard` working too

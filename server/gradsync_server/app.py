@@ -8,13 +8,14 @@ range i and follows its leader's control events. Both listen the same way
 stop the same way (SIGTERM/SIGINT).
 
 `start` is the injectable seam (it binds port 0 in tests and reports the
-port); `run` is what the CLI calls. The leader serves until a signal, then
-drains running streams for the configured grace period and returns 0. A sharded leader (`--shards`,
-`--wait-for-shards`) also waits, bounded by `--shard-wait-timeout`, for every
-shard to register, and returns 1 naming the missing ones when they do not;
-with `--shards` it starts (and stops) the shards itself (`local_shards`). A
-shard serves until a signal (0) or until its leader refuses it (2, with the
-leader's message naming the flag and both values).
+port) and `Running` what it started; `run` is what the CLI calls. The
+leader serves until a signal, then drains running streams for the configured
+grace period and returns 0. A sharded leader (`--shards`,
+`--wait-for-shards`) also waits, bounded by `--shard-wait-timeout`, for
+every shard to register, and returns 1 naming the missing ones when they do
+not; with `--shards` it starts (and stops) the shards itself
+(`local_shards`). A shard serves until a signal (0) or until its leader
+refuses it (2, with the leader's message naming the flag and both values).
 """
 
 from __future__ import annotations
