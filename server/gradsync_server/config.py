@@ -509,19 +509,19 @@ class CoordinatorConfig:
                 f"message ({self.max_message_bytes} bytes: --chunk-mb and its header)"
             )
         for what, value in (
-            ("max checkpoint bytes", self.max_checkpoint_bytes),
-            ("max connections", self.max_connections),
-            ("max jobs", self.max_jobs),
-            ("max collective bytes", self.max_collective_bytes),
-            ("shard count", self.shard_count),
+            ("max checkpoint bytes (--max-checkpoint-mb)", self.max_checkpoint_bytes),
+            ("max connections (--max-connections)", self.max_connections),
+            ("max jobs (--max-jobs)", self.max_jobs),
+            ("max collective bytes (--max-collective-mb)", self.max_collective_bytes),
+            ("shard count (--shards)", self.shard_count),
         ):
             if value < 1:
                 raise ValueError(f"{what} must be at least 1, got {value}")
         for what, duration in (
-            ("first message timeout", self.first_message_timeout_s),
-            ("assembly timeout", self.assembly_timeout_s),
-            ("stall warning", self.stall_warning_s),
-            ("shard wait timeout", self.shard_wait_timeout_s),
+            ("first message timeout (--first-message-timeout-s)", self.first_message_timeout_s),
+            ("assembly timeout (--assembly-timeout-s)", self.assembly_timeout_s),
+            ("stall warning (--stall-warning)", self.stall_warning_s),
+            ("shard wait timeout (--shard-wait-timeout)", self.shard_wait_timeout_s),
         ):
             if not duration > 0:
                 raise ValueError(f"{what} must be > 0 s, got {duration}")
@@ -600,7 +600,7 @@ class CoordinatorConfig:
                 "$GRADSYNC_SHARD_TOKEN): the leader admits shards only with it"
             )
         if self.parent_pid is not None and self.parent_pid < 1:
-            raise ValueError(f"parent pid must be >= 1, got {self.parent_pid}")
+            raise ValueError(f"parent pid (--parent-pid) must be >= 1, got {self.parent_pid}")
         for name in ("register_timeout_s", "reconnect_backoff_max_s", "hello_wait_s"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
