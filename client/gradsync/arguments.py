@@ -52,11 +52,11 @@ BENCH_LAYOUTS = ("single", "dedicated", "colocated")
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser (exposed for tests and docs).
 
-    The flags of `serve` and `shard` are the coordinator's own
-    (`gradsync_server.arguments`), imported here rather than at the top so
-    that importing the client imports no server module.
+    The flags of `serve` and `shard` are declared on the coordinator's config
+    (`gradsync_server.config.CoordinatorConfig`), imported here rather than at
+    the top so that importing the client imports no server module.
     """
-    from gradsync_server.arguments import add_serve_flags, add_shard_flags
+    from gradsync_server.config import CoordinatorConfig, Role
 
     parser = argparse.ArgumentParser(
         prog="gradsync", description="Data-parallel gradient synchronization over gRPC."
@@ -67,15 +67,19 @@ def build_parser() -> argparse.ArgumentParser:
     )
     commands = parser.add_subparsers(dest="command", required=True)
 
-    serve = commands.add_parser("serve", help="run the coordinator")
-    serve.set_defaults(command_parser=serve)
-    add_serve_flags(serve)
-
-    shard = commands.add_parser(
-        "shard", help="run a coordinator shard that registers with a leader (`serve`)"
+    for command, role, summary in (
+        ("serve", Role.LEADER, "run the coordinator"),
+        ("shard", Role.SHARD, "run a coordinator shard that registers with a leader (`serve`)"),
+    ):
+        coordinator = commands.add_parser(command, help=summary)
+        coordinator.set_defaults(command_parser=coordinator, role=role)
+        flags.add_flags(coordinator, CoordinatorConfig, role)
+    coordinator.add_argument(  # the shard's, after its own flags
+        "--log-level",
+        choices=["DEBUG", "INFO", "WARNING", "ERROR"],
+        default=argparse.SUPPRESS,  # keeps `gradsync --log-level X shard` working too
+        help="as `gradsync --log-level` (default INFO)",
     )
-    shard.set_defaults(command_parser=shard)
-    add_shard_flags(shard)
 
     status = commands.add_parser("status", help="show jobs, membership, progress and late ranks")
     status.set_defaults(command_parser=status)

@@ -4,8 +4,8 @@ Configuration flows one way: flags (`gradsync.arguments`, with env-var
 defaults read there, at run time) -> a frozen config object -> constructors.
 Default values come from `gradsync_proto.defaults` and help texts show them
 with `%(default)s`, so no number is written twice. Checks that involve two
-flags (a rank and the world size, a heartbeat interval and its timeout) are
-made here, before anything starts, and name both flags.
+flags are made before anything starts and name both flags: the worker's
+here, the coordinator's by `CoordinatorConfig`.
 """
 
 from __future__ import annotations
@@ -22,10 +22,9 @@ from typing import Any
 
 from gradsync_proto import auth
 
-from gradsync import defaults, flags
+from gradsync import flags
 from gradsync.arguments import build_parser
 from gradsync.config import ENV_COORDINATOR, ENV_RANK, ENV_WORLD_SIZE
-from gradsync.defaults import MIB
 
 __all__ = ["build_parser", "main"]
 
@@ -53,10 +52,8 @@ def _run(args: argparse.Namespace) -> int:
     # Errors that involve several flags go through the subcommand's own parser,
     # so the usage line printed with them is the subcommand's.
     parser: argparse.ArgumentParser = args.command_parser
-    if args.command == "serve":
-        return _serve(parser, args)
-    if args.command == "shard":
-        return _shard(parser, args)
+    if args.command in ("serve", "shard"):
+        return _coordinator(parser, args)
     if args.command == "worker":
         return _worker(parser, args)
     if args.command == "bench":
@@ -70,37 +67,6 @@ def _run(args: argparse.Namespace) -> int:
 
 #: Exit status of a server refused by protected mode (a flag must change, as for a bad flag).
 EXIT_EXPOSED = 2
-
-
-def _server_security(
-    parser: argparse.ArgumentParser, args: argparse.Namespace, command: str
-) -> tuple[str | None, str | None]:
-    """The token and shard token of `serve` / `shard` after checking every security flag.
-
-    Bad files exit 2 naming the flag (via the parser); protected mode exits 2 with
-    the message of `gradsync_server.rpc.auth_check.exposure_refusal`.
-    """
-    from gradsync_server.rpc.auth_check import exposure_refusal, server_credentials
-
-    try:
-        token = auth.resolve_token(args.token_file, os.environ)
-        shard_token = auth.resolve_shard_token(args.shard_token_file, os.environ)
-        server_credentials(args.tls_cert, args.tls_key, args.tls_client_ca)
-        if args.tls_ca is not None:
-            auth.read_pem_file(args.tls_ca, "--tls-ca")
-    except auth.TokenError as exc:
-        parser.error(str(exc))
-    refusal = exposure_refusal(
-        command,
-        args.host,
-        token=token is not None,
-        client_ca=args.tls_client_ca is not None,
-        insecure=args.insecure,
-    )
-    if refusal is not None:
-        print(refusal, file=sys.stderr)
-        raise SystemExit(EXIT_EXPOSED)
-    return token, shard_token
 
 
 def _token(args: argparse.Namespace) -> int:
@@ -156,198 +122,44 @@ def _stopped_by_signals() -> Iterator[None]:
             signal.signal(signum, action)
 
 
-def _serve(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
+def _coordinator(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
+    """`gradsync serve` (a leader) and `gradsync shard`: flags -> `CoordinatorConfig` -> run.
+
+    A flag the config refuses, alone or with others, exits 2 naming it (via the parser);
+    protected mode exits 2 with the message of
+    `gradsync_server.rpc.auth_check.exposure_refusal`.
+    """
+    from gradsync_proto.flags import config_from_flags
     from gradsync_server.app import run
-    from gradsync_server.arguments import frame_port_of
-    from gradsync_server.config import ServerConfig
+    from gradsync_server.config import CoordinatorConfig
+    from gradsync_server.rpc.auth_check import exposure_refusal, server_credentials
 
-    if args.checkpoint_store is not None:
-        from gradsync_server.store.stores import parse_store_url
-
-        try:
-            parse_store_url(args.checkpoint_store)
-        except ValueError as exc:
-            parser.error(f"--checkpoint-store: {exc}")
-    if args.heartbeat_interval >= args.heartbeat_timeout:
-        parser.error(
-            f"--heartbeat-interval {args.heartbeat_interval:g} must be below "
-            f"--heartbeat-timeout {args.heartbeat_timeout:g}"
-        )
-    if args.min_workers > args.world_size:
-        parser.error(
-            f"--min-workers {args.min_workers} is more than --world-size {args.world_size}"
-        )
-    if int(args.max_collective_mb * MIB) < 1:
-        parser.error(f"--max-collective-mb {args.max_collective_mb:g} is below one byte")
-    if args.shards is not None and args.wait_for_shards is not None:
-        parser.error(
-            f"--shards {args.shards} and --wait-for-shards {args.wait_for_shards} cannot be "
-            "combined: --shards starts the shards on this host, --wait-for-shards waits for "
-            "shards started elsewhere"
-        )
-    tokens = _server_security(parser, args, "serve")
-    if args.wait_for_shards is not None:
-        shard_count, local_shards = args.wait_for_shards + 1, False
-    else:
-        shard_count, local_shards = args.shards or 1, True
-    if args.chunk_mb is not None:
-        chunk_bytes = int(args.chunk_mb * MIB)
-    else:
-        chunk_bytes = defaults.SHARDED_CHUNK_BYTES if shard_count > 1 else defaults.CHUNK_BYTES
-    if args.max_buffered_mb * MIB < chunk_bytes:
-        parser.error(
-            f"--max-buffered-mb {args.max_buffered_mb:g} must hold at least one chunk "
-            f"(--chunk-mb {chunk_bytes / MIB:g})"
-        )
     try:
-        config = ServerConfig(
-            world_size=args.world_size,
-            host=args.host,
-            port=args.port,
-            chunk_bytes=chunk_bytes,
-            max_buffered_bytes=int(args.max_buffered_mb * MIB),
-            max_job_buffered_bytes=(
-                None if args.max_job_buffered_mb is None else int(args.max_job_buffered_mb * MIB)
-            ),
-            max_outbox_bytes=int(args.max_outbox_mb * MIB),
-            max_checkpoint_bytes=int(args.max_checkpoint_mb * MIB),
-            max_connections=args.max_connections,
-            first_message_timeout_s=args.first_message_timeout_s,
-            assembly_timeout_s=args.assembly_timeout_s,
-            max_jobs=args.max_jobs,
-            shutdown_grace_s=args.shutdown_grace_s,
-            heartbeat_interval_s=args.heartbeat_interval,
-            heartbeat_timeout_s=args.heartbeat_timeout,
-            stall_warning_s=args.stall_warning,
-            checkpoint_store=args.checkpoint_store,
-            checkpoint_every=args.checkpoint_every,
-            require_checkpoint=args.require_checkpoint,
-            resume=args.resume,
-            metrics_port=args.metrics_port,
-            on_failure=args.on_failure,
-            nonfinite=args.nonfinite,
-            payload_socket=args.payload_socket,
-            frame_port=frame_port_of(
-                args.frame_port, args.port, shard_count if local_shards else 1
-            ),
-            frame_port_required=args.frame_port is not None and args.frame_port >= 0,
-            min_workers=args.min_workers,
-            max_collective_bytes=int(args.max_collective_mb * MIB),
-            shard_count=shard_count,
-            local_shards=local_shards,
-            shard_wait_timeout_s=args.shard_wait_timeout,
-            **_security_settings(args, tokens),
-            fresh_start=args.fresh_start,
-            store_timeout_s=args.store_timeout,
-            state_dir=_state_dir(args),
-            redis_password=_redis_password(parser, args),
-            lease=args.lease or args.standby,
-            standby=args.standby,
-            lease_ttl_s=args.lease_ttl_s,
-            advertise=args.advertise,
-        )
-    except ValueError as exc:
+        config = config_from_flags(CoordinatorConfig, args, os.environ)
+        server_credentials(config.tls_cert, config.tls_key, config.tls_client_ca)
+        if config.tls_ca is not None:
+            auth.read_pem_file(config.tls_ca, "--tls-ca")
+    except ValueError as exc:  # auth.TokenError included
         parser.error(str(exc))
-    _configure_logging(args.log_level, "coordinator")
+    refusal = exposure_refusal(
+        args.command,
+        config.host,
+        token=config.token is not None,
+        client_ca=config.tls_client_ca is not None,
+        insecure=config.insecure,
+    )
+    if refusal is not None:
+        print(refusal, file=sys.stderr)
+        raise SystemExit(EXIT_EXPOSED)
+    _configure_logging(args.log_level, "coordinator" if args.command == "serve" else "shard")
     try:
         return run(config)
     except (OSError, RuntimeError) as exc:
         # A port in use or an interface that does not exist: the flags were
         # well-formed, the host refused them (status 1, not 2).
         print(
-            f"gradsync serve: cannot listen on --host {args.host} --port {args.port}: {exc}",
-            file=sys.stderr,
-        )
-        return 1
-
-
-def _security_settings(
-    args: argparse.Namespace, tokens: tuple[str | None, str | None]
-) -> dict[str, Any]:
-    """The config fields of the TLS, token and exposure flags `serve` and `shard` share."""
-    token, shard_token = tokens
-    return {
-        "shard_token": shard_token,
-        "tls_cert": args.tls_cert,
-        "tls_key": args.tls_key,
-        "tls_client_ca": args.tls_client_ca,
-        "tls_ca": args.tls_ca,
-        "token": token,
-        "insecure": args.insecure,
-        "metrics_host": args.metrics_host,
-    }
-
-
-def _state_dir(args: argparse.Namespace) -> str | None:
-    """--state-dir, else the XDG default; None without a checkpoint store (nothing to mark)."""
-    if args.checkpoint_store is None:
-        return None
-    from gradsync_server.store.high_water_file import default_state_dir
-
-    return args.state_dir or default_state_dir(os.environ)
-
-
-def _redis_password(parser: argparse.ArgumentParser, args: argparse.Namespace) -> str | None:
-    """The Redis password from --redis-password-file, else $GRADSYNC_REDIS_PASSWORD.
-
-    Never from a flag's value or the URL alone: both show in the process list.
-    """
-    path = args.redis_password_file
-    if path is None:
-        return os.environ.get(defaults.ENV_REDIS_PASSWORD) or None
-    try:
-        with open(path, encoding="utf-8") as handle:
-            password = handle.read(4097).rstrip("\r\n")
-    except (OSError, UnicodeDecodeError) as exc:
-        parser.error(f"--redis-password-file: cannot read {path!r}: {exc}")
-    if not password or len(password) > 4096 or "\n" in password:
-        parser.error(f"--redis-password-file: {path!r} must hold one line of 1..4096 characters")
-    return password
-
-
-def _shard(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
-    from gradsync_server.app import run_shard as run
-    from gradsync_server.shard_config import ShardConfig, store_settings
-
-    chunk_bytes = None if args.chunk_mb is None else int(args.chunk_mb * MIB)
-    if chunk_bytes is not None and args.max_buffered_mb * MIB < chunk_bytes:
-        parser.error(
-            f"--max-buffered-mb {args.max_buffered_mb:g} must hold at least one chunk "
-            f"(--chunk-mb {args.chunk_mb:g})"
-        )
-    if args.advertise is not None:
-        try:
-            # ":PORT" means the leader's host; anything else must be a full host:port.
-            flags.coordinator(
-                f"localhost{args.advertise}" if args.advertise.startswith(":") else args.advertise
-            )
-        except argparse.ArgumentTypeError as exc:
-            parser.error(f"--advertise {args.advertise}: {exc}")
-    tokens = _server_security(parser, args, "shard")
-    try:
-        config = ShardConfig(
-            leader=args.leader,
-            host=args.host,
-            port=args.port,
-            advertise=args.advertise,
-            chunk_bytes=chunk_bytes,
-            max_buffered_bytes=int(args.max_buffered_mb * MIB),
-            max_outbox_bytes=int(args.max_outbox_mb * MIB),
-            max_connections=args.max_connections,
-            first_message_timeout_s=args.first_message_timeout_s,
-            metrics_port=args.metrics_port,
-            parent_pid=args.parent_pid,
-            **store_settings(args, _redis_password(parser, args)),
-            **_security_settings(args, tokens),
-        )
-    except ValueError as exc:
-        parser.error(str(exc))
-    _configure_logging(args.log_level, "shard")
-    try:
-        return run(config)
-    except (OSError, RuntimeError) as exc:
-        print(
-            f"gradsync shard: cannot listen on --host {args.host} --port {args.port}: {exc}",
+            f"gradsync {args.command}: cannot listen on --host {args.host} --port {args.port}: "
+            f"{exc}",
             file=sys.stderr,
         )
         return 1

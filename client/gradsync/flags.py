@@ -2,9 +2,10 @@
 
 The types both the worker's and the coordinator's flags take (counts, ports,
 durations, sizes, addresses, names) are `gradsync_proto.flags`, where the
-server's flags (`gradsync_server.arguments`) import them too; they are
-re-exported here so that every flag of the client's subcommands reads
-`flags.<type>`. This module adds the types only those subcommands take:
+coordinator's flags (declared on `gradsync_server.config.CoordinatorConfig`)
+import them too, with `add_flags`, which builds a subcommand's flags from a
+config dataclass; they are re-exported here so that every flag of the
+client's subcommands reads `flags.<type>`. This module adds the types only those subcommands take:
 files and folders written later, and comma-separated lists. As there, a bad
 value is an `ArgumentTypeError`, which argparse reports naming the flag
 (exit status 2), never a traceback later.
@@ -21,6 +22,7 @@ from gradsync_proto.flags import (
     MAX_CHUNK_MB,
     MAX_SECONDS,
     MIN_CHUNK_MB,
+    add_flags,
     chunk_mb,
     coordinator,
     integer,
@@ -37,6 +39,7 @@ __all__ = [
     "MAX_CHUNK_MB",
     "MAX_SECONDS",
     "MIN_CHUNK_MB",
+    "add_flags",
     "choice_list",
     "chunk_mb",
     "coordinator",

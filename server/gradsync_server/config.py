@@ -1,211 +1,536 @@
-"""The coordinator's configuration: flags -> this frozen object -> constructors."""
+"""The coordinator's configuration: flags -> this frozen object -> constructors.
+
+One `CoordinatorConfig` for both roles of a coordinator process: the leader
+(`gradsync serve`, the control plane and byte range 0) and a shard
+(`gradsync shard --leader HOST:PORT`, byte range i, following its leader).
+What both do (listen, limit peers, check callers, serve metrics, reach a
+store) is declared once; a field only one role reads is checked only for
+that role. A shard takes almost nothing from its own flags: membership,
+heartbeats and the shard count come from its leader (`ShardAccepted`,
+`ShardJobView`).
+
+Every field that has a flag declares it in its metadata
+(`gradsync_proto.flags.Flag`: name, unit, type, help, roles), so
+`gradsync_proto.flags.add_flags` builds the subcommands' flags and
+`config_from_flags` builds this object from them; the flags that are not a
+field's value as given are read by `gradsync_server.arguments`. Rules that
+involve several fields are checked here only, with messages that name the
+flags, which the CLI reports as flag errors (exit status 2).
+"""
 
 from __future__ import annotations
 
+import contextlib
 import hmac
 import math
 import os
-from dataclasses import dataclass, field
+import socket
+from dataclasses import dataclass
+from enum import StrEnum
+from typing import TYPE_CHECKING
 
-from gradsync_proto import chunking
+from gradsync_proto import auth, chunking
+from gradsync_proto.flags import (
+    chunk_mb,
+    coordinator,
+    integer,
+    non_empty,
+    option,
+    port as tcp_port,
+    positive_int,
+    positive_number,
+    seconds,
+    seconds_or_zero,
+)
+from gradsync_proto.net.address import parse_address
+from gradsync_proto.net.addresses import parse_addresses
 
-from gradsync_server import defaults
-from gradsync_server.control.settings import JobSettings, NonFinitePolicy, OnFailure
+from gradsync_server import arguments as read, defaults
 from gradsync_server.dataplane.budget import outbox_pool_bytes
 from gradsync_server.defaults import MIB
 from gradsync_server.store.stores import parse_store_url
 
-__all__ = ["MIB", "ServerConfig"]
+if TYPE_CHECKING:
+    from gradsync_server.control.settings import JobSettings
+
+__all__ = ["MIB", "CoordinatorConfig", "Role"]
 
 
-@dataclass(frozen=True)
-class ServerConfig:
-    """Everything the coordinator needs to start.
+class Role(StrEnum):
+    """What a coordinator process is: the leader (`gradsync serve`) or a shard."""
+
+    LEADER = "leader"
+    SHARD = "shard"
+
+
+_LEADER = (Role.LEADER,)
+_SHARD = (Role.SHARD,)
+#: Hosts that bind every interface: a shard bound so advertises ":port".
+_ALL_INTERFACES = frozenset({"0.0.0.0", "::", "[::]", ""})
+
+
+@dataclass(frozen=True, kw_only=True)
+class CoordinatorConfig:
+    """Everything a coordinator process (leader or shard) needs to start.
+
+    A field's flag help says what it does; the notes here say what the help
+    does not. `None` turns an optional feature off unless noted.
 
     Attributes:
-        world_size: ranks per job.
-        host: interface to bind ("0.0.0.0" for all); loopback by default, since without
-            a token or client certificates anything beyond loopback is refused
-            unless `insecure` (protected mode, see `gradsync_server.rpc.auth_check`).
-        port: TCP port; 0 picks a free one (reported in the banner).
-        chunk_bytes: wire chunk size every worker must use.
-        max_buffered_bytes: cap on gradient bytes held in partial reductions,
-            across all jobs; beyond it uploads get RESOURCE_EXHAUSTED.
-        max_outbox_bytes: cap on averaged bytes queued for one worker that is
-            not reading them; beyond it that worker's stream is ended. All outboxes
-            together are also capped, by `outbox_pool_bytes`.
-        max_job_buffered_bytes: the most of `max_buffered_bytes` one job may hold
-            (None: half), so one job cannot starve the others.
-        max_checkpoint_bytes: the largest checkpoint or healing state accepted; its
-            bytes count in the job's share as they arrive.
-        max_connections: concurrent streams of all kinds; beyond it RESOURCE_EXHAUSTED.
-        first_message_timeout_s: a stream that sends no first message (Join,
-            ShardHello, ShardRegister) within this is ended with DEADLINE_EXCEEDED.
-        assembly_timeout_s: a job still assembling after this is refused
-            (DEADLINE_EXCEEDED), so quick Joins cannot hold job slots forever.
-        max_jobs: concurrent jobs the coordinator accepts.
-        shutdown_grace_s: how long SIGTERM lets running streams finish.
-        heartbeat_interval_s: how often workers send a sign of life.
-        heartbeat_timeout_s: silence after which a worker is declared dead.
-        stall_warning_s: a step older than this logs who it waits for.
-        checkpoint_store: store URL (redis://, rediss://, file:// or a path that cannot be
-            mistaken for host:port; see `gradsync_server.store.stores`), or None.
-        checkpoint_every: rank 0 uploads a checkpoint every this many steps (0 = on request).
-        require_checkpoint: fail the job instead of training on when saving fails.
-        resume: refuse to start a job from scratch: it must have a stored checkpoint.
-        metrics_port: serve Prometheus metrics on this port (0 = a free one, None = off).
-        on_failure: "abort" (survivors get PeerLostError) or "elastic" (go on without
-            the lost rank; restarted ranks rejoin).
-        min_workers: under the elastic policy, the fewest live ranks to go on with.
-        max_collective_bytes: cap on one rank's input to a collective on user tensors
-            (and on an all_gather's whole result); larger claims get RESOURCE_EXHAUSTED.
-        shard_count: coordinator shards, the leader (shard 0) included; 1 = not sharded.
-            Jobs start only once the other `shard_count - 1` have registered.
-        local_shards: the leader starts (and restarts) the other shards itself, as child
-            processes on this host (`--shards`); False: they register from elsewhere
-            (`--wait-for-shards`).
-        shard_wait_timeout_s: how long `gradsync serve` waits at start-up for every shard
-            to register before it exits 1 naming the missing ones.
-        tls_cert, tls_key: PEM files of the server's certificate and key (TLS); None =
-            plaintext.
-        tls_client_ca: PEM file of the CA that issued the clients' certificates: clients
-            must present one (mTLS). None = no client certificates asked for.
-        tls_ca: PEM file of the CA that issued `tls_cert`, handed to the local shard
-            children (`--shards`) to verify the leader; None = `tls_cert` itself.
-        token: the shared secret every call must present (loaded by the CLI from
-            --token-file / $GRADSYNC_TOKEN / $GRADSYNC_TOKEN_FILE; never printed).
+        role: leader or shard; a shard needs `leader`, a leader `world_size`.
+        chunk_bytes: 0 = the role's default: `defaults.CHUNK_BYTES` on a leader (a
+            sharded one started by `gradsync serve` takes `SHARDED_CHUNK_BYTES`), the
+            leader's on a shard, which checks a given size against the leader's at
+            registration, so a mismatch is refused with both values.
+        max_job_buffered_bytes: None = half of `max_buffered_bytes`.
+        max_outbox_bytes: all outboxes together are capped too, by `outbox_pool_bytes`.
+        checkpoint_store: a shard saves its range of the DiLoCo outer state there.
+        state_dir: the leader's high-water marks, out of the store's reach
+            (`gradsync_server.store.high_water_file`); None: no marks (only the chain
+            recorded in the checkpoints themselves guards against a rolled-back store).
+        frame_port: 0 = a free port, None = off; told to workers by the FramePort RPC;
+            a `--lease` coordinator serves none.
+        frame_port_required: a frame port that cannot be bound is an error; False: take
+            a free one instead, with a warning.
+        token: the secret every call must present; never printed.
         shard_token: the secret shards present on `ShardLink` instead of `token`, which
             workers hold too (a worker must not pose as a shard: shards learn every
-            member of every job). Required to expect remote shards (`--wait-for-shards`)
-            with a token or client certificates; `--shards N` makes one for its own
-            children when none is given. None = no shard may register unless the
-            server has no credentials at all (loopback development).
-        insecure: listen beyond loopback with neither a token nor client certificates.
-        metrics_host: interface the metrics server binds; None = `host`.
-        fresh_start: start new jobs at step 0 without reading their checkpoints (which are
-            kept: saves never delete a checkpoint newer than the one a job resumed from).
-            Without it a store that cannot be read refuses the job.
-        store_timeout_s: deadline of every checkpoint store call (load at the first Join,
-            save); the call runs in a worker thread, so a hung store stalls no other job.
-        state_dir: the coordinator's own state directory, where it keeps each job's
-            high-water mark (the newest checkpoint it had acknowledged), out of the
-            store's reach (`gradsync_server.store.high_water_file`); `gradsync serve`
-            defaults it to `$GRADSYNC_STATE_DIR` / `$XDG_STATE_HOME/gradsync` /
-            `~/.local/state/gradsync`. None: no marks (only the chain recorded in the
-            checkpoints themselves guards against a rolled-back store).
-        redis_password: password for a redis:// store (from --redis-password-file or
-            $GRADSYNC_REDIS_PASSWORD, so it is not in the process list); never printed.
-        nonfinite: what a NaN/Inf gradient contribution does: "report" (log, metric,
-            status; the step goes on, as under DDP), "abort" (the step is aborted for
-            every rank, which raise NonFiniteGradientError) or "allow" (no check).
-            Shards learn it from the leader (`ShardAccepted.nonfinite`).
-        payload_socket: same-host local leaders move gradient payloads through their
-            shared-memory segments instead of TCP (`gradsync_server.rpc.segments`);
-            unsharded only. False (`--no-payload-socket`): everything over TCP.
-        frame_port: where workers' Sync streams are also served as frames on a plain
-            (or TLS) socket (`gradsync_server.rpc.frame_server`), which costs far less
-            per message than gRPC: 0 = a free port, None = off (workers use gRPC).
-            Told to workers by the FramePort RPC. Served by a leader, sharded or not
-            (shards' data streams stay on gRPC); a `--lease` coordinator serves none.
-        frame_port_required: a frame port that cannot be bound is an error; False
-            (`--frame-port` not given) takes a free port instead, with a warning.
-        host_id: this coordinator's host id, which a local leader's Join.host_id must
-            equal for the payload path; "" = `gradsync_proto.host.host_id()`
-            ($GRADSYNC_HOST_ID, else the machine and network namespace).
+            member of every job). A leader with local shards makes one when none is
+            given; a shard presents it to its leader.
+        tls_ca: a leader hands it to its local shards to verify it (None: `tls_cert`);
+            a shard set with it reaches its leader over TLS.
+        host_id: a leader's host id, which a local leader's Join.host_id must equal for
+            the payload path; "" = `gradsync_proto.host.host_id()`.
+        register_timeout_s, reconnect_backoff_max_s: a shard's bounds on registering
+            with its leader and on the pause between two attempts to reach it.
+        hello_wait_s: until the leader says its heartbeat timeout, how long a shard's
+            data stream waits for the leader's view of its job.
     """
 
-    world_size: int
-    host: str = defaults.HOST
-    port: int = defaults.PORT
-    chunk_bytes: int = defaults.CHUNK_BYTES
-    max_buffered_bytes: int = defaults.MAX_BUFFERED_BYTES
-    max_outbox_bytes: int = defaults.MAX_OUTBOX_BYTES
-    max_job_buffered_bytes: int | None = None
-    max_checkpoint_bytes: int = defaults.MAX_CHECKPOINT_BYTES
-    max_connections: int = defaults.MAX_CONNECTIONS
-    first_message_timeout_s: float = defaults.FIRST_MESSAGE_TIMEOUT_S
-    assembly_timeout_s: float = defaults.ASSEMBLY_TIMEOUT_S
-    max_jobs: int = defaults.MAX_JOBS
-    shutdown_grace_s: float = defaults.SHUTDOWN_GRACE_S
-    heartbeat_interval_s: float = defaults.HEARTBEAT_INTERVAL_S
-    heartbeat_timeout_s: float = defaults.HEARTBEAT_TIMEOUT_S
-    stall_warning_s: float = defaults.STALL_WARNING_S
-    checkpoint_store: str | None = None
-    checkpoint_every: int = defaults.CHECKPOINT_EVERY_STEPS
-    require_checkpoint: bool = False
-    resume: bool = False
-    metrics_port: int | None = None
-    on_failure: str = defaults.ON_FAILURE
-    min_workers: int = defaults.MIN_WORKERS
-    max_collective_bytes: int = defaults.MAX_COLLECTIVE_BYTES
-    shard_count: int = defaults.SHARDS
-    local_shards: bool = False
-    shard_wait_timeout_s: float = defaults.SHARD_WAIT_TIMEOUT_S
-    tls_cert: str | None = None
-    tls_key: str | None = None
-    tls_client_ca: str | None = None
-    tls_ca: str | None = None
-    token: str | None = field(default=None, repr=False)
-    shard_token: str | None = field(default=None, repr=False)
-    insecure: bool = False
-    metrics_host: str | None = None
-    fresh_start: bool = False
-    store_timeout_s: float = defaults.STORE_TIMEOUT_S
-    state_dir: str | None = None
-    redis_password: str | None = field(default=None, repr=False)
-    nonfinite: str = defaults.NONFINITE
-    payload_socket: bool = True
-    frame_port: int | None = 0
-    frame_port_required: bool = False
+    role: Role = Role.LEADER
+    world_size: int = option(0, "ranks per job", type=positive_int, required=True, roles=_LEADER)
+    leader: str = option(
+        "",
+        "the leader's host:port, or a comma list: an active leader and its standbys (--lease)",
+        type=coordinator,
+        required=True,
+        roles=_SHARD,
+    )
+    host: str = option(
+        defaults.HOST,
+        "interface to bind (default %(default)s; 0.0.0.0 for all, which needs a token, "
+        "client certificates or --insecure)",
+        type=non_empty,
+    )
+    port: int = option(
+        defaults.PORT,
+        "TCP port; 0 picks a free one and prints it (default %(default)s)",
+        type=tcp_port,
+    )
+    advertise: str | None = option(
+        None,
+        {
+            Role.LEADER: "host:port workers should use for this coordinator, shown by a "
+            "standby (default: --host:--port)",
+            Role.SHARD: "host:port workers reach the shard at (default HOST:PORT, or "
+            "':PORT' = the host they reach the leader at when --host is 0.0.0.0)",
+        },
+        type=non_empty,
+    )
+    chunk_bytes: int = option(
+        0,
+        {
+            Role.LEADER: f"wire chunk size in MiB (default {defaults.CHUNK_BYTES / MIB:g}; "
+            f"{defaults.SHARDED_CHUNK_BYTES / MIB:g} with --shards or --wait-for-shards)",
+            Role.SHARD: "wire chunk size in MiB; if given, must equal the leader's "
+            "(default: the leader's)",
+        },
+        name="--chunk-mb",
+        type=chunk_mb,
+        flag_default=None,
+        read=read.chunk_bytes,
+    )
+    max_buffered_bytes: int = option(
+        defaults.MAX_BUFFERED_BYTES,
+        "cap on gradient bytes held in partial reductions (default %(default)g)",
+        name="--max-buffered-mb",
+        type=positive_number,
+        unit=MIB,
+    )
+    max_job_buffered_bytes: int | None = option(
+        None,
+        "the most of --max-buffered-mb one job may hold, so that one job cannot starve "
+        "the others (default: half of --max-buffered-mb)",
+        name="--max-job-buffered-mb",
+        type=positive_number,
+        unit=MIB,
+        roles=_LEADER,
+    )
+    max_outbox_bytes: int = option(
+        defaults.MAX_OUTBOX_BYTES,
+        "cap on results queued for one worker that does not read them; beyond it the "
+        "worker is dropped with RESOURCE_EXHAUSTED (default %(default)g)",
+        name="--max-outbox-mb",
+        type=positive_number,
+        unit=MIB,
+    )
+    max_connections: int = option(
+        defaults.MAX_CONNECTIONS,
+        "concurrent streams (a shard's: data streams); beyond it RESOURCE_EXHAUSTED "
+        "(default %(default)s)",
+        type=positive_int,
+    )
+    first_message_timeout_s: float = option(
+        defaults.FIRST_MESSAGE_TIMEOUT_S,
+        "a stream that sends no first message (Join, ShardHello, ShardRegister) within "
+        "this many seconds is ended with DEADLINE_EXCEEDED (default %(default)g)",
+        type=positive_number,
+    )
+    max_checkpoint_bytes: int = option(
+        defaults.MAX_CHECKPOINT_BYTES,
+        "largest checkpoint (or rejoining rank's state) accepted (default %(default)g)",
+        name="--max-checkpoint-mb",
+        type=positive_number,
+        unit=MIB,
+        roles=_LEADER,
+    )
+    assembly_timeout_s: float = option(
+        defaults.ASSEMBLY_TIMEOUT_S,
+        "a job whose ranks have not all joined within this many seconds is refused, "
+        "freeing its slot (default %(default)g)",
+        type=positive_number,
+        roles=_LEADER,
+    )
+    max_jobs: int = option(
+        defaults.MAX_JOBS,
+        "concurrent jobs accepted (default %(default)s)",
+        type=positive_int,
+        roles=_LEADER,
+    )
+    shutdown_grace_s: float = option(
+        defaults.SHUTDOWN_GRACE_S,
+        "how long SIGTERM lets running streams finish (default %(default)g)",
+        type=seconds_or_zero,
+        roles=_LEADER,
+    )
+    heartbeat_interval_s: float = option(
+        defaults.HEARTBEAT_INTERVAL_S,
+        "seconds between worker heartbeats (default %(default)g)",
+        name="--heartbeat-interval",
+        type=seconds,
+        roles=_LEADER,
+    )
+    heartbeat_timeout_s: float = option(
+        defaults.HEARTBEAT_TIMEOUT_S,
+        "seconds of silence before a worker is declared dead (default %(default)g)",
+        name="--heartbeat-timeout",
+        type=seconds,
+        roles=_LEADER,
+    )
+    stall_warning_s: float = option(
+        defaults.STALL_WARNING_S,
+        "log who a step waits for once it is this many seconds old (default %(default)g)",
+        name="--stall-warning",
+        type=seconds,
+        roles=_LEADER,
+    )
+    checkpoint_store: str | None = option(
+        None,
+        {
+            Role.LEADER: "where checkpoints go: redis://host:port/db, rediss://..., "
+            "file:///dir or a directory that does not look like host:port (default: none)",
+            Role.SHARD: "where this shard saves its range of every DiLoCo job's outer "
+            "state (the leader's --checkpoint-store, which `serve --shards` passes on; "
+            "default: none)",
+        },
+    )
+    lease: bool = option(
+        False,
+        "take part in the Redis lease of a redis:// --checkpoint-store: serve only "
+        "while holding it (another coordinator with --lease/--standby takes over)",
+        action="store_true",
+        roles=_LEADER,
+        read=read.lease,
+    )
+    standby: bool = option(
+        False,
+        "start as a standby (implies --lease): answer UNAVAILABLE until the active "
+        "coordinator's lease expires, then take over and resume the job from the store",
+        action="store_true",
+        roles=_LEADER,
+    )
+    lease_ttl_s: float = option(
+        3.0,
+        "lease lifetime after each renewal (renewed every ttl/3; default %(default)g)",
+        type=seconds,
+        roles=_LEADER,
+    )
+    checkpoint_every: int = option(
+        defaults.CHECKPOINT_EVERY_STEPS,
+        "rank 0 uploads a checkpoint every K steps (default %(default)s; 0: on request)",
+        type=integer(0),
+        roles=_LEADER,
+    )
+    require_checkpoint: bool = option(
+        False,
+        "fail the job when a checkpoint cannot be saved, instead of training on and retrying",
+        action="store_true",
+        roles=_LEADER,
+    )
+    resume: bool = option(
+        False,
+        "refuse to start a job that has no stored checkpoint",
+        action="store_true",
+        roles=_LEADER,
+    )
+    fresh_start: bool = option(
+        False,
+        "start every job at step 0 without reading its checkpoints (which are kept); "
+        "without it a store that cannot be read refuses the job",
+        action="store_true",
+        roles=_LEADER,
+    )
+    state_dir: str | None = option(
+        None,
+        "the coordinator's own directory for each job's high-water mark (its newest "
+        "acknowledged checkpoint), so that a rolled-back store is refused; keep it off "
+        "the store's disk (default $GRADSYNC_STATE_DIR, else $XDG_STATE_HOME/gradsync, "
+        "else ~/.local/state/gradsync)",
+        roles=_LEADER,
+        read=read.state_dir,
+    )
+    store_timeout_s: float = option(
+        defaults.STORE_TIMEOUT_S,
+        "deadline of each checkpoint store call; a hung store fails it, other jobs "
+        "train on (default %(default)gs)",
+        name="--store-timeout",
+        type=seconds,
+    )
+    redis_password: str | None = option(
+        None,
+        f"file holding the password of a redis:// --checkpoint-store (or set "
+        f"${defaults.ENV_REDIS_PASSWORD}); keeps it out of the URL and the process list",
+        name="--redis-password-file",
+        read=read.redis_password,
+        repr=False,
+    )
+    metrics_port: int | None = option(
+        None, "serve Prometheus metrics on this port (0 = a free one; default: off)", type=tcp_port
+    )
+    on_failure: str = option(
+        defaults.ON_FAILURE,
+        "when a worker is lost: abort the step for everyone, or go on with the live "
+        "ranks and let restarted ranks rejoin (default %(default)s)",
+        choices=("abort", "elastic"),
+        roles=_LEADER,
+    )
+    min_workers: int = option(
+        defaults.MIN_WORKERS,
+        "elastic: the fewest live workers to go on with (default %(default)s)",
+        type=positive_int,
+        roles=_LEADER,
+    )
+    frame_port: int | None = option(
+        0,
+        "serve workers' Sync streams also as frames on this TCP port (same host, TLS "
+        "and token as --port), which costs far less per message than gRPC; workers find "
+        "it through the gRPC port and fall back to gRPC where it is unreachable "
+        "(default: --port + 1, --port + S with --shards S, or a free port when that is "
+        "taken or --port is 0; -1 = off)",
+        type=int,
+        flag_default=None,
+        roles=_LEADER,
+        read=read.frame_port,
+    )
+    frame_port_required: bool = option(
+        False, name=None, roles=_LEADER, read=read.frame_port_required
+    )
+    payload_socket: bool = option(
+        True,
+        "move every gradient payload over TCP, also those of local leaders on this "
+        "coordinator's host (which otherwise go through their shared memory; for "
+        "debugging)",
+        name="--no-payload-socket",
+        action="store_false",
+        roles=_LEADER,
+    )
+    nonfinite: str = option(
+        defaults.NONFINITE,
+        "a rank's NaN/Inf gradient: report it (log, metric, status; the step goes on "
+        "as under DDP), abort the step for every rank (NonFiniteGradientError), or allow "
+        "it unchecked, e.g. for GradScaler users (default %(default)s)",
+        choices=defaults.NONFINITE_POLICIES,
+        roles=_LEADER,
+    )
+    max_collective_bytes: int = option(
+        defaults.MAX_COLLECTIVE_BYTES,
+        "cap on one rank's input to a collective (all_reduce, broadcast, ...) and on an "
+        "all_gather's result, in MiB (default %(default)g)",
+        name="--max-collective-mb",
+        type=positive_number,
+        unit=MIB,
+        roles=_LEADER,
+    )
+    shard_count: int = option(
+        defaults.SHARDS,
+        "coordinator shards on this host, this leader included: it starts S-1 "
+        "`gradsync shard` processes on ports PORT+1.. and restarts any that dies "
+        "(default 1)",
+        name="--shards",
+        type=positive_int,
+        flag_default=None,
+        roles=_LEADER,
+        read=read.shard_count,
+    )
+    # Set by either flag: False when the shards are started elsewhere.
+    local_shards: bool = option(
+        False,
+        "K shards run elsewhere (`gradsync shard --leader HOST:PORT`): jobs start once "
+        "all K have registered (default 0)",
+        name="--wait-for-shards",
+        type=integer(0),
+        flag_default=None,
+        roles=_LEADER,
+        read=read.local_shards,
+    )
+    shard_wait_timeout_s: float = option(
+        defaults.SHARD_WAIT_TIMEOUT_S,
+        "seconds to wait at start-up for every shard to register before exiting 1 "
+        "(default %(default)g)",
+        name="--shard-wait-timeout",
+        type=seconds,
+        roles=_LEADER,
+    )
+    parent_pid: int | None = option(
+        None,
+        "stop (as on SIGTERM) when the process PID is no longer this shard's parent; "
+        "`serve --shards` passes its own pid so its shards never outlive it "
+        "(default: off)",
+        type=int,
+        roles=_SHARD,
+    )
+    tls_cert: str | None = option(
+        None,
+        "PEM certificate: serve over TLS (a shard also presents it to a leader that "
+        "asks for client certificates)",
+    )
+    tls_key: str | None = option(None, "PEM private key of --tls-cert")
+    tls_client_ca: str | None = option(
+        None, "PEM CA of the client certificates: every caller must present one (mTLS)"
+    )
+    token: str | None = option(
+        None,
+        f"file holding the shared token every call must present (default "
+        f"${auth.ENV_TOKEN_FILE}, or the token itself in ${auth.ENV_TOKEN}; "
+        "make one with `gradsync token FILE`)",
+        name="--token-file",
+        read=read.token,
+        repr=False,
+    )
+    shard_token: str | None = option(
+        None,
+        f"file holding the shard token, which shards present to their leader instead "
+        f"of the workers' token (default ${auth.ENV_SHARD_TOKEN_FILE}, or the token "
+        f"itself in ${auth.ENV_SHARD_TOKEN}); needed by --wait-for-shards and by every "
+        "shard when a token or client certificates are set; --shards makes one for its "
+        "own shards",
+        name="--shard-token-file",
+        read=read.shard_token,
+        repr=False,
+    )
+    insecure: bool = option(
+        False,
+        "listen beyond loopback with neither a token nor client certificates "
+        "(trusted networks only)",
+        action="store_true",
+    )
+    metrics_host: str | None = option(
+        None, "interface the metrics server binds (default: --host)", type=non_empty
+    )
+    tls_ca: str | None = option(
+        None,
+        {
+            Role.LEADER: "PEM CA that issued --tls-cert, given to the local shards of "
+            "--shards to verify this leader (default: --tls-cert itself)",
+            Role.SHARD: "PEM CA that issued the leader's certificate: reach the leader "
+            "over TLS, presenting --tls-cert if it asks for a client certificate "
+            "(default: plaintext)",
+        },
+    )
     host_id: str = ""
-    lease: bool = False
-    standby: bool = False
-    lease_ttl_s: float = 3.0
-    advertise: str | None = None
+    register_timeout_s: float = defaults.REGISTER_TIMEOUT_S
+    reconnect_backoff_max_s: float = defaults.RECONNECT_BACKOFF_MAX_S
+    hello_wait_s: float = defaults.HEARTBEAT_TIMEOUT_S
 
     def __post_init__(self) -> None:
+        object.__setattr__(self, "role", Role(self.role))
+        if self.role is Role.LEADER and not self.chunk_bytes:
+            object.__setattr__(self, "chunk_bytes", defaults.CHUNK_BYTES)
+        if not 0 <= self.port <= 65535:
+            raise ValueError(f"port must be in 0..65535, got {self.port}")
+        if self.chunk_bytes and not 4096 <= self.chunk_bytes <= defaults.MAX_CHUNK_BYTES:
+            raise ValueError(f"chunk size must be 4 KiB..64 MiB, got {self.chunk_bytes} bytes")
+        if self.max_buffered_bytes < self.chunk_bytes:
+            raise ValueError(
+                f"--max-buffered-mb {self.max_buffered_bytes / MIB:g} must hold at least one "
+                f"chunk (--chunk-mb {self.chunk_bytes / MIB:g})"
+            )
+        check_shard_token(self.token, self.shard_token)
+        if self.checkpoint_store is not None:
+            try:
+                location = parse_store_url(self.checkpoint_store)
+            except ValueError as exc:  # an ambiguous URL: refused now
+                raise ValueError(f"--checkpoint-store: {exc}") from None
+            if location.kind == "file" and self.state_dir is not None:
+                _check_state_dir_outside(self.state_dir, location.target)
+        if not self.store_timeout_s > 0:
+            raise ValueError(f"store timeout must be > 0 s, got {self.store_timeout_s}")
+        if self.role is Role.LEADER:
+            self._check_leader()
+        else:
+            self._check_shard()
+
+    def _check_leader(self) -> None:
         if self.world_size < 1:
             raise ValueError(f"world size must be at least 1, got {self.world_size}")
         if self.frame_port is not None and not 0 <= self.frame_port <= 65535:
             raise ValueError(f"frame port must be in 0..65535 (or None), got {self.frame_port}")
-        if not 0 <= self.port <= 65535:
-            raise ValueError(f"port must be in 0..65535, got {self.port}")
-        if not 4096 <= self.chunk_bytes <= 64 * MIB:
-            raise ValueError(f"chunk size must be 4 KiB..64 MiB, got {self.chunk_bytes} bytes")
-        if self.max_buffered_bytes < self.chunk_bytes:
-            raise ValueError(
-                f"max buffered bytes ({self.max_buffered_bytes}) must be at least one chunk "
-                f"({self.chunk_bytes})"
-            )
         if self.max_job_buffered_bytes is not None and not (
             self.chunk_bytes <= self.max_job_buffered_bytes <= self.max_buffered_bytes
         ):
             raise ValueError(
-                f"max job buffered bytes ({self.max_job_buffered_bytes}) must be between one "
-                f"chunk ({self.chunk_bytes}) and max buffered bytes ({self.max_buffered_bytes})"
+                f"--max-job-buffered-mb {self.max_job_buffered_bytes / MIB:g} must be between "
+                f"one chunk (--chunk-mb {self.chunk_bytes / MIB:g}) and --max-buffered-mb "
+                f"{self.max_buffered_bytes / MIB:g}"
             )
         if self.max_outbox_bytes < self.max_message_bytes:
             raise ValueError(
-                f"max outbox bytes ({self.max_outbox_bytes}) must hold at least one message "
-                f"({self.max_message_bytes})"
+                f"--max-outbox-mb {self.max_outbox_bytes / MIB:g} must hold at least one "
+                f"message ({self.max_message_bytes} bytes: --chunk-mb and its header)"
             )
-        if self.max_checkpoint_bytes < 1:
-            raise ValueError(f"max checkpoint bytes must be >= 1, got {self.max_checkpoint_bytes}")
-        if self.max_connections < 1:
-            raise ValueError(f"max connections must be at least 1, got {self.max_connections}")
-        if self.first_message_timeout_s <= 0 or self.assembly_timeout_s <= 0:
-            raise ValueError(
-                f"first message timeout ({self.first_message_timeout_s} s) and assembly "
-                f"timeout ({self.assembly_timeout_s} s) must be > 0"
-            )
-        if self.max_jobs < 1:
-            raise ValueError(f"max jobs must be at least 1, got {self.max_jobs}")
+        for what, value in (
+            ("max checkpoint bytes (--max-checkpoint-mb)", self.max_checkpoint_bytes),
+            ("max connections (--max-connections)", self.max_connections),
+            ("max jobs (--max-jobs)", self.max_jobs),
+            ("max collective bytes (--max-collective-mb)", self.max_collective_bytes),
+            ("shard count (--shards)", self.shard_count),
+        ):
+            if value < 1:
+                raise ValueError(f"{what} must be at least 1, got {value}")
+        for what, duration in (
+            ("first message timeout (--first-message-timeout-s)", self.first_message_timeout_s),
+            ("assembly timeout (--assembly-timeout-s)", self.assembly_timeout_s),
+            ("stall warning (--stall-warning)", self.stall_warning_s),
+            ("shard wait timeout (--shard-wait-timeout)", self.shard_wait_timeout_s),
+        ):
+            if not duration > 0:
+                raise ValueError(f"{what} must be > 0 s, got {duration}")
         if self.shutdown_grace_s < 0:
             raise ValueError(f"shutdown grace must be >= 0 s, got {self.shutdown_grace_s}")
         if not 0 < self.heartbeat_interval_s < self.heartbeat_timeout_s:
             raise ValueError(
-                f"heartbeat interval ({self.heartbeat_interval_s} s) must be positive and "
-                f"below the heartbeat timeout ({self.heartbeat_timeout_s} s)"
+                f"--heartbeat-interval {self.heartbeat_interval_s:g} must be positive and "
+                f"below --heartbeat-timeout {self.heartbeat_timeout_s:g}"
             )
         if self.nonfinite not in defaults.NONFINITE_POLICIES:
             raise ValueError(
@@ -216,20 +541,12 @@ class ServerConfig:
             raise ValueError(f"on failure must be 'abort' or 'elastic', got {self.on_failure!r}")
         if not 1 <= self.min_workers <= self.world_size:
             raise ValueError(
-                f"min workers must be in 1..{self.world_size} (the world size), "
-                f"got {self.min_workers}"
+                f"--min-workers {self.min_workers} is more than --world-size {self.world_size}"
+                if self.min_workers > self.world_size
+                else f"min workers must be at least 1, got {self.min_workers}"
             )
-        if self.max_collective_bytes < 1:
-            raise ValueError(
-                f"max collective bytes must be at least 1, got {self.max_collective_bytes}"
-            )
-        if self.stall_warning_s <= 0:
-            raise ValueError(f"stall warning must be > 0 s, got {self.stall_warning_s}")
         if self.checkpoint_every < 0:
             raise ValueError(f"checkpoint every must be >= 0 steps, got {self.checkpoint_every}")
-        if self.shard_count < 1:
-            raise ValueError(f"shard count must be at least 1, got {self.shard_count}")
-        check_shard_token(self.token, self.shard_token)
         if (
             self.shard_count > 1
             and not self.local_shards
@@ -243,14 +560,6 @@ class ServerConfig:
                 "started with the same one: otherwise any worker could register as a shard "
                 "and read every job's sessions"
             )
-        if self.shard_wait_timeout_s <= 0:
-            raise ValueError(f"shard wait timeout must be > 0 s, got {self.shard_wait_timeout_s}")
-        if self.checkpoint_store is not None:
-            location = parse_store_url(self.checkpoint_store)  # an ambiguous URL: refused now
-            if location.kind == "file" and self.state_dir is not None:
-                _check_state_dir_outside(self.state_dir, location.target)
-        if not self.store_timeout_s > 0:
-            raise ValueError(f"store timeout must be > 0 s, got {self.store_timeout_s}")
         if self.lease or self.standby:
             # The lease and its fence live in Redis; a file store has no atomic fenced write.
             kind = parse_store_url(self.checkpoint_store).kind if self.checkpoint_store else None
@@ -273,8 +582,34 @@ class ServerConfig:
                 "--checkpoint-every, --require-checkpoint and --resume need --checkpoint-store"
             )
 
+    def _check_shard(self) -> None:
+        if not self.leader:
+            raise ValueError("a shard needs its leader's address (--leader HOST:PORT)")
+        parse_addresses(self.leader)  # "a:1,b:2": an active leader and its standbys
+        if self.advertise is not None:
+            # ":PORT" means the host workers reach the leader at; else a full host:port.
+            shown = self.advertise
+            try:
+                parse_address(f"localhost{shown}" if shown.startswith(":") else shown)
+            except ValueError as exc:
+                raise ValueError(f"--advertise {shown}: {exc}") from None
+        if self.shard_token is None and (self.token is not None or self.tls_client_ca):
+            raise ValueError(
+                "a shard with a token or client certificates needs the leader's shard token "
+                "(--shard-token-file FILE, $GRADSYNC_SHARD_TOKEN_FILE or "
+                "$GRADSYNC_SHARD_TOKEN): the leader admits shards only with it"
+            )
+        if self.parent_pid is not None and self.parent_pid < 1:
+            raise ValueError(f"parent pid (--parent-pid) must be >= 1, got {self.parent_pid}")
+        for name in ("register_timeout_s", "reconnect_backoff_max_s", "hello_wait_s"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
+
     def job_settings(self) -> JobSettings:
-        """What every job of this coordinator is configured with."""
+        """What every job of this leader is configured with."""
+        # Imported here: the CLI builds its parser from this module, without numpy.
+        from gradsync_server.control.settings import JobSettings, NonFinitePolicy, OnFailure
+
         return JobSettings(
             world_size=self.world_size,
             chunk_bytes=self.chunk_bytes,
@@ -303,8 +638,28 @@ class ServerConfig:
 
     @property
     def max_message_bytes(self) -> int:
-        """gRPC message size limit: one chunk plus room for the header fields."""
-        return self.chunk_bytes + chunking.HEADER_SLACK_BYTES
+        """gRPC message size limit: one chunk (on a shard that follows its leader's size,
+        the largest allowed) plus room for the header fields."""
+        return (self.chunk_bytes or defaults.MAX_CHUNK_BYTES) + chunking.HEADER_SLACK_BYTES
+
+    def advertised(self, bound_port: int) -> str:
+        """The address workers are told: `advertise`, else where this process listens.
+
+        A shard bound to every interface advertises the address this host reaches its
+        leader through, the best guess of where workers reach it (":port", the leader's
+        own host, is right only for a shard that runs next to its leader).
+        """
+        if self.advertise:
+            return self.advertise
+        host = self.host
+        if self.role is Role.LEADER:
+            return f"{host}:{bound_port}"
+        if host in _ALL_INTERFACES:
+            host = route_source(self.leader) or ""
+        if not host:
+            return f":{bound_port}"
+        host = f"[{host}]" if ":" in host else host
+        return f"{host}:{bound_port}"
 
 
 def check_shard_token(token: str | None, shard_token: str | None) -> None:
@@ -334,3 +689,18 @@ def _check_state_dir_outside(state_dir: str, store_dir: str) -> None:
             "write the store could roll back the high-water marks with it; keep the state "
             "directory elsewhere (default ~/.local/state/gradsync)"
         )
+
+
+def route_source(target: str) -> str | None:
+    """The local address this host sends from to reach `target` ("host:port"), or None.
+
+    Connecting a UDP socket sends nothing: it only asks the kernel for a route.
+    """
+    host, _, port_text = target.rpartition(":")
+    host = host.strip("[]")
+    with contextlib.suppress(OSError, ValueError):
+        family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        with socket.socket(family, socket.SOCK_DGRAM) as probe:
+            probe.connect((host, int(port_text)))
+            return str(probe.getsockname()[0])
+    return None

@@ -1,6 +1,6 @@
 """Every default of the coordinator (leader and shards), in one place.
 
-Flags, `ServerConfig`, `ShardConfig` and the components read their defaults
+Flags, `CoordinatorConfig` and the components read their defaults
 from here, so a default is changed once and `gradsync serve --help`, the
 library and the coordinator can never disagree. The defaults both ends share
 (`gradsync_proto.defaults`) are re-exported. Units are in the names.
@@ -73,6 +73,12 @@ SHARDS = 1
 SHARD_WAIT_TIMEOUT_S = 300.0
 #: How often a leader that waits for shards logs which are missing.
 SHARD_WAIT_REPORT_PERIOD_S = 10.0
+#: Bound on a shard's wait for the leader's answer to ShardRegister.
+REGISTER_TIMEOUT_S = 10.0
+#: Longest pause between two attempts of a shard to reach its leader.
+RECONNECT_BACKOFF_MAX_S = 5.0
+#: How often a shard that cannot reach its leader says so.
+UNREACHABLE_REPORT_PERIOD_S = 10.0
 #: How long the leader waits between restarts of a local shard child that keeps dying.
 LOCAL_SHARD_RESTART_DELAY_S = 1.0
 #: How many ended jobs `gradsync status` still shows, and for how long.

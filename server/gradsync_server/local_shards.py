@@ -23,7 +23,7 @@ from gradsync_proto import auth
 from gradsync_proto.net.launch import free_port
 
 from gradsync_server import defaults
-from gradsync_server.config import ServerConfig
+from gradsync_server.config import CoordinatorConfig
 from gradsync_server.defaults import MIB
 
 log = logging.getLogger("gradsync.server")
@@ -34,7 +34,7 @@ _STOP_GRACE_S = 10.0
 _ANY_HOST = ("", "0.0.0.0", "::", "[::]")
 
 
-def shard_ports(config: ServerConfig, leader_port: int) -> list[int]:
+def shard_ports(config: CoordinatorConfig, leader_port: int) -> list[int]:
     """Ports of shards 1..S-1: the leader's port + i, or free ports when it bound port 0."""
     if config.port == 0:
         return [free_port() for _ in range(config.shard_count - 1)]
@@ -42,7 +42,7 @@ def shard_ports(config: ServerConfig, leader_port: int) -> list[int]:
 
 
 def shard_command(
-    config: ServerConfig, leader_port: int, port: int, index: int, log_level: str
+    config: CoordinatorConfig, leader_port: int, port: int, index: int, log_level: str
 ) -> list[str]:
     """The argv of local shard `index` (its address is advertised as ":port")."""
     leader_host = "127.0.0.1" if config.host in _ANY_HOST else config.host
@@ -94,7 +94,7 @@ def shard_command(
     return argv
 
 
-def shard_environment(config: ServerConfig, environ: Mapping[str, str]) -> dict[str, str]:
+def shard_environment(config: CoordinatorConfig, environ: Mapping[str, str]) -> dict[str, str]:
     """The children's environment: the leader's, with the tokens in $GRADSYNC_(SHARD_)TOKEN
     and the Redis password (if any) in $GRADSYNC_REDIS_PASSWORD.
 
@@ -124,7 +124,7 @@ class LocalShards:
 
     def __init__(
         self,
-        config: ServerConfig,
+        config: CoordinatorConfig,
         leader_port: int,
         restart_delay_s: float = defaults.LOCAL_SHARD_RESTART_DELAY_S,
     ) -> None:

@@ -26,7 +26,6 @@ from typing import TYPE_CHECKING, Any
 from prometheus_client import CollectorRegistry, Counter, Gauge
 
 from gradsync_server.local_shards import LocalShards
-from gradsync_server.rpc.servicer import SERVICE_NAME
 from gradsync_server.rpc.standby_gate import StandbyGate
 from gradsync_server.store.lease import (
     LeaseRecord,
@@ -39,8 +38,9 @@ from gradsync_server.store.lease import (
 from gradsync_server.store.stores import parse_store_url
 
 if TYPE_CHECKING:
-    from gradsync_server.app import RunningServer
-    from gradsync_server.config import ServerConfig
+    from gradsync_server.app import Running
+    from gradsync_server.config import CoordinatorConfig
+    from gradsync_server.rpc.servicer import CoordinatorServicer
 
 log = logging.getLogger("gradsync.server.standby")
 
@@ -173,7 +173,7 @@ class LeaseMetrics:
 
 
 def lease_for(
-    config: ServerConfig, port: int, registry: CollectorRegistry
+    config: CoordinatorConfig, port: int, registry: CollectorRegistry
 ) -> tuple[RedisLease, LeaseMetrics]:
     """The lease handle of a `--lease` coordinator on its redis:// checkpoint store."""
     import redis
@@ -187,14 +187,13 @@ def lease_for(
         socket_timeout=timeout_s,
         socket_connect_timeout=timeout_s,
     )
-    advertise = config.advertise or f"{config.host}:{port}"
-    lease = RedisLease(client, holder_id(), advertise, ttl_s=config.lease_ttl_s)
+    lease = RedisLease(client, holder_id(), config.advertised(port), ttl_s=config.lease_ttl_s)
     return lease, LeaseMetrics(registry)
 
 
 async def take_part(
-    config: ServerConfig,
-    running: RunningServer,
+    config: CoordinatorConfig,
+    running: Running[CoordinatorServicer],
     lease: RedisLease,
     metrics: LeaseMetrics,
     stop: asyncio.Event,
@@ -206,7 +205,8 @@ async def take_part(
         raise RuntimeError("take_part needs a coordinator started with a standby gate")
     # A standby has nothing to watch (no job, no stream, no shard) and would only log that
     # its shards are missing: the watchdog runs while this coordinator is active.
-    running.watchdog.cancel()
+    if running.watchdog is not None:
+        running.watchdog.cancel()
     stopped = asyncio.create_task(stop.wait())
     while not stop.is_set():
         became_active = asyncio.Event()
@@ -226,11 +226,11 @@ async def take_part(
             done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
             if activated in done:
                 running.watchdog = asyncio.create_task(running.servicer.watchdog.run())
-                await set_health(running.health, SERVICE_NAME, serving=True)
+                await set_health(running.health, running.config, serving=True)
                 if config.local_shards and config.shard_count > 1:
                     # A leader's local shards are its children: a standby starts its own
                     # now, with the servicer's config, which holds the shard token
-                    # `start_server` generated (the caller's `config` has none).
+                    # `app.start` generated (the caller's `config` has none).
                     running.local_shards = LocalShards(running.servicer.config, running.port)
                     await running.local_shards.start()
                 continue
@@ -252,7 +252,9 @@ async def take_part(
     return 0
 
 
-async def stand_down(running: RunningServer, set_health: Callable[..., Awaitable[None]]) -> None:
+async def stand_down(
+    running: Running[CoordinatorServicer], set_health: Callable[..., Awaitable[None]]
+) -> None:
     """Drop everything a demoted coordinator served and put a fresh servicer behind its port.
 
     The gate is already closed (`drive_lease`), so nothing reaches the new servicer
@@ -263,13 +265,14 @@ async def stand_down(running: RunningServer, set_health: Callable[..., Awaitable
     old = running.servicer
     if running.switch is None:
         raise RuntimeError("stand_down needs a coordinator started with a servicer switch")
-    await set_health(running.health, SERVICE_NAME, serving=False)
+    await set_health(running.health, running.config, serving=False)
     await old.drain(0)  # every stream ends UNAVAILABLE (SHUTTING_DOWN): the workers move on
     old.shard_control.close_links()
     if running.local_shards is not None:
         await running.local_shards.stop()
         running.local_shards = None
-    running.watchdog.cancel()
+    if running.watchdog is not None:
+        running.watchdog.cancel()
     old.segments.close()
     old.checkpointer.close()  # its threads only: the store stays, fenced, for the next one
     fresh = CoordinatorServicer(old.config, old.store, metrics=old.metrics)

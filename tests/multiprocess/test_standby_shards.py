@@ -2,7 +2,7 @@
 
 Found by the churn soak: a `--lease`/`--standby` leader starts its local shards only once
 it holds the lease, and it started them with the caller's config, which lacks the shard
-token `start_server` generated; every shard was refused ("must present the leader's shard
+token `app.start` generated; every shard was refused ("must present the leader's shard
 token") and restarted in a loop, so the job never started.
 """
 

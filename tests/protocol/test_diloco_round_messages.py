@@ -15,7 +15,7 @@ import grpc
 import numpy as np
 import pytest
 from gradsync_proto.v1 import gradsync_pb2 as pb
-from gradsync_server.app import RunningServer
+from gradsync_server.app import Running
 from support.rawclient import (
     BUCKET_BYTES,
     CHUNK,
@@ -49,13 +49,13 @@ async def upload(worker: RawWorker, step: int, values: np.ndarray, weight: float
         await worker.send(message)
 
 
-def all_began(running: RunningServer, world_size: int) -> bool:
+def all_began(running: Running, world_size: int) -> bool:
     progress = running.servicer.jobs["job"].in_flight.progress
     return progress is not None and all(progress.delivered_any(r) for r in range(world_size))
 
 
 async def upload_together(
-    running: RunningServer, workers: list[RawWorker], step: int, values: list[np.ndarray]
+    running: Running, workers: list[RawWorker], step: int, values: list[np.ndarray]
 ) -> None:
     """Every rank's first chunk (until the coordinator has them all), then the rest: all
     have begun before any is complete, so a round with deadline 0 waits for them all."""

@@ -17,19 +17,19 @@ import grpc
 import pytest
 from gradsync_proto.net.frames import HEADER, MESSAGE, STATUS, decode_status, hello_frame
 from gradsync_proto.v1 import gradsync_pb2 as pb
-from gradsync_server.app import RunningServer
+from gradsync_server.app import Running
 from gradsync_server.rpc import linger
 from gradsync_server.rpc.linger import LINGER_S
 from support.frameclient import FrameWorker, frame_workers
 from support.rawclient import CHUNK, coordinator, run, signature
 
 
-def frame_port(running: RunningServer) -> int:
+def frame_port(running: Running) -> int:
     assert running.frames is not None, "the coordinator serves no frame port"
     return running.frames.port
 
 
-async def connections_end(running: RunningServer, within_s: float) -> bool:
+async def connections_end(running: Running, within_s: float) -> bool:
     frames = running.frames
     assert frames is not None
     deadline = asyncio.get_running_loop().time() + within_s
@@ -115,7 +115,7 @@ async def slow_reader(port: int) -> FrameWorker:
     return FrameWorker(reader, writer)
 
 
-async def refused_behind_a_megabyte(running: RunningServer) -> tuple[FrameWorker, FrameWorker]:
+async def refused_behind_a_megabyte(running: Running) -> tuple[FrameWorker, FrameWorker]:
     """Rank 0 sends a 1 MiB state, relayed to rank 1 (not reading), which then sends a
     bad frame: its STATUS queues behind the megabyte. Returns (rank 0, rank 1)."""
     port = frame_port(running)

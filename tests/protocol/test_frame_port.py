@@ -36,7 +36,7 @@ from gradsync_proto.net.channels import ChannelSecurity
 from gradsync_proto.net.frame_stream import ENV_FRAMES, FRAME_PORT_METHOD
 from gradsync_proto.net.frames import HEADER, MESSAGE, STATUS, decode_status, hello_frame
 from gradsync_proto.v1 import gradsync_pb2 as pb
-from gradsync_server.app import RunningServer
+from gradsync_server.app import Running
 from gradsync_server.rpc.frame_server import MAX_UNGREETED
 from support.frameclient import frame_workers
 from support.rawclient import (
@@ -54,7 +54,7 @@ from support.rawclient import (
 TOKEN = "frame-port-token-0123456789"
 
 
-def frame_port(running: RunningServer) -> int:
+def frame_port(running: Running) -> int:
     assert running.frames is not None, "the coordinator serves no frame port"
     return running.frames.port
 
@@ -218,7 +218,7 @@ def _join(rank: int = 0) -> pb.Join:
 
 
 async def _pipe_of_a_joined_transport(
-    running: RunningServer, security: ChannelSecurity | None = None
+    running: Running, security: ChannelSecurity | None = None
 ) -> str:
     def join() -> str:
         transport = Transport(f"127.0.0.1:{running.port}", rank=0, security=security)

@@ -17,8 +17,8 @@ import grpc
 import numpy as np
 from gradsync_proto import auth, chunking
 from gradsync_proto.v1 import gradsync_pb2 as pb
-from gradsync_server.app import RunningServer, RunningShard, start_shard
-from gradsync_server.shard_config import ShardConfig
+from gradsync_server.app import Running, start
+from gradsync_server.config import CoordinatorConfig, Role
 from support.rawclient import (
     BUCKET_BYTES,
     CHUNK,
@@ -163,9 +163,10 @@ class DataStream(RawWorker):
 @contextlib.asynccontextmanager
 async def leader_and_shard(
     world_size: int,
-) -> AsyncIterator[tuple[RunningServer, RunningShard, grpc.aio.Channel]]:
+) -> AsyncIterator[tuple[Running, Running, grpc.aio.Channel]]:
     async with coordinator(world_size=world_size, shard_count=2) as (running, channel):
-        config = ShardConfig(
+        config = CoordinatorConfig(
+            role=Role.SHARD,
             leader=f"127.0.0.1:{running.port}",
             host="127.0.0.1",
             port=0,
@@ -173,7 +174,7 @@ async def leader_and_shard(
             register_timeout_s=2.0,
             reconnect_backoff_max_s=0.2,
         )
-        shard = await start_shard(config)
+        shard = await start(config)
         try:
             await shard.wait_registered(5)
             yield running, shard, channel

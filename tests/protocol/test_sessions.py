@@ -18,9 +18,9 @@ from pathlib import Path
 import grpc
 from gradsync_proto import auth
 from gradsync_proto.v1 import gradsync_pb2 as pb
-from gradsync_server.app import RunningServer, RunningShard, start_shard
+from gradsync_server.app import Running, start
+from gradsync_server.config import CoordinatorConfig, Role
 from gradsync_server.control.membership import SESSION_BYTES
-from gradsync_server.shard_config import ShardConfig
 from gradsync_server.store.checkpoint_file import FileCheckpointStore
 from support.rawclient import (
     CHUNK,
@@ -36,11 +36,13 @@ from support.waiting import eventually
 
 
 @contextlib.asynccontextmanager
-async def leader_and_shard() -> AsyncIterator[tuple[RunningServer, grpc.aio.Channel, RunningShard]]:
+async def leader_and_shard() -> AsyncIterator[tuple[Running, grpc.aio.Channel, Running]]:
     """A coordinator cut into 2 shards, and its shard 1 running in this process."""
     async with coordinator(shard_count=2, heartbeat_timeout_s=3.0) as (running, channel):
-        shard = await start_shard(
-            ShardConfig(leader=f"127.0.0.1:{running.port}", host="127.0.0.1", port=0)
+        shard = await start(
+            CoordinatorConfig(
+                role=Role.SHARD, leader=f"127.0.0.1:{running.port}", host="127.0.0.1", port=0
+            )
         )
         try:
             await shard.wait_registered(5)
@@ -49,7 +51,7 @@ async def leader_and_shard() -> AsyncIterator[tuple[RunningServer, grpc.aio.Chan
             await shard.stop()
 
 
-async def data_stream(shard: RunningShard, hello: pb.ShardHello) -> grpc.aio.StreamStreamCall:
+async def data_stream(shard: Running, hello: pb.ShardHello) -> grpc.aio.StreamStreamCall:
     channel = grpc.aio.insecure_channel(f"127.0.0.1:{shard.port}")
     call = channel.stream_stream(
         "/gradsync.v1.Shard/Data",

@@ -19,7 +19,7 @@ import pytest
 from gradsync import __version__
 from gradsync.status import format_status
 from gradsync_proto.v1 import gradsync_pb2 as pb
-from gradsync_server.app import RunningServer
+from gradsync_server.app import Running
 from gradsync_server.control.job import Job
 from gradsync_server.rpc.connection import Connection
 from gradsync_server.rpc.shard_control import peer_host_of
@@ -34,7 +34,7 @@ STATUS = "/gradsync.v1.Coordinator/Status"
 @contextlib.asynccontextmanager
 async def sharded(
     **overrides: object,
-) -> AsyncIterator[tuple[RunningServer, grpc.aio.Channel]]:
+) -> AsyncIterator[tuple[Running, grpc.aio.Channel]]:
     settings: dict[str, object] = {"shard_count": 2}
     settings.update(overrides)
     async with coordinator(**settings) as (running, channel):

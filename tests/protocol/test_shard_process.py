@@ -20,8 +20,8 @@ import pytest
 from gradsync import __version__
 from gradsync_proto import chunking
 from gradsync_proto.v1 import gradsync_pb2 as pb
-from gradsync_server.app import EXIT_REFUSED, RunningShard, serve_shard as serve, start_shard
-from gradsync_server.shard_config import ShardConfig
+from gradsync_server.app import EXIT_REFUSED, Running, serve, start
+from gradsync_server.config import CoordinatorConfig, Role
 from support.rawclient import run
 
 CHUNK = 4096
@@ -193,10 +193,11 @@ class DataWorker:
 @contextlib.asynccontextmanager
 async def shard_and_leader(
     refuse: str | None = None, metrics_port: int | None = None
-) -> AsyncIterator[tuple[RunningShard, FakeLeader, grpc.aio.Channel]]:
+) -> AsyncIterator[tuple[Running, FakeLeader, grpc.aio.Channel]]:
     leader = FakeLeader(refuse)
     await leader.server.start()
-    config = ShardConfig(
+    config = CoordinatorConfig(
+        role=Role.SHARD,
         leader=f"127.0.0.1:{leader.port}",
         port=0,
         chunk_bytes=CHUNK,
@@ -204,7 +205,7 @@ async def shard_and_leader(
         reconnect_backoff_max_s=0.2,
         metrics_port=metrics_port,
     )
-    running = await start_shard(config)
+    running = await start(config)
     channel = grpc.aio.insecure_channel(f"127.0.0.1:{running.port}")
     try:
         if refuse is None:
@@ -220,7 +221,7 @@ def values_of(rank: int, step: int) -> np.ndarray:
     return np.random.default_rng(10 * rank + step).standard_normal(ELEMENTS).astype(np.float32)
 
 
-async def view_applied(running: RunningShard, job_id: str = "job") -> None:
+async def view_applied(running: Running, job_id: str = "job") -> None:
     for _ in range(500):
         if job_id in running.servicer.jobs:
             return
@@ -229,7 +230,7 @@ async def view_applied(running: RunningShard, job_id: str = "job") -> None:
 
 
 async def joined_workers(
-    running: RunningShard, leader: FakeLeader, channel: grpc.aio.Channel
+    running: Running, leader: FakeLeader, channel: grpc.aio.Channel
 ) -> list[DataWorker]:
     await leader.outbox.put(job_view({0: "a", 1: "b"}))
     await view_applied(running)
@@ -453,8 +454,12 @@ def test_a_refused_shard_exits_2_with_the_leaders_message(
         leader = FakeLeader(refuse=message)
         await leader.server.start()
         try:
-            config = ShardConfig(
-                leader=f"127.0.0.1:{leader.port}", port=0, chunk_bytes=CHUNK, register_timeout_s=2
+            config = CoordinatorConfig(
+                role=Role.SHARD,
+                leader=f"127.0.0.1:{leader.port}",
+                port=0,
+                chunk_bytes=CHUNK,
+                register_timeout_s=2,
             )
             assert await serve(config) == EXIT_REFUSED
         finally:

@@ -12,8 +12,8 @@ import asyncio
 
 import grpc
 from gradsync_proto.v1 import gradsync_pb2 as pb
-from gradsync_server.app import start_server
-from gradsync_server.config import ServerConfig
+from gradsync_server.app import start
+from gradsync_server.config import CoordinatorConfig
 from support.rawclient import (
     CHUNK,
     RawWorker,
@@ -77,7 +77,7 @@ def test_a_message_refused_alone_carries_no_special_reason() -> None:
 def test_a_join_while_draining_is_refused_as_shutting_down() -> None:
     async def scenario() -> None:
         async with coordinator() as (running, channel):
-            running.servicer.draining = True  # as RunningServer.stop sets it first
+            running.servicer.draining = True  # as Running.stop sets it first
             worker = RawWorker(channel)
             await worker.join(0)
             await expect_end(worker, pb.END_REASON_SHUTTING_DOWN, grpc.StatusCode.UNAVAILABLE)
@@ -87,10 +87,10 @@ def test_a_join_while_draining_is_refused_as_shutting_down() -> None:
 
 def test_shutdown_ends_open_streams_as_shutting_down() -> None:
     async def scenario() -> None:
-        config = ServerConfig(
+        config = CoordinatorConfig(
             world_size=2, host="127.0.0.1", port=0, chunk_bytes=CHUNK, shutdown_grace_s=0.2
         )
-        running = await start_server(config)
+        running = await start(config)
         channel = grpc.aio.insecure_channel(f"127.0.0.1:{running.port}")
         try:
             workers = await assembled_job(channel)

@@ -13,8 +13,8 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 import grpc
 import numpy as np
 from gradsync_proto.v1 import gradsync_pb2 as pb
-from gradsync_server.app import RunningServer, start_server
-from gradsync_server.config import ServerConfig
+from gradsync_server.app import Running, start
+from gradsync_server.config import CoordinatorConfig
 
 from support.waiting import eventually
 
@@ -161,7 +161,7 @@ class RawWorker:
             received += len(chunk.payload)
         return np.frombuffer(bytes(result), dtype=np.float32)
 
-    async def settle(self, running: RunningServer, rank: int = 0, job_id: str = "job") -> None:
+    async def settle(self, running: Running, rank: int = 0, job_id: str = "job") -> None:
         """Wait until the coordinator has processed the message this worker (`rank`) sent last.
 
         For scenarios on a frozen fake clock that advance it before sending: the
@@ -183,7 +183,7 @@ class RawWorker:
 
 
 @contextlib.asynccontextmanager
-async def coordinator(**overrides: object) -> AsyncIterator[tuple[RunningServer, grpc.aio.Channel]]:
+async def coordinator(**overrides: object) -> AsyncIterator[tuple[Running, grpc.aio.Channel]]:
     """An in-process coordinator on a free loopback port, and a channel to it."""
     settings: dict[str, object] = {
         "world_size": 2,
@@ -193,7 +193,7 @@ async def coordinator(**overrides: object) -> AsyncIterator[tuple[RunningServer,
         "shutdown_grace_s": 0.5,
     }
     settings.update(overrides)
-    running = await start_server(ServerConfig(**settings))  # type: ignore[arg-type]
+    running = await start(CoordinatorConfig(**settings))  # type: ignore[arg-type]
     channel = grpc.aio.insecure_channel(
         f"127.0.0.1:{running.port}",
         options=[("grpc.max_send_message_length", 64 << 20)],
@@ -250,7 +250,7 @@ async def run_step(workers: list[RawWorker], step: int) -> None:
         np.testing.assert_array_equal(await worker.receive_bucket(step), expected)
 
 
-async def wait_until_joined(running: RunningServer, rank: int, job_id: str = "job") -> None:
+async def wait_until_joined(running: Running, rank: int, job_id: str = "job") -> None:
     """Wait (bounded) until the coordinator has processed `rank`'s Join.
 
     Joins on separate streams race each other; tests that depend on which one

@@ -15,7 +15,7 @@ import pytest
 from gradsync_proto.auth import derive_key
 from gradsync_proto.codes import Code
 from gradsync_proto.v1 import gradsync_pb2 as pb
-from gradsync_server.config import ServerConfig
+from gradsync_server.config import CoordinatorConfig
 from gradsync_server.control.job import Job
 from gradsync_server.control.membership import SESSION_BYTES, Membership
 from gradsync_server.control.settings import JobSettings
@@ -38,8 +38,8 @@ def checkpoint(step: int = 7, payload: bytes = b"state" * 50, job_id: str = "job
     return Checkpoint(job_id, step, 0, payload, {"world_size": "2"})
 
 
-def config(store: Path, **options: object) -> ServerConfig:
-    return ServerConfig(world_size=2, checkpoint_store=str(store), **options)  # type: ignore[arg-type]
+def config(store: Path, **options: object) -> CoordinatorConfig:
+    return CoordinatorConfig(world_size=2, checkpoint_store=str(store), **options)  # type: ignore[arg-type]
 
 
 def load(checkpointer: Checkpointer, sig: pb.ModelSignature | None = None) -> tuple[object, object]:
@@ -166,7 +166,9 @@ class HungStore:
 def test_a_hung_store_fails_the_load_at_the_deadline_without_blocking_the_loop() -> None:
     store = HungStore()
     checkpointer = Checkpointer(
-        ServerConfig(world_size=2, checkpoint_store="redis://hung:6379/0", store_timeout_s=0.3),
+        CoordinatorConfig(
+            world_size=2, checkpoint_store="redis://hung:6379/0", store_timeout_s=0.3
+        ),
         store,  # type: ignore[arg-type]
     )
 

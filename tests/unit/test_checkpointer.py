@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 from gradsync_proto.codes import Code
 from gradsync_proto.v1 import gradsync_pb2 as pb
-from gradsync_server.config import ServerConfig
+from gradsync_server.config import CoordinatorConfig
 from gradsync_server.control.job import Job
 from gradsync_server.control.settings import JobSettings
 from gradsync_server.dataplane.actions import Persist, Send, Terminate
@@ -47,7 +47,7 @@ class BrokenStore:
 
 
 def persist(require_checkpoint: bool) -> list[object]:
-    config = ServerConfig(
+    config = CoordinatorConfig(
         world_size=2,
         checkpoint_store="redis://gone:6379/0",
         require_checkpoint=require_checkpoint,
@@ -89,7 +89,7 @@ def test_an_unreadable_store_refuses_the_job_instead_of_starting_it_from_scratch
     damaged = bytearray(blob.read_bytes())
     damaged[-10:] = bytes(10)
     blob.write_bytes(bytes(damaged))
-    config = ServerConfig(world_size=2, checkpoint_store=str(tmp_path / "checkpoints"))
+    config = CoordinatorConfig(world_size=2, checkpoint_store=str(tmp_path / "checkpoints"))
     resume, problem = asyncio.run(Checkpointer(config, store).load_resume("job", signature()))
     assert resume is None and problem is not None
     code, message = problem
@@ -105,7 +105,7 @@ TOKEN = "t" * 32
 
 def marked_checkpointer(tmp_path: Path, **options: object) -> Checkpointer:
     """A checkpointer on a real file store, its marks in a state directory of its own."""
-    config = ServerConfig(
+    config = CoordinatorConfig(
         world_size=2,
         checkpoint_store=str(tmp_path / "store"),
         state_dir=str(tmp_path / "state"),

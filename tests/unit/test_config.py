@@ -176,14 +176,14 @@ def test_output_paths_must_have_an_existing_folder(tmp_path: Path) -> None:
 
 def test_job_settings_default_to_the_flags_defaults_and_carry_every_flag() -> None:
     from gradsync_server import defaults as flag_defaults
-    from gradsync_server.config import ServerConfig
+    from gradsync_server.config import CoordinatorConfig
     from gradsync_server.control.settings import JobSettings, OnFailure
 
     plain = JobSettings(2, 4096, 8192)
     assert plain.on_failure == flag_defaults.ON_FAILURE
     assert plain.nonfinite == flag_defaults.NONFINITE
     assert plain.heartbeat_interval_s == flag_defaults.HEARTBEAT_INTERVAL_S
-    config = ServerConfig(
+    config = CoordinatorConfig(
         world_size=3, on_failure="elastic", min_workers=2, nonfinite="abort", checkpoint_every=0
     )
     settings = config.job_settings()
@@ -215,7 +215,7 @@ def test_the_frame_port_follows_the_grpc_port_and_never_a_local_shards(
 
 
 def test_a_frame_port_out_of_range_is_refused_naming_it() -> None:
-    from gradsync_server.config import ServerConfig
+    from gradsync_server.config import CoordinatorConfig
 
     with pytest.raises(ValueError, match=r"frame port must be in 0\.\.65535"):
-        ServerConfig(world_size=2, frame_port=70000)
+        CoordinatorConfig(world_size=2, frame_port=70000)

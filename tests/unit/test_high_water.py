@@ -15,7 +15,7 @@ import stat
 from pathlib import Path
 
 import pytest
-from gradsync_server.config import ServerConfig
+from gradsync_server.config import CoordinatorConfig
 from gradsync_server.store.checkpoint import (
     Checkpoint,
     CheckpointHeader,
@@ -221,6 +221,6 @@ def test_the_state_dir_defaults_follow_xdg_and_can_be_overridden() -> None:
 def test_a_state_dir_inside_the_file_store_is_refused(tmp_path: Path) -> None:
     store = tmp_path / "store"
     with pytest.raises(ValueError, match="inside the checkpoint store"):
-        ServerConfig(world_size=1, checkpoint_store=str(store), state_dir=str(store / "state"))
-    ServerConfig(world_size=1, checkpoint_store=str(store), state_dir=str(tmp_path / "state"))
-    ServerConfig(world_size=1, checkpoint_store="redis://h:1/0", state_dir=str(tmp_path))
+        CoordinatorConfig(world_size=1, checkpoint_store=str(store), state_dir=str(store / "state"))
+    CoordinatorConfig(world_size=1, checkpoint_store=str(store), state_dir=str(tmp_path / "state"))
+    CoordinatorConfig(world_size=1, checkpoint_store="redis://h:1/0", state_dir=str(tmp_path))

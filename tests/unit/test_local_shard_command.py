@@ -11,12 +11,12 @@ import os
 
 from gradsync.arguments import build_parser
 from gradsync_proto.defaults import MIB
-from gradsync_server.config import ServerConfig
+from gradsync_server.config import CoordinatorConfig
 from gradsync_server.local_shards import shard_command
 
 
 def test_local_shards_inherit_the_leaders_limits_on_peers() -> None:
-    config = ServerConfig(
+    config = CoordinatorConfig(
         world_size=2,
         shard_count=2,
         local_shards=True,

@@ -17,11 +17,11 @@ from gradsync_proto import chunking
 from gradsync_proto.codec import ChunkHeader, decode_gradient
 from gradsync_proto.codes import Code
 from gradsync_proto.v1 import gradsync_pb2 as pb
+from gradsync_server.config import CoordinatorConfig, Role
 from gradsync_server.dataplane.actions import Send
 from gradsync_server.dataplane.budget import ByteBudget
 from gradsync_server.dataplane.open_step import OpenStep
 from gradsync_server.dataplane.plane import JobPlane, MembershipView, PlaneMember, check_view
-from gradsync_server.shard_config import ShardConfig
 
 CHUNK = 64
 F32 = pb.DTYPE_FLOAT32
@@ -308,10 +308,16 @@ def test_chunks_ahead_of_the_view_wait_for_the_leader() -> None:
 
 # ------------------------------------------------------------ configuration
 def test_the_advertised_address_follows_the_bound_interface() -> None:
-    assert ShardConfig("a:1", host="10.0.0.5").advertised(7) == "10.0.0.5:7"
+    assert (
+        CoordinatorConfig(role=Role.SHARD, leader="a:1", host="10.0.0.5").advertised(7)
+        == "10.0.0.5:7"
+    )
     # Bound to every interface: the address this host reaches its leader from.
-    assert ShardConfig("127.0.0.1:1", host="0.0.0.0").advertised(7) == "127.0.0.1:7"
-    assert ShardConfig("a:1", host="::1").advertised(7) == "[::1]:7"
-    assert ShardConfig("a:1", advertise="b:9").advertised(7) == "b:9"
+    assert (
+        CoordinatorConfig(role=Role.SHARD, leader="127.0.0.1:1", host="0.0.0.0").advertised(7)
+        == "127.0.0.1:7"
+    )
+    assert CoordinatorConfig(role=Role.SHARD, leader="a:1", host="::1").advertised(7) == "[::1]:7"
+    assert CoordinatorConfig(role=Role.SHARD, leader="a:1", advertise="b:9").advertised(7) == "b:9"
     with pytest.raises(ValueError, match="leader"):
-        ShardConfig("")
+        CoordinatorConfig(role=Role.SHARD, leader="")

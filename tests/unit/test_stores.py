@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 from gradsync.cli import main
-from gradsync_server.config import ServerConfig
+from gradsync_server.config import CoordinatorConfig
 from gradsync_server.store.stores import StoreLocation, parse_store_url
 
 
@@ -39,7 +39,7 @@ def test_host_port_without_a_scheme_is_refused(url: str) -> None:
 
 def test_server_config_refuses_an_ambiguous_store() -> None:
     with pytest.raises(ValueError, match="looks like a network address"):
-        ServerConfig(world_size=2, checkpoint_store="10.213.0.3:6379/0")
+        CoordinatorConfig(world_size=2, checkpoint_store="10.213.0.3:6379/0")
 
 
 def test_cli_refuses_an_ambiguous_store_at_start_up(

@@ -7,12 +7,12 @@ in the "gradsync" namespace, so a second driver gets the same handle with
 `get_coordinator(name)`; with `detached=True` the coordinator outlives the driver that
 started it, as a service would.
 
-Each actor runs the ordinary coordinator (`gradsync_server.app.start_server`) or shard
-(`gradsync_server.app.start_shard`) in-process, on a loop of its own
-(`gradsync.ray._loop`), so there is no child process to leak. It listens on its node's
-address, where other nodes reach it; beyond loopback the coordinator needs credentials,
-so unless the caller gives a token, client certificates or `insecure=True`, a random
-token is made here and handed to workers through Ray (never on a command line).
+Each actor runs the ordinary coordinator or shard (`gradsync_server.app.start`)
+in-process, on a loop of its own (`gradsync.ray._loop`), so there is no child process to
+leak. It listens on its node's address, where other nodes reach it; beyond loopback the
+coordinator needs credentials, so unless the caller gives a token, client certificates or
+`insecure=True`, a random token is made here and handed to workers through Ray (never on
+a command line).
 """
 
 from __future__ import annotations
@@ -51,7 +51,7 @@ STOP_TIMEOUT_S = 30.0
 #: Bound on the wait until killed actors are gone.
 DEATH_TIMEOUT_S = 30.0
 
-#: Options of `start_coordinator` that are the actors' business, not `ServerConfig` fields.
+#: Options of `start_coordinator` that are the actors' business, not `CoordinatorConfig` fields.
 _SET_HERE = frozenset({"port", "shard_count", "local_shards"})
 
 
@@ -92,19 +92,18 @@ class LeaderServer(_ServerActor):
 
     def start(self, options: dict[str, Any], shard_names: list[str]) -> dict[str, Any]:
         """Bind and serve; return the address workers use, and what `info` returns."""
-        from gradsync_server.app import banner, start_server
-        from gradsync_server.config import ServerConfig
+        from gradsync_server.app import banner, start
+        from gradsync_server.config import CoordinatorConfig
 
         node_ip = _node_ip()
         options = dict(options)
         bind_host = options.pop("host", None) or node_ip
-        config = ServerConfig(host=bind_host, port=0, local_shards=False, **options)
-        self._running = self._loop.call(start_server(config), START_TIMEOUT_S)
+        config = CoordinatorConfig(host=bind_host, port=0, local_shards=False, **options)
+        self._running = self._loop.call(start(config), START_TIMEOUT_S)
         advertised = node_ip if bind_host in ("0.0.0.0", "::", "") else bind_host
         metrics = self._running.metrics_server
         metrics_url = metrics.url if metrics is not None else None
-        frame_port = self._running.servicer.frame_port
-        print(banner(config, self._running.port, metrics_url, frame_port), flush=True)
+        print(banner(self._running), flush=True)
         self._info = {
             "address": host_port(advertised, self._running.port),
             "token": config.token,
@@ -143,13 +142,13 @@ class ShardServer(_ServerActor):
 
     def start(self, options: dict[str, Any]) -> dict[str, Any]:
         """Bind, advertise this node's address and start registering with the leader."""
-        from gradsync_server.app import shard_banner as banner, start_shard
-        from gradsync_server.shard_config import ShardConfig
+        from gradsync_server.app import banner, start
+        from gradsync_server.config import CoordinatorConfig, Role
 
         node_ip = _node_ip()
-        config = ShardConfig(host=node_ip, port=0, **options)
-        self._running = self._loop.call(start_shard(config), START_TIMEOUT_S)
-        print(banner(config, self._running.port, self._running.advertise, None), flush=True)
+        config = CoordinatorConfig(role=Role.SHARD, host=node_ip, port=0, **options)
+        self._running = self._loop.call(start(config), START_TIMEOUT_S)
+        print(banner(self._running), flush=True)
         self._info = {"address": self._running.advertise, "pid": os.getpid(), "node_ip": node_ip}
         return self.info()
 
@@ -277,7 +276,7 @@ def start_coordinator(
         name: the coordinator's name in the "gradsync" namespace (`get_coordinator`).
         detached: outlive this driver (until `stop()` or the cluster ends).
         log_level: the actors' log level.
-        **serve_options: `gradsync_server.config.ServerConfig` fields: `on_failure`,
+        **serve_options: `gradsync_server.config.CoordinatorConfig` fields: `on_failure`,
             `min_workers`, `checkpoint_store`, `heartbeat_timeout_s`, `token`, `tls_cert`...
             `host` is where to bind (default: the node's address).
 
@@ -286,7 +285,7 @@ def start_coordinator(
         TimeoutError: the shards did not all register in time (naming the missing ones);
             every actor started is ended first.
     """
-    from gradsync_server.config import ServerConfig
+    from gradsync_server.config import CoordinatorConfig
 
     if shards < 1:
         raise ValueError(f"shards must be at least 1 (the leader), got {shards}")
@@ -302,7 +301,7 @@ def start_coordinator(
     if shards > 1 and not options.get("shard_token"):
         # The shard actors' own credential at the leader; the workers never see it.
         options["shard_token"] = secrets.token_urlsafe(32)
-    ServerConfig(**options)  # refuse a bad option here, with its message, not in an actor
+    CoordinatorConfig(**options)  # refuse a bad option here, with its message, not in an actor
     placement = actor_options(resources, DEFAULT_COORDINATOR_RESOURCES)
     # Every option is checked before the first call into Ray (the name lookup).
     if not ray.is_initialized():

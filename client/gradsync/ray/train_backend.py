@@ -42,7 +42,7 @@ class GradsyncConfig(BackendConfig):
         token: the token of that running coordinator (None: the workers' environment).
         shards: coordinator shards when one is started here (`start_coordinator`).
         coordinator_resources: the started coordinator's actors' resources.
-        serve_options: more `ServerConfig` fields for the started coordinator.
+        serve_options: more `CoordinatorConfig` fields for the started coordinator.
         env: more environment variables for every worker (e.g. GRADSYNC_HIERARCHICAL).
     """
 

@@ -18,7 +18,7 @@ from collections.abc import Callable
 from gradsync_proto.codes import Code
 from gradsync_proto.v1 import gradsync_pb2 as pb
 
-from gradsync_server.config import ServerConfig
+from gradsync_server.config import CoordinatorConfig
 from gradsync_server.control.job import Job
 from gradsync_server.dataplane.budget import ByteBudget
 from gradsync_server.dataplane.host_groups import host_id_problem
@@ -64,7 +64,7 @@ def first_message_problem(kind: str | None, size: int) -> tuple[Code, str] | Non
 
 
 def join_problem(
-    join: pb.Join, config: ServerConfig, draining: bool, known_job: bool, running_jobs: int
+    join: pb.Join, config: CoordinatorConfig, draining: bool, known_job: bool, running_jobs: int
 ) -> tuple[Code, str] | None:
     """Why the coordinator refuses `join` before looking at its job, or None.
 
@@ -108,7 +108,7 @@ def join_problem(
 
 def new_job(
     job_id: str,
-    config: ServerConfig,
+    config: CoordinatorConfig,
     budget: ByteBudget,
     clock: Callable[[], float],
     metrics: StepObserver,

@@ -1,9 +1,9 @@
 """What a job is configured with: the coordinator's flags that shape one job.
 
-`ServerConfig.job_settings()` builds it from the flags, and `Job` takes it
+`CoordinatorConfig.job_settings()` builds it from the flags, and `Job` takes it
 whole, so a new job-level knob is added in one place and reaches every
 component without another keyword argument. Policies are enums (their values
-are the flags' spellings). Pure, frozen, validated by `ServerConfig` at
+are the flags' spellings). Pure, frozen, validated by `CoordinatorConfig` at
 start-up; unit tests may build one with any sizes (a 64-byte chunk, say).
 """
 

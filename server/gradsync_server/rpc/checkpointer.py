@@ -44,7 +44,7 @@ from gradsync_proto.auth import derive_key
 from gradsync_proto.codes import Code
 from gradsync_proto.v1 import gradsync_pb2 as pb
 
-from gradsync_server.config import ServerConfig
+from gradsync_server.config import CoordinatorConfig
 from gradsync_server.control.job import Job
 from gradsync_server.dataplane.actions import Action, Persist, Send, Terminate
 from gradsync_server.rpc.outer_records import OuterRecords
@@ -93,7 +93,7 @@ class Checkpointer:
         store: where checkpoints live; None when none is configured.
     """
 
-    def __init__(self, config: ServerConfig, store: CheckpointStore | None) -> None:
+    def __init__(self, config: CoordinatorConfig, store: CheckpointStore | None) -> None:
         self.config = config
         self.store = store
         #: Saves that failed since start-up (for logs).

@@ -43,7 +43,7 @@ from gradsync_proto.net.frames import (
     write_message,
 )
 
-from gradsync_server.config import ServerConfig
+from gradsync_server.config import CoordinatorConfig
 from gradsync_server.rpc.auth_check import MISSING_TOKEN, WRONG_TOKEN
 from gradsync_server.rpc.linger import Linger
 
@@ -432,7 +432,9 @@ class FrameServer:
                 await asyncio.wait_for(self._server.wait_closed(), 5.0)
 
 
-async def start_frame_server(config: ServerConfig, servicer: CoordinatorServicer) -> FrameServer:
+async def start_frame_server(
+    config: CoordinatorConfig, servicer: CoordinatorServicer
+) -> FrameServer:
     """Serve Sync streams as frames too (`frame_server`), on the gRPC port's host and security.
 
     Raises:

@@ -43,7 +43,7 @@ from gradsync_proto.codes import Code
 from gradsync_proto.payload_socket import Registration
 from gradsync_proto.v1 import gradsync_pb2 as pb
 
-from gradsync_server.config import ServerConfig
+from gradsync_server.config import CoordinatorConfig
 from gradsync_server.control.admission import (
     SHUTTING_DOWN,
     first_message_problem,
@@ -80,7 +80,7 @@ class CoordinatorServicer:
 
     def __init__(
         self,
-        config: ServerConfig,
+        config: CoordinatorConfig,
         store: CheckpointStore | None = None,
         clock: Callable[[], float] = time.monotonic,
         metrics: CoordinatorMetrics | None = None,
@@ -105,7 +105,7 @@ class CoordinatorServicer:
         self.segments = SegmentRegistry(config.max_connections, config.chunk_bytes, self.metrics)
         #: (payload socket name, this coordinator's host id) once the socket listens.
         self.payload_endpoint: tuple[str, str] | None = None
-        self.frame_port = 0  # told to workers (0: none; set by `app.start_server`)
+        self.frame_port = 0  # told to workers (0: none; set by `app.start`)
         self._delivery = Delivery(
             self._connections,
             self.metrics,

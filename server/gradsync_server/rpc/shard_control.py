@@ -37,7 +37,7 @@ from gradsync_proto.codes import Code
 from gradsync_proto.v1 import gradsync_pb2 as pb
 
 from gradsync_server import defaults
-from gradsync_server.config import ServerConfig
+from gradsync_server.config import CoordinatorConfig
 from gradsync_server.control.job import Job, JobState
 from gradsync_server.control.shard_registry import (
     RegistrationRefused,
@@ -109,7 +109,7 @@ class ShardControl:
     def __init__(
         self,
         leader: Leader,
-        config: ServerConfig,
+        config: CoordinatorConfig,
         clock: Callable[[], float],
         metrics: CoordinatorMetrics,
     ) -> None:

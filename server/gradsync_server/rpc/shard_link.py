@@ -32,8 +32,8 @@ from gradsync_proto.net.channels import ChannelSecurity, handshake_failure
 from gradsync_proto.net.stream_client import EndKind, StreamClient, StreamEnded
 from gradsync_proto.v1 import gradsync_pb2 as pb
 
+from gradsync_server.defaults import UNREACHABLE_REPORT_PERIOD_S
 from gradsync_server.rpc.shard_servicer import ShardServicer
-from gradsync_server.shard_config import UNREACHABLE_REPORT_PERIOD_S
 
 log = logging.getLogger("gradsync.shard")
 

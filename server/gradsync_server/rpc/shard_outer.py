@@ -21,6 +21,7 @@ import logging
 
 from gradsync_proto.v1 import gradsync_pb2 as pb
 
+from gradsync_server.config import CoordinatorConfig
 from gradsync_server.dataplane.outer_snapshot import (
     OuterSnapshotError,
     decode_snapshot,
@@ -28,7 +29,6 @@ from gradsync_server.dataplane.outer_snapshot import (
 )
 from gradsync_server.dataplane.plane import JobPlane
 from gradsync_server.rpc.outer_records import OuterRecords
-from gradsync_server.shard_config import ShardConfig
 from gradsync_server.store.checkpoint import CheckpointError, CheckpointStore
 from gradsync_server.store.checkpoint_file import FileCheckpointStore
 from gradsync_server.store.checkpoint_redis import RedisCheckpointStore
@@ -47,7 +47,7 @@ class ShardOuterStates:
             `redis_password`).
     """
 
-    def __init__(self, config: ShardConfig) -> None:
+    def __init__(self, config: CoordinatorConfig) -> None:
         self._store: CheckpointStore | None = (
             open_store(
                 config.checkpoint_store,

@@ -35,6 +35,7 @@ from gradsync_proto.codes import Code
 from gradsync_proto.v1 import gradsync_pb2 as pb
 
 from gradsync_server import defaults
+from gradsync_server.config import CoordinatorConfig
 from gradsync_server.dataplane import nonfinite
 from gradsync_server.dataplane.actions import ResumeBlob, SegmentAverage
 from gradsync_server.dataplane.budget import ByteBudget, outbox_pool_bytes
@@ -44,7 +45,6 @@ from gradsync_server.metrics import CoordinatorMetrics
 from gradsync_server.rpc.connection import Connection
 from gradsync_server.rpc.shard_outer import ShardOuterStates
 from gradsync_server.rpc.stream_guard import StreamCount, guarded
-from gradsync_server.shard_config import ShardConfig
 
 log = logging.getLogger("gradsync.shard")
 
@@ -83,7 +83,7 @@ class ShardServicer:
 
     def __init__(
         self,
-        config: ShardConfig,
+        config: CoordinatorConfig,
         advertise: str,
         clock: Callable[[], float] = time.monotonic,
         metrics: CoordinatorMetrics | None = None,

@@ -22,7 +22,7 @@ import logging
 from collections.abc import Callable, Sequence
 from typing import Protocol
 
-from gradsync_server.config import ServerConfig
+from gradsync_server.config import CoordinatorConfig
 from gradsync_server.control.job import Job, JobState
 from gradsync_server.dataplane.actions import Action
 from gradsync_server.metrics import CoordinatorMetrics
@@ -42,7 +42,7 @@ _MAX_PERIOD_S = 0.25
 class Watched(Protocol):
     """What the watchdog needs from the coordinator."""
 
-    config: ServerConfig
+    config: CoordinatorConfig
     metrics: CoordinatorMetrics
     jobs: dict[str, Job]
     clock: Callable[[], float]

@@ -3,7 +3,7 @@
 The mark (`gradsync_server.store.high_water`) is only worth something where the checkpoint
 store cannot roll it back, so it lives in the coordinator's own state directory
 (`--state-dir`, default `$GRADSYNC_STATE_DIR`, else `$XDG_STATE_HOME/gradsync`, else
-`~/.local/state/gradsync`), never in the store: `ServerConfig` refuses a state directory
+`~/.local/state/gradsync`), never in the store: `CoordinatorConfig` refuses a state directory
 inside a file store's folder. Whoever can write the state directory is the coordinator's
 own user (out of scope in SECURITY.md), so the files carry no MAC.
 
