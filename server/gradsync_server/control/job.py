@@ -53,7 +53,7 @@ from gradsync_server.control.job_ending import JobEnding
 from gradsync_server.control.persistence import resume_messages
 from gradsync_server.control.restart_relay import RestartRelay
 from gradsync_server.control.settings import OnFailure
-from gradsync_server.dataplane import rounds, stragglers
+from gradsync_server.dataplane import rounds
 from gradsync_server.dataplane.actions import Action, Send, Terminate
 from gradsync_server.dataplane.step_aborts import abort_actions, abort_message
 from gradsync_server.errors import RejectedMessage
@@ -358,7 +358,7 @@ class Job(JobEnding):
         if self.state is not JobState.RUNNING:
             return []
         completed = self.steps_completed
-        return stragglers.close_round_if_due(self.in_flight) + self.uneven.progress(completed)
+        return self.in_flight.close_round_if_due() + self.uneven.progress(completed)
 
     # ------------------------------------------------------ collectives, join()
     def on_collective(self, rank: int, chunk: pb.CollectiveChunk) -> list[Action]:
