@@ -235,3 +235,27 @@ class Membership:
                 membership_epoch=self.epoch, ranks=list(self.ranks()), step=step, reason=reason
             )
         )
+
+    def view(
+        self, start_step: int, out_of_inputs: set[int], chunk_bytes: int, shard_count: int
+    ) -> pb.ShardJobView:
+        """The job as its data planes know it: the whole (small) membership, the layout."""
+        signature = self.signature
+        return pb.ShardJobView(
+            job_id=self.job_id,
+            world_size=self.world_size,
+            membership_epoch=self.epoch,
+            members=[
+                pb.ShardMember(rank=rank, incarnation=member.incarnation, session=member.session)
+                for rank, member in sorted(self.members.items())
+            ],
+            out_of_inputs=sorted(r for r in out_of_inputs if r in self.members),
+            start_step=start_step,
+            buckets=list(signature.buckets) if signature is not None else [],
+            outer=signature.outer
+            if signature is not None and signature.HasField("outer")
+            else None,
+            chunk_bytes=chunk_bytes,
+            shard_count=shard_count,
+            local_groups=[pb.LocalGroup(ranks=g) for g in self.groups.groups()],
+        )
