@@ -62,7 +62,6 @@ from gradsync_server.control.elastic import Elastic
 from gradsync_server.control.liveness import Liveness
 from gradsync_server.control.membership import Membership
 from gradsync_server.control.persistence import Persistence, resume_messages
-from gradsync_server.control.restart_relay import RestartRelay
 from gradsync_server.control.settings import JobSettings, OnFailure
 from gradsync_server.control.uneven import UnevenInputs
 from gradsync_server.dataplane import rounds
@@ -155,7 +154,7 @@ class Job:
         self.persistence = Persistence(chunk_bytes, blob_limit, job_budget)
         self.job_budget, self.blob_limit = job_budget, blob_limit
         #: A restarted job's donor state on its way to the ranks behind (`control.restart`).
-        self.relay: RestartRelay | None = None
+        self.relay: restart.RestartRelay | None = None
         #: How a restarted coordinator went on (continued, or rolled back and why).
         self.restart_line = ""
         #: Steps the ranks had applied beyond where a restarted job went on (summed).
@@ -495,7 +494,14 @@ class Job:
         self._tell_shards(pb.LeaderMessage(job=view))
         if not plan.behind:
             return [self._continued_welcome(rank) for rank in self.membership.ranks()]
-        self.relay = RestartRelay(plan, self.chunk_bytes, self.blob_limit, self.job_budget)
+        self.relay = restart.RestartRelay(
+            self.job_id,
+            plan,
+            self._continued_welcome,
+            self.chunk_bytes,
+            self.blob_limit,
+            self.job_budget,
+        )
         return [self._continued_welcome(plan.donor, send_state=True)]
 
     def _continued_welcome(
@@ -508,32 +514,6 @@ class Job:
         welcome.continued = resume_bytes == 0
         welcome.send_state = send_state
         return send
-
-    def _on_relay_chunk(self, rank: int, chunk: pb.CheckpointChunk) -> list[Action]:
-        """The donor's state for the ranks behind; once complete, welcome everyone else."""
-        relay = self.relay
-        if relay is None:
-            raise RuntimeError("only called while a restarted job's relay is open")
-        blob = relay.add(rank, chunk)
-        if blob is None:
-            return []
-        self.relay = None
-        plan = relay.plan
-        actions: list[Action] = [
-            self._continued_welcome(r) for r in plan.keep if r != plan.donor and r in self.members
-        ]
-        behind = tuple(r for r in plan.behind if r in self.members)
-        actions += [self._continued_welcome(r, len(blob)) for r in behind]
-        actions += resume_messages(behind, plan.step, blob, self.chunk_bytes)
-        log.info(
-            "job '%s': rank %d's state of step %d (%d bytes) sent to rank(s) %s",
-            self.job_id,
-            plan.donor,
-            plan.step,
-            len(blob),
-            list(behind),
-        )
-        return actions
 
     def _start_outer(self, outer: outer_resume.OuterResume) -> None:
         """Restore the plane's outer state (or not), say which, and start saving it."""
@@ -569,7 +549,11 @@ class Job:
             RejectedMessage: the upload is malformed (this worker's stream ends).
         """
         if chunk.heal and self.relay is not None:
-            return self._on_relay_chunk(rank, chunk)
+            actions = self.relay.add(rank, chunk, self.members)
+            if actions is None:
+                return []
+            self.relay = None  # the donor's state went to the ranks behind
+            return actions
         if chunk.heal and self.state is JobState.RUNNING:
             return self.elastic.on_heal_chunk(rank, chunk)
         if self.state is not JobState.RUNNING or rank != 0:
@@ -762,7 +746,10 @@ class Job:
             return []
         how = reason or ("left" if orderly else "disconnected from")
         if self.relay is not None:
-            return self._relay_lost(rank, how)
+            # Half the ranks are welcomed, the others wait for a state that may never
+            # come: every stream ends, and the job decides again when they reconnect.
+            details, self.relay = self.relay.lost(rank, how), None
+            return self.end(Code.UNAVAILABLE, details, pb.END_REASON_PEER_LOST)
         if not self.broadcast.complete:
             # The others wait for rank 0's state, not for a step: end them now.
             return self._break(
@@ -801,27 +788,6 @@ class Job:
             rank,
             abort_step=True,
         )
-
-    def _relay_lost(self, rank: int, how: str) -> list[Action]:
-        """A rank was lost while a restarted job's donor state was on its way: start over.
-
-        Half the ranks are welcomed and the others wait for a state that may
-        never come, so every stream ends UNAVAILABLE: the workers reconnect
-        with their positions and the job decides again (a restarted process
-        without one takes a live rank's state).
-        """
-        relay = self.relay
-        self.relay = None
-        if relay is not None:
-            relay.release()
-        details = (
-            f"rank {rank} {how} job '{self.job_id}' while the coordinator relayed rank "
-            f"{relay.plan.donor if relay else '?'}'s state of step "
-            f"{relay.plan.step if relay else '?'} to the ranks behind it; every rank "
-            "reconnects and the job goes on from the ranks' positions"
-        )
-        log.warning("%s", details)
-        return self.end(Code.UNAVAILABLE, details, pb.END_REASON_PEER_LOST)
 
     def _shrink(self, rank: int, how: str, followers: tuple[int, ...]) -> list[Action]:
         """Elastic: go on without `rank`, and without its followers if it was a local leader.
