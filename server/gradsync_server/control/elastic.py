@@ -20,7 +20,7 @@ from gradsync_proto.v1 import gradsync_pb2 as pb
 from gradsync_server.control.collectives import Collectives
 from gradsync_server.control.membership import Membership
 from gradsync_server.control.persistence import resume_messages
-from gradsync_server.dataplane.actions import Action, Send
+from gradsync_server.dataplane.actions import Action, Send, Terminate
 from gradsync_server.dataplane.budget import OwnerBudget
 from gradsync_server.dataplane.open_step import OpenStep
 from gradsync_server.dataplane.uploads import DonorState
@@ -72,21 +72,38 @@ class Elastic:
         """True while a donor has been asked for its state."""
         return self._heal is not None
 
-    def shrink(self, lost: int, reason: str, followers: tuple[int, ...] = ()) -> list[Action]:
+    def shrink(self, lost: int, how: str, followers: tuple[int, ...] = ()) -> list[Action]:
         """Go on without `lost`; finish the open step and collectives over the live ranks.
 
         Args:
-            followers: the ranks of `lost`'s local group that leave with it (it
-                was their local leader; the job already removed them): all go in
-                one membership epoch.
+            how: how it was lost ("left", "disconnected from"), for the others.
+            followers: the live ranks of `lost`'s local group (it was their local
+                leader): they leave with it, all in one membership epoch. Their
+                streams end (ABORTED, PEER_LOST, naming the lost leader): the
+                group's shared memory and partial sums were the leader's, so they
+                restart and rejoin, flat, like any lost rank.
         """
         membership, step = self._membership, self._in_flight.step
+        reason = f"rank {lost} {how} job '{self._job_id}'"
+        actions: list[Action] = []
+        if followers:
+            group = membership.groups.group_of(lost)
+            membership.groups.drop_group(lost)
+            for follower in followers:
+                membership.remove(follower, assembling=False)
+            details = (
+                f"{reason} at step {step}; it was the local leader of ranks "
+                f"{list(group)}, whose gradients went through it, so ranks {list(followers)} "
+                "leave the job with it (restart them to rejoin)"
+            )
+            actions.append(Terminate(followers, Code.ABORTED, details, pb.END_REASON_PEER_LOST))
+            reason += f" with its local group {list(group)}"
         membership.new_epoch()
         reason = (
             f"{reason} at step {step}; continuing with ranks "
             f"{list(membership.ranks())} (membership epoch {membership.epoch})"
         )
-        actions: list[Action] = [Send(membership.ranks(), membership.changed_message(step, reason))]
+        actions.append(Send(membership.ranks(), membership.changed_message(step, reason)))
         gone = (lost, *followers)
         if self._heal is not None and self._heal.donor in gone:
             self.release()  # the donor is gone: ask another live rank

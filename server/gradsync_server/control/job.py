@@ -17,11 +17,9 @@ A job is a small composition, each part owning its own state:
 - `Collectives` (`collectives.py`): collectives on user tensors;
 - `UnevenInputs` (`uneven.py`) and `Elastic` (`elastic.py`): DDP's join(), lost ranks.
 
-Control events: every change the data planes must follow (the job started,
-its membership changed, a step was aborted) is decided here, applied to
-this job's own plane at once, and queued for the shards (`take_events`) in
-the order decided. A shard applies the same events to its plane
-(`gradsync_server.dataplane.plane`), so no process ever compares states.
+Every change the data planes must follow is decided here and applied through
+`ControlEvents` (`events.py`): to this job's own plane at once, and queued
+for the shards (`take_events`).
 
 The lifecycle::
 
@@ -59,6 +57,7 @@ from gradsync_server.control.assembly import Assembly
 from gradsync_server.control.broadcast import StateBroadcast
 from gradsync_server.control.collectives import Collectives
 from gradsync_server.control.elastic import Elastic
+from gradsync_server.control.events import ControlEvents
 from gradsync_server.control.liveness import Liveness
 from gradsync_server.control.membership import Membership
 from gradsync_server.control.persistence import Persistence, resume_messages
@@ -125,11 +124,6 @@ class Job:
         blob_limit = budget.limit if blob_limit is None else blob_limit
         self.world_size = world_size = settings.world_size
         self.chunk_bytes = chunk_bytes = settings.chunk_bytes
-        self.max_message_bytes = settings.max_message_bytes
-        self.heartbeat_interval_s = heartbeat_interval_s = settings.heartbeat_interval_s
-        self.checkpoint_every = settings.checkpoint_every
-        self.on_failure = settings.on_failure
-        self.min_workers = settings.min_workers
         shard_count = settings.shard_count
         self.membership = Membership(job_id, world_size, clock)
         #: This job's data plane for byte range 0 (the whole bucket when unsharded).
@@ -145,9 +139,8 @@ class Job:
         #: The open step of `plane` (read by status, liveness and the components).
         self.in_flight = self.plane.step
         self._shard_count = shard_count
-        #: Control events not yet taken by the shards (`take_events`), in decision order.
-        self._events: list[pb.LeaderMessage] = []
-        self._last_abort_event = -1
+        #: Applies the job's decisions to `plane` and queues them for the shards.
+        self.events = ControlEvents(job_id, self.plane, shard_count)
         self.liveness = Liveness(clock)
         #: Told of restarts (the coordinator's metrics), if anyone is.
         self.observer = metrics
@@ -168,7 +161,7 @@ class Job:
         self.outer_state = ""
         #: Restored with the shards one step apart: the ranks upload the open step again.
         self.outer_repeat = False
-        self.assembly = Assembly(job_id, world_size, clock, heartbeat_interval_s)
+        self.assembly = Assembly(job_id, world_size, clock, settings.heartbeat_interval_s)
         self.broadcast = StateBroadcast(chunk_bytes)
         self.collectives = Collectives(
             world_size, chunk_bytes, settings.max_collective_bytes, job_budget
@@ -243,28 +236,11 @@ class Job:
         return Send(ranks, self.assembly.progress(ranks, refused))
 
     def welcome_for(self, rank: int, resume_bytes: int = 0) -> Send:
-        """`rank`'s own Welcome: the job's, plus the session secret issued to that rank."""
+        """`rank`'s own Welcome: the job's, plus what was issued to that rank alone."""
         message = self._welcome_message(resume_bytes)
-        message.welcome.session = self.membership.session_of(rank)
-        local_ranks, local_secret = self.membership.local_group_of(rank)
-        message.welcome.local_ranks.extend(local_ranks)
-        message.welcome.local_secret = local_secret
-        message.welcome.payload_socket = self._payload_socket_for(rank, local_ranks)
+        endpoint = None if self.shards else self.payload_endpoint
+        self.membership.welcome(rank, message, endpoint)
         return Send((rank,), message)
-
-    def _payload_socket_for(self, rank: int, local_ranks: Sequence[int]) -> str:
-        """The payload socket for a same-host local leader of an unsharded job, else "".
-
-        Only a leader uploads (and gets averages), and only an unsharded
-        coordinator holds whole buckets to read from one segment.
-        """
-        if self.payload_endpoint is None or self.shards or not local_ranks:
-            return ""
-        name, coordinator_host = self.payload_endpoint
-        member = self.members.get(rank)
-        if local_ranks[0] != rank or member is None or member.host_id != coordinator_host:
-            return ""
-        return name
 
     def _welcome_message(self, resume_bytes: int = 0) -> pb.CoordinatorMessage:
         """The Welcome of this job as it stands (for assembly and for newcomers).
@@ -278,11 +254,11 @@ class Job:
                 membership_epoch=self.membership_epoch,
                 start_step=self.open_step,
                 chunk_bytes=self.chunk_bytes,
-                max_message_bytes=self.max_message_bytes,
+                max_message_bytes=self.settings.max_message_bytes,
                 state_bytes=self.broadcast.state_bytes,
                 resume_bytes=resume_bytes,
-                heartbeat_interval_s=self.heartbeat_interval_s,
-                checkpoint_every_steps=self.checkpoint_every,
+                heartbeat_interval_s=self.settings.heartbeat_interval_s,
+                checkpoint_every_steps=self.settings.checkpoint_every,
                 next_collective=self.collectives.next_sequence,
                 shards=self.shards,
                 outer_seeded=self.in_flight.outer.active and self.in_flight.outer.seeded,
@@ -293,15 +269,8 @@ class Job:
 
     # ------------------------------------------------------------ control events
     def take_events(self) -> list[pb.LeaderMessage]:
-        """The control events decided since the last call, for the shards, in order.
-
-        Each was already applied to this job's own plane; the shards apply the
-        same (`gradsync_server.dataplane.plane`). Always empty when unsharded.
-        """
-        if not self._events:
-            return []  # the common case, on every batch of actions
-        events, self._events = self._events, []
-        return events
+        """The control events decided since the last call, for the shards (`ControlEvents.take`)."""
+        return self.events.take()
 
     def end_event(self) -> pb.LeaderMessage:
         """The ShardJobEnd of this job once it left the coordinator: its outcome as a status."""
@@ -315,23 +284,6 @@ class Job:
         end = pb.ShardJobEnd(job_id=self.job_id, code=int(code), message=message)
         return pb.LeaderMessage(job_end=end)
 
-    def _tell_shards(self, event: pb.LeaderMessage) -> None:
-        if self._shard_count > 1:
-            self._events.append(event)
-
-    def _step_aborted(self, step: int) -> None:
-        """Every rank is told `step` is aborted: the shards drop it too (once per step)."""
-        if step != self._last_abort_event:
-            self._last_abort_event = step
-            self._tell_shards(pb.LeaderMessage(abort=pb.ShardAbort(job_id=self.job_id, step=step)))
-
-    def _abort(self, culprit: int, rejection: RejectedMessage) -> list[Action]:
-        """Abort the open step for every rank because of `culprit`'s message."""
-        step = self.open_step
-        actions = self.in_flight.abort(culprit, rejection)
-        self._step_aborted(step)
-        return actions
-
     def _view(self, start_step: int | None = None) -> pb.ShardJobView:
         """The job as its data planes know it (`Membership.view`), from the open step."""
         step = self.open_step if start_step is None else start_step
@@ -339,20 +291,8 @@ class Job:
         return self.membership.view(step, uneven, self.chunk_bytes, shards)
 
     def _publish(self) -> list[Action]:
-        """The membership changed: apply it to this job's plane now, and tell the shards.
-
-        Returns the averages a dropped rank or a rank out of inputs completed
-        here, or the step's abort when a rejoining rank cannot be summed in rank
-        order (the shards then drop that step before they follow the view).
-        """
-        view = self._view()
-        followed = self.plane.follow(view)
-        actions = followed.actions
-        if followed.refused is not None:
-            rank, rejection = followed.refused
-            actions += self._abort(rank, rejection)
-        self._tell_shards(pb.LeaderMessage(job=view))
-        return actions
+        """The membership changed: its planes follow (`ControlEvents.follow`)."""
+        return self.events.follow(self._view())
 
     # ---------------------------------------------------------------------- join
     def join(self, rank: int, join: pb.Join) -> list[Action]:
@@ -362,7 +302,7 @@ class Job:
             RejectedMessage: this worker alone is refused (its stream ends).
         """
         self.membership.check_join(rank, join)
-        if self.state is JobState.RUNNING and self.on_failure is OnFailure.ELASTIC:
+        if self.state is JobState.RUNNING and self.settings.on_failure is OnFailure.ELASTIC:
             self.membership.admit_newcomer(rank, join)
             self.liveness.start(rank)
             return [] if self.elastic.healing else self.elastic.request_heal()
@@ -412,14 +352,9 @@ class Job:
         signature = self.membership.signature
         if signature is None:
             raise RuntimeError("an assembled job always has a signature")
-        problems = self.membership.form_local_groups()
-        if problems:
-            details = (
-                f"job '{self.job_id}' refused: the local groups formed from Join.host_id do not "
-                f"match LOCAL_WORLD_SIZE: {'; '.join(problems)} (give every process of a host "
-                "the same host id, or pass hierarchical=False)"
-            )
-            return self._refuse(Code.FAILED_PRECONDITION, details)
+        refused = self.membership.form_local_groups()
+        if refused is not None:
+            return self._refuse(Code.FAILED_PRECONDITION, refused)
         optimizer = signature.outer if signature.HasField("outer") else None
         groups = bool(self.membership.groups.groups())
         problem = rounds.job_problem(optimizer, self.world_size, self._shard_count, groups)
@@ -451,10 +386,9 @@ class Job:
             start = outer.start_step
         view = self._view(start)
         view.outer_restore = restored is not None
-        self.plane.start(view)
+        self.events.start(view)
         if outer is not None:
             self._start_outer(outer)
-        self._tell_shards(pb.LeaderMessage(job=view))
         ranks = self.membership.ranks()
         self.steps_recomputed = restart.steps_recomputed(decision, start)
         if decision is not None and self.observer is not None:
@@ -489,9 +423,7 @@ class Job:
         if resume is not None:
             self.membership.resume_epoch(resume.membership_epoch)
             self.persistence.saved(resume.step)
-        view = self._view(plan.step)
-        self.plane.start(view)
-        self._tell_shards(pb.LeaderMessage(job=view))
+        self.events.start(self._view(plan.step))
         if not plan.behind:
             return [self._continued_welcome(rank) for rank in self.membership.ranks()]
         self.relay = restart.RestartRelay(
@@ -604,7 +536,7 @@ class Job:
         try:
             actions = self.plane.accept(rank, chunk, payload)
         except RejectedMessage as rejection:
-            return self._abort(rank, rejection)
+            return self.events.abort(rank, rejection)
         return actions + self.uneven.progress(completed)
 
     def _abort_in_ended_job(self, step: int) -> list[Action]:
@@ -612,7 +544,7 @@ class Job:
         if self.in_flight.was_aborted(step):
             return []  # the ranks were already told the step cannot finish
         self.in_flight.remember_aborted(step)
-        self._step_aborted(step)
+        self.events.aborted(step)
         reason = self._broken_reason
         ranks = self.membership.ranks()
         return [abort_message(ranks, step, Code.ABORTED, reason, -1, pb.ABORT_REASON_PEER_LOST)]
@@ -694,13 +626,13 @@ class Job:
             f"rank {rank} abandoned step {abandon.step}: {reason}",
             step=abandon.step,
         )
-        return self._abort(rank, rejection)
+        return self.events.abort(rank, rejection)
 
     def reject(self, culprit: int, rejection: RejectedMessage) -> list[Action]:
         """Abort the open step because `culprit` sent an unusable message."""
         if self.state is not JobState.RUNNING:
             return [Terminate((culprit,), rejection.code, rejection.message)]
-        return self._abort(culprit, rejection)
+        return self.events.abort(culprit, rejection)
 
     def reject_from_shard(self, rank: int, rejection: RejectedMessage) -> list[Action] | None:
         """A shard refused `rank`'s message for `rejection.step`: abort that step for every rank.
@@ -719,7 +651,7 @@ class Job:
         if step + 1 != self.open_step or self.in_flight.was_aborted(step):
             return None
         self.in_flight.abort_completed(step)
-        self._step_aborted(step)
+        self.events.aborted(step)
         return abort_actions(self.membership.ranks(), rank, step, rejection)
 
     # ---------------------------------------------------------------- departures
@@ -764,7 +696,9 @@ class Job:
             r for r in self.membership.groups.followers_of(rank) if r in self.membership.members
         )
         live = len(self.membership.members) - len(followers)
-        elastic = self.on_failure is OnFailure.ELASTIC and live >= self.min_workers
+        elastic = (
+            self.settings.on_failure is OnFailure.ELASTIC and live >= self.settings.min_workers
+        )
         if orderly and quiet and not elastic:
             # A normal finish: nobody is told anything now; a rank that still
             # sends a step or a collective gets this reason then.
@@ -778,43 +712,20 @@ class Job:
             self.release_uploads()
             return []
         if elastic:
-            return self._shrink(rank, how, followers)
-        if self.on_failure is OnFailure.ELASTIC:
+            actions = self.elastic.shrink(rank, how, followers)
+            for lost in (rank, *followers):
+                self.liveness.forget(lost)
+                actions += self.uneven.lost(lost)
+            return actions
+        if self.settings.on_failure is OnFailure.ELASTIC:
             left = len(self.membership.members)
-            how += f" leaving {left} ranks (--min-workers {self.min_workers}) in"
+            how += f" leaving {left} ranks (--min-workers {self.settings.min_workers}) in"
         return self._break(
             f"rank {rank} {how} job '{self.job_id}' at step {self.in_flight.step}; no partial "
             "average is applied and the remaining ranks cannot complete further steps",
             rank,
             abort_step=True,
         )
-
-    def _shrink(self, rank: int, how: str, followers: tuple[int, ...]) -> list[Action]:
-        """Elastic: go on without `rank`, and without its followers if it was a local leader.
-
-        The followers' streams end (ABORTED, PEER_LOST, naming the lost leader):
-        the group's shared memory and partial sums were the leader's, so they
-        restart and rejoin, flat, like any lost rank.
-        """
-        what = f"rank {rank} {how} job '{self.job_id}'"
-        actions: list[Action] = []
-        if followers:
-            group = self.membership.groups.group_of(rank)
-            self.membership.groups.drop_group(rank)
-            for follower in followers:
-                self.membership.remove(follower, assembling=False)
-                self.liveness.forget(follower)
-            details = (
-                f"{what} at step {self.in_flight.step}; it was the local leader of ranks "
-                f"{list(group)}, whose gradients went through it, so ranks {list(followers)} "
-                "leave the job with it (restart them to rejoin)"
-            )
-            actions.append(Terminate(followers, Code.ABORTED, details, pb.END_REASON_PEER_LOST))
-            what += f" with its local group {list(group)}"
-        actions += self.elastic.shrink(rank, what, followers)
-        for lost in (rank, *followers):
-            actions += self.uneven.lost(lost)
-        return actions
 
     def _break(self, reason: str, lost: int, abort_step: bool) -> list[Action]:
         """The job cannot go on: abort the open step in-band, end ranks that cannot hear it.
@@ -833,7 +744,7 @@ class Job:
                     ranks, step, Code.ABORTED, reason, -1, pb.ABORT_REASON_PEER_LOST, lost
                 )
             )
-            self._step_aborted(step)
+            self.events.aborted(step)
         waiting = tuple(r for r in waiting if r in self.membership.members)
         if waiting:
             actions.append(Terminate(waiting, Code.ABORTED, reason, pb.END_REASON_PEER_LOST))

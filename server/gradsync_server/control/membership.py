@@ -163,22 +163,26 @@ class Membership:
         )
 
     # --------------------------------------------------------- local groups
-    def form_local_groups(self) -> list[str]:
+    def form_local_groups(self) -> str | None:
         """Group the members by host id (at the job's start).
 
         Returns:
-            What is wrong with the members' LOCAL_WORLD_SIZE (the job cannot
-            start then: the launcher and the host ids disagree); [] when fine.
+            Why the job is refused when the members' LOCAL_WORLD_SIZE does not
+            match the groups (the launcher and the host ids disagree); None when fine.
         """
         host_ids = {rank: member.host_id for rank, member in self.members.items()}
         groups = form_groups(host_ids)
         told = {rank: member.local_world_size for rank, member in self.members.items()}
         problems = local_world_size_problems(host_ids, told, groups)
         if problems:
-            return problems
+            return (
+                f"job '{self.job_id}' refused: the local groups formed from Join.host_id do not "
+                f"match LOCAL_WORLD_SIZE: {'; '.join(problems)} (give every process of a host "
+                "the same host id, or pass hierarchical=False)"
+            )
         self.groups.replace(groups)
         self._local_secrets = group_secrets(groups)
-        return []
+        return None
 
     def local_group_of(self, rank: int) -> tuple[tuple[int, ...], bytes]:
         """`rank`'s local group and its secret for the Welcome; ((), b"") when flat."""
@@ -191,6 +195,27 @@ class Membership:
         """The session secret issued to `rank` (member or newcomer); b"" if unknown."""
         member = self.members.get(rank) or self.newcomers.get(rank)
         return member.session if member is not None else b""
+
+    def welcome(
+        self, rank: int, message: pb.CoordinatorMessage, payload_endpoint: tuple[str, str] | None
+    ) -> None:
+        """Make the job's Welcome `rank`'s own: its session secret and its local group.
+
+        A same-host local leader is told the payload socket of `payload_endpoint`
+        (its name, the coordinator's host id; None: off or sharded): only a leader
+        uploads (and gets averages), and only an unsharded coordinator holds whole
+        buckets to read from one segment.
+        """
+        welcome = message.welcome
+        welcome.session = self.session_of(rank)
+        local_ranks, welcome.local_secret = self.local_group_of(rank)
+        welcome.local_ranks.extend(local_ranks)
+        member = self.members.get(rank)
+        if payload_endpoint is None or not local_ranks or local_ranks[0] != rank:
+            return
+        name, coordinator_host = payload_endpoint
+        if member is not None and member.host_id == coordinator_host:
+            welcome.payload_socket = name
 
     # --------------------------------------------------------------- leaving
     def remove(self, rank: int, assembling: bool) -> bool:
