@@ -363,16 +363,18 @@ class Job:
         self.state = JobState.RUNNING
         resume = self.persistence.resume
         decision = self._restart_decision(optimizer is None, resume.step if resume else None)
+        if isinstance(decision, restart.Continue):  # the ranks' own state stands: no broadcast
+            self.broadcast.start(0, needed=False)
+        else:
+            needed = resume is None and self.world_size > 1
+            self.broadcast.start(signatures.state_bytes(signature), needed=needed)
+        if resume is not None:
+            self.membership.resume_epoch(resume.membership_epoch)
+            self.persistence.saved(resume.step)
         if isinstance(decision, restart.Continue):
             if self.observer is not None:
                 self.observer.observe_restart(True, 0)
             return self._continue(decision)
-        self.broadcast.start(
-            signatures.state_bytes(signature), needed=resume is None and self.world_size > 1
-        )
-        if resume is not None:
-            self.membership.resume_epoch(resume.membership_epoch)
-            self.persistence.saved(resume.step)
         outer = outer_resume.decide(
             self.job_id,
             signature,
@@ -409,20 +411,14 @@ class Job:
         decision = restart.decide(self.job_id, positions, checkpoint_step)
         if decision is None:
             return None
+        self.restart_line = decision.line
         if isinstance(decision, restart.Fallback):
             self.restart_line = f"job '{self.job_id}' rolled back: {decision.line}"
-        else:
-            self.restart_line = decision.line
         log.warning("%s", self.restart_line)
         return decision
 
     def _continue(self, plan: restart.Continue) -> list[Action]:
         """Go on at the ranks' step: the donor first; the others once its state is here."""
-        resume = self.persistence.resume
-        self.broadcast.start(0, needed=False)
-        if resume is not None:
-            self.membership.resume_epoch(resume.membership_epoch)
-            self.persistence.saved(resume.step)
         self.events.start(self._view(plan.step))
         if not plan.behind:
             return [self._continued_welcome(rank) for rank in self.membership.ranks()]
@@ -597,14 +593,7 @@ class Job:
         Raises:
             RejectedMessage: from a flat rank, or naming a bucket the model lacks.
         """
-        signature = self.membership.signature
-        buckets = len(signature.buckets) if signature is not None else 0
-        if not self.membership.groups.group_of(rank) or posted.bucket_index >= buckets:
-            raise RejectedMessage(
-                Code.INVALID_ARGUMENT,
-                f"rank {rank} reported bucket {posted.bucket_index} of step {posted.step} "
-                f"posted in a local group, but it is in none or the model has {buckets} buckets",
-            )
+        self.membership.check_posted(rank, posted)
         if self.state in (JobState.BROKEN, JobState.FINISHING):
             # A step below the open one completed: the member posted into shared memory
             # before it told us, so its notice can trail its own average (and a peer's

@@ -184,6 +184,20 @@ class Membership:
         self._local_secrets = group_secrets(groups)
         return None
 
+    def check_posted(self, rank: int, posted: pb.LocalPosted) -> None:
+        """A member's LocalPosted names its local group's bucket.
+
+        Raises:
+            RejectedMessage: from a flat rank, or naming a bucket the model lacks.
+        """
+        buckets = len(self.signature.buckets) if self.signature is not None else 0
+        if not self.groups.group_of(rank) or posted.bucket_index >= buckets:
+            raise RejectedMessage(
+                Code.INVALID_ARGUMENT,
+                f"rank {rank} reported bucket {posted.bucket_index} of step {posted.step} "
+                f"posted in a local group, but it is in none or the model has {buckets} buckets",
+            )
+
     def local_group_of(self, rank: int) -> tuple[tuple[int, ...], bytes]:
         """`rank`'s local group and its secret for the Welcome; ((), b"") when flat."""
         group = self.groups.group_of(rank)
