@@ -4,7 +4,7 @@ Steps are lock-step: ranks start step s + 1 only after receiving every
 averaged bucket of step s, so exactly one step per job is open. This module
 owns it: it validates each gradient chunk against the step (number, epoch,
 bucket, dtype, offset, length, the byte budget; the rules are in
-`step_checks`), folds it into the bucket's `BucketReduction`, hands back the
+`chunk_checks`), folds it into the bucket's `BucketReduction`, hands back the
 averaged chunks the moment they complete (architecture invariant 4), and
 frees the step's memory whether it completes, is aborted for everyone, or
 loses a rank under the elastic policy. Every byte it buffers is held through
@@ -66,6 +66,7 @@ from gradsync_server.dataplane.aggregation import (
     examine,
 )
 from gradsync_server.dataplane.budget import ByteBudget, OwnerBudget, Reservation
+from gradsync_server.dataplane.chunk_checks import BucketLayout, CheckedChunk, check_sender
 from gradsync_server.dataplane.host_groups import LocalGroups, check_covers
 from gradsync_server.dataplane.late import LATE_RANK_BASE, Stragglers
 from gradsync_server.dataplane.nonfinite import NonFiniteContribution, NonFiniteGuard
@@ -74,8 +75,6 @@ from gradsync_server.dataplane.outer import OuterState
 from gradsync_server.dataplane.progress import StepProgress
 from gradsync_server.dataplane.rounds import RoundPolicy, check_weight
 from gradsync_server.dataplane.step_aborts import abort_actions
-from gradsync_server.dataplane.step_checks import check_sender
-from gradsync_server.dataplane.step_layout import BucketLayout, CheckedChunk
 from gradsync_server.dataplane.wire_replies import answer_sends
 from gradsync_server.errors import RejectedMessage
 
