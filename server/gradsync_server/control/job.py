@@ -409,12 +409,9 @@ class Job:
             return None
         positions = {rank: member.position for rank, member in self.members.items()}
         decision = restart.decide(self.job_id, positions, checkpoint_step)
-        if decision is None:
-            return None
-        self.restart_line = decision.line
-        if isinstance(decision, restart.Fallback):
-            self.restart_line = f"job '{self.job_id}' rolled back: {decision.line}"
-        log.warning("%s", self.restart_line)
+        if decision is not None:
+            self.restart_line = decision.line
+            log.warning("%s", self.restart_line)
         return decision
 
     def _continue(self, plan: restart.Continue) -> list[Action]:

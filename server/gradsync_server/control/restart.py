@@ -59,7 +59,7 @@ class Continue:
 
 @dataclass(frozen=True)
 class Fallback:
-    """Resume from the checkpoint (or from scratch), and why, for the log and status."""
+    """Resume from the checkpoint (or from scratch), and why (`line`: for the log and status)."""
 
     line: str
     #: The furthest step a rank had applied (for the steps recomputed), or -1.
@@ -109,15 +109,15 @@ def decide(
             f"rank(s) {ranks} hold {digest.hex()[:12]}" for digest, ranks in digests.items()
         )
         return Fallback(
-            f"the ranks at step {top} disagree on their state ({groups}): "
-            f"{_fallback(checkpoint_step)}",
+            f"job '{job_id}' rolled back: the ranks at step {top} disagree on their state "
+            f"({groups}): {_fallback(checkpoint_step)}",
             top,
             steps,
         )
     if checkpoint_step is not None and checkpoint_step > top:
         return Fallback(
-            f"the store's checkpoint of step {checkpoint_step} is ahead of every rank "
-            f"(the furthest is at step {top}): {_fallback(checkpoint_step)}",
+            f"job '{job_id}' rolled back: the store's checkpoint of step {checkpoint_step} is "
+            f"ahead of every rank (the furthest is at step {top}): {_fallback(checkpoint_step)}",
             top,
             steps,
         )
