@@ -24,9 +24,8 @@ from gradsync_server.dataplane.budget import ByteBudget
 from gradsync_server.dataplane.plane import JobPlane
 from gradsync_server.rpc.checkpointer import Checkpointer
 from gradsync_server.store import checkpoint_seal
-from gradsync_server.store.checkpoint import Checkpoint, PruneGuard, _doomed_steps
+from gradsync_server.store.checkpoint import Checkpoint, PruneGuard, StoreReading, _doomed_steps
 from gradsync_server.store.checkpoint_file import FileCheckpointStore
-from gradsync_server.store.reading import StoreReading
 from support.rawclient import signature
 
 TOKEN = "t" * 32

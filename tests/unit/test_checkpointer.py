@@ -17,11 +17,10 @@ from gradsync_server.control.settings import JobSettings
 from gradsync_server.dataplane.actions import Persist, Send, Terminate
 from gradsync_server.dataplane.budget import ByteBudget
 from gradsync_server.rpc.checkpointer import Checkpointer
-from gradsync_server.store.checkpoint import Checkpoint, CheckpointError, PruneGuard
+from gradsync_server.store.checkpoint import Checkpoint, CheckpointError, PruneGuard, StoreReading
 from gradsync_server.store.checkpoint_file import FileCheckpointStore
 from gradsync_server.store.high_water import HighWater, previous_of
 from gradsync_server.store.high_water_file import HighWaterMarks
-from gradsync_server.store.reading import StoreReading
 from support.rawclient import signature
 
 

@@ -29,8 +29,7 @@ from gradsync_proto import chunking
 from gradsync_proto.codec import ChunkHeader, decode_gradient, encode_gradient, header_of
 from gradsync_proto.codes import Code
 from gradsync_proto.v1 import gradsync_pb2 as pb
-from gradsync_server.dataplane.chunk_checks import check_chunk, check_range_chunk
-from gradsync_server.dataplane.step_checks import offset_problem
+from gradsync_server.dataplane.chunk_checks import check_chunk, check_range_chunk, offset_problem
 from hypothesis import HealthCheck, given, settings, strategies as st
 
 FUZZ = settings(

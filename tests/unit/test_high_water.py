@@ -19,6 +19,8 @@ from gradsync_server.config import CoordinatorConfig
 from gradsync_server.store.checkpoint import (
     Checkpoint,
     CheckpointHeader,
+    Skipped,
+    StoreReading,
     blob_digest,
     decode,
     encode,
@@ -29,7 +31,6 @@ from gradsync_server.store.high_water_file import (
     HighWaterMarks,
     default_state_dir,
 )
-from gradsync_server.store.reading import Skipped, StoreReading
 
 RUN = "run-a"
 OTHER_RUN = "run-b"

@@ -20,10 +20,10 @@ from gradsync_proto.v1 import gradsync_pb2 as pb
 from gradsync_server.control.collectives import Collectives
 from gradsync_server.control.membership import Membership
 from gradsync_server.control.persistence import resume_messages
-from gradsync_server.dataplane.actions import Action, Send
+from gradsync_server.dataplane.actions import Action, Send, Terminate
 from gradsync_server.dataplane.budget import OwnerBudget
 from gradsync_server.dataplane.open_step import OpenStep
-from gradsync_server.dataplane.uploads import BlobAssembler
+from gradsync_server.dataplane.uploads import DonorState
 from gradsync_server.errors import RejectedMessage
 
 
@@ -64,31 +64,48 @@ class Elastic:
         self._chunk_bytes = chunk_bytes
         self._max_blob_bytes = max_blob_bytes
         self._welcome = welcome
-        #: (donor rank, its state upload in progress) while healing newcomers.
-        self._heal: tuple[int, BlobAssembler | None] | None = None
+        #: The donor's state upload while healing newcomers.
+        self._heal: DonorState | None = None
 
     @property
     def healing(self) -> bool:
         """True while a donor has been asked for its state."""
         return self._heal is not None
 
-    def shrink(self, lost: int, reason: str, followers: tuple[int, ...] = ()) -> list[Action]:
+    def shrink(self, lost: int, how: str, followers: tuple[int, ...] = ()) -> list[Action]:
         """Go on without `lost`; finish the open step and collectives over the live ranks.
 
         Args:
-            followers: the ranks of `lost`'s local group that leave with it (it
-                was their local leader; the job already removed them): all go in
-                one membership epoch.
+            how: how it was lost ("left", "disconnected from"), for the others.
+            followers: the live ranks of `lost`'s local group (it was their local
+                leader): they leave with it, all in one membership epoch. Their
+                streams end (ABORTED, PEER_LOST, naming the lost leader): the
+                group's shared memory and partial sums were the leader's, so they
+                restart and rejoin, flat, like any lost rank.
         """
         membership, step = self._membership, self._in_flight.step
+        reason = f"rank {lost} {how} job '{self._job_id}'"
+        actions: list[Action] = []
+        if followers:
+            group = membership.groups.group_of(lost)
+            membership.groups.drop_group(lost)
+            for follower in followers:
+                membership.remove(follower, assembling=False)
+            details = (
+                f"{reason} at step {step}; it was the local leader of ranks "
+                f"{list(group)}, whose gradients went through it, so ranks {list(followers)} "
+                "leave the job with it (restart them to rejoin)"
+            )
+            actions.append(Terminate(followers, Code.ABORTED, details, pb.END_REASON_PEER_LOST))
+            reason += f" with its local group {list(group)}"
         membership.new_epoch()
         reason = (
             f"{reason} at step {step}; continuing with ranks "
             f"{list(membership.ranks())} (membership epoch {membership.epoch})"
         )
-        actions: list[Action] = [Send(membership.ranks(), membership.changed_message(step, reason))]
+        actions.append(Send(membership.ranks(), membership.changed_message(step, reason)))
         gone = (lost, *followers)
-        if self._heal is not None and self._heal[0] in gone:
+        if self._heal is not None and self._heal.donor in gone:
             self.release()  # the donor is gone: ask another live rank
             actions += self.request_heal()
         actions += self._publish()  # the step finishes what `gone` never contributed to
@@ -98,8 +115,8 @@ class Elastic:
 
     def release(self) -> None:
         """Forget a healing upload in progress and give its bytes back (idempotent)."""
-        if self._heal is not None and self._heal[1] is not None:
-            self._heal[1].release()
+        if self._heal is not None:
+            self._heal.release()
         self._heal = None
 
     def request_heal(self) -> list[Action]:
@@ -116,7 +133,7 @@ class Elastic:
         # and a shard holds those until the view adding the newcomers arrives
         # (`JobPlane.awaits_leader`; the client's `gradsync.control.heal_answer`).
         donor = min(membership.members)
-        self._heal = (donor, None)
+        self._heal = DonorState(donor, self._chunk_bytes, self._max_blob_bytes, self._budget)
         request = pb.StateRequest(for_rank=min(membership.newcomers))
         return [Send((donor,), pb.CoordinatorMessage(state_request=request))]
 
@@ -126,32 +143,21 @@ class Elastic:
         Raises:
             RejectedMessage: nobody asked `rank` for its state, or the upload is malformed.
         """
-        if self._heal is None or self._heal[0] != rank:
+        heal = self._heal
+        if heal is None or heal.donor != rank:
             raise RejectedMessage(
                 Code.FAILED_PRECONDITION,
                 f"rank {rank} sent healing state for step {chunk.step} that nobody asked for",
             )
-        donor, assembler = self._heal
-        if assembler is None:
-            what = f"healing state of step {chunk.step} from rank {donor}"
-            assembler = BlobAssembler(
-                what,
-                chunk.total_bytes,
-                self._chunk_bytes,
-                (self._max_blob_bytes, "--max-checkpoint-mb"),
-                self._budget,
-                oversize=Code.INVALID_ARGUMENT,  # as a checkpoint's
-            )
-            self._heal = (donor, assembler)
+        donor = rank
         try:
-            complete = assembler.add(chunk.offset, chunk.payload, chunk.total_bytes)
+            blob = heal.add(f"healing state of step {chunk.step} from rank {donor}", chunk)
         except RejectedMessage:
-            self.release()
+            self._heal = None
             raise
-        if not complete:
+        if blob is None:
             return []
         self._heal = None
-        blob = assembler.blob()  # gives its bytes back to the budget
         step = self._in_flight.step
         if chunk.step != step:
             return self.request_heal()  # not at the boundary we can use: ask again

@@ -17,9 +17,11 @@ A job is a small composition, each part owning its own state:
 - `Collectives` (`collectives.py`): collectives on user tensors;
 - `UnevenInputs` (`uneven.py`) and `Elastic` (`elastic.py`): DDP's join(), lost ranks.
 
-`Job` is written in three layers: `JobCore` (`job_core.py`) builds the parts
-and owns the state and the control events, `JobEnding` (`job_ending.py`)
-adds departures and endings, and this module the arrivals. The lifecycle::
+Every change the data planes must follow is decided here and applied through
+`ControlEvents` (`events.py`): to this job's own plane at once, and queued
+for the shards (`take_events`).
+
+The lifecycle::
 
     ASSEMBLING --(all ranks joined, signatures match)--> RUNNING
     ASSEMBLING / RUNNING --(signature mismatch, bad state broadcast)--> REFUSED
@@ -40,7 +42,10 @@ every rank is told why in-band, and the job carries on at the next step.
 
 from __future__ import annotations
 
+import enum
 import logging
+import time
+from collections.abc import Callable, Sequence
 from typing import cast
 
 from gradsync_proto.codec import ChunkHeader
@@ -48,29 +53,246 @@ from gradsync_proto.codes import Code
 from gradsync_proto.v1 import gradsync_pb2 as pb
 
 from gradsync_server.control import outer_resume, restart, signature as signatures
-from gradsync_server.control.job_core import JobState
-from gradsync_server.control.job_ending import JobEnding
-from gradsync_server.control.persistence import resume_messages
-from gradsync_server.control.restart_relay import RestartRelay
-from gradsync_server.control.settings import OnFailure
-from gradsync_server.dataplane import rounds, stragglers
-from gradsync_server.dataplane.actions import Action, Send, Terminate
+from gradsync_server.control.assembly import Assembly
+from gradsync_server.control.broadcast import StateBroadcast
+from gradsync_server.control.collectives import Collectives
+from gradsync_server.control.elastic import Elastic
+from gradsync_server.control.events import ControlEvents
+from gradsync_server.control.liveness import Liveness
+from gradsync_server.control.membership import Membership
+from gradsync_server.control.persistence import Persistence, resume_messages
+from gradsync_server.control.settings import JobSettings, OnFailure
+from gradsync_server.control.uneven import UnevenInputs
+from gradsync_server.dataplane import rounds
+from gradsync_server.dataplane.actions import Action, Member, Send, Terminate
+from gradsync_server.dataplane.budget import ByteBudget
+from gradsync_server.dataplane.observer import StepObserver
+from gradsync_server.dataplane.plane import JobPlane
+from gradsync_server.dataplane.progress import StepProgress
 from gradsync_server.dataplane.step_aborts import abort_actions, abort_message
 from gradsync_server.errors import RejectedMessage
+from gradsync_server.store.checkpoint import Checkpoint
 from gradsync_server.text import quoted
 
 log = logging.getLogger("gradsync.server")
 
-#: `JobState` is defined with the endings that set most of them, and is part of `Job`.
 __all__ = ["Job", "JobState"]
 
 
-class Job(JobEnding):
-    """Membership, validation and aggregation for one job id (see `JobCore` for its Args).
+class JobState(enum.Enum):
+    """Where a job is in its lifecycle."""
 
-    The arrivals: joins, the start, checkpoints, the state broadcast,
-    gradients, collectives, join() and aborts asked for by a rank.
+    ASSEMBLING = "assembling"
+    RUNNING = "running"
+    FINISHING = "finishing"
+    REFUSED = "refused"
+    BROKEN = "broken"
+
+
+class Job:
+    """Membership, validation and aggregation for one job id.
+
+    Args:
+        job_id: the job's name.
+        settings: sizes and policies (`JobSettings`, from the coordinator's flags).
+        budget: coordinator-wide cap on buffered gradient bytes.
+        clock: monotonic time source (injectable for tests).
+        metrics: where latencies go, if anywhere.
+        shard_map: the coordinator's shards for Welcome ([] unsharded), None while
+            some shard is missing (the job then waits, assembled, for it).
+        payload_endpoint: (abstract socket name, the coordinator's host id) of the
+            same-host payload path, or None when it is off: a local leader whose
+            Join.host_id equals that id is told the socket in its Welcome (unsharded only).
     """
+
+    def __init__(
+        self,
+        job_id: str,
+        settings: JobSettings,
+        budget: ByteBudget,
+        clock: Callable[[], float] = time.monotonic,
+        metrics: StepObserver | None = None,
+        shard_map: Callable[[], list[pb.ShardAddress] | None] = list,
+        payload_endpoint: tuple[str, str] | None = None,
+    ) -> None:
+        self.job_id = job_id
+        self.settings = settings
+        self.payload_endpoint = payload_endpoint
+        # Every part of the job counts its bytes under this job's share of the budget.
+        job_budget = budget.for_owner(job_id)
+        blob_limit = settings.max_checkpoint_bytes
+        blob_limit = budget.limit if blob_limit is None else blob_limit
+        self.world_size = world_size = settings.world_size
+        self.chunk_bytes = chunk_bytes = settings.chunk_bytes
+        shard_count = settings.shard_count
+        self.membership = Membership(job_id, world_size, clock)
+        #: This job's data plane for byte range 0 (the whole bucket when unsharded).
+        self.plane = JobPlane(
+            job_id,
+            chunk_bytes,
+            shard_count,
+            job_budget,
+            clock,
+            metrics,
+            nonfinite=settings.nonfinite,
+        )
+        #: The open step of `plane` (read by status, liveness and the components).
+        self.in_flight = self.plane.step
+        self._shard_count = shard_count
+        #: Applies the job's decisions to `plane` and queues them for the shards.
+        self.events = ControlEvents(job_id, self.plane, shard_count)
+        self.liveness = Liveness(clock)
+        #: Told of restarts (the coordinator's metrics), if anyone is.
+        self.observer = metrics
+        self.persistence = Persistence(chunk_bytes, blob_limit, job_budget)
+        self.job_budget, self.blob_limit = job_budget, blob_limit
+        #: A restarted job's donor state on its way to the ranks behind (`control.restart`).
+        self.relay: restart.RestartRelay | None = None
+        #: How a restarted coordinator went on (continued, or rolled back and why).
+        self.restart_line = ""
+        #: Steps the ranks had applied beyond where a restarted job went on (summed).
+        self.steps_recomputed = 0
+        #: The store's outer-state records of this job, one per plane, read before it
+        #: assembled: (bytes or None, why none); None = not read (`control.outer_resume`).
+        self.outer_records: list[tuple[bytes | None, str]] | None = None
+        #: Save the outer state after every step that changed it (a store is configured).
+        self.persist_outer = False
+        #: How the outer state started: restored from the store or reseeded, and why.
+        self.outer_state = ""
+        #: Restored with the shards one step apart: the ranks upload the open step again.
+        self.outer_repeat = False
+        self.assembly = Assembly(job_id, world_size, clock, settings.heartbeat_interval_s)
+        self.broadcast = StateBroadcast(chunk_bytes)
+        self.collectives = Collectives(
+            world_size, chunk_bytes, settings.max_collective_bytes, job_budget
+        )
+        self.uneven = UnevenInputs(self.membership, self.in_flight, self.collectives, self._publish)
+        self.elastic = Elastic(
+            job_id,
+            self.membership,
+            self.in_flight,
+            self._publish,
+            self.collectives,
+            chunk_bytes,
+            blob_limit,
+            self._welcome_message,
+            job_budget,
+        )
+        self.state = JobState.ASSEMBLING
+        self._broken_reason = ""
+        self._shard_map = shard_map
+        #: The shards this job runs over (from `shard_map` when it starts; [] unsharded).
+        self.shards: list[pb.ShardAddress] = []
+
+    # ------------------------------------------------------------ read-only views
+    @property
+    def members(self) -> dict[int, Member]:
+        """Members of the current epoch by rank."""
+        return self.membership.members
+
+    @property
+    def membership_epoch(self) -> int:
+        """The current membership epoch."""
+        return self.membership.epoch
+
+    @property
+    def open_step(self) -> int:
+        """The step in flight."""
+        return self.in_flight.step
+
+    @property
+    def steps_completed(self) -> int:
+        """Steps whose every bucket was averaged."""
+        return self.in_flight.steps_completed
+
+    @property
+    def progress(self) -> StepProgress | None:
+        """Delivery bookkeeping of the open step (None before assembly)."""
+        return self.in_flight.progress
+
+    def joined_ranks(self) -> Sequence[int]:
+        """Ranks currently connected, ascending."""
+        return self.membership.ranks()
+
+    def outcome(self) -> tuple[str, str]:
+        """How the job ended (once its last rank is gone): a state word and a sentence."""
+        if self.state is JobState.ASSEMBLING:
+            return "abandoned", "abandoned: every waiting rank left before the job assembled"
+        if self.state in (JobState.BROKEN, JobState.REFUSED):
+            return self.state.value, self._broken_reason
+        return "finished", f"finished after {self.steps_completed} steps"
+
+    def set_peer(self, rank: int, peer: str) -> None:
+        """Remember the network address of `rank`, for status."""
+        self.membership.set_peer(rank, peer)
+
+    def resume_from(self, checkpoint: Checkpoint | None) -> None:
+        """Resume from `checkpoint` once assembled (loaded before the first rank joins)."""
+        self.persistence.resume_from(checkpoint)
+
+    def _progress(self, refused: str = "") -> Send:
+        """An AssemblyProgress for every waiting rank (as they join, and as they leave)."""
+        ranks = self.membership.ranks()
+        return Send(ranks, self.assembly.progress(ranks, refused))
+
+    def welcome_for(self, rank: int, resume_bytes: int = 0) -> Send:
+        """`rank`'s own Welcome: the job's, plus what was issued to that rank alone."""
+        message = self._welcome_message(resume_bytes)
+        endpoint = None if self.shards else self.payload_endpoint
+        self.membership.welcome(rank, message, endpoint)
+        return Send((rank,), message)
+
+    def _welcome_message(self, resume_bytes: int = 0) -> pb.CoordinatorMessage:
+        """The Welcome of this job as it stands (for assembly and for newcomers).
+
+        Without a local group: a rank rejoining a running job aggregates flat (v1).
+        """
+        return pb.CoordinatorMessage(
+            welcome=pb.Welcome(
+                job_id=self.job_id,
+                world_size=self.world_size,
+                membership_epoch=self.membership_epoch,
+                start_step=self.open_step,
+                chunk_bytes=self.chunk_bytes,
+                max_message_bytes=self.settings.max_message_bytes,
+                state_bytes=self.broadcast.state_bytes,
+                resume_bytes=resume_bytes,
+                heartbeat_interval_s=self.settings.heartbeat_interval_s,
+                checkpoint_every_steps=self.settings.checkpoint_every,
+                next_collective=self.collectives.next_sequence,
+                shards=self.shards,
+                outer_seeded=self.in_flight.outer.active and self.in_flight.outer.seeded,
+                outer_replay=self.in_flight.outer.replaying and not self.outer_repeat,
+                outer_repeat=self.outer_repeat and self.in_flight.steps_completed == 0,
+            )
+        )
+
+    # ------------------------------------------------------------ control events
+    def take_events(self) -> list[pb.LeaderMessage]:
+        """The control events decided since the last call, for the shards (`ControlEvents.take`)."""
+        return self.events.take()
+
+    def end_event(self) -> pb.LeaderMessage:
+        """The ShardJobEnd of this job once it left the coordinator: its outcome as a status."""
+        state, outcome = self.outcome()
+        code, message = Code.OK, outcome
+        if state not in ("finished", "abandoned"):
+            code, message = (
+                Code.ABORTED,
+                f"job '{self.job_id}' ended at the leader ({state}): {outcome}",
+            )
+        end = pb.ShardJobEnd(job_id=self.job_id, code=int(code), message=message)
+        return pb.LeaderMessage(job_end=end)
+
+    def _view(self, start_step: int | None = None) -> pb.ShardJobView:
+        """The job as its data planes know it (`Membership.view`), from the open step."""
+        step = self.open_step if start_step is None else start_step
+        uneven, shards = self.uneven.out_of_inputs, self._shard_count
+        return self.membership.view(step, uneven, self.chunk_bytes, shards)
+
+    def _publish(self) -> list[Action]:
+        """The membership changed: its planes follow (`ControlEvents.follow`)."""
+        return self.events.follow(self._view())
 
     # ---------------------------------------------------------------------- join
     def join(self, rank: int, join: pb.Join) -> list[Action]:
@@ -80,7 +302,7 @@ class Job(JobEnding):
             RejectedMessage: this worker alone is refused (its stream ends).
         """
         self.membership.check_join(rank, join)
-        if self.state is JobState.RUNNING and self.on_failure is OnFailure.ELASTIC:
+        if self.state is JobState.RUNNING and self.settings.on_failure is OnFailure.ELASTIC:
             self.membership.admit_newcomer(rank, join)
             self.liveness.start(rank)
             return [] if self.elastic.healing else self.elastic.request_heal()
@@ -130,14 +352,9 @@ class Job(JobEnding):
         signature = self.membership.signature
         if signature is None:
             raise RuntimeError("an assembled job always has a signature")
-        problems = self.membership.form_local_groups()
-        if problems:
-            details = (
-                f"job '{self.job_id}' refused: the local groups formed from Join.host_id do not "
-                f"match LOCAL_WORLD_SIZE: {'; '.join(problems)} (give every process of a host "
-                "the same host id, or pass hierarchical=False)"
-            )
-            return self._refuse(Code.FAILED_PRECONDITION, details)
+        refused = self.membership.form_local_groups()
+        if refused is not None:
+            return self._refuse(Code.FAILED_PRECONDITION, refused)
         optimizer = signature.outer if signature.HasField("outer") else None
         groups = bool(self.membership.groups.groups())
         problem = rounds.job_problem(optimizer, self.world_size, self._shard_count, groups)
@@ -146,16 +363,18 @@ class Job(JobEnding):
         self.state = JobState.RUNNING
         resume = self.persistence.resume
         decision = self._restart_decision(optimizer is None, resume.step if resume else None)
+        if isinstance(decision, restart.Continue):  # the ranks' own state stands: no broadcast
+            self.broadcast.start(0, needed=False)
+        else:
+            needed = resume is None and self.world_size > 1
+            self.broadcast.start(signatures.state_bytes(signature), needed=needed)
+        if resume is not None:
+            self.membership.resume_epoch(resume.membership_epoch)
+            self.persistence.saved(resume.step)
         if isinstance(decision, restart.Continue):
             if self.observer is not None:
                 self.observer.observe_restart(True, 0)
             return self._continue(decision)
-        self.broadcast.start(
-            signatures.state_bytes(signature), needed=resume is None and self.world_size > 1
-        )
-        if resume is not None:
-            self.membership.resume_epoch(resume.membership_epoch)
-            self.persistence.saved(resume.step)
         outer = outer_resume.decide(
             self.job_id,
             signature,
@@ -169,10 +388,9 @@ class Job(JobEnding):
             start = outer.start_step
         view = self._view(start)
         view.outer_restore = restored is not None
-        self.plane.start(view)
+        self.events.start(view)
         if outer is not None:
             self._start_outer(outer)
-        self._tell_shards(pb.LeaderMessage(job=view))
         ranks = self.membership.ranks()
         self.steps_recomputed = restart.steps_recomputed(decision, start)
         if decision is not None and self.observer is not None:
@@ -191,28 +409,24 @@ class Job(JobEnding):
             return None
         positions = {rank: member.position for rank, member in self.members.items()}
         decision = restart.decide(self.job_id, positions, checkpoint_step)
-        if decision is None:
-            return None
-        if isinstance(decision, restart.Fallback):
-            self.restart_line = f"job '{self.job_id}' rolled back: {decision.line}"
-        else:
+        if decision is not None:
             self.restart_line = decision.line
-        log.warning("%s", self.restart_line)
+            log.warning("%s", self.restart_line)
         return decision
 
     def _continue(self, plan: restart.Continue) -> list[Action]:
         """Go on at the ranks' step: the donor first; the others once its state is here."""
-        resume = self.persistence.resume
-        self.broadcast.start(0, needed=False)
-        if resume is not None:
-            self.membership.resume_epoch(resume.membership_epoch)
-            self.persistence.saved(resume.step)
-        view = self._view(plan.step)
-        self.plane.start(view)
-        self._tell_shards(pb.LeaderMessage(job=view))
+        self.events.start(self._view(plan.step))
         if not plan.behind:
             return [self._continued_welcome(rank) for rank in self.membership.ranks()]
-        self.relay = RestartRelay(plan, self.chunk_bytes, self.blob_limit, self.job_budget)
+        self.relay = restart.RestartRelay(
+            self.job_id,
+            plan,
+            self._continued_welcome,
+            self.chunk_bytes,
+            self.blob_limit,
+            self.job_budget,
+        )
         return [self._continued_welcome(plan.donor, send_state=True)]
 
     def _continued_welcome(
@@ -225,32 +439,6 @@ class Job(JobEnding):
         welcome.continued = resume_bytes == 0
         welcome.send_state = send_state
         return send
-
-    def _on_relay_chunk(self, rank: int, chunk: pb.CheckpointChunk) -> list[Action]:
-        """The donor's state for the ranks behind; once complete, welcome everyone else."""
-        relay = self.relay
-        if relay is None:
-            raise RuntimeError("only called while a restarted job's relay is open")
-        blob = relay.add(rank, chunk)
-        if blob is None:
-            return []
-        self.relay = None
-        plan = relay.plan
-        actions: list[Action] = [
-            self._continued_welcome(r) for r in plan.keep if r != plan.donor and r in self.members
-        ]
-        behind = tuple(r for r in plan.behind if r in self.members)
-        actions += [self._continued_welcome(r, len(blob)) for r in behind]
-        actions += resume_messages(behind, plan.step, blob, self.chunk_bytes)
-        log.info(
-            "job '%s': rank %d's state of step %d (%d bytes) sent to rank(s) %s",
-            self.job_id,
-            plan.donor,
-            plan.step,
-            len(blob),
-            list(behind),
-        )
-        return actions
 
     def _start_outer(self, outer: outer_resume.OuterResume) -> None:
         """Restore the plane's outer state (or not), say which, and start saving it."""
@@ -286,7 +474,11 @@ class Job(JobEnding):
             RejectedMessage: the upload is malformed (this worker's stream ends).
         """
         if chunk.heal and self.relay is not None:
-            return self._on_relay_chunk(rank, chunk)
+            actions = self.relay.add(rank, chunk, self.members)
+            if actions is None:
+                return []
+            self.relay = None  # the donor's state went to the ranks behind
+            return actions
         if chunk.heal and self.state is JobState.RUNNING:
             return self.elastic.on_heal_chunk(rank, chunk)
         if self.state is not JobState.RUNNING or rank != 0:
@@ -326,20 +518,7 @@ class Job(JobEnding):
     def on_gradient(self, rank: int, chunk: ChunkHeader, payload: memoryview) -> list[Action]:
         """Fold one gradient chunk in; return averaged chunks or a step abort."""
         if self.state in (JobState.BROKEN, JobState.FINISHING):
-            if self.in_flight.was_aborted(chunk.step):
-                return []  # this rank was already told the step cannot finish
-            self.in_flight.remember_aborted(chunk.step)
-            self._step_aborted(chunk.step)
-            return [
-                abort_message(
-                    self.membership.ranks(),
-                    chunk.step,
-                    Code.ABORTED,
-                    self._broken_reason,
-                    -1,
-                    pb.ABORT_REASON_PEER_LOST,
-                )
-            ]
+            return self._abort_in_ended_job(chunk.step)
         if self.state is not JobState.RUNNING:
             raise RejectedMessage(
                 Code.FAILED_PRECONDITION,
@@ -350,15 +529,25 @@ class Job(JobEnding):
         try:
             actions = self.plane.accept(rank, chunk, payload)
         except RejectedMessage as rejection:
-            return self._abort(rank, rejection)
+            return self.events.abort(rank, rejection)
         return actions + self.uneven.progress(completed)
+
+    def _abort_in_ended_job(self, step: int) -> list[Action]:
+        """`step` arrived after the job broke or began finishing: every rank is told, once."""
+        if self.in_flight.was_aborted(step):
+            return []  # the ranks were already told the step cannot finish
+        self.in_flight.remember_aborted(step)
+        self.events.aborted(step)
+        reason = self._broken_reason
+        ranks = self.membership.ranks()
+        return [abort_message(ranks, step, Code.ABORTED, reason, -1, pb.ABORT_REASON_PEER_LOST)]
 
     def close_round_if_due(self) -> list[Action]:
         """DiLoCo partial rounds: close the open round at its deadline (the watchdog's tick)."""
         if self.state is not JobState.RUNNING:
             return []
         completed = self.steps_completed
-        return stragglers.close_round_if_due(self.in_flight) + self.uneven.progress(completed)
+        return self.in_flight.close_round_if_due() + self.uneven.progress(completed)
 
     # ------------------------------------------------------ collectives, join()
     def on_collective(self, rank: int, chunk: pb.CollectiveChunk) -> list[Action]:
@@ -401,32 +590,14 @@ class Job(JobEnding):
         Raises:
             RejectedMessage: from a flat rank, or naming a bucket the model lacks.
         """
-        signature = self.membership.signature
-        buckets = len(signature.buckets) if signature is not None else 0
-        if not self.membership.groups.group_of(rank) or posted.bucket_index >= buckets:
-            raise RejectedMessage(
-                Code.INVALID_ARGUMENT,
-                f"rank {rank} reported bucket {posted.bucket_index} of step {posted.step} "
-                f"posted in a local group, but it is in none or the model has {buckets} buckets",
-            )
+        self.membership.check_posted(rank, posted)
         if self.state in (JobState.BROKEN, JobState.FINISHING):
             # A step below the open one completed: the member posted into shared memory
             # before it told us, so its notice can trail its own average (and a peer's
             # orderly Leave). Aborting that step would fail a rank whose step succeeded.
-            if posted.step < self.in_flight.step or self.in_flight.was_aborted(posted.step):
+            if posted.step < self.in_flight.step:
                 return []
-            self.in_flight.remember_aborted(posted.step)
-            self._step_aborted(posted.step)
-            return [
-                abort_message(
-                    self.membership.ranks(),
-                    posted.step,
-                    Code.ABORTED,
-                    self._broken_reason,
-                    -1,
-                    pb.ABORT_REASON_PEER_LOST,
-                )
-            ]
+            return self._abort_in_ended_job(posted.step)
         if self.state is JobState.RUNNING and posted.step == self.in_flight.step:
             self.in_flight.record_posted(rank, posted.bucket_index)
         return []
@@ -441,13 +612,13 @@ class Job(JobEnding):
             f"rank {rank} abandoned step {abandon.step}: {reason}",
             step=abandon.step,
         )
-        return self._abort(rank, rejection)
+        return self.events.abort(rank, rejection)
 
     def reject(self, culprit: int, rejection: RejectedMessage) -> list[Action]:
         """Abort the open step because `culprit` sent an unusable message."""
         if self.state is not JobState.RUNNING:
             return [Terminate((culprit,), rejection.code, rejection.message)]
-        return self._abort(culprit, rejection)
+        return self.events.abort(culprit, rejection)
 
     def reject_from_shard(self, rank: int, rejection: RejectedMessage) -> list[Action] | None:
         """A shard refused `rank`'s message for `rejection.step`: abort that step for every rank.
@@ -466,5 +637,157 @@ class Job(JobEnding):
         if step + 1 != self.open_step or self.in_flight.was_aborted(step):
             return None
         self.in_flight.abort_completed(step)
-        self._step_aborted(step)
+        self.events.aborted(step)
         return abort_actions(self.membership.ranks(), rank, step, rejection)
+
+    # ---------------------------------------------------------------- departures
+    def detach(self, rank: int, orderly: bool, reason: str | None = None) -> list[Action]:
+        """Forget `rank`'s connection; abort the open step for the others if running.
+
+        Args:
+            rank: the departing rank.
+            orderly: it said goodbye (Leave) rather than vanishing.
+            reason: how it was lost, for the survivors' error (default: left /
+                disconnected).
+        """
+        self.liveness.forget(rank)
+        if rank == 0:
+            self.persistence.abandon_upload()  # nobody finishes rank 0's checkpoint upload
+        assembling = self.state is JobState.ASSEMBLING
+        if not self.membership.remove(rank, assembling=assembling):
+            return []
+        if assembling and not self.membership.members:
+            self.assembly.started_at = None  # whoever joins next starts a new wait
+        if assembling:
+            return [self._progress()] if self.membership.members else []
+        if self.state is not JobState.RUNNING:
+            return []
+        how = reason or ("left" if orderly else "disconnected from")
+        if self.relay is not None:
+            # Half the ranks are welcomed, the others wait for a state that may never
+            # come: every stream ends, and the job decides again when they reconnect.
+            details, self.relay = self.relay.lost(rank, how), None
+            return self.end(Code.UNAVAILABLE, details, pb.END_REASON_PEER_LOST)
+        if not self.broadcast.complete:
+            # The others wait for rank 0's state, not for a step: end them now.
+            return self._break(
+                f"rank {rank} {how} job '{self.job_id}' before rank 0's initial state "
+                "broadcast completed; the job cannot start (restart every rank)",
+                rank,
+                abort_step=False,
+            )
+        quiet = not self.in_flight.has_contributions() and not self.collectives.open_sequences()
+        # A local leader's followers cannot go on without it: their gradients went through it.
+        followers = tuple(
+            r for r in self.membership.groups.followers_of(rank) if r in self.membership.members
+        )
+        live = len(self.membership.members) - len(followers)
+        elastic = (
+            self.settings.on_failure is OnFailure.ELASTIC and live >= self.settings.min_workers
+        )
+        if orderly and quiet and not elastic:
+            # A normal finish: nobody is told anything now; a rank that still
+            # sends a step or a collective gets this reason then.
+            self.state = JobState.FINISHING
+            self._broken_reason = (
+                f"rank {rank} left job '{self.job_id}' after step {self.in_flight.step - 1}; "
+                "the remaining ranks cannot complete further steps"
+            )
+            self.in_flight.release()
+            self.collectives.release()
+            self.release_uploads()
+            return []
+        if elastic:
+            actions = self.elastic.shrink(rank, how, followers)
+            for lost in (rank, *followers):
+                self.liveness.forget(lost)
+                actions += self.uneven.lost(lost)
+            return actions
+        if self.settings.on_failure is OnFailure.ELASTIC:
+            left = len(self.membership.members)
+            how += f" leaving {left} ranks (--min-workers {self.settings.min_workers}) in"
+        return self._break(
+            f"rank {rank} {how} job '{self.job_id}' at step {self.in_flight.step}; no partial "
+            "average is applied and the remaining ranks cannot complete further steps",
+            rank,
+            abort_step=True,
+        )
+
+    def _break(self, reason: str, lost: int, abort_step: bool) -> list[Action]:
+        """The job cannot go on: abort the open step in-band, end ranks that cannot hear it.
+
+        Ranks waiting in a collective (or, without `abort_step`, for the state
+        broadcast) have no step to abort: their streams end with PEER_LOST.
+        """
+        step = self.in_flight.step
+        ranks = self.membership.ranks()
+        waiting = self.collectives.waiting_ranks() if abort_step else ranks
+        self._stop(JobState.BROKEN, reason)
+        actions: list[Action] = []
+        if abort_step and ranks:
+            actions.append(
+                abort_message(
+                    ranks, step, Code.ABORTED, reason, -1, pb.ABORT_REASON_PEER_LOST, lost
+                )
+            )
+            self.events.aborted(step)
+        waiting = tuple(r for r in waiting if r in self.membership.members)
+        if waiting:
+            actions.append(Terminate(waiting, Code.ABORTED, reason, pb.END_REASON_PEER_LOST))
+        return actions
+
+    def end(
+        self, code: Code, details: str, reason: pb.EndReason, state: JobState = JobState.BROKEN
+    ) -> list[Action]:
+        """End the job (refused, or from outside: a coordinator shard was lost); streams end now."""
+        self._stop(state, details)
+        ranks = sorted({*self.membership.ranks(), *self.membership.newcomers})
+        return [Terminate(tuple(ranks), code, details, reason)]
+
+    def _stop(self, state: JobState, reason: str) -> None:
+        """The job cannot go on: free what it buffers; its open step will never complete."""
+        self.state = state
+        self._broken_reason = reason
+        self.in_flight.release()
+        self.release_uploads()
+        self.in_flight.remember_aborted(self.in_flight.step)
+        self.collectives.release()
+
+    def end_for_shard_loss(self, index: int, address: str, why: str) -> list[Action]:
+        """Shard `index` at `address` was lost: end every stream, UNAVAILABLE, SHARD_LOST.
+
+        A range of every bucket went with it, so nothing can complete; the
+        workers reconnect and the job resumes once every shard is back. How it resumes
+        is the restart decision's (`control/restart.py`), made when the ranks rejoin:
+        from their own state when they agree on it, else from the checkpoint. The line
+        says both, not a rollback that usually does not happen.
+        """
+        checkpoint = self.persistence.last_checkpoint_step
+        step = self.in_flight.step
+        if self.state is JobState.ASSEMBLING:
+            then = f"job '{self.job_id}' starts once every shard is registered again"
+        else:
+            fallback = (
+                f"from its last checkpoint (step {checkpoint})"
+                if checkpoint >= 0
+                else "from the beginning (it has no checkpoint)"
+            )
+            then = (
+                f"job '{self.job_id}' stops at step {step}; once every shard is registered "
+                "again it goes on from the ranks' own state if they agree on it, else "
+                f"{fallback}"
+            )
+        details = f"shard {index} at {address} was lost ({why}); {then}"
+        return self.end(Code.UNAVAILABLE, details, pb.END_REASON_SHARD_LOST)
+
+    def release_uploads(self) -> None:
+        """Give back the bytes of unfinished checkpoint and healing uploads (idempotent)."""
+        self.persistence.abandon_upload()
+        self.elastic.release()
+        if self.relay is not None:
+            self.relay.release()
+            self.relay = None
+
+    def _refuse(self, code: Code, details: str) -> list[Action]:
+        """Refuse the whole job: every connected rank's stream ends with `code`."""
+        return self.end(code, details, pb.END_REASON_JOB_REFUSED, JobState.REFUSED)

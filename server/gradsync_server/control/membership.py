@@ -163,22 +163,40 @@ class Membership:
         )
 
     # --------------------------------------------------------- local groups
-    def form_local_groups(self) -> list[str]:
+    def form_local_groups(self) -> str | None:
         """Group the members by host id (at the job's start).
 
         Returns:
-            What is wrong with the members' LOCAL_WORLD_SIZE (the job cannot
-            start then: the launcher and the host ids disagree); [] when fine.
+            Why the job is refused when the members' LOCAL_WORLD_SIZE does not
+            match the groups (the launcher and the host ids disagree); None when fine.
         """
         host_ids = {rank: member.host_id for rank, member in self.members.items()}
         groups = form_groups(host_ids)
         told = {rank: member.local_world_size for rank, member in self.members.items()}
         problems = local_world_size_problems(host_ids, told, groups)
         if problems:
-            return problems
+            return (
+                f"job '{self.job_id}' refused: the local groups formed from Join.host_id do not "
+                f"match LOCAL_WORLD_SIZE: {'; '.join(problems)} (give every process of a host "
+                "the same host id, or pass hierarchical=False)"
+            )
         self.groups.replace(groups)
         self._local_secrets = group_secrets(groups)
-        return []
+        return None
+
+    def check_posted(self, rank: int, posted: pb.LocalPosted) -> None:
+        """A member's LocalPosted names its local group's bucket.
+
+        Raises:
+            RejectedMessage: from a flat rank, or naming a bucket the model lacks.
+        """
+        buckets = len(self.signature.buckets) if self.signature is not None else 0
+        if not self.groups.group_of(rank) or posted.bucket_index >= buckets:
+            raise RejectedMessage(
+                Code.INVALID_ARGUMENT,
+                f"rank {rank} reported bucket {posted.bucket_index} of step {posted.step} "
+                f"posted in a local group, but it is in none or the model has {buckets} buckets",
+            )
 
     def local_group_of(self, rank: int) -> tuple[tuple[int, ...], bytes]:
         """`rank`'s local group and its secret for the Welcome; ((), b"") when flat."""
@@ -191,6 +209,27 @@ class Membership:
         """The session secret issued to `rank` (member or newcomer); b"" if unknown."""
         member = self.members.get(rank) or self.newcomers.get(rank)
         return member.session if member is not None else b""
+
+    def welcome(
+        self, rank: int, message: pb.CoordinatorMessage, payload_endpoint: tuple[str, str] | None
+    ) -> None:
+        """Make the job's Welcome `rank`'s own: its session secret and its local group.
+
+        A same-host local leader is told the payload socket of `payload_endpoint`
+        (its name, the coordinator's host id; None: off or sharded): only a leader
+        uploads (and gets averages), and only an unsharded coordinator holds whole
+        buckets to read from one segment.
+        """
+        welcome = message.welcome
+        welcome.session = self.session_of(rank)
+        local_ranks, welcome.local_secret = self.local_group_of(rank)
+        welcome.local_ranks.extend(local_ranks)
+        member = self.members.get(rank)
+        if payload_endpoint is None or not local_ranks or local_ranks[0] != rank:
+            return
+        name, coordinator_host = payload_endpoint
+        if member is not None and member.host_id == coordinator_host:
+            welcome.payload_socket = name
 
     # --------------------------------------------------------------- leaving
     def remove(self, rank: int, assembling: bool) -> bool:
@@ -234,4 +273,28 @@ class Membership:
             membership=pb.MembershipChanged(
                 membership_epoch=self.epoch, ranks=list(self.ranks()), step=step, reason=reason
             )
+        )
+
+    def view(
+        self, start_step: int, out_of_inputs: set[int], chunk_bytes: int, shard_count: int
+    ) -> pb.ShardJobView:
+        """The job as its data planes know it: the whole (small) membership, the layout."""
+        signature = self.signature
+        return pb.ShardJobView(
+            job_id=self.job_id,
+            world_size=self.world_size,
+            membership_epoch=self.epoch,
+            members=[
+                pb.ShardMember(rank=rank, incarnation=member.incarnation, session=member.session)
+                for rank, member in sorted(self.members.items())
+            ],
+            out_of_inputs=sorted(r for r in out_of_inputs if r in self.members),
+            start_step=start_step,
+            buckets=list(signature.buckets) if signature is not None else [],
+            outer=signature.outer
+            if signature is not None and signature.HasField("outer")
+            else None,
+            chunk_bytes=chunk_bytes,
+            shard_count=shard_count,
+            local_groups=[pb.LocalGroup(ranks=g) for g in self.groups.groups()],
         )

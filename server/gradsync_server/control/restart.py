@@ -13,18 +13,31 @@ position, does the job fall back to its checkpoint, as before.
 
 Why the furthest-ahead ranks are right: a rank can only have applied step s
 after the coordinator completed step s over every rank's contribution, so
-every rank behind it contributed to what it holds. Pure logic, no I/O.
+every rank behind it contributed to what it holds.
+
+The relay (`RestartRelay`): the donor is welcomed first and uploads its state
+as `CheckpointChunk(heal=True)` at the step the job goes on from; the job
+holds the others' Welcome until the state is complete, then sends it to the
+ranks behind as resume chunks, like a checkpoint. The bytes are counted in
+the job's budget as they arrive (a declared size is a claim). Pure logic, no I/O.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import logging
+from collections.abc import Callable, Container, Mapping
 from dataclasses import dataclass
 
 from gradsync_proto.codes import Code
 from gradsync_proto.v1 import gradsync_pb2 as pb
 
+from gradsync_server.control.persistence import resume_messages
+from gradsync_server.dataplane.actions import Action, Send
+from gradsync_server.dataplane.budget import OwnerBudget
+from gradsync_server.dataplane.uploads import DonorState
 from gradsync_server.errors import RejectedMessage
+
+log = logging.getLogger("gradsync.server")
 
 #: Length of Position.digest (SHA-256).
 DIGEST_BYTES = 32
@@ -46,7 +59,7 @@ class Continue:
 
 @dataclass(frozen=True)
 class Fallback:
-    """Resume from the checkpoint (or from scratch), and why, for the log and status."""
+    """Resume from the checkpoint (or from scratch), and why (`line`: for the log and status)."""
 
     line: str
     #: The furthest step a rank had applied (for the steps recomputed), or -1.
@@ -96,15 +109,15 @@ def decide(
             f"rank(s) {ranks} hold {digest.hex()[:12]}" for digest, ranks in digests.items()
         )
         return Fallback(
-            f"the ranks at step {top} disagree on their state ({groups}): "
-            f"{_fallback(checkpoint_step)}",
+            f"job '{job_id}' rolled back: the ranks at step {top} disagree on their state "
+            f"({groups}): {_fallback(checkpoint_step)}",
             top,
             steps,
         )
     if checkpoint_step is not None and checkpoint_step > top:
         return Fallback(
-            f"the store's checkpoint of step {checkpoint_step} is ahead of every rank "
-            f"(the furthest is at step {top}): {_fallback(checkpoint_step)}",
+            f"job '{job_id}' rolled back: the store's checkpoint of step {checkpoint_step} is "
+            f"ahead of every rank (the furthest is at step {top}): {_fallback(checkpoint_step)}",
             top,
             steps,
         )
@@ -129,3 +142,99 @@ def _fallback(checkpoint_step: int | None) -> str:
     if checkpoint_step is None:
         return "no checkpoint to fall back to, starting over from rank 0's state at step 0"
     return f"resuming from the checkpoint of step {checkpoint_step}"
+
+
+class RestartRelay:
+    """Collects the donor's state for `plan.behind` (one per restarted job, while it lasts).
+
+    Args:
+        job_id: the job's name (for messages).
+        plan: the restarted job's decision (donor, step, ranks behind).
+        welcome: a rank's Welcome into the continued job, given the resume bytes it gets.
+        chunk_bytes: the job's chunk size (every chunk but the last is this long).
+        max_blob_bytes: the largest state accepted (`--max-checkpoint-mb`).
+        budget: where the state's bytes are counted while they arrive.
+    """
+
+    def __init__(
+        self,
+        job_id: str,
+        plan: Continue,
+        welcome: Callable[[int, int], Send],
+        chunk_bytes: int,
+        max_blob_bytes: int,
+        budget: OwnerBudget,
+    ) -> None:
+        self.plan = plan
+        self._job_id = job_id
+        self._welcome = welcome
+        self._chunk_bytes = chunk_bytes
+        self._state = DonorState(plan.donor, chunk_bytes, max_blob_bytes, budget)
+
+    def add(
+        self, rank: int, chunk: pb.CheckpointChunk, members: Container[int]
+    ) -> list[Action] | None:
+        """Take one chunk of the donor's state; None until it is complete.
+
+        Returns:
+            Once complete: the Welcome of every member but the donor, and the state
+            for the ranks behind.
+
+        Raises:
+            RejectedMessage: not the donor, not the step the job goes on from, or a
+                malformed upload (the bytes held so far are given back).
+        """
+        plan = self.plan
+        if rank != plan.donor:
+            raise RejectedMessage(
+                Code.FAILED_PRECONDITION,
+                f"rank {rank} sent state for step {chunk.step}; only rank {plan.donor} was "
+                f"asked for its state (for rank(s) {list(plan.behind)})",
+            )
+        if chunk.step != plan.step:
+            self.release()
+            raise RejectedMessage(
+                Code.INVALID_ARGUMENT,
+                f"rank {rank} sent its state of step {chunk.step}, but it claimed step "
+                f"{plan.step} when it rejoined; the ranks behind need that step's state",
+            )
+        what = f"rank {rank}'s state of step {plan.step} for rank(s) {list(plan.behind)}"
+        blob = self._state.add(what, chunk)
+        if blob is None:
+            return None
+        actions: list[Action] = [
+            self._welcome(r, 0) for r in plan.keep if r != plan.donor and r in members
+        ]
+        behind = tuple(r for r in plan.behind if r in members)
+        actions += [self._welcome(r, len(blob)) for r in behind]
+        actions += resume_messages(behind, plan.step, blob, self._chunk_bytes)
+        log.info(
+            "job '%s': rank %d's state of step %d (%d bytes) sent to rank(s) %s",
+            self._job_id,
+            plan.donor,
+            plan.step,
+            len(blob),
+            list(behind),
+        )
+        return actions
+
+    def lost(self, rank: int, how: str) -> str:
+        """`rank` was lost while the state was on its way: the bytes go back; why (logged).
+
+        Half the ranks are welcomed and the others wait for a state that may
+        never come, so the job ends every stream UNAVAILABLE: the workers reconnect
+        with their positions and the job decides again (a restarted process
+        without one takes a live rank's state).
+        """
+        self.release()
+        details = (
+            f"rank {rank} {how} job '{self._job_id}' while the coordinator relayed rank "
+            f"{self.plan.donor}'s state of step {self.plan.step} to the ranks behind it; every "
+            "rank reconnects and the job goes on from the ranks' positions"
+        )
+        log.warning("%s", details)
+        return details
+
+    def release(self) -> None:
+        """Give back the bytes held so far (idempotent)."""
+        self._state.release()

@@ -4,7 +4,7 @@ Steps are lock-step: ranks start step s + 1 only after receiving every
 averaged bucket of step s, so exactly one step per job is open. This module
 owns it: it validates each gradient chunk against the step (number, epoch,
 bucket, dtype, offset, length, the byte budget; the rules are in
-`step_checks`), folds it into the bucket's `BucketReduction`, hands back the
+`chunk_checks`), folds it into the bucket's `BucketReduction`, hands back the
 averaged chunks the moment they complete (architecture invariant 4), and
 frees the step's memory whether it completes, is aborted for everyone, or
 loses a rank under the elastic policy. Every byte it buffers is held through
@@ -28,6 +28,14 @@ holding NaN or Inf is handled by the coordinator's `--nonfinite` policy
 every rank, or allowed silently), and one large enough to overflow a float32
 sum is summed with a float64 shadow. Pure logic, no gRPC, no asyncio.
 
+DiLoCo's stragglers live here too, at four points of the step: a chunk's
+weight is checked as it is folded, a bucket's reduction opens with the late
+contributions the round merges, a chunk for a round that closed without its
+rank is answered at once, and a round closes without the ranks that sent
+nothing once its policy allows. The policy itself is `rounds` (when a round
+may close, what a weight may be) and `late` (what a late contribution
+becomes); a job without partial rounds or weights returns from each at once.
+
 A sharded coordinator runs one `OpenStep` per shard over the same membership
 rules: shard i of S holds byte range i of every bucket (in wire bytes,
 `chunking.shard_byte_range`) and expects exactly that range's chunks
@@ -49,7 +57,7 @@ from gradsync_proto.codes import Code
 from gradsync_proto.v1 import gradsync_pb2 as pb
 
 from gradsync_server import defaults
-from gradsync_server.dataplane import stragglers
+from gradsync_server.dataplane.accumulators import from_accumulator, to_accumulator
 from gradsync_server.dataplane.actions import Action, Send
 from gradsync_server.dataplane.aggregation import (
     BucketReduction,
@@ -58,16 +66,15 @@ from gradsync_server.dataplane.aggregation import (
     examine,
 )
 from gradsync_server.dataplane.budget import ByteBudget, OwnerBudget, Reservation
+from gradsync_server.dataplane.chunk_checks import BucketLayout, CheckedChunk, check_sender
 from gradsync_server.dataplane.host_groups import LocalGroups, check_covers
-from gradsync_server.dataplane.late import Stragglers
+from gradsync_server.dataplane.late import LATE_RANK_BASE, Stragglers
 from gradsync_server.dataplane.nonfinite import NonFiniteContribution, NonFiniteGuard
 from gradsync_server.dataplane.observer import ReportSchedule, StepObserver
 from gradsync_server.dataplane.outer import OuterState
 from gradsync_server.dataplane.progress import StepProgress
-from gradsync_server.dataplane.rounds import RoundPolicy
+from gradsync_server.dataplane.rounds import RoundPolicy, check_weight
 from gradsync_server.dataplane.step_aborts import abort_actions
-from gradsync_server.dataplane.step_checks import check_sender
-from gradsync_server.dataplane.step_layout import BucketLayout, CheckedChunk
 from gradsync_server.dataplane.wire_replies import answer_sends
 from gradsync_server.errors import RejectedMessage
 
@@ -263,14 +270,14 @@ class OpenStep:
             RejectedMessage: the chunk does not belong to this step or is malformed.
         """
         if chunk.step < self.step and self.stragglers.owes(rank, chunk.step):
-            return stragglers.answer_late(self, rank, chunk, payload)
+            return self._answer_late(rank, chunk, payload)
         averaged = self._fold(rank, chunk, payload)
         actions: list[Action] = []
         if averaged is not None:
             bucket = chunk.bucket_index
             actions += self._averaged(bucket, chunk.offset, averaged)
             actions += self._close_bucket_if_complete(bucket)
-        return actions + stragglers.close_round_if_due(self)
+        return actions + self.close_round_if_due()
 
     def _fold(self, rank: int, chunk: ChunkHeader, payload: memoryview) -> memoryview | None:
         step, bucket = chunk.step, chunk.bucket_index
@@ -297,7 +304,7 @@ class OpenStep:
             self.outer.check_reply if self.outer.holds(bucket) else None,
             self._budget,
         )
-        sample_weight = stragglers.weight_of(self, rank, chunk)
+        sample_weight = self._weight_of(rank, chunk)
         contribution, magnitude = examine(checked.payload, checked.payload_dtype)
         if magnitude is Magnitude.NONFINITE:
             # Raises under "abort".
@@ -348,7 +355,7 @@ class OpenStep:
         held = self._buckets[bucket] = _Bucket(
             reduction, self._budget.reserve(self._membership.job_id), rank
         )
-        held.merged, held.staleness = stragglers.merge_late(self, bucket, reduction)
+        held.merged, held.staleness = self._merge_late(bucket, reduction)
         held.account()
         return held
 
@@ -415,6 +422,150 @@ class OpenStep:
         self._advance()
         self.steps_completed += 1
         return report
+
+    # ------------------------------------------------------------- stragglers
+    def _weight_of(self, rank: int, chunk: ChunkHeader) -> float | None:
+        """The checked weight of `rank`'s chunk in the open round (None: summed unweighted).
+
+        Raises:
+            RejectedMessage: a weight in an unweighted job, or a bad or changing one.
+        """
+        bucket, stragglers = chunk.bucket_index, self.stragglers
+        if not self.outer.holds(bucket):
+            return None  # the presence vector is not a pseudo-gradient: never weighted
+        weighted = stragglers.policy.weighted
+        earlier, seen_at = stragglers.weights.get(rank, (None, ""))
+        weight = check_weight(rank, chunk, weighted, earlier, seen_at)
+        stragglers.weights.setdefault(rank, (weight, f"bucket {bucket} at offset {chunk.offset}"))
+        # The seed round averages identical parameters: weighing them would only round them.
+        return weight if weighted and self.outer.seeded else None
+
+    def _merge_late(self, bucket: int, reduction: BucketReduction) -> tuple[int, int]:
+        """Add the late contributions the open round merges into `bucket`'s new reduction.
+
+        Each is summed as rank LATE_RANK_BASE + r, after every live rank.
+
+        Returns:
+            (how many were merged, the largest staleness among them in rounds).
+        """
+        stragglers = self.stragglers
+        if not stragglers.merging or not self.outer.holds(bucket):
+            return 0, 0
+        weighted = stragglers.policy.weighted
+        chosen = []
+        for late in stragglers.merging:
+            kept = [(o, entry) for (b, o), entry in late.kept.items() if b == bucket]
+            if kept and all(wire == reduction.dtype for _, (wire, _, _) in kept):
+                chosen.append((late, kept))
+                reduction.add_rank(LATE_RANK_BASE + late.rank)
+        for late, kept in chosen:
+            for offset, (_, payload, magnitude) in kept:
+                weight = late.weight if weighted else None
+                reduction.add(LATE_RANK_BASE + late.rank, offset, payload, magnitude, 1, weight)
+        staleness = max((self.step - late.step for late, _ in chosen), default=0)
+        return len(chosen), staleness
+
+    def _answer_late(self, rank: int, chunk: ChunkHeader, payload: memoryview) -> list[Action]:
+        """A chunk of `rank` for a round that closed without it: keep or drop it, answer at once.
+
+        The answer is the current global parameters of the chunk (the echo of the
+        rank's own upload, for a bucket that holds none), with `next_step` the open
+        step, where the rank continues.
+
+        Raises:
+            RejectedMessage: the chunk does not fit the layout, repeats one, or its weight is bad.
+        """
+        stragglers, layout, bucket = self.stragglers, self.layout, chunk.bucket_index
+        where = (
+            f"rank {rank} sent bucket {bucket} at offset {chunk.offset} of late round {chunk.step}"
+        )
+        if bucket >= layout.count:
+            raise RejectedMessage(
+                Code.INVALID_ARGUMENT,
+                f"{where}, but the model has {layout.count} buckets",
+                step=chunk.step,
+                bucket_index=bucket,
+            )
+        epoch = self._membership.epoch
+        if chunk.membership_epoch > epoch or chunk.covered_ranks:
+            raise RejectedMessage(
+                Code.FAILED_PRECONDITION,
+                f"{where} in membership epoch {chunk.membership_epoch} covering ranks "
+                f"{list(chunk.covered_ranks)}; the coordinator is at epoch {epoch} "
+                "and late rounds carry one rank's own contribution",
+                step=chunk.step,
+                bucket_index=bucket,
+            )
+        outer = self.outer.holds(bucket)
+        reply_check = self.outer.check_reply if outer else None
+        checked = layout.check(rank, chunk, payload, None, -1, reply_check, self._budget)
+        late = stragglers.late_upload(rank, chunk.step)
+        if outer:
+            earlier = f"first chunk of late round {late.step}"
+            weighted = stragglers.policy.weighted
+            late.weight = check_weight(rank, chunk, weighted, late.weight or None, earlier)
+        lo, hi = checked.byte_range
+        late.chunks_needed[bucket] = chunking.num_chunks(hi - lo, layout.chunk_bytes)
+        seen = late.seen.setdefault(bucket, set())
+        if chunk.offset in seen:
+            raise RejectedMessage(
+                Code.INVALID_ARGUMENT,
+                f"{where} twice",
+                step=chunk.step,
+                bucket_index=bucket,
+            )
+        seen.add(chunk.offset)
+        if outer and stragglers.policy.merge_late:
+            contribution, magnitude = examine(checked.payload, checked.payload_dtype)
+            if magnitude is Magnitude.NONFINITE:  # reported, or the open step aborted ("abort")
+                self.nonfinite.check(rank, chunk, contribution, checked.payload_dtype)
+            if late.reservation is None:
+                late.reservation = self._budget.reserve(self._membership.job_id)
+            late.kept[(bucket, chunk.offset)] = (checked.wire_dtype, bytes(contribution), magnitude)
+            late.reservation.hold(late.held_bytes())
+        elements = len(checked.payload) // dtypes.itemsize(checked.payload_dtype)
+        if outer:
+            answer = self.outer.current(bucket, chunk.offset, checked.wire_dtype, elements)
+        else:
+            values = to_accumulator(checked.payload, checked.payload_dtype)
+            answer = from_accumulator(values, checked.reply_dtype)
+        header = ChunkHeader(
+            step=chunk.step,
+            membership_epoch=epoch,
+            bucket_index=bucket,
+            offset=chunk.offset,
+            dtype=checked.reply_dtype,
+            next_step=self.step,
+        )
+        # Always as a message (not through a same-host segment): one rank, rarely.
+        sends = answer_sends(header, answer, checked.wire_dtype, layout.chunk_bytes, (rank,), ())
+        if late.complete(layout.count):
+            stragglers.finish_upload(rank)
+        return list(sends)
+
+    def close_round_if_due(self) -> list[Action]:
+        """Close the open round without the ranks that sent nothing, if the policy says so now.
+
+        Called after every accepted chunk and from the coordinator's watchdog (the
+        deadline passes while nothing arrives). The round completes at once (every
+        rank that began uploading has finished: `RoundPolicy.may_close`).
+        """
+        stragglers, progress = self.stragglers, self.progress
+        if not stragglers.policy.partial or progress is None or not self.outer.seeded:
+            return []
+        participants = self.participants()
+        age = None if progress.started_at is None else progress.age()
+        complete = [r for r in participants if progress.delivered_all(r)]
+        started = [r for r in participants if progress.delivered_any(r)]
+        excused = stragglers.policy.may_close(age, participants, complete, started)
+        if not excused:
+            return []
+        for rank in excused:
+            stragglers.excuse(rank, self.step)
+        actions: list[Action] = []
+        for rank in excused:  # the last one completes the round (after it, the step moved on)
+            actions += self.drop_rank(rank)
+        return actions
 
     # ------------------------------------------------------ membership changes
     def drop_rank(self, lost: int) -> list[Action]:

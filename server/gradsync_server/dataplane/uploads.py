@@ -8,12 +8,16 @@ before anything is held, the bytes held are counted in the coordinator's
 byte budget through a `Reservation` (checked before each chunk is kept,
 released when the blob is taken or the upload abandoned), and a refusal is
 a `RejectedMessage` that ends the sender's stream.
+
+A rank's state uploaded for other ranks (a healing donor's, or a restarted
+job's donor relayed to the ranks behind it) is one such blob: `DonorState`.
 """
 
 from __future__ import annotations
 
 from gradsync_proto.blobs import BadChunk, BlobAssembly
 from gradsync_proto.codes import Code
+from gradsync_proto.v1 import gradsync_pb2 as pb
 
 from gradsync_server.dataplane.budget import OwnerBudget, Reservation
 from gradsync_server.errors import RejectedMessage
@@ -112,3 +116,55 @@ class BlobAssembler:
         self._assembly.release()
         if self._reservation is not None:
             self._reservation.release()
+
+
+class DonorState:
+    """One donor rank's state, uploaded as `CheckpointChunk(heal=True)` for other ranks.
+
+    Args:
+        donor: the rank asked for its state.
+        chunk_bytes: the job's chunk size (every chunk but the last is this long).
+        max_blob_bytes: the largest state accepted (`--max-checkpoint-mb`).
+        budget: where the state's bytes are counted while they arrive.
+    """
+
+    def __init__(
+        self, donor: int, chunk_bytes: int, max_blob_bytes: int, budget: OwnerBudget | None
+    ) -> None:
+        self.donor = donor
+        self._chunk_bytes = chunk_bytes
+        self._max_blob_bytes = max_blob_bytes
+        self._budget = budget
+        self._assembler: BlobAssembler | None = None
+
+    def add(self, what: str, chunk: pb.CheckpointChunk) -> bytes | None:
+        """Take one chunk (`what` names the state from its first); the whole state once complete.
+
+        Raises:
+            RejectedMessage: a malformed upload (the bytes held so far are given back).
+        """
+        if self._assembler is None:
+            self._assembler = BlobAssembler(
+                what,
+                chunk.total_bytes,
+                self._chunk_bytes,
+                (self._max_blob_bytes, "--max-checkpoint-mb"),
+                self._budget,
+                oversize=Code.INVALID_ARGUMENT,  # as a checkpoint's
+            )
+        try:
+            complete = self._assembler.add(chunk.offset, chunk.payload, chunk.total_bytes)
+        except RejectedMessage:
+            self.release()
+            raise
+        if not complete:
+            return None
+        blob = self._assembler.blob()  # gives its bytes back to the budget
+        self._assembler = None
+        return blob
+
+    def release(self) -> None:
+        """Give back the bytes held so far (idempotent)."""
+        if self._assembler is not None:
+            self._assembler.release()
+            self._assembler = None

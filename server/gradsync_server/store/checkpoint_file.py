@@ -18,6 +18,7 @@ from gradsync_server.store.checkpoint import (
     Checkpoint,
     CheckpointError,
     PruneGuard,
+    StoreReading,
     _check_job_id,
     _check_keep,
     _doomed_steps,
@@ -25,8 +26,8 @@ from gradsync_server.store.checkpoint import (
     _failure,
     _parse_pointer,
     _StoreLifecycle,
+    read_newest,
 )
-from gradsync_server.store.reading import StoreReading, read_newest
 
 log = logging.getLogger("gradsync.server.checkpoint")  # one logger for the whole store
 

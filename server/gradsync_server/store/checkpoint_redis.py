@@ -14,6 +14,7 @@ from gradsync_server.store.checkpoint import (
     Checkpoint,
     CheckpointError,
     PruneGuard,
+    StoreReading,
     _check_job_id,
     _check_keep,
     _doomed_steps,
@@ -23,9 +24,9 @@ from gradsync_server.store.checkpoint import (
     _StoreLifecycle,
     _text,
     encode,
+    read_newest,
 )
 from gradsync_server.store.lease import LeaseError
-from gradsync_server.store.reading import StoreReading, read_newest
 
 if TYPE_CHECKING:
     import redis

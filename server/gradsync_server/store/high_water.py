@@ -30,8 +30,7 @@ import secrets
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from gradsync_server.store.checkpoint import CheckpointHeader, blob_digest
-from gradsync_server.store.reading import StoreReading
+from gradsync_server.store.checkpoint import CheckpointHeader, StoreReading, blob_digest
 
 #: Metadata key: the id of the run (of one job) a checkpoint belongs to.
 TIMELINE_KEY = "timeline"

@@ -314,22 +314,16 @@ class RedisLease:
         """
         import redis as redis_module
 
-        if self.held is None or self.timer.expired():
-            self.refused_writes += 1
-            raise FencedWriteError(
-                f"write refused: coordinator {self.holder} holds no current lease "
-                f"(fence {self.held.fence if self.held else 'none'})"
-            )
+        held = self._current()
         try:
-            return script(keys=[*keys, self.key], args=[*args, self.held.encode()])
+            return script(keys=[*keys, self.key], args=[*args, held.encode()])
         except redis_module.ResponseError as exc:
             if "FENCED" not in str(exc):
                 raise
             self.refused_writes += 1
-            fence = self.held.fence
             self._demote("Redis refused a fenced write")
             raise FencedWriteError(
-                f"write refused by Redis: coordinator {self.holder} with fence {fence} "
+                f"write refused by Redis: coordinator {self.holder} with fence {held.fence} "
                 f"lost the lease ({exc})"
             ) from exc
 
@@ -339,13 +333,21 @@ class RedisLease:
         Raises:
             FencedWriteError: we hold no current lease (refused before any write).
         """
+        return self.key, self._current().encode()
+
+    def _current(self) -> LeaseRecord:
+        """Our record, if we hold a lease that has not expired by our own clock.
+
+        Raises:
+            FencedWriteError: we do not (counted as a refused write).
+        """
         if self.held is None or self.timer.expired():
             self.refused_writes += 1
             raise FencedWriteError(
                 f"write refused: coordinator {self.holder} holds no current lease "
                 f"(fence {self.held.fence if self.held else 'none'})"
             )
-        return self.key, self.held.encode()
+        return self.held
 
     def _demote(self, why: str) -> None:
         if self.held is not None:
