@@ -23,7 +23,6 @@ from gradsync_proto.codec import ChunkHeader
 from gradsync_proto.codes import Code
 from gradsync_proto.v1 import gradsync_pb2 as pb
 
-from gradsync_server.control import signature as signatures
 from gradsync_server.dataplane.aggregation import BucketReduction
 from gradsync_server.dataplane.budget import ByteBudget, OwnerBudget
 from gradsync_server.dataplane.int8_chunks import contribution_of
@@ -83,7 +82,7 @@ class BucketLayout:
 
     def configure(self, signature: pb.ModelSignature) -> list[tuple[int, int]]:
         """Learn the job's buckets; return this shard's byte range of each (native dtype)."""
-        self.bucket_bytes = [signatures.bucket_bytes(b) for b in signature.buckets]
+        self.bucket_bytes = [b.num_elements * dtypes.itemsize(b.dtype) for b in signature.buckets]
         self.bucket_dtypes = [b.dtype for b in signature.buckets]
         self.bucket_elements = [b.num_elements for b in signature.buckets]
         return [self.byte_range(b, dtype) for b, dtype in enumerate(self.bucket_dtypes)]
