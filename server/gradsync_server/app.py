@@ -43,10 +43,11 @@ from gradsync_server.metrics import CoordinatorMetrics
 from gradsync_server.parent_watch import watch_parent
 from gradsync_server.rpc.auth_check import bind, interceptors, server_credentials
 from gradsync_server.rpc.frame_server import FrameServer, start_frame_server
+from gradsync_server.rpc.leader_role import LeaderRole
 from gradsync_server.rpc.payload_socket import PayloadSocket
-from gradsync_server.rpc.servicer import SERVICE_NAME, SHUTDOWN_FLUSH_S, CoordinatorServicer
+from gradsync_server.rpc.servicer import SERVICE_NAME, SHARD_SERVICE_NAME, SHUTDOWN_FLUSH_S
 from gradsync_server.rpc.shard_link import LeaderLink
-from gradsync_server.rpc.shard_servicer import SERVICE_NAME as SHARD_SERVICE_NAME, ShardServicer
+from gradsync_server.rpc.shard_role import ShardRole
 from gradsync_server.rpc.standby_gate import ServicerSwitch, StandbyGate
 from gradsync_server.shard_config import ShardConfig
 from gradsync_server.store.checkpoint_redis import RedisCheckpointStore
@@ -68,7 +69,7 @@ class RunningServer:
 
     server: grpc.aio.Server
     port: int
-    servicer: CoordinatorServicer
+    servicer: LeaderRole
     health: health.aio.HealthServicer
     watchdog: asyncio.Task[None]
     metrics_server: MetricsServer | None = None
@@ -207,7 +208,7 @@ async def start_server(config: ServerConfig) -> RunningServer:
         else None
     )
     metrics = CoordinatorMetrics()
-    servicer = CoordinatorServicer(config, store, metrics=metrics)
+    servicer = LeaderRole(config, store, metrics=metrics)
     metrics_server = _metrics_server(config, metrics)
     gate = StandbyGate() if config.lease else None
     server, port, health_servicer = _listen(config, "coordinator", gate)
@@ -350,7 +351,7 @@ class RunningShard:
     server: grpc.aio.Server
     port: int
     advertise: str
-    servicer: ShardServicer
+    servicer: ShardRole
     link: LeaderLink
     link_task: asyncio.Task[str]
     health: health.aio.HealthServicer
@@ -407,7 +408,7 @@ async def start_shard(
     metrics = metrics or CoordinatorMetrics(shard=True)
     server, port, health_servicer = _listen(config, "shard")
     advertise = config.advertised(port)
-    servicer = ShardServicer(config, advertise, metrics=metrics)
+    servicer = ShardRole(config, advertise, metrics=metrics)
     server.add_generic_rpc_handlers((servicer.generic_handler(),))
     metrics_server = _metrics_server(config, metrics)
     await server.start()

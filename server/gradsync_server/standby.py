@@ -258,7 +258,7 @@ async def stand_down(running: RunningServer, set_health: Callable[..., Awaitable
     The gate is already closed (`drive_lease`), so nothing reaches the new servicer
     before the next takeover, and the old one gets no new call while it winds down.
     """
-    from gradsync_server.rpc.servicer import CoordinatorServicer
+    from gradsync_server.rpc.leader_role import LeaderRole
 
     old = running.servicer
     if running.switch is None:
@@ -272,7 +272,7 @@ async def stand_down(running: RunningServer, set_health: Callable[..., Awaitable
     running.watchdog.cancel()
     old.segments.close()
     old.checkpointer.close()  # its threads only: the store stays, fenced, for the next one
-    fresh = CoordinatorServicer(old.config, old.store, metrics=old.metrics)
+    fresh = LeaderRole(old.config, old.store, metrics=old.metrics)
     fresh.payload_endpoint = old.payload_endpoint  # the socket stays; the switch routes it
     running.servicer = fresh
     running.switch.switch(fresh)

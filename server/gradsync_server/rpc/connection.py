@@ -63,8 +63,14 @@ class Connection:
         self, peer: str, max_outbox_bytes: int, outbox_budget: ByteBudget | None = None
     ) -> None:
         self.peer = peer
+        #: The job that admitted the stream (None until then, and once it left).
+        self.job_id: str | None = None
+        #: At the leader, the very job object the stream joined (see `delivery`).
         self.job: Job | None = None
         self.rank = -1
+        #: The incarnation and session secret (never logged) of a shard stream's hello.
+        self.incarnation = ""
+        self.session = b""
         self.left = False
         self.outbox: asyncio.Queue[bytes | ResumeBlob | End] = asyncio.Queue()
         #: Set when the queue was discarded: a blob being written stops too.

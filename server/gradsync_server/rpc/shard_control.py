@@ -74,7 +74,7 @@ class Leader(Protocol):
         """Remove `job` from the active jobs at once and record how it ended."""
         ...
 
-    def own_stats(self) -> pb.ShardStats:
+    def stats(self) -> pb.ShardStats:
         """The leader's own counters (shard 0)."""
         ...
 
@@ -179,7 +179,7 @@ class ShardControl:
         """StatusReply.shards: the leader's own counters first, then every shard index."""
         if not self.registry.sharded:
             return []
-        own = self._leader.own_stats()
+        own = self._leader.stats()
         shards = [
             pb.ShardStatus(
                 index=0,
@@ -221,7 +221,7 @@ class ShardControl:
 
     def samples(self) -> list[ShardSample]:
         """The shards' series for the leader's /metrics (read at every scrape)."""
-        own = self._leader.own_stats()
+        own = self._leader.stats()
         samples = [ShardSample(0, "", True, own.bytes_received, own.bytes_sent, 0.0)]
         for index in range(1, self.registry.shard_count):
             record = self.registry.get(index)

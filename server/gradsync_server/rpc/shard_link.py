@@ -32,7 +32,7 @@ from gradsync_proto.net.channels import ChannelSecurity, handshake_failure
 from gradsync_proto.net.stream_client import EndKind, StreamClient, StreamEnded
 from gradsync_proto.v1 import gradsync_pb2 as pb
 
-from gradsync_server.rpc.shard_servicer import ShardServicer
+from gradsync_server.rpc.shard_role import ShardRole
 from gradsync_server.shard_config import UNREACHABLE_REPORT_PERIOD_S
 
 log = logging.getLogger("gradsync.shard")
@@ -77,7 +77,7 @@ class LeaderLink:
         servicer: the shard's jobs and data streams, which the leader's messages drive.
     """
 
-    def __init__(self, servicer: ShardServicer) -> None:
+    def __init__(self, servicer: ShardRole) -> None:
         self._servicer = servicer
         self._config = servicer.config
         #: `--leader a:1,b:2` (a standby leader): the active one is found by trying each.
