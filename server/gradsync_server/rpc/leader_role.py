@@ -89,13 +89,14 @@ class LeaderRole(CoordinatorServicer):
         self.segments = SegmentRegistry(config.max_connections, config.chunk_bytes, self.metrics)
         #: (payload socket name, this coordinator's host id) once the socket listens.
         self.payload_endpoint: tuple[str, str] | None = None
-        self._delivery = Delivery(
+        self._delivery = Delivery[Job](
             self.connections,
             self.metrics,
-            self.segments,
-            self.shard_control,
-            self.checkpointer,
+            self.checkpointer.outer,
             self._detach,
+            self.segments,
+            before=self.shard_control.before_delivery,
+            persist=self.checkpointer.persist,
         )
         self._execute = self._delivery.execute
 
@@ -140,9 +141,7 @@ class LeaderRole(CoordinatorServicer):
             self.metrics.lag_tracker,
             self.ended_jobs.snapshots(),
         )
-        reply.shards.extend(
-            self.shard_control.statuses(self.buffered_bytes, self.connection_count())
-        )
+        reply.shards.extend(self.shard_control.statuses())
         reply.recovery.CopyFrom(self.metrics.recovery.summary())
         return reply
 

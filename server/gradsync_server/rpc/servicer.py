@@ -103,11 +103,6 @@ class CoordinatorServicer(ABC):
         self.draining = False
         self.frame_port = 0  # told to workers (0: none; set by `app.start_server`)
 
-    @property
-    def buffered_bytes(self) -> int:
-        """Gradient bytes currently held in partial reductions."""
-        return self.budget.used
-
     def connection_count(self) -> int:
         """Worker streams currently admitted to a job."""
         return len(self.connections)
@@ -128,9 +123,9 @@ class CoordinatorServicer(ABC):
 
     def sync_handler(self) -> Any:
         """The stream handler as gRPC runs it (guarded); the frame port runs it too."""
-        return guarded(self.stream_method, self.stream, self.stream_count)
+        return guarded(self.stream_method, self.sync, self.stream_count)
 
-    async def stream(
+    async def sync(
         self, request_iterator: AsyncIterator[bytes], context: grpc.aio.ServicerContext
     ) -> None:
         """Serve one worker stream until it leaves, fails, or is ended."""

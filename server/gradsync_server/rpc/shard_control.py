@@ -29,7 +29,7 @@ import asyncio
 import logging
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Any, Protocol
 
 import grpc
 from gradsync_proto import __version__
@@ -175,25 +175,11 @@ class ShardControl:
                 self._leader.execute(job, job.start_if_ready())
 
     # ----------------------------------------------------------------- status
-    def statuses(self, buffered_bytes: int, connections: int) -> list[pb.ShardStatus]:
+    def statuses(self) -> list[pb.ShardStatus]:
         """StatusReply.shards: the leader's own counters first, then every shard index."""
         if not self.registry.sharded:
             return []
-        own = self._leader.stats()
-        shards = [
-            pb.ShardStatus(
-                index=0,
-                address="",
-                alive=True,
-                bytes_received=own.bytes_received,
-                bytes_sent=own.bytes_sent,
-                buckets_completed=own.buckets_completed,
-                mean_bucket_s=own.mean_bucket_s,
-                buffered_bytes=buffered_bytes,
-                connections=connections,
-                version=__version__,
-            )
-        ]
+        shards = [_status(0, "", self._leader.stats(), alive=True, version=__version__)]
         for index in range(1, self.registry.shard_count):
             record = self.registry.get(index)
             if record is None:
@@ -201,22 +187,10 @@ class ShardControl:
                     pb.ShardStatus(index=index, address=self.registry.last_address(index))
                 )
                 continue
-            stats = record.stats
-            shards.append(
-                pb.ShardStatus(
-                    index=index,
-                    address=record.shown_address,
-                    alive=self._alive(record),
-                    last_seen_s=self.registry.seconds_since_heard(record),
-                    bytes_received=stats.bytes_received,
-                    bytes_sent=stats.bytes_sent,
-                    buckets_completed=stats.buckets_completed,
-                    mean_bucket_s=stats.mean_bucket_s,
-                    buffered_bytes=stats.buffered_bytes,
-                    connections=stats.connections,
-                    version=record.version,
-                )
-            )
+            status = _status(index, record.shown_address, record.stats, alive=self._alive(record))
+            status.last_seen_s = self.registry.seconds_since_heard(record)
+            status.version = record.version
+            shards.append(status)
         return shards
 
     def samples(self) -> list[ShardSample]:
@@ -497,3 +471,18 @@ def peer_host_of(peer: str) -> str:
     if kind == "ipv6" and not host.startswith("["):
         host = f"[{host}]"
     return host
+
+
+def _status(index: int, address: str, stats: pb.ShardStats, **fields: Any) -> pb.ShardStatus:
+    """One row of StatusReply.shards, its counters from `stats`."""
+    return pb.ShardStatus(
+        index=index,
+        address=address,
+        bytes_received=stats.bytes_received,
+        bytes_sent=stats.bytes_sent,
+        buckets_completed=stats.buckets_completed,
+        mean_bucket_s=stats.mean_bucket_s,
+        buffered_bytes=stats.buffered_bytes,
+        connections=stats.connections,
+        **fields,
+    )

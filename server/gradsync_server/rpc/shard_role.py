@@ -33,12 +33,12 @@ from gradsync_proto.v1 import gradsync_pb2 as pb
 
 from gradsync_server import defaults
 from gradsync_server.dataplane import nonfinite
-from gradsync_server.dataplane.actions import ResumeBlob, SegmentAverage
 from gradsync_server.dataplane.budget import ByteBudget
 from gradsync_server.dataplane.plane import JobPlane, ShardOutcome
 from gradsync_server.errors import RejectedMessage
 from gradsync_server.metrics import CoordinatorMetrics
 from gradsync_server.rpc.connection import Connection
+from gradsync_server.rpc.delivery import Delivery
 from gradsync_server.rpc.servicer import SHARD_SERVICE_NAME, STATUS_BY_CODE, CoordinatorServicer
 from gradsync_server.rpc.shard_outer import ShardOuterStates
 from gradsync_server.shard_config import ShardConfig
@@ -93,7 +93,9 @@ class ShardRole(CoordinatorServicer):
         self._changed = asyncio.Event()
         #: This shard's range of the DiLoCo outer state on the store (`shard_outer`).
         self.outer_states = ShardOuterStates(config)
-        self._saving: set[asyncio.Task[None]] = set()
+        self._delivery = Delivery[JobPlane](
+            self.connections, self.metrics, self.outer_states.records, self._detach
+        )
 
     @property
     def name(self) -> str:
@@ -227,36 +229,18 @@ class ShardRole(CoordinatorServicer):
         conn.end(code, details, reason)
 
     def _deliver(self, job: JobPlane, outcome: ShardOutcome) -> None:
-        if outcome.saves:  # a DiLoCo step committed: its last answers wait for the save
-            task = asyncio.create_task(self._save_then_deliver(job, outcome))
-            self._saving.add(task)
-            task.add_done_callback(self._saving.discard)
-            return
-        self._deliver_now(job, outcome)
+        """Send the averages (once the outer state is saved, if a DiLoCo step committed
+        here), then report a rejection or non-finite contributions to the leader."""
 
-    async def _save_then_deliver(self, job: JobPlane, outcome: ShardOutcome) -> None:
-        for save in outcome.saves:
-            await self.outer_states.records.save(save.snapshot, save.shard_index)
-        self._deliver_now(job, outcome)
+        def report() -> None:
+            if outcome.rejected is not None:
+                log.warning("job '%s': %s", job.job_id, outcome.rejected.message)
+                self.metrics.observe_rejection(Code(outcome.rejected.code).name)
+                self.to_leader.put_nowait(pb.ShardMessage(rejected=outcome.rejected))
+            for contribution in outcome.nonfinite:
+                self.to_leader.put_nowait(pb.ShardMessage(nonfinite=contribution))
 
-    def _deliver_now(self, job: JobPlane, outcome: ShardOutcome) -> None:
-        for send in outcome.sends:
-            message = send.message
-            if isinstance(message, ResumeBlob):
-                continue  # (a shard averages gradients only; states go through the leader)
-            if isinstance(message, SegmentAverage):
-                message = message.encoded()  # (shards have no same-host segments)
-            raw = message if isinstance(message, bytes) else message.SerializeToString()
-            for rank in send.ranks:
-                target = self.connections.get((job.job_id, rank))
-                if target is not None:
-                    target.send(raw)
-        if outcome.rejected is not None:
-            log.warning("job '%s': %s", job.job_id, outcome.rejected.message)
-            self.metrics.observe_rejection(Code(outcome.rejected.code).name)
-            self.to_leader.put_nowait(pb.ShardMessage(rejected=outcome.rejected))
-        for report in outcome.nonfinite:
-            self.to_leader.put_nowait(pb.ShardMessage(nonfinite=report))
+        self._delivery.execute(job, [*outcome.saves, *outcome.sends], report)
 
     # --------------------------------------------------------------- streams
     def _unparsable(self, conn: Connection, raw: bytes, exc: Exception) -> RejectedMessage:
