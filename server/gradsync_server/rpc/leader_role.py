@@ -3,17 +3,11 @@
 The leader admits a worker's `Sync` stream by its `Join` (checks in
 `admission`), creates and retires jobs, and hands parsed messages to the
 job's state machine (`gradsync_server.control.job`), whose actions
-`delivery` carries out. Around that: liveness checks in `watchdog`,
-checkpoint store I/O in `checkpointer`, the status reply in `status`, the
-control streams of coordinator shards (`Coordinator.ShardLink`) in
-`shard_control`. The stream itself (guard, first-message admission, chunk
-decoding, ending) is `servicer`'s, as for a shard.
-A same-host local leader's payloads are read from and written into its
-shared-memory segment (`segments`, `payload_socket`) on their way to and
-from the job, which sees the same chunks either way. A
-job's actions reach only the streams joined to that very job object: after a
-shard loss (or a Join to a failed job) a new job with the same id may run
-while the old one's streams end.
+`delivery` carries out. Around that: liveness in `watchdog`, checkpoint
+store I/O in `checkpointer`, the status reply in `status`, the shards'
+control streams (`Coordinator.ShardLink`) in `shard_control`, same-host local
+leaders' shared-memory segments in `segments` and `payload_socket`. The
+stream itself is `servicer`'s, as at a shard.
 """
 
 from __future__ import annotations
@@ -370,10 +364,8 @@ class LeaderRole(CoordinatorServicer):
         job = conn.job
         if job is None:
             return
+        super()._detach(conn)
         conn.job, conn.job_id = None, None
-        key = (job.job_id, conn.rank)
-        if self.connections.get(key) is conn:
-            del self.connections[key]
         if not conn.left and job.state is JobState.ASSEMBLING:
             log.warning(
                 "job '%s': rank %d disconnected while waiting for the others; dropped from the "

@@ -137,13 +137,13 @@ class CoordinatorServicer(ABC):
             self._detach(conn)
 
         end = await conn.serve(
-            conn.read(request_iterator, lambda raw: self._dispatch(conn, raw), self.stream_method),
+            request_iterator,
+            lambda raw: self._dispatch(conn, raw),
             context,
+            self.stream_method,
+            self.config.first_message_timeout_s,
             self.flush_s,
             detach,
-            handler=self.stream_method,
-            first_message_s=self.config.first_message_timeout_s,
-            identified=lambda: conn.greeted,
         )
         if end is not None and end.code is not Code.OK:
             context.set_code(STATUS_BY_CODE[int(end.code)])
@@ -192,6 +192,8 @@ class CoordinatorServicer(ABC):
     def _reject(self, conn: Connection, rejection: RejectedMessage) -> None:
         """A malformed message: abort the sender's open step, or end its stream."""
 
-    @abstractmethod
     def _detach(self, conn: Connection) -> None:
-        """The stream ended: forget it, and what that means for its job."""
+        """The stream ended: forget it (a role adds what that means for its job)."""
+        key = (conn.job_id or "", conn.rank)
+        if self.connections.get(key) is conn:
+            del self.connections[key]

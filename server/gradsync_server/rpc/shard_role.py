@@ -224,8 +224,7 @@ class ShardRole(CoordinatorServicer):
         self, conn: Connection, code: Code, details: str, reason: pb.EndReason | None = None
     ) -> None:
         """Forget an admitted stream now and end it with `code`."""
-        if conn.job_id is not None and self.connections.get((conn.job_id, conn.rank)) is conn:
-            del self.connections[(conn.job_id, conn.rank)]
+        self._detach(conn)
         conn.end(code, details, reason)
 
     def _deliver(self, job: JobPlane, outcome: ShardOutcome) -> None:
@@ -283,10 +282,6 @@ class ShardRole(CoordinatorServicer):
     ) -> Awaitable[None] | None:
         self.metrics.observe_chunk(len(payload))
         return self._follow(conn, chunk, payload)
-
-    def _detach(self, conn: Connection) -> None:
-        if conn.job_id is not None and self.connections.get((conn.job_id, conn.rank)) is conn:
-            del self.connections[(conn.job_id, conn.rank)]
 
     async def _follow(self, conn: Connection, chunk: ChunkHeader, payload: memoryview) -> None:
         """Feed a chunk to its job, first waiting (bounded) for a view or abort it needs."""
