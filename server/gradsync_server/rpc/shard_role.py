@@ -304,8 +304,8 @@ class ShardRole(CoordinatorServicer):
         self._deliver(job, job.on_gradient(conn.rank, chunk, payload))
 
     def _reject(self, conn: Connection, rejection: RejectedMessage) -> None:
-        """A malformed message from an admitted stream: the leader aborts the step."""
-        job = self.jobs.get(conn.job_id or "")
+        """A malformed message: the leader aborts the step (an unadmitted stream just ends)."""
+        job = self.jobs.get(conn.job_id) if conn.job_id is not None else None
         if job is None:
             self._drop(conn, rejection.code, rejection.message)
             return
