@@ -50,6 +50,7 @@ from gradsync_server.shard_config import ShardConfig
 SERVICE_NAME = "gradsync.v1.Coordinator"
 #: A shard's service: workers' Data streams for its byte range.
 SHARD_SERVICE_NAME = "gradsync.v1.Shard"
+#: gRPC's status codes by their numbers (a `Code`, a `StreamEnd.code`).
 STATUS_BY_CODE = {status.value[0]: status for status in grpc.StatusCode}
 #: After the drain grace, how long streams ended for shutdown get to flush their last messages.
 SHUTDOWN_FLUSH_S = 1.0

@@ -49,11 +49,11 @@ from gradsync_server.dataplane.actions import Action
 from gradsync_server.dataplane.nonfinite import NonFiniteContribution, NonFiniteRejection
 from gradsync_server.errors import RejectedMessage
 from gradsync_server.metrics import CoordinatorMetrics, ShardSample
+from gradsync_server.rpc.servicer import STATUS_BY_CODE
 from gradsync_server.text import capped, quoted
 
 log = logging.getLogger("gradsync.server")
 
-_STATUS_BY_CODE = {status.value[0]: status for status in grpc.StatusCode}
 #: Longest text of a shard's refusal relayed to the ranks (a shard's own messages name
 #: the rank, step, bucket, offset, shard and values, which takes a few hundred characters).
 SHARD_TEXT_CHARS = 1000
@@ -346,7 +346,7 @@ class ShardControl:
             self.lose(link.record, "its control stream ended")
         end = writer.result() if writer.done() and not writer.cancelled() else None
         if end is not None and end.code is not Code.OK:
-            context.set_code(_STATUS_BY_CODE[int(end.code)])
+            context.set_code(STATUS_BY_CODE[int(end.code)])
             context.set_details(end.details)
 
     async def _read(self, link: _Link, request_iterator: AsyncIterator[pb.ShardMessage]) -> None:
@@ -458,7 +458,7 @@ class ShardControl:
             await context.write(pb.LeaderMessage(stream_end=end))
         except Exception as exc:  # the shard is already gone; the status below is moot
             log.info("could not tell a refused shard why: %s", exc)
-        context.set_code(_STATUS_BY_CODE[int(code)])
+        context.set_code(STATUS_BY_CODE[int(code)])
         context.set_details(details)
 
 
