@@ -42,10 +42,11 @@ from gradsync_server.metrics import CoordinatorMetrics
 from gradsync_server.parent_watch import watch_parent
 from gradsync_server.rpc.auth_check import bind, interceptors, server_credentials
 from gradsync_server.rpc.frame_server import FrameServer, start_frame_server
+from gradsync_server.rpc.leader_role import LeaderRole
 from gradsync_server.rpc.payload_socket import PayloadSocket
-from gradsync_server.rpc.servicer import SERVICE_NAME, SHUTDOWN_FLUSH_S, CoordinatorServicer
+from gradsync_server.rpc.servicer import SERVICE_NAME, SHARD_SERVICE_NAME, SHUTDOWN_FLUSH_S
 from gradsync_server.rpc.shard_link import LeaderLink
-from gradsync_server.rpc.shard_servicer import SERVICE_NAME as SHARD_SERVICE_NAME, ShardServicer
+from gradsync_server.rpc.shard_role import ShardRole
 from gradsync_server.rpc.standby_gate import ServicerSwitch, StandbyGate
 from gradsync_server.store.checkpoint_redis import RedisCheckpointStore
 from gradsync_server.store.stores import open_store, redacted_store_url
@@ -60,8 +61,8 @@ _SHARD_STOP_FLUSH_S = 1.0
 LINK_STOP_TIMEOUT_S = 10.0
 
 
-#: The servicer of the role: a leader's `CoordinatorServicer` or a shard's `ShardServicer`.
-S = TypeVar("S", CoordinatorServicer, ShardServicer)
+#: The servicer of the role: a leader's `LeaderRole` or a shard's `ShardRole`.
+S = TypeVar("S", LeaderRole, ShardRole)
 
 
 @dataclass
@@ -131,7 +132,7 @@ class Running(Generic[S]):
         servicer = self.servicer
         servicer.draining = True
         await _set_health(self.health, self.config, serving=False)
-        if isinstance(servicer, ShardServicer):
+        if isinstance(servicer, ShardRole):
             servicer.end_all(
                 Code.UNAVAILABLE, f"{servicer.name} is shutting down", pb.END_REASON_SHARD_LOST
             )
@@ -243,7 +244,7 @@ async def start(
         metrics = metrics or CoordinatorMetrics(shard=True)
         server, port, health_servicer = _listen(config, None)
         advertise = config.advertised(port)
-        shard = ShardServicer(config, advertise, metrics=metrics)
+        shard = ShardRole(config, advertise, metrics=metrics)
         server.add_generic_rpc_handlers((shard.generic_handler(),))
         metrics_server = _metrics_server(config, metrics)
         await server.start()
@@ -267,7 +268,7 @@ async def start(
         else None
     )
     metrics = metrics or CoordinatorMetrics()
-    servicer = CoordinatorServicer(config, store, metrics=metrics)
+    servicer = LeaderRole(config, store, metrics=metrics)
     metrics_server = _metrics_server(config, metrics)
     gate = StandbyGate() if config.lease else None
     server, port, health_servicer = _listen(config, gate)
@@ -302,7 +303,7 @@ def _metrics_server(config: CoordinatorConfig, metrics: CoordinatorMetrics) -> M
     )
 
 
-async def wait_for_shards(running: Running[CoordinatorServicer], timeout_s: float) -> bool:
+async def wait_for_shards(running: Running[LeaderRole], timeout_s: float) -> bool:
     """Wait until every shard has registered; False (logged, naming them) after `timeout_s`."""
     control = running.servicer.shard_control
     try:
@@ -408,7 +409,7 @@ async def serve(config: CoordinatorConfig) -> int:
 
 
 async def serve_leased(
-    config: CoordinatorConfig, running: Running[CoordinatorServicer], stop: asyncio.Event
+    config: CoordinatorConfig, running: Running[LeaderRole], stop: asyncio.Event
 ) -> int:
     """Serve a `--lease` coordinator until SIGTERM (0, lease released): a standby until it
     holds the lease, active while it does, a standby again once demoted (`standby`)."""

@@ -40,7 +40,7 @@ from gradsync_server.store.stores import parse_store_url
 if TYPE_CHECKING:
     from gradsync_server.app import Running
     from gradsync_server.config import CoordinatorConfig
-    from gradsync_server.rpc.servicer import CoordinatorServicer
+    from gradsync_server.rpc.leader_role import LeaderRole
 
 log = logging.getLogger("gradsync.server.standby")
 
@@ -193,7 +193,7 @@ def lease_for(
 
 async def take_part(
     config: CoordinatorConfig,
-    running: Running[CoordinatorServicer],
+    running: Running[LeaderRole],
     lease: RedisLease,
     metrics: LeaseMetrics,
     stop: asyncio.Event,
@@ -253,14 +253,14 @@ async def take_part(
 
 
 async def stand_down(
-    running: Running[CoordinatorServicer], set_health: Callable[..., Awaitable[None]]
+    running: Running[LeaderRole], set_health: Callable[..., Awaitable[None]]
 ) -> None:
     """Drop everything a demoted coordinator served and put a fresh servicer behind its port.
 
     The gate is already closed (`drive_lease`), so nothing reaches the new servicer
     before the next takeover, and the old one gets no new call while it winds down.
     """
-    from gradsync_server.rpc.servicer import CoordinatorServicer
+    from gradsync_server.rpc.leader_role import LeaderRole
 
     old = running.servicer
     if running.switch is None:
@@ -275,7 +275,7 @@ async def stand_down(
         running.watchdog.cancel()
     old.segments.close()
     old.checkpointer.close()  # its threads only: the store stays, fenced, for the next one
-    fresh = CoordinatorServicer(old.config, old.store, metrics=old.metrics)
+    fresh = LeaderRole(old.config, old.store, metrics=old.metrics)
     fresh.payload_endpoint = old.payload_endpoint  # the socket stays; the switch routes it
     running.servicer = fresh
     running.switch.switch(fresh)

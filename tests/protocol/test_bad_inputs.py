@@ -282,7 +282,7 @@ def test_buffer_budget_exhausted() -> None:
             await expect_aborted(
                 workers, 1, CODE.RESOURCE_EXHAUSTED.value[0], f"limit {2 * CHUNK} bytes"
             )
-            assert running.servicer.buffered_bytes == 0, "aborted step's buffers were not freed"
+            assert running.servicer.budget.used == 0, "aborted step's buffers were not freed"
 
     run(scenario)
 
@@ -296,7 +296,7 @@ def test_disconnected_peer_aborts_the_step_for_the_others() -> None:
             aborted = (await workers[0].expect_kind("step_aborted")).step_aborted
             assert aborted.reason == pb.ABORT_REASON_PEER_LOST
             assert "rank 1 disconnected" in aborted.message and "step 0" in aborted.message
-            assert running.servicer.buffered_bytes == 0
+            assert running.servicer.budget.used == 0
             await healthy_step(channel)
 
     run(scenario)

@@ -98,12 +98,12 @@ def test_one_job_cannot_hold_the_budget_another_job_needs() -> None:
             for index in range(8):  # exactly its share, for step 1: accepted and held
                 await hog[1].send(gradient(1, index * CHUNK, bytes(CHUNK)))
             for _ in range(100):
-                if running.servicer._budget.held_by("hog") == 8 * CHUNK:
+                if running.servicer.budget.held_by("hog") == 8 * CHUNK:
                     break
                 await asyncio.sleep(0.01)
-            assert running.servicer._budget.held_by("hog") == 8 * CHUNK
+            assert running.servicer.budget.held_by("hog") == 8 * CHUNK
             await healthy_step(channel, "other")  # the other half is the others'
-            assert running.servicer._budget.held_by("hog") == 8 * CHUNK
+            assert running.servicer.budget.held_by("hog") == 8 * CHUNK
 
     run(scenario)
 
@@ -210,7 +210,7 @@ def test_a_handler_bug_ends_the_stream_with_internal_naming_it(
 
 
 def test_a_status_handler_bug_is_internal_not_unknown(monkeypatch: pytest.MonkeyPatch) -> None:
-    import gradsync_server.rpc.servicer as servicer_module
+    import gradsync_server.rpc.leader_role as servicer_module
 
     def broken(*args: object, **kwargs: object) -> None:
         raise KeyError("no such job")

@@ -172,7 +172,7 @@ def test_collective_inputs_are_charged_and_freed_when_the_stream_ends(policy: st
 
     async def scenario() -> None:
         async with coordinator(heartbeat_timeout_s=30.0, **elastic) as (running, channel):
-            budget = running.servicer._budget
+            budget = running.servicer.budget
             workers = await assembled_job(channel)
             inputs = [
                 np.full(BIG // 4, sequence + 1, np.float32).tobytes() for sequence in range(3)
@@ -226,7 +226,7 @@ def test_a_collective_input_beyond_the_buffered_budget_is_refused(binding: str) 
             running,
             channel,
         ):
-            budget = running.servicer._budget
+            budget = running.servicer.budget
             workers = await assembled_job(channel)
             await send_input(workers[0], 0, pb.COLLECTIVE_OP_SUM, pb.DTYPE_FLOAT32, bytes(BIG // 8))
             await eventually(lambda: budget.used == BIG // 8, "the first input charged")

@@ -30,8 +30,10 @@ import pytest
 import yaml
 from gradsync.healthcheck import build_parser as build_probe_parser
 from gradsync_proto import auth
-from gradsync_server.rpc.servicer import SERVICE_NAME as COORDINATOR_SERVICE
-from gradsync_server.rpc.shard_servicer import SERVICE_NAME as SHARD_SERVICE
+from gradsync_server.rpc.servicer import (
+    SERVICE_NAME as COORDINATOR_SERVICE,
+    SHARD_SERVICE_NAME as SHARD_SERVICE,
+)
 from support.manifests import (
     ANY_POD,
     INDEX_ANNOTATION,

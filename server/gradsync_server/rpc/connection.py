@@ -63,8 +63,14 @@ class Connection:
         self, peer: str, max_outbox_bytes: int, outbox_budget: ByteBudget | None = None
     ) -> None:
         self.peer = peer
+        #: The job that admitted the stream (None until then, and once it left).
+        self.job_id: str | None = None
+        #: At the leader, the very job object the stream joined (see `delivery`).
         self.job: Job | None = None
         self.rank = -1
+        #: The incarnation and session secret (never logged) of a shard stream's hello.
+        self.incarnation = ""
+        self.session = b""
         self.left = False
         self.outbox: asyncio.Queue[bytes | ResumeBlob | End] = asyncio.Queue()
         #: Set when the queue was discarded: a blob being written stops too.
@@ -219,13 +225,13 @@ class Connection:
         )
         self.end(Code.INTERNAL, internal_details(handler, exc), discard=True)
 
-    async def read(
+    async def _read(
         self,
         request_iterator: AsyncIterator[bytes],
         dispatch: Callable[[bytes], Awaitable[None] | None],
         handler: str,
     ) -> None:
-        """Hand every request to `dispatch` until the stream ends (one reader for every handler).
+        """Hand every request to `dispatch` until the stream ends.
 
         A `RejectedMessage` out of `dispatch` ends this stream with its code
         (e.g. a gradient for a refused job); any other exception is a bug, not
@@ -253,32 +259,29 @@ class Connection:
 
     async def serve(
         self,
-        reading: Awaitable[None],
+        request_iterator: AsyncIterator[bytes],
+        dispatch: Callable[[bytes], Awaitable[None] | None],
         context: Any,
+        handler: str,
+        first_message_s: float,
         flush_s: float,
         detach: Callable[[], None],
-        handler: str = "Sync",
-        first_message_s: float | None = None,
-        identified: Callable[[], bool] | None = None,
     ) -> End | None:
-        """Run one stream: `reading` consumes the requests while the outbox is written.
+        """Run one stream: a reader hands the requests to `dispatch` while the outbox is written.
 
         Returns once the reader finishes or the stream is ended (after flushing what
         was queued, for at most `flush_s`), with the `End` it ended with (None when
         the reader finished first). `detach` forgets the connection, before both
-        tasks are reaped so that none is reported pending at exit. With
-        `first_message_s`, a stream for which `identified()` is still False after
-        that long is ended with DEADLINE_EXCEEDED. An exception out of `reading`
-        (a bug: transport failures are the reader's to handle) ends the stream
-        with INTERNAL naming `handler`.
+        tasks are reaped so that none is reported pending at exit. A stream that
+        sent nothing within `first_message_s` is ended with DEADLINE_EXCEEDED. An
+        exception out of the reader (a bug: transport failures are the reader's to
+        handle) ends the stream with INTERNAL naming `handler`.
         """
         loop = asyncio.get_running_loop()
         ended: asyncio.Future[End] = loop.create_future()
-        reader = asyncio.ensure_future(reading)
+        reader = asyncio.create_task(self._read(request_iterator, dispatch, handler))
         writer = asyncio.create_task(self.drain(context, ended))
-        timer = None
-        if first_message_s is not None and identified is not None:
-            timer = loop.call_later(first_message_s, self._first_message_due, identified)
+        timer = loop.call_later(first_message_s, self._first_message_due)
         try:
             pending: list[asyncio.Future[Any]] = [reader, ended]
             await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
@@ -288,8 +291,7 @@ class Connection:
                 # The stream is to end (goodbye or refusal): flush what is queued first.
                 await asyncio.wait({ended}, timeout=flush_s)
         finally:
-            if timer is not None:
-                timer.cancel()
+            timer.cancel()
             reader.cancel()
             try:
                 if not writer.done():
@@ -318,8 +320,8 @@ class Connection:
         # still the one the stream was ended with, never a silent OK.
         return self.end_status
 
-    def _first_message_due(self, identified: Callable[[], bool]) -> None:
-        if self.ended or identified():
+    def _first_message_due(self) -> None:
+        if self.ended or self.greeted:
             return
         self.end(
             Code.DEADLINE_EXCEEDED,

@@ -1,4 +1,4 @@
-"""Carrying out a job's actions on the coordinator's streams.
+"""Carrying out a job's actions on the coordinator's streams (leader and shard alike).
 
 The job (pure) returns actions; this is where they meet sockets: a `Send`
 is serialized once and written to every target rank's outbox (an average for
@@ -11,17 +11,17 @@ A job's actions reach only the streams joined to that very job object: after
 a shard loss (or a Join to a failed job) a new job with the same id may run
 while the old one's streams end. Shards hear of the job's control events
 first, so that a Welcome's job is known to every shard before any worker can
-open a data stream for it.
+open a data stream for it. A shard delivers its averages the same way, with
+no segments, store checkpoints or shards of its own.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Callable, Coroutine
-from typing import Any
+from collections.abc import Awaitable, Callable, Coroutine
+from typing import Any, Generic, Protocol, TypeVar
 
-from gradsync_server.control.job import Job
 from gradsync_server.dataplane.actions import (
     Action,
     Persist,
@@ -32,51 +32,65 @@ from gradsync_server.dataplane.actions import (
     Terminate,
 )
 from gradsync_server.metrics import CoordinatorMetrics
-from gradsync_server.rpc.checkpointer import Checkpointer
 from gradsync_server.rpc.connection import Connection
+from gradsync_server.rpc.outer_records import OuterRecords
 from gradsync_server.rpc.payload_socket import averaged_for
 from gradsync_server.rpc.segments import SegmentRegistry
-from gradsync_server.rpc.shard_control import ShardControl
 
 log = logging.getLogger("gradsync.server")
 
 
-class Delivery:
-    """Delivers the actions of the coordinator's jobs (everything on the servicer's loop).
+class _Job(Protocol):
+    @property
+    def job_id(self) -> str: ...
+
+
+JobT = TypeVar("JobT", bound=_Job)
+
+
+class Delivery(Generic[JobT]):
+    """Delivers the actions of the process's jobs (everything on the servicer's loop).
 
     Args:
-        connections: the joined streams by (job id, rank), shared with the servicer.
+        connections: the admitted streams by (job id, rank), shared with the servicer.
         metrics: where aborts and stream ends are counted.
-        segments: same-host segments, for averages written in place.
-        shard_control: the shards, told each job's control events first.
-        checkpointer: carries out `Persist` on the store.
+        outer: where a `PersistOuter` is saved before the rest of its actions go out.
         detach: forgets a stream that was dropped as a slow reader.
+        segments: same-host segments, for averages written in place (a leader's).
+        before: told of a job's actions before they are carried out (a leader's
+            shards, which hear each job's control events first).
+        persist: carries out `Persist` on the store (a leader's checkpoints).
     """
 
     def __init__(
         self,
         connections: dict[tuple[str, int], Connection],
         metrics: CoordinatorMetrics,
-        segments: SegmentRegistry,
-        shard_control: ShardControl,
-        checkpointer: Checkpointer,
+        outer: OuterRecords,
         detach: Callable[[Connection], None],
+        segments: SegmentRegistry | None = None,
+        before: Callable[[JobT], None] | None = None,
+        persist: Callable[[JobT, Persist], Awaitable[list[Action]]] | None = None,
     ) -> None:
         self._connections = connections
         self._metrics = metrics
-        self._segments = segments
-        self._shard_control = shard_control
-        self._checkpointer = checkpointer
+        self._outer = outer
         self._detach = detach
+        self._segments = segments
+        self._before = before
+        self._persist_on = persist
         self._background: set[asyncio.Task[None]] = set()
 
-    def execute(self, job: Job, actions: list[Action]) -> None:
-        """Carry out `actions` of `job`, in order."""
-        self._shard_control.before_delivery(job)
+    def execute(
+        self, job: JobT, actions: list[Action], then: Callable[[], None] | None = None
+    ) -> None:
+        """Carry out `actions` of `job`, in order, then call `then`."""
+        if self._before is not None:
+            self._before(job)
         saves = [action for action in actions if isinstance(action, PersistOuter)]
         if saves:
             rest: list[Action] = [a for a in actions if not isinstance(a, PersistOuter)]
-            self._in_background(self._save_outer_first(job, saves, rest))
+            self._in_background(self._save_outer_first(job, saves, rest, then))
             return
         for action in actions:
             if isinstance(action, Send):
@@ -93,14 +107,18 @@ class Delivery:
                     target = self._target(job, rank)
                     if target is not None:
                         target.end(action.code, action.details, reason)
+        if then is not None:
+            then()
 
-    def _target(self, job: Job, rank: int) -> Connection | None:
+    def _target(self, job: JobT, rank: int) -> Connection | None:
+        """`rank`'s stream if it is admitted to this very job (a shard's streams name
+        their job by id alone)."""
         target = self._connections.get((job.job_id, rank))
-        return target if target is not None and target.job is job else None
+        return target if target is not None and (target.job is None or target.job is job) else None
 
-    def _send(self, job: Job, send: Send) -> None:
+    def _send(self, job: JobT, send: Send) -> None:
         message = send.message
-        if isinstance(message, SegmentAverage):
+        if isinstance(message, SegmentAverage) and self._segments is not None:
             # Written into each rank's segment, the header only sent (the whole chunk,
             # encoded once, to a rank whose segment cannot take it).
             for rank in send.ranks:
@@ -108,6 +126,8 @@ class Delivery:
                 if target is not None:
                     self._write(target, averaged_for(self._segments, target, message))
             return
+        if isinstance(message, SegmentAverage):
+            message = message.encoded()  # (no same-host segments here)
         if isinstance(message, ResumeBlob):
             for rank in send.ranks:  # each stream's writer encodes the chunks as it sends
                 target = self._target(job, rank)
@@ -142,14 +162,19 @@ class Delivery:
         task.add_done_callback(self._background.discard)
 
     async def _save_outer_first(
-        self, job: Job, saves: list[PersistOuter], rest: list[Action]
+        self,
+        job: JobT,
+        saves: list[PersistOuter],
+        rest: list[Action],
+        then: Callable[[], None] | None,
     ) -> None:
         """Save the outer state, then deliver the step's last answers (also if it failed:
         the job goes on, logged; only a restart before the next good save is refused)."""
         for save in saves:
-            await self._checkpointer.outer.save(save.snapshot, save.shard_index)
-        self.execute(job, rest)
+            await self._outer.save(save.snapshot, save.shard_index)
+        self.execute(job, rest, then)
 
-    async def _persist(self, job: Job, action: Persist) -> None:
+    async def _persist(self, job: JobT, action: Persist) -> None:
         """Carry out a Persist in the background, then deliver its acknowledgement."""
-        self.execute(job, await self._checkpointer.persist(job, action))
+        if self._persist_on is not None:
+            self.execute(job, await self._persist_on(job, action))

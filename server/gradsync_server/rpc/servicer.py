@@ -1,26 +1,24 @@
-"""The gRPC face of the coordinator: parse, validate, forward, deliver.
+"""The gRPC face of a coordinator process, leader or shard: one stream handler for workers.
 
-Each worker holds one bidirectional `Sync` stream. For every stream the
-servicer runs a reader (parse bytes -> hand to the job's state machine) and a
-writer (drain the connection's outbox). This module is glue: job logic lives
-in `gradsync_server.control.job` and its components, the checks on a Join in
-`admission`, liveness checks in `watchdog`, checkpoint store I/O in
-`checkpointer`, the status reply in `status`, the control streams of
-coordinator shards (`Coordinator.ShardLink`) in `shard_control`; the servicer
-only translates between bytes on the wire and the actions those return,
-which `delivery` carries out.
-A same-host local leader's payloads are read from and written into its
-shared-memory segment (`segments`, `payload_socket`) on their way to and
-from the job, which sees the same chunks either way. A
-job's actions reach only the streams joined to that very job object: after a
-shard loss (or a Join to a failed job) a new job with the same id may run
-while the old one's streams end. Everything runs on one asyncio loop, so job
-state needs no locks.
+Every worker stream a coordinator serves (a leader's `Coordinator.Sync`, over
+gRPC or the frame port, and a shard's `Shard.Data`) runs the same handler: a reader
+parses bytes and hands them on, a writer drains the stream's bounded outbox
+(`connection`). The stream is admitted by its first message, a worker's
+`Join` at the leader or a `ShardHello` at a shard, and from then on its
+gradient chunks are parsed without copying their payload (the hot path) and
+fed to the job's `JobPlane`. This module owns what every role shares: the
+stream guard (`--max-connections`, INTERNAL for bugs), admission by the first
+message, chunk decoding, the byte budgets, the gradient counters and how a
+stream ends. A role (`leader_role`, `shard_role`) adds what it alone does:
+the leader runs the control plane (membership, sessions, checkpoints,
+liveness, the shards' links), a shard follows its leader's control events
+(`shard_link`). Everything runs on one asyncio loop, so job state needs no
+locks.
 
-Every stream the coordinator ends with an error status first gets a
-`StreamEnd` message carrying the same code and message plus an `EndReason`,
-because the status code alone cannot tell "declared dead" from "coordinator
-going away"; UNAVAILABLE is used only for the latter.
+Every stream ended with an error status first gets a `StreamEnd` message
+carrying the same code and message plus an `EndReason`, because the status
+code alone cannot tell "declared dead" from "coordinator going away";
+UNAVAILABLE is used only for the latter.
 
 Requests and responses are registered as raw bytes (no automatic
 (de)serialization): that lets garbage bytes become a clear INVALID_ARGUMENT
@@ -30,471 +28,172 @@ serialized once and written to every rank.
 
 from __future__ import annotations
 
-import asyncio
-import logging
-import time
-from collections.abc import AsyncIterator, Callable, Coroutine
-from typing import Any
+from abc import ABC, abstractmethod
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any, ClassVar
 
 import grpc
 from google.protobuf.message import DecodeError
-from gradsync_proto.codec import ChunkHeader, decode_gradient, header_of
+from gradsync_proto.codec import ChunkHeader, decode_gradient
 from gradsync_proto.codes import Code
-from gradsync_proto.payload_socket import Registration
 from gradsync_proto.v1 import gradsync_pb2 as pb
 
 from gradsync_server.config import CoordinatorConfig
-from gradsync_server.control.admission import (
-    SHUTTING_DOWN,
-    first_message_problem,
-    join_problem,
-    new_job,
-    too_many_jobs,
-)
-from gradsync_server.control.job import Job, JobState
-from gradsync_server.control.status import EndedJobs, status_reply
-from gradsync_server.dataplane.actions import Action
-from gradsync_server.dataplane.budget import ByteBudget
+from gradsync_server.dataplane.budget import ByteBudget, outbox_pool_bytes
 from gradsync_server.errors import RejectedMessage
 from gradsync_server.metrics import CoordinatorMetrics
-from gradsync_server.rpc.checkpointer import Checkpointer
 from gradsync_server.rpc.connection import Connection
-from gradsync_server.rpc.delivery import Delivery
-from gradsync_server.rpc.segments import SegmentRegistry, leader_session
-from gradsync_server.rpc.shard_control import ShardControl
 from gradsync_server.rpc.stream_guard import StreamCount, guarded
-from gradsync_server.rpc.watchdog import Watchdog
-from gradsync_server.store.checkpoint import CheckpointStore
-from gradsync_server.text import MAX_REASON_CHARS, quoted
 
-log = logging.getLogger("gradsync.server")
-
+#: The leader's service: workers' Sync streams, Status, FramePort, shards' ShardLink.
 SERVICE_NAME = "gradsync.v1.Coordinator"
-_STATUS_BY_CODE = {status.value[0]: status for status in grpc.StatusCode}
+#: A shard's service: workers' Data streams for its byte range.
+SHARD_SERVICE_NAME = "gradsync.v1.Shard"
+#: gRPC's status codes by their numbers (a `Code`, a `StreamEnd.code`).
+STATUS_BY_CODE = {status.value[0]: status for status in grpc.StatusCode}
 #: After the drain grace, how long streams ended for shutdown get to flush their last messages.
 SHUTDOWN_FLUSH_S = 1.0
 
 
-class CoordinatorServicer:
-    """Owns the jobs and the worker streams of one coordinator process."""
+class CoordinatorServicer(ABC):
+    """The worker streams and jobs of one coordinator process, in one role.
+
+    A role subclass names its service and stream method, and says how a
+    stream is admitted (`_admit`), what an admitted stream's chunks and other
+    messages do (`_gradient`, `_message`), how a malformed message is
+    answered (`_unparsable`, `_reject`) and what a stream's end leaves
+    behind (`_detach`).
+
+    Args:
+        config: the process's configuration.
+        budget: the gradient bytes partial reductions may hold (--max-buffered-mb).
+        clock: monotonic time source.
+        metrics: where its metrics go.
+        flush_s: how long a stream that is to end gets to flush what is queued for it.
+    """
+
+    #: The gRPC service and the stream method that serve workers in this role.
+    service: ClassVar[str]
+    stream_method: ClassVar[str]
 
     def __init__(
         self,
         config: CoordinatorConfig,
-        store: CheckpointStore | None = None,
-        clock: Callable[[], float] = time.monotonic,
-        metrics: CoordinatorMetrics | None = None,
+        budget: ByteBudget,
+        clock: Callable[[], float],
+        metrics: CoordinatorMetrics,
+        flush_s: float,
     ) -> None:
         self.config = config
-        self.metrics = metrics or CoordinatorMetrics()
         self.clock = clock
-        self.jobs: dict[str, Job] = {}
-        self.checkpointer = Checkpointer(config, store)
-        self.shard_control = ShardControl(self, config, clock, self.metrics)
-        self.watchdog = Watchdog(self, extra_checks=(self.shard_control.check,))
-        self._connections: dict[tuple[str, int], Connection] = {}
-        self._streams: set[Connection] = set()
-        self._budget = ByteBudget(config.max_buffered_bytes, config.max_job_buffered_bytes)
+        self.metrics = metrics
+        #: Gradient bytes currently held in partial reductions.
+        self.budget = budget
         #: What all outboxes queue together (see `connection`).
-        self._outbox_budget = ByteBudget(config.outbox_pool_bytes)
+        self.outbox_budget = ByteBudget(
+            outbox_pool_bytes(config.max_buffered_bytes, config.max_outbox_bytes)
+        )
         #: Streams of every kind, against --max-connections (see `stream_guard`).
         self.stream_count = StreamCount(config.max_connections)
+        self.flush_s = flush_s
+        #: Streams admitted to a job, by (job id, rank).
+        self.connections: dict[tuple[str, int], Connection] = {}
+        #: Every open worker stream, admitted or still waiting for its first message.
+        self.streams: set[Connection] = set()
         self.draining = False
-        self.ended_jobs = EndedJobs(lambda: self.clock())
-        #: Same-host local leaders' segments (see `segments`); one per stream at most.
-        self.segments = SegmentRegistry(config.max_connections, config.chunk_bytes, self.metrics)
-        #: (payload socket name, this coordinator's host id) once the socket listens.
-        self.payload_endpoint: tuple[str, str] | None = None
         self.frame_port = 0  # told to workers (0: none; set by `app.start`)
-        self._delivery = Delivery(
-            self._connections,
-            self.metrics,
-            self.segments,
-            self.shard_control,
-            self.checkpointer,
-            self._detach,
-        )
-        self._execute = self._delivery.execute
-
-    @property
-    def store(self) -> CheckpointStore | None:
-        """The checkpoint store, if one is configured."""
-        return self.checkpointer.store
-
-    @property
-    def buffered_bytes(self) -> int:
-        """Gradient bytes currently held in partial reductions."""
-        return self._budget.used
 
     def connection_count(self) -> int:
-        """Worker streams currently joined to a job."""
-        return len(self._connections)
+        """Worker streams currently admitted to a job."""
+        return len(self.connections)
+
+    def stats(self) -> pb.ShardStats:
+        """This process's gradient counters (a shard's sign of life; shard 0 at the leader)."""
+        return self.metrics.stats(self.budget.used, self.connection_count())
 
     def generic_handler(self) -> grpc.GenericRpcHandler:
-        """The handler to register on a `grpc.aio.server` (raw-bytes Sync method)."""
-        return grpc.method_handlers_generic_handler(
-            SERVICE_NAME,
-            {
-                "Sync": grpc.stream_stream_rpc_method_handler(self.sync_handler()),
-                # Raw request bytes: one that does not parse is INVALID_ARGUMENT (gRPC's
-                # deserializer would say UNKNOWN with a traceback; found by the fuzzer).
-                "Status": grpc.unary_unary_rpc_method_handler(
-                    guarded("Status", self.status),
-                    response_serializer=pb.StatusReply.SerializeToString,
-                ),
-                "FramePort": grpc.unary_unary_rpc_method_handler(
-                    guarded("FramePort", self.frame_port_reply),
-                    response_serializer=pb.FramePortReply.SerializeToString,
-                ),
-                "ShardLink": grpc.stream_stream_rpc_method_handler(
-                    guarded("ShardLink", self.shard_control.link, self.stream_count),
-                    request_deserializer=pb.ShardMessage.FromString,
-                    response_serializer=pb.LeaderMessage.SerializeToString,
-                ),
-            },
-        )
+        """The handler to register on a `grpc.aio.server` (raw-bytes stream method)."""
+        methods = {self.stream_method: grpc.stream_stream_rpc_method_handler(self.sync_handler())}
+        methods.update(self._other_methods())
+        return grpc.method_handlers_generic_handler(self.service, methods)
 
-    async def status(self, raw: bytes, context: grpc.aio.ServicerContext) -> pb.StatusReply:
-        """Membership, progress and late ranks of every job (or one), and the shards."""
-        try:
-            request = pb.StatusRequest.FromString(raw)
-        except DecodeError as exc:
-            await context.abort(
-                grpc.StatusCode.INVALID_ARGUMENT,
-                f"a Status request of {len(raw)} bytes does not parse as "
-                f"gradsync.v1.StatusRequest: {exc}",
-            )
-        reply = status_reply(
-            self.jobs.values(),
-            request.job_id,
-            self.config.heartbeat_timeout_s,
-            self.metrics.lag_tracker,
-            self.ended_jobs.snapshots(),
-        )
-        reply.shards.extend(
-            self.shard_control.statuses(self.buffered_bytes, self.connection_count())
-        )
-        reply.recovery.CopyFrom(self.metrics.recovery.summary())
-        return reply
-
-    async def frame_port_reply(self, raw: bytes, context: Any) -> pb.FramePortReply:
-        """Where this coordinator serves Sync streams as frames (0: nowhere; `frame_server`)."""
-        return pb.FramePortReply(port=self.frame_port)
+    def _other_methods(self) -> dict[str, grpc.RpcMethodHandler]:
+        """The role's RPCs beside the worker stream."""
+        return {}
 
     def sync_handler(self) -> Any:
-        """The Sync handler as gRPC runs it (guarded); the frame port runs it too."""
-        return guarded("Sync", self.sync, self.stream_count)
-
-    def own_stats(self) -> pb.ShardStats:
-        """This coordinator's gradient counters (shard 0 of a sharded coordinator)."""
-        return self.metrics.stats(self.buffered_bytes, self.connection_count())
-
-    def check_liveness(self) -> None:
-        """One watchdog pass (also called directly by tests with a fake clock)."""
-        self.watchdog.check()
-
-    def declare_dead(self, job: Job, rank: int, details: str) -> None:
-        """End a silent rank's stream (ABORTED, reason DECLARED_DEAD) and drop it from `job`."""
-        conn = self._connections.pop((job.job_id, rank), None)
-        if conn is not None:
-            conn.end(Code.ABORTED, f"rank {rank} {details}", pb.END_REASON_DECLARED_DEAD)
-            conn.job = None
-        self._leave_job(job, rank, orderly=False, reason=f"{details} in")
-
-    async def drain(self, grace_s: float) -> None:
-        """Shutdown: let streams finish for `grace_s`, then end the rest as shutting down.
-
-        Those get UNAVAILABLE with reason SHUTTING_DOWN (the one case
-        UNAVAILABLE is for: a restarted coordinator may be reached again) and
-        a moment to flush it before the server cancels what is left.
-        """
-        self.draining = True
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + grace_s
-        while self._streams and loop.time() < deadline:
-            await asyncio.sleep(0.05)
-        for conn in list(self._streams):
-            conn.end(Code.UNAVAILABLE, SHUTTING_DOWN, pb.END_REASON_SHUTTING_DOWN)
-        deadline = loop.time() + SHUTDOWN_FLUSH_S
-        while self._streams and loop.time() < deadline:
-            await asyncio.sleep(0.01)
+        """The stream handler as gRPC runs it (guarded); the frame port runs it too."""
+        return guarded(self.stream_method, self.sync, self.stream_count)
 
     async def sync(
         self, request_iterator: AsyncIterator[bytes], context: grpc.aio.ServicerContext
     ) -> None:
         """Serve one worker stream until it leaves, fails, or is ended."""
-        conn = Connection(context.peer(), self.config.max_outbox_bytes, self._outbox_budget)
-        self._streams.add(conn)
+        conn = Connection(context.peer(), self.config.max_outbox_bytes, self.outbox_budget)
+        self.streams.add(conn)
 
         def detach() -> None:
-            self._streams.discard(conn)
+            self.streams.discard(conn)
             self._detach(conn)
 
         end = await conn.serve(
-            conn.read(request_iterator, lambda raw: self._dispatch(conn, raw), "Sync"),
+            request_iterator,
+            lambda raw: self._dispatch(conn, raw),
             context,
-            self.config.shutdown_grace_s,
+            self.stream_method,
+            self.config.first_message_timeout_s,
+            self.flush_s,
             detach,
-            handler="Sync",
-            first_message_s=self.config.first_message_timeout_s,
-            identified=lambda: conn.greeted,
         )
         if end is not None and end.code is not Code.OK:
-            context.set_code(_STATUS_BY_CODE[int(end.code)])
+            context.set_code(STATUS_BY_CODE[int(end.code)])
             context.set_details(end.details)
 
-    # ----------------------------------------------------------- dispatching
-    def _dispatch(self, conn: Connection, raw: bytes) -> Coroutine[Any, Any, None] | None:
-        """Handle one message; a Join is returned as a coroutine for the reader to await."""
-        job = conn.job
+    def _dispatch(self, conn: Connection, raw: bytes) -> Awaitable[None] | None:
+        """Handle one message; what must wait (a Join, a chunk ahead of the leader's
+        view) is returned as an awaitable for the reader to await."""
         try:
             fast = decode_gradient(raw)
-            if fast is not None and job is not None:
+            if fast is not None and conn.job_id is not None:
                 # The hot path: a gradient chunk, parsed without copying its payload.
-                self._gradient(conn, job, *fast)
-                return None
+                return self._gradient(conn, *fast)
             message = pb.WorkerMessage.FromString(raw)
         except (DecodeError, ValueError) as exc:
-            self._reject(
-                conn,
-                RejectedMessage(
-                    Code.INVALID_ARGUMENT,
-                    f"rank {conn.rank} sent {len(raw)} bytes that do not parse as a "
-                    f"gradsync.v1.WorkerMessage: {exc}",
-                ),
-            )
+            self._reject(conn, self._unparsable(conn, raw, exc))
             return None
-        kind = message.WhichOneof("kind")
-        if job is None:
-            problem = first_message_problem(kind, len(raw))
-            if problem is not None:
-                conn.end(*problem)
-                return None
-            return self._join(conn, message.join)
-        job.touch(conn.rank)
-        try:
-            if kind == "heartbeat":
-                job.touch(conn.rank, message.heartbeat.step)
-            elif kind == "abandon":
-                self._execute(job, job.on_abandon(conn.rank, message.abandon))
-            elif kind == "checkpoint":
-                self._execute(job, job.on_checkpoint_chunk(conn.rank, message.checkpoint))
-            elif kind == "gradient":
-                chunk = message.gradient
-                self._gradient(conn, job, header_of(chunk), memoryview(chunk.payload))
-            elif kind == "collective":
-                self._execute(job, job.on_collective(conn.rank, message.collective))
-            elif kind == "local_posted":
-                self._execute(job, job.on_local_posted(conn.rank, message.local_posted))
-            elif kind == "out_of_inputs":
-                self._execute(job, job.on_out_of_inputs(conn.rank, message.out_of_inputs))
-            elif kind == "state":
-                self._execute(job, job.on_state_chunk(conn.rank, message.state))
-            elif kind == "leave":
-                conn.left = True
-                log.info(
-                    "job '%s': rank %d left (%s)",
-                    job.job_id,
-                    conn.rank,
-                    quoted(message.leave.reason, MAX_REASON_CHARS) or "no reason given",
-                )
-                self._detach(conn)
-                conn.end(Code.OK, "goodbye")
-            elif kind == "join":
-                conn.end(Code.FAILED_PRECONDITION, f"rank {conn.rank} sent Join twice")
-            else:
-                self._reject(
-                    conn,
-                    RejectedMessage(
-                        Code.INVALID_ARGUMENT, f"rank {conn.rank} sent an empty WorkerMessage"
-                    ),
-                )
-        except RejectedMessage as rejection:
-            log.warning("job '%s': ending rank %d: %s", job.job_id, conn.rank, rejection.message)
-            conn.end(rejection.code, rejection.message)
-        return None
+        if conn.job_id is None:
+            return self._admit(conn, message, len(raw))
+        return self._message(conn, message, raw)
 
+    # ------------------------------------------------------ what a role decides
+    @abstractmethod
+    def _admit(
+        self, conn: Connection, message: pb.WorkerMessage, size: int
+    ) -> Awaitable[None] | None:
+        """Admit the stream by its first message (`size` bytes), or end it."""
+
+    @abstractmethod
     def _gradient(
-        self, conn: Connection, job: Job, chunk: ChunkHeader, payload: memoryview
-    ) -> None:
-        """Fold a chunk in; an in-segment one's payload is read from the sender's segment first."""
-        if chunk.in_segment:
-            try:
-                read = self.segments.read_for(job, conn.rank, chunk)
-            except RejectedMessage as rejection:
-                self._reject(conn, rejection)
-                return
-            if read is None:
-                return  # the rest of an aborted step's upload: dropped as over TCP
-            payload = read
-        self.metrics.observe_chunk(len(payload))
-        job.touch(conn.rank)
-        self._execute(job, job.on_gradient(conn.rank, chunk, payload))
+        self, conn: Connection, chunk: ChunkHeader, payload: memoryview
+    ) -> Awaitable[None] | None:
+        """Feed a gradient chunk of an admitted stream to its job."""
 
-    def admit_segment(self, registration: Registration, fd: int) -> str | None:
-        """A local leader registers its segment (on the loop; `fd` is owned from here on)."""
-        conn = self._connections.get((registration.job_id, registration.rank))
-        job = conn.job if conn is not None else None
-        live = job is not None and self.jobs.get(registration.job_id) is job
-        expected = leader_session(job, registration.rank) if live and job is not None else b""
-        return self.segments.register(registration, fd, expected)
+    @abstractmethod
+    def _message(
+        self, conn: Connection, message: pb.WorkerMessage, raw: bytes
+    ) -> Awaitable[None] | None:
+        """Handle an admitted stream's message that is not a fast-path chunk."""
 
+    @abstractmethod
+    def _unparsable(self, conn: Connection, raw: bytes, exc: Exception) -> RejectedMessage:
+        """The rejection of `raw`, which does not parse (`exc` says why)."""
+
+    @abstractmethod
     def _reject(self, conn: Connection, rejection: RejectedMessage) -> None:
         """A malformed message: abort the sender's open step, or end its stream."""
-        log.warning("rejected message from %s: %s", conn.peer, rejection.message)
-        if conn.job is None:
-            conn.end(rejection.code, rejection.message)
-        else:
-            self._execute(conn.job, conn.job.reject(conn.rank, rejection))
-
-    async def _join(self, conn: Connection, join: pb.Join) -> None:
-        job_id = join.job_id
-        config = self.config
-        problem = join_problem(
-            join, config, self.draining, job_id in self.jobs, running_jobs=len(self.jobs)
-        )
-        if problem is not None:
-            log.warning("refused join from %s: %s", conn.peer, problem[1])
-            waiting = self.jobs.get(job_id)
-            if waiting is not None and not self.draining:
-                self._execute(waiting, waiting.refused_join(join.rank, problem[1]))
-            reason = pb.END_REASON_SHUTTING_DOWN if self.draining else None
-            conn.end(*problem, reason)
-            return
-        job = self.jobs.get(job_id)
-        if job is not None and job.state in (JobState.BROKEN, JobState.REFUSED):
-            # A rank restarted after the job failed: the failed job is over (its
-            # survivors were told), and the restarted ranks start a new one.
-            log.info("job '%s' is %s; rank %d starts it anew", job_id, job.state.value, join.rank)
-            self.retire_job(job)
-            job = None
-        if job is None:
-            # In a store thread with a deadline: a hung store must not freeze other jobs.
-            resume, problem = await self.checkpointer.load_resume(job_id, join.signature)
-            outer_records: list[tuple[bytes | None, str]] | None = None
-            if join.signature.HasField("outer") and self.checkpointer.outer.enabled:
-                outer_records = await self.checkpointer.outer.load_all(
-                    job_id, config.shard_count, config.fresh_start
-                )
-            job = self.jobs.get(job_id)  # another rank's Join may have created it meanwhile
-            if job is not None and job.state in (JobState.BROKEN, JobState.REFUSED):
-                job = None  # ... and it failed already: this rank starts it anew below
-            if job is None and problem is None and len(self.jobs) >= config.max_jobs:
-                problem = too_many_jobs(len(self.jobs), config.max_jobs)
-        if job is None and problem is not None:
-            log.error("refused join of rank %d to job '%s': %s", join.rank, job_id, problem[1])
-            conn.end(*problem, pb.END_REASON_JOB_REFUSED)
-            return
-        if job is None:
-            stale = self.jobs.get(job_id)
-            if stale is not None:
-                self.retire_job(stale)
-            job = self.jobs[job_id] = new_job(
-                job_id,
-                config,
-                self._budget,
-                self.clock,
-                self.metrics,
-                self.shard_control.registry.shard_map,
-                self.payload_endpoint,
-            )
-            job.resume_from(resume)
-            job.outer_records = outer_records
-            job.persist_outer = self.checkpointer.outer.enabled
-        try:
-            actions = job.join(join.rank, join)
-        except RejectedMessage as rejection:
-            log.warning(
-                "refused join of rank %d to job '%s': %s", join.rank, job_id, rejection.message
-            )
-            conn.end(rejection.code, rejection.message)
-            if not job.members:
-                del self.jobs[job_id]
-            else:  # the ranks that wait hear who was refused and why
-                self._execute(job, job.refused_join(join.rank, rejection.message))
-            return
-        conn.job, conn.rank = job, join.rank
-        job.set_peer(join.rank, conn.peer)
-        self._connections[(job_id, join.rank)] = conn
-        missing = job.assembly.missing(job.membership.ranks())
-        wait = f"waiting for ranks {missing} of {config.world_size}" if missing else "all present"
-        log.info(
-            "job '%s': rank %d joined from %s (incarnation %r, client %r); %s",
-            job_id,
-            join.rank,
-            conn.peer,
-            join.incarnation,
-            join.client_version,
-            wait,
-        )
-        self._execute(job, actions)
 
     def _detach(self, conn: Connection) -> None:
-        job = conn.job
-        if job is None:
-            return
-        conn.job = None
-        key = (job.job_id, conn.rank)
-        if self._connections.get(key) is conn:
-            del self._connections[key]
-        if not conn.left and job.state is JobState.ASSEMBLING:
-            log.warning(
-                "job '%s': rank %d disconnected while waiting for the others; dropped from the "
-                "assembling job (it may join again)",
-                job.job_id,
-                conn.rank,
-            )
-        elif not conn.left:
-            log.warning(
-                "job '%s': rank %d disconnected at step %d", job.job_id, conn.rank, job.open_step
-            )
-        self._leave_job(job, conn.rank, orderly=conn.left)
-
-    def _leave_job(self, job: Job, rank: int, orderly: bool, reason: str | None = None) -> None:
-        """Drop `rank` from `job` for good and carry out what that means for the others."""
-        if not orderly:
-            self.metrics.recovery.rank_lost(job.liveness.seconds_since_seen(rank))
-        self.segments.forget(job.job_id, rank, job.membership.session_of(rank))
-        self._execute(job, job.detach(rank, orderly=orderly, reason=reason))
-        # Its straggler statistics must not follow a later member with its rank.
-        self.metrics.forget_rank(rank)
-        self._forget_if_empty(job)
-
-    def _forget_if_empty(self, job: Job) -> None:
-        if job.members or self.jobs.get(job.job_id) is not job:
-            return
-        ended = self._retire(job)
-        if ended.state in ("finished", "abandoned"):
-            log.info("job '%s' %s", job.job_id, ended.outcome)
-        else:
-            log.warning("job '%s' ended %s: %s", job.job_id, ended.state, ended.outcome)
-
-    def retire_job(self, job: Job) -> None:
-        """Remove `job` from the active jobs now, though ranks may still be connected to it.
-
-        Its connections keep pointing at it (and only they get its actions), so
-        a Join with the same id creates a new job while the old streams end.
-        """
-        if self.jobs.get(job.job_id) is not job:
-            return
-        ended = self._retire(job)
-        log.warning("job '%s' ended %s: %s", job.job_id, ended.state, ended.outcome)
-
-    def _retire(self, job: Job) -> pb.JobStatus:
-        """Forget the active `job`: its segments, its shards' copy; record how it ended."""
-        del self.jobs[job.job_id]
-        self.segments.forget_job(job.job_id)
-        self.shard_control.job_ended(job)
-        return self.ended_jobs.record(job, self.metrics.lag_tracker)
-
-    def expire_assembly(self, job: Job, details: str) -> None:
-        """Refuse a job that assembled too long: its waiting ranks end, its slot is free."""
-        self._execute(
-            job,
-            job.end(Code.DEADLINE_EXCEEDED, details, pb.END_REASON_JOB_REFUSED, JobState.REFUSED),
-        )
-        self.retire_job(job)
-
-    def execute(self, job: Job, actions: list[Action]) -> None:
-        """Carry out `actions` of `job` (for the watchdog's periodic reports)."""
-        self._execute(job, actions)
+        """The stream ended: forget it (a role adds what that means for its job)."""
+        key = (conn.job_id or "", conn.rank)
+        if self.connections.get(key) is conn:
+            del self.connections[key]

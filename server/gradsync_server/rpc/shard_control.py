@@ -29,7 +29,7 @@ import asyncio
 import logging
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Any, Protocol
 
 import grpc
 from gradsync_proto import __version__
@@ -49,11 +49,11 @@ from gradsync_server.dataplane.actions import Action
 from gradsync_server.dataplane.nonfinite import NonFiniteContribution, NonFiniteRejection
 from gradsync_server.errors import RejectedMessage
 from gradsync_server.metrics import CoordinatorMetrics, ShardSample
+from gradsync_server.rpc.servicer import STATUS_BY_CODE
 from gradsync_server.text import capped, quoted
 
 log = logging.getLogger("gradsync.server")
 
-_STATUS_BY_CODE = {status.value[0]: status for status in grpc.StatusCode}
 #: Longest text of a shard's refusal relayed to the ranks (a shard's own messages name
 #: the rank, step, bucket, offset, shard and values, which takes a few hundred characters).
 SHARD_TEXT_CHARS = 1000
@@ -74,7 +74,7 @@ class Leader(Protocol):
         """Remove `job` from the active jobs at once and record how it ended."""
         ...
 
-    def own_stats(self) -> pb.ShardStats:
+    def stats(self) -> pb.ShardStats:
         """The leader's own counters (shard 0)."""
         ...
 
@@ -175,25 +175,11 @@ class ShardControl:
                 self._leader.execute(job, job.start_if_ready())
 
     # ----------------------------------------------------------------- status
-    def statuses(self, buffered_bytes: int, connections: int) -> list[pb.ShardStatus]:
+    def statuses(self) -> list[pb.ShardStatus]:
         """StatusReply.shards: the leader's own counters first, then every shard index."""
         if not self.registry.sharded:
             return []
-        own = self._leader.own_stats()
-        shards = [
-            pb.ShardStatus(
-                index=0,
-                address="",
-                alive=True,
-                bytes_received=own.bytes_received,
-                bytes_sent=own.bytes_sent,
-                buckets_completed=own.buckets_completed,
-                mean_bucket_s=own.mean_bucket_s,
-                buffered_bytes=buffered_bytes,
-                connections=connections,
-                version=__version__,
-            )
-        ]
+        shards = [_status(0, "", self._leader.stats(), alive=True, version=__version__)]
         for index in range(1, self.registry.shard_count):
             record = self.registry.get(index)
             if record is None:
@@ -201,27 +187,15 @@ class ShardControl:
                     pb.ShardStatus(index=index, address=self.registry.last_address(index))
                 )
                 continue
-            stats = record.stats
-            shards.append(
-                pb.ShardStatus(
-                    index=index,
-                    address=record.shown_address,
-                    alive=self._alive(record),
-                    last_seen_s=self.registry.seconds_since_heard(record),
-                    bytes_received=stats.bytes_received,
-                    bytes_sent=stats.bytes_sent,
-                    buckets_completed=stats.buckets_completed,
-                    mean_bucket_s=stats.mean_bucket_s,
-                    buffered_bytes=stats.buffered_bytes,
-                    connections=stats.connections,
-                    version=record.version,
-                )
-            )
+            status = _status(index, record.shown_address, record.stats, alive=self._alive(record))
+            status.last_seen_s = self.registry.seconds_since_heard(record)
+            status.version = record.version
+            shards.append(status)
         return shards
 
     def samples(self) -> list[ShardSample]:
         """The shards' series for the leader's /metrics (read at every scrape)."""
-        own = self._leader.own_stats()
+        own = self._leader.stats()
         samples = [ShardSample(0, "", True, own.bytes_received, own.bytes_sent, 0.0)]
         for index in range(1, self.registry.shard_count):
             record = self.registry.get(index)
@@ -372,7 +346,7 @@ class ShardControl:
             self.lose(link.record, "its control stream ended")
         end = writer.result() if writer.done() and not writer.cancelled() else None
         if end is not None and end.code is not Code.OK:
-            context.set_code(_STATUS_BY_CODE[int(end.code)])
+            context.set_code(STATUS_BY_CODE[int(end.code)])
             context.set_details(end.details)
 
     async def _read(self, link: _Link, request_iterator: AsyncIterator[pb.ShardMessage]) -> None:
@@ -484,7 +458,7 @@ class ShardControl:
             await context.write(pb.LeaderMessage(stream_end=end))
         except Exception as exc:  # the shard is already gone; the status below is moot
             log.info("could not tell a refused shard why: %s", exc)
-        context.set_code(_STATUS_BY_CODE[int(code)])
+        context.set_code(STATUS_BY_CODE[int(code)])
         context.set_details(details)
 
 
@@ -497,3 +471,18 @@ def peer_host_of(peer: str) -> str:
     if kind == "ipv6" and not host.startswith("["):
         host = f"[{host}]"
     return host
+
+
+def _status(index: int, address: str, stats: pb.ShardStats, **fields: Any) -> pb.ShardStatus:
+    """One row of StatusReply.shards, its counters from `stats`."""
+    return pb.ShardStatus(
+        index=index,
+        address=address,
+        bytes_received=stats.bytes_received,
+        bytes_sent=stats.bytes_sent,
+        buckets_completed=stats.buckets_completed,
+        mean_bucket_s=stats.mean_bucket_s,
+        buffered_bytes=stats.buffered_bytes,
+        connections=stats.connections,
+        **fields,
+    )

@@ -33,7 +33,8 @@ from gradsync_proto.net.stream_client import EndKind, StreamClient, StreamEnded
 from gradsync_proto.v1 import gradsync_pb2 as pb
 
 from gradsync_server.defaults import UNREACHABLE_REPORT_PERIOD_S
-from gradsync_server.rpc.shard_servicer import ShardServicer
+from gradsync_server.rpc.servicer import STATUS_BY_CODE
+from gradsync_server.rpc.shard_role import ShardRole
 
 log = logging.getLogger("gradsync.shard")
 
@@ -51,7 +52,6 @@ REFUSAL_CODES = frozenset(
         grpc.StatusCode.OUT_OF_RANGE,
     }
 )
-_CODE_BY_VALUE = {status.value[0]: status for status in grpc.StatusCode}
 #: First pause before registering again after losing the leader.
 _FIRST_BACKOFF_S = 0.1
 #: Bound on the wait for the stats pump to end once cancelled.
@@ -77,7 +77,7 @@ class LeaderLink:
         servicer: the shard's jobs and data streams, which the leader's messages drive.
     """
 
-    def __init__(self, servicer: ShardServicer) -> None:
+    def __init__(self, servicer: ShardRole) -> None:
         self._servicer = servicer
         self._config = servicer.config
         #: `--leader a:1,b:2` (a standby leader): the active one is found by trying each.
@@ -222,7 +222,7 @@ class LeaderLink:
             servicer.on_job_end(message.job_end)
         elif kind == "stream_end":
             end = message.stream_end
-            code = _CODE_BY_VALUE.get(end.code, grpc.StatusCode.UNKNOWN)
+            code = STATUS_BY_CODE.get(end.code, grpc.StatusCode.UNKNOWN)
             self._conclude(f"it ended the control stream ({code.name}: {end.message})")
         elif kind == "accepted":
             servicer.on_accepted(message.accepted)
@@ -231,7 +231,7 @@ class LeaderLink:
         """The leader's first message: acceptance, a refusal, or something else (retry)."""
         if kind == "stream_end":
             end = answer.stream_end
-            if _CODE_BY_VALUE.get(end.code) in REFUSAL_CODES:
+            if STATUS_BY_CODE.get(end.code) in REFUSAL_CODES:
                 self._conclude(Refused(end.message))
             else:
                 self._conclude(f"the leader ended the stream: {end.message}")
@@ -249,7 +249,7 @@ class LeaderLink:
 
     def _on_end(self, ended: StreamEnded) -> None:
         """However the stream ended, in the words of the shard's log and its data streams."""
-        code = _CODE_BY_VALUE.get(ended.code, grpc.StatusCode.UNKNOWN)
+        code = STATUS_BY_CODE.get(ended.code, grpc.StatusCode.UNKNOWN)
         status = f"{code.name}: {ended.details}"
         if ended.kind is EndKind.FAULT and ended.cause is not None:
             self._conclude(ended.cause)  # a handler's bug: raised, as it always was

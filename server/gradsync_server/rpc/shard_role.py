@@ -1,11 +1,10 @@
-"""The gRPC face of a coordinator shard: workers' data streams, and the leader's decisions.
+"""The coordinator servicer in the shard role: workers' data streams, and the leader's decisions.
 
 Each worker opens one `Shard.Data` stream per shard: a `ShardHello`, then
 gradient chunks of the shard's byte ranges; the averages come back on the
-same stream. As in the leader's servicer, every stream has a reader and a
-writer draining a bounded outbox (`Connection`), every stream ended with an
-error first gets a `StreamEnd`, and messages are raw bytes so that a chunk is
-parsed without copying and an average is serialized once for every rank.
+same stream. The stream is `servicer`'s, as at the leader: admitted by its
+first message, chunks parsed without copying, a bounded outbox, a
+`StreamEnd` before an error status.
 
 Each job's data plane is a `JobPlane` (pure, the class the leader runs for
 its own range); the leader's control events arrive through the `on_*`
@@ -26,30 +25,26 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import Awaitable, Callable
 
-import grpc
-from google.protobuf.message import DecodeError
-from gradsync_proto.codec import ChunkHeader, decode_gradient, header_of
+from gradsync_proto.codec import ChunkHeader, header_of
 from gradsync_proto.codes import Code
 from gradsync_proto.v1 import gradsync_pb2 as pb
 
 from gradsync_server import defaults
 from gradsync_server.config import CoordinatorConfig
 from gradsync_server.dataplane import nonfinite
-from gradsync_server.dataplane.actions import ResumeBlob, SegmentAverage
-from gradsync_server.dataplane.budget import ByteBudget, outbox_pool_bytes
+from gradsync_server.dataplane.budget import ByteBudget
 from gradsync_server.dataplane.plane import JobPlane, ShardOutcome
 from gradsync_server.errors import RejectedMessage
 from gradsync_server.metrics import CoordinatorMetrics
 from gradsync_server.rpc.connection import Connection
+from gradsync_server.rpc.delivery import Delivery
+from gradsync_server.rpc.servicer import SHARD_SERVICE_NAME, STATUS_BY_CODE, CoordinatorServicer
 from gradsync_server.rpc.shard_outer import ShardOuterStates
-from gradsync_server.rpc.stream_guard import StreamCount, guarded
 
 log = logging.getLogger("gradsync.shard")
 
-SERVICE_NAME = "gradsync.v1.Shard"
-_STATUS_BY_CODE = {status.value[0]: status for status in grpc.StatusCode}
 #: How long a stream that is to end gets to flush what is queued for it.
 _FLUSH_S = 1.0
 #: How long a hello naming a job, or a rank of a job, this shard has not heard of
@@ -58,21 +53,8 @@ _FLUSH_S = 1.0
 ANNOUNCE_GRACE_S = 1.0
 
 
-class DataStream(Connection):
-    """One worker's data stream: the bounded outbox, plus who sent the hello."""
-
-    def __init__(
-        self, peer: str, max_outbox_bytes: int, outbox_budget: ByteBudget | None = None
-    ) -> None:
-        super().__init__(peer, max_outbox_bytes, outbox_budget)
-        self.job_id: str | None = None
-        self.incarnation = ""
-        #: The session secret of the hello that admitted the stream (never logged).
-        self.session = b""
-
-
-class ShardServicer:
-    """The jobs and data streams of one shard process.
+class ShardRole(CoordinatorServicer):
+    """The coordinator servicer of a shard: its jobs and data streams.
 
     Args:
         config: the shard's configuration.
@@ -81,6 +63,10 @@ class ShardServicer:
         metrics: where its metrics go (a fresh shard `CoordinatorMetrics` when None).
     """
 
+    service = SHARD_SERVICE_NAME
+    stream_method = "Data"
+    config: CoordinatorConfig
+
     def __init__(
         self,
         config: CoordinatorConfig,
@@ -88,57 +74,34 @@ class ShardServicer:
         clock: Callable[[], float] = time.monotonic,
         metrics: CoordinatorMetrics | None = None,
     ) -> None:
-        self.config = config
-        self.advertise = advertise
-        self.clock = clock
-        self.metrics = metrics or CoordinatorMetrics(shard=True)
-        self.budget = ByteBudget(config.max_buffered_bytes)
-        #: What all outboxes queue together (see `gradsync_server.rpc.connection`).
-        self.outbox_budget = ByteBudget(
-            outbox_pool_bytes(config.max_buffered_bytes, config.max_outbox_bytes)
+        super().__init__(
+            config,
+            ByteBudget(config.max_buffered_bytes),
+            clock,
+            metrics or CoordinatorMetrics(shard=True),
+            _FLUSH_S,
         )
-        #: Data streams, against --max-connections (see `gradsync_server.rpc.stream_guard`).
-        self.stream_count = StreamCount(config.max_connections)
+        self.advertise = advertise
         #: None until the leader accepts the shard (and again once it is lost).
         self.index: int | None = None
         #: The leader's --nonfinite policy (from ShardAccepted).
         self.nonfinite = defaults.NONFINITE
         self.heartbeat_timeout_s = config.hello_wait_s
         self.jobs: dict[str, JobPlane] = {}
-        self._connections: dict[tuple[str, int], DataStream] = {}
-        self._streams: set[DataStream] = set()
         #: Messages for the leader (rejections, non-finite reports), drained by the control link.
         self.to_leader: asyncio.Queue[pb.ShardMessage] = asyncio.Queue()
         self._changed = asyncio.Event()
-        self.draining = False
         #: This shard's range of the DiLoCo outer state on the store (`shard_outer`).
         self.outer_states = ShardOuterStates(config)
-        self._saving: set[asyncio.Task[None]] = set()
+        self._delivery = Delivery[JobPlane](
+            self.connections, self.metrics, self.outer_states.records, self._detach
+        )
 
     @property
     def name(self) -> str:
         """How messages name this shard: "shard 2 at 10.0.0.5:50051"."""
         index = "?" if self.index is None else str(self.index)
         return f"shard {index} at {self.advertise}"
-
-    def connection_count(self) -> int:
-        """Data streams admitted to a job."""
-        return len(self._connections)
-
-    def stats(self) -> pb.ShardStats:
-        """The counters sent to the leader with every sign of life."""
-        return self.metrics.stats(self.budget.used, self.connection_count())
-
-    def generic_handler(self) -> grpc.GenericRpcHandler:
-        """The handler to register on a `grpc.aio.server` (raw-bytes Data method)."""
-        return grpc.method_handlers_generic_handler(
-            SERVICE_NAME,
-            {
-                "Data": grpc.stream_stream_rpc_method_handler(
-                    guarded("Data", self.data, self.stream_count)
-                )
-            },
-        )
 
     # ------------------------------------------------------------ the leader
     def _notify(self) -> None:
@@ -213,7 +176,7 @@ class ShardServicer:
             outcome = ShardOutcome()
         else:
             outcome = job.apply(view)
-        for (job_id, rank), conn in list(self._connections.items()):
+        for (job_id, rank), conn in list(self.connections.items()):
             if job_id == view.job_id and not job.is_current(rank, conn.incarnation, conn.session):
                 self._drop(conn, Code.OK, f"rank {rank} is no longer a member of job '{job_id}'")
         self._deliver(job, outcome)
@@ -231,10 +194,10 @@ class ShardServicer:
         job = self.jobs.pop(end.job_id, None)
         if job is not None:
             job.release()
-        code = Code(end.code) if end.code in _STATUS_BY_CODE else Code.UNKNOWN
+        code = Code(end.code) if end.code in STATUS_BY_CODE else Code.UNKNOWN
         if job is not None:
             log.info("job '%s' ended at the leader (%s): %s", end.job_id, code.name, end.message)
-        for (job_id, _), conn in list(self._connections.items()):
+        for (job_id, _), conn in list(self.connections.items()):
             if job_id == end.job_id:
                 self._drop(conn, code, end.message or f"job '{job_id}' ended")
         self._notify()
@@ -254,115 +217,77 @@ class ShardServicer:
 
     def end_all(self, code: Code, details: str, reason: pb.EndReason) -> None:
         """End every data stream (admitted or still waiting) with `code`."""
-        for conn in list(self._streams):
+        for conn in list(self.streams):
             self._drop(conn, code, details, reason)
 
     def _drop(
-        self, conn: DataStream, code: Code, details: str, reason: pb.EndReason | None = None
+        self, conn: Connection, code: Code, details: str, reason: pb.EndReason | None = None
     ) -> None:
-        if conn.job_id is not None and self._connections.get((conn.job_id, conn.rank)) is conn:
-            del self._connections[(conn.job_id, conn.rank)]
+        """Forget an admitted stream now and end it with `code`."""
+        self._detach(conn)
         conn.end(code, details, reason)
 
     def _deliver(self, job: JobPlane, outcome: ShardOutcome) -> None:
-        if outcome.saves:  # a DiLoCo step committed: its last answers wait for the save
-            task = asyncio.create_task(self._save_then_deliver(job, outcome))
-            self._saving.add(task)
-            task.add_done_callback(self._saving.discard)
-            return
-        self._deliver_now(job, outcome)
+        """Send the averages (once the outer state is saved, if a DiLoCo step committed
+        here), then report a rejection or non-finite contributions to the leader."""
 
-    async def _save_then_deliver(self, job: JobPlane, outcome: ShardOutcome) -> None:
-        for save in outcome.saves:
-            await self.outer_states.records.save(save.snapshot, save.shard_index)
-        self._deliver_now(job, outcome)
+        def report() -> None:
+            if outcome.rejected is not None:
+                log.warning("job '%s': %s", job.job_id, outcome.rejected.message)
+                self.metrics.observe_rejection(Code(outcome.rejected.code).name)
+                self.to_leader.put_nowait(pb.ShardMessage(rejected=outcome.rejected))
+            for contribution in outcome.nonfinite:
+                self.to_leader.put_nowait(pb.ShardMessage(nonfinite=contribution))
 
-    def _deliver_now(self, job: JobPlane, outcome: ShardOutcome) -> None:
-        for send in outcome.sends:
-            message = send.message
-            if isinstance(message, ResumeBlob):
-                continue  # (a shard averages gradients only; states go through the leader)
-            if isinstance(message, SegmentAverage):
-                message = message.encoded()  # (shards have no same-host segments)
-            raw = message if isinstance(message, bytes) else message.SerializeToString()
-            for rank in send.ranks:
-                target = self._connections.get((job.job_id, rank))
-                if target is not None:
-                    target.send(raw)
-        if outcome.rejected is not None:
-            log.warning("job '%s': %s", job.job_id, outcome.rejected.message)
-            self.metrics.observe_rejection(Code(outcome.rejected.code).name)
-            self.to_leader.put_nowait(pb.ShardMessage(rejected=outcome.rejected))
-        for report in outcome.nonfinite:
-            self.to_leader.put_nowait(pb.ShardMessage(nonfinite=report))
+        self._delivery.execute(job, [*outcome.saves, *outcome.sends], report)
 
     # --------------------------------------------------------------- streams
-    async def data(
-        self, request_iterator: AsyncIterator[bytes], context: grpc.aio.ServicerContext
-    ) -> None:
-        """Serve one worker's data stream until it leaves, fails, or is ended."""
-        conn = DataStream(context.peer(), self.config.max_outbox_bytes, self.outbox_budget)
-        self._streams.add(conn)
-
-        def detach() -> None:
-            if conn.job_id is not None and self._connections.get((conn.job_id, conn.rank)) is conn:
-                del self._connections[(conn.job_id, conn.rank)]
-            self._streams.discard(conn)
-
-        end = await conn.serve(
-            conn.read(request_iterator, lambda raw: self._dispatch(conn, raw), "Data"),
-            context,
-            _FLUSH_S,
-            detach,
-            handler="Data",
-            first_message_s=self.config.first_message_timeout_s,
-            identified=lambda: conn.greeted,
-        )
-        if end is not None and end.code is not Code.OK:
-            context.set_code(_STATUS_BY_CODE[int(end.code)])
-            context.set_details(end.details)
-
-    async def _dispatch(self, conn: DataStream, raw: bytes) -> None:
+    def _unparsable(self, conn: Connection, raw: bytes, exc: Exception) -> RejectedMessage:
         if conn.job_id is None:
-            await self._hello(conn, raw)
-            return
-        try:
-            fast = decode_gradient(raw)
-            if fast is not None:
-                chunk, payload = fast
-            else:
-                message = pb.WorkerMessage.FromString(raw)
-                kind = message.WhichOneof("kind")
-                if kind == "heartbeat":
-                    return
-                if kind == "leave":
-                    self._drop(conn, Code.OK, "goodbye")
-                    return
-                if kind == "shard_hello":
-                    self._drop(conn, Code.FAILED_PRECONDITION, f"rank {conn.rank} sent two hellos")
-                    return
-                if kind != "gradient":
-                    raise ValueError(
-                        f"a shard data stream carries gradient chunks only, got {kind or 'nothing'}"
-                    )
-                chunk, payload = header_of(message.gradient), memoryview(message.gradient.payload)
-        except (DecodeError, ValueError) as exc:
-            self._refuse(
-                conn,
-                RejectedMessage(
-                    Code.INVALID_ARGUMENT,
-                    f"rank {conn.rank} sent {len(raw)} bytes that are not a gradient chunk "
-                    f"for {self.name}: {exc}",
-                ),
+            return RejectedMessage(
+                Code.INVALID_ARGUMENT,
+                f"{len(raw)} bytes that do not parse as a gradsync.v1.WorkerMessage: {exc}",
             )
-            return
-        self.metrics.observe_chunk(len(payload))
-        await self._gradient(conn, chunk, payload)
+        return RejectedMessage(
+            Code.INVALID_ARGUMENT,
+            f"rank {conn.rank} sent {len(raw)} bytes that are not a gradient chunk "
+            f"for {self.name}: {exc}",
+        )
 
-    async def _gradient(self, conn: DataStream, chunk: ChunkHeader, payload: memoryview) -> None:
+    def _message(
+        self, conn: Connection, message: pb.WorkerMessage, raw: bytes
+    ) -> Awaitable[None] | None:
+        kind = message.WhichOneof("kind")
+        if kind == "heartbeat":
+            return None
+        if kind == "leave":
+            self._drop(conn, Code.OK, "goodbye")
+            return None
+        if kind == "shard_hello":
+            self._drop(conn, Code.FAILED_PRECONDITION, f"rank {conn.rank} sent two hellos")
+            return None
+        try:
+            if kind != "gradient":
+                raise ValueError(
+                    f"a shard data stream carries gradient chunks only, got {kind or 'nothing'}"
+                )
+            chunk = header_of(message.gradient)
+        except ValueError as exc:
+            self._reject(conn, self._unparsable(conn, raw, exc))
+            return None
+        return self._gradient(conn, chunk, memoryview(message.gradient.payload))
+
+    def _gradient(
+        self, conn: Connection, chunk: ChunkHeader, payload: memoryview
+    ) -> Awaitable[None] | None:
+        self.metrics.observe_chunk(len(payload))
+        return self._follow(conn, chunk, payload)
+
+    async def _follow(self, conn: Connection, chunk: ChunkHeader, payload: memoryview) -> None:
+        """Feed a chunk to its job, first waiting (bounded) for a view or abort it needs."""
         job_id = conn.job_id
         if job_id is None:
-            return  # only admitted streams send chunks (see _dispatch)
+            return  # only admitted streams send chunks (see `servicer`)
         job = self.jobs.get(job_id)
         if job is not None and job.awaits_leader(chunk):
             waiting = job
@@ -378,25 +303,18 @@ class ShardServicer:
             return
         self._deliver(job, job.on_gradient(conn.rank, chunk, payload))
 
-    def _refuse(self, conn: DataStream, rejection: RejectedMessage) -> None:
-        """A malformed message from an admitted stream: the leader aborts the step."""
-        job = self.jobs.get(conn.job_id or "")
+    def _reject(self, conn: Connection, rejection: RejectedMessage) -> None:
+        """A malformed message: the leader aborts the step (an unadmitted stream just ends)."""
+        job = self.jobs.get(conn.job_id) if conn.job_id is not None else None
         if job is None:
             self._drop(conn, rejection.code, rejection.message)
             return
         self._deliver(job, ShardOutcome([], job.report(conn.rank, rejection)))
 
-    async def _hello(self, conn: DataStream, raw: bytes) -> None:
-        """Admit a stream whose first message is a ShardHello the leader's view vouches for."""
-        try:
-            message = pb.WorkerMessage.FromString(raw)
-        except DecodeError as exc:
-            self._drop(
-                conn,
-                Code.INVALID_ARGUMENT,
-                f"{len(raw)} bytes that do not parse as a gradsync.v1.WorkerMessage: {exc}",
-            )
-            return
+    def _admit(
+        self, conn: Connection, message: pb.WorkerMessage, size: int
+    ) -> Awaitable[None] | None:
+        """A data stream opens with its ShardHello (returned as a coroutine to await)."""
         kind = message.WhichOneof("kind")
         if kind != "shard_hello":
             self._drop(
@@ -405,8 +323,11 @@ class ShardServicer:
                 f"the first message on a shard data stream must be a ShardHello, "
                 f"got {kind or 'an empty message'}",
             )
-            return
-        hello = message.shard_hello
+            return None
+        return self._hello(conn, message.shard_hello)
+
+    async def _hello(self, conn: Connection, hello: pb.ShardHello) -> None:
+        """Admit a stream whose ShardHello the leader's view vouches for."""
         if self.draining:
             self._drop(
                 conn, Code.UNAVAILABLE, f"{self.name} is shutting down", pb.END_REASON_SHARD_LOST
@@ -461,10 +382,10 @@ class ShardServicer:
             return
         conn.job_id, conn.rank, conn.incarnation = hello.job_id, hello.rank, hello.incarnation
         conn.session = hello.session
-        previous = self._connections.get((hello.job_id, hello.rank))
+        previous = self.connections.get((hello.job_id, hello.rank))
         if previous is not None:
             self._drop(previous, Code.OK, f"replaced by a newer data stream from {conn.peer}")
-        self._connections[(hello.job_id, hello.rank)] = conn
+        self.connections[(hello.job_id, hello.rank)] = conn
         log.info(
             "job '%s': rank %d opened its data stream from %s", hello.job_id, hello.rank, conn.peer
         )

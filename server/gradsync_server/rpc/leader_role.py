@@ -1,0 +1,429 @@
+"""The coordinator servicer in the leader role: the control plane around the worker streams.
+
+The leader admits a worker's `Sync` stream by its `Join` (checks in
+`admission`), creates and retires jobs, and hands parsed messages to the
+job's state machine (`gradsync_server.control.job`), whose actions
+`delivery` carries out. Around that: liveness in `watchdog`, checkpoint
+store I/O in `checkpointer`, the status reply in `status`, the shards'
+control streams (`Coordinator.ShardLink`) in `shard_control`, same-host local
+leaders' shared-memory segments in `segments` and `payload_socket`. The
+stream itself is `servicer`'s, as at a shard.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import grpc
+from google.protobuf.message import DecodeError
+from gradsync_proto.codec import ChunkHeader, header_of
+from gradsync_proto.codes import Code
+from gradsync_proto.payload_socket import Registration
+from gradsync_proto.v1 import gradsync_pb2 as pb
+
+from gradsync_server.config import CoordinatorConfig
+from gradsync_server.control.admission import (
+    SHUTTING_DOWN,
+    first_message_problem,
+    join_problem,
+    new_job,
+    too_many_jobs,
+)
+from gradsync_server.control.job import Job, JobState
+from gradsync_server.control.status import EndedJobs, status_reply
+from gradsync_server.dataplane.actions import Action
+from gradsync_server.dataplane.budget import ByteBudget
+from gradsync_server.errors import RejectedMessage
+from gradsync_server.metrics import CoordinatorMetrics
+from gradsync_server.rpc.checkpointer import Checkpointer
+from gradsync_server.rpc.connection import Connection
+from gradsync_server.rpc.delivery import Delivery
+from gradsync_server.rpc.segments import SegmentRegistry, leader_session
+from gradsync_server.rpc.servicer import SERVICE_NAME, SHUTDOWN_FLUSH_S, CoordinatorServicer
+from gradsync_server.rpc.shard_control import ShardControl
+from gradsync_server.rpc.stream_guard import guarded
+from gradsync_server.rpc.watchdog import Watchdog
+from gradsync_server.store.checkpoint import CheckpointStore
+from gradsync_server.text import MAX_REASON_CHARS, quoted
+
+log = logging.getLogger("gradsync.server")
+
+
+class LeaderRole(CoordinatorServicer):
+    """The coordinator servicer of a leader: its jobs, worker streams and control plane."""
+
+    service = SERVICE_NAME
+    stream_method = "Sync"
+    config: CoordinatorConfig
+
+    def __init__(
+        self,
+        config: CoordinatorConfig,
+        store: CheckpointStore | None = None,
+        clock: Callable[[], float] = time.monotonic,
+        metrics: CoordinatorMetrics | None = None,
+    ) -> None:
+        super().__init__(
+            config,
+            ByteBudget(config.max_buffered_bytes, config.max_job_buffered_bytes),
+            clock,
+            metrics or CoordinatorMetrics(),
+            config.shutdown_grace_s,
+        )
+        self.jobs: dict[str, Job] = {}
+        self.checkpointer = Checkpointer(config, store)
+        self.shard_control = ShardControl(self, config, clock, self.metrics)
+        self.watchdog = Watchdog(self, extra_checks=(self.shard_control.check,))
+        self.ended_jobs = EndedJobs(lambda: self.clock())
+        #: Same-host local leaders' segments (see `segments`); one per stream at most.
+        self.segments = SegmentRegistry(config.max_connections, config.chunk_bytes, self.metrics)
+        #: (payload socket name, this coordinator's host id) once the socket listens.
+        self.payload_endpoint: tuple[str, str] | None = None
+        self._delivery = Delivery[Job](
+            self.connections,
+            self.metrics,
+            self.checkpointer.outer,
+            self._detach,
+            self.segments,
+            before=self.shard_control.before_delivery,
+            persist=self.checkpointer.persist,
+        )
+        self._execute = self._delivery.execute
+
+    @property
+    def store(self) -> CheckpointStore | None:
+        """The checkpoint store, if one is configured."""
+        return self.checkpointer.store
+
+    def _other_methods(self) -> dict[str, grpc.RpcMethodHandler]:
+        return {
+            # Raw request bytes: one that does not parse is INVALID_ARGUMENT (gRPC's
+            # deserializer would say UNKNOWN with a traceback; found by the fuzzer).
+            "Status": grpc.unary_unary_rpc_method_handler(
+                guarded("Status", self.status),
+                response_serializer=pb.StatusReply.SerializeToString,
+            ),
+            "FramePort": grpc.unary_unary_rpc_method_handler(
+                guarded("FramePort", self.frame_port_reply),
+                response_serializer=pb.FramePortReply.SerializeToString,
+            ),
+            "ShardLink": grpc.stream_stream_rpc_method_handler(
+                guarded("ShardLink", self.shard_control.link, self.stream_count),
+                request_deserializer=pb.ShardMessage.FromString,
+                response_serializer=pb.LeaderMessage.SerializeToString,
+            ),
+        }
+
+    async def status(self, raw: bytes, context: grpc.aio.ServicerContext) -> pb.StatusReply:
+        """Membership, progress and late ranks of every job (or one), and the shards."""
+        try:
+            request = pb.StatusRequest.FromString(raw)
+        except DecodeError as exc:
+            await context.abort(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"a Status request of {len(raw)} bytes does not parse as "
+                f"gradsync.v1.StatusRequest: {exc}",
+            )
+        reply = status_reply(
+            self.jobs.values(),
+            request.job_id,
+            self.config.heartbeat_timeout_s,
+            self.metrics.lag_tracker,
+            self.ended_jobs.snapshots(),
+        )
+        reply.shards.extend(self.shard_control.statuses())
+        reply.recovery.CopyFrom(self.metrics.recovery.summary())
+        return reply
+
+    async def frame_port_reply(self, raw: bytes, context: Any) -> pb.FramePortReply:
+        """Where this coordinator serves Sync streams as frames (0: nowhere; `frame_server`)."""
+        return pb.FramePortReply(port=self.frame_port)
+
+    def check_liveness(self) -> None:
+        """One watchdog pass (also called directly by tests with a fake clock)."""
+        self.watchdog.check()
+
+    def declare_dead(self, job: Job, rank: int, details: str) -> None:
+        """End a silent rank's stream (ABORTED, reason DECLARED_DEAD) and drop it from `job`."""
+        conn = self.connections.pop((job.job_id, rank), None)
+        if conn is not None:
+            conn.end(Code.ABORTED, f"rank {rank} {details}", pb.END_REASON_DECLARED_DEAD)
+            conn.job, conn.job_id = None, None
+        self._leave_job(job, rank, orderly=False, reason=f"{details} in")
+
+    async def drain(self, grace_s: float) -> None:
+        """Shutdown: let streams finish for `grace_s`, then end the rest as shutting down.
+
+        Those get UNAVAILABLE with reason SHUTTING_DOWN (the one case
+        UNAVAILABLE is for: a restarted coordinator may be reached again) and
+        a moment to flush it before the server cancels what is left.
+        """
+        self.draining = True
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + grace_s
+        while self.streams and loop.time() < deadline:
+            await asyncio.sleep(0.05)
+        for conn in list(self.streams):
+            conn.end(Code.UNAVAILABLE, SHUTTING_DOWN, pb.END_REASON_SHUTTING_DOWN)
+        deadline = loop.time() + SHUTDOWN_FLUSH_S
+        while self.streams and loop.time() < deadline:
+            await asyncio.sleep(0.01)
+
+    # ----------------------------------------------------------- dispatching
+    def _unparsable(self, conn: Connection, raw: bytes, exc: Exception) -> RejectedMessage:
+        return RejectedMessage(
+            Code.INVALID_ARGUMENT,
+            f"rank {conn.rank} sent {len(raw)} bytes that do not parse as a "
+            f"gradsync.v1.WorkerMessage: {exc}",
+        )
+
+    def _admit(
+        self, conn: Connection, message: pb.WorkerMessage, size: int
+    ) -> Awaitable[None] | None:
+        """A worker's stream opens with its Join (returned as a coroutine to await)."""
+        problem = first_message_problem(message.WhichOneof("kind"), size)
+        if problem is not None:
+            conn.end(*problem)
+            return None
+        return self._join(conn, message.join)
+
+    def _message(
+        self, conn: Connection, message: pb.WorkerMessage, raw: bytes
+    ) -> Awaitable[None] | None:
+        job = conn.job
+        if job is None:
+            return None  # (admitted streams have a job until they are detached and ended)
+        kind = message.WhichOneof("kind")
+        job.touch(conn.rank)
+        try:
+            if kind == "heartbeat":
+                job.touch(conn.rank, message.heartbeat.step)
+            elif kind == "abandon":
+                self._execute(job, job.on_abandon(conn.rank, message.abandon))
+            elif kind == "checkpoint":
+                self._execute(job, job.on_checkpoint_chunk(conn.rank, message.checkpoint))
+            elif kind == "gradient":
+                chunk = message.gradient
+                self._gradient(conn, header_of(chunk), memoryview(chunk.payload))
+            elif kind == "collective":
+                self._execute(job, job.on_collective(conn.rank, message.collective))
+            elif kind == "local_posted":
+                self._execute(job, job.on_local_posted(conn.rank, message.local_posted))
+            elif kind == "out_of_inputs":
+                self._execute(job, job.on_out_of_inputs(conn.rank, message.out_of_inputs))
+            elif kind == "state":
+                self._execute(job, job.on_state_chunk(conn.rank, message.state))
+            elif kind == "leave":
+                conn.left = True
+                log.info(
+                    "job '%s': rank %d left (%s)",
+                    job.job_id,
+                    conn.rank,
+                    quoted(message.leave.reason, MAX_REASON_CHARS) or "no reason given",
+                )
+                self._detach(conn)
+                conn.end(Code.OK, "goodbye")
+            elif kind == "join":
+                conn.end(Code.FAILED_PRECONDITION, f"rank {conn.rank} sent Join twice")
+            else:
+                self._reject(
+                    conn,
+                    RejectedMessage(
+                        Code.INVALID_ARGUMENT, f"rank {conn.rank} sent an empty WorkerMessage"
+                    ),
+                )
+        except RejectedMessage as rejection:
+            log.warning("job '%s': ending rank %d: %s", job.job_id, conn.rank, rejection.message)
+            conn.end(rejection.code, rejection.message)
+        return None
+
+    def _gradient(
+        self, conn: Connection, chunk: ChunkHeader, payload: memoryview
+    ) -> Awaitable[None] | None:
+        """Fold a chunk in; an in-segment one's payload is read from the sender's segment first."""
+        job = conn.job
+        if job is None:
+            return None  # (admitted streams have a job until they are detached and ended)
+        if chunk.in_segment:
+            try:
+                read = self.segments.read_for(job, conn.rank, chunk)
+            except RejectedMessage as rejection:
+                self._reject(conn, rejection)
+                return None
+            if read is None:
+                return None  # the rest of an aborted step's upload: dropped as over TCP
+            payload = read
+        self.metrics.observe_chunk(len(payload))
+        job.touch(conn.rank)
+        self._execute(job, job.on_gradient(conn.rank, chunk, payload))
+        return None
+
+    def admit_segment(self, registration: Registration, fd: int) -> str | None:
+        """A local leader registers its segment (on the loop; `fd` is owned from here on)."""
+        conn = self.connections.get((registration.job_id, registration.rank))
+        job = conn.job if conn is not None else None
+        live = job is not None and self.jobs.get(registration.job_id) is job
+        expected = leader_session(job, registration.rank) if live and job is not None else b""
+        return self.segments.register(registration, fd, expected)
+
+    def _reject(self, conn: Connection, rejection: RejectedMessage) -> None:
+        """A malformed message: abort the sender's open step, or end its stream."""
+        log.warning("rejected message from %s: %s", conn.peer, rejection.message)
+        if conn.job is None:
+            conn.end(rejection.code, rejection.message)
+        else:
+            self._execute(conn.job, conn.job.reject(conn.rank, rejection))
+
+    async def _join(self, conn: Connection, join: pb.Join) -> None:
+        job_id = join.job_id
+        config = self.config
+        problem = join_problem(
+            join, config, self.draining, job_id in self.jobs, running_jobs=len(self.jobs)
+        )
+        if problem is not None:
+            log.warning("refused join from %s: %s", conn.peer, problem[1])
+            waiting = self.jobs.get(job_id)
+            if waiting is not None and not self.draining:
+                self._execute(waiting, waiting.refused_join(join.rank, problem[1]))
+            reason = pb.END_REASON_SHUTTING_DOWN if self.draining else None
+            conn.end(*problem, reason)
+            return
+        job = self.jobs.get(job_id)
+        if job is not None and job.state in (JobState.BROKEN, JobState.REFUSED):
+            # A rank restarted after the job failed: the failed job is over (its
+            # survivors were told), and the restarted ranks start a new one.
+            log.info("job '%s' is %s; rank %d starts it anew", job_id, job.state.value, join.rank)
+            self.retire_job(job)
+            job = None
+        if job is None:
+            # In a store thread with a deadline: a hung store must not freeze other jobs.
+            resume, problem = await self.checkpointer.load_resume(job_id, join.signature)
+            outer_records: list[tuple[bytes | None, str]] | None = None
+            if join.signature.HasField("outer") and self.checkpointer.outer.enabled:
+                outer_records = await self.checkpointer.outer.load_all(
+                    job_id, config.shard_count, config.fresh_start
+                )
+            job = self.jobs.get(job_id)  # another rank's Join may have created it meanwhile
+            if job is not None and job.state in (JobState.BROKEN, JobState.REFUSED):
+                job = None  # ... and it failed already: this rank starts it anew below
+            if job is None and problem is None and len(self.jobs) >= config.max_jobs:
+                problem = too_many_jobs(len(self.jobs), config.max_jobs)
+        if job is None and problem is not None:
+            log.error("refused join of rank %d to job '%s': %s", join.rank, job_id, problem[1])
+            conn.end(*problem, pb.END_REASON_JOB_REFUSED)
+            return
+        if job is None:
+            stale = self.jobs.get(job_id)
+            if stale is not None:
+                self.retire_job(stale)
+            job = self.jobs[job_id] = new_job(
+                job_id,
+                config,
+                self.budget,
+                self.clock,
+                self.metrics,
+                self.shard_control.registry.shard_map,
+                self.payload_endpoint,
+            )
+            job.resume_from(resume)
+            job.outer_records = outer_records
+            job.persist_outer = self.checkpointer.outer.enabled
+        try:
+            actions = job.join(join.rank, join)
+        except RejectedMessage as rejection:
+            log.warning(
+                "refused join of rank %d to job '%s': %s", join.rank, job_id, rejection.message
+            )
+            conn.end(rejection.code, rejection.message)
+            if not job.members:
+                del self.jobs[job_id]
+            else:  # the ranks that wait hear who was refused and why
+                self._execute(job, job.refused_join(join.rank, rejection.message))
+            return
+        conn.job, conn.job_id, conn.rank = job, job_id, join.rank
+        job.set_peer(join.rank, conn.peer)
+        self.connections[(job_id, join.rank)] = conn
+        missing = job.assembly.missing(job.membership.ranks())
+        wait = f"waiting for ranks {missing} of {config.world_size}" if missing else "all present"
+        log.info(
+            "job '%s': rank %d joined from %s (incarnation %r, client %r); %s",
+            job_id,
+            join.rank,
+            conn.peer,
+            join.incarnation,
+            join.client_version,
+            wait,
+        )
+        self._execute(job, actions)
+
+    def _detach(self, conn: Connection) -> None:
+        job = conn.job
+        if job is None:
+            return
+        super()._detach(conn)
+        conn.job, conn.job_id = None, None
+        if not conn.left and job.state is JobState.ASSEMBLING:
+            log.warning(
+                "job '%s': rank %d disconnected while waiting for the others; dropped from the "
+                "assembling job (it may join again)",
+                job.job_id,
+                conn.rank,
+            )
+        elif not conn.left:
+            log.warning(
+                "job '%s': rank %d disconnected at step %d", job.job_id, conn.rank, job.open_step
+            )
+        self._leave_job(job, conn.rank, orderly=conn.left)
+
+    def _leave_job(self, job: Job, rank: int, orderly: bool, reason: str | None = None) -> None:
+        """Drop `rank` from `job` for good and carry out what that means for the others."""
+        if not orderly:
+            self.metrics.recovery.rank_lost(job.liveness.seconds_since_seen(rank))
+        self.segments.forget(job.job_id, rank, job.membership.session_of(rank))
+        self._execute(job, job.detach(rank, orderly=orderly, reason=reason))
+        # Its straggler statistics must not follow a later member with its rank.
+        self.metrics.forget_rank(rank)
+        self._forget_if_empty(job)
+
+    def _forget_if_empty(self, job: Job) -> None:
+        if job.members or self.jobs.get(job.job_id) is not job:
+            return
+        ended = self._retire(job)
+        if ended.state in ("finished", "abandoned"):
+            log.info("job '%s' %s", job.job_id, ended.outcome)
+        else:
+            log.warning("job '%s' ended %s: %s", job.job_id, ended.state, ended.outcome)
+
+    def retire_job(self, job: Job) -> None:
+        """Remove `job` from the active jobs now, though ranks may still be connected to it.
+
+        Its connections keep pointing at it (and only they get its actions), so
+        a Join with the same id creates a new job while the old streams end.
+        """
+        if self.jobs.get(job.job_id) is not job:
+            return
+        ended = self._retire(job)
+        log.warning("job '%s' ended %s: %s", job.job_id, ended.state, ended.outcome)
+
+    def _retire(self, job: Job) -> pb.JobStatus:
+        """Forget the active `job`: its segments, its shards' copy; record how it ended."""
+        del self.jobs[job.job_id]
+        self.segments.forget_job(job.job_id)
+        self.shard_control.job_ended(job)
+        return self.ended_jobs.record(job, self.metrics.lag_tracker)
+
+    def expire_assembly(self, job: Job, details: str) -> None:
+        """Refuse a job that assembled too long: its waiting ranks end, its slot is free."""
+        self._execute(
+            job,
+            job.end(Code.DEADLINE_EXCEEDED, details, pb.END_REASON_JOB_REFUSED, JobState.REFUSED),
+        )
+        self.retire_job(job)
+
+    def execute(self, job: Job, actions: list[Action]) -> None:
+        """Carry out `actions` of `job` (for the watchdog's periodic reports)."""
+        self._execute(job, actions)
