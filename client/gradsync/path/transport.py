@@ -59,8 +59,8 @@ import numpy as np
 import numpy.typing as npt
 from gradsync_proto import chunking, defaults
 from gradsync_proto.net.channels import ChannelSecurity
-from gradsync_proto.net.frame_stream import FrameStreamClient
-from gradsync_proto.net.stream_client import StreamEnded
+from gradsync_proto.net.frame_stream import FrameDiscovery
+from gradsync_proto.net.stream_client import StreamClient, StreamEnded
 from gradsync_proto.v1 import gradsync_pb2 as pb
 
 from gradsync.control.collective_results import op_name
@@ -138,7 +138,7 @@ class Transport:
         self._thread.start()
         # Raw bytes both ways (chunks are coded by gradsync_proto.codec); it waits for a
         # coordinator that is not up yet (the join timeout bounds how long).
-        self._sync = FrameStreamClient(
+        self._sync = StreamClient(
             target,
             SYNC_METHOD,
             self._on_message,
@@ -147,8 +147,7 @@ class Transport:
             options=options,
             encode=self._messages,
             name=f"sync-r{rank}",
-            max_message_bytes=CLIENT_MAX_MESSAGE_BYTES,
-            inline=written_inline,
+            discovery=FrameDiscovery(CLIENT_MAX_MESSAGE_BYTES, written_inline),
             loop=self._loop,
         )
         self._heartbeat: asyncio.Task[None] | None = None
