@@ -79,12 +79,12 @@ from torch import nn
 
 from gradsync import defaults
 from gradsync.config import ENV_JOB_ID
-from gradsync.control.signature import WIRE_DTYPES
 from gradsync.diloco_fragment import Fragment
 from gradsync.diloco_metrics import DiLoCoInstruments, RoundRecord
 from gradsync.diloco_rounds import check_samples, straggler_settings
 from gradsync.hooks import WIRE_DTYPE_HOOKS
 from gradsync.metrics import ENV_METRICS_HOST, resolve_metrics_port
+from gradsync.path.signature import WIRE_DTYPES
 
 __all__ = ["DiLoCo"]
 

@@ -15,8 +15,8 @@ import signal
 import time
 
 import pytest
+from gradsync.control.transport import Transport
 from gradsync.errors import CoordinatorUnavailableError
-from gradsync.path.transport import Transport
 from gradsync_proto.v1 import gradsync_pb2 as pb
 from support.rawclient import signature
 

@@ -19,10 +19,10 @@ import time
 from collections.abc import Iterator
 
 import pytest
+from gradsync.control.inbox import Inbox
 from gradsync.control.joining import wait_for_welcome
+from gradsync.control.transport import _HEARTBEAT, Transport
 from gradsync.errors import CoordinatorUnavailableError, JoinRefusedError, SyncTimeoutError
-from gradsync.path.inbox import Inbox
-from gradsync.path.transport import _HEARTBEAT, Transport
 from gradsync_proto.net.reachability import describe_connect_error, diagnose
 from gradsync_proto.v1 import gradsync_pb2 as pb
 

@@ -12,6 +12,8 @@ from collections.abc import AsyncIterator
 
 import grpc
 import pytest
+from gradsync.control.inbox import Inbox
+from gradsync.control.transport import Transport
 from gradsync.errors import (
     CheckpointFailedError,
     CoordinatorUnavailableError,
@@ -22,8 +24,6 @@ from gradsync.errors import (
     ResourceExhaustedError,
     SyncTimeoutError,
 )
-from gradsync.path.inbox import Inbox
-from gradsync.path.transport import Transport
 from gradsync_proto.codes import Code
 from gradsync_proto.v1 import gradsync_pb2 as pb
 

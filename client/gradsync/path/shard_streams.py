@@ -26,9 +26,10 @@ import contextlib
 import logging
 import os
 from collections.abc import Callable, Iterator, Mapping, Sequence
+from typing import Protocol
 
 from gradsync_proto import auth, chunking
-from gradsync_proto.codec import decode_gradient, header_of
+from gradsync_proto.codec import ChunkHeader, decode_gradient, header_of
 from gradsync_proto.codes import Code
 from gradsync_proto.net.address import Address, parse_address
 from gradsync_proto.net.channels import ChannelSecurity
@@ -38,7 +39,6 @@ from gradsync_proto.v1 import gradsync_pb2 as pb
 from gradsync import defaults
 from gradsync.errors import ShardUnavailableError
 from gradsync.path.bucket_uploads import RangeUpload
-from gradsync.path.inbox import Inbox
 from gradsync.path.shard_faults import shard_grace_s
 
 log = logging.getLogger("gradsync.client")
@@ -60,6 +60,26 @@ ENV_KEEPALIVE_TIMEOUT_S = "GRADSYNC_KEEPALIVE_TIMEOUT_S"
 
 #: Told (stream index, step, dtype, payload bytes) of every averaged chunk a stream brings.
 Answered = Callable[[int, int, int, int], None]
+
+
+class Inbox(Protocol):
+    """Where the shard streams' averages and failures go (`gradsync.control.inbox.Inbox`)."""
+
+    shard_grace_margin_s: float
+
+    @property
+    def heartbeat_interval_s(self) -> float | None:
+        """The heartbeat interval the coordinator asked for, once it said (else None)."""
+        ...
+
+    def on_averaged_chunk(self, chunk: ChunkHeader, payload: memoryview, source: str) -> None:
+        """Take in an averaged chunk from shard `source`'s data stream."""
+
+    def protocol_fault(self, what: str, source: str | None = None) -> None:
+        """Record that the coordinator sent something invalid."""
+
+    def shard_failed(self, error: ShardUnavailableError) -> None:
+        """Record a failed shard data stream."""
 
 
 def channel_options(environ: Mapping[str, str] | None = None) -> list[tuple[str, int]]:

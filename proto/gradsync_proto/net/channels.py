@@ -4,7 +4,7 @@ One `ChannelSecurity` value describes a client's side of transport security:
 the CA that issued the server's certificate (TLS), this client's own
 certificate and key (mTLS), and the shared token sent as call metadata on
 every RPC. Every client builds its channels and call metadata here: the
-worker's Sync stream (`gradsync.path.transport`), its shard data streams
+worker's Sync stream (`gradsync.control.transport`), its shard data streams
 (`gradsync.path.shard_streams`), `gradsync status`, the health probe and a
 shard's control link to its leader (`gradsync_server.rpc.shard_link`), so none
 of them can forget the token or fall back to plaintext on its own.

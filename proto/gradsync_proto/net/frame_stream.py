@@ -258,7 +258,7 @@ class FramePipe:
             code, details = self._status
             stream.end(EndKind.STATUS, code, details)
         elif isinstance(exc, TimeoutError):  # a write
-            stream.timed_out(Code.DEADLINE_EXCEEDED, str(exc), "write")
+            stream.end(EndKind.TIMEOUT, Code.DEADLINE_EXCEEDED, str(exc), bound="write")
         elif isinstance(exc, FrameError):
             stream.end(EndKind.STATUS, Code.INTERNAL, f"frame stream: {exc}", exc)
         elif exc is not None and not isinstance(exc, OSError):
@@ -306,9 +306,12 @@ async def _connect(host: str, port: int, security: ChannelSecurity) -> socket.so
             await loop.sock_connect(sock, address)
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             if security.tls:
-                return await _handshake(loop, _tls_context(security).wrap_socket(
-                    sock, server_hostname=host, do_handshake_on_connect=False
-                ))
+                return await _handshake(
+                    loop,
+                    _tls_context(security).wrap_socket(
+                        sock, server_hostname=host, do_handshake_on_connect=False
+                    ),
+                )
             return sock
         except OSError as exc:
             sock.close()
@@ -335,8 +338,10 @@ async def _ready(loop: asyncio.AbstractEventLoop, sock: socket.socket, *, writin
     """Wait until `sock` can be read (or written) on the loop."""
     ready = loop.create_future()
     fd = sock.fileno()
-    add, remove = (loop.add_writer, loop.remove_writer) if writing else (loop.add_reader, loop.remove_reader)
-    add(fd, lambda: ready.done() or ready.set_result(None))
+    add, remove = (
+        (loop.add_writer, loop.remove_writer) if writing else (loop.add_reader, loop.remove_reader)
+    )
+    add(fd, lambda: None if ready.done() else ready.set_result(None))
     try:
         await ready
     finally:
@@ -344,9 +349,7 @@ async def _ready(loop: asyncio.AbstractEventLoop, sock: socket.socket, *, writin
 
 
 def _tls_context(security: ChannelSecurity) -> ssl.SSLContext:
-    context = ssl.create_default_context(
-        cadata=(security.root_certificates or b"").decode("ascii")
-    )
+    context = ssl.create_default_context(cadata=(security.root_certificates or b"").decode("ascii"))
     if security.cert_path is not None and security.key_path is not None:
         context.load_cert_chain(security.cert_path, security.key_path)
     return context

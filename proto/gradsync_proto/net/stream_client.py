@@ -1,7 +1,7 @@
 """One bidirectional stream, as the side that dials it sees it, over a pluggable pipe.
 
 Every gradsync process that dials a stream needs the same machinery: the
-worker's Sync stream to the coordinator (`gradsync.path.transport`), its data
+worker's Sync stream to the coordinator (`gradsync.control.transport`), its data
 streams to the coordinator's shards (`gradsync.path.shard_streams`), and a
 shard's control link to its leader (`gradsync_server.rpc.shard_link`).
 `StreamClient` is that machinery once:
@@ -317,11 +317,11 @@ class StreamClient:
         Idempotent; `on_end` gets CLOSED if nothing ended it first.
         """
         self._closing = True
-        if farewell is not None and self.ended is None and self._done is not None:
-            if self.connected:
-                self.send(farewell)
-                self.send(END_WRITES)
-                await self.wait(timeout_s)
+        started = self._done is not None
+        if farewell is not None and self.ended is None and started and self.connected:
+            self.send(farewell)
+            self.send(END_WRITES)
+            await self.wait(timeout_s)
         self._finish(StreamEnded(EndKind.CLOSED, Code.CANCELLED, "closed by this side", True))
         await self._stop()
 
@@ -345,13 +345,9 @@ class StreamClient:
         cause: BaseException | None = None,
         bound: str = "",
     ) -> None:
-        """The stream ended (loop): record why (the first end only), tell `on_end`, stop the pipe."""
+        """The stream ended (loop): record why (the first end only), tell `on_end`, stop."""
         self._finish(StreamEnded(kind, code, details, self._closing, cause, bound))
         self._stop_soon()
-
-    def timed_out(self, code: int, details: str, bound: str) -> None:
-        """A bound ran out (loop): `end` as TIMEOUT."""
-        self.end(EndKind.TIMEOUT, code, details, bound=bound)
 
     # ------------------------------------------------------------ opening
     async def _discover(self, discovery: Discovery) -> None:
@@ -478,7 +474,7 @@ class GrpcPipe:
                     return
                 except TimeoutError:
                     details = f"the peer was silent for more than {idle_s:g}s"
-                    stream.timed_out(Code.DEADLINE_EXCEEDED, details, "idle")
+                    stream.end(EndKind.TIMEOUT, Code.DEADLINE_EXCEEDED, details, bound="idle")
                     return
                 stream.on_message(message)
         except grpc.aio.AioRpcError as exc:
@@ -510,7 +506,7 @@ class GrpcPipe:
                     await asyncio.wait_for(self._call.write(message), timeout_s)
         except TimeoutError:
             details = f"a write took longer than {timeout_s:g}s"
-            stream.timed_out(Code.DEADLINE_EXCEEDED, details, "write")
+            stream.end(EndKind.TIMEOUT, Code.DEADLINE_EXCEEDED, details, bound="write")
         except (grpc.aio.AioRpcError, asyncio.InvalidStateError):
             return  # the call has ended: the reader reports its status
         except Exception as exc:  # an encoder's bug
@@ -530,4 +526,4 @@ class GrpcPipe:
                 return
             tls = await asyncio.to_thread(handshake_failure, stream.target, stream.security)
             details = f"could not connect within {timeout_s:g}s" + (f": {tls}" if tls else "")
-            stream.timed_out(Code.UNAVAILABLE, details, "connect")
+            stream.end(EndKind.TIMEOUT, Code.UNAVAILABLE, details, bound="connect")

@@ -6,7 +6,7 @@ call non-blocking methods (`submit_bucket` enqueues) or bounded waits
 side and the plumbing (the messages are cut by
 `gradsync.control.worker_messages`); everything the coordinator sends back
 (averaged chunks, aborted steps, a dead stream) goes into a
-`gradsync.path.inbox.Inbox`, which records it under one condition variable
+`gradsync.control.inbox.Inbox`, which records it under one condition variable
 and raises stored failures at the next wait, translated into `GradSyncError`s
 in one place.
 
@@ -64,8 +64,9 @@ from gradsync_proto.net.stream_client import StreamClient, StreamEnded
 from gradsync_proto.v1 import gradsync_pb2 as pb
 
 from gradsync.control.collective_results import op_name
+from gradsync.control.inbox import Inbox
+from gradsync.control.inbox_state import stream_end_failure
 from gradsync.control.joining import wait_for_welcome
-from gradsync.control.link import BucketEventHandler
 from gradsync.control.worker_messages import (
     CheckpointUpload,
     CollectiveUpload,
@@ -78,8 +79,7 @@ from gradsync.control.worker_messages import (
 from gradsync.errors import ClosedError
 from gradsync.path.bucket_uploads import BucketUpload, RangeUpload, range_messages, split_upload
 from gradsync.path.buffers import BucketBuffer
-from gradsync.path.inbox import Inbox
-from gradsync.path.inbox_state import stream_end_failure
+from gradsync.path.gradient_path import BucketEventHandler
 from gradsync.path.pacing import UploadPacer, chunk_bytes_of
 from gradsync.path.shard_faults import SHARD_GRACE_MARGIN_S
 from gradsync.path.shard_streams import CLIENT_MAX_MESSAGE_BYTES, ShardStreams, channel_options
