@@ -188,9 +188,7 @@ def test_heartbeats_start_before_welcome_at_the_coordinators_interval_without_pi
             task = asyncio.create_task(transport._send_heartbeats())
             await asyncio.sleep(0.4)  # the first progress said 0.25 s: one beat by now
             task.cancel()
-            queued = []
-            while not transport._sync._queue.empty():
-                queued.append(transport._sync._queue.get_nowait())
+            queued = list(transport._sync._queue)  # (the stream's, before a pipe)
             return sum(item is _HEARTBEAT for item in queued)
 
         # Nothing consumes the queue (no connection): exactly one beat waits.
