@@ -30,13 +30,15 @@ every bucket into one byte range per shard (`gradsync.path.bucket_uploads`):
 range 0 goes on the Sync stream, range i on shard i's stream, in parallel,
 and the averages of every stream land in the same `Inbox`.
 
-The stream itself is a `gradsync_proto.net.frame_stream.FrameStreamClient`:
-length-prefixed frames on the coordinator's frame port (issue 27), or gRPC
-where there is none. Its asyncio loop runs in a daemon thread. On a plain
-frame connection a small item (a small model's whole bucket) is written by
-the thread that sends it and the answers are read by the socket's own reader
-thread, so a step crosses no event loop; TLS frames, gRPC and the shard
-streams (gRPC) run on the loop. TLS and the token come from one
+The stream itself is a `gradsync_proto.net.stream_client.StreamClient` whose
+pipe a `gradsync_proto.net.frame_stream.FrameDiscovery` picks: length-prefixed
+frames on the coordinator's frame port (plain or TLS), or gRPC where there is
+none. Its asyncio loop runs in a daemon thread. On frames a small item (a
+small model's whole bucket) is written by the thread that sends it and the
+answers are read by the socket's own reader thread, so a step crosses no
+event loop; gRPC and the shard streams (gRPC until shards serve frames) run
+on the loop. `_on_message` therefore runs on either thread, `_on_end` on the
+loop. TLS and the token come from one
 `gradsync_proto.net.channels.ChannelSecurity`: a wrong token ends the stream
 UNAUTHENTICATED (`AuthenticationError`); a TLS handshake that keeps failing is
 raised as `TransportSecurityError` at the first progress report of the join.
@@ -441,7 +443,11 @@ class Transport:
         welcome = self._inbox.welcome
         if self._shards is not None or welcome is None:
             return
-        closing, answered = (lambda: self._closed), self._pacer.answered
+        # (answers may be read on a frame socket's thread; the pacer is the loop's)
+        closing, answered = (
+            (lambda: self._closed),
+            functools.partial(self._on_loop, self._pacer.answered),
+        )
         self._shards = ShardStreams(
             self.target, self._inbox, self._range_messages, closing, answered, self._security
         )

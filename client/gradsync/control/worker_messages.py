@@ -133,7 +133,7 @@ INLINE_BYTES = 1 << 20
 
 
 def written_inline(item: object) -> bool:
-    """Whether the sending thread writes `item` itself (`FrameStreamClient`'s `inline`)."""
+    """Whether the sending thread writes `item` itself (`FrameDiscovery`'s `inline`)."""
     if isinstance(item, RangeUpload):
         return item.hi - item.lo <= INLINE_BYTES
     if isinstance(item, CollectiveUpload):

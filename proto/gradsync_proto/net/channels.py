@@ -162,9 +162,9 @@ class ChannelSecurity:
 
     def ssl_context(self) -> ssl.SSLContext | None:
         """A Python TLS context with the same trust and client certificate (None: plaintext)."""
-        if not self.tls or self.ca_path is None:
+        if self.root_certificates is None:
             return None
-        context = ssl.create_default_context(cafile=self.ca_path)
+        context = ssl.create_default_context(cadata=self.root_certificates.decode("ascii"))
         if self.cert_path is not None and self.key_path is not None:
             context.load_cert_chain(self.cert_path, self.key_path)
         return context

@@ -1,10 +1,13 @@
 """A stream as frames on a socket: the frame pipe, and the discovery that picks it or gRPC.
 
-`FrameDiscovery` is a `StreamClient`'s `Discovery` for the worker's Sync stream:
+`FrameDiscovery` is a `StreamClient`'s `Discovery` for a worker's streams (its
+Sync stream, and its shard data streams, which stay on gRPC while a shard
+offers no frame port):
 
 1. It asks the coordinator's gRPC port where its frame port is (the
    `FramePort` RPC, with the token and TLS of every call, waiting for a
-   coordinator that is not up yet as the gRPC stream would). A refusal
+   coordinator that is not up yet as the gRPC stream would, bounded by the
+   stream's `connect_timeout_s`). A refusal
    (a wrong token, say) ends the stream with the coordinator's status, as
    the gRPC stream would have.
 2. It connects to that port on the same host, with the same TLS trust and
@@ -99,7 +102,13 @@ class FrameDiscovery:
         self._asking = channel
         kept = False
         try:
-            port = await self._ask_frame_port(stream, channel)
+            try:
+                port = await asyncio.wait_for(
+                    self._ask_frame_port(stream, channel), stream.connect_timeout_s
+                )
+            except TimeoutError:
+                await stream.connect_timed_out(stream.connect_timeout_s or 0.0)
+                return None
             if port is None:
                 return None
             kept = True
@@ -305,13 +314,12 @@ async def _connect(host: str, port: int, security: ChannelSecurity) -> socket.so
         try:
             await loop.sock_connect(sock, address)
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            if security.tls:
-                return await _handshake(
-                    loop,
-                    _tls_context(security).wrap_socket(
-                        sock, server_hostname=host, do_handshake_on_connect=False
-                    ),
+            context = security.ssl_context()
+            if context is not None:  # (`sock` becomes the TLS socket: closed as one below)
+                sock = context.wrap_socket(
+                    sock, server_hostname=host, do_handshake_on_connect=False
                 )
+                await _handshake(loop, sock)
             return sock
         except OSError as exc:
             sock.close()
@@ -322,12 +330,12 @@ async def _connect(host: str, port: int, security: ChannelSecurity) -> socket.so
     raise failure
 
 
-async def _handshake(loop: asyncio.AbstractEventLoop, sock: ssl.SSLSocket) -> ssl.SSLSocket:
-    """Run a non-blocking socket's TLS handshake on the loop; the socket, ready."""
+async def _handshake(loop: asyncio.AbstractEventLoop, sock: ssl.SSLSocket) -> None:
+    """Run a non-blocking socket's TLS handshake on the loop."""
     while True:
         try:
             sock.do_handshake()
-            return sock
+            return
         except ssl.SSLWantReadError:
             await _ready(loop, sock, writing=False)
         except ssl.SSLWantWriteError:
@@ -346,10 +354,3 @@ async def _ready(loop: asyncio.AbstractEventLoop, sock: socket.socket, *, writin
         await ready
     finally:
         remove(fd)
-
-
-def _tls_context(security: ChannelSecurity) -> ssl.SSLContext:
-    context = ssl.create_default_context(cadata=(security.root_certificates or b"").decode("ascii"))
-    if security.cert_path is not None and security.key_path is not None:
-        context.load_cert_chain(security.cert_path, security.key_path)
-    return context

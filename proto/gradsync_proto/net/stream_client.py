@@ -349,6 +349,18 @@ class StreamClient:
         self._finish(StreamEnded(kind, code, details, self._closing, cause, bound))
         self._stop_soon()
 
+    async def connect_timed_out(self, timeout_s: float) -> None:
+        """The connection was not up within `timeout_s` (loop): `end` as TIMEOUT, saying why.
+
+        gRPC retries a failed TLS handshake as quietly as a refused connection:
+        the handshake is tried once more with Python's `ssl` to say which it was.
+        """
+        if self.ended is not None or self._closing:
+            return
+        tls = await asyncio.to_thread(handshake_failure, self.target, self.security)
+        details = f"could not connect within {timeout_s:g}s" + (f": {tls}" if tls else "")
+        self.end(EndKind.TIMEOUT, Code.UNAVAILABLE, details, bound="connect")
+
     # ------------------------------------------------------------ opening
     async def _discover(self, discovery: Discovery) -> None:
         try:
@@ -513,17 +525,9 @@ class GrpcPipe:
             stream.end(EndKind.FAULT, Code.UNKNOWN, repr(exc), exc)
 
     async def _watch_connect(self, stream: StreamClient, timeout_s: float) -> None:
-        """End the stream when the connection is not READY within `timeout_s`.
-
-        gRPC retries a failed TLS handshake as quietly as a refused connection:
-        the handshake is tried once more with Python's `ssl` to say which it was.
-        """
+        """End the stream when the connection is not READY within `timeout_s`."""
         assert self._channel is not None
         try:
             await asyncio.wait_for(self._channel.channel_ready(), timeout_s)
         except TimeoutError:
-            if stream.ended is not None or stream.closing:
-                return
-            tls = await asyncio.to_thread(handshake_failure, stream.target, stream.security)
-            details = f"could not connect within {timeout_s:g}s" + (f": {tls}" if tls else "")
-            stream.end(EndKind.TIMEOUT, Code.UNAVAILABLE, details, bound="connect")
+            await stream.connect_timed_out(timeout_s)
