@@ -48,7 +48,6 @@ __all__ = [
     "FrameReader",
     "decode_hello",
     "decode_status",
-    "frame",
     "hello_frame",
     "status_frame",
     "write_message",
@@ -88,11 +87,6 @@ class FrameError(ValueError):
     def __init__(self, message: str, code: Code = Code.INVALID_ARGUMENT) -> None:
         super().__init__(message)
         self.code = code
-
-
-def frame(kind: int, body: bytes | bytearray | memoryview) -> list[bytes | bytearray | memoryview]:
-    """The pieces of one frame (header, body) for `transport.writelines`."""
-    return [HEADER.pack(kind, len(body)), body]
 
 
 def write_message(transport: asyncio.WriteTransport, raw: bytes) -> None:
