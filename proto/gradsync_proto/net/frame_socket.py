@@ -17,8 +17,9 @@ messages a step).
   not take at once, a large item, and every item behind one go to a writer
   thread, which waits for the socket (bounded) and keeps the order;
 - **reads** happen on a reader thread, which parses frames with the same
-  `FrameReader` as the loop's pipe (claims over the limit refused before they
-  are allocated) and hands each one to `on_frame` on that thread;
+  `FrameReader` as the coordinator's frame server (claims over the limit
+  refused before they are allocated) and hands each one to `on_frame` on
+  that thread;
 - **ending**: `on_lost` is called once, from the reader or writer thread,
   with why (None for a clean EOF); `stop` wakes both threads, which then
   end, and the last one out closes the socket. A write that finds the
