@@ -37,7 +37,7 @@ import torch
 from gradsync_proto.v1 import gradsync_pb2 as pb
 
 from gradsync.control.link import SessionLink
-from gradsync.control.signature import WIRE_DTYPES
+from gradsync.path.signature import WIRE_DTYPES
 
 __all__ = ["Collectives", "all_gather", "all_reduce", "barrier", "broadcast"]
 

@@ -15,7 +15,7 @@ as DDP) through the coordinator's collectives (`gradsync.collectives`), which
 the wrapper also offers to user code and which `join()` (`gradsync.uneven`)
 and synchronized BatchNorm (`gradsync.syncbn`) use. Hooks never block on the
 network and never raise: failures surface from `backward()` as
-`GradSyncError`s. That step path is `gradsync.path.step_path`; joining, the initial
+`GradSyncError`s. That step path is `gradsync.control.step_path`; joining, the initial
 broadcast, checkpoints and reconnecting live in `gradsync.control.session`; the
 network sits behind `gradsync.control.link`.
 """
@@ -42,7 +42,8 @@ from gradsync.collectives import Collectives
 from gradsync.config import ClientConfig
 from gradsync.control.link import LinkFactory, SessionLink
 from gradsync.control.session import Session
-from gradsync.control.signature import PRESENCE_NAME, model_signature
+from gradsync.control.step_path import StepPath
+from gradsync.control.transport import Transport
 from gradsync.errors import (
     ClosedError,
     CoordinatorUnavailableError,
@@ -53,9 +54,8 @@ from gradsync.local.hierarchy import check_hierarchical, requested_hierarchical
 from gradsync.metrics import ENV_METRICS_HOST, resolve_metrics_port
 from gradsync.path.bucketing import BucketPlan
 from gradsync.path.reducer import Reducer, plan_layout
-from gradsync.path.step_path import StepPath
+from gradsync.path.signature import PRESENCE_NAME, model_signature
 from gradsync.path.step_results import RoundReport
-from gradsync.path.transport import Transport
 from gradsync.quantized_wire import WireHook
 
 log = logging.getLogger("gradsync.client")

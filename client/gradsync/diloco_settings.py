@@ -15,8 +15,8 @@ from typing import Any
 import torch
 from gradsync_proto.v1 import gradsync_pb2 as pb
 
-from gradsync.control.signature import WIRE_DTYPES
 from gradsync.hooks import WIRE_DTYPE_HOOKS
+from gradsync.path.signature import WIRE_DTYPES
 
 __all__ = [
     "LATE_POLICIES",

@@ -3,7 +3,7 @@
 A SIGSTOPped coordinator's kernel still accepts a worker's bytes, so a plain
 socket alone would wait for the step timeout. The frame stream keeps the gRPC
 channel it asked for the frame port on open beside it, with gRPC's keepalive
-pings (`FrameStreamClient._watch_keepalive`); a real `gradsync serve` process
+pings (`FramePipe._watch_keepalive`); a real `gradsync serve` process
 is frozen with a real signal, and the worker's next wait must fail with
 CoordinatorUnavailableError (the error the model wrapper reconnects on), in
 seconds, naming the keepalive.
@@ -15,8 +15,8 @@ import signal
 import time
 
 import pytest
+from gradsync.control.transport import Transport
 from gradsync.errors import CoordinatorUnavailableError
-from gradsync.path.transport import Transport
 from gradsync_proto.v1 import gradsync_pb2 as pb
 from support.rawclient import signature
 

@@ -30,7 +30,7 @@ import grpc
 import numpy as np
 import pytest
 import trustme
-from gradsync.path.transport import Transport
+from gradsync.control.transport import Transport
 from gradsync_proto import auth
 from gradsync_proto.net.channels import ChannelSecurity
 from gradsync_proto.net.frame_stream import ENV_FRAMES, FRAME_PORT_METHOD

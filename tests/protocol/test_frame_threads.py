@@ -14,9 +14,9 @@ import time
 
 import numpy as np
 import pytest
+from gradsync.control.transport import Transport
 from gradsync.control.worker_messages import INLINE_BYTES
 from gradsync.path.buffers import BucketBuffer
-from gradsync.path.transport import Transport
 from gradsync_proto.v1 import gradsync_pb2 as pb
 from support.rawclient import BIAS_SHAPE, coordinator, run, signature
 

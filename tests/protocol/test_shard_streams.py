@@ -24,10 +24,10 @@ from dataclasses import dataclass, field
 import grpc
 import numpy as np
 import pytest
+from gradsync.control.transport import Transport
 from gradsync.errors import ShardUnavailableError
 from gradsync.path.buffers import BucketBuffer
 from gradsync.path.pacing import ENV_UPLOAD_WINDOW_MB
-from gradsync.path.transport import Transport
 from gradsync_proto import chunking
 from gradsync_proto.codec import ChunkHeader, decode_gradient, encode_gradient
 from gradsync_proto.codes import Code

@@ -21,8 +21,8 @@ import numpy as np
 import numpy.typing as npt
 import torch
 from gradsync.collectives import Collectives
-from gradsync.control.signature import WIRE_DTYPES
 from gradsync.errors import CollectiveError, SyncTimeoutError
+from gradsync.path.signature import WIRE_DTYPES
 from gradsync_proto.v1 import gradsync_pb2 as pb
 
 T = TypeVar("T")

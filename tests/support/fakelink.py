@@ -13,9 +13,10 @@ import gradsync
 import numpy as np
 import numpy.typing as npt
 import torch
-from gradsync.control.link import BucketEventHandler, CoordinatorLink
-from gradsync.control.signature import PRESENCE_NAME
+from gradsync.control.link import CoordinatorLink
 from gradsync.path.buffers import BucketBuffer
+from gradsync.path.gradient_path import BucketEventHandler
+from gradsync.path.signature import PRESENCE_NAME
 from gradsync_proto.v1 import gradsync_pb2 as pb
 
 #: Wire dtypes a FakeLink accepts, as torch dtypes.

@@ -13,10 +13,10 @@ import threading
 
 import numpy as np
 import pytest
+from gradsync.control.inbox import Inbox
+from gradsync.control.transport import Transport
 from gradsync.control.worker_messages import CollectiveUpload, blob_messages
 from gradsync.errors import CollectiveError, GradSyncError, SyncTimeoutError
-from gradsync.path.inbox import Inbox
-from gradsync.path.transport import Transport
 from gradsync_proto.v1 import gradsync_pb2 as pb
 
 pytestmark = pytest.mark.unit

@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import socket
+import ssl
 import threading
 import time
 from collections.abc import Iterator
 
 import pytest
+import trustme
 from gradsync_proto.codes import Code
 from gradsync_proto.net.frame_socket import Framed, FrameSocket
 from gradsync_proto.net.frames import HEADER, MESSAGE, STATUS, FrameError, status_frame
@@ -303,3 +305,53 @@ def test_a_write_that_finds_the_peer_gone_still_lets_its_last_frames_be_read() -
     finally:
         left.close()
         right.close()
+
+
+def test_a_tls_socket_carries_frames_both_ways_while_both_threads_run() -> None:
+    """One SSL object, read and written by two threads at once under the socket's lock:
+    small and large items out (inline and by the writer thread) while frames come in."""
+    ca = trustme.CA()
+    server_context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    ca.issue_cert("127.0.0.1").configure_cert(server_context)
+    client_context = ssl.create_default_context()
+    ca.configure_trust(client_context)
+    listener = socket.create_server(("127.0.0.1", 0))
+    plain = socket.create_connection(listener.getsockname())
+    accepted, _ = listener.accept()
+    listener.close()
+    handshake = threading.Thread(
+        target=lambda: client_box.append(
+            client_context.wrap_socket(plain, server_hostname="127.0.0.1")
+        )
+    )
+    client_box: list[ssl.SSLSocket] = []
+    handshake.start()
+    right = server_context.wrap_socket(accepted, server_side=True)
+    handshake.join(10)
+    left = client_box[0]
+    incoming = [bytes([index]) * (10 + index * 40_000) for index in range(30)]
+
+    def peer_writes() -> None:
+        for body in incoming:
+            right.sendall(HEADER.pack(MESSAGE, len(body)) + body)
+
+    writer = threading.Thread(target=peer_writes)
+    try:
+        ends = Ends()
+        frames = _frame_socket(left, ends)
+        writer.start()
+        outgoing = [bytes([index]) * (2_000_000 if index % 4 == 1 else 100) for index in range(20)]
+        for index, body in enumerate(outgoing):
+            frames.put(body, inline=index % 2 == 0)
+        peer = Peer(right)
+        assert [peer.frame() for _ in outgoing] == [(MESSAGE, body) for body in outgoing]
+        writer.join(10)
+        deadline = time.monotonic() + 10
+        while len(ends.frames) < len(incoming) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert [body for _, body, _ in ends.frames] == incoming
+        frames.stop()
+        assert ends.lost == []
+    finally:
+        right.close()
+        left.close()

@@ -11,7 +11,7 @@ from __future__ import annotations
 import threading
 import time
 
-from gradsync.path.inbox import Inbox
+from gradsync.control.inbox import Inbox
 from gradsync_proto.v1 import gradsync_pb2 as pb
 
 

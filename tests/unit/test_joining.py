@@ -19,10 +19,10 @@ import time
 from collections.abc import Iterator
 
 import pytest
+from gradsync.control.inbox import Inbox
 from gradsync.control.joining import wait_for_welcome
+from gradsync.control.transport import _HEARTBEAT, Transport
 from gradsync.errors import CoordinatorUnavailableError, JoinRefusedError, SyncTimeoutError
-from gradsync.path.inbox import Inbox
-from gradsync.path.transport import _HEARTBEAT, Transport
 from gradsync_proto.net.reachability import describe_connect_error, diagnose
 from gradsync_proto.v1 import gradsync_pb2 as pb
 
@@ -188,9 +188,7 @@ def test_heartbeats_start_before_welcome_at_the_coordinators_interval_without_pi
             task = asyncio.create_task(transport._send_heartbeats())
             await asyncio.sleep(0.4)  # the first progress said 0.25 s: one beat by now
             task.cancel()
-            queued = []
-            while not transport._sync._queue.empty():
-                queued.append(transport._sync._queue.get_nowait())
+            queued = list(transport._sync._queue)  # (the stream's, before a pipe)
             return sum(item is _HEARTBEAT for item in queued)
 
         # Nothing consumes the queue (no connection): exactly one beat waits.

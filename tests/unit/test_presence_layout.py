@@ -11,9 +11,9 @@ from __future__ import annotations
 import gradsync
 import pytest
 import torch
-from gradsync.control.signature import PRESENCE_NAME
 from gradsync.path.bucketing import BucketPlan
 from gradsync.path.reducer import presence_can_ride, wire_plans
+from gradsync.path.signature import PRESENCE_NAME
 from support.fakelink import LinkFactory
 from torch import nn
 

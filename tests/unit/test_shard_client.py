@@ -14,6 +14,7 @@ import time
 import gradsync
 import numpy as np
 import pytest
+from gradsync.control.inbox import Inbox
 from gradsync.errors import (
     CoordinatorUnavailableError,
     GradSyncError,
@@ -31,7 +32,6 @@ from gradsync.path.bucket_uploads import (
     split_upload,
 )
 from gradsync.path.buffers import BucketBuffer
-from gradsync.path.inbox import Inbox
 from gradsync.path.shard_faults import ShardFault, shard_grace_s
 from gradsync.path.shard_streams import shard_target, shard_targets
 from gradsync.path.step_results import StepResults

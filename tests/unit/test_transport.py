@@ -12,6 +12,8 @@ from collections.abc import AsyncIterator
 
 import grpc
 import pytest
+from gradsync.control.inbox import Inbox
+from gradsync.control.transport import Transport
 from gradsync.errors import (
     CheckpointFailedError,
     CoordinatorUnavailableError,
@@ -22,9 +24,8 @@ from gradsync.errors import (
     ResourceExhaustedError,
     SyncTimeoutError,
 )
-from gradsync.path.inbox import Inbox
-from gradsync.path.transport import Transport
 from gradsync_proto.codes import Code
+from gradsync_proto.net.stream_client import GrpcPipe
 from gradsync_proto.v1 import gradsync_pb2 as pb
 
 
@@ -76,8 +77,9 @@ def end_stream(messages: list[pb.CoordinatorMessage], status: Code | None) -> Gr
     transport = Transport("127.0.0.1:1", rank=2)
     try:
         transport.configure_buckets([8])  # so that step 3 waits for something
-        transport._sync._call = ScriptedCall(messages, status)
-        transport._run(transport._sync._read(), timeout_s=5)
+        pipe = GrpcPipe()
+        pipe._call = ScriptedCall(messages, status)
+        transport._run(pipe._read(transport._sync), timeout_s=5)
         with pytest.raises(GradSyncError) as raised:
             transport.wait_step(3, timeout_s=1)
         return raised.value

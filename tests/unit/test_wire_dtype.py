@@ -19,7 +19,7 @@ import gradsync
 import pytest
 import torch
 from gradsync import hooks
-from gradsync.control.signature import WIRE_DTYPES
+from gradsync.path.signature import WIRE_DTYPES
 from gradsync_proto import chunking
 from gradsync_server.dataplane.aggregation import BucketReduction
 from support import wire_reference

@@ -11,7 +11,7 @@ checks and reassembles them, in any order), and records a problem against the
 collective's sequence number so that the waiter gets a `CollectiveError`
 naming it, rather than a corrupted tensor.
 
-It holds no lock and imports neither grpc nor torch: `gradsync.path.inbox` calls
+It holds no lock and imports neither grpc nor torch: `gradsync.control.inbox` calls
 it under its own condition variable, and tests drive it chunk by chunk.
 """
 

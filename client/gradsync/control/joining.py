@@ -22,8 +22,8 @@ from gradsync_proto.net.channels import ChannelSecurity, handshake_failure
 from gradsync_proto.net.reachability import diagnose
 from gradsync_proto.v1 import gradsync_pb2 as pb
 
+from gradsync.control.inbox import Inbox
 from gradsync.errors import CoordinatorUnavailableError, SyncTimeoutError, TransportSecurityError
-from gradsync.path.inbox import Inbox
 
 log = logging.getLogger("gradsync.client")
 

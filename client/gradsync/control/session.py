@@ -30,13 +30,7 @@ from torch import nn
 from gradsync import __version__
 from gradsync.config import ClientConfig
 from gradsync.control.heal_answer import await_heal_answer
-from gradsync.control.link import (
-    BucketEventHandler,
-    CoordinatorLink,
-    GradientPath,
-    LinkFactory,
-    SessionLink,
-)
+from gradsync.control.link import CoordinatorLink, LinkFactory, SessionLink
 from gradsync.control.position import position
 from gradsync.control.start_state import broadcast_start_state
 from gradsync.control.state_load import (
@@ -56,6 +50,7 @@ from gradsync.errors import (
 from gradsync.local.hierarchy import LocalGroupPath
 from gradsync.local.host_identity import host_id
 from gradsync.local.local_group import LocalGroup
+from gradsync.path.gradient_path import BucketEventHandler, GradientPath
 
 log = logging.getLogger("gradsync.client")
 

@@ -6,7 +6,7 @@ messages; `upload_messages` turns one into the chunks that go on the wire,
 sized by the Welcome's chunk size. The three blob uploads are cut by the one
 `gradsync_proto.blobs.blob_chunks` (the coordinator cuts its resume and
 collective-result blobs with it too); each says only how one chunk is
-wrapped. Kept apart from `gradsync.path.transport`
+wrapped. Kept apart from `gradsync.control.transport`
 (the stream's lifecycle on its event loop) because this is pure, grpc-free
 message building that unit tests check on its own, like
 `gradsync.path.bucket_uploads`, which cuts the bucket ranges it dispatches to.
@@ -133,7 +133,7 @@ INLINE_BYTES = 1 << 20
 
 
 def written_inline(item: object) -> bool:
-    """Whether the sending thread writes `item` itself (`FrameStreamClient`'s `inline`)."""
+    """Whether the sending thread writes `item` itself (`FrameDiscovery`'s `inline`)."""
     if isinstance(item, RangeUpload):
         return item.hi - item.lo <= INLINE_BYTES
     if isinstance(item, CollectiveUpload):

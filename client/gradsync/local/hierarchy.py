@@ -29,16 +29,17 @@ import logging
 import os
 import time
 from collections.abc import Mapping, Sequence
+from typing import Protocol
 
 import torch
 from gradsync_proto.payload_socket import Registration
 from gradsync_proto.v1 import gradsync_pb2 as pb
 
-from gradsync.control.link import BucketEventHandler, GradientPath, SessionLink
 from gradsync.errors import GradSyncError, SyncTimeoutError
 from gradsync.local.local_group import LocalGroup
 from gradsync.local.payload_segment import register_segment
 from gradsync.path.buffers import BucketBuffer
+from gradsync.path.gradient_path import BucketEventHandler, GradientPath
 from gradsync.path.step_results import RoundReport
 
 log = logging.getLogger("gradsync.client")
@@ -109,6 +110,17 @@ def check_hierarchical(
     return False
 
 
+class GroupLink(Protocol):
+    """What a local group needs of its rank's session link (`gradsync.control.link`)."""
+
+    def send_local_posted(self, step: int, bucket_index: int) -> None:
+        """Tell the coordinator this rank posted a bucket into its local group."""
+
+    def live_ranks(self) -> tuple[int, ...] | None:
+        """The job's live ranks as the coordinator last announced them, or None."""
+        ...
+
+
 class LocalGroupPath:
     """A `GradientPath` through the host's local group, around the rank's own path.
 
@@ -129,7 +141,7 @@ class LocalGroupPath:
     def __init__(
         self,
         upstream: GradientPath,
-        link: SessionLink,
+        link: GroupLink,
         group: LocalGroup,
         bucket_bytes: Sequence[int],
         welcome: pb.Welcome,

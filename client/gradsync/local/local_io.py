@@ -35,12 +35,12 @@ from collections.abc import Callable, Sequence
 
 import numpy as np
 
-from gradsync.control.link import BucketEventHandler
 from gradsync.errors import GradSyncError
 from gradsync.local.local_rendezvous import MAX_MESSAGE_BYTES, Kind, frame, parse
 from gradsync.local.local_schedule import LeaderSchedule
 from gradsync.local.local_segment import Segment, SegmentLayout, sum_share
 from gradsync.path.buffers import BucketBuffer
+from gradsync.path.gradient_path import BucketEventHandler
 
 log = logging.getLogger("gradsync.client")
 

@@ -14,7 +14,7 @@ rank used, which a rank cannot know alone. One float32 per parameter (1.0 =
 used here), averaged like any gradient, answers it: an average of 0 means no
 rank used the parameter. It costs 4 bytes per parameter per step, and the
 coordinator needs no notion of it (it is the last "parameter" of the
-signature, `gradsync.control.signature.PRESENCE_NAME`).
+signature, `gradsync.path.signature.PRESENCE_NAME`).
 
 Where it travels (issue 27): when the last gradient bucket is float32 (and
 neither an outer optimizer nor `wire_dtype` is in play), the presence vector
@@ -41,8 +41,6 @@ import torch
 from torch import nn
 
 from gradsync.config import ClientConfig
-from gradsync.control.link import GradientPath
-from gradsync.control.signature import WIRE_DTYPES, bucket_wire_dtype, presence_plan, wire_dtype
 from gradsync.hooks import (
     COMPRESSED_WIRE_DTYPES,
     CommHook,
@@ -54,6 +52,8 @@ from gradsync.instruments import Instruments
 from gradsync.path.bucket_views import Allocator, BucketViews, BucketViewStage, allocate
 from gradsync.path.bucketing import BucketPlan, assign_buckets
 from gradsync.path.buffers import BucketBuffer
+from gradsync.path.gradient_path import GradientPath
+from gradsync.path.signature import WIRE_DTYPES, bucket_wire_dtype, presence_plan, wire_dtype
 from gradsync.path.staging import BucketStage, Stage
 from gradsync.quantized_answer import Int8Answer
 from gradsync.quantized_wire import Int8Wire, WireHook, check_int8_wire

@@ -8,7 +8,7 @@ stream first, and its peers would see a lost peer instead of a lost shard.
 `ShardFault` keeps the first such failure and says when the grace (3
 heartbeat intervals plus a margin, measured from the failure) is over; only
 then do waits raise the shard's `ShardUnavailableError` themselves, naming
-the shard and its address. `gradsync.path.inbox` holds one under its lock.
+the shard and its address. `gradsync.control.inbox` holds one under its lock.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""A worker's data streams to the coordinator's shards 1..S-1 (gRPC, on the transport's loop).
+"""A worker's data streams to the coordinator's shards 1..S-1 (on the transport's loop).
 
 With a sharded coordinator the Welcome lists every shard; shard i aggregates
 byte range i of every bucket. The worker keeps its Sync stream to the leader
@@ -16,7 +16,10 @@ naming the shard, its address and gRPC's words, and is not raised at once
 a shard that does not accept the connection in time counts as failed.
 Streams are closed with a Leave (bounded), then cancelled, so that closing a
 transport leaves no task, channel or thread behind. Each stream is a
-`gradsync_proto.net.stream_client.StreamClient`, as the Sync stream is.
+`gradsync_proto.net.stream_client.StreamClient` whose pipe a `FrameDiscovery`
+picks, as the Sync stream's is: frames where the shard offers a frame port,
+gRPC where it does not (`on_message` then runs on the loop, or on the frame
+socket's reader thread).
 """
 
 from __future__ import annotations
@@ -26,19 +29,20 @@ import contextlib
 import logging
 import os
 from collections.abc import Callable, Iterator, Mapping, Sequence
+from typing import Protocol
 
 from gradsync_proto import auth, chunking
-from gradsync_proto.codec import decode_gradient, header_of
+from gradsync_proto.codec import ChunkHeader, decode_gradient, header_of
 from gradsync_proto.codes import Code
 from gradsync_proto.net.address import Address, parse_address
 from gradsync_proto.net.channels import ChannelSecurity
+from gradsync_proto.net.frame_stream import FrameDiscovery
 from gradsync_proto.net.stream_client import EndKind, StreamClient, StreamEnded
 from gradsync_proto.v1 import gradsync_pb2 as pb
 
 from gradsync import defaults
 from gradsync.errors import ShardUnavailableError
 from gradsync.path.bucket_uploads import RangeUpload
-from gradsync.path.inbox import Inbox
 from gradsync.path.shard_faults import shard_grace_s
 
 log = logging.getLogger("gradsync.client")
@@ -60,6 +64,26 @@ ENV_KEEPALIVE_TIMEOUT_S = "GRADSYNC_KEEPALIVE_TIMEOUT_S"
 
 #: Told (stream index, step, dtype, payload bytes) of every averaged chunk a stream brings.
 Answered = Callable[[int, int, int, int], None]
+
+
+class Inbox(Protocol):
+    """Where the shard streams' averages and failures go (`gradsync.control.inbox.Inbox`)."""
+
+    shard_grace_margin_s: float
+
+    @property
+    def heartbeat_interval_s(self) -> float | None:
+        """The heartbeat interval the coordinator asked for, once it said (else None)."""
+        ...
+
+    def on_averaged_chunk(self, chunk: ChunkHeader, payload: memoryview, source: str) -> None:
+        """Take in an averaged chunk from shard `source`'s data stream."""
+
+    def protocol_fault(self, what: str, source: str | None = None) -> None:
+        """Record that the coordinator sent something invalid."""
+
+    def shard_failed(self, error: ShardUnavailableError) -> None:
+        """Record a failed shard data stream."""
 
 
 def channel_options(environ: Mapping[str, str] | None = None) -> list[tuple[str, int]]:
@@ -207,6 +231,7 @@ class ShardStream:
             encode=self._messages,
             connect_timeout_s=connect_timeout_s,
             name=f"shard-{index}",
+            discovery=FrameDiscovery(CLIENT_MAX_MESSAGE_BYTES),
         )
         self._stream.send(hello)
 

@@ -6,7 +6,7 @@ scatters each chunk straight into the `BucketBuffer` that was submitted (the
 gradients' own memory; for a 16-bit upload answered in float32, the bucket's
 float32 buffer, submitted beside it), counts complete buckets per step, keeps a
 `StepAborted` against its step, and says what is still missing when a wait
-runs out. It holds no lock: `gradsync.path.inbox` calls it under its condition
+runs out. It holds no lock: `gradsync.control.inbox` calls it under its condition
 variable, which is also what waiters sleep on.
 
 The coordinator's byte counts are not trusted: every bucket's chunk grid is

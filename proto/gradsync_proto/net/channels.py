@@ -4,7 +4,7 @@ One `ChannelSecurity` value describes a client's side of transport security:
 the CA that issued the server's certificate (TLS), this client's own
 certificate and key (mTLS), and the shared token sent as call metadata on
 every RPC. Every client builds its channels and call metadata here: the
-worker's Sync stream (`gradsync.path.transport`), its shard data streams
+worker's Sync stream (`gradsync.control.transport`), its shard data streams
 (`gradsync.path.shard_streams`), `gradsync status`, the health probe and a
 shard's control link to its leader (`gradsync_server.rpc.shard_link`), so none
 of them can forget the token or fall back to plaintext on its own.
@@ -162,9 +162,9 @@ class ChannelSecurity:
 
     def ssl_context(self) -> ssl.SSLContext | None:
         """A Python TLS context with the same trust and client certificate (None: plaintext)."""
-        if not self.tls or self.ca_path is None:
+        if self.root_certificates is None:
             return None
-        context = ssl.create_default_context(cafile=self.ca_path)
+        context = ssl.create_default_context(cadata=self.root_certificates.decode("ascii"))
         if self.cert_path is not None and self.key_path is not None:
             context.load_cert_chain(self.cert_path, self.key_path)
         return context

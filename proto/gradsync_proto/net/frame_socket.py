@@ -1,15 +1,15 @@
 """A worker's frame connection served by threads: written by whoever sends, read by one thread.
 
-Why not the event loop (issue 27): with the loop as the socket's owner, every
+Why not the event loop: with the loop as the socket's owner, every
 step of a small model costs a worker two cross-thread hand-overs. The training
 thread wakes the loop to write its bucket (`call_soon_threadsafe`, the loop's
 self-pipe, a queue and a writer task), and the loop wakes the training thread
 with the average. With 17 processes on two cores, those wake-ups and the
 loop's bookkeeping around them cost a worker more CPU than its own Python
-(stop 41: the transport loop took a third of a W = 16 worker's CPU for two
+(measured: the transport loop took a third of a W = 16 worker's CPU for two
 messages a step).
 
-`FrameSocket` owns one connected, non-blocking, plain TCP socket:
+`FrameSocket` owns one connected, non-blocking TCP socket, plain or TLS:
 
 - **writes** happen on the thread that sends when the item is small and
   nothing is queued before it: it is encoded and handed to the kernel with a
@@ -17,8 +17,9 @@ messages a step).
   not take at once, a large item, and every item behind one go to a writer
   thread, which waits for the socket (bounded) and keeps the order;
 - **reads** happen on a reader thread, which parses frames with the same
-  `FrameReader` as the loop's pipe (claims over the limit refused before they
-  are allocated) and hands each one to `on_frame` on that thread;
+  `FrameReader` as the coordinator's frame server (claims over the limit
+  refused before they are allocated) and hands each one to `on_frame` on
+  that thread;
 - **ending**: `on_lost` is called once, from the reader or writer thread,
   with why (None for a clean EOF); `stop` wakes both threads, which then
   end, and the last one out closes the socket. A write that finds the
@@ -28,8 +29,12 @@ messages a step).
   `DRAIN_AFTER_BROKEN_WRITE_S`). Ending at once lost them, so a worker took a
   refusal for a lost coordinator and reconnected.
 
-TLS connections stay on the loop's pipe (`gradsync_proto.net.frame_stream`):
-one OpenSSL connection must not be read and written by two threads at once.
+A TLS socket (an `ssl.SSLSocket`, its handshake done) is read and written
+the same way, each call into its SSL object under one lock: one OpenSSL
+connection must not be read and written by two threads at once. The calls
+never wait (the socket is non-blocking), so the lock is held only while
+bytes are copied and ciphered. A TLS frame below a chunk's size is joined to
+its header (one record instead of two).
 """
 
 from __future__ import annotations
@@ -39,12 +44,13 @@ import contextlib
 import logging
 import select
 import socket
+import ssl
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
-from gradsync_proto.net.frames import HEADER, MESSAGE, FrameReader
+from gradsync_proto.net.frames import HEADER, JOIN_BELOW_BYTES, MESSAGE, FrameReader
 
 log = logging.getLogger("gradsync.net")
 
@@ -56,6 +62,9 @@ _POLL_SLICE_MS = 500
 #: After a write found the connection broken, how long the reader may still read
 #: what the peer sent before it went (it normally sees the end at once).
 DRAIN_AFTER_BROKEN_WRITE_S = 2.0
+
+#: What a non-blocking call raises when the socket (or TLS) cannot go on now.
+_WOULD_BLOCK = (BlockingIOError, InterruptedError, ssl.SSLWantReadError, ssl.SSLWantWriteError)
 
 
 class Framed:
@@ -78,10 +87,11 @@ class _Rest:
 
 
 class FrameSocket:
-    """One connected plain socket carrying frames, read and written by threads.
+    """One connected socket carrying frames, read and written by threads.
 
     Args:
-        sock: connected; made non-blocking here, owned from now on.
+        sock: connected (an `ssl.SSLSocket` after its handshake, for TLS); made
+            non-blocking here, owned from now on.
         max_body_bytes: the longest frame body read (a longer claim ends the connection).
         on_frame: each frame's (kind, body), in order, on the reader thread.
         on_lost: once, with why the connection ended (None: the peer closed it
@@ -105,6 +115,8 @@ class FrameSocket:
     ) -> None:
         sock.setblocking(False)
         self._sock = sock
+        #: TLS: every call into the SSL object holds it (None: a plain socket).
+        self._tls_lock = threading.Lock() if isinstance(sock, ssl.SSLSocket) else None
         # (its `on_lost`: a bad frame, a raising `on_frame`, or the end)
         self._reader = FrameReader(max_body_bytes, on_frame, self._lose)
         self._on_lost = on_lost
@@ -181,8 +193,7 @@ class FrameSocket:
             self._stopped = True
             self._pending.clear()
             self._wake_writer.notify_all()
-        with contextlib.suppress(OSError):  # (not connected any more)
-            self._sock.shutdown(socket.SHUT_RDWR)  # wakes a thread waiting in poll
+        self._shutdown()  # wakes a thread waiting in poll
 
     # ------------------------------------------------------------ writing
     def _unsent(self, item: Any) -> _Rest:
@@ -197,6 +208,13 @@ class FrameSocket:
             return _Rest([memoryview(item.data)], iter(()))
         return _Rest([], iter(self._encode(item)))
 
+    def _frame_buffers(self, raw: bytes) -> list[memoryview]:
+        """A MESSAGE frame as buffers (no copy of the body, but a small TLS one's)."""
+        header = HEADER.pack(MESSAGE, len(raw))
+        if self._tls_lock is not None and len(raw) < JOIN_BELOW_BYTES:
+            return [memoryview(header + raw)]
+        return [memoryview(header), memoryview(raw)]
+
     def _write_without_waiting(self, item: Any) -> _Rest | None:
         """Send what the kernel takes now; return the rest (None: all of it went)."""
         unsent = self._unsent(item)
@@ -205,15 +223,25 @@ class FrameSocket:
             raw = next(unsent.messages, None)
             if raw is None:
                 return None
-            buffers = self._send_some(_frame_buffers(raw))
+            buffers = self._send_some(self._frame_buffers(raw))
         return _Rest(buffers, unsent.messages)
 
     def _send_some(self, buffers: list[memoryview]) -> list[memoryview]:
-        """One non-blocking `sendmsg` at a time while the kernel takes bytes; the rest."""
+        """Non-blocking sends while the kernel takes bytes; the rest.
+
+        Plain: one `sendmsg` of all buffers at a time. TLS: the first buffer
+        (OpenSSL retries a write that could not go on with the same bytes,
+        which the first unsent buffer is).
+        """
+        lock = self._tls_lock
         while buffers:
             try:
-                sent = self._sock.sendmsg(buffers)
-            except (BlockingIOError, InterruptedError):
+                if lock is None:
+                    sent = self._sock.sendmsg(buffers)
+                else:
+                    with lock:
+                        sent = self._sock.send(buffers[0])
+            except _WOULD_BLOCK:
                 return buffers
             buffers = _skip(buffers, sent)
         return buffers
@@ -243,11 +271,10 @@ class FrameSocket:
         unsent = self._unsent(item)
         self._send_all(unsent.buffers)
         for raw in unsent.messages:
-            self._send_all(_frame_buffers(raw))
+            self._send_all(self._frame_buffers(raw))
 
     def _send_all(self, buffers: list[memoryview]) -> None:
-        poller = select.poll()
-        poller.register(self._sock, select.POLLOUT)
+        poller = _poller(self._sock, select.POLLOUT)
         while True:
             buffers = self._send_some(buffers)
             if not buffers:
@@ -276,14 +303,21 @@ class FrameSocket:
     # ------------------------------------------------------------ reading
     def _read_loop(self) -> None:
         reader = self._reader
-        poller = select.poll()
-        poller.register(self._sock, select.POLLIN)
+        lock = self._tls_lock
+        poller = _poller(self._sock, select.POLLIN)
         try:
             while not (self._stopped or self._lost):
                 buffer = reader.get_buffer(-1)
                 try:
-                    received = self._sock.recv_into(buffer)
-                except (BlockingIOError, InterruptedError):
+                    if lock is None:
+                        received = self._sock.recv_into(buffer)
+                    else:
+                        with lock:
+                            received = self._sock.recv_into(buffer)
+                except ssl.SSLWantWriteError:  # TLS must send before it reads on
+                    self._wait(_poller(self._sock, select.POLLOUT), "read")
+                    continue
+                except _WOULD_BLOCK:
                     self._wait(poller, "read")
                     continue
                 if received == 0:
@@ -332,8 +366,14 @@ class FrameSocket:
             self._on_lost(exc)
         except Exception:
             log.exception("%s: the connection-lost handler failed", self.name)
-        with contextlib.suppress(OSError):
-            self._sock.shutdown(socket.SHUT_RDWR)
+        self._shutdown()
+
+    def _shutdown(self) -> None:
+        """Shut the connection down both ways. Through `socket.socket`'s own method: an
+        `SSLSocket`'s would drop its SSL object, and a thread's next read would then
+        take the raw TLS bytes for frames."""
+        with contextlib.suppress(OSError):  # (not connected any more)
+            socket.socket.shutdown(self._sock, socket.SHUT_RDWR)
 
     def _thread_done(self) -> None:
         with self._lock:
@@ -351,9 +391,10 @@ class _Stopped(Exception):
     """`stop` was called while a thread waited on the socket."""
 
 
-def _frame_buffers(raw: bytes) -> list[memoryview]:
-    """A MESSAGE frame as buffers for `sendmsg` (no copy of the body)."""
-    return [memoryview(HEADER.pack(MESSAGE, len(raw))), memoryview(raw)]
+def _poller(sock: socket.socket, events: int) -> select.poll:
+    poller = select.poll()
+    poller.register(sock, events)
+    return poller
 
 
 def _skip(buffers: list[memoryview], sent: int) -> list[memoryview]:

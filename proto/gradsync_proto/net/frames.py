@@ -1,6 +1,6 @@
 """The frame plane: a worker's Sync stream as length-prefixed frames on a plain socket.
 
-Why it exists (issue 27): for a small model the per-step cost of a worker's
+Why it exists: for a small model the per-step cost of a worker's
 stream is not its bytes but grpc-python's per-message work (HTTP/2 framing,
 its poller and event-engine threads, the copies into and out of its slices),
 on both ends. The messages themselves are the same bytes gRPC would carry
@@ -39,6 +39,7 @@ from gradsync_proto.codes import Code
 __all__ = [
     "HEADER",
     "HELLO",
+    "JOIN_BELOW_BYTES",
     "MAGIC",
     "MESSAGE",
     "STATUS",
@@ -47,7 +48,6 @@ __all__ = [
     "FrameReader",
     "decode_hello",
     "decode_status",
-    "frame",
     "hello_frame",
     "status_frame",
     "write_message",
@@ -68,7 +68,7 @@ WRITE_HIGH_WATER = 1024 * 1024
 #: header alone goes out as a packet of its own (TCP_NODELAY) and wakes the reader
 #: for 5 bytes. Measured at W = 16 on a tiny model (257 KiB messages): the
 #: coordinator's two writes took 53 us each under load, the whole send 117 us.
-_JOIN_BELOW_BYTES = defaults.CHUNK_BYTES + defaults.HEADER_SLACK_BYTES
+JOIN_BELOW_BYTES = defaults.CHUNK_BYTES + defaults.HEADER_SLACK_BYTES
 #: The longest details of a STATUS frame sent (longer ones are cut).
 MAX_DETAILS_BYTES = 16 * 1024
 _CODE = struct.Struct("!I")
@@ -89,16 +89,11 @@ class FrameError(ValueError):
         self.code = code
 
 
-def frame(kind: int, body: bytes | bytearray | memoryview) -> list[bytes | bytearray | memoryview]:
-    """The pieces of one frame (header, body) for `transport.writelines`."""
-    return [HEADER.pack(kind, len(body)), body]
-
-
 def write_message(transport: asyncio.WriteTransport, raw: bytes) -> None:
     """Write one MESSAGE frame: a body up to a chunk's size joined to its header (one
     send), a larger one after it (no copy of the body; Python 3.11's `writelines`
     would join them)."""
-    if len(raw) < _JOIN_BELOW_BYTES:
+    if len(raw) < JOIN_BELOW_BYTES:
         transport.write(HEADER.pack(MESSAGE, len(raw)) + raw)
     else:
         transport.write(HEADER.pack(MESSAGE, len(raw)))

@@ -1,6 +1,6 @@
 """What the coordinator has told one worker so far, and how streamed parts extend it.
 
-`gradsync.path.inbox.Inbox` keeps one `InboxState` under its condition variable:
+`gradsync.control.inbox.Inbox` keeps one `InboxState` under its condition variable:
 the I/O thread writes it as messages arrive and the training thread's waits
 read it. The parts that arrive in pieces (rank 0's state, the checkpoint to
 resume from) are reassembled by the shared `gradsync_proto.blobs.BlobAssembly`

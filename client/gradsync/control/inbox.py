@@ -7,14 +7,14 @@ scattered straight into the buckets that were uploaded, collective results
 (checked by `gradsync.control.collective_results`), join() progress, aborted steps,
 checkpoint acknowledgements, heal requests and, last, why the stream ended.
 One condition variable guards it all (the state itself is an
-`gradsync.path.inbox_state.InboxState`), and every wait is bounded; a failure is
+`gradsync.control.inbox_state.InboxState`), and every wait is bounded; a failure is
 stored and raised at the next wait.
 
 With a sharded coordinator the averages of shard i arrive on this worker's
 data stream to shard i and land here too (offsets are absolute); a failed
 shard stream waits for the leader's verdict (`gradsync.path.shard_faults`).
 
-It imports neither grpc nor asyncio: `gradsync.path.transport` feeds it raw bytes
+It imports neither grpc nor asyncio: `gradsync.control.transport` feeds it raw bytes
 from its I/O thread, and tests feed it messages in any order they like.
 """
 
@@ -32,6 +32,7 @@ from gradsync_proto.codec import ChunkHeader, decode_gradient, header_of
 from gradsync_proto.v1 import gradsync_pb2 as pb
 
 from gradsync.control.collective_results import CollectiveResults
+from gradsync.control.inbox_state import InboxState, end_reason_name, ended_stream_error
 from gradsync.control.welcome_checks import Expected, welcome_problem
 from gradsync.errors import (
     CollectiveError,
@@ -40,7 +41,6 @@ from gradsync.errors import (
     SyncTimeoutError,
 )
 from gradsync.path.buffers import BucketBuffer
-from gradsync.path.inbox_state import InboxState, end_reason_name, ended_stream_error
 from gradsync.path.shard_faults import SHARD_GRACE_MARGIN_S, shard_grace_s
 from gradsync.path.step_results import RoundReport, StepResults
 

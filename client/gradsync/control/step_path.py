@@ -21,7 +21,7 @@ import logging
 
 import torch
 
-from gradsync.control.link import GradientPath, SessionLink
+from gradsync.control.link import SessionLink
 from gradsync.control.session import Session
 from gradsync.errors import (
     CoordinatorUnavailableError,
@@ -29,6 +29,7 @@ from gradsync.errors import (
     StepAbortedError,
 )
 from gradsync.instruments import Instruments
+from gradsync.path.gradient_path import GradientPath
 from gradsync.path.reducer import Reducer
 
 log = logging.getLogger("gradsync.client")

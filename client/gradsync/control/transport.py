@@ -6,7 +6,7 @@ call non-blocking methods (`submit_bucket` enqueues) or bounded waits
 side and the plumbing (the messages are cut by
 `gradsync.control.worker_messages`); everything the coordinator sends back
 (averaged chunks, aborted steps, a dead stream) goes into a
-`gradsync.path.inbox.Inbox`, which records it under one condition variable
+`gradsync.control.inbox.Inbox`, which records it under one condition variable
 and raises stored failures at the next wait, translated into `GradSyncError`s
 in one place.
 
@@ -30,13 +30,15 @@ every bucket into one byte range per shard (`gradsync.path.bucket_uploads`):
 range 0 goes on the Sync stream, range i on shard i's stream, in parallel,
 and the averages of every stream land in the same `Inbox`.
 
-The stream itself is a `gradsync_proto.net.frame_stream.FrameStreamClient`:
-length-prefixed frames on the coordinator's frame port (issue 27), or gRPC
-where there is none. Its asyncio loop runs in a daemon thread. On a plain
-frame connection a small item (a small model's whole bucket) is written by
-the thread that sends it and the answers are read by the socket's own reader
-thread, so a step crosses no event loop; TLS frames, gRPC and the shard
-streams (gRPC) run on the loop. TLS and the token come from one
+The stream itself is a `gradsync_proto.net.stream_client.StreamClient` whose
+pipe a `gradsync_proto.net.frame_stream.FrameDiscovery` picks: length-prefixed
+frames on the coordinator's frame port (plain or TLS), or gRPC where there is
+none. Its asyncio loop runs in a daemon thread. On frames a small item (a
+small model's whole bucket) is written by the thread that sends it and the
+answers are read by the socket's own reader thread, so a step crosses no
+event loop; gRPC and the shard streams (gRPC until shards serve frames) run
+on the loop. `_on_message` therefore runs on either thread, `_on_end` on the
+loop. TLS and the token come from one
 `gradsync_proto.net.channels.ChannelSecurity`: a wrong token ends the stream
 UNAUTHENTICATED (`AuthenticationError`); a TLS handshake that keeps failing is
 raised as `TransportSecurityError` at the first progress report of the join.
@@ -59,13 +61,14 @@ import numpy as np
 import numpy.typing as npt
 from gradsync_proto import chunking, defaults
 from gradsync_proto.net.channels import ChannelSecurity
-from gradsync_proto.net.frame_stream import FrameStreamClient
-from gradsync_proto.net.stream_client import StreamEnded
+from gradsync_proto.net.frame_stream import FrameDiscovery
+from gradsync_proto.net.stream_client import StreamClient, StreamEnded
 from gradsync_proto.v1 import gradsync_pb2 as pb
 
 from gradsync.control.collective_results import op_name
+from gradsync.control.inbox import Inbox
+from gradsync.control.inbox_state import stream_end_failure
 from gradsync.control.joining import wait_for_welcome
-from gradsync.control.link import BucketEventHandler
 from gradsync.control.worker_messages import (
     CheckpointUpload,
     CollectiveUpload,
@@ -78,8 +81,7 @@ from gradsync.control.worker_messages import (
 from gradsync.errors import ClosedError
 from gradsync.path.bucket_uploads import BucketUpload, RangeUpload, range_messages, split_upload
 from gradsync.path.buffers import BucketBuffer
-from gradsync.path.inbox import Inbox
-from gradsync.path.inbox_state import stream_end_failure
+from gradsync.path.gradient_path import BucketEventHandler
 from gradsync.path.pacing import UploadPacer, chunk_bytes_of
 from gradsync.path.shard_faults import SHARD_GRACE_MARGIN_S
 from gradsync.path.shard_streams import CLIENT_MAX_MESSAGE_BYTES, ShardStreams, channel_options
@@ -138,7 +140,7 @@ class Transport:
         self._thread.start()
         # Raw bytes both ways (chunks are coded by gradsync_proto.codec); it waits for a
         # coordinator that is not up yet (the join timeout bounds how long).
-        self._sync = FrameStreamClient(
+        self._sync = StreamClient(
             target,
             SYNC_METHOD,
             self._on_message,
@@ -147,8 +149,7 @@ class Transport:
             options=options,
             encode=self._messages,
             name=f"sync-r{rank}",
-            max_message_bytes=CLIENT_MAX_MESSAGE_BYTES,
-            inline=written_inline,
+            discovery=FrameDiscovery(CLIENT_MAX_MESSAGE_BYTES, written_inline),
             loop=self._loop,
         )
         self._heartbeat: asyncio.Task[None] | None = None
@@ -442,7 +443,11 @@ class Transport:
         welcome = self._inbox.welcome
         if self._shards is not None or welcome is None:
             return
-        closing, answered = (lambda: self._closed), self._pacer.answered
+        # (answers may be read on a frame socket's thread; the pacer is the loop's)
+        closing, answered = (
+            (lambda: self._closed),
+            functools.partial(self._on_loop, self._pacer.answered),
+        )
         self._shards = ShardStreams(
             self.target, self._inbox, self._range_messages, closing, answered, self._security
         )
