@@ -25,10 +25,11 @@ The HTTP side (`serve_metrics`) is shared with the coordinator and lives in
 
 from __future__ import annotations
 
+import functools
 import logging
 from collections.abc import Mapping
 
-from gradsync_proto.net.exposition import LATENCY_BUCKETS_S, MAX_PORT
+from gradsync_proto.net.exposition import LATENCY_BUCKETS_S, MAX_PORT, rank_metric
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 log = logging.getLogger("gradsync.metrics")
@@ -58,63 +59,52 @@ class WorkerMetrics:
             raise ValueError(f"rank must be >= 0, got {rank}")
         self.registry = CollectorRegistry() if registry is None else registry
         self.rank = rank
-        label = str(rank)
-        # Children are bound once here: `.labels()` takes a lock and formats
-        # strings, which the per-chunk paths below should not pay each time.
-        self._exposed_comm = Histogram(
+        # Every child but the abort counter's is bound to this rank once.
+        child = functools.partial(rank_metric, registry=self.registry, rank=rank)
+        self._exposed_comm = child(
+            Histogram,
             "gradsync_worker_exposed_comm_seconds",
             "Time backward spends at its end waiting for averaged gradients "
             "(communication not hidden behind computation).",
-            ["rank"],
             buckets=LATENCY_BUCKETS_S,
-            registry=self.registry,
-        ).labels(rank=label)
-        self._sent_bytes = Counter(
+        )
+        self._sent_bytes = child(
+            Counter,
             "gradsync_worker_sent_bytes_total",
             "Gradient payload bytes this worker uploaded.",
-            ["rank"],
-            registry=self.registry,
-        ).labels(rank=label)
-        self._received_bytes = Counter(
+        )
+        self._received_bytes = child(
+            Counter,
             "gradsync_worker_received_bytes_total",
             "Averaged gradient payload bytes this worker received.",
-            ["rank"],
-            registry=self.registry,
-        ).labels(rank=label)
-        self._bucket_latency = Histogram(
+        )
+        self._bucket_latency = child(
+            Histogram,
             "gradsync_worker_bucket_latency_seconds",
             "From a bucket handed to the transport to its average complete on this worker.",
-            ["rank"],
             buckets=LATENCY_BUCKETS_S,
-            registry=self.registry,
-        ).labels(rank=label)
-        self._steps = Counter(
-            "gradsync_worker_steps_total",
-            "Synchronized steps this worker completed.",
-            ["rank"],
-            registry=self.registry,
-        ).labels(rank=label)
+        )
+        self._steps = child(
+            Counter, "gradsync_worker_steps_total", "Synchronized steps this worker completed."
+        )
         # Hierarchical aggregation (a local group of this host's ranks).
-        self._local_reduce = Histogram(
+        self._local_reduce = child(
+            Histogram,
             "gradsync_worker_local_reduce_seconds",
             "A local leader's sum of one bucket over its host's ranks in shared memory "
             "(from every rank posted to every share summed).",
-            ["rank"],
             buckets=LATENCY_BUCKETS_S,
-            registry=self.registry,
-        ).labels(rank=label)
-        self._host_sent_bytes = Counter(
+        )
+        self._host_sent_bytes = child(
+            Counter,
             "gradsync_worker_host_sent_bytes_total",
             "Gradient payload bytes this host's local group uploaded (counted by its leader).",
-            ["rank"],
-            registry=self.registry,
-        ).labels(rank=label)
-        self._local_group_size = Gauge(
+        )
+        self._local_group_size = child(
+            Gauge,
             "gradsync_worker_local_group_size",
             "Ranks in this worker's local group (0: it aggregates flat).",
-            ["rank"],
-            registry=self.registry,
-        ).labels(rank=label)
+        )
         self._step_aborts = Counter(
             "gradsync_worker_step_aborts_total",
             "Steps this worker saw aborted, by reason (a gRPC status code name).",
