@@ -96,9 +96,10 @@ class DiLoCoInstruments:
         if metrics_port is None:
             return
         self.registry = CollectorRegistry()
-        child = functools.partial(rank_metric, registry=self.registry, rank=rank)
-        self._inner_steps = child(
-            Counter,
+        counter = functools.partial(rank_metric, Counter, registry=self.registry, rank=rank)
+        gauge = functools.partial(rank_metric, Gauge, registry=self.registry, rank=rank)
+        histogram = functools.partial(rank_metric, Histogram, registry=self.registry, rank=rank)
+        self._inner_steps = counter(
             "gradsync_diloco_inner_steps_total",
             "Inner steps this rank took (calls of DiLoCo.step).",
         )
@@ -108,25 +109,20 @@ class DiLoCoInstruments:
             ["rank", "fragment"],
             registry=self.registry,
         )
-        self._round_seconds = child(
-            Histogram,
+        self._round_seconds = histogram(
             "gradsync_diloco_round_seconds",
             "One fragment's round, from its upload's start to the new global parameters.",
             buckets=ROUND_BUCKETS_S,
         )
-        self._exposed = child(
-            Histogram,
+        self._exposed = histogram(
             "gradsync_diloco_exposed_wait_seconds",
             "Time the inner loop waited for a round's answer (communication not hidden).",
             buckets=ROUND_BUCKETS_S,
         )
-        self._sent = child(
-            Counter,
-            "gradsync_diloco_sent_bytes_total",
-            "Pseudo-gradient bytes uploaded, as sent.",
+        self._sent = counter(
+            "gradsync_diloco_sent_bytes_total", "Pseudo-gradient bytes uploaded, as sent."
         )
-        self._received = child(
-            Counter,
+        self._received = counter(
             "gradsync_diloco_received_bytes_total",
             "Global-parameter bytes received in rounds' answers.",
         )
@@ -136,23 +132,19 @@ class DiLoCoInstruments:
             ["rank", "direction"],
             registry=self.registry,
         )
-        self._contributors = child(
-            Gauge,
+        self._contributors = gauge(
             "gradsync_diloco_last_round_contributors",
             "Ranks whose pseudo-gradients the latest round averaged.",
         )
-        self._late = child(
-            Counter,
+        self._late = counter(
             "gradsync_diloco_late_rounds_total",
             "Rounds that closed without this rank's contribution (it came late).",
         )
-        self._merged_late = child(
-            Counter,
+        self._merged_late = counter(
             "gradsync_diloco_merged_late_total",
             "Late contributions of earlier rounds merged into this rank's rounds.",
         )
-        self._staleness = child(
-            Gauge,
+        self._staleness = gauge(
             "gradsync_diloco_last_round_staleness",
             "Rounds of staleness of the stalest late contribution merged in the latest round.",
         )

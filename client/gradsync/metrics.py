@@ -32,14 +32,14 @@ from collections.abc import Mapping
 from gradsync_proto.net.exposition import LATENCY_BUCKETS_S, MAX_PORT, rank_metric
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
+from gradsync.config import ENV_LOCAL_RANK
+
 log = logging.getLogger("gradsync.metrics")
 
 #: Base port of the workers' metrics endpoints; each worker adds its LOCAL_RANK.
 ENV_METRICS_PORT = "GRADSYNC_METRICS_PORT"
 #: Interface of the workers' metrics endpoints (default loopback: nothing exposed by accident).
 ENV_METRICS_HOST = "GRADSYNC_METRICS_HOST"
-#: torchrun's index of a worker among those of its host.
-ENV_LOCAL_RANK = "LOCAL_RANK"
 
 
 class WorkerMetrics:
@@ -60,48 +60,42 @@ class WorkerMetrics:
         self.registry = CollectorRegistry() if registry is None else registry
         self.rank = rank
         # Every child but the abort counter's is bound to this rank once.
-        child = functools.partial(rank_metric, registry=self.registry, rank=rank)
-        self._exposed_comm = child(
-            Histogram,
+        counter = functools.partial(rank_metric, Counter, registry=self.registry, rank=rank)
+        gauge = functools.partial(rank_metric, Gauge, registry=self.registry, rank=rank)
+        histogram = functools.partial(rank_metric, Histogram, registry=self.registry, rank=rank)
+        self._exposed_comm = histogram(
             "gradsync_worker_exposed_comm_seconds",
             "Time backward spends at its end waiting for averaged gradients "
             "(communication not hidden behind computation).",
             buckets=LATENCY_BUCKETS_S,
         )
-        self._sent_bytes = child(
-            Counter,
-            "gradsync_worker_sent_bytes_total",
-            "Gradient payload bytes this worker uploaded.",
+        self._sent_bytes = counter(
+            "gradsync_worker_sent_bytes_total", "Gradient payload bytes this worker uploaded."
         )
-        self._received_bytes = child(
-            Counter,
+        self._received_bytes = counter(
             "gradsync_worker_received_bytes_total",
             "Averaged gradient payload bytes this worker received.",
         )
-        self._bucket_latency = child(
-            Histogram,
+        self._bucket_latency = histogram(
             "gradsync_worker_bucket_latency_seconds",
             "From a bucket handed to the transport to its average complete on this worker.",
             buckets=LATENCY_BUCKETS_S,
         )
-        self._steps = child(
-            Counter, "gradsync_worker_steps_total", "Synchronized steps this worker completed."
+        self._steps = counter(
+            "gradsync_worker_steps_total", "Synchronized steps this worker completed."
         )
         # Hierarchical aggregation (a local group of this host's ranks).
-        self._local_reduce = child(
-            Histogram,
+        self._local_reduce = histogram(
             "gradsync_worker_local_reduce_seconds",
             "A local leader's sum of one bucket over its host's ranks in shared memory "
             "(from every rank posted to every share summed).",
             buckets=LATENCY_BUCKETS_S,
         )
-        self._host_sent_bytes = child(
-            Counter,
+        self._host_sent_bytes = counter(
             "gradsync_worker_host_sent_bytes_total",
             "Gradient payload bytes this host's local group uploaded (counted by its leader).",
         )
-        self._local_group_size = child(
-            Gauge,
+        self._local_group_size = gauge(
             "gradsync_worker_local_group_size",
             "Ranks in this worker's local group (0: it aggregates flat).",
         )
