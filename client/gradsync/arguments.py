@@ -13,11 +13,15 @@ from __future__ import annotations
 
 import argparse
 import os
+from typing import TYPE_CHECKING
 
 from gradsync_proto import auth
 
 from gradsync import __version__, defaults, flags
 from gradsync.config import ENV_COORDINATOR, ENV_JOB_ID, ENV_RANK, ENV_WORLD_SIZE
+
+if TYPE_CHECKING:
+    from gradsync_proto.net.channels import ChannelSecurity
 
 #: The benchmark suites `gradsync bench --suites` chooses from.
 BENCH_SUITES = ("loopback", "train", "netns", "latency", "wan", "heal", "churn")
@@ -392,6 +396,16 @@ def add_client_security_flags(parser: argparse.ArgumentParser) -> None:
         help=f"file holding the shared token (default ${auth.ENV_TOKEN_FILE}, or the token "
         f"itself in ${auth.ENV_TOKEN})",
     )
+
+
+def client_security(parser: argparse.ArgumentParser, args: argparse.Namespace) -> ChannelSecurity:
+    """What `add_client_security_flags` parsed; a bad file or pair exits 2 (`parser.error`)."""
+    from gradsync_proto.net.channels import security_from_args  # grpc, once a command runs
+
+    try:
+        return security_from_args(args)
+    except ValueError as exc:
+        parser.error(str(exc))
 
 
 def _add_training_flags(parser: argparse.ArgumentParser) -> None:

@@ -23,7 +23,7 @@ from typing import Any
 from gradsync_proto import auth
 
 from gradsync import flags
-from gradsync.arguments import build_parser
+from gradsync.arguments import build_parser, client_security
 from gradsync.config import ENV_COORDINATOR, ENV_RANK, ENV_WORLD_SIZE
 
 __all__ = ["build_parser", "main"]
@@ -183,12 +183,7 @@ def _worker(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
             parser.error(f"--save {args.save!r}: unknown field {exc} (only {{rank}} is replaced)")
         except (ValueError, argparse.ArgumentTypeError) as exc:
             parser.error(f"--save {args.save!r}: {exc}")
-    from gradsync_proto.net.channels import security_from_args
-
-    try:
-        security = security_from_args(args)
-    except ValueError as exc:
-        parser.error(str(exc))
+    security = client_security(parser, args)
     _configure_logging(args.log_level, f"rank {args.rank}")
     from gradsync.errors import GradSyncError
     from gradsync.example import train_worker
@@ -272,14 +267,9 @@ def _bench(args: argparse.Namespace) -> int:
 def _status(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     if not args.coordinator:
         parser.error(f"status needs --coordinator HOST:PORT (or ${ENV_COORDINATOR})")
-    from gradsync_proto.net.channels import security_from_args
-
     from gradsync.status import format_status, query_status, status_json
 
-    try:
-        security = security_from_args(args)
-    except ValueError as exc:
-        parser.error(str(exc))
+    security = client_security(parser, args)
     try:
         reply = query_status(args.coordinator, args.job_id, args.timeout_s, security)
     except ConnectionError as exc:

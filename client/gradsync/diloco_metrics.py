@@ -15,11 +15,17 @@ numbers are there without a metrics stack.
 
 from __future__ import annotations
 
+import functools
 import logging
 from dataclasses import dataclass
 from pathlib import Path
 
-from gradsync_proto.net.exposition import LATENCY_BUCKETS_S, MetricsServer, serve_metrics
+from gradsync_proto.net.exposition import (
+    LATENCY_BUCKETS_S,
+    MetricsServer,
+    rank_metric,
+    serve_metrics,
+)
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from gradsync import defaults
@@ -90,75 +96,58 @@ class DiLoCoInstruments:
         if metrics_port is None:
             return
         self.registry = CollectorRegistry()
-        label = {"rank": str(rank)}
-        self._inner_steps = Counter(
+        counter = functools.partial(rank_metric, Counter, registry=self.registry, rank=rank)
+        gauge = functools.partial(rank_metric, Gauge, registry=self.registry, rank=rank)
+        histogram = functools.partial(rank_metric, Histogram, registry=self.registry, rank=rank)
+        self._inner_steps = counter(
             "gradsync_diloco_inner_steps_total",
             "Inner steps this rank took (calls of DiLoCo.step).",
-            ["rank"],
-            registry=self.registry,
-        ).labels(**label)
+        )
         self._rounds = Counter(
             "gradsync_diloco_rounds_total",
             "Outer rounds merged, per fragment.",
             ["rank", "fragment"],
             registry=self.registry,
         )
-        self._round_seconds = Histogram(
+        self._round_seconds = histogram(
             "gradsync_diloco_round_seconds",
             "One fragment's round, from its upload's start to the new global parameters.",
-            ["rank"],
             buckets=ROUND_BUCKETS_S,
-            registry=self.registry,
-        ).labels(**label)
-        self._exposed = Histogram(
+        )
+        self._exposed = histogram(
             "gradsync_diloco_exposed_wait_seconds",
             "Time the inner loop waited for a round's answer (communication not hidden).",
-            ["rank"],
             buckets=ROUND_BUCKETS_S,
-            registry=self.registry,
-        ).labels(**label)
-        self._sent = Counter(
-            "gradsync_diloco_sent_bytes_total",
-            "Pseudo-gradient bytes uploaded, as sent.",
-            ["rank"],
-            registry=self.registry,
-        ).labels(**label)
-        self._received = Counter(
+        )
+        self._sent = counter(
+            "gradsync_diloco_sent_bytes_total", "Pseudo-gradient bytes uploaded, as sent."
+        )
+        self._received = counter(
             "gradsync_diloco_received_bytes_total",
             "Global-parameter bytes received in rounds' answers.",
-            ["rank"],
-            registry=self.registry,
-        ).labels(**label)
+        )
         self._round_bytes = Gauge(
             "gradsync_diloco_last_round_bytes",
             "Bytes the latest round moved, by direction (up: sent, down: received).",
             ["rank", "direction"],
             registry=self.registry,
         )
-        self._contributors = Gauge(
+        self._contributors = gauge(
             "gradsync_diloco_last_round_contributors",
             "Ranks whose pseudo-gradients the latest round averaged.",
-            ["rank"],
-            registry=self.registry,
-        ).labels(**label)
-        self._late = Counter(
+        )
+        self._late = counter(
             "gradsync_diloco_late_rounds_total",
             "Rounds that closed without this rank's contribution (it came late).",
-            ["rank"],
-            registry=self.registry,
-        ).labels(**label)
-        self._merged_late = Counter(
+        )
+        self._merged_late = counter(
             "gradsync_diloco_merged_late_total",
             "Late contributions of earlier rounds merged into this rank's rounds.",
-            ["rank"],
-            registry=self.registry,
-        ).labels(**label)
-        self._staleness = Gauge(
+        )
+        self._staleness = gauge(
             "gradsync_diloco_last_round_staleness",
             "Rounds of staleness of the stalest late contribution merged in the latest round.",
-            ["rank"],
-            registry=self.registry,
-        ).labels(**label)
+        )
         self.server = serve_metrics(
             metrics_port, self.registry, host=metrics_host or defaults.WORKER_METRICS_HOST
         )

@@ -26,6 +26,8 @@ log = logging.getLogger("gradsync.example")
 #: Size of scikit-learn's digits data set, and the share `load_digits` trains on.
 DIGITS_SAMPLES = 1797
 TRAIN_FRACTION = 0.8
+#: The loss of every run, distributed and reference alike.
+_CROSS_ENTROPY = nn.CrossEntropyLoss()
 
 
 @dataclass(frozen=True)
@@ -151,25 +153,17 @@ def train_worker(
     )
     optimizer = torch.optim.SGD(model.parameters(), lr=settings.lr)
     model.register_optimizer(optimizer)  # checkpoints carry its state
-    loss_fn = nn.CrossEntropyLoss()
     batches = global_batches(len(data.train_y), settings)
     # A job resumed from a checkpoint starts at model.step, on the same batch order.
     steps = _progress(batches[model.step :], enabled=progress)
     with model:
         for indices in steps:
-            mine = indices[rank * settings.batch_size : (rank + 1) * settings.batch_size]
-            optimizer.zero_grad(set_to_none=True)
-            loss = loss_fn(model(data.train_x[mine]), data.train_y[mine])
-            loss.backward()
-            optimizer.step()
+            loss = _sgd_step(model, optimizer, data, _slice(indices, rank, settings.batch_size))
             if on_step is not None:
-                on_step(model.step, loss.item())
+                on_step(model.step, loss)
             if progress and hasattr(steps, "set_postfix"):
-                steps.set_postfix(loss=f"{loss.item():.3f}")
-    test_accuracy = accuracy(model.module, data.test_x, data.test_y)
-    if save_path is not None:
-        save_parameters(model.module, save_path, test_accuracy)
-    return test_accuracy
+                steps.set_postfix(loss=f"{loss:.3f}")
+    return _evaluate(model.module, data, save_path)
 
 
 def _train_diloco(
@@ -189,7 +183,6 @@ def _train_diloco(
 
     model = build_model(init_seed)
     optimizer = torch.optim.SGD(model.parameters(), lr=settings.lr)
-    loss_fn = nn.CrossEntropyLoss()
     with gradsync.DiLoCo(
         model,
         optimizer,
@@ -205,20 +198,13 @@ def _train_diloco(
         token=token,
     ) as diloco:
         for indices in global_batches(len(data.train_y), settings):
-            mine = indices[rank * settings.batch_size : (rank + 1) * settings.batch_size]
-            optimizer.zero_grad(set_to_none=True)
-            loss = loss_fn(model(data.train_x[mine]), data.train_y[mine])
-            loss.backward()
-            optimizer.step()
+            loss = _sgd_step(model, optimizer, data, _slice(indices, rank, settings.batch_size))
             diloco.step()
             if on_step is not None:
-                on_step(diloco.inner_steps, loss.item())
+                on_step(diloco.inner_steps, loss)
         if diloco.inner_steps % settings.sync_every:
             diloco.sync()  # the last, shorter round: every rank ends on the global model
-    test_accuracy = accuracy(model, data.test_x, data.test_y)
-    if save_path is not None:
-        save_parameters(model, save_path, test_accuracy)
-    return test_accuracy
+    return _evaluate(model, data, save_path)
 
 
 def train_reference(settings: TrainSettings, init_seed: int) -> tuple[nn.Module, float]:
@@ -232,13 +218,10 @@ def train_reference(settings: TrainSettings, init_seed: int) -> tuple[nn.Module,
     data = load_digits(settings.data_seed)
     model = build_model(init_seed)
     optimizer = torch.optim.SGD(model.parameters(), lr=settings.lr)
-    loss_fn = nn.CrossEntropyLoss()
     for indices in global_batches(len(data.train_y), settings):
         # The mean over the global batch equals the mean of the ranks' means,
         # because every rank's slice has the same size.
-        optimizer.zero_grad(set_to_none=True)
-        loss_fn(model(data.train_x[indices]), data.train_y[indices]).backward()
-        optimizer.step()
+        _sgd_step(model, optimizer, data, indices)
     return model, accuracy(model, data.test_x, data.test_y)
 
 
@@ -254,14 +237,10 @@ def _reference_diloco(settings: TrainSettings, init_seed: int) -> tuple[nn.Modul
         momentum=settings.outer_momentum,
         nesterov=settings.outer_momentum > 0,
     )
-    loss_fn = nn.CrossEntropyLoss()
     batches = global_batches(len(data.train_y), settings)
     for step, indices in enumerate(batches, start=1):
         for rank, (replica, optimizer) in enumerate(zip(replicas, inner, strict=True)):
-            mine = indices[rank * size : (rank + 1) * size]
-            optimizer.zero_grad(set_to_none=True)
-            loss_fn(replica(data.train_x[mine]), data.train_y[mine]).backward()
-            optimizer.step()
+            _sgd_step(replica, optimizer, data, _slice(indices, rank, size))
         if step % every and step != len(batches):
             continue
         outer.zero_grad()
@@ -274,6 +253,30 @@ def _reference_diloco(settings: TrainSettings, init_seed: int) -> tuple[nn.Modul
                 for p, g in zip(replica.parameters(), global_model.parameters(), strict=True):
                     p.copy_(g)
     return global_model, accuracy(global_model, data.test_x, data.test_y)
+
+
+def _slice(indices: torch.Tensor, rank: int, batch_size: int) -> torch.Tensor:
+    """The samples of `rank` in a global batch: the rank-th slice of `batch_size`."""
+    return indices[rank * batch_size : (rank + 1) * batch_size]
+
+
+def _sgd_step(
+    model: nn.Module, optimizer: torch.optim.Optimizer, data: Digits, indices: torch.Tensor
+) -> float:
+    """One optimizer step on the training samples `indices`; the loss before it."""
+    optimizer.zero_grad(set_to_none=True)
+    loss = _CROSS_ENTROPY(model(data.train_x[indices]), data.train_y[indices])
+    loss.backward()
+    optimizer.step()
+    return float(loss.item())
+
+
+def _evaluate(model: nn.Module, data: Digits, save_path: Path | None) -> float:
+    """The test accuracy of a trained rank's `model`, saved with it when asked."""
+    test_accuracy = accuracy(model, data.test_x, data.test_y)
+    if save_path is not None:
+        save_parameters(model, save_path, test_accuracy)
+    return test_accuracy
 
 
 def save_parameters(model: nn.Module, path: Path, test_accuracy: float) -> None:

@@ -20,12 +20,12 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import grpc
-from gradsync_proto.net.channels import ChannelSecurity, security_from_args
+from gradsync_proto.net.channels import ChannelSecurity
 from gradsync_proto.v1 import gradsync_pb2
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from gradsync import flags
-from gradsync.arguments import add_client_security_flags
+from gradsync.arguments import add_client_security_flags, client_security
 
 #: The service the coordinator registers, as named by the contract itself.
 COORDINATOR_SERVICE: str = gradsync_pb2.DESCRIPTOR.services_by_name["Coordinator"].full_name
@@ -126,11 +126,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Run the probe; returns the exit code (0 healthy, 1 not, 2 bad arguments)."""
     parser = build_parser()
     args = parser.parse_args(argv)
-    try:
-        security = security_from_args(args)
-    except ValueError as exc:
-        parser.error(str(exc))
-    result = check(args.address, args.service, args.timeout_s, security)
+    result = check(args.address, args.service, args.timeout_s, client_security(parser, args))
     if result.healthy:
         print(f"healthy: {result.message}")
         return 0

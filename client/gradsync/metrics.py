@@ -25,11 +25,14 @@ The HTTP side (`serve_metrics`) is shared with the coordinator and lives in
 
 from __future__ import annotations
 
+import functools
 import logging
 from collections.abc import Mapping
 
-from gradsync_proto.net.exposition import LATENCY_BUCKETS_S, MAX_PORT
+from gradsync_proto.net.exposition import LATENCY_BUCKETS_S, MAX_PORT, rank_metric
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+from gradsync.config import ENV_LOCAL_RANK
 
 log = logging.getLogger("gradsync.metrics")
 
@@ -37,8 +40,6 @@ log = logging.getLogger("gradsync.metrics")
 ENV_METRICS_PORT = "GRADSYNC_METRICS_PORT"
 #: Interface of the workers' metrics endpoints (default loopback: nothing exposed by accident).
 ENV_METRICS_HOST = "GRADSYNC_METRICS_HOST"
-#: torchrun's index of a worker among those of its host.
-ENV_LOCAL_RANK = "LOCAL_RANK"
 
 
 class WorkerMetrics:
@@ -58,63 +59,46 @@ class WorkerMetrics:
             raise ValueError(f"rank must be >= 0, got {rank}")
         self.registry = CollectorRegistry() if registry is None else registry
         self.rank = rank
-        label = str(rank)
-        # Children are bound once here: `.labels()` takes a lock and formats
-        # strings, which the per-chunk paths below should not pay each time.
-        self._exposed_comm = Histogram(
+        # Every child but the abort counter's is bound to this rank once.
+        counter = functools.partial(rank_metric, Counter, registry=self.registry, rank=rank)
+        gauge = functools.partial(rank_metric, Gauge, registry=self.registry, rank=rank)
+        histogram = functools.partial(rank_metric, Histogram, registry=self.registry, rank=rank)
+        self._exposed_comm = histogram(
             "gradsync_worker_exposed_comm_seconds",
             "Time backward spends at its end waiting for averaged gradients "
             "(communication not hidden behind computation).",
-            ["rank"],
             buckets=LATENCY_BUCKETS_S,
-            registry=self.registry,
-        ).labels(rank=label)
-        self._sent_bytes = Counter(
-            "gradsync_worker_sent_bytes_total",
-            "Gradient payload bytes this worker uploaded.",
-            ["rank"],
-            registry=self.registry,
-        ).labels(rank=label)
-        self._received_bytes = Counter(
+        )
+        self._sent_bytes = counter(
+            "gradsync_worker_sent_bytes_total", "Gradient payload bytes this worker uploaded."
+        )
+        self._received_bytes = counter(
             "gradsync_worker_received_bytes_total",
             "Averaged gradient payload bytes this worker received.",
-            ["rank"],
-            registry=self.registry,
-        ).labels(rank=label)
-        self._bucket_latency = Histogram(
+        )
+        self._bucket_latency = histogram(
             "gradsync_worker_bucket_latency_seconds",
             "From a bucket handed to the transport to its average complete on this worker.",
-            ["rank"],
             buckets=LATENCY_BUCKETS_S,
-            registry=self.registry,
-        ).labels(rank=label)
-        self._steps = Counter(
-            "gradsync_worker_steps_total",
-            "Synchronized steps this worker completed.",
-            ["rank"],
-            registry=self.registry,
-        ).labels(rank=label)
+        )
+        self._steps = counter(
+            "gradsync_worker_steps_total", "Synchronized steps this worker completed."
+        )
         # Hierarchical aggregation (a local group of this host's ranks).
-        self._local_reduce = Histogram(
+        self._local_reduce = histogram(
             "gradsync_worker_local_reduce_seconds",
             "A local leader's sum of one bucket over its host's ranks in shared memory "
             "(from every rank posted to every share summed).",
-            ["rank"],
             buckets=LATENCY_BUCKETS_S,
-            registry=self.registry,
-        ).labels(rank=label)
-        self._host_sent_bytes = Counter(
+        )
+        self._host_sent_bytes = counter(
             "gradsync_worker_host_sent_bytes_total",
             "Gradient payload bytes this host's local group uploaded (counted by its leader).",
-            ["rank"],
-            registry=self.registry,
-        ).labels(rank=label)
-        self._local_group_size = Gauge(
+        )
+        self._local_group_size = gauge(
             "gradsync_worker_local_group_size",
             "Ranks in this worker's local group (0: it aggregates flat).",
-            ["rank"],
-            registry=self.registry,
-        ).labels(rank=label)
+        )
         self._step_aborts = Counter(
             "gradsync_worker_step_aborts_total",
             "Steps this worker saw aborted, by reason (a gRPC status code name).",

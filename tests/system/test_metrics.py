@@ -12,12 +12,8 @@ from pathlib import Path
 
 import prometheus_client
 import pytest
-from gradsync.metrics import (
-    ENV_LOCAL_RANK,
-    ENV_METRICS_PORT,
-    WorkerMetrics,
-    resolve_metrics_port,
-)
+from gradsync.config import ENV_LOCAL_RANK
+from gradsync.metrics import ENV_METRICS_PORT, WorkerMetrics, resolve_metrics_port
 from gradsync_proto.net.exposition import LATENCY_BUCKETS_S, serve_metrics
 from gradsync_server.dataplane.observer import LagTracker
 from gradsync_server.metrics import CoordinatorMetrics
