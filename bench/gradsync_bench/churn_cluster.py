@@ -21,6 +21,8 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from gradsync_bench.procs import proc_status
+
 #: Heartbeats fast enough for the soak: a frozen rank is dropped after 2 s.
 HEARTBEAT_INTERVAL_S = 0.25
 HEARTBEAT_TIMEOUT_S = 2.0
@@ -51,13 +53,8 @@ def _is_free(port: int) -> bool:
 
 def rss_mib(pid: int) -> float | None:
     """Resident memory of `pid` in MiB (None once it is gone)."""
-    try:
-        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) / 1024
-    except OSError:
-        return None
-    return None
+    kib = proc_status(pid).get("VmRSS")
+    return None if kib is None else kib / 1024
 
 
 def children(pid: int) -> list[int]:

@@ -43,7 +43,7 @@ from typing import Any
 
 from gradsync_proto.net.launch import start_coordinator
 
-from gradsync_bench.suites import stop_process
+from gradsync_bench.procs import kill_all, stop_process
 
 MIB = 1 << 20
 Row = dict[str, Any]
@@ -137,10 +137,7 @@ def heal_once(
             if process.returncode != 0:
                 raise RuntimeError(f"heal bench: a worker failed; see the logs in {workdir}")
     finally:
-        for process in processes:
-            if process.poll() is None:
-                process.kill()
-                process.wait()
+        kill_all(processes)
         stop_process(coordinator)
         if coordinator.stderr is not None:
             coordinator.stderr.close()

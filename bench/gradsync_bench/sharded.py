@@ -36,7 +36,8 @@ from gradsync_proto.net.launch import Launcher, start_coordinator
 from gradsync_bench.netns import Cluster
 from gradsync_bench.netns_probe import available
 from gradsync_bench.netns_shaping import LinkShape
-from gradsync_bench.suites import MIB, Row, run_sync_workers, stop_process
+from gradsync_bench.procs import stop_process
+from gradsync_bench.suites import MIB, Row, run_sync_workers
 from gradsync_bench.wire_report import DDP_BF16
 
 #: The coordinator layouts the netns suite knows, in table order.

@@ -21,13 +21,13 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 from gradsync_proto.net.launch import Launcher, free_port, local_launch, start_coordinator
 
+from gradsync_bench.procs import stop_process, wait_ranks
 from gradsync_bench.wire_report import DDP_FP32, LOCAL
 
 MIB = 1 << 20
@@ -36,32 +36,6 @@ Row = dict[str, Any]
 TRAIN_MODES = ("local", "gradsync", "sequential", "ddp")
 #: The extra train mode with hierarchy: gradsync with `hierarchical=True`.
 HIERARCHICAL = "hierarchical"
-
-
-def _wait_all(processes: Sequence[subprocess.Popen[str]], timeout_s: float, what: str) -> None:
-    deadline = time.monotonic() + timeout_s
-    try:
-        for process in processes:
-            remaining = max(1.0, deadline - time.monotonic())
-            _, err = process.communicate(timeout=remaining)
-            if process.returncode != 0:
-                raise RuntimeError(f"{what} failed (exit {process.returncode}): {err[-2000:]}")
-    finally:
-        for process in processes:
-            if process.poll() is None:
-                process.kill()
-                process.wait()
-
-
-def stop_process(process: subprocess.Popen[str]) -> None:
-    """SIGTERM `process` if it still runs; SIGKILL it if it has not exited 15 s later."""
-    if process.poll() is None:
-        process.terminate()
-        try:
-            process.wait(timeout=15)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait()
 
 
 def _summarize_sync(
@@ -152,7 +126,11 @@ def run_sync_workers(
     ]
     if timeout_s is None:
         timeout_s = 120 + reps * megabytes * len(methods)
-    _wait_all(processes, timeout_s=timeout_s, what="sync benchmark worker")
+    wait_ranks(
+        processes,
+        timeout_s,
+        lambda _, code, err: f"sync benchmark worker failed (exit {code}): {err[-2000:]}",
+    )
     return _summarize_sync(read_sync_records(workdir, world_size), megabytes, os.cpu_count() or 1)
 
 

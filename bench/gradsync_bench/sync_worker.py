@@ -33,7 +33,6 @@ import argparse
 import functools
 import json
 import os
-import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -42,6 +41,8 @@ import gradsync
 import torch
 import torch.distributed as dist
 
+from gradsync_bench.procs import exit_now, link_bytes
+from gradsync_bench.train_worker import leave
 from gradsync_bench.wire_report import DDP_BF16, DDP_FP32, LOCAL
 
 MIB = 1 << 20
@@ -65,14 +66,6 @@ class SumOfParameters(torch.nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return sum(((p * x).sum() for p in self.pieces), torch.zeros(()))
-
-
-def link_bytes(interface: str | None) -> dict[str, int]:
-    """This host's tx/rx byte counters of `interface` so far ({} without one)."""
-    if interface is None:
-        return {}
-    statistics = Path("/sys/class/net") / interface / "statistics"
-    return {d: int((statistics / f"{d}_bytes").read_text()) for d in ("tx", "rx")}
 
 
 def process_cpu_s(pid: int) -> float:
@@ -233,17 +226,10 @@ def main() -> None:
         for method in methods:
             timed(method, lambda method=method: gradsync_sync(method))
         timed("gloo", gloo_sync)
-    for model in models:
-        if isinstance(model, gradsync.DistributedDataParallel):
-            model.close()
-    dist.barrier()  # see train_worker: gloo aborts a rank whose peer tore down first
-    dist.destroy_process_group()
+    leave(models, gloo=True)
     args.out.write_text(json.dumps(records))
 
 
 if __name__ == "__main__":
     main()
-    # See train_worker: skip torch/gloo's exit-time thread teardown, which can abort.
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
+    exit_now()

@@ -29,7 +29,6 @@ import json
 import math
 import os
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -41,6 +40,7 @@ from typing import Any
 from gradsync_bench.netns import Cluster
 from gradsync_bench.netns_probe import available
 from gradsync_bench.netns_shaping import LinkShape
+from gradsync_bench.procs import wait_ranks
 from gradsync_bench.sharded import GLOO_PORT, Topology, on_host, running_coordinator
 from gradsync_bench.suites import Row
 from gradsync_bench.wan_worker import METHODS, Method
@@ -144,29 +144,6 @@ def _worker_argv(
     ]
 
 
-def _wait(processes: list[subprocess.Popen[str]], timeout_s: float, what: str) -> None:
-    """Wait for every worker; on a failure or the deadline kill the rest and raise with
-    the failing rank's stderr."""
-    deadline = time.monotonic() + timeout_s
-    try:
-        for rank, process in enumerate(processes):
-            try:
-                _, err = process.communicate(timeout=max(1.0, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired as exc:
-                raise TimeoutError(
-                    f"{what}: rank {rank} still running after {timeout_s:.0f} s"
-                ) from exc
-            if process.returncode != 0:
-                raise RuntimeError(
-                    f"{what}: rank {rank} failed (exit {process.returncode}): {err[-3000:]}"
-                )
-    finally:
-        for process in processes:
-            if process.poll() is None:
-                process.kill()
-                process.wait()
-
-
 def _timeout_s(plan: WanPlan, method: Method, steps: int, rate_mbit: float | None) -> float:
     """Generous: 2 s of compute per step plus every round at 4x its star bound."""
     megabytes_s = 20e6 * 8 / ((rate_mbit or 1000.0) * 1e6)  # one model over one link
@@ -197,7 +174,13 @@ def run_method(
                 )
                 for rank, host in enumerate(topology.worker_hosts)
             ]
-            _wait(processes, _timeout_s(plan, method, steps, rate_mbit), label)
+            timeout_s = _timeout_s(plan, method, steps, rate_mbit)
+            wait_ranks(
+                processes,
+                timeout_s,
+                lambda rank, code, err: f"{label}: rank {rank} failed (exit {code}): {err[-3000:]}",
+                lambda rank: f"{label}: rank {rank} still running after {timeout_s:.0f} s",
+            )
 
         if method.uses_coordinator:
             with running_coordinator(cluster, topology, workdir, SERVE_ARGS) as (address, _):

@@ -23,8 +23,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -35,6 +33,8 @@ import torch.distributed as dist
 from torch import nn
 
 from gradsync_bench import wan_task
+from gradsync_bench.procs import exit_now, link_bytes
+from gradsync_bench.train_worker import leave
 
 #: How long a rank waits at the start barrier for the others (they import torch on 2 cores).
 BARRIER_TIMEOUT_S = 300.0
@@ -82,12 +82,6 @@ METHODS: dict[str, Method] = {
         Method("diloco-h100-int8x2", "diloco", sync_every=100, int8=True, compact_answer=True),
     )
 }
-
-
-def link_bytes(interface: str) -> dict[str, int]:
-    """The host's interface counters: what it sent (tx) and received (rx)."""
-    statistics = Path("/sys/class/net") / interface / "statistics"
-    return {d: int((statistics / f"{d}_bytes").read_text()) for d in ("tx", "rx")}
 
 
 def barrier(folder: Path, name: str, rank: int, world_size: int) -> None:
@@ -245,20 +239,9 @@ def main() -> None:
         "parameter_bytes": wan_task.parameter_bytes(model),
     }
     (args.workdir / f"{method.name}-rank{args.rank}.json").write_text(json.dumps(record))
-    if diloco is not None:
-        diloco.close()
-    close = getattr(ddp, "close", None)
-    if close is not None:
-        close()
-    if method.kind == "ddp-gloo":
-        dist.barrier()
-        dist.destroy_process_group()
+    leave([diloco, ddp], gloo=method.kind == "ddp-gloo")
 
 
 if __name__ == "__main__":
     main()
-    # torch + gloo can abort in their own thread teardown at interpreter exit under CPU
-    # contention, after the record is written; leave without that teardown.
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
+    exit_now()

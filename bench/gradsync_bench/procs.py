@@ -1,0 +1,100 @@
+"""The bench's processes: waiting for a suite's ranks, ending them, and what /proc and
+/sys tell about them. The orchestrators use the first half, the rank scripts the second.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+
+def kill_all(processes: Sequence[subprocess.Popen[Any]]) -> None:
+    """SIGKILL every process of `processes` that still runs, and reap it."""
+    for process in processes:
+        if process.poll() is None:
+            process.kill()
+            process.wait()
+
+
+def wait_ranks(
+    processes: Sequence[subprocess.Popen[Any]],
+    timeout_s: float,
+    failed: Callable[[int, int, str], str],
+    timed_out: Callable[[int], str] | None = None,
+) -> None:
+    """Wait for the ranks in order, all within one deadline; kill the rest on the way out.
+
+    A rank that exits non-zero raises RuntimeError(failed(rank, exit code, its piped stderr
+    or "")); one still running at the deadline raises TimeoutError(timed_out(rank)), or
+    subprocess.TimeoutExpired without `timed_out`.
+    """
+    deadline = time.monotonic() + timeout_s
+    try:
+        for rank, process in enumerate(processes):
+            try:
+                _, err = process.communicate(timeout=max(1.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired as exc:
+                if timed_out is None:
+                    raise
+                raise TimeoutError(timed_out(rank)) from exc
+            if process.returncode != 0:
+                raise RuntimeError(failed(rank, process.returncode, err or ""))
+    finally:
+        kill_all(processes)
+
+
+def stop_process(process: subprocess.Popen[str]) -> None:
+    """SIGTERM `process` if it still runs; SIGKILL it if it has not exited 15 s later."""
+    if process.poll() is None:
+        process.terminate()
+        try:
+            process.wait(timeout=15)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
+
+
+def proc_status(pid: int) -> dict[str, int]:
+    """The memory figures of /proc/<pid>/status (VmRSS, VmHWM, ...) in KiB; {} once it is gone."""
+    values = {}
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            key, _, rest = line.partition(":")
+            if key.startswith("Vm"):
+                values[key] = int(rest.split()[0])
+    except OSError:
+        pass
+    return values
+
+
+def link_bytes(interface: str | None) -> dict[str, int]:
+    """This host's tx/rx byte counters of `interface` so far ({} without one)."""
+    if interface is None:
+        return {}
+    statistics = Path("/sys/class/net") / interface / "statistics"
+    return {d: int((statistics / f"{d}_bytes").read_text()) for d in ("tx", "rx")}
+
+
+def stop_step(path: Path) -> int | None:
+    """The step a rank stops at, once the orchestrator wrote it into `path`."""
+    try:
+        return int(path.read_text().strip())
+    except (FileNotFoundError, ValueError):
+        return None
+
+
+def exit_now() -> None:
+    """End a rank script at once, after flushing its output, skipping the interpreter's exit.
+
+    torch and gloo sometimes abort in their own thread teardown at interpreter exit under
+    CPU contention ("terminate called without an active exception"), after the rank has
+    written its results; call this once they are written.
+    """
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
