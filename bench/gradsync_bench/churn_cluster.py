@@ -21,7 +21,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from gradsync_bench.procs import proc_status
+from gradsync_bench.procs import proc_status, stop_process
 
 #: Heartbeats fast enough for the soak: a frozen rank is dropped after 2 s.
 HEARTBEAT_INTERVAL_S = 0.25
@@ -279,12 +279,7 @@ class Cluster:
             if process is None or process.poll() is not None:
                 continue
             os.kill(process.pid, signal.SIGCONT)  # a frozen one cannot die of SIGTERM
-            process.terminate()
-            try:
-                process.wait(timeout=15)
-            except subprocess.TimeoutExpired:
-                process.kill()
-                process.wait(timeout=10)
+            stop_process(process)
         if self.redis is not None and self.redis.poll() is None:
             self.redis.terminate()
             self.redis.wait(timeout=10)

@@ -32,8 +32,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from gradsync_bench.procs import exit_now
-from gradsync_bench.sync_worker import process_cpu_s
+from gradsync_bench.procs import exit_now, process_cpu_s
 from gradsync_bench.train_worker import fixed_batch_step, leave
 
 MODES = ("flat", "default", "ddp")

@@ -48,7 +48,7 @@ def wait_ranks(
         kill_all(processes)
 
 
-def stop_process(process: subprocess.Popen[str]) -> None:
+def stop_process(process: subprocess.Popen[Any]) -> None:
     """SIGTERM `process` if it still runs; SIGKILL it if it has not exited 15 s later."""
     if process.poll() is None:
         process.terminate()
@@ -70,6 +70,37 @@ def proc_status(pid: int) -> dict[str, int]:
     except OSError:
         pass
     return values
+
+
+def process_cpu_s(pid: int) -> float:
+    """user + system CPU seconds of another process, from /proc (0 once it is gone)."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except (FileNotFoundError, ProcessLookupError):
+        return 0.0
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def with_descendants(pids: list[int]) -> list[int]:
+    """`pids` and every process below them (`serve --shards S` starts its shards as children)."""
+    found: list[int] = []
+    pending = list(pids)
+    while pending:
+        pid = pending.pop()
+        if pid in found:
+            continue
+        found.append(pid)
+        for children in Path(f"/proc/{pid}/task").glob("*/children"):
+            try:
+                pending.extend(int(child) for child in children.read_text().split())
+            except (FileNotFoundError, ProcessLookupError):
+                continue
+    return found
+
+
+def server_cpu_s(pids: list[int]) -> dict[str, float]:
+    """CPU seconds so far of each server process (and its descendants), by pid."""
+    return {str(pid): process_cpu_s(pid) for pid in with_descendants(pids)}
 
 
 def link_bytes(interface: str | None) -> dict[str, int]:
