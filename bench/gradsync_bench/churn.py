@@ -24,6 +24,7 @@ from typing import Any
 from gradsync_bench import churn_checks
 from gradsync_bench.churn_cluster import Cluster, ClusterConfig
 from gradsync_bench.churn_schedule import KINDS, Monitor, Schedule
+from gradsync_bench.procs import wait_until
 
 #: After the failures stop: how long the ranks get to be all back and training.
 SETTLE_TIMEOUT_S = 180.0
@@ -126,13 +127,13 @@ def _latest_applied(folder: Path, rank: int) -> tuple[float, int] | None:
 
 def _wait_all_training(cluster: Cluster, timeout_s: float, since: float) -> None:
     """Until every rank's current process has applied a step after `since` (and 4 did)."""
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
+
+    def training() -> bool:
         latest = [_latest_applied(cluster.folder, r) for r in range(cluster.config.world_size)]
-        if all(entry is not None and entry[0] > since for entry in latest):
-            return
-        time.sleep(0.5)
-    raise RuntimeError(f"the ranks were not all training again within {timeout_s:g}s")
+        return all(entry is not None and entry[0] > since for entry in latest)
+
+    failure = f"the ranks were not all training again within {timeout_s:g}s"
+    wait_until(training, timeout_s, failure, interval_s=0.5)
 
 
 def _finish(cluster: Cluster) -> int:

@@ -21,7 +21,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from gradsync_bench.procs import proc_status, stop_process
+from gradsync_bench.procs import proc_status, stop_process, wait_until
 
 #: Heartbeats fast enough for the soak: a frozen rank is dropped after 2 s.
 HEARTBEAT_INTERVAL_S = 0.25
@@ -256,14 +256,9 @@ class Cluster:
                 return index
         return None
 
-    def wait_active(self, timeout_s: float) -> int:
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            index = self.active_index()
-            if index is not None:
-                return index
-            time.sleep(0.1)
-        raise RuntimeError(f"no coordinator became active within {timeout_s:g}s")
+    def wait_active(self, timeout_s: float) -> None:
+        failure = f"no coordinator became active within {timeout_s:g}s"
+        wait_until(lambda: self.active_index() is not None, timeout_s, failure, interval_s=0.1)
 
     def shard_pids(self, index: int) -> list[int]:
         process = self.coordinators[index].process

@@ -48,6 +48,21 @@ def wait_ranks(
         kill_all(processes)
 
 
+def wait_until(
+    ready: Callable[[], object], timeout_s: float, failure: str, interval_s: float = 0.05
+) -> None:
+    """Poll `ready` every `interval_s` until it returns something true.
+
+    Raises:
+        RuntimeError: `failure`, once `timeout_s` passed without that.
+    """
+    deadline = time.monotonic() + timeout_s
+    while not ready():
+        if time.monotonic() > deadline:
+            raise RuntimeError(failure)
+        time.sleep(interval_s)
+
+
 def stop_process(process: subprocess.Popen[Any]) -> None:
     """SIGTERM `process` if it still runs; SIGKILL it if it has not exited 15 s later."""
     if process.poll() is None:

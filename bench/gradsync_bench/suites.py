@@ -145,38 +145,24 @@ def run_sync_pair(
     reps: int,
     *,
     workdir: Path,
-    launch: Launcher = local_launch,
-    coordinator_host: str = "127.0.0.1",
-    worker_launchers: Sequence[Launcher] | None = None,
-    coordinator_address: str | None = None,
-    gloo_address: str = "127.0.0.1",
-    coordinator_bind: str = "127.0.0.1",
     serve_flags: Sequence[str] = (),
     methods: Sequence[str] = ("gradsync",),
 ) -> dict[str, dict[str, float]]:
-    """One (W, N) point of the sync micro-benchmark; hosts are given by launchers.
+    """One (W, N) point of the sync micro-benchmark, every process on this host.
 
     `serve_flags` go to `gradsync serve` (e.g. `--shards 2`: local shard processes);
     `methods` to the workers (see `run_sync_workers`).
     """
-    coordinator, port = start_coordinator(
-        world_size,
-        *serve_flags,
-        launch=launch,
-        host=coordinator_bind,
-        port=0 if coordinator_address is None else 50051,
-    )
+    coordinator, port = start_coordinator(world_size, *serve_flags)
     try:
-        address = f"{coordinator_address or coordinator_host}:{port}"
-        gloo = f"{gloo_address}:{free_port() if gloo_address == '127.0.0.1' else 29500}"
         return run_sync_workers(
             world_size,
             megabytes,
             reps,
             workdir=workdir,
-            address=address,
-            gloo=gloo,
-            launchers=worker_launchers or [local_launch] * world_size,
+            address=f"127.0.0.1:{port}",
+            gloo=f"127.0.0.1:{free_port()}",
+            launchers=[local_launch] * world_size,
             server_pids=[coordinator.pid],
             methods=methods,
         )

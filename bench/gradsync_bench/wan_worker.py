@@ -115,7 +115,17 @@ def wrap(method: Method, model: nn.Module, args: argparse.Namespace) -> tuple[nn
         return model, None
     import gradsync
 
-    common: dict[str, Any] = dict(
+    if method.kind == "gradsync-ddp":
+        ddp = gradsync.DistributedDataParallel(
+            model, hierarchical=False, **job_options(method, args)
+        )
+        return ddp, ddp
+    return model, None  # DiLoCo wraps the inner optimizer too: see main
+
+
+def job_options(method: Method, args: argparse.Namespace) -> dict[str, Any]:
+    """The gradsync job options of every method that runs one (DDP or DiLoCo)."""
+    return dict(
         coordinator=args.coordinator,
         rank=args.rank,
         world_size=args.world_size,
@@ -123,10 +133,6 @@ def wrap(method: Method, model: nn.Module, args: argparse.Namespace) -> tuple[nn
         timeout_s=900,
         join_timeout_s=300,
     )
-    if method.kind == "gradsync-ddp":
-        ddp = gradsync.DistributedDataParallel(model, hierarchical=False, **common)
-        return ddp, ddp
-    return model, None  # DiLoCo wraps the inner optimizer too: see main
 
 
 def client_bytes_sent(ddp: Any, diloco: Any) -> int | None:
@@ -175,12 +181,7 @@ def main() -> None:
             fragments=method.fragments,
             overlap_steps=method.overlap_steps,
             answer_dtype=torch.int8 if method.compact_answer else None,
-            coordinator=args.coordinator,
-            rank=args.rank,
-            world_size=args.world_size,
-            job_id=f"wan-{method.name}",
-            timeout_s=900,
-            join_timeout_s=300,
+            **job_options(method, args),
         )
 
     # Warm-up: one forward/backward (allocations, gloo's and gradsync's first bucket
