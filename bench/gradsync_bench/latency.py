@@ -30,7 +30,7 @@ from gradsync_proto.net.frame_stream import frames_enabled
 from gradsync_proto.net.launch import free_port, local_launch, start_coordinator
 
 from gradsync_bench.latency_worker import MODES
-from gradsync_bench.procs import proc_status, stop_process, wait_ranks
+from gradsync_bench.procs import flag_args, proc_status, stop_process, wait_ranks
 
 Row = dict[str, Any]
 
@@ -81,21 +81,9 @@ def _launch_workers(
             OMP_NUM_THREADS="1",
         )
         argv = [
-            sys.executable,
-            "-m",
-            "gradsync_bench.latency_worker",
-            "--mode",
-            mode,
-            "--steps",
-            str(plan.steps),
-            "--warmup",
-            str(plan.warmup),
-            "--job-id",
-            f"latency-{mode}",
-            "--out",
-            str(out),
-            "--coordinator-pid",
-            str(coordinator_pid),
+            *(sys.executable, "-m", "gradsync_bench.latency_worker"),
+            *flag_args(mode=mode, steps=plan.steps, warmup=plan.warmup, job_id=f"latency-{mode}"),
+            *flag_args(out=out, coordinator_pid=coordinator_pid),
         ]
         # stderr into a file: sixteen pipes read one after the other could fill and block.
         with _stderr_path(out, rank).open("w") as stderr:

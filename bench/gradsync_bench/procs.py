@@ -13,6 +13,16 @@ from pathlib import Path
 from typing import Any
 
 
+def flag_args(**flags: object) -> list[str]:
+    """`--name value` for each of `flags`, in order: underscores become dashes, values
+    strings (str()); a flag whose value is None is left out."""
+    argv: list[str] = []
+    for name, value in flags.items():
+        if value is not None:
+            argv += [f"--{name.replace('_', '-')}", str(value)]
+    return argv
+
+
 def kill_all(processes: Sequence[subprocess.Popen[Any]]) -> None:
     """SIGKILL every process of `processes` that still runs, and reap it."""
     for process in processes:

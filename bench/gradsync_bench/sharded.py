@@ -36,7 +36,7 @@ from gradsync_proto.net.launch import Launcher, start_coordinator
 from gradsync_bench.netns import Cluster
 from gradsync_bench.netns_probe import available
 from gradsync_bench.netns_shaping import LinkShape
-from gradsync_bench.procs import stop_process
+from gradsync_bench.procs import flag_args, stop_process
 from gradsync_bench.suites import MIB, Row, run_sync_workers
 from gradsync_bench.wire_report import DDP_BF16
 
@@ -151,20 +151,8 @@ def shard_command(leader: str, host: str, port: int) -> list[str]:
     host workers reach the leader at, which is another host here.
     """
     return [
-        sys.executable,
-        "-m",
-        "gradsync.cli",
-        "--log-level",
-        "WARNING",
-        "shard",
-        "--leader",
-        leader,
-        "--host",
-        host,
-        "--port",
-        str(port),
-        "--advertise",
-        f"{host}:{port}",
+        *(sys.executable, "-m", "gradsync.cli", "--log-level", "WARNING", "shard"),
+        *flag_args(leader=leader, host=host, port=port, advertise=f"{host}:{port}"),
     ]
 
 

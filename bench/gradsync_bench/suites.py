@@ -27,7 +27,7 @@ from typing import Any
 
 from gradsync_proto.net.launch import Launcher, free_port, local_launch, start_coordinator
 
-from gradsync_bench.procs import stop_process, wait_ranks
+from gradsync_bench.procs import flag_args, stop_process, wait_ranks
 from gradsync_bench.wire_report import DDP_FP32, LOCAL
 
 MIB = 1 << 20
@@ -98,28 +98,12 @@ def run_sync_workers(
     processes = [
         launchers[rank](
             [
-                sys.executable,
-                "-m",
-                "gradsync_bench.sync_worker",
-                "--coordinator",
-                address,
-                "--gloo-master",
-                gloo,
-                "--rank",
-                str(rank),
-                "--world-size",
-                str(world_size),
-                "--megabytes",
-                str(megabytes),
-                "--reps",
-                str(reps),
-                "--server-pids",
-                ",".join(str(pid) for pid in server_pids) if rank == 0 else "",
-                "--out",
-                str(workdir / f"sync-{rank}.json"),
-                "--methods",
-                ",".join(methods),
-                *(("--link-stats", link_stats) if link_stats else ()),
+                *(sys.executable, "-m", "gradsync_bench.sync_worker"),
+                *flag_args(coordinator=address, gloo_master=gloo, rank=rank, world_size=world_size),
+                *flag_args(megabytes=megabytes, reps=reps),
+                *flag_args(server_pids=",".join(map(str, server_pids)) if rank == 0 else ""),
+                *flag_args(out=workdir / f"sync-{rank}.json", methods=",".join(methods)),
+                *flag_args(link_stats=link_stats or None),
             ]
         )
         for rank in range(world_size)
@@ -226,23 +210,10 @@ def _torchrun(
     world_size: int, mode: str, out: Path, model_mb: float, steps: int, env: dict[str, str]
 ) -> dict[str, Any]:
     argv = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--nproc-per-node",
-        str(world_size),
-        "--master-port",
-        str(free_port()),
-        "-m",
-        "gradsync_bench.train_worker",
-        "--mode",
-        mode,
-        "--model-mb",
-        str(model_mb),
-        "--steps",
-        str(steps),
-        "--out",
-        str(out),
+        *(sys.executable, "-m", "torch.distributed.run"),
+        *flag_args(nproc_per_node=world_size, master_port=free_port()),
+        *("-m", "gradsync_bench.train_worker"),
+        *flag_args(mode=mode, model_mb=model_mb, steps=steps, out=out),
     ]
     result = subprocess.run(argv, capture_output=True, text=True, env=env, timeout=300 + 10 * steps)
     if result.returncode != 0:

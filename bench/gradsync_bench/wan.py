@@ -40,7 +40,7 @@ from typing import Any
 from gradsync_bench.netns import Cluster
 from gradsync_bench.netns_probe import available
 from gradsync_bench.netns_shaping import LinkShape
-from gradsync_bench.procs import wait_ranks
+from gradsync_bench.procs import flag_args, wait_ranks
 from gradsync_bench.sharded import GLOO_PORT, Topology, on_host, running_coordinator
 from gradsync_bench.suites import Row
 from gradsync_bench.wan_worker import METHODS, Method
@@ -118,29 +118,10 @@ def _worker_argv(
     plan: WanPlan, method: Method, rank: int, steps: int, workdir: Path, coordinator: str, gloo: str
 ) -> list[str]:
     return [
-        sys.executable,
-        "-m",
-        "gradsync_bench.wan_worker",
-        "--method",
-        method.name,
-        "--rank",
-        str(rank),
-        "--world-size",
-        str(plan.world_size),
-        "--steps",
-        str(steps),
-        "--batch",
-        str(plan.batch),
-        "--context",
-        str(plan.context),
-        "--log-every",
-        str(plan.log_every),
-        "--coordinator",
-        coordinator,
-        "--gloo",
-        gloo,
-        "--workdir",
-        str(workdir),
+        *(sys.executable, "-m", "gradsync_bench.wan_worker"),
+        *flag_args(method=method.name, rank=rank, world_size=plan.world_size, steps=steps),
+        *flag_args(batch=plan.batch, context=plan.context, log_every=plan.log_every),
+        *flag_args(coordinator=coordinator, gloo=gloo, workdir=workdir),
     ]
 
 
