@@ -43,7 +43,7 @@ from typing import Any
 
 from gradsync_proto.net.launch import start_coordinator
 
-from gradsync_bench.procs import kill_all, stop_process, wait_until
+from gradsync_bench.procs import kill_all, progress, stop_process, wait_until
 
 MIB = 1 << 20
 Row = dict[str, Any]
@@ -202,11 +202,7 @@ def heal_suite(
     for world in worlds:
         for state_mb in states_mb:
             for path in paths:
-                print(
-                    f"  heal W={world} state {state_mb:g} MiB via {path} ...",
-                    file=sys.stderr,
-                    flush=True,
-                )
+                progress(f"  heal W={world} state {state_mb:g} MiB via {path} ...")
                 with tempfile.TemporaryDirectory(prefix="gradsync-heal-") as tmp:
                     try:
                         rows.append(heal_once(world, state_mb, Path(tmp), path))

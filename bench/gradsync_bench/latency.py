@@ -30,7 +30,7 @@ from gradsync_proto.net.frame_stream import frames_enabled
 from gradsync_proto.net.launch import free_port, local_launch, start_coordinator
 
 from gradsync_bench.latency_worker import MODES
-from gradsync_bench.procs import flag_args, proc_status, stop_process, wait_ranks
+from gradsync_bench.procs import flag_args, proc_status, progress, stop_process, wait_ranks
 
 Row = dict[str, Any]
 
@@ -138,7 +138,7 @@ def run_once(world_size: int, mode: str, plan: LatencyPlan, workdir: Path) -> di
 
 def latency_suite(plan: LatencyPlan) -> list[Row]:
     """The suite's rows: one per W, every mode's median and its ratio to gloo DDP."""
-    print("latency: a tiny model, gradsync vs gloo DDP ...", file=sys.stderr, flush=True)
+    progress("latency: a tiny model, gradsync vs gloo DDP ...")
     rows = []
     for world_size in plan.worlds:
         runs: dict[str, list[dict[str, float]]] = {mode: [] for mode in plan.modes}

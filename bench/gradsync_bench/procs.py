@@ -13,6 +13,11 @@ from pathlib import Path
 from typing import Any
 
 
+def progress(line: str) -> None:
+    """Tell on stderr, at once, what a long run is doing (stdout is left to results)."""
+    print(line, file=sys.stderr, flush=True)
+
+
 def flag_args(**flags: object) -> list[str]:
     """`--name value` for each of `flags`, in order: underscores become dashes, values
     strings (str()); a flag whose value is None is left out."""

@@ -36,7 +36,7 @@ from gradsync_proto.net.launch import Launcher, start_coordinator
 from gradsync_bench.netns import Cluster
 from gradsync_bench.netns_probe import available
 from gradsync_bench.netns_shaping import LinkShape
-from gradsync_bench.procs import flag_args, stop_process
+from gradsync_bench.procs import flag_args, progress, stop_process
 from gradsync_bench.suites import MIB, Row, run_sync_workers
 from gradsync_bench.wire_report import DDP_BF16
 
@@ -290,11 +290,7 @@ def netns_suite(
         return [], reason
     rows = []
     for topology in topologies(layouts, worlds, shards):
-        print(
-            f"  netns {topology.layout} W={topology.world_size} S={topology.shards} ...",
-            file=sys.stderr,
-            flush=True,
-        )
+        progress(f"  netns {topology.layout} W={topology.world_size} S={topology.shards} ...")
         with Cluster(topology.hosts, LinkShape(rate_mbit=rate_mbit)) as cluster:
             rows += [measure(cluster, topology, mb, reps, rate_mbit, wires) for mb in sizes_mb]
     return rows, ""

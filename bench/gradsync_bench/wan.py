@@ -40,7 +40,7 @@ from typing import Any
 from gradsync_bench.netns import Cluster
 from gradsync_bench.netns_probe import available
 from gradsync_bench.netns_shaping import LinkShape
-from gradsync_bench.procs import flag_args, wait_ranks
+from gradsync_bench.procs import flag_args, progress, wait_ranks
 from gradsync_bench.sharded import GLOO_PORT, Topology, on_host, running_coordinator
 from gradsync_bench.suites import Row
 from gradsync_bench.wan_worker import METHODS, Method
@@ -140,7 +140,7 @@ def run_method(
     topology = Topology("single", plan.world_size, 1)
     gloo = f"{cluster.address('w0')}:{GLOO_PORT}"
     label = f"{method.name} at {'unshaped' if rate_mbit is None else f'{rate_mbit:g} Mbit/s'}"
-    print(f"  wan {label}, {steps} steps ...", file=sys.stderr, flush=True)
+    progress(f"  wan {label}, {steps} steps ...")
     began = time.monotonic()
     # Other jobs on the machine take CPU from the ranks and skew a method's samples/s
     # against the reference's: the row records the load it ran under.
@@ -173,7 +173,7 @@ def run_method(
             for rank in range(plan.world_size)
         ]
     load = (load_before + os.getloadavg()[0]) / 2
-    print(f"    {time.monotonic() - began:.0f} s, load {load:.1f}", file=sys.stderr, flush=True)
+    progress(f"    {time.monotonic() - began:.0f} s, load {load:.1f}")
     for record in records:
         record["load_average"] = load
     return records
@@ -386,7 +386,7 @@ def wan_suite(plan: WanPlan) -> tuple[dict[str, Any], str]:
                     records = run_method(cluster, plan, method, rate, quality)
                 except (RuntimeError, TimeoutError, OSError) as exc:
                     # One method's failure is a result too; the others still run.
-                    print(f"    failed: {str(exc)[-500:]}", file=sys.stderr, flush=True)
+                    progress(f"    failed: {str(exc)[-500:]}")
                     rows.append(_failed(method, rate, quality, exc))
                     continue
                 rows.append(summarize(records, method, rate, quality))
