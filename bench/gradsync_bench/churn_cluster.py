@@ -21,7 +21,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from gradsync_bench.procs import proc_status, stop_process, wait_until
+from gradsync_bench.procs import flag_args, proc_status, stop_process, wait_until
 
 #: Heartbeats fast enough for the soak: a frozen rank is dropped after 2 s.
 HEARTBEAT_INTERVAL_S = 0.25
@@ -139,29 +139,26 @@ class Cluster:
         config = self.config
         command = [
             config.python, "-m", "gradsync.cli", "--log-level", "INFO", "serve",
-            "--world-size", str(config.world_size), "--port", str(port),
-            "--checkpoint-store", self.redis_url, "--standby",
-            "--lease-ttl-s", str(config.lease_ttl_s), "--advertise", f"127.0.0.1:{port}",
-            "--on-failure", "elastic", "--min-workers", str(config.min_workers),
-            "--heartbeat-interval", str(HEARTBEAT_INTERVAL_S),
-            "--heartbeat-timeout", str(HEARTBEAT_TIMEOUT_S),
-            "--checkpoint-every", str(config.checkpoint_every),
-            "--state-dir", str(self.folder / f"state{index}"),
+            *flag_args(world_size=config.world_size, port=port, checkpoint_store=self.redis_url),
+            "--standby",
+            *flag_args(lease_ttl_s=config.lease_ttl_s, advertise=f"127.0.0.1:{port}"),
+            *flag_args(on_failure="elastic", min_workers=config.min_workers),
+            *flag_args(heartbeat_interval=HEARTBEAT_INTERVAL_S),
+            *flag_args(heartbeat_timeout=HEARTBEAT_TIMEOUT_S),
+            *flag_args(checkpoint_every=config.checkpoint_every),
+            *flag_args(state_dir=self.folder / f"state{index}"),
+            *flag_args(shards=config.shards if config.shards > 1 else None),
         ]  # fmt: skip
-        if config.shards > 1:
-            command += ["--shards", str(config.shards)]
         return Supervised(f"coordinator{index}", command, self.folder / f"coordinator{index}.log")
 
     def _worker(self, rank: int) -> Supervised:
         config = self.config
         command = [
             config.python, "-m", "gradsync_bench.churn_worker",
-            "--coordinator", ",".join(self.addresses), "--rank", str(rank),
-            "--world-size", str(config.world_size),
-            "--log", str(self.folder / f"rank{rank}.jsonl"),
-            "--stop-file", str(self.stop_file),
-            "--final", str(self.folder / f"final{rank}.pt"),
-            "--compute-s", str(config.compute_s),
+            *flag_args(coordinator=",".join(self.addresses), rank=rank),
+            *flag_args(world_size=config.world_size),
+            *flag_args(log=self.folder / f"rank{rank}.jsonl", stop_file=self.stop_file),
+            *flag_args(final=self.folder / f"final{rank}.pt", compute_s=config.compute_s),
         ]  # fmt: skip
         return Supervised(f"rank{rank}", command, self.folder / f"rank{rank}.log")
 
