@@ -22,10 +22,11 @@ import asyncio
 import subprocess
 import sys
 import threading
-import time
 
 import torch
 from gradsync_proto.net.launch import parse_banner
+
+from gradsync_bench.procs import wait_ranks
 
 #: Bound on one job (join, broadcast, seed and the rounds of a 16 MiB model on a loaded CPU).
 JOB_TIMEOUT_S = 300.0
@@ -118,16 +119,8 @@ def run_job(answer: str, rounds: int, megabytes: int) -> tuple[int, int]:
         for rank in range(2)
     ]
     try:
-        deadline = time.monotonic() + JOB_TIMEOUT_S
-        for process in ranks:
-            code = process.wait(timeout=max(1.0, deadline - time.monotonic()))
-            if code != 0:
-                raise RuntimeError(f"a rank exited with {code}")
+        wait_ranks(ranks, JOB_TIMEOUT_S, lambda _, code, __: f"a rank exited with {code}")
     finally:
-        for process in ranks:
-            if process.poll() is None:
-                process.kill()
-                process.wait(timeout=30)
         coordinator.terminate()
         coordinator.wait(timeout=30)
         relay.close()

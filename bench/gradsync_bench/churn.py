@@ -14,7 +14,6 @@ to recover and the steps computed again.
 
 from __future__ import annotations
 
-import sys
 import tempfile
 import time
 from dataclasses import dataclass
@@ -24,6 +23,7 @@ from typing import Any
 from gradsync_bench import churn_checks
 from gradsync_bench.churn_cluster import Cluster, ClusterConfig
 from gradsync_bench.churn_schedule import KINDS, Monitor, Schedule
+from gradsync_bench.procs import progress, wait_until
 
 #: After the failures stop: how long the ranks get to be all back and training.
 SETTLE_TIMEOUT_S = 180.0
@@ -55,13 +55,9 @@ def churn_suite(plan: ChurnPlan) -> dict[str, Any]:
 
 def _both(plan: ChurnPlan, folder: Path) -> dict[str, Any]:
     config = ClusterConfig(world_size=plan.world_size, shards=plan.shards)
-    print(f"churn: churn-free run of {plan.duration_s:g}s ...", file=sys.stderr, flush=True)
+    progress(f"churn: churn-free run of {plan.duration_s:g}s ...")
     baseline = run_once(folder / "baseline", config, plan, kinds=())
-    print(
-        f"churn: run of {plan.duration_s:g}s, a failure every {plan.interval_s:g}s ...",
-        file=sys.stderr,
-        flush=True,
-    )
+    progress(f"churn: run of {plan.duration_s:g}s, a failure every {plan.interval_s:g}s ...")
     churn = run_once(folder / "churn", config, plan, kinds=plan.kinds)
     ratio = churn["steps_per_s"] / baseline["steps_per_s"] if baseline["steps_per_s"] > 0 else None
     return {
@@ -126,13 +122,13 @@ def _latest_applied(folder: Path, rank: int) -> tuple[float, int] | None:
 
 def _wait_all_training(cluster: Cluster, timeout_s: float, since: float) -> None:
     """Until every rank's current process has applied a step after `since` (and 4 did)."""
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
+
+    def training() -> bool:
         latest = [_latest_applied(cluster.folder, r) for r in range(cluster.config.world_size)]
-        if all(entry is not None and entry[0] > since for entry in latest):
-            return
-        time.sleep(0.5)
-    raise RuntimeError(f"the ranks were not all training again within {timeout_s:g}s")
+        return all(entry is not None and entry[0] > since for entry in latest)
+
+    failure = f"the ranks were not all training again within {timeout_s:g}s"
+    wait_until(training, timeout_s, failure, interval_s=0.5)
 
 
 def _finish(cluster: Cluster) -> int:

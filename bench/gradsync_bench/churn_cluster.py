@@ -21,6 +21,8 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from gradsync_bench.procs import flag_args, proc_status, stop_process, wait_until
+
 #: Heartbeats fast enough for the soak: a frozen rank is dropped after 2 s.
 HEARTBEAT_INTERVAL_S = 0.25
 HEARTBEAT_TIMEOUT_S = 2.0
@@ -51,13 +53,8 @@ def _is_free(port: int) -> bool:
 
 def rss_mib(pid: int) -> float | None:
     """Resident memory of `pid` in MiB (None once it is gone)."""
-    try:
-        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) / 1024
-    except OSError:
-        return None
-    return None
+    kib = proc_status(pid).get("VmRSS")
+    return None if kib is None else kib / 1024
 
 
 def children(pid: int) -> list[int]:
@@ -142,29 +139,26 @@ class Cluster:
         config = self.config
         command = [
             config.python, "-m", "gradsync.cli", "--log-level", "INFO", "serve",
-            "--world-size", str(config.world_size), "--port", str(port),
-            "--checkpoint-store", self.redis_url, "--standby",
-            "--lease-ttl-s", str(config.lease_ttl_s), "--advertise", f"127.0.0.1:{port}",
-            "--on-failure", "elastic", "--min-workers", str(config.min_workers),
-            "--heartbeat-interval", str(HEARTBEAT_INTERVAL_S),
-            "--heartbeat-timeout", str(HEARTBEAT_TIMEOUT_S),
-            "--checkpoint-every", str(config.checkpoint_every),
-            "--state-dir", str(self.folder / f"state{index}"),
+            *flag_args(world_size=config.world_size, port=port, checkpoint_store=self.redis_url),
+            "--standby",
+            *flag_args(lease_ttl_s=config.lease_ttl_s, advertise=f"127.0.0.1:{port}"),
+            *flag_args(on_failure="elastic", min_workers=config.min_workers),
+            *flag_args(heartbeat_interval=HEARTBEAT_INTERVAL_S),
+            *flag_args(heartbeat_timeout=HEARTBEAT_TIMEOUT_S),
+            *flag_args(checkpoint_every=config.checkpoint_every),
+            *flag_args(state_dir=self.folder / f"state{index}"),
+            *flag_args(shards=config.shards if config.shards > 1 else None),
         ]  # fmt: skip
-        if config.shards > 1:
-            command += ["--shards", str(config.shards)]
         return Supervised(f"coordinator{index}", command, self.folder / f"coordinator{index}.log")
 
     def _worker(self, rank: int) -> Supervised:
         config = self.config
         command = [
             config.python, "-m", "gradsync_bench.churn_worker",
-            "--coordinator", ",".join(self.addresses), "--rank", str(rank),
-            "--world-size", str(config.world_size),
-            "--log", str(self.folder / f"rank{rank}.jsonl"),
-            "--stop-file", str(self.stop_file),
-            "--final", str(self.folder / f"final{rank}.pt"),
-            "--compute-s", str(config.compute_s),
+            *flag_args(coordinator=",".join(self.addresses), rank=rank),
+            *flag_args(world_size=config.world_size),
+            *flag_args(log=self.folder / f"rank{rank}.jsonl", stop_file=self.stop_file),
+            *flag_args(final=self.folder / f"final{rank}.pt", compute_s=config.compute_s),
         ]  # fmt: skip
         return Supervised(f"rank{rank}", command, self.folder / f"rank{rank}.log")
 
@@ -259,14 +253,9 @@ class Cluster:
                 return index
         return None
 
-    def wait_active(self, timeout_s: float) -> int:
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            index = self.active_index()
-            if index is not None:
-                return index
-            time.sleep(0.1)
-        raise RuntimeError(f"no coordinator became active within {timeout_s:g}s")
+    def wait_active(self, timeout_s: float) -> None:
+        failure = f"no coordinator became active within {timeout_s:g}s"
+        wait_until(lambda: self.active_index() is not None, timeout_s, failure, interval_s=0.1)
 
     def shard_pids(self, index: int) -> list[int]:
         process = self.coordinators[index].process
@@ -282,12 +271,7 @@ class Cluster:
             if process is None or process.poll() is not None:
                 continue
             os.kill(process.pid, signal.SIGCONT)  # a frozen one cannot die of SIGTERM
-            process.terminate()
-            try:
-                process.wait(timeout=15)
-            except subprocess.TimeoutExpired:
-                process.kill()
-                process.wait(timeout=10)
+            stop_process(process)
         if self.redis is not None and self.redis.poll() is None:
             self.redis.terminate()
             self.redis.wait(timeout=10)

@@ -45,6 +45,8 @@ from typing import IO, Any
 import torch
 from torch import nn
 
+from gradsync_bench.procs import stop_step
+
 IN_FEATURES = 32
 OUT_FEATURES = 8
 HIDDEN = 64
@@ -99,14 +101,6 @@ def digest(module: nn.Module) -> str:
         hasher.update(name.encode())
         hasher.update(parameter.detach().contiguous().numpy().tobytes())
     return hasher.hexdigest()
-
-
-def _stop_step(path: Path) -> int | None:
-    """The step to stop at, once the bench wrote it."""
-    try:
-        return int(path.read_text().strip())
-    except (FileNotFoundError, ValueError):
-        return None
 
 
 class _Log:
@@ -166,7 +160,7 @@ def main() -> int:
             log.write("joined", s=model.step)
             while True:
                 step = model.step
-                stop = _stop_step(args.stop_file)
+                stop = stop_step(args.stop_file)
                 if stop is not None and step >= stop:
                     break
                 optimizer.zero_grad()

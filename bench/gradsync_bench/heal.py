@@ -43,7 +43,7 @@ from typing import Any
 
 from gradsync_proto.net.launch import start_coordinator
 
-from gradsync_bench.suites import stop_process
+from gradsync_bench.procs import kill_all, progress, stop_process, wait_until
 
 MIB = 1 << 20
 Row = dict[str, Any]
@@ -82,14 +82,6 @@ def _worker(
         return subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, text=True, env=env)
 
 
-def _wait(what: str, timeout_s: float, ready: Any) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not ready():
-        if time.monotonic() > deadline:
-            raise RuntimeError(f"heal bench: no {what} within {timeout_s:g} s")
-        time.sleep(0.05)
-
-
 def heal_once(
     world: int,
     state_mb: float,
@@ -123,13 +115,17 @@ def heal_once(
             role = "victim" if rank == world - 1 else "member"
             processes.append(_worker(address, rank, world, state_mb, role, workdir, path))
         victim = processes[-1]
-        _wait("victim's death", timeout_s, lambda: victim.poll() is not None)
+        late = f"within {timeout_s:g} s"
+        wait_until(
+            lambda: victim.poll() is not None, timeout_s, f"heal bench: no victim's death {late}"
+        )
         # Its heartbeats stop: the coordinator drops it and the others go on.
         time.sleep(_HEARTBEAT_TIMEOUT_S + 0.5)
         joiner = _worker(address, world - 1, world, state_mb, "joiner", workdir, path)
         processes.append(joiner)
         ready = workdir / "ready"
-        _wait("joiner ready", timeout_s, lambda: ready.exists() and ready.read_text())
+        joined = f"heal bench: no joiner ready {late}"
+        wait_until(lambda: ready.exists() and ready.read_text(), timeout_s, joined)
         start = json.loads(ready.read_text())["step"]
         (workdir / "stop").write_text(str(int(start) + _STEPS_AFTER))
         for process in [*processes[:-2], joiner]:
@@ -137,10 +133,7 @@ def heal_once(
             if process.returncode != 0:
                 raise RuntimeError(f"heal bench: a worker failed; see the logs in {workdir}")
     finally:
-        for process in processes:
-            if process.poll() is None:
-                process.kill()
-                process.wait()
+        kill_all(processes)
         stop_process(coordinator)
         if coordinator.stderr is not None:
             coordinator.stderr.close()
@@ -209,11 +202,7 @@ def heal_suite(
     for world in worlds:
         for state_mb in states_mb:
             for path in paths:
-                print(
-                    f"  heal W={world} state {state_mb:g} MiB via {path} ...",
-                    file=sys.stderr,
-                    flush=True,
-                )
+                progress(f"  heal W={world} state {state_mb:g} MiB via {path} ...")
                 with tempfile.TemporaryDirectory(prefix="gradsync-heal-") as tmp:
                     try:
                         rows.append(heal_once(world, state_mb, Path(tmp), path))

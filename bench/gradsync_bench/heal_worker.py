@@ -23,13 +23,14 @@ import json
 import logging
 import os
 import signal
-import sys
 import time
 from pathlib import Path
 from typing import Any
 
 import torch
 from torch import nn
+
+from gradsync_bench.procs import exit_now, stop_step
 
 MIB = 1 << 20
 #: Parameters of the MLP per layer; the model is `layers` square layers of this many floats.
@@ -58,13 +59,6 @@ def digest(tensors: list[torch.Tensor]) -> str:
     for tensor in tensors:
         hasher.update(tensor.detach().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
     return hasher.hexdigest()
-
-
-def _stop_step(stop_file: Path) -> int | None:
-    try:
-        return int(stop_file.read_text())
-    except (FileNotFoundError, ValueError):
-        return None
 
 
 def main() -> None:
@@ -111,7 +105,7 @@ def main() -> None:
     generator = torch.Generator().manual_seed(1234)
     with model:
         while model.step < args.max_steps:
-            stop = _stop_step(args.stop_file)
+            stop = stop_step(args.stop_file)
             if stop is not None and model.step >= stop:
                 break
             step = model.step
@@ -140,9 +134,4 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
-    # As the train worker: skip torch's thread teardown at exit, which sometimes aborts
-    # under CPU contention after the report is written ("terminate called without an
-    # active exception": stop 43's CI, a donor that had finished and written its report).
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
+    exit_now()

@@ -21,7 +21,6 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -31,7 +30,7 @@ from gradsync_proto.net.frame_stream import frames_enabled
 from gradsync_proto.net.launch import free_port, local_launch, start_coordinator
 
 from gradsync_bench.latency_worker import MODES
-from gradsync_bench.suites import stop_process
+from gradsync_bench.procs import flag_args, proc_status, progress, stop_process, wait_ranks
 
 Row = dict[str, Any]
 
@@ -60,19 +59,6 @@ class LatencyPlan:
     extra_env: dict[str, str] = field(default_factory=dict)
 
 
-def _proc_status(pid: int) -> dict[str, int]:
-    """VmRSS and VmHWM of `pid` in KiB (empty where /proc does not tell)."""
-    values = {}
-    try:
-        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-            key, _, rest = line.partition(":")
-            if key in ("VmRSS", "VmHWM"):
-                values[key] = int(rest.split()[0])
-    except OSError:
-        pass
-    return values
-
-
 def _launch_workers(
     world_size: int,
     mode: str,
@@ -95,21 +81,9 @@ def _launch_workers(
             OMP_NUM_THREADS="1",
         )
         argv = [
-            sys.executable,
-            "-m",
-            "gradsync_bench.latency_worker",
-            "--mode",
-            mode,
-            "--steps",
-            str(plan.steps),
-            "--warmup",
-            str(plan.warmup),
-            "--job-id",
-            f"latency-{mode}",
-            "--out",
-            str(out),
-            "--coordinator-pid",
-            str(coordinator_pid),
+            *(sys.executable, "-m", "gradsync_bench.latency_worker"),
+            *flag_args(mode=mode, steps=plan.steps, warmup=plan.warmup, job_id=f"latency-{mode}"),
+            *flag_args(out=out, coordinator_pid=coordinator_pid),
         ]
         # stderr into a file: sixteen pipes read one after the other could fill and block.
         with _stderr_path(out, rank).open("w") as stderr:
@@ -119,23 +93,6 @@ def _launch_workers(
 
 def _stderr_path(out: Path, rank: int) -> Path:
     return out.with_name(f"{out.name}-{rank}.err")
-
-
-def _wait_workers(
-    processes: Sequence[subprocess.Popen[str]], timeout_s: float, what: str, out: Path
-) -> None:
-    deadline = time.monotonic() + timeout_s
-    try:
-        for rank, process in enumerate(processes):
-            process.wait(timeout=max(1.0, deadline - time.monotonic()))
-            if process.returncode != 0:
-                err = _stderr_path(out, rank).read_text()[-2000:]
-                raise RuntimeError(f"{what}: rank {rank} failed (exit {process.returncode}): {err}")
-    finally:
-        for process in processes:
-            if process.poll() is None:
-                process.kill()
-                process.wait()
 
 
 def run_once(world_size: int, mode: str, plan: LatencyPlan, workdir: Path) -> dict[str, float]:
@@ -149,10 +106,17 @@ def run_once(world_size: int, mode: str, plan: LatencyPlan, workdir: Path) -> di
     try:
         pid = coordinator.pid if coordinator is not None else 0
         processes = _launch_workers(world_size, mode, plan, out, env, pid)
-        _wait_workers(processes, plan.run_timeout_s, f"latency {mode} W={world_size}", out)
+        wait_ranks(
+            processes,
+            plan.run_timeout_s,
+            lambda rank, code, _: (
+                f"latency {mode} W={world_size}: rank {rank} failed "
+                f"(exit {code}): {_stderr_path(out, rank).read_text()[-2000:]}"
+            ),
+        )
         result: dict[str, float] = {}
         if coordinator is not None:
-            memory = _proc_status(coordinator.pid)
+            memory = proc_status(coordinator.pid)
             result["coordinator_rss_mib"] = memory.get("VmRSS", 0) / 1024
             result["coordinator_peak_rss_mib"] = memory.get("VmHWM", 0) / 1024
     finally:
@@ -174,7 +138,7 @@ def run_once(world_size: int, mode: str, plan: LatencyPlan, workdir: Path) -> di
 
 def latency_suite(plan: LatencyPlan) -> list[Row]:
     """The suite's rows: one per W, every mode's median and its ratio to gloo DDP."""
-    print("latency: a tiny model, gradsync vs gloo DDP ...", file=sys.stderr, flush=True)
+    progress("latency: a tiny model, gradsync vs gloo DDP ...")
     rows = []
     for world_size in plan.worlds:
         runs: dict[str, list[dict[str, float]]] = {mode: [] for mode in plan.modes}

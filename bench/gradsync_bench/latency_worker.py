@@ -24,7 +24,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -33,7 +32,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from gradsync_bench.sync_worker import process_cpu_s
+from gradsync_bench.procs import exit_now, process_cpu_s
+from gradsync_bench.train_worker import fixed_batch_step, leave
 
 MODES = ("flat", "default", "ddp")
 WIDTH = 256
@@ -71,17 +71,7 @@ def main() -> None:
             job_id=args.job_id,
         )
         model, barrier = wrapped, wrapped.barrier
-    optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
-    loss_fn = nn.MSELoss()
-    generator = torch.Generator().manual_seed(rank)
-    x = torch.randn(args.batch, WIDTH, generator=generator)
-    y = torch.randn(args.batch, WIDTH, generator=generator)
-
-    def train_step() -> None:
-        optimizer.zero_grad()
-        loss_fn(model(x), y).backward()
-        optimizer.step()
-
+    train_step = fixed_batch_step(model, args.batch, WIDTH, rank)
     for _ in range(args.warmup):
         train_step()
     barrier()  # every rank starts its clock together
@@ -97,14 +87,7 @@ def main() -> None:
     # All of this process's threads (gradsync's transport thread too): the per-step fixed
     # cost, which a loaded machine stretches less than it stretches the wall time.
     cpu_s = time.process_time() - cpu_started
-    close = getattr(model, "close", None)
-    if close is not None:
-        close()
-    if args.mode == "ddp":
-        # A fast rank tearing gloo down while a slow one still talks to it aborts the
-        # slow one (seen under load): leave together.
-        dist.barrier()
-        dist.destroy_process_group()
+    leave([model], gloo=args.mode == "ddp")
     record: dict[str, object] = {
         "mode": args.mode,
         "rank": rank,
@@ -119,8 +102,4 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
-    # As the train worker: skip torch's and gloo's thread teardown at exit, which
-    # sometimes aborts under CPU contention after the results are written.
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
+    exit_now()

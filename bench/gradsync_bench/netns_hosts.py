@@ -17,7 +17,6 @@ hierarchical H·N/B (one contribution per host), gloo's ring 2(W-1)/W·N/B.
 from __future__ import annotations
 
 import statistics
-import sys
 import tempfile
 from collections.abc import Sequence
 from pathlib import Path
@@ -27,6 +26,7 @@ from gradsync_bench.netns import Cluster
 from gradsync_bench.netns_commands import HOST_IFNAME
 from gradsync_bench.netns_probe import available
 from gradsync_bench.netns_shaping import LinkShape
+from gradsync_bench.procs import progress
 from gradsync_bench.sharded import (
     GLOO_PORT,
     STARTUP_ALLOWANCE_S,
@@ -145,9 +145,7 @@ def hierarchy_suite(
     ok, reason = available()
     if not ok:
         return [], reason
-    print(
-        f"  netns hierarchy {hosts} hosts x {ranks_per_host} ranks ...", file=sys.stderr, flush=True
-    )
+    progress(f"  netns hierarchy {hosts} hosts x {ranks_per_host} ranks ...")
     names = ["coord", *(f"h{index}" for index in range(hosts))]
     with Cluster(names, LinkShape(rate_mbit=rate_mbit)) as cluster:
         rows = [

@@ -10,7 +10,6 @@ import datetime
 import json
 import os
 import platform
-import sys
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -31,6 +30,7 @@ from gradsync_bench import (
     wan_worker,
     wire_report,
 )
+from gradsync_bench.procs import progress
 
 
 @dataclass(frozen=True)
@@ -148,17 +148,17 @@ def run(plan: BenchPlan) -> dict[str, Any]:
         "skipped": {},
     }
     if "loopback" in plan.suites:
-        print("loopback sync: gradsync vs gloo ...", file=sys.stderr, flush=True)
+        progress("loopback sync: gradsync vs gloo ...")
         document["suites"]["loopback"] = suites.loopback_suite(
             plan.sizes_mb, plan.worlds, plan.reps, plan.loopback_shards, plan.hierarchy
         )
     if "train" in plan.suites:
-        print("end-to-end training: gradsync vs torchrun + DDP ...", file=sys.stderr, flush=True)
+        progress("end-to-end training: gradsync vs torchrun + DDP ...")
         document["suites"]["train"] = suites.train_suite(
             plan.train_worlds, plan.train_model_mb, plan.train_steps, plan.hierarchy
         )
     if "netns" in plan.suites:
-        print("emulated cluster (network namespaces) ...", file=sys.stderr, flush=True)
+        progress("emulated cluster (network namespaces) ...")
         rows, reason = sharded.netns_suite(
             plan.netns_worlds,
             plan.netns_sizes_mb,
@@ -184,17 +184,17 @@ def run(plan: BenchPlan) -> dict[str, Any]:
             if reason:
                 document["skipped"]["netns_hierarchy"] = reason
     if "wan" in plan.suites:
-        print("slow-link scorecard (network namespaces) ...", file=sys.stderr, flush=True)
+        progress("slow-link scorecard (network namespaces) ...")
         document["suites"]["wan"], reason = wan.wan_suite(plan.wan_plan())
         if reason:
             document["skipped"]["wan"] = reason
     if "latency" in plan.suites:  # (it announces itself on stderr)
         document["suites"]["latency"] = latency.latency_suite(plan.latency)
     if "heal" in plan.suites:
-        print("healing a restarted rank ...", file=sys.stderr, flush=True)
+        progress("healing a restarted rank ...")
         document["suites"]["heal"] = heal.heal_suite(plan.heal_worlds, plan.heal_states_mb)
     if "churn" in plan.suites:
-        print("churn soak: failures every interval ...", file=sys.stderr, flush=True)
+        progress("churn soak: failures every interval ...")
         document["suites"]["churn"] = churn.churn_suite(plan.churn)
     finished = datetime.datetime.now(datetime.UTC)
     document["duration_s"] = (finished - started).total_seconds()

@@ -36,7 +36,8 @@ from gradsync_proto.net.launch import Launcher, start_coordinator
 from gradsync_bench.netns import Cluster
 from gradsync_bench.netns_probe import available
 from gradsync_bench.netns_shaping import LinkShape
-from gradsync_bench.suites import MIB, Row, run_sync_workers, stop_process
+from gradsync_bench.procs import flag_args, progress, stop_process
+from gradsync_bench.suites import MIB, Row, run_sync_workers
 from gradsync_bench.wire_report import DDP_BF16
 
 #: The coordinator layouts the netns suite knows, in table order.
@@ -150,20 +151,8 @@ def shard_command(leader: str, host: str, port: int) -> list[str]:
     host workers reach the leader at, which is another host here.
     """
     return [
-        sys.executable,
-        "-m",
-        "gradsync.cli",
-        "--log-level",
-        "WARNING",
-        "shard",
-        "--leader",
-        leader,
-        "--host",
-        host,
-        "--port",
-        str(port),
-        "--advertise",
-        f"{host}:{port}",
+        *(sys.executable, "-m", "gradsync.cli", "--log-level", "WARNING", "shard"),
+        *flag_args(leader=leader, host=host, port=port, advertise=f"{host}:{port}"),
     ]
 
 
@@ -301,11 +290,7 @@ def netns_suite(
         return [], reason
     rows = []
     for topology in topologies(layouts, worlds, shards):
-        print(
-            f"  netns {topology.layout} W={topology.world_size} S={topology.shards} ...",
-            file=sys.stderr,
-            flush=True,
-        )
+        progress(f"  netns {topology.layout} W={topology.world_size} S={topology.shards} ...")
         with Cluster(topology.hosts, LinkShape(rate_mbit=rate_mbit)) as cluster:
             rows += [measure(cluster, topology, mb, reps, rate_mbit, wires) for mb in sizes_mb]
     return rows, ""

@@ -21,13 +21,13 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 from gradsync_proto.net.launch import Launcher, free_port, local_launch, start_coordinator
 
+from gradsync_bench.procs import flag_args, stop_process, wait_ranks
 from gradsync_bench.wire_report import DDP_FP32, LOCAL
 
 MIB = 1 << 20
@@ -36,32 +36,6 @@ Row = dict[str, Any]
 TRAIN_MODES = ("local", "gradsync", "sequential", "ddp")
 #: The extra train mode with hierarchy: gradsync with `hierarchical=True`.
 HIERARCHICAL = "hierarchical"
-
-
-def _wait_all(processes: Sequence[subprocess.Popen[str]], timeout_s: float, what: str) -> None:
-    deadline = time.monotonic() + timeout_s
-    try:
-        for process in processes:
-            remaining = max(1.0, deadline - time.monotonic())
-            _, err = process.communicate(timeout=remaining)
-            if process.returncode != 0:
-                raise RuntimeError(f"{what} failed (exit {process.returncode}): {err[-2000:]}")
-    finally:
-        for process in processes:
-            if process.poll() is None:
-                process.kill()
-                process.wait()
-
-
-def stop_process(process: subprocess.Popen[str]) -> None:
-    """SIGTERM `process` if it still runs; SIGKILL it if it has not exited 15 s later."""
-    if process.poll() is None:
-        process.terminate()
-        try:
-            process.wait(timeout=15)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait()
 
 
 def _summarize_sync(
@@ -124,35 +98,23 @@ def run_sync_workers(
     processes = [
         launchers[rank](
             [
-                sys.executable,
-                "-m",
-                "gradsync_bench.sync_worker",
-                "--coordinator",
-                address,
-                "--gloo-master",
-                gloo,
-                "--rank",
-                str(rank),
-                "--world-size",
-                str(world_size),
-                "--megabytes",
-                str(megabytes),
-                "--reps",
-                str(reps),
-                "--server-pids",
-                ",".join(str(pid) for pid in server_pids) if rank == 0 else "",
-                "--out",
-                str(workdir / f"sync-{rank}.json"),
-                "--methods",
-                ",".join(methods),
-                *(("--link-stats", link_stats) if link_stats else ()),
+                *(sys.executable, "-m", "gradsync_bench.sync_worker"),
+                *flag_args(coordinator=address, gloo_master=gloo, rank=rank, world_size=world_size),
+                *flag_args(megabytes=megabytes, reps=reps),
+                *flag_args(server_pids=",".join(map(str, server_pids)) if rank == 0 else ""),
+                *flag_args(out=workdir / f"sync-{rank}.json", methods=",".join(methods)),
+                *flag_args(link_stats=link_stats or None),
             ]
         )
         for rank in range(world_size)
     ]
     if timeout_s is None:
         timeout_s = 120 + reps * megabytes * len(methods)
-    _wait_all(processes, timeout_s=timeout_s, what="sync benchmark worker")
+    wait_ranks(
+        processes,
+        timeout_s,
+        lambda _, code, err: f"sync benchmark worker failed (exit {code}): {err[-2000:]}",
+    )
     return _summarize_sync(read_sync_records(workdir, world_size), megabytes, os.cpu_count() or 1)
 
 
@@ -167,38 +129,24 @@ def run_sync_pair(
     reps: int,
     *,
     workdir: Path,
-    launch: Launcher = local_launch,
-    coordinator_host: str = "127.0.0.1",
-    worker_launchers: Sequence[Launcher] | None = None,
-    coordinator_address: str | None = None,
-    gloo_address: str = "127.0.0.1",
-    coordinator_bind: str = "127.0.0.1",
     serve_flags: Sequence[str] = (),
     methods: Sequence[str] = ("gradsync",),
 ) -> dict[str, dict[str, float]]:
-    """One (W, N) point of the sync micro-benchmark; hosts are given by launchers.
+    """One (W, N) point of the sync micro-benchmark, every process on this host.
 
     `serve_flags` go to `gradsync serve` (e.g. `--shards 2`: local shard processes);
     `methods` to the workers (see `run_sync_workers`).
     """
-    coordinator, port = start_coordinator(
-        world_size,
-        *serve_flags,
-        launch=launch,
-        host=coordinator_bind,
-        port=0 if coordinator_address is None else 50051,
-    )
+    coordinator, port = start_coordinator(world_size, *serve_flags)
     try:
-        address = f"{coordinator_address or coordinator_host}:{port}"
-        gloo = f"{gloo_address}:{free_port() if gloo_address == '127.0.0.1' else 29500}"
         return run_sync_workers(
             world_size,
             megabytes,
             reps,
             workdir=workdir,
-            address=address,
-            gloo=gloo,
-            launchers=worker_launchers or [local_launch] * world_size,
+            address=f"127.0.0.1:{port}",
+            gloo=f"127.0.0.1:{free_port()}",
+            launchers=[local_launch] * world_size,
             server_pids=[coordinator.pid],
             methods=methods,
         )
@@ -262,23 +210,10 @@ def _torchrun(
     world_size: int, mode: str, out: Path, model_mb: float, steps: int, env: dict[str, str]
 ) -> dict[str, Any]:
     argv = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--nproc-per-node",
-        str(world_size),
-        "--master-port",
-        str(free_port()),
-        "-m",
-        "gradsync_bench.train_worker",
-        "--mode",
-        mode,
-        "--model-mb",
-        str(model_mb),
-        "--steps",
-        str(steps),
-        "--out",
-        str(out),
+        *(sys.executable, "-m", "torch.distributed.run"),
+        *flag_args(nproc_per_node=world_size, master_port=free_port()),
+        *("-m", "gradsync_bench.train_worker"),
+        *flag_args(mode=mode, model_mb=model_mb, steps=steps, out=out),
     ]
     result = subprocess.run(argv, capture_output=True, text=True, env=env, timeout=300 + 10 * steps)
     if result.returncode != 0:

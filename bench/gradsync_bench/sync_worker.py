@@ -32,8 +32,6 @@ from __future__ import annotations
 import argparse
 import functools
 import json
-import os
-import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -42,6 +40,8 @@ import gradsync
 import torch
 import torch.distributed as dist
 
+from gradsync_bench.procs import exit_now, link_bytes, server_cpu_s
+from gradsync_bench.train_worker import leave
 from gradsync_bench.wire_report import DDP_BF16, DDP_FP32, LOCAL
 
 MIB = 1 << 20
@@ -65,45 +65,6 @@ class SumOfParameters(torch.nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return sum(((p * x).sum() for p in self.pieces), torch.zeros(()))
-
-
-def link_bytes(interface: str | None) -> dict[str, int]:
-    """This host's tx/rx byte counters of `interface` so far ({} without one)."""
-    if interface is None:
-        return {}
-    statistics = Path("/sys/class/net") / interface / "statistics"
-    return {d: int((statistics / f"{d}_bytes").read_text()) for d in ("tx", "rx")}
-
-
-def process_cpu_s(pid: int) -> float:
-    """user + system CPU seconds of another process, from /proc (0 once it is gone)."""
-    try:
-        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    except (FileNotFoundError, ProcessLookupError):
-        return 0.0
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
-def with_descendants(pids: list[int]) -> list[int]:
-    """`pids` and every process below them (`serve --shards S` starts its shards as children)."""
-    found: list[int] = []
-    pending = list(pids)
-    while pending:
-        pid = pending.pop()
-        if pid in found:
-            continue
-        found.append(pid)
-        for children in Path(f"/proc/{pid}/task").glob("*/children"):
-            try:
-                pending.extend(int(child) for child in children.read_text().split())
-            except (FileNotFoundError, ProcessLookupError):
-                continue
-    return found
-
-
-def server_cpu_s(pids: list[int]) -> dict[str, float]:
-    """CPU seconds so far of each server process (and its descendants), by pid."""
-    return {str(pid): process_cpu_s(pid) for pid in with_descendants(pids)}
 
 
 def _bf16_hook_over_gloo() -> Any:
@@ -233,17 +194,10 @@ def main() -> None:
         for method in methods:
             timed(method, lambda method=method: gradsync_sync(method))
         timed("gloo", gloo_sync)
-    for model in models:
-        if isinstance(model, gradsync.DistributedDataParallel):
-            model.close()
-    dist.barrier()  # see train_worker: gloo aborts a rank whose peer tore down first
-    dist.destroy_process_group()
+    leave(models, gloo=True)
     args.out.write_text(json.dumps(records))
 
 
 if __name__ == "__main__":
     main()
-    # See train_worker: skip torch/gloo's exit-time thread teardown, which can abort.
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
+    exit_now()

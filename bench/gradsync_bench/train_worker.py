@@ -16,13 +16,15 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import sys
 import time
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 from torch import nn
+
+from gradsync_bench.procs import exit_now
 
 
 def build_model(megabytes: float) -> nn.Module:
@@ -36,6 +38,37 @@ def build_model(megabytes: float) -> nn.Module:
         nn.ReLU(),
         nn.Linear(width, width),
     )
+
+
+def fixed_batch_step(model: nn.Module, batch: int, width: int, rank: int) -> Callable[[], None]:
+    """One SGD step of `model` on this rank's fixed random batch (seeded by the rank), MSE."""
+    optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
+    loss_fn = nn.MSELoss()
+    generator = torch.Generator().manual_seed(rank)
+    x = torch.randn(batch, width, generator=generator)
+    y = torch.randn(batch, width, generator=generator)
+
+    def step() -> None:
+        optimizer.zero_grad()
+        loss_fn(model(x), y).backward()
+        optimizer.step()
+
+    return step
+
+
+def leave(models: Sequence[object], gloo: bool) -> None:
+    """Close every model that has a `close` (gradsync's); with `gloo`, leave its group.
+
+    Without a final barrier a fast rank tears gloo down while a slow one still talks to
+    it, and gloo aborts the slow process (seen under load): the ranks leave together.
+    """
+    for model in models:
+        close = getattr(model, "close", None)
+        if close is not None:
+            close()
+    if gloo:
+        dist.barrier()
+        dist.destroy_process_group()
 
 
 def main() -> None:
@@ -69,28 +102,14 @@ def main() -> None:
             join_timeout_s=120,
             job_id=f"bench-{args.mode}",
         )
-    optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
-    loss_fn = nn.MSELoss()
-    generator = torch.Generator().manual_seed(rank)
-    x = torch.randn(args.batch, width, generator=generator)
-    y = torch.randn(args.batch, width, generator=generator)
+    train_step = fixed_batch_step(model, args.batch, width, rank)
     started = 0.0
     for step in range(args.warmup + args.steps):
         if step == args.warmup:
             started = time.perf_counter()
-        optimizer.zero_grad()
-        loss = loss_fn(model(x), y)
-        loss.backward()
-        optimizer.step()
+        train_step()
     seconds = time.perf_counter() - started
-    close = getattr(model, "close", None)
-    if close is not None:
-        close()
-    if args.mode == "ddp":
-        # Without a final barrier a fast rank tears gloo down while a slow one still
-        # talks to it, and gloo aborts the slow process (seen under load).
-        dist.barrier()
-        dist.destroy_process_group()
+    leave([model], gloo=args.mode == "ddp")
     if rank == 0:
         args.out.write_text(
             json.dumps(
@@ -106,9 +125,4 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
-    # torch + gloo sometimes abort in their own thread teardown at interpreter exit
-    # under CPU contention ("terminate called without an active exception"), after
-    # the results are written; leave without that teardown.
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
+    exit_now()

@@ -29,7 +29,6 @@ import json
 import math
 import os
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -41,6 +40,7 @@ from typing import Any
 from gradsync_bench.netns import Cluster
 from gradsync_bench.netns_probe import available
 from gradsync_bench.netns_shaping import LinkShape
+from gradsync_bench.procs import flag_args, progress, wait_ranks
 from gradsync_bench.sharded import GLOO_PORT, Topology, on_host, running_coordinator
 from gradsync_bench.suites import Row
 from gradsync_bench.wan_worker import METHODS, Method
@@ -118,53 +118,11 @@ def _worker_argv(
     plan: WanPlan, method: Method, rank: int, steps: int, workdir: Path, coordinator: str, gloo: str
 ) -> list[str]:
     return [
-        sys.executable,
-        "-m",
-        "gradsync_bench.wan_worker",
-        "--method",
-        method.name,
-        "--rank",
-        str(rank),
-        "--world-size",
-        str(plan.world_size),
-        "--steps",
-        str(steps),
-        "--batch",
-        str(plan.batch),
-        "--context",
-        str(plan.context),
-        "--log-every",
-        str(plan.log_every),
-        "--coordinator",
-        coordinator,
-        "--gloo",
-        gloo,
-        "--workdir",
-        str(workdir),
+        *(sys.executable, "-m", "gradsync_bench.wan_worker"),
+        *flag_args(method=method.name, rank=rank, world_size=plan.world_size, steps=steps),
+        *flag_args(batch=plan.batch, context=plan.context, log_every=plan.log_every),
+        *flag_args(coordinator=coordinator, gloo=gloo, workdir=workdir),
     ]
-
-
-def _wait(processes: list[subprocess.Popen[str]], timeout_s: float, what: str) -> None:
-    """Wait for every worker; on a failure or the deadline kill the rest and raise with
-    the failing rank's stderr."""
-    deadline = time.monotonic() + timeout_s
-    try:
-        for rank, process in enumerate(processes):
-            try:
-                _, err = process.communicate(timeout=max(1.0, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired as exc:
-                raise TimeoutError(
-                    f"{what}: rank {rank} still running after {timeout_s:.0f} s"
-                ) from exc
-            if process.returncode != 0:
-                raise RuntimeError(
-                    f"{what}: rank {rank} failed (exit {process.returncode}): {err[-3000:]}"
-                )
-    finally:
-        for process in processes:
-            if process.poll() is None:
-                process.kill()
-                process.wait()
 
 
 def _timeout_s(plan: WanPlan, method: Method, steps: int, rate_mbit: float | None) -> float:
@@ -182,7 +140,7 @@ def run_method(
     topology = Topology("single", plan.world_size, 1)
     gloo = f"{cluster.address('w0')}:{GLOO_PORT}"
     label = f"{method.name} at {'unshaped' if rate_mbit is None else f'{rate_mbit:g} Mbit/s'}"
-    print(f"  wan {label}, {steps} steps ...", file=sys.stderr, flush=True)
+    progress(f"  wan {label}, {steps} steps ...")
     began = time.monotonic()
     # Other jobs on the machine take CPU from the ranks and skew a method's samples/s
     # against the reference's: the row records the load it ran under.
@@ -197,7 +155,13 @@ def run_method(
                 )
                 for rank, host in enumerate(topology.worker_hosts)
             ]
-            _wait(processes, _timeout_s(plan, method, steps, rate_mbit), label)
+            timeout_s = _timeout_s(plan, method, steps, rate_mbit)
+            wait_ranks(
+                processes,
+                timeout_s,
+                lambda rank, code, err: f"{label}: rank {rank} failed (exit {code}): {err[-3000:]}",
+                lambda rank: f"{label}: rank {rank} still running after {timeout_s:.0f} s",
+            )
 
         if method.uses_coordinator:
             with running_coordinator(cluster, topology, workdir, SERVE_ARGS) as (address, _):
@@ -209,7 +173,7 @@ def run_method(
             for rank in range(plan.world_size)
         ]
     load = (load_before + os.getloadavg()[0]) / 2
-    print(f"    {time.monotonic() - began:.0f} s, load {load:.1f}", file=sys.stderr, flush=True)
+    progress(f"    {time.monotonic() - began:.0f} s, load {load:.1f}")
     for record in records:
         record["load_average"] = load
     return records
@@ -422,7 +386,7 @@ def wan_suite(plan: WanPlan) -> tuple[dict[str, Any], str]:
                     records = run_method(cluster, plan, method, rate, quality)
                 except (RuntimeError, TimeoutError, OSError) as exc:
                     # One method's failure is a result too; the others still run.
-                    print(f"    failed: {str(exc)[-500:]}", file=sys.stderr, flush=True)
+                    progress(f"    failed: {str(exc)[-500:]}")
                     rows.append(_failed(method, rate, quality, exc))
                     continue
                 rows.append(summarize(records, method, rate, quality))

@@ -23,8 +23,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -35,6 +33,8 @@ import torch.distributed as dist
 from torch import nn
 
 from gradsync_bench import wan_task
+from gradsync_bench.procs import exit_now, link_bytes
+from gradsync_bench.train_worker import leave
 
 #: How long a rank waits at the start barrier for the others (they import torch on 2 cores).
 BARRIER_TIMEOUT_S = 300.0
@@ -84,12 +84,6 @@ METHODS: dict[str, Method] = {
 }
 
 
-def link_bytes(interface: str) -> dict[str, int]:
-    """The host's interface counters: what it sent (tx) and received (rx)."""
-    statistics = Path("/sys/class/net") / interface / "statistics"
-    return {d: int((statistics / f"{d}_bytes").read_text()) for d in ("tx", "rx")}
-
-
 def barrier(folder: Path, name: str, rank: int, world_size: int) -> None:
     """Wait until every rank has reached `name` (a file per rank in the shared folder).
 
@@ -121,7 +115,17 @@ def wrap(method: Method, model: nn.Module, args: argparse.Namespace) -> tuple[nn
         return model, None
     import gradsync
 
-    common: dict[str, Any] = dict(
+    if method.kind == "gradsync-ddp":
+        ddp = gradsync.DistributedDataParallel(
+            model, hierarchical=False, **job_options(method, args)
+        )
+        return ddp, ddp
+    return model, None  # DiLoCo wraps the inner optimizer too: see main
+
+
+def job_options(method: Method, args: argparse.Namespace) -> dict[str, Any]:
+    """The gradsync job options of every method that runs one (DDP or DiLoCo)."""
+    return dict(
         coordinator=args.coordinator,
         rank=args.rank,
         world_size=args.world_size,
@@ -129,10 +133,6 @@ def wrap(method: Method, model: nn.Module, args: argparse.Namespace) -> tuple[nn
         timeout_s=900,
         join_timeout_s=300,
     )
-    if method.kind == "gradsync-ddp":
-        ddp = gradsync.DistributedDataParallel(model, hierarchical=False, **common)
-        return ddp, ddp
-    return model, None  # DiLoCo wraps the inner optimizer too: see main
 
 
 def client_bytes_sent(ddp: Any, diloco: Any) -> int | None:
@@ -181,12 +181,7 @@ def main() -> None:
             fragments=method.fragments,
             overlap_steps=method.overlap_steps,
             answer_dtype=torch.int8 if method.compact_answer else None,
-            coordinator=args.coordinator,
-            rank=args.rank,
-            world_size=args.world_size,
-            job_id=f"wan-{method.name}",
-            timeout_s=900,
-            join_timeout_s=300,
+            **job_options(method, args),
         )
 
     # Warm-up: one forward/backward (allocations, gloo's and gradsync's first bucket
@@ -245,20 +240,9 @@ def main() -> None:
         "parameter_bytes": wan_task.parameter_bytes(model),
     }
     (args.workdir / f"{method.name}-rank{args.rank}.json").write_text(json.dumps(record))
-    if diloco is not None:
-        diloco.close()
-    close = getattr(ddp, "close", None)
-    if close is not None:
-        close()
-    if method.kind == "ddp-gloo":
-        dist.barrier()
-        dist.destroy_process_group()
+    leave([diloco, ddp], gloo=method.kind == "ddp-gloo")
 
 
 if __name__ == "__main__":
     main()
-    # torch + gloo can abort in their own thread teardown at interpreter exit under CPU
-    # contention, after the record is written; leave without that teardown.
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
+    exit_now()

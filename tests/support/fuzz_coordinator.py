@@ -20,7 +20,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from gradsync_bench.suites import stop_process
+from gradsync_bench.procs import stop_process
 from gradsync_proto import auth
 from gradsync_proto.net.launch import parse_banner
 
