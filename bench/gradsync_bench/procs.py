@@ -29,11 +29,11 @@ def flag_args(**flags: object) -> list[str]:
 
 
 def kill_all(processes: Sequence[subprocess.Popen[Any]]) -> None:
-    """SIGKILL every process of `processes` that still runs, and reap it."""
+    """SIGKILL every process of `processes` that still runs, and reap it (30 s at most)."""
     for process in processes:
         if process.poll() is None:
             process.kill()
-            process.wait()
+            process.wait(timeout=30)
 
 
 def wait_ranks(
@@ -79,14 +79,18 @@ def wait_until(
 
 
 def stop_process(process: subprocess.Popen[Any]) -> None:
-    """SIGTERM `process` if it still runs; SIGKILL it if it has not exited 15 s later."""
+    """SIGTERM `process` if it still runs; SIGKILL it if it has not exited 15 s later.
+
+    The wait after SIGKILL is bounded too: a process stuck in the kernel (an NFS read, a
+    dying namespace) must not hang the benchmark; TimeoutExpired then names it.
+    """
     if process.poll() is None:
         process.terminate()
         try:
             process.wait(timeout=15)
         except subprocess.TimeoutExpired:
             process.kill()
-            process.wait()
+            process.wait(timeout=30)
 
 
 def proc_status(pid: int) -> dict[str, int]:
