@@ -167,16 +167,22 @@ def test_an_offer_is_read_bitwise_over_loopback_and_again_from_its_snapshot() ->
         offer.close()
 
 
-def test_an_offer_is_refused_with_a_wrong_token_a_remote_address_or_too_little_room() -> None:
+def test_an_offer_is_refused_with_a_wrong_token_another_socket_or_too_little_room() -> None:
     offer = heal_channel.StateOffer(_adam_state(), serve_s=30.0)
     try:
         fields = json.loads(offer.offer()[len(heal_channel.OFFER_MAGIC) :])
         forged = {**fields, "token": "00" * 32}
         with pytest.raises(heal_channel.HealChannelError, match="closed after 0"):
             heal_channel.fetch(heal_channel.OFFER_MAGIC + json.dumps(forged).encode(), LIMIT, 10.0)
-        remote = {**fields, "host": "10.1.2.3"}
-        with pytest.raises(heal_channel.HealChannelError, match="only a loopback address"):
-            heal_channel.fetch(heal_channel.OFFER_MAGIC + json.dumps(remote).encode(), LIMIT, 10.0)
+        foreign = {**fields, "socket": "/tmp/elsewhere"}
+        with pytest.raises(heal_channel.HealChannelError, match="only a gradsync heal socket"):
+            heal_channel.fetch(heal_channel.OFFER_MAGIC + json.dumps(foreign).encode(), LIMIT, 10.0)
+        # Served by another process than the one the offer names: the token is not sent.
+        impostor = {**fields, "pid": fields["pid"] + 1}
+        with pytest.raises(heal_channel.HealChannelError, match="not the donor the offer names"):
+            heal_channel.fetch(
+                heal_channel.OFFER_MAGIC + json.dumps(impostor).encode(), LIMIT, 10.0
+            )
         with pytest.raises(heal_channel.HealChannelError, match="are accepted here"):
             heal_channel.fetch(offer.offer(), 16, 10.0)
         with pytest.raises(heal_channel.HealChannelError, match="not a heal offer"):
