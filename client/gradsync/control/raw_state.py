@@ -59,7 +59,7 @@ MAGIC = b"GSRAW01\n"
 MAX_HEADER_BYTES = 16 << 20
 #: The most dimensions a tensor may have, and the most tensors a state may hold.
 MAX_DIMS = 32
-MAX_TENSORS = 1 << 20
+MAX_TENSORS = 1 << 18
 _LENGTH = struct.Struct("<Q")
 PREFIX_BYTES = len(MAGIC) + _LENGTH.size
 #: The most bytes one in-memory copy moves while it holds the GIL (a few ms): a copy of
@@ -317,10 +317,11 @@ def _is_count(value: object) -> bool:
 def _entry(index: int, raw: object, limit_bytes: int) -> TensorEntry:
     if not isinstance(raw, dict):
         raise BadRawState(f"tensor {index} of its header is not an object")
-    dtype = _DTYPES.get(raw.get("dtype"))  # type: ignore[arg-type]
+    name = raw.get("dtype")
+    dtype = _DTYPES.get(name) if isinstance(name, str) else None
     shape, offset, nbytes = raw.get("shape"), raw.get("offset"), raw.get("nbytes")
     if dtype is None:
-        raise BadRawState(f"tensor {index} has an unknown dtype {raw.get('dtype')!r}")
+        raise BadRawState(f"tensor {index} has an unknown dtype {name!r:.80}")
     if not isinstance(shape, list) or not all(_is_count(n) for n in shape):
         raise BadRawState(f"tensor {index} has a malformed shape {shape!r:.200}")
     if len(shape) > MAX_DIMS:
