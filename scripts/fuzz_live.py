@@ -1,6 +1,6 @@
 """Fuzz a real `gradsync serve` with random and mutated messages, and print what happened.
 
-    .venv/bin/python scripts/fuzz_live.py --messages 100000 [--token]
+    .venv/bin/python scripts/fuzz_live.py --messages 100000 [--token] [--raw-states N]
 
 Starts a coordinator on loopback, sends `--messages` hostile messages over
 many concurrent Sync streams (plus Status calls) while a well-behaved two-rank
@@ -10,9 +10,12 @@ without a message, rejected streams ended with OK, forged log lines), RSS before
 / after / peak and the duration. With `--token` the coordinator requires a
 random token ($GRADSYNC_TOKEN): most calls and the legit job present it, about
 one in ten presents none or a wrong one and must be refused UNAUTHENTICATED.
-Exits 1 when anything went wrong. The fuzzer itself is tests/support/fuzzing.py
-(with fuzz_messages.py and fuzz_coordinator.py; the suite runs it in
-tests/protocol/test_fuzz_live.py).
+With `--raw-states N` it also loads N hostile raw states (a malicious
+donor's, relayed or over a real heal socket) into a joiner's model
+(tests/support/fuzz_raw_state.py): each must load or be refused with a
+`CheckpointMismatchError`. Exits 1 when anything went wrong. The fuzzer
+itself is tests/support/fuzzing.py (with fuzz_messages.py and
+fuzz_coordinator.py; the suite runs both in tests/protocol/test_fuzz_live.py).
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 
+from support.fuzz_raw_state import run_raw_state_fuzz
 from support.fuzzing import run_fuzz
 
 #: The most RSS the coordinator may gain over a run, after warm-up.
@@ -40,6 +44,9 @@ def main() -> int:
         "--token",
         action="store_true",
         help="token mode: the coordinator requires a random token; ~10%% of calls lack it",
+    )
+    parser.add_argument(
+        "--raw-states", type=int, default=0, help="hostile raw states a joiner loads (0: none)"
     )
     parser.add_argument("--log", type=Path, help="coordinator log file (default: a temp dir)")
     parser.add_argument(
@@ -63,6 +70,10 @@ def main() -> int:
         or report.unauth_refused != report.unauth_calls
         or (report.token and not report.unauth_calls)
     )
+    if args.raw_states:
+        raw = run_raw_state_fuzz(args.raw_states, seed=args.seed)
+        print(raw.summary())
+        failed = failed or bool(raw.violations)
     print("RESULT", "FAILED" if failed else "ok")
     return 1 if failed else 0
 

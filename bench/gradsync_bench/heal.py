@@ -58,7 +58,7 @@ _SERVE_FLAGS += ("--heartbeat-interval", "0.25", "--heartbeat-timeout", f"{_HEAR
 _DIE_AT = 3
 #: How the state travels, per path (reported beside the figures).
 INTERFACES = {
-    "direct": "loopback TCP (lo), donor -> joiner (raw tensors, read into the joiner's own "
+    "direct": "abstract Unix socket, donor -> joiner (raw tensors, read into the joiner's own "
     "parameters); the coordinator relays an offer",
     "grpc": "gRPC stream, donor -> coordinator -> joiner, 1 MiB chunks (raw state blob)",
 }

@@ -10,7 +10,10 @@ INTERNAL, never OK unless the client left or closed), with its RSS flat and
 the legit job finished. In token mode the coordinator requires a token: the
 legit job and most calls carry it, and every call without it (about one in
 ten: none, a wrong or near-miss one) must end UNAUTHENTICATED without a reply.
-`scripts/fuzz_live.py --messages 100000 [--token]` is the long run.
+The raw-state reader gets its own run (tests/support/fuzz_raw_state.py): a
+hostile donor's states, relayed or over a real heal socket, must each load or
+be refused with a `CheckpointMismatchError`.
+`scripts/fuzz_live.py --messages 100000 [--token] [--raw-states N]` is the long run.
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ import pytest
 from gradsync_proto import auth
 from gradsync_proto.v1 import gradsync_pb2 as pb
 from support.fuzz_coordinator import LiveCoordinator, scan_log
+from support.fuzz_raw_state import run_raw_state_fuzz
 from support.fuzz_shards import fuzz_shard_links
 from support.fuzzing import run_fuzz
 from support.rawclient import RawWorker
@@ -34,6 +38,8 @@ pytestmark = pytest.mark.timeout(120)
 MESSAGES = 12_000
 #: The token-mode run (kept short: the plain run above covers the message space).
 TOKEN_MESSAGES = 3_000
+#: Hostile raw states a joiner loads (a share of them over a real heal socket).
+RAW_STATES = 1_500
 #: RSS the coordinator may gain between warm-up and the end of the run.
 RSS_GROWTH_LIMIT_KIB = 48 * 1024
 #: And at its peak: a declared size must never be allocated up front (issue 11).
@@ -123,3 +129,14 @@ async def genuine_shard_and_worker(address: str, token: str, shard_token: str) -
         shard.close()
         worker.call.cancel()
         return answer
+
+
+def test_hostile_raw_states_are_loaded_or_refused_as_a_mismatch_never_escape() -> None:
+    report = run_raw_state_fuzz(RAW_STATES, seed=13)
+    summary = report.summary()
+    print(summary)
+    assert not report.violations, summary
+    assert report.direct >= RAW_STATES // 10, summary  # the heal socket was fuzzed too
+    # Both outcomes were reached: the mutations are not all refused at the magic.
+    assert report.loaded and report.refused >= RAW_STATES // 2, summary
+    assert any("claims the shape" in reason for reason in report.reasons), summary

@@ -167,16 +167,22 @@ def test_an_offer_is_read_bitwise_over_loopback_and_again_from_its_snapshot() ->
         offer.close()
 
 
-def test_an_offer_is_refused_with_a_wrong_token_a_remote_address_or_too_little_room() -> None:
+def test_an_offer_is_refused_with_a_wrong_token_another_socket_or_too_little_room() -> None:
     offer = heal_channel.StateOffer(_adam_state(), serve_s=30.0)
     try:
         fields = json.loads(offer.offer()[len(heal_channel.OFFER_MAGIC) :])
         forged = {**fields, "token": "00" * 32}
         with pytest.raises(heal_channel.HealChannelError, match="closed after 0"):
             heal_channel.fetch(heal_channel.OFFER_MAGIC + json.dumps(forged).encode(), LIMIT, 10.0)
-        remote = {**fields, "host": "10.1.2.3"}
-        with pytest.raises(heal_channel.HealChannelError, match="only a loopback address"):
-            heal_channel.fetch(heal_channel.OFFER_MAGIC + json.dumps(remote).encode(), LIMIT, 10.0)
+        foreign = {**fields, "socket": "/tmp/elsewhere"}
+        with pytest.raises(heal_channel.HealChannelError, match="only a gradsync heal socket"):
+            heal_channel.fetch(heal_channel.OFFER_MAGIC + json.dumps(foreign).encode(), LIMIT, 10.0)
+        # Served by another process than the one the offer names: the token is not sent.
+        impostor = {**fields, "pid": fields["pid"] + 1}
+        with pytest.raises(heal_channel.HealChannelError, match="not the donor the offer names"):
+            heal_channel.fetch(
+                heal_channel.OFFER_MAGIC + json.dumps(impostor).encode(), LIMIT, 10.0
+            )
         with pytest.raises(heal_channel.HealChannelError, match="are accepted here"):
             heal_channel.fetch(offer.offer(), 16, 10.0)
         with pytest.raises(heal_channel.HealChannelError, match="not a heal offer"):
@@ -202,3 +208,34 @@ def test_a_joiner_whose_donor_is_gone_gets_a_clear_error_naming_job_rank_and_ste
     module = torch.nn.Sequential(torch.nn.Linear(7, 5), torch.nn.BatchNorm1d(5))
     with pytest.raises(CheckpointMismatchError, match="rank 2 could not read a live rank's state"):
         load_module_state(blob, module, "job-a", 2, 9, timeout_s=5.0)
+
+
+def test_a_shape_of_zero_bytes_with_a_huge_dimension_is_a_mismatch_naming_the_tensor() -> None:
+    # [2**70, 0] claims 0 bytes; torch cannot even make such a tensor.
+    empty = {"dtype": "float32", "shape": [2**70, 0], "offset": 0, "nbytes": 0}
+    blob = _with_header(
+        {"tree": {"d": [[{"v": "module"}, {"t": 0}]]}, "tensors": [empty], "total": 0}
+    )
+    module = torch.nn.Linear(3, 2)
+    with pytest.raises(CheckpointMismatchError, match=r"tensor 0 claims the shape \[1180591620"):
+        load_module_state(blob, module, "job-a", 1, 4)
+    many = {"dtype": "uint8", "shape": [1] * (raw_state.MAX_DIMS + 1), "offset": 0, "nbytes": 1}
+    with pytest.raises(BadRawState, match=f"at most {raw_state.MAX_DIMS} are accepted"):
+        raw_state.decode(_with_header({"tree": {"t": 0}, "tensors": [many], "total": 1}), LIMIT)
+    none = {"dtype": "uint8", "shape": [0], "offset": 0, "nbytes": 0}
+    crowd = [none] * (raw_state.MAX_TENSORS + 1)
+    header = json.dumps({"tree": {"v": 0}, "tensors": crowd, "total": 0}, separators=(",", ":"))
+    assert len(header) < raw_state.MAX_HEADER_BYTES  # the header's own cap lets it through
+    with pytest.raises(BadRawState, match=f"at most {raw_state.MAX_TENSORS} are accepted"):
+        raw_state.parse_header(header.encode(), LIMIT)
+
+
+def test_an_allocation_torch_refuses_is_a_bad_raw_state_naming_the_tensor() -> None:
+    # Within a (huge) limit, so only the allocation itself can fail: 32 TiB.
+    entry = {"dtype": "float32", "shape": [1 << 43], "offset": 0, "nbytes": 4 << 43}
+    header = json.dumps({"tree": {"t": 0}, "tensors": [entry], "total": 4 << 43}).encode()
+    layout = raw_state.parse_header(header, 1 << 50)
+    with pytest.raises(
+        BadRawState, match=r"tensor 0 \(torch.float32 x \[8796093022208\].*allocated"
+    ):
+        raw_state.read_tensors(layout, lambda target: None)

@@ -1,17 +1,17 @@
-"""A donor's live state straight to the rank it heals, over a loopback socket, raw.
+"""A donor's live state straight to the rank it heals, over an abstract Unix socket, raw.
 
 Why: through the coordinator a healing state crossed gRPC twice in 1 MiB
 messages, pickled (`torch.save`), assembled whole on the coordinator and
 queued whole for the joiner: 0.07 GB/s for 270 MB here, and above the
 coordinator's per-worker outbox cap (128 MiB) the joiner was dropped. When
 the coordinator is on this host (a loopback address), donor and joiner are
-too, so the donor offers its state on a loopback TCP socket instead: it
-serves it at the step boundary (`StateOffer`), and its heal upload through
-the coordinator is only a small *offer* (this module's `OFFER_MAGIC`,
-address, one-time token, size), relayed, checked and budgeted like any heal
-blob. The joiner connects, presents the token, and reads the raw state
-(`gradsync.control.raw_state`) straight into its own parameters where they
-fit (`fetch`'s `into`), else into new tensors.
+too, so the donor offers its state on a local socket instead: it serves it
+at the step boundary (`StateOffer`), and its heal upload through the
+coordinator is only a small *offer* (this module's `OFFER_MAGIC`, socket
+name, the donor's pid, one-time token, size), relayed, checked and budgeted
+like any heal blob. The joiner connects, presents the token, and reads the
+raw state (`gradsync.control.raw_state`) straight into its own parameters
+where they fit (`fetch`'s `into`), else into new tensors.
 
 The donor does not wait for the transfer at its step boundary: it serves its
 live parameters and optimizer state (buffers, which a forward pass may
@@ -21,11 +21,19 @@ enters, and waits for the transfer only where its tensors would change
 The step cannot complete before the joiner has read the state and
 contributed, so the others wait for the transfer and nothing more.
 
-Trust: the offer came over the joiner's authenticated session, but its
-address is still a claim: the joiner connects only to a loopback address,
-and reads at most its limit. The donor sends only to a peer presenting the
-token (32 random bytes, compared in constant time), serves until its
-deadline, and then drops the snapshot. Every socket operation is bounded.
+Trust: the socket is abstract (no file; per network namespace, like
+loopback) and its name, random, shows in /proc/net/unix to every local
+user. The donor therefore checks each peer's uid (SO_PEERCRED) the moment
+it accepts it and closes a foreign one before reading anything; peers of
+its own uid are watched together, each with `TOKEN_DEADLINE_S` to present
+the token (32 random bytes, compared in constant time), so a silent one
+holds nothing but its own descriptor; and only a peer that presented the
+token takes the lock that `release` waits on. The offer came over the
+joiner's authenticated session, so the joiner trusts what it names: it
+talks only to the process the offer names (the listener's pid and uid by
+SO_PEERCRED, checked before the token is sent) and reads at most its limit.
+The donor serves until its deadline and then drops the snapshot. Every
+socket operation is bounded.
 """
 
 from __future__ import annotations
@@ -34,21 +42,24 @@ import contextlib
 import hmac
 import json
 import logging
+import os
+import re
 import secrets
+import selectors
 import socket
+import struct
 import threading
 import time
 from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
-from gradsync_proto import auth
 
 from gradsync.control import raw_state
 
 log = logging.getLogger("gradsync.client")
 
-OFFER_MAGIC = b"GSHEAL1\n"
+OFFER_MAGIC = b"GSHEAL2\n"
 #: The largest offer a joiner reads (it is a few hundred bytes).
 MAX_OFFER_BYTES = 4096
 _TOKEN_BYTES = 32
@@ -56,6 +67,17 @@ _TOKEN_BYTES = 32
 #: The socket buffers are left to the kernel's autotuning: fixed 4 MiB ones measured the
 #: same here (median of 5 transfers of 512 MB: 1.93 GB/s fixed, 1.92 GB/s autotuned).
 _IO_BYTES = 16 << 20
+#: How long a peer has, from its connect, to present the token (a joiner sends it at once).
+TOKEN_DEADLINE_S = 3.0
+#: Peers of the donor's uid waiting to present a token at once (one more: the oldest goes).
+_MAX_PENDING = 64
+_BACKLOG = 128
+#: How often the serving loop looks at its deadlines and its stop flag.
+_POLL_S = 0.2
+#: struct ucred: pid, uid, gid.
+_PEERCRED = struct.Struct("3i")
+#: The socket names a donor gives (abstract: no file).
+_NAME = re.compile(r"gradsync-heal-[0-9a-f]{32}")
 #: How long `release` waits for a transfer in progress before it cuts it off.
 _TRANSFER_WAIT_S = 30.0
 
@@ -70,7 +92,7 @@ def is_offer(blob: bytes | bytearray) -> bool:
 
 
 class StateOffer:
-    """The donor's end: `state` served on 127.0.0.1 until `serve_s` passes.
+    """The donor's end: `state` served on an abstract Unix socket until `serve_s` passes.
 
     The live tensors are served first, while the donor computes; the donor
     calls `release` (or `settle`, which waits for a joiner to come first)
@@ -95,7 +117,8 @@ class StateOffer:
         self._stop = threading.Event()
         #: Set once a joiner presented the token (its transfer runs under `_serving`).
         self._joined = threading.Event()
-        #: Held while a joiner is being served, so that `release` swaps tensors between two.
+        #: Held while a joiner that presented the token is served, so that `release`
+        #: swaps tensors between two.
         self._serving = threading.Lock()
         #: The connection being served (so that `release` can cut off a stuck one).
         self._conn: socket.socket | None = None
@@ -103,15 +126,17 @@ class StateOffer:
         #: A joiner was sent the whole state; `release` ran.
         self._served = False
         self._released = False
-        self._sock = socket.create_server(("127.0.0.1", 0))
-        self._sock.settimeout(0.2)
-        self.port = int(self._sock.getsockname()[1])
+        self.name = f"gradsync-heal-{secrets.token_hex(16)}"
+        self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
+        self._sock.bind("\0" + self.name)
+        self._sock.listen(_BACKLOG)
+        self._sock.setblocking(False)
         self._thread = threading.Thread(target=self._serve, name="gradsync-heal-offer", daemon=True)
         self._thread.start()
 
     def offer(self) -> bytes:
         """The small blob the coordinator relays to the joiners instead of the state."""
-        fields = {"host": "127.0.0.1", "port": self.port, "token": self._token.hex()}
+        fields = {"socket": self.name, "pid": os.getpid(), "token": self._token.hex()}
         fields["total_bytes"] = self.total_bytes
         return OFFER_MAGIC + json.dumps(fields).encode()
 
@@ -128,10 +153,12 @@ class StateOffer:
 
         Waits (at most `wait_s`) for a transfer in progress to end; past that
         its connection is shut, so that the joiner reads an error rather than
-        a state torn by the donor's next step. Then, if a joiner was served
-        and no `snapshot` is asked for, the offer ends (at the end of the step
-        the newcomers enter: they all read it before the step could complete);
-        else a snapshot (one copy) serves until the deadline.
+        a state torn by the donor's next step. Only a peer that presented the
+        token can be in a transfer: a stranger's connection holds nothing
+        here. Then, if a joiner was served and no `snapshot` is asked for, the
+        offer ends (at the end of the step the newcomers enter: they all read
+        it before the step could complete); else a snapshot (one copy) serves
+        until the deadline.
         """
         if self._released:
             return
@@ -156,7 +183,7 @@ class StateOffer:
                     self._tensors = [t.clone() for t in self._tensors]
         finally:
             self._serving.release()
-        if self._stop.is_set():  # its socket closes within an accept timeout (0.2 s)
+        if self._stop.is_set():  # its socket closes within a poll interval
             self.close()
 
     def close(self) -> None:
@@ -166,53 +193,142 @@ class StateOffer:
             self._thread.join(timeout=5.0)
 
     def _serve(self) -> None:
+        """Accept peers and collect their tokens, all at once; hand a token's holder on."""
+        selector = selectors.DefaultSelector()
+        pending: dict[socket.socket, tuple[float, bytearray]] = {}
+        foreign: set[int] = set()
         try:
+            selector.register(self._sock, selectors.EVENT_READ, None)
             while not self._stop.is_set() and time.monotonic() < self._deadline:
-                try:
-                    conn, _ = self._sock.accept()
-                except TimeoutError:
-                    continue
-                with conn, self._serving:
-                    if self._stop.is_set():
-                        break
-                    with self._conn_lock:
-                        self._conn = conn
-                    try:
-                        self._served |= self._send(conn)
-                    finally:
-                        with self._conn_lock:
-                            self._conn = None
+                for key, _ in selector.select(timeout=_POLL_S):
+                    if key.data is None:
+                        self._accept(selector, pending, foreign)
+                    else:
+                        self._read_token(key.fileobj, selector, pending)  # type: ignore[arg-type]
+                now = time.monotonic()
+                for conn in [c for c, (until, _) in pending.items() if until < now]:
+                    log.warning(
+                        "heal offer: a peer presented no token within %gs; closed",
+                        TOKEN_DEADLINE_S,
+                    )
+                    self._drop(conn, selector, pending)
         except OSError as exc:
             log.warning("heal offer: serving stopped: %s", exc)
         finally:
+            for conn in list(pending):
+                self._drop(conn, selector, pending)
+            selector.close()
             self._sock.close()
-            self._tensors = []  # the snapshot's memory goes back
+            self._stop.set()  # a token's holder still queued for the lock is sent nothing
+            self._tensors = []  # the snapshot's memory goes back (after a transfer under way)
+
+    def _accept(
+        self,
+        selector: selectors.BaseSelector,
+        pending: dict[socket.socket, tuple[float, bytearray]],
+        foreign: set[int],
+    ) -> None:
+        """Take the queued peers: another uid's is closed unread; the oldest over the cap goes."""
+        for _ in range(_BACKLOG):
+            try:
+                conn, _ = self._sock.accept()
+            except BlockingIOError:
+                return
+            _, uid, _ = peer_credentials(conn)
+            if uid != os.getuid():
+                if uid not in foreign:  # once per uid: a stranger cannot flood the log
+                    foreign.add(uid)
+                    log.warning("heal offer: refused a peer of uid %d (not %d)", uid, os.getuid())
+                conn.close()
+                continue
+            if len(pending) >= _MAX_PENDING:
+                self._drop(next(iter(pending)), selector, pending)
+            conn.setblocking(False)
+            pending[conn] = (time.monotonic() + TOKEN_DEADLINE_S, bytearray())
+            selector.register(conn, selectors.EVENT_READ, conn)
+
+    def _read_token(
+        self,
+        conn: socket.socket,
+        selector: selectors.BaseSelector,
+        pending: dict[socket.socket, tuple[float, bytearray]],
+    ) -> None:
+        """Read what a peer sent of its token; a whole one is checked, then served apart."""
+        received = pending[conn][1]
+        try:
+            chunk = conn.recv(_TOKEN_BYTES - len(received))
+        except BlockingIOError:
+            return
+        except OSError:
+            chunk = b""
+        if not chunk:
+            self._drop(conn, selector, pending)
+            return
+        received += chunk
+        if len(received) < _TOKEN_BYTES:
+            return
+        selector.unregister(conn)
+        del pending[conn]
+        if not hmac.compare_digest(bytes(received), self._token):
+            log.warning("heal offer: a peer presented a wrong token; refused")
+            conn.close()
+            return
+        self._joined.set()
+        threading.Thread(
+            target=self._transfer, args=(conn,), name="gradsync-heal-send", daemon=True
+        ).start()
+
+    @staticmethod
+    def _drop(
+        conn: socket.socket,
+        selector: selectors.BaseSelector,
+        pending: dict[socket.socket, tuple[float, bytearray]],
+    ) -> None:
+        selector.unregister(conn)
+        del pending[conn]
+        conn.close()
+
+    def _transfer(self, conn: socket.socket) -> None:
+        """Send the state to a peer that presented the token (one at a time, under the lock)."""
+        with conn, self._serving:
+            if self._stop.is_set():
+                return
+            with self._conn_lock:
+                self._conn = conn
+            try:
+                self._served |= self._send(conn)
+            finally:
+                with self._conn_lock:
+                    self._conn = None
 
     def _send(self, conn: socket.socket) -> bool:
         started = time.monotonic()
         try:
-            conn.settimeout(30.0)
-            token = _recv_exactly(conn, _TOKEN_BYTES)
-            if not hmac.compare_digest(token, self._token):
-                log.warning("heal offer: a peer presented a wrong token; refused")
-                return False
-            self._joined.set()
+            conn.setblocking(True)
+            conn.settimeout(_TRANSFER_WAIT_S)
             conn.sendall(self._prefix)
             for tensor in self._tensors:
                 view = raw_state.tensor_bytes(tensor) if tensor.numel() else memoryview(b"")
                 for offset in range(0, len(view), _IO_BYTES):
                     conn.sendall(view[offset : offset + _IO_BYTES])
-        except (OSError, HealChannelError) as exc:
+        except OSError as exc:
             log.warning("heal offer: a transfer failed: %s", exc)
             return False
         seconds = time.monotonic() - started
         log.info(
-            "heal offer: sent %d bytes in %.3f s (%.2f GB/s, loopback TCP)",
+            "heal offer: sent %d bytes in %.3f s (%.2f GB/s, local socket)",
             self.total_bytes,
             seconds,
             self.total_bytes / max(seconds, 1e-9) / 1e9,
         )
         return True
+
+
+def peer_credentials(conn: socket.socket) -> tuple[int, int, int]:
+    """The (pid, uid, gid) of a Unix socket's peer (SO_PEERCRED)."""
+    raw = conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _PEERCRED.size)
+    pid, uid, gid = _PEERCRED.unpack(raw)
+    return int(pid), int(uid), int(gid)
 
 
 def fetch(
@@ -231,16 +347,25 @@ def fetch(
             index (`raw_state.read_tensors`); the others are allocated.
 
     Raises:
-        HealChannelError: a malformed offer, a non-loopback address, a refused or lost
-            connection, a timeout, or a state that `raw_state` refuses.
+        HealChannelError: a malformed offer, a listener that is not the donor the offer
+            names, a refused or lost connection, a timeout, or a state that `raw_state`
+            refuses.
     """
-    host, port, token = _parse_offer(bytes(offer))
+    name, pid, token = _parse_offer(bytes(offer))
     deadline = time.monotonic() + timeout_s
     try:
-        with socket.create_connection((host, port), timeout=timeout_s) as conn:
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC) as conn:
+            conn.settimeout(timeout_s)
+            conn.connect("\0" + name)
+            peer_pid, peer_uid, _ = peer_credentials(conn)
+            if peer_uid != os.getuid() or peer_pid != pid:
+                raise HealChannelError(
+                    f"the heal socket {name} is served by pid {peer_pid} (uid {peer_uid}), "
+                    f"not the donor the offer names (pid {pid}, uid {os.getuid()}); refused"
+                )
             conn.sendall(token)
-            length = raw_state.header_length(_recv_exactly(conn, raw_state.PREFIX_BYTES))
-            layout = raw_state.parse_header(_recv_exactly(conn, length), limit_bytes)
+            length = raw_state.header_length(_recv_exactly(conn, raw_state.PREFIX_BYTES, deadline))
+            layout = raw_state.parse_header(_recv_exactly(conn, length, deadline), limit_bytes)
             targets = into(layout) if into is not None else None
 
             def read_into(target: memoryview) -> None:
@@ -250,7 +375,7 @@ def fetch(
     except raw_state.BadRawState as exc:
         raise HealChannelError(f"the donor's state is not readable: {exc}") from exc
     except OSError as exc:
-        raise HealChannelError(f"reading the donor's state from {host}:{port}: {exc}") from exc
+        raise HealChannelError(f"reading the donor's state from socket {name}: {exc}") from exc
 
 
 def _parse_offer(offer: bytes) -> tuple[str, int, bytes]:
@@ -258,20 +383,20 @@ def _parse_offer(offer: bytes) -> tuple[str, int, bytes]:
         raise HealChannelError(f"not a heal offer ({len(offer)} bytes)")
     try:
         fields = json.loads(offer[len(OFFER_MAGIC) :].decode())
-        host, port, token = str(fields["host"]), int(fields["port"]), bytes.fromhex(fields["token"])
+        name, pid, token = str(fields["socket"]), int(fields["pid"]), bytes.fromhex(fields["token"])
     except (UnicodeDecodeError, ValueError, KeyError, TypeError) as exc:
         raise HealChannelError(f"a malformed heal offer: {exc}") from None
-    if not auth.is_loopback(host) or not 0 < port < 65536 or len(token) != _TOKEN_BYTES:
+    if not _NAME.fullmatch(name) or pid <= 0 or len(token) != _TOKEN_BYTES:
         raise HealChannelError(
-            f"a heal offer for {host}:{port} refused: only a loopback address and a "
-            f"{_TOKEN_BYTES}-byte token are accepted"
+            f"a heal offer for socket {name[:80]!r} (pid {pid}) refused: only a gradsync "
+            f"heal socket, a pid and a {_TOKEN_BYTES}-byte token are accepted"
         )
-    return host, port, token
+    return name, pid, token
 
 
-def _recv_exactly(conn: socket.socket, count: int) -> bytes:
+def _recv_exactly(conn: socket.socket, count: int, deadline: float) -> bytes:
     buffer = bytearray(count)
-    _recv_into(conn, memoryview(buffer), time.monotonic() + 30.0)
+    _recv_into(conn, memoryview(buffer), deadline)
     return bytes(buffer)
 
 

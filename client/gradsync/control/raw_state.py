@@ -23,8 +23,12 @@ until their bytes are sent). Every size in a header is a claim from the
 network: the header's own length is capped (`MAX_HEADER_BYTES`), the
 tensors must tile [0, total) in order with each `nbytes` equal to its
 dtype's size times its shape's product, and `total` must be within the
-reader's limit before a single tensor is allocated. Pure logic and blocking
-reads; no gRPC.
+reader's limit before a single tensor is allocated. A shape is bounded on
+its own too, because its product may be 0 while a dimension is not: at most
+`MAX_DIMS` dimensions, each (and the product of those that are not 0)
+within the reader's limit, and at most `MAX_TENSORS` tensors; an
+allocation that still fails is a `BadRawState` naming the tensor. Pure
+logic and blocking reads; no gRPC.
 """
 
 from __future__ import annotations
@@ -53,6 +57,9 @@ __all__ = [
 MAGIC = b"GSRAW01\n"
 #: The largest header accepted: names and shapes of a few hundred thousand tensors.
 MAX_HEADER_BYTES = 16 << 20
+#: The most dimensions a tensor may have, and the most tensors a state may hold.
+MAX_DIMS = 32
+MAX_TENSORS = 1 << 18
 _LENGTH = struct.Struct("<Q")
 PREFIX_BYTES = len(MAGIC) + _LENGTH.size
 #: The most bytes one in-memory copy moves while it holds the GIL (a few ms): a copy of
@@ -188,13 +195,17 @@ def parse_header(header: bytes, limit_bytes: int) -> Layout:
         raise BadRawState(f"its header is not valid: {type(exc).__name__}: {exc}") from None
     if not _is_count(total) or not isinstance(raw_entries, list):
         raise BadRawState(f"its header's total {total!r} or tensor list is malformed")
+    if len(raw_entries) > MAX_TENSORS:
+        raise BadRawState(
+            f"it claims {len(raw_entries)} tensors; at most {MAX_TENSORS} are accepted"
+        )
     if total > limit_bytes:
         raise BadRawState(
             f"it claims {total} bytes of tensors; at most {limit_bytes} are accepted here"
         )
     entries, offset = [], 0
     for index, raw in enumerate(raw_entries):
-        entry = _entry(index, raw)
+        entry = _entry(index, raw, limit_bytes)
         if entry.offset != offset:
             raise BadRawState(
                 f"tensor {index} starts at byte {entry.offset}, expected {offset} "
@@ -230,11 +241,22 @@ def read_tensors(
     for index, entry in enumerate(layout.tensors):
         tensor = (into or {}).get(index)
         if tensor is None or not fits(tensor, entry):
-            tensor = torch.empty(entry.shape, dtype=entry.dtype)
+            tensor = _allocate(index, entry)
         if entry.nbytes:
             read_into(tensor_bytes(tensor))
         tensors.append(tensor)
     return tensors
+
+
+def _allocate(index: int, entry: TensorEntry) -> torch.Tensor:
+    """A new tensor for `entry`; an allocation torch refuses is a `BadRawState` naming it."""
+    try:
+        return torch.empty(entry.shape, dtype=entry.dtype)
+    except (RuntimeError, MemoryError, ValueError, OverflowError) as exc:
+        raise BadRawState(
+            f"tensor {index} ({entry.dtype} x {list(entry.shape)}, {entry.nbytes} bytes) could "
+            f"not be allocated: {type(exc).__name__}: {' '.join(str(exc).split())[:200]}"
+        ) from None
 
 
 def fits(tensor: torch.Tensor, entry: TensorEntry) -> bool:
@@ -292,15 +314,25 @@ def _is_count(value: object) -> bool:
     return isinstance(value, int) and not isinstance(value, bool) and value >= 0
 
 
-def _entry(index: int, raw: object) -> TensorEntry:
+def _entry(index: int, raw: object, limit_bytes: int) -> TensorEntry:
     if not isinstance(raw, dict):
         raise BadRawState(f"tensor {index} of its header is not an object")
-    dtype = _DTYPES.get(raw.get("dtype"))  # type: ignore[arg-type]
+    name = raw.get("dtype")
+    dtype = _DTYPES.get(name) if isinstance(name, str) else None
     shape, offset, nbytes = raw.get("shape"), raw.get("offset"), raw.get("nbytes")
     if dtype is None:
-        raise BadRawState(f"tensor {index} has an unknown dtype {raw.get('dtype')!r}")
+        raise BadRawState(f"tensor {index} has an unknown dtype {name!r:.80}")
     if not isinstance(shape, list) or not all(_is_count(n) for n in shape):
-        raise BadRawState(f"tensor {index} has a malformed shape {shape!r}")
+        raise BadRawState(f"tensor {index} has a malformed shape {shape!r:.200}")
+    if len(shape) > MAX_DIMS:
+        raise BadRawState(
+            f"tensor {index} claims {len(shape)} dimensions; at most {MAX_DIMS} are accepted"
+        )
+    if max(shape, default=0) > limit_bytes or math.prod(n for n in shape if n) > limit_bytes:
+        raise BadRawState(
+            f"tensor {index} claims the shape {shape}; no dimension (nor the product of "
+            f"those above 0) may exceed {limit_bytes}, the most bytes accepted here"
+        )
     if not isinstance(offset, int) or not isinstance(nbytes, int) or min(offset, nbytes) < 0:
         raise BadRawState(f"tensor {index} has a malformed offset or size")
     expected = math.prod(shape) * dtype.itemsize
