@@ -43,14 +43,14 @@ from gradsync_server.parent_watch import watch_parent
 from gradsync_server.rpc.auth_check import bind, interceptors, server_credentials
 from gradsync_server.rpc.frame_server import FrameServer, start_frame_server
 from gradsync_server.rpc.leader_role import LeaderRole
+from gradsync_server.rpc.outer_records import configured_store
 from gradsync_server.rpc.payload_socket import PayloadSocket
 from gradsync_server.rpc.servicer import SERVICE_NAME, SHARD_SERVICE_NAME, SHUTDOWN_FLUSH_S
 from gradsync_server.rpc.shard_link import LeaderLink
 from gradsync_server.rpc.shard_role import ShardRole
 from gradsync_server.rpc.standby_gate import ServicerSwitch, StandbyGate
-from gradsync_server.store.checkpoint import CheckpointStore
 from gradsync_server.store.checkpoint_redis import RedisCheckpointStore
-from gradsync_server.store.stores import open_store, redacted_store_url
+from gradsync_server.store.stores import redacted_store_url
 
 log = logging.getLogger("gradsync.server")
 
@@ -255,7 +255,7 @@ async def start(
     servicer: LeaderRole | ShardRole
     switch = None
     if leader:
-        servicer = LeaderRole(config, _open_store(config), metrics=metrics)
+        servicer = LeaderRole(config, configured_store(config), metrics=metrics)
         switch = ServicerSwitch(servicer) if gate is not None else None
     else:
         servicer = ShardRole(config, advertise, metrics=metrics)
@@ -284,14 +284,6 @@ async def start(
         running.local_shards = LocalShards(config, port)
         await running.local_shards.start()
     return running
-
-
-def _open_store(config: CoordinatorConfig) -> CheckpointStore | None:
-    if not config.checkpoint_store:
-        return None
-    return open_store(
-        config.checkpoint_store, password=config.redis_password, timeout_s=config.store_timeout_s
-    )
 
 
 def _metrics_server(config: CoordinatorConfig, metrics: CoordinatorMetrics) -> MetricsServer | None:

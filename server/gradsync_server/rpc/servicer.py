@@ -1,7 +1,7 @@
 """The gRPC face of a coordinator process, leader or shard: one stream handler for workers.
 
-Every worker stream a coordinator serves (a leader's `Coordinator.Sync`, over
-gRPC or the frame port, and a shard's `Shard.Data`) runs the same handler: a reader
+Every worker stream a coordinator serves (a leader's `Coordinator.Sync` and a
+shard's `Shard.Data`, each over gRPC or the frame port) runs the same handler: a reader
 parses bytes and hands them on, a writer drains the stream's bounded outbox
 (`connection`). The stream is admitted by its first message, a worker's
 `Join` at the leader or a `ShardHello` at a shard, and from then on its
