@@ -43,13 +43,14 @@ from gradsync_server.parent_watch import watch_parent
 from gradsync_server.rpc.auth_check import bind, interceptors, server_credentials
 from gradsync_server.rpc.frame_server import FrameServer, start_frame_server
 from gradsync_server.rpc.leader_role import LeaderRole
+from gradsync_server.rpc.outer_records import configured_store
 from gradsync_server.rpc.payload_socket import PayloadSocket
 from gradsync_server.rpc.servicer import SERVICE_NAME, SHARD_SERVICE_NAME, SHUTDOWN_FLUSH_S
 from gradsync_server.rpc.shard_link import LeaderLink
 from gradsync_server.rpc.shard_role import ShardRole
 from gradsync_server.rpc.standby_gate import ServicerSwitch, StandbyGate
 from gradsync_server.store.checkpoint_redis import RedisCheckpointStore
-from gradsync_server.store.stores import open_store, redacted_store_url
+from gradsync_server.store.stores import redacted_store_url
 
 log = logging.getLogger("gradsync.server")
 
@@ -140,6 +141,9 @@ class Running(Generic[S]):
                 self.link_task.cancel()
                 # Bounded: stopping must not hang on the leader link (it cancels its own call).
                 await asyncio.wait({self.link_task}, timeout=LINK_STOP_TIMEOUT_S)
+            if self.frames is not None:  # (gRPC's streams flush in its stop)
+                await servicer.streams_ended(_SHARD_STOP_FLUSH_S)
+                await self.frames.stop()
             await self.server.stop(_SHARD_STOP_FLUSH_S)
             servicer.outer_states.close()
         else:
@@ -240,56 +244,43 @@ async def start(
     Raises:
         OSError: the address cannot be bound.
     """
-    if config.role is Role.SHARD:
-        metrics = metrics or CoordinatorMetrics(shard=True)
-        server, port, health_servicer = _listen(config, None)
-        advertise = config.advertised(port)
-        shard = ShardRole(config, advertise, metrics=metrics)
-        server.add_generic_rpc_handlers((shard.generic_handler(),))
-        metrics_server = _metrics_server(config, metrics)
-        await server.start()
-        await _set_health(health_servicer, config, serving=True)
-        running: Running[Any] = Running(
-            config, server, port, shard, health_servicer, metrics_server, advertise
-        )
-        running.link = LeaderLink(shard)
-        running.link_task = asyncio.create_task(running.link.run())
-        return running
-    if config.local_shards and config.shard_count > 1 and config.shard_token is None:
+    leader = config.role is Role.LEADER
+    if leader and config.local_shards and config.shard_count > 1 and config.shard_token is None:
         # Its own children need a shard credential the workers never see: make one.
         config = dataclasses.replace(config, shard_token=secrets.token_urlsafe(32))
-    store = (
-        open_store(
-            config.checkpoint_store,
-            password=config.redis_password,
-            timeout_s=config.store_timeout_s,
-        )
-        if config.checkpoint_store
-        else None
-    )
-    metrics = metrics or CoordinatorMetrics()
-    servicer = LeaderRole(config, store, metrics=metrics)
-    metrics_server = _metrics_server(config, metrics)
+    metrics = metrics or CoordinatorMetrics(shard=not leader)
     gate = StandbyGate() if config.lease else None
     server, port, health_servicer = _listen(config, gate)
-    switch = ServicerSwitch(servicer) if gate is not None else None
+    advertise = config.advertised(port)
+    servicer: LeaderRole | ShardRole
+    switch = None
+    if leader:
+        servicer = LeaderRole(config, configured_store(config), metrics=metrics)
+        switch = ServicerSwitch(servicer) if gate is not None else None
+    else:
+        servicer = ShardRole(config, advertise, metrics=metrics)
     server.add_generic_rpc_handlers((switch or servicer.generic_handler(),))
+    metrics_server = _metrics_server(config, metrics)
     await server.start()
-    running = Running(
-        config, server, port, servicer, health_servicer, metrics_server, config.advertised(port)
+    running: Running[Any] = Running(
+        config, server, port, servicer, health_servicer, metrics_server, advertise
     )
     running.gate, running.switch = gate, switch
-    if config.payload_socket and config.shard_count == 1:
+    if isinstance(servicer, ShardRole):
+        running.link = LeaderLink(servicer)
+        running.link_task = asyncio.create_task(running.link.run())
+    elif config.payload_socket and config.shard_count == 1:
         # Same-host local leaders may move payloads through their segments (`segments`).
         admit = (switch or servicer).admit_segment
         running.payload_socket = PayloadSocket(asyncio.get_running_loop(), admit)
         servicer.payload_endpoint = (running.payload_socket.name, config.host_id or host_id())
     # A leased coordinator says SERVING only once it holds the lease (`serve`).
     await _set_health(health_servicer, config, serving=gate is None)
-    running.watchdog = asyncio.create_task(servicer.watchdog.run())
+    if isinstance(servicer, LeaderRole):
+        running.watchdog = asyncio.create_task(servicer.watchdog.run())
     if gate is None and config.frame_port is not None:
         running.frames = await start_frame_server(config, servicer)
-    if gate is None and config.local_shards and config.shard_count > 1:
+    if gate is None and leader and config.local_shards and config.shard_count > 1:
         running.local_shards = LocalShards(config, port)
         await running.local_shards.start()
     return running

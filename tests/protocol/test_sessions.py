@@ -17,11 +17,13 @@ from pathlib import Path
 
 import grpc
 from gradsync_proto import auth
+from gradsync_proto.net.frame_stream import FRAME_PORT_METHOD
 from gradsync_proto.v1 import gradsync_pb2 as pb
 from gradsync_server.app import Running, start
 from gradsync_server.config import CoordinatorConfig, Role
 from gradsync_server.control.membership import SESSION_BYTES
 from gradsync_server.store.checkpoint_file import FileCheckpointStore
+from support.frameclient import frame_workers
 from support.rawclient import (
     CHUNK,
     RawWorker,
@@ -122,6 +124,38 @@ def test_a_shard_admits_a_data_stream_only_on_the_session_its_rank_was_issued() 
                 await asyncio.sleep(0.01)
             assert shard.servicer.connection_count() == 1
             genuine.cancel()
+
+    run(scenario)
+
+
+def test_a_shard_serves_its_data_streams_on_its_frame_port_too() -> None:
+    """A shard answers FramePort like the leader, and its frame port admits a ShardHello."""
+
+    async def scenario() -> None:
+        async with leader_and_shard() as (_running, channel, shard):
+            workers = [RawWorker(channel), RawWorker(channel)]
+            for rank, worker in enumerate(workers):
+                await worker.join(rank)
+            welcome = (await workers[0].expect_kind("welcome")).welcome
+            await workers[1].expect_kind("welcome")
+            async with grpc.aio.insecure_channel(f"127.0.0.1:{shard.port}") as shard_channel:
+                ask = shard_channel.unary_unary(
+                    FRAME_PORT_METHOD, response_deserializer=pb.FramePortReply.FromString
+                )
+                reply = await ask(pb.FramePortRequest().SerializeToString())
+            assert shard.frames is not None and reply.port == shard.frames.port != shard.port
+            hello = pb.ShardHello(
+                job_id="job",
+                rank=0,
+                incarnation="test-0",
+                shard_index=1,
+                session=auth.shard_session(welcome.session, 1),
+            )
+            async with frame_workers(reply.port) as connect:
+                on_frames = await connect()
+                await on_frames.send(pb.WorkerMessage(shard_hello=hello))
+                await eventually(lambda: shard.servicer.connection_count() == 1, "admitted")
+                assert len(shard.frames.connections) == 1
 
     run(scenario)
 

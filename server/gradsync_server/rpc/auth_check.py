@@ -210,13 +210,20 @@ def _refusing(
                 check.waiting -= 1
         await context.abort(grpc.StatusCode.UNAUTHENTICATED, message)
 
+    return shaped_like(handler, refuse, refuse_stream)
+
+
+def shaped_like(
+    handler: grpc.RpcMethodHandler, unary: Callable[..., Any], streaming: Callable[..., Any]
+) -> grpc.RpcMethodHandler:
+    """A handler of `handler`'s shape (raw bytes): `unary` or `streaming` by its requests."""
     if handler.request_streaming and handler.response_streaming:
-        return grpc.stream_stream_rpc_method_handler(refuse_stream)
+        return grpc.stream_stream_rpc_method_handler(streaming)
     if handler.request_streaming:
-        return grpc.stream_unary_rpc_method_handler(refuse_stream)
+        return grpc.stream_unary_rpc_method_handler(streaming)
     if handler.response_streaming:
-        return grpc.unary_stream_rpc_method_handler(refuse)
-    return grpc.unary_unary_rpc_method_handler(refuse)
+        return grpc.unary_stream_rpc_method_handler(unary)
+    return grpc.unary_unary_rpc_method_handler(unary)
 
 
 def interceptors(

@@ -25,7 +25,7 @@ import asyncio
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 from gradsync_proto.codes import Code
 from gradsync_proto.v1 import gradsync_pb2 as pb
@@ -36,6 +36,9 @@ from gradsync_server.dataplane.budget import ByteBudget, Reservation
 from gradsync_server.errors import RejectedMessage
 
 log = logging.getLogger("gradsync.server")
+
+#: A request as the stream's reader gets it: bytes, or a message gRPC parsed (ShardLink).
+R = TypeVar("R")
 
 #: How long a stream that ends waits for a write in flight before cancelling it.
 WRITER_STOP_S = 1.0
@@ -57,12 +60,25 @@ class End:
 
 
 class Connection:
-    """One worker's stream: identity once joined, and its bounded outbox."""
+    """One worker's stream: identity once joined, and its bounded outbox.
+
+    A shard's control stream at the leader is one too (`shard_control`): its
+    StreamEnd travels in a `LeaderMessage` (`envelope`), and `heartbeat`
+    (seconds, message) is written whenever the outbox stays empty that long.
+    """
 
     def __init__(
-        self, peer: str, max_outbox_bytes: int, outbox_budget: ByteBudget | None = None
+        self,
+        peer: str,
+        max_outbox_bytes: int,
+        outbox_budget: ByteBudget | None = None,
+        *,
+        envelope: type[pb.CoordinatorMessage | pb.LeaderMessage] = pb.CoordinatorMessage,
+        heartbeat: tuple[float, bytes] | None = None,
     ) -> None:
         self.peer = peer
+        self._envelope = envelope
+        self._heartbeat = heartbeat
         #: The job that admitted the stream (None until then, and once it left).
         self.job_id: str | None = None
         #: At the leader, the very job object the stream joined (see `delivery`).
@@ -122,6 +138,12 @@ class Connection:
         direct = self._write_now
         if direct is not None and self._writer_idle and self.outbox.empty() and direct(raw):
             return  # nothing queued, the writer waiting: written straight through, in order
+        self.queue(raw)
+
+    def queue(self, raw: bytes) -> None:
+        """Queue `raw` for the writer past the outbox's bound: what `send` admitted, and
+        a shard link's messages (what the leader decides for its shards is not bounded
+        per link)."""
         self._writer_idle = False  # from here on the writer keeps the order
         self.outbox_bytes += len(raw)
         self._account()
@@ -175,7 +197,7 @@ class Connection:
                 code=int(code),
                 message=details,
             )
-            raw = pb.CoordinatorMessage(stream_end=stream_end).SerializeToString()
+            raw = self._envelope(stream_end=stream_end).SerializeToString()
             self.outbox_bytes += len(raw)
             self.outbox.put_nowait(raw)
         self.outbox.put_nowait(End(code, details))
@@ -191,7 +213,7 @@ class Connection:
         try:
             while True:
                 self._writer_idle = self.outbox.empty()
-                item = await self.outbox.get()
+                item = await self._next()
                 self._writer_idle = False
                 if isinstance(item, End):
                     ended.set_result(item)
@@ -214,6 +236,17 @@ class Connection:
             if not ended.done():
                 ended.set_result(End(Code.UNAVAILABLE, f"write failed: {exc}"))
 
+    async def _next(self) -> bytes | ResumeBlob | End:
+        """The next item to write; the heartbeat when the outbox stays empty for its period."""
+        if self._heartbeat is None:
+            return await self.outbox.get()
+        period_s, heartbeat = self._heartbeat
+        try:
+            return await asyncio.wait_for(self.outbox.get(), timeout=period_s)
+        except TimeoutError:
+            self.outbox_bytes += len(heartbeat)  # (the writer counts it out again)
+            return heartbeat
+
     def fail_internal(self, handler: str, exc: BaseException) -> None:
         """A bug in `handler`: log it with its traceback, end the stream with INTERNAL."""
         log.error(
@@ -227,8 +260,8 @@ class Connection:
 
     async def _read(
         self,
-        request_iterator: AsyncIterator[bytes],
-        dispatch: Callable[[bytes], Awaitable[None] | None],
+        request_iterator: AsyncIterator[R],
+        dispatch: Callable[[R], Awaitable[None] | None],
         handler: str,
     ) -> None:
         """Hand every request to `dispatch` until the stream ends.
@@ -259,8 +292,8 @@ class Connection:
 
     async def serve(
         self,
-        request_iterator: AsyncIterator[bytes],
-        dispatch: Callable[[bytes], Awaitable[None] | None],
+        request_iterator: AsyncIterator[R],
+        dispatch: Callable[[R], Awaitable[None] | None],
         context: Any,
         handler: str,
         first_message_s: float,

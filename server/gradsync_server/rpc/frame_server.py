@@ -1,8 +1,9 @@
-"""The coordinator's frame port: worker Sync streams over plain (or TLS) sockets.
+"""The coordinator's frame port: worker streams over plain (or TLS) sockets.
 
 See `gradsync_proto.net.frames` for why and for the wire format. Each
-connection is served by the same guarded handler as a gRPC Sync stream
-(`CoordinatorServicer.sync` under `guarded`), given a `FrameContext` in place
+connection is served by the same guarded handler as the role's gRPC stream
+(`CoordinatorServicer.sync` under `guarded`: a leader's Sync, a shard's Data,
+which a `Join` or a `ShardHello` opens), given a `FrameContext` in place
 of gRPC's servicer context and an async iterator of the frames' messages in
 place of gRPC's request iterator; so joining, the data plane, the bounded
 outbox, the connection cap and every error a stream can end with are the

@@ -12,11 +12,9 @@ stream itself is `servicer`'s, as at a shard.
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import time
 from collections.abc import Awaitable, Callable
-from typing import Any
 
 import grpc
 from google.protobuf.message import DecodeError
@@ -107,14 +105,9 @@ class LeaderRole(CoordinatorServicer):
                 guarded("Status", self.status),
                 response_serializer=pb.StatusReply.SerializeToString,
             ),
-            "FramePort": grpc.unary_unary_rpc_method_handler(
-                guarded("FramePort", self.frame_port_reply),
-                response_serializer=pb.FramePortReply.SerializeToString,
-            ),
             "ShardLink": grpc.stream_stream_rpc_method_handler(
                 guarded("ShardLink", self.shard_control.link, self.stream_count),
                 request_deserializer=pb.ShardMessage.FromString,
-                response_serializer=pb.LeaderMessage.SerializeToString,
             ),
         }
 
@@ -139,10 +132,6 @@ class LeaderRole(CoordinatorServicer):
         reply.recovery.CopyFrom(self.metrics.recovery.summary())
         return reply
 
-    async def frame_port_reply(self, raw: bytes, context: Any) -> pb.FramePortReply:
-        """Where this coordinator serves Sync streams as frames (0: nowhere; `frame_server`)."""
-        return pb.FramePortReply(port=self.frame_port)
-
     def check_liveness(self) -> None:
         """One watchdog pass (also called directly by tests with a fake clock)."""
         self.watchdog.check()
@@ -163,15 +152,10 @@ class LeaderRole(CoordinatorServicer):
         a moment to flush it before the server cancels what is left.
         """
         self.draining = True
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + grace_s
-        while self.streams and loop.time() < deadline:
-            await asyncio.sleep(0.05)
+        await self.streams_ended(grace_s)
         for conn in list(self.streams):
             conn.end(Code.UNAVAILABLE, SHUTTING_DOWN, pb.END_REASON_SHUTTING_DOWN)
-        deadline = loop.time() + SHUTDOWN_FLUSH_S
-        while self.streams and loop.time() < deadline:
-            await asyncio.sleep(0.01)
+        await self.streams_ended(SHUTDOWN_FLUSH_S)
 
     # ----------------------------------------------------------- dispatching
     def _unparsable(self, conn: Connection, raw: bytes, exc: Exception) -> RejectedMessage:

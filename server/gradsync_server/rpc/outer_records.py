@@ -21,6 +21,7 @@ import logging
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
+from gradsync_server.config import CoordinatorConfig
 from gradsync_server.dataplane.outer_snapshot import (
     OuterSnapshot,
     encode_snapshot,
@@ -29,12 +30,22 @@ from gradsync_server.dataplane.outer_snapshot import (
 from gradsync_server.store.checkpoint import CheckpointError, CheckpointStore
 from gradsync_server.store.checkpoint_file import FileCheckpointStore
 from gradsync_server.store.checkpoint_redis import RedisCheckpointStore
+from gradsync_server.store.stores import open_store
 
-__all__ = ["OuterRecords"]
+__all__ = ["OuterRecords", "configured_store"]
 
 log = logging.getLogger("gradsync.server")
 
 _RecordStore = FileCheckpointStore | RedisCheckpointStore
+
+
+def configured_store(config: CoordinatorConfig) -> CheckpointStore | None:
+    """The checkpoint store `--checkpoint-store` names, opened (None: none configured)."""
+    if not config.checkpoint_store:
+        return None
+    return open_store(
+        config.checkpoint_store, password=config.redis_password, timeout_s=config.store_timeout_s
+    )
 
 
 def _encode_and_save(store: _RecordStore, snapshot: OuterSnapshot, shard_index: int) -> None:

@@ -1,7 +1,7 @@
 """The gRPC face of a coordinator process, leader or shard: one stream handler for workers.
 
-Every worker stream a coordinator serves (a leader's `Coordinator.Sync`, over
-gRPC or the frame port, and a shard's `Shard.Data`) runs the same handler: a reader
+Every worker stream a coordinator serves (a leader's `Coordinator.Sync` and a
+shard's `Shard.Data`, each over gRPC or the frame port) runs the same handler: a reader
 parses bytes and hands them on, a writer drains the stream's bounded outbox
 (`connection`). The stream is admitted by its first message, a worker's
 `Join` at the leader or a `ShardHello` at a shard, and from then on its
@@ -28,6 +28,7 @@ serialized once and written to every rank.
 
 from __future__ import annotations
 
+import asyncio
 from abc import ABC, abstractmethod
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any, ClassVar
@@ -111,11 +112,31 @@ class CoordinatorServicer(ABC):
         """This process's gradient counters (a shard's sign of life; shard 0 at the leader)."""
         return self.metrics.stats(self.budget.used, self.connection_count())
 
+    async def streams_ended(self, timeout_s: float) -> None:
+        """Wait until every worker stream has ended, for at most `timeout_s`."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout_s
+        while self.streams and loop.time() < deadline:
+            await asyncio.sleep(0.01)
+
     def generic_handler(self) -> grpc.GenericRpcHandler:
-        """The handler to register on a `grpc.aio.server` (raw-bytes stream method)."""
+        """The handler to register on a `grpc.aio.server`: the role's service (raw-bytes
+        stream method) and `Coordinator.FramePort`, which workers ask a leader and a shard
+        alike for the port that serves their stream as frames (`frame_server`)."""
         methods = {self.stream_method: grpc.stream_stream_rpc_method_handler(self.sync_handler())}
         methods.update(self._other_methods())
-        return grpc.method_handlers_generic_handler(self.service, methods)
+        frame_port = grpc.unary_unary_rpc_method_handler(
+            guarded("FramePort", self.frame_port_reply),
+            response_serializer=pb.FramePortReply.SerializeToString,
+        )
+        return _Methods(
+            {f"/{self.service}/{name}": handler for name, handler in methods.items()}
+            | {f"/{SERVICE_NAME}/FramePort": frame_port}
+        )
+
+    async def frame_port_reply(self, raw: bytes, context: Any) -> pb.FramePortReply:
+        """Where this process serves worker streams as frames (0: nowhere)."""
+        return pb.FramePortReply(port=self.frame_port)
 
     def _other_methods(self) -> dict[str, grpc.RpcMethodHandler]:
         """The role's RPCs beside the worker stream."""
@@ -197,3 +218,13 @@ class CoordinatorServicer(ABC):
         key = (conn.job_id or "", conn.rank)
         if self.connections.get(key) is conn:
             del self.connections[key]
+
+
+class _Methods(grpc.GenericRpcHandler):  # type: ignore[misc]  # grpc ships no stubs
+    """RPC handlers by their full method name ("/gradsync.v1.Shard/Data")."""
+
+    def __init__(self, methods: dict[str, grpc.RpcMethodHandler]) -> None:
+        self._methods = methods
+
+    def service(self, details: grpc.HandlerCallDetails) -> grpc.RpcMethodHandler | None:
+        return self._methods.get(details.method)

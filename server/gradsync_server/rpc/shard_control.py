@@ -28,7 +28,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 import grpc
@@ -49,6 +49,7 @@ from gradsync_server.dataplane.actions import Action
 from gradsync_server.dataplane.nonfinite import NonFiniteContribution, NonFiniteRejection
 from gradsync_server.errors import RejectedMessage
 from gradsync_server.metrics import CoordinatorMetrics, ShardSample
+from gradsync_server.rpc.connection import WRITER_STOP_S, Connection
 from gradsync_server.rpc.servicer import STATUS_BY_CODE
 from gradsync_server.text import capped, quoted
 
@@ -80,20 +81,11 @@ class Leader(Protocol):
 
 
 @dataclass(frozen=True)
-class _Close:
-    """Outbox sentinel: end the control stream with this status (after a StreamEnd)."""
-
-    code: Code
-    details: str
-    reason: pb.EndReason = pb.END_REASON_UNSPECIFIED
-
-
-@dataclass
 class _Link:
-    """One registered shard's control stream: its record and what to write to it."""
+    """One registered shard's control stream: its record, and the stream (its outbox)."""
 
     record: ShardRecord
-    outbox: asyncio.Queue[pb.LeaderMessage | _Close] = field(default_factory=asyncio.Queue)
+    stream: Connection
 
 
 class ShardControl:
@@ -162,11 +154,12 @@ class ShardControl:
 
     def _broadcast(self, message: pb.LeaderMessage) -> None:
         if message.WhichOneof("kind") != "job":
+            raw = message.SerializeToString()
             for link in self._links.values():
-                link.outbox.put_nowait(message)
+                link.stream.queue(raw)
             return
         for index, link in self._links.items():
-            link.outbox.put_nowait(shard_view(message, index))
+            link.stream.queue(shard_view(message, index).SerializeToString())
 
     def _start_waiting_jobs(self) -> None:
         """Every shard is registered: start the jobs that waited, assembled, for them."""
@@ -240,10 +233,9 @@ class ShardControl:
         grace; told, it re-registers with the restarted leader.
         """
         for link in self._links.values():
-            close = _Close(
+            link.stream.end(
                 Code.UNAVAILABLE, "the leader is shutting down", pb.END_REASON_SHUTTING_DOWN
             )
-            link.outbox.put_nowait(close)
 
     def lose(self, record: ShardRecord, why: str) -> None:
         """Shard `record` is lost: end its stream and every job the leader holds."""
@@ -255,7 +247,7 @@ class ShardControl:
         link = self._links.get(index)
         if link is not None and link.record is record:
             del self._links[index]
-            link.outbox.put_nowait(_Close(Code.UNAVAILABLE, summary, pb.END_REASON_SHARD_LOST))
+            link.stream.end(Code.UNAVAILABLE, summary, pb.END_REASON_SHARD_LOST)
         if self._leader.draining:
             log.info("shard %d at %s went away during shutdown", index, address)
             return
@@ -301,8 +293,16 @@ class ShardControl:
             return
         if replaced is not None:
             self.lose(replaced, f"silent, and a shard registered at {replaced.shown_address}")
-        link = _Link(record)
         config = self._config
+        heartbeat = pb.LeaderMessage(heartbeat=pb.Heartbeat()).SerializeToString()
+        stream = Connection(
+            peer,
+            0,  # (no bound: its messages are queued past it, `Connection.queue`)
+            envelope=pb.LeaderMessage,
+            heartbeat=(config.heartbeat_interval_s, heartbeat),
+        )
+        stream.greeted = True  # (the ShardRegister)
+        link = _Link(record, stream)
         accepted = pb.ShardAccepted(
             shard_index=record.index,
             shard_count=self.registry.shard_count,
@@ -310,7 +310,7 @@ class ShardControl:
             heartbeat_timeout_s=config.heartbeat_timeout_s,
             nonfinite=config.nonfinite,
         )
-        link.outbox.put_nowait(pb.LeaderMessage(accepted=accepted))
+        stream.queue(pb.LeaderMessage(accepted=accepted).SerializeToString())
         self._links[record.index] = link
         missing = self.registry.missing()
         log.info(
@@ -324,71 +324,30 @@ class ShardControl:
         if self.registry.complete():
             self.complete.set()
             self._start_waiting_jobs()
-        await self._serve_link(link, request_iterator, context)
-
-    async def _serve_link(
-        self,
-        link: _Link,
-        request_iterator: AsyncIterator[pb.ShardMessage],
-        context: grpc.aio.ServicerContext,
-    ) -> None:
-        reader = asyncio.create_task(self._read(link, request_iterator))
-        writer = asyncio.create_task(self._write(link, context))
-        try:
-            await asyncio.wait({reader, writer}, return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            reader.cancel()
-            if not writer.done():
-                link.outbox.put_nowait(_Close(Code.OK, ""))
-                await asyncio.wait({writer}, timeout=1.0)
-            writer.cancel()
-            await asyncio.gather(reader, writer, return_exceptions=True)
-            self.lose(link.record, "its control stream ended")
-        end = writer.result() if writer.done() and not writer.cancelled() else None
+        end = await stream.serve(
+            request_iterator,
+            lambda message: self._follow(link, message),
+            context,
+            "ShardLink",
+            config.heartbeat_timeout_s,
+            WRITER_STOP_S,
+            lambda: self.lose(record, "its control stream ended"),
+        )
         if end is not None and end.code is not Code.OK:
             context.set_code(STATUS_BY_CODE[int(end.code)])
             context.set_details(end.details)
 
-    async def _read(self, link: _Link, request_iterator: AsyncIterator[pb.ShardMessage]) -> None:
+    def _follow(self, link: _Link, message: pb.ShardMessage) -> None:
+        """One message of a registered shard: a sign of life, and what it reports."""
         record = link.record
-        try:
-            async for message in request_iterator:
-                kind = message.WhichOneof("kind")
-                stats = message.stats if kind == "stats" else None
-                if not self.registry.heard(record, stats):
-                    return  # replaced or lost meanwhile
-                if kind == "rejected":
-                    self._on_rejected(record, message.rejected)
-                elif kind == "nonfinite":
-                    report = message.nonfinite
-                    self._count_nonfinite(record, report)
-        except asyncio.CancelledError:
-            raise
-        except Exception as exc:  # the transport failed under us: the shard is lost
-            log.warning("control stream of shard %d failed: %s", record.index, exc)
-
-    async def _write(self, link: _Link, context: grpc.aio.ServicerContext) -> _Close | None:
-        heartbeat = pb.LeaderMessage(heartbeat=pb.Heartbeat())
-        interval = self._config.heartbeat_interval_s
-        try:
-            while True:
-                try:
-                    item = await asyncio.wait_for(link.outbox.get(), timeout=interval)
-                except TimeoutError:
-                    item = heartbeat
-                if isinstance(item, _Close):
-                    if item.code is not Code.OK:
-                        end = pb.StreamEnd(
-                            reason=item.reason, code=int(item.code), message=item.details
-                        )
-                        await context.write(pb.LeaderMessage(stream_end=end))
-                    return item
-                await context.write(item)
-        except asyncio.CancelledError:
-            raise
-        except Exception as exc:  # the shard went away while we wrote
-            log.warning("writing to shard %d failed: %s", link.record.index, exc)
-            return None
+        kind = message.WhichOneof("kind")
+        stats = message.stats if kind == "stats" else None
+        if not self.registry.heard(record, stats):
+            link.stream.end(Code.OK, "")  # replaced or lost meanwhile
+        elif kind == "rejected":
+            self._on_rejected(record, message.rejected)
+        elif kind == "nonfinite":
+            self._count_nonfinite(record, message.nonfinite)
 
     def _on_rejected(self, record: ShardRecord, rejected: pb.ShardRejected) -> None:
         """A shard refused a worker's message: the leader aborts the step for every rank."""
@@ -455,7 +414,7 @@ class ShardControl:
         """End a stream that never registered: a StreamEnd, then the same status."""
         end = pb.StreamEnd(code=int(code), message=details)
         try:
-            await context.write(pb.LeaderMessage(stream_end=end))
+            await context.write(pb.LeaderMessage(stream_end=end).SerializeToString())
         except Exception as exc:  # the shard is already gone; the status below is moot
             log.info("could not tell a refused shard why: %s", exc)
         context.set_code(STATUS_BY_CODE[int(code)])

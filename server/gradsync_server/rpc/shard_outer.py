@@ -28,11 +28,10 @@ from gradsync_server.dataplane.outer_snapshot import (
     record_name,
 )
 from gradsync_server.dataplane.plane import JobPlane
-from gradsync_server.rpc.outer_records import OuterRecords
-from gradsync_server.store.checkpoint import CheckpointError, CheckpointStore
+from gradsync_server.rpc.outer_records import OuterRecords, configured_store
+from gradsync_server.store.checkpoint import CheckpointError
 from gradsync_server.store.checkpoint_file import FileCheckpointStore
 from gradsync_server.store.checkpoint_redis import RedisCheckpointStore
-from gradsync_server.store.stores import open_store
 
 __all__ = ["ShardOuterStates"]
 
@@ -48,15 +47,7 @@ class ShardOuterStates:
     """
 
     def __init__(self, config: CoordinatorConfig) -> None:
-        self._store: CheckpointStore | None = (
-            open_store(
-                config.checkpoint_store,
-                password=config.redis_password,
-                timeout_s=config.store_timeout_s,
-            )
-            if config.checkpoint_store
-            else None
-        )
+        self._store = configured_store(config)
         #: Saves of this shard's records (`PersistOuter` from its planes).
         self.records = OuterRecords(self._store, config.store_timeout_s)
 

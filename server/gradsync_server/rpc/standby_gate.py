@@ -14,6 +14,8 @@ from typing import Any, Protocol
 
 import grpc
 
+from gradsync_server.rpc.auth_check import shaped_like
+
 _HEALTH_PREFIX = "/grpc.health.v1.Health/"
 
 
@@ -59,13 +61,7 @@ def _unavailable(handler: grpc.RpcMethodHandler, message: str) -> grpc.RpcMethod
     async def refuse(request: Any, context: grpc.aio.ServicerContext[Any, Any]) -> None:
         await context.abort(grpc.StatusCode.UNAVAILABLE, message)
 
-    if handler.request_streaming and handler.response_streaming:
-        return grpc.stream_stream_rpc_method_handler(refuse)
-    if handler.request_streaming:
-        return grpc.stream_unary_rpc_method_handler(refuse)
-    if handler.response_streaming:
-        return grpc.unary_stream_rpc_method_handler(refuse)
-    return grpc.unary_unary_rpc_method_handler(refuse)
+    return shaped_like(handler, refuse, refuse)
 
 
 class _Servicer(Protocol):
