@@ -332,19 +332,21 @@ class CoordinatorConfig:
     )
     frame_port: int | None = option(
         0,
-        "serve workers' Sync streams also as frames on this TCP port (same host, TLS "
-        "and token as --port), which costs far less per message than gRPC; workers find "
-        "it through the gRPC port and fall back to gRPC where it is unreachable "
-        "(default: --port + 1, --port + S with --shards S, or a free port when that is "
-        "taken or --port is 0; -1 = off)",
+        {
+            Role.LEADER: "serve workers' Sync streams also as frames on this TCP port (same "
+            "host, TLS and token as --port), which costs far less per message than gRPC; "
+            "workers find it through the gRPC port and fall back to gRPC where it is "
+            "unreachable (default: --port + 1, --port + S with --shards S, or a free port "
+            "when that is taken or --port is 0; -1 = off)",
+            Role.SHARD: "serve workers' data streams also as frames on this TCP port (same "
+            "host, TLS and token as --port); workers find it through the gRPC port and fall "
+            "back to gRPC where it is unreachable (default: a free port; -1 = off)",
+        },
         type=int,
         flag_default=None,
-        roles=_LEADER,
         read=read.frame_port,
     )
-    frame_port_required: bool = option(
-        False, name=None, roles=_LEADER, read=read.frame_port_required
-    )
+    frame_port_required: bool = option(False, name=None, read=read.frame_port_required)
     payload_socket: bool = option(
         True,
         "move every gradient payload over TCP, also those of local leaders on this "
