@@ -10,13 +10,8 @@ side and the plumbing (the messages are cut by
 and raises stored failures at the next wait, translated into `GradSyncError`s
 in one place.
 
-A worker may start long before its peers, or before its coordinator: it
-sends heartbeats from the moment its stream is open (the coordinator counts a
-waiting rank as alive), and while it waits for the job to assemble it logs
-every ~10 s who is still missing, or why the coordinator cannot be reached
-(`gradsync.control.joining`). Collectives on user tensors travel on the same
-stream: `run_collective` numbers them (every rank issues them in the same
-order), uploads the input in chunks and waits (bounded) for the result.
+Heartbeats, the wait for the Welcome (`gradsync.control.joining`) and the
+numbering of collectives keep the contract of `gradsync.control.link`.
 
 A stream's end is classified by cause, not only by status code: the
 coordinator's last message is a `StreamEnd` naming the reason, combined with
@@ -24,11 +19,8 @@ the status that follows in `gradsync.errors.error_from_status`. Only a stream
 that broke without one becomes a `CoordinatorUnavailableError`, the one error
 the model wrapper reconnects on.
 
-With a sharded coordinator (a Welcome listing shards), the transport also
-opens one data stream per other shard (`gradsync.path.shard_streams`) and cuts
-every bucket into one byte range per shard (`gradsync.path.bucket_uploads`):
-range 0 goes on the Sync stream, range i on shard i's stream, in parallel,
-and the averages of every stream land in the same `Inbox`.
+With a sharded coordinator, range 0 of every bucket (`gradsync.path.bucket_uploads`)
+goes on the Sync stream and range i on shard i's (`gradsync.path.shard_streams`).
 
 The stream itself is a `gradsync_proto.net.stream_client.StreamClient` whose
 pipe a `gradsync_proto.net.frame_stream.FrameDiscovery` picks: length-prefixed
