@@ -217,6 +217,7 @@ class Inbox:
         with self._cond:
             return self._collectives.take(sequence)
 
+    # ------------------ the waits and reads `CoordinatorLink` documents (the transport binds them)
     def wait_join_progress(self, timeout_s: float) -> pb.JoinProgress:
         """Block until a JoinProgress not yet taken is there; take and return the oldest."""
         self.wait(
@@ -226,7 +227,6 @@ class Inbox:
             return self._shared.join_progress.popleft()
 
     def receive_state(self, num_bytes: int, timeout_s: float) -> bytearray:
-        """Block until rank 0's whole state blob has arrived; return it."""
         self.wait(lambda s: _arrived(s.state, num_bytes), timeout_s, "rank 0's state")
         with self._cond:
             assert self._shared.state is not None
@@ -248,17 +248,14 @@ class Inbox:
             return blob
 
     def step_report(self) -> pb.StepReport | None:
-        """The coordinator's latest StepReport (None until one arrived; lowest rank only)."""
         with self._cond:
             return self._shared.step_report
 
     def live_ranks(self) -> tuple[int, ...] | None:
-        """The live ranks of the latest MembershipChanged (None before any)."""
         with self._cond:
             return self._shared.live_ranks
 
     def take_heal_request(self) -> bool:
-        """True (once) when a rejoining rank needs this rank's state."""
         with self._cond:
             requested, self._shared.heal_requested = self._shared.heal_requested, False
             if requested:
@@ -266,9 +263,6 @@ class Inbox:
             return requested
 
     def wait_heal_answer(self, step: int, timeout_s: float) -> bool:
-        """Block until the coordinator used the state this rank sent at `step` (a membership
-        change past the epoch it went out in), asked for it again, or aborted `step` (it
-        then uses none of it); False after `timeout_s`."""
         with self._cond:
             epoch = self._shared.heal_epoch
         if epoch is None:
@@ -286,7 +280,6 @@ class Inbox:
         return True
 
     def wait_checkpoint(self, step: int, timeout_s: float) -> pb.CheckpointSaved:
-        """Block until the coordinator answered the checkpoint upload of `step`."""
         self.wait(lambda s: step in s.checkpoint_acks, timeout_s, f"the checkpoint of step {step}")
         with self._cond:
             return self._shared.checkpoint_acks.pop(step)
@@ -307,16 +300,6 @@ class Inbox:
             self._steps.expect(step, bucket_index, buffer, dtype, segment_offset)
 
     def wait_step(self, step: int, timeout_s: float) -> int:
-        """Block until every averaged bucket of `step` was written back into its buffer.
-
-        Returns:
-            The number of ranks averaged over.
-
-        Raises:
-            StepAbortedError (or a subclass): the coordinator abandoned the step.
-            SyncTimeoutError: the results did not arrive within `timeout_s`.
-            CoordinatorUnavailableError / other GradSyncError: the stream failed.
-        """
         with self._cond:
             self._steps.watch(step)
         try:
@@ -333,7 +316,6 @@ class Inbox:
             return self._steps.take(step)
 
     def round_report(self) -> RoundReport:
-        """What the answers of the step `wait_step` returned last said (DiLoCo's rounds)."""
         with self._cond:
             return self._steps.last_report
 

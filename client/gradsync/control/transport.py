@@ -10,13 +10,8 @@ side and the plumbing (the messages are cut by
 and raises stored failures at the next wait, translated into `GradSyncError`s
 in one place.
 
-A worker may start long before its peers, or before its coordinator: it
-sends heartbeats from the moment its stream is open (the coordinator counts a
-waiting rank as alive), and while it waits for the job to assemble it logs
-every ~10 s who is still missing, or why the coordinator cannot be reached
-(`gradsync.control.joining`). Collectives on user tensors travel on the same
-stream: `run_collective` numbers them (every rank issues them in the same
-order), uploads the input in chunks and waits (bounded) for the result.
+Heartbeats, the wait for the Welcome (`gradsync.control.joining`) and the
+numbering of collectives keep the contract of `gradsync.control.link`.
 
 A stream's end is classified by cause, not only by status code: the
 coordinator's last message is a `StreamEnd` naming the reason, combined with
@@ -24,11 +19,8 @@ the status that follows in `gradsync.errors.error_from_status`. Only a stream
 that broke without one becomes a `CoordinatorUnavailableError`, the one error
 the model wrapper reconnects on.
 
-With a sharded coordinator (a Welcome listing shards), the transport also
-opens one data stream per other shard (`gradsync.path.shard_streams`) and cuts
-every bucket into one byte range per shard (`gradsync.path.bucket_uploads`):
-range 0 goes on the Sync stream, range i on shard i's stream, in parallel,
-and the averages of every stream land in the same `Inbox`.
+With a sharded coordinator, range 0 of every bucket (`gradsync.path.bucket_uploads`)
+goes on the Sync stream and range i on shard i's (`gradsync.path.shard_streams`).
 
 The stream itself is a `gradsync_proto.net.stream_client.StreamClient` whose
 pipe a `gradsync_proto.net.frame_stream.FrameDiscovery` picks: length-prefixed
@@ -85,7 +77,6 @@ from gradsync.path.gradient_path import BucketEventHandler
 from gradsync.path.pacing import UploadPacer, chunk_bytes_of
 from gradsync.path.shard_faults import SHARD_GRACE_MARGIN_S
 from gradsync.path.shard_streams import CLIENT_MAX_MESSAGE_BYTES, ShardStreams, channel_options
-from gradsync.path.step_results import RoundReport
 
 log = logging.getLogger("gradsync.client")
 
@@ -131,6 +122,19 @@ class Transport:
             lambda step, bucket: self._bucket_event("averaged", step, bucket),
             shard_grace_margin_s=shard_grace_margin_s,
         )
+        # Every wait and read of what the coordinator sent is the inbox's own (the
+        # contract is `CoordinatorLink`'s); the transport adds the sending side.
+        self.configure_buckets = self._inbox.configure_buckets
+        self.receive_state = self._inbox.receive_state
+        self.receive_resume = self._inbox.receive_resume
+        self.wait_checkpoint = self._inbox.wait_checkpoint
+        self.wait_join_progress = self._inbox.wait_join_progress
+        self.take_heal_request = self._inbox.take_heal_request
+        self.wait_heal_answer = self._inbox.wait_heal_answer
+        self.step_report = self._inbox.step_report
+        self.live_ranks = self._inbox.live_ranks
+        self.wait_step = self._inbox.wait_step
+        self.round_report = self._inbox.round_report
         self._closed = False
         options = channel_options()  # before the thread: a bad setting leaves nothing behind
         self._loop = asyncio.new_event_loop()
@@ -194,7 +198,8 @@ class Transport:
             unreachable_s=unreachable_s,
         )
 
-    # ------------------------------------------------------------ collectives, join()
+    # ---------------------------------------- the sending side (documented on CoordinatorLink)
+    # Each queues its messages on the Sync stream (a collective then waits for its result).
     def run_collective(
         self,
         op: int,
@@ -205,7 +210,6 @@ class Transport:
         *,
         result_bytes: int | None = None,
     ) -> tuple[bytearray, int]:
-        """Run the next collective of the job; see `SessionLink.run_collective`."""
         check_collective_input(op, payload)
         with self._sequence_lock:
             sequence = self._next_collective
@@ -218,76 +222,32 @@ class Transport:
 
     @property
     def collective_sequence(self) -> int:
-        """The sequence number the next collective gets."""
         return self._next_collective
 
     def set_collective_sequence(self, sequence: int) -> None:
-        """Continue numbering collectives at `sequence` (after a join(), from JoinProgress)."""
         if sequence < 0:
             raise ValueError(f"a collective sequence number cannot be negative, got {sequence}")
         with self._sequence_lock:
             self._next_collective = sequence
 
     def send_out_of_inputs(self, step: int) -> None:
-        """Tell the coordinator this rank ran out of inputs at `step`. Never blocks."""
         self._put(pb.WorkerMessage(out_of_inputs=pb.OutOfInputs(step=step)))
 
     def send_local_posted(self, step: int, bucket_index: int) -> None:
-        """Tell the coordinator this rank's bucket is in its local group. Never blocks."""
         posted = pb.LocalPosted(step=step, bucket_index=bucket_index)
         self._put(pb.WorkerMessage(local_posted=posted))
 
-    def wait_join_progress(self, timeout_s: float) -> pb.JoinProgress:
-        """Block (bounded) until the next JoinProgress arrives; return it."""
-        return self._inbox.wait_join_progress(timeout_s)
-
-    def configure_buckets(self, bucket_bytes: list[int]) -> None:
-        """Tell the transport the size of each bucket (to assemble results)."""
-        self._inbox.configure_buckets(bucket_bytes)
-
     def send_state(self, blob: npt.NDArray[np.uint8]) -> None:
-        """Queue rank 0's state blob for broadcast (non-blocking)."""
         self._put(StateUpload(blob))
 
-    def receive_state(self, num_bytes: int, timeout_s: float) -> bytearray:
-        """Block until rank 0's whole state blob has arrived; return it."""
-        return self._inbox.receive_state(num_bytes, timeout_s)
-
-    def receive_resume(self, num_bytes: int, timeout_s: float) -> bytes | bytearray:
-        """Block until the checkpoint this job resumes from has arrived; return it."""
-        return self._inbox.receive_resume(num_bytes, timeout_s)
-
     def send_checkpoint(self, step: int, blob: bytes) -> None:
-        """Queue a checkpoint upload (rank 0). Never blocks."""
         self._put(CheckpointUpload(step, blob))
 
     def abandon_step(self, step: int, reason: str) -> None:
-        """Tell the coordinator this rank gives up on `step`. Never blocks."""
         self._put(pb.WorkerMessage(abandon=pb.AbandonStep(step=step, reason=reason)))
 
-    def take_heal_request(self) -> bool:
-        """True (once) when a rejoining rank needs this rank's state."""
-        return self._inbox.take_heal_request()
-
-    def wait_heal_answer(self, step: int, timeout_s: float) -> bool:
-        """Block (bounded) until the state sent was used; see `SessionLink.wait_heal_answer`."""
-        return self._inbox.wait_heal_answer(step, timeout_s)
-
-    def step_report(self) -> pb.StepReport | None:
-        """The coordinator's latest StepReport; see `SessionLink.step_report`."""
-        return self._inbox.step_report()
-
-    def live_ranks(self) -> tuple[int, ...] | None:
-        """The live ranks of the latest MembershipChanged; see `SessionLink.live_ranks`."""
-        return self._inbox.live_ranks()
-
     def send_heal(self, step: int, blob: bytes | bytearray) -> None:
-        """Queue this rank's state for a rejoining rank. Never blocks."""
         self._put(CheckpointUpload(step, blob, heal=True))
-
-    def wait_checkpoint(self, step: int, timeout_s: float) -> pb.CheckpointSaved:
-        """Block until the coordinator answered the checkpoint upload of `step`."""
-        return self._inbox.wait_checkpoint(step, timeout_s)
 
     def submit_bucket(
         self,
@@ -302,12 +262,8 @@ class Transport:
         nonfinite_ranks: tuple[int, ...] = (),
         segment_offset: int | None = None,
     ) -> None:
-        """Queue one bucket for upload; its averages will be written back into `buffer`.
-
-        Never blocks on the network; safe from any thread (autograd hooks call it).
-        The arguments are `GradientPath.submit_bucket`'s. Sharded, range i of
-        the bucket goes to shard i; with `segment_offset` (a local leader whose
-        segment the coordinator holds; unsharded, no `result`) chunks travel
+        """Sharded, range i of the bucket goes to shard i; with `segment_offset` (a local
+        leader whose segment the coordinator holds; unsharded, no `result`) chunks travel
         header-only and averages land in place.
 
         Raises:
@@ -342,14 +298,6 @@ class Transport:
             self._sync.send_threadsafe(parts[0])  # unpaced, one stream: straight out
         else:
             self._loop.call_soon_threadsafe(self._pacer.dispatch, parts)
-
-    def wait_step(self, step: int, timeout_s: float) -> int:
-        """Block until every average of `step` is back; the contributors (`Inbox.wait_step`)."""
-        return self._inbox.wait_step(step, timeout_s)
-
-    def round_report(self) -> RoundReport:
-        """What the answers of the step `wait_step` returned last said (DiLoCo's rounds)."""
-        return self._inbox.round_report()
 
     def close(self, timeout_s: float = 10.0) -> None:
         """Say goodbye, wait (bounded) for the streams to end, stop the loop thread.

@@ -76,6 +76,11 @@ class GradientPath(Protocol):
 
         Returns:
             The number of ranks averaged over.
+
+        Raises:
+            StepAbortedError (or a subclass): the coordinator abandoned the step.
+            SyncTimeoutError: the results did not arrive within `timeout_s`.
+            CoordinatorUnavailableError / other GradSyncError: the stream failed.
         """
         ...
 

@@ -185,38 +185,26 @@ class ShardStream:
     """One `Shard.Data` stream: a `StreamClient` whose end is a failed shard (loop thread).
 
     Args:
+        streams: the set it belongs to (its inbox, encoder, closing flag, answer
+            clock and security are every stream's).
         index: the shard's index.
         target: its gRPC target.
         hello: the stream's first message (WorkerMessage{shard_hello}).
-        inbox: where averages and the stream's failure go.
-        encode: the serialized chunks of a range upload (the transport's, so
-            both kinds of stream stamp the same chunk size and epoch).
-        closing: true once the transport is closing (an end is then no failure).
-        answered: told (index, step, dtype, payload bytes) of every averaged chunk
-            (the upload pacer's clock, `gradsync.path.pacing`).
         connect_timeout_s: how long the shard gets to accept the connection.
-        security: TLS and token, as to the leader (shards share its CA and token).
     """
 
     def __init__(
         self,
+        streams: ShardStreams,
         index: int,
         target: str,
         hello: pb.WorkerMessage,
-        inbox: Inbox,
-        encode: Callable[[RangeUpload], Iterator[bytes]],
-        closing: Callable[[], bool],
-        answered: Answered,
         connect_timeout_s: float,
-        security: ChannelSecurity | None = None,
     ) -> None:
         self.index = index
-        self._answered = answered
         self.target = target
         self._rank = hello.shard_hello.rank
-        self._inbox = inbox
-        self._encode = encode
-        self._closing = closing
+        self._streams = streams
         #: The shard's announcement of why it ends the stream, if it sent one.
         self._end: pb.StreamEnd | None = None
         self.name = f"shard {index} at {target}"
@@ -226,7 +214,7 @@ class ShardStream:
             SHARD_DATA_METHOD,
             self._on_message,
             self._on_end,
-            security=security,
+            security=streams.security,
             options=channel_options(),
             encode=self._messages,
             connect_timeout_s=connect_timeout_s,
@@ -250,21 +238,22 @@ class ShardStream:
 
     def _messages(self, item: RangeUpload | pb.WorkerMessage) -> Iterator[bytes]:
         if isinstance(item, RangeUpload):
-            return self._encode(item)
+            return self._streams.encode(item)
         return iter((item.SerializeToString(),))
 
     def _on_message(self, raw: bytes) -> None:
         fast = decode_gradient(raw)
         if fast is not None:
             header, payload = fast
-            self._answered(self.index, header.step, header.dtype, len(payload))
-            self._inbox.on_averaged_chunk(header, payload, source=self.name)
+            self._streams.answered(self.index, header.step, header.dtype, len(payload))
+            self._streams.inbox.on_averaged_chunk(header, payload, source=self.name)
             return
         message = pb.CoordinatorMessage.FromString(raw)
         kind = message.WhichOneof("kind")
         if kind == "gradient":
             chunk = message.gradient
-            self._inbox.on_averaged_chunk(header_of(chunk), memoryview(chunk.payload), self.name)
+            payload = memoryview(chunk.payload)
+            self._streams.inbox.on_averaged_chunk(header_of(chunk), payload, self.name)
         elif kind == "stream_end":
             self._end = message.stream_end  # kept to name the cause with the status
         else:  # the leader's business (heartbeats, membership): nothing for a data stream
@@ -272,7 +261,7 @@ class ShardStream:
 
     def _on_end(self, ended: StreamEnded) -> None:
         """Report a stream that ended while the transport was not closing as a lost shard."""
-        if ended.kind is EndKind.CLOSED or ended.closing or self._closing():
+        if ended.kind is EndKind.CLOSED or ended.closing or self._streams.closing():
             return
         status: Code | None = None
         why = ended.details
@@ -287,7 +276,7 @@ class ShardStream:
             why = f"{status.name}: {why}"
         if self._end is not None and self._end.message:
             why = f"{why} ({self._end.message})"
-        self._inbox.shard_failed(
+        self._streams.inbox.shard_failed(
             ShardUnavailableError(
                 f"the data stream to {self.name} failed: {why}",
                 rank=self._rank,
@@ -303,11 +292,13 @@ class ShardStreams:
 
     Args:
         leader_target: the leader's gRPC target (":port" shards share its host).
-        inbox: where averages and failures go.
-        encode: the serialized chunks of a range upload.
-        closing: true once the transport is closing.
-        answered: told of every averaged chunk (see `ShardStream`).
-        security: TLS and token of every shard stream (the leader's).
+        inbox: where averages and a stream's failure go.
+        encode: the serialized chunks of a range upload (the transport's, so
+            both kinds of stream stamp the same chunk size and epoch).
+        closing: true once the transport is closing (an end is then no failure).
+        answered: told (index, step, dtype, payload bytes) of every averaged chunk
+            (the upload pacer's clock, `gradsync.path.pacing`).
+        security: TLS and token, as to the leader (shards share its CA and token).
     """
 
     def __init__(
@@ -319,12 +310,12 @@ class ShardStreams:
         answered: Answered,
         security: ChannelSecurity | None = None,
     ) -> None:
-        self._security = security
-        self._answered = answered
+        self.security = security
+        self.answered = answered
         self._leader_target = leader_target
-        self._inbox = inbox
-        self._encode = encode
-        self._closing = closing
+        self.inbox = inbox
+        self.encode = encode
+        self.closing = closing
         self.streams: dict[int, ShardStream] = {}
 
     def open(self, welcome: pb.Welcome, join: pb.Join) -> None:
@@ -337,12 +328,12 @@ class ShardStreams:
         try:
             targets = shard_targets(welcome.shards, self._leader_target)
         except ValueError as exc:
-            self._inbox.protocol_fault(f"the Welcome's shard list is unusable: {exc}")
+            self.inbox.protocol_fault(f"the Welcome's shard list is unusable: {exc}")
             return
         # Connecting gets the same bound as a failed stream's grace: by then the
         # leader has noticed a shard that is not there.
         connect_timeout_s = shard_grace_s(
-            self._inbox.heartbeat_interval_s, self._inbox.shard_grace_margin_s
+            self.inbox.heartbeat_interval_s, self.inbox.shard_grace_margin_s
         )
         for index, target in sorted(targets.items()):
             hello = pb.ShardHello(
@@ -355,17 +346,8 @@ class ShardStreams:
                 # is public: Status shows it; the secret itself never reaches a shard).
                 session=auth.shard_session(welcome.session, index),
             )
-            stream = ShardStream(
-                index,
-                target,
-                pb.WorkerMessage(shard_hello=hello),
-                self._inbox,
-                self._encode,
-                self._closing,
-                self._answered,
-                connect_timeout_s,
-                self._security,
-            )
+            hello_message = pb.WorkerMessage(shard_hello=hello)
+            stream = ShardStream(self, index, target, hello_message, connect_timeout_s)
             stream.start()
             self.streams[index] = stream
         log.info(
