@@ -57,7 +57,7 @@ def frame_port(args: argparse.Namespace, environ: Mapping[str, str]) -> int | No
     """The frame port `--frame-port` asks for: a leader's past the ports of `--shards`
     (`frame_port_of`); a shard's a free one unless named (its neighbours' ports are taken
     by a leader's other local shards)."""
-    if not hasattr(args, "shards"):  # the shard subcommand
+    if args.role == "shard":  # (`Role.SHARD`: config.py imports this module)
         return 0 if args.frame_port is None else frame_port_of(args.frame_port, args.port)
     return frame_port_of(args.frame_port, args.port, args.shards or 1)
 
