@@ -12,18 +12,19 @@
 # Workers and shards read the same variable; add --tls-cert/--tls-key (serve) and
 # $GRADSYNC_TLS_CA (workers) across hosts. See SECURITY.md.
 #
-# Stages: the builder turns the source into a wheel and installs it with its dependencies
-# into a venv; the runtime stages copy only a venv, so no compiler, pip cache or source tree
-# ships. The default (last) stage is the image above, for every role. `--target coordinator`
-# builds a coordinator-only image without torch (the coordinator and the shards never import
-# it: their arithmetic is numpy); workers need the default image.
+# Stages: `dependencies` installs torch and the other dependencies into a venv, the builder
+# turns the source into a wheel; the runtime stages copy a venv and install the wheel, so no
+# compiler, pip cache or source tree ships. The default (last) stage is the image above, for
+# every role. `--target coordinator` builds a coordinator-only image without torch (the
+# coordinator and the shards never import it: their arithmetic is numpy); workers need the
+# default image.
 #
 # Build argument TORCH_INDEX_URL: the index torch comes from (default: the CPU build's index;
 # it and PyPI are all a build on a normal network needs). An extra CA or a local wheel
 # directory is given at build time as a mount, never baked in: scripts/container-check.sh
 # does that for podman on a machine that reaches neither pytorch.org nor a registry.
 
-FROM python:3.11-slim AS builder
+FROM python:3.11-slim AS dependencies
 ENV PIP_NO_CACHE_DIR=1 \
     PIP_DISABLE_PIP_VERSION_CHECK=1
 RUN python -m venv /opt/venv
@@ -33,24 +34,25 @@ ENV PATH=/opt/venv/bin:$PATH
 ARG TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu
 RUN pip install --index-url "$TORCH_INDEX_URL" torch==2.13.0
 WORKDIR /src
-# The dependencies (and the extras below), read from pyproject.toml, in a layer of their own:
-# a change to the code rebuilds from the next layer on, without downloading them again.
+# The dependencies and the extras `demo` (scikit-learn's bundled digits for `gradsync worker`)
+# and `redis` (the Redis checkpoint store behind --checkpoint-store redis://...), read from
+# pyproject.toml. This venv holds no gradsync code, so a change to the code leaves it (and the
+# default image's copy of it, over a gigabyte) cached.
 COPY pyproject.toml ./
 RUN python -c "import tomllib; p = tomllib.load(open('pyproject.toml', 'rb'))['project']; \
 extras = p['optional-dependencies']; \
 [print(r) for r in p['dependencies'] + extras['demo'] + extras['redis'] if not r.startswith('torch')]" \
         > /tmp/dependencies.txt \
     && pip install -r /tmp/dependencies.txt
-# Only what the wheel is built from (client/, server/, proto/, bench/ are the package).
+
+# The wheel, from only what it is built from (client/, server/, proto/, bench/ are the package).
+FROM dependencies AS builder
 COPY README.md ./
 COPY client client
 COPY server server
 COPY proto proto
 COPY bench bench
-# Extras: `demo` (scikit-learn's bundled digits for `gradsync worker`), `redis` (the
-# Redis checkpoint store behind --checkpoint-store redis://...).
-RUN pip wheel --no-deps --wheel-dir /dist . \
-    && pip install "$(ls /dist/gradsync-*.whl)[demo,redis]"
+RUN pip wheel --no-deps --wheel-dir /dist .
 
 # The coordinator's venv: the same wheel and dependencies (with the redis extra) minus torch
 # and the demo extra; the requirements are read from the wheel, so no list is written twice.
@@ -81,8 +83,13 @@ CMD ["serve", "--world-size", "3", "--host", "0.0.0.0", "--port", "50051", "--me
 
 # The default image: every role (coordinator, shards, workers).
 FROM python:3.11-slim
-# The same base image as the builder, so the venv's interpreter links stay valid.
-COPY --from=builder /opt/venv /opt/venv
+# The same base image as the builder, so the venv's interpreter links stay valid. The
+# dependencies' venv first (cached across code changes), then the small gradsync wheel on top.
+COPY --from=dependencies /opt/venv /opt/venv
+COPY --from=builder /dist /tmp/dist
+RUN PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1 /opt/venv/bin/pip install --no-deps \
+        /tmp/dist/gradsync-*.whl \
+    && rm -rf /tmp/dist
 # PYTHONUNBUFFERED: logs reach `docker logs` as they are written, not when a buffer fills.
 # PROMETHEUS_DISABLE_CREATED_SERIES: no `*_created` series beside every counter/histogram.
 ENV PATH=/opt/venv/bin:$PATH \

@@ -170,7 +170,9 @@ def test_partitioned_worker_is_declared_dead(
         report = json.loads((tmp_path / "rank0.json").read_text())
         assert report["status"] == "PeerLostError"
         assert "rank 1" in report["message"] and "heartbeat" in report["message"]
-        assert detected_after < 2 + 1 + 3, detected_after
+        # The 2 s heartbeat timeout, not the 60 s sync timeout, ended it. The margin covers
+        # the worker writing its report and exiting on a loaded machine (several seconds under CI load).
+        assert detected_after < 2 + 13, detected_after
         coordinator.terminate()
         _, log = coordinator.communicate(timeout=30)
         assert "declared dead" in log
