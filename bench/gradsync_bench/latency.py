@@ -1,6 +1,6 @@
 """The latency suite: steps/s of a tiny model, where every step is fixed per-step cost.
 
-Issue 27: with small gradients a star (two hops per step) should beat a ring (2(W-1)
+With small gradients a star (two hops per step) should beat a ring (2(W-1)
 hops) by a wide margin, unless per-step fixed costs eat the lead. Per world size W
 (default 2, 8, 16, all ranks on this host), each mode of `gradsync_bench.latency_worker`
 (gradsync flat, gradsync default layout, torch DDP over gloo) trains the same
@@ -40,7 +40,7 @@ def num(values: dict[str, float], key: str, digits: int = 1) -> str:
     return f"{values[key]:.{digits}f}" if key in values else "-"
 
 
-#: Issue 27's targets, flat gradsync over gloo DDP steps/s, by W.
+#: The targets, flat gradsync over gloo DDP steps/s, by W.
 TARGETS = {16: 3.0, 8: 2.0}
 
 

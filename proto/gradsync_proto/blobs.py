@@ -12,7 +12,7 @@ adds only what is its own (a cap on the declared size, a byte budget, how a
 refusal travels).
 
 Memory follows the bytes that arrived, never the size a sender declares
-(issue 11: one 14-byte CheckpointChunk declaring 2 GiB made the coordinator
+(one 14-byte CheckpointChunk declaring 2 GiB made the coordinator
 zero-fill 2 GiB): the declared total is only a claim that chunks are checked
 against, the buffer grows by each chunk's bytes, and a chunk that arrives
 ahead of a gap is held apart until the gap fills. Pure logic, no I/O.

@@ -4,7 +4,7 @@ Reasons (Leave.reason, AbandonStep.reason), incarnations and versions come
 from peers. Logged raw, a newline in one forges a log line; relayed raw, a
 1 MB reason goes to every rank. So every such field is cut to a bounded
 length and shown with `repr`, which escapes newlines and control characters
-and makes the field's boundaries visible (issue 11).
+and makes the field's boundaries visible.
 """
 
 from __future__ import annotations

@@ -187,7 +187,7 @@ class CollectiveResults:
             if problem is not None:
                 return problem
             # The claim is checked against what this rank asked for (above); still the
-            # buffer grows as chunks arrive, never allocated by a claimed size (issue 11).
+            # buffer grows as chunks arrive, never allocated by a claimed size.
             result = pending.result = BlobAssembly(
                 "the result", chunk.total_bytes, pending.chunk_bytes, in_order=False
             )

@@ -91,7 +91,7 @@ class InboxState:
     def record_welcome(self, welcome: pb.Welcome) -> None:
         """Keep the Welcome and get ready for the blobs it announces.
 
-        Neither buffer is sized by what the Welcome says (issue 11): each
+        Neither buffer is sized by what the Welcome says: each
         grows as its chunks arrive, checked against the announced size.
         """
         self.welcome = welcome

@@ -3,7 +3,7 @@
 A worker sizes buffers, timers and its shard connections from the Welcome, so
 a wrong or hostile one must fail fast with an error naming the field and its
 value, not allocate 2 GiB (`state_bytes`), spin (`heartbeat_interval_s` of 0
-or NaN) or dial a garbage address (issue 11). The worker knows its own model:
+or NaN) or dial a garbage address. The worker knows its own model:
 `state_bytes` must equal the size of its parameters and buffers, and
 `world_size` and `job_id` what it joined with. Pure logic.
 """

@@ -16,7 +16,7 @@ rank used the parameter. It costs 4 bytes per parameter per step, and the
 coordinator needs no notion of it (it is the last "parameter" of the
 signature, `gradsync.path.signature.PRESENCE_NAME`).
 
-Where it travels (issue 27): when the last gradient bucket is float32 (and
+Where it travels: when the last gradient bucket is float32 (and
 neither an outer optimizer nor `wire_dtype` is in play), the presence vector
 rides at the end of that bucket, so a step costs no message of its own for it:
 for a small model whose gradients fit one bucket, one upload and one average

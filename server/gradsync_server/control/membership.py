@@ -147,7 +147,7 @@ class Membership:
         session = secrets.token_bytes(SESSION_BYTES)
         # One shared copy per job: a member whose signature equals the reference keeps
         # the reference, not its own (a 1 MB Join cost 13.6 MiB per member as parsed
-        # protobuf objects; issue 11).
+        # protobuf objects).
         signature = join.signature
         if self.signature is not None and signature == self.signature:
             signature = self.signature

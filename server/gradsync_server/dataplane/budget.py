@@ -12,7 +12,7 @@ returns exactly what the reservation holds and is idempotent, so every path
 that frees a step (completion, abort, a broken or refused job) can release
 without knowing whether another path already did.
 
-Per-job shares (issue 11): one job must not be able to hold the whole
+Per-job shares: one job must not be able to hold the whole
 budget and so make every other job's uploads fail. Each owner (a job id)
 may hold at most `owner_limit` bytes (default: half the limit; flag
 `--max-job-buffered-mb`), so whatever one job does, at least

@@ -142,7 +142,7 @@ class ReportSchedule:
     The report feeds that rank's periodic step log, which names the slowest
     rank. Sent after every step it was one more gRPC message per step, through
     the coordinator's most expensive path (a write costs about as much as an
-    average for a small model, issue 27), mostly to say what the last one said.
+    average for a small model), mostly to say what the last one said.
     So a report goes out when it says something new (the first step, another
     slowest rank, another lowest participant), and otherwise every `every`
     steps, to refresh the lag it carries; the log uses the latest one.

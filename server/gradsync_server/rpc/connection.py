@@ -7,7 +7,7 @@ RESOURCE_EXHAUSTED instead of growing the coordinator's memory. Ending a
 stream is queued too, so it happens after what was queued before, and an
 error end is announced by a `StreamEnd` carrying the reason.
 
-Bounds (issue 11): one outbox holds at most `max_outbox_bytes` (a few
+Bounds: one outbox holds at most `max_outbox_bytes` (a few
 buckets), and all outboxes together are counted in one coordinator-wide
 `ByteBudget`; a worker whose outbox is behind when either would be exceeded
 is dropped at once. Its queue is discarded first, so the RESOURCE_EXHAUSTED
@@ -101,7 +101,7 @@ class Connection:
         #: The stream's synchronous write, when its pipe has one (a frame connection's
         #: `write_now`: False when its buffer is full); None for gRPC. Used by `send`
         #: while the writer waits on an empty outbox, which saves the queue's hand-over
-        #: to the writer task on every message (issue 27).
+        #: to the writer task on every message.
         self._write_now: Callable[[bytes], bool] | None = None
         self._writer_idle = False
         self._outbox_budget = outbox_budget

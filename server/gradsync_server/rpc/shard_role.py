@@ -16,7 +16,7 @@ registration up to the heartbeat timeout, but for the view announcing its job
 or rank only `ANNOUNCE_GRACE_S`: the leader sends a view before the Welcome
 that lets a worker dial, so a view later than that is not on its way, and a
 stream naming a job or rank nobody announced must not be held for a whole
-heartbeat timeout (review issue 22).
+heartbeat timeout.
 Everything runs on one asyncio loop, so no locks.
 """
 

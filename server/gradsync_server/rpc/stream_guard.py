@@ -1,6 +1,6 @@
 """The outermost layer of every coordinator RPC handler: a connection cap and a bug net.
 
-Two things every handler needs and none should write itself (issue 11):
+Two things every handler needs and none should write itself:
 
 - `--max-connections`: streams of every kind (worker Sync streams, shard data
   streams, shard control links) count against one cap; one beyond it is
