@@ -363,7 +363,7 @@ def test_a_rank_lost_from_a_reduce_scatter_fails_it_for_the_others() -> None:
                 while message.WhichOneof("kind") != "collective":
                     message = await worker.recv()
                 assert not message.collective.payload
-                assert "rank 2 was lost during collective 0 (reduce_scatter sum)" in (
+                assert "rank 2 stopped taking part in collective 0 (reduce_scatter sum)" in (
                     message.collective.error
                 ), message.collective.error
             assert running.servicer.budget.used == 0

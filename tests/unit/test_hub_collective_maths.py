@@ -142,7 +142,7 @@ def test_a_rank_lost_from_a_per_rank_op_fails_it_and_frees_every_byte() -> None:
     assert isinstance(told, Send) and told.ranks == (0,)  # rank 1's input is not whole yet
     assert isinstance(told.message, pb.CoordinatorMessage)
     error = told.message.collective.error
-    assert "rank 2 was lost during collective 0 (reduce_scatter sum)" in error, error
+    assert "rank 2 stopped taking part in collective 0 (reduce_scatter sum)" in error, error
     assert budget.used == 0
     actions: list[Action] = []
     for _, chunk in half[2:]:  # the rest of rank 1's input is dropped; then it is told

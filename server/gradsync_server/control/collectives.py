@@ -405,8 +405,8 @@ class Collectives:
             if held.failure is None and held.op in PER_RANK:
                 actions += self._fail(
                     held,
-                    f"rank {rank} was lost during {held.describe()}, which needs every "
-                    "rank of the job",
+                    f"rank {rank} stopped taking part in {held.describe()} (lost, or out "
+                    "of inputs in join()), which needs every rank of the job",
                     ended=rank,
                 )
             if held.failure is not None:
