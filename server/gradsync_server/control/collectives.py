@@ -186,15 +186,15 @@ class Collectives:
 
     def _take(self, rank: int, held: _Round, chunk: pb.CollectiveChunk) -> list[Action]:
         where = f"rank {rank} sent collective {held.sequence}"
-        mismatch = self._mismatch(rank, held, chunk)
-        if mismatch is not None:
-            return self._disagree(rank, held, mismatch)
         if rank not in held.participants:
             raise RejectedMessage(
                 Code.FAILED_PRECONDITION,
                 f"{where} but does not take part in it (participants {held.participants}; "
                 "a rank that ran out of inputs sends no collectives until every rank has)",
             )
+        mismatch = self._mismatch(rank, held, chunk)
+        if mismatch is not None:
+            return self._disagree(rank, held, mismatch)
         item = held.inputs.get(rank)
         if item is None:
             mismatch = self._check_size(rank, held, chunk)
