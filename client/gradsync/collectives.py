@@ -1,4 +1,5 @@
-"""Collectives on user tensors through the coordinator: all_reduce, broadcast, all_gather, barrier.
+"""Collectives on user tensors through the coordinator: all_reduce, broadcast, all_gather,
+barrier, reduce_scatter, gather, scatter, all_to_all.
 
 A DDP training script uses `torch.distributed` for more than gradients: it
 sums a metric over ranks, broadcasts a seed from rank 0, gathers small
@@ -17,8 +18,29 @@ same order (the coordinator pairs them by sequence number and refuses
 mismatched ops, dtypes or sizes naming the rank and both values); results are
 written in place; every wait is bounded by the wrapper's sync timeout. While
 some ranks have run out of inputs inside `model.join()`, only the others take
-part ("avg" divides by their number). SUM and AVG accumulate in float32 (float64
-for float64) on the coordinator, integers in int64.
+part ("avg" divides by their number). Reductions accumulate in float32 (float64
+for float64; float16 and bfloat16 inputs widen to float32 and narrow once) on
+the coordinator, integers in int64, always in rank order once every input is
+in: the result's bits do not depend on which rank arrived first.
+
+What each op costs on the wire (N = bytes of one rank's full input, W ranks;
+the coordinator is a hub, so every byte goes up to it and back once)::
+
+    op              each rank sends   each rank receives   hub link, in / out
+    all_reduce      N                 N                    W*N / W*N
+    reduce_scatter  N                 N/W                  W*N / N
+    all_gather      N                 W*N                  W*N / W*W*N
+    gather          N                 W*N (root), 0        W*N / W*N
+    scatter         W*N (root), 0     N                    W*N / W*N
+    all_to_all      N                 N                    W*N / W*N
+    broadcast       N (root), 0       N                    N / W*N
+
+Against gloo's ring, per rank and each way: all_reduce 2(W-1)/W*N,
+reduce_scatter (W-1)/W*N, all_gather (W-1)*N, pairwise all_to_all
+(W-1)/W*N. So a rank's own link carries about what it carries in a ring
+(reduce_scatter: N up and N/W down, against (W-1)/W*N up and down), while the
+hub's link carries the sum over the ranks: the hub wins on latency (one round
+trip instead of W-1 steps), not on the hub's bandwidth.
 
 `Collectives` is the object behind these functions: the wrapper builds one as
 `model.collectives`, and its own buffer broadcasts, SyncBatchNorm and join()
@@ -29,6 +51,7 @@ and gathered but not reduced.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -46,6 +69,7 @@ _REDUCE_OPS = {
     "avg": pb.COLLECTIVE_OP_AVG,
     "min": pb.COLLECTIVE_OP_MIN,
     "max": pb.COLLECTIVE_OP_MAX,
+    "product": pb.COLLECTIVE_OP_PRODUCT,
 }
 _FLOATING = (torch.float32, torch.float64, torch.float16, torch.bfloat16)
 
@@ -88,8 +112,8 @@ class Collectives:
 
         Args:
             tensor: a float or integer tensor, the same shape and dtype on every rank.
-            op: "sum", "avg", "min" or "max" (torch.distributed.ReduceOp values work
-                too); "avg" needs a floating dtype.
+            op: "sum", "avg", "min", "max" or "product" (torch.distributed.ReduceOp
+                values work too); "avg" needs a floating dtype.
 
         Raises:
             ValueError: an unknown op, or a dtype the op cannot reduce.
@@ -97,13 +121,7 @@ class Collectives:
         """
         wire_op = _reduce_op(op)
         _check(tensor, "all_reduce")
-        if tensor.dtype == torch.bool:
-            raise ValueError("all_reduce cannot reduce bool tensors; convert them to int first")
-        if wire_op == pb.COLLECTIVE_OP_AVG and tensor.dtype not in _FLOATING:
-            raise ValueError(
-                f"all_reduce op 'avg' needs a floating tensor, got {tensor.dtype}; "
-                "use 'sum' and divide"
-            )
+        _check_reducible(tensor, wire_op, "all_reduce")
         host = _host(tensor)
         result = self._run(wire_op, tensor.dtype, _bytes_of(host), root=0)
         _write_back(tensor, result)
@@ -177,9 +195,7 @@ class Collectives:
         size = tensor.numel() * tensor.element_size()
         parts = []
         for index in range(self.last_contributors):
-            part = torch.empty_like(tensor, memory_format=torch.contiguous_format)
-            _write_back(part, result[index * size : (index + 1) * size])
-            parts.append(part)
+            parts.append(_unpacked(tensor, result[index * size : (index + 1) * size]))
         return parts
 
     def barrier(self) -> None:
@@ -190,7 +206,187 @@ class Collectives:
         """
         self._run(pb.COLLECTIVE_OP_BARRIER, torch.uint8, np.empty(0, np.uint8), root=0)
 
+    def reduce_scatter(
+        self, output: torch.Tensor, input: torch.Tensor, op: Any = "sum"
+    ) -> torch.Tensor:
+        """Reduce `input` element-wise over the ranks; keep this rank's part in `output`.
+
+        `input` is read flat: world_size * n elements, where n is
+        `output.numel()`; rank r receives reduced elements [r*n, (r+1)*n). Every
+        rank must pass the same sizes, dtype and op. Needs every rank of the job
+        (not inside join() while a rank has run out of inputs).
+
+        On the wire each rank sends its whole input (N bytes) and receives only
+        its part (N/W); the coordinator receives W*N and sends N in all. A ring
+        reduce-scatter sends and receives (W-1)/W*N per rank, over W-1 steps.
+
+        Args:
+            output: n elements of `input`'s dtype; written in place and returned.
+            input: world_size * n elements, any shape (read in row-major order).
+            op: as for `all_reduce`.
+
+        Raises:
+            ValueError: sizes or dtypes that do not fit, an unknown op.
+            GradSyncError: the collective failed (e.g. another rank disagreed).
+        """
+        wire_op = _reduce_op(op)
+        for tensor in (output, input):
+            _check(tensor, "reduce_scatter")
+        _check_reducible(input, wire_op, "reduce_scatter")
+        _check_same_dtype(output, input, "reduce_scatter")
+        if input.numel() != self.world_size * output.numel():
+            raise ValueError(
+                f"reduce_scatter needs an input of world_size * output.numel() = "
+                f"{self.world_size} * {output.numel()} elements, got {input.numel()}"
+            )
+        template = pb.CollectiveChunk(reduce_op=wire_op)  # type: ignore[arg-type]
+        result = self._run(
+            pb.COLLECTIVE_OP_REDUCE_SCATTER,
+            input.dtype,
+            _bytes_of(_host(input)),
+            root=0,
+            result_bytes=_nbytes(output),
+            template=template,
+        )
+        _write_back(output, result)
+        return output
+
+    def gather(self, tensor: torch.Tensor, dst: int) -> list[torch.Tensor] | None:
+        """Every rank's `tensor` at rank `dst` only, in rank order (new tensors).
+
+        Every rank must pass the same shape and dtype; only `dst` receives the
+        parts (each rank sends N bytes, `dst` receives W*N, the others an
+        empty answer). Needs every rank of the job.
+
+        Returns:
+            On `dst`, world_size tensors like `tensor`; None on the other ranks.
+
+        Raises:
+            ValueError: `dst` is not a rank of the job, or an unsupported dtype.
+            GradSyncError: the collective failed.
+        """
+        self._check_src(dst)
+        _check(tensor, "gather")
+        size = _nbytes(tensor)
+        result = self._run(
+            pb.COLLECTIVE_OP_GATHER,
+            tensor.dtype,
+            _bytes_of(_host(tensor)),
+            root=dst,
+            result_bytes=size * self.world_size if self.rank == dst else 0,
+        )
+        if self.rank != dst:
+            return None
+        return [
+            _unpacked(tensor, result[r * size : (r + 1) * size]) for r in range(self.world_size)
+        ]
+
+    def scatter(
+        self, output: torch.Tensor, inputs: Sequence[torch.Tensor] | None, src: int
+    ) -> torch.Tensor:
+        """Rank `src`'s `inputs[r]` into `output` on each rank r, in place; return `output`.
+
+        Only `src` passes `inputs` (world_size tensors shaped like `output`); the
+        others pass None. `src` sends W*N bytes, every rank receives its N.
+        Needs every rank of the job.
+
+        Raises:
+            ValueError: `src` is not a rank, `inputs` missing on `src` or of the
+                wrong number, shape or dtype.
+            GradSyncError: the collective failed.
+        """
+        self._check_src(src)
+        _check(output, "scatter")
+        if self.rank == src:
+            if inputs is None or len(inputs) != self.world_size:
+                count = "None" if inputs is None else str(len(inputs))
+                raise ValueError(
+                    f"scatter's source rank {src} must pass {self.world_size} inputs "
+                    f"(one per rank), got {count}"
+                )
+            for part in inputs:
+                _check(part, "scatter")
+                if part.shape != output.shape or part.dtype != output.dtype:
+                    raise ValueError(
+                        f"scatter's inputs must each match the output ({tuple(output.shape)}, "
+                        f"{output.dtype}), got {tuple(part.shape)} {part.dtype}"
+                    )
+            pieces = [_bytes_of(_host(part)) for part in inputs]
+            payload = np.concatenate(pieces) if pieces else np.empty(0, np.uint8)
+        else:
+            payload = np.empty(0, np.uint8)
+        result = self._run(
+            pb.COLLECTIVE_OP_SCATTER, output.dtype, payload, root=src, result_bytes=_nbytes(output)
+        )
+        _write_back(output, result)
+        return output
+
+    def all_to_all(
+        self,
+        output: torch.Tensor,
+        input: torch.Tensor,
+        output_splits: Sequence[int] | None = None,
+        input_splits: Sequence[int] | None = None,
+    ) -> torch.Tensor:
+        """Send part r of `input` to rank r; receive every rank's part for this rank.
+
+        As torch's `all_to_all_single`: the parts are slices of dimension 0,
+        `input_splits[r]` rows to rank r and `output_splits[j]` rows from rank j
+        (None: world_size equal parts). The split sizes travel with the input
+        and the coordinator checks that what rank j sends to rank r is what
+        rank r expects from it. Each rank sends N bytes and receives its N; a
+        pairwise exchange would send and receive (W-1)/W*N. Needs every rank.
+
+        Raises:
+            ValueError: splits that do not add up to dimension 0, or dtypes or
+                row shapes that differ between `output` and `input`.
+            GradSyncError: the collective failed (e.g. splits disagree across ranks).
+        """
+        for tensor in (output, input):
+            _check(tensor, "all_to_all")
+        _check_same_dtype(output, input, "all_to_all")
+        if output.dim() == 0 or input.dim() == 0 or output.shape[1:] != input.shape[1:]:
+            raise ValueError(
+                f"all_to_all needs output and input with the same row shape, got "
+                f"{tuple(output.shape)} and {tuple(input.shape)}"
+            )
+        row = math.prod(input.shape[1:]) * input.element_size()  # bytes of one row
+        send = self._splits(input, input_splits, "input")
+        receive = self._splits(output, output_splits, "output")
+        template = pb.CollectiveChunk(
+            send_splits=[rows * row for rows in send],
+            receive_splits=[rows * row for rows in receive],
+        )
+        result = self._run(
+            pb.COLLECTIVE_OP_ALL_TO_ALL,
+            input.dtype,
+            _bytes_of(_host(input)),
+            root=0,
+            result_bytes=_nbytes(output),
+            template=template,
+        )
+        _write_back(output, result)
+        return output
+
     # ------------------------------------------------------------ helpers
+    def _splits(self, tensor: torch.Tensor, splits: Sequence[int] | None, what: str) -> list[int]:
+        """Rows per rank of `tensor`'s dimension 0 (equal parts when `splits` is None)."""
+        rows = tensor.shape[0]
+        if splits is None:
+            if rows % self.world_size:
+                raise ValueError(
+                    f"all_to_all's {what} has {rows} rows, not divisible into "
+                    f"{self.world_size} equal parts: pass {what}_splits"
+                )
+            return [rows // self.world_size] * self.world_size
+        parts = [int(size) for size in splits]
+        if len(parts) != self.world_size or min(parts) < 0 or sum(parts) != rows:
+            raise ValueError(
+                f"all_to_all's {what}_splits {parts} must be {self.world_size} sizes "
+                f"(one per rank, none negative) adding up to its {rows} rows"
+            )
+        return parts
+
     def _check_src(self, src: int) -> None:
         if isinstance(src, bool) or not isinstance(src, int) or not 0 <= src < self.world_size:
             raise ValueError(f"src must be a rank of the job (0..{self.world_size - 1}), got {src}")
@@ -202,16 +398,25 @@ class Collectives:
         payload: np.ndarray[Any, np.dtype[np.uint8]],
         root: int,
         result_bytes: int | None = None,
+        template: pb.CollectiveChunk | None = None,
     ) -> memoryview:
+        # `template` only when there is one: links that predate it keep working.
+        extra = {} if template is None else {"template": template}
         data, contributors = self.link.run_collective(
-            op, WIRE_DTYPES[dtype], payload, root, self.timeout_s, result_bytes=result_bytes
+            op,
+            WIRE_DTYPES[dtype],
+            payload,
+            root,
+            self.timeout_s,
+            result_bytes=result_bytes,
+            **extra,
         )
         self.last_contributors = contributors
         return memoryview(data)
 
 
 def _reduce_op(op: Any) -> int:
-    """The CollectiveOp of "sum"/"avg"/"min"/"max" (or a torch.distributed.ReduceOp)."""
+    """The CollectiveOp of "sum"/"avg"/"min"/"max"/"product" (or a torch.distributed.ReduceOp)."""
     name = op if isinstance(op, str) else str(op).rsplit(".", 1)[-1]
     try:
         return _REDUCE_OPS[name.lower()]
@@ -229,6 +434,33 @@ def _check(tensor: torch.Tensor, what: str) -> None:
     if tensor.dtype not in WIRE_DTYPES:
         supported = ", ".join(str(d).removeprefix("torch.") for d in WIRE_DTYPES)
         raise ValueError(f"{what} does not support dtype {tensor.dtype} (supported: {supported})")
+
+
+def _check_reducible(tensor: torch.Tensor, wire_op: int, what: str) -> None:
+    if tensor.dtype == torch.bool:
+        raise ValueError(f"{what} cannot reduce bool tensors; convert them to int first")
+    if wire_op == pb.COLLECTIVE_OP_AVG and tensor.dtype not in _FLOATING:
+        raise ValueError(
+            f"{what} op 'avg' needs a floating tensor, got {tensor.dtype}; use 'sum' and divide"
+        )
+
+
+def _check_same_dtype(output: torch.Tensor, input: torch.Tensor, what: str) -> None:
+    if output.dtype != input.dtype:
+        raise ValueError(
+            f"{what} needs output and input of one dtype, got {output.dtype} and {input.dtype}"
+        )
+
+
+def _nbytes(tensor: torch.Tensor) -> int:
+    return tensor.numel() * tensor.element_size()
+
+
+def _unpacked(like: torch.Tensor, raw: memoryview) -> torch.Tensor:
+    """A new tensor shaped like `like` (on its device) holding `raw`'s values."""
+    part = torch.empty_like(like, memory_format=torch.contiguous_format)
+    _write_back(part, raw)
+    return part
 
 
 def _host(tensor: torch.Tensor) -> torch.Tensor:

@@ -149,11 +149,13 @@ def test_a_disagreeing_rank_is_ended_and_the_others_are_told(
             assert "rank 1 sent collective 0" in details
             for needle in needles:
                 assert needle in details, details
-            # Rank 0 waits in that collective: it is ended at once, naming the cause.
+            # Rank 0 waits in that collective: its result is the same error (so it
+            # waits no more), then it hears in-band that the job broke, naming the cause.
+            failure = (await workers[0].expect_kind("collective")).collective
+            assert failure.sequence == 0 and failure.error == details and not failure.payload
             end = (await workers[0].expect_kind("step_aborted")).step_aborted
             assert end.reason == pb.ABORT_REASON_PEER_LOST
-            details = await workers[0].expect_status(grpc.StatusCode.ABORTED)
-            assert "rank 1 disconnected" in details
+            assert "rank 1 disconnected" in end.message, end.message
 
     run(scenario)
 

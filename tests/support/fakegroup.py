@@ -148,6 +148,7 @@ class GroupLink:
         timeout_s: float,
         *,
         result_bytes: int | None = None,
+        template: pb.CollectiveChunk | None = None,
     ) -> tuple[bytearray, int]:
         sequence = self.sequence
         self.sequence += 1

@@ -212,6 +212,7 @@ class FakeLink:
         timeout_s: float,
         *,
         result_bytes: int | None = None,
+        template: pb.CollectiveChunk | None = None,
     ) -> tuple[bytearray, int]:
         self.collectives.append((op, dtype, payload.tobytes(), root))
         self.collective_sequence += 1

@@ -113,12 +113,15 @@ class Messages:
             return pb.WorkerMessage(
                 collective=pb.CollectiveChunk(
                     sequence=rng.choice([0, 1, U64]),
-                    op=rng.choice([0, 1, 2, 3, 4, 99]),
+                    op=rng.choice([0, 1, 2, 3, 4, 8, 9, 10, 11, 12, 99]),
                     dtype=rng.choice([0, 1, 5, 99]),
                     total_bytes=rng.choice(DECLARED),
                     offset=rng.choice([0, CHUNK, 3]),
                     payload=rng.randbytes(rng.choice([0, 4, 64])),
                     root=rng.choice([0, 1, 2**32 - 1]),
+                    reduce_op=rng.choice([0, 1, 5, 8, 99]),
+                    send_splits=rng.choice([[], [4, 60], [U64, 0], [8] * 9]),
+                    receive_splits=rng.choice([[], [32, 32], [0, U64]]),
                 )
             )
         if kind == 4:

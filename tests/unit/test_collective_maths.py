@@ -14,7 +14,7 @@ import pytest
 from gradsync_proto.codes import Code
 from gradsync_proto.v1 import gradsync_pb2 as pb
 from gradsync_server.control.collectives import Collectives, reduce_inputs
-from gradsync_server.dataplane.actions import Action, Send
+from gradsync_server.dataplane.actions import Action, Send, Terminate
 from gradsync_server.dataplane.budget import ByteBudget
 from gradsync_server.errors import RejectedMessage
 
@@ -165,11 +165,23 @@ def test_disagreeing_ranks_are_named_with_both_values(
     for name, value in second.items():
         setattr(other, name, value)
     other.payload = bytes(other.total_bytes)
-    with pytest.raises(RejectedMessage) as caught:
-        collectives.accept(1, other, RANKS)
-    assert caught.value.code is Code.INVALID_ARGUMENT
+    told, ended = collectives.accept(1, other, RANKS)
+    # The sender's stream ends; rank 0, which waits, gets the same words as its result.
+    assert isinstance(ended, Terminate) and ended.ranks == (1,)
+    assert ended.code is Code.INVALID_ARGUMENT
+    assert isinstance(told, Send) and told.ranks == (0,)
+    assert isinstance(told.message, pb.CoordinatorMessage)
+    failure = told.message.collective
+    assert failure.sequence == 0 and failure.error == ended.details and not failure.payload
     for needle in needles:
-        assert needle in caught.value.message, caught.value.message
+        assert needle in ended.details, ended.details
+    # Rank 2 arrives later: it is told too, once its whole input is in, and the
+    # collective is over (nothing held).
+    (late,) = collectives.accept(2, first, RANKS)
+    assert isinstance(late, Send) and late.ranks == (2,)
+    assert isinstance(late.message, pb.CoordinatorMessage)
+    assert late.message.collective.error == ended.details
+    assert collectives.open_sequences() == []
 
 
 def test_limits_sequence_window_and_bad_chunks() -> None:

@@ -5,7 +5,8 @@ cut by `Welcome.chunk_bytes` like every other blob. Everything about it is a
 claim: its size, its op and dtype, how many ranks contributed and where each
 chunk lands. `CollectiveResults` checks each claim against what this rank
 asked for before it allocates anything (a SUM answers exactly the input's
-size, an ALL_GATHER one input per contributor, a BARRIER nothing), refuses
+size, an ALL_GATHER one input per contributor, a BARRIER nothing, the ops
+whose result differs by rank exactly what the caller said), refuses
 duplicate or out-of-range chunks (the shared `gradsync_proto.blobs.BlobAssembly`
 checks and reassembles them, in any order), and records a problem against the
 collective's sequence number so that the waiter gets a `CollectiveError`
@@ -172,6 +173,10 @@ class CollectiveResults:
     # ------------------------------------------------------------ checks
     def _check_and_store(self, pending: _Pending, chunk: pb.CollectiveChunk) -> str | None:
         """Check one chunk against what was asked and what came before; store it."""
+        if chunk.error:
+            # The coordinator failed the collective for every rank (ranks disagreed,
+            # or one was lost from an op that needs them all); its words name both sides.
+            return f"the coordinator failed it: {chunk.error}"
         if chunk.op != pending.op:
             return (
                 f"the result says op {op_name(chunk.op)}, this rank asked for {op_name(pending.op)}"
@@ -215,6 +220,7 @@ class CollectiveResults:
             pb.COLLECTIVE_OP_AVG,
             pb.COLLECTIVE_OP_MIN,
             pb.COLLECTIVE_OP_MAX,
+            pb.COLLECTIVE_OP_PRODUCT,
         ):
             expected, why = pending.input_bytes, "the input's size"
         elif op == pb.COLLECTIVE_OP_ALL_GATHER:

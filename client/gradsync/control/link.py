@@ -116,6 +116,7 @@ class SessionLink(Protocol):
         timeout_s: float,
         *,
         result_bytes: int | None = None,
+        template: pb.CollectiveChunk | None = None,
     ) -> tuple[bytearray, int]:
         """Run the job's next collective on raw bytes; block (bounded) for its result.
 
@@ -132,7 +133,11 @@ class SessionLink(Protocol):
             root: BROADCAST only: the rank whose bytes everyone receives.
             timeout_s: bound on the wait for the result.
             result_bytes: the exact result size when the op does not imply it
-                (BROADCAST on a non-root rank); otherwise derived from the input.
+                (BROADCAST on a non-root rank, and every op whose result differs
+                by rank: REDUCE_SCATTER, GATHER, SCATTER, ALL_TO_ALL); otherwise
+                derived from the input.
+            template: further fields every chunk of the input carries
+                (`reduce_op`, `send_splits`, `receive_splits`), or None.
 
         Returns:
             (the result's bytes, how many ranks contributed).

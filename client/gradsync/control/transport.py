@@ -209,6 +209,7 @@ class Transport:
         timeout_s: float,
         *,
         result_bytes: int | None = None,
+        template: pb.CollectiveChunk | None = None,
     ) -> tuple[bytearray, int]:
         check_collective_input(op, payload)
         with self._sequence_lock:
@@ -217,7 +218,7 @@ class Transport:
             self._next_collective = sequence + 1
         size = payload.nbytes
         log.debug("rank %d: collective %d: %s of %d bytes", self.rank, sequence, op_name(op), size)
-        self._put(CollectiveUpload(sequence, op, dtype, root, payload))
+        self._put(CollectiveUpload(sequence, op, dtype, root, payload, template))
         return self._inbox.wait_collective(sequence, timeout_s)
 
     @property

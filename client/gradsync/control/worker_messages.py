@@ -75,6 +75,8 @@ class CollectiveUpload:
     dtype: int
     root: int
     payload: npt.NDArray[np.uint8]
+    #: Further fields every chunk carries (reduce op, all-to-all splits), or None.
+    template: pb.CollectiveChunk | None = None
     #: An empty input is one empty chunk: the coordinator counts every rank's input.
     empty_chunk: ClassVar[bool] = True
 
@@ -91,6 +93,8 @@ class CollectiveUpload:
             payload=payload,
             root=self.root,
         )
+        if self.template is not None:
+            piece.MergeFrom(self.template)
         return pb.WorkerMessage(collective=piece)
 
 

@@ -35,6 +35,11 @@ class CollectiveOp(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     COLLECTIVE_OP_BROADCAST: _ClassVar[CollectiveOp]
     COLLECTIVE_OP_ALL_GATHER: _ClassVar[CollectiveOp]
     COLLECTIVE_OP_BARRIER: _ClassVar[CollectiveOp]
+    COLLECTIVE_OP_PRODUCT: _ClassVar[CollectiveOp]
+    COLLECTIVE_OP_REDUCE_SCATTER: _ClassVar[CollectiveOp]
+    COLLECTIVE_OP_GATHER: _ClassVar[CollectiveOp]
+    COLLECTIVE_OP_SCATTER: _ClassVar[CollectiveOp]
+    COLLECTIVE_OP_ALL_TO_ALL: _ClassVar[CollectiveOp]
 
 class AbortReason(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
@@ -54,6 +59,18 @@ class EndReason(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     END_REASON_PEER_LOST: _ClassVar[EndReason]
     END_REASON_RESOURCE_EXHAUSTED: _ClassVar[EndReason]
     END_REASON_SHARD_LOST: _ClassVar[EndReason]
+
+class StoreOp(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    STORE_OP_UNSPECIFIED: _ClassVar[StoreOp]
+    STORE_OP_SET: _ClassVar[StoreOp]
+    STORE_OP_GET: _ClassVar[StoreOp]
+    STORE_OP_ADD: _ClassVar[StoreOp]
+    STORE_OP_COMPARE_SET: _ClassVar[StoreOp]
+    STORE_OP_CHECK: _ClassVar[StoreOp]
+    STORE_OP_WAIT: _ClassVar[StoreOp]
+    STORE_OP_DELETE_KEY: _ClassVar[StoreOp]
+    STORE_OP_NUM_KEYS: _ClassVar[StoreOp]
 DTYPE_UNSPECIFIED: DType
 DTYPE_FLOAT32: DType
 DTYPE_FLOAT64: DType
@@ -74,6 +91,11 @@ COLLECTIVE_OP_MAX: CollectiveOp
 COLLECTIVE_OP_BROADCAST: CollectiveOp
 COLLECTIVE_OP_ALL_GATHER: CollectiveOp
 COLLECTIVE_OP_BARRIER: CollectiveOp
+COLLECTIVE_OP_PRODUCT: CollectiveOp
+COLLECTIVE_OP_REDUCE_SCATTER: CollectiveOp
+COLLECTIVE_OP_GATHER: CollectiveOp
+COLLECTIVE_OP_SCATTER: CollectiveOp
+COLLECTIVE_OP_ALL_TO_ALL: CollectiveOp
 ABORT_REASON_UNSPECIFIED: AbortReason
 ABORT_REASON_MESSAGE_REJECTED: AbortReason
 ABORT_REASON_PEER_MESSAGE_REJECTED: AbortReason
@@ -87,6 +109,15 @@ END_REASON_JOB_REFUSED: EndReason
 END_REASON_PEER_LOST: EndReason
 END_REASON_RESOURCE_EXHAUSTED: EndReason
 END_REASON_SHARD_LOST: EndReason
+STORE_OP_UNSPECIFIED: StoreOp
+STORE_OP_SET: StoreOp
+STORE_OP_GET: StoreOp
+STORE_OP_ADD: StoreOp
+STORE_OP_COMPARE_SET: StoreOp
+STORE_OP_CHECK: StoreOp
+STORE_OP_WAIT: StoreOp
+STORE_OP_DELETE_KEY: StoreOp
+STORE_OP_NUM_KEYS: StoreOp
 
 class TensorSpec(_message.Message):
     __slots__ = ("name", "shape", "dtype")
@@ -287,7 +318,7 @@ class Leave(_message.Message):
     def __init__(self, reason: _Optional[str] = ...) -> None: ...
 
 class CollectiveChunk(_message.Message):
-    __slots__ = ("sequence", "op", "dtype", "total_bytes", "offset", "payload", "root", "contributors")
+    __slots__ = ("sequence", "op", "dtype", "total_bytes", "offset", "payload", "root", "contributors", "reduce_op", "send_splits", "receive_splits", "error")
     SEQUENCE_FIELD_NUMBER: _ClassVar[int]
     OP_FIELD_NUMBER: _ClassVar[int]
     DTYPE_FIELD_NUMBER: _ClassVar[int]
@@ -296,6 +327,10 @@ class CollectiveChunk(_message.Message):
     PAYLOAD_FIELD_NUMBER: _ClassVar[int]
     ROOT_FIELD_NUMBER: _ClassVar[int]
     CONTRIBUTORS_FIELD_NUMBER: _ClassVar[int]
+    REDUCE_OP_FIELD_NUMBER: _ClassVar[int]
+    SEND_SPLITS_FIELD_NUMBER: _ClassVar[int]
+    RECEIVE_SPLITS_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
     sequence: int
     op: CollectiveOp
     dtype: DType
@@ -304,7 +339,11 @@ class CollectiveChunk(_message.Message):
     payload: bytes
     root: int
     contributors: int
-    def __init__(self, sequence: _Optional[int] = ..., op: _Optional[_Union[CollectiveOp, str]] = ..., dtype: _Optional[_Union[DType, str]] = ..., total_bytes: _Optional[int] = ..., offset: _Optional[int] = ..., payload: _Optional[bytes] = ..., root: _Optional[int] = ..., contributors: _Optional[int] = ...) -> None: ...
+    reduce_op: CollectiveOp
+    send_splits: _containers.RepeatedScalarFieldContainer[int]
+    receive_splits: _containers.RepeatedScalarFieldContainer[int]
+    error: str
+    def __init__(self, sequence: _Optional[int] = ..., op: _Optional[_Union[CollectiveOp, str]] = ..., dtype: _Optional[_Union[DType, str]] = ..., total_bytes: _Optional[int] = ..., offset: _Optional[int] = ..., payload: _Optional[bytes] = ..., root: _Optional[int] = ..., contributors: _Optional[int] = ..., reduce_op: _Optional[_Union[CollectiveOp, str]] = ..., send_splits: _Optional[_Iterable[int]] = ..., receive_splits: _Optional[_Iterable[int]] = ..., error: _Optional[str] = ...) -> None: ...
 
 class AssemblyProgress(_message.Message):
     __slots__ = ("joined_ranks", "missing_ranks", "waited_s", "heartbeat_interval_s", "refused")
@@ -823,3 +862,31 @@ class FramePortReply(_message.Message):
     PORT_FIELD_NUMBER: _ClassVar[int]
     port: int
     def __init__(self, port: _Optional[int] = ...) -> None: ...
+
+class StoreRequest(_message.Message):
+    __slots__ = ("op", "namespace", "keys", "value", "expected", "amount", "timeout_ms")
+    OP_FIELD_NUMBER: _ClassVar[int]
+    NAMESPACE_FIELD_NUMBER: _ClassVar[int]
+    KEYS_FIELD_NUMBER: _ClassVar[int]
+    VALUE_FIELD_NUMBER: _ClassVar[int]
+    EXPECTED_FIELD_NUMBER: _ClassVar[int]
+    AMOUNT_FIELD_NUMBER: _ClassVar[int]
+    TIMEOUT_MS_FIELD_NUMBER: _ClassVar[int]
+    op: StoreOp
+    namespace: str
+    keys: _containers.RepeatedScalarFieldContainer[str]
+    value: bytes
+    expected: bytes
+    amount: int
+    timeout_ms: int
+    def __init__(self, op: _Optional[_Union[StoreOp, str]] = ..., namespace: _Optional[str] = ..., keys: _Optional[_Iterable[str]] = ..., value: _Optional[bytes] = ..., expected: _Optional[bytes] = ..., amount: _Optional[int] = ..., timeout_ms: _Optional[int] = ...) -> None: ...
+
+class StoreReply(_message.Message):
+    __slots__ = ("value", "number", "found")
+    VALUE_FIELD_NUMBER: _ClassVar[int]
+    NUMBER_FIELD_NUMBER: _ClassVar[int]
+    FOUND_FIELD_NUMBER: _ClassVar[int]
+    value: bytes
+    number: int
+    found: bool
+    def __init__(self, value: _Optional[bytes] = ..., number: _Optional[int] = ..., found: _Optional[bool] = ...) -> None: ...

@@ -1,114 +1,70 @@
-"""Collectives on user tensors (all_reduce, broadcast, all_gather, barrier): pure logic.
+"""Collectives on user tensors, paired up by sequence number across ranks: pure logic.
 
 A DDP codebase also calls `torch.distributed` collectives on its own tensors
-(metrics, SyncBatchNorm statistics, a sampler's seed); gradsync serves them
-through the coordinator so that no second channel is needed. Every rank
-issues the same collectives in the same order, numbered by a per-job
-`sequence`; each rank's input arrives cut into chunks like a gradient bucket.
-This module pairs the chunks up by sequence, checks that the ranks agree
-(op, dtype, root, sizes: an error names the rank, the sequence and both
-values), and once every *participating* rank's input is complete computes the
-result and returns it as chunks for every participant.
+(metrics, SyncBatchNorm statistics, a sampler's seed), and a process group
+calls them for everything; gradsync serves them through the coordinator so
+that no second channel is needed. Every rank issues the same collectives in
+the same order, numbered by a per-job `sequence`; each rank's input arrives
+cut into chunks like a gradient bucket. This module pairs the chunks up by
+sequence, checks that the ranks agree (op, reduce op, dtype, root, sizes,
+all-to-all splits), and once every *participating* rank's input is complete
+computes the result (`collective_ops`) and returns it as chunks: the same
+result for every participant (all_reduce, broadcast, all_gather, barrier),
+or each rank only its own part (reduce_scatter, gather, scatter, all_to_all).
+
+A rank that disagrees with the ranks before it (another op, dtype, size,
+root or splits) has its stream ended with INVALID_ARGUMENT, and every rank
+that already sent its input to that collective (or sends it later) gets a
+result carrying the same error instead of bytes: each names the rank, the
+sequence and both values. The per-rank ops need every rank of the job; one
+lost while such a collective is open fails it the same way.
 
 Participants are the job's members that have not run out of inputs (DDP's
 `join()`): a rank that runs out is dropped from rounds it has not contributed
 to. Results never depend on arrival order: inputs are kept until complete and
-combined in ascending rank order (floating sums in float32, float64 for
-float64; integer sums, minima and maxima in int64), as `aggregation` does for
-gradients. A declared size is a claim checked against a cap before any byte
-is buffered, and every buffered byte is held through a `Reservation` of the
-coordinator's byte budget (the job's share of `--max-buffered-mb`, the one that
-gradient uploads count against): an input that does not fit is refused, naming
-the rank, the job and the cap. The bytes go back when the collective completes,
-when the job ends, and when a rank leaves without finishing its input (the
-round goes on without it). No gRPC, no asyncio.
+combined in ascending rank order (floating values in float32, float64 for
+float64; integers in int64), as `aggregation` does for gradients. A declared
+size is a claim checked against a cap before any byte is buffered, and every
+buffered byte is held through a `Reservation` of the coordinator's byte
+budget (the job's share of `--max-buffered-mb`, the one that gradient
+uploads count against): an input that does not fit is refused, naming the
+rank, the job and the cap. The bytes go back when the collective completes
+or fails, when the job ends, and when a rank leaves without finishing its
+input (the round goes on without it). No gRPC, no asyncio.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
 
-import numpy as np
-import numpy.typing as npt
 from gradsync_proto import dtypes
 from gradsync_proto.blobs import blob_chunks
 from gradsync_proto.codes import Code
 from gradsync_proto.v1 import gradsync_pb2 as pb
 
-from gradsync_server.dataplane.accumulators import from_accumulator, to_accumulator
-from gradsync_server.dataplane.actions import Action, Send
+from gradsync_server.control.collective_ops import (
+    ELEMENTWISE,
+    EQUAL_INPUTS,
+    PER_RANK,
+    ROOTED,
+    input_size_problem,
+    op_dtype_problem,
+    op_name,
+    per_rank_results,
+    reduce_inputs,
+    splits_mismatch,
+    splits_problem,
+)
+from gradsync_server.dataplane.actions import Action, Send, Terminate
 from gradsync_server.dataplane.budget import OwnerBudget
 from gradsync_server.dataplane.uploads import BlobAssembler
 from gradsync_server.errors import RejectedMessage
 
+__all__ = ["MAX_OPEN_COLLECTIVES", "Collectives", "op_name", "reduce_inputs"]
+
 #: How far ahead of the oldest unfinished collective a rank may run (pipelined calls).
 MAX_OPEN_COLLECTIVES = 16
-
-_FLOATING = dtypes.REDUCIBLE_DTYPES
-#: Integer dtypes and how numpy reads them (bool as bytes: MIN/MAX are AND/OR).
-_INTEGER_LAYOUT: dict[int, str] = {
-    pb.DTYPE_INT64: "<i8",
-    pb.DTYPE_INT32: "<i4",
-    pb.DTYPE_INT16: "<i2",
-    pb.DTYPE_INT8: "i1",
-    pb.DTYPE_UINT8: "u1",
-    pb.DTYPE_BOOL: "u1",
-}
-_ELEMENTWISE: tuple[int, ...] = (
-    pb.COLLECTIVE_OP_SUM,
-    pb.COLLECTIVE_OP_AVG,
-    pb.COLLECTIVE_OP_MIN,
-    pb.COLLECTIVE_OP_MAX,
-)
-
-
-def op_name(op: int) -> str:
-    """'all_reduce sum', 'broadcast', ... for error messages."""
-    if op not in pb.CollectiveOp.values() or op == pb.COLLECTIVE_OP_UNSPECIFIED:
-        return f"<unknown op {op}>"
-    name = pb.CollectiveOp.Name(op).removeprefix("COLLECTIVE_OP_").lower()
-    return f"all_reduce {name}" if op in _ELEMENTWISE else name
-
-
-def _op_dtype_problem(op: int, dtype: int) -> str | None:
-    """Why `op` cannot run on `dtype`, or None."""
-    if op == pb.COLLECTIVE_OP_AVG and dtype not in _FLOATING:
-        return "avg needs a floating dtype"
-    if op == pb.COLLECTIVE_OP_SUM and dtype not in _FLOATING and dtype not in _INTEGER_LAYOUT:
-        return "sum needs a floating or integer dtype"
-    if op == pb.COLLECTIVE_OP_SUM and dtype == pb.DTYPE_BOOL:
-        return "sum of bool is not defined (use max for 'any', min for 'all')"
-    return None
-
-
-def _decode(raw: bytes, dtype: int) -> npt.NDArray[Any]:
-    """A fresh, writable accumulation array: float32/float64 for floats, int64 for integers."""
-    if dtype in _FLOATING:
-        return to_accumulator(raw, dtype)
-    return np.frombuffer(raw, dtype=_INTEGER_LAYOUT[dtype]).astype(np.int64)
-
-
-def reduce_inputs(op: int, dtype: int, inputs: Sequence[bytes]) -> bytes:
-    """Combine equal-sized inputs (in the order given: ascending rank) element-wise.
-
-    Floating dtypes accumulate in float32 (float64 for float64) and come back
-    in their own dtype; integers accumulate in int64 and wrap back.
-    """
-    values = _decode(inputs[0], dtype)
-    for raw in inputs[1:]:
-        if op in (pb.COLLECTIVE_OP_SUM, pb.COLLECTIVE_OP_AVG):
-            values += _decode(raw, dtype)
-        elif op == pb.COLLECTIVE_OP_MIN:
-            np.minimum(values, _decode(raw, dtype), out=values)
-        else:
-            np.maximum(values, _decode(raw, dtype), out=values)
-    if dtype not in _FLOATING:
-        return values.astype(_INTEGER_LAYOUT[dtype]).tobytes()
-    if op == pb.COLLECTIVE_OP_AVG:
-        values /= len(inputs)
-    return bytes(from_accumulator(values, dtype))
 
 
 @dataclass
@@ -117,15 +73,24 @@ class _Round:
 
     sequence: int
     op: int
+    reduce_op: int
     dtype: int
     root: int
     first_rank: int
     participants: list[int]
     #: Each rank's input as it arrives (any order; an empty input is one empty chunk).
     inputs: dict[int, BlobAssembler] = field(default_factory=dict)
+    #: ALL_TO_ALL: each rank's (send_splits, receive_splits).
+    splits: dict[int, tuple[tuple[int, ...], tuple[int, ...]]] = field(default_factory=dict)
+    #: Why the collective failed, once it has; it then holds no bytes.
+    failure: str | None = None
+    #: A failed collective: ranks already given the failure (or ended).
+    told: set[int] = field(default_factory=set)
+    #: A failed collective: bytes still to come of each rank's input before it is told.
+    remaining: dict[int, int] = field(default_factory=dict)
 
     def describe(self) -> str:
-        return f"collective {self.sequence} ({op_name(self.op)})"
+        return f"collective {self.sequence} ({op_name(self.op, self.reduce_op)})"
 
     def ready(self) -> bool:
         return all(r in self.inputs and self.inputs[r].complete for r in self.participants)
@@ -140,9 +105,9 @@ class Collectives:
     """The collectives in flight of one job, by sequence number.
 
     Args:
-        world_size: ranks the job needs (a broadcast root must be below it).
+        world_size: ranks the job needs (a root must be below it).
         chunk_bytes: chunk size every rank must use.
-        max_bytes: cap on one rank's input (and on an all_gather's result).
+        max_bytes: cap on one rank's input and on one rank's result.
         budget: the job's share of the byte budget buffered inputs count against.
     """
 
@@ -174,6 +139,9 @@ class Collectives:
     ) -> list[Action]:
         """Take one chunk of `rank`'s input; return the result chunks once all inputs are in.
 
+        A chunk that disagrees with another rank's input returns the failure for
+        the ranks that wait and the end of the sender's stream.
+
         Args:
             rank: the sender.
             chunk: the chunk as received.
@@ -181,8 +149,8 @@ class Collectives:
                 chunk opens a new collective).
 
         Raises:
-            RejectedMessage: the chunk is malformed, disagrees with another
-                rank's, or exceeds a limit (the sender's stream ends).
+            RejectedMessage: the chunk is malformed or exceeds a limit (the
+                sender's stream ends).
         """
         sequence = chunk.sequence
         where = f"rank {rank} sent collective {sequence}"
@@ -204,8 +172,11 @@ class Collectives:
                 f"{where} while collective {self._floor} is still waiting for other ranks "
                 f"(at most {MAX_OPEN_COLLECTIVES} may be in flight)",
             )
-        opened = sequence not in self._rounds
-        held = self._rounds.get(sequence) or self._open(rank, chunk, participants)
+        held = self._rounds.get(sequence)
+        if held is not None and held.failure is not None:
+            return self._failed_input(rank, held, chunk)
+        opened = held is None
+        held = held or self._open(rank, chunk, participants)
         try:
             return self._take(rank, held, chunk)
         except RejectedMessage:
@@ -215,16 +186,20 @@ class Collectives:
 
     def _take(self, rank: int, held: _Round, chunk: pb.CollectiveChunk) -> list[Action]:
         where = f"rank {rank} sent collective {held.sequence}"
-        self._check_agrees(rank, held, chunk)
         if rank not in held.participants:
             raise RejectedMessage(
                 Code.FAILED_PRECONDITION,
                 f"{where} but does not take part in it (participants {held.participants}; "
                 "a rank that ran out of inputs sends no collectives until every rank has)",
             )
+        mismatch = self._mismatch(rank, held, chunk)
+        if mismatch is not None:
+            return self._disagree(rank, held, mismatch)
         item = held.inputs.get(rank)
         if item is None:
-            self._check_size(rank, held, chunk.total_bytes)
+            mismatch = self._check_size(rank, held, chunk)
+            if mismatch is not None:
+                return self._disagree(rank, held, mismatch)
             # The budget's owner is the job's id (the job takes its share by its id).
             what = (
                 f"{held.describe()} of {chunk.total_bytes} bytes from rank {rank} of job "
@@ -234,33 +209,49 @@ class Collectives:
                 what, chunk.total_bytes, self._chunk_bytes, None, self._budget, in_order=False
             )
             held.inputs[rank] = item
+        elif held.op == pb.COLLECTIVE_OP_ALL_TO_ALL and held.splits[rank] != _splits_of(chunk):
+            raise RejectedMessage(
+                Code.INVALID_ARGUMENT,
+                f"{where} (all_to_all) with splits {_splits_of(chunk)} on the chunk at offset "
+                f"{chunk.offset}, but {held.splits[rank]} on its first chunk",
+            )
         try:
             item.add(chunk.offset, chunk.payload, chunk.total_bytes)
         finally:
             if not item.received and not item.complete:
                 item.release()
                 del held.inputs[rank]  # nothing of it was taken
+                held.splits.pop(rank, None)
         if held.sequence >= self.next_sequence:
             self.next_sequence = held.sequence + 1
         return self._finish(held) if held.ready() else []
 
     def _open(self, rank: int, chunk: pb.CollectiveChunk, participants: Sequence[int]) -> _Round:
-        problem = _op_dtype_problem(chunk.op, chunk.dtype)
+        where = f"rank {rank} sent collective {chunk.sequence}"
+        name = op_name(chunk.op, chunk.reduce_op)
+        problem = op_dtype_problem(chunk.op, chunk.reduce_op, chunk.dtype)
         if problem is not None:
             raise RejectedMessage(
                 Code.INVALID_ARGUMENT,
-                f"rank {rank} sent collective {chunk.sequence} ({op_name(chunk.op)}) as "
-                f"{dtypes.dtype_name(chunk.dtype)}: {problem}",
+                f"{where} ({name}) as {dtypes.dtype_name(chunk.dtype)}: {problem}",
             )
-        if chunk.op == pb.COLLECTIVE_OP_BROADCAST and chunk.root >= self._world_size:
+        if chunk.op in ROOTED and chunk.root >= self._world_size:
             raise RejectedMessage(
                 Code.INVALID_ARGUMENT,
-                f"rank {rank} sent collective {chunk.sequence} (broadcast) from root "
-                f"{chunk.root}, but the world size is {self._world_size}",
+                f"{where} ({name}) with root {chunk.root}, but the world size is "
+                f"{self._world_size}",
+            )
+        if chunk.op in PER_RANK and sorted(participants) != list(range(self._world_size)):
+            missing = sorted(set(range(self._world_size)) - set(participants))
+            raise RejectedMessage(
+                Code.FAILED_PRECONDITION,
+                f"{where} ({name}), which needs every rank of the job, but ranks {missing} "
+                "take no part now (lost, or out of inputs in join())",
             )
         held = _Round(
             chunk.sequence,
             chunk.op,
+            chunk.reduce_op if chunk.op == pb.COLLECTIVE_OP_REDUCE_SCATTER else 0,
             chunk.dtype,
             chunk.root,
             rank,
@@ -269,56 +260,62 @@ class Collectives:
         self._rounds[chunk.sequence] = held
         return held
 
-    def _check_agrees(self, rank: int, held: _Round, chunk: pb.CollectiveChunk) -> None:
+    @staticmethod
+    def _mismatch(rank: int, held: _Round, chunk: pb.CollectiveChunk) -> str | None:
+        """How `chunk` disagrees with the collective's first input, or None."""
         first = held.first_rank
-        mismatch = None
+        name = op_name(held.op, held.reduce_op)
         if chunk.op != held.op:
-            mismatch = f"as {op_name(chunk.op)}, but rank {first} sent {op_name(held.op)}"
-        elif chunk.dtype != held.dtype:
-            mismatch = (
-                f"({op_name(held.op)}) as {dtypes.dtype_name(chunk.dtype)}, but rank {first} "
+            return f"as {op_name(chunk.op)}, but rank {first} sent {name}"
+        if held.op == pb.COLLECTIVE_OP_REDUCE_SCATTER and chunk.reduce_op != held.reduce_op:
+            return f"as {op_name(chunk.op, chunk.reduce_op)}, but rank {first} sent {name}"
+        if chunk.dtype != held.dtype:
+            return (
+                f"({name}) as {dtypes.dtype_name(chunk.dtype)}, but rank {first} "
                 f"sent {dtypes.dtype_name(held.dtype)}"
             )
-        elif held.op == pb.COLLECTIVE_OP_BROADCAST and chunk.root != held.root:
-            mismatch = (
-                f"(broadcast) from root {chunk.root}, but rank {first} named root {held.root}"
-            )
-        if mismatch is not None:
-            raise RejectedMessage(
-                Code.INVALID_ARGUMENT, f"rank {rank} sent collective {held.sequence} {mismatch}"
-            )
+        if held.op in ROOTED and chunk.root != held.root:
+            return f"({name}) from root {chunk.root}, but rank {first} named root {held.root}"
+        return None
 
-    def _check_size(self, rank: int, held: _Round, total: int) -> None:
+    def _check_size(self, rank: int, held: _Round, chunk: pb.CollectiveChunk) -> str | None:
+        """Refuse a malformed or oversized input (raises); return how its size
+        disagrees with the other ranks' inputs, or None."""
+        total = chunk.total_bytes
         where = f"rank {rank} sent {held.describe()} with {total} bytes"
-        if total % dtypes.itemsize(held.dtype):
-            raise RejectedMessage(
-                Code.INVALID_ARGUMENT,
-                f"{where}, not a whole number of {dtypes.dtype_name(held.dtype)} elements",
-            )
-        if total > self._max_bytes:
-            raise RejectedMessage(
-                Code.RESOURCE_EXHAUSTED,
-                f"{where}; the limit is {self._max_bytes} bytes (--max-collective-mb)",
-            )
-        if held.op == pb.COLLECTIVE_OP_BARRIER and total:
-            raise RejectedMessage(Code.INVALID_ARGUMENT, f"{where}; a barrier carries no data")
-        if held.op == pb.COLLECTIVE_OP_ALL_GATHER and total * len(held.participants) > (
-            self._max_bytes
-        ):
-            raise RejectedMessage(
-                Code.RESOURCE_EXHAUSTED,
-                f"{where}; gathered over {len(held.participants)} ranks that makes "
-                f"{total * len(held.participants)} bytes, above the limit of "
-                f"{self._max_bytes} bytes (--max-collective-mb)",
-            )
-        if held.op in (*_ELEMENTWISE, pb.COLLECTIVE_OP_ALL_GATHER):
+        problem = input_size_problem(
+            held.op,
+            held.dtype,
+            rank,
+            held.root,
+            total,
+            self._world_size,
+            len(held.participants),
+            self._max_bytes,
+        )
+        if held.op == pb.COLLECTIVE_OP_ALL_TO_ALL and problem is None:
+            splits = _splits_of(chunk)
+            problem = splits_problem(held.dtype, total, *splits, self._world_size, self._max_bytes)
+        if problem is not None:
+            over, why = problem
+            code = Code.RESOURCE_EXHAUSTED if over else Code.INVALID_ARGUMENT
+            raise RejectedMessage(code, f"{where}; {why}")
+        if held.op in EQUAL_INPUTS:
             for other, item in sorted(held.inputs.items()):
                 if item.total_bytes != total:
-                    raise RejectedMessage(
-                        Code.INVALID_ARGUMENT,
-                        f"{where}, but rank {other} sent {item.total_bytes} bytes "
-                        "(every rank's input must have the same size)",
+                    return (
+                        f"({op_name(held.op, held.reduce_op)}) with {total} bytes, but "
+                        f"rank {other} sent {item.total_bytes} bytes "
+                        "(every rank's input must have the same size)"
                     )
+        if held.op == pb.COLLECTIVE_OP_ALL_TO_ALL:
+            splits = _splits_of(chunk)
+            for other, others in sorted(held.splits.items()):
+                found = splits_mismatch(rank, splits, other, others)
+                if found is not None:
+                    return f"(all_to_all) that {found}"
+            held.splits[rank] = splits
+        return None
 
     def add_participants(self, ranks: Sequence[int]) -> int:
         """`ranks` take part from now on (healed newcomers); return where they start numbering.
@@ -337,6 +334,58 @@ class Collectives:
             held.participants.sort()
         return min(self._rounds, default=self.next_sequence)
 
+    # ------------------------------------------------------------ failures
+    def _disagree(self, rank: int, held: _Round, mismatch: str) -> list[Action]:
+        """`rank`'s input disagrees with the others': fail the collective for every
+        rank and end the sender's stream, each naming both values."""
+        message = f"rank {rank} sent collective {held.sequence} {mismatch}"
+        actions = self._fail(held, message, ended=rank)
+        return [*actions, Terminate((rank,), Code.INVALID_ARGUMENT, message)]
+
+    def _fail(self, held: _Round, message: str, *, ended: int | None = None) -> list[Action]:
+        """Fail `held`: tell every rank whose input is whole now, the others once theirs is."""
+        held.failure = message
+        if ended is not None:
+            held.told.add(ended)
+        whole = tuple(r for r, item in sorted(held.inputs.items()) if item.complete)
+        for rank, item in held.inputs.items():
+            if not item.complete:
+                held.remaining[rank] = item.total_bytes - item.received
+        held.release()
+        held.inputs.clear()
+        held.splits.clear()
+        return self._tell(held, tuple(r for r in whole if r not in held.told))
+
+    def _failed_input(self, rank: int, held: _Round, chunk: pb.CollectiveChunk) -> list[Action]:
+        """A chunk of an input to a failed collective: dropped; its sender is told the
+        failure once its whole input has arrived."""
+        if rank in held.told or rank not in held.participants:
+            return []
+        left = held.remaining.get(rank, chunk.total_bytes) - len(chunk.payload)
+        if left > 0:
+            held.remaining[rank] = left
+            return []
+        held.remaining.pop(rank, None)
+        return self._tell(held, (rank,))
+
+    def _tell(self, held: _Round, ranks: tuple[int, ...]) -> list[Action]:
+        actions: list[Action] = []
+        if ranks:
+            failure = pb.CollectiveChunk(
+                sequence=held.sequence,
+                op=held.op,  # type: ignore[arg-type]
+                dtype=held.dtype,  # type: ignore[arg-type]
+                root=held.root,
+                reduce_op=held.reduce_op,  # type: ignore[arg-type]
+                contributors=len(held.participants),
+                error=held.failure or "",
+            )
+            actions.append(Send(ranks, pb.CoordinatorMessage(collective=failure)))
+            held.told.update(ranks)
+        if all(r in held.told for r in held.participants):
+            self._close(held)
+        return actions
+
     # ------------------------------------------------------------- results
     def drop_participant(self, rank: int) -> list[Action]:
         """`rank` takes no part from now on: finish rounds that only waited for it.
@@ -345,11 +394,26 @@ class Collectives:
         would have got had it stayed a moment longer). A partial one is given
         back now and the round goes on without it: nothing can complete it, so
         the round would otherwise wait for good, holding those bytes, and the
-        other ranks with it.
+        other ranks with it. A collective that gives each rank its own part
+        (reduce_scatter, gather, scatter, all_to_all) cannot go on without
+        one: it fails for the others, naming the rank.
         """
         actions: list[Action] = []
         for held in sorted(self._rounds.values(), key=lambda r: r.sequence):
             if rank not in held.participants:
+                continue
+            if held.failure is None and held.op in PER_RANK:
+                actions += self._fail(
+                    held,
+                    f"rank {rank} stopped taking part in {held.describe()} (lost, or out "
+                    "of inputs in join()), which needs every rank of the job",
+                    ended=rank,
+                )
+            if held.failure is not None:
+                held.participants.remove(rank)
+                held.remaining.pop(rank, None)
+                if held.sequence in self._rounds:
+                    actions += self._tell(held, ())
                 continue
             item = held.inputs.get(rank)
             if item is not None and item.complete:
@@ -366,12 +430,18 @@ class Collectives:
 
     def _finish(self, held: _Round) -> list[Action]:
         participants = tuple(held.participants)
-        blobs = [held.inputs[r].blob() for r in participants]
-        result = self._compute(held, participants, blobs)
+        blobs = {r: held.inputs[r].blob() for r in participants}
+        if held.op in PER_RANK:
+            sends = sorted(self._per_rank(held, blobs).items())
+            by_rank: list[tuple[tuple[int, ...], bytes]] = [
+                ((rank,), result) for rank, result in sends
+            ]
+        else:
+            by_rank = [(participants, self._common(held, participants, blobs))]
         self._close(held)
         return [
             Send(
-                participants,
+                ranks,
                 pb.CoordinatorMessage(
                     collective=pb.CollectiveChunk(
                         sequence=held.sequence,
@@ -382,25 +452,31 @@ class Collectives:
                         payload=payload,
                         root=held.root,
                         contributors=len(participants),
+                        reduce_op=held.reduce_op,  # type: ignore[arg-type]
                     )
                 ),
             )
+            for ranks, result in by_rank
             for offset, payload in blob_chunks(result, self._chunk_bytes, empty_chunk=True)
         ]
 
     @staticmethod
-    def _compute(held: _Round, participants: tuple[int, ...], blobs: list[bytes]) -> bytes:
-        if held.op in _ELEMENTWISE:
-            return reduce_inputs(held.op, held.dtype, blobs)
+    def _per_rank(held: _Round, blobs: dict[int, bytes]) -> dict[int, bytes]:
+        send_splits = {r: splits[0] for r, splits in held.splits.items()}
+        return per_rank_results(held.op, held.reduce_op, held.dtype, held.root, blobs, send_splits)
+
+    @staticmethod
+    def _common(held: _Round, participants: tuple[int, ...], blobs: dict[int, bytes]) -> bytes:
+        if held.op in ELEMENTWISE:
+            return reduce_inputs(held.op, held.dtype, [blobs[r] for r in participants])
         if held.op == pb.COLLECTIVE_OP_ALL_GATHER:
-            return b"".join(blobs)
+            return b"".join(blobs[r] for r in participants)
         if held.op == pb.COLLECTIVE_OP_BROADCAST:
-            by_rank = dict(zip(participants, blobs, strict=True))
-            if held.root in by_rank:
-                return by_rank[held.root]
+            if held.root in blobs:
+                return blobs[held.root]
             # The root ran out of inputs: the lowest participant that sent data stands in.
-            senders = [r for r in participants if by_rank[r]] or list(participants)
-            return by_rank[min(senders)]
+            senders = [r for r in participants if blobs[r]] or list(participants)
+            return blobs[min(senders)]
         return b""  # barrier
 
     def _close(self, held: _Round) -> None:
@@ -416,3 +492,8 @@ class Collectives:
         for held in self._rounds.values():
             held.release()
         self._rounds.clear()
+
+
+def _splits_of(chunk: pb.CollectiveChunk) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """An ALL_TO_ALL chunk's (send_splits, receive_splits)."""
+    return tuple(chunk.send_splits), tuple(chunk.receive_splits)

@@ -40,6 +40,7 @@ from gradsync_server.metrics import CoordinatorMetrics
 from gradsync_server.rpc.checkpointer import Checkpointer
 from gradsync_server.rpc.connection import Connection
 from gradsync_server.rpc.delivery import Delivery
+from gradsync_server.rpc.kv_store import KeyValueStore
 from gradsync_server.rpc.segments import SegmentRegistry, leader_session
 from gradsync_server.rpc.servicer import SERVICE_NAME, SHUTDOWN_FLUSH_S, CoordinatorServicer
 from gradsync_server.rpc.shard_control import ShardControl
@@ -74,6 +75,8 @@ class LeaderRole(CoordinatorServicer):
         )
         self.jobs: dict[str, Job] = {}
         self.checkpointer = Checkpointer(config, store)
+        #: The rendezvous store torch.distributed's ranks meet through (`Coordinator.Store`).
+        self.kv_store = KeyValueStore()
         self.shard_control = ShardControl(self, config, clock, self.metrics)
         self.watchdog = Watchdog(self, extra_checks=(self.shard_control.check,))
         self.ended_jobs = EndedJobs(lambda: self.clock())
@@ -108,6 +111,10 @@ class LeaderRole(CoordinatorServicer):
             "ShardLink": grpc.stream_stream_rpc_method_handler(
                 guarded("ShardLink", self.shard_control.link, self.stream_count),
                 request_deserializer=pb.ShardMessage.FromString,
+            ),
+            "Store": grpc.unary_unary_rpc_method_handler(
+                guarded("Store", self.kv_store.serve),
+                response_serializer=pb.StoreReply.SerializeToString,
             ),
         }
 

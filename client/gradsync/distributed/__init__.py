@@ -1,0 +1,1 @@
+"""gradsync as a torch.distributed backend (the coordinator-served store: `store`)."""
