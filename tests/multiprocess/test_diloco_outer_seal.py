@@ -1,0 +1,136 @@
+"""A DiLoCo job's outer state in the store is sealed: forged or rolled-back records are refused.
+
+The outer-state record (global parameters, outer momentum, round) is the job's model. Real
+`gradsync serve` processes with a token and a file store, two real DiLoCo worker processes:
+the record is rewritten as a store writer without the token would (parameters 42, momentum
+100, the project's own encoder recomputing the unkeyed hash), or put back to an older
+genuine one, and the restarted coordinator must refuse the job with FAILED_PRECONDITION
+naming the store, the job, both rounds and `--fresh-start`, never restore or reseed it.
+Without a token the forged record cannot be told from a genuine one but for the leader's
+high-water mark: an ERROR line, and the documented behaviour (it is restored: the ranks hold
+42 after construction, which also proves the record was read).
+"""
+
+from __future__ import annotations
+
+import subprocess
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+from gradsync_server.dataplane.outer_snapshot import (
+    OuterSnapshot,
+    decode_snapshot,
+    encode_snapshot,
+)
+from support.diloco_reference import Run, make_model
+from support.processes import WORKERS, CoordinatorProcess, launch_ranks, reap
+
+DILOCO_WORKER = WORKERS / "diloco_worker.py"
+NAMES = [name for name, _ in make_model(0).named_parameters()]
+WORLD = 2
+TOKEN = "outer-seal-test-token-0123456789abcdef"
+
+
+def _captured(rank: int, argv: list[str]) -> subprocess.Popen[Any]:
+    return subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+
+def run_job(address: str, out: Path, run: Run) -> tuple[list[int], list[str]]:
+    """Run both ranks to their end; their exit codes and output."""
+    out.mkdir()
+    processes = launch_ranks(
+        DILOCO_WORKER,
+        address,
+        WORLD,
+        lambda rank: out / f"rank{rank}.npz",
+        *run.argv(),
+        launch=_captured,
+    )
+    try:
+        texts = [process.communicate(timeout=120)[0] for process in processes]
+    finally:
+        reap(processes)
+    return [process.returncode for process in processes], texts
+
+
+def forge(path: Path) -> None:
+    """Rewrite the record as a store writer without the token can: parameters 42, momentum
+    100, re-encoded with the project's own encoder (its SHA-256 recomputed)."""
+    genuine = decode_snapshot(path.read_bytes(), "default")
+    fake = OuterSnapshot(
+        genuine.job_id,
+        genuine.signature,
+        genuine.step,
+        genuine.rounds,
+        {index: np.full_like(array, 42.0) for index, array in genuine.parameters.items()},
+        {index: np.full_like(array, 100.0) for index, array in genuine.momenta.items()},
+        genuine.run,
+    )
+    path.write_bytes(b"".join(encode_snapshot(fake)))
+
+
+@pytest.mark.timeout(300)
+def test_a_forged_or_rolled_back_outer_state_is_refused_with_a_token(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("GRADSYNC_HIERARCHICAL", "0")
+    monkeypatch.delenv("GRADSYNC_TOKEN_FILE", raising=False)
+    monkeypatch.setenv("GRADSYNC_TOKEN", TOKEN)
+    store = tmp_path / "store"
+    record = store / "default" / "outer-state-shard0"
+    serve = ("--checkpoint-store", str(store))
+    run = Run(rounds=2, sync_every=2)
+
+    def session(name: str) -> tuple[list[int], list[str], str]:
+        coordinator = CoordinatorProcess(WORLD, *serve)
+        try:
+            codes, texts = run_job(coordinator.address, tmp_path / name, run)
+        finally:
+            log = coordinator.stop()[1]
+        return codes, texts, log
+
+    codes, texts, log = session("first")
+    assert codes == [0, 0], texts
+    older = record.read_bytes()
+    assert decode_snapshot(older, "default").step == 2
+    codes, texts, log = session("second")  # restored from round 2, two rounds more
+    assert codes == [0, 0], texts
+    assert "outer state restored round 2 (step 2)" in log, log[-3000:]
+    assert decode_snapshot(record.read_bytes(), "default").rounds == 4
+    newest = record.read_bytes()
+
+    record.write_bytes(older)  # an older, genuine, validly sealed record: a rollback
+    codes, texts, log = session("rollback")
+    assert all(code != 0 for code in codes), texts
+    for words in (
+        "refusing to resume the outer state of job 'default'",
+        store.absolute().as_uri(),
+        "round 2 (step 2)",
+        "round 4 (step 4",
+        "older than",
+        "--fresh-start",
+    ):
+        assert words in log, (words, log[-4000:])
+    assert "FAILED_PRECONDITION" in texts[0] or "--fresh-start" in texts[0], texts[0][-2000:]
+    assert "outer state restored" not in log and "outer state reseeded" not in log
+    assert record.read_bytes() == older  # refused, nothing overwritten
+
+    record.write_bytes(newest)
+    forge(record)
+    codes, texts, log = session("forged")
+    assert all(code != 0 for code in codes), texts
+    for words in ("carries no MAC", "job 'default'", "round 4 (step 4", "--fresh-start"):
+        assert words in log, (words, log[-4000:])
+    assert "outer state restored" not in log and "outer state reseeded" not in log
+
+    # The same forged record under a coordinator without a token: nothing in the store is
+    # authenticated, so only the mark's digest shows it; an ERROR line, and it is restored.
+    monkeypatch.delenv("GRADSYNC_TOKEN")
+    codes, texts, log = session("tokenless")
+    assert codes == [0, 0], texts
+    error = [line for line in log.splitlines() if "rewritten since" in line]
+    assert error and "ERROR" in error[0] and "without a token" in error[0], log[-4000:]
+    with np.load(tmp_path / "tokenless" / "rank0.npz") as output:
+        assert all(np.all(output[f"round0/{name}"] == 42.0) for name in NAMES)
