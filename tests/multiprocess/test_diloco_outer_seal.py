@@ -19,6 +19,7 @@ from typing import Any
 
 import numpy as np
 import pytest
+from gradsync_proto.auth import derive_key
 from gradsync_server.dataplane.outer_snapshot import (
     OuterSnapshot,
     decode_snapshot,
@@ -31,6 +32,11 @@ DILOCO_WORKER = WORKERS / "diloco_worker.py"
 NAMES = [name for name, _ in make_model(0).named_parameters()]
 WORLD = 2
 TOKEN = "outer-seal-test-token-0123456789abcdef"
+
+
+def outer_key(token: str) -> bytes:
+    """The outer-state key of an unsharded coordinator with `token`."""
+    return derive_key(token, "outer-state")
 
 
 def _captured(rank: int, argv: list[str]) -> subprocess.Popen[Any]:
@@ -83,8 +89,8 @@ def test_a_forged_or_rolled_back_outer_state_is_refused_with_a_token(
     serve = ("--checkpoint-store", str(store))
     run = Run(rounds=2, sync_every=2)
 
-    def session(name: str) -> tuple[list[int], list[str], str]:
-        coordinator = CoordinatorProcess(WORLD, *serve)
+    def session(name: str, *flags: str) -> tuple[list[int], list[str], str]:
+        coordinator = CoordinatorProcess(WORLD, *serve, *flags)
         try:
             codes, texts = run_job(coordinator.address, tmp_path / name, run)
         finally:
@@ -94,7 +100,8 @@ def test_a_forged_or_rolled_back_outer_state_is_refused_with_a_token(
     codes, texts, log = session("first")
     assert codes == [0, 0], texts
     older = record.read_bytes()
-    assert decode_snapshot(older, "default").step == 2
+    sealed = decode_snapshot(older, "default", outer_key(TOKEN))  # sealed by the coordinator
+    assert sealed.sealed and sealed.step == 2 and sealed.run
     codes, texts, log = session("second")  # restored from round 2, two rounds more
     assert codes == [0, 0], texts
     assert "outer state restored round 2 (step 2)" in log, log[-3000:]
@@ -134,3 +141,12 @@ def test_a_forged_or_rolled_back_outer_state_is_refused_with_a_token(
     assert error and "ERROR" in error[0] and "without a token" in error[0], log[-4000:]
     with np.load(tmp_path / "tokenless" / "rank0.npz") as output:
         assert all(np.all(output[f"round0/{name}"] == 42.0) for name in NAMES)
+
+    # The way out the refusal names: --fresh-start seeds the outer state anew (token on).
+    monkeypatch.setenv("GRADSYNC_TOKEN", TOKEN)
+    codes, texts, log = session("fresh", "--fresh-start")
+    assert codes == [0, 0], texts
+    assert "outer state reseeded (--fresh-start" in log, log[-3000:]
+    with np.load(tmp_path / "fresh" / "rank0.npz") as output:
+        assert not any(np.any(output[f"round0/{name}"] == 42.0) for name in NAMES)
+    assert decode_snapshot(record.read_bytes(), "default", outer_key(TOKEN)).rounds == 2

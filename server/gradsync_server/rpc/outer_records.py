@@ -220,7 +220,10 @@ class OuterRecords:
         description = self.description
         run = secrets.token_hex(8)
         if fresh_start:
-            await self._call(self._forget_mark, job_id)
+            try:
+                await self._call(self._forget_mark, job_id)
+            except TimeoutError:
+                log.error("job '%s': resetting its outer-state mark timed out", job_id)
             records = [(None, "--fresh-start: the stored outer state is not read")] * planes
             return OuterReading(records, description, run, self.key)
         loaded = [await self.load(job_id, index) for index in range(planes)]
