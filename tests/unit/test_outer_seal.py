@@ -135,6 +135,17 @@ def test_with_a_key_every_record_but_the_acknowledged_ones_is_refused_by_name() 
     assert decide(forged(new), KEY).refusal is not None
     first = decide(None, KEY)
     assert first.refusal is None and first.line.startswith("reseeded (") and first.run == "new-run"
+    # A store that could not be read is no first start: with a token it refuses.
+    outage = outer_resume.OuterReading(
+        [(None, "reading it from the store failed: timed out")],
+        "redis://store",
+        "new-run",
+        KEY,
+        read_failed=True,
+    )
+    refused = outer_resume.decide("job", SIGNATURE, 1, outage, None)
+    assert refused is not None and refused.refusal is not None
+    assert "timed out" in refused.refusal and "--fresh-start" in refused.refusal
 
 
 def test_without_a_key_a_finding_is_an_error_and_the_documented_fallback_stands() -> None:

@@ -13,18 +13,20 @@ what becomes of it:
   step, which it replays (`OuterState.restore`): a rank that missed that
   step's answer gets it, the others get the bytes they hold, nothing is
   applied twice and no rank recomputes an inner step;
-- reseeded: no store, no record and no mark (a first start), `--fresh-start`,
-  or a checkpoint to resume from instead; without a token also a record that
-  fails its checks or another layout: the ranks seed the global parameters
-  again from what they hold and the outer momentum starts from zero;
-- refused, with a token, in every other case: a record that is missing under
-  a mark, fails its MAC, is another job's, run's or layout's, is older than
-  the mark, or disagrees with another plane's. A token means nothing in the
-  store is taken on its word: the job ends with FAILED_PRECONDITION naming the
-  store, the job, both rounds and `--fresh-start`, and is never reseeded
-  silently. Without a token the same findings against the mark are logged as
-  an ERROR and the job goes on as above (nothing in the store is
-  authenticated, so an accident cannot be told from an attack; SECURITY.md).
+- reseeded: no store, no record and no mark (a first start: the store
+  answered, and held none), `--fresh-start`, or a checkpoint to resume from
+  instead; without a token also a record that fails its checks or another
+  layout: the ranks seed the global parameters again from what they hold and
+  the outer momentum starts from zero;
+- refused, with a token, in every other case: a store that cannot be read, a
+  record that is missing under a mark, fails its MAC, is another job's, run's
+  or layout's, is older than the mark, or disagrees with another plane's. A
+  token means nothing in the store is taken on its word: the job ends with
+  FAILED_PRECONDITION naming the store, the job, both rounds and
+  `--fresh-start`, and is never reseeded silently. Without a token the same
+  findings against the mark are logged as an ERROR and the job goes on as
+  above (nothing in the store is authenticated, so an accident cannot be told
+  from an attack; SECURITY.md).
 
 One line says which, for the log and `gradsync status`. With S shards each
 plane saves its own range (a shard process writes to the store its leader gave
@@ -64,6 +66,8 @@ class OuterReading:
         mark: the leader's high-water mark of the job's outer state, if one was kept.
         mark_path: where that mark lives ("" without a state directory).
         mark_problem: the mark exists but could not be read (why).
+        read_failed: a record could not be read (the store failed, rather than holding
+            none): not a first start, whatever the records say.
     """
 
     records: Sequence[tuple[bytes | None, str]]
@@ -73,6 +77,7 @@ class OuterReading:
     mark: OuterMark | None = None
     mark_path: str = ""
     mark_problem: str = ""
+    read_failed: bool = False
 
 
 @dataclass(frozen=True)
@@ -212,7 +217,7 @@ def _read_planes(
 def _failed(job_id: str, reading: OuterReading, why: str) -> OuterResume:
     """No record can be restored (`why`): reseed when nothing was acknowledged or without a
     token (an ERROR if something was), refuse with one."""
-    first_start = all(blob is None for blob, _ in reading.records)
+    first_start = all(blob is None for blob, _ in reading.records) and not reading.read_failed
     if reading.mark is None and first_start:
         return OuterResume(None, f"reseeded ({why})", run=reading.run)
     if reading.key is not None:

@@ -202,16 +202,22 @@ class OuterRecords:
 
     async def load(self, job_id: str, shard_index: int) -> tuple[bytes | None, str]:
         """The stored record of (`job_id`, plane `shard_index`), or None and why not."""
+        blob, why, _ = await self._load(job_id, shard_index)
+        return blob, why
+
+    async def _load(self, job_id: str, shard_index: int) -> tuple[bytes | None, str, bool]:
+        """`load`, and whether reading failed (rather than finding nothing)."""
         store = self._store
         if store is None:
-            return None, "no file or Redis checkpoint store is configured"
+            return None, "no file or Redis checkpoint store is configured", False
         try:
             blob = await self._call(store.load_record, job_id, record_name(shard_index))
         except (CheckpointError, OSError, TimeoutError) as exc:
-            return None, f"reading it from {store.description} failed: {exc or 'timed out'}"
+            why = f"reading it from {store.description} failed: {exc or 'timed out'}"
+            return None, why, True
         if blob is None:
-            return None, f"{store.description} holds no outer state of job '{job_id}'"
-        return blob, ""
+            return None, f"{store.description} holds no outer state of job '{job_id}'", False
+        return blob, "", False
 
     async def load_all(self, job_id: str, planes: int, fresh_start: bool = False) -> OuterReading:
         """The records of planes 0..planes-1 of `job_id` (see `load`) and the leader's mark;
@@ -224,9 +230,11 @@ class OuterRecords:
                 await self._call(self._forget_mark, job_id)
             except TimeoutError:
                 log.error("job '%s': resetting its outer-state mark timed out", job_id)
-            records = [(None, "--fresh-start: the stored outer state is not read")] * planes
-            return OuterReading(records, description, run, self.key)
-        loaded = [await self.load(job_id, index) for index in range(planes)]
+            unread = [(None, "--fresh-start: the stored outer state is not read")] * planes
+            return OuterReading(unread, description, run, self.key)
+        loaded = [await self._load(job_id, index) for index in range(planes)]
+        records = [(blob, why) for blob, why, _ in loaded]
+        failed = any(failed for _, _, failed in loaded)
         try:
             mark, problem = await self._call(self._read_mark, job_id)
         except TimeoutError:
@@ -234,7 +242,7 @@ class OuterRecords:
         path = ""
         if self._marks is not None and self._store is not None:
             path = self._marks.location(self._store.description, job_id)
-        return OuterReading(loaded, description, run, self.key, mark, path, problem)
+        return OuterReading(records, description, run, self.key, mark, path, problem, failed)
 
     async def _call(self, function: Callable[..., _Result], *args: object) -> _Result:
         loop = asyncio.get_running_loop()
