@@ -8,7 +8,9 @@ genuine one, and the restarted coordinator must refuse the job with FAILED_PRECO
 naming the store, the job, both rounds and `--fresh-start`, never restore or reseed it.
 Without a token the forged record cannot be told from a genuine one but for the leader's
 high-water mark: an ERROR line, and the documented behaviour (it is restored: the ranks hold
-42 after construction, which also proves the record was read).
+42 after construction, which also proves the record was read). With a shard started
+elsewhere and a shard-token file, the records are sealed under the shard token, which the
+workers do not hold: a worker's forgery of the shard's range refuses the restart too.
 """
 
 from __future__ import annotations
@@ -20,13 +22,17 @@ from typing import Any
 import numpy as np
 import pytest
 from gradsync_proto.auth import derive_key
+from gradsync_proto.net.channels import ChannelSecurity
+from gradsync_proto.net.launch import free_port
 from gradsync_server.dataplane.outer_snapshot import (
     OuterSnapshot,
+    OuterSnapshotError,
     decode_snapshot,
     encode_snapshot,
 )
 from support.diloco_reference import Run, make_model
 from support.processes import WORKERS, CoordinatorProcess, launch_ranks, reap
+from support.shards import ShardProcess, wait_for_shards
 
 DILOCO_WORKER = WORKERS / "diloco_worker.py"
 NAMES = [name for name, _ in make_model(0).named_parameters()]
@@ -150,3 +156,63 @@ def test_a_forged_or_rolled_back_outer_state_is_refused_with_a_token(
     with np.load(tmp_path / "fresh" / "rank0.npz") as output:
         assert not any(np.any(output[f"round0/{name}"] == 42.0) for name in NAMES)
     assert decode_snapshot(record.read_bytes(), "default", outer_key(TOKEN)).rounds == 2
+
+
+SHARD_TOKEN = "outer-seal-shard-token-" + "s" * 24
+
+
+@pytest.mark.timeout(300)
+def test_remote_shards_seal_under_the_shard_token_so_the_workers_token_forges_nothing(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A leader waiting for a shard started elsewhere, both with a shard-token file: every
+    plane's record is sealed under the shard token's key, not the workers' token's, so a
+    worker (it holds the token) with write access to the store cannot forge the shard's
+    range; its record sealed under the workers' token's key refuses the restart."""
+    monkeypatch.setenv("GRADSYNC_HIERARCHICAL", "0")
+    for name in ("GRADSYNC_TOKEN_FILE", "GRADSYNC_SHARD_TOKEN", "GRADSYNC_SHARD_TOKEN_FILE"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("GRADSYNC_TOKEN", TOKEN)
+    shard_token_file = tmp_path / "shard-token"
+    shard_token_file.write_text(SHARD_TOKEN + "\n")
+    shard_token_file.chmod(0o600)
+    store = tmp_path / "store"
+    secret = ("--checkpoint-store", str(store), "--shard-token-file", str(shard_token_file))
+    run = Run(rounds=2, sync_every=2)
+    security = ChannelSecurity(token=TOKEN)
+
+    def session(name: str) -> tuple[list[int], list[str], str]:
+        leader = CoordinatorProcess(WORLD, "--wait-for-shards", "1", *secret)
+        shard = ShardProcess(leader.address, free_port(), tmp_path / f"{name}-shard.log", *secret)
+        try:
+            wait_for_shards(leader.address, 2, 60, security)
+            codes, texts = run_job(leader.address, tmp_path / name, run)
+        finally:
+            shard.stop()
+            log = leader.stop()[1]
+        return codes, texts, log
+
+    codes, texts, _ = session("first")
+    assert codes == [0, 0], texts
+    records = [store / "default" / f"outer-state-shard{index}" for index in (0, 1)]
+    for path in records:
+        blob = path.read_bytes()
+        assert decode_snapshot(blob, "default", outer_key(SHARD_TOKEN)).sealed
+        with pytest.raises(OuterSnapshotError, match="fails its MAC"):
+            decode_snapshot(blob, "default", outer_key(TOKEN))
+    # A worker rewrites the shard's range, sealing it with the key its token gives.
+    genuine = decode_snapshot(records[1].read_bytes(), "default")
+    fake = OuterSnapshot(
+        genuine.job_id,
+        genuine.signature,
+        genuine.step,
+        genuine.rounds,
+        {index: np.full_like(array, 42.0) for index, array in genuine.parameters.items()},
+        {index: np.full_like(array, 100.0) for index, array in genuine.momenta.items()},
+        genuine.run,
+    )
+    records[1].write_bytes(b"".join(encode_snapshot(fake, outer_key(TOKEN))))
+    codes, texts, log = session("forged")
+    assert all(code != 0 for code in codes), texts
+    for words in ("shard 1:", "fails its MAC", "job 'default'", "round 2 (step 2", "--fresh-start"):
+        assert words in log, (words, log[-4000:])
