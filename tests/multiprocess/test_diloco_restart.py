@@ -23,13 +23,17 @@ from pathlib import Path
 import numpy as np
 import pytest
 from gradsync.status import query_status
+from gradsync_proto.auth import derive_key
+from gradsync_proto.net.channels import ChannelSecurity
 from gradsync_proto.net.launch import free_port
+from gradsync_server.dataplane.outer_snapshot import decode_snapshot
 from support.diloco_reference import Run, make_model, simulate
 from support.faults import wait_for
 from support.processes import WORKERS, CoordinatorProcess, launch_ranks, reap, run_ranks
 from support.redisserver import RedisServer
 
 DILOCO_WORKER = WORKERS / "diloco_worker.py"
+TOKEN = "diloco-restart-test-token-0123456789"
 NAMES = [name for name, _ in make_model(0).named_parameters()]
 WORLD = 2
 
@@ -38,10 +42,15 @@ def record(shard: int) -> str:
     return f"outer-state-shard{shard}"
 
 
+def _security() -> ChannelSecurity:
+    """The token of the test's coordinators, if it runs them with one."""
+    return ChannelSecurity(token=os.environ.get("GRADSYNC_TOKEN"))
+
+
 def _open_step(address: str) -> int:
     """The open step (seed + rounds) of the default job at `address` (0 if none yet)."""
     try:
-        jobs = query_status(address, "default", timeout_s=2).jobs
+        jobs = query_status(address, "default", timeout_s=2, security=_security()).jobs
     except ConnectionError:
         return 0
     return int(jobs[0].open_step) if jobs else 0
@@ -50,7 +59,7 @@ def _open_step(address: str) -> int:
 def _outer_state(address: str) -> str:
     """The default job's outer-state line in `gradsync status` ("" if none yet)."""
     try:
-        jobs = query_status(address, "default", timeout_s=2).jobs
+        jobs = query_status(address, "default", timeout_s=2, security=_security()).jobs
     except ConnectionError:
         return ""
     return jobs[0].outer_state if jobs else ""
@@ -95,21 +104,28 @@ def assert_equals_uninterrupted(outputs: list[dict[str, np.ndarray]], run: Run) 
 
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize(
-    ("kind", "shards"),
-    [("file", 1), ("redis", 1), ("file", 2), ("redis", 2)],
-    ids=["file", "redis", "file-two-shards", "redis-two-shards"],
+    ("kind", "shards", "token"),
+    [("file", 1, ""), ("redis", 1, ""), ("file", 2, ""), ("redis", 2, ""), ("file", 2, TOKEN)],
+    ids=["file", "redis", "file-two-shards", "redis-two-shards", "file-two-shards-token"],
 )
 def test_a_coordinator_killed_mid_run_resumes_its_outer_state_from_the_store(
     kind: str,
     shards: int,
+    token: str,
     tmp_path: Path,
     request: pytest.FixtureRequest,
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """SIGKILL in the middle of a momentum-0.9 run (with `--shards 2`: the leader and its
     shard process at once), restart on the same port and store: the run ends where the
-    uninterrupted simulation ends, no inner step run twice. Every plane saved its range."""
+    uninterrupted simulation ends, no inner step run twice. Every plane saved its range
+    (with a token: sealed, every plane's record verifying under the outer-state key)."""
     monkeypatch.setenv("GRADSYNC_HIERARCHICAL", "0")
+    monkeypatch.delenv("GRADSYNC_TOKEN_FILE", raising=False)
+    if token:
+        monkeypatch.setenv("GRADSYNC_TOKEN", token)
+    else:
+        monkeypatch.delenv("GRADSYNC_TOKEN", raising=False)
     if kind == "redis":
         store = request.getfixturevalue("redis_server").url
     else:
@@ -132,6 +148,10 @@ def test_a_coordinator_killed_mid_run_resumes_its_outer_state_from_the_store(
         wait_for(lambda: _open_step(first.address) >= 3, 90, "two rounds on the first coordinator")
         for shard in range(shards):
             assert _record_exists(kind, store, shard), f"no record of plane {shard} in the store"
+            if token:
+                blob = (Path(store) / "default" / record(shard)).read_bytes()
+                key = derive_key(token, "outer-state")  # `--shards`' own children: the token's
+                assert decode_snapshot(blob, "default", key).sealed
         _kill_with_children(first)
         second = CoordinatorProcess(WORLD, *serve)
         wait_for(lambda: _outer_state(second.address) != "", 90, "the restarted job's outer state")
@@ -177,7 +197,7 @@ def test_an_empty_store_or_another_layout_reseeds_and_says_so(
         outputs = run_ranks(DILOCO_WORKER, second.address, WORLD, tmp_path / "b", *other.argv())
     finally:
         log = second.stop()[1]
-    assert "outer state reseeded (the stored outer state of step" in log, log
+    assert "outer state reseeded (the stored outer state of round 2 (step 2)" in log, log
     assert "written for another model, outer optimizer or shard count" in log, log
     assert_equals_uninterrupted(outputs, other)  # its own run, from its own seed
     # The same job started again on the same store: its new ranks resume from the stored

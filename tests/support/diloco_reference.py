@@ -393,8 +393,9 @@ def simulate_stragglers(
     inner optimizer's state carried over), each from the global parameters it held
     (`LocalRound.start`). Coordinator round c averages the on-time contributions
     (ascending rank) and then the late ones merged into it (ascending rank), weighted
-    by `weights[rank]` if given (sum(w g) / sum(w), the sum of the weights in float64
-    rounded to float32, as the coordinator divides), then takes the outer step.
+    by `weights[rank]` if given (sum(w g) / sum(w), the sum of the weights and the
+    quotient in float64, rounded to float32, as the coordinator divides), then takes
+    the outer step.
     float32 wire only.
     """
     replicas = [make_model(0, run.hidden) for _ in range(world_size)]
@@ -448,7 +449,7 @@ def simulate_stragglers(
             for rank, deltas in contributions:  # one product and one add at a time, in order
                 total = total + torch.tensor(weights[rank], dtype=torch.float32) * deltas[position]
             weight_sum = float(sum(weights[rank] for rank, _ in contributions))
-            averages.append(total / torch.tensor(weight_sum, dtype=torch.float32))
+            averages.append((total.double() / weight_sum).float())  # divided in float64
         outer.zero_grad()
         for g, average in zip(global_params, averages, strict=True):
             g.grad = average

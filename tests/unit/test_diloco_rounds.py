@@ -96,7 +96,7 @@ def weighted_reference(contributions: list[np.ndarray], weights: list[float]) ->
     total = np.float32(weights[0]) * contributions[0]
     for values, weight in zip(contributions[1:], weights[1:], strict=True):
         total = total + np.float32(weight) * values
-    return total / np.float32(sum(weights))
+    return (total.astype(np.float64) / sum(weights)).astype(np.float32)  # divided in float64
 
 
 def test_a_weighted_reduction_is_sum_w_g_over_sum_w_bitwise_for_every_arrival_order() -> None:

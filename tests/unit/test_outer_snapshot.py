@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -33,6 +34,20 @@ from gradsync_server.store.checkpoint_file import FileCheckpointStore
 
 ELEMENTS = 10
 OUTER = pb.OuterOptimizer(lr=0.7, momentum=0.9, nesterov=True)
+
+
+def decide(
+    signature: pb.ModelSignature,
+    shard_count: int,
+    records: list[tuple[bytes | None, str]] | None,
+    checkpoint_step: int | None,
+    **reading: Any,
+) -> outer_resume.OuterResume | None:
+    """`outer_resume.decide` for job "job" on what a store held (`records`, None: no store)."""
+    read = None
+    if records is not None:
+        read = outer_resume.OuterReading(records, "the store", "new-run", **reading)
+    return outer_resume.decide("job", signature, shard_count, read, checkpoint_step)
 
 
 def buckets() -> list[pb.BucketSpec]:
@@ -101,8 +116,10 @@ def test_every_damaged_byte_is_refused_naming_the_job(where: str) -> None:
 def test_a_torn_record_and_another_jobs_record_are_refused() -> None:
     state, _ = trained(1)
     blob = b"".join(encode_snapshot(state.snapshot("job-a", 1)))
-    with pytest.raises(OuterSnapshotError, match="SHA-256"):
+    with pytest.raises(OuterSnapshotError, match="torn"):
         decode_snapshot(blob[: len(blob) // 2], "job-a")
+    with pytest.raises(OuterSnapshotError, match="SHA-256"):
+        decode_snapshot(blob[:-3], "job-a")
     with pytest.raises(OuterSnapshotError, match="belongs to job 'job-a'"):
         decode_snapshot(blob, "job-b")
     with pytest.raises(OuterSnapshotError, match="not an outer-state record"):
@@ -172,16 +189,16 @@ def test_the_control_plane_restores_only_this_layouts_records_and_says_which() -
     signature = pb.ModelSignature(buckets=buckets(), outer=OUTER)
     state, _ = trained(2)
     blob = b"".join(encode_snapshot(state.snapshot("job", 2)))
-    restored = outer_resume.decide("job", signature, 1, [(blob, "")], None)
+    restored = decide(signature, 1, [(blob, "")], None)
     assert restored is not None and restored.snapshot is not None
     assert restored.line.startswith("restored round 2 (step 2) from the store")
     other = pb.ModelSignature(buckets=buckets(), outer=pb.OuterOptimizer(lr=0.1, momentum=0.9))
     lines = {
-        "mismatch": outer_resume.decide("job", other, 1, [(blob, "")], None),
-        "empty": outer_resume.decide("job", signature, 1, [(None, "the store holds none")], None),
-        "torn": outer_resume.decide("job", signature, 1, [(blob[:-3], "")], None),
-        "checkpoint": outer_resume.decide("job", signature, 1, [(blob, "")], 40),
-        "no store": outer_resume.decide("job", signature, 1, None, None),
+        "mismatch": decide(other, 1, [(blob, "")], None),
+        "empty": decide(signature, 1, [(None, "the store holds none")], None),
+        "torn": decide(signature, 1, [(blob[:-3], "")], None),
+        "checkpoint": decide(signature, 1, [(blob, "")], 40),
+        "no store": decide(signature, 1, None, None),
     }
     for name, decision in lines.items():
         assert decision is not None and decision.snapshot is None, name
@@ -190,7 +207,7 @@ def test_the_control_plane_restores_only_this_layouts_records_and_says_which() -
     assert "the store holds none" in lines["empty"].line
     assert "SHA-256" in lines["torn"].line
     assert "checkpoint of step 40" in lines["checkpoint"].line
-    assert outer_resume.decide("job", pb.ModelSignature(buckets=buckets()), 1, None, None) is None
+    assert decide(pb.ModelSignature(buckets=buckets()), 1, None, None) is None
 
 
 def sharded_record(shard_index: int, step: int) -> bytes:
@@ -208,7 +225,7 @@ def sharded_record(shard_index: int, step: int) -> bytes:
 def test_sharded_planes_restore_when_their_records_hold_one_step_or_two_consecutive() -> None:
     signature = pb.ModelSignature(buckets=buckets(), outer=OUTER)
     both = [(sharded_record(0, 3), ""), (sharded_record(1, 3), "")]
-    restored = outer_resume.decide("job", signature, 2, both, None)
+    restored = decide(signature, 2, both, None)
     assert restored is not None and restored.snapshot is not None
     assert (restored.start_step, restored.replay, restored.repeat) == (3, True, False)
     assert "(2 planes)" in restored.line and "step 3 is replayed" in restored.line
@@ -216,7 +233,7 @@ def test_sharded_planes_restore_when_their_records_hold_one_step_or_two_consecut
     # that saved it replays it, the other runs it as an outer step.
     for leader, shard in ((3, 2), (2, 3)):
         records = [(sharded_record(0, leader), ""), (sharded_record(1, shard), "")]
-        apart = outer_resume.decide("job", signature, 2, records, None)
+        apart = decide(signature, 2, records, None)
         assert apart is not None and apart.snapshot is not None and apart.repeat
         assert apart.start_step == 3 and apart.replay is (leader == 3)
         assert "the shards saved steps [2, 3]: step 3 is uploaded again" in apart.line
@@ -227,11 +244,11 @@ def test_sharded_planes_restore_when_their_records_hold_one_step_or_two_consecut
         "short": [(sharded_record(0, 3), "")],
     }
     for name, records in cases.items():
-        decision = outer_resume.decide("job", signature, 2, records, None)
+        decision = decide(signature, 2, records, None)
         assert decision is not None and decision.snapshot is None, name
         assert decision.line.startswith("reseeded ("), name
-    far = outer_resume.decide("job", signature, 2, cases["far apart"], None)
-    missing = outer_resume.decide("job", signature, 2, cases["missing"], None)
+    far = decide(signature, 2, cases["far apart"], None)
+    missing = decide(signature, 2, cases["missing"], None)
     assert far is not None and "hold steps [1, 3]" in far.line
     assert missing is not None and "shard 1: no record" in missing.line
 

@@ -722,7 +722,7 @@ class ShardMember(_message.Message):
     def __init__(self, rank: _Optional[int] = ..., incarnation: _Optional[str] = ..., session: _Optional[bytes] = ...) -> None: ...
 
 class ShardJobView(_message.Message):
-    __slots__ = ("job_id", "world_size", "membership_epoch", "members", "out_of_inputs", "start_step", "buckets", "chunk_bytes", "shard_count", "local_groups", "outer", "outer_restore")
+    __slots__ = ("job_id", "world_size", "membership_epoch", "members", "out_of_inputs", "start_step", "buckets", "chunk_bytes", "shard_count", "local_groups", "outer", "outer_restore", "outer_run")
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
     WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
     MEMBERSHIP_EPOCH_FIELD_NUMBER: _ClassVar[int]
@@ -735,6 +735,7 @@ class ShardJobView(_message.Message):
     LOCAL_GROUPS_FIELD_NUMBER: _ClassVar[int]
     OUTER_FIELD_NUMBER: _ClassVar[int]
     OUTER_RESTORE_FIELD_NUMBER: _ClassVar[int]
+    OUTER_RUN_FIELD_NUMBER: _ClassVar[int]
     job_id: str
     world_size: int
     membership_epoch: int
@@ -747,7 +748,8 @@ class ShardJobView(_message.Message):
     local_groups: _containers.RepeatedCompositeFieldContainer[LocalGroup]
     outer: OuterOptimizer
     outer_restore: bool
-    def __init__(self, job_id: _Optional[str] = ..., world_size: _Optional[int] = ..., membership_epoch: _Optional[int] = ..., members: _Optional[_Iterable[_Union[ShardMember, _Mapping]]] = ..., out_of_inputs: _Optional[_Iterable[int]] = ..., start_step: _Optional[int] = ..., buckets: _Optional[_Iterable[_Union[BucketSpec, _Mapping]]] = ..., chunk_bytes: _Optional[int] = ..., shard_count: _Optional[int] = ..., local_groups: _Optional[_Iterable[_Union[LocalGroup, _Mapping]]] = ..., outer: _Optional[_Union[OuterOptimizer, _Mapping]] = ..., outer_restore: _Optional[bool] = ...) -> None: ...
+    outer_run: str
+    def __init__(self, job_id: _Optional[str] = ..., world_size: _Optional[int] = ..., membership_epoch: _Optional[int] = ..., members: _Optional[_Iterable[_Union[ShardMember, _Mapping]]] = ..., out_of_inputs: _Optional[_Iterable[int]] = ..., start_step: _Optional[int] = ..., buckets: _Optional[_Iterable[_Union[BucketSpec, _Mapping]]] = ..., chunk_bytes: _Optional[int] = ..., shard_count: _Optional[int] = ..., local_groups: _Optional[_Iterable[_Union[LocalGroup, _Mapping]]] = ..., outer: _Optional[_Union[OuterOptimizer, _Mapping]] = ..., outer_restore: _Optional[bool] = ..., outer_run: _Optional[str] = ...) -> None: ...
 
 class LocalGroup(_message.Message):
     __slots__ = ("ranks",)

@@ -152,9 +152,9 @@ class Job:
         self.restart_line = ""
         #: Steps the ranks had applied beyond where a restarted job went on (summed).
         self.steps_recomputed = 0
-        #: The store's outer-state records of this job, one per plane, read before it
-        #: assembled: (bytes or None, why none); None = not read (`control.outer_resume`).
-        self.outer_records: list[tuple[bytes | None, str]] | None = None
+        #: The store's outer-state records of this job, one per plane, and the leader's
+        #: mark, read before it assembled; None = not read (`control.outer_resume`).
+        self.outer_reading: outer_resume.OuterReading | None = None
         #: Save the outer state after every step that changed it (a store is configured).
         self.persist_outer = False
         #: How the outer state started: restored from the store or reseeded, and why.
@@ -379,15 +379,18 @@ class Job:
             self.job_id,
             signature,
             self._shard_count,
-            self.outer_records,
+            self.outer_reading,
             resume.step if resume is not None else None,
         )
+        if outer is not None and outer.refusal is not None:
+            return self._refuse(Code.FAILED_PRECONDITION, outer.refusal)
         restored = outer.snapshot if outer is not None else None
         start = resume.step if resume else 0
         if outer is not None and restored is not None:
             start = outer.start_step
         view = self._view(start)
         view.outer_restore = restored is not None
+        view.outer_run = outer.run if outer is not None else ""
         self.events.start(view)
         if outer is not None:
             self._start_outer(outer)
@@ -444,6 +447,9 @@ class Job:
         """Restore the plane's outer state (or not), say which, and start saving it."""
         self.outer_state = outer.line
         self.outer_repeat = outer.repeat
+        self.in_flight.outer.run = outer.run
+        if outer.finding is not None:
+            log.error("%s", outer.finding)
         if outer.snapshot is not None:
             self.in_flight.outer.restore(outer.snapshot, outer.replay)
             log.warning("job '%s': outer state %s", self.job_id, outer.line)

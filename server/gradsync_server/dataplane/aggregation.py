@@ -26,8 +26,10 @@ the contributions it contains), and `add_rank` adds a rejoining rank.
 Weighted averages (DiLoCo's `weighted` rounds, `gradsync_server.dataplane.rounds`):
 a contribution added with a `sample_weight` w is multiplied by w (in the
 accumulation dtype, w rounded to it) before it is folded in, still in rank
-order, and the chunk divides by the sum of the weights (formed in float64 in
-the same order, then rounded to the accumulation dtype): sum(w_i g_i) / sum(w_i).
+order, and the chunk divides by the sum of the weights, formed in float64 in
+the same order; the quotient is formed in float64 too and rounded once to the
+accumulation dtype: sum(w_i g_i) / sum(w_i). (`rounds.MIN_WEIGHT` keeps every
+w_i a normal float32 number, so the sum is never 0.)
 
 Uneven inputs (DDP's `join()`) are the one exception to "divide by the
 contributions": a rank that ran out of inputs contributes nothing, yet the
@@ -380,8 +382,8 @@ class BucketReduction:
         # Complete: every expected rank is folded in, in rank order.
         assert state.accumulator is not None  # at least one contribution was folded
         divisor: float | np.floating = self.divisor or state.weight
-        if state.sample_total:  # weighted: sum(w_i), rounded to the accumulator's dtype
-            divisor = state.accumulator.dtype.type(state.sample_total)
+        if state.sample_total:  # weighted: sum(w_i) in float64, and the quotient formed in it
+            divisor = np.float64(state.sample_total)
         self.last_contributors = state.weight
         if state.shadow is None:  # the divide writes the reply (the accumulator is spent)
             averaged = average_bytes(state.accumulator, divisor, self.average_dtype)

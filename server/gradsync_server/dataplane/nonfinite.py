@@ -20,6 +20,14 @@ applies the policy:
   under "report";
 - "allow": nothing is checked or reported (overflow is still guarded).
 
+DiLoCo's outer averages are checked once more, before they are committed
+(`NonFiniteGuard.check_average`): finite pseudo-gradients can still give a
+non-finite result (the outer step's momentum or parameters overflowing). If
+a contribution of that round and bucket held NaN/Inf, its rank was named
+already; otherwise no rank is to blame, and the finding is counted and logged
+as the average's own (rank -1), the round aborted under "abort" before any of
+it is committed (the global parameters and momentum stay as they were).
+
 A contribution is one rank's bucket of one step: a bucket with NaN in many
 chunks (or in several shards' ranges) counts once. Code ABORTED rather than
 INVALID_ARGUMENT for every rank, the culprit included: no message broke the
@@ -111,6 +119,14 @@ class NonFiniteContribution:
 
     def describe(self) -> str:
         """Names the rank (and the ranks it covers), step, bucket and the count."""
+        if self.rank < 0:  # an outer average of finite contributions (`check_average`)
+            return (
+                f"the outer average of bucket {self.bucket_index} of round (step) {self.step} "
+                f"in job '{self.job_id}' is not finite although no contribution held NaN/Inf "
+                f"(ranks {list(self.covered)} contributed): {self.nonfinite} of "
+                f"{self.elements} elements of the chunk at byte offset {self.offset}"
+                + (f" at {self.where}" if self.where else "")
+            )
         sender = f"rank {self.rank}"
         if self.via < 0 and len(self.covered) > 1:  # a group's sum: which member, unknown
             sender += f" (local leader, summing ranks {list(self.covered)})"
@@ -151,6 +167,8 @@ class NonFiniteRejection(RejectedMessage):
             f"{contribution.describe()}; the coordinator runs with --nonfinite abort, so "
             f"step {contribution.step} is aborted for every rank"
         )
+        if contribution.rank < 0:
+            message += " and nothing of it is committed"
         return cls(contribution.rank, contribution.step, contribution.bucket_index, message)
 
 
@@ -201,6 +219,14 @@ class NonFiniteLog:
         self.last = contribution.describe()
         self._log(self.last)
         return True
+
+    def ranks_of(self, step: int, bucket_index: int) -> list[int]:
+        """The ranks counted for (`step`, `bucket_index`) (recent ones), ascending."""
+        return sorted(
+            rank
+            for (seen_step, rank, bucket) in self._seen
+            if seen_step == step and bucket == bucket_index and rank >= 0
+        )
 
     def _log(self, text: str) -> None:
         now = self._clock()
@@ -310,6 +336,53 @@ class NonFiniteGuard:
         for contribution in contributions:
             self.note(contribution)
 
+    def check_average(
+        self,
+        step: int,
+        bucket_index: int,
+        offset: int,
+        nonfinite: int,
+        elements: int,
+        ranks: tuple[int, ...],
+    ) -> None:
+        """An outer average (or the outer step it makes) about to be committed holds
+        `nonfinite` NaN/Inf of its `elements`: name the culprit, count it, or refuse.
+
+        Args:
+            step, bucket_index, offset: the round, bucket and chunk (its byte offset).
+            nonfinite: the non-finite elements found (0: nothing to do).
+            elements: the chunk's elements.
+            ranks: the ranks whose contributions it averages.
+
+        Raises:
+            NonFiniteRejection: the policy is "abort" (no rank named when no contribution
+                held NaN/Inf: rank -1).
+        """
+        if self.policy is ALLOW or not nonfinite:
+            return
+        culprits = self._log.ranks_of(step, bucket_index)
+        if culprits:  # named and counted as its contribution arrived
+            if self.policy is ABORT:
+                contribution = NonFiniteContribution(
+                    self.job_id, culprits[0], step, bucket_index, offset, 0, 0, self._where
+                )
+                raise NonFiniteRejection.of(contribution)
+            return
+        average = NonFiniteContribution(
+            job_id=self.job_id,
+            rank=-1,
+            step=step,
+            bucket_index=bucket_index,
+            offset=offset,
+            nonfinite=nonfinite,
+            elements=elements,
+            where=self._where,
+            covered=ranks,
+        )
+        self.note(average, forward=False)
+        if self.policy is ABORT:
+            raise NonFiniteRejection.of(average)
+
     def note(self, contribution: NonFiniteContribution, forward: bool = True) -> bool:
         """Count, log and export a non-finite contribution (once per rank, step and bucket).
 
@@ -321,7 +394,7 @@ class NonFiniteGuard:
         """
         if not self._log.record(contribution):
             return False
-        if self._observer is not None:
+        if self._observer is not None and contribution.rank >= 0:
             self._observer.observe_nonfinite(contribution.rank)
         if forward and self._on_nonfinite is not None:
             self._on_nonfinite(contribution)

@@ -63,6 +63,7 @@ from gradsync_server.dataplane.aggregation import (
     BucketReduction,
     DuplicateContributionError,
     Magnitude,
+    count_nonfinite,
     examine,
 )
 from gradsync_server.dataplane.budget import ByteBudget, OwnerBudget, Reservation
@@ -379,7 +380,19 @@ class OpenStep:
         held = self._buckets[bucket]
         reduction = held.reduction
         if self.outer.holds(bucket):  # DiLoCo: the new global parameters, not the average
+            replayed = self.outer.replaying  # answered with the stored parameters
+            nonfinite = 0 if replayed else count_nonfinite(averaged, pb.DTYPE_FLOAT32)
+            elements = len(averaged) // 4
             averaged = self.outer.answer(bucket, offset, reduction.dtype, averaged)
+            # Checked before anything of it is committed (raises under "abort").
+            self.nonfinite.check_average(
+                self.step,
+                bucket,
+                offset,
+                nonfinite + self.outer.last_nonfinite,
+                elements,
+                self.participants(),
+            )
         units = self.units()
         from_segment = tuple(u for u in units if (bucket, offset, u) in self._segment_uploads)
         self._segment_uploads.difference_update((bucket, offset, u) for u in from_segment)

@@ -63,6 +63,11 @@ class _Pending:
     momentum: Floats | None
 
 
+def _nonfinite(values: Floats) -> int:
+    """How many elements of `values` are NaN or Inf."""
+    return int(values.size - np.count_nonzero(np.isfinite(values)))
+
+
 class OuterState:
     """Global parameters and outer momentum of this plane's range of every outer bucket.
 
@@ -108,6 +113,11 @@ class OuterState:
         self.replaying = False
         #: Save the state after every step that changed it (a store is configured).
         self.persist = False
+        #: The run its records belong to (`OuterSnapshot.run`), set by the control plane.
+        self.run = ""
+        #: NaN/Inf in what the latest `answer` set pending (the parameters and momentum
+        #: it would commit), for the `--nonfinite` check before the step commits.
+        self.last_nonfinite = 0
         self._shard_index = shard_index
 
     @property
@@ -152,21 +162,25 @@ class OuterState:
         lo, _ = self._ranges[bucket]
         start = offset // dtypes.itemsize(wire_dtype) - lo
         values = np.frombuffer(average, dtype="<f4")
+        self.last_nonfinite = 0
         if self.replaying:  # the stored answer of the committed step, whatever was sent
             stored = self._parameters[bucket][start : start + len(values)]
             return stored.astype("<f4", copy=True).data.cast("B")
         if not self.seeded:
             self._pending.append(_Pending(bucket, start, values.copy(), None))
+            self.last_nonfinite = _nonfinite(values)
             return average
         stop = start + len(values)
         parameters = self._parameters[bucket][start:stop]
         momentum = self._momenta[bucket][start:stop]
         # As torch.optim.SGD(momentum=mu, nesterov=...): buf = mu * buf + grad; the
         # step is grad + mu * buf with Nesterov, else buf; p = p - lr * step.
-        new_momentum = momentum * self.momentum + values if self.momentum else values.copy()
-        step = values + self.momentum * new_momentum if self.nesterov else new_momentum
-        new_parameters = parameters - self.lr * step
+        with np.errstate(over="ignore", invalid="ignore"):  # counted in `last_nonfinite`
+            new_momentum = momentum * self.momentum + values if self.momentum else values.copy()
+            step = values + self.momentum * new_momentum if self.nesterov else new_momentum
+            new_parameters = parameters - self.lr * step
         self._pending.append(_Pending(bucket, start, new_parameters, new_momentum))
+        self.last_nonfinite = _nonfinite(new_parameters) + _nonfinite(new_momentum)
         exact = new_parameters.astype(np.float32, copy=False)
         return self.public.answer(bucket, start, offset, exact)
 
@@ -227,7 +241,13 @@ class OuterState:
         are released only once the record is saved (`Delivery`).
         """
         return OuterSnapshot(
-            job_id, self.signature, step, self.rounds, dict(self._parameters), dict(self._momenta)
+            job_id,
+            self.signature,
+            step,
+            self.rounds,
+            dict(self._parameters),
+            dict(self._momenta),
+            self.run,
         )
 
     def restore(self, snapshot: OuterSnapshot, replay: bool = True) -> None:
@@ -248,4 +268,5 @@ class OuterState:
         self._momenta = {i: snapshot.momenta[i] for i in self._ranges}
         self._pending.clear()
         self.rounds = snapshot.rounds
+        self.run = snapshot.run
         self.replaying = replay

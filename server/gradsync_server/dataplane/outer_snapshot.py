@@ -8,17 +8,24 @@ to the checkpoint store as one record per plane (leader and each shard, each
 for its byte range), and read back when the job assembles again.
 
 A record is verified before it is trusted: a magic, a length-prefixed JSON
-header (job, layout signature, step, rounds, the element count of each
-bucket range), the float32 arrays, and a SHA-256 of everything before it.
-The layout signature hashes what makes the arrays meaningful (the outer
-optimizer, the outer buckets' sizes and dtypes, the shard count and index):
-a job restarted with another model, optimizer or shard count gets no state
-that does not fit it, and reseeds instead. No I/O here.
+header (job, layout signature, step, rounds, the run it belongs to, whether
+it is sealed, the element count of each bucket range), the float32 arrays, a
+SHA-256 of everything before it (a torn write), and, when the coordinator has
+a token, an HMAC-SHA256 of everything before that under the outer-state key
+(`gradsync_server.rpc.outer_records.outer_state_key`): a record written or
+altered by someone without the key fails it, however its SHA-256 was
+recomputed. The MAC covers the header too, so the job, the step, the rounds
+and the run cannot be moved to another record. The layout signature hashes
+what makes the arrays meaningful (the outer optimizer, the outer buckets'
+sizes and dtypes, the shard count and index): a job restarted with another
+model, optimizer or shard count gets no state that does not fit it. No I/O
+here.
 """
 
 from __future__ import annotations
 
 import hashlib
+import hmac
 import json
 import struct
 from collections.abc import Sequence
@@ -34,12 +41,13 @@ __all__ = [
     "decode_snapshot",
     "encode_snapshot",
     "layout_signature",
+    "record_digest",
     "record_name",
 ]
 
 Floats = npt.NDArray[np.float32]
 
-_MAGIC = b"GSOUTER1"
+_MAGIC = b"GSOUTER2"
 _LENGTH = struct.Struct("<I")
 _DIGEST_BYTES = 32
 #: A header is a few hundred bytes; anything far larger is not ours.
@@ -61,6 +69,12 @@ class OuterSnapshot:
         rounds: outer steps applied so far (the seed not counted).
         parameters: the plane's range of each outer bucket's global parameters.
         momenta: the outer momentum, same shapes.
+        run: the id of the run of the job that wrote it (new when the outer state is
+            seeded, inherited when it is restored): a record of another run (from before
+            a `--fresh-start`) is told apart from this run's.
+        sealed: decoded only: the record carried a MAC that verified.
+        digest: decoded only: the hex SHA-256 of the whole record (what a high-water
+            mark names).
     """
 
     job_id: str
@@ -69,6 +83,9 @@ class OuterSnapshot:
     rounds: int
     parameters: dict[int, Floats]
     momenta: dict[int, Floats]
+    run: str = ""
+    sealed: bool = False
+    digest: str = ""
 
     def nbytes(self) -> int:
         """Bytes of arrays it carries (what a save writes, and what a restore holds)."""
@@ -102,8 +119,9 @@ def layout_signature(
     return digest.hexdigest()
 
 
-def encode_snapshot(snapshot: OuterSnapshot) -> list[bytes]:
-    """The record's bytes, as parts to write in order (the last one is the SHA-256)."""
+def encode_snapshot(snapshot: OuterSnapshot, key: bytes | None = None) -> list[bytes]:
+    """The record's bytes, as parts to write in order: the body, its SHA-256 and, given
+    `key`, the HMAC-SHA256 of both under it (the header says which)."""
     indices = sorted(snapshot.parameters)
     header = json.dumps(
         {
@@ -111,6 +129,8 @@ def encode_snapshot(snapshot: OuterSnapshot) -> list[bytes]:
             "signature": snapshot.signature,
             "step": snapshot.step,
             "rounds": snapshot.rounds,
+            "run": snapshot.run,
+            "sealed": key is not None,
             "buckets": [[index, len(snapshot.parameters[index])] for index in indices],
         },
         sort_keys=True,
@@ -122,40 +142,85 @@ def encode_snapshot(snapshot: OuterSnapshot) -> list[bytes]:
     digest = hashlib.sha256()
     for part in parts:
         digest.update(part)
-    return [*parts, digest.digest()]
+    parts.append(digest.digest())
+    if key is not None:
+        mac = hmac.new(key, b"", hashlib.sha256)
+        for part in parts:
+            mac.update(part)
+        parts.append(mac.digest())
+    return parts
 
 
-def decode_snapshot(blob: bytes, job_id: str) -> OuterSnapshot:
+def record_digest(parts: Sequence[bytes]) -> str:
+    """The hex SHA-256 of a whole record given as parts (what a high-water mark names)."""
+    digest = hashlib.sha256()
+    for part in parts:
+        digest.update(part)
+    return digest.hexdigest()
+
+
+def decode_snapshot(blob: bytes, job_id: str, key: bytes | None = None) -> OuterSnapshot:
     """Verify and decode a record of `job_id`.
+
+    Args:
+        blob: the stored record.
+        job_id: the job it must belong to.
+        key: the outer-state key (None: no token, nothing can be authenticated; a
+            sealed record is then read without checking its MAC).
 
     Raises:
         OuterSnapshotError: not a record, torn or altered (digest), another job's,
-            or its header and arrays disagree; the message names the job and why.
+            its header and arrays disagree, or (with `key`) it carries no MAC or one
+            that does not verify; the message names the job and why.
     """
     where = f"the stored outer state of job '{job_id}'"
     if len(blob) < len(_MAGIC) + _LENGTH.size + _DIGEST_BYTES or not blob.startswith(_MAGIC):
         raise OuterSnapshotError(f"{where} is not an outer-state record ({len(blob)} bytes)")
-    body, digest = blob[:-_DIGEST_BYTES], blob[-_DIGEST_BYTES:]
-    if hashlib.sha256(body).digest() != digest:
-        raise OuterSnapshotError(f"{where} fails its SHA-256 check ({len(blob)} bytes): torn?")
-    (header_bytes,) = _LENGTH.unpack_from(body, len(_MAGIC))
+    (header_bytes,) = _LENGTH.unpack_from(blob, len(_MAGIC))
     start = len(_MAGIC) + _LENGTH.size
-    if header_bytes > min(_MAX_HEADER_BYTES, len(body) - start):
-        raise OuterSnapshotError(f"{where} declares a {header_bytes}-byte header")
+    if header_bytes > min(_MAX_HEADER_BYTES, len(blob) - start - _DIGEST_BYTES):
+        raise OuterSnapshotError(
+            f"{where} declares a {header_bytes}-byte header in {len(blob)} bytes: torn?"
+        )
     try:
-        header = json.loads(body[start : start + header_bytes])
+        header = json.loads(blob[start : start + header_bytes])
         stored_job, signature = str(header["job_id"]), str(header["signature"])
         step, rounds = int(header["step"]), int(header["rounds"])
+        run, sealed = str(header["run"]), header["sealed"] is True
         buckets = [(int(index), int(count)) for index, count in header["buckets"]]
     except (ValueError, KeyError, TypeError) as exc:
         raise OuterSnapshotError(f"{where} has an unreadable header: {exc}") from exc
+    trailer = _DIGEST_BYTES * (2 if sealed else 1)
+    body, digest = blob[: len(blob) - trailer], blob[len(blob) - trailer :][:_DIGEST_BYTES]
+    if len(blob) < start + header_bytes + trailer:
+        raise OuterSnapshotError(f"{where} is cut short ({len(blob)} bytes): torn?")
+    if hashlib.sha256(body).digest() != digest:
+        raise OuterSnapshotError(f"{where} fails its SHA-256 check ({len(blob)} bytes): torn?")
+    if key is not None:
+        if not sealed:
+            raise OuterSnapshotError(
+                f"{where} carries no MAC, but this coordinator has a token: it was written "
+                "without one, or by someone who cannot sign"
+            )
+        expected = hmac.new(key, blob[:-_DIGEST_BYTES], hashlib.sha256).digest()
+        if not hmac.compare_digest(expected, blob[-_DIGEST_BYTES:]):
+            raise OuterSnapshotError(
+                f"{where} (step {step}, round {rounds}) fails its MAC under this "
+                "coordinator's outer-state key: written under another token or shard token, "
+                "or altered or planted since"
+            )
     if stored_job != job_id:
         raise OuterSnapshotError(f"{where} belongs to job '{stored_job}'")
-    expected = start + header_bytes + sum(8 * count for _, count in buckets)
-    if step < 0 or rounds < 0 or any(count < 0 for _, count in buckets) or expected != len(body):
+    expected_bytes = start + header_bytes + sum(8 * count for _, count in buckets)
+    if (
+        step < 0
+        or rounds < 0
+        or any(count < 0 for _, count in buckets)
+        or expected_bytes != len(body)
+    ):
         raise OuterSnapshotError(
             f"{where} holds {len(body)} bytes, its header (step {step}, rounds {rounds}, "
-            f"buckets {buckets}) says {expected}"
+            f"buckets {buckets}) says {expected_bytes}"
         )
     parameters: dict[int, Floats] = {}
     momenta: dict[int, Floats] = {}
@@ -164,4 +229,15 @@ def decode_snapshot(blob: bytes, job_id: str) -> OuterSnapshot:
         for target in (parameters, momenta):
             target[index] = np.frombuffer(body, "<f4", count, offset).astype(np.float32)
             offset += 4 * count
-    return OuterSnapshot(stored_job, signature, step, rounds, parameters, momenta)
+    whole = hashlib.sha256(blob).hexdigest()
+    return OuterSnapshot(
+        stored_job,
+        signature,
+        step,
+        rounds,
+        parameters,
+        momenta,
+        run,
+        sealed and key is not None,
+        whole,
+    )

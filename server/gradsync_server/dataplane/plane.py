@@ -408,6 +408,7 @@ class JobPlane:
         """
         failed = rejection.step if rejection.step is not None else step
         failed = self.step.step if failed is None else failed
+        culprit = rejection.rank if isinstance(rejection, NonFiniteRejection) else -1
         if failed in self._reported:
             return None  # the leader aborts the whole step for the first one
         self._reported.append(failed)
@@ -416,9 +417,10 @@ class JobPlane:
             message += f" ({self.shard_name})"
         return pb.ShardRejected(
             job_id=self.job_id,
-            # A non-finite sum of a local group: the member it names, not its leader.
-            rank=rejection.rank if isinstance(rejection, NonFiniteRejection) else rank,
-            via_local_leader=isinstance(rejection, NonFiniteRejection) and rejection.rank != rank,
+            # A non-finite sum of a local group: the member it names, not its leader (an
+            # outer average of finite contributions names none: the rank that completed it).
+            rank=culprit if culprit >= 0 else rank,
+            via_local_leader=culprit >= 0 and culprit != rank,
             step=failed,
             bucket_index=rejection.bucket_index,
             code=int(rejection.code),

@@ -17,9 +17,12 @@ dropped (the default) or merged into a later round within a staleness bound.
 
 Weighting (`OuterOptimizer.weighted`): each rank's chunks carry its weight,
 the samples it processed since its last round, and the average becomes
-sum(w_i g_i) / sum(w_i) (`aggregation`, summed in rank order). Weights are
-claims from the network and checked here: finite, > 0, at most `MAX_WEIGHT`,
-the same on every chunk of a rank's round.
+sum(w_i g_i) / sum(w_i) (`aggregation`, summed in rank order, divided in
+float64). Weights are claims from the network and checked here: finite,
+between `MIN_WEIGHT` and `MAX_WEIGHT`, the same on every chunk of a rank's
+round. The minimum keeps every weight a normal float32 number far from 0:
+weights that round to 0 in float32 (1e-300) would make the average 0/0 =
+NaN in every element from finite pseudo-gradients.
 
 The seed round (the coordinator learning the global parameters) is never
 partial and never weighted: it must hold every rank's identical parameters.
@@ -39,10 +42,20 @@ from gradsync_proto.v1 import gradsync_pb2 as pb
 
 from gradsync_server.errors import RejectedMessage
 
-__all__ = ["MAX_WEIGHT", "RoundPolicy", "check_weight", "job_problem", "policy_problem"]
+__all__ = [
+    "MAX_WEIGHT",
+    "MIN_WEIGHT",
+    "RoundPolicy",
+    "check_weight",
+    "job_problem",
+    "policy_problem",
+]
 
 #: The largest weight a chunk may claim: 2**53, past which float64 stops counting samples.
 MAX_WEIGHT = 2.0**53
+#: The smallest weight a chunk may claim: 2**-20 (about 1e-6 of a sample), so that a weight
+#: and the products w * g it scales stay normal float32 numbers.
+MIN_WEIGHT = 2.0**-20
 
 
 @dataclass(frozen=True)
@@ -166,11 +179,19 @@ def check_weight(
                 bucket_index=bucket,
             )
         return 1.0
-    if not (math.isfinite(weight) and 0 < weight <= MAX_WEIGHT):
+    if math.isfinite(weight) and 0 < weight < MIN_WEIGHT:
         raise RejectedMessage(
             Code.INVALID_ARGUMENT,
-            f"{where} with weight {weight!r}, expected a finite weight in (0, {MAX_WEIGHT:g}] "
-            "(the samples it processed since its last round)",
+            f"{where} with weight {weight!r}, below the minimum weight {MIN_WEIGHT!r} (2**-20; "
+            "a weight that small rounds the weighted average towards 0/0)",
+            step=step,
+            bucket_index=bucket,
+        )
+    if not (math.isfinite(weight) and MIN_WEIGHT <= weight <= MAX_WEIGHT):
+        raise RejectedMessage(
+            Code.INVALID_ARGUMENT,
+            f"{where} with weight {weight!r}, expected a finite weight in [{MIN_WEIGHT!r}, "
+            f"{MAX_WEIGHT:g}] (the samples it processed since its last round)",
             step=step,
             bucket_index=bucket,
         )

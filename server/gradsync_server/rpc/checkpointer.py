@@ -47,7 +47,7 @@ from gradsync_proto.v1 import gradsync_pb2 as pb
 from gradsync_server.config import CoordinatorConfig
 from gradsync_server.control.job import Job
 from gradsync_server.dataplane.actions import Action, Persist, Send, Terminate
-from gradsync_server.rpc.outer_records import OuterRecords
+from gradsync_server.rpc.outer_records import OuterRecords, outer_state_key
 from gradsync_server.store import checkpoint_seal, high_water
 from gradsync_server.store.checkpoint import (
     Checkpoint,
@@ -57,6 +57,7 @@ from gradsync_server.store.checkpoint import (
 )
 from gradsync_server.store.high_water import HighWater, Lineage, Rollback
 from gradsync_server.store.high_water_file import HighWaterError, HighWaterMarks
+from gradsync_server.store.outer_marks import OuterMarks
 
 log = logging.getLogger("gradsync.server")
 
@@ -101,7 +102,12 @@ class Checkpointer:
         self._key = derive_key(config.token, checkpoint_seal.KEY_PURPOSE) if config.token else None
         self._executor = ThreadPoolExecutor(STORE_THREADS, thread_name_prefix="gradsync-store")
         #: DiLoCo outer-state records, next to the checkpoints (`outer_records`).
-        self.outer = OuterRecords(store, config.store_timeout_s)
+        self.outer = OuterRecords(
+            store,
+            config.store_timeout_s,
+            outer_state_key(config),
+            OuterMarks(config.state_dir) if config.state_dir and store is not None else None,
+        )
         #: Loads in progress, by (job id, signature digest): ranks joining meanwhile share one.
         self._loads: dict[tuple[str, str], asyncio.Task[LoadResult]] = {}
         #: Where the high-water marks live (None: no state directory configured).

@@ -32,6 +32,7 @@ from gradsync_server.control.admission import (
     too_many_jobs,
 )
 from gradsync_server.control.job import Job, JobState
+from gradsync_server.control.outer_resume import OuterReading
 from gradsync_server.control.status import EndedJobs, status_reply
 from gradsync_server.dataplane.actions import Action
 from gradsync_server.dataplane.budget import ByteBudget
@@ -293,9 +294,9 @@ class LeaderRole(CoordinatorServicer):
         if job is None:
             # In a store thread with a deadline: a hung store must not freeze other jobs.
             resume, problem = await self.checkpointer.load_resume(job_id, join.signature)
-            outer_records: list[tuple[bytes | None, str]] | None = None
+            outer_reading: OuterReading | None = None
             if join.signature.HasField("outer") and self.checkpointer.outer.enabled:
-                outer_records = await self.checkpointer.outer.load_all(
+                outer_reading = await self.checkpointer.outer.load_all(
                     job_id, config.shard_count, config.fresh_start
                 )
             job = self.jobs.get(job_id)  # another rank's Join may have created it meanwhile
@@ -321,7 +322,7 @@ class LeaderRole(CoordinatorServicer):
                 self.payload_endpoint,
             )
             job.resume_from(resume)
-            job.outer_records = outer_records
+            job.outer_reading = outer_reading
             job.persist_outer = self.checkpointer.outer.enabled
         try:
             actions = job.join(join.rank, join)

@@ -9,30 +9,51 @@ Redis key `gradsync:ckpt:<job>:outer-state-shard<i>`, proven durable like a
 checkpoint). Every call runs in a store thread of its own, bounded by
 `--store-timeout`, so a hung store stalls no other job.
 
+Each record is sealed (`outer_snapshot`) under the outer-state key
+(`outer_state_key`) when the coordinator has a token, and the leader marks
+its own plane's record in its state directory after every acknowledged save
+(`gradsync_server.store.outer_marks`), so that a restart can tell the
+newest record from an older, altered or foreign one
+(`gradsync_server.control.outer_resume`).
+
 Cost: a save writes the plane's global parameters and momentum, 8 bytes per
 parameter of its range, once per outer round (DiLoCo rounds are minutes
-apart); the round's last answers wait for it (see `Delivery`).
+apart), hashes it twice and (leader) writes a mark of a few hundred bytes;
+the round's last answers wait for it (see `Delivery`).
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import secrets
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
+from typing import TypeVar
 
-from gradsync_server.config import CoordinatorConfig
+from gradsync_proto.auth import derive_key
+
+from gradsync_server.config import CoordinatorConfig, Role
+from gradsync_server.control.outer_resume import OuterReading
 from gradsync_server.dataplane.outer_snapshot import (
     OuterSnapshot,
     encode_snapshot,
+    record_digest,
     record_name,
 )
 from gradsync_server.store.checkpoint import CheckpointError, CheckpointStore
 from gradsync_server.store.checkpoint_file import FileCheckpointStore
 from gradsync_server.store.checkpoint_redis import RedisCheckpointStore
+from gradsync_server.store.high_water_file import HighWaterError
+from gradsync_server.store.outer_marks import OuterMark, OuterMarks
 from gradsync_server.store.stores import open_store
 
-__all__ = ["OuterRecords", "configured_store"]
+__all__ = ["KEY_PURPOSE", "OuterRecords", "configured_store", "outer_state_key"]
+
+#: The `derive_key` purpose of the outer-state MAC key.
+KEY_PURPOSE = "outer-state"
+
+_Result = TypeVar("_Result")
 
 log = logging.getLogger("gradsync.server")
 
@@ -48,9 +69,25 @@ def configured_store(config: CoordinatorConfig) -> CheckpointStore | None:
     )
 
 
-def _encode_and_save(store: _RecordStore, snapshot: OuterSnapshot, shard_index: int) -> None:
-    """(store thread) Encoding hashes every byte: off the event loop too."""
-    store.save_record(snapshot.job_id, record_name(shard_index), encode_snapshot(snapshot))
+def outer_state_key(config: CoordinatorConfig) -> bytes | None:
+    """The key that seals and checks the outer-state records (None: no token, unsealed).
+
+    Every plane's key is the same, so that the leader can check all of them before it
+    restores any. It comes from the shard token when that is a durable secret the
+    workers do not hold (a leader that waits for shards started elsewhere, and those
+    shards: `--shard-token-file`), so that the workers' token alone cannot forge any
+    record; else from the token (an unsharded coordinator, and `serve --shards N`,
+    whose shard token is made anew at every start and would orphan the records: its
+    shards are its own children, on its host and under its user).
+    """
+    if config.token is None:
+        return None
+    separate = config.shard_token is not None and (
+        (config.role is Role.LEADER and not config.local_shards)
+        or (config.role is Role.SHARD and config.parent_pid is None)
+    )
+    secret = config.shard_token if separate and config.shard_token else config.token
+    return derive_key(secret, KEY_PURPOSE)
 
 
 class OuterRecords:
@@ -60,13 +97,24 @@ class OuterRecords:
         store: the coordinator's checkpoint store (a file or Redis store; any other
             kind holds no outer state, and a restart reseeds as without a store).
         timeout_s: bound on every call (`--store-timeout`).
+        key: the outer-state key (`outer_state_key`; None: records are not sealed).
+        marks: where the leader keeps the mark of its own plane's record (None: a
+            shard, or no state directory).
     """
 
-    def __init__(self, store: CheckpointStore | None, timeout_s: float) -> None:
+    def __init__(
+        self,
+        store: CheckpointStore | None,
+        timeout_s: float,
+        key: bytes | None = None,
+        marks: OuterMarks | None = None,
+    ) -> None:
         self._store: _RecordStore | None = (
             store if isinstance(store, FileCheckpointStore | RedisCheckpointStore) else None
         )
         self._timeout_s = timeout_s
+        self.key = key
+        self._marks = marks
         self._executor = ThreadPoolExecutor(1, thread_name_prefix="gradsync-outer-store")
         #: Saves that failed since start-up (each logged).
         self.failures = 0
@@ -94,7 +142,7 @@ class OuterRecords:
             return False
         what = f"saving the outer state of job '{snapshot.job_id}' step {snapshot.step}"
         try:
-            await self._call(_encode_and_save, store, snapshot, shard_index)
+            await self._call(self._encode_and_save, store, snapshot, shard_index)
         except (CheckpointError, OSError, TimeoutError) as exc:
             self.failures += 1
             log.error("%s: %s failed: %s", store.description, what, exc or "timed out")
@@ -103,29 +151,100 @@ class OuterRecords:
         log.debug("%s: %s (%d bytes)", store.description, what, snapshot.nbytes())
         return True
 
+    def _encode_and_save(
+        self, store: _RecordStore, snapshot: OuterSnapshot, shard_index: int
+    ) -> None:
+        """(store thread) Encoding hashes every byte: off the event loop too. The leader's
+        own record is marked once the store acknowledged it."""
+        parts = encode_snapshot(snapshot, self.key)
+        store.save_record(snapshot.job_id, record_name(shard_index), parts)
+        if shard_index != 0 or self._marks is None:
+            return
+        mark = OuterMark(snapshot.step, snapshot.rounds, record_digest(parts), snapshot.run)
+        try:
+            self._marks.write_outer(store.description, snapshot.job_id, mark)
+        except OSError as exc:
+            log.error(
+                "job '%s': could not record the outer-state mark (%s) in %s: %s; a store "
+                "rolled back to an older outer state would go unnoticed (check --state-dir)",
+                snapshot.job_id,
+                mark,
+                self._marks.directory,
+                exc,
+            )
+
+    def _read_mark(self, job_id: str) -> tuple[OuterMark | None, str]:
+        """(store thread) The leader's mark of the job's outer state, or why it is unusable."""
+        if self._marks is None or self._store is None:
+            return None, ""
+        try:
+            return self._marks.read_outer(self._store.description, job_id), ""
+        except HighWaterError as exc:
+            if self.key is None:
+                log.error("job '%s': %s; going on without it (no token)", job_id, exc)
+                return None, ""
+            return None, str(exc)
+
+    def _forget_mark(self, job_id: str) -> None:
+        """(store thread) `--fresh-start`: the outer state is seeded anew, nothing before it."""
+        if self._marks is None or self._store is None:
+            return
+        try:
+            self._marks.forget_outer(self._store.description, job_id)
+        except OSError as exc:
+            log.error(
+                "job '%s': could not reset the outer-state mark %s: %s; the job's first "
+                "save replaces it",
+                job_id,
+                self._marks.location(self._store.description, job_id),
+                exc,
+            )
+
     async def load(self, job_id: str, shard_index: int) -> tuple[bytes | None, str]:
         """The stored record of (`job_id`, plane `shard_index`), or None and why not."""
+        blob, why, _ = await self._load(job_id, shard_index)
+        return blob, why
+
+    async def _load(self, job_id: str, shard_index: int) -> tuple[bytes | None, str, bool]:
+        """`load`, and whether reading failed (rather than finding nothing)."""
         store = self._store
         if store is None:
-            return None, "no file or Redis checkpoint store is configured"
+            return None, "no file or Redis checkpoint store is configured", False
         try:
             blob = await self._call(store.load_record, job_id, record_name(shard_index))
         except (CheckpointError, OSError, TimeoutError) as exc:
-            return None, f"reading it from {store.description} failed: {exc or 'timed out'}"
+            why = f"reading it from {store.description} failed: {exc or 'timed out'}"
+            return None, why, True
         if blob is None:
-            return None, f"{store.description} holds no outer state of job '{job_id}'"
-        return blob, ""
+            return None, f"{store.description} holds no outer state of job '{job_id}'", False
+        return blob, "", False
 
-    async def load_all(
-        self, job_id: str, planes: int, fresh_start: bool = False
-    ) -> list[tuple[bytes | None, str]]:
-        """The records of planes 0..planes-1 of `job_id` (see `load`); none read under
-        `--fresh-start`, which starts every job anew (the records stay until overwritten)."""
+    async def load_all(self, job_id: str, planes: int, fresh_start: bool = False) -> OuterReading:
+        """The records of planes 0..planes-1 of `job_id` (see `load`) and the leader's mark;
+        none read under `--fresh-start`, which starts every job anew (the records stay until
+        overwritten, the mark is reset)."""
+        description = self.description
+        run = secrets.token_hex(8)
         if fresh_start:
-            return [(None, "--fresh-start: the stored outer state is not read")] * planes
-        return [await self.load(job_id, index) for index in range(planes)]
+            try:
+                await self._call(self._forget_mark, job_id)
+            except TimeoutError:
+                log.error("job '%s': resetting its outer-state mark timed out", job_id)
+            unread = [(None, "--fresh-start: the stored outer state is not read")] * planes
+            return OuterReading(unread, description, run, self.key)
+        loaded = [await self._load(job_id, index) for index in range(planes)]
+        records = [(blob, why) for blob, why, _ in loaded]
+        failed = any(failed for _, _, failed in loaded)
+        try:
+            mark, problem = await self._call(self._read_mark, job_id)
+        except TimeoutError:
+            mark, problem = None, "reading the outer-state mark timed out"
+        path = ""
+        if self._marks is not None and self._store is not None:
+            path = self._marks.location(self._store.description, job_id)
+        return OuterReading(records, description, run, self.key, mark, path, problem, failed)
 
-    async def _call(self, function: Callable[..., bytes | None], *args: object) -> bytes | None:
+    async def _call(self, function: Callable[..., _Result], *args: object) -> _Result:
         loop = asyncio.get_running_loop()
         call = loop.run_in_executor(self._executor, function, *args)
         return await asyncio.wait_for(call, self._timeout_s)

@@ -10,6 +10,12 @@ before a job assembles, restores only when all of them hold the same step
 view (`ShardJobView.outer_restore`), and the shard restores its own record
 here, before the view's plane takes any chunk.
 
+The shard seals its records under the same outer-state key as its leader
+(`outer_records.outer_state_key`: from the shard token when that is a secret
+of the leader and its shards alone), with the run the leader names in the
+job's first view (`ShardJobView.outer_run`), and restores only a record that
+verifies under that key and belongs to that run.
+
 That one read happens on the shard's loop, once per restored job and bounded
 by `--store-timeout` (the Redis socket timeout; a local file otherwise): no
 chunk may be answered before it, and a job's start is rare.
@@ -28,7 +34,7 @@ from gradsync_server.dataplane.outer_snapshot import (
     record_name,
 )
 from gradsync_server.dataplane.plane import JobPlane
-from gradsync_server.rpc.outer_records import OuterRecords, configured_store
+from gradsync_server.rpc.outer_records import OuterRecords, configured_store, outer_state_key
 from gradsync_server.store.checkpoint import CheckpointError
 from gradsync_server.store.checkpoint_file import FileCheckpointStore
 from gradsync_server.store.checkpoint_redis import RedisCheckpointStore
@@ -49,7 +55,7 @@ class ShardOuterStates:
     def __init__(self, config: CoordinatorConfig) -> None:
         self._store = configured_store(config)
         #: Saves of this shard's records (`PersistOuter` from its planes).
-        self.records = OuterRecords(self._store, config.store_timeout_s)
+        self.records = OuterRecords(self._store, config.store_timeout_s, outer_state_key(config))
 
     def started(self, plane: JobPlane, view: pb.ShardJobView, shard_index: int) -> None:
         """A job's plane was just created from its first view: restore it if told, save it.
@@ -60,15 +66,19 @@ class ShardOuterStates:
         """
         outer = plane.step.outer
         outer.persist = self.records.enabled
+        outer.run = view.outer_run
         if not view.outer_restore or not outer.active:
             return
         job_id = view.job_id
         problem = ""
         try:
             blob = self._load(job_id, shard_index)
-            snapshot = decode_snapshot(blob, job_id) if blob is not None else None
+            snapshot = decode_snapshot(blob, job_id, self.records.key) if blob else None
             if snapshot is None:
                 problem = "the store holds no record of it"
+            elif snapshot.run != view.outer_run:
+                problem = f"the record belongs to run {snapshot.run or 'none'}, the leader "
+                problem += f"restored run {view.outer_run or 'none'}"
             elif snapshot.step not in (view.start_step, view.start_step - 1):
                 problem = f"the record holds step {snapshot.step}, the leader restored step "
                 problem += str(view.start_step)
