@@ -56,6 +56,18 @@ def _worst_gap_s(work: Callable[[], object]) -> float:
     return worst[0]
 
 
+def _gap_s(work: Callable[[], object], tries: int = 3) -> float:
+    """The least of up to `tries` worst gaps (stopping at the first under the limit).
+
+    A GIL held in one long C call shows in every try; a loaded machine's
+    scheduler can pause the ticker once, but not on every try.
+    """
+    gaps: list[float] = []
+    while len(gaps) < tries and (not gaps or min(gaps) >= _WORST_GAP_S):
+        gaps.append(_worst_gap_s(work))
+    return min(gaps)
+
+
 @pytest.mark.timeout(120)
 def test_a_relayed_heal_blob_is_written_and_read_in_short_gil_holds_bitwise() -> None:
     torch.set_num_threads(1)
@@ -65,11 +77,11 @@ def test_a_relayed_heal_blob_is_written_and_read_in_short_gil_holds_bitwise() ->
     optimizer.step()
     state = state_load.live_state(donor, optimizer, 5, 2)
     blobs: list[bytearray] = []
-    donor_gap = _worst_gap_s(lambda: blobs.append(raw_state.to_bytes(state)))
+    donor_gap = _gap_s(lambda: blobs.append(raw_state.to_bytes(state)))
     joiner = _model(2)
     storage = [p.data_ptr() for p in joiner.parameters()]
     loaded: list[object] = []
-    joiner_gap = _worst_gap_s(
+    joiner_gap = _gap_s(
         lambda: loaded.append(state_load.load_module_state(blobs[0], joiner, "j", 1, 5))
     )
     assert donor_gap < _WORST_GAP_S and joiner_gap < _WORST_GAP_S, (donor_gap, joiner_gap)
