@@ -27,6 +27,7 @@ from gradsync_server.config import CoordinatorConfig
 from gradsync_server.control.admission import (
     SHUTTING_DOWN,
     first_message_problem,
+    job_world_size,
     join_problem,
     new_job,
     too_many_jobs,
@@ -312,6 +313,7 @@ class LeaderRole(CoordinatorServicer):
                 self.metrics,
                 self.shard_control.registry.shard_map,
                 self.payload_endpoint,
+                world_size=job_world_size(join, config),
             )
             job.resume_from(resume)
             job.outer_records = outer_records
@@ -332,7 +334,7 @@ class LeaderRole(CoordinatorServicer):
         job.set_peer(join.rank, conn.peer)
         self.connections[(job_id, join.rank)] = conn
         missing = job.assembly.missing(job.membership.ranks())
-        wait = f"waiting for ranks {missing} of {config.world_size}" if missing else "all present"
+        wait = f"waiting for ranks {missing} of {job.world_size}" if missing else "all present"
         log.info(
             "job '%s': rank %d joined from %s (incarnation %r, client %r); %s",
             job_id,
