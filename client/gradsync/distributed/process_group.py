@@ -24,7 +24,7 @@ bfloat16, the integer types, bool for broadcast and gather) works.
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -112,11 +112,11 @@ class ProcessGroupGradsync(_ProcessGroup):  # type: ignore[misc]  # (untyped bas
             self._collectives.all_reduce(tensor, op)
             return tensors
 
-        return self._ops.submit(f"allreduce({op}, {_describe(tensor)})", run)
+        return self._submit(f"allreduce({op}, {_describe(tensor)})", run)
 
     def allreduce_coalesced(self, tensors: list[torch.Tensor], opts: Any = None) -> Any:
         if not tensors:
-            return self._ops.submit("allreduce_coalesced([])", lambda: tensors)
+            return self._submit("allreduce_coalesced([])", lambda: tensors)
         dtypes = {t.dtype for t in tensors}
         if len(dtypes) != 1:
             raise ValueError(f"allreduce_coalesced needs tensors of one dtype, got {dtypes}")
@@ -135,7 +135,7 @@ class ProcessGroupGradsync(_ProcessGroup):  # type: ignore[misc]  # (untyped bas
                 offset += tensor.numel()
             return tensors
 
-        return self._ops.submit(f"allreduce_coalesced({op}, {len(tensors)} tensors)", run)
+        return self._submit(f"allreduce_coalesced({op}, {len(tensors)} tensors)", run)
 
     def broadcast(self, tensors: list[torch.Tensor], opts: Any = None) -> Any:
         root = self._root(getattr(opts, "rootRank", 0), "broadcast")
@@ -148,7 +148,7 @@ class ProcessGroupGradsync(_ProcessGroup):  # type: ignore[misc]  # (untyped bas
             self._collectives.broadcast_tensors(tensors, root)
             return tensors
 
-        return self._ops.submit(f"broadcast(root {root}, {len(tensors)} tensors)", run)
+        return self._submit(f"broadcast(root {root}, {len(tensors)} tensors)", run)
 
     def allgather(
         self,
@@ -165,7 +165,7 @@ class ProcessGroupGradsync(_ProcessGroup):  # type: ignore[misc]  # (untyped bas
             self._gather_into(outputs, tensor, "allgather")
             return outputs
 
-        return self._ops.submit(f"allgather({_describe(tensor)})", run)
+        return self._submit(f"allgather({_describe(tensor)})", run)
 
     def all_gather_single(
         self,
@@ -184,7 +184,7 @@ class ProcessGroupGradsync(_ProcessGroup):  # type: ignore[misc]  # (untyped bas
                 composite._write(output, torch.cat([t.reshape(-1) for t in targets]))
             return [output]
 
-        return self._ops.submit(f"all_gather_into_tensor({_describe(input)})", run)
+        return self._submit(f"all_gather_into_tensor({_describe(input)})", run)
 
     _allgather_base = all_gather_single
 
@@ -209,7 +209,7 @@ class ProcessGroupGradsync(_ProcessGroup):  # type: ignore[misc]  # (untyped bas
                 self._gather_into(outputs, tensor, "allgather_coalesced")
             return [t for outputs, _ in pairs for t in outputs]
 
-        return self._ops.submit(f"allgather_coalesced({len(pairs)} tensors)", run)
+        return self._submit(f"allgather_coalesced({len(pairs)} tensors)", run)
 
     def all_gather_single_coalesced(
         self, outputs: list[torch.Tensor], inputs: list[torch.Tensor], opts: Any = None
@@ -229,7 +229,7 @@ class ProcessGroupGradsync(_ProcessGroup):  # type: ignore[misc]  # (untyped bas
                 composite._write(output, torch.cat([t.reshape(-1) for t in targets]))
             return outputs
 
-        return self._ops.submit(f"all_gather_into_tensor_coalesced({len(inputs)} tensors)", run)
+        return self._submit(f"all_gather_into_tensor_coalesced({len(inputs)} tensors)", run)
 
     allgather_into_tensor_coalesced = all_gather_single_coalesced
 
@@ -238,7 +238,7 @@ class ProcessGroupGradsync(_ProcessGroup):  # type: ignore[misc]  # (untyped bas
             self._collectives.barrier()
             return []
 
-        return self._ops.submit("barrier", run)
+        return self._submit("barrier", run)
 
     # ------------------------------------------------------------ composed (`composite`)
     def reduce_scatter(
@@ -288,7 +288,7 @@ class ProcessGroupGradsync(_ProcessGroup):  # type: ignore[misc]  # (untyped bas
                 composite.reduce_scatter(self._collectives, output, parts, op)
             return outputs
 
-        return self._ops.submit(f"reduce_scatter_tensor_coalesced({len(inputs)} tensors)", run)
+        return self._submit(f"reduce_scatter_tensor_coalesced({len(inputs)} tensors)", run)
 
     reduce_scatter_tensor_coalesced = reduce_scatter_single_coalesced
 
@@ -308,7 +308,7 @@ class ProcessGroupGradsync(_ProcessGroup):  # type: ignore[misc]  # (untyped bas
             composite.reduce_scatter(self._collectives, output, scaled, op)
             return result
 
-        return self._ops.submit(f"{what}({op}, {_describe(output)})", run)
+        return self._submit(f"{what}({op}, {_describe(output)})", run)
 
     def reduce(self, tensors: list[torch.Tensor], opts: Any = None) -> Any:
         tensor = self._one(tensors, "reduce")
@@ -323,7 +323,7 @@ class ProcessGroupGradsync(_ProcessGroup):  # type: ignore[misc]  # (untyped bas
                 composite._write(tensor, source)
             return tensors
 
-        return self._ops.submit(f"reduce({op}, root {root}, {_describe(tensor)})", run)
+        return self._submit(f"reduce({op}, root {root}, {_describe(tensor)})", run)
 
     def gather(
         self,
@@ -346,7 +346,7 @@ class ProcessGroupGradsync(_ProcessGroup):  # type: ignore[misc]  # (untyped bas
             composite.gather(self._collectives, outputs, tensor, root)
             return outputs
 
-        return self._ops.submit(f"gather(root {root}, {_describe(tensor)})", run)
+        return self._submit(f"gather(root {root}, {_describe(tensor)})", run)
 
     def scatter(
         self,
@@ -369,7 +369,7 @@ class ProcessGroupGradsync(_ProcessGroup):  # type: ignore[misc]  # (untyped bas
             composite.scatter(self._collectives, output, parts, root)
             return output_tensors
 
-        return self._ops.submit(f"scatter(root {root}, {_describe(output)})", run)
+        return self._submit(f"scatter(root {root}, {_describe(output)})", run)
 
     def alltoall(
         self,
@@ -389,7 +389,7 @@ class ProcessGroupGradsync(_ProcessGroup):  # type: ignore[misc]  # (untyped bas
             composite.all_to_all(self._collectives, output_tensors, input_tensors, "alltoall")
             return output_tensors
 
-        return self._ops.submit(f"alltoall({world} parts)", run)
+        return self._submit(f"alltoall({world} parts)", run)
 
     def all_to_all_single(
         self,
@@ -407,7 +407,7 @@ class ProcessGroupGradsync(_ProcessGroup):  # type: ignore[misc]  # (untyped bas
             composite.all_to_all(self._collectives, outputs, inputs, "all_to_all_single")
             return [output]
 
-        return self._ops.submit(f"all_to_all_single({_describe(input)})", run)
+        return self._submit(f"all_to_all_single({_describe(input)})", run)
 
     alltoall_base = all_to_all_single
 
@@ -422,6 +422,25 @@ class ProcessGroupGradsync(_ProcessGroup):  # type: ignore[misc]  # (untyped bas
         raise RuntimeError(_POINT_TO_POINT.format(what="recv"))
 
     # ------------------------------------------------------------ helpers
+    def _submit(self, name: str, run: Callable[[], OpResult]) -> Any:
+        """Queue `run`; its result stands only if every rank of the group took part.
+
+        Under `--on-failure elastic` the coordinator completes a collective over the
+        live ranks; a c10d group's size is fixed, so here that is a failure.
+        """
+
+        def checked() -> OpResult:
+            result = run()
+            contributors = self._collectives.last_contributors
+            if contributors and contributors != self.size():
+                raise RuntimeError(
+                    f"only {contributors} of the group's {self.size()} ranks took part "
+                    "(the coordinator lost a rank and went on without it)"
+                )
+            return result
+
+        return self._ops.submit(name, checked)
+
     def _one(self, tensors: Sequence[torch.Tensor], what: str) -> torch.Tensor:
         if len(tensors) != 1:
             raise ValueError(f"{what} takes exactly one tensor per rank, got {len(tensors)}")

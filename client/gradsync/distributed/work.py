@@ -12,11 +12,14 @@ output tensors, written in place, or fails it with a
 `torch.distributed.DistBackendError` that names the rank, the operation, its
 number in the group and the group's job.
 
-The caller gets a c10d `Work` made from that future
-(`torch._C._distributed_c10d._create_work_from_future`): `work.wait()` and
-`work.get_future()` behave as for gloo. Every wait inside an operation is
-bounded by the group's timeout (the `Collectives`' own), so a Work always
-completes or fails.
+The caller gets a `GradsyncWork`: `work.wait()` returns once the operation
+completed and raises its `DistBackendError` if it failed (as gloo's does);
+`work.get_future()` is a future of the output tensors that carries the failure
+into C++ too, where DDP's reducer reads it. (c10d's
+`_create_work_from_future` would not do: its `wait()` returns without raising,
+and a Python future's exception reaches C++ as a value.) Every wait inside
+an operation is bounded by the group's timeout (the `Collectives`' own), so a
+Work always completes or fails.
 """
 
 from __future__ import annotations
@@ -30,7 +33,6 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch._C import _distributed_c10d as c10d_ext
 
 log = logging.getLogger("gradsync.client")
 
@@ -44,6 +46,52 @@ class _Queued:
     name: str
     run: Callable[[], OpResult]
     future: torch.futures.Future[Any]
+
+
+class GradsyncWork(dist.Work):
+    """A c10d Work over one queued operation's future.
+
+    Args:
+        outcome: completed by the group's thread with the output tensors, or with a
+            `DistBackendError` (`Future.set_exception`).
+    """
+
+    def __init__(self, outcome: torch.futures.Future[Any]) -> None:
+        super().__init__()
+        self._outcome = outcome
+        # A future whose failure is a failure in C++ as well (a callback that raises
+        # fails the future `then` returns), for DDP's reducer and comm hooks.
+        self._future = outcome.then(_value_of)
+
+    def wait(self, timeout: Any = None) -> bool:
+        """Block until the operation is done; raise its DistBackendError if it failed.
+
+        The operation's own waits are bounded by the group's timeout, so this is too.
+        """
+        self._outcome.wait()  # raises what the thread set as the exception
+        return True
+
+    def get_future(self) -> torch.futures.Future[Any]:
+        return self._future
+
+    def is_completed(self) -> bool:
+        return bool(self._outcome.done())
+
+    def is_success(self) -> bool:
+        if not self._outcome.done():
+            return False
+        try:
+            self._outcome.wait()
+        except Exception:
+            return False
+        return True
+
+    def result(self) -> OpResult:
+        return list(self._outcome.wait())
+
+
+def _value_of(future: torch.futures.Future[Any]) -> Any:
+    return future.value()
 
 
 class OpQueue:
@@ -80,8 +128,7 @@ class OpQueue:
             sequence = self._next_sequence
             self._next_sequence += 1
             self._queue.put(_Queued(sequence, name, run, future))
-        # (not in torch's stubs; c10d's documented way for a Python process group)
-        return c10d_ext._create_work_from_future(future)  # type: ignore[attr-defined]
+        return GradsyncWork(future)
 
     def close(self, timeout_s: float) -> None:
         """Stop taking operations; let the queued ones finish (bounded by `timeout_s`)."""
@@ -107,7 +154,8 @@ class OpQueue:
                 )
                 error.__cause__ = exc
                 log.debug("%s", error)
+                self.completed += 1  # (counted before a waiter can wake)
                 item.future.set_exception(error)
             else:
+                self.completed += 1
                 item.future.set_result(result)
-            self.completed += 1

@@ -223,6 +223,7 @@ class LeaderRole(CoordinatorServicer):
                 )
         except RejectedMessage as rejection:
             log.warning("job '%s': ending rank %d: %s", job.job_id, conn.rank, rejection.message)
+            conn.refused = rejection.message  # the ranks it leaves behind hear why
             conn.end(rejection.code, rejection.message)
         return None
 
@@ -363,7 +364,14 @@ class LeaderRole(CoordinatorServicer):
             log.warning(
                 "job '%s': rank %d disconnected at step %d", job.job_id, conn.rank, job.open_step
             )
-        self._leave_job(job, conn.rank, orderly=conn.left)
+        # A rank whose message was refused: its peers (waiting in that collective, say)
+        # learn what was refused, both values included, not only that it disconnected.
+        reason = (
+            f"disconnected (the coordinator refused its message: {conn.refused}) from"
+            if conn.refused is not None and not conn.left
+            else None
+        )
+        self._leave_job(job, conn.rank, orderly=conn.left, reason=reason)
 
     def _leave_job(self, job: Job, rank: int, orderly: bool, reason: str | None = None) -> None:
         """Drop `rank` from `job` for good and carry out what that means for the others."""
