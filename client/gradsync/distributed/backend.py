@@ -33,9 +33,13 @@ from torch.distributed.rendezvous import register_rendezvous_handler
 
 from gradsync import defaults
 from gradsync.config import ENV_COORDINATOR, ENV_JOB_ID
-from gradsync.distributed import rendezvous
 from gradsync.distributed.group_session import GroupSession
 from gradsync.distributed.process_group import BACKEND_NAME, ProcessGroupGradsync
+from gradsync.distributed.rendezvous import (
+    SCHEME,
+    coordinator_of_rendezvous,
+    handler as rendezvous_handler,
+)
 
 log = logging.getLogger("gradsync.client")
 
@@ -91,7 +95,7 @@ def resolve_coordinator(options: GradsyncOptions | None) -> str:
     """
     address = (
         (options.coordinator if options is not None else None)
-        or rendezvous.coordinator_of_rendezvous()
+        or coordinator_of_rendezvous()
         or os.environ.get(ENV_COORDINATOR)
     )
     if not address:
@@ -177,7 +181,7 @@ def register() -> None:
                 BACKEND_NAME, create_group, extended_api=True, devices=["cpu", "cuda"]
             )
         try:
-            register_rendezvous_handler(rendezvous.SCHEME, rendezvous.handler)  # type: ignore[no-untyped-call]  # torch's is untyped
+            register_rendezvous_handler(SCHEME, rendezvous_handler)  # type: ignore[no-untyped-call]  # torch's is untyped
         except RuntimeError:  # "already registered": by an earlier copy of this module
             log.debug("the gradsync:// rendezvous was registered already")
         atexit.register(_leave_all)

@@ -21,19 +21,19 @@ import torch
 from gradsync.collectives import Collectives
 
 
-def _flat(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
+def flat_copy(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
     """The tensors' values, on the CPU, as one 1-D tensor (a copy)."""
     if not tensors:
         return torch.empty(0)
     return torch.cat([t.detach().reshape(-1).to("cpu") for t in tensors])
 
 
-def _write(target: torch.Tensor, values: torch.Tensor) -> None:
+def write_into(target: torch.Tensor, values: torch.Tensor) -> None:
     with torch.no_grad():
         target.copy_(values.reshape(target.shape))
 
 
-def reduce_scatter(
+def reduce_scatter_by_all_reduce(
     collectives: Collectives, output: torch.Tensor, parts: Sequence[torch.Tensor], op: str
 ) -> None:
     """`output` = the reduction over ranks of every rank's `parts[my rank]`.
@@ -42,14 +42,16 @@ def reduce_scatter(
     Wire: up W·N, down W·N per rank. A hub's native reduce-scatter sends each
     rank only its part (up W·N, down N); ring reduce-scatter moves (W-1)·N each way.
     """
-    flat = _flat(parts)
+    flat = flat_copy(parts)
     collectives.all_reduce(flat, op)
     size = output.numel()
     rank = collectives.rank
-    _write(output, flat[rank * size : (rank + 1) * size])
+    write_into(output, flat[rank * size : (rank + 1) * size])
 
 
-def reduce(collectives: Collectives, tensor: torch.Tensor, op: str, root: int) -> None:
+def reduce_by_all_reduce(
+    collectives: Collectives, tensor: torch.Tensor, op: str, root: int
+) -> None:
     """`tensor` on `root` = the reduction over ranks; the others' tensors stay as they are.
 
     Runs as one all-reduce on a copy. Wire: up N, down N per rank (a native
@@ -58,10 +60,10 @@ def reduce(collectives: Collectives, tensor: torch.Tensor, op: str, root: int) -
     copy = tensor.detach().to("cpu", copy=True)
     collectives.all_reduce(copy, op)
     if collectives.rank == root:
-        _write(tensor, copy)
+        write_into(tensor, copy)
 
 
-def gather(
+def gather_by_all_gather(
     collectives: Collectives,
     outputs: Sequence[torch.Tensor],
     tensor: torch.Tensor,
@@ -79,10 +81,10 @@ def gather(
         )
     if collectives.rank == root:
         for output, part in zip(outputs, parts, strict=True):
-            _write(output, part)
+            write_into(output, part)
 
 
-def scatter(
+def scatter_by_broadcast(
     collectives: Collectives,
     output: torch.Tensor,
     parts: Sequence[torch.Tensor],
@@ -99,10 +101,10 @@ def scatter(
     else:
         received = [torch.empty(output.shape, dtype=output.dtype) for _ in range(world)]
     collectives.broadcast_tensors(received, root)
-    _write(output, received[collectives.rank].detach().to("cpu"))
+    write_into(output, received[collectives.rank].detach().to("cpu"))
 
 
-def all_to_all(
+def all_to_all_by_all_gather(
     collectives: Collectives,
     outputs: Sequence[torch.Tensor],
     inputs: Sequence[torch.Tensor],
@@ -134,10 +136,10 @@ def all_to_all(
     longest = int(sizes.sum(dim=1).max())
     dtype = inputs[0].dtype if inputs else outputs[0].dtype
     flat = torch.zeros(longest, dtype=dtype)
-    mine = _flat(inputs)
+    mine = flat_copy(inputs)
     flat[: mine.numel()] = mine
     rows = collectives.all_gather(flat)
     for src in range(world):
         start = int(sizes[src][:rank].sum())
         count = int(sizes[src][rank])
-        _write(outputs[src], rows[src][start : start + count])
+        write_into(outputs[src], rows[src][start : start + count])

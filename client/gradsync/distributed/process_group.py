@@ -30,7 +30,15 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from gradsync.distributed import composite
+from gradsync.distributed.composite import (
+    all_to_all_by_all_gather,
+    flat_copy,
+    gather_by_all_gather,
+    reduce_by_all_reduce,
+    reduce_scatter_by_all_reduce,
+    scatter_by_broadcast,
+    write_into,
+)
 from gradsync.distributed.group_session import GroupSession
 from gradsync.distributed.work import OpQueue, OpResult
 from gradsync.path.signature import WIRE_DTYPES
@@ -125,13 +133,13 @@ class ProcessGroupGradsync(_ProcessGroup):  # type: ignore[misc]  # (untyped bas
             _check_dtype(tensor, "allreduce_coalesced", reducing=True)
 
         def run() -> OpResult:
-            flat = composite._flat(tensors)  # one collective for all of them
+            flat = flat_copy(tensors)  # one collective for all of them
             if factor is not None:
                 flat.mul_(factor)
             self._collectives.all_reduce(flat, op)
             offset = 0
             for tensor in tensors:
-                composite._write(tensor, flat[offset : offset + tensor.numel()])
+                write_into(tensor, flat[offset : offset + tensor.numel()])
                 offset += tensor.numel()
             return tensors
 
@@ -181,7 +189,7 @@ class ProcessGroupGradsync(_ProcessGroup):  # type: ignore[misc]  # (untyped bas
             targets = list(parts) if parts is not None else _chunks(output, self.size())
             self._gather_into(targets, input, "all_gather_into_tensor")
             if parts is None:
-                composite._write(output, torch.cat([t.reshape(-1) for t in targets]))
+                write_into(output, torch.cat([t.reshape(-1) for t in targets]))
             return [output]
 
         return self._submit(f"all_gather_into_tensor({_describe(input)})", run)
@@ -226,7 +234,7 @@ class ProcessGroupGradsync(_ProcessGroup):  # type: ignore[misc]  # (untyped bas
             for output, tensor in zip(outputs, inputs, strict=True):
                 targets = _chunks(output, self.size())
                 self._gather_into(targets, tensor, "all_gather_into_tensor_coalesced")
-                composite._write(output, torch.cat([t.reshape(-1) for t in targets]))
+                write_into(output, torch.cat([t.reshape(-1) for t in targets]))
             return outputs
 
         return self._submit(f"all_gather_into_tensor_coalesced({len(inputs)} tensors)", run)
@@ -285,7 +293,7 @@ class ProcessGroupGradsync(_ProcessGroup):  # type: ignore[misc]  # (untyped bas
                 parts = _chunks(tensor, self.size())
                 if factor is not None:
                     parts = [p * factor for p in parts]
-                composite.reduce_scatter(self._collectives, output, parts, op)
+                reduce_scatter_by_all_reduce(self._collectives, output, parts, op)
             return outputs
 
         return self._submit(f"reduce_scatter_tensor_coalesced({len(inputs)} tensors)", run)
@@ -305,7 +313,7 @@ class ProcessGroupGradsync(_ProcessGroup):  # type: ignore[misc]  # (untyped bas
 
         def run() -> OpResult:
             scaled = [p * factor for p in parts] if factor is not None else parts
-            composite.reduce_scatter(self._collectives, output, scaled, op)
+            reduce_scatter_by_all_reduce(self._collectives, output, scaled, op)
             return result
 
         return self._submit(f"{what}({op}, {_describe(output)})", run)
@@ -318,9 +326,9 @@ class ProcessGroupGradsync(_ProcessGroup):  # type: ignore[misc]  # (untyped bas
 
         def run() -> OpResult:
             source = tensor * factor if factor is not None else tensor
-            composite.reduce(self._collectives, source, op, root)
+            reduce_by_all_reduce(self._collectives, source, op, root)
             if source is not tensor and self.rank() == root:
-                composite._write(tensor, source)
+                write_into(tensor, source)
             return tensors
 
         return self._submit(f"reduce({op}, root {root}, {_describe(tensor)})", run)
@@ -343,7 +351,7 @@ class ProcessGroupGradsync(_ProcessGroup):  # type: ignore[misc]  # (untyped bas
             outputs = self._per_rank(output_tensors[0], tensor, "gather")
 
         def run() -> OpResult:
-            composite.gather(self._collectives, outputs, tensor, root)
+            gather_by_all_gather(self._collectives, outputs, tensor, root)
             return outputs
 
         return self._submit(f"gather(root {root}, {_describe(tensor)})", run)
@@ -366,7 +374,7 @@ class ProcessGroupGradsync(_ProcessGroup):  # type: ignore[misc]  # (untyped bas
             parts = self._per_rank(input_tensors[0], output, "scatter")
 
         def run() -> OpResult:
-            composite.scatter(self._collectives, output, parts, root)
+            scatter_by_broadcast(self._collectives, output, parts, root)
             return output_tensors
 
         return self._submit(f"scatter(root {root}, {_describe(output)})", run)
@@ -386,7 +394,7 @@ class ProcessGroupGradsync(_ProcessGroup):  # type: ignore[misc]  # (untyped bas
         self._same_dtype([*output_tensors, *input_tensors], "alltoall")
 
         def run() -> OpResult:
-            composite.all_to_all(self._collectives, output_tensors, input_tensors, "alltoall")
+            all_to_all_by_all_gather(self._collectives, output_tensors, input_tensors, "alltoall")
             return output_tensors
 
         return self._submit(f"alltoall({world} parts)", run)
@@ -404,7 +412,7 @@ class ProcessGroupGradsync(_ProcessGroup):  # type: ignore[misc]  # (untyped bas
         inputs = _split_rows(input, input_split_sizes, self.size(), "input")
 
         def run() -> OpResult:
-            composite.all_to_all(self._collectives, outputs, inputs, "all_to_all_single")
+            all_to_all_by_all_gather(self._collectives, outputs, inputs, "all_to_all_single")
             return [output]
 
         return self._submit(f"all_to_all_single({_describe(input)})", run)
@@ -433,9 +441,11 @@ class ProcessGroupGradsync(_ProcessGroup):  # type: ignore[misc]  # (untyped bas
             result = run()
             contributors = self._collectives.last_contributors
             if contributors and contributors != self.size():
+                live = self._collectives.link.live_ranks() or ()
+                lost = sorted(set(range(self.size())) - set(live)) if live else "some"
                 raise RuntimeError(
                     f"only {contributors} of the group's {self.size()} ranks took part "
-                    "(the coordinator lost a rank and went on without it)"
+                    f"(the coordinator lost ranks {lost} and went on without them)"
                 )
             return result
 
@@ -496,7 +506,7 @@ class ProcessGroupGradsync(_ProcessGroup):  # type: ignore[misc]  # (untyped bas
                 f"{what}: {len(parts)} ranks contributed, the group has {self.size()}"
             )
         for output, part in zip(outputs, parts, strict=True):
-            composite._write(output, part)
+            write_into(output, part)
 
     def __repr__(self) -> str:
         return (
@@ -522,7 +532,7 @@ def _reduce_op(op: Any, dtype: torch.dtype, what: str) -> tuple[str, Any]:
     Raises:
         ValueError: PRODUCT, a bitwise op, or AVG of an integer tensor.
     """
-    kind: Any = op.op if isinstance(op, dist.ReduceOp) else op  # type: ignore[attr-defined]
+    kind: Any = getattr(op, "op", op)  # a ReduceOp holds its RedOpType; or one itself
     name = _REDUCE_NAMES.get(kind)
     if name is None:
         raise ValueError(
