@@ -12,6 +12,7 @@ the coordinator's log that the group's job really ran there.
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -93,11 +94,13 @@ def run(
     return results
 
 
-def assert_job_ran(coordinator: CoordinatorProcess, world: int) -> None:
-    """The coordinator's own log shows the group's job assembled with every rank."""
-    _, log = coordinator.stop()
+def assert_job_ran(coordinator: CoordinatorProcess, world: int) -> tuple[int, str]:
+    """The coordinator's own log shows the group's job assembled with every rank;
+    return how it stopped (exit status, the rest of its log)."""
+    code, log = coordinator.stop()
     for rank in range(world):
         assert f"job 'default.pg-world': rank {rank} joined" in log, log
+    return code, log
 
 
 @pytest.mark.parametrize("world", [pytest.param(w, id=f"W{w}") for w in (2, 3)])
@@ -130,7 +133,7 @@ def test_a_script_with_sampler_metric_and_barrier_and_every_op_match_gloo(
     coordinator = coordinator_factory(world)
     gloo = run("gloo", "usage", world, tmp_path / "gloo", "unused:1")
     ours = run("gradsync", "usage", world, tmp_path / "ours", coordinator.address)
-    assert_job_ran(coordinator, world)
+    coordinator_log = assert_job_ran(coordinator, world)
     for rank in range(world):
         # The script: DistributedSampler() split by the group, the summed metric, the model.
         np.testing.assert_array_equal(ours[rank]["indices"], gloo[rank]["indices"])
@@ -159,6 +162,14 @@ def test_a_script_with_sampler_metric_and_barrier_and_every_op_match_gloo(
         # refused before queueing.
         assert int(ours[rank]["operations_completed"]) >= 19 + 4
         assert str(ours[rank]["job_id"]) == "default.pg-world"
+        # Two new_groups of two ranks: each its own job, beside the default group's.
+        groups = [k for k in gloo[rank] if k.startswith(("head_", "tail_", "world_after"))]
+        assert len(groups) == (8 if rank == 1 else 5), groups
+        for key in groups:
+            np.testing.assert_array_equal(ours[rank][key], gloo[rank][key], err_msg=key)
+    _, log = coordinator_log
+    subgroup_jobs = set(re.findall(r"job '(default\.pg-[0-9a-f]{12})': rank \d joined", log))
+    assert len(subgroup_jobs) == 2, log
 
 
 def test_a_shape_mismatch_fails_every_rank_naming_both_shapes(

@@ -8,7 +8,9 @@ coordinator at $GRADSYNC_COORDINATOR). Scenarios:
   every state-dict entry is saved as "case/name".
 - usage: a training loop with `DistributedSampler()` (no arguments), a loss metric
   summed by `dist.all_reduce` and `dist.barrier()` after every epoch; then every
-  collective on small tensors, each result saved under the op's name.
+  collective on small tensors, each result saved under the op's name; then two
+  overlapping `new_group`s of two ranks each (W = 3), an all-reduce and an
+  all-gather in each, with the default group used in between.
 - mismatch: the ranks all-reduce tensors of different shapes; the error is saved.
 - kill: rank 1 kills itself while rank 0 waits on an all-reduce; rank 0 saves the
   error and how long it took.
@@ -152,6 +154,25 @@ def run_ops(rank: int, world: int, saved: dict[str, np.ndarray]) -> None:
         saved["job_id"] = np.array(dist.group.WORLD.job_id)
 
 
+def run_groups(rank: int, saved: dict[str, np.ndarray]) -> None:
+    """Subgroups of a world of 3."""
+    head = dist.new_group([0, 1])  # every rank creates every group, in the same order
+    tail = dist.new_group([1, 2])
+    for name, group, members in (("head", head, (0, 1)), ("tail", tail, (1, 2))):
+        if rank in members:
+            tensor = torch.tensor([rank + 1.0, 10.0 * rank])
+            dist.all_reduce(tensor, group=group)
+            saved[f"{name}_sum"] = tensor.numpy()
+            parts = [torch.zeros(1) for _ in members]
+            dist.all_gather(parts, torch.tensor([float(rank)]), group=group)
+            saved[f"{name}_gather"] = torch.cat(parts).numpy()
+            saved[f"{name}_rank"] = np.array(dist.get_rank(group))
+        world = torch.tensor([1.0])
+        dist.all_reduce(world)
+        saved[f"world_after_{name}"] = world.numpy()
+    dist.barrier()
+
+
 def run_mismatch(rank: int, saved: dict[str, np.ndarray]) -> None:
     dist.all_reduce(torch.ones(2))  # a first one that matches
     work = dist.all_reduce(torch.ones(2 + rank), async_op=True)
@@ -215,6 +236,7 @@ def main() -> int:
     elif args.scenario == "usage":
         run_script(args.rank, saved)
         run_ops(args.rank, args.world_size, saved)
+        run_groups(args.rank, saved)
     elif args.scenario == "mismatch":
         run_mismatch(args.rank, saved)
     else:
