@@ -172,6 +172,22 @@ def test_a_script_with_sampler_metric_and_barrier_and_every_op_match_gloo(
     assert len(subgroup_jobs) == 2, log
 
 
+def test_the_gradsync_rendezvous_needs_no_listener_on_rank_0(
+    tmp_path: Path, coordinator_factory: Any
+) -> None:
+    """init_method="gradsync://host:port": the coordinator serves c10d's store too."""
+    pytest.importorskip("gradsync.distributed.store", reason="needs the coordinator's store")
+    world = 2
+    coordinator = coordinator_factory(world)
+    extra = ("--cases", "mlp", "--rendezvous", "gradsync")
+    gloo = run("gloo", "ddp", world, tmp_path / "gloo", "unused:1", "--cases", "mlp")
+    ours = run("gradsync", "ddp", world, tmp_path / "ours", coordinator.address, *extra)
+    assert_job_ran(coordinator, world)
+    for rank in range(world):
+        for key in (k for k in gloo[rank] if k.startswith("mlp/")):
+            np.testing.assert_array_equal(ours[rank][key], gloo[rank][key], err_msg=key)
+
+
 def test_a_shape_mismatch_fails_every_rank_naming_both_shapes(
     tmp_path: Path, coordinator_factory: Any
 ) -> None:

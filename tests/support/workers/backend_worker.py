@@ -2,7 +2,9 @@
 
 The process group comes from `init_process_group(backend, init_method="env://")`
 (torch's TCPStore at MASTER_ADDR / MASTER_PORT; gradsync's groups join the
-coordinator at $GRADSYNC_COORDINATOR). Scenarios:
+coordinator at $GRADSYNC_COORDINATOR), or with `--rendezvous gradsync` from
+`init_method="gradsync://<coordinator>"` (the coordinator's store; no MASTER_*
+and no $GRADSYNC_COORDINATOR). Scenarios:
 
 - ddp: stock `torch.nn.parallel.DistributedDataParallel` trains the given zoo cases;
   every state-dict entry is saved as "case/name".
@@ -206,6 +208,7 @@ def main() -> int:
     parser.add_argument("--coordinator", required=True, help="the gradsync coordinator")
     parser.add_argument("--master-port", type=int, required=True, help="torch's TCPStore")
     parser.add_argument("--cases", default="", help="ddp: comma-separated zoo case names")
+    parser.add_argument("--rendezvous", choices=["env", "gradsync"], default="env")
     parser.add_argument("--start-delay-s", type=float, default=0.0)
     parser.add_argument("--timeout-s", type=float, default=60.0)
     parser.add_argument("--out", type=Path, required=True)
@@ -216,20 +219,21 @@ def main() -> int:
     warnings.filterwarnings("ignore", category=UserWarning, module=r"torch(\.|$)")
     torch.set_num_threads(1)
     time.sleep(args.start_delay_s)
-    os.environ.update(
-        RANK=str(args.rank),
-        WORLD_SIZE=str(args.world_size),
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(args.master_port),
-        GRADSYNC_COORDINATOR=args.coordinator,
-    )
+    os.environ.update(RANK=str(args.rank), WORLD_SIZE=str(args.world_size))
+    init_method = f"gradsync://{args.coordinator}"
+    if args.rendezvous == "env":
+        init_method = "env://"
+        os.environ.update(
+            MASTER_ADDR="127.0.0.1",
+            MASTER_PORT=str(args.master_port),
+            GRADSYNC_COORDINATOR=args.coordinator,
+        )
     if args.backend == "gradsync":
         import gradsync.distributed  # noqa: F401  (registers the backend)
     from datetime import timedelta
 
-    dist.init_process_group(
-        args.backend, init_method="env://", timeout=timedelta(seconds=args.timeout_s)
-    )
+    timeout = timedelta(seconds=args.timeout_s)
+    dist.init_process_group(args.backend, init_method=init_method, timeout=timeout)
     saved: dict[str, np.ndarray] = {"backend": np.array(dist.get_backend())}
     if args.scenario == "ddp":
         run_ddp(args.cases.split(","), args.rank, saved)
