@@ -26,8 +26,9 @@ from support.processes import WORKERS, CoordinatorProcess, reap
 pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(240)]
 
 BACKEND_WORKER = WORKERS / "backend_worker.py"
-#: Zoo cases for stock DDP: plain, BatchNorm buffers, unused parameters, no_sync.
-DDP_CASES = "mlp,cnn_batchnorm,unused_branch_adam,sometimes_unused,no_sync"
+#: Zoo cases for stock DDP: plain, BatchNorm buffers, unused parameters, no_sync, and
+#: uneven inputs under DDP's join().
+DDP_CASES = "mlp,cnn_batchnorm,unused_branch_adam,sometimes_unused,no_sync,join_uneven"
 #: Ranks start this far apart, the highest first.
 START_APART_S = 0.7
 
