@@ -30,6 +30,15 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from gradsync.distributed.checks import (
+    POINT_TO_POINT,
+    check_dtype,
+    chunks,
+    describe,
+    op_of,
+    reduce_op,
+    split_rows,
+)
 from gradsync.distributed.composite import (
     all_to_all_by_all_gather,
     flat_copy,
@@ -41,7 +50,6 @@ from gradsync.distributed.composite import (
 )
 from gradsync.distributed.group_session import GroupSession
 from gradsync.distributed.work import OpQueue, OpResult
-from gradsync.path.signature import WIRE_DTYPES
 
 log = logging.getLogger("gradsync.client")
 
@@ -50,18 +58,11 @@ __all__ = ["BACKEND_NAME", "ProcessGroupGradsync"]
 #: The name c10d knows the backend by.
 BACKEND_NAME = "gradsync"
 # torch's stubs describe c10d's Python-facing overloads, not the methods its C++
-# trampoline calls on a Python subclass (`allreduce(tensors, opts) -> Work`, ...), nor
-# ReduceOp's `.op` / `.factor`: the two classes are taken untyped here, in one place.
+# trampoline calls on a Python subclass (`allreduce(tensors, opts) -> Work`, ...): the
+# base class is taken untyped, here only.
 _ProcessGroup: Any = dist.ProcessGroup
-RedOpType: Any = dist.ReduceOp.RedOpType
-_REDUCE_NAMES = {
-    RedOpType.SUM: "sum",
-    RedOpType.AVG: "avg",
-    RedOpType.MIN: "min",
-    RedOpType.MAX: "max",
-    RedOpType.PREMUL_SUM: "sum",  # the input is scaled by the factor first
-}
-_FLOATING = (torch.float32, torch.float64, torch.float16, torch.bfloat16)
+#: How long shutting a group down waits for its queued operations (at exit, too).
+SHUTDOWN_WAIT_S = 10.0
 
 
 class ProcessGroupGradsync(_ProcessGroup):  # type: ignore[misc]  # (untyped base: above)
@@ -100,8 +101,9 @@ class ProcessGroupGradsync(_ProcessGroup):  # type: ignore[misc]  # (untyped bas
         return self._ops.completed
 
     def shutdown(self) -> None:
-        """Let queued operations finish (bounded), then leave the job. Idempotent."""
-        self._ops.close(self._collectives.timeout_s)
+        """Let queued operations finish (for up to `SHUTDOWN_WAIT_S`), then leave the job;
+        an operation still waiting for other ranks then fails. Idempotent."""
+        self._ops.close(min(SHUTDOWN_WAIT_S, self._collectives.timeout_s))
         self._session.close()
 
     def abort(self) -> None:
@@ -110,8 +112,8 @@ class ProcessGroupGradsync(_ProcessGroup):  # type: ignore[misc]  # (untyped bas
     # ------------------------------------------------------------ the coordinator's own ops
     def allreduce(self, tensors: list[torch.Tensor], opts: Any = None) -> Any:
         tensor = self._one(tensors, "allreduce")
-        op, factor = _reduce_op(_op_of(opts), tensor.dtype, "allreduce")
-        _check_dtype(tensor, "allreduce", reducing=True)
+        op, factor = reduce_op(op_of(opts), tensor.dtype, "allreduce")
+        check_dtype(tensor, "allreduce", reducing=True)
 
         def run() -> OpResult:
             if factor is not None:
@@ -120,7 +122,7 @@ class ProcessGroupGradsync(_ProcessGroup):  # type: ignore[misc]  # (untyped bas
             self._collectives.all_reduce(tensor, op)
             return tensors
 
-        return self._submit(f"allreduce({op}, {_describe(tensor)})", run)
+        return self._submit(f"allreduce({op}, {describe(tensor)})", run)
 
     def allreduce_coalesced(self, tensors: list[torch.Tensor], opts: Any = None) -> Any:
         if not tensors:
@@ -128,9 +130,9 @@ class ProcessGroupGradsync(_ProcessGroup):  # type: ignore[misc]  # (untyped bas
         dtypes = {t.dtype for t in tensors}
         if len(dtypes) != 1:
             raise ValueError(f"allreduce_coalesced needs tensors of one dtype, got {dtypes}")
-        op, factor = _reduce_op(_op_of(opts), tensors[0].dtype, "allreduce_coalesced")
+        op, factor = reduce_op(op_of(opts), tensors[0].dtype, "allreduce_coalesced")
         for tensor in tensors:
-            _check_dtype(tensor, "allreduce_coalesced", reducing=True)
+            check_dtype(tensor, "allreduce_coalesced", reducing=True)
 
         def run() -> OpResult:
             flat = flat_copy(tensors)  # one collective for all of them
@@ -150,7 +152,7 @@ class ProcessGroupGradsync(_ProcessGroup):  # type: ignore[misc]  # (untyped bas
         if getattr(opts, "rootTensor", 0) != 0:
             raise ValueError("broadcast: rootTensor must be 0 (one tensor list per rank)")
         for tensor in tensors:
-            _check_dtype(tensor, "broadcast", reducing=False)
+            check_dtype(tensor, "broadcast", reducing=False)
 
         def run() -> OpResult:
             self._collectives.broadcast_tensors(tensors, root)
@@ -173,7 +175,7 @@ class ProcessGroupGradsync(_ProcessGroup):  # type: ignore[misc]  # (untyped bas
             self._gather_into(outputs, tensor, "allgather")
             return outputs
 
-        return self._submit(f"allgather({_describe(tensor)})", run)
+        return self._submit(f"allgather({describe(tensor)})", run)
 
     def all_gather_single(
         self,
@@ -181,18 +183,18 @@ class ProcessGroupGradsync(_ProcessGroup):  # type: ignore[misc]  # (untyped bas
         input: torch.Tensor,
         opts: Any = None,
     ) -> Any:
-        _check_dtype(input, "all_gather_into_tensor", reducing=False)
+        check_dtype(input, "all_gather_into_tensor", reducing=False)
         self._check_stacked(output, input, "all_gather_into_tensor")
 
         def run() -> OpResult:
             parts = output.view(self.size(), -1) if output.is_contiguous() else None
-            targets = list(parts) if parts is not None else _chunks(output, self.size())
+            targets = list(parts) if parts is not None else chunks(output, self.size())
             self._gather_into(targets, input, "all_gather_into_tensor")
             if parts is None:
                 write_into(output, torch.cat([t.reshape(-1) for t in targets]))
             return [output]
 
-        return self._submit(f"all_gather_into_tensor({_describe(input)})", run)
+        return self._submit(f"all_gather_into_tensor({describe(input)})", run)
 
     _allgather_base = all_gather_single
 
@@ -227,12 +229,12 @@ class ProcessGroupGradsync(_ProcessGroup):  # type: ignore[misc]  # (untyped bas
                 f"all_gather_into_tensor_coalesced: {len(outputs)} outputs, {len(inputs)} inputs"
             )
         for output, tensor in zip(outputs, inputs, strict=True):
-            _check_dtype(tensor, "all_gather_into_tensor_coalesced", reducing=False)
+            check_dtype(tensor, "all_gather_into_tensor_coalesced", reducing=False)
             self._check_stacked(output, tensor, "all_gather_into_tensor_coalesced")
 
         def run() -> OpResult:
             for output, tensor in zip(outputs, inputs, strict=True):
-                targets = _chunks(output, self.size())
+                targets = chunks(output, self.size())
                 self._gather_into(targets, tensor, "all_gather_into_tensor_coalesced")
                 write_into(output, torch.cat([t.reshape(-1) for t in targets]))
             return outputs
@@ -269,7 +271,7 @@ class ProcessGroupGradsync(_ProcessGroup):  # type: ignore[misc]  # (untyped bas
     ) -> Any:
         self._check_stacked(input, output, "reduce_scatter_tensor")
         return self._reduce_scatter(
-            output, _chunks(input, self.size()), opts, "reduce_scatter_tensor", [output]
+            output, chunks(input, self.size()), opts, "reduce_scatter_tensor", [output]
         )
 
     _reduce_scatter_base = reduce_scatter_single
@@ -281,16 +283,16 @@ class ProcessGroupGradsync(_ProcessGroup):  # type: ignore[misc]  # (untyped bas
             raise ValueError(
                 f"reduce_scatter_tensor_coalesced: {len(outputs)} outputs, {len(inputs)} inputs"
             )
-        op, factor = _reduce_op(
-            _op_of(opts), inputs[0].dtype if inputs else torch.float32, "reduce_scatter"
+        op, factor = reduce_op(
+            op_of(opts), inputs[0].dtype if inputs else torch.float32, "reduce_scatter"
         )
         for output, tensor in zip(outputs, inputs, strict=True):
             self._check_stacked(tensor, output, "reduce_scatter_tensor_coalesced")
-            _check_dtype(tensor, "reduce_scatter_tensor_coalesced", reducing=True)
+            check_dtype(tensor, "reduce_scatter_tensor_coalesced", reducing=True)
 
         def run() -> OpResult:
             for output, tensor in zip(outputs, inputs, strict=True):
-                parts = _chunks(tensor, self.size())
+                parts = chunks(tensor, self.size())
                 if factor is not None:
                     parts = [p * factor for p in parts]
                 reduce_scatter_by_all_reduce(self._collectives, output, parts, op)
@@ -308,21 +310,21 @@ class ProcessGroupGradsync(_ProcessGroup):  # type: ignore[misc]  # (untyped bas
         what: str,
         result: list[torch.Tensor],
     ) -> Any:
-        op, factor = _reduce_op(_op_of(opts), output.dtype, what)
-        _check_dtype(output, what, reducing=True)
+        op, factor = reduce_op(op_of(opts), output.dtype, what)
+        check_dtype(output, what, reducing=True)
 
         def run() -> OpResult:
             scaled = [p * factor for p in parts] if factor is not None else parts
             reduce_scatter_by_all_reduce(self._collectives, output, scaled, op)
             return result
 
-        return self._submit(f"{what}({op}, {_describe(output)})", run)
+        return self._submit(f"{what}({op}, {describe(output)})", run)
 
     def reduce(self, tensors: list[torch.Tensor], opts: Any = None) -> Any:
         tensor = self._one(tensors, "reduce")
         root = self._root(getattr(opts, "rootRank", 0), "reduce")
-        op, factor = _reduce_op(_op_of(opts), tensor.dtype, "reduce")
-        _check_dtype(tensor, "reduce", reducing=True)
+        op, factor = reduce_op(op_of(opts), tensor.dtype, "reduce")
+        check_dtype(tensor, "reduce", reducing=True)
 
         def run() -> OpResult:
             source = tensor * factor if factor is not None else tensor
@@ -331,7 +333,7 @@ class ProcessGroupGradsync(_ProcessGroup):  # type: ignore[misc]  # (untyped bas
                 write_into(tensor, source)
             return tensors
 
-        return self._submit(f"reduce({op}, root {root}, {_describe(tensor)})", run)
+        return self._submit(f"reduce({op}, root {root}, {describe(tensor)})", run)
 
     def gather(
         self,
@@ -341,7 +343,7 @@ class ProcessGroupGradsync(_ProcessGroup):  # type: ignore[misc]  # (untyped bas
     ) -> Any:
         tensor = self._one(input_tensors, "gather")
         root = self._root(getattr(opts, "rootRank", 0), "gather")
-        _check_dtype(tensor, "gather", reducing=False)
+        check_dtype(tensor, "gather", reducing=False)
         outputs: list[torch.Tensor] = []
         if self.rank() == root:
             if len(output_tensors) != 1:
@@ -354,7 +356,7 @@ class ProcessGroupGradsync(_ProcessGroup):  # type: ignore[misc]  # (untyped bas
             gather_by_all_gather(self._collectives, outputs, tensor, root)
             return outputs
 
-        return self._submit(f"gather(root {root}, {_describe(tensor)})", run)
+        return self._submit(f"gather(root {root}, {describe(tensor)})", run)
 
     def scatter(
         self,
@@ -364,7 +366,7 @@ class ProcessGroupGradsync(_ProcessGroup):  # type: ignore[misc]  # (untyped bas
     ) -> Any:
         output = self._one(output_tensors, "scatter")
         root = self._root(getattr(opts, "rootRank", 0), "scatter")
-        _check_dtype(output, "scatter", reducing=False)
+        check_dtype(output, "scatter", reducing=False)
         parts: list[torch.Tensor] = []
         if self.rank() == root:
             if len(input_tensors) != 1:
@@ -377,7 +379,7 @@ class ProcessGroupGradsync(_ProcessGroup):  # type: ignore[misc]  # (untyped bas
             scatter_by_broadcast(self._collectives, output, parts, root)
             return output_tensors
 
-        return self._submit(f"scatter(root {root}, {_describe(output)})", run)
+        return self._submit(f"scatter(root {root}, {describe(output)})", run)
 
     def alltoall(
         self,
@@ -408,26 +410,26 @@ class ProcessGroupGradsync(_ProcessGroup):  # type: ignore[misc]  # (untyped bas
         opts: Any = None,
     ) -> Any:
         self._same_dtype([output, input], "all_to_all_single")
-        outputs = _split_rows(output, output_split_sizes, self.size(), "output")
-        inputs = _split_rows(input, input_split_sizes, self.size(), "input")
+        outputs = split_rows(output, output_split_sizes, self.size(), "output")
+        inputs = split_rows(input, input_split_sizes, self.size(), "input")
 
         def run() -> OpResult:
             all_to_all_by_all_gather(self._collectives, outputs, inputs, "all_to_all_single")
             return [output]
 
-        return self._submit(f"all_to_all_single({_describe(input)})", run)
+        return self._submit(f"all_to_all_single({describe(input)})", run)
 
     alltoall_base = all_to_all_single
 
     # ------------------------------------------------------------ refused
     def send(self, tensors: list[torch.Tensor], dst: int, tag: int = 0) -> Any:
-        raise RuntimeError(_POINT_TO_POINT.format(what="send"))
+        raise RuntimeError(POINT_TO_POINT.format(what="send"))
 
     def recv(self, tensors: list[torch.Tensor], src: int, tag: int = 0) -> Any:
-        raise RuntimeError(_POINT_TO_POINT.format(what="recv"))
+        raise RuntimeError(POINT_TO_POINT.format(what="recv"))
 
     def recv_anysource(self, tensors: list[torch.Tensor], tag: int = 0) -> Any:
-        raise RuntimeError(_POINT_TO_POINT.format(what="recv"))
+        raise RuntimeError(POINT_TO_POINT.format(what="recv"))
 
     # ------------------------------------------------------------ helpers
     def _submit(self, name: str, run: Callable[[], OpResult]) -> Any:
@@ -477,17 +479,17 @@ class ProcessGroupGradsync(_ProcessGroup):  # type: ignore[misc]  # (untyped bas
         for tensor in tensors:
             if tensor.numel() != like.numel() or tensor.dtype != like.dtype:
                 raise ValueError(
-                    f"{what}: every per-rank tensor must be {_describe(like)}, "
-                    f"got {_describe(tensor)}"
+                    f"{what}: every per-rank tensor must be {describe(like)}, "
+                    f"got {describe(tensor)}"
                 )
-        _check_dtype(like, what, reducing=False)
+        check_dtype(like, what, reducing=False)
         return list(tensors)
 
     def _check_stacked(self, big: torch.Tensor, small: torch.Tensor, what: str) -> None:
         if big.numel() != self.size() * small.numel() or big.dtype != small.dtype:
             raise ValueError(
-                f"{what}: the large tensor must hold {self.size()} x {_describe(small)}, "
-                f"got {_describe(big)}"
+                f"{what}: the large tensor must hold {self.size()} x {describe(small)}, "
+                f"got {describe(big)}"
             )
 
     def _same_dtype(self, tensors: Sequence[torch.Tensor], what: str) -> None:
@@ -495,7 +497,7 @@ class ProcessGroupGradsync(_ProcessGroup):  # type: ignore[misc]  # (untyped bas
         if len(dtypes) != 1:
             raise ValueError(f"{what} needs tensors of one dtype, got {sorted(map(str, dtypes))}")
         for tensor in tensors:
-            _check_dtype(tensor, what, reducing=False)
+            check_dtype(tensor, what, reducing=False)
 
     def _gather_into(
         self, outputs: Sequence[torch.Tensor], tensor: torch.Tensor, what: str
@@ -513,65 +515,3 @@ class ProcessGroupGradsync(_ProcessGroup):  # type: ignore[misc]  # (untyped bas
             f"ProcessGroupGradsync(rank={self.rank()}, size={self.size()}, "
             f"job={self._session.job_id!r}, coordinator={self._session.address!r})"
         )
-
-
-_POINT_TO_POINT = (
-    "gradsync: {what} is not supported: the gradsync backend runs collectives through a "
-    "coordinator (a hub), not point-to-point transfers between ranks; use a collective "
-    "(broadcast, scatter, all_to_all) or a second process group on gloo for send/recv"
-)
-
-
-def _op_of(opts: Any) -> Any:
-    return getattr(opts, "reduceOp", dist.ReduceOp.SUM) if opts is not None else dist.ReduceOp.SUM
-
-
-def _reduce_op(op: Any, dtype: torch.dtype, what: str) -> tuple[str, Any]:
-    """(the Collectives op name, the PREMUL_SUM factor or None) of a c10d ReduceOp.
-
-    Raises:
-        ValueError: PRODUCT, a bitwise op, or AVG of an integer tensor.
-    """
-    kind: Any = getattr(op, "op", op)  # a ReduceOp holds its RedOpType; or one itself
-    name = _REDUCE_NAMES.get(kind)
-    if name is None:
-        raise ValueError(
-            f"gradsync: {what} with ReduceOp.{getattr(kind, 'name', kind)} is not supported "
-            "(the coordinator reduces with SUM, AVG, MIN, MAX and PREMUL_SUM)"
-        )
-    if kind == RedOpType.AVG and dtype not in _FLOATING:
-        raise ValueError(f"gradsync: {what} with ReduceOp.AVG needs a floating tensor, got {dtype}")
-    factor = op.factor if kind == RedOpType.PREMUL_SUM else None  # (a float or a tensor)
-    return name, factor
-
-
-def _check_dtype(tensor: torch.Tensor, what: str, *, reducing: bool) -> None:
-    if tensor.layout != torch.strided:
-        raise ValueError(f"{what} needs a dense tensor, got layout {tensor.layout}")
-    if tensor.dtype not in WIRE_DTYPES or (reducing and tensor.dtype == torch.bool):
-        raise ValueError(f"gradsync: {what} does not support dtype {tensor.dtype}")
-
-
-def _describe(tensor: torch.Tensor) -> str:
-    return f"{list(tensor.shape)} {str(tensor.dtype).removeprefix('torch.')}"
-
-
-def _chunks(tensor: torch.Tensor, parts: int) -> list[torch.Tensor]:
-    """`tensor` cut into `parts` equal flat pieces (views when it is contiguous)."""
-    flat = tensor.reshape(-1)
-    size = flat.numel() // parts
-    return [flat[i * size : (i + 1) * size] for i in range(parts)]
-
-
-def _split_rows(
-    tensor: torch.Tensor, split_sizes: Sequence[int], world: int, what: str
-) -> list[torch.Tensor]:
-    """all_to_all_single's parts: rows of dim 0 per rank (equal when no sizes are given)."""
-    rows = tensor.shape[0] if tensor.dim() else 0
-    sizes = list(split_sizes) or ([rows // world] * world if rows % world == 0 else [])
-    if len(sizes) != world or sum(sizes) != rows:
-        raise ValueError(
-            f"all_to_all_single: {what} split sizes {list(split_sizes)} do not cut "
-            f"{rows} rows into {world} parts"
-        )
-    return list(torch.split(tensor, sizes, dim=0))
