@@ -274,3 +274,16 @@ def test_importing_registers_the_backend_and_the_rendezvous_once() -> None:
     assert "gradsync" in dist.Backend.backend_list
     assert dist.Backend.backend_capability["gradsync"] == ["cpu", "cuda"]
     assert "gradsync" in _rendezvous_handlers
+
+
+def test_the_coordinator_comes_from_the_options_else_the_environment(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from gradsync.distributed.backend import GradsyncOptions, resolve_coordinator
+
+    monkeypatch.setenv("GRADSYNC_COORDINATOR", "env-host:1")
+    assert resolve_coordinator(GradsyncOptions(coordinator="opt-host:2")) == "opt-host:2"
+    assert resolve_coordinator(None) == "env-host:1"
+    monkeypatch.delenv("GRADSYNC_COORDINATOR")
+    with pytest.raises(ValueError, match="no coordinator: use init_method='gradsync://host:port'"):
+        resolve_coordinator(GradsyncOptions())
