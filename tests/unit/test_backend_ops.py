@@ -287,3 +287,17 @@ def test_the_coordinator_comes_from_the_options_else_the_environment(
     monkeypatch.delenv("GRADSYNC_COORDINATOR")
     with pytest.raises(ValueError, match="no coordinator: use init_method='gradsync://host:port'"):
         resolve_coordinator(GradsyncOptions())
+
+
+def test_the_group_keeps_the_name_c10d_gives_it() -> None:
+    """DeviceMesh looks its dimensions' groups up by name (`group_name`)."""
+    group = ThreadedGroup(1)
+    pg = ProcessGroupGradsync(StandInSession(group.collectives(0)), "7")  # type: ignore[arg-type]
+    try:
+        assert pg.group_name == "7"
+        pg._set_group_name("mesh-dim-1")
+        pg._set_group_desc("mesh_shard")
+        assert (pg.group_name, pg.group_desc) == ("mesh-dim-1", "mesh_shard")
+        assert pg.name() == "gradsync" and pg.size() == 1
+    finally:
+        pg.shutdown()

@@ -90,6 +90,20 @@ class ProcessGroupGradsync(_ProcessGroup):  # type: ignore[misc]  # (untyped bas
     def name(self) -> str:
         return BACKEND_NAME
 
+    # c10d names a group through these; a Python process group holds no C++ backend to
+    # keep the name in, so it keeps it itself (DeviceMesh looks groups up by name).
+    def setGroupName(self, group_name: str) -> None:
+        self._c10d_name = group_name
+
+    def getGroupName(self) -> str:
+        return getattr(self, "_c10d_name", self._group_label)
+
+    def setGroupDesc(self, group_desc: str) -> None:
+        self._c10d_desc = group_desc
+
+    def getGroupDesc(self) -> str:
+        return getattr(self, "_c10d_desc", "undefined")
+
     @property
     def job_id(self) -> str:
         """The group's job on the coordinator."""
