@@ -227,3 +227,20 @@ def test_a_killed_rank_fails_the_pending_work_within_the_heartbeat_timeout(
     assert str(ours[0]["error_type"]) == "DistBackendError", error
     assert "rank 0 of group '0'" in error and "allreduce" in error and says in error, error
     assert float(ours[0]["failed_after_s"]) < 3 + 2, error
+
+
+def test_a_killed_rank_makes_stock_ddps_backward_raise_naming_it(
+    tmp_path: Path, coordinator_factory: Any
+) -> None:
+    world = 2
+    coordinator = coordinator_factory(world, "--heartbeat-timeout", "3")
+    ours = run(
+        "gradsync", "ddp_kill", world, tmp_path / "ours", coordinator.address, expect_exit={1: -9}
+    )
+    assert_job_ran(coordinator, world)
+    error = str(ours[0]["error"])
+    # DDP's reducer reads the Work's future: the failure reaches backward() from C++.
+    assert int(ours[0]["failed_at_step"]) == 2, error
+    assert "DistBackendError" in error and "rank 0 of group '0'" in error, error
+    assert "allreduce" in error and "rank 1 disconnected" in error, error
+    assert float(ours[0]["failed_after_s"]) < 3 + 2, error

@@ -16,6 +16,8 @@ and no $GRADSYNC_COORDINATOR). Scenarios:
 - mismatch: the ranks all-reduce tensors of different shapes; the error is saved.
 - kill: rank 1 kills itself while rank 0 waits on an all-reduce; rank 0 saves the
   error and how long it took.
+- ddp_kill: rank 1 kills itself at the third step of stock DDP; rank 0 saves what its
+  backward pass raised and how long it took.
 """
 
 from __future__ import annotations
@@ -199,10 +201,29 @@ def run_kill(rank: int, saved: dict[str, np.ndarray]) -> None:
     saved["failed_after_s"] = np.array(time.monotonic() - started)
 
 
+def run_ddp_kill(rank: int, saved: dict[str, np.ndarray]) -> None:
+    torch.manual_seed(0)
+    model = nn.parallel.DistributedDataParallel(nn.Linear(8, 2))
+    for step in range(5):
+        if step == 2 and rank == 1:
+            os.kill(os.getpid(), signal.SIGKILL)
+        started = time.monotonic()
+        try:
+            model(torch.randn(4, 8)).sum().backward()
+        except Exception as exc:
+            saved["error"] = np.array(str(exc))
+            saved["error_type"] = np.array(type(exc).__name__)
+            saved["failed_after_s"] = np.array(time.monotonic() - started)
+            saved["failed_at_step"] = np.array(step)
+            return
+
+
 def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--backend", choices=["gloo", "gradsync"], required=True)
-    parser.add_argument("--scenario", choices=["ddp", "usage", "mismatch", "kill"], required=True)
+    parser.add_argument(
+        "--scenario", choices=["ddp", "usage", "mismatch", "kill", "ddp_kill"], required=True
+    )
     parser.add_argument("--rank", type=int, required=True)
     parser.add_argument("--world-size", type=int, required=True)
     parser.add_argument("--coordinator", required=True, help="the gradsync coordinator")
@@ -243,8 +264,10 @@ def main() -> int:
         run_groups(args.rank, saved)
     elif args.scenario == "mismatch":
         run_mismatch(args.rank, saved)
-    else:
+    elif args.scenario == "kill":
         run_kill(args.rank, saved)
+    else:
+        run_ddp_kill(args.rank, saved)
     np.savez(args.out, **saved)
     if args.scenario in ("ddp", "usage"):
         dist.destroy_process_group()
