@@ -79,7 +79,8 @@ class ProcessGroupGradsync(_ProcessGroup):  # type: ignore[misc]  # (untyped bas
         super().__init__(session.rank, session.world_size)
         self._session = session
         self._collectives = session.collectives
-        self._group_label = group_name
+        #: The name and description c10d gives the group (`_set_group_name`, ...).
+        self._c10d_name, self._c10d_desc = group_name, "undefined"
         describe = f"rank {session.rank} of group '{group_name}' (job '{session.job_id}')"
         self._ops = OpQueue(describe, f"gradsync-pg-{group_name}-r{session.rank}"[:60])
 
@@ -96,13 +97,13 @@ class ProcessGroupGradsync(_ProcessGroup):  # type: ignore[misc]  # (untyped bas
         self._c10d_name = group_name
 
     def getGroupName(self) -> str:
-        return getattr(self, "_c10d_name", self._group_label)
+        return self._c10d_name
 
     def setGroupDesc(self, group_desc: str) -> None:
         self._c10d_desc = group_desc
 
     def getGroupDesc(self) -> str:
-        return getattr(self, "_c10d_desc", "undefined")
+        return self._c10d_desc
 
     @property
     def job_id(self) -> str:
