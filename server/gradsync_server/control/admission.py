@@ -13,6 +13,7 @@ asyncio.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 
 from gradsync_proto.codes import Code
@@ -20,6 +21,7 @@ from gradsync_proto.v1 import gradsync_pb2 as pb
 
 from gradsync_server.config import CoordinatorConfig
 from gradsync_server.control.job import Job
+from gradsync_server.control.signature import is_collectives_only
 from gradsync_server.dataplane.budget import ByteBudget
 from gradsync_server.dataplane.host_groups import host_id_problem
 from gradsync_server.dataplane.observer import StepObserver
@@ -95,15 +97,25 @@ def join_problem(
     host_problem = host_id_problem(join.rank, join.host_id)
     if host_problem is not None:
         return (Code.INVALID_ARGUMENT, host_problem)
-    if join.rank >= config.world_size:
+    world_size = job_world_size(join, config)
+    if join.rank >= world_size:
         return (
             Code.INVALID_ARGUMENT,
-            f"rank {join.rank} is out of range for world size {config.world_size} "
-            f"(valid ranks 0..{config.world_size - 1})",
+            f"rank {join.rank} is out of range for world size {world_size} "
+            f"(valid ranks 0..{world_size - 1})",
         )
     if not known_job and running_jobs >= config.max_jobs:
         return too_many_jobs(running_jobs, config.max_jobs)
     return None
+
+
+def job_world_size(join: pb.Join, config: CoordinatorConfig) -> int:
+    """The world size of the job `join` starts or joins: the coordinator's --world-size, or
+    for a collectives-only session (a torch.distributed group, `gradsync.distributed`) the
+    Join's own, from 1 up to --world-size: a subgroup or a mesh dimension has fewer ranks."""
+    if is_collectives_only(join.signature) and 1 <= join.world_size <= config.world_size:
+        return int(join.world_size)
+    return config.world_size
 
 
 def new_job(
@@ -114,15 +126,23 @@ def new_job(
     metrics: StepObserver,
     shard_map: Callable[[], list[pb.ShardAddress] | None],
     payload_endpoint: tuple[str, str] | None = None,
+    world_size: int | None = None,
 ) -> Job:
     """A new job named `job_id`, configured as the coordinator's flags say.
+
+    `world_size`: the job's own (`job_world_size`), when not the coordinator's.
 
     `payload_endpoint`: (socket name, coordinator host id) of the same-host
     payload path, None when it is off (see `gradsync_server.rpc.segments`).
     """
+    settings = config.job_settings()
+    if world_size is not None and world_size != settings.world_size:
+        settings = dataclasses.replace(
+            settings, world_size=world_size, min_workers=min(settings.min_workers, world_size)
+        )
     return Job(
         job_id,
-        config.job_settings(),
+        settings,
         budget,
         clock=clock,
         metrics=metrics,

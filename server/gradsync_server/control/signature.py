@@ -54,6 +54,18 @@ def state_bytes(signature: pb.ModelSignature) -> int:
     )
 
 
+def is_collectives_only(signature: pb.ModelSignature) -> bool:
+    """Whether `signature` is that of a collectives-only session: no parameters, buffers,
+    buckets or outer optimizer. A torch.distributed process group (`gradsync.distributed`)
+    joins with it: its job runs heartbeats, status and collectives, and no steps."""
+    return not (
+        signature.parameters
+        or signature.buffers
+        or signature.buckets
+        or signature.HasField("outer")
+    )
+
+
 def validate(rank: int, signature: pb.ModelSignature) -> None:
     """Check that one rank's signature is internally consistent.
 
@@ -64,6 +76,8 @@ def validate(rank: int, signature: pb.ModelSignature) -> None:
     def refuse(message: str) -> RejectedMessage:
         return RejectedMessage(Code.INVALID_ARGUMENT, f"rank {rank}: {message}")
 
+    if is_collectives_only(signature):
+        return  # a process group's job: collectives only, nothing to average or broadcast
     if not signature.parameters:
         raise refuse("the model signature lists no trainable parameters")
     tensors = len(signature.parameters) + len(signature.buffers)

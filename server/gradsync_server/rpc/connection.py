@@ -88,6 +88,8 @@ class Connection:
         self.incarnation = ""
         self.session = b""
         self.left = False
+        #: Why the coordinator ended this stream for a refused message (told to its peers).
+        self.refused: str | None = None
         self.outbox: asyncio.Queue[bytes | ResumeBlob | End] = asyncio.Queue()
         #: Set when the queue was discarded: a blob being written stops too.
         self._discarded = False

@@ -27,6 +27,7 @@ from gradsync_server.config import CoordinatorConfig
 from gradsync_server.control.admission import (
     SHUTTING_DOWN,
     first_message_problem,
+    job_world_size,
     join_problem,
     new_job,
     too_many_jobs,
@@ -230,6 +231,7 @@ class LeaderRole(CoordinatorServicer):
                 )
         except RejectedMessage as rejection:
             log.warning("job '%s': ending rank %d: %s", job.job_id, conn.rank, rejection.message)
+            conn.refused = rejection.message  # the ranks it leaves behind hear why
             conn.end(rejection.code, rejection.message)
         return None
 
@@ -320,6 +322,7 @@ class LeaderRole(CoordinatorServicer):
                 self.metrics,
                 self.shard_control.registry.shard_map,
                 self.payload_endpoint,
+                world_size=job_world_size(join, config),
             )
             job.resume_from(resume)
             job.outer_reading = outer_reading
@@ -340,7 +343,7 @@ class LeaderRole(CoordinatorServicer):
         job.set_peer(join.rank, conn.peer)
         self.connections[(job_id, join.rank)] = conn
         missing = job.assembly.missing(job.membership.ranks())
-        wait = f"waiting for ranks {missing} of {config.world_size}" if missing else "all present"
+        wait = f"waiting for ranks {missing} of {job.world_size}" if missing else "all present"
         log.info(
             "job '%s': rank %d joined from %s (incarnation %r, client %r); %s",
             job_id,
@@ -369,7 +372,14 @@ class LeaderRole(CoordinatorServicer):
             log.warning(
                 "job '%s': rank %d disconnected at step %d", job.job_id, conn.rank, job.open_step
             )
-        self._leave_job(job, conn.rank, orderly=conn.left)
+        # A rank whose message was refused: its peers (waiting in that collective, say)
+        # learn what was refused, both values included, not only that it disconnected.
+        reason = (
+            f"disconnected (the coordinator refused its message: {conn.refused}) from"
+            if conn.refused is not None and not conn.left
+            else None
+        )
+        self._leave_job(job, conn.rank, orderly=conn.left, reason=reason)
 
     def _leave_job(self, job: Job, rank: int, orderly: bool, reason: str | None = None) -> None:
         """Drop `rank` from `job` for good and carry out what that means for the others."""

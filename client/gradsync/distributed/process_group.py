@@ -1,0 +1,532 @@
+"""`ProcessGroupGradsync`: a c10d process group whose collectives run through the coordinator.
+
+c10d calls these methods for `dist.all_reduce`, `dist.broadcast`, ... and
+DDP's reducer calls `allreduce` for every gradient bucket. Each method
+checks its arguments on the caller's thread (a bad call raises there, as with
+gloo), then queues the network part on the group's `OpQueue` and returns a
+`Work` at once; the queue's thread runs it through the group's
+`Collectives` and writes the result into the caller's tensors.
+
+All-reduce (SUM, AVG, MIN, MAX, and PREMUL_SUM as a scaled SUM), broadcast,
+all-gather and barrier are the coordinator's own collectives: every rank's
+call is checked against the others' (op, dtype, size, root) and a mismatch
+fails every rank naming both values. Reduce-scatter, gather, scatter,
+all-to-all and reduce are composed of them (`gradsync.distributed.composite`,
+which says what each costs on the wire). PRODUCT and the bitwise reductions
+are refused, and so are send and recv: the coordinator is a hub, not a
+point-to-point relay.
+
+Tensors may live on the CPU or a CUDA device (staged through host memory on
+the network thread); every dtype the wire carries (float32/64, float16,
+bfloat16, the integer types, bool for broadcast and gather) works.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from gradsync.distributed.checks import (
+    POINT_TO_POINT,
+    check_dtype,
+    chunks,
+    describe,
+    op_of,
+    reduce_op,
+    split_rows,
+)
+from gradsync.distributed.composite import (
+    all_to_all_by_all_gather,
+    flat_copy,
+    gather_by_all_gather,
+    reduce_by_all_reduce,
+    reduce_scatter_by_all_reduce,
+    scatter_by_broadcast,
+    write_into,
+)
+from gradsync.distributed.group_session import GroupSession
+from gradsync.distributed.work import OpQueue, OpResult
+
+log = logging.getLogger("gradsync.client")
+
+__all__ = ["BACKEND_NAME", "ProcessGroupGradsync"]
+
+#: The name c10d knows the backend by.
+BACKEND_NAME = "gradsync"
+# torch's stubs describe c10d's Python-facing overloads, not the methods its C++
+# trampoline calls on a Python subclass (`allreduce(tensors, opts) -> Work`, ...): the
+# base class is taken untyped, here only.
+_ProcessGroup: Any = dist.ProcessGroup
+#: How long shutting a group down waits for its queued operations (at exit, too).
+SHUTDOWN_WAIT_S = 10.0
+
+
+class ProcessGroupGradsync(_ProcessGroup):  # type: ignore[misc]  # (untyped base: above)
+    """One c10d group (the default group, a `new_group`, a mesh dimension) on the coordinator.
+
+    Built by the backend's factory (`gradsync.distributed.backend`), not by users.
+
+    Args:
+        session: the group's joined collectives-only session.
+        group_name: c10d's name of the group (named in errors).
+    """
+
+    def __init__(self, session: GroupSession, group_name: str) -> None:
+        super().__init__(session.rank, session.world_size)
+        self._session = session
+        self._collectives = session.collectives
+        #: The name and description c10d gives the group (`_set_group_name`, ...).
+        self._c10d_name, self._c10d_desc = group_name, "undefined"
+        describe = f"rank {session.rank} of group '{group_name}' (job '{session.job_id}')"
+        self._ops = OpQueue(describe, f"gradsync-pg-{group_name}-r{session.rank}"[:60])
+
+    # ------------------------------------------------------------ identity
+    def getBackendName(self) -> str:
+        return BACKEND_NAME
+
+    def name(self) -> str:
+        return BACKEND_NAME
+
+    # c10d names a group through these; a Python process group holds no C++ backend to
+    # keep the name in, so it keeps it itself (DeviceMesh looks groups up by name).
+    def setGroupName(self, group_name: str) -> None:
+        self._c10d_name = group_name
+
+    def getGroupName(self) -> str:
+        return self._c10d_name
+
+    def setGroupDesc(self, group_desc: str) -> None:
+        self._c10d_desc = group_desc
+
+    def getGroupDesc(self) -> str:
+        return self._c10d_desc
+
+    @property
+    def job_id(self) -> str:
+        """The group's job on the coordinator."""
+        return self._session.job_id
+
+    @property
+    def operations_completed(self) -> int:
+        """Operations this group completed or failed so far."""
+        return self._ops.completed
+
+    def shutdown(self) -> None:
+        """Let queued operations finish (for up to `SHUTDOWN_WAIT_S`), then leave the job;
+        an operation still waiting for other ranks then fails. Idempotent."""
+        self._ops.close(min(SHUTDOWN_WAIT_S, self._collectives.timeout_s))
+        self._session.close()
+
+    def abort(self) -> None:
+        self.shutdown()
+
+    # ------------------------------------------------------------ the coordinator's own ops
+    def allreduce(self, tensors: list[torch.Tensor], opts: Any = None) -> Any:
+        tensor = self._one(tensors, "allreduce")
+        op, factor = reduce_op(op_of(opts), tensor.dtype, "allreduce")
+        check_dtype(tensor, "allreduce", reducing=True)
+
+        def run() -> OpResult:
+            if factor is not None:
+                with torch.no_grad():
+                    tensor.mul_(factor)
+            self._collectives.all_reduce(tensor, op)
+            return tensors
+
+        return self._submit(f"allreduce({op}, {describe(tensor)})", run)
+
+    def allreduce_coalesced(self, tensors: list[torch.Tensor], opts: Any = None) -> Any:
+        if not tensors:
+            return self._submit("allreduce_coalesced([])", lambda: tensors)
+        dtypes = {t.dtype for t in tensors}
+        if len(dtypes) != 1:
+            raise ValueError(f"allreduce_coalesced needs tensors of one dtype, got {dtypes}")
+        op, factor = reduce_op(op_of(opts), tensors[0].dtype, "allreduce_coalesced")
+        for tensor in tensors:
+            check_dtype(tensor, "allreduce_coalesced", reducing=True)
+
+        def run() -> OpResult:
+            flat = flat_copy(tensors)  # one collective for all of them
+            if factor is not None:
+                flat.mul_(factor)
+            self._collectives.all_reduce(flat, op)
+            offset = 0
+            for tensor in tensors:
+                write_into(tensor, flat[offset : offset + tensor.numel()])
+                offset += tensor.numel()
+            return tensors
+
+        return self._submit(f"allreduce_coalesced({op}, {len(tensors)} tensors)", run)
+
+    def broadcast(self, tensors: list[torch.Tensor], opts: Any = None) -> Any:
+        root = self._root(getattr(opts, "rootRank", 0), "broadcast")
+        if getattr(opts, "rootTensor", 0) != 0:
+            raise ValueError("broadcast: rootTensor must be 0 (one tensor list per rank)")
+        for tensor in tensors:
+            check_dtype(tensor, "broadcast", reducing=False)
+
+        def run() -> OpResult:
+            self._collectives.broadcast_tensors(tensors, root)
+            return tensors
+
+        return self._submit(f"broadcast(root {root}, {len(tensors)} tensors)", run)
+
+    def allgather(
+        self,
+        output_tensors: list[list[torch.Tensor]],
+        input_tensors: list[torch.Tensor],
+        opts: Any = None,
+    ) -> Any:
+        tensor = self._one(input_tensors, "allgather")
+        if len(output_tensors) != 1:
+            raise ValueError(f"allgather takes one output list, got {len(output_tensors)}")
+        outputs = self._per_rank(output_tensors[0], tensor, "allgather")
+
+        def run() -> OpResult:
+            self._gather_into(outputs, tensor, "allgather")
+            return outputs
+
+        return self._submit(f"allgather({describe(tensor)})", run)
+
+    def all_gather_single(
+        self,
+        output: torch.Tensor,
+        input: torch.Tensor,
+        opts: Any = None,
+    ) -> Any:
+        check_dtype(input, "all_gather_into_tensor", reducing=False)
+        self._check_stacked(output, input, "all_gather_into_tensor")
+
+        def run() -> OpResult:
+            parts = output.view(self.size(), -1) if output.is_contiguous() else None
+            targets = list(parts) if parts is not None else chunks(output, self.size())
+            self._gather_into(targets, input, "all_gather_into_tensor")
+            if parts is None:
+                write_into(output, torch.cat([t.reshape(-1) for t in targets]))
+            return [output]
+
+        return self._submit(f"all_gather_into_tensor({describe(input)})", run)
+
+    _allgather_base = all_gather_single
+
+    def allgather_coalesced(
+        self,
+        output_lists: list[list[torch.Tensor]],
+        input_list: list[torch.Tensor],
+        opts: Any = None,
+    ) -> Any:
+        if len(output_lists) != len(input_list):
+            raise ValueError(
+                f"allgather_coalesced: {len(output_lists)} output lists "
+                f"for {len(input_list)} inputs"
+            )
+        pairs = [
+            (self._per_rank(outputs, tensor, "allgather_coalesced"), tensor)
+            for outputs, tensor in zip(output_lists, input_list, strict=True)
+        ]
+
+        def run() -> OpResult:
+            for outputs, tensor in pairs:
+                self._gather_into(outputs, tensor, "allgather_coalesced")
+            return [t for outputs, _ in pairs for t in outputs]
+
+        return self._submit(f"allgather_coalesced({len(pairs)} tensors)", run)
+
+    def all_gather_single_coalesced(
+        self, outputs: list[torch.Tensor], inputs: list[torch.Tensor], opts: Any = None
+    ) -> Any:
+        if len(outputs) != len(inputs):
+            raise ValueError(
+                f"all_gather_into_tensor_coalesced: {len(outputs)} outputs, {len(inputs)} inputs"
+            )
+        for output, tensor in zip(outputs, inputs, strict=True):
+            check_dtype(tensor, "all_gather_into_tensor_coalesced", reducing=False)
+            self._check_stacked(output, tensor, "all_gather_into_tensor_coalesced")
+
+        def run() -> OpResult:
+            for output, tensor in zip(outputs, inputs, strict=True):
+                targets = chunks(output, self.size())
+                self._gather_into(targets, tensor, "all_gather_into_tensor_coalesced")
+                write_into(output, torch.cat([t.reshape(-1) for t in targets]))
+            return outputs
+
+        return self._submit(f"all_gather_into_tensor_coalesced({len(inputs)} tensors)", run)
+
+    allgather_into_tensor_coalesced = all_gather_single_coalesced
+
+    def barrier(self, opts: Any = None) -> Any:
+        def run() -> OpResult:
+            self._collectives.barrier()
+            return []
+
+        return self._submit("barrier", run)
+
+    # ------------------------------------------------------------ composed (`composite`)
+    def reduce_scatter(
+        self,
+        output_tensors: list[torch.Tensor],
+        input_tensors: list[list[torch.Tensor]],
+        opts: Any = None,
+    ) -> Any:
+        output = self._one(output_tensors, "reduce_scatter")
+        if len(input_tensors) != 1:
+            raise ValueError(f"reduce_scatter takes one input list, got {len(input_tensors)}")
+        parts = self._per_rank(input_tensors[0], output, "reduce_scatter")
+        return self._reduce_scatter(output, parts, opts, "reduce_scatter", output_tensors)
+
+    def reduce_scatter_single(
+        self,
+        output: torch.Tensor,
+        input: torch.Tensor,
+        opts: Any = None,
+    ) -> Any:
+        self._check_stacked(input, output, "reduce_scatter_tensor")
+        return self._reduce_scatter(
+            output, chunks(input, self.size()), opts, "reduce_scatter_tensor", [output]
+        )
+
+    _reduce_scatter_base = reduce_scatter_single
+
+    def reduce_scatter_single_coalesced(
+        self, outputs: list[torch.Tensor], inputs: list[torch.Tensor], opts: Any = None
+    ) -> Any:
+        if len(outputs) != len(inputs):
+            raise ValueError(
+                f"reduce_scatter_tensor_coalesced: {len(outputs)} outputs, {len(inputs)} inputs"
+            )
+        op, factor = reduce_op(
+            op_of(opts), inputs[0].dtype if inputs else torch.float32, "reduce_scatter"
+        )
+        for output, tensor in zip(outputs, inputs, strict=True):
+            self._check_stacked(tensor, output, "reduce_scatter_tensor_coalesced")
+            check_dtype(tensor, "reduce_scatter_tensor_coalesced", reducing=True)
+
+        def run() -> OpResult:
+            for output, tensor in zip(outputs, inputs, strict=True):
+                parts = chunks(tensor, self.size())
+                if factor is not None:
+                    parts = [p * factor for p in parts]
+                reduce_scatter_by_all_reduce(self._collectives, output, parts, op)
+            return outputs
+
+        return self._submit(f"reduce_scatter_tensor_coalesced({len(inputs)} tensors)", run)
+
+    reduce_scatter_tensor_coalesced = reduce_scatter_single_coalesced
+
+    def _reduce_scatter(
+        self,
+        output: torch.Tensor,
+        parts: list[torch.Tensor],
+        opts: Any,
+        what: str,
+        result: list[torch.Tensor],
+    ) -> Any:
+        op, factor = reduce_op(op_of(opts), output.dtype, what)
+        check_dtype(output, what, reducing=True)
+
+        def run() -> OpResult:
+            scaled = [p * factor for p in parts] if factor is not None else parts
+            reduce_scatter_by_all_reduce(self._collectives, output, scaled, op)
+            return result
+
+        return self._submit(f"{what}({op}, {describe(output)})", run)
+
+    def reduce(self, tensors: list[torch.Tensor], opts: Any = None) -> Any:
+        tensor = self._one(tensors, "reduce")
+        root = self._root(getattr(opts, "rootRank", 0), "reduce")
+        op, factor = reduce_op(op_of(opts), tensor.dtype, "reduce")
+        check_dtype(tensor, "reduce", reducing=True)
+
+        def run() -> OpResult:
+            source = tensor * factor if factor is not None else tensor
+            reduce_by_all_reduce(self._collectives, source, op, root)
+            if source is not tensor and self.rank() == root:
+                write_into(tensor, source)
+            return tensors
+
+        return self._submit(f"reduce({op}, root {root}, {describe(tensor)})", run)
+
+    def gather(
+        self,
+        output_tensors: list[list[torch.Tensor]],
+        input_tensors: list[torch.Tensor],
+        opts: Any = None,
+    ) -> Any:
+        tensor = self._one(input_tensors, "gather")
+        root = self._root(getattr(opts, "rootRank", 0), "gather")
+        check_dtype(tensor, "gather", reducing=False)
+        outputs: list[torch.Tensor] = []
+        if self.rank() == root:
+            if len(output_tensors) != 1:
+                raise ValueError(
+                    f"gather takes one output list on the root, got {len(output_tensors)}"
+                )
+            outputs = self._per_rank(output_tensors[0], tensor, "gather")
+
+        def run() -> OpResult:
+            gather_by_all_gather(self._collectives, outputs, tensor, root)
+            return outputs
+
+        return self._submit(f"gather(root {root}, {describe(tensor)})", run)
+
+    def scatter(
+        self,
+        output_tensors: list[torch.Tensor],
+        input_tensors: list[list[torch.Tensor]],
+        opts: Any = None,
+    ) -> Any:
+        output = self._one(output_tensors, "scatter")
+        root = self._root(getattr(opts, "rootRank", 0), "scatter")
+        check_dtype(output, "scatter", reducing=False)
+        parts: list[torch.Tensor] = []
+        if self.rank() == root:
+            if len(input_tensors) != 1:
+                raise ValueError(
+                    f"scatter takes one input list on the root, got {len(input_tensors)}"
+                )
+            parts = self._per_rank(input_tensors[0], output, "scatter")
+
+        def run() -> OpResult:
+            scatter_by_broadcast(self._collectives, output, parts, root)
+            return output_tensors
+
+        return self._submit(f"scatter(root {root}, {describe(output)})", run)
+
+    def alltoall(
+        self,
+        output_tensors: list[torch.Tensor],
+        input_tensors: list[torch.Tensor],
+        opts: Any = None,
+    ) -> Any:
+        world = self.size()
+        if len(output_tensors) != world or len(input_tensors) != world:
+            raise ValueError(
+                f"alltoall needs {world} input and output tensors, got "
+                f"{len(input_tensors)} and {len(output_tensors)}"
+            )
+        self._same_dtype([*output_tensors, *input_tensors], "alltoall")
+
+        def run() -> OpResult:
+            all_to_all_by_all_gather(self._collectives, output_tensors, input_tensors, "alltoall")
+            return output_tensors
+
+        return self._submit(f"alltoall({world} parts)", run)
+
+    def all_to_all_single(
+        self,
+        output: torch.Tensor,
+        input: torch.Tensor,
+        output_split_sizes: list[int],
+        input_split_sizes: list[int],
+        opts: Any = None,
+    ) -> Any:
+        self._same_dtype([output, input], "all_to_all_single")
+        outputs = split_rows(output, output_split_sizes, self.size(), "output")
+        inputs = split_rows(input, input_split_sizes, self.size(), "input")
+
+        def run() -> OpResult:
+            all_to_all_by_all_gather(self._collectives, outputs, inputs, "all_to_all_single")
+            return [output]
+
+        return self._submit(f"all_to_all_single({describe(input)})", run)
+
+    alltoall_base = all_to_all_single
+
+    # ------------------------------------------------------------ refused
+    def send(self, tensors: list[torch.Tensor], dst: int, tag: int = 0) -> Any:
+        raise RuntimeError(POINT_TO_POINT.format(what="send"))
+
+    def recv(self, tensors: list[torch.Tensor], src: int, tag: int = 0) -> Any:
+        raise RuntimeError(POINT_TO_POINT.format(what="recv"))
+
+    def recv_anysource(self, tensors: list[torch.Tensor], tag: int = 0) -> Any:
+        raise RuntimeError(POINT_TO_POINT.format(what="recv"))
+
+    # ------------------------------------------------------------ helpers
+    def _submit(self, name: str, run: Callable[[], OpResult]) -> Any:
+        """Queue `run`; its result stands only if every rank of the group took part.
+
+        Under `--on-failure elastic` the coordinator completes a collective over the
+        live ranks; a c10d group's size is fixed, so here that is a failure.
+        """
+
+        def checked() -> OpResult:
+            result = run()
+            contributors = self._collectives.last_contributors
+            if contributors and contributors != self.size():
+                live = self._collectives.link.live_ranks() or ()
+                lost = sorted(set(range(self.size())) - set(live)) if live else "some"
+                raise RuntimeError(
+                    f"only {contributors} of the group's {self.size()} ranks took part "
+                    f"(the coordinator lost ranks {lost} and went on without them)"
+                )
+            return result
+
+        return self._ops.submit(name, checked)
+
+    def _one(self, tensors: Sequence[torch.Tensor], what: str) -> torch.Tensor:
+        if len(tensors) != 1:
+            raise ValueError(f"{what} takes exactly one tensor per rank, got {len(tensors)}")
+        tensor = tensors[0]
+        if not isinstance(tensor, torch.Tensor) or tensor.layout != torch.strided:
+            raise ValueError(f"{what} needs a dense torch.Tensor, got {type(tensor).__name__}")
+        return tensor
+
+    def _root(self, root: int, what: str) -> int:
+        if not 0 <= root < self.size():
+            raise ValueError(
+                f"{what}: root {root} is not a rank of the group (0..{self.size() - 1})"
+            )
+        return int(root)
+
+    def _per_rank(
+        self, tensors: Sequence[torch.Tensor], like: torch.Tensor, what: str
+    ) -> list[torch.Tensor]:
+        """`tensors`, checked to be one per rank, each of `like`'s size and dtype."""
+        if len(tensors) != self.size():
+            raise ValueError(
+                f"{what} needs {self.size()} tensors (one per rank), got {len(tensors)}"
+            )
+        for tensor in tensors:
+            if tensor.numel() != like.numel() or tensor.dtype != like.dtype:
+                raise ValueError(
+                    f"{what}: every per-rank tensor must be {describe(like)}, "
+                    f"got {describe(tensor)}"
+                )
+        check_dtype(like, what, reducing=False)
+        return list(tensors)
+
+    def _check_stacked(self, big: torch.Tensor, small: torch.Tensor, what: str) -> None:
+        if big.numel() != self.size() * small.numel() or big.dtype != small.dtype:
+            raise ValueError(
+                f"{what}: the large tensor must hold {self.size()} x {describe(small)}, "
+                f"got {describe(big)}"
+            )
+
+    def _same_dtype(self, tensors: Sequence[torch.Tensor], what: str) -> None:
+        dtypes = {t.dtype for t in tensors}
+        if len(dtypes) != 1:
+            raise ValueError(f"{what} needs tensors of one dtype, got {sorted(map(str, dtypes))}")
+        for tensor in tensors:
+            check_dtype(tensor, what, reducing=False)
+
+    def _gather_into(
+        self, outputs: Sequence[torch.Tensor], tensor: torch.Tensor, what: str
+    ) -> None:
+        parts = self._collectives.all_gather(tensor)
+        if len(parts) != self.size():
+            raise RuntimeError(
+                f"{what}: {len(parts)} ranks contributed, the group has {self.size()}"
+            )
+        for output, part in zip(outputs, parts, strict=True):
+            write_into(output, part)
+
+    def __repr__(self) -> str:
+        return (
+            f"ProcessGroupGradsync(rank={self.rank()}, size={self.size()}, "
+            f"job={self._session.job_id!r}, coordinator={self._session.address!r})"
+        )

@@ -1,0 +1,71 @@
+"""Collectives-only sessions over real gRPC: what a torch.distributed group joins with.
+
+A Join with an empty ModelSignature (no parameters, buffers or buckets) is a
+collectives-only session: the coordinator assembles it with no state broadcast,
+runs collectives and heartbeats on it and lists it in status; its world size is
+the Join's own, from 1 up to --world-size (a subgroup), never beyond. A
+signature with buckets but no parameters is still refused.
+"""
+
+from __future__ import annotations
+
+import grpc
+import numpy as np
+from gradsync_proto.v1 import gradsync_pb2 as pb
+from support.rawclient import RawWorker, coordinator, run
+
+EMPTY = pb.ModelSignature()
+
+
+def test_a_subgroup_of_two_runs_a_collective_beside_the_coordinators_world_of_three() -> None:
+    async def scenario() -> None:
+        async with coordinator(world_size=3) as (running, channel):
+            workers = [RawWorker(channel) for _ in range(2)]
+            for rank, worker in enumerate(workers):
+                await worker.join(rank, world_size=2, job_id="run.pg-sub", sig=EMPTY)
+            for worker in workers:
+                welcome = (await worker.expect_kind("welcome")).welcome
+                assert welcome.world_size == 2 and welcome.state_bytes == 0
+            for rank, worker in enumerate(workers):
+                raw = np.array([rank + 1.0, 2.0], dtype=np.float32).tobytes()
+                chunk = pb.CollectiveChunk(
+                    sequence=0,
+                    op=pb.COLLECTIVE_OP_SUM,
+                    dtype=pb.DTYPE_FLOAT32,
+                    total_bytes=len(raw),
+                    offset=0,
+                    payload=raw,
+                )
+                await worker.send(pb.WorkerMessage(collective=chunk))
+            for worker in workers:
+                result = (await worker.expect_kind("collective")).collective
+                assert result.contributors == 2
+                values = np.frombuffer(result.payload, dtype=np.float32)
+                np.testing.assert_array_equal(values, [3.0, 4.0])
+            job = running.servicer.jobs["run.pg-sub"]
+            assert job.world_size == 2 and job.state.value == "running"
+
+    run(scenario)
+
+
+def test_a_collectives_only_session_larger_than_the_coordinators_world_is_refused() -> None:
+    async def scenario() -> None:
+        async with coordinator(world_size=2) as (_, channel):
+            worker = RawWorker(channel)
+            await worker.join(2, world_size=3, job_id="run.pg-world", sig=EMPTY)
+            details = await worker.expect_status(grpc.StatusCode.INVALID_ARGUMENT)
+            assert "rank 2 is out of range for world size 2" in details
+
+    run(scenario)
+
+
+def test_buckets_without_parameters_are_still_refused() -> None:
+    async def scenario() -> None:
+        async with coordinator(world_size=2) as (_, channel):
+            worker = RawWorker(channel)
+            sig = pb.ModelSignature(buckets=[pb.BucketSpec(num_elements=4)])
+            await worker.join(0, world_size=2, job_id="odd", sig=sig)
+            details = await worker.expect_status(grpc.StatusCode.INVALID_ARGUMENT)
+            assert "lists no trainable parameters" in details
+
+    run(scenario)
