@@ -148,20 +148,20 @@ def test_a_script_with_sampler_metric_and_barrier_and_every_op_match_gloo(
             for k in gloo[rank]
             if k.startswith(("all_", "broadcast", "reduce", "gather", "scatter"))
         ]
-        assert len(ops) == (15 if rank == 0 else 13), ops
+        assert len(ops) == (16 if rank == 0 else 14), ops
         for key in ops:
             np.testing.assert_array_equal(ours[rank][key], gloo[rank][key], err_msg=key)
         sums = ours[rank]["all_reduce_sum"]
         np.testing.assert_allclose(ours[rank]["gradsync_avg"], sums / world, rtol=1e-6)
         np.testing.assert_allclose(ours[rank]["gradsync_premul_sum"], sums / 2, rtol=1e-6)
         np.testing.assert_array_equal(ours[rank]["gradsync_bf16"], [-3.0, 3.0, 9.0, 15.0])
-        assert "PRODUCT is not supported" in str(ours[rank]["gradsync_product_error"])
+        assert "BAND is not supported" in str(ours[rank]["gradsync_band_error"])
         assert "send is not supported" in str(ours[rank]["gradsync_send_error"])
         assert "point-to-point" in str(ours[rank]["gradsync_send_error"])
-        # 16 ops both backends run, AVG, PREMUL_SUM and bf16, after the script's own
-        # (DDP's start, 11 buckets, 2 metric sums, 2 barriers); PRODUCT and send were
+        # 17 ops both backends run, AVG, PREMUL_SUM and bf16, after the script's own
+        # (DDP's start, 11 buckets, 2 metric sums, 2 barriers); BAND and send were
         # refused before queueing.
-        assert int(ours[rank]["operations_completed"]) >= 19 + 4
+        assert int(ours[rank]["operations_completed"]) >= 20 + 4
         assert str(ours[rank]["job_id"]) == "default.pg-world"
         # Two new_groups of two ranks: each its own job, beside the default group's.
         groups = [k for k in gloo[rank] if k.startswith(("head_", "tail_", "world_after"))]

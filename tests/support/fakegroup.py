@@ -5,8 +5,11 @@ waits (bounded) until every participating rank has issued the same sequence
 number and then returns the result the agreed semantics define: SUM/AVG
 accumulated in float32 (float64 for float64, int64 for integers), AVG divided
 by the participants, MIN/MAX, BROADCAST of the root's bytes (the lowest
-participant's when the root is out), ALL_GATHER in rank order, BARRIER.
-Ranks listed in `out` have run out of inputs and do not take part. It lets
+participant's when the root is out), ALL_GATHER in rank order, BARRIER, and
+the hub's per-rank ops (REDUCE_SCATTER, GATHER, SCATTER, ALL_TO_ALL, with
+PRODUCT) through the coordinator's own pure functions
+(`gradsync_server.control.collective_ops`). Ranks listed in `out` have run
+out of inputs and do not take part. It lets
 `gradsync.collectives`, SyncBatchNorm and join() be unit-tested across ranks
 with no coordinator and no sockets.
 """
@@ -24,8 +27,11 @@ from gradsync.collectives import Collectives
 from gradsync.errors import CollectiveError, SyncTimeoutError
 from gradsync.path.signature import WIRE_DTYPES
 from gradsync_proto.v1 import gradsync_pb2 as pb
+from gradsync_server.control import collective_ops
 
 T = TypeVar("T")
+#: One rank's input: (op, dtype, payload, root, the chunk template: reduce op and splits).
+Entry = tuple[int, int, bytes, int, pb.CollectiveChunk]
 TORCH_DTYPES = {wire: dtype for dtype, wire in WIRE_DTYPES.items()}
 
 
@@ -36,8 +42,8 @@ class ThreadedGroup:
         self.world_size = world_size
         self.out = set(out)
         self._cond = threading.Condition()
-        self._inputs: dict[int, dict[int, tuple[int, int, bytes, int]]] = {}
-        self._results: dict[int, tuple[bytes, int]] = {}
+        self._inputs: dict[int, dict[int, Entry]] = {}
+        self._results: dict[int, dict[int, tuple[bytes, int]]] = {}
         #: (sequence, op) of every collective computed, in order.
         self.log: list[tuple[int, int]] = []
 
@@ -74,9 +80,7 @@ class ThreadedGroup:
                 raise results[rank]
         return [results[rank] for rank in ranks]
 
-    def submit(
-        self, rank: int, sequence: int, entry: tuple[int, int, bytes, int], timeout_s: float
-    ) -> tuple[bytes, int]:
+    def submit(self, rank: int, sequence: int, entry: Entry, timeout_s: float) -> tuple[bytes, int]:
         with self._cond:
             self._inputs.setdefault(sequence, {})[rank] = entry
             self._cond.notify_all()
@@ -88,16 +92,52 @@ class ThreadedGroup:
                 raise SyncTimeoutError(f"collective {sequence} timed out", rank=rank)
             if sequence not in self._results:
                 self._results[sequence] = self._compute(sequence)
-            return self._results[sequence]
+            return self._results[sequence][rank]
 
-    def _compute(self, sequence: int) -> tuple[bytes, int]:
+    def _compute(self, sequence: int) -> dict[int, tuple[bytes, int]]:
         inputs = self._inputs[sequence]
         ranks = self.participants
-        op, dtype, _, root = inputs[ranks[0]]
+        op, dtype, _, root, template = inputs[ranks[0]]
         for rank in ranks:
             if inputs[rank][:2] != (op, dtype):
                 raise CollectiveError(f"rank {rank} disagrees", rank=rank, sequence=sequence)
         self.log.append((sequence, op))
+        if op in collective_ops.PER_RANK:
+            return self._per_rank(sequence, op, template.reduce_op, dtype, root)
+        result = self._shared(op, dtype, root, inputs, ranks)
+        return dict.fromkeys(ranks, result)
+
+    def _per_rank(
+        self, sequence: int, op: int, reduce_op: int, dtype: int, root: int
+    ) -> dict[int, tuple[bytes, int]]:
+        inputs = self._inputs[sequence]
+        splits = {
+            rank: (list(entry[4].send_splits), list(entry[4].receive_splits))
+            for rank, entry in inputs.items()
+        }
+        if op == pb.COLLECTIVE_OP_ALL_TO_ALL:
+            for rank in sorted(inputs):
+                for other in sorted(inputs):
+                    problem = collective_ops.splits_mismatch(
+                        rank, splits[rank], other, splits[other]
+                    )
+                    if problem:
+                        raise CollectiveError(
+                            f"rank {rank} {problem}", rank=rank, sequence=sequence
+                        )
+        results = collective_ops.per_rank_results(
+            op,
+            reduce_op,
+            dtype,
+            root,
+            {rank: entry[2] for rank, entry in inputs.items()},
+            {rank: split[0] for rank, split in splits.items()},
+        )
+        return {rank: (data, len(inputs)) for rank, data in results.items()}
+
+    def _shared(
+        self, op: int, dtype: int, root: int, inputs: dict[int, Entry], ranks: list[int]
+    ) -> tuple[bytes, int]:
         data = [inputs[rank][2] for rank in ranks]
         if op == pb.COLLECTIVE_OP_BARRIER:
             return b"", len(ranks)
@@ -119,7 +159,9 @@ class ThreadedGroup:
         stacked = torch.stack(
             [torch.frombuffer(bytearray(raw), dtype=torch_dtype).to(wide) for raw in data]
         )
-        if op in (pb.COLLECTIVE_OP_SUM, pb.COLLECTIVE_OP_AVG):
+        if op == pb.COLLECTIVE_OP_PRODUCT:
+            reduced = stacked.prod(0)
+        elif op in (pb.COLLECTIVE_OP_SUM, pb.COLLECTIVE_OP_AVG):
             reduced = stacked.sum(0)
             if op == pb.COLLECTIVE_OP_AVG:
                 reduced = reduced / len(ranks)
@@ -152,9 +194,8 @@ class GroupLink:
     ) -> tuple[bytearray, int]:
         sequence = self.sequence
         self.sequence += 1
-        data, contributors = self.group.submit(
-            self.rank, sequence, (op, dtype, payload.tobytes(), root), timeout_s
-        )
+        entry = (op, dtype, payload.tobytes(), root, template or pb.CollectiveChunk())
+        data, contributors = self.group.submit(self.rank, sequence, entry, timeout_s)
         if result_bytes is not None and len(data) != result_bytes:
             raise CollectiveError(
                 f"{len(data)} bytes, expected {result_bytes}", rank=self.rank, sequence=sequence

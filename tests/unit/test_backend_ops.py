@@ -161,7 +161,7 @@ def test_all_to_all_size_disagreement_fails_every_rank_naming_both() -> None:
 
     for rank, message in enumerate(across_ranks(body)):
         assert f"rank {rank} of group '0'" in message
-        assert "rank 0 sends 3 elements to rank 0, which expects 2" in message
+        assert "rank 0 sends 12 bytes to rank 0, but rank 0 expects 8 bytes from it" in message
 
 
 def test_allgather_broadcast_barrier_and_coalesced() -> None:
@@ -200,10 +200,10 @@ def test_bad_calls_raise_on_the_callers_thread() -> None:
     group = ThreadedGroup(2)
     pg = ProcessGroupGradsync(StandInSession(group.collectives(0)), "0")  # type: ignore[arg-type]
     try:
-        product = dist.AllreduceOptions()
-        product.reduceOp = dist.ReduceOp.PRODUCT
-        with pytest.raises(ValueError, match=r"ReduceOp\.PRODUCT is not supported"):
-            pg.allreduce([torch.ones(2)], product)
+        bitwise = dist.AllreduceOptions()
+        bitwise.reduceOp = dist.ReduceOp.BAND
+        with pytest.raises(ValueError, match=r"ReduceOp\.BAND is not supported"):
+            pg.allreduce([torch.ones(2, dtype=torch.int64)], bitwise)
         average = dist.AllreduceOptions()
         average.reduceOp = dist.ReduceOp.AVG
         with pytest.raises(ValueError, match="AVG needs a floating tensor"):

@@ -23,6 +23,7 @@ REDUCE_NAMES = {
     RedOpType.AVG: "avg",
     RedOpType.MIN: "min",
     RedOpType.MAX: "max",
+    RedOpType.PRODUCT: "product",
     RedOpType.PREMUL_SUM: "sum",  # the input is scaled by the factor first
 }
 FLOATING = (torch.float32, torch.float64, torch.float16, torch.bfloat16)
@@ -43,14 +44,14 @@ def reduce_op(op: Any, dtype: torch.dtype, what: str) -> tuple[str, Any]:
     """(the Collectives op name, the PREMUL_SUM factor or None) of a c10d ReduceOp.
 
     Raises:
-        ValueError: PRODUCT, a bitwise op, or AVG of an integer tensor.
+        ValueError: a bitwise op, or AVG of an integer tensor.
     """
     kind: Any = getattr(op, "op", op)  # a ReduceOp holds its RedOpType; or one itself
     name = REDUCE_NAMES.get(kind)
     if name is None:
         raise ValueError(
             f"gradsync: {what} with ReduceOp.{getattr(kind, 'name', kind)} is not supported "
-            "(the coordinator reduces with SUM, AVG, MIN, MAX and PREMUL_SUM)"
+            "(the coordinator reduces with SUM, AVG, MIN, MAX, PRODUCT and PREMUL_SUM)"
         )
     if kind == RedOpType.AVG and dtype not in FLOATING:
         raise ValueError(f"gradsync: {what} with ReduceOp.AVG needs a floating tensor, got {dtype}")

@@ -1,11 +1,12 @@
-"""Collectives composed of others: reduce-scatter, gather, scatter, all-to-all, reduce.
+"""Reduce-scatter, gather, scatter, all-to-all and reduce in c10d's shapes, on the hub's ops.
 
-The coordinator runs all-reduce, broadcast, all-gather and barrier; the ops
-here are built from them, correct on every rank but not bandwidth-optimal. A
-hub that serves each op natively replaces one function here (its
-docstring says what it costs now and what the native op would cost). N is
-the bytes of one rank's part; W the group's size; "up" is what a rank
-uploads, "down" what it receives.
+c10d hands these ops lists of tensors (one per rank) where the coordinator's
+collectives (`gradsync.collectives.Collectives`) take one flat input: these
+functions pack and unpack. The hub serves reduce-scatter, gather, scatter and
+all-to-all natively, each rank receiving only its own part; reduce is an
+all-reduce of which only the root keeps the result. N is the bytes of one
+rank's part; W the group's size; "up" is what a rank uploads, "down" what it
+receives.
 
 Every function runs on the group's network thread (`gradsync.distributed.work`),
 takes a `Collectives`, blocks (each wait bounded by the group's timeout) and
@@ -33,20 +34,15 @@ def write_into(target: torch.Tensor, values: torch.Tensor) -> None:
         target.copy_(values.reshape(target.shape))
 
 
-def reduce_scatter_by_all_reduce(
+def reduce_scatter(
     collectives: Collectives, output: torch.Tensor, parts: Sequence[torch.Tensor], op: str
 ) -> None:
     """`output` = the reduction over ranks of every rank's `parts[my rank]`.
 
-    Runs as one all-reduce of all W parts, of which this rank keeps its own.
-    Wire: up W·N, down W·N per rank. A hub's native reduce-scatter sends each
-    rank only its part (up W·N, down N); ring reduce-scatter moves (W-1)·N each way.
+    Wire: up W·N, down N per rank (the hub sends each rank only its part); a
+    ring reduce-scatter moves (W-1)·N each way per rank, over W-1 steps.
     """
-    flat = flat_copy(parts)
-    collectives.all_reduce(flat, op)
-    size = output.numel()
-    rank = collectives.rank
-    write_into(output, flat[rank * size : (rank + 1) * size])
+    collectives.reduce_scatter(output, flat_copy(parts), op)
 
 
 def reduce_by_all_reduce(
@@ -54,8 +50,8 @@ def reduce_by_all_reduce(
 ) -> None:
     """`tensor` on `root` = the reduction over ranks; the others' tensors stay as they are.
 
-    Runs as one all-reduce on a copy. Wire: up N, down N per rank (a native
-    reduce would send nothing down to the other ranks).
+    Runs as one all-reduce on a copy. Wire: up N, down N per rank (a reduce at
+    the hub would send nothing down to the other ranks).
     """
     copy = tensor.detach().to("cpu", copy=True)
     collectives.all_reduce(copy, op)
@@ -63,7 +59,7 @@ def reduce_by_all_reduce(
         write_into(tensor, copy)
 
 
-def gather_by_all_gather(
+def gather(
     collectives: Collectives,
     outputs: Sequence[torch.Tensor],
     tensor: torch.Tensor,
@@ -71,20 +67,15 @@ def gather_by_all_gather(
 ) -> None:
     """`root` receives every rank's `tensor` into `outputs` (rank order); others get nothing.
 
-    Runs as one all-gather. Wire: up N, down W·N on every rank (a native
-    gather sends W·N down to the root only).
+    Wire: up N per rank; the root receives W·N, the others nothing.
     """
-    parts = collectives.all_gather(tensor)
-    if len(parts) != collectives.world_size:
-        raise RuntimeError(
-            f"gather: {len(parts)} ranks contributed, the group has {collectives.world_size}"
-        )
-    if collectives.rank == root:
+    parts = collectives.gather(tensor, root)
+    if parts is not None:
         for output, part in zip(outputs, parts, strict=True):
             write_into(output, part)
 
 
-def scatter_by_broadcast(
+def scatter(
     collectives: Collectives,
     output: torch.Tensor,
     parts: Sequence[torch.Tensor],
@@ -92,54 +83,32 @@ def scatter_by_broadcast(
 ) -> None:
     """Every rank receives `root`'s `parts[its rank]` into `output`.
 
-    Runs as one broadcast of all W parts. Wire: the root uploads W·N, every
-    rank receives W·N (a native scatter sends each rank only its N).
+    Wire: the root uploads W·N, every rank receives its N.
     """
-    world = collectives.world_size
-    if collectives.rank == root:
-        received = list(parts)
-    else:
-        received = [torch.empty(output.shape, dtype=output.dtype) for _ in range(world)]
-    collectives.broadcast_tensors(received, root)
-    write_into(output, received[collectives.rank].detach().to("cpu"))
+    collectives.scatter(output, parts if collectives.rank == root else None, root)
 
 
-def all_to_all_by_all_gather(
+def all_to_all(
     collectives: Collectives,
     outputs: Sequence[torch.Tensor],
     inputs: Sequence[torch.Tensor],
-    what: str,
 ) -> None:
     """Rank r's `inputs[d]` lands in rank d's `outputs[r]`; parts may differ in size.
 
-    Runs as two all-gathers: every rank's part sizes (W int64 each), then every
-    rank's inputs, padded to the largest rank's total; each rank keeps the
-    parts addressed to it. A part whose size is not what its receiver expects
-    fails on every rank, naming both ranks and both sizes.
-    Wire: up W·N', down W·W·N' per rank, with N' the largest part (a native
-    all-to-all moves W·N each way).
+    The parts travel as one flat input with its split sizes; the hub checks
+    that what rank r sends to rank d is what rank d expects from it and fails
+    every rank, naming both sizes, otherwise. Wire: up N, down N per rank,
+    with N the rank's own parts (a pairwise exchange moves (W-1)/W·N each way).
     """
-    world, rank = collectives.world_size, collectives.rank
-    # Each rank says what it sends and what it expects, so every rank checks every pair.
-    counts = [t.numel() for t in inputs] + [t.numel() for t in outputs]
-    table = torch.stack(collectives.all_gather(torch.tensor(counts, dtype=torch.int64)))
-    if table.shape[0] != world:
-        raise RuntimeError(f"{what}: {table.shape[0]} ranks contributed, the group has {world}")
-    sizes, expects = table[:, :world], table[:, world:]  # sizes[src][dst], expects[dst][src]
-    for src in range(world):
-        for dst in range(world):
-            if int(sizes[src][dst]) != int(expects[dst][src]):
-                raise ValueError(
-                    f"{what}: rank {src} sends {int(sizes[src][dst])} elements to rank {dst}, "
-                    f"which expects {int(expects[dst][src])}"
-                )
-    longest = int(sizes.sum(dim=1).max())
     dtype = inputs[0].dtype if inputs else outputs[0].dtype
-    flat = torch.zeros(longest, dtype=dtype)
-    mine = flat_copy(inputs)
-    flat[: mine.numel()] = mine
-    rows = collectives.all_gather(flat)
-    for src in range(world):
-        start = int(sizes[src][:rank].sum())
-        count = int(sizes[src][rank])
-        write_into(outputs[src], rows[src][start : start + count])
+    received = torch.empty(sum(t.numel() for t in outputs), dtype=dtype)
+    collectives.all_to_all(
+        received,
+        flat_copy(inputs).to(dtype),
+        output_splits=[t.numel() for t in outputs],
+        input_splits=[t.numel() for t in inputs],
+    )
+    offset = 0
+    for output in outputs:
+        write_into(output, received[offset : offset + output.numel()])
+        offset += output.numel()

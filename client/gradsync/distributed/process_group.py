@@ -10,9 +10,10 @@ gloo), then queues the network part on the group's `OpQueue` and returns a
 All-reduce (SUM, AVG, MIN, MAX, and PREMUL_SUM as a scaled SUM), broadcast,
 all-gather and barrier are the coordinator's own collectives: every rank's
 call is checked against the others' (op, dtype, size, root) and a mismatch
-fails every rank naming both values. Reduce-scatter, gather, scatter,
-all-to-all and reduce are composed of them (`gradsync.distributed.composite`,
-which says what each costs on the wire). PRODUCT and the bitwise reductions
+fails every rank naming both values. Reduce-scatter, gather, scatter and
+all-to-all are the hub's too, each rank receiving only its part; reduce is an
+all-reduce only the root keeps (`gradsync.distributed.composite` packs c10d's
+tensor lists and says what each op costs on the wire). The bitwise reductions
 are refused, and so are send and recv: the coordinator is a hub, not a
 point-to-point relay.
 
@@ -40,12 +41,12 @@ from gradsync.distributed.checks import (
     split_rows,
 )
 from gradsync.distributed.composite import (
-    all_to_all_by_all_gather,
+    all_to_all,
     flat_copy,
-    gather_by_all_gather,
+    gather,
     reduce_by_all_reduce,
-    reduce_scatter_by_all_reduce,
-    scatter_by_broadcast,
+    reduce_scatter,
+    scatter,
     write_into,
 )
 from gradsync.distributed.group_session import GroupSession
@@ -310,7 +311,7 @@ class ProcessGroupGradsync(_ProcessGroup):  # type: ignore[misc]  # (untyped bas
                 parts = chunks(tensor, self.size())
                 if factor is not None:
                     parts = [p * factor for p in parts]
-                reduce_scatter_by_all_reduce(self._collectives, output, parts, op)
+                reduce_scatter(self._collectives, output, parts, op)
             return outputs
 
         return self._submit(f"reduce_scatter_tensor_coalesced({len(inputs)} tensors)", run)
@@ -330,7 +331,7 @@ class ProcessGroupGradsync(_ProcessGroup):  # type: ignore[misc]  # (untyped bas
 
         def run() -> OpResult:
             scaled = [p * factor for p in parts] if factor is not None else parts
-            reduce_scatter_by_all_reduce(self._collectives, output, scaled, op)
+            reduce_scatter(self._collectives, output, scaled, op)
             return result
 
         return self._submit(f"{what}({op}, {describe(output)})", run)
@@ -368,7 +369,7 @@ class ProcessGroupGradsync(_ProcessGroup):  # type: ignore[misc]  # (untyped bas
             outputs = self._per_rank(output_tensors[0], tensor, "gather")
 
         def run() -> OpResult:
-            gather_by_all_gather(self._collectives, outputs, tensor, root)
+            gather(self._collectives, outputs, tensor, root)
             return outputs
 
         return self._submit(f"gather(root {root}, {describe(tensor)})", run)
@@ -391,7 +392,7 @@ class ProcessGroupGradsync(_ProcessGroup):  # type: ignore[misc]  # (untyped bas
             parts = self._per_rank(input_tensors[0], output, "scatter")
 
         def run() -> OpResult:
-            scatter_by_broadcast(self._collectives, output, parts, root)
+            scatter(self._collectives, output, parts, root)
             return output_tensors
 
         return self._submit(f"scatter(root {root}, {describe(output)})", run)
@@ -411,7 +412,7 @@ class ProcessGroupGradsync(_ProcessGroup):  # type: ignore[misc]  # (untyped bas
         self._same_dtype([*output_tensors, *input_tensors], "alltoall")
 
         def run() -> OpResult:
-            all_to_all_by_all_gather(self._collectives, output_tensors, input_tensors, "alltoall")
+            all_to_all(self._collectives, output_tensors, input_tensors)
             return output_tensors
 
         return self._submit(f"alltoall({world} parts)", run)
@@ -429,7 +430,7 @@ class ProcessGroupGradsync(_ProcessGroup):  # type: ignore[misc]  # (untyped bas
         inputs = split_rows(input, input_split_sizes, self.size(), "input")
 
         def run() -> OpResult:
-            all_to_all_by_all_gather(self._collectives, outputs, inputs, "all_to_all_single")
+            all_to_all(self._collectives, outputs, inputs)
             return [output]
 
         return self._submit(f"all_to_all_single({describe(input)})", run)

@@ -92,6 +92,7 @@ def run_ops(rank: int, world: int, saved: dict[str, np.ndarray]) -> None:
         ("sum", dist.ReduceOp.SUM),
         ("min", dist.ReduceOp.MIN),
         ("max", dist.ReduceOp.MAX),
+        ("product", dist.ReduceOp.PRODUCT),
     ):
         tensor = mine(3, 2)
         dist.all_reduce(tensor, op=op)
@@ -147,9 +148,9 @@ def run_ops(rank: int, world: int, saved: dict[str, np.ndarray]) -> None:
         dist.all_reduce(half)
         saved["gradsync_bf16"] = half.float().numpy()
         try:
-            dist.all_reduce(mine(2), op=dist.ReduceOp.PRODUCT)
+            dist.all_reduce(mine(2, dtype=torch.int64), op=dist.ReduceOp.BAND)
         except ValueError as exc:
-            saved["gradsync_product_error"] = np.array(str(exc))
+            saved["gradsync_band_error"] = np.array(str(exc))
         try:
             dist.send(mine(2), dst=(rank + 1) % world)
         except RuntimeError as exc:
