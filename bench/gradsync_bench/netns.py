@@ -38,9 +38,11 @@ import argparse
 import atexit
 import contextlib
 import ipaddress
+import json
 import os
 import re
 import secrets
+import select
 import shlex
 import signal
 import subprocess
@@ -56,8 +58,15 @@ from gradsync_bench.netns_commands import (
     NetnsError,
     link_exists,
     netns_exists,
+    run_command,
     run_ip,
     run_tc,
+)
+from gradsync_bench.netns_delay import (
+    default_limit_bytes,
+    delay_script,
+    path_delays,
+    setup_commands,
 )
 from gradsync_bench.netns_probe import available
 from gradsync_bench.netns_shaping import UNSHAPED, LinkShape, shape_commands
@@ -67,6 +76,8 @@ __all__ = ["Cluster"]
 
 #: How long :meth:`Cluster.close` waits after SIGTERM before it sends SIGKILL.
 TERMINATE_GRACE_S = 3.0
+#: How long a host's delay line may take to start (a Python interpreter, no imports).
+DELAY_LINE_START_S = 20.0
 
 _HOST_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,31}$")
 _PREFIX = re.compile(r"^[a-z][a-z0-9]{0,7}$")
@@ -138,6 +149,8 @@ class Cluster:
         self._created_netns: list[str] = []
         self._created_links: list[str] = []
         self._processes: list[tuple[subprocess.Popen[Any], bool]] = []
+        #: The delay line process of every host, when the shape has a delay.
+        self.delay_lines: dict[str, subprocess.Popen[str]] = {}
         self._atexit_registered = False
 
     # -- names and addresses -------------------------------------------------------------
@@ -229,9 +242,10 @@ class Cluster:
             run_ip("link", "set", "dev", port, "up")
             run_ip("-n", ns, "link", "set", "dev", "lo", "up")
             run_ip("-n", ns, "link", "set", "dev", HOST_IFNAME, "addrgenmode", "none")
-            run_ip(
-                "-n", ns, "addr", "add", f"{self.address(host)}/{prefix_len}", "dev", HOST_IFNAME
-            )
+            # With a delay line, the subnet's routes are its own (see netns_delay).
+            no_route = ["noprefixroute"] if self.shape.delay_ms else []
+            address = f"{self.address(host)}/{prefix_len}"
+            run_ip("-n", ns, "addr", "add", address, "dev", HOST_IFNAME, *no_route)
             run_ip("-n", ns, "link", "set", "dev", HOST_IFNAME, "up")
             # No default route is added: the only route in the namespace is the connected
             # subnet, so nothing a host sends can leave the cluster.
@@ -239,6 +253,55 @@ class Cluster:
                 run_tc(command)
             for command in shape_commands(["tc"], port, self.shape):
                 run_tc(command)
+        if self.shape.delay_ms:
+            for host in self.hosts:
+                self._start_delay_line(host)
+
+    def _start_delay_line(self, host: str) -> None:
+        """Route ``host``'s traffic through a TUN delay line and start its process."""
+        ns = self.netns(host)
+        for argv in setup_commands(ns, self.address(host), str(self.subnet)):
+            run_command(argv)
+        link_ms = dict.fromkeys(self.hosts, float(self.shape.delay_ms or 0.0))
+        delays = path_delays(host, link_ms, self._addresses)
+        limit = default_limit_bytes(self.shape.rate_mbit, max(delays.values(), default=0.0))
+        argv = [
+            *(sys.executable, "-I", delay_script(), "--limit-bytes", str(limit)),
+            *(f"--delay={address}={ms:g}" for address, ms in delays.items()),
+        ]
+        process = self.popen(host, argv, stdout=subprocess.PIPE, text=True)
+        self.delay_lines[host] = process
+        line = ""
+        if process.stdout is not None:
+            ready, _, _ = select.select([process.stdout], [], [], DELAY_LINE_START_S)
+            line = process.stdout.readline().strip() if ready else ""
+        if line != "ready":
+            raise NetnsError(
+                self.command(host, argv),
+                process.poll(),
+                line,
+                f"did not report ready within {DELAY_LINE_START_S:g} s",
+            )
+
+    def delay_line_counters(self, host: str) -> dict[str, int]:
+        """The counters of ``host``'s delay line: packets forwarded and dropped, CPU time, ...
+
+        Raises:
+            NetnsError: The cluster has no delay, or the delay line did not answer in time.
+        """
+        process = self.delay_lines.get(host)
+        if process is None or process.stdout is None:
+            raise NetnsError(["delay line", host], None, "", "does not exist (no delay_ms)")
+        process.send_signal(signal.SIGUSR1)
+        ready, _, _ = select.select([process.stdout], [], [], DELAY_LINE_START_S)
+        line = process.stdout.readline() if ready else ""
+        try:
+            counters: dict[str, int] = json.loads(line)
+        except json.JSONDecodeError:
+            raise NetnsError(
+                ["delay line", host], process.poll(), line, "gave no counters"
+            ) from None
+        return counters
 
     def close(self) -> None:
         """Kill leftover processes and delete what this cluster created; idempotent.
@@ -313,6 +376,7 @@ class Cluster:
                 if stream is not None:
                     stream.close()
         self._processes.clear()
+        self.delay_lines.clear()
 
     def set_link(self, host: str, up: bool) -> None:
         """Cut (``up=False``) or restore one host's link, e.g. for partition tests.
