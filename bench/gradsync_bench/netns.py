@@ -45,6 +45,7 @@ import secrets
 import select
 import shlex
 import signal
+import statistics
 import subprocess
 import sys
 import time
@@ -70,7 +71,7 @@ from gradsync_bench.netns_delay import (
 )
 from gradsync_bench.netns_probe import available
 from gradsync_bench.netns_shaping import UNSHAPED, LinkShape, shape_commands
-from gradsync_bench.netns_throughput import measure_throughput
+from gradsync_bench.netns_throughput import measure_rtt, measure_stream
 
 __all__ = ["Cluster"]
 
@@ -415,6 +416,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--subnet", default="10.213.0.0/24")
     parser.add_argument("--seconds", type=float, default=2.0, help="measurement length")
     parser.add_argument(
+        "--window-clamp",
+        type=int,
+        default=0,
+        help="with --check and --delay-ms: also measure a stream whose receiver clamps its "
+        "window to this many bytes (TCP_WINDOW_CLAMP), against window / round trip",
+    )
+    parser.add_argument(
         "--check",
         action="store_true",
         help="measure TCP throughput between the first two hosts, then tear down "
@@ -439,14 +447,49 @@ def main(argv: list[str] | None = None) -> int:
             with contextlib.suppress(KeyboardInterrupt):
                 signal.pause()
             return 0
-        measured = measure_throughput(cluster, hosts[0], hosts[1], seconds=args.seconds)
-        configured = "unlimited" if args.rate_mbit is None else f"{args.rate_mbit:g} Mbit/s"
-        ratio = "" if args.rate_mbit is None else f" ({measured / args.rate_mbit:.0%})"
-        print(
-            f"TCP {hosts[0]} -> {hosts[1]}: configured {configured}, "
-            f"measured {measured:.1f} Mbit/s{ratio}"
-        )
+        _check(cluster, hosts[0], hosts[1], args)
     return 0
+
+
+def _check(cluster: Cluster, src: str, dst: str, args: argparse.Namespace) -> None:
+    """Print the echo round trip (with a delay), one stream's throughput and, with
+    --window-clamp, a window-clamped stream's against window / round trip."""
+    rtt_ms = None
+    if args.delay_ms:
+        rtts = measure_rtt(cluster, src, dst, count=21)[1:]  # the first also waits for ARP
+        rtt_ms = statistics.median(rtts)
+        print(
+            f"echo {src} -> {dst}: round trip median {rtt_ms:.2f} ms (min {min(rtts):.2f}, "
+            f"max {max(rtts):.2f}; expected {4 * args.delay_ms:g} = 4 x {args.delay_ms:g} ms)"
+        )
+    before = {h: cluster.delay_line_counters(h) for h in (src, dst) if h in cluster.delay_lines}
+    began = time.monotonic()
+    measured, _ = measure_stream(cluster, src, dst, seconds=args.seconds)
+    elapsed = time.monotonic() - began
+    configured = "unlimited" if args.rate_mbit is None else f"{args.rate_mbit:g} Mbit/s"
+    ratio = "" if args.rate_mbit is None else f" ({measured / args.rate_mbit:.0%})"
+    print(f"TCP {src} -> {dst}: configured {configured}, measured {measured:.1f} Mbit/s{ratio}")
+    for host, first in before.items():
+        now = cluster.delay_line_counters(host)
+        packets = now["forwarded"] - first["forwarded"]
+        cpu_ms = now["cpu_ms"] - first["cpu_ms"]
+        print(
+            f"  delay line of {host}: {packets} packets ({packets / elapsed / 1e3:.1f} kpps), "
+            f"{now['dropped'] - first['dropped']} dropped, peak {now['peak_held_bytes']} bytes "
+            f"held, CPU {cpu_ms} ms ({cpu_ms / 10 / elapsed:.0f} % of a core)"
+        )
+    if args.window_clamp and rtt_ms is not None:
+        clamped, window = measure_stream(
+            cluster, src, dst, seconds=args.seconds, port=5202, window_clamp=args.window_clamp
+        )
+        bound = window * 8 / (rtt_ms / 1000) / 1e6
+        if args.rate_mbit is not None:
+            bound = min(bound, args.rate_mbit)
+        print(
+            f"TCP {src} -> {dst}, receive window clamped to {args.window_clamp} bytes "
+            f"(advertised {window}): {clamped:.2f} Mbit/s; min(rate, window / round trip) "
+            f"{bound:.2f} Mbit/s; ratio {clamped / bound:.2f}"
+        )
 
 
 if __name__ == "__main__":
