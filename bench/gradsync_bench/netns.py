@@ -10,7 +10,9 @@ host only. This module builds such a cluster out of kernel primitives, without D
   (``eth0`` inside the host, ``<prefix>v<i>`` on the bridge); the bridge has no address, so
   the hosts reach each other and nothing else, and the root namespace stays untouched;
 * ``tc`` shapes both ends of every veth, so each host has an uplink and a downlink of
-  ``rate_mbit`` each, like a full-duplex NIC, plus an optional one-way ``delay_ms``.
+  ``rate_mbit`` each, like a full-duplex NIC, plus an optional one-way ``delay_ms`` per link,
+  which a userspace delay line adds (a TUN device and one process per host: this kernel has
+  no ``sch_netem``).
 
 Typical use::
 
@@ -28,8 +30,9 @@ This module holds the topology and its lifecycle (namespaces, bridge, veths, the
 on the hosts, teardown) and the command line. Its parts with a concern of their own live beside
 it: :mod:`~gradsync_bench.netns_commands` (running ``ip``/``tc``, :class:`NetnsError`),
 :mod:`~gradsync_bench.netns_shaping` (:class:`LinkShape` and the qdisc parameters),
+:mod:`~gradsync_bench.netns_delay` (the delay line and its routing),
 :mod:`~gradsync_bench.netns_probe` (whether clusters can be built here) and
-:mod:`~gradsync_bench.netns_throughput` (measuring a link).
+:mod:`~gradsync_bench.netns_throughput` (measuring a link: throughput, round trip).
 """
 
 from __future__ import annotations
@@ -89,7 +92,8 @@ class Cluster:
 
     Entering builds the namespaces, the bridge and the veths; leaving (also through an
     exception, and at interpreter exit if ``close`` was never reached) kills the processes
-    started with :meth:`popen` and deletes everything that was created, and nothing else.
+    started with :meth:`popen` (the delay lines among them) and deletes everything that was
+    created, and nothing else.
 
     All names start with a per-cluster prefix (random by default, 24 bits), so two clusters, or
     the leftovers of a crashed run, do not collide: a leftover only occupies its own names, and

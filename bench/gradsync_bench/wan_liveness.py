@@ -5,8 +5,9 @@ namespaces, every link shaped to B Mbit/s with a one-way delay of D ms, `gradsyn
 `gradsync serve` with nothing but its world size and address, and on every worker host one
 rank training a 16 MiB linear model (2048 x 2048 float32 and a bias) with
 `gradsync.DistributedDataParallel` at its defaults, synchronized every step. Every process's
-log is kept; the summary says which rank, if any, was declared dead, at what step, and whether
-the job finished.
+log is kept, and every second each worker host's bytes queued in its sockets to the
+coordinator (``ss`` Send-Q, in ``send-queues.txt``); the summary says which rank, if any, was
+declared dead, at what step, whether the job finished, and the largest queue per host.
 
     python -m gradsync_bench.wan_liveness --rate-mbit 20 --delay-ms 50 --world 3 --steps 5 \\
         --out /tmp/liveness
@@ -66,10 +67,42 @@ def worker(coordinator: str, rank: int, world_size: int, steps: int) -> int:
     return 0
 
 
+def _sample_send_queues(
+    cluster: Cluster, hosts: list[str], peer: str, stop: threading.Event, sink: IO[str]
+) -> dict[str, int]:
+    """Every second, each host's bytes queued in its sockets to `peer` (`ss` Send-Q); the
+    largest seen per host. A heartbeat written behind them waits for all of them."""
+    largest = dict.fromkeys(hosts, 0)
+    while not stop.wait(1.0):
+        for host in hosts:
+            argv = cluster.command(host, ["ss", "-tnH", "dst", peer])
+            try:
+                shown = subprocess.run(argv, capture_output=True, text=True, timeout=5).stdout
+            except (OSError, subprocess.TimeoutExpired):
+                continue
+            queued = sum(int(line.split()[2]) for line in shown.splitlines() if line.strip())
+            largest[host] = max(largest[host], queued)
+            sink.write(f"{time.strftime('%H:%M:%S')} {host} send-queue {queued}\n")
+        sink.flush()
+    return largest
+
+
 def _drain(stream: IO[str], sink: IO[str]) -> None:
     for line in stream:
         sink.write(f"{time.strftime('%H:%M:%S')} {line}")
         sink.flush()
+
+
+def _wait_all(processes: list[subprocess.Popen[str]], timeout_s: float) -> list[int | None]:
+    """Exit codes (None: still running when `timeout_s` ran out)."""
+    deadline = time.monotonic() + timeout_s
+    codes: list[int | None] = []
+    for process in processes:
+        try:
+            codes.append(process.wait(timeout=max(1.0, deadline - time.monotonic())))
+        except subprocess.TimeoutExpired:
+            codes.append(None)
+    return codes
 
 
 def reproduce(
@@ -97,13 +130,20 @@ def reproduce(
             argv += ["--coordinator", f"{ip}:{port}", "--rank", str(rank)]
             argv += ["--world", str(world_size), "--steps", str(steps)]
             ranks.append(on_host(cluster, f"w{rank}", stdout=log, stderr=subprocess.STDOUT)(argv))
-        codes: list[int | None] = []
-        for process in ranks:
-            remaining = max(1.0, timeout_s - (time.monotonic() - began))
-            try:
-                codes.append(process.wait(timeout=remaining))
-            except subprocess.TimeoutExpired:
-                codes.append(None)
+        stop = threading.Event()
+        largest: dict[str, int] = {}
+        workers = hosts[1:]
+        with (out / "send-queues.txt").open("w") as queues:
+            sampler = threading.Thread(
+                target=lambda: largest.update(
+                    _sample_send_queues(cluster, workers, ip, stop, queues)
+                ),
+                daemon=True,
+            )
+            sampler.start()
+            codes = _wait_all(ranks, timeout_s - (time.monotonic() - began))
+            stop.set()
+            sampler.join(timeout=30)
         for log in logs:
             log.close()
         server.terminate()
@@ -128,6 +168,7 @@ def reproduce(
         "exit_codes": codes,
         "steps_done": steps_done,
         "seconds": round(time.monotonic() - began, 1),
+        "largest_send_queue_bytes": largest,
         "dead_lines": found,
     }
 

@@ -45,7 +45,7 @@ def markdown_lines(suite: dict[str, Any]) -> list[str]:
         "coordinator host, network namespaces, every link shaped to B each way; "
         f"{suite.get('note', '')}; char transformer of {model_mb} MB "
         "fp32 on the standard library's source, AdamW; utilization = samples/s / no-sync "
-        "samples/s at the same B; bytes per inner step = mean worker host eth0 tx + rx; "
+        "samples/s on the same link; bytes per inner step = mean worker host eth0 tx + rx; "
         "client up = gradsync's own upload count; quality rows: links unshaped, more steps)",
         "",
         "| target | measured | goal | result |",
