@@ -30,6 +30,12 @@ router's buffer, so a sender that outruns the link sees loss, not an unbounded q
 link's rate stays with ``tbf`` on ``eth0`` and on the bridge port, whose byte-limited queue
 is the bottleneck buffer TCP fills.
 
+Cost: one 100 Mbit/s TCP stream (8 kpps of 1500-byte packets one way, 4 kpps of
+acknowledgements back) took about 13 % of a core in the sender's line and 30 % in the
+receiver's (writing an acknowledgement back also runs the sender's TCP inside that write), on
+a 2-vCPU machine under load; each line runs at a real-time priority where allowed, so its
+timing does not depend on that load (round trips within 1 ms of the configured delays).
+
 This file uses only the standard library and runs as a script
 (``python netns_delay.py --tun dly0 --delay 10.213.0.3=50 ...``), so a host namespace needs
 nothing importable to start one. It prints ``ready`` once it holds the TUN, a JSON line of

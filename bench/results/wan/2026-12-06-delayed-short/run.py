@@ -10,17 +10,24 @@ from pathlib import Path
 
 from gradsync_bench import runner
 
-plan = dataclasses.replace(
-    runner.BenchPlan(),
-    suites=("wan",),
-    wan_world=2,
-    wan_rates_mbit=[100.0],
-    wan_delays_ms=[25.0],
-    wan_steps=20,
-    wan_sync_steps=2,
-    wan_quality_steps=0,
-    wan_methods=("nosync", "ddp-gloo", "gradsync-ddp", "diloco-h10-int8"),
-)
-document = runner.run(plan)
-runner.write(document, Path(sys.argv[1]))
-print(runner.markdown(document))
+
+def main() -> None:
+    """Run the plan and write its results into the folder given as the only argument."""
+    plan = dataclasses.replace(
+        runner.BenchPlan(),
+        suites=("wan",),
+        wan_world=2,
+        wan_rates_mbit=[100.0],
+        wan_delays_ms=[25.0],
+        wan_steps=20,
+        wan_sync_steps=2,
+        wan_quality_steps=0,
+        wan_methods=("nosync", "ddp-gloo", "gradsync-ddp", "diloco-h10-int8"),
+    )
+    document = runner.run(plan)
+    runner.write(document, Path(sys.argv[1]))
+    print(runner.markdown(document))
+
+
+if __name__ == "__main__":
+    main()
