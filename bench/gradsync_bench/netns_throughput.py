@@ -77,7 +77,13 @@ sock.close()
 _PINGER = """
 import json, os, socket, struct, sys, time
 dst, count, interval = sys.argv[1], int(sys.argv[2]), float(sys.argv[3])
+SO_TIMESTAMPNS = 35  # Linux: the kernel's receive time of each packet, as a timespec
+try:  # be scheduled at once when the reply is due, like the delay lines themselves
+    os.sched_setscheduler(0, os.SCHED_FIFO, os.sched_param(10))
+except OSError:
+    pass
 sock = socket.socket(socket.AF_INET, socket.SOCK_RAW, socket.IPPROTO_ICMP)
+sock.setsockopt(socket.SOL_SOCKET, SO_TIMESTAMPNS, 1)
 sock.settimeout(5.0)
 ident = os.getpid() & 0xFFFF
 def checksum(data):
@@ -89,14 +95,19 @@ for seq in range(count):
     payload = b"gradsync-rtt" * 4
     header = struct.pack("!BBHHH", 8, 0, 0, ident, seq)
     packet = struct.pack("!BBHHH", 8, 0, checksum(header + payload), ident, seq) + payload
-    sent = time.monotonic()
+    sent = time.time_ns()
     sock.sendto(packet, (dst, 0))
     while True:
-        reply = sock.recv(2048)
+        reply, ancillary, _, _ = sock.recvmsg(2048, 64)
         icmp = reply[(reply[0] & 0x0F) * 4:]
         if icmp[0] == 0 and struct.unpack("!HH", icmp[4:8]) == (ident, seq):
             break
-    rtts.append((time.monotonic() - sent) * 1000)
+    received = time.time_ns()
+    for level, kind, data in ancillary:
+        if level == socket.SOL_SOCKET and kind == SO_TIMESTAMPNS:
+            seconds, nanos = struct.unpack("qq", data[:16])
+            received = seconds * 10**9 + nanos
+    rtts.append((received - sent) / 1e6)
     time.sleep(interval)
 print(json.dumps(rtts))
 """
@@ -108,7 +119,9 @@ def measure_rtt(
     """Round-trip times of ``count`` ICMP echoes from ``src`` to ``dst``, in ms (like ping).
 
     A raw socket in a small Python script, so no ``ping`` binary is needed (the namespaces run
-    as root). Each echo waits for its reply (5 s at most) before the next is sent.
+    as root). Each echo waits for its reply (5 s at most) before the next is sent. The reply's
+    time is the kernel's receive timestamp (``SO_TIMESTAMPNS``) and the script runs at a
+    real-time priority where allowed, so a busy machine's scheduling delays do not count.
     """
     argv = [dst_address := cluster.address(dst), str(count), str(interval_s)]
     shown = cluster.command(src, [sys.executable, "-c", "<pinger>", *argv])
