@@ -31,7 +31,7 @@ link's rate stays with ``tbf`` on ``eth0`` and on the bridge port, whose byte-li
 is the bottleneck buffer TCP fills.
 
 Cost: one 100 Mbit/s TCP stream (8 kpps of 1500-byte packets one way, 4 kpps of
-acknowledgements back) took about 13 % of a core in the sender's line and 30 % in the
+acknowledgements back) took 10-13 % of a core in the sender's line and 26-32 % in the
 receiver's (writing an acknowledgement back also runs the sender's TCP inside that write), on
 a 2-vCPU machine under load; each line runs at a real-time priority where allowed, so its
 timing does not depend on that load (round trips within 1 ms of the configured delays).
