@@ -10,7 +10,9 @@ host only. This module builds such a cluster out of kernel primitives, without D
   (``eth0`` inside the host, ``<prefix>v<i>`` on the bridge); the bridge has no address, so
   the hosts reach each other and nothing else, and the root namespace stays untouched;
 * ``tc`` shapes both ends of every veth, so each host has an uplink and a downlink of
-  ``rate_mbit`` each, like a full-duplex NIC, plus an optional one-way ``delay_ms``.
+  ``rate_mbit`` each, like a full-duplex NIC, plus an optional one-way ``delay_ms`` per link,
+  which a userspace delay line adds (a TUN device and one process per host: this kernel has
+  no ``sch_netem``).
 
 Typical use::
 
@@ -28,8 +30,9 @@ This module holds the topology and its lifecycle (namespaces, bridge, veths, the
 on the hosts, teardown) and the command line. Its parts with a concern of their own live beside
 it: :mod:`~gradsync_bench.netns_commands` (running ``ip``/``tc``, :class:`NetnsError`),
 :mod:`~gradsync_bench.netns_shaping` (:class:`LinkShape` and the qdisc parameters),
+:mod:`~gradsync_bench.netns_delay` (the delay line and its routing),
 :mod:`~gradsync_bench.netns_probe` (whether clusters can be built here) and
-:mod:`~gradsync_bench.netns_throughput` (measuring a link).
+:mod:`~gradsync_bench.netns_throughput` (measuring a link: throughput, round trip).
 """
 
 from __future__ import annotations
@@ -38,11 +41,14 @@ import argparse
 import atexit
 import contextlib
 import ipaddress
+import json
 import os
 import re
 import secrets
+import select
 import shlex
 import signal
+import statistics
 import subprocess
 import sys
 import time
@@ -56,17 +62,26 @@ from gradsync_bench.netns_commands import (
     NetnsError,
     link_exists,
     netns_exists,
+    run_command,
     run_ip,
     run_tc,
 )
+from gradsync_bench.netns_delay import (
+    default_limit_bytes,
+    delay_script,
+    path_delays,
+    setup_commands,
+)
 from gradsync_bench.netns_probe import available
 from gradsync_bench.netns_shaping import UNSHAPED, LinkShape, shape_commands
-from gradsync_bench.netns_throughput import measure_throughput
+from gradsync_bench.netns_throughput import measure_rtt, measure_stream
 
 __all__ = ["Cluster"]
 
 #: How long :meth:`Cluster.close` waits after SIGTERM before it sends SIGKILL.
 TERMINATE_GRACE_S = 3.0
+#: How long a host's delay line may take to start (a Python interpreter, no imports).
+DELAY_LINE_START_S = 20.0
 
 _HOST_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,31}$")
 _PREFIX = re.compile(r"^[a-z][a-z0-9]{0,7}$")
@@ -77,7 +92,8 @@ class Cluster:
 
     Entering builds the namespaces, the bridge and the veths; leaving (also through an
     exception, and at interpreter exit if ``close`` was never reached) kills the processes
-    started with :meth:`popen` and deletes everything that was created, and nothing else.
+    started with :meth:`popen` (the delay lines among them) and deletes everything that was
+    created, and nothing else.
 
     All names start with a per-cluster prefix (random by default, 24 bits), so two clusters, or
     the leftovers of a crashed run, do not collide: a leftover only occupies its own names, and
@@ -138,6 +154,8 @@ class Cluster:
         self._created_netns: list[str] = []
         self._created_links: list[str] = []
         self._processes: list[tuple[subprocess.Popen[Any], bool]] = []
+        #: The delay line process of every host, when the shape has a delay.
+        self.delay_lines: dict[str, subprocess.Popen[str]] = {}
         self._atexit_registered = False
 
     # -- names and addresses -------------------------------------------------------------
@@ -229,9 +247,10 @@ class Cluster:
             run_ip("link", "set", "dev", port, "up")
             run_ip("-n", ns, "link", "set", "dev", "lo", "up")
             run_ip("-n", ns, "link", "set", "dev", HOST_IFNAME, "addrgenmode", "none")
-            run_ip(
-                "-n", ns, "addr", "add", f"{self.address(host)}/{prefix_len}", "dev", HOST_IFNAME
-            )
+            # With a delay line, the subnet's routes are its own (see netns_delay).
+            no_route = ["noprefixroute"] if self.shape.delay_ms else []
+            address = f"{self.address(host)}/{prefix_len}"
+            run_ip("-n", ns, "addr", "add", address, "dev", HOST_IFNAME, *no_route)
             run_ip("-n", ns, "link", "set", "dev", HOST_IFNAME, "up")
             # No default route is added: the only route in the namespace is the connected
             # subnet, so nothing a host sends can leave the cluster.
@@ -239,6 +258,55 @@ class Cluster:
                 run_tc(command)
             for command in shape_commands(["tc"], port, self.shape):
                 run_tc(command)
+        if self.shape.delay_ms:
+            for host in self.hosts:
+                self._start_delay_line(host)
+
+    def _start_delay_line(self, host: str) -> None:
+        """Route ``host``'s traffic through a TUN delay line and start its process."""
+        ns = self.netns(host)
+        for argv in setup_commands(ns, self.address(host), str(self.subnet)):
+            run_command(argv)
+        link_ms = dict.fromkeys(self.hosts, float(self.shape.delay_ms or 0.0))
+        delays = path_delays(host, link_ms, self._addresses)
+        limit = default_limit_bytes(self.shape.rate_mbit, max(delays.values(), default=0.0))
+        argv = [
+            *(sys.executable, "-I", delay_script(), "--limit-bytes", str(limit)),
+            *(f"--delay={address}={ms:g}" for address, ms in delays.items()),
+        ]
+        process = self.popen(host, argv, stdout=subprocess.PIPE, text=True)
+        self.delay_lines[host] = process
+        line = ""
+        if process.stdout is not None:
+            ready, _, _ = select.select([process.stdout], [], [], DELAY_LINE_START_S)
+            line = process.stdout.readline().strip() if ready else ""
+        if line != "ready":
+            raise NetnsError(
+                self.command(host, argv),
+                process.poll(),
+                line,
+                f"did not report ready within {DELAY_LINE_START_S:g} s",
+            )
+
+    def delay_line_counters(self, host: str) -> dict[str, int]:
+        """The counters of ``host``'s delay line: packets forwarded and dropped, CPU time, ...
+
+        Raises:
+            NetnsError: The cluster has no delay, or the delay line did not answer in time.
+        """
+        process = self.delay_lines.get(host)
+        if process is None or process.stdout is None:
+            raise NetnsError(["delay line", host], None, "", "does not exist (no delay_ms)")
+        process.send_signal(signal.SIGUSR1)
+        ready, _, _ = select.select([process.stdout], [], [], DELAY_LINE_START_S)
+        line = process.stdout.readline() if ready else ""
+        try:
+            counters: dict[str, int] = json.loads(line)
+        except json.JSONDecodeError:
+            raise NetnsError(
+                ["delay line", host], process.poll(), line, "gave no counters"
+            ) from None
+        return counters
 
     def close(self) -> None:
         """Kill leftover processes and delete what this cluster created; idempotent.
@@ -313,6 +381,7 @@ class Cluster:
                 if stream is not None:
                     stream.close()
         self._processes.clear()
+        self.delay_lines.clear()
 
     def set_link(self, host: str, up: bool) -> None:
         """Cut (``up=False``) or restore one host's link, e.g. for partition tests.
@@ -351,6 +420,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--subnet", default="10.213.0.0/24")
     parser.add_argument("--seconds", type=float, default=2.0, help="measurement length")
     parser.add_argument(
+        "--window-clamp",
+        type=int,
+        default=0,
+        help="with --check and --delay-ms: also measure a stream whose receiver clamps its "
+        "window to this many bytes (TCP_WINDOW_CLAMP), against window / round trip",
+    )
+    parser.add_argument(
         "--check",
         action="store_true",
         help="measure TCP throughput between the first two hosts, then tear down "
@@ -375,14 +451,49 @@ def main(argv: list[str] | None = None) -> int:
             with contextlib.suppress(KeyboardInterrupt):
                 signal.pause()
             return 0
-        measured = measure_throughput(cluster, hosts[0], hosts[1], seconds=args.seconds)
-        configured = "unlimited" if args.rate_mbit is None else f"{args.rate_mbit:g} Mbit/s"
-        ratio = "" if args.rate_mbit is None else f" ({measured / args.rate_mbit:.0%})"
-        print(
-            f"TCP {hosts[0]} -> {hosts[1]}: configured {configured}, "
-            f"measured {measured:.1f} Mbit/s{ratio}"
-        )
+        _check(cluster, hosts[0], hosts[1], args)
     return 0
+
+
+def _check(cluster: Cluster, src: str, dst: str, args: argparse.Namespace) -> None:
+    """Print the echo round trip (with a delay), one stream's throughput and, with
+    --window-clamp, a window-clamped stream's against window / round trip."""
+    rtt_ms = None
+    if args.delay_ms:
+        rtts = measure_rtt(cluster, src, dst, count=21)[1:]  # the first also waits for ARP
+        rtt_ms = statistics.median(rtts)
+        print(
+            f"echo {src} -> {dst}: round trip median {rtt_ms:.2f} ms (min {min(rtts):.2f}, "
+            f"max {max(rtts):.2f}; expected {4 * args.delay_ms:g} = 4 x {args.delay_ms:g} ms)"
+        )
+    before = {h: cluster.delay_line_counters(h) for h in (src, dst) if h in cluster.delay_lines}
+    began = time.monotonic()
+    measured, _ = measure_stream(cluster, src, dst, seconds=args.seconds)
+    elapsed = time.monotonic() - began
+    configured = "unlimited" if args.rate_mbit is None else f"{args.rate_mbit:g} Mbit/s"
+    ratio = "" if args.rate_mbit is None else f" ({measured / args.rate_mbit:.0%})"
+    print(f"TCP {src} -> {dst}: configured {configured}, measured {measured:.1f} Mbit/s{ratio}")
+    for host, first in before.items():
+        now = cluster.delay_line_counters(host)
+        packets = now["forwarded"] - first["forwarded"]
+        cpu_ms = now["cpu_ms"] - first["cpu_ms"]
+        print(
+            f"  delay line of {host}: {packets} packets ({packets / elapsed / 1e3:.1f} kpps), "
+            f"{now['dropped'] - first['dropped']} dropped, peak {now['peak_held_bytes']} bytes "
+            f"held, CPU {cpu_ms} ms ({cpu_ms / 10 / elapsed:.0f} % of a core)"
+        )
+    if args.window_clamp and rtt_ms is not None:
+        clamped, window = measure_stream(
+            cluster, src, dst, seconds=args.seconds, port=5202, window_clamp=args.window_clamp
+        )
+        bound = window * 8 / (rtt_ms / 1000) / 1e6
+        if args.rate_mbit is not None:
+            bound = min(bound, args.rate_mbit)
+        print(
+            f"TCP {src} -> {dst}, receive window clamped to {args.window_clamp} bytes "
+            f"(advertised {window}): {clamped:.2f} Mbit/s; min(rate, window / round trip) "
+            f"{bound:.2f} Mbit/s; ratio {clamped / bound:.2f}"
+        )
 
 
 if __name__ == "__main__":

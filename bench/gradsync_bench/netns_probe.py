@@ -1,7 +1,8 @@
 """Capability probe: can emulated clusters (and link delay) be built on this machine?
 
 Tests and benchmarks skip, with a reason, where network namespaces cannot be used: not Linux, not
-root, no iproute2, or a container or minimal kernel lacking a bridge, veth, tbf or netem. Root
+root, no iproute2, or a container or minimal kernel lacking a bridge, veth, tbf or (for link
+delay, :mod:`gradsync_bench.netns_delay`) a TUN device. Root
 alone does not tell, so :func:`available` really creates (and removes) one of each, once per
 process. It is separate from :mod:`gradsync_bench.netns` because callers that only decide
 whether to skip need none of the cluster's lifecycle, and the probe's throwaway objects use
@@ -19,7 +20,7 @@ from dataclasses import dataclass
 from functools import cache
 
 from gradsync_bench.netns_commands import HOST_IFNAME, NetnsError, run_command, run_ip
-from gradsync_bench.netns_shaping import netem_args, tbf_args
+from gradsync_bench.netns_shaping import tbf_args
 
 __all__ = ["available", "delay_available"]
 
@@ -28,7 +29,7 @@ __all__ = ["available", "delay_available"]
 class _Probe:
     ok: bool
     reason: str
-    netem: bool
+    tun: bool
 
 
 @cache
@@ -53,11 +54,11 @@ def _probe() -> _Probe:
         run_ip("link", "set", "dev", port, "master", bridge)
         run_command(["tc", "qdisc", "replace", "dev", port, "root", *tbf_args(100)])
         try:
-            run_command(["tc", "qdisc", "replace", "dev", port, "root", *netem_args(1, None)])
-            netem = True
+            run_ip("-n", ns, "tuntap", "add", "dev", "gptun", "mode", "tun")
+            tun = True
         except NetnsError:
-            netem = False
-        return _Probe(True, "", netem)
+            tun = False
+        return _Probe(True, "", tun)
     except NetnsError as exc:
         return _Probe(False, f"cannot build an emulated cluster: {exc}", False)
     finally:
@@ -78,10 +79,10 @@ def available() -> tuple[bool, str]:
 
 
 def delay_available() -> tuple[bool, str]:
-    """Like :func:`available`, and also that the kernel has netem for ``LinkShape.delay_ms``."""
+    """Like :func:`available`, and also that TUN devices work, for ``LinkShape.delay_ms``."""
     probe = _probe()
     if not probe.ok:
         return False, probe.reason
-    if not probe.netem:
-        return False, "this kernel lacks the netem qdisc (CONFIG_NET_SCH_NETEM), so no delay"
+    if not probe.tun:
+        return False, "cannot create a TUN device (/dev/net/tun, CONFIG_TUN), so no link delay"
     return True, ""

@@ -1,7 +1,8 @@
 """Link shaping of the emulated cluster: :class:`LinkShape` and the ``tc`` qdiscs that enforce it.
 
-Every emulated host's link gets a bandwidth (tc ``tbf``) and optionally a one-way latency (tc
-``netem``). Choosing the qdisc parameters so that a single TCP stream really reaches the
+Every emulated host's link gets a bandwidth (tc ``tbf``) and optionally a one-way latency (a
+userspace delay line on a TUN device, :mod:`gradsync_bench.netns_delay`: this kernel has no
+``sch_netem``). Choosing the qdisc parameters so that a single TCP stream really reaches the
 configured rate, without bufferbloat, is a concern of its own, with its own reasoning about
 burst and queue sizes; it lives here, as pure functions that only *build* ``tc`` command lines,
 so it can be read and tested without root. :mod:`gradsync_bench.netns` runs the commands.
@@ -12,7 +13,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-__all__ = ["UNSHAPED", "LinkShape", "netem_args", "shape_commands", "tbf_args"]
+__all__ = ["UNSHAPED", "LinkShape", "shape_commands", "tbf_args"]
 
 # tbf sizing (see tbf_args). A GSO/TSO "super-packet" on a veth is up to 64 KiB; a bucket smaller
 # than one of those makes tbf split every such packet in software, which costs CPU and rate.
@@ -25,11 +26,6 @@ _BURST_SECONDS = 0.004
 # dropped, small enough that the queue does not add noticeable latency (bufferbloat).
 _QUEUE_SECONDS = 0.020
 _MIN_QUEUE_BYTES = 4 * 64 * 1024
-# netem holds packets in a queue counted in packets, and must hold everything in flight during
-# the delay: rate * delay / (smallest full-size packet), with headroom. For unlimited links we
-# assume the veth can do about 20 Gbit/s.
-_NETEM_MIN_LIMIT = 1000
-_UNLIMITED_BITS_PER_S = 20e9
 
 
 @dataclass(frozen=True)
@@ -45,10 +41,10 @@ class LinkShape:
     Attributes:
         rate_mbit: Bandwidth per direction in Mbit/s (tc ``tbf``); ``None`` leaves the veth
             unlimited (several Gbit/s, bounded by CPU).
-        delay_ms: One-way latency of each link in milliseconds (tc ``netem``); ``None`` adds
-            none. Host to host crosses two links, so the one-way delay between hosts is
-            ``2 * delay_ms`` and the round-trip time ``4 * delay_ms``. Needs a kernel with
-            ``sch_netem`` (see :func:`delay_available`).
+        delay_ms: One-way latency of each link in milliseconds (a TUN delay line per host,
+            :mod:`gradsync_bench.netns_delay`); ``None`` adds none. Host to host crosses two
+            links, so the one-way delay between hosts is ``2 * delay_ms`` and the round-trip
+            time ``4 * delay_ms``. Needs ``/dev/net/tun`` (see :func:`delay_available`).
     """
 
     rate_mbit: float | None = None
@@ -85,29 +81,13 @@ def tbf_args(rate_mbit: float) -> list[str]:
     return ["tbf", "rate", f"{rate_bit}bit", "burst", str(burst), "limit", str(limit)]
 
 
-def netem_args(delay_ms: float, rate_mbit: float | None) -> list[str]:
-    """netem parameters for a fixed one-way delay; ``limit`` sized to the packets in flight."""
-    bits_per_s = _UNLIMITED_BITS_PER_S if rate_mbit is None else rate_mbit * 1e6
-    in_flight = bits_per_s / 8 * delay_ms / 1000 / 1500  # worst case: MTU-sized packets
-    limit = max(_NETEM_MIN_LIMIT, math.ceil(2 * in_flight))
-    return ["netem", "delay", f"{delay_ms:g}ms", "limit", str(limit)]
-
-
 def shape_commands(tc: list[str], dev: str, shape: LinkShape) -> list[list[str]]:
-    """The tc commands that install ``shape`` on the egress of ``dev``.
+    """The tc command that installs ``shape``'s rate on the egress of ``dev`` (none: unlimited).
 
-    With both a delay and a rate, netem is the root and tbf its child (the combination the
-    netem documentation gives): packets first wait out the delay in netem's time-ordered
-    queue, then pass the token bucket. The reverse nesting (netem under tbf) replaces tbf's
-    byte-limited queue by netem's and makes tbf poll a queue whose head is not yet due.
+    The delay is not a qdisc (see :mod:`gradsync_bench.netns_delay`); packets pass the delay
+    line first and ``tbf`` after it, whose byte-limited queue is the path's bottleneck buffer.
     """
-    root = [*tc, "qdisc", "replace", "dev", dev, "root", "handle", "1:"]
-    if shape.delay_ms:
-        commands = [[*root, *netem_args(shape.delay_ms, shape.rate_mbit)]]
-        if shape.rate_mbit is not None:
-            child = [*tc, "qdisc", "replace", "dev", dev, "parent", "1:1", "handle", "10:"]
-            commands.append([*child, *tbf_args(shape.rate_mbit)])
-        return commands
     if shape.rate_mbit is not None:
+        root = [*tc, "qdisc", "replace", "dev", dev, "root", "handle", "1:"]
         return [[*root, *tbf_args(shape.rate_mbit)]]
     return []

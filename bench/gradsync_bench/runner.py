@@ -68,6 +68,8 @@ class BenchPlan:
     #: The wan suite (the slow-link scorecard, `gradsync_bench.wan`); not run by default.
     wan_world: int = 4
     wan_rates_mbit: list[float] = field(default_factory=lambda: [100.0, 20.0])
+    #: One-way delay per link (ms) for each of wan_rates_mbit (0: none); empty: no delay.
+    wan_delays_ms: list[float] = field(default_factory=list)
     wan_methods: tuple[str, ...] = tuple(wan_worker.METHODS)
     wan_steps: int = 50
     wan_sync_steps: int = 6
@@ -83,6 +85,7 @@ class BenchPlan:
         return wan.WanPlan(
             world_size=self.wan_world,
             rates_mbit=tuple(self.wan_rates_mbit),
+            delays_ms=tuple(self.wan_delays_ms),
             methods=tuple(self.wan_methods),
             steps=self.wan_steps,
             sync_steps=self.wan_sync_steps,

@@ -21,7 +21,11 @@ LABELS = {
 
 
 def _rate(row: dict[str, Any]) -> str:
-    return "unshaped" if row["rate_mbit"] is None else f"{row['rate_mbit']:g}"
+    """The row's link: "unshaped", "100" or, with a one-way delay per link, "100 + 25 ms"."""
+    if row["rate_mbit"] is None:
+        return "unshaped"
+    delay = row.get("delay_ms")
+    return f"{row['rate_mbit']:g}" + (f" + {delay:g} ms" if delay else "")
 
 
 def _mb(value: float | None) -> str:
@@ -41,7 +45,7 @@ def markdown_lines(suite: dict[str, Any]) -> list[str]:
         "coordinator host, network namespaces, every link shaped to B each way; "
         f"{suite.get('note', '')}; char transformer of {model_mb} MB "
         "fp32 on the standard library's source, AdamW; utilization = samples/s / no-sync "
-        "samples/s at the same B; bytes per inner step = mean worker host eth0 tx + rx; "
+        "samples/s on the same link; bytes per inner step = mean worker host eth0 tx + rx; "
         "client up = gradsync's own upload count; quality rows: links unshaped, more steps)",
         "",
         "| target | measured | goal | result |",
@@ -55,9 +59,9 @@ def markdown_lines(suite: dict[str, Any]) -> list[str]:
         )
     lines += [
         "",
-        "| B Mbit/s | method | steps | samples/s | utilization | MB/step up | MB/step down | "
-        "MB/step total | client MB/step up | client MB/round up | final train loss | "
-        "held-out loss | load |",
+        "| B Mbit/s (+ delay per link) | method | steps | samples/s | utilization | "
+        "MB/step up | MB/step down | MB/step total | client MB/step up | client MB/round up | "
+        "final train loss | held-out loss | load |",
         "|" + "---|" * 13,
     ]
     for row in rows:
@@ -99,28 +103,29 @@ def plot(suite: dict[str, Any], path: Path) -> None:
     import matplotlib.pyplot as plt
 
     rows = [r for r in suite.get("rows", []) if "error" not in r]
-    passes = sorted({(r["rate_mbit"] is None, r["rate_mbit"] or 0.0) for r in rows})
+    passes = sorted({_rate(r) for r in rows}, key=lambda link: (link == "unshaped", link))
     figure, axes = plt.subplots(1, len(passes) + 1, figsize=(6 * (len(passes) + 1), 4.5))
     axes = list(axes) if len(passes) else [axes]
-    for axis, (unshaped, rate) in zip(axes, passes, strict=False):
+    for axis, link in zip(axes, passes, strict=False):
         for row in rows:
-            if (row["rate_mbit"] is None) != unshaped or (row["rate_mbit"] or 0.0) != rate:
+            if _rate(row) != link:
                 continue
             samples, losses = zip(*row["loss_curve"], strict=True)
             axis.plot(samples, losses, label=LABELS.get(row["method"], row["method"]))
         axis.set_xlabel("samples (all ranks)")
         axis.set_ylabel("training loss, nats/byte")
-        axis.set_title("links unshaped (quality pass)" if unshaped else f"B = {rate:g} Mbit/s")
+        unshaped = link == "unshaped"
+        axis.set_title("links unshaped (quality pass)" if unshaped else f"B = {link} Mbit/s")
         axis.legend(fontsize=7)
     bars = axes[-1]
     shaped = [r for r in rows if r["rate_mbit"] is not None and r.get("utilization") is not None]
-    rates = sorted({r["rate_mbit"] for r in shaped}, reverse=True)
+    rates = sorted({_rate(r) for r in shaped}, reverse=True)
     methods = [m for m in LABELS if any(r["method"] == m for r in shaped)]
     width = 0.8 / max(1, len(rates))
     for index, rate in enumerate(rates):
         values = [
             next(
-                (r["utilization"] for r in shaped if r["method"] == m and r["rate_mbit"] == rate),
+                (r["utilization"] for r in shaped if r["method"] == m and _rate(r) == rate),
                 0.0,
             )
             for m in methods
@@ -129,7 +134,7 @@ def plot(suite: dict[str, Any], path: Path) -> None:
             [i + index * width for i in range(len(methods))],
             values,
             width,
-            label=f"{rate:g} Mbit/s",
+            label=f"{rate} Mbit/s",
         )
     bars.axhline(0.9, color="black", linewidth=0.8, linestyle="--")
     bars.set_xticks(

@@ -92,6 +92,7 @@ def _row(method: str, samples_per_s: float, link: float, loss: float = 2.0, **kw
     return {
         "method": method,
         "rate_mbit": kw.get("rate", 100.0),
+        "delay_ms": kw.get("delay"),
         "quality_pass": kw.get("quality", False),
         "samples_per_s": samples_per_s,
         "link_bytes_per_step": link,
@@ -128,6 +129,32 @@ def test_scorecard_passes_and_misses_by_the_measured_ratios() -> None:
     lone = wan._with_utilization([_row("diloco-h50-int8", 91.0, 0.5e6)])
     assert lone[0]["utilization"] is None
     assert wan.scorecard(lone)[0]["result"] == "NOT MEASURED"
+
+
+def test_delayed_links_pair_with_rates_and_carry_the_scorecard() -> None:
+    rates, delays = zip(*wan.DELAYED_LINKS, strict=True)
+    plan = wan.WanPlan(rates_mbit=rates, delays_ms=delays)
+    assert plan.links() == [(100.0, 25.0), (100.0, 100.0), (20.0, 50.0)]
+    assert wan.WanPlan(rates_mbit=(100.0, 20.0), delays_ms=(0.0, 50.0)).links() == [
+        (100.0, None),
+        (20.0, 50.0),
+    ]
+    with pytest.raises(ValueError, match="1 delays for 2 rates"):
+        wan.WanPlan(rates_mbit=(100.0, 20.0), delays_ms=(25.0,)).links()
+    # Utilization pairs a row with the reference of its own link; the targets read the
+    # 100 Mbit/s + 25 ms rows (a 100 ms round trip) when there are some.
+    rows = wan._with_utilization(
+        [
+            _row("nosync", 100.0, 0.0),
+            _row("diloco-h50-int8", 95.0, 0.5e6),
+            _row("nosync", 50.0, 0.0, delay=25.0),
+            _row("diloco-h50-int8", 40.0, 0.5e6, delay=25.0),
+        ]
+    )
+    assert [row["utilization"] for row in rows] == [1.0, 0.95, 1.0, 0.8]
+    card = wan.scorecard(rows)[0]
+    assert card["target"] == "utilization, DiLoCo H=50 int8, 100 Mbit/s + 25 ms"
+    assert (card["measured"], card["result"]) == (0.8, "MISS")
 
 
 def test_the_cli_offers_exactly_the_workers_methods() -> None:
