@@ -38,7 +38,7 @@ def plan_from_args(args: Any) -> BenchPlan:
     for name in (
         "wan_world",
         "wan_rates_mbit",
-        "wan_delays_ms",  # read where the command line defines --wan-delays
+        "wan_delays_ms",
         "wan_methods",
         "wan_steps",
         "wan_sync_steps",

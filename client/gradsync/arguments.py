@@ -352,6 +352,14 @@ def _add_wan_flags(bench: argparse.ArgumentParser) -> None:
         help="wan: link rates in Mbit/s (default 100,20)",
     )
     bench.add_argument(
+        "--wan-delays",
+        dest="wan_delays_ms",
+        type=flags.number_list(flags.number(0.0, low_inclusive=True)),
+        default=None,
+        help="wan: one-way delay in ms of each link of --wan-rates, in the same order "
+        "(0 = none; default: no delay)",
+    )
+    bench.add_argument(
         "--wan-methods",
         dest="wan_methods",
         type=flags.choice_list(BENCH_WAN_METHODS),
