@@ -286,8 +286,10 @@ class FrameConnection(FrameReader):
     def data_arrived(self, data: bytes | bytearray) -> None:
         """Take `data` as if the transport had just read it (bytes that came before it)."""
         view = memoryview(data)
-        while view and not self._closed:
+        while view and not self._closed and self.failed is None:
             buffer = self.get_buffer(len(view))
+            if not buffer:
+                return  # (a transport would end the connection here too)
             size = min(len(buffer), len(view))
             buffer[:size] = view[:size]
             self.buffer_updated(size)
