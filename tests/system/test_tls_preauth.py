@@ -38,7 +38,8 @@ FD_SLACK = 16
 
 
 @pytest.fixture
-def secured(tmp_path: Path) -> tuple[CoordinatorProcess, Path]:
+def secured(tmp_path: Path, request: pytest.FixtureRequest) -> tuple[CoordinatorProcess, Path]:
+    extra = getattr(request, "param", ())
     ca = trustme.CA()
     ca_path, server_path, token_path = tmp_path / "ca.pem", tmp_path / "srv.pem", tmp_path / "tok"
     ca.cert_pem.write_to_path(str(ca_path))
@@ -48,6 +49,7 @@ def secured(tmp_path: Path) -> tuple[CoordinatorProcess, Path]:
         2,
         "--tls-cert", str(server_path), "--tls-key", str(server_path),
         "--token-file", str(token_path), "--first-message-timeout-s", str(DEADLINE_S),
+        *extra,
     )  # fmt: skip
     yield coordinator, ca_path  # type: ignore[misc]
     coordinator.stop()
@@ -164,3 +166,24 @@ def test_silent_connections_to_the_tls_grpc_port_are_closed_at_the_deadline(
     assert wait_until(lambda: descriptors(pid) >= idle + FLOOD - FD_SLACK, 2)  # gRPC holds them
     assert wait_until(lambda: all(ended(sock) for sock in silent), DEADLINE_S + 4)
     assert wait_until(lambda: descriptors(pid) <= idle + 2, 3), (idle, descriptors(pid))
+
+
+#: A small stream cap, so that the gRPC port's connection cap (2 x it + 64) is small too.
+MAX_STREAMS = 8
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("secured", [("--max-connections", str(MAX_STREAMS))], indirect=True)
+def test_connections_to_the_grpc_port_beyond_its_cap_are_closed_at_accept(
+    secured: tuple[CoordinatorProcess, Path], opened: list[socket.socket]
+) -> None:
+    coordinator, _ = secured
+    pid = coordinator.process.pid
+    idle = descriptors(pid)
+    cap = 2 * MAX_STREAMS + 64
+    silent = flood(coordinator.port, ["127.0.0.1"], opened)  # FLOOD > cap
+    # Long before the handshake deadline, those over the cap are closed already...
+    assert wait_until(lambda: sum(ended(sock) for sock in silent) >= FLOOD - cap, 1.0)
+    # ... and the coordinator holds no more than the cap.
+    assert descriptors(pid) <= idle + cap + 2, (idle, descriptors(pid))
+    assert cap < FLOOD
