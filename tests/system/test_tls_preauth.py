@@ -29,7 +29,7 @@ trustme = pytest.importorskip("trustme", reason="trustme is not installed: pip i
 
 TOKEN = "t0k3n-" + "z" * 26
 #: The first-message deadline the coordinator is started with (seconds).
-DEADLINE_S = 2.0
+DEADLINE_S = 3.0
 #: Silent connections per source address (far beyond the caps).
 FLOOD = 200
 #: Descriptors the coordinator may hold beyond its idle count while flooded: the
@@ -140,8 +140,9 @@ def test_silent_connections_to_the_tls_frame_port_are_capped_and_closed_at_the_d
     bound = idle + MAX_UNGREETED + FD_SLACK
     assert wait_until(lambda: descriptors(pid) <= bound, 1.0), (bound, descriptors(pid))
     # All but the newest few of each address were dropped at once (over the caps).
-    dropped = sum(ended(sock) for sock in silent)
-    assert dropped >= len(silent) - MAX_UNGREETED - FD_SLACK, dropped
+    # (Within a moment, well before the deadline: the coordinator works through them.)
+    over = len(silent) - MAX_UNGREETED - FD_SLACK
+    assert wait_until(lambda: sum(ended(sock) for sock in silent) >= over, 1.5), over
     # The rest are closed at the deadline, counted from their accept (not their handshake).
     assert wait_until(lambda: all(ended(sock) for sock in silent), DEADLINE_S + 3)
     assert wait_until(lambda: descriptors(pid) <= idle + 2, 3), (idle, descriptors(pid))
