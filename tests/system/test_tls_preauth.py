@@ -22,7 +22,8 @@ from pathlib import Path
 
 import pytest
 from gradsync_proto.net.frames import HEADER, STATUS, decode_status, hello_frame
-from gradsync_server.rpc.frame_server import MAX_UNGREETED
+from gradsync_server.rpc.frame_server import MAX_LINGERING, MAX_UNGREETED
+from gradsync_server.rpc.linger import LINGER_S
 from support.processes import CoordinatorProcess
 
 trustme = pytest.importorskip("trustme", reason="trustme is not installed: pip install trustme")
@@ -188,3 +189,25 @@ def test_connections_to_the_grpc_port_beyond_its_cap_are_closed_at_accept(
     # ... and the coordinator holds no more than the cap.
     assert descriptors(pid) <= idle + cap + 2, (idle, descriptors(pid))
     assert cap < FLOOD
+
+
+@pytest.mark.timeout(60)
+def test_refused_tls_connections_that_never_answer_the_close_are_capped_and_cut(
+    secured: tuple[CoordinatorProcess, Path], opened: list[socket.socket]
+) -> None:
+    """A wrong token over TLS, then silence: the coordinator's close waits for the peer's
+    close_notify (30 s by asyncio's default); those waits count as lingering (capped,
+    the oldest cut) and last `LINGER_S` at most."""
+    coordinator, ca_path = secured
+    pid, port = coordinator.process.pid, frame_port(coordinator)
+    idle = descriptors(pid)
+    context = ssl.create_default_context(cafile=str(ca_path))
+    for _ in range(FLOOD):
+        raw = socket.create_connection(("127.0.0.1", port), 5)
+        opened.append(raw)
+        tls = context.wrap_socket(raw, server_hostname="127.0.0.1")
+        opened.append(tls)
+        tls.sendall(hello_frame("wr0ng-" + "q" * 26))  # refused; never read, never closed
+    bound = idle + MAX_LINGERING + FD_SLACK
+    assert wait_until(lambda: descriptors(pid) <= bound, 1.5), (bound, descriptors(pid))
+    assert wait_until(lambda: descriptors(pid) <= idle + 2, LINGER_S + 3), descriptors(pid)

@@ -55,7 +55,7 @@ from gradsync_proto.net.frames import (
 
 from gradsync_server.config import CoordinatorConfig
 from gradsync_server.rpc.auth_check import MISSING_TOKEN, WRONG_TOKEN
-from gradsync_server.rpc.linger import Linger
+from gradsync_server.rpc.linger import LINGER_S, Linger
 from gradsync_server.rpc.refusals import RefusalLog
 
 if TYPE_CHECKING:
@@ -252,6 +252,9 @@ class FrameConnection(FrameReader):
                 tls,
                 server_side=True,
                 ssl_handshake_timeout=self._server.first_message_s,
+                # A closed TLS connection waits for the peer's close_notify this long
+                # at most (asyncio's default is 30 s), counted as lingering meanwhile.
+                ssl_shutdown_timeout=LINGER_S,
             )
         except (OSError, TimeoutError) as exc:  # (ssl.SSLError is an OSError)
             if isinstance(exc, ssl.SSLError) and not self._closed:
@@ -402,7 +405,8 @@ class FrameConnection(FrameReader):
         or once its last bytes stopped moving for a while (`rpc.linger`). TLS cannot
         half-close, and a connection that never said HELLO is not worth a descriptor
         for seconds (a flood of them must stay bounded, `MAX_UNGREETED`): those close
-        as before.
+        at once, and count as lingering until they are gone (a TLS close waits for
+        the peer's close_notify, at most `LINGER_S`).
         """
         if self._transport is None:  # still shaking hands: nothing can be said before TLS
             if self._raw is not None and not self._closed:
@@ -414,7 +418,9 @@ class FrameConnection(FrameReader):
         self._ending = True
         transport.write(status_frame(code, details))
         if self._task is None or not transport.can_write_eof():
-            transport.close()
+            transport.close()  # (TLS: after the peer's close_notify, within LINGER_S)
+            if not self._closed:
+                self._server.lingering(self)  # held until then: counted
             return
         transport.write_eof()  # after what is buffered
         self._linger = Linger(transport)
