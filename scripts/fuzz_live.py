@@ -1,6 +1,7 @@
 """Fuzz a real `gradsync serve` with random and mutated messages, and print what happened.
 
     .venv/bin/python scripts/fuzz_live.py --messages 100000 [--token] [--raw-states N]
+        [--tls-hellos N]
 
 Starts a coordinator on loopback, sends `--messages` hostile messages over
 many concurrent Sync streams (plus Status calls) while a well-behaved two-rank
@@ -13,7 +14,11 @@ one in ten presents none or a wrong one and must be refused UNAUTHENTICATED.
 With `--raw-states N` it also loads N hostile raw states (a malicious
 donor's, relayed or over a real heal socket) into a joiner's model
 (tests/support/fuzz_raw_state.py): each must load or be refused with a
-`CheckpointMismatchError`. Exits 1 when anything went wrong. The fuzzer
+`CheckpointMismatchError`. With `--tls-hellos N` it also opens N hostile
+connections to the TLS frame port of a second coordinator (TLS and a token):
+broken or silent handshakes, HELLOs with wrong tokens, magic, kinds or lengths
+(tests/support/fuzz_frame_hello.py); each must end within the first-message
+deadline, saying why where it can. Exits 1 when anything went wrong. The fuzzer
 itself is tests/support/fuzzing.py (with fuzz_messages.py and
 fuzz_coordinator.py; the suite runs both in tests/protocol/test_fuzz_live.py).
 """
@@ -28,6 +33,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 
+from support.fuzz_frame_hello import run_frame_hello_fuzz
 from support.fuzz_raw_state import run_raw_state_fuzz
 from support.fuzzing import run_fuzz
 
@@ -47,6 +53,9 @@ def main() -> int:
     )
     parser.add_argument(
         "--raw-states", type=int, default=0, help="hostile raw states a joiner loads (0: none)"
+    )
+    parser.add_argument(
+        "--tls-hellos", type=int, default=0, help="hostile TLS frame-port openings (0: none)"
     )
     parser.add_argument("--log", type=Path, help="coordinator log file (default: a temp dir)")
     parser.add_argument(
@@ -74,6 +83,11 @@ def main() -> int:
         raw = run_raw_state_fuzz(args.raw_states, seed=args.seed)
         print(raw.summary())
         failed = failed or bool(raw.violations)
+    if args.tls_hellos:
+        hellos = run_frame_hello_fuzz(Path(tempfile.mkdtemp(prefix="gradsync-fuzz-tls-")),
+                                      args.tls_hellos, seed=args.seed)  # fmt: skip
+        print(hellos.summary())
+        failed = failed or bool(hellos.violations) or not hellos.alive
     print("RESULT", "FAILED" if failed else "ok")
     return 1 if failed else 0
 

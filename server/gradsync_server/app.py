@@ -45,6 +45,7 @@ from gradsync_server.rpc.frame_server import FrameServer, start_frame_server
 from gradsync_server.rpc.leader_role import LeaderRole
 from gradsync_server.rpc.outer_records import configured_store
 from gradsync_server.rpc.payload_socket import PayloadSocket
+from gradsync_server.rpc.refusals import RefusalLog
 from gradsync_server.rpc.servicer import SERVICE_NAME, SHARD_SERVICE_NAME, SHUTDOWN_FLUSH_S
 from gradsync_server.rpc.shard_link import LeaderLink
 from gradsync_server.rpc.shard_role import ShardRole
@@ -82,6 +83,7 @@ class Running(Generic[S]):
         link: a shard's control link (`link.registered` is set while the leader accepts it).
         link_task: the task following a shard's leader; its result is the leader's refusal
             message (it runs until the shard stops otherwise).
+        refusals: the rate-limited log of refused callers, shared by both ports.
     """
 
     config: CoordinatorConfig
@@ -99,6 +101,7 @@ class Running(Generic[S]):
     switch: ServicerSwitch | None = None
     link: LeaderLink | None = None
     link_task: asyncio.Task[str] | None = None
+    refusals: RefusalLog | None = None
 
     async def wait_registered(self, timeout_s: float) -> None:
         """Wait until the leader has accepted this shard.
@@ -184,8 +187,23 @@ def grpc_options(max_message_bytes: int) -> list[tuple[str, int]]:
     ]
 
 
+def connection_bounds(config: CoordinatorConfig) -> list[tuple[str, int]]:
+    """Server options that bound connections before any caller is authenticated.
+
+    gRPC's own handshake deadline (TCP accept to the client's HTTP/2 settings, TLS
+    included) is otherwise 120 s: a silent connection gets the first-message deadline,
+    as on the frame port. And the number of connections is capped well above what the
+    streams' cap (`--max-connections`) needs, so that silent connections cannot take
+    every descriptor: over it a new connection is closed at accept.
+    """
+    return [
+        ("grpc.server_handshake_timeout_ms", max(1, round(config.first_message_timeout_s * 1000))),
+        ("grpc.max_allowed_incoming_connections", 2 * config.max_connections + 64),
+    ]
+
+
 def _listen(
-    config: CoordinatorConfig, gate: StandbyGate | None
+    config: CoordinatorConfig, gate: StandbyGate | None, refusals: RefusalLog
 ) -> tuple[grpc.aio.Server, int, health.aio.HealthServicer]:
     """A gRPC server bound to the configured address, with the token check and health.
 
@@ -197,12 +215,12 @@ def _listen(
     credentials = server_credentials(config.tls_cert, config.tls_key, config.tls_client_ca)
     leader = config.role is Role.LEADER
     server = grpc.aio.server(
-        options=grpc_options(config.max_message_bytes),
+        options=[*grpc_options(config.max_message_bytes), *connection_bounds(config)],
         # A shard's own shard token is what it presents to its leader, not what it checks.
         # The token check first: an unauthenticated caller learns nothing, not even the
         # active coordinator's address from a standby's refusal.
         interceptors=[
-            *interceptors(config.token, config.shard_token if leader else None),
+            *interceptors(config.token, config.shard_token if leader else None, refusals),
             *([gate] if gate is not None else []),
         ],
     )
@@ -250,7 +268,8 @@ async def start(
         config = dataclasses.replace(config, shard_token=secrets.token_urlsafe(32))
     metrics = metrics or CoordinatorMetrics(shard=not leader)
     gate = StandbyGate() if config.lease else None
-    server, port, health_servicer = _listen(config, gate)
+    refusals = RefusalLog()
+    server, port, health_servicer = _listen(config, gate, refusals)
     advertise = config.advertised(port)
     servicer: LeaderRole | ShardRole
     switch = None
@@ -265,7 +284,7 @@ async def start(
     running: Running[Any] = Running(
         config, server, port, servicer, health_servicer, metrics_server, advertise
     )
-    running.gate, running.switch = gate, switch
+    running.gate, running.switch, running.refusals = gate, switch, refusals
     if isinstance(servicer, ShardRole):
         running.link = LeaderLink(servicer)
         running.link_task = asyncio.create_task(running.link.run())
@@ -279,7 +298,7 @@ async def start(
     if isinstance(servicer, LeaderRole):
         running.watchdog = asyncio.create_task(servicer.watchdog.run())
     if gate is None and config.frame_port is not None:
-        running.frames = await start_frame_server(config, servicer)
+        running.frames = await start_frame_server(config, servicer, refusals)
     if gate is None and leader and config.local_shards and config.shard_count > 1:
         running.local_shards = LocalShards(config, port)
         await running.local_shards.start()

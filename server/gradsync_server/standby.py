@@ -29,7 +29,9 @@ from gradsync_server.local_shards import LocalShards
 from gradsync_server.rpc.standby_gate import StandbyGate
 from gradsync_server.store.lease import (
     LeaseRecord,
+    LeaseView,
     RedisLease,
+    SuspectWatch,
     poll_interval_s,
     renew_interval_s,
     standby_pause_s,
@@ -68,7 +70,9 @@ async def _stand_by(
     It looks at the key and its time to live (`RedisLease.observe`), sleeps until just
     after that deadline (`standby_pause_s`), and tries to take an absent key at once, or
     one poll interval later if it came up less than a ttl ago while another held it
-    (`takeover_delay_s`): the standby that was there all along wins the takeover.
+    (`takeover_delay_s`): the standby that was there all along wins the takeover. A value
+    no coordinator of ours wrote (`lease.suspicion`) is treated as expired once it has
+    stayed unchanged for a ttl (`_evict_if_stale`).
     """
     ttl_s = lease.timer.ttl_s
     watch_started = clock()
@@ -76,17 +80,22 @@ async def _stand_by(
     seen_since = clock()
     unreadable_since: float | None = None
     reported_at = 0.0
+    suspects = SuspectWatch(ttl_s)
     while True:
         try:
-            current, left_s = await asyncio.to_thread(lease.observe)
+            view = await asyncio.to_thread(lease.observe)
+            if await _evict_if_stale(lease, view, suspects, clock):
+                view = await asyncio.to_thread(lease.observe)
+            current, left_s = view.record, view.left_s
             taken = None
-            if current is None:
+            if view.value is None:
                 delay_s = takeover_delay_s(ttl_s, clock() - watch_started, last_seen is not None)
                 if delay_s > 0:
                     await asyncio.sleep(delay_s)
                 taken = await asyncio.to_thread(lease.try_acquire)
                 if taken is None:  # another took it first (or it was renewed meanwhile)
-                    current, left_s = await asyncio.to_thread(lease.observe)
+                    view = await asyncio.to_thread(lease.observe)
+                    current, left_s = view.record, view.left_s
         except Exception as exc:  # Redis down: stay a standby, say so, retry
             now = clock()
             if unreadable_since is None:
@@ -116,8 +125,39 @@ async def _stand_by(
             last_seen, seen_since = current, clock()
         gate.close(_shown(current))
         await asyncio.sleep(
-            standby_pause_s(ttl_s, left_s) if current is not None else poll_interval_s(ttl_s)
+            standby_pause_s(ttl_s, left_s)
+            if current is not None and view.suspect is None
+            else poll_interval_s(ttl_s)
         )
+
+
+async def _evict_if_stale(
+    lease: RedisLease, view: LeaseView, suspects: SuspectWatch, clock: Callable[[], float]
+) -> bool:
+    """Delete a suspect lease value that stayed a whole ttl (an ERROR line); True if deleted.
+
+    A value without a deadline, or one our scripts could not have written, would keep
+    every standby out for ever (and it demoted the holder that found it): after the
+    lease's ttl it is treated as expired, as a holder's value would have expired by then.
+    """
+    if view.value is None or view.suspect is None:
+        suspects.clear()
+        return False
+    held_s = suspects.held_s(view.value, clock())
+    if held_s is None:
+        return False
+    log.error(
+        "the lease key %s holds %r, which no coordinator wrote: %s; unchanged for %.1fs, "
+        "longer than the lease's ttl (%gs): treated as expired and taken over (whoever can "
+        "write to this Redis can disturb the lease: protect it)",
+        lease.key,
+        view.value[:200],
+        view.suspect,
+        held_s,
+        lease.timer.ttl_s,
+    )
+    suspects.clear()
+    return await asyncio.to_thread(lease.evict, view.value)
 
 
 async def drive_lease(

@@ -20,6 +20,7 @@ from gradsync_server.rpc.auth_check import (
     TokenCheck,
     interceptors,
 )
+from gradsync_server.rpc.refusals import RefusalLog
 from support.rawclient import RawWorker, coordinator, run
 from support.waiting import eventually
 
@@ -32,9 +33,9 @@ def test_silent_unauthenticated_streams_beyond_the_bound_are_refused_at_once(
     checks: list[TokenCheck] = []
 
     def recorded_interceptors(
-        token: str | None, shard_token: str | None = None
+        token: str | None, shard_token: str | None = None, refusals: RefusalLog | None = None
     ) -> list[grpc.aio.ServerInterceptor]:
-        made = interceptors(token, shard_token)
+        made = interceptors(token, shard_token, refusals)
         checks.extend(check for check in made if isinstance(check, TokenCheck))
         return made
 

@@ -18,10 +18,11 @@ import pytest
 from gradsync_proto.net.frames import HEADER, MESSAGE, STATUS, decode_status, hello_frame
 from gradsync_proto.v1 import gradsync_pb2 as pb
 from gradsync_server.app import Running
-from gradsync_server.rpc import linger
+from gradsync_server.rpc import frame_server, linger
 from gradsync_server.rpc.linger import LINGER_S
 from support.frameclient import FrameWorker, frame_workers
 from support.rawclient import CHUNK, coordinator, run, signature
+from support.waiting import eventually
 
 
 def frame_port(running: Running) -> int:
@@ -183,3 +184,42 @@ def test_a_peer_that_neither_reads_nor_closes_is_cut_once_nothing_moves(
             second.writer.close()
 
     run(scenario)
+
+
+def test_lingering_connections_have_a_cap_of_their_own_the_oldest_is_cut(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Ended connections whose peers keep them open (here: refused, never closed, never
+    read) are outside `--max-connections`: beyond their own cap the oldest is cut."""
+    monkeypatch.setattr(frame_server, "MAX_LINGERING", 3)
+
+    async def scenario() -> None:
+        async with coordinator() as (running, _), frame_workers(frame_port(running)) as connect:
+            frames = running.frames
+            assert frames is not None
+            workers = []
+            for index in range(4):
+                expected = min(index + 1, 3)
+                worker = await connect()
+                await worker.send(pb.WorkerMessage(heartbeat=pb.Heartbeat(step=0)))  # no Join
+                workers.append(worker)
+                await eventually(
+                    lambda expected=expected: len(frames._lingering) == expected,
+                    f"connection {index} to linger after its refusal",
+                    timeout_s=5,
+                )
+            assert await connections_end_but(running, 3, within_s=5)
+            # The oldest was cut (no longer lingering); the three newest still are.
+            lingering = list(frames._lingering)
+            assert len(lingering) == 3 and all(c in frames.connections for c in lingering)
+
+    run(scenario)
+
+
+async def connections_end_but(running: Running, left: int, within_s: float) -> bool:
+    frames = running.frames
+    assert frames is not None
+    deadline = asyncio.get_running_loop().time() + within_s
+    while len(frames.connections) > left and asyncio.get_running_loop().time() < deadline:
+        await asyncio.sleep(0.05)
+    return len(frames.connections) == left

@@ -37,7 +37,7 @@ from gradsync_proto.net.frame_stream import ENV_FRAMES, FRAME_PORT_METHOD
 from gradsync_proto.net.frames import HEADER, MESSAGE, STATUS, decode_status, hello_frame
 from gradsync_proto.v1 import gradsync_pb2 as pb
 from gradsync_server.app import Running
-from gradsync_server.rpc.frame_server import MAX_UNGREETED
+from gradsync_server.rpc.frame_server import MAX_UNGREETED, MAX_UNGREETED_PER_SOURCE
 from support.frameclient import frame_workers
 from support.rawclient import (
     BUCKET_BYTES,
@@ -315,17 +315,33 @@ def test_a_right_token_behind_a_refused_hello_in_the_same_packet_is_not_looked_a
     run(scenario)
 
 
-def test_silent_connections_are_bounded_the_oldest_is_dropped() -> None:
+def test_silent_connections_are_bounded_per_address_and_in_all_the_oldest_is_dropped() -> None:
+    """One address holds at most half the ungreeted slots (one more drops its own oldest);
+    all addresses together the whole cap (one more drops the oldest of all)."""
+
     async def scenario() -> None:
         async with (
             coordinator(first_message_timeout_s=30) as (running, _),
             frame_workers(frame_port(running)) as connect,
         ):
-            silent = [await connect(hello=False) for _ in range(MAX_UNGREETED + 1)]
-            details = await silent[0].expect_status(grpc.StatusCode.RESOURCE_EXHAUSTED)
-            assert "waiting to say HELLO" in details
-            assert running.frames is not None
-            assert len(running.frames._ungreeted) == MAX_UNGREETED
+            frames = running.frames
+            assert frames is not None
+            first = [await connect(hello=False) for _ in range(MAX_UNGREETED_PER_SOURCE + 1)]
+            details = await first[0].expect_status(grpc.StatusCode.RESOURCE_EXHAUSTED)
+            assert "from 127.0.0.1" in details and "waiting to say HELLO" in details
+            assert len(frames._ungreeted) == MAX_UNGREETED_PER_SOURCE
+            second = [
+                await connect(hello=False, source="127.0.0.2")
+                for _ in range(MAX_UNGREETED_PER_SOURCE)
+            ]
+            assert len(frames._ungreeted) == MAX_UNGREETED  # nobody was dropped for them
+            await connect(hello=False, source="127.0.0.3")
+            details = await first[1].expect_status(grpc.StatusCode.RESOURCE_EXHAUSTED)
+            assert "127.0.0.1" not in details and "waiting to say HELLO" in details
+            assert len(frames._ungreeted) == MAX_UNGREETED
+            held = dict(frames._ungreeted_by_source)
+            assert held == {"127.0.0.1": MAX_UNGREETED_PER_SOURCE - 1,
+                            "127.0.0.2": len(second), "127.0.0.3": 1}, held  # fmt: skip
             # Workers that say HELLO are not held up by them.
             workers: list[RawWorker] = [await connect() for _ in range(2)]
             await assembled(workers)

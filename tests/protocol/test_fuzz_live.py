@@ -12,8 +12,11 @@ legit job and most calls carry it, and every call without it (about one in
 ten: none, a wrong or near-miss one) must end UNAUTHENTICATED without a reply.
 The raw-state reader gets its own run (tests/support/fuzz_raw_state.py): a
 hostile donor's states, relayed or over a real heal socket, must each load or
-be refused with a `CheckpointMismatchError`.
-`scripts/fuzz_live.py --messages 100000 [--token] [--raw-states N]` is the long run.
+be refused with a `CheckpointMismatchError`, and so does the TLS frame port's
+opening (tests/support/fuzz_frame_hello.py): hostile handshakes and HELLOs must
+each end within the first-message deadline, saying why where they can.
+`scripts/fuzz_live.py --messages 100000 [--token] [--raw-states N] [--tls-hellos N]`
+is the long run.
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ import pytest
 from gradsync_proto import auth
 from gradsync_proto.v1 import gradsync_pb2 as pb
 from support.fuzz_coordinator import LiveCoordinator, scan_log
+from support.fuzz_frame_hello import OPENINGS, run_frame_hello_fuzz
 from support.fuzz_raw_state import run_raw_state_fuzz
 from support.fuzz_shards import fuzz_shard_links
 from support.fuzzing import run_fuzz
@@ -40,6 +44,8 @@ MESSAGES = 12_000
 TOKEN_MESSAGES = 3_000
 #: Hostile raw states a joiner loads (a share of them over a real heal socket).
 RAW_STATES = 1_500
+#: Hostile openings of the TLS frame port (handshakes and HELLOs).
+TLS_OPENINGS = 400
 #: RSS the coordinator may gain between warm-up and the end of the run.
 RSS_GROWTH_LIMIT_KIB = 48 * 1024
 #: And at its peak: a declared size must never be allocated up front (issue 11).
@@ -142,3 +148,21 @@ def test_hostile_raw_states_are_loaded_or_refused_as_a_mismatch_never_escape() -
     # Both outcomes were reached: the mutations are not all refused at the magic.
     assert report.loaded and report.refused >= RAW_STATES // 2, summary
     assert any("claims the shape" in reason for reason in report.reasons), summary
+
+
+def test_hostile_openings_of_the_tls_frame_port_end_in_time_and_say_why(tmp_path: Path) -> None:
+    """The frame port's TLS handshake and HELLO (see `support.fuzz_frame_hello`)."""
+    pytest.importorskip("trustme", reason="trustme is not installed: pip install trustme")
+    report = run_frame_hello_fuzz(tmp_path, TLS_OPENINGS, seed=14)
+    summary = report.summary()
+    print(summary)
+    assert report.alive and not report.violations, summary
+    assert report.log_tracebacks == 0, summary
+    assert set(report.openings) == set(OPENINGS), summary  # every kind of opening was tried
+    assert report.endings["UNAUTHENTICATED"] >= TLS_OPENINGS // 10, summary
+    assert report.endings["DEADLINE_EXCEEDED"] and report.endings["closed"], summary
+    assert "Join" in report.genuine, summary  # past the token check, refused by the servicer
+    assert report.fds_after <= report.fds_before + 2, summary
+    assert report.rss_peak_kib - report.rss_before_kib < RSS_PEAK_LIMIT_KIB, summary
+    # Hundreds of refusals, a log line per 10 s.
+    assert report.refusal_lines <= report.duration_s / 10 + 2, summary

@@ -137,6 +137,9 @@ class FakeLink:
         message = "" if self.checkpoint_durable else "the store is read-only"
         return pb.CheckpointSaved(step=step, durable=self.checkpoint_durable, message=message)
 
+    def heal_relay_requested(self) -> bool:
+        return False
+
     def take_heal_request(self) -> bool:
         requested, self.heal_requested = self.heal_requested, False
         return requested

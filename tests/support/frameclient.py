@@ -32,9 +32,13 @@ class FrameWorker(RawWorker):
         self.status: tuple[grpc.StatusCode, str] | None = None
 
     @classmethod
-    async def open(cls, port: int, token: str | None = None, hello: bool = True) -> FrameWorker:
-        """Connect (and say HELLO); close it with `close`, or open it in `frame_workers`."""
-        reader, writer = await asyncio.wait_for(asyncio.open_connection("127.0.0.1", port), 5)
+    async def open(
+        cls, port: int, token: str | None = None, hello: bool = True, source: str = "127.0.0.1"
+    ) -> FrameWorker:
+        """Connect from `source` (and say HELLO); close it with `close`, or open it in
+        `frame_workers`."""
+        connecting = asyncio.open_connection("127.0.0.1", port, local_addr=(source, 0))
+        reader, writer = await asyncio.wait_for(connecting, 5)
         if hello:
             writer.write(hello_frame(token))
         return cls(reader, writer)
@@ -100,8 +104,10 @@ async def frame_workers(port: int) -> AsyncIterator[Opener]:
     """`open(token=..., hello=...)` connects a FrameWorker to `port`; all are closed at exit."""
     opened: list[FrameWorker] = []
 
-    async def open_one(token: str | None = None, hello: bool = True) -> FrameWorker:
-        worker = await FrameWorker.open(port, token, hello)
+    async def open_one(
+        token: str | None = None, hello: bool = True, source: str = "127.0.0.1"
+    ) -> FrameWorker:
+        worker = await FrameWorker.open(port, token, hello, source)
         opened.append(worker)
         return worker
 
@@ -113,4 +119,6 @@ async def frame_workers(port: int) -> AsyncIterator[Opener]:
 
 
 class Opener(Protocol):
-    async def __call__(self, token: str | None = None, hello: bool = True) -> FrameWorker: ...
+    async def __call__(
+        self, token: str | None = None, hello: bool = True, source: str = "127.0.0.1"
+    ) -> FrameWorker: ...

@@ -239,3 +239,21 @@ def test_a_completed_step_tells_the_lowest_rank_who_was_slowest() -> None:
     assert tuple(ranks) == (0,)
     assert (report.step, report.slowest_rank) == (0, 1)
     assert abs(report.slowest_lag_s - 0.05) < 1e-9
+
+
+def test_a_newcomer_whose_direct_heal_failed_gets_the_state_relayed() -> None:
+    """A rejoining rank that says its direct read failed (`Join.heal_relayed`) makes the
+    donor's request ask for the state itself; an ordinary newcomer's does not."""
+    job, _ = make_job(ByteBudget(1 << 20), on_failure="elastic", min_workers=2)
+    job.detach(2, orderly=False)
+    (request,) = messages(job.join(2, join(2)), "state_request")
+    assert request.state_request.for_rank == 2 and not request.state_request.relay
+    offer = pb.CheckpointChunk(
+        step=job.open_step, offset=0, total_bytes=5, payload=b"offer", heal=True
+    )
+    assert len(messages(job.on_checkpoint_chunk(0, offer), "welcome")) == 1  # rank 2 admitted
+    job.detach(2, orderly=True)  # its read of the offer failed: it leaves and rejoins
+    retry = join(2)
+    retry.heal_relayed = True
+    (request,) = messages(job.join(2, retry), "state_request")
+    assert request.state_request.for_rank == 2 and request.state_request.relay

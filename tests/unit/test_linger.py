@@ -97,3 +97,15 @@ def test_a_peer_that_reads_nothing_is_cut_once_nothing_moved_for_the_linger(
     _, took, cut = asyncio.run(_ended_connection(None))
     assert cut
     assert linger.LINGER_S <= took < linger.LINGER_S + 2
+
+
+def test_a_peer_that_keeps_reading_a_little_is_cut_at_the_total_bound(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Bytes that keep moving, a few KiB at a time, hold the connection no longer than
+    `MAX_LINGER_S` in all (the peer here would take over a second for the 2 MiB)."""
+    monkeypatch.setattr(linger, "LINGER_S", 0.3)
+    monkeypatch.setattr(linger, "MAX_LINGER_S", 0.6)
+    got, took, cut = asyncio.run(_ended_connection(0.01))
+    assert cut and got < PAYLOAD
+    assert linger.MAX_LINGER_S <= took < linger.MAX_LINGER_S + 1

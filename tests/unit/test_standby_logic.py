@@ -14,9 +14,11 @@ from gradsync_server.store.lease import (
     LeaseError,
     LeaseRecord,
     LeaseTimer,
+    SuspectWatch,
     must_demote,
     poll_interval_s,
     renew_interval_s,
+    suspicion,
 )
 
 
@@ -134,3 +136,24 @@ def test_only_a_standby_that_came_up_under_another_holder_defers_the_takeover() 
     assert takeover_delay_s(1.5, watched_s=0.4, seen_held=True) == 0.25  # just restarted
     assert takeover_delay_s(1.5, watched_s=1.5, seen_held=True) == 0.0  # there all along
     assert takeover_delay_s(1.5, watched_s=0.0, seen_held=False) == 0.0  # first of a cluster
+
+
+def test_a_lease_value_our_scripts_could_not_have_written_is_suspect() -> None:
+    record, why = suspicion("3|coord-a|10.0.0.1:1", 1500, "3")
+    assert record == LeaseRecord(3, "coord-a", "10.0.0.1:1") and why is None
+    assert "no deadline" in str(suspicion("3|coord-a|10.0.0.1:1", -1, "3")[1])
+    assert "fence 3 is not the last one issued (4)" in str(
+        suspicion("3|coord-a|10.0.0.1:1", 1500, "4")[1]
+    )
+    assert "(none)" in str(suspicion("3|coord-a|10.0.0.1:1", 1500, "")[1])
+    assert suspicion("garbage", 1500, "3") == (None, "it is not 'fence|holder|address'")
+
+
+def test_a_suspect_value_expires_after_a_ttl_of_being_seen_unchanged() -> None:
+    watch = SuspectWatch(ttl_s=3.0)
+    assert watch.held_s("x", 10.0) is None
+    assert watch.held_s("x", 12.9) is None
+    assert watch.held_s("y", 13.5) is None  # another value: counted from now
+    assert watch.held_s("y", 16.5) == 3.0
+    watch.clear()
+    assert watch.held_s("y", 17.0) is None

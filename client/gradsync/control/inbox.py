@@ -262,6 +262,10 @@ class Inbox:
                 self._shared.heal_epoch = self._shared.membership_epoch
             return requested
 
+    def heal_relay_requested(self) -> bool:
+        with self._cond:
+            return self._shared.heal_relay
+
     def wait_heal_answer(self, step: int, timeout_s: float) -> bool:
         with self._cond:
             epoch = self._shared.heal_epoch
@@ -375,6 +379,7 @@ class Inbox:
                 log.warning("rank %d: membership changed: %s", self.rank, change.reason)
             elif kind == "state_request":
                 shared.heal_requested = True
+                shared.heal_relay = message.state_request.relay
                 log.warning(
                     "rank %d: asked for its state to heal rejoining rank %d",
                     self.rank,

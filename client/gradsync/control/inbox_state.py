@@ -56,6 +56,8 @@ class InboxState:
     live_ranks: tuple[int, ...] | None = None
     #: A live rank asked to donate its state to a rejoining rank (elastic).
     heal_requested: bool = False
+    #: ... asking for the state itself through the coordinator (StateRequest.relay).
+    heal_relay: bool = False
     #: The membership epoch in which this rank took the latest such request (its state
     #: went out in it): the coordinator's answer is a change past it (`wait_heal_answer`).
     heal_epoch: int | None = None

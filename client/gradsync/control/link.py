@@ -86,6 +86,11 @@ class SessionLink(Protocol):
         """True, once, when a rejoining rank asked for this rank's state."""
         ...
 
+    def heal_relay_requested(self) -> bool:
+        """Whether the latest request asked for the state itself through the coordinator
+        (a rejoining rank could not read a direct offer of it)."""
+        ...
+
     def wait_heal_answer(self, step: int, timeout_s: float) -> bool:
         """After `send_heal(step, ...)`: block until the coordinator admitted the ranks it
         heals (a MembershipChanged past the epoch the state went out in), asked for the

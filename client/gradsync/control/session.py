@@ -34,6 +34,7 @@ from gradsync.control.link import CoordinatorLink, LinkFactory, SessionLink
 from gradsync.control.position import position
 from gradsync.control.start_state import broadcast_start_state
 from gradsync.control.state_load import (
+    DirectHealError,
     HealDonor,
     live_state,
     load_module_state,
@@ -115,6 +116,9 @@ class Session:
         self._local: LocalGroupPath | None = None
         #: This rank's state offered to ranks it heals (`heal_channel`), while served.
         self.donor = HealDonor()
+        #: A live rank's direct offer of its state could not be read: rejoin asking for it
+        #: through the coordinator (`Join.heal_relayed`).
+        self._heal_relayed = False
         self._link = self._new_link()
 
     @property
@@ -139,7 +143,7 @@ class Session:
             GradSyncError: joining failed; the link is closed.
         """
         try:
-            return self._join_and_broadcast()
+            return self._join_healed()
         except CoordinatorUnavailableError:
             if self._addresses is None or not self._addresses.several:
                 self._release(timeout_s=5.0)
@@ -148,6 +152,26 @@ class Session:
             self._release(timeout_s=5.0)
             raise
         return self._start_elsewhere(self._addresses)
+
+    def _join_healed(self) -> int:
+        """Join; a rejoining rank that could not read the donor's direct offer of its state
+        (the donor's socket held, refused or too slow) rejoins once, asking for the state
+        through the coordinator, instead of failing."""
+        try:
+            return self._join_and_broadcast()
+        except DirectHealError as exc:
+            if self._heal_relayed:
+                raise
+            log.warning(
+                "rank %d: %s; rejoining to be healed through the coordinator instead",
+                self.config.rank,
+                exc,
+            )
+        self._release(timeout_s=_ABANDON_LINK_TIMEOUT_S)
+        self._local = None
+        self._heal_relayed = True
+        self._link = self._new_link()
+        return self._join_and_broadcast()
 
     def _start_elsewhere(self, addresses: AddressRotation) -> int:
         """The first address did not serve: try each other one once (one may be a standby)."""
@@ -195,7 +219,7 @@ class Session:
             # Before this rank's buffer broadcast and gradients of the step: the newcomer
             # takes part in both (its Welcome says from which collective number). The
             # joiner reads while this rank computes; `donor.release` waits for it.
-            self._send_heal(step, settle=False)
+            self._send_heal(step, settle=False, relay=self._link.heal_relay_requested())
             await_heal_answer(self._link, self.config, step)  # (why: in its module)
         every = self.checkpoint_every
         if (
@@ -238,10 +262,10 @@ class Session:
         """Module state, optimizer state and step, serialized for checkpoints."""
         return torch_blob(live_state(self.module, self._optimizer, step, self.config.world_size))
 
-    def _send_heal(self, step: int, settle: bool = True) -> None:
+    def _send_heal(self, step: int, settle: bool = True, relay: bool = False) -> None:
         """Upload this rank's state (or an offer of it) for the ranks it heals."""
         args = (self._link, self.config, self.module, self._optimizer, step)
-        self.donor.send(*args, settle=settle)
+        self.donor.send(*args, settle=settle, relay=relay)
 
     # ------------------------------------------------------------ reconnecting
     def reconnect(self, cause: GradSyncError, step: int) -> int:
@@ -376,6 +400,7 @@ class Session:
             host_id=host_id() if config.hierarchical else "",
             local_world_size=config.local_world_size,
             position=self._position,
+            heal_relayed=self._heal_relayed,
         )
         log.info(
             "rank %d: joining job '%s' at %s (world size %d, %d buckets)",

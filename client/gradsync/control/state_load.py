@@ -70,6 +70,11 @@ def torch_blob(state: dict[str, Any]) -> bytes:
     return buffer.getvalue()
 
 
+class DirectHealError(CheckpointMismatchError):
+    """A live rank's direct offer of its state could not be read (the joiner may rejoin
+    to be healed through the coordinator instead)."""
+
+
 def send_heal_state(
     link: SessionLink,
     config: ClientConfig,
@@ -78,6 +83,7 @@ def send_heal_state(
     step: int,
     previous: heal_channel.StateOffer | None,
     settle: bool = True,
+    relay: bool = False,
 ) -> heal_channel.StateOffer | None:
     """Upload this rank's state for the ranks it heals; return its offer while served.
 
@@ -88,13 +94,14 @@ def send_heal_state(
     before the parameters or the optimizer state change (the module's
     buffers, which a forward pass changes, are served from a copy). Else (a
     remote coordinator: the joiner may be on another host, or
-    `$GRADSYNC_HEAL_CHANNEL=0`) the state itself goes through the coordinator.
+    `$GRADSYNC_HEAL_CHANNEL=0`, or `relay`: the joiner could not read a direct offer
+    before) the state itself goes through the coordinator.
     """
     if previous is not None:
         previous.close()
     flag = os.environ.get(ENV_HEAL_CHANNEL, "").strip().lower()
     loopback = all(auth.is_loopback(a) for a in config.coordinator.split(","))
-    if flag in ("0", "false", "no", "off") or not loopback:
+    if flag in ("0", "false", "no", "off") or not loopback or relay:
         # Raw, not pickled: written (and read) in slices, so heartbeats keep going.
         state = live_state(module, optimizer, step, config.world_size)
         link.send_heal(step, raw_state.to_bytes(state))
@@ -131,9 +138,12 @@ class HealDonor:
         optimizer: torch.optim.Optimizer | None,
         step: int,
         settle: bool,
+        relay: bool = False,
     ) -> None:
         """Offer (or upload) this rank's state of `step`; see `send_heal_state`."""
-        self._offer = send_heal_state(link, config, module, optimizer, step, self._offer, settle)
+        self._offer = send_heal_state(
+            link, config, module, optimizer, step, self._offer, settle, relay
+        )
 
     def release(self) -> None:
         """The live tensors are about to change: wait for a transfer of them to end."""
@@ -228,7 +238,7 @@ def _load_offered(
         try:
             return heal_channel.fetch(offer, limit, timeout_s, into)
         except heal_channel.HealChannelError as exc:  # not a mismatch: the donor may be gone
-            raise CheckpointMismatchError(
+            raise DirectHealError(
                 f"rank {rank} could not read a live rank's state of step {step} to rejoin job "
                 f"'{job_id}': {exc}. Start this rank again to rejoin (another live rank "
                 "donates)",

@@ -130,6 +130,7 @@ class Transport:
         self.wait_checkpoint = self._inbox.wait_checkpoint
         self.wait_join_progress = self._inbox.wait_join_progress
         self.take_heal_request = self._inbox.take_heal_request
+        self.heal_relay_requested = self._inbox.heal_relay_requested
         self.wait_heal_answer = self._inbox.wait_heal_answer
         self.step_report = self._inbox.step_report
         self.live_ranks = self._inbox.live_ranks

@@ -176,7 +176,7 @@ class ModelSignature(_message.Message):
     def __init__(self, parameters: _Optional[_Iterable[_Union[TensorSpec, _Mapping]]] = ..., buffers: _Optional[_Iterable[_Union[TensorSpec, _Mapping]]] = ..., buckets: _Optional[_Iterable[_Union[BucketSpec, _Mapping]]] = ..., outer: _Optional[_Union[OuterOptimizer, _Mapping]] = ...) -> None: ...
 
 class Join(_message.Message):
-    __slots__ = ("job_id", "rank", "world_size", "signature", "incarnation", "client_version", "host_id", "local_world_size", "position")
+    __slots__ = ("job_id", "rank", "world_size", "signature", "incarnation", "client_version", "host_id", "local_world_size", "position", "heal_relayed")
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
     RANK_FIELD_NUMBER: _ClassVar[int]
     WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -186,6 +186,7 @@ class Join(_message.Message):
     HOST_ID_FIELD_NUMBER: _ClassVar[int]
     LOCAL_WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
     POSITION_FIELD_NUMBER: _ClassVar[int]
+    HEAL_RELAYED_FIELD_NUMBER: _ClassVar[int]
     job_id: str
     rank: int
     world_size: int
@@ -195,7 +196,8 @@ class Join(_message.Message):
     host_id: str
     local_world_size: int
     position: Position
-    def __init__(self, job_id: _Optional[str] = ..., rank: _Optional[int] = ..., world_size: _Optional[int] = ..., signature: _Optional[_Union[ModelSignature, _Mapping]] = ..., incarnation: _Optional[str] = ..., client_version: _Optional[str] = ..., host_id: _Optional[str] = ..., local_world_size: _Optional[int] = ..., position: _Optional[_Union[Position, _Mapping]] = ...) -> None: ...
+    heal_relayed: bool
+    def __init__(self, job_id: _Optional[str] = ..., rank: _Optional[int] = ..., world_size: _Optional[int] = ..., signature: _Optional[_Union[ModelSignature, _Mapping]] = ..., incarnation: _Optional[str] = ..., client_version: _Optional[str] = ..., host_id: _Optional[str] = ..., local_world_size: _Optional[int] = ..., position: _Optional[_Union[Position, _Mapping]] = ..., heal_relayed: _Optional[bool] = ...) -> None: ...
 
 class Position(_message.Message):
     __slots__ = ("step", "digest")
@@ -288,10 +290,12 @@ class MembershipChanged(_message.Message):
     def __init__(self, membership_epoch: _Optional[int] = ..., ranks: _Optional[_Iterable[int]] = ..., step: _Optional[int] = ..., reason: _Optional[str] = ...) -> None: ...
 
 class StateRequest(_message.Message):
-    __slots__ = ("for_rank",)
+    __slots__ = ("for_rank", "relay")
     FOR_RANK_FIELD_NUMBER: _ClassVar[int]
+    RELAY_FIELD_NUMBER: _ClassVar[int]
     for_rank: int
-    def __init__(self, for_rank: _Optional[int] = ...) -> None: ...
+    relay: bool
+    def __init__(self, for_rank: _Optional[int] = ..., relay: _Optional[bool] = ...) -> None: ...
 
 class CheckpointSaved(_message.Message):
     __slots__ = ("step", "durable", "message")

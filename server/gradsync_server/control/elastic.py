@@ -134,7 +134,10 @@ class Elastic:
         # (`JobPlane.awaits_leader`; the client's `gradsync.control.heal_answer`).
         donor = min(membership.members)
         self._heal = DonorState(donor, self._chunk_bytes, self._max_blob_bytes, self._budget)
-        request = pb.StateRequest(for_rank=min(membership.newcomers))
+        # A newcomer that could not read the donor's direct offer before gets the state
+        # itself through us (the donor uploads it raw instead of an offer).
+        relay = any(rank in membership.heal_relayed for rank in membership.newcomers)
+        request = pb.StateRequest(for_rank=min(membership.newcomers), relay=relay)
         return [Send((donor,), pb.CoordinatorMessage(state_request=request))]
 
     def on_heal_chunk(self, rank: int, chunk: pb.CheckpointChunk) -> list[Action]:

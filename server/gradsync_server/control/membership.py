@@ -56,6 +56,8 @@ class Membership:
         self.members: dict[int, Member] = {}
         #: Restarted ranks waiting to be healed with a live rank's state (elastic).
         self.newcomers: dict[int, Member] = {}
+        #: Newcomers whose direct heal failed: their state must come through us.
+        self.heal_relayed: set[int] = set()
         #: The signature every rank must match, and the rank it came from.
         self.signature: pb.ModelSignature | None = None
         self._reference_rank: int | None = None
@@ -125,6 +127,8 @@ class Membership:
                 f"rank {rank} cannot rejoin: model signatures differ: {difference}",
             )
         self.newcomers[rank] = self._member(rank, join)
+        if join.heal_relayed:
+            self.heal_relayed.add(rank)
 
     def new_epoch(self) -> None:
         """The members changed without newcomers (a rank was lost): a new epoch begins."""
@@ -139,6 +143,7 @@ class Membership:
         promoted = sorted(self.newcomers)
         for rank in promoted:
             self.members[rank] = self.newcomers.pop(rank)
+            self.heal_relayed.discard(rank)
             self.groups.make_flat(rank)  # v1: a rejoining rank is flat
         self.epoch += 1
         return promoted
@@ -240,6 +245,7 @@ class Membership:
         rank when its owner leaves.
         """
         if self.newcomers.pop(rank, None) is not None:
+            self.heal_relayed.discard(rank)
             return False
         if self.members.pop(rank, None) is None:
             return False

@@ -24,19 +24,13 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import logging
-import time
 from collections.abc import Awaitable, Callable
 from typing import Any
 
 import grpc
 from gradsync_proto import auth
 
-log = logging.getLogger("gradsync.server")
-
-#: Refused calls are logged at most once per this many seconds (with a count),
-#: so that a flood of bad calls cannot flood the log.
-REFUSAL_LOG_PERIOD_S = 10.0
+from gradsync_server.rpc.refusals import RefusalLog
 
 #: How long a refused stream waits for the caller's first message before its status.
 FIRST_MESSAGE_WAIT_S = 2.0
@@ -124,21 +118,20 @@ class TokenCheck(grpc.aio.ServerInterceptor):  # type: ignore[misc]  # grpc ship
             None = those calls are not checked (no token configured).
         shard_token: the shards' secret, required of ShardLink; None = ShardLink is
             refused when `token` is set, and unchecked otherwise.
-        clock: monotonic seconds (injectable for tests of the log rate limit).
+        refusals: where refused calls are logged, rate-limited (shared with the
+            process's other ports; None: a log of its own).
     """
 
     def __init__(
         self,
         token: str | None,
         shard_token: str | None = None,
-        clock: Callable[[], float] = time.monotonic,
+        refusals: RefusalLog | None = None,
     ) -> None:
         self._token = token
         self._shard_token = shard_token
-        self._clock = clock
-        self._refused_since_log = 0
-        self._last_log = -REFUSAL_LOG_PERIOD_S
-        #: Calls refused since start (for tests and the log).
+        self._refusals = refusals or RefusalLog()
+        #: Calls refused since start (for tests).
         self.refused = 0
         #: Refused streams now waiting for their first message (bounded).
         self.waiting = 0
@@ -170,19 +163,8 @@ class TokenCheck(grpc.aio.ServerInterceptor):  # type: ignore[misc]  # grpc ship
 
     def _note_refusal(self, method: str | bytes, missing: bool) -> None:
         self.refused += 1
-        self._refused_since_log += 1
-        now = self._clock()
-        if now - self._last_log >= REFUSAL_LOG_PERIOD_S:
-            name = method.decode("utf-8", "replace") if isinstance(method, bytes) else method
-            log.warning(
-                "refused %d unauthenticated call(s) in the last %gs (latest: %r, %s)",
-                self._refused_since_log,
-                min(REFUSAL_LOG_PERIOD_S, now - self._last_log),
-                name,
-                "no token" if missing else "wrong token",
-            )
-            self._last_log = now
-            self._refused_since_log = 0
+        name = method.decode("utf-8", "replace") if isinstance(method, bytes) else method
+        self._refusals.note("gRPC", repr(name), "no token" if missing else "wrong token")
 
 
 def _refusing(
@@ -227,7 +209,9 @@ def shaped_like(
 
 
 def interceptors(
-    token: str | None, shard_token: str | None = None
+    token: str | None, shard_token: str | None = None, refusals: RefusalLog | None = None
 ) -> list[grpc.aio.ServerInterceptor]:
     """The server's interceptors: the token check when either token is set."""
-    return [] if token is None and shard_token is None else [TokenCheck(token, shard_token)]
+    if token is None and shard_token is None:
+        return []
+    return [TokenCheck(token, shard_token, refusals)]

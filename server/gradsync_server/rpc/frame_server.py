@@ -17,6 +17,15 @@ first-message deadline for the HELLO, the message size limit (a frame longer
 than `--max-message-mb` ends the connection unread), and flow control both
 ways (reading pauses while the handler is behind; the handler's writes wait
 while the socket's buffer is full).
+
+Connections that have not authenticated are bounded from the moment they are
+accepted, before any TLS: the TLS handshake is started here on the accepted TCP
+connection (not by the listener), so the first-message deadline covers the
+handshake and the HELLO together, and the connection counts against the
+ungreeted caps (`MAX_UNGREETED` in all, `MAX_UNGREETED_PER_SOURCE` from one
+address) while it shakes hands. Ended connections that linger (`rpc.linger`)
+have a cap of their own (`MAX_LINGERING`). Every refusal is counted in the
+process's rate-limited `RefusalLog`.
 """
 
 from __future__ import annotations
@@ -46,7 +55,8 @@ from gradsync_proto.net.frames import (
 
 from gradsync_server.config import CoordinatorConfig
 from gradsync_server.rpc.auth_check import MISSING_TOKEN, WRONG_TOKEN
-from gradsync_server.rpc.linger import Linger
+from gradsync_server.rpc.linger import LINGER_S, Linger
+from gradsync_server.rpc.refusals import RefusalLog
 
 if TYPE_CHECKING:
     from gradsync_server.rpc.servicer import CoordinatorServicer
@@ -55,8 +65,14 @@ log = logging.getLogger("gradsync.server")
 
 #: Reading pauses while this many messages wait for the handler (a Join being served).
 _MAX_WAITING_MESSAGES = 64
-#: The most connections that may wait for their HELLO at once (the oldest is dropped).
+#: The most connections that may wait for their HELLO (TLS handshake included) at once;
+#: one more drops the oldest.
 MAX_UNGREETED = 64
+#: The most of them from one address; one more drops that address's oldest. Half of
+#: `MAX_UNGREETED`, so that one address alone never pushes out another's connections.
+MAX_UNGREETED_PER_SOURCE = MAX_UNGREETED // 2
+#: The most ended connections that linger at once (`rpc.linger`); one more cuts the oldest.
+MAX_LINGERING = 32
 
 #: What lingering connections read into, to drop it (shared: nobody reads it back).
 _DRAIN = memoryview(bytearray(1 << 16))
@@ -151,13 +167,34 @@ class _Requests:
         return raw
 
 
+class _EarlyBytes(asyncio.Protocol):
+    """What TLS decrypts between the end of its handshake and `start_tls` returning.
+
+    Bounded by one read of the TLS layer: the connection takes over right after.
+    """
+
+    def __init__(self) -> None:
+        self.data = bytearray()
+        self.lost = False
+
+    def data_received(self, data: bytes) -> None:
+        self.data += data
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.lost = True
+
+
 class FrameConnection(FrameReader):
     """One worker's connection: HELLO, then its Sync stream, then a STATUS frame."""
 
     def __init__(self, server: FrameServer) -> None:
         super().__init__(MAX_HELLO_BYTES, self._on_frame, self._on_lost)
         self._server = server
+        #: The accepted TCP connection (under TLS, what the TLS transport runs on).
+        self._raw: asyncio.Transport | None = None
+        #: What frames are read from and written to: the TCP or, once shaken hands, TLS transport.
         self._transport: asyncio.Transport | None = None
+        self._handshake: asyncio.Task[None] | None = None
         self._requests = _Requests(self._pause_reading)
         self._task: asyncio.Task[None] | None = None
         self._hello_timer: asyncio.TimerHandle | None = None
@@ -168,22 +205,69 @@ class FrameConnection(FrameReader):
         #: Set once the STATUS is written and our side half-closed: reads are dropped.
         self._linger: Linger | None = None
         self.peer = "frames:unknown"
+        #: The peer's address without its port: what the per-source cap counts by.
+        self.source = "unknown"
 
     # ------------------------------------------------------------ protocol
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        super().connection_made(transport)
+        """A TCP connection was accepted: it counts from now, TLS handshake included."""
         assert isinstance(transport, asyncio.Transport)
-        self._transport = transport
-        transport.set_write_buffer_limits(high=WRITE_HIGH_WATER)
+        self._raw = transport
         peer = transport.get_extra_info("peername")
         if isinstance(peer, tuple) and len(peer) >= 2:
             family = "ipv6" if ":" in str(peer[0]) else "ipv4"
             host = f"[{peer[0]}]" if family == "ipv6" else peer[0]
             self.peer = f"{family}:{host}:{peer[1]}"
+            self.source = str(peer[0])
         loop = asyncio.get_running_loop()
         self._hello_timer = loop.call_later(self._server.first_message_s, self._hello_due)
         self._server.connections.add(self)
+        if self._server.tls is None:
+            self._attach(transport)
+        else:
+            transport.pause_reading()  # what arrives now is the handshake's, not frames
+            self._handshake = loop.create_task(self._shake_hands(transport, self._server.tls))
         self._server.greeting(self)
+
+    def _attach(self, transport: asyncio.Transport) -> None:
+        super().connection_made(transport)
+        self._transport = transport
+        transport.set_write_buffer_limits(high=WRITE_HIGH_WATER)
+
+    async def _shake_hands(self, raw: asyncio.Transport, tls: ssl.SSLContext) -> None:
+        """The TLS handshake on the accepted connection, within the first-message deadline.
+
+        What the peer sent right behind its handshake is decrypted before `start_tls`
+        returns the TLS transport; it is held (`_EarlyBytes`) and then read here as if
+        it had just arrived, so the HELLO and what follows it are taken in order.
+        """
+        if self._closed or raw.is_closing():  # dropped (a cap) before its handshake began
+            self.connection_lost(None)
+            return
+        early = _EarlyBytes()
+        try:
+            secured = await asyncio.get_running_loop().start_tls(
+                raw,
+                early,
+                tls,
+                server_side=True,
+                ssl_handshake_timeout=self._server.first_message_s,
+                # A closed TLS connection waits for the peer's close_notify this long
+                # at most (asyncio's default is 30 s), counted as lingering meanwhile.
+                ssl_shutdown_timeout=LINGER_S,
+            )
+        except (OSError, TimeoutError) as exc:  # (ssl.SSLError is an OSError)
+            if isinstance(exc, ssl.SSLError) and not self._closed:
+                self._server.refusals.note("frame", self.peer, f"TLS handshake failed: {exc}")
+            secured = None
+        if secured is None or early.lost or self._closed or raw.is_closing():
+            raw.abort()  # failed, or cut while it shook hands (a cap, the deadline)
+            self.connection_lost(None)
+            return
+        secured.set_protocol(self)
+        self._attach(secured)
+        if early.data:
+            self.data_arrived(early.data)
 
     def pause_writing(self) -> None:
         self._writable = asyncio.get_running_loop().create_future()
@@ -201,6 +285,18 @@ class FrameConnection(FrameReader):
     def buffer_updated(self, nbytes: int) -> None:
         if self._linger is None:
             super().buffer_updated(nbytes)
+
+    def data_arrived(self, data: bytes | bytearray) -> None:
+        """Take `data` as if the transport had just read it (bytes that came before it)."""
+        view = memoryview(data)
+        while view and not self._closed and self.failed is None:
+            buffer = self.get_buffer(len(view))
+            if not buffer:
+                return  # (a transport would end the connection here too)
+            size = min(len(buffer), len(view))
+            buffer[:size] = view[:size]
+            self.buffer_updated(size)
+            view = view[size:]
 
     def _open(self) -> asyncio.Transport | None:
         """The transport while this end may still write to it (None once it ended)."""
@@ -234,7 +330,7 @@ class FrameConnection(FrameReader):
             message = template.format(env=auth.ENV_TOKEN, env_file=auth.ENV_TOKEN_FILE)
             self._server.refused += 1
             why = "no token" if not presented else "wrong token"
-            log.warning("refused a frame connection from %s: %s", self.peer, why)
+            self._server.refusals.note("frame", self.peer, why)
             self._finish(Code.UNAUTHENTICATED, message)
             return
         self.max_body_bytes = self._server.max_message_bytes
@@ -247,6 +343,7 @@ class FrameConnection(FrameReader):
             self._linger.cancel()
         self._server.connections.discard(self)
         self._server.greeted(self)
+        self._server.lingered(self)
         if self._hello_timer is not None:
             self._hello_timer.cancel()
         self._release_handler(exc if exc is not None and not isinstance(exc, FrameError) else None)
@@ -259,6 +356,8 @@ class FrameConnection(FrameReader):
 
     def _hello_due(self) -> None:
         if self._task is None and not self._closed:
+            why = "no HELLO" if self._transport is not None else "no TLS handshake"
+            self._server.refusals.note("frame", self.peer, f"{why} within the deadline")
             self._finish(
                 Code.DEADLINE_EXCEEDED,
                 f"{self.peer} sent no HELLO within the first-message deadline "
@@ -306,18 +405,26 @@ class FrameConnection(FrameReader):
         or once its last bytes stopped moving for a while (`rpc.linger`). TLS cannot
         half-close, and a connection that never said HELLO is not worth a descriptor
         for seconds (a flood of them must stay bounded, `MAX_UNGREETED`): those close
-        as before.
+        at once, and count as lingering until they are gone (a TLS close waits for
+        the peer's close_notify, at most `LINGER_S`).
         """
+        if self._transport is None:  # still shaking hands: nothing can be said before TLS
+            if self._raw is not None and not self._closed:
+                self._raw.abort()
+            return
         transport = self._open()
         if transport is None:
             return
         self._ending = True
         transport.write(status_frame(code, details))
         if self._task is None or not transport.can_write_eof():
-            transport.close()
+            transport.close()  # (TLS: after the peer's close_notify, within LINGER_S)
+            if not self._closed:
+                self._server.lingering(self)  # held until then: counted
             return
         transport.write_eof()  # after what is buffered
         self._linger = Linger(transport)
+        self._server.lingering(self)
         # What comes now is dropped: a handler still running (a refused frame) sees the
         # end of its messages now, as it did when the connection closed at once.
         self._release_handler(None)
@@ -326,7 +433,7 @@ class FrameConnection(FrameReader):
     def refuse(self, exc: BaseException) -> None:
         """Bytes that are not frames: say why in a STATUS frame, then close."""
         if isinstance(exc, FrameError):
-            log.warning("frame connection from %s refused: %s", self.peer, exc)
+            self._server.refusals.note("frame", self.peer, str(exc))
             self._finish(int(exc.code), f"{self.peer}: {exc}")
         else:  # the handler's side raised while taking a frame: a bug
             log.error("internal error taking a frame from %s", self.peer, exc_info=exc)
@@ -348,9 +455,10 @@ class FrameConnection(FrameReader):
         self._finish(int(code), details)
 
     def abort(self) -> None:
-        """Drop the connection now (shutdown)."""
-        if self._transport is not None:
-            self._transport.abort()
+        """Drop the connection now (shutdown, or a lingering one over its cap)."""
+        transport = self._transport or self._raw
+        if transport is not None:
+            transport.abort()
         if self._task is not None:
             self._task.cancel()
 
@@ -362,8 +470,11 @@ class FrameServer:
         handler: serves one Sync stream (the gRPC handler, guarded).
         token: the workers' token every HELLO must present (None: unchecked).
         max_message_bytes: the longest message frame accepted.
-        first_message_s: how long a connection may take to send its HELLO.
+        first_message_s: how long a connection may take to send its HELLO, from its
+            accept (its TLS handshake included).
         tls: the TLS context (None: plaintext).
+        refusals: where refusals are logged, rate-limited (shared with the process's
+            gRPC port; None: a log of its own).
     """
 
     def __init__(
@@ -374,6 +485,7 @@ class FrameServer:
         max_message_bytes: int,
         first_message_s: float,
         tls: ssl.SSLContext | None = None,
+        refusals: RefusalLog | None = None,
     ) -> None:
         self.handler = handler
         self.token = token
@@ -381,32 +493,69 @@ class FrameServer:
         self.first_message_s = first_message_s
         self.tls = tls
         self.connections: set[FrameConnection] = set()
+        self.refusals = refusals or RefusalLog()
         #: Connections that have not said HELLO yet, oldest first (at most MAX_UNGREETED).
         self._ungreeted: dict[FrameConnection, None] = {}
-        #: Connections refused for their token (for tests and the log).
+        #: How many of them each source address holds (at most MAX_UNGREETED_PER_SOURCE).
+        self._ungreeted_by_source: collections.Counter[str] = collections.Counter()
+        #: Ended connections lingering, oldest first (at most MAX_LINGERING).
+        self._lingering: dict[FrameConnection, None] = {}
+        #: Connections refused for their token (for tests).
         self.refused = 0
         self._server: asyncio.Server | None = None
         self.port = 0
 
     def greeting(self, connection: FrameConnection) -> None:
-        """A new connection waits for its HELLO; beyond `MAX_UNGREETED`, the oldest is dropped.
+        """A connection was accepted and waits for its HELLO; beyond a cap its oldest goes.
 
-        Unauthenticated connections count against no cap (`--max-connections` counts
-        streams, which begin at the HELLO), so their number is bounded here: a flood
-        of silent connections cannot hold memory or descriptors for long.
+        Unauthenticated connections count against no other cap (`--max-connections`
+        counts streams, which begin at the HELLO), so their number is bounded here from
+        the accept on, TLS handshake included: a flood of silent connections cannot hold
+        memory or descriptors. One address may hold `MAX_UNGREETED_PER_SOURCE` of them
+        (one more drops its own oldest), all addresses together `MAX_UNGREETED` (one
+        more drops the oldest of all).
         """
+        source = connection.source
+        if self._ungreeted_by_source[source] >= MAX_UNGREETED_PER_SOURCE:
+            oldest = next(c for c in self._ungreeted if c.source == source)
+            self._drop_ungreeted(
+                oldest,
+                f"{MAX_UNGREETED_PER_SOURCE} connections from {source} to the frame port "
+                "are waiting to say HELLO; the oldest is dropped",
+            )
         self._ungreeted[connection] = None
+        self._ungreeted_by_source[source] += 1
         if len(self._ungreeted) > MAX_UNGREETED:
-            oldest = next(iter(self._ungreeted))
-            self.greeted(oldest)
-            oldest.drop(
-                Code.RESOURCE_EXHAUSTED,
+            self._drop_ungreeted(
+                next(iter(self._ungreeted)),
                 f"{MAX_UNGREETED} connections to the frame port are waiting to say HELLO; "
                 "the oldest is dropped",
             )
 
+    def _drop_ungreeted(self, connection: FrameConnection, details: str) -> None:
+        self.greeted(connection)
+        self.refusals.note("frame", connection.peer, details)
+        connection.drop(Code.RESOURCE_EXHAUSTED, details)
+
     def greeted(self, connection: FrameConnection) -> None:
-        self._ungreeted.pop(connection, None)
+        """`connection` said HELLO (or ended): it no longer counts as ungreeted."""
+        if connection in self._ungreeted:
+            del self._ungreeted[connection]
+            self._ungreeted_by_source[connection.source] -= 1
+            if not self._ungreeted_by_source[connection.source]:
+                del self._ungreeted_by_source[connection.source]
+
+    def lingering(self, connection: FrameConnection) -> None:
+        """`connection` ended and lingers; beyond `MAX_LINGERING` the oldest is cut."""
+        self._lingering[connection] = None
+        if len(self._lingering) > MAX_LINGERING:
+            oldest = next(iter(self._lingering))
+            self.lingered(oldest)
+            oldest.abort()
+
+    def lingered(self, connection: FrameConnection) -> None:
+        """`connection` is gone: it no longer lingers."""
+        self._lingering.pop(connection, None)
 
     async def start(self, host: str, port: int) -> int:
         """Listen on `host:port` (0 = any free port); the bound port."""
@@ -415,8 +564,10 @@ class FrameServer:
             lambda: FrameConnection(self),
             host.strip("[]") or None,
             port,
-            ssl=self.tls,
             reuse_address=True,
+            # TLS is started by each connection on its accepted socket (`_shake_hands`),
+            # so that the connection counts from its accept, not from its handshake's end.
+            backlog=MAX_UNGREETED * 2,
         )
         sockets = self._server.sockets
         self.port = int(sockets[0].getsockname()[1]) if sockets else 0
@@ -434,7 +585,7 @@ class FrameServer:
 
 
 async def start_frame_server(
-    config: CoordinatorConfig, servicer: CoordinatorServicer
+    config: CoordinatorConfig, servicer: CoordinatorServicer, refusals: RefusalLog | None = None
 ) -> FrameServer:
     """Serve Sync streams as frames too (`frame_server`), on the gRPC port's host and security.
 
@@ -448,6 +599,7 @@ async def start_frame_server(
         max_message_bytes=config.max_message_bytes,
         first_message_s=config.first_message_timeout_s,
         tls=tls_context(config.tls_cert, config.tls_key, config.tls_client_ca),
+        refusals=refusals,
     )
     try:
         servicer.frame_port = await frames.start(config.host, config.frame_port)

@@ -10,7 +10,10 @@ is the very loss the lingering is there to prevent. So the connection is cut onl
 after `LINGER_S` in which none of our bytes moved: none left the transport's buffer
 and none were acknowledged by the worker's kernel (Linux: `TIOCOUTQ`, the bytes of
 the socket's send queue not yet acknowledged). Once all of them are acknowledged the
-worker has everything, and it gets `LINGER_S` more to close.
+worker has everything, and it gets `LINGER_S` more to close. A peer that keeps the
+bytes moving, a few at a time, still gets no more than `MAX_LINGER_S` in all, and the
+frame server cuts the oldest lingering connection beyond a count of its own
+(`frame_server.MAX_LINGERING`).
 """
 
 from __future__ import annotations
@@ -23,6 +26,9 @@ import termios
 
 #: Cut an ended connection after this long without any of its last bytes moving.
 LINGER_S = 5.0
+#: Cut an ended connection after this long in all, moving or not (a link that slow
+#: to carry the last answers and the STATUS is taken for a peer that holds it).
+MAX_LINGER_S = 60.0
 #: How often a lingering connection looks whether its bytes moved.
 CHECK_S = 0.25
 
@@ -39,7 +45,8 @@ def unacknowledged_bytes(transport: asyncio.Transport) -> int:
 
 
 class Linger:
-    """Cut `transport` (abort) once its unacknowledged bytes stop moving for `LINGER_S`.
+    """Cut `transport` (abort) once its unacknowledged bytes stop moving for `LINGER_S`,
+    or `MAX_LINGER_S` after it began.
 
     Started right after the half-close; `cancel` when the connection ends by itself.
     """
@@ -48,7 +55,7 @@ class Linger:
         self._transport = transport
         self._loop = asyncio.get_running_loop()
         self._pending = unacknowledged_bytes(transport)
-        self._moved_at = self._loop.time()
+        self._moved_at = self._started_at = self._loop.time()
         self._timer: asyncio.TimerHandle | None = self._loop.call_later(CHECK_S, self._check)
 
     def cancel(self) -> None:
@@ -62,7 +69,7 @@ class Linger:
         if pending < self._pending:
             self._moved_at = now
         self._pending = pending
-        if now - self._moved_at >= LINGER_S:
+        if now - self._moved_at >= LINGER_S or now - self._started_at >= MAX_LINGER_S:
             self._timer = None
             self._transport.abort()
             return

@@ -10,7 +10,15 @@ runs in a Lua script that first compares the lease key with our value (`fence_sc
 a demoted coordinator's write is refused by Redis itself, atomically, even if it has not
 noticed yet that it lost the lease.
 
-The pure part (`LeaseRecord`, `LeaseTimer`) has no Redis import so it is unit-tested alone.
+A value at the key that none of our scripts could have written (one without a deadline,
+one that does not parse, or one whose fence is not the last fence the counter issued) is a
+foreign writer's: left alone, it would demote the holder and keep every standby out for
+ever. A standby that sees the same such value for a whole ttl treats the lease as expired:
+it logs an ERROR naming the key, the value and why, deletes that exact value and takes the
+lease (`suspicion`, `SuspectWatch`, `RedisLease.evict`).
+
+The pure part (`LeaseRecord`, `LeaseTimer`, `suspicion`, `SuspectWatch`) has no Redis import
+so it is unit-tested alone.
 """
 
 from __future__ import annotations
@@ -53,9 +61,16 @@ return 0
 _OBSERVE_SCRIPT = """
 local value = redis.call('GET', KEYS[1])
 if not value then
-  return {0, ''}
+  return {0, '', ''}
 end
-return {redis.call('PTTL', KEYS[1]), value}
+return {redis.call('PTTL', KEYS[1]), value, redis.call('GET', KEYS[2]) or ''}
+"""
+
+_EVICT_SCRIPT = """
+if redis.call('GET', KEYS[1]) == ARGV[1] then
+  return redis.call('DEL', KEYS[1])
+end
+return 0
 """
 
 _RELEASE_SCRIPT = """
@@ -119,6 +134,65 @@ class LeaseRecord:
         if len(parts) != 3 or not parts[0].isascii() or not parts[0].isdigit():
             raise LeaseError(f"lease value {text!r} is not 'fence|holder|address'")
         return cls(fence=int(parts[0]), holder=parts[1], address=parts[2])
+
+
+@dataclass(frozen=True)
+class LeaseView:
+    """The lease key as a standby reads it.
+
+    Attributes:
+        record: the holder (None: the key is absent, or its value does not parse).
+        left_s: its seconds left to live (0 when absent).
+        value: the value at the key as read (None: absent).
+        suspect: why no coordinator of ours could have written `value` (None: it could).
+    """
+
+    record: LeaseRecord | None
+    left_s: float
+    value: str | None = None
+    suspect: str | None = None
+
+
+def suspicion(value: str, ttl_ms: int, last_fence: str) -> tuple[LeaseRecord | None, str | None]:
+    """The record at the key and why it cannot be a holder's of ours (None: it can be).
+
+    Our scripts always write the key with a deadline and the fence they just drew from
+    the counter, so a holder's value has a ttl and the counter's latest fence.
+
+    Args:
+        value: the key's value; ttl_ms: its PTTL (-1: no deadline); last_fence: the
+            counter's value ("" when absent).
+    """
+    try:
+        record = LeaseRecord.decode(value)
+    except LeaseError:
+        return None, "it is not 'fence|holder|address'"
+    if ttl_ms < 0:
+        return record, "it has no deadline (TTL), which every holder's value has"
+    if last_fence != str(record.fence):
+        issued = last_fence or "none"
+        return record, f"its fence {record.fence} is not the last one issued ({issued})"
+    return record, None
+
+
+class SuspectWatch:
+    """How long one suspect value has stayed at the lease key; expired after a ttl."""
+
+    def __init__(self, ttl_s: float) -> None:
+        self.ttl_s = ttl_s
+        self._value: str | None = None
+        self._since = 0.0
+
+    def held_s(self, value: str, now: float) -> float | None:
+        """Seconds `value` has been seen unchanged once that reaches the ttl, else None."""
+        if value != self._value:
+            self._value, self._since = value, now
+        held = now - self._since
+        return held if held >= self.ttl_s else None
+
+    def clear(self) -> None:
+        """The key holds no suspect value now."""
+        self._value = None
 
 
 def renew_interval_s(ttl_s: float) -> float:
@@ -207,6 +281,11 @@ def must_demote(ours: LeaseRecord, seen: LeaseRecord | None) -> bool:
     return seen is None or seen.fence != ours.fence or seen.holder != ours.holder
 
 
+def _text(raw: object) -> str:
+    """A Redis reply as text ("" for none)."""
+    return raw.decode(errors="replace") if isinstance(raw, bytes) else str(raw or "")
+
+
 def fence_script(body: str) -> str:
     """A write script guarded by the lease: run with the lease key appended to its keys and
     our lease value appended to its arguments (`RedisLease.fenced_call` does both)."""
@@ -249,6 +328,7 @@ class RedisLease:
         self._renew = client.register_script(_RENEW_SCRIPT)
         self._observe = client.register_script(_OBSERVE_SCRIPT)
         self._release = client.register_script(_RELEASE_SCRIPT)
+        self._evict = client.register_script(_EVICT_SCRIPT)
         # Checked at once so a bad holder/address fails at start, not at the first takeover.
         LeaseRecord(1, holder, address)
 
@@ -261,15 +341,21 @@ class RedisLease:
         value = self.client.get(self.key)
         return None if value is None else LeaseRecord.decode(value)
 
-    def observe(self) -> tuple[LeaseRecord | None, float]:
-        """The lease now and its seconds left to live, read atomically ((None, 0): absent)."""
-        left_ms, value = self._observe(keys=[self.key])
-        if not value:
-            return None, 0.0
-        # PTTL -1 (a key without deadline) cannot come from our scripts: treat it as a
-        # full ttl, so the standby keeps looking at its usual pace.
+    def observe(self) -> LeaseView:
+        """The lease now, its seconds left to live and the fence counter, read atomically."""
+        left_ms, raw, last_fence = self._observe(keys=[self.key, self.fence_key])
+        if not raw:
+            return LeaseView(None, 0.0)
+        value = _text(raw)
+        record, suspect = suspicion(value, int(left_ms), _text(last_fence))
+        # PTTL -1 (a key without deadline) cannot come from our scripts: a full ttl, so a
+        # standby keeps looking at its usual pace until the value is treated as expired.
         left_s = int(left_ms) / 1000 if int(left_ms) >= 0 else self.timer.ttl_s
-        return LeaseRecord.decode(value), left_s
+        return LeaseView(record, left_s, value, suspect)
+
+    def evict(self, value: str) -> bool:
+        """Delete the key if it still holds exactly `value` (a suspect one); True if it did."""
+        return bool(int(self._evict(keys=[self.key], args=[value])))
 
     def try_acquire(self) -> LeaseRecord | None:
         """Take the lease if nobody holds it; return our record, or None (someone does)."""
