@@ -28,66 +28,95 @@ CLIENTS_WORKER = WORKERS / "clients_worker.py"
 START_APART_S = 0.5
 
 
-def run(
+def start(
     backend: str, scenario: str, world: int, out: Path, coordinator: str
-) -> list[dict[str, Any]]:
-    """Run every rank of `scenario`; return what each saved."""
+) -> dict[int, subprocess.Popen[str]]:
+    """Start every rank of `scenario`, the highest first, each started apart."""
     out.mkdir(parents=True, exist_ok=True)
     master_port = free_port()
     processes: dict[int, subprocess.Popen[str]] = {}
+    for rank in reversed(range(world)):
+        argv = [
+            sys.executable,
+            str(CLIENTS_WORKER),
+            "--backend",
+            backend,
+            "--scenario",
+            scenario,
+            "--rank",
+            str(rank),
+            "--world-size",
+            str(world),
+            "--coordinator",
+            coordinator,
+            "--master-port",
+            str(master_port),
+            "--start-delay-s",
+            str(START_APART_S * (world - 1 - rank)),
+            "--out",
+            str(out / f"rank{rank}.npz"),
+        ]
+        processes[rank] = subprocess.Popen(
+            argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+        )
+    return processes
+
+
+def run_both(
+    scenario: str, world: int, tmp_path: Path, coordinator: str
+) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """Run `scenario` over gloo and over gradsync side by side (two separate groups of
+    processes, each with its own rendezvous); return what the ranks of each saved."""
+    runs = {
+        backend: start(backend, scenario, world, tmp_path / backend, address)
+        for backend, address in (("gloo", "unused:1"), ("gradsync", coordinator))
+    }
+    everyone = [p for processes in runs.values() for p in processes.values()]
     try:
-        for rank in reversed(range(world)):
-            argv = [
-                sys.executable,
-                str(CLIENTS_WORKER),
-                "--backend",
-                backend,
-                "--scenario",
-                scenario,
-                "--rank",
-                str(rank),
-                "--world-size",
-                str(world),
-                "--coordinator",
-                coordinator,
-                "--master-port",
-                str(master_port),
-                "--start-delay-s",
-                str(START_APART_S * (world - 1 - rank)),
-                "--out",
-                str(out / f"rank{rank}.npz"),
-            ]
-            processes[rank] = subprocess.Popen(
-                argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
-            )
-        texts = {rank: p.communicate(timeout=180)[0] for rank, p in processes.items()}
+        texts = {
+            (backend, rank): p.communicate(timeout=180)[0]
+            for backend, processes in runs.items()
+            for rank, p in processes.items()
+        }
     finally:
-        reap(processes.values())
-    failed = {rank: texts[rank] for rank, p in processes.items() if p.returncode != 0}
-    assert not failed, "\n".join(f"{backend} rank {r}:\n{text}" for r, text in failed.items())
-    results = []
-    for rank in range(world):
-        with np.load(out / f"rank{rank}.npz") as data:
-            results.append(dict(data))
-    return results
+        reap(everyone)
+    failed = [
+        f"{backend} rank {rank} (exit {runs[backend][rank].returncode}):\n{text}"
+        for (backend, rank), text in texts.items()
+        if runs[backend][rank].returncode != 0
+    ]
+    assert not failed, "\n".join(failed)
+    saved: dict[str, list[dict[str, Any]]] = {}
+    for backend in runs:
+        saved[backend] = []
+        for rank in range(world):
+            with np.load(tmp_path / backend / f"rank{rank}.npz") as data:
+                saved[backend].append(dict(data))
+    return saved["gradsync"], saved["gloo"]
 
 
 def assert_same_parameters(
-    ours: list[dict[str, Any]], gloo: list[dict[str, Any]], world: int
+    ours: list[dict[str, Any]], gloo: list[dict[str, Any]], world: int, groups: tuple[str, ...]
 ) -> None:
+    """Every rank's parameters equal gloo's, every group ran on its backend, and training
+    moved the parameters (two untrained models would agree too)."""
     keys = sorted(k for k in gloo[0] if k.startswith("param/"))
-    assert keys, gloo[0].keys()
+    assert keys, sorted(gloo[0])
     for rank in range(world):
-        assert str(ours[rank]["backend_seen"]) == "gradsync"
-        assert str(gloo[rank]["backend_seen"]) == "gloo"
+        for group in groups:
+            assert str(ours[rank][f"backend/{group}"]) == "gradsync", group
+            assert str(gloo[rank][f"backend/{group}"]) == "gloo", group
         assert sorted(k for k in ours[rank] if k.startswith("param/")) == keys
         for key in keys:
             difference = float(np.abs(ours[rank][key] - gloo[rank][key]).max(initial=0.0))
             assert difference <= 1e-6, f"{key} on rank {rank}: {difference:.3g} from gloo"
-        # Training moved the parameters: the comparison is not of two initial models.
-        # (rank 0 of gloo against the initial values is not saved; ranks agree instead)
-        for key in keys:
             np.testing.assert_array_equal(ours[rank][key], ours[0][key], err_msg=key)
+        moved = [
+            key
+            for key in keys
+            if not np.array_equal(ours[rank][key], ours[rank]["init/" + key[len("param/") :]])
+        ]
+        assert len(moved) == len(keys), sorted(set(keys) - set(moved))
 
 
 def joined_jobs(coordinator: CoordinatorProcess) -> dict[str, set[int]]:
@@ -104,9 +133,12 @@ def test_fsdp2_of_a_transformer_over_gradsync_equals_gloo(
 ) -> None:
     world = 2
     coordinator = coordinator_factory(world)
-    gloo = run("gloo", "fsdp", world, tmp_path / "gloo", "unused:1")
-    ours = run("gradsync", "fsdp", world, tmp_path / "ours", coordinator.address)
-    assert_same_parameters(ours, gloo, world)
+    ours, gloo = run_both("fsdp", world, tmp_path, coordinator.address)
+    assert_same_parameters(ours, gloo, world, ("world",))
+    for rank in range(world):
+        assert str(ours[rank]["job/world"]) == "default.pg-world"
+        # Per step: an all-gather per unit forward and backward, a reduce-scatter per unit.
+        assert int(ours[rank]["ops/world"]) >= 3 * 3 * 2, int(ours[rank]["ops/world"])
     jobs = joined_jobs(coordinator)
     assert jobs.get("default.pg-world") == {0, 1}, jobs
 
@@ -116,29 +148,34 @@ def test_hsdp_on_a_2d_mesh_with_both_dimensions_over_gradsync_equals_gloo(
 ) -> None:
     world = 4
     coordinator = coordinator_factory(world)
-    gloo = run("gloo", "hsdp", world, tmp_path / "gloo", "unused:1")
-    ours = run("gradsync", "hsdp", world, tmp_path / "ours", coordinator.address)
-    assert_same_parameters(ours, gloo, world)
+    ours, gloo = run_both("hsdp", world, tmp_path, coordinator.address)
+    assert_same_parameters(ours, gloo, world, ("replicate", "shard"))
     for rank in range(world):
         np.testing.assert_array_equal(ours[rank]["mesh_groups"], [2, 2])
+        for dimension in ("replicate", "shard"):
+            assert int(ours[rank][f"ops/{dimension}"]) >= 3, dimension
     jobs = joined_jobs(coordinator)
     assert jobs.pop("default.pg-world") == set(range(world)), jobs
     # Two rows (shard) and two columns (replicate) of the mesh: a job of two ranks each.
-    mesh_jobs = {job: ranks for job, ranks in jobs.items() if job.startswith("default.pg-")}
-    assert len(mesh_jobs) == 4 and all(r == {0, 1} for r in mesh_jobs.values()), jobs
+    mesh_jobs = {
+        str(ours[rank][f"job/{d}"]) for rank in range(world) for d in ("replicate", "shard")
+    }
+    assert len(mesh_jobs) == 4, mesh_jobs
+    assert {job: jobs.get(job) for job in mesh_jobs} == {job: {0, 1} for job in mesh_jobs}, jobs
 
 
 def test_a_lightning_trainer_with_ddp_strategy_over_gradsync_equals_gloo(
     tmp_path: Path, coordinator_factory: Any
 ) -> None:
-    pytest.importorskip("lightning", reason="the lightning package is not installed: gradsync[test]")
+    pytest.importorskip("lightning", reason="lightning is not installed: pip install -e .[test]")
     world = 2
     coordinator = coordinator_factory(world)
-    gloo = run("gloo", "lightning", world, tmp_path / "gloo", "unused:1")
-    ours = run("gradsync", "lightning", world, tmp_path / "ours", coordinator.address)
-    assert_same_parameters(ours, gloo, world)
+    ours, gloo = run_both("lightning", world, tmp_path, coordinator.address)
+    assert_same_parameters(ours, gloo, world, ("world",))
     for rank in range(world):
         assert int(ours[rank]["world_seen"]) == world
+        # DDP's start and a gradient all-reduce per step (2 epochs of 4 steps), at least.
+        assert int(ours[rank]["ops/world"]) >= 8, int(ours[rank]["ops/world"])
     jobs = joined_jobs(coordinator)
     assert jobs.get("default.pg-world") == {0, 1}, jobs
 
@@ -146,14 +183,15 @@ def test_a_lightning_trainer_with_ddp_strategy_over_gradsync_equals_gloo(
 def test_an_accelerate_loop_over_gradsync_equals_gloo(
     tmp_path: Path, coordinator_factory: Any
 ) -> None:
-    pytest.importorskip("accelerate", reason="the accelerate package is not installed: gradsync[test]")
+    pytest.importorskip("accelerate", reason="accelerate is not installed: pip install -e .[test]")
     world = 2
     coordinator = coordinator_factory(world)
-    gloo = run("gloo", "accelerate", world, tmp_path / "gloo", "unused:1")
-    ours = run("gradsync", "accelerate", world, tmp_path / "ours", coordinator.address)
-    assert_same_parameters(ours, gloo, world)
+    ours, gloo = run_both("accelerate", world, tmp_path, coordinator.address)
+    assert_same_parameters(ours, gloo, world, ("world",))
     for rank in range(world):
         assert int(ours[rank]["world_seen"]) == world
-        np.testing.assert_array_equal(ours[rank]["metric"], [3.0])
+        np.testing.assert_array_equal(ours[rank]["metric"], [3.0])  # 1 + 2, summed
+        # A gradient all-reduce per step (4 steps), at least.
+        assert int(ours[rank]["ops/world"]) >= 4, int(ours[rank]["ops/world"])
     jobs = joined_jobs(coordinator)
     assert jobs.get("default.pg-world") == {0, 1}, jobs

@@ -57,12 +57,21 @@ def batch(rank: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
     return x, torch.randn(BATCH, SEQ, 1, generator=generator)
 
 
-def save_params(model: nn.Module, saved: dict[str, np.ndarray]) -> None:
+def save_params(model: nn.Module, saved: dict[str, np.ndarray], prefix: str = "param") -> None:
     for name, parameter in model.named_parameters():
         data = parameter.detach()
         if hasattr(data, "full_tensor"):  # a DTensor shard: gather the whole tensor
             data = data.full_tensor()
-        saved[f"param/{name}"] = data.float().numpy().copy()
+        saved[f"{prefix}/{name}"] = data.float().numpy().copy()
+
+
+def save_groups(groups: dict[str, Any], saved: dict[str, np.ndarray]) -> None:
+    """The backend and, on gradsync, the job and the number of operations of each group."""
+    for name, group in groups.items():
+        saved[f"backend/{name}"] = np.array(dist.get_backend(group))
+        if hasattr(group, "operations_completed"):
+            saved[f"ops/{name}"] = np.array(group.operations_completed)
+            saved[f"job/{name}"] = np.array(group.job_id)
 
 
 def run_fsdp(rank: int, world: int, saved: dict[str, np.ndarray], *, hsdp: bool) -> None:
@@ -75,6 +84,7 @@ def run_fsdp(rank: int, world: int, saved: dict[str, np.ndarray], *, hsdp: bool)
     else:
         mesh = init_device_mesh("cpu", (world,))
     model = transformer()
+    save_params(model, saved, "init")
     for layer in model[:2]:
         fully_shard(layer, mesh=mesh)
     fully_shard(model, mesh=mesh)
@@ -85,6 +95,10 @@ def run_fsdp(rank: int, world: int, saved: dict[str, np.ndarray], *, hsdp: bool)
         nn.functional.mse_loss(model(x), y).backward()
         optimizer.step()
     save_params(model, saved)
+    if hsdp:
+        save_groups({"replicate": mesh.get_group(0), "shard": mesh.get_group(1)}, saved)
+    else:
+        save_groups({"world": mesh.get_group()}, saved)
 
 
 def run_lightning(backend: str, world: int, saved: dict[str, np.ndarray]) -> None:
@@ -110,6 +124,7 @@ def run_lightning(backend: str, world: int, saved: dict[str, np.ndarray]) -> Non
         torch.randn(32, 6, generator=generator), torch.randn(32, 1, generator=generator)
     )
     module = Regression()
+    save_params(module, saved, "init")
     trainer = pl.Trainer(
         accelerator="cpu",
         devices=1,
@@ -123,8 +138,8 @@ def run_lightning(backend: str, world: int, saved: dict[str, np.ndarray]) -> Non
     )
     # Lightning adds a DistributedSampler: each rank trains on its own half.
     trainer.fit(module, DataLoader(data, batch_size=4))
-    saved["backend_seen"] = np.array(dist.get_backend())
     saved["world_seen"] = np.array(trainer.world_size)
+    save_groups({"world": dist.group.WORLD}, saved)
     save_params(module, saved)
 
 
@@ -138,6 +153,7 @@ def run_accelerate(backend: str, saved: dict[str, np.ndarray]) -> None:
     accelerator = Accelerator(cpu=True)
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 1))
+    save_params(model, saved, "init")
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     generator = torch.Generator().manual_seed(7)
     data = TensorDataset(
@@ -150,8 +166,8 @@ def run_accelerate(backend: str, saved: dict[str, np.ndarray]) -> None:
         optimizer.step()
     metric = accelerator.reduce(torch.tensor([float(accelerator.process_index + 1)]), "sum")
     saved["metric"] = metric.numpy()
-    saved["backend_seen"] = np.array(dist.get_backend())
     saved["world_seen"] = np.array(accelerator.num_processes)
+    save_groups({"world": dist.group.WORLD}, saved)
     save_params(accelerator.unwrap_model(model), saved)
 
 
@@ -193,7 +209,6 @@ def main() -> int:
     if args.scenario in ("fsdp", "hsdp"):
         dist.init_process_group(args.backend, timeout=timedelta(seconds=60))
         run_fsdp(rank, world, saved, hsdp=args.scenario == "hsdp")
-        saved["backend_seen"] = np.array(dist.get_backend())
     elif args.scenario == "lightning":
         run_lightning(args.backend, world, saved)
     else:
