@@ -174,6 +174,7 @@ def test_a_lightning_trainer_with_ddp_strategy_over_gradsync_equals_gloo(
     assert_same_parameters(ours, gloo, world, ("world",))
     for rank in range(world):
         assert int(ours[rank]["world_seen"]) == world
+        assert str(ours[rank]["wrapped"]) == "DistributedDataParallel"
         # DDP's start and a gradient all-reduce per step (2 epochs of 4 steps), at least.
         assert int(ours[rank]["ops/world"]) >= 8, int(ours[rank]["ops/world"])
     jobs = joined_jobs(coordinator)
@@ -190,6 +191,8 @@ def test_an_accelerate_loop_over_gradsync_equals_gloo(
     assert_same_parameters(ours, gloo, world, ("world",))
     for rank in range(world):
         assert int(ours[rank]["world_seen"]) == world
+        assert str(ours[rank]["distributed_type"]) == "MULTI_CPU"
+        assert str(ours[rank]["wrapped"]) == "DistributedDataParallel"
         np.testing.assert_array_equal(ours[rank]["metric"], [3.0])  # 1 + 2, summed
         # A gradient all-reduce per step (4 steps), at least.
         assert int(ours[rank]["ops/world"]) >= 4, int(ours[rank]["ops/world"])

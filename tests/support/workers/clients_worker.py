@@ -111,9 +111,11 @@ def run_lightning(backend: str, world: int, saved: dict[str, np.ndarray]) -> Non
             super().__init__()
             torch.manual_seed(0)
             self.net = nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 1))
+            self.wrapped = ""
 
         def training_step(self, data: Any, index: int) -> torch.Tensor:
             x, y = data
+            self.wrapped = type(self.trainer.strategy.model).__name__
             return nn.functional.mse_loss(self.net(x), y)
 
         def configure_optimizers(self) -> torch.optim.Optimizer:
@@ -138,6 +140,7 @@ def run_lightning(backend: str, world: int, saved: dict[str, np.ndarray]) -> Non
     )
     # Lightning adds a DistributedSampler: each rank trains on its own half.
     trainer.fit(module, DataLoader(data, batch_size=4))
+    saved["wrapped"] = np.array(module.wrapped)  # what trained it
     saved["world_seen"] = np.array(trainer.world_size)
     save_groups({"world": dist.group.WORLD}, saved)
     save_params(module, saved)
@@ -147,10 +150,11 @@ def run_accelerate(backend: str, saved: dict[str, np.ndarray]) -> None:
     from accelerate import Accelerator
     from torch.utils.data import DataLoader, TensorDataset
 
-    # Accelerate picks gloo itself on CPU and refuses any other backend name; it takes
-    # a process group made beforehand as it is.
+    # On CPU, Accelerate picks gloo itself and refuses any other backend name
+    # (`InitProcessGroupKwargs(backend=...)`); it takes a process group made beforehand.
     dist.init_process_group(backend, timeout=timedelta(seconds=60))
     accelerator = Accelerator(cpu=True)
+    saved["distributed_type"] = np.array(accelerator.distributed_type.value)
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 1))
     save_params(model, saved, "init")
@@ -160,6 +164,7 @@ def run_accelerate(backend: str, saved: dict[str, np.ndarray]) -> None:
         torch.randn(32, 6, generator=generator), torch.randn(32, 1, generator=generator)
     )
     model, optimizer, loader = accelerator.prepare(model, optimizer, DataLoader(data, batch_size=4))
+    saved["wrapped"] = np.array(type(model).__name__)
     for x, y in loader:
         optimizer.zero_grad()
         accelerator.backward(nn.functional.mse_loss(model(x), y))
