@@ -10,6 +10,7 @@ the groups' jobs ran there.
 
 from __future__ import annotations
 
+import importlib.util
 import re
 import subprocess
 import sys
@@ -19,6 +20,7 @@ from typing import Any
 import numpy as np
 import pytest
 from gradsync_proto.net.launch import free_port
+from support.components import MISSING_COMPONENT
 from support.processes import WORKERS, CoordinatorProcess, reap
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(240)]
@@ -119,6 +121,15 @@ def assert_same_parameters(
         assert len(moved) == len(keys), sorted(set(keys) - set(moved))
 
 
+def needs(package: str) -> None:
+    """Skip unless `package` is installed (found without importing it here: only the
+    ranks import it)."""
+    if importlib.util.find_spec(package) is None:
+        pytest.skip(
+            f"{MISSING_COMPONENT}: the Python package {package} not installed (pip install -e .[test])"
+        )
+
+
 def joined_jobs(coordinator: CoordinatorProcess) -> dict[str, set[int]]:
     """Stop the coordinator; return each job its log shows ranks joining, with the ranks."""
     _, log = coordinator.stop()
@@ -167,7 +178,7 @@ def test_hsdp_on_a_2d_mesh_with_both_dimensions_over_gradsync_equals_gloo(
 def test_a_lightning_trainer_with_ddp_strategy_over_gradsync_equals_gloo(
     tmp_path: Path, coordinator_factory: Any
 ) -> None:
-    pytest.importorskip("lightning", reason="lightning is not installed: pip install -e .[test]")
+    needs("lightning")
     world = 2
     coordinator = coordinator_factory(world)
     ours, gloo = run_both("lightning", world, tmp_path, coordinator.address)
@@ -184,7 +195,7 @@ def test_a_lightning_trainer_with_ddp_strategy_over_gradsync_equals_gloo(
 def test_an_accelerate_loop_over_gradsync_equals_gloo(
     tmp_path: Path, coordinator_factory: Any
 ) -> None:
-    pytest.importorskip("accelerate", reason="accelerate is not installed: pip install -e .[test]")
+    needs("accelerate")
     world = 2
     coordinator = coordinator_factory(world)
     ours, gloo = run_both("accelerate", world, tmp_path, coordinator.address)
