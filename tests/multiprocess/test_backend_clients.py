@@ -126,7 +126,8 @@ def needs(package: str) -> None:
     ranks import it)."""
     if importlib.util.find_spec(package) is None:
         pytest.skip(
-            f"{MISSING_COMPONENT}: the Python package {package} not installed (pip install -e .[test])"
+            f"{MISSING_COMPONENT}: the Python package {package} not installed "
+            "(pip install -e .[test])"
         )
 
 
