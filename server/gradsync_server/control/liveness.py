@@ -3,7 +3,9 @@
 Architecture invariant 6 (no silent hang) needs the coordinator to notice a
 rank that stopped talking: every message counts as a sign of life, and a
 rank silent for longer than the heartbeat timeout is declared dead by the
-watchdog (`gradsync_server.rpc.watchdog`). This module only keeps the record, so
+watchdog (`gradsync_server.rpc.watchdog`). A side-channel beat
+(`gradsync_server.rpc.beats`) counts too, once authenticated, with a sequence
+above the last one accepted from the rank. This module only keeps the record, so
 the rule can be tested with a fake clock and no sockets; deciding what to do
 with a silent rank belongs to the job and the servicer.
 """
@@ -24,11 +26,24 @@ class Liveness:
         self._clock = clock
         self._last_seen: dict[int, float] = {}
         self._reported_step: dict[int, int] = {}
+        #: The highest side-channel beat sequence accepted from each rank's session.
+        self._beat_sequence: dict[int, int] = {}
 
     def start(self, rank: int) -> None:
         """Begin tracking `rank` as seen now (it just joined)."""
         self._last_seen[rank] = self._clock()
         self._reported_step[rank] = 0
+        self._beat_sequence[rank] = 0
+
+    def last_beat_sequence(self, rank: int) -> int | None:
+        """The highest beat sequence accepted from tracked `rank` (0: none yet); None: untracked."""
+        return self._beat_sequence.get(rank) if rank in self._last_seen else None
+
+    def beat(self, rank: int, sequence: int, step: int) -> None:
+        """A side-channel beat (already authenticated) with a sequence above the last."""
+        if rank in self._last_seen:
+            self._beat_sequence[rank] = sequence
+            self.touch(rank, step)
 
     def touch(self, rank: int, reported_step: int | None = None) -> None:
         """Record a sign of life from a tracked `rank`; untracked ranks are ignored."""
@@ -42,6 +57,7 @@ class Liveness:
         """Stop tracking `rank` (it left or was lost)."""
         self._last_seen.pop(rank, None)
         self._reported_step.pop(rank, None)
+        self._beat_sequence.pop(rank, None)
 
     def silent_ranks(self, ranks: list[int] | tuple[int, ...], timeout_s: float) -> list[int]:
         """Those of `ranks` not heard from for longer than `timeout_s`, ascending."""
