@@ -3,9 +3,12 @@
 Architecture invariant 6 (no silent hang) needs the coordinator to notice a
 rank that stopped talking: every message counts as a sign of life, and a
 rank silent for longer than the heartbeat timeout is declared dead by the
-watchdog (`gradsync_server.rpc.watchdog`). A side-channel beat
-(`gradsync_server.rpc.beats`) counts too, once authenticated, with a sequence
-above the last one accepted from the rank. This module only keeps the record, so
+watchdog (`gradsync_server.rpc.watchdog`). A rank whose worker beats
+on its side channel (`gradsync_server.rpc.beats`: authenticated, with a
+sequence above the last one accepted) is judged by those beats alone from
+the first one on: they travel on a connection without bulk data, where
+neither a full send queue delays them nor a frozen process's queued bytes
+stand in for them. This module only keeps the record, so
 the rule can be tested with a fake clock and no sockets; deciding what to do
 with a silent rank belongs to the job and the servicer.
 """
@@ -43,11 +46,18 @@ class Liveness:
         """A side-channel beat (already authenticated) with a sequence above the last."""
         if rank in self._last_seen:
             self._beat_sequence[rank] = sequence
-            self.touch(rank, step)
+            self._last_seen[rank] = self._clock()
+            self._reported_step[rank] = step
 
     def touch(self, rank: int, reported_step: int | None = None) -> None:
-        """Record a sign of life from a tracked `rank`; untracked ranks are ignored."""
-        if rank not in self._last_seen:
+        """Record a sign of life from a tracked `rank` on its Sync stream.
+
+        Untracked ranks are ignored, and so are ranks that beat on the side
+        channel (`beat`): once one beat was accepted, only beats count, because a
+        frozen worker's kernel keeps delivering what its send queue holds for
+        seconds after the process stopped.
+        """
+        if rank not in self._last_seen or self._beat_sequence.get(rank, 0) > 0:
             return
         self._last_seen[rank] = self._clock()
         if reported_step is not None:
