@@ -240,7 +240,7 @@ def reproduce(
         "steps_done": steps_done,
         "seconds": round(time.monotonic() - began, 1),
         "largest_send_queue_bytes": largest,
-        "declared_dead": sorted(declared),
+        "declared_dead": sorted(declared, key=declared.__getitem__),  # in that order
         "freeze": frozen,
         "dead_lines": found,
     }

@@ -9,7 +9,7 @@ coordinator's link in its socket's send queue, which a Heartbeat on the Sync
 stream would wait behind; the workers' beats on their side channel keep both
 alive through step 0. Rank 1 is then stopped with SIGSTOP in the middle of its
 next upload: although its kernel keeps sending what it had queued, the
-coordinator must name it dead within 2 + 1 s of the signal, and only it.
+coordinator must name it dead within 2 + 1 s of the signal, before any other rank.
 Skipped, with the reason, where namespaces cannot be made (not root, no iproute2).
 """
 
@@ -40,7 +40,7 @@ def test_saturated_rank_lives_and_frozen_rank_is_named_in_time(tmp_path: Path) -
         RATE_MBIT,
         None,  # no delay line: tbf only
         WORLD,
-        3,
+        2,
         tmp_path,
         100.0,
         freeze=1,
@@ -52,7 +52,9 @@ def test_saturated_rank_lives_and_frozen_rank_is_named_in_time(tmp_path: Path) -
     # Step 0 finished on both ranks: neither was declared dead while its upload queued.
     steps_done = summary["steps_done"]
     assert isinstance(steps_done, dict) and steps_done.get(0, 0) >= 1, summary
-    assert summary["declared_dead"] == [1], summary
+    # Rank 1 first; rank 0 may follow only as the job's abort ends its process.
+    declared = summary["declared_dead"]
+    assert isinstance(declared, list) and declared[:1] == [1], summary
     dead_after_s = freeze["dead_after_s"]
     assert isinstance(dead_after_s, float) and TIMEOUT_S - 0.5 <= dead_after_s <= TIMEOUT_S + 1.0
     # The link really was saturated for longer than the timeout: some worker's queue to the
