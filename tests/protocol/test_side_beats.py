@@ -2,8 +2,9 @@
 
 Real gRPC to an in-process coordinator with an injected clock: a beat with the
 session's MAC keeps a rank that says nothing on its Sync stream alive past the
-heartbeat timeout, and from its first beat on only beats count; a forged, replayed, moved or unknown beat is refused with a
-reason naming rank, job and sequence, and keeps nothing alive.
+heartbeat timeout, and from its first beat on only beats count; a forged,
+replayed, moved or unknown beat is refused with a reason naming rank, job and
+sequence, and keeps nothing alive.
 """
 
 from __future__ import annotations
