@@ -120,6 +120,27 @@ def shard_session(session: bytes, shard_index: int) -> bytes:
     return hmac.new(session, label, hashlib.sha256).digest()
 
 
+def beat_proof(session: bytes, job_id: str, rank: int, sequence: int, step: int) -> bytes:
+    """What a worker's side-channel heartbeat (BeatRequest) presents: a MAC over the beat.
+
+    Keyed with the rank's session secret (Welcome.session), so only the holder
+    of the session can make one, and bound to the job, rank, sequence and step,
+    so a beat cannot be moved to another rank or, since the coordinator accepts
+    each session's sequences only increasing, replayed.
+    """
+    label = b"gradsync beat\0%s\0%d\0%d\0%d" % (job_id.encode("utf-8"), rank, sequence, step)
+    return hmac.new(session, label, hashlib.sha256).digest()
+
+
+def beat_matches(
+    session: bytes, job_id: str, rank: int, sequence: int, step: int, proof: bytes
+) -> bool:
+    """Whether `proof` is `beat_proof` of these values (constant time); never for no session."""
+    if not session:
+        return False
+    return hmac.compare_digest(beat_proof(session, job_id, rank, sequence, step), proof)
+
+
 def read_pem_file(path: str | Path, what: str) -> bytes:
     """The bytes of a PEM file (`what`: "--tls-cert", ...), checked to look like PEM.
 

@@ -57,6 +57,7 @@ from gradsync_proto.net.frame_stream import FrameDiscovery
 from gradsync_proto.net.stream_client import StreamClient, StreamEnded
 from gradsync_proto.v1 import gradsync_pb2 as pb
 
+from gradsync.control.beats import SideBeats
 from gradsync.control.collective_results import op_name
 from gradsync.control.inbox import Inbox
 from gradsync.control.inbox_state import stream_end_failure
@@ -158,6 +159,14 @@ class Transport:
             loop=self._loop,
         )
         self._heartbeat: asyncio.Task[None] | None = None
+        #: The same heartbeats on the frame pipe's side channel (no bulk data there).
+        self._side_beats = SideBeats(
+            self._sync,
+            rank,
+            self._security,
+            lambda: self._inbox.welcome,
+            lambda: self.current_step,
+        )
         #: A heartbeat is queued, not yet sent (loop thread): beats must not pile up.
         self._heartbeat_queued = False
         self._join: pb.Join | None = None
@@ -335,10 +344,14 @@ class Transport:
         alive only if it hears from it. The interval is the coordinator's (from
         its first AssemblyProgress or the Welcome), else the default. A beat
         is queued only once the previous one has left, so that nothing piles
-        up while the coordinator is unreachable.
+        up while the coordinator is unreachable. Once there is a session and
+        while the stream runs on frames, each beat also goes on the side
+        channel (`gradsync.control.beats`), where gradient bytes cannot delay it.
         """
         while True:
-            await asyncio.sleep(self._inbox.heartbeat_interval_s or defaults.HEARTBEAT_INTERVAL_S)
+            interval_s = self._inbox.heartbeat_interval_s or defaults.HEARTBEAT_INTERVAL_S
+            await asyncio.sleep(interval_s)
+            self._side_beats.beat(interval_s)
             if not self._heartbeat_queued:
                 self._heartbeat_queued = True
                 self._sync.send(_HEARTBEAT)
@@ -420,6 +433,7 @@ class Transport:
         "Task was destroyed but it is pending!", "Future exception was never retrieved")."""
         if self._heartbeat is not None:
             self._heartbeat.cancel()
+        await self._side_beats.stop()
         self._pacer.close()
         await self._sync.close(0.0)  # no-op for a stream already closed by `close`
         if self._shards is not None:

@@ -240,6 +240,12 @@ class FramePipe:
     def connected(self) -> bool:
         return self._frames is not None and not self._frames.closed
 
+    @property
+    def side_channel(self) -> grpc.aio.Channel | None:
+        """The keepalive channel, which no frame travels on (for small calls that must
+        not wait behind the frames: a worker's heartbeats, `Coordinator.Beat`)."""
+        return self._keepalive
+
     # ------------------------------------------------------------ the socket's threads
     def _on_frame(self, kind: int, body: bytearray) -> None:
         """A frame (the socket's reader thread): a message for the stream, or its status."""

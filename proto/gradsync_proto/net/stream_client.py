@@ -266,6 +266,12 @@ class StreamClient:
         """The pipe's name ("grpc", "frames"); "" while it is being picked."""
         return self._pipe.name if self._pipe is not None else ""
 
+    @property
+    def side_channel(self) -> Any:
+        """A gRPC channel to the same peer that carries none of this stream's bytes
+        (a `grpc.aio.Channel`: the frame pipe's keepalive channel), or None (gRPC pipe)."""
+        return getattr(self._pipe, "side_channel", None)
+
     def send(self, item: object) -> None:
         """Queue `item` for writing (loop thread). Never blocks; dropped once the stream ended."""
         if self.ended is not None:

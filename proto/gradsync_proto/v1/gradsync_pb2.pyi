@@ -896,3 +896,23 @@ class StoreReply(_message.Message):
     number: int
     found: bool
     def __init__(self, value: _Optional[bytes] = ..., number: _Optional[int] = ..., found: _Optional[bool] = ...) -> None: ...
+
+class BeatRequest(_message.Message):
+    __slots__ = ("job_id", "rank", "sequence", "step", "proof")
+    JOB_ID_FIELD_NUMBER: _ClassVar[int]
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    SEQUENCE_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    PROOF_FIELD_NUMBER: _ClassVar[int]
+    job_id: str
+    rank: int
+    sequence: int
+    step: int
+    proof: bytes
+    def __init__(self, job_id: _Optional[str] = ..., rank: _Optional[int] = ..., sequence: _Optional[int] = ..., step: _Optional[int] = ..., proof: _Optional[bytes] = ...) -> None: ...
+
+class BeatReply(_message.Message):
+    __slots__ = ("member",)
+    MEMBER_FIELD_NUMBER: _ClassVar[int]
+    member: bool
+    def __init__(self, member: _Optional[bool] = ...) -> None: ...

@@ -12,6 +12,7 @@ stream itself is `servicer`'s, as at a shard.
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
 from collections.abc import Awaitable, Callable
@@ -39,6 +40,7 @@ from gradsync_server.dataplane.actions import Action
 from gradsync_server.dataplane.budget import ByteBudget
 from gradsync_server.errors import RejectedMessage
 from gradsync_server.metrics import CoordinatorMetrics
+from gradsync_server.rpc.beats import serve_beat
 from gradsync_server.rpc.checkpointer import Checkpointer
 from gradsync_server.rpc.connection import Connection
 from gradsync_server.rpc.delivery import Delivery
@@ -117,6 +119,10 @@ class LeaderRole(CoordinatorServicer):
             "Store": grpc.unary_unary_rpc_method_handler(
                 guarded("Store", self.kv_store.serve),
                 response_serializer=pb.StoreReply.SerializeToString,
+            ),
+            "Beat": grpc.unary_unary_rpc_method_handler(
+                guarded("Beat", functools.partial(serve_beat, self.jobs)),
+                response_serializer=pb.BeatReply.SerializeToString,
             ),
         }
 
