@@ -3,7 +3,8 @@
 With small gradients a star (two hops per step) should beat a ring (2(W-1)
 hops) by a wide margin, unless per-step fixed costs eat the lead. Per world size W
 (default 2, 8, 16, all ranks on this host), each mode of `gradsync_bench.latency_worker`
-(gradsync flat, gradsync default layout, torch DDP over gloo) trains the same
+(gradsync flat, gradsync default layout, torch DDP over gloo, and the same stock
+DDP over the c10d backend "gradsync") trains the same
 `Linear(256, 256)` with the same seeds; the modes alternate A B C A B C for `reps`
 rounds and the median steps/s of each is kept, with each worker's CPU time per step
 (all its threads; the mean over ranks), which a loaded machine stretches less than
@@ -164,6 +165,10 @@ def latency_suite(plan: LatencyPlan) -> list[Row]:
                     row[f"{mode}_ratio_to_ddp"] = (
                         row[mode]["steps_per_s"] / row["ddp"]["steps_per_s"]
                     )
+        if "ddp-backend" in runs and "flat" in runs:
+            row["ddp-backend_ratio_to_flat"] = (
+                row["ddp-backend"]["steps_per_s"] / row["flat"]["steps_per_s"]
+            )
         rows.append(row)
     return rows
 
@@ -208,5 +213,34 @@ def markdown_lines(rows: Sequence[Row]) -> list[str]:
             f"| {num(flat, 'worker_cpu_ms_per_step', 2)}"
             f" / {num(default, 'worker_cpu_ms_per_step', 2)}"
             f" / {num(ddp, 'worker_cpu_ms_per_step', 2)} |"
+        )
+    lines.append("")
+    return [*lines, *_backend_lines(rows)]
+
+
+def _backend_lines(rows: Sequence[Row]) -> list[str]:
+    """Stock DDP over the c10d backend "gradsync" against the wrapper and gloo DDP."""
+    rows = [row for row in rows if "ddp-backend" in row]
+    if not rows:
+        return []
+    lines = [
+        '**Stock DDP over the "gradsync" backend** (same model and runs as above; '
+        "steps/s of the slowest rank, median of the reps)",
+        "",
+        "| W | stock DDP over gradsync steps/s | / flat wrapper | / gloo DDP "
+        "| worker CPU ms/step, backend / flat / gloo DDP |",
+        "|---|---|---|---|---|",
+    ]
+    for row in rows:
+        backend, flat, ddp = row["ddp-backend"], row.get("flat", {}), row.get("ddp", {})
+
+        def ratio(key: str, row: Row = row) -> str:
+            return f"{row[key]:.2f}" if key in row else "-"
+
+        lines.append(
+            f"| {row['world_size']} | {num(backend, 'steps_per_s')} "
+            f"| {ratio('ddp-backend_ratio_to_flat')} | {ratio('ddp-backend_ratio_to_ddp')} "
+            f"| {num(backend, 'worker_cpu_ms_per_step', 2)} / "
+            f"{num(flat, 'worker_cpu_ms_per_step', 2)} / {num(ddp, 'worker_cpu_ms_per_step', 2)} |"
         )
     return [*lines, ""]

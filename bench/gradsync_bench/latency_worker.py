@@ -9,6 +9,8 @@ Modes (same model, same seeds, same per-rank batches):
   default  gradsync.DistributedDataParallel with the default, hierarchical="auto" (the
            ranks of this host sum in shared memory, one uploads).
   ddp      torch.nn.parallel.DistributedDataParallel over gloo.
+  ddp-backend  the same stock DistributedDataParallel over the c10d backend "gradsync"
+           (`gradsync.distributed`), on the coordinator at $GRADSYNC_COORDINATOR.
 
 Every rank runs `--warmup` steps, meets the others at a barrier, then times `--steps`
 steps; each rank writes {"mode", "rank", "steps", "seconds", "cpu_s"} (its process's CPU
@@ -35,7 +37,7 @@ from torch import nn
 from gradsync_bench.procs import exit_now, process_cpu_s
 from gradsync_bench.train_worker import fixed_batch_step, leave
 
-MODES = ("flat", "default", "ddp")
+MODES = ("flat", "default", "ddp", "ddp-backend")
 WIDTH = 256
 
 
@@ -58,6 +60,13 @@ def main() -> None:
     barrier: Callable[[], object]
     if args.mode == "ddp":
         dist.init_process_group("gloo")
+        model = nn.parallel.DistributedDataParallel(module)
+        barrier = dist.barrier
+    elif args.mode == "ddp-backend":
+        import gradsync.distributed
+
+        options = gradsync.distributed.GradsyncOptions(job_id=args.job_id)
+        dist.init_process_group("gradsync", pg_options=options)
         model = nn.parallel.DistributedDataParallel(module)
         barrier = dist.barrier
     else:
@@ -87,7 +96,7 @@ def main() -> None:
     # All of this process's threads (gradsync's transport thread too): the per-step fixed
     # cost, which a loaded machine stretches less than it stretches the wall time.
     cpu_s = time.process_time() - cpu_started
-    leave([model], gloo=args.mode == "ddp")
+    leave([model], gloo=args.mode in ("ddp", "ddp-backend"))
     record: dict[str, object] = {
         "mode": args.mode,
         "rank": rank,

@@ -279,7 +279,8 @@ def markdown(document: dict[str, Any]) -> str:
             "**End-to-end training, loopback** (samples/s; MLP, fp32)",
             "W | model MB | local | gradsync | gradsync, no overlap | torchrun DDP | "
             "ratio to DDP | exposed comm ms (gradsync / DDP) | overlap gain | "
-            "gradsync hierarchical | ratio to DDP",
+            "gradsync hierarchical | ratio to DDP | stock DDP over gradsync | "
+            "ratio to gradsync",
             [
                 [
                     f"{r['world_size']}",
@@ -294,6 +295,14 @@ def markdown(document: dict[str, Any]) -> str:
                             f"{r['hierarchical_ratio_to_ddp']:.2f}",
                         )
                         if suites.HIERARCHICAL in r["samples_per_s"]
+                        else ("-", "-")
+                    ),
+                    *(
+                        (
+                            f"{r['samples_per_s'][suites.BACKEND]:.0f}",
+                            f"{r['backend_ratio_to_gradsync']:.2f}",
+                        )
+                        if suites.BACKEND in r["samples_per_s"]
                         else ("-", "-")
                     ),
                 ]

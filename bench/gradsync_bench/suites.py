@@ -34,6 +34,8 @@ MIB = 1 << 20
 Row = dict[str, Any]
 #: The train suite's runs: no communication, gradsync, gradsync without overlap, torch DDP.
 TRAIN_MODES = ("local", "gradsync", "sequential", "ddp")
+#: The train suite's run of the same stock DDP over the c10d backend "gradsync".
+BACKEND = "ddp-backend"
 #: The extra train mode with hierarchy: gradsync with `hierarchical=True`.
 HIERARCHICAL = "hierarchical"
 
@@ -224,9 +226,10 @@ def _torchrun(
 def train_suite(
     worlds: Sequence[int], model_mb: float, steps: int, hierarchy: bool = False
 ) -> list[Row]:
-    """Suite (b): samples/s of gradsync vs torchrun + DDP, local and no-overlap baselines;
-    with `hierarchy` also gradsync with `hierarchical=True` (one local group of W)."""
-    modes = (*TRAIN_MODES, HIERARCHICAL) if hierarchy else TRAIN_MODES
+    """Suite (b): samples/s of gradsync vs torchrun + DDP, local and no-overlap baselines,
+    and stock DDP over the "gradsync" backend; with `hierarchy` also gradsync with
+    `hierarchical=True` (one local group of W)."""
+    modes = (*TRAIN_MODES, BACKEND, *((HIERARCHICAL,) if hierarchy else ()))
     rows = []
     for world_size in worlds:
         coordinator, port = start_coordinator(world_size, launch=local_launch)
@@ -252,6 +255,9 @@ def train_suite(
             "exposed_comm_ms": step_ms["gradsync"] - step_ms["local"],
             "ddp_exposed_comm_ms": step_ms["ddp"] - step_ms["local"],
             "overlap_gain": step_ms["sequential"] / step_ms["gradsync"],
+            "backend_ratio_to_gradsync": (
+                results[BACKEND]["samples_per_s"] / results["gradsync"]["samples_per_s"]
+            ),
         }
         if HIERARCHICAL in results:
             row["hierarchical_ratio_to_ddp"] = (

@@ -74,7 +74,9 @@ def leave(models: Sequence[object], gloo: bool) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument(
-        "--mode", choices=["local", "gradsync", "sequential", "hierarchical", "ddp"], required=True
+        "--mode",
+        choices=["local", "gradsync", "sequential", "hierarchical", "ddp", "ddp-backend"],
+        required=True,
     )
     parser.add_argument("--model-mb", type=float, default=32.0)
     parser.add_argument("--batch", type=int, default=32)
@@ -90,6 +92,12 @@ def main() -> None:
     model: nn.Module = module
     if args.mode == "ddp":
         dist.init_process_group("gloo")
+        model = nn.parallel.DistributedDataParallel(module)
+    elif args.mode == "ddp-backend":  # the same stock DDP over the c10d backend "gradsync"
+        import gradsync.distributed
+
+        options = gradsync.distributed.GradsyncOptions(job_id=f"bench-{args.mode}")
+        dist.init_process_group("gradsync", pg_options=options)
         model = nn.parallel.DistributedDataParallel(module)
     elif args.mode in ("gradsync", "sequential", "hierarchical"):
         import gradsync
@@ -109,7 +117,7 @@ def main() -> None:
             started = time.perf_counter()
         train_step()
     seconds = time.perf_counter() - started
-    leave([model], gloo=args.mode == "ddp")
+    leave([model], gloo=args.mode in ("ddp", "ddp-backend"))
     if rank == 0:
         args.out.write_text(
             json.dumps(

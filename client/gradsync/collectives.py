@@ -127,6 +127,54 @@ class Collectives:
         _write_back(tensor, result)
         return tensor
 
+    @property
+    def can_issue(self) -> bool:
+        """True when the link can have several collectives in flight (`start_all_reduce`
+        then never blocks); False for a link that only runs a collective whole."""
+        return hasattr(self.link, "issue_collective")
+
+    def start_all_reduce(self, tensor: torch.Tensor, op: Any = "sum") -> Callable[[], int]:
+        """Issue an all_reduce of `tensor` now; return `finish`, which blocks (bounded by
+        `timeout_s`) for the result, writes it into `tensor` in place and returns how many
+        ranks contributed.
+
+        The input is sent from `tensor`'s own memory when it is a contiguous CPU
+        tensor, so it must not change until `finish` returned. Several may be in
+        flight; their `finish`es must be called in issue order. Without `can_issue`
+        the whole collective runs here and `finish` only writes the result back.
+
+        Raises:
+            ValueError: as `all_reduce`.
+            GradSyncError: the collective could not be issued (or, without `can_issue`,
+                failed).
+        """
+        wire_op = _reduce_op(op)
+        _check(tensor, "all_reduce")
+        _check_reducible(tensor, wire_op, "all_reduce")
+        payload = _bytes_of(_host(tensor))
+        link = self.link
+        issue = getattr(link, "issue_collective", None)
+        if issue is None:
+            data, contributors = link.run_collective(
+                wire_op, WIRE_DTYPES[tensor.dtype], payload, 0, self.timeout_s
+            )
+
+            def written() -> int:
+                _write_back(tensor, memoryview(data))
+                return contributors
+
+            return written
+        sequence = issue(wire_op, WIRE_DTYPES[tensor.dtype], payload, 0)
+        wait = link.wait_collective  # type: ignore[attr-defined]
+        timeout_s = self.timeout_s
+
+        def finish() -> int:
+            result, count = wait(sequence, timeout_s)
+            _write_back(tensor, memoryview(result))
+            return int(count)
+
+        return finish
+
     def broadcast(self, tensor: torch.Tensor, src: int) -> torch.Tensor:
         """Overwrite `tensor` on every rank with rank `src`'s, in place; return it.
 

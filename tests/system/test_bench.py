@@ -108,16 +108,18 @@ def test_tiny_bench_writes_complete_results(tmp_path: Path) -> None:
         assert finite_positive(row["local"]["median_ms"])  # the compute inside gradsync's time
         assert finite_positive(row["ddp"]["median_ms"])  # torch DDP on the same compute
     (train,) = document["suites"]["train"]
-    assert set(train["samples_per_s"]) == {"local", "gradsync", "sequential", "ddp"}
+    assert set(train["samples_per_s"]) == {"local", "gradsync", "sequential", "ddp", "ddp-backend"}
     assert all(finite_positive(v) for v in train["samples_per_s"].values())
     assert finite_positive(train["ratio_to_ddp"]) and finite_positive(train["overlap_gain"])
     assert math.isfinite(train["exposed_comm_ms"])
+    assert finite_positive(train["backend_ratio_to_gradsync"])  # stock DDP over "gradsync"
     # The latency suite (--quick: W = 2, one rep; --train-steps sets its steps too).
     (latency,) = document["suites"]["latency"]
     assert (latency["world_size"], latency["steps"]) == (2, 2)
-    for mode in ("flat", "default", "ddp"):
+    for mode in ("flat", "default", "ddp", "ddp-backend"):
         assert finite_positive(latency[mode]["steps_per_s"]), mode
-    for mode in ("flat", "default"):
+    assert finite_positive(latency["ddp-backend_ratio_to_flat"])
+    for mode in ("flat", "default", "ddp-backend"):
         assert finite_positive(latency[f"{mode}_ratio_to_ddp"])
         assert latency[mode]["coordinator_peak_rss_mib"] >= latency[mode]["coordinator_rss_mib"] > 0
         # Read by rank 0 over its timed steps (whole /proc ticks: two steps may read 0).

@@ -221,14 +221,42 @@ class Transport:
         result_bytes: int | None = None,
         template: pb.CollectiveChunk | None = None,
     ) -> tuple[bytearray, int]:
+        sequence = self.issue_collective(
+            op, dtype, payload, root, result_bytes=result_bytes, template=template
+        )
+        return self.wait_collective(sequence, timeout_s)
+
+    def issue_collective(
+        self,
+        op: int,
+        dtype: int,
+        payload: npt.NDArray[np.uint8],
+        root: int,
+        *,
+        result_bytes: int | None = None,
+        template: pb.CollectiveChunk | None = None,
+    ) -> int:
+        """The first half of `run_collective`: number the collective and queue its input
+        (never blocks); return its sequence number for `wait_collective`.
+
+        Several may be outstanding at once (the coordinator holds up to
+        `MAX_OPEN_COLLECTIVES` of a job open); their results are kept by sequence
+        number until taken. `payload` must not change until the result was taken.
+        """
         check_collective_input(op, payload)
         with self._sequence_lock:
             sequence = self._next_collective
             self._inbox.expect_collective(sequence, op, dtype, payload.nbytes, result_bytes)
             self._next_collective = sequence + 1
+            # Queued under the lock: the stream carries the inputs in sequence order.
+            self._put(CollectiveUpload(sequence, op, dtype, root, payload, template))
         size = payload.nbytes
         log.debug("rank %d: collective %d: %s of %d bytes", self.rank, sequence, op_name(op), size)
-        self._put(CollectiveUpload(sequence, op, dtype, root, payload, template))
+        return sequence
+
+    def wait_collective(self, sequence: int, timeout_s: float) -> tuple[bytearray, int]:
+        """The second half of `run_collective`: block (bounded) for collective
+        `sequence`'s result; return (its bytes, how many ranks contributed)."""
         return self._inbox.wait_collective(sequence, timeout_s)
 
     @property

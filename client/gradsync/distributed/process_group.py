@@ -3,9 +3,11 @@
 c10d calls these methods for `dist.all_reduce`, `dist.broadcast`, ... and
 DDP's reducer calls `allreduce` for every gradient bucket. Each method
 checks its arguments on the caller's thread (a bad call raises there, as with
-gloo), then queues the network part on the group's `OpQueue` and returns a
-`Work` at once; the queue's thread runs it through the group's
-`Collectives` and writes the result into the caller's tensors.
+gloo), then hands the network part to the group's `OpQueue` and returns a
+`Work` at once. An all-reduce of a CPU tensor is issued right there (its
+input queued on the stream, no copy) and up to `MAX_IN_FLIGHT` are in flight
+together; the other ops run in turn on the queue's threads through the
+group's `Collectives`. Results are written into the caller's tensors.
 
 All-reduce (SUM, AVG, MIN, MAX, and PREMUL_SUM as a scaled SUM), broadcast,
 all-gather and barrier are the coordinator's own collectives: every rank's
@@ -50,7 +52,7 @@ from gradsync.distributed.composite import (
     write_into,
 )
 from gradsync.distributed.group_session import GroupSession
-from gradsync.distributed.work import OpQueue, OpResult
+from gradsync.distributed.work import Finish, OpQueue, OpResult
 
 log = logging.getLogger("gradsync.client")
 
@@ -62,6 +64,9 @@ BACKEND_NAME = "gradsync"
 # trampoline calls on a Python subclass (`allreduce(tensors, opts) -> Work`, ...): the
 # base class is taken untyped, here only.
 _ProcessGroup: Any = dist.ProcessGroup
+#: Collectives of one group issued and not yet completed, at most (the coordinator
+#: holds up to 16 of a job open; a rank never has more outstanding than that).
+MAX_IN_FLIGHT = 8
 #: How long shutting a group down waits for its queued operations (at exit, too).
 SHUTDOWN_WAIT_S = 10.0
 
@@ -83,7 +88,12 @@ class ProcessGroupGradsync(_ProcessGroup):  # type: ignore[misc]  # (untyped bas
         #: The name and description c10d gives the group (`_set_group_name`, ...).
         self._c10d_name, self._c10d_desc = group_name, "undefined"
         describe = f"rank {session.rank} of group '{group_name}' (job '{session.job_id}')"
-        self._ops = OpQueue(describe, f"gradsync-pg-{group_name}-r{session.rank}"[:60])
+        self._ops = OpQueue(
+            describe,
+            f"gradsync-pg-{group_name}-r{session.rank}"[:50],
+            max_in_flight=MAX_IN_FLIGHT,
+            timeout_s=self._collectives.timeout_s,
+        )
 
     # ------------------------------------------------------------ identity
     def getBackendName(self) -> str:
@@ -131,14 +141,22 @@ class ProcessGroupGradsync(_ProcessGroup):  # type: ignore[misc]  # (untyped bas
         op, factor = reduce_op(op_of(opts), tensor.dtype, "allreduce")
         check_dtype(tensor, "allreduce", reducing=True)
 
-        def run() -> OpResult:
+        name = f"allreduce({op}, {describe(tensor)})"
+
+        def issue() -> Finish:
             if factor is not None:
                 with torch.no_grad():
                     tensor.mul_(factor)
-            self._collectives.all_reduce(tensor, op)
-            return tensors
+            finish = self._collectives.start_all_reduce(tensor, op)
 
-        return self._submit(f"allreduce({op}, {describe(tensor)})", run)
+            def done() -> OpResult:
+                self._check_contributors(finish())
+                return tensors
+
+            return done
+
+        inline = tensor.device.type == "cpu" and self._collectives.can_issue
+        return self._ops.submit_split(name, issue, inline=inline)
 
     def allreduce_coalesced(self, tensors: list[torch.Tensor], opts: Any = None) -> Any:
         if not tensors:
@@ -457,17 +475,19 @@ class ProcessGroupGradsync(_ProcessGroup):  # type: ignore[misc]  # (untyped bas
 
         def checked() -> OpResult:
             result = run()
-            contributors = self._collectives.last_contributors
-            if contributors and contributors != self.size():
-                live = self._collectives.link.live_ranks() or ()
-                lost = sorted(set(range(self.size())) - set(live)) if live else "some"
-                raise RuntimeError(
-                    f"only {contributors} of the group's {self.size()} ranks took part "
-                    f"(the coordinator lost ranks {lost} and went on without them)"
-                )
+            self._check_contributors(self._collectives.last_contributors)
             return result
 
         return self._ops.submit(name, checked)
+
+    def _check_contributors(self, contributors: int) -> None:
+        if contributors and contributors != self.size():
+            live = self._collectives.link.live_ranks() or ()
+            lost = sorted(set(range(self.size())) - set(live)) if live else "some"
+            raise RuntimeError(
+                f"only {contributors} of the group's {self.size()} ranks took part "
+                f"(the coordinator lost ranks {lost} and went on without them)"
+            )
 
     def _one(self, tensors: Sequence[torch.Tensor], what: str) -> torch.Tensor:
         if len(tensors) != 1:
