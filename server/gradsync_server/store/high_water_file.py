@@ -22,16 +22,26 @@ import json
 import os
 from collections.abc import Callable, Mapping
 from pathlib import Path
+from typing import Any, TypeVar
 
 from gradsync_server.store.checkpoint import CheckpointError
 from gradsync_server.store.checkpoint_file import sync_directory, write_atomically
 from gradsync_server.store.high_water import HighWater
+
+T = TypeVar("T")
 
 #: Environment variable naming the state directory (the `--state-dir` default).
 ENV_STATE_DIR = "GRADSYNC_STATE_DIR"
 _FORMAT = 1
 #: A mark file is a few hundred bytes; anything much larger is not one.
 _MAX_BYTES = 1 << 16
+
+
+def _high_water(record: dict[str, Any]) -> HighWater:
+    mark = HighWater(int(record["step"]), str(record["sha256"]), str(record["timeline"]))
+    if mark.step < 0 or not mark.digest:
+        raise ValueError(f"step {mark.step}, digest {mark.digest!r}")
+    return mark
 
 
 class HighWaterError(CheckpointError):
@@ -80,14 +90,43 @@ class HighWaterMarks:
         Raises:
             HighWaterError: the file exists but is unreadable, malformed or another's.
         """
-        path = self.path(description, job_id)
+        return self.read_record(
+            self.path(description, job_id), description, job_id, "high-water mark", _high_water
+        )
+
+    def write(self, description: str, job_id: str, mark: HighWater) -> None:
+        """Replace the mark atomically and durably.
+
+        Raises:
+            OSError: it could not be written (the old mark, if any, stays).
+        """
+        fields = {"step": mark.step, "sha256": mark.digest, "timeline": mark.timeline}
+        self.write_record(self.path(description, job_id), description, job_id, fields)
+
+    def read_record(
+        self,
+        path: Path,
+        description: str,
+        job_id: str,
+        what: str,
+        parse: Callable[[dict[str, Any]], T],
+    ) -> T | None:
+        """The mark file at `path` as `parse` reads its fields, or None when there is none.
+
+        The file must be one of ours (format, store and job); `parse` raises ValueError,
+        KeyError or TypeError on fields it cannot trust.
+
+        Raises:
+            HighWaterError: the file exists but is unreadable, malformed or another's,
+                named as `what` ("high-water mark").
+        """
         try:
             with open(path, "rb") as file:
                 raw = file.read(_MAX_BYTES + 1)
         except FileNotFoundError:
             return None
         except OSError as exc:
-            raise HighWaterError(f"cannot read the high-water mark {path}: {exc}") from exc
+            raise HighWaterError(f"cannot read the {what} {path}: {exc}") from exc
         try:
             if len(raw) > _MAX_BYTES:
                 raise ValueError(f"over {_MAX_BYTES} bytes")
@@ -96,32 +135,23 @@ class HighWaterMarks:
                 raise ValueError(f"format {record['format']!r}, this build reads {_FORMAT}")
             if record["store"] != description or record["job_id"] != job_id:
                 raise ValueError(f"it belongs to job {record['job_id']!r} in {record['store']}")
-            mark = HighWater(int(record["step"]), str(record["sha256"]), str(record["timeline"]))
-            if mark.step < 0 or not mark.digest:
-                raise ValueError(f"step {mark.step}, digest {mark.digest!r}")
+            return parse(record)
         except (ValueError, KeyError, TypeError) as exc:
             raise HighWaterError(
-                f"the high-water mark {path} is unusable ({exc}); delete it to accept what the "
+                f"the {what} {path} is unusable ({exc}); delete it to accept what the "
                 f"store {description} holds for job {job_id!r}"
             ) from exc
-        return mark
 
-    def write(self, description: str, job_id: str, mark: HighWater) -> None:
-        """Replace the mark atomically and durably.
+    def write_record(
+        self, path: Path, description: str, job_id: str, fields: Mapping[str, object]
+    ) -> None:
+        """Replace the mark file at `path` atomically and durably with `fields`.
 
         Raises:
             OSError: it could not be written (the old mark, if any, stays).
         """
-        record = {
-            "format": _FORMAT,
-            "store": description,
-            "job_id": job_id,
-            "step": mark.step,
-            "sha256": mark.digest,
-            "timeline": mark.timeline,
-        }
+        record = {"format": _FORMAT, "store": description, "job_id": job_id, **fields}
         self._make_directories()
-        path = self.path(description, job_id)
         # The temp file is created 0600: no other user reads or replaces a mark.
         line = json.dumps(record, sort_keys=True).encode() + b"\n"
         write_atomically(self.directory, path.name, [line], self._fsync)

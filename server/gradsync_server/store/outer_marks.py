@@ -16,17 +16,13 @@ pins them all.
 
 from __future__ import annotations
 
-import json
 import os
 from dataclasses import dataclass
+from typing import Any
 
-from gradsync_server.store.checkpoint_file import write_atomically
-from gradsync_server.store.high_water_file import HighWaterError, HighWaterMarks
+from gradsync_server.store.high_water_file import HighWaterMarks
 
 __all__ = ["OuterMark", "OuterMarks", "judge"]
-
-_FORMAT = 1
-_MAX_BYTES = 1 << 16
 
 
 @dataclass(frozen=True)
@@ -75,6 +71,15 @@ def judge(step: int, rounds: int, digest: str, run: str, mark: OuterMark | None)
     return None
 
 
+def _outer_mark(record: dict[str, Any]) -> OuterMark:
+    mark = OuterMark(
+        int(record["step"]), int(record["rounds"]), str(record["sha256"]), str(record["run"])
+    )
+    if mark.step < 0 or mark.rounds < 0 or not mark.digest:
+        raise ValueError(f"step {mark.step}, rounds {mark.rounds}, digest {mark.digest!r}")
+    return mark
+
+
 class OuterMarks(HighWaterMarks):
     """The outer-state marks of every (store, job) this leader saved to (one file each).
 
@@ -94,35 +99,7 @@ class OuterMarks(HighWaterMarks):
             HighWaterError: the file exists but is unreadable, malformed or another's.
         """
         path = self.path(self.describe(description), job_id)
-        try:
-            with open(path, "rb") as file:
-                raw = file.read(_MAX_BYTES + 1)
-        except FileNotFoundError:
-            return None
-        except OSError as exc:
-            raise HighWaterError(f"cannot read the outer-state mark {path}: {exc}") from exc
-        try:
-            if len(raw) > _MAX_BYTES:
-                raise ValueError(f"over {_MAX_BYTES} bytes")
-            record = json.loads(raw)
-            if record["format"] != _FORMAT:
-                raise ValueError(f"format {record['format']!r}, this build reads {_FORMAT}")
-            if record["store"] != description or record["job_id"] != job_id:
-                raise ValueError(f"it belongs to job {record['job_id']!r} in {record['store']}")
-            mark = OuterMark(
-                int(record["step"]),
-                int(record["rounds"]),
-                str(record["sha256"]),
-                str(record["run"]),
-            )
-            if mark.step < 0 or mark.rounds < 0 or not mark.digest:
-                raise ValueError(f"step {mark.step}, rounds {mark.rounds}, digest {mark.digest!r}")
-        except (ValueError, KeyError, TypeError) as exc:
-            raise HighWaterError(
-                f"the outer-state mark {path} is unusable ({exc}); delete it to accept what "
-                f"the store {description} holds for job {job_id!r}"
-            ) from exc
-        return mark
+        return self.read_record(path, description, job_id, "outer-state mark", _outer_mark)
 
     def write_outer(self, description: str, job_id: str, mark: OuterMark) -> None:
         """Replace the mark atomically and durably.
@@ -130,19 +107,9 @@ class OuterMarks(HighWaterMarks):
         Raises:
             OSError: it could not be written (the old mark, if any, stays).
         """
-        record = {
-            "format": _FORMAT,
-            "store": description,
-            "job_id": job_id,
-            "step": mark.step,
-            "rounds": mark.rounds,
-            "sha256": mark.digest,
-            "run": mark.run,
-        }
-        self._make_directories()
+        fields = {"step": mark.step, "rounds": mark.rounds, "sha256": mark.digest, "run": mark.run}
         path = self.path(self.describe(description), job_id)
-        line = json.dumps(record, sort_keys=True).encode() + b"\n"
-        write_atomically(self.directory, path.name, [line], self._fsync)
+        self.write_record(path, description, job_id, fields)
 
     def forget_outer(self, description: str, job_id: str) -> None:
         """Delete the mark (`--fresh-start`: the outer state is seeded anew).
