@@ -14,14 +14,13 @@ from __future__ import annotations
 
 import re
 import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pytest
 from gradsync_proto.net.launch import free_port
-from support.processes import WORKERS, CoordinatorProcess, reap
+from support.processes import WORKERS, CoordinatorProcess, launch_captured, launch_ranks, reap
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(240)]
 
@@ -47,33 +46,25 @@ def run(
     return what each saved (an empty dict for a rank that saved nothing)."""
     out.mkdir(parents=True, exist_ok=True)
     master_port = free_port()
-    processes: dict[int, subprocess.Popen[str]] = {}
+    order = list(reversed(range(world)))
+    started = launch_ranks(
+        BACKEND_WORKER,
+        coordinator,
+        world,
+        lambda rank: out / f"rank{rank}.npz",
+        "--backend",
+        backend,
+        "--scenario",
+        scenario,
+        "--master-port",
+        str(master_port),
+        *extra,
+        per_rank={r: ["--start-delay-s", str(START_APART_S * (world - 1 - r))] for r in order},
+        ranks=order,
+        launch=launch_captured,
+    )
+    processes: dict[int, subprocess.Popen[str]] = dict(zip(order, started, strict=True))
     try:
-        for rank in reversed(range(world)):
-            argv = [
-                sys.executable,
-                str(BACKEND_WORKER),
-                "--backend",
-                backend,
-                "--scenario",
-                scenario,
-                "--rank",
-                str(rank),
-                "--world-size",
-                str(world),
-                "--coordinator",
-                coordinator,
-                "--master-port",
-                str(master_port),
-                "--start-delay-s",
-                str(START_APART_S * (world - 1 - rank)),
-                "--out",
-                str(out / f"rank{rank}.npz"),
-                *extra,
-            ]
-            processes[rank] = subprocess.Popen(
-                argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
-            )
         texts = {rank: p.communicate(timeout=timeout_s)[0] for rank, p in processes.items()}
     finally:
         reap(processes.values())

@@ -13,7 +13,6 @@ from __future__ import annotations
 import importlib.util
 import re
 import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -21,7 +20,7 @@ import numpy as np
 import pytest
 from gradsync_proto.net.launch import free_port
 from support.components import MISSING_COMPONENT
-from support.processes import WORKERS, CoordinatorProcess, reap
+from support.processes import WORKERS, CoordinatorProcess, launch_captured, launch_ranks, reap
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(240)]
 
@@ -36,31 +35,23 @@ def start(
     """Start every rank of `scenario`, the highest first, each started apart."""
     out.mkdir(parents=True, exist_ok=True)
     master_port = free_port()
-    processes: dict[int, subprocess.Popen[str]] = {}
-    for rank in reversed(range(world)):
-        argv = [
-            sys.executable,
-            str(CLIENTS_WORKER),
-            "--backend",
-            backend,
-            "--scenario",
-            scenario,
-            "--rank",
-            str(rank),
-            "--world-size",
-            str(world),
-            "--coordinator",
-            coordinator,
-            "--master-port",
-            str(master_port),
-            "--start-delay-s",
-            str(START_APART_S * (world - 1 - rank)),
-            "--out",
-            str(out / f"rank{rank}.npz"),
-        ]
-        processes[rank] = subprocess.Popen(
-            argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
-        )
+    order = list(reversed(range(world)))
+    started = launch_ranks(
+        CLIENTS_WORKER,
+        coordinator,
+        world,
+        lambda rank: out / f"rank{rank}.npz",
+        "--backend",
+        backend,
+        "--scenario",
+        scenario,
+        "--master-port",
+        str(master_port),
+        per_rank={r: ["--start-delay-s", str(START_APART_S * (world - 1 - r))] for r in order},
+        ranks=order,
+        launch=launch_captured,
+    )
+    processes: dict[int, subprocess.Popen[str]] = dict(zip(order, started, strict=True))
     return processes
 
 

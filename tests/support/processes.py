@@ -190,6 +190,11 @@ def start_workers(
     )
 
 
+def launch_captured(rank: int, argv: list[str]) -> subprocess.Popen[str]:
+    """Start `argv` on this host, its output (stdout and stderr) read back as text."""
+    return subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+
 def _local_captured(rank: int, argv: list[str]) -> subprocess.Popen[str]:
     return subprocess.Popen(
         argv,
