@@ -188,8 +188,9 @@ def _inner_step(
 
 def simulate_sites_streaming(
     run: Run, sizes: Sequence[int], initial: nn.Module, split: list[int]
-) -> list[torch.Tensor]:
-    """Site 0's parameters at the end of a Streaming DiLoCo run across sites (float32 wire).
+) -> list[list[torch.Tensor]]:
+    """Every site's parameters at the end of a Streaming DiLoCo run across sites (float32
+    wire; they differ by the local progress since each fragment's last merge).
 
     `split`: how many parameters each fragment holds, in order. Fragment i's round
     starts after the inner steps t with t mod H = i*H/F (every site's ranks at
@@ -247,4 +248,4 @@ def simulate_sites_streaming(
                 merge(index, 1.0)
             else:
                 apply_at[index] = t + run.overlap_steps
-    return [p.detach().clone() for p in local[0]]
+    return [[p.detach().clone() for p in replica] for replica in local]
