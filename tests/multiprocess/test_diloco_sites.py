@@ -17,6 +17,7 @@ from __future__ import annotations
 import dataclasses
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -208,3 +209,97 @@ def test_streaming_fragments_across_fsdp2_sites_match_a_one_process_simulation(
         )
         assert worst <= 1e-5, f"{who}: {worst:.3g} from the simulation"
         assert int(saved["inner_steps"]) == run.rounds * run.sync_every
+
+
+def _wait_for(path: Path, timeout: float = 90) -> None:
+    deadline = time.monotonic() + timeout
+    while not path.exists():
+        assert time.monotonic() < deadline, f"{path} did not appear within {timeout:g} s"
+        time.sleep(0.05)
+
+
+@pytest.mark.timeout(240)
+def test_a_site_that_loses_a_rank_drops_out_and_rejoins_whole_under_elastic(
+    tmp_path: Path, coordinator_factory
+) -> None:
+    coordinator = coordinator_factory(
+        SITES, "--on-failure", "elastic", "--min-workers", "1",
+        "--heartbeat-interval", "0.2", "--heartbeat-timeout", "2",
+    )  # fmt: skip
+    run = Run(sync_every=H, rounds=4)
+    gate = tmp_path / "gate"
+    dies_at = H + 2  # inside round 2's inner steps
+    site0 = launch_site(
+        coordinator.address, 0, 2, "fsdp", tmp_path, *run.argv(), "--before-round", f"3:{gate}"
+    )
+    site1 = launch_site(
+        coordinator.address, 1, 2, "fsdp", tmp_path, *run.argv(),
+        per_rank={1: ["--die-at-step", str(dies_at)]},
+    )  # fmt: skip
+    again: list[subprocess.Popen[Any]] = []
+    try:
+        first = [p.wait(timeout=120) for p in site1]
+        assert first[1] == -9 and first[0] not in (0, None), first  # the site failed whole
+        # torchrun's part: the whole site started again, while site 0 waits before round 3.
+        again = launch_site(
+            coordinator.address, 1, 2, "fsdp", tmp_path, *run.argv(), "--resume",
+            per_rank={k: ["--joining", str(tmp_path / f"joining{k}")] for k in range(2)},
+            tag="-again",
+        )  # fmt: skip
+        for k in range(2):
+            _wait_for(tmp_path / f"joining{k}")
+        time.sleep(5.0)  # both ranks' joins reach the coordinator before site 0 goes on
+        gate.touch()
+        finish([*site0, *again], tmp_path, timeout=150)
+    finally:
+        reap([*site0, *site1, *again])
+    outputs = {
+        who: dict(np.load(tmp_path / f"{who}.npz"))
+        for who in ["site0-rank0", "site0-rank1", "site1-again-rank0", "site1-again-rank1"]
+    }
+    back = int(outputs["site1-again-rank0"]["first_round"])
+    assert back == 2, back  # let in at site 0's round 3 boundary: it holds round 2's model
+    expected = simulate_sites(run, [2, 2], make_model(INITIAL), shards=2, lost=(1, 2), back=back)
+    survivor = rounds_of(outputs["site0-rank0"], 0, run.rounds)
+    for who, saved in outputs.items():
+        start = 0 if who.startswith("site0") else back
+        for number, params in rounds_of(saved, start, run.rounds).items():
+            for a, b in zip(params, survivor[number], strict=True):
+                np.testing.assert_array_equal(a, b, err_msg=f"{who}, round {number}")
+        # Every rank ran exactly its inner steps: none recomputed.
+        assert int(saved["inner_steps"]) == (run.rounds - start) * run.sync_every, who
+    for number, params in survivor.items():
+        worst = max(
+            float(np.abs(a - b.numpy()).max())
+            for a, b in zip(params, expected[number], strict=True)
+        )
+        assert worst <= 1e-5, f"round {number}: {worst:.3g} from the simulation"
+    # Had site 1 stayed out, rounds 3 and 4 would differ: the test can tell.
+    alone = simulate_sites(run, [2, 2], make_model(INITIAL), shards=2, lost=(1, 2))
+    assert float((alone[-1][0] - expected[-1][0]).abs().max()) > 1e-4
+
+
+@pytest.mark.timeout(180)
+def test_a_site_with_another_shard_layout_is_refused_naming_both_layouts(
+    tmp_path: Path, coordinator_factory
+) -> None:
+    coordinator = coordinator_factory(SITES)
+    run = Run(sync_every=H, rounds=1)
+    site0 = launch_site(
+        coordinator.address, 0, 2, "fsdp", tmp_path, *run.argv(), "--timeout-s", "20",
+        per_rank={0: ["--joining", str(tmp_path / "joining")]},
+    )  # fmt: skip
+    site1: list[subprocess.Popen[Any]] = []
+    try:
+        _wait_for(tmp_path / "joining")
+        time.sleep(3.0)  # site 0's layout is the job's reference
+        site1 = launch_site(
+            coordinator.address, 1, 1, "fsdp", tmp_path, *run.argv(), "--timeout-s", "20"
+        )
+        assert site1[0].wait(timeout=120) != 0
+        assert site0[0].wait(timeout=60) != 0
+    finally:
+        reap([*site0, *site1])
+    for who in ["site1-rank0", "site0-rank0"]:
+        text = (tmp_path / f"{who}.log").read_text()
+        assert "[site rank 0 of 1]" in text and "[site rank 0 of 2]" in text, text[-3000:]
