@@ -31,9 +31,12 @@ collectives inside the site fail, and they exit), so each job it belonged to
 loses that site (`--on-failure elastic` goes on without it). Restarted whole,
 its ranks join their jobs again and take the global parameters from the
 coordinator at the next round of the other sites; no inner step is recomputed.
-If its ranks were let in at different rounds (one job reached a round
-boundary between two of them joining), the site refuses to start, naming the
-rounds: restarting it again lets them in together.
+Its ranks must be let in at the same round: if the other sites reach a round
+boundary between two of them joining, the first waits inside the site for the
+other, which waits for the next boundary, until the site's process-group timeout
+fails the site (the next restart lets its ranks in together); ranks that did get
+in at different rounds refuse to train, naming each one's round
+(`SiteLayout.agree_on_round`).
 """
 
 from __future__ import annotations
