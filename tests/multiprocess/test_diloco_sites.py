@@ -248,7 +248,7 @@ def test_a_site_that_loses_a_rank_drops_out_and_rejoins_whole_under_elastic(
         )  # fmt: skip
         for k in range(2):
             _wait_for(tmp_path / f"joining{k}")
-        time.sleep(5.0)  # both ranks' joins reach the coordinator before site 0 goes on
+        time.sleep(10.0)  # both ranks' joins reach the coordinator before site 0 goes on
         gate.touch()
         finish([*site0, *again], tmp_path, timeout=150)
     finally:
