@@ -123,7 +123,7 @@ def assert_sites_match(
     assert moved > 1e-3, "the global parameters did not move: nothing was trained"
 
 
-@pytest.mark.timeout(180)
+@pytest.mark.timeout(300)
 @pytest.mark.parametrize("shards", [1, 2], ids=["unsharded", "two-shards"])
 def test_fsdp2_inside_two_sites_match_a_one_process_simulation(
     shards: int, tmp_path: Path, coordinator_factory
@@ -140,7 +140,7 @@ def test_fsdp2_inside_two_sites_match_a_one_process_simulation(
     assert_sites_match(outputs, run, expected)
 
 
-@pytest.mark.timeout(180)
+@pytest.mark.timeout(300)
 def test_ddp_inside_sites_of_different_sizes_match_and_only_rank_0_uploads(
     tmp_path: Path, coordinator_factory
 ) -> None:
@@ -155,7 +155,7 @@ def test_ddp_inside_sites_of_different_sizes_match_and_only_rank_0_uploads(
     assert int(outputs["site0-rank1"]["last_round_bytes"]) == 0
 
 
-@pytest.mark.timeout(180)
+@pytest.mark.timeout(300)
 def test_int8_wire_with_compact_answers_across_fsdp2_sites_matches_its_reference(
     tmp_path: Path, coordinator_factory
 ) -> None:
@@ -181,7 +181,7 @@ def _shards(k: int) -> list[np.ndarray]:
     return [np.array_split(p.detach().numpy(), 2)[k] for p in make_model(0).parameters()]
 
 
-@pytest.mark.timeout(180)
+@pytest.mark.timeout(300)
 def test_streaming_fragments_across_fsdp2_sites_match_a_one_process_simulation(
     tmp_path: Path, coordinator_factory
 ) -> None:
@@ -218,7 +218,7 @@ def _wait_for(path: Path, timeout: float = 90) -> None:
         time.sleep(0.05)
 
 
-@pytest.mark.timeout(240)
+@pytest.mark.timeout(300)
 def test_a_site_that_loses_a_rank_drops_out_and_rejoins_whole_under_elastic(
     tmp_path: Path, coordinator_factory
 ) -> None:
@@ -279,7 +279,7 @@ def test_a_site_that_loses_a_rank_drops_out_and_rejoins_whole_under_elastic(
     assert float((alone[-1][0] - expected[-1][0]).abs().max()) > 1e-4
 
 
-@pytest.mark.timeout(180)
+@pytest.mark.timeout(300)
 def test_a_site_with_another_shard_layout_is_refused_naming_both_layouts(
     tmp_path: Path, coordinator_factory
 ) -> None:
