@@ -23,6 +23,7 @@ from typing import Any
 
 import numpy as np
 import pytest
+from gradsync.status import query_status
 from gradsync_proto.net.launch import free_port
 from support.diloco_reference import Run, make_model
 from support.diloco_sites_reference import simulate_sites, simulate_sites_streaming
@@ -138,6 +139,11 @@ def test_fsdp2_inside_two_sites_match_a_one_process_simulation(
             assert list(outputs[f"site{s}-rank{k}"]["jobs"]) == [f"sites.site-rank-{k}"]
     expected = simulate_sites(run, [2, 2], make_model(INITIAL), shards=2)
     assert_sites_match(outputs, run, expected)
+    # What `gradsync status` shows: a job per shard index, the sites its ranks.
+    jobs = {job.job_id: job for job in query_status(coordinator.address).jobs}
+    for k in range(2):
+        job = jobs[f"sites.site-rank-{k}"]
+        assert job.world_size == SITES and job.outer and job.outer_rounds == run.rounds, job
 
 
 @pytest.mark.timeout(300)
