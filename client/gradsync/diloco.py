@@ -88,6 +88,7 @@ from gradsync.diloco_settings import (
     straggler_settings,
     streaming_mixing,
 )
+from gradsync.diloco_sites import SiteFollower, SiteFragment, SiteLayout
 from gradsync.metrics import ENV_METRICS_HOST, resolve_metrics_port
 
 __all__ = ["DiLoCo"]
@@ -152,6 +153,13 @@ class DiLoCo:
         metrics_host: the interface of those metrics, as `DistributedDataParallel`'s.
         trace_path: a Chrome trace of the rounds (each fragment's round on the
             transport track, the inner loop's waits for them on the other).
+        replica_group: a process group of the ranks that train one replica together
+            (a site: FSDP2, DDP or a plain module inside; `gradsync.diloco_sites`).
+            The rounds then run between `replicas` sites instead of between ranks:
+            `rank` and `world_size` are not used, and every rank of the site calls
+            `step` alike. None (the default): every rank is a replica.
+        replica: with `replica_group`, this site's index in [0, replicas).
+        replicas: with `replica_group`, the number of sites.
         **options: any other keyword argument of `DistributedDataParallel`
             (`token`, `tls_ca`, `timeout_s`, `bucket_cap_mb`, ...).
 
@@ -186,6 +194,9 @@ class DiLoCo:
         metrics_port: int | None = None,
         metrics_host: str | None = None,
         trace_path: str | Path | None = None,
+        replica_group: Any = None,
+        replica: int | None = None,
+        replicas: int | None = None,
         **options: Any,
     ) -> None:
         check_outer(sync_every, outer_lr, outer_momentum, wire_dtype, error_feedback)
@@ -208,21 +219,52 @@ class DiLoCo:
         )
         feedback = wire_dtype is not None if error_feedback is None else error_feedback
         flatten_options(outer, fragments, wire_dtype, answer_dtype, options)
-        params: list[torch.Tensor] = [p for p in model.parameters() if p.requires_grad]
-        groups = _split(params, fragments)
+        named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+        params: list[torch.Tensor] = [p for _, p in named]
         base = job_id or os.environ.get(ENV_JOB_ID) or defaults.JOB_ID
+        site: SiteLayout | None = None
+        if replica_group is not None:
+            site = SiteLayout(replica_group, replica, replicas, named)
+            params, base = site.params, site.job_id(base)
+            rank, world_size = replica, replicas
+        elif replica is not None or replicas is not None:
+            raise ValueError("replica= and replicas= need replica_group= (the site's group)")
+        self.site = site
+        # A site's ranks cut their shards where the whole parameters are cut: fragment i
+        # holds the same parameters on every rank of the site.
+        groups = _split(params, fragments, site.full_bytes if site is not None else None)
         common = dict(options, coordinator=coordinator, rank=rank, world_size=world_size)
         self.fragments: list[Fragment] = []
         try:
+            start = 0
             for index, group in enumerate(groups):
                 name = base if len(groups) == 1 else f"{base}.fragment{index}"
-                self.fragments.append(
-                    Fragment(group, outer, wire_dtype, feedback, name, common, answer_dtype)
-                )
+                if site is None:
+                    fragment = Fragment(
+                        group, outer, wire_dtype, feedback, name, common, answer_dtype
+                    )
+                elif not site.uploads:
+                    fragment = SiteFollower(site, group, outer.weighted)
+                else:
+                    names = site.shadow_names(site.names[start : start + len(group)])
+                    fragment = SiteFragment(
+                        site, group, outer, wire_dtype, feedback, name, common, answer_dtype, names
+                    )
+                start += len(group)
+                self.fragments.append(fragment)
+            if site is not None:
+                site.agree_on_round(self.fragments)
         except BaseException:
             for fragment in self.fragments:
                 fragment.close()
             raise
+        leader = self.fragments[0]
+        #: This replica's rank and the number of replicas (sites, with `replica_group`).
+        self._rank, self._world_size = (
+            (site.replica, site.replicas)
+            if site is not None
+            else (leader.ddp.rank, leader.ddp.world_size)
+        )
         self._instruments = DiLoCoInstruments(
             self.rank,
             port,
@@ -242,11 +284,13 @@ class DiLoCo:
 
     @property
     def rank(self) -> int:
-        return self.fragments[0].ddp.rank
+        """This replica's rank among the replicas (with `replica_group`: the site's index)."""
+        return self._rank
 
     @property
     def world_size(self) -> int:
-        return self.fragments[0].ddp.world_size
+        """The number of replicas (with `replica_group`: of sites)."""
+        return self._world_size
 
     @property
     def last_round_bytes(self) -> int:
@@ -368,16 +412,21 @@ class DiLoCo:
         self.close()
 
 
-def _split(params: list[torch.Tensor], fragments: int) -> list[list[torch.Tensor]]:
-    """Cut `params` (in order) into `fragments` runs of about equal bytes, none empty."""
-    total = sum(p.numel() * p.element_size() for p in params)
+def _split(
+    params: list[torch.Tensor], fragments: int, sizes: list[int] | None = None
+) -> list[list[torch.Tensor]]:
+    """Cut `params` (in order) into `fragments` runs of about equal bytes (`sizes`, if
+    given: each parameter's), none empty."""
+    if sizes is None:
+        sizes = [p.numel() * p.element_size() for p in params]
+    total = sum(sizes)
     groups: list[list[torch.Tensor]] = [[]]
     filled = 0
-    for position, p in enumerate(params):
+    for position, (p, size) in enumerate(zip(params, sizes, strict=True)):
         left = len(params) - position  # parameters left, this one included
         open_groups = fragments - len(groups)  # groups still to start after this one
         if groups[-1] and (filled >= total * len(groups) / fragments or left <= open_groups):
             groups.append([])
         groups[-1].append(p)
-        filled += p.numel() * p.element_size()
+        filled += size
     return groups

@@ -43,6 +43,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections import OrderedDict
 from collections.abc import Sequence
 from typing import Any
 
@@ -83,13 +84,21 @@ class _SeedableCast(CastCompression):
 
 
 class _Shadow(nn.Module):
-    """Copies of some parameters, registered in order (what a fragment's rounds carry)."""
+    """Copies of some parameters, registered in order (what a fragment's rounds carry),
+    under `names` if given (no dots), else by position."""
 
-    def __init__(self, params: Sequence[torch.Tensor]) -> None:
+    def __init__(self, params: Sequence[torch.Tensor], names: Sequence[str] | None) -> None:
         super().__init__()
-        self.copies = nn.ParameterList(
-            nn.Parameter(p.detach().clone(), requires_grad=True) for p in params
+        copies = [nn.Parameter(p.detach().clone(), requires_grad=True) for p in params]
+        self.copies: nn.ParameterList | nn.ParameterDict = (
+            nn.ParameterList(copies)
+            if names is None
+            else nn.ParameterDict(OrderedDict(zip(names, copies, strict=True)))  # (a dict: sorted)
         )
+
+    def ordered(self) -> list[nn.Parameter]:
+        copies = self.copies
+        return list(copies.values() if isinstance(copies, nn.ParameterDict) else copies)
 
 
 class Fragment:
@@ -105,6 +114,7 @@ class Fragment:
         options: the rest of `DistributedDataParallel`'s arguments.
         answer_dtype: None (the global parameters in float32), torch.int8 (with an int8
             wire) or torch.bfloat16 (with a bfloat16 wire): the answers are then changes.
+        names: the names the parameters carry in the job's signature (None: by position).
     """
 
     def __init__(
@@ -116,9 +126,10 @@ class Fragment:
         job_id: str | None,
         options: dict[str, Any],
         answer_dtype: torch.dtype | None = None,
+        names: Sequence[str] | None = None,
     ) -> None:
         self.params = list(params)
-        self._shadow = _Shadow(self.params)
+        self._shadow = _Shadow(self.params, names)
         int8 = wire_dtype is torch.int8
         #: Answers after the seed are changes of the global parameters, not themselves.
         self.compact_answer = answer_dtype is not None
@@ -148,7 +159,7 @@ class Fragment:
             outer_rounds=OuterRounds(outer, self._hook),
             **options,
         )
-        self._copies = list(self._shadow.copies)
+        self._copies = self._shadow.ordered()
         # A 16-bit wire's error, per parameter (int8 keeps its own per bucket, in the hook).
         per_parameter = error_feedback and wire_dtype is not None and not int8
         self._residuals = [torch.zeros_like(p) for p in self.params] if per_parameter else None
