@@ -132,7 +132,7 @@ class TorchftDiLoCo:
         outer_momentum: float,
         timeout_s: float,
     ) -> None:
-        from torch.distributed import TCPStore
+        from torch._C._distributed_c10d import TCPStore
         from torchft.local_sgd import DiLoCo
         from torchft.manager import Manager
         from torchft.process_group import ProcessGroupGloo

@@ -580,8 +580,9 @@ def wan_suite(plan: WanPlan) -> tuple[dict[str, Any], str]:
         (rate, delay, None, False, plan.methods_at(rate, False)) for rate, delay in links
     ]
     if plan.hub_link is not None:
-        rate, delay, hub = plan.hub_link
-        passes.append((rate, delay or None, hub, False, plan.methods_at(rate, False, hub=True)))
+        workers, delay_ms, hub_mbit = plan.hub_link
+        hub_methods = plan.methods_at(workers, False, hub=True)
+        passes.append((workers, delay_ms or None, hub_mbit, False, hub_methods))
     if plan.quality_steps > 0:
         passes.append((None, None, None, True, plan.methods_at(None, True)))
     rows: list[Row] = []
