@@ -13,9 +13,10 @@ runs on the coordinator host, where gradsync's coordinator runs for gradsync's r
   model, with the same outer optimizer as gradsync's DiLoCo (SGD, Nesterov momentum).
 
 Configuration owed to torchft's side: one flat bucket (``use_bucketization=True``, whose
-default bucket holds the whole model), fp32 pseudo-gradients (``should_quantize`` needs
-CUDA), no overlap (``fragment_sync_delay=0``), the initial parameters identical by seed on
-every rank (``init_sync=False``).
+default bucket holds the whole model), fp32 pseudo-gradients (``should_quantize``'s kernels
+are Triton's, GPU only), no overlap (``fragment_sync_delay=0``), the initial parameters
+identical by seed on every rank (``init_sync=False``), a quorum with the lighthouse at
+every round (DiLoCo needs the synchronous quorum), the backup copy on the CPU.
 """
 
 from __future__ import annotations
