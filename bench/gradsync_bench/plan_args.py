@@ -43,6 +43,7 @@ def plan_from_args(args: Any) -> BenchPlan:
         "wan_steps",
         "wan_sync_steps",
         "wan_quality_steps",
+        "wan_hub",
     ):
         value = getattr(args, name, None)
         if value is not None:

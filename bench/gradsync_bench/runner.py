@@ -74,6 +74,9 @@ class BenchPlan:
     wan_steps: int = 50
     wan_sync_steps: int = 6
     wan_quality_steps: int = 100
+    #: The wan suite's hub pass: [workers' Mbit/s, one-way ms per link, coordinator host's
+    #: Mbit/s]; empty: none.
+    wan_hub: list[float] = field(default_factory=list)
     #: The heal suite (`gradsync_bench.heal`, a restarted rank healed; not run by default).
     heal_worlds: list[int] = field(default_factory=lambda: [2, 4])
     heal_states_mb: list[float] = field(default_factory=lambda: [256.0, 1024.0])
@@ -90,6 +93,7 @@ class BenchPlan:
             steps=self.wan_steps,
             sync_steps=self.wan_sync_steps,
             quality_steps=self.wan_quality_steps,
+            hub_link=wan.hub_link(self.wan_hub),
         )
 
     @classmethod

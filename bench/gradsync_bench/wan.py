@@ -42,19 +42,30 @@ from pathlib import Path
 from typing import Any
 
 from gradsync_bench.netns import Cluster
+from gradsync_bench.netns_commands import HOST_IFNAME, run_tc
 from gradsync_bench.netns_probe import available, delay_available
-from gradsync_bench.netns_shaping import LinkShape
+from gradsync_bench.netns_shaping import LinkShape, shape_commands
 from gradsync_bench.procs import flag_args, progress, wait_ranks
 from gradsync_bench.sharded import GLOO_PORT, Topology, on_host, running_coordinator
 from gradsync_bench.suites import Row
+from gradsync_bench.torchft_wan import lighthouse
 from gradsync_bench.wan_worker import METHODS, Method
 
 #: The methods of the quality (unshaped, longer) pass, where they are selected.
 QUALITY_METHODS = ("ddp-gloo", "diloco-h10-fp32", "diloco-h10-int8")
 #: The methods run at rates below 100 Mbit/s by default: at 20 Mbit/s a round of a
-#: 19.4 MB model through one coordinator costs half a minute, so H = 10 and the fp32
-#: H = 50 would take most of the suite's time there (`slow_methods` changes this).
-SLOW_LINK_METHODS = ("nosync", "ddp-gloo", "gradsync-ddp", "diloco-h50-int8", "streaming-f4-int8")
+#: 19.4 MB model through one coordinator costs half a minute, so H = 10 would take most of
+#: the suite's time there (`slow_methods` changes this).
+SLOW_LINK_METHODS = (
+    "nosync",
+    "ddp-gloo",
+    "gradsync-ddp",
+    "diloco-h50-fp32",
+    "diloco-h50-int8",
+    "streaming-f4-int8",
+    "diloco-h50-int8x2",
+    "torchft-h50-fp32",
+)
 #: The link rate the issue's targets are stated at.
 TARGET_RATE_MBIT = 100.0
 #: The one-way delay per link of the issue's targets at that rate (a 100 ms round trip host
@@ -63,6 +74,16 @@ TARGET_DELAY_MS = 25.0
 #: The delayed links of the scorecard, (Mbit/s, one-way ms per link): pass
 #: `rates_mbit=[r for r, _ in DELAYED_LINKS], delays_ms=[d for _, d in DELAYED_LINKS]`.
 DELAYED_LINKS = ((100.0, 25.0), (100.0, 100.0), (20.0, 50.0))
+#: The methods of the hub pass (the coordinator host on a faster link than the workers'),
+#: where they are selected: what a hub gains there against torchft's ring, which does not
+#: use that host's link.
+HUB_METHODS = (
+    "nosync",
+    "diloco-h50-fp32",
+    "diloco-h50-int8",
+    "diloco-h50-int8x2",
+    "torchft-h50-fp32",
+)
 #: The coordinator serves at its defaults: the workers' heartbeats travel beside their frame
 #: connections, so the default 5 s heartbeat timeout holds even while a round of 4 x 19.5 MB
 #: holds a 20 Mbit/s link for half a minute (`gradsync_bench.wan_liveness`).
@@ -91,6 +112,9 @@ class WanPlan:
     quality_steps: int = 100
     #: The methods run at rates below 100 Mbit/s (those of `methods` among them).
     slow_methods: Sequence[str] = SLOW_LINK_METHODS
+    #: The hub pass, (workers' Mbit/s, one-way ms per link or None, the coordinator
+    #: host's Mbit/s), run after the others with `HUB_METHODS`; None: no hub pass.
+    hub_link: tuple[float, float | None, float] | None = None
     batch: int = 4
     context: int = 64
     log_every: int = 5
@@ -126,9 +150,11 @@ class WanPlan:
         delays = self.delays_ms or [None] * len(self.rates_mbit)
         return [(rate, delay or None) for rate, delay in zip(self.rates_mbit, delays, strict=True)]
 
-    def methods_at(self, rate_mbit: float | None, quality: bool) -> list[Method]:
+    def methods_at(self, rate_mbit: float | None, quality: bool, hub: bool = False) -> list[Method]:
         """The selected methods of one pass, in table order."""
         chosen = [METHODS[name] for name in METHODS if name in self.methods]
+        if hub:
+            return [m for m in chosen if m.name in HUB_METHODS]
         if quality:
             return [m for m in chosen if m.name in QUALITY_METHODS]
         if rate_mbit is not None and rate_mbit < TARGET_RATE_MBIT:
@@ -136,14 +162,43 @@ class WanPlan:
         return chosen
 
 
+def hub_link(values: Sequence[float]) -> tuple[float, float | None, float] | None:
+    """`WanPlan.hub_link` from [workers' Mbit/s, one-way ms per link, coordinator host's
+    Mbit/s] (empty: None).
+
+    Raises:
+        ValueError: not three values, or a rate that is not positive.
+    """
+    if not values:
+        return None
+    if len(values) != 3 or values[0] <= 0 or values[2] <= 0:
+        raise ValueError(
+            f"the hub link is WORKER_MBIT,DELAY_MS,COORDINATOR_MBIT with positive rates, "
+            f"got {list(values)}"
+        )
+    return (float(values[0]), float(values[1]) or None, float(values[2]))
+
+
 def _worker_argv(
-    plan: WanPlan, method: Method, rank: int, steps: int, workdir: Path, coordinator: str, gloo: str
+    plan: WanPlan,
+    method: Method,
+    rank: int,
+    steps: int,
+    workdir: Path,
+    coordinator: str,
+    gloo: str,
+    address: str,
 ) -> list[str]:
+    """A rank's command line (`coordinator`: gradsync's coordinator, or torchft's
+    lighthouse for the torchft methods)."""
+    meeting = (
+        dict(lighthouse=coordinator) if method.uses_lighthouse else dict(coordinator=coordinator)
+    )
     return [
         *(sys.executable, "-m", "gradsync_bench.wan_worker"),
         *flag_args(method=method.name, rank=rank, world_size=plan.world_size, steps=steps),
         *flag_args(batch=plan.batch, context=plan.context, log_every=plan.log_every),
-        *flag_args(coordinator=coordinator, gloo=gloo, workdir=workdir),
+        *flag_args(**meeting, gloo=gloo, workdir=workdir, address=address),
     ]
 
 
@@ -159,10 +214,22 @@ def _timeout_s(
     return STARTUP_ALLOWANCE_S + 2.0 * steps + rounds * bound_s
 
 
-def _link_label(rate_mbit: float | None, delay_ms: float | None) -> str:
+def _link_label(
+    rate_mbit: float | None, delay_ms: float | None, hub_mbit: float | None = None
+) -> str:
     if rate_mbit is None:
         return "unshaped"
-    return f"{rate_mbit:g} Mbit/s" + (f" + {delay_ms:g} ms" if delay_ms else "")
+    label = f"{rate_mbit:g} Mbit/s" + (f" + {delay_ms:g} ms" if delay_ms else "")
+    return label + (f", coordinator host {hub_mbit:g} Mbit/s" if hub_mbit else "")
+
+
+def shape_hub(cluster: Cluster, host: str, rate_mbit: float) -> None:
+    """Reshape `host`'s link (both directions) to `rate_mbit`, keeping its delay."""
+    shape = LinkShape(rate_mbit=rate_mbit)
+    for command in shape_commands(["tc", "-n", cluster.netns(host)], HOST_IFNAME, shape):
+        run_tc(command)
+    for command in shape_commands(["tc"], cluster.bridge_port(host), shape):
+        run_tc(command)
 
 
 def run_method(
@@ -172,12 +239,14 @@ def run_method(
     rate_mbit: float | None,
     quality: bool,
     delay_ms: float | None = None,
+    hub_mbit: float | None = None,
 ) -> list[dict[str, Any]]:
-    """Run one method on `cluster` (a fresh coordinator if it needs one); the ranks' records."""
+    """Run one method on `cluster` (a fresh coordinator, or torchft's lighthouse, if it
+    needs one); the ranks' records."""
     steps = plan.steps_of(method, rate_mbit, quality)
     topology = Topology("single", plan.world_size, 1)
     gloo = f"{cluster.address('w0')}:{GLOO_PORT}"
-    label = f"{method.name} at {_link_label(rate_mbit, delay_ms)}"
+    label = f"{method.name} at {_link_label(rate_mbit, delay_ms, hub_mbit)}"
     progress(f"  wan {label}, {steps} steps ...")
     began = time.monotonic()
     # Other jobs on the machine take CPU from the ranks and skew a method's samples/s
@@ -189,7 +258,16 @@ def run_method(
         def launch(coordinator: str) -> None:
             processes = [
                 on_host(cluster, host)(
-                    _worker_argv(plan, method, rank, steps, workdir, coordinator, gloo)
+                    _worker_argv(
+                        plan,
+                        method,
+                        rank,
+                        steps,
+                        workdir,
+                        coordinator,
+                        gloo,
+                        cluster.address(host),
+                    )
                 )
                 for rank, host in enumerate(topology.worker_hosts)
             ]
@@ -203,6 +281,9 @@ def run_method(
 
         if method.uses_coordinator:
             with running_coordinator(cluster, topology, workdir, SERVE_ARGS) as (address, _):
+                launch(address)
+        elif method.uses_lighthouse:
+            with lighthouse(cluster, topology.shard_hosts[0], plan.world_size) as address:
                 launch(address)
         else:
             launch("")
@@ -223,8 +304,10 @@ def summarize(
     rate_mbit: float | None,
     quality: bool,
     delay_ms: float | None = None,
+    hub_mbit: float | None = None,
 ) -> Row:
-    """A row from the ranks' records (bytes per inner step: mean over the worker hosts)."""
+    """A row from the ranks' records (bytes per inner step: mean over the worker hosts;
+    a round's blocking seconds: the slowest rank's mean over its rounds)."""
     world_size = len(records)
     steps = records[0]["steps"]
     seconds = max(r["seconds"] for r in records)
@@ -240,10 +323,12 @@ def summarize(
         for i, (step, _) in enumerate(records[0]["losses"])
     ]
     rounds = [b for r in records for b in r["round_bytes_sent"]]
+    blocking = [statistics.mean(r["round_seconds"]) for r in records if r.get("round_seconds")]
     return {
         "method": method.name,
         "rate_mbit": rate_mbit,
         "delay_ms": delay_ms,
+        "hub_mbit": hub_mbit,
         "quality_pass": quality,
         "world_size": world_size,
         "steps": steps,
@@ -258,6 +343,12 @@ def summarize(
             statistics.mean(client) / steps if all(c is not None for c in client) else None
         ),
         "client_round_upload_bytes": statistics.mean(rounds) if rounds else None,
+        "round_blocking_s": max(blocking) if blocking else None,
+        "seconds_per_round": (
+            None
+            if method.every_step or method.kind == "nosync"
+            else seconds / max(1, steps // method.sync_every)
+        ),
         "parameter_bytes": records[0]["parameter_bytes"],
         "loss_curve": curve,
         "final_train_loss": curve[-1][1],
@@ -268,7 +359,12 @@ def summarize(
 
 
 def _failed(
-    method: Method, rate_mbit: float | None, quality: bool, exc: Exception, delay_ms: float | None
+    method: Method,
+    rate_mbit: float | None,
+    quality: bool,
+    exc: Exception,
+    delay_ms: float | None,
+    hub_mbit: float | None = None,
 ) -> Row:
     """The row of a method whose run failed: what failed, and no numbers."""
     notes = "\n".join(getattr(exc, "__notes__", []))
@@ -276,6 +372,7 @@ def _failed(
         "method": method.name,
         "rate_mbit": rate_mbit,
         "delay_ms": delay_ms,
+        "hub_mbit": hub_mbit,
         "quality_pass": quality,
         "error": f"{type(exc).__name__}: {str(exc)[-1500:]}\n{notes[-1500:]}",
     }
@@ -292,6 +389,7 @@ def _with_utilization(rows: list[Row]) -> list[Row]:
             if r["method"] == "nosync"
             and r["rate_mbit"] == row["rate_mbit"]
             and r.get("delay_ms") == row.get("delay_ms")
+            and r.get("hub_mbit") == row.get("hub_mbit")
             and r["quality_pass"] == row["quality_pass"]
             and "error" not in r
         ]
@@ -323,7 +421,12 @@ def _target(
 
 
 def _row(
-    rows: list[Row], method: str, rate: float | None, quality: bool, delay: float | None = None
+    rows: list[Row],
+    method: str,
+    rate: float | None,
+    quality: bool,
+    delay: float | None = None,
+    hub: float | None = None,
 ) -> Row | None:
     found = [
         r
@@ -331,6 +434,7 @@ def _row(
         if r["method"] == method
         and r["rate_mbit"] == rate
         and r.get("delay_ms") == delay
+        and r.get("hub_mbit") == hub
         and r["quality_pass"] == quality
         and "error" not in r
     ]
@@ -345,7 +449,10 @@ def scorecard(rows: list[Row]) -> list[dict[str, Any]]:
     its targets with a 100 ms round trip), else those of the undelayed 100 Mbit/s link."""
     rate = TARGET_RATE_MBIT
     delayed = any(
-        r["rate_mbit"] == rate and r.get("delay_ms") == TARGET_DELAY_MS and "error" not in r
+        r["rate_mbit"] == rate
+        and r.get("delay_ms") == TARGET_DELAY_MS
+        and not r.get("hub_mbit")
+        and "error" not in r
         for r in rows
     )
     delay = TARGET_DELAY_MS if delayed else None
@@ -417,6 +524,37 @@ def scorecard(rows: list[Row]) -> list[dict[str, Any]]:
                 "|loss / DDP's loss - 1|, quality pass (links unshaped)",
             )
         )
+    return cards + torchft_cards(rows)
+
+
+def torchft_cards(rows: list[Row]) -> list[dict[str, Any]]:
+    """gradsync's DiLoCo H = 50 against torchft's on every link torchft ran on: samples/s
+    over torchft's, fp32 against fp32 (goal 1.0: equal wire bits on equal links), and on
+    the hub link (the coordinator host faster than the workers) also the int8 wire with the
+    int8 answer (goal 1.3 for both there)."""
+    cards: list[dict[str, Any]] = []
+    # One card per link (a link run twice is compared at its first pass).
+    links = dict.fromkeys(
+        (r["rate_mbit"], r.get("delay_ms"), r.get("hub_mbit"))
+        for r in rows
+        if r["method"] == "torchft-h50-fp32" and not r["quality_pass"] and "error" not in r
+    )
+    for rate, delay, hub in links:
+        torchft = _row(rows, "torchft-h50-fp32", rate, False, delay, hub)
+        assert torchft is not None
+        mine = ["diloco-h50-fp32", *(("diloco-h50-int8x2",) if hub else ())]
+        for method in mine:
+            candidate = _row(rows, method, rate, False, delay, hub)
+            measured = candidate["samples_per_s"] / torchft["samples_per_s"] if candidate else None
+            cards.append(
+                _target(
+                    f"gradsync {method} vs torchft H=50 fp32, {_link_label(rate, delay, hub)}",
+                    measured,
+                    1.3 if hub else 1.0,
+                    True,
+                    "gradsync samples/s / torchft samples/s",
+                )
+            )
     return cards
 
 
@@ -433,29 +571,36 @@ def wan_suite(plan: WanPlan) -> tuple[dict[str, Any], str]:
         raise ValueError(f"unknown wan methods {unknown}; choose from {', '.join(METHODS)}")
     topology = Topology("single", plan.world_size, 1)
     links = plan.links()
-    delayed = any(delay for _, delay in links)
+    hub_delay = plan.hub_link[1] if plan.hub_link else None
+    delayed = any(delay for _, delay in links) or bool(hub_delay)
     if delayed:
         ok, reason = delay_available()
         if not ok:
             return {"rows": [], "scorecard": []}, reason
-    passes: list[tuple[float | None, float | None, bool, list[Method]]] = [
-        (rate, delay, False, plan.methods_at(rate, False)) for rate, delay in links
+    passes: list[tuple[float | None, float | None, float | None, bool, list[Method]]] = [
+        (rate, delay, None, False, plan.methods_at(rate, False)) for rate, delay in links
     ]
+    if plan.hub_link is not None:
+        workers, delay_ms, hub_mbit = plan.hub_link
+        hub_methods = plan.methods_at(workers, False, hub=True)
+        passes.append((workers, delay_ms or None, hub_mbit, False, hub_methods))
     if plan.quality_steps > 0:
-        passes.append((None, None, True, plan.methods_at(None, True)))
+        passes.append((None, None, None, True, plan.methods_at(None, True)))
     rows: list[Row] = []
-    for rate, delay, quality, selected in passes:
+    for rate, delay, hub, quality, selected in passes:
         shape = LinkShape(rate_mbit=rate, delay_ms=delay)
         with Cluster(topology.hosts, shape) as cluster:
+            if hub:
+                shape_hub(cluster, topology.shard_hosts[0], hub)
             for method in selected:
                 try:
-                    records = run_method(cluster, plan, method, rate, quality, delay)
+                    records = run_method(cluster, plan, method, rate, quality, delay, hub)
                 except (RuntimeError, TimeoutError, OSError) as exc:
                     # One method's failure is a result too; the others still run.
                     progress(f"    failed: {str(exc)[-500:]}")
-                    rows.append(_failed(method, rate, quality, exc, delay))
+                    rows.append(_failed(method, rate, quality, exc, delay, hub))
                     continue
-                rows.append(summarize(records, method, rate, quality, delay))
+                rows.append(summarize(records, method, rate, quality, delay, hub))
     rows = _with_utilization(rows)
     note = "tc tbf on every host link, both directions"
     if delayed:

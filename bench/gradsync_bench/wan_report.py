@@ -17,19 +17,27 @@ LABELS = {
     "streaming-f4-int8": "streaming F=4 int8",
     "diloco-h50-int8x2": "DiLoCo H=50 int8, int8 answer",
     "diloco-h100-int8x2": "DiLoCo H=100 int8, int8 answer",
+    "torchft-h50-fp32": "torchft DiLoCo H=50 fp32",
+    "torchft-h10-fp32": "torchft DiLoCo H=10 fp32",
 }
 
 
 def _rate(row: dict[str, Any]) -> str:
-    """The row's link: "unshaped", "100" or, with a one-way delay per link, "100 + 25 ms"."""
+    """The row's link: "unshaped", "100", with a one-way delay per link "100 + 25 ms", and
+    with the coordinator host on a faster link "100 + 25 ms, hub 1000"."""
     if row["rate_mbit"] is None:
         return "unshaped"
-    delay = row.get("delay_ms")
-    return f"{row['rate_mbit']:g}" + (f" + {delay:g} ms" if delay else "")
+    delay, hub = row.get("delay_ms"), row.get("hub_mbit")
+    label = f"{row['rate_mbit']:g}" + (f" + {delay:g} ms" if delay else "")
+    return label + (f", hub {hub:g}" if hub else "")
 
 
 def _mb(value: float | None) -> str:
     return "-" if value is None else f"{value / 1e6:.3f}"
+
+
+def _s(value: float | None) -> str:
+    return "-" if value is None else f"{value:.2f}"
 
 
 def markdown_lines(suite: dict[str, Any]) -> list[str]:
@@ -46,7 +54,10 @@ def markdown_lines(suite: dict[str, Any]) -> list[str]:
         f"{suite.get('note', '')}; char transformer of {model_mb} MB "
         "fp32 on the standard library's source, AdamW; utilization = samples/s / no-sync "
         "samples/s on the same link; bytes per inner step = mean worker host eth0 tx + rx; "
-        "client up = gradsync's own upload count; quality rows: links unshaped, more steps)",
+        "client up = gradsync's own upload count; s/round = timed seconds / rounds; "
+        "sync s = the slowest rank's mean seconds in a synchronizing step's optimizer step "
+        "and synchronization; hub X: the coordinator host's link at X Mbit/s; quality rows: "
+        "links unshaped, more steps)",
         "",
         "| target | measured | goal | result |",
         "|---|---|---|---|",
@@ -61,14 +72,14 @@ def markdown_lines(suite: dict[str, Any]) -> list[str]:
         "",
         "| B Mbit/s (+ delay per link) | method | steps | samples/s | utilization | "
         "MB/step up | MB/step down | MB/step total | client MB/step up | client MB/round up | "
-        "final train loss | held-out loss | load |",
-        "|" + "---|" * 13,
+        "s/round | sync s | final train loss | held-out loss | load |",
+        "|" + "---|" * 15,
     ]
     for row in rows:
         if "error" in row:
             name = LABELS.get(row["method"], row["method"])
             reason = row["error"].splitlines()[0][:300].replace("|", "/")
-            lines.append(f"| {_rate(row)} | {name} | failed: {reason} |" + " - |" * 10)
+            lines.append(f"| {_rate(row)} | {name} | failed: {reason} |" + " - |" * 12)
             continue
         utilization = row.get("utilization")
         lines.append(
@@ -85,6 +96,8 @@ def markdown_lines(suite: dict[str, Any]) -> list[str]:
                     _mb(row["link_bytes_per_step"]),
                     _mb(row["client_up_bytes_per_step"]),
                     _mb(row["client_round_upload_bytes"]),
+                    _s(row.get("seconds_per_round")),
+                    _s(row.get("round_blocking_s")),
                     f"{row['final_train_loss']:.3f}",
                     f"{row['held_out_loss']:.3f}",
                     "-" if row.get("load_average") is None else f"{row['load_average']:.1f}",

@@ -9,14 +9,16 @@ same inner optimizer (AdamW); they differ only in how the ranks synchronize:
   gradsync-ddp     gradsync.DistributedDataParallel, every step.
   diloco-hH-WIRE   gradsync.DiLoCo, sync_every=H, fp32 or int8 pseudo-gradients.
   streaming-fF-... gradsync.DiLoCo with fragments=F and overlap_steps (int8).
+  torchft-hH-fp32  torchft's DiLoCo, one replica group per host (`gradsync_bench.torchft_wan`).
 
 The timed window starts after a barrier of all ranks (files in the shared work folder:
 the namespaces share the file system) and after one untimed forward/backward (no
 optimizer step, so every method starts from the same parameters). It counts `--steps`
 inner steps; a streaming round still in flight at the end is collected inside it. The
 rank reads its host's eth0 byte counters at both ends of the window and writes one JSON
-record: seconds, bytes, the client's own byte counts, the training losses and the
-held-out loss of its final model.
+record: seconds, bytes, the client's own byte counts, the seconds each synchronizing step
+blocked (optimizer step and synchronization, at every H-th step), the training losses and
+the held-out loss of its final model.
 """
 
 from __future__ import annotations
@@ -45,7 +47,7 @@ class Method:
     """A synchronization method of the scorecard."""
 
     name: str
-    #: "nosync", "ddp-gloo", "gradsync-ddp" or "diloco".
+    #: "nosync", "ddp-gloo", "gradsync-ddp", "diloco" or "torchft" (torchft's DiLoCo).
     kind: str
     sync_every: int = 1
     int8: bool = False
@@ -62,6 +64,10 @@ class Method:
     @property
     def uses_coordinator(self) -> bool:
         return self.kind in ("gradsync-ddp", "diloco")
+
+    @property
+    def uses_lighthouse(self) -> bool:
+        return self.kind == "torchft"
 
 
 #: Every method, in table order.
@@ -80,6 +86,8 @@ METHODS: dict[str, Method] = {
         ),
         Method("diloco-h50-int8x2", "diloco", sync_every=50, int8=True, compact_answer=True),
         Method("diloco-h100-int8x2", "diloco", sync_every=100, int8=True, compact_answer=True),
+        Method("torchft-h50-fp32", "torchft", sync_every=50),
+        Method("torchft-h10-fp32", "torchft", sync_every=10),
     )
 }
 
@@ -155,6 +163,8 @@ def main() -> None:
     parser.add_argument("--log-every", type=int, default=5)
     parser.add_argument("--coordinator", default="")
     parser.add_argument("--gloo", default="", help="host:port of gloo's rendezvous (rank 0)")
+    parser.add_argument("--lighthouse", default="", help="torchft's lighthouse URL")
+    parser.add_argument("--address", default="", help="this host's address (torchft)")
     parser.add_argument("--link-stats", default="eth0")
     parser.add_argument("--workdir", type=Path, required=True)
     args = parser.parse_args()
@@ -183,6 +193,22 @@ def main() -> None:
             answer_dtype=torch.int8 if method.compact_answer else None,
             **job_options(method, args),
         )
+    torchft = None
+    if method.kind == "torchft":
+        from gradsync_bench.torchft_wan import TorchftDiLoCo
+
+        torchft = TorchftDiLoCo(
+            model,
+            inner,
+            rank=args.rank,
+            world_size=args.world_size,
+            address=args.address,
+            lighthouse=args.lighthouse,
+            sync_every=method.sync_every,
+            outer_lr=0.7,
+            outer_momentum=0.9,
+            timeout_s=900,
+        )
 
     # Warm-up: one forward/backward (allocations, gloo's and gradsync's first bucket
     # exchange); no optimizer step, so every method starts from the same parameters.
@@ -196,6 +222,9 @@ def main() -> None:
     link_before = link_bytes(args.link_stats)
     client_before = client_bytes_sent(ddp, diloco)
     round_bytes: list[int] = []
+    round_seconds: list[float] = []
+    if torchft is not None:
+        torchft.__enter__()  # hooks inner.step: every H-th call synchronizes
     losses: list[list[float]] = []
     pending: list[float] = []
     started = time.perf_counter()
@@ -204,11 +233,16 @@ def main() -> None:
         inputs, targets = batches.next()
         loss = wan_task.loss_of(forward, inputs, targets)
         torch.autograd.backward(loss)
+        stepped = time.perf_counter()
         inner.step()
         # `last_round_bytes` (the latest round's upload, every fragment's together) is
         # one round's only without fragments.
         if diloco is not None and diloco.step() and len(diloco.fragments) == 1:
             round_bytes.append(diloco.last_round_bytes)
+        if method.kind not in ("nosync", "ddp-gloo", "gradsync-ddp") and (
+            step % method.sync_every == 0
+        ):
+            round_seconds.append(time.perf_counter() - stepped)
         pending.append(float(loss.detach()))
         if step % args.log_every == 0 or step == args.steps:
             losses.append([step, sum(pending) / len(pending)])
@@ -218,6 +252,13 @@ def main() -> None:
         for fragment in diloco.fragments:
             if fragment.in_flight:
                 fragment.apply(diloco.mixing)
+    if torchft is not None:
+        torchft.__exit__()
+        if torchft.rounds != args.steps // method.sync_every:
+            raise RuntimeError(
+                f"rank {args.rank}: torchft committed {torchft.rounds} rounds in "
+                f"{args.steps} steps, expected {args.steps // method.sync_every}"
+            )
     seconds = time.perf_counter() - started
     link_after = link_bytes(args.link_stats)
     client_after = client_bytes_sent(ddp, diloco)
@@ -235,12 +276,13 @@ def main() -> None:
         "link_rx": link_after["rx"] - link_before["rx"],
         "client_bytes_sent": client_sent,
         "round_bytes_sent": round_bytes,
+        "round_seconds": round_seconds,
         "losses": losses,
         "held_out_loss": wan_task.held_out_loss(model, held_out, args.context),
         "parameter_bytes": wan_task.parameter_bytes(model),
     }
     (args.workdir / f"{method.name}-rank{args.rank}.json").write_text(json.dumps(record))
-    leave([diloco, ddp], gloo=method.kind == "ddp-gloo")
+    leave([diloco, ddp, torchft], gloo=method.kind == "ddp-gloo")
 
 
 if __name__ == "__main__":

@@ -40,6 +40,8 @@ BENCH_WAN_METHODS = (
     "streaming-f4-int8",
     "diloco-h50-int8x2",
     "diloco-h100-int8x2",
+    "torchft-h50-fp32",
+    "torchft-h10-fp32",
 )
 #: The failures of the churn suite (`gradsync bench --churn-kinds`; gradsync_bench.churn_schedule).
 BENCH_CHURN_KINDS = (
@@ -358,6 +360,14 @@ def _add_wan_flags(bench: argparse.ArgumentParser) -> None:
         default=None,
         help="wan: one-way delay in ms of each link of --wan-rates, in the same order "
         "(0 = none; default: no delay)",
+    )
+    bench.add_argument(
+        "--wan-hub",
+        dest="wan_hub",
+        type=flags.number_list(flags.number(0.0, low_inclusive=True)),
+        default=None,
+        help="wan: a hub pass, WORKER_MBIT,DELAY_MS,COORDINATOR_MBIT (the coordinator host "
+        "on a faster link than the workers'; default: none)",
     )
     bench.add_argument(
         "--wan-methods",

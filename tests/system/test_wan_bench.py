@@ -5,8 +5,10 @@ train the wan suite's char transformer with the no-sync reference, torch DDP + g
 gradsync DDP and DiLoCo H = 10 int8, a few steps each, through the real `gradsync bench`
 command; the test checks the structure of what it measured (not speeds: timings are
 noisy here): every method trained and was timed, the link counters tell the methods
-apart as their protocols say, the losses are finite and fall. Needs root (namespaces);
-skips with the reason otherwise.
+apart as their protocols say, the losses are finite and fall. A second run puts
+torchft's DiLoCo (its lighthouse on the coordinator host, one replica group per worker
+host) beside the reference the same way. Needs root (namespaces); skips with the reason
+otherwise.
 """
 
 from __future__ import annotations
@@ -88,11 +90,49 @@ def test_wan_suite_measures_every_method_on_shaped_links(tmp_path: Path) -> None
     assert (tmp_path / "latest.png").stat().st_size > 0
 
 
+@pytest.mark.timeout(240)
+def test_wan_suite_runs_torchft_diloco_beside_the_reference(tmp_path: Path) -> None:
+    ok, reason = netns_available()
+    if not ok:
+        pytest.skip(reason)
+    argv = [
+        sys.executable, "-m", "gradsync.cli", "bench", "--suites", "wan",
+        "--wan-world", "2", "--wan-rates", "100", "--wan-steps", "20",
+        "--wan-quality-steps", "0", "--wan-methods", "nosync,torchft-h10-fp32",
+        "--out", str(tmp_path),
+    ]  # fmt: skip
+    result = subprocess.run(
+        argv, capture_output=True, text=True, timeout=200, env=dict(os.environ), cwd=tmp_path
+    )
+    assert result.returncode == 0, result.stderr[-4000:]
+    document = json.loads((tmp_path / "latest.json").read_text())
+    rows = {row["method"]: row for row in document["suites"]["wan"]["rows"]}
+    assert set(rows) == {"nosync", "torchft-h10-fp32"}
+    torchft = rows["torchft-h10-fp32"]
+    assert "error" not in torchft, torchft.get("error")
+    # The worker checked that torchft's manager committed both rounds (20 steps, H = 10).
+    assert torchft["steps"] == 20 and torchft["seconds_per_round"] > 0
+    assert torchft["round_blocking_s"] > 0
+    # A ring all-reduce at W = 2 moves the model once each way per round through each
+    # worker link: two rounds in 20 steps, about N / 10 each way per step.
+    model_bytes = torchft["parameter_bytes"]
+    for direction in ("link_up_bytes_per_step", "link_down_bytes_per_step"):
+        assert 0.09 * model_bytes < torchft[direction] < 0.13 * model_bytes, direction
+    assert torchft["client_up_bytes_per_step"] is None  # gradsync took no part
+    assert torchft["utilization"] is not None and torchft["utilization"] > 0
+    curve = torchft["loss_curve"]
+    assert all(math.isfinite(loss) for _, loss in curve)
+    assert curve[-1][1] < curve[0][1] - 0.3, curve
+    assert torchft["held_out_loss"] < math.log(256)
+    assert "torchft DiLoCo H=10 fp32" in (tmp_path / "latest.md").read_text()
+
+
 def _row(method: str, samples_per_s: float, link: float, loss: float = 2.0, **kw: Any) -> Row:
     return {
         "method": method,
         "rate_mbit": kw.get("rate", 100.0),
         "delay_ms": kw.get("delay"),
+        "hub_mbit": kw.get("hub"),
         "quality_pass": kw.get("quality", False),
         "samples_per_s": samples_per_s,
         "link_bytes_per_step": link,
@@ -155,6 +195,49 @@ def test_delayed_links_pair_with_rates_and_carry_the_scorecard() -> None:
     card = wan.scorecard(rows)[0]
     assert card["target"] == "utilization, DiLoCo H=50 int8, 100 Mbit/s + 25 ms"
     assert (card["measured"], card["result"]) == (0.8, "MISS")
+
+
+def test_torchft_cards_compare_fp32_on_every_link_and_the_hub_at_1_3x() -> None:
+    rows = wan._with_utilization(
+        [
+            _row("nosync", 100.0, 0.0, delay=25.0),
+            _row("diloco-h50-fp32", 60.0, 0.8e6, delay=25.0),
+            _row("torchft-h50-fp32", 70.0, 0.8e6, delay=25.0),
+            _row("nosync", 100.0, 0.0, delay=25.0, hub=1000.0),
+            _row("diloco-h50-fp32", 75.0, 0.8e6, delay=25.0, hub=1000.0),
+            _row("diloco-h50-int8x2", 95.0, 0.2e6, delay=25.0, hub=1000.0),
+            _row("torchft-h50-fp32", 70.0, 0.8e6, delay=25.0, hub=1000.0),
+        ]
+    )
+    # The hub pass's rows pair with the hub pass's reference only.
+    assert [row["utilization"] for row in rows] == [1.0, 0.6, 0.7, 1.0, 0.75, 0.95, 0.7]
+    cards = wan.torchft_cards(rows)
+    assert [(c["target"], round(c["measured"], 3), c["goal"], c["result"]) for c in cards] == [
+        ("gradsync diloco-h50-fp32 vs torchft H=50 fp32, 100 Mbit/s + 25 ms", 0.857, 1.0, "MISS"),
+        (
+            "gradsync diloco-h50-fp32 vs torchft H=50 fp32, 100 Mbit/s + 25 ms, "
+            "coordinator host 1000 Mbit/s",
+            1.071,
+            1.3,
+            "MISS",
+        ),
+        (
+            "gradsync diloco-h50-int8x2 vs torchft H=50 fp32, 100 Mbit/s + 25 ms, "
+            "coordinator host 1000 Mbit/s",
+            1.357,
+            1.3,
+            "PASS",
+        ),
+    ]
+    # The target rows of the scorecard are those of the plain link, not the hub's.
+    assert wan.scorecard(rows)[-3:] == cards
+    assert wan.hub_link([]) is None
+    assert wan.hub_link([100, 25, 1000]) == (100.0, 25.0, 1000.0)
+    assert wan.hub_link([100, 0, 1000]) == (100.0, None, 1000.0)
+    with pytest.raises(ValueError, match="WORKER_MBIT,DELAY_MS,COORDINATOR_MBIT"):
+        wan.hub_link([100, 25])
+    plan = wan.WanPlan(methods=tuple(WORKER_METHODS), hub_link=(100.0, 25.0, 1000.0))
+    assert [m.name for m in plan.methods_at(100.0, False, hub=True)] == list(wan.HUB_METHODS)
 
 
 def test_the_cli_offers_exactly_the_workers_methods() -> None:
