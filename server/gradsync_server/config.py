@@ -25,7 +25,7 @@ import hmac
 import math
 import os
 import socket
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from enum import StrEnum
 from typing import TYPE_CHECKING
 
@@ -612,19 +612,11 @@ class CoordinatorConfig:
         # Imported here: the CLI builds its parser from this module, without numpy.
         from gradsync_server.control.settings import JobSettings, NonFinitePolicy, OnFailure
 
-        return JobSettings(
-            world_size=self.world_size,
-            chunk_bytes=self.chunk_bytes,
-            max_message_bytes=self.max_message_bytes,
-            heartbeat_interval_s=self.heartbeat_interval_s,
-            checkpoint_every=self.checkpoint_every,
-            on_failure=OnFailure(self.on_failure),
-            min_workers=self.min_workers,
-            max_collective_bytes=self.max_collective_bytes,
-            shard_count=self.shard_count,
-            nonfinite=NonFinitePolicy(self.nonfinite),
-            max_checkpoint_bytes=self.max_checkpoint_bytes,
-        )
+        # Every setting is the field of the same name here; two are enums there.
+        values = {field.name: getattr(self, field.name) for field in fields(JobSettings)}
+        values["on_failure"] = OnFailure(self.on_failure)
+        values["nonfinite"] = NonFinitePolicy(self.nonfinite)
+        return JobSettings(**values)
 
     @property
     def shards_flag(self) -> str:
