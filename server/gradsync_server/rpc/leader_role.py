@@ -16,7 +16,6 @@ import functools
 import logging
 import time
 from collections.abc import Awaitable, Callable
-from typing import Any
 
 import grpc
 from gradsync_proto.codec import ChunkHeader, header_of
@@ -54,17 +53,6 @@ from gradsync_server.store.checkpoint import CheckpointStore
 from gradsync_server.text import MAX_REASON_CHARS, quoted
 
 log = logging.getLogger("gradsync.server")
-
-
-#: The worker messages that are the job's to take, by their `WorkerMessage.kind`.
-_JOB_EVENTS: dict[str, Callable[[Job, int, Any], list[Action]]] = {
-    "abandon": Job.on_abandon,
-    "checkpoint": Job.on_checkpoint_chunk,
-    "collective": Job.on_collective,
-    "local_posted": Job.on_local_posted,
-    "out_of_inputs": Job.on_out_of_inputs,
-    "state": Job.on_state_chunk,
-}
 
 
 class LeaderRole(CoordinatorServicer):
@@ -203,14 +191,23 @@ class LeaderRole(CoordinatorServicer):
         kind = message.WhichOneof("kind")
         job.touch(conn.rank)
         try:
-            event = _JOB_EVENTS.get(kind or "")
-            if event is not None:
-                self._execute(job, event(job, conn.rank, getattr(message, kind or "")))
-            elif kind == "heartbeat":
+            if kind == "heartbeat":
                 job.touch(conn.rank, message.heartbeat.step)
+            elif kind == "abandon":
+                self._execute(job, job.on_abandon(conn.rank, message.abandon))
+            elif kind == "checkpoint":
+                self._execute(job, job.on_checkpoint_chunk(conn.rank, message.checkpoint))
             elif kind == "gradient":
                 chunk = message.gradient
                 self._gradient(conn, header_of(chunk), memoryview(chunk.payload))
+            elif kind == "collective":
+                self._execute(job, job.on_collective(conn.rank, message.collective))
+            elif kind == "local_posted":
+                self._execute(job, job.on_local_posted(conn.rank, message.local_posted))
+            elif kind == "out_of_inputs":
+                self._execute(job, job.on_out_of_inputs(conn.rank, message.out_of_inputs))
+            elif kind == "state":
+                self._execute(job, job.on_state_chunk(conn.rank, message.state))
             elif kind == "leave":
                 conn.left = True
                 log.info(
