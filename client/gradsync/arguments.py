@@ -23,6 +23,8 @@ from gradsync.config import ENV_COORDINATOR, ENV_JOB_ID, ENV_RANK, ENV_WORLD_SIZ
 if TYPE_CHECKING:
     from gradsync_proto.net.channels import ChannelSecurity
 
+#: The choices of --log-level (`gradsync --log-level`, and `gradsync shard --log-level`).
+LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
 #: The benchmark suites `gradsync bench --suites` chooses from.
 BENCH_SUITES = ("loopback", "train", "netns", "latency", "wan", "heal", "churn")
 #: The suites `gradsync bench` runs without --suites (wan, 20-25 minutes, heal, and churn,
@@ -68,9 +70,7 @@ def build_parser() -> argparse.ArgumentParser:
         prog="gradsync", description="Data-parallel gradient synchronization over gRPC."
     )
     parser.add_argument("--version", action="version", version=f"gradsync {__version__}")
-    parser.add_argument(
-        "--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"]
-    )
+    parser.add_argument("--log-level", default="INFO", choices=LOG_LEVELS)
     commands = parser.add_subparsers(dest="command", required=True)
 
     for command, role, summary in (
@@ -82,19 +82,14 @@ def build_parser() -> argparse.ArgumentParser:
         flags.add_flags(coordinator, CoordinatorConfig, role)
     coordinator.add_argument(  # the shard's, after its own flags
         "--log-level",
-        choices=["DEBUG", "INFO", "WARNING", "ERROR"],
+        choices=LOG_LEVELS,
         default=argparse.SUPPRESS,  # keeps `gradsync --log-level X shard` working too
         help="as `gradsync --log-level` (default INFO)",
     )
 
     status = commands.add_parser("status", help="show jobs, membership, progress and late ranks")
     status.set_defaults(command_parser=status)
-    status.add_argument(
-        "--coordinator",
-        type=flags.coordinator,
-        default=os.environ.get(ENV_COORDINATOR),
-        help=f"coordinator host:port (default ${ENV_COORDINATOR})",
-    )
+    _add_coordinator_flag(status)
     status.add_argument("--job-id", default="", help="only this job")
     status.add_argument("--json", action="store_true", help="machine-readable output")
     status.add_argument(
@@ -107,12 +102,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     worker = commands.add_parser("worker", help="run the example training job as one rank")
     worker.set_defaults(command_parser=worker)
-    worker.add_argument(
-        "--coordinator",
-        type=flags.coordinator,
-        default=os.environ.get(ENV_COORDINATOR),
-        help=f"coordinator host:port (default ${ENV_COORDINATOR})",
-    )
+    _add_coordinator_flag(worker)
     worker.add_argument(
         "--rank",
         type=flags.integer(0),
@@ -135,14 +125,12 @@ def build_parser() -> argparse.ArgumentParser:
     worker.add_argument(
         "--init-seed",
         type=flags.integer(0, 2**63 - 1),
-        default=None,
         help="seed of this rank's initial weights (default 1000 + rank; rank 0's "
         "weights are broadcast to all)",
     )
     worker.add_argument(
         "--save",
         type=flags.non_empty,
-        default=None,
         help="write the final parameters to this .npz file ({rank} is replaced by the rank)",
     )
     worker.add_argument("--no-progress", action="store_true", help="no progress bar on rank 0")
@@ -156,14 +144,12 @@ def build_parser() -> argparse.ArgumentParser:
     worker.add_argument(
         "--metrics-port",
         type=flags.port,
-        default=None,
         help="serve this worker's Prometheus metrics on PORT + $LOCAL_RANK "
         "(default $GRADSYNC_METRICS_PORT; 0 = a free port; unset = off)",
     )
     worker.add_argument(
         "--metrics-host",
         type=flags.non_empty,
-        default=None,
         help="interface the metrics endpoint binds (default $GRADSYNC_METRICS_HOST or "
         f"{defaults.WORKER_METRICS_HOST}; 0.0.0.0 for a scraper on another host)",
     )
@@ -171,7 +157,6 @@ def build_parser() -> argparse.ArgumentParser:
     worker.add_argument(
         "--trace",
         type=flags.output_file,
-        default=None,
         help="write a Chrome trace (Perfetto) of every step to this file",
     )
 
@@ -203,7 +188,6 @@ def build_parser() -> argparse.ArgumentParser:
     )
     demo.add_argument(
         "--ray-address",
-        default=None,
         help="with --ray: the Ray cluster to join (default $RAY_ADDRESS, else a local one)",
     )
     _add_training_flags(demo)
@@ -231,54 +215,42 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument(
         "--sizes-mb",
         type=flags.number_list(flags.positive_number),
-        default=None,
         help="override: sync sizes (heal: state sizes), e.g. 1,25",
     )
     bench.add_argument(
         "--worlds",
         type=flags.number_list(flags.positive_int),
-        default=None,
         help="override: world sizes, e.g. 2,4",
     )
-    bench.add_argument(
-        "--reps", type=flags.positive_int, default=None, help="override: repetitions"
-    )
+    bench.add_argument("--reps", type=flags.positive_int, help="override: repetitions")
     bench.add_argument(
         "--train-model-mb",
         type=flags.positive_number,
-        default=None,
         help="override: model size of the training suite",
     )
     bench.add_argument(
-        "--train-steps",
-        type=flags.positive_int,
-        default=None,
-        help="override: timed steps of the training suite",
+        "--train-steps", type=flags.positive_int, help="override: timed steps of the training suite"
     )
     bench.add_argument(
         "--netns-rate-mbit",
         type=flags.positive_number,
-        default=None,
         help="override: emulated link bandwidth (default 200)",
     )
     bench.add_argument(
         "--layouts",
         type=flags.choice_list(BENCH_LAYOUTS),
-        default=None,
         help="netns suite: coordinator layouts, a subset of "
         f"{','.join(BENCH_LAYOUTS)} (default: all; single with --quick)",
     )
     bench.add_argument(
         "--netns-wires",
         type=flags.choice_list(("bf16", "fp16")),
-        default=None,
         help="netns suite: also time gradsync with these 16-bit wires and torch DDP's bf16 "
         "hook over gloo, e.g. bf16,fp16 (default: fp32 only)",
     )
     bench.add_argument(
         "--shards",
         type=flags.number_list(flags.positive_int),
-        default=None,
         help="shard counts S: the netns dedicated and colocated layouts (default S = W), "
         "and loopback rows with `serve --shards S` beside the unsharded ones",
     )
@@ -292,31 +264,26 @@ def _add_churn_flags(bench: argparse.ArgumentParser) -> None:
     bench.add_argument(
         "--churn-duration-s",
         type=flags.positive_number,
-        default=None,
         help="churn: length of the churn run and of the churn-free run before it (default 600)",
     )
     bench.add_argument(
         "--churn-interval-s",
         type=flags.positive_number,
-        default=None,
         help="churn: seconds between two failures (default 15)",
     )
     bench.add_argument(
         "--churn-kinds",
         type=flags.choice_list(BENCH_CHURN_KINDS),
-        default=None,
         help=f"churn: the failures cycled over, a subset of {','.join(BENCH_CHURN_KINDS)} "
         "(default: all, in that order)",
     )
     bench.add_argument(
         "--churn-shards",
         type=flags.positive_int,
-        default=None,
         help="churn: `serve --shards S` of each coordinator (default 2; 1: no shard-kill)",
     )
     bench.add_argument(
         "--churn-work-dir",
-        default=None,
         help="churn: keep every process's log and the workers' step logs in this folder "
         "(default: a temporary folder, removed)",
     )
@@ -326,38 +293,30 @@ def _add_wan_flags(bench: argparse.ArgumentParser) -> None:
     """The wan suite's knobs (defaults in gradsync_bench.runner.BenchPlan)."""
     bench.add_argument(
         "--wan-steps",
-        dest="wan_steps",
         type=flags.positive_int,
-        default=None,
         help="wan: inner steps of the no-sync reference and DiLoCo (default 50)",
     )
     bench.add_argument(
         "--wan-sync-steps",
-        dest="wan_sync_steps",
         type=flags.positive_int,
-        default=None,
         help="wan: steps of DDP / gradsync DDP at 100 Mbit/s, scaled down with the rate, "
         "at least 3 (default 6)",
     )
     bench.add_argument(
         "--wan-quality-steps",
-        dest="wan_quality_steps",
         type=flags.integer(0),
-        default=None,
         help="wan: inner steps of the loss comparison on unshaped links (0 = none; default 100)",
     )
     bench.add_argument(
         "--wan-rates",
         dest="wan_rates_mbit",
         type=flags.number_list(flags.positive_number),
-        default=None,
         help="wan: link rates in Mbit/s (default 100,20)",
     )
     bench.add_argument(
         "--wan-delays",
         dest="wan_delays_ms",
         type=flags.number_list(flags.number(0.0, low_inclusive=True)),
-        default=None,
         help="wan: one-way delay in ms of each link of --wan-rates, in the same order "
         "(0 = none; default: no delay)",
     )
@@ -371,18 +330,21 @@ def _add_wan_flags(bench: argparse.ArgumentParser) -> None:
     )
     bench.add_argument(
         "--wan-methods",
-        dest="wan_methods",
         type=flags.choice_list(BENCH_WAN_METHODS),
-        default=None,
         help=f"wan: a subset of {','.join(BENCH_WAN_METHODS)} (default: all; nosync is "
         "needed for utilization)",
     )
     bench.add_argument(
-        "--wan-world",
-        dest="wan_world",
-        type=flags.positive_int,
-        default=None,
-        help="wan: worker hosts W (default 4)",
+        "--wan-world", type=flags.positive_int, help="wan: worker hosts W (default 4)"
+    )
+
+
+def _add_coordinator_flag(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--coordinator",
+        type=flags.coordinator,
+        default=os.environ.get(ENV_COORDINATOR),
+        help=f"coordinator host:port (default ${ENV_COORDINATOR})",
     )
 
 
@@ -395,22 +357,17 @@ def add_client_security_flags(parser: argparse.ArgumentParser) -> None:
     """
     parser.add_argument(
         "--tls-ca",
-        default=None,
         help="PEM CA that issued the server's certificate: connect over TLS "
         "(default $GRADSYNC_TLS_CA; unset = plaintext)",
     )
     parser.add_argument(
         "--tls-cert",
-        default=None,
         help="PEM client certificate, for servers that require one (mTLS) "
         "(default $GRADSYNC_TLS_CERT)",
     )
-    parser.add_argument(
-        "--tls-key", default=None, help="PEM key of --tls-cert (default $GRADSYNC_TLS_KEY)"
-    )
+    parser.add_argument("--tls-key", help="PEM key of --tls-cert (default $GRADSYNC_TLS_KEY)")
     parser.add_argument(
         "--token-file",
-        default=None,
         help=f"file holding the shared token (default ${auth.ENV_TOKEN_FILE}, or the token "
         f"itself in ${auth.ENV_TOKEN})",
     )
@@ -445,7 +402,6 @@ def _add_training_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--diloco",
         type=flags.positive_int,
-        default=None,
         metavar="H",
         help="low-communication training (gradsync.DiLoCo): synchronize every H steps "
         "through the coordinator's outer Nesterov optimizer instead of every step",

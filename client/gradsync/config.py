@@ -164,15 +164,10 @@ class ClientConfig:
 
 
 def _int_setting(name: str, value: int | None, env: Mapping[str, str], var: str) -> int:
-    if value is not None:
-        return int(value)
-    raw = env.get(var)
-    if raw is None:
+    setting = _optional_int(name, value, env, var)
+    if setting is None:
         raise ValueError(f"{name} is not set: pass {name}= or set {var} (torchrun does)")
-    try:
-        return int(raw)
-    except ValueError:
-        raise ValueError(f"{var}={raw!r} is not an integer") from None
+    return setting
 
 
 def _optional_int(name: str, value: int | None, env: Mapping[str, str], var: str) -> int | None:

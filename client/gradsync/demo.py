@@ -14,7 +14,7 @@ import tempfile
 from pathlib import Path
 
 import numpy as np
-from gradsync_proto.net.launch import start_coordinator
+from gradsync_proto.net.launch import gradsync_argv, start_coordinator
 
 from gradsync import defaults
 from gradsync.example import TrainSettings, max_relative_difference, train_reference
@@ -100,28 +100,16 @@ def matches_one_process(
 def _worker_argv(
     settings: TrainSettings, port: int, rank: int, timeout_s: float, save: Path
 ) -> list[str]:
-    return [
-        sys.executable,
-        "-m",
-        "gradsync.cli",
-        "--log-level",
-        "WARNING",
-        "worker",
-        "--coordinator",
-        f"127.0.0.1:{port}",
-        "--rank",
-        str(rank),
-        "--world-size",
-        str(settings.world_size),
-        "--epochs",
-        str(settings.epochs),
-        "--batch-size",
-        str(settings.batch_size),
-        "--lr",
-        str(settings.lr),
-        "--timeout-s",
-        str(timeout_s),
-        "--save",
-        str(save),
-        *(["--diloco", str(settings.sync_every)] if settings.sync_every else []),
-    ]
+    values: dict[str, object] = {
+        "--coordinator": f"127.0.0.1:{port}",
+        "--rank": rank,
+        "--world-size": settings.world_size,
+        "--epochs": settings.epochs,
+        "--batch-size": settings.batch_size,
+        "--lr": settings.lr,
+        "--timeout-s": timeout_s,
+        "--save": save,
+    }
+    if settings.sync_every:
+        values["--diloco"] = settings.sync_every
+    return gradsync_argv("gradsync.cli", "--log-level", "WARNING", "worker", flags=values)

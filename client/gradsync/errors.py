@@ -42,6 +42,8 @@ Status codes come from `gradsync_proto.codes`, shared with the coordinator.
 
 from __future__ import annotations
 
+from typing import Any
+
 from gradsync_proto.codes import Code
 from gradsync_proto.v1 import gradsync_pb2 as pb
 
@@ -101,14 +103,11 @@ class ShardUnavailableError(CoordinatorUnavailableError):
         self,
         message: str,
         *,
-        rank: int | None = None,
-        step: int | None = None,
-        bucket_index: int | None = None,
-        code: Code | None = None,
         shard_index: int | None = None,
         shard_address: str | None = None,
+        **context: Any,
     ) -> None:
-        super().__init__(message, rank=rank, step=step, bucket_index=bucket_index, code=code)
+        super().__init__(message, **context)
         self.shard_index = shard_index
         self.shard_address = shard_address
 
@@ -175,17 +174,8 @@ class NonFiniteGradientError(StepAbortedError):
             that raised this error; they are equal on the culprit itself).
     """
 
-    def __init__(
-        self,
-        message: str,
-        *,
-        rank: int | None = None,
-        step: int | None = None,
-        bucket_index: int | None = None,
-        code: Code | None = None,
-        culprit_rank: int | None = None,
-    ) -> None:
-        super().__init__(message, rank=rank, step=step, bucket_index=bucket_index, code=code)
+    def __init__(self, message: str, *, culprit_rank: int | None = None, **context: Any) -> None:
+        super().__init__(message, **context)
         self.culprit_rank = culprit_rank
 
 

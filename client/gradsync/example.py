@@ -14,6 +14,7 @@ import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -112,20 +113,15 @@ def train_worker(
     timeout_s: float = defaults.EXAMPLE_TIMEOUT_S,
     progress: bool = False,
     save_path: Path | None = None,
-    metrics_port: int | None = None,
-    trace_path: Path | None = None,
-    log_every_steps: int = defaults.STEP_LOG_EVERY_STEPS,
-    metrics_host: str | None = None,
-    tls_ca: str | None = None,
-    tls_cert: str | None = None,
-    tls_key: str | None = None,
     token: str | None = None,
     on_step: Callable[[int, float], None] | None = None,
+    **options: Any,
 ) -> float:
     """Train one rank of the example job; return the final test accuracy.
 
-    `metrics_host`, `tls_*` and `token` go to `DistributedDataParallel` as they are
-    (None: its defaults, from the environment). `on_step(step, loss)` is called after
+    `token` and `options` (`metrics_port`, `trace_path`, `log_every_steps`,
+    `metrics_host`, `tls_*`) go to `DistributedDataParallel` as they are (left out:
+    its defaults, from the environment). `on_step(step, loss)` is called after
     every optimizer step (`gradsync demo --ray` reports progress with it).
     """
     import gradsync
@@ -142,14 +138,8 @@ def train_worker(
         job_id=job_id,
         timeout_s=timeout_s,
         join_timeout_s=timeout_s,
-        metrics_port=metrics_port,
-        trace_path=trace_path,
-        log_every_steps=log_every_steps,
-        metrics_host=metrics_host,
-        tls_ca=tls_ca,
-        tls_cert=tls_cert,
-        tls_key=tls_key,
         token=token,
+        **options,
     )
     optimizer = torch.optim.SGD(model.parameters(), lr=settings.lr)
     model.register_optimizer(optimizer)  # checkpoints carry its state

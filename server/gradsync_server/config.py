@@ -21,11 +21,12 @@ flags, which the CLI reports as flag errors (exit status 2).
 from __future__ import annotations
 
 import contextlib
+import functools
 import hmac
 import math
 import os
 import socket
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from enum import StrEnum
 from typing import TYPE_CHECKING
 
@@ -65,6 +66,8 @@ class Role(StrEnum):
 
 _LEADER = (Role.LEADER,)
 _SHARD = (Role.SHARD,)
+#: A field only the leader reads: a flag of `gradsync serve` alone.
+_leader_option = functools.partial(option, roles=_LEADER)
 #: Hosts that bind every interface: a shard bound so advertises ":port".
 _ALL_INTERFACES = frozenset({"0.0.0.0", "::", "[::]", ""})
 
@@ -108,7 +111,7 @@ class CoordinatorConfig:
     """
 
     role: Role = Role.LEADER
-    world_size: int = option(0, "ranks per job", type=positive_int, required=True, roles=_LEADER)
+    world_size: int = _leader_option(0, "ranks per job", type=positive_int, required=True)
     leader: str = option(
         "",
         "the leader's host:port, or a comma list: an active leader and its standbys (--lease)",
@@ -157,14 +160,13 @@ class CoordinatorConfig:
         type=positive_number,
         unit=MIB,
     )
-    max_job_buffered_bytes: int | None = option(
+    max_job_buffered_bytes: int | None = _leader_option(
         None,
         "the most of --max-buffered-mb one job may hold, so that one job cannot starve "
         "the others (default: half of --max-buffered-mb)",
         name="--max-job-buffered-mb",
         type=positive_number,
         unit=MIB,
-        roles=_LEADER,
     )
     max_outbox_bytes: int = option(
         defaults.MAX_OUTBOX_BYTES,
@@ -186,53 +188,44 @@ class CoordinatorConfig:
         "this many seconds is ended with DEADLINE_EXCEEDED (default %(default)g)",
         type=positive_number,
     )
-    max_checkpoint_bytes: int = option(
+    max_checkpoint_bytes: int = _leader_option(
         defaults.MAX_CHECKPOINT_BYTES,
         "largest checkpoint (or rejoining rank's state) accepted (default %(default)g)",
         name="--max-checkpoint-mb",
         type=positive_number,
         unit=MIB,
-        roles=_LEADER,
     )
-    assembly_timeout_s: float = option(
+    assembly_timeout_s: float = _leader_option(
         defaults.ASSEMBLY_TIMEOUT_S,
         "a job whose ranks have not all joined within this many seconds is refused, "
         "freeing its slot (default %(default)g)",
         type=positive_number,
-        roles=_LEADER,
     )
-    max_jobs: int = option(
-        defaults.MAX_JOBS,
-        "concurrent jobs accepted (default %(default)s)",
-        type=positive_int,
-        roles=_LEADER,
+    max_jobs: int = _leader_option(
+        defaults.MAX_JOBS, "concurrent jobs accepted (default %(default)s)", type=positive_int
     )
-    shutdown_grace_s: float = option(
+    shutdown_grace_s: float = _leader_option(
         defaults.SHUTDOWN_GRACE_S,
         "how long SIGTERM lets running streams finish (default %(default)g)",
         type=seconds_or_zero,
-        roles=_LEADER,
     )
-    heartbeat_interval_s: float = option(
+    heartbeat_interval_s: float = _leader_option(
         defaults.HEARTBEAT_INTERVAL_S,
         "seconds between worker heartbeats (default %(default)g)",
         name="--heartbeat-interval",
         type=seconds,
-        roles=_LEADER,
     )
-    heartbeat_timeout_s: float = option(
+    heartbeat_timeout_s: float = _leader_option(
         defaults.HEARTBEAT_TIMEOUT_S,
         "seconds of silence before a worker is declared dead (default %(default)g)",
         name="--heartbeat-timeout",
         type=seconds,
-        roles=_LEADER,
     )
-    stall_warning_s: float = option(
+    stall_warning_s: float = _leader_option(
         defaults.STALL_WARNING_S,
         "log who a step waits for once it is this many seconds old (default %(default)g)",
         name="--stall-warning",
         type=seconds,
-        roles=_LEADER,
     )
     checkpoint_store: str | None = option(
         None,
@@ -244,59 +237,49 @@ class CoordinatorConfig:
             "default: none)",
         },
     )
-    lease: bool = option(
+    lease: bool = _leader_option(
         False,
         "take part in the Redis lease of a redis:// --checkpoint-store: serve only "
         "while holding it (another coordinator with --lease/--standby takes over)",
         action="store_true",
-        roles=_LEADER,
         read=read.lease,
     )
-    standby: bool = option(
+    standby: bool = _leader_option(
         False,
         "start as a standby (implies --lease): answer UNAVAILABLE until the active "
         "coordinator's lease expires, then take over and resume the job from the store",
         action="store_true",
-        roles=_LEADER,
     )
-    lease_ttl_s: float = option(
+    lease_ttl_s: float = _leader_option(
         3.0,
         "lease lifetime after each renewal (renewed every ttl/3; default %(default)g)",
         type=seconds,
-        roles=_LEADER,
     )
-    checkpoint_every: int = option(
+    checkpoint_every: int = _leader_option(
         defaults.CHECKPOINT_EVERY_STEPS,
         "rank 0 uploads a checkpoint every K steps (default %(default)s; 0: on request)",
         type=integer(0),
-        roles=_LEADER,
     )
-    require_checkpoint: bool = option(
+    require_checkpoint: bool = _leader_option(
         False,
         "fail the job when a checkpoint cannot be saved, instead of training on and retrying",
         action="store_true",
-        roles=_LEADER,
     )
-    resume: bool = option(
-        False,
-        "refuse to start a job that has no stored checkpoint",
-        action="store_true",
-        roles=_LEADER,
+    resume: bool = _leader_option(
+        False, "refuse to start a job that has no stored checkpoint", action="store_true"
     )
-    fresh_start: bool = option(
+    fresh_start: bool = _leader_option(
         False,
         "start every job at step 0 without reading its checkpoints (which are kept); "
         "without it a store that cannot be read refuses the job",
         action="store_true",
-        roles=_LEADER,
     )
-    state_dir: str | None = option(
+    state_dir: str | None = _leader_option(
         None,
         "the coordinator's own directory for each job's high-water mark (its newest "
         "acknowledged checkpoint), so that a rolled-back store is refused; keep it off "
         "the store's disk (default $GRADSYNC_STATE_DIR, else $XDG_STATE_HOME/gradsync, "
         "else ~/.local/state/gradsync)",
-        roles=_LEADER,
         read=read.state_dir,
     )
     store_timeout_s: float = option(
@@ -317,18 +300,16 @@ class CoordinatorConfig:
     metrics_port: int | None = option(
         None, "serve Prometheus metrics on this port (0 = a free one; default: off)", type=tcp_port
     )
-    on_failure: str = option(
+    on_failure: str = _leader_option(
         defaults.ON_FAILURE,
         "when a worker is lost: abort the step for everyone, or go on with the live "
         "ranks and let restarted ranks rejoin (default %(default)s)",
         choices=("abort", "elastic"),
-        roles=_LEADER,
     )
-    min_workers: int = option(
+    min_workers: int = _leader_option(
         defaults.MIN_WORKERS,
         "elastic: the fewest live workers to go on with (default %(default)s)",
         type=positive_int,
-        roles=_LEADER,
     )
     frame_port: int | None = option(
         0,
@@ -347,33 +328,30 @@ class CoordinatorConfig:
         read=read.frame_port,
     )
     frame_port_required: bool = option(False, name=None, read=read.frame_port_required)
-    payload_socket: bool = option(
+    payload_socket: bool = _leader_option(
         True,
         "move every gradient payload over TCP, also those of local leaders on this "
         "coordinator's host (which otherwise go through their shared memory; for "
         "debugging)",
         name="--no-payload-socket",
         action="store_false",
-        roles=_LEADER,
     )
-    nonfinite: str = option(
+    nonfinite: str = _leader_option(
         defaults.NONFINITE,
         "a rank's NaN/Inf gradient: report it (log, metric, status; the step goes on "
         "as under DDP), abort the step for every rank (NonFiniteGradientError), or allow "
         "it unchecked, e.g. for GradScaler users (default %(default)s)",
         choices=defaults.NONFINITE_POLICIES,
-        roles=_LEADER,
     )
-    max_collective_bytes: int = option(
+    max_collective_bytes: int = _leader_option(
         defaults.MAX_COLLECTIVE_BYTES,
         "cap on one rank's input to a collective (all_reduce, broadcast, ...) and on an "
         "all_gather's result, in MiB (default %(default)g)",
         name="--max-collective-mb",
         type=positive_number,
         unit=MIB,
-        roles=_LEADER,
     )
-    shard_count: int = option(
+    shard_count: int = _leader_option(
         defaults.SHARDS,
         "coordinator shards on this host, this leader included: it starts S-1 "
         "`gradsync shard` processes on ports PORT+1.. and restarts any that dies "
@@ -381,27 +359,24 @@ class CoordinatorConfig:
         name="--shards",
         type=positive_int,
         flag_default=None,
-        roles=_LEADER,
         read=read.shard_count,
     )
     # Set by either flag: False when the shards are started elsewhere.
-    local_shards: bool = option(
+    local_shards: bool = _leader_option(
         False,
         "K shards run elsewhere (`gradsync shard --leader HOST:PORT`): jobs start once "
         "all K have registered (default 0)",
         name="--wait-for-shards",
         type=integer(0),
         flag_default=None,
-        roles=_LEADER,
         read=read.local_shards,
     )
-    shard_wait_timeout_s: float = option(
+    shard_wait_timeout_s: float = _leader_option(
         defaults.SHARD_WAIT_TIMEOUT_S,
         "seconds to wait at start-up for every shard to register before exiting 1 "
         "(default %(default)g)",
         name="--shard-wait-timeout",
         type=seconds,
-        roles=_LEADER,
     )
     parent_pid: int | None = option(
         None,
@@ -612,19 +587,11 @@ class CoordinatorConfig:
         # Imported here: the CLI builds its parser from this module, without numpy.
         from gradsync_server.control.settings import JobSettings, NonFinitePolicy, OnFailure
 
-        return JobSettings(
-            world_size=self.world_size,
-            chunk_bytes=self.chunk_bytes,
-            max_message_bytes=self.max_message_bytes,
-            heartbeat_interval_s=self.heartbeat_interval_s,
-            checkpoint_every=self.checkpoint_every,
-            on_failure=OnFailure(self.on_failure),
-            min_workers=self.min_workers,
-            max_collective_bytes=self.max_collective_bytes,
-            shard_count=self.shard_count,
-            nonfinite=NonFinitePolicy(self.nonfinite),
-            max_checkpoint_bytes=self.max_checkpoint_bytes,
-        )
+        # Every setting is the field of the same name here; two are enums there.
+        values = {field.name: getattr(self, field.name) for field in fields(JobSettings)}
+        values["on_failure"] = OnFailure(self.on_failure)
+        values["nonfinite"] = NonFinitePolicy(self.nonfinite)
+        return JobSettings(**values)
 
     @property
     def shards_flag(self) -> str:

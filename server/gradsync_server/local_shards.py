@@ -16,11 +16,10 @@ import asyncio
 import contextlib
 import logging
 import os
-import sys
 from collections.abc import Mapping, Sequence
 
 from gradsync_proto import auth
-from gradsync_proto.net.launch import free_port
+from gradsync_proto.net.launch import free_port, gradsync_argv
 
 from gradsync_server import defaults
 from gradsync_server.config import CoordinatorConfig
@@ -46,34 +45,20 @@ def shard_command(
 ) -> list[str]:
     """The argv of local shard `index` (its address is advertised as ":port")."""
     leader_host = "127.0.0.1" if config.host in _ANY_HOST else config.host
-    argv = [
-        sys.executable,
-        "-m",
-        "gradsync",
-        "--log-level",
-        log_level,
-        "shard",
-        "--leader",
-        f"{leader_host}:{leader_port}",
-        "--host",
-        config.host,
-        "--port",
-        str(port),
-        "--advertise",
-        f":{port}",
-        "--max-buffered-mb",
-        f"{config.max_buffered_bytes / MIB:g}",
+    flags = {
+        "--leader": f"{leader_host}:{leader_port}",
+        "--host": config.host,
+        "--port": port,
+        "--advertise": f":{port}",
+        "--max-buffered-mb": f"{config.max_buffered_bytes / MIB:g}",
         # The leader's limits on hostile or slow peers hold on its shards too.
-        "--max-outbox-mb",
-        repr(config.max_outbox_bytes / MIB),
-        "--max-connections",
-        str(config.max_connections),
-        "--first-message-timeout-s",
-        repr(config.first_message_timeout_s),
+        "--max-outbox-mb": repr(config.max_outbox_bytes / MIB),
+        "--max-connections": config.max_connections,
+        "--first-message-timeout-s": repr(config.first_message_timeout_s),
         # A SIGKILLed leader runs no cleanup: the child must notice alone (`parent_watch`).
-        "--parent-pid",
-        str(os.getpid()),
-    ]
+        "--parent-pid": os.getpid(),
+    }
+    argv = gradsync_argv("gradsync", "--log-level", log_level, "shard", flags=flags)
     if config.checkpoint_store:
         # Each shard saves its range of the DiLoCo outer state next to the leader's.
         argv += ["--checkpoint-store", config.checkpoint_store]

@@ -22,6 +22,7 @@ the ranks that are persistently behind.
 
 from __future__ import annotations
 
+import functools
 import math
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator
@@ -63,102 +64,85 @@ class CoordinatorMetrics:
     ) -> None:
         self.registry = CollectorRegistry() if registry is None else registry
         self.lag_tracker = LagTracker(lag_window)
-        r = self.registry
+        # Every metric of this coordinator lives in its own registry.
+        counter = functools.partial(Counter, registry=self.registry)
+        gauge = functools.partial(Gauge, registry=self.registry)
+        histogram = functools.partial(Histogram, registry=self.registry)
         self._shard_index: Gauge | None = None
         if shard:
-            self._shard_index = Gauge(
+            self._shard_index = gauge(
                 "gradsync_shard_index",
                 "The index this coordinator shard serves (-1 until its leader accepts it).",
-                registry=r,
             )
             self._shard_index.set(-1)
-        self._received_bytes = Counter(
-            "gradsync_received_bytes_total",
-            "Gradient payload bytes received from workers.",
-            registry=r,
+        self._received_bytes = counter(
+            "gradsync_received_bytes_total", "Gradient payload bytes received from workers."
         )
-        self._sent_bytes = Counter(
+        self._sent_bytes = counter(
             "gradsync_sent_bytes_total",
             "Averaged gradient payload bytes sent to workers (counted once per receiving rank).",
-            registry=r,
         )
-        self._segment_bytes = Counter(
+        self._segment_bytes = counter(
             "gradsync_segment_bytes",
             "Gradient payload bytes read from (and averages written into) the shared-memory "
             "segments of same-host local leaders instead of TCP (also counted in the "
             "received/sent totals).",
             ["direction"],
-            registry=r,
         )
-        self._chunks_received = Counter(
-            "gradsync_chunks_received_total", "Gradient chunks received.", registry=r
+        self._chunks_received = counter(
+            "gradsync_chunks_received_total", "Gradient chunks received."
         )
-        self._buckets_completed = Counter(
-            "gradsync_buckets_completed_total",
-            "Buckets whose average was sent to every rank.",
-            registry=r,
+        self._buckets_completed = counter(
+            "gradsync_buckets_completed_total", "Buckets whose average was sent to every rank."
         )
-        self._steps_completed = Counter(
-            "gradsync_steps_completed_total",
-            "Steps whose every bucket was averaged.",
-            registry=r,
+        self._steps_completed = counter(
+            "gradsync_steps_completed_total", "Steps whose every bucket was averaged."
         )
-        self._bucket_round_trip = Histogram(
+        self._bucket_round_trip = histogram(
             "gradsync_bucket_round_trip_seconds",
             "From the first chunk of a bucket arriving to its last averaged chunk sent.",
             buckets=LATENCY_BUCKETS_S,
-            registry=r,
         )
-        self._step_sync = Histogram(
+        self._step_sync = histogram(
             "gradsync_step_sync_seconds",
             "From the first chunk of a step arriving to the step complete.",
             buckets=LATENCY_BUCKETS_S,
-            registry=r,
         )
-        self._workers_alive = Gauge(
-            "gradsync_workers_alive", "Workers currently joined, over all jobs.", registry=r
+        self._workers_alive = gauge(
+            "gradsync_workers_alive", "Workers currently joined, over all jobs."
         )
-        self._membership_epoch = Gauge(
-            "gradsync_membership_epoch",
-            "Membership epoch after the latest membership change.",
-            registry=r,
+        self._membership_epoch = gauge(
+            "gradsync_membership_epoch", "Membership epoch after the latest membership change."
         )
-        self._current_step = Gauge(
-            "gradsync_current_step", "Step number of the latest completed step.", registry=r
+        self._current_step = gauge(
+            "gradsync_current_step", "Step number of the latest completed step."
         )
-        self._jobs = Gauge("gradsync_jobs", "Jobs the coordinator currently holds.", registry=r)
-        self._rank_lag_family = Histogram(
+        self._jobs = gauge("gradsync_jobs", "Jobs the coordinator currently holds.")
+        self._rank_lag_family = histogram(
             "gradsync_rank_lag_seconds",
             "Per bucket, how long after the first rank's arrival this rank's arrival "
             "came (the first rank observes 0).",
             ["rank"],
             buckets=LATENCY_BUCKETS_S,
-            registry=r,
         )
-        self._rejected_family = Counter(
+        self._rejected_family = counter(
             "gradsync_rejected_messages_total",
             "Worker messages refused, by reason (a gRPC status code name).",
             ["reason"],
-            registry=r,
         )
-        self._aborts_family = Counter(
+        self._aborts_family = counter(
             "gradsync_step_aborts_total",
             "Steps aborted, by reason (a gRPC status code name).",
             ["reason"],
-            registry=r,
         )
-        self._nonfinite_family = Counter(
+        self._nonfinite_family = counter(
             "gradsync_nonfinite_contributions_total",
             "Contributions (one rank's bucket of one step) that held NaN or Inf, by rank "
             "(counted under --nonfinite report and abort; allow checks nothing).",
             ["rank"],
-            registry=r,
         )
-        self._errors_family = Counter(
-            "gradsync_errors_total",
-            "Unexpected errors inside the coordinator, by kind.",
-            ["kind"],
-            registry=r,
+        self._errors_family = counter(
+            "gradsync_errors_total", "Unexpected errors inside the coordinator, by kind.", ["kind"]
         )
         # Bound children by label value: `.labels()` takes a lock and builds a
         # tuple key on every call, too much for the per-bucket path.
@@ -168,7 +152,7 @@ class CoordinatorMetrics:
         self._errors: dict[str, Counter] = {}
         self._nonfinite: dict[str, Counter] = {}
         #: Time to detect, time to recover, restarts and steps recomputed.
-        self.recovery = RecoveryMetrics(r)
+        self.recovery = RecoveryMetrics(self.registry)
         # Plain copies of the gradient counters: a sharded coordinator reports them
         # (ShardStats, ShardStatus) without reading prometheus_client's internals.
         self._totals = _Totals()

@@ -338,6 +338,7 @@ class Inbox:
         kind = message.WhichOneof("kind")
         with self._cond:
             shared = self._shared
+            problem: str | None = None  # malformed: the stream is not trusted (`protocol_fault`)
             if kind == "welcome":
                 expected = self._expected
                 problem = None if expected is None else welcome_problem(message.welcome, expected)
@@ -355,15 +356,11 @@ class Inbox:
                     shared.heartbeat_interval_s = message.welcome.heartbeat_interval_s
             elif kind == "state":
                 problem = shared.append_state(message.state)
-                if problem is not None:
-                    self.protocol_fault(problem)
             elif kind == "gradient":
                 chunk = message.gradient
                 self._on_gradient(header_of(chunk), memoryview(chunk.payload))
             elif kind == "collective":
                 problem = self._collectives.on_chunk(message.collective)
-                if problem is not None:
-                    self.protocol_fault(problem)
             elif kind == "assembly":
                 shared.record_assembly(message.assembly, self.rank)
             elif kind == "join_progress":
@@ -387,8 +384,6 @@ class Inbox:
                 )
             elif kind == "resume":
                 problem = shared.append_resume(message.resume)
-                if problem is not None:
-                    self.protocol_fault(problem)
             elif kind == "stream_end":
                 # Kept until the status arrives: the two together make the error.
                 shared.stream_end = message.stream_end
@@ -408,6 +403,8 @@ class Inbox:
                         saved.step,
                         saved.message,
                     )
+            if problem is not None:
+                self.protocol_fault(problem)
             self._cond.notify_all()
 
     def on_averaged_chunk(self, chunk: ChunkHeader, payload: memoryview, source: str) -> None:

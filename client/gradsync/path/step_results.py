@@ -331,22 +331,15 @@ def abort_error(aborted: pb.StepAborted, rank: int) -> StepAbortedError:
         code: Code | None = Code(aborted.code)
     except ValueError:
         code = None
+    shown = code.name if code else aborted.code
+    what = f"step {aborted.step} was aborted by the coordinator ({shown})"
+    context = {"rank": rank, "step": aborted.step, "bucket_index": aborted.bucket_index}
     if aborted.reason == pb.ABORT_REASON_NONFINITE:
         return NonFiniteGradientError(
-            f"step {aborted.step} was aborted by the coordinator "
-            f"({code.name if code else aborted.code}) because rank {aborted.culprit_rank} "
-            f"sent non-finite gradients: {aborted.message}",
-            rank=rank,
-            step=aborted.step,
-            bucket_index=aborted.bucket_index,
+            f"{what} because rank {aborted.culprit_rank} sent non-finite gradients: "
+            f"{aborted.message}",
             code=code,
             culprit_rank=aborted.culprit_rank,
+            **context,
         )
-    return cls(
-        f"step {aborted.step} was aborted by the coordinator "
-        f"({code.name if code else aborted.code}): {aborted.message}",
-        rank=rank,
-        step=aborted.step,
-        bucket_index=aborted.bucket_index,
-        code=code,
-    )
+    return cls(f"{what}: {aborted.message}", code=code, **context)

@@ -7,7 +7,7 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping
 
 #: The banner line `gradsync serve` prints once it listens.
 BANNER = re.compile(r"listening on (\S+):(\d+)")
@@ -30,6 +30,12 @@ def free_port(host: str = "127.0.0.1") -> int:
         return int(probe.getsockname()[1])
 
 
+def gradsync_argv(module: str, *words: str, flags: Mapping[str, object]) -> list[str]:
+    """`python -m module words...`, then each of `flags` and its value (as `str`), in order."""
+    pairs = [text for flag, value in flags.items() for text in (flag, str(value))]
+    return [sys.executable, "-m", module, *words, *pairs]
+
+
 def local_launch(argv: list[str]) -> subprocess.Popen[str]:
     """Start `argv` on this host with its stderr piped (where the banner is read)."""
     return subprocess.Popen(argv, stderr=subprocess.PIPE, text=True)
@@ -50,24 +56,9 @@ def start_coordinator(
     Raises:
         RuntimeError: the coordinator exited or printed no banner within `timeout_s`.
     """
-    argv: Sequence[str] = (
-        sys.executable,
-        "-m",
-        "gradsync.cli",
-        "--log-level",
-        "WARNING",
-        "serve",
-        "--world-size",
-        str(world_size),
-        "--host",
-        host,
-        "--port",
-        str(port),
-        "--shutdown-grace-s",
-        "1",
-        *extra,
-    )
-    process = launch(list(argv))
+    ours = {"--world-size": world_size, "--host": host, "--port": port, "--shutdown-grace-s": 1}
+    argv = gradsync_argv("gradsync.cli", "--log-level", "WARNING", "serve", flags=ours)
+    process = launch([*argv, *extra])
     assert process.stderr is not None
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:

@@ -22,7 +22,6 @@ from collections.abc import Mapping
 from typing import Any
 
 import grpc
-from google.protobuf.message import DecodeError
 from gradsync_proto import auth
 from gradsync_proto.v1 import gradsync_pb2 as pb
 
@@ -72,15 +71,9 @@ def take_beat(jobs: Mapping[str, Job], request: pb.BeatRequest) -> pb.BeatReply:
 async def serve_beat(
     jobs: Mapping[str, Job], raw: bytes, context: grpc.aio.ServicerContext
 ) -> pb.BeatReply:
-    """The `Beat` RPC (raw request bytes: one that does not parse is INVALID_ARGUMENT)."""
-    try:
-        request = pb.BeatRequest.FromString(raw)
-    except DecodeError as exc:
-        await context.abort(
-            grpc.StatusCode.INVALID_ARGUMENT,
-            f"a Beat request of {len(raw)} bytes does not parse as BeatRequest: {exc}",
-        )
-        raise  # not reached: abort raises
+    """The `Beat` RPC (raw request bytes: one that does not parse is INVALID_ARGUMENT,
+    by `stream_guard.guarded`)."""
+    request = pb.BeatRequest.FromString(raw)
     try:
         return take_beat(jobs, request)
     except BeatRefused as refused:

@@ -63,7 +63,8 @@ def guarded(name: str, handler: Handler[T], streams: StreamCount | None = None) 
         except (asyncio.CancelledError, grpc.aio.AbortError):
             raise
         except DecodeError as exc:
-            # gRPC's deserializer ran on the peer's bytes (ShardLink): their fault.
+            # The peer's bytes did not parse (gRPC's deserializer for ShardLink, the
+            # handler's own parse of a raw unary request): their fault.
             details = f"{name} from {context.peer()}: a message does not parse: {exc}"
             log.warning("%s", details)
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, details)

@@ -26,7 +26,7 @@ from gradsync_server.store.checkpoint import (
     encode,
     read_newest,
 )
-from gradsync_server.store.lease import LeaseError
+from gradsync_server.store.lease import LeaseError, fence_script
 
 if TYPE_CHECKING:
     import redis
@@ -39,14 +39,6 @@ redis.call('ZADD', KEYS[2], ARGV[2], ARGV[2])
 return 1
 """
 
-
-#: The same writes, guarded by a coordinator's lease (`store.lease`): the LAST key is the
-#: lease key and the LAST argument the writer's lease value; another value refuses the write.
-_FENCE = """
-if redis.call('GET', KEYS[#KEYS]) ~= ARGV[#ARGV] then
-  return redis.error_reply('FENCED: the lease no longer holds ' .. ARGV[#ARGV])
-end
-"""
 _SET_SCRIPT = "redis.call('SET', KEYS[1], ARGV[1])\nreturn 1\n"
 
 #: Returns (lease key, this coordinator's lease value), or raises while it holds none.
@@ -173,8 +165,8 @@ class RedisCheckpointStore(_StoreLifecycle):
             batch.eval(script, len(keys), *keys, *args)
             return
         lease_key, value = self.fence()  # raises while no lease is held: nothing is sent
-        fenced = _FENCE + script
-        batch.eval(fenced, len(keys) + 1, *keys, lease_key, *args, value)
+        # The lease key and our value go last, where `fence_script`'s guard reads them.
+        batch.eval(fence_script(script), len(keys) + 1, *keys, lease_key, *args, value)
 
     def _set(self, batch: redis.client.Pipeline, key: str, value: Any) -> None:
         """Queue a SET, guarded by the lease when this store is fenced."""

@@ -66,14 +66,8 @@ end
 return {redis.call('PTTL', KEYS[1]), value, redis.call('GET', KEYS[2]) or ''}
 """
 
-_EVICT_SCRIPT = """
-if redis.call('GET', KEYS[1]) == ARGV[1] then
-  return redis.call('DEL', KEYS[1])
-end
-return 0
-"""
-
-_RELEASE_SCRIPT = """
+#: Evicting a lease and releasing our own are the same write: delete it if it still holds ARGV[1].
+_DELETE_IF_HELD_SCRIPT = """
 if redis.call('GET', KEYS[1]) == ARGV[1] then
   return redis.call('DEL', KEYS[1])
 end
@@ -84,7 +78,7 @@ return 0
 #: LAST argument our lease value, so the write's own KEYS[1..]/ARGV[1..] keep their numbers.
 _FENCE_GUARD = """
 if redis.call('GET', KEYS[#KEYS]) ~= ARGV[#ARGV] then
-  return redis.error_reply('FENCED the lease no longer holds ' .. ARGV[#ARGV])
+  return redis.error_reply('FENCED: the lease no longer holds ' .. ARGV[#ARGV])
 end
 """
 
@@ -327,8 +321,7 @@ class RedisLease:
         self._acquire = client.register_script(_ACQUIRE_SCRIPT)
         self._renew = client.register_script(_RENEW_SCRIPT)
         self._observe = client.register_script(_OBSERVE_SCRIPT)
-        self._release = client.register_script(_RELEASE_SCRIPT)
-        self._evict = client.register_script(_EVICT_SCRIPT)
+        self._release = self._evict = client.register_script(_DELETE_IF_HELD_SCRIPT)
         # Checked at once so a bad holder/address fails at start, not at the first takeover.
         LeaseRecord(1, holder, address)
 
