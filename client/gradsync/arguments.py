@@ -322,9 +322,7 @@ def _add_wan_flags(bench: argparse.ArgumentParser) -> None:
     )
     bench.add_argument(
         "--wan-hub",
-        dest="wan_hub",
         type=flags.number_list(flags.number(0.0, low_inclusive=True)),
-        default=None,
         help="wan: a hub pass, WORKER_MBIT,DELAY_MS,COORDINATOR_MBIT (the coordinator host "
         "on a faster link than the workers'; default: none)",
     )
