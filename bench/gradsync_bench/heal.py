@@ -161,6 +161,7 @@ def _row(world: int, state_mb: float, workdir: Path, path: str) -> Row:
     joining = _JOINING.search((workdir / f"joiner{world - 1}.log").read_text())
     join_sent = float(joining.group(1)) if joining else joiner["join_started"]
     proper = joiner["ready"] - boundary
+    sent = _SENT.search((workdir / "member0.log").read_text())
     return {
         "world_size": world,
         "state_mb": state_mb,
@@ -177,7 +178,8 @@ def _row(world: int, state_mb: float, workdir: Path, path: str) -> Row:
         ),
         "healed_at_step": healed_step,
         "path": path,
-        "transfer_s": _transfer_s(workdir / "member0.log"),
+        # The donor's own timing of the direct transfer (None on the grpc path).
+        "transfer_s": float(sent.group(2)) if sent else None,
         "interface": INTERFACES[path],
         "bitwise": len({m["digest"] for m in [*members, joiner]}) == 1,
     }
@@ -187,12 +189,6 @@ def _failed(world: int, state_mb: float, path: str, workdir: Path, exc: Exceptio
     """The row of a healing that failed: the error and each worker's last words."""
     last = {log.stem: log.read_text().strip().splitlines()[-1:] for log in workdir.glob("*.log")}
     return {"world_size": world, "state_mb": state_mb, "path": path, "error": str(exc), **last}
-
-
-def _transfer_s(donor_log: Path) -> float | None:
-    """The donor's own timing of the direct transfer (None on the grpc path)."""
-    found = _SENT.search(donor_log.read_text())
-    return float(found.group(2)) if found else None
 
 
 def heal_suite(
