@@ -24,15 +24,14 @@ import sys
 import threading
 
 import torch
-from gradsync_proto.net.launch import parse_banner
+from gradsync_proto.net.launch import start_coordinator
 
-from gradsync_bench.procs import wait_ranks
+from gradsync_bench.procs import stop_process, wait_ranks
 
 #: Bound on one job (join, broadcast, seed and the rounds of a 16 MiB model on a loaded CPU).
 JOB_TIMEOUT_S = 300.0
 #: Inner steps per round (the model's size, not H, decides the bytes).
 SYNC_EVERY = 2
-SERVE = (sys.executable, "-m", "gradsync.cli", "serve")
 WORKER = (sys.executable, "-m", "gradsync_bench.answer_bytes", "--worker")
 
 
@@ -90,23 +89,7 @@ class CountingRelay:
 
 def run_job(answer: str, rounds: int, megabytes: int) -> tuple[int, int]:
     """Bytes (up, down) of one whole job, both ranks together, as the relay counted them."""
-    coordinator = subprocess.Popen(
-        [*SERVE, "--world-size", "2", "--host", "127.0.0.1", "--port", "0"],
-        stderr=subprocess.PIPE,
-        text=True,
-    )
-    assert coordinator.stderr is not None
-    port = None
-    for line in coordinator.stderr:
-        banner = parse_banner(line)
-        if banner is not None:
-            port = banner[1]
-            break
-    if port is None:
-        raise RuntimeError("the coordinator exited before it listened")
-    # Keep draining its log so that it never blocks on a full pipe.
-    drain = threading.Thread(target=coordinator.stderr.read, daemon=True)
-    drain.start()
+    coordinator, port = start_coordinator(2)
     relay = CountingRelay(port)
     ranks = [
         subprocess.Popen(
@@ -121,8 +104,7 @@ def run_job(answer: str, rounds: int, megabytes: int) -> tuple[int, int]:
     try:
         wait_ranks(ranks, JOB_TIMEOUT_S, lambda _, code, __: f"a rank exited with {code}")
     finally:
-        coordinator.terminate()
-        coordinator.wait(timeout=30)
+        stop_process(coordinator)
         relay.close()
     return relay.up, relay.down
 

@@ -44,6 +44,7 @@ from typing import Any
 from gradsync_proto.net.launch import start_coordinator
 
 from gradsync_bench.procs import kill_all, progress, stop_process, wait_until
+from gradsync_bench.tables import table
 
 MIB = 1 << 20
 Row = dict[str, Any]
@@ -160,6 +161,7 @@ def _row(world: int, state_mb: float, workdir: Path, path: str) -> Row:
     joining = _JOINING.search((workdir / f"joiner{world - 1}.log").read_text())
     join_sent = float(joining.group(1)) if joining else joiner["join_started"]
     proper = joiner["ready"] - boundary
+    sent = _SENT.search((workdir / "member0.log").read_text())
     return {
         "world_size": world,
         "state_mb": state_mb,
@@ -176,7 +178,8 @@ def _row(world: int, state_mb: float, workdir: Path, path: str) -> Row:
         ),
         "healed_at_step": healed_step,
         "path": path,
-        "transfer_s": _transfer_s(workdir / "member0.log"),
+        # The donor's own timing of the direct transfer (None on the grpc path).
+        "transfer_s": float(sent.group(2)) if sent else None,
         "interface": INTERFACES[path],
         "bitwise": len({m["digest"] for m in [*members, joiner]}) == 1,
     }
@@ -186,12 +189,6 @@ def _failed(world: int, state_mb: float, path: str, workdir: Path, exc: Exceptio
     """The row of a healing that failed: the error and each worker's last words."""
     last = {log.stem: log.read_text().strip().splitlines()[-1:] for log in workdir.glob("*.log")}
     return {"world_size": world, "state_mb": state_mb, "path": path, "error": str(exc), **last}
-
-
-def _transfer_s(donor_log: Path) -> float | None:
-    """The donor's own timing of the direct transfer (None on the grpc path)."""
-    found = _SENT.search(donor_log.read_text())
-    return float(found.group(2)) if found else None
 
 
 def heal_suite(
@@ -213,34 +210,32 @@ def heal_suite(
 
 def markdown_lines(rows: Sequence[Row]) -> list[str]:
     """The heal suite's table (nothing when it did not run)."""
-    if not rows:
-        return []
-    lines = [
-        "**Healing a restarted rank, loopback** (state = params + Adam moments; heal = the "
-        "joiner's DDP construction to first step ready, = setup + wait for the donor's step "
-        "boundary + boundary to ready; GB/s = state bytes / that time; blocked = the others' "
-        "extra time in the step the joiner entered)",
-        "",
-        "| W | state MB | path | heal s (GB/s) | setup s | boundary wait s | "
-        "boundary to ready s (GB/s) | transfer s (GB/s) | others blocked s | "
-        "median step s | bitwise | interface |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|",
-    ]
+    lines = []
     for r in rows:
         if "error" in r:
+            failure = r.get(f"joiner{r['world_size'] - 1}", r["error"])
             lines.append(
-                f"| {r['world_size']} | {r['state_mb']:g} MiB | {r['path']} | failed: "
-                f"{r.get('joiner' + str(r['world_size'] - 1), r['error'])} |"
+                f"{r['world_size']} | {r['state_mb']:g} MiB | {r['path']} | failed: {failure}"
             )
             continue
         transfer = r["transfer_s"]
         moved = f"{transfer:.3f} ({r['state_bytes'] / transfer / 1e9:.2f})" if transfer else "-"
         lines.append(
-            f"| {r['world_size']} | {r['state_bytes'] / 1e6:.0f} | {r['path']} | "
+            f"{r['world_size']} | {r['state_bytes'] / 1e6:.0f} | {r['path']} | "
             f"{r['heal_s']:.2f} ({r['gb_per_s']:.2f}) | {r['setup_s']:.2f} | "
             f"{r['boundary_wait_s']:.2f} | {r['heal_proper_s']:.2f} "
             f"({r['heal_gb_per_s']:.2f}) | {moved} | {r['blocked_s']:.2f} | "
-            f"{r['median_step_s']:.3f} | {'yes' if r['bitwise'] else 'NO'} | "
-            f"{r['interface']} |"
+            f"{r['median_step_s']:.3f} | {'yes' if r['bitwise'] else 'NO'} | {r['interface']}"
         )
-    return [*lines, ""]
+    title = (
+        "**Healing a restarted rank, loopback** (state = params + Adam moments; heal = the "
+        "joiner's DDP construction to first step ready, = setup + wait for the donor's step "
+        "boundary + boundary to ready; GB/s = state bytes / that time; blocked = the others' "
+        "extra time in the step the joiner entered)"
+    )
+    header = (
+        "W | state MB | path | heal s (GB/s) | setup s | boundary wait s | "
+        "boundary to ready s (GB/s) | transfer s (GB/s) | others blocked s | "
+        "median step s | bitwise | interface"
+    )
+    return table(title, header, lines) if rows else []

@@ -32,6 +32,7 @@ from gradsync_proto.net.launch import free_port, local_launch, start_coordinator
 
 from gradsync_bench.latency_worker import MODES
 from gradsync_bench.procs import flag_args, proc_status, progress, stop_process, wait_ranks
+from gradsync_bench.tables import rows_table
 
 Row = dict[str, Any]
 
@@ -183,39 +184,31 @@ def markdown_lines(rows: Sequence[Row]) -> list[str]:
     """The suite's table (steps/s, ratio to gloo DDP, coordinator RSS and CPU per step)."""
     if not rows:
         return []
-    lines = [
+    title = (
         "**Latency: a tiny model** (one Linear(256, 256), SGD, batch 32, all ranks on this "
         "host; steps/s of the slowest rank, median of the reps; flat = hierarchical=False, "
         'default = hierarchical="auto"; coordinator CPU over the timed steps of rank 0; '
-        f"workers' Sync streams on {_pipe_words(rows[0])})",
-        "",
-        "| W | gloo DDP steps/s | flat steps/s | flat / DDP | target | default steps/s "
+        f"workers' Sync streams on {_pipe_words(rows[0])})"
+    )
+    header = (
+        "W | gloo DDP steps/s | flat steps/s | flat / DDP | target | default steps/s "
         "| default / DDP | coordinator RSS MiB (peak), flat / default "
-        "| coordinator CPU ms/step, flat / default | worker CPU ms/step, flat / default / DDP |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "| coordinator CPU ms/step, flat / default | worker CPU ms/step, flat / default / DDP"
+    )
+    cells = (
+        "{world_size} | {ddp[steps_per_s]:.1f} | {flat[steps_per_s]:.1f} | "
+        "{flat_ratio_to_ddp:.2f} | {target} | {default[steps_per_s]:.1f} | "
+        "{default_ratio_to_ddp:.2f} | {flat[coordinator_rss_mib]:.0f} "
+        "({flat[coordinator_peak_rss_mib]:.0f}) / {default[coordinator_rss_mib]:.0f} "
+        "({default[coordinator_peak_rss_mib]:.0f}) | {flat[coordinator_cpu_ms_per_step]:.2f} / "
+        "{default[coordinator_cpu_ms_per_step]:.2f} | {flat[worker_cpu_ms_per_step]:.2f} / "
+        "{default[worker_cpu_ms_per_step]:.2f} / {ddp[worker_cpu_ms_per_step]:.2f}"
+    )
+    with_targets = [
+        {**r, "target": f">= {TARGETS[r['world_size']]:g}"} if r["world_size"] in TARGETS else r
+        for r in rows
     ]
-    for row in rows:
-        flat, default, ddp = row.get("flat", {}), row.get("default", {}), row.get("ddp", {})
-
-        def ratio(key: str, row: Row = row) -> str:
-            return f"{row[key]:.2f}" if key in row else "-"
-
-        target = TARGETS.get(row["world_size"])
-        lines.append(
-            f"| {row['world_size']} | {num(ddp, 'steps_per_s')} | {num(flat, 'steps_per_s')} "
-            f"| {ratio('flat_ratio_to_ddp')} | {f'>= {target:g}' if target else '-'} "
-            f"| {num(default, 'steps_per_s')} | {ratio('default_ratio_to_ddp')} "
-            f"| {num(flat, 'coordinator_rss_mib', 0)} ({num(flat, 'coordinator_peak_rss_mib', 0)})"
-            f" / {num(default, 'coordinator_rss_mib', 0)}"
-            f" ({num(default, 'coordinator_peak_rss_mib', 0)}) "
-            f"| {num(flat, 'coordinator_cpu_ms_per_step', 2)}"
-            f" / {num(default, 'coordinator_cpu_ms_per_step', 2)} "
-            f"| {num(flat, 'worker_cpu_ms_per_step', 2)}"
-            f" / {num(default, 'worker_cpu_ms_per_step', 2)}"
-            f" / {num(ddp, 'worker_cpu_ms_per_step', 2)} |"
-        )
-    lines.append("")
-    return [*lines, *_backend_lines(rows)]
+    return [*rows_table(title, header, cells, with_targets), *_backend_lines(rows)]
 
 
 def _backend_lines(rows: Sequence[Row]) -> list[str]:

@@ -38,6 +38,18 @@ def plot(document: dict[str, Any], path: Path) -> None:
     plt.close(figure)
 
 
+def _bars(
+    axis: Any, series: dict[str, list[float]], labels: list[str], **ticks: Any
+) -> list[list[float]]:
+    """One group of bars per label, one bar a series (with its legend name); their x."""
+    width = 0.8 / len(series)
+    xs = [[p - 0.4 + width * (i + 0.5) for p in range(len(labels))] for i in range(len(series))]
+    for x, (name, heights) in zip(xs, series.items(), strict=True):
+        axis.bar(x, heights, width, label=name)
+    axis.set_xticks(range(len(labels)), labels, **ticks)
+    return xs
+
+
 def _plot_loopback(axis: Any, loopback: list[dict[str, Any]]) -> None:
     """Algorithm bandwidth of one sync per (W, S, N), gradsync beside gloo."""
     labels = [
@@ -46,20 +58,8 @@ def _plot_loopback(axis: Any, loopback: list[dict[str, Any]]) -> None:
         + f"\n{r['megabytes']:g} MB"
         for r in loopback
     ]
-    positions = range(len(loopback))
-    axis.bar(
-        [p - 0.2 for p in positions],
-        [r["gradsync"]["algbw_mb_s"] for r in loopback],
-        0.4,
-        label="gradsync",
-    )
-    axis.bar(
-        [p + 0.2 for p in positions],
-        [r["gloo"]["algbw_mb_s"] for r in loopback],
-        0.4,
-        label="gloo all_reduce",
-    )
-    axis.set_xticks(list(positions), labels)
+    series = {"gradsync": "gradsync", "gloo all_reduce": "gloo"}
+    _bars(axis, {k: [r[m]["algbw_mb_s"] for r in loopback] for k, m in series.items()}, labels)
     axis.set_ylabel("algorithm bandwidth, MB/s")
     axis.set_title("one sync on loopback")
     axis.legend()
@@ -67,17 +67,14 @@ def _plot_loopback(axis: Any, loopback: list[dict[str, Any]]) -> None:
 
 def _plot_train(axis: Any, train: list[dict[str, Any]]) -> None:
     """Training samples/s per W, one bar per mode."""
-    modes = ["local", "gradsync", "sequential", "ddp"]
-    names = ["local (no comm)", "gradsync", "gradsync, no overlap", "torchrun DDP"]
-    width = 0.8 / len(modes)
-    for index, (mode, name) in enumerate(zip(modes, names, strict=True)):
-        axis.bar(
-            [w + index * width for w in range(len(train))],
-            [r["samples_per_s"][mode] for r in train],
-            width,
-            label=name,
-        )
-    axis.set_xticks([w + 0.3 for w in range(len(train))], [f"W={r['world_size']}" for r in train])
+    modes = {
+        "local (no comm)": "local",
+        "gradsync": "gradsync",
+        "gradsync, no overlap": "sequential",
+        "torchrun DDP": "ddp",
+    }
+    series = {name: [r["samples_per_s"][mode] for r in train] for name, mode in modes.items()}
+    _bars(axis, series, [f"W={r['world_size']}" for r in train])
     axis.set_ylabel("samples/s")
     axis.set_title("end-to-end training")
     axis.legend()
@@ -86,28 +83,23 @@ def _plot_train(axis: Any, train: list[dict[str, Any]]) -> None:
 def _plot_netns(axis: Any, rows: list[dict[str, Any]]) -> None:
     """One N: gradsync and gloo time per (layout, W, S) in units of N/B, each bar with its
     analytic bound (a black line) and the CPU use of all processes (text above it)."""
-    positions = list(range(len(rows)))
-    for offset, method, name in ((-0.2, "gradsync", "gradsync"), (0.2, "gloo", "gloo ring")):
-        xs = [p + offset for p in positions]
-        measured = [r[method]["median_ms"] / _link_ms(r) for r in rows]
-        bounds = [r[f"{method}_bound_ms"] / _link_ms(r) for r in rows]
-        axis.bar(xs, measured, 0.4, label=name)
+    methods = {"gradsync": "gradsync", "gloo ring": "gloo"}
+    measured = {n: [r[m]["median_ms"] / r["link_ms"] for r in rows] for n, m in methods.items()}
+    labels = [f"{r['layout']}\nW={r['world_size']} S={r['shards']}" for r in rows]
+    xs = _bars(axis, measured, labels, fontsize=8)
+    for x, (name, method) in zip(xs, methods.items(), strict=True):
+        bounds = [r[f"{method}_bound_ms"] / r["link_ms"] for r in rows]
         axis.hlines(
             bounds,
-            [x - 0.2 for x in xs],
-            [x + 0.2 for x in xs],
+            [b - 0.2 for b in x],
+            [b + 0.2 for b in x],
             colors="black",
             label="analytic bound" if method == "gloo" else None,
             zorder=3,
         )
-        for x, height, row in zip(xs, measured, rows, strict=True):
+        for at, height, row in zip(x, measured[name], rows, strict=True):
             cpu = row[method]["cpu_utilisation"]
-            axis.annotate(f"{cpu:.0%}", (x, height), ha="center", va="bottom", fontsize=7)
-    axis.set_xticks(
-        positions,
-        [f"{r.get('layout', 'single')}\nW={r['world_size']} S={r.get('shards', 1)}" for r in rows],
-        fontsize=8,
-    )
+            axis.annotate(f"{cpu:.0%}", (at, height), ha="center", va="bottom", fontsize=7)
     first = rows[0]
     axis.set_ylabel("time per sync / (N/B)")
     axis.set_title(
@@ -115,11 +107,3 @@ def _plot_netns(axis: Any, rows: list[dict[str, Any]]) -> None:
         "(median per sync; black: analytic bound; text: CPU use of all processes)"
     )
     axis.legend(fontsize=8)
-
-
-def _link_ms(row: dict[str, Any]) -> float:
-    """N/B of a netns row in ms (older documents lack `link_ms`: from the ring bound)."""
-    if "link_ms" in row:
-        return float(row["link_ms"])
-    w = int(row["world_size"])
-    return float(row["gloo_bound_ms"]) * w / (2 * (w - 1))

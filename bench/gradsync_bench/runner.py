@@ -10,7 +10,6 @@ import datetime
 import json
 import os
 import platform
-from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -25,6 +24,7 @@ from gradsync_bench import (
     provenance,
     sharded,
     suites,
+    tables,
     wan,
     wan_report,
     wan_worker,
@@ -208,200 +208,105 @@ def run(plan: BenchPlan) -> dict[str, Any]:
     return document
 
 
-def _table(title: str, header: str, rows: Sequence[Sequence[str]]) -> list[str]:
-    """A titled Markdown table (and the blank lines around it) as lines.
-
-    `header` is the column titles joined by " | "; each row has one cell per column.
-    """
-    columns = len(header.split(" | "))
-    assert all(len(row) == columns for row in rows), "a row's cells do not match the header"
-    return [
-        title,
-        "",
-        f"| {header} |",
-        "|" + "---|" * columns,
-        *("| " + " | ".join(row) + " |" for row in rows),
-        "",
-    ]
-
-
-def _cpu_s(stats: dict[str, float]) -> str:
-    """CPU-seconds per sync of all processes; "-" for documents older than that field."""
-    return f"{stats['cpu_s_per_sync']:.2f}" if "cpu_s_per_sync" in stats else "-"
-
-
-def _server_cores(stats: dict[str, float]) -> str:
-    """The coordinator processes' cores in use, e.g. "1.31 (0.72)"; "-" for old documents."""
-    if "server_cores" not in stats:
-        return "-"
-    return f"{stats['server_cores']:.2f} ({stats['busiest_server_cores']:.2f})"
+#: The loopback table: column titles and cells (`tables.cells`).
+LOOPBACK = (
+    "W | S | N MB | gradsync ms | gloo ms | gradsync MB/s | gloo MB/s | ratio | "
+    "gradsync CPU-s/GB | gloo CPU-s/GB | coordinator cores (busiest process) | "
+    "hierarchical ms | hierarchical MB/s | ratio | hierarchical CPU-s/GB | "
+    "forward + backward alone ms | torch DDP ms | hierarchical speed / DDP",
+    "{world_size} | {shards} | {megabytes:g} | {gradsync[median_ms]:.1f} | "
+    "{gloo[median_ms]:.1f} | {gradsync[algbw_mb_s]:.0f} | {gloo[algbw_mb_s]:.0f} | "
+    "{bandwidth_ratio:.2f} | {gradsync[cpu_s_per_gb]:.2f} | {gloo[cpu_s_per_gb]:.2f} | "
+    "{gradsync[server_cores]:.2f} ({gradsync[busiest_server_cores]:.2f}) | "
+    "{hierarchical[median_ms]:.1f} | {hierarchical[algbw_mb_s]:.0f} | "
+    "{hierarchical_bandwidth_ratio:.2f} | {hierarchical[cpu_s_per_gb]:.2f} | "
+    "{local[median_ms]:.1f} | {ddp[median_ms]:.1f} | {hierarchical_to_ddp:.2f}",
+)
+TRAIN = (
+    "W | model MB | local | gradsync | gradsync, no overlap | torchrun DDP | "
+    "ratio to DDP | exposed comm ms (gradsync / DDP) | overlap gain | "
+    "gradsync hierarchical | ratio to DDP | stock DDP over gradsync | "
+    "ratio to gradsync",
+    "{world_size} | {model_mb:g} | {samples_per_s[local]:.0f} | "
+    "{samples_per_s[gradsync]:.0f} | {samples_per_s[sequential]:.0f} | "
+    "{samples_per_s[ddp]:.0f} | {ratio_to_ddp:.2f} | "
+    "{exposed_comm_ms:.0f} / {ddp_exposed_comm_ms:.0f} | {overlap_gain:.2f}x | "
+    "{samples_per_s[hierarchical]:.0f} | {hierarchical_ratio_to_ddp:.2f} | "
+    "{samples_per_s[ddp-backend]:.0f} | {backend_ratio_to_gradsync:.2f}",
+)
+NETNS = (
+    "layout | W | S | N MB | B Mbit/s | gradsync ms (bound) | of bound | "
+    "gloo ms (bound) | of bound | gradsync / gloo | CPU-s per sync gradsync / gloo | "
+    "CPU use gradsync / gloo | coordinator cores (busiest process)",
+    "{layout} | {world_size} | {shards} | {megabytes:g} | {rate_mbit:g} | "
+    "{gradsync[median_ms]:.0f} ({gradsync_bound_ms:.0f}) | {gradsync_of_bound:.0%} | "
+    "{gloo[median_ms]:.0f} ({gloo_bound_ms:.0f}) | {gloo_of_bound:.0%} | "
+    "{gradsync_to_gloo:.2f} | {gradsync[cpu_s_per_sync]:.2f} / {gloo[cpu_s_per_sync]:.2f} | "
+    "{gradsync[cpu_utilisation]:.0%} / {gloo[cpu_utilisation]:.0%} | "
+    "{gradsync[server_cores]:.2f} ({gradsync[busiest_server_cores]:.2f})",
+)
+HIERARCHY = (
+    "H x R | N MB | B Mbit/s | flat ms (bound) | hierarchical ms (bound) | of bound | "
+    "gloo ms (bound) | hierarchical / flat time | flat MB/host | hierarchical MB/host | "
+    "gloo MB/host | hierarchical / flat bytes",
+    "{hosts} x {ranks_per_host} | {megabytes:g} | {rate_mbit:g} | "
+    "{gradsync[median_ms]:.0f} ({gradsync_bound_ms:.0f}) | "
+    "{hierarchical[median_ms]:.0f} ({hierarchical_bound_ms:.0f}) | "
+    "{hierarchical_of_bound:.0%} | {gloo[median_ms]:.0f} ({gloo_bound_ms:.0f}) | "
+    "{hierarchical_to_flat_time:.2f} | {per_host[gradsync]} | {per_host[hierarchical]} | "
+    "{per_host[gloo]} | {hierarchical_to_flat_bytes:.2f}",
+)
 
 
 def markdown(document: dict[str, Any]) -> str:
     """The human-readable table of a result document."""
-    m = document["machine"]
+    m, found = document["machine"], document["suites"]
     lines = [
         f"Measured {document['started_at']} on {m['cores']} cores ({m['cpu_model']}), "
         f"torch {m['torch']}, grpcio {m['grpcio']}; run took {document['duration_s']:.0f} s.",
-        "",
     ]
-    if "commit" in document:  # (older documents do not record them)
-        lines[-1:] = [
-            f"Commit {document['commit']}; command: `{document['command']}`.",
-            "",
-        ]
-    loopback = document["suites"].get("loopback", [])
-    if loopback:
-        lines += _table(
-            "**Sync micro-benchmark, loopback** (one sync of N MB; median of A B A B reps)",
-            "W | S | N MB | gradsync ms | gloo ms | gradsync MB/s | gloo MB/s | ratio | "
-            "gradsync CPU-s/GB | gloo CPU-s/GB | coordinator cores (busiest process) | "
-            "hierarchical ms | hierarchical MB/s | ratio | hierarchical CPU-s/GB | "
-            "forward + backward alone ms | torch DDP ms | hierarchical speed / DDP",
-            [
-                [
-                    f"{r['world_size']}",
-                    f"{r.get('shards', 1)}",
-                    f"{r['megabytes']:g}",
-                    f"{r['gradsync']['median_ms']:.1f}",
-                    f"{r['gloo']['median_ms']:.1f}",
-                    f"{r['gradsync']['algbw_mb_s']:.0f}",
-                    f"{r['gloo']['algbw_mb_s']:.0f}",
-                    f"{r['bandwidth_ratio']:.2f}",
-                    f"{r['gradsync']['cpu_s_per_gb']:.2f}",
-                    f"{r['gloo']['cpu_s_per_gb']:.2f}",
-                    _server_cores(r["gradsync"]),
-                    *_hierarchical_cells(r),
-                    *_like_for_like_cells(r),
-                ]
-                for r in loopback
-            ],
-        )
-    train = document["suites"].get("train", [])
-    if train:
-        lines += _table(
-            "**End-to-end training, loopback** (samples/s; MLP, fp32)",
-            "W | model MB | local | gradsync | gradsync, no overlap | torchrun DDP | "
-            "ratio to DDP | exposed comm ms (gradsync / DDP) | overlap gain | "
-            "gradsync hierarchical | ratio to DDP | stock DDP over gradsync | "
-            "ratio to gradsync",
-            [
-                [
-                    f"{r['world_size']}",
-                    f"{r['model_mb']:g}",
-                    *(f"{r['samples_per_s'][mode]:.0f}" for mode in suites.TRAIN_MODES),
-                    f"{r['ratio_to_ddp']:.2f}",
-                    f"{r['exposed_comm_ms']:.0f} / {r['ddp_exposed_comm_ms']:.0f}",
-                    f"{r['overlap_gain']:.2f}x",
-                    *(
-                        (
-                            f"{r['samples_per_s'][suites.HIERARCHICAL]:.0f}",
-                            f"{r['hierarchical_ratio_to_ddp']:.2f}",
-                        )
-                        if suites.HIERARCHICAL in r["samples_per_s"]
-                        else ("-", "-")
-                    ),
-                    *(
-                        (
-                            f"{r['samples_per_s'][suites.BACKEND]:.0f}",
-                            f"{r['backend_ratio_to_gradsync']:.2f}",
-                        )
-                        if suites.BACKEND in r["samples_per_s"]
-                        else ("-", "-")
-                    ),
-                ]
-                for r in train
-            ],
-        )
-    netns = document["suites"].get("netns", [])
-    if netns:
-        lines += _table(
-            "**Emulated cluster** (network namespaces, every host link shaped to B; each time "
-            "against its analytic bound: gloo 2(W-1)/W·N/B, single W·N/B, dedicated "
-            "max(1, W/S)·N/B, colocated max(1, (W+S-2)/S)·N/B; of bound = bound / time)",
-            "layout | W | S | N MB | B Mbit/s | gradsync ms (bound) | of bound | "
-            "gloo ms (bound) | of bound | gradsync / gloo | CPU-s per sync gradsync / gloo | "
-            "CPU use gradsync / gloo | coordinator cores (busiest process)",
-            [
-                [
-                    r.get("layout", "single"),
-                    f"{r['world_size']}",
-                    f"{r.get('shards', 1)}",
-                    f"{r['megabytes']:g}",
-                    f"{r['rate_mbit']:g}",
-                    f"{r['gradsync']['median_ms']:.0f} ({r['gradsync_bound_ms']:.0f})",
-                    f"{r['gradsync_of_bound']:.0%}",
-                    f"{r['gloo']['median_ms']:.0f} ({r['gloo_bound_ms']:.0f})",
-                    f"{r['gloo_of_bound']:.0%}",
-                    f"{r['gradsync']['median_ms'] / r['gloo']['median_ms']:.2f}",
-                    f"{_cpu_s(r['gradsync'])} / {_cpu_s(r['gloo'])}",
-                    f"{r['gradsync']['cpu_utilisation']:.0%} / {r['gloo']['cpu_utilisation']:.0%}",
-                    _server_cores(r["gradsync"]),
-                ]
-                for r in netns
-            ],
-        )
+    if "commit" in document:  # (a document made outside `run` may lack them)
+        lines.append(f"Commit {document['commit']}; command: `{document['command']}`.")
+    lines.append("")
+    lines += tables.rows_table(
+        "**Sync micro-benchmark, loopback** (one sync of N MB; median of A B A B reps)",
+        *LOOPBACK,
+        found.get("loopback", []),
+    )
+    lines += tables.rows_table(
+        "**End-to-end training, loopback** (samples/s; MLP, fp32)", *TRAIN, found.get("train", [])
+    )
+    netns = found.get("netns", [])
+    lines += tables.rows_table(
+        "**Emulated cluster** (network namespaces, every host link shaped to B; each time "
+        "against its analytic bound: gloo 2(W-1)/W·N/B, single W·N/B, dedicated "
+        "max(1, W/S)·N/B, colocated max(1, (W+S-2)/S)·N/B; of bound = bound / time)",
+        *NETNS,
+        netns,
+    )
     lines += wire_report.markdown_lines(netns)
-    lines += _hierarchy_table(document["suites"].get("netns_hierarchy", []))
-    lines += wan_report.markdown_lines(document["suites"].get("wan", {}))
-    lines += latency.markdown_lines(document["suites"].get("latency", []))
-    lines += heal.markdown_lines(document["suites"].get("heal", []))
-    lines += churn_report.markdown_lines(document["suites"].get("churn", {}))
-    for suite, reason in document.get("skipped", {}).items():
-        lines.append(f"Suite {suite} skipped: {reason}")
-    return "\n".join(lines) + "\n"
-
-
-def _hierarchical_cells(row: dict[str, Any]) -> list[str]:
-    """A loopback row's hierarchical columns ("-" where it has none)."""
-    stats = row.get(suites.HIERARCHICAL)
-    if stats is None:
-        return ["-"] * 4
-    return [
-        f"{stats['median_ms']:.1f}",
-        f"{stats['algbw_mb_s']:.0f}",
-        f"{row['hierarchical_bandwidth_ratio']:.2f}",
-        f"{stats['cpu_s_per_gb']:.2f}",
-    ]
-
-
-def _mb_per_host(row: dict[str, Any], method: str) -> str:
-    """Up / down MB per sync of the busiest host link, e.g. "16.8 / 16.8"."""
-    hosts = row["link_bytes"][method].values()
-    up = max(h["tx"] for h in hosts) / 1e6
-    down = max(h["rx"] for h in hosts) / 1e6
-    return f"{up:.1f} / {down:.1f}"
-
-
-def _hierarchy_table(rows: list[dict[str, Any]]) -> list[str]:
-    """The netns hierarchy rows: times against bounds and bytes per host link."""
-    if not rows:
-        return []
-    return _table(
+    lines += tables.rows_table(
         "**Emulated hosts of several ranks** (network namespaces, links shaped to B; H hosts x "
         "R ranks; bounds: flat W·N/B, hierarchical H·N/B (one contribution per host), gloo "
         "2(W-1)/W·N/B; host link MB per sync, up / down, busiest host)",
-        "H x R | N MB | B Mbit/s | flat ms (bound) | hierarchical ms (bound) | of bound | "
-        "gloo ms (bound) | hierarchical / flat time | flat MB/host | hierarchical MB/host | "
-        "gloo MB/host | hierarchical / flat bytes",
-        [
-            [
-                f"{r['hosts']} x {r['ranks_per_host']}",
-                f"{r['megabytes']:g}",
-                f"{r['rate_mbit']:g}",
-                f"{r['gradsync']['median_ms']:.0f} ({r['gradsync_bound_ms']:.0f})",
-                f"{r['hierarchical']['median_ms']:.0f} ({r['hierarchical_bound_ms']:.0f})",
-                f"{r['hierarchical_of_bound']:.0%}",
-                f"{r['gloo']['median_ms']:.0f} ({r['gloo_bound_ms']:.0f})",
-                f"{r['hierarchical_to_flat_time']:.2f}",
-                _mb_per_host(r, "gradsync"),
-                _mb_per_host(r, "hierarchical"),
-                _mb_per_host(r, "gloo"),
-                f"{r['hierarchical_to_flat_bytes']:.2f}",
-            ]
-            for r in rows
-        ],
+        *HIERARCHY,
+        [r | {"per_host": _mb_per_host(r)} for r in found.get("netns_hierarchy", [])],
     )
+    lines += wan_report.markdown_lines(found.get("wan", {}))
+    lines += latency.markdown_lines(found.get("latency", []))
+    lines += heal.markdown_lines(found.get("heal", []))
+    lines += churn_report.markdown_lines(found.get("churn", {}))
+    lines += [f"Suite {suite} skipped: {why}" for suite, why in document.get("skipped", {}).items()]
+    return "\n".join(lines) + "\n"
+
+
+def _mb_per_host(row: dict[str, Any]) -> dict[str, str]:
+    """Up / down MB per sync of the busiest host link per method, e.g. "16.8 / 16.8"."""
+    found = {}
+    for method, hosts in row["link_bytes"].items():
+        up = max(h["tx"] for h in hosts.values()) / 1e6
+        found[method] = f"{up:.1f} / {max(h['rx'] for h in hosts.values()) / 1e6:.1f}"
+    return found
 
 
 def write(document: dict[str, Any], out_dir: Path) -> None:
@@ -417,15 +322,3 @@ def write(document: dict[str, Any], out_dir: Path) -> None:
     if wan_ran:
         # Alone, the wan suite's figure is latest.png; beside the others, latest-wan.png.
         wan_report.plot(rows["wan"], out_dir / ("latest-wan.png" if others else "latest.png"))
-
-
-def _like_for_like_cells(row: dict[str, Any]) -> list[str]:
-    """A loopback row's forward + backward alone, torch DDP's time for the same forward,
-    backward and sync, and the hierarchical sync's speed against it ("-" where absent)."""
-    local, ddp = row.get(wire_report.LOCAL), row.get(wire_report.DDP_FP32)
-    ratio = row.get("hierarchical_to_ddp")
-    return [
-        "-" if local is None else f"{local['median_ms']:.1f}",
-        "-" if ddp is None else f"{ddp['median_ms']:.1f}",
-        "-" if ratio is None else f"{ratio:.2f}",
-    ]

@@ -125,37 +125,6 @@ def read_sync_records(workdir: Path, world_size: int) -> list[dict[str, list[dic
     return [json.loads((workdir / f"sync-{r}.json").read_text()) for r in range(world_size)]
 
 
-def run_sync_pair(
-    world_size: int,
-    megabytes: float,
-    reps: int,
-    *,
-    workdir: Path,
-    serve_flags: Sequence[str] = (),
-    methods: Sequence[str] = ("gradsync",),
-) -> dict[str, dict[str, float]]:
-    """One (W, N) point of the sync micro-benchmark, every process on this host.
-
-    `serve_flags` go to `gradsync serve` (e.g. `--shards 2`: local shard processes);
-    `methods` to the workers (see `run_sync_workers`).
-    """
-    coordinator, port = start_coordinator(world_size, *serve_flags)
-    try:
-        return run_sync_workers(
-            world_size,
-            megabytes,
-            reps,
-            workdir=workdir,
-            address=f"127.0.0.1:{port}",
-            gloo=f"127.0.0.1:{free_port()}",
-            launchers=[local_launch] * world_size,
-            server_pids=[coordinator.pid],
-            methods=methods,
-        )
-    finally:
-        stop_process(coordinator)
-
-
 def loopback_suite(
     sizes_mb: Sequence[float],
     worlds: Sequence[int],
@@ -179,15 +148,22 @@ def loopback_suite(
         serve_flags = ("--shards", str(shard_count)) if shard_count > 1 else ()
         for world_size in worlds:
             for megabytes in sizes_mb:
-                with tempfile.TemporaryDirectory() as scratch:
-                    result = run_sync_pair(
-                        world_size,
-                        megabytes,
-                        reps,
-                        workdir=Path(scratch),
-                        serve_flags=serve_flags,
-                        methods=methods,
-                    )
+                coordinator, port = start_coordinator(world_size, *serve_flags)
+                try:
+                    with tempfile.TemporaryDirectory() as scratch:
+                        result = run_sync_workers(
+                            world_size,
+                            megabytes,
+                            reps,
+                            workdir=Path(scratch),
+                            address=f"127.0.0.1:{port}",
+                            gloo=f"127.0.0.1:{free_port()}",
+                            launchers=[local_launch] * world_size,
+                            server_pids=[coordinator.pid],
+                            methods=methods,
+                        )
+                finally:
+                    stop_process(coordinator)
                 row = {
                     "world_size": world_size,
                     "shards": shard_count,

@@ -91,7 +91,6 @@ def main() -> None:
     parser.add_argument("--world-size", type=int, required=True)
     parser.add_argument("--megabytes", type=float, required=True)
     parser.add_argument("--reps", type=int, default=5)
-    parser.add_argument("--coordinator-pid", type=int, default=0)
     parser.add_argument(
         "--server-pids", default="", help="comma-separated pids of the shards (rank 0 samples them)"
     )
@@ -147,8 +146,7 @@ def main() -> None:
             models.append(reference)
     tensor = torch.ones(elements)
     ones = torch.ones(1)
-    servers = [args.coordinator_pid] if args.coordinator_pid else []
-    servers += [int(pid) for pid in args.server_pids.split(",") if pid]
+    servers = [int(pid) for pid in args.server_pids.split(",") if pid]
     records: dict[str, list[dict[str, Any]]] = {method: [] for method in [*methods, "gloo"]}
 
     def timed(name: str, operation: object) -> None:

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from gradsync_bench.tables import cells, table
+
 #: The 16-bit wires the netns suite can time (`gradsync_bench.sync_worker` methods).
 WIRES = ("bf16", "fp16")
 #: torch DDP with the bf16 compression hook over gloo (no coordinator).
@@ -27,37 +29,24 @@ def markdown_lines(rows: list[dict[str, Any]]) -> list[str]:
     if not timed:
         return []
     wires = [wire for wire in WIRES if any(wire in r for r in timed)]
-    header = (
-        "| layout | W | S | N MB | fp32 ms (of bound) | "
-        + " | ".join(f"{wire} ms (/ fp32)" for wire in wires)
-        + " | gloo fp32 ms | DDP bf16 hook ms | "
-        + " | ".join(f"{wire} / DDP bf16" for wire in wires)
-        + " |"
-    )
-    lines = [
+    lines = []
+    for r in timed:
+        fp32, ddp = r["gradsync"]["median_ms"], r.get(DDP_BF16, {}).get("median_ms")
+        times = [r.get(wire, {}).get("median_ms") for wire in wires]
+        lines.append(
+            cells("{layout} | {world_size} | {shards} | {megabytes:g} | ", r)
+            + f"{fp32:.0f} ({r['gradsync_of_bound']:.0%}) | "
+            + "".join("- | " if ms is None else f"{ms:.0f} ({ms / fp32:.2f}) | " for ms in times)
+            + cells("{gloo[median_ms]:.0f} | {ddp:.0f} | ", {**r, "ddp": ddp})
+            + " | ".join("-" if None in (ms, ddp) else f"{ms / ddp:.2f}" for ms in times)
+        )
+    return table(
         "**16-bit wire on the emulated cluster** (same links and processes as above; gradsync "
         "sums in fp32 and answers in the wire dtype; DDP bf16 hook = torch DDP with "
         "`bf16_compress_hook` over gloo; median of the repetitions)",
-        "",
-        header,
-        "|" + "---|" * (header.count("|") - 1),
-    ]
-    for r in timed:
-        fp32 = r["gradsync"]["median_ms"]
-        ddp = r.get(DDP_BF16, {}).get("median_ms")
-        cells = [
-            r.get("layout", "single"),
-            f"{r['world_size']}",
-            f"{r.get('shards', 1)}",
-            f"{r['megabytes']:g}",
-            f"{fp32:.0f} ({r['gradsync_of_bound']:.0%})",
-        ]
-        for wire in wires:
-            ms = r.get(wire, {}).get("median_ms")
-            cells.append("-" if ms is None else f"{ms:.0f} ({ms / fp32:.2f})")
-        cells += [f"{r['gloo']['median_ms']:.0f}", "-" if ddp is None else f"{ddp:.0f}"]
-        for wire in wires:
-            ms = r.get(wire, {}).get("median_ms")
-            cells.append("-" if ms is None or ddp is None else f"{ms / ddp:.2f}")
-        lines.append("| " + " | ".join(cells) + " |")
-    return [*lines, ""]
+        "layout | W | S | N MB | fp32 ms (of bound) | "
+        + "".join(f"{wire} ms (/ fp32) | " for wire in wires)
+        + "gloo fp32 ms | DDP bf16 hook ms | "
+        + " | ".join(f"{wire} / DDP bf16" for wire in wires),
+        lines,
+    )
