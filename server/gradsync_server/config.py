@@ -364,6 +364,14 @@ class CoordinatorConfig:
         choices=defaults.NONFINITE_POLICIES,
         roles=_LEADER,
     )
+    screen: str = option(
+        defaults.SCREEN,
+        "the least every DiLoCo job's contribution screen does, in the order "
+        "report < clip < exclude < trimmed_mean < median: a job's own screen= applies "
+        "when it is stricter (default %(default)s)",
+        choices=defaults.SCREEN_POLICIES,
+        roles=_LEADER,
+    )
     max_collective_bytes: int = option(
         defaults.MAX_COLLECTIVE_BYTES,
         "cap on one rank's input to a collective (all_reduce, broadcast, ...) and on an "
@@ -539,6 +547,10 @@ class CoordinatorConfig:
                 f"nonfinite must be one of {', '.join(defaults.NONFINITE_POLICIES)}, "
                 f"got {self.nonfinite!r}"
             )
+        if self.screen not in defaults.SCREEN_POLICIES:
+            raise ValueError(
+                f"screen must be one of {', '.join(defaults.SCREEN_POLICIES)}, got {self.screen!r}"
+            )
         if self.on_failure not in ("abort", "elastic"):
             raise ValueError(f"on failure must be 'abort' or 'elastic', got {self.on_failure!r}")
         if not 1 <= self.min_workers <= self.world_size:
@@ -623,6 +635,7 @@ class CoordinatorConfig:
             max_collective_bytes=self.max_collective_bytes,
             shard_count=self.shard_count,
             nonfinite=NonFinitePolicy(self.nonfinite),
+            screen=self.screen,
             max_checkpoint_bytes=self.max_checkpoint_bytes,
         )
 
