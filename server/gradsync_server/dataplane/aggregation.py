@@ -277,6 +277,9 @@ class BucketReduction:
         #: Hold every contribution of a chunk and merge them with this once it is
         #: complete (a DiLoCo screen's clip, exclude or robust merge); None = sum on arrival.
         self.screened_merge: ScreenedMerge | None = None
+        #: With `screened_merge`: a chunk with a contribution that is not `TAME` is summed
+        #: as usual instead (with its float64 shadow: the screen merges in float32).
+        self.screen_tame_only = False
 
     @property
     def contributors(self) -> int:
@@ -363,9 +366,11 @@ class BucketReduction:
                     raise ValueError(f"rank {rank} would be summed out of rank order")
                 state.expected.insert(position, rank)
 
-    def _advance(self, offset: int, state: _ChunkState, before: int) -> memoryview | None:
+    def _advance(
+        self, offset: int, state: _ChunkState, before: int, screened: bool = True
+    ) -> memoryview | None:
         """Fold the parked prefix in rank order; finish the chunk when nothing is missing."""
-        if self.screened_merge is not None:
+        if screened and self.screened_merge is not None:
             return self._merge_screened(offset, state, before, self.screened_merge)
         while (
             state.next_position < len(state.expected)
@@ -416,6 +421,9 @@ class BucketReduction:
         if any(rank not in state.parked for rank in state.expected):
             self.buffered_bytes += self._state_bytes(state) - before
             return None
+        untame = any(parked[1] is not Magnitude.TAME for parked in state.parked.values())
+        if untame and self.screen_tame_only:
+            return self._advance(offset, state, before, screened=False)
         contributions = [
             (
                 rank,

@@ -79,6 +79,7 @@ from gradsync_server.dataplane.rounds import RoundPolicy, check_weight
 from gradsync_server.dataplane.screening import (
     ChunkVerdict,
     Floats,
+    ScreenPolicy,
     ScreenThresholds,
     check_screen,
     merge,
@@ -375,10 +376,14 @@ class OpenStep:
             reduction, self._budget.reserve(self._membership.job_id), rank
         )
         held.merged, held.staleness = self._merge_late(bucket, reduction)
-        if self._screens(bucket) and not self._membership.groups.groups():
+        # Each rank's own unweighted pseudo-gradient (`screening.screen_problem`), once seeded.
+        policy, screen = self.stragglers.policy, self.screen
+        flat = not self._membership.groups.groups() and not policy.weighted
+        if screen is not None and self._screens(bucket) and flat and not policy.merge_late:
             reduction.screened_merge = lambda offset, rows: self._screened_merge(
                 bucket, offset, rows
             )
+            reduction.screen_tame_only = screen.policy is ScreenPolicy.REPORT
         held.account()
         return held
 
