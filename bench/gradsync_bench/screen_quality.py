@@ -102,7 +102,7 @@ def simulate(
             )
             uploads.append(flat.numpy().astype(np.float32))
         history.append(uploads[-1].copy())
-        culprit = world - 1
+        culprit = args.culprit
         if attack is not None and number >= 3:
             uploads[culprit] = corrupt(attack, uploads[culprit], history, number, generator)
         average = np.empty_like(uploads[0])
@@ -158,6 +158,13 @@ def main() -> int:
     parser.add_argument("--corpus-bytes", type=int, default=wan_task.CORPUS_BYTES)
     parser.add_argument("--policies", default="report,exclude,trimmed_mean")
     parser.add_argument("--attacks", default=",".join(ATTACKS))
+    parser.add_argument(
+        "--culprit",
+        type=int,
+        default=0,
+        help="the attacking rank (rank W-1 trains on the slice next to the held-out text)",
+    )
+    parser.add_argument("--honest", action=argparse.BooleanOptionalAction, default=True)
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args()
     torch.set_num_threads(1)
@@ -165,7 +172,7 @@ def main() -> int:
     policies = [ScreenPolicy(p) for p in args.policies.split(",")]
     attacks = [a for a in args.attacks.split(",") if a]
     for policy in policies:
-        for attack in [None, *attacks]:
+        for attack in [None, *attacks] if args.honest else attacks:
             started = time.perf_counter()
             result = simulate(args, policy, attack)
             result["seconds"] = time.perf_counter() - started
