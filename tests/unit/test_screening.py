@@ -8,8 +8,10 @@ import random
 
 import numpy as np
 import pytest
+from gradsync_proto.codec import ChunkHeader, decode_gradient, encode_gradient, header_of
 from gradsync_proto.v1 import gradsync_pb2 as pb
 from gradsync_server import defaults
+from gradsync_server.control.signature import first_difference
 from gradsync_server.dataplane.aggregation import BucketReduction
 from gradsync_server.dataplane.contribution_screen import ContributionScreen
 from gradsync_server.dataplane.screening import (
@@ -249,3 +251,24 @@ def test_contribution_screen_names_the_rank_once_per_round(
         (3, False, False),
     ]
     assert len(screen.history[1]) == 1
+
+
+def test_a_screened_answer_travels_through_protobuf_and_back() -> None:
+    header = ChunkHeader(step=3, bucket_index=1, screened_ranks=(2,), screen_note="rank 2: norm")
+    raw = encode_gradient(header, b"\0" * 8)
+    assert decode_gradient(raw) is None  # rare: left to protobuf
+    chunk = pb.CoordinatorMessage.FromString(raw).gradient
+    decoded = header_of(chunk)
+    assert decoded.screened_ranks == (2,) and decoded.screen_note == "rank 2: norm"
+    plain = decode_gradient(encode_gradient(ChunkHeader(step=3), b"\0" * 8))
+    assert plain is not None and plain[0].screened_ranks == () and plain[0].screen_note == ""
+
+
+def test_ranks_asking_for_different_screens_are_told_both() -> None:
+    def signature(screen: str) -> pb.ModelSignature:
+        return pb.ModelSignature(outer=pb.OuterOptimizer(lr=0.7, screen=screen))
+
+    difference = first_difference(0, signature("exclude"), 2, signature(""))
+    assert difference is not None
+    assert "screen 'report'" in difference and "screen 'exclude'" in difference
+    assert first_difference(0, signature("median"), 1, signature("median")) is None
