@@ -8,12 +8,17 @@ import random
 
 import numpy as np
 import pytest
+from gradsync_proto import chunking
 from gradsync_proto.codec import ChunkHeader, decode_gradient, encode_gradient, header_of
 from gradsync_proto.v1 import gradsync_pb2 as pb
 from gradsync_server import defaults
 from gradsync_server.control.signature import first_difference
+from gradsync_server.dataplane.actions import Send
 from gradsync_server.dataplane.aggregation import BucketReduction
+from gradsync_server.dataplane.budget import ByteBudget
 from gradsync_server.dataplane.contribution_screen import ContributionScreen
+from gradsync_server.dataplane.open_step import OpenStep
+from gradsync_server.dataplane.plane import MembershipView, PlaneMember
 from gradsync_server.dataplane.screening import (
     POLICIES,
     ChunkVerdict,
@@ -272,3 +277,79 @@ def test_ranks_asking_for_different_screens_are_told_both() -> None:
     assert difference is not None
     assert "screen 'report'" in difference and "screen 'exclude'" in difference
     assert first_difference(0, signature("median"), 1, signature("median")) is None
+
+
+def _open_step_round(
+    screen: str, shard_count: int, order: list[int], uploads: list[np.ndarray]
+) -> tuple[np.ndarray, dict[int, tuple[int, ...]], dict[int, int], ContributionScreen | None]:
+    """Seed, then one outer round of `uploads` through real `OpenStep`s (one per shard),
+    ranks arriving in `order`; returns the new global parameters, the screened ranks and
+    the contributors each answered chunk names, and shard 0's screen."""
+    elements, chunk = 256, 256
+    members = {r: PlaneMember(r, f"inc-{r}") for r in range(4)}
+    membership = MembershipView("job", 0, members)
+    signature = pb.ModelSignature(
+        buckets=[pb.BucketSpec(dtype=pb.DTYPE_FLOAT32, num_elements=elements, outer=True)],
+        outer=pb.OuterOptimizer(lr=1.0, screen=screen),
+    )
+    seed = np.zeros(elements, dtype=np.float32)
+    answered = np.full(elements, np.nan, dtype=np.float32)
+    screened: dict[int, tuple[int, ...]] = {}
+    contributors: dict[int, int] = {}
+    first_screen = None
+    for index in range(shard_count):
+        step = OpenStep(
+            membership, chunk, ByteBudget(1 << 30), lambda: 0.0, None, index, shard_count
+        )
+        step.configure(signature, 0)
+        spans = list(chunking.range_chunk_spans(*step.byte_range(0, pb.DTYPE_FLOAT32), chunk))
+        for number, payloads in ((0, [seed] * 4), (1, uploads)):
+            for rank in order:
+                for offset, length in spans:
+                    header = ChunkHeader(
+                        step=number, bucket_index=0, offset=offset, dtype=pb.DTYPE_FLOAT32
+                    )
+                    raw = payloads[rank].tobytes()[offset : offset + length]
+                    for action in step.accept(rank, header, memoryview(raw)):
+                        if number == 0 or not isinstance(action, Send):
+                            continue
+                        assert isinstance(action.message, bytes)
+                        decoded = decode_gradient(action.message)
+                        reply = (
+                            header_of(pb.CoordinatorMessage.FromString(action.message).gradient)
+                            if decoded is None
+                            else decoded[0]
+                        )
+                        payload = pb.CoordinatorMessage.FromString(action.message).gradient.payload
+                        start = reply.offset // 4
+                        values = np.frombuffer(payload, dtype=np.float32)
+                        answered[start : start + len(values)] = values
+                        screened[reply.offset] = reply.screened_ranks
+                        contributors[reply.offset] = reply.contributors
+        assert step.step == 2
+        if index == 0:
+            first_screen = step.screen
+    return answered, screened, contributors, first_screen
+
+
+def test_the_open_step_excludes_the_culprit_and_names_it_in_every_answer() -> None:
+    uploads = [values[:256] for _, values in _honest(11, size=256)]
+    uploads[2] = uploads[2] * np.float32(100)
+    answered, screened, contributors, screen = _open_step_round("exclude", 1, [0, 1, 2, 3], uploads)
+    kept = uploads[0].copy()
+    kept += uploads[1]
+    kept += uploads[3]
+    np.testing.assert_array_equal(answered, -(kept / np.float32(3)))  # lr 1 from 0, no momentum
+    assert set(screened.values()) == {(2,)} and set(contributors.values()) == {3}
+    assert screen is not None and screen.count == 1 and screen.last.startswith("rank 2 in job")
+
+
+@pytest.mark.parametrize("screen", ["trimmed_mean", "median"])
+def test_the_open_step_merges_robustly_alike_in_any_order_and_shard_count(screen: str) -> None:
+    uploads = [values[:256] for _, values in _honest(12, size=256)]
+    uploads[1] = -uploads[1] * np.float32(50)
+    reference, _, _, _ = _open_step_round(screen, 1, [0, 1, 2, 3], uploads)
+    for shards, order in ((1, [3, 1, 0, 2]), (2, [2, 3, 1, 0]), (3, [1, 0, 3, 2])):
+        again, _, _, _ = _open_step_round(screen, shards, order, uploads)
+        assert again.tobytes() == reference.tobytes(), (shards, order)
+    assert not np.isnan(reference).any()
