@@ -1,21 +1,21 @@
 """Screening of DiLoCo contributions: the rules, per chunk and per round (pure numpy).
 
 The coordinator sees every rank's pseudo-gradient before it is merged, so it
-can tell a broken or hostile one from the rest and name its rank. Each
-contribution to a chunk of an outer bucket is measured as it arrives
-(`measure`: its sum of squares and its dot product with the previous round's
-aggregate direction, two BLAS passes over bytes already in cache), and judged
-when the chunk is complete (`judge`), against the other ranks' contributions
-to the same chunk:
+can tell a broken or hostile one from the rest and name its rank. Every
+contribution to a chunk of an outer bucket is held until the chunk is
+complete; then each is measured against the others (`measure_chunk`: its sum
+of squares and its dot product with the chunk's sum, two BLAS passes) and
+judged (`judge`):
 
 - norm ratio: its norm over the median norm of the chunk's contributions
   (`ScreenThresholds.norm_ratio`, default 8: an honest rank's norm stays within
   a small factor of the others', a x100 one does not);
-- cosine: to the previous round's aggregate direction (the outer momentum
-  buffer, or the previous average without momentum), below
-  `ScreenThresholds.cosine_min` (default -0.3: a sign-flipped contribution points
-  against the direction the job moves in). Not judged before the job's first
-  outer round (there is no direction yet);
+- cosine: to the sum of the *other* ranks' contributions (those within the norm
+  ratio), below `ScreenThresholds.cosine_min` (default 0.05: a sign-flipped
+  contribution points against the others, Gaussian noise across them), judged
+  only where the ranks agree on a direction (the chunk's median cosine is at
+  least `consensus`, default 0.5; pseudo-gradients that are mostly noise agree
+  on none, and then no rank is flagged by its cosine);
 - non-finite values (the `--nonfinite` policy handles those; they are flagged here too).
 
 The job's policy (`gradsync.DiLoCo(screen=...)`, floored by `gradsync serve
@@ -38,9 +38,9 @@ Robust merges are coordinate-wise, so their result does not depend on where
 chunks (or a sharded coordinator's ranges) are cut; norm and cosine rules are
 judged per chunk, so with S shards each shard judges the chunks of its own range.
 
-Every policy but "report" holds all contributions of a chunk until the chunk
-is complete: at most W x chunk_bytes per chunk in flight (the chunks of a
-bucket arrive in order, so a few chunks per bucket at a time).
+Every policy holds all contributions of a chunk until the chunk is complete:
+at most W x chunk_bytes per chunk in flight, counted in the byte budget as any
+parked contribution is.
 """
 
 from __future__ import annotations
@@ -142,7 +142,7 @@ class ScreenThresholds:
     #: Flag a contribution whose cosine to the other ranks' sum is below this ...
     cosine_min: float = 0.05
     #: ... when the ranks agree on a direction: the chunk's median cosine is at least this.
-    consensus: float = 0.3
+    consensus: float = 0.5
     #: "clip": scale contributions down to this times the chunk's median norm.
     clip_ratio: float = 2.0
     #: "exclude": quarantine a rank after this many excluded rounds in a row ...
