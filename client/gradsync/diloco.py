@@ -82,6 +82,7 @@ from gradsync.diloco_metrics import DiLoCoInstruments, RoundRecord
 from gradsync.diloco_settings import (
     check_outer,
     check_samples,
+    check_screen,
     compact_answer_dtype,
     flatten_options,
     outer_optimizer,
@@ -143,6 +144,13 @@ class DiLoCo:
         weighted: average sum(w_i g_i) / sum(w_i) with w_i the samples rank i processed
             since its last round (`step(samples=...)`; 1 per inner step if not given)
             instead of the plain mean.
+        screen: how the coordinator screens every rank's pseudo-gradient (the same on
+            every rank): "report" (the default: a contribution far from the others, by
+            norm or direction, is merged and its rank named in the coordinator's log,
+            metrics and status and warned on its own worker), "clip" (scaled down to 2x
+            the median norm), "exclude" (left out of the round; a rank excluded 3
+            rounds in a row is left out for 10), "trimmed_mean" or "median"
+            (coordinate-wise robust merges). See docs/trust.md.
         coordinator: as `DistributedDataParallel` (default $GRADSYNC_COORDINATOR).
         rank: as `DistributedDataParallel` (default $RANK).
         world_size: as `DistributedDataParallel` (default $WORLD_SIZE).
@@ -187,6 +195,7 @@ class DiLoCo:
         late: str = "drop",
         max_staleness: int | None = None,
         weighted: bool = False,
+        screen: str = "report",
         coordinator: str | None = None,
         rank: int | None = None,
         world_size: int | None = None,
@@ -217,6 +226,7 @@ class DiLoCo:
                 min_contributors, round_deadline_s, late, max_staleness, weighted, world_size
             ),
         )
+        outer.screen = check_screen(screen)
         feedback = wire_dtype is not None if error_feedback is None else error_feedback
         flatten_options(outer, fragments, wire_dtype, answer_dtype, options)
         named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]

@@ -299,6 +299,14 @@ class Fragment:
             copy.grad = None
         torch.autograd.backward(self._copies, grad_tensors=uploads)
         self.last_report = self.ddp.round_report()
+        if self.last_report.screened:
+            log.warning(
+                "rank %d: the coordinator's screen flagged this rank's pseudo-gradient in "
+                "round %d: %s",
+                self.ddp.rank,
+                self.ddp.step - 1,
+                self.last_report.screened,
+            )
         if self.last_report.next_step:
             log.info(
                 "rank %d: round %d closed without this rank; its contribution was late, it "

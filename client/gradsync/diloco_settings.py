@@ -20,14 +20,31 @@ from gradsync.path.signature import WIRE_DTYPES
 
 __all__ = [
     "LATE_POLICIES",
+    "SCREEN_POLICIES",
     "check_outer",
     "check_samples",
+    "check_screen",
     "compact_answer_dtype",
     "flatten_options",
     "outer_optimizer",
     "straggler_settings",
     "streaming_mixing",
 ]
+
+#: How the coordinator screens pseudo-gradients, from the weakest to the strictest.
+SCREEN_POLICIES = ("report", "clip", "exclude", "trimmed_mean", "median")
+
+
+def check_screen(screen: str) -> str:
+    """`screen`, if it is a screen policy.
+
+    Raises:
+        ValueError: it is not (names the allowed ones).
+    """
+    if screen not in SCREEN_POLICIES:
+        raise ValueError(f"screen must be one of {', '.join(SCREEN_POLICIES)}, got {screen!r}")
+    return screen
+
 
 #: What becomes of a contribution whose round closed without it.
 LATE_POLICIES = ("drop", "merge")
@@ -202,6 +219,19 @@ def flatten_options(
                 f"hierarchical={options['hierarchical']!r} is not possible with partial "
                 "or weighted rounds (a local group sums its ranks before the coordinator "
                 "sees them): pass hierarchical=False"
+            )
+        options["hierarchical"] = False
+    if outer.screen not in ("", "report"):
+        if outer.weighted or outer.merge_late:
+            raise ValueError(
+                f"screen={outer.screen!r} is not possible with weighted rounds or "
+                "late='merge' (it screens each rank's own unweighted pseudo-gradient)"
+            )
+        if options.get("hierarchical") not in (None, False):
+            raise ValueError(
+                f"hierarchical={options['hierarchical']!r} is not possible with "
+                f"screen={outer.screen!r} (a local group sums its ranks before the "
+                "coordinator sees them): pass hierarchical=False"
             )
         options["hierarchical"] = False
     if wire_dtype is torch.int8 or answer_dtype is not None:

@@ -272,6 +272,11 @@ def _running_job(job: pb.JobStatus) -> list[str]:
             f"  non-finite gradients (NaN/Inf): {job.nonfinite_contributions} contributions, "
             f"latest: {job.last_nonfinite}"
         )
+    if job.screened_contributions:
+        lines.append(
+            f"  screen ({job.screen}): {job.screened_contributions} contributions flagged, "
+            f"latest: {job.last_screened}"
+        )
     if job.outer_state:
         lines.append(f"  outer state: {job.outer_state}")
     if job.restart:

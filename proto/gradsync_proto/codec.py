@@ -71,6 +71,9 @@ _IN_SEGMENT_FIELD = 11
 _NONFINITE_FIELD = 13
 #: The repeated uint32 fields, by field number: where decode_gradient collects each.
 _REPEATED_FIELDS = (_COVERED_FIELD, _NONFINITE_FIELD)
+#: GradientChunk.screened_ranks and screen_note: set only on the rare answer whose chunk
+#: the coordinator's screen flagged; such a message is left to protobuf.
+_SCREEN_FIELDS = (24, 25)
 #: GradientChunk.scale: a float (fixed32, little-endian IEEE binary32), an int8 chunk's.
 _SCALE_FIELD = 14
 _FLOAT = struct.Struct("<f")
@@ -123,6 +126,10 @@ class ChunkHeader:
     staleness: int = 0
     #: Coordinator -> worker: non-zero = the answer to a late contribution; continue here.
     next_step: int = 0
+    #: Coordinator -> worker: ranks whose contribution to this chunk the screen flagged,
+    #: and why (for people); empty = none.
+    screened_ranks: tuple[int, ...] = ()
+    screen_note: str = ""
 
 
 def _varint(value: int) -> bytes:
@@ -164,6 +171,8 @@ def encode_gradient(
         merged_late=header.merged_late,
         staleness=header.staleness,
         next_step=header.next_step,
+        screened_ranks=header.screened_ranks,
+        screen_note=header.screen_note,
     ).SerializeToString()
     length = sum(memoryview(part).nbytes for part in parts)
     head = _PAYLOAD_TAG + _varint(length)
@@ -230,8 +239,8 @@ def decode_gradient(raw: bytes) -> tuple[ChunkHeader, memoryview] | None:
     while position < end:
         key, position = _read_varint(view, position, end)
         field, wire_type = key >> 3, key & 7
-        if not 0 < field <= _MAX_FIELD_NUMBER:
-            return None  # invalid in protobuf: let it say so
+        if not 0 < field <= _MAX_FIELD_NUMBER or field in _SCREEN_FIELDS:
+            return None  # invalid in protobuf (let it say so), or a screened answer (rare)
         if wire_type == _WIRE_VARINT:
             value, position = _read_varint(view, position, end)
             name = _INT_FIELDS.get(field)
@@ -322,4 +331,6 @@ def header_of(chunk: pb.GradientChunk) -> ChunkHeader:
         merged_late=chunk.merged_late,
         staleness=chunk.staleness,
         next_step=chunk.next_step,
+        screened_ranks=tuple(chunk.screened_ranks),
+        screen_note=chunk.screen_note,
     )

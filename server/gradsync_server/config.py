@@ -343,6 +343,13 @@ class CoordinatorConfig:
         "it unchecked, e.g. for GradScaler users (default %(default)s)",
         choices=defaults.NONFINITE_POLICIES,
     )
+    screen: str = _leader_option(
+        defaults.SCREEN,
+        "the least every DiLoCo job's contribution screen does, in the order "
+        "report < clip < exclude < trimmed_mean < median: a job's own screen= applies "
+        "when it is stricter (default %(default)s)",
+        choices=defaults.SCREEN_POLICIES,
+    )
     max_collective_bytes: int = _leader_option(
         defaults.MAX_COLLECTIVE_BYTES,
         "cap on one rank's input to a collective (all_reduce, broadcast, ...) and on an "
@@ -513,6 +520,10 @@ class CoordinatorConfig:
             raise ValueError(
                 f"nonfinite must be one of {', '.join(defaults.NONFINITE_POLICIES)}, "
                 f"got {self.nonfinite!r}"
+            )
+        if self.screen not in defaults.SCREEN_POLICIES:
+            raise ValueError(
+                f"screen must be one of {', '.join(defaults.SCREEN_POLICIES)}, got {self.screen!r}"
             )
         if self.on_failure not in ("abort", "elastic"):
             raise ValueError(f"on failure must be 'abort' or 'elastic', got {self.on_failure!r}")

@@ -61,6 +61,11 @@ NONFINITE_POLICIES = ("report", "abort", "allow")
 #: are counted, and the next line logged says how many were not).
 NONFINITE_LOG_LINES = 5
 NONFINITE_LOG_WINDOW_S = 10.0
+#: The floor of every DiLoCo job's contribution screen (`--screen`): a job's own
+#: `screen=` applies when it is stricter (`gradsync_server.dataplane.screening`).
+SCREEN = "report"
+#: The screen policies, from the weakest to the strictest.
+SCREEN_POLICIES = ("report", "clip", "exclude", "trimmed_mean", "median")
 #: What losing a worker does: "abort" the job, or go on ("elastic").
 ON_FAILURE = "abort"
 #: Under the elastic policy, the fewest live workers a job goes on with.

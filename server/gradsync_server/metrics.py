@@ -141,6 +141,28 @@ class CoordinatorMetrics:
             "(counted under --nonfinite report and abort; allow checks nothing).",
             ["rank"],
         )
+        self._contribution_norm = gauge(
+            "gradsync_contribution_norm",
+            "DiLoCo: the norm of each rank's pseudo-gradient in the latest round (over the "
+            "byte range this process screens).",
+            ["rank"],
+        )
+        self._contribution_cosine = gauge(
+            "gradsync_contribution_cosine",
+            "DiLoCo: cosine of each rank's pseudo-gradient in the latest round to the "
+            "sum of the other ranks' (NaN where there is none).",
+            ["rank"],
+        )
+        self._contribution_excluded = counter(
+            "gradsync_contribution_excluded_total",
+            "DiLoCo: rounds in which the screen left (part of) a rank's pseudo-gradient out.",
+            ["rank"],
+        )
+        self._contribution_flagged = counter(
+            "gradsync_contribution_flagged_total",
+            "DiLoCo: rounds in which the screen flagged a rank's pseudo-gradient (any policy).",
+            ["rank"],
+        )
         self._errors_family = counter(
             "gradsync_errors_total", "Unexpected errors inside the coordinator, by kind.", ["kind"]
         )
@@ -228,6 +250,18 @@ class CoordinatorMetrics:
     def observe_nonfinite(self, rank: int) -> None:
         """`rank` sent NaN or Inf in a bucket (counted once per rank, step and bucket)."""
         _child(self._nonfinite, self._nonfinite_family, "rank", str(rank)).inc()
+
+    def observe_contribution(
+        self, rank: int, norm: float, cosine: float, flagged: bool, excluded: bool
+    ) -> None:
+        """`rank`'s pseudo-gradient in a round: its norm, cosine, and what the screen did."""
+        label = str(rank)
+        self._contribution_norm.labels(label).set(norm)
+        self._contribution_cosine.labels(label).set(cosine)
+        if flagged:
+            self._contribution_flagged.labels(label).inc()
+        if excluded:
+            self._contribution_excluded.labels(label).inc()
 
     def observe_error(self, kind: str) -> None:
         """An unexpected error; `kind` is a bounded name (the exception class), not a message."""

@@ -65,6 +65,9 @@ class Run:
     hidden: int = HIDDEN
     #: The outer answer's dtype ("fp32": the exact parameters; "int8"/"bf16": changes).
     answer: str = "fp32"
+    #: The targets: "noise" (random) or "teacher" (a fixed linear map of the inputs plus
+    #: a little noise: a task every rank learns alike, so their pseudo-gradients agree).
+    task: str = "noise"
 
     @staticmethod
     def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -80,6 +83,7 @@ class Run:
         parser.add_argument("--overlap-steps", type=int, default=Run.overlap_steps)
         parser.add_argument("--mixing", type=float, default=Run.mixing)
         parser.add_argument("--answer", choices=sorted(WIRES), default=Run.answer)
+        parser.add_argument("--task", choices=["noise", "teacher"], default=Run.task)
 
     @classmethod
     def from_arguments(cls, args: argparse.Namespace) -> Run:
@@ -96,6 +100,7 @@ class Run:
             args.mixing,
             args.hidden,
             args.answer,
+            args.task,
         )
 
     def argv(self) -> list[str]:
@@ -105,6 +110,7 @@ class Run:
             "--inner", self.inner, "--inner-lr", repr(self.inner_lr), "--wire", self.wire,
             "--hidden", str(self.hidden), "--answer", self.answer,
             "--fragments", str(self.fragments), "--overlap-steps", str(self.overlap_steps),
+            *([] if self.task == "noise" else ["--task", self.task]),
             *([] if self.mixing is None else ["--mixing", repr(self.mixing)]),
         ]  # fmt: skip
 
@@ -125,6 +131,9 @@ def batch(run: Run, rank: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
     generator = torch.Generator().manual_seed(10_000 * rank + step)
     x = torch.randn(BATCH, IN, generator=generator)
     y = torch.randn(BATCH, OUT, generator=generator)
+    if run.task == "teacher":
+        teacher = torch.randn(OUT, IN, generator=torch.Generator().manual_seed(4242))
+        y = x @ teacher.T + 0.1 * y
     return x, y
 
 

@@ -60,6 +60,8 @@ class RoundReport:
     #: Non-zero: the step's round closed without this rank (its upload was late); the
     #: answers are the current global parameters and the rank continues at this step.
     next_step: int = 0
+    #: The coordinator's screen flagged this rank's contribution: what it said (else "").
+    screened: str = ""
 
 
 @dataclass
@@ -80,6 +82,7 @@ class _StepResult:
     merged_late: int = 0
     staleness: int = 0
     next_step: int = 0
+    screened: str = ""
     complete_buckets: int = 0
     aborted: pb.StepAborted | None = None
 
@@ -171,7 +174,11 @@ class StepResults:
         if result.aborted is not None:
             raise abort_error(result.aborted, self.rank)
         self.last_report = RoundReport(
-            result.contributors, result.merged_late, result.staleness, result.next_step
+            result.contributors,
+            result.merged_late,
+            result.staleness,
+            result.next_step,
+            result.screened,
         )
         return result.contributors
 
@@ -231,6 +238,8 @@ class StepResults:
             if result.contributors
             else chunk.contributors
         )
+        if self.rank in chunk.screened_ranks and not result.screened:
+            result.screened = chunk.screen_note
         result.merged_late = max(result.merged_late, chunk.merged_late)
         result.staleness = max(result.staleness, chunk.staleness)
         # The open step moves on while a late upload is answered: its last word counts.

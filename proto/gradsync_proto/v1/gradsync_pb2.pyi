@@ -142,7 +142,7 @@ class BucketSpec(_message.Message):
     def __init__(self, parameter_indices: _Optional[_Iterable[int]] = ..., dtype: _Optional[_Union[DType, str]] = ..., num_elements: _Optional[int] = ..., outer: _Optional[bool] = ...) -> None: ...
 
 class OuterOptimizer(_message.Message):
-    __slots__ = ("lr", "momentum", "nesterov", "min_contributors", "round_deadline_s", "merge_late", "max_staleness", "weighted", "answer_dtype")
+    __slots__ = ("lr", "momentum", "nesterov", "min_contributors", "round_deadline_s", "merge_late", "max_staleness", "weighted", "answer_dtype", "screen")
     LR_FIELD_NUMBER: _ClassVar[int]
     MOMENTUM_FIELD_NUMBER: _ClassVar[int]
     NESTEROV_FIELD_NUMBER: _ClassVar[int]
@@ -152,6 +152,7 @@ class OuterOptimizer(_message.Message):
     MAX_STALENESS_FIELD_NUMBER: _ClassVar[int]
     WEIGHTED_FIELD_NUMBER: _ClassVar[int]
     ANSWER_DTYPE_FIELD_NUMBER: _ClassVar[int]
+    SCREEN_FIELD_NUMBER: _ClassVar[int]
     lr: float
     momentum: float
     nesterov: bool
@@ -161,7 +162,8 @@ class OuterOptimizer(_message.Message):
     max_staleness: int
     weighted: bool
     answer_dtype: DType
-    def __init__(self, lr: _Optional[float] = ..., momentum: _Optional[float] = ..., nesterov: _Optional[bool] = ..., min_contributors: _Optional[int] = ..., round_deadline_s: _Optional[float] = ..., merge_late: _Optional[bool] = ..., max_staleness: _Optional[int] = ..., weighted: _Optional[bool] = ..., answer_dtype: _Optional[_Union[DType, str]] = ...) -> None: ...
+    screen: str
+    def __init__(self, lr: _Optional[float] = ..., momentum: _Optional[float] = ..., nesterov: _Optional[bool] = ..., min_contributors: _Optional[int] = ..., round_deadline_s: _Optional[float] = ..., merge_late: _Optional[bool] = ..., max_staleness: _Optional[int] = ..., weighted: _Optional[bool] = ..., answer_dtype: _Optional[_Union[DType, str]] = ..., screen: _Optional[str] = ...) -> None: ...
 
 class ModelSignature(_message.Message):
     __slots__ = ("parameters", "buffers", "buckets", "outer")
@@ -208,7 +210,7 @@ class Position(_message.Message):
     def __init__(self, step: _Optional[int] = ..., digest: _Optional[bytes] = ...) -> None: ...
 
 class GradientChunk(_message.Message):
-    __slots__ = ("step", "membership_epoch", "bucket_index", "offset", "dtype", "encoding", "payload", "contributors", "covered_ranks", "reply_dtype", "in_segment", "segment_offset", "nonfinite_ranks", "scale", "weight", "merged_late", "staleness", "next_step", "alignment")
+    __slots__ = ("step", "membership_epoch", "bucket_index", "offset", "dtype", "encoding", "payload", "contributors", "covered_ranks", "reply_dtype", "in_segment", "segment_offset", "nonfinite_ranks", "scale", "weight", "merged_late", "staleness", "next_step", "alignment", "screened_ranks", "screen_note")
     STEP_FIELD_NUMBER: _ClassVar[int]
     MEMBERSHIP_EPOCH_FIELD_NUMBER: _ClassVar[int]
     BUCKET_INDEX_FIELD_NUMBER: _ClassVar[int]
@@ -228,6 +230,8 @@ class GradientChunk(_message.Message):
     STALENESS_FIELD_NUMBER: _ClassVar[int]
     NEXT_STEP_FIELD_NUMBER: _ClassVar[int]
     ALIGNMENT_FIELD_NUMBER: _ClassVar[int]
+    SCREENED_RANKS_FIELD_NUMBER: _ClassVar[int]
+    SCREEN_NOTE_FIELD_NUMBER: _ClassVar[int]
     step: int
     membership_epoch: int
     bucket_index: int
@@ -247,7 +251,9 @@ class GradientChunk(_message.Message):
     staleness: int
     next_step: int
     alignment: bytes
-    def __init__(self, step: _Optional[int] = ..., membership_epoch: _Optional[int] = ..., bucket_index: _Optional[int] = ..., offset: _Optional[int] = ..., dtype: _Optional[_Union[DType, str]] = ..., encoding: _Optional[_Union[Encoding, str]] = ..., payload: _Optional[bytes] = ..., contributors: _Optional[int] = ..., covered_ranks: _Optional[_Iterable[int]] = ..., reply_dtype: _Optional[_Union[DType, str]] = ..., in_segment: _Optional[bool] = ..., segment_offset: _Optional[int] = ..., nonfinite_ranks: _Optional[_Iterable[int]] = ..., scale: _Optional[float] = ..., weight: _Optional[float] = ..., merged_late: _Optional[int] = ..., staleness: _Optional[int] = ..., next_step: _Optional[int] = ..., alignment: _Optional[bytes] = ...) -> None: ...
+    screened_ranks: _containers.RepeatedScalarFieldContainer[int]
+    screen_note: str
+    def __init__(self, step: _Optional[int] = ..., membership_epoch: _Optional[int] = ..., bucket_index: _Optional[int] = ..., offset: _Optional[int] = ..., dtype: _Optional[_Union[DType, str]] = ..., encoding: _Optional[_Union[Encoding, str]] = ..., payload: _Optional[bytes] = ..., contributors: _Optional[int] = ..., covered_ranks: _Optional[_Iterable[int]] = ..., reply_dtype: _Optional[_Union[DType, str]] = ..., in_segment: _Optional[bool] = ..., segment_offset: _Optional[int] = ..., nonfinite_ranks: _Optional[_Iterable[int]] = ..., scale: _Optional[float] = ..., weight: _Optional[float] = ..., merged_late: _Optional[int] = ..., staleness: _Optional[int] = ..., next_step: _Optional[int] = ..., alignment: _Optional[bytes] = ..., screened_ranks: _Optional[_Iterable[int]] = ..., screen_note: _Optional[str] = ...) -> None: ...
 
 class StateChunk(_message.Message):
     __slots__ = ("offset", "payload")
@@ -584,7 +590,7 @@ class LateRank(_message.Message):
     def __init__(self, rank: _Optional[int] = ..., bucket_indices: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class JobStatus(_message.Message):
-    __slots__ = ("job_id", "state", "world_size", "membership_epoch", "open_step", "steps_completed", "members", "late", "step_age_s", "last_checkpoint_step", "ended", "ended_s_ago", "outcome", "nonfinite_contributions", "last_nonfinite", "outer", "outer_rounds", "outer_state_bytes", "outer_state", "restart", "steps_recomputed")
+    __slots__ = ("job_id", "state", "world_size", "membership_epoch", "open_step", "steps_completed", "members", "late", "step_age_s", "last_checkpoint_step", "ended", "ended_s_ago", "outcome", "nonfinite_contributions", "last_nonfinite", "outer", "outer_rounds", "outer_state_bytes", "outer_state", "restart", "steps_recomputed", "screen", "screened_contributions", "last_screened")
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELD_NUMBER: _ClassVar[int]
     WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -606,6 +612,9 @@ class JobStatus(_message.Message):
     OUTER_STATE_FIELD_NUMBER: _ClassVar[int]
     RESTART_FIELD_NUMBER: _ClassVar[int]
     STEPS_RECOMPUTED_FIELD_NUMBER: _ClassVar[int]
+    SCREEN_FIELD_NUMBER: _ClassVar[int]
+    SCREENED_CONTRIBUTIONS_FIELD_NUMBER: _ClassVar[int]
+    LAST_SCREENED_FIELD_NUMBER: _ClassVar[int]
     job_id: str
     state: str
     world_size: int
@@ -627,7 +636,10 @@ class JobStatus(_message.Message):
     outer_state: str
     restart: str
     steps_recomputed: int
-    def __init__(self, job_id: _Optional[str] = ..., state: _Optional[str] = ..., world_size: _Optional[int] = ..., membership_epoch: _Optional[int] = ..., open_step: _Optional[int] = ..., steps_completed: _Optional[int] = ..., members: _Optional[_Iterable[_Union[MemberStatus, _Mapping]]] = ..., late: _Optional[_Iterable[_Union[LateRank, _Mapping]]] = ..., step_age_s: _Optional[float] = ..., last_checkpoint_step: _Optional[int] = ..., ended: _Optional[bool] = ..., ended_s_ago: _Optional[float] = ..., outcome: _Optional[str] = ..., nonfinite_contributions: _Optional[int] = ..., last_nonfinite: _Optional[str] = ..., outer: _Optional[bool] = ..., outer_rounds: _Optional[int] = ..., outer_state_bytes: _Optional[int] = ..., outer_state: _Optional[str] = ..., restart: _Optional[str] = ..., steps_recomputed: _Optional[int] = ...) -> None: ...
+    screen: str
+    screened_contributions: int
+    last_screened: str
+    def __init__(self, job_id: _Optional[str] = ..., state: _Optional[str] = ..., world_size: _Optional[int] = ..., membership_epoch: _Optional[int] = ..., open_step: _Optional[int] = ..., steps_completed: _Optional[int] = ..., members: _Optional[_Iterable[_Union[MemberStatus, _Mapping]]] = ..., late: _Optional[_Iterable[_Union[LateRank, _Mapping]]] = ..., step_age_s: _Optional[float] = ..., last_checkpoint_step: _Optional[int] = ..., ended: _Optional[bool] = ..., ended_s_ago: _Optional[float] = ..., outcome: _Optional[str] = ..., nonfinite_contributions: _Optional[int] = ..., last_nonfinite: _Optional[str] = ..., outer: _Optional[bool] = ..., outer_rounds: _Optional[int] = ..., outer_state_bytes: _Optional[int] = ..., outer_state: _Optional[str] = ..., restart: _Optional[str] = ..., steps_recomputed: _Optional[int] = ..., screen: _Optional[str] = ..., screened_contributions: _Optional[int] = ..., last_screened: _Optional[str] = ...) -> None: ...
 
 class StatusReply(_message.Message):
     __slots__ = ("jobs", "heartbeat_timeout_s", "shards", "recovery")

@@ -125,7 +125,7 @@ class Job:
         self.world_size = world_size = settings.world_size
         self.chunk_bytes = chunk_bytes = settings.chunk_bytes
         shard_count = settings.shard_count
-        self.membership = Membership(job_id, world_size, clock)
+        self.membership = Membership(job_id, world_size, clock, settings.screen)
         #: This job's data plane for byte range 0 (the whole bucket when unsharded).
         self.plane = JobPlane(
             job_id,
@@ -355,7 +355,7 @@ class Job:
         refused = self.membership.form_local_groups()
         if refused is not None:
             return self._refuse(Code.FAILED_PRECONDITION, refused)
-        optimizer = signature.outer if signature.HasField("outer") else None
+        optimizer = self.membership.resolved_outer()  # with the screen it runs under
         groups = bool(self.membership.groups.groups())
         problem = rounds.job_problem(optimizer, self.world_size, self._shard_count, groups)
         if problem is not None:

@@ -25,6 +25,7 @@ from collections.abc import Callable
 from gradsync_proto.codes import Code
 from gradsync_proto.v1 import gradsync_pb2 as pb
 
+from gradsync_server import defaults
 from gradsync_server.control import restart, signature as signatures
 from gradsync_server.dataplane.actions import Member
 from gradsync_server.dataplane.host_groups import (
@@ -33,6 +34,7 @@ from gradsync_server.dataplane.host_groups import (
     group_secrets,
     local_world_size_problems,
 )
+from gradsync_server.dataplane.screening import check_screen, stricter
 from gradsync_server.errors import RejectedMessage
 
 #: Length of a session secret (Welcome.session).
@@ -48,8 +50,16 @@ class Membership:
         clock: monotonic time source (injectable for tests).
     """
 
-    def __init__(self, job_id: str, world_size: int, clock: Callable[[], float]) -> None:
+    def __init__(
+        self,
+        job_id: str,
+        world_size: int,
+        clock: Callable[[], float],
+        screen_floor: str = defaults.SCREEN,
+    ) -> None:
         self.job_id = job_id
+        #: The coordinator's `--screen` floor: a DiLoCo job runs under it when it is stricter.
+        self.screen_floor = check_screen(screen_floor)
         self.world_size = world_size
         self._clock = clock
         self.epoch = 0
@@ -281,6 +291,17 @@ class Membership:
             )
         )
 
+    def resolved_outer(self) -> pb.OuterOptimizer | None:
+        """The job's outer optimizer (None: none yet, or not DiLoCo), its `screen` the policy
+        the job runs under: its own, or the `--screen` floor if that is stricter."""
+        signature = self.signature
+        if signature is None or not signature.HasField("outer"):
+            return None
+        outer = pb.OuterOptimizer()
+        outer.CopyFrom(signature.outer)
+        outer.screen = stricter(check_screen(outer.screen), self.screen_floor).value
+        return outer
+
     def view(
         self, start_step: int, out_of_inputs: set[int], chunk_bytes: int, shard_count: int
     ) -> pb.ShardJobView:
@@ -297,9 +318,7 @@ class Membership:
             out_of_inputs=sorted(r for r in out_of_inputs if r in self.members),
             start_step=start_step,
             buckets=list(signature.buckets) if signature is not None else [],
-            outer=signature.outer
-            if signature is not None and signature.HasField("outer")
-            else None,
+            outer=self.resolved_outer(),
             chunk_bytes=chunk_bytes,
             shard_count=shard_count,
             local_groups=[pb.LocalGroup(ranks=g) for g in self.groups.groups()],

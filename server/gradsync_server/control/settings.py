@@ -42,6 +42,7 @@ class JobSettings:
         max_collective_bytes: cap on one rank's input to a collective.
         shard_count: coordinator shards, the leader included: it aggregates range 0.
         nonfinite: the `--nonfinite` policy (see `gradsync_server.dataplane.nonfinite`).
+        screen: the `--screen` floor of DiLoCo jobs' contribution screens.
         max_checkpoint_bytes: the largest checkpoint or healing state accepted (None:
             the byte budget's limit). Its bytes count in the budget as they arrive.
     """
@@ -57,6 +58,7 @@ class JobSettings:
     shard_count: int = 1
     nonfinite: NonFinitePolicy = NonFinitePolicy.REPORT  # defaults.NONFINITE
     max_checkpoint_bytes: int | None = None
+    screen: str = defaults.SCREEN
 
     def __post_init__(self) -> None:
         # The flags' spellings are accepted too ("elastic"); an unknown one raises ValueError.

@@ -15,7 +15,7 @@ from gradsync_proto import dtypes
 from gradsync_proto.codes import Code
 from gradsync_proto.v1 import gradsync_pb2 as pb
 
-from gradsync_server.dataplane import rounds
+from gradsync_server.dataplane import rounds, screening
 from gradsync_server.dataplane.outer_answer import answer_dtype_of, answer_dtype_problem
 from gradsync_server.errors import RejectedMessage
 
@@ -156,6 +156,8 @@ def _validate_outer(signature: pb.ModelSignature, refuse: Callable[[str], Reject
     if not outer_buckets:
         raise refuse("an outer optimizer is set, but no bucket is marked outer")
     problem = rounds.policy_problem(outer)
+    if problem is None and outer.screen not in ("", *screening.POLICIES):
+        problem = f"screen must be one of {', '.join(screening.POLICIES)}, got {outer.screen!r}"
     if problem is None:
         problem = answer_dtype_problem(outer)
     if problem is not None:
@@ -229,4 +231,5 @@ def _outer_words(signature: pb.ModelSignature) -> str:
             f"{outer.max_staleness}, weighted {outer.weighted}"
         )
     words += f", answer_dtype {dtypes.dtype_name(answer_dtype_of(outer))}"
+    words += f", screen {outer.screen or 'report'!r}"
     return f"({words})"

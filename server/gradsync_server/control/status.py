@@ -25,6 +25,7 @@ def job_status(job: Job, lag_tracker: LagTracker | None = None) -> pb.JobStatus:
     late = job.late_ranks()
     progress = job.progress
     outer = job.in_flight.outer
+    screen = job.in_flight.screen
     return pb.JobStatus(
         job_id=job.job_id,
         state=job.state.value,
@@ -48,6 +49,9 @@ def job_status(job: Job, lag_tracker: LagTracker | None = None) -> pb.JobStatus:
         last_checkpoint_step=job.persistence.last_checkpoint_step,
         nonfinite_contributions=job.in_flight.nonfinite.count,
         last_nonfinite=job.in_flight.nonfinite.last,
+        screen=screen.policy.value if screen is not None else "",
+        screened_contributions=screen.count if screen is not None else 0,
+        last_screened=screen.last if screen is not None else "",
         outer=outer.active,
         outer_rounds=outer.rounds,
         outer_state_bytes=outer.held_bytes(),

@@ -63,7 +63,7 @@ from __future__ import annotations
 import bisect
 import enum
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -196,6 +196,14 @@ class _ChunkState:
     sample_total: float = 0.0
 
 
+#: A screened merge (`gradsync_server.dataplane.screening`): given a complete chunk's
+#: offset and its contributions in ascending rank order (float32), the chunk's sum,
+#: its divisor and how many contributions it holds.
+ScreenedMerge = Callable[
+    [int, list[tuple[int, npt.NDArray[np.float32]]]], tuple[npt.NDArray[np.float32], int, int]
+]
+
+
 class DuplicateContributionError(ValueError):
     """A rank contributed the same chunk twice."""
 
@@ -266,6 +274,12 @@ class BucketReduction:
         self.chunks_total = chunking.num_chunks(hi - lo, chunk_bytes)
         self.buffered_bytes = 0
         self.last_contributors = len(self._ranks)
+        #: Hold every contribution of a chunk and merge them with this once it is
+        #: complete (a DiLoCo screen's clip, exclude or robust merge); None = sum on arrival.
+        self.screened_merge: ScreenedMerge | None = None
+        #: With `screened_merge`: a chunk with a contribution that is not `TAME` is summed
+        #: as usual instead (with its float64 shadow: the screen merges in float32).
+        self.screen_tame_only = False
 
     @property
     def contributors(self) -> int:
@@ -352,8 +366,12 @@ class BucketReduction:
                     raise ValueError(f"rank {rank} would be summed out of rank order")
                 state.expected.insert(position, rank)
 
-    def _advance(self, offset: int, state: _ChunkState, before: int) -> memoryview | None:
+    def _advance(
+        self, offset: int, state: _ChunkState, before: int, screened: bool = True
+    ) -> memoryview | None:
         """Fold the parked prefix in rank order; finish the chunk when nothing is missing."""
+        if screened and self.screened_merge is not None:
+            return self._merge_screened(offset, state, before, self.screened_merge)
         while (
             state.next_position < len(state.expected)
             and state.expected[state.next_position] in state.parked
@@ -390,6 +408,32 @@ class BucketReduction:
         else:
             _divide_with_shadow(state.accumulator, state.shadow, divisor)
             averaged = from_accumulator(state.accumulator, self.average_dtype)
+        self.buffered_bytes -= before
+        del self._chunks[offset]
+        self._finished.add(offset)
+        self._chunks_done += 1
+        return averaged
+
+    def _merge_screened(
+        self, offset: int, state: _ChunkState, before: int, screened_merge: ScreenedMerge
+    ) -> memoryview | None:
+        """Hold the chunk's contributions until every expected one is in; then merge them."""
+        if any(rank not in state.parked for rank in state.expected):
+            self.buffered_bytes += self._state_bytes(state) - before
+            return None
+        untame = any(parked[1] is not Magnitude.TAME for parked in state.parked.values())
+        if untame and self.screen_tame_only:
+            return self._advance(offset, state, before, screened=False)
+        contributions = [
+            (
+                rank,
+                decoded(state.parked[rank][0], self.payload_dtype).astype(np.float32, copy=False),
+            )
+            for rank in state.expected
+        ]
+        total, divisor, self.last_contributors = screened_merge(offset, contributions)
+        state.parked.clear()
+        averaged = average_bytes(total, np.float32(divisor), self.average_dtype)
         self.buffered_bytes -= before
         del self._chunks[offset]
         self._finished.add(offset)

@@ -68,6 +68,7 @@ from gradsync_server.dataplane.aggregation import (
 )
 from gradsync_server.dataplane.budget import ByteBudget, OwnerBudget, Reservation
 from gradsync_server.dataplane.chunk_checks import BucketLayout, CheckedChunk, check_sender
+from gradsync_server.dataplane.contribution_screen import ContributionScreen, ScreenObserver
 from gradsync_server.dataplane.host_groups import LocalGroups, check_covers
 from gradsync_server.dataplane.late import LATE_RANK_BASE, Stragglers
 from gradsync_server.dataplane.nonfinite import NonFiniteContribution, NonFiniteGuard
@@ -75,6 +76,14 @@ from gradsync_server.dataplane.observer import ReportSchedule, StepObserver
 from gradsync_server.dataplane.outer import OuterState
 from gradsync_server.dataplane.progress import StepProgress
 from gradsync_server.dataplane.rounds import RoundPolicy, check_weight
+from gradsync_server.dataplane.screening import (
+    ChunkVerdict,
+    Floats,
+    ScreenPolicy,
+    ScreenThresholds,
+    check_screen,
+    merge,
+)
 from gradsync_server.dataplane.step_aborts import abort_actions
 from gradsync_server.dataplane.wire_replies import answer_sends
 from gradsync_server.errors import RejectedMessage
@@ -202,6 +211,9 @@ class OpenStep:
         self.outer = OuterState()
         #: DiLoCo's partial rounds, late contributions and weights (`dataplane.rounds`).
         self.stragglers = Stragglers()
+        #: A DiLoCo job's screen (None otherwise), under the policy its view carries.
+        self.screen: ContributionScreen | None = None
+        self._verdicts: dict[tuple[int, int], ChunkVerdict] = {}
 
     @property
     def membership(self) -> StepMembership:
@@ -246,6 +258,13 @@ class OpenStep:
         self.outer = OuterState(outer, signature.buckets, self.shard_count, self.shard_index)
         self.stragglers.release()
         self.stragglers = Stragglers(RoundPolicy.of(outer))
+        self.screen = None
+        if outer is not None:
+            policy = check_screen(outer.screen)
+            observer = self._metrics if isinstance(self._metrics, ScreenObserver) else None
+            self.screen = ContributionScreen(
+                self._membership.job_id, policy, ScreenThresholds(), observer
+            )
         self._empty_buckets = sum(1 for lo, hi in spans if lo == hi)
         self._buckets_done = self._empty_buckets
         self.step = step
@@ -357,8 +376,43 @@ class OpenStep:
             reduction, self._budget.reserve(self._membership.job_id), rank
         )
         held.merged, held.staleness = self._merge_late(bucket, reduction)
+        # Each rank's own unweighted pseudo-gradient (`screening.screen_problem`), once seeded.
+        policy, screen = self.stragglers.policy, self.screen
+        flat = not self._membership.groups.groups() and not policy.weighted
+        if screen is not None and self._screens(bucket) and flat and not policy.merge_late:
+            reduction.screened_merge = lambda offset, rows: self._screened_merge(
+                bucket, offset, rows
+            )
+            reduction.screen_tame_only = screen.policy is ScreenPolicy.REPORT
         held.account()
         return held
+
+    def _screens(self, bucket: int) -> bool:
+        """True if `bucket`'s contributions are screened now (a DiLoCo outer round)."""
+        return (
+            self.screen is not None
+            and self.outer.holds(bucket)
+            and self.outer.seeded
+            and not self.outer.replaying
+        )
+
+    def _screened_merge(
+        self, bucket: int, offset: int, rows: list[tuple[int, Floats]]
+    ) -> tuple[Floats, int, int]:
+        """A complete chunk's merge under the job's screen (`BucketReduction.screened_merge`)."""
+        if self.screen is None:
+            raise RuntimeError("a screened merge without a screen")
+        key = (bucket, offset)
+        verdict = self._verdicts[key] = self.screen.verdict(self.step, key, rows)
+        total, divisor = merge(self.screen.policy, self.screen.thresholds, rows, verdict)
+        return total, divisor, len(rows) - len(verdict.excluded)
+
+    def _screen_note(self, bucket: int, offset: int) -> tuple[tuple[int, ...], str]:
+        """The screened ranks and note of a complete chunk's answer."""
+        verdict = self._verdicts.pop((bucket, offset), None)
+        if self.screen is None or verdict is None:
+            return (), ""
+        return self.screen.header_fields(verdict)
 
     def record_posted(self, rank: int, bucket: int) -> None:
         """A local group's member has `bucket` in shared memory (`LocalPosted`): its
@@ -393,6 +447,7 @@ class OpenStep:
                 elements,
                 self.participants(),
             )
+        screened_ranks, screen_note = self._screen_note(bucket, offset)
         units = self.units()
         from_segment = tuple(u for u in units if (bucket, offset, u) in self._segment_uploads)
         self._segment_uploads.difference_update((bucket, offset, u) for u in from_segment)
@@ -406,6 +461,8 @@ class OpenStep:
             merged_late=held.merged,
             staleness=held.staleness,
             scale=self.outer.answer_scale(bucket, offset),  # an int8 answer's
+            screened_ranks=screened_ranks,
+            screen_note=screen_note,
         )
         return answer_sends(
             header, averaged, reduction.dtype, self._chunk_bytes, units, from_segment
@@ -431,6 +488,8 @@ class OpenStep:
         report = self._reports.report(self.step, self.participants(), self._metrics)
         if self._metrics is not None and self.progress is not None:
             self._metrics.observe_step_done(self.progress.age(), self.step)
+        if self.screen is not None:
+            self.screen.close_round(self.step)
         report = self.outer.close_step(self._membership.job_id, self.step) + report
         self._advance()
         self.steps_completed += 1
@@ -640,6 +699,9 @@ class OpenStep:
     def release(self) -> None:
         """Free every buffer of the open step; it will never complete (job broken or refused)."""
         self.outer.discard()  # after a commit nothing is pending: only an abort loses any
+        if self.screen is not None:
+            self.screen.discard()
+        self._verdicts.clear()
         self.stragglers.end_round()
         for held in self._buckets.values():
             held.reservation.release()

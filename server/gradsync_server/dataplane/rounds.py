@@ -40,6 +40,7 @@ from gradsync_proto.codec import ChunkHeader
 from gradsync_proto.codes import Code
 from gradsync_proto.v1 import gradsync_pb2 as pb
 
+from gradsync_server.dataplane.screening import screen_problem
 from gradsync_server.errors import RejectedMessage
 
 __all__ = [
@@ -136,9 +137,12 @@ def policy_problem(outer: pb.OuterOptimizer) -> str | None:
 def job_problem(
     outer: pb.OuterOptimizer | None, world_size: int, shard_count: int, local_groups: bool
 ) -> str | None:
-    """What keeps a job from running its straggler settings, or None (checked at its start)."""
-    if outer is None or outer.min_contributors == 0:
+    """What keeps a job from running its straggler settings or its screen (`outer.screen`,
+    the floor applied), or None (checked at its start)."""
+    if outer is None:
         return None
+    if outer.min_contributors == 0:
+        return screen_problem(outer, local_groups)
     k = outer.min_contributors
     if k > world_size:
         return f"min_contributors={k} is more than the job's {world_size} ranks"
@@ -152,7 +156,7 @@ def job_problem(
             f"partial rounds (min_contributors={k}) need flat ranks; this job formed local "
             "groups (pass hierarchical=False)"
         )
-    return None
+    return screen_problem(outer, local_groups)
 
 
 def check_weight(

@@ -8,11 +8,16 @@ a file) before the inner step that starts the rank's round R, `--touch-before-ro
 R:PATH` touches a file right then (its upload follows at once), and `--after-round
 R:PATH` touches one once its round R merged, so that tests order ranks across rounds
 without guessing at timings. Weighted rounds claim `--samples` per inner step.
+
+Screening: `--screen POLICY` is `DiLoCo(screen=...)`, and `--attack KIND:R` corrupts
+this rank's pseudo-gradient before it is uploaded, from its round R on (`Attack`).
+Every warning the client logs is saved (`warnings/roundN`).
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import os
 import signal
 import sys
@@ -60,6 +65,61 @@ class DieInRound:
         bucket.buffer.copy_(averaged)
 
 
+class Attack:
+    """Corrupts a fragment's uploads from round `start` on (wrapped after the seed went).
+
+    kind: "scaled" (x100), "flipped" (sign), "random" (Gaussian noise with each
+    tensor's own RMS) or "stale" (the pseudo-gradient of 5 rounds before, or of the
+    first round while there is none that old).
+    """
+
+    def __init__(self, spec: str, seed: int) -> None:
+        kind, _, start = spec.partition(":")
+        self.kind, self.start = kind, int(start)
+        self.rounds = 0
+        self.history: list[list[torch.Tensor]] = []
+        self.generator = torch.Generator().manual_seed(seed)
+
+    def wrap(self, fragment: object) -> None:
+        original = fragment._run  # type: ignore[attr-defined]
+
+        def run(uploads: list[torch.Tensor]) -> None:
+            self.rounds += 1
+            number = self.rounds
+            self.history.append([u.clone() for u in uploads])
+            if number >= self.start:
+                with torch.no_grad():
+                    for index, upload in enumerate(uploads):
+                        upload.copy_(self.corrupt(number, index, upload))
+            original(uploads)
+
+        fragment._run = run  # type: ignore[attr-defined]
+
+    def corrupt(self, number: int, index: int, upload: torch.Tensor) -> torch.Tensor:
+        if self.kind == "scaled":
+            return upload * 100
+        if self.kind == "flipped":
+            return -upload
+        if self.kind == "random":
+            rms = upload.pow(2).mean().sqrt()
+            noise = torch.randn(upload.shape, generator=self.generator, dtype=upload.dtype)
+            return noise * rms
+        if self.kind == "stale":
+            return self.history[max(0, number - 6)][index]
+        raise ValueError(f"unknown attack {self.kind!r}")
+
+
+class Warnings(logging.Handler):
+    """Every warning the client logs, kept per round."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.WARNING)
+        self.lines: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.lines.append(record.getMessage())
+
+
 def main() -> int:
     parser = scenarios.worker_parser(__doc__)
     Run.add_arguments(parser)
@@ -87,7 +147,12 @@ def main() -> int:
     parser.add_argument("--before-round", action="append", default=[], help="R:SECONDS|R:PATH")
     parser.add_argument("--after-round", action="append", default=[], help="R:PATH to touch")
     parser.add_argument("--touch-before-round", action="append", default=[], help="R:PATH")
+    parser.add_argument("--screen", default="report")
+    parser.add_argument("--attack", default=None, help="KIND:R (see Attack)")
+    parser.add_argument("--flat", action="store_true", help="hierarchical=False")
     args = parser.parse_args()
+    warned = Warnings()
+    logging.getLogger("gradsync.client").addHandler(warned)
     touch_before = dict(_round_and(value) for value in args.touch_before_round)
     before = dict(_round_and(value) for value in args.before_round)
     after = dict(_round_and(value) for value in args.after_round)
@@ -126,7 +191,13 @@ def main() -> int:
         late=args.late,
         max_staleness=args.max_staleness,
         weighted=args.weighted,
+        screen=args.screen,
+        **({"hierarchical": False} if args.flat else {}),
     ) as diloco:
+        if args.attack:
+            attack = Attack(args.attack, rank)
+            for fragment in diloco.fragments:
+                attack.wrap(fragment)
         ddp = diloco.fragments[0].ddp
         for index, plan in enumerate(ddp.bucket_plans):
             saved[f"bucket{index}"] = np.array(plan.parameter_indices)
@@ -157,6 +228,8 @@ def main() -> int:
                 saved[f"merged/round{number}"] = np.array(diloco.last_round_merged_late)
                 saved[f"staleness/round{number}"] = np.array(diloco.last_round_staleness)
                 saved[f"seconds/round{number}"] = np.array(diloco.last_round_s)
+                saved[f"warnings/round{number}"] = np.array("\n".join(warned.lines))
+                warned.lines.clear()
                 if number in after:
                     Path(after[number]).touch()
         for name, p in model.named_parameters():

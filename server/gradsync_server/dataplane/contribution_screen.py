@@ -1,0 +1,226 @@
+"""One job's screen at one coordinator process: measures, verdicts and the names it gives.
+
+The open step hands it every contribution to an outer bucket (`observe`, as
+the chunk arrives) and asks for a verdict when the chunk is complete
+(`verdict`); the rules are `screening`. Per round it keeps each rank's totals
+(norm over all the chunks it screened, cosine to the other ranks' sum over
+them, the worst ratio, what was done), and at the round's end (`close_round`)
+names every flagged rank: one log line per rank and round ("rank 2 ..."), the
+`gradsync_contribution_*` metrics, `gradsync status` (`count`, `last`), and
+the answer header of each flagged chunk (`header_fields`), which the rank's
+own worker turns into a warning. Each rank's last `HISTORY_ROUNDS` rounds are
+kept (`history`).
+
+With a sharded coordinator every shard screens the chunks of its own byte
+range: the numbers it logs and exports cover that range.
+
+Pure logic (logging only), no gRPC, no asyncio.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Protocol, runtime_checkable
+
+from gradsync_server.dataplane.screening import (
+    ChunkVerdict,
+    Finding,
+    Floats,
+    Quarantine,
+    ScreenPolicy,
+    ScreenThresholds,
+    judge,
+    measure_chunk,
+)
+
+__all__ = ["HISTORY_ROUNDS", "ContributionScreen", "RankRound", "ScreenObserver"]
+
+_log = logging.getLogger("gradsync_server.screen")
+
+#: Rounds of each rank's screening kept (`ContributionScreen.history`).
+HISTORY_ROUNDS = 8
+
+
+@runtime_checkable
+class ScreenObserver(Protocol):
+    """Where the per-rank screening numbers go (`CoordinatorMetrics`)."""
+
+    def observe_contribution(
+        self, rank: int, norm: float, cosine: float, flagged: bool, excluded: bool
+    ) -> None:
+        """`rank`'s contribution to a round: its norm, cosine, and what the screen did."""
+
+
+@dataclass
+class RankRound:
+    """One rank's contribution to one round, as screened here."""
+
+    rank: int
+    round: int
+    square_sum: float = 0.0
+    dot: float = 0.0
+    reference_square_sum: float = 0.0
+    chunks: int = 0
+    flagged_chunks: int = 0
+    #: The largest ratio to a chunk's median norm, among its chunks.
+    worst_ratio: float = 0.0
+    reasons: set[str] = field(default_factory=set)
+    action: str = ""
+
+    @property
+    def norm(self) -> float:
+        return math.sqrt(self.square_sum) if math.isfinite(self.square_sum) else math.inf
+
+    @property
+    def cosine(self) -> float:
+        denominator = math.sqrt(self.square_sum * self.reference_square_sum)
+        if not (denominator > 0 and math.isfinite(denominator) and math.isfinite(self.dot)):
+            return math.nan
+        return self.dot / denominator
+
+    def describe(self, job_id: str, thresholds: ScreenThresholds) -> str:
+        """Names the rank, round, what was wrong and what was done (for people)."""
+        what = []
+        if "nonfinite" in self.reasons:
+            what.append("NaN/Inf values")
+        if "norm" in self.reasons:
+            what.append(f"norm {self.worst_ratio:.3g}x the median")
+        if "cosine" in self.reasons:
+            what.append(f"cosine {self.cosine:.3f} to the other ranks' sum")
+        if "quarantined" in self.reasons:
+            what.append("quarantined")
+        return (
+            f"rank {self.rank} in job '{job_id}' round (step) {self.round}: "
+            f"{', '.join(what)} in {self.flagged_chunks} of {self.chunks} chunks: "
+            f"{self.action} (thresholds: {thresholds.describe()}; norm {self.norm:.4g}, "
+            f"cosine {self.cosine:.3f})"
+        )
+
+
+class ContributionScreen:
+    """A job's screening at one process (see the module docstring).
+
+    Args:
+        job_id: the job (for messages).
+        policy: the policy the job runs under (its own or the coordinator's floor).
+        thresholds: when a contribution is flagged.
+        observer: where per-rank numbers go, if anywhere.
+    """
+
+    def __init__(
+        self,
+        job_id: str,
+        policy: ScreenPolicy,
+        thresholds: ScreenThresholds,
+        observer: ScreenObserver | None = None,
+    ) -> None:
+        self.job_id = job_id
+        self.policy = policy
+        self.thresholds = thresholds
+        self._observer = observer
+        self._round: dict[int, RankRound] = {}
+        self._round_number = -1
+        self.quarantine = Quarantine(thresholds.quarantine_after, thresholds.quarantine_rounds)
+        self.history: dict[int, deque[RankRound]] = {}
+        #: Flagged contributions (one per rank and round) so far.
+        self.count = 0
+        #: The latest of them, described; "" before any.
+        self.last = ""
+
+    def verdict(
+        self, round_number: int, key: tuple[int, int], rows: list[tuple[int, Floats]]
+    ) -> ChunkVerdict:
+        """Measure and judge the complete chunk `key` (bucket, offset) of `round_number`
+        (`rows`: its contributions in ascending rank order), counting each rank's totals."""
+        if round_number != self._round_number:
+            self._round.clear()
+            self._round_number = round_number
+        measures = measure_chunk(rows, self.thresholds.norm_ratio)
+        for rank, measured in measures:
+            totals = self._round.get(rank)
+            if totals is None:
+                totals = self._round[rank] = RankRound(rank, round_number)
+            totals.square_sum += measured.square_sum
+            if math.isfinite(measured.dot):
+                totals.dot += measured.dot
+                totals.reference_square_sum += measured.reference_square_sum
+            totals.chunks += 1
+        quarantined: frozenset[int] = frozenset()
+        if self.policy is ScreenPolicy.EXCLUDE:
+            quarantined = self.quarantine.quarantined(round_number)
+        verdict = judge(self.policy, self.thresholds, measures, quarantined)
+        for finding in verdict.findings:
+            self._record(finding)
+        return verdict
+
+    def _record(self, finding: Finding) -> None:
+        totals = self._round.get(finding.rank)
+        if totals is None:
+            return
+        totals.flagged_chunks += 1
+        totals.reasons.update(finding.reasons)
+        if math.isfinite(finding.ratio):
+            totals.worst_ratio = max(totals.worst_ratio, finding.ratio)
+        else:
+            totals.worst_ratio = math.inf
+        if finding.action == "excluded" or not totals.action:
+            totals.action = finding.action
+
+    def header_fields(self, verdict: ChunkVerdict) -> tuple[tuple[int, ...], str]:
+        """(screened ranks, note) for the answer of a chunk with this verdict."""
+        if not verdict.findings:
+            return (), ""
+        parts = []
+        for finding in verdict.findings:
+            parts.append(
+                f"rank {finding.rank}: {'/'.join(finding.reasons)} (norm {finding.ratio:.3g}x "
+                f"the median, cosine {finding.cosine:.3f}): {finding.action}"
+            )
+        note = (
+            f"round {self._round_number}: {'; '.join(parts)} (screen {self.policy.value}, "
+            f"thresholds: {self.thresholds.describe()})"
+        )
+        return tuple(f.rank for f in verdict.findings), note
+
+    def close_round(self, round_number: int) -> list[str]:
+        """The round completed: name its flagged ranks; returns the lines logged."""
+        if round_number != self._round_number:
+            return []
+        lines = []
+        excluded = set()
+        for rank, totals in sorted(self._round.items()):
+            history = self.history.setdefault(rank, deque(maxlen=HISTORY_ROUNDS))
+            history.append(totals)
+            if totals.action == "excluded":
+                excluded.add(rank)
+            if self._observer is not None:
+                self._observer.observe_contribution(
+                    rank,
+                    totals.norm,
+                    totals.cosine,
+                    bool(totals.flagged_chunks),
+                    totals.action == "excluded",
+                )
+            if totals.flagged_chunks:
+                line = totals.describe(self.job_id, self.thresholds)
+                self.count += 1
+                self.last = line
+                lines.append(line)
+                _log.warning("screen: %s", line)
+        for rank in sorted(self.quarantine.close_round(round_number, frozenset(excluded))):
+            line = (
+                f"rank {rank} in job '{self.job_id}' is quarantined after "
+                f"{self.quarantine.after} excluded rounds in a row: left out of rounds "
+                f"{round_number + 1}..{round_number + self.quarantine.rounds}"
+            )
+            lines.append(line)
+            _log.warning("screen: %s", line)
+        self._round.clear()
+        return lines
+
+    def discard(self) -> None:
+        """The round was aborted: nothing of it counts."""
+        self._round.clear()
