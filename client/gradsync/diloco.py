@@ -133,7 +133,12 @@ class DiLoCo:
         round_deadline_s: seconds from a round's first contribution after which it
             closes with `min_contributors` (None: 0 when `min_contributors` is given,
             i.e. as soon as k contributed; checked every ~0.25 s at the coordinator).
-            A rank whose upload is under way then is waited for.
+            A rank whose upload is under way then is waited for. "auto": the grace
+            window follows the recent spread of the ranks' arrivals (median + 3 MAD of
+            each round's arrival times, the median over the last 3 rounds, at least
+            0.5 s; none, i.e. every rank waited for, until a round closed with all:
+            `gradsync_server.dataplane.grace`); the coordinator logs who missed it and
+            exports `gradsync_round_window_seconds` and `gradsync_round_missed_total`.
         late: what becomes of a late contribution: "drop" (the default; the rank still
             gets the global parameters) or "merge" (added into the next round that
             starts after it arrived, as one more contribution).
@@ -175,7 +180,7 @@ class DiLoCo:
         overlap_steps: int = 0,
         mixing: float | None = None,
         min_contributors: int | None = None,
-        round_deadline_s: float | None = None,
+        round_deadline_s: float | str | None = None,
         late: str = "drop",
         max_staleness: int | None = None,
         weighted: bool = False,
