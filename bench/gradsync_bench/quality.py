@@ -124,9 +124,33 @@ def plot(document: dict[str, Any], path: Path) -> None:
     plt.close(figure)
 
 
+def combine(inputs: list[Path], out: Path) -> None:
+    """One table and one figure (quality.md, quality.png) of the runs of several documents
+    of the same task (the first one's provenance heads it; each keeps its own in `parts`)."""
+    documents = [json.loads(path.read_text()) for path in inputs]
+    runs: dict[str, Any] = {}
+    for document in documents:
+        if document["task"] != documents[0]["task"]:
+            raise ValueError(f"{document['command']} ran another task: {document['task']}")
+        for run in document["runs"]:
+            runs.setdefault(run["name"], run)
+    merged = {
+        **{k: documents[0][k] for k in ("date", "commit", "machine", "command", "task")},
+        "runs": list(runs.values()),
+        "parts": [{k: d[k] for k in ("date", "commit", "command")} for d in documents],
+    }
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "quality.json").write_text(json.dumps(merged, indent=1) + "\n")
+    (out / "quality.md").write_text(markdown(merged))
+    plot(merged, out / "quality.png")
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("what", choices=["table", "tune"])
+    parser.add_argument("what", choices=["table", "tune", "combine"])
+    parser.add_argument(
+        "--inputs", type=Path, nargs="*", default=[], help="combine: quality-*.json"
+    )
     parser.add_argument("--steps", type=int, default=Task.steps)
     parser.add_argument("--jobs", type=int, default=2)
     parser.add_argument("--outer-lr", type=float, default=None, help="table: default the library's")
@@ -141,6 +165,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--tag", default="", help="appended to the file names")
     args = parser.parse_args(argv)
+    if args.what == "combine":
+        combine(args.inputs, args.out)
+        return
     task = Task(steps=args.steps, eval_every=50 if args.steps >= 1000 else max(1, args.steps // 20))
     if args.what == "table":
         import inspect

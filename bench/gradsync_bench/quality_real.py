@@ -100,7 +100,10 @@ def launch(args: argparse.Namespace) -> dict[str, Any]:
     from gradsync_proto.net.launch import local_launch, start_coordinator
 
     outer_lr, momentum = library_defaults()
-    coordinator, port = start_coordinator(args.world_size, launch=local_launch)
+    # A generous heartbeat timeout: on a loaded shared machine a busy rank can miss 5 s.
+    coordinator, port = start_coordinator(
+        args.world_size, "--heartbeat-timeout", str(args.heartbeat_timeout_s), launch=local_launch
+    )
     started = time.perf_counter()
     try:
         with tempfile.TemporaryDirectory(prefix="gradsync-quality-") as folder:
@@ -172,6 +175,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--wire", choices=["fp32", "int8"], default="fp32")
     parser.add_argument("--coordinator", default="")
     parser.add_argument("--timeout-s", type=float, default=3600.0)
+    parser.add_argument("--heartbeat-timeout-s", type=float, default=120.0)
     parser.add_argument(
         "--simulated",
         type=Path,
