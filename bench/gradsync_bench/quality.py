@@ -64,7 +64,7 @@ def tune_settings(points: str, wire: str, fragments: int, references: bool) -> l
 
 
 def run_all(
-    settings: list[Setting], task: Task, jobs: int, done: Callable[[list[Result]], None]
+    settings: list[Setting], task: Task, jobs: int, done: Callable[[list[Result]], object]
 ) -> list[Result]:
     """Every setting, `jobs` processes at a time; `done` gets the results so far (in the
     order they finished) after each."""
