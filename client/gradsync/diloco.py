@@ -106,6 +106,14 @@ class DiLoCo:
         outer_lr: the outer optimizer's learning rate.
         outer_momentum: its momentum (0 = plain outer SGD).
         nesterov: Nesterov momentum (as torch.optim.SGD); ignored at momentum 0.
+            The defaults, outer_lr=1.0 and outer_momentum=0.5 with Nesterov for every
+            H, keep an outer step within lr / (1 - momentum) = 2 averaged
+            pseudo-gradients. Measured on a W = 4 char-level transformer over 2,000
+            inner steps (docs/diloco.md, "Model quality"), they held the held-out
+            loss within 1.8 % of DDP's at H = 10 and 4.4 % at H = 50 (0.7 and 0.9:
+            5.5 % and 7.8 %; plain averaging, 1.0 and 0: 5.8 % and 8.5 %). Momentum
+            0.9 remembers about 10 rounds, too long over a few hundred rounds; tune
+            again for very long runs or large H.
         wire_dtype: pseudo-gradients on the wire: None (float32), torch.bfloat16,
             torch.float16 or torch.int8 (a float32 scale per chunk; float32 parameters
             only, and no `hierarchical`). The global parameters come back in float32
@@ -135,7 +143,12 @@ class DiLoCo:
         round_deadline_s: seconds from a round's first contribution after which it
             closes with `min_contributors` (None: 0 when `min_contributors` is given,
             i.e. as soon as k contributed; checked every ~0.25 s at the coordinator).
-            A rank whose upload is under way then is waited for.
+            A rank whose upload is under way then is waited for. "auto": the grace
+            window follows the recent spread of the ranks' arrivals (median + 3 MAD of
+            each round's arrival times, the median over the last 3 rounds, at least
+            0.5 s; none, i.e. every rank waited for, until a round closed with all:
+            `gradsync_server.dataplane.grace`); the coordinator logs who missed it and
+            exports `gradsync_round_window_seconds` and `gradsync_round_missed_total`.
         late: what becomes of a late contribution: "drop" (the default; the rank still
             gets the global parameters) or "merge" (added into the next round that
             starts after it arrived, as one more contribution).
@@ -180,8 +193,8 @@ class DiLoCo:
         model: nn.Module,
         inner_optimizer: torch.optim.Optimizer,
         sync_every: int = 50,
-        outer_lr: float = 0.7,
-        outer_momentum: float = 0.9,
+        outer_lr: float = 1.0,
+        outer_momentum: float = 0.5,
         *,
         nesterov: bool = True,
         wire_dtype: torch.dtype | None = None,
@@ -191,7 +204,7 @@ class DiLoCo:
         overlap_steps: int = 0,
         mixing: float | None = None,
         min_contributors: int | None = None,
-        round_deadline_s: float | None = None,
+        round_deadline_s: float | str | None = None,
         late: str = "drop",
         max_staleness: int | None = None,
         weighted: bool = False,

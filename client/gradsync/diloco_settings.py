@@ -123,7 +123,7 @@ def streaming_mixing(
 
 def straggler_settings(
     min_contributors: int | None,
-    round_deadline_s: float | None,
+    round_deadline_s: float | str | None,
     late: str,
     max_staleness: int | None,
     weighted: bool,
@@ -135,6 +135,11 @@ def straggler_settings(
         ValueError: a setting out of range, or one that needs another (naming both).
     """
     fields: dict[str, Any] = {}
+    auto = isinstance(round_deadline_s, str)
+    if auto and round_deadline_s != "auto":
+        raise ValueError(
+            f'round_deadline_s must be a number of seconds or "auto", got {round_deadline_s!r}'
+        )
     if round_deadline_s is not None and min_contributors is None:
         min_contributors = 1  # a deadline alone: close with whoever made it
     if min_contributors is not None:
@@ -144,10 +149,16 @@ def straggler_settings(
             raise ValueError(
                 f"min_contributors must be in [1, world_size={world_size}], got {min_contributors}"
             )
-        deadline = 0.0 if round_deadline_s is None else float(round_deadline_s)
+        if isinstance(round_deadline_s, bool):
+            raise ValueError(
+                f"round_deadline_s must be a number of seconds, got {round_deadline_s!r}"
+            )
+        deadline = 0.0 if round_deadline_s is None or auto else float(round_deadline_s)
         if not (math.isfinite(deadline) and deadline >= 0):
             raise ValueError(f"round_deadline_s must be finite and >= 0, got {round_deadline_s!r}")
         fields.update(min_contributors=min_contributors, round_deadline_s=deadline)
+        if auto:
+            fields["round_deadline_auto"] = True
     if late not in LATE_POLICIES:
         raise ValueError(f"late must be one of {LATE_POLICIES}, got {late!r}")
     if late == "merge":

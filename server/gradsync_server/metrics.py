@@ -166,6 +166,16 @@ class CoordinatorMetrics:
         self._errors_family = counter(
             "gradsync_errors_total", "Unexpected errors inside the coordinator, by kind.", ["kind"]
         )
+        self._round_window = gauge(
+            "gradsync_round_window_seconds",
+            'The adaptive grace window of DiLoCo rounds (round_deadline_s="auto") after '
+            "the latest round closed; NaN while there is none yet.",
+        )
+        self._round_missed_family = counter(
+            "gradsync_round_missed_total",
+            "DiLoCo rounds with the adaptive deadline that closed without this rank.",
+            ["rank"],
+        )
         # Bound children by label value: `.labels()` takes a lock and builds a
         # tuple key on every call, too much for the per-bucket path.
         self._rank_lag: dict[int, Histogram] = {}
@@ -228,6 +238,12 @@ class CoordinatorMetrics:
     def observe_restart(self, continued: bool, steps_recomputed: int) -> None:
         """A restarted job went on: from the ranks' own state or from a checkpoint."""
         self.recovery.restarted(continued, steps_recomputed)
+
+    def observe_round_window(self, window_s: float | None, missed: tuple[int, ...]) -> None:
+        """A round with the adaptive deadline closed: its next window, and who missed it."""
+        self._round_window.set(math.nan if window_s is None else window_s)
+        for rank in missed:
+            self._round_missed_family.labels(rank=str(rank)).inc()
 
     # Rare events.
     def observe_rejection(self, reason: str) -> None:

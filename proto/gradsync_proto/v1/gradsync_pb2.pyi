@@ -142,7 +142,7 @@ class BucketSpec(_message.Message):
     def __init__(self, parameter_indices: _Optional[_Iterable[int]] = ..., dtype: _Optional[_Union[DType, str]] = ..., num_elements: _Optional[int] = ..., outer: _Optional[bool] = ...) -> None: ...
 
 class OuterOptimizer(_message.Message):
-    __slots__ = ("lr", "momentum", "nesterov", "min_contributors", "round_deadline_s", "merge_late", "max_staleness", "weighted", "answer_dtype", "screen")
+    __slots__ = ("lr", "momentum", "nesterov", "min_contributors", "round_deadline_s", "merge_late", "max_staleness", "weighted", "answer_dtype", "screen", "round_deadline_auto")
     LR_FIELD_NUMBER: _ClassVar[int]
     MOMENTUM_FIELD_NUMBER: _ClassVar[int]
     NESTEROV_FIELD_NUMBER: _ClassVar[int]
@@ -153,6 +153,7 @@ class OuterOptimizer(_message.Message):
     WEIGHTED_FIELD_NUMBER: _ClassVar[int]
     ANSWER_DTYPE_FIELD_NUMBER: _ClassVar[int]
     SCREEN_FIELD_NUMBER: _ClassVar[int]
+    ROUND_DEADLINE_AUTO_FIELD_NUMBER: _ClassVar[int]
     lr: float
     momentum: float
     nesterov: bool
@@ -163,7 +164,8 @@ class OuterOptimizer(_message.Message):
     weighted: bool
     answer_dtype: DType
     screen: str
-    def __init__(self, lr: _Optional[float] = ..., momentum: _Optional[float] = ..., nesterov: _Optional[bool] = ..., min_contributors: _Optional[int] = ..., round_deadline_s: _Optional[float] = ..., merge_late: _Optional[bool] = ..., max_staleness: _Optional[int] = ..., weighted: _Optional[bool] = ..., answer_dtype: _Optional[_Union[DType, str]] = ..., screen: _Optional[str] = ...) -> None: ...
+    round_deadline_auto: bool
+    def __init__(self, lr: _Optional[float] = ..., momentum: _Optional[float] = ..., nesterov: _Optional[bool] = ..., min_contributors: _Optional[int] = ..., round_deadline_s: _Optional[float] = ..., merge_late: _Optional[bool] = ..., max_staleness: _Optional[int] = ..., weighted: _Optional[bool] = ..., answer_dtype: _Optional[_Union[DType, str]] = ..., screen: _Optional[str] = ..., round_deadline_auto: _Optional[bool] = ...) -> None: ...
 
 class ModelSignature(_message.Message):
     __slots__ = ("parameters", "buffers", "buckets", "outer")

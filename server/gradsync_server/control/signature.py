@@ -227,7 +227,8 @@ def _outer_words(signature: pb.ModelSignature) -> str:
     if outer.min_contributors or outer.weighted:
         words += (
             f", min_contributors {outer.min_contributors}, round_deadline_s "
-            f"{outer.round_deadline_s:g}, merge_late {outer.merge_late}, max_staleness "
+            f"{'auto' if outer.round_deadline_auto else format(outer.round_deadline_s, 'g')}"
+            f", merge_late {outer.merge_late}, max_staleness "
             f"{outer.max_staleness}, weighted {outer.weighted}"
         )
     words += f", answer_dtype {dtypes.dtype_name(answer_dtype_of(outer))}"

@@ -32,6 +32,7 @@ from dataclasses import dataclass, field
 
 from gradsync_server.dataplane.aggregation import Magnitude
 from gradsync_server.dataplane.budget import Reservation
+from gradsync_server.dataplane.grace import GraceWindow
 from gradsync_server.dataplane.rounds import RoundPolicy
 
 __all__ = ["LATE_RANK_BASE", "LateContribution", "Stragglers"]
@@ -82,6 +83,8 @@ class Stragglers:
 
     def __init__(self, policy: RoundPolicy | None = None) -> None:
         self.policy = policy or RoundPolicy()
+        #: The adaptive deadline (`round_deadline_auto`), None with a fixed one.
+        self.window = GraceWindow() if self.policy.auto else None
         #: Ranks excused from the open round (it closed, or is closing, without them).
         self.excused: set[int] = set()
         #: The weight each rank claimed in the open round, and where first.

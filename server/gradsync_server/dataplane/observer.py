@@ -43,6 +43,10 @@ class StepObserver(Protocol):
     def observe_step_done(self, sync_s: float, step: int) -> None:
         """Step `step` completed `sync_s` after its first chunk arrived."""
 
+    def observe_round_window(self, window_s: float | None, missed: tuple[int, ...]) -> None:
+        """A DiLoCo round with the adaptive deadline closed: the grace window for the
+        next one (None: none yet), and the ranks that missed it."""
+
     def slowest(self, k: int) -> list[tuple[int, float]]:
         """The `k` ranks with the largest mean lag, as (rank, seconds), slowest first."""
 

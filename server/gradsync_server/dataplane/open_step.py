@@ -57,6 +57,7 @@ from gradsync_proto.codes import Code
 from gradsync_proto.v1 import gradsync_pb2 as pb
 
 from gradsync_server import defaults
+from gradsync_server.dataplane import grace
 from gradsync_server.dataplane.accumulators import from_accumulator, to_accumulator
 from gradsync_server.dataplane.actions import Action, Send
 from gradsync_server.dataplane.aggregation import (
@@ -354,10 +355,13 @@ class OpenStep:
         native = self.layout.bucket_dtypes[bucket]
         chunks = held.reduction.chunks_total if checked.wire_dtype != native else None
         # A leader's chunk is every covered rank's arrival: its followers are not late.
+        window = self.stragglers.window
         for arrived in chunk.covered_ranks or (rank,):
             lag = self.progress.record(arrived, bucket, chunks)
             if lag is not None and self._metrics is not None:
                 self._metrics.observe_bucket_arrival(arrived, lag)
+            if lag is not None and window is not None and self.progress.delivered_all(arrived):
+                window.arrived(arrived, self.progress.age())
         return averaged
 
     def _open_bucket(self, bucket: int, checked: CheckedChunk, rank: int) -> _Bucket:
@@ -490,6 +494,17 @@ class OpenStep:
             self._metrics.observe_step_done(self.progress.age(), self.step)
         if self.screen is not None:
             self.screen.close_round(self.step)
+        if self.stragglers.window is not None and self.progress is not None:
+            expected = [r for r in self._membership.ranks() if r not in self.out_of_inputs]
+            grace.round_closed(
+                self.stragglers.window,
+                self._membership.job_id,
+                self.step,
+                expected,
+                self.progress.age(),
+                self.outer.seeded,
+                self._metrics,
+            )
         report = self.outer.close_step(self._membership.job_id, self.step) + report
         self._advance()
         self.steps_completed += 1
@@ -629,7 +644,8 @@ class OpenStep:
         age = None if progress.started_at is None else progress.age()
         complete = [r for r in participants if progress.delivered_all(r)]
         started = [r for r in participants if progress.delivered_any(r)]
-        excused = stragglers.policy.may_close(age, participants, complete, started)
+        window = None if stragglers.window is None else stragglers.window.deadline_s()
+        excused = stragglers.policy.may_close(age, participants, complete, started, window)
         if not excused:
             return []
         for rank in excused:

@@ -61,7 +61,7 @@ MIN_WEIGHT = 2.0**-20
 
 @dataclass(frozen=True)
 class RoundPolicy:
-    """A job's straggler settings (`pb.OuterOptimizer` fields 4-8; all off by default)."""
+    """A job's straggler settings (`pb.OuterOptimizer` fields 4-8 and 10; all off by default)."""
 
     #: k: a round may close with this many contributors (0 = every live rank).
     min_contributors: int = 0
@@ -73,6 +73,8 @@ class RoundPolicy:
     max_staleness: int = 0
     #: The average weighs each contribution by its chunk's `weight`.
     weighted: bool = False
+    #: The deadline is the adaptive grace window (`gradsync_server.dataplane.grace`).
+    auto: bool = False
 
     @classmethod
     def of(cls, outer: pb.OuterOptimizer | None) -> RoundPolicy:
@@ -85,6 +87,7 @@ class RoundPolicy:
             outer.merge_late,
             outer.max_staleness,
             outer.weighted,
+            outer.round_deadline_auto,
         )
 
     @property
@@ -98,6 +101,7 @@ class RoundPolicy:
         participants: Iterable[int],
         complete: Iterable[int],
         started: Iterable[int],
+        window_s: float | None = None,
     ) -> tuple[int, ...]:
         """The ranks to excuse from the open round now, or () to keep waiting.
 
@@ -106,8 +110,11 @@ class RoundPolicy:
             participants: the ranks the round expects.
             complete: those that delivered every chunk.
             started: those that delivered at least one chunk (complete or not).
+            window_s: with `auto`, the grace window now (None: no window yet, wait
+                for every rank); ignored otherwise.
         """
-        if not self.partial or age_s is None or age_s < self.deadline_s:
+        deadline = window_s if self.auto else self.deadline_s
+        if not self.partial or age_s is None or deadline is None or age_s < deadline:
             return ()
         expected, done, begun = set(participants), set(complete), set(started)
         if begun - done or len(done & expected) < self.min_contributors:
@@ -125,6 +132,13 @@ def policy_problem(outer: pb.OuterOptimizer) -> str | None:
         return f"round_deadline_s must be finite and >= 0, got {deadline}"
     if k == 0 and deadline > 0:
         return f"round_deadline_s={deadline:g} needs min_contributors >= 1 (partial rounds)"
+    if outer.round_deadline_auto and k == 0:
+        return "round_deadline_auto needs min_contributors >= 1 (partial rounds)"
+    if outer.round_deadline_auto and deadline > 0:
+        return (
+            f"round_deadline_auto and round_deadline_s={deadline:g} are both set: "
+            "the deadline is either adaptive or fixed"
+        )
     if outer.merge_late and k == 0:
         return "merge_late needs partial rounds (min_contributors >= 1): no round is late"
     if outer.merge_late and outer.max_staleness < 1:

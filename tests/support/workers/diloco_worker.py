@@ -139,7 +139,9 @@ def main() -> int:
         "--trace", type=Path, default=None, help="trace the rounds into this folder"
     )
     parser.add_argument("--min-contributors", type=int, default=None)
-    parser.add_argument("--round-deadline-s", type=float, default=None)
+    parser.add_argument(
+        "--round-deadline-s", type=lambda v: v if v == "auto" else float(v), default=None
+    )
     parser.add_argument("--late", choices=["drop", "merge"], default="drop")
     parser.add_argument("--max-staleness", type=int, default=None)
     parser.add_argument("--weighted", action="store_true")
