@@ -89,6 +89,7 @@ from gradsync.diloco_settings import (
     streaming_mixing,
 )
 from gradsync.metrics import ENV_METRICS_HOST, resolve_metrics_port
+from gradsync.sparse_wire import SparseWire, sparse_settings
 
 __all__ = ["DiLoCo"]
 
@@ -107,7 +108,9 @@ class DiLoCo:
         wire_dtype: pseudo-gradients on the wire: None (float32), torch.bfloat16,
             torch.float16 or torch.int8 (a float32 scale per chunk; float32 parameters
             only, and no `hierarchical`). The global parameters come back in float32
-            unless `answer_dtype` says otherwise.
+            unless `answer_dtype` says otherwise. Or `gradsync.SparseWire(density)`:
+            each chunk's top `density` elements, 2 bits each, with error feedback,
+            answered sparse too (`gradsync.sparse_wire`; same limits as int8).
         answer_dtype: None (default: the new global parameters in float32, exact),
             torch.int8 (needs wire_dtype=torch.int8) or torch.bfloat16 (needs
             wire_dtype=torch.bfloat16): every answer after the seed is then the change
@@ -168,7 +171,7 @@ class DiLoCo:
         outer_momentum: float = 0.9,
         *,
         nesterov: bool = True,
-        wire_dtype: torch.dtype | None = None,
+        wire_dtype: torch.dtype | SparseWire | None = None,
         answer_dtype: torch.dtype | None = None,
         error_feedback: bool | None = None,
         fragments: int = 1,
@@ -188,6 +191,7 @@ class DiLoCo:
         trace_path: str | Path | None = None,
         **options: Any,
     ) -> None:
+        sparse, wire_dtype, answer_dtype = sparse_settings(wire_dtype, answer_dtype)
         check_outer(sync_every, outer_lr, outer_momentum, wire_dtype, error_feedback)
         answer_dtype = compact_answer_dtype(wire_dtype, answer_dtype)
         port = resolve_metrics_port(metrics_port, os.environ)  # a bad value fails before joining
@@ -206,6 +210,8 @@ class DiLoCo:
                 min_contributors, round_deadline_s, late, max_staleness, weighted, world_size
             ),
         )
+        if sparse is not None:  # the coordinator's answers are sparse too
+            outer.answer_density = sparse.downlink_density
         feedback = wire_dtype is not None if error_feedback is None else error_feedback
         flatten_options(outer, fragments, wire_dtype, answer_dtype, options)
         params: list[torch.Tensor] = [p for p in model.parameters() if p.requires_grad]
@@ -217,7 +223,7 @@ class DiLoCo:
             for index, group in enumerate(groups):
                 name = base if len(groups) == 1 else f"{base}.fragment{index}"
                 self.fragments.append(
-                    Fragment(group, outer, wire_dtype, feedback, name, common, answer_dtype)
+                    Fragment(group, outer, wire_dtype, feedback, name, common, answer_dtype, sparse)
                 )
         except BaseException:
             for fragment in self.fragments:

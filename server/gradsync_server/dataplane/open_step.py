@@ -406,6 +406,7 @@ class OpenStep:
             merged_late=held.merged,
             staleness=held.staleness,
             scale=self.outer.answer_scale(bucket, offset),  # an int8 answer's
+            encoding=self.outer.answer_encoding(bucket, offset),  # a sparse answer's
         )
         return answer_sends(
             header, averaged, reduction.dtype, self._chunk_bytes, units, from_segment
