@@ -81,9 +81,9 @@ def test_the_bytes_down_per_rank_do_not_grow_with_the_world(
     down: dict[int, list[int]] = {}
     for world in (2, 4):
         coordinator = coordinator_factory(world)
-        outputs = run_ranks(
-            DILOCO_WORKER, coordinator.address, world, tmp_path / f"w{world}", *run.argv()
-        )
+        out = tmp_path / f"w{world}"
+        out.mkdir()
+        outputs = run_ranks(DILOCO_WORKER, coordinator.address, world, out, *run.argv())
         down[world] = [int(saved["last_round_received"]) for saved in outputs]
     elements = sum(p.numel() for p in make_model(0, run.hidden).parameters())
     # k = ceil(0.1 n) per chunk, about 1.25 bytes each plus a few bytes a chunk, whatever W.
