@@ -211,7 +211,7 @@ def _payload(
     padded = np.zeros(4 * ((k + 3) // 4), dtype=np.uint8)
     padded[:k] = codes
     packed = padded.reshape(-1, 4) << np.array([0, 2, 4, 6], dtype=np.uint8)
-    code_bytes = np.bitwise_or.reduce(packed, axis=1).astype(np.uint8).tobytes()
+    code_bytes: bytes = np.bitwise_or.reduce(packed, axis=1).astype(np.uint8).tobytes()
     header = bytes([form]) + _varint(n) + _varint(k) + _FLOAT.pack(step)
     return header + index_bytes + code_bytes
 
@@ -259,7 +259,7 @@ def decode(payload: bytes | memoryview, n: int) -> SparseChunk:
         raise SparseWireError(f"the chunk selects {k} elements of its {n}")
     if position + 4 > data.size:
         raise SparseWireError(f"the payload ends inside the step ({data.size} bytes)")
-    (step,) = _FLOAT.unpack_from(data, position)
+    (step,) = _FLOAT.unpack(data[position : position + 4].tobytes())
     position += 4
     if step < 0:
         raise SparseWireError(f"the step is negative ({step!r}); a step is max|x| / 3")

@@ -34,7 +34,6 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-import numpy as np
 from gradsync_proto import chunking, dtypes, sparse_wire
 from gradsync_proto.codec import ChunkHeader
 from gradsync_proto.codes import Code
@@ -220,7 +219,7 @@ class StepResults:
             decoded = _sparse_answer(chunk, payload, result, bucket)
             if isinstance(decoded, str):
                 return decoded
-            payload = memoryview(decoded.q.view(np.uint8))
+            payload = memoryview(decoded.q.tobytes())
             chunk = dataclasses.replace(chunk, scale=decoded.step)
         elif chunk.encoding != pb.ENCODING_RAW:
             return (

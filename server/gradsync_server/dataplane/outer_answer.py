@@ -118,8 +118,8 @@ def quantize(
         (payload bytes, scale (dense int8; else 0.0), the dequantized change in float32).
     """
     if density:
-        payload, chunk = sparse_wire.encode(change, density)
-        return memoryview(payload), 0.0, chunk.values()
+        encoded, chunk = sparse_wire.encode(change, density)
+        return memoryview(encoded), 0.0, chunk.values()
     if answer_dtype == pb.DTYPE_INT8:
         q, scale = int8_wire.quantize_chunk(change)
         return q.data.cast("B"), scale, int8_wire.dequantize(q, scale)
