@@ -8,10 +8,11 @@ float32 DiLoCo (no wire dtype, the parameters answered in float32), the int8
 wire with the int8 compact answer, and `gradsync.SparseWire(density)`. Every
 rank connects through a TCP relay (`answer_bytes.CountingRelay`) that counts
 the bytes of each direction as they cross the socket (gRPC and HTTP/2
-framing, headers and heartbeats included). Joining, rank 0's broadcast and
-the seed round cost the same for every wire, so each setting runs twice,
-with 1 and with 1 + `--extra-rounds` rounds, and the difference divided by
-the extra rounds is one round. Prints one row per (W, wire): bytes up and
+framing, headers and heartbeats included); the coordinator runs without its
+frame port (`--frame-port -1`), so the chunks cross that connection too.
+Joining, rank 0's broadcast and the seed round cost the same for every wire,
+so each setting runs twice, with 1 and with 1 + `--extra-rounds` rounds, and
+the difference divided by the extra rounds is one round. Prints one row per (W, wire): bytes up and
 down per round per rank, and their ratio to float32 DiLoCo's at that W.
 """
 
@@ -33,6 +34,7 @@ JOB_TIMEOUT_S = 600.0
 #: Inner steps per round (the model's size, not H, decides the bytes).
 SYNC_EVERY = 2
 WIRES = ("fp32", "int8", "topk2")
+NO_FRAMES = ("--frame-port", "-1")
 SERVE = (sys.executable, "-m", "gradsync.cli", "serve")
 WORKER = (sys.executable, "-m", "gradsync_bench.sparse_bytes", "--worker")
 
@@ -40,7 +42,8 @@ WORKER = (sys.executable, "-m", "gradsync_bench.sparse_bytes", "--worker")
 def run_job(wire: str, world: int, rounds: int, megabytes: int, density: float) -> tuple[int, int]:
     """Bytes (up, down) of one whole job, all ranks together, as the relay counted them."""
     coordinator = subprocess.Popen(
-        [*SERVE, "--world-size", str(world), "--host", "127.0.0.1", "--port", "0"],
+        # No frame port: every byte then crosses the gRPC connection, through the relay.
+        [*SERVE, *("--world-size", str(world), "--host", "127.0.0.1", "--port", "0"), *NO_FRAMES],
         stderr=subprocess.PIPE,
         text=True,
     )
