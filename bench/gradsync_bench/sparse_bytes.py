@@ -9,7 +9,8 @@ wire with the int8 compact answer, and `gradsync.SparseWire(density)`. Every
 rank connects through a TCP relay (`answer_bytes.CountingRelay`) that counts
 the bytes of each direction as they cross the socket (gRPC and HTTP/2
 framing, headers and heartbeats included); the coordinator runs without its
-frame port (`--frame-port -1`), so the chunks cross that connection too.
+frame port and same-host payload path (`--frame-port -1 --no-payload-socket`),
+so the chunks cross that connection too.
 Joining, rank 0's broadcast and the seed round cost the same for every wire,
 so each setting runs twice, with 1 and with 1 + `--extra-rounds` rounds, and
 the difference divided by the extra rounds is one round. Prints one row per (W, wire): bytes up and
@@ -34,7 +35,8 @@ JOB_TIMEOUT_S = 600.0
 #: Inner steps per round (the model's size, not H, decides the bytes).
 SYNC_EVERY = 2
 WIRES = ("fp32", "int8", "topk2")
-NO_FRAMES = ("--frame-port", "-1")
+#: No frame port, no same-host payload path: every byte crosses the gRPC connection.
+NO_FRAMES = ("--frame-port", "-1", "--no-payload-socket")
 SERVE = (sys.executable, "-m", "gradsync.cli", "serve")
 WORKER = (sys.executable, "-m", "gradsync_bench.sparse_bytes", "--worker")
 
@@ -42,7 +44,6 @@ WORKER = (sys.executable, "-m", "gradsync_bench.sparse_bytes", "--worker")
 def run_job(wire: str, world: int, rounds: int, megabytes: int, density: float) -> tuple[int, int]:
     """Bytes (up, down) of one whole job, all ranks together, as the relay counted them."""
     coordinator = subprocess.Popen(
-        # No frame port: every byte then crosses the gRPC connection, through the relay.
         [*SERVE, *("--world-size", str(world), "--host", "127.0.0.1", "--port", "0"), *NO_FRAMES],
         stderr=subprocess.PIPE,
         text=True,
@@ -104,6 +105,9 @@ def worker(args: argparse.Namespace) -> None:
         world_size=args.world,
         job_id=f"bytes-{args.wire}-{args.rounds}",
         timeout_s=300,
+        # Every rank uploads its own, as on separate hosts (a local group would upload
+        # once per host for float32; the narrow wires are flat anyway).
+        hierarchical=False,
     ) as diloco:
         for _ in range(args.rounds * SYNC_EVERY):
             x = torch.randn(8, side, generator=generator)
