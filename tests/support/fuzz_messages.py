@@ -98,8 +98,8 @@ class Messages:
         well formed, or with some of its bytes (or its claimed element count) mutated."""
         rng = self.rng
         elements = BUCKET_BYTES // 4  # one int8 byte per float32 element
-        offset = rng.choice([0, CHUNK])
-        length = min(CHUNK, elements - offset)
+        offset = rng.choice([0, CHUNK])  # CHUNK: past this bucket's int8 bytes
+        length = max(1, min(CHUNK, elements - offset))
         values = np.random.default_rng(rng.randrange(2**32)).standard_normal(length)
         count = length if rng.random() < 0.8 else rng.choice([0, 1, length + 1, 2**30])
         payload = bytearray(sparse_wire.encode(values[:count].astype(np.float32), 0.05)[0])
