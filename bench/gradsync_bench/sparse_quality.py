@@ -40,8 +40,9 @@ JOB_TIMEOUT_S = 3600.0
 
 def run_method(method: str, args: argparse.Namespace) -> list[dict[str, Any]]:
     """Train with `method` on `args.world` ranks; return every rank's record."""
+    hb = ("--heartbeat-timeout", repr(args.heartbeat_timeout))
     coordinator = subprocess.Popen(
-        [*SERVE, "--world-size", str(args.world), "--host", "127.0.0.1", "--port", "0"],
+        [*SERVE, *("--world-size", str(args.world), "--host", "127.0.0.1", "--port", "0"), *hb],
         stderr=subprocess.PIPE,
         text=True,
     )
@@ -141,6 +142,9 @@ def main() -> int:
     parser.add_argument("--context", type=int, default=64)
     parser.add_argument("--lr", type=float, default=1e-3)
     parser.add_argument("--out", default=".", help="folder for the ranks' records")
+    parser.add_argument(
+        "--heartbeat-timeout", type=float, default=60.0, help="the coordinator's (a loaded CPU)"
+    )
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--rank", type=int, default=0, help=argparse.SUPPRESS)
     parser.add_argument("--coordinator", default="", help=argparse.SUPPRESS)
