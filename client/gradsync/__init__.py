@@ -41,6 +41,7 @@ if TYPE_CHECKING:
     from gradsync import collectives, hooks
     from gradsync.ddp import DistributedDataParallel
     from gradsync.diloco import DiLoCo
+    from gradsync.sparse_wire import SparseWire
     from gradsync.status import query_status
     from gradsync.syncbn import convert_sync_batchnorm
 
@@ -56,6 +57,10 @@ def __getattr__(name: str) -> Any:
         from gradsync.diloco import DiLoCo
 
         return DiLoCo
+    if name == "SparseWire":  # DiLoCo(wire_dtype=SparseWire(density=...))
+        from gradsync.sparse_wire import SparseWire
+
+        return SparseWire
     if name == "convert_sync_batchnorm":
         from gradsync.syncbn import convert_sync_batchnorm
 
@@ -93,6 +98,7 @@ __all__ = [
     "ResourceExhaustedError",
     "ShardUnavailableError",
     "SharedMemoryError",
+    "SparseWire",
     "StepAbortedError",
     "SyncTimeoutError",
     "TransportSecurityError",

@@ -91,6 +91,7 @@ from gradsync.diloco_settings import (
 )
 from gradsync.diloco_sites import SiteFollower, SiteFragment, SiteLayout
 from gradsync.metrics import ENV_METRICS_HOST, resolve_metrics_port
+from gradsync.sparse_wire import SparseWire, sparse_settings
 
 __all__ = ["DiLoCo"]
 
@@ -117,7 +118,9 @@ class DiLoCo:
         wire_dtype: pseudo-gradients on the wire: None (float32), torch.bfloat16,
             torch.float16 or torch.int8 (a float32 scale per chunk; float32 parameters
             only, and no `hierarchical`). The global parameters come back in float32
-            unless `answer_dtype` says otherwise.
+            unless `answer_dtype` says otherwise. Or `gradsync.SparseWire(density)`:
+            each chunk's top `density` elements, 2 bits each, with error feedback,
+            answered sparse too (`gradsync.sparse_wire`; same limits as int8).
         answer_dtype: None (default: the new global parameters in float32, exact),
             torch.int8 (needs wire_dtype=torch.int8) or torch.bfloat16 (needs
             wire_dtype=torch.bfloat16): every answer after the seed is then the change
@@ -197,7 +200,7 @@ class DiLoCo:
         outer_momentum: float = 0.5,
         *,
         nesterov: bool = True,
-        wire_dtype: torch.dtype | None = None,
+        wire_dtype: torch.dtype | SparseWire | None = None,
         answer_dtype: torch.dtype | None = None,
         error_feedback: bool | None = None,
         fragments: int = 1,
@@ -221,6 +224,7 @@ class DiLoCo:
         replicas: int | None = None,
         **options: Any,
     ) -> None:
+        sparse, wire_dtype, answer_dtype = sparse_settings(wire_dtype, answer_dtype)
         check_outer(sync_every, outer_lr, outer_momentum, wire_dtype, error_feedback)
         answer_dtype = compact_answer_dtype(wire_dtype, answer_dtype)
         port = resolve_metrics_port(metrics_port, os.environ)  # a bad value fails before joining
@@ -240,6 +244,8 @@ class DiLoCo:
             ),
         )
         outer.screen = check_screen(screen)
+        if sparse is not None:  # the coordinator's answers are sparse too
+            outer.answer_density = sparse.downlink_density
         feedback = wire_dtype is not None if error_feedback is None else error_feedback
         flatten_options(outer, fragments, wire_dtype, answer_dtype, options)
         named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
@@ -264,14 +270,30 @@ class DiLoCo:
                 name = base if len(groups) == 1 else f"{base}.fragment{index}"
                 if site is None:
                     fragment = Fragment(
-                        group, outer, wire_dtype, feedback, name, common, answer_dtype
+                        group,
+                        outer,
+                        wire_dtype,
+                        feedback,
+                        name,
+                        common,
+                        answer_dtype,
+                        sparse=sparse,
                     )
                 elif not site.uploads:
                     fragment = SiteFollower(site, group, outer.weighted)
                 else:
                     names = site.shadow_names(site.names[start : start + len(group)])
                     fragment = SiteFragment(
-                        site, group, outer, wire_dtype, feedback, name, common, answer_dtype, names
+                        site,
+                        group,
+                        outer,
+                        wire_dtype,
+                        feedback,
+                        name,
+                        common,
+                        answer_dtype,
+                        names,
+                        sparse,
                     )
                 start += len(group)
                 self.fragments.append(fragment)

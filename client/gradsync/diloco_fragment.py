@@ -56,6 +56,7 @@ from gradsync.errors import CoordinatorRestartedError, GradSyncError, SyncTimeou
 from gradsync.hooks import CastCompression, GradBucket
 from gradsync.path.step_results import RoundReport
 from gradsync.quantized_wire import ChunkGrid, Int8Quantization
+from gradsync.sparse_wire import SparseQuantization, SparseWire
 
 __all__ = ["Fragment"]
 
@@ -115,6 +116,8 @@ class Fragment:
         answer_dtype: None (the global parameters in float32), torch.int8 (with an int8
             wire) or torch.bfloat16 (with a bfloat16 wire): the answers are then changes.
         names: the names the parameters carry in the job's signature (None: by position).
+        sparse: the sparse 2-bit wire's settings (then `wire_dtype` and `answer_dtype`
+            are torch.int8, `gradsync.sparse_wire.sparse_settings`); None = dense.
     """
 
     def __init__(
@@ -127,6 +130,7 @@ class Fragment:
         options: dict[str, Any],
         answer_dtype: torch.dtype | None = None,
         names: Sequence[str] | None = None,
+        sparse: SparseWire | None = None,
     ) -> None:
         self.params = list(params)
         self._shadow = _Shadow(self.params, names)
@@ -135,7 +139,11 @@ class Fragment:
         self.compact_answer = answer_dtype is not None
         self._answer_is_change = False  # this round's (the seed's: the parameters)
         self._hook: _SeedableCast | Int8Quantization | None = None
-        if int8:  # the cut is the transport's, known once joined: read at every bucket
+        if sparse is not None:  # int8 chunks, each its top-k in 2 bits (a SparseWire)
+            self._hook = SparseQuantization(
+                lambda: ChunkGrid.of(self.ddp.welcome), error_feedback, sparse.density
+            )
+        elif int8:  # the cut is the transport's, known once joined: read at every bucket
             self._hook = Int8Quantization(
                 lambda: ChunkGrid.of(self.ddp.welcome),
                 error_feedback,
@@ -277,10 +285,13 @@ class Fragment:
 
     def _answer_bytes(self) -> int:
         """Payload bytes of a round's answers: the parameters in float32, or the changes
-        (bfloat16; int8 and a float32 scale per chunk of the upload's grid)."""
+        (bfloat16; int8 and a float32 scale per chunk of the upload's grid; sparse: as
+        they arrived)."""
         elements = int(sum(c.numel() for c in self._copies))
         if not self._answer_is_change:
             return 4 * elements
+        if isinstance(self._hook, SparseQuantization):  # as many as arrived
+            return self.last_report.payload_bytes
         if not isinstance(self._hook, Int8Quantization):
             return 2 * elements  # bfloat16
         grid = ChunkGrid.of(self.ddp.welcome)

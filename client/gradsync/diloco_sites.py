@@ -51,6 +51,7 @@ from gradsync_proto.v1 import gradsync_pb2 as pb
 from gradsync.diloco_fragment import Fragment
 from gradsync.errors import GradSyncError
 from gradsync.path.step_results import RoundReport
+from gradsync.sparse_wire import SparseWire
 
 __all__ = ["SiteFollower", "SiteFragment", "SiteLayout"]
 
@@ -198,10 +199,11 @@ class SiteFragment(Fragment):
         options: dict[str, Any],
         answer_dtype: torch.dtype | None = None,
         names: Sequence[str] | None = None,
+        sparse: SparseWire | None = None,
     ) -> None:
         self.site = site
         super().__init__(
-            params, outer, wire_dtype, error_feedback, job_id, options, answer_dtype, names
+            params, outer, wire_dtype, error_feedback, job_id, options, answer_dtype, names, sparse
         )
         if not site.sharded:
             site.broadcast(self.params)  # the start every site adopted (or the healed one)

@@ -72,11 +72,15 @@ class Int8Wire:
         scales: {chunk offset (= element index): scale}, on the transport's grid.
         int8_answer: ask for the answer as int8 too (DiLoCo's compact answer: the
             change of the global parameters, dequantized into the bucket's buffer).
+        encoded: the sparse 2-bit wire's payload of each chunk, by offset (then
+            `values` and `scales` are what they decode to: q and each chunk's step);
+            None = the int8 values travel as they are.
     """
 
     values: torch.Tensor
     scales: dict[int, float]
     int8_answer: bool = False
+    encoded: dict[int, bytes] | None = None
 
     def dequantized(self) -> torch.Tensor:
         """The float32 values the coordinator sums for this bucket."""
@@ -161,4 +165,4 @@ def check_int8_wire(bucket: GradBucket, wire: Int8Wire, rank: int) -> Int8Wire:
         )
     if values.numel() and not wire.scales:
         raise ValueError(f"[{where}] the int8 wire has no scales")
-    return Int8Wire(values.reshape(-1).contiguous(), wire.scales, wire.int8_answer)
+    return Int8Wire(values.reshape(-1).contiguous(), wire.scales, wire.int8_answer, wire.encoded)

@@ -29,6 +29,12 @@ rounded as the coordinator rounds it (int8: quantized per chunk of the
 coordinator's grid, as the int8 wire is, then q * scale; bf16: rounded to
 bfloat16 and widened), with one float32 add. The simulation's history is the
 public copy (what the ranks hold); `exact_history` keeps the exact parameters.
+
+The sparse 2-bit wire (`Run.wire` and `Run.answer` "topk2", `Run.density`)
+is simulated on the same grid by `support.sparse_reference`, written from its
+rule: the ranks' pseudo-gradients plus their residuals, each chunk's top-k in
+2 bits, the residual fed back per element, and the answer the public-copy
+rule with that same sparse rounding of the change.
 """
 
 from __future__ import annotations
@@ -44,8 +50,16 @@ from gradsync_proto import chunking
 from gradsync_proto.defaults import MIB
 from torch import nn
 
+from support.sparse_reference import sparse_wire
+
 IN, HIDDEN, OUT, BATCH = 6, 12, 3, 5
-WIRES = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16, "int8": torch.int8}
+WIRES = {
+    "fp32": None,
+    "bf16": torch.bfloat16,
+    "fp16": torch.float16,
+    "int8": torch.int8,
+    "topk2": torch.int8,  # the sparse 2-bit wire: int8 chunks (the worker passes a SparseWire)
+}
 
 
 @dataclass(frozen=True)
@@ -68,6 +82,8 @@ class Run:
     #: The targets: "noise" (random) or "teacher" (a fixed linear map of the inputs plus
     #: a little noise: a task every rank learns alike, so their pseudo-gradients agree).
     task: str = "noise"
+    #: The sparse 2-bit wire's density (wire "topk2"), up and down.
+    density: float = 0.1
 
     @staticmethod
     def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -84,6 +100,7 @@ class Run:
         parser.add_argument("--mixing", type=float, default=Run.mixing)
         parser.add_argument("--answer", choices=sorted(WIRES), default=Run.answer)
         parser.add_argument("--task", choices=["noise", "teacher"], default=Run.task)
+        parser.add_argument("--density", type=float, default=Run.density)
 
     @classmethod
     def from_arguments(cls, args: argparse.Namespace) -> Run:
@@ -101,6 +118,7 @@ class Run:
             args.hidden,
             args.answer,
             args.task,
+            args.density,
         )
 
     def argv(self) -> list[str]:
@@ -108,7 +126,7 @@ class Run:
             "--rounds", str(self.rounds), "--sync-every", str(self.sync_every),
             "--outer-lr", repr(self.outer_lr), "--outer-momentum", repr(self.outer_momentum),
             "--inner", self.inner, "--inner-lr", repr(self.inner_lr), "--wire", self.wire,
-            "--hidden", str(self.hidden), "--answer", self.answer,
+            "--hidden", str(self.hidden), "--answer", self.answer, "--density", repr(self.density),
             "--fragments", str(self.fragments), "--overlap-steps", str(self.overlap_steps),
             *([] if self.task == "noise" else ["--task", self.task]),
             *([] if self.mixing is None else ["--mixing", repr(self.mixing)]),
@@ -156,9 +174,16 @@ def int8_round_trip(flat: torch.Tensor, chunk_bytes: int, shard_count: int) -> t
 
 
 def answer_round_trip(
-    changes: list[torch.Tensor], model: nn.Module, answer: str, chunk_bytes: int, shard_count: int
+    changes: list[torch.Tensor],
+    model: nn.Module,
+    answer: str,
+    chunk_bytes: int,
+    shard_count: int,
+    density: float = Run.density,
 ) -> list[torch.Tensor]:
     """What the ranks add for each parameter's change of the public copy (`answer` != fp32)."""
+    if answer == "topk2":
+        return sparse_wire(changes, model, chunk_bytes, shard_count, density)
     if answer == "int8":
         return int8_wire(changes, model, chunk_bytes, shard_count)
     return [change.to(WIRES[answer]).float() for change in changes]
@@ -228,7 +253,15 @@ def simulate(
     for replica in replicas:
         replica.load_state_dict(initial.state_dict())
     optimizers = [inner_optimizer(run, replica) for replica in replicas]
-    global_params = [p.detach().clone().requires_grad_(True) for p in initial.parameters()]
+    # The seed round's answer: the average of the ranks' identical parameters, summed in
+    # rank order and divided in float32 (the parameters themselves for W = 1, 2, 4).
+    seeded = []
+    for p in initial.parameters():
+        total = p.detach().clone()
+        for _ in range(world_size - 1):
+            total = total + p.detach()
+        seeded.append(total / world_size)
+    global_params = [p.requires_grad_(True) for p in seeded]
     outer: torch.optim.SGD | CoordinatorSGD = torch.optim.SGD(
         global_params,
         lr=run.outer_lr,
@@ -238,7 +271,7 @@ def simulate(
     if wire is torch.int8 or run.answer != "fp32":  # quantized: one ulp can move a quantum
         outer = CoordinatorSGD(global_params, run)
     residuals = [[torch.zeros_like(p) for p in global_params] for _ in replicas]
-    history = [[p.detach().clone() for p in global_params]]
+    history = [[p.detach().clone() for p in initial.parameters()]]  # before the seed
     # What the ranks hold: the exact parameters themselves, unless the answer is compact.
     public = [p.detach().clone() for p in global_params]
     if exact_history is not None:
@@ -265,7 +298,9 @@ def simulate(
                 if wire is not None:
                     delta = delta + residuals[rank][index]
                 deltas.append(delta)
-            if wire is torch.int8:
+            if run.wire == "topk2":
+                sent = sparse_wire(deltas, replica, chunk_bytes, shard_count, run.density)
+            elif wire is torch.int8:
                 sent = int8_wire(deltas, replica, chunk_bytes, shard_count)
             else:
                 sent = [delta if wire is None else delta.to(wire).float() for delta in deltas]
@@ -287,7 +322,9 @@ def simulate(
             public = [p.detach().clone() for p in global_params]
         else:
             changes = [g.detach() - h for g, h in zip(global_params, public, strict=True)]
-            added = answer_round_trip(changes, replicas[0], run.answer, chunk_bytes, shard_count)
+            added = answer_round_trip(
+                changes, replicas[0], run.answer, chunk_bytes, shard_count, run.density
+            )
             public = [h + a for h, a in zip(public, added, strict=True)]
         with torch.no_grad():
             for replica in replicas:

@@ -4,9 +4,10 @@
 worker might send a coordinator: Joins with mutated fields and signatures,
 gradient chunks with every header field sometimes at an edge (through the
 coordinator's fast parser and, with an unknown field appended, through
-protobuf), checkpoint, state, collective, abandon, heartbeat and leave
-messages with absurd sizes, offsets, steps and strings, and random,
-truncated, bit-flipped or extended bytes. It only makes bytes; the streams
+protobuf), sparse 2-bit chunks (well formed or mutated), checkpoint,
+state, collective, abandon, heartbeat and leave messages with absurd sizes,
+offsets, steps and strings, and random, truncated, bit-flipped or extended
+bytes. It only makes bytes; the streams
 that carry them are `support.fuzzing.Fuzzer`'s.
 """
 
@@ -14,6 +15,8 @@ from __future__ import annotations
 
 import random
 
+import numpy as np
+from gradsync_proto import sparse_wire
 from gradsync_proto.codec import ChunkHeader, encode_gradient
 from gradsync_proto.v1 import gradsync_pb2 as pb
 
@@ -90,6 +93,28 @@ class Messages:
             raw += b"\xa8\x06\x01"  # an unknown top-level field: the protobuf (slow) path
         return raw
 
+    def sparse(self, step: int) -> bytes:
+        """A sparse 2-bit chunk (`ENCODING_TOPK2`, the int8 grid of the float32 bucket):
+        well formed, or with some of its bytes (or its claimed element count) mutated."""
+        rng = self.rng
+        elements = BUCKET_BYTES // 4  # one int8 byte per float32 element
+        offset = rng.choice([0, CHUNK])  # CHUNK: past this bucket's int8 bytes
+        length = max(1, min(CHUNK, elements - offset))
+        values = np.random.default_rng(rng.randrange(2**32)).standard_normal(length)
+        count = length if rng.random() < 0.8 else rng.choice([0, 1, length + 1, 2**30])
+        payload = bytearray(sparse_wire.encode(values[:count].astype(np.float32), 0.05)[0])
+        for _ in range(rng.choice([0, 0, 1, 3])):
+            payload[rng.randrange(len(payload))] = rng.randrange(256)
+        header = ChunkHeader(
+            step=step,
+            offset=offset,
+            dtype=pb.DTYPE_INT8,
+            encoding=pb.ENCODING_TOPK2,
+            reply_dtype=pb.DTYPE_FLOAT32,
+            scale=0.0 if rng.random() < 0.9 else rng.choice([0.5, -1.0, float("nan")]),
+        )
+        return encode_gradient(header, bytes(payload))
+
     def other(self, step: int) -> pb.WorkerMessage:
         rng = self.rng
         kind = rng.randrange(10)
@@ -159,6 +184,6 @@ class Messages:
         rng = self.rng
         roll = rng.random()
         if joined and roll < 0.7:
-            return self.gradient(step)
+            return self.sparse(step) if rng.random() < 0.1 else self.gradient(step)
         base = self.other(step).SerializeToString() if roll < 0.93 else self.gradient(step)
         return self.garbage(base) if rng.random() < 0.2 else base

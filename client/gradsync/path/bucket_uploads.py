@@ -22,6 +22,7 @@ from dataclasses import dataclass
 
 from gradsync_proto import chunking, dtypes
 from gradsync_proto.codec import ChunkHeader, encode_gradient
+from gradsync_proto.v1 import gradsync_pb2 as pb
 
 from gradsync.path.buffers import BucketBuffer
 
@@ -145,6 +146,8 @@ def range_messages(
             scale=upload.buffer.scale_at(offset),  # an int8 bucket's, on this very grid
             weight=upload.buffer.weight,
         )
+        if upload.buffer.encoded is not None:  # the sparse 2-bit wire's own bytes
+            header.encoding = pb.ENCODING_TOPK2
         if upload.segment_offset is not None:
             header.in_segment, header.segment_offset = True, upload.segment_offset + offset
         message = encode_gradient(header, pieces)
@@ -161,6 +164,11 @@ def _chunks(
     upload: BucketUpload, part: RangeUpload, chunk_bytes: int
 ) -> Iterator[tuple[int, Sequence[memoryview]]]:
     """(offset, payload pieces) of each chunk; no pieces when the payload stays in the segment."""
+    encoded = upload.buffer.encoded
+    if encoded is not None:  # a sparse bucket: each chunk's own payload (never in a segment)
+        for offset, _ in chunking.range_chunk_spans(part.lo, part.hi, chunk_bytes):
+            yield offset, [memoryview(encoded[offset])]
+        return
     if upload.segment_offset is None:
         yield from upload.buffer.range_chunks(part.lo, part.hi, chunk_bytes)
         return

@@ -46,6 +46,9 @@ class BucketBuffer:
         record_sent: keep a view of every chunk's payload as sent (`record`), so
             that the uploaded bytes can be restored after averages landed over
             them (`restore_sent`).
+        encoded: a sparse bucket's payload of each chunk, by offset (DiLoCo's sparse
+            2-bit wire): its chunks carry these bytes, not slices of `segments`
+            (which then only give the bucket's size and grid).
     """
 
     def __init__(
@@ -55,8 +58,10 @@ class BucketBuffer:
         weight: float = 0.0,
         *,
         record_sent: bool = False,
+        encoded: Mapping[int, bytes] | None = None,
     ) -> None:
         self.segments = list(segments)
+        self.encoded = None if encoded is None else dict(encoded)
         self._starts = [0, *itertools.accumulate(len(s) for s in self.segments)]
         self.size = self._starts[-1]
         self.scales = dict(scales or {})
@@ -69,6 +74,8 @@ class BucketBuffer:
     @property
     def wire_bytes(self) -> int:
         """The bucket's bytes on the wire: its payload and a float32 scale per scaled chunk."""
+        if self.encoded is not None:
+            return sum(len(payload) for payload in self.encoded.values())
         return self.size + 4 * len(self.scales)
 
     def scale_at(self, offset: int) -> float:

@@ -393,6 +393,7 @@ class Reducer:
         result_dtype = WIRE_DTYPES[torch.float32]
         answer: Int8Answer | None = None
         scales: dict[int, float] | None = None
+        encoded: dict[int, bytes] | None = None
         rides = bucket_index == self._rider
         presence_tail: torch.Tensor | None = None
         if hook is not None and stage.flat is not None:
@@ -401,6 +402,7 @@ class Reducer:
             if isinstance(returned, Int8Wire):  # DiLoCo's int8 wire: float32 or int8 answers
                 quantized = check_int8_wire(bucket, returned, self._rank)
                 wire, scales = quantized.values, quantized.scales
+                encoded = quantized.encoded  # the sparse 2-bit wire's chunks
                 dtype = WIRE_DTYPES[torch.int8]
                 if quantized.int8_answer:  # DiLoCo's compact answer: int8, on this very grid
                     answer = Int8Answer(wire.numel())
@@ -446,7 +448,11 @@ class Reducer:
         # Recorded as sent where an average may land over the upload right after (not
         # through a local group: its members copy the averages out at the step's end).
         record = self.keep_for_resend and result is None and self._path().averages_land_early
-        buffer = BucketBuffer(segments, scales, self.chunk_weight, record_sent=record)
+        if encoded is not None:  # the chunks carry their payloads, and no header scale
+            scales = None
+        buffer = BucketBuffer(
+            segments, scales, self.chunk_weight, record_sent=record, encoded=encoded
+        )
         self._instruments.bucket_ready(step, bucket_index, buffer.wire_bytes)
         upload = _Upload(buffer, dtype, result, result_dtype, record)
         if self.keep_for_resend:

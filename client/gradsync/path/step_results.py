@@ -20,17 +20,21 @@ the gradients.
 An answer asked for in int8 (DiLoCo's compact answer, `gradsync.quantized_answer`)
 carries each chunk's scale in its header: the chunk must say int8, the scale
 must be finite and >= 0, and it is kept in the bucket's buffer (`scales`) for
-the dequantization. Any other answer carries no scale.
+the dequantization. Any other answer carries no scale. A sparse int8 answer
+(`ENCODING_TOPK2`, DiLoCo's sparse 2-bit wire) is decoded on arrival, on its
+chunk's length of the grid, into the int8 levels and step it stands for, and
+then lands like a dense one; a payload the rule refuses is a protocol fault.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from gradsync_proto import chunking, dtypes
+from gradsync_proto import chunking, dtypes, sparse_wire
 from gradsync_proto.codec import ChunkHeader
 from gradsync_proto.codes import Code
 from gradsync_proto.v1 import gradsync_pb2 as pb
@@ -62,6 +66,9 @@ class RoundReport:
     next_step: int = 0
     #: The coordinator's screen flagged this rank's contribution: what it said (else "").
     screened: str = ""
+    #: Payload bytes of the step's answers as they arrived (a sparse answer's
+    #: encoded bytes, not what it decodes to).
+    payload_bytes: int = 0
 
 
 @dataclass
@@ -85,6 +92,7 @@ class _StepResult:
     screened: str = ""
     complete_buckets: int = 0
     aborted: pb.StepAborted | None = None
+    payload_bytes: int = 0
 
 
 class StepResults:
@@ -179,6 +187,7 @@ class StepResults:
             result.staleness,
             result.next_step,
             result.screened,
+            result.payload_bytes,
         )
         return result.contributors
 
@@ -209,6 +218,18 @@ class StepResults:
                 f"averaged bucket {bucket} of step {chunk.step} arrived before this rank "
                 "uploaded it"
             )
+        arrived_bytes = len(payload)
+        if chunk.encoding == pb.ENCODING_TOPK2:  # a sparse answer: its int8 levels and step
+            decoded = _sparse_answer(chunk, payload, result, bucket)
+            if isinstance(decoded, str):
+                return decoded
+            payload = memoryview(decoded.q.tobytes())
+            chunk = dataclasses.replace(chunk, scale=decoded.step)
+        elif chunk.encoding != pb.ENCODING_RAW:
+            return (
+                f"averaged chunk of bucket {bucket} of step {chunk.step} has encoding "
+                f"{chunk.encoding}; only raw (0) and sparse (1) answers exist"
+            )
         length = len(payload)
         if chunk.in_segment:
             problem = _segment_problem(chunk, length, result.segment_offsets.get(bucket))
@@ -233,6 +254,7 @@ class StepResults:
         arrived = result.arrived[bucket]
         arrived.add(chunk.offset)
         result.received[bucket] = result.received.get(bucket, 0) + length
+        result.payload_bytes += arrived_bytes
         result.contributors = (
             min(result.contributors, chunk.contributors)
             if result.contributors
@@ -289,6 +311,26 @@ def _check_chunk(
             f"({length} bytes, {len(arrived)} of {len(expected)} chunks received)"
         )
     return None
+
+
+def _sparse_answer(
+    chunk: ChunkHeader, payload: memoryview, result: _StepResult, bucket: int
+) -> sparse_wire.SparseChunk | str:
+    """A sparse answer decoded on its chunk's grid length, or what is wrong with it."""
+    where = f"averaged chunk of bucket {bucket} of step {chunk.step} at offset {chunk.offset}"
+    if result.answer_dtypes[bucket] != pb.DTYPE_INT8 or chunk.in_segment or chunk.scale != 0:
+        return (
+            f"{where} is sparse, but it was asked for as "
+            f"{dtypes.dtype_name(result.answer_dtypes[bucket])} (a sparse answer is int8, "
+            f"travels in the message and has no header scale, got {chunk.scale!r})"
+        )
+    elements = result.expected[bucket].get(chunk.offset)
+    if elements is None:
+        return f"{where} is not on the bucket's chunk grid"
+    try:
+        return sparse_wire.decode(payload, elements)
+    except sparse_wire.SparseWireError as error:
+        return f"{where}: {error}"
 
 
 def _scale_problem(chunk: ChunkHeader, asked: int) -> str | None:

@@ -24,6 +24,7 @@ class DType(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
 class Encoding(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
     ENCODING_RAW: _ClassVar[Encoding]
+    ENCODING_TOPK2: _ClassVar[Encoding]
 
 class CollectiveOp(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
@@ -83,6 +84,7 @@ DTYPE_INT8: DType
 DTYPE_UINT8: DType
 DTYPE_BOOL: DType
 ENCODING_RAW: Encoding
+ENCODING_TOPK2: Encoding
 COLLECTIVE_OP_UNSPECIFIED: CollectiveOp
 COLLECTIVE_OP_SUM: CollectiveOp
 COLLECTIVE_OP_AVG: CollectiveOp
@@ -142,7 +144,7 @@ class BucketSpec(_message.Message):
     def __init__(self, parameter_indices: _Optional[_Iterable[int]] = ..., dtype: _Optional[_Union[DType, str]] = ..., num_elements: _Optional[int] = ..., outer: _Optional[bool] = ...) -> None: ...
 
 class OuterOptimizer(_message.Message):
-    __slots__ = ("lr", "momentum", "nesterov", "min_contributors", "round_deadline_s", "merge_late", "max_staleness", "weighted", "answer_dtype", "screen", "round_deadline_auto")
+    __slots__ = ("lr", "momentum", "nesterov", "min_contributors", "round_deadline_s", "merge_late", "max_staleness", "weighted", "answer_dtype", "screen", "round_deadline_auto", "answer_density")
     LR_FIELD_NUMBER: _ClassVar[int]
     MOMENTUM_FIELD_NUMBER: _ClassVar[int]
     NESTEROV_FIELD_NUMBER: _ClassVar[int]
@@ -154,6 +156,7 @@ class OuterOptimizer(_message.Message):
     ANSWER_DTYPE_FIELD_NUMBER: _ClassVar[int]
     SCREEN_FIELD_NUMBER: _ClassVar[int]
     ROUND_DEADLINE_AUTO_FIELD_NUMBER: _ClassVar[int]
+    ANSWER_DENSITY_FIELD_NUMBER: _ClassVar[int]
     lr: float
     momentum: float
     nesterov: bool
@@ -165,7 +168,8 @@ class OuterOptimizer(_message.Message):
     answer_dtype: DType
     screen: str
     round_deadline_auto: bool
-    def __init__(self, lr: _Optional[float] = ..., momentum: _Optional[float] = ..., nesterov: _Optional[bool] = ..., min_contributors: _Optional[int] = ..., round_deadline_s: _Optional[float] = ..., merge_late: _Optional[bool] = ..., max_staleness: _Optional[int] = ..., weighted: _Optional[bool] = ..., answer_dtype: _Optional[_Union[DType, str]] = ..., screen: _Optional[str] = ..., round_deadline_auto: _Optional[bool] = ...) -> None: ...
+    answer_density: float
+    def __init__(self, lr: _Optional[float] = ..., momentum: _Optional[float] = ..., nesterov: _Optional[bool] = ..., min_contributors: _Optional[int] = ..., round_deadline_s: _Optional[float] = ..., merge_late: _Optional[bool] = ..., max_staleness: _Optional[int] = ..., weighted: _Optional[bool] = ..., answer_dtype: _Optional[_Union[DType, str]] = ..., screen: _Optional[str] = ..., round_deadline_auto: _Optional[bool] = ..., answer_density: _Optional[float] = ...) -> None: ...
 
 class ModelSignature(_message.Message):
     __slots__ = ("parameters", "buffers", "buckets", "outer")

@@ -26,6 +26,7 @@ from gradsync_proto.v1 import gradsync_pb2 as pb
 from gradsync_server.dataplane.aggregation import BucketReduction
 from gradsync_server.dataplane.budget import ByteBudget, OwnerBudget
 from gradsync_server.dataplane.int8_chunks import contribution_of
+from gradsync_server.dataplane.sparse_chunks import claimed_length, sparse_contribution
 from gradsync_server.dataplane.wire_replies import (
     COMPRESSED_WIRE,
     INT8_WIRE,
@@ -133,12 +134,14 @@ class BucketLayout:
         wire_bytes = (
             self.bucket_bytes[bucket] // dtypes.itemsize(native) * dtypes.itemsize(wire_dtype)
         )
-        check_encoding(rank, chunk)
+        check_encoding(rank, chunk, wire_dtype)
         byte_range = self.byte_range(bucket, wire_dtype)
+        sparse = chunk.encoding == pb.ENCODING_TOPK2  # its length is a claim: checked here
+        length = claimed_length(rank, chunk, payload) if sparse else len(payload)
         problem = offset_problem(
             rank,
             chunk,
-            len(payload),
+            length,
             wire_dtype,
             wire_bytes=wire_bytes,
             byte_range=byte_range,
@@ -148,7 +151,10 @@ class BucketLayout:
         )
         if problem is not None:
             raise RejectedMessage(problem[0], problem[1], step=step, bucket_index=bucket)
-        summed, payload_dtype = contribution_of(rank, chunk, payload, wire_dtype)  # int8: fp32
+        if sparse:  # decoded to `length` float32 values
+            summed, payload_dtype = sparse_contribution(rank, chunk, payload, length)
+        else:
+            summed, payload_dtype = contribution_of(rank, chunk, payload, wire_dtype)  # int8: fp32
         check_budget(rank, chunk, len(summed), budget)
         return CheckedChunk(wire_dtype, reply_dtype, byte_range, wire_bytes, summed, payload_dtype)
 
@@ -295,13 +301,17 @@ def check_reply_dtype(
     return reply_dtype
 
 
-def check_encoding(rank: int, chunk: ChunkHeader) -> None:
-    """Raises `RejectedMessage` unless the chunk is raw (the only encoding served)."""
-    if chunk.encoding != pb.ENCODING_RAW:
+def check_encoding(rank: int, chunk: ChunkHeader, wire_dtype: int) -> None:
+    """Raises `RejectedMessage` unless the chunk is raw, or sparse (`ENCODING_TOPK2`,
+    DiLoCo's sparse 2-bit wire) as an int8 chunk of a float32 bucket."""
+    if chunk.encoding == pb.ENCODING_RAW:
+        return
+    if chunk.encoding != pb.ENCODING_TOPK2 or wire_dtype != INT8_WIRE:
         raise RejectedMessage(
             Code.INVALID_ARGUMENT,
             f"rank {rank} sent bucket {chunk.bucket_index} of step {chunk.step} with encoding "
-            f"{chunk.encoding}, this coordinator only accepts raw (0)",
+            f"{chunk.encoding} as {dtypes.dtype_name(wire_dtype)}, this coordinator accepts "
+            "raw (0), or sparse (1) for an int8 chunk of a float32 bucket",
             step=chunk.step,
             bucket_index=chunk.bucket_index,
         )

@@ -102,7 +102,10 @@ class OuterState:
         self._momenta: dict[int, Floats] = {}
         self._pending: list[_Pending] = []
         #: The global parameters as the ranks hold them, for a compact answer (else empty).
-        self.public = PublicCopy(answer_dtype_of(outer) if self.active else pb.DTYPE_FLOAT32)
+        self.public = PublicCopy(
+            answer_dtype_of(outer) if self.active else pb.DTYPE_FLOAT32,
+            outer.answer_density,
+        )
         #: Outer steps applied (the seed not counted).
         self.rounds = 0
         #: What a stored record must match to be restored here (`outer_snapshot`).
@@ -146,6 +149,10 @@ class OuterState:
     def answer_scale(self, bucket: int, offset: int) -> float:
         """The scale of the open step's int8 answer to a chunk (0.0 for any other answer)."""
         return self.public.scale_at(bucket, offset)
+
+    def answer_encoding(self, bucket: int, offset: int) -> int:
+        """The encoding of the open step's answer to a chunk (sparse: `ENCODING_TOPK2`)."""
+        return self.public.encoding_at(bucket, offset)
 
     def answer(self, bucket: int, offset: int, wire_dtype: int, average: memoryview) -> memoryview:
         """The answer to a completed chunk of an outer bucket: the new global parameters

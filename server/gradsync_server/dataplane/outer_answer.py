@@ -31,6 +31,15 @@ int8 wire (a bfloat16 answer the bfloat16 wire): the answer to a chunk is then
 one message on the upload's own grid, so each answer chunk's scale travels in
 its own header (`GradientChunk.scale`), as the upload's did.
 
+With `OuterOptimizer.answer_density` > 0 (DiLoCo's sparse 2-bit wire) the
+int8 answer is sparse too: each chunk's change is sent as its top
+answer_density elements, 2 bits each with the chunk's own step
+(`gradsync_proto.sparse_wire`, `ENCODING_TOPK2`), one message per uploaded
+chunk whose size depends on the density alone, not on how many ranks
+contributed. The rule above is unchanged: public moves by exactly what the
+ranks add (q * step, then one add), so what the answer leaves out stays in
+exact - public, the coordinator's own residual, and goes out in a later answer.
+
 What a snapshot of the outer state must hold besides the exact parameters and
 the momentum: the public copy (`PublicCopy.values`), else a restarted
 coordinator would answer changes against a copy no rank holds.
@@ -43,7 +52,7 @@ from dataclasses import dataclass
 
 import numpy as np
 import numpy.typing as npt
-from gradsync_proto import dtypes, int8_wire
+from gradsync_proto import dtypes, int8_wire, sparse_wire
 from gradsync_proto.codec import ChunkHeader
 from gradsync_proto.codes import Code
 from gradsync_proto.v1 import gradsync_pb2 as pb
@@ -68,8 +77,18 @@ def answer_dtype_of(outer: pb.OuterOptimizer | None) -> int:
 
 
 def answer_dtype_problem(outer: pb.OuterOptimizer) -> str | None:
-    """Why a signature's `answer_dtype` cannot be served, or None."""
+    """Why a signature's `answer_dtype` (and `answer_density`) cannot be served, or None."""
     answer = answer_dtype_of(outer)
+    density = outer.answer_density
+    if density:
+        problem = sparse_wire.density_problem(density)
+        if problem is not None:
+            return f"the outer answer density: {problem}"
+        if answer != pb.DTYPE_INT8:
+            return (
+                f"the outer answer density {density!r} needs the int8 answer dtype, not "
+                f"{dtypes.dtype_name(answer)} (a sparse answer is int8 levels)"
+            )
     if answer not in ANSWER_DTYPES:
         return (
             f"the outer answer dtype {dtypes.dtype_name(answer)} is not supported: "
@@ -85,16 +104,22 @@ def answer_dtype_problem(outer: pb.OuterOptimizer) -> str | None:
     return None
 
 
-def quantize(change: Floats, answer_dtype: int) -> tuple[memoryview, float, Floats]:
+def quantize(
+    change: Floats, answer_dtype: int, density: float = 0.0
+) -> tuple[memoryview, float, Floats]:
     """A chunk's change on the wire, its scale, and what the ranks add for it.
 
     Args:
         change: exact - public over the chunk (float32, 1-D).
         answer_dtype: DTYPE_INT8 or DTYPE_BFLOAT16.
+        density: > 0: sparse (int8 only; the step travels in the payload).
 
     Returns:
-        (payload bytes, scale (int8; else 0.0), the dequantized change in float32).
+        (payload bytes, scale (dense int8; else 0.0), the dequantized change in float32).
     """
+    if density:
+        encoded, chunk = sparse_wire.encode(change, density)
+        return memoryview(encoded), 0.0, chunk.values()
     if answer_dtype == pb.DTYPE_INT8:
         q, scale = int8_wire.quantize_chunk(change)
         return q.data.cast("B"), scale, int8_wire.dequantize(q, scale)
@@ -118,10 +143,12 @@ class PublicCopy:
 
     Args:
         answer_dtype: the job's answer dtype (`answer_dtype_of`).
+        density: the job's `answer_density` (> 0: sparse int8 answers).
     """
 
-    def __init__(self, answer_dtype: int) -> None:
+    def __init__(self, answer_dtype: int, density: float = 0.0) -> None:
         self.answer_dtype = answer_dtype
+        self.density = density if answer_dtype == pb.DTYPE_INT8 else 0.0
         #: Per outer bucket: the public copy of this plane's range (what a snapshot needs).
         self.values: dict[int, Floats] = {}
         self._pending: list[_PendingPublic] = []
@@ -190,10 +217,15 @@ class PublicCopy:
             return exact.astype("<f4", copy=False).data.cast("B")
         public = self.values[bucket][start : start + len(exact)]
         change = exact - public
-        payload, scale, added = quantize(change, self.answer_dtype)
+        payload, scale, added = quantize(change, self.answer_dtype, self.density)
         self._pending.append(_PendingPublic(bucket, start, public + added))
         self._scales[(bucket, offset)] = scale
         return payload
+
+    def encoding_at(self, bucket: int, offset: int) -> int:
+        """The encoding of the open step's answer to the chunk at `offset`."""
+        sparse = self.density and (bucket, offset) in self._scales
+        return pb.ENCODING_TOPK2 if sparse else pb.ENCODING_RAW
 
     def scale_at(self, bucket: int, offset: int) -> float:
         """The scale of the open step's answer to the chunk at `offset` (0.0: none)."""

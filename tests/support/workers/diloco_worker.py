@@ -163,7 +163,7 @@ def main() -> int:
     rank = args.rank
     model = make_model(100 + rank, run.hidden)  # different on every rank: construction equalises
     optimizer = inner_optimizer(run, model)
-    wire = WIRES[run.wire]
+    wire = gradsync.SparseWire(run.density) if run.wire == "topk2" else WIRES[run.wire]
     saved: dict[str, np.ndarray] = {}
     with gradsync.DiLoCo(
         model,
@@ -172,7 +172,7 @@ def main() -> int:
         outer_lr=run.outer_lr,
         outer_momentum=run.outer_momentum,
         wire_dtype=wire,
-        answer_dtype=WIRES[run.answer],
+        answer_dtype=None if run.answer == "topk2" else WIRES[run.answer],
         fragments=run.fragments,
         overlap_steps=run.overlap_steps,
         mixing=run.mixing,

@@ -1,0 +1,174 @@
+"""Held-out loss of the wan task under DiLoCo: int8 wire and answer against the sparse 2-bit wire.
+
+    python -m gradsync_bench.sparse_quality [--steps 300] [--world 2] [--density 0.02]
+
+The wan scorecard's task (`gradsync_bench.wan_task`: a character-level
+transformer on the standard library's source, each rank its slice, the same
+held-out tail for all) trained by W real rank processes through a real
+`gradsync serve` on loopback, once per method, with the same seeds and
+batches: DiLoCo at H = `--sync-every` (default 50), outer SGD 0.7 / Nesterov
+0.9, with `wire_dtype=torch.int8, answer_dtype=torch.int8` ("int8x2") and
+with `wire_dtype=gradsync.SparseWire(density)` ("topk2"), optionally float32
+DiLoCo too ("fp32"). Prints per method the held-out loss of rank 0's final
+model (every rank holds the same global parameters after the last round),
+the bytes up per round per rank as the client counted them, and the ratio of
+each loss to the int8 method's. No link shaping: loss, not time, is measured.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+from gradsync_proto.net.launch import parse_banner
+
+from gradsync_bench import wan_task
+from gradsync_bench.procs import wait_ranks
+
+METHODS = ("fp32", "int8x2", "topk2")
+SERVE = (sys.executable, "-m", "gradsync.cli", "serve")
+WORKER = (sys.executable, "-m", "gradsync_bench.sparse_quality", "--worker")
+JOB_TIMEOUT_S = 3600.0
+
+
+def run_method(method: str, args: argparse.Namespace) -> list[dict[str, Any]]:
+    """Train with `method` on `args.world` ranks; return every rank's record."""
+    hb = ("--heartbeat-timeout", repr(args.heartbeat_timeout))
+    coordinator = subprocess.Popen(
+        [*SERVE, *("--world-size", str(args.world), "--host", "127.0.0.1", "--port", "0"), *hb],
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    assert coordinator.stderr is not None
+    port = None
+    for line in coordinator.stderr:
+        banner = parse_banner(line)
+        if banner is not None:
+            port = banner[1]
+            break
+    if port is None:
+        raise RuntimeError("the coordinator exited before it listened")
+    threading.Thread(target=coordinator.stderr.read, daemon=True).start()
+    out = Path(args.out)
+    common = [
+        *("--world", str(args.world), "--steps", str(args.steps)),
+        *("--sync-every", str(args.sync_every), "--density", repr(args.density)),
+        *("--coordinator", f"127.0.0.1:{port}", "--method", method, "--out", str(out)),
+    ]
+    ranks = [
+        subprocess.Popen([*WORKER, "--rank", str(rank), *common]) for rank in range(args.world)
+    ]
+    try:
+        wait_ranks(ranks, JOB_TIMEOUT_S, lambda r, code, _: f"rank {r} exited with {code}")
+    finally:
+        coordinator.terminate()
+        coordinator.wait(timeout=30)
+    return [
+        json.loads((out / f"{method}-rank{rank}.json").read_text()) for rank in range(args.world)
+    ]
+
+
+def worker(args: argparse.Namespace) -> None:
+    """One rank of one method (see the module docstring)."""
+    import gradsync
+
+    torch.set_num_threads(1)
+    corpus = wan_task.read_corpus()
+    text, held_out = wan_task.split(corpus, args.rank, args.world)
+    batches = wan_task.Batches(text, args.batch, args.context, args.rank)
+    torch.manual_seed(0)
+    model = wan_task.build_model(args.context)
+    inner = torch.optim.AdamW(model.parameters(), lr=args.lr)
+    wire: torch.dtype | gradsync.SparseWire | None = {
+        "fp32": None,
+        "int8x2": torch.int8,
+        "topk2": gradsync.SparseWire(args.density),
+    }[args.method]
+    diloco = gradsync.DiLoCo(
+        model,
+        inner,
+        sync_every=args.sync_every,
+        outer_lr=0.7,
+        outer_momentum=0.9,
+        wire_dtype=wire,
+        answer_dtype=torch.int8 if args.method == "int8x2" else None,
+        coordinator=args.coordinator,
+        rank=args.rank,
+        world_size=args.world,
+        job_id=f"quality-{args.method}",
+        timeout_s=600,
+    )
+    up: list[int] = []
+    down: list[int] = []
+    started = time.perf_counter()
+    with diloco:
+        for _ in range(args.steps):
+            inner.zero_grad()
+            inputs, targets = batches.next()
+            torch.autograd.backward(wan_task.loss_of(model, inputs, targets))
+            inner.step()
+            if diloco.step():
+                up.append(diloco.last_round_bytes)
+                down.append(diloco.fragments[0].last_round_received)
+        record = {
+            "method": args.method,
+            "rank": args.rank,
+            "steps": args.steps,
+            "rounds": len(up),
+            "seconds": time.perf_counter() - started,
+            "round_bytes_up": up,
+            "round_bytes_down": down,
+            "parameter_bytes": wan_task.parameter_bytes(model),
+            "held_out_loss": wan_task.held_out_loss(model, held_out, args.context),
+        }
+    Path(args.out, f"{args.method}-rank{args.rank}.json").write_text(json.dumps(record))
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=300)
+    parser.add_argument("--world", type=int, default=2)
+    parser.add_argument("--sync-every", type=int, default=50)
+    parser.add_argument("--density", type=float, default=0.02)
+    parser.add_argument("--methods", nargs="+", choices=METHODS, default=["int8x2", "topk2"])
+    parser.add_argument("--batch", type=int, default=4)
+    parser.add_argument("--context", type=int, default=64)
+    parser.add_argument("--lr", type=float, default=1e-3)
+    parser.add_argument("--out", default=".", help="folder for the ranks' records")
+    parser.add_argument(
+        "--heartbeat-timeout", type=float, default=60.0, help="the coordinator's (a loaded CPU)"
+    )
+    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--rank", type=int, default=0, help=argparse.SUPPRESS)
+    parser.add_argument("--coordinator", default="", help=argparse.SUPPRESS)
+    parser.add_argument("--method", default="topk2", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.worker:
+        worker(args)
+        return 0
+    Path(args.out).mkdir(parents=True, exist_ok=True)
+    print(
+        f"wan task, W = {args.world}, {args.steps} steps, H = {args.sync_every}, "
+        f"density {args.density}"
+    )
+    print(f"{'method':<8}{'held-out':>10}{'vs int8x2':>11}{'up B/round':>13}{'down B/round':>14}")
+    rows = {method: run_method(method, args) for method in args.methods}
+    base = rows["int8x2"][0]["held_out_loss"] if "int8x2" in rows else None
+    for method, records in rows.items():
+        first = records[0]
+        up = first["round_bytes_up"][-1] if first["round_bytes_up"] else 0
+        down = first["round_bytes_down"][-1] if first["round_bytes_down"] else 0
+        ratio = f"{first['held_out_loss'] / base:>11.4f}" if base else f"{'':>11}"
+        print(f"{method:<8}{first['held_out_loss']:>10.4f}{ratio}{up:>13,}{down:>14,}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
