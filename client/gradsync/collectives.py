@@ -52,6 +52,7 @@ and gathered but not reduced.
 from __future__ import annotations
 
 import math
+import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -133,15 +134,22 @@ class Collectives:
         then never blocks); False for a link that only runs a collective whole."""
         return hasattr(self.link, "issue_collective")
 
-    def start_all_reduce(self, tensor: torch.Tensor, op: Any = "sum") -> Callable[[], int]:
-        """Issue an all_reduce of `tensor` now; return `finish`, which blocks (bounded by
-        `timeout_s`) for the result, writes it into `tensor` in place and returns how many
-        ranks contributed.
+    def start_all_reduce(
+        self,
+        tensor: torch.Tensor,
+        op: Any = "sum",
+        on_ready: Callable[[], None] | None = None,
+    ) -> Callable[[], int]:
+        """Issue an all_reduce of `tensor` now; return `finish`, which blocks (until
+        `timeout_s` after the issue) for the result, writes it into `tensor` in place and
+        returns how many ranks contributed.
 
         The input is sent from `tensor`'s own memory when it is a contiguous CPU
         tensor, so it must not change until `finish` returned. Several may be in
         flight; their `finish`es must be called in issue order. Without `can_issue`
         the whole collective runs here and `finish` only writes the result back.
+        `on_ready` is told once `finish` would not block: on the link's reading thread
+        (or here, when the collective ran whole); it must not block.
 
         Raises:
             ValueError: as `all_reduce`.
@@ -163,13 +171,18 @@ class Collectives:
                 _write_back(tensor, memoryview(data))
                 return contributors
 
+            if on_ready is not None:
+                on_ready()
             return written
-        sequence = issue(wire_op, WIRE_DTYPES[tensor.dtype], payload, 0)
+        deadline = time.monotonic() + self.timeout_s
+        if on_ready is None:
+            sequence = issue(wire_op, WIRE_DTYPES[tensor.dtype], payload, 0)
+        else:
+            sequence = issue(wire_op, WIRE_DTYPES[tensor.dtype], payload, 0, on_ready=on_ready)
         wait = link.wait_collective  # type: ignore[attr-defined]
-        timeout_s = self.timeout_s
 
         def finish() -> int:
-            result, count = wait(sequence, timeout_s)
+            result, count = wait(sequence, max(0.0, deadline - time.monotonic()))
             _write_back(tensor, memoryview(result))
             return int(count)
 

@@ -10,6 +10,7 @@ whose results come back only once the test lets them. The group's real
 from __future__ import annotations
 
 import threading
+import time
 from typing import Any
 
 import numpy as np
@@ -19,6 +20,7 @@ import torch
 import torch.distributed as dist
 from gradsync.collectives import Collectives
 from gradsync.distributed import ProcessGroupGradsync
+from gradsync.distributed.work import LATE_S
 from gradsync.errors import CollectiveError
 
 WAIT_S = 10.0
@@ -38,12 +40,15 @@ class StandInSession:
 
 class RecordingLink:
     """One rank of a group of one: a result is the input itself (a SUM over one rank)
-    times `scale`, released by `release(sequence)`; `fail` names sequences whose
-    result is refused."""
+    times `scale`, released by `release(sequence)` (which tells the collective's
+    `on_ready`, as the stream's reading thread does, unless `tells` is False);
+    `fail` names sequences whose result is refused."""
 
-    def __init__(self, fail: frozenset[int] = frozenset()) -> None:
+    def __init__(self, fail: frozenset[int] = frozenset(), *, tells: bool = True) -> None:
         self.events: list[tuple[str, int]] = []
         self.threads: dict[int, str] = {}
+        self._hooks: dict[int, Any] = {}
+        self._tells = tells
         self._inputs: dict[int, bytes] = {}
         self._released: dict[int, threading.Event] = {}
         self._lock = threading.Lock()
@@ -51,11 +56,19 @@ class RecordingLink:
         self.next_sequence = 0
 
     def issue_collective(
-        self, op: int, dtype: int, payload: npt.NDArray[np.uint8], root: int, **_: Any
+        self,
+        op: int,
+        dtype: int,
+        payload: npt.NDArray[np.uint8],
+        root: int,
+        on_ready: Any = None,
+        **_: Any,
     ) -> int:
         with self._lock:
             sequence = self.next_sequence
             self.next_sequence += 1
+            if self._tells:
+                self._hooks[sequence] = on_ready
             self._inputs[sequence] = payload.tobytes()
             self._released.setdefault(sequence, threading.Event())
             self.events.append(("issue", sequence))
@@ -65,6 +78,9 @@ class RecordingLink:
     def release(self, sequence: int) -> None:
         with self._lock:
             self._released.setdefault(sequence, threading.Event()).set()
+            hook = self._hooks.pop(sequence, None)
+        if hook is not None:
+            hook()
 
     def wait_collective(self, sequence: int, timeout_s: float) -> tuple[bytearray, int]:
         assert self._released[sequence].wait(timeout_s), f"collective {sequence} not released"
@@ -82,8 +98,8 @@ class RecordingLink:
         return None
 
 
-def group_over(link: RecordingLink) -> ProcessGroupGradsync:
-    collectives = Collectives(lambda: link, 0, 1, timeout_s=WAIT_S)  # type: ignore[arg-type,return-value]
+def group_over(link: RecordingLink, timeout_s: float = WAIT_S) -> ProcessGroupGradsync:
+    collectives = Collectives(lambda: link, 0, 1, timeout_s=timeout_s)  # type: ignore[arg-type,return-value]
     return ProcessGroupGradsync(StandInSession(collectives), "0")  # type: ignore[arg-type]
 
 
@@ -106,6 +122,8 @@ def test_all_reduces_are_in_flight_together_and_complete_in_order() -> None:
         for work in works:
             work.wait()
         assert done_order == [0, 1, 2, 3]  # ... and complete in issue order
+        # ... by the thread that told each result (here the test's): no thread waited.
+        assert pg._ops.completed_on_tell == 4
         assert [("result", k) for k in range(4)] == link.events[4:]
         for k, tensor in enumerate(tensors):  # written in place
             assert torch.equal(tensor, torch.full((4,), 2.0 * k))
@@ -163,6 +181,41 @@ def test_in_flight_is_bounded_and_the_rest_queue_in_order() -> None:
             work.wait()
         assert [s for kind, s in link.events if kind == "issue"] == list(range(bound + 3))
         assert pg._ops.issued_inline == bound
+    finally:
+        for k in range(link.next_sequence):
+            link.release(k)
+        pg.shutdown()
+
+
+def test_a_link_that_does_not_tell_still_completes_in_order() -> None:
+    link = RecordingLink(tells=False)
+    pg = group_over(link)
+    try:
+        tensors = [torch.full((2,), float(k)) for k in range(3)]
+        works = [pg.allreduce([t], dist.AllreduceOptions()) for t in tensors]
+        for k in (2, 0, 1):
+            link.release(k)
+        for work in works:
+            work.wait()  # the completing thread waits for a result that is late
+        assert [("result", k) for k in range(3)] == link.events[3:]
+        assert pg._ops.completed_on_tell == 0
+        for k, tensor in enumerate(tensors):
+            assert torch.equal(tensor, torch.full((2,), 2.0 * k))
+    finally:
+        for k in range(link.next_sequence):
+            link.release(k)
+        pg.shutdown()
+
+
+def test_a_result_that_never_comes_fails_its_work_within_the_timeout() -> None:
+    link = RecordingLink()
+    pg = group_over(link, timeout_s=2.0)
+    try:
+        work = pg.allreduce([torch.ones(2)], dist.AllreduceOptions())
+        started = time.monotonic()
+        with pytest.raises(dist.DistBackendError, match=r"operation 0 of the group\) failed"):
+            work.wait()
+        assert time.monotonic() - started < 2.0 + 2 * LATE_S
     finally:
         for k in range(link.next_sequence):
             link.release(k)

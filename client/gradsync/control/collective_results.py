@@ -18,6 +18,7 @@ it under its own condition variable, and tests drive it chunk by chunk.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from gradsync_proto.blobs import BadChunk, BlobAssembly
@@ -55,6 +56,8 @@ class _Pending:
     result: BlobAssembly | None = None
     contributors: int = 0
     error: str | None = None
+    #: Called once (by the inbox, outside its lock) when the result is whole or failed.
+    on_ready: Callable[[], None] | None = None
 
     @property
     def complete(self) -> bool:
@@ -82,6 +85,7 @@ class CollectiveResults:
         world_size: int,
         chunk_bytes: int,
         result_bytes: int | None = None,
+        on_ready: Callable[[], None] | None = None,
     ) -> None:
         """Register an issued collective, before its input is sent.
 
@@ -93,6 +97,7 @@ class CollectiveResults:
             chunk_bytes: the chunk size results are cut by (from Welcome).
             result_bytes: the exact result size, when the caller knows it and
                 the op does not imply it (a non-root BROADCAST).
+            on_ready: told once the result is whole or failed (`take_ready_hook`).
 
         Raises:
             ValueError: `sequence` is already outstanding, or a size is negative.
@@ -104,7 +109,7 @@ class CollectiveResults:
         if chunk_bytes <= 0:
             raise ValueError(f"collective {sequence}: chunk size must be positive")
         self._pending[sequence] = _Pending(
-            op, dtype, input_bytes, result_bytes, world_size, chunk_bytes
+            op, dtype, input_bytes, result_bytes, world_size, chunk_bytes, on_ready=on_ready
         )
 
     def outstanding(self) -> list[int]:
@@ -134,6 +139,22 @@ class CollectiveResults:
         if pending.error is None:
             pending.error = self._check_and_store(pending, chunk)
         return None
+
+    def take_ready_hook(self, sequence: int) -> Callable[[], None] | None:
+        """The `on_ready` of collective `sequence` once its result is whole or failed
+        (handed out once; None before, after, or without one)."""
+        pending = self._pending.get(sequence)
+        if pending is None or pending.on_ready is None or not pending.complete:
+            return None
+        hook, pending.on_ready = pending.on_ready, None
+        return hook
+
+    def take_all_hooks(self) -> list[Callable[[], None]]:
+        """Every `on_ready` not yet handed out (the stream failed: every wait will raise)."""
+        hooks = [p.on_ready for _, p in sorted(self._pending.items()) if p.on_ready is not None]
+        for pending in self._pending.values():
+            pending.on_ready = None
+        return hooks
 
     def take(self, sequence: int) -> tuple[bytearray, int]:
         """Remove a complete result and return (its bytes, the number of contributors).

@@ -164,8 +164,13 @@ class Inbox:
         dtype: int,
         input_bytes: int,
         result_bytes: int | None,
+        on_ready: Callable[[], None] | None = None,
     ) -> None:
         """Register an issued collective before its input is sent (see `CollectiveResults`).
+
+        `on_ready` is called once on the stream's reading thread, outside the inbox's
+        lock, when the result is whole or failed, or when the stream failed (a
+        `wait_collective` then returns or raises at once). It must not block.
 
         Raises:
             CollectiveError: the job has not assembled yet (no chunk size, no world size).
@@ -186,6 +191,7 @@ class Inbox:
                 world_size=welcome.world_size,
                 chunk_bytes=welcome.chunk_bytes or chunking.DEFAULT_CHUNK_BYTES,
                 result_bytes=result_bytes,
+                on_ready=on_ready,
             )
 
     def wait_collective(self, sequence: int, timeout_s: float) -> tuple[bytearray, int]:
@@ -336,6 +342,7 @@ class Inbox:
             return
         message = pb.CoordinatorMessage.FromString(raw)
         kind = message.WhichOneof("kind")
+        hooks: list[Callable[[], None]] = []
         with self._cond:
             shared = self._shared
             problem: str | None = None  # malformed: the stream is not trusted (`protocol_fault`)
@@ -361,6 +368,9 @@ class Inbox:
                 self._on_gradient(header_of(chunk), memoryview(chunk.payload))
             elif kind == "collective":
                 problem = self._collectives.on_chunk(message.collective)
+                hook = self._collectives.take_ready_hook(message.collective.sequence)
+                if hook is not None:
+                    hooks.append(hook)
             elif kind == "assembly":
                 shared.record_assembly(message.assembly, self.rank)
             elif kind == "join_progress":
@@ -405,7 +415,10 @@ class Inbox:
                     )
             if problem is not None:
                 self.protocol_fault(problem)
+            if shared.fatal is not None:
+                hooks += self._collectives.take_all_hooks()
             self._cond.notify_all()
+        _run_hooks(hooks)
 
     def on_averaged_chunk(self, chunk: ChunkHeader, payload: memoryview, source: str) -> None:
         """Take in an averaged chunk that came from a shard's data stream (`source` names it)."""
@@ -461,12 +474,23 @@ class Inbox:
         with self._cond:
             if failure is not None and self._shared.fatal is None:
                 self._shared.fatal = failure
+            hooks = self._collectives.take_all_hooks() if self._shared.fatal is not None else []
             self._cond.notify_all()
+        _run_hooks(hooks)
 
     def _on_gradient(self, chunk: ChunkHeader, payload: memoryview) -> None:
         problem = self._steps.on_gradient(chunk, payload)
         if problem is not None:
             self.protocol_fault(problem)
+
+
+def _run_hooks(hooks: list[Callable[[], None]]) -> None:
+    """Call collectives' `on_ready` hooks; one that raises is logged, never the reader's end."""
+    for hook in hooks:
+        try:
+            hook()
+        except Exception:
+            log.exception("a collective's completion hook failed")
 
 
 def _arrived(blob: BlobAssembly | None, num_bytes: int) -> bool:

@@ -46,7 +46,7 @@ import contextlib
 import functools
 import logging
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import numpy as np
@@ -235,6 +235,7 @@ class Transport:
         *,
         result_bytes: int | None = None,
         template: pb.CollectiveChunk | None = None,
+        on_ready: Callable[[], None] | None = None,
     ) -> int:
         """The first half of `run_collective`: number the collective and queue its input
         (never blocks); return its sequence number for `wait_collective`.
@@ -242,11 +243,15 @@ class Transport:
         Several may be outstanding at once (the coordinator holds up to
         `MAX_OPEN_COLLECTIVES` of a job open); their results are kept by sequence
         number until taken. `payload` must not change until the result was taken.
+        `on_ready` is told on the reading thread once `wait_collective` would not
+        block (see `Inbox.expect_collective`).
         """
         check_collective_input(op, payload)
         with self._sequence_lock:
             sequence = self._next_collective
-            self._inbox.expect_collective(sequence, op, dtype, payload.nbytes, result_bytes)
+            self._inbox.expect_collective(
+                sequence, op, dtype, payload.nbytes, result_bytes, on_ready
+            )
             self._next_collective = sequence + 1
             # Queued under the lock: the stream carries the inputs in sequence order.
             self._put(CollectiveUpload(sequence, op, dtype, root, payload, template))

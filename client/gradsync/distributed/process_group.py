@@ -143,11 +143,11 @@ class ProcessGroupGradsync(_ProcessGroup):  # type: ignore[misc]  # (untyped bas
 
         name = f"allreduce({op}, {describe(tensor)})"
 
-        def issue() -> Finish:
+        def issue(ready: Callable[[], None]) -> Finish:
             if factor is not None:
                 with torch.no_grad():
                     tensor.mul_(factor)
-            finish = self._collectives.start_all_reduce(tensor, op)
+            finish = self._collectives.start_all_reduce(tensor, op, on_ready=ready)
 
             def done() -> OpResult:
                 self._check_contributors(finish())
@@ -156,7 +156,7 @@ class ProcessGroupGradsync(_ProcessGroup):  # type: ignore[misc]  # (untyped bas
             return done
 
         inline = tensor.device.type == "cpu" and self._collectives.can_issue
-        return self._ops.submit_split(name, issue, inline=inline)
+        return self._ops.submit_split(name, issue, inline=inline, tells=tensor.device.type == "cpu")
 
     def allreduce_coalesced(self, tensors: list[torch.Tensor], opts: Any = None) -> Any:
         if not tensors:

@@ -8,9 +8,10 @@ validates a call on the caller's thread, then hands the network part to its
 coordinator pairs them by number, so they must reach the stream in that order;
 they need not wait for each other, though: an all-reduce is issued (its input
 queued on the stream) at once, on the caller's thread where it can be, and
-the group's completing thread waits for the results in issue order, writes
-each into the caller's tensors and completes the operation's
-`torch.futures.Future` with its output tensors, or fails it with a
+completed in issue order by the thread that reads its result off the stream
+(the link tells the queue when a result is whole): the result is written into
+the caller's tensors there and the operation's `torch.futures.Future`
+completed with its output tensors, or failed with a
 `torch.distributed.DistBackendError` that names the rank, the operation, its
 number in the group and the group's job. DDP's buckets of one step are thus
 all in flight together, as the model wrapper's are.
@@ -27,9 +28,12 @@ Work always completes or fails.
 
 from __future__ import annotations
 
+import collections
+import functools
 import logging
 import queue
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -45,6 +49,13 @@ OpResult = list[torch.Tensor]
 
 #: A split operation's second half: waits for its result, writes it back, returns it.
 Finish = Callable[[], OpResult]
+#: A split operation's first half: sends its input, returns its `Finish`; it is given
+#: `ready`, to be called (once, never blocking) when `Finish` would no longer block.
+Issue = Callable[[Callable[[], None]], Finish]
+#: How often the completing thread looks for a told operation whose result is late,
+#: and how late (seconds since its issue) it must be before that thread waits for it.
+WATCH_S = 0.5
+LATE_S = 1.0
 
 
 @dataclass
@@ -54,8 +65,10 @@ class _Queued:
     #: A whole operation (None for a split one).
     run: Callable[[], OpResult] | None
     #: A split operation's first half (None for a whole one).
-    issue: Callable[[], Finish] | None
+    issue: Issue | None
     future: torch.futures.Future[Any]
+    #: A split operation whose `issue` calls `ready` (it can complete on that thread).
+    tells: bool = False
 
 
 @dataclass
@@ -69,6 +82,11 @@ class _Issued:
     holds_slot: bool
     #: Set once a whole operation is done (the issuing thread waits for it).
     finished: threading.Event | None = None
+    #: A told operation: its result is in (`Finish` will not block).
+    ready: bool = False
+    #: Its `issue` returned (or failed): `finish` or `error` is set.
+    launched: bool = False
+    issued_at: float = 0.0
 
 
 class GradsyncWork(dist.Work):
@@ -125,11 +143,16 @@ class OpQueue:
     callable that runs every collective it needs and waits for each). A split
     operation is issued at once on the caller's thread when nothing queued is
     ahead of it, its tensor is on the CPU and fewer than `max_in_flight` are
-    outstanding; else the group's issuing thread issues it in turn. The
-    completing thread calls each `finish` in issue order and completes the
-    operations' futures in that order. A whole operation runs on the completing
-    thread once every operation before it completed, and nothing after it is
-    issued until it is done (its collectives keep their place in the sequence).
+    outstanding; else the group's issuing thread issues it in turn. Operations
+    complete in issue order. A split operation that tells when its result is in
+    (`tells`) is completed by the thread that tells, as soon as every operation
+    before it completed: no thread waits for it (the completing thread steps in
+    only for one whose result is more than `LATE_S` late, and then waits for it,
+    bounded). The others go to the completing thread, which calls each
+    `finish` in order once the told operations before it completed. A whole
+    operation runs on the completing thread once every operation before it
+    completed, and nothing after it is issued until it is done (its
+    collectives keep their place in the sequence).
 
     The first failure fails its operation and every later one, issued or not,
     with a `DistBackendError` that names the operation that failed first: the
@@ -158,10 +181,18 @@ class OpQueue:
         self._queue: queue.SimpleQueue[_Queued | None] = queue.SimpleQueue()
         self._done: queue.SimpleQueue[_Issued | None] = queue.SimpleQueue()
         self._slots = threading.BoundedSemaphore(max_in_flight)
-        self._lock = threading.Lock()
+        # Reentrant: an operation issued inline holds it while its `ready` may be told.
+        self._lock = threading.RLock()
+        self._changed = threading.Condition(self._lock)
         self._next_sequence = 0
         #: Operations handed to the issuing thread and not yet issued (or, whole, done).
         self._waiting = 0
+        #: Told operations issued and not yet completed, in issue order.
+        self._told: collections.deque[_Issued] = collections.deque()
+        #: Some thread is completing told operations (one at a time keeps the order).
+        self._completing = False
+        #: Operations handed to the completing thread and not yet completed.
+        self._handed = 0
         self._closed = False
         #: The first failure: (its operation's name, sequence, error).
         self._failure: tuple[str, int, BaseException] | None = None
@@ -169,6 +200,8 @@ class OpQueue:
         self.completed = 0
         #: Operations issued on the caller's thread (no hop to the issuing thread).
         self.issued_inline = 0
+        #: Told operations completed by the thread that told (no hop to a waiting thread).
+        self.completed_on_tell = 0
         self._issuer = threading.Thread(
             target=self._serve_issues, name=f"{thread_name}-issue", daemon=True
         )
@@ -191,12 +224,14 @@ class OpQueue:
             self._queue.put(_Queued(sequence, name, run, None, future))
         return GradsyncWork(future)
 
-    def submit_split(self, name: str, issue: Callable[[], Finish], *, inline: bool) -> Any:
+    def submit_split(self, name: str, issue: Issue, *, inline: bool, tells: bool = False) -> Any:
         """Queue an operation that `issue` sends and whose returned `finish` completes.
 
         With `inline`, `issue` runs here on the caller's thread when nothing is
         queued ahead and a slot is free (it must then not block: a CPU tensor on a
-        link that can issue); else the issuing thread runs it in turn.
+        link that can issue); else the issuing thread runs it in turn. With
+        `tells`, `issue` calls the `ready` it is given once `finish` would not
+        block (on whatever thread learns it; possibly before `issue` returned).
 
         Raises:
             RuntimeError: the group was shut down.
@@ -204,13 +239,15 @@ class OpQueue:
         future: torch.futures.Future[Any] = torch.futures.Future()
         with self._lock:
             sequence = self._take_sequence(name)
-            item = _Queued(sequence, name, None, issue, future)
+            item = _Queued(sequence, name, None, issue, future, tells)
             if inline and self._waiting == 0 and self._slots.acquire(blocking=False):
                 self.issued_inline += 1
                 self._issue(item)
             else:
                 self._waiting += 1
                 self._queue.put(item)
+        if inline:
+            self._complete_ready()
         return GradsyncWork(future)
 
     def close(self, timeout_s: float) -> None:
@@ -234,16 +271,92 @@ class OpQueue:
         return sequence
 
     def _issue(self, item: _Queued) -> None:
-        """Issue a split operation (a slot is held) and hand it to the completing thread."""
+        """Issue a split operation (a slot is held); queue it for completion in order.
+
+        A told one is completed where its `ready` is told, unless operations handed
+        to the completing thread are still ahead of it (it then goes there too).
+        """
         assert item.issue is not None
-        finish: Finish | None = None
-        error: BaseException | None = None
-        if self._failure is None:
-            try:
-                finish = item.issue()
-            except Exception as exc:
-                error = exc
-        self._done.put(_Issued(item, finish, error, holds_slot=True))
+        with self._lock:
+            told = item.tells and self._handed == 0
+            issued = _Issued(item, None, None, holds_slot=True, issued_at=time.monotonic())
+            if told:
+                self._told.append(issued)  # before the issue: `ready` may come at once
+            else:
+                self._handed += 1
+        try:
+            if self._failure is None:
+                issued.finish = item.issue(functools.partial(self._on_ready, issued))
+        except Exception as exc:
+            issued.error = exc
+        with self._lock:
+            issued.launched = True
+            if issued.error is not None or issued.finish is None:
+                issued.ready = True  # (failed, or not issued after a failure: completes now)
+            self._changed.notify_all()
+        if not told:
+            self._done.put(issued)
+
+    def _on_ready(self, issued: _Issued) -> None:
+        """A told operation's result is in; complete what can be, in order."""
+        with self._lock:
+            issued.ready = True
+        self._complete_ready()
+
+    def _complete_ready(self) -> None:
+        """Complete told operations from the oldest on while their results are in (any
+        thread; never waits on the network)."""
+        with self._lock:
+            if self._completing:
+                return  # that thread looks again before it stops
+            self._completing = True
+        try:
+            while True:
+                with self._lock:
+                    if not self._told or not (self._told[0].ready and self._told[0].launched):
+                        return
+                    head = self._told.popleft()
+                if threading.current_thread() is not self._completer:
+                    self.completed_on_tell += 1
+                self._complete(head)
+        finally:
+            with self._lock:
+                self._completing = False
+                self._changed.notify_all()
+
+    def _complete_oldest_told(self) -> None:
+        """Complete the oldest told operation here, waiting (bounded) for its result."""
+        with self._lock:
+            # Completing ready ones never waits on the network, and an issue never blocks.
+            while self._completing or (self._told and not self._told[0].launched):
+                self._changed.wait(WATCH_S)
+            if not self._told:
+                return
+            head = self._told.popleft()
+            self._completing = True
+        try:
+            self._complete(head)  # its `finish` waits at most until its own deadline
+        finally:
+            with self._lock:
+                self._completing = False
+                self._changed.notify_all()
+        self._complete_ready()
+
+    def _drain_told(self) -> None:
+        """Complete every told operation issued so far (before what was handed here)."""
+        while True:
+            with self._lock:
+                if not self._told:
+                    return
+            self._complete_oldest_told()
+
+    def _watch_late(self) -> None:
+        """Wait here for the oldest told operation if its result is late, so that a
+        result that never comes still fails its Work within its timeout."""
+        with self._lock:
+            late = bool(self._told) and time.monotonic() - self._told[0].issued_at > LATE_S
+        if late:
+            self._complete_oldest_told()
 
     def _serve_issues(self) -> None:
         while True:
@@ -253,54 +366,70 @@ class OpQueue:
                 return
             if item.run is not None:  # whole: it runs on the completing thread, in order
                 finished = threading.Event()
+                with self._lock:
+                    self._handed += 1
                 self._done.put(_Issued(item, None, None, holds_slot=False, finished=finished))
                 while not finished.wait(self._timeout_s):  # (its own waits are bounded)
                     log.warning("gradsync: %s: %s still runs", self._describe, item.name)
             elif self._slots.acquire(timeout=self._timeout_s):
                 self._issue(item)
+                self._complete_ready()
             else:
                 error = TimeoutError(
                     f"{self.max_in_flight} operations were in flight and none completed "
                     f"within {self._timeout_s:g} s"
                 )
+                with self._lock:
+                    self._handed += 1
                 self._done.put(_Issued(item, None, error, holds_slot=False))
             with self._lock:
                 self._waiting -= 1
 
     def _serve_completions(self) -> None:
         while True:
-            issued = self._done.get()
+            try:
+                issued = self._done.get(timeout=WATCH_S)
+            except queue.Empty:
+                self._watch_late()
+                continue
+            self._drain_told()  # told operations issued before this one complete first
             if issued is None:
                 return
-            item = issued.item
-            try:
-                if self._failure is not None:
-                    name, sequence, first = self._failure
-                    raise RuntimeError(
-                        f"an earlier operation of the group, {name} (operation {sequence}), "
-                        f"failed: {first}"
-                    )
-                if issued.error is not None:
-                    raise issued.error
-                if item.run is not None:
-                    result = item.run()
-                else:
-                    assert issued.finish is not None
-                    result = issued.finish()
-            except Exception as exc:  # every failure reaches the op's future, named
-                if self._failure is None:
-                    self._failure = (item.name, item.sequence, exc)
-                error = dist.DistBackendError(
-                    f"gradsync: {self._describe}: {item.name} (operation {item.sequence} of "
-                    f"the group) failed: {exc}"
+            self._complete(issued)
+            with self._lock:
+                self._handed -= 1
+
+    def _complete(self, issued: _Issued) -> None:
+        """Run or finish one operation and complete its future (or fail it, named)."""
+        item = issued.item
+        try:
+            if self._failure is not None:
+                name, sequence, first = self._failure
+                raise RuntimeError(
+                    f"an earlier operation of the group, {name} (operation {sequence}), "
+                    f"failed: {first}"
                 )
-                error.__cause__ = exc
-                log.debug("%s", error)
-                self._settle(issued)  # (counted before a waiter can wake)
-                item.future.set_exception(error)
+            if issued.error is not None:
+                raise issued.error
+            if item.run is not None:
+                result = item.run()
             else:
-                self._settle(issued)
-                item.future.set_result(result)
+                assert issued.finish is not None
+                result = issued.finish()
+        except Exception as exc:  # every failure reaches the op's future, named
+            if self._failure is None:
+                self._failure = (item.name, item.sequence, exc)
+            error = dist.DistBackendError(
+                f"gradsync: {self._describe}: {item.name} (operation {item.sequence} of "
+                f"the group) failed: {exc}"
+            )
+            error.__cause__ = exc
+            log.debug("%s", error)
+            self._settle(issued)  # (counted before a waiter can wake)
+            item.future.set_exception(error)
+        else:
+            self._settle(issued)
+            item.future.set_result(result)
 
     def _settle(self, issued: _Issued) -> None:
         self.completed += 1

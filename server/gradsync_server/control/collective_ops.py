@@ -24,9 +24,11 @@ import numpy.typing as npt
 from gradsync_proto import dtypes
 from gradsync_proto.v1 import gradsync_pb2 as pb
 
-from gradsync_server.dataplane.accumulators import from_accumulator, to_accumulator
+from gradsync_server.dataplane.accumulators import decoded, from_accumulator, to_accumulator
 
 _FLOATING = dtypes.REDUCIBLE_DTYPES
+#: The floating dtypes that are their own accumulation dtype (combined in place).
+_WIDE: dict[int, str] = {pb.DTYPE_FLOAT32: "<f4", pb.DTYPE_FLOAT64: "<f8"}
 #: Integer dtypes and how numpy reads them (bool as bytes: MIN/MAX are AND/OR).
 _INTEGER_LAYOUT: dict[int, str] = {
     pb.DTYPE_INT64: "<i8",
@@ -95,34 +97,46 @@ def op_dtype_problem(op: int, reduce_op: int, dtype: int) -> str | None:
     return None
 
 
-def _decode(raw: bytes, dtype: int) -> npt.NDArray[Any]:
+def _decode(raw: bytes | bytearray, dtype: int) -> npt.NDArray[Any]:
     """A fresh, writable accumulation array: float32/float64 for floats, int64 for integers."""
     if dtype in _FLOATING:
-        return to_accumulator(raw, dtype)
+        return to_accumulator(memoryview(raw), dtype)
     return np.frombuffer(raw, dtype=_INTEGER_LAYOUT[dtype]).astype(np.int64)
 
 
-def reduce_inputs(op: int, dtype: int, inputs: Sequence[bytes]) -> bytes:
+def reduce_inputs(
+    op: int, dtype: int, inputs: Sequence[bytes | bytearray], *, in_place: bool = False
+) -> bytes | memoryview:
     """Combine equal-sized inputs (in the order given: ascending rank) element-wise.
 
     Floating dtypes accumulate in float32 (float64 for float64) and come back
-    in their own dtype; integers accumulate in int64 and wrap back.
+    in their own dtype; integers accumulate in int64 and wrap back. The inputs
+    after the first are read in place (float32/float64: no copy). With
+    `in_place` the caller gives up the first input, a writable `bytearray`:
+    float32/float64 values are combined into it and the result is a view of it
+    (the same arithmetic in the same order, so the same bits, without a copy).
     """
-    values = _decode(inputs[0], dtype)
+    first = inputs[0]
+    if in_place and isinstance(first, bytearray) and dtype in _WIDE:
+        values = np.frombuffer(first, dtype=_WIDE[dtype])
+    else:
+        values = _decode(first, dtype)
     for raw in inputs[1:]:
+        other = decoded(memoryview(raw), dtype) if dtype in _FLOATING else _decode(raw, dtype)
         if op in (pb.COLLECTIVE_OP_SUM, pb.COLLECTIVE_OP_AVG):
-            values += _decode(raw, dtype)
+            values += other
         elif op == pb.COLLECTIVE_OP_PRODUCT:
-            values *= _decode(raw, dtype)
+            values *= other
         elif op == pb.COLLECTIVE_OP_MIN:
-            np.minimum(values, _decode(raw, dtype), out=values)
+            np.minimum(values, other, out=values)
         else:
-            np.maximum(values, _decode(raw, dtype), out=values)
+            np.maximum(values, other, out=values)
     if dtype not in _FLOATING:
         return values.astype(_INTEGER_LAYOUT[dtype]).tobytes()
     if op == pb.COLLECTIVE_OP_AVG:
         values /= len(inputs)
-    return bytes(from_accumulator(values, dtype))
+    result = from_accumulator(values, dtype)
+    return result if in_place else bytes(result)
 
 
 def input_size_problem(
@@ -228,7 +242,7 @@ def per_rank_results(
     ranks = sorted(inputs)
     world = len(ranks)
     if op == pb.COLLECTIVE_OP_REDUCE_SCATTER:
-        reduced = reduce_inputs(reduce_op, dtype, [inputs[r] for r in ranks])
+        reduced = bytes(reduce_inputs(reduce_op, dtype, [inputs[r] for r in ranks]))
         part = len(reduced) // world
         return {r: reduced[i * part : (i + 1) * part] for i, r in enumerate(ranks)}
     if op == pb.COLLECTIVE_OP_GATHER:

@@ -65,6 +65,8 @@ __all__ = ["MAX_OPEN_COLLECTIVES", "Collectives", "op_name", "reduce_inputs"]
 
 #: How far ahead of the oldest unfinished collective a rank may run (pipelined calls).
 MAX_OPEN_COLLECTIVES = 16
+#: The ops a chunk may name.
+_KNOWN_OPS = frozenset(pb.CollectiveOp.values()) - {pb.COLLECTIVE_OP_UNSPECIFIED}
 
 
 @dataclass
@@ -89,8 +91,12 @@ class _Round:
     #: A failed collective: bytes still to come of each rank's input before it is told.
     remaining: dict[int, int] = field(default_factory=dict)
 
+    def __post_init__(self) -> None:
+        #: The op's name in messages ("all_reduce sum").
+        self.name = op_name(self.op, self.reduce_op)
+
     def describe(self) -> str:
-        return f"collective {self.sequence} ({op_name(self.op, self.reduce_op)})"
+        return f"collective {self.sequence} ({self.name})"
 
     def ready(self) -> bool:
         return all(r in self.inputs and self.inputs[r].complete for r in self.participants)
@@ -153,24 +159,29 @@ class Collectives:
                 sender's stream ends).
         """
         sequence = chunk.sequence
-        where = f"rank {rank} sent collective {sequence}"
-        if chunk.op == pb.COLLECTIVE_OP_UNSPECIFIED or chunk.op not in pb.CollectiveOp.values():
-            raise RejectedMessage(Code.INVALID_ARGUMENT, f"{where} with unknown op {chunk.op}")
+        if chunk.op not in _KNOWN_OPS:
+            raise RejectedMessage(
+                Code.INVALID_ARGUMENT,
+                f"rank {rank} sent collective {sequence} with unknown op {chunk.op}",
+            )
         if not dtypes.is_supported_dtype(chunk.dtype):
             raise RejectedMessage(
-                Code.INVALID_ARGUMENT, f"{where} with unsupported dtype {chunk.dtype}"
+                Code.INVALID_ARGUMENT,
+                f"rank {rank} sent collective {sequence} with unsupported dtype {chunk.dtype}",
             )
         if sequence < self._floor or sequence in self._completed_above_floor:
             raise RejectedMessage(
                 Code.FAILED_PRECONDITION,
-                f"{where}, which already completed (next is {self.next_sequence}); "
-                "every rank must issue the same collectives in the same order",
+                f"rank {rank} sent collective {sequence}, which already completed (next is "
+                f"{self.next_sequence}); every rank must issue the same collectives in the "
+                "same order",
             )
         if sequence >= self._floor + MAX_OPEN_COLLECTIVES:
             raise RejectedMessage(
                 Code.FAILED_PRECONDITION,
-                f"{where} while collective {self._floor} is still waiting for other ranks "
-                f"(at most {MAX_OPEN_COLLECTIVES} may be in flight)",
+                f"rank {rank} sent collective {sequence} while collective {self._floor} is "
+                f"still waiting for other ranks (at most {MAX_OPEN_COLLECTIVES} may be in "
+                "flight)",
             )
         held = self._rounds.get(sequence)
         if held is not None and held.failure is not None:
@@ -185,12 +196,12 @@ class Collectives:
             raise
 
     def _take(self, rank: int, held: _Round, chunk: pb.CollectiveChunk) -> list[Action]:
-        where = f"rank {rank} sent collective {held.sequence}"
         if rank not in held.participants:
             raise RejectedMessage(
                 Code.FAILED_PRECONDITION,
-                f"{where} but does not take part in it (participants {held.participants}; "
-                "a rank that ran out of inputs sends no collectives until every rank has)",
+                f"rank {rank} sent collective {held.sequence} but does not take part in it "
+                f"(participants {held.participants}; a rank that ran out of inputs sends no "
+                "collectives until every rank has)",
             )
         mismatch = self._mismatch(rank, held, chunk)
         if mismatch is not None:
@@ -212,8 +223,9 @@ class Collectives:
         elif held.op == pb.COLLECTIVE_OP_ALL_TO_ALL and held.splits[rank] != _splits_of(chunk):
             raise RejectedMessage(
                 Code.INVALID_ARGUMENT,
-                f"{where} (all_to_all) with splits {_splits_of(chunk)} on the chunk at offset "
-                f"{chunk.offset}, but {held.splits[rank]} on its first chunk",
+                f"rank {rank} sent collective {held.sequence} (all_to_all) with splits "
+                f"{_splits_of(chunk)} on the chunk at offset {chunk.offset}, but "
+                f"{held.splits[rank]} on its first chunk",
             )
         try:
             item.add(chunk.offset, chunk.payload, chunk.total_bytes)
@@ -224,7 +236,10 @@ class Collectives:
                 held.splits.pop(rank, None)
         if held.sequence >= self.next_sequence:
             self.next_sequence = held.sequence + 1
-        return self._finish(held) if held.ready() else []
+        # (Inputs are only the participants': all of them there, and this one whole.)
+        if item.complete and len(held.inputs) == len(held.participants) and held.ready():
+            return self._finish(held)
+        return []
 
     def _open(self, rank: int, chunk: pb.CollectiveChunk, participants: Sequence[int]) -> _Round:
         where = f"rank {rank} sent collective {chunk.sequence}"
@@ -264,7 +279,7 @@ class Collectives:
     def _mismatch(rank: int, held: _Round, chunk: pb.CollectiveChunk) -> str | None:
         """How `chunk` disagrees with the collective's first input, or None."""
         first = held.first_rank
-        name = op_name(held.op, held.reduce_op)
+        name = held.name
         if chunk.op != held.op:
             return f"as {op_name(chunk.op)}, but rank {first} sent {name}"
         if held.op == pb.COLLECTIVE_OP_REDUCE_SCATTER and chunk.reduce_op != held.reduce_op:
@@ -282,7 +297,6 @@ class Collectives:
         """Refuse a malformed or oversized input (raises); return how its size
         disagrees with the other ranks' inputs, or None."""
         total = chunk.total_bytes
-        where = f"rank {rank} sent {held.describe()} with {total} bytes"
         problem = input_size_problem(
             held.op,
             held.dtype,
@@ -299,15 +313,17 @@ class Collectives:
         if problem is not None:
             over, why = problem
             code = Code.RESOURCE_EXHAUSTED if over else Code.INVALID_ARGUMENT
-            raise RejectedMessage(code, f"{where}; {why}")
-        if held.op in EQUAL_INPUTS:
-            for other, item in sorted(held.inputs.items()):
-                if item.total_bytes != total:
-                    return (
-                        f"({op_name(held.op, held.reduce_op)}) with {total} bytes, but "
-                        f"rank {other} sent {item.total_bytes} bytes "
-                        "(every rank's input must have the same size)"
-                    )
+            raise RejectedMessage(
+                code, f"rank {rank} sent {held.describe()} with {total} bytes; {why}"
+            )
+        if held.op in EQUAL_INPUTS and held.inputs:
+            other = min(held.inputs)  # (the inputs taken so far all have one size)
+            size = held.inputs[other].total_bytes
+            if size != total:
+                return (
+                    f"({held.name}) with {total} bytes, but rank {other} sent {size} bytes "
+                    "(every rank's input must have the same size)"
+                )
         if held.op == pb.COLLECTIVE_OP_ALL_TO_ALL:
             splits = _splits_of(chunk)
             for other, others in sorted(held.splits.items()):
@@ -430,13 +446,18 @@ class Collectives:
 
     def _finish(self, held: _Round) -> list[Action]:
         participants = tuple(held.participants)
-        blobs = {r: held.inputs[r].blob() for r in participants}
-        if held.op in PER_RANK:
+        by_rank: list[tuple[tuple[int, ...], bytes | memoryview]]
+        if held.op in ELEMENTWISE:
+            # The inputs are handed over (no copy) and combined into the first one's bytes.
+            inputs = [held.inputs[r].take() for r in participants]
+            reduced = reduce_inputs(held.op, held.dtype, inputs, in_place=True)
+            by_rank = [(participants, reduced)]
+        elif held.op in PER_RANK:
+            blobs = {r: held.inputs[r].blob() for r in participants}
             sends = sorted(self._per_rank(held, blobs).items())
-            by_rank: list[tuple[tuple[int, ...], bytes]] = [
-                ((rank,), result) for rank, result in sends
-            ]
+            by_rank = [((rank,), result) for rank, result in sends]
         else:
+            blobs = {r: held.inputs[r].blob() for r in participants}
             by_rank = [(participants, self._common(held, participants, blobs))]
         self._close(held)
         return [
@@ -467,8 +488,6 @@ class Collectives:
 
     @staticmethod
     def _common(held: _Round, participants: tuple[int, ...], blobs: dict[int, bytes]) -> bytes:
-        if held.op in ELEMENTWISE:
-            return reduce_inputs(held.op, held.dtype, [blobs[r] for r in participants])
         if held.op == pb.COLLECTIVE_OP_ALL_GATHER:
             return b"".join(blobs[r] for r in participants)
         if held.op == pb.COLLECTIVE_OP_BROADCAST:

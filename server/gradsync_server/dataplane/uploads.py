@@ -111,6 +111,13 @@ class BlobAssembler:
         self.release()
         return data
 
+    def take(self) -> bytearray:
+        """The assembled bytes (call once complete), handed over without a copy: the
+        assembler holds nothing more and the budget is given back."""
+        data = self._assembly.blob()
+        self.release()  # (drops the assembler's reference, not the bytes)
+        return data
+
     def release(self) -> None:
         """Drop what is held and give it back to the budget (idempotent)."""
         self._assembly.release()
