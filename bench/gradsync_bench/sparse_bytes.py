@@ -22,13 +22,12 @@ from __future__ import annotations
 import argparse
 import subprocess
 import sys
-import threading
 
 import torch
-from gradsync_proto.net.launch import parse_banner
+from gradsync_proto.net.launch import start_coordinator
 
 from gradsync_bench.answer_bytes import CountingRelay
-from gradsync_bench.procs import wait_ranks
+from gradsync_bench.procs import stop_process, wait_ranks
 
 #: Bound on one job (join, broadcast, seed and the rounds on a loaded CPU).
 JOB_TIMEOUT_S = 600.0
@@ -37,28 +36,12 @@ SYNC_EVERY = 2
 WIRES = ("fp32", "int8", "topk2")
 #: No frame port, no same-host payload path: every byte crosses the gRPC connection.
 NO_FRAMES = ("--frame-port", "-1", "--no-payload-socket")
-SERVE = (sys.executable, "-m", "gradsync.cli", "serve")
 WORKER = (sys.executable, "-m", "gradsync_bench.sparse_bytes", "--worker")
 
 
 def run_job(wire: str, world: int, rounds: int, megabytes: int, density: float) -> tuple[int, int]:
     """Bytes (up, down) of one whole job, all ranks together, as the relay counted them."""
-    coordinator = subprocess.Popen(
-        [*SERVE, *("--world-size", str(world), "--host", "127.0.0.1", "--port", "0"), *NO_FRAMES],
-        stderr=subprocess.PIPE,
-        text=True,
-    )
-    assert coordinator.stderr is not None
-    port = None
-    for line in coordinator.stderr:
-        banner = parse_banner(line)
-        if banner is not None:
-            port = banner[1]
-            break
-    if port is None:
-        raise RuntimeError("the coordinator exited before it listened")
-    drain = threading.Thread(target=coordinator.stderr.read, daemon=True)
-    drain.start()
+    coordinator, port = start_coordinator(world, *NO_FRAMES)
     relay = CountingRelay(port)
     ranks = [
         subprocess.Popen(
@@ -74,8 +57,7 @@ def run_job(wire: str, world: int, rounds: int, megabytes: int, density: float) 
     try:
         wait_ranks(ranks, JOB_TIMEOUT_S, lambda _, code, __: f"a rank exited with {code}")
     finally:
-        coordinator.terminate()
-        coordinator.wait(timeout=30)
+        stop_process(coordinator)
         relay.close()
     return relay.up, relay.down
 

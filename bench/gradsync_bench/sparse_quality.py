@@ -21,41 +21,31 @@ import argparse
 import json
 import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 from typing import Any
 
 import torch
-from gradsync_proto.net.launch import parse_banner
+from gradsync_proto.net.launch import start_coordinator
 
 from gradsync_bench import wan_task
-from gradsync_bench.procs import wait_ranks
+from gradsync_bench.procs import stop_process, wait_ranks
 
 METHODS = ("fp32", "int8x2", "topk2")
-SERVE = (sys.executable, "-m", "gradsync.cli", "serve")
 WORKER = (sys.executable, "-m", "gradsync_bench.sparse_quality", "--worker")
 JOB_TIMEOUT_S = 3600.0
 
 
 def run_method(method: str, args: argparse.Namespace) -> list[dict[str, Any]]:
     """Train with `method` on `args.world` ranks; return every rank's record."""
-    hb = ("--heartbeat-timeout", repr(args.heartbeat_timeout))
-    coordinator = subprocess.Popen(
-        [*SERVE, *("--world-size", str(args.world), "--host", "127.0.0.1", "--port", "0"), *hb],
-        stderr=subprocess.PIPE,
-        text=True,
+    # The library's heartbeat timeout unless asked otherwise (a machine whose cores are
+    # shared with other work can starve a busy rank's process for seconds).
+    hb = (
+        []
+        if args.heartbeat_timeout is None
+        else ["--heartbeat-timeout", repr(args.heartbeat_timeout)]
     )
-    assert coordinator.stderr is not None
-    port = None
-    for line in coordinator.stderr:
-        banner = parse_banner(line)
-        if banner is not None:
-            port = banner[1]
-            break
-    if port is None:
-        raise RuntimeError("the coordinator exited before it listened")
-    threading.Thread(target=coordinator.stderr.read, daemon=True).start()
+    coordinator, port = start_coordinator(args.world, *hb)
     out = Path(args.out)
     common = [
         *("--world", str(args.world), "--steps", str(args.steps)),
@@ -68,8 +58,7 @@ def run_method(method: str, args: argparse.Namespace) -> list[dict[str, Any]]:
     try:
         wait_ranks(ranks, JOB_TIMEOUT_S, lambda r, code, _: f"rank {r} exited with {code}")
     finally:
-        coordinator.terminate()
-        coordinator.wait(timeout=30)
+        stop_process(coordinator)
     return [
         json.loads((out / f"{method}-rank{rank}.json").read_text()) for rank in range(args.world)
     ]
@@ -143,7 +132,7 @@ def main() -> int:
     parser.add_argument("--lr", type=float, default=1e-3)
     parser.add_argument("--out", default=".", help="folder for the ranks' records")
     parser.add_argument(
-        "--heartbeat-timeout", type=float, default=60.0, help="the coordinator's (a loaded CPU)"
+        "--heartbeat-timeout", type=float, default=None, help="the coordinator's (default: its own)"
     )
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--rank", type=int, default=0, help=argparse.SUPPRESS)
