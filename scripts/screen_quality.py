@@ -7,14 +7,17 @@ into the coordinator's chunks (1 MiB of float32), and every chunk is measured,
 judged and merged by the coordinator's own rules (`gradsync_server.dataplane.screening`),
 then one outer Nesterov SGD step applies the average. No sockets: this measures
 the rules, not the transport (the multi-process tests check that the
-coordinator applies the same rules).
+coordinator applies the same rules). It imports the coordinator's internals, so
+it is a script beside the other tools, not part of `gradsync_bench` (whose
+modules use only the library's public API).
 
 Runs: an honest run per policy (every flag is a false positive: their rate per
 rank-round is reported), then one rank attacking from round 3 on (x100, sign
 flip, Gaussian noise of its own RMS, 5 rounds stale) under each policy; the
 final held-out loss is compared with the honest run's.
 
-    python -m gradsync_bench.screen_quality --rounds 30 --out bench/results/screen/quality.json
+    PYTHONPATH=client:server:proto:bench python scripts/screen_quality.py --rounds 30 \
+        --out /tmp/screen-quality.json
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from gradsync_bench import wan_task
 from gradsync_server.dataplane.screening import (
     ScreenPolicy,
     ScreenThresholds,
@@ -34,8 +38,6 @@ from gradsync_server.dataplane.screening import (
     measure_chunk,
     merge,
 )
-
-from gradsync_bench import wan_task
 
 CHUNK_ELEMENTS = (1 << 20) // 4
 ATTACKS = ("scaled", "flipped", "random", "stale")
