@@ -46,6 +46,12 @@ COORDINATOR_METRICS = {
     "gradsync_failure_recover_seconds": ("histogram", {"kind"}),
     "gradsync_restarts_total": ("counter", {"outcome"}),
     "gradsync_steps_recomputed_total": ("counter", set()),
+    "gradsync_contribution_norm": ("gauge", {"rank"}),
+    "gradsync_contribution_cosine": ("gauge", {"rank"}),
+    "gradsync_contribution_flagged_total": ("counter", {"rank"}),
+    "gradsync_contribution_excluded_total": ("counter", {"rank"}),
+    "gradsync_round_window_seconds": ("gauge", set()),
+    "gradsync_round_missed_total": ("counter", {"rank"}),
 }
 WORKER_METRICS = {
     "gradsync_worker_exposed_comm_seconds": ("histogram", {"rank"}),
@@ -98,6 +104,9 @@ def exercised_coordinator() -> CoordinatorMetrics:
     metrics.observe_error("RuntimeError")
     metrics.observe_segment_bytes("read", 4096)
     metrics.observe_nonfinite(1)
+    metrics.observe_contribution(0, norm=1.5, cosine=0.9, flagged=False, excluded=False)
+    metrics.observe_contribution(1, norm=150.0, cosine=-0.9, flagged=True, excluded=True)
+    metrics.observe_round_window(2.5, missed=(1,))
     return metrics
 
 
@@ -119,6 +128,13 @@ def test_coordinator_exports_every_metric_with_its_type_labels_and_values() -> N
     assert values["gradsync_workers_alive{}"] == 2
     assert values["gradsync_membership_epoch{}"] == 3
     assert values["gradsync_jobs{}"] == 1
+    assert values['gradsync_contribution_norm{rank="1"}'] == 150.0
+    assert values['gradsync_contribution_cosine{rank="0"}'] == pytest.approx(0.9)
+    assert values['gradsync_contribution_flagged_total{rank="1"}'] == 1
+    assert values['gradsync_contribution_excluded_total{rank="1"}'] == 1
+    assert values['gradsync_contribution_flagged_total{rank="0"}'] == 0
+    assert values["gradsync_round_window_seconds{}"] == 2.5
+    assert values['gradsync_round_missed_total{rank="1"}'] == 1
     # The first rank observes 0: it is in the smallest bucket; rank 1's 20 ms is not.
     assert values['gradsync_rank_lag_seconds_bucket{le="0.001",rank="0"}'] == 1
     assert values['gradsync_rank_lag_seconds_bucket{le="0.01",rank="1"}'] == 0
