@@ -274,9 +274,10 @@ class CoordinatorMetrics:
         label = str(rank)
         self._contribution_norm.labels(label).set(norm)
         self._contribution_cosine.labels(label).set(cosine)
-        # Both counters exist (at 0) for every screened rank, so a query sees honest ranks too.
-        self._contribution_flagged.labels(label).inc(1 if flagged else 0)
-        self._contribution_excluded.labels(label).inc(1 if excluded else 0)
+        if flagged:
+            self._contribution_flagged.labels(label).inc()
+        if excluded:
+            self._contribution_excluded.labels(label).inc()
 
     def observe_error(self, kind: str) -> None:
         """An unexpected error; `kind` is a bounded name (the exception class), not a message."""
