@@ -57,15 +57,27 @@ class Line:
     def receive(self) -> tuple[bytes, float]:
         return self.outside.recv(65536), time.monotonic()
 
-    def close(self) -> None:
-        os.write(self.stop_write, b"x")
-        self.thread.join(timeout=5.0)
-        for sock in (self.outside, self.inside):
-            sock.close()
-        os.close(self.stop_read)
-        os.close(self.stop_write)
+    def stop(self) -> dict[str, int]:
+        """Stops the line and returns its counters.
+
+        The line counts a packet just after writing it, so a test that has received every
+        packet must still wait for the thread before it reads the counters.
+        """
+        if self.thread.is_alive():
+            os.write(self.stop_write, b"x")
+            self.thread.join(timeout=5.0)
         if self.thread.is_alive():
             raise RuntimeError("the delay line did not stop within 5 s of its stop fd")
+        return self.counters
+
+    def close(self) -> None:
+        try:
+            self.stop()
+        finally:
+            for sock in (self.outside, self.inside):
+                sock.close()
+            os.close(self.stop_read)
+            os.close(self.stop_write)
 
 
 @pytest.fixture
@@ -86,7 +98,7 @@ def test_each_packet_waits_its_destinations_delay(line: Line) -> None:
     # much more (a loaded machine's scheduling may add some).
     assert 0.02 <= arrivals[NEAR] - sent[NEAR] < 0.06
     assert 0.08 <= arrivals[FAR] - sent[FAR] < 0.14
-    assert line.counters["forwarded"] == 2
+    assert line.stop()["forwarded"] == 2
 
 
 @pytest.mark.timeout(30)
@@ -101,8 +113,9 @@ def test_packets_to_one_destination_keep_their_order(line: Line) -> None:
             if socket.inet_ntoa(p[16:20]) == destination
         ]
         assert order == sorted(order), f"packets to {destination} were reordered"
-    assert line.counters["forwarded"] == 200
-    assert line.counters["dropped"] == 0
+    counters = line.stop()
+    assert counters["forwarded"] == 200
+    assert counters["dropped"] == 0
 
 
 @pytest.mark.timeout(30)
