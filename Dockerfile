@@ -13,8 +13,9 @@
 # $GRADSYNC_TLS_CA (workers) across hosts. See SECURITY.md.
 #
 # Stages: `dependencies` installs torch and the other dependencies into a venv, the builder
-# turns the source into a wheel; the runtime stages copy a venv and install the wheel, so no
-# compiler, pip cache or source tree ships. The default (last) stage is the image above, for
+# turns the source into a wheel; the default image is the dependencies stage plus the wheel,
+# the coordinator image a fresh base with a venv copied in, so no compiler, pip cache or
+# source tree ships. The default (last) stage is the image above, for
 # every role. `--target coordinator` builds a coordinator-only image without torch (the
 # coordinator and the shards never import it: their arithmetic is numpy); workers need the
 # default image.
@@ -36,8 +37,10 @@ RUN pip install --index-url "$TORCH_INDEX_URL" torch==2.13.0
 WORKDIR /src
 # The dependencies and the extras `demo` (scikit-learn's bundled digits for `gradsync worker`)
 # and `redis` (the Redis checkpoint store behind --checkpoint-store redis://...), read from
-# pyproject.toml. This venv holds no gradsync code, so a change to the code leaves it (and the
-# default image's copy of it, over a gigabyte) cached.
+# pyproject.toml. This venv holds no gradsync code, so a change to the code leaves it (over a
+# gigabyte) cached. The default image is built FROM this stage rather than copying the venv
+# out of it: a `COPY --from` of a gigabyte of small files is hashed on every build to look up
+# its cache, which costs minutes even when nothing changed.
 COPY pyproject.toml ./
 RUN python -c "import tomllib; p = tomllib.load(open('pyproject.toml', 'rb'))['project']; \
 extras = p['optional-dependencies']; \
@@ -82,14 +85,11 @@ ENTRYPOINT ["gradsync"]
 CMD ["serve", "--world-size", "3", "--host", "0.0.0.0", "--port", "50051", "--metrics-port", "9100"]
 
 # The default image: every role (coordinator, shards, workers).
-FROM python:3.11-slim
-# The same base image as the builder, so the venv's interpreter links stay valid. The
-# dependencies' venv first (cached across code changes), then the small gradsync wheel on top.
-COPY --from=dependencies /opt/venv /opt/venv
+# The dependencies' venv (cached across code changes), then the small gradsync wheel on top;
+# the build's leftovers (its directory, the requirements list) go.
+FROM dependencies
 COPY --from=builder /dist /tmp/dist
-RUN PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1 /opt/venv/bin/pip install --no-deps \
-        /tmp/dist/gradsync-*.whl \
-    && rm -rf /tmp/dist
+RUN pip install --no-deps /tmp/dist/gradsync-*.whl && rm -rf /tmp/dist /tmp/dependencies.txt /src
 # PYTHONUNBUFFERED: logs reach `docker logs` as they are written, not when a buffer fills.
 # PROMETHEUS_DISABLE_CREATED_SERIES: no `*_created` series beside every counter/histogram.
 ENV PATH=/opt/venv/bin:$PATH \

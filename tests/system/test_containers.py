@@ -5,7 +5,7 @@ Dockerfile and runs a coordinator container with two worker containers joined by
 then docker-compose.yml and its sharded override, each to the workers' exit 0; the script
 checks what the deployment promises (equal parameters, checkpoints in Redis, Prometheus
 samples from every target, the health check and the SIGTERM drain) and exits non-zero
-otherwise. Costly: up to ~12 min on a fresh machine, ~4-5 min with the engine's layer cache;
+otherwise. Costly: up to ~12 min on a fresh machine, ~2-3 min with the engine's layer cache;
 `GRADSYNC_SKIP_CONTAINERS=1` or `-m "not containers"` leaves it out (README, Development).
 """
 
