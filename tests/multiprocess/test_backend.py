@@ -14,12 +14,14 @@ from __future__ import annotations
 
 import re
 import subprocess
+import urllib.request
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pytest
 from gradsync_proto.net.launch import free_port
+from prometheus_client.parser import text_string_to_metric_families
 from support.processes import WORKERS, CoordinatorProcess, launch_captured, launch_ranks, reap
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(240)]
@@ -235,3 +237,53 @@ def test_a_killed_rank_makes_stock_ddps_backward_raise_naming_it(
     assert "DistBackendError" in error and "rank 0 of group '0'" in error, error
     assert "allreduce" in error and "rank 1 disconnected" in error, error
     assert float(ours[0]["failed_after_s"]) < 3 + 2, error
+
+
+def scrape_metrics(port: int) -> dict[str, float]:
+    """The coordinator's metrics page as {'name{label="value",...}': value}."""
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as page:
+        text = page.read().decode()
+    values = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            rendered = ",".join(f'{k}="{v}"' for k, v in sorted(sample.labels.items()))
+            values[f"{sample.name}{{{rendered}}}"] = sample.value
+    return values
+
+
+def test_a_bfloat16_wire_halves_the_bytes_and_rounds_as_a_one_process_reference(
+    tmp_path: Path, coordinator_factory: Any
+) -> None:
+    """Stock DDP with $GRADSYNC_WIRE_DTYPE=bfloat16 equals, bitwise, the same training
+    computed in one process with the wire's rounding (and differs from the exact one);
+    the coordinator's metrics show 2 bytes an element each way; a group whose ranks ask
+    for different wires fails its first all-reduce on both, naming both types."""
+    world, metrics_port = 2, free_port()
+    coordinator = coordinator_factory(world, "--metrics-port", str(metrics_port))
+    extra = ("--wire-dtype", "bfloat16")
+    ours = run("gradsync", "wire", world, tmp_path / "ours", coordinator.address, *extra)
+    values = scrape_metrics(metrics_port)
+    assert_job_ran(coordinator, world)
+    keys = [k.removeprefix("ours/") for k in ours[0] if k.startswith("ours/")]
+    assert len(keys) == 4, keys
+    for rank in range(world):
+        for key in keys:
+            mine, rounded = ours[rank][f"ours/{key}"], ours[rank][f"rounded/{key}"]
+            np.testing.assert_array_equal(mine, rounded, err_msg=f"rank {rank}: {key}")
+        assert any(
+            not np.array_equal(ours[rank][f"ours/{k}"], ours[rank][f"exact/{k}"]) for k in keys
+        ), "the bfloat16 wire left every parameter as float32 would"
+        error = str(ours[rank]["error"])
+        assert str(ours[rank]["error_type"]) == "DistBackendError", error
+        assert "as bfloat16, but rank" in error or "as float16, but rank" in error, error
+        assert "sent bfloat16" in error or "sent float16" in error, error
+        wire = "float16" if rank == 1 else "bfloat16"
+        assert f"allreduce(sum, [3] float32 on a {wire} wire)" in error, error
+    # DDP's one bucket a step, in bfloat16: 2 bytes an element up from each rank, and down.
+    wire_bytes = world * 3 * int(ours[0]["elements"]) * 2
+    assert values['gradsync_collectives_total{op="all_reduce_sum"}'] == 3
+    for direction in ("received", "sent"):
+        key = f'gradsync_collective_bytes_total{{direction="{direction}",op="all_reduce_sum"}}'
+        assert values[key] == wire_bytes, (key, values[key], wire_bytes)
+    # DDP's start broadcasts the parameters exactly: float32, 4 bytes an element.
+    assert values['gradsync_collectives_total{op="broadcast"}'] >= 1
