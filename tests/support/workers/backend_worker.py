@@ -13,7 +13,6 @@ and no $GRADSYNC_COORDINATOR). Scenarios:
   collective on small tensors, each result saved under the op's name; then two
   overlapping `new_group`s of two ranks each (W = 3), an all-reduce and an
   all-gather in each, with the default group used in between.
-- mismatch: the ranks all-reduce tensors of different shapes; the error is saved.
 - kill: rank 1 kills itself while rank 0 waits on an all-reduce; rank 0 saves the
   error and how long it took.
 - ddp_kill: rank 1 kills itself at the third step of stock DDP; rank 0 saves what its
@@ -21,8 +20,10 @@ and no $GRADSYNC_COORDINATOR). Scenarios:
 - wire: stock DDP with the 16-bit wire of `--wire-dtype` (set as $GRADSYNC_WIRE_DTYPE);
   beside it, this one process computes the same training over every rank's batches,
   once with the wire's rounding (each rank's gradient share rounded, summed in float32
-  in rank order, the sum rounded) and once exactly. Then a second group whose rank 1
-  asks for another wire (`GradsyncOptions`) all-reduces once; the error is saved.
+  in rank order, the sum rounded) and once exactly. Then, on a group without the wire
+  (`GradsyncOptions(wire_dtype=torch.float32)`), the ranks all-reduce tensors of
+  different shapes; and a third group, whose rank 1 asks for another wire, all-reduces
+  once. Both errors are saved.
 """
 
 from __future__ import annotations
@@ -229,24 +230,21 @@ def run_wire(rank: int, world: int, saved: dict[str, np.ndarray]) -> None:
         for key, tensor in module.state_dict().items():
             saved[f"{name}/{key}"] = tensor.detach().numpy().copy()
     saved["elements"] = np.array(sum(p.numel() for p in model.parameters()))
+    exact = dist.new_group(pg_options=GradsyncOptions(wire_dtype=torch.float32))
+    dist.all_reduce(torch.ones(2), group=exact)  # a first one that matches
+    failed(dist.all_reduce(torch.ones(2 + rank), group=exact, async_op=True), "shape", saved)
     other_wire = torch.float16 if rank == 1 else None  # rank 0 keeps the variable's
     group = dist.new_group(pg_options=GradsyncOptions(wire_dtype=other_wire))
-    work = dist.all_reduce(torch.ones(3), group=group, async_op=True)
-    try:
-        work.wait()
-    except Exception as exc:
-        saved["error"] = np.array(str(exc))
-        saved["error_type"] = np.array(type(exc).__name__)
+    failed(dist.all_reduce(torch.ones(3), group=group, async_op=True), "wire", saved)
 
 
-def run_mismatch(rank: int, saved: dict[str, np.ndarray]) -> None:
-    dist.all_reduce(torch.ones(2))  # a first one that matches
-    work = dist.all_reduce(torch.ones(2 + rank), async_op=True)
+def failed(work: dist.Work, name: str, saved: dict[str, np.ndarray]) -> None:
+    """Save what waiting for `work` raised, as `name`_error and `name`_error_type."""
     try:
         work.wait()
     except Exception as exc:  # what c10d hands back, whatever its class
-        saved["error"] = np.array(str(exc))
-        saved["error_type"] = np.array(type(exc).__name__)
+        saved[f"{name}_error"] = np.array(str(exc))
+        saved[f"{name}_error_type"] = np.array(type(exc).__name__)
 
 
 def run_kill(rank: int, saved: dict[str, np.ndarray]) -> None:
@@ -285,7 +283,7 @@ def main() -> int:
     parser.add_argument("--backend", choices=["gloo", "gradsync"], required=True)
     parser.add_argument(
         "--scenario",
-        choices=["ddp", "usage", "mismatch", "kill", "ddp_kill", "wire"],
+        choices=["ddp", "usage", "kill", "ddp_kill", "wire"],
         required=True,
     )
     parser.add_argument("--rank", type=int, required=True)
@@ -329,8 +327,6 @@ def main() -> int:
         run_script(args.rank, saved)
         run_ops(args.rank, args.world_size, saved)
         run_groups(args.rank, saved)
-    elif args.scenario == "mismatch":
-        run_mismatch(args.rank, saved)
     elif args.scenario == "kill":
         run_kill(args.rank, saved)
     elif args.scenario == "wire":
