@@ -163,6 +163,18 @@ class CoordinatorMetrics:
             "DiLoCo: rounds in which the screen flagged a rank's pseudo-gradient (any policy).",
             ["rank"],
         )
+        self._collectives_family = counter(
+            "gradsync_collectives_total",
+            "Collectives completed (the backend's operations and the wrappers' collectives), "
+            'by op ("all_reduce_sum", "broadcast", "reduce_scatter_avg", ...).',
+            ["op"],
+        )
+        self._collective_bytes_family = counter(
+            "gradsync_collective_bytes_total",
+            "Payload bytes of completed collectives, by op and direction: received (every "
+            "rank's input) and sent (every rank's result, counted once per receiving rank).",
+            ["op", "direction"],
+        )
         self._errors_family = counter(
             "gradsync_errors_total", "Unexpected errors inside the coordinator, by kind.", ["kind"]
         )
@@ -183,6 +195,8 @@ class CoordinatorMetrics:
         self._aborts: dict[str, Counter] = {}
         self._errors: dict[str, Counter] = {}
         self._nonfinite: dict[str, Counter] = {}
+        #: Per op: (completed, bytes received, bytes sent).
+        self._collective: dict[str, tuple[Counter, Counter, Counter]] = {}
         #: Time to detect, time to recover, restarts and steps recomputed.
         self.recovery = RecoveryMetrics(self.registry)
         # Plain copies of the gradient counters: a sharded coordinator reports them
@@ -244,6 +258,21 @@ class CoordinatorMetrics:
         self._round_window.set(math.nan if window_s is None else window_s)
         for rank in missed:
             self._round_missed_family.labels(rank=str(rank)).inc()
+
+    # Per collective.
+    def observe_collective(self, op: str, received_bytes: int, sent_bytes: int) -> None:
+        """A collective completed: `op` its name, the bytes of its inputs and results."""
+        children = self._collective.get(op)
+        if children is None:
+            children = self._collective[op] = (
+                self._collectives_family.labels(op=op),
+                self._collective_bytes_family.labels(op=op, direction="received"),
+                self._collective_bytes_family.labels(op=op, direction="sent"),
+            )
+        done, received, sent = children
+        done.inc()
+        received.inc(received_bytes)
+        sent.inc(sent_bytes)
 
     # Rare events.
     def observe_rejection(self, reason: str) -> None:

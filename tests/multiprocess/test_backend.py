@@ -4,7 +4,8 @@ The same unchanged scripts (`support/workers/backend_worker.py`) run once over
 "gloo" and once over "gradsync" (a real `gradsync serve` coordinator; torch's
 TCPStore for the rendezvous): stock DDP on zoo models, a loop with
 `DistributedSampler()`, a metric all-reduce and barriers, and every
-collective. Their results must match gloo's. A shape mismatch fails every
+collective. Their results must match gloo's. Stock DDP on a bfloat16 wire
+equals a one-process reference of the same rounding. A shape mismatch fails every
 rank naming both shapes; a killed rank fails the others' pending Work with
 `DistBackendError` naming it, within the heartbeat timeout. Each test checks in
 the coordinator's log that the group's job really ran there.
@@ -14,12 +15,14 @@ from __future__ import annotations
 
 import re
 import subprocess
+import urllib.request
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pytest
 from gradsync_proto.net.launch import free_port
+from prometheus_client.parser import text_string_to_metric_families
 from support.processes import WORKERS, CoordinatorProcess, launch_captured, launch_ranks, reap
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(240)]
@@ -180,20 +183,6 @@ def test_the_gradsync_rendezvous_needs_no_listener_on_rank_0(
             np.testing.assert_array_equal(ours[rank][key], gloo[rank][key], err_msg=key)
 
 
-def test_a_shape_mismatch_fails_every_rank_naming_both_shapes(
-    tmp_path: Path, coordinator_factory: Any
-) -> None:
-    world = 2
-    coordinator = coordinator_factory(world)
-    ours = run("gradsync", "mismatch", world, tmp_path / "ours", coordinator.address)
-    assert_job_ran(coordinator, world)
-    for rank in range(world):
-        error = str(ours[rank]["error"])
-        assert str(ours[rank]["error_type"]) == "DistBackendError", error
-        assert f"rank {rank} of group" in error and "allreduce" in error, error
-        assert "8" in error and "12" in error, error  # 2 and 3 float32s, in bytes
-
-
 @pytest.mark.parametrize(
     ("policy", "says"),
     [
@@ -235,3 +224,59 @@ def test_a_killed_rank_makes_stock_ddps_backward_raise_naming_it(
     assert "DistBackendError" in error and "rank 0 of group '0'" in error, error
     assert "allreduce" in error and "rank 1 disconnected" in error, error
     assert float(ours[0]["failed_after_s"]) < 3 + 2, error
+
+
+def scrape_metrics(port: int) -> dict[str, float]:
+    """The coordinator's metrics page as {'name{label="value",...}': value}."""
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as page:
+        text = page.read().decode()
+    values = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            rendered = ",".join(f'{k}="{v}"' for k, v in sorted(sample.labels.items()))
+            values[f"{sample.name}{{{rendered}}}"] = sample.value
+    return values
+
+
+def test_a_bfloat16_wire_rounds_as_one_process_and_mismatches_fail_every_rank_naming_both(
+    tmp_path: Path, coordinator_factory: Any
+) -> None:
+    """Stock DDP with $GRADSYNC_WIRE_DTYPE=bfloat16 equals, bitwise, the same training
+    computed in one process with the wire's rounding (and differs from the exact one);
+    the coordinator's metrics show 2 bytes an element each way. A shape mismatch, and
+    ranks that ask for different wires, fail every rank naming both values."""
+    world, metrics_port = 2, free_port()
+    coordinator = coordinator_factory(world, "--metrics-port", str(metrics_port))
+    extra = ("--wire-dtype", "bfloat16")
+    ours = run("gradsync", "wire", world, tmp_path / "ours", coordinator.address, *extra)
+    values = scrape_metrics(metrics_port)
+    assert_job_ran(coordinator, world)
+    keys = [k.removeprefix("ours/") for k in ours[0] if k.startswith("ours/")]
+    assert len(keys) == 4, keys
+    for rank in range(world):
+        for key in keys:
+            mine, rounded = ours[rank][f"ours/{key}"], ours[rank][f"rounded/{key}"]
+            np.testing.assert_array_equal(mine, rounded, err_msg=f"rank {rank}: {key}")
+        assert any(
+            not np.array_equal(ours[rank][f"ours/{k}"], ours[rank][f"exact/{k}"]) for k in keys
+        ), "the bfloat16 wire left every parameter as float32 would"
+        error = str(ours[rank]["shape_error"])
+        assert str(ours[rank]["shape_error_type"]) == "DistBackendError", error
+        assert f"rank {rank} of group" in error and "allreduce" in error, error
+        assert "8" in error and "12" in error, error  # 2 and 3 float32s, in bytes
+        error = str(ours[rank]["wire_error"])
+        assert str(ours[rank]["wire_error_type"]) == "DistBackendError", error
+        assert "as bfloat16, but rank" in error or "as float16, but rank" in error, error
+        assert "sent bfloat16" in error or "sent float16" in error, error
+        wire = "float16" if rank == 1 else "bfloat16"
+        assert f"allreduce(sum, [3] float32 on a {wire} wire)" in error, error
+    # DDP's one bucket a step, in bfloat16: 2 bytes an element up from each rank, and
+    # down; then the float32 group's all-reduce of 2 elements, 4 bytes each (the failed
+    # ones are not counted).
+    total = world * (3 * int(ours[0]["elements"]) * 2 + 2 * 4)
+    assert values['gradsync_collectives_total{op="all_reduce_sum"}'] == 3 + 1
+    for direction in ("received", "sent"):
+        key = f'gradsync_collective_bytes_total{{direction="{direction}",op="all_reduce_sum"}}'
+        assert values[key] == total, (key, values[key], total)
+    # DDP's start broadcasts the parameters exactly: float32, 4 bytes an element.
+    assert values['gradsync_collectives_total{op="broadcast"}'] >= 1

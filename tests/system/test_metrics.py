@@ -52,6 +52,8 @@ COORDINATOR_METRICS = {
     "gradsync_contribution_excluded_total": ("counter", {"rank"}),
     "gradsync_round_window_seconds": ("gauge", set()),
     "gradsync_round_missed_total": ("counter", {"rank"}),
+    "gradsync_collectives_total": ("counter", {"op"}),
+    "gradsync_collective_bytes_total": ("counter", {"op", "direction"}),
 }
 WORKER_METRICS = {
     "gradsync_worker_exposed_comm_seconds": ("histogram", {"rank"}),
@@ -107,6 +109,8 @@ def exercised_coordinator() -> CoordinatorMetrics:
     metrics.observe_contribution(0, norm=1.5, cosine=0.9, flagged=False, excluded=False)
     metrics.observe_contribution(1, norm=150.0, cosine=-0.9, flagged=True, excluded=True)
     metrics.observe_round_window(2.5, missed=(1,))
+    metrics.observe_collective("all_reduce_sum", received_bytes=2 * 96, sent_bytes=2 * 96)
+    metrics.observe_collective("all_reduce_sum", received_bytes=2 * 96, sent_bytes=2 * 96)
     return metrics
 
 
@@ -136,6 +140,10 @@ def test_coordinator_exports_every_metric_with_its_type_labels_and_values() -> N
     assert 'gradsync_contribution_flagged_total{rank="0"}' not in values
     assert values["gradsync_round_window_seconds{}"] == 2.5
     assert values['gradsync_round_missed_total{rank="1"}'] == 1
+    assert values['gradsync_collectives_total{op="all_reduce_sum"}'] == 2
+    key = 'gradsync_collective_bytes_total{direction="received",op="all_reduce_sum"}'
+    assert values[key] == 4 * 96
+    assert values[key.replace("received", "sent")] == 4 * 96
     # The first rank observes 0: it is in the smallest bucket; rank 1's 20 ms is not.
     assert values['gradsync_rank_lag_seconds_bucket{le="0.001",rank="0"}'] == 1
     assert values['gradsync_rank_lag_seconds_bucket{le="0.01",rank="1"}'] == 0

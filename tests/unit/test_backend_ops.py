@@ -301,3 +301,85 @@ def test_the_group_keeps_the_name_c10d_gives_it() -> None:
         assert pg.name() == "gradsync" and pg.size() == 1
     finally:
         pg.shutdown()
+
+
+def test_a_16_bit_wire_rounds_summing_float32_reductions_and_leaves_the_rest_exact() -> None:
+    """On a bfloat16 wire each rank's float32 input is rounded, the inputs summed in
+    float32, the result rounded again and widened into the tensor; MAX, float64 and
+    broadcast stay exact."""
+    wire = torch.bfloat16
+    group = ThreadedGroup(2)
+
+    def mine(rank: int) -> torch.Tensor:
+        return torch.tensor([1.0 + 2**-10, 3.0 + 2**-9, -2.5 + 2**-12, 1000.1]) * (rank + 1)
+
+    def rounded(*shares: torch.Tensor) -> torch.Tensor:
+        total = shares[0].to(wire).float()
+        for share in shares[1:]:
+            total = total + share.to(wire).float()
+        return total.to(wire).float()
+
+    def options(op: Any) -> Any:
+        chosen = dist.AllreduceOptions()
+        chosen.reduceOp = op
+        return chosen
+
+    def body(rank: int) -> dict[str, torch.Tensor]:
+        pg = ProcessGroupGradsync(StandInSession(group.collectives(rank)), "0", wire)  # type: ignore[arg-type]
+        out: dict[str, torch.Tensor] = {}
+        try:
+            for name, op in [
+                ("sum", dist.ReduceOp.SUM),
+                ("avg", dist.ReduceOp.AVG),
+                ("premul", dist._make_nccl_premul_sum(0.25)),
+                ("max", dist.ReduceOp.MAX),
+            ]:
+                out[name] = mine(rank)
+                pg.allreduce([out[name]], options(op)).wait()
+            out["float64"] = mine(rank).double()
+            pg.allreduce([out["float64"]], options(dist.ReduceOp.SUM)).wait()
+            out["coalesced"] = mine(rank)
+            pg.allreduce_coalesced([out["coalesced"]], dist.AllreduceCoalescedOptions()).wait()
+            out["scattered"] = torch.zeros(2)
+            pg.reduce_scatter_single(out["scattered"], mine(rank)).wait()
+            out["broadcast"] = mine(rank)
+            pg.broadcast([out["broadcast"]], dist.BroadcastOptions()).wait()
+        finally:
+            pg.shutdown()
+        return out
+
+    shares = [mine(0), mine(1)]
+    exact = shares[0] + shares[1]
+    widened = [share.to(wire).float() for share in shares]
+    for rank, out in enumerate(group.run(body)):
+        assert all(t.dtype in (torch.float32, torch.float64) for t in out.values())
+        assert torch.equal(out["sum"], rounded(*shares))
+        assert not torch.equal(out["sum"], exact)  # the wire's rounding, not float32's
+        assert torch.equal(out["avg"], ((widened[0] + widened[1]) / 2).to(wire).float())
+        assert torch.equal(out["premul"], rounded(*(share * 0.25 for share in shares)))
+        assert torch.equal(out["max"], torch.maximum(*shares))
+        assert torch.equal(out["float64"], shares[0].double() + shares[1].double())
+        assert torch.equal(out["coalesced"], rounded(*shares))
+        assert torch.equal(out["scattered"], rounded(*shares)[2 * rank : 2 * rank + 2])
+        assert torch.equal(out["broadcast"], shares[0])
+
+
+def test_the_wire_comes_from_the_options_else_the_environment(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from gradsync.distributed.backend import GradsyncOptions
+    from gradsync.distributed.wire import resolve_wire_dtype
+
+    monkeypatch.delenv("GRADSYNC_WIRE_DTYPE", raising=False)
+    assert resolve_wire_dtype(None) is None
+    monkeypatch.setenv("GRADSYNC_WIRE_DTYPE", "bfloat16")
+    assert resolve_wire_dtype(None) == torch.bfloat16
+    assert resolve_wire_dtype(torch.float16) == torch.float16
+    assert resolve_wire_dtype(torch.float32) is None  # the option turns the wire off
+    monkeypatch.setenv("GRADSYNC_WIRE_DTYPE", "float32")
+    assert resolve_wire_dtype(None) is None
+    monkeypatch.setenv("GRADSYNC_WIRE_DTYPE", "bf16")
+    with pytest.raises(ValueError, match=r"GRADSYNC_WIRE_DTYPE='bf16' is not one of bfloat16"):
+        resolve_wire_dtype(None)
+    with pytest.raises(ValueError, match=r"wire_dtype must be torch\.bfloat16, torch\.float16"):
+        GradsyncOptions(wire_dtype=torch.int8)

@@ -265,3 +265,52 @@ def test_a_lost_rank_keeps_its_whole_input_and_gives_back_a_partial_one() -> Non
         assert np.frombuffer(result, dtype=np.float32).tolist() == [expected] * (2 * CHUNK // 4)
         assert ranks == recipients and contributors == len(recipients)
     assert budget.used == 0
+
+
+class Recorder:
+    """Just enough of a StepObserver: the collectives it was told of."""
+
+    def __init__(self) -> None:
+        self.seen: list[tuple[str, int, int]] = []
+
+    def observe_collective(self, op: str, received_bytes: int, sent_bytes: int) -> None:
+        self.seen.append((op, received_bytes, sent_bytes))
+
+
+def test_each_completed_collective_is_observed_with_its_op_and_bytes() -> None:
+    recorder = Recorder()
+    budget = ByteBudget(1 << 24).for_owner("job")
+    collectives = Collectives(3, CHUNK, 1 << 20, budget, recorder)  # type: ignore[arg-type]
+    # A bfloat16 sum (the backend's 16-bit wire): 2 bytes an element each way.
+    values = [np.arange(3000, dtype=np.float32) * (r + 1) for r in RANKS]
+    raw = [(a.view(np.uint32) >> 16).astype("<u2").tobytes() for a in values]  # bf16 bits
+    messages = [
+        m for r in RANKS for m in pieces(r, raw[r], pb.COLLECTIVE_OP_SUM, pb.DTYPE_BFLOAT16)
+    ]
+    run_all(collectives, messages)
+    payload = np.arange(10, dtype=np.float32).tobytes()
+    messages = [
+        m
+        for r in RANKS
+        for m in pieces(
+            r, payload if r == 2 else b"", pb.COLLECTIVE_OP_BROADCAST, pb.DTYPE_FLOAT32, 1, root=2
+        )
+    ]
+    run_all(collectives, messages)
+    parts = np.arange(6, dtype=np.float32).tobytes()
+    messages = [
+        m
+        for r in RANKS
+        for m in pieces(r, parts, pb.COLLECTIVE_OP_REDUCE_SCATTER, pb.DTYPE_FLOAT32, 2)
+    ]
+    for _, chunk in messages:
+        chunk.reduce_op = pb.COLLECTIVE_OP_SUM
+    run_all(collectives, messages)
+    failing = pieces(0, payload, pb.COLLECTIVE_OP_SUM, pb.DTYPE_FLOAT32, 3)
+    failing += pieces(1, payload, pb.COLLECTIVE_OP_SUM, pb.DTYPE_FLOAT64, 3)
+    run_all(collectives, failing)  # a failed collective is not counted
+    assert recorder.seen == [
+        ("all_reduce_sum", 3 * 6000, 3 * 6000),
+        ("broadcast", 40, 3 * 40),
+        ("reduce_scatter_sum", 3 * 24, 3 * 8),
+    ]

@@ -27,6 +27,7 @@ import weakref
 from dataclasses import dataclass
 from typing import Any
 
+import torch
 import torch.distributed as dist
 from gradsync_proto.net.channels import ChannelSecurity
 from torch.distributed.rendezvous import register_rendezvous_handler
@@ -40,6 +41,7 @@ from gradsync.distributed.rendezvous import (
     coordinator_of_rendezvous,
     handler as rendezvous_handler,
 )
+from gradsync.distributed.wire import check_wire_dtype, on_wire, resolve_wire_dtype
 
 log = logging.getLogger("gradsync.client")
 
@@ -59,11 +61,23 @@ class GradsyncOptions:
         job_id: the job id the groups' ids start with (default $GRADSYNC_JOB_ID, else
             "default").
         security: TLS and token (default: `ChannelSecurity.resolve()`, the environment).
+        wire_dtype: torch.bfloat16 or torch.float16 to send the float32 inputs of
+            summing reductions (all-reduce SUM, AVG, PREMUL_SUM; reduce-scatter) in 16
+            bits, half the bytes (`gradsync.distributed.wire`); torch.float32 for none
+            (default: $GRADSYNC_WIRE_DTYPE, "bfloat16" or "float16", else none). Every
+            rank of a group must use the same.
+
+    Raises:
+        ValueError: another `wire_dtype`.
     """
 
     coordinator: str | None = None
     job_id: str | None = None
     security: ChannelSecurity | None = None
+    wire_dtype: torch.dtype | None = None
+
+    def __post_init__(self) -> None:
+        check_wire_dtype(self.wire_dtype, "GradsyncOptions.wire_dtype")
 
 
 def group_job_id(base: str, group_name: str, global_ranks: list[int]) -> str:
@@ -135,6 +149,7 @@ def create_group(backend_options: Any, pg_options: Any = None) -> ProcessGroupGr
     job_id = group_job_id(base, group_name, ranks)
     security = (options.security if options is not None else None) or ChannelSecurity.resolve()
     timeout_s = float(backend_options.timeout.total_seconds())
+    wire_dtype = resolve_wire_dtype(options.wire_dtype if options is not None else None)
     session = GroupSession(
         address,
         job_id,
@@ -143,15 +158,16 @@ def create_group(backend_options: Any, pg_options: Any = None) -> ProcessGroupGr
         security,
         timeout_s,
     )
-    group = ProcessGroupGradsync(session, group_name)
+    group = ProcessGroupGradsync(session, group_name, wire_dtype)
     _live.add(group)
     log.info(
-        "rank %d: process group '%s' (size %d) runs as job '%s' at %s",
+        "rank %d: process group '%s' (size %d) runs as job '%s' at %s%s",
         session.rank,
         group_name,
         session.world_size,
         job_id,
         address,
+        on_wire(wire_dtype),
     )
     return group
 

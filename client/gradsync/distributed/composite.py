@@ -35,14 +35,25 @@ def write_into(target: torch.Tensor, values: torch.Tensor) -> None:
 
 
 def reduce_scatter(
-    collectives: Collectives, output: torch.Tensor, parts: Sequence[torch.Tensor], op: str
+    collectives: Collectives,
+    output: torch.Tensor,
+    parts: Sequence[torch.Tensor],
+    op: str,
+    wire: torch.dtype | None = None,
 ) -> None:
     """`output` = the reduction over ranks of every rank's `parts[my rank]`.
 
-    Wire: up W·N, down N per rank (the hub sends each rank only its part); a
-    ring reduce-scatter moves (W-1)·N each way per rank, over W-1 steps.
+    With `wire` (a 16-bit float type) the parts travel in it and the result comes
+    back in it, then widens into `output`. Wire: up W·N, down N per rank (the hub
+    sends each rank only its part); a ring reduce-scatter moves (W-1)·N each way
+    per rank, over W-1 steps.
     """
-    collectives.reduce_scatter(output, flat_copy(parts), op)
+    if wire is None:
+        collectives.reduce_scatter(output, flat_copy(parts), op)
+        return
+    narrow = torch.empty(output.numel(), dtype=wire)
+    collectives.reduce_scatter(narrow, flat_copy(parts).to(wire), op)
+    write_into(output, narrow)
 
 
 def reduce_by_all_reduce(

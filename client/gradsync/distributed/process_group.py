@@ -19,6 +19,10 @@ tensor lists and says what each op costs on the wire). The bitwise reductions
 are refused, and so are send and recv: the coordinator is a hub, not a
 point-to-point relay.
 
+With a 16-bit wire (`GradsyncOptions.wire_dtype`, `gradsync.distributed.wire`) the
+float32 inputs of all-reduce SUM, AVG and PREMUL_SUM and of reduce-scatter travel
+as bfloat16 or float16 and the result widens back into the caller's tensor.
+
 Tensors may live on the CPU or a CUDA device (staged through host memory on
 the network thread); every dtype the wire carries (float32/64, float16,
 bfloat16, the integer types, bool for broadcast and gather) works.
@@ -52,6 +56,7 @@ from gradsync.distributed.composite import (
     write_into,
 )
 from gradsync.distributed.group_session import GroupSession
+from gradsync.distributed.wire import on_wire, wire_for
 from gradsync.distributed.work import Finish, OpQueue, OpResult
 
 log = logging.getLogger("gradsync.client")
@@ -79,11 +84,17 @@ class ProcessGroupGradsync(_ProcessGroup):  # type: ignore[misc]  # (untyped bas
     Args:
         session: the group's joined collectives-only session.
         group_name: c10d's name of the group (named in errors).
+        wire_dtype: the 16-bit type summing reductions of float32 travel in
+            (`gradsync.distributed.wire`), or None.
     """
 
-    def __init__(self, session: GroupSession, group_name: str) -> None:
+    def __init__(
+        self, session: GroupSession, group_name: str, wire_dtype: torch.dtype | None = None
+    ) -> None:
         super().__init__(session.rank, session.world_size)
         self._session = session
+        #: The 16-bit type summing reductions of float32 travel in, or None.
+        self.wire_dtype = wire_dtype
         self._collectives = session.collectives
         #: The name and description c10d gives the group (`_set_group_name`, ...).
         self._c10d_name, self._c10d_desc = group_name, "undefined"
@@ -141,16 +152,20 @@ class ProcessGroupGradsync(_ProcessGroup):  # type: ignore[misc]  # (untyped bas
         op, factor = reduce_op(op_of(opts), tensor.dtype, "allreduce")
         check_dtype(tensor, "allreduce", reducing=True)
 
-        name = f"allreduce({op}, {describe(tensor)})"
+        wire = wire_for(self.wire_dtype, tensor.dtype, op)
+        name = f"allreduce({op}, {describe(tensor)}{on_wire(wire)})"
 
         def issue(ready: Callable[[], None]) -> Finish:
             if factor is not None:
                 with torch.no_grad():
                     tensor.mul_(factor)
-            finish = self._collectives.start_all_reduce(tensor, op, on_ready=ready)
+            sent = tensor if wire is None else tensor.detach().to(wire)
+            finish = self._collectives.start_all_reduce(sent, op, on_ready=ready)
 
             def done() -> OpResult:
                 self._check_contributors(finish())
+                if sent is not tensor:
+                    write_into(tensor, sent)
                 return tensors
 
             return done
@@ -167,19 +182,25 @@ class ProcessGroupGradsync(_ProcessGroup):  # type: ignore[misc]  # (untyped bas
         op, factor = reduce_op(op_of(opts), tensors[0].dtype, "allreduce_coalesced")
         for tensor in tensors:
             check_dtype(tensor, "allreduce_coalesced", reducing=True)
+        wire = wire_for(self.wire_dtype, tensors[0].dtype, op)
 
         def run() -> OpResult:
             flat = flat_copy(tensors)  # one collective for all of them
             if factor is not None:
                 flat.mul_(factor)
-            self._collectives.all_reduce(flat, op)
+            if wire is None:
+                self._collectives.all_reduce(flat, op)
+            else:
+                flat = self._collectives.all_reduce(flat.to(wire), op).to(flat.dtype)
             offset = 0
             for tensor in tensors:
                 write_into(tensor, flat[offset : offset + tensor.numel()])
                 offset += tensor.numel()
             return tensors
 
-        return self._submit(f"allreduce_coalesced({op}, {len(tensors)} tensors)", run)
+        return self._submit(
+            f"allreduce_coalesced({op}, {len(tensors)} tensors{on_wire(wire)})", run
+        )
 
     def broadcast(self, tensors: list[torch.Tensor], opts: Any = None) -> Any:
         root = self._root(getattr(opts, "rootRank", 0), "broadcast")
@@ -323,16 +344,18 @@ class ProcessGroupGradsync(_ProcessGroup):  # type: ignore[misc]  # (untyped bas
         for output, tensor in zip(outputs, inputs, strict=True):
             self._check_stacked(tensor, output, "reduce_scatter_tensor_coalesced")
             check_dtype(tensor, "reduce_scatter_tensor_coalesced", reducing=True)
+        wires = [wire_for(self.wire_dtype, tensor.dtype, op) for tensor in inputs]
 
         def run() -> OpResult:
-            for output, tensor in zip(outputs, inputs, strict=True):
+            for output, tensor, wire in zip(outputs, inputs, wires, strict=True):
                 parts = chunks(tensor, self.size())
                 if factor is not None:
                     parts = [p * factor for p in parts]
-                reduce_scatter(self._collectives, output, parts, op)
+                reduce_scatter(self._collectives, output, parts, op, wire)
             return outputs
 
-        return self._submit(f"reduce_scatter_tensor_coalesced({len(inputs)} tensors)", run)
+        shown = on_wire(next((w for w in wires if w is not None), None))
+        return self._submit(f"reduce_scatter_tensor_coalesced({len(inputs)} tensors{shown})", run)
 
     reduce_scatter_tensor_coalesced = reduce_scatter_single_coalesced
 
@@ -346,13 +369,14 @@ class ProcessGroupGradsync(_ProcessGroup):  # type: ignore[misc]  # (untyped bas
     ) -> Any:
         op, factor = reduce_op(op_of(opts), output.dtype, what)
         check_dtype(output, what, reducing=True)
+        wire = wire_for(self.wire_dtype, output.dtype, op)
 
         def run() -> OpResult:
             scaled = [p * factor for p in parts] if factor is not None else parts
-            reduce_scatter(self._collectives, output, scaled, op)
+            reduce_scatter(self._collectives, output, scaled, op, wire)
             return result
 
-        return self._submit(f"{what}({op}, {describe(output)})", run)
+        return self._submit(f"{what}({op}, {describe(output)}{on_wire(wire)})", run)
 
     def reduce(self, tensors: list[torch.Tensor], opts: Any = None) -> Any:
         tensor = self._one(tensors, "reduce")

@@ -58,6 +58,7 @@ from gradsync_server.control.collective_ops import (
 )
 from gradsync_server.dataplane.actions import Action, Send, Terminate
 from gradsync_server.dataplane.budget import OwnerBudget
+from gradsync_server.dataplane.observer import StepObserver
 from gradsync_server.dataplane.uploads import BlobAssembler
 from gradsync_server.errors import RejectedMessage
 
@@ -115,11 +116,18 @@ class Collectives:
         chunk_bytes: chunk size every rank must use.
         max_bytes: cap on one rank's input and on one rank's result.
         budget: the job's share of the byte budget buffered inputs count against.
+        observer: told of every completed collective (its op and bytes), if anyone is.
     """
 
     def __init__(
-        self, world_size: int, chunk_bytes: int, max_bytes: int, budget: OwnerBudget
+        self,
+        world_size: int,
+        chunk_bytes: int,
+        max_bytes: int,
+        budget: OwnerBudget,
+        observer: StepObserver | None = None,
     ) -> None:
+        self._observer = observer
         self._world_size = world_size
         self._chunk_bytes = chunk_bytes
         self._max_bytes = max_bytes
@@ -446,6 +454,7 @@ class Collectives:
 
     def _finish(self, held: _Round) -> list[Action]:
         participants = tuple(held.participants)
+        received = sum(held.inputs[r].total_bytes for r in participants)
         by_rank: list[tuple[tuple[int, ...], bytes | memoryview]]
         if held.op in ELEMENTWISE:
             # The inputs are handed over (no copy) and combined into the first one's bytes.
@@ -460,6 +469,9 @@ class Collectives:
             blobs = {r: held.inputs[r].blob() for r in participants}
             by_rank = [(participants, self._common(held, participants, blobs))]
         self._close(held)
+        if self._observer is not None:
+            sent = sum(len(result) * len(ranks) for ranks, result in by_rank)
+            self._observer.observe_collective(held.name.replace(" ", "_"), received, sent)
         return [
             Send(
                 ranks,

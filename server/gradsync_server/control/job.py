@@ -164,7 +164,7 @@ class Job:
         self.assembly = Assembly(job_id, world_size, clock, settings.heartbeat_interval_s)
         self.broadcast = StateBroadcast(chunk_bytes)
         self.collectives = Collectives(
-            world_size, chunk_bytes, settings.max_collective_bytes, job_budget
+            world_size, chunk_bytes, settings.max_collective_bytes, job_budget, metrics
         )
         self.uneven = UnevenInputs(self.membership, self.in_flight, self.collectives, self._publish)
         self.elastic = Elastic(

@@ -53,6 +53,10 @@ class StepObserver(Protocol):
     def observe_restart(self, continued: bool, steps_recomputed: int) -> None:
         """A restarted job went on: from the ranks' own state or from a checkpoint."""
 
+    def observe_collective(self, op: str, received_bytes: int, sent_bytes: int) -> None:
+        """A collective completed (`op`: "all_reduce_sum", "broadcast", ...): the bytes
+        of every rank's input, and of every rank's result (once per receiving rank)."""
+
 
 class LagTracker:
     """Per rank, the mean lag over its last `window` buckets.

@@ -13,16 +13,23 @@ and no $GRADSYNC_COORDINATOR). Scenarios:
   collective on small tensors, each result saved under the op's name; then two
   overlapping `new_group`s of two ranks each (W = 3), an all-reduce and an
   all-gather in each, with the default group used in between.
-- mismatch: the ranks all-reduce tensors of different shapes; the error is saved.
 - kill: rank 1 kills itself while rank 0 waits on an all-reduce; rank 0 saves the
   error and how long it took.
 - ddp_kill: rank 1 kills itself at the third step of stock DDP; rank 0 saves what its
   backward pass raised and how long it took.
+- wire: stock DDP with the 16-bit wire of `--wire-dtype` (set as $GRADSYNC_WIRE_DTYPE);
+  beside it, this one process computes the same training over every rank's batches,
+  once with the wire's rounding (each rank's gradient share rounded, summed in float32
+  in rank order, the sum rounded) and once exactly. Then, on a group without the wire
+  (`GradsyncOptions(wire_dtype=torch.float32)`), the ranks all-reduce tensors of
+  different shapes; and a third group, whose rank 1 asks for another wire, all-reduces
+  once. Both errors are saved.
 """
 
 from __future__ import annotations
 
 import argparse
+import copy
 import os
 import signal
 import sys
@@ -178,14 +185,66 @@ def run_groups(rank: int, saved: dict[str, np.ndarray]) -> None:
     dist.barrier()
 
 
-def run_mismatch(rank: int, saved: dict[str, np.ndarray]) -> None:
-    dist.all_reduce(torch.ones(2))  # a first one that matches
-    work = dist.all_reduce(torch.ones(2 + rank), async_op=True)
+WIRE_STEPS = 3
+
+
+def wire_batch(rank: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    generator = torch.Generator().manual_seed(100 * rank + step)
+    return torch.randn(6, 8, generator=generator), torch.randn(6, 4, generator=generator)
+
+
+def run_wire(rank: int, world: int, saved: dict[str, np.ndarray]) -> None:
+    from gradsync.distributed import GradsyncOptions
+
+    wire = getattr(torch, os.environ["GRADSYNC_WIRE_DTYPE"])
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 4))
+    references = {"rounded": copy.deepcopy(model), "exact": copy.deepcopy(model)}
+    wrapped = nn.parallel.DistributedDataParallel(model)
+    optimizers = {
+        name: torch.optim.SGD(m.parameters(), lr=0.1)
+        for name, m in (("ours", model), *references.items())
+    }
+    for step in range(WIRE_STEPS):
+        optimizers["ours"].zero_grad()
+        x, y = wire_batch(rank, step)
+        nn.functional.mse_loss(wrapped(x), y).backward()
+        optimizers["ours"].step()
+        for name, reference in references.items():
+            shares = []  # every rank's gradient, divided by the world size as DDP does
+            for other in range(world):
+                reference.zero_grad()
+                x, y = wire_batch(other, step)
+                nn.functional.mse_loss(reference(x), y).backward()
+                shares.append([p.grad / world for p in reference.parameters()])
+            for index, parameter in enumerate(reference.parameters()):
+                if name == "exact":
+                    parameter.grad = sum(share[index] for share in shares)
+                    continue
+                total = shares[0][index].to(wire).float()  # widened, summed in rank order
+                for share in shares[1:]:
+                    total = total + share[index].to(wire).float()
+                parameter.grad = total.to(wire).float()  # the answer, in the wire's type
+            optimizers[name].step()
+    for name, module in (("ours", model), *references.items()):
+        for key, tensor in module.state_dict().items():
+            saved[f"{name}/{key}"] = tensor.detach().numpy().copy()
+    saved["elements"] = np.array(sum(p.numel() for p in model.parameters()))
+    exact = dist.new_group(pg_options=GradsyncOptions(wire_dtype=torch.float32))
+    dist.all_reduce(torch.ones(2), group=exact)  # a first one that matches
+    failed(dist.all_reduce(torch.ones(2 + rank), group=exact, async_op=True), "shape", saved)
+    other_wire = torch.float16 if rank == 1 else None  # rank 0 keeps the variable's
+    group = dist.new_group(pg_options=GradsyncOptions(wire_dtype=other_wire))
+    failed(dist.all_reduce(torch.ones(3), group=group, async_op=True), "wire", saved)
+
+
+def failed(work: dist.Work, name: str, saved: dict[str, np.ndarray]) -> None:
+    """Save what waiting for `work` raised, as `name`_error and `name`_error_type."""
     try:
         work.wait()
     except Exception as exc:  # what c10d hands back, whatever its class
-        saved["error"] = np.array(str(exc))
-        saved["error_type"] = np.array(type(exc).__name__)
+        saved[f"{name}_error"] = np.array(str(exc))
+        saved[f"{name}_error_type"] = np.array(type(exc).__name__)
 
 
 def run_kill(rank: int, saved: dict[str, np.ndarray]) -> None:
@@ -223,7 +282,9 @@ def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--backend", choices=["gloo", "gradsync"], required=True)
     parser.add_argument(
-        "--scenario", choices=["ddp", "usage", "mismatch", "kill", "ddp_kill"], required=True
+        "--scenario",
+        choices=["ddp", "usage", "kill", "ddp_kill", "wire"],
+        required=True,
     )
     parser.add_argument("--rank", type=int, required=True)
     parser.add_argument("--world-size", type=int, required=True)
@@ -231,6 +292,7 @@ def main() -> int:
     parser.add_argument("--master-port", type=int, required=True, help="torch's TCPStore")
     parser.add_argument("--cases", default="", help="ddp: comma-separated zoo case names")
     parser.add_argument("--rendezvous", choices=["env", "gradsync"], default="env")
+    parser.add_argument("--wire-dtype", default="", help="$GRADSYNC_WIRE_DTYPE for the backend")
     parser.add_argument("--start-delay-s", type=float, default=0.0)
     parser.add_argument("--timeout-s", type=float, default=60.0)
     parser.add_argument("--out", type=Path, required=True)
@@ -242,6 +304,8 @@ def main() -> int:
     torch.set_num_threads(1)
     time.sleep(args.start_delay_s)
     os.environ.update(RANK=str(args.rank), WORLD_SIZE=str(args.world_size))
+    if args.wire_dtype:
+        os.environ["GRADSYNC_WIRE_DTYPE"] = args.wire_dtype
     init_method = f"gradsync://{args.coordinator}"
     if args.rendezvous == "env":
         init_method = "env://"
@@ -263,14 +327,14 @@ def main() -> int:
         run_script(args.rank, saved)
         run_ops(args.rank, args.world_size, saved)
         run_groups(args.rank, saved)
-    elif args.scenario == "mismatch":
-        run_mismatch(args.rank, saved)
     elif args.scenario == "kill":
         run_kill(args.rank, saved)
+    elif args.scenario == "wire":
+        run_wire(args.rank, args.world_size, saved)
     else:
         run_ddp_kill(args.rank, saved)
     np.savez(args.out, **saved)
-    if args.scenario in ("ddp", "usage"):
+    if args.scenario in ("ddp", "usage", "wire"):
         dist.destroy_process_group()
     sys.stdout.flush()
     os._exit(0)
