@@ -41,12 +41,26 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import grpc
+from google.protobuf.message import DecodeError
 from gradsync_proto import auth
 from gradsync_proto.v1 import gradsync_pb2 as pb
 
 from support.fuzz_coordinator import FuzzReport, LiveCoordinator, rss_kib, scan_log
 from support.fuzz_messages import Messages
 from support.rawclient import BUCKET_BYTES, CHUNK, RawWorker, assembled_job, run_step
+
+
+def is_leave(raw: bytes) -> bool:
+    """Whether the coordinator reads `raw` as a Leave.
+
+    Parsed, not matched by its first byte: a mutated message whose last field is a Leave
+    is one (the last of a oneof's fields wins), and the coordinator may end that stream OK.
+    """
+    try:
+        return pb.WorkerMessage.FromString(raw).WhichOneof("kind") == "leave"
+    except DecodeError:  # not a message at all
+        return False
+
 
 __all__ = ["FuzzReport", "Fuzzer", "LiveCoordinator", "StreamPlan", "fuzz", "run_fuzz"]
 
@@ -194,7 +208,7 @@ class Fuzzer:
                 await asyncio.wait([reader], timeout=UNAUTHENTICATED_WAIT_S)
             if index == 0 and plan.join and plan.pair:
                 await asyncio.sleep(0.1)  # let the partner join: most messages meet a running job
-            left = left or raw.startswith(b"\x22")  # field 4 (leave), length-delimited
+            left = left or is_leave(raw)
         await asyncio.wait([reader], timeout=0.05)
         half_closed = not call.done()
         if half_closed:
