@@ -66,6 +66,7 @@ def worker(args: argparse.Namespace) -> None:
         inner,
         sync_every=args.sync_every,
         wire_dtype=torch.int8 if args.wire == "int8" else None,
+        answer_dtype=None,  # exact answers, as the simulation it is checked against
         coordinator=args.coordinator,
         rank=args.rank,
         world_size=args.world_size,

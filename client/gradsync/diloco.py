@@ -27,8 +27,9 @@ On a 16-bit wire the rounding error of each pseudo-gradient is kept on the
 rank and added to the next one (`error_feedback`, on by default there), so
 what the coordinator receives sums to the true pseudo-gradients over rounds.
 
-The answer can be compact too (`answer_dtype`, opt-in): with an int8 wire and
-`answer_dtype=torch.int8` (a bfloat16 wire and `answer_dtype=torch.bfloat16`)
+The answer can be compact too (`answer_dtype`; the default with an int8 wire):
+with an int8 wire and `answer_dtype=torch.int8` (a bfloat16 wire and
+`answer_dtype=torch.bfloat16`)
 the coordinator keeps, beside its exact float32 global parameters, the
 *public copy*: the global parameters exactly as the ranks hold them. Every
 round it answers with the change exact - public, quantized as the wire is
@@ -121,15 +122,19 @@ class DiLoCo:
             unless `answer_dtype` says otherwise. Or `gradsync.SparseWire(density)`:
             each chunk's top `density` elements, 2 bits each, with error feedback,
             answered sparse too (`gradsync.sparse_wire`; same limits as int8).
-        answer_dtype: None (default: the new global parameters in float32, exact),
-            torch.int8 (needs wire_dtype=torch.int8) or torch.bfloat16 (needs
-            wire_dtype=torch.bfloat16): every answer after the seed is then the change
-            of the global parameters the ranks hold, quantized, a quarter (half) of
-            the bytes down; the ranks hold the coordinator's public copy, within one
-            quantization step of its exact parameters (see the module docstring).
-            Part of the job's signature: every rank must pass the same. No
-            `hierarchical`, and not yet with `min_contributors` (a late rank is
-            answered with the global parameters, not the public copy).
+        answer_dtype: "auto" (default: torch.int8 with the int8 wire, unless
+            `min_contributors` is set; else None), None (the new global parameters
+            in float32, exact), torch.int8 (needs wire_dtype=torch.int8) or
+            torch.bfloat16 (needs wire_dtype=torch.bfloat16): every answer after the
+            seed is then the change of the global parameters the ranks hold,
+            quantized, a quarter (half) of the bytes down; the ranks hold the
+            coordinator's public copy, within one quantization step of its exact
+            parameters (see the module docstring). Part of the job's signature:
+            every rank must resolve the same. No `hierarchical`, and not yet with
+            `min_contributors` (a late rank is answered with the global parameters,
+            not the public copy). A compact answer's outer state is not saved to the
+            store: a restarted coordinator reseeds from the ranks' copy, with the
+            outer momentum at zero (pass None to keep it across restarts).
         error_feedback: keep each round's rounding error and add it to the next
             pseudo-gradient (default: on with a 16-bit wire; meaningless without).
         fragments: F, the number of fragments synchronized at staggered steps (1 = the
@@ -201,7 +206,7 @@ class DiLoCo:
         *,
         nesterov: bool = True,
         wire_dtype: torch.dtype | SparseWire | None = None,
-        answer_dtype: torch.dtype | None = None,
+        answer_dtype: torch.dtype | str | None = "auto",
         error_feedback: bool | None = None,
         fragments: int = 1,
         overlap_steps: int = 0,
@@ -226,7 +231,7 @@ class DiLoCo:
     ) -> None:
         sparse, wire_dtype, answer_dtype = sparse_settings(wire_dtype, answer_dtype)
         check_outer(sync_every, outer_lr, outer_momentum, wire_dtype, error_feedback)
-        answer_dtype = compact_answer_dtype(wire_dtype, answer_dtype)
+        answer_dtype = compact_answer_dtype(wire_dtype, answer_dtype, min_contributors)
         port = resolve_metrics_port(metrics_port, os.environ)  # a bad value fails before joining
         mixing = streaming_mixing(sync_every, fragments, overlap_steps, mixing)
         self.model = model

@@ -80,9 +80,25 @@ def check_outer(
 
 
 def compact_answer_dtype(
-    wire_dtype: torch.dtype | None, answer_dtype: torch.dtype | None
+    wire_dtype: torch.dtype | None,
+    answer_dtype: torch.dtype | str | None,
+    min_contributors: int | None = None,
 ) -> torch.dtype | None:
-    """The compact answer's dtype (None = exact float32), after checking it fits the wire."""
+    """The compact answer's dtype (None = exact float32), after checking it fits the wire.
+
+    "auto" (DiLoCo's default) answers an int8 wire in int8: a quarter of the bytes down
+    for a rounding the next answer carries forward, and an int8 wire's job is flat already.
+    Every other wire, and partial rounds (`min_contributors`, which answer a late rank with
+    the exact parameters), get the exact float32 answer. The choice depends only on
+    settings every rank shares, so all ranks resolve it alike.
+    """
+    if answer_dtype == "auto":
+        return torch.int8 if wire_dtype is torch.int8 and not min_contributors else None
+    if isinstance(answer_dtype, str):
+        raise ValueError(
+            f'answer_dtype={answer_dtype!r} is not supported: "auto", None (float32), '
+            "torch.int8 or torch.bfloat16"
+        )
     if answer_dtype is None or answer_dtype is torch.float32:
         return None
     if answer_dtype not in (torch.int8, torch.bfloat16):
@@ -247,7 +263,7 @@ def flatten_options(
         options["hierarchical"] = False
     if wire_dtype is torch.int8 or answer_dtype is not None:
         if options.get("hierarchical") not in (None, False):
-            setting = "wire_dtype=torch.int8" if answer_dtype is None else "answer_dtype"
+            setting = "wire_dtype=torch.int8" if wire_dtype is torch.int8 else "answer_dtype"
             raise ValueError(
                 f"hierarchical={options['hierarchical']!r} is not possible with "
                 f"{setting} (a local group sums and answers in full precision): pass "

@@ -105,21 +105,21 @@ class SparseQuantization(Int8Quantization):
 
 
 def sparse_settings(
-    wire_dtype: torch.dtype | SparseWire | None, answer_dtype: torch.dtype | None
-) -> tuple[SparseWire | None, torch.dtype | None, torch.dtype | None]:
+    wire_dtype: torch.dtype | SparseWire | None, answer_dtype: torch.dtype | str | None
+) -> tuple[SparseWire | None, torch.dtype | None, torch.dtype | str | None]:
     """(sparse settings or None, the wire dtype, the answer dtype) DiLoCo runs with.
 
     A `SparseWire` travels as int8 chunks (its grid) and is answered in int8
     levels, sparse too: (settings, torch.int8, torch.int8).
 
     Raises:
-        ValueError: `answer_dtype` other than None or torch.int8 with a `SparseWire`.
+        ValueError: `answer_dtype` other than "auto", None or torch.int8 with a `SparseWire`.
     """
     if not isinstance(wire_dtype, SparseWire):
         return None, wire_dtype, answer_dtype
-    if answer_dtype not in (None, torch.int8):
+    if answer_dtype not in ("auto", None, torch.int8):
         raise ValueError(
             f"answer_dtype={answer_dtype!r} cannot answer wire_dtype={wire_dtype!r}: its "
-            "answer is sparse int8 levels (leave answer_dtype None, or torch.int8)"
+            'answer is sparse int8 levels (leave answer_dtype "auto", or torch.int8)'
         )
     return wire_dtype, torch.int8, torch.int8

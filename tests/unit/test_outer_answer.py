@@ -22,6 +22,7 @@ import numpy as np
 import pytest
 import torch
 from gradsync.diloco import DiLoCo
+from gradsync.diloco_settings import compact_answer_dtype
 from gradsync.path.step_results import StepResults
 from gradsync.quantized_answer import Int8Answer
 from gradsync.quantized_wire import ChunkGrid
@@ -317,6 +318,25 @@ def test_diloco_refuses_an_answer_dtype_its_wire_cannot_carry(
         DiLoCo(
             model, torch.optim.SGD(model.parameters(), lr=0.1), wire_dtype=wire, answer_dtype=answer
         )
+
+
+@pytest.mark.parametrize(
+    ("wire", "min_contributors", "resolved"),
+    [
+        (torch.int8, None, torch.int8),  # the int8 wire is answered in int8
+        (torch.int8, 1, None),  # partial rounds answer a late rank exactly
+        (torch.bfloat16, None, None),  # a bfloat16 job may form local groups
+        (None, None, None),
+    ],
+)
+def test_the_default_answer_is_int8_on_the_int8_wire_only(
+    wire: torch.dtype | None, min_contributors: int | None, resolved: torch.dtype | None
+) -> None:
+    assert compact_answer_dtype(wire, "auto", min_contributors) is resolved
+    # An explicit None keeps the exact float32 answer on the int8 wire.
+    assert compact_answer_dtype(wire, None, min_contributors) is None
+    with pytest.raises(ValueError, match="'int8' is not supported"):
+        compact_answer_dtype(wire, "int8")
 
 
 def test_a_compact_answer_is_refused_with_partial_rounds_at_both_ends() -> None:
