@@ -126,6 +126,12 @@ class ProcessGroupGradsync(_ProcessGroup):  # type: ignore[misc]  # (untyped bas
         """Operations this group completed or failed so far."""
         return self._ops.completed
 
+    @property
+    def reconnects(self) -> int:
+        """Coordinator restarts this group survived (it rejoined and sent its collectives
+        in flight again)."""
+        return self._session.resuming.reconnects
+
     def shutdown(self) -> None:
         """Let queued operations finish (for up to `SHUTDOWN_WAIT_S`), then leave the job;
         an operation still waiting for other ranks then fails. Idempotent."""
