@@ -76,15 +76,17 @@ def steps_done(out: Path) -> int:
 def test_stock_ddp_survives_a_coordinator_killed_and_restarted_on_its_port(
     tmp_path: Path, coordinator_factory: Any
 ) -> None:
-    gloo = finish(start("gloo", tmp_path / "gloo", "unused:1"), tmp_path / "gloo")
     port = str(free_port())
     first = coordinator_factory(WORLD, "--port", port)
     out = tmp_path / "ours"
     processes = start("gradsync", out, first.address)
+    reference = start("gloo", tmp_path / "gloo", "unused:1")  # beside it, to save time
     deadline = time.monotonic() + 60
     while steps_done(out) < KILL_AFTER_STEP:
         assert time.monotonic() < deadline, "the ranks never reached the kill step"
-        assert all(p.poll() is None for p in processes.values()), "a rank exited early"
+        if any(p.poll() is not None for p in processes.values()):
+            finish(processes, out)  # (raises with the ranks' output)
+            pytest.fail("a rank exited before the kill step")
         time.sleep(0.02)
     first.process.kill()  # SIGKILL: no goodbye, every collective in flight lost
     first.process.wait()
@@ -92,6 +94,7 @@ def test_stock_ddp_survives_a_coordinator_killed_and_restarted_on_its_port(
     time.sleep(1.0)  # the ranks notice and start reconnecting
     second = coordinator_factory(WORLD, "--port", port)
     ours = finish(processes, out)
+    gloo = finish(reference, tmp_path / "gloo")
     assert killed_at < STEPS - 1, "the run ended before the coordinator was killed"
     _, log = second.stop()
     # The group's job came back at the second coordinator, both ranks claiming where
