@@ -259,7 +259,7 @@ class ResumingLink:
         result: tuple[bytearray, int] | None = None
         error: BaseException | None = None
         try:
-            result = link.wait_collective(sent.sequence, 0.0)
+            result = link.wait_collective(sent.sequence, 0.0)  # type: ignore[attr-defined]
         except CoordinatorUnavailableError as exc:
             self._lost(exc, generation)
             return
