@@ -132,6 +132,11 @@ class ProcessGroupGradsync(_ProcessGroup):  # type: ignore[misc]  # (untyped bas
         in flight again)."""
         return self._session.resuming.reconnects
 
+    @property
+    def collectives_resent(self) -> int:
+        """Collectives this group sent again after coordinator restarts."""
+        return self._session.resuming.resent
+
     def shutdown(self) -> None:
         """Let queued operations finish (for up to `SHUTDOWN_WAIT_S`), then leave the job;
         an operation still waiting for other ranks then fails. Idempotent."""

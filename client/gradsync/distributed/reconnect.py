@@ -131,8 +131,9 @@ class ResumingLink:
         #: Why the link gave up (then every collective fails with it).
         self._failure: GradSyncError | None = None
         self._closed = False
-        #: Restarts survived so far (tests and logs read it).
+        #: Restarts survived so far, and collectives sent again after them (tests read them).
         self.reconnects = 0
+        self.resent = 0
 
     @property
     def link(self) -> CoordinatorLink:
@@ -355,6 +356,7 @@ class ResumingLink:
                 )
                 return
             self.reconnects += 1
+            self.resent += len(again)
             for sequence in again:
                 self._send(self._pending.get(sequence) or self._kept[sequence])
             log.warning(

@@ -20,7 +20,8 @@ and no $GRADSYNC_COORDINATOR). Scenarios:
   backward pass raised and how long it took.
 - ddp_steps: stock DDP trains a small MLP for `--steps` steps, `--step-delay-s` apart,
   writing the step it finished to `<out>.progress` (a test kills the coordinator
-  meanwhile); saves the parameters and, over "gradsync", how often the group reconnected.
+  meanwhile); saves the parameters and, over "gradsync", how often the group reconnected
+  and how many collectives it sent again.
 """
 
 from __future__ import annotations
@@ -240,6 +241,7 @@ def run_ddp_steps(
         saved[f"model/{key}"] = tensor.detach().numpy().copy()
     if dist.get_backend() == "gradsync":
         saved["reconnects"] = np.array(dist.group.WORLD.reconnects)
+        saved["resent"] = np.array(dist.group.WORLD.collectives_resent)
 
 
 def main() -> int:
