@@ -24,8 +24,9 @@ import torch
 import torch.distributed as dist
 from gradsync.collectives import Collectives
 from gradsync.distributed import ProcessGroupGradsync
-from gradsync.distributed.reconnect import ResumingLink
-from gradsync.errors import CoordinatorUnavailableError
+from gradsync.distributed.process_group import MAX_IN_FLIGHT
+from gradsync.distributed.reconnect import KEEP_COMPLETED, ResumingLink
+from gradsync.errors import ClosedError, CoordinatorUnavailableError
 from gradsync_proto.v1 import gradsync_pb2 as pb
 
 WORLD = 2
@@ -214,6 +215,9 @@ def test_ranks_that_disagree_on_what_completed_resend_from_the_lowest_claim() ->
     kept = [p for r, s, p in second.received if (r, s) == (0, 2)]
     assert kept == [values(2, 0).tobytes()]
     assert [link.reconnects for link in links] == [1, 1]
+    # A rank behind has at most MAX_IN_FLIGHT collectives outstanding: the rank ahead
+    # keeps the inputs of that many completed ones.
+    assert KEEP_COMPLETED >= MAX_IN_FLIGHT
 
 
 def test_a_coordinator_that_does_not_come_back_fails_the_pending_work_naming_it() -> None:
@@ -237,3 +241,14 @@ def test_a_coordinator_that_does_not_come_back_fails_the_pending_work_naming_it(
             group.allreduce([torch.ones(3)]).wait()
     finally:
         group.shutdown()
+
+
+def test_shutting_the_group_down_fails_a_collective_still_pending() -> None:
+    hub = Hub()
+    link = ResumingLink(hub.link(0), 0, Restart().rejoin(0), ADDRESS, 0, reconnect_timeout_s=WAIT_S)
+    link.issue_collective(SUM, F32, values(0, 0), 0)  # rank 1 never sends
+    link.close(1.0)
+    with pytest.raises(ClosedError, match="collective 0 \\(sum\\) did not complete: the process"):
+        link.wait_collective(0, WAIT_S)
+    with pytest.raises(ClosedError, match="shut down"):
+        link.issue_collective(SUM, F32, values(1, 0), 0)

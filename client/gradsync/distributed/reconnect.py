@@ -46,6 +46,7 @@ from gradsync_proto.v1 import gradsync_pb2 as pb
 from gradsync.control.collective_results import op_name
 from gradsync.control.link import CoordinatorLink
 from gradsync.errors import (
+    ClosedError,
     CollectiveError,
     CoordinatorUnavailableError,
     GradSyncError,
@@ -54,9 +55,10 @@ from gradsync.errors import (
 
 log = logging.getLogger("gradsync.client")
 
-#: Completed collectives whose input a rank keeps, to send again for a rank behind it
-#: (more than a process group keeps in flight, and than the coordinator holds open).
-KEEP_COMPLETED = 16
+#: Completed collectives whose input a rank keeps, to send again for a rank behind it: a
+#: rank behind has at most its group's `MAX_IN_FLIGHT` outstanding, and a rank ahead can
+#: only have completed collectives every rank issued.
+KEEP_COMPLETED = 8
 #: How long the lost link gets to close before it is replaced.
 ABANDON_LINK_TIMEOUT_S = 2.0
 #: Reconnect backoff: first pause, and the cap it doubles up to.
@@ -226,10 +228,21 @@ class ResumingLink:
         return self.wait_collective(sequence, timeout_s)
 
     def close(self, timeout_s: float) -> None:
-        """Close the current transport (and stop reconnecting). Idempotent."""
+        """Close the current transport and stop reconnecting; a collective still pending
+        fails (`ClosedError`). Idempotent."""
         with self._lock:
+            if self._closed:
+                return
             self._closed = True
             self._generation += 1
+            self._reconnecting = False
+            self._failure = ClosedError("the process group was shut down", rank=self.rank)
+            self._fail_pending(
+                lambda sent: ClosedError(
+                    f"{sent.describe()} did not complete: the process group was shut down",
+                    rank=self.rank,
+                )
+            )
             link = self._link
         link.close(timeout_s)
 
@@ -379,20 +392,26 @@ class ResumingLink:
             f"lost the coordinator at {self.address} ({cause}) {window}: {last}",
             rank=self.rank,
         )
+        log.error("rank %d: %s", self.rank, self._failure)
+        self._fail_pending(
+            lambda sent: CoordinatorUnavailableError(
+                f"{sent.describe()} did not complete: lost the coordinator at "
+                f"{self.address} ({cause}) {window}: {last}",
+                rank=self.rank,
+            )
+        )
+
+    def _fail_pending(self, error_for: Callable[[_Sent], GradSyncError]) -> None:
+        """Fail every collective without an outcome, and tell its hook (lock held)."""
         hooks = []
         for sent in self._pending.values():
             if sent.result is None and sent.error is None:
-                sent.error = CoordinatorUnavailableError(
-                    f"{sent.describe()} did not complete: lost the coordinator at "
-                    f"{self.address} ({cause}) {window}: {last}",
-                    rank=self.rank,
-                )
+                sent.error = error_for(sent)
                 if sent.on_ready is not None:
                     hooks.append(sent.on_ready)
         self._changed.notify_all()
-        log.error("rank %d: %s", self.rank, self._failure)
-        # Told on a thread of their own: the lock is held here, and a hook completes Work.
-        threading.Thread(target=_run_all, args=(hooks,), daemon=True).start()
+        if hooks:  # told on a thread of their own: the lock is held, and a hook completes Work
+            threading.Thread(target=_run_all, args=(hooks,), daemon=True).start()
 
 
 def _run_all(hooks: list[Callable[[], None]]) -> None:
