@@ -282,6 +282,8 @@ class ResumingLink:
         with self._lock:
             if generation != self._generation or self._pending.get(sent.sequence) is not sent:
                 return  # (a completed one sent again for a rank behind: its result is known)
+            if sent.result is not None or sent.error is not None:
+                return  # (the same, its result not yet taken by the waiter)
             sent.result, sent.error = result, error
             hook = sent.on_ready
             self._changed.notify_all()
@@ -328,7 +330,10 @@ class ResumingLink:
             with self._lock:
                 if self._closed:
                     return
-                claim = min(self._pending, default=self._next)
+                claim = min(
+                    (s for s, sent in self._pending.items() if sent.result is None),
+                    default=self._next,
+                )
             remaining = deadline - time.monotonic()
             try:
                 link, welcome = self._rejoin(claim, max(1.0, remaining))
@@ -370,8 +375,13 @@ class ResumingLink:
                 return
             self.reconnects += 1
             self.resent += len(again)
-            for sequence in again:
-                self._send(self._pending.get(sequence) or self._kept[sequence])
+            try:
+                for sequence in again:
+                    self._send(self._pending.get(sequence) or self._kept[sequence])
+            except Exception as exc:  # the rejoined transport failed at once
+                self._generation += 1
+                self._give_up(cause, exc)
+                return
             log.warning(
                 "rank %d: rejoined the coordinator at %s; sent collectives %d to %d again",
                 self.rank,
