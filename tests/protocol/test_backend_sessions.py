@@ -4,7 +4,8 @@ A Join with an empty ModelSignature (no parameters, buffers or buckets) is a
 collectives-only session: the coordinator assembles it with no state broadcast,
 runs collectives and heartbeats on it and lists it in status; its world size is
 the Join's own, from 1 up to --world-size (a subgroup), never beyond. A
-signature with buckets but no parameters is still refused.
+signature with buckets but no parameters is still refused. A restarted
+coordinator takes a group's collective numbering back from its ranks' claims.
 """
 
 from __future__ import annotations
@@ -67,5 +68,46 @@ def test_buckets_without_parameters_are_still_refused() -> None:
             await worker.join(0, world_size=2, job_id="odd", sig=sig)
             details = await worker.expect_status(grpc.StatusCode.INVALID_ARGUMENT)
             assert "lists no trainable parameters" in details
+
+    run(scenario)
+
+
+def test_a_restarted_coordinator_resumes_a_groups_collectives_at_the_lowest_claim() -> None:
+    """Ranks of a process group rejoining a restarted coordinator claim the lowest
+    collective they have no result for; the job goes on from the lowest claim, and a
+    rank ahead (it had collective 4's result) sends 4 again for the rank behind."""
+
+    async def scenario() -> None:
+        async with coordinator(world_size=2) as (_, channel):
+            workers = [RawWorker(channel) for _ in range(2)]
+            for rank, (worker, claim) in enumerate(zip(workers, (5, 4), strict=True)):
+                join = pb.Join(
+                    job_id="run.pg-world",
+                    rank=rank,
+                    world_size=2,
+                    signature=EMPTY,
+                    incarnation=f"test-{rank}",
+                    collective_resume=pb.CollectiveResume(sequence=claim),
+                )
+                await worker.send(pb.WorkerMessage(join=join))
+            for worker in workers:
+                welcome = (await worker.expect_kind("welcome")).welcome
+                assert welcome.next_collective == 4
+            for sequence in (4, 5):
+                for rank, worker in enumerate(workers):
+                    raw = np.full(sequence - 3, rank + sequence, np.float32).tobytes()
+                    chunk = pb.CollectiveChunk(
+                        sequence=sequence,
+                        op=pb.COLLECTIVE_OP_SUM,
+                        dtype=pb.DTYPE_FLOAT32,
+                        total_bytes=len(raw),
+                        payload=raw,
+                    )
+                    await worker.send(pb.WorkerMessage(collective=chunk))
+                for worker in workers:
+                    result = (await worker.expect_kind("collective")).collective
+                    assert result.sequence == sequence and result.contributors == 2
+                    values = np.frombuffer(result.payload, dtype=np.float32)
+                    np.testing.assert_array_equal(values, [2 * sequence + 1] * (sequence - 3))
 
     run(scenario)

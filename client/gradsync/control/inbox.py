@@ -193,6 +193,9 @@ class Inbox:
                 result_bytes=result_bytes,
                 on_ready=on_ready,
             )
+            # Issued on a stream that already failed: its wait raises at once, so it is told.
+            hooks = self._collectives.take_all_hooks() if self._shared.fatal is not None else []
+        _run_hooks(hooks)
 
     def wait_collective(self, sequence: int, timeout_s: float) -> tuple[bytearray, int]:
         """Block until the result of collective `sequence` is complete.

@@ -9,6 +9,9 @@ runs heartbeats and liveness on it (a lost rank is named within the heartbeat
 timeout), lists it in `gradsync status`, and runs its collectives; there is no
 state broadcast and no step. The session is one `Transport` (the same Sync
 stream, pipe and security as the model wrapper's) and a `Collectives` over it.
+A coordinator that restarts on the same address takes the group back: the
+session rejoins the same job with the same rank and sends the collectives in
+flight again (`gradsync.distributed.reconnect`).
 """
 
 from __future__ import annotations
@@ -16,14 +19,16 @@ from __future__ import annotations
 import logging
 import uuid
 from collections.abc import Callable
+from typing import cast
 
 from gradsync_proto.net.channels import ChannelSecurity
 from gradsync_proto.v1 import gradsync_pb2 as pb
 
-from gradsync import __version__
+from gradsync import __version__, defaults
 from gradsync.collectives import Collectives
-from gradsync.control.link import CoordinatorLink
+from gradsync.control.link import CoordinatorLink, SessionLink
 from gradsync.control.transport import Transport
+from gradsync.distributed.reconnect import ResumingLink
 
 log = logging.getLogger("gradsync.client")
 
@@ -49,6 +54,8 @@ class GroupSession:
         security: TLS and token.
         timeout_s: bound on joining (all ranks of the group arrive) and on each collective.
         link_factory: builds the link (default: `transport_link`).
+        reconnect_timeout_s: how long to keep reconnecting to a lost coordinator
+            (the model wrapper's window; 0: never).
 
     Raises:
         GradSyncError: joining failed (coordinator unreachable, refused, timed out).
@@ -63,48 +70,73 @@ class GroupSession:
         security: ChannelSecurity,
         timeout_s: float,
         link_factory: GroupLinkFactory = transport_link,
+        reconnect_timeout_s: float = defaults.RECONNECT_TIMEOUT_S,
     ) -> None:
         self.address = address
         self.job_id = job_id
         self.rank = rank
         self.world_size = world_size
-        self._link = link_factory(address, rank, security)
+        self._security = security
+        self._link_factory = link_factory
         self._closed = False
-        try:
-            self._link.configure_buckets([])
-            self._link.open(
-                pb.Join(
-                    job_id=job_id,
-                    rank=rank,
-                    world_size=world_size,
-                    signature=pb.ModelSignature(),  # empty: collectives only
-                    incarnation=uuid.uuid4().hex,
-                    client_version=__version__,
-                )
-            )
-            log.info(
-                "rank %d: joining process-group job '%s' at %s (size %d)",
-                rank,
-                job_id,
-                address,
-                world_size,
-            )
-            welcome = self._link.wait_welcome(timeout_s)
-            self._link.set_collective_sequence(int(welcome.next_collective))
-        except BaseException:
-            self._link.close(CLOSE_TIMEOUT_S)
-            raise
+        log.info(
+            "rank %d: joining process-group job '%s' at %s (size %d)",
+            rank,
+            job_id,
+            address,
+            world_size,
+        )
+        link, welcome = self._join(None, timeout_s)
+        #: The group's link across coordinator restarts (`gradsync.distributed.reconnect`).
+        self.resuming = ResumingLink(
+            link,
+            int(welcome.next_collective),
+            self._join,
+            address,
+            rank,
+            reconnect_timeout_s,
+        )
         #: The group's collectives (blocking; the process group runs them on its thread).
-        self.collectives = Collectives(lambda: self._link, rank, world_size, timeout_s)
+        self.collectives = Collectives(
+            lambda: cast(SessionLink, self.resuming), rank, world_size, timeout_s
+        )
+
+    def _join(
+        self, resume_from: int | None, timeout_s: float
+    ) -> tuple[CoordinatorLink, pb.Welcome]:
+        """Join the group's job on a new link; return it and its Welcome.
+
+        `resume_from`: a rank rejoining a restarted coordinator claims the lowest
+        collective it has no result for (`Join.collective_resume`).
+        """
+        link = self._link_factory(self.address, self.rank, self._security)
+        join = pb.Join(
+            job_id=self.job_id,
+            rank=self.rank,
+            world_size=self.world_size,
+            signature=pb.ModelSignature(),  # empty: collectives only
+            incarnation=uuid.uuid4().hex,
+            client_version=__version__,
+        )
+        if resume_from is not None:
+            join.collective_resume.sequence = resume_from
+        try:
+            link.configure_buckets([])
+            link.open(join)
+            welcome = link.wait_welcome(timeout_s)
+        except BaseException:
+            link.close(CLOSE_TIMEOUT_S)
+            raise
+        return link, welcome
 
     @property
     def link(self) -> CoordinatorLink:
-        """The stream to the coordinator."""
-        return self._link
+        """The stream to the coordinator now (a reconnect replaces it)."""
+        return self.resuming.link
 
     def close(self) -> None:
         """Leave the job (bounded). Idempotent."""
         if self._closed:
             return
         self._closed = True
-        self._link.close(CLOSE_TIMEOUT_S)
+        self.resuming.close(CLOSE_TIMEOUT_S)

@@ -137,6 +137,17 @@ class ProcessGroupGradsync(_ProcessGroup):  # type: ignore[misc]  # (untyped bas
         """Operations this group completed or failed so far."""
         return self._ops.completed
 
+    @property
+    def reconnects(self) -> int:
+        """Coordinator restarts this group survived (it rejoined and sent its collectives
+        in flight again)."""
+        return self._session.resuming.reconnects
+
+    @property
+    def collectives_resent(self) -> int:
+        """Collectives this group sent again after coordinator restarts."""
+        return self._session.resuming.resent
+
     def shutdown(self) -> None:
         """Let queued operations finish (for up to `SHUTDOWN_WAIT_S`), then leave the job;
         an operation still waiting for other ranks then fails. Idempotent."""

@@ -184,7 +184,7 @@ class ModelSignature(_message.Message):
     def __init__(self, parameters: _Optional[_Iterable[_Union[TensorSpec, _Mapping]]] = ..., buffers: _Optional[_Iterable[_Union[TensorSpec, _Mapping]]] = ..., buckets: _Optional[_Iterable[_Union[BucketSpec, _Mapping]]] = ..., outer: _Optional[_Union[OuterOptimizer, _Mapping]] = ...) -> None: ...
 
 class Join(_message.Message):
-    __slots__ = ("job_id", "rank", "world_size", "signature", "incarnation", "client_version", "host_id", "local_world_size", "position", "heal_relayed")
+    __slots__ = ("job_id", "rank", "world_size", "signature", "incarnation", "client_version", "host_id", "local_world_size", "position", "heal_relayed", "collective_resume")
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
     RANK_FIELD_NUMBER: _ClassVar[int]
     WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -195,6 +195,7 @@ class Join(_message.Message):
     LOCAL_WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
     POSITION_FIELD_NUMBER: _ClassVar[int]
     HEAL_RELAYED_FIELD_NUMBER: _ClassVar[int]
+    COLLECTIVE_RESUME_FIELD_NUMBER: _ClassVar[int]
     job_id: str
     rank: int
     world_size: int
@@ -205,7 +206,14 @@ class Join(_message.Message):
     local_world_size: int
     position: Position
     heal_relayed: bool
-    def __init__(self, job_id: _Optional[str] = ..., rank: _Optional[int] = ..., world_size: _Optional[int] = ..., signature: _Optional[_Union[ModelSignature, _Mapping]] = ..., incarnation: _Optional[str] = ..., client_version: _Optional[str] = ..., host_id: _Optional[str] = ..., local_world_size: _Optional[int] = ..., position: _Optional[_Union[Position, _Mapping]] = ..., heal_relayed: _Optional[bool] = ...) -> None: ...
+    collective_resume: CollectiveResume
+    def __init__(self, job_id: _Optional[str] = ..., rank: _Optional[int] = ..., world_size: _Optional[int] = ..., signature: _Optional[_Union[ModelSignature, _Mapping]] = ..., incarnation: _Optional[str] = ..., client_version: _Optional[str] = ..., host_id: _Optional[str] = ..., local_world_size: _Optional[int] = ..., position: _Optional[_Union[Position, _Mapping]] = ..., heal_relayed: _Optional[bool] = ..., collective_resume: _Optional[_Union[CollectiveResume, _Mapping]] = ...) -> None: ...
+
+class CollectiveResume(_message.Message):
+    __slots__ = ("sequence",)
+    SEQUENCE_FIELD_NUMBER: _ClassVar[int]
+    sequence: int
+    def __init__(self, sequence: _Optional[int] = ...) -> None: ...
 
 class Position(_message.Message):
     __slots__ = ("step", "digest")

@@ -35,7 +35,8 @@ input (the round goes on without it). No gRPC, no asyncio.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import logging
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 from gradsync_proto import dtypes
@@ -56,13 +57,15 @@ from gradsync_server.control.collective_ops import (
     splits_mismatch,
     splits_problem,
 )
-from gradsync_server.dataplane.actions import Action, Send, Terminate
+from gradsync_server.dataplane.actions import Action, Member, Send, Terminate
 from gradsync_server.dataplane.budget import OwnerBudget
 from gradsync_server.dataplane.observer import StepObserver
 from gradsync_server.dataplane.uploads import BlobAssembler
 from gradsync_server.errors import RejectedMessage
 
 __all__ = ["MAX_OPEN_COLLECTIVES", "Collectives", "op_name", "reduce_inputs"]
+
+log = logging.getLogger("gradsync.server")
 
 #: How far ahead of the oldest unfinished collective a rank may run (pipelined calls).
 MAX_OPEN_COLLECTIVES = 16
@@ -138,6 +141,25 @@ class Collectives:
         self._completed_above_floor: set[int] = set()
         #: One past the highest sequence any rank has started (what ranks continue from).
         self.next_sequence = 0
+
+    def resume(self, job_id: str, members: Mapping[int, Member]) -> None:
+        """A restarted coordinator: go on with a process group's numbering.
+
+        Each rank of a process group that rejoins claims the lowest collective it
+        has no result for (`Join.collective_resume`); every rank sends again each
+        collective from the lowest claim on, so the job starts there (a rank with
+        no claim counts as 0). Without claims nothing changes.
+        """
+        claims = {rank: member.collective_resume for rank, member in members.items()}
+        if all(claim is None for claim in claims.values()):
+            return
+        if self._rounds or self.next_sequence:
+            raise RuntimeError("only a job with no collectives yet can resume its numbering")
+        self._floor = self.next_sequence = min(claim or 0 for claim in claims.values())
+        told = ", ".join(f"rank {rank} at {claim}" for rank, claim in sorted(claims.items()))
+        log.warning(
+            "job '%s': collectives resumed at %d after a restart (%s)", job_id, self._floor, told
+        )
 
     def open_sequences(self) -> list[int]:
         """Sequences in flight, ascending."""

@@ -361,6 +361,7 @@ class Job:
         if problem is not None:
             return self._refuse(Code.FAILED_PRECONDITION, f"job '{self.job_id}' refused: {problem}")
         self.state = JobState.RUNNING
+        self.collectives.resume(self.job_id, self.members)
         resume = self.persistence.resume
         decision = self._restart_decision(optimizer is None, resume.step if resume else None)
         if isinstance(decision, restart.Continue):  # the ranks' own state stands: no broadcast

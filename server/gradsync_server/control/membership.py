@@ -175,6 +175,9 @@ class Membership:
             host_id=join.host_id,
             local_world_size=join.local_world_size,
             position=join.position if join.HasField("position") else None,
+            collective_resume=(
+                int(join.collective_resume.sequence) if join.HasField("collective_resume") else None
+            ),
         )
 
     # --------------------------------------------------------- local groups

@@ -107,6 +107,8 @@ class Member:
     local_world_size: int = 0
     #: Join.position: where a live rank rejoining a restarted coordinator stands.
     position: pb.Position | None = None
+    #: Join.collective_resume: the collective a process group's rank resumes from.
+    collective_resume: int | None = None
 
 
 @dataclass(frozen=True)

@@ -24,6 +24,10 @@ and no $GRADSYNC_COORDINATOR). Scenarios:
   (`GradsyncOptions(wire_dtype=torch.float32)`), the ranks all-reduce tensors of
   different shapes; and a third group, whose rank 1 asks for another wire, all-reduces
   once. Both errors are saved.
+- ddp_steps: stock DDP trains a small MLP for `--steps` steps, `--step-delay-s` apart,
+  writing the step it finished to `<out>.progress` (a test kills the coordinator
+  meanwhile); saves the parameters and, over "gradsync", how often the group reconnected
+  and how many collectives it sent again.
 """
 
 from __future__ import annotations
@@ -278,12 +282,33 @@ def run_ddp_kill(rank: int, saved: dict[str, np.ndarray]) -> None:
             return
 
 
+def run_ddp_steps(
+    rank: int, steps: int, delay_s: float, progress: Path, saved: dict[str, np.ndarray]
+) -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 2))
+    wrapped = nn.parallel.DistributedDataParallel(model, bucket_cap_mb=0.0005)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    for step in range(steps):
+        data = torch.Generator().manual_seed(1000 * step + rank)
+        optimizer.zero_grad()
+        wrapped(torch.randn(4, 8, generator=data)).square().sum().backward()
+        optimizer.step()
+        progress.write_text(str(step))
+        time.sleep(delay_s)
+    for key, tensor in model.state_dict().items():
+        saved[f"model/{key}"] = tensor.detach().numpy().copy()
+    if dist.get_backend() == "gradsync":
+        saved["reconnects"] = np.array(dist.group.WORLD.reconnects)
+        saved["resent"] = np.array(dist.group.WORLD.collectives_resent)
+
+
 def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--backend", choices=["gloo", "gradsync"], required=True)
     parser.add_argument(
         "--scenario",
-        choices=["ddp", "usage", "kill", "ddp_kill", "wire"],
+        choices=["ddp", "usage", "kill", "ddp_kill", "wire", "ddp_steps"],
         required=True,
     )
     parser.add_argument("--rank", type=int, required=True)
@@ -294,6 +319,8 @@ def main() -> int:
     parser.add_argument("--rendezvous", choices=["env", "gradsync"], default="env")
     parser.add_argument("--wire-dtype", default="", help="$GRADSYNC_WIRE_DTYPE for the backend")
     parser.add_argument("--start-delay-s", type=float, default=0.0)
+    parser.add_argument("--steps", type=int, default=10, help="ddp_steps: steps to train")
+    parser.add_argument("--step-delay-s", type=float, default=0.0, help="ddp_steps: pause")
     parser.add_argument("--timeout-s", type=float, default=60.0)
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args()
@@ -331,10 +358,13 @@ def main() -> int:
         run_kill(args.rank, saved)
     elif args.scenario == "wire":
         run_wire(args.rank, args.world_size, saved)
+    elif args.scenario == "ddp_steps":
+        progress = Path(f"{args.out}.progress")
+        run_ddp_steps(args.rank, args.steps, args.step_delay_s, progress, saved)
     else:
         run_ddp_kill(args.rank, saved)
     np.savez(args.out, **saved)
-    if args.scenario in ("ddp", "usage", "wire"):
+    if args.scenario in ("ddp", "usage", "wire", "ddp_steps"):
         dist.destroy_process_group()
     sys.stdout.flush()
     os._exit(0)
