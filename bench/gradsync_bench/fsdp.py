@@ -20,18 +20,16 @@ import datetime
 import json
 import os
 import statistics
-import subprocess
-import sys
 import tempfile
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from gradsync_proto.net.launch import free_port, local_launch, start_coordinator
+from gradsync_proto.net.launch import local_launch, start_coordinator
 
 from gradsync_bench.fsdp_worker import BACKENDS
-from gradsync_bench.procs import flag_args, progress, stop_process, wait_ranks
+from gradsync_bench.procs import flag_args, progress, run_module_ranks, stop_process
 from gradsync_bench.provenance import command_line, commit
 
 Row = dict[str, Any]
@@ -62,43 +60,19 @@ def run_once(world_size: int, backend: str, plan: FsdpPlan, workdir: Path) -> di
             world_size, *HEARTBEAT, launch=local_launch, timeout_s=plan.run_timeout_s
         )
         env["GRADSYNC_COORDINATOR"] = f"127.0.0.1:{port}"
-    out = workdir / f"{backend}-w{world_size}"
-    master_port = str(free_port())
-    processes: list[subprocess.Popen[str]] = []
     try:
-        for rank in range(world_size):
-            rank_env = dict(
-                env,
-                RANK=str(rank),
-                WORLD_SIZE=str(world_size),
-                LOCAL_RANK=str(rank),
-                LOCAL_WORLD_SIZE=str(world_size),
-                MASTER_ADDR="127.0.0.1",
-                MASTER_PORT=master_port,
-                OMP_NUM_THREADS="1",
-            )
-            argv = [
-                *(sys.executable, "-m", "gradsync_bench.fsdp_worker"),
-                *flag_args(backend=backend, steps=plan.steps, warmup=plan.warmup),
-                *flag_args(batch=plan.batch, out=out),
-            ]
-            processes.append(
-                subprocess.Popen(argv, env=rank_env, stderr=subprocess.PIPE, text=True)
-            )
-        wait_ranks(
-            processes,
-            plan.run_timeout_s,
-            lambda rank, code, err: (
-                f"fsdp {backend} W={world_size}: rank {rank} failed (exit {code}): {err[-2000:]}"
-            ),
+        records = run_module_ranks(
+            "gradsync_bench.fsdp_worker",
+            world_size,
+            workdir / f"{backend}-w{world_size}",
+            flag_args(backend=backend, steps=plan.steps, warmup=plan.warmup, batch=plan.batch),
+            env,
+            timeout_s=plan.run_timeout_s,
+            what=f"fsdp {backend} W={world_size}",
         )
     finally:
         if coordinator is not None:
             stop_process(coordinator)
-    records = [
-        json.loads(out.with_name(f"{out.name}-{rank}.json").read_text())
-        for rank in range(world_size)
-    ]
     seconds = max(record["seconds"] for record in records)
     cpu = statistics.mean(record["cpu_s"] for record in records)
     return {

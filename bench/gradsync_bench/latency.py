@@ -16,11 +16,8 @@ RSS and peak RSS (VmRSS / VmHWM from /proc) are read when its workers are done.
 
 from __future__ import annotations
 
-import json
 import os
 import statistics
-import subprocess
-import sys
 import tempfile
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -28,10 +25,10 @@ from pathlib import Path
 from typing import Any
 
 from gradsync_proto.net.frame_stream import frames_enabled
-from gradsync_proto.net.launch import free_port, local_launch, start_coordinator
+from gradsync_proto.net.launch import local_launch, start_coordinator
 
 from gradsync_bench.latency_worker import MODES
-from gradsync_bench.procs import flag_args, proc_status, progress, stop_process, wait_ranks
+from gradsync_bench.procs import flag_args, proc_status, progress, run_module_ranks, stop_process
 from gradsync_bench.tables import rows_table
 
 Row = dict[str, Any]
@@ -61,42 +58,6 @@ class LatencyPlan:
     extra_env: dict[str, str] = field(default_factory=dict)
 
 
-def _launch_workers(
-    world_size: int,
-    mode: str,
-    plan: LatencyPlan,
-    out: Path,
-    env: dict[str, str],
-    coordinator_pid: int = 0,
-) -> list[subprocess.Popen[str]]:
-    master_port = str(free_port())
-    processes = []
-    for rank in range(world_size):
-        rank_env = dict(
-            env,
-            RANK=str(rank),
-            WORLD_SIZE=str(world_size),
-            LOCAL_RANK=str(rank),
-            LOCAL_WORLD_SIZE=str(world_size),
-            MASTER_ADDR="127.0.0.1",
-            MASTER_PORT=master_port,
-            OMP_NUM_THREADS="1",
-        )
-        argv = [
-            *(sys.executable, "-m", "gradsync_bench.latency_worker"),
-            *flag_args(mode=mode, steps=plan.steps, warmup=plan.warmup, job_id=f"latency-{mode}"),
-            *flag_args(out=out, coordinator_pid=coordinator_pid),
-        ]
-        # stderr into a file: sixteen pipes read one after the other could fill and block.
-        with _stderr_path(out, rank).open("w") as stderr:
-            processes.append(subprocess.Popen(argv, env=rank_env, stderr=stderr, text=True))
-    return processes
-
-
-def _stderr_path(out: Path, rank: int) -> Path:
-    return out.with_name(f"{out.name}-{rank}.err")
-
-
 def run_once(world_size: int, mode: str, plan: LatencyPlan, workdir: Path) -> dict[str, float]:
     """One run of `mode` at `world_size`: steps/s (slowest rank), coordinator CPU and RSS."""
     env = dict(os.environ, **plan.extra_env)
@@ -106,15 +67,22 @@ def run_once(world_size: int, mode: str, plan: LatencyPlan, workdir: Path) -> di
         env["GRADSYNC_COORDINATOR"] = f"127.0.0.1:{port}"
     out = workdir / f"{mode}-w{world_size}"
     try:
-        pid = coordinator.pid if coordinator is not None else 0
-        processes = _launch_workers(world_size, mode, plan, out, env, pid)
-        wait_ranks(
-            processes,
-            plan.run_timeout_s,
-            lambda rank, code, _: (
-                f"latency {mode} W={world_size}: rank {rank} failed "
-                f"(exit {code}): {_stderr_path(out, rank).read_text()[-2000:]}"
+        records = run_module_ranks(
+            "gradsync_bench.latency_worker",
+            world_size,
+            out,
+            flag_args(
+                mode=mode,
+                steps=plan.steps,
+                warmup=plan.warmup,
+                job_id=f"latency-{mode}",
+                coordinator_pid=coordinator.pid if coordinator is not None else 0,
             ),
+            env,
+            timeout_s=plan.run_timeout_s,
+            what=f"latency {mode} W={world_size}",
+            # Sixteen pipes read one after the other could fill and block: files instead.
+            stderr_path=lambda rank: out.with_name(f"{out.name}-{rank}.err"),
         )
         result: dict[str, float] = {}
         if coordinator is not None:
@@ -124,10 +92,6 @@ def run_once(world_size: int, mode: str, plan: LatencyPlan, workdir: Path) -> di
     finally:
         if coordinator is not None:
             stop_process(coordinator)
-    records = [
-        json.loads(out.with_name(f"{out.name}-{rank}.json").read_text())
-        for rank in range(world_size)
-    ]
     seconds = max(record["seconds"] for record in records)
     result["steps_per_s"] = plan.steps / seconds
     result["step_ms"] = seconds / plan.steps * 1e3

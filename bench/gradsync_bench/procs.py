@@ -4,6 +4,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -11,6 +12,8 @@ import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
+
+from gradsync_proto.net.launch import free_port
 
 
 def progress(line: str) -> None:
@@ -61,6 +64,67 @@ def wait_ranks(
                 raise RuntimeError(failed(rank, process.returncode, err or ""))
     finally:
         kill_all(processes)
+
+
+def run_module_ranks(
+    module: str,
+    world_size: int,
+    out: Path,
+    flags: Sequence[str],
+    env: dict[str, str],
+    *,
+    timeout_s: float,
+    what: str,
+    stderr_path: Callable[[int], Path] | None = None,
+) -> list[dict[str, Any]]:
+    """Run `world_size` ranks of `python -m module --out out *flags` on this host, as
+    torchrun starts them (RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR and
+    a free MASTER_PORT over `env`, OMP_NUM_THREADS=1); wait for them all within
+    `timeout_s` (`wait_ranks`) and return the record each wrote to <out>-<rank>.json.
+
+    Args:
+        what: names the run in a failure ("latency flat W=8").
+        stderr_path: each rank's stderr goes to that file (many ranks: pipes read one
+            after the other could fill and block); by default it is piped.
+
+    Raises:
+        RuntimeError: a rank failed, naming it, its exit status and its stderr's tail.
+    """
+    master_port = str(free_port())
+    processes: list[subprocess.Popen[str]] = []
+    try:
+        for rank in range(world_size):
+            rank_env = dict(
+                env,
+                RANK=str(rank),
+                WORLD_SIZE=str(world_size),
+                LOCAL_RANK=str(rank),
+                LOCAL_WORLD_SIZE=str(world_size),
+                MASTER_ADDR="127.0.0.1",
+                MASTER_PORT=master_port,
+                OMP_NUM_THREADS="1",
+            )
+            argv = [sys.executable, "-m", module, *flag_args(out=out), *flags]
+            if stderr_path is None:
+                processes.append(
+                    subprocess.Popen(argv, env=rank_env, stderr=subprocess.PIPE, text=True)
+                )
+                continue
+            with stderr_path(rank).open("w") as stderr:
+                processes.append(subprocess.Popen(argv, env=rank_env, stderr=stderr, text=True))
+    except BaseException:
+        kill_all(processes)
+        raise
+
+    def failed(rank: int, code: int, err: str) -> str:
+        tail = err if stderr_path is None else stderr_path(rank).read_text()
+        return f"{what}: rank {rank} failed (exit {code}): {tail[-2000:]}"
+
+    wait_ranks(processes, timeout_s, failed)
+    return [
+        json.loads(out.with_name(f"{out.name}-{rank}.json").read_text())
+        for rank in range(world_size)
+    ]
 
 
 def wait_until(

@@ -14,7 +14,6 @@ the coordinator's log that the group's job really ran there.
 from __future__ import annotations
 
 import re
-import subprocess
 import urllib.request
 from pathlib import Path
 from typing import Any
@@ -23,7 +22,8 @@ import numpy as np
 import pytest
 from gradsync_proto.net.launch import free_port
 from prometheus_client.parser import text_string_to_metric_families
-from support.processes import WORKERS, CoordinatorProcess, launch_captured, launch_ranks, reap
+from support.backend_launch import finish_backend_runs, start_backend_ranks
+from support.processes import WORKERS, CoordinatorProcess
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(240)]
 
@@ -47,46 +47,17 @@ def run(
 ) -> list[dict[str, Any]]:
     """Run every rank of `scenario` (the highest rank first, each started apart);
     return what each saved (an empty dict for a rank that saved nothing)."""
-    out.mkdir(parents=True, exist_ok=True)
-    master_port = free_port()
-    order = list(reversed(range(world)))
-    started = launch_ranks(
+    started = start_backend_ranks(
         BACKEND_WORKER,
-        coordinator,
-        world,
-        lambda rank: out / f"rank{rank}.npz",
-        "--backend",
         backend,
-        "--scenario",
         scenario,
-        "--master-port",
-        str(master_port),
+        world,
+        out,
+        coordinator,
         *extra,
-        per_rank={r: ["--start-delay-s", str(START_APART_S * (world - 1 - r))] for r in order},
-        ranks=order,
-        launch=launch_captured,
+        start_apart_s=START_APART_S,
     )
-    processes: dict[int, subprocess.Popen[str]] = dict(zip(order, started, strict=True))
-    try:
-        texts = {rank: p.communicate(timeout=timeout_s)[0] for rank, p in processes.items()}
-    finally:
-        reap(processes.values())
-    expected = expect_exit or {}
-    failed = {
-        rank: texts[rank]
-        for rank, process in processes.items()
-        if process.returncode != expected.get(rank, 0)
-    }
-    assert not failed, "\n".join(f"{backend} rank {r}:\n{text}" for r, text in failed.items())
-    results = []
-    for rank in range(world):
-        path = out / f"rank{rank}.npz"
-        if path.exists():
-            with np.load(path) as data:
-                results.append(dict(data))
-        else:
-            results.append({})
-    return results
+    return finish_backend_runs(started, timeout_s=timeout_s, expect_exit=expect_exit)[0]
 
 
 def assert_job_ran(coordinator: CoordinatorProcess, world: int) -> tuple[int, str]:

@@ -12,15 +12,14 @@ from __future__ import annotations
 
 import importlib.util
 import re
-import subprocess
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pytest
-from gradsync_proto.net.launch import free_port
+from support.backend_launch import finish_backend_runs, start_backend_ranks
 from support.components import MISSING_COMPONENT
-from support.processes import WORKERS, CoordinatorProcess, launch_captured, launch_ranks, reap
+from support.processes import WORKERS, CoordinatorProcess
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(240)]
 
@@ -29,63 +28,26 @@ CLIENTS_WORKER = WORKERS / "clients_worker.py"
 START_APART_S = 0.5
 
 
-def start(
-    backend: str, scenario: str, world: int, out: Path, coordinator: str
-) -> dict[int, subprocess.Popen[str]]:
-    """Start every rank of `scenario`, the highest first, each started apart."""
-    out.mkdir(parents=True, exist_ok=True)
-    master_port = free_port()
-    order = list(reversed(range(world)))
-    started = launch_ranks(
-        CLIENTS_WORKER,
-        coordinator,
-        world,
-        lambda rank: out / f"rank{rank}.npz",
-        "--backend",
-        backend,
-        "--scenario",
-        scenario,
-        "--master-port",
-        str(master_port),
-        per_rank={r: ["--start-delay-s", str(START_APART_S * (world - 1 - r))] for r in order},
-        ranks=order,
-        launch=launch_captured,
-    )
-    processes: dict[int, subprocess.Popen[str]] = dict(zip(order, started, strict=True))
-    return processes
-
-
 def run_both(
     scenario: str, world: int, tmp_path: Path, coordinator: str
 ) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
     """Run `scenario` over gloo and over gradsync side by side (two separate groups of
     processes, each with its own rendezvous); return what the ranks of each saved."""
-    runs = {
-        backend: start(backend, scenario, world, tmp_path / backend, address)
-        for backend, address in (("gloo", "unused:1"), ("gradsync", coordinator))
-    }
-    everyone = [p for processes in runs.values() for p in processes.values()]
-    try:
-        texts = {
-            (backend, rank): p.communicate(timeout=180)[0]
-            for backend, processes in runs.items()
-            for rank, p in processes.items()
-        }
-    finally:
-        reap(everyone)
-    failed = [
-        f"{backend} rank {rank} (exit {runs[backend][rank].returncode}):\n{text}"
-        for (backend, rank), text in texts.items()
-        if runs[backend][rank].returncode != 0
-    ]
-    assert not failed, "\n".join(failed)
-    saved: dict[str, list[dict[str, Any]]] = {}
-    for backend in runs:
-        saved[backend] = []
-        for rank in range(world):
-            with np.load(tmp_path / backend / f"rank{rank}.npz") as data:
-                saved[backend].append(dict(data))
-    return saved["gradsync"], saved["gloo"]
+    gloo, ours = finish_backend_runs(
+        *(
+            start_backend_ranks(
+                CLIENTS_WORKER,
+                backend,
+                scenario,
+                world,
+                tmp_path / backend,
+                address,
+                start_apart_s=START_APART_S,
+            )
+            for backend, address in (("gloo", "unused:1"), ("gradsync", coordinator))
+        )
+    )
+    return ours, gloo
 
 
 def assert_same_parameters(

@@ -40,7 +40,8 @@ rule with that same sparse rounding of the change.
 from __future__ import annotations
 
 import argparse
-from collections.abc import Sequence
+import functools
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -223,6 +224,39 @@ class CoordinatorSGD:
                 p.copy_(p - lr * step)
 
 
+#: One replica's inner step: (replica index, its model, its inner optimizer, inner step).
+InnerStep = Callable[[int, nn.Module, torch.optim.Optimizer, int], None]
+#: What the coordinator takes in for a replica's tensors sent in a dtype ("int8", "bf16",
+#: "topk2", ...): (tensors, the replica's model, dtype name) -> the rounded tensors.
+Rounding = Callable[[list[torch.Tensor], nn.Module, str], list[torch.Tensor]]
+
+
+def rank_step(
+    run: Run, rank: int, model: nn.Module, optimizer: torch.optim.Optimizer, step: int
+) -> None:
+    """One inner step of rank `rank`: the mean-squared error on its batch, then the optimizer."""
+    x, y = batch(run, rank, step)
+    optimizer.zero_grad()
+    nn.functional.mse_loss(model(x), y).backward()
+    optimizer.step()
+
+
+def _replicas(
+    run: Run, count: int, initial: nn.Module
+) -> tuple[list[nn.Module], list[torch.optim.Optimizer]]:
+    """`count` copies of `initial`, each with its own inner optimizer."""
+    replicas = [make_model(0, run.hidden) for _ in range(count)]
+    for replica in replicas:
+        replica.load_state_dict(initial.state_dict())
+    return replicas, [inner_optimizer(run, replica) for replica in replicas]
+
+
+def _outer_sgd(run: Run, params: list[torch.Tensor]) -> torch.optim.SGD:
+    return torch.optim.SGD(
+        params, lr=run.outer_lr, momentum=run.outer_momentum, nesterov=run.outer_momentum > 0
+    )
+
+
 def simulate(
     run: Run,
     world_size: int,
@@ -232,8 +266,11 @@ def simulate(
     shard_count: int = 1,
     error_feedback: bool = True,
     lost: tuple[int, int] | None = None,
+    back: int | None = None,
     partial: Sequence[int] = (),
     exact_history: list[list[torch.Tensor]] | None = None,
+    inner_step: InnerStep | None = None,
+    rounding: Rounding | None = None,
 ) -> list[list[torch.Tensor]]:
     """The global parameters the ranks hold after each round (round 0 = the initial ones).
 
@@ -243,16 +280,25 @@ def simulate(
     Args:
         lost: (rank, round): that rank is gone from that round on (1-based), so the round
             and every later one average over the others (`--on-failure elastic`).
+        back: the lost rank comes back restarted (a fresh inner optimizer, no residual)
+            from round `back`'s global parameters and takes part in rounds back + 1 on.
         partial: parameters (indices) whose pseudo-gradients the lost rank still delivered
             in the round it was lost in (it died mid-round): there they average over it too.
         chunk_bytes, shard_count: the coordinator's grid (the int8 wire's scales are per chunk).
         error_feedback: feed a narrow wire's rounding error back (as the ranks do by default).
+        inner_step: a replica's inner step (default: `rank_step`, one rank a replica).
+        rounding: how a replica's pseudo-gradients (in `run.wire`) and the compact answer's
+            changes (in `run.answer`) are rounded (default: on the replica's own bucket
+            layout and the coordinator's grid, `answer_round_trip`).
     """
     wire = WIRES[run.wire]
-    replicas = [make_model(0, run.hidden) for _ in range(world_size)]
-    for replica in replicas:
-        replica.load_state_dict(initial.state_dict())
-    optimizers = [inner_optimizer(run, replica) for replica in replicas]
+    if inner_step is None:
+        inner_step = functools.partial(rank_step, run)
+    if rounding is None:
+        rounding = functools.partial(
+            _round_trip, chunk_bytes=chunk_bytes, shard_count=shard_count, density=run.density
+        )
+    replicas, optimizers = _replicas(run, world_size, initial)
     # The seed round's answer: the average of the ranks' identical parameters, summed in
     # rank order and divided in float32 (the parameters themselves for W = 1, 2, 4).
     seeded = []
@@ -262,12 +308,7 @@ def simulate(
             total = total + p.detach()
         seeded.append(total / world_size)
     global_params = [p.requires_grad_(True) for p in seeded]
-    outer: torch.optim.SGD | CoordinatorSGD = torch.optim.SGD(
-        global_params,
-        lr=run.outer_lr,
-        momentum=run.outer_momentum,
-        nesterov=run.outer_momentum > 0,
-    )
+    outer: torch.optim.SGD | CoordinatorSGD = _outer_sgd(run, global_params)
     if wire is torch.int8 or run.answer != "fp32":  # quantized: one ulp can move a quantum
         outer = CoordinatorSGD(global_params, run)
     residuals = [[torch.zeros_like(p) for p in global_params] for _ in replicas]
@@ -276,37 +317,34 @@ def simulate(
     public = [p.detach().clone() for p in global_params]
     if exact_history is not None:
         exact_history.append([p.detach().clone() for p in global_params])
-    step = 0
     for number in range(1, run.rounds + 1):
-        live = [r for r in range(world_size) if lost is None or r != lost[0] or number < lost[1]]
+        gone = lost is not None and number >= lost[1] and (back is None or number <= back)
+        live = [r for r in range(world_size) if not (gone and lost is not None and r == lost[0])]
+        if lost is not None and back is not None and number == back + 1 >= lost[1]:
+            rank = lost[0]  # restarted: a fresh process from round `back`'s parameters
+            with torch.no_grad():
+                for p, g in zip(replicas[rank].parameters(), history[back], strict=True):
+                    p.copy_(g)
+            optimizers[rank] = inner_optimizer(run, replicas[rank])
+            residuals[rank] = [torch.zeros_like(p) for p in global_params]
         dying = lost is not None and number == lost[1] and bool(partial)
         senders = [r for r in range(world_size) if r in live or (dying and r == lost[0])]
-        for _ in range(run.sync_every):
-            for rank, (replica, optimizer) in enumerate(zip(replicas, optimizers, strict=True)):
-                x, y = batch(run, rank, step)
-                optimizer.zero_grad()
-                nn.functional.mse_loss(replica(x), y).backward()
-                optimizer.step()
-            step += 1
+        for inner in range(run.sync_every):
+            for rank in senders:
+                inner_step(
+                    rank, replicas[rank], optimizers[rank], (number - 1) * run.sync_every + inner
+                )
         pseudo: dict[int, list[torch.Tensor]] = {}
-        for rank, replica in enumerate(replicas):
-            if rank not in senders:
+        for rank in senders:
+            replica = replicas[rank]
+            deltas = [g - p.detach() for g, p in zip(public, replica.parameters(), strict=True)]
+            if wire is None:
+                pseudo[rank] = deltas
                 continue
-            deltas = []
-            for index, (g, p) in enumerate(zip(public, replica.parameters(), strict=True)):
-                delta = g - p.detach()
-                if wire is not None:
-                    delta = delta + residuals[rank][index]
-                deltas.append(delta)
-            if run.wire == "topk2":
-                sent = sparse_wire(deltas, replica, chunk_bytes, shard_count, run.density)
-            elif wire is torch.int8:
-                sent = int8_wire(deltas, replica, chunk_bytes, shard_count)
-            else:
-                sent = [delta if wire is None else delta.to(wire).float() for delta in deltas]
-            if wire is not None and error_feedback:
-                residuals[rank] = [d - r for d, r in zip(deltas, sent, strict=True)]
-            pseudo[rank] = sent
+            deltas = [d + r for d, r in zip(deltas, residuals[rank], strict=True)]
+            pseudo[rank] = rounding(deltas, replica, run.wire)
+            if error_feedback:
+                residuals[rank] = [d - s for d, s in zip(deltas, pseudo[rank], strict=True)]
         averages = []
         for index in range(len(global_params)):
             ranks = senders if index in partial else live  # (ascending: the rank order)
@@ -322,13 +360,11 @@ def simulate(
             public = [p.detach().clone() for p in global_params]
         else:
             changes = [g.detach() - h for g, h in zip(global_params, public, strict=True)]
-            added = answer_round_trip(
-                changes, replicas[0], run.answer, chunk_bytes, shard_count, run.density
-            )
+            added = rounding(changes, replicas[0], run.answer)
             public = [h + a for h, a in zip(public, added, strict=True)]
         with torch.no_grad():
-            for replica in replicas:
-                for p, g in zip(replica.parameters(), public, strict=True):
+            for rank in live:
+                for p, g in zip(replicas[rank].parameters(), public, strict=True):
                     p.copy_(g)
         history.append([p.clone() for p in public])
         if exact_history is not None:
@@ -336,8 +372,25 @@ def simulate(
     return history
 
 
+def _round_trip(
+    tensors: list[torch.Tensor],
+    model: nn.Module,
+    dtype: str,
+    *,
+    chunk_bytes: int,
+    shard_count: int,
+    density: float,
+) -> list[torch.Tensor]:
+    return answer_round_trip(tensors, model, dtype, chunk_bytes, shard_count, density)
+
+
 def simulate_streaming(
-    run: Run, world_size: int, initial: nn.Module, split: list[int]
+    run: Run,
+    world_size: int,
+    initial: nn.Module,
+    split: list[int],
+    *,
+    inner_step: InnerStep | None = None,
 ) -> list[list[torch.Tensor]]:
     """Every replica's parameters at the end of a Streaming DiLoCo run.
 
@@ -346,12 +399,12 @@ def simulate_streaming(
     t mod H = i*H/F; its answer (one outer step of the fragment's own optimizer on
     the replicas' mean pseudo-gradient) is merged `overlap_steps` inner steps later:
     p = mixing * global + (1 - mixing) * p, or replaced without overlap.
+    `inner_step`: a replica's inner step (default: `rank_step`, one rank a replica).
     """
+    if inner_step is None:
+        inner_step = functools.partial(rank_step, run)
     mixing = run.mixing if run.mixing is not None else (1.0 if run.overlap_steps == 0 else 0.5)
-    replicas = [make_model(0, run.hidden) for _ in range(world_size)]
-    for replica in replicas:
-        replica.load_state_dict(initial.state_dict())
-    optimizers = [inner_optimizer(run, replica) for replica in replicas]
+    replicas, optimizers = _replicas(run, world_size, initial)
     bounds = [sum(split[:i]) for i in range(len(split) + 1)]
     local = [list(r.parameters()) for r in replicas]
     fragments = []
@@ -359,10 +412,7 @@ def simulate_streaming(
         params = [
             p.detach().clone().requires_grad_(True) for p in local[0][bounds[i] : bounds[i + 1]]
         ]
-        outer = torch.optim.SGD(
-            params, lr=run.outer_lr, momentum=run.outer_momentum, nesterov=run.outer_momentum > 0
-        )
-        fragments.append((params, outer))
+        fragments.append((params, _outer_sgd(run, params)))
     apply_at: dict[int, int] = {}
 
     def merge(index: int, share: float) -> None:
@@ -387,10 +437,7 @@ def simulate_streaming(
     count, every = len(split), run.sync_every
     for t in range(1, run.rounds * every + 1):
         for rank, (replica, optimizer) in enumerate(zip(replicas, optimizers, strict=True)):
-            x, y = batch(run, rank, t - 1)
-            optimizer.zero_grad()
-            nn.functional.mse_loss(replica(x), y).backward()
-            optimizer.step()
+            inner_step(rank, replica, optimizer, t - 1)
         for index in range(count):
             if apply_at.get(index) == t:
                 merge(index, mixing)
@@ -444,17 +491,9 @@ def simulate_stragglers(
     the outer step.
     float32 wire only.
     """
-    replicas = [make_model(0, run.hidden) for _ in range(world_size)]
-    for replica in replicas:
-        replica.load_state_dict(initial.state_dict())
-    optimizers = [inner_optimizer(run, replica) for replica in replicas]
+    replicas, optimizers = _replicas(run, world_size, initial)
     global_params = [p.detach().clone().requires_grad_(True) for p in initial.parameters()]
-    outer = torch.optim.SGD(
-        global_params,
-        lr=run.outer_lr,
-        momentum=run.outer_momentum,
-        nesterov=run.outer_momentum > 0,
-    )
+    outer = _outer_sgd(run, global_params)
     history = [[p.detach().clone() for p in global_params]]
     done = dict.fromkeys(range(world_size), 0)  # local rounds each rank has run
     pseudo: dict[tuple[int, int], list[torch.Tensor]] = {}  # (rank, local round) -> deltas
@@ -468,10 +507,7 @@ def simulate_stragglers(
                 for p, g in zip(replica.parameters(), start, strict=True):
                     p.copy_(g)
             for inner in range(run.sync_every):
-                x, y = batch(run, rank, number * run.sync_every + inner)
-                optimizer.zero_grad()
-                nn.functional.mse_loss(replica(x), y).backward()
-                optimizer.step()
+                rank_step(run, rank, replica, optimizer, number * run.sync_every + inner)
             deltas = [g - p.detach() for g, p in zip(start, replica.parameters(), strict=True)]
             pseudo[(rank, number)] = deltas
             done[rank] += 1

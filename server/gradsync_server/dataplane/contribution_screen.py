@@ -29,6 +29,7 @@ from gradsync_server.dataplane.screening import (
     ChunkVerdict,
     Finding,
     Floats,
+    Geometry,
     Quarantine,
     ScreenPolicy,
     ScreenThresholds,
@@ -55,7 +56,7 @@ class ScreenObserver(Protocol):
 
 
 @dataclass
-class RankRound:
+class RankRound(Geometry):
     """One rank's contribution to one round, as screened here."""
 
     rank: int
@@ -69,17 +70,6 @@ class RankRound:
     worst_ratio: float = 0.0
     reasons: set[str] = field(default_factory=set)
     action: str = ""
-
-    @property
-    def norm(self) -> float:
-        return math.sqrt(self.square_sum) if math.isfinite(self.square_sum) else math.inf
-
-    @property
-    def cosine(self) -> float:
-        denominator = math.sqrt(self.square_sum * self.reference_square_sum)
-        if not (denominator > 0 and math.isfinite(denominator) and math.isfinite(self.dot)):
-            return math.nan
-        return self.dot / denominator
 
     def describe(self, job_id: str, thresholds: ScreenThresholds) -> str:
         """Names the rank, round, what was wrong and what was done (for people)."""

@@ -58,6 +58,7 @@ __all__ = [
     "POLICIES",
     "ChunkVerdict",
     "Finding",
+    "Geometry",
     "Measure",
     "Quarantine",
     "ScreenPolicy",
@@ -158,18 +159,12 @@ class ScreenThresholds:
         )
 
 
-@dataclass(frozen=True)
-class Measure:
-    """One contribution to one chunk, measured on arrival."""
+class Geometry:
+    """A contribution's norm and cosine to a reference, from its sums."""
 
-    #: Sum of squares of its elements (inf if it overflows or holds NaN/Inf).
     square_sum: float
-    #: Dot product with the reference: the other ranks' contributions summed (nan: none).
     dot: float
-    #: Sum of squares of the reference (0: none).
     reference_square_sum: float
-    #: NaN or Inf elements.
-    nonfinite: int
 
     @property
     def norm(self) -> float:
@@ -182,6 +177,20 @@ class Measure:
         if not (denominator > 0 and math.isfinite(denominator) and math.isfinite(self.dot)):
             return math.nan
         return self.dot / denominator
+
+
+@dataclass(frozen=True)
+class Measure(Geometry):
+    """One contribution to one chunk, measured on arrival."""
+
+    #: Sum of squares of its elements (inf if it overflows or holds NaN/Inf).
+    square_sum: float
+    #: Dot product with the reference: the other ranks' contributions summed (nan: none).
+    dot: float
+    #: Sum of squares of the reference (0: none).
+    reference_square_sum: float
+    #: NaN or Inf elements.
+    nonfinite: int
 
 
 def measure_chunk(

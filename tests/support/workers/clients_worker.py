@@ -7,7 +7,8 @@ and saves every parameter (the full tensor, gathered where it is sharded) as
 MASTER_PORT); gradsync's groups join the coordinator at $GRADSYNC_COORDINATOR.
 Scenarios:
 
-- fsdp: FSDP2 (`fully_shard`) of a two-layer transformer over the default group.
+- fsdp: FSDP2 (`fully_shard`) of a two-layer transformer (the one the FSDP2 benchmark
+  trains, `gradsync_bench.fsdp_worker.transformer`) over the default group.
 - hsdp: FSDP2 on a 2-D DeviceMesh (replicate x shard, W = 4), both dimensions on the
   backend: HSDP.
 - lightning: a PyTorch Lightning `Trainer` with
@@ -31,24 +32,11 @@ from typing import Any
 import numpy as np
 import torch
 import torch.distributed as dist
+from gradsync_bench.fsdp_worker import D_MODEL, SEQ, transformer
 from torch import nn
 
 STEPS = 3
 BATCH = 4
-SEQ = 5
-D_MODEL = 32
-
-
-def transformer() -> nn.Module:
-    """Two encoder layers, d = 32, no dropout: every rank builds the same one."""
-    torch.manual_seed(0)
-    layers = [
-        nn.TransformerEncoderLayer(
-            D_MODEL, nhead=4, dim_feedforward=64, dropout=0.0, batch_first=True
-        )
-        for _ in range(2)
-    ]
-    return nn.Sequential(*layers, nn.Linear(D_MODEL, 1))
 
 
 def batch(rank: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
