@@ -11,7 +11,6 @@ again, and the run ends equal to gloo's, with no step recomputed.
 
 from __future__ import annotations
 
-import subprocess
 import time
 from pathlib import Path
 from typing import Any
@@ -19,7 +18,8 @@ from typing import Any
 import numpy as np
 import pytest
 from gradsync_proto.net.launch import free_port
-from support.processes import WORKERS, launch_captured, launch_ranks, reap
+from support.backend_launch import BackendRun, finish_backend_runs, start_backend_ranks
+from support.processes import WORKERS
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(120)]
 
@@ -30,40 +30,19 @@ STEPS = 14
 KILL_AFTER_STEP = 4
 
 
-def start(backend: str, out: Path, coordinator: str) -> dict[int, subprocess.Popen[str]]:
-    out.mkdir(parents=True, exist_ok=True)
-    started = launch_ranks(
+def start(backend: str, out: Path, coordinator: str) -> BackendRun:
+    return start_backend_ranks(
         BACKEND_WORKER,
-        coordinator,
-        WORLD,
-        lambda rank: out / f"rank{rank}.npz",
-        "--backend",
         backend,
-        "--scenario",
         "ddp_steps",
-        "--master-port",
-        str(free_port()),
-        "--steps",
-        str(STEPS),
+        WORLD,
+        out,
+        coordinator,
+        *("--steps", str(STEPS)),
+        start_apart_s=0.0,
         # Rank 0 waits in every step for rank 1: it has collectives in flight at the kill.
         per_rank={1: ["--step-delay-s", "0.15"]},
-        launch=launch_captured,
     )
-    return dict(enumerate(started))
-
-
-def finish(processes: dict[int, subprocess.Popen[str]], out: Path) -> list[dict[str, Any]]:
-    try:
-        texts = {rank: p.communicate(timeout=90)[0] for rank, p in processes.items()}
-    finally:
-        reap(processes.values())
-    failed = {r: texts[r] for r, p in processes.items() if p.returncode != 0}
-    assert not failed, "\n".join(f"rank {r}:\n{text}" for r, text in failed.items())
-    results = []
-    for rank in range(WORLD):
-        with np.load(out / f"rank{rank}.npz") as data:
-            results.append(dict(data))
-    return results
 
 
 def steps_done(out: Path) -> int:
@@ -79,13 +58,13 @@ def test_stock_ddp_survives_a_coordinator_killed_and_restarted_on_its_port(
     port = str(free_port())
     first = coordinator_factory(WORLD, "--port", port)
     out = tmp_path / "ours"
-    processes = start("gradsync", out, first.address)
+    run = start("gradsync", out, first.address)
     reference = start("gloo", tmp_path / "gloo", "unused:1")  # beside it, to save time
     deadline = time.monotonic() + 60
     while steps_done(out) < KILL_AFTER_STEP:
         assert time.monotonic() < deadline, "the ranks never reached the kill step"
-        if any(p.poll() is not None for p in processes.values()):
-            finish(processes, out)  # (raises with the ranks' output)
+        if any(p.poll() is not None for p in run.processes.values()):
+            finish_backend_runs(run, timeout_s=90)  # (raises with the ranks' output)
             pytest.fail("a rank exited before the kill step")
         time.sleep(0.02)
     first.process.kill()  # SIGKILL: no goodbye, every collective in flight lost
@@ -93,8 +72,7 @@ def test_stock_ddp_survives_a_coordinator_killed_and_restarted_on_its_port(
     killed_at = steps_done(out)
     time.sleep(1.0)  # the ranks notice and start reconnecting
     second = coordinator_factory(WORLD, "--port", port)
-    ours = finish(processes, out)
-    gloo = finish(reference, tmp_path / "gloo")
+    ours, gloo = finish_backend_runs(run, reference, timeout_s=90)
     assert killed_at < STEPS - 1, "the run ended before the coordinator was killed"
     _, log = second.stop()
     # The group's job came back at the second coordinator, both ranks claiming where

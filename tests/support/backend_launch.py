@@ -40,6 +40,7 @@ def start_backend_ranks(
     coordinator: str,
     *extra: str,
     start_apart_s: float,
+    per_rank: dict[int, list[str]] | None = None,
 ) -> BackendRun:
     """Start every rank of `script`'s `scenario` over `backend`, the highest rank first.
 
@@ -52,9 +53,11 @@ def start_backend_ranks(
         coordinator: the coordinator's "host:port" ("unused:1" over gloo).
         extra: flags every rank gets.
         start_apart_s: rank r starts (world - 1 - r) * start_apart_s after the first.
+        per_rank: further flags of single ranks.
     """
     out.mkdir(parents=True, exist_ok=True)
     order = list(reversed(range(world)))
+    more = per_rank or {}
     started = launch_ranks(
         script,
         coordinator,
@@ -67,7 +70,14 @@ def start_backend_ranks(
         "--master-port",
         str(free_port()),
         *extra,
-        per_rank={r: ["--start-delay-s", str(start_apart_s * (world - 1 - r))] for r in order},
+        per_rank={
+            r: [
+                "--start-delay-s",
+                str(start_apart_s * (world - 1 - r)),
+                *more.get(r, []),
+            ]
+            for r in order
+        },
         ranks=order,
         launch=launch_captured,
     )
