@@ -495,6 +495,7 @@ class Collectives:
             if item is not None:
                 item.release()
                 del held.inputs[rank]
+                held.arrived.pop(rank, None)
             held.participants.remove(rank)
             if not held.participants:
                 self._close(held)
