@@ -259,7 +259,7 @@ def _running_job(job: pb.JobStatus) -> list[str]:
     lagging = sorted(job.members, key=lambda m: m.mean_lag_s, reverse=True)
     if lagging and lagging[0].mean_lag_s > 0:
         lines.append(
-            "  slowest ranks (mean bucket lag): "
+            "  slowest ranks (mean lag): "
             + ", ".join(f"rank {m.rank} {m.mean_lag_s * 1e3:.1f} ms" for m in lagging[:3])
         )
     if job.late:

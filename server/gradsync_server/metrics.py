@@ -120,8 +120,8 @@ class CoordinatorMetrics:
         self._jobs = gauge("gradsync_jobs", "Jobs the coordinator currently holds.")
         self._rank_lag_family = histogram(
             "gradsync_rank_lag_seconds",
-            "Per bucket, how long after the first rank's arrival this rank's arrival "
-            "came (the first rank observes 0).",
+            "Per bucket (a process group's: per collective), how long after the first "
+            "rank's arrival this rank's arrival came (the first rank observes 0).",
             ["rank"],
             buckets=LATENCY_BUCKETS_S,
         )
@@ -216,7 +216,8 @@ class CoordinatorMetrics:
 
     # Per bucket.
     def observe_bucket_arrival(self, rank: int, lag_s: float) -> None:
-        """`rank`'s contribution to a bucket began `lag_s` after the first rank's (0 if first).
+        """`rank`'s contribution to a bucket began `lag_s` after the first rank's (0 if first);
+        a process group's collectives report their inputs' lag the same way.
 
         Feeds both the per-rank histogram and `lag_tracker`.
         """

@@ -2,7 +2,8 @@
 
 A Join with an empty ModelSignature (no parameters, buffers or buckets) is a
 collectives-only session: the coordinator assembles it with no state broadcast,
-runs collectives and heartbeats on it and lists it in status; its world size is
+runs collectives and heartbeats on it and lists it in status, with each rank's
+lag behind the first input of its collectives; its world size is
 the Join's own, from 1 up to --world-size (a subgroup), never beyond. A
 signature with buckets but no parameters is still refused. A restarted
 coordinator takes a group's collective numbering back from its ranks' claims.
@@ -10,15 +11,21 @@ coordinator takes a group's collective numbering back from its ranks' claims.
 
 from __future__ import annotations
 
+import asyncio
+
 import grpc
 import numpy as np
 from gradsync_proto.v1 import gradsync_pb2 as pb
 from support.rawclient import RawWorker, coordinator, run
 
 EMPTY = pb.ModelSignature()
+#: How long after rank 0 rank 1 sends its input to a collective.
+LATE_S = 0.2
 
 
 def test_a_subgroup_of_two_runs_a_collective_beside_the_coordinators_world_of_three() -> None:
+    """Rank 1 sends its input late: status and the lag histogram name it."""
+
     async def scenario() -> None:
         async with coordinator(world_size=3) as (running, channel):
             workers = [RawWorker(channel) for _ in range(2)]
@@ -28,6 +35,8 @@ def test_a_subgroup_of_two_runs_a_collective_beside_the_coordinators_world_of_th
                 welcome = (await worker.expect_kind("welcome")).welcome
                 assert welcome.world_size == 2 and welcome.state_bytes == 0
             for rank, worker in enumerate(workers):
+                if rank == 1:
+                    await asyncio.sleep(LATE_S)
                 raw = np.array([rank + 1.0, 2.0], dtype=np.float32).tobytes()
                 chunk = pb.CollectiveChunk(
                     sequence=0,
@@ -45,6 +54,20 @@ def test_a_subgroup_of_two_runs_a_collective_beside_the_coordinators_world_of_th
                 np.testing.assert_array_equal(values, [3.0, 4.0])
             job = running.servicer.jobs["run.pg-sub"]
             assert job.world_size == 2 and job.state.value == "running"
+            stub = channel.unary_unary(
+                "/gradsync.v1.Coordinator/Status",
+                request_serializer=pb.StatusRequest.SerializeToString,
+                response_deserializer=pb.StatusReply.FromString,
+            )
+            (status,) = (await stub(pb.StatusRequest(job_id="run.pg-sub"), timeout=5)).jobs
+            lags = {member.rank: member.mean_lag_s for member in status.members}
+            assert lags[0] == 0.0 and LATE_S <= lags[1] < LATE_S + 1.0, lags
+            registry = running.servicer.metrics.registry
+            for rank in (0, 1):
+                count = registry.get_sample_value(
+                    "gradsync_rank_lag_seconds_count", {"rank": str(rank)}
+                )
+                assert count == 1, (rank, count)
 
     run(scenario)
 

@@ -14,7 +14,7 @@ import pytest
 from gradsync_proto.codes import Code
 from gradsync_proto.v1 import gradsync_pb2 as pb
 from gradsync_server.control.collectives import Collectives, reduce_inputs
-from gradsync_server.dataplane.actions import Action, Send, Terminate
+from gradsync_server.dataplane.actions import Action, Member, Send, Terminate
 from gradsync_server.dataplane.budget import ByteBudget
 from gradsync_server.errors import RejectedMessage
 
@@ -272,9 +272,13 @@ class Recorder:
 
     def __init__(self) -> None:
         self.seen: list[tuple[str, int, int]] = []
+        self.lags: list[tuple[int, float]] = []
 
     def observe_collective(self, op: str, received_bytes: int, sent_bytes: int) -> None:
         self.seen.append((op, received_bytes, sent_bytes))
+
+    def observe_bucket_arrival(self, rank: int, lag_s: float) -> None:
+        self.lags.append((rank, lag_s))
 
 
 def test_each_completed_collective_is_observed_with_its_op_and_bytes() -> None:
@@ -314,3 +318,36 @@ def test_each_completed_collective_is_observed_with_its_op_and_bytes() -> None:
         ("broadcast", 40, 3 * 40),
         ("reduce_scatter_sum", 3 * 24, 3 * 8),
     ]
+
+
+@pytest.mark.parametrize("process_group", [True, False])
+def test_a_process_groups_collective_reports_each_ranks_lag_behind_the_first_input(
+    process_group: bool,
+) -> None:
+    """Lag runs from a rank's first chunk, on the injected clock; a wrapper's job
+    (members with a model signature) reports none, its buckets measure it."""
+    now = [100.0]
+    recorder = Recorder()
+    budget = ByteBudget(1 << 24).for_owner("job")
+    collectives = Collectives(3, CHUNK, 1 << 20, budget, recorder, lambda: now[0])  # type: ignore[arg-type]
+    signature = (
+        pb.ModelSignature()
+        if process_group
+        else pb.ModelSignature(buckets=[pb.BucketSpec(num_elements=4)])
+    )
+    collectives.start("job", {r: Member(r, f"test-{r}", signature, 0.0) for r in RANKS})
+    raw = np.ones(2000, np.float32).tobytes()  # two chunks each
+    inputs = {r: pieces(r, raw, pb.COLLECTIVE_OP_SUM, pb.DTYPE_FLOAT32) for r in RANKS}
+    timeline = [(0, 0), (2, 0), (2, 1), (1, 0), (0, 1), (1, 1)]  # (rank, its chunk)
+    waits = [0.05, 0.0, 0.15, 1.0, 0.5, 0.0]  # after each: rank 2 at +0.05 s, rank 1 at +0.2 s
+    actions: list[Action] = []
+    for (rank, index), wait in zip(timeline, waits, strict=True):
+        actions += run_all(collectives, [inputs[rank][index]])
+        now[0] += wait
+    assert result_of(actions)[2] == 3
+    assert recorder.seen == [("all_reduce_sum", 3 * len(raw), 3 * len(raw))]
+    if process_group:
+        assert dict(recorder.lags) == {0: 0.0, 1: pytest.approx(0.2), 2: pytest.approx(0.05)}
+        assert len(recorder.lags) == 3
+    else:
+        assert recorder.lags == []

@@ -30,13 +30,23 @@ budget (the job's share of `--max-buffered-mb`, the one that gradient
 uploads count against): an input that does not fit is refused, naming the
 rank, the job and the cap. The bytes go back when the collective completes
 or fails, when the job ends, and when a rank leaves without finishing its
-input (the round goes on without it). No gRPC, no asyncio.
+input (the round goes on without it).
+
+In a process group's job (every member joined collectives-only) each
+completed collective also reports each participant's lag: how long after the
+first rank's input began to arrive its own did, on the job's clock. The
+coordinator's lag tracker, `gradsync status` and the lag histogram then name
+a group's slow rank as they name a wrapper's from its buckets. A wrapper's
+own collectives (buffer broadcasts, SyncBatchNorm) report none: its buckets
+already measure its ranks, and a broadcast that every rank issues when the
+step's average arrives would only dilute that. No gRPC, no asyncio.
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping, Sequence
+import time
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from gradsync_proto import dtypes
@@ -57,6 +67,7 @@ from gradsync_server.control.collective_ops import (
     splits_mismatch,
     splits_problem,
 )
+from gradsync_server.control.signature import is_collectives_only
 from gradsync_server.dataplane.actions import Action, Member, Send, Terminate
 from gradsync_server.dataplane.budget import OwnerBudget
 from gradsync_server.dataplane.observer import StepObserver
@@ -86,6 +97,8 @@ class _Round:
     participants: list[int]
     #: Each rank's input as it arrives (any order; an empty input is one empty chunk).
     inputs: dict[int, BlobAssembler] = field(default_factory=dict)
+    #: When each rank's input began to arrive (its first chunk taken), on the job's clock.
+    arrived: dict[int, float] = field(default_factory=dict)
     #: ALL_TO_ALL: each rank's (send_splits, receive_splits).
     splits: dict[int, tuple[tuple[int, ...], tuple[int, ...]]] = field(default_factory=dict)
     #: Why the collective failed, once it has; it then holds no bytes.
@@ -119,7 +132,9 @@ class Collectives:
         chunk_bytes: chunk size every rank must use.
         max_bytes: cap on one rank's input and on one rank's result.
         budget: the job's share of the byte budget buffered inputs count against.
-        observer: told of every completed collective (its op and bytes), if anyone is.
+        observer: told of every completed collective (its op and bytes) and, in a
+            process group's job, of each participant's lag, if anyone is.
+        clock: monotonic time source the lags are measured on (the job's).
     """
 
     def __init__(
@@ -129,8 +144,12 @@ class Collectives:
         max_bytes: int,
         budget: OwnerBudget,
         observer: StepObserver | None = None,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self._observer = observer
+        self._clock = clock
+        #: Report each participant's lag (set when a process group's job starts).
+        self._reports_lag = False
         self._world_size = world_size
         self._chunk_bytes = chunk_bytes
         self._max_bytes = max_bytes
@@ -142,14 +161,21 @@ class Collectives:
         #: One past the highest sequence any rank has started (what ranks continue from).
         self.next_sequence = 0
 
-    def resume(self, job_id: str, members: Mapping[int, Member]) -> None:
-        """A restarted coordinator: go on with a process group's numbering.
+    def start(self, job_id: str, members: Mapping[int, Member]) -> None:
+        """The job starts running with `members`.
 
-        Each rank of a process group that rejoins claims the lowest collective it
-        has no result for (`Join.collective_resume`); every rank sends again each
+        A process group's job (every member joined collectives-only) reports
+        each participant's lag behind the first input of every collective.
+
+        A restarted coordinator goes on with a process group's numbering: each
+        rank of a process group that rejoins claims the lowest collective it has
+        no result for (`Join.collective_resume`); every rank sends again each
         collective from the lowest claim on, so the job starts there (a rank with
-        no claim counts as 0). Without claims nothing changes.
+        no claim counts as 0). Without claims the numbering starts at 0.
         """
+        self._reports_lag = bool(members) and all(
+            is_collectives_only(member.signature) for member in members.values()
+        )
         claims = {rank: member.collective_resume for rank, member in members.items()}
         if all(claim is None for claim in claims.values()):
             return
@@ -250,6 +276,7 @@ class Collectives:
                 what, chunk.total_bytes, self._chunk_bytes, None, self._budget, in_order=False
             )
             held.inputs[rank] = item
+            held.arrived[rank] = self._clock()
         elif held.op == pb.COLLECTIVE_OP_ALL_TO_ALL and held.splits[rank] != _splits_of(chunk):
             raise RejectedMessage(
                 Code.INVALID_ARGUMENT,
@@ -264,6 +291,7 @@ class Collectives:
                 item.release()
                 del held.inputs[rank]  # nothing of it was taken
                 held.splits.pop(rank, None)
+                held.arrived.pop(rank, None)
         if held.sequence >= self.next_sequence:
             self.next_sequence = held.sequence + 1
         # (Inputs are only the participants': all of them there, and this one whole.)
@@ -467,6 +495,7 @@ class Collectives:
             if item is not None:
                 item.release()
                 del held.inputs[rank]
+                held.arrived.pop(rank, None)
             held.participants.remove(rank)
             if not held.participants:
                 self._close(held)
@@ -494,6 +523,10 @@ class Collectives:
         if self._observer is not None:
             sent = sum(len(result) * len(ranks) for ranks, result in by_rank)
             self._observer.observe_collective(held.name.replace(" ", "_"), received, sent)
+            if self._reports_lag:
+                first = min(held.arrived[r] for r in participants)
+                for rank in participants:
+                    self._observer.observe_bucket_arrival(rank, held.arrived[rank] - first)
         return [
             Send(
                 ranks,

@@ -164,7 +164,7 @@ class Job:
         self.assembly = Assembly(job_id, world_size, clock, settings.heartbeat_interval_s)
         self.broadcast = StateBroadcast(chunk_bytes)
         self.collectives = Collectives(
-            world_size, chunk_bytes, settings.max_collective_bytes, job_budget, metrics
+            world_size, chunk_bytes, settings.max_collective_bytes, job_budget, metrics, clock
         )
         self.uneven = UnevenInputs(self.membership, self.in_flight, self.collectives, self._publish)
         self.elastic = Elastic(
@@ -361,7 +361,7 @@ class Job:
         if problem is not None:
             return self._refuse(Code.FAILED_PRECONDITION, f"job '{self.job_id}' refused: {problem}")
         self.state = JobState.RUNNING
-        self.collectives.resume(self.job_id, self.members)
+        self.collectives.start(self.job_id, self.members)
         resume = self.persistence.resume
         decision = self._restart_decision(optimizer is None, resume.step if resume else None)
         if isinstance(decision, restart.Continue):  # the ranks' own state stands: no broadcast

@@ -8,8 +8,9 @@ registry (the purity rule of tests/unit/test_core_is_pure.py).
 
 `LagTracker` lives here because it is pure logic the observer and `status`
 both read: a windowed mean of each rank's lag behind the first arrival of
-every bucket, to name the ranks that are persistently behind (a histogram
-shows the distribution, not who).
+every bucket (or, in a process group's job, every collective), to name the
+ranks that are persistently behind (a histogram shows the distribution, not
+who).
 """
 
 from __future__ import annotations
@@ -32,7 +33,8 @@ class StepObserver(Protocol):
     """What the data plane tells whoever measures it (one call per bucket or step)."""
 
     def observe_bucket_arrival(self, rank: int, lag_s: float) -> None:
-        """`rank`'s contribution to a bucket began `lag_s` after the first rank's."""
+        """`rank`'s contribution to a bucket began `lag_s` after the first rank's (a
+        process group's collectives report their inputs' lag through this too)."""
 
     def observe_nonfinite(self, rank: int) -> None:
         """`rank` sent NaN or Inf in a bucket (once per rank, step and bucket)."""

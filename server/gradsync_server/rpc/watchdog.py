@@ -31,9 +31,10 @@ log = logging.getLogger("gradsync.server")
 
 #: How often ranks persistently behind are named in the log, at most.
 _STRAGGLER_REPORT_PERIOD_S = 10.0
-#: A rank is "behind" when its buckets arrive this much after the first rank's on average...
+#: A rank is "behind" when its buckets (a process group's: its collective inputs) arrive
+#: this much after the first rank's on average...
 _STRAGGLER_THRESHOLD_S = 0.05
-#: ...over at least this many buckets.
+#: ...over at least this many buckets or collectives.
 _STRAGGLER_MIN_SAMPLES = 10
 #: The longest the watchdog sleeps between passes.
 _MAX_PERIOD_S = 0.25
@@ -190,7 +191,7 @@ class Watchdog:
         )
 
     def _report_stragglers(self) -> None:
-        """Every few seconds, name ranks whose buckets persistently arrive late."""
+        """Every few seconds, name ranks whose buckets or collective inputs keep arriving late."""
         now = self._coordinator.clock()
         if now < self._next_straggler_report:
             return
@@ -202,8 +203,8 @@ class Watchdog:
         for rank in behind:
             slowest = ", ".join(f"rank {r} {lag * 1e3:.0f} ms" for r, lag in tracker.slowest(3))
             log.warning(
-                "rank %d is persistently behind: its buckets arrive %.0f ms after the first "
-                "rank's on average (slowest: %s)",
+                "rank %d is persistently behind: its buckets or collective inputs arrive %.0f ms "
+                "after the first rank's on average (slowest: %s)",
                 rank,
                 (tracker.mean_lag(rank) or 0.0) * 1e3,
                 slowest,
