@@ -1,7 +1,7 @@
 """One-process simulation of DiLoCo on the sparse 2-bit wire, for sweeping its settings.
 
     python -m gradsync_bench.sparse_sim --steps 300 --world 2 \
-        --runs int8x2 topk2:d=0.02 topk2:d=0.02,m=0,lr=1,decay=0.9
+        --runs int8x2 topk2:d=0.02 topk2:d=0.03,m=0.9,lr=0.7,decay=0.9
 
 W replicas of a character transformer (the wan task's architecture,
 `wan_task.CharTransformer`, by default shrunk so a sweep takes minutes on a
@@ -15,12 +15,15 @@ real run follows:
   `d` share in 2 bits ("topk2", `gradsync_proto.sparse_wire`'s rule); the
   residual becomes `decay * (upload wanted - what was sent)`;
 - the hub averages what was sent, takes an outer SGD step (learning rate
-  `lr`, Nesterov momentum `m`) on its exact parameters, and answers each
+  `lr`, default 1.0; Nesterov momentum `m`, default `gradsync.DiLoCo`'s for
+  the wire: 0.5 dense, 0 sparse) on its exact parameters, and answers each
   chunk's change of the public copy (exact - public) as int8 or as its top
   `a` share in 2 bits; every replica adds the answer to the public copy and
   starts the next round from it.
 
-Reported: the held-out loss of the public copy after the last round (what
+Other knobs of a run: `fit` (the 2-bit step rule), `keep` (a replica keeps
+what it has not sent instead of restarting from the public copy), `--chunk`
+(elements per chunk, so per top-k). Reported: the held-out loss of the public copy after the last round (what
 every rank holds), and its ratio to the first run's.
 """
 
@@ -50,12 +53,16 @@ class Run:
     d: float = 0.02
     #: The answer's density (0: int8 answer).
     a: float = -1.0
-    lr: float = 0.7
-    m: float = 0.9
+    lr: float = 1.0
+    #: Nesterov outer momentum (< 0: the library's default for the wire).
+    m: float = -1.0
     decay: float = 1.0
     #: The 2-bit step: 0 = max|selected| / 3 (the wire's rule), 1 = a least-squares fit;
     #: 2 = no rounding (the selection's float32 values).
     fit: float = 0.0
+    #: 1: a replica keeps what it has not sent (it restarts from public - residual and
+    #: its residual is not added again); 0: it restarts from public (gradsync's rule).
+    keep: float = 0.0
 
     @classmethod
     def parse(cls, text: str) -> Run:
@@ -64,7 +71,13 @@ class Run:
         for item in filter(None, rest.split(",")):
             key, _, value = item.partition("=")
             fields[key] = float(value)
-        return cls(wire, **fields)  # type: ignore[arg-type]
+        return cls(wire, **fields)
+
+    @property
+    def momentum(self) -> float:
+        if self.m >= 0:
+            return self.m
+        return 0.0 if self.wire == "topk2" else 0.5  # `gradsync.DiLoCo`'s defaults
 
     @property
     def answer_density(self) -> float:
@@ -134,6 +147,14 @@ def simulate(run: Run, args: argparse.Namespace) -> float:
     def flat_of(r: int) -> np.ndarray:
         return torch.cat([p.detach().reshape(-1) for p in params[r]]).numpy().copy()
 
+    def load(r: int, flat: np.ndarray) -> None:
+        values = torch.from_numpy(flat)
+        with torch.no_grad():
+            offset = 0
+            for p in params[r]:
+                p.copy_(values[offset : offset + p.numel()].view_as(p))
+                offset += p.numel()
+
     public = flat_of(0)
     exact = public.copy()
     buf = np.zeros_like(exact)
@@ -150,23 +171,19 @@ def simulate(run: Run, args: argparse.Namespace) -> float:
             continue
         total = np.zeros_like(exact)
         for r in range(world):
-            wanted = public - flat_of(r) + residuals[r]
+            wanted = public - flat_of(r) + (0 if run.keep else residuals[r])
             sent = send(wanted, up, args.chunk, run.fit)
             residuals[r] = (wanted - sent) * np.float32(run.decay)
             total += sent
         g = total / np.float32(world)
-        if run.m:
-            buf = buf * np.float32(run.m) + g
-            g = g + np.float32(run.m) * buf
+        if run.momentum:
+            buf = buf * np.float32(run.momentum) + g
+            g = g + np.float32(run.momentum) * buf
         exact = exact - np.float32(run.lr) * g
         public = public + send(exact - public, down, args.chunk, run.fit)
-        values = torch.from_numpy(public)
-        with torch.no_grad():
-            for r in range(world):
-                offset = 0
-                for p in params[r]:
-                    p.copy_(values[offset : offset + p.numel()].view_as(p))
-                    offset += p.numel()
+        for r in range(world):
+            load(r, public - residuals[r] if run.keep else public)
+    load(0, public)
     return wan_task.held_out_loss(models[0], held_out, args.context)
 
 
