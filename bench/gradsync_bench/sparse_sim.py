@@ -23,8 +23,9 @@ real run follows:
 
 Other knobs of a run: `fit` (the 2-bit step rule), `keep` (a replica keeps
 what it has not sent instead of restarting from the public copy), `--chunk`
-(elements per chunk, so per top-k). Reported: the held-out loss of the public copy after the last round (what
-every rank holds), and its ratio to the first run's.
+(elements per chunk, so per top-k). Reported: the held-out loss of the public
+copy after the last round (what every rank holds), and its ratio to the first
+run's.
 """
 
 from __future__ import annotations
