@@ -6,8 +6,10 @@ The wan scorecard's task (`gradsync_bench.wan_task`: a character-level
 transformer on the standard library's source, each rank its slice, the same
 held-out tail for all) trained by W real rank processes through a real
 `gradsync serve` on loopback, once per method, with the same seeds and
-batches: DiLoCo at H = `--sync-every` (default 50), outer SGD 0.7 / Nesterov
-0.9, with `wire_dtype=torch.int8, answer_dtype=torch.int8` ("int8x2") and
+batches: DiLoCo at H = `--sync-every` (default 50), the library's outer
+defaults for each wire unless `--outer-lr` / `--outer-momentum` say otherwise
+(outer learning rate 1.0; Nesterov momentum 0.5 on the int8 and float32 wires,
+none on the sparse wire), with `wire_dtype=torch.int8, answer_dtype=torch.int8` ("int8x2") and
 with `wire_dtype=gradsync.SparseWire(density)` ("topk2"), optionally float32
 DiLoCo too ("fp32"). Prints per method the held-out loss of rank 0's final
 model (every rank holds the same global parameters after the last round),
@@ -50,6 +52,8 @@ def run_method(method: str, args: argparse.Namespace) -> list[dict[str, Any]]:
     common = [
         *("--world", str(args.world), "--steps", str(args.steps)),
         *("--sync-every", str(args.sync_every), "--density", repr(args.density)),
+        *(() if args.outer_lr is None else ("--outer-lr", repr(args.outer_lr))),
+        *(() if args.outer_momentum is None else ("--outer-momentum", repr(args.outer_momentum))),
         *("--coordinator", f"127.0.0.1:{port}", "--method", method, "--out", str(out)),
     ]
     ranks = [
@@ -84,8 +88,8 @@ def worker(args: argparse.Namespace) -> None:
         model,
         inner,
         sync_every=args.sync_every,
-        outer_lr=0.7,
-        outer_momentum=0.9,
+        outer_lr=1.0 if args.outer_lr is None else args.outer_lr,
+        outer_momentum=args.outer_momentum,
         wire_dtype=wire,
         answer_dtype=torch.int8 if args.method == "int8x2" else None,
         coordinator=args.coordinator,
@@ -126,6 +130,10 @@ def main() -> int:
     parser.add_argument("--world", type=int, default=2)
     parser.add_argument("--sync-every", type=int, default=50)
     parser.add_argument("--density", type=float, default=0.02)
+    parser.add_argument("--outer-lr", type=float, default=None, help="default: 1.0")
+    parser.add_argument(
+        "--outer-momentum", type=float, default=None, help="default: the library's for the wire"
+    )
     parser.add_argument("--methods", nargs="+", choices=METHODS, default=["int8x2", "topk2"])
     parser.add_argument("--batch", type=int, default=4)
     parser.add_argument("--context", type=int, default=64)
@@ -145,7 +153,8 @@ def main() -> int:
     Path(args.out).mkdir(parents=True, exist_ok=True)
     print(
         f"wan task, W = {args.world}, {args.steps} steps, H = {args.sync_every}, "
-        f"density {args.density}"
+        f"density {args.density}, outer lr {args.outer_lr or 1.0}, momentum "
+        f"{'the library default' if args.outer_momentum is None else args.outer_momentum}"
     )
     print(f"{'method':<8}{'held-out':>10}{'vs int8x2':>11}{'up B/round':>13}{'down B/round':>14}")
     rows = {method: run_method(method, args) for method in args.methods}

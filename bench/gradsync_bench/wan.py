@@ -64,6 +64,7 @@ SLOW_LINK_METHODS = (
     "diloco-h50-int8",
     "streaming-f4-int8",
     "diloco-h50-int8x2",
+    "diloco-h50-topk2",
     "torchft-h50-fp32",
 )
 #: The link rate the issue's targets are stated at.

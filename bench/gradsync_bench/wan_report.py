@@ -17,6 +17,7 @@ LABELS = {
     "streaming-f4-int8": "streaming F=4 int8",
     "diloco-h50-int8x2": "DiLoCo H=50 int8, int8 answer",
     "diloco-h100-int8x2": "DiLoCo H=100 int8, int8 answer",
+    "diloco-h50-topk2": "DiLoCo H=50 sparse 2-bit, d = 0.02 both ways",
     "torchft-h50-fp32": "torchft DiLoCo H=50 fp32",
     "torchft-h10-fp32": "torchft DiLoCo H=10 fp32",
 }

@@ -9,6 +9,8 @@ same inner optimizer (AdamW); they differ only in how the ranks synchronize:
   gradsync-ddp     gradsync.DistributedDataParallel, every step.
   diloco-hH-WIRE   gradsync.DiLoCo, sync_every=H, fp32 or int8 pseudo-gradients.
   streaming-fF-... gradsync.DiLoCo with fragments=F and overlap_steps (int8).
+  diloco-h50-topk2 gradsync.DiLoCo on the sparse 2-bit wire (`gradsync.SparseWire`), with
+                   the library's outer settings for it (lr 1.0, no momentum).
   torchft-hH-fp32  torchft's DiLoCo, one replica group per host (`gradsync_bench.torchft_wan`).
 
 The timed window starts after a barrier of all ranks (files in the shared work folder:
@@ -56,6 +58,8 @@ class Method:
     #: The new global parameters come back as an int8 change of the ranks' copy
     #: (`answer_dtype=torch.int8`) instead of in float32.
     compact_answer: bool = False
+    #: > 0: the sparse 2-bit wire at this density both ways (`gradsync.SparseWire`).
+    sparse_density: float = 0.0
 
     @property
     def every_step(self) -> bool:
@@ -86,6 +90,7 @@ METHODS: dict[str, Method] = {
         ),
         Method("diloco-h50-int8x2", "diloco", sync_every=50, int8=True, compact_answer=True),
         Method("diloco-h100-int8x2", "diloco", sync_every=100, int8=True, compact_answer=True),
+        Method("diloco-h50-topk2", "diloco", sync_every=50, sparse_density=0.02),
         Method("torchft-h50-fp32", "torchft", sync_every=50),
         Method("torchft-h10-fp32", "torchft", sync_every=10),
     )
@@ -181,13 +186,21 @@ def main() -> None:
     if method.kind == "diloco":
         import gradsync
 
+        sparse = method.sparse_density > 0
+        wire: torch.dtype | gradsync.SparseWire | None = (
+            gradsync.SparseWire(method.sparse_density)
+            if sparse
+            else torch.int8
+            if method.int8
+            else None
+        )
         diloco = gradsync.DiLoCo(
             model,
             inner,
             sync_every=method.sync_every,
-            outer_lr=0.7,
-            outer_momentum=0.9,
-            wire_dtype=torch.int8 if method.int8 else None,
+            outer_lr=1.0 if sparse else 0.7,
+            outer_momentum=None if sparse else 0.9,
+            wire_dtype=wire,
             fragments=method.fragments,
             overlap_steps=method.overlap_steps,
             answer_dtype=torch.int8 if method.compact_answer else None,

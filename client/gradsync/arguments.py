@@ -42,6 +42,7 @@ BENCH_WAN_METHODS = (
     "streaming-f4-int8",
     "diloco-h50-int8x2",
     "diloco-h100-int8x2",
+    "diloco-h50-topk2",
     "torchft-h50-fp32",
     "torchft-h10-fp32",
 )

@@ -92,7 +92,7 @@ from gradsync.diloco_settings import (
 )
 from gradsync.diloco_sites import SiteFollower, SiteFragment, SiteLayout
 from gradsync.metrics import ENV_METRICS_HOST, resolve_metrics_port
-from gradsync.sparse_wire import SparseWire, sparse_settings
+from gradsync.sparse_wire import SparseWire, default_outer_momentum, sparse_settings
 
 __all__ = ["DiLoCo"]
 
@@ -106,7 +106,8 @@ class DiLoCo:
             for reference and checkpoints; `DiLoCo` never steps it).
         sync_every: inner steps between two rounds of each fragment (H).
         outer_lr: the outer optimizer's learning rate.
-        outer_momentum: its momentum (0 = plain outer SGD).
+        outer_momentum: its momentum (0 = plain outer SGD; None: 0.5, or 0 with a
+            `SparseWire`, whose error feedback already carries what a round left out).
         nesterov: Nesterov momentum (as torch.optim.SGD); ignored at momentum 0.
             The defaults, outer_lr=1.0 and outer_momentum=0.5 with Nesterov for every
             H, keep an outer step within lr / (1 - momentum) = 2 averaged
@@ -202,7 +203,7 @@ class DiLoCo:
         inner_optimizer: torch.optim.Optimizer,
         sync_every: int = 50,
         outer_lr: float = 1.0,
-        outer_momentum: float = 0.5,
+        outer_momentum: float | None = None,
         *,
         nesterov: bool = True,
         wire_dtype: torch.dtype | SparseWire | None = None,
@@ -229,6 +230,7 @@ class DiLoCo:
         replicas: int | None = None,
         **options: Any,
     ) -> None:
+        outer_momentum = default_outer_momentum(outer_momentum, wire_dtype)
         sparse, wire_dtype, answer_dtype = sparse_settings(wire_dtype, answer_dtype)
         check_outer(sync_every, outer_lr, outer_momentum, wire_dtype, error_feedback)
         answer_dtype = compact_answer_dtype(wire_dtype, answer_dtype, min_contributors)

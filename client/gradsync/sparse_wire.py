@@ -37,7 +37,21 @@ from gradsync_proto import sparse_wire
 from gradsync.hooks import GradBucket
 from gradsync.quantized_wire import ChunkGrid, Int8Quantization, Int8Wire
 
-__all__ = ["SparseQuantization", "SparseWire", "sparse_settings"]
+__all__ = [
+    "DENSE_OUTER_MOMENTUM",
+    "SPARSE_OUTER_MOMENTUM",
+    "SparseQuantization",
+    "SparseWire",
+    "default_outer_momentum",
+    "sparse_settings",
+]
+
+#: DiLoCo's outer momentum when the caller leaves it None: Nesterov 0.5 on a dense
+#: wire, none on the sparse wire, whose error feedback already carries every
+#: element a round left out into later rounds (momentum on top of it overshoots:
+#: bench/results/wire/ has the measurements).
+DENSE_OUTER_MOMENTUM = 0.5
+SPARSE_OUTER_MOMENTUM = 0.0
 
 
 @dataclass(frozen=True)
@@ -102,6 +116,16 @@ class SparseQuantization(Int8Quantization):
     def __repr__(self) -> str:
         feedback = self.residuals is not None
         return f"{type(self).__name__}(density={self.density}, error_feedback={feedback})"
+
+
+def default_outer_momentum(
+    outer_momentum: float | None, wire_dtype: torch.dtype | SparseWire | None
+) -> float:
+    """`outer_momentum`, or when None the default for the wire (see the constants)."""
+    if outer_momentum is not None:
+        return outer_momentum
+    sparse = isinstance(wire_dtype, SparseWire)
+    return SPARSE_OUTER_MOMENTUM if sparse else DENSE_OUTER_MOMENTUM
 
 
 def sparse_settings(

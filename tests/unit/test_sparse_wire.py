@@ -12,6 +12,7 @@ rank order whatever the arrival order and refuses what no honest rank sends.
 
 from __future__ import annotations
 
+import inspect
 import math
 import random
 import struct
@@ -24,7 +25,12 @@ from gradsync.path.bucket_uploads import BucketUpload, range_messages, split_upl
 from gradsync.path.buffers import BucketBuffer
 from gradsync.path.step_results import StepResults
 from gradsync.quantized_wire import ChunkGrid, Int8Wire
-from gradsync.sparse_wire import SparseQuantization, SparseWire, sparse_settings
+from gradsync.sparse_wire import (
+    SparseQuantization,
+    SparseWire,
+    default_outer_momentum,
+    sparse_settings,
+)
 from gradsync_proto import chunking, sparse_wire
 from gradsync_proto.codec import ChunkHeader, decode_gradient
 from gradsync_proto.codes import Code
@@ -154,6 +160,17 @@ def test_sparse_settings_map_to_int8_wire_and_answer_and_refuse_another_answer()
     assert wire.downlink_density == 0.03 and SparseWire(0.03, 0.01).downlink_density == 0.01
     with pytest.raises(ValueError, match="answer_dtype"):
         sparse_settings(wire, torch.bfloat16)
+
+
+def test_diloco_leaves_outer_momentum_to_the_wire_unless_the_caller_sets_it() -> None:
+    from gradsync import DiLoCo
+
+    assert inspect.signature(DiLoCo).parameters["outer_momentum"].default is None
+    assert default_outer_momentum(None, SparseWire(0.02)) == 0.0
+    for dense in (None, torch.int8, torch.bfloat16):
+        assert default_outer_momentum(None, dense) == 0.5
+    assert default_outer_momentum(0.9, SparseWire(0.02)) == 0.9
+    assert default_outer_momentum(0.0, torch.int8) == 0.0
 
 
 def test_the_hook_cuts_on_the_grid_and_feeds_back_exactly_what_is_not_summed() -> None:
