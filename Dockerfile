@@ -14,11 +14,12 @@
 #
 # Stages: `dependencies` installs torch and the other dependencies into a venv, the builder
 # turns the source into a wheel; the default image is the dependencies stage plus the wheel,
-# the coordinator image a fresh base with a venv copied in, so no compiler, pip cache or
-# source tree ships. The default (last) stage is the image above, for
-# every role. `--target coordinator` builds a coordinator-only image without torch (the
-# coordinator and the shards never import it: their arithmetic is numpy); workers need the
-# default image.
+# the coordinator image a torch-free venv (`coordinator-dependencies`) plus the wheel, so no
+# compiler, pip cache or source tree ships. No stage copies a venv out of another: a
+# `COPY --from` of a gigabyte of small files is hashed on every build to look its cache up.
+# The default (last) stage is the image above, for every role. `--target coordinator` builds
+# a coordinator-only image without torch (the coordinator and the shards never import it:
+# their arithmetic is numpy); workers need the default image.
 #
 # Build argument TORCH_INDEX_URL: the index torch comes from (default: the CPU build's index;
 # it and PyPI are all a build on a normal network needs). An extra CA or a local wheel
@@ -38,9 +39,7 @@ WORKDIR /src
 # The dependencies and the extras `demo` (scikit-learn's bundled digits for `gradsync worker`)
 # and `redis` (the Redis checkpoint store behind --checkpoint-store redis://...), read from
 # pyproject.toml. This venv holds no gradsync code, so a change to the code leaves it (over a
-# gigabyte) cached. The default image is built FROM this stage rather than copying the venv
-# out of it: a `COPY --from` of a gigabyte of small files is hashed on every build to look up
-# its cache, which costs minutes even when nothing changed.
+# gigabyte) cached. The default image is built FROM this stage.
 COPY pyproject.toml ./
 RUN python -c "import tomllib; p = tomllib.load(open('pyproject.toml', 'rb'))['project']; \
 extras = p['optional-dependencies']; \
@@ -49,28 +48,38 @@ extras = p['optional-dependencies']; \
     && pip install -r /tmp/dependencies.txt
 
 # The wheel, from only what it is built from (client/, server/, proto/, bench/ are the package).
+# The build backend pyproject.toml names is installed first, in its own cached layer, so that
+# building the wheel of changed code fetches nothing.
 FROM dependencies AS builder
+RUN python -c "import tomllib; \
+[print(r) for r in tomllib.load(open('pyproject.toml', 'rb'))['build-system']['requires']]" \
+        > /tmp/build-requirements.txt \
+    && pip install -r /tmp/build-requirements.txt
 COPY README.md ./
 COPY client client
 COPY server server
 COPY proto proto
 COPY bench bench
-RUN pip wheel --no-deps --wheel-dir /dist .
+RUN pip wheel --no-deps --no-build-isolation --wheel-dir /dist .
 
-# The coordinator's venv: the same wheel and dependencies (with the redis extra) minus torch
-# and the demo extra; the requirements are read from the wheel, so no list is written twice.
-FROM builder AS coordinator-builder
-RUN python -c "import re, sys, zipfile; w = zipfile.ZipFile(sys.argv[1]); \
-m = w.read(next(n for n in w.namelist() if n.endswith('.dist-info/METADATA'))).decode(); \
-rs = (l[15:].partition(';') for l in m.splitlines() if l.startswith('Requires-Dist: ')); \
-[print(r.strip()) for r, _, k in rs if not re.match('torch', r) and (not k or 'redis' in k)]" \
-        "$(ls /dist/gradsync-*.whl)" > /tmp/requirements.txt \
-    && rm -rf /opt/venv && /usr/local/bin/python -m venv /opt/venv \
-    && pip install --no-deps "$(ls /dist/gradsync-*.whl)" && pip install -r /tmp/requirements.txt
+# The coordinator's venv: the dependencies with the redis extra, minus torch and the demo
+# extra, read from pyproject.toml as the default image's are. It holds no gradsync code, so
+# a change to the code leaves it cached; the wheel goes on top in the stage below.
+FROM python:3.11-slim AS coordinator-dependencies
+ENV PIP_NO_CACHE_DIR=1 \
+    PIP_DISABLE_PIP_VERSION_CHECK=1
+RUN python -m venv /opt/venv
+ENV PATH=/opt/venv/bin:$PATH
+COPY pyproject.toml /tmp/pyproject.toml
+RUN python -c "import tomllib; p = tomllib.load(open('/tmp/pyproject.toml', 'rb'))['project']; \
+[print(r) for r in p['dependencies'] + p['optional-dependencies']['redis'] if not r.startswith('torch')]" \
+        > /tmp/requirements.txt \
+    && pip install -r /tmp/requirements.txt && rm /tmp/requirements.txt /tmp/pyproject.toml
 
 # `--target coordinator`: the coordinator (or a shard) only; the same settings as the default.
-FROM python:3.11-slim AS coordinator
-COPY --from=coordinator-builder /opt/venv /opt/venv
+FROM coordinator-dependencies AS coordinator
+COPY --from=builder /dist /tmp/dist
+RUN pip install --no-deps /tmp/dist/gradsync-*.whl && rm -rf /tmp/dist
 ENV PATH=/opt/venv/bin:$PATH \
     PYTHONUNBUFFERED=1 \
     PROMETHEUS_DISABLE_CREATED_SERIES=True
