@@ -26,7 +26,16 @@ if TYPE_CHECKING:
 #: The choices of --log-level (`gradsync --log-level`, and `gradsync shard --log-level`).
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
 #: The benchmark suites `gradsync bench --suites` chooses from.
-BENCH_SUITES = ("loopback", "train", "netns", "latency", "wan", "heal", "churn")
+BENCH_SUITES = (
+    "loopback",
+    "train",
+    "netns",
+    "latency",
+    "wan",
+    "heal",
+    "churn",
+    "churn-torchft",
+)
 #: The suites `gradsync bench` runs without --suites (wan, 20-25 minutes, heal, and churn,
 #: two runs of --churn-duration-s, only on request).
 BENCH_DEFAULT_SUITES = BENCH_SUITES[:4]
