@@ -317,8 +317,8 @@ def markdown_lines(suite: dict[str, Any]) -> list[str]:
 
 
 def longest_stall(times: list[float], start: float, end: float) -> tuple[float, float] | None:
-    """The longest gap (from, to) between consecutive job steps in `times` (sorted) that
-    begins in [start, end), or begins before `start` and ends after it (the step in flight
-    at the failure). It may end after `end`: a stall is counted whole."""
-    gaps = [(a, b) for a, b in pairwise(times) if b > start and a < end]
+    """The longest gap (from, to) between consecutive job steps in `times` (sorted) that ends
+    in (start, end]: the step in flight at the failure included, and counted whole when it
+    ends after the run's window (`end` is the next failure, or infinity for the last)."""
+    gaps = [(a, b) for a, b in pairwise(times) if start < b <= end]
     return max(gaps, key=lambda gap: gap[1] - gap[0], default=None)

@@ -26,12 +26,15 @@ def test_only_the_kinds_with_a_torchft_counterpart_are_injected_in_order() -> No
 
 
 def test_the_longest_stall_after_a_failure_is_counted_whole() -> None:
-    times = [0.0, 1.0, 2.0, 2.5, 9.0, 9.5, 20.0]
-    # The failure at 2.2 falls in the gap 2.0-2.5 (in flight); the 2.5-9.0 gap begins before
-    # the next failure (at 5.0) and ends after it: counted whole.
-    assert longest_stall(times, 2.2, 5.0) == (2.5, 9.0)
-    assert longest_stall(times, 9.2, float("inf")) == (9.5, 20.0)
-    assert longest_stall(times, 30.0, 40.0) is None
+    times = [0.0, 1.0, 2.0, 4.0, 9.0, 9.5, 20.0]
+    # The failure at 1.5 falls in the gap 1.0-2.0 (in flight); the 2.0-4.0 gap follows it.
+    assert longest_stall(times, 1.5, 3.0) == (1.0, 2.0)
+    assert longest_stall(times, 1.5, 6.0) == (2.0, 4.0)
+    # The 4.0-9.0 gap holds the next failure (at 5.0): it is that one's.
+    assert longest_stall(times, 4.5, 5.0) is None
+    assert longest_stall(times, 5.0, 9.2) == (4.0, 9.0)
+    # The last failure's stall is counted whole.
+    assert longest_stall(times, 9.7, float("inf")) == (9.5, 20.0)
 
 
 def _events(rank: int, *rows: tuple[str, int, float, int]) -> Incarnation:
