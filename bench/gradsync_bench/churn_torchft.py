@@ -89,6 +89,7 @@ class TorchftCluster(Cluster):
         command[command.index("--join_timeout_ms") + 1] = str(JOIN_TIMEOUT_MS)
         command[command.index("--heartbeat_timeout_ms") + 1] = str(HEARTBEAT_TIMEOUT_MS)
         self.coordinators = [Supervised("lighthouse", command, folder / "lighthouse.log")]
+        self._store_ports: set[int] = set()
         self.workers = [self._group(rank) for rank in range(config.world_size)]
         self._lock = threading.Lock()
         self._stopping = threading.Event()
@@ -96,10 +97,14 @@ class TorchftCluster(Cluster):
 
     def _group(self, rank: int) -> Supervised:
         config = self.config
+        store_port = free_port()
+        while store_port in self._store_ports or store_port == self.ports[0]:
+            store_port = free_port()
+        self._store_ports.add(store_port)
         command = [
             config.python, "-m", "gradsync_bench.churn_torchft_worker",
             *flag_args(lighthouse=f"http://{self.addresses[0]}", rank=rank),
-            *flag_args(store_port=free_port(), min_replicas=config.min_workers),
+            *flag_args(store_port=store_port, min_replicas=config.min_workers),
             *flag_args(log=self.folder / f"rank{rank}.jsonl", stop_file=self.stop_file),
             *flag_args(final=self.folder / f"final{rank}.pt", compute_s=config.compute_s),
             *flag_args(timeout_s=MANAGER_TIMEOUT_S, quorum_retries=QUORUM_RETRIES),
