@@ -17,6 +17,7 @@ from typing import Any
 from gradsync_bench import (
     churn,
     churn_report,
+    churn_torchft,
     heal,
     latency,
     netns_hosts,
@@ -203,6 +204,9 @@ def run(plan: BenchPlan) -> dict[str, Any]:
     if "churn" in plan.suites:
         progress("churn soak: failures every interval ...")
         document["suites"]["churn"] = churn.churn_suite(plan.churn)
+    if "churn-torchft" in plan.suites:
+        progress("churn soak with torchft: the same failures ...")
+        document["suites"]["churn_torchft"] = churn_torchft.churn_torchft_suite(plan.churn)
     finished = datetime.datetime.now(datetime.UTC)
     document["duration_s"] = (finished - started).total_seconds()
     return document
@@ -296,6 +300,7 @@ def markdown(document: dict[str, Any]) -> str:
     lines += latency.markdown_lines(found.get("latency", []))
     lines += heal.markdown_lines(found.get("heal", []))
     lines += churn_report.markdown_lines(found.get("churn", {}))
+    lines += churn_torchft.markdown_lines(found.get("churn_torchft", {}))
     lines += [f"Suite {suite} skipped: {why}" for suite, why in document.get("skipped", {}).items()]
     return "\n".join(lines) + "\n"
 
@@ -317,7 +322,7 @@ def write(document: dict[str, Any], out_dir: Path) -> None:
     rows = document["suites"]
     wan_ran = bool(rows.get("wan", {}).get("rows"))
     others = any(rows.get(name) for name in ("loopback", "train", "netns"))
-    if others or not (wan_ran or "churn" in rows or "latency" in rows):
+    if others or not (wan_ran or "churn" in rows or "churn_torchft" in rows or "latency" in rows):
         plots.plot(document, out_dir / "latest.png")
     if wan_ran:
         # Alone, the wan suite's figure is latest.png; beside the others, latest-wan.png.

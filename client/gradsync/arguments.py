@@ -26,9 +26,18 @@ if TYPE_CHECKING:
 #: The choices of --log-level (`gradsync --log-level`, and `gradsync shard --log-level`).
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
 #: The benchmark suites `gradsync bench --suites` chooses from.
-BENCH_SUITES = ("loopback", "train", "netns", "latency", "wan", "heal", "churn")
-#: The suites `gradsync bench` runs without --suites (wan, 20-25 minutes, heal, and churn,
-#: two runs of --churn-duration-s, only on request).
+BENCH_SUITES = (
+    "loopback",
+    "train",
+    "netns",
+    "latency",
+    "wan",
+    "heal",
+    "churn",
+    "churn-torchft",
+)
+#: The suites `gradsync bench` runs without --suites (wan, 20-25 minutes, heal, and churn and
+#: churn-torchft, two runs of --churn-duration-s each, only on request).
 BENCH_DEFAULT_SUITES = BENCH_SUITES[:4]
 #: The methods of the wan suite (`gradsync bench --wan-methods`; gradsync_bench.wan_worker).
 BENCH_WAN_METHODS = (
@@ -276,7 +285,8 @@ def _add_churn_flags(bench: argparse.ArgumentParser) -> None:
         "--churn-kinds",
         type=flags.choice_list(BENCH_CHURN_KINDS),
         help=f"churn: the failures cycled over, a subset of {','.join(BENCH_CHURN_KINDS)} "
-        "(default: all, in that order)",
+        "(default: all, in that order; churn-torchft injects worker-kill, worker-stop and "
+        "coordinator-kill, the lighthouse's, and leaves the others out)",
     )
     bench.add_argument(
         "--churn-shards",
@@ -286,7 +296,7 @@ def _add_churn_flags(bench: argparse.ArgumentParser) -> None:
     bench.add_argument(
         "--churn-work-dir",
         help="churn: keep every process's log and the workers' step logs in this folder "
-        "(default: a temporary folder, removed)",
+        "(churn-torchft: its torchft/ subfolder; default: a temporary folder, removed)",
     )
 
 
