@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+import select
 import socket
 import ssl
 import threading
@@ -35,6 +37,52 @@ class Peer:
             if not chunk:
                 raise EOFError("the FrameSocket closed")
             self._buffer += chunk
+
+
+class TlsPeer:
+    """The other end of a TLS FrameSocket, on one thread: writes `sending` while it reads
+    `expected_bytes` of frames, both through one non-blocking SSL object."""
+
+    def __init__(self, sock: ssl.SSLSocket, sending: bytes) -> None:
+        self.sock = sock
+        self.sending = memoryview(sending)
+        self.received = bytearray()
+        self.error: BaseException | None = None
+        self._thread: threading.Thread | None = None
+
+    def start(self, expected_bytes: int) -> None:
+        self._thread = threading.Thread(target=self._run, args=(expected_bytes,), daemon=True)
+        self._thread.start()
+
+    def _run(self, expected_bytes: int) -> None:
+        try:
+            self.sock.setblocking(False)
+            deadline = time.monotonic() + 30
+            while self.sending or len(self.received) < expected_bytes:
+                assert time.monotonic() < deadline, "the peer's exchange took over 30 s"
+                select.select([self.sock], [self.sock] if self.sending else [], [], 0.05)
+                if self.sending:
+                    with contextlib.suppress(ssl.SSLWantReadError, ssl.SSLWantWriteError):
+                        self.sending = self.sending[self.sock.send(self.sending[: 1 << 16]) :]
+                with contextlib.suppress(ssl.SSLWantReadError, ssl.SSLWantWriteError):
+                    while chunk := self.sock.recv(1 << 20):
+                        self.received += chunk
+        except BaseException as exc:  # reported by finish()
+            self.error = exc
+
+    def finish(self, timeout_s: float) -> list[tuple[int, bytes]]:
+        """The frames read, once everything was written and read."""
+        assert self._thread is not None
+        self._thread.join(timeout_s)
+        assert not self._thread.is_alive(), "the peer did not finish"
+        if self.error is not None:
+            raise self.error
+        frames, view = [], memoryview(self.received)
+        while view:
+            kind, length = HEADER.unpack_from(view)
+            frames.append((kind, bytes(view[HEADER.size : HEADER.size + length])))
+            view = view[HEADER.size + length :]
+        return frames
 
 
 class Ends:
@@ -330,22 +378,17 @@ def test_a_tls_socket_carries_frames_both_ways_while_both_threads_run() -> None:
     handshake.join(10)
     left = client_box[0]
     incoming = [bytes([index]) * (10 + index * 40_000) for index in range(30)]
-
-    def peer_writes() -> None:
-        for body in incoming:
-            right.sendall(HEADER.pack(MESSAGE, len(body)) + body)
-
-    writer = threading.Thread(target=peer_writes)
+    outgoing = [bytes([index]) * (2_000_000 if index % 4 == 1 else 100) for index in range(20)]
+    # The peer writes `incoming` and reads the frames of `outgoing` at the same time, from one
+    # thread: an SSL object is not safe to read and write from two threads without a lock.
+    pump = TlsPeer(right, b"".join(HEADER.pack(MESSAGE, len(b)) + b for b in incoming))
     try:
         ends = Ends()
         frames = _frame_socket(left, ends)
-        writer.start()
-        outgoing = [bytes([index]) * (2_000_000 if index % 4 == 1 else 100) for index in range(20)]
+        pump.start(expected_bytes=sum(HEADER.size + len(body) for body in outgoing))
         for index, body in enumerate(outgoing):
             frames.put(body, inline=index % 2 == 0)
-        peer = Peer(right)
-        assert [peer.frame() for _ in outgoing] == [(MESSAGE, body) for body in outgoing]
-        writer.join(10)
+        assert pump.finish(30) == [(MESSAGE, body) for body in outgoing]
         deadline = time.monotonic() + 10
         while len(ends.frames) < len(incoming) and time.monotonic() < deadline:
             time.sleep(0.01)
