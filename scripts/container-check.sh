@@ -331,6 +331,10 @@ sys.exit(1 if diff else 0)' -v "$out:/home/gradsync" || fail "the two workers' p
     sleep 1
   done
   healthy "$coord" || fail "$coord unhealthy before SIGTERM"
+  # Frozen, the holding worker cannot answer the drain: its stream stays open for the whole
+  # grace, so the probe, a process started in the container each time, has that long to see
+  # the coordinator not serving (a worker that leaves at once ended the drain in 1-2 s).
+  $ENGINE pause $P-hold >/dev/null
   drain_check "$coord" 10 kill
   [ -n "$UNHEALTHY_AT" ] || fail "the health check never failed while $coord drained"
   remove_run_scenario
