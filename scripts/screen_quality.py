@@ -81,7 +81,9 @@ def simulate(
         batches = wan_task.Batches(text, args.batch, args.context, rank)
         replicas.append((model, optimizer, batches))
     global_params = [p.detach().clone().requires_grad_(True) for p in start.parameters()]
-    outer = torch.optim.SGD(global_params, lr=0.7, momentum=0.9, nesterov=True)
+    outer = torch.optim.SGD(
+        global_params, lr=args.outer_lr, momentum=args.outer_momentum, nesterov=True
+    )
     history: list[np.ndarray] = []
     generator = np.random.default_rng(1)
     flags: list[list[int]] = []
@@ -109,18 +111,24 @@ def simulate(
             uploads[culprit] = corrupt(attack, uploads[culprit], history, number, generator)
         average = np.empty_like(uploads[0])
         flagged: set[int] = set()
+        round_measures: list[tuple[float, float]] = []
         for lo in range(0, len(average), CHUNK_ELEMENTS):
             rows = [(rank, values[lo : lo + CHUNK_ELEMENTS]) for rank, values in enumerate(uploads)]
             measures = measure_chunk(rows, thresholds.norm_ratio)
             verdict = judge(policy, thresholds, measures)
             flagged.update(f.rank for f in verdict.findings)
+            median_norm = float(np.median([measured.norm for _, measured in measures]))
             for rank, measured in measures:
+                ratio = measured.norm / median_norm if median_norm > 0 else math.nan
+                round_measures.append((ratio, measured.cosine))
                 if not math.isnan(measured.cosine):
                     is_attacker = attack is not None and number >= 3 and rank == culprit
                     (attacker_cosines if is_attacker else honest_cosines).append(measured.cosine)
             total, divisor = merge(policy, thresholds, rows, verdict)
             average[lo : lo + CHUNK_ELEMENTS] = total / np.float32(divisor)
         flags.append(sorted(flagged))
+        if args.progress is not None:
+            _log_round(args.progress, policy, attack, number, sorted(flagged), round_measures)
         offset = 0
         for parameter in global_params:
             size = parameter.numel()
@@ -147,6 +155,35 @@ def simulate(
     }
 
 
+def _log_round(
+    path: Path,
+    policy: ScreenPolicy,
+    attack: str | None,
+    number: int,
+    flagged: list[int],
+    measures: list[tuple[float, float]],
+) -> None:
+    """One JSON line per round: what was flagged, and how close the honest rows came.
+
+    A long run is stopped from outside; the per-round lines are what it leaves.
+    """
+    ratios = [r for r, _ in measures if not math.isnan(r)]
+    cosines = [c for _, c in measures if not math.isnan(c)]
+    line = {
+        "policy": policy.value,
+        "attack": attack,
+        "round": number,
+        "flagged": flagged,
+        "judged": len(measures),
+        "norm_ratio_max": max(ratios) if ratios else None,
+        "cosine_min": min(cosines) if cosines else None,
+        "cosine_median": float(np.median(cosines)) if cosines else None,
+        "time": time.time(),
+    }
+    with path.open("a") as log:
+        log.write(json.dumps(line) + "\n")
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--world", type=int, default=4)
@@ -166,6 +203,11 @@ def main() -> int:
         default=0,
         help="the attacking rank (rank W-1 trains on the slice next to the held-out text)",
     )
+    parser.add_argument("--outer-lr", type=float, default=0.7)
+    parser.add_argument("--outer-momentum", type=float, default=0.9)
+    parser.add_argument(
+        "--progress", type=Path, default=None, help="append one JSON line per round to this file"
+    )
     parser.add_argument("--honest", action=argparse.BooleanOptionalAction, default=True)
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args()
@@ -183,7 +225,12 @@ def main() -> int:
             args.out.parent.mkdir(parents=True, exist_ok=True)
             args.out.write_text(
                 json.dumps(
-                    {"settings": vars(args) | {"out": str(args.out)}, "runs": results}, indent=1
+                    {
+                        "settings": vars(args)
+                        | {"out": str(args.out), "progress": str(args.progress)},
+                        "runs": results,
+                    },
+                    indent=1,
                 )
             )
     return 0
