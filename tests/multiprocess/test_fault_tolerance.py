@@ -6,6 +6,7 @@ bounds), not just that nothing crashed.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import re
 import signal
@@ -103,7 +104,8 @@ def test_partitioned_worker_is_declared_dead(
     # here (coordinator, workers, status) inherits it from the environment.
     monkeypatch.delenv("GRADSYNC_TOKEN_FILE", raising=False)
     monkeypatch.setenv("GRADSYNC_TOKEN", "fault-tolerance-test-token")
-    with Cluster(["coord", "w0", "w1"]) as cluster:
+    with contextlib.ExitStack() as logs, Cluster(["coord", "w0", "w1"]) as cluster:
+        worker_logs = [logs.enter_context((tmp_path / f"w{r}.log").open("w")) for r in range(2)]
         coordinator = cluster.popen(
             "coord",
             [
@@ -134,7 +136,7 @@ def test_partitioned_worker_is_declared_dead(
             "--timeout-s",
             "60",
             launch=lambda rank, argv: cluster.popen(
-                f"w{rank}", argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+                f"w{rank}", argv, stdout=subprocess.DEVNULL, stderr=worker_logs[rank]
             ),
         )
         status_address = address
@@ -162,7 +164,15 @@ def test_partitioned_worker_is_declared_dead(
             jobs = json.loads(result.stdout)["jobs"]
             return any(job["openStep"] >= 3 for job in jobs)  # --json prints integers as numbers
 
-        wait_for(past_step_2, 60, "training to pass step 2")
+        try:
+            wait_for(past_step_2, 60, "training to pass step 2")
+        except AssertionError as stuck:
+            coordinator.terminate()
+            _, log = coordinator.communicate(timeout=30)
+            workers = "".join(
+                f"\n--- w{r} ---\n" + (tmp_path / f"w{r}.log").read_text()[-3000:] for r in range(2)
+            )
+            raise AssertionError(f"{stuck}\n--- coordinator ---\n{log[-3000:]}{workers}") from None
         cluster.set_link("w1", False)
         cut_at = time.monotonic()
         processes[0].wait(timeout=30)
