@@ -55,6 +55,7 @@ def run_method(method: str, args: argparse.Namespace) -> list[dict[str, Any]]:
         *(() if args.outer_lr is None else ("--outer-lr", repr(args.outer_lr))),
         *(() if args.outer_momentum is None else ("--outer-momentum", repr(args.outer_momentum))),
         *("--coordinator", f"127.0.0.1:{port}", "--method", method, "--out", str(out)),
+        *("--seed", str(args.seed)),
     ]
     ranks = [
         subprocess.Popen([*WORKER, "--rank", str(rank), *common]) for rank in range(args.world)
@@ -75,8 +76,8 @@ def worker(args: argparse.Namespace) -> None:
     torch.set_num_threads(1)
     corpus = wan_task.read_corpus()
     text, held_out = wan_task.split(corpus, args.rank, args.world)
-    batches = wan_task.Batches(text, args.batch, args.context, args.rank)
-    torch.manual_seed(0)
+    batches = wan_task.Batches(text, args.batch, args.context, args.rank, seed=args.seed)
+    torch.manual_seed(args.seed)
     model = wan_task.build_model(args.context)
     inner = torch.optim.AdamW(model.parameters(), lr=args.lr)
     wire: torch.dtype | gradsync.SparseWire | None = {
@@ -138,6 +139,9 @@ def main() -> int:
     parser.add_argument("--batch", type=int, default=4)
     parser.add_argument("--context", type=int, default=64)
     parser.add_argument("--lr", type=float, default=1e-3)
+    parser.add_argument(
+        "--seed", type=int, default=0, help="the model's initialisation and the batches' order"
+    )
     parser.add_argument("--out", default=".", help="folder for the ranks' records")
     parser.add_argument(
         "--heartbeat-timeout", type=float, default=None, help="the coordinator's (default: its own)"
@@ -152,7 +156,7 @@ def main() -> int:
         return 0
     Path(args.out).mkdir(parents=True, exist_ok=True)
     print(
-        f"wan task, W = {args.world}, {args.steps} steps, H = {args.sync_every}, "
+        f"wan task, W = {args.world}, {args.steps} steps, H = {args.sync_every}, seed {args.seed}, "
         f"density {args.density}, outer lr {args.outer_lr or 1.0}, momentum "
         f"{'the library default' if args.outer_momentum is None else args.outer_momentum}"
     )
