@@ -56,6 +56,7 @@ from gradsync.distributed.composite import (
     write_into,
 )
 from gradsync.distributed.group_session import GroupSession
+from gradsync.distributed.shard_routes import spread_ranges
 from gradsync.distributed.wire import on_wire, wire_for
 from gradsync.distributed.work import Finish, OpQueue, OpResult
 
@@ -171,7 +172,7 @@ class ProcessGroupGradsync(_ProcessGroup):  # type: ignore[misc]  # (untyped bas
                 with torch.no_grad():
                     tensor.mul_(factor)
             sent = tensor if wire is None else tensor.detach().to(wire)
-            finish = self._collectives.start_all_reduce(sent, op, on_ready=ready)
+            finish = self._start_all_reduce(sent, op, ready)
 
             def done() -> OpResult:
                 self._check_contributors(finish())
@@ -183,6 +184,18 @@ class ProcessGroupGradsync(_ProcessGroup):  # type: ignore[misc]  # (untyped bas
 
         inline = tensor.device.type == "cpu" and self._collectives.can_issue
         return self._ops.submit_split(name, issue, inline=inline, tells=tensor.device.type == "cpu")
+
+    def _start_all_reduce(
+        self, tensor: torch.Tensor, op: str, ready: Callable[[], None]
+    ) -> Callable[[], int]:
+        """Issue an all-reduce: spread over the coordinator's shards when it is sharded
+        and the tensor large (`gradsync.distributed.shard_routes`), else whole."""
+        routes = self._session.shard_routes
+        if routes is not None and tensor.device.type == "cpu" and tensor.is_contiguous():
+            ranges = spread_ranges(tensor.numel(), tensor.element_size(), routes.shard_count)
+            if ranges is not None:
+                return routes.start_all_reduce(self._collectives, tensor, op, ranges, ready)
+        return self._collectives.start_all_reduce(tensor, op, on_ready=ready)
 
     def allreduce_coalesced(self, tensors: list[torch.Tensor], opts: Any = None) -> Any:
         if not tensors:
