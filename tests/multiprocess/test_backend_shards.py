@@ -4,11 +4,12 @@
 group of two real rank processes running an unchanged script
 (`support/workers/backend_worker.py`, scenario "shards"): stock DDP with one
 gradient bucket large enough to be spread over the shards, then an all-reduce
-with every reduce op. The same script runs over gloo at the same time. The
-results must match gloo's (DDP within 1e-6, the ops bitwise), both shards must
-have served the group's bytes (the leader's collective metrics, the shard's
-bytes in `gradsync status`), and an all-reduce whose size differs between the
-ranks must fail on both, naming both sizes.
+with every reduce op, an all-gather and a reduce-scatter, all spread too. The
+same script runs over gloo at the same time. The results must match gloo's
+(DDP within 1e-6, the ops bitwise), both shards must have served the group's
+bytes (the leader's collective metrics, the shard's bytes in `gradsync
+status`), and an all-reduce whose size differs between the ranks must fail on
+both, naming both sizes.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from gradsync_proto.net.launch import free_port
 from prometheus_client.parser import text_string_to_metric_families
 from support.backend_launch import finish_backend_runs, start_backend_ranks
 from support.processes import WORKERS
-from support.shards import shard_statuses, wait_for_shards
+from support.shards import shard_statuses
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(240)]
 
@@ -49,10 +50,10 @@ def test_stock_ddp_over_a_sharded_coordinator_equals_gloo_and_uses_every_shard(
 ) -> None:
     world, metrics_port = 2, free_port()
     leader = coordinator_factory(world, "--shards", "2", "--metrics-port", str(metrics_port))
-    wait_for_shards(leader.address, 2, 60)
+    # (no wait for the shard: the group's job starts once every shard is registered)
     runs = [
         start_backend_ranks(
-            BACKEND_WORKER, backend, "shards", world, tmp_path / backend, address, start_apart_s=0.3
+            BACKEND_WORKER, backend, "shards", world, tmp_path / backend, address, start_apart_s=0.0
         )
         for backend, address in (("gloo", "unused:1"), ("gradsync", leader.address))
     ]
@@ -69,14 +70,17 @@ def test_stock_ddp_over_a_sharded_coordinator_equals_gloo_and_uses_every_shard(
     assert len(models) == 4, models
     for rank in range(world):
         assert str(ours[rank]["backend"]) == "gradsync"
-        # DDP's bucket and the 80 KB tensors went to the shards (5 ops + DDP's 3 steps
-        # + PREMUL_SUM, one range each on shard 1).
-        assert int(ours[rank]["ranges_sent"]) >= 3 + 6, int(ours[rank]["ranges_sent"])
+        # DDP's bucket and the 80 KB tensors went to the shards (DDP's 3 steps, 6
+        # all-reduces, the all-gather and the reduce-scatter: one range each on shard 1).
+        assert int(ours[rank]["ranges_sent"]) == 3 + 6 + 2, int(ours[rank]["ranges_sent"])
         for key in models:
             difference = float(np.abs(ours[rank][key] - gloo[rank][key]).max())
             assert difference <= 1e-6, f"{key} on rank {rank}: {difference:.3g} from gloo"
-        for name in ("sum", "min", "max", "product"):
-            key = f"all_reduce_{name}"
+        for key in (
+            *(f"all_reduce_{name}" for name in ("sum", "min", "max", "product")),
+            "all_gather_into_tensor",
+            "reduce_scatter_tensor",
+        ):
             np.testing.assert_array_equal(ours[rank][key], gloo[rank][key], err_msg=key)
         sums = gloo[rank]["all_reduce_sum"]
         np.testing.assert_array_equal(ours[rank]["all_reduce_avg"], sums / world)

@@ -34,7 +34,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
@@ -45,12 +45,20 @@ from gradsync_proto.v1 import gradsync_pb2 as pb
 from gradsync.collectives import Collectives
 from gradsync.control.collective_results import CollectiveResults
 from gradsync.control.worker_messages import CollectiveUpload
+from gradsync.distributed.composite import reduce_scatter, write_into
 from gradsync.errors import GradSyncError, ShardUnavailableError
 from gradsync.path.signature import WIRE_DTYPES
 
 log = logging.getLogger("gradsync.client")
 
-__all__ = ["MIN_SPREAD_BYTES", "ShardRoutes", "spread_ranges"]
+__all__ = [
+    "MIN_SPREAD_BYTES",
+    "ShardRoutes",
+    "all_gather",
+    "reduce_scatter_parts",
+    "spread_ranges",
+    "start_all_reduce",
+]
 
 #: An all-reduce smaller than this stays whole on the leader: one round trip to one
 #: process costs less than S in parallel when there are few bytes to share out.
@@ -69,12 +77,66 @@ Finish = Callable[[], int]
 
 
 def spread_ranges(numel: int, element_size: int, shard_count: int) -> list[tuple[int, int]] | None:
-    """The element ranges [start, stop) of an all-reduce, one per shard, or None when it
-    stays whole on the leader (no shards, fewer than `MIN_SPREAD_BYTES` or than
-    `shard_count` elements)."""
+    """The element ranges [start, stop) of an op, one per shard, or None when it stays
+    whole on the leader (no shards, fewer than `MIN_SPREAD_BYTES` or than `shard_count`
+    elements). `element_size`: the bytes each element of the cut carries (a
+    reduce-scatter's cut runs through every rank's part: W elements each)."""
     if shard_count < 2 or numel < shard_count or numel * element_size < MIN_SPREAD_BYTES:
         return None
     return shard_ranges(numel, shard_count)
+
+
+def start_all_reduce(
+    routes: ShardRoutes | None,
+    collectives: Collectives,
+    tensor: torch.Tensor,
+    op: str,
+    ready: Callable[[], None],
+) -> Finish:
+    """Issue an all-reduce: spread over the shards when `routes` (a sharded coordinator)
+    and the tensor is a large enough contiguous CPU tensor, else whole on the leader;
+    return its `finish` (see `Collectives.start_all_reduce`)."""
+    if routes is not None and tensor.device.type == "cpu" and tensor.is_contiguous():
+        ranges = spread_ranges(tensor.numel(), tensor.element_size(), routes.shard_count)
+        if ranges is not None:
+            return routes.start_all_reduce(collectives, tensor, op, ranges, ready)
+    return collectives.start_all_reduce(tensor, op, on_ready=ready)
+
+
+def all_gather(
+    routes: ShardRoutes | None, collectives: Collectives, tensor: torch.Tensor
+) -> list[torch.Tensor]:
+    """Every contributing rank's `tensor`, spread over the shards as `start_all_reduce`."""
+    if routes is not None and tensor.device.type == "cpu" and tensor.is_contiguous():
+        ranges = spread_ranges(tensor.numel(), tensor.element_size(), routes.shard_count)
+        if ranges is not None:
+            return routes.all_gather(collectives, tensor, ranges)
+    return collectives.all_gather(tensor)
+
+
+def reduce_scatter_parts(
+    routes: ShardRoutes | None,
+    collectives: Collectives,
+    output: torch.Tensor,
+    parts: Sequence[torch.Tensor],
+    op: str,
+    wire: torch.dtype | None,
+) -> None:
+    """`composite.reduce_scatter`, spread over the shards (range i of every part on shard
+    i) when `routes` and `output` is a contiguous CPU tensor whose parts are large."""
+    if routes is not None and output.device.type == "cpu" and output.is_contiguous():
+        carried = (wire or output.dtype).itemsize * len(parts)
+        ranges = spread_ranges(output.numel(), carried, routes.shard_count)
+        if ranges is not None:
+            if wire is None:
+                routes.reduce_scatter(collectives, output, list(parts), op, ranges)
+                return
+            narrow = torch.empty(output.numel(), dtype=wire)
+            wired = [part.detach().to("cpu", wire) for part in parts]
+            routes.reduce_scatter(collectives, narrow, wired, op, ranges)
+            write_into(output, narrow)
+            return
+    reduce_scatter(collectives, output, parts, op, wire)
 
 
 class _Shard:
@@ -162,29 +224,10 @@ class ShardRoutes:
         start, stop = ranges[0]
         finish_leader = collectives.start_all_reduce(flat[start:stop], op, on_ready=part_ready)
         wire_op, dtype = _WIRE_OPS[op], WIRE_DTYPES[tensor.dtype]
-        issued: list[tuple[_Shard, int, int, int]] = []
-        for index, (start, stop) in enumerate(ranges[1:], start=1):
-            payload = _bytes_of(flat[start:stop])
-            shard = self._shards[index]
-            with self._lock:
-                sequence = shard.next_sequence
-                shard.next_sequence += 1
-                shard.results.expect(
-                    sequence,
-                    wire_op,
-                    dtype,
-                    payload.nbytes,
-                    world_size=self.world_size,
-                    chunk_bytes=self._chunk_bytes,
-                    on_ready=part_ready,
-                )
-                failed = shard.failure is not None
-            issued.append((shard, sequence, start, stop))
-            if failed:
-                part_ready()  # (its wait raises the shard's failure)
-                continue
-            link.send_to_shard(index, CollectiveUpload(sequence, wire_op, dtype, 0, payload))
-            self.ranges_sent += 1
+        issued = [
+            self._issue(link, index, (a, b), wire_op, dtype, _bytes_of(flat[a:b]), part_ready)
+            for index, (a, b) in enumerate(ranges[1:], start=1)
+        ]
 
         def finish() -> int:
             try:
@@ -192,24 +235,161 @@ class ShardRoutes:
             except BaseException:
                 self._forget(issued)
                 raise
-            for position, (shard, sequence, start, stop) in enumerate(issued):
-                try:
-                    data, count = self._wait(shard, sequence, deadline, start, stop)
-                except BaseException:
-                    self._forget(issued[position + 1 :])
-                    raise
-                if count != contributors:
-                    self._forget(issued[position + 1 :])
-                    raise GradSyncError(
-                        f"range {shard.index} (elements {start}..{stop}) of the all-reduce "
-                        f"had {count} contributors on shard {shard.index}, range 0 had "
-                        f"{contributors} on the leader",
-                        rank=self.rank,
-                    )
+            for position, (_, _, start, stop) in enumerate(issued):
+                data, _ = self._checked_wait(issued, position, deadline, contributors)
                 _write_back(flat[start:stop], data)
             return contributors
 
         return finish
+
+    def all_gather(
+        self, collectives: Collectives, tensor: torch.Tensor, ranges: list[tuple[int, int]]
+    ) -> list[torch.Tensor]:
+        """Every contributing rank's `tensor` (new tensors, in rank order), its `ranges`
+        (`spread_ranges`) gathered on their shards: range 0 on the leader, range i on
+        shard i. Blocks, bounded by the timeout; `tensor` is a contiguous CPU tensor.
+
+        Raises:
+            GradSyncError: a range failed (a shard lost, ranks that disagree).
+        """
+        flat = tensor.detach().view(-1)
+        deadline = time.monotonic() + self._timeout_s
+        link = self._attach()
+        dtype = WIRE_DTYPES[tensor.dtype]
+        gather = pb.COLLECTIVE_OP_ALL_GATHER
+        issued = [
+            self._issue(link, index, (a, b), gather, dtype, _bytes_of(flat[a:b]))
+            for index, (a, b) in enumerate(ranges[1:], start=1)
+        ]
+        start, stop = ranges[0]
+        try:
+            leader = collectives.all_gather(flat[start:stop])
+        except BaseException:
+            self._forget(issued)
+            raise
+        gathered = [torch.empty_like(flat) for _ in leader]
+        for output, part in zip(gathered, leader, strict=True):
+            output[start:stop] = part
+        for position, (_, _, a, b) in enumerate(issued):
+            data, count = self._checked_wait(issued, position, deadline, len(leader))
+            parts = torch.frombuffer(data, dtype=tensor.dtype, count=count * (b - a))
+            for rank, output in enumerate(gathered):
+                output[a:b] = parts[rank * (b - a) : (rank + 1) * (b - a)]
+        return [output.view(tensor.shape) for output in gathered]
+
+    def reduce_scatter(
+        self,
+        collectives: Collectives,
+        output: torch.Tensor,
+        parts: list[torch.Tensor],
+        op: str,
+        ranges: list[tuple[int, int]],
+    ) -> None:
+        """`output` = the reduction over ranks of every rank's `parts[my rank]`, each
+        part's `ranges` (`spread_ranges` of one part) reduced on their shards: shard i
+        reduces range i of every part and sends each rank its own. `output` is a
+        contiguous CPU tensor; the parts are of its size and dtype (in the type they
+        travel in). Blocks, bounded by the timeout.
+
+        Raises:
+            GradSyncError: a range failed (a shard lost, ranks that disagree).
+        """
+        flat = output.detach().view(-1)
+        pieces = [part.detach().reshape(-1) for part in parts]
+        deadline = time.monotonic() + self._timeout_s
+        link = self._attach()
+        dtype, size = WIRE_DTYPES[output.dtype], output.element_size()
+        template = pb.CollectiveChunk(reduce_op=_WIRE_OPS[op])
+        issued = []
+        for index, (a, b) in enumerate(ranges[1:], start=1):
+            cut = torch.cat([piece[a:b] for piece in pieces])  # range i of every part
+            issued.append(
+                self._issue(
+                    link,
+                    index,
+                    (a, b),
+                    pb.COLLECTIVE_OP_REDUCE_SCATTER,
+                    dtype,
+                    _bytes_of(cut),
+                    template=template,
+                    result_bytes=(b - a) * size,
+                )
+            )
+        start, stop = ranges[0]
+        try:
+            cut = torch.cat([piece[start:stop] for piece in pieces])
+            collectives.reduce_scatter(flat[start:stop], cut, op)
+        except BaseException:
+            self._forget(issued)
+            raise
+        for position, (_, _, a, b) in enumerate(issued):
+            data, _ = self._checked_wait(issued, position, deadline, collectives.world_size)
+            _write_back(flat[a:b], data)
+
+    def _issue(
+        self,
+        link: Any,
+        index: int,
+        elements: tuple[int, int],
+        wire_op: int,
+        dtype: int,
+        payload: np.ndarray[Any, np.dtype[np.uint8]],
+        on_ready: Callable[[], None] | None = None,
+        *,
+        template: pb.CollectiveChunk | None = None,
+        result_bytes: int | None = None,
+    ) -> tuple[_Shard, int, int, int]:
+        """Number one range (of `elements` [start, stop)) for shard `index` and send it;
+        return (the shard, its number, start, stop).
+
+        A shard already failed is sent nothing: the range's wait raises its failure.
+        """
+        shard = self._shards[index]
+        with self._lock:
+            sequence = shard.next_sequence
+            shard.next_sequence += 1
+            shard.results.expect(
+                sequence,
+                wire_op,
+                dtype,
+                payload.nbytes,
+                world_size=self.world_size,
+                chunk_bytes=self._chunk_bytes,
+                result_bytes=result_bytes,
+                on_ready=on_ready,
+            )
+            failed = shard.failure is not None
+        if failed:
+            if on_ready is not None:
+                on_ready()
+            return shard, sequence, elements[0], elements[1]
+        link.send_to_shard(index, CollectiveUpload(sequence, wire_op, dtype, 0, payload, template))
+        self.ranges_sent += 1
+        return shard, sequence, elements[0], elements[1]
+
+    def _checked_wait(
+        self,
+        issued: list[tuple[_Shard, int, int, int]],
+        position: int,
+        deadline: float,
+        contributors: int,
+    ) -> tuple[bytearray, int]:
+        """Wait for range `issued[position]`; check it had the leader range's
+        `contributors`; forget the later ranges when it fails."""
+        shard, sequence, start, stop = issued[position]
+        try:
+            data, count = self._wait(shard, sequence, deadline, start, stop)
+        except BaseException:
+            self._forget(issued[position + 1 :])
+            raise
+        if count != contributors:
+            self._forget(issued[position + 1 :])
+            raise GradSyncError(
+                f"range {shard.index} (elements {start}..{stop}) had {count} contributors on "
+                f"shard {shard.index}, range 0 had {contributors} on the leader",
+                rank=self.rank,
+            )
+        return data, count
 
     def _attach(self) -> Any:
         """The current link, with this group's hooks on its shard streams.

@@ -26,7 +26,8 @@ and no $GRADSYNC_COORDINATOR). Scenarios:
   once. Both errors are saved.
 - shards: for a sharded coordinator (W = 2): stock DDP trains an MLP whose one gradient
   bucket (132 KB) is large enough to be spread over the shards, then the ranks
-  all-reduce an 80 KB tensor with every reduce op; over "gradsync" also AVG and
+  all-reduce an 80 KB tensor with every reduce op, all-gather it and reduce-scatter
+  twice its size; over "gradsync" also AVG and
   PREMUL_SUM, how many ranges the group sent to shards, and last an all-reduce whose
   size differs between the ranks (the error saved).
 - ddp_steps: stock DDP trains a small MLP for `--steps` steps, `--step-delay-s` apart,
@@ -307,6 +308,12 @@ def run_shards(rank: int, saved: dict[str, np.ndarray]) -> None:
         tensor = values.clone()
         dist.all_reduce(tensor, op=getattr(dist.ReduceOp, name))
         saved[f"all_reduce_{name.lower()}"] = tensor.numpy()
+    gathered = torch.empty(2 * len(values))
+    dist.all_gather_into_tensor(gathered, values.clone())
+    saved["all_gather_into_tensor"] = gathered.numpy()
+    scattered = torch.empty(len(values))
+    dist.reduce_scatter_tensor(scattered, torch.cat([values, values * 3 - 1]))
+    saved["reduce_scatter_tensor"] = scattered.numpy()
     if dist.get_backend() != "gradsync":
         return
     tensor = values.clone()

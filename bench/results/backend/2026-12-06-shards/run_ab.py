@@ -4,6 +4,7 @@ Each pass starts `gradsync serve --world-size 2` (with `--shards 2` for S = 2), 
 ranks of `gradsync_bench.train_worker --mode ddp-backend` (stock DDP over the backend,
 one CPU thread each, the train suite's MLP of `--model-mb` MB), and records rank 0's
 samples/s and the CPU seconds of the coordinator's processes (leader and shard).
+`serve` defaults to 1 MiB chunks unsharded and 0.25 MiB sharded; `--chunk-mb` sets both.
 
     PYTHONPATH=client:server:proto:bench python bench/results/backend/2026-12-06-shards/run_ab.py \
         --model-mb 32 --steps 8 --passes 2 --out bench/results/backend/2026-12-06-shards/ab.json
@@ -45,13 +46,17 @@ def cpu_seconds(pid: int) -> float:
     return total
 
 
-def one_pass(shards: int, model_mb: float, steps: int, workdir: Path) -> dict[str, float]:
+def one_pass(
+    shards: int, model_mb: float, steps: int, chunk_mb: float | None, workdir: Path
+) -> dict[str, float]:
     port = free_port()
     while port + 3 >= 65535:
         port = free_port()
     command = [sys.executable, "-m", "gradsync", "serve", "--world-size", "2", "--port", str(port)]
     if shards > 1:
         command += ["--shards", str(shards)]
+    if chunk_mb is not None:
+        command += ["--chunk-mb", str(chunk_mb)]
     log = (workdir / f"serve-{port}.log").open("w")
     coordinator = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT)
     try:
@@ -91,6 +96,7 @@ def one_pass(shards: int, model_mb: float, steps: int, workdir: Path) -> dict[st
         result = json.loads(out.read_text())
         result["coordinator_cpu_s"] = cpu_seconds(coordinator.pid)
         result["shards"] = shards
+        result["chunk_mb"] = chunk_mb if chunk_mb is not None else (1.0 if shards == 1 else 0.25)
         return result
     finally:
         coordinator.terminate()
@@ -103,13 +109,14 @@ def main() -> None:
     parser.add_argument("--model-mb", type=float, default=32.0)
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--passes", type=int, default=2)
+    parser.add_argument("--chunk-mb", type=float, help="both coordinators' (default: serve's)")
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args()
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         for _ in range(args.passes):
             for shards in (1, 2):  # A B A B
-                row = one_pass(shards, args.model_mb, args.steps, Path(tmp))
+                row = one_pass(shards, args.model_mb, args.steps, args.chunk_mb, Path(tmp))
                 print(json.dumps(row), flush=True)
                 rows.append(row)
     args.out.write_text(json.dumps(rows, indent=1) + "\n")
