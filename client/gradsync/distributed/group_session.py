@@ -13,7 +13,7 @@ A coordinator that restarts on the same address takes the group back: the
 session rejoins the same job with the same rank and sends the collectives in
 flight again (`gradsync.distributed.reconnect`). On a sharded coordinator the
 Welcome lists the shards; the transport opens a data stream to each, and the
-group's large all-reduces are spread over them (`gradsync.distributed.shard_routes`).
+group's bulk ops are spread over them (`gradsync.distributed.shard_routes`).
 """
 
 from __future__ import annotations
@@ -103,7 +103,7 @@ class GroupSession:
         self.collectives = Collectives(
             lambda: cast(SessionLink, self.resuming), rank, world_size, timeout_s
         )
-        #: Spreads large all-reduces over the coordinator's shards (None: not sharded).
+        #: Spreads bulk ops over the coordinator's shards (None: not sharded).
         self.shard_routes: ShardRoutes | None = None
         if len(welcome.shards) > 1:
             self.shard_routes = ShardRoutes(
@@ -115,7 +115,7 @@ class GroupSession:
                 timeout_s,
             )
             log.info(
-                "rank %d: group '%s' spreads its all-reduces over %d shards",
+                "rank %d: group '%s' spreads its bulk ops over %d shards",
                 rank,
                 job_id,
                 len(welcome.shards),

@@ -1,4 +1,4 @@
-"""A process group's all-reduces spread over a sharded coordinator's shards.
+"""A process group's bulk ops spread over a sharded coordinator's shards.
 
 With `gradsync serve --shards S` (or `--wait-for-shards`), a group's Welcome
 lists the S shards, and the group's transport opens a `Shard.Data` stream to
@@ -8,15 +8,17 @@ contiguous element ranges, the longer ones first, as the wrapper cuts a bucket
 (`gradsync_proto.chunking.shard_ranges`): range 0 goes to the leader as the
 group's collective (its sequence number, its checks), range i to shard i as a
 collective of that range alone, numbered 0, 1, 2, ... per shard. Every rank
-issues the same all-reduces in the same order, so the ranks' numbers agree on
-every shard. Each shard reduces its range in ascending rank order with the
-leader's code, so the result is bitwise the one a single coordinator computes,
-whatever the order in which the ranks' inputs arrive. A 25 MB gradient bucket
-thus travels on every shard's link at once, each carrying 1/S of it.
+issues the same ops in the same order, so the ranks' numbers agree on every
+shard. An all-gather is cut the same way (shard i gathers range i of every
+rank's input), and a reduce-scatter cuts each rank's part (shard i
+reduce-scatters range i of every part, and each rank gets range i of its own).
+Each shard reduces its range in ascending rank order with the leader's code, so
+the result is bitwise the one a single coordinator computes, whatever the order
+in which the ranks' inputs arrive. A 25 MB gradient bucket thus travels on every
+shard's link at once, each carrying 1/S of it.
 
-Everything else stays on the leader: small all-reduces, every other op
-(broadcast, the all-gathers, reduce-scatter and the hub's per-rank ops,
-barrier) and the rendezvous store.
+Everything else stays on the leader: small ops, broadcast, reduce, gather,
+scatter, all-to-all, barrier and the rendezvous store.
 
 Faults: a shard whose stream fails (killed, lost its leader, refused a chunk)
 fails every range pending on it at once with the stream's error, which names
@@ -25,8 +27,7 @@ the shard and its address; the group's `OpQueue` then fails the operation
 dtype, size) are told by the leader for range 0, naming both values, as
 without shards. A group whose coordinator restarted cannot resume its ranges
 on the shards (they forget the group's collectives with their leader): its
-next spread all-reduce fails, saying so. Every wait is bounded by the group's
-timeout.
+next spread op fails, saying so. Every wait is bounded by the group's timeout.
 """
 
 from __future__ import annotations
@@ -140,7 +141,7 @@ def reduce_scatter_parts(
 
 
 class _Shard:
-    """What one shard holds of this rank's spread all-reduces."""
+    """What one shard holds of this rank's spread ops."""
 
     def __init__(self, index: int, rank: int) -> None:
         self.index = index
@@ -152,7 +153,7 @@ class _Shard:
 
 
 class ShardRoutes:
-    """Spreads one group's large all-reduces over the coordinator's shards.
+    """Spreads one group's bulk ops over the coordinator's shards.
 
     Args:
         link_getter: the group's current link to the leader (a `Transport`).

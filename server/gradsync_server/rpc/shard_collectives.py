@@ -1,16 +1,17 @@
-"""A shard's part of process groups' collectives: its range of each spread all-reduce.
+"""A shard's part of process groups' collectives: its range of each spread bulk op.
 
 A c10d process group on a sharded coordinator (`gradsync.distributed.shard_routes`)
-cuts each large all-reduce into one contiguous element range per shard, as the
-wrapper cuts a bucket: range 0 goes to the leader on the rank's Sync stream,
-range i to shard i on the rank's `Shard.Data` stream, as a `CollectiveChunk` of
-that range alone. Every rank numbers the collectives it sends to one shard
-0, 1, 2, ... (the same on every rank: they issue the same ops in the same order),
-so each shard pairs the ranks' inputs by its own sequence with the coordinator's
-`Collectives`, unchanged: the same checks (op, dtype, size), the same byte budget,
-the same reduction in ascending rank order (so the spread result is bitwise the
-one a single coordinator computes), the same failure for every rank when they
-disagree. The results go back on the same data streams.
+cuts each large all-reduce, all-gather and reduce-scatter into one contiguous
+element range per shard, as the wrapper cuts a bucket: range 0 goes to the
+leader on the rank's Sync stream, range i to shard i on the rank's `Shard.Data`
+stream, as a `CollectiveChunk` of that range alone. Every rank numbers the
+collectives it sends to one shard 0, 1, 2, ... (the same on every rank: they
+issue the same ops in the same order), so each shard pairs the ranks' inputs
+by its own sequence with the coordinator's `Collectives`, unchanged: the same
+checks (op, dtype, size), the same byte budget, the same reduction in ascending
+rank order (so the spread result is bitwise the one a single coordinator
+computes), the same failure for every rank when they disagree. The results go
+back on the same data streams.
 
 The leader stays the authority: a shard follows its views (the members of a
 job; a rank no longer a member stops taking part) and forgets a job's

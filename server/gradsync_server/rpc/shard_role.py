@@ -97,7 +97,7 @@ class ShardRole(CoordinatorServicer):
         self._delivery = Delivery[JobPlane](
             self.connections, self.metrics, self.outer_states.records, self._detach
         )
-        #: This shard's range of the process groups' spread all-reduces (`shard_collectives`).
+        #: This shard's range of the process groups' spread bulk ops (`shard_collectives`).
         self.group_collectives = ShardCollectives(
             config.max_collective_bytes, self.budget, self.metrics, clock
         )
@@ -316,7 +316,7 @@ class ShardRole(CoordinatorServicer):
         self._deliver(job, job.on_gradient(conn.rank, chunk, payload))
 
     def _collective(self, conn: Connection, chunk: pb.CollectiveChunk) -> None:
-        """A chunk of a process group's input to this shard's range of an all-reduce.
+        """A chunk of a process group's input to this shard's range of a bulk op.
 
         Its job's view came before the Welcome that let the rank dial, so the job
         is known here; a refused chunk ends the sender's stream (its rank's pending
