@@ -6,7 +6,8 @@ range 0 to a `Collectives` (the leader's), range 1 to a shard's `ShardCollective
 the results come back as the streams would hand them over. The spread result must
 be bitwise the unspread one, whatever rank arrives first; a shard stream that
 fails fails the pending range at once naming the shard's address; a range that
-never comes back fails within the timeout.
+never comes back fails within the timeout. A shard follows the leader's members
+(a range waiting only for a dropped rank completes) and frees an ended job's bytes.
 """
 
 from __future__ import annotations
@@ -222,3 +223,39 @@ def test_a_range_that_never_comes_back_fails_within_the_timeout() -> None:
     with pytest.raises(TimeoutError, match=r"range 1 .* on shard 1 .* within 0\.3 s"):
         finish()
     assert time.monotonic() - started < 2.0
+
+
+def shard_view(world: int, members: range) -> pb.ShardJobView:
+    view = pb.ShardJobView(job_id=JOB, world_size=world, chunk_bytes=CHUNK, shard_count=2)
+    view.members.extend(pb.ShardMember(rank=r) for r in members)
+    return view
+
+
+def test_a_shard_follows_the_leaders_members_and_frees_an_ended_jobs_bytes() -> None:
+    budget = ByteBudget(1 << 30)
+    shard = ShardCollectives(1 << 28, budget)
+    assert shard.follow(shard_view(3, range(3))) == [] and shard.knows(JOB)
+
+    def chunk(sequence: int, value: float) -> pb.CollectiveChunk:
+        payload = torch.full((2,), value).numpy().tobytes()
+        return pb.CollectiveChunk(
+            sequence=sequence,
+            op=pb.COLLECTIVE_OP_SUM,
+            dtype=WIRE_DTYPES[torch.float32],  # type: ignore[arg-type]
+            total_bytes=len(payload),
+            payload=payload,
+        )
+
+    assert shard.accept(JOB, 0, chunk(0, 1.0)) == []
+    assert shard.accept(JOB, 1, chunk(0, 2.0)) == []  # rank 2 still to come
+    assert budget.held_by(JOB) == 16
+    # The leader drops rank 2: the range completes over the ranks that sent theirs.
+    (sent,) = shard.follow(shard_view(3, range(2)))
+    assert isinstance(sent, Send) and tuple(sent.ranks) == (0, 1)
+    assert sent.message.collective.contributors == 2
+    assert torch.frombuffer(
+        bytearray(sent.message.collective.payload), dtype=torch.float32
+    ).tolist() == [3.0, 3.0]
+    assert shard.accept(JOB, 0, chunk(1, 1.0)) == [] and budget.held_by(JOB) == 8
+    shard.forget(JOB)  # the job ended at the leader: its bytes go back
+    assert budget.held_by(JOB) == 0 and not shard.knows(JOB)
