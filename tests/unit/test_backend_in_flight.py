@@ -33,6 +33,7 @@ class StandInSession:
         self.collectives = collectives
         self.rank, self.world_size = collectives.rank, collectives.world_size
         self.job_id, self.address = "job.pg-world", "127.0.0.1:1"
+        self.shard_routes = None  # an unsharded coordinator
 
     def close(self) -> None:
         pass

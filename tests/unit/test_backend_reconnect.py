@@ -231,6 +231,7 @@ def test_a_coordinator_that_does_not_come_back_fails_the_pending_work_naming_it(
     collectives = Collectives(lambda: link, 0, WORLD, timeout_s=WAIT_S)  # type: ignore[arg-type,return-value]
     session = type("Session", (), {"collectives": collectives, "rank": 0, "world_size": WORLD})()
     session.job_id, session.address, session.close = "job.pg-world", ADDRESS, lambda: None
+    session.shard_routes = None  # an unsharded coordinator
     group = ProcessGroupGradsync(session, "0")
     try:
         work = group.allreduce([torch.ones(3)])  # rank 1 never sends: it stays pending

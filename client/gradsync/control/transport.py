@@ -47,7 +47,7 @@ import functools
 import logging
 import threading
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 import numpy.typing as npt
@@ -71,7 +71,7 @@ from gradsync.control.worker_messages import (
     upload_messages,
     written_inline,
 )
-from gradsync.errors import ClosedError
+from gradsync.errors import ClosedError, ShardUnavailableError
 from gradsync.path.bucket_uploads import BucketUpload, RangeUpload, range_messages, split_upload
 from gradsync.path.buffers import BucketBuffer
 from gradsync.path.gradient_path import BucketEventHandler
@@ -181,6 +181,10 @@ class Transport:
         self._next_collective = 0
         #: The step heartbeats report (set by the model wrapper).
         self.current_step = 0
+        #: Told (shard index, chunk) of each collective result chunk a shard sends, and of
+        #: each shard stream that fails (a process group's `ShardRoutes` sets both).
+        self.on_shard_collective: Callable[[int, pb.CollectiveChunk], None] | None = None
+        self.on_shard_failed: Callable[[ShardUnavailableError], None] | None = None
         #: Called on the transport thread as (event, step, bucket_index) for
         #: "upload_start", "upload_end" and "averaged"; must be quick, must not raise.
         self.on_bucket_event: BucketEventHandler | None = None
@@ -398,6 +402,42 @@ class Transport:
         if self._shards is not None:
             self._shards.send(index, part)
 
+    def send_to_shard(self, index: int, upload: CollectiveUpload) -> None:
+        """Queue a collective input on shard `index`'s data stream (returns at once).
+
+        For a process group's ranges of an all-reduce (`gradsync.distributed.shard_routes`);
+        its results reach `on_shard_collective`. A shard with no stream open is reported
+        to `on_shard_failed`.
+        """
+        if self._loop.is_closed():
+            raise ClosedError("the transport is closed", rank=self.rank)
+        self._on_loop(self._send_collective_to_shard, index, upload)
+
+    def _send_collective_to_shard(self, index: int, upload: CollectiveUpload) -> None:
+        self._open_shards()
+        if self._shards is not None and self._shards.send(index, upload):
+            return
+        self._shard_failed(
+            ShardUnavailableError(
+                f"rank {self.rank} has no data stream open to shard {index}",
+                rank=self.rank,
+                shard_index=index,
+            )
+        )
+
+    def _shard_collective(self, index: int, chunk: pb.CollectiveChunk) -> None:
+        if self.on_shard_collective is not None:
+            self.on_shard_collective(index, chunk)
+        else:
+            self._inbox.protocol_fault(
+                f"shard {index} sent a result of collective {chunk.sequence}, which this "
+                "rank never sent it"
+            )
+
+    def _shard_failed(self, error: ShardUnavailableError) -> None:
+        if self.on_shard_failed is not None:
+            self.on_shard_failed(error)
+
     def _range_messages(self, part: RangeUpload) -> Iterator[bytes]:
         """A range's chunks with the Welcome's chunk size and the current epoch."""
         epoch = self._inbox.membership_epoch
@@ -445,7 +485,15 @@ class Transport:
             functools.partial(self._on_loop, self._pacer.answered),
         )
         self._shards = ShardStreams(
-            self.target, self._inbox, self._range_messages, closing, answered, self._security
+            self.target,
+            self._inbox,
+            self._range_messages,
+            closing,
+            answered,
+            self._security,
+            encode_other=lambda item: self._messages(cast(Upload, item)),
+            on_collective=self._shard_collective,
+            on_failed=self._shard_failed,
         )
         self._shards.open(welcome, self._join or pb.Join())
 

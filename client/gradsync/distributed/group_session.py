@@ -11,7 +11,9 @@ state broadcast and no step. The session is one `Transport` (the same Sync
 stream, pipe and security as the model wrapper's) and a `Collectives` over it.
 A coordinator that restarts on the same address takes the group back: the
 session rejoins the same job with the same rank and sends the collectives in
-flight again (`gradsync.distributed.reconnect`).
+flight again (`gradsync.distributed.reconnect`). On a sharded coordinator the
+Welcome lists the shards; the transport opens a data stream to each, and the
+group's bulk ops are spread over them (`gradsync.distributed.shard_routes`).
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ from gradsync.collectives import Collectives
 from gradsync.control.link import CoordinatorLink, SessionLink
 from gradsync.control.transport import Transport
 from gradsync.distributed.reconnect import ResumingLink
+from gradsync.distributed.shard_routes import ShardRoutes
 
 log = logging.getLogger("gradsync.client")
 
@@ -100,6 +103,23 @@ class GroupSession:
         self.collectives = Collectives(
             lambda: cast(SessionLink, self.resuming), rank, world_size, timeout_s
         )
+        #: Spreads bulk ops over the coordinator's shards (None: not sharded).
+        self.shard_routes: ShardRoutes | None = None
+        if len(welcome.shards) > 1:
+            self.shard_routes = ShardRoutes(
+                lambda: self.resuming.link,
+                len(welcome.shards),
+                rank,
+                world_size,
+                welcome.chunk_bytes,
+                timeout_s,
+            )
+            log.info(
+                "rank %d: group '%s' spreads its bulk ops over %d shards",
+                rank,
+                job_id,
+                len(welcome.shards),
+            )
 
     def _join(
         self, resume_from: int | None, timeout_s: float

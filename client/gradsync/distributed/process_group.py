@@ -51,11 +51,11 @@ from gradsync.distributed.composite import (
     flat_copy,
     gather,
     reduce_by_all_reduce,
-    reduce_scatter,
     scatter,
     write_into,
 )
 from gradsync.distributed.group_session import GroupSession
+from gradsync.distributed.shard_routes import all_gather, reduce_scatter_parts, start_all_reduce
 from gradsync.distributed.wire import on_wire, wire_for
 from gradsync.distributed.work import Finish, OpQueue, OpResult
 
@@ -171,7 +171,7 @@ class ProcessGroupGradsync(_ProcessGroup):  # type: ignore[misc]  # (untyped bas
                 with torch.no_grad():
                     tensor.mul_(factor)
             sent = tensor if wire is None else tensor.detach().to(wire)
-            finish = self._collectives.start_all_reduce(sent, op, on_ready=ready)
+            finish = self._start_all_reduce(sent, op, ready)
 
             def done() -> OpResult:
                 self._check_contributors(finish())
@@ -183,6 +183,17 @@ class ProcessGroupGradsync(_ProcessGroup):  # type: ignore[misc]  # (untyped bas
 
         inline = tensor.device.type == "cpu" and self._collectives.can_issue
         return self._ops.submit_split(name, issue, inline=inline, tells=tensor.device.type == "cpu")
+
+    def _start_all_reduce(
+        self, tensor: torch.Tensor, op: str, ready: Callable[[], None]
+    ) -> Callable[[], int]:
+        return start_all_reduce(self._session.shard_routes, self._collectives, tensor, op, ready)
+
+    def _reduce_scatter_parts(
+        self, output: torch.Tensor, parts: Sequence[torch.Tensor], op: str, wire: Any
+    ) -> None:
+        routes = self._session.shard_routes
+        reduce_scatter_parts(routes, self._collectives, output, parts, op, wire)
 
     def allreduce_coalesced(self, tensors: list[torch.Tensor], opts: Any = None) -> Any:
         if not tensors:
@@ -362,7 +373,7 @@ class ProcessGroupGradsync(_ProcessGroup):  # type: ignore[misc]  # (untyped bas
                 parts = chunks(tensor, self.size())
                 if factor is not None:
                     parts = [p * factor for p in parts]
-                reduce_scatter(self._collectives, output, parts, op, wire)
+                self._reduce_scatter_parts(output, parts, op, wire)
             return outputs
 
         shown = on_wire(next((w for w in wires if w is not None), None))
@@ -384,7 +395,7 @@ class ProcessGroupGradsync(_ProcessGroup):  # type: ignore[misc]  # (untyped bas
 
         def run() -> OpResult:
             scaled = [p * factor for p in parts] if factor is not None else parts
-            reduce_scatter(self._collectives, output, scaled, op, wire)
+            self._reduce_scatter_parts(output, scaled, op, wire)
             return result
 
         return self._submit(f"{what}({op}, {describe(output)}{on_wire(wire)})", run)
@@ -573,7 +584,7 @@ class ProcessGroupGradsync(_ProcessGroup):  # type: ignore[misc]  # (untyped bas
     def _gather_into(
         self, outputs: Sequence[torch.Tensor], tensor: torch.Tensor, what: str
     ) -> None:
-        parts = self._collectives.all_gather(tensor)
+        parts = all_gather(self._session.shard_routes, self._collectives, tensor)
         if len(parts) != self.size():
             raise RuntimeError(
                 f"{what}: {len(parts)} ranks contributed, the group has {self.size()}"

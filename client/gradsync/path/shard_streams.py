@@ -64,6 +64,10 @@ ENV_KEEPALIVE_TIMEOUT_S = "GRADSYNC_KEEPALIVE_TIMEOUT_S"
 
 #: Told (stream index, step, dtype, payload bytes) of every averaged chunk a stream brings.
 Answered = Callable[[int, int, int, int], None]
+#: Told (shard index, chunk) of every collective result chunk a stream brings.
+CollectiveArrived = Callable[[int, pb.CollectiveChunk], None]
+#: Told of every stream that failed (besides the inbox), on the thread that learns it.
+StreamFailed = Callable[[ShardUnavailableError], None]
 
 
 class Inbox(Protocol):
@@ -227,8 +231,8 @@ class ShardStream:
         """Open the channel and the stream (returns at once; must run on the loop)."""
         self._stream.start()
 
-    def put(self, part: RangeUpload) -> None:
-        """Queue a range of a bucket for this shard (loop thread)."""
+    def put(self, part: object) -> None:
+        """Queue a range of a bucket (or another upload) for this shard (loop thread)."""
         self._stream.send(part)
 
     async def close(self, timeout_s: float) -> None:
@@ -236,10 +240,14 @@ class ShardStream:
         leave = pb.WorkerMessage(leave=pb.Leave(reason="closed by the worker"))
         await self._stream.close(min(timeout_s, LEAVE_TIMEOUT_S), farewell=leave)
 
-    def _messages(self, item: RangeUpload | pb.WorkerMessage) -> Iterator[bytes]:
+    def _messages(self, item: object) -> Iterator[bytes]:
         if isinstance(item, RangeUpload):
             return self._streams.encode(item)
-        return iter((item.SerializeToString(),))
+        if isinstance(item, pb.WorkerMessage):
+            return iter((item.SerializeToString(),))
+        if self._streams.encode_other is None:
+            raise TypeError(f"{self.name}: nothing encodes a {type(item).__name__}")
+        return self._streams.encode_other(item)  # a process group's collective input
 
     def _on_message(self, raw: bytes) -> None:
         fast = decode_gradient(raw)
@@ -254,6 +262,8 @@ class ShardStream:
             chunk = message.gradient
             payload = memoryview(chunk.payload)
             self._streams.inbox.on_averaged_chunk(header_of(chunk), payload, self.name)
+        elif kind == "collective" and self._streams.on_collective is not None:
+            self._streams.on_collective(self.index, message.collective)
         elif kind == "stream_end":
             self._end = message.stream_end  # kept to name the cause with the status
         else:  # the leader's business (heartbeats, membership): nothing for a data stream
@@ -276,15 +286,16 @@ class ShardStream:
             why = f"{status.name}: {why}"
         if self._end is not None and self._end.message:
             why = f"{why} ({self._end.message})"
-        self._streams.inbox.shard_failed(
-            ShardUnavailableError(
-                f"the data stream to {self.name} failed: {why}",
-                rank=self._rank,
-                code=status,
-                shard_index=self.index,
-                shard_address=self.target,
-            )
+        error = ShardUnavailableError(
+            f"the data stream to {self.name} failed: {why}",
+            rank=self._rank,
+            code=status,
+            shard_index=self.index,
+            shard_address=self.target,
         )
+        if self._streams.on_failed is not None:
+            self._streams.on_failed(error)
+        self._streams.inbox.shard_failed(error)
 
 
 class ShardStreams:
@@ -299,6 +310,10 @@ class ShardStreams:
         answered: told (index, step, dtype, payload bytes) of every averaged chunk
             (the upload pacer's clock, `gradsync.path.pacing`).
         security: TLS and token, as to the leader (shards share its CA and token).
+        encode_other: the serialized chunks of any other upload (a process group's
+            collective input to a shard's range, `gradsync.distributed.shard_routes`).
+        on_collective: told of every collective result chunk a shard sends.
+        on_failed: told of every stream that fails (the inbox is told too).
     """
 
     def __init__(
@@ -309,8 +324,15 @@ class ShardStreams:
         closing: Callable[[], bool],
         answered: Answered,
         security: ChannelSecurity | None = None,
+        *,
+        encode_other: Callable[[object], Iterator[bytes]] | None = None,
+        on_collective: CollectiveArrived | None = None,
+        on_failed: StreamFailed | None = None,
     ) -> None:
         self.security = security
+        self.encode_other = encode_other
+        self.on_collective = on_collective
+        self.on_failed = on_failed
         self.answered = answered
         self._leader_target = leader_target
         self.inbox = inbox
@@ -357,11 +379,14 @@ class ShardStreams:
             ", ".join(f"{index} at {target}" for index, target in sorted(targets.items())),
         )
 
-    def send(self, index: int, part: RangeUpload) -> None:
-        """Queue a range of a bucket on shard `index`'s stream (none open: dropped)."""
+    def send(self, index: int, part: object) -> bool:
+        """Queue a range of a bucket (or another upload `encode_other` takes) on shard
+        `index`'s stream; return False when none is open (dropped)."""
         stream = self.streams.get(index)
-        if stream is not None:
-            stream.put(part)
+        if stream is None:
+            return False
+        stream.put(part)
+        return True
 
     async def close(self, timeout_s: float) -> None:
         """Close every stream in parallel (each bounded)."""

@@ -143,8 +143,8 @@ def check_view(view: pb.ShardJobView, shard_index: int) -> str | None:
         )
     if view.chunk_bytes < 1:
         return f"job '{view.job_id}' has chunk size {view.chunk_bytes}"
-    if not view.buckets:
-        return f"job '{view.job_id}' has no buckets"
+    # A job without buckets is a process group's (collectives only): a shard follows
+    # it for its ranges of the group's all-reduces (`rpc.shard_collectives`).
     return None
 
 

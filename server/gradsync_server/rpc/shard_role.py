@@ -41,6 +41,7 @@ from gradsync_server.metrics import CoordinatorMetrics
 from gradsync_server.rpc.connection import Connection
 from gradsync_server.rpc.delivery import Delivery
 from gradsync_server.rpc.servicer import SHARD_SERVICE_NAME, STATUS_BY_CODE, CoordinatorServicer
+from gradsync_server.rpc.shard_collectives import ShardCollectives
 from gradsync_server.rpc.shard_outer import ShardOuterStates
 
 log = logging.getLogger("gradsync.shard")
@@ -95,6 +96,10 @@ class ShardRole(CoordinatorServicer):
         self.outer_states = ShardOuterStates(config)
         self._delivery = Delivery[JobPlane](
             self.connections, self.metrics, self.outer_states.records, self._detach
+        )
+        #: This shard's range of the process groups' spread bulk ops (`shard_collectives`).
+        self.group_collectives = ShardCollectives(
+            config.max_collective_bytes, self.budget, self.metrics, clock
         )
 
     @property
@@ -176,6 +181,7 @@ class ShardRole(CoordinatorServicer):
             outcome = ShardOutcome()
         else:
             outcome = job.apply(view)
+        self._delivery.execute(job, self.group_collectives.follow(view))
         for (job_id, rank), conn in list(self.connections.items()):
             if job_id == view.job_id and not job.is_current(rank, conn.incarnation, conn.session):
                 self._drop(conn, Code.OK, f"rank {rank} is no longer a member of job '{job_id}'")
@@ -192,6 +198,7 @@ class ShardRole(CoordinatorServicer):
     def on_job_end(self, end: pb.ShardJobEnd) -> None:
         """The job ended at the leader: end its data streams with the leader's status."""
         job = self.jobs.pop(end.job_id, None)
+        self.group_collectives.forget(end.job_id)
         if job is not None:
             job.release()
         code = Code(end.code) if end.code in STATUS_BY_CODE else Code.UNKNOWN
@@ -209,6 +216,7 @@ class ShardRole(CoordinatorServicer):
         for job in self.jobs.values():
             job.release()
         self.jobs.clear()
+        self.group_collectives.clear()
         self.index = None
         self.metrics.set_shard_index(-1)
         while not self.to_leader.empty():
@@ -266,10 +274,14 @@ class ShardRole(CoordinatorServicer):
         if kind == "shard_hello":
             self._drop(conn, Code.FAILED_PRECONDITION, f"rank {conn.rank} sent two hellos")
             return None
+        if kind == "collective":
+            self._collective(conn, message.collective)
+            return None
         try:
             if kind != "gradient":
                 raise ValueError(
-                    f"a shard data stream carries gradient chunks only, got {kind or 'nothing'}"
+                    "a shard data stream carries gradient and collective chunks only, "
+                    f"got {kind or 'nothing'}"
                 )
             chunk = header_of(message.gradient)
         except ValueError as exc:
@@ -302,6 +314,28 @@ class ShardRole(CoordinatorServicer):
             self._drop(conn, Code.OK, f"rank {conn.rank} is no longer a member of job '{job_id}'")
             return
         self._deliver(job, job.on_gradient(conn.rank, chunk, payload))
+
+    def _collective(self, conn: Connection, chunk: pb.CollectiveChunk) -> None:
+        """A chunk of a process group's input to this shard's range of a bulk op.
+
+        Its job's view came before the Welcome that let the rank dial, so the job
+        is known here; a refused chunk ends the sender's stream (its rank's pending
+        operations then fail, naming this shard), and a mismatch fails the range for
+        every rank, as at the leader.
+        """
+        job_id = conn.job_id
+        job = self.jobs.get(job_id) if job_id is not None else None
+        if job_id is None or job is None or not self.group_collectives.knows(job_id):
+            return  # the job ended (its streams are being ended)
+        self.metrics.observe_chunk(len(chunk.payload))
+        try:
+            actions = self.group_collectives.accept(job_id, conn.rank, chunk)
+        except RejectedMessage as rejection:
+            log.warning("job '%s': %s", job_id, rejection.message)
+            self.metrics.observe_rejection(rejection.code.name)
+            self._drop(conn, rejection.code, f"{self.name}: {rejection.message}")
+            return
+        self._delivery.execute(job, actions)
 
     def _reject(self, conn: Connection, rejection: RejectedMessage) -> None:
         """A malformed message: the leader aborts the step (an unadmitted stream just ends)."""

@@ -24,6 +24,12 @@ and no $GRADSYNC_COORDINATOR). Scenarios:
   (`GradsyncOptions(wire_dtype=torch.float32)`), the ranks all-reduce tensors of
   different shapes; and a third group, whose rank 1 asks for another wire, all-reduces
   once. Both errors are saved.
+- shards: for a sharded coordinator (W = 2): stock DDP trains an MLP whose one gradient
+  bucket (132 KB) is large enough to be spread over the shards, then the ranks
+  all-reduce an 80 KB tensor with every reduce op, all-gather it and reduce-scatter
+  twice its size; over "gradsync" also AVG and
+  PREMUL_SUM, how many ranges the group sent to shards, and last an all-reduce whose
+  size differs between the ranks (the error saved).
 - ddp_steps: stock DDP trains a small MLP for `--steps` steps, `--step-delay-s` apart,
   writing the step it finished to `<out>.progress` (a test kills the coordinator
   meanwhile); saves the parameters and, over "gradsync", how often the group reconnected
@@ -282,6 +288,42 @@ def run_ddp_kill(rank: int, saved: dict[str, np.ndarray]) -> None:
             return
 
 
+def run_shards(rank: int, saved: dict[str, np.ndarray]) -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 256), nn.Tanh(), nn.Linear(256, 64))
+    wrapped = nn.parallel.DistributedDataParallel(model)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    for step in range(3):
+        data = torch.Generator().manual_seed(1000 * step + rank)
+        optimizer.zero_grad()
+        wrapped(torch.randn(8, 64, generator=data)).square().mean().backward()
+        optimizer.step()
+    for key, tensor in model.state_dict().items():
+        saved[f"model/{key}"] = tensor.detach().numpy().copy()
+    values = torch.arange(20_000, dtype=torch.float32) * (rank + 1) - rank
+    ops = ["SUM", "MIN", "MAX", "PRODUCT"]
+    if dist.get_backend() == "gradsync":
+        ops.append("AVG")
+    for name in ops:
+        tensor = values.clone()
+        dist.all_reduce(tensor, op=getattr(dist.ReduceOp, name))
+        saved[f"all_reduce_{name.lower()}"] = tensor.numpy()
+    gathered = torch.empty(2 * len(values))
+    dist.all_gather_into_tensor(gathered, values.clone())
+    saved["all_gather_into_tensor"] = gathered.numpy()
+    scattered = torch.empty(len(values))
+    dist.reduce_scatter_tensor(scattered, torch.cat([values, values * 3 - 1]))
+    saved["reduce_scatter_tensor"] = scattered.numpy()
+    if dist.get_backend() != "gradsync":
+        return
+    tensor = values.clone()
+    dist.all_reduce(tensor, op=dist._make_nccl_premul_sum(0.5))
+    saved["all_reduce_premul_sum"] = tensor.numpy()
+    routes = dist.group.WORLD._session.shard_routes
+    saved["ranges_sent"] = np.array(-1 if routes is None else routes.ranges_sent)
+    failed(dist.all_reduce(torch.ones(20_000 + rank), async_op=True), "mismatch", saved)
+
+
 def run_ddp_steps(
     rank: int, steps: int, delay_s: float, progress: Path, saved: dict[str, np.ndarray]
 ) -> None:
@@ -308,7 +350,7 @@ def main() -> int:
     parser.add_argument("--backend", choices=["gloo", "gradsync"], required=True)
     parser.add_argument(
         "--scenario",
-        choices=["ddp", "usage", "kill", "ddp_kill", "wire", "ddp_steps"],
+        choices=["ddp", "usage", "kill", "ddp_kill", "wire", "ddp_steps", "shards"],
         required=True,
     )
     parser.add_argument("--rank", type=int, required=True)
@@ -358,13 +400,15 @@ def main() -> int:
         run_kill(args.rank, saved)
     elif args.scenario == "wire":
         run_wire(args.rank, args.world_size, saved)
+    elif args.scenario == "shards":
+        run_shards(args.rank, saved)
     elif args.scenario == "ddp_steps":
         progress = Path(f"{args.out}.progress")
         run_ddp_steps(args.rank, args.steps, args.step_delay_s, progress, saved)
     else:
         run_ddp_kill(args.rank, saved)
     np.savez(args.out, **saved)
-    if args.scenario in ("ddp", "usage", "wire", "ddp_steps"):
+    if args.scenario in ("ddp", "usage", "wire", "ddp_steps", "shards"):
         dist.destroy_process_group()
     sys.stdout.flush()
     os._exit(0)
