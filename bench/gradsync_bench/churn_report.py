@@ -16,17 +16,34 @@ def _mib(stats: dict[str, float]) -> str:
     return f"{stats['first']:.0f} / {stats['last']:.0f} / {stats['max']:.0f}"
 
 
-def _check(run: dict[str, Any]) -> str:
-    replay = run["replay"]
+def end_checks(run: dict[str, Any]) -> list[str]:
+    """The end checks every churn cluster's run has: the replicas, each step applied once."""
     once = run["applied_once"]
     replicas = run["replicas"]
-    words = [
+    return [
         f"replicas {'identical' if replicas['ok'] else 'DIFFER'} "
         f"({len(replicas['live_ranks'])} live, {replicas['distinct_digests']} digest(s))",
         f"steps applied {once['steps_applied']} == advanced {once['steps_advanced']}"
         if once["ok"]
         else f"APPLIED TWICE OR SKIPPED: {once['problems'][:3]}",
     ]
+
+
+def kind_rows(per_kind: dict[str, Any], header: str) -> list[str]:
+    """The per-failure-kind table under `header` (its seven columns' names)."""
+    lines = [header, "|---|---|---|---|---|---|---|"]
+    for kind, entry in per_kind.items():
+        lines.append(
+            f"| {kind} | {entry['count']} | {_seconds(entry['detect_s'])} | "
+            f"{_seconds(entry['recover_s'])} | {_seconds(entry['longest_stall_s'])} | "
+            f"{_seconds(entry['rank_back_s'])} | {entry['recomputed']} |"
+        )
+    return lines
+
+
+def _check(run: dict[str, Any]) -> str:
+    replay = run["replay"]
+    words = end_checks(run)
     if "max_relative_error" in replay:
         words.append(
             "replay "
@@ -79,16 +96,12 @@ def markdown_lines(suite: dict[str, Any]) -> list[str]:
         if ratio is not None
         else "Steps/s ratio: no churn-free steps.",
         "",
-        "| failure | count | detect s (median / max (n)) | training again s | longest stall s "
-        "| restarted rank training again s | steps computed again |",
-        "|---|---|---|---|---|---|---|",
+        *kind_rows(
+            suite["churn"]["per_kind"],
+            "| failure | count | detect s (median / max (n)) | training again s | longest stall s "
+            "| restarted rank training again s | steps computed again |",
+        ),
     ]
-    for kind, entry in suite["churn"]["per_kind"].items():
-        lines.append(
-            f"| {kind} | {entry['count']} | {_seconds(entry['detect_s'])} | "
-            f"{_seconds(entry['recover_s'])} | {_seconds(entry['longest_stall_s'])} | "
-            f"{_seconds(entry['rank_back_s'])} | {entry['recomputed']} |"
-        )
     errors = suite["churn"].get("injection_errors") or []
     if errors:
         lines.append("")
