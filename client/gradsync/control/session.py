@@ -30,6 +30,7 @@ from torch import nn
 from gradsync import __version__
 from gradsync.config import ClientConfig
 from gradsync.control.heal_answer import await_heal_answer
+from gradsync.control.joining import load_lazy_modules
 from gradsync.control.link import CoordinatorLink, LinkFactory, SessionLink
 from gradsync.control.position import position
 from gradsync.control.start_state import broadcast_start_state
@@ -142,6 +143,7 @@ class Session:
         Raises:
             GradSyncError: joining failed; the link is closed.
         """
+        load_lazy_modules(self.config.rank)  # (why: in `joining`)
         try:
             return self._join_healed()
         except CoordinatorUnavailableError:
