@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from gradsync_bench import churn_checks
+from gradsync_bench import churn_checks, churn_profile
 from gradsync_bench.churn_cluster import Cluster, ClusterConfig
 from gradsync_bench.churn_schedule import KINDS, Failure, Monitor, Schedule
 from gradsync_bench.procs import progress, wait_until
@@ -278,6 +278,7 @@ def _report(run: Driven) -> dict[str, Any]:
         "replay": {**replayed, "unresolved": unresolved[:20], "unresolved_count": len(unresolved)},
         "contributors_per_step": _widths(members),
         "coordinator_rss": _rss_summary(run.monitor),
+        "profile": churn_profile.profile(cluster.folder, run.failures, incarnations),
         "coordinator_incarnations": {s.name: s.incarnations for s in cluster.coordinators},
         "coordinator_exit_codes": {s.name: s.exits for s in cluster.coordinators},
         "ok": bool(

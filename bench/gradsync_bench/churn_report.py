@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from gradsync_bench.churn_profile import medians
+
 
 def _seconds(stats: dict[str, Any] | None) -> str:
     """ "median / max (n)" of a per-kind timing, "-" when there is none."""
@@ -102,9 +104,42 @@ def markdown_lines(suite: dict[str, Any]) -> list[str]:
             "| restarted rank training again s | steps computed again |",
         ),
     ]
+    lines += profile_lines(suite["churn"].get("profile"))
     errors = suite["churn"].get("injection_errors") or []
     if errors:
         lines.append("")
         lines.append(f"Injections that failed: {'; '.join(errors[:5])}")
     lines.append("")
+    return lines
+
+
+def _at(stats: dict[str, float], key: str) -> str:
+    return f"{stats[key]:.2f}" if key in stats else "-"
+
+
+def profile_lines(profile: dict[str, Any] | None) -> list[str]:
+    """The medians of the rejoins' and the takeovers' timelines (`churn_profile`)."""
+    if not profile:
+        return []
+    lines: list[str] = []
+    rejoins, takeovers = profile["rejoins"], profile["takeovers"]
+    if rejoins:
+        m = medians(rejoins)
+        lines += [
+            "",
+            f"Rejoins ({len(rejoins)}; median s from the process start, after its imports): "
+            f"admitted {_at(m, 'admitted_s')}, wrapper built and optimizer registered "
+            f"{_at(m, 'joined_s')}, first step applied {_at(m, 'first_applied_s')}; the "
+            f"other ranks waited {_at(m, 'others_waited_s')} s at the admission.",
+        ]
+    if takeovers:
+        m = medians(takeovers)
+        lines += [
+            "",
+            f"Takeovers ({len(takeovers)}; median s from the kill): local shards started "
+            f"{_at(m, 'shards_started_s')}, lease taken {_at(m, 'took_over_s')}, ranks joined "
+            f"{_at(m, 'first_rank_joined_s')}-{_at(m, 'last_rank_joined_s')}, shards "
+            f"registered {_at(m, 'shards_registered_s')}, job continued "
+            f"{_at(m, 'continued_s')}, first step {_at(m, 'first_step_s')}.",
+        ]
     return lines
