@@ -173,6 +173,7 @@ def common_row(
         "failures": rows,
         "per_kind": churn_checks.summarize_kinds(rows),
         "injection_errors": run.schedule.errors if run.schedule is not None else [],
+        "injections_skipped": run.schedule.skipped if run.schedule is not None else [],
         "incarnations": {slot.name: slot.incarnations for slot in run.cluster.workers},
         "worker_exit_codes": {slot.name: slot.exits for slot in run.cluster.workers},
     }

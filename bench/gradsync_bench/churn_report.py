@@ -105,6 +105,9 @@ def markdown_lines(suite: dict[str, Any]) -> list[str]:
         ),
     ]
     lines += profile_lines(suite["churn"].get("profile"))
+    skipped = suite["churn"].get("injections_skipped") or []
+    if skipped:
+        lines += ["", f"Failures not injected (no target): {'; '.join(skipped[:5])}"]
     errors = suite["churn"].get("injection_errors") or []
     if errors:
         lines.append("")
