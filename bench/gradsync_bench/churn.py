@@ -16,13 +16,14 @@ from __future__ import annotations
 
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from gradsync_bench import churn_checks
+from gradsync_bench import churn_checks, churn_profile
 from gradsync_bench.churn_cluster import Cluster, ClusterConfig
-from gradsync_bench.churn_schedule import KINDS, Monitor, Schedule
+from gradsync_bench.churn_schedule import KINDS, Failure, Monitor, Schedule
 from gradsync_bench.procs import progress, wait_until
 
 #: After the failures stop: how long the ranks get to be all back and training.
@@ -30,6 +31,8 @@ SETTLE_TIMEOUT_S = 180.0
 #: Steps past the furthest rank at which every rank stops (room for a healing one).
 STOP_MARGIN_STEPS = 30
 FINISH_TIMEOUT_S = 120.0
+#: Builds a run's cluster in its folder: `Cluster` or a subclass.
+ClusterFactory = Callable[[Path, ClusterConfig], Cluster]
 
 
 @dataclass(frozen=True)
@@ -55,11 +58,7 @@ def churn_suite(plan: ChurnPlan) -> dict[str, Any]:
 
 def _both(plan: ChurnPlan, folder: Path) -> dict[str, Any]:
     config = ClusterConfig(world_size=plan.world_size, shards=plan.shards)
-    progress(f"churn: churn-free run of {plan.duration_s:g}s ...")
-    baseline = run_once(folder / "baseline", config, plan, kinds=())
-    progress(f"churn: run of {plan.duration_s:g}s, a failure every {plan.interval_s:g}s ...")
-    churn = run_once(folder / "churn", config, plan, kinds=plan.kinds)
-    ratio = churn["steps_per_s"] / baseline["steps_per_s"] if baseline["steps_per_s"] > 0 else None
+    baseline, churn, ratio = both_runs("churn", folder, config, plan, plan.kinds, run_once)
     return {
         "plan": {
             "duration_s": plan.duration_s,
@@ -78,16 +77,54 @@ def _both(plan: ChurnPlan, folder: Path) -> dict[str, Any]:
     }
 
 
-def run_once(
-    folder: Path, config: ClusterConfig, plan: ChurnPlan, kinds: tuple[str, ...]
-) -> dict[str, Any]:
-    """One run: start, train (with failures when `kinds`), settle, stop, check."""
-    cluster = Cluster(folder, config)
-    monitor = Monitor(cluster)
+#: A run's body: (folder, config, plan, kinds) -> the run's row.
+RunOnce = Callable[[Path, ClusterConfig, ChurnPlan, tuple[str, ...]], dict[str, Any]]
+
+
+def both_runs(
+    suite: str,
+    folder: Path,
+    config: ClusterConfig,
+    plan: ChurnPlan,
+    kinds: tuple[str, ...],
+    run: RunOnce,
+) -> tuple[dict[str, Any], dict[str, Any], float | None]:
+    """The churn-free run, then the run with `kinds` of failures; (baseline, churn, ratio)."""
+    progress(f"{suite}: churn-free run of {plan.duration_s:g}s ...")
+    baseline = run(folder / "baseline", config, plan, ())
+    progress(f"{suite}: run of {plan.duration_s:g}s, a failure every {plan.interval_s:g}s ...")
+    churn = run(folder / "churn", config, plan, kinds)
+    ratio = churn["steps_per_s"] / baseline["steps_per_s"] if baseline["steps_per_s"] > 0 else None
+    return baseline, churn, ratio
+
+
+@dataclass
+class Driven:
+    """What one run leaves for its report: the cluster, its failures and the window."""
+
+    cluster: Cluster
+    monitor: Monitor | None
+    schedule: Schedule | None
+    started: float
+    ended: float
+    settled_s: float
+    stop_step: int
+
+    @property
+    def failures(self) -> list[Failure]:
+        return self.schedule.failures if self.schedule is not None else []
+
+
+def drive(
+    cluster: Cluster, plan: ChurnPlan, kinds: tuple[str, ...], *, monitored: bool = True
+) -> Driven:
+    """Start `cluster`, train (with failures when `kinds`), settle, stop; always stop it."""
+    monitor = Monitor(cluster) if monitored else None
     schedule = Schedule(cluster, kinds, plan.interval_s) if kinds else None
     try:
         cluster.start()
-        monitor.start()
+        if monitor is not None:
+            monitor.start()
         _wait_all_training(cluster, 180.0, since=0.0)
         started = time.time()
         if schedule is not None:
@@ -101,9 +138,45 @@ def run_once(
         settled_s = time.time() - settle_started
         stop_step = _finish(cluster)
     finally:
-        monitor.stop()
+        if monitor is not None:
+            monitor.stop()
         cluster.stop()
-    return _report(cluster, monitor, schedule, started, ended, settled_s, stop_step)
+    return Driven(cluster, monitor, schedule, started, ended, settled_s, stop_step)
+
+
+def run_once(
+    folder: Path,
+    config: ClusterConfig,
+    plan: ChurnPlan,
+    kinds: tuple[str, ...],
+    cluster: ClusterFactory = Cluster,
+) -> dict[str, Any]:
+    """One run of gradsync's cluster (or `cluster`'s): start, train, settle, stop, check."""
+    return _report(drive(cluster(folder, config), plan, kinds))
+
+
+def common_row(
+    run: Driven, incarnations: list[churn_checks.Incarnation], rows: list[dict[str, Any]]
+) -> dict[str, Any]:
+    """The row's parts every cluster shares: throughput, end checks, failures, restarts."""
+    times = churn_checks.step_times(incarnations)
+    steps_in_window = sum(1 for t, _ in times if run.started <= t < run.ended)
+    world = run.cluster.config.world_size
+    return {
+        "window_s": run.ended - run.started,
+        "steps_in_window": steps_in_window,
+        "steps_per_s": steps_in_window / (run.ended - run.started),
+        "settle_s": run.settled_s,
+        "stop_step": run.stop_step,
+        "replicas": churn_checks.replicas_identical(incarnations, world),
+        "applied_once": churn_checks.applied_once(incarnations),
+        "failures": rows,
+        "per_kind": churn_checks.summarize_kinds(rows),
+        "injection_errors": run.schedule.errors if run.schedule is not None else [],
+        "injections_skipped": run.schedule.skipped if run.schedule is not None else [],
+        "incarnations": {slot.name: slot.incarnations for slot in run.cluster.workers},
+        "worker_exit_codes": {slot.name: slot.exits for slot in run.cluster.workers},
+    }
 
 
 def _latest_applied(folder: Path, rank: int) -> tuple[float, int] | None:
@@ -170,21 +243,13 @@ def _first_last_max(values: list[float]) -> dict[str, float]:
     return {"first": values[0], "last": values[-1], "max": max(values)}
 
 
-def _report(
-    cluster: Cluster,
-    monitor: Monitor,
-    schedule: Schedule | None,
-    started: float,
-    ended: float,
-    settled_s: float,
-    stop_step: int,
-) -> dict[str, Any]:
-    world = cluster.config.world_size
-    incarnations = churn_checks.read_logs(cluster.folder, world)
-    times = churn_checks.step_times(incarnations)
-    steps_in_window = sum(1 for t, _ in times if started <= t < ended)
-    replicas = churn_checks.replicas_identical(incarnations, world)
-    once = churn_checks.applied_once(incarnations)
+def _report(run: Driven) -> dict[str, Any]:
+    cluster = run.cluster
+    assert run.monitor is not None
+    incarnations = churn_checks.read_logs(cluster.folder, cluster.config.world_size)
+    rows = churn_checks.failure_timings(run.failures, run.monitor.samples, incarnations, run.ended)
+    row = common_row(run, incarnations, rows)
+    replicas = row["replicas"]
     members, unresolved = churn_checks.contributions(incarnations)
     replayed: dict[str, Any] = {"ok": False, "error": "no final step"}
     if replicas["final_steps"]:
@@ -209,28 +274,17 @@ def _report(
             replayed["counted_lost_ranks"] = {str(step): r for step, r in sorted(counted.items())}
         except (ValueError, FileNotFoundError) as exc:
             replayed = {"ok": False, "error": str(exc)}
-    failures = schedule.failures if schedule is not None else []
-    rows = churn_checks.failure_timings(failures, monitor.samples, incarnations, ended)
-    partial = _widths(members)
     return {
-        "window_s": ended - started,
-        "steps_in_window": steps_in_window,
-        "steps_per_s": steps_in_window / (ended - started),
-        "settle_s": settled_s,
-        "stop_step": stop_step,
-        "replicas": replicas,
-        "applied_once": once,
+        **row,
         "replay": {**replayed, "unresolved": unresolved[:20], "unresolved_count": len(unresolved)},
-        "contributors_per_step": partial,
-        "coordinator_rss": _rss_summary(monitor),
-        "failures": rows,
-        "per_kind": churn_checks.summarize_kinds(rows),
-        "injection_errors": schedule.errors if schedule is not None else [],
-        "incarnations": {slot.name: slot.incarnations for slot in cluster.workers},
+        "contributors_per_step": _widths(members),
+        "coordinator_rss": _rss_summary(run.monitor),
+        "profile": churn_profile.profile(cluster.folder, run.failures, incarnations),
         "coordinator_incarnations": {s.name: s.incarnations for s in cluster.coordinators},
-        "worker_exit_codes": {slot.name: slot.exits for slot in cluster.workers},
         "coordinator_exit_codes": {s.name: s.exits for s in cluster.coordinators},
-        "ok": bool(replicas["ok"] and once["ok"] and replayed.get("ok") and not unresolved),
+        "ok": bool(
+            replicas["ok"] and row["applied_once"]["ok"] and replayed.get("ok") and not unresolved
+        ),
     }
 
 

@@ -53,6 +53,8 @@ class Schedule:
         self.interval_s = interval_s
         self.failures: list[Failure] = []
         self.errors: list[str] = []
+        #: Failures not injected for want of a target (a rank restarting, no active leader).
+        self.skipped: list[str] = []
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="schedule", daemon=True)
         self._victims = 0
@@ -76,6 +78,18 @@ class Schedule:
                 continue
             if failure is not None:
                 self.failures.append(failure)
+            else:
+                self.skipped.append(f"{kind}: no target at {time.time():.3f}")
+
+    def _active_index(self) -> int | None:
+        """The active coordinator; asked up to 3 times (a health check can time out on a
+        loaded host, and a failure then would silently not be injected)."""
+        for _ in range(3):
+            index = self.cluster.active_index()
+            if index is not None:
+                return index
+            time.sleep(0.2)
+        return None
 
     def _next_rank(self) -> int:
         rank = self._victims % self.cluster.config.world_size
@@ -107,7 +121,7 @@ class Schedule:
             cluster.hold(slot, False)
             return Failure(kind, at, f"rank {rank}", {"pid": process.pid, "stopped_s": STOP_S})
         if kind == "coordinator-kill":
-            index = cluster.active_index()
+            index = self._active_index()
             if index is None:
                 return None
             process = cluster.coordinators[index].process
@@ -120,7 +134,7 @@ class Schedule:
                 kind, at, f"coordinator{index}", {"pid": process.pid, "shard_pids": shards}
             )
         if kind == "shard-kill":
-            index = cluster.active_index()
+            index = self._active_index()
             shards = [] if index is None else cluster.shard_pids(index)
             if not shards:
                 return None

@@ -30,17 +30,16 @@ import os
 import socket
 import tempfile
 import threading
-import time
 from itertools import pairwise
 from pathlib import Path
 from typing import Any
 
 from gradsync_bench import churn_checks
-from gradsync_bench.churn import ChurnPlan, _finish, _wait_all_training
+from gradsync_bench.churn import ChurnPlan, both_runs, common_row, drive
 from gradsync_bench.churn_cluster import Cluster, ClusterConfig, Supervised, free_port
-from gradsync_bench.churn_report import _seconds
-from gradsync_bench.churn_schedule import STOP_S, Sample, Schedule
-from gradsync_bench.procs import flag_args, progress
+from gradsync_bench.churn_report import end_checks, kind_rows
+from gradsync_bench.churn_schedule import STOP_S, Sample
+from gradsync_bench.procs import flag_args
 from gradsync_bench.torchft_wan import lighthouse_command
 
 #: The churn suite's failure kinds that torchft has a counterpart of, and what it is.
@@ -144,11 +143,7 @@ def churn_torchft_suite(plan: ChurnPlan) -> dict[str, Any]:
 def _both(plan: ChurnPlan, folder: Path) -> dict[str, Any]:
     config = ClusterConfig(world_size=plan.world_size)
     kinds, left_out = torchft_kinds(plan.kinds)
-    progress(f"churn-torchft: churn-free run of {plan.duration_s:g}s ...")
-    baseline = run_once(folder / "baseline", config, plan, kinds=())
-    progress(f"churn-torchft: run of {plan.duration_s:g}s, a failure every {plan.interval_s:g}s")
-    churn = run_once(folder / "churn", config, plan, kinds=kinds)
-    ratio = churn["steps_per_s"] / baseline["steps_per_s"] if baseline["steps_per_s"] > 0 else None
+    baseline, churn, ratio = both_runs("churn-torchft", folder, config, plan, kinds, run_once)
     return {
         "plan": {
             "duration_s": plan.duration_s,
@@ -174,27 +169,12 @@ def _both(plan: ChurnPlan, folder: Path) -> dict[str, Any]:
 def run_once(
     folder: Path, config: ClusterConfig, plan: ChurnPlan, kinds: tuple[str, ...]
 ) -> dict[str, Any]:
-    """One run: start, train (with failures when `kinds`), settle, stop, check."""
-    cluster = TorchftCluster(folder, config)
-    schedule = Schedule(cluster, kinds, plan.interval_s) if kinds else None
-    try:
-        cluster.start()
-        _wait_all_training(cluster, 180.0, since=0.0)
-        started = time.time()
-        if schedule is not None:
-            schedule.start()
-        time.sleep(plan.duration_s)
-        ended = time.time()
-        if schedule is not None:
-            schedule.stop()
-        _wait_all_training(cluster, 180.0, since=ended)
-        stop_step = _finish(cluster)
-    finally:
-        cluster.stop()
-    incarnations = churn_checks.read_logs(cluster.folder, config.world_size)
-    failures = schedule.failures if schedule is not None else []
+    """One run of the churn suite's (`churn.drive`) on torchft's cluster; its row."""
+    run = drive(TorchftCluster(folder, config), plan, kinds, monitored=False)
+    incarnations = churn_checks.read_logs(run.cluster.folder, config.world_size)
+    failures = run.failures
     rows = churn_checks.failure_timings(
-        failures, participant_samples(incarnations), incarnations, ended
+        failures, participant_samples(incarnations), incarnations, run.ended
     )
     times = churn_checks.step_times(incarnations)
     for index, row in enumerate(rows):
@@ -205,31 +185,19 @@ def run_once(
         if stall is not None:
             row["longest_stall_s"] = stall[1] - stall[0]
             row["recover_s"] = stall[1] - row["at_s"]
-    in_window = sum(1 for t, _ in times if started <= t < ended)
-    replicas = churn_checks.replicas_identical(incarnations, config.world_size)
-    once = churn_checks.applied_once(incarnations)
+    common = common_row(run, incarnations, rows)
     uncommitted = [e for inc in incarnations for e in inc.of("restart")]
     return {
-        "window_s": ended - started,
-        "steps_in_window": in_window,
-        "steps_per_s": in_window / (ended - started),
-        "stop_step": stop_step,
-        "replicas": replicas,
-        "applied_once": once,
+        **common,
         "uncommitted": len(uncommitted),
-        "uncommitted_in_window": sum(1 for e in uncommitted if started <= e["t"] < ended),
-        "failures": rows,
-        "per_kind": churn_checks.summarize_kinds(rows),
-        "injection_errors": schedule.errors if schedule is not None else [],
-        "incarnations": {slot.name: slot.incarnations for slot in cluster.workers},
-        "lighthouse_incarnations": cluster.coordinators[0].incarnations,
-        "worker_exit_codes": {slot.name: slot.exits for slot in cluster.workers},
+        "uncommitted_in_window": sum(1 for e in uncommitted if run.started <= e["t"] < run.ended),
+        "lighthouse_incarnations": run.cluster.coordinators[0].incarnations,
         "errors": [
             f"rank {inc.rank}: {e['class']}: {e['message'][:200]}"
             for inc in incarnations
             for e in inc.of("error")
         ][:10],
-        "ok": bool(replicas["ok"] and once["ok"]),
+        "ok": bool(common["replicas"]["ok"] and common["applied_once"]["ok"]),
     }
 
 
@@ -283,16 +251,7 @@ def markdown_lines(suite: dict[str, Any]) -> list[str]:
     ]
     for name in ("baseline", "churn"):
         run = suite[name]
-        replicas, once = run["replicas"], run["applied_once"]
-        checks = (
-            f"replicas {'identical' if replicas['ok'] else 'DIFFER'} "
-            f"({len(replicas['live_ranks'])} live, {replicas['distinct_digests']} digest(s)); "
-            + (
-                f"steps applied {once['steps_applied']} == advanced {once['steps_advanced']}"
-                if once["ok"]
-                else f"APPLIED TWICE OR SKIPPED: {once['problems'][:3]}"
-            )
-        )
+        checks = "; ".join(end_checks(run))
         lines.append(
             f"| {name} | {run['steps_per_s']:.1f} | {run['steps_in_window']} | {checks} | "
             f"{run['uncommitted']} ({run['uncommitted_in_window']}) |"
@@ -304,16 +263,12 @@ def markdown_lines(suite: dict[str, Any]) -> list[str]:
         if ratio is not None
         else "Steps/s ratio: no churn-free steps.",
         "",
-        "| failure | count | first reaction s | training again s | longest stall s "
-        "| hit rank training again s | steps computed again |",
-        "|---|---|---|---|---|---|---|",
+        *kind_rows(
+            suite["churn"]["per_kind"],
+            "| failure | count | first reaction s | training again s | longest stall s "
+            "| hit rank training again s | steps computed again |",
+        ),
     ]
-    for kind, entry in suite["churn"]["per_kind"].items():
-        lines.append(
-            f"| {kind} | {entry['count']} | {_seconds(entry['detect_s'])} | "
-            f"{_seconds(entry['recover_s'])} | {_seconds(entry['longest_stall_s'])} | "
-            f"{_seconds(entry['rank_back_s'])} | {entry['recomputed']} |"
-        )
     problems = suite["churn"]["injection_errors"] + suite["churn"]["errors"]
     if problems:
         lines += ["", f"Errors: {'; '.join(problems[:5])}"]

@@ -62,8 +62,23 @@ def _shown(record: LeaseRecord | None) -> str:
 _UNREADABLE_REPORT_S = 10.0
 
 
+#: What a standby calls with True when the holder looks dead (`holder_late`), and with
+#: False when it is seen renewing again.
+Warm = Callable[[bool], Awaitable[None]]
+
+
+def holder_late(ttl_s: float, left_s: float) -> bool:
+    """True when the holder's key has under half its ttl left: the holder renews every
+    ttl/3, so it has missed a renewal by at least half an interval (dead, frozen or cut off
+    from Redis; or only slow, which costs a warm-up that is undone)."""
+    return left_s < ttl_s / 2
+
+
 async def _stand_by(
-    lease: RedisLease, gate: StandbyGate, clock: Callable[[], float]
+    lease: RedisLease,
+    gate: StandbyGate,
+    clock: Callable[[], float],
+    warm: Warm | None = None,
 ) -> LeaseRecord:
     """Refuse every call until this coordinator holds the lease; return our record.
 
@@ -73,6 +88,11 @@ async def _stand_by(
     (`takeover_delay_s`): the standby that was there all along wins the takeover. A value
     no coordinator of ours wrote (`lease.suspicion`) is treated as expired once it has
     stayed unchanged for a ttl (`_evict_if_stale`).
+
+    `warm(True)` is awaited when the holder is late (`holder_late`), so that what a
+    takeover needs (local shard processes) starts during the rest of the ttl instead of
+    after it; `warm(False)` when the holder is seen renewing again. Only a standby that
+    has watched the lease for a ttl warms up.
     """
     ttl_s = lease.timer.ttl_s
     watch_started = clock()
@@ -123,6 +143,10 @@ async def _stand_by(
             return taken
         if current is not None:  # (seen holding it now: the takeover says how long ago)
             last_seen, seen_since = current, clock()
+            # A junior standby (up less than a ttl, `takeover_delay_s`) leaves the takeover,
+            # and the warm-up, to the senior one.
+            if warm is not None and view.suspect is None and clock() - watch_started >= ttl_s:
+                await warm(holder_late(ttl_s, left_s))
         gate.close(_shown(current))
         await asyncio.sleep(
             standby_pause_s(ttl_s, left_s)
@@ -165,14 +189,15 @@ async def drive_lease(
     gate: StandbyGate,
     on_active: Callable[[LeaseRecord], None],
     clock: Callable[[], float] = time.monotonic,
+    warm: Warm | None = None,
 ) -> LeaseRecord | None:
     """Run until demoted; return the record that took over (None if unknown).
 
     Redis calls are blocking with the client's socket timeout; they run in a thread so
-    the gRPC loop keeps serving (or refusing) meanwhile.
+    the gRPC loop keeps serving (or refusing) meanwhile. `warm`: see `_stand_by`.
     """
     ttl_s = lease.timer.ttl_s
-    taken = await _stand_by(lease, gate, clock)
+    taken = await _stand_by(lease, gate, clock, warm)
     gate.open()
     on_active(taken)
     while True:
@@ -248,6 +273,24 @@ async def take_part(
     if running.watchdog is not None:
         running.watchdog.cancel()
     stopped = asyncio.create_task(stop.wait())
+    sharded = config.local_shards and config.shard_count > 1
+
+    async def warm(holder_is_late: bool) -> None:
+        # A leader's local shards are its children, started with the servicer's config,
+        # which holds the shard token `app.start` generated (the caller's `config` has
+        # none). Their processes take a second or more to start: a standby starts them as
+        # soon as the holder is late, and they register once it has taken over.
+        if not sharded or gate.active:
+            return
+        if holder_is_late and running.local_shards is None:
+            log.info("the lease holder missed a renewal: starting the local shards ahead")
+            running.local_shards = LocalShards(running.servicer.config, running.port)
+            await running.local_shards.start()
+        elif not holder_is_late and running.local_shards is not None:
+            log.info("the lease holder renews again: stopping the local shards started ahead")
+            await running.local_shards.stop()
+            running.local_shards = None
+
     while not stop.is_set():
         became_active = asyncio.Event()
 
@@ -259,7 +302,7 @@ async def take_part(
             metrics.active.set(1)
             became_active.set()
 
-        driver = asyncio.create_task(drive_lease(lease, gate, on_active))
+        driver = asyncio.create_task(drive_lease(lease, gate, on_active, warm=warm))
         activated = asyncio.create_task(became_active.wait())
         pending: set[asyncio.Task[Any]] = {driver, stopped, activated}
         while True:
@@ -267,10 +310,7 @@ async def take_part(
             if activated in done:
                 running.watchdog = asyncio.create_task(running.servicer.watchdog.run())
                 await set_health(running.health, running.config, serving=True)
-                if config.local_shards and config.shard_count > 1:
-                    # A leader's local shards are its children: a standby starts its own
-                    # now, with the servicer's config, which holds the shard token
-                    # `app.start` generated (the caller's `config` has none).
+                if sharded and running.local_shards is None:  # (none started ahead: `warm`)
                     running.local_shards = LocalShards(running.servicer.config, running.port)
                     await running.local_shards.start()
                 continue

@@ -78,18 +78,35 @@ def test_a_forged_lease_value_is_treated_as_expired_after_the_ttl_and_a_standby_
 
 
 @pytest.mark.timeout(60)
-def test_a_genuine_holder_is_never_evicted(redis_server: RedisServer) -> None:
-    """The holder's own value, renewed, is never taken for a forgery by a standby."""
+def test_a_genuine_holder_is_never_evicted_and_a_dead_one_is_warmed_up_for(
+    redis_server: RedisServer,
+) -> None:
+    """The holder's own value, renewed, is never taken for a forgery by a standby. Once the
+    holder stops renewing, the standby calls its warm-up (local shards) before the key
+    expires, then takes over."""
     active, waiting = _lease(redis_server, "coord-a"), _lease(redis_server, "coord-bb")
     assert active.try_acquire() is not None
+    calls: list[tuple[float, bool]] = []
 
-    async def scenario() -> None:
-        standing_by = asyncio.create_task(standby._stand_by(waiting, StandbyGate(), time.monotonic))
+    async def warm(late: bool) -> None:
+        calls.append((time.monotonic(), late))
+
+    async def scenario() -> tuple[LeaseRecord, float]:
+        standing_by = asyncio.create_task(
+            standby._stand_by(waiting, StandbyGate(), time.monotonic, warm)
+        )
         for _ in range(int(4 * TTL_S / (TTL_S / 3))):  # four ttls of renewals
             await asyncio.sleep(TTL_S / 3)
             assert await asyncio.to_thread(active.renew)
         assert not standing_by.done()
-        standing_by.cancel()
+        last_renewal = time.monotonic()  # the holder dies here
+        record = await asyncio.wait_for(standing_by, 15)
+        return record, last_renewal
 
-    asyncio.run(scenario())
-    assert active.held is not None and active.current() == active.held
+    record, died = asyncio.run(scenario())
+    assert record.holder == "coord-bb" and record.fence == 2
+    took_over = time.monotonic()
+    assert any(not late for _, late in calls), calls  # the renewals were seen as such
+    late = [t for t, late in calls if late and t >= died]
+    # Warmed up after the holder was late by half a ttl, and before the takeover.
+    assert late and died + TTL_S / 2 - 0.05 <= late[0] < took_over, (calls, died, took_over)

@@ -171,3 +171,23 @@ def unreachable_reason(target: str, timeout_s: float) -> str:
             "(is it a gradsync coordinator, with the same TLS settings?)"
         )
     return reason
+
+
+def load_lazy_modules(rank: int) -> None:
+    """Import now what torch imports on a training loop's first steps, before the Join.
+
+    torch's optimizers import `torch._dynamo` when the first one is built (`add_param_group`
+    runs under `torch._disable_dynamo`): a second or more of CPU, longer on a busy host. A
+    rank that rejoins a running elastic job is added to the open step as soon as its state
+    is healed, inside this constructor, and the live ranks wait for its gradients of that
+    step from then on. Paid here, before the Join, the import delays only this rank's own
+    start; a job's first ranks would pay it at their optimizer anyway. A torch without
+    `torch._dynamo` (or one that fails to import it) is left alone: the optimizer will say.
+    """
+    started = time.monotonic()
+    try:
+        import torch._dynamo  # noqa: F401  (imported for its side effect: loaded once)
+    except Exception as exc:  # any failure here is the optimizer's to report
+        log.debug("rank %d: torch._dynamo not loaded ahead (%s)", rank, exc)
+        return
+    log.debug("rank %d: loaded torch._dynamo in %.2fs", rank, time.monotonic() - started)

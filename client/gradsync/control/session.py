@@ -30,6 +30,7 @@ from torch import nn
 from gradsync import __version__
 from gradsync.config import ClientConfig
 from gradsync.control.heal_answer import await_heal_answer
+from gradsync.control.joining import load_lazy_modules
 from gradsync.control.link import CoordinatorLink, LinkFactory, SessionLink
 from gradsync.control.position import position
 from gradsync.control.start_state import broadcast_start_state
@@ -60,6 +61,12 @@ _ABANDON_LINK_TIMEOUT_S = 2.0
 #: Reconnect backoff: first pause, and the cap it doubles up to.
 _FIRST_RETRY_DELAY_S = 0.25
 _MAX_RETRY_DELAY_S = 5.0
+#: With several addresses (a standby among them) the pause stays at most this for the
+#: first _STANDBY_WATCH_S of reconnecting: a standby takes over within its lease's ttl
+#: (3 s by default) and answers at once until then, so ranks that poll it slowly would
+#: keep the job waiting up to a whole pause after the takeover.
+_STANDBY_RETRY_DELAY_S = 0.25
+_STANDBY_WATCH_S = 15.0
 
 
 class Session:
@@ -142,6 +149,7 @@ class Session:
         Raises:
             GradSyncError: joining failed; the link is closed.
         """
+        load_lazy_modules(self.config.rank)  # (why: in `joining`)
         try:
             return self._join_healed()
         except CoordinatorUnavailableError:
@@ -283,7 +291,8 @@ class Session:
             CoordinatorUnavailableError: no coordinator within the reconnect timeout, or
                 one that cannot resume this job from a checkpoint.
         """
-        deadline = time.monotonic() + self.reconnect_timeout_s
+        started = time.monotonic()
+        deadline = started + self.reconnect_timeout_s
         delay = _FIRST_RETRY_DELAY_S
         log.warning(
             "rank %d: lost the coordinator (%s); reconnecting for up to %gs",
@@ -314,6 +323,9 @@ class Session:
                         f"{self.reconnect_timeout_s:g}s: {exc}",
                         rank=self.config.rank,
                     ) from cause
+                several = self._addresses is not None and self._addresses.several
+                if several and time.monotonic() - started < _STANDBY_WATCH_S:
+                    delay = min(delay, _STANDBY_RETRY_DELAY_S)
                 time.sleep(min(delay, remaining))
                 delay = min(delay * 2, _MAX_RETRY_DELAY_S)
         self._position = None
