@@ -69,11 +69,13 @@ __all__ = [
     "measure_chunk",
     "merge",
     "screen_problem",
+    "step_screen_problem",
     "stricter",
     "trim_count",
 ]
 
-Floats = npt.NDArray[np.float32]
+#: A chunk's values in its accumulation dtype (float32; float64 for a float64 bucket).
+Floats = npt.NDArray[np.floating]
 
 
 class ScreenPolicy(enum.StrEnum):
@@ -127,6 +129,20 @@ def screen_problem(outer: pb.OuterOptimizer | None, local_groups: bool) -> str |
             f"(weighted={outer.weighted}, merge_late={outer.merge_late})"
         )
     return None
+
+
+def step_screen_problem(policy: str, local_groups: bool) -> str | None:
+    """What keeps a per-step (DDP) job from running its screen `policy` ("" = none), or None.
+
+    A policy that holds contributions screens each rank's own gradients: not a
+    local group's sum ("report" then screens nothing of such a job).
+    """
+    if policy in ("", ScreenPolicy.REPORT.value) or not local_groups:
+        return None
+    return (
+        f"screen {policy!r} needs flat ranks; this job formed local groups "
+        "(pass hierarchical=False)"
+    )
 
 
 def stricter(job: ScreenPolicy, floor: ScreenPolicy) -> ScreenPolicy:
@@ -232,7 +248,7 @@ def measure_chunk(
 
 
 def measure(values: Floats, reference: Floats | None) -> Measure:
-    """Measure a contribution (`values`, float32) against a reference direction."""
+    """Measure a contribution (`values`) against a reference direction."""
     with np.errstate(over="ignore", invalid="ignore"):
         square_sum = float(np.dot(values, values))
         nonfinite = 0 if math.isfinite(square_sum) else int(np.count_nonzero(~np.isfinite(values)))
@@ -325,7 +341,7 @@ def merge(
 ) -> tuple[Floats, int]:
     """The chunk's sum and its divisor under `policy` (`contributions` in ascending rank order).
 
-    Returns a fresh float32 array (the caller divides it by the divisor).
+    Returns a fresh array of the contributions' dtype (the caller divides it by the divisor).
     """
     if policy is ScreenPolicy.TRIMMED_MEAN or policy is ScreenPolicy.MEDIAN:
         stacked = np.stack([values for _, values in contributions])
@@ -359,7 +375,7 @@ def trim_count(count: int) -> int:
 
 def _row_sum(rows: Sequence[Floats] | Floats) -> Floats:
     """The rows summed one after the other, in order (the same bits whatever the row length)."""
-    total = np.array(rows[0], dtype=np.float32, copy=True)
+    total = np.array(rows[0], copy=True)
     with np.errstate(over="ignore", invalid="ignore"):
         for row in rows[1:]:
             total += row
