@@ -40,6 +40,7 @@ from gradsync_server.dataplane.screening import (
     ScreenThresholds,
     judge,
     measure_chunk,
+    median_of,
 )
 
 __all__ = ["HISTORY_ROUNDS", "ContributionScreen", "RankRound", "ScreenObserver"]
@@ -142,9 +143,22 @@ class ContributionScreen:
         noted = self._noted.pop(key, None)
         if not noted:
             return None
+        noted.sort()
+        norms = [math.sqrt(square_sum) for _, square_sum, _ in noted]  # inf stays inf
+        median_norm = median_of(norms)
+        calm = median_norm <= 0 or max(norms) / median_norm <= self.thresholds.norm_ratio
+        if calm and not any(nonfinite for _, _, nonfinite in noted):
+            # Nothing to flag (what `judge` would find, without building its measures):
+            # the usual chunk of an honest step, counted and done.
+            self._start_round(round_number)
+            for rank, square_sum, _ in noted:
+                totals = self._totals(rank, round_number)
+                totals.square_sum += square_sum
+                totals.chunks += 1
+            return ChunkVerdict((), frozenset(), median_norm)
         measures = [
             (rank, Measure(square_sum, math.nan, 0.0, nonfinite))
-            for rank, square_sum, nonfinite in sorted(noted)
+            for rank, square_sum, nonfinite in noted
         ]
         return self._judge(round_number, key, measures)
 
@@ -158,13 +172,9 @@ class ContributionScreen:
     def _judge(
         self, round_number: int, key: tuple[int, int], measures: list[tuple[int, Measure]]
     ) -> ChunkVerdict:
-        if round_number != self._round_number:
-            self._round.clear()
-            self._round_number = round_number
+        self._start_round(round_number)
         for rank, measured in measures:
-            totals = self._round.get(rank)
-            if totals is None:
-                totals = self._round[rank] = RankRound(rank, round_number)
+            totals = self._totals(rank, round_number)
             totals.square_sum += measured.square_sum
             if math.isfinite(measured.dot):
                 totals.dot += measured.dot
@@ -177,6 +187,17 @@ class ContributionScreen:
         for finding in verdict.findings:
             self._record(finding, key[0])
         return verdict
+
+    def _start_round(self, round_number: int) -> None:
+        if round_number != self._round_number:
+            self._round.clear()
+            self._round_number = round_number
+
+    def _totals(self, rank: int, round_number: int) -> RankRound:
+        totals = self._round.get(rank)
+        if totals is None:
+            totals = self._round[rank] = RankRound(rank, round_number)
+        return totals
 
     def _record(self, finding: Finding, bucket: int) -> None:
         totals = self._round.get(finding.rank)
