@@ -19,9 +19,10 @@ from gradsync_server.control.membership import Membership
 from gradsync_server.control.signature import first_difference, validate
 from gradsync_server.dataplane.actions import Send
 from gradsync_server.dataplane.budget import ByteBudget
+from gradsync_server.dataplane.contribution_screen import ContributionScreen
 from gradsync_server.dataplane.open_step import OpenStep
 from gradsync_server.dataplane.plane import MembershipView, PlaneMember
-from gradsync_server.dataplane.screening import step_screen_problem
+from gradsync_server.dataplane.screening import ScreenPolicy, ScreenThresholds, step_screen_problem
 from gradsync_server.errors import RejectedMessage
 
 pytestmark = pytest.mark.unit
@@ -154,3 +155,18 @@ def test_the_screen_is_part_of_the_signature_and_the_floor_applies() -> None:
     problem = step_screen_problem("exclude", True)
     assert problem is not None and "hierarchical=False" in problem
     assert step_screen_problem("exclude", False) is None
+
+
+def test_a_fresh_screen_flags_a_culprit_still_attacking_and_quarantines_it_again() -> None:
+    """A restarted coordinator's screen starts afresh (docs/trust.md): it needs no history."""
+    screen = ContributionScreen("job", ScreenPolicy.EXCLUDE, ScreenThresholds())
+    for number in range(3):
+        rows = [
+            (rank, values[0].astype(np.float32)) for rank, values in enumerate(_gradients(number))
+        ]
+        verdict = screen.verdict(number, (0, 0), rows)
+        assert verdict.excluded == {CULPRIT}, number
+        lines = screen.close_round(number)
+        assert lines[0].startswith(f"rank {CULPRIT} in job 'job' round (step) {number}: norm")
+    assert "quarantined after 3 excluded rounds" in lines[-1]
+    assert screen.quarantine.quarantined(3) == {CULPRIT}
