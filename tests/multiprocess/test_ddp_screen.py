@@ -4,7 +4,7 @@ A real `gradsync serve` and three real worker processes training
 `support.scenarios.MixedModel` (a float32 and a float64 bucket) under
 `DistributedDataParallel(screen="exclude")`. Rank 2 multiplies its loss by 100
 from step 3 on (`screen_worker.py --scale-from 3`). The coordinator must name it
-in step 3 (its log and `gradsync status`), its own worker must warn, no honest
+in step 3 (its log, /metrics and `gradsync status`), its own worker must warn, no honest
 rank is ever named and nothing is flagged before the attack; and every rank
 ends where one process ends that averages all three ranks' gradients for steps
 0-2 and only the honest two's (divisor 2) from step 3 on.
@@ -13,11 +13,13 @@ ends where one process ends that averages all three ranks' gradients for steps
 from __future__ import annotations
 
 import re
+import urllib.request
 from pathlib import Path
 
 import numpy as np
 import pytest
 from gradsync.status import query_status
+from gradsync_proto.net.launch import free_port
 from support import scenarios
 from support.processes import WORKERS, run_ranks
 
@@ -58,7 +60,8 @@ def _reference() -> dict[str, np.ndarray]:
 def test_exclude_names_the_scaled_rank_in_its_step_and_averages_the_honest_ones(
     coordinator_factory, tmp_path: Path
 ) -> None:
-    coordinator = coordinator_factory(WORLD)
+    metrics_port = free_port()
+    coordinator = coordinator_factory(WORLD, "--metrics-port", str(metrics_port))
     outputs = run_ranks(
         SCREEN_WORKER,
         coordinator.address,
@@ -72,6 +75,8 @@ def test_exclude_names_the_scaled_rank_in_its_step_and_averages_the_honest_ones(
         timeout_s=90,
     )
     [job] = query_status(coordinator.address, "default", timeout_s=5).jobs
+    with urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=5) as page:
+        exposition = page.read().decode()
     _, log = coordinator.stop()
     flagged = [
         int(s) for s in re.findall(rf"rank {CULPRIT} in job 'default' round \(step\) (\d+)", log)
@@ -83,6 +88,12 @@ def test_exclude_names_the_scaled_rank_in_its_step_and_averages_the_honest_ones(
     assert "thresholds: norm ratio > 8" in line, line
     assert job.screen == "exclude" and job.screened_contributions >= 1, job
     assert job.last_screened.startswith(f"rank {CULPRIT} in job 'default'"), job
+    excluded = re.search(
+        rf'gradsync_contribution_excluded_total{{rank="{CULPRIT}"}} (\S+)', exposition
+    )
+    assert excluded is not None and float(excluded.group(1)) == STEPS - ATTACK_STEP, exposition
+    assert 'gradsync_contribution_flagged_total{rank="0"}' not in exposition
+    assert 'gradsync_contribution_norm{rank="0"}' in exposition  # every rank measured
     # The culprit's worker warned in the step the attack began; nobody warned before.
     for rank, saved in enumerate(outputs):
         for step in range(STEPS):
