@@ -256,10 +256,11 @@ class DistributedDataParallel(nn.Module):
             separate_presence=outer is not None or wire_hook is not None or holds,
         )
         requested = requested_hierarchical(hierarchical)
-        if holds and requested is True:
+        if holds and requested not in ("auto", False):
             raise ValueError(
                 f"screen={screen!r} screens each rank's own gradients: it needs "
-                "hierarchical=False (a local group uploads its ranks' sum)"
+                f"hierarchical=False or 'auto', got {requested!r} (a local group uploads "
+                "its ranks' sum)"
             )
         self.config = dataclasses.replace(
             self.config,

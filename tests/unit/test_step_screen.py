@@ -11,8 +11,10 @@ from __future__ import annotations
 
 import itertools
 
+import gradsync
 import numpy as np
 import pytest
+import torch
 from gradsync_proto.codec import ChunkHeader, decode_gradient, header_of
 from gradsync_proto.v1 import gradsync_pb2 as pb
 from gradsync_server.control.membership import Membership
@@ -170,3 +172,21 @@ def test_a_fresh_screen_flags_a_culprit_still_attacking_and_quarantines_it_again
         assert lines[0].startswith(f"rank {CULPRIT} in job 'job' round (step) {number}: norm")
     assert "quarantined after 3 excluded rounds" in lines[-1]
     assert screen.quarantine.quarantined(3) == {CULPRIT}
+
+
+@pytest.mark.parametrize(
+    ("screen", "hierarchical", "match"),
+    [("loud", False, "screen must be one of"), ("exclude", True, "needs hierarchical=False")],
+)
+def test_the_wrapper_refuses_a_screen_it_cannot_run_before_joining(
+    screen: str, hierarchical: bool, match: str
+) -> None:
+    with pytest.raises(ValueError, match=match):
+        gradsync.DistributedDataParallel(
+            torch.nn.Linear(2, 2),
+            coordinator="127.0.0.1:1",
+            rank=0,
+            world_size=2,
+            hierarchical=hierarchical,
+            screen=screen,
+        )
