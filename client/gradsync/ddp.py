@@ -44,6 +44,7 @@ from gradsync.control.link import LinkFactory, SessionLink
 from gradsync.control.session import Session
 from gradsync.control.step_path import StepPath
 from gradsync.control.transport import Transport
+from gradsync.diloco_settings import check_screen
 from gradsync.errors import (
     ClosedError,
     CoordinatorUnavailableError,
@@ -144,6 +145,14 @@ class DistributedDataParallel(nn.Module):
         link_factory: builds the link from (address, rank); default gRPC (with the TLS and
             token settings above). Tests pass a fake.
         outer_rounds: `gradsync.DiLoCo`'s (`OuterRounds`); None (default) for training.
+        screen: how the coordinator screens every rank's gradients per bucket chunk and
+            step (the same on every rank; `docs/trust.md`): "report" (default: a rank
+            whose gradient norm is far from the others' or holds NaN/Inf is named,
+            and merged), "clip", "exclude", "trimmed_mean" or "median" (each holds the
+            step's contributions of a chunk until all arrived, and needs flat ranks:
+            with hierarchical "auto" this rank stays flat, True raises ValueError).
+            A rank the screen flags logs a warning naming what was wrong (at most
+            every 10 s). DiLoCo passes its own (`gradsync.DiLoCo(screen=)`).
 
     Devices: parameters and buffers share one device, the CPU or a CUDA device
     (gradients are staged through pinned host memory and copied back); any
@@ -203,6 +212,7 @@ class DistributedDataParallel(nn.Module):
         local_rank: int | None = None,
         local_world_size: int | None = None,
         outer_rounds: OuterRounds | None = None,
+        screen: str = "report",
     ) -> None:
         super().__init__()
         self.module = module
@@ -222,6 +232,7 @@ class DistributedDataParallel(nn.Module):
         security = ChannelSecurity.resolve(tls_ca, tls_cert, tls_key, token)
         compat.warn_ignored(compat.ignored_arguments(locals()))
         wire_hook: WireHook | None = hooks.hook_for_wire_dtype(wire_dtype)  # refused before joining
+        holds = check_screen(screen) != "report" and outer_rounds is None  # a screen that holds
         outer = outer_rounds.optimizer if outer_rounds is not None else None
         if outer_rounds is not None and outer_rounds.comm_hook is not None:
             wire_hook = outer_rounds.comm_hook
@@ -236,13 +247,26 @@ class DistributedDataParallel(nn.Module):
         sync = forward_sync_buffers if forward_sync_buffers is not None else broadcast_buffers
         self.broadcast_buffers = True if sync is None else sync
         # The presence vector rides on the last bucket where it can: no message of its own.
+        # The presence vector rides on the last bucket where it can (no message of its
+        # own), but not under a screen that holds: a chunk is judged whole, and presence
+        # values beside a small gradient would hide how far off that gradient is.
         buckets, plans, presence_rides = plan_layout(
-            named, self.config, separate_presence=outer is not None or wire_hook is not None
+            named,
+            self.config,
+            separate_presence=outer is not None or wire_hook is not None or holds,
         )
+        requested = requested_hierarchical(hierarchical)
+        if holds and requested not in ("auto", False):
+            raise ValueError(
+                f"screen={screen!r} screens each rank's own gradients: it needs "
+                f"hierarchical=False or 'auto', got {requested!r} (a local group uploads "
+                "its ranks' sum)"
+            )
         self.config = dataclasses.replace(
             self.config,
-            hierarchical=check_hierarchical(
-                requested_hierarchical(hierarchical),
+            hierarchical=not holds
+            and check_hierarchical(
+                requested,
                 [plan.dtype for plan in buckets],  # type: ignore[misc]  # torch dtypes
                 wire_dtype,
             ),
@@ -269,7 +293,13 @@ class DistributedDataParallel(nn.Module):
                 self.config,
                 module,
                 [p for _, p in named] + [presence] + [b for _, b in named_buffers],
-                model_signature([*named, (PRESENCE_NAME, presence)], named_buffers, plans, outer),
+                model_signature(
+                    [*named, (PRESENCE_NAME, presence)],
+                    named_buffers,
+                    plans,
+                    outer,
+                    screen if outer is None else "",
+                ),
                 bucket_bytes,
                 link_factory or functools.partial(Transport, security=security),
                 self._instruments.on_bucket_event,
@@ -294,6 +324,7 @@ class DistributedDataParallel(nn.Module):
             presence_rides=presence_rides,
         )
         self._steps = StepPath(self._reducer, self._instruments, self._session, overlap, start_step)
+        self._steps.warn_screened = outer is None  # DiLoCo warns per round itself
         #: The coordinator's collectives for this job (`gradsync.collectives`).
         self.collectives = Collectives(
             lambda: self._session.link, self.rank, self.world_size, self.config.timeout_s

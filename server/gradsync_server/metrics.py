@@ -143,24 +143,24 @@ class CoordinatorMetrics:
         )
         self._contribution_norm = gauge(
             "gradsync_contribution_norm",
-            "DiLoCo: the norm of each rank's pseudo-gradient in the latest round (over the "
-            "byte range this process screens).",
+            "The norm of each rank's contribution (DiLoCo: pseudo-gradient; DDP: gradient) "
+            "in the latest round or step (over the byte range this process screens).",
             ["rank"],
         )
         self._contribution_cosine = gauge(
             "gradsync_contribution_cosine",
-            "DiLoCo: cosine of each rank's pseudo-gradient in the latest round to the "
-            "sum of the other ranks' (NaN where there is none).",
+            "Cosine of each rank's contribution in the latest round or step to the "
+            "sum of the other ranks' (NaN where there is none or it is not measured).",
             ["rank"],
         )
         self._contribution_excluded = counter(
             "gradsync_contribution_excluded_total",
-            "DiLoCo: rounds in which the screen left (part of) a rank's pseudo-gradient out.",
+            "Rounds or steps in which the screen left (part of) a rank's contribution out.",
             ["rank"],
         )
         self._contribution_flagged = counter(
             "gradsync_contribution_flagged_total",
-            "DiLoCo: rounds in which the screen flagged a rank's pseudo-gradient (any policy).",
+            "Rounds or steps in which the screen flagged a rank's contribution (any policy).",
             ["rank"],
         )
         self._collectives_family = counter(
@@ -300,7 +300,7 @@ class CoordinatorMetrics:
     def observe_contribution(
         self, rank: int, norm: float, cosine: float, flagged: bool, excluded: bool
     ) -> None:
-        """`rank`'s pseudo-gradient in a round: its norm, cosine, and what the screen did."""
+        """`rank`'s contribution to a round or step: its norm, cosine, what the screen did."""
         label = str(rank)
         self._contribution_norm.labels(label).set(norm)
         self._contribution_cosine.labels(label).set(cosine)

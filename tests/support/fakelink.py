@@ -17,6 +17,7 @@ from gradsync.control.link import CoordinatorLink
 from gradsync.path.buffers import BucketBuffer
 from gradsync.path.gradient_path import BucketEventHandler
 from gradsync.path.signature import PRESENCE_NAME
+from gradsync.path.step_results import RoundReport
 from gradsync_proto.v1 import gradsync_pb2 as pb
 
 #: Wire dtypes a FakeLink accepts, as torch dtypes.
@@ -180,6 +181,10 @@ class FakeLink:
         self.submitted.append((step, bucket_index, buffer))
         if self.on_submit is not None:
             self.on_submit(bucket_index)
+
+    def round_report(self) -> RoundReport:
+        """What the last step's answers said beyond the averages: nothing, here."""
+        return RoundReport()
 
     def wait_step(self, step: int, timeout_s: float) -> int:
         self.waited_steps.append(step)

@@ -24,7 +24,7 @@ from gradsync.path.bucket_uploads import BucketUpload, range_messages, split_upl
 from gradsync.path.buffers import BucketBuffer
 from gradsync.quantized_wire import ChunkGrid, Int8Quantization, Int8Wire
 from gradsync_proto import chunking, int8_wire
-from gradsync_proto.codec import ChunkHeader, decode_gradient
+from gradsync_proto.codec import ChunkHeader, decode_gradient, header_of
 from gradsync_proto.codes import Code
 from gradsync_proto.v1 import gradsync_pb2 as pb
 from gradsync_server.dataplane.actions import Send
@@ -203,7 +203,10 @@ def replies(actions: list[object]) -> list[tuple[ChunkHeader, bytes]]:
     for action in actions:
         if isinstance(action, Send) and isinstance(action.message, bytes):
             decoded = decode_gradient(action.message)
-            assert decoded is not None
+            if decoded is None:  # an answer naming a screened rank: left to protobuf
+                chunk = pb.CoordinatorMessage.FromString(action.message).gradient
+                assert chunk.screened_ranks, chunk
+                decoded = (header_of(chunk), memoryview(chunk.payload))
             out.append((decoded[0], bytes(decoded[1])))
     return out
 

@@ -246,7 +246,10 @@ def test_contribution_screen_names_the_rank_once_per_round(
     with caplog.at_level(logging.WARNING, logger="gradsync_server.screen"):
         lines = screen.close_round(7)
     assert len(lines) == 1 and lines[0].startswith("rank 1 in job 'job' round (step) 7: norm")
-    assert "in 2 of 2 chunks: excluded" in lines[0] and "norm ratio > 8, cosine < 0.05" in lines[0]
+    assert (
+        "in 2 of 2 chunks (bucket 0): excluded" in lines[0]
+        and "norm ratio > 8, cosine < 0.05" in lines[0]
+    )
     assert screen.count == 1 and screen.last == lines[0]
     assert any("rank 1" in record.getMessage() for record in caplog.records)
     assert [(r, f, e) for r, _, _, f, e in observed] == [

@@ -18,6 +18,8 @@ the one sync point, the end of backward.
 from __future__ import annotations
 
 import logging
+import math
+import time
 
 import torch
 
@@ -33,6 +35,9 @@ from gradsync.path.gradient_path import GradientPath
 from gradsync.path.reducer import Reducer
 
 log = logging.getLogger("gradsync.client")
+
+#: The least time between two warnings that the screen flagged this rank's gradients.
+SCREEN_WARNING_INTERVAL_S = 10.0
 
 
 class StepPath:
@@ -70,6 +75,11 @@ class StepPath:
         #: The number of ranks the last step was averaged over.
         self.last_contributors = 0
         self._errors: list[Exception] = []
+        #: Warn when the coordinator's screen flagged this rank's gradients (DiLoCo warns
+        #: per round itself); at most once per SCREEN_WARNING_INTERVAL_S.
+        self.warn_screened = True
+        self._screen_warned_at = -math.inf
+        self._screen_unwarned = 0
         # A rank that reconnects keeps each step's uploads, to send them again to a
         # coordinator that continued at this step (no step computed twice).
         reducer.keep_for_resend = session.reconnect_timeout_s > 0
@@ -113,8 +123,30 @@ class StepPath:
                 ) from error
             self.last_contributors = self._reducer.finish(step, self._wait_step)
             self.synced_steps += 1
+            if self.warn_screened:
+                self._warn_screened(step)
         finally:
             self._end_step(step)
+
+    def _warn_screened(self, step: int) -> None:
+        """Log what the coordinator's screen said of this rank's gradients in `step`, if
+        anything (rate-limited: a rank flagged every step warns every few seconds)."""
+        screened = self._path.round_report().screened
+        if not screened:
+            return
+        now = time.monotonic()
+        if now - self._screen_warned_at < SCREEN_WARNING_INTERVAL_S:
+            self._screen_unwarned += 1
+            return
+        since = f" ({self._screen_unwarned} more flagged steps since the last warning)"
+        log.warning(
+            "rank %d: the coordinator's screen flagged this rank's gradients in step %d: %s%s",
+            self._rank,
+            step,
+            screened,
+            since if self._screen_unwarned else "",
+        )
+        self._screen_warned_at, self._screen_unwarned = now, 0
 
     def abandon(self, reason: str) -> None:
         """Tell the coordinator to abort the step in flight for every rank, and move on."""

@@ -59,12 +59,13 @@ def model_signature(
     named_buffers: Sequence[tuple[str, torch.Tensor]],
     buckets: Sequence[BucketPlan],
     outer: pb.OuterOptimizer | None = None,
+    screen: str = "",
 ) -> pb.ModelSignature:
     """The signature every rank of a job must agree on.
 
     With `outer` (low-communication training) the coordinator runs that outer
     optimizer on every bucket but the last (the presence vector, which follows
-    the parameters' buckets).
+    the parameters' buckets). `screen`: a per-step job's screen policy.
     """
     return pb.ModelSignature(
         parameters=[tensor_spec(name, p) for name, p in named_parameters],
@@ -79,6 +80,7 @@ def model_signature(
             for index, plan in enumerate(buckets)
         ],
         outer=outer,
+        screen=screen,
     )
 
 

@@ -172,16 +172,18 @@ class OuterOptimizer(_message.Message):
     def __init__(self, lr: _Optional[float] = ..., momentum: _Optional[float] = ..., nesterov: _Optional[bool] = ..., min_contributors: _Optional[int] = ..., round_deadline_s: _Optional[float] = ..., merge_late: _Optional[bool] = ..., max_staleness: _Optional[int] = ..., weighted: _Optional[bool] = ..., answer_dtype: _Optional[_Union[DType, str]] = ..., screen: _Optional[str] = ..., round_deadline_auto: _Optional[bool] = ..., answer_density: _Optional[float] = ...) -> None: ...
 
 class ModelSignature(_message.Message):
-    __slots__ = ("parameters", "buffers", "buckets", "outer")
+    __slots__ = ("parameters", "buffers", "buckets", "outer", "screen")
     PARAMETERS_FIELD_NUMBER: _ClassVar[int]
     BUFFERS_FIELD_NUMBER: _ClassVar[int]
     BUCKETS_FIELD_NUMBER: _ClassVar[int]
     OUTER_FIELD_NUMBER: _ClassVar[int]
+    SCREEN_FIELD_NUMBER: _ClassVar[int]
     parameters: _containers.RepeatedCompositeFieldContainer[TensorSpec]
     buffers: _containers.RepeatedCompositeFieldContainer[TensorSpec]
     buckets: _containers.RepeatedCompositeFieldContainer[BucketSpec]
     outer: OuterOptimizer
-    def __init__(self, parameters: _Optional[_Iterable[_Union[TensorSpec, _Mapping]]] = ..., buffers: _Optional[_Iterable[_Union[TensorSpec, _Mapping]]] = ..., buckets: _Optional[_Iterable[_Union[BucketSpec, _Mapping]]] = ..., outer: _Optional[_Union[OuterOptimizer, _Mapping]] = ...) -> None: ...
+    screen: str
+    def __init__(self, parameters: _Optional[_Iterable[_Union[TensorSpec, _Mapping]]] = ..., buffers: _Optional[_Iterable[_Union[TensorSpec, _Mapping]]] = ..., buckets: _Optional[_Iterable[_Union[BucketSpec, _Mapping]]] = ..., outer: _Optional[_Union[OuterOptimizer, _Mapping]] = ..., screen: _Optional[str] = ...) -> None: ...
 
 class Join(_message.Message):
     __slots__ = ("job_id", "rank", "world_size", "signature", "incarnation", "client_version", "host_id", "local_world_size", "position", "heal_relayed", "collective_resume")
@@ -752,7 +754,7 @@ class ShardMember(_message.Message):
     def __init__(self, rank: _Optional[int] = ..., incarnation: _Optional[str] = ..., session: _Optional[bytes] = ...) -> None: ...
 
 class ShardJobView(_message.Message):
-    __slots__ = ("job_id", "world_size", "membership_epoch", "members", "out_of_inputs", "start_step", "buckets", "chunk_bytes", "shard_count", "local_groups", "outer", "outer_restore", "outer_run")
+    __slots__ = ("job_id", "world_size", "membership_epoch", "members", "out_of_inputs", "start_step", "buckets", "chunk_bytes", "shard_count", "local_groups", "outer", "outer_restore", "outer_run", "screen")
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
     WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
     MEMBERSHIP_EPOCH_FIELD_NUMBER: _ClassVar[int]
@@ -766,6 +768,7 @@ class ShardJobView(_message.Message):
     OUTER_FIELD_NUMBER: _ClassVar[int]
     OUTER_RESTORE_FIELD_NUMBER: _ClassVar[int]
     OUTER_RUN_FIELD_NUMBER: _ClassVar[int]
+    SCREEN_FIELD_NUMBER: _ClassVar[int]
     job_id: str
     world_size: int
     membership_epoch: int
@@ -779,7 +782,8 @@ class ShardJobView(_message.Message):
     outer: OuterOptimizer
     outer_restore: bool
     outer_run: str
-    def __init__(self, job_id: _Optional[str] = ..., world_size: _Optional[int] = ..., membership_epoch: _Optional[int] = ..., members: _Optional[_Iterable[_Union[ShardMember, _Mapping]]] = ..., out_of_inputs: _Optional[_Iterable[int]] = ..., start_step: _Optional[int] = ..., buckets: _Optional[_Iterable[_Union[BucketSpec, _Mapping]]] = ..., chunk_bytes: _Optional[int] = ..., shard_count: _Optional[int] = ..., local_groups: _Optional[_Iterable[_Union[LocalGroup, _Mapping]]] = ..., outer: _Optional[_Union[OuterOptimizer, _Mapping]] = ..., outer_restore: _Optional[bool] = ..., outer_run: _Optional[str] = ...) -> None: ...
+    screen: str
+    def __init__(self, job_id: _Optional[str] = ..., world_size: _Optional[int] = ..., membership_epoch: _Optional[int] = ..., members: _Optional[_Iterable[_Union[ShardMember, _Mapping]]] = ..., out_of_inputs: _Optional[_Iterable[int]] = ..., start_step: _Optional[int] = ..., buckets: _Optional[_Iterable[_Union[BucketSpec, _Mapping]]] = ..., chunk_bytes: _Optional[int] = ..., shard_count: _Optional[int] = ..., local_groups: _Optional[_Iterable[_Union[LocalGroup, _Mapping]]] = ..., outer: _Optional[_Union[OuterOptimizer, _Mapping]] = ..., outer_restore: _Optional[bool] = ..., outer_run: _Optional[str] = ..., screen: _Optional[str] = ...) -> None: ...
 
 class LocalGroup(_message.Message):
     __slots__ = ("ranks",)

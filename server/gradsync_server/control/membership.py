@@ -34,7 +34,7 @@ from gradsync_server.dataplane.host_groups import (
     group_secrets,
     local_world_size_problems,
 )
-from gradsync_server.dataplane.screening import check_screen, stricter
+from gradsync_server.dataplane.screening import check_screen, step_screen_problem, stricter
 from gradsync_server.errors import RejectedMessage
 
 #: Length of a session secret (Welcome.session).
@@ -58,7 +58,7 @@ class Membership:
         screen_floor: str = defaults.SCREEN,
     ) -> None:
         self.job_id = job_id
-        #: The coordinator's `--screen` floor: a DiLoCo job runs under it when it is stricter.
+        #: The coordinator's `--screen` floor: a job runs under it when it is stricter.
         self.screen_floor = check_screen(screen_floor)
         self.world_size = world_size
         self._clock = clock
@@ -186,7 +186,8 @@ class Membership:
 
         Returns:
             Why the job is refused when the members' LOCAL_WORLD_SIZE does not
-            match the groups (the launcher and the host ids disagree); None when fine.
+            match the groups (the launcher and the host ids disagree), or a per-step
+            job's screen needs flat ranks; None when fine.
         """
         host_ids = {rank: member.host_id for rank, member in self.members.items()}
         groups = form_groups(host_ids)
@@ -200,7 +201,8 @@ class Membership:
             )
         self.groups.replace(groups)
         self._local_secrets = group_secrets(groups)
-        return None
+        problem = step_screen_problem(self.resolved_screen(), bool(self.groups.groups()))
+        return None if problem is None else f"job '{self.job_id}' refused: {problem}"
 
     def check_posted(self, rank: int, posted: pb.LocalPosted) -> None:
         """A member's LocalPosted names its local group's bucket.
@@ -305,6 +307,14 @@ class Membership:
         outer.screen = stricter(check_screen(outer.screen), self.screen_floor).value
         return outer
 
+    def resolved_screen(self) -> str:
+        """A per-step job's screen policy: its own, or the `--screen` floor if that is
+        stricter ("" for a DiLoCo job, whose policy is its outer optimizer's)."""
+        signature = self.signature
+        if signature is None or signature.HasField("outer"):
+            return ""
+        return stricter(check_screen(signature.screen), self.screen_floor).value
+
     def view(
         self, start_step: int, out_of_inputs: set[int], chunk_bytes: int, shard_count: int
     ) -> pb.ShardJobView:
@@ -322,6 +332,7 @@ class Membership:
             start_step=start_step,
             buckets=list(signature.buckets) if signature is not None else [],
             outer=self.resolved_outer(),
+            screen=self.resolved_screen(),
             chunk_bytes=chunk_bytes,
             shard_count=shard_count,
             local_groups=[pb.LocalGroup(ranks=g) for g in self.groups.groups()],

@@ -136,6 +136,12 @@ def validate(rank: int, signature: pb.ModelSignature) -> None:
             )
         if bucket_bytes(bucket) > MAX_BUCKET_BYTES:
             raise refuse(f"bucket {bucket_index} is larger than {MAX_BUCKET_BYTES} bytes")
+    if signature.screen not in ("", *screening.POLICIES):
+        raise refuse(
+            f"screen must be one of {', '.join(screening.POLICIES)}, got {signature.screen!r}"
+        )
+    if signature.screen and signature.HasField("outer"):
+        raise refuse("a DiLoCo job's screen is its outer optimizer's (outer.screen)")
     _validate_outer(signature, refuse)
 
 
@@ -205,6 +211,12 @@ def first_difference(
         return (
             f"rank {rank} has outer optimizer {_outer_words(candidate)}, rank {reference_rank} "
             f"{_outer_words(reference)} (every rank must pass the same outer settings)"
+        )
+    if (reference.screen or "report") != (candidate.screen or "report"):
+        return (
+            f"rank {rank} asks for screen {candidate.screen or 'report'!r}, rank "
+            f"{reference_rank} for {reference.screen or 'report'!r} (every rank must pass "
+            "the same screen=)"
         )
     for bucket_index, (expected_bucket, got_bucket) in enumerate(
         zip(reference.buckets, candidate.buckets, strict=True)

@@ -109,6 +109,11 @@ def _floats(payload: bytes | memoryview, dtype: int) -> npt.NDArray[np.floating]
 
 
 def classify(payload: bytes | memoryview, dtype: int) -> Magnitude:
+    """Whether a contribution is `TAME`, `LARGE` or `NONFINITE` (`measured_classify`)."""
+    return measured_classify(payload, dtype)[0]
+
+
+def measured_classify(payload: bytes | memoryview, dtype: int) -> tuple[Magnitude, float]:
     """Whether a contribution is `TAME`, `LARGE` or `NONFINITE`, in one pass.
 
     float32/float64: x.x is finite exactly when every x_i**2 is (rounding is
@@ -118,18 +123,23 @@ def classify(payload: bytes | memoryview, dtype: int) -> Magnitude:
     exponent field says both at once. About 15-20 us per aligned MiB of
     float32, less than the add it guards (~25 us); a whole 25 MB bucket at
     W = 4 costs ~2.5 ms more than before (8.5 -> 11.3 ms of summing).
+
+    Returns:
+        The magnitude and x.x, the sum of squares (a per-step screen's norm, for
+        free; inf when it overflows or holds NaN/Inf, nan for a 16-bit payload).
     """
     if dtype in (pb.DTYPE_FLOAT32, pb.DTYPE_FLOAT64):
         values = _floats(payload, dtype)
         with np.errstate(over="ignore", invalid="ignore"):  # overflow is what we look for
             square_sum = float(np.dot(values, values))
         if math.isfinite(square_sum):
-            return Magnitude.TAME
-        return Magnitude.LARGE if bool(np.isfinite(values).all()) else Magnitude.NONFINITE
+            return Magnitude.TAME, square_sum
+        finite = bool(np.isfinite(values).all())
+        return (Magnitude.LARGE if finite else Magnitude.NONFINITE), math.inf
     if dtype in (pb.DTYPE_FLOAT16, pb.DTYPE_BFLOAT16):
         bits = np.frombuffer(payload, dtype="<u2")
         if not len(bits):
-            return Magnitude.TAME
+            return Magnitude.TAME, math.nan
         mask = _F16_EXPONENT if dtype == pb.DTYPE_FLOAT16 else _BF16_EXPONENT
         # The largest magnitude (bits & 0x7FFF), in two reads and no temporary: among
         # positive values it is the largest int16, among negative ones the largest
@@ -137,15 +147,23 @@ def classify(payload: bytes | memoryview, dtype: int) -> Magnitude:
         largest = max(int(bits.view("<i2").max()), int(bits.max()) - 0x8000)
         top = largest & mask
         if top == mask:
-            return Magnitude.NONFINITE
+            return Magnitude.NONFINITE, math.nan
         if dtype == pb.DTYPE_BFLOAT16 and top > _BF16_TAME_EXPONENT:
-            return Magnitude.LARGE
-        return Magnitude.TAME
+            return Magnitude.LARGE, math.nan
+        return Magnitude.TAME, math.nan
     raise ValueError(f"unsupported dtype {dtype_name(dtype)}")
 
 
 def examine(payload: bytes | memoryview, dtype: int) -> tuple[bytes | memoryview, Magnitude]:
-    """The payload, copied if its elements are misaligned, and its `classify` magnitude.
+    """The payload, copied if its elements are misaligned, and its `classify` magnitude."""
+    payload, magnitude, _ = measured_examine(payload, dtype)
+    return payload, magnitude
+
+
+def measured_examine(
+    payload: bytes | memoryview, dtype: int
+) -> tuple[bytes | memoryview, Magnitude, float]:
+    """The payload, copied if its elements are misaligned, and its `measured_classify`.
 
     A chunk's payload is a view into the received message. gradsync's encoder
     puts it at an aligned offset (`gradsync_proto.codec.PAYLOAD_ALIGNMENT`), so
@@ -164,7 +182,7 @@ def examine(payload: bytes | memoryview, dtype: int) -> tuple[bytes | memoryview
     if address % itemsize:
         # Copied as unsigned integers: every bit as sent, NaN payloads included.
         payload = np.frombuffer(payload, dtype=f"<u{itemsize}").copy().data.cast("B")
-    return payload, classify(payload, dtype)
+    return payload, *measured_classify(payload, dtype)
 
 
 def count_nonfinite(payload: bytes | memoryview, dtype: int) -> int:
@@ -197,10 +215,11 @@ class _ChunkState:
 
 
 #: A screened merge (`gradsync_server.dataplane.screening`): given a complete chunk's
-#: offset and its contributions in ascending rank order (float32), the chunk's sum,
-#: its divisor and how many contributions it holds.
+#: offset and its contributions in ascending rank order (in the accumulation dtype),
+#: the chunk's sum, its divisor and how many contributions it holds.
 ScreenedMerge = Callable[
-    [int, list[tuple[int, npt.NDArray[np.float32]]]], tuple[npt.NDArray[np.float32], int, int]
+    [int, list[tuple[int, npt.NDArray[np.floating]]]],
+    tuple[npt.NDArray[np.floating], float, int],
 ]
 
 
@@ -275,10 +294,10 @@ class BucketReduction:
         self.buffered_bytes = 0
         self.last_contributors = len(self._ranks)
         #: Hold every contribution of a chunk and merge them with this once it is
-        #: complete (a DiLoCo screen's clip, exclude or robust merge); None = sum on arrival.
+        #: complete (a screen's clip, exclude or robust merge); None = sum on arrival.
         self.screened_merge: ScreenedMerge | None = None
         #: With `screened_merge`: a chunk with a contribution that is not `TAME` is summed
-        #: as usual instead (with its float64 shadow: the screen merges in float32).
+        #: as usual instead (with its float64 shadow: the screen merges without one).
         self.screen_tame_only = False
 
     @property
@@ -425,15 +444,11 @@ class BucketReduction:
         if untame and self.screen_tame_only:
             return self._advance(offset, state, before, screened=False)
         contributions = [
-            (
-                rank,
-                decoded(state.parked[rank][0], self.payload_dtype).astype(np.float32, copy=False),
-            )
-            for rank in state.expected
+            (rank, decoded(state.parked[rank][0], self.payload_dtype)) for rank in state.expected
         ]
         total, divisor, self.last_contributors = screened_merge(offset, contributions)
         state.parked.clear()
-        averaged = average_bytes(total, np.float32(divisor), self.average_dtype)
+        averaged = average_bytes(total, total.dtype.type(divisor), self.average_dtype)
         self.buffered_bytes -= before
         del self._chunks[offset]
         self._finished.add(offset)

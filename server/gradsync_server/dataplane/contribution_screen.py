@@ -1,10 +1,14 @@
 """One job's screen at one coordinator process: measures, verdicts and the names it gives.
 
-The open step hands it every contribution to an outer bucket (`observe`, as
-the chunk arrives) and asks for a verdict when the chunk is complete
-(`verdict`); the rules are `screening`. Per round it keeps each rank's totals
-(norm over all the chunks it screened, cosine to the other ranks' sum over
-them, the worst ratio, what was done), and at the round's end (`close_round`)
+The open step asks for a verdict on each complete chunk of a screened bucket:
+with every contribution held (`verdict`: a DiLoCo round, or a per-step job under
+a policy that holds them), or from the sums of squares noted as the
+contributions were folded (`note`, then `noted_verdict`: a per-step job under
+"report", which holds nothing and measures no cosine); the rules are
+`screening`. A "round" is a DiLoCo round or a per-step job's step. Per round
+it keeps each rank's totals (norm over all the chunks it screened, cosine to
+the other ranks' sum over them, the worst ratio, the flagged buckets, what was
+done), and at the round's end (`close_round`)
 names every flagged rank: one log line per rank and round ("rank 2 ..."), the
 `gradsync_contribution_*` metrics, `gradsync status` (`count`, `last`), and
 the answer header of each flagged chunk (`header_fields`), which the rank's
@@ -30,11 +34,13 @@ from gradsync_server.dataplane.screening import (
     Finding,
     Floats,
     Geometry,
+    Measure,
     Quarantine,
     ScreenPolicy,
     ScreenThresholds,
     judge,
     measure_chunk,
+    median_of,
 )
 
 __all__ = ["HISTORY_ROUNDS", "ContributionScreen", "RankRound", "ScreenObserver"]
@@ -70,6 +76,8 @@ class RankRound(Geometry):
     worst_ratio: float = 0.0
     reasons: set[str] = field(default_factory=set)
     action: str = ""
+    #: The buckets of its flagged chunks.
+    buckets: set[int] = field(default_factory=set)
 
     def describe(self, job_id: str, thresholds: ScreenThresholds) -> str:
         """Names the rank, round, what was wrong and what was done (for people)."""
@@ -82,11 +90,13 @@ class RankRound(Geometry):
             what.append(f"cosine {self.cosine:.3f} to the other ranks' sum")
         if "quarantined" in self.reasons:
             what.append("quarantined")
+        buckets = ", ".join(str(b) for b in sorted(self.buckets))
+        cosine = "not measured" if math.isnan(self.cosine) else f"{self.cosine:.3f}"
         return (
             f"rank {self.rank} in job '{job_id}' round (step) {self.round}: "
-            f"{', '.join(what)} in {self.flagged_chunks} of {self.chunks} chunks: "
-            f"{self.action} (thresholds: {thresholds.describe()}; norm {self.norm:.4g}, "
-            f"cosine {self.cosine:.3f})"
+            f"{', '.join(what)} in {self.flagged_chunks} of {self.chunks} chunks "
+            f"(bucket {buckets}): {self.action} (thresholds: {thresholds.describe()}; "
+            f"norm {self.norm:.4g}, cosine {cosine})"
         )
 
 
@@ -119,20 +129,52 @@ class ContributionScreen:
         self.count = 0
         #: The latest of them, described; "" before any.
         self.last = ""
+        #: (bucket, offset) -> [(rank, sum of squares, non-finite elements)] (`note`).
+        self._noted: dict[tuple[int, int], list[tuple[int, float, int]]] = {}
+
+    def note(self, key: tuple[int, int], rank: int, square_sum: float, nonfinite: int) -> None:
+        """`rank`'s contribution to chunk `key` (bucket, offset) was folded: its sum of
+        squares (inf: non-finite or overflowing) and its NaN/Inf element count."""
+        self._noted.setdefault(key, []).append((rank, square_sum, nonfinite))
+
+    def noted_verdict(self, round_number: int, key: tuple[int, int]) -> ChunkVerdict | None:
+        """Judge the complete chunk `key` of `round_number` by what `note` measured: norm
+        ratio and non-finite values (no cosine); None if nothing was noted."""
+        noted = self._noted.pop(key, None)
+        if not noted:
+            return None
+        noted.sort()
+        norms = [math.sqrt(square_sum) for _, square_sum, _ in noted]  # inf stays inf
+        median_norm = median_of(norms)
+        calm = median_norm <= 0 or max(norms) / median_norm <= self.thresholds.norm_ratio
+        if calm and not any(nonfinite for _, _, nonfinite in noted):
+            # Nothing to flag (what `judge` would find, without building its measures):
+            # the usual chunk of an honest step, counted and done.
+            self._start_round(round_number)
+            for rank, square_sum, _ in noted:
+                totals = self._totals(rank, round_number)
+                totals.square_sum += square_sum
+                totals.chunks += 1
+            return ChunkVerdict((), frozenset(), median_norm)
+        measures = [
+            (rank, Measure(square_sum, math.nan, 0.0, nonfinite))
+            for rank, square_sum, nonfinite in noted
+        ]
+        return self._judge(round_number, key, measures)
 
     def verdict(
         self, round_number: int, key: tuple[int, int], rows: list[tuple[int, Floats]]
     ) -> ChunkVerdict:
         """Measure and judge the complete chunk `key` (bucket, offset) of `round_number`
         (`rows`: its contributions in ascending rank order), counting each rank's totals."""
-        if round_number != self._round_number:
-            self._round.clear()
-            self._round_number = round_number
-        measures = measure_chunk(rows, self.thresholds.norm_ratio)
+        return self._judge(round_number, key, measure_chunk(rows, self.thresholds.norm_ratio))
+
+    def _judge(
+        self, round_number: int, key: tuple[int, int], measures: list[tuple[int, Measure]]
+    ) -> ChunkVerdict:
+        self._start_round(round_number)
         for rank, measured in measures:
-            totals = self._round.get(rank)
-            if totals is None:
-                totals = self._round[rank] = RankRound(rank, round_number)
+            totals = self._totals(rank, round_number)
             totals.square_sum += measured.square_sum
             if math.isfinite(measured.dot):
                 totals.dot += measured.dot
@@ -143,14 +185,26 @@ class ContributionScreen:
             quarantined = self.quarantine.quarantined(round_number)
         verdict = judge(self.policy, self.thresholds, measures, quarantined)
         for finding in verdict.findings:
-            self._record(finding)
+            self._record(finding, key[0])
         return verdict
 
-    def _record(self, finding: Finding) -> None:
+    def _start_round(self, round_number: int) -> None:
+        if round_number != self._round_number:
+            self._round.clear()
+            self._round_number = round_number
+
+    def _totals(self, rank: int, round_number: int) -> RankRound:
+        totals = self._round.get(rank)
+        if totals is None:
+            totals = self._round[rank] = RankRound(rank, round_number)
+        return totals
+
+    def _record(self, finding: Finding, bucket: int) -> None:
         totals = self._round.get(finding.rank)
         if totals is None:
             return
         totals.flagged_chunks += 1
+        totals.buckets.add(bucket)
         totals.reasons.update(finding.reasons)
         if math.isfinite(finding.ratio):
             totals.worst_ratio = max(totals.worst_ratio, finding.ratio)
@@ -165,9 +219,10 @@ class ContributionScreen:
             return (), ""
         parts = []
         for finding in verdict.findings:
+            cosine = "" if math.isnan(finding.cosine) else f", cosine {finding.cosine:.3f}"
             parts.append(
                 f"rank {finding.rank}: {'/'.join(finding.reasons)} (norm {finding.ratio:.3g}x "
-                f"the median, cosine {finding.cosine:.3f}): {finding.action}"
+                f"the median{cosine}): {finding.action}"
             )
         note = (
             f"round {self._round_number}: {'; '.join(parts)} (screen {self.policy.value}, "
@@ -214,3 +269,4 @@ class ContributionScreen:
     def discard(self) -> None:
         """The round was aborted: nothing of it counts."""
         self._round.clear()
+        self._noted.clear()

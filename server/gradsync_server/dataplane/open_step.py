@@ -46,6 +46,7 @@ one shard the range is the whole bucket and everything is as unsharded.
 
 from __future__ import annotations
 
+import math
 from collections import deque
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -66,6 +67,7 @@ from gradsync_server.dataplane.aggregation import (
     Magnitude,
     count_nonfinite,
     examine,
+    measured_examine,
 )
 from gradsync_server.dataplane.budget import ByteBudget, OwnerBudget, Reservation
 from gradsync_server.dataplane.chunk_checks import BucketLayout, CheckedChunk, check_sender
@@ -212,8 +214,10 @@ class OpenStep:
         self.outer = OuterState()
         #: DiLoCo's partial rounds, late contributions and weights (`dataplane.rounds`).
         self.stragglers = Stragglers()
-        #: A DiLoCo job's screen (None otherwise), under the policy its view carries.
+        #: The job's screen (None: not assembled), under the policy its view carries.
         self.screen: ContributionScreen | None = None
+        #: A per-step job's screen (not DiLoCo's outer rounds).
+        self._step_screen = False
         self._verdicts: dict[tuple[int, int], ChunkVerdict] = {}
 
     @property
@@ -260,8 +264,9 @@ class OpenStep:
         self.stragglers.release()
         self.stragglers = Stragglers(RoundPolicy.of(outer))
         self.screen = None
-        if outer is not None:
-            policy = check_screen(outer.screen)
+        self._step_screen = outer is None and bool(signature.buckets)
+        if outer is not None or self._step_screen:
+            policy = check_screen(outer.screen if outer is not None else signature.screen)
             observer = self._metrics if isinstance(self._metrics, ScreenObserver) else None
             self.screen = ContributionScreen(
                 self._membership.job_id, policy, ScreenThresholds(), observer
@@ -326,10 +331,14 @@ class OpenStep:
             self._budget,
         )
         sample_weight = self._weight_of(rank, chunk)
-        contribution, magnitude = examine(checked.payload, checked.payload_dtype)
+        contribution, magnitude, square = measured_examine(checked.payload, checked.payload_dtype)
         if magnitude is Magnitude.NONFINITE:
             # Raises under "abort".
             self.nonfinite.check(rank, chunk, contribution, checked.payload_dtype)
+        if self.screen is not None and self._notes(bucket) and not math.isnan(square):
+            nonfinite = magnitude is Magnitude.NONFINITE  # (counted on that rare path only)
+            bad = count_nonfinite(contribution, checked.payload_dtype) if nonfinite else 0
+            self.screen.note((bucket, chunk.offset), rank, square, bad)
         if not self.stragglers.begun:  # the round's first chunk: what it merges
             self.stragglers.begin(step, self._membership.members, self.layout.count)
         if held is None:
@@ -383,7 +392,8 @@ class OpenStep:
         # Each rank's own unweighted pseudo-gradient (`screening.screen_problem`), once seeded.
         policy, screen = self.stragglers.policy, self.screen
         flat = not self._membership.groups.groups() and not policy.weighted
-        if screen is not None and self._screens(bucket) and flat and not policy.merge_late:
+        held_policy = not policy.merge_late and not self._notes(bucket)
+        if screen is not None and self._screens(bucket) and flat and held_policy:
             reduction.screened_merge = lambda offset, rows: self._screened_merge(
                 bucket, offset, rows
             )
@@ -392,28 +402,51 @@ class OpenStep:
         return held
 
     def _screens(self, bucket: int) -> bool:
-        """True if `bucket`'s contributions are screened now (a DiLoCo outer round)."""
+        """True if `bucket`'s contributions are screened now: a DiLoCo outer round, or
+        a per-step job with flat ranks."""
+        if self.screen is None:
+            return False
+        if self._step_screen:
+            return not self._membership.groups.groups()
+        return self.outer.holds(bucket) and self.outer.seeded and not self.outer.replaying
+
+    def _notes(self, bucket: int) -> bool:
+        """True if `bucket`'s contributions are measured as they are folded, held by nobody
+        (a per-step job under "report": norm and non-finite values only)."""
+        screen = self.screen
         return (
-            self.screen is not None
-            and self.outer.holds(bucket)
-            and self.outer.seeded
-            and not self.outer.replaying
+            self._step_screen
+            and screen is not None
+            and screen.policy is ScreenPolicy.REPORT
+            and self._screens(bucket)
         )
 
     def _screened_merge(
         self, bucket: int, offset: int, rows: list[tuple[int, Floats]]
-    ) -> tuple[Floats, int, int]:
-        """A complete chunk's merge under the job's screen (`BucketReduction.screened_merge`)."""
+    ) -> tuple[Floats, float, int]:
+        """A complete chunk's merge under the job's screen (`BucketReduction.screened_merge`).
+
+        While ranks are out of inputs (DDP's `join()`), they count as zeros, as their
+        divisor says: a robust merge of the others is scaled by their share.
+        """
         if self.screen is None:
             raise RuntimeError("a screened merge without a screen")
         key = (bucket, offset)
         verdict = self._verdicts[key] = self.screen.verdict(self.step, key, rows)
-        total, divisor = merge(self.screen.policy, self.screen.thresholds, rows, verdict)
+        policy = self.screen.policy
+        total, divisor = merge(policy, self.screen.thresholds, rows, verdict)
+        members = len(self._membership.members)
+        if self.out_of_inputs and members > len(rows):
+            if policy in (ScreenPolicy.TRIMMED_MEAN, ScreenPolicy.MEDIAN):
+                return total, divisor * members / len(rows), len(rows)
+            return total, divisor + members - len(rows), len(rows) - len(verdict.excluded)
         return total, divisor, len(rows) - len(verdict.excluded)
 
     def _screen_note(self, bucket: int, offset: int) -> tuple[tuple[int, ...], str]:
         """The screened ranks and note of a complete chunk's answer."""
         verdict = self._verdicts.pop((bucket, offset), None)
+        if verdict is None and self.screen is not None and self._notes(bucket):
+            verdict = self.screen.noted_verdict(self.step, (bucket, offset))
         if self.screen is None or verdict is None:
             return (), ""
         return self.screen.header_fields(verdict)

@@ -236,7 +236,8 @@ class JobPlane:
         """The job started: its members, then its bucket layout and first step."""
         self.follow(view)  # the step holds nothing yet: members, epoch and groups only
         outer = view.outer if view.HasField("outer") else None
-        self.step.configure(pb.ModelSignature(buckets=view.buckets, outer=outer), view.start_step)
+        signature = pb.ModelSignature(buckets=view.buckets, outer=outer, screen=view.screen)
+        self.step.configure(signature, view.start_step)
 
     def follow(self, view: pb.ShardJobView) -> Followed:
         """The membership changed: members and epoch first, then the step follows."""
