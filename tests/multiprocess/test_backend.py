@@ -273,9 +273,10 @@ def test_a_bfloat16_wire_rounds_as_one_process_and_mismatches_fail_every_rank_na
         wire = "float16" if rank == 1 else "bfloat16"
         assert f"allreduce(sum, [3] float32 on a {wire} wire)" in error, error
     # DDP's one bucket a step, in bfloat16: 2 bytes an element up from each rank, and
-    # down; then the float32 group's all-reduce of 2 elements, 4 bytes each (the failed
-    # ones are not counted).
-    total = world * (3 * int(ours[0]["elements"]) * 2 + 2 * 4)
+    # down (a 16-bit wire keeps every rank's input its own); then the float32 group's
+    # all-reduce of 2 elements, 4 bytes each, summed on this host first: one input up,
+    # one result down (the failed ones are not counted).
+    total = world * 3 * int(ours[0]["elements"]) * 2 + 2 * 4
     assert values['gradsync_collectives_total{op="all_reduce_sum"}'] == 3 + 1
     for direction in ("received", "sent"):
         key = f'gradsync_collective_bytes_total{{direction="{direction}",op="all_reduce_sum"}}'

@@ -46,9 +46,12 @@ too, fails them naming it (`--on-failure abort`) or completes them with fewer
 contributors, which the process group refuses (`elastic`). A leader whose
 process ends fails every pending op of its members at once ("local leader
 rank 0 disconnected"). A result that does not come fails within the group's
-timeout. A shared segment that cannot be made (too small a /dev/shm) makes
-the host's ranks units of one, with a warning: the op mapping stays the same
-on every rank, only without shared memory.
+timeout. A coordinator restart: the leader's link reconnects and sends its
+uploads in flight again (with the ranks they cover); it tells its members,
+whose links have nothing in flight to notice the loss by, to rejoin too. A
+shared segment that cannot be made (too small a /dev/shm) makes the host's
+ranks units of one, with a warning: the op mapping stays the same on every
+rank, only without shared memory.
 """
 
 from __future__ import annotations
@@ -105,9 +108,10 @@ HOST_OPS: dict[str, int] = {
 }
 _OP_NAMES = {"sum": 1, "avg": 2, "min": 3, "max": 4}
 _NAME_OF = {code: name for name, code in _OP_NAMES.items()}
+_ITEMSIZE: dict[int, int] = {pb.DTYPE_FLOAT32: 4, pb.DTYPE_FLOAT64: 8}
 #: kind, op, dtype, then host op number, sequence, element count / contributors; a tail.
 _MESSAGE = struct.Struct("<BBBxxxxxQQQ")
-_POSTED, _RESULT, _FAILED = 1, 2, 3
+_POSTED, _RESULT, _FAILED, _LOST = 1, 2, 3, 4
 _MAX_MESSAGE = 1 << 16
 #: How often a wait looks again at a failure recorded meanwhile.
 _POLL_S = 0.5
@@ -132,6 +136,10 @@ class IssueLink(Protocol):
     ) -> int: ...
 
     def wait_collective(self, sequence: int, timeout_s: float) -> tuple[bytearray, int]: ...
+
+    on_lost: Callable[[str], None] | None
+
+    def reconnect(self, why: str) -> None: ...
 
 
 def resolve_hierarchical(value: str | bool | None, environ: Mapping[str, str] | None = None) -> str:
@@ -227,6 +235,8 @@ class HostGroup:
         self._gone: set[int] = set()
         self._next_launch = 0
         self._thread: threading.Thread | None = None
+        if self._peers and self.leads:
+            link.on_lost = self._pass_lost
         if self._peers:
             self._thread = threading.Thread(
                 target=self._serve_leader if self.leads else self._serve_member,
@@ -408,6 +418,12 @@ class HostGroup:
             with self._lock:
                 self._ops.pop(item.number, None)
 
+    def _pass_lost(self, why: str) -> None:
+        """The leader's link lost the coordinator: the members' links reconnect too (their
+        heartbeats alone would not notice, and the restarted job waits for every rank)."""
+        text = f"local leader rank {self.members[0]} lost the coordinator: {why}"
+        self._tell(_MESSAGE.pack(_LOST, 0, 0, 0, 0, 0) + text.encode()[: _MAX_MESSAGE // 2])
+
     def _tell_failed(self, number: int, why: str) -> None:
         text = f"local leader rank {self.members[0]}: {why}".encode()[: _MAX_MESSAGE // 2]
         self._tell(_MESSAGE.pack(_FAILED, 0, 0, number, 0, 0) + text)
@@ -505,6 +521,9 @@ class HostGroup:
                 )
                 return
             kind, _, _, number, _, count = _MESSAGE.unpack_from(raw)
+            if kind == _LOST:
+                self._link.reconnect(raw[_MESSAGE.size :].decode(errors="replace"))
+                continue
             with self._lock:
                 item = self._ops.get(number)
             if item is None:
@@ -551,7 +570,10 @@ class HostGroup:
 
 
 def _describe(op: int, dtype: int, numel: int) -> str:
-    return f"all_reduce {_NAME_OF.get(op, op)} of {numel} {pb.DType.Name(dtype).lower()}"
+    """'all_reduce sum of 3 float32 (12 bytes)'."""
+    name = pb.DType.Name(dtype).removeprefix("DTYPE_").lower() if dtype in _ITEMSIZE else dtype
+    size = numel * _ITEMSIZE.get(dtype, 0)
+    return f"all_reduce {_NAME_OF.get(op, op)} of {numel} {name} ({size} bytes)"
 
 
 def form_host_group(

@@ -139,6 +139,9 @@ class ResumingLink:
         #: Why the link gave up (then every collective fails with it).
         self._failure: GradSyncError | None = None
         self._closed = False
+        #: Told (why) when this link starts reconnecting: a host group's leader passes it on
+        #: to its members, whose links have nothing in flight to notice the loss by.
+        self.on_lost: Callable[[str], None] | None = None
         #: Restarts survived so far, and collectives sent again after them (tests read them).
         self.reconnects = 0
         self.resent = 0
@@ -327,6 +330,11 @@ class ResumingLink:
         if hook is not None:
             hook()
 
+    def reconnect(self, why: str) -> None:
+        """Reconnect now, as though this link had lost the coordinator itself (a host
+        group's member, told by its leader). Does nothing while reconnecting."""
+        self._lost(CoordinatorUnavailableError(why, rank=self.rank), self._generation)
+
     def _lost(self, cause: CoordinatorUnavailableError, generation: int) -> None:
         """The coordinator was lost: reconnect on a thread of its own (once per loss)."""
         with self._lock:
@@ -344,6 +352,12 @@ class ResumingLink:
             name=f"gradsync-pg-reconnect-r{self.rank}",
             daemon=True,
         ).start()
+        hook = self.on_lost
+        if hook is not None:
+            try:
+                hook(str(cause))
+            except Exception:  # passing it on is best effort; the members' own waits are bounded
+                log.exception("telling the host group about the lost coordinator failed")
 
     def _reconnect(self, cause: CoordinatorUnavailableError, lost: CoordinatorLink) -> None:
         deadline = time.monotonic() + self.reconnect_timeout_s
