@@ -69,15 +69,46 @@ def assert_job_ran(coordinator: CoordinatorProcess, world: int) -> tuple[int, st
     return code, log
 
 
-@pytest.mark.parametrize("world", [pytest.param(w, id=f"W{w}") for w in (2, 3)])
+@pytest.mark.parametrize(
+    ("world", "hierarchical"),
+    [pytest.param(2, "0", id="W2-flat"), pytest.param(3, "", id="W3-host")],
+)
 def test_stock_ddp_over_gradsync_equals_gloo(
-    world: int, tmp_path: Path, coordinator_factory: Any
+    world: int, hierarchical: str, tmp_path: Path, coordinator_factory: Any
 ) -> None:
-    coordinator = coordinator_factory(world)
+    """W = 2 with $GRADSYNC_HIERARCHICAL=0 (every rank sends its own input); W = 3 with
+    the default, where the three ranks of this host sum each float all-reduce in shared
+    memory and only rank 0 uploads it: the coordinator receives about one input per
+    all-reduce, not three."""
+    metrics_port = free_port()
+    coordinator = coordinator_factory(world, "--metrics-port", str(metrics_port))
     extra = ("--cases", DDP_CASES)
     gloo = run("gloo", "ddp", world, tmp_path / "gloo", "unused:1", *extra)
-    ours = run("gradsync", "ddp", world, tmp_path / "ours", coordinator.address, *extra)
+    ours = run(
+        "gradsync",
+        "ddp",
+        world,
+        tmp_path / "ours",
+        coordinator.address,
+        *extra,
+        *(("--hierarchical", hierarchical) if hierarchical else ()),
+    )
+    received = scrape_metrics(metrics_port)[
+        'gradsync_collective_bytes_total{direction="received",op="all_reduce_sum"}'
+    ]
     assert_job_ran(coordinator, world)
+    if hierarchical == "0":
+        assert all("host_members" not in ours[rank] for rank in range(world))
+    else:
+        uploaded = int(ours[0]["host_uploaded_bytes"])
+        for rank in range(world):
+            assert list(ours[rank]["host_members"]) == list(range(world))
+            # Every rank took the same ops through it (DDP's float32 buckets).
+            assert int(ours[rank]["host_ops"]) == int(ours[0]["host_ops"]) > 10
+            assert int(ours[rank]["host_uploaded_bytes"]) == (uploaded if rank == 0 else 0)
+        # The leader's uploads, plus every rank's own small integer all-reduces (DDP's
+        # unused-parameter maps and join()): far below three inputs per all-reduce.
+        assert uploaded <= received < 1.5 * uploaded, (received, uploaded)
     keys = sorted(k for k in gloo[0] if "/" in k)
     assert {k.split("/")[0] for k in keys} == set(DDP_CASES.split(","))
     for rank in range(world):
@@ -242,9 +273,10 @@ def test_a_bfloat16_wire_rounds_as_one_process_and_mismatches_fail_every_rank_na
         wire = "float16" if rank == 1 else "bfloat16"
         assert f"allreduce(sum, [3] float32 on a {wire} wire)" in error, error
     # DDP's one bucket a step, in bfloat16: 2 bytes an element up from each rank, and
-    # down; then the float32 group's all-reduce of 2 elements, 4 bytes each (the failed
-    # ones are not counted).
-    total = world * (3 * int(ours[0]["elements"]) * 2 + 2 * 4)
+    # down (a 16-bit wire keeps every rank's input its own); then the float32 group's
+    # all-reduce of 2 elements, 4 bytes each, summed on this host first: one input up,
+    # one result down (the failed ones are not counted).
+    total = world * 3 * int(ours[0]["elements"]) * 2 + 2 * 4
     assert values['gradsync_collectives_total{op="all_reduce_sum"}'] == 3 + 1
     for direction in ("received", "sent"):
         key = f'gradsync_collective_bytes_total{{direction="{direction}",op="all_reduce_sum"}}'

@@ -14,6 +14,10 @@ Where the coordinator is: `GradsyncOptions.coordinator` (passed as
 `init_process_group(..., pg_options=GradsyncOptions(...))`), else the
 `gradsync://` rendezvous's address, else $GRADSYNC_COORDINATOR. TLS and the
 token: the options', else the wrapper's environment variables.
+
+Same-host ranks: each group finds, through c10d's store, which of its ranks
+share a host and (by default, when any two do) forms a host group per host
+(`gradsync.distributed.host_group`) that sums all-reduces in shared memory.
 """
 
 from __future__ import annotations
@@ -35,7 +39,12 @@ from torch.distributed.rendezvous import register_rendezvous_handler
 from gradsync import defaults
 from gradsync.config import ENV_COORDINATOR, ENV_JOB_ID
 from gradsync.distributed.group_session import GroupSession
-from gradsync.distributed.process_group import BACKEND_NAME, ProcessGroupGradsync
+from gradsync.distributed.host_group import form_host_group, resolve_hierarchical
+from gradsync.distributed.process_group import (
+    BACKEND_NAME,
+    MAX_IN_FLIGHT,
+    ProcessGroupGradsync,
+)
 from gradsync.distributed.rendezvous import (
     SCHEME,
     coordinator_of_rendezvous,
@@ -66,18 +75,26 @@ class GradsyncOptions:
             bits, half the bytes (`gradsync.distributed.wire`); torch.float32 for none
             (default: $GRADSYNC_WIRE_DTYPE, "bfloat16" or "float16", else none). Every
             rank of a group must use the same.
+        hierarchical: whether the ranks of a group on one host sum its all-reduces
+            in shared memory first, one of them uploading the host's sum
+            (`gradsync.distributed.host_group`): "auto" (on when at least two ranks of
+            the group share a host), "1"/True (on), "0"/False (off). Default:
+            $GRADSYNC_HIERARCHICAL, else "auto". Every rank must use the same.
 
     Raises:
-        ValueError: another `wire_dtype`.
+        ValueError: another `wire_dtype` or `hierarchical`.
     """
 
     coordinator: str | None = None
     job_id: str | None = None
     security: ChannelSecurity | None = None
     wire_dtype: torch.dtype | None = None
+    hierarchical: str | bool | None = None
 
     def __post_init__(self) -> None:
         check_wire_dtype(self.wire_dtype, "GradsyncOptions.wire_dtype")
+        if self.hierarchical is not None:
+            resolve_hierarchical(self.hierarchical)
 
 
 def group_job_id(base: str, group_name: str, global_ranks: list[int]) -> str:
@@ -158,7 +175,22 @@ def create_group(backend_options: Any, pg_options: Any = None) -> ProcessGroupGr
         security,
         timeout_s,
     )
-    group = ProcessGroupGradsync(session, group_name, wire_dtype)
+    setting = resolve_hierarchical(options.hierarchical if options is not None else None)
+    try:
+        host = form_host_group(
+            backend_options.store,
+            session.rank,
+            session.world_size,
+            job_id,
+            setting if wire_dtype is None else "off",
+            session.resuming,
+            MAX_IN_FLIGHT,
+            timeout_s,
+        )
+    except BaseException:
+        session.close()
+        raise
+    group = ProcessGroupGradsync(session, group_name, wire_dtype, host)
     _live.add(group)
     log.info(
         "rank %d: process group '%s' (size %d) runs as job '%s' at %s%s",

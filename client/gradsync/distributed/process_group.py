@@ -19,6 +19,11 @@ tensor lists and says what each op costs on the wire). The bitwise reductions
 are refused, and so are send and recv: the coordinator is a hub, not a
 point-to-point relay.
 
+The ranks of a group on one host sum an all-reduce of a float32 or float64
+tensor (SUM, AVG, PREMUL_SUM, MIN, MAX; up to 4 MiB) in shared memory first
+and one of them uploads it (`gradsync.distributed.host_group`), unless
+`GradsyncOptions.hierarchical` turns that off.
+
 With a 16-bit wire (`GradsyncOptions.wire_dtype`, `gradsync.distributed.wire`) the
 float32 inputs of all-reduce SUM, AVG and PREMUL_SUM and of reduce-scatter travel
 as bfloat16 or float16 and the result widens back into the caller's tensor.
@@ -55,6 +60,7 @@ from gradsync.distributed.composite import (
     write_into,
 )
 from gradsync.distributed.group_session import GroupSession
+from gradsync.distributed.host_group import HostGroup
 from gradsync.distributed.shard_routes import all_gather, reduce_scatter_parts, start_all_reduce
 from gradsync.distributed.wire import on_wire, wire_for
 from gradsync.distributed.work import Finish, OpQueue, OpResult
@@ -86,15 +92,22 @@ class ProcessGroupGradsync(_ProcessGroup):  # type: ignore[misc]  # (untyped bas
         group_name: c10d's name of the group (named in errors).
         wire_dtype: the 16-bit type summing reductions of float32 travel in
             (`gradsync.distributed.wire`), or None.
+        host: this rank's host group, or None (every all-reduce flat).
     """
 
     def __init__(
-        self, session: GroupSession, group_name: str, wire_dtype: torch.dtype | None = None
+        self,
+        session: GroupSession,
+        group_name: str,
+        wire_dtype: torch.dtype | None = None,
+        host: HostGroup | None = None,
     ) -> None:
         super().__init__(session.rank, session.world_size)
         self._session = session
         #: The 16-bit type summing reductions of float32 travel in, or None.
         self.wire_dtype = wire_dtype
+        #: This rank's host group (all-reduces summed in shared memory first), or None.
+        self.host = host
         self._collectives = session.collectives
         #: The name and description c10d gives the group (`_set_group_name`, ...).
         self._c10d_name, self._c10d_desc = group_name, "undefined"
@@ -152,6 +165,8 @@ class ProcessGroupGradsync(_ProcessGroup):  # type: ignore[misc]  # (untyped bas
         """Let queued operations finish (for up to `SHUTDOWN_WAIT_S`), then leave the job;
         an operation still waiting for other ranks then fails. Idempotent."""
         self._ops.close(min(SHUTDOWN_WAIT_S, self._collectives.timeout_s))
+        if self.host is not None:
+            self.host.close()
         self._session.close()
 
     def abort(self) -> None:
@@ -164,6 +179,9 @@ class ProcessGroupGradsync(_ProcessGroup):  # type: ignore[misc]  # (untyped bas
         check_dtype(tensor, "allreduce", reducing=True)
 
         wire = wire_for(self.wire_dtype, tensor.dtype, op)
+        host = self.host
+        if host is not None and wire is None and host.takes(tensor, op):
+            return self._host_allreduce(host, tensors, tensor, op, factor)
         name = f"allreduce({op}, {describe(tensor)}{on_wire(wire)})"
 
         def issue(ready: Callable[[], None]) -> Finish:
@@ -194,6 +212,32 @@ class ProcessGroupGradsync(_ProcessGroup):  # type: ignore[misc]  # (untyped bas
     ) -> None:
         routes = self._session.shard_routes
         reduce_scatter_parts(routes, self._collectives, output, parts, op, wire)
+
+    def _host_allreduce(
+        self,
+        host: HostGroup,
+        tensors: list[torch.Tensor],
+        tensor: torch.Tensor,
+        op: str,
+        factor: Any,
+    ) -> Any:
+        """An all-reduce through this rank's host group (`gradsync.distributed.host_group`)."""
+
+        def issue(ready: Callable[[], None]) -> Finish:
+            if factor is not None:
+                with torch.no_grad():
+                    tensor.mul_(factor)
+            finish = host.start(tensor, op, ready)
+
+            def done() -> OpResult:
+                self._check_contributors(finish())
+                return tensors
+
+            return done
+
+        cpu = tensor.device.type == "cpu"
+        name = f"allreduce({op}, {describe(tensor)}, host group {host.members})"
+        return self._ops.submit_split(name, issue, inline=cpu, tells=cpu)
 
     def allreduce_coalesced(self, tensors: list[torch.Tensor], opts: Any = None) -> Any:
         if not tensors:

@@ -59,6 +59,8 @@ log = logging.getLogger("gradsync.client")
 #: rank behind has at most its group's `MAX_IN_FLIGHT` outstanding, and a rank ahead can
 #: only have completed collectives every rank issued.
 KEEP_COMPLETED = 8
+#: Carried collectives (`reserve_collective(carried=True)`) remembered, in units of this.
+CARRIED_KEPT = 16
 #: How long the lost link gets to close before it is replaced.
 ABANDON_LINK_TIMEOUT_S = 2.0
 #: Reconnect backoff: first pause, and the cap it doubles up to.
@@ -127,12 +129,19 @@ class ResumingLink:
         self._pending: dict[int, _Sent] = {}
         #: Completed (their input copied), oldest first.
         self._kept: OrderedDict[int, _Sent] = OrderedDict()
+        #: Numbered by `reserve_collective` and not sent yet.
+        self._reserved: set[int] = set()
+        #: Numbered and never sent: a host group's leader carries this rank's input.
+        self._carried: set[int] = set()
         #: Bumped at each loss: hooks of an older transport are ignored.
         self._generation = 0
         self._reconnecting = False
         #: Why the link gave up (then every collective fails with it).
         self._failure: GradSyncError | None = None
         self._closed = False
+        #: Told (why) when this link starts reconnecting: a host group's leader passes it on
+        #: to its members, whose links have nothing in flight to notice the loss by.
+        self.on_lost: Callable[[str], None] | None = None
         #: Restarts survived so far, and collectives sent again after them (tests read them).
         self.reconnects = 0
         self.resent = 0
@@ -146,6 +155,28 @@ class ResumingLink:
         return self._link.live_ranks()
 
     # ------------------------------------------------------------ collectives
+    def reserve_collective(self, *, carried: bool) -> int:
+        """Number a collective now whose input is sent later (`issue_collective(sequence=)`,
+        a host group's leader once its host's inputs are in) or, `carried`, never (a host
+        group's member: its leader's input covers it). Never blocks.
+
+        Raises:
+            CoordinatorUnavailableError: the coordinator was lost and did not come back.
+        """
+        with self._lock:
+            if self._failure is not None:
+                raise self._failure
+            sequence = self._next
+            self._next += 1
+            if carried:
+                self._carried.add(sequence)
+                self._carried.difference_update(
+                    [s for s in self._carried if s < sequence - 4 * CARRIED_KEPT]
+                )
+            else:
+                self._reserved.add(sequence)
+            return sequence
+
     def issue_collective(
         self,
         op: int,
@@ -156,18 +187,27 @@ class ResumingLink:
         result_bytes: int | None = None,
         template: pb.CollectiveChunk | None = None,
         on_ready: Callable[[], None] | None = None,
+        sequence: int | None = None,
     ) -> int:
-        """Number the collective and send its input (never blocks: while reconnecting it
-        is sent once the job is back); return its sequence number.
+        """Number the collective (or take the `sequence` reserved for it) and send its input
+        (never blocks: while reconnecting it is sent once the job is back); return its
+        sequence number.
 
         Raises:
             CoordinatorUnavailableError: the coordinator was lost and did not come back.
+            ValueError: `sequence` was not reserved, or was sent already.
         """
         with self._lock:
             if self._failure is not None:
                 raise self._failure
-            sent = _Sent(self._next, op, dtype, payload, root, result_bytes, template, on_ready)
-            self._next += 1
+            if sequence is None:
+                sequence = self._next
+                self._next += 1
+            elif sequence in self._reserved:
+                self._reserved.discard(sequence)
+            else:
+                raise ValueError(f"collective {sequence} was not reserved (or was sent already)")
+            sent = _Sent(sequence, op, dtype, payload, root, result_bytes, template, on_ready)
             self._pending[sent.sequence] = sent
             if not self._reconnecting:
                 self._send(sent)
@@ -290,6 +330,11 @@ class ResumingLink:
         if hook is not None:
             hook()
 
+    def reconnect(self, why: str) -> None:
+        """Reconnect now, as though this link had lost the coordinator itself (a host
+        group's member, told by its leader). Does nothing while reconnecting."""
+        self._lost(CoordinatorUnavailableError(why, rank=self.rank), self._generation)
+
     def _lost(self, cause: CoordinatorUnavailableError, generation: int) -> None:
         """The coordinator was lost: reconnect on a thread of its own (once per loss)."""
         with self._lock:
@@ -307,6 +352,12 @@ class ResumingLink:
             name=f"gradsync-pg-reconnect-r{self.rank}",
             daemon=True,
         ).start()
+        hook = self.on_lost
+        if hook is not None:
+            try:
+                hook(str(cause))
+            except Exception:  # passing it on is best effort; the members' own waits are bounded
+                log.exception("telling the host group about the lost coordinator failed")
 
     def _reconnect(self, cause: CoordinatorUnavailableError, lost: CoordinatorLink) -> None:
         deadline = time.monotonic() + self.reconnect_timeout_s
@@ -331,7 +382,8 @@ class ResumingLink:
                 if self._closed:
                     return
                 claim = min(
-                    (s for s, sent in self._pending.items() if sent.result is None),
+                    [s for s, sent in self._pending.items() if sent.result is None]
+                    + sorted(self._reserved)[:1],
                     default=self._next,
                 )
             remaining = deadline - time.monotonic()
@@ -358,7 +410,12 @@ class ResumingLink:
             if self._closed:
                 link.close(ABANDON_LINK_TIMEOUT_S)
                 return
-            again = range(start, self._next)
+            # (A reserved one is sent when its host's inputs are in; a carried one never.)
+            again = [
+                s
+                for s in range(start, self._next)
+                if s not in self._reserved and s not in self._carried
+            ]
             missing = [s for s in again if s not in self._pending and s not in self._kept]
             self._link = link
             self._reconnecting = False

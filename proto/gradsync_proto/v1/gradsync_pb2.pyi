@@ -344,7 +344,7 @@ class Leave(_message.Message):
     def __init__(self, reason: _Optional[str] = ...) -> None: ...
 
 class CollectiveChunk(_message.Message):
-    __slots__ = ("sequence", "op", "dtype", "total_bytes", "offset", "payload", "root", "contributors", "reduce_op", "send_splits", "receive_splits", "error")
+    __slots__ = ("sequence", "op", "dtype", "total_bytes", "offset", "payload", "root", "contributors", "reduce_op", "send_splits", "receive_splits", "error", "covered_ranks", "covered_waited_s")
     SEQUENCE_FIELD_NUMBER: _ClassVar[int]
     OP_FIELD_NUMBER: _ClassVar[int]
     DTYPE_FIELD_NUMBER: _ClassVar[int]
@@ -357,6 +357,8 @@ class CollectiveChunk(_message.Message):
     SEND_SPLITS_FIELD_NUMBER: _ClassVar[int]
     RECEIVE_SPLITS_FIELD_NUMBER: _ClassVar[int]
     ERROR_FIELD_NUMBER: _ClassVar[int]
+    COVERED_RANKS_FIELD_NUMBER: _ClassVar[int]
+    COVERED_WAITED_S_FIELD_NUMBER: _ClassVar[int]
     sequence: int
     op: CollectiveOp
     dtype: DType
@@ -369,7 +371,9 @@ class CollectiveChunk(_message.Message):
     send_splits: _containers.RepeatedScalarFieldContainer[int]
     receive_splits: _containers.RepeatedScalarFieldContainer[int]
     error: str
-    def __init__(self, sequence: _Optional[int] = ..., op: _Optional[_Union[CollectiveOp, str]] = ..., dtype: _Optional[_Union[DType, str]] = ..., total_bytes: _Optional[int] = ..., offset: _Optional[int] = ..., payload: _Optional[bytes] = ..., root: _Optional[int] = ..., contributors: _Optional[int] = ..., reduce_op: _Optional[_Union[CollectiveOp, str]] = ..., send_splits: _Optional[_Iterable[int]] = ..., receive_splits: _Optional[_Iterable[int]] = ..., error: _Optional[str] = ...) -> None: ...
+    covered_ranks: _containers.RepeatedScalarFieldContainer[int]
+    covered_waited_s: _containers.RepeatedScalarFieldContainer[float]
+    def __init__(self, sequence: _Optional[int] = ..., op: _Optional[_Union[CollectiveOp, str]] = ..., dtype: _Optional[_Union[DType, str]] = ..., total_bytes: _Optional[int] = ..., offset: _Optional[int] = ..., payload: _Optional[bytes] = ..., root: _Optional[int] = ..., contributors: _Optional[int] = ..., reduce_op: _Optional[_Union[CollectiveOp, str]] = ..., send_splits: _Optional[_Iterable[int]] = ..., receive_splits: _Optional[_Iterable[int]] = ..., error: _Optional[str] = ..., covered_ranks: _Optional[_Iterable[int]] = ..., covered_waited_s: _Optional[_Iterable[float]] = ...) -> None: ...
 
 class AssemblyProgress(_message.Message):
     __slots__ = ("joined_ranks", "missing_ranks", "waited_s", "heartbeat_interval_s", "refused")

@@ -39,7 +39,14 @@ coordinator's lag tracker, `gradsync status` and the lag histogram then name
 a group's slow rank as they name a wrapper's from its buckets. A wrapper's
 own collectives (buffer broadcasts, SyncBatchNorm) report none: its buckets
 already measure its ranks, and a broadcast that every rank issues when the
-step's average arrives would only dilute that. No gRPC, no asyncio.
+step's average arrives would only dilute that.
+A process group's host group (`gradsync.distributed.host_group`) sums an
+all-reduce over its host's ranks before it reaches here: its leader's input
+names the ranks it covers (`covered_ranks`), which send none of their own.
+The collective is ready once every participant is covered by a whole input;
+the inputs are combined in ascending rank of their senders and the result
+goes to the senders. A covered rank's lag is its leader's less how long the
+leader waited for it. No gRPC, no asyncio.
 """
 
 from __future__ import annotations
@@ -82,6 +89,8 @@ log = logging.getLogger("gradsync.server")
 MAX_OPEN_COLLECTIVES = 16
 #: The ops a chunk may name.
 _KNOWN_OPS = frozenset(pb.CollectiveOp.values()) - {pb.COLLECTIVE_OP_UNSPECIFIED}
+#: The ops a host group's leader may send reduced over its host's ranks.
+_COVERABLE = frozenset({pb.COLLECTIVE_OP_SUM, pb.COLLECTIVE_OP_MIN, pb.COLLECTIVE_OP_MAX})
 
 
 @dataclass
@@ -101,6 +110,10 @@ class _Round:
     arrived: dict[int, float] = field(default_factory=dict)
     #: ALL_TO_ALL: each rank's (send_splits, receive_splits).
     splits: dict[int, tuple[tuple[int, ...], tuple[int, ...]]] = field(default_factory=dict)
+    #: A host group leader's input: the ranks it covers (`CollectiveChunk.covered_ranks`).
+    covered: dict[int, tuple[int, ...]] = field(default_factory=dict)
+    #: A host group leader's input: how long before its upload each covered rank's came in.
+    waited: dict[int, tuple[float, ...]] = field(default_factory=dict)
     #: Why the collective failed, once it has; it then holds no bytes.
     failure: str | None = None
     #: A failed collective: ranks already given the failure (or ended).
@@ -115,8 +128,25 @@ class _Round:
     def describe(self) -> str:
         return f"collective {self.sequence} ({self.name})"
 
+    def units(self) -> tuple[int, ...]:
+        """The ranks that sent an input (their own, or a host group's), ascending."""
+        return tuple(sorted(self.inputs))
+
+    def covering(self, rank: int) -> int | None:
+        """The rank whose input holds `rank`'s (itself, or its host group's leader), or None."""
+        if rank in self.inputs:
+            return rank
+        for leader, covered in self.covered.items():
+            if rank in covered:
+                return leader
+        return None
+
     def ready(self) -> bool:
-        return all(r in self.inputs and self.inputs[r].complete for r in self.participants)
+        for rank in self.participants:
+            unit = self.covering(rank)
+            if unit is None or not self.inputs[unit].complete:
+                return False
+        return True
 
     def release(self) -> None:
         """Give every input's bytes back to the budget."""
@@ -193,7 +223,12 @@ class Collectives:
 
     def waiting_ranks(self) -> tuple[int, ...]:
         """Ranks that contributed to a collective still in flight (they wait for it)."""
-        return tuple(sorted({r for rnd in self._rounds.values() for r in rnd.inputs}))
+        return tuple(
+            sorted(
+                {r for rnd in self._rounds.values() for r in rnd.inputs}
+                | {r for rnd in self._rounds.values() for c in rnd.covered.values() for r in c}
+            )
+        )
 
     # --------------------------------------------------------------- input
     def accept(
@@ -202,7 +237,9 @@ class Collectives:
         """Take one chunk of `rank`'s input; return the result chunks once all inputs are in.
 
         A chunk that disagrees with another rank's input returns the failure for
-        the ranks that wait and the end of the sender's stream.
+        the ranks that wait and the end of the sender's stream. A chunk with
+        `covered_ranks` (a host group's leader) stands for those ranks: they
+        send nothing, and the result goes to the sender only.
 
         Args:
             rank: the sender.
@@ -264,6 +301,7 @@ class Collectives:
             return self._disagree(rank, held, mismatch)
         item = held.inputs.get(rank)
         if item is None:
+            self._check_covered(rank, held, chunk)
             mismatch = self._check_size(rank, held, chunk)
             if mismatch is not None:
                 return self._disagree(rank, held, mismatch)
@@ -277,6 +315,9 @@ class Collectives:
             )
             held.inputs[rank] = item
             held.arrived[rank] = self._clock()
+            if chunk.covered_ranks:
+                held.covered[rank] = tuple(chunk.covered_ranks)
+                held.waited[rank] = tuple(chunk.covered_waited_s)
         elif held.op == pb.COLLECTIVE_OP_ALL_TO_ALL and held.splits[rank] != _splits_of(chunk):
             raise RejectedMessage(
                 Code.INVALID_ARGUMENT,
@@ -292,10 +333,12 @@ class Collectives:
                 del held.inputs[rank]  # nothing of it was taken
                 held.splits.pop(rank, None)
                 held.arrived.pop(rank, None)
+                held.covered.pop(rank, None)
+                held.waited.pop(rank, None)
         if held.sequence >= self.next_sequence:
             self.next_sequence = held.sequence + 1
-        # (Inputs are only the participants': all of them there, and this one whole.)
-        if item.complete and len(held.inputs) == len(held.participants) and held.ready():
+        # (Every participant's input there, its own or its host group's, and whole.)
+        if item.complete and held.ready():
             return self._finish(held)
         return []
 
@@ -350,6 +393,44 @@ class Collectives:
         if held.op in ROOTED and chunk.root != held.root:
             return f"({name}) from root {chunk.root}, but rank {first} named root {held.root}"
         return None
+
+    @staticmethod
+    def _check_covered(rank: int, held: _Round, chunk: pb.CollectiveChunk) -> None:
+        """Refuse a host group's input that is malformed or overlaps another input (raises)."""
+        covered = tuple(chunk.covered_ranks)
+        where = f"rank {rank} sent {held.describe()}"
+        other = held.covering(rank)
+        if other is not None and other != rank:
+            raise RejectedMessage(
+                Code.INVALID_ARGUMENT,
+                f"{where} as its own input, but rank {other}'s input already covers it "
+                f"(ranks {list(held.covered[other])})",
+            )
+        if not covered:
+            return
+        if held.op not in _COVERABLE:
+            raise RejectedMessage(
+                Code.INVALID_ARGUMENT,
+                f"{where} covering ranks {list(covered)}; only a sum, min or max may",
+            )
+        if covered[0] != rank or list(covered) != sorted(set(covered)):
+            raise RejectedMessage(
+                Code.INVALID_ARGUMENT,
+                f"{where} covering ranks {list(covered)}: they must ascend from the sender",
+            )
+        waited = chunk.covered_waited_s
+        if waited and len(waited) != len(covered):
+            raise RejectedMessage(
+                Code.INVALID_ARGUMENT,
+                f"{where} with {len(waited)} waits for {len(covered)} covered ranks",
+            )
+        for member in covered[1:]:
+            unit = held.covering(member)
+            if unit is not None:
+                raise RejectedMessage(
+                    Code.INVALID_ARGUMENT,
+                    f"{where} covering rank {member}, whose input rank {unit} already sent",
+                )
 
     def _check_size(self, rank: int, held: _Round, chunk: pb.CollectiveChunk) -> str | None:
         """Refuse a malformed or oversized input (raises); return how its size
@@ -456,6 +537,8 @@ class Collectives:
             )
             actions.append(Send(ranks, pb.CoordinatorMessage(collective=failure)))
             held.told.update(ranks)
+            # A host group's ranks hear it from their leader.
+            held.told.update(r for unit in ranks for r in held.covered.get(unit, ()))
         if all(r in held.told for r in held.participants):
             self._close(held)
         return actions
@@ -489,13 +572,16 @@ class Collectives:
                 if held.sequence in self._rounds:
                     actions += self._tell(held, ())
                 continue
-            item = held.inputs.get(rank)
-            if item is not None and item.complete:
+            unit = held.covering(rank)
+            if unit is not None and held.inputs[unit].complete:
                 continue
+            item = held.inputs.get(rank)
             if item is not None:
                 item.release()
                 del held.inputs[rank]
                 held.arrived.pop(rank, None)
+                held.covered.pop(rank, None)
+                held.waited.pop(rank, None)
             held.participants.remove(rank)
             if not held.participants:
                 self._close(held)
@@ -505,13 +591,16 @@ class Collectives:
 
     def _finish(self, held: _Round) -> list[Action]:
         participants = tuple(held.participants)
-        received = sum(held.inputs[r].total_bytes for r in participants)
+        units = held.units()
+        received = sum(held.inputs[r].total_bytes for r in units)
+        arrived = self._arrivals(held) if self._reports_lag else {}
         by_rank: list[tuple[tuple[int, ...], bytes | memoryview]]
         if held.op in ELEMENTWISE:
-            # The inputs are handed over (no copy) and combined into the first one's bytes.
-            inputs = [held.inputs[r].take() for r in participants]
+            # The inputs are handed over (no copy) and combined into the first one's bytes,
+            # in ascending rank of their senders (a host group's sum in its leader's place).
+            inputs = [held.inputs[r].take() for r in units]
             reduced = reduce_inputs(held.op, held.dtype, inputs, in_place=True)
-            by_rank = [(participants, reduced)]
+            by_rank = [(units, reduced)]
         elif held.op in PER_RANK:
             blobs = {r: held.inputs[r].blob() for r in participants}
             sends = sorted(self._per_rank(held, blobs).items())
@@ -523,10 +612,11 @@ class Collectives:
         if self._observer is not None:
             sent = sum(len(result) * len(ranks) for ranks, result in by_rank)
             self._observer.observe_collective(held.name.replace(" ", "_"), received, sent)
-            if self._reports_lag:
-                first = min(held.arrived[r] for r in participants)
+            if arrived:
+                first = min(arrived.values())
                 for rank in participants:
-                    self._observer.observe_bucket_arrival(rank, held.arrived[rank] - first)
+                    if rank in arrived:
+                        self._observer.observe_bucket_arrival(rank, arrived[rank] - first)
         return [
             Send(
                 ranks,
@@ -547,6 +637,17 @@ class Collectives:
             for ranks, result in by_rank
             for offset, payload in blob_chunks(result, self._chunk_bytes, empty_chunk=True)
         ]
+
+    @staticmethod
+    def _arrivals(held: _Round) -> dict[int, float]:
+        """When each rank's input began to arrive; a host group's ranks as long before
+        their leader's upload as they waited for it."""
+        arrived = dict(held.arrived)
+        for leader, covered in held.covered.items():
+            waited = held.waited.get(leader) or (0.0,) * len(covered)
+            for rank, wait in zip(covered, waited, strict=True):
+                arrived[rank] = held.arrived[leader] - max(0.0, wait)
+        return arrived
 
     @staticmethod
     def _per_rank(held: _Round, blobs: dict[int, bytes]) -> dict[int, bytes]:

@@ -7,7 +7,8 @@ coordinator at $GRADSYNC_COORDINATOR), or with `--rendezvous gradsync` from
 and no $GRADSYNC_COORDINATOR). Scenarios:
 
 - ddp: stock `torch.nn.parallel.DistributedDataParallel` trains the given zoo cases;
-  every state-dict entry is saved as "case/name".
+  every state-dict entry is saved as "case/name"; over "gradsync", the default
+  group's host group (its ranks, ops, bytes uploaded) when it has one.
 - usage: a training loop with `DistributedSampler()` (no arguments), a loss metric
   summed by `dist.all_reduce` and `dist.barrier()` after every epoch; then every
   collective on small tensors, each result saved under the op's name; then two
@@ -65,6 +66,11 @@ def run_ddp(cases: list[str], rank: int, saved: dict[str, np.ndarray]) -> None:
         zoo.train(case, model, wrapped, rank)
         for key, tensor in model.state_dict().items():
             saved[f"{name}/{key}"] = tensor.detach().float().numpy().copy()
+    host = getattr(dist.group.WORLD, "host", None)
+    if host is not None:
+        saved["host_members"] = np.array(host.members)
+        saved["host_ops"] = np.array(host.ops)
+        saved["host_uploaded_bytes"] = np.array(host.uploaded_bytes)
 
 
 def run_script(rank: int, saved: dict[str, np.ndarray]) -> None:
@@ -360,6 +366,7 @@ def main() -> int:
     parser.add_argument("--cases", default="", help="ddp: comma-separated zoo case names")
     parser.add_argument("--rendezvous", choices=["env", "gradsync"], default="env")
     parser.add_argument("--wire-dtype", default="", help="$GRADSYNC_WIRE_DTYPE for the backend")
+    parser.add_argument("--hierarchical", default="", help="$GRADSYNC_HIERARCHICAL")
     parser.add_argument("--start-delay-s", type=float, default=0.0)
     parser.add_argument("--steps", type=int, default=10, help="ddp_steps: steps to train")
     parser.add_argument("--step-delay-s", type=float, default=0.0, help="ddp_steps: pause")
@@ -375,6 +382,8 @@ def main() -> int:
     os.environ.update(RANK=str(args.rank), WORLD_SIZE=str(args.world_size))
     if args.wire_dtype:
         os.environ["GRADSYNC_WIRE_DTYPE"] = args.wire_dtype
+    if args.hierarchical:
+        os.environ["GRADSYNC_HIERARCHICAL"] = args.hierarchical
     init_method = f"gradsync://{args.coordinator}"
     if args.rendezvous == "env":
         init_method = "env://"
