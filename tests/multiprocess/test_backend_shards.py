@@ -14,6 +14,7 @@ both, naming both sizes.
 
 from __future__ import annotations
 
+import time
 import urllib.request
 from pathlib import Path
 from typing import Any
@@ -51,14 +52,31 @@ def test_stock_ddp_over_a_sharded_coordinator_equals_gloo_and_uses_every_shard(
     world, metrics_port = 2, free_port()
     leader = coordinator_factory(world, "--shards", "2", "--metrics-port", str(metrics_port))
     # (no wait for the shard: the group's job starts once every shard is registered)
+    # The ranks run as on hosts of their own: on one host (the default "auto") their
+    # all-reduces up to 4 MiB are summed in shared memory and reach the leader whole.
     runs = [
         start_backend_ranks(
-            BACKEND_WORKER, backend, "shards", world, tmp_path / backend, address, start_apart_s=0.0
+            BACKEND_WORKER,
+            backend,
+            "shards",
+            world,
+            tmp_path / backend,
+            address,
+            "--hierarchical",
+            "0",
+            start_apart_s=0.0,
         )
         for backend, address in (("gloo", "unused:1"), ("gradsync", leader.address))
     ]
     gloo, ours = finish_backend_runs(*runs, timeout_s=120)
-    shard = {status.index: status for status in shard_statuses(leader.address)}
+    # A shard reports its byte counts to the leader with its periodic status, so the
+    # leader's view of them may lag the run's end by a report.
+    deadline = time.monotonic() + 15
+    while True:
+        shard = {status.index: status for status in shard_statuses(leader.address)}
+        if (1 in shard and shard[1].bytes_received > 0) or time.monotonic() > deadline:
+            break
+        time.sleep(0.1)
     leader_bytes = collective_bytes_received(metrics_port)
     _, log = leader.stop()
     assert "job 'default.pg-world': rank 1 joined" in log, log
