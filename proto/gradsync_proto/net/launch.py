@@ -6,8 +6,10 @@ import re
 import socket
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable, Mapping
+from typing import IO
 
 #: The banner line `gradsync serve` prints once it listens.
 BANNER = re.compile(r"listening on (\S+):(\d+)")
@@ -67,7 +69,28 @@ def start_coordinator(
             break
         banner = parse_banner(line)
         if banner is not None:
+            _forward(process.stderr)
             return process, banner[1]
     process.kill()
     process.wait()
     raise RuntimeError("the coordinator did not start (no banner on its stderr)")
+
+
+def _forward(stream: IO[str]) -> None:
+    """Copy the coordinator's log lines after the banner to this process's stderr.
+
+    Nobody else reads that pipe once the banner is found: a coordinator that logs more
+    than the pipe holds (64 KiB on Linux) would block in its next log write, with every
+    task of its event loop behind it, and a long run would hang without a word. The
+    copy runs on a daemon thread until the pipe ends (the coordinator exits or the
+    caller closes its end).
+    """
+
+    def copy() -> None:
+        try:
+            for line in stream:
+                sys.stderr.write(f"[coordinator] {line}")
+        except (OSError, ValueError):  # the caller closed the pipe: nothing more to copy
+            return
+
+    threading.Thread(target=copy, name="coordinator-log", daemon=True).start()
