@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 from collections.abc import Callable, Sequence
 from typing import Protocol
 
@@ -29,8 +30,11 @@ from gradsync_server.metrics import CoordinatorMetrics
 
 log = logging.getLogger("gradsync.server")
 
-#: How often ranks persistently behind are named in the log, at most.
+#: How often the watchdog looks for ranks persistently behind.
 _STRAGGLER_REPORT_PERIOD_S = 10.0
+#: How often one rank that stays behind is named again: a long run with a slower host
+#: gets a reminder, not a line every few seconds.
+_STRAGGLER_REPEAT_S = 300.0
 #: A rank is "behind" when its buckets (a process group's: its collective inputs) arrive
 #: this much after the first rank's on average...
 _STRAGGLER_THRESHOLD_S = 0.05
@@ -79,6 +83,8 @@ class Watchdog:
         self._coordinator = coordinator
         self._extra_checks = tuple(extra_checks)
         self._next_straggler_report = 0.0
+        #: When each rank now behind was last named (a rank that catches up is dropped).
+        self._named_behind: dict[int, float] = {}
 
     async def run(self) -> None:
         """Check forever, a few times per heartbeat timeout (cancel to stop).
@@ -200,7 +206,12 @@ class Watchdog:
         behind = tracker.persistently_behind(
             threshold_s=_STRAGGLER_THRESHOLD_S, min_samples=_STRAGGLER_MIN_SAMPLES
         )
+        for rank in set(self._named_behind) - set(behind):
+            del self._named_behind[rank]
         for rank in behind:
+            if now - self._named_behind.get(rank, -math.inf) < _STRAGGLER_REPEAT_S:
+                continue
+            self._named_behind[rank] = now
             slowest = ", ".join(f"rank {r} {lag * 1e3:.0f} ms" for r, lag in tracker.slowest(3))
             log.warning(
                 "rank %d is persistently behind: its buckets or collective inputs arrive %.0f ms "
