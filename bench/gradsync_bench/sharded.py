@@ -200,6 +200,7 @@ def running_coordinator(
             launch=launch_leader,
             host=leader_ip,
             port=LEADER_PORT,
+            forward_log=False,
         )
         assert leader.stderr is not None
         threading.Thread(target=_drain, args=(leader.stderr, leader_log), daemon=True).start()

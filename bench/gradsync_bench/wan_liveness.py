@@ -162,7 +162,7 @@ def reproduce(
         # `start_coordinator` adds only --host, --port, --log-level WARNING and a 1 s shutdown
         # grace to `gradsync serve --world-size W`: the liveness settings stay at defaults.
         server, port = start_coordinator(
-            world_size, *serve_args, launch=launch, host=ip, port=LEADER_PORT
+            world_size, *serve_args, launch=launch, host=ip, port=LEADER_PORT, forward_log=False
         )
         server_log = (out / "coordinator.log").open("w")
         declared: dict[int, float] = {}

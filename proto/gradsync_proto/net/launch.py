@@ -50,10 +50,14 @@ def start_coordinator(
     host: str = "127.0.0.1",
     port: int = 0,
     timeout_s: float = 60.0,
+    forward_log: bool = True,
 ) -> tuple[subprocess.Popen[str], int]:
     """Start `gradsync serve` (on this host, or through `launch`); return it and its port.
 
-    The port is read from the banner, so port 0 (a free port) works.
+    The port is read from the banner, so port 0 (a free port) works. With `forward_log`
+    the log lines after the banner are copied to this process's stderr; a caller that
+    reads `process.stderr` itself passes False (and must keep reading it: a coordinator
+    whose log pipe is full blocks).
 
     Raises:
         RuntimeError: the coordinator exited or printed no banner within `timeout_s`.
@@ -69,7 +73,8 @@ def start_coordinator(
             break
         banner = parse_banner(line)
         if banner is not None:
-            _forward(process.stderr)
+            if forward_log:
+                _forward(process.stderr)
             return process, banner[1]
     process.kill()
     process.wait()
