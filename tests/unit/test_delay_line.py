@@ -51,8 +51,11 @@ class Line:
         self.thread.start()
 
     def send(self, packet: bytes) -> float:
+        """Send `packet` into the line; return the time just before (the line's thread may
+        read it and start its delay before `send` returns)."""
+        at = time.monotonic()
         self.outside.send(packet)
-        return time.monotonic()
+        return at
 
     def receive(self) -> tuple[bytes, float]:
         return self.outside.recv(65536), time.monotonic()
