@@ -8,6 +8,7 @@ true by construction.
 from __future__ import annotations
 
 import argparse
+import logging
 from pathlib import Path
 
 import torch
@@ -28,6 +29,18 @@ def worker_parser(description: str | None) -> argparse.ArgumentParser:
     parser.add_argument("--world-size", type=int, required=True)
     parser.add_argument("--out", type=Path, required=True)
     return parser
+
+
+class Warnings(logging.Handler):
+    """Every warning logged where it is attached (a worker keeps the client's, to report
+    what it was told)."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.WARNING)
+        self.lines: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.lines.append(record.getMessage())
 
 
 class MixedModel(nn.Module):

@@ -109,17 +109,6 @@ class Attack:
         raise ValueError(f"unknown attack {self.kind!r}")
 
 
-class Warnings(logging.Handler):
-    """Every warning the client logs, kept per round."""
-
-    def __init__(self) -> None:
-        super().__init__(logging.WARNING)
-        self.lines: list[str] = []
-
-    def emit(self, record: logging.LogRecord) -> None:
-        self.lines.append(record.getMessage())
-
-
 def main() -> int:
     parser = scenarios.worker_parser(__doc__)
     Run.add_arguments(parser)
@@ -153,7 +142,7 @@ def main() -> int:
     parser.add_argument("--attack", default=None, help="KIND:R (see Attack)")
     parser.add_argument("--flat", action="store_true", help="hierarchical=False")
     args = parser.parse_args()
-    warned = Warnings()
+    warned = scenarios.Warnings()
     logging.getLogger("gradsync.client").addHandler(warned)
     touch_before = dict(_round_and(value) for value in args.touch_before_round)
     before = dict(_round_and(value) for value in args.before_round)

@@ -21,24 +21,13 @@ import gradsync
 from support import scenarios
 
 
-class Warnings(logging.Handler):
-    """Every warning the client logs."""
-
-    def __init__(self) -> None:
-        super().__init__(logging.WARNING)
-        self.lines: list[str] = []
-
-    def emit(self, record: logging.LogRecord) -> None:
-        self.lines.append(record.getMessage())
-
-
 def main() -> int:
     parser = scenarios.worker_parser(__doc__)
     parser.add_argument("--screen", default="report")
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--scale-from", type=int, default=-1)
     args = parser.parse_args()
-    warned = Warnings()
+    warned = scenarios.Warnings()
     logging.getLogger("gradsync.client").addHandler(warned)
     module = scenarios.MixedModel(seed=0)
     model = gradsync.DistributedDataParallel(
