@@ -265,6 +265,7 @@ def _report(run: Driven) -> dict[str, Any]:
                 lost=churn_checks.unclaimed(incarnations, members),
                 logged=churn_checks.logged_digests(incarnations),
                 counted=counted,
+                shards=cluster.config.shards,
             )
             replayed = churn_checks.compare_to_replay(
                 cluster.folder, expected, replicas["live_ranks"]

@@ -7,7 +7,9 @@
 - the final parameters equal a replay of the recorded contributions: step s
   averaged the gradients of the ranks that applied it, plus those that died
   with s in flight when the coordinator's count says their gradient was in
-  (the model is one bucket, so a rank's contribution is all or nothing);
+  (the model is one bucket; under sharded coordinators a rank killed while
+  uploading may be in some shards' ranges of it and not in others', which the
+  replay tries when the step's logged digest asks for it);
 - per failure: the time to detect it (the first reaction the system shows: a
   membership change, another coordinator serving, a rank told of a restart or
   an error), the time to recover (the first step applied after that), the
@@ -20,9 +22,11 @@ from __future__ import annotations
 import json
 from collections import Counter
 from dataclasses import dataclass, field
-from itertools import combinations, pairwise
+from itertools import combinations, pairwise, product
 from pathlib import Path
 from typing import Any
+
+from gradsync_proto import chunking
 
 from gradsync_bench import churn_worker
 from gradsync_bench.churn_schedule import Failure, Sample
@@ -208,6 +212,7 @@ def replay(
     lost: dict[int, list[int]] | None = None,
     logged: dict[int, str] | None = None,
     counted: dict[int, list[int]] | None = None,
+    shards: int = 1,
 ) -> dict[str, Any]:
     """Single-process training where step s averages the gradients of members[s]; the
     steps in `skipped` (aborted for every rank) change nothing.
@@ -224,7 +229,11 @@ def replay(
             of `lost` whose replay differs from it, the lost ranks are tried in as
             well; the first set that gives the logged digest is kept (else the count's).
         counted: filled with the steps of `lost` that had to count a lost rank, and
-            the ranks they were replayed over.
+            the ranks they were replayed over (the union over shards).
+        shards: coordinator shards. Each averages its own element range of the
+            bucket over the ranks whose range reached it, so a rank killed while
+            uploading may be in one shard's average and not another's: at a step
+            of `lost`, every choice per shard is tried too.
     """
     import copy
 
@@ -235,18 +244,31 @@ def replay(
     optimizer = churn_worker.make_optimizer(model)
     parameters = list(model.parameters())
 
-    def train(step: int, ranks: list[int]) -> None:
-        sums: list[torch.Tensor] | None = None
-        for rank in ranks:
-            model.zero_grad()
-            x, y = churn_worker.rank_batch(step, rank)
-            loss = churn_worker.loss_fn(model(x), y)
-            loss.backward()  # type: ignore[no-untyped-call]  # untyped in torch's stubs
-            grads = [p.grad.detach().clone() for p in parameters if p.grad is not None]
-            sums = grads if sums is None else [a + g for a, g in zip(sums, grads, strict=True)]
-        assert sums is not None
-        for parameter, total in zip(parameters, sums, strict=True):
-            parameter.grad = total / len(ranks)
+    def gradients(step: int, rank: int) -> list[torch.Tensor]:
+        model.zero_grad()
+        x, y = churn_worker.rank_batch(step, rank)
+        loss = churn_worker.loss_fn(model(x), y)
+        loss.backward()  # type: ignore[no-untyped-call]  # untyped in torch's stubs
+        return [p.grad.detach().clone() for p in parameters if p.grad is not None]
+
+    def train(step: int, per_shard: list[list[int]]) -> None:
+        """One step whose shard i averaged the ranks per_shard[i] over its range."""
+        ranks = sorted({rank for shard_ranks in per_shard for rank in shard_ranks})
+        flat = {rank: churn_worker.bucket_layout(gradients(step, rank)) for rank in ranks}
+        average = torch.empty_like(next(iter(flat.values())))
+        bounds = chunking.shard_ranges(churn_worker.bucket_elements(model), len(per_shard))
+        for (start, stop), shard_ranks in zip(bounds, per_shard, strict=True):
+            stop = min(stop, average.numel())  # (the presence tail is not a gradient)
+            if start >= stop:
+                continue
+            total = flat[shard_ranks[0]][start:stop].clone()
+            for rank in shard_ranks[1:]:
+                total = total + flat[rank][start:stop]
+            average[start:stop] = total / len(shard_ranks)
+        for parameter, grad in zip(
+            parameters, churn_worker.unflatten(average, parameters), strict=True
+        ):
+            parameter.grad = grad
         optimizer.step()
 
     for step in range(final_step):
@@ -259,25 +281,29 @@ def replay(
         wanted = (logged or {}).get(step)
         if extra and wanted is not None:
             before = copy.deepcopy((model.state_dict(), optimizer.state_dict()))
-            options = [ranks] + [
+            sets = [ranks] + [
                 sorted({*ranks, *subset})
                 for size in range(1, len(extra) + 1)
                 for subset in combinations(extra, size)
             ]
-            for option in options:
+            # Every shard the same set first (the usual case), then mixtures.
+            uniform = [[option] * shards for option in sets]
+            mixed = [list(c) for c in product(sets, repeat=shards) if len(set(map(tuple, c))) > 1]
+            for option in uniform + mixed:
                 train(step, option)
                 if churn_worker.digest(model)[:16] == wanted:
-                    if option != ranks and counted is not None:
-                        counted[step] = option
+                    union = sorted({rank for shard_ranks in option for rank in shard_ranks})
+                    if union != ranks and counted is not None:
+                        counted[step] = union
                     break
                 # A copy each time: loading keeps the given tensors, which the next try's
                 # optimizer step would change in place.
                 model.load_state_dict(before[0])
                 optimizer.load_state_dict(copy.deepcopy(before[1]))
             else:
-                train(step, ranks)  # none matches: the count's, and the difference shows
+                train(step, [ranks])  # none matches: the count's, and the difference shows
         else:
-            train(step, ranks)
+            train(step, [ranks])
         if digests is not None:
             digests[step] = churn_worker.digest(model)[:16]
     return {name: p.detach().clone() for name, p in model.named_parameters()}

@@ -56,7 +56,11 @@ MOMENTUM = 0.9
 
 
 class ChurnModel(nn.Module):
-    """A small MLP: one gradient bucket (a rank's contribution is all or nothing)."""
+    """A small MLP: one gradient bucket (`bucket_layout`).
+
+    Unsharded, a rank's contribution to a step is all or nothing; with coordinator
+    shards, each shard averages its element range of the bucket on its own.
+    """
 
     def __init__(self, seed: int) -> None:
         super().__init__()
@@ -68,6 +72,33 @@ class ChurnModel(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         output: torch.Tensor = self.out(torch.tanh(self.middle(torch.tanh(self.hidden(x)))))
         return output
+
+
+def bucket_layout(grads: list[torch.Tensor]) -> torch.Tensor:
+    """The model's gradients as its one bucket holds them: in reverse registration order.
+
+    (The wrapper buckets in the order backward produces gradients, the reverse of
+    registration; the bucket also carries the presence vector, one float per
+    parameter, after the gradients: `bucket_elements` counts it.)
+    """
+    return torch.cat([grad.reshape(-1) for grad in reversed(grads)])
+
+
+def bucket_elements(module: nn.Module) -> int:
+    """Elements of the one bucket: the gradients and the presence vector after them."""
+    parameters = [p for p in module.parameters() if p.requires_grad]
+    return sum(p.numel() for p in parameters) + len(parameters)
+
+
+def unflatten(flat: torch.Tensor, parameters: list[nn.Parameter]) -> list[torch.Tensor]:
+    """`bucket_layout` undone: one tensor per parameter, in registration order."""
+    out: list[torch.Tensor] = []
+    start = 0
+    for parameter in reversed(parameters):
+        stop = start + parameter.numel()
+        out.append(flat[start:stop].view_as(parameter).clone())
+        start = stop
+    return out[::-1]
 
 
 def rank_batch(step: int, rank: int) -> tuple[torch.Tensor, torch.Tensor]:

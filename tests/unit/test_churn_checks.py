@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+from gradsync_bench import churn_worker
 from gradsync_bench.churn_checks import (
     Incarnation,
     aborted_steps,
@@ -104,3 +105,63 @@ def test_a_rank_lost_between_its_buckets_is_found_in_the_step_by_its_digest() ->
     found = replay(members, 3, lost=lost, logged=logged_digests(logs), counted=counted)
     assert counted == {1: [0, 1, 2]}
     assert all(torch.equal(found[name], expected[name]) for name in expected)
+
+
+def _mixed_step_digest(
+    state: dict[str, torch.Tensor], step: int, per_shard: list[list[int]]
+) -> tuple[dict[str, torch.Tensor], str]:
+    """After one step from `state` in which shard i averaged ranks per_shard[i] over its
+    half of the bucket, computed here by hand: per-rank gradients, reverse order, halves."""
+    model = churn_worker.ChurnModel(0)
+    model.load_state_dict(state)
+    parameters = list(model.parameters())
+    flats = {}
+    for rank in sorted({r for ranks in per_shard for r in ranks}):
+        model.zero_grad()
+        x, y = churn_worker.rank_batch(step, rank)
+        churn_worker.loss_fn(model(x), y).backward()  # type: ignore[no-untyped-call]
+        flats[rank] = torch.cat([p.grad.reshape(-1) for p in reversed(parameters)])  # type: ignore[union-attr]
+    total = sum(p.numel() for p in parameters)
+    half = -(-(total + len(parameters)) // 2)  # the presence tail rides in shard 1's range
+    average = torch.empty(total)
+    for (start, stop), ranks in zip(((0, half), (half, total)), per_shard, strict=True):
+        summed = flats[ranks[0]][start:stop].clone()
+        for rank in ranks[1:]:
+            summed = summed + flats[rank][start:stop]
+        average[start:stop] = summed / len(ranks)
+    offset = 0
+    for parameter in reversed(parameters):
+        size = parameter.numel()
+        parameter.grad = average[offset : offset + size].view_as(parameter).clone()
+        offset += size
+    churn_worker.make_optimizer(model).step()  # the first step: no momentum history
+    state = {name: p.detach().clone() for name, p in model.named_parameters()}
+    return state, churn_worker.digest(model)[:16]
+
+
+def test_a_rank_in_one_shards_average_and_not_the_others_is_found_by_its_digest() -> None:
+    # Two coordinator shards each average their half of the bucket: rank 0, killed while
+    # uploading step 0, reached shard 0 and not shard 1.
+    initial = {n: p.detach().clone() for n, p in churn_worker.ChurnModel(0).named_parameters()}
+    _, wanted = _mixed_step_digest(initial, 0, [[0, 1, 2], [1, 2]])
+    logs = [
+        _inc(0, ("joined", 0), ("submit", 0)),
+        *(_inc(r, ("joined", 0), ("submit", 0), ("applied", 0, 2)) for r in (1, 2)),
+    ]
+    for inc in logs[1:]:
+        _with_digests(inc, {0: wanted})
+    members, unresolved = contributions(logs)
+    assert members == {0: [1, 2]} and unresolved == []
+    lost = unclaimed(logs, members)
+    assert lost == {0: [0]}
+    # Unsharded, neither [1, 2] nor [0, 1, 2] gives the logged digest: the replay says so.
+    one: dict[int, str] = {}
+    replay(members, 1, lost=lost, logged=logged_digests(logs), digests=one)
+    assert first_divergence(logs, one) == {"step": 0, "ranks": [1, 2], "count": 2}
+    two: dict[int, str] = {}
+    counted: dict[int, list[int]] = {}
+    replay(
+        members, 1, lost=lost, logged=logged_digests(logs), digests=two, counted=counted, shards=2
+    )
+    assert first_divergence(logs, two) is None and two[0] == wanted
+    assert counted == {0: [0, 1, 2]}
