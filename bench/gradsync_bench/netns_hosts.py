@@ -7,11 +7,16 @@ job (every rank uploads N and receives N), a hierarchical one (the R ranks of a
 host sum in shared memory; only the local leader uploads N and receives the
 average) and gloo's ring `all_reduce`, and reads its namespace's eth0 byte
 counters around each, so a row holds the bytes each host link carried per sync
-as well as the times.
+as well as the times. Stock torch DDP over the c10d backend "gradsync" joins
+the rotation ("ddp-backend", at the backend's default layout: with two ranks on a
+host, a host group per host), timed against the hierarchical wrapper, the
+wrapper's own layout on these hosts.
 
 Bounds, in units of N/B (the coordinator's link is the bottleneck of a star):
 flat W·N/B (one contribution per rank in, one average per rank out),
-hierarchical H·N/B (one contribution per host), gloo's ring 2(W-1)/W·N/B.
+hierarchical H·N/B (one contribution per host), gloo's ring 2(W-1)/W·N/B. The
+backend's bound is the hierarchical one: an all-reduce its host groups do not
+take (above their size cap) goes flat, W·N/B, which its link bytes show.
 """
 
 from __future__ import annotations
@@ -36,9 +41,11 @@ from gradsync_bench.sharded import (
     running_coordinator,
 )
 from gradsync_bench.suites import MIB, Row, read_sync_records, run_sync_workers
+from gradsync_bench.sync_worker import DDP_BACKEND
 
-#: The timed methods of a row: flat gradsync, hierarchical gradsync, gloo.
-METHODS = ("gradsync", "hierarchical", "gloo")
+#: The timed methods of a row: flat gradsync, hierarchical gradsync, stock DDP over the
+#: backend, gloo.
+METHODS = ("gradsync", "hierarchical", DDP_BACKEND, "gloo")
 
 
 def host_of(rank: int, ranks_per_host: int) -> str:
@@ -74,15 +81,18 @@ def measure(
     reps: int,
     rate_mbit: float,
 ) -> Row:
-    """One row: flat, hierarchical and gloo on `cluster`, times against bounds, link bytes."""
+    """One row: flat, hierarchical, the backend and gloo on `cluster`, times against bounds,
+    link bytes."""
     world_size = hosts * ranks_per_host
     link_s = megabytes * MIB / (rate_mbit * 1e6 / 8)  # N/B
     bound_factors = {
         "gradsync": float(world_size),
         "hierarchical": float(hosts),
+        DDP_BACKEND: float(hosts),
         "gloo": ring_factor(world_size),
     }
-    transfers_s = (reps + 1) * sum(bound_factors.values()) * link_s
+    # The backend's buckets above the host groups' cap travel flat: time allowed for that.
+    transfers_s = (reps + 1) * (sum(bound_factors.values()) + world_size) * link_s
     topology = Topology("single", world_size, 1)
     with tempfile.TemporaryDirectory() as scratch:
         with running_coordinator(cluster, topology, Path(scratch)) as (address, pids):
@@ -98,7 +108,7 @@ def measure(
                 ],
                 server_pids=pids,
                 timeout_s=STARTUP_ALLOWANCE_S + 3 * transfers_s,
-                methods=METHODS[:2],
+                methods=METHODS[:3],
                 link_stats=HOST_IFNAME,
             )
         link_bytes = bytes_per_host(read_sync_records(Path(scratch), world_size), ranks_per_host)
@@ -116,8 +126,9 @@ def measure(
     }
     for method, factor in bound_factors.items():
         bound_ms = factor * link_s * 1e3
-        row[f"{method}_bound_ms"] = bound_ms
-        row[f"{method}_of_bound"] = bound_ms / result[method]["median_ms"]
+        key = method.replace("-", "_")
+        row[f"{key}_bound_ms"] = bound_ms
+        row[f"{key}_of_bound"] = bound_ms / result[method]["median_ms"]
     # The busiest host link's bytes, hierarchical over flat (1/R when only leaders talk).
     row["hierarchical_to_flat_bytes"] = max(
         link_bytes["hierarchical"][host][direction] / link_bytes["gradsync"][host][direction]
@@ -126,6 +137,10 @@ def measure(
     )
     row["hierarchical_to_flat_time"] = (
         result["hierarchical"]["median_ms"] / result["gradsync"]["median_ms"]
+    )
+    # Speed (syncs per second) of stock DDP over the backend over the wrapper's, same layout.
+    row["backend_to_wrapper"] = (
+        result["hierarchical"]["median_ms"] / result[DDP_BACKEND]["median_ms"]
     )
     return row
 

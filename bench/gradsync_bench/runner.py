@@ -252,13 +252,15 @@ NETNS = (
 HIERARCHY = (
     "H x R | N MB | B Mbit/s | flat ms (bound) | hierarchical ms (bound) | of bound | "
     "gloo ms (bound) | hierarchical / flat time | flat MB/host | hierarchical MB/host | "
-    "gloo MB/host | hierarchical / flat bytes",
+    "gloo MB/host | hierarchical / flat bytes | stock DDP over gradsync ms | "
+    "backend MB/host | backend / hierarchical wrapper (speed, same layout)",
     "{hosts} x {ranks_per_host} | {megabytes:g} | {rate_mbit:g} | "
     "{gradsync[median_ms]:.0f} ({gradsync_bound_ms:.0f}) | "
     "{hierarchical[median_ms]:.0f} ({hierarchical_bound_ms:.0f}) | "
     "{hierarchical_of_bound:.0%} | {gloo[median_ms]:.0f} ({gloo_bound_ms:.0f}) | "
     "{hierarchical_to_flat_time:.2f} | {per_host[gradsync]} | {per_host[hierarchical]} | "
-    "{per_host[gloo]} | {hierarchical_to_flat_bytes:.2f}",
+    "{per_host[gloo]} | {hierarchical_to_flat_bytes:.2f} | {ddp-backend[median_ms]:.0f} | "
+    "{per_host[ddp-backend]} | {backend_to_wrapper:.2f}",
 )
 
 
@@ -292,7 +294,8 @@ def markdown(document: dict[str, Any]) -> str:
     lines += tables.rows_table(
         "**Emulated hosts of several ranks** (network namespaces, links shaped to B; H hosts x "
         "R ranks; bounds: flat W·N/B, hierarchical H·N/B (one contribution per host), gloo "
-        "2(W-1)/W·N/B; host link MB per sync, up / down, busiest host)",
+        "2(W-1)/W·N/B; host link MB per sync, up / down, busiest host; stock DDP over the "
+        'backend "gradsync" at its default layout, a host group per host)',
         *HIERARCHY,
         [r | {"per_host": _mb_per_host(r)} for r in found.get("netns_hierarchy", [])],
     )

@@ -12,7 +12,11 @@ numbers mean the same as before hierarchy existed. The 16-bit wire methods
 "bf16" and "fp16" are flat jobs with `wire_dtype` (the coordinator sums in
 fp32, the average comes back in 16 bits); "ddp-bf16" is torch DDP over the same
 gloo group with its `bf16_compress_hook` (a bf16 ring all-reduce of every
-bucket), the reference a 16-bit gradsync wire is measured against. "local" times the same
+bucket), the reference a 16-bit gradsync wire is measured against. "ddp-backend" is
+stock torch DDP (fp32, its default buckets) over a group of the c10d backend "gradsync"
+(`dist.new_group(backend="gradsync")`, job id <job>-backend, at its default layout: the
+ranks of a host sum in shared memory when two of them share it), the backend timed
+against the wrapper in the same layout. "local" times the same
 forward and backward on parameters of its own with no synchronization at all: the compute
 every gradsync time includes and the gloo time (an `all_reduce` alone) does not, about 10-16
 ms for 25 MB on one core of the development machine; "ddp" is torch DDP (fp32) over the
@@ -52,6 +56,8 @@ GRADSYNC_METHODS: dict[str, tuple[bool, torch.dtype | None]] = {
     "bf16": (False, torch.bfloat16),
     "fp16": (False, torch.float16),
 }
+#: Stock torch DDP (fp32) over a group of the c10d backend "gradsync".
+DDP_BACKEND = "ddp-backend"
 #: What each gradsync method appends to the job id ("gradsync" is the job id itself).
 JOB_SUFFIX = {"gradsync": "", "hierarchical": "-hier", "bf16": "-bf16", "fp16": "-fp16"}
 
@@ -100,7 +106,7 @@ def main() -> None:
         "--methods",
         default="gradsync",
         help="methods to time besides gloo: gradsync (flat), hierarchical, bf16, fp16, "
-        "ddp-bf16, ddp (fp32), local",
+        "ddp-bf16, ddp (fp32), ddp-backend (stock DDP over the backend), local",
     )
     parser.add_argument("--link-stats", default=None, help="interface to count bytes on")
     args = parser.parse_args()
@@ -114,7 +120,7 @@ def main() -> None:
     models: list[torch.nn.Module] = []
     for method in methods:
         params[method] = [torch.nn.Parameter(torch.zeros(n)) for n in pieces]
-        if method in (DDP_BF16, DDP_FP32, LOCAL):
+        if method in (DDP_BF16, DDP_FP32, DDP_BACKEND, LOCAL):
             continue  # torch DDP: wrapped once gloo's group exists; LOCAL: never wrapped
         hierarchical, wire_dtype = GRADSYNC_METHODS[method]
         models.append(
@@ -144,6 +150,15 @@ def main() -> None:
                 reference.register_comm_hook(None, _bf16_hook_over_gloo())
             references[name] = reference
             models.append(reference)
+    backend_group = None
+    if DDP_BACKEND in methods:
+        from gradsync.distributed import GradsyncOptions  # (registers the backend)
+
+        options = GradsyncOptions(coordinator=args.coordinator, job_id=args.job_id + "-backend")
+        backend_group = dist.new_group(backend="gradsync", pg_options=options)
+        references[DDP_BACKEND] = torch.nn.parallel.DistributedDataParallel(
+            SumOfParameters(params[DDP_BACKEND]), process_group=backend_group
+        )
     tensor = torch.ones(elements)
     ones = torch.ones(1)
     servers = [int(pid) for pid in args.server_pids.split(",") if pid]
@@ -151,7 +166,7 @@ def main() -> None:
 
     def timed(name: str, operation: object) -> None:
         dist.barrier()
-        sample = servers if name in GRADSYNC_METHODS else []
+        sample = servers if name in GRADSYNC_METHODS or name == DDP_BACKEND else []
         servers_before = server_cpu_s(sample)
         link_before = link_bytes(args.link_stats)
         cpu_before, wall_before = time.process_time(), time.perf_counter()
@@ -192,6 +207,8 @@ def main() -> None:
         for method in methods:
             timed(method, lambda method=method: gradsync_sync(method))
         timed("gloo", gloo_sync)
+    if backend_group is not None:
+        dist.destroy_process_group(backend_group)  # leaves its job; gloo's group stays
     leave(models, gloo=True)
     args.out.write_text(json.dumps(records))
 

@@ -7,12 +7,14 @@ TCPStore for the rendezvous): stock DDP on zoo models, a loop with
 collective. Their results must match gloo's. Stock DDP on a bfloat16 wire
 equals a one-process reference of the same rounding. A shape mismatch fails every
 rank naming both shapes; a killed rank fails the others' pending Work with
-`DistBackendError` naming it, within the heartbeat timeout. Each test checks in
+`DistBackendError` naming it, within the heartbeat timeout. With $GRADSYNC_TRACE
+set, every rank's trace holds each operation's phases in order. Each test checks in
 the coordinator's log that the group's job really ran there.
 """
 
 from __future__ import annotations
 
+import json
 import re
 import urllib.request
 from pathlib import Path
@@ -124,13 +126,16 @@ def test_stock_ddp_over_gradsync_equals_gloo(
 
 
 def test_a_script_with_sampler_metric_and_barrier_and_every_op_match_gloo(
-    tmp_path: Path, coordinator_factory: Any
+    tmp_path: Path, coordinator_factory: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    """... and, with $GRADSYNC_TRACE set, every rank traces every op of its groups."""
     world = 3
     coordinator = coordinator_factory(world)
     gloo = run("gloo", "usage", world, tmp_path / "gloo", "unused:1")
+    monkeypatch.setenv("GRADSYNC_TRACE", str(tmp_path / "trace" / "rank{rank}.json"))
     ours = run("gradsync", "usage", world, tmp_path / "ours", coordinator.address)
     coordinator_log = assert_job_ran(coordinator, world)
+    check_traces(tmp_path / "trace", ours)
     for rank in range(world):
         # The script: DistributedSampler() split by the group, the summed metric, the model.
         np.testing.assert_array_equal(ours[rank]["indices"], gloo[rank]["indices"])
@@ -167,6 +172,61 @@ def test_a_script_with_sampler_metric_and_barrier_and_every_op_match_gloo(
     _, log = coordinator_log
     subgroup_jobs = set(re.findall(r"job '(default\.pg-[0-9a-f]{12})': rank \d joined", log))
     assert len(subgroup_jobs) == 2, log
+
+
+#: An operation's phases in its trace span, in the order they happen.
+PHASES = ("issued", "first_byte_sent", "last_byte_sent", "result_received", "completed")
+
+
+def check_traces(folder: Path, ours: list[dict[str, Any]]) -> None:
+    """Each rank's trace file (closed JSON) holds a span per operation of each of its
+    groups, named, numbered 0, 1, ... per group, with its phases in order."""
+    # The groups each rank is in: the default group, head (0, 1) and tail (1, 2).
+    expected_groups = {0: 2, 1: 3, 2: 2}
+    for rank, groups in expected_groups.items():
+        events = json.loads((folder / f"rank{rank}.json").read_text())
+        tracks = {
+            e["tid"]: e["args"]["name"]
+            for e in events
+            if e["ph"] == "M" and e["name"] == "thread_name" and e["tid"] >= 2
+        }
+        ops_tracks = {tid: name for tid, name in tracks.items() if name.endswith(" ops")}
+        assert len(ops_tracks) == groups, tracks
+        world_ops = [
+            e
+            for e in events
+            if e["ph"] == "X"
+            and e["tid"] in ops_tracks
+            and ops_tracks[e["tid"]] == "default.pg-world ops"
+        ]
+        # Every operation the group completed, in order (the worker saved its count
+        # before the subgroups' part, which runs a few more on the default group).
+        assert len(world_ops) >= int(ours[rank]["operations_completed"]), len(world_ops)
+        assert [e["args"]["operation"] for e in world_ops] == list(range(len(world_ops)))
+        names = {e["name"].split("(")[0] for e in world_ops}
+        assert {"allreduce", "broadcast", "allgather", "barrier", "all_to_all_single"} <= names, (
+            names
+        )
+        for event in (e for e in events if e["ph"] == "X" and e["tid"] in ops_tracks):
+            args = event["args"]
+            times = [args[phase] for phase in PHASES if args[phase] is not None]
+            assert times == sorted(times), (rank, event)
+            assert args["ok"] is True and args["issued"] == pytest.approx(event["ts"])
+            assert args["completed"] == pytest.approx(event["ts"] + event["dur"])
+            assert (args["first_byte_sent"] is None) == (args["last_byte_sent"] is None)
+        # Every rank sends its own input for the flat ops; the float all-reduces go
+        # through the host group, whose leader (rank 0) uploads the host's sum.
+        for event in world_ops:
+            sent = event["args"]["first_byte_sent"] is not None
+            assert sent == (rank == 0 or "host group" not in event["name"]), (rank, event)
+        assert any("host group" in event["name"] for event in world_ops)
+        wire = [
+            e for e in events if e["ph"] == "X" and tracks.get(e["tid"]) == "default.pg-world wire"
+        ]
+        assert sum(e["name"] == "result" for e in wire) == len(world_ops)
+        assert sum(e["name"] == "send" for e in wire) == sum(
+            e["args"]["first_byte_sent"] is not None for e in world_ops
+        )
 
 
 def test_the_gradsync_rendezvous_needs_no_listener_on_rank_0(

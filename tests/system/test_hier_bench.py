@@ -74,9 +74,12 @@ def test_hierarchy_rows_render_in_the_tables() -> None:
                     "hierarchical_of_bound": 0.96,
                     "hierarchical_to_flat_time": 0.5,
                     "hierarchical_to_flat_bytes": 0.51,
+                    "ddp-backend": _stats(2000),
+                    "backend_to_wrapper": 0.7,
                     "link_bytes": {
                         "gradsync": {h: {d: 2 * v for d, v in x.items()} for h, x in link.items()},
                         "hierarchical": link,
+                        "ddp-backend": {h: {"tx": 24e6, "rx": 16e6} for h in link},
                         "gloo": link,
                     },
                 }
@@ -88,5 +91,10 @@ def test_hierarchy_rows_render_in_the_tables() -> None:
     assert "| 40.0 | 25 | 1.25 | 1.00 |" in table  # the hierarchical columns
     assert (
         "| 2 x 2 | 16 | 200 | 2800 (2684) | 1400 (1342) | 96% | 1100 (1006) | 0.50 | "
-        "32.0 / 32.0 | 16.0 / 16.0 | 16.0 / 16.0 | 0.51 |"
+        "32.0 / 32.0 | 16.0 / 16.0 | 16.0 / 16.0 | 0.51 | 2000 | 24.0 / 16.0 | 0.70 |"
     ) in table
+    # A row measured without the backend leaves its columns empty.
+    del document["suites"]["netns_hierarchy"][0]["ddp-backend"]
+    del document["suites"]["netns_hierarchy"][0]["backend_to_wrapper"]
+    del document["suites"]["netns_hierarchy"][0]["link_bytes"]["ddp-backend"]
+    assert "| 0.51 | - | - | - |" in runner.markdown(document)

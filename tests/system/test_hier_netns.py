@@ -3,12 +3,14 @@
 Each host is a network namespace, so the ranks find their host without
 `$GRADSYNC_HOST_ID` (the host identity includes the network namespace) and each
 host's traffic crosses its own veth. Every rank runs a hierarchical job, then a
-flat one (torch imported once), training a model whose gradients (2.4 MB a
+flat one, then the same training as stock DDP over the c10d backend "gradsync" at
+its default layout (torch imported once), training a model whose gradients (2.4 MB a
 rank) dwarf the protocol's other bytes; each rank reads its host's eth0 byte
 counters after a barrier that follows construction and after the last step.
-Hierarchical must train exactly as flat (1e-6 relative) and each host link must
+Hierarchical and the backend must train as flat (1e-6 relative) and each host link must
 carry about half the flat layout's bytes each way: one contribution per host up,
-one average per host down, instead of one per rank.
+one average per host down, instead of one per rank (the backend's host groups, found
+the same way, take DDP's buckets of this model).
 """
 
 from __future__ import annotations
@@ -35,7 +37,7 @@ WORLD = 4
 HOSTS = ("h0", "h0", "h1", "h1")  # rank -> host
 STEPS = 6
 WIDTH = 20_000  # (24 + 1 + 5) x 20000 float32 parameters: 2.4 MB of gradients per rank
-HIER, FLAT = 0, 1
+HIER, FLAT, BACKEND = 0, 1, 2
 PORT = 50051
 
 
@@ -92,7 +94,7 @@ def test_two_hosts_of_two_ranks_train_as_flat_with_half_the_bytes_per_host(
             WORLD,
             out,
             "--runs",
-            "hier,flat",
+            "hier,flat,backend",
             "--steps",
             str(STEPS),
             "--width",
@@ -106,8 +108,12 @@ def test_two_hosts_of_two_ranks_train_as_flat_with_half_the_bytes_per_host(
         )
         reports = finish(processes, out, timeout_s=150)
     hier, flat = run_of(reports, HIER, out), run_of(reports, FLAT, out)
+    backend = run_of(reports, BACKEND, out)
     # Each namespace is a host: two local groups, found without $GRADSYNC_HOST_ID.
     assert [run["local_ranks"] for run in hier] == [[0, 1], [0, 1], [2, 3], [2, 3]]
+    assert [run["local_ranks"] for run in backend] == [[0, 1], [0, 1], [2, 3], [2, 3]]
+    assert_ranks_identical(backend)
+    assert max_relative_difference(backend[0], flat[0]) <= 1e-6
     assert all(run["local_ranks"] == [] for run in flat)
     assert_ranks_identical(hier)
     assert_ranks_identical(flat)
@@ -116,7 +122,12 @@ def test_two_hosts_of_two_ranks_train_as_flat_with_half_the_bytes_per_host(
     gradient_bytes = 4 * (24 * WIDTH + WIDTH + WIDTH * 5 + 5)
     for host in ("h0", "h1"):
         hier_bytes, flat_bytes = host_bytes(hier, host), host_bytes(flat, host)
+        backend_bytes = host_bytes(backend, host)
         for direction in ("tx", "rx"):
+            ratio = backend_bytes[direction] / flat_bytes[direction]
+            print(f"{host} {direction}: stock DDP over gradsync / flat {ratio:.2f}")
+            assert backend_bytes[direction] >= STEPS * gradient_bytes, (host, direction)
+            assert 0.45 <= ratio <= 0.55, (host, direction, backend_bytes, flat_bytes)
             ratio = hier_bytes[direction] / flat_bytes[direction]
             print(
                 f"{host} {direction}: hierarchical {hier_bytes[direction] / 1e6:.1f} MB, "

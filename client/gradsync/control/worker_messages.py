@@ -119,9 +119,16 @@ def upload_messages(
         item: one entry of the outgoing queue.
         chunk_bytes: the most payload bytes per chunk (the Welcome's).
         epoch: the membership epoch bucket chunks are stamped with.
-        on_event: bucket "upload_start" / "upload_end" events (see `range_messages`).
+        on_event: bucket "upload_start" / "upload_end" events (see `range_messages`);
+            a collective's "collective_upload_start" before its first chunk is handed
+            over and "collective_upload_end" once its last one was taken (with the
+            collective's number in place of the step, and bucket -1).
     """
-    if isinstance(item, StateUpload | CheckpointUpload | CollectiveUpload):
+    if isinstance(item, CollectiveUpload):
+        on_event("collective_upload_start", item.sequence, -1)
+        yield from blob_messages(item, chunk_bytes)
+        on_event("collective_upload_end", item.sequence, -1)
+    elif isinstance(item, StateUpload | CheckpointUpload):
         yield from blob_messages(item, chunk_bytes)
     elif isinstance(item, RangeUpload):
         yield from range_messages(item, chunk_bytes, epoch, on_event)

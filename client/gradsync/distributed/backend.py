@@ -40,6 +40,7 @@ from gradsync import defaults
 from gradsync.config import ENV_COORDINATOR, ENV_JOB_ID
 from gradsync.distributed.group_session import GroupSession
 from gradsync.distributed.host_group import form_host_group, resolve_hierarchical
+from gradsync.distributed.op_trace import OpTrace, resolve_trace_path
 from gradsync.distributed.process_group import (
     BACKEND_NAME,
     MAX_IN_FLIGHT,
@@ -80,6 +81,9 @@ class GradsyncOptions:
             (`gradsync.distributed.host_group`): "auto" (on when at least two ranks of
             the group share a host), "1"/True (on), "0"/False (off). Default:
             $GRADSYNC_HIERARCHICAL, else "auto". Every rank must use the same.
+        trace_path: write a Chrome trace of the group's operations there, each one's
+            phases per rank (`gradsync.distributed.op_trace`; "{rank}" in the path
+            becomes the global rank). Default: $GRADSYNC_TRACE, else no trace.
 
     Raises:
         ValueError: another `wire_dtype` or `hierarchical`.
@@ -90,6 +94,7 @@ class GradsyncOptions:
     security: ChannelSecurity | None = None
     wire_dtype: torch.dtype | None = None
     hierarchical: str | bool | None = None
+    trace_path: str | os.PathLike[str] | None = None
 
     def __post_init__(self) -> None:
         check_wire_dtype(self.wire_dtype, "GradsyncOptions.wire_dtype")
@@ -190,7 +195,14 @@ def create_group(backend_options: Any, pg_options: Any = None) -> ProcessGroupGr
     except BaseException:
         session.close()
         raise
-    group = ProcessGroupGradsync(session, group_name, wire_dtype, host)
+    trace = None
+    template = resolve_trace_path(options.trace_path if options is not None else None)
+    if template is not None:
+        global_rank = ranks[session.rank] if ranks else session.rank
+        trace = OpTrace(template, global_rank, job_id)
+        if session.shard_routes is None:  # (the shards' streams number their ranges apart)
+            session.observe(trace.numbered, trace.on_link_event)
+    group = ProcessGroupGradsync(session, group_name, wire_dtype, host, trace)
     _live.add(group)
     log.info(
         "rank %d: process group '%s' (size %d) runs as job '%s' at %s%s",

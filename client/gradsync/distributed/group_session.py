@@ -82,6 +82,8 @@ class GroupSession:
         self._security = security
         self._link_factory = link_factory
         self._closed = False
+        #: Told each link's upload events (`BucketEventHandler`; the group's trace), or None.
+        self._on_link_event: Callable[[str, int, int], None] | None = None
         log.info(
             "rank %d: joining process-group job '%s' at %s (size %d)",
             rank,
@@ -130,6 +132,8 @@ class GroupSession:
         collective it has no result for (`Join.collective_resume`).
         """
         link = self._link_factory(self.address, self.rank, self._security)
+        if self._on_link_event is not None:
+            link.on_bucket_event = self._on_link_event
         join = pb.Join(
             job_id=self.job_id,
             rank=self.rank,
@@ -153,6 +157,16 @@ class GroupSession:
     def link(self) -> CoordinatorLink:
         """The stream to the coordinator now (a reconnect replaces it)."""
         return self.resuming.link
+
+    def observe(
+        self, on_numbered: Callable[[int], None], on_link_event: Callable[[str, int, int], None]
+    ) -> None:
+        """Tell `on_numbered` each collective's number as it is numbered, and
+        `on_link_event` the upload events of this link and every later one (the group's
+        trace, `gradsync.distributed.op_trace`)."""
+        self._on_link_event = on_link_event
+        self.resuming.on_numbered = on_numbered
+        self.resuming.link.on_bucket_event = on_link_event
 
     def close(self) -> None:
         """Leave the job (bounded). Idempotent."""

@@ -61,6 +61,7 @@ from gradsync.distributed.composite import (
 )
 from gradsync.distributed.group_session import GroupSession
 from gradsync.distributed.host_group import HostGroup
+from gradsync.distributed.op_trace import OpTrace
 from gradsync.distributed.shard_routes import all_gather, reduce_scatter_parts, start_all_reduce
 from gradsync.distributed.wire import on_wire, wire_for
 from gradsync.distributed.work import Finish, OpQueue, OpResult
@@ -93,6 +94,7 @@ class ProcessGroupGradsync(_ProcessGroup):  # type: ignore[misc]  # (untyped bas
         wire_dtype: the 16-bit type summing reductions of float32 travel in
             (`gradsync.distributed.wire`), or None.
         host: this rank's host group, or None (every all-reduce flat).
+        trace: records each operation's phases (`gradsync.distributed.op_trace`), or None.
     """
 
     def __init__(
@@ -101,8 +103,11 @@ class ProcessGroupGradsync(_ProcessGroup):  # type: ignore[misc]  # (untyped bas
         group_name: str,
         wire_dtype: torch.dtype | None = None,
         host: HostGroup | None = None,
+        trace: OpTrace | None = None,
     ) -> None:
         super().__init__(session.rank, session.world_size)
+        #: The group's trace, or None.
+        self.trace = trace
         self._session = session
         #: The 16-bit type summing reductions of float32 travel in, or None.
         self.wire_dtype = wire_dtype
@@ -117,6 +122,7 @@ class ProcessGroupGradsync(_ProcessGroup):  # type: ignore[misc]  # (untyped bas
             f"gradsync-pg-{group_name}-r{session.rank}"[:50],
             max_in_flight=MAX_IN_FLIGHT,
             timeout_s=self._collectives.timeout_s,
+            trace=trace,
         )
 
     # ------------------------------------------------------------ identity
@@ -168,6 +174,8 @@ class ProcessGroupGradsync(_ProcessGroup):  # type: ignore[misc]  # (untyped bas
         if self.host is not None:
             self.host.close()
         self._session.close()
+        if self.trace is not None:
+            self.trace.close()
 
     def abort(self) -> None:
         self.shutdown()

@@ -142,6 +142,9 @@ class ResumingLink:
         #: Told (why) when this link starts reconnecting: a host group's leader passes it on
         #: to its members, whose links have nothing in flight to notice the loss by.
         self.on_lost: Callable[[str], None] | None = None
+        #: Told each collective's number as it is numbered, on the numbering thread (the
+        #: group's trace: which operation it belongs to), or None.
+        self.on_numbered: Callable[[int], None] | None = None
         #: Restarts survived so far, and collectives sent again after them (tests read them).
         self.reconnects = 0
         self.resent = 0
@@ -168,6 +171,8 @@ class ResumingLink:
                 raise self._failure
             sequence = self._next
             self._next += 1
+            if self.on_numbered is not None:
+                self.on_numbered(sequence)
             if carried:
                 self._carried.add(sequence)
                 self._carried.difference_update(
@@ -203,6 +208,8 @@ class ResumingLink:
             if sequence is None:
                 sequence = self._next
                 self._next += 1
+                if self.on_numbered is not None:
+                    self.on_numbered(sequence)
             elif sequence in self._reserved:
                 self._reserved.discard(sequence)
             else:

@@ -29,6 +29,7 @@ Work always completes or fails.
 from __future__ import annotations
 
 import collections
+import contextlib
 import functools
 import logging
 import queue
@@ -40,6 +41,8 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+
+from gradsync.distributed.op_trace import OpTrace
 
 log = logging.getLogger("gradsync.client")
 
@@ -164,6 +167,7 @@ class OpQueue:
         max_in_flight: bound on split operations issued and not yet completed (the
             coordinator holds at most `MAX_OPEN_COLLECTIVES` of a job open).
         timeout_s: bound on each wait of the threads for a free slot or a whole op.
+        trace: records each operation's phases (`gradsync.distributed.op_trace`), or None.
     """
 
     def __init__(
@@ -172,11 +176,13 @@ class OpQueue:
         thread_name: str,
         max_in_flight: int = 8,
         timeout_s: float = 300.0,
+        trace: OpTrace | None = None,
     ) -> None:
         if max_in_flight < 1:
             raise ValueError(f"max_in_flight must be at least 1, got {max_in_flight}")
         self._describe = describe
         self._timeout_s = timeout_s
+        self.trace = trace
         self.max_in_flight = max_in_flight
         self._queue: queue.SimpleQueue[_Queued | None] = queue.SimpleQueue()
         self._done: queue.SimpleQueue[_Issued | None] = queue.SimpleQueue()
@@ -268,6 +274,8 @@ class OpQueue:
             raise RuntimeError(f"gradsync: {self._describe}: {name} after the group was shut down")
         sequence = self._next_sequence
         self._next_sequence += 1
+        if self.trace is not None:
+            self.trace.issued(sequence, name)
         return sequence
 
     def _issue(self, item: _Queued) -> None:
@@ -286,7 +294,8 @@ class OpQueue:
                 self._handed += 1
         try:
             if self._failure is None:
-                issued.finish = item.issue(functools.partial(self._on_ready, issued))
+                with self._running(item.sequence):
+                    issued.finish = item.issue(functools.partial(self._on_ready, issued))
         except Exception as exc:
             issued.error = exc
         with self._lock:
@@ -299,6 +308,8 @@ class OpQueue:
 
     def _on_ready(self, issued: _Issued) -> None:
         """A told operation's result is in; complete what can be, in order."""
+        if self.trace is not None:
+            self.trace.received(issued.item.sequence)
         with self._lock:
             issued.ready = True
         self._complete_ready()
@@ -412,10 +423,13 @@ class OpQueue:
             if issued.error is not None:
                 raise issued.error
             if item.run is not None:
-                result = item.run()
+                with self._running(item.sequence):
+                    result = item.run()
             else:
                 assert issued.finish is not None
                 result = issued.finish()
+            if self.trace is not None:
+                self.trace.received(item.sequence)
         except Exception as exc:  # every failure reaches the op's future, named
             if self._failure is None:
                 self._failure = (item.name, item.sequence, exc)
@@ -426,10 +440,22 @@ class OpQueue:
             error.__cause__ = exc
             log.debug("%s", error)
             self._settle(issued)  # (counted before a waiter can wake)
+            finished = time.perf_counter()
             item.future.set_exception(error)
+            if self.trace is not None:
+                self.trace.completed(item.sequence, False, finished)
         else:
             self._settle(issued)
+            finished = time.perf_counter()
             item.future.set_result(result)
+            if self.trace is not None:
+                self.trace.completed(item.sequence, True, finished)
+
+    def _running(self, sequence: int) -> contextlib.AbstractContextManager[None]:
+        """While operation `sequence` issues or runs here: the trace's context, if any."""
+        if self.trace is None:
+            return contextlib.nullcontext()
+        return self.trace.running(sequence)
 
     def _settle(self, issued: _Issued) -> None:
         self.completed += 1

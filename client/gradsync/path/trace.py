@@ -57,6 +57,24 @@ class StepTracer:
         """Seconds on the tracer's clock."""
         return time.perf_counter()
 
+    @property
+    def origin(self) -> float:
+        """The clock reading the events' times count from (their "ts" is 0 there)."""
+        return self._origin
+
+    def name_track(self, track: int, name: str) -> None:
+        """Name another track of this rank (a thread in the viewer)."""
+        with self._lock:
+            self._pending.append(
+                {
+                    "name": "thread_name",
+                    "ph": "M",
+                    "pid": self.rank,
+                    "tid": track,
+                    "args": {"name": name},
+                }
+            )
+
     def begin(self, name: str, step: int, bucket: int = -1) -> None:
         """Start a span; `end` with the same key closes it."""
         with self._lock:
@@ -78,10 +96,14 @@ class StepTracer:
         finished: float,
         bucket: int = -1,
         track: int = AUTOGRAD_TRACK,
+        args: dict[str, Any] | None = None,
     ) -> None:
-        """Record a complete span from two `now()` readings."""
+        """Record a complete span from two `now()` readings (`args`: more of its details)."""
+        event = self._event(name, step, bucket, started, finished, track)
+        if args:
+            event["args"].update(args)
         with self._lock:
-            self._pending.append(self._event(name, step, bucket, started, finished, track))
+            self._pending.append(event)
 
     def instant(self, name: str, step: int, bucket: int = -1, track: int = AUTOGRAD_TRACK) -> None:
         """Record a point in time."""

@@ -9,7 +9,10 @@ from the environment the test gives it ($GRADSYNC_HOST_ID, $GRADSYNC_SHM_DIR).
                               hierarchical=True/False/"auto"; options: +view
                               (gradient_as_bucket_view=True), +kill (this run
                               obeys --kill-at), +tiny ($GRADSYNC_SHM_DIR is
-                              --tiny-shm-dir for this run)
+                              --tiny-shm-dir for this run); "backend" is stock
+                              torch DDP over the c10d backend "gradsync" (rendezvous
+                              gradsync://<coordinator>, its default layout: a host
+                              group per host), job id <--job-id>-<index>.pg-world
   --kill-at STEP              in a +kill run, SIGKILL itself during the backward of
                               STEP, after bucket 0 was handed on and before the rest
   --link-stats IFACE          record IFACE's tx/rx byte counters after a barrier
@@ -76,8 +79,53 @@ def parse_run(spec: str) -> tuple[bool | str, set[str]]:
     return RUN_KINDS[kind], set(options)
 
 
+def train_backend(args: argparse.Namespace, job_id: str) -> dict[str, object]:
+    """A "backend" run: the same training as stock DDP over "gradsync"; the run's report
+    (with "host_members": the ranks of this rank's host group, [] when flat)."""
+    import torch.distributed as dist
+    from gradsync.distributed import GradsyncOptions
+
+    rank, world = args.rank, args.world_size
+    module: nn.Module = (
+        WideModel(rank, args.width) if args.width else scenarios.MixedModel(seed=rank)
+    )
+    report: dict[str, object] = {"run": "backend", "status": "ok", "message": "", "step": 0}
+    started = time.monotonic()
+    try:
+        dist.init_process_group(
+            "gradsync",
+            init_method=f"gradsync://{args.coordinator}",
+            rank=rank,
+            world_size=world,
+            pg_options=GradsyncOptions(job_id=job_id),
+        )
+        host = getattr(dist.group.WORLD, "host", None)  # (the process group's own)
+        report["local_ranks"] = [] if host is None else list(host.members)
+        model = nn.parallel.DistributedDataParallel(module)  # (broadcasts rank 0's state)
+        optimizer = scenarios.make_optimizer(model)
+        if args.link_stats:
+            dist.barrier()  # every rank constructed: the window holds training only
+            report["link_start"] = link_bytes(args.link_stats)
+        for step in range(args.steps):
+            optimizer.zero_grad(set_to_none=True)
+            x, y = scenarios.rank_batch(step, world, rank)
+            scenarios.loss_fn(model(x), y).backward()
+            optimizer.step()
+            report["step"] = step + 1
+        if args.link_stats:
+            report["link_end"] = link_bytes(args.link_stats)
+        dist.destroy_process_group()
+    except (RuntimeError, gradsync.GradSyncError) as exc:
+        report.update(status=type(exc).__name__, message=str(exc))
+    report["elapsed_s"] = time.monotonic() - started
+    report["params"] = {n: p.detach().tolist() for n, p in module.named_parameters()}
+    return report
+
+
 def train(args: argparse.Namespace, spec: str, job_id: str) -> dict[str, object]:
     """One job: build the model, train --steps steps; the run's report."""
+    if spec == "backend":
+        return train_backend(args, job_id)
     hierarchical, options = parse_run(spec)
     rank, world = args.rank, args.world_size
     if "tiny" in options:
