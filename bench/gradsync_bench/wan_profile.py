@@ -9,9 +9,10 @@ taken with `--idle --threads --nonblocking` in py-spy's raw (collapsed) format: 
 per distinct stack, its sample count last; at `--hz` samples a second a count is
 count / hz seconds of that thread.
 
-Written into `--out`: `<method>.json` (the ranks' records, with each round's timeline:
-upload start and answer, seconds from the window's start) and `<method>-<process>.raw`
-(py-spy's output). `gradsync_bench.wan_profile_report` reads them.
+Written into `--out`: `<run>.json` (the ranks' records, with each round's timeline:
+upload start and answer, seconds from the window's start) and `<run>-<process>.raw`
+(py-spy's output), where a run is the method's name, with "-2", "-3", ... when it runs
+again; `rows.json` holds every run's summary row. `gradsync_bench.wan_profile_report` reads them.
 
 Everything it builds (namespaces, veths, the delay line, the processes on the hosts, the
 samplers) is torn down on the way out, also on failure.
@@ -53,6 +54,7 @@ class Samplers:
     ) -> None:
         self.py_spy, self.hz, self.workdir = py_spy, hz, workdir
         self.method, self.world_size, self.out = method, world_size, out
+        self.run = method  # the output files' stem
         self.targets: dict[str, int] = {}
         self.running: list[subprocess.Popen[bytes]] = []
         self.window: tuple[float, float] | None = None
@@ -84,7 +86,7 @@ class Samplers:
             argv = [
                 *(self.py_spy, "record", "--pid", str(pid), "--rate", str(self.hz)),
                 *("--idle", "--threads", "--nonblocking", "--format", "raw"),
-                *("--output", str(self.out / f"{self.method}-{name}.raw")),
+                *("--output", str(self.out / f"{self.run}-{name}.raw")),
             ]
             self.running.append(
                 subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
@@ -121,17 +123,20 @@ def profile_method(
     py_spy: str,
     hz: int,
     ranks: list[int],
+    run: str,
+    topology: Topology,
 ) -> dict[str, Any]:
-    """Run `method` once on `cluster` with samplers attached; its summary row."""
+    """Run `method` once on `cluster` with samplers attached (its files named `run`); its
+    summary row."""
     rate, delay, hub = link
     steps = plan.steps_of(method, rate, False)
-    topology = Topology("single", plan.world_size, 1)
     gloo = f"{cluster.address('w0')}:{GLOO_PORT}"
     progress(f"  profile {method.name}, {steps} steps ...")
     load_before = os.getloadavg()[0]
     with tempfile.TemporaryDirectory() as scratch:
         workdir = Path(scratch)
         samplers = Samplers(py_spy, hz, workdir, method.name, plan.world_size, out)
+        samplers.run = run
 
         def launch(coordinator: str, server_pid: int | None) -> None:
             processes = [
@@ -171,13 +176,14 @@ def profile_method(
     load = (load_before + os.getloadavg()[0]) / 2
     for record in records:
         record["load_average"] = load
-    (out / f"{method.name}.json").write_text(json.dumps(records, indent=1) + "\n")
+    (out / f"{run}.json").write_text(json.dumps(records, indent=1) + "\n")
     row = wan.summarize(records, method, rate, False, delay, hub)
     row.pop("loss_curve")
     row["sampled_window_s"] = (
         samplers.window[1] - samplers.window[0] if samplers.window is not None else None
     )
     row["profiled"] = sorted(samplers.targets)
+    row["run"] = run
     progress(
         f"    {row['seconds']:.1f} s timed, {row['samples_per_s']:.2f} samples/s, load {load:.1f}"
     )
@@ -191,6 +197,13 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--hub", type=float, default=0.0, help="coordinator host's Mbit/s")
     parser.add_argument("--methods", required=True, help="comma-separated wan methods, in order")
     parser.add_argument("--world-size", type=int, default=4)
+    parser.add_argument(
+        "--layout",
+        choices=["single", "colocated"],
+        default="single",
+        help="one coordinator host (the wan suite's), or S shards on the first S worker hosts",
+    )
+    parser.add_argument("--shards", type=int, default=1, help="S (colocated)")
     parser.add_argument("--steps", type=int, default=50)
     parser.add_argument("--ranks", default="0", help="comma-separated ranks to sample")
     parser.add_argument("--hz", type=int, default=100)
@@ -201,17 +214,29 @@ def main(argv: list[str] | None = None) -> None:
     plan = wan.WanPlan(world_size=args.world_size, steps=args.steps)
     link = (args.rate, args.delay or None, args.hub or None)
     args.out.mkdir(parents=True, exist_ok=True)
-    topology = Topology("single", args.world_size, 1)
+    topology = Topology(args.layout, args.world_size, args.shards)
     rows = []
     with Cluster(topology.hosts, LinkShape(rate_mbit=args.rate, delay_ms=link[1])) as cluster:
         if link[2]:
             wan.shape_hub(cluster, topology.shard_hosts[0], link[2])
-        for method in methods:
-            ranks = [int(r) for r in args.ranks.split(",")]
+        ranks = [int(r) for r in args.ranks.split(",")]
+        for index, method in enumerate(methods):
+            # A method run again gets files of its own: "<method>-2", ...
+            again = [m.name for m in methods[:index]].count(method.name)
+            run = method.name + (f"-{again + 1}" if again else "")
             try:
                 rows.append(
                     profile_method(
-                        cluster, plan, method, link, args.out, args.py_spy, args.hz, ranks
+                        cluster,
+                        plan,
+                        method,
+                        link,
+                        args.out,
+                        args.py_spy,
+                        args.hz,
+                        ranks,
+                        run,
+                        topology,
                     )
                 )
             except (RuntimeError, TimeoutError, OSError) as exc:
@@ -219,6 +244,8 @@ def main(argv: list[str] | None = None) -> None:
                 rows.append({"method": method.name, "error": str(exc)[-3000:]})
     summary = {
         "link": {"rate_mbit": link[0], "delay_ms": link[1], "hub_mbit": link[2]},
+        "layout": args.layout,
+        "shards": args.shards,
         "hz": args.hz,
         "rows": rows,
     }

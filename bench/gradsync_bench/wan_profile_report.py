@@ -34,7 +34,10 @@ from typing import Any
 KINDS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("waiting for the round", ("Fragment.wait", "_wait_for_tstate_lock", "Inbox.wait")),
     ("int8 quantize / dequantize", ("quantize", "Int8Quantization", "Int8Wire")),
-    ("torchft all-reduce / quorum", ("allreduce", "quorum", "Manager.", "should_commit")),
+    (
+        "torchft all-reduce / quorum",
+        ("allreduce", "quorum", "Manager.", "should_commit", "_ManagedWork", "perform_sync"),
+    ),
     ("backward", ("backward", "_engine_run_backward")),
     ("optimizer step", ("adam", "Adam.", "SGD.", "sgd")),
     ("forward", ("forward", "Linear", "attention", "layer_norm", "cross_entropy", "relu")),
@@ -133,8 +136,12 @@ def trim(path: Path, limit: int) -> Path:
     return target
 
 
-def round_lines(records: list[dict[str, Any]], link: dict[str, Any], world_size: int) -> list[str]:
-    """The rounds of one row from the ranks' timelines, against the link's bound."""
+def round_lines(
+    records: list[dict[str, Any]], link: dict[str, Any], world_size: int, shards: int = 0
+) -> list[str]:
+    """The rounds of one row from the ranks' timelines, against the link's bound (`shards`
+    S > 0: the outer state on S shards colocated with the first S workers, whose hosts'
+    links then carry max(1, (W + S - 2) / S) uploads and answers each way)."""
     rate = link["rate_mbit"] * 1e6 / 8
     hub = (link.get("hub_mbit") or link["rate_mbit"]) * 1e6 / 8
     round_trip = 4 * (link.get("delay_ms") or 0.0) / 1000
@@ -153,16 +160,24 @@ def round_lines(records: list[dict[str, Any]], link: dict[str, Any], world_size:
         answers = [i["answer_s"] for i in items]
         up = statistics.mean(i["sent_bytes"] for i in items)
         down = statistics.mean(i["received_bytes"] for i in items)
-        bound_up = up / min(rate, hub)
-        bound_down = max(down / rate, world_size * down / hub)
+        # Each direction of the coordinator host's link carries W uploads and W answers
+        # (a worker's link one of each, if that is slower).
+        if shards:
+            factor = max(1.0, (world_size + shards - 2) / shards)
+            up_s, down_s, carried = factor * up / rate, factor * down / rate, f"{factor:g}"
+        else:
+            up_s = max(up / rate, world_size * up / hub)
+            down_s = max(down / rate, world_size * down / hub)
+            carried = str(world_size)
         lines.append(
-            f"- fragment {fragment}: uploads start {first:.1f}-{last:.1f} s "
-            f"(spread {last - first:.1f} s), answers {min(answers):.1f}-{max(answers):.1f} s: "
-            f"{statistics.mean(answers) - last:.1f} s from the last upload's start to the "
-            f"answers (mean); bound {bound_up:.2f} s up ({up / 1e6:.1f} MB on the last rank's "
-            f"link) + {bound_down:.2f} s down ({down / 1e6:.1f} MB per rank, "
-            f"{world_size} x through the coordinator host's link) + {round_trip:.2f} s "
-            f"round trip = {bound_up + bound_down + round_trip:.2f} s"
+            f"- fragment {fragment}: uploads start {first:.1f}-{last:.1f} s (spread "
+            f"{last - first:.1f} s), answers {min(answers):.1f}-{max(answers):.1f} s; first "
+            f"upload's start to the last answer {max(answers) - first:.1f} s, the last "
+            f"upload's start to the answers (mean) {statistics.mean(answers) - last:.1f} s. "
+            f"Link time: {carried} x {up / 1e6:.1f} MB up = {up_s:.2f} s, {carried} x "
+            f"{down / 1e6:.1f} MB down = {down_s:.2f} s, round trip {round_trip:.2f} s; "
+            f"bound one after the other {up_s + down_s + round_trip:.2f} s, answers streaming "
+            f"back while the uploads go on {max(up_s, down_s) + round_trip:.2f} s"
         )
     return lines
 
@@ -170,7 +185,7 @@ def round_lines(records: list[dict[str, Any]], link: dict[str, Any], world_size:
 def section(folder: Path, row: dict[str, Any], link: dict[str, Any], reference: float | None,
             limit: int) -> list[str]:  # fmt: skip
     """One method's markdown."""
-    name = row["method"]
+    name = row.get("run", row["method"])
     if "error" in row:
         return [f"### {name}", "", f"failed: {row['error'][-600:]}", ""]
     records = json.loads((folder / f"{name}.json").read_text())
@@ -196,7 +211,7 @@ def section(folder: Path, row: dict[str, Any], link: dict[str, Any], reference: 
         + f"; eth0 per rank and step: {row['link_up_bytes_per_step'] / 1e6:.3f} MB up, "
         f"{row['link_down_bytes_per_step'] / 1e6:.3f} MB down.",
         "",
-        *round_lines(records, link, len(records)),
+        *round_lines(records, link, len(records), link.get("shards", 0)),
         "",
     ]
     for process in row.get("profiled", []):
@@ -223,23 +238,23 @@ def report(folder: Path, limit: int) -> str:
     """The markdown of one profile folder."""
     summary = json.loads((folder / "rows.json").read_text())
     link = summary["link"]
+    if summary.get("layout") == "colocated":
+        link = dict(link, shards=summary["shards"])
     rows = summary["rows"]
     nosync = [r["samples_per_s"] for r in rows if r["method"] == "nosync" and "error" not in r]
     reference = statistics.mean(nosync) if nosync else None
     label = f"{link['rate_mbit']:g} Mbit/s + {link.get('delay_ms') or 0:g} ms per link" + (
         f", coordinator host {link['hub_mbit']:g} Mbit/s" if link.get("hub_mbit") else ""
     )
+    if link.get("shards"):
+        label += f", {link['shards']} shards colocated with the workers"
     lines = [
         f"## {label}",
         "",
         "no-sync reference samples/s: " + ", ".join(f"{s:.2f}" for s in nosync),
         "",
     ]
-    seen: set[str] = set()
     for row in rows:
-        if row["method"] == "nosync" and row["method"] in seen:
-            continue
-        seen.add(row["method"])
         lines += section(folder, row, link, reference, limit)
     return "\n".join(lines)
 

@@ -60,11 +60,14 @@ def test_a_round_is_set_against_its_links_bound() -> None:
     ]
     link = {"rate_mbit": 100.0, "delay_ms": 25.0, "hub_mbit": None}
     (line,) = round_lines(records, link, 4)
-    # 5 MB at 12.5 MB/s = 0.4 s up; 4 x 20 MB through the coordinator's link = 6.4 s down.
+    # 4 x 5 MB at 12.5 MB/s = 1.6 s up; 4 x 20 MB through the coordinator's link = 6.4 s down.
     assert "uploads start 10.0-13.0 s (spread 3.0 s)" in line
-    assert "7.0 s from the last upload's start" in line
-    assert "bound 0.40 s up" in line and "+ 6.40 s down" in line
-    assert "+ 0.10 s round trip = 6.90 s" in line
+    assert "first upload's start to the last answer 10.0 s" in line
+    assert "the last upload's start to the answers (mean) 7.0 s" in line
+    assert "4 x 5.0 MB up = 1.60 s, 4 x 20.0 MB down = 6.40 s, round trip 0.10 s" in line
+    assert (
+        "one after the other 8.10 s, answers streaming back while the uploads go on 6.50 s" in line
+    )
     hub = round_lines(records, dict(link, hub_mbit=1000.0), 4)[0]
-    # With the coordinator host at 1 Gbit/s one answer over a worker's link sets it: 1.6 s.
-    assert "+ 1.60 s down" in hub
+    # With the coordinator host at 1 Gbit/s each worker's own link sets it: 0.4 s and 1.6 s.
+    assert "up = 0.40 s" in hub and "down = 1.60 s" in hub
