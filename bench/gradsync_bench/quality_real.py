@@ -38,15 +38,19 @@ from gradsync_bench.quality_sim import (
     simulate,
 )
 
+#: What `outer_momentum=None` means on a dense (float32, 16-bit or int8) wire, as
+#: `gradsync.DiLoCo` documents it; a real run that used another would show up as a
+#: difference from the simulation.
+DENSE_WIRE_MOMENTUM = 0.5
+
 
 def library_defaults() -> tuple[float, float]:
     """(outer_lr, outer_momentum) `gradsync.DiLoCo` defaults to on a dense wire."""
     from gradsync import DiLoCo
-    from gradsync.sparse_wire import DENSE_OUTER_MOMENTUM
 
     parameters = inspect.signature(DiLoCo.__init__).parameters
     momentum = parameters["outer_momentum"].default  # None: the wire's own default
-    return parameters["outer_lr"].default, DENSE_OUTER_MOMENTUM if momentum is None else momentum
+    return parameters["outer_lr"].default, DENSE_WIRE_MOMENTUM if momentum is None else momentum
 
 
 def worker(args: argparse.Namespace) -> None:
