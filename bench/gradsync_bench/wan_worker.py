@@ -19,8 +19,11 @@ optimizer step, so every method starts from the same parameters). It counts `--s
 inner steps; a streaming round still in flight at the end is collected inside it. The
 rank reads its host's eth0 byte counters at both ends of the window and writes one JSON
 record: seconds, bytes, the client's own byte counts, the seconds each synchronizing step
-blocked (optimizer step and synchronization, at every H-th step), the training losses and
-the held-out loss of its final model.
+blocked (optimizer step and synchronization, at every H-th step) and when it began, for
+DiLoCo each round's timeline (upload start and answer per fragment) and how long each
+merge blocked, the training losses and the held-out loss of its final model. At the
+window's end it leaves a marker file (`<method>-end.<rank>`) beside the start barrier's, for
+a profiler that samples only the window (`gradsync_bench.wan_profile`).
 """
 
 from __future__ import annotations
@@ -277,6 +280,8 @@ def main() -> None:
     timeline: list[dict[str, Any]] = []
     # [step, seconds] of every DiLoCo.step that merged a round (its exposed wait).
     merge_seconds: list[list[float]] = []
+    # When each synchronizing step's optimizer step began, seconds from the window's start.
+    sync_started: list[float] = []
     started = time.perf_counter()
     for step in range(1, args.steps + 1):
         inner.zero_grad()
@@ -297,6 +302,7 @@ def main() -> None:
             step % method.sync_every == 0
         ):
             round_seconds.append(time.perf_counter() - stepped)
+            sync_started.append(stepped - started)
         pending.append(float(loss.detach()))
         if step % args.log_every == 0 or step == args.steps:
             losses.append([step, sum(pending) / len(pending)])
@@ -337,6 +343,7 @@ def main() -> None:
         "round_seconds": round_seconds,
         "round_timeline": timeline,
         "merge_seconds": merge_seconds,
+        "sync_started_s": sync_started,
         "losses": losses,
         "held_out_loss": wan_task.held_out_loss(model, held_out, args.context),
         "parameter_bytes": wan_task.parameter_bytes(model),
