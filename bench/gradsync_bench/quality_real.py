@@ -38,13 +38,19 @@ from gradsync_bench.quality_sim import (
     simulate,
 )
 
+#: What `outer_momentum=None` means on a dense (float32, 16-bit or int8) wire, as
+#: `gradsync.DiLoCo` documents it; a real run that used another would show up as a
+#: difference from the simulation.
+DENSE_WIRE_MOMENTUM = 0.5
+
 
 def library_defaults() -> tuple[float, float]:
-    """(outer_lr, outer_momentum) `gradsync.DiLoCo` defaults to."""
+    """(outer_lr, outer_momentum) `gradsync.DiLoCo` defaults to on a dense wire."""
     from gradsync import DiLoCo
 
     parameters = inspect.signature(DiLoCo.__init__).parameters
-    return parameters["outer_lr"].default, parameters["outer_momentum"].default
+    momentum = parameters["outer_momentum"].default  # None: the wire's own default
+    return parameters["outer_lr"].default, DENSE_WIRE_MOMENTUM if momentum is None else momentum
 
 
 def worker(args: argparse.Namespace) -> None:
@@ -66,7 +72,8 @@ def worker(args: argparse.Namespace) -> None:
         inner,
         sync_every=args.sync_every,
         wire_dtype=torch.int8 if args.wire == "int8" else None,
-        answer_dtype=None,  # exact answers, as the simulation it is checked against
+        # Exact answers unless asked: the simulation it is checked against answers exactly.
+        answer_dtype=torch.int8 if args.answer == "int8" else None,
         coordinator=args.coordinator,
         rank=args.rank,
         world_size=args.world_size,
@@ -123,6 +130,7 @@ def launch(args: argparse.Namespace) -> dict[str, Any]:
                             steps=args.steps,
                             sync_every=args.sync_every,
                             wire=args.wire,
+                            answer=args.answer,
                             coordinator=f"127.0.0.1:{port}",
                             out=outs[rank],
                         ),
@@ -159,6 +167,7 @@ def launch(args: argparse.Namespace) -> dict[str, Any]:
         "machine": f"{platform.node()} {platform.machine()}, {os.cpu_count()} cpus (shared)",
         "command": provenance.command_line(),
         "setting": setting.name,
+        "answer": args.answer,
         "steps": args.steps,
         "world_size": args.world_size,
         "real_held_out_loss": real,
@@ -178,6 +187,13 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--steps", type=int, default=Task.steps)
     parser.add_argument("--sync-every", type=int, default=10)
     parser.add_argument("--wire", choices=["fp32", "int8"], default="fp32")
+    parser.add_argument(
+        "--answer",
+        choices=["exact", "int8"],
+        default="exact",
+        help="the answer: exact float32, or int8 changes (needs --wire int8); the "
+        "simulation beside it always answers exactly",
+    )
     parser.add_argument("--coordinator", default="")
     parser.add_argument("--timeout-s", type=float, default=3600.0)
     parser.add_argument("--heartbeat-timeout-s", type=float, default=None)
@@ -194,7 +210,8 @@ def main(argv: list[str] | None = None) -> None:
         return
     record = launch(args)
     args.out.mkdir(parents=True, exist_ok=True)
-    path = args.out / f"quality-real-h{args.sync_every}-{args.wire}.json"
+    answer = "" if args.answer == "exact" else f"-answer-{args.answer}"
+    path = args.out / f"quality-real-h{args.sync_every}-{args.wire}{answer}.json"
     path.write_text(json.dumps(record, indent=1) + "\n")
     print(json.dumps({k: v for k, v in record.items() if k != "real_ranks"}, indent=1))
 

@@ -16,6 +16,7 @@ LABELS = {
     "diloco-h50-int8": "DiLoCo H=50 int8",
     "streaming-f4-int8": "streaming F=4 int8",
     "diloco-h50-int8x2": "DiLoCo H=50 int8, int8 answer",
+    "streaming-f4-int8x2": "streaming F=4 int8, int8 answer",
     "diloco-h100-int8x2": "DiLoCo H=100 int8, int8 answer",
     "diloco-h50-topk2": "DiLoCo H=50 sparse 2-bit, d = 0.02 both ways",
     "torchft-h50-fp32": "torchft DiLoCo H=50 fp32",

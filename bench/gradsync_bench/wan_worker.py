@@ -19,8 +19,11 @@ optimizer step, so every method starts from the same parameters). It counts `--s
 inner steps; a streaming round still in flight at the end is collected inside it. The
 rank reads its host's eth0 byte counters at both ends of the window and writes one JSON
 record: seconds, bytes, the client's own byte counts, the seconds each synchronizing step
-blocked (optimizer step and synchronization, at every H-th step), the training losses and
-the held-out loss of its final model.
+blocked (optimizer step and synchronization, at every H-th step) and when it began, for
+DiLoCo each round's timeline (upload start and answer per fragment) and how long each
+merge blocked, the training losses and the held-out loss of its final model. At the
+window's end it leaves a marker file (`<method>-end.<rank>`) beside the start barrier's, for
+a profiler that samples only the window (`gradsync_bench.wan_profile`).
 """
 
 from __future__ import annotations
@@ -89,6 +92,15 @@ METHODS: dict[str, Method] = {
             "streaming-f4-int8", "diloco", sync_every=50, int8=True, fragments=4, overlap_steps=5
         ),
         Method("diloco-h50-int8x2", "diloco", sync_every=50, int8=True, compact_answer=True),
+        Method(
+            "streaming-f4-int8x2",
+            "diloco",
+            sync_every=50,
+            int8=True,
+            fragments=4,
+            overlap_steps=5,
+            compact_answer=True,
+        ),
         Method("diloco-h100-int8x2", "diloco", sync_every=100, int8=True, compact_answer=True),
         Method("diloco-h50-topk2", "diloco", sync_every=50, sparse_density=0.02),
         Method("torchft-h50-fp32", "torchft", sync_every=50),
@@ -154,6 +166,31 @@ def client_bytes_sent(ddp: Any, diloco: Any) -> int | None:
     if diloco is not None:
         return sum(int(fragment.ddp.bytes_sent) for fragment in diloco.fragments)
     return int(ddp.bytes_sent) if ddp is not None else None
+
+
+def round_timeline(
+    diloco: Any, step: int, started: float, seen: list[dict[str, Any]]
+) -> list[dict[str, Any]]:
+    """The rounds (per fragment) finished since the ones in `seen`: when each started
+    uploading and got its answer, in seconds from the timed window's start, and its bytes."""
+    rounds = []
+    for index, fragment in enumerate(diloco.fragments):
+        if fragment.in_flight or not fragment.last_round_finished:
+            continue
+        begin = round(fragment.last_round_started - started, 4)
+        if begin < 0 or any(r["fragment"] == index and r["start_s"] == begin for r in seen):
+            continue
+        rounds.append(
+            {
+                "fragment": index,
+                "merged_at_step": step,
+                "start_s": begin,
+                "answer_s": round(fragment.last_round_finished - started, 4),
+                "sent_bytes": fragment.last_round_bytes,
+                "received_bytes": fragment.last_round_received,
+            }
+        )
+    return rounds
 
 
 def main() -> None:
@@ -240,6 +277,11 @@ def main() -> None:
         torchft.__enter__()  # hooks inner.step: every H-th call synchronizes
     losses: list[list[float]] = []
     pending: list[float] = []
+    timeline: list[dict[str, Any]] = []
+    # [step, seconds] of every DiLoCo.step that merged a round (its exposed wait).
+    merge_seconds: list[list[float]] = []
+    # When each synchronizing step's optimizer step began, seconds from the window's start.
+    sync_started: list[float] = []
     started = time.perf_counter()
     for step in range(1, args.steps + 1):
         inner.zero_grad()
@@ -250,12 +292,17 @@ def main() -> None:
         inner.step()
         # `last_round_bytes` (the latest round's upload, every fragment's together) is
         # one round's only without fragments.
-        if diloco is not None and diloco.step() and len(diloco.fragments) == 1:
-            round_bytes.append(diloco.last_round_bytes)
+        merging = time.perf_counter()
+        if diloco is not None and diloco.step():
+            if len(diloco.fragments) == 1:
+                round_bytes.append(diloco.last_round_bytes)
+            merge_seconds.append([step, time.perf_counter() - merging])
+            timeline.extend(round_timeline(diloco, step, started, timeline))
         if method.kind not in ("nosync", "ddp-gloo", "gradsync-ddp") and (
             step % method.sync_every == 0
         ):
             round_seconds.append(time.perf_counter() - stepped)
+            sync_started.append(stepped - started)
         pending.append(float(loss.detach()))
         if step % args.log_every == 0 or step == args.steps:
             losses.append([step, sum(pending) / len(pending)])
@@ -273,6 +320,10 @@ def main() -> None:
                 f"{args.steps} steps, expected {args.steps // method.sync_every}"
             )
     seconds = time.perf_counter() - started
+    # The timed window's end, for a profiler that samples only inside it (`wan_profile`).
+    (args.workdir / f"{method.name}-end.{args.rank}").write_text("")
+    if diloco is not None:
+        timeline.extend(round_timeline(diloco, args.steps, started, timeline))
     link_after = link_bytes(args.link_stats)
     client_after = client_bytes_sent(ddp, diloco)
     client_sent = (
@@ -290,6 +341,9 @@ def main() -> None:
         "client_bytes_sent": client_sent,
         "round_bytes_sent": round_bytes,
         "round_seconds": round_seconds,
+        "round_timeline": timeline,
+        "merge_seconds": merge_seconds,
+        "sync_started_s": sync_started,
         "losses": losses,
         "held_out_loss": wan_task.held_out_loss(model, held_out, args.context),
         "parameter_bytes": wan_task.parameter_bytes(model),

@@ -50,6 +50,7 @@ BENCH_WAN_METHODS = (
     "diloco-h50-int8",
     "streaming-f4-int8",
     "diloco-h50-int8x2",
+    "streaming-f4-int8x2",
     "diloco-h100-int8x2",
     "diloco-h50-topk2",
     "torchft-h50-fp32",
