@@ -30,6 +30,12 @@ from gradsync_server.dataplane.actions import Send
 from gradsync_server.dataplane.budget import ByteBudget
 from gradsync_server.rpc.shard_collectives import ShardCollectives
 
+
+def sent_message(message: pb.CoordinatorMessage | bytes) -> pb.CoordinatorMessage:
+    """A Send's message (a result chunk travels encoded once for all its ranks)."""
+    return pb.CoordinatorMessage.FromString(message) if isinstance(message, bytes) else message
+
+
 WORLD, CHUNK = 2, 1 << 20
 OPS = {"sum": pb.COLLECTIVE_OP_SUM, "avg": pb.COLLECTIVE_OP_AVG, "max": pb.COLLECTIVE_OP_MAX}
 JOB = "j.pg-world"
@@ -68,7 +74,7 @@ class Hub:
         for action in actions:
             assert isinstance(action, Send)
             for rank in action.ranks:
-                chunk = action.message.collective
+                chunk = sent_message(action.message).collective
                 self.leader_results[rank, chunk.sequence] = chunk
                 for hook in self.ready.pop(rank * 1000 + chunk.sequence, []):
                     hook()
@@ -77,7 +83,7 @@ class Hub:
         for action in actions:
             assert isinstance(action, Send)
             for rank in action.ranks:
-                self.routes[rank]._on_chunk(1, action.message.collective)
+                self.routes[rank]._on_chunk(1, sent_message(action.message).collective)
 
 
 class LeaderRange:
@@ -252,9 +258,9 @@ def test_a_shard_follows_the_leaders_members_and_frees_an_ended_jobs_bytes() -> 
     # The leader drops rank 2: the range completes over the ranks that sent theirs.
     (sent,) = shard.follow(shard_view(3, range(2)))
     assert isinstance(sent, Send) and tuple(sent.ranks) == (0, 1)
-    assert sent.message.collective.contributors == 2
+    assert sent_message(sent.message).collective.contributors == 2
     assert torch.frombuffer(
-        bytearray(sent.message.collective.payload), dtype=torch.float32
+        bytearray(sent_message(sent.message).collective.payload), dtype=torch.float32
     ).tolist() == [3.0, 3.0]
     assert shard.accept(JOB, 0, chunk(1, 1.0)) == [] and budget.held_by(JOB) == 8
     shard.forget(JOB)  # the job ended at the leader: its bytes go back

@@ -18,6 +18,12 @@ from gradsync_server.dataplane.actions import Action, Member, Send, Terminate
 from gradsync_server.dataplane.budget import ByteBudget
 from gradsync_server.errors import RejectedMessage
 
+
+def sent(message: pb.CoordinatorMessage | bytes) -> pb.CoordinatorMessage:
+    """A Send's message (a result chunk travels encoded once for all its ranks)."""
+    return pb.CoordinatorMessage.FromString(message) if isinstance(message, bytes) else message
+
+
 CHUNK = 4096
 RANKS = (0, 1, 2)
 
@@ -51,7 +57,7 @@ def result_of(actions: list[Action]) -> tuple[bytes, tuple[int, ...], int]:
     """(result bytes, recipients, contributors) from the result chunks."""
     sends = [a for a in actions if isinstance(a, Send)]
     assert sends, "no result"
-    chunks = [s.message.collective for s in sends if not isinstance(s.message, bytes)]
+    chunks = [sent(s.message).collective for s in sends]
     total = chunks[0].total_bytes
     out = bytearray(total)
     for chunk in chunks:

@@ -17,6 +17,12 @@ from gradsync_server.dataplane.actions import Send
 from gradsync_server.dataplane.budget import ByteBudget
 from gradsync_server.errors import RejectedMessage
 
+
+def sent(message: pb.CoordinatorMessage | bytes) -> pb.CoordinatorMessage:
+    """A Send's message (a result chunk travels encoded once for all its ranks)."""
+    return pb.CoordinatorMessage.FromString(message) if isinstance(message, bytes) else message
+
+
 WORLD = 4
 
 
@@ -51,7 +57,7 @@ def test_a_covering_input_stands_for_its_ranks_with_the_flat_bits() -> None:
     actions = collectives.accept(2, chunk(inputs[2]), everyone)
     assert len(actions) == 1 and isinstance(actions[0], Send)
     assert actions[0].ranks == (0, 2, 3)  # rank 1 hears it from its leader
-    result = actions[0].message.collective
+    result = sent(actions[0].message).collective
     assert result.contributors == WORLD
     flat = ((inputs[0] + inputs[1]) + inputs[2]) + inputs[3]
     np.testing.assert_array_equal(np.frombuffer(result.payload, np.float32), flat)
@@ -65,7 +71,9 @@ def test_a_covered_rank_lost_after_its_leader_sent_still_counts() -> None:
     assert collectives.drop_participant(1) == []  # its input is in rank 0's, whole
     (send,) = collectives.accept(3, chunk(ones), [0, 2, 3])
     assert isinstance(send, Send) and send.ranks == (0, 3)
-    np.testing.assert_array_equal(np.frombuffer(send.message.collective.payload, np.float32), 4)
+    np.testing.assert_array_equal(
+        np.frombuffer(sent(send.message).collective.payload, np.float32), 4
+    )
 
 
 @pytest.mark.parametrize(

@@ -12,6 +12,7 @@ leaves each rank a host group of one.
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -133,15 +134,26 @@ def test_a_host_sums_in_shared_memory_and_only_its_leader_uploads() -> None:
             == ((values[0] + values[1]) + values[2]).tolist()
         )
         assert live[0].uploaded_bytes == 3 * 4000 and live[1].uploaded_bytes == 0
+        # An all-reduce above the old 4 MiB regions: each rank reserves what it holds, 6 MiB
+        # (the leader its result block), and every block is given back once copied out.
+        big = [torch.full((3 << 19,), float(r + 1)) for r in range(WORLD)]
+        out = run(live, big, "sum")
+        assert all(torch.equal(result, torch.full((3 << 19,), 6.0)) for _, result in out)
+        assert [g.reserved_bytes for g in live] == [6 << 20] * WORLD
+        deadline = time.monotonic() + 5
+        while any(g._arena.live for g in live if g._arena) and time.monotonic() < deadline:
+            time.sleep(0.01)  # (the leader frees its result block on the members' DONE)
+        assert [g._arena.live for g in live if g._arena] == [0] * WORLD
+        hub.uploads.pop()
         # A mismatch fails every rank, naming both.
         out = run(live, [torch.ones(2), torch.ones(3), torch.ones(2)], "sum")
         for rank in range(WORLD):
             assert isinstance(out[rank], GradSyncError), out[rank]
             assert (
-                "local rank 1 issued collective 3 as all_reduce sum of 3 float32 (12 bytes)"
+                "local rank 1 issued collective 4 as all_reduce sum of 3 float32 (12 bytes)"
                 in str(out[rank])
             )
-            assert "rank 0 issued collective 3 as all_reduce sum of 2 float32 (8 bytes)" in str(
+            assert "rank 0 issued collective 4 as all_reduce sum of 2 float32 (8 bytes)" in str(
                 out[rank]
             )
         assert len(hub.uploads) == 3
@@ -181,4 +193,5 @@ def test_the_setting_and_what_goes_through_a_host_group() -> None:
     assert not HostGroup.takes(torch.ones(4, dtype=torch.int32), "sum")
     assert not HostGroup.takes(torch.ones(4, dtype=torch.bfloat16), "sum")
     assert not HostGroup.takes(torch.ones(4), "product")
-    assert not HostGroup.takes(torch.ones(2 << 20), "sum")  # 8 MiB: flat
+    assert HostGroup.takes(torch.empty(25 << 18), "sum")  # DDP's 25 MiB bucket
+    assert not HostGroup.takes(torch.empty((16 << 20) + 1), "sum")  # over 64 MiB: flat

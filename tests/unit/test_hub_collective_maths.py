@@ -20,6 +20,12 @@ from gradsync_server.dataplane.actions import Action, Send
 from gradsync_server.dataplane.budget import ByteBudget
 from gradsync_server.errors import RejectedMessage
 
+
+def sent(message: pb.CoordinatorMessage | bytes) -> pb.CoordinatorMessage:
+    """A Send's message (a result chunk travels encoded once for all its ranks)."""
+    return pb.CoordinatorMessage.FromString(message) if isinstance(message, bytes) else message
+
+
 CHUNK = 256
 WORLD = 3
 
@@ -65,8 +71,8 @@ def results(collectives: Collectives, messages: list[tuple[int, pb.CollectiveChu
         actions += collectives.accept(rank, chunk, list(range(WORLD)))
     by_rank: dict[int, bytearray] = {}
     for action in actions:
-        assert isinstance(action, Send) and isinstance(action.message, pb.CoordinatorMessage)
-        chunk = action.message.collective
+        assert isinstance(action, Send)
+        chunk = sent(action.message).collective
         assert not chunk.error, chunk.error
         for rank in action.ranks:
             out = by_rank.setdefault(rank, bytearray(chunk.total_bytes))

@@ -3,14 +3,16 @@
 The ranks of a "gradsync" group that share a host (the same host id,
 `gradsync.local.host_identity`) form a host group when the group is created:
 the lowest of them leads. Each all-reduce of a float32 or float64 tensor
-with SUM, AVG, PREMUL_SUM, MIN or MAX of at most `HOST_OP_MAX_BYTES` goes
-through it: every member copies its input into its own region of the host's
-segment and tells the leader; the leader reduces the inputs in ascending rank
-(its own first) into its own tensor and uploads that one input, naming the
-ranks it covers (`CollectiveChunk.covered_ranks`); the coordinator combines
-the hosts' inputs in ascending leader rank and answers the leaders only; each
-leader writes the result into its region and tells its members, which copy
-it out. AVG travels as a SUM that every rank divides by the group's size
+with SUM, AVG, PREMUL_SUM, MIN or MAX of at most `HOST_OP_MAX_BYTES` (64 MiB:
+DDP's 25 MiB buckets, and a parameter larger than a bucket up to that size)
+goes through it: every member copies its input into a block of its own arena
+of the host's segment and tells the leader where; the leader reduces the
+inputs in ascending rank (its own first) into its own tensor and uploads that
+one input, naming the ranks it covers (`CollectiveChunk.covered_ranks`); the
+coordinator combines the hosts' inputs in ascending leader rank and answers
+the leaders only; each leader writes the result into a block of its own arena
+and tells its members where, which copy it out and say so (DONE), after which
+the block is free again. AVG travels as a SUM that every rank divides by the group's size
 (the division the coordinator would make, so the same bits); PREMUL_SUM is
 a SUM of scaled inputs, as on the flat path. On one host the sum is the flat
 path's, bitwise (rank order, float32 or float64 accumulation); across hosts
@@ -23,13 +25,16 @@ fixed bucket layout, summed share by share by every member. A process group
 has neither: ops of any size come one after another, numbered by the group's
 collective sequence, several in flight. So this module keeps a thin protocol
 of its own on the same primitives (the abstract-socket rendezvous with its
-secret and uid check, one unnamed segment handed over by fd): the segment
-holds `slots` regions per member (op k of the host uses region k mod
-`slots`; a rank has at most `slots` ops in flight, so a region is free again
-when it is reused), and SOCK_SEQPACKET messages say "my input of op k is in
-the segment" (POSTED, with the op's sequence number, op, dtype and element
-count) and "the result of op k is in your leader's region" (RESULT) or "op k
-failed, because ..." (FAILED).
+secret and uid check, one unnamed segment handed over by fd): the segment is
+a sparse file of one arena per member (`gradsync.distributed.host_arena`),
+whose pages are reserved as the blocks of the ops in flight first reach them,
+so a rank holds about what it has in flight (DDP over a 32 MB model: about
+32 MB per rank) rather than `slots` regions of the largest op. SOCK_SEQPACKET
+messages say "my input of op k is at offset o" (POSTED, with the op's
+sequence number, op, dtype and element count), "the result of op k is at
+offset o" (RESULT), "I copied the result of op k out" (DONE), "my input of op
+k found no shared memory, because ..." (REFUSED) or "op k failed, because
+..." (FAILED).
 
 Checks: the leader checks each member's sequence number, op, dtype and
 element count against its own and fails the op on every rank of the host
@@ -49,9 +54,11 @@ rank 0 disconnected"). A result that does not come fails within the group's
 timeout. A coordinator restart: the leader's link reconnects and sends its
 uploads in flight again (with the ranks they cover); it tells its members,
 whose links have nothing in flight to notice the loss by, to rejoin too. A
-shared segment that cannot be made (too small a /dev/shm) makes the host's
-ranks units of one, with a warning: the op mapping stays the same on every
-rank, only without shared memory.
+shared segment that cannot be made makes the host's ranks units of one, with
+a warning: the op mapping stays the same on every rank, only without shared
+memory. A block that the shared-memory directory cannot back later (too
+small a /dev/shm for the ops in flight) fails that op on every rank of the
+host, naming the bytes and the directory.
 """
 
 from __future__ import annotations
@@ -74,7 +81,8 @@ import numpy as np
 import torch
 from gradsync_proto.v1 import gradsync_pb2 as pb
 
-from gradsync.errors import GradSyncError, SyncTimeoutError
+from gradsync.distributed.host_arena import Arena, arena_bytes
+from gradsync.errors import GradSyncError, SharedMemoryError, SyncTimeoutError
 from gradsync.local.host_identity import host_id
 from gradsync.local.local_rendezvous import Formed, follow, lead
 from gradsync.local.local_segment import SegmentLayout, shm_dir
@@ -92,8 +100,9 @@ __all__ = [
 #: Environment variable giving `GradsyncOptions.hierarchical` when it is not passed.
 ENV_HIERARCHICAL = "GRADSYNC_HIERARCHICAL"
 _VALUES: dict[str, str] = {"auto": "auto", "1": "on", "true": "on", "0": "off", "false": "off"}
-#: The largest all-reduce input a host group sums (larger ones stay flat).
-HOST_OP_MAX_BYTES = 4 << 20
+#: The largest all-reduce input a host group sums (larger ones stay flat): DDP's default
+#: 25 MiB buckets, and a bucket of one parameter up to this size.
+HOST_OP_MAX_BYTES = 64 << 20
 #: The dtypes a host group sums, and their codes on the wire.
 HOST_DTYPES: dict[torch.dtype, int] = {
     torch.float32: pb.DTYPE_FLOAT32,
@@ -109,9 +118,10 @@ HOST_OPS: dict[str, int] = {
 _OP_NAMES = {"sum": 1, "avg": 2, "min": 3, "max": 4}
 _NAME_OF = {code: name for name, code in _OP_NAMES.items()}
 _ITEMSIZE: dict[int, int] = {pb.DTYPE_FLOAT32: 4, pb.DTYPE_FLOAT64: 8}
-#: kind, op, dtype, then host op number, sequence, element count / contributors; a tail.
-_MESSAGE = struct.Struct("<BBBxxxxxQQQ")
-_POSTED, _RESULT, _FAILED, _LOST = 1, 2, 3, 4
+#: kind, op, dtype, then host op number, sequence, element count / contributors, the
+#: block's offset in the segment; a tail.
+_MESSAGE = struct.Struct("<BBBxxxxxQQQQ")
+_POSTED, _RESULT, _FAILED, _LOST, _DONE, _REFUSED = 1, 2, 3, 4, 5, 6
 _MAX_MESSAGE = 1 << 16
 #: How often a wait looks again at a failure recorded meanwhile.
 _POLL_S = 0.5
@@ -180,6 +190,9 @@ class _Op:
     launched: threading.Event = field(default_factory=threading.Event)
     error: BaseException | None = None
     contributors: int = 0
+    #: A member's input block; where the leader put the result (segment offsets).
+    block: int | None = None
+    result_at: int = 0
 
 
 class HostGroup:
@@ -190,7 +203,7 @@ class HostGroup:
         rank, world_size: this rank in the process group, and its size.
         link: the group's link (numbers and sends the collectives).
         formed: the rendezvous's sockets and segment (None for a group of one).
-        slots: regions per member (the process group's ops in flight, at most).
+        slots: the process group's ops in flight, at most (sizes each arena).
         timeout_s: bound on every wait.
     """
 
@@ -222,16 +235,27 @@ class HostGroup:
         self.uploaded_bytes = 0
         self._peers = dict(formed.peers) if formed is not None else {}
         self._map: mmap.mmap | None = None
-        self._region_bytes = 0
+        self._fd: int | None = None
+        self._arena: Arena | None = None
         if formed is not None:
-            self._map = mmap.mmap(formed.segment_fd, formed.segment_bytes, mmap.MAP_SHARED)
-            os.close(formed.segment_fd)
-            self._region_bytes = formed.segment_bytes // (len(members) * slots)
+            # Every rank sizes the sparse file to all arenas before mapping it (the same
+            # size on each: whichever comes first grows it; nothing is reserved by it).
+            size = arena_bytes(slots, HOST_OP_MAX_BYTES)
+            total = size * len(members)
+            if os.fstat(formed.segment_fd).st_size < total:
+                os.ftruncate(formed.segment_fd, total)
+            self._fd = formed.segment_fd
+            self._map = mmap.mmap(self._fd, total, mmap.MAP_SHARED)
+            self._arena = Arena(self._fd, self.index * size, size, shm_dir())
             self._whole = np.frombuffer(self._map, dtype=np.uint8)
-        # Leader: each member's POSTED ops by number (time, sequence, op, dtype, numel).
-        self._posted: dict[int, dict[int, tuple[float, int, int, int, int]]] = {
+        # Leader: each member's POSTED ops by number (time, sequence, op, dtype, numel,
+        # offset), and why a member's input found no shared memory, by op number.
+        self._posted: dict[int, dict[int, tuple[float, int, int, int, int, int]]] = {
             i: {} for i in range(1, len(members))
         }
+        self._refused: dict[int, str] = {}
+        # Leader: each result block handed out, by op number: (offset, members yet to copy).
+        self._results: dict[int, tuple[int, set[int]]] = {}
         self._gone: set[int] = set()
         self._next_launch = 0
         self._thread: threading.Thread | None = None
@@ -289,17 +313,32 @@ class HostGroup:
                 self._ops[number] = item
             self._launch_ready()
             return lambda: self._finish_leader(item)
-        self._region(self.index, number, item)[: item.numel].copy_(work.reshape(-1))
+        try:
+            with self._lock:
+                item.block = self._allocate(item.numel * tensor.element_size())
+        except SharedMemoryError as exc:
+            text = f"local rank {self.rank}: {exc}".encode()[: _MAX_MESSAGE // 2]
+            with contextlib.suppress(OSError):
+                self._peers[0].send(_MESSAGE.pack(_REFUSED, 0, 0, number, sequence, 0, 0) + text)
+            raise SharedMemoryError(str(exc), rank=self.rank) from None
+        self._at(item.block, item)[: item.numel].copy_(work.reshape(-1))
         with self._lock:
             self._ops[number] = item
         message = _MESSAGE.pack(
-            _POSTED, _OP_NAMES[op], HOST_DTYPES[item.dtype], number, sequence, item.numel
+            _POSTED,
+            _OP_NAMES[op],
+            HOST_DTYPES[item.dtype],
+            number,
+            sequence,
+            item.numel,
+            item.block,
         )
         try:
             self._peers[0].send(message)
         except OSError as exc:
             with self._lock:
                 self._ops.pop(number, None)
+                self._free(item.block)
             raise GradSyncError(
                 f"local leader rank {self.members[0]} disconnected ({exc}); this host's "
                 "ranks sum their all-reduces through it",
@@ -344,8 +383,11 @@ class HostGroup:
         now = time.monotonic()
         waited = [now - item.posted_at]
         acc = item.work.view(-1)
+        refused = self._refused.pop(item.number, None)
+        if refused is not None:
+            raise GradSyncError(refused, rank=self.rank)
         for i in live:
-            posted_at, *theirs = self._posted[i][item.number]
+            posted_at, *theirs, offset = self._posted[i][item.number]
             if tuple(theirs) != mine:
                 raise GradSyncError(
                     f"local rank {self.members[i]} issued collective {theirs[0]} as "
@@ -354,7 +396,7 @@ class HostGroup:
                     "collectives in the same order)",
                     rank=self.rank,
                 )
-            other = self._region(i, item.number, item)[: item.numel]
+            other = self._at(offset, item)[: item.numel]
             with torch.no_grad():
                 if item.op == "min":
                     torch.minimum(acc, other, out=acc)
@@ -405,8 +447,15 @@ class HostGroup:
                 if item.divide_by is not None:
                     flat.div_(item.divide_by)
             if self._peers:
-                self._region(0, item.number, item)[: item.numel].copy_(flat)
-                self._tell(_MESSAGE.pack(_RESULT, 0, 0, item.number, item.sequence, count))
+                with self._lock:
+                    block = self._allocate(item.numel * item.work.element_size())
+                    waiting = {i for i in self._peers if i not in self._gone}
+                    if waiting:
+                        self._results[item.number] = (block, waiting)
+                    else:
+                        self._free(block)
+                self._at(block, item)[: item.numel].copy_(flat)
+                self._tell(_MESSAGE.pack(_RESULT, 0, 0, item.number, item.sequence, count, block))
             if item.work is not item.tensor:
                 with torch.no_grad():
                     item.tensor.copy_(item.work.reshape(item.tensor.shape))
@@ -422,11 +471,11 @@ class HostGroup:
         """The leader's link lost the coordinator: the members' links reconnect too (their
         heartbeats alone would not notice, and the restarted job waits for every rank)."""
         text = f"local leader rank {self.members[0]} lost the coordinator: {why}"
-        self._tell(_MESSAGE.pack(_LOST, 0, 0, 0, 0, 0) + text.encode()[: _MAX_MESSAGE // 2])
+        self._tell(_MESSAGE.pack(_LOST, 0, 0, 0, 0, 0, 0) + text.encode()[: _MAX_MESSAGE // 2])
 
     def _tell_failed(self, number: int, why: str) -> None:
         text = f"local leader rank {self.members[0]}: {why}".encode()[: _MAX_MESSAGE // 2]
-        self._tell(_MESSAGE.pack(_FAILED, 0, 0, number, 0, 0) + text)
+        self._tell(_MESSAGE.pack(_FAILED, 0, 0, number, 0, 0, 0) + text)
 
     def _tell(self, message: bytes) -> None:
         for i, conn in list(self._peers.items()):
@@ -453,8 +502,18 @@ class HostGroup:
                         selector.unregister(key.fileobj)
                         self._lost_member(i)
                         continue
-                    kind, op, dtype, number, sequence, numel = _MESSAGE.unpack_from(raw)
-                    if kind == _POSTED:
+                    kind, op, dtype, number, sequence, numel, offset = _MESSAGE.unpack_from(raw)
+                    if kind == _DONE:
+                        with self._lock:
+                            self._copied(number, i)
+                        continue
+                    if kind == _REFUSED:
+                        with self._lock:
+                            self._refused.setdefault(
+                                number, raw[_MESSAGE.size :].decode(errors="replace")
+                            )
+                            offset = -1
+                    if kind in (_POSTED, _REFUSED):
                         with self._lock:
                             self._posted[i][number] = (
                                 time.monotonic(),
@@ -462,6 +521,7 @@ class HostGroup:
                                 op,
                                 dtype,
                                 numel,
+                                offset,
                             )
                         self._launch_ready()
         finally:
@@ -473,6 +533,8 @@ class HostGroup:
             if index in self._gone:
                 return
             self._gone.add(index)
+            for number in list(self._results):
+                self._copied(number, index)
         log.warning(
             "rank %d: local rank %d of this host's group disconnected; its host's "
             "all-reduces go to the coordinator without it",
@@ -494,11 +556,17 @@ class HostGroup:
                         rank=self.rank,
                     )
             if item.error is not None:
+                with self._lock:  # (the leader read it before it failed the op)
+                    self._free(item.block)
                 raise item.error
             with torch.no_grad():
                 item.tensor.copy_(
-                    self._region(0, item.number, item)[: item.numel].reshape(item.tensor.shape)
+                    self._at(item.result_at, item)[: item.numel].reshape(item.tensor.shape)
                 )
+            with self._lock:
+                self._free(item.block)
+            with contextlib.suppress(OSError):  # (a leader gone fails what is left anyway)
+                self._peers[0].send(_MESSAGE.pack(_DONE, 0, 0, item.number, item.sequence, 0, 0))
             return item.contributors
         finally:
             with self._lock:
@@ -520,7 +588,7 @@ class HostGroup:
                     "this host's ranks sum their all-reduces through it"
                 )
                 return
-            kind, _, _, number, _, count = _MESSAGE.unpack_from(raw)
+            kind, _, _, number, _, count, offset = _MESSAGE.unpack_from(raw)
             if kind == _LOST:
                 self._link.reconnect(raw[_MESSAGE.size :].decode(errors="replace"))
                 continue
@@ -533,6 +601,7 @@ class HostGroup:
                     raw[_MESSAGE.size :].decode(errors="replace"), rank=self.rank
                 )
             item.contributors = int(count)
+            item.result_at = int(offset)
             item.launched.set()
             item.ready()
 
@@ -549,11 +618,41 @@ class HostGroup:
             item.ready()
 
     # ------------------------------------------------------------ helpers
-    def _region(self, index: int, number: int, item: _Op) -> torch.Tensor:
-        """Member `index`'s region for host op `number`, as `item`'s dtype."""
-        start = (index * self._slots + number % self._slots) * self._region_bytes
-        raw = self._whole[start : start + self._region_bytes]
-        return torch.from_numpy(raw).view(item.dtype)
+    def _at(self, offset: int, item: _Op) -> torch.Tensor:
+        """The segment's bytes at `offset` for `item`, as its dtype."""
+        nbytes = item.numel * item.work.element_size()
+        if offset < 0 or offset + nbytes > len(self._whole):
+            raise GradSyncError(
+                f"a block of {nbytes} bytes at offset {offset} lies outside this host's "
+                f"segment of {len(self._whole)} bytes",
+                rank=self.rank,
+            )
+        return torch.from_numpy(self._whole[offset : offset + nbytes]).view(item.dtype)
+
+    def _allocate(self, nbytes: int) -> int:
+        """A block of this rank's arena (lock held; see `host_arena`)."""
+        if self._arena is None:
+            raise GradSyncError("this host group has no shared segment", rank=self.rank)
+        return self._arena.allocate(nbytes)
+
+    def _free(self, block: int | None) -> None:
+        if block is not None and self._arena is not None:
+            self._arena.free(block)
+
+    def _copied(self, number: int, index: int) -> None:
+        """Member `index` copied the result of host op `number` out, or is gone (lock held)."""
+        held = self._results.get(number)
+        if held is None:
+            return
+        held[1].discard(index)
+        if not held[1]:
+            del self._results[number]
+            self._free(held[0])
+
+    @property
+    def reserved_bytes(self) -> int:
+        """Shared memory this rank's arena holds (its blocks' high-water mark, in steps)."""
+        return self._arena.reserved if self._arena is not None else 0
 
     def close(self) -> None:
         """Stop the host group's thread and close its sockets and segment. Idempotent."""
@@ -567,6 +666,9 @@ class HostGroup:
             conn.close()
         if self._thread is not None and self._thread is not threading.current_thread():
             self._thread.join(2 * _POLL_S)
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
 
 
 def _describe(op: int, dtype: int, numel: int) -> str:
@@ -634,9 +736,9 @@ def _rendezvous(
     """The host group's sockets and segment; None (a warning) when they cannot be made."""
     key = f"gradsync/host-secret/{members[0]}"
     deadline = time.monotonic() + timeout_s
-    # One region of `HOST_OP_MAX_BYTES` per member and slot: a "slot" of the layout below
-    # holds one member's regions, and its "result region" the last member's.
-    layout = SegmentLayout((slots * HOST_OP_MAX_BYTES,), len(members) - 1)
+    # The file starts with one page; each rank sizes it and reserves its own arena's pages
+    # as its ops need them (`host_arena`), so nothing more is taken up front.
+    layout = SegmentLayout((0,), len(members) - 1)
     try:
         if rank == members[0]:
             secret = secrets.token_bytes(16)

@@ -77,6 +77,12 @@ from gradsync_server.control.collective_ops import (
 from gradsync_server.control.signature import is_collectives_only
 from gradsync_server.dataplane.actions import Action, Member, Send, Terminate
 from gradsync_server.dataplane.budget import OwnerBudget
+from gradsync_server.dataplane.collective_fold import (
+    HeldInput,
+    encode_result,
+    folded_results,
+    folds,
+)
 from gradsync_server.dataplane.observer import StepObserver
 from gradsync_server.dataplane.uploads import BlobAssembler
 from gradsync_server.errors import RejectedMessage
@@ -104,8 +110,9 @@ class _Round:
     root: int
     first_rank: int
     participants: list[int]
-    #: Each rank's input as it arrives (any order; an empty input is one empty chunk).
-    inputs: dict[int, BlobAssembler] = field(default_factory=dict)
+    #: Each rank's input as it arrives (any order; an empty input is one empty chunk):
+    #: a floating all-reduce's kept as its chunks (`collective_fold`), others reassembled.
+    inputs: dict[int, BlobAssembler | HeldInput] = field(default_factory=dict)
     #: When each rank's input began to arrive (its first chunk taken), on the job's clock.
     arrived: dict[int, float] = field(default_factory=dict)
     #: ALL_TO_ALL: each rank's (send_splits, receive_splits).
@@ -310,8 +317,12 @@ class Collectives:
                 f"{held.describe()} of {chunk.total_bytes} bytes from rank {rank} of job "
                 f"'{self._budget.owner}'"
             )
-            item = BlobAssembler(
-                what, chunk.total_bytes, self._chunk_bytes, None, self._budget, in_order=False
+            item = (
+                HeldInput(what, chunk.total_bytes, self._chunk_bytes, self._budget)
+                if folds(held.op, held.dtype)
+                else BlobAssembler(
+                    what, chunk.total_bytes, self._chunk_bytes, None, self._budget, in_order=False
+                )
             )
             held.inputs[rank] = item
             held.arrived[rank] = self._clock()
@@ -595,28 +606,24 @@ class Collectives:
         received = sum(held.inputs[r].total_bytes for r in units)
         arrived = self._arrivals(held) if self._reports_lag else {}
         by_rank: list[tuple[tuple[int, ...], bytes | memoryview]]
+        if folds(held.op, held.dtype):
+            return self._finish_folded(held, participants, units, received, arrived)
         if held.op in ELEMENTWISE:
             # The inputs are handed over (no copy) and combined into the first one's bytes,
             # in ascending rank of their senders (a host group's sum in its leader's place).
-            inputs = [held.inputs[r].take() for r in units]
+            inputs = [_assembled(held, r).take() for r in units]
             reduced = reduce_inputs(held.op, held.dtype, inputs, in_place=True)
             by_rank = [(units, reduced)]
         elif held.op in PER_RANK:
-            blobs = {r: held.inputs[r].blob() for r in participants}
+            blobs = {r: _assembled(held, r).blob() for r in participants}
             sends = sorted(self._per_rank(held, blobs).items())
             by_rank = [((rank,), result) for rank, result in sends]
         else:
-            blobs = {r: held.inputs[r].blob() for r in participants}
+            blobs = {r: _assembled(held, r).blob() for r in participants}
             by_rank = [(participants, self._common(held, participants, blobs))]
         self._close(held)
-        if self._observer is not None:
-            sent = sum(len(result) * len(ranks) for ranks, result in by_rank)
-            self._observer.observe_collective(held.name.replace(" ", "_"), received, sent)
-            if arrived:
-                first = min(arrived.values())
-                for rank in participants:
-                    if rank in arrived:
-                        self._observer.observe_bucket_arrival(rank, arrived[rank] - first)
+        sent = sum(len(result) * len(ranks) for ranks, result in by_rank)
+        self._observe(held, participants, received, sent, arrived)
         return [
             Send(
                 ranks,
@@ -637,6 +644,52 @@ class Collectives:
             for ranks, result in by_rank
             for offset, payload in blob_chunks(result, self._chunk_bytes, empty_chunk=True)
         ]
+
+    def _finish_folded(
+        self,
+        held: _Round,
+        participants: tuple[int, ...],
+        units: tuple[int, ...],
+        received: int,
+        arrived: dict[int, float],
+    ) -> list[Action]:
+        """A floating all-reduce's result, combined chunk by chunk from the inputs' own
+        chunks and encoded once per chunk for every unit (`collective_fold`)."""
+        inputs = [held.inputs[r] for r in units]
+        total = inputs[0].total_bytes
+        fields = pb.CollectiveChunk(
+            sequence=held.sequence,
+            op=held.op,  # type: ignore[arg-type]
+            dtype=held.dtype,  # type: ignore[arg-type]
+            total_bytes=total,
+            root=held.root,
+            contributors=len(participants),
+        )
+        chunks = [item.chunks for item in inputs if isinstance(item, HeldInput)]
+        actions: list[Action] = []
+        for offset, payload in folded_results(held.op, held.dtype, chunks):
+            fields.offset = offset
+            actions.append(Send(units, encode_result(fields, payload)))
+        self._close(held)
+        self._observe(held, participants, received, total * len(units), arrived)
+        return actions
+
+    def _observe(
+        self,
+        held: _Round,
+        participants: tuple[int, ...],
+        received: int,
+        sent: int,
+        arrived: dict[int, float],
+    ) -> None:
+        if self._observer is None:
+            return
+        self._observer.observe_collective(held.name.replace(" ", "_"), received, sent)
+        if arrived:
+            first = min(arrived.values())
+            for rank in participants:
+                if rank in arrived:
+                    self._observer.observe_bucket_arrival(rank, arrived[rank] - first)
 
     @staticmethod
     def _arrivals(held: _Round) -> dict[int, float]:
@@ -679,6 +732,14 @@ class Collectives:
         for held in self._rounds.values():
             held.release()
         self._rounds.clear()
+
+
+def _assembled(held: _Round, rank: int) -> BlobAssembler:
+    """`rank`'s input to a collective that is not folded (reassembled as it arrived)."""
+    item = held.inputs[rank]
+    if not isinstance(item, BlobAssembler):
+        raise TypeError(f"{held.describe()}: rank {rank}'s input was kept for folding")
+    return item
 
 
 def _splits_of(chunk: pb.CollectiveChunk) -> tuple[tuple[int, ...], tuple[int, ...]]:
