@@ -222,6 +222,10 @@ def test_a_failed_handshake_is_a_clear_error_not_a_hang(
     with pytest.raises(ConnectionError, match=words):
         query_status(secured.address, security=security)
     # The worker: a TransportSecurityError within seconds, though the join timeout is 20 s.
+    # (The wrapper imports torch._dynamo before it joins, seconds of CPU on a loaded host:
+    # loaded here first, so that the time below is the connection's.)
+    import torch._dynamo  # noqa: F401
+
     started = time.monotonic()
     with pytest.raises(TransportSecurityError, match=words):
         join(
