@@ -5,7 +5,7 @@ MIN, MAX, PRODUCT; a PREMUL_SUM arrives as a SUM of scaled inputs) is served
 here instead of by copying every rank's input into one buffer and combining
 the copies (`collective_ops.reduce_inputs`). Each rank's chunks are kept as
 they arrived: the payload objects themselves, each checked against the wire
-grid by `BlobAssembly` and counted in the job's byte budget, never copied.
+grid by `uploads.BlobAssembler` and counted in the job's byte budget, never copied.
 Once every input is whole the result is made chunk by chunk: the chunks at
 one offset are combined in ascending rank of their senders (float32
 accumulation, float64 for float64), the first read in place and the second
@@ -36,13 +36,11 @@ from collections.abc import Iterator, Sequence
 import numpy as np
 import numpy.typing as npt
 from gradsync_proto import dtypes
-from gradsync_proto.blobs import BadChunk, BlobAssembly
-from gradsync_proto.codes import Code
 from gradsync_proto.v1 import gradsync_pb2 as pb
 
 from gradsync_server.dataplane.accumulators import decoded, from_accumulator, to_accumulator
-from gradsync_server.dataplane.budget import OwnerBudget, Reservation
-from gradsync_server.errors import RejectedMessage
+from gradsync_server.dataplane.budget import OwnerBudget
+from gradsync_server.dataplane.uploads import BlobAssembler
 
 __all__ = ["FOLDED_OPS", "HeldInput", "encode_result", "folded_results", "folds"]
 
@@ -93,51 +91,40 @@ class HeldInput:
     """
 
     def __init__(self, what: str, total_bytes: int, chunk_bytes: int, budget: OwnerBudget) -> None:
-        self._assembly = BlobAssembly(what, total_bytes, chunk_bytes, in_order=False, keep=False)
-        self._budget = budget
-        self._reservation: Reservation = budget.reserve()
+        # Checked and counted as any upload, its bytes not assembled: kept here instead.
+        self._checks = BlobAssembler(
+            what, total_bytes, chunk_bytes, None, budget, in_order=False, keep=False
+        )
         #: The chunks so far, by offset (the payloads as received).
         self.chunks: dict[int, bytes] = {}
 
     @property
     def total_bytes(self) -> int:
-        return self._assembly.total_bytes
+        return self._checks.total_bytes
 
     @property
     def received(self) -> int:
-        return self._assembly.received
+        return self._checks.received
 
     @property
     def complete(self) -> bool:
-        return self._assembly.complete
+        return self._checks.complete
 
     def add(self, offset: int, payload: bytes, claimed_total: int | None = None) -> bool:
         """Check and keep one chunk (no copy); True once the input is whole.
 
         Raises:
-            RejectedMessage: a chunk that does not fit the input (see `BlobAssembly.check`),
-                or no room for it in the byte budget.
+            RejectedMessage: a chunk that does not fit the input, or no room for it in
+                the byte budget (`uploads.BlobAssembler.add`).
         """
-        assembly = self._assembly
-        try:
-            assembly.check(offset, len(payload), claimed_total)
-        except BadChunk as bad:
-            raise RejectedMessage(bad.code, bad.message) from None
-        if not self._budget.fits(len(payload)):
-            raise RejectedMessage(
-                Code.RESOURCE_EXHAUSTED,
-                f"{assembly.what}: no room for {len(payload)} more bytes at offset {offset}: "
-                f"{self._budget.holding()}",
-            )
-        complete = assembly.add(offset, payload)
+        complete = self._checks.add(offset, payload, claimed_total)
         self.chunks[offset] = payload
-        self._reservation.hold(assembly.received)
         return complete
 
     def release(self) -> None:
         """Drop the chunks and give their bytes back (idempotent)."""
         self.chunks = {}
-        self._reservation.release()
+        self._checks.release()
 
 
 def folded_results(

@@ -36,6 +36,8 @@ class BlobAssembler:
             counted and checked (None: nowhere).
         in_order: chunks must come in order (see `BlobAssembly`).
         oversize: the code of a chunk above the chunk limit.
+        keep: assemble the bytes (False: check and count them only; the caller keeps
+            the chunks, as `collective_fold.HeldInput` does).
 
     Raises:
         RejectedMessage: RESOURCE_EXHAUSTED at construction when the blob is
@@ -52,6 +54,7 @@ class BlobAssembler:
         *,
         in_order: bool = True,
         oversize: Code = Code.RESOURCE_EXHAUSTED,
+        keep: bool = True,
     ) -> None:
         if limit is not None and total_bytes > limit[0]:
             raise RejectedMessage(
@@ -60,7 +63,7 @@ class BlobAssembler:
                 f"{limit[0]} ({limit[1]})",
             )
         self._assembly = BlobAssembly(
-            what, total_bytes, chunk_bytes, in_order=in_order, oversize=oversize
+            what, total_bytes, chunk_bytes, in_order=in_order, oversize=oversize, keep=keep
         )
         self._budget = budget
         self._reservation: Reservation | None = budget.reserve() if budget is not None else None
