@@ -61,7 +61,9 @@ def test_a_subgroup_of_two_runs_a_collective_beside_the_coordinators_world_of_th
             )
             (status,) = (await stub(pb.StatusRequest(job_id="run.pg-sub"), timeout=5)).jobs
             lags = {member.rank: member.mean_lag_s for member in status.members}
-            assert lags[0] == 0.0 and LATE_S <= lags[1] < LATE_S + 1.0, lags
+            # Rank 1's sleep starts once rank 0's send returned; the coordinator stamps rank
+            # 0's arrival when it reads it, up to a few ms later under load.
+            assert lags[0] == 0.0 and LATE_S - 0.05 <= lags[1] < LATE_S + 1.0, lags
             registry = running.servicer.metrics.registry
             for rank in (0, 1):
                 count = registry.get_sample_value(
