@@ -12,6 +12,7 @@ The coordinator is started with `gradsync serve --world-size 3`.
 
 from __future__ import annotations
 
+import importlib
 from typing import TYPE_CHECKING, Any
 
 from gradsync_proto import __version__
@@ -46,38 +47,26 @@ if TYPE_CHECKING:
     from gradsync.syncbn import convert_sync_batchnorm
 
 
+#: Names loaded on first use: torch is imported lazily so that the coordinator, which
+#: shares this package, starts without loading it. Name -> (module, its attribute, or
+#: None for the module itself).
+_LAZY: dict[str, tuple[str, str | None]] = {
+    "DistributedDataParallel": ("gradsync.ddp", "DistributedDataParallel"),
+    "DiLoCo": ("gradsync.diloco", "DiLoCo"),
+    "SparseWire": ("gradsync.sparse_wire", "SparseWire"),  # DiLoCo(wire_dtype=SparseWire(...))
+    "convert_sync_batchnorm": ("gradsync.syncbn", "convert_sync_batchnorm"),
+    "query_status": ("gradsync.status", "query_status"),  # what `gradsync status` shows
+    "collectives": ("gradsync.collectives", None),
+    "hooks": ("gradsync.hooks", None),  # comm hooks: fp16_compress_hook, bf16_compress_hook, ...
+}
+
+
 def __getattr__(name: str) -> Any:
-    # torch is imported lazily so that the coordinator, which shares this
-    # package, starts without loading it.
-    if name == "DistributedDataParallel":
-        from gradsync.ddp import DistributedDataParallel
-
-        return DistributedDataParallel
-    if name == "DiLoCo":
-        from gradsync.diloco import DiLoCo
-
-        return DiLoCo
-    if name == "SparseWire":  # DiLoCo(wire_dtype=SparseWire(density=...))
-        from gradsync.sparse_wire import SparseWire
-
-        return SparseWire
-    if name == "convert_sync_batchnorm":
-        from gradsync.syncbn import convert_sync_batchnorm
-
-        return convert_sync_batchnorm
-    if name == "query_status":  # what `gradsync status` shows, as a StatusReply
-        from gradsync.status import query_status
-
-        return query_status
-    if name == "collectives":
-        import gradsync.collectives
-
-        return gradsync.collectives
-    if name == "hooks":  # comm hooks: fp16_compress_hook, bf16_compress_hook, ...
-        import gradsync.hooks
-
-        return gradsync.hooks
-    raise AttributeError(f"module 'gradsync' has no attribute {name!r}")
+    if name not in _LAZY:
+        raise AttributeError(f"module 'gradsync' has no attribute {name!r}")
+    module_name, attribute = _LAZY[name]
+    module = importlib.import_module(module_name)
+    return module if attribute is None else getattr(module, attribute)
 
 
 __all__ = [
