@@ -121,11 +121,8 @@ class Collectives:
             GradSyncError: the collective failed (see `SessionLink.run_collective`).
         """
         wire_op = _reduce_op(op)
-        _check(tensor, "all_reduce")
         _check_reducible(tensor, wire_op, "all_reduce")
-        host = _host(tensor)
-        result = self._run(wire_op, tensor.dtype, _bytes_of(host), root=0)
-        _write_back(tensor, result)
+        _write_back(tensor, self._run(wire_op, tensor.dtype, _bytes_of(tensor), root=0))
         return tensor
 
     @property
@@ -157,9 +154,8 @@ class Collectives:
                 failed).
         """
         wire_op = _reduce_op(op)
-        _check(tensor, "all_reduce")
         _check_reducible(tensor, wire_op, "all_reduce")
-        payload = _bytes_of(_host(tensor))
+        payload = _bytes_of(tensor)
         link = self.link
         issue = getattr(link, "issue_collective", None)
         if issue is None:
@@ -222,15 +218,10 @@ class Collectives:
         self._check_src(src)
         for tensor in tensors:
             _check(tensor, "broadcast")
-        sizes = [t.numel() * t.element_size() for t in tensors]
-        total = sum(sizes)
-        if self.rank == src or every_rank_sends:
-            pieces = [_bytes_of(_host(t)) for t in tensors if t.numel()]
-            payload = np.concatenate(pieces) if pieces else np.empty(0, np.uint8)
-        else:
-            payload = np.empty(0, np.uint8)
+        sizes = [_nbytes(t) for t in tensors]
+        payload = _packed(tensors if self.rank == src or every_rank_sends else [])
         result = self._run(
-            pb.COLLECTIVE_OP_BROADCAST, torch.uint8, payload, root=src, result_bytes=total
+            pb.COLLECTIVE_OP_BROADCAST, torch.uint8, payload, root=src, result_bytes=sum(sizes)
         )
         if self.rank == src:
             return  # the root's tensors already hold the result
@@ -251,13 +242,8 @@ class Collectives:
             GradSyncError: the collective failed.
         """
         _check(tensor, "all_gather")
-        host = _host(tensor)
-        result = self._run(pb.COLLECTIVE_OP_ALL_GATHER, tensor.dtype, _bytes_of(host), root=0)
-        size = tensor.numel() * tensor.element_size()
-        parts = []
-        for index in range(self.last_contributors):
-            parts.append(_unpacked(tensor, result[index * size : (index + 1) * size]))
-        return parts
+        result = self._run(pb.COLLECTIVE_OP_ALL_GATHER, tensor.dtype, _bytes_of(tensor), root=0)
+        return _unpacked_parts(tensor, result, self.last_contributors)
 
     def barrier(self) -> None:
         """Return once every contributing rank has reached this barrier.
@@ -291,8 +277,7 @@ class Collectives:
             GradSyncError: the collective failed (e.g. another rank disagreed).
         """
         wire_op = _reduce_op(op)
-        for tensor in (output, input):
-            _check(tensor, "reduce_scatter")
+        _check(output, "reduce_scatter")
         _check_reducible(input, wire_op, "reduce_scatter")
         _check_same_dtype(output, input, "reduce_scatter")
         if input.numel() != self.world_size * output.numel():
@@ -301,16 +286,7 @@ class Collectives:
                 f"{self.world_size} * {output.numel()} elements, got {input.numel()}"
             )
         template = pb.CollectiveChunk(reduce_op=wire_op)  # type: ignore[arg-type]
-        result = self._run(
-            pb.COLLECTIVE_OP_REDUCE_SCATTER,
-            input.dtype,
-            _bytes_of(_host(input)),
-            root=0,
-            result_bytes=_nbytes(output),
-            template=template,
-        )
-        _write_back(output, result)
-        return output
+        return self._run_into(pb.COLLECTIVE_OP_REDUCE_SCATTER, output, input, template)
 
     def gather(self, tensor: torch.Tensor, dst: int) -> list[torch.Tensor] | None:
         """Every rank's `tensor` at rank `dst` only, in rank order (new tensors).
@@ -332,15 +308,11 @@ class Collectives:
         result = self._run(
             pb.COLLECTIVE_OP_GATHER,
             tensor.dtype,
-            _bytes_of(_host(tensor)),
+            _bytes_of(tensor),
             root=dst,
             result_bytes=size * self.world_size if self.rank == dst else 0,
         )
-        if self.rank != dst:
-            return None
-        return [
-            _unpacked(tensor, result[r * size : (r + 1) * size]) for r in range(self.world_size)
-        ]
+        return _unpacked_parts(tensor, result, self.world_size) if self.rank == dst else None
 
     def scatter(
         self, output: torch.Tensor, inputs: Sequence[torch.Tensor] | None, src: int
@@ -372,10 +344,7 @@ class Collectives:
                         f"scatter's inputs must each match the output ({tuple(output.shape)}, "
                         f"{output.dtype}), got {tuple(part.shape)} {part.dtype}"
                     )
-            pieces = [_bytes_of(_host(part)) for part in inputs]
-            payload = np.concatenate(pieces) if pieces else np.empty(0, np.uint8)
-        else:
-            payload = np.empty(0, np.uint8)
+        payload = _packed(inputs if self.rank == src and inputs is not None else [])
         result = self._run(
             pb.COLLECTIVE_OP_SCATTER, output.dtype, payload, root=src, result_bytes=_nbytes(output)
         )
@@ -418,16 +387,7 @@ class Collectives:
             send_splits=[rows * row for rows in send],
             receive_splits=[rows * row for rows in receive],
         )
-        result = self._run(
-            pb.COLLECTIVE_OP_ALL_TO_ALL,
-            input.dtype,
-            _bytes_of(_host(input)),
-            root=0,
-            result_bytes=_nbytes(output),
-            template=template,
-        )
-        _write_back(output, result)
-        return output
+        return self._run_into(pb.COLLECTIVE_OP_ALL_TO_ALL, output, input, template)
 
     # ------------------------------------------------------------ helpers
     def _splits(self, tensor: torch.Tensor, splits: Sequence[int] | None, what: str) -> list[int]:
@@ -475,6 +435,21 @@ class Collectives:
         self.last_contributors = contributors
         return memoryview(data)
 
+    def _run_into(
+        self, op: int, output: torch.Tensor, input: torch.Tensor, template: pb.CollectiveChunk
+    ) -> torch.Tensor:
+        """Run `op` on `input` with `template`; write the result into `output`, return it."""
+        result = self._run(
+            op,
+            input.dtype,
+            _bytes_of(input),
+            root=0,
+            result_bytes=_nbytes(output),
+            template=template,
+        )
+        _write_back(output, result)
+        return output
+
 
 def _reduce_op(op: Any) -> int:
     """The CollectiveOp of "sum"/"avg"/"min"/"max"/"product" (or a torch.distributed.ReduceOp)."""
@@ -498,6 +473,7 @@ def _check(tensor: torch.Tensor, what: str) -> None:
 
 
 def _check_reducible(tensor: torch.Tensor, wire_op: int, what: str) -> None:
+    _check(tensor, what)
     if tensor.dtype == torch.bool:
         raise ValueError(f"{what} cannot reduce bool tensors; convert them to int first")
     if wire_op == pb.COLLECTIVE_OP_AVG and tensor.dtype not in _FLOATING:
@@ -517,11 +493,15 @@ def _nbytes(tensor: torch.Tensor) -> int:
     return tensor.numel() * tensor.element_size()
 
 
-def _unpacked(like: torch.Tensor, raw: memoryview) -> torch.Tensor:
-    """A new tensor shaped like `like` (on its device) holding `raw`'s values."""
-    part = torch.empty_like(like, memory_format=torch.contiguous_format)
-    _write_back(part, raw)
-    return part
+def _unpacked_parts(like: torch.Tensor, raw: memoryview, count: int) -> list[torch.Tensor]:
+    """`count` new tensors shaped like `like` (on its device), `raw`'s values in order."""
+    size = _nbytes(like)
+    parts = []
+    for index in range(count):
+        part = torch.empty_like(like, memory_format=torch.contiguous_format)
+        _write_back(part, raw[index * size : (index + 1) * size])
+        parts.append(part)
+    return parts
 
 
 def _host(tensor: torch.Tensor) -> torch.Tensor:
@@ -529,12 +509,19 @@ def _host(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.detach().to("cpu", memory_format=torch.contiguous_format)
 
 
-def _bytes_of(host: torch.Tensor) -> np.ndarray[Any, np.dtype[np.uint8]]:
-    """The raw bytes of a contiguous CPU tensor, without a copy."""
-    if host.numel() == 0:
+def _bytes_of(tensor: torch.Tensor) -> np.ndarray[Any, np.dtype[np.uint8]]:
+    """The raw bytes of `tensor`'s values (without a copy of a contiguous CPU tensor)."""
+    if tensor.numel() == 0:
         return np.empty(0, np.uint8)
+    host = _host(tensor)
     array: np.ndarray[Any, np.dtype[np.uint8]] = host.reshape(-1).view(torch.uint8).numpy()
     return array
+
+
+def _packed(tensors: Sequence[torch.Tensor]) -> np.ndarray[Any, np.dtype[np.uint8]]:
+    """The raw bytes of every tensor of `tensors`, one after the other."""
+    pieces = [_bytes_of(t) for t in tensors if t.numel()]
+    return np.concatenate(pieces) if pieces else np.empty(0, np.uint8)
 
 
 def _write_back(tensor: torch.Tensor, raw: memoryview) -> None:
