@@ -28,7 +28,7 @@ import enum
 import functools
 import logging
 import os
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -40,15 +40,12 @@ from torch import nn
 from gradsync import compat, defaults, hooks, syncbn, uneven
 from gradsync.collectives import Collectives
 from gradsync.config import ClientConfig
-from gradsync.control.link import LinkFactory, SessionLink
+from gradsync.control.link import LinkFactory
 from gradsync.control.session import Session
 from gradsync.control.step_path import StepPath
 from gradsync.control.transport import Transport
 from gradsync.diloco_settings import check_screen
-from gradsync.errors import (
-    ClosedError,
-    CoordinatorUnavailableError,
-)
+from gradsync.errors import ClosedError, CoordinatorUnavailableError
 from gradsync.hooks import CommHook
 from gradsync.instruments import Instruments
 from gradsync.local.hierarchy import check_hierarchical, requested_hierarchical
@@ -240,13 +237,11 @@ class DistributedDataParallel(nn.Module):
         named = list(module.named_parameters())
         if not any(p.requires_grad for _, p in named):
             raise ValueError("the module has no parameters that require gradients")
-        self._named_parameters = named
         named_buffers = list(module.named_buffers())
         self.device = compat.module_device(named + named_buffers)
         self._input_device = compat.input_device(device_ids, self.device)
         sync = forward_sync_buffers if forward_sync_buffers is not None else broadcast_buffers
         self.broadcast_buffers = True if sync is None else sync
-        # The presence vector rides on the last bucket where it can: no message of its own.
         # The presence vector rides on the last bucket where it can (no message of its
         # own), but not under a screen that holds: a chunk is judged whole, and presence
         # values beside a small gradient would hide how far off that gradient is.
@@ -332,7 +327,7 @@ class DistributedDataParallel(nn.Module):
         syncbn.attach(module, self.collectives)
         for index, (_, param) in enumerate(named):
             if param.requires_grad:
-                hook = self._make_hook(index)
+                hook = functools.partial(self._on_gradient_ready, index)
                 self._hooks.append(param.register_post_accumulate_grad_hook(hook))  # type: ignore[no-untyped-call]
 
     # ---------------------------------------------------------------- public
@@ -355,7 +350,7 @@ class DistributedDataParallel(nn.Module):
     def step(self, value: int) -> None:
         # `join()` moves every rank to the job's next step when uneven inputs end.
         self._steps.step = int(value)
-        self._link.current_step = self._steps.step
+        self._session.link.current_step = self._steps.step
 
     @property
     def last_contributors(self) -> int:
@@ -468,12 +463,13 @@ class DistributedDataParallel(nn.Module):
             )
         self._reducer.register_comm_hook(state, hook)
 
+    @contextlib.contextmanager
     def join(
         self,
         divide_by_initial_world_size: bool = True,
         enable: bool = True,
         throw_on_early_termination: bool = False,
-    ) -> contextlib.AbstractContextManager[None]:
+    ) -> Iterator[None]:
         """Uneven inputs, as DDP's `join()`: `with model.join(): for batch in loader: ...`.
 
         A rank that runs out of data tells the coordinator and waits (bounded)
@@ -483,10 +479,6 @@ class DistributedDataParallel(nn.Module):
         options it does not support). Not with a local group (hierarchical
         aggregation): RuntimeError, pass hierarchical=False.
         """
-        return self._join(divide_by_initial_world_size, enable, throw_on_early_termination)
-
-    @contextlib.contextmanager
-    def _join(self, divide: bool, enable: bool, throw: bool) -> Iterator[None]:
         if enable and self._session.local_group is not None:
             # A local leader that runs out of inputs could no longer carry its
             # followers' gradients to the coordinator.
@@ -502,8 +494,8 @@ class DistributedDataParallel(nn.Module):
             with uneven.join_context(
                 self,
                 enable=enable,
-                divide_by_initial_world_size=divide,
-                throw_on_early_termination=throw,
+                divide_by_initial_world_size=divide_by_initial_world_size,
+                throw_on_early_termination=throw_on_early_termination,
             ):
                 yield
         finally:
@@ -511,18 +503,15 @@ class DistributedDataParallel(nn.Module):
 
     def all_reduce(self, tensor: torch.Tensor, op: str = "sum") -> torch.Tensor:
         """Reduce `tensor` in place over the ranks (op: sum, avg, min, max); return it."""
-        result: torch.Tensor = self.collectives.all_reduce(tensor, op)
-        return result
+        return self.collectives.all_reduce(tensor, op)
 
     def broadcast(self, tensor: torch.Tensor, src: int = 0) -> torch.Tensor:
         """Overwrite `tensor` in place with rank `src`'s; return it."""
-        result: torch.Tensor = self.collectives.broadcast(tensor, src)
-        return result
+        return self.collectives.broadcast(tensor, src)
 
     def all_gather(self, tensor: torch.Tensor) -> list[torch.Tensor]:
         """Every rank's `tensor` (equal shapes), in rank order."""
-        result: list[torch.Tensor] = self.collectives.all_gather(tensor)
-        return result
+        return self.collectives.all_gather(tensor)
 
     def barrier(self) -> None:
         """Return once every rank has reached its barrier (bounded by timeout_s)."""
@@ -587,18 +576,7 @@ class DistributedDataParallel(nn.Module):
         self.close()
 
     # ------------------------------------------------------------- step path
-    @property
-    def _link(self) -> SessionLink:
-        """The current link to the coordinator (a reconnect replaces it)."""
-        return self._session.link
-
-    def _make_hook(self, index: int) -> Callable[[torch.Tensor], None]:
-        def hook(_: torch.Tensor) -> None:
-            self._on_gradient_ready(index)
-
-        return hook
-
-    def _on_gradient_ready(self, index: int) -> None:
+    def _on_gradient_ready(self, index: int, _: torch.Tensor) -> None:
         """Autograd hook body (see `StepPath.gradient_ready`); a closed wrapper ignores it."""
         if self._state is _State.CLOSED:
             return
