@@ -275,33 +275,14 @@ class DiLoCo:
             start = 0
             for index, group in enumerate(groups):
                 name = base if len(groups) == 1 else f"{base}.fragment{index}"
+                args = (group, outer, wire_dtype, feedback, name, common, answer_dtype)
                 if site is None:
-                    fragment = Fragment(
-                        group,
-                        outer,
-                        wire_dtype,
-                        feedback,
-                        name,
-                        common,
-                        answer_dtype,
-                        sparse=sparse,
-                    )
+                    fragment = Fragment(*args, sparse=sparse)
                 elif not site.uploads:
                     fragment = SiteFollower(site, group, outer.weighted)
                 else:
                     names = site.shadow_names(site.names[start : start + len(group)])
-                    fragment = SiteFragment(
-                        site,
-                        group,
-                        outer,
-                        wire_dtype,
-                        feedback,
-                        name,
-                        common,
-                        answer_dtype,
-                        names,
-                        sparse,
-                    )
+                    fragment = SiteFragment(site, *args, names, sparse)
                 start += len(group)
                 self.fragments.append(fragment)
             if site is not None:

@@ -120,6 +120,15 @@ class Fragment:
             are torch.int8, `gradsync.sparse_wire.sparse_settings`); None = dense.
     """
 
+    #: Bytes the last round uploaded (as sent) and received (the answers, which fill
+    #: every bucket in float32, or compact: the transport checks each answer's size),
+    #: and its `time.perf_counter()` start and end (the trace's clock).
+    last_round_bytes = 0
+    last_round_received = 0
+    last_round_started = last_round_finished = 0.0
+    #: What the coordinator said of the last round (contributors, late merges, ...).
+    last_report = RoundReport()
+
     def __init__(
         self,
         params: Sequence[torch.Tensor],
@@ -178,14 +187,6 @@ class Fragment:
         self.global_params = [p.detach().clone() for p in self.params]
         self._thread: threading.Thread | None = None
         self._failure: BaseException | None = None
-        #: Bytes the last round uploaded (as sent) and received (the answers, which fill
-        #: every bucket in float32, or compact: the transport checks each answer's size),
-        #: and its `time.perf_counter()` start and end (the trace's clock).
-        self.last_round_bytes = 0
-        self.last_round_received = 0
-        self.last_round_started = self.last_round_finished = 0.0
-        #: What the coordinator said of the last round (contributors, late merges, ...).
-        self.last_report = RoundReport()
         #: Weighted rounds: the weight this rank's chunks carry (its samples; 1 at the seed).
         self.weighted = outer.weighted
         welcome = self.ddp.welcome
@@ -276,7 +277,11 @@ class Fragment:
                         self.ddp.rank,
                         exc,
                     )
-                    self._reseed()
+                    # A restarted coordinator knows no global parameters: every rank holds
+                    # the latest ones (bitwise the same), so they seed it, in float32. A
+                    # rank that did not lose it would find it seeded (cannot happen today).
+                    if welcome is None or not welcome.outer_seeded:
+                        self._exchange_seeding()
         except BaseException as exc:  # raised where the round is collected
             self._failure = exc
         self.last_round_bytes = self.ddp.bytes_sent - sent
@@ -423,15 +428,6 @@ class Fragment:
         finally:
             if self._hook is not None:
                 self._hook.seeding = False
-
-    def _reseed(self) -> None:
-        """A restarted coordinator knows no global parameters: every rank holds the
-        latest ones (bitwise the same), so they seed it, in float32. Its outer momentum
-        starts again from zero."""
-        welcome = self.ddp.welcome
-        if welcome is not None and welcome.outer_seeded:
-            return  # a rank that did not lose it seeded it already (cannot happen today)
-        self._exchange_seeding()
 
     def wait(self) -> list[torch.Tensor]:
         """Wait (bounded) for the round in flight; return the new global parameters.

@@ -46,12 +46,9 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from gradsync_proto.v1 import gradsync_pb2 as pb
 
 from gradsync.diloco_fragment import Fragment
 from gradsync.errors import GradSyncError
-from gradsync.path.step_results import RoundReport
-from gradsync.sparse_wire import SparseWire
 
 __all__ = ["SiteFollower", "SiteFragment", "SiteLayout"]
 
@@ -188,23 +185,10 @@ class SiteFragment(Fragment):
     """A fragment of a rank that uploads: the site weighs the round, and a replicated
     site's rank 0 hands the answer on to the others."""
 
-    def __init__(
-        self,
-        site: SiteLayout,
-        params: Sequence[torch.Tensor],
-        outer: pb.OuterOptimizer,
-        wire_dtype: torch.dtype | None,
-        error_feedback: bool,
-        job_id: str | None,
-        options: dict[str, Any],
-        answer_dtype: torch.dtype | None = None,
-        names: Sequence[str] | None = None,
-        sparse: SparseWire | None = None,
-    ) -> None:
+    def __init__(self, site: SiteLayout, *args: Any, **kwargs: Any) -> None:
+        """`site`, then `Fragment`'s arguments."""
         self.site = site
-        super().__init__(
-            params, outer, wire_dtype, error_feedback, job_id, options, answer_dtype, names, sparse
-        )
+        super().__init__(*args, **kwargs)
         if not site.sharded:
             site.broadcast(self.params)  # the start every site adopted (or the healed one)
 
@@ -228,10 +212,6 @@ class SiteFollower(Fragment):
         self.site = site
         self.params = list(params)
         self.weighted = weighted
-        self.last_round_bytes = 0
-        self.last_round_received = 0
-        self.last_round_started = self.last_round_finished = 0.0
-        self.last_report = RoundReport()
         self._pending = False
         site.broadcast(self.params)
 
