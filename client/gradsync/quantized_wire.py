@@ -130,11 +130,15 @@ class Int8Quantization:
         residual = None if self.residuals is None else self.residuals.get(bucket.index)
         if residual is not None:
             upload = upload + residual
-        values, scales = int8_wire.quantize(upload.numpy(), self.grid().spans(upload.numel()))
-        wire = Int8Wire(torch.from_numpy(values), scales, self.int8_answer)
+        wire = self._encode(upload)
         if self.residuals is not None:
             self.residuals[bucket.index] = upload - wire.dequantized()
         return wire
+
+    def _encode(self, upload: torch.Tensor) -> Int8Wire:
+        """`upload` on the wire: int8 values and a scale per chunk of the grid."""
+        values, scales = int8_wire.quantize(upload.numpy(), self.grid().spans(upload.numel()))
+        return Int8Wire(torch.from_numpy(values), scales, self.int8_answer)
 
     def after_average(self, state: Any, bucket: GradBucket, averaged: torch.Tensor) -> None:
         # Only a float32 upload (the seed) gets here: an int8 one is answered in place.

@@ -29,12 +29,10 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 from gradsync_proto import sparse_wire
 
-from gradsync.hooks import GradBucket
 from gradsync.quantized_wire import ChunkGrid, Int8Quantization, Int8Wire
 
 __all__ = [
@@ -98,20 +96,11 @@ class SparseQuantization(Int8Quantization):
         super().__init__(grid, error_feedback, int8_answer=True)
         self.density = density
 
-    def before_upload(self, state: Any, bucket: GradBucket) -> torch.Tensor | Int8Wire:
-        if self.seeding or bucket.buffer.dtype != torch.float32:
-            return bucket.buffer
-        upload = bucket.buffer
-        residual = None if self.residuals is None else self.residuals.get(bucket.index)
-        if residual is not None:
-            upload = upload + residual
+    def _encode(self, upload: torch.Tensor) -> Int8Wire:
         payloads, q, steps = sparse_wire.encode_bucket(
             upload.numpy(), self.grid().spans(upload.numel()), self.density
         )
-        wire = Int8Wire(torch.from_numpy(q), steps, int8_answer=True, encoded=payloads)
-        if self.residuals is not None:
-            self.residuals[bucket.index] = upload - wire.dequantized()
-        return wire
+        return Int8Wire(torch.from_numpy(q), steps, int8_answer=True, encoded=payloads)
 
     def __repr__(self) -> str:
         feedback = self.residuals is not None
