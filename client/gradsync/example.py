@@ -127,11 +127,7 @@ def train_worker(
     import gradsync
 
     data = load_digits(settings.data_seed)
-    if settings.sync_every:
-        return _train_diloco(coordinator, rank, settings, data, init_seed, job_id, timeout_s,
-                             save_path, token, on_step)  # fmt: skip
-    model = gradsync.DistributedDataParallel(
-        build_model(init_seed),
+    joining: dict[str, Any] = dict(
         coordinator=coordinator,
         rank=rank,
         world_size=settings.world_size,
@@ -139,8 +135,10 @@ def train_worker(
         timeout_s=timeout_s,
         join_timeout_s=timeout_s,
         token=token,
-        **options,
     )
+    if settings.sync_every:
+        return _train_diloco(rank, settings, data, init_seed, save_path, on_step, joining)
+    model = gradsync.DistributedDataParallel(build_model(init_seed), **joining, **options)
     optimizer = torch.optim.SGD(model.parameters(), lr=settings.lr)
     model.register_optimizer(optimizer)  # checkpoints carry its state
     batches = global_batches(len(data.train_y), settings)
@@ -157,18 +155,18 @@ def train_worker(
 
 
 def _train_diloco(
-    coordinator: str,
     rank: int,
     settings: TrainSettings,
     data: Digits,
     init_seed: int,
-    job_id: str | None,
-    timeout_s: float,
     save_path: Path | None,
-    token: str | None,
     on_step: Callable[[int, float], None] | None,
+    joining: dict[str, Any],
 ) -> float:
-    """One rank of the example job under `gradsync.DiLoCo`: its own slice, a round every H."""
+    """One rank of the example job under `gradsync.DiLoCo`: its own slice, a round every H.
+
+    `joining`: `train_worker`'s arguments of the job (coordinator, rank, timeouts, ...).
+    """
     import gradsync
 
     model = build_model(init_seed)
@@ -179,13 +177,7 @@ def _train_diloco(
         sync_every=settings.sync_every,
         outer_lr=settings.outer_lr,
         outer_momentum=settings.outer_momentum,
-        coordinator=coordinator,
-        rank=rank,
-        world_size=settings.world_size,
-        job_id=job_id,
-        timeout_s=timeout_s,
-        join_timeout_s=timeout_s,
-        token=token,
+        **joining,
     ) as diloco:
         for indices in global_batches(len(data.train_y), settings):
             loss = _sgd_step(model, optimizer, data, _slice(indices, rank, settings.batch_size))
