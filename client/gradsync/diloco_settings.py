@@ -240,36 +240,33 @@ def flatten_options(
             f"with answer_dtype={answer_dtype!r} yet (a late rank is answered with the "
             "global parameters, not the public copy): pass answer_dtype=None"
         )
+    summed = "a local group sums its ranks before the coordinator sees them"
     if outer.min_contributors or outer.weighted:
-        if options.get("hierarchical") not in (None, False):
-            raise ValueError(
-                f"hierarchical={options['hierarchical']!r} is not possible with partial "
-                "or weighted rounds (a local group sums its ranks before the coordinator "
-                "sees them): pass hierarchical=False"
-            )
-        options["hierarchical"] = False
+        _flat(options, "partial or weighted rounds", summed)
     if outer.screen not in ("", "report"):
         if outer.weighted or outer.merge_late:
             raise ValueError(
                 f"screen={outer.screen!r} is not possible with weighted rounds or "
                 "late='merge' (it screens each rank's own unweighted pseudo-gradient)"
             )
-        if options.get("hierarchical") not in (None, False):
-            raise ValueError(
-                f"hierarchical={options['hierarchical']!r} is not possible with "
-                f"screen={outer.screen!r} (a local group sums its ranks before the "
-                "coordinator sees them): pass hierarchical=False"
-            )
-        options["hierarchical"] = False
+        _flat(options, f"screen={outer.screen!r}", summed)
     if wire_dtype is torch.int8 or answer_dtype is not None:
-        if options.get("hierarchical") not in (None, False):
-            setting = "wire_dtype=torch.int8" if wire_dtype is torch.int8 else "answer_dtype"
-            raise ValueError(
-                f"hierarchical={options['hierarchical']!r} is not possible with "
-                f"{setting} (a local group sums and answers in full precision): pass "
-                "hierarchical=False"
-            )
-        options["hierarchical"] = False
+        setting = "wire_dtype=torch.int8" if wire_dtype is torch.int8 else "answer_dtype"
+        _flat(options, setting, "a local group sums and answers in full precision")
+
+
+def _flat(options: dict[str, Any], setting: str, why: str) -> None:
+    """Turn `hierarchical` off in `options`, which `setting` needs (`why`: why it does).
+
+    Raises:
+        ValueError: `hierarchical` was asked for (naming `setting`).
+    """
+    if options.get("hierarchical") not in (None, False):
+        raise ValueError(
+            f"hierarchical={options['hierarchical']!r} is not possible with {setting} "
+            f"({why}): pass hierarchical=False"
+        )
+    options["hierarchical"] = False
 
 
 def check_samples(samples: float | None, inner_step: int) -> float:
