@@ -35,8 +35,17 @@ from torch._compile import _disable_dynamo
 
 _Fn = TypeVar("_Fn", bound=Callable[..., Any])
 
-#: Accepted and meaningful only as gradsync always behaves (no warning).
-ALWAYS_HONOURED = ("find_unused_parameters", "static_graph", "check_reduction")
+#: The DDP arguments gradsync cannot honour, with the value that means "not used".
+_IGNORED_UNLESS: dict[str, Any] = {
+    "dim": 0,
+    "process_group": None,
+    "delay_all_reduce_named_params": None,
+    "param_to_hook_all_reduce": None,
+    "mixed_precision": None,
+    "device_mesh": None,
+    "skip_all_reduce_unused_params": False,
+    "init_sync": True,
+}
 
 
 def ignored_arguments(arguments: Mapping[str, Any]) -> list[str]:
@@ -45,21 +54,11 @@ def ignored_arguments(arguments: Mapping[str, Any]) -> list[str]:
     Args:
         arguments: DDP-only keyword arguments as passed (None = not passed).
     """
-    ignored = []
-    defaults: dict[str, Any] = {
-        "dim": 0,
-        "process_group": None,
-        "delay_all_reduce_named_params": None,
-        "param_to_hook_all_reduce": None,
-        "mixed_precision": None,
-        "device_mesh": None,
-        "skip_all_reduce_unused_params": False,
-        "init_sync": True,
-    }
-    for name, default in defaults.items():
-        if name in arguments and arguments[name] != default:
-            ignored.append(name)
-    return ignored
+    return [
+        name
+        for name, unused in _IGNORED_UNLESS.items()
+        if name in arguments and arguments[name] != unused
+    ]
 
 
 def warn_ignored(names: Sequence[str]) -> None:

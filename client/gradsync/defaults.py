@@ -10,7 +10,6 @@ from __future__ import annotations
 from gradsync_proto.defaults import (
     CHUNK_BYTES as CHUNK_BYTES,
     ENV_REDIS_PASSWORD as ENV_REDIS_PASSWORD,
-    HEADER_SLACK_BYTES as HEADER_SLACK_BYTES,
     HEARTBEAT_INTERVAL_S as HEARTBEAT_INTERVAL_S,
     MAX_COLLECTIVE_BYTES as MAX_COLLECTIVE_BYTES,
     MIB as MIB,

@@ -266,13 +266,7 @@ _END_REASON_TO_ERROR: dict[int, type[GradSyncError]] = {
 
 
 def error_from_status(
-    code: int,
-    details: str,
-    *,
-    reason: int | None = None,
-    rank: int | None = None,
-    step: int | None = None,
-    bucket_index: int | None = None,
+    code: int, details: str, *, reason: int | None = None, **context: Any
 ) -> GradSyncError:
     """Translate a stream-ending gRPC status into the matching GradSyncError.
 
@@ -284,7 +278,7 @@ def error_from_status(
         reason: the `EndReason` of the coordinator's `StreamEnd`, when one
             arrived; it decides the class. None or END_REASON_UNSPECIFIED (or
             a value this client does not know) falls back to the code.
-        rank, step, bucket_index: context named in the message.
+        context: `rank`, `step`, `bucket_index`, named in the message.
 
     Returns:
         The exception to raise (the caller raises it `from` the gRPC error).
@@ -296,6 +290,4 @@ def error_from_status(
     cls = _END_REASON_TO_ERROR.get(reason or pb.END_REASON_UNSPECIFIED)
     if cls is None:
         cls = _TERMINAL_CODE_TO_ERROR.get(status, GradSyncError)
-    return cls(
-        f"{status.name}: {details}", rank=rank, step=step, bucket_index=bucket_index, code=status
-    )
+    return cls(f"{status.name}: {details}", code=status, **context)

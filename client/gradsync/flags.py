@@ -19,9 +19,6 @@ from pathlib import Path
 from typing import TypeVar
 
 from gradsync_proto.flags import (
-    MAX_CHUNK_MB,
-    MAX_SECONDS,
-    MIN_CHUNK_MB,
     add_flags,
     chunk_mb,
     coordinator,
@@ -36,9 +33,6 @@ from gradsync_proto.flags import (
 )
 
 __all__ = [
-    "MAX_CHUNK_MB",
-    "MAX_SECONDS",
-    "MIN_CHUNK_MB",
     "add_flags",
     "choice_list",
     "chunk_mb",

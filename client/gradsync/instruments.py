@@ -13,6 +13,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 from gradsync_proto.net.exposition import MetricsServer, serve_metrics
@@ -219,12 +220,12 @@ class Instruments:
             self.server.close()
 
 
+@dataclass
 class _Window:
     """Totals since rank 0's last step log."""
 
-    def __init__(self, first_step: int, started: float, bytes_sent: int) -> None:
-        self.first_step = first_step
-        self.started = started
-        self.bytes_sent = bytes_sent
-        self.exposed_s = 0.0
-        self.steps = 0
+    first_step: int
+    started: float
+    bytes_sent: int
+    exposed_s: float = 0.0
+    steps: int = 0

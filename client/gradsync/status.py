@@ -120,11 +120,7 @@ def _integers_as_numbers(data: dict[str, Any], descriptor: Descriptor) -> None:
 
 def format_status(reply: pb.StatusReply) -> str:
     """A readable report of a StatusReply: running jobs, then ended ones, then the shards."""
-    shards = format_shards(reply.shards)
-    recovery = _recovery_line(reply.recovery)
-    if not reply.jobs:
-        return "\n".join(line for line in ("no jobs", shards, recovery) if line)
-    lines = []
+    lines = [] if reply.jobs else ["no jobs"]
     for job in reply.jobs:
         if not job.ended:
             lines.extend(_running_job(job))
@@ -136,16 +132,9 @@ def format_status(reply: pb.StatusReply) -> str:
             )
             if job.outer:
                 lines.append(_diloco_line(job))
-            if job.nonfinite_contributions:
-                lines.append(
-                    f"  non-finite gradients (NaN/Inf): {job.nonfinite_contributions} "
-                    f"contributions, latest: {job.last_nonfinite}"
-                )
-    if shards:
-        lines.append(shards)
-    if recovery:
-        lines.append(recovery)
-    return "\n".join(lines)
+            lines += _nonfinite_lines(job)
+    tail = (format_shards(reply.shards), _recovery_line(reply.recovery))
+    return "\n".join([*lines, *(line for line in tail if line)])
 
 
 def _recovery_line(recovery: pb.Recovery) -> str:
@@ -234,6 +223,15 @@ def _diloco_line(job: pb.JobStatus) -> str:
     )
 
 
+def _nonfinite_lines(job: pb.JobStatus) -> list[str]:
+    if not job.nonfinite_contributions:
+        return []
+    return [
+        f"  non-finite gradients (NaN/Inf): {job.nonfinite_contributions} contributions, "
+        f"latest: {job.last_nonfinite}"
+    ]
+
+
 def _running_job(job: pb.JobStatus) -> list[str]:
     """Lines of a job that still runs (or assembles): members, laggards, who is missing."""
     checkpoint = (
@@ -267,11 +265,7 @@ def _running_job(job: pb.JobStatus) -> list[str]:
             f"rank {late.rank} (buckets {list(late.bucket_indices)})" for late in job.late
         )
         lines.append(f"  step {job.open_step} is {job.step_age_s:.1f}s old, waiting for {waiting}")
-    if job.nonfinite_contributions:
-        lines.append(
-            f"  non-finite gradients (NaN/Inf): {job.nonfinite_contributions} contributions, "
-            f"latest: {job.last_nonfinite}"
-        )
+    lines += _nonfinite_lines(job)
     if job.screened_contributions:
         lines.append(
             f"  screen ({job.screen}): {job.screened_contributions} contributions flagged, "
