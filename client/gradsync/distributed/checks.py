@@ -92,3 +92,29 @@ def split_rows(
             f"{rows} rows into {world} parts"
         )
     return list(torch.split(tensor, sizes, dim=0))
+
+
+def flat_copy(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
+    """The tensors' values, on the CPU, as one 1-D tensor (a copy)."""
+    if not tensors:
+        return torch.empty(0)
+    return torch.cat([t.detach().reshape(-1).to("cpu") for t in tensors])
+
+
+def write_into(target: torch.Tensor, values: torch.Tensor) -> None:
+    with torch.no_grad():
+        target.copy_(values.reshape(target.shape))
+
+
+def write_parts(targets: Sequence[torch.Tensor], parts: Sequence[torch.Tensor]) -> None:
+    """Each of `parts` into its target."""
+    for target, part in zip(targets, parts, strict=True):
+        write_into(target, part)
+
+
+def write_flat(targets: Sequence[torch.Tensor], flat: torch.Tensor) -> None:
+    """`flat`'s values into `targets`, one after another."""
+    offset = 0
+    for target in targets:
+        write_into(target, flat[offset : offset + target.numel()])
+        offset += target.numel()

@@ -14,9 +14,8 @@ all-gather and barrier are the coordinator's own collectives: every rank's
 call is checked against the others' (op, dtype, size, root) and a mismatch
 fails every rank naming both values. Reduce-scatter, gather, scatter and
 all-to-all are the hub's too, each rank receiving only its part; reduce is an
-all-reduce only the root keeps (`gradsync.distributed.composite` packs c10d's
-tensor lists and says what each op costs on the wire). The bitwise reductions
-are refused, and so are send and recv: the coordinator is a hub, not a
+all-reduce only the root keeps (docs/backend.md says what each op costs on the
+wire). The bitwise reductions are refused, and so are send and recv: the coordinator is a hub, not a
 point-to-point relay.
 
 The ranks of a group on one host sum an all-reduce of a float32 or float64
@@ -35,6 +34,7 @@ bfloat16, the integer types, bool for broadcast and gather) works.
 
 from __future__ import annotations
 
+import functools
 import logging
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -47,17 +47,13 @@ from gradsync.distributed.checks import (
     check_dtype,
     chunks,
     describe,
+    flat_copy,
     op_of,
     reduce_op,
     split_rows,
-)
-from gradsync.distributed.composite import (
-    all_to_all,
-    flat_copy,
-    gather,
-    reduce_by_all_reduce,
-    scatter,
+    write_flat,
     write_into,
+    write_parts,
 )
 from gradsync.distributed.group_session import GroupSession
 from gradsync.distributed.host_group import HostGroup
@@ -185,19 +181,26 @@ class ProcessGroupGradsync(_ProcessGroup):  # type: ignore[misc]  # (untyped bas
         tensor = self._one(tensors, "allreduce")
         op, factor = reduce_op(op_of(opts), tensor.dtype, "allreduce")
         check_dtype(tensor, "allreduce", reducing=True)
-
+        cpu = tensor.device.type == "cpu"
         wire = wire_for(self.wire_dtype, tensor.dtype, op)
         host = self.host
+        start: Callable[[torch.Tensor, str, Callable[[], None]], Callable[[], int]]
         if host is not None and wire is None and host.takes(tensor, op):
-            return self._host_allreduce(host, tensors, tensor, op, factor)
-        name = f"allreduce({op}, {describe(tensor)}{on_wire(wire)})"
+            # Through this rank's host group (`gradsync.distributed.host_group`).
+            name = f"allreduce({op}, {describe(tensor)}, host group {host.members})"
+            start, inline = host.start, cpu
+        else:
+            name = f"allreduce({op}, {describe(tensor)}{on_wire(wire)})"
+            routes = self._session.shard_routes
+            start = functools.partial(start_all_reduce, routes, self._collectives)
+            inline = cpu and self._collectives.can_issue
 
         def issue(ready: Callable[[], None]) -> Finish:
             if factor is not None:
                 with torch.no_grad():
                     tensor.mul_(factor)
             sent = tensor if wire is None else tensor.detach().to(wire)
-            finish = self._start_all_reduce(sent, op, ready)
+            finish = start(sent, op, ready)
 
             def done() -> OpResult:
                 self._check_contributors(finish())
@@ -207,45 +210,7 @@ class ProcessGroupGradsync(_ProcessGroup):  # type: ignore[misc]  # (untyped bas
 
             return done
 
-        inline = tensor.device.type == "cpu" and self._collectives.can_issue
-        return self._ops.submit_split(name, issue, inline=inline, tells=tensor.device.type == "cpu")
-
-    def _start_all_reduce(
-        self, tensor: torch.Tensor, op: str, ready: Callable[[], None]
-    ) -> Callable[[], int]:
-        return start_all_reduce(self._session.shard_routes, self._collectives, tensor, op, ready)
-
-    def _reduce_scatter_parts(
-        self, output: torch.Tensor, parts: Sequence[torch.Tensor], op: str, wire: Any
-    ) -> None:
-        routes = self._session.shard_routes
-        reduce_scatter_parts(routes, self._collectives, output, parts, op, wire)
-
-    def _host_allreduce(
-        self,
-        host: HostGroup,
-        tensors: list[torch.Tensor],
-        tensor: torch.Tensor,
-        op: str,
-        factor: Any,
-    ) -> Any:
-        """An all-reduce through this rank's host group (`gradsync.distributed.host_group`)."""
-
-        def issue(ready: Callable[[], None]) -> Finish:
-            if factor is not None:
-                with torch.no_grad():
-                    tensor.mul_(factor)
-            finish = host.start(tensor, op, ready)
-
-            def done() -> OpResult:
-                self._check_contributors(finish())
-                return tensors
-
-            return done
-
-        cpu = tensor.device.type == "cpu"
-        name = f"allreduce({op}, {describe(tensor)}, host group {host.members})"
-        return self._ops.submit_split(name, issue, inline=cpu, tells=cpu)
+        return self._ops.submit_split(name, issue, inline=inline, tells=cpu)
 
     def allreduce_coalesced(self, tensors: list[torch.Tensor], opts: Any = None) -> Any:
         if not tensors:
@@ -266,10 +231,7 @@ class ProcessGroupGradsync(_ProcessGroup):  # type: ignore[misc]  # (untyped bas
                 self._collectives.all_reduce(flat, op)
             else:
                 flat = self._collectives.all_reduce(flat.to(wire), op).to(flat.dtype)
-            offset = 0
-            for tensor in tensors:
-                write_into(tensor, flat[offset : offset + tensor.numel()])
-                offset += tensor.numel()
+            write_flat(tensors, flat)
             return tensors
 
         return self._submit(
@@ -296,9 +258,7 @@ class ProcessGroupGradsync(_ProcessGroup):  # type: ignore[misc]  # (untyped bas
         opts: Any = None,
     ) -> Any:
         tensor = self._one(input_tensors, "allgather")
-        if len(output_tensors) != 1:
-            raise ValueError(f"allgather takes one output list, got {len(output_tensors)}")
-        outputs = self._per_rank(output_tensors[0], tensor, "allgather")
+        outputs = self._only_list(output_tensors, tensor, "allgather", "output")
 
         def run() -> OpResult:
             self._gather_into(outputs, tensor, "allgather")
@@ -353,10 +313,7 @@ class ProcessGroupGradsync(_ProcessGroup):  # type: ignore[misc]  # (untyped bas
     def all_gather_single_coalesced(
         self, outputs: list[torch.Tensor], inputs: list[torch.Tensor], opts: Any = None
     ) -> Any:
-        if len(outputs) != len(inputs):
-            raise ValueError(
-                f"all_gather_into_tensor_coalesced: {len(outputs)} outputs, {len(inputs)} inputs"
-            )
+        self._same_count(outputs, inputs, "all_gather_into_tensor_coalesced")
         for output, tensor in zip(outputs, inputs, strict=True):
             check_dtype(tensor, "all_gather_into_tensor_coalesced", reducing=False)
             self._check_stacked(output, tensor, "all_gather_into_tensor_coalesced")
@@ -379,7 +336,7 @@ class ProcessGroupGradsync(_ProcessGroup):  # type: ignore[misc]  # (untyped bas
 
         return self._submit("barrier", run)
 
-    # ------------------------------------------------------------ composed (`composite`)
+    # ------------------------------------------------------------ the hub's per-rank ops
     def reduce_scatter(
         self,
         output_tensors: list[torch.Tensor],
@@ -387,9 +344,7 @@ class ProcessGroupGradsync(_ProcessGroup):  # type: ignore[misc]  # (untyped bas
         opts: Any = None,
     ) -> Any:
         output = self._one(output_tensors, "reduce_scatter")
-        if len(input_tensors) != 1:
-            raise ValueError(f"reduce_scatter takes one input list, got {len(input_tensors)}")
-        parts = self._per_rank(input_tensors[0], output, "reduce_scatter")
+        parts = self._only_list(input_tensors, output, "reduce_scatter", "input")
         return self._reduce_scatter(output, parts, opts, "reduce_scatter", output_tensors)
 
     def reduce_scatter_single(
@@ -408,10 +363,7 @@ class ProcessGroupGradsync(_ProcessGroup):  # type: ignore[misc]  # (untyped bas
     def reduce_scatter_single_coalesced(
         self, outputs: list[torch.Tensor], inputs: list[torch.Tensor], opts: Any = None
     ) -> Any:
-        if len(outputs) != len(inputs):
-            raise ValueError(
-                f"reduce_scatter_tensor_coalesced: {len(outputs)} outputs, {len(inputs)} inputs"
-            )
+        self._same_count(outputs, inputs, "reduce_scatter_tensor_coalesced")
         op, factor = reduce_op(
             op_of(opts), inputs[0].dtype if inputs else torch.float32, "reduce_scatter"
         )
@@ -419,17 +371,13 @@ class ProcessGroupGradsync(_ProcessGroup):  # type: ignore[misc]  # (untyped bas
             self._check_stacked(tensor, output, "reduce_scatter_tensor_coalesced")
             check_dtype(tensor, "reduce_scatter_tensor_coalesced", reducing=True)
         wires = [wire_for(self.wire_dtype, tensor.dtype, op) for tensor in inputs]
-
-        def run() -> OpResult:
-            for output, tensor, wire in zip(outputs, inputs, wires, strict=True):
-                parts = chunks(tensor, self.size())
-                if factor is not None:
-                    parts = [p * factor for p in parts]
-                self._reduce_scatter_parts(output, parts, op, wire)
-            return outputs
-
+        jobs = [
+            (output, chunks(tensor, self.size()), wire)
+            for output, tensor, wire in zip(outputs, inputs, wires, strict=True)
+        ]
         shown = on_wire(next((w for w in wires if w is not None), None))
-        return self._submit(f"reduce_scatter_tensor_coalesced({len(inputs)} tensors{shown})", run)
+        name = f"reduce_scatter_tensor_coalesced({len(inputs)} tensors{shown})"
+        return self._submit_reduce_scatter(name, jobs, op, factor, outputs)
 
     reduce_scatter_tensor_coalesced = reduce_scatter_single_coalesced
 
@@ -444,13 +392,27 @@ class ProcessGroupGradsync(_ProcessGroup):  # type: ignore[misc]  # (untyped bas
         op, factor = reduce_op(op_of(opts), output.dtype, what)
         check_dtype(output, what, reducing=True)
         wire = wire_for(self.wire_dtype, output.dtype, op)
+        name = f"{what}({op}, {describe(output)}{on_wire(wire)})"
+        return self._submit_reduce_scatter(name, [(output, parts, wire)], op, factor, result)
+
+    def _submit_reduce_scatter(
+        self,
+        name: str,
+        jobs: list[tuple[torch.Tensor, list[torch.Tensor], torch.dtype | None]],
+        op: str,
+        factor: Any,
+        result: list[torch.Tensor],
+    ) -> Any:
+        """Queue the reduce-scatter of each (output, per-rank parts, wire) of `jobs`."""
 
         def run() -> OpResult:
-            scaled = [p * factor for p in parts] if factor is not None else parts
-            self._reduce_scatter_parts(output, scaled, op, wire)
+            for output, parts, wire in jobs:
+                scaled = [p * factor for p in parts] if factor is not None else parts
+                routes = self._session.shard_routes
+                reduce_scatter_parts(routes, self._collectives, output, scaled, op, wire)
             return result
 
-        return self._submit(f"{what}({op}, {describe(output)}{on_wire(wire)})", run)
+        return self._submit(name, run)
 
     def reduce(self, tensors: list[torch.Tensor], opts: Any = None) -> Any:
         tensor = self._one(tensors, "reduce")
@@ -459,10 +421,12 @@ class ProcessGroupGradsync(_ProcessGroup):  # type: ignore[misc]  # (untyped bas
         check_dtype(tensor, "reduce", reducing=True)
 
         def run() -> OpResult:
+            # One all-reduce of a copy that only the root keeps: up N, down N per rank.
             source = tensor * factor if factor is not None else tensor
-            reduce_by_all_reduce(self._collectives, source, op, root)
-            if source is not tensor and self.rank() == root:
-                write_into(tensor, source)
+            copy = source.detach().to("cpu", copy=True)
+            self._collectives.all_reduce(copy, op)
+            if self.rank() == root:
+                write_into(tensor, copy)
             return tensors
 
         return self._submit(f"reduce({op}, root {root}, {describe(tensor)})", run)
@@ -476,16 +440,14 @@ class ProcessGroupGradsync(_ProcessGroup):  # type: ignore[misc]  # (untyped bas
         tensor = self._one(input_tensors, "gather")
         root = self._root(getattr(opts, "rootRank", 0), "gather")
         check_dtype(tensor, "gather", reducing=False)
-        outputs: list[torch.Tensor] = []
+        outputs = []
         if self.rank() == root:
-            if len(output_tensors) != 1:
-                raise ValueError(
-                    f"gather takes one output list on the root, got {len(output_tensors)}"
-                )
-            outputs = self._per_rank(output_tensors[0], tensor, "gather")
+            outputs = self._only_list(output_tensors, tensor, "gather", "output", " on the root")
 
         def run() -> OpResult:
-            gather(self._collectives, outputs, tensor, root)
+            parts = self._collectives.gather(tensor, root)
+            if parts is not None:
+                write_parts(outputs, parts)
             return outputs
 
         return self._submit(f"gather(root {root}, {describe(tensor)})", run)
@@ -499,16 +461,12 @@ class ProcessGroupGradsync(_ProcessGroup):  # type: ignore[misc]  # (untyped bas
         output = self._one(output_tensors, "scatter")
         root = self._root(getattr(opts, "rootRank", 0), "scatter")
         check_dtype(output, "scatter", reducing=False)
-        parts: list[torch.Tensor] = []
+        parts = []
         if self.rank() == root:
-            if len(input_tensors) != 1:
-                raise ValueError(
-                    f"scatter takes one input list on the root, got {len(input_tensors)}"
-                )
-            parts = self._per_rank(input_tensors[0], output, "scatter")
+            parts = self._only_list(input_tensors, output, "scatter", "input", " on the root")
 
         def run() -> OpResult:
-            scatter(self._collectives, output, parts, root)
+            self._collectives.scatter(output, parts if self.rank() == root else None, root)
             return output_tensors
 
         return self._submit(f"scatter(root {root}, {describe(output)})", run)
@@ -528,7 +486,7 @@ class ProcessGroupGradsync(_ProcessGroup):  # type: ignore[misc]  # (untyped bas
         self._same_dtype([*output_tensors, *input_tensors], "alltoall")
 
         def run() -> OpResult:
-            all_to_all(self._collectives, output_tensors, input_tensors)
+            self._all_to_all(output_tensors, input_tensors)
             return output_tensors
 
         return self._submit(f"alltoall({world} parts)", run)
@@ -546,7 +504,7 @@ class ProcessGroupGradsync(_ProcessGroup):  # type: ignore[misc]  # (untyped bas
         inputs = split_rows(input, input_split_sizes, self.size(), "input")
 
         def run() -> OpResult:
-            all_to_all(self._collectives, outputs, inputs)
+            self._all_to_all(outputs, inputs)
             return [output]
 
         return self._submit(f"all_to_all_single({describe(input)})", run)
@@ -602,6 +560,19 @@ class ProcessGroupGradsync(_ProcessGroup):  # type: ignore[misc]  # (untyped bas
             )
         return int(root)
 
+    def _only_list(
+        self,
+        lists: Sequence[Sequence[torch.Tensor]],
+        like: torch.Tensor,
+        what: str,
+        which: str,
+        where: str = "",
+    ) -> list[torch.Tensor]:
+        """The one `which` list c10d passes, checked as `_per_rank`."""
+        if len(lists) != 1:
+            raise ValueError(f"{what} takes one {which} list{where}, got {len(lists)}")
+        return self._per_rank(lists[0], like, what)
+
     def _per_rank(
         self, tensors: Sequence[torch.Tensor], like: torch.Tensor, what: str
     ) -> list[torch.Tensor]:
@@ -618,6 +589,10 @@ class ProcessGroupGradsync(_ProcessGroup):  # type: ignore[misc]  # (untyped bas
                 )
         check_dtype(like, what, reducing=False)
         return list(tensors)
+
+    def _same_count(self, outputs: list[Any], inputs: list[Any], what: str) -> None:
+        if len(outputs) != len(inputs):
+            raise ValueError(f"{what}: {len(outputs)} outputs, {len(inputs)} inputs")
 
     def _check_stacked(self, big: torch.Tensor, small: torch.Tensor, what: str) -> None:
         if big.numel() != self.size() * small.numel() or big.dtype != small.dtype:
@@ -641,8 +616,20 @@ class ProcessGroupGradsync(_ProcessGroup):  # type: ignore[misc]  # (untyped bas
             raise RuntimeError(
                 f"{what}: {len(parts)} ranks contributed, the group has {self.size()}"
             )
-        for output, part in zip(outputs, parts, strict=True):
-            write_into(output, part)
+        write_parts(outputs, parts)
+
+    def _all_to_all(self, outputs: Sequence[torch.Tensor], inputs: Sequence[torch.Tensor]) -> None:
+        """Rank r's `inputs[d]` lands in rank d's `outputs[r]`; parts may differ in size (the
+        hub checks that what rank r sends rank d is what rank d expects from it)."""
+        dtype = inputs[0].dtype if inputs else outputs[0].dtype
+        received = torch.empty(sum(t.numel() for t in outputs), dtype=dtype)
+        self._collectives.all_to_all(
+            received,
+            flat_copy(inputs).to(dtype),
+            output_splits=[t.numel() for t in outputs],
+            input_splits=[t.numel() for t in inputs],
+        )
+        write_flat(outputs, received)
 
     def __repr__(self) -> str:
         return (

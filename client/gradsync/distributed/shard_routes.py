@@ -46,7 +46,7 @@ from gradsync_proto.v1 import gradsync_pb2 as pb
 from gradsync.collectives import Collectives
 from gradsync.control.collective_results import CollectiveResults
 from gradsync.control.worker_messages import CollectiveUpload
-from gradsync.distributed.composite import reduce_scatter, write_into
+from gradsync.distributed.checks import flat_copy, write_into
 from gradsync.errors import GradSyncError, ShardUnavailableError
 from gradsync.path.signature import WIRE_DTYPES
 
@@ -75,9 +75,11 @@ _WIRE_OPS = {
 
 #: What a spread all-reduce's `finish` returns: how many ranks contributed.
 Finish = Callable[[], int]
+#: An op's element ranges [start, stop), one per shard.
+Ranges = list[tuple[int, int]]
 
 
-def spread_ranges(numel: int, element_size: int, shard_count: int) -> list[tuple[int, int]] | None:
+def spread_ranges(numel: int, element_size: int, shard_count: int) -> Ranges | None:
     """The element ranges [start, stop) of an op, one per shard, or None when it stays
     whole on the leader (no shards, fewer than `MIN_SPREAD_BYTES` or than `shard_count`
     elements). `element_size`: the bytes each element of the cut carries (a
@@ -85,6 +87,13 @@ def spread_ranges(numel: int, element_size: int, shard_count: int) -> list[tuple
     if shard_count < 2 or numel < shard_count or numel * element_size < MIN_SPREAD_BYTES:
         return None
     return shard_ranges(numel, shard_count)
+
+
+def _spread(routes: ShardRoutes, tensor: torch.Tensor, element_size: int) -> Ranges | None:
+    """`spread_ranges` of `tensor` when it is a contiguous CPU tensor, else None."""
+    if tensor.device.type != "cpu" or not tensor.is_contiguous():
+        return None
+    return spread_ranges(tensor.numel(), element_size, routes.shard_count)
 
 
 def start_all_reduce(
@@ -97,10 +106,8 @@ def start_all_reduce(
     """Issue an all-reduce: spread over the shards when `routes` (a sharded coordinator)
     and the tensor is a large enough contiguous CPU tensor, else whole on the leader;
     return its `finish` (see `Collectives.start_all_reduce`)."""
-    if routes is not None and tensor.device.type == "cpu" and tensor.is_contiguous():
-        ranges = spread_ranges(tensor.numel(), tensor.element_size(), routes.shard_count)
-        if ranges is not None:
-            return routes.start_all_reduce(collectives, tensor, op, ranges, ready)
+    if routes is not None and (ranges := _spread(routes, tensor, tensor.element_size())):
+        return routes.start_all_reduce(collectives, tensor, op, ranges, ready)
     return collectives.start_all_reduce(tensor, op, on_ready=ready)
 
 
@@ -108,10 +115,8 @@ def all_gather(
     routes: ShardRoutes | None, collectives: Collectives, tensor: torch.Tensor
 ) -> list[torch.Tensor]:
     """Every contributing rank's `tensor`, spread over the shards as `start_all_reduce`."""
-    if routes is not None and tensor.device.type == "cpu" and tensor.is_contiguous():
-        ranges = spread_ranges(tensor.numel(), tensor.element_size(), routes.shard_count)
-        if ranges is not None:
-            return routes.all_gather(collectives, tensor, ranges)
+    if routes is not None and (ranges := _spread(routes, tensor, tensor.element_size())):
+        return routes.all_gather(collectives, tensor, ranges)
     return collectives.all_gather(tensor)
 
 
@@ -123,21 +128,23 @@ def reduce_scatter_parts(
     op: str,
     wire: torch.dtype | None,
 ) -> None:
-    """`composite.reduce_scatter`, spread over the shards (range i of every part on shard
-    i) when `routes` and `output` is a contiguous CPU tensor whose parts are large."""
-    if routes is not None and output.device.type == "cpu" and output.is_contiguous():
-        carried = (wire or output.dtype).itemsize * len(parts)
-        ranges = spread_ranges(output.numel(), carried, routes.shard_count)
-        if ranges is not None:
-            if wire is None:
-                routes.reduce_scatter(collectives, output, list(parts), op, ranges)
-                return
-            narrow = torch.empty(output.numel(), dtype=wire)
-            wired = [part.detach().to("cpu", wire) for part in parts]
-            routes.reduce_scatter(collectives, narrow, wired, op, ranges)
-            write_into(output, narrow)
-            return
-    reduce_scatter(collectives, output, parts, op, wire)
+    """`output` = the reduction over ranks of every rank's `parts[my rank]`, spread over the
+    shards (range i of every part on shard i) when `routes` and `output` is a contiguous
+    CPU tensor whose parts are large, else whole on the leader.
+
+    With `wire` (a 16-bit float type) the parts travel in it and the result comes back
+    in it, then widens into `output`.
+    """
+    target = output if wire is None else torch.empty(output.numel(), dtype=wire)
+    carried = (wire or output.dtype).itemsize * len(parts)
+    if routes is not None and (ranges := _spread(routes, output, carried)):
+        sent = list(parts) if wire is None else [part.detach().to("cpu", wire) for part in parts]
+        routes.reduce_scatter(collectives, target, sent, op, ranges)
+    else:
+        flat = flat_copy(parts)
+        collectives.reduce_scatter(target, flat if wire is None else flat.to(wire), op)
+    if target is not output:
+        write_into(output, target)
 
 
 class _Shard:
@@ -196,7 +203,7 @@ class ShardRoutes:
         collectives: Collectives,
         tensor: torch.Tensor,
         op: str,
-        ranges: list[tuple[int, int]],
+        ranges: Ranges,
         on_ready: Callable[[], None] | None = None,
     ) -> Finish:
         """Issue `tensor`'s all-reduce as `ranges` (`spread_ranges`): range 0 on the
@@ -244,7 +251,7 @@ class ShardRoutes:
         return finish
 
     def all_gather(
-        self, collectives: Collectives, tensor: torch.Tensor, ranges: list[tuple[int, int]]
+        self, collectives: Collectives, tensor: torch.Tensor, ranges: Ranges
     ) -> list[torch.Tensor]:
         """Every contributing rank's `tensor` (new tensors, in rank order), its `ranges`
         (`spread_ranges`) gathered on their shards: range 0 on the leader, range i on
@@ -284,7 +291,7 @@ class ShardRoutes:
         output: torch.Tensor,
         parts: list[torch.Tensor],
         op: str,
-        ranges: list[tuple[int, int]],
+        ranges: Ranges,
     ) -> None:
         """`output` = the reduction over ranks of every rank's `parts[my rank]`, each
         part's `ranges` (`spread_ranges` of one part) reduced on their shards: shard i
