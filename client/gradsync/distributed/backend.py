@@ -159,19 +159,15 @@ def create_group(backend_options: Any, pg_options: Any = None) -> ProcessGroupGr
             "gradsync backend: pg_options must be a GradsyncOptions, "
             f"got {type(pg_options).__name__}"
         )
-    options = pg_options
+    options = pg_options or GradsyncOptions()
     address = resolve_coordinator(options)
-    base = (
-        (options.job_id if options is not None else None)
-        or os.environ.get(ENV_JOB_ID)
-        or defaults.JOB_ID
-    )
+    base = options.job_id or os.environ.get(ENV_JOB_ID) or defaults.JOB_ID
     group_name = str(backend_options.group_id)
     ranks = [int(rank) for rank in backend_options.global_ranks_in_group]
     job_id = group_job_id(base, group_name, ranks)
-    security = (options.security if options is not None else None) or ChannelSecurity.resolve()
+    security = options.security or ChannelSecurity.resolve()
     timeout_s = float(backend_options.timeout.total_seconds())
-    wire_dtype = resolve_wire_dtype(options.wire_dtype if options is not None else None)
+    wire_dtype = resolve_wire_dtype(options.wire_dtype)
     session = GroupSession(
         address,
         job_id,
@@ -180,7 +176,7 @@ def create_group(backend_options: Any, pg_options: Any = None) -> ProcessGroupGr
         security,
         timeout_s,
     )
-    setting = resolve_hierarchical(options.hierarchical if options is not None else None)
+    setting = resolve_hierarchical(options.hierarchical)
     try:
         host = form_host_group(
             backend_options.store,
@@ -196,7 +192,7 @@ def create_group(backend_options: Any, pg_options: Any = None) -> ProcessGroupGr
         session.close()
         raise
     trace = None
-    template = resolve_trace_path(options.trace_path if options is not None else None)
+    template = resolve_trace_path(options.trace_path)
     if template is not None:
         global_rank = ranks[session.rank] if ranks else session.rank
         trace = OpTrace(template, global_rank, job_id)

@@ -123,6 +123,18 @@ _ITEMSIZE: dict[int, int] = {pb.DTYPE_FLOAT32: 4, pb.DTYPE_FLOAT64: 8}
 _MESSAGE = struct.Struct("<BBBxxxxxQQQQ")
 _POSTED, _RESULT, _FAILED, _LOST, _DONE, _REFUSED = 1, 2, 3, 4, 5, 6
 _MAX_MESSAGE = 1 << 16
+
+
+def _message(kind: int, number: int = 0, sequence: int = 0, text: str = "") -> bytes:
+    """A message without op, dtype, count and offset, with `text` (cut short) as its tail."""
+    return _MESSAGE.pack(kind, 0, 0, number, sequence, 0, 0) + text.encode()[: _MAX_MESSAGE // 2]
+
+
+def _tail(raw: bytes) -> str:
+    """A message's text."""
+    return raw[_MESSAGE.size :].decode(errors="replace")
+
+
 #: How often a wait looks again at a failure recorded meanwhile.
 _POLL_S = 0.5
 
@@ -317,9 +329,9 @@ class HostGroup:
             with self._lock:
                 item.block = self._allocate(item.numel * tensor.element_size())
         except SharedMemoryError as exc:
-            text = f"local rank {self.rank}: {exc}".encode()[: _MAX_MESSAGE // 2]
+            refused = _message(_REFUSED, number, sequence, f"local rank {self.rank}: {exc}")
             with contextlib.suppress(OSError):
-                self._peers[0].send(_MESSAGE.pack(_REFUSED, 0, 0, number, sequence, 0, 0) + text)
+                self._peers[0].send(refused)
             raise SharedMemoryError(str(exc), rank=self.rank) from None
         self._at(item.block, item)[: item.numel].copy_(work.reshape(-1))
         with self._lock:
@@ -422,19 +434,7 @@ class HostGroup:
     def _finish_leader(self, item: _Op) -> int:
         deadline = time.monotonic() + self._timeout_s
         try:
-            while not item.launched.wait(min(_POLL_S, max(0.0, deadline - time.monotonic()))):
-                if time.monotonic() >= deadline:
-                    with self._lock:
-                        missing = [
-                            self.members[i]
-                            for i in self._posted
-                            if i not in self._gone and item.number not in self._posted[i]
-                        ]
-                    raise SyncTimeoutError(
-                        f"timed out after {self._timeout_s:g}s waiting for local ranks "
-                        f"{missing} to post their input of collective {item.sequence}",
-                        rank=self.rank,
-                    )
+            self._await_launch(item, deadline, self._missing_inputs)
             if item.error is not None:
                 raise item.error
             result, count = self._link.wait_collective(
@@ -471,11 +471,10 @@ class HostGroup:
         """The leader's link lost the coordinator: the members' links reconnect too (their
         heartbeats alone would not notice, and the restarted job waits for every rank)."""
         text = f"local leader rank {self.members[0]} lost the coordinator: {why}"
-        self._tell(_MESSAGE.pack(_LOST, 0, 0, 0, 0, 0, 0) + text.encode()[: _MAX_MESSAGE // 2])
+        self._tell(_message(_LOST, text=text))
 
     def _tell_failed(self, number: int, why: str) -> None:
-        text = f"local leader rank {self.members[0]}: {why}".encode()[: _MAX_MESSAGE // 2]
-        self._tell(_MESSAGE.pack(_FAILED, 0, 0, number, 0, 0, 0) + text)
+        self._tell(_message(_FAILED, number, text=f"local leader rank {self.members[0]}: {why}"))
 
     def _tell(self, message: bytes) -> None:
         for i, conn in list(self._peers.items()):
@@ -503,27 +502,18 @@ class HostGroup:
                         self._lost_member(i)
                         continue
                     kind, op, dtype, number, sequence, numel, offset = _MESSAGE.unpack_from(raw)
-                    if kind == _DONE:
-                        with self._lock:
+                    with self._lock:
+                        if kind == _DONE:
                             self._copied(number, i)
-                        continue
-                    if kind == _REFUSED:
-                        with self._lock:
-                            self._refused.setdefault(
-                                number, raw[_MESSAGE.size :].decode(errors="replace")
-                            )
+                            continue
+                        if kind == _REFUSED:
+                            self._refused.setdefault(number, _tail(raw))
                             offset = -1
-                    if kind in (_POSTED, _REFUSED):
-                        with self._lock:
-                            self._posted[i][number] = (
-                                time.monotonic(),
-                                sequence,
-                                op,
-                                dtype,
-                                numel,
-                                offset,
-                            )
-                        self._launch_ready()
+                        elif kind != _POSTED:
+                            continue
+                        posted = (time.monotonic(), sequence, op, dtype, numel, offset)
+                        self._posted[i][number] = posted
+                    self._launch_ready()
         finally:
             selector.close()
 
@@ -547,14 +537,7 @@ class HostGroup:
     def _finish_member(self, item: _Op) -> int:
         deadline = time.monotonic() + self._timeout_s
         try:
-            while not item.launched.wait(min(_POLL_S, max(0.0, deadline - time.monotonic()))):
-                if time.monotonic() >= deadline:
-                    raise SyncTimeoutError(
-                        f"timed out after {self._timeout_s:g}s waiting for local leader rank "
-                        f"{self.members[0]} to hand out the result of collective "
-                        f"{item.sequence}",
-                        rank=self.rank,
-                    )
+            self._await_launch(item, deadline, self._missing_result)
             if item.error is not None:
                 with self._lock:  # (the leader read it before it failed the op)
                     self._free(item.block)
@@ -566,7 +549,7 @@ class HostGroup:
             with self._lock:
                 self._free(item.block)
             with contextlib.suppress(OSError):  # (a leader gone fails what is left anyway)
-                self._peers[0].send(_MESSAGE.pack(_DONE, 0, 0, item.number, item.sequence, 0, 0))
+                self._peers[0].send(_message(_DONE, item.number, item.sequence))
             return item.contributors
         finally:
             with self._lock:
@@ -590,16 +573,14 @@ class HostGroup:
                 return
             kind, _, _, number, _, count, offset = _MESSAGE.unpack_from(raw)
             if kind == _LOST:
-                self._link.reconnect(raw[_MESSAGE.size :].decode(errors="replace"))
+                self._link.reconnect(_tail(raw))
                 continue
             with self._lock:
                 item = self._ops.get(number)
             if item is None:
                 continue
             if kind == _FAILED:
-                item.error = GradSyncError(
-                    raw[_MESSAGE.size :].decode(errors="replace"), rank=self.rank
-                )
+                item.error = GradSyncError(_tail(raw), rank=self.rank)
             item.contributors = int(count)
             item.result_at = int(offset)
             item.launched.set()
@@ -618,6 +599,28 @@ class HostGroup:
             item.ready()
 
     # ------------------------------------------------------------ helpers
+    def _await_launch(self, item: _Op, deadline: float, awaited: Callable[[_Op], str]) -> None:
+        """Wait until `item` was launched; past `deadline`, fail naming what was `awaited`."""
+        while not item.launched.wait(min(_POLL_S, max(0.0, deadline - time.monotonic()))):
+            if time.monotonic() >= deadline:
+                raise SyncTimeoutError(
+                    f"timed out after {self._timeout_s:g}s waiting for {awaited(item)}",
+                    rank=self.rank,
+                )
+
+    def _missing_inputs(self, item: _Op) -> str:
+        with self._lock:
+            missing = [
+                self.members[i]
+                for i in self._posted
+                if i not in self._gone and item.number not in self._posted[i]
+            ]
+        return f"local ranks {missing} to post their input of collective {item.sequence}"
+
+    def _missing_result(self, item: _Op) -> str:
+        leader = self.members[0]
+        return f"local leader rank {leader} to hand out the result of collective {item.sequence}"
+
     def _at(self, offset: int, item: _Op) -> torch.Tensor:
         """The segment's bytes at `offset` for `item`, as its dtype."""
         nbytes = item.numel * item.work.element_size()

@@ -180,26 +180,13 @@ class OpTrace:
             "completed": at(finished),
             "ok": ok,
         }
-        tracer = self._tracer
-        tracer.span(
-            phases.name, sequence, phases.issued, finished, track=self._ops_track, args=args
-        )
+        tracer, wire, named = self._tracer, self._wire_track, {"operation": sequence}
+        tracer.span(phases.name, sequence, phases.issued, finished, -1, self._ops_track, args)
         waited_from = phases.issued
         if phases.first_byte is not None and phases.last_byte is not None:
-            span_args = {"operation": sequence}
-            tracer.span(
-                "send",
-                sequence,
-                phases.first_byte,
-                phases.last_byte,
-                -1,
-                self._wire_track,
-                span_args,
-            )
+            tracer.span("send", sequence, phases.first_byte, phases.last_byte, -1, wire, named)
             waited_from = phases.last_byte
-        tracer.span(
-            "result", sequence, waited_from, received, -1, self._wire_track, {"operation": sequence}
-        )
+        tracer.span("result", sequence, waited_from, received, -1, wire, named)
         tracer.flush()
 
     # ------------------------------------------------------------ the link and the stream

@@ -462,16 +462,12 @@ class ResumingLink:
             if self.reconnect_timeout_s > 0
             else "(reconnecting is off)"
         )
-        self._failure = CoordinatorUnavailableError(
-            f"lost the coordinator at {self.address} ({cause}) {window}: {last}",
-            rank=self.rank,
-        )
+        why = f"lost the coordinator at {self.address} ({cause}) {window}: {last}"
+        self._failure = CoordinatorUnavailableError(why, rank=self.rank)
         log.error("rank %d: %s", self.rank, self._failure)
         self._fail_pending(
             lambda sent: CoordinatorUnavailableError(
-                f"{sent.describe()} did not complete: lost the coordinator at "
-                f"{self.address} ({cause}) {window}: {last}",
-                rank=self.rank,
+                f"{sent.describe()} did not complete: {why}", rank=self.rank
             )
         )
 

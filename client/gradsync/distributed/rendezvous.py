@@ -30,6 +30,7 @@ from gradsync_proto.net.channels import ChannelSecurity
 
 from gradsync import defaults
 from gradsync.config import ENV_JOB_ID, ENV_RANK, ENV_WORLD_SIZE
+from gradsync.distributed.store import CoordinatorStore
 
 #: The URL scheme c10d hands to this module's handler.
 SCHEME = "gradsync"
@@ -90,14 +91,6 @@ def handler(url: str, timeout: timedelta = timedelta(minutes=30), **_: Any) -> I
     """c10d's rendezvous handler for gradsync:// (a generator of (store, rank, world size))."""
     global _remembered
     target = parse_url(url)
-    try:
-        from gradsync.distributed.store import CoordinatorStore
-    except ImportError as exc:
-        raise RuntimeError(
-            "gradsync:// rendezvous needs gradsync.distributed.store, which this installation "
-            "lacks; use init_method='env://' with MASTER_ADDR / MASTER_PORT and "
-            "GRADSYNC_COORDINATOR instead"
-        ) from exc
     security = ChannelSecurity.resolve()
     namespace = os.environ.get(ENV_JOB_ID) or defaults.JOB_ID
     store = CoordinatorStore(

@@ -413,6 +413,8 @@ class OpQueue:
     def _complete(self, issued: _Issued) -> None:
         """Run or finish one operation and complete its future (or fail it, named)."""
         item = issued.item
+        result: OpResult = []
+        error: BaseException | None = None
         try:
             if self._failure is not None:
                 name, sequence, first = self._failure
@@ -439,17 +441,14 @@ class OpQueue:
             )
             error.__cause__ = exc
             log.debug("%s", error)
-            self._settle(issued)  # (counted before a waiter can wake)
-            finished = time.perf_counter()
-            item.future.set_exception(error)
-            if self.trace is not None:
-                self.trace.completed(item.sequence, False, finished)
-        else:
-            self._settle(issued)
-            finished = time.perf_counter()
+        self._settle(issued)  # (counted before a waiter can wake)
+        finished = time.perf_counter()
+        if error is None:
             item.future.set_result(result)
-            if self.trace is not None:
-                self.trace.completed(item.sequence, True, finished)
+        else:
+            item.future.set_exception(error)
+        if self.trace is not None:
+            self.trace.completed(item.sequence, error is None, finished)
 
     def _running(self, sequence: int) -> contextlib.AbstractContextManager[None]:
         """While operation `sequence` issues or runs here: the trace's context, if any."""
