@@ -125,8 +125,7 @@ class ProcessGroupGradsync(_ProcessGroup):  # type: ignore[misc]  # (untyped bas
     def getBackendName(self) -> str:
         return BACKEND_NAME
 
-    def name(self) -> str:
-        return BACKEND_NAME
+    name = getBackendName
 
     # c10d names a group through these; a Python process group holds no C++ backend to
     # keep the name in, so it keeps it itself (DeviceMesh looks groups up by name).
@@ -173,8 +172,7 @@ class ProcessGroupGradsync(_ProcessGroup):  # type: ignore[misc]  # (untyped bas
         if self.trace is not None:
             self.trace.close()
 
-    def abort(self) -> None:
-        self.shutdown()
+    abort = shutdown
 
     # ------------------------------------------------------------ the coordinator's own ops
     def allreduce(self, tensors: list[torch.Tensor], opts: Any = None) -> Any:
@@ -276,11 +274,7 @@ class ProcessGroupGradsync(_ProcessGroup):  # type: ignore[misc]  # (untyped bas
         self._check_stacked(output, input, "all_gather_into_tensor")
 
         def run() -> OpResult:
-            parts = output.view(self.size(), -1) if output.is_contiguous() else None
-            targets = list(parts) if parts is not None else chunks(output, self.size())
-            self._gather_into(targets, input, "all_gather_into_tensor")
-            if parts is None:
-                write_into(output, torch.cat([t.reshape(-1) for t in targets]))
+            self._gather_stacked(output, input, "all_gather_into_tensor")
             return [output]
 
         return self._submit(f"all_gather_into_tensor({describe(input)})", run)
@@ -320,9 +314,7 @@ class ProcessGroupGradsync(_ProcessGroup):  # type: ignore[misc]  # (untyped bas
 
         def run() -> OpResult:
             for output, tensor in zip(outputs, inputs, strict=True):
-                targets = chunks(output, self.size())
-                self._gather_into(targets, tensor, "all_gather_into_tensor_coalesced")
-                write_into(output, torch.cat([t.reshape(-1) for t in targets]))
+                self._gather_stacked(output, tensor, "all_gather_into_tensor_coalesced")
             return outputs
 
         return self._submit(f"all_gather_into_tensor_coalesced({len(inputs)} tensors)", run)
@@ -617,6 +609,14 @@ class ProcessGroupGradsync(_ProcessGroup):  # type: ignore[misc]  # (untyped bas
                 f"{what}: {len(parts)} ranks contributed, the group has {self.size()}"
             )
         write_parts(outputs, parts)
+
+    def _gather_stacked(self, output: torch.Tensor, tensor: torch.Tensor, what: str) -> None:
+        """Every rank's `tensor` into `output`, one after another in rank order."""
+        parts = output.view(self.size(), -1) if output.is_contiguous() else None
+        targets = list(parts) if parts is not None else chunks(output, self.size())
+        self._gather_into(targets, tensor, what)
+        if parts is None:
+            write_into(output, torch.cat([t.reshape(-1) for t in targets]))
 
     def _all_to_all(self, outputs: Sequence[torch.Tensor], inputs: Sequence[torch.Tensor]) -> None:
         """Rank r's `inputs[d]` lands in rank d's `outputs[r]`; parts may differ in size (the

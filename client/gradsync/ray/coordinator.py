@@ -190,6 +190,16 @@ class Coordinator:
     shards: tuple[Any, ...] = field(default=(), repr=False)
     metrics_url: str | None = None
 
+    @classmethod
+    def of(
+        cls, name: str, info: Mapping[str, Any], leader: Any, shards: tuple[Any, ...]
+    ) -> Coordinator:
+        """The handle of the coordinator whose leader's `info` this is."""
+        metrics_url = info.get("metrics_url")
+        return cls(
+            name, info["address"], info["world_size"], info["token"], leader, shards, metrics_url
+        )
+
     def environment(self) -> dict[str, str]:
         """Environment variables a worker needs to reach this coordinator."""
         env = {"GRADSYNC_COORDINATOR": self.address}
@@ -339,15 +349,7 @@ def start_coordinator(
             ray.kill(handle, no_restart=True)
         raise
     log.info("coordinator %r listening on %s (%d shard(s))", name, info["address"], shards)
-    return Coordinator(
-        name,
-        info["address"],
-        world_size,
-        info["token"],
-        leader,
-        tuple(started[1:]),
-        info["metrics_url"],
-    )
+    return Coordinator.of(name, info, leader, tuple(started[1:]))
 
 
 def _started(refs: Any, what: str, placement: Mapping[str, Any]) -> Any:
@@ -361,19 +363,16 @@ def _started(refs: Any, what: str, placement: Mapping[str, Any]) -> Any:
     except ray.exceptions.GetTimeoutError as exc:
         raise TimeoutError(
             f"{what} of the coordinator did not start within {START_TIMEOUT_S:g} s: each "
-            f"actor asks for {dict(placement)}, and the cluster has {free_resources()} free "
-            f"of {all_resources()} (pass resources= that fit, or add nodes)"
+            f"actor asks for {dict(placement)}, and the cluster has {cluster_resources()} "
+            "(pass resources= that fit, or add nodes)"
         ) from exc
 
 
-def free_resources() -> dict[str, float]:
-    """What the Ray cluster has free now (for messages)."""
-    return dict(ray.available_resources())  # type: ignore[no-untyped-call]  # untyped in ray
-
-
-def all_resources() -> dict[str, float]:
-    """What the Ray cluster has in all (for messages)."""
-    return dict(ray.cluster_resources())  # type: ignore[no-untyped-call]  # untyped in ray
+def cluster_resources() -> str:
+    """What the Ray cluster has free now, and in all: "{...} free of {...}" (for messages)."""
+    free = dict(ray.available_resources())  # type: ignore[no-untyped-call]  # untyped in ray
+    total = dict(ray.cluster_resources())  # type: ignore[no-untyped-call]  # untyped in ray
+    return f"{free} free of {total}"
 
 
 def _shard_options(options: Mapping[str, Any], leader_address: str) -> dict[str, Any]:
@@ -418,12 +417,4 @@ def get_coordinator(name: str = "default", timeout_s: float = 30.0) -> Coordinat
     shards = tuple(
         ray.get_actor(shard_name, namespace=NAMESPACE) for shard_name in info["shard_names"]
     )
-    return Coordinator(
-        name,
-        info["address"],
-        info["world_size"],
-        info["token"],
-        leader,
-        shards,
-        info.get("metrics_url"),
-    )
+    return Coordinator.of(name, info, leader, shards)

@@ -39,9 +39,8 @@ from gradsync.config import (
 )
 from gradsync.ray.coordinator import (
     Coordinator,
-    all_resources,
+    cluster_resources,
     fetch,
-    free_resources,
     start_coordinator,
 )
 from gradsync.ray.placement import (
@@ -328,8 +327,8 @@ def _placed(actors: list[Any], placement: Mapping[str, Any], timeout_s: float) -
         ranks = sorted(pending[ref] for ref in waiting)
         raise TimeoutError(
             f"ranks {ranks} of {len(actors)} did not start within {timeout_s:g} s: each asks "
-            f"for {dict(placement)} and the cluster has {free_resources()} free of "
-            f"{all_resources()} (give resources_per_worker= that fits, or add nodes)"
+            f"for {dict(placement)} and the cluster has {cluster_resources()} (give "
+            "resources_per_worker= that fits, or add nodes)"
         )
     return [str(node) for node in fetch([actor.node.remote() for actor in actors])]
 
