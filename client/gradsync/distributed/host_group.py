@@ -75,13 +75,14 @@ import threading
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any
 
 import numpy as np
 import torch
 from gradsync_proto.v1 import gradsync_pb2 as pb
 
 from gradsync.distributed.host_arena import Arena, arena_bytes
+from gradsync.distributed.reconnect import ResumingLink
 from gradsync.errors import GradSyncError, SharedMemoryError, SyncTimeoutError
 from gradsync.local.host_identity import host_id
 from gradsync.local.local_rendezvous import Formed, follow, lead
@@ -137,31 +138,6 @@ def _tail(raw: bytes) -> str:
 
 #: How often a wait looks again at a failure recorded meanwhile.
 _POLL_S = 0.5
-
-
-class IssueLink(Protocol):
-    """What a host group needs of the group's link (`ResumingLink`)."""
-
-    def reserve_collective(self, *, carried: bool) -> int: ...
-
-    def issue_collective(
-        self,
-        op: int,
-        dtype: int,
-        payload: Any,
-        root: int,
-        *,
-        result_bytes: int | None = None,
-        template: pb.CollectiveChunk | None = None,
-        on_ready: Callable[[], None] | None = None,
-        sequence: int | None = None,
-    ) -> int: ...
-
-    def wait_collective(self, sequence: int, timeout_s: float) -> tuple[bytearray, int]: ...
-
-    on_lost: Callable[[str], None] | None
-
-    def reconnect(self, why: str) -> None: ...
 
 
 def resolve_hierarchical(value: str | bool | None, environ: Mapping[str, str] | None = None) -> str:
@@ -224,7 +200,7 @@ class HostGroup:
         members: list[int],
         rank: int,
         world_size: int,
-        link: IssueLink,
+        link: ResumingLink,
         formed: Formed | None,
         slots: int,
         timeout_s: float,
@@ -687,7 +663,7 @@ def form_host_group(
     world_size: int,
     job_id: str,
     setting: str,
-    link: IssueLink,
+    link: ResumingLink,
     slots: int,
     timeout_s: float,
 ) -> HostGroup | None:

@@ -46,7 +46,6 @@ from gradsync_proto.v1 import gradsync_pb2 as pb
 from gradsync.collectives import Collectives
 from gradsync.control.collective_results import CollectiveResults
 from gradsync.control.worker_messages import CollectiveUpload
-from gradsync.distributed.checks import flat_copy, write_into
 from gradsync.errors import GradSyncError, ShardUnavailableError
 from gradsync.path.signature import WIRE_DTYPES
 
@@ -56,9 +55,11 @@ __all__ = [
     "MIN_SPREAD_BYTES",
     "ShardRoutes",
     "all_gather",
+    "flat_copy",
     "reduce_scatter_parts",
     "spread_ranges",
     "start_all_reduce",
+    "write_into",
 ]
 
 #: An all-reduce smaller than this stays whole on the leader: one round trip to one
@@ -87,6 +88,18 @@ def spread_ranges(numel: int, element_size: int, shard_count: int) -> Ranges | N
     if shard_count < 2 or numel < shard_count or numel * element_size < MIN_SPREAD_BYTES:
         return None
     return shard_ranges(numel, shard_count)
+
+
+def flat_copy(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
+    """The tensors' values, on the CPU, as one 1-D tensor (a copy)."""
+    if not tensors:
+        return torch.empty(0)
+    return torch.cat([t.detach().reshape(-1).to("cpu") for t in tensors])
+
+
+def write_into(target: torch.Tensor, values: torch.Tensor) -> None:
+    with torch.no_grad():
+        target.copy_(values.reshape(target.shape))
 
 
 def _spread(routes: ShardRoutes, tensor: torch.Tensor, element_size: int) -> Ranges | None:

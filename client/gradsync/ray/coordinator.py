@@ -8,7 +8,7 @@ in the "gradsync" namespace, so a second driver gets the same handle with
 started it, as a service would.
 
 Each actor runs the ordinary coordinator or shard (`gradsync_server.app.start`)
-in-process, on a loop of its own (`gradsync.ray._loop`), so there is no child process to
+in-process, on a loop of its own (`LoopThread`), so there is no child process to
 leak. It listens on its node's address, where other nodes reach it; beyond loopback the
 coordinator needs credentials, so unless the caller gives a token, client certificates or
 `insecure=True`, a random token is made here and handed to workers through Ray (never on
@@ -17,20 +17,21 @@ a command line).
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import os
 import secrets
+import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Coroutine, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 import ray
 from gradsync_proto import auth
 from gradsync_proto.net.channels import ChannelSecurity
 
 from gradsync import defaults
-from gradsync.ray._loop import LoopThread
 from gradsync.ray.placement import (
     DEFAULT_COORDINATOR_RESOURCES,
     NAMESPACE,
@@ -50,9 +51,14 @@ SHARD_REGISTER_TIMEOUT_S = 60.0
 STOP_TIMEOUT_S = 30.0
 #: Bound on the wait until killed actors are gone.
 DEATH_TIMEOUT_S = 30.0
+#: How long closing an actor's loop waits for its thread to end.
+LOOP_CLOSE_TIMEOUT_S = 10.0
 
 #: Options of `start_coordinator` that are the actors' business, not `CoordinatorConfig` fields.
 _SET_HERE = frozenset({"port", "shard_count", "local_shards"})
+
+
+T = TypeVar("T")
 
 
 def _node_ip() -> str:
@@ -68,6 +74,61 @@ def _configure_logging(level: str) -> None:
     logging.basicConfig(
         level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s", force=True
     )
+
+
+class LoopThread:
+    """A running event loop in a daemon thread, with a blocking `call` into it.
+
+    The coordinator is written for `grpc.aio` on one event loop, and a Ray actor's
+    methods run on Ray's own threads: each actor owns one private loop in a thread of its
+    own and hands coroutines to it, so the server lives exactly as long as the actor's
+    process (no orphan coordinator process can outlive its actor).
+    """
+
+    def __init__(self, name: str) -> None:
+        self.loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        asyncio.set_event_loop(self.loop)
+        self.loop.run_forever()
+
+    def call(self, coroutine: Coroutine[Any, Any, T], timeout_s: float) -> T:
+        """Run `coroutine` on the loop and wait for its result.
+
+        Raises:
+            TimeoutError: it did not finish within `timeout_s` (it is cancelled).
+            Exception: whatever the coroutine raised.
+        """
+        future = asyncio.run_coroutine_threadsafe(coroutine, self.loop)
+        try:
+            return future.result(timeout=timeout_s)
+        except TimeoutError:
+            future.cancel()
+            raise
+
+    def close(self) -> None:
+        """Cancel what still runs on the loop, stop it and join its thread; twice is a no-op."""
+        # Not `loop.is_running()`: right after __init__ the thread may not have entered
+        # run_forever yet, and returning then would leave the loop running for good.
+        if self.loop.is_closed() or not self._thread.is_alive():
+            return
+
+        async def cancel_rest() -> None:
+            current = asyncio.current_task()
+            rest = [task for task in asyncio.all_tasks() if task is not current]
+            for task in rest:
+                task.cancel()
+            await asyncio.gather(*rest, return_exceptions=True)
+
+        try:
+            self.call(cancel_rest(), LOOP_CLOSE_TIMEOUT_S)
+        finally:
+            self.loop.call_soon_threadsafe(self.loop.stop)
+            self._thread.join(LOOP_CLOSE_TIMEOUT_S)
+            if not self._thread.is_alive():
+                self.loop.close()
 
 
 class _ServerActor:
