@@ -41,11 +41,7 @@ from gradsync.config import ENV_COORDINATOR, ENV_JOB_ID
 from gradsync.distributed.group_session import GroupSession
 from gradsync.distributed.host_group import form_host_group, resolve_hierarchical
 from gradsync.distributed.op_trace import OpTrace, resolve_trace_path
-from gradsync.distributed.process_group import (
-    BACKEND_NAME,
-    MAX_IN_FLIGHT,
-    ProcessGroupGradsync,
-)
+from gradsync.distributed.process_group import BACKEND_NAME, MAX_IN_FLIGHT, ProcessGroupGradsync
 from gradsync.distributed.rendezvous import (
     SCHEME,
     coordinator_of_rendezvous,

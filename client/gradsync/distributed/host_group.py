@@ -285,16 +285,9 @@ class HostGroup:
             self.ops += 1
         staged = tensor.device.type == "cpu" and tensor.is_contiguous()
         work = tensor.detach() if staged else tensor.detach().to("cpu").contiguous()
+        divide_by = self.world_size if op == "avg" else None
         item = _Op(
-            number,
-            sequence,
-            op,
-            tensor.dtype,
-            tensor.numel(),
-            tensor,
-            work,
-            ready,
-            self.world_size if op == "avg" else None,
+            number, sequence, op, tensor.dtype, tensor.numel(), tensor, work, ready, divide_by
         )
         if self.leads:
             with self._lock:
@@ -312,15 +305,8 @@ class HostGroup:
         self._at(item.block, item)[: item.numel].copy_(work.reshape(-1))
         with self._lock:
             self._ops[number] = item
-        message = _MESSAGE.pack(
-            _POSTED,
-            _OP_NAMES[op],
-            HOST_DTYPES[item.dtype],
-            number,
-            sequence,
-            item.numel,
-            item.block,
-        )
+        kinds = (_OP_NAMES[op], HOST_DTYPES[item.dtype])
+        message = _MESSAGE.pack(_POSTED, *kinds, number, sequence, item.numel, item.block)
         try:
             self._peers[0].send(message)
         except OSError as exc:

@@ -349,12 +349,7 @@ class ProcessGroupGradsync(_ProcessGroup):  # type: ignore[misc]  # (untyped bas
 
         return self._submit(f"allgather({describe(tensor)})", run)
 
-    def all_gather_single(
-        self,
-        output: torch.Tensor,
-        input: torch.Tensor,
-        opts: Any = None,
-    ) -> Any:
+    def all_gather_single(self, output: torch.Tensor, input: torch.Tensor, opts: Any = None) -> Any:
         check_dtype(input, "all_gather_into_tensor", reducing=False)
         self._check_stacked(output, input, "all_gather_into_tensor")
 
@@ -425,10 +420,7 @@ class ProcessGroupGradsync(_ProcessGroup):  # type: ignore[misc]  # (untyped bas
         return self._reduce_scatter(output, parts, opts, "reduce_scatter", output_tensors)
 
     def reduce_scatter_single(
-        self,
-        output: torch.Tensor,
-        input: torch.Tensor,
-        opts: Any = None,
+        self, output: torch.Tensor, input: torch.Tensor, opts: Any = None
     ) -> Any:
         self._check_stacked(input, output, "reduce_scatter_tensor")
         return self._reduce_scatter(

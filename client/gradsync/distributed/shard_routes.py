@@ -35,7 +35,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import numpy as np
@@ -256,8 +256,7 @@ class ShardRoutes:
             except BaseException:
                 self._forget(issued)
                 raise
-            for position, (_, _, start, stop) in enumerate(issued):
-                data, _ = self._checked_wait(issued, position, deadline, contributors)
+            for start, stop, data, _ in self._results(issued, deadline, contributors):
                 _write_back(flat[start:stop], data)
             return contributors
 
@@ -291,8 +290,7 @@ class ShardRoutes:
         gathered = [torch.empty_like(flat) for _ in leader]
         for output, part in zip(gathered, leader, strict=True):
             output[start:stop] = part
-        for position, (_, _, a, b) in enumerate(issued):
-            data, count = self._checked_wait(issued, position, deadline, len(leader))
+        for a, b, data, count in self._results(issued, deadline, len(leader)):
             parts = torch.frombuffer(data, dtype=tensor.dtype, count=count * (b - a))
             for rank, output in enumerate(gathered):
                 output[a:b] = parts[rank * (b - a) : (rank + 1) * (b - a)]
@@ -343,8 +341,7 @@ class ShardRoutes:
         except BaseException:
             self._forget(issued)
             raise
-        for position, (_, _, a, b) in enumerate(issued):
-            data, _ = self._checked_wait(issued, position, deadline, collectives.world_size)
+        for a, b, data, _ in self._results(issued, deadline, collectives.world_size):
             _write_back(flat[a:b], data)
 
     def _issue(
@@ -388,29 +385,26 @@ class ShardRoutes:
         self.ranges_sent += 1
         return shard, sequence, elements[0], elements[1]
 
-    def _checked_wait(
-        self,
-        issued: list[tuple[_Shard, int, int, int]],
-        position: int,
-        deadline: float,
-        contributors: int,
-    ) -> tuple[bytearray, int]:
-        """Wait for range `issued[position]`; check it had the leader range's
-        `contributors`; forget the later ranges when it fails."""
-        shard, sequence, start, stop = issued[position]
-        try:
-            data, count = self._wait(shard, sequence, deadline, start, stop)
-        except BaseException:
-            self._forget(issued[position + 1 :])
-            raise
-        if count != contributors:
-            self._forget(issued[position + 1 :])
-            raise GradSyncError(
-                f"range {shard.index} (elements {start}..{stop}) had {count} contributors on "
-                f"shard {shard.index}, range 0 had {contributors} on the leader",
-                rank=self.rank,
-            )
-        return data, count
+    def _results(
+        self, issued: list[tuple[_Shard, int, int, int]], deadline: float, contributors: int
+    ) -> Iterator[tuple[int, int, bytearray, int]]:
+        """(start, stop, its bytes, its contributors) of each range of `issued`, as each
+        comes in, checked to have the leader range's `contributors`; when one fails, the
+        later ranges are forgotten."""
+        for position, (shard, sequence, start, stop) in enumerate(issued):
+            try:
+                data, count = self._wait(shard, sequence, deadline, start, stop)
+            except BaseException:
+                self._forget(issued[position + 1 :])
+                raise
+            if count != contributors:
+                self._forget(issued[position + 1 :])
+                raise GradSyncError(
+                    f"range {shard.index} (elements {start}..{stop}) had {count} contributors "
+                    f"on shard {shard.index}, range 0 had {contributors} on the leader",
+                    rank=self.rank,
+                )
+            yield start, stop, data, count
 
     def _attach(self) -> Any:
         """The current link, with this group's hooks on its shard streams.

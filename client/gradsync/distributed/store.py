@@ -60,12 +60,7 @@ class CoordinatorStore(Store):
     timeout: timedelta
 
     def __init__(
-        self,
-        address: str,
-        *,
-        namespace: str,
-        security: ChannelSecurity,
-        timeout: timedelta,
+        self, address: str, *, namespace: str, security: ChannelSecurity, timeout: timedelta
     ) -> None:
         super().__init__()  # the pybind trampoline needs its base initialised
         target = address.removeprefix("gradsync://")
@@ -144,12 +139,7 @@ class CoordinatorStore(Store):
         )
 
     def _request(
-        self,
-        op: int,
-        keys: list[str],
-        *,
-        deadline_s: float | None = None,
-        **fields: object,
+        self, op: int, keys: list[str], *, deadline_s: float | None = None, **fields: object
     ) -> pb.StoreReply:
         request = pb.StoreRequest(
             op=op,  # type: ignore[arg-type]

@@ -37,18 +37,8 @@ from gradsync.config import (
     ENV_RANK,
     ENV_WORLD_SIZE,
 )
-from gradsync.ray.coordinator import (
-    Coordinator,
-    cluster_resources,
-    fetch,
-    start_coordinator,
-)
-from gradsync.ray.placement import (
-    DEFAULT_WORKER_RESOURCES,
-    NAMESPACE,
-    actor_options,
-    local_ranks,
-)
+from gradsync.ray.coordinator import Coordinator, cluster_resources, fetch, start_coordinator
+from gradsync.ray.placement import DEFAULT_WORKER_RESOURCES, NAMESPACE, actor_options, local_ranks
 
 log = logging.getLogger("gradsync.ray")
 
