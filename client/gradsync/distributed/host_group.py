@@ -1,24 +1,18 @@
 """A process group's host group: its ranks on one host sum an all-reduce in shared memory.
 
 The ranks of a "gradsync" group that share a host (the same host id,
-`gradsync.local.host_identity`) form a host group when the group is created:
-the lowest of them leads. Each all-reduce of a float32 or float64 tensor
-with SUM, AVG, PREMUL_SUM, MIN or MAX of at most `HOST_OP_MAX_BYTES` (64 MiB:
-DDP's 25 MiB buckets, and a parameter larger than a bucket up to that size)
+`gradsync.local.host_identity`) form a host group when the group is created;
+the lowest of them leads. Each all-reduce it takes (`HostGroup.takes`: float32
+or float64, SUM, AVG, PREMUL_SUM, MIN or MAX, at most `HOST_OP_MAX_BYTES`)
 goes through it: every member copies its input into a block of its own arena
 of the host's segment and tells the leader where; the leader reduces the
 inputs in ascending rank (its own first) into its own tensor and uploads that
-one input, naming the ranks it covers (`CollectiveChunk.covered_ranks`); the
-coordinator combines the hosts' inputs in ascending leader rank and answers
-the leaders only; each leader writes the result into a block of its own arena
-and tells its members where, which copy it out and say so (DONE), after which
-the block is free again. AVG travels as a SUM that every rank divides by the group's size
-(the division the coordinator would make, so the same bits); PREMUL_SUM is
-a SUM of scaled inputs, as on the flat path. On one host the sum is the flat
-path's, bitwise (rank order, float32 or float64 accumulation); across hosts
-each host's ranks are summed first. Every other op (broadcast, the gathers,
-reduce-scatter, barrier, all-to-all, all-reduce of other dtypes or larger
-tensors, `allreduce_coalesced`) stays flat: each rank sends its own input.
+one input, naming the ranks it covers (`CollectiveChunk.covered_ranks`); it
+writes the result into a block of its own arena and tells its members where,
+which copy it out and say so (DONE), after which the block is free again. AVG
+travels as a SUM that every rank divides by the group's size (the division
+the coordinator would make, so the same bits). docs/backend.md says what
+stays flat and how the sums compare with the flat path's.
 
 Why not the model wrapper's `LocalGroup`: that one is shaped by steps and a
 fixed bucket layout, summed share by share by every member. A process group

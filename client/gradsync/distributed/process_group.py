@@ -15,21 +15,12 @@ call is checked against the others' (op, dtype, size, root) and a mismatch
 fails every rank naming both values. Reduce-scatter, gather, scatter and
 all-to-all are the hub's too, each rank receiving only its part; reduce is an
 all-reduce only the root keeps (docs/backend.md says what each op costs on the
-wire). The bitwise reductions are refused, and so are send and recv: the coordinator is a hub, not a
-point-to-point relay.
-
-The ranks of a group on one host sum an all-reduce of a float32 or float64
-tensor (SUM, AVG, PREMUL_SUM, MIN, MAX; up to 4 MiB) in shared memory first
-and one of them uploads it (`gradsync.distributed.host_group`), unless
-`GradsyncOptions.hierarchical` turns that off.
-
-With a 16-bit wire (`GradsyncOptions.wire_dtype`, `gradsync.distributed.wire`) the
-float32 inputs of all-reduce SUM, AVG and PREMUL_SUM and of reduce-scatter travel
-as bfloat16 or float16 and the result widens back into the caller's tensor.
-
-Tensors may live on the CPU or a CUDA device (staged through host memory on
-the network thread); every dtype the wire carries (float32/64, float16,
-bfloat16, the integer types, bool for broadcast and gather) works.
+wire). The bitwise reductions are refused, and so are send and recv: the
+coordinator is a hub, not a point-to-point relay. Same-host ranks sum
+all-reduces in shared memory first (`gradsync.distributed.host_group`); a
+16-bit wire (`gradsync.distributed.wire`) halves the bytes of summing
+reductions of float32. Tensors may live on the CPU or a CUDA device (staged
+through host memory on the network thread).
 """
 
 from __future__ import annotations

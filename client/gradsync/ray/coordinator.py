@@ -77,13 +77,8 @@ def _configure_logging(level: str) -> None:
 
 
 class LoopThread:
-    """A running event loop in a daemon thread, with a blocking `call` into it.
-
-    The coordinator is written for `grpc.aio` on one event loop, and a Ray actor's
-    methods run on Ray's own threads: each actor owns one private loop in a thread of its
-    own and hands coroutines to it, so the server lives exactly as long as the actor's
-    process (no orphan coordinator process can outlive its actor).
-    """
+    """A running event loop in a daemon thread, with a blocking `call` into it: an actor's
+    server runs on it, since Ray calls the actor's methods on threads of its own."""
 
     def __init__(self, name: str) -> None:
         self.loop = asyncio.new_event_loop()
