@@ -111,6 +111,13 @@ HOST_OPS: dict[str, int] = {
     "max": pb.COLLECTIVE_OP_MAX,
 }
 _OP_NAMES = {"sum": 1, "avg": 2, "min": 3, "max": 4}
+#: How the leader folds a member's input into its own, by op.
+_COMBINE: dict[str, Callable[..., torch.Tensor]] = {
+    "sum": torch.add,
+    "avg": torch.add,
+    "min": torch.minimum,
+    "max": torch.maximum,
+}
 _NAME_OF = {code: name for name, code in _OP_NAMES.items()}
 _ITEMSIZE: dict[int, int] = {pb.DTYPE_FLOAT32: 4, pb.DTYPE_FLOAT64: 8}
 #: kind, op, dtype, then host op number, sequence, element count / contributors, the
@@ -366,12 +373,7 @@ class HostGroup:
                 )
             other = self._at(offset, item)[: item.numel]
             with torch.no_grad():
-                if item.op == "min":
-                    torch.minimum(acc, other, out=acc)
-                elif item.op == "max":
-                    torch.maximum(acc, other, out=acc)
-                else:
-                    acc.add_(other)
+                _COMBINE[item.op](acc, other, out=acc)
             waited.append(now - posted_at)
         covered = [self.members[0], *(self.members[i] for i in live)]
         template = pb.CollectiveChunk(covered_ranks=covered, covered_waited_s=waited)

@@ -1,29 +1,9 @@
 """A process group's Chrome trace: the phases of each of its operations, per rank.
 
-Switched on by `GradsyncOptions(trace_path=...)` or `$GRADSYNC_TRACE` (a path; "{rank}"
-in it becomes the rank's global rank, and a path without "{rank}" gets "-rank<r>"
-before its suffix, so the ranks of a host never share a file). The file is the model
-wrapper's trace format (`gradsync.path.trace.StepTracer`: Chrome trace events, one
-JSON array, flushed as operations complete); open it in https://ui.perfetto.dev.
-Every group of the process writes to the same file, on tracks of its own:
-
-- "<group> ops": one span per operation, from its issue (the c10d call) to its
-  completion (its Work done), named after the operation (`allreduce(sum, [4]
-  float32)`), with its number in the group and every phase's time in `args`:
-  `issued`, `first_byte_sent`, `last_byte_sent`, `result_received`, `completed`
-  (microseconds on the trace's clock; a phase that did not happen is null) and
-  `ok` (false: the Work failed).
-- "<group> wire": per operation, "send" from its first byte to its last byte handed
-  to the socket, and "result" from then until its result was in (from its issue,
-  when this rank sent nothing itself: a host group's member, whose leader uploads).
-
-The byte phases are those of the operation's collectives on the rank's stream to the
-coordinator (all of them: an operation made of several counts from the first one's
-first byte to the last one's last). A host group's leader uploads its host's sum for
-the operation; its members send nothing. On a sharded coordinator the byte phases
-are not recorded (the shards' streams number their ranges apart). For an operation
-that runs whole on the group's thread (everything but the all-reduce),
-`result_received` is when its last result was taken.
+Switched on by `GradsyncOptions(trace_path=...)` or `$GRADSYNC_TRACE` (see `trace_file`).
+The file is the model wrapper's trace format (`gradsync.path.trace.StepTracer`); every
+group of the process writes to the same file, on an "ops" and a "wire" track of its own.
+docs/backend.md (Trace) says what each span and phase means and when a phase is null.
 """
 
 from __future__ import annotations
@@ -38,7 +18,7 @@ from pathlib import Path
 
 from gradsync.path.trace import StepTracer
 
-#: The environment variable that switches the trace on (a path, see the module docstring).
+#: The environment variable that switches the trace on (a path, see `trace_file`).
 ENV_TRACE = "GRADSYNC_TRACE"
 #: Upload events of a collective's input (`gradsync.control.worker_messages`).
 UPLOAD_START = "collective_upload_start"
@@ -48,7 +28,9 @@ KEPT_OPS = 4096
 
 
 def trace_file(template: str, rank: int) -> Path:
-    """The trace file of global rank `rank` for `template` (see the module docstring)."""
+    """The trace file of global rank `rank` for `template`: "{rank}" in it becomes the rank,
+    and a path without "{rank}" gets "-rank<r>" before its suffix (a host's ranks never
+    share a file)."""
     if "{rank}" in template:
         return Path(template.replace("{rank}", str(rank)))
     path = Path(template)

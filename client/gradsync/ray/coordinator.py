@@ -433,12 +433,12 @@ def cluster_resources() -> str:
 
 def _shard_options(options: Mapping[str, Any], leader_address: str) -> dict[str, Any]:
     """The leader's options that a shard shares: credentials and the chunk size."""
-    keys = ("token", "shard_token", "tls_cert", "tls_key", "tls_client_ca", "tls_ca", "insecure")
-    shard = {key: options[key] for key in keys if key in options}
+    credentials = ("token", "shard_token", "tls_cert", "tls_key", "tls_client_ca", "tls_ca")
+    shard = {
+        key: options[key] for key in (*credentials, "insecure", "chunk_bytes") if key in options
+    }
     if "tls_cert" in options and "tls_ca" not in options:
         shard["tls_ca"] = options["tls_cert"]  # a self-signed leader: its own certificate
-    if "chunk_bytes" in options:
-        shard["chunk_bytes"] = options["chunk_bytes"]
     shard["leader"] = leader_address
     return shard
 
