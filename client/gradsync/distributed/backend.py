@@ -164,14 +164,8 @@ def create_group(backend_options: Any, pg_options: Any = None) -> ProcessGroupGr
     security = options.security or ChannelSecurity.resolve()
     timeout_s = float(backend_options.timeout.total_seconds())
     wire_dtype = resolve_wire_dtype(options.wire_dtype)
-    session = GroupSession(
-        address,
-        job_id,
-        int(backend_options.group_rank),
-        int(backend_options.group_size),
-        security,
-        timeout_s,
-    )
+    rank, size = int(backend_options.group_rank), int(backend_options.group_size)
+    session = GroupSession(address, job_id, rank, size, security, timeout_s)
     setting = resolve_hierarchical(options.hierarchical)
     try:
         host = form_host_group(

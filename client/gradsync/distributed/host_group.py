@@ -212,7 +212,6 @@ class HostGroup:
         self.index = members.index(rank)
         self.leads = self.index == 0
         self._link = link
-        self._slots = slots
         self._timeout_s = timeout_s
         self._lock = threading.RLock()
         self._next = 0
@@ -223,7 +222,6 @@ class HostGroup:
         self.ops = 0
         self.uploaded_bytes = 0
         self._peers = dict(formed.peers) if formed is not None else {}
-        self._map: mmap.mmap | None = None
         self._fd: int | None = None
         self._arena: Arena | None = None
         if formed is not None:
@@ -234,9 +232,9 @@ class HostGroup:
             if os.fstat(formed.segment_fd).st_size < total:
                 os.ftruncate(formed.segment_fd, total)
             self._fd = formed.segment_fd
-            self._map = mmap.mmap(self._fd, total, mmap.MAP_SHARED)
             self._arena = Arena(self._fd, self.index * size, size, shm_dir())
-            self._whole = np.frombuffer(self._map, dtype=np.uint8)
+            # (The array holds the mapping: it lives as long as the host group.)
+            self._whole = np.frombuffer(mmap.mmap(self._fd, total, mmap.MAP_SHARED), dtype=np.uint8)
         # Leader: each member's POSTED ops by number (time, sequence, op, dtype, numel,
         # offset), and why a member's input found no shared memory, by op number.
         self._posted: dict[int, dict[int, tuple[float, int, int, int, int, int]]] = {

@@ -377,9 +377,7 @@ class OpQueue:
                 return
             if item.run is not None:  # whole: it runs on the completing thread, in order
                 finished = threading.Event()
-                with self._lock:
-                    self._handed += 1
-                self._done.put(_Issued(item, None, None, holds_slot=False, finished=finished))
+                self._hand(_Issued(item, None, None, holds_slot=False, finished=finished))
                 while not finished.wait(self._timeout_s):  # (its own waits are bounded)
                     log.warning("gradsync: %s: %s still runs", self._describe, item.name)
             elif self._slots.acquire(timeout=self._timeout_s):
@@ -390,11 +388,15 @@ class OpQueue:
                     f"{self.max_in_flight} operations were in flight and none completed "
                     f"within {self._timeout_s:g} s"
                 )
-                with self._lock:
-                    self._handed += 1
-                self._done.put(_Issued(item, None, error, holds_slot=False))
+                self._hand(_Issued(item, None, error, holds_slot=False))
             with self._lock:
                 self._waiting -= 1
+
+    def _hand(self, issued: _Issued) -> None:
+        """Hand an operation that holds no slot to the completing thread."""
+        with self._lock:
+            self._handed += 1
+        self._done.put(issued)
 
     def _serve_completions(self) -> None:
         while True:

@@ -382,13 +382,10 @@ def start_coordinator(
     try:
         info = _started(leader.start.remote(options, shard_names), "the leader", placement)
         shard_options = _shard_options(options, info["address"])
-        handles = []
         for shard_name in shard_names:
-            shard = _ShardActor.options(
-                name=shard_name, scheduling_strategy="SPREAD", **common
-            ).remote(log_level)
-            started.append(shard)
-            handles.append(shard)
+            options_of = dict(common, name=shard_name, scheduling_strategy="SPREAD")
+            started.append(_ShardActor.options(**options_of).remote(log_level))
+        handles = started[1:]
         _started([shard.start.remote(shard_options) for shard in handles], "the shards", placement)
         if handles:
             missing = fetch(
