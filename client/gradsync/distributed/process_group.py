@@ -288,7 +288,7 @@ class ProcessGroupGradsync(_ProcessGroup):  # type: ignore[misc]  # (untyped bas
 
     def allreduce_coalesced(self, tensors: list[torch.Tensor], opts: Any = None) -> Any:
         if not tensors:
-            return self._submit("allreduce_coalesced([])", lambda: tensors)
+            return self._submit("allreduce_coalesced([])", lambda: None, tensors)
         dtypes = {t.dtype for t in tensors}
         if len(dtypes) != 1:
             raise ValueError(f"allreduce_coalesced needs tensors of one dtype, got {dtypes}")
@@ -297,7 +297,7 @@ class ProcessGroupGradsync(_ProcessGroup):  # type: ignore[misc]  # (untyped bas
             check_dtype(tensor, "allreduce_coalesced", reducing=True)
         wire = wire_for(self.wire_dtype, tensors[0].dtype, op)
 
-        def run() -> OpResult:
+        def run() -> None:
             flat = flat_copy(tensors)  # one collective for all of them
             if factor is not None:
                 flat.mul_(factor)
@@ -306,11 +306,9 @@ class ProcessGroupGradsync(_ProcessGroup):  # type: ignore[misc]  # (untyped bas
             else:
                 flat = self._collectives.all_reduce(flat.to(wire), op).to(flat.dtype)
             write_flat(tensors, flat)
-            return tensors
 
-        return self._submit(
-            f"allreduce_coalesced({op}, {len(tensors)} tensors{on_wire(wire)})", run
-        )
+        name = f"allreduce_coalesced({op}, {len(tensors)} tensors{on_wire(wire)})"
+        return self._submit(name, run, tensors)
 
     def broadcast(self, tensors: list[torch.Tensor], opts: Any = None) -> Any:
         root = self._root(getattr(opts, "rootRank", 0), "broadcast")
@@ -319,11 +317,10 @@ class ProcessGroupGradsync(_ProcessGroup):  # type: ignore[misc]  # (untyped bas
         for tensor in tensors:
             check_dtype(tensor, "broadcast", reducing=False)
 
-        def run() -> OpResult:
-            self._collectives.broadcast_tensors(tensors, root)
-            return tensors
-
-        return self._submit(f"broadcast(root {root}, {len(tensors)} tensors)", run)
+        name = f"broadcast(root {root}, {len(tensors)} tensors)"
+        return self._submit(
+            name, lambda: self._collectives.broadcast_tensors(tensors, root), tensors
+        )
 
     def allgather(
         self,
@@ -334,21 +331,15 @@ class ProcessGroupGradsync(_ProcessGroup):  # type: ignore[misc]  # (untyped bas
         tensor = self._one(input_tensors, "allgather")
         outputs = self._only_list(output_tensors, tensor, "allgather", "output")
 
-        def run() -> OpResult:
-            self._gather_into(outputs, tensor, "allgather")
-            return outputs
-
-        return self._submit(f"allgather({describe(tensor)})", run)
+        run = functools.partial(self._gather_into, outputs, tensor, "allgather")
+        return self._submit(f"allgather({describe(tensor)})", run, outputs)
 
     def all_gather_single(self, output: torch.Tensor, input: torch.Tensor, opts: Any = None) -> Any:
         check_dtype(input, "all_gather_into_tensor", reducing=False)
         self._check_stacked(output, input, "all_gather_into_tensor")
 
-        def run() -> OpResult:
-            self._gather_stacked(output, input, "all_gather_into_tensor")
-            return [output]
-
-        return self._submit(f"all_gather_into_tensor({describe(input)})", run)
+        run = functools.partial(self._gather_stacked, output, input, "all_gather_into_tensor")
+        return self._submit(f"all_gather_into_tensor({describe(input)})", run, [output])
 
     _allgather_base = all_gather_single
 
@@ -368,12 +359,12 @@ class ProcessGroupGradsync(_ProcessGroup):  # type: ignore[misc]  # (untyped bas
             for outputs, tensor in zip(output_lists, input_list, strict=True)
         ]
 
-        def run() -> OpResult:
+        def run() -> None:
             for outputs, tensor in pairs:
                 self._gather_into(outputs, tensor, "allgather_coalesced")
-            return [t for outputs, _ in pairs for t in outputs]
 
-        return self._submit(f"allgather_coalesced({len(pairs)} tensors)", run)
+        result = [t for outputs, _ in pairs for t in outputs]
+        return self._submit(f"allgather_coalesced({len(pairs)} tensors)", run, result)
 
     def all_gather_single_coalesced(
         self, outputs: list[torch.Tensor], inputs: list[torch.Tensor], opts: Any = None
@@ -383,21 +374,17 @@ class ProcessGroupGradsync(_ProcessGroup):  # type: ignore[misc]  # (untyped bas
             check_dtype(tensor, "all_gather_into_tensor_coalesced", reducing=False)
             self._check_stacked(output, tensor, "all_gather_into_tensor_coalesced")
 
-        def run() -> OpResult:
+        def run() -> None:
             for output, tensor in zip(outputs, inputs, strict=True):
                 self._gather_stacked(output, tensor, "all_gather_into_tensor_coalesced")
-            return outputs
 
-        return self._submit(f"all_gather_into_tensor_coalesced({len(inputs)} tensors)", run)
+        name = f"all_gather_into_tensor_coalesced({len(inputs)} tensors)"
+        return self._submit(name, run, outputs)
 
     allgather_into_tensor_coalesced = all_gather_single_coalesced
 
     def barrier(self, opts: Any = None) -> Any:
-        def run() -> OpResult:
-            self._collectives.barrier()
-            return []
-
-        return self._submit("barrier", run)
+        return self._submit("barrier", self._collectives.barrier, [])
 
     # ------------------------------------------------------------ the hub's per-rank ops
     def reduce_scatter(
@@ -465,14 +452,13 @@ class ProcessGroupGradsync(_ProcessGroup):  # type: ignore[misc]  # (untyped bas
     ) -> Any:
         """Queue the reduce-scatter of each (output, per-rank parts, wire) of `jobs`."""
 
-        def run() -> OpResult:
+        def run() -> None:
             for output, parts, wire in jobs:
                 scaled = [p * factor for p in parts] if factor is not None else parts
                 routes = self._session.shard_routes
                 reduce_scatter_parts(routes, self._collectives, output, scaled, op, wire)
-            return result
 
-        return self._submit(name, run)
+        return self._submit(name, run, result)
 
     def reduce(self, tensors: list[torch.Tensor], opts: Any = None) -> Any:
         tensor = self._one(tensors, "reduce")
@@ -480,16 +466,15 @@ class ProcessGroupGradsync(_ProcessGroup):  # type: ignore[misc]  # (untyped bas
         op, factor = reduce_op(op_of(opts), tensor.dtype, "reduce")
         check_dtype(tensor, "reduce", reducing=True)
 
-        def run() -> OpResult:
+        def run() -> None:
             # One all-reduce of a copy that only the root keeps: up N, down N per rank.
             source = tensor * factor if factor is not None else tensor
             copy = source.detach().to("cpu", copy=True)
             self._collectives.all_reduce(copy, op)
             if self.rank() == root:
                 write_into(tensor, copy)
-            return tensors
 
-        return self._submit(f"reduce({op}, root {root}, {describe(tensor)})", run)
+        return self._submit(f"reduce({op}, root {root}, {describe(tensor)})", run, tensors)
 
     def gather(
         self,
@@ -504,13 +489,12 @@ class ProcessGroupGradsync(_ProcessGroup):  # type: ignore[misc]  # (untyped bas
         if self.rank() == root:
             outputs = self._only_list(output_tensors, tensor, "gather", "output", " on the root")
 
-        def run() -> OpResult:
+        def run() -> None:
             parts = self._collectives.gather(tensor, root)
             if parts is not None:
                 write_parts(outputs, parts)
-            return outputs
 
-        return self._submit(f"gather(root {root}, {describe(tensor)})", run)
+        return self._submit(f"gather(root {root}, {describe(tensor)})", run, outputs)
 
     def scatter(
         self,
@@ -525,11 +509,9 @@ class ProcessGroupGradsync(_ProcessGroup):  # type: ignore[misc]  # (untyped bas
         if self.rank() == root:
             parts = self._only_list(input_tensors, output, "scatter", "input", " on the root")
 
-        def run() -> OpResult:
-            self._collectives.scatter(output, parts if self.rank() == root else None, root)
-            return output_tensors
-
-        return self._submit(f"scatter(root {root}, {describe(output)})", run)
+        sent = parts if self.rank() == root else None
+        run = functools.partial(self._collectives.scatter, output, sent, root)
+        return self._submit(f"scatter(root {root}, {describe(output)})", run, output_tensors)
 
     def alltoall(
         self,
@@ -545,11 +527,8 @@ class ProcessGroupGradsync(_ProcessGroup):  # type: ignore[misc]  # (untyped bas
             )
         self._same_dtype([*output_tensors, *input_tensors], "alltoall")
 
-        def run() -> OpResult:
-            self._all_to_all(output_tensors, input_tensors)
-            return output_tensors
-
-        return self._submit(f"alltoall({world} parts)", run)
+        run = functools.partial(self._all_to_all, output_tensors, input_tensors)
+        return self._submit(f"alltoall({world} parts)", run, output_tensors)
 
     def all_to_all_single(
         self,
@@ -563,11 +542,8 @@ class ProcessGroupGradsync(_ProcessGroup):  # type: ignore[misc]  # (untyped bas
         outputs = split_rows(output, output_split_sizes, self.size(), "output")
         inputs = split_rows(input, input_split_sizes, self.size(), "input")
 
-        def run() -> OpResult:
-            self._all_to_all(outputs, inputs)
-            return [output]
-
-        return self._submit(f"all_to_all_single({describe(input)})", run)
+        run = functools.partial(self._all_to_all, outputs, inputs)
+        return self._submit(f"all_to_all_single({describe(input)})", run, [output])
 
     alltoall_base = all_to_all_single
 
@@ -582,15 +558,16 @@ class ProcessGroupGradsync(_ProcessGroup):  # type: ignore[misc]  # (untyped bas
         raise RuntimeError(POINT_TO_POINT.format(what="recv"))
 
     # ------------------------------------------------------------ helpers
-    def _submit(self, name: str, run: Callable[[], OpResult]) -> Any:
-        """Queue `run`; its result stands only if every rank of the group took part.
+    def _submit(self, name: str, run: Callable[[], object], result: OpResult) -> Any:
+        """Queue `run`, whose Work carries `result` (the tensors it writes into); that
+        result stands only if every rank of the group took part.
 
         Under `--on-failure elastic` the coordinator completes a collective over the
         live ranks; a c10d group's size is fixed, so here that is a failure.
         """
 
         def checked() -> OpResult:
-            result = run()
+            run()
             self._check_contributors(self._collectives.last_contributors)
             return result
 
