@@ -42,7 +42,7 @@ from gradsync.distributed.group_session import GroupSession
 from gradsync.distributed.host_group import form_host_group, resolve_hierarchical
 from gradsync.distributed.op_trace import OpTrace, resolve_trace_path
 from gradsync.distributed.process_group import BACKEND_NAME, MAX_IN_FLIGHT, ProcessGroupGradsync
-from gradsync.distributed.rendezvous import (
+from gradsync.distributed.store import (
     SCHEME,
     coordinator_of_rendezvous,
     handler as rendezvous_handler,
