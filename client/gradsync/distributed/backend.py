@@ -13,11 +13,8 @@ as gloo's rendezvous does.
 Where the coordinator is: `GradsyncOptions.coordinator` (passed as
 `init_process_group(..., pg_options=GradsyncOptions(...))`), else the
 `gradsync://` rendezvous's address, else $GRADSYNC_COORDINATOR. TLS and the
-token: the options', else the wrapper's environment variables.
-
-Same-host ranks: each group finds, through c10d's store, which of its ranks
-share a host and (by default, when any two do) forms a host group per host
-(`gradsync.distributed.host_group`) that sums all-reduces in shared memory.
+token: the options', else the wrapper's environment variables. Same-host
+ranks form a host group per host (`gradsync.distributed.host_group`).
 """
 
 from __future__ import annotations

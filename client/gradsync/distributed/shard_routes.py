@@ -12,22 +12,12 @@ issues the same ops in the same order, so the ranks' numbers agree on every
 shard. An all-gather is cut the same way (shard i gathers range i of every
 rank's input), and a reduce-scatter cuts each rank's part (shard i
 reduce-scatters range i of every part, and each rank gets range i of its own).
-Each shard reduces its range in ascending rank order with the leader's code, so
-the result is bitwise the one a single coordinator computes, whatever the order
-in which the ranks' inputs arrive. A 25 MB gradient bucket thus travels on every
-shard's link at once, each carrying 1/S of it.
-
-Everything else stays on the leader: small ops, broadcast, reduce, gather,
-scatter, all-to-all, barrier and the rendezvous store.
-
-Faults: a shard whose stream fails (killed, lost its leader, refused a chunk)
-fails every range pending on it at once with the stream's error, which names
-the shard and its address; the group's `OpQueue` then fails the operation
-(naming the op and its number) and every later one. Ranks that disagree (op,
-dtype, size) are told by the leader for range 0, naming both values, as
-without shards. A group whose coordinator restarted cannot resume its ranges
-on the shards (they forget the group's collectives with their leader): its
-next spread op fails, saying so. Every wait is bounded by the group's timeout.
+Each shard reduces its range with the leader's code, so the result is bitwise
+a single coordinator's. Everything else stays on the leader. Faults: a shard
+whose stream fails fails every range pending on it at once with the stream's
+error, which names the shard and its address; a group whose coordinator
+restarted cannot resume its ranges on the shards (they forget them with their
+leader). docs/backend.md (Sharded coordinators) lists what is spread and why.
 """
 
 from __future__ import annotations

@@ -105,7 +105,7 @@ class GradsyncWork(dist.Work):
         self._outcome = outcome
         # A future whose failure is a failure in C++ as well (a callback that raises
         # fails the future `then` returns), for DDP's reducer and comm hooks.
-        self._future = outcome.then(_value_of)
+        self._future = outcome.then(lambda done: done.value())
 
     def wait(self, timeout: Any = None) -> bool:
         """Block until the operation is done; raise its DistBackendError if it failed.
@@ -132,10 +132,6 @@ class GradsyncWork(dist.Work):
 
     def result(self) -> OpResult:
         return list(self._outcome.wait())
-
-
-def _value_of(future: torch.futures.Future[Any]) -> Any:
-    return future.value()
 
 
 class OpQueue:

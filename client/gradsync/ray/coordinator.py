@@ -70,12 +70,6 @@ def fetch(refs: Any, timeout_s: float | None = None) -> Any:
     return ray.get(refs, timeout=timeout_s)
 
 
-def _configure_logging(level: str) -> None:
-    logging.basicConfig(
-        level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s", force=True
-    )
-
-
 class LoopThread:
     """A running event loop in a daemon thread, with a blocking `call` into it: an actor's
     server runs on it, since Ray calls the actor's methods on threads of its own."""
@@ -130,7 +124,8 @@ class _ServerActor:
     """What the leader's and the shards' actor bodies share: a loop, a server, its info."""
 
     def __init__(self, log_level: str, thread_name: str) -> None:
-        _configure_logging(log_level)
+        form = "%(asctime)s %(levelname)s %(name)s: %(message)s"
+        logging.basicConfig(level=log_level, format=form, force=True)
         self._loop = LoopThread(thread_name)
         self._running: Any = None
         self._info: dict[str, Any] = {}
@@ -158,7 +153,6 @@ class LeaderServer(_ServerActor):
         self._running = self._loop.call(start(config), START_TIMEOUT_S)
         advertised = node_ip if bind_host in ("0.0.0.0", "::", "") else bind_host
         metrics = self._running.metrics_server
-        metrics_url = metrics.url if metrics is not None else None
         print(banner(self._running), flush=True)
         self._info = {
             "address": host_port(advertised, self._running.port),
@@ -167,7 +161,7 @@ class LeaderServer(_ServerActor):
             "world_size": config.world_size,
             "pid": os.getpid(),
             "node_ip": node_ip,
-            "metrics_url": metrics_url,
+            "metrics_url": metrics.url if metrics is not None else None,
         }
         return self.info()
 
