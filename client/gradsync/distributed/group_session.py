@@ -67,7 +67,6 @@ class GroupSession:
         self.rank = rank
         self.world_size = world_size
         self._security = security
-        self._closed = False
         #: Told each link's upload events (`BucketEventHandler`; the group's trace), or None.
         self._on_link_event: Callable[[str, int, int], None] | None = None
         log.info(
@@ -147,7 +146,4 @@ class GroupSession:
 
     def close(self) -> None:
         """Leave the job (bounded). Idempotent."""
-        if self._closed:
-            return
-        self._closed = True
         self.resuming.close(CLOSE_TIMEOUT_S)

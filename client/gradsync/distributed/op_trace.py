@@ -193,11 +193,10 @@ class OpTrace:
             phases = self._ops.get(sequence) if sequence is not None else None
             if phases is None:
                 return
-            if event == UPLOAD_START:
-                if phases.first_byte is None:
-                    phases.first_byte = now
-            else:
+            if event == UPLOAD_END:
                 phases.last_byte = now
+            elif phases.first_byte is None:
+                phases.first_byte = now
 
     def close(self) -> None:
         """Flush; the file is closed when its last group closes (or at exit). Idempotent."""

@@ -26,6 +26,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -150,16 +151,16 @@ def reduce_scatter_parts(
         write_into(output, target)
 
 
+@dataclass
 class _Shard:
     """What one shard holds of this rank's spread ops."""
 
-    def __init__(self, index: int, rank: int) -> None:
-        self.index = index
-        self.results = CollectiveResults(rank)
-        #: The next range's number on this shard (the same on every rank).
-        self.next_sequence = 0
-        #: Why the shard's stream failed; every range on it fails with it.
-        self.failure: ShardUnavailableError | None = None
+    index: int
+    results: CollectiveResults
+    #: The next range's number on this shard (the same on every rank).
+    next_sequence: int = 0
+    #: Why the shard's stream failed; every range on it fails with it.
+    failure: ShardUnavailableError | None = None
 
 
 class ShardRoutes:
@@ -192,7 +193,7 @@ class ShardRoutes:
         self._timeout_s = timeout_s
         self._lock = threading.Lock()
         self._changed = threading.Condition(self._lock)
-        self._shards = {index: _Shard(index, rank) for index in range(1, shard_count)}
+        self._shards = {i: _Shard(i, CollectiveResults(rank)) for i in range(1, shard_count)}
         #: The link whose shard streams carry the ranges (set at the first spread op).
         self._link: Any = None
         #: Why no further op can be spread (the coordinator restarted), once it is so.

@@ -197,8 +197,7 @@ def call_train_fn(train_fn: Callable[..., Any], config: Mapping[str, Any] | None
     Raises:
         TypeError: `config` was given to a function that takes no argument.
     """
-    takes_config = len(inspect.signature(train_fn).parameters) > 0
-    if takes_config:
+    if inspect.signature(train_fn).parameters:  # it takes the config
         return train_fn(dict(config or {}))
     if config is not None:
         raise TypeError(
