@@ -284,7 +284,7 @@ class ProcessGroupGradsync(_ProcessGroup):  # type: ignore[misc]  # (untyped bas
 
             return done
 
-        return self._ops.submit_split(name, issue, inline=inline, tells=cpu)
+        return self._ops.submit(name, issue=issue, inline=inline, tells=cpu)
 
     def allreduce_coalesced(self, tensors: list[torch.Tensor], opts: Any = None) -> Any:
         if not tensors:

@@ -137,8 +137,8 @@ class GradsyncWork(dist.Work):
 class OpQueue:
     """Runs one group's operations in the order they were queued, several in flight.
 
-    An operation is either split (`submit_split`: `issue` sends its input and
-    returns a `finish` that waits for the result) or whole (`submit`: one
+    An operation is either split (`submit(issue=)`: `issue` sends its input and
+    returns a `finish` that waits for the result) or whole (`submit(run=)`: one
     callable that runs every collective it needs and waits for each). A split
     operation is issued at once on the caller's thread when nothing queued is
     ahead of it, its tensor is on the CPU and fewer than `max_in_flight` are
@@ -213,21 +213,17 @@ class OpQueue:
         self._issuer.start()
         self._completer.start()
 
-    def submit(self, name: str, run: Callable[[], OpResult]) -> Any:
-        """Queue `run`, a whole operation; return a c10d Work at once (never blocks).
-
-        Raises:
-            RuntimeError: the group was shut down.
-        """
-        future: torch.futures.Future[Any] = torch.futures.Future()
-        with self._lock:
-            sequence = self._take_sequence(name)
-            self._waiting += 1
-            self._queue.put(_Queued(sequence, name, run, None, future))
-        return GradsyncWork(future)
-
-    def submit_split(self, name: str, issue: Issue, *, inline: bool, tells: bool = False) -> Any:
-        """Queue an operation that `issue` sends and whose returned `finish` completes.
+    def submit(
+        self,
+        name: str,
+        run: Callable[[], OpResult] | None = None,
+        issue: Issue | None = None,
+        *,
+        inline: bool = False,
+        tells: bool = False,
+    ) -> Any:
+        """Queue `run`, a whole operation, or one that `issue` sends and whose returned
+        `finish` completes; return a c10d Work at once (never blocks).
 
         With `inline`, `issue` runs here on the caller's thread when nothing is
         queued ahead and a slot is free (it must then not block: a CPU tensor on a
@@ -241,7 +237,7 @@ class OpQueue:
         future: torch.futures.Future[Any] = torch.futures.Future()
         with self._lock:
             sequence = self._take_sequence(name)
-            item = _Queued(sequence, name, None, issue, future, tells)
+            item = _Queued(sequence, name, run, issue, future, tells)
             if inline and self._waiting == 0 and self._slots.acquire(blocking=False):
                 self.issued_inline += 1
                 self._issue(item)

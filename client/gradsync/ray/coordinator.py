@@ -123,10 +123,13 @@ class LoopThread:
 class _ServerActor:
     """What the leader's and the shards' actor bodies share: a loop, a server, its info."""
 
-    def __init__(self, log_level: str, thread_name: str) -> None:
+    #: The name of the thread the actor's loop runs in (each actor body names its own).
+    thread_name: str
+
+    def __init__(self, log_level: str) -> None:
         form = "%(asctime)s %(levelname)s %(name)s: %(message)s"
         logging.basicConfig(level=log_level, format=form, force=True)
-        self._loop = LoopThread(thread_name)
+        self._loop = LoopThread(self.thread_name)
         self._running: Any = None
         self._info: dict[str, Any] = {}
 
@@ -138,8 +141,7 @@ class _ServerActor:
 class LeaderServer(_ServerActor):
     """Ray actor body: the coordinator (shard 0), on its node's address."""
 
-    def __init__(self, log_level: str) -> None:
-        super().__init__(log_level, "gradsync-coordinator")
+    thread_name = "gradsync-coordinator"
 
     def start(self, options: dict[str, Any], shard_names: list[str]) -> dict[str, Any]:
         """Bind and serve; return the address workers use, and what `info` returns."""
@@ -187,8 +189,7 @@ class LeaderServer(_ServerActor):
 class ShardServer(_ServerActor):
     """Ray actor body: one coordinator shard, registering with its leader."""
 
-    def __init__(self, log_level: str) -> None:
-        super().__init__(log_level, "gradsync-shard")
+    thread_name = "gradsync-shard"
 
     def start(self, options: dict[str, Any]) -> dict[str, Any]:
         """Bind, advertise this node's address and start registering with the leader."""
