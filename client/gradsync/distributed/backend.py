@@ -164,16 +164,12 @@ def create_group(backend_options: Any, pg_options: Any = None) -> ProcessGroupGr
     rank, size = int(backend_options.group_rank), int(backend_options.group_size)
     session = GroupSession(address, job_id, rank, size, security, timeout_s)
     setting = resolve_hierarchical(options.hierarchical)
+    if wire_dtype is not None:  # (a group on a 16-bit wire stays flat)
+        setting = "off"
+    store, resuming = backend_options.store, session.resuming
     try:
         host = form_host_group(
-            backend_options.store,
-            session.rank,
-            session.world_size,
-            job_id,
-            setting if wire_dtype is None else "off",
-            session.resuming,
-            MAX_IN_FLIGHT,
-            timeout_s,
+            store, rank, size, job_id, setting, resuming, MAX_IN_FLIGHT, timeout_s
         )
     except BaseException:
         session.close()

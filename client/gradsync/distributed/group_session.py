@@ -88,20 +88,12 @@ class GroupSession:
         )
         #: Spreads bulk ops over the coordinator's shards (None: not sharded).
         self.shard_routes: ShardRoutes | None = None
-        if len(welcome.shards) > 1:
+        if (shards := len(welcome.shards)) > 1:
             self.shard_routes = ShardRoutes(
-                lambda: self.resuming.link,
-                len(welcome.shards),
-                rank,
-                world_size,
-                welcome.chunk_bytes,
-                timeout_s,
+                lambda: self.resuming.link, shards, rank, world_size, welcome.chunk_bytes, timeout_s
             )
             log.info(
-                "rank %d: group '%s' spreads its bulk ops over %d shards",
-                rank,
-                job_id,
-                len(welcome.shards),
+                "rank %d: group '%s' spreads its bulk ops over %d shards", rank, job_id, shards
             )
 
     def _join(

@@ -149,11 +149,8 @@ def resolve_hierarchical(value: str | bool | None, environ: Mapping[str, str] | 
     """
     if isinstance(value, bool):
         return "on" if value else "off"
-    raw = (
-        value
-        if value is not None
-        else (os.environ if environ is None else environ).get(ENV_HIERARCHICAL, "auto")
-    )
+    env = os.environ if environ is None else environ
+    raw = value if value is not None else env.get(ENV_HIERARCHICAL, "auto")
     resolved = _VALUES.get(str(raw).strip().lower())
     if resolved is None:
         where = "GradsyncOptions.hierarchical" if value is not None else f"${ENV_HIERARCHICAL}"
