@@ -26,7 +26,6 @@ through host memory on the network thread).
 from __future__ import annotations
 
 import functools
-import logging
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -46,8 +45,6 @@ from gradsync.distributed.shard_routes import (
 from gradsync.distributed.wire import on_wire, wire_for
 from gradsync.distributed.work import Finish, OpQueue, OpResult
 from gradsync.path.signature import WIRE_DTYPES
-
-log = logging.getLogger("gradsync.client")
 
 __all__ = ["BACKEND_NAME", "ProcessGroupGradsync"]
 
@@ -189,13 +186,9 @@ class ProcessGroupGradsync(_ProcessGroup):  # type: ignore[misc]  # (untyped bas
         #: The name and description c10d gives the group (`_set_group_name`, ...).
         self._c10d_name, self._c10d_desc = group_name, "undefined"
         describe = f"rank {session.rank} of group '{group_name}' (job '{session.job_id}')"
-        self._ops = OpQueue(
-            describe,
-            f"gradsync-pg-{group_name}-r{session.rank}"[:50],
-            max_in_flight=MAX_IN_FLIGHT,
-            timeout_s=self._collectives.timeout_s,
-            trace=trace,
-        )
+        thread_name = f"gradsync-pg-{group_name}-r{session.rank}"[:50]
+        timeout_s = self._collectives.timeout_s
+        self._ops = OpQueue(describe, thread_name, MAX_IN_FLIGHT, timeout_s, trace)
 
     # ------------------------------------------------------------ identity
     def getBackendName(self) -> str:
