@@ -67,14 +67,12 @@ _files: dict[Path, _TraceFile] = {}
 _files_lock = threading.Lock()
 
 
+@atexit.register
 def _close_all() -> None:
     with _files_lock:
         for shared in _files.values():
             shared.tracer.close()
         _files.clear()
-
-
-atexit.register(_close_all)
 
 
 class OpTrace:
