@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 from gradsync.collectives import Collectives
 from gradsync.distributed import ProcessGroupGradsync, group_job_id
-from gradsync.distributed.rendezvous import parse_url
+from gradsync.distributed.store import parse_url
 from support.fakegroup import GroupLink, ThreadedGroup
 
 WORLD = 3

@@ -23,8 +23,7 @@ import ray
 from gradsync.cli import main
 from gradsync.config import ENV_COORDINATOR
 from gradsync.ray import placement
-from gradsync.ray._loop import LoopThread
-from gradsync.ray.coordinator import Coordinator, start_coordinator
+from gradsync.ray.coordinator import Coordinator, LoopThread, start_coordinator
 from gradsync.ray.train_backend import GradsyncBackend, GradsyncConfig
 from gradsync.ray.workers import (
     ReportSink,

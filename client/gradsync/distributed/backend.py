@@ -13,11 +13,8 @@ as gloo's rendezvous does.
 Where the coordinator is: `GradsyncOptions.coordinator` (passed as
 `init_process_group(..., pg_options=GradsyncOptions(...))`), else the
 `gradsync://` rendezvous's address, else $GRADSYNC_COORDINATOR. TLS and the
-token: the options', else the wrapper's environment variables.
-
-Same-host ranks: each group finds, through c10d's store, which of its ranks
-share a host and (by default, when any two do) forms a host group per host
-(`gradsync.distributed.host_group`) that sums all-reduces in shared memory.
+token: the options', else the wrapper's environment variables. Same-host
+ranks form a host group per host (`gradsync.distributed.host_group`).
 """
 
 from __future__ import annotations
@@ -41,12 +38,8 @@ from gradsync.config import ENV_COORDINATOR, ENV_JOB_ID
 from gradsync.distributed.group_session import GroupSession
 from gradsync.distributed.host_group import form_host_group, resolve_hierarchical
 from gradsync.distributed.op_trace import OpTrace, resolve_trace_path
-from gradsync.distributed.process_group import (
-    BACKEND_NAME,
-    MAX_IN_FLIGHT,
-    ProcessGroupGradsync,
-)
-from gradsync.distributed.rendezvous import (
+from gradsync.distributed.process_group import BACKEND_NAME, MAX_IN_FLIGHT, ProcessGroupGradsync
+from gradsync.distributed.store import (
     SCHEME,
     coordinator_of_rendezvous,
     handler as rendezvous_handler,
@@ -159,44 +152,30 @@ def create_group(backend_options: Any, pg_options: Any = None) -> ProcessGroupGr
             "gradsync backend: pg_options must be a GradsyncOptions, "
             f"got {type(pg_options).__name__}"
         )
-    options = pg_options
+    options = pg_options or GradsyncOptions()
     address = resolve_coordinator(options)
-    base = (
-        (options.job_id if options is not None else None)
-        or os.environ.get(ENV_JOB_ID)
-        or defaults.JOB_ID
-    )
+    base = options.job_id or os.environ.get(ENV_JOB_ID) or defaults.JOB_ID
     group_name = str(backend_options.group_id)
     ranks = [int(rank) for rank in backend_options.global_ranks_in_group]
     job_id = group_job_id(base, group_name, ranks)
-    security = (options.security if options is not None else None) or ChannelSecurity.resolve()
+    security = options.security or ChannelSecurity.resolve()
     timeout_s = float(backend_options.timeout.total_seconds())
-    wire_dtype = resolve_wire_dtype(options.wire_dtype if options is not None else None)
-    session = GroupSession(
-        address,
-        job_id,
-        int(backend_options.group_rank),
-        int(backend_options.group_size),
-        security,
-        timeout_s,
-    )
-    setting = resolve_hierarchical(options.hierarchical if options is not None else None)
+    wire_dtype = resolve_wire_dtype(options.wire_dtype)
+    rank, size = int(backend_options.group_rank), int(backend_options.group_size)
+    session = GroupSession(address, job_id, rank, size, security, timeout_s)
+    setting = resolve_hierarchical(options.hierarchical)
+    if wire_dtype is not None:  # (a group on a 16-bit wire stays flat)
+        setting = "off"
+    store, resuming = backend_options.store, session.resuming
     try:
         host = form_host_group(
-            backend_options.store,
-            session.rank,
-            session.world_size,
-            job_id,
-            setting if wire_dtype is None else "off",
-            session.resuming,
-            MAX_IN_FLIGHT,
-            timeout_s,
+            store, rank, size, job_id, setting, resuming, MAX_IN_FLIGHT, timeout_s
         )
     except BaseException:
         session.close()
         raise
     trace = None
-    template = resolve_trace_path(options.trace_path if options is not None else None)
+    template = resolve_trace_path(options.trace_path)
     if template is not None:
         global_rank = ranks[session.rank] if ranks else session.rank
         trace = OpTrace(template, global_rank, job_id)

@@ -35,16 +35,8 @@ from gradsync.distributed.shard_routes import ShardRoutes
 
 log = logging.getLogger("gradsync.client")
 
-#: Builds a link from (coordinator "host:port", rank, security); tests pass another.
-GroupLinkFactory = Callable[[str, int, ChannelSecurity], CoordinatorLink]
-
 #: How long closing a group's stream may take (the goodbye and the teardown).
 CLOSE_TIMEOUT_S = 5.0
-
-
-def transport_link(address: str, rank: int, security: ChannelSecurity) -> CoordinatorLink:
-    """The production link: the Sync stream over frames or gRPC."""
-    return Transport(address, rank, security=security)
 
 
 class GroupSession:
@@ -56,9 +48,6 @@ class GroupSession:
         rank, world_size: this rank in the group, and the group's size.
         security: TLS and token.
         timeout_s: bound on joining (all ranks of the group arrive) and on each collective.
-        link_factory: builds the link (default: `transport_link`).
-        reconnect_timeout_s: how long to keep reconnecting to a lost coordinator
-            (the model wrapper's window; 0: never).
 
     Raises:
         GradSyncError: joining failed (coordinator unreachable, refused, timed out).
@@ -72,16 +61,12 @@ class GroupSession:
         world_size: int,
         security: ChannelSecurity,
         timeout_s: float,
-        link_factory: GroupLinkFactory = transport_link,
-        reconnect_timeout_s: float = defaults.RECONNECT_TIMEOUT_S,
     ) -> None:
         self.address = address
         self.job_id = job_id
         self.rank = rank
         self.world_size = world_size
         self._security = security
-        self._link_factory = link_factory
-        self._closed = False
         #: Told each link's upload events (`BucketEventHandler`; the group's trace), or None.
         self._on_link_event: Callable[[str, int, int], None] | None = None
         log.info(
@@ -92,35 +77,23 @@ class GroupSession:
             world_size,
         )
         link, welcome = self._join(None, timeout_s)
-        #: The group's link across coordinator restarts (`gradsync.distributed.reconnect`).
-        self.resuming = ResumingLink(
-            link,
-            int(welcome.next_collective),
-            self._join,
-            address,
-            rank,
-            reconnect_timeout_s,
-        )
+        #: The group's link across coordinator restarts (`gradsync.distributed.reconnect`),
+        #: reconnecting for as long as the model wrapper does.
+        window_s = defaults.RECONNECT_TIMEOUT_S
+        sequence = int(welcome.next_collective)
+        self.resuming = ResumingLink(link, sequence, self._join, address, rank, window_s)
         #: The group's collectives (blocking; the process group runs them on its thread).
         self.collectives = Collectives(
             lambda: cast(SessionLink, self.resuming), rank, world_size, timeout_s
         )
         #: Spreads bulk ops over the coordinator's shards (None: not sharded).
         self.shard_routes: ShardRoutes | None = None
-        if len(welcome.shards) > 1:
+        if (shards := len(welcome.shards)) > 1:
             self.shard_routes = ShardRoutes(
-                lambda: self.resuming.link,
-                len(welcome.shards),
-                rank,
-                world_size,
-                welcome.chunk_bytes,
-                timeout_s,
+                lambda: self.resuming.link, shards, rank, world_size, welcome.chunk_bytes, timeout_s
             )
             log.info(
-                "rank %d: group '%s' spreads its bulk ops over %d shards",
-                rank,
-                job_id,
-                len(welcome.shards),
+                "rank %d: group '%s' spreads its bulk ops over %d shards", rank, job_id, shards
             )
 
     def _join(
@@ -131,7 +104,7 @@ class GroupSession:
         `resume_from`: a rank rejoining a restarted coordinator claims the lowest
         collective it has no result for (`Join.collective_resume`).
         """
-        link = self._link_factory(self.address, self.rank, self._security)
+        link: CoordinatorLink = Transport(self.address, self.rank, security=self._security)
         if self._on_link_event is not None:
             link.on_bucket_event = self._on_link_event
         join = pb.Join(
@@ -153,11 +126,6 @@ class GroupSession:
             raise
         return link, welcome
 
-    @property
-    def link(self) -> CoordinatorLink:
-        """The stream to the coordinator now (a reconnect replaces it)."""
-        return self.resuming.link
-
     def observe(
         self, on_numbered: Callable[[int], None], on_link_event: Callable[[str, int, int], None]
     ) -> None:
@@ -170,7 +138,4 @@ class GroupSession:
 
     def close(self) -> None:
         """Leave the job (bounded). Idempotent."""
-        if self._closed:
-            return
-        self._closed = True
         self.resuming.close(CLOSE_TIMEOUT_S)

@@ -1,24 +1,18 @@
 """A process group's host group: its ranks on one host sum an all-reduce in shared memory.
 
 The ranks of a "gradsync" group that share a host (the same host id,
-`gradsync.local.host_identity`) form a host group when the group is created:
-the lowest of them leads. Each all-reduce of a float32 or float64 tensor
-with SUM, AVG, PREMUL_SUM, MIN or MAX of at most `HOST_OP_MAX_BYTES` (64 MiB:
-DDP's 25 MiB buckets, and a parameter larger than a bucket up to that size)
+`gradsync.local.host_identity`) form a host group when the group is created;
+the lowest of them leads. Each all-reduce it takes (`HostGroup.takes`: float32
+or float64, SUM, AVG, PREMUL_SUM, MIN or MAX, at most `HOST_OP_MAX_BYTES`)
 goes through it: every member copies its input into a block of its own arena
 of the host's segment and tells the leader where; the leader reduces the
 inputs in ascending rank (its own first) into its own tensor and uploads that
-one input, naming the ranks it covers (`CollectiveChunk.covered_ranks`); the
-coordinator combines the hosts' inputs in ascending leader rank and answers
-the leaders only; each leader writes the result into a block of its own arena
-and tells its members where, which copy it out and say so (DONE), after which
-the block is free again. AVG travels as a SUM that every rank divides by the group's size
-(the division the coordinator would make, so the same bits); PREMUL_SUM is
-a SUM of scaled inputs, as on the flat path. On one host the sum is the flat
-path's, bitwise (rank order, float32 or float64 accumulation); across hosts
-each host's ranks are summed first. Every other op (broadcast, the gathers,
-reduce-scatter, barrier, all-to-all, all-reduce of other dtypes or larger
-tensors, `allreduce_coalesced`) stays flat: each rank sends its own input.
+one input, naming the ranks it covers (`CollectiveChunk.covered_ranks`); it
+writes the result into a block of its own arena and tells its members where,
+which copy it out and say so (DONE), after which the block is free again. AVG
+travels as a SUM that every rank divides by the group's size (the division
+the coordinator would make, so the same bits). docs/backend.md says what
+stays flat and how the sums compare with the flat path's.
 
 Why not the model wrapper's `LocalGroup`: that one is shaped by steps and a
 fixed bucket layout, summed share by share by every member. A process group
@@ -75,13 +69,14 @@ import threading
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any
 
 import numpy as np
 import torch
 from gradsync_proto.v1 import gradsync_pb2 as pb
 
 from gradsync.distributed.host_arena import Arena, arena_bytes
+from gradsync.distributed.reconnect import ResumingLink
 from gradsync.errors import GradSyncError, SharedMemoryError, SyncTimeoutError
 from gradsync.local.host_identity import host_id
 from gradsync.local.local_rendezvous import Formed, follow, lead
@@ -116,6 +111,13 @@ HOST_OPS: dict[str, int] = {
     "max": pb.COLLECTIVE_OP_MAX,
 }
 _OP_NAMES = {"sum": 1, "avg": 2, "min": 3, "max": 4}
+#: How the leader folds a member's input into its own, by op.
+_COMBINE: dict[str, Callable[..., torch.Tensor]] = {
+    "sum": torch.add,
+    "avg": torch.add,
+    "min": torch.minimum,
+    "max": torch.maximum,
+}
 _NAME_OF = {code: name for name, code in _OP_NAMES.items()}
 _ITEMSIZE: dict[int, int] = {pb.DTYPE_FLOAT32: 4, pb.DTYPE_FLOAT64: 8}
 #: kind, op, dtype, then host op number, sequence, element count / contributors, the
@@ -123,33 +125,20 @@ _ITEMSIZE: dict[int, int] = {pb.DTYPE_FLOAT32: 4, pb.DTYPE_FLOAT64: 8}
 _MESSAGE = struct.Struct("<BBBxxxxxQQQQ")
 _POSTED, _RESULT, _FAILED, _LOST, _DONE, _REFUSED = 1, 2, 3, 4, 5, 6
 _MAX_MESSAGE = 1 << 16
+
+
+def _message(kind: int, number: int = 0, sequence: int = 0, text: str = "") -> bytes:
+    """A message without op, dtype, count and offset, with `text` (cut short) as its tail."""
+    return _MESSAGE.pack(kind, 0, 0, number, sequence, 0, 0) + text.encode()[: _MAX_MESSAGE // 2]
+
+
+def _tail(raw: bytes) -> str:
+    """A message's text."""
+    return raw[_MESSAGE.size :].decode(errors="replace")
+
+
 #: How often a wait looks again at a failure recorded meanwhile.
 _POLL_S = 0.5
-
-
-class IssueLink(Protocol):
-    """What a host group needs of the group's link (`ResumingLink`)."""
-
-    def reserve_collective(self, *, carried: bool) -> int: ...
-
-    def issue_collective(
-        self,
-        op: int,
-        dtype: int,
-        payload: Any,
-        root: int,
-        *,
-        result_bytes: int | None = None,
-        template: pb.CollectiveChunk | None = None,
-        on_ready: Callable[[], None] | None = None,
-        sequence: int | None = None,
-    ) -> int: ...
-
-    def wait_collective(self, sequence: int, timeout_s: float) -> tuple[bytearray, int]: ...
-
-    on_lost: Callable[[str], None] | None
-
-    def reconnect(self, why: str) -> None: ...
 
 
 def resolve_hierarchical(value: str | bool | None, environ: Mapping[str, str] | None = None) -> str:
@@ -160,11 +149,8 @@ def resolve_hierarchical(value: str | bool | None, environ: Mapping[str, str] | 
     """
     if isinstance(value, bool):
         return "on" if value else "off"
-    raw = (
-        value
-        if value is not None
-        else (os.environ if environ is None else environ).get(ENV_HIERARCHICAL, "auto")
-    )
+    env = os.environ if environ is None else environ
+    raw = value if value is not None else env.get(ENV_HIERARCHICAL, "auto")
     resolved = _VALUES.get(str(raw).strip().lower())
     if resolved is None:
         where = "GradsyncOptions.hierarchical" if value is not None else f"${ENV_HIERARCHICAL}"
@@ -212,7 +198,7 @@ class HostGroup:
         members: list[int],
         rank: int,
         world_size: int,
-        link: IssueLink,
+        link: ResumingLink,
         formed: Formed | None,
         slots: int,
         timeout_s: float,
@@ -223,7 +209,6 @@ class HostGroup:
         self.index = members.index(rank)
         self.leads = self.index == 0
         self._link = link
-        self._slots = slots
         self._timeout_s = timeout_s
         self._lock = threading.RLock()
         self._next = 0
@@ -234,7 +219,6 @@ class HostGroup:
         self.ops = 0
         self.uploaded_bytes = 0
         self._peers = dict(formed.peers) if formed is not None else {}
-        self._map: mmap.mmap | None = None
         self._fd: int | None = None
         self._arena: Arena | None = None
         if formed is not None:
@@ -245,9 +229,9 @@ class HostGroup:
             if os.fstat(formed.segment_fd).st_size < total:
                 os.ftruncate(formed.segment_fd, total)
             self._fd = formed.segment_fd
-            self._map = mmap.mmap(self._fd, total, mmap.MAP_SHARED)
             self._arena = Arena(self._fd, self.index * size, size, shm_dir())
-            self._whole = np.frombuffer(self._map, dtype=np.uint8)
+            # (The array holds the mapping: it lives as long as the host group.)
+            self._whole = np.frombuffer(mmap.mmap(self._fd, total, mmap.MAP_SHARED), dtype=np.uint8)
         # Leader: each member's POSTED ops by number (time, sequence, op, dtype, numel,
         # offset), and why a member's input found no shared memory, by op number.
         self._posted: dict[int, dict[int, tuple[float, int, int, int, int, int]]] = {
@@ -297,16 +281,9 @@ class HostGroup:
             self.ops += 1
         staged = tensor.device.type == "cpu" and tensor.is_contiguous()
         work = tensor.detach() if staged else tensor.detach().to("cpu").contiguous()
+        divide_by = self.world_size if op == "avg" else None
         item = _Op(
-            number,
-            sequence,
-            op,
-            tensor.dtype,
-            tensor.numel(),
-            tensor,
-            work,
-            ready,
-            self.world_size if op == "avg" else None,
+            number, sequence, op, tensor.dtype, tensor.numel(), tensor, work, ready, divide_by
         )
         if self.leads:
             with self._lock:
@@ -317,22 +294,15 @@ class HostGroup:
             with self._lock:
                 item.block = self._allocate(item.numel * tensor.element_size())
         except SharedMemoryError as exc:
-            text = f"local rank {self.rank}: {exc}".encode()[: _MAX_MESSAGE // 2]
+            refused = _message(_REFUSED, number, sequence, f"local rank {self.rank}: {exc}")
             with contextlib.suppress(OSError):
-                self._peers[0].send(_MESSAGE.pack(_REFUSED, 0, 0, number, sequence, 0, 0) + text)
+                self._peers[0].send(refused)
             raise SharedMemoryError(str(exc), rank=self.rank) from None
         self._at(item.block, item)[: item.numel].copy_(work.reshape(-1))
         with self._lock:
             self._ops[number] = item
-        message = _MESSAGE.pack(
-            _POSTED,
-            _OP_NAMES[op],
-            HOST_DTYPES[item.dtype],
-            number,
-            sequence,
-            item.numel,
-            item.block,
-        )
+        kinds = (_OP_NAMES[op], HOST_DTYPES[item.dtype])
+        message = _MESSAGE.pack(_POSTED, *kinds, number, sequence, item.numel, item.block)
         try:
             self._peers[0].send(message)
         except OSError as exc:
@@ -398,12 +368,7 @@ class HostGroup:
                 )
             other = self._at(offset, item)[: item.numel]
             with torch.no_grad():
-                if item.op == "min":
-                    torch.minimum(acc, other, out=acc)
-                elif item.op == "max":
-                    torch.maximum(acc, other, out=acc)
-                else:
-                    acc.add_(other)
+                _COMBINE[item.op](acc, other, out=acc)
             waited.append(now - posted_at)
         covered = [self.members[0], *(self.members[i] for i in live)]
         template = pb.CollectiveChunk(covered_ranks=covered, covered_waited_s=waited)
@@ -422,19 +387,7 @@ class HostGroup:
     def _finish_leader(self, item: _Op) -> int:
         deadline = time.monotonic() + self._timeout_s
         try:
-            while not item.launched.wait(min(_POLL_S, max(0.0, deadline - time.monotonic()))):
-                if time.monotonic() >= deadline:
-                    with self._lock:
-                        missing = [
-                            self.members[i]
-                            for i in self._posted
-                            if i not in self._gone and item.number not in self._posted[i]
-                        ]
-                    raise SyncTimeoutError(
-                        f"timed out after {self._timeout_s:g}s waiting for local ranks "
-                        f"{missing} to post their input of collective {item.sequence}",
-                        rank=self.rank,
-                    )
+            self._await_launch(item, deadline, self._missing_inputs)
             if item.error is not None:
                 raise item.error
             result, count = self._link.wait_collective(
@@ -471,11 +424,10 @@ class HostGroup:
         """The leader's link lost the coordinator: the members' links reconnect too (their
         heartbeats alone would not notice, and the restarted job waits for every rank)."""
         text = f"local leader rank {self.members[0]} lost the coordinator: {why}"
-        self._tell(_MESSAGE.pack(_LOST, 0, 0, 0, 0, 0, 0) + text.encode()[: _MAX_MESSAGE // 2])
+        self._tell(_message(_LOST, text=text))
 
     def _tell_failed(self, number: int, why: str) -> None:
-        text = f"local leader rank {self.members[0]}: {why}".encode()[: _MAX_MESSAGE // 2]
-        self._tell(_MESSAGE.pack(_FAILED, 0, 0, number, 0, 0, 0) + text)
+        self._tell(_message(_FAILED, number, text=f"local leader rank {self.members[0]}: {why}"))
 
     def _tell(self, message: bytes) -> None:
         for i, conn in list(self._peers.items()):
@@ -503,27 +455,18 @@ class HostGroup:
                         self._lost_member(i)
                         continue
                     kind, op, dtype, number, sequence, numel, offset = _MESSAGE.unpack_from(raw)
-                    if kind == _DONE:
-                        with self._lock:
+                    with self._lock:
+                        if kind == _DONE:
                             self._copied(number, i)
-                        continue
-                    if kind == _REFUSED:
-                        with self._lock:
-                            self._refused.setdefault(
-                                number, raw[_MESSAGE.size :].decode(errors="replace")
-                            )
+                            continue
+                        if kind == _REFUSED:
+                            self._refused.setdefault(number, _tail(raw))
                             offset = -1
-                    if kind in (_POSTED, _REFUSED):
-                        with self._lock:
-                            self._posted[i][number] = (
-                                time.monotonic(),
-                                sequence,
-                                op,
-                                dtype,
-                                numel,
-                                offset,
-                            )
-                        self._launch_ready()
+                        elif kind != _POSTED:
+                            continue
+                        posted = (time.monotonic(), sequence, op, dtype, numel, offset)
+                        self._posted[i][number] = posted
+                    self._launch_ready()
         finally:
             selector.close()
 
@@ -547,14 +490,7 @@ class HostGroup:
     def _finish_member(self, item: _Op) -> int:
         deadline = time.monotonic() + self._timeout_s
         try:
-            while not item.launched.wait(min(_POLL_S, max(0.0, deadline - time.monotonic()))):
-                if time.monotonic() >= deadline:
-                    raise SyncTimeoutError(
-                        f"timed out after {self._timeout_s:g}s waiting for local leader rank "
-                        f"{self.members[0]} to hand out the result of collective "
-                        f"{item.sequence}",
-                        rank=self.rank,
-                    )
+            self._await_launch(item, deadline, self._missing_result)
             if item.error is not None:
                 with self._lock:  # (the leader read it before it failed the op)
                     self._free(item.block)
@@ -566,7 +502,7 @@ class HostGroup:
             with self._lock:
                 self._free(item.block)
             with contextlib.suppress(OSError):  # (a leader gone fails what is left anyway)
-                self._peers[0].send(_MESSAGE.pack(_DONE, 0, 0, item.number, item.sequence, 0, 0))
+                self._peers[0].send(_message(_DONE, item.number, item.sequence))
             return item.contributors
         finally:
             with self._lock:
@@ -590,16 +526,14 @@ class HostGroup:
                 return
             kind, _, _, number, _, count, offset = _MESSAGE.unpack_from(raw)
             if kind == _LOST:
-                self._link.reconnect(raw[_MESSAGE.size :].decode(errors="replace"))
+                self._link.reconnect(_tail(raw))
                 continue
             with self._lock:
                 item = self._ops.get(number)
             if item is None:
                 continue
             if kind == _FAILED:
-                item.error = GradSyncError(
-                    raw[_MESSAGE.size :].decode(errors="replace"), rank=self.rank
-                )
+                item.error = GradSyncError(_tail(raw), rank=self.rank)
             item.contributors = int(count)
             item.result_at = int(offset)
             item.launched.set()
@@ -618,6 +552,28 @@ class HostGroup:
             item.ready()
 
     # ------------------------------------------------------------ helpers
+    def _await_launch(self, item: _Op, deadline: float, awaited: Callable[[_Op], str]) -> None:
+        """Wait until `item` was launched; past `deadline`, fail naming what was `awaited`."""
+        while not item.launched.wait(min(_POLL_S, max(0.0, deadline - time.monotonic()))):
+            if time.monotonic() >= deadline:
+                raise SyncTimeoutError(
+                    f"timed out after {self._timeout_s:g}s waiting for {awaited(item)}",
+                    rank=self.rank,
+                )
+
+    def _missing_inputs(self, item: _Op) -> str:
+        with self._lock:
+            missing = [
+                self.members[i]
+                for i in self._posted
+                if i not in self._gone and item.number not in self._posted[i]
+            ]
+        return f"local ranks {missing} to post their input of collective {item.sequence}"
+
+    def _missing_result(self, item: _Op) -> str:
+        leader = self.members[0]
+        return f"local leader rank {leader} to hand out the result of collective {item.sequence}"
+
     def _at(self, offset: int, item: _Op) -> torch.Tensor:
         """The segment's bytes at `offset` for `item`, as its dtype."""
         nbytes = item.numel * item.work.element_size()
@@ -684,7 +640,7 @@ def form_host_group(
     world_size: int,
     job_id: str,
     setting: str,
-    link: IssueLink,
+    link: ResumingLink,
     slots: int,
     timeout_s: float,
 ) -> HostGroup | None:

@@ -1,29 +1,9 @@
 """A process group's Chrome trace: the phases of each of its operations, per rank.
 
-Switched on by `GradsyncOptions(trace_path=...)` or `$GRADSYNC_TRACE` (a path; "{rank}"
-in it becomes the rank's global rank, and a path without "{rank}" gets "-rank<r>"
-before its suffix, so the ranks of a host never share a file). The file is the model
-wrapper's trace format (`gradsync.path.trace.StepTracer`: Chrome trace events, one
-JSON array, flushed as operations complete); open it in https://ui.perfetto.dev.
-Every group of the process writes to the same file, on tracks of its own:
-
-- "<group> ops": one span per operation, from its issue (the c10d call) to its
-  completion (its Work done), named after the operation (`allreduce(sum, [4]
-  float32)`), with its number in the group and every phase's time in `args`:
-  `issued`, `first_byte_sent`, `last_byte_sent`, `result_received`, `completed`
-  (microseconds on the trace's clock; a phase that did not happen is null) and
-  `ok` (false: the Work failed).
-- "<group> wire": per operation, "send" from its first byte to its last byte handed
-  to the socket, and "result" from then until its result was in (from its issue,
-  when this rank sent nothing itself: a host group's member, whose leader uploads).
-
-The byte phases are those of the operation's collectives on the rank's stream to the
-coordinator (all of them: an operation made of several counts from the first one's
-first byte to the last one's last). A host group's leader uploads its host's sum for
-the operation; its members send nothing. On a sharded coordinator the byte phases
-are not recorded (the shards' streams number their ranges apart). For an operation
-that runs whole on the group's thread (everything but the all-reduce),
-`result_received` is when its last result was taken.
+Switched on by `GradsyncOptions(trace_path=...)` or `$GRADSYNC_TRACE` (see `trace_file`).
+The file is the model wrapper's trace format (`gradsync.path.trace.StepTracer`); every
+group of the process writes to the same file, on an "ops" and a "wire" track of its own.
+docs/backend.md (Trace) says what each span and phase means and when a phase is null.
 """
 
 from __future__ import annotations
@@ -38,7 +18,7 @@ from pathlib import Path
 
 from gradsync.path.trace import StepTracer
 
-#: The environment variable that switches the trace on (a path, see the module docstring).
+#: The environment variable that switches the trace on (a path, see `trace_file`).
 ENV_TRACE = "GRADSYNC_TRACE"
 #: Upload events of a collective's input (`gradsync.control.worker_messages`).
 UPLOAD_START = "collective_upload_start"
@@ -48,7 +28,9 @@ KEPT_OPS = 4096
 
 
 def trace_file(template: str, rank: int) -> Path:
-    """The trace file of global rank `rank` for `template` (see the module docstring)."""
+    """The trace file of global rank `rank` for `template`: "{rank}" in it becomes the rank,
+    and a path without "{rank}" gets "-rank<r>" before its suffix (a host's ranks never
+    share a file)."""
     if "{rank}" in template:
         return Path(template.replace("{rank}", str(rank)))
     path = Path(template)
@@ -85,14 +67,12 @@ _files: dict[Path, _TraceFile] = {}
 _files_lock = threading.Lock()
 
 
+@atexit.register
 def _close_all() -> None:
     with _files_lock:
         for shared in _files.values():
             shared.tracer.close()
         _files.clear()
-
-
-atexit.register(_close_all)
 
 
 class OpTrace:
@@ -180,26 +160,13 @@ class OpTrace:
             "completed": at(finished),
             "ok": ok,
         }
-        tracer = self._tracer
-        tracer.span(
-            phases.name, sequence, phases.issued, finished, track=self._ops_track, args=args
-        )
+        tracer, wire, named = self._tracer, self._wire_track, {"operation": sequence}
+        tracer.span(phases.name, sequence, phases.issued, finished, -1, self._ops_track, args)
         waited_from = phases.issued
         if phases.first_byte is not None and phases.last_byte is not None:
-            span_args = {"operation": sequence}
-            tracer.span(
-                "send",
-                sequence,
-                phases.first_byte,
-                phases.last_byte,
-                -1,
-                self._wire_track,
-                span_args,
-            )
+            tracer.span("send", sequence, phases.first_byte, phases.last_byte, -1, wire, named)
             waited_from = phases.last_byte
-        tracer.span(
-            "result", sequence, waited_from, received, -1, self._wire_track, {"operation": sequence}
-        )
+        tracer.span("result", sequence, waited_from, received, -1, wire, named)
         tracer.flush()
 
     # ------------------------------------------------------------ the link and the stream
@@ -224,11 +191,10 @@ class OpTrace:
             phases = self._ops.get(sequence) if sequence is not None else None
             if phases is None:
                 return
-            if event == UPLOAD_START:
-                if phases.first_byte is None:
-                    phases.first_byte = now
-            else:
+            if event == UPLOAD_END:
                 phases.last_byte = now
+            elif phases.first_byte is None:
+                phases.first_byte = now
 
     def close(self) -> None:
         """Flush; the file is closed when its last group closes (or at exit). Idempotent."""

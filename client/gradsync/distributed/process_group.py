@@ -14,59 +14,37 @@ all-gather and barrier are the coordinator's own collectives: every rank's
 call is checked against the others' (op, dtype, size, root) and a mismatch
 fails every rank naming both values. Reduce-scatter, gather, scatter and
 all-to-all are the hub's too, each rank receiving only its part; reduce is an
-all-reduce only the root keeps (`gradsync.distributed.composite` packs c10d's
-tensor lists and says what each op costs on the wire). The bitwise reductions
-are refused, and so are send and recv: the coordinator is a hub, not a
-point-to-point relay.
-
-The ranks of a group on one host sum an all-reduce of a float32 or float64
-tensor (SUM, AVG, PREMUL_SUM, MIN, MAX; up to 4 MiB) in shared memory first
-and one of them uploads it (`gradsync.distributed.host_group`), unless
-`GradsyncOptions.hierarchical` turns that off.
-
-With a 16-bit wire (`GradsyncOptions.wire_dtype`, `gradsync.distributed.wire`) the
-float32 inputs of all-reduce SUM, AVG and PREMUL_SUM and of reduce-scatter travel
-as bfloat16 or float16 and the result widens back into the caller's tensor.
-
-Tensors may live on the CPU or a CUDA device (staged through host memory on
-the network thread); every dtype the wire carries (float32/64, float16,
-bfloat16, the integer types, bool for broadcast and gather) works.
+all-reduce only the root keeps (docs/backend.md says what each op costs on the
+wire). The bitwise reductions are refused, and so are send and recv: the
+coordinator is a hub, not a point-to-point relay. Same-host ranks sum
+all-reduces in shared memory first (`gradsync.distributed.host_group`); a
+16-bit wire (`gradsync.distributed.wire`) halves the bytes of summing
+reductions of float32. Tensors may live on the CPU or a CUDA device (staged
+through host memory on the network thread).
 """
 
 from __future__ import annotations
 
-import logging
+import functools
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from gradsync.distributed.checks import (
-    POINT_TO_POINT,
-    check_dtype,
-    chunks,
-    describe,
-    op_of,
-    reduce_op,
-    split_rows,
-)
-from gradsync.distributed.composite import (
-    all_to_all,
-    flat_copy,
-    gather,
-    reduce_by_all_reduce,
-    scatter,
-    write_into,
-)
 from gradsync.distributed.group_session import GroupSession
 from gradsync.distributed.host_group import HostGroup
 from gradsync.distributed.op_trace import OpTrace
-from gradsync.distributed.shard_routes import all_gather, reduce_scatter_parts, start_all_reduce
+from gradsync.distributed.shard_routes import (
+    all_gather,
+    flat_copy,
+    reduce_scatter_parts,
+    start_all_reduce,
+    write_into,
+)
 from gradsync.distributed.wire import on_wire, wire_for
 from gradsync.distributed.work import Finish, OpQueue, OpResult
-
-log = logging.getLogger("gradsync.client")
+from gradsync.path.signature import WIRE_DTYPES
 
 __all__ = ["BACKEND_NAME", "ProcessGroupGradsync"]
 
@@ -81,6 +59,97 @@ _ProcessGroup: Any = dist.ProcessGroup
 MAX_IN_FLIGHT = 8
 #: How long shutting a group down waits for its queued operations (at exit, too).
 SHUTDOWN_WAIT_S = 10.0
+
+# torch's stubs do not describe ReduceOp's `.op` / `.factor`: taken untyped, here only.
+RedOpType: Any = dist.ReduceOp.RedOpType
+REDUCE_NAMES = {
+    RedOpType.SUM: "sum",
+    RedOpType.AVG: "avg",
+    RedOpType.MIN: "min",
+    RedOpType.MAX: "max",
+    RedOpType.PRODUCT: "product",
+    RedOpType.PREMUL_SUM: "sum",  # the input is scaled by the factor first
+}
+FLOATING = (torch.float32, torch.float64, torch.float16, torch.bfloat16)
+
+POINT_TO_POINT = (
+    "gradsync: {what} is not supported: the gradsync backend runs collectives through a "
+    "coordinator (a hub), not point-to-point transfers between ranks; use a collective "
+    "(broadcast, scatter, all_to_all) or a second process group on gloo for send/recv"
+)
+
+
+def op_of(opts: Any) -> Any:
+    """The ReduceOp of c10d's options object (SUM when there are none)."""
+    return getattr(opts, "reduceOp", dist.ReduceOp.SUM) if opts is not None else dist.ReduceOp.SUM
+
+
+def reduce_op(op: Any, dtype: torch.dtype, what: str) -> tuple[str, Any]:
+    """(the Collectives op name, the PREMUL_SUM factor or None) of a c10d ReduceOp.
+
+    Raises:
+        ValueError: a bitwise op, or AVG of an integer tensor.
+    """
+    kind: Any = getattr(op, "op", op)  # a ReduceOp holds its RedOpType; or one itself
+    name = REDUCE_NAMES.get(kind)
+    if name is None:
+        raise ValueError(
+            f"gradsync: {what} with ReduceOp.{getattr(kind, 'name', kind)} is not supported "
+            "(the coordinator reduces with SUM, AVG, MIN, MAX, PRODUCT and PREMUL_SUM)"
+        )
+    if kind == RedOpType.AVG and dtype not in FLOATING:
+        raise ValueError(f"gradsync: {what} with ReduceOp.AVG needs a floating tensor, got {dtype}")
+    factor = op.factor if kind == RedOpType.PREMUL_SUM else None  # (a float or a tensor)
+    return name, factor
+
+
+def check_dtype(tensor: torch.Tensor, what: str, *, reducing: bool) -> None:
+    """Raise ValueError unless `tensor` is dense and of a dtype the wire carries (and, when
+    `reducing`, one the coordinator can reduce: not bool)."""
+    if tensor.layout != torch.strided:
+        raise ValueError(f"{what} needs a dense tensor, got layout {tensor.layout}")
+    if tensor.dtype not in WIRE_DTYPES or (reducing and tensor.dtype == torch.bool):
+        raise ValueError(f"gradsync: {what} does not support dtype {tensor.dtype}")
+
+
+def describe(tensor: torch.Tensor) -> str:
+    """'[3, 2] float32', for names and messages."""
+    return f"{list(tensor.shape)} {str(tensor.dtype).removeprefix('torch.')}"
+
+
+def chunks(tensor: torch.Tensor, parts: int) -> list[torch.Tensor]:
+    """`tensor` cut into `parts` equal flat pieces (views when it is contiguous)."""
+    flat = tensor.reshape(-1)
+    size = flat.numel() // parts
+    return [flat[i * size : (i + 1) * size] for i in range(parts)]
+
+
+def split_rows(
+    tensor: torch.Tensor, split_sizes: Sequence[int], world: int, what: str
+) -> list[torch.Tensor]:
+    """all_to_all_single's parts: rows of dim 0 per rank (equal when no sizes are given)."""
+    rows = tensor.shape[0] if tensor.dim() else 0
+    sizes = list(split_sizes) or ([rows // world] * world if rows % world == 0 else [])
+    if len(sizes) != world or sum(sizes) != rows:
+        raise ValueError(
+            f"all_to_all_single: {what} split sizes {list(split_sizes)} do not cut "
+            f"{rows} rows into {world} parts"
+        )
+    return list(torch.split(tensor, sizes, dim=0))
+
+
+def write_parts(targets: Sequence[torch.Tensor], parts: Sequence[torch.Tensor]) -> None:
+    """Each of `parts` into its target."""
+    for target, part in zip(targets, parts, strict=True):
+        write_into(target, part)
+
+
+def write_flat(targets: Sequence[torch.Tensor], flat: torch.Tensor) -> None:
+    """`flat`'s values into `targets`, one after another."""
+    offset = 0
+    for target in targets:
+        write_into(target, flat[offset : offset + target.numel()])
+        offset += target.numel()
 
 
 class ProcessGroupGradsync(_ProcessGroup):  # type: ignore[misc]  # (untyped base: above)
@@ -117,20 +186,15 @@ class ProcessGroupGradsync(_ProcessGroup):  # type: ignore[misc]  # (untyped bas
         #: The name and description c10d gives the group (`_set_group_name`, ...).
         self._c10d_name, self._c10d_desc = group_name, "undefined"
         describe = f"rank {session.rank} of group '{group_name}' (job '{session.job_id}')"
-        self._ops = OpQueue(
-            describe,
-            f"gradsync-pg-{group_name}-r{session.rank}"[:50],
-            max_in_flight=MAX_IN_FLIGHT,
-            timeout_s=self._collectives.timeout_s,
-            trace=trace,
-        )
+        thread_name = f"gradsync-pg-{group_name}-r{session.rank}"[:50]
+        timeout_s = self._collectives.timeout_s
+        self._ops = OpQueue(describe, thread_name, MAX_IN_FLIGHT, timeout_s, trace)
 
     # ------------------------------------------------------------ identity
     def getBackendName(self) -> str:
         return BACKEND_NAME
 
-    def name(self) -> str:
-        return BACKEND_NAME
+    name = getBackendName
 
     # c10d names a group through these; a Python process group holds no C++ backend to
     # keep the name in, so it keeps it itself (DeviceMesh looks groups up by name).
@@ -177,27 +241,33 @@ class ProcessGroupGradsync(_ProcessGroup):  # type: ignore[misc]  # (untyped bas
         if self.trace is not None:
             self.trace.close()
 
-    def abort(self) -> None:
-        self.shutdown()
+    abort = shutdown
 
     # ------------------------------------------------------------ the coordinator's own ops
     def allreduce(self, tensors: list[torch.Tensor], opts: Any = None) -> Any:
         tensor = self._one(tensors, "allreduce")
         op, factor = reduce_op(op_of(opts), tensor.dtype, "allreduce")
         check_dtype(tensor, "allreduce", reducing=True)
-
+        cpu = tensor.device.type == "cpu"
         wire = wire_for(self.wire_dtype, tensor.dtype, op)
         host = self.host
+        start: Callable[[torch.Tensor, str, Callable[[], None]], Callable[[], int]]
         if host is not None and wire is None and host.takes(tensor, op):
-            return self._host_allreduce(host, tensors, tensor, op, factor)
-        name = f"allreduce({op}, {describe(tensor)}{on_wire(wire)})"
+            # Through this rank's host group (`gradsync.distributed.host_group`).
+            name = f"allreduce({op}, {describe(tensor)}, host group {host.members})"
+            start, inline = host.start, cpu
+        else:
+            name = f"allreduce({op}, {describe(tensor)}{on_wire(wire)})"
+            routes = self._session.shard_routes
+            start = functools.partial(start_all_reduce, routes, self._collectives)
+            inline = cpu and self._collectives.can_issue
 
         def issue(ready: Callable[[], None]) -> Finish:
             if factor is not None:
                 with torch.no_grad():
                     tensor.mul_(factor)
             sent = tensor if wire is None else tensor.detach().to(wire)
-            finish = self._start_all_reduce(sent, op, ready)
+            finish = start(sent, op, ready)
 
             def done() -> OpResult:
                 self._check_contributors(finish())
@@ -207,49 +277,11 @@ class ProcessGroupGradsync(_ProcessGroup):  # type: ignore[misc]  # (untyped bas
 
             return done
 
-        inline = tensor.device.type == "cpu" and self._collectives.can_issue
-        return self._ops.submit_split(name, issue, inline=inline, tells=tensor.device.type == "cpu")
-
-    def _start_all_reduce(
-        self, tensor: torch.Tensor, op: str, ready: Callable[[], None]
-    ) -> Callable[[], int]:
-        return start_all_reduce(self._session.shard_routes, self._collectives, tensor, op, ready)
-
-    def _reduce_scatter_parts(
-        self, output: torch.Tensor, parts: Sequence[torch.Tensor], op: str, wire: Any
-    ) -> None:
-        routes = self._session.shard_routes
-        reduce_scatter_parts(routes, self._collectives, output, parts, op, wire)
-
-    def _host_allreduce(
-        self,
-        host: HostGroup,
-        tensors: list[torch.Tensor],
-        tensor: torch.Tensor,
-        op: str,
-        factor: Any,
-    ) -> Any:
-        """An all-reduce through this rank's host group (`gradsync.distributed.host_group`)."""
-
-        def issue(ready: Callable[[], None]) -> Finish:
-            if factor is not None:
-                with torch.no_grad():
-                    tensor.mul_(factor)
-            finish = host.start(tensor, op, ready)
-
-            def done() -> OpResult:
-                self._check_contributors(finish())
-                return tensors
-
-            return done
-
-        cpu = tensor.device.type == "cpu"
-        name = f"allreduce({op}, {describe(tensor)}, host group {host.members})"
-        return self._ops.submit_split(name, issue, inline=cpu, tells=cpu)
+        return self._ops.submit(name, issue=issue, inline=inline, tells=cpu)
 
     def allreduce_coalesced(self, tensors: list[torch.Tensor], opts: Any = None) -> Any:
         if not tensors:
-            return self._submit("allreduce_coalesced([])", lambda: tensors)
+            return self._submit("allreduce_coalesced([])", lambda: None, tensors)
         dtypes = {t.dtype for t in tensors}
         if len(dtypes) != 1:
             raise ValueError(f"allreduce_coalesced needs tensors of one dtype, got {dtypes}")
@@ -258,7 +290,7 @@ class ProcessGroupGradsync(_ProcessGroup):  # type: ignore[misc]  # (untyped bas
             check_dtype(tensor, "allreduce_coalesced", reducing=True)
         wire = wire_for(self.wire_dtype, tensors[0].dtype, op)
 
-        def run() -> OpResult:
+        def run() -> None:
             flat = flat_copy(tensors)  # one collective for all of them
             if factor is not None:
                 flat.mul_(factor)
@@ -266,15 +298,10 @@ class ProcessGroupGradsync(_ProcessGroup):  # type: ignore[misc]  # (untyped bas
                 self._collectives.all_reduce(flat, op)
             else:
                 flat = self._collectives.all_reduce(flat.to(wire), op).to(flat.dtype)
-            offset = 0
-            for tensor in tensors:
-                write_into(tensor, flat[offset : offset + tensor.numel()])
-                offset += tensor.numel()
-            return tensors
+            write_flat(tensors, flat)
 
-        return self._submit(
-            f"allreduce_coalesced({op}, {len(tensors)} tensors{on_wire(wire)})", run
-        )
+        name = f"allreduce_coalesced({op}, {len(tensors)} tensors{on_wire(wire)})"
+        return self._submit(name, run, tensors)
 
     def broadcast(self, tensors: list[torch.Tensor], opts: Any = None) -> Any:
         root = self._root(getattr(opts, "rootRank", 0), "broadcast")
@@ -283,11 +310,10 @@ class ProcessGroupGradsync(_ProcessGroup):  # type: ignore[misc]  # (untyped bas
         for tensor in tensors:
             check_dtype(tensor, "broadcast", reducing=False)
 
-        def run() -> OpResult:
-            self._collectives.broadcast_tensors(tensors, root)
-            return tensors
-
-        return self._submit(f"broadcast(root {root}, {len(tensors)} tensors)", run)
+        name = f"broadcast(root {root}, {len(tensors)} tensors)"
+        return self._submit(
+            name, lambda: self._collectives.broadcast_tensors(tensors, root), tensors
+        )
 
     def allgather(
         self,
@@ -296,34 +322,17 @@ class ProcessGroupGradsync(_ProcessGroup):  # type: ignore[misc]  # (untyped bas
         opts: Any = None,
     ) -> Any:
         tensor = self._one(input_tensors, "allgather")
-        if len(output_tensors) != 1:
-            raise ValueError(f"allgather takes one output list, got {len(output_tensors)}")
-        outputs = self._per_rank(output_tensors[0], tensor, "allgather")
+        outputs = self._only_list(output_tensors, tensor, "allgather", "output")
 
-        def run() -> OpResult:
-            self._gather_into(outputs, tensor, "allgather")
-            return outputs
+        run = functools.partial(self._gather_into, outputs, tensor, "allgather")
+        return self._submit(f"allgather({describe(tensor)})", run, outputs)
 
-        return self._submit(f"allgather({describe(tensor)})", run)
-
-    def all_gather_single(
-        self,
-        output: torch.Tensor,
-        input: torch.Tensor,
-        opts: Any = None,
-    ) -> Any:
+    def all_gather_single(self, output: torch.Tensor, input: torch.Tensor, opts: Any = None) -> Any:
         check_dtype(input, "all_gather_into_tensor", reducing=False)
         self._check_stacked(output, input, "all_gather_into_tensor")
 
-        def run() -> OpResult:
-            parts = output.view(self.size(), -1) if output.is_contiguous() else None
-            targets = list(parts) if parts is not None else chunks(output, self.size())
-            self._gather_into(targets, input, "all_gather_into_tensor")
-            if parts is None:
-                write_into(output, torch.cat([t.reshape(-1) for t in targets]))
-            return [output]
-
-        return self._submit(f"all_gather_into_tensor({describe(input)})", run)
+        run = functools.partial(self._gather_stacked, output, input, "all_gather_into_tensor")
+        return self._submit(f"all_gather_into_tensor({describe(input)})", run, [output])
 
     _allgather_base = all_gather_single
 
@@ -343,43 +352,34 @@ class ProcessGroupGradsync(_ProcessGroup):  # type: ignore[misc]  # (untyped bas
             for outputs, tensor in zip(output_lists, input_list, strict=True)
         ]
 
-        def run() -> OpResult:
+        def run() -> None:
             for outputs, tensor in pairs:
                 self._gather_into(outputs, tensor, "allgather_coalesced")
-            return [t for outputs, _ in pairs for t in outputs]
 
-        return self._submit(f"allgather_coalesced({len(pairs)} tensors)", run)
+        result = [t for outputs, _ in pairs for t in outputs]
+        return self._submit(f"allgather_coalesced({len(pairs)} tensors)", run, result)
 
     def all_gather_single_coalesced(
         self, outputs: list[torch.Tensor], inputs: list[torch.Tensor], opts: Any = None
     ) -> Any:
-        if len(outputs) != len(inputs):
-            raise ValueError(
-                f"all_gather_into_tensor_coalesced: {len(outputs)} outputs, {len(inputs)} inputs"
-            )
+        self._same_count(outputs, inputs, "all_gather_into_tensor_coalesced")
         for output, tensor in zip(outputs, inputs, strict=True):
             check_dtype(tensor, "all_gather_into_tensor_coalesced", reducing=False)
             self._check_stacked(output, tensor, "all_gather_into_tensor_coalesced")
 
-        def run() -> OpResult:
+        def run() -> None:
             for output, tensor in zip(outputs, inputs, strict=True):
-                targets = chunks(output, self.size())
-                self._gather_into(targets, tensor, "all_gather_into_tensor_coalesced")
-                write_into(output, torch.cat([t.reshape(-1) for t in targets]))
-            return outputs
+                self._gather_stacked(output, tensor, "all_gather_into_tensor_coalesced")
 
-        return self._submit(f"all_gather_into_tensor_coalesced({len(inputs)} tensors)", run)
+        name = f"all_gather_into_tensor_coalesced({len(inputs)} tensors)"
+        return self._submit(name, run, outputs)
 
     allgather_into_tensor_coalesced = all_gather_single_coalesced
 
     def barrier(self, opts: Any = None) -> Any:
-        def run() -> OpResult:
-            self._collectives.barrier()
-            return []
+        return self._submit("barrier", self._collectives.barrier, [])
 
-        return self._submit("barrier", run)
-
-    # ------------------------------------------------------------ composed (`composite`)
+    # ------------------------------------------------------------ the hub's per-rank ops
     def reduce_scatter(
         self,
         output_tensors: list[torch.Tensor],
@@ -387,16 +387,11 @@ class ProcessGroupGradsync(_ProcessGroup):  # type: ignore[misc]  # (untyped bas
         opts: Any = None,
     ) -> Any:
         output = self._one(output_tensors, "reduce_scatter")
-        if len(input_tensors) != 1:
-            raise ValueError(f"reduce_scatter takes one input list, got {len(input_tensors)}")
-        parts = self._per_rank(input_tensors[0], output, "reduce_scatter")
+        parts = self._only_list(input_tensors, output, "reduce_scatter", "input")
         return self._reduce_scatter(output, parts, opts, "reduce_scatter", output_tensors)
 
     def reduce_scatter_single(
-        self,
-        output: torch.Tensor,
-        input: torch.Tensor,
-        opts: Any = None,
+        self, output: torch.Tensor, input: torch.Tensor, opts: Any = None
     ) -> Any:
         self._check_stacked(input, output, "reduce_scatter_tensor")
         return self._reduce_scatter(
@@ -408,10 +403,7 @@ class ProcessGroupGradsync(_ProcessGroup):  # type: ignore[misc]  # (untyped bas
     def reduce_scatter_single_coalesced(
         self, outputs: list[torch.Tensor], inputs: list[torch.Tensor], opts: Any = None
     ) -> Any:
-        if len(outputs) != len(inputs):
-            raise ValueError(
-                f"reduce_scatter_tensor_coalesced: {len(outputs)} outputs, {len(inputs)} inputs"
-            )
+        self._same_count(outputs, inputs, "reduce_scatter_tensor_coalesced")
         op, factor = reduce_op(
             op_of(opts), inputs[0].dtype if inputs else torch.float32, "reduce_scatter"
         )
@@ -419,17 +411,13 @@ class ProcessGroupGradsync(_ProcessGroup):  # type: ignore[misc]  # (untyped bas
             self._check_stacked(tensor, output, "reduce_scatter_tensor_coalesced")
             check_dtype(tensor, "reduce_scatter_tensor_coalesced", reducing=True)
         wires = [wire_for(self.wire_dtype, tensor.dtype, op) for tensor in inputs]
-
-        def run() -> OpResult:
-            for output, tensor, wire in zip(outputs, inputs, wires, strict=True):
-                parts = chunks(tensor, self.size())
-                if factor is not None:
-                    parts = [p * factor for p in parts]
-                self._reduce_scatter_parts(output, parts, op, wire)
-            return outputs
-
+        jobs = [
+            (output, chunks(tensor, self.size()), wire)
+            for output, tensor, wire in zip(outputs, inputs, wires, strict=True)
+        ]
         shown = on_wire(next((w for w in wires if w is not None), None))
-        return self._submit(f"reduce_scatter_tensor_coalesced({len(inputs)} tensors{shown})", run)
+        name = f"reduce_scatter_tensor_coalesced({len(inputs)} tensors{shown})"
+        return self._submit_reduce_scatter(name, jobs, op, factor, outputs)
 
     reduce_scatter_tensor_coalesced = reduce_scatter_single_coalesced
 
@@ -444,13 +432,26 @@ class ProcessGroupGradsync(_ProcessGroup):  # type: ignore[misc]  # (untyped bas
         op, factor = reduce_op(op_of(opts), output.dtype, what)
         check_dtype(output, what, reducing=True)
         wire = wire_for(self.wire_dtype, output.dtype, op)
+        name = f"{what}({op}, {describe(output)}{on_wire(wire)})"
+        return self._submit_reduce_scatter(name, [(output, parts, wire)], op, factor, result)
 
-        def run() -> OpResult:
-            scaled = [p * factor for p in parts] if factor is not None else parts
-            self._reduce_scatter_parts(output, scaled, op, wire)
-            return result
+    def _submit_reduce_scatter(
+        self,
+        name: str,
+        jobs: list[tuple[torch.Tensor, list[torch.Tensor], torch.dtype | None]],
+        op: str,
+        factor: Any,
+        result: list[torch.Tensor],
+    ) -> Any:
+        """Queue the reduce-scatter of each (output, per-rank parts, wire) of `jobs`."""
 
-        return self._submit(f"{what}({op}, {describe(output)}{on_wire(wire)})", run)
+        def run() -> None:
+            for output, parts, wire in jobs:
+                scaled = [p * factor for p in parts] if factor is not None else parts
+                routes = self._session.shard_routes
+                reduce_scatter_parts(routes, self._collectives, output, scaled, op, wire)
+
+        return self._submit(name, run, result)
 
     def reduce(self, tensors: list[torch.Tensor], opts: Any = None) -> Any:
         tensor = self._one(tensors, "reduce")
@@ -458,14 +459,15 @@ class ProcessGroupGradsync(_ProcessGroup):  # type: ignore[misc]  # (untyped bas
         op, factor = reduce_op(op_of(opts), tensor.dtype, "reduce")
         check_dtype(tensor, "reduce", reducing=True)
 
-        def run() -> OpResult:
+        def run() -> None:
+            # One all-reduce of a copy that only the root keeps: up N, down N per rank.
             source = tensor * factor if factor is not None else tensor
-            reduce_by_all_reduce(self._collectives, source, op, root)
-            if source is not tensor and self.rank() == root:
-                write_into(tensor, source)
-            return tensors
+            copy = source.detach().to("cpu", copy=True)
+            self._collectives.all_reduce(copy, op)
+            if self.rank() == root:
+                write_into(tensor, copy)
 
-        return self._submit(f"reduce({op}, root {root}, {describe(tensor)})", run)
+        return self._submit(f"reduce({op}, root {root}, {describe(tensor)})", run, tensors)
 
     def gather(
         self,
@@ -476,19 +478,16 @@ class ProcessGroupGradsync(_ProcessGroup):  # type: ignore[misc]  # (untyped bas
         tensor = self._one(input_tensors, "gather")
         root = self._root(getattr(opts, "rootRank", 0), "gather")
         check_dtype(tensor, "gather", reducing=False)
-        outputs: list[torch.Tensor] = []
+        outputs = []
         if self.rank() == root:
-            if len(output_tensors) != 1:
-                raise ValueError(
-                    f"gather takes one output list on the root, got {len(output_tensors)}"
-                )
-            outputs = self._per_rank(output_tensors[0], tensor, "gather")
+            outputs = self._only_list(output_tensors, tensor, "gather", "output", " on the root")
 
-        def run() -> OpResult:
-            gather(self._collectives, outputs, tensor, root)
-            return outputs
+        def run() -> None:
+            parts = self._collectives.gather(tensor, root)
+            if parts is not None:
+                write_parts(outputs, parts)
 
-        return self._submit(f"gather(root {root}, {describe(tensor)})", run)
+        return self._submit(f"gather(root {root}, {describe(tensor)})", run, outputs)
 
     def scatter(
         self,
@@ -499,19 +498,13 @@ class ProcessGroupGradsync(_ProcessGroup):  # type: ignore[misc]  # (untyped bas
         output = self._one(output_tensors, "scatter")
         root = self._root(getattr(opts, "rootRank", 0), "scatter")
         check_dtype(output, "scatter", reducing=False)
-        parts: list[torch.Tensor] = []
+        parts = []
         if self.rank() == root:
-            if len(input_tensors) != 1:
-                raise ValueError(
-                    f"scatter takes one input list on the root, got {len(input_tensors)}"
-                )
-            parts = self._per_rank(input_tensors[0], output, "scatter")
+            parts = self._only_list(input_tensors, output, "scatter", "input", " on the root")
 
-        def run() -> OpResult:
-            scatter(self._collectives, output, parts, root)
-            return output_tensors
-
-        return self._submit(f"scatter(root {root}, {describe(output)})", run)
+        sent = parts if self.rank() == root else None
+        run = functools.partial(self._collectives.scatter, output, sent, root)
+        return self._submit(f"scatter(root {root}, {describe(output)})", run, output_tensors)
 
     def alltoall(
         self,
@@ -527,11 +520,8 @@ class ProcessGroupGradsync(_ProcessGroup):  # type: ignore[misc]  # (untyped bas
             )
         self._same_dtype([*output_tensors, *input_tensors], "alltoall")
 
-        def run() -> OpResult:
-            all_to_all(self._collectives, output_tensors, input_tensors)
-            return output_tensors
-
-        return self._submit(f"alltoall({world} parts)", run)
+        run = functools.partial(self._all_to_all, output_tensors, input_tensors)
+        return self._submit(f"alltoall({world} parts)", run, output_tensors)
 
     def all_to_all_single(
         self,
@@ -545,11 +535,8 @@ class ProcessGroupGradsync(_ProcessGroup):  # type: ignore[misc]  # (untyped bas
         outputs = split_rows(output, output_split_sizes, self.size(), "output")
         inputs = split_rows(input, input_split_sizes, self.size(), "input")
 
-        def run() -> OpResult:
-            all_to_all(self._collectives, outputs, inputs)
-            return [output]
-
-        return self._submit(f"all_to_all_single({describe(input)})", run)
+        run = functools.partial(self._all_to_all, outputs, inputs)
+        return self._submit(f"all_to_all_single({describe(input)})", run, [output])
 
     alltoall_base = all_to_all_single
 
@@ -564,15 +551,16 @@ class ProcessGroupGradsync(_ProcessGroup):  # type: ignore[misc]  # (untyped bas
         raise RuntimeError(POINT_TO_POINT.format(what="recv"))
 
     # ------------------------------------------------------------ helpers
-    def _submit(self, name: str, run: Callable[[], OpResult]) -> Any:
-        """Queue `run`; its result stands only if every rank of the group took part.
+    def _submit(self, name: str, run: Callable[[], object], result: OpResult) -> Any:
+        """Queue `run`, whose Work carries `result` (the tensors it writes into); that
+        result stands only if every rank of the group took part.
 
         Under `--on-failure elastic` the coordinator completes a collective over the
         live ranks; a c10d group's size is fixed, so here that is a failure.
         """
 
         def checked() -> OpResult:
-            result = run()
+            run()
             self._check_contributors(self._collectives.last_contributors)
             return result
 
@@ -602,6 +590,19 @@ class ProcessGroupGradsync(_ProcessGroup):  # type: ignore[misc]  # (untyped bas
             )
         return int(root)
 
+    def _only_list(
+        self,
+        lists: Sequence[Sequence[torch.Tensor]],
+        like: torch.Tensor,
+        what: str,
+        which: str,
+        where: str = "",
+    ) -> list[torch.Tensor]:
+        """The one `which` list c10d passes, checked as `_per_rank`."""
+        if len(lists) != 1:
+            raise ValueError(f"{what} takes one {which} list{where}, got {len(lists)}")
+        return self._per_rank(lists[0], like, what)
+
     def _per_rank(
         self, tensors: Sequence[torch.Tensor], like: torch.Tensor, what: str
     ) -> list[torch.Tensor]:
@@ -618,6 +619,10 @@ class ProcessGroupGradsync(_ProcessGroup):  # type: ignore[misc]  # (untyped bas
                 )
         check_dtype(like, what, reducing=False)
         return list(tensors)
+
+    def _same_count(self, outputs: list[Any], inputs: list[Any], what: str) -> None:
+        if len(outputs) != len(inputs):
+            raise ValueError(f"{what}: {len(outputs)} outputs, {len(inputs)} inputs")
 
     def _check_stacked(self, big: torch.Tensor, small: torch.Tensor, what: str) -> None:
         if big.numel() != self.size() * small.numel() or big.dtype != small.dtype:
@@ -641,8 +646,28 @@ class ProcessGroupGradsync(_ProcessGroup):  # type: ignore[misc]  # (untyped bas
             raise RuntimeError(
                 f"{what}: {len(parts)} ranks contributed, the group has {self.size()}"
             )
-        for output, part in zip(outputs, parts, strict=True):
-            write_into(output, part)
+        write_parts(outputs, parts)
+
+    def _gather_stacked(self, output: torch.Tensor, tensor: torch.Tensor, what: str) -> None:
+        """Every rank's `tensor` into `output`, one after another in rank order."""
+        parts = output.view(self.size(), -1) if output.is_contiguous() else None
+        targets = list(parts) if parts is not None else chunks(output, self.size())
+        self._gather_into(targets, tensor, what)
+        if parts is None:
+            write_into(output, torch.cat([t.reshape(-1) for t in targets]))
+
+    def _all_to_all(self, outputs: Sequence[torch.Tensor], inputs: Sequence[torch.Tensor]) -> None:
+        """Rank r's `inputs[d]` lands in rank d's `outputs[r]`; parts may differ in size (the
+        hub checks that what rank r sends rank d is what rank d expects from it)."""
+        dtype = inputs[0].dtype if inputs else outputs[0].dtype
+        received = torch.empty(sum(t.numel() for t in outputs), dtype=dtype)
+        self._collectives.all_to_all(
+            received,
+            flat_copy(inputs).to(dtype),
+            output_splits=[t.numel() for t in outputs],
+            input_splits=[t.numel() for t in inputs],
+        )
+        write_flat(outputs, received)
 
     def __repr__(self) -> str:
         return (

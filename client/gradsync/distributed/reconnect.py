@@ -167,12 +167,7 @@ class ResumingLink:
             CoordinatorUnavailableError: the coordinator was lost and did not come back.
         """
         with self._lock:
-            if self._failure is not None:
-                raise self._failure
-            sequence = self._next
-            self._next += 1
-            if self.on_numbered is not None:
-                self.on_numbered(sequence)
+            sequence = self._number()
             if carried:
                 self._carried.add(sequence)
                 self._carried.difference_update(
@@ -203,13 +198,10 @@ class ResumingLink:
             ValueError: `sequence` was not reserved, or was sent already.
         """
         with self._lock:
-            if self._failure is not None:
-                raise self._failure
             if sequence is None:
-                sequence = self._next
-                self._next += 1
-                if self.on_numbered is not None:
-                    self.on_numbered(sequence)
+                sequence = self._number()
+            elif self._failure is not None:
+                raise self._failure
             elif sequence in self._reserved:
                 self._reserved.discard(sequence)
             else:
@@ -294,6 +286,16 @@ class ResumingLink:
         link.close(timeout_s)
 
     # ------------------------------------------------------------ internals
+    def _number(self) -> int:
+        """The next collective's number (lock held), unless the link gave up."""
+        if self._failure is not None:
+            raise self._failure
+        sequence = self._next
+        self._next += 1
+        if self.on_numbered is not None:
+            self.on_numbered(sequence)
+        return sequence
+
     def _send(self, sent: _Sent) -> None:
         """Issue `sent` on the current transport under its own number (lock held)."""
         extra: dict[str, Any] = {} if sent.template is None else {"template": sent.template}
@@ -462,16 +464,12 @@ class ResumingLink:
             if self.reconnect_timeout_s > 0
             else "(reconnecting is off)"
         )
-        self._failure = CoordinatorUnavailableError(
-            f"lost the coordinator at {self.address} ({cause}) {window}: {last}",
-            rank=self.rank,
-        )
+        why = f"lost the coordinator at {self.address} ({cause}) {window}: {last}"
+        self._failure = CoordinatorUnavailableError(why, rank=self.rank)
         log.error("rank %d: %s", self.rank, self._failure)
         self._fail_pending(
             lambda sent: CoordinatorUnavailableError(
-                f"{sent.describe()} did not complete: lost the coordinator at "
-                f"{self.address} ({cause}) {window}: {last}",
-                rank=self.rank,
+                f"{sent.describe()} did not complete: {why}", rank=self.rank
             )
         )
 

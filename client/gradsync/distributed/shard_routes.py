@@ -12,22 +12,12 @@ issues the same ops in the same order, so the ranks' numbers agree on every
 shard. An all-gather is cut the same way (shard i gathers range i of every
 rank's input), and a reduce-scatter cuts each rank's part (shard i
 reduce-scatters range i of every part, and each rank gets range i of its own).
-Each shard reduces its range in ascending rank order with the leader's code, so
-the result is bitwise the one a single coordinator computes, whatever the order
-in which the ranks' inputs arrive. A 25 MB gradient bucket thus travels on every
-shard's link at once, each carrying 1/S of it.
-
-Everything else stays on the leader: small ops, broadcast, reduce, gather,
-scatter, all-to-all, barrier and the rendezvous store.
-
-Faults: a shard whose stream fails (killed, lost its leader, refused a chunk)
-fails every range pending on it at once with the stream's error, which names
-the shard and its address; the group's `OpQueue` then fails the operation
-(naming the op and its number) and every later one. Ranks that disagree (op,
-dtype, size) are told by the leader for range 0, naming both values, as
-without shards. A group whose coordinator restarted cannot resume its ranges
-on the shards (they forget the group's collectives with their leader): its
-next spread op fails, saying so. Every wait is bounded by the group's timeout.
+Each shard reduces its range with the leader's code, so the result is bitwise
+a single coordinator's. Everything else stays on the leader. Faults: a shard
+whose stream fails fails every range pending on it at once with the stream's
+error, which names the shard and its address; a group whose coordinator
+restarted cannot resume its ranges on the shards (they forget them with their
+leader). docs/backend.md (Sharded coordinators) lists what is spread and why.
 """
 
 from __future__ import annotations
@@ -35,7 +25,8 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -46,7 +37,6 @@ from gradsync_proto.v1 import gradsync_pb2 as pb
 from gradsync.collectives import Collectives
 from gradsync.control.collective_results import CollectiveResults
 from gradsync.control.worker_messages import CollectiveUpload
-from gradsync.distributed.composite import reduce_scatter, write_into
 from gradsync.errors import GradSyncError, ShardUnavailableError
 from gradsync.path.signature import WIRE_DTYPES
 
@@ -56,9 +46,11 @@ __all__ = [
     "MIN_SPREAD_BYTES",
     "ShardRoutes",
     "all_gather",
+    "flat_copy",
     "reduce_scatter_parts",
     "spread_ranges",
     "start_all_reduce",
+    "write_into",
 ]
 
 #: An all-reduce smaller than this stays whole on the leader: one round trip to one
@@ -75,9 +67,11 @@ _WIRE_OPS = {
 
 #: What a spread all-reduce's `finish` returns: how many ranks contributed.
 Finish = Callable[[], int]
+#: An op's element ranges [start, stop), one per shard.
+Ranges = list[tuple[int, int]]
 
 
-def spread_ranges(numel: int, element_size: int, shard_count: int) -> list[tuple[int, int]] | None:
+def spread_ranges(numel: int, element_size: int, shard_count: int) -> Ranges | None:
     """The element ranges [start, stop) of an op, one per shard, or None when it stays
     whole on the leader (no shards, fewer than `MIN_SPREAD_BYTES` or than `shard_count`
     elements). `element_size`: the bytes each element of the cut carries (a
@@ -85,6 +79,25 @@ def spread_ranges(numel: int, element_size: int, shard_count: int) -> list[tuple
     if shard_count < 2 or numel < shard_count or numel * element_size < MIN_SPREAD_BYTES:
         return None
     return shard_ranges(numel, shard_count)
+
+
+def flat_copy(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
+    """The tensors' values, on the CPU, as one 1-D tensor (a copy)."""
+    if not tensors:
+        return torch.empty(0)
+    return torch.cat([t.detach().reshape(-1).to("cpu") for t in tensors])
+
+
+def write_into(target: torch.Tensor, values: torch.Tensor) -> None:
+    with torch.no_grad():
+        target.copy_(values.reshape(target.shape))
+
+
+def _spread(routes: ShardRoutes, tensor: torch.Tensor, element_size: int) -> Ranges | None:
+    """`spread_ranges` of `tensor` when it is a contiguous CPU tensor, else None."""
+    if tensor.device.type != "cpu" or not tensor.is_contiguous():
+        return None
+    return spread_ranges(tensor.numel(), element_size, routes.shard_count)
 
 
 def start_all_reduce(
@@ -97,10 +110,8 @@ def start_all_reduce(
     """Issue an all-reduce: spread over the shards when `routes` (a sharded coordinator)
     and the tensor is a large enough contiguous CPU tensor, else whole on the leader;
     return its `finish` (see `Collectives.start_all_reduce`)."""
-    if routes is not None and tensor.device.type == "cpu" and tensor.is_contiguous():
-        ranges = spread_ranges(tensor.numel(), tensor.element_size(), routes.shard_count)
-        if ranges is not None:
-            return routes.start_all_reduce(collectives, tensor, op, ranges, ready)
+    if routes is not None and (ranges := _spread(routes, tensor, tensor.element_size())):
+        return routes.start_all_reduce(collectives, tensor, op, ranges, ready)
     return collectives.start_all_reduce(tensor, op, on_ready=ready)
 
 
@@ -108,10 +119,8 @@ def all_gather(
     routes: ShardRoutes | None, collectives: Collectives, tensor: torch.Tensor
 ) -> list[torch.Tensor]:
     """Every contributing rank's `tensor`, spread over the shards as `start_all_reduce`."""
-    if routes is not None and tensor.device.type == "cpu" and tensor.is_contiguous():
-        ranges = spread_ranges(tensor.numel(), tensor.element_size(), routes.shard_count)
-        if ranges is not None:
-            return routes.all_gather(collectives, tensor, ranges)
+    if routes is not None and (ranges := _spread(routes, tensor, tensor.element_size())):
+        return routes.all_gather(collectives, tensor, ranges)
     return collectives.all_gather(tensor)
 
 
@@ -123,33 +132,35 @@ def reduce_scatter_parts(
     op: str,
     wire: torch.dtype | None,
 ) -> None:
-    """`composite.reduce_scatter`, spread over the shards (range i of every part on shard
-    i) when `routes` and `output` is a contiguous CPU tensor whose parts are large."""
-    if routes is not None and output.device.type == "cpu" and output.is_contiguous():
-        carried = (wire or output.dtype).itemsize * len(parts)
-        ranges = spread_ranges(output.numel(), carried, routes.shard_count)
-        if ranges is not None:
-            if wire is None:
-                routes.reduce_scatter(collectives, output, list(parts), op, ranges)
-                return
-            narrow = torch.empty(output.numel(), dtype=wire)
-            wired = [part.detach().to("cpu", wire) for part in parts]
-            routes.reduce_scatter(collectives, narrow, wired, op, ranges)
-            write_into(output, narrow)
-            return
-    reduce_scatter(collectives, output, parts, op, wire)
+    """`output` = the reduction over ranks of every rank's `parts[my rank]`, spread over the
+    shards (range i of every part on shard i) when `routes` and `output` is a contiguous
+    CPU tensor whose parts are large, else whole on the leader.
+
+    With `wire` (a 16-bit float type) the parts travel in it and the result comes back
+    in it, then widens into `output`.
+    """
+    target = output if wire is None else torch.empty(output.numel(), dtype=wire)
+    carried = (wire or output.dtype).itemsize * len(parts)
+    if routes is not None and (ranges := _spread(routes, output, carried)):
+        sent = list(parts) if wire is None else [part.detach().to("cpu", wire) for part in parts]
+        routes.reduce_scatter(collectives, target, sent, op, ranges)
+    else:
+        flat = flat_copy(parts)
+        collectives.reduce_scatter(target, flat if wire is None else flat.to(wire), op)
+    if target is not output:
+        write_into(output, target)
 
 
+@dataclass
 class _Shard:
     """What one shard holds of this rank's spread ops."""
 
-    def __init__(self, index: int, rank: int) -> None:
-        self.index = index
-        self.results = CollectiveResults(rank)
-        #: The next range's number on this shard (the same on every rank).
-        self.next_sequence = 0
-        #: Why the shard's stream failed; every range on it fails with it.
-        self.failure: ShardUnavailableError | None = None
+    index: int
+    results: CollectiveResults
+    #: The next range's number on this shard (the same on every rank).
+    next_sequence: int = 0
+    #: Why the shard's stream failed; every range on it fails with it.
+    failure: ShardUnavailableError | None = None
 
 
 class ShardRoutes:
@@ -182,7 +193,7 @@ class ShardRoutes:
         self._timeout_s = timeout_s
         self._lock = threading.Lock()
         self._changed = threading.Condition(self._lock)
-        self._shards = {index: _Shard(index, rank) for index in range(1, shard_count)}
+        self._shards = {i: _Shard(i, CollectiveResults(rank)) for i in range(1, shard_count)}
         #: The link whose shard streams carry the ranges (set at the first spread op).
         self._link: Any = None
         #: Why no further op can be spread (the coordinator restarted), once it is so.
@@ -196,7 +207,7 @@ class ShardRoutes:
         collectives: Collectives,
         tensor: torch.Tensor,
         op: str,
-        ranges: list[tuple[int, int]],
+        ranges: Ranges,
         on_ready: Callable[[], None] | None = None,
     ) -> Finish:
         """Issue `tensor`'s all-reduce as `ranges` (`spread_ranges`): range 0 on the
@@ -236,15 +247,14 @@ class ShardRoutes:
             except BaseException:
                 self._forget(issued)
                 raise
-            for position, (_, _, start, stop) in enumerate(issued):
-                data, _ = self._checked_wait(issued, position, deadline, contributors)
+            for start, stop, data, _ in self._results(issued, deadline, contributors):
                 _write_back(flat[start:stop], data)
             return contributors
 
         return finish
 
     def all_gather(
-        self, collectives: Collectives, tensor: torch.Tensor, ranges: list[tuple[int, int]]
+        self, collectives: Collectives, tensor: torch.Tensor, ranges: Ranges
     ) -> list[torch.Tensor]:
         """Every contributing rank's `tensor` (new tensors, in rank order), its `ranges`
         (`spread_ranges`) gathered on their shards: range 0 on the leader, range i on
@@ -271,8 +281,7 @@ class ShardRoutes:
         gathered = [torch.empty_like(flat) for _ in leader]
         for output, part in zip(gathered, leader, strict=True):
             output[start:stop] = part
-        for position, (_, _, a, b) in enumerate(issued):
-            data, count = self._checked_wait(issued, position, deadline, len(leader))
+        for a, b, data, count in self._results(issued, deadline, len(leader)):
             parts = torch.frombuffer(data, dtype=tensor.dtype, count=count * (b - a))
             for rank, output in enumerate(gathered):
                 output[a:b] = parts[rank * (b - a) : (rank + 1) * (b - a)]
@@ -284,7 +293,7 @@ class ShardRoutes:
         output: torch.Tensor,
         parts: list[torch.Tensor],
         op: str,
-        ranges: list[tuple[int, int]],
+        ranges: Ranges,
     ) -> None:
         """`output` = the reduction over ranks of every rank's `parts[my rank]`, each
         part's `ranges` (`spread_ranges` of one part) reduced on their shards: shard i
@@ -323,8 +332,7 @@ class ShardRoutes:
         except BaseException:
             self._forget(issued)
             raise
-        for position, (_, _, a, b) in enumerate(issued):
-            data, _ = self._checked_wait(issued, position, deadline, collectives.world_size)
+        for a, b, data, _ in self._results(issued, deadline, collectives.world_size):
             _write_back(flat[a:b], data)
 
     def _issue(
@@ -368,29 +376,26 @@ class ShardRoutes:
         self.ranges_sent += 1
         return shard, sequence, elements[0], elements[1]
 
-    def _checked_wait(
-        self,
-        issued: list[tuple[_Shard, int, int, int]],
-        position: int,
-        deadline: float,
-        contributors: int,
-    ) -> tuple[bytearray, int]:
-        """Wait for range `issued[position]`; check it had the leader range's
-        `contributors`; forget the later ranges when it fails."""
-        shard, sequence, start, stop = issued[position]
-        try:
-            data, count = self._wait(shard, sequence, deadline, start, stop)
-        except BaseException:
-            self._forget(issued[position + 1 :])
-            raise
-        if count != contributors:
-            self._forget(issued[position + 1 :])
-            raise GradSyncError(
-                f"range {shard.index} (elements {start}..{stop}) had {count} contributors on "
-                f"shard {shard.index}, range 0 had {contributors} on the leader",
-                rank=self.rank,
-            )
-        return data, count
+    def _results(
+        self, issued: list[tuple[_Shard, int, int, int]], deadline: float, contributors: int
+    ) -> Iterator[tuple[int, int, bytearray, int]]:
+        """(start, stop, its bytes, its contributors) of each range of `issued`, as each
+        comes in, checked to have the leader range's `contributors`; when one fails, the
+        later ranges are forgotten."""
+        for position, (shard, sequence, start, stop) in enumerate(issued):
+            try:
+                data, count = self._wait(shard, sequence, deadline, start, stop)
+            except BaseException:
+                self._forget(issued[position + 1 :])
+                raise
+            if count != contributors:
+                self._forget(issued[position + 1 :])
+                raise GradSyncError(
+                    f"range {shard.index} (elements {start}..{stop}) had {count} contributors "
+                    f"on shard {shard.index}, range 0 had {contributors} on the leader",
+                    rank=self.rank,
+                )
+            yield start, stop, data, count
 
     def _attach(self) -> Any:
         """The current link, with this group's hooks on its shard streams.

@@ -105,7 +105,7 @@ class GradsyncWork(dist.Work):
         self._outcome = outcome
         # A future whose failure is a failure in C++ as well (a callback that raises
         # fails the future `then` returns), for DDP's reducer and comm hooks.
-        self._future = outcome.then(_value_of)
+        self._future = outcome.then(lambda done: done.value())
 
     def wait(self, timeout: Any = None) -> bool:
         """Block until the operation is done; raise its DistBackendError if it failed.
@@ -134,15 +134,11 @@ class GradsyncWork(dist.Work):
         return list(self._outcome.wait())
 
 
-def _value_of(future: torch.futures.Future[Any]) -> Any:
-    return future.value()
-
-
 class OpQueue:
     """Runs one group's operations in the order they were queued, several in flight.
 
-    An operation is either split (`submit_split`: `issue` sends its input and
-    returns a `finish` that waits for the result) or whole (`submit`: one
+    An operation is either split (`submit(issue=)`: `issue` sends its input and
+    returns a `finish` that waits for the result) or whole (`submit(run=)`: one
     callable that runs every collective it needs and waits for each). A split
     operation is issued at once on the caller's thread when nothing queued is
     ahead of it, its tensor is on the CPU and fewer than `max_in_flight` are
@@ -217,21 +213,17 @@ class OpQueue:
         self._issuer.start()
         self._completer.start()
 
-    def submit(self, name: str, run: Callable[[], OpResult]) -> Any:
-        """Queue `run`, a whole operation; return a c10d Work at once (never blocks).
-
-        Raises:
-            RuntimeError: the group was shut down.
-        """
-        future: torch.futures.Future[Any] = torch.futures.Future()
-        with self._lock:
-            sequence = self._take_sequence(name)
-            self._waiting += 1
-            self._queue.put(_Queued(sequence, name, run, None, future))
-        return GradsyncWork(future)
-
-    def submit_split(self, name: str, issue: Issue, *, inline: bool, tells: bool = False) -> Any:
-        """Queue an operation that `issue` sends and whose returned `finish` completes.
+    def submit(
+        self,
+        name: str,
+        run: Callable[[], OpResult] | None = None,
+        issue: Issue | None = None,
+        *,
+        inline: bool = False,
+        tells: bool = False,
+    ) -> Any:
+        """Queue `run`, a whole operation, or one that `issue` sends and whose returned
+        `finish` completes; return a c10d Work at once (never blocks).
 
         With `inline`, `issue` runs here on the caller's thread when nothing is
         queued ahead and a slot is free (it must then not block: a CPU tensor on a
@@ -245,7 +237,7 @@ class OpQueue:
         future: torch.futures.Future[Any] = torch.futures.Future()
         with self._lock:
             sequence = self._take_sequence(name)
-            item = _Queued(sequence, name, None, issue, future, tells)
+            item = _Queued(sequence, name, run, issue, future, tells)
             if inline and self._waiting == 0 and self._slots.acquire(blocking=False):
                 self.issued_inline += 1
                 self._issue(item)
@@ -377,9 +369,7 @@ class OpQueue:
                 return
             if item.run is not None:  # whole: it runs on the completing thread, in order
                 finished = threading.Event()
-                with self._lock:
-                    self._handed += 1
-                self._done.put(_Issued(item, None, None, holds_slot=False, finished=finished))
+                self._hand(_Issued(item, None, None, holds_slot=False, finished=finished))
                 while not finished.wait(self._timeout_s):  # (its own waits are bounded)
                     log.warning("gradsync: %s: %s still runs", self._describe, item.name)
             elif self._slots.acquire(timeout=self._timeout_s):
@@ -390,11 +380,15 @@ class OpQueue:
                     f"{self.max_in_flight} operations were in flight and none completed "
                     f"within {self._timeout_s:g} s"
                 )
-                with self._lock:
-                    self._handed += 1
-                self._done.put(_Issued(item, None, error, holds_slot=False))
+                self._hand(_Issued(item, None, error, holds_slot=False))
             with self._lock:
                 self._waiting -= 1
+
+    def _hand(self, issued: _Issued) -> None:
+        """Hand an operation that holds no slot to the completing thread."""
+        with self._lock:
+            self._handed += 1
+        self._done.put(issued)
 
     def _serve_completions(self) -> None:
         while True:
@@ -413,6 +407,8 @@ class OpQueue:
     def _complete(self, issued: _Issued) -> None:
         """Run or finish one operation and complete its future (or fail it, named)."""
         item = issued.item
+        result: OpResult = []
+        error: BaseException | None = None
         try:
             if self._failure is not None:
                 name, sequence, first = self._failure
@@ -439,17 +435,14 @@ class OpQueue:
             )
             error.__cause__ = exc
             log.debug("%s", error)
-            self._settle(issued)  # (counted before a waiter can wake)
-            finished = time.perf_counter()
-            item.future.set_exception(error)
-            if self.trace is not None:
-                self.trace.completed(item.sequence, False, finished)
-        else:
-            self._settle(issued)
-            finished = time.perf_counter()
+        self._settle(issued)  # (counted before a waiter can wake)
+        finished = time.perf_counter()
+        if error is None:
             item.future.set_result(result)
-            if self.trace is not None:
-                self.trace.completed(item.sequence, True, finished)
+        else:
+            item.future.set_exception(error)
+        if self.trace is not None:
+            self.trace.completed(item.sequence, error is None, finished)
 
     def _running(self, sequence: int) -> contextlib.AbstractContextManager[None]:
         """While operation `sequence` issues or runs here: the trace's context, if any."""

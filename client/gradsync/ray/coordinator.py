@@ -8,7 +8,7 @@ in the "gradsync" namespace, so a second driver gets the same handle with
 started it, as a service would.
 
 Each actor runs the ordinary coordinator or shard (`gradsync_server.app.start`)
-in-process, on a loop of its own (`gradsync.ray._loop`), so there is no child process to
+in-process, on a loop of its own (`LoopThread`), so there is no child process to
 leak. It listens on its node's address, where other nodes reach it; beyond loopback the
 coordinator needs credentials, so unless the caller gives a token, client certificates or
 `insecure=True`, a random token is made here and handed to workers through Ray (never on
@@ -17,20 +17,21 @@ a command line).
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import os
 import secrets
+import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Coroutine, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 import ray
 from gradsync_proto import auth
 from gradsync_proto.net.channels import ChannelSecurity
 
 from gradsync import defaults
-from gradsync.ray._loop import LoopThread
 from gradsync.ray.placement import (
     DEFAULT_COORDINATOR_RESOURCES,
     NAMESPACE,
@@ -50,9 +51,14 @@ SHARD_REGISTER_TIMEOUT_S = 60.0
 STOP_TIMEOUT_S = 30.0
 #: Bound on the wait until killed actors are gone.
 DEATH_TIMEOUT_S = 30.0
+#: How long closing an actor's loop waits for its thread to end.
+LOOP_CLOSE_TIMEOUT_S = 10.0
 
 #: Options of `start_coordinator` that are the actors' business, not `CoordinatorConfig` fields.
 _SET_HERE = frozenset({"port", "shard_count", "local_shards"})
+
+
+T = TypeVar("T")
 
 
 def _node_ip() -> str:
@@ -64,18 +70,66 @@ def fetch(refs: Any, timeout_s: float | None = None) -> Any:
     return ray.get(refs, timeout=timeout_s)
 
 
-def _configure_logging(level: str) -> None:
-    logging.basicConfig(
-        level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s", force=True
-    )
+class LoopThread:
+    """A running event loop in a daemon thread, with a blocking `call` into it: an actor's
+    server runs on it, since Ray calls the actor's methods on threads of its own."""
+
+    def __init__(self, name: str) -> None:
+        self.loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        asyncio.set_event_loop(self.loop)
+        self.loop.run_forever()
+
+    def call(self, coroutine: Coroutine[Any, Any, T], timeout_s: float) -> T:
+        """Run `coroutine` on the loop and wait for its result.
+
+        Raises:
+            TimeoutError: it did not finish within `timeout_s` (it is cancelled).
+            Exception: whatever the coroutine raised.
+        """
+        future = asyncio.run_coroutine_threadsafe(coroutine, self.loop)
+        try:
+            return future.result(timeout=timeout_s)
+        except TimeoutError:
+            future.cancel()
+            raise
+
+    def close(self) -> None:
+        """Cancel what still runs on the loop, stop it and join its thread; twice is a no-op."""
+        # Not `loop.is_running()`: right after __init__ the thread may not have entered
+        # run_forever yet, and returning then would leave the loop running for good.
+        if self.loop.is_closed() or not self._thread.is_alive():
+            return
+
+        async def cancel_rest() -> None:
+            current = asyncio.current_task()
+            rest = [task for task in asyncio.all_tasks() if task is not current]
+            for task in rest:
+                task.cancel()
+            await asyncio.gather(*rest, return_exceptions=True)
+
+        try:
+            self.call(cancel_rest(), LOOP_CLOSE_TIMEOUT_S)
+        finally:
+            self.loop.call_soon_threadsafe(self.loop.stop)
+            self._thread.join(LOOP_CLOSE_TIMEOUT_S)
+            if not self._thread.is_alive():
+                self.loop.close()
 
 
 class _ServerActor:
     """What the leader's and the shards' actor bodies share: a loop, a server, its info."""
 
-    def __init__(self, log_level: str, thread_name: str) -> None:
-        _configure_logging(log_level)
-        self._loop = LoopThread(thread_name)
+    #: The name of the thread the actor's loop runs in (each actor body names its own).
+    thread_name: str
+
+    def __init__(self, log_level: str) -> None:
+        form = "%(asctime)s %(levelname)s %(name)s: %(message)s"
+        logging.basicConfig(level=log_level, format=form, force=True)
+        self._loop = LoopThread(self.thread_name)
         self._running: Any = None
         self._info: dict[str, Any] = {}
 
@@ -87,8 +141,7 @@ class _ServerActor:
 class LeaderServer(_ServerActor):
     """Ray actor body: the coordinator (shard 0), on its node's address."""
 
-    def __init__(self, log_level: str) -> None:
-        super().__init__(log_level, "gradsync-coordinator")
+    thread_name = "gradsync-coordinator"
 
     def start(self, options: dict[str, Any], shard_names: list[str]) -> dict[str, Any]:
         """Bind and serve; return the address workers use, and what `info` returns."""
@@ -102,7 +155,6 @@ class LeaderServer(_ServerActor):
         self._running = self._loop.call(start(config), START_TIMEOUT_S)
         advertised = node_ip if bind_host in ("0.0.0.0", "::", "") else bind_host
         metrics = self._running.metrics_server
-        metrics_url = metrics.url if metrics is not None else None
         print(banner(self._running), flush=True)
         self._info = {
             "address": host_port(advertised, self._running.port),
@@ -111,7 +163,7 @@ class LeaderServer(_ServerActor):
             "world_size": config.world_size,
             "pid": os.getpid(),
             "node_ip": node_ip,
-            "metrics_url": metrics_url,
+            "metrics_url": metrics.url if metrics is not None else None,
         }
         return self.info()
 
@@ -137,8 +189,7 @@ class LeaderServer(_ServerActor):
 class ShardServer(_ServerActor):
     """Ray actor body: one coordinator shard, registering with its leader."""
 
-    def __init__(self, log_level: str) -> None:
-        super().__init__(log_level, "gradsync-shard")
+    thread_name = "gradsync-shard"
 
     def start(self, options: dict[str, Any]) -> dict[str, Any]:
         """Bind, advertise this node's address and start registering with the leader."""
@@ -189,6 +240,16 @@ class Coordinator:
     leader: Any = field(repr=False)
     shards: tuple[Any, ...] = field(default=(), repr=False)
     metrics_url: str | None = None
+
+    @classmethod
+    def of(
+        cls, name: str, info: Mapping[str, Any], leader: Any, shards: tuple[Any, ...]
+    ) -> Coordinator:
+        """The handle of the coordinator whose leader's `info` this is."""
+        metrics_url = info.get("metrics_url")
+        return cls(
+            name, info["address"], info["world_size"], info["token"], leader, shards, metrics_url
+        )
 
     def environment(self) -> dict[str, str]:
         """Environment variables a worker needs to reach this coordinator."""
@@ -316,13 +377,10 @@ def start_coordinator(
     try:
         info = _started(leader.start.remote(options, shard_names), "the leader", placement)
         shard_options = _shard_options(options, info["address"])
-        handles = []
         for shard_name in shard_names:
-            shard = _ShardActor.options(
-                name=shard_name, scheduling_strategy="SPREAD", **common
-            ).remote(log_level)
-            started.append(shard)
-            handles.append(shard)
+            options_of = dict(common, name=shard_name, scheduling_strategy="SPREAD")
+            started.append(_ShardActor.options(**options_of).remote(log_level))
+        handles = started[1:]
         _started([shard.start.remote(shard_options) for shard in handles], "the shards", placement)
         if handles:
             missing = fetch(
@@ -339,15 +397,7 @@ def start_coordinator(
             ray.kill(handle, no_restart=True)
         raise
     log.info("coordinator %r listening on %s (%d shard(s))", name, info["address"], shards)
-    return Coordinator(
-        name,
-        info["address"],
-        world_size,
-        info["token"],
-        leader,
-        tuple(started[1:]),
-        info["metrics_url"],
-    )
+    return Coordinator.of(name, info, leader, tuple(started[1:]))
 
 
 def _started(refs: Any, what: str, placement: Mapping[str, Any]) -> Any:
@@ -361,29 +411,26 @@ def _started(refs: Any, what: str, placement: Mapping[str, Any]) -> Any:
     except ray.exceptions.GetTimeoutError as exc:
         raise TimeoutError(
             f"{what} of the coordinator did not start within {START_TIMEOUT_S:g} s: each "
-            f"actor asks for {dict(placement)}, and the cluster has {free_resources()} free "
-            f"of {all_resources()} (pass resources= that fit, or add nodes)"
+            f"actor asks for {dict(placement)}, and the cluster has {cluster_resources()} "
+            "(pass resources= that fit, or add nodes)"
         ) from exc
 
 
-def free_resources() -> dict[str, float]:
-    """What the Ray cluster has free now (for messages)."""
-    return dict(ray.available_resources())  # type: ignore[no-untyped-call]  # untyped in ray
-
-
-def all_resources() -> dict[str, float]:
-    """What the Ray cluster has in all (for messages)."""
-    return dict(ray.cluster_resources())  # type: ignore[no-untyped-call]  # untyped in ray
+def cluster_resources() -> str:
+    """What the Ray cluster has free now, and in all: "{...} free of {...}" (for messages)."""
+    free = dict(ray.available_resources())  # type: ignore[no-untyped-call]  # untyped in ray
+    total = dict(ray.cluster_resources())  # type: ignore[no-untyped-call]  # untyped in ray
+    return f"{free} free of {total}"
 
 
 def _shard_options(options: Mapping[str, Any], leader_address: str) -> dict[str, Any]:
     """The leader's options that a shard shares: credentials and the chunk size."""
-    keys = ("token", "shard_token", "tls_cert", "tls_key", "tls_client_ca", "tls_ca", "insecure")
-    shard = {key: options[key] for key in keys if key in options}
+    credentials = ("token", "shard_token", "tls_cert", "tls_key", "tls_client_ca", "tls_ca")
+    shard = {
+        key: options[key] for key in (*credentials, "insecure", "chunk_bytes") if key in options
+    }
     if "tls_cert" in options and "tls_ca" not in options:
         shard["tls_ca"] = options["tls_cert"]  # a self-signed leader: its own certificate
-    if "chunk_bytes" in options:
-        shard["chunk_bytes"] = options["chunk_bytes"]
     shard["leader"] = leader_address
     return shard
 
@@ -418,12 +465,4 @@ def get_coordinator(name: str = "default", timeout_s: float = 30.0) -> Coordinat
     shards = tuple(
         ray.get_actor(shard_name, namespace=NAMESPACE) for shard_name in info["shard_names"]
     )
-    return Coordinator(
-        name,
-        info["address"],
-        info["world_size"],
-        info["token"],
-        leader,
-        shards,
-        info.get("metrics_url"),
-    )
+    return Coordinator.of(name, info, leader, shards)

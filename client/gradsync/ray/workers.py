@@ -37,19 +37,8 @@ from gradsync.config import (
     ENV_RANK,
     ENV_WORLD_SIZE,
 )
-from gradsync.ray.coordinator import (
-    Coordinator,
-    all_resources,
-    fetch,
-    free_resources,
-    start_coordinator,
-)
-from gradsync.ray.placement import (
-    DEFAULT_WORKER_RESOURCES,
-    NAMESPACE,
-    actor_options,
-    local_ranks,
-)
+from gradsync.ray.coordinator import Coordinator, cluster_resources, fetch, start_coordinator
+from gradsync.ray.placement import DEFAULT_WORKER_RESOURCES, NAMESPACE, actor_options, local_ranks
 
 log = logging.getLogger("gradsync.ray")
 
@@ -208,8 +197,7 @@ def call_train_fn(train_fn: Callable[..., Any], config: Mapping[str, Any] | None
     Raises:
         TypeError: `config` was given to a function that takes no argument.
     """
-    takes_config = len(inspect.signature(train_fn).parameters) > 0
-    if takes_config:
+    if inspect.signature(train_fn).parameters:  # it takes the config
         return train_fn(dict(config or {}))
     if config is not None:
         raise TypeError(
@@ -328,8 +316,8 @@ def _placed(actors: list[Any], placement: Mapping[str, Any], timeout_s: float) -
         ranks = sorted(pending[ref] for ref in waiting)
         raise TimeoutError(
             f"ranks {ranks} of {len(actors)} did not start within {timeout_s:g} s: each asks "
-            f"for {dict(placement)} and the cluster has {free_resources()} free of "
-            f"{all_resources()} (give resources_per_worker= that fits, or add nodes)"
+            f"for {dict(placement)} and the cluster has {cluster_resources()} (give "
+            "resources_per_worker= that fits, or add nodes)"
         )
     return [str(node) for node in fetch([actor.node.remote() for actor in actors])]
 
