@@ -241,14 +241,11 @@ class Session:
     def register_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
         """Include `optimizer`'s state in checkpoints; restore a pending one into it."""
         self._optimizer = optimizer
-        if self._pending_optimizer_state is not None:
-            self._load_optimizer_state(optimizer, self._pending_optimizer_state)
+        if self._pending_optimizer_state is not None:  # a mismatch names job and step
+            config, step = self.config, self._last_checkpoint_step
+            state = self._pending_optimizer_state
+            load_optimizer_state(optimizer, state, config.job_id, config.rank, step)
             self._pending_optimizer_state = None
-
-    def _load_optimizer_state(self, optimizer: torch.optim.Optimizer, state: Any) -> None:
-        """Restore the checkpoint's optimizer state; a mismatch names job and step."""
-        config, step = self.config, self._last_checkpoint_step
-        load_optimizer_state(optimizer, state, config.job_id, config.rank, step)
 
     def save_checkpoint(self, step: int, wait: bool, timeout_s: float) -> int:
         """Upload rank 0's state as the checkpoint of `step`; see the wrapper's method."""
@@ -443,7 +440,8 @@ class Session:
             self._restore(link.receive_resume(welcome.resume_bytes, timeout_s), start)
             self.continued = bool(welcome.restart) and self._position is not None
         else:
-            self._broadcast(welcome, timeout_s)
+            # Rank 0 sends its parameters and buffers; every other rank overwrites its own.
+            broadcast_start_state(link, config.rank, self._tensors, welcome, timeout_s)
             log.info(
                 "rank %d: job '%s' assembled; starting at step %d",
                 config.rank,
@@ -502,10 +500,6 @@ class Session:
             self._on_bucket_event("local_group", len(ranks), -1)
         return path
 
-    def _broadcast(self, welcome: pb.Welcome, timeout_s: float) -> None:
-        """Rank 0 sends its parameters and buffers; every other rank overwrites its own."""
-        broadcast_start_state(self._link, self.config.rank, self._tensors, welcome, timeout_s)
-
     def _restore(self, blob: bytes | bytearray, start_step: int) -> None:
         """Load a checkpoint or a live rank's state (optimizer state waits for its optimizer).
 
@@ -513,16 +507,13 @@ class Session:
             CheckpointMismatchError: not a gradsync checkpoint, or not this model's.
         """
         config = self.config
-        optimizer_state = load_module_state(
+        self._pending_optimizer_state = load_module_state(
             blob, self.module, config.job_id, config.rank, start_step, config.join_timeout_s
         )
-        self._pending_optimizer_state = optimizer_state
         self._resumed_from_checkpoint = True
         self._last_checkpoint_step = start_step
-        if self._optimizer is not None and self._pending_optimizer_state is not None:
-            # Reconnecting mid-run: the optimizer already exists.
-            self._load_optimizer_state(self._optimizer, self._pending_optimizer_state)
-            self._pending_optimizer_state = None
+        if self._optimizer is not None:  # reconnecting mid-run: the optimizer already exists
+            self.register_optimizer(self._optimizer)
         log.warning(
             "rank %d: job '%s' resumed from the checkpoint of step %d",
             self.config.rank,

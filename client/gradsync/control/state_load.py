@@ -75,50 +75,6 @@ class DirectHealError(CheckpointMismatchError):
     to be healed through the coordinator instead)."""
 
 
-def send_heal_state(
-    link: SessionLink,
-    config: ClientConfig,
-    module: nn.Module,
-    optimizer: torch.optim.Optimizer | None,
-    step: int,
-    previous: heal_channel.StateOffer | None,
-    settle: bool = True,
-    relay: bool = False,
-) -> heal_channel.StateOffer | None:
-    """Upload this rank's state for the ranks it heals; return its offer while served.
-
-    With the coordinator on this host (a loopback address) the upload is an
-    offer of a direct transfer (`heal_channel`). With `settle`, this waits
-    (bounded) for the first joiner to read the live state before it returns;
-    without, it returns at once and the caller must `release` the offer
-    before the parameters or the optimizer state change (the module's
-    buffers, which a forward pass changes, are served from a copy). Else (a
-    remote coordinator: the joiner may be on another host, or
-    `$GRADSYNC_HEAL_CHANNEL=0`, or `relay`: the joiner could not read a direct offer
-    before) the state itself goes through the coordinator.
-    """
-    if previous is not None:
-        previous.close()
-    flag = os.environ.get(ENV_HEAL_CHANNEL, "").strip().lower()
-    loopback = all(auth.is_loopback(a) for a in config.coordinator.split(","))
-    if flag in ("0", "false", "no", "off") or not loopback or relay:
-        # Raw, not pickled: written (and read) in slices, so heartbeats keep going.
-        state = live_state(module, optimizer, step, config.world_size)
-        link.send_heal(step, raw_state.to_bytes(state))
-        return None
-    state = live_state(module, optimizer, step, config.world_size)
-    state["module"] = _buffers_copied(module, state["module"])
-    offer = heal_channel.StateOffer(state, serve_s=_SERVE_S)
-    link.send_heal(step, offer.offer())
-    if settle and not offer.settle(wait_s=min(_FIRST_FETCH_WAIT_S, config.join_timeout_s)):
-        log.warning(
-            "rank %d: no rank came for the state it offered within %gs; training on",
-            config.rank,
-            _FIRST_FETCH_WAIT_S,
-        )
-    return offer
-
-
 class HealDonor:
     """This rank's offer of its state to the ranks it heals, while it is served.
 
@@ -140,10 +96,37 @@ class HealDonor:
         settle: bool,
         relay: bool = False,
     ) -> None:
-        """Offer (or upload) this rank's state of `step`; see `send_heal_state`."""
-        self._offer = send_heal_state(
-            link, config, module, optimizer, step, self._offer, settle, relay
-        )
+        """Upload this rank's state of `step` for the ranks it heals; keep its offer while served.
+
+        With the coordinator on this host (a loopback address) the upload is an
+        offer of a direct transfer (`heal_channel`). With `settle`, this waits
+        (bounded) for the first joiner to read the live state before it returns;
+        without, it returns at once and the caller must `release` the offer
+        before the parameters or the optimizer state change (the module's
+        buffers, which a forward pass changes, are served from a copy). Else (a
+        remote coordinator: the joiner may be on another host, or
+        `$GRADSYNC_HEAL_CHANNEL=0`, or `relay`: the joiner could not read a direct offer
+        before) the state itself goes through the coordinator.
+        """
+        if self._offer is not None:
+            self._offer.close()
+            self._offer = None
+        state = live_state(module, optimizer, step, config.world_size)
+        flag = os.environ.get(ENV_HEAL_CHANNEL, "").strip().lower()
+        loopback = all(auth.is_loopback(a) for a in config.coordinator.split(","))
+        if flag in ("0", "false", "no", "off") or not loopback or relay:
+            # Raw, not pickled: written (and read) in slices, so heartbeats keep going.
+            link.send_heal(step, raw_state.to_bytes(state))
+            return
+        state["module"] = _buffers_copied(module, state["module"])
+        offer = self._offer = heal_channel.StateOffer(state, serve_s=_SERVE_S)
+        link.send_heal(step, offer.offer())
+        if settle and not offer.settle(wait_s=min(_FIRST_FETCH_WAIT_S, config.join_timeout_s)):
+            log.warning(
+                "rank %d: no rank came for the state it offered within %gs; training on",
+                config.rank,
+                _FIRST_FETCH_WAIT_S,
+            )
 
     def release(self) -> None:
         """The live tensors are about to change: wait for a transfer of them to end."""
