@@ -32,14 +32,14 @@ from gradsync.config import ClientConfig
 from gradsync.control.heal_answer import await_heal_answer
 from gradsync.control.joining import load_lazy_modules
 from gradsync.control.link import CoordinatorLink, LinkFactory, SessionLink
-from gradsync.control.position import position
-from gradsync.control.start_state import broadcast_start_state
 from gradsync.control.state_load import (
     DirectHealError,
     HealDonor,
+    broadcast_start_state,
     live_state,
     load_module_state,
     load_optimizer_state,
+    position,
     torch_blob,
 )
 from gradsync.errors import (

@@ -1,4 +1,5 @@
-"""Writing a rank's state for checkpoints and healing, and reading one back into a model.
+"""A rank's state: broadcast at the start, written for checkpoints and healing, read back
+into a model, and digested into the position a live rank claims when it rejoins.
 
 Apart from `gradsync.control.session` so that the session keeps the rules of
 joining and reconnecting, and this module the checks a blob from the network
@@ -11,14 +12,16 @@ name neither, and suggest `weights_only=False`, which gradsync never uses).
 
 from __future__ import annotations
 
+import hashlib
 import io
 import logging
 import os
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
 from gradsync_proto import auth
+from gradsync_proto.v1 import gradsync_pb2 as pb
 from torch import nn
 from torch.nn.modules.batchnorm import _NormBase
 
@@ -61,6 +64,32 @@ def live_state(
         "step": step,
         "world_size": world_size,
     }
+
+
+def broadcast_start_state(
+    link: SessionLink,
+    rank: int,
+    tensors: Sequence[torch.Tensor],
+    welcome: pb.Welcome,
+    timeout_s: float,
+) -> None:
+    """Rank 0 sends `tensors` as one blob; every other rank overwrites its own with it."""
+    with torch.no_grad():
+        if rank == 0:
+            flat = [t.detach().reshape(-1).view(torch.uint8).cpu() for t in tensors if t.numel()]
+            blob = torch.cat(flat) if flat else torch.empty(0, dtype=torch.uint8)
+            link.send_state(blob.numpy())
+        elif welcome.state_bytes:
+            raw = link.receive_state(welcome.state_bytes, timeout_s)
+            offset = 0
+            for tensor in tensors:
+                if tensor.numel() == 0:
+                    continue
+                source = torch.frombuffer(
+                    raw, dtype=tensor.dtype, count=tensor.numel(), offset=offset
+                )
+                tensor.copy_(source.view_as(tensor))
+                offset += tensor.numel() * tensor.element_size()
 
 
 def torch_blob(state: dict[str, Any]) -> bytes:
@@ -352,3 +381,53 @@ def brief(exc: BaseException, limit: int = 300) -> str:
     """torch's multi-line error text on one line, bounded."""
     text = " ".join(str(exc).split())
     return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def position(module: nn.Module, optimizer: torch.optim.Optimizer | None, step: int) -> pb.Position:
+    """This rank's position: `step` steps applied, and the digest of its state."""
+    return pb.Position(step=step, digest=state_digest(module, optimizer))
+
+
+def state_digest(module: nn.Module, optimizer: torch.optim.Optimizer | None) -> bytes:
+    """SHA-256 of the parameters (by name) and the optimizer state, in a fixed order.
+
+    A rank that loses its coordinator keeps its parameters and optimizer state;
+    when it rejoins, it claims a `Join.position` (`position`): the steps it has
+    applied and this digest. A restarted coordinator lets the ranks that agree
+    continue from there (`gradsync_server.control.restart`), so nothing rolls back
+    to a checkpoint and nothing is computed twice. Not the buffers: under DDP every
+    rank's buffers are rank 0's only at the start of a forward pass (and each rank's
+    own with `broadcast_buffers=False`), so ranks that agree on everything training
+    depends on may still differ there; parameters and optimizer state are equal bit
+    for bit on every rank after every step.
+    """
+    digest = hashlib.sha256()
+    with torch.no_grad():
+        for name, parameter in module.named_parameters():
+            digest.update(name.encode())
+            _feed(digest, parameter)
+        if optimizer is not None:
+            _feed(digest, optimizer.state_dict())
+    return digest.digest()
+
+
+def _feed(digest: Any, value: Any) -> None:
+    """Hash `value` (tensors by dtype, shape and bytes; containers in a fixed order)."""
+    if isinstance(value, torch.Tensor):
+        tensor = value.detach().cpu().contiguous()
+        digest.update(f"T{tensor.dtype}{tuple(tensor.shape)}".encode())
+        if tensor.numel():
+            digest.update(tensor.reshape(-1).view(torch.uint8).numpy())
+    elif isinstance(value, Mapping):
+        digest.update(b"{")
+        for key in sorted(value, key=repr):
+            digest.update(repr(key).encode())
+            _feed(digest, value[key])
+        digest.update(b"}")
+    elif isinstance(value, Sequence) and not isinstance(value, str | bytes):
+        digest.update(b"[")
+        for item in value:
+            _feed(digest, item)
+        digest.update(b"]")
+    else:
+        digest.update(repr(value).encode())
