@@ -32,8 +32,13 @@ from gradsync_proto.codec import ChunkHeader, decode_gradient, header_of
 from gradsync_proto.v1 import gradsync_pb2 as pb
 
 from gradsync.control.collective_results import CollectiveResults
-from gradsync.control.inbox_state import InboxState, end_reason_name, ended_stream_error
-from gradsync.control.welcome_checks import Expected, welcome_problem
+from gradsync.control.inbox_state import (
+    Expected,
+    InboxState,
+    end_reason_name,
+    ended_stream_error,
+    welcome_problem,
+)
 from gradsync.errors import (
     CollectiveError,
     GradSyncError,

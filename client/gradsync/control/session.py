@@ -252,7 +252,8 @@ class Session:
         if self.config.rank != 0:
             return step
         self._last_checkpoint_step = step
-        self._link.send_checkpoint(step, self.state_blob(step))
+        state = live_state(self.module, self._optimizer, step, self.config.world_size)
+        self._link.send_checkpoint(step, torch_blob(state))
         if wait:
             saved = self._link.wait_checkpoint(step, timeout_s)
             if not saved.durable:
@@ -262,10 +263,6 @@ class Session:
                     step=step,
                 )
         return step
-
-    def state_blob(self, step: int) -> bytes:
-        """Module state, optimizer state and step, serialized for checkpoints."""
-        return torch_blob(live_state(self.module, self._optimizer, step, self.config.world_size))
 
     def _send_heal(self, step: int, settle: bool = True, relay: bool = False) -> None:
         """Upload this rank's state (or an offer of it) for the ranks it heals."""
