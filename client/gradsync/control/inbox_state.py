@@ -40,7 +40,7 @@ from gradsync.errors import (
     GradSyncError,
     error_from_status,
 )
-from gradsync.path.shard_faults import ShardFault
+from gradsync.path.shard_streams import ShardFault
 
 log = logging.getLogger("gradsync.client")
 

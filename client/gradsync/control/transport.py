@@ -76,8 +76,12 @@ from gradsync.path.bucket_uploads import BucketUpload, RangeUpload, range_messag
 from gradsync.path.buffers import BucketBuffer
 from gradsync.path.gradient_path import BucketEventHandler
 from gradsync.path.pacing import UploadPacer, chunk_bytes_of
-from gradsync.path.shard_faults import SHARD_GRACE_MARGIN_S
-from gradsync.path.shard_streams import CLIENT_MAX_MESSAGE_BYTES, ShardStreams, channel_options
+from gradsync.path.shard_streams import (
+    CLIENT_MAX_MESSAGE_BYTES,
+    SHARD_GRACE_MARGIN_S,
+    ShardStreams,
+    channel_options,
+)
 
 log = logging.getLogger("gradsync.client")
 
