@@ -100,8 +100,8 @@ class Session:
         self._signature = signature
         self._bucket_bytes = list(bucket_bytes)
         self._link_factory = link_factory
-        #: The coordinator addresses, tried in turn (built with the first link).
-        self._addresses: AddressRotation | None = None
+        #: The coordinator addresses, tried in turn.
+        self._addresses = AddressRotation(config.coordinator)
         self._on_bucket_event = on_bucket_event
         self.reconnect_timeout_s = reconnect_timeout_s
         self._optimizer: torch.optim.Optimizer | None = None
@@ -153,13 +153,13 @@ class Session:
         try:
             return self._join_healed()
         except CoordinatorUnavailableError:
-            if self._addresses is None or not self._addresses.several:
+            if not self._addresses.several:
                 self._release(timeout_s=5.0)
                 raise
         except BaseException:
             self._release(timeout_s=5.0)
             raise
-        return self._start_elsewhere(self._addresses)
+        return self._start_elsewhere()
 
     def _join_healed(self) -> int:
         """Join; a rejoining rank that could not read the donor's direct offer of its state
@@ -181,8 +181,9 @@ class Session:
         self._link = self._new_link()
         return self._join_and_broadcast()
 
-    def _start_elsewhere(self, addresses: AddressRotation) -> int:
+    def _start_elsewhere(self) -> int:
         """The first address did not serve: try each other one once (one may be a standby)."""
+        addresses = self._addresses
         for _ in range(addresses.count - 1):
             self._release(timeout_s=_ABANDON_LINK_TIMEOUT_S)
             log.info("rank %d: trying %s", self.config.rank, addresses.advance())
@@ -307,7 +308,7 @@ class Session:
                 start = self._join_and_broadcast(join_timeout_s=max(1.0, remaining))
                 break
             except (CoordinatorUnavailableError, SyncTimeoutError) as exc:
-                if self._addresses is not None and self._addresses.several:
+                if self._addresses.several:
                     # A standby (or a dead host) answered: the active one is elsewhere.
                     log.info("rank %d: %s", self.config.rank, self._addresses.move_on(exc))
                 remaining = deadline - time.monotonic()
@@ -317,8 +318,7 @@ class Session:
                         f"{self.reconnect_timeout_s:g}s: {exc}",
                         rank=self.config.rank,
                     ) from cause
-                several = self._addresses is not None and self._addresses.several
-                if several and time.monotonic() - started < _STANDBY_WATCH_S:
+                if self._addresses.several and time.monotonic() - started < _STANDBY_WATCH_S:
                     delay = min(delay, _STANDBY_RETRY_DELAY_S)
                 time.sleep(min(delay, remaining))
                 delay = min(delay * 2, _MAX_RETRY_DELAY_S)
@@ -383,8 +383,6 @@ class Session:
 
     # ------------------------------------------------------------ joining
     def _new_link(self) -> CoordinatorLink:
-        if self._addresses is None:
-            self._addresses = AddressRotation(self.config.coordinator)
         link = self._link_factory(self._addresses.current(), self.config.rank)
         link.on_bucket_event = self._on_bucket_event
         return link
@@ -417,11 +415,11 @@ class Session:
             len(self._bucket_bytes),
         )
         link.open(join)
-        several = self._addresses is not None and self._addresses.several
+        several = self._addresses.several
         welcome = self.welcome = link.wait_welcome(
             timeout_s, PER_ADDRESS_JOIN_S if several else None
         )
-        if several and self._addresses is not None:
+        if several:
             log.info("rank %d: joined at %s", config.rank, self._addresses.current())
         if len(welcome.local_ranks) >= 2:
             self._local = self._form_local_group(link, welcome, timeout_s)
