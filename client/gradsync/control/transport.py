@@ -248,6 +248,8 @@ class Transport:
         self.step_report = self._inbox.step_report
         self.live_ranks = self._inbox.live_ranks
         self.wait_step = self._inbox.wait_step
+        #: The second half of `run_collective` (`issue_collective` is the first).
+        self.wait_collective = self._inbox.wait_collective
         self.round_report = self._inbox.round_report
         self._closed = False
         options = channel_options()  # before the thread: a bad setting leaves nothing behind
@@ -319,7 +321,7 @@ class Transport:
             self.target,
             self.rank,
             timeout_s,
-            self._is_connected,
+            lambda: bool(self._sync.connected),
             security=self._security,
             unreachable_s=unreachable_s,
         )
@@ -374,11 +376,6 @@ class Transport:
         size = payload.nbytes
         log.debug("rank %d: collective %d: %s of %d bytes", self.rank, sequence, op_name(op), size)
         return sequence
-
-    def wait_collective(self, sequence: int, timeout_s: float) -> tuple[bytearray, int]:
-        """The second half of `run_collective`: block (bounded) for collective
-        `sequence`'s result; return (its bytes, how many ranks contributed)."""
-        return self._inbox.wait_collective(sequence, timeout_s)
 
     @property
     def collective_sequence(self) -> int:
@@ -657,6 +654,3 @@ class Transport:
     def _run(self, coroutine: Any, timeout_s: float) -> Any:
         future = asyncio.run_coroutine_threadsafe(coroutine, self._loop)
         return future.result(timeout=timeout_s)
-
-    def _is_connected(self) -> bool:
-        return bool(self._sync.connected)
