@@ -45,8 +45,6 @@ _FIRST_FETCH_WAIT_S = 5.0
 #: How long the donor serves the snapshot to other joiners (those healed together come
 #: at once; its memory, one copy of the state, goes back then).
 _SERVE_S = 60.0
-#: Given a raw state's checked header, the existing tensors to read into, by index.
-_Into = Callable[[raw_state.Layout], Mapping[int, torch.Tensor]]
 #: How long a step's end waits for a joiner still reading the live state (the step
 #: needs the joiner, so it normally ended before); then the transfer is cut off.
 _RELEASE_WAIT_S = 30.0
@@ -218,10 +216,8 @@ def load_module_state(
         CheckpointMismatchError: the blob is not a gradsync checkpoint, or not this model's,
             or the offered state could not be fetched.
     """
-    if heal_channel.is_offer(blob):
-        return _load_offered(blob, module, job_id, rank, step, timeout_s)
-    if bytes(blob[: len(raw_state.MAGIC)]) == raw_state.MAGIC:  # a live rank's, via gRPC
-        return _load_relayed(blob, module, job_id, rank, step)
+    if heal_channel.is_offer(blob) or bytes(blob[: len(raw_state.MAGIC)]) == raw_state.MAGIC:
+        return _load_raw(blob, module, job_id, rank, step, timeout_s)  # a live rank's
     try:
         # weights_only: tensors and plain containers, never arbitrary objects.
         state = torch.load(io.BytesIO(blob), weights_only=True)
@@ -236,55 +232,12 @@ def load_module_state(
     return _apply(state, module, job_id, rank, step)
 
 
-def _load_offered(
-    offer: bytes | bytearray,
-    module: nn.Module,
-    job_id: str,
-    rank: int,
-    step: int,
-    timeout_s: float,
-) -> Any:
-    """Fetch an offered state (bounded by this model's size) into this model; load it."""
-
-    def fetch(limit: int, into: _Into) -> Any:
-        try:
-            return heal_channel.fetch(offer, limit, timeout_s, into)
-        except heal_channel.HealChannelError as exc:  # not a mismatch: the donor may be gone
-            raise DirectHealError(
-                f"rank {rank} could not read a live rank's state of step {step} to rejoin job "
-                f"'{job_id}': {exc}. Start this rank again to rejoin (another live rank "
-                "donates)",
-                job_id=job_id,
-                rank=rank,
-                step=step,
-            ) from exc
-
-    return _load_raw(fetch, "directly (loopback)", module, job_id, rank, step)
-
-
-def _load_relayed(
-    blob: bytes | bytearray, module: nn.Module, job_id: str, rank: int, step: int
-) -> Any:
-    """Read a raw state the coordinator relayed (bounded by this model's size); load it."""
-
-    def decode(limit: int, into: _Into) -> Any:
-        try:
-            return raw_state.decode(blob, limit, into)
-        except raw_state.BadRawState as exc:
-            raise mismatch(job_id, rank, step, f"a live rank's state is unreadable: {exc}") from exc
-
-    return _load_raw(decode, "through the coordinator", module, job_id, rank, step)
-
-
 def _load_raw(
-    read: Callable[[int, _Into], Any],
-    how: str,
-    module: nn.Module,
-    job_id: str,
-    rank: int,
-    step: int,
+    blob: bytes | bytearray, module: nn.Module, job_id: str, rank: int, step: int, timeout_s: float
 ) -> Any:
-    """`read(limit, into)` a raw state into this model's own tensors where they fit; load it."""
+    """Read a live rank's state (offered directly, or relayed by the coordinator), bounded
+    by this model's size, into this model's own tensors where they fit; load it."""
+    offered = heal_channel.is_offer(blob)
     own = module.state_dict()
     limit = _OPTIMIZER_FACTOR * sum(t.numel() * t.element_size() for t in own.values())
     limit += _MARGIN_BYTES
@@ -296,13 +249,28 @@ def _load_raw(
         read_into_own.append(bool(targets))
         return targets
 
-    state = read(limit, into)
+    try:
+        if offered:
+            state = heal_channel.fetch(blob, limit, timeout_s, into)
+        else:
+            state = raw_state.decode(blob, limit, into)
+    except heal_channel.HealChannelError as exc:  # not a mismatch: the donor may be gone
+        raise DirectHealError(
+            f"rank {rank} could not read a live rank's state of step {step} to rejoin job "
+            f"'{job_id}': {exc}. Start this rank again to rejoin (another live rank "
+            "donates)",
+            job_id=job_id,
+            rank=rank,
+            step=step,
+        ) from exc
+    except raw_state.BadRawState as exc:
+        raise mismatch(job_id, rank, step, f"a live rank's state is unreadable: {exc}") from exc
     mine = bool(read_into_own and read_into_own[0])
     log.info(
         "rank %d: fetched a live rank's state of step %d %s%s",
         rank,
         step,
-        how,
+        "directly (loopback)" if offered else "through the coordinator",
         ", into its own parameters" if mine else "",
     )
     if mine:  # already in place: load_state_dict would only copy it onto itself
