@@ -274,7 +274,8 @@ class LocalGroupPath:
         try:
             if not group.is_leader:
                 contributors = group.wait_averaged(step, timeout_s, poll, self._dropped)
-                self._averaged_events(step)
+                for bucket_index in range(self._num_buckets):
+                    self._event("averaged", step, bucket_index)
                 return contributors
             started = time.monotonic()
             group.wait_reduced(step, self._num_buckets, timeout_s, poll, self._dropped)
@@ -329,10 +330,6 @@ class LocalGroupPath:
                 self.group.segment.result_offset(bucket_index) if self.in_segment else None
             ),
         )
-
-    def _averaged_events(self, step: int) -> None:
-        for bucket_index in range(self._num_buckets):
-            self._event("averaged", step, bucket_index)
 
     def _event(self, event: str, step: int, bucket_index: int) -> None:
         handler = self._on_bucket_event
