@@ -19,7 +19,7 @@ from pathlib import Path
 
 import grpc
 import numpy as np
-from gradsync.local.payload_segment import register_segment
+from gradsync.local.hierarchy import register_segment
 from gradsync_proto import chunking
 from gradsync_proto.codec import ChunkHeader, encode_gradient
 from gradsync_proto.payload_socket import Registration

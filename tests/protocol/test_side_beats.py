@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import grpc
 import pytest
-from gradsync.control.beats import BEAT_METHOD
+from gradsync.control.transport import BEAT_METHOD
 from gradsync_proto import auth
 from gradsync_proto.v1 import gradsync_pb2 as pb
 from support.rawclient import assembled_job, coordinator, run

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 from gradsync.control.inbox import Inbox
-from gradsync.control.welcome_checks import state_bytes
+from gradsync.control.inbox_state import state_bytes
 from gradsync.errors import GradSyncError
 from gradsync_proto.v1 import gradsync_pb2 as pb
 from gradsync_server.control.persistence import Persistence

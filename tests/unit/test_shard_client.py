@@ -32,8 +32,7 @@ from gradsync.path.bucket_uploads import (
     split_upload,
 )
 from gradsync.path.buffers import BucketBuffer
-from gradsync.path.shard_faults import ShardFault, shard_grace_s
-from gradsync.path.shard_streams import shard_target, shard_targets
+from gradsync.path.shard_streams import ShardFault, shard_grace_s, shard_target, shard_targets
 from gradsync.path.step_results import StepResults
 from gradsync_proto.codec import ChunkHeader, decode_gradient
 from gradsync_proto.codes import Code

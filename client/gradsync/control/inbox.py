@@ -12,7 +12,7 @@ stored and raised at the next wait.
 
 With a sharded coordinator the averages of shard i arrive on this worker's
 data stream to shard i and land here too (offsets are absolute); a failed
-shard stream waits for the leader's verdict (`gradsync.path.shard_faults`).
+shard stream waits for the leader's verdict (`gradsync.path.shard_streams.ShardFault`).
 
 It imports neither grpc nor asyncio: `gradsync.control.transport` feeds it raw bytes
 from its I/O thread, and tests feed it messages in any order they like.
@@ -32,8 +32,13 @@ from gradsync_proto.codec import ChunkHeader, decode_gradient, header_of
 from gradsync_proto.v1 import gradsync_pb2 as pb
 
 from gradsync.control.collective_results import CollectiveResults
-from gradsync.control.inbox_state import InboxState, end_reason_name, ended_stream_error
-from gradsync.control.welcome_checks import Expected, welcome_problem
+from gradsync.control.inbox_state import (
+    Expected,
+    InboxState,
+    end_reason_name,
+    ended_stream_error,
+    welcome_problem,
+)
 from gradsync.errors import (
     CollectiveError,
     GradSyncError,
@@ -41,7 +46,7 @@ from gradsync.errors import (
     SyncTimeoutError,
 )
 from gradsync.path.buffers import BucketBuffer
-from gradsync.path.shard_faults import SHARD_GRACE_MARGIN_S, shard_grace_s
+from gradsync.path.shard_streams import SHARD_GRACE_MARGIN_S, shard_grace_s
 from gradsync.path.step_results import RoundReport, StepResults
 
 log = logging.getLogger("gradsync.client")

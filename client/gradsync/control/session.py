@@ -32,14 +32,14 @@ from gradsync.config import ClientConfig
 from gradsync.control.heal_answer import await_heal_answer
 from gradsync.control.joining import load_lazy_modules
 from gradsync.control.link import CoordinatorLink, LinkFactory, SessionLink
-from gradsync.control.position import position
-from gradsync.control.start_state import broadcast_start_state
 from gradsync.control.state_load import (
     DirectHealError,
     HealDonor,
+    broadcast_start_state,
     live_state,
     load_module_state,
     load_optimizer_state,
+    position,
     torch_blob,
 )
 from gradsync.errors import (
@@ -100,8 +100,8 @@ class Session:
         self._signature = signature
         self._bucket_bytes = list(bucket_bytes)
         self._link_factory = link_factory
-        #: The coordinator addresses, tried in turn (built with the first link).
-        self._addresses: AddressRotation | None = None
+        #: The coordinator addresses, tried in turn.
+        self._addresses = AddressRotation(config.coordinator)
         self._on_bucket_event = on_bucket_event
         self.reconnect_timeout_s = reconnect_timeout_s
         self._optimizer: torch.optim.Optimizer | None = None
@@ -153,13 +153,13 @@ class Session:
         try:
             return self._join_healed()
         except CoordinatorUnavailableError:
-            if self._addresses is None or not self._addresses.several:
+            if not self._addresses.several:
                 self._release(timeout_s=5.0)
                 raise
         except BaseException:
             self._release(timeout_s=5.0)
             raise
-        return self._start_elsewhere(self._addresses)
+        return self._start_elsewhere()
 
     def _join_healed(self) -> int:
         """Join; a rejoining rank that could not read the donor's direct offer of its state
@@ -181,8 +181,9 @@ class Session:
         self._link = self._new_link()
         return self._join_and_broadcast()
 
-    def _start_elsewhere(self, addresses: AddressRotation) -> int:
+    def _start_elsewhere(self) -> int:
         """The first address did not serve: try each other one once (one may be a standby)."""
+        addresses = self._addresses
         for _ in range(addresses.count - 1):
             self._release(timeout_s=_ABANDON_LINK_TIMEOUT_S)
             log.info("rank %d: trying %s", self.config.rank, addresses.advance())
@@ -241,21 +242,19 @@ class Session:
     def register_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
         """Include `optimizer`'s state in checkpoints; restore a pending one into it."""
         self._optimizer = optimizer
-        if self._pending_optimizer_state is not None:
-            self._load_optimizer_state(optimizer, self._pending_optimizer_state)
+        if self._pending_optimizer_state is not None:  # a mismatch names job and step
+            config, step = self.config, self._last_checkpoint_step
+            state = self._pending_optimizer_state
+            load_optimizer_state(optimizer, state, config.job_id, config.rank, step)
             self._pending_optimizer_state = None
-
-    def _load_optimizer_state(self, optimizer: torch.optim.Optimizer, state: Any) -> None:
-        """Restore the checkpoint's optimizer state; a mismatch names job and step."""
-        config, step = self.config, self._last_checkpoint_step
-        load_optimizer_state(optimizer, state, config.job_id, config.rank, step)
 
     def save_checkpoint(self, step: int, wait: bool, timeout_s: float) -> int:
         """Upload rank 0's state as the checkpoint of `step`; see the wrapper's method."""
         if self.config.rank != 0:
             return step
         self._last_checkpoint_step = step
-        self._link.send_checkpoint(step, self.state_blob(step))
+        state = live_state(self.module, self._optimizer, step, self.config.world_size)
+        self._link.send_checkpoint(step, torch_blob(state))
         if wait:
             saved = self._link.wait_checkpoint(step, timeout_s)
             if not saved.durable:
@@ -265,10 +264,6 @@ class Session:
                     step=step,
                 )
         return step
-
-    def state_blob(self, step: int) -> bytes:
-        """Module state, optimizer state and step, serialized for checkpoints."""
-        return torch_blob(live_state(self.module, self._optimizer, step, self.config.world_size))
 
     def _send_heal(self, step: int, settle: bool = True, relay: bool = False) -> None:
         """Upload this rank's state (or an offer of it) for the ranks it heals."""
@@ -313,7 +308,7 @@ class Session:
                 start = self._join_and_broadcast(join_timeout_s=max(1.0, remaining))
                 break
             except (CoordinatorUnavailableError, SyncTimeoutError) as exc:
-                if self._addresses is not None and self._addresses.several:
+                if self._addresses.several:
                     # A standby (or a dead host) answered: the active one is elsewhere.
                     log.info("rank %d: %s", self.config.rank, self._addresses.move_on(exc))
                 remaining = deadline - time.monotonic()
@@ -323,8 +318,7 @@ class Session:
                         f"{self.reconnect_timeout_s:g}s: {exc}",
                         rank=self.config.rank,
                     ) from cause
-                several = self._addresses is not None and self._addresses.several
-                if several and time.monotonic() - started < _STANDBY_WATCH_S:
+                if self._addresses.several and time.monotonic() - started < _STANDBY_WATCH_S:
                     delay = min(delay, _STANDBY_RETRY_DELAY_S)
                 time.sleep(min(delay, remaining))
                 delay = min(delay * 2, _MAX_RETRY_DELAY_S)
@@ -389,8 +383,6 @@ class Session:
 
     # ------------------------------------------------------------ joining
     def _new_link(self) -> CoordinatorLink:
-        if self._addresses is None:
-            self._addresses = AddressRotation(self.config.coordinator)
         link = self._link_factory(self._addresses.current(), self.config.rank)
         link.on_bucket_event = self._on_bucket_event
         return link
@@ -423,11 +415,11 @@ class Session:
             len(self._bucket_bytes),
         )
         link.open(join)
-        several = self._addresses is not None and self._addresses.several
+        several = self._addresses.several
         welcome = self.welcome = link.wait_welcome(
             timeout_s, PER_ADDRESS_JOIN_S if several else None
         )
-        if several and self._addresses is not None:
+        if several:
             log.info("rank %d: joined at %s", config.rank, self._addresses.current())
         if len(welcome.local_ranks) >= 2:
             self._local = self._form_local_group(link, welcome, timeout_s)
@@ -443,7 +435,8 @@ class Session:
             self._restore(link.receive_resume(welcome.resume_bytes, timeout_s), start)
             self.continued = bool(welcome.restart) and self._position is not None
         else:
-            self._broadcast(welcome, timeout_s)
+            # Rank 0 sends its parameters and buffers; every other rank overwrites its own.
+            broadcast_start_state(link, config.rank, self._tensors, welcome, timeout_s)
             log.info(
                 "rank %d: job '%s' assembled; starting at step %d",
                 config.rank,
@@ -502,10 +495,6 @@ class Session:
             self._on_bucket_event("local_group", len(ranks), -1)
         return path
 
-    def _broadcast(self, welcome: pb.Welcome, timeout_s: float) -> None:
-        """Rank 0 sends its parameters and buffers; every other rank overwrites its own."""
-        broadcast_start_state(self._link, self.config.rank, self._tensors, welcome, timeout_s)
-
     def _restore(self, blob: bytes | bytearray, start_step: int) -> None:
         """Load a checkpoint or a live rank's state (optimizer state waits for its optimizer).
 
@@ -513,16 +502,13 @@ class Session:
             CheckpointMismatchError: not a gradsync checkpoint, or not this model's.
         """
         config = self.config
-        optimizer_state = load_module_state(
+        self._pending_optimizer_state = load_module_state(
             blob, self.module, config.job_id, config.rank, start_step, config.join_timeout_s
         )
-        self._pending_optimizer_state = optimizer_state
         self._resumed_from_checkpoint = True
         self._last_checkpoint_step = start_step
-        if self._optimizer is not None and self._pending_optimizer_state is not None:
-            # Reconnecting mid-run: the optimizer already exists.
-            self._load_optimizer_state(self._optimizer, self._pending_optimizer_state)
-            self._pending_optimizer_state = None
+        if self._optimizer is not None:  # reconnecting mid-run: the optimizer already exists
+            self.register_optimizer(self._optimizer)
         log.warning(
             "rank %d: job '%s' resumed from the checkpoint of step %d",
             self.config.rank,

@@ -1,4 +1,5 @@
-"""Writing a rank's state for checkpoints and healing, and reading one back into a model.
+"""A rank's state: broadcast at the start, written for checkpoints and healing, read back
+into a model, and digested into the position a live rank claims when it rejoins.
 
 Apart from `gradsync.control.session` so that the session keeps the rules of
 joining and reconnecting, and this module the checks a blob from the network
@@ -11,14 +12,16 @@ name neither, and suggest `weights_only=False`, which gradsync never uses).
 
 from __future__ import annotations
 
+import hashlib
 import io
 import logging
 import os
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
 from gradsync_proto import auth
+from gradsync_proto.v1 import gradsync_pb2 as pb
 from torch import nn
 from torch.nn.modules.batchnorm import _NormBase
 
@@ -42,8 +45,6 @@ _FIRST_FETCH_WAIT_S = 5.0
 #: How long the donor serves the snapshot to other joiners (those healed together come
 #: at once; its memory, one copy of the state, goes back then).
 _SERVE_S = 60.0
-#: Given a raw state's checked header, the existing tensors to read into, by index.
-_Into = Callable[[raw_state.Layout], Mapping[int, torch.Tensor]]
 #: How long a step's end waits for a joiner still reading the live state (the step
 #: needs the joiner, so it normally ended before); then the transfer is cut off.
 _RELEASE_WAIT_S = 30.0
@@ -63,6 +64,32 @@ def live_state(
     }
 
 
+def broadcast_start_state(
+    link: SessionLink,
+    rank: int,
+    tensors: Sequence[torch.Tensor],
+    welcome: pb.Welcome,
+    timeout_s: float,
+) -> None:
+    """Rank 0 sends `tensors` as one blob; every other rank overwrites its own with it."""
+    with torch.no_grad():
+        if rank == 0:
+            flat = [t.detach().reshape(-1).view(torch.uint8).cpu() for t in tensors if t.numel()]
+            blob = torch.cat(flat) if flat else torch.empty(0, dtype=torch.uint8)
+            link.send_state(blob.numpy())
+        elif welcome.state_bytes:
+            raw = link.receive_state(welcome.state_bytes, timeout_s)
+            offset = 0
+            for tensor in tensors:
+                if tensor.numel() == 0:
+                    continue
+                source = torch.frombuffer(
+                    raw, dtype=tensor.dtype, count=tensor.numel(), offset=offset
+                )
+                tensor.copy_(source.view_as(tensor))
+                offset += tensor.numel() * tensor.element_size()
+
+
 def torch_blob(state: dict[str, Any]) -> bytes:
     """`state` serialized by `torch.save` (checkpoints: readable by torch alone)."""
     buffer = io.BytesIO()
@@ -73,50 +100,6 @@ def torch_blob(state: dict[str, Any]) -> bytes:
 class DirectHealError(CheckpointMismatchError):
     """A live rank's direct offer of its state could not be read (the joiner may rejoin
     to be healed through the coordinator instead)."""
-
-
-def send_heal_state(
-    link: SessionLink,
-    config: ClientConfig,
-    module: nn.Module,
-    optimizer: torch.optim.Optimizer | None,
-    step: int,
-    previous: heal_channel.StateOffer | None,
-    settle: bool = True,
-    relay: bool = False,
-) -> heal_channel.StateOffer | None:
-    """Upload this rank's state for the ranks it heals; return its offer while served.
-
-    With the coordinator on this host (a loopback address) the upload is an
-    offer of a direct transfer (`heal_channel`). With `settle`, this waits
-    (bounded) for the first joiner to read the live state before it returns;
-    without, it returns at once and the caller must `release` the offer
-    before the parameters or the optimizer state change (the module's
-    buffers, which a forward pass changes, are served from a copy). Else (a
-    remote coordinator: the joiner may be on another host, or
-    `$GRADSYNC_HEAL_CHANNEL=0`, or `relay`: the joiner could not read a direct offer
-    before) the state itself goes through the coordinator.
-    """
-    if previous is not None:
-        previous.close()
-    flag = os.environ.get(ENV_HEAL_CHANNEL, "").strip().lower()
-    loopback = all(auth.is_loopback(a) for a in config.coordinator.split(","))
-    if flag in ("0", "false", "no", "off") or not loopback or relay:
-        # Raw, not pickled: written (and read) in slices, so heartbeats keep going.
-        state = live_state(module, optimizer, step, config.world_size)
-        link.send_heal(step, raw_state.to_bytes(state))
-        return None
-    state = live_state(module, optimizer, step, config.world_size)
-    state["module"] = _buffers_copied(module, state["module"])
-    offer = heal_channel.StateOffer(state, serve_s=_SERVE_S)
-    link.send_heal(step, offer.offer())
-    if settle and not offer.settle(wait_s=min(_FIRST_FETCH_WAIT_S, config.join_timeout_s)):
-        log.warning(
-            "rank %d: no rank came for the state it offered within %gs; training on",
-            config.rank,
-            _FIRST_FETCH_WAIT_S,
-        )
-    return offer
 
 
 class HealDonor:
@@ -140,10 +123,37 @@ class HealDonor:
         settle: bool,
         relay: bool = False,
     ) -> None:
-        """Offer (or upload) this rank's state of `step`; see `send_heal_state`."""
-        self._offer = send_heal_state(
-            link, config, module, optimizer, step, self._offer, settle, relay
-        )
+        """Upload this rank's state of `step` for the ranks it heals; keep its offer while served.
+
+        With the coordinator on this host (a loopback address) the upload is an
+        offer of a direct transfer (`heal_channel`). With `settle`, this waits
+        (bounded) for the first joiner to read the live state before it returns;
+        without, it returns at once and the caller must `release` the offer
+        before the parameters or the optimizer state change (the module's
+        buffers, which a forward pass changes, are served from a copy). Else (a
+        remote coordinator: the joiner may be on another host, or
+        `$GRADSYNC_HEAL_CHANNEL=0`, or `relay`: the joiner could not read a direct offer
+        before) the state itself goes through the coordinator.
+        """
+        if self._offer is not None:
+            self._offer.close()
+            self._offer = None
+        state = live_state(module, optimizer, step, config.world_size)
+        flag = os.environ.get(ENV_HEAL_CHANNEL, "").strip().lower()
+        loopback = all(auth.is_loopback(a) for a in config.coordinator.split(","))
+        if flag in ("0", "false", "no", "off") or not loopback or relay:
+            # Raw, not pickled: written (and read) in slices, so heartbeats keep going.
+            link.send_heal(step, raw_state.to_bytes(state))
+            return
+        state["module"] = _buffers_copied(module, state["module"])
+        offer = self._offer = heal_channel.StateOffer(state, serve_s=_SERVE_S)
+        link.send_heal(step, offer.offer())
+        if settle and not offer.settle(wait_s=min(_FIRST_FETCH_WAIT_S, config.join_timeout_s)):
+            log.warning(
+                "rank %d: no rank came for the state it offered within %gs; training on",
+                config.rank,
+                _FIRST_FETCH_WAIT_S,
+            )
 
     def release(self) -> None:
         """The live tensors are about to change: wait for a transfer of them to end."""
@@ -206,10 +216,8 @@ def load_module_state(
         CheckpointMismatchError: the blob is not a gradsync checkpoint, or not this model's,
             or the offered state could not be fetched.
     """
-    if heal_channel.is_offer(blob):
-        return _load_offered(blob, module, job_id, rank, step, timeout_s)
-    if bytes(blob[: len(raw_state.MAGIC)]) == raw_state.MAGIC:  # a live rank's, via gRPC
-        return _load_relayed(blob, module, job_id, rank, step)
+    if heal_channel.is_offer(blob) or bytes(blob[: len(raw_state.MAGIC)]) == raw_state.MAGIC:
+        return _load_raw(blob, module, job_id, rank, step, timeout_s)  # a live rank's
     try:
         # weights_only: tensors and plain containers, never arbitrary objects.
         state = torch.load(io.BytesIO(blob), weights_only=True)
@@ -224,55 +232,12 @@ def load_module_state(
     return _apply(state, module, job_id, rank, step)
 
 
-def _load_offered(
-    offer: bytes | bytearray,
-    module: nn.Module,
-    job_id: str,
-    rank: int,
-    step: int,
-    timeout_s: float,
-) -> Any:
-    """Fetch an offered state (bounded by this model's size) into this model; load it."""
-
-    def fetch(limit: int, into: _Into) -> Any:
-        try:
-            return heal_channel.fetch(offer, limit, timeout_s, into)
-        except heal_channel.HealChannelError as exc:  # not a mismatch: the donor may be gone
-            raise DirectHealError(
-                f"rank {rank} could not read a live rank's state of step {step} to rejoin job "
-                f"'{job_id}': {exc}. Start this rank again to rejoin (another live rank "
-                "donates)",
-                job_id=job_id,
-                rank=rank,
-                step=step,
-            ) from exc
-
-    return _load_raw(fetch, "directly (loopback)", module, job_id, rank, step)
-
-
-def _load_relayed(
-    blob: bytes | bytearray, module: nn.Module, job_id: str, rank: int, step: int
-) -> Any:
-    """Read a raw state the coordinator relayed (bounded by this model's size); load it."""
-
-    def decode(limit: int, into: _Into) -> Any:
-        try:
-            return raw_state.decode(blob, limit, into)
-        except raw_state.BadRawState as exc:
-            raise mismatch(job_id, rank, step, f"a live rank's state is unreadable: {exc}") from exc
-
-    return _load_raw(decode, "through the coordinator", module, job_id, rank, step)
-
-
 def _load_raw(
-    read: Callable[[int, _Into], Any],
-    how: str,
-    module: nn.Module,
-    job_id: str,
-    rank: int,
-    step: int,
+    blob: bytes | bytearray, module: nn.Module, job_id: str, rank: int, step: int, timeout_s: float
 ) -> Any:
-    """`read(limit, into)` a raw state into this model's own tensors where they fit; load it."""
+    """Read a live rank's state (offered directly, or relayed by the coordinator), bounded
+    by this model's size, into this model's own tensors where they fit; load it."""
+    offered = heal_channel.is_offer(blob)
     own = module.state_dict()
     limit = _OPTIMIZER_FACTOR * sum(t.numel() * t.element_size() for t in own.values())
     limit += _MARGIN_BYTES
@@ -284,13 +249,28 @@ def _load_raw(
         read_into_own.append(bool(targets))
         return targets
 
-    state = read(limit, into)
+    try:
+        if offered:
+            state = heal_channel.fetch(blob, limit, timeout_s, into)
+        else:
+            state = raw_state.decode(blob, limit, into)
+    except heal_channel.HealChannelError as exc:  # not a mismatch: the donor may be gone
+        raise DirectHealError(
+            f"rank {rank} could not read a live rank's state of step {step} to rejoin job "
+            f"'{job_id}': {exc}. Start this rank again to rejoin (another live rank "
+            "donates)",
+            job_id=job_id,
+            rank=rank,
+            step=step,
+        ) from exc
+    except raw_state.BadRawState as exc:
+        raise mismatch(job_id, rank, step, f"a live rank's state is unreadable: {exc}") from exc
     mine = bool(read_into_own and read_into_own[0])
     log.info(
         "rank %d: fetched a live rank's state of step %d %s%s",
         rank,
         step,
-        how,
+        "directly (loopback)" if offered else "through the coordinator",
         ", into its own parameters" if mine else "",
     )
     if mine:  # already in place: load_state_dict would only copy it onto itself
@@ -369,3 +349,53 @@ def brief(exc: BaseException, limit: int = 300) -> str:
     """torch's multi-line error text on one line, bounded."""
     text = " ".join(str(exc).split())
     return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def position(module: nn.Module, optimizer: torch.optim.Optimizer | None, step: int) -> pb.Position:
+    """This rank's position: `step` steps applied, and the digest of its state."""
+    return pb.Position(step=step, digest=state_digest(module, optimizer))
+
+
+def state_digest(module: nn.Module, optimizer: torch.optim.Optimizer | None) -> bytes:
+    """SHA-256 of the parameters (by name) and the optimizer state, in a fixed order.
+
+    A rank that loses its coordinator keeps its parameters and optimizer state;
+    when it rejoins, it claims a `Join.position` (`position`): the steps it has
+    applied and this digest. A restarted coordinator lets the ranks that agree
+    continue from there (`gradsync_server.control.restart`), so nothing rolls back
+    to a checkpoint and nothing is computed twice. Not the buffers: under DDP every
+    rank's buffers are rank 0's only at the start of a forward pass (and each rank's
+    own with `broadcast_buffers=False`), so ranks that agree on everything training
+    depends on may still differ there; parameters and optimizer state are equal bit
+    for bit on every rank after every step.
+    """
+    digest = hashlib.sha256()
+    with torch.no_grad():
+        for name, parameter in module.named_parameters():
+            digest.update(name.encode())
+            _feed(digest, parameter)
+        if optimizer is not None:
+            _feed(digest, optimizer.state_dict())
+    return digest.digest()
+
+
+def _feed(digest: Any, value: Any) -> None:
+    """Hash `value` (tensors by dtype, shape and bytes; containers in a fixed order)."""
+    if isinstance(value, torch.Tensor):
+        tensor = value.detach().cpu().contiguous()
+        digest.update(f"T{tensor.dtype}{tuple(tensor.shape)}".encode())
+        if tensor.numel():
+            digest.update(tensor.reshape(-1).view(torch.uint8).numpy())
+    elif isinstance(value, Mapping):
+        digest.update(b"{")
+        for key in sorted(value, key=repr):
+            digest.update(repr(key).encode())
+            _feed(digest, value[key])
+        digest.update(b"}")
+    elif isinstance(value, Sequence) and not isinstance(value, str | bytes):
+        digest.update(b"[")
+        for item in value:
+            _feed(digest, item)
+        digest.update(b"]")
+    else:
+        digest.update(repr(value).encode())

@@ -37,6 +37,21 @@ raised as `TransportSecurityError` at the first progress report of the join.
 
 It implements `gradsync.control.link.CoordinatorLink`, the seam the model
 wrapper uses, so the wrapper can be tested without it.
+
+Heartbeats also ride a connection that carries no gradient bytes (`SideBeats`).
+On a slow link a worker's frame socket can hold seconds of gradient bytes in
+its send queue; a Heartbeat on the Sync stream waits behind them, and the
+coordinator would declare a busy rank dead. So, once the Welcome issued the
+rank's session secret and while the Sync stream runs on frames, every
+heartbeat also goes as a unary `Coordinator.Beat` call on the frame pipe's
+gRPC side channel (`StreamClient.side_channel`, open anyway for keepalive
+pings), which no bulk data travels on. Each beat carries a sequence and a MAC
+keyed with the session (`gradsync_proto.auth.beat_proof`): the coordinator
+counts it only when both check out. On the gRPC pipe (no frame port) the Sync
+stream's Heartbeat is the only one. A coordinator without `Beat`
+(UNIMPLEMENTED) turns this off; any other failure is logged and the next
+interval tries again. At most one call is in flight, bounded by the heartbeat
+interval.
 """
 
 from __future__ import annotations
@@ -49,15 +64,15 @@ import threading
 from collections.abc import Callable, Iterator
 from typing import Any, cast
 
+import grpc
 import numpy as np
 import numpy.typing as npt
-from gradsync_proto import chunking, defaults
+from gradsync_proto import auth, chunking, defaults
 from gradsync_proto.net.channels import ChannelSecurity
 from gradsync_proto.net.frame_stream import FrameDiscovery
 from gradsync_proto.net.stream_client import StreamClient, StreamEnded
 from gradsync_proto.v1 import gradsync_pb2 as pb
 
-from gradsync.control.beats import SideBeats
 from gradsync.control.collective_results import op_name
 from gradsync.control.inbox import Inbox
 from gradsync.control.inbox_state import stream_end_failure
@@ -76,14 +91,111 @@ from gradsync.path.bucket_uploads import BucketUpload, RangeUpload, range_messag
 from gradsync.path.buffers import BucketBuffer
 from gradsync.path.gradient_path import BucketEventHandler
 from gradsync.path.pacing import UploadPacer, chunk_bytes_of
-from gradsync.path.shard_faults import SHARD_GRACE_MARGIN_S
-from gradsync.path.shard_streams import CLIENT_MAX_MESSAGE_BYTES, ShardStreams, channel_options
+from gradsync.path.shard_streams import (
+    CLIENT_MAX_MESSAGE_BYTES,
+    SHARD_GRACE_MARGIN_S,
+    ShardStreams,
+    channel_options,
+)
 
 log = logging.getLogger("gradsync.client")
 
-__all__ = ["CLIENT_MAX_MESSAGE_BYTES", "SYNC_METHOD", "Transport"]
+__all__ = ["BEAT_METHOD", "CLIENT_MAX_MESSAGE_BYTES", "SYNC_METHOD", "SideBeats", "Transport"]
 
 SYNC_METHOD = "/gradsync.v1.Coordinator/Sync"
+BEAT_METHOD = "/gradsync.v1.Coordinator/Beat"
+
+
+class SideBeats:
+    """Sends `Beat`s for one Sync stream (all on its loop).
+
+    Args:
+        stream: the Sync stream (its side channel carries the beats).
+        rank: this worker's rank.
+        security: the token every call presents.
+        welcome: the Welcome once there is one (its job, rank and session).
+        step: the step to report.
+    """
+
+    def __init__(
+        self,
+        stream: StreamClient,
+        rank: int,
+        security: ChannelSecurity,
+        welcome: Callable[[], pb.Welcome | None],
+        step: Callable[[], int],
+    ) -> None:
+        self._stream = stream
+        self._rank = rank
+        self._security = security
+        self._welcome = welcome
+        self._step = step
+        self._sequence = 0
+        self._in_flight: asyncio.Task[None] | None = None
+        #: False once the coordinator said it has no `Beat`.
+        self.enabled = True
+        #: Beats the coordinator accepted (for tests and logs).
+        self.accepted = 0
+
+    def beat(self, timeout_s: float) -> bool:
+        """Start one beat if it can go now; whether it was started."""
+        if not self.enabled or (self._in_flight is not None and not self._in_flight.done()):
+            return False
+        welcome = self._welcome()
+        channel = self._stream.side_channel
+        if welcome is None or not welcome.session or channel is None:
+            return False
+        self._sequence += 1
+        step = self._step()
+        request = pb.BeatRequest(
+            job_id=welcome.job_id,
+            rank=self._rank,
+            sequence=self._sequence,
+            step=step,
+            proof=auth.beat_proof(
+                welcome.session, welcome.job_id, self._rank, self._sequence, step
+            ),
+        )
+        self._in_flight = asyncio.create_task(self._call(channel, request, timeout_s))
+        return True
+
+    async def _call(
+        self, channel: grpc.aio.Channel, request: pb.BeatRequest, timeout_s: float
+    ) -> None:
+        call = channel.unary_unary(
+            BEAT_METHOD,
+            request_serializer=pb.BeatRequest.SerializeToString,
+            response_deserializer=pb.BeatReply.FromString,
+        )
+        try:
+            await call(request, metadata=self._security.metadata, timeout=timeout_s)
+        except grpc.aio.AioRpcError as exc:
+            if exc.code() == grpc.StatusCode.UNIMPLEMENTED:
+                self.enabled = False
+                log.info(
+                    "rank %d: the coordinator has no Beat; heartbeats ride the Sync stream only",
+                    request.rank,
+                )
+            else:
+                log.debug(
+                    "rank %d: beat %d: %s %s",
+                    request.rank,
+                    request.sequence,
+                    exc.code().name,
+                    exc.details(),
+                )
+            return
+        except Exception as exc:  # the channel closed under the call (the stream ended)
+            log.debug("rank %d: beat %d failed: %r", request.rank, request.sequence, exc)
+            return
+        self.accepted += 1
+
+    async def stop(self) -> None:
+        """Cancel a beat in flight and wait for it."""
+        task, self._in_flight = self._in_flight, None
+        if task is not None and not task.done():
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
 
 
 class _Heartbeat:
@@ -136,6 +248,8 @@ class Transport:
         self.step_report = self._inbox.step_report
         self.live_ranks = self._inbox.live_ranks
         self.wait_step = self._inbox.wait_step
+        #: The second half of `run_collective` (`issue_collective` is the first).
+        self.wait_collective = self._inbox.wait_collective
         self.round_report = self._inbox.round_report
         self._closed = False
         options = channel_options()  # before the thread: a bad setting leaves nothing behind
@@ -207,7 +321,7 @@ class Transport:
             self.target,
             self.rank,
             timeout_s,
-            self._is_connected,
+            lambda: bool(self._sync.connected),
             security=self._security,
             unreachable_s=unreachable_s,
         )
@@ -262,11 +376,6 @@ class Transport:
         size = payload.nbytes
         log.debug("rank %d: collective %d: %s of %d bytes", self.rank, sequence, op_name(op), size)
         return sequence
-
-    def wait_collective(self, sequence: int, timeout_s: float) -> tuple[bytearray, int]:
-        """The second half of `run_collective`: block (bounded) for collective
-        `sequence`'s result; return (its bytes, how many ranks contributed)."""
-        return self._inbox.wait_collective(sequence, timeout_s)
 
     @property
     def collective_sequence(self) -> int:
@@ -383,7 +492,7 @@ class Transport:
         is queued only once the previous one has left, so that nothing piles
         up while the coordinator is unreachable. Once there is a session and
         while the stream runs on frames, each beat also goes on the side
-        channel (`gradsync.control.beats`), where gradient bytes cannot delay it.
+        channel (`SideBeats`), where gradient bytes cannot delay it.
         """
         while True:
             interval_s = self._inbox.heartbeat_interval_s or defaults.HEARTBEAT_INTERVAL_S
@@ -545,6 +654,3 @@ class Transport:
     def _run(self, coroutine: Any, timeout_s: float) -> Any:
         future = asyncio.run_coroutine_threadsafe(coroutine, self._loop)
         return future.result(timeout=timeout_s)
-
-    def _is_connected(self) -> bool:
-        return bool(self._sync.connected)

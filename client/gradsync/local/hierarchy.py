@@ -14,9 +14,13 @@ coordinator sums the units (flat ranks and local groups) in ascending leader
 rank, and divides by the ranks covered.
 
 A leader on the coordinator's own host (its Welcome names a payload socket)
-hands the segment to the coordinator (`gradsync.local.payload_segment`) and
-uploads each sum header-only: the coordinator reads it from the result
-region and writes the averages back there, so no payload crosses TCP.
+hands the segment to the coordinator (`register_segment`, once, by descriptor,
+with its session) and uploads each sum header-only: the coordinator reads it
+from the result region and writes the averages back there, so no payload
+crosses TCP, and nothing is copied into or out of gRPC messages (gRPC stays the
+control channel). This is an optimization only: any failure to register is
+logged once and the leader carries on over TCP. `$GRADSYNC_PAYLOAD_SOCKET=0`
+turns it off (debugging).
 
 Hierarchy v1 sums float32/float64 buckets with no comm hook and no
 `wire_dtype` (`check_hierarchical` decides before joining).
@@ -27,17 +31,25 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import socket
 import time
 from collections.abc import Mapping, Sequence
 from typing import Protocol
 
 import torch
-from gradsync_proto.payload_socket import Registration
+from gradsync_proto.payload_socket import (
+    EXCHANGE_TIMEOUT_S,
+    MAX_REPLY_BYTES,
+    Registration,
+    address,
+    enabled,
+    encode_request,
+    reply_problem,
+)
 from gradsync_proto.v1 import gradsync_pb2 as pb
 
 from gradsync.errors import GradSyncError, SyncTimeoutError
 from gradsync.local.local_group import LocalGroup
-from gradsync.local.payload_segment import register_segment
 from gradsync.path.buffers import BucketBuffer
 from gradsync.path.gradient_path import BucketEventHandler, GradientPath
 from gradsync.path.step_results import RoundReport
@@ -108,6 +120,52 @@ def check_hierarchical(
         raise ValueError(f"hierarchical=True is not possible with {why}; pass hierarchical=False")
     log.info("hierarchical aggregation is off: %s", why)
     return False
+
+
+def register_segment(
+    socket_name: str,
+    registration: Registration,
+    fd: int,
+    *,
+    timeout_s: float = EXCHANGE_TIMEOUT_S,
+    environ: Mapping[str, str] | None = None,
+) -> bool:
+    """Hand the segment `fd` to the coordinator's payload socket; True if it took it.
+
+    Never raises: a refusal or an error is logged (once, here) and False
+    returned, so that the caller goes on over TCP.
+    """
+    if not socket_name or not enabled(os.environ if environ is None else environ):
+        return False
+    try:
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
+            sock.settimeout(timeout_s)
+            sock.connect(address(socket_name))
+            socket.send_fds(sock, [encode_request(registration)], [fd])
+            sock.shutdown(socket.SHUT_WR)
+            reply = sock.recv(MAX_REPLY_BYTES)
+    except OSError as exc:
+        log.warning(
+            "rank %d: could not hand the local group's segment to the coordinator (%s); "
+            "gradient payloads go over TCP",
+            registration.rank,
+            exc,
+        )
+        return False
+    problem = reply_problem(reply)
+    if problem is not None:
+        log.warning(
+            "rank %d: the coordinator refused the local group's segment (%s); gradient "
+            "payloads go over TCP",
+            registration.rank,
+            problem,
+        )
+        return False
+    log.info(
+        "rank %d: gradient payloads move through shared memory with the coordinator",
+        registration.rank,
+    )
+    return True
 
 
 class GroupLink(Protocol):
@@ -216,7 +274,8 @@ class LocalGroupPath:
         try:
             if not group.is_leader:
                 contributors = group.wait_averaged(step, timeout_s, poll, self._dropped)
-                self._averaged_events(step)
+                for bucket_index in range(self._num_buckets):
+                    self._event("averaged", step, bucket_index)
                 return contributors
             started = time.monotonic()
             group.wait_reduced(step, self._num_buckets, timeout_s, poll, self._dropped)
@@ -271,10 +330,6 @@ class LocalGroupPath:
                 self.group.segment.result_offset(bucket_index) if self.in_segment else None
             ),
         )
-
-    def _averaged_events(self, step: int) -> None:
-        for bucket_index in range(self._num_buckets):
-            self._event("averaged", step, bucket_index)
 
     def _event(self, event: str, step: int, bucket_index: int) -> None:
         handler = self._on_bucket_event

@@ -1,6 +1,6 @@
 """A local leader's bookkeeping: which bucket of which step waits for whom (pure logic).
 
-The leader's I/O thread (`gradsync.local.local_io`) turns messages into calls
+The leader's I/O thread (`gradsync.local.local_group`) turns messages into calls
 here and does what they answer: send REDUCE, sum a share, hand a bucket off.
 Nothing here blocks, sends or sums, so the rules can be read, and tested, on
 their own. The caller holds the group's lock around every call.

@@ -137,7 +137,8 @@ class Segment:
     Args:
         fd: the segment's file, owned from here on: kept open until `close`,
             so that a local leader can hand it to a coordinator on its host
-            (`gradsync.local.payload_segment`). It has no name: nothing outlives the job.
+            (`gradsync.local.hierarchy.register_segment`). It has no name: nothing
+            outlives the job.
         layout: where the buckets lie.
     """
 

@@ -11,9 +11,15 @@ parallel, and the averages it returns land in the transport's `Inbox` like
 the leader's (offsets are absolute).
 
 A stream that fails is reported to the `Inbox` as a `ShardUnavailableError`
-naming the shard, its address and gRPC's words, and is not raised at once
-(see `gradsync.path.shard_faults`: the leader decides). Connecting is bounded too:
-a shard that does not accept the connection in time counts as failed.
+naming the shard, its address and gRPC's words, and is not raised at once: the
+leader is the one authority on shard loss. It ends every rank's Sync stream with
+END_REASON_SHARD_LOST, so that every rank sees the same error; raising at once
+would close this rank's leader stream first, and its peers would see a lost peer
+instead of a lost shard. `ShardFault` (the inbox holds one under its lock) keeps
+the first such failure and says when the grace (3 heartbeat intervals plus a
+margin, from the failure) is over; only then do waits raise it themselves.
+Connecting is bounded too: a shard that does not accept the connection in time
+counts as failed.
 Streams are closed with a Leave (bounded), then cancelled, so that closing a
 transport leaves no task, channel or thread behind. Each stream is a
 `gradsync_proto.net.stream_client.StreamClient` whose pipe a `FrameDiscovery`
@@ -43,7 +49,6 @@ from gradsync_proto.v1 import gradsync_pb2 as pb
 from gradsync import defaults
 from gradsync.errors import ShardUnavailableError
 from gradsync.path.bucket_uploads import RangeUpload
-from gradsync.path.shard_faults import shard_grace_s
 
 log = logging.getLogger("gradsync.client")
 
@@ -88,6 +93,49 @@ class Inbox(Protocol):
 
     def shard_failed(self, error: ShardUnavailableError) -> None:
         """Record a failed shard data stream."""
+
+
+#: A failed shard stream is raised this long (plus 3 heartbeat intervals) after
+#: the failure if the leader has not ended the job by then.
+SHARD_GRACE_MARGIN_S = 5.0
+
+
+def shard_grace_s(heartbeat_interval_s: float | None, margin_s: float) -> float:
+    """How long waits keep waiting for the leader after a shard stream failed."""
+    return 3 * (heartbeat_interval_s or defaults.HEARTBEAT_INTERVAL_S) + margin_s
+
+
+class ShardFault:
+    """The first failed shard stream of a link, and its grace (no lock: the caller's)."""
+
+    def __init__(self) -> None:
+        self.error: ShardUnavailableError | None = None
+        self.deadline = 0.0
+
+    def record(self, error: ShardUnavailableError, now: float, grace_s: float) -> bool:
+        """Keep `error` if it is the first; return whether it was."""
+        if self.error is not None:
+            return False
+        self.error, self.deadline = error, now + grace_s
+        return True
+
+    def due(self, now: float) -> ShardUnavailableError | None:
+        """The error to raise now (the grace is over), or None."""
+        if self.error is not None and now >= self.deadline:
+            return self.error
+        return None
+
+    def bound(self, now: float, remaining_s: float) -> float:
+        """How long a wait may sleep: until its own deadline or the grace's end."""
+        if self.error is None:
+            return remaining_s
+        return max(0.0, min(remaining_s, self.deadline - now))
+
+    def pending_note(self) -> str:
+        """A note for a timeout's message while a failure waits for the leader ("" if none)."""
+        if self.error is None:
+            return ""
+        return f" (a shard failed and the leader has not said why yet: {self.error})"
 
 
 def channel_options(environ: Mapping[str, str] | None = None) -> list[tuple[str, int]]:

@@ -77,13 +77,6 @@ class _Slot:
     write_back: _WriteBack
 
 
-def _pin(tensor: torch.Tensor) -> torch.Tensor:
-    """A page-locked copy target for `tensor` when CUDA is available (fast device copies)."""
-    if torch.cuda.is_available():
-        return torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
-    return torch.empty(tensor.shape, dtype=tensor.dtype)
-
-
 class BucketStage:
     """One bucket of one step, from hand-off to `.grad`.
 
@@ -137,10 +130,9 @@ class BucketStage:
         in_place = grad.device.type == "cpu" and grad.is_contiguous()
         if view is None and in_place and used_here:
             return _Slot(index, param, grad.reshape(-1), _WriteBack.NONE)
-        if view is None:
-            view = _pin(grad.reshape(-1)) if grad.device.type == "cuda" else None
-            if view is None:
-                view = torch.empty(grad.numel(), dtype=grad.dtype)
+        if view is None:  # a CUDA gradient's is page-locked (fast device copies)
+            pinned = grad.device.type == "cuda"
+            view = torch.empty(grad.numel(), dtype=grad.dtype, pin_memory=pinned)
         view.copy_(grad.reshape(-1) if grad.is_contiguous() else grad.contiguous().reshape(-1))
         return _Slot(index, param, view, _WriteBack.COPY if used_here else _WriteBack.COPY_IF_USED)
 

@@ -181,14 +181,8 @@ class StepResults:
             del self._results[old]
         if result.aborted is not None:
             raise abort_error(result.aborted, self.rank)
-        self.last_report = RoundReport(
-            result.contributors,
-            result.merged_late,
-            result.staleness,
-            result.next_step,
-            result.screened,
-            result.payload_bytes,
-        )
+        fields = dataclasses.fields(RoundReport)
+        self.last_report = RoundReport(**{f.name: getattr(result, f.name) for f in fields})
         return result.contributors
 
     def on_aborted(self, aborted: pb.StepAborted) -> None:

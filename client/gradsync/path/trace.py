@@ -40,15 +40,7 @@ class StepTracer:
         self._file.write("[\n")
         self._first = True
         for track, name in ((AUTOGRAD_TRACK, "autograd"), (TRANSPORT_TRACK, "transport")):
-            self._pending.append(
-                {
-                    "name": "thread_name",
-                    "ph": "M",
-                    "pid": rank,
-                    "tid": track,
-                    "args": {"name": name},
-                }
-            )
+            self.name_track(track, name)
         self._pending.append(
             {"name": "process_name", "ph": "M", "pid": rank, "args": {"name": f"rank {rank}"}}
         )
