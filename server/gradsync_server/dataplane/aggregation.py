@@ -427,11 +427,7 @@ class BucketReduction:
         else:
             _divide_with_shadow(state.accumulator, state.shadow, divisor)
             averaged = from_accumulator(state.accumulator, self.average_dtype)
-        self.buffered_bytes -= before
-        del self._chunks[offset]
-        self._finished.add(offset)
-        self._chunks_done += 1
-        return averaged
+        return self._finish(offset, before, averaged)
 
     def _merge_screened(
         self, offset: int, state: _ChunkState, before: int, screened_merge: ScreenedMerge
@@ -449,6 +445,10 @@ class BucketReduction:
         total, divisor, self.last_contributors = screened_merge(offset, contributions)
         state.parked.clear()
         averaged = average_bytes(total, total.dtype.type(divisor), self.average_dtype)
+        return self._finish(offset, before, averaged)
+
+    def _finish(self, offset: int, before: int, averaged: memoryview) -> memoryview:
+        """The chunk at `offset` (which held `before` bytes) is averaged: forget it."""
         self.buffered_bytes -= before
         del self._chunks[offset]
         self._finished.add(offset)

@@ -52,10 +52,9 @@ from gradsync_proto.v1 import gradsync_pb2 as pb
 from gradsync_server import defaults
 from gradsync_server.dataplane.actions import Action, PersistOuter, ResumeBlob, SegmentAverage, Send
 from gradsync_server.dataplane.budget import ByteBudget, OwnerBudget
-from gradsync_server.dataplane.host_groups import LocalGroups
 from gradsync_server.dataplane.nonfinite import NonFiniteContribution, NonFiniteRejection
 from gradsync_server.dataplane.observer import StepObserver
-from gradsync_server.dataplane.open_step import OpenStep
+from gradsync_server.dataplane.open_step import MembershipView, OpenStep, PlaneMember
 from gradsync_server.errors import RejectedMessage
 
 __all__ = ["JobPlane", "MembershipView", "PlaneMember", "ShardOutcome", "check_view"]
@@ -63,32 +62,6 @@ __all__ = ["JobPlane", "MembershipView", "PlaneMember", "ShardOutcome", "check_v
 #: Steps for which a rejection was already reported (one report per step is enough:
 #: the leader aborts the whole step).
 _REPORTED_STEPS_REMEMBERED = 64
-
-
-@dataclass(frozen=True)
-class PlaneMember:
-    """A member as the data plane knows it: its rank, incarnation, and the session that
-    admits its data stream (the incarnation is public: Status shows it; the session is not)."""
-
-    rank: int
-    incarnation: str
-    session: bytes = field(default=b"", repr=False)
-
-
-@dataclass
-class MembershipView:
-    """The membership of one job as the control plane last announced it (what `OpenStep`
-    reads)."""
-
-    job_id: str
-    epoch: int = 0
-    members: dict[int, PlaneMember] = field(default_factory=dict)
-    #: The control plane's local groups: the same units at every process.
-    groups: LocalGroups = field(default_factory=LocalGroups)
-
-    def ranks(self) -> tuple[int, ...]:
-        """Members of the current epoch, ascending."""
-        return tuple(sorted(self.members))
 
 
 @dataclass(frozen=True)
