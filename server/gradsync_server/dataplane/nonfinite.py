@@ -75,17 +75,6 @@ POLICIES = defaults.NONFINITE_POLICIES
 _KEYS_REMEMBERED = 4096
 
 
-def check_policy(policy: str) -> NonFinitePolicy:
-    """`policy` as a `NonFinitePolicy` if it is one.
-
-    Raises:
-        ValueError: it is not (names the allowed ones).
-    """
-    if policy not in POLICIES:
-        raise ValueError(f"nonfinite policy must be one of {', '.join(POLICIES)}; got {policy!r}")
-    return NonFinitePolicy(policy)
-
-
 @dataclass(frozen=True)
 class NonFiniteContribution:
     """One chunk of one rank's bucket that held NaN or Inf.
@@ -281,7 +270,11 @@ class NonFiniteGuard:
         on_nonfinite: Callable[[NonFiniteContribution], None] | None = None,
     ) -> None:
         self.job_id = job_id
-        self.policy = check_policy(policy)
+        if policy not in POLICIES:
+            raise ValueError(
+                f"nonfinite policy must be one of {', '.join(POLICIES)}; got {policy!r}"
+            )
+        self.policy = NonFinitePolicy(policy)
         # A shard logs its own (with the counts); its leader counts them for status.
         logger = logging.getLogger("gradsync.shard" if shard_index else "gradsync.server")
         self._log = NonFiniteLog(clock, logger)

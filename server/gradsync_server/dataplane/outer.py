@@ -210,13 +210,11 @@ class OuterState:
             self.replaying = False
             self._pending.clear()
             return False
-        if not self.seeded:
+        seeding = not self.seeded
+        if seeding:
             for index, (lo, hi) in self._ranges.items():
                 self._parameters[index] = np.zeros(hi - lo, dtype=np.float32)
                 self._momenta[index] = np.zeros(hi - lo, dtype=np.float32)
-            seeding = True
-        else:
-            seeding = False
         for pending in self._pending:
             stop = pending.start + len(pending.parameters)
             self._parameters[pending.bucket][pending.start : stop] = pending.parameters

@@ -43,10 +43,7 @@ class StepProgress:
             seconds after the first rank completed it (0.0 for the first rank).
             Otherwise None.
         """
-        now = self._clock()
-        if self.started_at is None:
-            self.started_at = now
-        self._bucket_started.setdefault(bucket_index, now)
+        now = self._start(bucket_index)
         key = (bucket_index, rank)
         if chunks is not None:
             self._needed[bucket_index] = chunks
@@ -71,12 +68,17 @@ class StepProgress:
         needed = self._chunks_needed(bucket_index)
         if needed == 0 or self._delivered.get((bucket_index, rank), 0) >= needed:
             return None
+        now = self._start(bucket_index)
+        self._delivered[(bucket_index, rank)] = needed
+        return now - self._first_done.setdefault(bucket_index, now)
+
+    def _start(self, bucket_index: int) -> float:
+        """Now, noted as the step's and the bucket's start if they had none."""
         now = self._clock()
         if self.started_at is None:
             self.started_at = now
         self._bucket_started.setdefault(bucket_index, now)
-        self._delivered[(bucket_index, rank)] = needed
-        return now - self._first_done.setdefault(bucket_index, now)
+        return now
 
     def reset(self) -> None:
         """Forget the step (it completed or was abandoned)."""
