@@ -272,7 +272,7 @@ class BucketReduction:
         self._ranks = sorted(ranks)
         self.dtype = dtype
         #: What `add` takes: payloads of the wire dtype, but float32 for an int8 wire,
-        #: whose chunks need their own scale and so arrive dequantized (`int8_chunks`).
+        #: whose chunks need their own scale and so arrive dequantized (`chunk_checks`).
         self.payload_dtype = pb.DTYPE_FLOAT32 if dtype == pb.DTYPE_INT8 else dtype
         self.reply_dtype = dtype if reply_dtype is None else reply_dtype
         self.average_dtype = self.reply_dtype if average_dtype is None else average_dtype

@@ -16,7 +16,7 @@ expected, yet averages keep dividing by the membership's size; and a comm
 hook may send a float32/float64 bucket as float16/bfloat16 (every rank the
 same per step and bucket), accumulated in float32 and answered in the same
 16-bit type (or float32), or DiLoCo a float32 one as int8 with a scale per
-chunk, dequantized on arrival (`int8_chunks`), answered in float32 (or `outer_answer`).
+chunk, dequantized on arrival (`chunk_checks`), answered in float32 (or `outer_answer`).
 
 With local groups (`host_groups`) only unit leaders upload and receive
 averages; a leader's chunk weighs its (checked) `covered_ranks`, and counts
@@ -69,7 +69,7 @@ from gradsync_server.dataplane.aggregation import (
     measured_examine,
 )
 from gradsync_server.dataplane.budget import ByteBudget, OwnerBudget, Reservation
-from gradsync_server.dataplane.chunk_checks import BucketLayout, CheckedChunk, check_sender
+from gradsync_server.dataplane.chunk_checks import BucketLayout, CheckedChunk, check_sender, refused
 from gradsync_server.dataplane.contribution_screen import ContributionScreen, ScreenObserver
 from gradsync_server.dataplane.host_groups import LocalGroups, check_covers
 from gradsync_server.dataplane.late import LATE_RANK_BASE, Stragglers
@@ -342,12 +342,10 @@ class OpenStep:
                 rank, chunk.offset, contribution, magnitude, weight, sample_weight
             )
         except DuplicateContributionError:
-            raise RejectedMessage(
-                Code.INVALID_ARGUMENT,
+            raise refused(
+                chunk,
                 f"rank {rank} sent the chunk at offset {chunk.offset} of bucket {bucket} "
                 f"twice for step {step}",
-                step=step,
-                bucket_index=bucket,
             ) from None
         held.account()
         if chunk.in_segment:
@@ -595,21 +593,18 @@ class OpenStep:
             f"rank {rank} sent bucket {bucket} at offset {chunk.offset} of late round {chunk.step}"
         )
         if bucket >= layout.count:
-            raise RejectedMessage(
-                Code.INVALID_ARGUMENT,
+            raise refused(
+                chunk,
                 f"{where}, but the model has {layout.count} buckets",
-                step=chunk.step,
-                bucket_index=bucket,
             )
         epoch = self.membership.epoch
         if chunk.membership_epoch > epoch or chunk.covered_ranks:
-            raise RejectedMessage(
-                Code.FAILED_PRECONDITION,
+            raise refused(
+                chunk,
                 f"{where} in membership epoch {chunk.membership_epoch} covering ranks "
                 f"{list(chunk.covered_ranks)}; the coordinator is at epoch {epoch} "
                 "and late rounds carry one rank's own contribution",
-                step=chunk.step,
-                bucket_index=bucket,
+                Code.FAILED_PRECONDITION,
             )
         outer = self.outer.holds(bucket)
         reply_check = self.outer.check_reply if outer else None
@@ -623,11 +618,9 @@ class OpenStep:
         late.chunks_needed[bucket] = chunking.num_chunks(hi - lo, layout.chunk_bytes)
         seen = late.seen.setdefault(bucket, set())
         if chunk.offset in seen:
-            raise RejectedMessage(
-                Code.INVALID_ARGUMENT,
+            raise refused(
+                chunk,
                 f"{where} twice",
-                step=chunk.step,
-                bucket_index=bucket,
             )
         seen.add(chunk.offset)
         if outer and stragglers.policy.merge_late:

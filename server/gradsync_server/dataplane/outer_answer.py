@@ -54,12 +54,11 @@ import numpy as np
 import numpy.typing as npt
 from gradsync_proto import dtypes, int8_wire, sparse_wire
 from gradsync_proto.codec import ChunkHeader
-from gradsync_proto.codes import Code
 from gradsync_proto.v1 import gradsync_pb2 as pb
 
 from gradsync_server.dataplane.accumulators import from_accumulator, to_accumulator
+from gradsync_server.dataplane.chunk_checks import refused
 from gradsync_server.dataplane.wire_replies import reply_dtype_of
-from gradsync_server.errors import RejectedMessage
 
 __all__ = ["ANSWER_DTYPES", "PublicCopy", "answer_dtype_of", "answer_dtype_problem", "quantize"]
 
@@ -185,22 +184,18 @@ class PublicCopy:
         where = f"rank {rank} asked for the answer to bucket {bucket} of step {step}"
         if asked != wanted:
             when = "every outer step after the seed" if seeded else "the seed"
-            raise RejectedMessage(
-                Code.INVALID_ARGUMENT,
+            raise refused(
+                chunk,
                 f"{where} in {dtypes.dtype_name(asked)}, but this job answers {when} in "
                 f"{dtypes.dtype_name(wanted)} (the outer optimizer's answer dtype is "
                 f"{dtypes.dtype_name(self.answer_dtype)})",
-                step=step,
-                bucket_index=bucket,
             )
         if asked != pb.DTYPE_FLOAT32 and wire_dtype != asked:
-            raise RejectedMessage(
-                Code.INVALID_ARGUMENT,
+            raise refused(
+                chunk,
                 f"{where} in {dtypes.dtype_name(asked)}, but sent it as "
                 f"{dtypes.dtype_name(wire_dtype)}: a {dtypes.dtype_name(asked)} answer needs a "
                 f"{dtypes.dtype_name(asked)} wire (one answer per uploaded chunk)",
-                step=step,
-                bucket_index=bucket,
             )
         return asked
 
