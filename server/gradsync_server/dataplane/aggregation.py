@@ -73,7 +73,7 @@ from gradsync_proto.dtypes import dtype_name
 from gradsync_proto.v1 import gradsync_pb2 as pb
 
 from gradsync_server.dataplane.accumulators import (
-    add_into,
+    WIDE,
     average_bytes,
     decoded,
     from_accumulator,
@@ -103,11 +103,6 @@ _BF16_TAME_EXPONENT = (127 + 63) << 7
 _SHADOW_SCALE = 2.0**-64
 
 
-def _floats(payload: bytes | memoryview, dtype: int) -> npt.NDArray[np.floating]:
-    """A float view of a float32/float64 payload (no copy)."""
-    return np.frombuffer(payload, dtype="<f8" if dtype == pb.DTYPE_FLOAT64 else "<f4")
-
-
 def classify(payload: bytes | memoryview, dtype: int) -> Magnitude:
     """Whether a contribution is `TAME`, `LARGE` or `NONFINITE` (`measured_classify`)."""
     return measured_classify(payload, dtype)[0]
@@ -128,8 +123,8 @@ def measured_classify(payload: bytes | memoryview, dtype: int) -> tuple[Magnitud
         The magnitude and x.x, the sum of squares (a per-step screen's norm, for
         free; inf when it overflows or holds NaN/Inf, nan for a 16-bit payload).
     """
-    if dtype in (pb.DTYPE_FLOAT32, pb.DTYPE_FLOAT64):
-        values = _floats(payload, dtype)
+    if dtype in WIDE:
+        values = decoded(payload, dtype)
         with np.errstate(over="ignore", invalid="ignore"):  # overflow is what we look for
             square_sum = float(np.dot(values, values))
         if math.isfinite(square_sum):
@@ -187,8 +182,8 @@ def measured_examine(
 
 def count_nonfinite(payload: bytes | memoryview, dtype: int) -> int:
     """How many elements of a payload are NaN or +-Inf (for messages: the rare path)."""
-    if dtype in (pb.DTYPE_FLOAT32, pb.DTYPE_FLOAT64):
-        return int(np.count_nonzero(~np.isfinite(_floats(payload, dtype))))
+    if dtype in WIDE:
+        return int(np.count_nonzero(~np.isfinite(decoded(payload, dtype))))
     if dtype in (pb.DTYPE_FLOAT16, pb.DTYPE_BFLOAT16):
         mask = np.uint16(_F16_EXPONENT if dtype == pb.DTYPE_FLOAT16 else _BF16_EXPONENT)
         return int(np.count_nonzero((np.frombuffer(payload, dtype="<u2") & mask) == mask))
@@ -406,7 +401,7 @@ class BucketReduction:
                 if state.accumulator is None:
                     state.accumulator = owned_accumulator(payload, self.payload_dtype)
                 else:
-                    add_into(state.accumulator, payload, self.payload_dtype)
+                    state.accumulator += decoded(payload, self.payload_dtype)
             else:
                 # Only the first contribution becomes the accumulator: the others are read.
                 first = state.accumulator is None
