@@ -355,26 +355,16 @@ class NonFiniteGuard:
             return
         culprits = self._log.ranks_of(step, bucket_index)
         if culprits:  # named and counted as its contribution arrived
-            if self.policy is ABORT:
-                contribution = NonFiniteContribution(
-                    self.job_id, culprits[0], step, bucket_index, offset, 0, 0, self._where
-                )
-                raise NonFiniteRejection.of(contribution)
-            return
-        average = NonFiniteContribution(
-            job_id=self.job_id,
-            rank=-1,
-            step=step,
-            bucket_index=bucket_index,
-            offset=offset,
-            nonfinite=nonfinite,
-            elements=elements,
-            where=self._where,
-            covered=ranks,
-        )
-        self.note(average, forward=False)
+            found = NonFiniteContribution(
+                self.job_id, culprits[0], step, bucket_index, offset, 0, 0, self._where
+            )
+        else:  # the average's own
+            found = NonFiniteContribution(
+                self.job_id, -1, step, bucket_index, offset, nonfinite, elements, self._where, ranks
+            )
+            self.note(found, forward=False)
         if self.policy is ABORT:
-            raise NonFiniteRejection.of(average)
+            raise NonFiniteRejection.of(found)
 
     def note(self, contribution: NonFiniteContribution, forward: bool = True) -> bool:
         """Count, log and export a non-finite contribution (once per rank, step and bucket).

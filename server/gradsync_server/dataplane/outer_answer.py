@@ -127,12 +127,21 @@ def quantize(
 
 
 @dataclass
-class _PendingPublic:
-    """One chunk's new public values, applied when the step completes."""
+class Pending:
+    """One chunk's new values (global parameters and momentum, or public values),
+    applied when the step completes."""
 
     bucket: int
     start: int
     values: Floats
+    momentum: Floats | None = None
+
+    def apply(self, values: dict[int, Floats], momenta: dict[int, Floats] | None = None) -> None:
+        """Write the chunk's values (and momentum, if it has some) into their arrays."""
+        stop = self.start + len(self.values)
+        values[self.bucket][self.start : stop] = self.values
+        if momenta is not None and self.momentum is not None:
+            momenta[self.bucket][self.start : stop] = self.momentum
 
 
 class PublicCopy:
@@ -150,7 +159,7 @@ class PublicCopy:
         self.density = density if answer_dtype == pb.DTYPE_INT8 else 0.0
         #: Per outer bucket: the public copy of this plane's range (what a snapshot needs).
         self.values: dict[int, Floats] = {}
-        self._pending: list[_PendingPublic] = []
+        self._pending: list[Pending] = []
         #: (bucket, wire offset) -> the scale of the open step's answer to that chunk.
         self._scales: dict[tuple[int, int], float] = {}
 
@@ -213,7 +222,7 @@ class PublicCopy:
         public = self.values[bucket][start : start + len(exact)]
         change = exact - public
         payload, scale, added = quantize(change, self.answer_dtype, self.density)
-        self._pending.append(_PendingPublic(bucket, start, public + added))
+        self._pending.append(Pending(bucket, start, public + added))
         self._scales[(bucket, offset)] = scale
         return payload
 
@@ -232,8 +241,7 @@ class PublicCopy:
         if self.active and seeding:
             self.values = {index: values.copy() for index, values in parameters.items()}
         for pending in self._pending:
-            stop = pending.start + len(pending.values)
-            self.values[pending.bucket][pending.start : stop] = pending.values
+            pending.apply(self.values)
         self.discard()
 
     def discard(self) -> None:
