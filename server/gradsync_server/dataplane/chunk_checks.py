@@ -100,13 +100,11 @@ class BucketLayout:
         self.shard_index = shard_index
         self.shard_count = shard_count
         self.shard_name = shard_name
-        self.bucket_bytes: list[int] = []
         self.bucket_dtypes: list[int] = []
         self.bucket_elements: list[int] = []
 
     def configure(self, signature: pb.ModelSignature) -> list[tuple[int, int]]:
         """Learn the job's buckets; return this shard's byte range of each (native dtype)."""
-        self.bucket_bytes = [b.num_elements * dtypes.itemsize(b.dtype) for b in signature.buckets]
         self.bucket_dtypes = [b.dtype for b in signature.buckets]
         self.bucket_elements = [b.num_elements for b in signature.buckets]
         return [self.byte_range(b, dtype) for b, dtype in enumerate(self.bucket_dtypes)]
@@ -114,7 +112,7 @@ class BucketLayout:
     @property
     def count(self) -> int:
         """How many buckets the job has."""
-        return len(self.bucket_bytes)
+        return len(self.bucket_dtypes)
 
     def byte_range(self, bucket: int, wire_dtype: int) -> tuple[int, int]:
         """Bytes [lo, hi) of `bucket`, sent as `wire_dtype`, that this shard aggregates."""
@@ -154,9 +152,7 @@ class BucketLayout:
             reply_dtype = outer(rank, chunk, wire_dtype)
         else:
             reply_dtype = check_reply_dtype(rank, chunk, native, reduction, first_rank, wire_dtype)
-        wire_bytes = (
-            self.bucket_bytes[bucket] // dtypes.itemsize(native) * dtypes.itemsize(wire_dtype)
-        )
+        wire_bytes = self.bucket_elements[bucket] * dtypes.itemsize(wire_dtype)
         check_encoding(rank, chunk, wire_dtype)
         byte_range = self.byte_range(bucket, wire_dtype)
         sparse = chunk.encoding == pb.ENCODING_TOPK2  # its length is a claim: checked here

@@ -242,18 +242,10 @@ class NonFiniteGuard:
     bucket, forwards it (a shard's report to its leader), and under "abort"
     refuses the step.
 
-    Args:
-        job_id: the job (for messages).
-        policy: "report", "abort" or "allow" (see `NonFinitePolicy`).
-        clock: monotonic time source (the log's rate limit).
-        observer: where the count goes, if anywhere.
-        shard_index: the process's byte range (a shard logs under "gradsync.shard").
-        shard_name: how messages name a shard's range.
-        on_nonfinite: called with each newly counted contribution (a shard forwards
-            them to its leader); None = nobody.
-
-    Attributes:
-        count, last: how many were counted, and the latest one's description.
+    Args: the open step's (`OpenStep`): the job's id, its policy ("report", "abort" or
+    "allow", `NonFinitePolicy`), the clock of the log's rate limit, where the count
+    goes, and the shard's index (a shard logs under "gradsync.shard"), name and
+    `on_nonfinite`.
 
     Raises:
         ValueError: an unknown policy.

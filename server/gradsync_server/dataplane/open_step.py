@@ -155,9 +155,6 @@ class OpenStep:
         on_nonfinite: called with each newly counted non-finite contribution (a
             shard forwards them to its leader); None = nobody.
 
-    Attributes:
-        nonfinite: the policy over the job's non-finite contributions (count, last, log).
-
     Raises:
         ValueError: `shard_index` is not in 0..shard_count - 1, or an unknown policy.
     """
