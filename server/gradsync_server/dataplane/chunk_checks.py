@@ -302,10 +302,7 @@ def check_reply_dtype(
     reply_dtype = reply_dtype_of(chunk.reply_dtype, wire_dtype)
     problem = reply_dtype_problem(reply_dtype, wire_dtype, native)
     if problem is not None:
-        raise refused(
-            chunk,
-            f"rank {rank} sent bucket {bucket} of step {step} and {problem}",
-        )
+        raise refused(chunk, f"rank {rank} sent bucket {bucket} of step {step} and {problem}")
     # One reply serves every rank, so the first chunk's choice binds the others.
     if held is not None and reply_dtype != held.reply_dtype:
         raise refused(

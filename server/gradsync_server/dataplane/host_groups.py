@@ -208,7 +208,4 @@ def check_covers(
         )
     else:
         return len(covered)
-    raise refused(
-        chunk,
-        f"rank {rank} sent {where} covering ranks {covered}, but {problem}",
-    )
+    raise refused(chunk, f"rank {rank} sent {where} covering ranks {covered}, but {problem}")

@@ -590,10 +590,7 @@ class OpenStep:
             f"rank {rank} sent bucket {bucket} at offset {chunk.offset} of late round {chunk.step}"
         )
         if bucket >= layout.count:
-            raise refused(
-                chunk,
-                f"{where}, but the model has {layout.count} buckets",
-            )
+            raise refused(chunk, f"{where}, but the model has {layout.count} buckets")
         epoch = self.membership.epoch
         if chunk.membership_epoch > epoch or chunk.covered_ranks:
             raise refused(
@@ -615,10 +612,7 @@ class OpenStep:
         late.chunks_needed[bucket] = chunking.num_chunks(hi - lo, layout.chunk_bytes)
         seen = late.seen.setdefault(bucket, set())
         if chunk.offset in seen:
-            raise refused(
-                chunk,
-                f"{where} twice",
-            )
+            raise refused(chunk, f"{where} twice")
         seen.add(chunk.offset)
         if outer and stragglers.policy.merge_late:
             contribution, magnitude = examine(checked.payload, checked.payload_dtype)

@@ -24,6 +24,10 @@ class StepProgress:
     def __init__(self, chunks_per_bucket: list[int], clock: Callable[[], float]) -> None:
         self._chunks_per_bucket = chunks_per_bucket
         self._clock = clock
+        self.reset()
+
+    def reset(self) -> None:
+        """Forget the step (it completed or was abandoned)."""
         self._delivered: dict[tuple[int, int], int] = {}
         self._first_done: dict[int, float] = {}
         self._bucket_started: dict[int, float] = {}
@@ -79,15 +83,6 @@ class StepProgress:
             self.started_at = now
         self._bucket_started.setdefault(bucket_index, now)
         return now
-
-    def reset(self) -> None:
-        """Forget the step (it completed or was abandoned)."""
-        self._delivered.clear()
-        self._first_done.clear()
-        self._bucket_started.clear()
-        self._needed.clear()
-        self.started_at = None
-        self.stall_warned = False
 
     def _chunks_needed(self, bucket_index: int) -> int:
         return self._needed.get(bucket_index, self._chunks_per_bucket[bucket_index])

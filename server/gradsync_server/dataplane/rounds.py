@@ -190,8 +190,7 @@ def check_weight(
     if not weighted:
         if weight != 0:
             raise refused(
-                chunk,
-                f"{where} with weight {weight!r}, but the job is not weighted (expected 0)",
+                chunk, f"{where} with weight {weight!r}, but the job is not weighted (expected 0)"
             )
         return 1.0
     if math.isfinite(weight) and 0 < weight < MIN_WEIGHT:
