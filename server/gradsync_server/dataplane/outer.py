@@ -91,10 +91,7 @@ class OuterState:
         self._momenta: dict[int, Floats] = {}
         self._pending: list[Pending] = []
         #: The global parameters as the ranks hold them, for a compact answer (else empty).
-        self.public = PublicCopy(
-            answer_dtype_of(outer) if self.active else pb.DTYPE_FLOAT32,
-            outer.answer_density,
-        )
+        self.public = PublicCopy(answer_dtype_of(outer), outer.answer_density)
         #: Outer steps applied (the seed not counted).
         self.rounds = 0
         #: What a stored record must match to be restored here (`outer_snapshot`).
