@@ -396,17 +396,11 @@ class BucketReduction:
             state.weight += weight
             if sample_weight is not None:
                 self._fold_weighted(state, payload, sample_weight)
-            elif state.shadow is None and magnitude is Magnitude.TAME:
-                # Every real gradient: no overflow possible, the sum as it always was.
-                if state.accumulator is None:
-                    state.accumulator = owned_accumulator(payload, self.payload_dtype)
-                else:
-                    state.accumulator += decoded(payload, self.payload_dtype)
             else:
                 # Only the first contribution becomes the accumulator: the others are read.
                 first = state.accumulator is None
                 values = (owned_accumulator if first else decoded)(payload, self.payload_dtype)
-                self._fold_with_shadow(state, values)
+                self._fold(state, values, magnitude is Magnitude.TAME)
             state.next_position += 1
         if state.next_position < len(state.expected):
             self.buffered_bytes += self._state_bytes(state) - before
@@ -458,24 +452,27 @@ class BucketReduction:
             values = scaled_accumulator(payload, self.payload_dtype, sample_weight)
         state.sample_total += sample_weight
         accumulation = pb.DTYPE_FLOAT64 if values.dtype == np.float64 else pb.DTYPE_FLOAT32
-        if state.shadow is None and classify(values.data.cast("B"), accumulation) is Magnitude.TAME:
-            if state.accumulator is None:
-                state.accumulator = values
-            else:
-                state.accumulator += values
-        else:
-            self._fold_with_shadow(state, values)
+        magnitude = classify(values.data.cast("B"), accumulation) if state.shadow is None else None
+        self._fold(state, values, magnitude is Magnitude.TAME)
 
-    def _fold_with_shadow(self, state: _ChunkState, values: npt.NDArray[np.floating]) -> None:
-        """Fold a contribution into the accumulator and its float64 shadow (started if need be).
+    def _fold(self, state: _ChunkState, values: npt.NDArray[np.floating], tame: bool) -> None:
+        """Fold a contribution in, and into its float64 shadow unless it is `tame` while
+        the chunk has no shadow (every real gradient: no overflow possible, the sum as it
+        always was); a shadow is started if need be.
 
         `values` becomes the accumulator if the chunk has none yet (then it must
         be an array the reduction owns); otherwise it is only read.
 
-        The accumulator is summed exactly as on the fast path (its finite
-        elements stay bitwise the same); overflow and NaN are expected here,
-        hence no warnings.
+        With a shadow the accumulator is summed exactly as on the fast path (its
+        finite elements stay bitwise the same); overflow and NaN are expected
+        there, hence no warnings.
         """
+        if tame and state.shadow is None:
+            if state.accumulator is None:
+                state.accumulator = values
+            else:
+                state.accumulator += values
+            return
         with np.errstate(over="ignore", invalid="ignore"):
             if state.accumulator is None:
                 state.accumulator = values
