@@ -53,7 +53,6 @@ from gradsync_server.dataplane.budget import ByteBudget, OwnerBudget
 from gradsync_server.dataplane.wire_replies import (
     COMPRESSED_WIRE,
     INT8_WIRE,
-    reply_dtype_of,
     reply_dtype_problem,
 )
 from gradsync_server.errors import RejectedMessage
@@ -153,9 +152,16 @@ class BucketLayout:
         else:
             reply_dtype = check_reply_dtype(rank, chunk, native, reduction, first_rank, wire_dtype)
         wire_bytes = self.bucket_elements[bucket] * dtypes.itemsize(wire_dtype)
-        check_encoding(rank, chunk, wire_dtype)
-        byte_range = self.byte_range(bucket, wire_dtype)
         sparse = chunk.encoding == pb.ENCODING_TOPK2  # its length is a claim: checked here
+        # Raw, or sparse (DiLoCo's sparse 2-bit wire) as an int8 chunk of a float32 bucket.
+        if chunk.encoding != pb.ENCODING_RAW and not (sparse and wire_dtype == INT8_WIRE):
+            raise refused(
+                chunk,
+                f"rank {rank} sent bucket {bucket} of step {step} with encoding "
+                f"{chunk.encoding} as {dtypes.dtype_name(wire_dtype)}, this coordinator accepts "
+                "raw (0), or sparse (1) for an int8 chunk of a float32 bucket",
+            )
+        byte_range = self.byte_range(bucket, wire_dtype)
         length = claimed_length(rank, chunk, payload) if sparse else len(payload)
         problem = offset_problem(
             rank,
@@ -169,12 +175,18 @@ class BucketLayout:
             elements=self.bucket_elements[bucket],
         )
         if problem is not None:
-            raise RejectedMessage(problem[0], problem[1], step=step, bucket_index=bucket)
+            raise refused(chunk, problem[1], problem[0])
         if sparse:  # decoded to `length` float32 values
             summed, payload_dtype = sparse_contribution(rank, chunk, payload, length)
         else:
             summed, payload_dtype = contribution_of(rank, chunk, payload, wire_dtype)  # int8: fp32
-        check_budget(rank, chunk, len(summed), budget)
+        if not budget.fits(len(summed)):
+            raise refused(
+                chunk,
+                f"rank {rank} sent {len(summed)} bytes for bucket {bucket} of step {step}, but "
+                f"{budget.holding()}",
+                Code.RESOURCE_EXHAUSTED,
+            )
         return CheckedChunk(wire_dtype, reply_dtype, byte_range, wire_bytes, summed, payload_dtype)
 
 
@@ -299,7 +311,7 @@ def check_reply_dtype(
         RejectedMessage: the reply dtype is not allowed, or differs from the other ranks'.
     """
     step, bucket = chunk.step, chunk.bucket_index
-    reply_dtype = reply_dtype_of(chunk.reply_dtype, wire_dtype)
+    reply_dtype = chunk.reply_dtype or wire_dtype  # unset: the payload's
     problem = reply_dtype_problem(reply_dtype, wire_dtype, native)
     if problem is not None:
         raise refused(chunk, f"rank {rank} sent bucket {bucket} of step {step} and {problem}")
@@ -313,33 +325,6 @@ def check_reply_dtype(
             "same wire_answer_dtype)",
         )
     return reply_dtype
-
-
-def check_encoding(rank: int, chunk: ChunkHeader, wire_dtype: int) -> None:
-    """Raises `RejectedMessage` unless the chunk is raw, or sparse (`ENCODING_TOPK2`,
-    DiLoCo's sparse 2-bit wire) as an int8 chunk of a float32 bucket."""
-    if chunk.encoding == pb.ENCODING_RAW:
-        return
-    if chunk.encoding != pb.ENCODING_TOPK2 or wire_dtype != INT8_WIRE:
-        raise refused(
-            chunk,
-            f"rank {rank} sent bucket {chunk.bucket_index} of step {chunk.step} with encoding "
-            f"{chunk.encoding} as {dtypes.dtype_name(wire_dtype)}, this coordinator accepts "
-            "raw (0), or sparse (1) for an int8 chunk of a float32 bucket",
-        )
-
-
-def check_budget(
-    rank: int, chunk: ChunkHeader, length: int, budget: ByteBudget | OwnerBudget
-) -> None:
-    """Raises `RejectedMessage` (RESOURCE_EXHAUSTED) if `length` more bytes do not fit."""
-    if not budget.fits(length):
-        raise refused(
-            chunk,
-            f"rank {rank} sent {length} bytes for bucket {chunk.bucket_index} of step "
-            f"{chunk.step}, but {budget.holding()}",
-            Code.RESOURCE_EXHAUSTED,
-        )
 
 
 def offset_problem(

@@ -58,7 +58,6 @@ from gradsync_proto.v1 import gradsync_pb2 as pb
 
 from gradsync_server.dataplane.accumulators import from_accumulator, to_accumulator
 from gradsync_server.dataplane.chunk_checks import refused
-from gradsync_server.dataplane.wire_replies import reply_dtype_of
 
 __all__ = ["ANSWER_DTYPES", "PublicCopy", "answer_dtype_of", "answer_dtype_problem", "quantize"]
 
@@ -188,7 +187,7 @@ class PublicCopy:
             RejectedMessage: INVALID_ARGUMENT naming rank, step, bucket and both dtypes.
         """
         step, bucket = chunk.step, chunk.bucket_index
-        asked = reply_dtype_of(chunk.reply_dtype, wire_dtype)
+        asked = chunk.reply_dtype or wire_dtype  # unset: the payload's
         wanted = self.reply_dtype(seeded)
         where = f"rank {rank} asked for the answer to bucket {bucket} of step {step}"
         if asked != wanted:

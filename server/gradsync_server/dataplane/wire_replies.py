@@ -40,11 +40,6 @@ COMPRESSED_WIRE = (pb.DTYPE_FLOAT16, pb.DTYPE_BFLOAT16)
 INT8_WIRE = pb.DTYPE_INT8
 
 
-def reply_dtype_of(chunk_reply_dtype: int, wire_dtype: int) -> int:
-    """The dtype a chunk asks its average back in (unset = its payload's)."""
-    return chunk_reply_dtype or wire_dtype
-
-
 def reply_dtype_problem(reply_dtype: int, wire_dtype: int, native_dtype: int) -> str | None:
     """Why `reply_dtype` cannot answer a `wire_dtype` payload of a `native_dtype` bucket, or None.
 
