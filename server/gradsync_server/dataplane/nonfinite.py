@@ -313,13 +313,11 @@ class NonFiniteGuard:
         contributions = [
             dataclasses.replace(sent, rank=culprit, via=rank) for culprit in chunk.nonfinite_ranks
         ] or [sent]
-        if self.policy is ABORT:
-            # Counted here too; a shard's leader counts it from the ShardRejected.
-            for contribution in contributions:
-                self.note(contribution, forward=False)
-            raise NonFiniteRejection.of(contributions[0])
+        # Under "abort" counted here too; a shard's leader counts it from the ShardRejected.
         for contribution in contributions:
-            self.note(contribution)
+            self.note(contribution, forward=self.policy is not ABORT)
+        if self.policy is ABORT:
+            raise NonFiniteRejection.of(contributions[0])
 
     def check_average(
         self,

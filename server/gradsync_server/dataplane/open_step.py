@@ -502,11 +502,11 @@ class OpenStep:
         two of them: a rank dropped under the elastic policy can complete several
         chunks at once, and closing the step frees the reductions they come from).
         """
-        if not self._buckets[bucket].reduction.complete:
+        reduction = self._buckets[bucket].reduction
+        if not reduction.complete:
             return []
         self._buckets_done += 1
         if self._metrics is not None and self.progress is not None:
-            reduction = self._buckets[bucket].reduction
             widening = dtypes.itemsize(reduction.reply_dtype) // dtypes.itemsize(reduction.dtype)
             sent = reduction.range_bytes * widening * len(self.units())
             self._metrics.observe_bucket_done(self.progress.bucket_age(bucket), sent)

@@ -154,17 +154,15 @@ def job_problem(
     the floor applied), or None (checked at its start)."""
     if outer is None:
         return None
-    if outer.min_contributors == 0:
-        return screen_problem(outer, local_groups)
     k = outer.min_contributors
     if k > world_size:
         return f"min_contributors={k} is more than the job's {world_size} ranks"
-    if shard_count > 1:
+    if k and shard_count > 1:
         return (
             f"partial rounds (min_contributors={k}) need an unsharded coordinator; this one has "
             f"{shard_count} shards (each would have to close its range of the round alike)"
         )
-    if local_groups:
+    if k and local_groups:
         return (
             f"partial rounds (min_contributors={k}) need flat ranks; this job formed local "
             "groups (pass hierarchical=False)"
