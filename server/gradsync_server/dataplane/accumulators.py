@@ -16,7 +16,7 @@ from gradsync_proto.dtypes import dtype_name
 from gradsync_proto.v1 import gradsync_pb2 as pb
 
 __all__ = [
-    "add_into",
+    "WIDE",
     "average_bytes",
     "decoded",
     "from_accumulator",
@@ -26,12 +26,14 @@ __all__ = [
 ]
 
 
+#: Dtypes that are their own accumulation dtype (read in place), with their numpy spelling.
+WIDE: dict[int, str] = {pb.DTYPE_FLOAT32: "<f4", pb.DTYPE_FLOAT64: "<f8"}
+
+
 def to_accumulator(payload: bytes | memoryview, dtype: int) -> npt.NDArray[np.floating]:
     """Decode raw bytes into a fresh, writable accumulation array (fp32 or fp64)."""
-    if dtype == pb.DTYPE_FLOAT64:
-        return np.frombuffer(payload, dtype="<f8").copy()
-    if dtype == pb.DTYPE_FLOAT32:
-        return np.frombuffer(payload, dtype="<f4").copy()
+    if dtype in WIDE:
+        return np.frombuffer(payload, dtype=WIDE[dtype]).copy()
     if dtype == pb.DTYPE_FLOAT16:
         return np.frombuffer(payload, dtype="<f2").astype(np.float32)
     if dtype == pb.DTYPE_BFLOAT16:
@@ -46,20 +48,14 @@ def to_accumulator(payload: bytes | memoryview, dtype: int) -> npt.NDArray[np.fl
 def decoded(payload: bytes | memoryview, dtype: int) -> npt.NDArray[np.floating]:
     """The payload's values in the accumulation dtype, to be read only: a view of
     a float32/float64 payload (no copy), a fresh widened array for 16-bit."""
-    if dtype == pb.DTYPE_FLOAT64:
-        return np.frombuffer(payload, dtype="<f8")
-    if dtype == pb.DTYPE_FLOAT32:
-        return np.frombuffer(payload, dtype="<f4")
+    if dtype in WIDE:
+        return np.frombuffer(payload, dtype=WIDE[dtype])
     return to_accumulator(payload, dtype)
 
 
 def _owned(payload: bytes | memoryview, dtype: int) -> bool:
     """Whether the payload is a float32/float64 buffer the coordinator may sum into."""
-    return (
-        isinstance(payload, memoryview)
-        and not payload.readonly
-        and dtype in (pb.DTYPE_FLOAT32, pb.DTYPE_FLOAT64)
-    )
+    return isinstance(payload, memoryview) and not payload.readonly and dtype in WIDE
 
 
 def owned_accumulator(payload: bytes | memoryview, dtype: int) -> npt.NDArray[np.floating]:
@@ -83,7 +79,7 @@ def scaled_accumulator(
     dtype), in one pass: a read-only float32/float64 payload is multiplied straight into
     a fresh array instead of being copied and then multiplied in place. The caller
     decides what overflow warns (`np.errstate`)."""
-    if dtype in (pb.DTYPE_FLOAT32, pb.DTYPE_FLOAT64) and not _owned(payload, dtype):
+    if dtype in WIDE and not _owned(payload, dtype):
         values = decoded(payload, dtype)
         product: npt.NDArray[np.floating] = np.multiply(values, values.dtype.type(factor))
         return product
@@ -92,19 +88,10 @@ def scaled_accumulator(
     return values
 
 
-def add_into(
-    accumulator: npt.NDArray[np.floating], payload: bytes | memoryview, dtype: int
-) -> None:
-    """accumulator += decode(payload), without an extra copy for fp32/fp64."""
-    accumulator += decoded(payload, dtype)
-
-
 def from_accumulator(values: npt.NDArray[np.floating], dtype: int) -> memoryview:
     """Raw bytes of the wire dtype for an accumulation array (a view when no cast is needed)."""
-    if dtype == pb.DTYPE_FLOAT64:
-        return values.astype("<f8", copy=False).data.cast("B")
-    if dtype == pb.DTYPE_FLOAT32:
-        return values.astype("<f4", copy=False).data.cast("B")
+    if dtype in WIDE:
+        return values.astype(WIDE[dtype], copy=False).data.cast("B")
     if dtype == pb.DTYPE_FLOAT16:
         return values.astype("<f2").data.cast("B")
     if dtype == pb.DTYPE_BFLOAT16:

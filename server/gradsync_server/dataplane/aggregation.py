@@ -73,7 +73,7 @@ from gradsync_proto.dtypes import dtype_name
 from gradsync_proto.v1 import gradsync_pb2 as pb
 
 from gradsync_server.dataplane.accumulators import (
-    add_into,
+    WIDE,
     average_bytes,
     decoded,
     from_accumulator,
@@ -103,11 +103,6 @@ _BF16_TAME_EXPONENT = (127 + 63) << 7
 _SHADOW_SCALE = 2.0**-64
 
 
-def _floats(payload: bytes | memoryview, dtype: int) -> npt.NDArray[np.floating]:
-    """A float view of a float32/float64 payload (no copy)."""
-    return np.frombuffer(payload, dtype="<f8" if dtype == pb.DTYPE_FLOAT64 else "<f4")
-
-
 def classify(payload: bytes | memoryview, dtype: int) -> Magnitude:
     """Whether a contribution is `TAME`, `LARGE` or `NONFINITE` (`measured_classify`)."""
     return measured_classify(payload, dtype)[0]
@@ -128,8 +123,8 @@ def measured_classify(payload: bytes | memoryview, dtype: int) -> tuple[Magnitud
         The magnitude and x.x, the sum of squares (a per-step screen's norm, for
         free; inf when it overflows or holds NaN/Inf, nan for a 16-bit payload).
     """
-    if dtype in (pb.DTYPE_FLOAT32, pb.DTYPE_FLOAT64):
-        values = _floats(payload, dtype)
+    if dtype in WIDE:
+        values = decoded(payload, dtype)
         with np.errstate(over="ignore", invalid="ignore"):  # overflow is what we look for
             square_sum = float(np.dot(values, values))
         if math.isfinite(square_sum):
@@ -187,8 +182,8 @@ def measured_examine(
 
 def count_nonfinite(payload: bytes | memoryview, dtype: int) -> int:
     """How many elements of a payload are NaN or +-Inf (for messages: the rare path)."""
-    if dtype in (pb.DTYPE_FLOAT32, pb.DTYPE_FLOAT64):
-        return int(np.count_nonzero(~np.isfinite(_floats(payload, dtype))))
+    if dtype in WIDE:
+        return int(np.count_nonzero(~np.isfinite(decoded(payload, dtype))))
     if dtype in (pb.DTYPE_FLOAT16, pb.DTYPE_BFLOAT16):
         mask = np.uint16(_F16_EXPONENT if dtype == pb.DTYPE_FLOAT16 else _BF16_EXPONENT)
         return int(np.count_nonzero((np.frombuffer(payload, dtype="<u2") & mask) == mask))
@@ -272,7 +267,7 @@ class BucketReduction:
         self._ranks = sorted(ranks)
         self.dtype = dtype
         #: What `add` takes: payloads of the wire dtype, but float32 for an int8 wire,
-        #: whose chunks need their own scale and so arrive dequantized (`int8_chunks`).
+        #: whose chunks need their own scale and so arrive dequantized (`chunk_checks`).
         self.payload_dtype = pb.DTYPE_FLOAT32 if dtype == pb.DTYPE_INT8 else dtype
         self.reply_dtype = dtype if reply_dtype is None else reply_dtype
         self.average_dtype = self.reply_dtype if average_dtype is None else average_dtype
@@ -401,17 +396,11 @@ class BucketReduction:
             state.weight += weight
             if sample_weight is not None:
                 self._fold_weighted(state, payload, sample_weight)
-            elif state.shadow is None and magnitude is Magnitude.TAME:
-                # Every real gradient: no overflow possible, the sum as it always was.
-                if state.accumulator is None:
-                    state.accumulator = owned_accumulator(payload, self.payload_dtype)
-                else:
-                    add_into(state.accumulator, payload, self.payload_dtype)
             else:
                 # Only the first contribution becomes the accumulator: the others are read.
                 first = state.accumulator is None
                 values = (owned_accumulator if first else decoded)(payload, self.payload_dtype)
-                self._fold_with_shadow(state, values)
+                self._fold(state, values, magnitude is Magnitude.TAME)
             state.next_position += 1
         if state.next_position < len(state.expected):
             self.buffered_bytes += self._state_bytes(state) - before
@@ -427,11 +416,7 @@ class BucketReduction:
         else:
             _divide_with_shadow(state.accumulator, state.shadow, divisor)
             averaged = from_accumulator(state.accumulator, self.average_dtype)
-        self.buffered_bytes -= before
-        del self._chunks[offset]
-        self._finished.add(offset)
-        self._chunks_done += 1
-        return averaged
+        return self._finish(offset, before, averaged)
 
     def _merge_screened(
         self, offset: int, state: _ChunkState, before: int, screened_merge: ScreenedMerge
@@ -449,6 +434,10 @@ class BucketReduction:
         total, divisor, self.last_contributors = screened_merge(offset, contributions)
         state.parked.clear()
         averaged = average_bytes(total, total.dtype.type(divisor), self.average_dtype)
+        return self._finish(offset, before, averaged)
+
+    def _finish(self, offset: int, before: int, averaged: memoryview) -> memoryview:
+        """The chunk at `offset` (which held `before` bytes) is averaged: forget it."""
         self.buffered_bytes -= before
         del self._chunks[offset]
         self._finished.add(offset)
@@ -463,24 +452,27 @@ class BucketReduction:
             values = scaled_accumulator(payload, self.payload_dtype, sample_weight)
         state.sample_total += sample_weight
         accumulation = pb.DTYPE_FLOAT64 if values.dtype == np.float64 else pb.DTYPE_FLOAT32
-        if state.shadow is None and classify(values.data.cast("B"), accumulation) is Magnitude.TAME:
-            if state.accumulator is None:
-                state.accumulator = values
-            else:
-                state.accumulator += values
-        else:
-            self._fold_with_shadow(state, values)
+        magnitude = classify(values.data.cast("B"), accumulation) if state.shadow is None else None
+        self._fold(state, values, magnitude is Magnitude.TAME)
 
-    def _fold_with_shadow(self, state: _ChunkState, values: npt.NDArray[np.floating]) -> None:
-        """Fold a contribution into the accumulator and its float64 shadow (started if need be).
+    def _fold(self, state: _ChunkState, values: npt.NDArray[np.floating], tame: bool) -> None:
+        """Fold a contribution in, and into its float64 shadow unless it is `tame` while
+        the chunk has no shadow (every real gradient: no overflow possible, the sum as it
+        always was); a shadow is started if need be.
 
         `values` becomes the accumulator if the chunk has none yet (then it must
         be an array the reduction owns); otherwise it is only read.
 
-        The accumulator is summed exactly as on the fast path (its finite
-        elements stay bitwise the same); overflow and NaN are expected here,
-        hence no warnings.
+        With a shadow the accumulator is summed exactly as on the fast path (its
+        finite elements stay bitwise the same); overflow and NaN are expected
+        there, hence no warnings.
         """
+        if tame and state.shadow is None:
+            if state.accumulator is None:
+                state.accumulator = values
+            else:
+                state.accumulator += values
+            return
         with np.errstate(over="ignore", invalid="ignore"):
             if state.accumulator is None:
                 state.accumulator = values

@@ -69,10 +69,6 @@ class ByteBudget:
         """True if `extra` more bytes stay within the limit."""
         return self._used + extra <= self.limit
 
-    def fits_for(self, owner: Hashable, extra: int) -> bool:
-        """True if `owner` may take `extra` more bytes: within the limit and its share."""
-        return self.fits(extra) and self.held_by(owner) + extra <= self.owner_limit
-
     def for_owner(self, owner: Hashable) -> OwnerBudget:
         """The view of this budget that one owner (a job) checks against."""
         return OwnerBudget(self, owner)
@@ -132,7 +128,8 @@ class OwnerBudget:
 
     def fits(self, extra: int) -> bool:
         """True if the owner may take `extra` more bytes."""
-        return self.budget.fits_for(self.owner, extra)
+        budget = self.budget
+        return budget.fits(extra) and budget.held_by(self.owner) + extra <= budget.owner_limit
 
     def holding(self) -> str:
         """What is held against the binding cap and the flag that sets it, for a refusal."""

@@ -11,6 +11,31 @@ raises a `RejectedMessage` that names the values involved. A late DiLoCo
 contribution (`gradsync_server.dataplane.late`) passes the same layout checks
 as an on-time one. Blobs (checkpoints, state, collectives) are checked by
 `gradsync_proto.blobs.BlobAssembly`.
+
+An int8 payload (DiLoCo's pseudo-gradients of a float32 bucket) means
+nothing without its chunk's `scale`, so it is dequantized here, once the
+chunk's offset and length are known to be right and before it is classified,
+budgeted or summed (`OpenStep._fold`): from then on it is a float32
+contribution like any other. The non-finite check sees the values the sum
+will see (a NaN or Inf scale gives NaN, and the `--nonfinite` policy reports
+or aborts on it, naming the rank, as for a float32 NaN; a huge finite scale
+that overflows is caught the same way), the byte budget holds what is really
+held (four bytes per element), and the reduction needs no notion of scales.
+Only an int8 payload may carry a scale: a scale on any other chunk is a
+malformed message, as is a negative one (`gradsync_proto.int8_wire.scale_problem`).
+
+DiLoCo's sparse wire (`gradsync_proto.sparse_wire`, `ENCODING_TOPK2`) sends an
+INT8 chunk of a float32 bucket as its top-k elements: a payload whose size
+says nothing about the chunk's place in the bucket. Its element count n is a
+claim, read first (`claimed_length`) and checked against the chunk grid as
+an int8 chunk's payload length would be; only then is the payload decoded,
+every rule checked (selected count <= n, indices strictly increasing and
+below n, the exact length, zero padding, a step >= 0 and finite whenever
+anything is sent), and the chunk widened to n float32 values q * step: a
+dense contribution from then on, summed in float32 in rank order like any
+other, so the sum does not depend on which rank's chunk came first. A NaN
+step (a rank's chunk held NaN or Inf) gives NaN everywhere, for the
+`--nonfinite` policy to report or abort on.
 """
 
 from __future__ import annotations
@@ -18,19 +43,16 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
-from gradsync_proto import chunking, dtypes
+from gradsync_proto import chunking, dtypes, int8_wire, sparse_wire
 from gradsync_proto.codec import ChunkHeader
 from gradsync_proto.codes import Code
 from gradsync_proto.v1 import gradsync_pb2 as pb
 
 from gradsync_server.dataplane.aggregation import BucketReduction
 from gradsync_server.dataplane.budget import ByteBudget, OwnerBudget
-from gradsync_server.dataplane.int8_chunks import contribution_of
-from gradsync_server.dataplane.sparse_chunks import claimed_length, sparse_contribution
 from gradsync_server.dataplane.wire_replies import (
     COMPRESSED_WIRE,
     INT8_WIRE,
-    reply_dtype_of,
     reply_dtype_problem,
 )
 from gradsync_server.errors import RejectedMessage
@@ -77,13 +99,11 @@ class BucketLayout:
         self.shard_index = shard_index
         self.shard_count = shard_count
         self.shard_name = shard_name
-        self.bucket_bytes: list[int] = []
         self.bucket_dtypes: list[int] = []
         self.bucket_elements: list[int] = []
 
     def configure(self, signature: pb.ModelSignature) -> list[tuple[int, int]]:
         """Learn the job's buckets; return this shard's byte range of each (native dtype)."""
-        self.bucket_bytes = [b.num_elements * dtypes.itemsize(b.dtype) for b in signature.buckets]
         self.bucket_dtypes = [b.dtype for b in signature.buckets]
         self.bucket_elements = [b.num_elements for b in signature.buckets]
         return [self.byte_range(b, dtype) for b, dtype in enumerate(self.bucket_dtypes)]
@@ -91,7 +111,7 @@ class BucketLayout:
     @property
     def count(self) -> int:
         """How many buckets the job has."""
-        return len(self.bucket_bytes)
+        return len(self.bucket_dtypes)
 
     def byte_range(self, bucket: int, wire_dtype: int) -> tuple[int, int]:
         """Bytes [lo, hi) of `bucket`, sent as `wire_dtype`, that this shard aggregates."""
@@ -131,12 +151,17 @@ class BucketLayout:
             reply_dtype = outer(rank, chunk, wire_dtype)
         else:
             reply_dtype = check_reply_dtype(rank, chunk, native, reduction, first_rank, wire_dtype)
-        wire_bytes = (
-            self.bucket_bytes[bucket] // dtypes.itemsize(native) * dtypes.itemsize(wire_dtype)
-        )
-        check_encoding(rank, chunk, wire_dtype)
-        byte_range = self.byte_range(bucket, wire_dtype)
+        wire_bytes = self.bucket_elements[bucket] * dtypes.itemsize(wire_dtype)
         sparse = chunk.encoding == pb.ENCODING_TOPK2  # its length is a claim: checked here
+        # Raw, or sparse (DiLoCo's sparse 2-bit wire) as an int8 chunk of a float32 bucket.
+        if chunk.encoding != pb.ENCODING_RAW and not (sparse and wire_dtype == INT8_WIRE):
+            raise refused(
+                chunk,
+                f"rank {rank} sent bucket {bucket} of step {step} with encoding "
+                f"{chunk.encoding} as {dtypes.dtype_name(wire_dtype)}, this coordinator accepts "
+                "raw (0), or sparse (1) for an int8 chunk of a float32 bucket",
+            )
+        byte_range = self.byte_range(bucket, wire_dtype)
         length = claimed_length(rank, chunk, payload) if sparse else len(payload)
         problem = offset_problem(
             rank,
@@ -150,13 +175,27 @@ class BucketLayout:
             elements=self.bucket_elements[bucket],
         )
         if problem is not None:
-            raise RejectedMessage(problem[0], problem[1], step=step, bucket_index=bucket)
+            raise refused(chunk, problem[1], problem[0])
         if sparse:  # decoded to `length` float32 values
             summed, payload_dtype = sparse_contribution(rank, chunk, payload, length)
         else:
             summed, payload_dtype = contribution_of(rank, chunk, payload, wire_dtype)  # int8: fp32
-        check_budget(rank, chunk, len(summed), budget)
+        if not budget.fits(len(summed)):
+            raise refused(
+                chunk,
+                f"rank {rank} sent {len(summed)} bytes for bucket {bucket} of step {step}, but "
+                f"{budget.holding()}",
+                Code.RESOURCE_EXHAUSTED,
+            )
         return CheckedChunk(wire_dtype, reply_dtype, byte_range, wire_bytes, summed, payload_dtype)
+
+
+def refused(
+    chunk: ChunkHeader, message: str, code: Code = Code.INVALID_ARGUMENT
+) -> RejectedMessage:
+    """The refusal of `chunk` with `message` (INVALID_ARGUMENT unless `code` says), naming
+    its step and bucket."""
+    return RejectedMessage(code, message, step=chunk.step, bucket_index=chunk.bucket_index)
 
 
 def check_sender(
@@ -198,11 +237,10 @@ def check_sender(
         )
     if step != open_step:
         kind = "stale" if step < open_step else "future"
-        raise RejectedMessage(
-            Code.FAILED_PRECONDITION,
+        raise refused(
+            chunk,
             f"rank {rank} sent {kind} step {step} (bucket {bucket}), expected step {open_step}",
-            step=step,
-            bucket_index=bucket,
+            Code.FAILED_PRECONDITION,
         )
     if bucket >= bucket_count:
         raise RejectedMessage(
@@ -212,12 +250,11 @@ def check_sender(
             step=step,
         )
     if rank in out_of_inputs:
-        raise RejectedMessage(
-            Code.FAILED_PRECONDITION,
+        raise refused(
+            chunk,
             f"rank {rank} sent bucket {bucket} of step {step} after running out of inputs "
             "(join()); it contributes nothing until every rank has joined",
-            step=step,
-            bucket_index=bucket,
+            Code.FAILED_PRECONDITION,
         )
 
 
@@ -244,22 +281,18 @@ def check_wire_dtype(
             allowed += " (or float16/bfloat16 from a comm hook, or int8 with a per-chunk scale)"
         elif native in COMPRESSIBLE:
             allowed += " (or float16/bfloat16 from a comm hook)"
-        raise RejectedMessage(
-            Code.INVALID_ARGUMENT,
+        raise refused(
+            chunk,
             f"rank {rank} sent bucket {bucket} of step {step} as "
             f"{dtypes.dtype_name(chunk.dtype)}, expected {allowed}",
-            step=step,
-            bucket_index=bucket,
         )
     if held is not None and chunk.dtype != held.dtype:
-        raise RejectedMessage(
-            Code.INVALID_ARGUMENT,
+        raise refused(
+            chunk,
             f"rank {rank} sent bucket {bucket} of step {step} as "
             f"{dtypes.dtype_name(chunk.dtype)}, but rank {first_rank} sent it as "
             f"{dtypes.dtype_name(held.dtype)} (every rank must use the same "
             "comm hook)",
-            step=step,
-            bucket_index=bucket,
         )
     return chunk.dtype
 
@@ -278,57 +311,20 @@ def check_reply_dtype(
         RejectedMessage: the reply dtype is not allowed, or differs from the other ranks'.
     """
     step, bucket = chunk.step, chunk.bucket_index
-    reply_dtype = reply_dtype_of(chunk.reply_dtype, wire_dtype)
+    reply_dtype = chunk.reply_dtype or wire_dtype  # unset: the payload's
     problem = reply_dtype_problem(reply_dtype, wire_dtype, native)
     if problem is not None:
-        raise RejectedMessage(
-            Code.INVALID_ARGUMENT,
-            f"rank {rank} sent bucket {bucket} of step {step} and {problem}",
-            step=step,
-            bucket_index=bucket,
-        )
+        raise refused(chunk, f"rank {rank} sent bucket {bucket} of step {step} and {problem}")
     # One reply serves every rank, so the first chunk's choice binds the others.
     if held is not None and reply_dtype != held.reply_dtype:
-        raise RejectedMessage(
-            Code.INVALID_ARGUMENT,
+        raise refused(
+            chunk,
             f"rank {rank} asked for the average of bucket {bucket} of step {step} as "
             f"{dtypes.dtype_name(reply_dtype)}, but rank {first_rank} asked for "
             f"{dtypes.dtype_name(held.reply_dtype)} (every rank must use the "
             "same wire_answer_dtype)",
-            step=step,
-            bucket_index=bucket,
         )
     return reply_dtype
-
-
-def check_encoding(rank: int, chunk: ChunkHeader, wire_dtype: int) -> None:
-    """Raises `RejectedMessage` unless the chunk is raw, or sparse (`ENCODING_TOPK2`,
-    DiLoCo's sparse 2-bit wire) as an int8 chunk of a float32 bucket."""
-    if chunk.encoding == pb.ENCODING_RAW:
-        return
-    if chunk.encoding != pb.ENCODING_TOPK2 or wire_dtype != INT8_WIRE:
-        raise RejectedMessage(
-            Code.INVALID_ARGUMENT,
-            f"rank {rank} sent bucket {chunk.bucket_index} of step {chunk.step} with encoding "
-            f"{chunk.encoding} as {dtypes.dtype_name(wire_dtype)}, this coordinator accepts "
-            "raw (0), or sparse (1) for an int8 chunk of a float32 bucket",
-            step=chunk.step,
-            bucket_index=chunk.bucket_index,
-        )
-
-
-def check_budget(
-    rank: int, chunk: ChunkHeader, length: int, budget: ByteBudget | OwnerBudget
-) -> None:
-    """Raises `RejectedMessage` (RESOURCE_EXHAUSTED) if `length` more bytes do not fit."""
-    if not budget.fits(length):
-        raise RejectedMessage(
-            Code.RESOURCE_EXHAUSTED,
-            f"rank {rank} sent {length} bytes for bucket {chunk.bucket_index} of step "
-            f"{chunk.step}, but {budget.holding()}",
-            step=chunk.step,
-            bucket_index=chunk.bucket_index,
-        )
 
 
 def offset_problem(
@@ -443,3 +439,78 @@ def check_range_chunk(
             f"expected {expected} ({shard} holds bytes [{lo}, {hi}) of {container})",
         )
     return None
+
+
+def contribution_of(
+    rank: int, chunk: ChunkHeader, payload: memoryview, wire_dtype: int
+) -> tuple[memoryview, int]:
+    """The chunk's payload as it is to be summed, and its dtype.
+
+    Args:
+        payload: the chunk's bytes, already checked against the chunk grid.
+        wire_dtype: the dtype it was sent in (checked by `check_wire_dtype`).
+
+    Returns:
+        (payload, wire_dtype) as they are, or for int8 the float32 values
+        (`int8_wire.dequantize`, a fresh array) and DTYPE_FLOAT32.
+
+    Raises:
+        RejectedMessage: INVALID_ARGUMENT for a scale on a chunk that is not int8,
+            or a negative scale, naming rank, step, bucket and offset.
+    """
+    where = f"bucket {chunk.bucket_index} of step {chunk.step} at offset {chunk.offset}"
+    if wire_dtype != pb.DTYPE_INT8:
+        if chunk.scale != 0:  # NaN included
+            raise refused(
+                chunk,
+                f"rank {rank} sent {where} as {dtypes.dtype_name(wire_dtype)} with a scale "
+                f"({chunk.scale!r}); only an int8 payload carries one",
+            )
+        return payload, wire_dtype
+    problem = int8_wire.scale_problem(chunk.scale)
+    if problem is not None:
+        raise refused(chunk, f"rank {rank} sent {where} as int8 with {problem}")
+    values = int8_wire.dequantize(payload, chunk.scale)
+    return values.data.cast("B"), pb.DTYPE_FLOAT32
+
+
+def _where(rank: int, chunk: ChunkHeader) -> str:
+    return (
+        f"rank {rank} sent bucket {chunk.bucket_index} of step {chunk.step} at offset "
+        f"{chunk.offset} as a sparse chunk"
+    )
+
+
+def claimed_length(rank: int, chunk: ChunkHeader, payload: memoryview) -> int:
+    """The element count (= int8 bytes) the sparse chunk claims, for the grid check.
+
+    Raises:
+        RejectedMessage: INVALID_ARGUMENT for a chunk that is not INT8, carries a header
+            scale, or whose payload has no readable header, naming rank, step, bucket.
+    """
+    if chunk.dtype != pb.DTYPE_INT8:
+        raise refused(chunk, f"{_where(rank, chunk)} of dtype {chunk.dtype}; only INT8 is")
+    if chunk.scale != 0:  # NaN included: the step travels in the payload
+        raise refused(
+            chunk, f"{_where(rank, chunk)} with a header scale ({chunk.scale!r}); it must be 0"
+        )
+    try:
+        return sparse_wire.claimed_length(payload)
+    except sparse_wire.SparseWireError as error:
+        raise refused(chunk, f"{_where(rank, chunk)}: {error}") from None
+
+
+def sparse_contribution(
+    rank: int, chunk: ChunkHeader, payload: memoryview, elements: int
+) -> tuple[memoryview, int]:
+    """The sparse chunk's `elements` float32 values (a fresh array) and DTYPE_FLOAT32.
+
+    Raises:
+        RejectedMessage: INVALID_ARGUMENT naming rank, step, bucket, offset and what
+            the payload says against what the rule allows.
+    """
+    try:
+        decoded = sparse_wire.decode(payload, elements)
+    except sparse_wire.SparseWireError as error:
+        raise refused(chunk, f"{_where(rank, chunk)}: {error}") from None
+    return decoded.values().data.cast("B"), pb.DTYPE_FLOAT32

@@ -38,7 +38,7 @@ import numpy.typing as npt
 from gradsync_proto import dtypes
 from gradsync_proto.v1 import gradsync_pb2 as pb
 
-from gradsync_server.dataplane.accumulators import decoded, from_accumulator, to_accumulator
+from gradsync_server.dataplane.accumulators import WIDE, decoded, from_accumulator, to_accumulator
 from gradsync_server.dataplane.budget import OwnerBudget
 from gradsync_server.dataplane.uploads import BlobAssembler
 
@@ -54,8 +54,6 @@ FOLDED_OPS = frozenset(
         pb.COLLECTIVE_OP_PRODUCT,
     }
 )
-#: Dtypes that are their own accumulation dtype (an input of them is read in place).
-_WIDE: dict[int, str] = {pb.DTYPE_FLOAT32: "<f4", pb.DTYPE_FLOAT64: "<f8"}
 
 
 def _varint(value: int) -> bytes:
@@ -145,7 +143,7 @@ def folded_results(
     first, rest = inputs[0], inputs[1:]
     for offset in sorted(first):
         payload = first[offset]
-        if not rest and dtype in _WIDE and not average:
+        if not rest and dtype in WIDE and not average:
             yield offset, payload
             continue
         values = _combine(op, dtype, payload, [other[offset] for other in rest])

@@ -239,16 +239,12 @@ class ContributionScreen:
         for rank, totals in sorted(self._round.items()):
             history = self.history.setdefault(rank, deque(maxlen=HISTORY_ROUNDS))
             history.append(totals)
-            if totals.action == "excluded":
+            out = totals.action == "excluded"
+            if out:
                 excluded.add(rank)
             if self._observer is not None:
-                self._observer.observe_contribution(
-                    rank,
-                    totals.norm,
-                    totals.cosine,
-                    bool(totals.flagged_chunks),
-                    totals.action == "excluded",
-                )
+                flagged = bool(totals.flagged_chunks)
+                self._observer.observe_contribution(rank, totals.norm, totals.cosine, flagged, out)
             if totals.flagged_chunks:
                 line = totals.describe(self.job_id, self.thresholds)
                 self.count += 1

@@ -27,9 +27,8 @@ import secrets
 from collections.abc import Collection, Iterable, Mapping, Sequence
 
 from gradsync_proto.codec import ChunkHeader
-from gradsync_proto.codes import Code
 
-from gradsync_server.errors import RejectedMessage
+from gradsync_server.dataplane.chunk_checks import refused
 from gradsync_server.text import quoted
 
 #: Longest Join.host_id accepted (it is logged and shown).
@@ -176,21 +175,17 @@ def check_covers(
         any(a >= b for a, b in itertools.pairwise(named))
         or any(r not in (covered or [rank]) for r in named)
     ):
-        raise RejectedMessage(
-            Code.INVALID_ARGUMENT,
+        raise refused(
+            chunk,
             f"rank {rank} sent {where} naming ranks {list(named)} for non-finite gradients, but "
             f"they must be ascending, without repeats, among the ranks it covers "
             f"({covered or [rank]})",
-            step=step,
-            bucket_index=bucket,
         )
     if group and group[0] != rank:
-        raise RejectedMessage(
-            Code.INVALID_ARGUMENT,
+        raise refused(
+            chunk,
             f"rank {rank} sent {where}, but it is a follower in local group {list(group)}: "
             f"only its local leader, rank {group[0]}, uploads gradients for it",
-            step=step,
-            bucket_index=bucket,
         )
     if not covered:
         return 1
@@ -213,9 +208,4 @@ def check_covers(
         )
     else:
         return len(covered)
-    raise RejectedMessage(
-        Code.INVALID_ARGUMENT,
-        f"rank {rank} sent {where} covering ranks {covered}, but {problem}",
-        step=step,
-        bucket_index=bucket,
-    )
+    raise refused(chunk, f"rank {rank} sent {where} covering ranks {covered}, but {problem}")

@@ -75,17 +75,6 @@ POLICIES = defaults.NONFINITE_POLICIES
 _KEYS_REMEMBERED = 4096
 
 
-def check_policy(policy: str) -> NonFinitePolicy:
-    """`policy` as a `NonFinitePolicy` if it is one.
-
-    Raises:
-        ValueError: it is not (names the allowed ones).
-    """
-    if policy not in POLICIES:
-        raise ValueError(f"nonfinite policy must be one of {', '.join(POLICIES)}; got {policy!r}")
-    return NonFinitePolicy(policy)
-
-
 @dataclass(frozen=True)
 class NonFiniteContribution:
     """One chunk of one rank's bucket that held NaN or Inf.
@@ -253,18 +242,10 @@ class NonFiniteGuard:
     bucket, forwards it (a shard's report to its leader), and under "abort"
     refuses the step.
 
-    Args:
-        job_id: the job (for messages).
-        policy: "report", "abort" or "allow" (see `NonFinitePolicy`).
-        clock: monotonic time source (the log's rate limit).
-        observer: where the count goes, if anywhere.
-        shard_index: the process's byte range (a shard logs under "gradsync.shard").
-        shard_name: how messages name a shard's range.
-        on_nonfinite: called with each newly counted contribution (a shard forwards
-            them to its leader); None = nobody.
-
-    Attributes:
-        count, last: how many were counted, and the latest one's description.
+    Args: the open step's (`OpenStep`): the job's id, its policy ("report", "abort" or
+    "allow", `NonFinitePolicy`), the clock of the log's rate limit, where the count
+    goes, and the shard's index (a shard logs under "gradsync.shard"), name and
+    `on_nonfinite`.
 
     Raises:
         ValueError: an unknown policy.
@@ -281,7 +262,11 @@ class NonFiniteGuard:
         on_nonfinite: Callable[[NonFiniteContribution], None] | None = None,
     ) -> None:
         self.job_id = job_id
-        self.policy = check_policy(policy)
+        if policy not in POLICIES:
+            raise ValueError(
+                f"nonfinite policy must be one of {', '.join(POLICIES)}; got {policy!r}"
+            )
+        self.policy = NonFinitePolicy(policy)
         # A shard logs its own (with the counts); its leader counts them for status.
         logger = logging.getLogger("gradsync.shard" if shard_index else "gradsync.server")
         self._log = NonFiniteLog(clock, logger)
@@ -328,13 +313,11 @@ class NonFiniteGuard:
         contributions = [
             dataclasses.replace(sent, rank=culprit, via=rank) for culprit in chunk.nonfinite_ranks
         ] or [sent]
-        if self.policy is ABORT:
-            # Counted here too; a shard's leader counts it from the ShardRejected.
-            for contribution in contributions:
-                self.note(contribution, forward=False)
-            raise NonFiniteRejection.of(contributions[0])
+        # Under "abort" counted here too; a shard's leader counts it from the ShardRejected.
         for contribution in contributions:
-            self.note(contribution)
+            self.note(contribution, forward=self.policy is not ABORT)
+        if self.policy is ABORT:
+            raise NonFiniteRejection.of(contributions[0])
 
     def check_average(
         self,
@@ -362,26 +345,16 @@ class NonFiniteGuard:
             return
         culprits = self._log.ranks_of(step, bucket_index)
         if culprits:  # named and counted as its contribution arrived
-            if self.policy is ABORT:
-                contribution = NonFiniteContribution(
-                    self.job_id, culprits[0], step, bucket_index, offset, 0, 0, self._where
-                )
-                raise NonFiniteRejection.of(contribution)
-            return
-        average = NonFiniteContribution(
-            job_id=self.job_id,
-            rank=-1,
-            step=step,
-            bucket_index=bucket_index,
-            offset=offset,
-            nonfinite=nonfinite,
-            elements=elements,
-            where=self._where,
-            covered=ranks,
-        )
-        self.note(average, forward=False)
+            found = NonFiniteContribution(
+                self.job_id, culprits[0], step, bucket_index, offset, 0, 0, self._where
+            )
+        else:  # the average's own
+            found = NonFiniteContribution(
+                self.job_id, -1, step, bucket_index, offset, nonfinite, elements, self._where, ranks
+            )
+            self.note(found, forward=False)
         if self.policy is ABORT:
-            raise NonFiniteRejection.of(average)
+            raise NonFiniteRejection.of(found)
 
     def note(self, contribution: NonFiniteContribution, forward: bool = True) -> bool:
         """Count, log and export a non-finite contribution (once per rank, step and bucket).

@@ -16,7 +16,7 @@ expected, yet averages keep dividing by the membership's size; and a comm
 hook may send a float32/float64 bucket as float16/bfloat16 (every rank the
 same per step and bucket), accumulated in float32 and answered in the same
 16-bit type (or float32), or DiLoCo a float32 one as int8 with a scale per
-chunk, dequantized on arrival (`int8_chunks`), answered in float32 (or `outer_answer`).
+chunk, dequantized on arrival (`chunk_checks`), answered in float32 (or `outer_answer`).
 
 With local groups (`host_groups`) only unit leaders upload and receive
 averages; a leader's chunk weighs its (checked) `covered_ranks`, and counts
@@ -48,9 +48,8 @@ from __future__ import annotations
 
 import math
 from collections import deque
-from collections.abc import Callable, Mapping
-from dataclasses import dataclass
-from typing import Protocol
+from collections.abc import Callable
+from dataclasses import dataclass, field
 
 from gradsync_proto import chunking, dtypes
 from gradsync_proto.codec import ChunkHeader
@@ -70,7 +69,7 @@ from gradsync_server.dataplane.aggregation import (
     measured_examine,
 )
 from gradsync_server.dataplane.budget import ByteBudget, OwnerBudget, Reservation
-from gradsync_server.dataplane.chunk_checks import BucketLayout, CheckedChunk, check_sender
+from gradsync_server.dataplane.chunk_checks import BucketLayout, CheckedChunk, check_sender, refused
 from gradsync_server.dataplane.contribution_screen import ContributionScreen, ScreenObserver
 from gradsync_server.dataplane.host_groups import LocalGroups, check_covers
 from gradsync_server.dataplane.late import LATE_RANK_BASE, Stragglers
@@ -91,35 +90,38 @@ from gradsync_server.dataplane.step_aborts import abort_actions
 from gradsync_server.dataplane.wire_replies import answer_sends
 from gradsync_server.errors import RejectedMessage
 
-__all__ = ["OpenStep", "StepMembership"]
+__all__ = ["MembershipView", "OpenStep", "PlaneMember"]
 
 #: Aborted step numbers remembered so that late chunks for them are dropped
 #: quietly instead of being reported as stale.
 _ABORTED_STEPS_REMEMBERED = 64
 
 
-class StepMembership(Protocol):
-    """What an open step reads of its job's membership.
+@dataclass(frozen=True)
+class PlaneMember:
+    """A member as the data plane knows it: its rank, incarnation, and the session that
+    admits its data stream (the incarnation is public: Status shows it; the session is not)."""
 
-    The `MembershipView` of the job's `JobPlane` (`gradsync_server.dataplane.plane`),
-    at the leader and at every shard alike.
-    """
+    rank: int
+    incarnation: str
+    session: bytes = field(default=b"", repr=False)
 
-    @property
-    def job_id(self) -> str: ...
 
-    @property
-    def epoch(self) -> int: ...
+@dataclass
+class MembershipView:
+    """The membership of one job as the control plane last announced it (what `OpenStep`
+    reads; the `JobPlane` of `gradsync_server.dataplane.plane` keeps it, at the leader
+    and at every shard alike)."""
 
-    @property
-    def members(self) -> Mapping[int, object]: ...
-
-    @property
-    def groups(self) -> LocalGroups: ...
+    job_id: str
+    epoch: int = 0
+    members: dict[int, PlaneMember] = field(default_factory=dict)
+    #: The control plane's local groups: the same units at every process.
+    groups: LocalGroups = field(default_factory=LocalGroups)
 
     def ranks(self) -> tuple[int, ...]:
         """Members of the current epoch, ascending."""
-        ...
+        return tuple(sorted(self.members))
 
 
 @dataclass
@@ -153,16 +155,13 @@ class OpenStep:
         on_nonfinite: called with each newly counted non-finite contribution (a
             shard forwards them to its leader); None = nobody.
 
-    Attributes:
-        nonfinite: the policy over the job's non-finite contributions (count, last, log).
-
     Raises:
         ValueError: `shard_index` is not in 0..shard_count - 1, or an unknown policy.
     """
 
     def __init__(
         self,
-        membership: StepMembership,
+        membership: MembershipView,
         chunk_bytes: int,
         budget: ByteBudget | OwnerBudget,
         clock: Callable[[], float],
@@ -183,9 +182,11 @@ class OpenStep:
         self.nonfinite = NonFiniteGuard(
             membership.job_id, nonfinite, clock, metrics, shard_index, self.shard_name, on_nonfinite
         )
-        self._membership = membership
+        #: The job's membership the step runs over.
+        self.membership = membership
         self._chunk_bytes = chunk_bytes
-        self._budget = budget
+        #: The coordinator-wide cap on buffered bytes the step holds its buffers in.
+        self.budget = budget
         self._clock = clock
         self._metrics = metrics
         #: Which completed steps tell the lowest rank who was slowest.
@@ -220,28 +221,18 @@ class OpenStep:
         self._step_screen = False
         self._verdicts: dict[tuple[int, int], ChunkVerdict] = {}
 
-    @property
-    def membership(self) -> StepMembership:
-        """The job's membership the step runs over."""
-        return self._membership
-
-    @property
-    def budget(self) -> ByteBudget | OwnerBudget:
-        """The coordinator-wide cap on buffered bytes the step holds its buffers in."""
-        return self._budget
-
     def participants(self) -> tuple[int, ...]:
         """Members expected in the open step's reductions, ascending."""
         skip = self.out_of_inputs | self.stragglers.excused
-        return tuple(r for r in self._membership.ranks() if r not in skip)
+        return tuple(r for r in self.membership.ranks() if r not in skip)
 
     def units(self) -> tuple[int, ...]:
         """The participants that upload and receive averages: flat ranks and group leaders."""
-        return self._membership.groups.units(self.participants())
+        return self.membership.groups.units(self.participants())
 
     def _divisor(self) -> int | None:
         """While some ranks ran out of inputs, averages divide by the membership's size."""
-        return len(self._membership.members) if self.out_of_inputs else None
+        return len(self.membership.members) if self.out_of_inputs else None
 
     def has_contributions(self) -> bool:
         """True once any chunk of the open step has arrived."""
@@ -269,12 +260,12 @@ class OpenStep:
             policy = check_screen(outer.screen if outer is not None else signature.screen)
             observer = self._metrics if isinstance(self._metrics, ScreenObserver) else None
             self.screen = ContributionScreen(
-                self._membership.job_id, policy, ScreenThresholds(), observer
+                self.membership.job_id, policy, ScreenThresholds(), observer
             )
         self._empty_buckets = sum(1 for lo, hi in spans if lo == hi)
         self._buckets_done = self._empty_buckets
         self.step = step
-        self._open_members = frozenset(self._membership.ranks())
+        self._open_members = frozenset(self.membership.ranks())
 
     def byte_range(self, bucket: int, wire_dtype: int) -> tuple[int, int]:
         """Bytes [lo, hi) of `bucket`, sent as `wire_dtype`, that this shard aggregates."""
@@ -310,16 +301,16 @@ class OpenStep:
         check_sender(
             rank,
             chunk,
-            job_id=self._membership.job_id,
-            members=self._membership.members,
-            epochs=(self._start_epoch, self._membership.epoch),
+            job_id=self.membership.job_id,
+            members=self.membership.members,
+            epochs=(self._start_epoch, self.membership.epoch),
             open_step=self.step,
             bucket_count=self.layout.count,
             out_of_inputs=self.out_of_inputs,
         )
         # Only the leader (shard 0: a range of every bucket) knows whom each step began with.
         open_members = self._open_members if self.shard_index == 0 else None
-        weight = check_covers(rank, chunk, self._membership.groups, open_members)
+        weight = check_covers(rank, chunk, self.membership.groups, open_members)
         held = self._buckets.get(bucket)
         checked = self.layout.check(
             rank,
@@ -328,7 +319,7 @@ class OpenStep:
             None if held is None else held.reduction,
             -1 if held is None else held.first_rank,
             self.outer.check_reply if self.outer.holds(bucket) else None,
-            self._budget,
+            self.budget,
         )
         sample_weight = self._weight_of(rank, chunk)
         contribution, magnitude, square = measured_examine(checked.payload, checked.payload_dtype)
@@ -340,7 +331,7 @@ class OpenStep:
             bad = count_nonfinite(contribution, checked.payload_dtype) if nonfinite else 0
             self.screen.note((bucket, chunk.offset), rank, square, bad)
         if not self.stragglers.begun:  # the round's first chunk: what it merges
-            self.stragglers.begin(step, self._membership.members, self.layout.count)
+            self.stragglers.begin(step, self.membership.members, self.layout.count)
         if held is None:
             held = self._open_bucket(bucket, checked, rank)
         try:
@@ -348,12 +339,10 @@ class OpenStep:
                 rank, chunk.offset, contribution, magnitude, weight, sample_weight
             )
         except DuplicateContributionError:
-            raise RejectedMessage(
-                Code.INVALID_ARGUMENT,
+            raise refused(
+                chunk,
                 f"rank {rank} sent the chunk at offset {chunk.offset} of bucket {bucket} "
                 f"twice for step {step}",
-                step=step,
-                bucket_index=bucket,
             ) from None
         held.account()
         if chunk.in_segment:
@@ -386,12 +375,12 @@ class OpenStep:
             average_dtype=pb.DTYPE_FLOAT32 if self.outer.holds(bucket) else None,
         )
         held = self._buckets[bucket] = _Bucket(
-            reduction, self._budget.reserve(self._membership.job_id), rank
+            reduction, self.budget.reserve(self.membership.job_id), rank
         )
         held.merged, held.staleness = self._merge_late(bucket, reduction)
         # Each rank's own unweighted pseudo-gradient (`screening.screen_problem`), once seeded.
         policy, screen = self.stragglers.policy, self.screen
-        flat = not self._membership.groups.groups() and not policy.weighted
+        flat = not self.membership.groups.groups() and not policy.weighted
         held_policy = not policy.merge_late and not self._notes(bucket)
         if screen is not None and self._screens(bucket) and flat and held_policy:
             reduction.screened_merge = lambda offset, rows: self._screened_merge(
@@ -407,7 +396,7 @@ class OpenStep:
         if self.screen is None:
             return False
         if self._step_screen:
-            return not self._membership.groups.groups()
+            return not self.membership.groups.groups()
         return self.outer.holds(bucket) and self.outer.seeded and not self.outer.replaying
 
     def _notes(self, bucket: int) -> bool:
@@ -435,7 +424,7 @@ class OpenStep:
         verdict = self._verdicts[key] = self.screen.verdict(self.step, key, rows)
         policy = self.screen.policy
         total, divisor = merge(policy, self.screen.thresholds, rows, verdict)
-        members = len(self._membership.members)
+        members = len(self.membership.members)
         if self.out_of_inputs and members > len(rows):
             if policy in (ScreenPolicy.TRIMMED_MEAN, ScreenPolicy.MEDIAN):
                 return total, divisor * members / len(rows), len(rows)
@@ -490,7 +479,7 @@ class OpenStep:
         self._segment_uploads.difference_update((bucket, offset, u) for u in from_segment)
         header = ChunkHeader(
             step=self.step,
-            membership_epoch=self._membership.epoch,
+            membership_epoch=self.membership.epoch,
             bucket_index=bucket,
             offset=offset,
             dtype=reduction.reply_dtype,
@@ -513,11 +502,11 @@ class OpenStep:
         two of them: a rank dropped under the elastic policy can complete several
         chunks at once, and closing the step frees the reductions they come from).
         """
-        if not self._buckets[bucket].reduction.complete:
+        reduction = self._buckets[bucket].reduction
+        if not reduction.complete:
             return []
         self._buckets_done += 1
         if self._metrics is not None and self.progress is not None:
-            reduction = self._buckets[bucket].reduction
             widening = dtypes.itemsize(reduction.reply_dtype) // dtypes.itemsize(reduction.dtype)
             sent = reduction.range_bytes * widening * len(self.units())
             self._metrics.observe_bucket_done(self.progress.bucket_age(bucket), sent)
@@ -529,17 +518,17 @@ class OpenStep:
         if self.screen is not None:
             self.screen.close_round(self.step)
         if self.stragglers.window is not None and self.progress is not None:
-            expected = [r for r in self._membership.ranks() if r not in self.out_of_inputs]
+            expected = [r for r in self.membership.ranks() if r not in self.out_of_inputs]
             grace.round_closed(
                 self.stragglers.window,
-                self._membership.job_id,
+                self.membership.job_id,
                 self.step,
                 expected,
                 self.progress.age(),
                 self.outer.seeded,
                 self._metrics,
             )
-        report = self.outer.close_step(self._membership.job_id, self.step) + report
+        report = self.outer.close_step(self.membership.job_id, self.step) + report
         self._advance()
         self.steps_completed += 1
         return report
@@ -601,25 +590,19 @@ class OpenStep:
             f"rank {rank} sent bucket {bucket} at offset {chunk.offset} of late round {chunk.step}"
         )
         if bucket >= layout.count:
-            raise RejectedMessage(
-                Code.INVALID_ARGUMENT,
-                f"{where}, but the model has {layout.count} buckets",
-                step=chunk.step,
-                bucket_index=bucket,
-            )
-        epoch = self._membership.epoch
+            raise refused(chunk, f"{where}, but the model has {layout.count} buckets")
+        epoch = self.membership.epoch
         if chunk.membership_epoch > epoch or chunk.covered_ranks:
-            raise RejectedMessage(
-                Code.FAILED_PRECONDITION,
+            raise refused(
+                chunk,
                 f"{where} in membership epoch {chunk.membership_epoch} covering ranks "
                 f"{list(chunk.covered_ranks)}; the coordinator is at epoch {epoch} "
                 "and late rounds carry one rank's own contribution",
-                step=chunk.step,
-                bucket_index=bucket,
+                Code.FAILED_PRECONDITION,
             )
         outer = self.outer.holds(bucket)
         reply_check = self.outer.check_reply if outer else None
-        checked = layout.check(rank, chunk, payload, None, -1, reply_check, self._budget)
+        checked = layout.check(rank, chunk, payload, None, -1, reply_check, self.budget)
         late = stragglers.late_upload(rank, chunk.step)
         if outer:
             earlier = f"first chunk of late round {late.step}"
@@ -629,19 +612,14 @@ class OpenStep:
         late.chunks_needed[bucket] = chunking.num_chunks(hi - lo, layout.chunk_bytes)
         seen = late.seen.setdefault(bucket, set())
         if chunk.offset in seen:
-            raise RejectedMessage(
-                Code.INVALID_ARGUMENT,
-                f"{where} twice",
-                step=chunk.step,
-                bucket_index=bucket,
-            )
+            raise refused(chunk, f"{where} twice")
         seen.add(chunk.offset)
         if outer and stragglers.policy.merge_late:
             contribution, magnitude = examine(checked.payload, checked.payload_dtype)
             if magnitude is Magnitude.NONFINITE:  # reported, or the open step aborted ("abort")
                 self.nonfinite.check(rank, chunk, contribution, checked.payload_dtype)
             if late.reservation is None:
-                late.reservation = self._budget.reserve(self._membership.job_id)
+                late.reservation = self.budget.reserve(self.membership.job_id)
             late.kept[(bucket, chunk.offset)] = (checked.wire_dtype, bytes(contribution), magnitude)
             late.reservation.hold(late.held_bytes())
         elements = len(checked.payload) // dtypes.itemsize(checked.payload_dtype)
@@ -724,7 +702,7 @@ class OpenStep:
         step = self.step
         self.remember_aborted(step)
         self._advance()
-        ranks = self._membership.ranks()
+        ranks = self.membership.ranks()
         if culprit not in ranks:
             ranks = tuple(sorted((*ranks, culprit)))
         return abort_actions(ranks, culprit, step, rejection)
@@ -764,8 +742,8 @@ class OpenStep:
         self.release()
         self._buckets_done = self._empty_buckets
         self.step += 1
-        self._start_epoch = self._membership.epoch
-        self._open_members = frozenset(self._membership.ranks())
+        self._start_epoch = self.membership.epoch
+        self._open_members = frozenset(self.membership.ranks())
 
     def late_ranks(self) -> dict[int, list[int]]:
         """Ranks the open step waits for, with the buckets others already delivered."""

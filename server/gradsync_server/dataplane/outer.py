@@ -36,7 +36,6 @@ replay answered in float32): a restart reseeds it, momentum from zero.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
 
 import numpy as np
 import numpy.typing as npt
@@ -45,22 +44,12 @@ from gradsync_proto.codec import ChunkHeader
 from gradsync_proto.v1 import gradsync_pb2 as pb
 
 from gradsync_server.dataplane.actions import PersistOuter
-from gradsync_server.dataplane.outer_answer import PublicCopy, answer_dtype_of
+from gradsync_server.dataplane.outer_answer import Pending, PublicCopy, answer_dtype_of
 from gradsync_server.dataplane.outer_snapshot import OuterSnapshot, layout_signature
 
 __all__ = ["OuterState"]
 
 Floats = npt.NDArray[np.float32]
-
-
-@dataclass
-class _Pending:
-    """One chunk's new global parameters and momentum, applied when the step completes."""
-
-    bucket: int
-    start: int
-    parameters: Floats
-    momentum: Floats | None
 
 
 def _nonfinite(values: Floats) -> int:
@@ -100,12 +89,9 @@ class OuterState:
         }
         self._parameters: dict[int, Floats] = {}
         self._momenta: dict[int, Floats] = {}
-        self._pending: list[_Pending] = []
+        self._pending: list[Pending] = []
         #: The global parameters as the ranks hold them, for a compact answer (else empty).
-        self.public = PublicCopy(
-            answer_dtype_of(outer) if self.active else pb.DTYPE_FLOAT32,
-            outer.answer_density,
-        )
+        self.public = PublicCopy(answer_dtype_of(outer), outer.answer_density)
         #: Outer steps applied (the seed not counted).
         self.rounds = 0
         #: What a stored record must match to be restored here (`outer_snapshot`).
@@ -174,7 +160,7 @@ class OuterState:
             stored = self._parameters[bucket][start : start + len(values)]
             return stored.astype("<f4", copy=True).data.cast("B")
         if not self.seeded:
-            self._pending.append(_Pending(bucket, start, values.copy(), None))
+            self._pending.append(Pending(bucket, start, values.copy()))
             self.last_nonfinite = _nonfinite(values)
             return average
         stop = start + len(values)
@@ -186,7 +172,7 @@ class OuterState:
             new_momentum = momentum * self.momentum + values if self.momentum else values.copy()
             step = values + self.momentum * new_momentum if self.nesterov else new_momentum
             new_parameters = parameters - self.lr * step
-        self._pending.append(_Pending(bucket, start, new_parameters, new_momentum))
+        self._pending.append(Pending(bucket, start, new_parameters, new_momentum))
         self.last_nonfinite = _nonfinite(new_parameters) + _nonfinite(new_momentum)
         exact = new_parameters.astype(np.float32, copy=False)
         return self.public.answer(bucket, start, offset, exact)
@@ -210,18 +196,13 @@ class OuterState:
             self.replaying = False
             self._pending.clear()
             return False
-        if not self.seeded:
+        seeding = not self.seeded
+        if seeding:
             for index, (lo, hi) in self._ranges.items():
                 self._parameters[index] = np.zeros(hi - lo, dtype=np.float32)
                 self._momenta[index] = np.zeros(hi - lo, dtype=np.float32)
-            seeding = True
-        else:
-            seeding = False
         for pending in self._pending:
-            stop = pending.start + len(pending.parameters)
-            self._parameters[pending.bucket][pending.start : stop] = pending.parameters
-            if pending.momentum is not None:
-                self._momenta[pending.bucket][pending.start : stop] = pending.momentum
+            pending.apply(self._parameters, self._momenta)
         self._pending.clear()
         self.public.commit(self._parameters, seeding)
         if not seeding:

@@ -54,12 +54,10 @@ import numpy as np
 import numpy.typing as npt
 from gradsync_proto import dtypes, int8_wire, sparse_wire
 from gradsync_proto.codec import ChunkHeader
-from gradsync_proto.codes import Code
 from gradsync_proto.v1 import gradsync_pb2 as pb
 
 from gradsync_server.dataplane.accumulators import from_accumulator, to_accumulator
-from gradsync_server.dataplane.wire_replies import reply_dtype_of
-from gradsync_server.errors import RejectedMessage
+from gradsync_server.dataplane.chunk_checks import refused
 
 __all__ = ["ANSWER_DTYPES", "PublicCopy", "answer_dtype_of", "answer_dtype_problem", "quantize"]
 
@@ -128,12 +126,21 @@ def quantize(
 
 
 @dataclass
-class _PendingPublic:
-    """One chunk's new public values, applied when the step completes."""
+class Pending:
+    """One chunk's new values (global parameters and momentum, or public values),
+    applied when the step completes."""
 
     bucket: int
     start: int
     values: Floats
+    momentum: Floats | None = None
+
+    def apply(self, values: dict[int, Floats], momenta: dict[int, Floats] | None = None) -> None:
+        """Write the chunk's values (and momentum, if it has some) into their arrays."""
+        stop = self.start + len(self.values)
+        values[self.bucket][self.start : stop] = self.values
+        if momenta is not None and self.momentum is not None:
+            momenta[self.bucket][self.start : stop] = self.momentum
 
 
 class PublicCopy:
@@ -151,7 +158,7 @@ class PublicCopy:
         self.density = density if answer_dtype == pb.DTYPE_INT8 else 0.0
         #: Per outer bucket: the public copy of this plane's range (what a snapshot needs).
         self.values: dict[int, Floats] = {}
-        self._pending: list[_PendingPublic] = []
+        self._pending: list[Pending] = []
         #: (bucket, wire offset) -> the scale of the open step's answer to that chunk.
         self._scales: dict[tuple[int, int], float] = {}
 
@@ -180,27 +187,23 @@ class PublicCopy:
             RejectedMessage: INVALID_ARGUMENT naming rank, step, bucket and both dtypes.
         """
         step, bucket = chunk.step, chunk.bucket_index
-        asked = reply_dtype_of(chunk.reply_dtype, wire_dtype)
+        asked = chunk.reply_dtype or wire_dtype  # unset: the payload's
         wanted = self.reply_dtype(seeded)
         where = f"rank {rank} asked for the answer to bucket {bucket} of step {step}"
         if asked != wanted:
             when = "every outer step after the seed" if seeded else "the seed"
-            raise RejectedMessage(
-                Code.INVALID_ARGUMENT,
+            raise refused(
+                chunk,
                 f"{where} in {dtypes.dtype_name(asked)}, but this job answers {when} in "
                 f"{dtypes.dtype_name(wanted)} (the outer optimizer's answer dtype is "
                 f"{dtypes.dtype_name(self.answer_dtype)})",
-                step=step,
-                bucket_index=bucket,
             )
         if asked != pb.DTYPE_FLOAT32 and wire_dtype != asked:
-            raise RejectedMessage(
-                Code.INVALID_ARGUMENT,
+            raise refused(
+                chunk,
                 f"{where} in {dtypes.dtype_name(asked)}, but sent it as "
                 f"{dtypes.dtype_name(wire_dtype)}: a {dtypes.dtype_name(asked)} answer needs a "
                 f"{dtypes.dtype_name(asked)} wire (one answer per uploaded chunk)",
-                step=step,
-                bucket_index=bucket,
             )
         return asked
 
@@ -218,7 +221,7 @@ class PublicCopy:
         public = self.values[bucket][start : start + len(exact)]
         change = exact - public
         payload, scale, added = quantize(change, self.answer_dtype, self.density)
-        self._pending.append(_PendingPublic(bucket, start, public + added))
+        self._pending.append(Pending(bucket, start, public + added))
         self._scales[(bucket, offset)] = scale
         return payload
 
@@ -237,8 +240,7 @@ class PublicCopy:
         if self.active and seeding:
             self.values = {index: values.copy() for index, values in parameters.items()}
         for pending in self._pending:
-            stop = pending.start + len(pending.values)
-            self.values[pending.bucket][pending.start : stop] = pending.values
+            pending.apply(self.values)
         self.discard()
 
     def discard(self) -> None:

@@ -139,10 +139,7 @@ def encode_snapshot(snapshot: OuterSnapshot, key: bytes | None = None) -> list[b
     for index in indices:
         parts.append(snapshot.parameters[index].astype("<f4", copy=False).tobytes())
         parts.append(snapshot.momenta[index].astype("<f4", copy=False).tobytes())
-    digest = hashlib.sha256()
-    for part in parts:
-        digest.update(part)
-    parts.append(digest.digest())
+    parts.append(_sha256(parts))
     if key is not None:
         mac = hmac.new(key, b"", hashlib.sha256)
         for part in parts:
@@ -153,10 +150,14 @@ def encode_snapshot(snapshot: OuterSnapshot, key: bytes | None = None) -> list[b
 
 def record_digest(parts: Sequence[bytes]) -> str:
     """The hex SHA-256 of a whole record given as parts (what a high-water mark names)."""
+    return _sha256(parts).hex()
+
+
+def _sha256(parts: Sequence[bytes]) -> bytes:
     digest = hashlib.sha256()
     for part in parts:
         digest.update(part)
-    return digest.hexdigest()
+    return digest.digest()
 
 
 def decode_snapshot(blob: bytes, job_id: str, key: bytes | None = None) -> OuterSnapshot:

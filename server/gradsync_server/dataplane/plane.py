@@ -52,10 +52,9 @@ from gradsync_proto.v1 import gradsync_pb2 as pb
 from gradsync_server import defaults
 from gradsync_server.dataplane.actions import Action, PersistOuter, ResumeBlob, SegmentAverage, Send
 from gradsync_server.dataplane.budget import ByteBudget, OwnerBudget
-from gradsync_server.dataplane.host_groups import LocalGroups
 from gradsync_server.dataplane.nonfinite import NonFiniteContribution, NonFiniteRejection
 from gradsync_server.dataplane.observer import StepObserver
-from gradsync_server.dataplane.open_step import OpenStep
+from gradsync_server.dataplane.open_step import MembershipView, OpenStep, PlaneMember
 from gradsync_server.errors import RejectedMessage
 
 __all__ = ["JobPlane", "MembershipView", "PlaneMember", "ShardOutcome", "check_view"]
@@ -63,32 +62,6 @@ __all__ = ["JobPlane", "MembershipView", "PlaneMember", "ShardOutcome", "check_v
 #: Steps for which a rejection was already reported (one report per step is enough:
 #: the leader aborts the whole step).
 _REPORTED_STEPS_REMEMBERED = 64
-
-
-@dataclass(frozen=True)
-class PlaneMember:
-    """A member as the data plane knows it: its rank, incarnation, and the session that
-    admits its data stream (the incarnation is public: Status shows it; the session is not)."""
-
-    rank: int
-    incarnation: str
-    session: bytes = field(default=b"", repr=False)
-
-
-@dataclass
-class MembershipView:
-    """The membership of one job as the control plane last announced it (what `OpenStep`
-    reads)."""
-
-    job_id: str
-    epoch: int = 0
-    members: dict[int, PlaneMember] = field(default_factory=dict)
-    #: The control plane's local groups: the same units at every process.
-    groups: LocalGroups = field(default_factory=LocalGroups)
-
-    def ranks(self) -> tuple[int, ...]:
-        """Members of the current epoch, ascending."""
-        return tuple(sorted(self.members))
 
 
 @dataclass(frozen=True)
@@ -113,23 +86,24 @@ class Followed:
     refused: tuple[int, RejectedMessage] | None = None
 
 
-def _averages_only(actions: list[Action]) -> list[Send]:
-    """The averaged chunks among `actions` (a shard sends no StepReport or StepAborted)."""
+def _outcome(
+    actions: list[Action],
+    rejected: pb.ShardRejected | None = None,
+    nonfinite: list[pb.ShardNonFinite] | None = None,
+) -> ShardOutcome:
+    """A shard's outcome of `actions`: only the averaged chunks (a shard sends no StepReport
+    or StepAborted) and the outer-state saves (they go before the step's last answers)."""
     sends = []
+    saves = []
     for action in actions:
-        if not isinstance(action, Send):
+        if isinstance(action, PersistOuter):
+            saves.append(action)
+        if not isinstance(action, Send) or isinstance(action.message, ResumeBlob):
             continue
         message = action.message
-        if isinstance(message, ResumeBlob):
-            continue
         if isinstance(message, bytes | SegmentAverage) or message.WhichOneof("kind") == "gradient":
             sends.append(action)
-    return sends
-
-
-def _saves(actions: list[Action]) -> list[PersistOuter]:
-    """The outer-state saves among `actions` (they go before the step's last answers)."""
-    return [action for action in actions if isinstance(action, PersistOuter)]
+    return ShardOutcome(sends, rejected, nonfinite or [], saves)
 
 
 def check_view(view: pb.ShardJobView, shard_index: int) -> str | None:
@@ -152,18 +126,12 @@ class JobPlane:
     """One job's data plane for one byte range: the announced membership and the open step.
 
     Args:
-        job_id: the job's name.
-        chunk_bytes: chunk size every rank must use.
-        shard_count: how many byte ranges every bucket is cut into (1 = unsharded).
-        budget: the process's cap on buffered gradient bytes (or the job's share of it).
-        clock: monotonic time source (injectable for tests).
-        observer: where bucket and step latencies go, if anywhere.
-        shard_index: the byte range this plane aggregates (0 at the leader).
-        shard_name: how messages name this process, e.g. "shard 2 at 10.0.0.5:50051".
-        nonfinite: the `--nonfinite` policy (the leader's, at a shard).
+        job_id: the job's name; the others are the open step's (`OpenStep`; `observer`
+            is its `metrics`, `shard_name` e.g. "shard 2 at 10.0.0.5:50051", `nonfinite`
+            the leader's policy at a shard).
 
     Raises:
-        ValueError: `shard_index` is not in 0..shard_count - 1, or an unknown policy.
+        ValueError: as `OpenStep`.
     """
 
     def __init__(
@@ -302,12 +270,8 @@ class JobPlane:
     def apply(self, view: pb.ShardJobView) -> ShardOutcome:
         """At a shard: follow the leader's view; averages to send, or the rejection to report."""
         followed = self.follow(view)
-        rejected = None
-        if followed.refused is not None:
-            rank, rejection = followed.refused
-            rejected = self.report(rank, rejection)
-        actions = followed.actions
-        return ShardOutcome(_averages_only(actions), rejected, saves=_saves(actions))
+        rejected = None if followed.refused is None else self.report(*followed.refused)
+        return _outcome(followed.actions, rejected)
 
     def hello_problem(self, rank: int, incarnation: str, session: bytes) -> str | None:
         """Why a data stream from (`rank`, `incarnation`, `session`) is not admitted, or None.
@@ -383,7 +347,7 @@ class JobPlane:
         except RejectedMessage as rejection:
             return ShardOutcome([], self.report(rank, rejection, chunk.step))
         nonfinite, self._nonfinite = self._nonfinite, []
-        return ShardOutcome(_averages_only(actions), nonfinite=nonfinite, saves=_saves(actions))
+        return _outcome(actions, nonfinite=nonfinite)
 
     def _forward_nonfinite(self, contribution: NonFiniteContribution) -> None:
         """A newly seen non-finite contribution, for the leader (--nonfinite report)."""

@@ -24,6 +24,10 @@ class StepProgress:
     def __init__(self, chunks_per_bucket: list[int], clock: Callable[[], float]) -> None:
         self._chunks_per_bucket = chunks_per_bucket
         self._clock = clock
+        self.reset()
+
+    def reset(self) -> None:
+        """Forget the step (it completed or was abandoned)."""
         self._delivered: dict[tuple[int, int], int] = {}
         self._first_done: dict[int, float] = {}
         self._bucket_started: dict[int, float] = {}
@@ -43,10 +47,7 @@ class StepProgress:
             seconds after the first rank completed it (0.0 for the first rank).
             Otherwise None.
         """
-        now = self._clock()
-        if self.started_at is None:
-            self.started_at = now
-        self._bucket_started.setdefault(bucket_index, now)
+        now = self._start(bucket_index)
         key = (bucket_index, rank)
         if chunks is not None:
             self._needed[bucket_index] = chunks
@@ -71,21 +72,17 @@ class StepProgress:
         needed = self._chunks_needed(bucket_index)
         if needed == 0 or self._delivered.get((bucket_index, rank), 0) >= needed:
             return None
+        now = self._start(bucket_index)
+        self._delivered[(bucket_index, rank)] = needed
+        return now - self._first_done.setdefault(bucket_index, now)
+
+    def _start(self, bucket_index: int) -> float:
+        """Now, noted as the step's and the bucket's start if they had none."""
         now = self._clock()
         if self.started_at is None:
             self.started_at = now
         self._bucket_started.setdefault(bucket_index, now)
-        self._delivered[(bucket_index, rank)] = needed
-        return now - self._first_done.setdefault(bucket_index, now)
-
-    def reset(self) -> None:
-        """Forget the step (it completed or was abandoned)."""
-        self._delivered.clear()
-        self._first_done.clear()
-        self._bucket_started.clear()
-        self._needed.clear()
-        self.started_at = None
-        self.stall_warned = False
+        return now
 
     def _chunks_needed(self, bucket_index: int) -> int:
         return self._needed.get(bucket_index, self._chunks_per_bucket[bucket_index])

@@ -37,11 +37,10 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 
 from gradsync_proto.codec import ChunkHeader
-from gradsync_proto.codes import Code
 from gradsync_proto.v1 import gradsync_pb2 as pb
 
+from gradsync_server.dataplane.chunk_checks import refused
 from gradsync_server.dataplane.screening import screen_problem
-from gradsync_server.errors import RejectedMessage
 
 __all__ = [
     "MAX_WEIGHT",
@@ -155,17 +154,15 @@ def job_problem(
     the floor applied), or None (checked at its start)."""
     if outer is None:
         return None
-    if outer.min_contributors == 0:
-        return screen_problem(outer, local_groups)
     k = outer.min_contributors
     if k > world_size:
         return f"min_contributors={k} is more than the job's {world_size} ranks"
-    if shard_count > 1:
+    if k and shard_count > 1:
         return (
             f"partial rounds (min_contributors={k}) need an unsharded coordinator; this one has "
             f"{shard_count} shards (each would have to close its range of the round alike)"
         )
-    if local_groups:
+    if k and local_groups:
         return (
             f"partial rounds (min_contributors={k}) need flat ranks; this job formed local "
             "groups (pass hierarchical=False)"
@@ -190,35 +187,26 @@ def check_weight(
     where = f"rank {rank} sent bucket {bucket} at offset {chunk.offset} of round (step) {step}"
     if not weighted:
         if weight != 0:
-            raise RejectedMessage(
-                Code.INVALID_ARGUMENT,
-                f"{where} with weight {weight!r}, but the job is not weighted (expected 0)",
-                step=step,
-                bucket_index=bucket,
+            raise refused(
+                chunk, f"{where} with weight {weight!r}, but the job is not weighted (expected 0)"
             )
         return 1.0
     if math.isfinite(weight) and 0 < weight < MIN_WEIGHT:
-        raise RejectedMessage(
-            Code.INVALID_ARGUMENT,
+        raise refused(
+            chunk,
             f"{where} with weight {weight!r}, below the minimum weight {MIN_WEIGHT!r} (2**-20; "
             "a weight that small rounds the weighted average towards 0/0)",
-            step=step,
-            bucket_index=bucket,
         )
     if not (math.isfinite(weight) and MIN_WEIGHT <= weight <= MAX_WEIGHT):
-        raise RejectedMessage(
-            Code.INVALID_ARGUMENT,
+        raise refused(
+            chunk,
             f"{where} with weight {weight!r}, expected a finite weight in [{MIN_WEIGHT!r}, "
             f"{MAX_WEIGHT:g}] (the samples it processed since its last round)",
-            step=step,
-            bucket_index=bucket,
         )
     if earlier is not None and weight != earlier:
-        raise RejectedMessage(
-            Code.INVALID_ARGUMENT,
+        raise refused(
+            chunk,
             f"{where} with weight {weight!r}, but its {seen_at} claimed weight {earlier!r} "
             "(every chunk of a rank's round carries the same weight)",
-            step=step,
-            bucket_index=bucket,
         )
     return weight

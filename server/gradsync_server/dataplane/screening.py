@@ -45,6 +45,7 @@ parked contribution is.
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 import math
 from collections.abc import Sequence
@@ -120,10 +121,7 @@ def screen_problem(outer: pb.OuterOptimizer | None, local_groups: bool) -> str |
     if policy is ScreenPolicy.REPORT:
         return None
     if local_groups:
-        return (
-            f"screen {policy.value!r} needs flat ranks; this job formed local groups "
-            "(pass hierarchical=False)"
-        )
+        return step_screen_problem(policy.value, local_groups)
     if outer.weighted or outer.merge_late:
         return (
             f"screen {policy.value!r} needs unweighted rounds without late merges "
@@ -325,13 +323,9 @@ def judge(
             excluded.add(rank)
     if policy is not ScreenPolicy.EXCLUDE or len(excluded) == len(measures):
         if policy is ScreenPolicy.EXCLUDE:
-            findings = [_replace_action(f, "reported") for f in findings]
+            findings = [dataclasses.replace(f, action="reported") for f in findings]
         excluded = set()
     return ChunkVerdict(tuple(findings), frozenset(excluded), median_norm)
-
-
-def _replace_action(finding: Finding, action: str) -> Finding:
-    return Finding(finding.rank, finding.reasons, finding.ratio, finding.cosine, action)
 
 
 def merge(

@@ -54,35 +54,19 @@ def abort_actions(
     non-finite contribution under `--nonfinite abort`: one message for every
     rank alike (reason NONFINITE, code ABORTED, the culprit named).
     """
-    bucket = rejection.bucket_index
+    bucket, code, details = rejection.bucket_index, rejection.code, rejection.message
     if isinstance(rejection, NonFiniteRejection):
         # The rank whose gradient held it: a local group's member, not the leader
         # that uploaded the group's sum, when the group could tell.
         reason = pb.ABORT_REASON_NONFINITE
-        return [
-            abort_message(
-                ranks, step, rejection.code, rejection.message, bucket, reason, rejection.rank
-            )
-        ]
+        return [abort_message(ranks, step, code, details, bucket, reason, rejection.rank)]
     actions: list[Action] = []
     if culprit in ranks:
-        actions.append(
-            abort_message(
-                (culprit,),
-                step,
-                rejection.code,
-                rejection.message,
-                bucket,
-                pb.ABORT_REASON_MESSAGE_REJECTED,
-                culprit,
-            )
-        )
+        reason = pb.ABORT_REASON_MESSAGE_REJECTED
+        actions.append(abort_message((culprit,), step, code, details, bucket, reason, culprit))
     others = tuple(r for r in ranks if r != culprit)
     if others:
-        why = (
-            f"step {step} aborted because rank {culprit}'s message was rejected: "
-            f"{rejection.message}"
-        )
+        why = f"step {step} aborted because rank {culprit}'s message was rejected: {details}"
         reason = pb.ABORT_REASON_PEER_MESSAGE_REJECTED
         actions.append(abort_message(others, step, Code.ABORTED, why, bucket, reason, culprit))
     return actions

@@ -110,9 +110,7 @@ class BlobAssembler:
 
     def blob(self) -> bytes:
         """The assembled bytes (call once complete); the budget is given back."""
-        data = bytes(self._assembly.blob())
-        self.release()
-        return data
+        return bytes(self.take())
 
     def take(self) -> bytearray:
         """The assembled bytes (call once complete), handed over without a copy: the

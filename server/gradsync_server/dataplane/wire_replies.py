@@ -40,11 +40,6 @@ COMPRESSED_WIRE = (pb.DTYPE_FLOAT16, pb.DTYPE_BFLOAT16)
 INT8_WIRE = pb.DTYPE_INT8
 
 
-def reply_dtype_of(chunk_reply_dtype: int, wire_dtype: int) -> int:
-    """The dtype a chunk asks its average back in (unset = its payload's)."""
-    return chunk_reply_dtype or wire_dtype
-
-
 def reply_dtype_problem(reply_dtype: int, wire_dtype: int, native_dtype: int) -> str | None:
     """Why `reply_dtype` cannot answer a `wire_dtype` payload of a `native_dtype` bucket, or None.
 
@@ -79,30 +74,6 @@ def reply_dtype_problem(reply_dtype: int, wire_dtype: int, native_dtype: int) ->
     )
 
 
-def reply_pieces(
-    offset: int, averaged: memoryview, wire_dtype: int, reply_dtype: int, chunk_bytes: int
-) -> list[tuple[int, memoryview]]:
-    """(reply offset, bytes) of each message carrying the average of the input chunk at `offset`.
-
-    Args:
-        offset: the input chunk's offset in wire bytes (on its range's grid).
-        averaged: its average, already in `reply_dtype`.
-
-    Returns:
-        One piece at `offset` when the reply is in the wire dtype; otherwise
-        the reply grid's pieces that the chunk covers: cutting [2 o, 2 o + 2 L)
-        from its own start is the reply range's grid, since 2 o is on it (see
-        the module docstring).
-    """
-    if reply_dtype == wire_dtype:
-        return [(offset, averaged)]
-    start = offset * (dtypes.itemsize(reply_dtype) // dtypes.itemsize(wire_dtype))
-    return [
-        (piece, averaged[piece - start : piece - start + length])
-        for piece, length in chunking.range_chunk_spans(start, start + len(averaged), chunk_bytes)
-    ]
-
-
 def answer_sends(
     header: ChunkHeader,
     averaged: memoryview,
@@ -121,8 +92,15 @@ def answer_sends(
         from_segment: those of `units` whose upload came from their same-host segment:
             they get a `SegmentAverage` (nothing encoded) when the reply is one piece.
     """
+    # One piece at the input's offset when the reply is in the wire dtype; otherwise the
+    # reply grid's pieces the chunk covers: cutting [2 o, 2 o + 2 L) from its own start
+    # is the reply range's grid, since 2 o is on it (see the module docstring).
+    pieces = [(header.offset, averaged)]
+    if header.dtype != wire_dtype:
+        start = header.offset * (dtypes.itemsize(header.dtype) // dtypes.itemsize(wire_dtype))
+        spans = chunking.range_chunk_spans(start, start + len(averaged), chunk_bytes)
+        pieces = [(piece, averaged[piece - start : piece - start + n]) for piece, n in spans]
     sends = []
-    pieces = reply_pieces(header.offset, averaged, wire_dtype, header.dtype, chunk_bytes)
     for piece_offset, piece in pieces:
         piece_header = dataclasses.replace(header, offset=piece_offset)
         # A segment's upload is answered on its own grid, in its own dtype (one piece).
