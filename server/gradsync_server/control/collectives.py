@@ -55,6 +55,7 @@ import logging
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 from gradsync_proto import dtypes
 from gradsync_proto.blobs import blob_chunks
@@ -159,6 +160,24 @@ class _Round:
         """Give every input's bytes back to the budget."""
         for item in self.inputs.values():
             item.release()
+
+    def forget(self, rank: int) -> None:
+        """Give `rank`'s input back and forget everything it declared."""
+        self.inputs.pop(rank).release()
+        for declared in (self.arrived, self.splits, self.covered, self.waited):
+            declared.pop(rank, None)
+
+    def answer(self, **fields: Any) -> pb.CollectiveChunk:
+        """A chunk of this collective's answer (a result or its failure) with its header."""
+        return pb.CollectiveChunk(
+            sequence=self.sequence,
+            op=self.op,  # type: ignore[arg-type]
+            dtype=self.dtype,  # type: ignore[arg-type]
+            root=self.root,
+            reduce_op=self.reduce_op,  # type: ignore[arg-type]
+            contributors=len(self.participants),
+            **fields,
+        )
 
 
 class Collectives:
@@ -340,12 +359,7 @@ class Collectives:
             item.add(chunk.offset, chunk.payload, chunk.total_bytes)
         finally:
             if not item.received and not item.complete:
-                item.release()
-                del held.inputs[rank]  # nothing of it was taken
-                held.splits.pop(rank, None)
-                held.arrived.pop(rank, None)
-                held.covered.pop(rank, None)
-                held.waited.pop(rank, None)
+                held.forget(rank)  # nothing of it was taken
         if held.sequence >= self.next_sequence:
             self.next_sequence = held.sequence + 1
         # (Every participant's input there, its own or its host group's, and whole.)
@@ -537,15 +551,7 @@ class Collectives:
     def _tell(self, held: _Round, ranks: tuple[int, ...]) -> list[Action]:
         actions: list[Action] = []
         if ranks:
-            failure = pb.CollectiveChunk(
-                sequence=held.sequence,
-                op=held.op,  # type: ignore[arg-type]
-                dtype=held.dtype,  # type: ignore[arg-type]
-                root=held.root,
-                reduce_op=held.reduce_op,  # type: ignore[arg-type]
-                contributors=len(held.participants),
-                error=held.failure or "",
-            )
+            failure = held.answer(error=held.failure or "")
             actions.append(Send(ranks, pb.CoordinatorMessage(collective=failure)))
             held.told.update(ranks)
             # A host group's ranks hear it from their leader.
@@ -586,13 +592,8 @@ class Collectives:
             unit = held.covering(rank)
             if unit is not None and held.inputs[unit].complete:
                 continue
-            item = held.inputs.get(rank)
-            if item is not None:
-                item.release()
-                del held.inputs[rank]
-                held.arrived.pop(rank, None)
-                held.covered.pop(rank, None)
-                held.waited.pop(rank, None)
+            if rank in held.inputs:
+                held.forget(rank)
             held.participants.remove(rank)
             if not held.participants:
                 self._close(held)
@@ -616,8 +617,11 @@ class Collectives:
             by_rank = [(units, reduced)]
         elif held.op in PER_RANK:
             blobs = {r: _assembled(held, r).blob() for r in participants}
-            sends = sorted(self._per_rank(held, blobs).items())
-            by_rank = [((rank,), result) for rank, result in sends]
+            send_splits = {r: splits[0] for r, splits in held.splits.items()}
+            results = per_rank_results(
+                held.op, held.reduce_op, held.dtype, held.root, blobs, send_splits
+            )
+            by_rank = [((rank,), result) for rank, result in sorted(results.items())]
         else:
             blobs = {r: _assembled(held, r).blob() for r in participants}
             by_rank = [(participants, self._common(held, participants, blobs))]
@@ -628,17 +632,7 @@ class Collectives:
             Send(
                 ranks,
                 pb.CoordinatorMessage(
-                    collective=pb.CollectiveChunk(
-                        sequence=held.sequence,
-                        op=held.op,  # type: ignore[arg-type]
-                        dtype=held.dtype,  # type: ignore[arg-type]
-                        total_bytes=len(result),
-                        offset=offset,
-                        payload=payload,
-                        root=held.root,
-                        contributors=len(participants),
-                        reduce_op=held.reduce_op,  # type: ignore[arg-type]
-                    )
+                    collective=held.answer(total_bytes=len(result), offset=offset, payload=payload)
                 ),
             )
             for ranks, result in by_rank
@@ -657,14 +651,7 @@ class Collectives:
         chunks and encoded once per chunk for every unit (`collective_fold`)."""
         inputs = [held.inputs[r] for r in units]
         total = inputs[0].total_bytes
-        fields = pb.CollectiveChunk(
-            sequence=held.sequence,
-            op=held.op,  # type: ignore[arg-type]
-            dtype=held.dtype,  # type: ignore[arg-type]
-            total_bytes=total,
-            root=held.root,
-            contributors=len(participants),
-        )
+        fields = held.answer(total_bytes=total)  # reduce_op 0: an all-reduce's is unset
         chunks = [item.chunks for item in inputs if isinstance(item, HeldInput)]
         actions: list[Action] = []
         for offset, payload in folded_results(held.op, held.dtype, chunks):
@@ -701,11 +688,6 @@ class Collectives:
             for rank, wait in zip(covered, waited, strict=True):
                 arrived[rank] = held.arrived[leader] - max(0.0, wait)
         return arrived
-
-    @staticmethod
-    def _per_rank(held: _Round, blobs: dict[int, bytes]) -> dict[int, bytes]:
-        send_splits = {r: splits[0] for r, splits in held.splits.items()}
-        return per_rank_results(held.op, held.reduce_op, held.dtype, held.root, blobs, send_splits)
 
     @staticmethod
     def _common(held: _Round, participants: tuple[int, ...], blobs: dict[int, bytes]) -> bytes:
