@@ -140,14 +140,6 @@ class Membership:
         if join.heal_relayed:
             self.heal_relayed.add(rank)
 
-    def new_epoch(self) -> None:
-        """The members changed without newcomers (a rank was lost): a new epoch begins."""
-        self.epoch += 1
-
-    def resume_epoch(self, epoch: int) -> None:
-        """A job resumed from a checkpoint goes on in the checkpoint's epoch."""
-        self.epoch = epoch
-
     def promote_newcomers(self) -> list[int]:
         """Make every waiting newcomer a member and start a new epoch; return them."""
         promoted = sorted(self.newcomers)
