@@ -136,25 +136,15 @@ class _Round:
     def describe(self) -> str:
         return f"collective {self.sequence} ({self.name})"
 
-    def units(self) -> tuple[int, ...]:
-        """The ranks that sent an input (their own, or a host group's), ascending."""
-        return tuple(sorted(self.inputs))
-
     def covering(self, rank: int) -> int | None:
         """The rank whose input holds `rank`'s (itself, or its host group's leader), or None."""
         if rank in self.inputs:
             return rank
-        for leader, covered in self.covered.items():
-            if rank in covered:
-                return leader
-        return None
+        return next((leader for leader, covered in self.covered.items() if rank in covered), None)
 
     def ready(self) -> bool:
-        for rank in self.participants:
-            unit = self.covering(rank)
-            if unit is None or not self.inputs[unit].complete:
-                return False
-        return True
+        units = [self.covering(rank) for rank in self.participants]
+        return all(unit is not None and self.inputs[unit].complete for unit in units)
 
     def release(self) -> None:
         """Give every input's bytes back to the budget."""
@@ -603,7 +593,7 @@ class Collectives:
 
     def _finish(self, held: _Round) -> list[Action]:
         participants = tuple(held.participants)
-        units = held.units()
+        units = tuple(sorted(held.inputs))  # the senders (their own input, or a host group's)
         received = sum(held.inputs[r].total_bytes for r in units)
         arrived = self._arrivals(held) if self._reports_lag else {}
         by_rank: list[tuple[tuple[int, ...], bytes | memoryview]]

@@ -683,14 +683,11 @@ class Job:
         if orderly and quiet and not elastic:
             # A normal finish: nobody is told anything now; a rank that still
             # sends a step or a collective gets this reason then.
-            self.state = JobState.FINISHING
-            self._broken_reason = (
+            reason = (
                 f"rank {rank} left job '{self.job_id}' after step {self.in_flight.step - 1}; "
                 "the remaining ranks cannot complete further steps"
             )
-            self.in_flight.release()
-            self.collectives.release()
-            self.release_uploads()
+            self._stop(JobState.FINISHING, reason, aborted=False)
             return []
         if elastic:
             actions = self.elastic.shrink(rank, how, followers)
@@ -739,13 +736,15 @@ class Job:
         ranks = sorted({*self.membership.ranks(), *self.membership.newcomers})
         return [Terminate(tuple(ranks), code, details, reason)]
 
-    def _stop(self, state: JobState, reason: str) -> None:
-        """The job cannot go on: free what it buffers; its open step will never complete."""
+    def _stop(self, state: JobState, reason: str, aborted: bool = True) -> None:
+        """The job cannot go on: free what it buffers; its open step will never complete
+        (and, `aborted`, the ranks were told so: a late chunk of it is not answered again)."""
         self.state = state
         self._broken_reason = reason
         self.in_flight.release()
         self.release_uploads()
-        self.in_flight.remember_aborted(self.in_flight.step)
+        if aborted:
+            self.in_flight.remember_aborted(self.in_flight.step)
         self.collectives.release()
 
     def end_for_shard_loss(self, index: int, address: str, why: str) -> list[Action]:

@@ -91,15 +91,13 @@ def mismatch(
     """
     header = checkpoint.header if isinstance(checkpoint, Checkpoint) else checkpoint
     stored_digest = header.metadata.get(SIGNATURE_KEY)
-    stored_mac = header.metadata.get(MAC_KEY)
     if key is not None:
-        if not stored_mac:
+        if not header.metadata.get(MAC_KEY):
             return (
                 "it carries no MAC, but this coordinator has a token: it was written without "
                 "one (or planted by someone who cannot sign)"
             )
-        expected = _mac(key, header, header.metadata)
-        if not hmac.compare_digest(expected, stored_mac):
+        if not authentic(header, key):
             return (
                 "its MAC does not verify under this coordinator's token: it was written "
                 "under another token, or altered or planted since"
