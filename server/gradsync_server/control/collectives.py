@@ -239,12 +239,9 @@ class Collectives:
 
     def waiting_ranks(self) -> tuple[int, ...]:
         """Ranks that contributed to a collective still in flight (they wait for it)."""
-        return tuple(
-            sorted(
-                {r for rnd in self._rounds.values() for r in rnd.inputs}
-                | {r for rnd in self._rounds.values() for c in rnd.covered.values() for r in c}
-            )
-        )
+        ranks = {r for rnd in self._rounds.values() for r in rnd.inputs}
+        ranks.update(r for rnd in self._rounds.values() for c in rnd.covered.values() for r in c)
+        return tuple(sorted(ranks))
 
     # --------------------------------------------------------------- input
     def accept(
@@ -598,7 +595,18 @@ class Collectives:
         arrived = self._arrivals(held) if self._reports_lag else {}
         by_rank: list[tuple[tuple[int, ...], bytes | memoryview]]
         if folds(held.op, held.dtype):
-            return self._finish_folded(held, participants, units, received, arrived)
+            # A floating all-reduce: combined chunk by chunk from the inputs' own chunks and
+            # encoded once per chunk for every unit (`collective_fold`).
+            kept = [held.inputs[r] for r in units]
+            fields = held.answer(total_bytes=kept[0].total_bytes)  # reduce_op 0: unset
+            chunks = [item.chunks for item in kept if isinstance(item, HeldInput)]
+            actions: list[Action] = []
+            for offset, payload in folded_results(held.op, held.dtype, chunks):
+                fields.offset = offset
+                actions.append(Send(units, encode_result(fields, payload)))
+            self._close(held)
+            self._observe(held, participants, received, fields.total_bytes * len(units), arrived)
+            return actions
         if held.op in ELEMENTWISE:
             # The inputs are handed over (no copy) and combined into the first one's bytes,
             # in ascending rank of their senders (a host group's sum in its leader's place).
@@ -628,28 +636,6 @@ class Collectives:
             for ranks, result in by_rank
             for offset, payload in blob_chunks(result, self._chunk_bytes, empty_chunk=True)
         ]
-
-    def _finish_folded(
-        self,
-        held: _Round,
-        participants: tuple[int, ...],
-        units: tuple[int, ...],
-        received: int,
-        arrived: dict[int, float],
-    ) -> list[Action]:
-        """A floating all-reduce's result, combined chunk by chunk from the inputs' own
-        chunks and encoded once per chunk for every unit (`collective_fold`)."""
-        inputs = [held.inputs[r] for r in units]
-        total = inputs[0].total_bytes
-        fields = held.answer(total_bytes=total)  # reduce_op 0: an all-reduce's is unset
-        chunks = [item.chunks for item in inputs if isinstance(item, HeldInput)]
-        actions: list[Action] = []
-        for offset, payload in folded_results(held.op, held.dtype, chunks):
-            fields.offset = offset
-            actions.append(Send(units, encode_result(fields, payload)))
-        self._close(held)
-        self._observe(held, participants, received, total * len(units), arrived)
-        return actions
 
     def _observe(
         self,
