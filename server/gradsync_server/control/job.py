@@ -275,13 +275,10 @@ class Job:
     def end_event(self) -> pb.LeaderMessage:
         """The ShardJobEnd of this job once it left the coordinator: its outcome as a status."""
         state, outcome = self.outcome()
-        code, message = Code.OK, outcome
+        end = pb.ShardJobEnd(job_id=self.job_id, code=int(Code.OK), message=outcome)
         if state not in ("finished", "abandoned"):
-            code, message = (
-                Code.ABORTED,
-                f"job '{self.job_id}' ended at the leader ({state}): {outcome}",
-            )
-        end = pb.ShardJobEnd(job_id=self.job_id, code=int(code), message=message)
+            end.code = int(Code.ABORTED)
+            end.message = f"job '{self.job_id}' ended at the leader ({state}): {outcome}"
         return pb.LeaderMessage(job_end=end)
 
     def _view(self, start_step: int | None = None) -> pb.ShardJobView:

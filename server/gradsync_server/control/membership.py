@@ -151,7 +151,6 @@ class Membership:
         return promoted
 
     def _member(self, rank: int, join: pb.Join) -> Member:
-        session = secrets.token_bytes(SESSION_BYTES)
         # One shared copy per job: a member whose signature equals the reference keeps
         # the reference, not its own (a 1 MB Join cost 13.6 MiB per member as parsed
         # protobuf objects).
@@ -163,7 +162,7 @@ class Membership:
             join.incarnation,
             signature,
             self._clock(),
-            session=session,
+            session=secrets.token_bytes(SESSION_BYTES),
             host_id=join.host_id,
             local_world_size=join.local_world_size,
             position=join.position if join.HasField("position") else None,
