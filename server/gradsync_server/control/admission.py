@@ -140,12 +140,4 @@ def new_job(
         settings = dataclasses.replace(
             settings, world_size=world_size, min_workers=min(settings.min_workers, world_size)
         )
-    return Job(
-        job_id,
-        settings,
-        budget,
-        clock=clock,
-        metrics=metrics,
-        shard_map=shard_map,
-        payload_endpoint=payload_endpoint,
-    )
+    return Job(job_id, settings, budget, clock, metrics, shard_map, payload_endpoint)

@@ -55,6 +55,7 @@ import logging
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 from gradsync_proto import dtypes
 from gradsync_proto.blobs import blob_chunks
@@ -135,30 +136,38 @@ class _Round:
     def describe(self) -> str:
         return f"collective {self.sequence} ({self.name})"
 
-    def units(self) -> tuple[int, ...]:
-        """The ranks that sent an input (their own, or a host group's), ascending."""
-        return tuple(sorted(self.inputs))
-
     def covering(self, rank: int) -> int | None:
         """The rank whose input holds `rank`'s (itself, or its host group's leader), or None."""
         if rank in self.inputs:
             return rank
-        for leader, covered in self.covered.items():
-            if rank in covered:
-                return leader
-        return None
+        return next((leader for leader, covered in self.covered.items() if rank in covered), None)
 
     def ready(self) -> bool:
-        for rank in self.participants:
-            unit = self.covering(rank)
-            if unit is None or not self.inputs[unit].complete:
-                return False
-        return True
+        units = [self.covering(rank) for rank in self.participants]
+        return all(unit is not None and self.inputs[unit].complete for unit in units)
 
     def release(self) -> None:
         """Give every input's bytes back to the budget."""
         for item in self.inputs.values():
             item.release()
+
+    def forget(self, rank: int) -> None:
+        """Give `rank`'s input back and forget everything it declared."""
+        self.inputs.pop(rank).release()
+        for declared in (self.arrived, self.splits, self.covered, self.waited):
+            declared.pop(rank, None)
+
+    def answer(self, **fields: Any) -> pb.CollectiveChunk:
+        """A chunk of this collective's answer (a result or its failure) with its header."""
+        return pb.CollectiveChunk(
+            sequence=self.sequence,
+            op=self.op,  # type: ignore[arg-type]
+            dtype=self.dtype,  # type: ignore[arg-type]
+            root=self.root,
+            reduce_op=self.reduce_op,  # type: ignore[arg-type]
+            contributors=len(self.participants),
+            **fields,
+        )
 
 
 class Collectives:
@@ -230,12 +239,9 @@ class Collectives:
 
     def waiting_ranks(self) -> tuple[int, ...]:
         """Ranks that contributed to a collective still in flight (they wait for it)."""
-        return tuple(
-            sorted(
-                {r for rnd in self._rounds.values() for r in rnd.inputs}
-                | {r for rnd in self._rounds.values() for c in rnd.covered.values() for r in c}
-            )
-        )
+        ranks = {r for rnd in self._rounds.values() for r in rnd.inputs}
+        ranks.update(r for rnd in self._rounds.values() for c in rnd.covered.values() for r in c)
+        return tuple(sorted(ranks))
 
     # --------------------------------------------------------------- input
     def accept(
@@ -340,12 +346,7 @@ class Collectives:
             item.add(chunk.offset, chunk.payload, chunk.total_bytes)
         finally:
             if not item.received and not item.complete:
-                item.release()
-                del held.inputs[rank]  # nothing of it was taken
-                held.splits.pop(rank, None)
-                held.arrived.pop(rank, None)
-                held.covered.pop(rank, None)
-                held.waited.pop(rank, None)
+                held.forget(rank)  # nothing of it was taken
         if held.sequence >= self.next_sequence:
             self.next_sequence = held.sequence + 1
         # (Every participant's input there, its own or its host group's, and whole.)
@@ -537,15 +538,7 @@ class Collectives:
     def _tell(self, held: _Round, ranks: tuple[int, ...]) -> list[Action]:
         actions: list[Action] = []
         if ranks:
-            failure = pb.CollectiveChunk(
-                sequence=held.sequence,
-                op=held.op,  # type: ignore[arg-type]
-                dtype=held.dtype,  # type: ignore[arg-type]
-                root=held.root,
-                reduce_op=held.reduce_op,  # type: ignore[arg-type]
-                contributors=len(held.participants),
-                error=held.failure or "",
-            )
+            failure = held.answer(error=held.failure or "")
             actions.append(Send(ranks, pb.CoordinatorMessage(collective=failure)))
             held.told.update(ranks)
             # A host group's ranks hear it from their leader.
@@ -586,13 +579,8 @@ class Collectives:
             unit = held.covering(rank)
             if unit is not None and held.inputs[unit].complete:
                 continue
-            item = held.inputs.get(rank)
-            if item is not None:
-                item.release()
-                del held.inputs[rank]
-                held.arrived.pop(rank, None)
-                held.covered.pop(rank, None)
-                held.waited.pop(rank, None)
+            if rank in held.inputs:
+                held.forget(rank)
             held.participants.remove(rank)
             if not held.participants:
                 self._close(held)
@@ -602,12 +590,23 @@ class Collectives:
 
     def _finish(self, held: _Round) -> list[Action]:
         participants = tuple(held.participants)
-        units = held.units()
+        units = tuple(sorted(held.inputs))  # the senders (their own input, or a host group's)
         received = sum(held.inputs[r].total_bytes for r in units)
         arrived = self._arrivals(held) if self._reports_lag else {}
         by_rank: list[tuple[tuple[int, ...], bytes | memoryview]]
         if folds(held.op, held.dtype):
-            return self._finish_folded(held, participants, units, received, arrived)
+            # A floating all-reduce: combined chunk by chunk from the inputs' own chunks and
+            # encoded once per chunk for every unit (`collective_fold`).
+            kept = [held.inputs[r] for r in units]
+            fields = held.answer(total_bytes=kept[0].total_bytes)  # reduce_op 0: unset
+            chunks = [item.chunks for item in kept if isinstance(item, HeldInput)]
+            actions: list[Action] = []
+            for offset, payload in folded_results(held.op, held.dtype, chunks):
+                fields.offset = offset
+                actions.append(Send(units, encode_result(fields, payload)))
+            self._close(held)
+            self._observe(held, participants, received, fields.total_bytes * len(units), arrived)
+            return actions
         if held.op in ELEMENTWISE:
             # The inputs are handed over (no copy) and combined into the first one's bytes,
             # in ascending rank of their senders (a host group's sum in its leader's place).
@@ -616,8 +615,11 @@ class Collectives:
             by_rank = [(units, reduced)]
         elif held.op in PER_RANK:
             blobs = {r: _assembled(held, r).blob() for r in participants}
-            sends = sorted(self._per_rank(held, blobs).items())
-            by_rank = [((rank,), result) for rank, result in sends]
+            send_splits = {r: splits[0] for r, splits in held.splits.items()}
+            results = per_rank_results(
+                held.op, held.reduce_op, held.dtype, held.root, blobs, send_splits
+            )
+            by_rank = [((rank,), result) for rank, result in sorted(results.items())]
         else:
             blobs = {r: _assembled(held, r).blob() for r in participants}
             by_rank = [(participants, self._common(held, participants, blobs))]
@@ -628,51 +630,12 @@ class Collectives:
             Send(
                 ranks,
                 pb.CoordinatorMessage(
-                    collective=pb.CollectiveChunk(
-                        sequence=held.sequence,
-                        op=held.op,  # type: ignore[arg-type]
-                        dtype=held.dtype,  # type: ignore[arg-type]
-                        total_bytes=len(result),
-                        offset=offset,
-                        payload=payload,
-                        root=held.root,
-                        contributors=len(participants),
-                        reduce_op=held.reduce_op,  # type: ignore[arg-type]
-                    )
+                    collective=held.answer(total_bytes=len(result), offset=offset, payload=payload)
                 ),
             )
             for ranks, result in by_rank
             for offset, payload in blob_chunks(result, self._chunk_bytes, empty_chunk=True)
         ]
-
-    def _finish_folded(
-        self,
-        held: _Round,
-        participants: tuple[int, ...],
-        units: tuple[int, ...],
-        received: int,
-        arrived: dict[int, float],
-    ) -> list[Action]:
-        """A floating all-reduce's result, combined chunk by chunk from the inputs' own
-        chunks and encoded once per chunk for every unit (`collective_fold`)."""
-        inputs = [held.inputs[r] for r in units]
-        total = inputs[0].total_bytes
-        fields = pb.CollectiveChunk(
-            sequence=held.sequence,
-            op=held.op,  # type: ignore[arg-type]
-            dtype=held.dtype,  # type: ignore[arg-type]
-            total_bytes=total,
-            root=held.root,
-            contributors=len(participants),
-        )
-        chunks = [item.chunks for item in inputs if isinstance(item, HeldInput)]
-        actions: list[Action] = []
-        for offset, payload in folded_results(held.op, held.dtype, chunks):
-            fields.offset = offset
-            actions.append(Send(units, encode_result(fields, payload)))
-        self._close(held)
-        self._observe(held, participants, received, total * len(units), arrived)
-        return actions
 
     def _observe(
         self,
@@ -701,11 +664,6 @@ class Collectives:
             for rank, wait in zip(covered, waited, strict=True):
                 arrived[rank] = held.arrived[leader] - max(0.0, wait)
         return arrived
-
-    @staticmethod
-    def _per_rank(held: _Round, blobs: dict[int, bytes]) -> dict[int, bytes]:
-        send_splits = {r: splits[0] for r, splits in held.splits.items()}
-        return per_rank_results(held.op, held.reduce_op, held.dtype, held.root, blobs, send_splits)
 
     @staticmethod
     def _common(held: _Round, participants: tuple[int, ...], blobs: dict[int, bytes]) -> bytes:

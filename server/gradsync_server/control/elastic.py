@@ -19,8 +19,7 @@ from gradsync_proto.v1 import gradsync_pb2 as pb
 
 from gradsync_server.control.collectives import Collectives
 from gradsync_server.control.membership import Membership
-from gradsync_server.control.persistence import resume_messages
-from gradsync_server.dataplane.actions import Action, Send, Terminate
+from gradsync_server.dataplane.actions import Action, ResumeBlob, Send, Terminate
 from gradsync_server.dataplane.budget import OwnerBudget
 from gradsync_server.dataplane.open_step import OpenStep
 from gradsync_server.dataplane.uploads import DonorState
@@ -98,7 +97,7 @@ class Elastic:
             )
             actions.append(Terminate(followers, Code.ABORTED, details, pb.END_REASON_PEER_LOST))
             reason += f" with its local group {list(group)}"
-        membership.new_epoch()
+        membership.epoch += 1  # the members changed without newcomers: a new epoch
         reason = (
             f"{reason} at step {step}; continuing with ranks "
             f"{list(membership.ranks())} (membership epoch {membership.epoch})"
@@ -181,5 +180,5 @@ class Elastic:
             welcome.welcome.next_collective = next_collective
             welcome.welcome.session = membership.session_of(rank_joining)
             actions.append(Send((rank_joining,), welcome))
-        actions += resume_messages(targets, step, blob, self._chunk_bytes)
+        actions.append(Send(targets, ResumeBlob(step, blob, self._chunk_bytes)))
         return actions

@@ -60,11 +60,11 @@ from gradsync_server.control.elastic import Elastic
 from gradsync_server.control.events import ControlEvents
 from gradsync_server.control.liveness import Liveness
 from gradsync_server.control.membership import Membership
-from gradsync_server.control.persistence import Persistence, resume_messages
+from gradsync_server.control.persistence import Persistence
 from gradsync_server.control.settings import JobSettings, OnFailure
 from gradsync_server.control.uneven import UnevenInputs
 from gradsync_server.dataplane import rounds
-from gradsync_server.dataplane.actions import Action, Member, Send, Terminate
+from gradsync_server.dataplane.actions import Action, Member, ResumeBlob, Send, Terminate
 from gradsync_server.dataplane.budget import ByteBudget
 from gradsync_server.dataplane.observer import StepObserver
 from gradsync_server.dataplane.plane import JobPlane
@@ -275,13 +275,10 @@ class Job:
     def end_event(self) -> pb.LeaderMessage:
         """The ShardJobEnd of this job once it left the coordinator: its outcome as a status."""
         state, outcome = self.outcome()
-        code, message = Code.OK, outcome
+        end = pb.ShardJobEnd(job_id=self.job_id, code=int(Code.OK), message=outcome)
         if state not in ("finished", "abandoned"):
-            code, message = (
-                Code.ABORTED,
-                f"job '{self.job_id}' ended at the leader ({state}): {outcome}",
-            )
-        end = pb.ShardJobEnd(job_id=self.job_id, code=int(code), message=message)
+            end.code = int(Code.ABORTED)
+            end.message = f"job '{self.job_id}' ended at the leader ({state}): {outcome}"
         return pb.LeaderMessage(job_end=end)
 
     def _view(self, start_step: int | None = None) -> pb.ShardJobView:
@@ -363,35 +360,31 @@ class Job:
         self.state = JobState.RUNNING
         self.collectives.start(self.job_id, self.members)
         resume = self.persistence.resume
-        decision = self._restart_decision(optimizer is None, resume.step if resume else None)
+        resume_step = resume.step if resume is not None else None
+        decision = self._restart_decision(optimizer is None, resume_step)
         if isinstance(decision, restart.Continue):  # the ranks' own state stands: no broadcast
             self.broadcast.start(0, needed=False)
         else:
             needed = resume is None and self.world_size > 1
             self.broadcast.start(signatures.state_bytes(signature), needed=needed)
         if resume is not None:
-            self.membership.resume_epoch(resume.membership_epoch)
+            self.membership.epoch = resume.membership_epoch  # goes on in the checkpoint's epoch
             self.persistence.saved(resume.step)
         if isinstance(decision, restart.Continue):
             if self.observer is not None:
                 self.observer.observe_restart(True, 0)
             return self._continue(decision)
         outer = outer_resume.decide(
-            self.job_id,
-            signature,
-            self._shard_count,
-            self.outer_reading,
-            resume.step if resume is not None else None,
+            self.job_id, signature, self._shard_count, self.outer_reading, resume_step
         )
         if outer is not None and outer.refusal is not None:
             return self._refuse(Code.FAILED_PRECONDITION, outer.refusal)
-        restored = outer.snapshot if outer is not None else None
-        start = resume.step if resume else 0
-        if outer is not None and restored is not None:
-            start = outer.start_step
+        restored = outer is not None and outer.snapshot is not None
+        start = outer.start_step if outer is not None and restored else resume_step or 0
         view = self._view(start)
-        view.outer_restore = restored is not None
-        view.outer_run = outer.run if outer is not None else ""
+        view.outer_restore = restored
+        if outer is not None:
+            view.outer_run = outer.run
         self.events.start(view)
         if outer is not None:
             self._start_outer(outer)
@@ -402,7 +395,7 @@ class Job:
         resume_bytes = len(resume.payload) if resume is not None else 0
         actions: list[Action] = [self.welcome_for(rank, resume_bytes) for rank in ranks]
         if resume is not None:
-            actions += resume_messages(ranks, resume.step, resume.payload, self.chunk_bytes)
+            actions.append(Send(ranks, ResumeBlob(resume.step, resume.payload, self.chunk_bytes)))
         return actions
 
     def _restart_decision(
@@ -508,12 +501,8 @@ class Job:
     # ----------------------------------------------------------- state broadcast
     def on_state_chunk(self, rank: int, chunk: pb.StateChunk) -> list[Action]:
         """Relay a chunk of rank 0's parameters and buffers to the other ranks."""
-        if self.state is not JobState.RUNNING:
-            raise RejectedMessage(
-                Code.FAILED_PRECONDITION,
-                f"rank {rank} sent state while job '{self.job_id}' is {self.state.value} "
-                f"({len(self.members)}/{self.world_size} joined)",
-            )
+        joined = f" ({len(self.members)}/{self.world_size} joined)"
+        self._require_running(f"rank {rank} sent state", joined)
         problem = self.broadcast.accept(rank, chunk)
         if problem is not None:
             code, details = problem
@@ -565,12 +554,7 @@ class Job:
         """
         if self.state in (JobState.BROKEN, JobState.FINISHING):
             return [Terminate((rank,), Code.ABORTED, self._broken_reason, pb.END_REASON_PEER_LOST)]
-        if self.state is not JobState.RUNNING:
-            raise RejectedMessage(
-                Code.FAILED_PRECONDITION,
-                f"rank {rank} sent collective {chunk.sequence} while job '{self.job_id}' is "
-                f"{self.state.value}",
-            )
+        self._require_running(f"rank {rank} sent collective {chunk.sequence}")
         return self.collectives.accept(rank, chunk, self.in_flight.participants())
 
     def on_out_of_inputs(self, rank: int, message: pb.OutOfInputs) -> list[Action]:
@@ -579,13 +563,14 @@ class Job:
         Raises:
             RejectedMessage: not at the job's open step, or twice (this worker's stream ends).
         """
-        if self.state is not JobState.RUNNING:
-            raise RejectedMessage(
-                Code.FAILED_PRECONDITION,
-                f"rank {rank} ran out of inputs (join()) while job '{self.job_id}' is "
-                f"{self.state.value}",
-            )
+        self._require_running(f"rank {rank} ran out of inputs (join())")
         return self.uneven.run_out(rank, message)
+
+    def _require_running(self, what: str, details: str = "") -> None:
+        """Refuse `what` (FAILED_PRECONDITION) unless the job is running."""
+        if self.state is not JobState.RUNNING:
+            message = f"{what} while job '{self.job_id}' is {self.state.value}{details}"
+            raise RejectedMessage(Code.FAILED_PRECONDITION, message)
 
     def on_local_posted(self, rank: int, posted: pb.LocalPosted) -> list[Action]:
         """A local group's member has `posted.bucket_index` ready: its delivery, for
@@ -695,14 +680,11 @@ class Job:
         if orderly and quiet and not elastic:
             # A normal finish: nobody is told anything now; a rank that still
             # sends a step or a collective gets this reason then.
-            self.state = JobState.FINISHING
-            self._broken_reason = (
+            reason = (
                 f"rank {rank} left job '{self.job_id}' after step {self.in_flight.step - 1}; "
                 "the remaining ranks cannot complete further steps"
             )
-            self.in_flight.release()
-            self.collectives.release()
-            self.release_uploads()
+            self._stop(JobState.FINISHING, reason, aborted=False)
             return []
         if elastic:
             actions = self.elastic.shrink(rank, how, followers)
@@ -751,13 +733,15 @@ class Job:
         ranks = sorted({*self.membership.ranks(), *self.membership.newcomers})
         return [Terminate(tuple(ranks), code, details, reason)]
 
-    def _stop(self, state: JobState, reason: str) -> None:
-        """The job cannot go on: free what it buffers; its open step will never complete."""
+    def _stop(self, state: JobState, reason: str, aborted: bool = True) -> None:
+        """The job cannot go on: free what it buffers; its open step will never complete
+        (and, `aborted`, the ranks were told so: a late chunk of it is not answered again)."""
         self.state = state
         self._broken_reason = reason
         self.in_flight.release()
         self.release_uploads()
-        self.in_flight.remember_aborted(self.in_flight.step)
+        if aborted:
+            self.in_flight.remember_aborted(self.in_flight.step)
         self.collectives.release()
 
     def end_for_shard_loss(self, index: int, address: str, why: str) -> list[Action]:

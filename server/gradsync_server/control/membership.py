@@ -140,14 +140,6 @@ class Membership:
         if join.heal_relayed:
             self.heal_relayed.add(rank)
 
-    def new_epoch(self) -> None:
-        """The members changed without newcomers (a rank was lost): a new epoch begins."""
-        self.epoch += 1
-
-    def resume_epoch(self, epoch: int) -> None:
-        """A job resumed from a checkpoint goes on in the checkpoint's epoch."""
-        self.epoch = epoch
-
     def promote_newcomers(self) -> list[int]:
         """Make every waiting newcomer a member and start a new epoch; return them."""
         promoted = sorted(self.newcomers)
@@ -159,7 +151,6 @@ class Membership:
         return promoted
 
     def _member(self, rank: int, join: pb.Join) -> Member:
-        session = secrets.token_bytes(SESSION_BYTES)
         # One shared copy per job: a member whose signature equals the reference keeps
         # the reference, not its own (a 1 MB Join cost 13.6 MiB per member as parsed
         # protobuf objects).
@@ -171,7 +162,7 @@ class Membership:
             join.incarnation,
             signature,
             self._clock(),
-            session=session,
+            session=secrets.token_bytes(SESSION_BYTES),
             host_id=join.host_id,
             local_world_size=join.local_world_size,
             position=join.position if join.HasField("position") else None,

@@ -163,22 +163,11 @@ def decide(
     newest = steps[-1]
     planes = "" if shard_count == 1 else f" ({shard_count} planes)"
     restored = f"restored round {leader.rounds} (step {leader.step}) from the store{planes}"
-    if len(steps) == 2:  # killed between two planes' saves of `newest`: nobody has its answer
-        return OuterResume(
-            leader,
-            f"{restored}; the shards saved steps {steps}: step {newest} is uploaded again",
-            newest,
-            repeat=True,
-            run=leader.run,
-            finding=finding,
-        )
-    return OuterResume(
-        leader,
-        f"{restored}; step {leader.step} is replayed",
-        newest,
-        run=leader.run,
-        finding=finding,
-    )
+    repeat = len(steps) == 2  # killed between two planes' saves of `newest`: nobody has its answer
+    then = f"the shards saved steps {steps}: step {newest} is uploaded again"
+    then = then if repeat else f"step {leader.step} is replayed"
+    line = f"{restored}; {then}"
+    return OuterResume(leader, line, newest, repeat=repeat, run=leader.run, finding=finding)
 
 
 def _read_planes(

@@ -4,10 +4,8 @@ Architecture invariant 7 (durability) spans two worlds: collecting rank 0's
 checkpoint upload chunk by chunk and deciding when it is complete is protocol
 logic, while writing it to a store is blocking I/O. This module is the first
 half, pure and testable without a store: it turns a complete upload into a
-`Persist` action (carried out by `gradsync_server.rpc.checkpointer`), remembers
-the checkpoint a job resumes from, and cuts a state blob into the resume
-chunks that restore ranks (after a coordinator restart, or when healing a
-rejoining rank). No gRPC, no asyncio, no store calls.
+`Persist` action (carried out by `gradsync_server.rpc.checkpointer`) and
+remembers the checkpoint a job resumes from. No gRPC, no asyncio, no store calls.
 """
 
 from __future__ import annotations
@@ -15,18 +13,11 @@ from __future__ import annotations
 from gradsync_proto.codes import Code
 from gradsync_proto.v1 import gradsync_pb2 as pb
 
-from gradsync_server.dataplane.actions import Action, Persist, ResumeBlob, Send
+from gradsync_server.dataplane.actions import Persist
 from gradsync_server.dataplane.budget import OwnerBudget
 from gradsync_server.dataplane.uploads import BlobAssembler
 from gradsync_server.errors import RejectedMessage
 from gradsync_server.store.checkpoint import Checkpoint, PruneGuard
-
-
-def resume_messages(
-    ranks: tuple[int, ...], step: int, blob: bytes, chunk_bytes: int
-) -> list[Action]:
-    """A state blob (checkpoint or a donor's state) sent to `ranks` as resume chunks."""
-    return [Send(ranks, ResumeBlob(step, blob, chunk_bytes))]
 
 
 class Persistence:

@@ -31,8 +31,7 @@ from dataclasses import dataclass
 from gradsync_proto.codes import Code
 from gradsync_proto.v1 import gradsync_pb2 as pb
 
-from gradsync_server.control.persistence import resume_messages
-from gradsync_server.dataplane.actions import Action, Send
+from gradsync_server.dataplane.actions import Action, ResumeBlob, Send
 from gradsync_server.dataplane.budget import OwnerBudget
 from gradsync_server.dataplane.uploads import DonorState
 from gradsync_server.errors import RejectedMessage
@@ -104,23 +103,24 @@ def decide(
     digests: dict[bytes, list[int]] = {}
     for rank in ahead:
         digests.setdefault(claims[rank].digest, []).append(rank)
+    why = None
     if len(digests) > 1:
         groups = "; ".join(
             f"rank(s) {ranks} hold {digest.hex()[:12]}" for digest, ranks in digests.items()
         )
-        return Fallback(
-            f"job '{job_id}' rolled back: the ranks at step {top} disagree on their state "
-            f"({groups}): {_fallback(checkpoint_step)}",
-            top,
-            steps,
+        why = f"the ranks at step {top} disagree on their state ({groups})"
+    elif checkpoint_step is not None and checkpoint_step > top:
+        why = (
+            f"the store's checkpoint of step {checkpoint_step} is ahead of every rank (the "
+            f"furthest is at step {top})"
         )
-    if checkpoint_step is not None and checkpoint_step > top:
-        return Fallback(
-            f"job '{job_id}' rolled back: the store's checkpoint of step {checkpoint_step} is "
-            f"ahead of every rank (the furthest is at step {top}): {_fallback(checkpoint_step)}",
-            top,
-            steps,
+    if why is not None:
+        fallback = (
+            "no checkpoint to fall back to, starting over from rank 0's state at step 0"
+            if checkpoint_step is None
+            else f"resuming from the checkpoint of step {checkpoint_step}"
         )
+        return Fallback(f"job '{job_id}' rolled back: {why}: {fallback}", top, steps)
     behind = tuple(sorted(rank for rank in positions if rank not in ahead))
     donor = ahead[0]
     line = f"job '{job_id}' continued at step {top} from the ranks' own state"
@@ -136,12 +136,6 @@ def steps_recomputed(decision: Decision | None, resumed_at: int) -> int:
     if isinstance(decision, Fallback):
         return sum(max(0, step - resumed_at) for step in decision.steps)
     return 0
-
-
-def _fallback(checkpoint_step: int | None) -> str:
-    if checkpoint_step is None:
-        return "no checkpoint to fall back to, starting over from rank 0's state at step 0"
-    return f"resuming from the checkpoint of step {checkpoint_step}"
 
 
 class RestartRelay:
@@ -207,7 +201,7 @@ class RestartRelay:
         ]
         behind = tuple(r for r in plan.behind if r in members)
         actions += [self._welcome(r, len(blob)) for r in behind]
-        actions += resume_messages(behind, plan.step, blob, self._chunk_bytes)
+        actions.append(Send(behind, ResumeBlob(plan.step, blob, self._chunk_bytes)))
         log.info(
             "job '%s': rank %d's state of step %d (%d bytes) sent to rank(s) %s",
             self._job_id,

@@ -54,7 +54,6 @@ class ShardRecord:
         version: its gradsync version.
         token: tells this registration from an earlier one of the same index, so
             that the end of a replaced stream does not remove its successor.
-        registered_at: clock time of the registration.
         last_heard: clock time of its latest message.
         stats: its latest counters.
         peer_host: the host its control stream came from (for ":port" addresses in status).
@@ -64,7 +63,6 @@ class ShardRecord:
     address: str
     version: str
     token: int
-    registered_at: float
     last_heard: float
     stats: pb.ShardStats = field(default_factory=pb.ShardStats)
     peer_host: str = ""
@@ -304,7 +302,7 @@ class ShardRegistry:
             )
         now = self._clock()
         record = ShardRecord(
-            index, address, message.version, self._next_token, now, now, peer_host=peer_host
+            index, address, message.version, self._next_token, now, peer_host=peer_host
         )
         self._next_token += 1
         self._shards[index] = record

@@ -36,10 +36,7 @@ def describe(spec: pb.TensorSpec) -> str:
 
 def tensor_bytes(spec: pb.TensorSpec) -> int:
     """Size in bytes of a tensor described by `spec` (validated beforehand)."""
-    elements = 1
-    for dim in spec.shape:
-        elements *= dim
-    return elements * dtypes.itemsize(spec.dtype)
+    return int(math.prod(spec.shape)) * dtypes.itemsize(spec.dtype)
 
 
 def bucket_bytes(bucket: pb.BucketSpec) -> int:
@@ -49,9 +46,7 @@ def bucket_bytes(bucket: pb.BucketSpec) -> int:
 
 def state_bytes(signature: pb.ModelSignature) -> int:
     """Size of the broadcast blob: every parameter, then every buffer."""
-    return sum(tensor_bytes(spec) for spec in signature.parameters) + sum(
-        tensor_bytes(spec) for spec in signature.buffers
-    )
+    return sum(tensor_bytes(spec) for spec in (*signature.parameters, *signature.buffers))
 
 
 def is_collectives_only(signature: pb.ModelSignature) -> bool:

@@ -112,13 +112,11 @@ def status_reply(
     ended: Iterable[pb.JobStatus] = (),
 ) -> pb.StatusReply:
     """Every live job (or only `job_id` when not empty), sorted by id, then the ended ones."""
-    selected = sorted((job for job in jobs if not job_id or job.job_id == job_id), key=_job_id)
+    selected = sorted(
+        (job for job in jobs if not job_id or job.job_id == job_id), key=lambda job: job.job_id
+    )
     return pb.StatusReply(
         jobs=[job_status(job, lag_tracker) for job in selected]
         + [status for status in ended if not job_id or status.job_id == job_id],
         heartbeat_timeout_s=heartbeat_timeout_s,
     )
-
-
-def _job_id(job: Job) -> str:
-    return job.job_id

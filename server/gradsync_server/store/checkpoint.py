@@ -11,7 +11,7 @@ The module knows nothing of gRPC; the coordinator calls it (from a worker thread
 block) and owns what goes in the payload.
 
 This module is the format, the store protocol and how both backends read a job's
-checkpoints (`read_newest`); the backends (`checkpoint_file`, `checkpoint_redis`) import it,
+checkpoints (`_StoreLifecycle`); the backends (`checkpoint_file`, `checkpoint_redis`) import it,
 and `gradsync_server.store.stores` picks a backend from a URL, so no module imports one that
 imports it back.
 
@@ -253,17 +253,23 @@ def _encode_parts(checkpoint: Checkpoint) -> tuple[bytes, bytes, bytes]:
     return headers, checkpoint.payload, hashlib.sha256(headers).digest()
 
 
-def _headers(header: CheckpointHeader) -> bytes:
-    """The fixed header and the JSON header of a blob, exactly as `encode` writes them."""
+def header_json(header: CheckpointHeader, metadata: Mapping[str, str]) -> bytes:
+    """The canonical JSON of `header` with `metadata` in place of its own (the blob's JSON
+    header, and what the checkpoint MAC signs)."""
     fields = {
         "job_id": header.job_id,
         "step": header.step,
         "membership_epoch": header.membership_epoch,
-        "metadata": dict(header.metadata),
+        "metadata": dict(metadata),
         "payload_length": header.payload_length,
         "payload_sha256": header.payload_sha256,
     }
-    header_bytes = json.dumps(fields, sort_keys=True, separators=(",", ":")).encode()
+    return json.dumps(fields, sort_keys=True, separators=(",", ":")).encode()
+
+
+def _headers(header: CheckpointHeader) -> bytes:
+    """The fixed header and the JSON header of a blob, exactly as `encode` writes them."""
+    header_bytes = header_json(header, header.metadata)
     return _FIXED_HEADER.pack(MAGIC, FORMAT_VERSION, len(header_bytes)) + header_bytes
 
 
@@ -348,7 +354,7 @@ class Skipped:
 
 @dataclass(frozen=True)
 class StoreReading:
-    """What a store holds for one job, as far as resuming it goes (`read_newest`).
+    """What a store holds for one job, as far as resuming it goes (`_StoreLifecycle._read_newest`).
 
     Falling back past a missing or damaged blob is right for an accident (a disk that lost a
     write) and wrong for an attack (someone who can write the store deletes or damages the
@@ -389,70 +395,9 @@ def _verified(job_id: str, step: int, blob: bytes | None) -> Checkpoint | str:
     return checkpoint
 
 
-def read_newest(
-    description: str,
-    job_id: str,
-    pointer: int | None,
-    stored: list[int],
-    read_blob: Callable[[int], bytes | None],
-) -> StoreReading:
-    """The pointed checkpoint, else the newest older one that verifies (both backends).
-
-    Raises:
-        CheckpointError: checkpoints exist but none verifies.
-    """
-    if pointer is None:
-        if not stored:
-            return StoreReading(job_id, None, None)
-        log.warning(
-            "%s: job %r has checkpoints for steps %s but no readable latest pointer (a save "
-            "crashed before its first pointer flip?); trying the newest that verifies",
-            description,
-            job_id,
-            stored,
-        )
-        candidates = sorted(stored, reverse=True)
-        unacknowledged: list[int] = []
-    else:
-        unacknowledged = sorted((step for step in stored if step > pointer), reverse=True)
-        if unacknowledged:
-            log.warning(
-                "%s: job %r: ignoring steps %s, newer than the latest pointer (step %d): their "
-                "saves never completed",
-                description,
-                job_id,
-                sorted(unacknowledged),
-                pointer,
-            )
-        candidates = [pointer, *sorted((step for step in stored if step < pointer), reverse=True)]
-    beyond: list[CheckpointHeader] = []
-    for step in unacknowledged:
-        leftover = _verified(job_id, step, read_blob(step))
-        if isinstance(leftover, Checkpoint):
-            beyond.append(leftover.header)  # the payload is dropped here
-    skipped: list[Skipped] = []
-    for step in candidates:
-        found = _verified(job_id, step, read_blob(step))
-        if isinstance(found, Checkpoint):
-            return StoreReading(job_id, pointer, found, tuple(skipped), tuple(beyond))
-        skipped.append(Skipped(step, found))
-        log.warning(
-            "%s: skipping the checkpoint of job %r at step %d because %s; falling back to an "
-            "older one",
-            description,
-            job_id,
-            step,
-            found,
-        )
-    raise CheckpointError(
-        f"{description}: loading job {job_id!r} failed: no checkpoint verifies (tried steps "
-        f"{candidates}, see the warnings above); refusing to start the job from scratch: "
-        f"delete its checkpoints to do that deliberately"
-    )
-
-
 class _StoreLifecycle:
-    """Closed-state bookkeeping and `load_latest`, shared by both backends."""
+    """Closed-state bookkeeping, `load_latest`, reading and error wording, shared by both
+    backends."""
 
     description: str
     _closed: bool = False
@@ -468,6 +413,16 @@ class _StoreLifecycle:
         if self._closed:
             raise CheckpointError(f"{self.description}: the checkpoint store is closed")
 
+    def _failed(
+        self, action: str, job_id: str, step: int | None, exc: Exception
+    ) -> CheckpointError:
+        """The error of a failed `action`, naming the store, the job, the step and the cause."""
+        at_step = "" if step is None else f" step {step}"
+        return CheckpointError(
+            f"{self.description}: {action} job {job_id!r}{at_step} failed: "
+            f"{type(exc).__name__}: {exc}"
+        )
+
     def __enter__(self) -> Self:
         return self
 
@@ -478,6 +433,81 @@ class _StoreLifecycle:
 
     def close(self) -> None:
         self._closed = True
+
+    def _read_newest(
+        self,
+        job_id: str,
+        pointer_text: str | None,
+        stored: list[int],
+        read_blob: Callable[[int], bytes | None],
+    ) -> StoreReading:
+        """The pointed checkpoint, else the newest older one that verifies (both backends).
+
+        Raises:
+            CheckpointError: checkpoints exist but none verifies.
+        """
+        description = self.description
+        pointer = None
+        if pointer_text is not None and re.fullmatch(r"\d{1,20}", pointer_text.strip()):
+            pointer = int(pointer_text)
+        elif pointer_text is not None:
+            log.warning(
+                "%s: the latest pointer of job %r holds %r, not a step number; ignoring it",
+                description,
+                job_id,
+                pointer_text[:40],
+            )
+        if pointer is None:
+            if not stored:
+                return StoreReading(job_id, None, None)
+            log.warning(
+                "%s: job %r has checkpoints for steps %s but no readable latest pointer (a save "
+                "crashed before its first pointer flip?); trying the newest that verifies",
+                description,
+                job_id,
+                stored,
+            )
+            candidates = sorted(stored, reverse=True)
+            unacknowledged: list[int] = []
+        else:
+            unacknowledged = sorted((step for step in stored if step > pointer), reverse=True)
+            if unacknowledged:
+                log.warning(
+                    "%s: job %r: ignoring steps %s, newer than the latest pointer (step %d): their "
+                    "saves never completed",
+                    description,
+                    job_id,
+                    sorted(unacknowledged),
+                    pointer,
+                )
+            candidates = [
+                pointer,
+                *sorted((step for step in stored if step < pointer), reverse=True),
+            ]
+        beyond: list[CheckpointHeader] = []
+        for step in unacknowledged:
+            leftover = _verified(job_id, step, read_blob(step))
+            if isinstance(leftover, Checkpoint):
+                beyond.append(leftover.header)  # the payload is dropped here
+        skipped: list[Skipped] = []
+        for step in candidates:
+            found = _verified(job_id, step, read_blob(step))
+            if isinstance(found, Checkpoint):
+                return StoreReading(job_id, pointer, found, tuple(skipped), tuple(beyond))
+            skipped.append(Skipped(step, found))
+            log.warning(
+                "%s: skipping the checkpoint of job %r at step %d because %s; falling back to an "
+                "older one",
+                description,
+                job_id,
+                step,
+                found,
+            )
+        raise CheckpointError(
+            f"{description}: loading job {job_id!r} failed: no checkpoint verifies (tried steps "
+            f"{candidates}, see the warnings above); refusing to start the job from scratch: "
+            f"delete its checkpoints to do that deliberately"
+        )
 
 
 def _check_job_id(job_id: str) -> None:
@@ -504,11 +534,6 @@ def _parse_steps(members: Iterable[Any]) -> list[int]:
     return sorted(int(text) for text in texts if text.isdigit())
 
 
-def _failure(description: str, action: str, job_id: str, step: int | None, exc: Exception) -> str:
-    at_step = "" if step is None else f" step {step}"
-    return f"{description}: {action} job {job_id!r}{at_step} failed: {type(exc).__name__}: {exc}"
-
-
 def _doomed_steps(
     stored: Iterable[int], saved_step: int, keep: int, guard: PruneGuard | None = None
 ) -> list[int]:
@@ -524,17 +549,3 @@ def _doomed_steps(
     if guard is None:
         return doomed
     return [step for step in doomed if guard.may_delete(step)]
-
-
-def _parse_pointer(description: str, job_id: str, text: str | None) -> int | None:
-    if text is None:
-        return None
-    if re.fullmatch(r"\d{1,20}", text.strip()):
-        return int(text)
-    log.warning(
-        "%s: the latest pointer of job %r holds %r, not a step number; ignoring it",
-        description,
-        job_id,
-        text[:40],
-    )
-    return None

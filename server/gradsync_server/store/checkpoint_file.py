@@ -23,10 +23,7 @@ from gradsync_server.store.checkpoint import (
     _check_keep,
     _doomed_steps,
     _encode_parts,
-    _failure,
-    _parse_pointer,
     _StoreLifecycle,
-    read_newest,
 )
 
 log = logging.getLogger("gradsync.server.checkpoint")  # one logger for the whole store
@@ -98,12 +95,11 @@ class FileCheckpointStore(_StoreLifecycle):
             try:
                 self._make_directory(job_dir)
                 parts = _encode_parts(checkpoint)
-                self._write_atomically(job_dir, _blob_name(checkpoint.step), parts)
-                self._write_atomically(job_dir, "latest", (f"{checkpoint.step}\n".encode(),))
+                write_atomically(job_dir, _blob_name(checkpoint.step), parts, self._fsync)
+                latest = (f"{checkpoint.step}\n".encode(),)
+                write_atomically(job_dir, "latest", latest, self._fsync)
             except OSError as exc:
-                raise CheckpointError(
-                    _failure(self.description, "saving", checkpoint.job_id, checkpoint.step, exc)
-                ) from exc
+                raise self._failed("saving", checkpoint.job_id, checkpoint.step, exc) from exc
             self._prune(job_dir, checkpoint.job_id, checkpoint.step, guard)
 
     def read(self, job_id: str) -> StoreReading:
@@ -115,7 +111,7 @@ class FileCheckpointStore(_StoreLifecycle):
         except FileNotFoundError:
             pointer_text = None
         except OSError as exc:
-            raise CheckpointError(_failure(self.description, "loading", job_id, None, exc)) from exc
+            raise self._failed("loading", job_id, None, exc) from exc
 
         def read_blob(step: int) -> bytes | None:
             try:
@@ -123,12 +119,9 @@ class FileCheckpointStore(_StoreLifecycle):
             except FileNotFoundError:
                 return None
             except OSError as exc:
-                raise CheckpointError(
-                    _failure(self.description, "loading", job_id, step, exc)
-                ) from exc
+                raise self._failed("loading", job_id, step, exc) from exc
 
-        pointer = _parse_pointer(self.description, job_id, pointer_text)
-        return read_newest(self.description, job_id, pointer, stored, read_blob)
+        return self._read_newest(job_id, pointer_text, stored, read_blob)
 
     def steps(self, job_id: str) -> list[int]:
         """See `CheckpointStore.steps`."""
@@ -138,7 +131,7 @@ class FileCheckpointStore(_StoreLifecycle):
         except FileNotFoundError:
             return []
         except OSError as exc:
-            raise CheckpointError(_failure(self.description, "listing", job_id, None, exc)) from exc
+            raise self._failed("listing", job_id, None, exc) from exc
         return sorted(int(match[1]) for name in names if (match := _BLOB_NAME.fullmatch(name)))
 
     def save_record(self, job_id: str, name: str, parts: Iterable[bytes]) -> None:
@@ -151,7 +144,7 @@ class FileCheckpointStore(_StoreLifecycle):
         job_dir = self.job_directory(job_id)
         with self._lock:
             self._make_directory(job_dir)
-            self._write_atomically(job_dir, name, parts)
+            write_atomically(job_dir, name, parts, self._fsync)
 
     def load_record(self, job_id: str, name: str) -> bytes | None:
         """The bytes of `<job dir>/<name>`, or None when there is none."""
@@ -161,9 +154,6 @@ class FileCheckpointStore(_StoreLifecycle):
         except FileNotFoundError:
             return None
 
-    def _write_atomically(self, directory: Path, name: str, parts: Iterable[bytes]) -> None:
-        write_atomically(directory, name, parts, self._fsync)
-
     def _make_directory(self, path: Path) -> None:
         """mkdir -p, fsyncing each parent whose entries changed so the new folders persist."""
         if path.is_dir():
@@ -171,10 +161,7 @@ class FileCheckpointStore(_StoreLifecycle):
         self._make_directory(path.parent)
         with contextlib.suppress(FileExistsError):
             path.mkdir()
-        self._sync_directory(path.parent)
-
-    def _sync_directory(self, path: Path) -> None:
-        sync_directory(path, self._fsync)
+        sync_directory(path.parent, self._fsync)
 
     def _prune(self, job_dir: Path, job_id: str, saved_step: int, guard: PruneGuard | None) -> None:
         """Delete superseded blobs and stray temp files; failures only warn (the save is done)."""

@@ -18,13 +18,10 @@ from gradsync_server.store.checkpoint import (
     _check_job_id,
     _check_keep,
     _doomed_steps,
-    _failure,
-    _parse_pointer,
     _parse_steps,
     _StoreLifecycle,
     _text,
     encode,
-    read_newest,
 )
 from gradsync_server.store.lease import LeaseError, fence_script
 
@@ -132,7 +129,7 @@ class RedisCheckpointStore(_StoreLifecycle):
             self._set(pointer_batch, _key(job_id, "latest"), step)
             self._execute_durably(pointer_batch, job_id, step)
         except self._errors as exc:
-            raise CheckpointError(_failure(self.description, "saving", job_id, step, exc)) from exc
+            raise self._failed("saving", job_id, step, exc) from exc
         self._prune(job_id, step, guard)
 
     def save_record(self, job_id: str, name: str, parts: list[bytes]) -> None:
@@ -150,8 +147,7 @@ class RedisCheckpointStore(_StoreLifecycle):
             self._set(batch, _key(job_id, name), b"".join(parts))
             self._execute_durably(batch, job_id, -1)
         except self._errors as exc:
-            failure = _failure(self.description, "saving the outer state of", job_id, None, exc)
-            raise CheckpointError(failure) from exc
+            raise self._failed("saving the outer state of", job_id, None, exc) from exc
 
     def _write(
         self,
@@ -185,8 +181,7 @@ class RedisCheckpointStore(_StoreLifecycle):
         try:
             value = self._client.get(_key(job_id, name))
         except self._errors as exc:
-            failure = _failure(self.description, "reading the outer state of", job_id, None, exc)
-            raise CheckpointError(failure) from exc
+            raise self._failed("reading the outer state of", job_id, None, exc) from exc
         return value if isinstance(value, bytes) or value is None else value.encode()
 
     def read(self, job_id: str) -> StoreReading:
@@ -199,22 +194,19 @@ class RedisCheckpointStore(_StoreLifecycle):
             batch.zrange(_key(job_id, "steps"), 0, -1)
             pointer_value, members = batch.execute()
         except self._errors as exc:
-            raise CheckpointError(_failure(self.description, "loading", job_id, None, exc)) from exc
+            raise self._failed("loading", job_id, None, exc) from exc
 
         def read_blob(step: int) -> bytes | None:
             try:
                 value = self._client.get(_key(job_id, step))
             except self._errors as exc:
-                raise CheckpointError(
-                    _failure(self.description, "loading", job_id, step, exc)
-                ) from exc
+                raise self._failed("loading", job_id, step, exc) from exc
             if value is None:
                 return None
             return value.encode() if isinstance(value, str) else bytes(value)
 
         pointer_text = None if pointer_value is None else _text(pointer_value)
-        pointer = _parse_pointer(self.description, job_id, pointer_text)
-        return read_newest(self.description, job_id, pointer, _parse_steps(members), read_blob)
+        return self._read_newest(job_id, pointer_text, _parse_steps(members), read_blob)
 
     def steps(self, job_id: str) -> list[int]:
         """See `CheckpointStore.steps`."""
@@ -223,7 +215,7 @@ class RedisCheckpointStore(_StoreLifecycle):
         try:
             return _parse_steps(self._client.zrange(_key(job_id, "steps"), 0, -1))
         except self._errors as exc:
-            raise CheckpointError(_failure(self.description, "listing", job_id, None, exc)) from exc
+            raise self._failed("listing", job_id, None, exc) from exc
 
     def close(self) -> None:
         """See `CheckpointStore.close`; an injected client stays open."""

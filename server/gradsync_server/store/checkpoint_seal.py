@@ -26,14 +26,14 @@ Pure logic (hashlib / hmac only): the checkpointer calls it from its worker thre
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import hmac
-import json
 from collections.abc import Mapping
 
 from gradsync_proto.v1 import gradsync_pb2 as pb
 
-from gradsync_server.store.checkpoint import Checkpoint, CheckpointHeader
+from gradsync_server.store.checkpoint import Checkpoint, CheckpointHeader, header_json
 
 #: Metadata key of the model-signature digest (hex SHA-256).
 SIGNATURE_KEY = "signature_sha256"
@@ -51,16 +51,8 @@ def signature_digest(signature: pb.ModelSignature) -> str:
 
 def _mac(key: bytes, header: CheckpointHeader, metadata: Mapping[str, str]) -> str:
     """HMAC-SHA256 over every field of `header` (with `metadata`) but the MAC itself."""
-    fields = {
-        "job_id": header.job_id,
-        "step": header.step,
-        "membership_epoch": header.membership_epoch,
-        "metadata": {name: value for name, value in metadata.items() if name != MAC_KEY},
-        "payload_length": header.payload_length,
-        "payload_sha256": header.payload_sha256,
-    }
-    message = json.dumps(fields, sort_keys=True, separators=(",", ":")).encode()
-    return hmac.new(key, message, hashlib.sha256).hexdigest()
+    signed = {name: value for name, value in metadata.items() if name != MAC_KEY}
+    return hmac.new(key, header_json(header, signed), hashlib.sha256).hexdigest()
 
 
 def seal(checkpoint: Checkpoint, digest: str, key: bytes | None) -> Checkpoint:
@@ -69,13 +61,7 @@ def seal(checkpoint: Checkpoint, digest: str, key: bytes | None) -> Checkpoint:
     metadata[SIGNATURE_KEY] = digest
     if key is not None:
         metadata[MAC_KEY] = _mac(key, checkpoint.header, metadata)
-    sealed = Checkpoint(
-        checkpoint.job_id,
-        checkpoint.step,
-        checkpoint.membership_epoch,
-        checkpoint.payload,
-        metadata,
-    )
+    sealed = dataclasses.replace(checkpoint, metadata=metadata)
     # Same payload: its SHA-256 (hashed for the MAC) serves the blob header too.
     sealed.__dict__["payload_sha256"] = checkpoint.payload_sha256
     return sealed
@@ -105,15 +91,13 @@ def mismatch(
     """
     header = checkpoint.header if isinstance(checkpoint, Checkpoint) else checkpoint
     stored_digest = header.metadata.get(SIGNATURE_KEY)
-    stored_mac = header.metadata.get(MAC_KEY)
     if key is not None:
-        if not stored_mac:
+        if not header.metadata.get(MAC_KEY):
             return (
                 "it carries no MAC, but this coordinator has a token: it was written without "
                 "one (or planted by someone who cannot sign)"
             )
-        expected = _mac(key, header, header.metadata)
-        if not hmac.compare_digest(expected, stored_mac):
+        if not authentic(header, key):
             return (
                 "its MAC does not verify under this coordinator's token: it was written "
                 "under another token, or altered or planted since"

@@ -166,7 +166,7 @@ class HighWaterMarks:
             os.unlink(self.path(description, job_id))
         except FileNotFoundError:
             return
-        self._sync_directory(self.directory)
+        sync_directory(self.directory, self._fsync)
 
     def _make_directories(self) -> None:
         if self.directory.is_dir():
@@ -175,7 +175,4 @@ class HighWaterMarks:
             with contextlib.suppress(FileExistsError):
                 folder.parent.mkdir(parents=True, exist_ok=True)
                 folder.mkdir(mode=0o700)
-                self._sync_directory(folder.parent)
-
-    def _sync_directory(self, path: Path) -> None:
-        sync_directory(path, self._fsync)
+                sync_directory(folder.parent, self._fsync)
