@@ -516,15 +516,12 @@ class CoordinatorConfig:
                 f"--heartbeat-interval {self.heartbeat_interval_s:g} must be positive and "
                 f"below --heartbeat-timeout {self.heartbeat_timeout_s:g}"
             )
-        if self.nonfinite not in defaults.NONFINITE_POLICIES:
-            raise ValueError(
-                f"nonfinite must be one of {', '.join(defaults.NONFINITE_POLICIES)}, "
-                f"got {self.nonfinite!r}"
-            )
-        if self.screen not in defaults.SCREEN_POLICIES:
-            raise ValueError(
-                f"screen must be one of {', '.join(defaults.SCREEN_POLICIES)}, got {self.screen!r}"
-            )
+        for what, policy, policies in (
+            ("nonfinite", self.nonfinite, defaults.NONFINITE_POLICIES),
+            ("screen", self.screen, defaults.SCREEN_POLICIES),
+        ):
+            if policy not in policies:
+                raise ValueError(f"{what} must be one of {', '.join(policies)}, got {policy!r}")
         if self.on_failure not in ("abort", "elastic"):
             raise ValueError(f"on failure must be 'abort' or 'elastic', got {self.on_failure!r}")
         if not 1 <= self.min_workers <= self.world_size:

@@ -158,13 +158,15 @@ class TokenCheck(grpc.aio.ServerInterceptor):  # type: ignore[misc]  # grpc ship
         else:
             template = MISSING_TOKEN if presented is None else WRONG_TOKEN
             env, env_file = auth.ENV_TOKEN, auth.ENV_TOKEN_FILE
-        self._note_refusal(method, presented is None)
+        self.refused += 1
+        why = "no token" if presented is None else "wrong token"
+        self._refusals.note("gRPC", repr(method_name(method)), why)
         return _refusing(handler, template.format(env=env, env_file=env_file), self)
 
-    def _note_refusal(self, method: str | bytes, missing: bool) -> None:
-        self.refused += 1
-        name = method.decode("utf-8", "replace") if isinstance(method, bytes) else method
-        self._refusals.note("gRPC", repr(name), "no token" if missing else "wrong token")
+
+def method_name(method: str | bytes) -> str:
+    """A call's full method name as text (gRPC may hand it over as bytes)."""
+    return method.decode("utf-8", "replace") if isinstance(method, bytes) else str(method)
 
 
 def _refusing(

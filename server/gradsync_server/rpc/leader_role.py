@@ -16,6 +16,7 @@ import functools
 import logging
 import time
 from collections.abc import Awaitable, Callable
+from typing import Any
 
 import grpc
 from gradsync_proto.codec import ChunkHeader, header_of
@@ -53,6 +54,16 @@ from gradsync_server.store.checkpoint import CheckpointStore
 from gradsync_server.text import MAX_REASON_CHARS, quoted
 
 log = logging.getLogger("gradsync.server")
+
+#: The job's handler of each kind of worker message that only turns into actions.
+_JOB_HANDLERS: dict[str, Callable[[Job, int, Any], list[Action]]] = {
+    "abandon": Job.on_abandon,
+    "checkpoint": Job.on_checkpoint_chunk,
+    "collective": Job.on_collective,
+    "local_posted": Job.on_local_posted,
+    "out_of_inputs": Job.on_out_of_inputs,
+    "state": Job.on_state_chunk,
+}
 
 
 class LeaderRole(CoordinatorServicer):
@@ -191,23 +202,13 @@ class LeaderRole(CoordinatorServicer):
         kind = message.WhichOneof("kind")
         job.touch(conn.rank)
         try:
-            if kind == "heartbeat":
+            if kind in _JOB_HANDLERS:
+                self._execute(job, _JOB_HANDLERS[kind](job, conn.rank, getattr(message, kind)))
+            elif kind == "heartbeat":
                 job.touch(conn.rank, message.heartbeat.step)
-            elif kind == "abandon":
-                self._execute(job, job.on_abandon(conn.rank, message.abandon))
-            elif kind == "checkpoint":
-                self._execute(job, job.on_checkpoint_chunk(conn.rank, message.checkpoint))
             elif kind == "gradient":
                 chunk = message.gradient
                 self._gradient(conn, header_of(chunk), memoryview(chunk.payload))
-            elif kind == "collective":
-                self._execute(job, job.on_collective(conn.rank, message.collective))
-            elif kind == "local_posted":
-                self._execute(job, job.on_local_posted(conn.rank, message.local_posted))
-            elif kind == "out_of_inputs":
-                self._execute(job, job.on_out_of_inputs(conn.rank, message.out_of_inputs))
-            elif kind == "state":
-                self._execute(job, job.on_state_chunk(conn.rank, message.state))
             elif kind == "leave":
                 conn.left = True
                 log.info(
@@ -387,34 +388,27 @@ class LeaderRole(CoordinatorServicer):
         self._execute(job, job.detach(rank, orderly=orderly, reason=reason))
         # Its straggler statistics must not follow a later member with its rank.
         self.metrics.forget_rank(rank)
-        self._forget_if_empty(job)
+        if not job.members:
+            self.retire_job(job, quiet=True)
 
-    def _forget_if_empty(self, job: Job) -> None:
-        if job.members or self.jobs.get(job.job_id) is not job:
-            return
-        ended = self._retire(job)
-        if ended.state in ("finished", "abandoned"):
-            log.info("job '%s' %s", job.job_id, ended.outcome)
-        else:
-            log.warning("job '%s' ended %s: %s", job.job_id, ended.state, ended.outcome)
-
-    def retire_job(self, job: Job) -> None:
+    def retire_job(self, job: Job, quiet: bool = False) -> None:
         """Remove `job` from the active jobs now, though ranks may still be connected to it.
 
         Its connections keep pointing at it (and only they get its actions), so
         a Join with the same id creates a new job while the old streams end.
+        Its segments and its shards' copy go; how it ended is recorded (and logged,
+        `quiet`: as info when it finished or was abandoned).
         """
         if self.jobs.get(job.job_id) is not job:
             return
-        ended = self._retire(job)
-        log.warning("job '%s' ended %s: %s", job.job_id, ended.state, ended.outcome)
-
-    def _retire(self, job: Job) -> pb.JobStatus:
-        """Forget the active `job`: its segments, its shards' copy; record how it ended."""
         del self.jobs[job.job_id]
         self.segments.forget_job(job.job_id)
         self.shard_control.job_ended(job)
-        return self.ended_jobs.record(job, self.metrics.lag_tracker)
+        ended = self.ended_jobs.record(job, self.metrics.lag_tracker)
+        if quiet and ended.state in ("finished", "abandoned"):
+            log.info("job '%s' %s", job.job_id, ended.outcome)
+        else:
+            log.warning("job '%s' ended %s: %s", job.job_id, ended.state, ended.outcome)
 
     def expire_assembly(self, job: Job, details: str) -> None:
         """Refuse a job that assembled too long: its waiting ranks end, its slot is free."""

@@ -69,15 +69,12 @@ class Leader(Protocol):
 
     def execute(self, job: Job, actions: list[Action]) -> None:
         """Carry out `actions` of `job`."""
-        ...
 
     def retire_job(self, job: Job) -> None:
         """Remove `job` from the active jobs at once and record how it ended."""
-        ...
 
     def stats(self) -> pb.ShardStats:
         """The leader's own counters (shard 0)."""
-        ...
 
 
 @dataclass(frozen=True)

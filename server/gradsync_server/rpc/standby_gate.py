@@ -14,7 +14,7 @@ from typing import Any, Protocol
 
 import grpc
 
-from gradsync_server.rpc.auth_check import shaped_like
+from gradsync_server.rpc.auth_check import method_name, shaped_like
 
 _HEALTH_PREFIX = "/grpc.health.v1.Health/"
 
@@ -40,8 +40,7 @@ class StandbyGate(grpc.aio.ServerInterceptor):  # type: ignore[misc]  # grpc shi
         continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler]],
         handler_call_details: grpc.HandlerCallDetails,
     ) -> grpc.RpcMethodHandler | None:
-        method = handler_call_details.method
-        name = method.decode("utf-8", "replace") if isinstance(method, bytes) else str(method)
+        name = method_name(handler_call_details.method)
         if self.active or name.startswith(_HEALTH_PREFIX):
             return await continuation(handler_call_details)
         handler = await continuation(handler_call_details)
@@ -79,8 +78,7 @@ class ServicerSwitch(grpc.GenericRpcHandler):  # type: ignore[misc]  # grpc ship
     """
 
     def __init__(self, servicer: _Servicer) -> None:
-        self._servicer = servicer
-        self._handler = servicer.generic_handler()
+        self.switch(servicer)
 
     def switch(self, servicer: _Servicer) -> None:
         """Calls from now on go to `servicer` (the gate is closed while this happens)."""

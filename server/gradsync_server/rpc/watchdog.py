@@ -54,19 +54,15 @@ class Watched(Protocol):
 
     def connection_count(self) -> int:
         """Worker streams currently joined to a job."""
-        ...
 
     def declare_dead(self, job: Job, rank: int, details: str) -> None:
         """End `rank`'s stream and drop it from `job` (`details` says why)."""
-        ...
 
     def execute(self, job: Job, actions: list[Action]) -> None:
         """Carry out `actions` of `job`."""
-        ...
 
     def expire_assembly(self, job: Job, details: str) -> None:
         """Refuse `job`, which assembled for too long, and free its slot."""
-        ...
 
 
 class Watchdog:
