@@ -441,12 +441,8 @@ class FrameConnection(FrameReader):
 
     def _pause_reading(self, pause: bool) -> None:
         transport = self._open()
-        if transport is None:
-            return
-        if pause:
-            transport.pause_reading()
-        else:
-            transport.resume_reading()
+        if transport is not None:
+            (transport.pause_reading if pause else transport.resume_reading)()
 
     def drop(self, code: Code, details: str) -> None:
         """End a connection that has not said HELLO: a STATUS frame, then close."""
