@@ -16,7 +16,6 @@ import functools
 import logging
 import time
 from collections.abc import Awaitable, Callable
-from typing import Any
 
 import grpc
 from gradsync_proto.codec import ChunkHeader, header_of
@@ -55,14 +54,15 @@ from gradsync_server.text import MAX_REASON_CHARS, quoted
 
 log = logging.getLogger("gradsync.server")
 
-#: The job's handler of each kind of worker message that only turns into actions.
-_JOB_HANDLERS: dict[str, Callable[[Job, int, Any], list[Action]]] = {
-    "abandon": Job.on_abandon,
-    "checkpoint": Job.on_checkpoint_chunk,
-    "collective": Job.on_collective,
-    "local_posted": Job.on_local_posted,
-    "out_of_inputs": Job.on_out_of_inputs,
-    "state": Job.on_state_chunk,
+#: The `Job` method (looked up on the job at each call) that handles each kind of
+#: worker message that only turns into actions.
+_JOB_HANDLERS = {
+    "abandon": "on_abandon",
+    "checkpoint": "on_checkpoint_chunk",
+    "collective": "on_collective",
+    "local_posted": "on_local_posted",
+    "out_of_inputs": "on_out_of_inputs",
+    "state": "on_state_chunk",
 }
 
 
@@ -203,7 +203,8 @@ class LeaderRole(CoordinatorServicer):
         job.touch(conn.rank)
         try:
             if kind in _JOB_HANDLERS:
-                self._execute(job, _JOB_HANDLERS[kind](job, conn.rank, getattr(message, kind)))
+                handler = getattr(job, _JOB_HANDLERS[kind])
+                self._execute(job, handler(conn.rank, getattr(message, kind)))
             elif kind == "heartbeat":
                 job.touch(conn.rank, message.heartbeat.step)
             elif kind == "gradient":
