@@ -75,10 +75,7 @@ def holder_late(ttl_s: float, left_s: float) -> bool:
 
 
 async def _stand_by(
-    lease: RedisLease,
-    gate: StandbyGate,
-    clock: Callable[[], float],
-    warm: Warm | None = None,
+    lease: RedisLease, gate: StandbyGate, clock: Callable[[], float], warm: Warm | None = None
 ) -> LeaseRecord:
     """Refuse every call until this coordinator holds the lease; return our record.
 

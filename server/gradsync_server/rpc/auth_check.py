@@ -123,10 +123,7 @@ class TokenCheck(grpc.aio.ServerInterceptor):  # type: ignore[misc]  # grpc ship
     """
 
     def __init__(
-        self,
-        token: str | None,
-        shard_token: str | None = None,
-        refusals: RefusalLog | None = None,
+        self, token: str | None, shard_token: str | None = None, refusals: RefusalLog | None = None
     ) -> None:
         self._token = token
         self._shard_token = shard_token

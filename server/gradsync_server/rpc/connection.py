@@ -167,11 +167,7 @@ class Connection:
         self._account()
 
     def end(
-        self,
-        code: Code,
-        details: str,
-        reason: pb.EndReason | None = None,
-        discard: bool = False,
+        self, code: Code, details: str, reason: pb.EndReason | None = None, discard: bool = False
     ) -> None:
         """End the stream after what is queued; an error is announced by a StreamEnd first.
 

@@ -170,11 +170,7 @@ class KeyValueStore:
                 f"{what}: the namespace must be 1 to {limits.max_namespace_name_bytes} bytes "
                 f"(the job id), got {name_bytes}",
             )
-        single = request.op not in (
-            pb.STORE_OP_CHECK,
-            pb.STORE_OP_WAIT,
-            pb.STORE_OP_NUM_KEYS,
-        )
+        single = request.op not in (pb.STORE_OP_CHECK, pb.STORE_OP_WAIT, pb.STORE_OP_NUM_KEYS)
         if single and len(keys) != 1:
             raise StoreRefused(
                 grpc.StatusCode.INVALID_ARGUMENT, f"{what} takes one key, got {len(keys)}"

@@ -119,8 +119,7 @@ class LeaderRole(CoordinatorServicer):
             # Raw request bytes: one that does not parse is INVALID_ARGUMENT (gRPC's
             # deserializer would say UNKNOWN with a traceback; found by the fuzzer).
             "Status": grpc.unary_unary_rpc_method_handler(
-                guarded("Status", self.status),
-                response_serializer=pb.StatusReply.SerializeToString,
+                guarded("Status", self.status), response_serializer=pb.StatusReply.SerializeToString
             ),
             "ShardLink": grpc.stream_stream_rpc_method_handler(
                 guarded("ShardLink", self.shard_control.link, self.stream_count),

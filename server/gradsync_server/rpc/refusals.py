@@ -31,9 +31,7 @@ class RefusalLog:
     """
 
     def __init__(
-        self,
-        period_s: float = REFUSAL_LOG_PERIOD_S,
-        clock: Callable[[], float] = time.monotonic,
+        self, period_s: float = REFUSAL_LOG_PERIOD_S, clock: Callable[[], float] = time.monotonic
     ) -> None:
         self._period_s = period_s
         self._clock = clock

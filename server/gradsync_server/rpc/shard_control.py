@@ -210,8 +210,7 @@ class ShardControl:
         for record in self.registry.silent(timeout):
             silence = self.registry.seconds_since_heard(record)
             self.lose(
-                record,
-                f"silent for {silence:.1f}s, beyond the heartbeat timeout of {timeout:g}s",
+                record, f"silent for {silence:.1f}s, beyond the heartbeat timeout of {timeout:g}s"
             )
         now = self._clock()
         if self.registry.complete() or now < self._next_report:
@@ -257,9 +256,7 @@ class ShardControl:
 
     # ------------------------------------------------------------ the stream
     async def link(
-        self,
-        request_iterator: AsyncIterator[pb.ShardMessage],
-        context: grpc.aio.ServicerContext,
+        self, request_iterator: AsyncIterator[pb.ShardMessage], context: grpc.aio.ServicerContext
     ) -> None:
         """Serve one shard's control stream: register, then follow until it ends or is lost."""
         peer = context.peer()
