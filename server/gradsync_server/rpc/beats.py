@@ -72,7 +72,7 @@ async def serve_beat(
     jobs: Mapping[str, Job], raw: bytes, context: grpc.aio.ServicerContext
 ) -> pb.BeatReply:
     """The `Beat` RPC (raw request bytes: one that does not parse is INVALID_ARGUMENT,
-    by `stream_guard.guarded`)."""
+    by `servicer.guarded`)."""
     request = pb.BeatRequest.FromString(raw)
     try:
         return take_beat(jobs, request)

@@ -45,9 +45,13 @@ from gradsync_server.rpc.connection import Connection
 from gradsync_server.rpc.delivery import Delivery
 from gradsync_server.rpc.kv_store import KeyValueStore
 from gradsync_server.rpc.segments import SegmentRegistry, leader_session
-from gradsync_server.rpc.servicer import SERVICE_NAME, SHUTDOWN_FLUSH_S, CoordinatorServicer
+from gradsync_server.rpc.servicer import (
+    SERVICE_NAME,
+    SHUTDOWN_FLUSH_S,
+    CoordinatorServicer,
+    guarded,
+)
 from gradsync_server.rpc.shard_control import ShardControl
-from gradsync_server.rpc.stream_guard import guarded
 from gradsync_server.rpc.watchdog import Watchdog
 from gradsync_server.store.checkpoint import CheckpointStore
 from gradsync_server.text import MAX_REASON_CHARS, quoted
