@@ -168,8 +168,8 @@ class Running(Generic[S]):
             if self.watchdog is not None:
                 self.watchdog.cancel()
             servicer.checkpointer.close()  # its store threads (a hung call finishes alone)
-            if servicer.store is not None:
-                servicer.store.close()
+            if servicer.checkpointer.store is not None:
+                servicer.checkpointer.store.close()
         if self.metrics_server is not None:
             self.metrics_server.close()
 
@@ -405,7 +405,7 @@ async def serve_leased(
     from gradsync_server.standby import lease_for, take_part  # redis only when leased
 
     lease, metrics = lease_for(config, running.port, running.servicer.metrics.registry)
-    store = running.servicer.store
+    store = running.servicer.checkpointer.store
     if isinstance(store, RedisCheckpointStore):
         store.fence = lease.write_token  # a demoted coordinator's writes are refused in Redis
     return await take_part(config, running, lease, metrics, stop, set_health=_set_health)

@@ -352,7 +352,7 @@ async def stand_down(
         running.watchdog.cancel()
     old.segments.close()
     old.checkpointer.close()  # its threads only: the store stays, fenced, for the next one
-    fresh = LeaderRole(old.config, old.store, metrics=old.metrics)
+    fresh = LeaderRole(old.config, old.checkpointer.store, metrics=old.metrics)
     fresh.payload_endpoint = old.payload_endpoint  # the socket stays; the switch routes it
     running.servicer = fresh
     running.switch.switch(fresh)

@@ -113,11 +113,6 @@ class LeaderRole(CoordinatorServicer):
         )
         self._execute = self._delivery.execute
 
-    @property
-    def store(self) -> CheckpointStore | None:
-        """The checkpoint store, if one is configured."""
-        return self.checkpointer.store
-
     def _other_methods(self) -> dict[str, grpc.RpcMethodHandler]:
         return {
             # Raw request bytes: one that does not parse is INVALID_ARGUMENT (gRPC's

@@ -41,7 +41,7 @@ from gradsync_proto.codes import Code
 from gradsync_proto.v1 import gradsync_pb2 as pb
 
 from gradsync_server.config import CoordinatorConfig
-from gradsync_server.dataplane.budget import ByteBudget, outbox_pool_bytes
+from gradsync_server.dataplane.budget import ByteBudget
 from gradsync_server.errors import RejectedMessage
 from gradsync_server.metrics import CoordinatorMetrics
 from gradsync_server.rpc.connection import Connection, internal_details
@@ -149,9 +149,7 @@ class CoordinatorServicer(ABC):
         #: Gradient bytes currently held in partial reductions.
         self.budget = budget
         #: What all outboxes queue together (see `connection`).
-        self.outbox_budget = ByteBudget(
-            outbox_pool_bytes(config.max_buffered_bytes, config.max_outbox_bytes)
-        )
+        self.outbox_budget = ByteBudget(config.outbox_pool_bytes)
         #: Streams of every kind, against --max-connections (see `guarded`).
         self.stream_count = StreamCount(config.max_connections)
         self.flush_s = flush_s
