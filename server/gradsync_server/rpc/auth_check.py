@@ -169,14 +169,7 @@ def method_name(method: str | bytes) -> str:
 def _refusing(
     handler: grpc.RpcMethodHandler, message: str, check: TokenCheck
 ) -> grpc.RpcMethodHandler:
-    """A handler of the same shape as `handler` that only aborts with UNAUTHENTICATED.
-
-    Its requests are left as raw bytes (no deserializer): nothing an
-    unauthenticated caller sent is parsed.
-    """
-
-    async def refuse(request: Any, context: grpc.aio.ServicerContext[Any, Any]) -> None:
-        await context.abort(grpc.StatusCode.UNAUTHENTICATED, message)
+    """A handler of the same shape as `handler` that only aborts with UNAUTHENTICATED."""
 
     async def refuse_stream(requests: Any, context: grpc.aio.ServicerContext[Any, Any]) -> None:
         # Wait (bounded) for the caller's first message: a status that overtakes the
@@ -191,13 +184,23 @@ def _refusing(
                 check.waiting -= 1
         await context.abort(grpc.StatusCode.UNAUTHENTICATED, message)
 
-    return shaped_like(handler, refuse, refuse_stream)
+    return refusing(handler, grpc.StatusCode.UNAUTHENTICATED, message, refuse_stream)
 
 
-def shaped_like(
-    handler: grpc.RpcMethodHandler, unary: Callable[..., Any], streaming: Callable[..., Any]
+def refusing(
+    handler: grpc.RpcMethodHandler,
+    code: grpc.StatusCode,
+    message: str,
+    streaming: Callable[..., Any] | None = None,
 ) -> grpc.RpcMethodHandler:
-    """A handler of `handler`'s shape (raw bytes): `unary` or `streaming` by its requests."""
+    """A handler of `handler`'s shape that only aborts with `code` and `message` (`streaming`
+    instead for streamed requests). Its requests are left as raw bytes (no deserializer):
+    nothing a refused caller sent is parsed."""
+
+    async def unary(request: Any, context: grpc.aio.ServicerContext[Any, Any]) -> None:
+        await context.abort(code, message)
+
+    streaming = streaming or unary
     if handler.request_streaming and handler.response_streaming:
         return grpc.stream_stream_rpc_method_handler(streaming)
     if handler.request_streaming:

@@ -14,7 +14,7 @@ from typing import Any, Protocol
 
 import grpc
 
-from gradsync_server.rpc.auth_check import method_name, shaped_like
+from gradsync_server.rpc.auth_check import method_name, refusing
 
 _HEALTH_PREFIX = "/grpc.health.v1.Health/"
 
@@ -51,16 +51,7 @@ class StandbyGate(grpc.aio.ServerInterceptor):  # type: ignore[misc]  # grpc shi
             f"this coordinator is a standby (does not hold the lease) and serves no {name}; "
             f"the active coordinator is {self.active_elsewhere}"
         )
-        return _unavailable(handler, message)
-
-
-def _unavailable(handler: grpc.RpcMethodHandler, message: str) -> grpc.RpcMethodHandler:
-    """A handler of `handler`'s shape that only aborts with UNAVAILABLE."""
-
-    async def refuse(request: Any, context: grpc.aio.ServicerContext[Any, Any]) -> None:
-        await context.abort(grpc.StatusCode.UNAVAILABLE, message)
-
-    return shaped_like(handler, refuse, refuse)
+        return refusing(handler, grpc.StatusCode.UNAVAILABLE, message)
 
 
 class _Servicer(Protocol):
