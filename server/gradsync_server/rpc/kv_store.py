@@ -116,11 +116,10 @@ class KeyValueStore:
         op = request.op
         keys = list(request.keys)
         self._check_request(request, keys)
+        held = self._namespaces.get(request.namespace)
         if op == pb.STORE_OP_NUM_KEYS:
-            held = self._namespaces.get(request.namespace)
             return pb.StoreReply(number=len(held.values) if held else 0)
         if op == pb.STORE_OP_CHECK:
-            held = self._namespaces.get(request.namespace)
             return pb.StoreReply(found=held is not None and all(k in held.values for k in keys))
         if op in (pb.STORE_OP_GET, pb.STORE_OP_WAIT):
             await self._wait(request.namespace, keys, request.timeout_ms / 1000)

@@ -52,7 +52,7 @@ from gradsync_server.rpc.servicer import (
     guarded,
 )
 from gradsync_server.rpc.shard_control import ShardControl
-from gradsync_server.rpc.watchdog import Watchdog
+from gradsync_server.rpc.watchdog import Watchdog, log_rank_lost
 from gradsync_server.store.checkpoint import CheckpointStore
 from gradsync_server.text import MAX_REASON_CHARS, quoted
 
@@ -359,17 +359,8 @@ class LeaderRole(CoordinatorServicer):
             return
         super()._detach(conn)
         conn.job, conn.job_id = None, None
-        if not conn.left and job.state is JobState.ASSEMBLING:
-            log.warning(
-                "job '%s': rank %d disconnected while waiting for the others; dropped from the "
-                "assembling job (it may join again)",
-                job.job_id,
-                conn.rank,
-            )
-        elif not conn.left:
-            log.warning(
-                "job '%s': rank %d disconnected at step %d", job.job_id, conn.rank, job.open_step
-            )
+        if not conn.left:
+            log_rank_lost(job, conn.rank, "disconnected")
         # A rank whose message was refused: its peers (waiting in that collective, say)
         # learn what was refused, both values included, not only that it disconnected.
         reason = (

@@ -44,6 +44,20 @@ _STRAGGLER_MIN_SAMPLES = 10
 _MAX_PERIOD_S = 0.25
 
 
+def log_rank_lost(job: Job, rank: int, what: str) -> None:
+    """Log that `rank` of `job` was lost (`what` happened to it), and what that means."""
+    if job.state is JobState.ASSEMBLING:
+        log.warning(
+            "job '%s': rank %d %s while waiting for the others; dropped from the assembling "
+            "job (it may join again)",
+            job.job_id,
+            rank,
+            what,
+        )
+    else:
+        log.warning("job '%s': rank %d %s at step %d", job.job_id, rank, what, job.open_step)
+
+
 class Watched(Protocol):
     """What the watchdog needs from the coordinator."""
 
@@ -124,18 +138,7 @@ class Watchdog:
                 details = (
                     f"was declared dead after {timeout:g}s without a heartbeat (heartbeat timeout)"
                 )
-                if job.state is JobState.ASSEMBLING:
-                    log.warning(
-                        "job '%s': rank %d %s while waiting for the others; dropped from the "
-                        "assembling job (it may join again)",
-                        job.job_id,
-                        rank,
-                        details,
-                    )
-                else:
-                    log.warning(
-                        "job '%s': rank %d %s at step %d", job.job_id, rank, details, job.open_step
-                    )
+                log_rank_lost(job, rank, details)
                 coordinator.declare_dead(job, rank, details)
             if self._assembly_expired(job):
                 continue
