@@ -35,7 +35,6 @@ from gradsync_server.control.admission import (
 from gradsync_server.control.job import Job, JobState
 from gradsync_server.control.outer_resume import OuterReading
 from gradsync_server.control.status import EndedJobs, status_reply
-from gradsync_server.dataplane.actions import Action
 from gradsync_server.dataplane.budget import ByteBudget
 from gradsync_server.errors import RejectedMessage
 from gradsync_server.metrics import CoordinatorMetrics
@@ -75,7 +74,6 @@ class LeaderRole(CoordinatorServicer):
 
     service = SERVICE_NAME
     stream_method = "Sync"
-    config: CoordinatorConfig
 
     def __init__(
         self,
@@ -111,7 +109,8 @@ class LeaderRole(CoordinatorServicer):
             before=self.shard_control.before_delivery,
             persist=self.checkpointer.persist,
         )
-        self._execute = self._delivery.execute
+        #: Carries out a job's actions (also for the watchdog and the shards' control).
+        self.execute = self._delivery.execute
 
     def _other_methods(self) -> dict[str, grpc.RpcMethodHandler]:
         return {
@@ -202,7 +201,7 @@ class LeaderRole(CoordinatorServicer):
         try:
             if kind in _JOB_HANDLERS:
                 handler = getattr(job, _JOB_HANDLERS[kind])
-                self._execute(job, handler(conn.rank, getattr(message, kind)))
+                self.execute(job, handler(conn.rank, getattr(message, kind)))
             elif kind == "heartbeat":
                 job.touch(conn.rank, message.heartbeat.step)
             elif kind == "gradient":
@@ -251,7 +250,7 @@ class LeaderRole(CoordinatorServicer):
             payload = read
         self.metrics.observe_chunk(len(payload))
         job.touch(conn.rank)
-        self._execute(job, job.on_gradient(conn.rank, chunk, payload))
+        self.execute(job, job.on_gradient(conn.rank, chunk, payload))
         return None
 
     def admit_segment(self, registration: Registration, fd: int) -> str | None:
@@ -268,7 +267,7 @@ class LeaderRole(CoordinatorServicer):
         if conn.job is None:
             conn.end(rejection.code, rejection.message)
         else:
-            self._execute(conn.job, conn.job.reject(conn.rank, rejection))
+            self.execute(conn.job, conn.job.reject(conn.rank, rejection))
 
     async def _join(self, conn: Connection, join: pb.Join) -> None:
         job_id = join.job_id
@@ -280,7 +279,7 @@ class LeaderRole(CoordinatorServicer):
             log.warning("refused join from %s: %s", conn.peer, problem[1])
             waiting = self.jobs.get(job_id)
             if waiting is not None and not self.draining:
-                self._execute(waiting, waiting.refused_join(join.rank, problem[1]))
+                self.execute(waiting, waiting.refused_join(join.rank, problem[1]))
             reason = pb.END_REASON_SHUTTING_DOWN if self.draining else None
             conn.end(*problem, reason)
             return
@@ -335,7 +334,7 @@ class LeaderRole(CoordinatorServicer):
             if not job.members:
                 del self.jobs[job_id]
             else:  # the ranks that wait hear who was refused and why
-                self._execute(job, job.refused_join(join.rank, rejection.message))
+                self.execute(job, job.refused_join(join.rank, rejection.message))
             return
         conn.job, conn.job_id, conn.rank = job, job_id, join.rank
         job.set_peer(join.rank, conn.peer)
@@ -351,7 +350,7 @@ class LeaderRole(CoordinatorServicer):
             join.client_version,
             wait,
         )
-        self._execute(job, actions)
+        self.execute(job, actions)
 
     def _detach(self, conn: Connection) -> None:
         job = conn.job
@@ -375,7 +374,7 @@ class LeaderRole(CoordinatorServicer):
         if not orderly:
             self.metrics.recovery.rank_lost(job.liveness.seconds_since_seen(rank))
         self.segments.forget(job.job_id, rank, job.membership.session_of(rank))
-        self._execute(job, job.detach(rank, orderly=orderly, reason=reason))
+        self.execute(job, job.detach(rank, orderly=orderly, reason=reason))
         # Its straggler statistics must not follow a later member with its rank.
         self.metrics.forget_rank(rank)
         if not job.members:
@@ -402,12 +401,8 @@ class LeaderRole(CoordinatorServicer):
 
     def expire_assembly(self, job: Job, details: str) -> None:
         """Refuse a job that assembled too long: its waiting ranks end, its slot is free."""
-        self._execute(
+        self.execute(
             job,
             job.end(Code.DEADLINE_EXCEEDED, details, pb.END_REASON_JOB_REFUSED, JobState.REFUSED),
         )
         self.retire_job(job)
-
-    def execute(self, job: Job, actions: list[Action]) -> None:
-        """Carry out `actions` of `job` (for the watchdog's periodic reports)."""
-        self._execute(job, actions)

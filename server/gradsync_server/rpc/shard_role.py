@@ -66,7 +66,6 @@ class ShardRole(CoordinatorServicer):
 
     service = SHARD_SERVICE_NAME
     stream_method = "Data"
-    config: CoordinatorConfig
 
     def __init__(
         self,
