@@ -40,12 +40,11 @@ from gradsync_server.config import MIB, CoordinatorConfig, Role
 from gradsync_server.local_shards import LocalShards
 from gradsync_server.metrics import CoordinatorMetrics
 from gradsync_server.parent_watch import watch_parent
-from gradsync_server.rpc.auth_check import bind, interceptors, server_credentials
+from gradsync_server.rpc.auth_check import RefusalLog, bind, interceptors, server_credentials
 from gradsync_server.rpc.frame_server import FrameServer, start_frame_server
 from gradsync_server.rpc.leader_role import LeaderRole
 from gradsync_server.rpc.outer_records import configured_store
 from gradsync_server.rpc.payload_socket import PayloadSocket
-from gradsync_server.rpc.refusals import RefusalLog
 from gradsync_server.rpc.servicer import SERVICE_NAME, SHARD_SERVICE_NAME, SHUTDOWN_FLUSH_S
 from gradsync_server.rpc.shard_link import LeaderLink
 from gradsync_server.rpc.shard_role import ShardRole

@@ -54,9 +54,8 @@ from gradsync_proto.net.frames import (
 )
 
 from gradsync_server.config import CoordinatorConfig
-from gradsync_server.rpc.auth_check import MISSING_TOKEN, WRONG_TOKEN
+from gradsync_server.rpc.auth_check import MISSING_TOKEN, WRONG_TOKEN, RefusalLog
 from gradsync_server.rpc.linger import LINGER_S, Linger
-from gradsync_server.rpc.refusals import RefusalLog
 
 if TYPE_CHECKING:
     from gradsync_server.rpc.servicer import CoordinatorServicer
