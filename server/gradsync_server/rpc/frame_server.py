@@ -96,10 +96,12 @@ class FrameContext:
     """What the Sync handler uses of `grpc.aio.ServicerContext`, on a frame connection."""
 
     def __init__(self, connection: FrameConnection, peer: str) -> None:
-        self._connection = connection
         self._peer = peer
         self.code = grpc.StatusCode.OK
         self.details = ""
+        # The writes are the connection's own (`FrameConnection.send`, `.write_now`).
+        self.write = connection.send
+        self.write_now = connection.write_now
 
     def peer(self) -> str:
         return self._peer
@@ -113,14 +115,6 @@ class FrameContext:
     async def abort(self, code: grpc.StatusCode, details: str) -> None:
         self.code, self.details = code, details
         raise grpc.aio.AbortError(details)
-
-    async def write(self, raw: bytes) -> None:
-        """Send one message; waits only while the socket's buffer is over its high water."""
-        await self._connection.send(raw)
-
-    def write_now(self, raw: bytes) -> bool:
-        """Send one message at once if the socket's buffer has room; False (nothing sent) if not."""
-        return self._connection.write_now(raw)
 
 
 class _Requests:
