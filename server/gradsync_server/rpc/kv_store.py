@@ -196,9 +196,7 @@ class KeyValueStore:
             )
 
     def _namespace_for_write(self, name: str) -> _Namespace:
-        space = self._namespaces.get(name)
-        if space is None:
-            space = self._new_namespace(name)
+        space = self._namespaces.get(name) or self._new_namespace(name)
         space.touched_at = self._clock()
         return space
 
