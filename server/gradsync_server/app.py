@@ -40,12 +40,11 @@ from gradsync_server.config import MIB, CoordinatorConfig, Role
 from gradsync_server.local_shards import LocalShards
 from gradsync_server.metrics import CoordinatorMetrics
 from gradsync_server.parent_watch import watch_parent
-from gradsync_server.rpc.auth_check import bind, interceptors, server_credentials
+from gradsync_server.rpc.auth_check import RefusalLog, bind, interceptors, server_credentials
 from gradsync_server.rpc.frame_server import FrameServer, start_frame_server
 from gradsync_server.rpc.leader_role import LeaderRole
 from gradsync_server.rpc.outer_records import configured_store
 from gradsync_server.rpc.payload_socket import PayloadSocket
-from gradsync_server.rpc.refusals import RefusalLog
 from gradsync_server.rpc.servicer import SERVICE_NAME, SHARD_SERVICE_NAME, SHUTDOWN_FLUSH_S
 from gradsync_server.rpc.shard_link import LeaderLink
 from gradsync_server.rpc.shard_role import ShardRole
@@ -168,27 +167,15 @@ class Running(Generic[S]):
             if self.watchdog is not None:
                 self.watchdog.cancel()
             servicer.checkpointer.close()  # its store threads (a hung call finishes alone)
-            if servicer.store is not None:
-                servicer.store.close()
+            if servicer.checkpointer.store is not None:
+                servicer.checkpointer.store.close()
         if self.metrics_server is not None:
             self.metrics_server.close()
 
 
-def grpc_options(max_message_bytes: int) -> list[tuple[str, int]]:
-    """Channel options: explicit message limits and a keepalive policy clients match."""
-    return [
-        ("grpc.max_receive_message_length", max_message_bytes),
-        ("grpc.max_send_message_length", max_message_bytes),
-        # Workers ping every 1 s to spot a frozen coordinator (KEEPALIVE_TIME_MS in
-        # gradsync.path.shard_streams); pings are never counted as strikes.
-        ("grpc.keepalive_permit_without_calls", 1),
-        ("grpc.http2.min_recv_ping_interval_without_data_ms", 5000),
-        ("grpc.http2.max_ping_strikes", 0),
-    ]
-
-
-def connection_bounds(config: CoordinatorConfig) -> list[tuple[str, int]]:
-    """Server options that bound connections before any caller is authenticated.
+def grpc_options(config: CoordinatorConfig) -> list[tuple[str, int]]:
+    """Server options: explicit message limits, a keepalive policy clients match, and
+    bounds on connections before any caller is authenticated.
 
     gRPC's own handshake deadline (TCP accept to the client's HTTP/2 settings, TLS
     included) is otherwise 120 s: a silent connection gets the first-message deadline,
@@ -197,6 +184,13 @@ def connection_bounds(config: CoordinatorConfig) -> list[tuple[str, int]]:
     every descriptor: over it a new connection is closed at accept.
     """
     return [
+        ("grpc.max_receive_message_length", config.max_message_bytes),
+        ("grpc.max_send_message_length", config.max_message_bytes),
+        # Workers ping every 1 s to spot a frozen coordinator (KEEPALIVE_TIME_MS in
+        # gradsync.path.shard_streams); pings are never counted as strikes.
+        ("grpc.keepalive_permit_without_calls", 1),
+        ("grpc.http2.min_recv_ping_interval_without_data_ms", 5000),
+        ("grpc.http2.max_ping_strikes", 0),
         ("grpc.server_handshake_timeout_ms", max(1, round(config.first_message_timeout_s * 1000))),
         ("grpc.max_allowed_incoming_connections", 2 * config.max_connections + 64),
     ]
@@ -215,7 +209,7 @@ def _listen(
     credentials = server_credentials(config.tls_cert, config.tls_key, config.tls_client_ca)
     leader = config.role is Role.LEADER
     server = grpc.aio.server(
-        options=[*grpc_options(config.max_message_bytes), *connection_bounds(config)],
+        options=grpc_options(config),
         # A shard's own shard token is what it presents to its leader, not what it checks.
         # The token check first: an unauthenticated caller learns nothing, not even the
         # active coordinator's address from a standby's refusal.
@@ -240,14 +234,6 @@ async def _set_health(
     service = SERVICE_NAME if config.role is Role.LEADER else SHARD_SERVICE_NAME
     for name in ("", service):
         await health_servicer.set(name, status.SERVING if serving else status.NOT_SERVING)
-
-
-def _stop_on_signals() -> asyncio.Event:
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for signum in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(signum, stop.set)
-    return stop
 
 
 async def start(
@@ -279,7 +265,10 @@ async def start(
     else:
         servicer = ShardRole(config, advertise, metrics=metrics)
     server.add_generic_rpc_handlers((switch or servicer.generic_handler(),))
-    metrics_server = _metrics_server(config, metrics)
+    metrics_server = None
+    if config.metrics_port is not None:
+        host = config.metrics_host or config.host
+        metrics_server = serve_metrics(config.metrics_port, metrics.registry, host=host)
     await server.start()
     running: Running[Any] = Running(
         config, server, port, servicer, health_servicer, metrics_server, advertise
@@ -305,14 +294,6 @@ async def start(
     return running
 
 
-def _metrics_server(config: CoordinatorConfig, metrics: CoordinatorMetrics) -> MetricsServer | None:
-    if config.metrics_port is None:
-        return None
-    return serve_metrics(
-        config.metrics_port, metrics.registry, host=config.metrics_host or config.host
-    )
-
-
 async def wait_for_shards(running: Running[LeaderRole], timeout_s: float) -> bool:
     """Wait until every shard has registered; False (logged, naming them) after `timeout_s`."""
     control = running.servicer.shard_control
@@ -328,13 +309,6 @@ async def wait_for_shards(running: Running[LeaderRole], timeout_s: float) -> boo
     return True
 
 
-def security_words(tls: bool, client_ca: bool, token: bool) -> str:
-    """How callers are checked, for banners ("TLS + client certificates + token")."""
-    parts = (["TLS"] if tls else []) + (["client certificates"] if client_ca else [])
-    parts += ["token"] if token else []
-    return " + ".join(parts) if parts else "plaintext, no authentication"
-
-
 def banner(running: Running[Any]) -> str:
     """The startup line; `gradsync demo`, tests and `gradsync_proto.net.launch.parse_banner`
     read 'listening on HOST:PORT'.
@@ -343,9 +317,11 @@ def banner(running: Running[Any]) -> str:
     """
     config = running.config
     metrics_url = running.metrics_server.url if running.metrics_server else None
-    security = security_words(
-        config.tls_cert is not None, config.tls_client_ca is not None, config.token is not None
-    )
+    # How callers are checked ("TLS + client certificates + token"), never the token.
+    checks = {"TLS": config.tls_cert, "client certificates": config.tls_client_ca}
+    checks["token"] = config.token
+    parts = [what for what, value in checks.items() if value is not None]
+    security = " + ".join(parts) if parts else "plaintext, no authentication"
     limits = (
         f"max message {config.max_message_bytes} bytes, "
         f"max buffered {config.max_buffered_bytes / MIB:g} MiB"
@@ -377,7 +353,9 @@ async def serve(config: CoordinatorConfig) -> int:
     its parent (`parent_pid`) is gone.
     """
     running = await start(config)
-    stop = _stop_on_signals()
+    stop = asyncio.Event()
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        asyncio.get_running_loop().add_signal_handler(signum, stop.set)
     # The banner says the server is up: signals must be handled from then on.
     print(banner(running), file=sys.stderr, flush=True)
     if running.gate is not None:
@@ -426,7 +404,7 @@ async def serve_leased(
     from gradsync_server.standby import lease_for, take_part  # redis only when leased
 
     lease, metrics = lease_for(config, running.port, running.servicer.metrics.registry)
-    store = running.servicer.store
+    store = running.servicer.checkpointer.store
     if isinstance(store, RedisCheckpointStore):
         store.fence = lease.write_token  # a demoted coordinator's writes are refused in Redis
     return await take_part(config, running, lease, metrics, stop, set_health=_set_health)

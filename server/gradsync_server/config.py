@@ -459,7 +459,15 @@ class CoordinatorConfig:
                 f"--max-buffered-mb {self.max_buffered_bytes / MIB:g} must hold at least one "
                 f"chunk (--chunk-mb {self.chunk_bytes / MIB:g})"
             )
-        check_shard_token(self.token, self.shard_token)
+        if (
+            self.token is not None
+            and self.shard_token is not None
+            and hmac.compare_digest(self.token.encode(), self.shard_token.encode())
+        ):  # a shard token equal to the workers' token tells nobody apart
+            raise ValueError(
+                "the shard token is the same as the workers' token: a shard token must be a "
+                "secret the workers do not hold (make one with `gradsync token FILE`)"
+            )
         if self.checkpoint_store is not None:
             try:
                 location = parse_store_url(self.checkpoint_store)
@@ -516,15 +524,12 @@ class CoordinatorConfig:
                 f"--heartbeat-interval {self.heartbeat_interval_s:g} must be positive and "
                 f"below --heartbeat-timeout {self.heartbeat_timeout_s:g}"
             )
-        if self.nonfinite not in defaults.NONFINITE_POLICIES:
-            raise ValueError(
-                f"nonfinite must be one of {', '.join(defaults.NONFINITE_POLICIES)}, "
-                f"got {self.nonfinite!r}"
-            )
-        if self.screen not in defaults.SCREEN_POLICIES:
-            raise ValueError(
-                f"screen must be one of {', '.join(defaults.SCREEN_POLICIES)}, got {self.screen!r}"
-            )
+        for what, policy, policies in (
+            ("nonfinite", self.nonfinite, defaults.NONFINITE_POLICIES),
+            ("screen", self.screen, defaults.SCREEN_POLICIES),
+        ):
+            if policy not in policies:
+                raise ValueError(f"{what} must be one of {', '.join(policies)}, got {policy!r}")
         if self.on_failure not in ("abort", "elastic"):
             raise ValueError(f"on failure must be 'abort' or 'elastic', got {self.on_failure!r}")
         if not 1 <= self.min_workers <= self.world_size:
@@ -640,23 +645,6 @@ class CoordinatorConfig:
             return f":{bound_port}"
         host = f"[{host}]" if ":" in host else host
         return f"{host}:{bound_port}"
-
-
-def check_shard_token(token: str | None, shard_token: str | None) -> None:
-    """Refuse a shard token equal to the workers' token (then it tells nobody apart).
-
-    Raises:
-        ValueError: the two are the same secret.
-    """
-    if (
-        token is not None
-        and shard_token is not None
-        and hmac.compare_digest(token.encode(), shard_token.encode())
-    ):
-        raise ValueError(
-            "the shard token is the same as the workers' token: a shard token must be a "
-            "secret the workers do not hold (make one with `gradsync token FILE`)"
-        )
 
 
 def _check_state_dir_outside(state_dir: str, store_dir: str) -> None:

@@ -27,6 +27,7 @@ import math
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
+from typing import Any
 
 from gradsync_proto.codes import Code
 from gradsync_proto.net.exposition import LATENCY_BUCKETS_S
@@ -188,15 +189,9 @@ class CoordinatorMetrics:
             "DiLoCo rounds with the adaptive deadline that closed without this rank.",
             ["rank"],
         )
-        # Bound children by label value: `.labels()` takes a lock and builds a
-        # tuple key on every call, too much for the per-bucket path.
-        self._rank_lag: dict[int, Histogram] = {}
-        self._rejected: dict[str, Counter] = {}
-        self._aborts: dict[str, Counter] = {}
-        self._errors: dict[str, Counter] = {}
-        self._nonfinite: dict[str, Counter] = {}
-        #: Per op: (completed, bytes received, bytes sent).
-        self._collective: dict[str, tuple[Counter, Counter, Counter]] = {}
+        # Bound children by family and label values (`_child`): `.labels()` takes a
+        # lock and builds a tuple key on every call, too much for the per-bucket path.
+        self._children: dict[tuple[Any, ...], Any] = {}
         #: Time to detect, time to recover, restarts and steps recomputed.
         self.recovery = RecoveryMetrics(self.registry)
         # Plain copies of the gradient counters: a sharded coordinator reports them
@@ -222,10 +217,7 @@ class CoordinatorMetrics:
         Feeds both the per-rank histogram and `lag_tracker`.
         """
         self.lag_tracker.record(rank, lag_s)
-        child = self._rank_lag.get(rank)
-        if child is None:
-            child = self._rank_lag[rank] = self._rank_lag_family.labels(rank=str(rank))
-        child.observe(lag_s)
+        self._child(self._rank_lag_family, str(rank)).observe(lag_s)
 
     def observe_bucket_done(self, round_trip_s: float, sent_bytes: int) -> None:
         """A bucket's average went out to every rank.
@@ -263,22 +255,14 @@ class CoordinatorMetrics:
     # Per collective.
     def observe_collective(self, op: str, received_bytes: int, sent_bytes: int) -> None:
         """A collective completed: `op` its name, the bytes of its inputs and results."""
-        children = self._collective.get(op)
-        if children is None:
-            children = self._collective[op] = (
-                self._collectives_family.labels(op=op),
-                self._collective_bytes_family.labels(op=op, direction="received"),
-                self._collective_bytes_family.labels(op=op, direction="sent"),
-            )
-        done, received, sent = children
-        done.inc()
-        received.inc(received_bytes)
-        sent.inc(sent_bytes)
+        self._child(self._collectives_family, op).inc()
+        self._child(self._collective_bytes_family, op, "received").inc(received_bytes)
+        self._child(self._collective_bytes_family, op, "sent").inc(sent_bytes)
 
     # Rare events.
     def observe_rejection(self, reason: str) -> None:
         """A worker message was refused; `reason` is a status code name, e.g. INVALID_ARGUMENT."""
-        _child(self._rejected, self._rejected_family, "reason", reason).inc()
+        self._child(self._rejected_family, reason).inc()
 
     def observe_step_aborted(self, aborted: pb.StepAborted) -> None:
         """Count a StepAborted sent to workers: by reason, and a rejection by its code."""
@@ -291,11 +275,11 @@ class CoordinatorMetrics:
 
     def observe_abort(self, reason: str) -> None:
         """A step was aborted; `reason` is a status code name, e.g. ABORTED."""
-        _child(self._aborts, self._aborts_family, "reason", reason).inc()
+        self._child(self._aborts_family, reason).inc()
 
     def observe_nonfinite(self, rank: int) -> None:
         """`rank` sent NaN or Inf in a bucket (counted once per rank, step and bucket)."""
-        _child(self._nonfinite, self._nonfinite_family, "rank", str(rank)).inc()
+        self._child(self._nonfinite_family, str(rank)).inc()
 
     def observe_contribution(
         self, rank: int, norm: float, cosine: float, flagged: bool, excluded: bool
@@ -311,7 +295,15 @@ class CoordinatorMetrics:
 
     def observe_error(self, kind: str) -> None:
         """An unexpected error; `kind` is a bounded name (the exception class), not a message."""
-        _child(self._errors, self._errors_family, "kind", kind).inc()
+        self._child(self._errors_family, kind).inc()
+
+    def _child(self, family: Any, *values: str) -> Any:
+        """`family`'s child of these label values, bound once."""
+        key = (id(family), *values)
+        child = self._children.get(key)
+        if child is None:
+            child = self._children[key] = family.labels(*values)
+        return child
 
     def set_membership(self, workers_alive: int, epoch: int, jobs: int) -> None:
         """After a join, leave or loss: the live workers, the new epoch, the jobs held."""
@@ -428,10 +420,3 @@ class _ShardCollector(Collector):
             sent.add_metric([shard], sample.bytes_sent_total)
             last_seen.add_metric([shard], sample.last_seen_s)
         yield from (registered, up, received, sent, last_seen)
-
-
-def _child(cache: dict[str, Counter], family: Counter, label: str, value: str) -> Counter:
-    child = cache.get(value)
-    if child is None:
-        child = cache[value] = family.labels(**{label: value})
-    return child

@@ -55,11 +55,6 @@ def set_parent_death_signal(signum: int = signal.SIGTERM) -> bool:
     return True
 
 
-def parent_gone(parent_pid: int) -> bool:
-    """True once this process is no longer the child of `parent_pid` (it was reparented)."""
-    return os.getppid() != parent_pid
-
-
 async def watch_parent(parent_pid: int, poll_s: float = PARENT_POLL_S) -> None:
     """Return when `parent_pid` is no longer this process's parent (it died).
 
@@ -67,7 +62,7 @@ async def watch_parent(parent_pid: int, poll_s: float = PARENT_POLL_S) -> None:
     process usually hears of it at once, through its SIGTERM handler, before this returns.
     """
     set_parent_death_signal()
-    while not parent_gone(parent_pid):
+    while os.getppid() == parent_pid:  # (a reparented child has another parent)
         await asyncio.sleep(poll_s)
     log.warning(
         "the parent process %d is gone (now the child of %d): stopping", parent_pid, os.getppid()

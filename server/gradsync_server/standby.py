@@ -75,10 +75,7 @@ def holder_late(ttl_s: float, left_s: float) -> bool:
 
 
 async def _stand_by(
-    lease: RedisLease,
-    gate: StandbyGate,
-    clock: Callable[[], float],
-    warm: Warm | None = None,
+    lease: RedisLease, gate: StandbyGate, clock: Callable[[], float], warm: Warm | None = None
 ) -> LeaseRecord:
     """Refuse every call until this coordinator holds the lease; return our record.
 
@@ -106,7 +103,6 @@ async def _stand_by(
             view = await asyncio.to_thread(lease.observe)
             if await _evict_if_stale(lease, view, suspects, clock):
                 view = await asyncio.to_thread(lease.observe)
-            current, left_s = view.record, view.left_s
             taken = None
             if view.value is None:
                 delay_s = takeover_delay_s(ttl_s, clock() - watch_started, last_seen is not None)
@@ -115,7 +111,6 @@ async def _stand_by(
                 taken = await asyncio.to_thread(lease.try_acquire)
                 if taken is None:  # another took it first (or it was renewed meanwhile)
                     view = await asyncio.to_thread(lease.observe)
-                    current, left_s = view.record, view.left_s
         except Exception as exc:  # Redis down: stay a standby, say so, retry
             now = clock()
             if unreadable_since is None:
@@ -125,6 +120,7 @@ async def _stand_by(
                 log.warning("standby: cannot read the lease (%s); retrying", exc)
             await asyncio.sleep(poll_interval_s(ttl_s))
             continue
+        current, left_s = view.record, view.left_s
         if unreadable_since is not None:
             log.warning(
                 "standby: the lease is readable again after %.1fs (held by %s)",
@@ -355,7 +351,7 @@ async def stand_down(
         running.watchdog.cancel()
     old.segments.close()
     old.checkpointer.close()  # its threads only: the store stays, fenced, for the next one
-    fresh = LeaderRole(old.config, old.store, metrics=old.metrics)
+    fresh = LeaderRole(old.config, old.checkpointer.store, metrics=old.metrics)
     fresh.payload_endpoint = old.payload_endpoint  # the socket stays; the switch routes it
     running.servicer = fresh
     running.switch.switch(fresh)

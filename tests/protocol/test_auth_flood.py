@@ -17,10 +17,10 @@ from gradsync_server import app
 from gradsync_server.rpc.auth_check import (
     FIRST_MESSAGE_WAIT_S,
     MAX_WAITING_REFUSALS,
+    RefusalLog,
     TokenCheck,
     interceptors,
 )
-from gradsync_server.rpc.refusals import RefusalLog
 from support.rawclient import RawWorker, coordinator, run
 from support.waiting import eventually
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 
 import pytest
-from gradsync_server.rpc.refusals import RefusalLog
+from gradsync_server.rpc.auth_check import RefusalLog
 
 
 class Clock:

@@ -18,19 +18,24 @@ Shared by `gradsync serve` and `gradsync shard` (both in `app`):
   client certificates, anyone who reaches the port can train in, read or
   disturb every job, so such a server may listen only on loopback unless the
   operator says `--insecure`.
+- `RefusalLog` is the one rate-limited log of refused callers, shared by every port of a
+  coordinator process (the token check here and the frame port).
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
+import time
+from collections import Counter
 from collections.abc import Awaitable, Callable
 from typing import Any
 
 import grpc
 from gradsync_proto import auth
 
-from gradsync_server.rpc.refusals import RefusalLog
+log = logging.getLogger("gradsync.server")
 
 #: How long a refused stream waits for the caller's first message before its status.
 FIRST_MESSAGE_WAIT_S = 2.0
@@ -123,10 +128,7 @@ class TokenCheck(grpc.aio.ServerInterceptor):  # type: ignore[misc]  # grpc ship
     """
 
     def __init__(
-        self,
-        token: str | None,
-        shard_token: str | None = None,
-        refusals: RefusalLog | None = None,
+        self, token: str | None, shard_token: str | None = None, refusals: RefusalLog | None = None
     ) -> None:
         self._token = token
         self._shard_token = shard_token
@@ -158,26 +160,21 @@ class TokenCheck(grpc.aio.ServerInterceptor):  # type: ignore[misc]  # grpc ship
         else:
             template = MISSING_TOKEN if presented is None else WRONG_TOKEN
             env, env_file = auth.ENV_TOKEN, auth.ENV_TOKEN_FILE
-        self._note_refusal(method, presented is None)
+        self.refused += 1
+        why = "no token" if presented is None else "wrong token"
+        self._refusals.note("gRPC", repr(method_name(method)), why)
         return _refusing(handler, template.format(env=env, env_file=env_file), self)
 
-    def _note_refusal(self, method: str | bytes, missing: bool) -> None:
-        self.refused += 1
-        name = method.decode("utf-8", "replace") if isinstance(method, bytes) else method
-        self._refusals.note("gRPC", repr(name), "no token" if missing else "wrong token")
+
+def method_name(method: str | bytes) -> str:
+    """A call's full method name as text (gRPC may hand it over as bytes)."""
+    return method.decode("utf-8", "replace") if isinstance(method, bytes) else str(method)
 
 
 def _refusing(
     handler: grpc.RpcMethodHandler, message: str, check: TokenCheck
 ) -> grpc.RpcMethodHandler:
-    """A handler of the same shape as `handler` that only aborts with UNAUTHENTICATED.
-
-    Its requests are left as raw bytes (no deserializer): nothing an
-    unauthenticated caller sent is parsed.
-    """
-
-    async def refuse(request: Any, context: grpc.aio.ServicerContext[Any, Any]) -> None:
-        await context.abort(grpc.StatusCode.UNAUTHENTICATED, message)
+    """A handler of the same shape as `handler` that only aborts with UNAUTHENTICATED."""
 
     async def refuse_stream(requests: Any, context: grpc.aio.ServicerContext[Any, Any]) -> None:
         # Wait (bounded) for the caller's first message: a status that overtakes the
@@ -192,13 +189,23 @@ def _refusing(
                 check.waiting -= 1
         await context.abort(grpc.StatusCode.UNAUTHENTICATED, message)
 
-    return shaped_like(handler, refuse, refuse_stream)
+    return refusing(handler, grpc.StatusCode.UNAUTHENTICATED, message, refuse_stream)
 
 
-def shaped_like(
-    handler: grpc.RpcMethodHandler, unary: Callable[..., Any], streaming: Callable[..., Any]
+def refusing(
+    handler: grpc.RpcMethodHandler,
+    code: grpc.StatusCode,
+    message: str,
+    streaming: Callable[..., Any] | None = None,
 ) -> grpc.RpcMethodHandler:
-    """A handler of `handler`'s shape (raw bytes): `unary` or `streaming` by its requests."""
+    """A handler of `handler`'s shape that only aborts with `code` and `message` (`streaming`
+    instead for streamed requests). Its requests are left as raw bytes (no deserializer):
+    nothing a refused caller sent is parsed."""
+
+    async def unary(request: Any, context: grpc.aio.ServicerContext[Any, Any]) -> None:
+        await context.abort(code, message)
+
+    streaming = streaming or unary
     if handler.request_streaming and handler.response_streaming:
         return grpc.stream_stream_rpc_method_handler(streaming)
     if handler.request_streaming:
@@ -215,3 +222,60 @@ def interceptors(
     if token is None and shard_token is None:
         return []
     return [TokenCheck(token, shard_token, refusals)]
+
+
+#: Refusals are logged at most once per this many seconds (with a count).
+REFUSAL_LOG_PERIOD_S = 10.0
+
+
+class RefusalLog:
+    """Counts refusals and logs them at most once per `period_s`.
+
+    Whoever can reach a port can make it refuse them as fast as they can connect: a
+    wrong token, bytes that are not frames, a TLS handshake that fails or never
+    starts, a connection dropped over a cap. Logging each refusal would let an
+    unauthenticated flood fill the log disk, so refusals are counted and written at
+    most once per `REFUSAL_LOG_PERIOD_S` as one WARNING line: how many, on which
+    ports, and the latest one's peer and reason.
+
+    Args:
+        period_s: the least time between two lines.
+        clock: monotonic seconds (injectable for tests of the rate limit).
+    """
+
+    def __init__(
+        self, period_s: float = REFUSAL_LOG_PERIOD_S, clock: Callable[[], float] = time.monotonic
+    ) -> None:
+        self._period_s = period_s
+        self._clock = clock
+        self._last_line = -period_s
+        self._since_line: Counter[str] = Counter()
+        #: Refusals since start, by port ("gRPC", "frame"), for tests and status.
+        self.total: Counter[str] = Counter()
+        #: Lines written (for tests of the rate limit).
+        self.lines = 0
+
+    def note(self, port: str, peer: str, reason: str) -> None:
+        """Count one refusal on `port` of `peer` for `reason`; log if a period has passed."""
+        self.total[port] += 1
+        self._since_line[port] += 1
+        now = self._clock()
+        elapsed = now - self._last_line
+        if elapsed < self._period_s:
+            return
+        counts = ", ".join(
+            f"{count} on the {name} port" for name, count in self._since_line.items()
+        )
+        log.warning(
+            "refused %d unauthenticated connection(s) or call(s) in the last %.3gs (%s; latest: "
+            "%s on the %s port: %s)",
+            sum(self._since_line.values()),
+            elapsed if self.lines else min(self._period_s, elapsed),
+            counts,
+            peer,
+            port,
+            reason,
+        )
+        self.lines += 1
+        self._last_line = now
+        self._since_line.clear()

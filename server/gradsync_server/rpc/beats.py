@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Mapping
-from typing import Any
 
 import grpc
 from gradsync_proto import auth
@@ -72,15 +71,11 @@ async def serve_beat(
     jobs: Mapping[str, Job], raw: bytes, context: grpc.aio.ServicerContext
 ) -> pb.BeatReply:
     """The `Beat` RPC (raw request bytes: one that does not parse is INVALID_ARGUMENT,
-    by `stream_guard.guarded`)."""
+    by `servicer.guarded`)."""
     request = pb.BeatRequest.FromString(raw)
     try:
         return take_beat(jobs, request)
     except BeatRefused as refused:
-        log.debug("beat refused from %s: %s", _peer(context), refused.details)
+        log.debug("beat refused from %s: %s", context.peer(), refused.details)
         await context.abort(refused.code, refused.details)
         raise  # not reached: abort raises
-
-
-def _peer(context: Any) -> str:
-    return str(context.peer())

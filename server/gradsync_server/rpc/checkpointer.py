@@ -360,10 +360,8 @@ class Checkpointer:
         (`CHECKPOINT_FAILED_CODE`).
         """
         if self.store is None:
-            durable, message = (
-                False,
-                "no checkpoint store configured (gradsync serve --checkpoint-store)",
-            )
+            durable = False
+            message = "no checkpoint store configured (gradsync serve --checkpoint-store)"
         else:
             signature = job.membership.signature or pb.ModelSignature()
             checkpoint = Checkpoint(

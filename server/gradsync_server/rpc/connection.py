@@ -44,13 +44,6 @@ R = TypeVar("R")
 WRITER_STOP_S = 1.0
 
 
-def _default_reason(code: Code) -> pb.EndReason:
-    """The EndReason of an end whose cause is its status code alone."""
-    if code is Code.RESOURCE_EXHAUSTED:
-        return pb.END_REASON_RESOURCE_EXHAUSTED
-    return pb.END_REASON_UNSPECIFIED
-
-
 @dataclass(frozen=True)
 class End:
     """Outbox sentinel: end the stream with this status after prior writes."""
@@ -174,15 +167,11 @@ class Connection:
         self._account()
 
     def end(
-        self,
-        code: Code,
-        details: str,
-        reason: pb.EndReason | None = None,
-        discard: bool = False,
+        self, code: Code, details: str, reason: pb.EndReason | None = None, discard: bool = False
     ) -> None:
         """End the stream after what is queued; an error is announced by a StreamEnd first.
 
-        `reason` defaults to the one the code implies (see `_default_reason`).
+        `reason` defaults to the one the code implies (RESOURCE_EXHAUSTED's, else none).
         The StreamEnd bypasses the outbox limit: it is small and must arrive.
         With `discard`, what is queued is dropped first, so the StreamEnd is
         the next message the peer reads.
@@ -194,11 +183,12 @@ class Connection:
         if discard:
             self._discard_queue()
         if code is not Code.OK:
-            stream_end = pb.StreamEnd(
-                reason=_default_reason(code) if reason is None else reason,
-                code=int(code),
-                message=details,
-            )
+            if reason is None:
+                exhausted = code is Code.RESOURCE_EXHAUSTED
+                reason = (
+                    pb.END_REASON_RESOURCE_EXHAUSTED if exhausted else pb.END_REASON_UNSPECIFIED
+                )
+            stream_end = pb.StreamEnd(reason=reason, code=int(code), message=details)
             raw = self._envelope(stream_end=stream_end).SerializeToString()
             self.outbox_bytes += len(raw)
             self.outbox.put_nowait(raw)

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Awaitable, Callable, Coroutine
+from collections.abc import Awaitable, Callable, Coroutine, Iterable, Iterator
 from typing import Any, Generic, Protocol, TypeVar
 
 from gradsync_server.dataplane.actions import (
@@ -103,36 +103,32 @@ class Delivery(Generic[JobT]):
                     "job '%s': ending ranks %s: %s", job.job_id, list(action.ranks), action.details
                 )
                 reason = action.reason or None  # UNSPECIFIED: let the code decide
-                for rank in action.ranks:
-                    target = self._target(job, rank)
-                    if target is not None:
-                        target.end(action.code, action.details, reason)
+                for target in self._targets(job, action.ranks):
+                    target.end(action.code, action.details, reason)
         if then is not None:
             then()
 
-    def _target(self, job: JobT, rank: int) -> Connection | None:
-        """`rank`'s stream if it is admitted to this very job (a shard's streams name
-        their job by id alone)."""
-        target = self._connections.get((job.job_id, rank))
-        return target if target is not None and (target.job is None or target.job is job) else None
+    def _targets(self, job: JobT, ranks: Iterable[int]) -> Iterator[Connection]:
+        """The streams of `ranks` that are admitted to this very job (a shard's streams
+        name their job by id alone)."""
+        for rank in ranks:
+            target = self._connections.get((job.job_id, rank))
+            if target is not None and (target.job is None or target.job is job):
+                yield target
 
     def _send(self, job: JobT, send: Send) -> None:
         message = send.message
         if isinstance(message, SegmentAverage) and self._segments is not None:
             # Written into each rank's segment, the header only sent (the whole chunk,
             # encoded once, to a rank whose segment cannot take it).
-            for rank in send.ranks:
-                target = self._target(job, rank)
-                if target is not None:
-                    self._write(target, averaged_for(self._segments, target, message))
+            for target in self._targets(job, send.ranks):
+                self._write(target, averaged_for(self._segments, target, message))
             return
         if isinstance(message, SegmentAverage):
             message = message.encoded()  # (no same-host segments here)
         if isinstance(message, ResumeBlob):
-            for rank in send.ranks:  # each stream's writer encodes the chunks as it sends
-                target = self._target(job, rank)
-                if target is not None:
-                    target.send_blob(message)
+            for target in self._targets(job, send.ranks):
+                target.send_blob(message)  # its writer encodes the chunks as it sends
             return
         if isinstance(message, bytes):
             raw = message  # pre-encoded averaged chunk, serialized once for all ranks
@@ -144,10 +140,8 @@ class Delivery(Generic[JobT]):
                 log.warning("job '%s': %s", job.job_id, message.step_aborted.message)
             elif kind == "membership":
                 log.warning("job '%s': %s", job.job_id, message.membership.reason)
-        for rank in send.ranks:
-            target = self._target(job, rank)
-            if target is not None:
-                self._write(target, raw)
+        for target in self._targets(job, send.ranks):
+            self._write(target, raw)
 
     def _write(self, target: Connection, raw: bytes) -> None:
         target.send(raw)

@@ -54,9 +54,8 @@ from gradsync_proto.net.frames import (
 )
 
 from gradsync_server.config import CoordinatorConfig
-from gradsync_server.rpc.auth_check import MISSING_TOKEN, WRONG_TOKEN
+from gradsync_server.rpc.auth_check import MISSING_TOKEN, WRONG_TOKEN, RefusalLog
 from gradsync_server.rpc.linger import LINGER_S, Linger
-from gradsync_server.rpc.refusals import RefusalLog
 
 if TYPE_CHECKING:
     from gradsync_server.rpc.servicer import CoordinatorServicer
@@ -97,10 +96,12 @@ class FrameContext:
     """What the Sync handler uses of `grpc.aio.ServicerContext`, on a frame connection."""
 
     def __init__(self, connection: FrameConnection, peer: str) -> None:
-        self._connection = connection
         self._peer = peer
         self.code = grpc.StatusCode.OK
         self.details = ""
+        # The writes are the connection's own (`FrameConnection.send`, `.write_now`).
+        self.write = connection.send
+        self.write_now = connection.write_now
 
     def peer(self) -> str:
         return self._peer
@@ -114,14 +115,6 @@ class FrameContext:
     async def abort(self, code: grpc.StatusCode, details: str) -> None:
         self.code, self.details = code, details
         raise grpc.aio.AbortError(details)
-
-    async def write(self, raw: bytes) -> None:
-        """Send one message; waits only while the socket's buffer is over its high water."""
-        await self._connection.send(raw)
-
-    def write_now(self, raw: bytes) -> bool:
-        """Send one message at once if the socket's buffer has room; False (nothing sent) if not."""
-        return self._connection.write_now(raw)
 
 
 class _Requests:
@@ -441,12 +434,8 @@ class FrameConnection(FrameReader):
 
     def _pause_reading(self, pause: bool) -> None:
         transport = self._open()
-        if transport is None:
-            return
-        if pause:
-            transport.pause_reading()
-        else:
-            transport.resume_reading()
+        if transport is not None:
+            (transport.pause_reading if pause else transport.resume_reading)()
 
     def drop(self, code: Code, details: str) -> None:
         """End a connection that has not said HELLO: a STATUS frame, then close."""

@@ -116,11 +116,10 @@ class KeyValueStore:
         op = request.op
         keys = list(request.keys)
         self._check_request(request, keys)
+        held = self._namespaces.get(request.namespace)
         if op == pb.STORE_OP_NUM_KEYS:
-            held = self._namespaces.get(request.namespace)
             return pb.StoreReply(number=len(held.values) if held else 0)
         if op == pb.STORE_OP_CHECK:
-            held = self._namespaces.get(request.namespace)
             return pb.StoreReply(found=held is not None and all(k in held.values for k in keys))
         if op in (pb.STORE_OP_GET, pb.STORE_OP_WAIT):
             await self._wait(request.namespace, keys, request.timeout_ms / 1000)
@@ -170,11 +169,7 @@ class KeyValueStore:
                 f"{what}: the namespace must be 1 to {limits.max_namespace_name_bytes} bytes "
                 f"(the job id), got {name_bytes}",
             )
-        single = request.op not in (
-            pb.STORE_OP_CHECK,
-            pb.STORE_OP_WAIT,
-            pb.STORE_OP_NUM_KEYS,
-        )
+        single = request.op not in (pb.STORE_OP_CHECK, pb.STORE_OP_WAIT, pb.STORE_OP_NUM_KEYS)
         if single and len(keys) != 1:
             raise StoreRefused(
                 grpc.StatusCode.INVALID_ARGUMENT, f"{what} takes one key, got {len(keys)}"
@@ -201,9 +196,7 @@ class KeyValueStore:
             )
 
     def _namespace_for_write(self, name: str) -> _Namespace:
-        space = self._namespaces.get(name)
-        if space is None:
-            space = self._new_namespace(name)
+        space = self._namespaces.get(name) or self._new_namespace(name)
         space.touched_at = self._clock()
         return space
 

@@ -35,7 +35,6 @@ from gradsync_server.control.admission import (
 from gradsync_server.control.job import Job, JobState
 from gradsync_server.control.outer_resume import OuterReading
 from gradsync_server.control.status import EndedJobs, status_reply
-from gradsync_server.dataplane.actions import Action
 from gradsync_server.dataplane.budget import ByteBudget
 from gradsync_server.errors import RejectedMessage
 from gradsync_server.metrics import CoordinatorMetrics
@@ -45,14 +44,29 @@ from gradsync_server.rpc.connection import Connection
 from gradsync_server.rpc.delivery import Delivery
 from gradsync_server.rpc.kv_store import KeyValueStore
 from gradsync_server.rpc.segments import SegmentRegistry, leader_session
-from gradsync_server.rpc.servicer import SERVICE_NAME, SHUTDOWN_FLUSH_S, CoordinatorServicer
+from gradsync_server.rpc.servicer import (
+    SERVICE_NAME,
+    SHUTDOWN_FLUSH_S,
+    CoordinatorServicer,
+    guarded,
+)
 from gradsync_server.rpc.shard_control import ShardControl
-from gradsync_server.rpc.stream_guard import guarded
-from gradsync_server.rpc.watchdog import Watchdog
+from gradsync_server.rpc.watchdog import Watchdog, log_rank_lost
 from gradsync_server.store.checkpoint import CheckpointStore
 from gradsync_server.text import MAX_REASON_CHARS, quoted
 
 log = logging.getLogger("gradsync.server")
+
+#: The `Job` method (looked up on the job at each call) that handles each kind of
+#: worker message that only turns into actions.
+_JOB_HANDLERS = {
+    "abandon": "on_abandon",
+    "checkpoint": "on_checkpoint_chunk",
+    "collective": "on_collective",
+    "local_posted": "on_local_posted",
+    "out_of_inputs": "on_out_of_inputs",
+    "state": "on_state_chunk",
+}
 
 
 class LeaderRole(CoordinatorServicer):
@@ -60,7 +74,6 @@ class LeaderRole(CoordinatorServicer):
 
     service = SERVICE_NAME
     stream_method = "Sync"
-    config: CoordinatorConfig
 
     def __init__(
         self,
@@ -96,20 +109,15 @@ class LeaderRole(CoordinatorServicer):
             before=self.shard_control.before_delivery,
             persist=self.checkpointer.persist,
         )
-        self._execute = self._delivery.execute
-
-    @property
-    def store(self) -> CheckpointStore | None:
-        """The checkpoint store, if one is configured."""
-        return self.checkpointer.store
+        #: Carries out a job's actions (also for the watchdog and the shards' control).
+        self.execute = self._delivery.execute
 
     def _other_methods(self) -> dict[str, grpc.RpcMethodHandler]:
         return {
             # Raw request bytes: one that does not parse is INVALID_ARGUMENT (gRPC's
             # deserializer would say UNKNOWN with a traceback; found by the fuzzer).
             "Status": grpc.unary_unary_rpc_method_handler(
-                guarded("Status", self.status),
-                response_serializer=pb.StatusReply.SerializeToString,
+                guarded("Status", self.status), response_serializer=pb.StatusReply.SerializeToString
             ),
             "ShardLink": grpc.stream_stream_rpc_method_handler(
                 guarded("ShardLink", self.shard_control.link, self.stream_count),
@@ -191,23 +199,14 @@ class LeaderRole(CoordinatorServicer):
         kind = message.WhichOneof("kind")
         job.touch(conn.rank)
         try:
-            if kind == "heartbeat":
+            if kind in _JOB_HANDLERS:
+                handler = getattr(job, _JOB_HANDLERS[kind])
+                self.execute(job, handler(conn.rank, getattr(message, kind)))
+            elif kind == "heartbeat":
                 job.touch(conn.rank, message.heartbeat.step)
-            elif kind == "abandon":
-                self._execute(job, job.on_abandon(conn.rank, message.abandon))
-            elif kind == "checkpoint":
-                self._execute(job, job.on_checkpoint_chunk(conn.rank, message.checkpoint))
             elif kind == "gradient":
                 chunk = message.gradient
                 self._gradient(conn, header_of(chunk), memoryview(chunk.payload))
-            elif kind == "collective":
-                self._execute(job, job.on_collective(conn.rank, message.collective))
-            elif kind == "local_posted":
-                self._execute(job, job.on_local_posted(conn.rank, message.local_posted))
-            elif kind == "out_of_inputs":
-                self._execute(job, job.on_out_of_inputs(conn.rank, message.out_of_inputs))
-            elif kind == "state":
-                self._execute(job, job.on_state_chunk(conn.rank, message.state))
             elif kind == "leave":
                 conn.left = True
                 log.info(
@@ -251,7 +250,7 @@ class LeaderRole(CoordinatorServicer):
             payload = read
         self.metrics.observe_chunk(len(payload))
         job.touch(conn.rank)
-        self._execute(job, job.on_gradient(conn.rank, chunk, payload))
+        self.execute(job, job.on_gradient(conn.rank, chunk, payload))
         return None
 
     def admit_segment(self, registration: Registration, fd: int) -> str | None:
@@ -268,7 +267,7 @@ class LeaderRole(CoordinatorServicer):
         if conn.job is None:
             conn.end(rejection.code, rejection.message)
         else:
-            self._execute(conn.job, conn.job.reject(conn.rank, rejection))
+            self.execute(conn.job, conn.job.reject(conn.rank, rejection))
 
     async def _join(self, conn: Connection, join: pb.Join) -> None:
         job_id = join.job_id
@@ -280,7 +279,7 @@ class LeaderRole(CoordinatorServicer):
             log.warning("refused join from %s: %s", conn.peer, problem[1])
             waiting = self.jobs.get(job_id)
             if waiting is not None and not self.draining:
-                self._execute(waiting, waiting.refused_join(join.rank, problem[1]))
+                self.execute(waiting, waiting.refused_join(join.rank, problem[1]))
             reason = pb.END_REASON_SHUTTING_DOWN if self.draining else None
             conn.end(*problem, reason)
             return
@@ -335,7 +334,7 @@ class LeaderRole(CoordinatorServicer):
             if not job.members:
                 del self.jobs[job_id]
             else:  # the ranks that wait hear who was refused and why
-                self._execute(job, job.refused_join(join.rank, rejection.message))
+                self.execute(job, job.refused_join(join.rank, rejection.message))
             return
         conn.job, conn.job_id, conn.rank = job, job_id, join.rank
         job.set_peer(join.rank, conn.peer)
@@ -351,7 +350,7 @@ class LeaderRole(CoordinatorServicer):
             join.client_version,
             wait,
         )
-        self._execute(job, actions)
+        self.execute(job, actions)
 
     def _detach(self, conn: Connection) -> None:
         job = conn.job
@@ -359,17 +358,8 @@ class LeaderRole(CoordinatorServicer):
             return
         super()._detach(conn)
         conn.job, conn.job_id = None, None
-        if not conn.left and job.state is JobState.ASSEMBLING:
-            log.warning(
-                "job '%s': rank %d disconnected while waiting for the others; dropped from the "
-                "assembling job (it may join again)",
-                job.job_id,
-                conn.rank,
-            )
-        elif not conn.left:
-            log.warning(
-                "job '%s': rank %d disconnected at step %d", job.job_id, conn.rank, job.open_step
-            )
+        if not conn.left:
+            log_rank_lost(job, conn.rank, "disconnected")
         # A rank whose message was refused: its peers (waiting in that collective, say)
         # learn what was refused, both values included, not only that it disconnected.
         reason = (
@@ -384,46 +374,35 @@ class LeaderRole(CoordinatorServicer):
         if not orderly:
             self.metrics.recovery.rank_lost(job.liveness.seconds_since_seen(rank))
         self.segments.forget(job.job_id, rank, job.membership.session_of(rank))
-        self._execute(job, job.detach(rank, orderly=orderly, reason=reason))
+        self.execute(job, job.detach(rank, orderly=orderly, reason=reason))
         # Its straggler statistics must not follow a later member with its rank.
         self.metrics.forget_rank(rank)
-        self._forget_if_empty(job)
+        if not job.members:
+            self.retire_job(job, quiet=True)
 
-    def _forget_if_empty(self, job: Job) -> None:
-        if job.members or self.jobs.get(job.job_id) is not job:
-            return
-        ended = self._retire(job)
-        if ended.state in ("finished", "abandoned"):
-            log.info("job '%s' %s", job.job_id, ended.outcome)
-        else:
-            log.warning("job '%s' ended %s: %s", job.job_id, ended.state, ended.outcome)
-
-    def retire_job(self, job: Job) -> None:
+    def retire_job(self, job: Job, quiet: bool = False) -> None:
         """Remove `job` from the active jobs now, though ranks may still be connected to it.
 
         Its connections keep pointing at it (and only they get its actions), so
         a Join with the same id creates a new job while the old streams end.
+        Its segments and its shards' copy go; how it ended is recorded (and logged,
+        `quiet`: as info when it finished or was abandoned).
         """
         if self.jobs.get(job.job_id) is not job:
             return
-        ended = self._retire(job)
-        log.warning("job '%s' ended %s: %s", job.job_id, ended.state, ended.outcome)
-
-    def _retire(self, job: Job) -> pb.JobStatus:
-        """Forget the active `job`: its segments, its shards' copy; record how it ended."""
         del self.jobs[job.job_id]
         self.segments.forget_job(job.job_id)
         self.shard_control.job_ended(job)
-        return self.ended_jobs.record(job, self.metrics.lag_tracker)
+        ended = self.ended_jobs.record(job, self.metrics.lag_tracker)
+        if quiet and ended.state in ("finished", "abandoned"):
+            log.info("job '%s' %s", job.job_id, ended.outcome)
+        else:
+            log.warning("job '%s' ended %s: %s", job.job_id, ended.state, ended.outcome)
 
     def expire_assembly(self, job: Job, details: str) -> None:
         """Refuse a job that assembled too long: its waiting ranks end, its slot is free."""
-        self._execute(
+        self.execute(
             job,
             job.end(Code.DEADLINE_EXCEEDED, details, pb.END_REASON_JOB_REFUSED, JobState.REFUSED),
         )
         self.retire_job(job)
-
-    def execute(self, job: Job, actions: list[Action]) -> None:
-        """Carry out `actions` of `job` (for the watchdog's periodic reports)."""
-        self._execute(job, actions)

@@ -200,13 +200,9 @@ class OuterRecords:
                 exc,
             )
 
-    async def load(self, job_id: str, shard_index: int) -> tuple[bytes | None, str]:
-        """The stored record of (`job_id`, plane `shard_index`), or None and why not."""
-        blob, why, _ = await self._load(job_id, shard_index)
-        return blob, why
-
     async def _load(self, job_id: str, shard_index: int) -> tuple[bytes | None, str, bool]:
-        """`load`, and whether reading failed (rather than finding nothing)."""
+        """The stored record of (`job_id`, plane `shard_index`), or None and why not, and
+        whether reading failed (rather than finding nothing)."""
         store = self._store
         if store is None:
             return None, "no file or Redis checkpoint store is configured", False
@@ -220,7 +216,7 @@ class OuterRecords:
         return blob, "", False
 
     async def load_all(self, job_id: str, planes: int, fresh_start: bool = False) -> OuterReading:
-        """The records of planes 0..planes-1 of `job_id` (see `load`) and the leader's mark;
+        """The records of planes 0..planes-1 of `job_id` (see `_load`) and the leader's mark;
         none read under `--fresh-start`, which starts every job anew (the records stay until
         overwritten, the mark is reset)."""
         description = self.description

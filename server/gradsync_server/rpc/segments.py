@@ -85,10 +85,6 @@ class SegmentRegistry:
     def __len__(self) -> int:
         return len(self._segments)
 
-    def registered(self, job_id: str, rank: int) -> bool:
-        """True if `rank` of `job_id` has a segment registered."""
-        return (job_id, rank) in self._segments
-
     # ------------------------------------------------------------ registering
     def register(self, registration: Registration, fd: int, expected_session: bytes) -> str | None:
         """Take `fd` for `registration`; return None, or why it is refused (then `fd` is closed).

@@ -29,9 +29,10 @@ serialized once and written to every rank.
 from __future__ import annotations
 
 import asyncio
+import logging
 from abc import ABC, abstractmethod
 from collections.abc import AsyncIterator, Awaitable, Callable
-from typing import Any, ClassVar
+from typing import Any, ClassVar, TypeVar
 
 import grpc
 from google.protobuf.message import DecodeError
@@ -40,11 +41,12 @@ from gradsync_proto.codes import Code
 from gradsync_proto.v1 import gradsync_pb2 as pb
 
 from gradsync_server.config import CoordinatorConfig
-from gradsync_server.dataplane.budget import ByteBudget, outbox_pool_bytes
+from gradsync_server.dataplane.budget import ByteBudget
 from gradsync_server.errors import RejectedMessage
 from gradsync_server.metrics import CoordinatorMetrics
-from gradsync_server.rpc.connection import Connection
-from gradsync_server.rpc.stream_guard import StreamCount, guarded
+from gradsync_server.rpc.connection import Connection, internal_details
+
+log = logging.getLogger("gradsync.server")
 
 #: The leader's service: workers' Sync streams, Status, FramePort, shards' ShardLink.
 SERVICE_NAME = "gradsync.v1.Coordinator"
@@ -54,6 +56,62 @@ SHARD_SERVICE_NAME = "gradsync.v1.Shard"
 STATUS_BY_CODE = {status.value[0]: status for status in grpc.StatusCode}
 #: After the drain grace, how long streams ended for shutdown get to flush their last messages.
 SHUTDOWN_FLUSH_S = 1.0
+
+T = TypeVar("T")
+Handler = Callable[[Any, grpc.aio.ServicerContext], Awaitable[T]]
+
+
+class StreamCount:
+    """Open streams of one server process against a cap (`limit`)."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self.active = 0
+
+
+def guarded(name: str, handler: Handler[T], streams: StreamCount | None = None) -> Handler[T]:
+    """The outermost layer of every RPC handler: `handler`, counted against `streams` (if
+    given) and with INTERNAL for its bugs. `name` names the RPC in the details ("Sync", ...).
+
+    Streams of every kind (worker Sync streams, shard data streams, shard control links)
+    count against one cap, `--max-connections`: one beyond it is refused with
+    RESOURCE_EXHAUSTED before any state is touched, so a flood of idle connections cannot
+    exhaust the process. An unexpected exception escaping a handler is a bug: it is logged
+    with its traceback and the peer gets INTERNAL "internal error in <handler>: <type>:
+    <message>", never a stream that ends OK with no message (what gRPC does when a stream
+    handler raises after its code was left unset).
+    """
+
+    async def run(request: Any, context: grpc.aio.ServicerContext) -> T:
+        if streams is not None and streams.active >= streams.limit:
+            details = (
+                f"the coordinator already serves {streams.active} streams (limit "
+                f"{streams.limit}, --max-connections); {name} from {context.peer()} refused"
+            )
+            log.warning("%s", details)
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, details)
+        if streams is not None:
+            streams.active += 1
+        try:
+            return await handler(request, context)
+        except (asyncio.CancelledError, grpc.aio.AbortError):
+            raise
+        except DecodeError as exc:
+            # The peer's bytes did not parse (gRPC's deserializer for ShardLink, the
+            # handler's own parse of a raw unary request): their fault.
+            details = f"{name} from {context.peer()}: a message does not parse: {exc}"
+            log.warning("%s", details)
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, details)
+            raise  # not reached: abort raises
+        except Exception as exc:
+            log.error("internal error in %s serving %s", name, context.peer(), exc_info=True)
+            await context.abort(grpc.StatusCode.INTERNAL, internal_details(name, exc))
+            raise  # not reached: abort raises
+        finally:
+            if streams is not None:
+                streams.active -= 1
+
+    return run
 
 
 class CoordinatorServicer(ABC):
@@ -91,10 +149,8 @@ class CoordinatorServicer(ABC):
         #: Gradient bytes currently held in partial reductions.
         self.budget = budget
         #: What all outboxes queue together (see `connection`).
-        self.outbox_budget = ByteBudget(
-            outbox_pool_bytes(config.max_buffered_bytes, config.max_outbox_bytes)
-        )
-        #: Streams of every kind, against --max-connections (see `stream_guard`).
+        self.outbox_budget = ByteBudget(config.outbox_pool_bytes)
+        #: Streams of every kind, against --max-connections (see `guarded`).
         self.stream_count = StreamCount(config.max_connections)
         self.flush_s = flush_s
         #: Streams admitted to a job, by (job id, rank).

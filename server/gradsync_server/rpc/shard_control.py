@@ -69,15 +69,12 @@ class Leader(Protocol):
 
     def execute(self, job: Job, actions: list[Action]) -> None:
         """Carry out `actions` of `job`."""
-        ...
 
     def retire_job(self, job: Job) -> None:
         """Remove `job` from the active jobs at once and record how it ended."""
-        ...
 
     def stats(self) -> pb.ShardStats:
         """The leader's own counters (shard 0)."""
-        ...
 
 
 @dataclass(frozen=True)
@@ -181,8 +178,8 @@ class ShardControl:
                 )
                 continue
             status = _status(index, record.shown_address, record.stats, alive=self._alive(record))
-            status.last_seen_s = self.registry.seconds_since_heard(record)
             status.version = record.version
+            status.last_seen_s = self.registry.seconds_since_heard(record)
             shards.append(status)
         return shards
 
@@ -194,12 +191,10 @@ class ShardControl:
             record = self.registry.get(index)
             received, sent = self.registry.totals(index)
             if record is None:
-                address = self.registry.last_address(index)
-                samples.append(ShardSample(index, address, False, received, sent, 0.0))
-                continue
-            last_seen = self.registry.seconds_since_heard(record)
-            up = self._alive(record)
-            address = record.shown_address
+                address, up, last_seen = self.registry.last_address(index), False, 0.0
+            else:
+                address, up = record.shown_address, self._alive(record)
+                last_seen = self.registry.seconds_since_heard(record)
             samples.append(ShardSample(index, address, up, received, sent, last_seen))
         return samples
 
@@ -215,8 +210,7 @@ class ShardControl:
         for record in self.registry.silent(timeout):
             silence = self.registry.seconds_since_heard(record)
             self.lose(
-                record,
-                f"silent for {silence:.1f}s, beyond the heartbeat timeout of {timeout:g}s",
+                record, f"silent for {silence:.1f}s, beyond the heartbeat timeout of {timeout:g}s"
             )
         now = self._clock()
         if self.registry.complete() or now < self._next_report:
@@ -262,9 +256,7 @@ class ShardControl:
 
     # ------------------------------------------------------------ the stream
     async def link(
-        self,
-        request_iterator: AsyncIterator[pb.ShardMessage],
-        context: grpc.aio.ServicerContext,
+        self, request_iterator: AsyncIterator[pb.ShardMessage], context: grpc.aio.ServicerContext
     ) -> None:
         """Serve one shard's control stream: register, then follow until it ends or is lost."""
         peer = context.peer()
@@ -433,15 +425,6 @@ def peer_host_of(peer: str) -> str:
 
 
 def _status(index: int, address: str, stats: pb.ShardStats, **fields: Any) -> pb.ShardStatus:
-    """One row of StatusReply.shards, its counters from `stats`."""
-    return pb.ShardStatus(
-        index=index,
-        address=address,
-        bytes_received=stats.bytes_received,
-        bytes_sent=stats.bytes_sent,
-        buckets_completed=stats.buckets_completed,
-        mean_bucket_s=stats.mean_bucket_s,
-        buffered_bytes=stats.buffered_bytes,
-        connections=stats.connections,
-        **fields,
-    )
+    """One row of StatusReply.shards, its counters from `stats` (same field names)."""
+    counters = {name: getattr(stats, name) for name in pb.ShardStats.DESCRIPTOR.fields_by_name}
+    return pb.ShardStatus(index=index, address=address, **counters, **fields)

@@ -66,7 +66,6 @@ class ShardRole(CoordinatorServicer):
 
     service = SHARD_SERVICE_NAME
     stream_method = "Data"
-    config: CoordinatorConfig
 
     def __init__(
         self,
@@ -199,10 +198,9 @@ class ShardRole(CoordinatorServicer):
         """The job ended at the leader: end its data streams with the leader's status."""
         job = self.jobs.pop(end.job_id, None)
         self.group_collectives.forget(end.job_id)
-        if job is not None:
-            job.release()
         code = Code(end.code) if end.code in STATUS_BY_CODE else Code.UNKNOWN
         if job is not None:
+            job.release()
             log.info("job '%s' ended at the leader (%s): %s", end.job_id, code.name, end.message)
         for (job_id, _), conn in list(self.connections.items()):
             if job_id == end.job_id:
@@ -289,14 +287,9 @@ class ShardRole(CoordinatorServicer):
             return None
         return self._gradient(conn, chunk, memoryview(message.gradient.payload))
 
-    def _gradient(
-        self, conn: Connection, chunk: ChunkHeader, payload: memoryview
-    ) -> Awaitable[None] | None:
-        self.metrics.observe_chunk(len(payload))
-        return self._follow(conn, chunk, payload)
-
-    async def _follow(self, conn: Connection, chunk: ChunkHeader, payload: memoryview) -> None:
+    async def _gradient(self, conn: Connection, chunk: ChunkHeader, payload: memoryview) -> None:
         """Feed a chunk to its job, first waiting (bounded) for a view or abort it needs."""
+        self.metrics.observe_chunk(len(payload))
         job_id = conn.job_id
         if job_id is None:
             return  # only admitted streams send chunks (see `servicer`)

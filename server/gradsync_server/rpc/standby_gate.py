@@ -14,7 +14,7 @@ from typing import Any, Protocol
 
 import grpc
 
-from gradsync_server.rpc.auth_check import shaped_like
+from gradsync_server.rpc.auth_check import method_name, refusing
 
 _HEALTH_PREFIX = "/grpc.health.v1.Health/"
 
@@ -40,8 +40,7 @@ class StandbyGate(grpc.aio.ServerInterceptor):  # type: ignore[misc]  # grpc shi
         continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler]],
         handler_call_details: grpc.HandlerCallDetails,
     ) -> grpc.RpcMethodHandler | None:
-        method = handler_call_details.method
-        name = method.decode("utf-8", "replace") if isinstance(method, bytes) else str(method)
+        name = method_name(handler_call_details.method)
         if self.active or name.startswith(_HEALTH_PREFIX):
             return await continuation(handler_call_details)
         handler = await continuation(handler_call_details)
@@ -52,16 +51,7 @@ class StandbyGate(grpc.aio.ServerInterceptor):  # type: ignore[misc]  # grpc shi
             f"this coordinator is a standby (does not hold the lease) and serves no {name}; "
             f"the active coordinator is {self.active_elsewhere}"
         )
-        return _unavailable(handler, message)
-
-
-def _unavailable(handler: grpc.RpcMethodHandler, message: str) -> grpc.RpcMethodHandler:
-    """A handler of `handler`'s shape that only aborts with UNAVAILABLE."""
-
-    async def refuse(request: Any, context: grpc.aio.ServicerContext[Any, Any]) -> None:
-        await context.abort(grpc.StatusCode.UNAVAILABLE, message)
-
-    return shaped_like(handler, refuse, refuse)
+        return refusing(handler, grpc.StatusCode.UNAVAILABLE, message)
 
 
 class _Servicer(Protocol):
@@ -79,8 +69,7 @@ class ServicerSwitch(grpc.GenericRpcHandler):  # type: ignore[misc]  # grpc ship
     """
 
     def __init__(self, servicer: _Servicer) -> None:
-        self._servicer = servicer
-        self._handler = servicer.generic_handler()
+        self.switch(servicer)
 
     def switch(self, servicer: _Servicer) -> None:
         """Calls from now on go to `servicer` (the gate is closed while this happens)."""

@@ -44,6 +44,20 @@ _STRAGGLER_MIN_SAMPLES = 10
 _MAX_PERIOD_S = 0.25
 
 
+def log_rank_lost(job: Job, rank: int, what: str) -> None:
+    """Log that `rank` of `job` was lost (`what` happened to it), and what that means."""
+    if job.state is JobState.ASSEMBLING:
+        log.warning(
+            "job '%s': rank %d %s while waiting for the others; dropped from the assembling "
+            "job (it may join again)",
+            job.job_id,
+            rank,
+            what,
+        )
+    else:
+        log.warning("job '%s': rank %d %s at step %d", job.job_id, rank, what, job.open_step)
+
+
 class Watched(Protocol):
     """What the watchdog needs from the coordinator."""
 
@@ -54,19 +68,15 @@ class Watched(Protocol):
 
     def connection_count(self) -> int:
         """Worker streams currently joined to a job."""
-        ...
 
     def declare_dead(self, job: Job, rank: int, details: str) -> None:
         """End `rank`'s stream and drop it from `job` (`details` says why)."""
-        ...
 
     def execute(self, job: Job, actions: list[Action]) -> None:
         """Carry out `actions` of `job`."""
-        ...
 
     def expire_assembly(self, job: Job, details: str) -> None:
         """Refuse `job`, which assembled for too long, and free its slot."""
-        ...
 
 
 class Watchdog:
@@ -128,18 +138,7 @@ class Watchdog:
                 details = (
                     f"was declared dead after {timeout:g}s without a heartbeat (heartbeat timeout)"
                 )
-                if job.state is JobState.ASSEMBLING:
-                    log.warning(
-                        "job '%s': rank %d %s while waiting for the others; dropped from the "
-                        "assembling job (it may join again)",
-                        job.job_id,
-                        rank,
-                        details,
-                    )
-                else:
-                    log.warning(
-                        "job '%s': rank %d %s at step %d", job.job_id, rank, details, job.open_step
-                    )
+                log_rank_lost(job, rank, details)
                 coordinator.declare_dead(job, rank, details)
             if self._assembly_expired(job):
                 continue
