@@ -47,7 +47,6 @@ import re
 import secrets
 import selectors
 import socket
-import struct
 import threading
 import time
 from collections.abc import Callable, Mapping
@@ -56,6 +55,7 @@ from typing import Any
 import torch
 
 from gradsync.control import raw_state
+from gradsync.local.local_rendezvous import peer_credentials
 
 log = logging.getLogger("gradsync.client")
 
@@ -74,8 +74,6 @@ _MAX_PENDING = 64
 _BACKLOG = 128
 #: How often the serving loop looks at its deadlines and its stop flag.
 _POLL_S = 0.2
-#: struct ucred: pid, uid, gid.
-_PEERCRED = struct.Struct("3i")
 #: The socket names a donor gives (abstract: no file).
 _NAME = re.compile(r"gradsync-heal-[0-9a-f]{32}")
 #: How long `release` waits for a transfer in progress before it cuts it off.
@@ -322,13 +320,6 @@ class StateOffer:
             self.total_bytes / max(seconds, 1e-9) / 1e9,
         )
         return True
-
-
-def peer_credentials(conn: socket.socket) -> tuple[int, int, int]:
-    """The (pid, uid, gid) of a Unix socket's peer (SO_PEERCRED)."""
-    raw = conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _PEERCRED.size)
-    pid, uid, gid = _PEERCRED.unpack(raw)
-    return int(pid), int(uid), int(gid)
 
 
 def fetch(

@@ -278,9 +278,7 @@ def _accept_ready(
         except OSError as exc:
             raise GradSyncError(f"accepting a local peer failed: {exc}", rank=rank) from exc
         conn.setblocking(False)
-        _, uid, _ = _PEERCRED.unpack(
-            conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _PEERCRED.size)
-        )
+        _, uid, _ = peer_credentials(conn)
         if uid == os.getuid():
             pending[conn] = until
             selector.register(conn, selectors.EVENT_READ, conn)
@@ -385,6 +383,13 @@ def follow(job_id: str, rank: int, ranks: list[int], secret: bytes, deadline: fl
     except BaseException:
         conn.close()
         raise
+
+
+def peer_credentials(conn: socket.socket) -> tuple[int, int, int]:
+    """The (pid, uid, gid) of a Unix socket's peer (SO_PEERCRED)."""
+    raw = conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _PEERCRED.size)
+    pid, uid, gid = _PEERCRED.unpack(raw)
+    return int(pid), int(uid), int(gid)
 
 
 def _send_quietly(conn: socket.socket, message: bytes) -> None:
