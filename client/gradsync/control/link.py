@@ -97,7 +97,8 @@ class SessionLink(Protocol):
         state again, or aborted `step`. False when none of these came within `timeout_s`;
         True at once if no state was sent.
 
-        A donor uploads nothing of the step until then (`gradsync.control.heal_answer`).
+        A donor uploads nothing of the step until then
+        (`gradsync.control.session.await_heal_answer`).
         """
         ...
 

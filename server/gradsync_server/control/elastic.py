@@ -130,7 +130,8 @@ class Elastic:
         # them on another, so the donor uploads nothing of the step until the
         # MembershipChanged below reached it: its chunks carry the new epoch,
         # and a shard holds those until the view adding the newcomers arrives
-        # (`JobPlane.awaits_leader`; the client's `gradsync.control.heal_answer`).
+        # (`JobPlane.awaits_leader`; the client's
+        # `gradsync.control.session.await_heal_answer`).
         donor = min(membership.members)
         self._heal = DonorState(donor, self._chunk_bytes, self._max_blob_bytes, self._budget)
         # A newcomer that could not read the donor's direct offer before gets the state
