@@ -171,10 +171,7 @@ class Collectives:
                 on_ready()
             return written
         deadline = time.monotonic() + self.timeout_s
-        if on_ready is None:
-            sequence = issue(wire_op, WIRE_DTYPES[tensor.dtype], payload, 0)
-        else:
-            sequence = issue(wire_op, WIRE_DTYPES[tensor.dtype], payload, 0, on_ready=on_ready)
+        sequence = issue(wire_op, WIRE_DTYPES[tensor.dtype], payload, 0, on_ready=on_ready)
         wait = link.wait_collective  # type: ignore[attr-defined]
 
         def finish() -> int:
@@ -421,8 +418,6 @@ class Collectives:
         result_bytes: int | None = None,
         template: pb.CollectiveChunk | None = None,
     ) -> memoryview:
-        # `template` only when there is one: links that predate it keep working.
-        extra = {} if template is None else {"template": template}
         data, contributors = self.link.run_collective(
             op,
             WIRE_DTYPES[dtype],
@@ -430,7 +425,7 @@ class Collectives:
             root,
             self.timeout_s,
             result_bytes=result_bytes,
-            **extra,
+            template=template,
         )
         self.last_contributors = contributors
         return memoryview(data)

@@ -98,6 +98,7 @@ class HubLink:
         root: int,
         *,
         result_bytes: int | None = None,
+        template: object = None,
         on_ready: Callable[[], None] | None = None,
     ) -> int:
         sequence, self.sequence = self.sequence, self.sequence + 1

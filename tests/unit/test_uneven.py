@@ -63,9 +63,10 @@ class JoinLink:
         timeout_s: float,
         *,
         result_bytes: int | None = None,
+        template: object = None,
     ) -> tuple[bytearray, int]:
         return self.group_link.run_collective(  # type: ignore[attr-defined, no-any-return]
-            op, dtype, payload, root, timeout_s, result_bytes=result_bytes
+            op, dtype, payload, root, timeout_s, result_bytes=result_bytes, template=template
         )
 
 

@@ -199,6 +199,30 @@ class CoordinatorLink(SessionLink, GradientPath, Protocol):
         """Tell the link the size of each bucket (to know when a step is complete)."""
 
 
+class IssuesCollectives:
+    """`run_collective` as `issue_collective` then `wait_collective` (its two halves,
+    which `Transport` and `ResumingLink` implement)."""
+
+    issue_collective: Callable[..., int]
+    wait_collective: Callable[[int, float], tuple[bytearray, int]]
+
+    def run_collective(
+        self,
+        op: int,
+        dtype: int,
+        payload: npt.NDArray[np.uint8],
+        root: int,
+        timeout_s: float,
+        *,
+        result_bytes: int | None = None,
+        template: pb.CollectiveChunk | None = None,
+    ) -> tuple[bytearray, int]:
+        sequence = self.issue_collective(
+            op, dtype, payload, root, result_bytes=result_bytes, template=template
+        )
+        return self.wait_collective(sequence, timeout_s)
+
+
 #: Builds a link from ("host:port" of the coordinator, this worker's rank).
 #: The wrapper calls it once at construction and again for every reconnect.
 LinkFactory = Callable[[str, int], CoordinatorLink]

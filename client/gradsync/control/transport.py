@@ -77,6 +77,7 @@ from gradsync.control.collective_results import op_name
 from gradsync.control.inbox import Inbox
 from gradsync.control.inbox_state import stream_end_failure
 from gradsync.control.joining import wait_for_welcome
+from gradsync.control.link import IssuesCollectives
 from gradsync.control.worker_messages import (
     CheckpointUpload,
     CollectiveUpload,
@@ -205,7 +206,7 @@ class _Heartbeat:
 _HEARTBEAT = _Heartbeat()
 
 
-class Transport:
+class Transport(IssuesCollectives):
     """One worker's connection to one coordinator.
 
     Args:
@@ -328,22 +329,6 @@ class Transport:
 
     # ---------------------------------------- the sending side (documented on CoordinatorLink)
     # Each queues its messages on the Sync stream (a collective then waits for its result).
-    def run_collective(
-        self,
-        op: int,
-        dtype: int,
-        payload: npt.NDArray[np.uint8],
-        root: int,
-        timeout_s: float,
-        *,
-        result_bytes: int | None = None,
-        template: pb.CollectiveChunk | None = None,
-    ) -> tuple[bytearray, int]:
-        sequence = self.issue_collective(
-            op, dtype, payload, root, result_bytes=result_bytes, template=template
-        )
-        return self.wait_collective(sequence, timeout_s)
-
     def issue_collective(
         self,
         op: int,

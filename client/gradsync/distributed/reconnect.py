@@ -37,14 +37,13 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
 
 import numpy as np
 import numpy.typing as npt
 from gradsync_proto.v1 import gradsync_pb2 as pb
 
 from gradsync.control.collective_results import op_name
-from gradsync.control.link import CoordinatorLink
+from gradsync.control.link import CoordinatorLink, IssuesCollectives
 from gradsync.errors import (
     ClosedError,
     CollectiveError,
@@ -91,7 +90,7 @@ class _Sent:
         return f"collective {self.sequence} ({op_name(self.op)})"
 
 
-class ResumingLink:
+class ResumingLink(IssuesCollectives):
     """The collectives side of a group's link, across coordinator restarts.
 
     It offers what `gradsync.collectives.Collectives` uses (`issue_collective`,
@@ -250,22 +249,6 @@ class ResumingLink:
                     self._kept.popitem(last=False)
             return result
 
-    def run_collective(
-        self,
-        op: int,
-        dtype: int,
-        payload: npt.NDArray[np.uint8],
-        root: int,
-        timeout_s: float,
-        *,
-        result_bytes: int | None = None,
-        template: pb.CollectiveChunk | None = None,
-    ) -> tuple[bytearray, int]:
-        sequence = self.issue_collective(
-            op, dtype, payload, root, result_bytes=result_bytes, template=template
-        )
-        return self.wait_collective(sequence, timeout_s)
-
     def close(self, timeout_s: float) -> None:
         """Close the current transport and stop reconnecting; a collective still pending
         fails (`ClosedError`). Idempotent."""
@@ -298,7 +281,6 @@ class ResumingLink:
 
     def _send(self, sent: _Sent) -> None:
         """Issue `sent` on the current transport under its own number (lock held)."""
-        extra: dict[str, Any] = {} if sent.template is None else {"template": sent.template}
         told = functools.partial(self._told, sent, self._generation)
         self._link.set_collective_sequence(sent.sequence)
         issued = self._link.issue_collective(  # type: ignore[attr-defined]
@@ -307,8 +289,8 @@ class ResumingLink:
             sent.payload,
             sent.root,
             result_bytes=sent.result_bytes,
+            template=sent.template,
             on_ready=told,
-            **extra,
         )
         if issued != sent.sequence:
             raise RuntimeError(f"the transport numbered {sent.describe()} {issued}")
