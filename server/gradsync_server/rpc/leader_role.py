@@ -197,13 +197,13 @@ class LeaderRole(CoordinatorServicer):
         if job is None:
             return None  # (admitted streams have a job until they are detached and ended)
         kind = message.WhichOneof("kind")
-        job.touch(conn.rank)
+        job.liveness.touch(conn.rank)
         try:
             if kind in _JOB_HANDLERS:
                 handler = getattr(job, _JOB_HANDLERS[kind])
                 self.execute(job, handler(conn.rank, getattr(message, kind)))
             elif kind == "heartbeat":
-                job.touch(conn.rank, message.heartbeat.step)
+                job.liveness.touch(conn.rank, message.heartbeat.step)
             elif kind == "gradient":
                 chunk = message.gradient
                 self._gradient(conn, header_of(chunk), memoryview(chunk.payload))
@@ -249,7 +249,7 @@ class LeaderRole(CoordinatorServicer):
                 return None  # the rest of an aborted step's upload: dropped as over TCP
             payload = read
         self.metrics.observe_chunk(len(payload))
-        job.touch(conn.rank)
+        job.liveness.touch(conn.rank)
         self.execute(job, job.on_gradient(conn.rank, chunk, payload))
         return None
 
@@ -321,7 +321,7 @@ class LeaderRole(CoordinatorServicer):
                 self.payload_endpoint,
                 world_size=job_world_size(join, config),
             )
-            job.resume_from(resume)
+            job.persistence.resume_from(resume)
             job.outer_reading = outer_reading
             job.persist_outer = self.checkpointer.outer.enabled
         try:
@@ -337,7 +337,7 @@ class LeaderRole(CoordinatorServicer):
                 self.execute(job, job.refused_join(join.rank, rejection.message))
             return
         conn.job, conn.job_id, conn.rank = job, job_id, join.rank
-        job.set_peer(join.rank, conn.peer)
+        job.membership.set_peer(join.rank, conn.peer)
         self.connections[(job_id, join.rank)] = conn
         missing = job.assembly.missing(job.membership.ranks())
         wait = f"waiting for ranks {missing} of {job.world_size}" if missing else "all present"
