@@ -40,9 +40,9 @@ from gradsync_server.errors import RejectedMessage
 from gradsync_server.metrics import CoordinatorMetrics
 from gradsync_server.rpc.connection import Connection
 from gradsync_server.rpc.delivery import Delivery
+from gradsync_server.rpc.outer_records import ShardOuterStates
 from gradsync_server.rpc.servicer import SHARD_SERVICE_NAME, STATUS_BY_CODE, CoordinatorServicer
 from gradsync_server.rpc.shard_collectives import ShardCollectives
-from gradsync_server.rpc.shard_outer import ShardOuterStates
 
 log = logging.getLogger("gradsync.shard")
 
@@ -91,7 +91,7 @@ class ShardRole(CoordinatorServicer):
         #: Messages for the leader (rejections, non-finite reports), drained by the control link.
         self.to_leader: asyncio.Queue[pb.ShardMessage] = asyncio.Queue()
         self._changed = asyncio.Event()
-        #: This shard's range of the DiLoCo outer state on the store (`shard_outer`).
+        #: This shard's range of the DiLoCo outer state on the store (`outer_records`).
         self.outer_states = ShardOuterStates(config)
         self._delivery = Delivery[JobPlane](
             self.connections, self.metrics, self.outer_states.records, self._detach
