@@ -302,7 +302,9 @@ class ShardOuterStates:
         job_id = view.job_id
         problem = ""
         try:
-            blob = self._load(job_id, shard_index)
+            blob = None
+            if isinstance(self._store, _RecordStore):
+                blob = self._store.load_record(job_id, record_name(shard_index))
             snapshot = decode_snapshot(blob, job_id, self.records.key) if blob else None
             if snapshot is None:
                 problem = "the store holds no record of it"
@@ -332,12 +334,6 @@ class ShardOuterStates:
             shard_index,
             problem,
         )
-
-    def _load(self, job_id: str, shard_index: int) -> bytes | None:
-        store = self._store
-        if isinstance(store, _RecordStore):
-            return store.load_record(job_id, record_name(shard_index))
-        return None
 
     def close(self) -> None:
         """Stop the store thread and close the store."""
