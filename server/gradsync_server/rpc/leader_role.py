@@ -410,12 +410,7 @@ class LeaderRole(CoordinatorServicer):
 
 
 class BeatRefused(Exception):
-    """A beat that does not count; `code` and `details` are its answer."""
-
-    def __init__(self, code: grpc.StatusCode, details: str) -> None:
-        super().__init__(details)
-        self.code = code
-        self.details = details
+    """A beat that does not count; its args, (grpc.StatusCode, details), are its answer."""
 
 
 def take_beat(jobs: Mapping[str, Job], request: pb.BeatRequest) -> pb.BeatReply:
@@ -469,6 +464,7 @@ async def serve_beat(
     try:
         return take_beat(jobs, request)
     except BeatRefused as refused:
-        log.debug("beat refused from %s: %s", context.peer(), refused.details)
-        await context.abort(refused.code, refused.details)
+        code, details = refused.args
+        log.debug("beat refused from %s: %s", context.peer(), details)
+        await context.abort(code, details)
         raise  # not reached: abort raises
