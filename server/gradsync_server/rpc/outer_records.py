@@ -130,11 +130,6 @@ class OuterRecords:
         """True when outer states are saved (a file or Redis store is configured)."""
         return self._store is not None
 
-    @property
-    def description(self) -> str:
-        """Where the records go, for logs."""
-        return self._store.description if self._store is not None else "nowhere"
-
     async def save(self, snapshot: OuterSnapshot, shard_index: int) -> bool:
         """Save `snapshot` durably; return False (logged) if that failed or timed out.
 
@@ -223,7 +218,7 @@ class OuterRecords:
         """The records of planes 0..planes-1 of `job_id` (see `_load`) and the leader's mark;
         none read under `--fresh-start`, which starts every job anew (the records stay until
         overwritten, the mark is reset)."""
-        description = self.description
+        description = self._store.description if self._store is not None else "nowhere"
         run = secrets.token_hex(8)
         if fresh_start:
             try:
