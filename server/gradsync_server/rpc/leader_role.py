@@ -376,8 +376,9 @@ class LeaderRole(CoordinatorServicer):
             self.metrics.recovery.rank_lost(job.liveness.seconds_since_seen(rank))
         self.segments.forget(job.job_id, rank, job.membership.session_of(rank))
         self.execute(job, job.detach(rank, orderly=orderly, reason=reason))
-        # Its straggler statistics must not follow a later member with its rank.
-        self.metrics.forget_rank(rank)
+        # Its straggler statistics must not follow a later member with its rank (its lag
+        # histogram series stays: Prometheus series are cumulative).
+        self.metrics.lag_tracker.forget(rank)
         if not job.members:
             self.retire_job(job, quiet=True)
 
