@@ -200,7 +200,7 @@ class ShardRole(CoordinatorServicer):
         self.group_collectives.forget(end.job_id)
         code = Code(end.code) if end.code in STATUS_BY_CODE else Code.UNKNOWN
         if job is not None:
-            job.release()
+            job.step.release()  # free every buffer it holds
             log.info("job '%s' ended at the leader (%s): %s", end.job_id, code.name, end.message)
         for (job_id, _), conn in list(self.connections.items()):
             if job_id == end.job_id:
@@ -212,7 +212,7 @@ class ShardRole(CoordinatorServicer):
         details = f"{self.name} lost its leader {self.config.leader} ({why})"
         self.end_all(Code.UNAVAILABLE, details, pb.END_REASON_SHARD_LOST)
         for job in self.jobs.values():
-            job.release()
+            job.step.release()
         self.jobs.clear()
         self.group_collectives.clear()
         self.index = None
