@@ -136,8 +136,8 @@ class Flag:
 
     Attributes:
         help: the help text, or one per role where the roles' texts differ.
-        name: the flag ("--chunk-mb"); "" = the field's name with dashes; None = no flag
-            of its own (the value comes from `read` alone).
+        name: the flag ("--chunk-mb"); "" = the field's name with dashes (`_bytes` read
+            `_mb` in a MiB flag); None = no flag of its own (the value comes from `read` alone).
         type: the argparse type, which checks the value's whole range.
         unit: the field holds `int(flag value * unit)` (a MiB flag of a byte field).
         roles: the roles (subcommands) that have this flag; None = every role.
@@ -187,7 +187,8 @@ def _flags(config_type: type[Any], role: str) -> list[tuple[dataclasses.Field[An
 
 
 def _option(field: dataclasses.Field[Any], spec: Flag) -> str:
-    return spec.name or "--" + field.name.replace("_", "-")
+    name = field.name.removesuffix("_bytes") + "_mb" if spec.unit == MIB else field.name
+    return spec.name or "--" + name.replace("_", "-")
 
 
 def add_flags(parser: argparse.ArgumentParser, config_type: type[Any], role: str) -> None:

@@ -156,7 +156,6 @@ class CoordinatorConfig:
     max_buffered_bytes: int = option(
         defaults.MAX_BUFFERED_BYTES,
         "cap on gradient bytes held in partial reductions (default %(default)g)",
-        name="--max-buffered-mb",
         type=positive_number,
         unit=MIB,
     )
@@ -164,7 +163,6 @@ class CoordinatorConfig:
         None,
         "the most of --max-buffered-mb one job may hold, so that one job cannot starve "
         "the others (default: half of --max-buffered-mb)",
-        name="--max-job-buffered-mb",
         type=positive_number,
         unit=MIB,
     )
@@ -172,7 +170,6 @@ class CoordinatorConfig:
         defaults.MAX_OUTBOX_BYTES,
         "cap on results queued for one worker that does not read them; beyond it the "
         "worker is dropped with RESOURCE_EXHAUSTED (default %(default)g)",
-        name="--max-outbox-mb",
         type=positive_number,
         unit=MIB,
     )
@@ -191,7 +188,6 @@ class CoordinatorConfig:
     max_checkpoint_bytes: int = _leader_option(
         defaults.MAX_CHECKPOINT_BYTES,
         "largest checkpoint (or rejoining rank's state) accepted (default %(default)g)",
-        name="--max-checkpoint-mb",
         type=positive_number,
         unit=MIB,
     )
@@ -354,7 +350,6 @@ class CoordinatorConfig:
         defaults.MAX_COLLECTIVE_BYTES,
         "cap on one rank's input to a collective (all_reduce, broadcast, ...) and on an "
         "all_gather's result, in MiB (default %(default)g)",
-        name="--max-collective-mb",
         type=positive_number,
         unit=MIB,
     )

@@ -315,14 +315,6 @@ class CoordinatorMetrics:
         """The `k` ranks with the largest mean lag (see `LagTracker.slowest`)."""
         return self.lag_tracker.slowest(k)
 
-    def forget_rank(self, rank: int) -> None:
-        """`rank` left for good: its straggler statistics restart when the rank rejoins.
-
-        Its histogram series stays (Prometheus series are cumulative; a
-        rejoining rank keeps adding to it).
-        """
-        self.lag_tracker.forget(rank)
-
     def stats(self, buffered_bytes: int, connections: int) -> pb.ShardStats:
         """This process's gradient counters as a ShardStats (a shard's sign of life).
 

@@ -41,7 +41,7 @@ def test_silent_ranks_follow_the_clock() -> None:
     for rank in (0, 1):
         job.join(rank, pb.Join(job_id="j", rank=rank, world_size=2, signature=signature()))
     clock.now += 3.0
-    job.touch(0)
+    job.liveness.touch(0)
     clock.now += 2.5
     assert job.silent_ranks(timeout_s=5.0) == [1]
     assert job.silent_ranks(timeout_s=6.0) == []

@@ -306,7 +306,7 @@ def test_coordinator_metrics_feed_the_lag_tracker() -> None:
         metrics.observe_bucket_arrival(1, lag)
     metrics.observe_bucket_arrival(0, 0.0)
     assert metrics.lag_tracker.slowest(1) == [(1, pytest.approx(0.6))]
-    metrics.forget_rank(1)
+    metrics.lag_tracker.forget(1)
     assert metrics.lag_tracker.samples(1) == 0
     # The Prometheus series is cumulative and keeps all three observations.
     assert (

@@ -423,7 +423,7 @@ class JobMachine(RuleBasedStateMachine):
     @rule(data=st.data())
     def heartbeat(self, data: st.DataObject) -> None:
         rank = self.pick(data)
-        self.the_job.touch(rank, data.draw(st.sampled_from([0, 1, U64])))
+        self.the_job.liveness.touch(rank, data.draw(st.sampled_from([0, 1, U64])))
 
     @precondition(lambda self: self.connected)
     @rule(data=st.data(), orderly=st.booleans())

@@ -155,7 +155,7 @@ def test_elastic_loss_completes_the_step_over_the_live_ranks() -> None:
 def test_liveness_ignores_departed_ranks_and_status_reports_it() -> None:
     job, clock = make_job(ByteBudget(1 << 20))
     clock.now += 3.0
-    job.touch(0, reported_step=7)
+    job.liveness.touch(0, reported_step=7)
     clock.now += 2.5
     assert job.silent_ranks(timeout_s=5.0) == [1, 2]
     job.detach(2, orderly=True)
@@ -173,7 +173,7 @@ def test_liveness_ignores_departed_ranks_and_status_reports_it() -> None:
 
 def test_a_resumed_job_starts_at_the_checkpoint() -> None:
     job = Job("job", JobSettings(2, CHUNK, 2 * CHUNK), ByteBudget(1 << 20), clock=FakeClock())
-    job.resume_from(Checkpoint("job", 12, 3, b"x" * (CHUNK + 1), {}))
+    job.persistence.resume_from(Checkpoint("job", 12, 3, b"x" * (CHUNK + 1), {}))
     job.join(0, join(0, 2))
     actions = job.join(1, join(1, 2))
     welcome, other = messages(actions, "welcome")  # one per rank, each with its session

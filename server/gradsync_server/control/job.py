@@ -45,7 +45,7 @@ from __future__ import annotations
 import enum
 import logging
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import cast
 
 from gradsync_proto.codec import ChunkHeader
@@ -68,10 +68,8 @@ from gradsync_server.dataplane.actions import Action, Member, ResumeBlob, Send, 
 from gradsync_server.dataplane.budget import ByteBudget
 from gradsync_server.dataplane.observer import StepObserver
 from gradsync_server.dataplane.plane import JobPlane
-from gradsync_server.dataplane.progress import StepProgress
 from gradsync_server.dataplane.step_aborts import abort_actions, abort_message
 from gradsync_server.errors import RejectedMessage
-from gradsync_server.store.checkpoint import Checkpoint
 from gradsync_server.text import quoted
 
 log = logging.getLogger("gradsync.server")
@@ -205,15 +203,6 @@ class Job:
         """Steps whose every bucket was averaged."""
         return self.in_flight.steps_completed
 
-    @property
-    def progress(self) -> StepProgress | None:
-        """Delivery bookkeeping of the open step (None before assembly)."""
-        return self.in_flight.progress
-
-    def joined_ranks(self) -> Sequence[int]:
-        """Ranks currently connected, ascending."""
-        return self.membership.ranks()
-
     def outcome(self) -> tuple[str, str]:
         """How the job ended (once its last rank is gone): a state word and a sentence."""
         if self.state is JobState.ASSEMBLING:
@@ -221,14 +210,6 @@ class Job:
         if self.state in (JobState.BROKEN, JobState.REFUSED):
             return self.state.value, self._broken_reason
         return "finished", f"finished after {self.steps_completed} steps"
-
-    def set_peer(self, rank: int, peer: str) -> None:
-        """Remember the network address of `rank`, for status."""
-        self.membership.set_peer(rank, peer)
-
-    def resume_from(self, checkpoint: Checkpoint | None) -> None:
-        """Resume from `checkpoint` once assembled (loaded before the first rank joins)."""
-        self.persistence.resume_from(checkpoint)
 
     def _progress(self, refused: str = "") -> Send:
         """An AssemblyProgress for every waiting rank (as they join, and as they leave)."""
@@ -452,10 +433,6 @@ class Job:
         self.in_flight.outer.persist = self.persist_outer
 
     # ------------------------------------------------------------------ liveness
-    def touch(self, rank: int, reported_step: int | None = None) -> None:
-        """Record a sign of life from `rank` (any message counts)."""
-        self.liveness.touch(rank, reported_step)
-
     def silent_ranks(self, timeout_s: float) -> list[int]:
         """Members not heard from for longer than `timeout_s`."""
         return self.liveness.silent_ranks(self.membership.ranks(), timeout_s)

@@ -4,7 +4,7 @@ Architecture invariant 6 (no silent hang) needs the coordinator to notice a
 rank that stopped talking: every message counts as a sign of life, and a
 rank silent for longer than the heartbeat timeout is declared dead by the
 watchdog (`gradsync_server.rpc.watchdog`). A rank whose worker beats
-on its side channel (`gradsync_server.rpc.beats`: authenticated, with a
+on its side channel (`gradsync_server.rpc.leader_role.serve_beat`: authenticated, with a
 sequence above the last one accepted) is judged by those beats alone from
 the first one on: they travel on a connection without bulk data, where
 neither a full send queue delays them nor a frozen process's queued bytes

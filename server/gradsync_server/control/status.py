@@ -23,7 +23,7 @@ from gradsync_server.dataplane.observer import LagTracker
 def job_status(job: Job, lag_tracker: LagTracker | None = None) -> pb.JobStatus:
     """A snapshot of `job`: state, members, late ranks, progress, checkpoints, NaN/Inf seen."""
     late = job.late_ranks()
-    progress = job.progress
+    progress = job.in_flight.progress
     outer = job.in_flight.outer
     screen = job.in_flight.screen
     return pb.JobStatus(

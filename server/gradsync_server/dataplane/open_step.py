@@ -489,7 +489,7 @@ class OpenStep:
             scale=self.outer.answer_scale(bucket, offset),  # an int8 answer's
             screened_ranks=screened_ranks,
             screen_note=screen_note,
-            encoding=self.outer.answer_encoding(bucket, offset),  # a sparse answer's
+            encoding=self.outer.public.encoding_at(bucket, offset),  # a sparse answer's
         )
         return answer_sends(
             header, averaged, reduction.dtype, self._chunk_bytes, units, from_segment

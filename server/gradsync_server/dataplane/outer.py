@@ -136,10 +136,6 @@ class OuterState:
         """The scale of the open step's int8 answer to a chunk (0.0 for any other answer)."""
         return self.public.scale_at(bucket, offset)
 
-    def answer_encoding(self, bucket: int, offset: int) -> int:
-        """The encoding of the open step's answer to a chunk (sparse: `ENCODING_TOPK2`)."""
-        return self.public.encoding_at(bucket, offset)
-
     def answer(self, bucket: int, offset: int, wire_dtype: int, average: memoryview) -> memoryview:
         """The answer to a completed chunk of an outer bucket: the new global parameters
         (float32), or with a compact answer their change of the public copy (its int8

@@ -262,10 +262,6 @@ class JobPlane:
         while self.step.was_aborted(self.step.step):
             self.step.drop_step()
 
-    def release(self) -> None:
-        """The job ended (or will never complete a step): free every buffer it holds."""
-        self.step.release()
-
     # ------------------------------------------------------------ a shard's view
     def apply(self, view: pb.ShardJobView) -> ShardOutcome:
         """At a shard: follow the leader's view; averages to send, or the rejection to report."""

@@ -410,7 +410,7 @@ class Checkpointer:
         if not durable and self.config.require_checkpoint:
             actions.append(
                 Terminate(
-                    tuple(job.joined_ranks()),
+                    tuple(job.membership.ranks()),
                     CHECKPOINT_FAILED_CODE,
                     f"checkpoint of step {action.step} failed and --require-checkpoint is set: "
                     f"{message}",

@@ -6,8 +6,9 @@ job's state machine (`gradsync_server.control.job`), whose actions
 `delivery` carries out. Around that: liveness in `watchdog`, checkpoint
 store I/O in `checkpointer`, the status reply in `status`, the shards'
 control streams (`Coordinator.ShardLink`) in `shard_control`, same-host local
-leaders' shared-memory segments in `segments` and `payload_socket`. The
-stream itself is `servicer`'s, as at a shard.
+leaders' shared-memory segments in `segments` and `payload_socket`, the
+workers' side-channel heartbeats in `serve_beat` here. The stream itself is
+`servicer`'s, as at a shard.
 """
 
 from __future__ import annotations
@@ -15,9 +16,10 @@ from __future__ import annotations
 import functools
 import logging
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping
 
 import grpc
+from gradsync_proto import auth
 from gradsync_proto.codec import ChunkHeader, header_of
 from gradsync_proto.codes import Code
 from gradsync_proto.payload_socket import Registration
@@ -38,7 +40,6 @@ from gradsync_server.control.status import EndedJobs, status_reply
 from gradsync_server.dataplane.budget import ByteBudget
 from gradsync_server.errors import RejectedMessage
 from gradsync_server.metrics import CoordinatorMetrics
-from gradsync_server.rpc.beats import serve_beat
 from gradsync_server.rpc.checkpointer import Checkpointer
 from gradsync_server.rpc.connection import Connection
 from gradsync_server.rpc.delivery import Delivery
@@ -197,13 +198,13 @@ class LeaderRole(CoordinatorServicer):
         if job is None:
             return None  # (admitted streams have a job until they are detached and ended)
         kind = message.WhichOneof("kind")
-        job.touch(conn.rank)
+        job.liveness.touch(conn.rank)
         try:
             if kind in _JOB_HANDLERS:
                 handler = getattr(job, _JOB_HANDLERS[kind])
                 self.execute(job, handler(conn.rank, getattr(message, kind)))
             elif kind == "heartbeat":
-                job.touch(conn.rank, message.heartbeat.step)
+                job.liveness.touch(conn.rank, message.heartbeat.step)
             elif kind == "gradient":
                 chunk = message.gradient
                 self._gradient(conn, header_of(chunk), memoryview(chunk.payload))
@@ -249,7 +250,7 @@ class LeaderRole(CoordinatorServicer):
                 return None  # the rest of an aborted step's upload: dropped as over TCP
             payload = read
         self.metrics.observe_chunk(len(payload))
-        job.touch(conn.rank)
+        job.liveness.touch(conn.rank)
         self.execute(job, job.on_gradient(conn.rank, chunk, payload))
         return None
 
@@ -321,7 +322,7 @@ class LeaderRole(CoordinatorServicer):
                 self.payload_endpoint,
                 world_size=job_world_size(join, config),
             )
-            job.resume_from(resume)
+            job.persistence.resume_from(resume)
             job.outer_reading = outer_reading
             job.persist_outer = self.checkpointer.outer.enabled
         try:
@@ -337,7 +338,7 @@ class LeaderRole(CoordinatorServicer):
                 self.execute(job, job.refused_join(join.rank, rejection.message))
             return
         conn.job, conn.job_id, conn.rank = job, job_id, join.rank
-        job.set_peer(join.rank, conn.peer)
+        job.membership.set_peer(join.rank, conn.peer)
         self.connections[(job_id, join.rank)] = conn
         missing = job.assembly.missing(job.membership.ranks())
         wait = f"waiting for ranks {missing} of {job.world_size}" if missing else "all present"
@@ -375,8 +376,9 @@ class LeaderRole(CoordinatorServicer):
             self.metrics.recovery.rank_lost(job.liveness.seconds_since_seen(rank))
         self.segments.forget(job.job_id, rank, job.membership.session_of(rank))
         self.execute(job, job.detach(rank, orderly=orderly, reason=reason))
-        # Its straggler statistics must not follow a later member with its rank.
-        self.metrics.forget_rank(rank)
+        # Its straggler statistics must not follow a later member with its rank (its lag
+        # histogram series stays: Prometheus series are cumulative).
+        self.metrics.lag_tracker.forget(rank)
         if not job.members:
             self.retire_job(job, quiet=True)
 
@@ -406,3 +408,64 @@ class LeaderRole(CoordinatorServicer):
             job.end(Code.DEADLINE_EXCEEDED, details, pb.END_REASON_JOB_REFUSED, JobState.REFUSED),
         )
         self.retire_job(job)
+
+
+class BeatRefused(Exception):
+    """A beat that does not count; its args, (grpc.StatusCode, details), are its answer."""
+
+
+def take_beat(jobs: Mapping[str, Job], request: pb.BeatRequest) -> pb.BeatReply:
+    """Count `request` as a sign of life of its rank, or raise BeatRefused saying why."""
+    job = jobs.get(request.job_id)
+    where = f"rank {request.rank} of job '{request.job_id}', beat {request.sequence}"
+    if job is None:
+        raise BeatRefused(grpc.StatusCode.NOT_FOUND, f"{where}: no such job here")
+    last = job.liveness.last_beat_sequence(request.rank)
+    session = job.membership.session_of(request.rank)
+    if last is None or not session:
+        raise BeatRefused(grpc.StatusCode.NOT_FOUND, f"{where}: the rank is not in the job")
+    if not auth.beat_matches(
+        session, request.job_id, request.rank, request.sequence, request.step, request.proof
+    ):
+        raise BeatRefused(
+            grpc.StatusCode.PERMISSION_DENIED,
+            f"{where}: the proof does not match the rank's session "
+            "(a beat from an earlier incarnation, or not from the worker)",
+        )
+    if request.sequence <= last:
+        raise BeatRefused(
+            grpc.StatusCode.FAILED_PRECONDITION,
+            f"{where}: sequence {request.sequence} is not above {last}, the last accepted",
+        )
+    job.liveness.beat(request.rank, request.sequence, request.step)
+    return pb.BeatReply(member=request.rank in job.membership.members)
+
+
+async def serve_beat(
+    jobs: Mapping[str, Job], raw: bytes, context: grpc.aio.ServicerContext
+) -> pb.BeatReply:
+    """The `Beat` RPC (raw request bytes: one that does not parse is INVALID_ARGUMENT,
+    by `servicer.guarded`): a worker's heartbeat on a connection that carries no bulk data.
+
+    A worker whose Sync stream runs on the frame port keeps a gRPC channel to the
+    coordinator open beside it (for keepalive pings, `gradsync_proto.net.frame_stream`)
+    and sends its heartbeats there too, as unary `Beat` calls. Gradient bytes never
+    travel on that connection, so a beat does not wait behind the megabytes a slow
+    link holds in the frame socket's send queue, and a busy rank is not declared
+    dead for a full upload.
+
+    A beat is only a sign of life when it proves the rank's session: its `proof`
+    is a MAC keyed with the session secret the leader issued at the Join
+    (`gradsync_proto.auth.beat_proof`), and its sequence must exceed every one
+    accepted from that session, so a beat seen on the wire cannot keep a rank alive
+    after its worker is gone. A refused beat changes nothing and is answered with
+    the reason (NOT_FOUND, PERMISSION_DENIED, FAILED_PRECONDITION).
+    """
+    request = pb.BeatRequest.FromString(raw)
+    try:
+        return take_beat(jobs, request)
+    except BeatRefused as refused:
+        code, details = refused.args
+        log.debug("beat refused from %s: %s", context.peer(), details)
+        await context.abort(code, details)
+        raise  # not reached: abort raises

@@ -32,15 +32,19 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import TypeVar
 
 from gradsync_proto.auth import derive_key
+from gradsync_proto.v1 import gradsync_pb2 as pb
 
 from gradsync_server.config import CoordinatorConfig, Role
 from gradsync_server.control.outer_resume import OuterReading
 from gradsync_server.dataplane.outer_snapshot import (
     OuterSnapshot,
+    OuterSnapshotError,
+    decode_snapshot,
     encode_snapshot,
     record_digest,
     record_name,
 )
+from gradsync_server.dataplane.plane import JobPlane
 from gradsync_server.store.checkpoint import CheckpointError, CheckpointStore
 from gradsync_server.store.checkpoint_file import FileCheckpointStore
 from gradsync_server.store.checkpoint_redis import RedisCheckpointStore
@@ -48,7 +52,7 @@ from gradsync_server.store.high_water_file import HighWaterError
 from gradsync_server.store.outer_marks import OuterMark, OuterMarks
 from gradsync_server.store.stores import open_store
 
-__all__ = ["KEY_PURPOSE", "OuterRecords", "configured_store", "outer_state_key"]
+__all__ = ["KEY_PURPOSE", "OuterRecords", "ShardOuterStates", "configured_store", "outer_state_key"]
 
 #: The `derive_key` purpose of the outer-state MAC key.
 KEY_PURPOSE = "outer-state"
@@ -125,11 +129,6 @@ class OuterRecords:
     def enabled(self) -> bool:
         """True when outer states are saved (a file or Redis store is configured)."""
         return self._store is not None
-
-    @property
-    def description(self) -> str:
-        """Where the records go, for logs."""
-        return self._store.description if self._store is not None else "nowhere"
 
     async def save(self, snapshot: OuterSnapshot, shard_index: int) -> bool:
         """Save `snapshot` durably; return False (logged) if that failed or timed out.
@@ -219,7 +218,7 @@ class OuterRecords:
         """The records of planes 0..planes-1 of `job_id` (see `_load`) and the leader's mark;
         none read under `--fresh-start`, which starts every job anew (the records stay until
         overwritten, the mark is reset)."""
-        description = self.description
+        description = self._store.description if self._store is not None else "nowhere"
         run = secrets.token_hex(8)
         if fresh_start:
             try:
@@ -248,3 +247,91 @@ class OuterRecords:
     def close(self) -> None:
         """Stop the store thread (a call still running finishes in the background)."""
         self._executor.shutdown(wait=False, cancel_futures=True)
+
+
+class ShardOuterStates:
+    """Where a shard saves its outer-state records, and how it restores one.
+
+    Each shard holds the global parameters and momentum of its byte range of
+    every outer bucket, which its leader never sees; so each shard saves its own
+    record (`outer-state-shard<i>`) to the store its leader gave it (`serve
+    --shards` passes its `--checkpoint-store` on; a hand-started `gradsync
+    shard` takes the same flag), and the leader, which reads every plane's record
+    before a job assembles, restores only when all of them hold the same step
+    (`gradsync_server.control.outer_resume`). It then says so in the job's first
+    view (`ShardJobView.outer_restore`), and the shard restores its own record
+    here, before the view's plane takes any chunk.
+
+    The shard seals its records under the same outer-state key as its leader
+    (`outer_state_key`: from the shard token when that is a secret
+    of the leader and its shards alone), with the run the leader names in the
+    job's first view (`ShardJobView.outer_run`), and restores only a record that
+    verifies under that key and belongs to that run.
+
+    That one read happens on the shard's loop, once per restored job and bounded
+    by `--store-timeout` (the Redis socket timeout; a local file otherwise): no
+    chunk may be answered before it, and a job's start is rare.
+
+    Args:
+        config: the shard's configuration (`checkpoint_store`, `store_timeout_s`,
+            `redis_password`).
+    """
+
+    def __init__(self, config: CoordinatorConfig) -> None:
+        self._store = configured_store(config)
+        #: Saves of this shard's records (`PersistOuter` from its planes).
+        self.records = OuterRecords(self._store, config.store_timeout_s, outer_state_key(config))
+
+    def started(self, plane: JobPlane, view: pb.ShardJobView, shard_index: int) -> None:
+        """A job's plane was just created from its first view: restore it if told, save it.
+
+        A record that cannot be restored although the leader read it a moment ago
+        (it changed or vanished since) is logged as an error: the plane then starts
+        unseeded and the job's answers for this range are not the restored ones.
+        """
+        outer = plane.step.outer
+        outer.persist = self.records.enabled
+        outer.run = view.outer_run
+        if not view.outer_restore or not outer.active:
+            return
+        job_id = view.job_id
+        problem = ""
+        try:
+            blob = None
+            if isinstance(self._store, _RecordStore):
+                blob = self._store.load_record(job_id, record_name(shard_index))
+            snapshot = decode_snapshot(blob, job_id, self.records.key) if blob else None
+            if snapshot is None:
+                problem = "the store holds no record of it"
+            elif snapshot.run != view.outer_run:
+                problem = f"the record belongs to run {snapshot.run or 'none'}, the leader "
+                problem += f"restored run {view.outer_run or 'none'}"
+            elif snapshot.step not in (view.start_step, view.start_step - 1):
+                problem = f"the record holds step {snapshot.step}, the leader restored step "
+                problem += str(view.start_step)
+            else:
+                replay = snapshot.step == view.start_step
+                outer.restore(snapshot, replay)
+                log.warning(
+                    "job '%s': outer state of shard %d restored: round %d (step %d)%s",
+                    job_id,
+                    shard_index,
+                    snapshot.rounds,
+                    snapshot.step,
+                    " is replayed" if replay else f"; step {view.start_step} is an outer step",
+                )
+                return
+        except (CheckpointError, OSError, OuterSnapshotError, ValueError) as exc:
+            problem = str(exc)
+        log.error(
+            "job '%s': shard %d cannot restore its outer state as the leader did: %s",
+            job_id,
+            shard_index,
+            problem,
+        )
+
+    def close(self) -> None:
+        """Stop the store thread and close the store."""
+        self.records.close()
+        if self._store is not None:
+            self._store.close()

@@ -40,9 +40,9 @@ from gradsync_server.errors import RejectedMessage
 from gradsync_server.metrics import CoordinatorMetrics
 from gradsync_server.rpc.connection import Connection
 from gradsync_server.rpc.delivery import Delivery
+from gradsync_server.rpc.outer_records import ShardOuterStates
 from gradsync_server.rpc.servicer import SHARD_SERVICE_NAME, STATUS_BY_CODE, CoordinatorServicer
 from gradsync_server.rpc.shard_collectives import ShardCollectives
-from gradsync_server.rpc.shard_outer import ShardOuterStates
 
 log = logging.getLogger("gradsync.shard")
 
@@ -91,7 +91,7 @@ class ShardRole(CoordinatorServicer):
         #: Messages for the leader (rejections, non-finite reports), drained by the control link.
         self.to_leader: asyncio.Queue[pb.ShardMessage] = asyncio.Queue()
         self._changed = asyncio.Event()
-        #: This shard's range of the DiLoCo outer state on the store (`shard_outer`).
+        #: This shard's range of the DiLoCo outer state on the store (`outer_records`).
         self.outer_states = ShardOuterStates(config)
         self._delivery = Delivery[JobPlane](
             self.connections, self.metrics, self.outer_states.records, self._detach
@@ -200,7 +200,7 @@ class ShardRole(CoordinatorServicer):
         self.group_collectives.forget(end.job_id)
         code = Code(end.code) if end.code in STATUS_BY_CODE else Code.UNKNOWN
         if job is not None:
-            job.release()
+            job.step.release()  # free every buffer it holds
             log.info("job '%s' ended at the leader (%s): %s", end.job_id, code.name, end.message)
         for (job_id, _), conn in list(self.connections.items()):
             if job_id == end.job_id:
@@ -212,7 +212,7 @@ class ShardRole(CoordinatorServicer):
         details = f"{self.name} lost its leader {self.config.leader} ({why})"
         self.end_all(Code.UNAVAILABLE, details, pb.END_REASON_SHARD_LOST)
         for job in self.jobs.values():
-            job.release()
+            job.step.release()
         self.jobs.clear()
         self.group_collectives.clear()
         self.index = None

@@ -177,7 +177,7 @@ class Watchdog:
         return True
 
     def _warn_if_stalled(self, job: Job) -> None:
-        progress = job.progress
+        progress = job.in_flight.progress
         if (
             progress is None
             or progress.stall_warned
