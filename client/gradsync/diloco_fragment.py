@@ -11,7 +11,7 @@ the shadow's `.grad`; `apply` merges it into the model.
 
 With a compact answer (`answer_dtype` int8 or bfloat16) what lands in `.grad`
 after every round but the seed is the change of the global parameters,
-dequantized in float32 (int8: `gradsync.quantized_answer`; bfloat16: the cast
+dequantized in float32 (int8: `gradsync.quantized_wire.Int8Answer`; bfloat16: the cast
 hook widens it exactly), and `wait` adds it to the global parameters the rank
 holds, with one float32 add, as the coordinator adds it to its public copy
 (`gradsync_server.dataplane.outer_answer`): every rank and the coordinator's

@@ -13,7 +13,7 @@ reducer hands the scales to the transport inside the bucket's `BucketBuffer`,
 and each chunk's header carries its own (`GradientChunk.scale`). The answer,
 the new global parameters, comes back in float32 into the bucket's buffer, or
 with `DiLoCo(answer_dtype=torch.int8)` as int8 changes with a scale per chunk
-of the same grid (`gradsync.quantized_answer`, asked for by `Int8Wire.int8_answer`).
+of the same grid (`Int8Answer`, asked for by `Int8Wire.int8_answer`).
 
 Error feedback uses exactly what the coordinator sums: the hook keeps, per
 bucket, the upload minus its dequantized values (q * scale in float32, the
@@ -33,14 +33,16 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+import numpy as np
 import torch
 from gradsync_proto import chunking, int8_wire
 from gradsync_proto.v1 import gradsync_pb2 as pb
 
 from gradsync.hooks import GradBucket
 from gradsync.path.bucket_uploads import expected_chunks
+from gradsync.path.buffers import BucketBuffer
 
-__all__ = ["ChunkGrid", "Int8Quantization", "Int8Wire", "WireHook", "check_int8_wire"]
+__all__ = ["ChunkGrid", "Int8Answer", "Int8Quantization", "Int8Wire", "WireHook", "check_int8_wire"]
 
 
 @dataclass(frozen=True)
@@ -170,3 +172,47 @@ def check_int8_wire(bucket: GradBucket, wire: Int8Wire, rank: int) -> Int8Wire:
     if values.numel() and not wire.scales:
         raise ValueError(f"[{where}] the int8 wire has no scales")
     return Int8Wire(values.reshape(-1).contiguous(), wire.scales, wire.int8_answer, wire.encoded)
+
+
+class Int8Answer:
+    """One bucket's int8 answer: its values and (filled in on arrival) each chunk's scale.
+
+    With `DiLoCo(answer_dtype=torch.int8)` the coordinator answers every chunk of
+    an outer round not with the new global parameters in float32 but with their
+    change, quantized to int8 with the chunk's own float32 scale
+    (`gradsync_server.dataplane.outer_answer`): a quarter of the bytes down. The
+    answer to an upload chunk is one chunk at the same offset of the same grid,
+    its scale in the header, so `buffer` collects each chunk's scale as it
+    arrives (`gradsync.path.step_results` checks them). Once the whole step is
+    in, `dequantize_into` writes q * scale in float32 (one rounding, the
+    coordinator's very `dequantize`) into the bucket's float32 buffer, which the
+    reducer leaves in `.grad` like any answer; the fragment
+    (`gradsync.diloco_fragment`) adds that change to the global parameters it
+    holds with one float32 add, as the coordinator adds it to its public copy:
+    both ends round the same two operations the same way.
+
+    Args:
+        num_elements: the bucket's elements (one int8 each).
+    """
+
+    def __init__(self, num_elements: int) -> None:
+        self.values = np.zeros(num_elements, dtype=np.int8)
+        #: Where the answer's chunks are written; its `scales` fill in as they arrive.
+        self.buffer = BucketBuffer([self.values.view(np.uint8)])
+
+    def dequantize_into(self, flat: torch.Tensor) -> None:
+        """Write the answer's float32 values (q * scale, chunk by chunk) into `flat`.
+
+        Raises:
+            ValueError: `flat` is not a float32 tensor of the bucket's size, or a
+                chunk's scale is missing (the step is not complete).
+        """
+        if flat.dtype != torch.float32 or flat.numel() != self.values.size:
+            raise ValueError(
+                f"an int8 answer of {self.values.size} elements cannot land in a "
+                f"{flat.dtype} tensor of {flat.numel()}"
+            )
+        scales = self.buffer.scales
+        if self.values.size and 0 not in scales:
+            raise ValueError("the int8 answer has no scale for its first chunk")
+        flat.copy_(torch.from_numpy(int8_wire.dequantize_bucket(self.values, scales)))

@@ -17,7 +17,7 @@ accumulator in rank order, takes the outer step and answers with the same
 form: the top `answer_density` of each chunk's change of the global
 parameters the ranks hold, its own residual kept in exact - public
 (`gradsync_server.dataplane.outer_answer`). The answer lands like the int8
-compact answer (`gradsync.quantized_answer`): q and the chunk's step, then
+compact answer (`gradsync.quantized_wire.Int8Answer`): q and the chunk's step, then
 q * step in float32, added to the rank's global parameters with one float32
 add, so every replica stays bitwise equal to the coordinator's public copy.
 Bytes per round, each way: about 1.25 bytes per selected element plus a

@@ -37,9 +37,8 @@ from gradsync_proto.v1 import gradsync_pb2 as pb
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from gradsync_server.config import MIB, CoordinatorConfig, Role
-from gradsync_server.local_shards import LocalShards
+from gradsync_server.local_shards import LocalShards, watch_parent
 from gradsync_server.metrics import CoordinatorMetrics
-from gradsync_server.parent_watch import watch_parent
 from gradsync_server.rpc.auth_check import RefusalLog, bind, interceptors, server_credentials
 from gradsync_server.rpc.frame_server import FrameServer, start_frame_server
 from gradsync_server.rpc.leader_role import LeaderRole

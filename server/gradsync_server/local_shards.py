@@ -8,14 +8,33 @@ shard map names that port, and a shard that comes back at its address keeps
 its index), logs every restart, and stops them all on shutdown, so none is
 left behind. A child that keeps dying is restarted after a short delay, not
 in a tight loop.
+
+A child must not outlive its leader either: a leader that is SIGKILLed (or
+OOM-killed) runs no cleanup, so its children would go on holding their ports,
+and a leader restarted on the same port could not start its own shards there
+(they would find the port taken, and the orphan would keep knocking on the new
+leader with an old shard token). So each child runs `watch_parent`, two
+mechanisms because neither is enough alone:
+
+- on Linux, `prctl(PR_SET_PDEATHSIG, SIGTERM)`: the kernel sends the signal
+  the moment the parent dies, and the shard's own SIGTERM handler drains and
+  exits;
+- everywhere, a watcher that compares `os.getppid()` with the parent's pid
+  every `PARENT_POLL_S` (a reparented child has a new parent), covering other
+  systems, a failed prctl, and a parent that died before the prctl ran (then
+  the signal never comes: the check right after the prctl catches that).
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import ctypes
+import ctypes.util
 import logging
 import os
+import signal
+import sys
 from collections.abc import Mapping, Sequence
 
 from gradsync_proto import auth
@@ -31,6 +50,50 @@ log = logging.getLogger("gradsync.server")
 _STOP_GRACE_S = 10.0
 #: Hosts that mean "every interface": the children reach the leader over loopback then.
 _ANY_HOST = ("", "0.0.0.0", "::", "[::]")
+
+
+#: How often the fallback watcher checks that the parent is still there.
+PARENT_POLL_S = 0.5
+#: linux/prctl.h: PR_SET_PDEATHSIG.
+_PR_SET_PDEATHSIG = 1
+
+
+def set_parent_death_signal(signum: int = signal.SIGTERM) -> bool:
+    """Ask the kernel to send `signum` to this process when its parent dies (Linux only).
+
+    Returns:
+        True if the kernel accepted it; False elsewhere or when the call failed (the
+        watcher of `watch_parent` then does the job alone, a poll period later).
+    """
+    if not sys.platform.startswith("linux"):
+        return False
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+        result = int(libc.prctl(_PR_SET_PDEATHSIG, signum, 0, 0, 0))
+    except (OSError, AttributeError) as exc:
+        log.warning("cannot ask for a parent-death signal (%s); polling the parent instead", exc)
+        return False
+    if result != 0:
+        error = ctypes.get_errno()
+        log.warning(
+            "prctl(PR_SET_PDEATHSIG) failed (%s); polling the parent instead", os.strerror(error)
+        )
+        return False
+    return True
+
+
+async def watch_parent(parent_pid: int, poll_s: float = PARENT_POLL_S) -> None:
+    """Return when `parent_pid` is no longer this process's parent (it died).
+
+    Also arms the parent-death signal first (`set_parent_death_signal`), so on Linux the
+    process usually hears of it at once, through its SIGTERM handler, before this returns.
+    """
+    set_parent_death_signal()
+    while os.getppid() == parent_pid:  # (a reparented child has another parent)
+        await asyncio.sleep(poll_s)
+    log.warning(
+        "the parent process %d is gone (now the child of %d): stopping", parent_pid, os.getppid()
+    )
 
 
 def shard_ports(config: CoordinatorConfig, leader_port: int) -> list[int]:
@@ -55,7 +118,7 @@ def shard_command(
         "--max-outbox-mb": repr(config.max_outbox_bytes / MIB),
         "--max-connections": config.max_connections,
         "--first-message-timeout-s": repr(config.first_message_timeout_s),
-        # A SIGKILLed leader runs no cleanup: the child must notice alone (`parent_watch`).
+        # A SIGKILLed leader runs no cleanup: the child must notice alone (`watch_parent`).
         "--parent-pid": os.getpid(),
     }
     argv = gradsync_argv("gradsync", "--log-level", log_level, "shard", flags=flags)

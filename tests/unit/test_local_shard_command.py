@@ -30,4 +30,4 @@ def test_local_shards_inherit_the_leaders_limits_on_peers() -> None:
     assert args.max_connections == 17
     assert args.first_message_timeout_s == 0.25
     assert args.leader == "127.0.0.1:5000" and args.port == 5001
-    assert args.parent_pid == os.getpid()  # the child dies with its leader (parent_watch)
+    assert args.parent_pid == os.getpid()  # the child dies with its leader (watch_parent)

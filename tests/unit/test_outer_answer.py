@@ -24,8 +24,7 @@ import torch
 from gradsync.diloco import DiLoCo
 from gradsync.diloco_settings import compact_answer_dtype
 from gradsync.path.step_results import StepResults
-from gradsync.quantized_answer import Int8Answer
-from gradsync.quantized_wire import ChunkGrid
+from gradsync.quantized_wire import ChunkGrid, Int8Answer
 from gradsync_proto import chunking, int8_wire
 from gradsync_proto.codec import ChunkHeader, decode_gradient
 from gradsync_proto.codes import Code

@@ -55,8 +55,7 @@ from gradsync.path.buffers import BucketBuffer
 from gradsync.path.gradient_path import GradientPath
 from gradsync.path.signature import WIRE_DTYPES, bucket_wire_dtype, presence_plan, wire_dtype
 from gradsync.path.staging import BucketStage, Stage
-from gradsync.quantized_answer import Int8Answer
-from gradsync.quantized_wire import Int8Wire, WireHook, check_int8_wire
+from gradsync.quantized_wire import Int8Answer, Int8Wire, WireHook, check_int8_wire
 
 
 def plan_buckets(

@@ -17,7 +17,7 @@ or arriving twice is a protocol fault: counting bytes alone let a duplicate
 chunk stand in for a missing one, and the step "completed" with stale bytes in
 the gradients.
 
-An answer asked for in int8 (DiLoCo's compact answer, `gradsync.quantized_answer`)
+An answer asked for in int8 (DiLoCo's compact answer, `gradsync.quantized_wire.Int8Answer`)
 carries each chunk's scale in its header: the chunk must say int8, the scale
 must be finite and >= 0, and it is kept in the bucket's buffer (`scales`) for
 the dequantization. Any other answer carries no scale. A sparse int8 answer

@@ -13,7 +13,7 @@ A job is a small composition, each part owning its own state:
 - `Liveness` (`liveness.py`): when each rank was last heard from;
 - `Persistence` (`persistence.py`): checkpoint uploads and the resume point;
 - `Assembly` (`assembly.py`): who is missing while the job assembles;
-- `StateBroadcast` (`broadcast.py`): rank 0's initial state broadcast;
+- `StateBroadcast` (`assembly.py`): rank 0's initial state broadcast;
 - `Collectives` (`collectives.py`): collectives on user tensors;
 - `UnevenInputs` (`uneven.py`) and `Elastic` (`elastic.py`): DDP's join(), lost ranks.
 
@@ -53,8 +53,7 @@ from gradsync_proto.codes import Code
 from gradsync_proto.v1 import gradsync_pb2 as pb
 
 from gradsync_server.control import outer_resume, restart, signature as signatures
-from gradsync_server.control.assembly import Assembly
-from gradsync_server.control.broadcast import StateBroadcast
+from gradsync_server.control.assembly import Assembly, StateBroadcast
 from gradsync_server.control.collectives import Collectives
 from gradsync_server.control.elastic import Elastic
 from gradsync_server.control.events import ControlEvents
