@@ -172,7 +172,7 @@ class Fragment:
             ),
             # In place of the built-in cast `wire_dtype` picks: one that lets the seed
             # through in fp32. Its state lives in the ranks: a coordinator restarted
-            # without a checkpoint is seeded again with it (`_reseed`).
+            # without a checkpoint is seeded again with it (`_run`, after a restart).
             outer_rounds=OuterRounds(outer, self._hook),
             **options,
         )
