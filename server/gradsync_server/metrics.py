@@ -27,13 +27,14 @@ import math
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TypeVar, cast
 
 from gradsync_proto.codes import Code
 from gradsync_proto.net.exposition import LATENCY_BUCKETS_S
 from gradsync_proto.v1 import gradsync_pb2 as pb
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.metrics import MetricWrapperBase
 from prometheus_client.registry import Collector
 
 from gradsync_server.dataplane.observer import LagTracker
@@ -43,6 +44,10 @@ __all__ = ["CoordinatorMetrics", "LagTracker", "ShardSample"]
 
 #: How many recent buckets `ShardStats.mean_bucket_s` averages over.
 BUCKET_TIMES_KEPT = 100
+
+
+#: A metric family (`Counter`, `Histogram`, ...): `_child` returns one of its own kind.
+_Family = TypeVar("_Family", bound=MetricWrapperBase)
 
 
 class CoordinatorMetrics:
@@ -191,7 +196,7 @@ class CoordinatorMetrics:
         )
         # Bound children by family and label values (`_child`): `.labels()` takes a
         # lock and builds a tuple key on every call, too much for the per-bucket path.
-        self._children: dict[tuple[Any, ...], Any] = {}
+        self._children: dict[tuple[object, ...], MetricWrapperBase] = {}
         #: Time to detect, time to recover, restarts and steps recomputed.
         self.recovery = RecoveryMetrics(self.registry)
         # Plain copies of the gradient counters: a sharded coordinator reports them
@@ -297,13 +302,13 @@ class CoordinatorMetrics:
         """An unexpected error; `kind` is a bounded name (the exception class), not a message."""
         self._child(self._errors_family, kind).inc()
 
-    def _child(self, family: Any, *values: str) -> Any:
+    def _child(self, family: _Family, *values: str) -> _Family:
         """`family`'s child of these label values, bound once."""
         key = (id(family), *values)
         child = self._children.get(key)
         if child is None:
             child = self._children[key] = family.labels(*values)
-        return child
+        return cast(_Family, child)
 
     def set_membership(self, workers_alive: int, epoch: int, jobs: int) -> None:
         """After a join, leave or loss: the live workers, the new epoch, the jobs held."""
