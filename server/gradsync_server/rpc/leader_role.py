@@ -37,6 +37,7 @@ from gradsync_server.control.admission import (
 from gradsync_server.control.job import Job, JobState
 from gradsync_server.control.outer_resume import OuterReading
 from gradsync_server.control.status import EndedJobs, status_reply
+from gradsync_server.dataplane.actions import Action
 from gradsync_server.dataplane.budget import ByteBudget
 from gradsync_server.errors import RejectedMessage
 from gradsync_server.metrics import CoordinatorMetrics
@@ -58,15 +59,15 @@ from gradsync_server.text import MAX_REASON_CHARS, quoted
 
 log = logging.getLogger("gradsync.server")
 
-#: The `Job` method (looked up on the job at each call) that handles each kind of
-#: worker message that only turns into actions.
-_JOB_HANDLERS = {
-    "abandon": "on_abandon",
-    "checkpoint": "on_checkpoint_chunk",
-    "collective": "on_collective",
-    "local_posted": "on_local_posted",
-    "out_of_inputs": "on_out_of_inputs",
-    "state": "on_state_chunk",
+#: The `Job` method that handles each kind of worker message that only turns into
+#: actions (looked up on the job at each call).
+_JOB_HANDLERS: dict[str, Callable[[Job, int, pb.WorkerMessage], list[Action]]] = {
+    "abandon": lambda job, rank, msg: job.on_abandon(rank, msg.abandon),
+    "checkpoint": lambda job, rank, msg: job.on_checkpoint_chunk(rank, msg.checkpoint),
+    "collective": lambda job, rank, msg: job.on_collective(rank, msg.collective),
+    "local_posted": lambda job, rank, msg: job.on_local_posted(rank, msg.local_posted),
+    "out_of_inputs": lambda job, rank, msg: job.on_out_of_inputs(rank, msg.out_of_inputs),
+    "state": lambda job, rank, msg: job.on_state_chunk(rank, msg.state),
 }
 
 
@@ -200,9 +201,9 @@ class LeaderRole(CoordinatorServicer):
         kind = message.WhichOneof("kind")
         job.liveness.touch(conn.rank)
         try:
-            if kind in _JOB_HANDLERS:
-                handler = getattr(job, _JOB_HANDLERS[kind])
-                self.execute(job, handler(conn.rank, getattr(message, kind)))
+            handle = _JOB_HANDLERS.get(kind or "")
+            if handle is not None:
+                self.execute(job, handle(job, conn.rank, message))
             elif kind == "heartbeat":
                 job.liveness.touch(conn.rank, message.heartbeat.step)
             elif kind == "gradient":
