@@ -131,7 +131,7 @@ class DistributedDataParallel(nn.Module):
         log_every_steps: with INFO logging, rank 0 logs step time, exposed sync time
             and bytes every this many steps (0 = never).
         hierarchical: None (default) = $GRADSYNC_HIERARCHICAL ("auto", "1" or "0"; unset:
-            "auto"). "auto" or True: send this host's id (`gradsync.local.host_identity`)
+            "auto"). "auto" or True: send this host's id (`gradsync_proto.host`)
             so that the coordinator may group the ranks of one host, which then sum their
             gradients in shared memory and upload one sum (`gradsync.local.hierarchy`); False:
             every rank uploads its own. Needs float32/float64 buckets and no comm hook or

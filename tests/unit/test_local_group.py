@@ -13,7 +13,6 @@ import numpy as np
 import pytest
 import torch
 from gradsync.local.hierarchy import check_hierarchical
-from gradsync.local.host_identity import host_id
 from gradsync.local.local_group import LocalGroup
 from gradsync.local.local_rendezvous import Kind, frame, parse, socket_name
 from gradsync.local.local_segment import (
@@ -24,6 +23,7 @@ from gradsync.local.local_segment import (
     shortage_message,
     sum_share,
 )
+from gradsync_proto.host import host_id
 from gradsync_proto.v1 import gradsync_pb2 as pb
 
 

@@ -23,6 +23,7 @@ from collections.abc import Sequence
 from typing import Any
 
 import torch
+from gradsync_proto.host import host_id
 from gradsync_proto.net.addresses import PER_ADDRESS_JOIN_S, AddressRotation
 from gradsync_proto.v1 import gradsync_pb2 as pb
 from torch import nn
@@ -49,7 +50,6 @@ from gradsync.errors import (
     SyncTimeoutError,
 )
 from gradsync.local.hierarchy import LocalGroupPath
-from gradsync.local.host_identity import host_id
 from gradsync.local.local_group import LocalGroup
 from gradsync.path.gradient_path import BucketEventHandler, GradientPath
 

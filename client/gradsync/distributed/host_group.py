@@ -1,7 +1,7 @@
 """A process group's host group: its ranks on one host sum an all-reduce in shared memory.
 
 The ranks of a "gradsync" group that share a host (the same host id,
-`gradsync.local.host_identity`) form a host group when the group is created;
+`gradsync_proto.host`) form a host group when the group is created;
 the lowest of them leads. Each all-reduce it takes (`HostGroup.takes`: float32
 or float64, SUM, AVG, PREMUL_SUM, MIN or MAX, at most `HOST_OP_MAX_BYTES`)
 goes through it: every member copies its input into a block of its own arena
@@ -73,12 +73,12 @@ from typing import Any
 
 import numpy as np
 import torch
+from gradsync_proto.host import host_id
 from gradsync_proto.v1 import gradsync_pb2 as pb
 
 from gradsync.distributed.host_arena import Arena, arena_bytes
 from gradsync.distributed.reconnect import ResumingLink
 from gradsync.errors import GradSyncError, SharedMemoryError, SyncTimeoutError
-from gradsync.local.host_identity import host_id
 from gradsync.local.local_rendezvous import Formed, follow, lead
 from gradsync.local.local_segment import SegmentLayout, shm_dir
 

@@ -5,7 +5,7 @@ aggregation) the group's ranks and a random secret in its Welcome. The
 leader (lowest rank) listens on the abstract Unix socket
 "\\0gradsync-" + sha256(job id, secret)[:32]: abstract, so there is no file
 to clean up after a crash, and per network namespace, like the host id
-(`gradsync.local.host_identity`). Each follower connects (retrying until the join
+(`gradsync_proto.host`). Each follower connects (retrying until the join
 deadline: the leader may still be joining) and sends its rank and the
 secret; the leader admits it only with the right secret
 (`hmac.compare_digest`) and a peer uid equal to its own (SO_PEERCRED), and
